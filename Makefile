@@ -1,0 +1,31 @@
+# The two commands (README): `make demo` runs the daemon demo, `make test` runs the tests.
+# Both bootstrap .venv on first use: torch 2.13.0 (CPU) first, so no multi-GB CUDA build is pulled in.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint proto bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/engram demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check engram kernels cli tests benchmarks scripts
+	$(BIN)/mypy engram kernels cli
+
+proto: $(STAMP)
+	$(BIN)/python scripts/gen_proto.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

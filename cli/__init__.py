@@ -1,0 +1,1 @@
+"""The `engram` command line (Typer + Rich); installed as engram.cli."""

@@ -1,0 +1,94 @@
+"""The `engram` command: serve, stats, demo."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Annotated, Any
+
+import typer
+
+from engram.config import config_keys
+from engram.server import serve as serve_daemon
+
+from .common import EXIT_BAD_INPUT, address_of, call, console, fail, load
+from .demo import demo as run_demo
+from .stats import stats_json, stats_renderable
+
+app = typer.Typer(name="engram", help="Engram: a tiered KV-cache daemon for LLM inference.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+
+ConfigOpt = Annotated[str | None, typer.Option("--config", "-c", help="TOML config file (or ENGRAM_CONFIG).")]
+AddressOpt = Annotated[str | None, typer.Option(
+    "--address", "-a", help="Daemon address, host:port or unix:/path (default: from the config).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+
+
+def _parse_sets(sets: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise fail(f"--set takes key=value (e.g. tiers.dram.capacity=8GiB), got {item!r}", EXIT_BAD_INPUT)
+        out[key.strip()] = value.strip()
+    return out
+
+
+@app.command()
+def serve(
+    config: ConfigOpt = None,
+    host: Annotated[str | None, typer.Option(help="TCP address to listen on.")] = None,
+    port: Annotated[int | None, typer.Option(help="TCP port (0: any free port).")] = None,
+    unix_socket: Annotated[str | None, typer.Option(help="Listen on this unix socket instead of TCP.")] = None,
+    dram_capacity: Annotated[str | None, typer.Option(help="DRAM tier budget, e.g. 8GiB.")] = None,
+    log_level: Annotated[str | None, typer.Option(help="debug, info, warning or error.")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Any config key: --set server.chunk_bytes=4MiB.")] = None,
+) -> None:
+    """Run the daemon until SIGTERM or SIGINT."""
+    overrides = _parse_sets(set_ or [])
+    for key, value in (("server.host", host), ("server.port", port), ("server.unix_socket", unix_socket),
+                       ("tiers.dram.capacity", dram_capacity), ("logging.level", log_level)):
+        if value is not None:
+            overrides[key] = value
+    cfg = load(config, overrides)
+    logging.basicConfig(level=cfg.logging.level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve_daemon(cfg))
+    except OSError as exc:
+        raise fail(f"cannot listen: {exc}", EXIT_BAD_INPUT) from None
+
+
+@app.command()
+def stats(config: ConfigOpt = None, address: AddressOpt = None, json_: JsonOpt = False) -> None:
+    """Tier occupancy, models and hit counters of a running daemon."""
+    addr = address_of(load(config), address)
+    resp = call(addr, lambda c: c.stats())
+    if json_:
+        typer.echo(stats_json(resp))
+    else:
+        console.print(stats_renderable(resp))
+
+
+@app.command()
+def demo() -> None:
+    """Start an embedded daemon and run two agent sessions that share a long prefix."""
+    reports = run_demo(console)
+    if not all(r.verified for r in reports) or reports[-1].cached_tokens == 0:
+        raise fail("the demo's second session did not get the shared prefix back intact", 1)
+
+
+@app.command("config")
+def show_config(config: ConfigOpt = None, keys: Annotated[bool, typer.Option(help="List every key.")] = False) -> None:
+    """Print the effective configuration (defaults < file < ENGRAM_* environment)."""
+    import dataclasses
+    import json
+
+    if keys:
+        for key in config_keys():
+            typer.echo(key)
+        return
+    typer.echo(json.dumps(dataclasses.asdict(load(config)), indent=2))
+
+
+def main() -> None:
+    app()

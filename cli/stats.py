@@ -1,0 +1,65 @@
+"""`engram stats`: the daemon's tiers, models and counters, as a Rich table or JSON."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from google.protobuf.json_format import MessageToDict
+from rich.console import Group
+from rich.table import Table
+
+from engram.v1 import engram_pb2 as pb
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def stats_dict(resp: pb.StatsResponse) -> dict[str, Any]:
+    d = MessageToDict(resp, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    for m, src in zip(d.get("models", []), resp.models, strict=True):
+        m["model_fingerprint"] = src.model_fingerprint.hex()
+    return d
+
+
+def stats_json(resp: pb.StatsResponse) -> str:
+    return json.dumps(stats_dict(resp), indent=2, sort_keys=True)
+
+
+def stats_renderable(resp: pb.StatsResponse) -> Group:
+    tiers = Table(title="tiers", title_justify="left")
+    for col in ("tier", "used", "capacity", "blocks", "pinned", "hits", "evictions"):
+        tiers.add_column(col, justify="left" if col == "tier" else "right")
+    for t in resp.tiers:
+        pct = 100.0 * t.used_bytes / t.capacity_bytes if t.capacity_bytes else 0.0
+        tiers.add_row(t.name, f"{human_bytes(t.used_bytes)} ({pct:.0f}%)", human_bytes(t.capacity_bytes),
+                      str(t.blocks), str(t.pinned_blocks), str(t.hits), str(t.evictions))
+    models = Table(title="models", title_justify="left")
+    for col in ("model", "fingerprint", "blocks", "tokens", "bytes", "bytes/token"):
+        models.add_column(col, justify="left" if col in ("model", "fingerprint") else "right")
+    for m in resp.models:
+        per_tok = f"{m.stored_bytes / m.tokens:.0f}" if m.tokens else "-"
+        models.add_row(m.name, m.model_fingerprint.hex()[:12], str(m.blocks), str(m.tokens),
+                       human_bytes(m.stored_bytes), per_tok)
+    looked = resp.lookup_hit_tokens + resp.lookup_miss_tokens
+    hit_pct = 100.0 * resp.lookup_hit_tokens / looked if looked else 0.0
+    counters = Table(title="counters", title_justify="left", show_header=False)
+    counters.add_column("name")
+    counters.add_column("value", justify="right")
+    for name, value in (
+        ("lookups", str(resp.lookups)),
+        ("token hit ratio", f"{hit_pct:.1f}% ({resp.lookup_hit_tokens} of {looked})"),
+        ("blocks put", str(resp.blocks_put)),
+        ("blocks deduplicated", str(resp.blocks_deduplicated)),
+        ("blocks served", str(resp.blocks_served)),
+        ("bytes served", human_bytes(resp.bytes_served)),
+        ("uptime", f"{resp.uptime_s:.1f} s"),
+        ("version", resp.version),
+    ):
+        counters.add_row(name, value)
+    return Group(tiers, models, counters)

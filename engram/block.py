@@ -1,0 +1,66 @@
+"""One block as it travels: its header (tokens, dtype, shape, size, checksum) and the checks a payload
+must pass before the store accepts it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from engram.errors import InvalidArgument
+from engram.layout import DType, KVLayout
+
+
+def checksum(payload: bytes | memoryview) -> int:
+    """xxh3_64 of a payload: an integrity check against torn writes and bit flips, not an adversary
+    (block keys, which an adversary could target, use BLAKE2b: engram/keys.py)."""
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+@dataclass(frozen=True)
+class BlockHeader:
+    tokens: np.ndarray  # (num_tokens,) int32
+    dtype: DType
+    shape: tuple[int, ...]
+    payload_nbytes: int
+    checksum: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def validate(self, layout: KVLayout, *, index: int) -> None:
+        """Raise InvalidArgument, saying what to change, when the header does not fit the layout.
+        (That only a chain's last block may be partial is checked by the store: a partial block has
+        no children.)"""
+        where = f"block {index}"
+        n = self.num_tokens
+        if n == 0:
+            raise InvalidArgument(f"{where}: a block needs at least one token")
+        if n > layout.block_tokens:
+            raise InvalidArgument(f"{where}: {n} tokens exceed the layout's block_tokens={layout.block_tokens}")
+        if self.dtype != layout.dtype:
+            raise InvalidArgument(f"{where}: dtype {self.dtype.name} does not match the layout's {layout.dtype.name}")
+        want = layout.block_shape(n)
+        if tuple(self.shape) != want:
+            raise InvalidArgument(
+                f"{where}: shape {tuple(self.shape)} does not match the layout's "
+                f"(persisted_layers, 2, tokens, kv_heads, head_dim) = {want}"
+            )
+        if self.payload_nbytes != layout.block_nbytes(n):
+            raise InvalidArgument(
+                f"{where}: payload_nbytes {self.payload_nbytes} != {layout.block_nbytes(n)} for shape {want}"
+            )
+
+    def verify_payload(self, payload: bytes | memoryview, *, index: int) -> None:
+        if len(payload) != self.payload_nbytes:
+            raise InvalidArgument(
+                f"block {index}: received {len(payload)} payload bytes, header announced {self.payload_nbytes}"
+            )
+        got = checksum(payload)
+        if got != self.checksum:
+            raise InvalidArgument(
+                f"block {index}: payload checksum {got:#018x} != header checksum {self.checksum:#018x} "
+                "(corrupted in transit, or the checksum was computed over other bytes)"
+            )

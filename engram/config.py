@@ -1,0 +1,197 @@
+"""One typed configuration tree, filled from (lowest to highest precedence) the defaults, a TOML file,
+ENGRAM_* environment variables and command-line overrides. Unknown keys are errors everywhere, so a typo
+never silently falls back to a default.
+
+Environment variables name a key with double underscores between levels:
+ENGRAM_SERVER__PORT=7000 sets server.port; ENGRAM_TIERS__DRAM__CAPACITY=8GiB sets tiers.dram.capacity.
+ENGRAM_CONFIG names the TOML file. Byte sizes accept plain integers or units (KiB, MiB, GiB, TiB, KB, MB, GB).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engram.errors import ConfigError
+
+ENV_PREFIX = "ENGRAM_"
+ENV_CONFIG_FILE = "ENGRAM_CONFIG"
+
+
+class ByteSize(int):
+    """An int that the loader also accepts as '4GiB', '512MB', ..."""
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: object) -> ByteSize:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return ByteSize(value)
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS:
+            return ByteSize(int(float(m.group(1)) * _UNITS[m.group(2).lower()]))
+    raise ConfigError(f"{value!r} is not a byte size; write e.g. 1073741824, '1GiB' or '512MB'")
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"  # TCP address; loopback by default: expose it on purpose, not by accident
+    port: int = 50051  # 0 picks a free port (tests)
+    unix_socket: str = ""  # when set, listen on this unix socket path instead of TCP
+    max_message_bytes: ByteSize = ByteSize(64 * 2**20)  # gRPC send/receive limit per message
+    chunk_bytes: ByteSize = ByteSize(8 * 2**20)  # payload bytes per streamed message (< max_message_bytes)
+    max_concurrent_rpcs: int = 512  # beyond this, RPCs are refused with RESOURCE_EXHAUSTED
+    max_blocks_per_request: int = 4096
+    max_tokens_per_request: int = 1 << 21
+    shutdown_grace_s: float = 5.0  # in-flight RPCs get this long to finish on SIGTERM
+
+
+@dataclass
+class DramConfig:
+    capacity: ByteSize = ByteSize(4 * 2**30)
+
+
+@dataclass
+class TiersConfig:
+    dram: DramConfig = field(default_factory=DramConfig)
+
+
+@dataclass
+class LoggingConfig:
+    level: str = "info"
+    json: bool = False
+
+
+@dataclass
+class EngramConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    tiers: TiersConfig = field(default_factory=TiersConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self) -> EngramConfig:
+        s = self.server
+        if not 0 <= s.port <= 65535:
+            raise ConfigError(f"server.port must be in 0..65535, got {s.port}")
+        if s.chunk_bytes <= 0 or s.chunk_bytes + 4096 > s.max_message_bytes:
+            raise ConfigError(
+                f"server.chunk_bytes ({s.chunk_bytes}) must be positive and leave room for headers "
+                f"under server.max_message_bytes ({s.max_message_bytes})"
+            )
+        if self.tiers.dram.capacity <= 0:
+            raise ConfigError("tiers.dram.capacity must be positive")
+        if self.logging.level.lower() not in {"debug", "info", "warning", "error"}:
+            raise ConfigError(f"logging.level must be debug, info, warning or error, got {self.logging.level!r}")
+        return self
+
+
+def _coerce(value: object, typ: Any, where: str) -> object:
+    if typ is ByteSize:
+        try:
+            return parse_bytes(value)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in {"1", "true", "yes", "on", "0", "false", "no", "off"}:
+            return value.lower() in {"1", "true", "yes", "on"}
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and re.fullmatch(r"-?\d+", value.strip()):
+            return int(value)
+    elif typ is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif typ is str and isinstance(value, str):
+        return value
+    raise ConfigError(f"{where}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
+
+
+def _set(node: object, path: list[str], value: object, full: str) -> None:
+    hints = typing.get_type_hints(type(node))
+    names = {f.name for f in dataclasses.fields(node)}  # type: ignore[arg-type]
+    head = path[0]
+    if head not in names:
+        raise ConfigError(f"unknown config key {full!r}: {type(node).__name__} has {sorted(names)}")
+    if len(path) == 1:
+        if dataclasses.is_dataclass(hints[head]):
+            raise ConfigError(f"config key {full!r} is a section; set one of its keys")
+        setattr(node, head, _coerce(value, hints[head], full))
+    else:
+        child = getattr(node, head)
+        if not dataclasses.is_dataclass(child):
+            raise ConfigError(f"unknown config key {full!r}: {'.'.join(path[:1])} is not a section")
+        _set(child, path[1:], value, full)
+
+
+def _apply_tree(cfg: EngramConfig, tree: Mapping[str, object], prefix: str = "") -> None:
+    for key, value in tree.items():
+        full = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            _apply_tree(cfg, value, f"{full}.")
+        else:
+            _set(cfg, full.split("."), value, full)
+
+
+def load_config(
+    path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+) -> EngramConfig:
+    """Build the configuration: defaults < TOML file < ENGRAM_* environment < overrides (CLI flags)."""
+    env = os.environ if env is None else env
+    cfg = EngramConfig()
+    path = path or env.get(ENV_CONFIG_FILE) or None
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                tree = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        _apply_tree(cfg, tree)
+    for name, value in sorted(env.items()):
+        if not name.startswith(ENV_PREFIX) or name == ENV_CONFIG_FILE:
+            continue
+        dotted = name[len(ENV_PREFIX):].lower().replace("__", ".")
+        try:
+            _set(cfg, dotted.split("."), value, dotted)
+        except ConfigError as exc:
+            raise ConfigError(f"environment variable {name}: {exc}") from None
+    for key, override in (overrides or {}).items():
+        _set(cfg, key.split("."), override, key)
+    return cfg.validate()
+
+
+def config_keys(node: object | None = None, prefix: str = "") -> list[str]:
+    """Every settable key, dotted: what `engram config` lists and tests check deployment files against."""
+    node = EngramConfig() if node is None else node
+    keys = []
+    for f in dataclasses.fields(node):  # type: ignore[arg-type]
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            keys += config_keys(value, f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def as_dict(cfg: EngramConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,40 @@
+"""Domain errors. Each names what went wrong and what to change; the gRPC edge maps them to status codes
+in one place (engram/server/errors.py) and the client maps status codes back (engram/client.py)."""
+
+from __future__ import annotations
+
+
+class EngramError(Exception):
+    """Base class of every error Engram raises on purpose."""
+
+
+class InvalidArgument(EngramError):
+    """The request is malformed: wrong shape, dtype, size, checksum, or a value out of range."""
+
+
+class NotFound(EngramError):
+    """A named thing (model fingerprint, block key, session) does not exist in this namespace."""
+
+
+class AlreadyExists(EngramError):
+    """A thing that must be new already exists."""
+
+
+class ResourceExhausted(EngramError):
+    """A budget is spent: a tier's bytes, a request's block or token count, a quota."""
+
+
+class FailedPrecondition(EngramError):
+    """The request is well formed but the daemon's state does not allow it (e.g. a missing parent block)."""
+
+
+class DataLoss(EngramError):
+    """Stored data failed verification (checksum, torn file); the block is dropped, never served."""
+
+
+class Unavailable(EngramError):
+    """The daemon (or a tier it needs) cannot serve right now; retrying later may succeed."""
+
+
+class ConfigError(EngramError):
+    """The configuration is invalid: unknown key, wrong type, impossible value."""

@@ -1,0 +1,141 @@
+"""The chain index: block metadata by key, and the longest-prefix match over a token sequence.
+
+Full blocks are found by walking the chain of keys that the query's tokens hash to (O(blocks) dict
+lookups). A partial block (the tail of a sequence, fewer than block_tokens tokens) has no key a query can
+compute in advance, since the query does not know how many tokens the stored tail has; partial blocks are
+therefore also listed under their parent, and the match ends by picking the longest partial child whose
+tokens are a prefix of the query's next tokens. A key match is only a hint: the stored tokens are compared
+before a block counts as a hit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engram.keys import chain_keys, root_key, tokens_to_bytes
+from engram.layout import DType
+
+
+@dataclass(slots=True)
+class BlockMeta:
+    key: bytes
+    parent: bytes
+    namespace: str
+    model_fingerprint: bytes
+    tokens: bytes  # int32 little-endian
+    num_tokens: int
+    dtype: DType
+    shape: tuple[int, ...]
+    nbytes: int
+    checksum: int
+    tier: str
+    full: bool  # num_tokens == block_tokens
+    pins: int = 0
+    leases: int = 0
+    children: int = 0  # indexed blocks whose parent this is; only leaves (0) may be evicted
+    tick: int = 0  # recency, from engram/eviction.py's clock
+    hits: int = 0
+    created: float = field(default_factory=time.time)
+
+    @property
+    def evictable(self) -> bool:
+        return self.pins == 0 and self.leases == 0
+
+    def token_array(self) -> np.ndarray:
+        return np.frombuffer(self.tokens, dtype="<i4")
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    blocks: tuple[BlockMeta, ...]
+    matched_tokens: int
+
+
+class ChainIndex:
+    def __init__(self) -> None:
+        self._entries: dict[bytes, BlockMeta] = {}
+        self._partials: dict[bytes, dict[bytes, BlockMeta]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[BlockMeta]:
+        return iter(self._entries.values())
+
+    def get(self, key: bytes) -> BlockMeta | None:
+        return self._entries.get(key)
+
+    def add(self, meta: BlockMeta) -> None:
+        if meta.key in self._entries:
+            raise AssertionError(f"block {meta.key.hex()} is already indexed")
+        self._entries[meta.key] = meta
+        parent = self._entries.get(meta.parent)
+        if parent is not None:
+            parent.children += 1
+        if not meta.full:
+            self._partials.setdefault(meta.parent, {})[meta.key] = meta
+
+    def remove(self, key: bytes) -> tuple[BlockMeta | None, BlockMeta | None]:
+        """Drop a block; returns it and its parent if that parent just became a leaf."""
+        meta = self._entries.pop(key, None)
+        if meta is None:
+            return None, None
+        if not meta.full:
+            siblings = self._partials.get(meta.parent)
+            if siblings is not None:
+                siblings.pop(key, None)
+                if not siblings:
+                    del self._partials[meta.parent]
+        parent = self._entries.get(meta.parent)
+        if parent is not None:
+            parent.children -= 1
+            if parent.children == 0:
+                return meta, parent
+        return meta, None
+
+    def partial_children(self, parent: bytes) -> list[BlockMeta]:
+        return list(self._partials.get(parent, {}).values())
+
+    def match(self, namespace: str, model_fingerprint: bytes, tokens: np.ndarray, block_tokens: int) -> PrefixMatch:
+        """Longest stored prefix of `tokens`: consecutive full blocks, then at most one partial block."""
+        found: list[BlockMeta] = []
+        matched = 0
+        parent = root_key(namespace, model_fingerprint)
+        for key, start, end in chain_keys(namespace, model_fingerprint, tokens, block_tokens):
+            if end - start < block_tokens:
+                break  # the query's own tail is partial: handled with the stored partials below
+            meta = self._entries.get(key)
+            if meta is None or not self._same(meta, namespace, model_fingerprint, tokens[start:end]):
+                break
+            found.append(meta)
+            matched = end
+            parent = key
+        tail = tokens_to_bytes(tokens[matched : matched + block_tokens])
+        best: BlockMeta | None = None
+        for cand in self._partials.get(parent, {}).values():
+            if (
+                cand.namespace == namespace
+                and cand.model_fingerprint == model_fingerprint
+                and tail.startswith(cand.tokens)
+                and (best is None or cand.num_tokens > best.num_tokens)
+            ):
+                best = cand
+        if best is not None:
+            found.append(best)
+            matched += best.num_tokens
+        return PrefixMatch(tuple(found), matched)
+
+    @staticmethod
+    def _same(meta: BlockMeta, namespace: str, model_fingerprint: bytes, tokens: np.ndarray) -> bool:
+        # Namespace and model are already inside the key; comparing them again costs nothing and keeps
+        # isolation true even if a key ever collided.
+        return (
+            meta.full
+            and meta.namespace == namespace
+            and meta.model_fingerprint == model_fingerprint
+            and meta.tokens == tokens_to_bytes(tokens)
+        )

@@ -1,0 +1,99 @@
+"""Build, start and stop a daemon: the factory tests use (port 0 or a unix socket, returns the real
+address) and the long-running `engram serve` loop with graceful shutdown on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engram.config import EngramConfig
+from engram.registry import ModelRegistry
+from engram.server.service import SERVICE_NAME, EngramService
+from engram.store import BlockStore
+from engram.tiers.dram import DramTier
+from engram.v1 import engram_pb2
+
+log = logging.getLogger("engram.server")
+
+
+def build_store(config: EngramConfig) -> BlockStore:
+    return BlockStore([DramTier(config.tiers.dram.capacity)], ModelRegistry())
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    address: str  # what a client dials: "127.0.0.1:50051" or "unix:/path/engram.sock"
+    store: BlockStore
+    health: health.aio.HealthServicer
+    grace_s: float
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop accepting RPCs, give in-flight ones `grace_s` to finish, then release the tiers."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.grace_s if grace_s is None else grace_s)
+        await self.store.close()
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def start_server(config: EngramConfig, store: BlockStore | None = None) -> RunningServer:
+    s = config.server
+    store = store or build_store(config)
+    options = [
+        ("grpc.max_send_message_length", int(s.max_message_bytes)),
+        ("grpc.max_receive_message_length", int(s.max_message_bytes)),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=s.max_concurrent_rpcs)
+    service = EngramService(store, s)
+    server.add_generic_rpc_handlers((service.generic_handler(),))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (
+        engram_pb2.DESCRIPTOR.services_by_name["Engram"].full_name,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    )
+    reflection.enable_server_reflection(names, server)
+    if s.unix_socket:
+        path = os.path.abspath(s.unix_socket)
+        if os.path.exists(path):
+            os.unlink(path)  # a stale socket from a previous run would make the bind fail
+        server.add_insecure_port(f"unix:{path}")
+        address = f"unix:{path}"
+    else:
+        port = server.add_insecure_port(f"{s.host}:{s.port}")
+        if port == 0:
+            raise OSError(f"could not bind {s.host}:{s.port}; is another daemon running there?")
+        host = f"[{s.host}]" if ":" in s.host else s.host
+        address = f"{host}:{port}"
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("engram serving on %s", address)
+    return RunningServer(server, address, store, health_servicer, s.shutdown_grace_s)
+
+
+async def serve(config: EngramConfig, ready: asyncio.Event | None = None) -> None:
+    """Run a daemon until SIGTERM or SIGINT, then shut down gracefully."""
+    running = await start_server(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"engram: serving on {running.address}", flush=True)
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    log.info("engram: shutting down (grace %.1fs)", running.grace_s)
+    await running.stop()
+    print("engram: stopped", flush=True)

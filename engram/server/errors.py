@@ -1,0 +1,77 @@
+"""The one place where domain errors become gRPC status codes (and the client maps them back)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from engram import errors
+
+log = logging.getLogger("engram.server")
+
+STATUS_OF: dict[type[errors.EngramError], grpc.StatusCode] = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.DataLoss: grpc.StatusCode.DATA_LOSS,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
+}
+ERROR_OF: dict[grpc.StatusCode, type[errors.EngramError]] = {code: exc for exc, code in STATUS_OF.items()}
+ERROR_OF[grpc.StatusCode.INVALID_ARGUMENT] = errors.InvalidArgument
+
+
+def status_of(exc: errors.EngramError) -> grpc.StatusCode:
+    for cls in type(exc).__mro__:
+        if cls in STATUS_OF:
+            return STATUS_OF[cls]  # type: ignore[index]
+    return grpc.StatusCode.UNKNOWN
+
+
+R = TypeVar("R")
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+    if isinstance(exc, errors.EngramError):
+        await context.abort(status_of(exc), str(exc))
+    log.exception("internal error in %s", method)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
+
+
+def unary(fn: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
+    """Wrap a unary-response handler: domain errors abort with their status; a bug aborts with INTERNAL
+    and is logged, and the daemon keeps serving."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> R:
+        try:
+            return await fn(self, request, context)
+        except (grpc.aio.AbortError, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            await _abort(context, exc, fn.__name__)
+            raise AssertionError("unreachable: abort raises") from exc
+
+    return wrapper
+
+
+def streaming(fn: Callable[..., AsyncIterator[R]]) -> Callable[..., AsyncIterator[R]]:
+    """The same for server-streaming handlers (async generators)."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[R]:
+        try:
+            async for item in fn(self, request, context):
+                yield item
+        except (grpc.aio.AbortError, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            await _abort(context, exc, fn.__name__)
+
+    return wrapper

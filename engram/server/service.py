@@ -1,0 +1,232 @@
+"""The Engram gRPC service: translates RPCs into store calls and streams payloads in chunks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import numpy as np
+
+from engram import __version__
+from engram.block import BlockHeader
+from engram.config import ServerConfig
+from engram.errors import InvalidArgument, ResourceExhausted
+from engram.keys import root_key
+from engram.server import convert
+from engram.server.errors import streaming, unary
+from engram.store import BlockStore
+from engram.v1 import engram_pb2 as pb
+
+SERVICE_NAME = "engram.v1.Engram"
+
+
+class _Undecodable:
+    """What a request deserializer returns for bytes that are not a valid message, so the handler can
+    answer INVALID_ARGUMENT instead of gRPC's generic INTERNAL."""
+
+    def __init__(self, message_type: str, error: Exception) -> None:
+        self.message_type = message_type
+        self.error = error
+
+
+def _safe_decoder(message_cls: Any) -> Callable[[bytes], Any]:
+    def decode(data: bytes) -> Any:
+        try:
+            return message_cls.FromString(data)
+        except Exception as exc:
+            return _Undecodable(message_cls.DESCRIPTOR.full_name, exc)
+
+    return decode
+
+
+def _decoded(request: Any) -> Any:
+    if isinstance(request, _Undecodable):
+        raise InvalidArgument(f"request is not a valid {request.message_type} message: {request.error}")
+    return request
+
+
+def _check_limit(what: str, count: int, limit: int) -> None:
+    if count > limit:
+        raise ResourceExhausted(f"{what}: {count} exceeds the server's limit of {limit}; split the request")
+
+
+class EngramService:
+    def __init__(self, store: BlockStore, config: ServerConfig) -> None:
+        self.store = store
+        self.config = config
+
+    @unary
+    async def RegisterModel(self, request: Any, context: grpc.aio.ServicerContext) -> pb.RegisterModelResponse:
+        req = _decoded(request)
+        spec = convert.model_from_pb(req.model)
+        return pb.RegisterModelResponse(model_fingerprint=self.store.registry.register(spec))
+
+    @unary
+    async def Lookup(self, request: Any, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        req = _decoded(request)
+        _check_limit("Lookup tokens", len(req.tokens), self.config.max_tokens_per_request)
+        match = self.store.lookup(req.namespace, req.model_fingerprint, np.asarray(req.tokens, dtype="<i4"))
+        return pb.LookupResponse(
+            matched_tokens=match.matched_tokens,
+            blocks=[pb.BlockRef(key=m.key, num_tokens=m.num_tokens, tier=m.tier, nbytes=m.nbytes) for m in match.blocks],
+        )
+
+    @unary
+    async def Put(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> pb.PutResponse:
+        keys: list[bytes] = []
+        stored = deduplicated = 0
+        stream: pb.PutHeader | None = None
+        parent = b""
+        header: BlockHeader | None = None
+        parts: list[bytes] = []
+        received = 0
+        tail: tuple[BlockHeader, bytes] | None = None  # a partial block, committed when the stream ends
+        async for raw in request_iterator:
+            req = _decoded(raw)
+            item = req.WhichOneof("item")
+            if stream is None:
+                if item != "header":
+                    raise InvalidArgument("the first message of a Put stream must be a PutHeader")
+                stream = req.header
+                spec = self.store.registry.get(stream.model_fingerprint)
+                parent = stream.parent_key or root_key(stream.namespace, stream.model_fingerprint)
+                continue
+            if item != "chunk":
+                raise InvalidArgument("a Put stream carries one PutHeader, first; then only BlockChunks")
+            chunk = req.chunk
+            index = len(keys)
+            if tail is not None:
+                raise InvalidArgument(
+                    f"block {index - 1} has {tail[0].num_tokens} of {spec.layout.block_tokens} tokens, but only a "
+                    "chain's last block may be partial; nothing of the partial block was stored"
+                )
+            if header is None:
+                if not chunk.HasField("header"):
+                    raise InvalidArgument(f"block {index}: its first chunk must carry the BlockHeader")
+                _check_limit("Put blocks", index + 1, self.config.max_blocks_per_request)
+                header = convert.header_from_pb(chunk.header, index)
+                header.validate(spec.layout, index=index)  # before any payload is buffered
+            elif chunk.HasField("header"):
+                raise InvalidArgument(f"block {index}: a second BlockHeader arrived before the block's last chunk")
+            received += len(chunk.data)
+            if received > header.payload_nbytes:
+                raise InvalidArgument(
+                    f"block {index}: received more payload bytes than the {header.payload_nbytes} announced"
+                )
+            parts.append(chunk.data)
+            if not chunk.last:
+                continue
+            payload = parts[0] if len(parts) == 1 else b"".join(parts)
+            if header.num_tokens < spec.layout.block_tokens:
+                # A partial block must end the chain: hold it until the stream proves that it does.
+                tail = (header, payload)
+                keys.append(b"")
+            else:
+                outcome = await self.store.put(
+                    stream.namespace, stream.model_fingerprint, parent, header, payload, pin=stream.pin, index=index
+                )
+                keys.append(outcome.key)
+                stored += outcome.stored
+                deduplicated += not outcome.stored
+                parent = outcome.key
+            header, parts, received = None, [], 0
+        if stream is None:
+            raise InvalidArgument("empty Put stream: send a PutHeader, then the blocks")
+        if header is not None:
+            raise InvalidArgument(
+                f"Put stream ended inside block {len(keys)} ({received} of {header.payload_nbytes} bytes, no "
+                f"chunk with last=true); the {len(keys)} blocks before it were stored"
+            )
+        if tail is not None:
+            outcome = await self.store.put(
+                stream.namespace, stream.model_fingerprint, parent, tail[0], tail[1], pin=stream.pin,
+                index=len(keys) - 1,
+            )
+            keys[-1] = outcome.key
+            stored += outcome.stored
+            deduplicated += not outcome.stored
+        return pb.PutResponse(keys=keys, stored=stored, deduplicated=deduplicated)
+
+    @streaming
+    async def Get(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse]:
+        req = _decoded(request)
+        _check_limit("Get keys", len(req.keys), self.config.max_blocks_per_request)
+        metas = self.store.find(req.namespace, req.model_fingerprint, list(req.keys))
+        step = self.config.chunk_bytes
+        self.store.acquire(metas)
+        try:
+            for meta in metas:
+                payload = await self.store.read(meta)
+                header = convert.header_to_pb(
+                    BlockHeader(meta.token_array(), meta.dtype, meta.shape, meta.nbytes, meta.checksum)
+                )
+                if len(payload) <= step:
+                    yield pb.GetResponse(chunk=pb.BlockChunk(header=header, key=meta.key, data=payload, last=True))
+                    continue
+                view = memoryview(payload)
+                for off in range(0, len(payload), step):
+                    data = bytes(view[off : off + step])
+                    last = off + step >= len(payload)
+                    if off == 0:
+                        msg = pb.BlockChunk(header=header, key=meta.key, data=data, last=last)
+                    else:
+                        msg = pb.BlockChunk(data=data, last=last)
+                    yield pb.GetResponse(chunk=msg)
+        finally:
+            self.store.release(metas)
+
+    @unary
+    async def Pin(self, request: Any, context: grpc.aio.ServicerContext) -> pb.PinResponse:
+        req = _decoded(request)
+        _check_limit("Pin keys", len(req.keys), self.config.max_blocks_per_request)
+        changed = self.store.pin(req.namespace, req.model_fingerprint, list(req.keys), unpin=req.unpin)
+        return pb.PinResponse(changed=changed)
+
+    @unary
+    async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        _decoded(request)
+        store = self.store
+        c = store.counters
+        tiers = []
+        for tier in store.tiers:
+            usage = tier.usage()
+            tc = c.tiers[tier.name]
+            tiers.append(pb.TierStats(
+                name=usage.name, capacity_bytes=usage.capacity_bytes, used_bytes=usage.used_bytes,
+                blocks=usage.blocks, hits=tc.hits, misses=tc.misses, evictions=tc.evictions,
+                pinned_blocks=store.pinned_blocks(tier.name),
+            ))
+        models = [
+            pb.ModelStats(model_fingerprint=m.fingerprint, name=m.name, blocks=m.blocks, stored_bytes=m.bytes, tokens=m.tokens)
+            for m in store.model_usage()
+        ]
+        cfg = self.config
+        return pb.StatsResponse(
+            tiers=tiers, models=models, lookups=c.lookups, lookup_hit_tokens=c.lookup_hit_tokens,
+            lookup_miss_tokens=c.lookup_miss_tokens, blocks_put=c.blocks_put,
+            blocks_deduplicated=c.blocks_deduplicated, blocks_served=c.blocks_served, bytes_served=c.bytes_served,
+            limits=pb.Limits(max_message_bytes=cfg.max_message_bytes, chunk_bytes=cfg.chunk_bytes,
+                             max_blocks_per_request=cfg.max_blocks_per_request,
+                             max_tokens_per_request=cfg.max_tokens_per_request),
+            version=__version__, uptime_s=time.time() - store.started,
+        )
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        """Method handlers built by hand (rather than add_EngramServicer_to_server) so that undecodable
+        request bytes reach the handler and get INVALID_ARGUMENT."""
+
+        def ser(msg: Any) -> bytes:
+            return msg.SerializeToString()
+
+        handlers = {
+            "RegisterModel": grpc.unary_unary_rpc_method_handler(
+                self.RegisterModel, _safe_decoder(pb.RegisterModelRequest), ser),
+            "Lookup": grpc.unary_unary_rpc_method_handler(self.Lookup, _safe_decoder(pb.LookupRequest), ser),
+            "Put": grpc.stream_unary_rpc_method_handler(self.Put, _safe_decoder(pb.PutRequest), ser),
+            "Get": grpc.unary_stream_rpc_method_handler(self.Get, _safe_decoder(pb.GetRequest), ser),
+            "Pin": grpc.unary_unary_rpc_method_handler(self.Pin, _safe_decoder(pb.PinRequest), ser),
+            "Stats": grpc.unary_unary_rpc_method_handler(self.Stats, _safe_decoder(pb.StatsRequest), ser),
+        }
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

@@ -1,0 +1,57 @@
+"""The contract every storage tier keeps (DRAM now; NVMe, HBM and the cluster tier later).
+
+A tier stores opaque payloads by key. It does not decide *what* to evict or where a victim goes: the
+store (engram/store.py) owns the eviction order (engram/eviction.py), pins, leases and the moves between
+tiers, so the rules live in one place. Space is reserved before a write (`reserve`) and returned if the write fails
+(`unreserve`), so concurrent writers cannot overfill a tier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    name: str
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+
+
+@runtime_checkable
+class Tier(Protocol):
+    name: str
+
+    @property
+    def capacity_bytes(self) -> int: ...
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes held or reserved."""
+        ...
+
+    def __contains__(self, key: object) -> bool: ...
+
+    def __len__(self) -> int: ...
+
+    def reserve(self, nbytes: int) -> bool:
+        """Claim space for a coming write; False when it does not fit right now."""
+        ...
+
+    def unreserve(self, nbytes: int) -> None: ...
+
+    async def write(self, key: bytes, payload: bytes) -> None:
+        """Store a payload whose space was reserved; the reservation becomes the block's."""
+        ...
+
+    async def read(self, key: bytes) -> bytes: ...
+
+    async def delete(self, key: bytes) -> int:
+        """Remove a block; returns the bytes freed (0 when absent)."""
+        ...
+
+    def usage(self) -> TierUsage: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,73 @@
+"""DRAM tier: payloads held as immutable bytes in process memory.
+
+Pinned DRAM for the GPU path is a separate pool (the GPU data path issue).
+"""
+
+from __future__ import annotations
+
+from engram.errors import NotFound
+from engram.tiers.base import TierUsage
+
+
+class DramTier:
+    name = "dram"
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"DRAM capacity must be positive, got {capacity_bytes}")
+        self._capacity = capacity_bytes
+        self._blocks: dict[bytes, bytes] = {}
+        self._stored = 0
+        self._reserved = 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._stored + self._reserved
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def reserve(self, nbytes: int) -> bool:
+        if self.used_bytes + nbytes > self._capacity:
+            return False
+        self._reserved += nbytes
+        return True
+
+    def unreserve(self, nbytes: int) -> None:
+        if nbytes > self._reserved:
+            raise AssertionError(f"unreserve({nbytes}) exceeds the {self._reserved} bytes reserved")
+        self._reserved -= nbytes
+
+    async def write(self, key: bytes, payload: bytes) -> None:
+        if key in self._blocks:
+            raise AssertionError("write of a key already in the tier; the store must dedupe first")
+        self.unreserve(len(payload))
+        self._blocks[key] = payload
+        self._stored += len(payload)
+
+    async def read(self, key: bytes) -> bytes:
+        try:
+            return self._blocks[key]
+        except KeyError:
+            raise NotFound(f"block {key.hex()} is not in the DRAM tier") from None
+
+    async def delete(self, key: bytes) -> int:
+        payload = self._blocks.pop(key, None)
+        if payload is None:
+            return 0
+        self._stored -= len(payload)
+        return len(payload)
+
+    def usage(self) -> TierUsage:
+        return TierUsage(self.name, self._capacity, self.used_bytes, len(self._blocks))
+
+    async def close(self) -> None:
+        self._blocks.clear()
+        self._stored = 0

@@ -1,0 +1,272 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_BF16: _ClassVar[DType]
+    DTYPE_FP16: _ClassVar[DType]
+    DTYPE_FP32: _ClassVar[DType]
+
+class LayerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LAYER_KIND_UNSPECIFIED: _ClassVar[LayerKind]
+    LAYER_KIND_GLOBAL: _ClassVar[LayerKind]
+    LAYER_KIND_SLIDING: _ClassVar[LayerKind]
+DTYPE_UNSPECIFIED: DType
+DTYPE_BF16: DType
+DTYPE_FP16: DType
+DTYPE_FP32: DType
+LAYER_KIND_UNSPECIFIED: LayerKind
+LAYER_KIND_GLOBAL: LayerKind
+LAYER_KIND_SLIDING: LayerKind
+
+class LayerSpec(_message.Message):
+    __slots__ = ("kind", "window")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    kind: LayerKind
+    window: int
+    def __init__(self, kind: _Optional[_Union[LayerKind, str]] = ..., window: _Optional[int] = ...) -> None: ...
+
+class KVLayout(_message.Message):
+    __slots__ = ("layers", "num_kv_heads", "head_dim", "dtype", "block_tokens")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
+    num_kv_heads: int
+    head_dim: int
+    dtype: DType
+    block_tokens: int
+    def __init__(self, layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., block_tokens: _Optional[int] = ...) -> None: ...
+
+class ModelSpec(_message.Message):
+    __slots__ = ("name", "weights_id", "layout", "codec")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    weights_id: str
+    layout: KVLayout
+    codec: str
+    def __init__(self, name: _Optional[str] = ..., weights_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., codec: _Optional[str] = ...) -> None: ...
+
+class RegisterModelRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: ModelSpec
+    def __init__(self, model: _Optional[_Union[ModelSpec, _Mapping]] = ...) -> None: ...
+
+class RegisterModelResponse(_message.Message):
+    __slots__ = ("model_fingerprint",)
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: bytes
+    def __init__(self, model_fingerprint: _Optional[bytes] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("namespace", "model_fingerprint", "tokens")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    model_fingerprint: bytes
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BlockRef(_message.Message):
+    __slots__ = ("key", "num_tokens", "tier", "nbytes")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    num_tokens: int
+    tier: str
+    nbytes: int
+    def __init__(self, key: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., tier: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("matched_tokens", "blocks")
+    MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    matched_tokens: int
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockRef]
+    def __init__(self, matched_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ...) -> None: ...
+
+class BlockHeader(_message.Message):
+    __slots__ = ("tokens", "dtype", "shape", "payload_nbytes", "checksum")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    payload_nbytes: int
+    checksum: int
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., payload_nbytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class BlockChunk(_message.Message):
+    __slots__ = ("header", "data", "last", "key")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    header: BlockHeader
+    data: bytes
+    last: bool
+    key: bytes
+    def __init__(self, header: _Optional[_Union[BlockHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., key: _Optional[bytes] = ...) -> None: ...
+
+class PutHeader(_message.Message):
+    __slots__ = ("namespace", "model_fingerprint", "parent_key", "pin")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    model_fingerprint: bytes
+    parent_key: bytes
+    pin: bool
+    def __init__(self, namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., parent_key: _Optional[bytes] = ..., pin: _Optional[bool] = ...) -> None: ...
+
+class PutRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PutHeader
+    chunk: BlockChunk
+    def __init__(self, header: _Optional[_Union[PutHeader, _Mapping]] = ..., chunk: _Optional[_Union[BlockChunk, _Mapping]] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("keys", "stored", "deduplicated")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    DEDUPLICATED_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    stored: int
+    deduplicated: int
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., stored: _Optional[int] = ..., deduplicated: _Optional[int] = ...) -> None: ...
+
+class GetRequest(_message.Message):
+    __slots__ = ("namespace", "model_fingerprint", "keys")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    model_fingerprint: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class GetResponse(_message.Message):
+    __slots__ = ("chunk",)
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    chunk: BlockChunk
+    def __init__(self, chunk: _Optional[_Union[BlockChunk, _Mapping]] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("namespace", "model_fingerprint", "keys", "unpin")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    UNPIN_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    model_fingerprint: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    unpin: bool
+    def __init__(self, namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., unpin: _Optional[bool] = ...) -> None: ...
+
+class PinResponse(_message.Message):
+    __slots__ = ("changed",)
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    changed: int
+    def __init__(self, changed: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("name", "capacity_bytes", "used_bytes", "blocks", "hits", "misses", "evictions", "pinned_blocks")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    hits: int
+    misses: int
+    evictions: int
+    pinned_blocks: int
+    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., pinned_blocks: _Optional[int] = ...) -> None: ...
+
+class ModelStats(_message.Message):
+    __slots__ = ("model_fingerprint", "name", "blocks", "stored_bytes", "tokens")
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: bytes
+    name: str
+    blocks: int
+    stored_bytes: int
+    tokens: int
+    def __init__(self, model_fingerprint: _Optional[bytes] = ..., name: _Optional[str] = ..., blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class Limits(_message.Message):
+    __slots__ = ("max_message_bytes", "chunk_bytes", "max_blocks_per_request", "max_tokens_per_request")
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    max_message_bytes: int
+    chunk_bytes: int
+    max_blocks_per_request: int
+    max_tokens_per_request: int
+    def __init__(self, max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("tiers", "models", "lookups", "lookup_hit_tokens", "lookup_miss_tokens", "blocks_put", "blocks_deduplicated", "blocks_served", "bytes_served", "limits", "version", "uptime_s")
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_MISS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_PUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_DEDUPLICATED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_SERVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SERVED_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    models: _containers.RepeatedCompositeFieldContainer[ModelStats]
+    lookups: int
+    lookup_hit_tokens: int
+    lookup_miss_tokens: int
+    blocks_put: int
+    blocks_deduplicated: int
+    blocks_served: int
+    bytes_served: int
+    limits: Limits
+    version: str
+    uptime_s: float
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_hit_tokens: _Optional[int] = ..., lookup_miss_tokens: _Optional[int] = ..., blocks_put: _Optional[int] = ..., blocks_deduplicated: _Optional[int] = ..., blocks_served: _Optional[int] = ..., bytes_served: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ...) -> None: ...

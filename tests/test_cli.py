@@ -1,0 +1,126 @@
+"""The `engram` command against a real daemon subprocess (started by `engram serve`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from engram.cli.main import app
+from typer.testing import CliRunner
+
+from engram.client import SyncEngramClient
+from tests.conftest import random_kv, tiny_model, tokens
+
+ENGRAM = [sys.executable, "-m", "engram"]
+
+
+def wait_for(address: str, proc: subprocess.Popen[str], timeout: float = 20.0) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"engram serve exited early: {proc.stdout.read() if proc.stdout else ''}")
+        try:
+            with grpc.insecure_channel(address) as ch:
+                resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+        except grpc.RpcError:
+            time.sleep(0.1)
+    raise AssertionError("daemon did not become healthy")
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    sock = tmp_path / "engram.sock"
+    env = {**os.environ, "ENGRAM_TIERS__DRAM__CAPACITY": "64MiB"}
+    proc = subprocess.Popen([*ENGRAM, "serve", "--unix-socket", str(sock), "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    address = f"unix:{sock}"
+    try:
+        wait_for(address, proc)
+        yield address, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*ENGRAM, *args], capture_output=True, text=True, timeout=60)
+
+
+def test_stats_json_and_table_match_daemon_state(daemon) -> None:  # type: ignore[no-untyped-def]
+    address, _ = daemon
+    spec = tiny_model()
+    toks = tokens(40)
+    with SyncEngramClient(address, namespace="cli") as c:
+        fp = c.register_model(spec)
+        c.put(fp, toks, random_kv(spec, 40))
+        c.get_prefix(fp, toks)
+    out = run_cli("stats", "--json", "--address", address)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    dram = data["tiers"][0]
+    assert dram["name"] == "dram" and int(dram["blocks"]) == 3 and int(dram["capacity_bytes"]) == 64 * 2**20
+    assert int(dram["used_bytes"]) == spec.layout.block_nbytes(40)
+    assert data["models"][0]["model_fingerprint"] == fp.hex()
+    assert int(data["models"][0]["tokens"]) == 40
+    assert int(data["blocks_served"]) == 3
+
+    table = run_cli("stats", "--address", address)
+    assert table.returncode == 0
+    assert "dram" in table.stdout and "tiny-hybrid" in table.stdout and fp.hex()[:12] in table.stdout
+
+
+def test_serve_stops_gracefully_on_sigterm(daemon) -> None:  # type: ignore[no-untyped-def]
+    _, proc = daemon
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(15) == 0
+    assert proc.stdout is not None and "engram: stopped" in proc.stdout.read()
+
+
+def test_unreachable_daemon_is_a_clear_error(tmp_path: Path) -> None:
+    out = run_cli("stats", "--address", f"unix:{tmp_path / 'nobody.sock'}")
+    assert out.returncode == 2
+    assert "no Engram daemon answers" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_bad_config_is_a_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "c.toml"
+    bad.write_text("[server]\nprot = 1\n")
+    out = run_cli("serve", "--config", str(bad))
+    assert out.returncode == 4 and "unknown config key 'server.prot'" in out.stderr
+    out = run_cli("serve", "--set", "novalue")
+    assert out.returncode == 4 and "key=value" in out.stderr
+
+
+def test_config_keys_listing() -> None:
+    result = CliRunner().invoke(app, ["config", "--keys"])
+    assert result.exit_code == 0 and "tiers.dram.capacity" in result.output.split()
+
+
+def test_demo_shares_the_prefix() -> None:
+    from engram.cli.demo import demo
+    from rich.console import Console
+
+    console = Console(record=True, width=140)
+    reports = demo(console)
+    a, b = reports
+    assert a.cached_tokens == 0 and a.stored == 19
+    assert b.cached_tokens == 4096 and b.verified and b.skipped == 16 and b.stored == 3
+    text = console.export_text()
+    assert "session B" in text and "4096 (87%)" in text
+    assert torch.__version__  # the demo ran on the CPU build

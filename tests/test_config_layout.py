@@ -1,0 +1,93 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engram.config import config_keys, load_config, parse_bytes
+from engram.errors import ConfigError, InvalidArgument
+from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
+from tests.conftest import tiny_layout
+
+
+def test_precedence_defaults_file_env_flags(tmp_path: Path) -> None:
+    f = tmp_path / "engram.toml"
+    f.write_text('[server]\nport = 6000\nhost = "0.0.0.0"\n[tiers.dram]\ncapacity = "2GiB"\n')
+    cfg = load_config(f, env={})
+    assert (cfg.server.port, cfg.server.host, cfg.tiers.dram.capacity) == (6000, "0.0.0.0", 2 * 2**30)
+    cfg = load_config(f, env={"ENGRAM_SERVER__PORT": "7000"})
+    assert cfg.server.port == 7000 and cfg.server.host == "0.0.0.0"
+    cfg = load_config(f, env={"ENGRAM_SERVER__PORT": "7000"}, overrides={"server.port": 8000})
+    assert cfg.server.port == 8000
+    cfg = load_config(env={"ENGRAM_CONFIG": str(f)})
+    assert cfg.server.port == 6000
+    assert load_config(env={}).server.port == 50051
+
+
+@pytest.mark.parametrize(
+    ("source", "match"),
+    [
+        ({"file": "[server]\nprot = 1\n"}, "unknown config key 'server.prot'"),
+        ({"file": "[nope]\nx = 1\n"}, "unknown config key 'nope.x'"),
+        ({"file": "server = 3\n"}, "is a section"),
+        ({"env": {"ENGRAM_TIERS__DRAM__CAPACTY": "1"}}, "ENGRAM_TIERS__DRAM__CAPACTY"),
+        ({"env": {"ENGRAM_SERVER__PORT": "eighty"}}, "expected int"),
+        ({"overrides": {"server.port": 70000}}, "0..65535"),
+        ({"overrides": {"tiers.dram.capacity": "lots"}}, "not a byte size"),
+        ({"overrides": {"server.chunk_bytes": "128MiB"}}, "chunk_bytes"),
+        ({"file": "[server\n"}, "not valid TOML"),
+    ],
+)
+def test_bad_config_is_an_error(tmp_path: Path, source: dict, match: str) -> None:  # type: ignore[type-arg]
+    path = None
+    if "file" in source:
+        path = tmp_path / "c.toml"
+        path.write_text(source["file"])
+    with pytest.raises(ConfigError, match=match):
+        load_config(path, env=source.get("env", {}), overrides=source.get("overrides"))
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "none.toml", env={})
+
+
+def test_byte_sizes() -> None:
+    assert parse_bytes("4GiB") == 4 * 2**30
+    assert parse_bytes("1.5 MiB") == int(1.5 * 2**20)
+    assert parse_bytes("512MB") == 512 * 10**6
+    assert parse_bytes(123) == 123
+    with pytest.raises(ConfigError):
+        parse_bytes(True)
+
+
+def test_config_keys_lists_every_leaf() -> None:
+    keys = config_keys()
+    assert "server.port" in keys and "tiers.dram.capacity" in keys and "logging.json" in keys
+    assert not any(k.endswith(".dram") or k == "server" for k in keys)
+
+
+def test_layout_sizes_and_validation() -> None:
+    layout = tiny_layout()
+    assert layout.persisted_layers == 2
+    assert layout.block_shape(16) == (2, 2, 16, 2, 16)
+    assert layout.block_nbytes(16) == 2 * 2 * 16 * 2 * 16 * 2
+    with pytest.raises(InvalidArgument, match="power of two"):
+        KVLayout(layers=(LayerSpec(LayerKind.GLOBAL),), num_kv_heads=1, head_dim=8, block_tokens=48)
+    with pytest.raises(InvalidArgument, match="no global layer"):
+        KVLayout(layers=(LayerSpec(LayerKind.SLIDING, 8),), num_kv_heads=1, head_dim=8)
+    with pytest.raises(InvalidArgument, match="window"):
+        LayerSpec(LayerKind.SLIDING, 0)
+
+
+def test_fingerprint_covers_weights_layout_and_codec() -> None:
+    base = ModelSpec("m", "w1", tiny_layout())
+    assert base.fingerprint == ModelSpec("m", "w1", tiny_layout()).fingerprint
+    variants = [
+        ModelSpec("m", "w2", tiny_layout()),
+        ModelSpec("m2", "w1", tiny_layout()),
+        ModelSpec("m", "w1", tiny_layout(DType.FP16)),
+        ModelSpec("m", "w1", tiny_layout(block_tokens=32)),
+        ModelSpec("m", "w1", tiny_layout(), codec="nvfp4"),
+    ]
+    assert len({v.fingerprint for v in variants} | {base.fingerprint}) == len(variants) + 1

@@ -1,0 +1,254 @@
+"""Bad input gets the right status code and a message; the daemon keeps serving and loses nothing."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from engram import errors
+from engram.block import checksum
+from engram.client import EngramClient, tensor_bytes
+from engram.layout import DType
+from engram.server import RunningServer
+from engram.v1 import engram_pb2 as pb
+from engram.v1 import engram_pb2_grpc as pb_grpc
+from tests.conftest import BLOCK_TOKENS, random_kv, tiny_model, tokens
+
+
+@pytest.fixture
+async def seeded(server: RunningServer, client: EngramClient):  # type: ignore[no-untyped-def]
+    """A daemon holding known content, and a raw stub for malformed requests."""
+    spec = tiny_model()
+    fp = await client.register_model(spec)
+    toks = tokens(3 * BLOCK_TOKENS + 4, seed=11)
+    kv = random_kv(spec, len(toks), seed=11)
+    await client.put(fp, toks, kv)
+    channel = grpc.aio.insecure_channel(server.address)
+    stub = pb_grpc.EngramStub(channel)
+    yield spec, fp, toks, kv, stub, channel
+    await channel.close()
+
+
+async def assert_content_intact(client: EngramClient, fp: bytes, toks: np.ndarray, kv: torch.Tensor) -> None:
+    n, got = await client.get_prefix(fp, toks)
+    assert n == len(toks) and got is not None and torch.equal(got, kv)
+    stats = await client.stats()
+    assert stats.tiers[0].blocks == 4
+
+
+def block_msg(toks: np.ndarray, kv: torch.Tensor, **override: object) -> pb.PutRequest:
+    payload = tensor_bytes(kv)
+    fields: dict[str, object] = {
+        "tokens": toks.tolist(), "dtype": int(DType.from_torch(kv.dtype)), "shape": list(kv.shape),
+        "payload_nbytes": len(payload), "checksum": checksum(payload),
+    }
+    data = override.pop("data", payload)
+    last = override.pop("last", True)
+    fields.update(override)
+    return pb.PutRequest(chunk=pb.BlockChunk(header=pb.BlockHeader(**fields), data=data, last=last))  # type: ignore[arg-type]
+
+
+async def put_raw(stub: pb_grpc.EngramStub, fp: bytes, *msgs: pb.PutRequest, ns: str = "tenant-a") -> pb.PutResponse:
+    async def gen():  # type: ignore[no-untyped-def]
+        yield pb.PutRequest(header=pb.PutHeader(namespace=ns, model_fingerprint=fp))
+        for m in msgs:
+            yield m
+
+    return await stub.Put(gen())
+
+
+async def expect_status(coro, code: grpc.StatusCode, match: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await coro
+    assert info.value.code() == code, info.value.details()
+    assert match in (info.value.details() or ""), info.value.details()
+
+
+async def test_wrong_shape(seeded, client) -> None:  # type: ignore[no-untyped-def]
+    spec, fp, toks, kv, stub, _ = seeded
+    bad = torch.zeros(2, 2, BLOCK_TOKENS, 4, 16, dtype=torch.bfloat16)  # 4 kv heads, layout has 2
+    await expect_status(put_raw(stub, fp, block_msg(tokens(BLOCK_TOKENS, 5), bad)),
+                        grpc.StatusCode.INVALID_ARGUMENT, "does not match the layout")
+    await assert_content_intact(client, fp, toks, kv)
+
+
+async def test_wrong_dtype(seeded, client) -> None:  # type: ignore[no-untyped-def]
+    spec, fp, toks, kv, stub, _ = seeded
+    bad = random_kv(spec, BLOCK_TOKENS).to(torch.float16)
+    await expect_status(put_raw(stub, fp, block_msg(tokens(BLOCK_TOKENS, 5), bad)),
+                        grpc.StatusCode.INVALID_ARGUMENT, "dtype FP16 does not match")
+    with pytest.raises(errors.InvalidArgument, match="dtype"):
+        await client.put(fp, tokens(BLOCK_TOKENS, 5), bad)
+    await expect_status(put_raw(stub, fp, block_msg(tokens(BLOCK_TOKENS, 5), random_kv(spec, BLOCK_TOKENS), dtype=9)),
+                        grpc.StatusCode.INVALID_ARGUMENT, "dtype must be")
+    await assert_content_intact(client, fp, toks, kv)
+
+
+async def test_checksum_and_size_mismatch(seeded, client) -> None:  # type: ignore[no-untyped-def]
+    spec, fp, toks, kv, stub, _ = seeded
+    good = random_kv(spec, BLOCK_TOKENS)
+    flipped = bytearray(tensor_bytes(good))
+    flipped[7] ^= 0x10
+    await expect_status(put_raw(stub, fp, block_msg(tokens(BLOCK_TOKENS, 5), good, data=bytes(flipped))),
+                        grpc.StatusCode.INVALID_ARGUMENT, "checksum")
+    await expect_status(put_raw(stub, fp, block_msg(tokens(BLOCK_TOKENS, 5), good, payload_nbytes=10)),
+                        grpc.StatusCode.INVALID_ARGUMENT, "payload_nbytes")
+    await expect_status(put_raw(stub, fp, block_msg(tokens(BLOCK_TOKENS + 1, 5), good)),
+                        grpc.StatusCode.INVALID_ARGUMENT, "exceed the layout's block_tokens")
+    await assert_content_intact(client, fp, toks, kv)
+
+
+async def test_unknown_model_fingerprint(seeded, client) -> None:  # type: ignore[no-untyped-def]
+    spec, fp, toks, kv, stub, _ = seeded
+    unknown = bytes(16)
+    await expect_status(put_raw(stub, unknown, block_msg(tokens(BLOCK_TOKENS, 5), random_kv(spec, BLOCK_TOKENS))),
+                        grpc.StatusCode.NOT_FOUND, "RegisterModel")
+    await expect_status(stub.Lookup(pb.LookupRequest(namespace="tenant-a", model_fingerprint=unknown, tokens=[1])),
+                        grpc.StatusCode.NOT_FOUND, "unknown model fingerprint")
+    # A model with other weights has another fingerprint, and sees none of the first model's blocks.
+    fp2 = await client.register_model(tiny_model(weights_id="seed-1"))
+    assert fp2 != fp and (await client.lookup(fp2, toks)).matched_tokens == 0
+    await assert_content_intact(client, fp, toks, kv)
+
+
+async def test_truncated_stream_stores_nothing_of_the_broken_block(seeded, client) -> None:  # type: ignore[no-untyped-def]
+    spec, fp, toks, kv, stub, _ = seeded
+    new = tokens(2 * BLOCK_TOKENS, seed=21)
+    new_kv = random_kv(spec, len(new), seed=21)
+    first = block_msg(new[:BLOCK_TOKENS], new_kv[:, :, :BLOCK_TOKENS])
+    second_full = block_msg(new[BLOCK_TOKENS:], new_kv[:, :, BLOCK_TOKENS:])
+    half = second_full.chunk.data[: len(second_full.chunk.data) // 2]
+    second_cut = pb.PutRequest(chunk=pb.BlockChunk(header=second_full.chunk.header, data=half, last=False))
+    await expect_status(put_raw(stub, fp, first, second_cut), grpc.StatusCode.INVALID_ARGUMENT,
+                        "ended inside block 1")
+    hit = await client.lookup(fp, new)
+    assert hit.matched_tokens == BLOCK_TOKENS  # block 0 was complete and is stored; block 1 is not
+    empty_put = await put_raw(stub, fp)  # a header and no blocks is a valid, empty Put
+    assert list(empty_put.keys) == [] and empty_put.stored == 0
+    n, got = await client.get_prefix(fp, toks)
+    assert n == len(toks) and got is not None and torch.equal(got, kv)
+
+
+async def test_stream_protocol_violations(seeded, client) -> None:  # type: ignore[no-untyped-def]
+    spec, fp, toks, kv, stub, _ = seeded
+
+    async def no_header():  # type: ignore[no-untyped-def]
+        yield block_msg(tokens(BLOCK_TOKENS), random_kv(spec, BLOCK_TOKENS))
+
+    await expect_status(stub.Put(no_header()), grpc.StatusCode.INVALID_ARGUMENT, "must be a PutHeader")
+
+    async def empty():  # type: ignore[no-untyped-def]
+        return
+        yield
+
+    await expect_status(stub.Put(empty()), grpc.StatusCode.INVALID_ARGUMENT, "empty Put stream")
+    headerless = pb.PutRequest(chunk=pb.BlockChunk(data=b"x", last=True))
+    await expect_status(put_raw(stub, fp, headerless), grpc.StatusCode.INVALID_ARGUMENT, "must carry the BlockHeader")
+    # A partial block followed by another block: only a chain's last block may be partial.
+    short = tokens(5, seed=3)
+    await expect_status(
+        put_raw(stub, fp, block_msg(short, random_kv(spec, 5)), block_msg(tokens(BLOCK_TOKENS, 4), random_kv(spec, BLOCK_TOKENS))),
+        grpc.StatusCode.INVALID_ARGUMENT, "only a chain's last block may be partial")
+    # A parent that is not stored.
+    async def orphan():  # type: ignore[no-untyped-def]
+        yield pb.PutRequest(header=pb.PutHeader(namespace="tenant-a", model_fingerprint=fp, parent_key=b"\x01" * 16))
+        yield block_msg(tokens(BLOCK_TOKENS, 8), random_kv(spec, BLOCK_TOKENS))
+
+    await expect_status(stub.Put(orphan()), grpc.StatusCode.FAILED_PRECONDITION, "parent block")
+    await assert_content_intact(client, fp, toks, kv)
+
+
+async def test_oversized_message_is_refused(server_factory, transport) -> None:  # type: ignore[no-untyped-def]
+    srv = await server_factory(**{"server.max_message_bytes": 1 << 20, "server.chunk_bytes": 1 << 19})
+    spec = tiny_model()
+    async with EngramClient(srv.address, namespace="tenant-a") as client:
+        fp = await client.register_model(spec)
+        toks = tokens(40)
+        kv = random_kv(spec, 40)
+        await client.put(fp, toks, kv)
+        channel = grpc.aio.insecure_channel(srv.address, options=[("grpc.max_send_message_length", 8 << 20)])
+        stub = pb_grpc.EngramStub(channel)
+        huge = pb.LookupRequest(namespace="tenant-a", model_fingerprint=fp, tokens=list(range(400_000)))  # ~1.1 MB
+        await expect_status(stub.Lookup(huge), grpc.StatusCode.RESOURCE_EXHAUSTED, "")
+        await channel.close()
+        n, got = await client.get_prefix(fp, toks)
+        assert n == 40 and got is not None and torch.equal(got, kv)
+
+
+async def test_request_limits(server_factory) -> None:  # type: ignore[no-untyped-def]
+    srv = await server_factory(**{"server.max_tokens_per_request": 100, "server.max_blocks_per_request": 2})
+    spec = tiny_model()
+    async with EngramClient(srv.address) as client:
+        fp = await client.register_model(spec)
+        with pytest.raises(errors.ResourceExhausted, match="limit of 100"):
+            await client.lookup(fp, tokens(101))
+        with pytest.raises(errors.ResourceExhausted, match="limit of 2"):
+            await client.put(fp, tokens(3 * BLOCK_TOKENS), random_kv(spec, 3 * BLOCK_TOKENS), skip_cached=False)
+        with pytest.raises(errors.ResourceExhausted, match="limit of 2"):
+            await client.get(fp, [b"k" * 16] * 3)
+
+
+async def test_garbage_bytes_get_invalid_argument(seeded, client) -> None:  # type: ignore[no-untyped-def]
+    spec, fp, toks, kv, stub, channel = seeded
+    for method in ("Lookup", "Stats", "RegisterModel", "Pin"):
+        raw = channel.unary_unary(f"/engram.v1.Engram/{method}")  # no serializers: bytes go as they are
+        await expect_status(raw(b"\xff\xff\xff\xff garbage"), grpc.StatusCode.INVALID_ARGUMENT, "not a valid")
+    raw_get = channel.unary_stream("/engram.v1.Engram/Get")
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in raw_get(b"\x0a\xff\xff"):
+            pass
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    raw_put = channel.stream_unary("/engram.v1.Engram/Put")
+
+    async def garbage():  # type: ignore[no-untyped-def]
+        yield b"\x12\xff\xff\xff\x0f"
+
+    await expect_status(raw_put(garbage()), grpc.StatusCode.INVALID_ARGUMENT, "not a valid")
+    await assert_content_intact(client, fp, toks, kv)
+
+
+async def test_unknown_block(seeded, client) -> None:  # type: ignore[no-untyped-def]
+    spec, fp, toks, kv, stub, _ = seeded
+    with pytest.raises(errors.NotFound, match="block 1"):
+        hit = await client.lookup(fp, toks)
+        await client.get(fp, [hit.blocks[0].key, b"\x00" * 16])
+    with pytest.raises(errors.NotFound):
+        await client.pin(fp, [b"\x00" * 16])
+    await assert_content_intact(client, fp, toks, kv)
+
+
+async def test_bad_layout_is_invalid_argument(seeded, client) -> None:  # type: ignore[no-untyped-def]
+    spec, fp, toks, kv, stub, _ = seeded
+    bad = pb.ModelSpec(name="m", weights_id="w", layout=pb.KVLayout(
+        layers=[pb.LayerSpec(kind=pb.LAYER_KIND_GLOBAL)], num_kv_heads=2, head_dim=16, dtype=pb.DTYPE_BF16,
+        block_tokens=24))
+    await expect_status(stub.RegisterModel(pb.RegisterModelRequest(model=bad)), grpc.StatusCode.INVALID_ARGUMENT,
+                        "power of two")
+    good_layout = pb.KVLayout(layers=[pb.LayerSpec(kind=pb.LAYER_KIND_GLOBAL)], num_kv_heads=2, head_dim=16,
+                              dtype=pb.DTYPE_BF16, block_tokens=16)
+    no_weights = pb.ModelSpec(name="m", layout=good_layout)
+    await expect_status(stub.RegisterModel(pb.RegisterModelRequest(model=no_weights)),
+                        grpc.StatusCode.INVALID_ARGUMENT, "weights_id")
+    await assert_content_intact(client, fp, toks, kv)
+
+
+async def test_health_and_reflection_are_served(server) -> None:  # type: ignore[no-untyped-def]
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        resp = await health.Check(health_pb2.HealthCheckRequest(service="engram.v1.Engram"))
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+
+        async def ask():  # type: ignore[no-untyped-def]
+            yield reflection_pb2.ServerReflectionRequest(list_services="")
+
+        names = []
+        async for r in refl.ServerReflectionInfo(ask()):
+            names = [s.name for s in r.list_services_response.service]
+        assert "engram.v1.Engram" in names and "grpc.health.v1.Health" in names
