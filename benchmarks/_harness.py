@@ -1,0 +1,104 @@
+"""Shared pieces of the benchmarks: start a real daemon or redis-server as a subprocess on this machine,
+time operations, and summarise latencies. Nothing here talks to anything but loopback and unix sockets."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as fh:
+        for line in fh:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB, Python {platform.python_version()}"
+
+
+def percentiles(samples_s: list[float]) -> tuple[float, float]:
+    arr = np.asarray(samples_s) * 1e3
+    return float(np.percentile(arr, 50)), float(np.percentile(arr, 99))
+
+
+def _wait_health(address: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("engram serve exited during start-up")
+        try:
+            with grpc.insecure_channel(address) as ch:
+                health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                return
+        except grpc.RpcError:
+            time.sleep(0.1)
+    raise RuntimeError("engram serve did not become healthy")
+
+
+@contextlib.contextmanager
+def engram_daemon(transport: str, dram: str = "8GiB", extra: tuple[str, ...] = ()) -> Iterator[str]:
+    """A real `engram serve` subprocess; yields the address to dial."""
+    with tempfile.TemporaryDirectory(prefix="engram-bench-") as tmp:
+        if transport == "unix":
+            sock = Path(tmp) / "engram.sock"
+            args = ["--unix-socket", str(sock)]
+            address = f"unix:{sock}"
+        else:
+            port = free_port()
+            args = ["--port", str(port)]
+            address = f"127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "engram", "serve", "--dram-capacity", dram, "--log-level", "warning",
+               "--set", "server.max_message_bytes=64MiB", "--set", "server.chunk_bytes=32MiB", *args, *extra]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            _wait_health(address, proc)
+            yield address
+        finally:
+            proc.terminate()
+            proc.wait(15)
+
+
+@contextlib.contextmanager
+def redis_server(transport: str) -> Iterator[dict[str, object]]:
+    """A real redis-server subprocess without persistence; yields redis-py connection kwargs."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise SystemExit("redis-server is not installed (apt-get install redis-server)")
+    with tempfile.TemporaryDirectory(prefix="engram-bench-redis-") as tmp:
+        port = free_port()
+        sock = Path(tmp) / "redis.sock"
+        proc = subprocess.Popen(
+            [exe, "--port", str(port), "--bind", "127.0.0.1", "--unixsocket", str(sock), "--save", "",
+             "--appendonly", "no", "--dir", tmp, "--proto-max-bulk-len", "512mb"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        try:
+            deadline = time.monotonic() + 10
+            while not sock.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            yield {"unix_socket_path": str(sock)} if transport == "unix" else {"host": "127.0.0.1", "port": port}
+        finally:
+            proc.terminate()
+            proc.wait(10)
