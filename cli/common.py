@@ -15,7 +15,7 @@ from engram.client import EngramClient
 from engram.config import EngramConfig, load_config
 
 console = Console()
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)  # messages stay on one line for grep
 
 EXIT_UNAVAILABLE = 2
 EXIT_NOT_FOUND = 3

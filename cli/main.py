@@ -11,6 +11,8 @@ import typer
 from engram.config import config_keys
 from engram.server import serve as serve_daemon
 
+from .check import offline as check_offline
+from .check import show as show_check
 from .common import EXIT_BAD_INPUT, address_of, call, console, fail, load
 from .demo import demo as run_demo
 from .stats import stats_json, stats_renderable
@@ -67,6 +69,23 @@ def stats(config: ConfigOpt = None, address: AddressOpt = None, json_: JsonOpt =
         typer.echo(stats_json(resp))
     else:
         console.print(stats_renderable(resp))
+
+
+@app.command()
+def check(
+    config: ConfigOpt = None,
+    address: AddressOpt = None,
+    fix: Annotated[bool, typer.Option("--fix", help="Remove broken copies and files.")] = False,
+    directory: Annotated[str | None, typer.Option("--dir", help="Check an NVMe tier directory offline.")] = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Verify every stored copy; exit 1 if any problem was found."""
+    if directory:
+        resp = check_offline(directory, fix)
+    else:
+        addr = address_of(load(config), address)
+        resp = call(addr, lambda c: c.check(fix=fix), timeout_s=600)
+    show_check(resp, json_)
 
 
 @app.command()

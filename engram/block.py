@@ -64,3 +64,24 @@ class BlockHeader:
                 f"block {index}: payload checksum {got:#018x} != header checksum {self.checksum:#018x} "
                 "(corrupted in transit, or the checksum was computed over other bytes)"
             )
+
+
+@dataclass(frozen=True)
+class BlockRecord:
+    """A stored block's identity and description: what the index needs to serve it, and what a tier
+    that outlives the process (NVMe) writes beside the payload so the index can be rebuilt."""
+
+    key: bytes
+    parent: bytes
+    model_fingerprint: bytes
+    namespace: str
+    dtype: DType
+    full: bool
+    shape: tuple[int, ...]
+    tokens: bytes  # int32 little-endian
+    nbytes: int  # payload bytes
+    checksum: int  # xxh3_64 of the payload
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) // 4

@@ -267,6 +267,9 @@ class EngramClient:
     async def stats(self) -> pb.StatsResponse:
         return await self._call(self._stub.Stats(pb.StatsRequest()))
 
+    async def check(self, *, fix: bool = False) -> pb.CheckResponse:
+        return await self._call(self._stub.Check(pb.CheckRequest(fix=fix)))
+
     def _ns(self, namespace: str | None) -> str:
         return self.namespace if namespace is None else namespace
 

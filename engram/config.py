@@ -62,8 +62,21 @@ class DramConfig:
 
 
 @dataclass
+class NvmeConfig:
+    path: str = ""  # a directory; empty: no NVMe tier
+    capacity: ByteSize = ByteSize(64 * 2**30)
+    compression: bool = False  # lz4 per block, kept only where it saves >= 10% (rarely, on FP4 payloads)
+    io_threads: int = 4  # concurrent file operations
+    fsync: bool = True  # fsync each block file and its directory before the block counts as written
+    verify_on_start: bool = False  # read every payload during recovery (headers are always verified)
+
+
+@dataclass
 class TiersConfig:
     dram: DramConfig = field(default_factory=DramConfig)
+    nvme: NvmeConfig = field(default_factory=NvmeConfig)
+    write_policy: str = "write-back"  # or "write-through": a put is acknowledged once it is on NVMe too
+    retry_s: float = 5.0  # a tier degraded by a full disk is tried again after this long
 
 
 @dataclass
@@ -89,6 +102,12 @@ class EngramConfig:
             )
         if self.tiers.dram.capacity <= 0:
             raise ConfigError("tiers.dram.capacity must be positive")
+        if self.tiers.write_policy not in {"write-back", "write-through"}:
+            raise ConfigError(f"tiers.write_policy must be write-back or write-through, got {self.tiers.write_policy!r}")
+        if self.tiers.write_policy == "write-through" and not self.tiers.nvme.path:
+            raise ConfigError("tiers.write_policy = write-through needs an NVMe tier: set tiers.nvme.path")
+        if self.tiers.nvme.path and (self.tiers.nvme.capacity <= 0 or self.tiers.nvme.io_threads < 1):
+            raise ConfigError("tiers.nvme.capacity must be positive and tiers.nvme.io_threads >= 1")
         if self.logging.level.lower() not in {"debug", "info", "warning", "error"}:
             raise ConfigError(f"logging.level must be debug, info, warning or error, got {self.logging.level!r}")
         return self

@@ -24,6 +24,10 @@ class ResourceExhausted(EngramError):
     """A budget is spent: a tier's bytes, a request's block or token count, a quota."""
 
 
+class StorageFull(ResourceExhausted):
+    """The filesystem under a tier is out of space (ENOSPC), whatever the tier's own budget says."""
+
+
 class FailedPrecondition(EngramError):
     """The request is well formed but the daemon's state does not allow it (e.g. a missing parent block)."""
 
@@ -34,6 +38,10 @@ class DataLoss(EngramError):
 
 class Unavailable(EngramError):
     """The daemon (or a tier it needs) cannot serve right now; retrying later may succeed."""
+
+
+class StorageIOError(Unavailable):
+    """An I/O error on one block's storage; that block fails, the tier and the daemon go on."""
 
 
 class ConfigError(EngramError):

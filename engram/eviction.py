@@ -1,15 +1,18 @@
-"""Eviction order for one tier: least recently used *leaf* first.
+"""Eviction order for one tier: least recently used first, and on the tier whose eviction deletes a
+block (the last one, or any tier with nowhere to demote to) least recently used *leaf* first.
 
-Only a block with no children in the index (a leaf) may be evicted, so a chain always loses its tail
-before its head and every stored block stays reachable from the root (prefix closure). Plain LRU over
-all blocks would evict the oldest block, and the oldest block of a chain is its root, whose loss orphans
-every descendant.
+Deleting only blocks with no children in the index (leaves) makes a chain lose its tail before its head,
+so every stored block stays reachable from the root (prefix closure): plain LRU would delete the oldest
+block, and the oldest block of a chain is its root, whose loss orphans every descendant. Demoting a block
+to a lower tier keeps it reachable, so demotion may take any block.
 
 Structure: a binary heap of (tick, key) with lazy deletion. Every access gives a block a new tick and
 pushes a fresh entry; entries whose tick no longer matches the block's, or whose block gained a child,
-moved tier or left the index, are discarded when they surface. When a block's last child goes, the
-block is pushed again with its *own* last tick, so it takes its true place in the order (an LRU list
-could only append it as the newest). Costs: touch O(log n), victim O(log n) amortised; the heap is
+moved tier or left the index, are discarded when they surface. Entries of pinned, leased or moving
+blocks are held aside while a victim is sought and pushed back with their own tick, so they keep their
+true place in the order (an LRU list could only re-append them as the newest). In leaf-only mode inner
+blocks are dropped from the heap and pushed again, with their own tick, when their last child goes;
+`rebuild` restores every entry when a tier leaves leaf-only mode. Costs: touch O(log n), victim O(log n) amortised; the heap is
 rebuilt when stale entries outnumber live blocks 4:1, so memory stays O(blocks).
 """
 
@@ -17,11 +20,15 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from engram.index import BlockMeta
 
 _ticks = itertools.count(1)  # one clock for every tier, so a block keeps its recency when it moves
+
+
+def tick(meta: BlockMeta) -> None:
+    meta.tick = next(_ticks)
 
 
 class LeafLRU:
@@ -31,37 +38,45 @@ class LeafLRU:
         self._live = 0
 
     def touch(self, meta: BlockMeta) -> None:
-        meta.tick = next(_ticks)
-        if meta.children == 0:
-            heapq.heappush(self._heap, (meta.tick, meta.key))
-
-    def became_leaf(self, meta: BlockMeta) -> None:
+        """Record a use; call for a block's every tier (one clock, so recency is the same everywhere)."""
         heapq.heappush(self._heap, (meta.tick, meta.key))
 
-    def victim(self, lookup: Callable[[bytes], BlockMeta | None], live_blocks: int) -> BlockMeta | None:
-        """The least recently used evictable leaf of this tier, or None if every leaf is pinned or leased."""
+    def add(self, meta: BlockMeta) -> None:
+        """A copy of the block arrived in this tier."""
+        heapq.heappush(self._heap, (meta.tick, meta.key))
+
+    def victim(self, lookup: Callable[[bytes], BlockMeta | None], live_blocks: int, *, leaf_only: bool
+               ) -> BlockMeta | None:
+        """The least recently used evictable block (leaf, with leaf_only) of this tier, or None if every
+        candidate is pinned, leased or moving."""
         held: list[tuple[int, bytes]] = []
         found = None
         while self._heap:
             tick, key = heapq.heappop(self._heap)
             meta = lookup(key)
-            if meta is None or meta.tick != tick or meta.children or meta.tier != self.tier_name:
+            if meta is None or meta.tick != tick or self.tier_name not in meta.locations:
                 continue  # stale entry
+            if leaf_only and meta.children:
+                continue  # an inner block: `add` pushes it again when its last child goes
             if meta.evictable:
                 found = meta
                 break
-            held.append((tick, key))  # pinned or being read: keep its place for later
+            held.append((tick, key))  # pinned, being read or moving: keep its place
         for item in held:
             heapq.heappush(self._heap, item)
         if len(self._heap) > 4 * max(live_blocks, 16):
             self._compact(lookup)
         return found
 
+    def rebuild(self, metas: Iterable[BlockMeta]) -> None:
+        self._heap = [(m.tick, m.key) for m in metas if self.tier_name in m.locations]
+        heapq.heapify(self._heap)
+
     def _compact(self, lookup: Callable[[bytes], BlockMeta | None]) -> None:
         keep = []
         for tick, key in self._heap:
             meta = lookup(key)
-            if meta is not None and meta.tick == tick and not meta.children and meta.tier == self.tier_name:
+            if meta is not None and meta.tick == tick and self.tier_name in meta.locations:
                 keep.append((tick, key))
         heapq.heapify(keep)
         self._heap = keep

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engram.block import BlockRecord
 from engram.keys import chain_keys, root_key, tokens_to_bytes
 from engram.layout import DType
 
@@ -32,18 +33,34 @@ class BlockMeta:
     shape: tuple[int, ...]
     nbytes: int
     checksum: int
-    tier: str
+    locations: list[str]  # tiers holding a complete copy, fastest first
     full: bool  # num_tokens == block_tokens
     pins: int = 0
     leases: int = 0
     children: int = 0  # indexed blocks whose parent this is; only leaves (0) may be evicted
     tick: int = 0  # recency, from engram/eviction.py's clock
+    moving: bool = False  # a copy to another tier is being written: not a victim until it lands
     hits: int = 0
     created: float = field(default_factory=time.time)
 
     @property
     def evictable(self) -> bool:
-        return self.pins == 0 and self.leases == 0
+        return self.pins == 0 and self.leases == 0 and not self.moving
+
+    @property
+    def tier(self) -> str:
+        """The fastest tier holding the block: where reads go."""
+        return self.locations[0]
+
+    def record(self) -> BlockRecord:
+        return BlockRecord(self.key, self.parent, self.model_fingerprint, self.namespace, self.dtype, self.full,
+                           self.shape, self.tokens, self.nbytes, self.checksum)
+
+    @classmethod
+    def from_record(cls, rec: BlockRecord, locations: list[str]) -> BlockMeta:
+        return cls(key=rec.key, parent=rec.parent, namespace=rec.namespace, model_fingerprint=rec.model_fingerprint,
+                   tokens=rec.tokens, num_tokens=rec.num_tokens, dtype=rec.dtype, shape=rec.shape, nbytes=rec.nbytes,
+                   checksum=rec.checksum, locations=locations, full=rec.full)
 
     def token_array(self) -> np.ndarray:
         return np.frombuffer(self.tokens, dtype="<i4")
@@ -62,6 +79,9 @@ class ChainIndex:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
 
     def __iter__(self) -> Iterator[BlockMeta]:
         return iter(self._entries.values())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -118,6 +119,20 @@ class ModelSpec:
             raise InvalidArgument("a model needs a name")
         if not self.weights_id:
             raise InvalidArgument("a model needs a weights_id (a checkpoint hash or revision)")
+
+    def to_dict(self) -> dict[str, object]:
+        lay = self.layout
+        return {"name": self.name, "weights_id": self.weights_id, "codec": self.codec, "layout": {
+            "layers": [[layer.kind.name, layer.window] for layer in lay.layers], "num_kv_heads": lay.num_kv_heads,
+            "head_dim": lay.head_dim, "dtype": lay.dtype.name, "block_tokens": lay.block_tokens}}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelSpec:
+        lay = d["layout"]
+        layout = KVLayout(layers=tuple(LayerSpec(LayerKind[k], w) for k, w in lay["layers"]),
+                          num_kv_heads=lay["num_kv_heads"], head_dim=lay["head_dim"], dtype=DType[lay["dtype"]],
+                          block_tokens=lay["block_tokens"])
+        return cls(d["name"], d["weights_id"], layout, d.get("codec", "raw"))
 
     @property
     def fingerprint(self) -> bytes:

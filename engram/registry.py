@@ -1,19 +1,61 @@
-"""The models a daemon knows, by fingerprint. Blocks are only accepted for registered models."""
+"""The models a daemon knows, by fingerprint. Blocks are only accepted for registered models.
+
+With a directory (the NVMe tier's), every registered model is also written there (temp file, fsync,
+rename), so that after a restart the blocks on disk can be matched to their models again.
+"""
 
 from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
 
 from engram.errors import NotFound
 from engram.layout import ModelSpec
 
+log = logging.getLogger("engram.registry")
+
 
 class ModelRegistry:
-    def __init__(self) -> None:
+    def __init__(self, directory: str | Path | None = None) -> None:
         self._models: dict[bytes, ModelSpec] = {}
+        self._dir = Path(directory) if directory else None
+        if self._dir is not None:
+            self._dir.mkdir(parents=True, exist_ok=True)
+            self._load()
+
+    def _load(self) -> None:
+        assert self._dir is not None
+        for path in sorted(self._dir.glob("*.json")):
+            try:
+                spec = ModelSpec.from_dict(json.loads(path.read_text()))
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("ignoring unreadable model file %s: %s", path, exc)
+                continue
+            if spec.fingerprint.hex() != path.stem:
+                log.warning("ignoring model file %s: its content has fingerprint %s", path, spec.fingerprint.hex())
+                continue
+            self._models[spec.fingerprint] = spec
 
     def register(self, spec: ModelSpec) -> bytes:
         fp = spec.fingerprint
-        self._models.setdefault(fp, spec)
+        if fp not in self._models:
+            if self._dir is not None:
+                self._persist(fp, spec)
+            self._models[fp] = spec
         return fp
+
+    def _persist(self, fp: bytes, spec: ModelSpec) -> None:
+        assert self._dir is not None
+        final = self._dir / f"{fp.hex()}.json"
+        tmp = final.with_suffix(".tmp")
+        with open(tmp, "w") as fh:
+            json.dump(spec.to_dict(), fh, sort_keys=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
 
     def get(self, fingerprint: bytes) -> ModelSpec:
         try:
@@ -24,7 +66,10 @@ class ModelRegistry:
                 f"unknown model fingerprint {shown}; call RegisterModel with the model's layout first"
             ) from None
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __contains__(self, fingerprint: object) -> bool:
+        return fingerprint in self._models
+
+    def __iter__(self) -> Iterator[ModelSpec]:
         return iter(self._models.values())
 
     def __len__(self) -> int:

@@ -124,3 +124,55 @@ def test_demo_shares_the_prefix() -> None:
     text = console.export_text()
     assert "session B" in text and "4096 (87%)" in text
     assert torch.__version__  # the demo ran on the CPU build
+
+
+def test_check_offline_reports_then_fixes(tmp_path: Path) -> None:
+    import asyncio
+
+    from engram.block import BlockRecord
+    from engram.layout import DType
+    from engram.tiers.nvme import NvmeTier
+
+    async def write_two() -> list[Path]:
+        tier = NvmeTier(tmp_path, 1 << 30)
+        paths = []
+        for i in range(2):
+            payload = os.urandom(1000)
+            from engram.block import checksum
+
+            rec = BlockRecord(bytes([i]) * 16, b"\0" * 16, b"f" * 16, "ns", DType.BF16, True, (1, 2, 16, 1, 16),
+                              b"\1\0\0\0" * 16, len(payload), checksum(payload))
+            assert tier.reserve(tier.space_for(rec))
+            await tier.write(rec, payload, tier.space_for(rec))
+            paths.append(tier.path_of(rec.key))
+        await tier.close()
+        return paths
+
+    paths = asyncio.run(write_two())
+    clean = run_cli("check", "--dir", str(tmp_path), "--json")
+    assert clean.returncode == 0 and json.loads(clean.stdout)["valid"] == 2
+    data = bytearray(paths[0].read_bytes())
+    data[-1] ^= 1
+    paths[0].write_bytes(bytes(data))
+    found = run_cli("check", "--dir", str(tmp_path), "--json")
+    assert found.returncode == 1
+    report = json.loads(found.stdout)
+    assert report["valid"] == 1 and len(report["findings"]) == 1
+    assert "checksum" in report["findings"][0]["problem"] and not report["findings"][0]["fixed"]
+    assert paths[0].exists()
+    fixed = run_cli("check", "--dir", str(tmp_path), "--fix")
+    assert fixed.returncode == 1 and "yes" in fixed.stdout and not paths[0].exists()
+    assert run_cli("check", "--dir", str(tmp_path)).returncode == 0
+    bad = run_cli("check", "--dir", str(tmp_path / "nope"))
+    assert bad.returncode == 4 and "not an Engram NVMe tier directory" in bad.stderr
+
+
+def test_check_online(daemon) -> None:  # type: ignore[no-untyped-def]
+    address, _ = daemon
+    spec = tiny_model()
+    with SyncEngramClient(address, namespace="cli") as c:
+        fp = c.register_model(spec)
+        c.put(fp, tokens(40), random_kv(spec, 40))
+    out = run_cli("check", "--address", address, "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"scanned": 3, "valid": 3, "findings": []}

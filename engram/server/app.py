@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -16,15 +17,33 @@ from grpc_reflection.v1alpha import reflection
 from engram.config import EngramConfig
 from engram.registry import ModelRegistry
 from engram.server.service import SERVICE_NAME, EngramService
-from engram.store import BlockStore
+from engram.store import BlockStore, WritePolicy
+from engram.tiers.base import Tier
 from engram.tiers.dram import DramTier
+from engram.tiers.nvme import NvmeTier
 from engram.v1 import engram_pb2
 
 log = logging.getLogger("engram.server")
 
 
-def build_store(config: EngramConfig) -> BlockStore:
-    return BlockStore([DramTier(config.tiers.dram.capacity)], ModelRegistry())
+async def build_store(config: EngramConfig) -> BlockStore:
+    """The tiers the config names, and the index recovered from the NVMe tier when there is one."""
+    t = config.tiers
+    tiers: list[Tier] = [DramTier(t.dram.capacity)]
+    registry = ModelRegistry()
+    if t.nvme.path:
+        root = Path(t.nvme.path)
+        registry = ModelRegistry(root / "models")
+        tiers.append(NvmeTier(root, t.nvme.capacity, compression=t.nvme.compression, io_threads=t.nvme.io_threads,
+                              fsync=t.nvme.fsync))
+    store = BlockStore(tiers, registry, write_policy=WritePolicy(t.write_policy), retry_s=t.retry_s)
+    if t.nvme.path:
+        report = await store.recover()
+        log.info("recovered %d blocks from %s (%d problems fixed)", report.recovered_blocks, t.nvme.path,
+                 len(report.findings))
+        for path, problem, _ in report.findings:
+            log.warning("recovery: %s: %s", path, problem)
+    return store
 
 
 @dataclass
@@ -47,7 +66,7 @@ class RunningServer:
 
 async def start_server(config: EngramConfig, store: BlockStore | None = None) -> RunningServer:
     s = config.server
-    store = store or build_store(config)
+    store = store or await build_store(config)
     options = [
         ("grpc.max_send_message_length", int(s.max_message_bytes)),
         ("grpc.max_receive_message_length", int(s.max_message_bytes)),

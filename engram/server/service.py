@@ -193,10 +193,13 @@ class EngramService:
         for tier in store.tiers:
             usage = tier.usage()
             tc = c.tiers[tier.name]
+            health = store.health[tier.name]
             tiers.append(pb.TierStats(
                 name=usage.name, capacity_bytes=usage.capacity_bytes, used_bytes=usage.used_bytes,
                 blocks=usage.blocks, hits=tc.hits, misses=tc.misses, evictions=tc.evictions,
-                pinned_blocks=store.pinned_blocks(tier.name),
+                pinned_blocks=store.pinned_blocks(tier.name), state=health.state, state_reason=health.reason,
+                demotions=tc.demotions, promotions=tc.promotions, io_errors=tc.io_errors,
+                corrupt_blocks=tc.corrupt_blocks, enospc=tc.enospc,
             ))
         models = [
             pb.ModelStats(model_fingerprint=m.fingerprint, name=m.name, blocks=m.blocks, stored_bytes=m.bytes, tokens=m.tokens)
@@ -210,8 +213,16 @@ class EngramService:
             limits=pb.Limits(max_message_bytes=cfg.max_message_bytes, chunk_bytes=cfg.chunk_bytes,
                              max_blocks_per_request=cfg.max_blocks_per_request,
                              max_tokens_per_request=cfg.max_tokens_per_request),
-            version=__version__, uptime_s=time.time() - store.started,
+            version=__version__, uptime_s=time.time() - store.started, write_policy=str(store.write_policy),
+            corrupt_blocks=c.corrupt_blocks,
         )
+
+    @unary
+    async def Check(self, request: Any, context: grpc.aio.ServicerContext) -> pb.CheckResponse:
+        req = _decoded(request)
+        report = await self.store.check(fix=req.fix)
+        return pb.CheckResponse(scanned=report.scanned, valid=report.valid, findings=[
+            pb.CheckFinding(path=path, problem=problem, fixed=fixed) for path, problem, fixed in report.findings])
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         """Method handlers built by hand (rather than add_EngramServicer_to_server) so that undecodable
@@ -228,5 +239,6 @@ class EngramService:
             "Get": grpc.unary_stream_rpc_method_handler(self.Get, _safe_decoder(pb.GetRequest), ser),
             "Pin": grpc.unary_unary_rpc_method_handler(self.Pin, _safe_decoder(pb.PinRequest), ser),
             "Stats": grpc.unary_unary_rpc_method_handler(self.Stats, _safe_decoder(pb.StatsRequest), ser),
+            "Check": grpc.unary_unary_rpc_method_handler(self.Check, _safe_decoder(pb.CheckRequest), ser),
         }
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from engram.block import BlockRecord
+
 
 @dataclass(frozen=True)
 class TierUsage:
@@ -42,8 +44,13 @@ class Tier(Protocol):
 
     def unreserve(self, nbytes: int) -> None: ...
 
-    async def write(self, key: bytes, payload: bytes) -> None:
-        """Store a payload whose space was reserved; the reservation becomes the block's."""
+    def space_for(self, rec: BlockRecord) -> int:
+        """Bytes to reserve before writing this block (its payload, plus any per-block overhead)."""
+        ...
+
+    async def write(self, rec: BlockRecord, payload: bytes, reserved: int) -> None:
+        """Store a payload for which `reserved` bytes were reserved; the reservation is consumed whether
+        the write succeeds or fails."""
         ...
 
     async def read(self, key: bytes) -> bytes: ...

@@ -5,6 +5,7 @@ Pinned DRAM for the GPU path is a separate pool (the GPU data path issue).
 
 from __future__ import annotations
 
+from engram.block import BlockRecord
 from engram.errors import NotFound
 from engram.tiers.base import TierUsage
 
@@ -45,11 +46,14 @@ class DramTier:
             raise AssertionError(f"unreserve({nbytes}) exceeds the {self._reserved} bytes reserved")
         self._reserved -= nbytes
 
-    async def write(self, key: bytes, payload: bytes) -> None:
-        if key in self._blocks:
+    def space_for(self, rec: BlockRecord) -> int:
+        return rec.nbytes
+
+    async def write(self, rec: BlockRecord, payload: bytes, reserved: int) -> None:
+        if rec.key in self._blocks:
             raise AssertionError("write of a key already in the tier; the store must dedupe first")
-        self.unreserve(len(payload))
-        self._blocks[key] = payload
+        self.unreserve(reserved)
+        self._blocks[rec.key] = payload
         self._stored += len(payload)
 
     async def read(self, key: bytes) -> bytes:

@@ -198,7 +198,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "capacity_bytes", "used_bytes", "blocks", "hits", "misses", "evictions", "pinned_blocks")
+    __slots__ = ("name", "capacity_bytes", "used_bytes", "blocks", "hits", "misses", "evictions", "pinned_blocks", "state", "state_reason", "demotions", "promotions", "io_errors", "corrupt_blocks", "enospc")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +207,13 @@ class TierStats(_message.Message):
     MISSES_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STATE_REASON_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    IO_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ENOSPC_FIELD_NUMBER: _ClassVar[int]
     name: str
     capacity_bytes: int
     used_bytes: int
@@ -215,7 +222,14 @@ class TierStats(_message.Message):
     misses: int
     evictions: int
     pinned_blocks: int
-    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., pinned_blocks: _Optional[int] = ...) -> None: ...
+    state: str
+    state_reason: str
+    demotions: int
+    promotions: int
+    io_errors: int
+    corrupt_blocks: int
+    enospc: int
+    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., state: _Optional[str] = ..., state_reason: _Optional[str] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., io_errors: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., enospc: _Optional[int] = ...) -> None: ...
 
 class ModelStats(_message.Message):
     __slots__ = ("model_fingerprint", "name", "blocks", "stored_bytes", "tokens")
@@ -244,7 +258,7 @@ class Limits(_message.Message):
     def __init__(self, max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "models", "lookups", "lookup_hit_tokens", "lookup_miss_tokens", "blocks_put", "blocks_deduplicated", "blocks_served", "bytes_served", "limits", "version", "uptime_s")
+    __slots__ = ("tiers", "models", "lookups", "lookup_hit_tokens", "lookup_miss_tokens", "blocks_put", "blocks_deduplicated", "blocks_served", "bytes_served", "limits", "version", "uptime_s", "write_policy", "corrupt_blocks")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +271,8 @@ class StatsResponse(_message.Message):
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    WRITE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     models: _containers.RepeatedCompositeFieldContainer[ModelStats]
     lookups: int
@@ -269,4 +285,32 @@ class StatsResponse(_message.Message):
     limits: Limits
     version: str
     uptime_s: float
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_hit_tokens: _Optional[int] = ..., lookup_miss_tokens: _Optional[int] = ..., blocks_put: _Optional[int] = ..., blocks_deduplicated: _Optional[int] = ..., blocks_served: _Optional[int] = ..., bytes_served: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+    write_policy: str
+    corrupt_blocks: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_hit_tokens: _Optional[int] = ..., lookup_miss_tokens: _Optional[int] = ..., blocks_put: _Optional[int] = ..., blocks_deduplicated: _Optional[int] = ..., blocks_served: _Optional[int] = ..., bytes_served: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., write_policy: _Optional[str] = ..., corrupt_blocks: _Optional[int] = ...) -> None: ...
+
+class CheckRequest(_message.Message):
+    __slots__ = ("fix",)
+    FIX_FIELD_NUMBER: _ClassVar[int]
+    fix: bool
+    def __init__(self, fix: _Optional[bool] = ...) -> None: ...
+
+class CheckFinding(_message.Message):
+    __slots__ = ("path", "problem", "fixed")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    FIXED_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    problem: str
+    fixed: bool
+    def __init__(self, path: _Optional[str] = ..., problem: _Optional[str] = ..., fixed: _Optional[bool] = ...) -> None: ...
+
+class CheckResponse(_message.Message):
+    __slots__ = ("scanned", "valid", "findings")
+    SCANNED_FIELD_NUMBER: _ClassVar[int]
+    VALID_FIELD_NUMBER: _ClassVar[int]
+    FINDINGS_FIELD_NUMBER: _ClassVar[int]
+    scanned: int
+    valid: int
+    findings: _containers.RepeatedCompositeFieldContainer[CheckFinding]
+    def __init__(self, scanned: _Optional[int] = ..., valid: _Optional[int] = ..., findings: _Optional[_Iterable[_Union[CheckFinding, _Mapping]]] = ...) -> None: ...

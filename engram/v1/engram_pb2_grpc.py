@@ -64,6 +64,11 @@ class EngramStub:
                 request_serializer=engram_dot_v1_dot_engram__pb2.StatsRequest.SerializeToString,
                 response_deserializer=engram_dot_v1_dot_engram__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Check = channel.unary_unary(
+                '/engram.v1.Engram/Check',
+                request_serializer=engram_dot_v1_dot_engram__pb2.CheckRequest.SerializeToString,
+                response_deserializer=engram_dot_v1_dot_engram__pb2.CheckResponse.FromString,
+                _registered_method=True)
 
 
 class EngramServicer:
@@ -106,6 +111,13 @@ class EngramServicer:
 
     def Stats(self, request, context):
         """Tier occupancy, hit/miss counters, registered models and server limits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Check(self, request, context):
+        """Verify every stored copy (payload checksums, block files); with fix, drop what is broken.
         Reserved for later issues: session RPCs (Open/Append/Fork/Close/Resume) and admin RPCs
         (Evict/Check/List/Show) are added beside these, never by changing the messages above.
         """
@@ -145,6 +157,11 @@ def add_EngramServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=engram_dot_v1_dot_engram__pb2.StatsRequest.FromString,
                     response_serializer=engram_dot_v1_dot_engram__pb2.StatsResponse.SerializeToString,
+            ),
+            'Check': grpc.unary_unary_rpc_method_handler(
+                    servicer.Check,
+                    request_deserializer=engram_dot_v1_dot_engram__pb2.CheckRequest.FromString,
+                    response_serializer=engram_dot_v1_dot_engram__pb2.CheckResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -309,6 +326,33 @@ class Engram:
             '/engram.v1.Engram/Stats',
             engram_dot_v1_dot_engram__pb2.StatsRequest.SerializeToString,
             engram_dot_v1_dot_engram__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Check(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engram.v1.Engram/Check',
+            engram_dot_v1_dot_engram__pb2.CheckRequest.SerializeToString,
+            engram_dot_v1_dot_engram__pb2.CheckResponse.FromString,
             options,
             channel_credentials,
             insecure,

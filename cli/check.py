@@ -1,0 +1,50 @@
+"""`engram check [--fix]`: verify every stored copy, on a running daemon (Check RPC) or, with --dir, on an
+NVMe tier directory whose daemon is stopped. Exit code 0 when clean, 1 when problems were found."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from engram.tiers.nvme import NvmeTier
+from engram.v1 import engram_pb2 as pb
+
+from .common import EXIT_BAD_INPUT, console, fail
+
+EXIT_PROBLEMS = 1
+
+
+def offline(directory: str, fix: bool) -> pb.CheckResponse:
+    root = Path(directory)
+    if not (root / "blocks").is_dir():
+        raise fail(f"{directory} is not an Engram NVMe tier directory (no blocks/ inside)", EXIT_BAD_INPUT)
+
+    async def run() -> pb.CheckResponse:
+        tier = NvmeTier(root, 1 << 62, fsync=False)
+        try:
+            report = await tier.check(fix=fix)
+        finally:
+            await tier.close()
+        return pb.CheckResponse(scanned=report.scanned, valid=report.valid, findings=[
+            pb.CheckFinding(path=f.path, problem=f.problem, fixed=f.fixed) for f in report.findings])
+
+    return asyncio.run(run())
+
+
+def show(resp: pb.CheckResponse, as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps({"scanned": resp.scanned, "valid": resp.valid, "findings": [
+            {"path": f.path, "problem": f.problem, "fixed": f.fixed} for f in resp.findings]}, indent=2))
+    else:
+        console.print(f"scanned {resp.scanned} stored copies: {resp.valid} valid, {len(resp.findings)} problems")
+        if resp.findings:
+            table = Table("path", "problem", "fixed")
+            for f in resp.findings:
+                table.add_row(f.path, f.problem, "yes" if f.fixed else "no")
+            console.print(table)
+    if resp.findings:
+        raise typer.Exit(EXIT_PROBLEMS)

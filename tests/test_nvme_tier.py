@@ -1,0 +1,395 @@
+"""The NVMe tier on real files: durable writes, verified reads, demotion and promotion, recovery after a
+restart, and every kind of broken file detected and never served."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engram import errors
+from engram.block import BlockHeader, checksum
+from engram.client import EngramClient, tensor_bytes
+from engram.config import load_config
+from engram.keys import root_key
+from engram.server.app import build_store
+from engram.store import BlockStore
+from engram.tiers.nvme import NvmeTier
+from tests.conftest import BLOCK_TOKENS, random_kv, tiny_model, tokens
+
+SPEC = tiny_model()
+BLOCK = SPEC.layout.block_nbytes(BLOCK_TOKENS)
+NS = "tenant-a"
+
+
+async def make_store(root: Path, dram_blocks: int = 4, nvme_blocks: int = 64, **tiers: object) -> BlockStore:
+    overrides = {"tiers.dram.capacity": dram_blocks * BLOCK, "tiers.nvme.path": str(root),
+                 "tiers.nvme.capacity": nvme_blocks * (BLOCK + 256), "tiers.retry_s": 0.05,
+                 **{f"tiers.{k}": v for k, v in tiers.items()}}
+    store = await build_store(load_config(env={}, overrides=overrides))
+    store.registry.register(SPEC)
+    return store
+
+
+async def put_seq(store: BlockStore, toks: np.ndarray, kv: torch.Tensor, pin: bool = False) -> list[bytes]:
+    fp = SPEC.fingerprint
+    parent = root_key(NS, fp)
+    keys = []
+    for i, start in enumerate(range(0, len(toks), BLOCK_TOKENS)):
+        t = toks[start : start + BLOCK_TOKENS]
+        block = kv[:, :, start : start + BLOCK_TOKENS]
+        payload = tensor_bytes(block)
+        header = BlockHeader(t, SPEC.layout.dtype, tuple(block.shape), len(payload), checksum(payload))
+        out = await store.put(NS, fp, parent, header, payload, pin=pin, index=i)
+        keys.append(out.key)
+        parent = out.key
+    return keys
+
+
+async def get_seq(store: BlockStore, toks: np.ndarray) -> tuple[int, torch.Tensor | None]:
+    match = store.lookup(NS, SPEC.fingerprint, toks)
+    if not match.blocks:
+        return 0, None
+    store.acquire(match.blocks)
+    try:
+        payloads = [await store.read(m) for m in match.blocks]
+    finally:
+        store.release(match.blocks)
+    dtype = SPEC.layout.dtype.torch_dtype
+    parts = [torch.frombuffer(bytearray(p), dtype=torch.uint8).view(dtype).reshape(m.shape)
+             for p, m in zip(payloads, match.blocks, strict=True)]
+    return match.matched_tokens, torch.cat(parts, dim=2)
+
+
+def block_files(root: Path) -> list[Path]:
+    return sorted((root / "blocks").rglob("*.blk"))
+
+
+async def test_demotion_then_promotion_keeps_every_block_readable(tmp_path: Path) -> None:
+    store = await make_store(tmp_path, dram_blocks=4)
+    seqs = [tokens(3 * BLOCK_TOKENS, seed=s) for s in range(6)]
+    kvs = [random_kv(SPEC, len(t), seed=s) for s, t in enumerate(seqs)]
+    for t, kv in zip(seqs, kvs, strict=True):
+        await put_seq(store, t, kv)
+    dram, nvme = store.tiers
+    assert dram.used_bytes <= 4 * BLOCK
+    assert len(nvme) == 18 - len(dram)  # write-back: what left DRAM went down, nothing was lost
+    assert store.counters.tiers["dram"].demotions == 18 - len(dram)
+    assert list((tmp_path / "tmp").iterdir()) == []  # no temp file outlives its write
+    for t, kv in zip(seqs, kvs, strict=True):
+        n, got = await get_seq(store, t)
+        assert n == len(t) and got is not None and torch.equal(got, kv)
+    assert store.counters.tiers["dram"].promotions > 0
+    match = store.lookup(NS, SPEC.fingerprint, seqs[-1])
+    assert all(m.tier == "dram" for m in match.blocks)  # the last read sequence was promoted
+    await store.close()
+
+
+async def test_write_through_puts_every_block_on_disk(tmp_path: Path) -> None:
+    store = await make_store(tmp_path, dram_blocks=64, write_policy="write-through")
+    t = tokens(4 * BLOCK_TOKENS + 3)
+    await put_seq(store, t, random_kv(SPEC, len(t)))
+    assert len(block_files(tmp_path)) == 5
+    assert all(m.locations == ["dram", "nvme"] for m in store.index)
+    await store.close()
+
+
+async def test_restart_recovers_every_committed_block(tmp_path: Path) -> None:
+    store = await make_store(tmp_path, dram_blocks=64, write_policy="write-through")
+    seqs = [tokens(2 * BLOCK_TOKENS + s, seed=s) for s in range(4)]
+    kvs = [random_kv(SPEC, len(t), seed=s) for s, t in enumerate(seqs)]
+    for t, kv in zip(seqs, kvs, strict=True):
+        await put_seq(store, t, kv)
+    await store.close()
+
+    store2 = await build_store(load_config(env={}, overrides={
+        "tiers.nvme.path": str(tmp_path), "tiers.dram.capacity": 64 * BLOCK}))
+    assert SPEC.fingerprint in store2.registry  # the model came back from its file
+    assert len(store2.index) == sum(-(-len(t) // BLOCK_TOKENS) for t in seqs)
+    for t, kv in zip(seqs, kvs, strict=True):
+        n, got = await get_seq(store2, t)
+        assert n == len(t) and got is not None and torch.equal(got, kv)
+    assert (await store2.check(fix=False)).ok
+    await store2.close()
+
+
+async def test_model_file_lost_keeps_blocks_until_registered(tmp_path: Path) -> None:
+    store = await make_store(tmp_path, dram_blocks=64, write_policy="write-through")
+    t = tokens(2 * BLOCK_TOKENS)
+    kv = random_kv(SPEC, len(t))
+    await put_seq(store, t, kv)
+    await store.close()
+    for f in (tmp_path / "models").iterdir():
+        f.unlink()
+    store2 = await build_store(load_config(env={}, overrides={"tiers.nvme.path": str(tmp_path)}))
+    assert len(store2.index) == 2
+    with pytest.raises(errors.NotFound, match="RegisterModel"):
+        store2.lookup(NS, SPEC.fingerprint, t)
+    store2.registry.register(SPEC)
+    n, got = await get_seq(store2, t)
+    assert n == len(t) and got is not None and torch.equal(got, kv)
+    await store2.close()
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+async def _store_on_disk(root: Path, n_seqs: int = 3) -> tuple[list[np.ndarray], list[torch.Tensor]]:
+    store = await make_store(root, dram_blocks=64, write_policy="write-through")
+    seqs = [tokens(2 * BLOCK_TOKENS, seed=s) for s in range(n_seqs)]
+    kvs = [random_kv(SPEC, len(t), seed=s) for s, t in enumerate(seqs)]
+    for t, kv in zip(seqs, kvs, strict=True):
+        await put_seq(store, t, kv)
+    await store.close()
+    return seqs, kvs
+
+
+@pytest.mark.parametrize("mayhem", ["truncate", "payload_flip", "header_flip", "delete", "wrong_name"])
+async def test_broken_files_are_detected_at_restart_and_never_served(tmp_path: Path, mayhem: str) -> None:
+    seqs, kvs = await _store_on_disk(tmp_path)
+    store = await make_store(tmp_path, dram_blocks=64)
+    victim_key = store.lookup(NS, SPEC.fingerprint, seqs[0]).blocks[1].key  # the second block of seq 0
+    path = store.tiers[1].path_of(victim_key)  # type: ignore[attr-defined]
+    await store.close()
+    if mayhem == "truncate":
+        os.truncate(path, path.stat().st_size - 7)
+    elif mayhem == "payload_flip":
+        _flip(path, path.stat().st_size - 100)
+    elif mayhem == "header_flip":
+        _flip(path, 60)
+    elif mayhem == "delete":
+        path.unlink()
+    else:
+        path.rename(path.with_name("00" * 16 + ".blk"))
+
+    # An offline check reports the damage (a deleted file leaves nothing to report offline).
+    offline = NvmeTier(tmp_path, 1 << 40)
+    report = await offline.check(fix=False)
+    await offline.close()
+    assert (len(report.findings) == 1) == (mayhem != "delete"), report.findings
+
+    store = await make_store(tmp_path, dram_blocks=64)
+    if mayhem == "payload_flip":
+        # Recovery reads headers only; the flip is caught on the first read, and the copy dropped.
+        assert store.lookup(NS, SPEC.fingerprint, seqs[0]).matched_tokens == len(seqs[0])
+        with pytest.raises(errors.DataLoss, match="checksum"):
+            await get_seq(store, seqs[0])
+        assert store.counters.corrupt_blocks == 1
+    n, got = await get_seq(store, seqs[0])
+    assert n == BLOCK_TOKENS and got is not None and torch.equal(got, kvs[0][:, :, :BLOCK_TOKENS])
+    for t, kv in zip(seqs[1:], kvs[1:], strict=True):
+        n2, got2 = await get_seq(store, t)
+        assert n2 == len(t) and got2 is not None and torch.equal(got2, kv)
+    assert (await store.check(fix=False)).ok  # recovery (and the failed read) removed the broken file
+    await store.close()
+
+
+async def test_stray_files_and_torn_writes_are_removed_at_start(tmp_path: Path) -> None:
+    seqs, kvs = await _store_on_disk(tmp_path, n_seqs=1)
+    (tmp_path / "tmp" / "abc.1234.tmp").write_bytes(b"half a block")
+    (tmp_path / "blocks" / "notes.txt").write_text("stray")
+    (tmp_path / "blocks" / "zz").mkdir()
+    (tmp_path / "blocks" / "zz" / "garbage.blk").write_bytes(os.urandom(300))
+    store = await make_store(tmp_path, dram_blocks=64)
+    n, got = await get_seq(store, seqs[0])
+    assert n == len(seqs[0]) and got is not None and torch.equal(got, kvs[0])
+    assert not (tmp_path / "tmp" / "abc.1234.tmp").exists()
+    assert not (tmp_path / "blocks" / "notes.txt").exists()
+    assert not (tmp_path / "blocks" / "zz" / "garbage.blk").exists()
+    assert (await store.check(fix=False)).ok
+    await store.close()
+
+
+async def test_orphans_are_dropped_at_recovery(tmp_path: Path) -> None:
+    seqs, _ = await _store_on_disk(tmp_path, n_seqs=1)
+    store = await make_store(tmp_path)
+    root_block = store.lookup(NS, SPEC.fingerprint, seqs[0]).blocks[0]
+    path = store.tiers[1].path_of(root_block.key)  # type: ignore[attr-defined]
+    await store.close()
+    path.unlink()
+    store = await make_store(tmp_path)
+    assert len(store.index) == 0 and block_files(tmp_path) == []  # the child was unreachable
+    await store.close()
+
+
+async def test_online_check_finds_and_fixes_a_corrupted_file(tmp_path: Path) -> None:
+    seqs, kvs = await _store_on_disk(tmp_path, n_seqs=1)
+    store = await make_store(tmp_path, dram_blocks=1)  # at most one block in DRAM: reads hit the disk
+    key = store.lookup(NS, SPEC.fingerprint, seqs[0]).blocks[1].key
+    _flip(store.tiers[1].path_of(key), -5)  # type: ignore[attr-defined]
+    report = await store.check(fix=False)
+    assert not report.ok and any("checksum" in p for _, p, _ in report.findings)
+    assert key in store.index  # a check without --fix changes nothing
+    report = await store.check(fix=True)
+    assert key not in store.index and (await store.check(fix=False)).ok
+    n, got = await get_seq(store, seqs[0])
+    assert n == BLOCK_TOKENS and got is not None and torch.equal(got, kvs[0][:, :, :BLOCK_TOKENS])
+    await store.close()
+
+
+async def test_lz4_is_used_only_when_it_pays(tmp_path: Path) -> None:
+    store = await make_store(tmp_path, dram_blocks=64, write_policy="write-through", **{"nvme.compression": True})
+    t = tokens(2 * BLOCK_TOKENS)
+    random_block = random_kv(SPEC, BLOCK_TOKENS)
+    zero_block = torch.zeros_like(random_block)
+    kv = torch.cat([random_block, zero_block], dim=2)
+    keys = await put_seq(store, t, kv)
+    nvme = store.tiers[1]
+    sizes = [nvme.path_of(k).stat().st_size for k in keys]  # type: ignore[attr-defined]
+    assert sizes[0] > BLOCK  # random bf16: stored raw
+    assert sizes[1] < BLOCK // 4  # zeros: compressed
+    await store.close()
+    store = await make_store(tmp_path, dram_blocks=1)
+    n, got = await get_seq(store, t)
+    assert n == len(t) and got is not None and torch.equal(got, kv)
+    await store.close()
+
+
+def _fill_until_full(directory: Path) -> Path:
+    filler = directory / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    return filler
+
+
+async def _exercise_disk_full(store: BlockStore, free_space) -> None:  # type: ignore[no-untyped-def]
+    seqs = [tokens(2 * BLOCK_TOKENS, seed=s) for s in range(8)]
+    kvs = [random_kv(SPEC, len(t), seed=s) for s, t in enumerate(seqs)]
+    for t, kv in zip(seqs, kvs, strict=True):
+        await put_seq(store, t, kv)  # DRAM holds 4 blocks: demotions start and meet a full disk
+    health = store.health["nvme"]
+    assert health.state == "degraded" and "no space" in health.reason
+    assert store.counters.tiers["nvme"].enospc >= 1
+    n, got = await get_seq(store, seqs[-1])  # DRAM-only service continues
+    assert n == len(seqs[-1]) and got is not None and torch.equal(got, kvs[-1])
+    free_space()
+    await asyncio.sleep(0.1)  # past retry_s
+    for s in range(8, 12):
+        t = tokens(2 * BLOCK_TOKENS, seed=s)
+        await put_seq(store, t, random_kv(SPEC, len(t), seed=s))
+    assert health.state == "ok" and len(store.tiers[1]) > 0
+    for meta in list(store.index):  # everything still indexed is readable and intact
+        store.acquire([meta])
+        try:
+            assert checksum(await store.read(meta, promote=False)) == meta.checksum
+        finally:
+            store.release([meta])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root; the injected-ENOSPC test covers the logic")
+async def test_disk_full_on_a_real_small_filesystem_degrades_and_recovers(tmp_path: Path) -> None:
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"this machine refuses a tmpfs mount: {mounted.stderr.decode().strip()}")
+    try:
+        store = await make_store(mnt, dram_blocks=4, nvme_blocks=1000)  # the budget is not the limit: the disk is
+        filler = _fill_until_full(mnt)
+        await _exercise_disk_full(store, lambda: filler.unlink())
+        await store.close()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+async def test_disk_full_injected_at_the_io_boundary(tmp_path: Path) -> None:
+    # The same scenario with ENOSPC raised by the tier's I/O boundary (fault_hook) instead of a real disk.
+    store = await make_store(tmp_path, dram_blocks=4)
+    full = {"on": True}
+
+    def hook(op: str, path: Path) -> None:
+        if op == "write" and full["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    store.tiers[1].fault_hook = hook  # type: ignore[attr-defined]
+    await _exercise_disk_full(store, lambda: full.update(on=False))
+    await store.close()
+
+
+async def test_io_error_on_one_block_fails_that_block_only(tmp_path: Path) -> None:
+    seqs, kvs = await _store_on_disk(tmp_path, n_seqs=2)
+    store = await make_store(tmp_path, dram_blocks=1)
+    bad = store.lookup(NS, SPEC.fingerprint, seqs[0]).blocks[0].key
+    bad_path = store.tiers[1].path_of(bad)  # type: ignore[attr-defined]
+
+    def hook(op: str, path: Path) -> None:
+        if op == "read" and path == bad_path:
+            raise OSError(errno.EIO, "Input/output error")
+
+    store.tiers[1].fault_hook = hook  # type: ignore[attr-defined]
+    with pytest.raises(errors.DataLoss):
+        await get_seq(store, seqs[0])
+    assert store.counters.tiers["nvme"].io_errors == 1
+    n, got = await get_seq(store, seqs[1])
+    assert n == len(seqs[1]) and got is not None and torch.equal(got, kvs[1])
+    await store.close()
+
+
+async def test_promotion_and_demotion_under_concurrent_load(tmp_path: Path) -> None:
+    store = await make_store(tmp_path, dram_blocks=6, nvme_blocks=200)
+    seqs = [tokens(3 * BLOCK_TOKENS + (s % 4), seed=s) for s in range(16)]
+    kvs = [random_kv(SPEC, len(t), seed=s) for s, t in enumerate(seqs)]
+
+    async def worker(w: int) -> int:
+        rng = random.Random(w)
+        checked = 0
+        for _ in range(40):
+            i = rng.randrange(len(seqs))
+            if rng.random() < 0.5:
+                # A parent evicted mid-chain by another worker is FailedPrecondition: a client retries whole.
+                with contextlib.suppress(errors.FailedPrecondition):
+                    await put_seq(store, seqs[i], kvs[i])
+            else:
+                n, got = await get_seq(store, seqs[i])
+                if got is not None:
+                    assert torch.equal(got, kvs[i][:, :, :n])
+                    checked += 1
+        return checked
+
+    checked = await asyncio.gather(*(worker(w) for w in range(8)))
+    assert sum(checked) > 0
+    for t, kv in zip(seqs, kvs, strict=True):
+        await put_seq(store, t, kv)
+        n, got = await get_seq(store, t)
+        assert n == len(t) and got is not None and torch.equal(got, kv)
+    c = store.counters.tiers
+    assert c["dram"].demotions > 0 and c["dram"].promotions > 0
+    assert store.tiers[0].used_bytes <= 6 * BLOCK
+    assert (await store.check(fix=False)).ok
+    await store.close()
+
+
+async def test_daemon_with_nvme_over_grpc(server_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    srv = await server_factory(**{"tiers.dram.capacity": 3 * BLOCK, "tiers.nvme.path": str(tmp_path / "nvme")})
+    async with EngramClient(srv.address, namespace=NS) as client:
+        fp = await client.register_model(SPEC)
+        seqs = [tokens(2 * BLOCK_TOKENS, seed=s) for s in range(4)]
+        kvs = [random_kv(SPEC, len(t), seed=s) for s, t in enumerate(seqs)]
+        for t, kv in zip(seqs, kvs, strict=True):
+            await client.put(fp, t, kv)
+        for t, kv in zip(seqs, kvs, strict=True):
+            n, got = await client.get_prefix(fp, t)
+            assert n == len(t) and got is not None and torch.equal(got, kv)
+        stats = await client.stats()
+        names = [t.name for t in stats.tiers]
+        assert names == ["dram", "nvme"] and stats.tiers[1].state == "ok" and stats.tiers[0].demotions > 0
+        check = await client.check()
+        assert check.scanned >= 8 and not check.findings
