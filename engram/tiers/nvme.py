@@ -169,18 +169,25 @@ class NvmeTier:
         where = f"NVMe block file {path.name}"
         try:
             self._fault("read", path)
-            with open(path, "rb") as fh:
-                data = fh.read()
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise DataLoss(f"{where} is missing") from None
         except OSError as exc:
             raise StorageIOError(f"reading {path.name}: {exc.strerror or exc}") from exc
-        rec, lay = decode_header(data[:_HEAD_READ], where)
-        if rec.key != key:
-            raise DataLoss(f"{where} holds block {rec.key.hex()}, not {key.hex()}")
-        if len(data) != lay.file_len:
-            raise DataLoss(f"{where}: {len(data)} bytes, its header announces {lay.file_len}")
-        return decode_payload(rec, lay, data[lay.payload_offset :], where)
+        try:
+            size = os.fstat(fd).st_size
+            rec, lay = decode_header(os.pread(fd, min(size, _HEAD_READ), 0), where)
+            if rec.key != key:
+                raise DataLoss(f"{where} holds block {rec.key.hex()}, not {key.hex()}")
+            if size != lay.file_len:
+                raise DataLoss(f"{where}: {size} bytes, its header announces {lay.file_len}")
+            # One pread straight into the bytes object that is served: no slicing copies.
+            stored = os.pread(fd, lay.stored_len, lay.payload_offset)
+        except OSError as exc:
+            raise StorageIOError(f"reading {path.name}: {exc.strerror or exc}") from exc
+        finally:
+            os.close(fd)
+        return decode_payload(rec, lay, stored, where)
 
     async def read(self, key: bytes) -> bytes:
         if key not in self._sizes:
