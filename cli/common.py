@@ -4,6 +4,7 @@ with a message and exit code instead of a traceback."""
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -14,7 +15,7 @@ from engram import errors
 from engram.client import EngramClient
 from engram.config import EngramConfig, load_config
 
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 140)  # piped: wide enough for the tables
 err_console = Console(stderr=True, soft_wrap=True)  # messages stay on one line for grep
 
 EXIT_UNAVAILABLE = 2

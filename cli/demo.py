@@ -16,6 +16,8 @@ from rich.console import Console
 from rich.table import Table
 
 from engram.client import EngramClient
+from engram.codec import blockformat
+from engram.codec.base import codec_by_name
 from engram.config import load_config
 from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
 from engram.server import start_server
@@ -36,7 +38,8 @@ class SessionReport:
     name: str
     tokens: int
     cached_tokens: int
-    verified: bool
+    verified: bool  # what came back is exactly what the daemon stored (the decode of its FP4 blocks)
+    rel_error: float  # relative RMS error of what came back against the KV the session computed
     stored: int
     deduplicated: int
     skipped: int
@@ -44,13 +47,25 @@ class SessionReport:
     seconds: float
 
 
+def stored_form(kv: torch.Tensor, codec: str, block_tokens: int) -> torch.Tensor:
+    """What the daemon keeps of kv: each block through the model's codec and back (bit-exact CPU reference)."""
+    enc = codec_by_name(codec)
+    blocks = [blockformat.decode(blockformat.encode(kv[:, :, s : s + block_tokens], enc))
+              for s in range(0, kv.shape[2], block_tokens)]
+    return torch.cat(blocks, dim=2)
+
+
 async def run_session(client: EngramClient, fp: bytes, name: str, tokens: np.ndarray) -> SessionReport:
     t0 = time.perf_counter()
     cached, kv_hit = await client.get_prefix(fp, tokens)
     kv_all = synthetic_kv(DEMO_LAYOUT, client.namespace, fp, tokens)  # what "prefill" would compute
-    verified = kv_hit is None or torch.equal(kv_hit, kv_all[:, :, :cached])
+    verified, err = True, 0.0
+    if kv_hit is not None:
+        want = kv_all[:, :, :cached]
+        verified = torch.equal(kv_hit, stored_form(want, client.codec_of(fp), DEMO_LAYOUT.block_tokens))
+        err = float((kv_hit.float() - want.float()).norm() / want.float().norm())
     put = await client.put(fp, tokens, kv_all)
-    return SessionReport(name, len(tokens), cached, verified, put.stored, put.deduplicated, put.skipped,
+    return SessionReport(name, len(tokens), cached, verified, err, put.stored, put.deduplicated, put.skipped,
                          0 if kv_hit is None else kv_hit.numel() * kv_hit.element_size(), time.perf_counter() - t0)
 
 
@@ -58,7 +73,8 @@ async def run_demo(console: Console, socket_dir: Path) -> list[SessionReport]:
     cfg = load_config(env={}, overrides={"server.unix_socket": str(socket_dir / "engram.sock")})
     server = await start_server(cfg)
     console.print(f"[bold]engram demo[/]: embedded daemon on [cyan]{server.address}[/] "
-                  f"(DRAM tier {human_bytes(cfg.tiers.dram.capacity)}, no GPU, no Redis)")
+                  f"(DRAM tier {human_bytes(cfg.tiers.dram.capacity)}, blocks stored as {cfg.codec.default}, "
+                  "no GPU, no Redis)")
     work = agent_sessions(n_sessions=2, system_tokens=1024, repository_tokens=3072, history_tokens=600)
     console.print(f"two agent sessions share a {work.shared_tokens}-token prefix (system prompt + repository), "
                   f"then {len(work.sessions[0]) - work.shared_tokens} tokens of their own; "
@@ -74,11 +90,12 @@ async def run_demo(console: Console, socket_dir: Path) -> list[SessionReport]:
         await server.stop()
 
     table = Table(title="sessions", title_justify="left")
-    for col in ("session", "tokens", "cached", "KV served", "intact", "stored", "sent", "time"):
+    for col in ("session", "tokens", "cached", "KV served", "intact", "FP4 err", "stored", "sent", "time"):
         table.add_column(col, justify="left" if col == "session" else "right")
     for r in reports:
         table.add_row(r.name, str(r.tokens), f"{r.cached_tokens} ({100 * r.cached_tokens / r.tokens:.0f}%)",
                       human_bytes(r.bytes_got), "yes" if r.verified else "[red]NO[/]",
+                      f"{r.rel_error:.3f}" if r.cached_tokens else "-",
                       f"{r.stored} blk", f"{r.stored + r.deduplicated}/{r.stored + r.deduplicated + r.skipped} blk",
                       f"{r.seconds * 1000:.0f} ms")
     console.print(table)

@@ -40,12 +40,13 @@ def stats_renderable(resp: pb.StatsResponse) -> Group:
         tiers.add_row(t.name, f"{human_bytes(t.used_bytes)} ({pct:.0f}%)", human_bytes(t.capacity_bytes),
                       str(t.blocks), str(t.pinned_blocks), str(t.hits), str(t.evictions))
     models = Table(title="models", title_justify="left")
-    for col in ("model", "fingerprint", "blocks", "tokens", "bytes", "bytes/token"):
-        models.add_column(col, justify="left" if col in ("model", "fingerprint") else "right")
+    for col in ("model", "fingerprint", "codec", "blocks", "tokens", "stored", "bytes/token", "raw bytes/token"):
+        models.add_column(col, justify="left" if col in ("model", "fingerprint", "codec") else "right")
     for m in resp.models:
         per_tok = f"{m.stored_bytes / m.tokens:.0f}" if m.tokens else "-"
-        models.add_row(m.name, m.model_fingerprint.hex()[:12], str(m.blocks), str(m.tokens),
-                       human_bytes(m.stored_bytes), per_tok)
+        raw_tok = f"{m.raw_bytes / m.tokens:.0f}" if m.tokens else "-"
+        models.add_row(m.name, m.model_fingerprint.hex()[:12], m.codec, str(m.blocks), str(m.tokens),
+                       human_bytes(m.stored_bytes), per_tok, raw_tok)
     looked = resp.lookup_hit_tokens + resp.lookup_miss_tokens
     hit_pct = 100.0 * resp.lookup_hit_tokens / looked if looked else 0.0
     counters = Table(title="counters", title_justify="left", show_header=False)

@@ -12,6 +12,15 @@ from engram.errors import InvalidArgument
 from engram.layout import DType, KVLayout
 
 
+def encoded_block_nbytes(codec: str, shape: tuple[int, ...], layout: KVLayout) -> int:
+    """Payload bytes of a block of this shape: raw elements, or a v1 block of the codec."""
+    if codec in ("", "raw"):
+        return layout.block_nbytes(shape[2])
+    from engram.codec import base, blockformat  # the codec stack (torch numerics) only where used
+
+    return blockformat.encoded_nbytes(base.codec_by_name(codec), shape, layout.dtype)  # type: ignore[arg-type]
+
+
 def checksum(payload: bytes | memoryview) -> int:
     """xxh3_64 of a payload: an integrity check against torn writes and bit flips, not an adversary
     (block keys, which an adversary could target, use BLAKE2b: engram/keys.py)."""
@@ -25,6 +34,7 @@ class BlockHeader:
     shape: tuple[int, ...]
     payload_nbytes: int
     checksum: int
+    codec: str = "raw"  # "raw": the elements as they are; otherwise a v1 block (engram/codec/blockformat.py)
 
     @property
     def num_tokens(self) -> int:
@@ -48,9 +58,10 @@ class BlockHeader:
                 f"{where}: shape {tuple(self.shape)} does not match the layout's "
                 f"(persisted_layers, 2, tokens, kv_heads, head_dim) = {want}"
             )
-        if self.payload_nbytes != layout.block_nbytes(n):
+        expected = encoded_block_nbytes(self.codec, want, layout)
+        if self.payload_nbytes != expected:
             raise InvalidArgument(
-                f"{where}: payload_nbytes {self.payload_nbytes} != {layout.block_nbytes(n)} for shape {want}"
+                f"{where}: payload_nbytes {self.payload_nbytes} != {expected} for shape {want} in codec {self.codec}"
             )
 
     def verify_payload(self, payload: bytes | memoryview, *, index: int) -> None:

@@ -80,6 +80,12 @@ class TiersConfig:
 
 
 @dataclass
+class CodecConfig:
+    default: str = "nvfp4"  # for models registered without a codec: raw, fp8_e4m3, nvfp4, mxfp4
+    backend: str = "auto"  # where the daemon encodes and decodes: auto (triton on CUDA), reference, triton
+
+
+@dataclass
 class LoggingConfig:
     level: str = "info"
     json: bool = False
@@ -89,6 +95,7 @@ class LoggingConfig:
 class EngramConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     tiers: TiersConfig = field(default_factory=TiersConfig)
+    codec: CodecConfig = field(default_factory=CodecConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def validate(self) -> EngramConfig:
@@ -108,6 +115,10 @@ class EngramConfig:
             raise ConfigError("tiers.write_policy = write-through needs an NVMe tier: set tiers.nvme.path")
         if self.tiers.nvme.path and (self.tiers.nvme.capacity <= 0 or self.tiers.nvme.io_threads < 1):
             raise ConfigError("tiers.nvme.capacity must be positive and tiers.nvme.io_threads >= 1")
+        if self.codec.default not in {"raw", "fp8_e4m3", "nvfp4", "mxfp4"}:
+            raise ConfigError(f"codec.default must be raw, fp8_e4m3, nvfp4 or mxfp4, got {self.codec.default!r}")
+        if self.codec.backend not in {"auto", "reference", "triton"}:
+            raise ConfigError(f"codec.backend must be auto, reference or triton, got {self.codec.backend!r}")
         if self.logging.level.lower() not in {"debug", "info", "warning", "error"}:
             raise ConfigError(f"logging.level must be debug, info, warning or error, got {self.logging.level!r}")
         return self

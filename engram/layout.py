@@ -112,7 +112,7 @@ class ModelSpec:
     name: str
     weights_id: str
     layout: KVLayout
-    codec: str = "raw"
+    codec: str = ""  # "" = the daemon's default codec (the registry fills it in)
 
     def __post_init__(self) -> None:
         if not self.name:

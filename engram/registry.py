@@ -6,6 +6,7 @@ rename), so that after a restart the blocks on disk can be matched to their mode
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -19,7 +20,8 @@ log = logging.getLogger("engram.registry")
 
 
 class ModelRegistry:
-    def __init__(self, directory: str | Path | None = None) -> None:
+    def __init__(self, directory: str | Path | None = None, *, default_codec: str = "raw") -> None:
+        self.default_codec = default_codec
         self._models: dict[bytes, ModelSpec] = {}
         self._dir = Path(directory) if directory else None
         if self._dir is not None:
@@ -40,6 +42,12 @@ class ModelRegistry:
             self._models[spec.fingerprint] = spec
 
     def register(self, spec: ModelSpec) -> bytes:
+        """Register a model (its codec defaulted to the daemon's); returns its fingerprint."""
+        if not spec.codec:
+            spec = dataclasses.replace(spec, codec=self.default_codec)
+        from engram.codec.base import codec_by_name
+
+        codec_by_name(spec.codec)  # an unknown codec is InvalidArgument
         fp = spec.fingerprint
         if fp not in self._models:
             if self._dir is not None:

@@ -20,15 +20,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from engram.block import BlockHeader, BlockRecord, checksum
-from engram.errors import DataLoss, FailedPrecondition, NotFound, ResourceExhausted, StorageFull, Unavailable
+from engram.errors import (
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    StorageFull,
+    Unavailable,
+)
 from engram.eviction import LeafLRU, tick
 from engram.index import BlockMeta, ChainIndex, PrefixMatch
 from engram.keys import block_key, root_key, tokens_to_bytes
@@ -83,9 +93,11 @@ class PutOutcome:
 class ModelUsage:
     fingerprint: bytes
     name: str
+    codec: str
     blocks: int
-    bytes: int
+    bytes: int  # as stored
     tokens: int
+    raw_bytes: int  # as raw elements of the layout's dtype
 
 
 @dataclass
@@ -107,7 +119,8 @@ _TIER_FAULTS = (ResourceExhausted, Unavailable, DataLoss, OSError)
 
 class BlockStore:
     def __init__(self, tiers: Sequence[Tier], registry: ModelRegistry, *,
-                 write_policy: WritePolicy = WritePolicy.WRITE_BACK, retry_s: float = 5.0) -> None:
+                 write_policy: WritePolicy = WritePolicy.WRITE_BACK, retry_s: float = 5.0,
+                 codec_backend: str = "reference") -> None:
         if not tiers:
             raise ValueError("a store needs at least one tier")
         self.tiers = list(tiers)  # fastest first
@@ -115,6 +128,7 @@ class BlockStore:
         self.registry = registry
         self.write_policy = write_policy
         self.retry_s = retry_s
+        self.codec_backend = codec_backend  # where raw puts are encoded: "reference" or "triton"
         self.index = ChainIndex()
         self._lru = {t.name: LeafLRU(t.name) for t in self.tiers}
         self.health = {t.name: TierHealth() for t in self.tiers}
@@ -159,6 +173,7 @@ class BlockStore:
         layout = spec.layout
         header.validate(layout, index=index)
         header.verify_payload(payload, index=index)
+        header, payload = await self._stored_form(spec.codec or "raw", header, payload, index)
         if parent != root_key(namespace, model_fingerprint):
             pmeta = self.index.get(parent)
             if pmeta is None or pmeta.namespace != namespace or pmeta.model_fingerprint != model_fingerprint:
@@ -213,6 +228,27 @@ class BlockStore:
         if meta.full:
             await self._drop_superseded_partials(meta)
         return PutOutcome(key, stored=True)
+
+    async def _stored_form(self, codec: str, header: BlockHeader, payload: bytes, index: int
+                           ) -> tuple[BlockHeader, bytes]:
+        """The block as the model stores it: raw elements are encoded here when the model's codec is a
+        quantizing one; a block the worker already encoded must be in the model's codec and verify."""
+        from engram.codec import base, blockformat
+
+        if header.codec == codec:
+            if codec != "raw":
+                fmt = blockformat.parse(payload, f"block {index}")
+                if fmt.shape != tuple(header.shape) or fmt.dtype != header.dtype:
+                    raise InvalidArgument(f"block {index}: its v1 header says shape {fmt.shape} {fmt.dtype.name}, "
+                                          f"its BlockHeader {tuple(header.shape)} {header.dtype.name}")
+            return header, payload
+        if header.codec != "raw":
+            raise InvalidArgument(f"block {index}: this model stores {codec} blocks; send raw elements (the daemon "
+                                  f"encodes them) or {codec} blocks, not {header.codec}")
+        dtype = header.dtype.torch_dtype
+        kv = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(header.shape)
+        blob = await asyncio.to_thread(blockformat.encode, kv, base.codec_by_name(codec), backend=self.codec_backend)
+        return dataclasses.replace(header, codec=codec, payload_nbytes=len(blob), checksum=checksum(blob)), blob
 
     async def _drop_superseded_partials(self, full: BlockMeta) -> None:
         """A full block makes the partial tails under the same parent that it extends redundant."""
@@ -534,9 +570,12 @@ class BlockStore:
             row[0] += 1
             row[1] += meta.nbytes
             row[2] += meta.num_tokens
-        return [
-            ModelUsage(spec.fingerprint, spec.name, *acc.get(spec.fingerprint, [0, 0, 0])) for spec in self.registry
-        ]
+        out = []
+        for spec in self.registry:
+            blocks, nbytes, tokens = acc.get(spec.fingerprint, [0, 0, 0])
+            out.append(ModelUsage(spec.fingerprint, spec.name, spec.codec, blocks, nbytes, tokens,
+                                  tokens * spec.layout.bytes_per_token()))
+        return out
 
     def pinned_blocks(self, tier_name: str) -> int:
         return sum(1 for m in self.index if tier_name in m.locations and m.pins > 0)

@@ -26,8 +26,9 @@ def tiny_layout(dtype: DType = DType.BF16, block_tokens: int = BLOCK_TOKENS) -> 
     return KVLayout(layers=layers, num_kv_heads=2, head_dim=16, dtype=dtype, block_tokens=block_tokens)
 
 
-def tiny_model(dtype: DType = DType.BF16, weights_id: str = "seed-0") -> ModelSpec:
-    return ModelSpec(name="tiny-hybrid", weights_id=weights_id, layout=tiny_layout(dtype))
+def tiny_model(dtype: DType = DType.BF16, weights_id: str = "seed-0", codec: str = "raw") -> ModelSpec:
+    # raw by default, so round trips are bit-exact; the codec tests name their codec.
+    return ModelSpec(name="tiny-hybrid", weights_id=weights_id, layout=tiny_layout(dtype), codec=codec)
 
 
 def random_kv(spec: ModelSpec, n_tokens: int, seed: int = 0) -> torch.Tensor:

@@ -225,7 +225,7 @@ async def test_large_blocks_are_chunked_under_the_message_limit(server_factory) 
 
     layout = KVLayout(layers=(LayerSpec(LayerKind.GLOBAL),) * 4, num_kv_heads=8, head_dim=128,
                       dtype=DType.FP32, block_tokens=256)
-    spec = ModelSpec("big", "w", layout)  # 4 MiB blocks
+    spec = ModelSpec("big", "w", layout, codec="raw")  # 4 MiB blocks
     srv = await server_factory(**{"server.max_message_bytes": 2 * 2**20, "server.chunk_bytes": 1 * 2**20})
     async with EngramClient(srv.address, chunk_bytes=2**20, max_message_bytes=2 * 2**20) as client:
         fp = await client.register_model(spec)

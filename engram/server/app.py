@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engram.codec.base import default_backend
 from engram.config import EngramConfig
 from engram.registry import ModelRegistry
 from engram.server.service import SERVICE_NAME, EngramService
@@ -30,13 +31,16 @@ async def build_store(config: EngramConfig) -> BlockStore:
     """The tiers the config names, and the index recovered from the NVMe tier when there is one."""
     t = config.tiers
     tiers: list[Tier] = [DramTier(t.dram.capacity)]
-    registry = ModelRegistry()
+    codec = config.codec.default
+    registry = ModelRegistry(default_codec=codec)
     if t.nvme.path:
         root = Path(t.nvme.path)
-        registry = ModelRegistry(root / "models")
+        registry = ModelRegistry(root / "models", default_codec=codec)
         tiers.append(NvmeTier(root, t.nvme.capacity, compression=t.nvme.compression, io_threads=t.nvme.io_threads,
                               fsync=t.nvme.fsync))
-    store = BlockStore(tiers, registry, write_policy=WritePolicy(t.write_policy), retry_s=t.retry_s)
+    backend = default_backend() if config.codec.backend == "auto" else config.codec.backend
+    store = BlockStore(tiers, registry, write_policy=WritePolicy(t.write_policy), retry_s=t.retry_s,
+                       codec_backend=backend)
     if t.nvme.path:
         report = await store.recover()
         log.info("recovered %d blocks from %s (%d problems fixed)", report.recovered_blocks, t.nvme.path,

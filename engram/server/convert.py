@@ -45,8 +45,7 @@ def layout_to_pb(layout: KVLayout) -> pb.KVLayout:
 
 
 def model_from_pb(msg: pb.ModelSpec) -> ModelSpec:
-    return ModelSpec(name=msg.name, weights_id=msg.weights_id, layout=layout_from_pb(msg.layout),
-                     codec=msg.codec or "raw")
+    return ModelSpec(name=msg.name, weights_id=msg.weights_id, layout=layout_from_pb(msg.layout), codec=msg.codec)
 
 
 def model_to_pb(spec: ModelSpec) -> pb.ModelSpec:
@@ -60,6 +59,7 @@ def header_from_pb(msg: pb.BlockHeader, index: int) -> BlockHeader:
         shape=tuple(msg.shape),
         payload_nbytes=msg.payload_nbytes,
         checksum=msg.checksum,
+        codec=msg.codec or "raw",
     )
 
 
@@ -70,4 +70,5 @@ def header_to_pb(header: BlockHeader) -> pb.BlockHeader:
         shape=list(header.shape),
         payload_nbytes=header.payload_nbytes,
         checksum=header.checksum,
+        codec=header.codec,
     )

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 import numpy as np
+import torch
 
 from engram import __version__
-from engram.block import BlockHeader
+from engram.block import BlockHeader, checksum
 from engram.config import ServerConfig
 from engram.errors import InvalidArgument, ResourceExhausted
 from engram.keys import root_key
@@ -61,7 +64,8 @@ class EngramService:
     async def RegisterModel(self, request: Any, context: grpc.aio.ServicerContext) -> pb.RegisterModelResponse:
         req = _decoded(request)
         spec = convert.model_from_pb(req.model)
-        return pb.RegisterModelResponse(model_fingerprint=self.store.registry.register(spec))
+        fp = self.store.registry.register(spec)
+        return pb.RegisterModelResponse(model_fingerprint=fp, codec=self.store.registry.get(fp).codec)
 
     @unary
     async def Lookup(self, request: Any, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
@@ -154,14 +158,18 @@ class EngramService:
         req = _decoded(request)
         _check_limit("Get keys", len(req.keys), self.config.max_blocks_per_request)
         metas = self.store.find(req.namespace, req.model_fingerprint, list(req.keys))
+        codec = self.store.registry.get(req.model_fingerprint).codec
         step = self.config.chunk_bytes
         self.store.acquire(metas)
         try:
             for meta in metas:
                 payload = await self.store.read(meta)
-                header = convert.header_to_pb(
-                    BlockHeader(meta.token_array(), meta.dtype, meta.shape, meta.nbytes, meta.checksum)
-                )
+                block = BlockHeader(meta.token_array(), meta.dtype, meta.shape, meta.nbytes, meta.checksum, codec)
+                if req.decode and codec != "raw":
+                    payload = await asyncio.to_thread(self._decode, payload)
+                    block = dataclasses.replace(block, codec="raw", payload_nbytes=len(payload),
+                                                checksum=checksum(payload))
+                header = convert.header_to_pb(block)
                 if len(payload) <= step:
                     yield pb.GetResponse(chunk=pb.BlockChunk(header=header, key=meta.key, data=payload, last=True))
                     continue
@@ -176,6 +184,12 @@ class EngramService:
                     yield pb.GetResponse(chunk=msg)
         finally:
             self.store.release(metas)
+
+    def _decode(self, blob: bytes) -> bytes:
+        from engram.codec import blockformat
+
+        kv = blockformat.decode(blob, backend=self.store.codec_backend, where="stored block")
+        return kv.contiguous().view(torch.uint8).numpy().tobytes()
 
     @unary
     async def Pin(self, request: Any, context: grpc.aio.ServicerContext) -> pb.PinResponse:
@@ -202,7 +216,8 @@ class EngramService:
                 corrupt_blocks=tc.corrupt_blocks, enospc=tc.enospc,
             ))
         models = [
-            pb.ModelStats(model_fingerprint=m.fingerprint, name=m.name, blocks=m.blocks, stored_bytes=m.bytes, tokens=m.tokens)
+            pb.ModelStats(model_fingerprint=m.fingerprint, name=m.name, blocks=m.blocks, stored_bytes=m.bytes,
+                          tokens=m.tokens, codec=m.codec, raw_bytes=m.raw_bytes)
             for m in store.model_usage()
         ]
         cfg = self.config

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x65ngram/v1/engram.proto\x12\tengram.v1\"?\n\tLayerSpec\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.engram.v1.LayerKind\x12\x0e\n\x06window\x18\x02 \x01(\r\"\x8f\x01\n\x08KVLayout\x12$\n\x06layers\x18\x01 \x03(\x0b\x32\x14.engram.v1.LayerSpec\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x1f\n\x05\x64type\x18\x04 \x01(\x0e\x32\x10.engram.v1.DType\x12\x14\n\x0c\x62lock_tokens\x18\x05 \x01(\r\"a\n\tModelSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nweights_id\x18\x02 \x01(\t\x12#\n\x06layout\x18\x03 \x01(\x0b\x32\x13.engram.v1.KVLayout\x12\r\n\x05\x63odec\x18\x04 \x01(\t\";\n\x14RegisterModelRequest\x12#\n\x05model\x18\x01 \x01(\x0b\x32\x14.engram.v1.ModelSpec\"2\n\x15RegisterModelResponse\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\x0c\"M\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\x0c\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\"I\n\x08\x42lockRef\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x0c\n\x04tier\x18\x03 \x01(\t\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"M\n\x0eLookupResponse\x12\x16\n\x0ematched_tokens\x18\x01 \x01(\r\x12#\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x13.engram.v1.BlockRef\"w\n\x0b\x42lockHeader\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x1f\n\x05\x64type\x18\x02 \x01(\x0e\x32\x10.engram.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\r\x12\x16\n\x0epayload_nbytes\x18\x04 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x04\"]\n\nBlockChunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x16.engram.v1.BlockHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04last\x18\x03 \x01(\x08\x12\x0b\n\x03key\x18\x04 \x01(\x0c\"Z\n\tPutHeader\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\x0c\x12\x12\n\nparent_key\x18\x03 \x01(\x0c\x12\x0b\n\x03pin\x18\x04 \x01(\x08\"d\n\nPutRequest\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.engram.v1.PutHeaderH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.engram.v1.BlockChunkH\x00\x42\x06\n\x04item\"A\n\x0bPutResponse\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0e\n\x06stored\x18\x02 \x01(\r\x12\x14\n\x0c\x64\x65\x64uplicated\x18\x03 \x01(\r\"H\n\nGetRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\x0c\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"3\n\x0bGetResponse\x12$\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x15.engram.v1.BlockChunk\"W\n\nPinRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\x0c\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\r\n\x05unpin\x18\x04 \x01(\x08\"\x1e\n\x0bPinResponse\x12\x0f\n\x07\x63hanged\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xa4\x02\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\x12\x15\n\rpinned_blocks\x18\x08 \x01(\x04\x12\r\n\x05state\x18\t \x01(\t\x12\x14\n\x0cstate_reason\x18\n \x01(\t\x12\x11\n\tdemotions\x18\x0b \x01(\x04\x12\x12\n\npromotions\x18\x0c \x01(\x04\x12\x11\n\tio_errors\x18\r \x01(\x04\x12\x16\n\x0e\x63orrupt_blocks\x18\x0e \x01(\x04\x12\x0e\n\x06\x65nospc\x18\x0f \x01(\x04\"k\n\nModelStats\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\x0c\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x04\x12\x14\n\x0cstored_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06tokens\x18\x05 \x01(\x04\"x\n\x06Limits\x12\x19\n\x11max_message_bytes\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\x12\x1e\n\x16max_blocks_per_request\x18\x03 \x01(\r\x12\x1e\n\x16max_tokens_per_request\x18\x04 \x01(\r\"\xf5\x02\n\rStatsResponse\x12#\n\x05tiers\x18\x01 \x03(\x0b\x32\x14.engram.v1.TierStats\x12%\n\x06models\x18\x02 \x03(\x0b\x32\x15.engram.v1.ModelStats\x12\x0f\n\x07lookups\x18\x03 \x01(\x04\x12\x19\n\x11lookup_hit_tokens\x18\x04 \x01(\x04\x12\x1a\n\x12lookup_miss_tokens\x18\x05 \x01(\x04\x12\x12\n\nblocks_put\x18\x06 \x01(\x04\x12\x1b\n\x13\x62locks_deduplicated\x18\x07 \x01(\x04\x12\x15\n\rblocks_served\x18\x08 \x01(\x04\x12\x14\n\x0c\x62ytes_served\x18\t \x01(\x04\x12!\n\x06limits\x18\n \x01(\x0b\x32\x11.engram.v1.Limits\x12\x0f\n\x07version\x18\x0b \x01(\t\x12\x10\n\x08uptime_s\x18\x0c \x01(\x01\x12\x14\n\x0cwrite_policy\x18\r \x01(\t\x12\x16\n\x0e\x63orrupt_blocks\x18\x0e \x01(\x04\"\x1b\n\x0c\x43heckRequest\x12\x0b\n\x03\x66ix\x18\x01 \x01(\x08\"<\n\x0c\x43heckFinding\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07problem\x18\x02 \x01(\t\x12\r\n\x05\x66ixed\x18\x03 \x01(\x08\"Z\n\rCheckResponse\x12\x0f\n\x07scanned\x18\x01 \x01(\x04\x12\r\n\x05valid\x18\x02 \x01(\x04\x12)\n\x08\x66indings\x18\x03 \x03(\x0b\x32\x17.engram.v1.CheckFinding*N\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0e\n\nDTYPE_BF16\x10\x01\x12\x0e\n\nDTYPE_FP16\x10\x02\x12\x0e\n\nDTYPE_FP32\x10\x03*V\n\tLayerKind\x12\x1a\n\x16LAYER_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11LAYER_KIND_GLOBAL\x10\x01\x12\x16\n\x12LAYER_KIND_SLIDING\x10\x02\x32\xb9\x03\n\x06\x45ngram\x12R\n\rRegisterModel\x12\x1f.engram.v1.RegisterModelRequest\x1a .engram.v1.RegisterModelResponse\x12=\n\x06Lookup\x12\x18.engram.v1.LookupRequest\x1a\x19.engram.v1.LookupResponse\x12\x36\n\x03Put\x12\x15.engram.v1.PutRequest\x1a\x16.engram.v1.PutResponse(\x01\x12\x36\n\x03Get\x12\x15.engram.v1.GetRequest\x1a\x16.engram.v1.GetResponse0\x01\x12\x34\n\x03Pin\x12\x15.engram.v1.PinRequest\x1a\x16.engram.v1.PinResponse\x12:\n\x05Stats\x12\x17.engram.v1.StatsRequest\x1a\x18.engram.v1.StatsResponse\x12:\n\x05\x43heck\x12\x17.engram.v1.CheckRequest\x1a\x18.engram.v1.CheckResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x65ngram/v1/engram.proto\x12\tengram.v1\"?\n\tLayerSpec\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.engram.v1.LayerKind\x12\x0e\n\x06window\x18\x02 \x01(\r\"\x8f\x01\n\x08KVLayout\x12$\n\x06layers\x18\x01 \x03(\x0b\x32\x14.engram.v1.LayerSpec\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x1f\n\x05\x64type\x18\x04 \x01(\x0e\x32\x10.engram.v1.DType\x12\x14\n\x0c\x62lock_tokens\x18\x05 \x01(\r\"a\n\tModelSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nweights_id\x18\x02 \x01(\t\x12#\n\x06layout\x18\x03 \x01(\x0b\x32\x13.engram.v1.KVLayout\x12\r\n\x05\x63odec\x18\x04 \x01(\t\";\n\x14RegisterModelRequest\x12#\n\x05model\x18\x01 \x01(\x0b\x32\x14.engram.v1.ModelSpec\"A\n\x15RegisterModelResponse\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\x0c\x12\r\n\x05\x63odec\x18\x02 \x01(\t\"M\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\x0c\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\"I\n\x08\x42lockRef\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x0c\n\x04tier\x18\x03 \x01(\t\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"M\n\x0eLookupResponse\x12\x16\n\x0ematched_tokens\x18\x01 \x01(\r\x12#\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x13.engram.v1.BlockRef\"\x86\x01\n\x0b\x42lockHeader\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x1f\n\x05\x64type\x18\x02 \x01(\x0e\x32\x10.engram.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\r\x12\x16\n\x0epayload_nbytes\x18\x04 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x04\x12\r\n\x05\x63odec\x18\x06 \x01(\t\"]\n\nBlockChunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x16.engram.v1.BlockHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04last\x18\x03 \x01(\x08\x12\x0b\n\x03key\x18\x04 \x01(\x0c\"Z\n\tPutHeader\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\x0c\x12\x12\n\nparent_key\x18\x03 \x01(\x0c\x12\x0b\n\x03pin\x18\x04 \x01(\x08\"d\n\nPutRequest\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.engram.v1.PutHeaderH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.engram.v1.BlockChunkH\x00\x42\x06\n\x04item\"A\n\x0bPutResponse\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0e\n\x06stored\x18\x02 \x01(\r\x12\x14\n\x0c\x64\x65\x64uplicated\x18\x03 \x01(\r\"X\n\nGetRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\x0c\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\x0e\n\x06\x64\x65\x63ode\x18\x04 \x01(\x08\"3\n\x0bGetResponse\x12$\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x15.engram.v1.BlockChunk\"W\n\nPinRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\x0c\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\r\n\x05unpin\x18\x04 \x01(\x08\"\x1e\n\x0bPinResponse\x12\x0f\n\x07\x63hanged\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xa4\x02\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\x12\x15\n\rpinned_blocks\x18\x08 \x01(\x04\x12\r\n\x05state\x18\t \x01(\t\x12\x14\n\x0cstate_reason\x18\n \x01(\t\x12\x11\n\tdemotions\x18\x0b \x01(\x04\x12\x12\n\npromotions\x18\x0c \x01(\x04\x12\x11\n\tio_errors\x18\r \x01(\x04\x12\x16\n\x0e\x63orrupt_blocks\x18\x0e \x01(\x04\x12\x0e\n\x06\x65nospc\x18\x0f \x01(\x04\"\x8d\x01\n\nModelStats\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\x0c\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x04\x12\x14\n\x0cstored_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06tokens\x18\x05 \x01(\x04\x12\r\n\x05\x63odec\x18\x06 \x01(\t\x12\x11\n\traw_bytes\x18\x07 \x01(\x04\"x\n\x06Limits\x12\x19\n\x11max_message_bytes\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\x12\x1e\n\x16max_blocks_per_request\x18\x03 \x01(\r\x12\x1e\n\x16max_tokens_per_request\x18\x04 \x01(\r\"\xf5\x02\n\rStatsResponse\x12#\n\x05tiers\x18\x01 \x03(\x0b\x32\x14.engram.v1.TierStats\x12%\n\x06models\x18\x02 \x03(\x0b\x32\x15.engram.v1.ModelStats\x12\x0f\n\x07lookups\x18\x03 \x01(\x04\x12\x19\n\x11lookup_hit_tokens\x18\x04 \x01(\x04\x12\x1a\n\x12lookup_miss_tokens\x18\x05 \x01(\x04\x12\x12\n\nblocks_put\x18\x06 \x01(\x04\x12\x1b\n\x13\x62locks_deduplicated\x18\x07 \x01(\x04\x12\x15\n\rblocks_served\x18\x08 \x01(\x04\x12\x14\n\x0c\x62ytes_served\x18\t \x01(\x04\x12!\n\x06limits\x18\n \x01(\x0b\x32\x11.engram.v1.Limits\x12\x0f\n\x07version\x18\x0b \x01(\t\x12\x10\n\x08uptime_s\x18\x0c \x01(\x01\x12\x14\n\x0cwrite_policy\x18\r \x01(\t\x12\x16\n\x0e\x63orrupt_blocks\x18\x0e \x01(\x04\"\x1b\n\x0c\x43heckRequest\x12\x0b\n\x03\x66ix\x18\x01 \x01(\x08\"<\n\x0c\x43heckFinding\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07problem\x18\x02 \x01(\t\x12\r\n\x05\x66ixed\x18\x03 \x01(\x08\"Z\n\rCheckResponse\x12\x0f\n\x07scanned\x18\x01 \x01(\x04\x12\r\n\x05valid\x18\x02 \x01(\x04\x12)\n\x08\x66indings\x18\x03 \x03(\x0b\x32\x17.engram.v1.CheckFinding*N\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0e\n\nDTYPE_BF16\x10\x01\x12\x0e\n\nDTYPE_FP16\x10\x02\x12\x0e\n\nDTYPE_FP32\x10\x03*V\n\tLayerKind\x12\x1a\n\x16LAYER_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11LAYER_KIND_GLOBAL\x10\x01\x12\x16\n\x12LAYER_KIND_SLIDING\x10\x02\x32\xb9\x03\n\x06\x45ngram\x12R\n\rRegisterModel\x12\x1f.engram.v1.RegisterModelRequest\x1a .engram.v1.RegisterModelResponse\x12=\n\x06Lookup\x12\x18.engram.v1.LookupRequest\x1a\x19.engram.v1.LookupResponse\x12\x36\n\x03Put\x12\x15.engram.v1.PutRequest\x1a\x16.engram.v1.PutResponse(\x01\x12\x36\n\x03Get\x12\x15.engram.v1.GetRequest\x1a\x16.engram.v1.GetResponse0\x01\x12\x34\n\x03Pin\x12\x15.engram.v1.PinRequest\x1a\x16.engram.v1.PinResponse\x12:\n\x05Stats\x12\x17.engram.v1.StatsRequest\x1a\x18.engram.v1.StatsResponse\x12:\n\x05\x43heck\x12\x17.engram.v1.CheckRequest\x1a\x18.engram.v1.CheckResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'engram.v1.engram_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=2519
-  _globals['_DTYPE']._serialized_end=2597
-  _globals['_LAYERKIND']._serialized_start=2599
-  _globals['_LAYERKIND']._serialized_end=2685
+  _globals['_DTYPE']._serialized_start=2601
+  _globals['_DTYPE']._serialized_end=2679
+  _globals['_LAYERKIND']._serialized_start=2681
+  _globals['_LAYERKIND']._serialized_end=2767
   _globals['_LAYERSPEC']._serialized_start=37
   _globals['_LAYERSPEC']._serialized_end=100
   _globals['_KVLAYOUT']._serialized_start=103
@@ -44,47 +44,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERMODELREQUEST']._serialized_start=347
   _globals['_REGISTERMODELREQUEST']._serialized_end=406
   _globals['_REGISTERMODELRESPONSE']._serialized_start=408
-  _globals['_REGISTERMODELRESPONSE']._serialized_end=458
-  _globals['_LOOKUPREQUEST']._serialized_start=460
-  _globals['_LOOKUPREQUEST']._serialized_end=537
-  _globals['_BLOCKREF']._serialized_start=539
-  _globals['_BLOCKREF']._serialized_end=612
-  _globals['_LOOKUPRESPONSE']._serialized_start=614
-  _globals['_LOOKUPRESPONSE']._serialized_end=691
-  _globals['_BLOCKHEADER']._serialized_start=693
-  _globals['_BLOCKHEADER']._serialized_end=812
-  _globals['_BLOCKCHUNK']._serialized_start=814
-  _globals['_BLOCKCHUNK']._serialized_end=907
-  _globals['_PUTHEADER']._serialized_start=909
-  _globals['_PUTHEADER']._serialized_end=999
-  _globals['_PUTREQUEST']._serialized_start=1001
-  _globals['_PUTREQUEST']._serialized_end=1101
-  _globals['_PUTRESPONSE']._serialized_start=1103
-  _globals['_PUTRESPONSE']._serialized_end=1168
-  _globals['_GETREQUEST']._serialized_start=1170
-  _globals['_GETREQUEST']._serialized_end=1242
-  _globals['_GETRESPONSE']._serialized_start=1244
-  _globals['_GETRESPONSE']._serialized_end=1295
-  _globals['_PINREQUEST']._serialized_start=1297
-  _globals['_PINREQUEST']._serialized_end=1384
-  _globals['_PINRESPONSE']._serialized_start=1386
-  _globals['_PINRESPONSE']._serialized_end=1416
-  _globals['_STATSREQUEST']._serialized_start=1418
-  _globals['_STATSREQUEST']._serialized_end=1432
-  _globals['_TIERSTATS']._serialized_start=1435
-  _globals['_TIERSTATS']._serialized_end=1727
-  _globals['_MODELSTATS']._serialized_start=1729
-  _globals['_MODELSTATS']._serialized_end=1836
-  _globals['_LIMITS']._serialized_start=1838
-  _globals['_LIMITS']._serialized_end=1958
-  _globals['_STATSRESPONSE']._serialized_start=1961
-  _globals['_STATSRESPONSE']._serialized_end=2334
-  _globals['_CHECKREQUEST']._serialized_start=2336
-  _globals['_CHECKREQUEST']._serialized_end=2363
-  _globals['_CHECKFINDING']._serialized_start=2365
-  _globals['_CHECKFINDING']._serialized_end=2425
-  _globals['_CHECKRESPONSE']._serialized_start=2427
-  _globals['_CHECKRESPONSE']._serialized_end=2517
-  _globals['_ENGRAM']._serialized_start=2688
-  _globals['_ENGRAM']._serialized_end=3129
+  _globals['_REGISTERMODELRESPONSE']._serialized_end=473
+  _globals['_LOOKUPREQUEST']._serialized_start=475
+  _globals['_LOOKUPREQUEST']._serialized_end=552
+  _globals['_BLOCKREF']._serialized_start=554
+  _globals['_BLOCKREF']._serialized_end=627
+  _globals['_LOOKUPRESPONSE']._serialized_start=629
+  _globals['_LOOKUPRESPONSE']._serialized_end=706
+  _globals['_BLOCKHEADER']._serialized_start=709
+  _globals['_BLOCKHEADER']._serialized_end=843
+  _globals['_BLOCKCHUNK']._serialized_start=845
+  _globals['_BLOCKCHUNK']._serialized_end=938
+  _globals['_PUTHEADER']._serialized_start=940
+  _globals['_PUTHEADER']._serialized_end=1030
+  _globals['_PUTREQUEST']._serialized_start=1032
+  _globals['_PUTREQUEST']._serialized_end=1132
+  _globals['_PUTRESPONSE']._serialized_start=1134
+  _globals['_PUTRESPONSE']._serialized_end=1199
+  _globals['_GETREQUEST']._serialized_start=1201
+  _globals['_GETREQUEST']._serialized_end=1289
+  _globals['_GETRESPONSE']._serialized_start=1291
+  _globals['_GETRESPONSE']._serialized_end=1342
+  _globals['_PINREQUEST']._serialized_start=1344
+  _globals['_PINREQUEST']._serialized_end=1431
+  _globals['_PINRESPONSE']._serialized_start=1433
+  _globals['_PINRESPONSE']._serialized_end=1463
+  _globals['_STATSREQUEST']._serialized_start=1465
+  _globals['_STATSREQUEST']._serialized_end=1479
+  _globals['_TIERSTATS']._serialized_start=1482
+  _globals['_TIERSTATS']._serialized_end=1774
+  _globals['_MODELSTATS']._serialized_start=1777
+  _globals['_MODELSTATS']._serialized_end=1918
+  _globals['_LIMITS']._serialized_start=1920
+  _globals['_LIMITS']._serialized_end=2040
+  _globals['_STATSRESPONSE']._serialized_start=2043
+  _globals['_STATSRESPONSE']._serialized_end=2416
+  _globals['_CHECKREQUEST']._serialized_start=2418
+  _globals['_CHECKREQUEST']._serialized_end=2445
+  _globals['_CHECKFINDING']._serialized_start=2447
+  _globals['_CHECKFINDING']._serialized_end=2507
+  _globals['_CHECKRESPONSE']._serialized_start=2509
+  _globals['_CHECKRESPONSE']._serialized_end=2599
+  _globals['_ENGRAM']._serialized_start=2770
+  _globals['_ENGRAM']._serialized_end=3211
 # @@protoc_insertion_point(module_scope)

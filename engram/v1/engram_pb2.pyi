@@ -68,10 +68,12 @@ class RegisterModelRequest(_message.Message):
     def __init__(self, model: _Optional[_Union[ModelSpec, _Mapping]] = ...) -> None: ...
 
 class RegisterModelResponse(_message.Message):
-    __slots__ = ("model_fingerprint",)
+    __slots__ = ("model_fingerprint", "codec")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: bytes
-    def __init__(self, model_fingerprint: _Optional[bytes] = ...) -> None: ...
+    codec: str
+    def __init__(self, model_fingerprint: _Optional[bytes] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("namespace", "model_fingerprint", "tokens")
@@ -104,18 +106,20 @@ class LookupResponse(_message.Message):
     def __init__(self, matched_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ...) -> None: ...
 
 class BlockHeader(_message.Message):
-    __slots__ = ("tokens", "dtype", "shape", "payload_nbytes", "checksum")
+    __slots__ = ("tokens", "dtype", "shape", "payload_nbytes", "checksum", "codec")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_NBYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     payload_nbytes: int
     checksum: int
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., payload_nbytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+    codec: str
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., payload_nbytes: _Optional[int] = ..., checksum: _Optional[int] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class BlockChunk(_message.Message):
     __slots__ = ("header", "data", "last", "key")
@@ -160,14 +164,16 @@ class PutResponse(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., stored: _Optional[int] = ..., deduplicated: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("namespace", "model_fingerprint", "keys")
+    __slots__ = ("namespace", "model_fingerprint", "keys", "decode")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     model_fingerprint: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    decode: bool
+    def __init__(self, namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., decode: _Optional[bool] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("chunk",)
@@ -232,18 +238,22 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., state: _Optional[str] = ..., state_reason: _Optional[str] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., io_errors: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., enospc: _Optional[int] = ...) -> None: ...
 
 class ModelStats(_message.Message):
-    __slots__ = ("model_fingerprint", "name", "blocks", "stored_bytes", "tokens")
+    __slots__ = ("model_fingerprint", "name", "blocks", "stored_bytes", "tokens", "codec", "raw_bytes")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: bytes
     name: str
     blocks: int
     stored_bytes: int
     tokens: int
-    def __init__(self, model_fingerprint: _Optional[bytes] = ..., name: _Optional[str] = ..., blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+    codec: str
+    raw_bytes: int
+    def __init__(self, model_fingerprint: _Optional[bytes] = ..., name: _Optional[str] = ..., blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[str] = ..., raw_bytes: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("max_message_bytes", "chunk_bytes", "max_blocks_per_request", "max_tokens_per_request")

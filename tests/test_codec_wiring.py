@@ -1,0 +1,156 @@
+"""Codecs wired into the daemon: the registry, block format v1, encode on put (daemon or client), decode on
+get (client or daemon), and bad blocks rejected with a clear status."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from engram import errors
+from engram.block import checksum
+from engram.client import EngramClient
+from engram.codec import base, blockformat
+from engram.layout import DType
+from engram.v1 import engram_pb2 as pb
+from engram.v1 import engram_pb2_grpc as pb_grpc
+from tests.conftest import BLOCK_TOKENS, random_kv, tiny_model, tokens
+
+CODECS = ["fp8_e4m3", "nvfp4", "mxfp4"]
+
+
+def stored_form(kv: torch.Tensor, codec: str) -> torch.Tensor:
+    enc = base.codec_by_name(codec)
+    return torch.cat([blockformat.decode(blockformat.encode(kv[:, :, s : s + BLOCK_TOKENS], enc))
+                      for s in range(0, kv.shape[2], BLOCK_TOKENS)], dim=2)
+
+
+def test_block_format_round_trip_and_rejections() -> None:
+    kv = torch.randn(2, 2, 16, 2, 16).to(torch.bfloat16)
+    for name in ["raw", *CODECS]:
+        codec = base.codec_by_name(name)
+        blob = blockformat.encode(kv, codec)
+        assert len(blob) == blockformat.encoded_nbytes(codec, tuple(kv.shape), DType.BF16)
+        fmt = blockformat.parse(blob)
+        assert (fmt.codec.name, fmt.shape, fmt.dtype) == (name, tuple(kv.shape), DType.BF16)
+        out = blockformat.decode(blob)
+        assert out.shape == kv.shape and out.dtype == kv.dtype
+        if name == "raw":
+            assert torch.equal(out, kv)
+    blob = bytearray(blockformat.encode(kv, base.codec_by_name("nvfp4")))
+    cases = {
+        "bad magic": lambda b: b.__setitem__(0, ord("X")),
+        "version": lambda b: b.__setitem__(4, 9),
+        "header checksum": lambda b: b.__setitem__(20, b[20] ^ 1),
+        "body checksum": lambda b: b.__setitem__(len(b) - 1, b[-1] ^ 1),
+    }
+    for match, damage in cases.items():
+        bad = bytearray(blob)
+        damage(bad)
+        with pytest.raises(errors.InvalidArgument, match=match):
+            blockformat.decode(bytes(bad))
+    with pytest.raises(errors.InvalidArgument, match="needs"):
+        blockformat.decode(bytes(blob[:-3]))
+    with pytest.raises(errors.InvalidArgument, match="shorter"):
+        blockformat.parse(bytes(blob[:10]))
+    with pytest.raises(errors.InvalidArgument, match="unknown codec"):
+        base.codec_by_name("int3")
+
+
+def test_nan_or_inf_is_a_clear_error() -> None:
+    kv = torch.randn(1, 2, 16, 1, 16)
+    kv[0, 1, 3, 0, 5] = float("nan")
+    with pytest.raises(errors.InvalidArgument, match="nvfp4"):
+        blockformat.encode(kv, base.codec_by_name("nvfp4"))
+
+
+@pytest.mark.parametrize("codec", CODECS)
+async def test_daemon_encodes_raw_puts_and_client_decodes(client: EngramClient, codec: str) -> None:
+    spec = tiny_model(codec=codec)
+    fp = await client.register_model(spec)
+    toks = tokens(3 * BLOCK_TOKENS + 5)
+    kv = random_kv(spec, len(toks))
+    await client.put(fp, toks, kv)
+    want = stored_form(kv, codec)
+    n, got = await client.get_prefix(fp, toks)
+    assert n == len(toks) and got is not None and torch.equal(got, want)
+    n, got_server = await client.get_prefix(fp, toks, decode_on_server=True)
+    assert got_server is not None and torch.equal(got_server, want)  # the same bytes, decoded on either side
+    stats = await client.stats()
+    m = next(m for m in stats.models if m.model_fingerprint == fp)
+    assert m.codec == codec and m.raw_bytes == spec.layout.block_nbytes(len(toks))
+    assert m.stored_bytes < m.raw_bytes  # fp8 halves, fp4 quarters (plus scales and headers)
+
+
+async def test_client_encoded_puts_store_the_same_bytes(client: EngramClient) -> None:
+    spec = tiny_model(codec="nvfp4")
+    fp = await client.register_model(spec)
+    a, b = tokens(2 * BLOCK_TOKENS, seed=1), tokens(2 * BLOCK_TOKENS, seed=2)
+    kv = random_kv(spec, 2 * BLOCK_TOKENS)
+    await client.put(fp, a, kv, encode=True)
+    await client.put(fp, b, kv)  # the daemon encodes the same KV
+    _, ga = await client.get_prefix(fp, a)
+    _, gb = await client.get_prefix(fp, b)
+    assert ga is not None and gb is not None and torch.equal(ga, gb)
+
+
+async def test_default_codec_is_nvfp4_and_in_the_fingerprint(client: EngramClient) -> None:
+    fp_default = await client.register_model(tiny_model(codec=""))
+    assert client.codec_of(fp_default) == "nvfp4"
+    fp_nvfp4 = await client.register_model(tiny_model(codec="nvfp4"))
+    fp_raw = await client.register_model(tiny_model(codec="raw"))
+    assert fp_default == fp_nvfp4 != fp_raw
+    with pytest.raises(errors.InvalidArgument, match="unknown codec"):
+        await client.register_model(tiny_model(codec="int3"))
+
+
+async def test_bad_encoded_blocks_are_rejected(server, client: EngramClient) -> None:  # type: ignore[no-untyped-def]
+    spec = tiny_model(codec="nvfp4")
+    fp = await client.register_model(spec)
+    toks = tokens(BLOCK_TOKENS)
+    kv = random_kv(spec, BLOCK_TOKENS)
+
+    async def put(payload: bytes, codec: str, shape: list[int] | None = None) -> None:
+        async def gen():  # type: ignore[no-untyped-def]
+            yield pb.PutRequest(header=pb.PutHeader(namespace="tenant-a", model_fingerprint=fp))
+            yield pb.PutRequest(chunk=pb.BlockChunk(header=pb.BlockHeader(
+                tokens=toks.tolist(), dtype=pb.DTYPE_BF16, shape=shape or list(kv.shape),
+                payload_nbytes=len(payload), checksum=checksum(payload), codec=codec), data=payload, last=True))
+
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            await pb_grpc.EngramStub(ch).Put(gen())
+
+    good = bytearray(blockformat.encode(kv, base.codec_by_name("nvfp4")))
+    bad = bytearray(good)
+    bad[-1] ^= 1
+    for payload, codec, match in [
+        (bytes(bad), "nvfp4", "body checksum"),
+        (blockformat.encode(kv, base.codec_by_name("mxfp4")), "mxfp4", "this model stores nvfp4"),
+        (bytes(good), "fp8_e4m3", "payload_nbytes"),
+    ]:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await put(payload, codec)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and match in (info.value.details() or "")
+    nan = kv.clone()
+    nan[0, 0, 0, 0, 0] = float("inf")
+    with pytest.raises(errors.InvalidArgument, match="cannot encode"):
+        await client.put(fp, toks, nan)
+    assert (await client.lookup(fp, toks)).matched_tokens == 0
+    await put(bytes(good), "nvfp4")  # and the daemon still takes a good one
+    n, got = await client.get_prefix(fp, toks)
+    assert n == BLOCK_TOKENS and got is not None and torch.equal(got, stored_form(kv, "nvfp4"))
+
+
+async def test_encoded_blocks_survive_the_nvme_tier(server_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    spec = tiny_model(codec="nvfp4")
+    srv = await server_factory(**{"tiers.dram.capacity": 2 * 2000, "tiers.nvme.path": str(tmp_path / "n")})
+    async with EngramClient(srv.address) as c:
+        fp = await c.register_model(spec)
+        seqs = [tokens(2 * BLOCK_TOKENS, seed=s) for s in range(4)]
+        kvs = [random_kv(spec, len(t), seed=s) for s, t in enumerate(seqs)]
+        for t, kv in zip(seqs, kvs, strict=True):
+            await c.put(fp, t, kv)
+        for t, kv in zip(seqs, kvs, strict=True):
+            n, got = await c.get_prefix(fp, t)
+            assert n == len(t) and got is not None and torch.equal(got, stored_form(kv, "nvfp4"))
+        assert (await c.stats()).tiers[0].demotions > 0
