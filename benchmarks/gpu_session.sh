@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# What this project runs on the lent H200, in as few device calls as possible (device README).
+#   part 1: GPU kernel tests (every tile config bit-exact against the reference) + codec speed
+#   part 2: replay bound benchmark
+# Usage there: OUT=... bash benchmarks/gpu_session.sh 1|2     (carry .whl: wheels the image lacks)
+set -uo pipefail
+OUT=${OUT:-/tmp/engram-gpu-out}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+# kernels/ and cli/ are engram.kernels / engram.cli through setuptools package-dir; without an install, links do it.
+[ -e engram/kernels ] || ln -s ../kernels engram/kernels
+[ -e engram/cli ] || ln -s ../cli engram/cli
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+case "${1:-1}" in
+  1)
+    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fp4_kernels.py tests/test_fp4_reference.py 2>&1 \
+      | tee "$OUT/gpu_tests.log" | tail -15
+    timeout 280 python3 benchmarks/codec_speed.py --out "$OUT/codec_speed.json" 2>&1 | tee "$OUT/codec_speed.log" | tail -45
+    ;;
+  2)
+    timeout 560 python3 benchmarks/replay_bound.py --out "$OUT/replay_bound.json" 2>&1 | tee "$OUT/replay_bound.log" | tail -25
+    ;;
+esac
