@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch  # Triton is imported in run(), once TRITON_INTERPRET is settled
@@ -62,8 +63,6 @@ def run(args: argparse.Namespace) -> int:
         "torch": torch.__version__, "triton": triton.__version__, "verify": [], "results": [],
     }
 
-    global DEFAULT_TAG
-    DEFAULT_TAG = _tag(fp4.DEFAULT_CONFIG)
     bad = _verify(ref, fp4, device, configs, report)
     for mib in sizes:
         n = int(mib * 2**20) // 2 // 4096 * 4096  # bf16 elements, whole 4096-wide rows
@@ -124,11 +123,11 @@ def _time_format(ref: Any, fp4: Any, fmt: str, x: torch.Tensor, mib: float, conf
 
     for cfg in configs:
         tag = _tag(cfg)
-        rows.append(_row(mib, fmt, "quantize (kernel)", "triton", tag, bench(lambda c=cfg: quantize(c)), moved,
-                         copy_gbps))
-        rows.append(_row(mib, fmt, "dequantize bf16", "triton", tag, bench(lambda c=cfg: dequantize(c)), moved,
-                         copy_gbps))
-    default = fp4.DEFAULT_CONFIG
+        rows.append(_row(mib, fmt, "quantize (kernel)", "triton", tag, bench(partial(quantize, cfg)), moved,
+                         copy_gbps, cfg == fp4.QUANTIZE_CONFIG))
+        rows.append(_row(mib, fmt, "dequantize bf16", "triton", tag, bench(partial(dequantize, cfg)), moved,
+                         copy_gbps, cfg == fp4.DEQUANTIZE_CONFIG))
+    default = fp4.DEQUANTIZE_CONFIG
     rows.append(_row(mib, fmt, "dequantize bf16, integer rounding", "triton", _tag(default),
                      bench(lambda: dequantize(default, False)), moved, copy_gbps))
     whole = moved + (2 * n if nv else 0)  # NVFP4's whole call reads x once more for its amax
@@ -181,9 +180,6 @@ def _parts(q: Any) -> list[torch.Tensor]:
     return [t.reshape(-1).view(torch.uint8) for t in tensors]
 
 
-DEFAULT_TAG = ""  # set in run() from the kernels' default configuration
-
-
 def _tag(cfg: Any) -> str:
     return f"{cfg.groups_per_program}g/{cfg.num_warps}w"
 
@@ -204,10 +200,11 @@ def _cpu_ms(fn: Callable[[], object]) -> float:
 
 
 def _row(mib: float, fmt: str, op: str, impl: str, config: str, ms: float, moved: float,
-         copy_gbps: float) -> dict[str, Any]:
+         copy_gbps: float, is_default: bool = True) -> dict[str, Any]:
+    """is_default: the configuration the codec API uses (always true for rows with one configuration)."""
     gbps = moved / ms / 1e6
-    return {"size_mib": mib, "fmt": fmt, "op": op, "impl": impl, "config": config, "ms": ms,
-            "bytes_moved": moved, "gb_per_s": gbps, "pct_of_copy": 100 * gbps / copy_gbps}
+    return {"size_mib": mib, "fmt": fmt, "op": op, "impl": impl, "config": config, "default": is_default,
+            "ms": ms, "bytes_moved": moved, "gb_per_s": gbps, "pct_of_copy": 100 * gbps / copy_gbps}
 
 
 def _print_table(report: dict[str, Any]) -> None:
@@ -223,7 +220,7 @@ def _print_table(report: dict[str, Any]) -> None:
         key = (r["size_mib"], r["fmt"], r["op"], r["impl"])
         if key not in best or r["ms"] < best[key]["ms"]:
             best[key] = r
-        if r["config"] in (DEFAULT_TAG, "default", "-"):
+        if r["default"]:
             default[key] = r["pct_of_copy"]
     for key, r in best.items():
         d = f"{default[key]:.0f}%" if key in default else "-"

@@ -13,10 +13,14 @@ fi
 # kernels/ and cli/ are engram.kernels / engram.cli through setuptools package-dir; without an install, links do it.
 [ -e engram/kernels ] || ln -s ../kernels engram/kernels
 [ -e engram/cli ] || ln -s ../cli engram/cli
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 case "${1:-1}" in
+  3)  # both benchmarks, no tests
+    timeout 250 python3 benchmarks/codec_speed.py --out "$OUT/codec_speed.json" 2>&1 | tee "$OUT/codec_speed.log" | tail -45
+    timeout 300 python3 benchmarks/replay_bound.py --out "$OUT/replay_bound.json" 2>&1 | tee "$OUT/replay_bound.log" | tail -25
+    ;;
   1)
     timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fp4_kernels.py tests/test_fp4_reference.py 2>&1 \
       | tee "$OUT/gpu_tests.log" | tail -15

@@ -15,7 +15,7 @@ queries of the global layers attend over all P stored keys). So replay time is N
 a term linear in P, small next to the prefill's, which grows quadratically. A bf16 GEMM measured in the same
 run is the compute ceiling.
 
-  python benchmarks/replay_bound.py --out replay.json     # on the GPU (about 1-2 minutes on an H200)
+  python benchmarks/replay_bound.py --out replay.json     # on the GPU (under a minute on an H200)
   python benchmarks/replay_bound.py --smoke               # tiny sizes on the CPU (seconds)
 """
 

@@ -46,12 +46,15 @@ class KernelConfig:
     num_warps: int
 
 
-CONFIGS = tuple(KernelConfig(g, w) for g in (16, 64, 256) for w in (2, 4, 8))
-DEFAULT_CONFIG = KernelConfig(64, 4)
+CONFIGS = tuple(KernelConfig(g, w) for g in (64, 256, 1024) for w in (2, 4, 8))
+# Fastest on an H200 for 256 MiB - 1 GiB of bf16 (benchmarks/codec_speed.py, docs/FP4_NOTES.md): the encoders
+# are arithmetic-bound and like many elements per thread; the decoders are memory-bound.
+QUANTIZE_CONFIG = KernelConfig(256, 2)
+DEQUANTIZE_CONFIG = KernelConfig(64, 2)
 
 _IN_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_SIGN = -(2**31)  # 0x80000000 as an int32 constant
+_SIGN = tl.constexpr(-(2**31))  # 0x80000000 as an int32 constant
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -268,14 +271,16 @@ def _grid(n_groups: int, config: KernelConfig) -> tuple[int]:
 
 
 def quantize_nvfp4_into(x: Tensor, tensor_scale: Tensor, codes: Tensor, scales: Tensor,
-                        config: KernelConfig = DEFAULT_CONFIG) -> None:
+                        config: KernelConfig = QUANTIZE_CONFIG) -> None:
+    """x (rows, cols) -> codes (rows, cols/2), scales (rows, cols/16); tensor_scale is a () float32 tensor on
+    x's device. A group holding NaN/Inf gets scale byte 0x7F: check for it if x may hold any."""
     n = scales.numel()
     _nvfp4_quantize[_grid(n, config)](_words(x), tensor_scale, codes, scales, n, IN_KIND=_IN_KINDS[x.dtype],
                                       BLOCK_GROUPS=config.groups_per_program, **_options(config))
 
 
 def dequantize_nvfp4_into(codes: Tensor, scales: Tensor, tensor_scale: Tensor, out: Tensor,
-                          config: KernelConfig = DEFAULT_CONFIG, native_bf16: bool = NATIVE_BF16) -> None:
+                          config: KernelConfig = DEQUANTIZE_CONFIG, native_bf16: bool = NATIVE_BF16) -> None:
     n = scales.numel()
     _nvfp4_dequantize[_grid(n, config)](codes, scales, tensor_scale, _words(out), n, OUT_KIND=_OUT_KINDS[out.dtype],
                                         NATIVE_BF16=native_bf16, BLOCK_GROUPS=config.groups_per_program,
@@ -283,13 +288,13 @@ def dequantize_nvfp4_into(codes: Tensor, scales: Tensor, tensor_scale: Tensor, o
 
 
 def quantize_mxfp4_into(x: Tensor, codes: Tensor, scales: Tensor, round_up: bool = False,
-                        config: KernelConfig = DEFAULT_CONFIG) -> None:
+                        config: KernelConfig = QUANTIZE_CONFIG) -> None:
     n = scales.numel()
     _mxfp4_quantize[_grid(n, config)](_words(x), codes, scales, n, IN_KIND=_IN_KINDS[x.dtype], ROUND_UP=round_up,
                                       BLOCK_GROUPS=config.groups_per_program, **_options(config))
 
 
-def dequantize_mxfp4_into(codes: Tensor, scales: Tensor, out: Tensor, config: KernelConfig = DEFAULT_CONFIG,
+def dequantize_mxfp4_into(codes: Tensor, scales: Tensor, out: Tensor, config: KernelConfig = DEQUANTIZE_CONFIG,
                           native_bf16: bool = NATIVE_BF16) -> None:
     n = scales.numel()
     _mxfp4_dequantize[_grid(n, config)](codes, scales, _words(out), n, OUT_KIND=_OUT_KINDS[out.dtype],
@@ -297,14 +302,14 @@ def dequantize_mxfp4_into(codes: Tensor, scales: Tensor, out: Tensor, config: Ke
                                         **_options(config))
 
 
-def quantize_fp8_e4m3_into(x: Tensor, scale: Tensor, codes: Tensor, config: KernelConfig = DEFAULT_CONFIG) -> None:
+def quantize_fp8_e4m3_into(x: Tensor, scale: Tensor, codes: Tensor, config: KernelConfig = QUANTIZE_CONFIG) -> None:
     block = config.groups_per_program * 16  # FP8 tiles as many elements as an NVFP4 tile
     bits = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
     _fp8_quantize[(triton.cdiv(x.numel(), block),)](bits, scale, codes, x.numel(), IN_KIND=_IN_KINDS[x.dtype],
                                                     BLOCK=block, **_options(config))
 
 
-def dequantize_fp8_e4m3_into(codes: Tensor, scale: Tensor, out: Tensor, config: KernelConfig = DEFAULT_CONFIG,
+def dequantize_fp8_e4m3_into(codes: Tensor, scale: Tensor, out: Tensor, config: KernelConfig = DEQUANTIZE_CONFIG,
                              native_bf16: bool = NATIVE_BF16) -> None:
     block = config.groups_per_program * 16
     dst = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
@@ -314,7 +319,8 @@ def dequantize_fp8_e4m3_into(codes: Tensor, scale: Tensor, out: Tensor, config: 
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The codec API, with the reference's signatures (plus `config`) and payloads.
+# The codec API: the reference's signatures (plus `config`), payloads and errors. Decoded tensors are
+# (rows, cols) views of the padded output.
 
 
 def _check_backend(x: Tensor) -> None:
@@ -331,7 +337,8 @@ def _raise_if_marked(marked: Tensor, x: Tensor, name: str) -> None:
 
 
 def quantize_nvfp4(x: Tensor, tensor_scale: Tensor | float | None = None, *, name: str = "x",
-                   config: KernelConfig = DEFAULT_CONFIG) -> NVFP4Tensor:
+                   config: KernelConfig = QUANTIZE_CONFIG) -> NVFP4Tensor:
+    """engram.codec.fp4_reference.quantize_nvfp4 on the GPU (or the interpreter)."""
     ref.check_matrix(x, name)
     _check_backend(x)
     if tensor_scale is None:
@@ -348,7 +355,7 @@ def quantize_nvfp4(x: Tensor, tensor_scale: Tensor | float | None = None, *, nam
 
 
 def dequantize_nvfp4(q: NVFP4Tensor, dtype: torch.dtype = torch.float32, *,
-                     config: KernelConfig = DEFAULT_CONFIG) -> Tensor:
+                     config: KernelConfig = DEQUANTIZE_CONFIG) -> Tensor:
     _check_backend(q.codes)
     out = torch.empty(q.codes.shape[0], q.codes.shape[1] * 2, dtype=dtype, device=q.codes.device)
     dequantize_nvfp4_into(q.codes, q.scales, q.tensor_scale, out, config)
@@ -356,7 +363,8 @@ def dequantize_nvfp4(q: NVFP4Tensor, dtype: torch.dtype = torch.float32, *,
 
 
 def quantize_mxfp4(x: Tensor, *, round_up: bool = False, name: str = "x",
-                   config: KernelConfig = DEFAULT_CONFIG) -> MXFP4Tensor:
+                   config: KernelConfig = QUANTIZE_CONFIG) -> MXFP4Tensor:
+    """engram.codec.fp4_reference.quantize_mxfp4; NaN/Inf are found from the kernel's marks, without a pass."""
     ref.check_matrix(x, name)
     _check_backend(x)
     xp = ref.pad_cols(x, ref.MXFP4_GROUP)
@@ -368,7 +376,7 @@ def quantize_mxfp4(x: Tensor, *, round_up: bool = False, name: str = "x",
 
 
 def dequantize_mxfp4(q: MXFP4Tensor, dtype: torch.dtype = torch.float32, *,
-                     config: KernelConfig = DEFAULT_CONFIG) -> Tensor:
+                     config: KernelConfig = DEQUANTIZE_CONFIG) -> Tensor:
     _check_backend(q.codes)
     out = torch.empty(q.codes.shape[0], q.codes.shape[1] * 2, dtype=dtype, device=q.codes.device)
     dequantize_mxfp4_into(q.codes, q.scales, out, config)
@@ -376,7 +384,8 @@ def dequantize_mxfp4(q: MXFP4Tensor, dtype: torch.dtype = torch.float32, *,
 
 
 def quantize_fp8_e4m3(x: Tensor, scale: Tensor | float | None = None, *, name: str = "x",
-                      config: KernelConfig = DEFAULT_CONFIG) -> FP8Tensor:
+                      config: KernelConfig = QUANTIZE_CONFIG) -> FP8Tensor:
+    """engram.codec.fp4_reference.quantize_fp8_e4m3 on the GPU (or the interpreter)."""
     ref.check_matrix(x, name)
     _check_backend(x)
     if scale is None:
@@ -392,7 +401,7 @@ def quantize_fp8_e4m3(x: Tensor, scale: Tensor | float | None = None, *, name: s
 
 
 def dequantize_fp8_e4m3(q: FP8Tensor, dtype: torch.dtype = torch.float32, *,
-                        config: KernelConfig = DEFAULT_CONFIG) -> Tensor:
+                        config: KernelConfig = DEQUANTIZE_CONFIG) -> Tensor:
     _check_backend(q.codes)
     out = torch.empty(q.codes.shape, dtype=dtype, device=q.codes.device)
     dequantize_fp8_e4m3_into(q.codes, q.scale, out, config)

@@ -107,19 +107,23 @@ def assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
                              f"{int(a[where[0]]):#04x} != {int(b[where[0]]):#04x}); seed {SEED}")
 
 
-def check(fmt: str, x: torch.Tensor, config: fp4.KernelConfig = fp4.DEFAULT_CONFIG,
+def check(fmt: str, x: torch.Tensor, config: fp4.KernelConfig | None = None,
           out_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,), **options: object) -> None:
-    """Quantize and dequantize x with both backends; everything must match bit for bit."""
+    """Quantize and dequantize x with both backends (the kernels with `config`, else their defaults);
+    everything must match bit for bit."""
     rq, rd = ref.CODECS[fmt]
     kq, kd = fp4.CODECS[fmt]
-    want, got = rq(x, **options), kq(x, config=config, **options)
+    if config is not None:
+        options["config"] = config
+    want, got = rq(x, **{k: v for k, v in options.items() if k != "config"}), kq(x, **options)
     what = f"{fmt} {config} {x.dtype} {tuple(x.shape)}"
     for field in ("codes", "scales", "tensor_scale", "scale"):
         if hasattr(want, field):
             assert_same(getattr(got, field), getattr(want, field), f"{what} {field}")
     assert got.shape == want.shape
     for out in out_dtypes:
-        assert_same(kd(want, out, config=config), rd(want, out), f"{what} decoded to {out}")
+        decoded = kd(want, out) if config is None else kd(want, out, config=config)
+        assert_same(decoded, rd(want, out), f"{what} decoded to {out}")
 
 
 # --- CPU, through the interpreter ---------------------------------------------------------------------
