@@ -47,6 +47,19 @@ def stats_renderable(resp: pb.StatsResponse) -> Group:
         raw_tok = f"{m.raw_bytes / m.tokens:.0f}" if m.tokens else "-"
         models.add_row(m.name, m.model_fingerprint.hex()[:12], m.codec, str(m.blocks), str(m.tokens),
                        human_bytes(m.stored_bytes), per_tok, raw_tok)
+    rp = resp.replay
+    stored = sum(m.stored_bytes for m in resp.models)
+    every = sum(m.all_layers_bytes for m in resp.models)
+    replay = Table(title="sessions and replay", title_justify="left", show_header=False)
+    replay.add_column("name")
+    replay.add_column("value", justify="right")
+    for name, value in (
+        ("sessions (hot)", f"{rp.sessions} ({rp.hot_sessions})"),
+        ("persisted bytes, with replay", f"{human_bytes(stored + rp.persisted_window_bytes)}"),
+        ("persisted bytes, every layer kept (raw)", human_bytes(every)),
+        ("replays", f"{rp.replays} ({rp.replayed_tokens} tokens, {rp.replay_seconds * 1000:.0f} ms)"),
+    ):
+        replay.add_row(name, value)
     looked = resp.lookup_hit_tokens + resp.lookup_miss_tokens
     hit_pct = 100.0 * resp.lookup_hit_tokens / looked if looked else 0.0
     counters = Table(title="counters", title_justify="left", show_header=False)
@@ -63,4 +76,4 @@ def stats_renderable(resp: pb.StatsResponse) -> Group:
         ("version", resp.version),
     ):
         counters.add_row(name, value)
-    return Group(tiers, models, counters)
+    return Group(tiers, models, replay, counters)

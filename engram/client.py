@@ -56,6 +56,23 @@ class PutResult:
     skipped: int  # blocks not sent because a Lookup showed them cached
 
 
+@dataclass(frozen=True)
+class ResumeResult:
+    """What Resume returns: the global KV blocks of [0, position) (fetch them with get) and the SWA window,
+    (sliding layers, 2, position - window_start, kv heads, head dim), for a query at `position`."""
+
+    position: int
+    blocks: tuple[BlockInfo, ...]
+    window: torch.Tensor
+    window_start: int
+    source: str  # "replay", "hot" or "persisted"
+    replayed_tokens: int
+    replay_s: float
+
+
+MODES = {"exact": pb.REPLAY_MODE_EXACT, "approx": pb.REPLAY_MODE_APPROX, "persist": pb.REPLAY_MODE_PERSIST}
+
+
 def _map_error(exc: grpc.aio.AioRpcError) -> Exception:
     cls = ERROR_OF.get(exc.code())
     if cls is None:
@@ -283,12 +300,85 @@ class EngramClient:
             return 0, None
         blocks = await self.get(fingerprint, [b.key for b in hit.blocks], namespace=namespace,
                                 decode_on_server=decode_on_server, device=device)
-        return hit.matched_tokens, torch.cat(blocks, dim=2)
+        # The last block may serve only its first tokens (the query diverges inside it): slice.
+        return hit.matched_tokens, torch.cat(blocks, dim=2)[:, :, : hit.matched_tokens]
 
     async def pin(self, fingerprint: bytes, keys: Sequence[bytes], *, unpin: bool = False,
                   namespace: str | None = None) -> int:
         req = pb.PinRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint, keys=list(keys), unpin=unpin)
         return (await self._call(self._stub.Pin(req))).changed
+
+    # ---- sessions ----------------------------------------------------------------------------------
+
+    def _ref(self, session_id: str, namespace: str | None) -> pb.SessionRef:
+        return pb.SessionRef(namespace=self._ns(namespace), session_id=session_id)
+
+    async def open_session(self, fingerprint: bytes, *, mode: str = "exact", approx_k: float = 0.0,
+                           session_id: str = "", tokens: Sequence[int] | np.ndarray = (),
+                           namespace: str | None = None) -> pb.SessionInfo:
+        if mode not in MODES:
+            raise errors.InvalidArgument(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+        req = pb.OpenSessionRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint,
+                                    session_id=session_id, mode=MODES[mode], approx_k=approx_k,  # type: ignore[arg-type]
+                                    tokens=np.asarray(tokens, dtype=np.int32).tolist())
+        return await self._call(self._stub.OpenSession(req))
+
+    async def append_session(self, session_id: str, tokens: Sequence[int] | np.ndarray, *,
+                             window: torch.Tensor | None = None, window_start: int = 0,
+                             namespace: str | None = None) -> pb.SessionInfo:
+        """Append tokens (their global KV goes with put). In persist mode, also send the SWA window for the
+        new end: (sliding layers, 2, rows, kv heads, head dim) starting at window_start."""
+        req = pb.AppendSessionRequest(session=self._ref(session_id, namespace),
+                                      tokens=np.asarray(tokens, dtype=np.int32).tolist())
+        if window is not None:
+            data = tensor_bytes(window)
+            req.window.CopyFrom(pb.SwaWindowData(
+                prefix_len=window_start + window.shape[2], start=window_start,
+                dtype=int(DType.from_torch(window.dtype)), shape=list(window.shape),  # type: ignore[arg-type]
+                checksum=checksum(data), data=data))
+        return await self._call(self._stub.AppendSession(req))
+
+    async def fork_session(self, parent_id: str, *, session_id: str = "", position: int = 0,
+                           namespace: str | None = None) -> pb.SessionInfo:
+        req = pb.ForkSessionRequest(parent=self._ref(parent_id, namespace), session_id=session_id, position=position)
+        return await self._call(self._stub.ForkSession(req))
+
+    async def suspend_session(self, session_id: str, *, namespace: str | None = None) -> pb.SessionInfo:
+        return await self._call(self._stub.SuspendSession(self._ref(session_id, namespace)))
+
+    async def close_session(self, session_id: str, *, namespace: str | None = None) -> pb.SessionInfo:
+        return await self._call(self._stub.CloseSession(self._ref(session_id, namespace)))
+
+    async def resume(self, session_id: str, *, position: int = 0, namespace: str | None = None) -> ResumeResult:
+        req = pb.ResumeRequest(session=self._ref(session_id, namespace), position=position)
+        header: pb.ResumeHeader | None = None
+        parts: list[bytes] = []
+        try:
+            async for resp in self._stub.Resume(req):
+                if resp.WhichOneof("item") == "header":
+                    header = resp.header
+                else:
+                    parts.append(resp.window_chunk)
+        except grpc.aio.AioRpcError as exc:
+            raise _map_error(exc) from exc
+        if header is None:
+            raise errors.DataLoss("Resume stream carried no header")
+        w = header.window
+        data = b"".join(parts)
+        if checksum(data) != w.checksum:
+            raise errors.DataLoss("the SWA window arrived damaged (checksum mismatch)")
+        window = tensor_from_bytes(data, dtype_from_pb(w.dtype, "window").torch_dtype, w.shape)
+        blocks = tuple(BlockInfo(b.key, b.num_tokens, b.tier, b.nbytes) for b in header.blocks)
+        return ResumeResult(header.position, blocks, window, w.start, header.source, header.replayed_tokens,
+                            header.replay_s)
+
+    async def resume_kv(self, fingerprint: bytes, session_id: str, *, position: int = 0,
+                        namespace: str | None = None, device: torch.device | str = "cpu"
+                        ) -> tuple[ResumeResult, torch.Tensor]:
+        """Resume, then fetch the global KV: (stored_layers, 2, position, kv heads, head dim)."""
+        r = await self.resume(session_id, position=position, namespace=namespace)
+        blocks = await self.get(fingerprint, [b.key for b in r.blocks], namespace=namespace, device=device)
+        return r, torch.cat(blocks, dim=2)[:, :, : r.position]
 
     async def stats(self) -> pb.StatsResponse:
         return await self._call(self._stub.Stats(pb.StatsRequest()))

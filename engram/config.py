@@ -86,6 +86,13 @@ class CodecConfig:
 
 
 @dataclass
+class ReplayConfig:
+    models: str = ""  # comma-separated safetensors files (engram.replay.save_decoder) the daemon can replay
+    device: str = "auto"  # auto (cuda when present), cpu, cuda
+    max_hot_windows: int = 64  # rebuilt SWA windows kept in memory; beyond, the least recent is dropped
+
+
+@dataclass
 class LoggingConfig:
     level: str = "info"
     json: bool = False
@@ -96,6 +103,7 @@ class EngramConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     tiers: TiersConfig = field(default_factory=TiersConfig)
     codec: CodecConfig = field(default_factory=CodecConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def validate(self) -> EngramConfig:
@@ -119,6 +127,11 @@ class EngramConfig:
             raise ConfigError(f"codec.default must be raw, fp8_e4m3, nvfp4 or mxfp4, got {self.codec.default!r}")
         if self.codec.backend not in {"auto", "reference", "triton"}:
             raise ConfigError(f"codec.backend must be auto, reference or triton, got {self.codec.backend!r}")
+        if self.replay.max_hot_windows < 0:
+            raise ConfigError("replay.max_hot_windows must be >= 0")
+        for path in filter(None, (p.strip() for p in self.replay.models.split(","))):
+            if not Path(path).is_file():
+                raise ConfigError(f"replay.models: {path} is not a file (save one with engram.replay.save_decoder)")
         if self.logging.level.lower() not in {"debug", "info", "warning", "error"}:
             raise ConfigError(f"logging.level must be debug, info, warning or error, got {self.logging.level!r}")
         return self

@@ -1,11 +1,12 @@
 """The chain index: block metadata by key, and the longest-prefix match over a token sequence.
 
 Full blocks are found by walking the chain of keys that the query's tokens hash to (O(blocks) dict
-lookups). A partial block (the tail of a sequence, fewer than block_tokens tokens) has no key a query can
-compute in advance, since the query does not know how many tokens the stored tail has; partial blocks are
-therefore also listed under their parent, and the match ends by picking the longest partial child whose
-tokens are a prefix of the query's next tokens. A key match is only a hint: the stored tokens are compared
-before a block counts as a hit.
+lookups). Where the walk stops, the query's next tokens may still share a prefix with a stored child of
+the last matched block: a partial tail (whose key the query cannot compute, not knowing its length) or a
+block that diverges from the query part-way. KV is causal, so the first m tokens of such a block serve
+the query's next m tokens: every block is therefore also listed under its parent, and the match ends with
+the child sharing the longest prefix with the query (the last block then counts only m of its tokens;
+callers slice). A key match is only a hint: stored tokens are always compared.
 """
 
 from __future__ import annotations
@@ -66,6 +67,12 @@ class BlockMeta:
         return np.frombuffer(self.tokens, dtype="<i4")
 
 
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
 @dataclass(frozen=True)
 class PrefixMatch:
     blocks: tuple[BlockMeta, ...]
@@ -75,7 +82,7 @@ class PrefixMatch:
 class ChainIndex:
     def __init__(self) -> None:
         self._entries: dict[bytes, BlockMeta] = {}
-        self._partials: dict[bytes, dict[bytes, BlockMeta]] = {}
+        self._children: dict[bytes, dict[bytes, BlockMeta]] = {}  # parent key -> its blocks
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -96,20 +103,18 @@ class ChainIndex:
         parent = self._entries.get(meta.parent)
         if parent is not None:
             parent.children += 1
-        if not meta.full:
-            self._partials.setdefault(meta.parent, {})[meta.key] = meta
+        self._children.setdefault(meta.parent, {})[meta.key] = meta
 
     def remove(self, key: bytes) -> tuple[BlockMeta | None, BlockMeta | None]:
         """Drop a block; returns it and its parent if that parent just became a leaf."""
         meta = self._entries.pop(key, None)
         if meta is None:
             return None, None
-        if not meta.full:
-            siblings = self._partials.get(meta.parent)
-            if siblings is not None:
-                siblings.pop(key, None)
-                if not siblings:
-                    del self._partials[meta.parent]
+        siblings = self._children.get(meta.parent)
+        if siblings is not None:
+            siblings.pop(key, None)
+            if not siblings:
+                del self._children[meta.parent]
         parent = self._entries.get(meta.parent)
         if parent is not None:
             parent.children -= 1
@@ -118,7 +123,7 @@ class ChainIndex:
         return meta, None
 
     def partial_children(self, parent: bytes) -> list[BlockMeta]:
-        return list(self._partials.get(parent, {}).values())
+        return [m for m in self._children.get(parent, {}).values() if not m.full]
 
     def match(self, namespace: str, model_fingerprint: bytes, tokens: np.ndarray, block_tokens: int) -> PrefixMatch:
         """Longest stored prefix of `tokens`: consecutive full blocks, then at most one partial block."""
@@ -134,19 +139,19 @@ class ChainIndex:
             found.append(meta)
             matched = end
             parent = key
-        tail = tokens_to_bytes(tokens[matched : matched + block_tokens])
+        tail = np.asarray(tokens[matched : matched + block_tokens], dtype="<i4")
         best: BlockMeta | None = None
-        for cand in self._partials.get(parent, {}).values():
-            if (
-                cand.namespace == namespace
-                and cand.model_fingerprint == model_fingerprint
-                and tail.startswith(cand.tokens)
-                and (best is None or cand.num_tokens > best.num_tokens)
-            ):
-                best = cand
+        best_m = 0
+        if len(tail):
+            for cand in self._children.get(parent, {}).values():
+                if cand.namespace != namespace or cand.model_fingerprint != model_fingerprint:
+                    continue
+                m = _common_prefix(cand.token_array(), tail)
+                if m > best_m:
+                    best, best_m = cand, m
         if best is not None:
             found.append(best)
-            matched += best.num_tokens
+            matched += best_m
         return PrefixMatch(tuple(found), matched)
 
     @staticmethod

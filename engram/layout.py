@@ -20,8 +20,9 @@ FINGERPRINT_BYTES = 16
 
 
 class LayerKind(enum.IntEnum):
-    GLOBAL = 1
-    SLIDING = 2
+    GLOBAL = 1  # full attention; its KV is persisted per block
+    SLIDING = 2  # sliding-window attention; its KV is rebuilt by replay (or persisted per session)
+    SHARED = 3  # cross-layer sharing: reuses an earlier global layer's KV, has none of its own
 
 
 class DType(enum.IntEnum):
@@ -58,8 +59,8 @@ class LayerSpec:
     def __post_init__(self) -> None:
         if self.kind == LayerKind.SLIDING and self.window < 1:
             raise InvalidArgument("a sliding layer needs window >= 1 (keys seen, the query's own included)")
-        if self.kind == LayerKind.GLOBAL and self.window != 0:
-            raise InvalidArgument("a global layer has no window; leave window at 0")
+        if self.kind != LayerKind.SLIDING and self.window != 0:
+            raise InvalidArgument(f"a {self.kind.name.lower()} layer has no window; leave window at 0")
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,11 @@ class KVLayout:
 
     def bytes_per_token(self) -> int:
         return self.block_nbytes(1)
+
+    def all_layers_bytes_per_token(self) -> int:
+        """What a cache that keeps every layer's KV (sliding ones too, as LMCache does) stores per token."""
+        own = sum(1 for layer in self.layers if layer.kind != LayerKind.SHARED)
+        return own * 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     def canonical(self) -> bytes:
         """A stable byte form for fingerprints: independent of Python and protobuf versions."""

@@ -52,7 +52,7 @@ async def test_second_session_with_shared_prefix_hits(client: EngramClient) -> N
     assert stats.models[0].blocks == 6 + 3 + 3
 
 
-async def test_partial_last_block_round_trips_and_matches_only_as_prefix(client: EngramClient) -> None:
+async def test_partial_last_block_round_trips_and_serves_common_prefixes(client: EngramClient) -> None:
     spec = tiny_model()
     fp = await client.register_model(spec)
     toks = tokens(2 * BLOCK_TOKENS + 5)
@@ -64,10 +64,20 @@ async def test_partial_last_block_round_trips_and_matches_only_as_prefix(client:
     # A longer query whose next tokens extend the stored tail still gets the tail (its KV is causal).
     longer = np.concatenate([toks, tokens(30, seed=3)])
     assert (await client.lookup(fp, longer)).matched_tokens == len(toks)
-    # A query that diverges inside the tail gets only the full blocks.
+    # A query that diverges inside the tail gets the tokens before the divergence (KV is causal).
     diverged = toks.copy()
     diverged[-1] += 1
-    assert (await client.lookup(fp, diverged)).matched_tokens == 2 * BLOCK_TOKENS
+    assert (await client.lookup(fp, diverged)).matched_tokens == 2 * BLOCK_TOKENS + 4
+    n, got = await client.get_prefix(fp, diverged)
+    assert n == 2 * BLOCK_TOKENS + 4 and got is not None and torch.equal(got, kv[:, :, :n])
+    # The same inside a full block: a query diverging at token 20 is served tokens [0, 20).
+    inside = toks.copy()
+    inside[20] += 1
+    n, got = await client.get_prefix(fp, inside)
+    assert n == 20 and got is not None and torch.equal(got, kv[:, :, :20])
+    # And a query shorter than the stored chain gets exactly its length.
+    n, got = await client.get_prefix(fp, toks[:7])
+    assert n == 7 and got is not None and torch.equal(got, kv[:, :, :7])
 
 
 async def test_extending_a_partial_block_replaces_it(client: EngramClient) -> None:

@@ -17,7 +17,9 @@ from grpc_reflection.v1alpha import reflection
 from engram.codec.base import default_backend
 from engram.config import EngramConfig
 from engram.registry import ModelRegistry
+from engram.replay.runtime import ReplayRuntime
 from engram.server.service import SERVICE_NAME, EngramService
+from engram.sessions import SessionManager
 from engram.store import BlockStore, WritePolicy
 from engram.tiers.base import Tier
 from engram.tiers.dram import DramTier
@@ -55,6 +57,7 @@ class RunningServer:
     server: grpc.aio.Server
     address: str  # what a client dials: "127.0.0.1:50051" or "unix:/path/engram.sock"
     store: BlockStore
+    sessions: SessionManager
     health: health.aio.HealthServicer
     grace_s: float
 
@@ -68,16 +71,24 @@ class RunningServer:
         await self.server.wait_for_termination()
 
 
-async def start_server(config: EngramConfig, store: BlockStore | None = None) -> RunningServer:
+def build_sessions(config: EngramConfig, store: BlockStore) -> SessionManager:
+    paths = [p.strip() for p in config.replay.models.split(",") if p.strip()]
+    runtime = ReplayRuntime.from_paths(paths, device=config.replay.device)
+    return SessionManager(store, runtime, max_hot_windows=config.replay.max_hot_windows)
+
+
+async def start_server(config: EngramConfig, store: BlockStore | None = None,
+                       sessions: SessionManager | None = None) -> RunningServer:
     s = config.server
     store = store or await build_store(config)
+    sessions = sessions or build_sessions(config, store)
     options = [
         ("grpc.max_send_message_length", int(s.max_message_bytes)),
         ("grpc.max_receive_message_length", int(s.max_message_bytes)),
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=s.max_concurrent_rpcs)
-    service = EngramService(store, s)
+    service = EngramService(store, s, sessions)
     server.add_generic_rpc_handlers((service.generic_handler(),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -103,7 +114,7 @@ async def start_server(config: EngramConfig, store: BlockStore | None = None) ->
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("engram serving on %s", address)
-    return RunningServer(server, address, store, health_servicer, s.shutdown_grace_s)
+    return RunningServer(server, address, store, sessions, health_servicer, s.shutdown_grace_s)
 
 
 async def serve(config: EngramConfig, ready: asyncio.Event | None = None) -> None:

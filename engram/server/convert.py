@@ -23,7 +23,7 @@ def layout_from_pb(msg: pb.KVLayout) -> KVLayout:
         try:
             kind = LayerKind(layer.kind)
         except ValueError:
-            raise InvalidArgument(f"layout layer {i}: kind must be LAYER_KIND_GLOBAL or LAYER_KIND_SLIDING") from None
+            raise InvalidArgument(f"layout layer {i}: kind must be LAYER_KIND_GLOBAL, LAYER_KIND_SLIDING or LAYER_KIND_SHARED") from None
         layers.append(LayerSpec(kind, layer.window))
     return KVLayout(
         layers=tuple(layers),

@@ -19,6 +19,7 @@ from engram.errors import InvalidArgument, ResourceExhausted
 from engram.keys import root_key
 from engram.server import convert
 from engram.server.errors import streaming, unary
+from engram.sessions import Mode, Session, SessionManager, Window
 from engram.store import BlockStore
 from engram.v1 import engram_pb2 as pb
 
@@ -55,10 +56,28 @@ def _check_limit(what: str, count: int, limit: int) -> None:
         raise ResourceExhausted(f"{what}: {count} exceeds the server's limit of {limit}; split the request")
 
 
+_MODE_OF = {pb.REPLAY_MODE_UNSPECIFIED: Mode.EXACT, pb.REPLAY_MODE_EXACT: Mode.EXACT,
+            pb.REPLAY_MODE_APPROX: Mode.APPROX, pb.REPLAY_MODE_PERSIST: Mode.PERSIST}
+_PB_MODE = {Mode.EXACT: pb.REPLAY_MODE_EXACT, Mode.APPROX: pb.REPLAY_MODE_APPROX, Mode.PERSIST: pb.REPLAY_MODE_PERSIST}
+
+
+def _session_info(s: Session) -> pb.SessionInfo:
+    w = s.window
+    return pb.SessionInfo(session_id=s.id, namespace=s.namespace, model_fingerprint=s.fingerprint,
+                          tokens=len(s.tokens), mode=_PB_MODE[s.mode], approx_k=s.approx_k, hot=w is not None,
+                          window_prefix_len=w.prefix_len if w else 0, parent=s.parent, created_s=s.created)
+
+
+def _window_from_pb(msg: pb.SwaWindowData) -> Window:
+    return Window(msg.prefix_len, msg.start, convert.dtype_from_pb(msg.dtype, "window"), tuple(msg.shape),
+                  msg.data, msg.checksum)
+
+
 class EngramService:
-    def __init__(self, store: BlockStore, config: ServerConfig) -> None:
+    def __init__(self, store: BlockStore, config: ServerConfig, sessions: SessionManager) -> None:
         self.store = store
         self.config = config
+        self.sessions = sessions
 
     @unary
     async def RegisterModel(self, request: Any, context: grpc.aio.ServicerContext) -> pb.RegisterModelResponse:
@@ -217,7 +236,9 @@ class EngramService:
             ))
         models = [
             pb.ModelStats(model_fingerprint=m.fingerprint, name=m.name, blocks=m.blocks, stored_bytes=m.bytes,
-                          tokens=m.tokens, codec=m.codec, raw_bytes=m.raw_bytes)
+                          tokens=m.tokens, codec=m.codec, raw_bytes=m.raw_bytes,
+                          all_layers_bytes=m.tokens * store.registry.get(m.fingerprint).layout.all_layers_bytes_per_token(),
+                          replayable=self.sessions.runtime.model_for(store.registry.get(m.fingerprint)) is not None)
             for m in store.model_usage()
         ]
         cfg = self.config
@@ -229,8 +250,16 @@ class EngramService:
                              max_blocks_per_request=cfg.max_blocks_per_request,
                              max_tokens_per_request=cfg.max_tokens_per_request),
             version=__version__, uptime_s=time.time() - store.started, write_policy=str(store.write_policy),
-            corrupt_blocks=c.corrupt_blocks,
+            corrupt_blocks=c.corrupt_blocks, replay=self._replay_stats(),
         )
+
+    def _replay_stats(self) -> pb.ReplayStats:
+        sm = self.sessions
+        rc = sm.runtime.counters
+        return pb.ReplayStats(sessions=len(sm), hot_sessions=sm.hot_count(),
+                              persisted_window_bytes=sm.window_bytes(persisted=True),
+                              hot_window_bytes=sm.window_bytes(persisted=False), replays=rc.replays,
+                              replayed_tokens=rc.replayed_tokens, replay_seconds=rc.seconds)
 
     @unary
     async def Check(self, request: Any, context: grpc.aio.ServicerContext) -> pb.CheckResponse:
@@ -238,6 +267,59 @@ class EngramService:
         report = await self.store.check(fix=req.fix)
         return pb.CheckResponse(scanned=report.scanned, valid=report.valid, findings=[
             pb.CheckFinding(path=path, problem=problem, fixed=fixed) for path, problem, fixed in report.findings])
+
+    # ---- sessions ----------------------------------------------------------------------------------
+
+    @unary
+    async def OpenSession(self, request: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
+        req = _decoded(request)
+        if req.mode not in _MODE_OF:
+            raise InvalidArgument(f"unknown replay mode {req.mode}")
+        _check_limit("OpenSession tokens", len(req.tokens), self.config.max_tokens_per_request)
+        s = self.sessions.open(req.namespace, req.model_fingerprint, _MODE_OF[req.mode], req.approx_k,
+                               req.session_id, np.asarray(req.tokens, dtype=np.int32))
+        return _session_info(s)
+
+    @unary
+    async def AppendSession(self, request: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
+        req = _decoded(request)
+        _check_limit("AppendSession tokens", len(req.tokens), self.config.max_tokens_per_request)
+        window = _window_from_pb(req.window) if req.HasField("window") else None
+        s = self.sessions.append(req.session.namespace, req.session.session_id,
+                                 np.asarray(req.tokens, dtype=np.int32), window)
+        return _session_info(s)
+
+    @unary
+    async def ForkSession(self, request: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
+        req = _decoded(request)
+        s = self.sessions.fork(req.parent.namespace, req.parent.session_id, req.session_id, req.position)
+        return _session_info(s)
+
+    @unary
+    async def SuspendSession(self, request: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
+        req = _decoded(request)
+        return _session_info(self.sessions.suspend(req.namespace, req.session_id))
+
+    @unary
+    async def CloseSession(self, request: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
+        req = _decoded(request)
+        return _session_info(self.sessions.close(req.namespace, req.session_id))
+
+    @streaming
+    async def Resume(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ResumeResponse]:
+        req = _decoded(request)
+        r = await self.sessions.resume(req.session.namespace, req.session.session_id, req.position)
+        w = r.window
+        yield pb.ResumeResponse(header=pb.ResumeHeader(
+            position=r.position, source=r.source, replayed_tokens=r.replayed, token_layers=r.token_layers,
+            replay_s=r.seconds,
+            blocks=[pb.BlockRef(key=m.key, num_tokens=m.num_tokens, tier=m.tier, nbytes=m.nbytes) for m in r.blocks],
+            window=pb.SwaWindowData(prefix_len=w.prefix_len, start=w.start, dtype=int(w.dtype),  # type: ignore[arg-type]
+                                    shape=list(w.shape), checksum=w.checksum),
+        ))
+        step = self.config.chunk_bytes
+        for off in range(0, len(w.data), step):
+            yield pb.ResumeResponse(window_chunk=w.data[off : off + step])
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         """Method handlers built by hand (rather than add_EngramServicer_to_server) so that undecodable
@@ -255,5 +337,16 @@ class EngramService:
             "Pin": grpc.unary_unary_rpc_method_handler(self.Pin, _safe_decoder(pb.PinRequest), ser),
             "Stats": grpc.unary_unary_rpc_method_handler(self.Stats, _safe_decoder(pb.StatsRequest), ser),
             "Check": grpc.unary_unary_rpc_method_handler(self.Check, _safe_decoder(pb.CheckRequest), ser),
+            "OpenSession": grpc.unary_unary_rpc_method_handler(
+                self.OpenSession, _safe_decoder(pb.OpenSessionRequest), ser),
+            "AppendSession": grpc.unary_unary_rpc_method_handler(
+                self.AppendSession, _safe_decoder(pb.AppendSessionRequest), ser),
+            "ForkSession": grpc.unary_unary_rpc_method_handler(
+                self.ForkSession, _safe_decoder(pb.ForkSessionRequest), ser),
+            "SuspendSession": grpc.unary_unary_rpc_method_handler(
+                self.SuspendSession, _safe_decoder(pb.SessionRef), ser),
+            "CloseSession": grpc.unary_unary_rpc_method_handler(
+                self.CloseSession, _safe_decoder(pb.SessionRef), ser),
+            "Resume": grpc.unary_stream_rpc_method_handler(self.Resume, _safe_decoder(pb.ResumeRequest), ser),
         }
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

@@ -19,6 +19,14 @@ class LayerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LAYER_KIND_UNSPECIFIED: _ClassVar[LayerKind]
     LAYER_KIND_GLOBAL: _ClassVar[LayerKind]
     LAYER_KIND_SLIDING: _ClassVar[LayerKind]
+    LAYER_KIND_SHARED: _ClassVar[LayerKind]
+
+class ReplayModeKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REPLAY_MODE_UNSPECIFIED: _ClassVar[ReplayModeKind]
+    REPLAY_MODE_EXACT: _ClassVar[ReplayModeKind]
+    REPLAY_MODE_APPROX: _ClassVar[ReplayModeKind]
+    REPLAY_MODE_PERSIST: _ClassVar[ReplayModeKind]
 DTYPE_UNSPECIFIED: DType
 DTYPE_BF16: DType
 DTYPE_FP16: DType
@@ -26,6 +34,11 @@ DTYPE_FP32: DType
 LAYER_KIND_UNSPECIFIED: LayerKind
 LAYER_KIND_GLOBAL: LayerKind
 LAYER_KIND_SLIDING: LayerKind
+LAYER_KIND_SHARED: LayerKind
+REPLAY_MODE_UNSPECIFIED: ReplayModeKind
+REPLAY_MODE_EXACT: ReplayModeKind
+REPLAY_MODE_APPROX: ReplayModeKind
+REPLAY_MODE_PERSIST: ReplayModeKind
 
 class LayerSpec(_message.Message):
     __slots__ = ("kind", "window")
@@ -238,7 +251,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., state: _Optional[str] = ..., state_reason: _Optional[str] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., io_errors: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., enospc: _Optional[int] = ...) -> None: ...
 
 class ModelStats(_message.Message):
-    __slots__ = ("model_fingerprint", "name", "blocks", "stored_bytes", "tokens", "codec", "raw_bytes")
+    __slots__ = ("model_fingerprint", "name", "blocks", "stored_bytes", "tokens", "codec", "raw_bytes", "all_layers_bytes", "replayable")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +259,8 @@ class ModelStats(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ALL_LAYERS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REPLAYABLE_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: bytes
     name: str
     blocks: int
@@ -253,7 +268,9 @@ class ModelStats(_message.Message):
     tokens: int
     codec: str
     raw_bytes: int
-    def __init__(self, model_fingerprint: _Optional[bytes] = ..., name: _Optional[str] = ..., blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[str] = ..., raw_bytes: _Optional[int] = ...) -> None: ...
+    all_layers_bytes: int
+    replayable: bool
+    def __init__(self, model_fingerprint: _Optional[bytes] = ..., name: _Optional[str] = ..., blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[str] = ..., raw_bytes: _Optional[int] = ..., all_layers_bytes: _Optional[int] = ..., replayable: _Optional[bool] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("max_message_bytes", "chunk_bytes", "max_blocks_per_request", "max_tokens_per_request")
@@ -268,7 +285,7 @@ class Limits(_message.Message):
     def __init__(self, max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "models", "lookups", "lookup_hit_tokens", "lookup_miss_tokens", "blocks_put", "blocks_deduplicated", "blocks_served", "bytes_served", "limits", "version", "uptime_s", "write_policy", "corrupt_blocks")
+    __slots__ = ("tiers", "models", "lookups", "lookup_hit_tokens", "lookup_miss_tokens", "blocks_put", "blocks_deduplicated", "blocks_served", "bytes_served", "limits", "version", "uptime_s", "write_policy", "corrupt_blocks", "replay")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
@@ -283,6 +300,7 @@ class StatsResponse(_message.Message):
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     WRITE_POLICY_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     models: _containers.RepeatedCompositeFieldContainer[ModelStats]
     lookups: int
@@ -297,7 +315,144 @@ class StatsResponse(_message.Message):
     uptime_s: float
     write_policy: str
     corrupt_blocks: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_hit_tokens: _Optional[int] = ..., lookup_miss_tokens: _Optional[int] = ..., blocks_put: _Optional[int] = ..., blocks_deduplicated: _Optional[int] = ..., blocks_served: _Optional[int] = ..., bytes_served: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., write_policy: _Optional[str] = ..., corrupt_blocks: _Optional[int] = ...) -> None: ...
+    replay: ReplayStats
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_hit_tokens: _Optional[int] = ..., lookup_miss_tokens: _Optional[int] = ..., blocks_put: _Optional[int] = ..., blocks_deduplicated: _Optional[int] = ..., blocks_served: _Optional[int] = ..., bytes_served: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., write_policy: _Optional[str] = ..., corrupt_blocks: _Optional[int] = ..., replay: _Optional[_Union[ReplayStats, _Mapping]] = ...) -> None: ...
+
+class ReplayStats(_message.Message):
+    __slots__ = ("sessions", "hot_sessions", "persisted_window_bytes", "hot_window_bytes", "replays", "replayed_tokens", "replay_seconds")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    HOT_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    PERSISTED_WINDOW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOT_WINDOW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REPLAYS_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    sessions: int
+    hot_sessions: int
+    persisted_window_bytes: int
+    hot_window_bytes: int
+    replays: int
+    replayed_tokens: int
+    replay_seconds: float
+    def __init__(self, sessions: _Optional[int] = ..., hot_sessions: _Optional[int] = ..., persisted_window_bytes: _Optional[int] = ..., hot_window_bytes: _Optional[int] = ..., replays: _Optional[int] = ..., replayed_tokens: _Optional[int] = ..., replay_seconds: _Optional[float] = ...) -> None: ...
+
+class SessionRef(_message.Message):
+    __slots__ = ("namespace", "session_id")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    session_id: str
+    def __init__(self, namespace: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("namespace", "model_fingerprint", "session_id", "mode", "approx_k", "tokens")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    APPROX_K_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    model_fingerprint: bytes
+    session_id: str
+    mode: ReplayModeKind
+    approx_k: float
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., session_id: _Optional[str] = ..., mode: _Optional[_Union[ReplayModeKind, str]] = ..., approx_k: _Optional[float] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SwaWindowData(_message.Message):
+    __slots__ = ("prefix_len", "start", "dtype", "shape", "checksum", "data")
+    PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    prefix_len: int
+    start: int
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    checksum: int
+    data: bytes
+    def __init__(self, prefix_len: _Optional[int] = ..., start: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class AppendSessionRequest(_message.Message):
+    __slots__ = ("session", "tokens", "window")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    session: SessionRef
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    window: SwaWindowData
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., window: _Optional[_Union[SwaWindowData, _Mapping]] = ...) -> None: ...
+
+class ForkSessionRequest(_message.Message):
+    __slots__ = ("parent", "session_id", "position")
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    parent: SessionRef
+    session_id: str
+    position: int
+    def __init__(self, parent: _Optional[_Union[SessionRef, _Mapping]] = ..., session_id: _Optional[str] = ..., position: _Optional[int] = ...) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("session_id", "namespace", "model_fingerprint", "tokens", "mode", "approx_k", "hot", "window_prefix_len", "parent", "created_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    APPROX_K_FIELD_NUMBER: _ClassVar[int]
+    HOT_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    CREATED_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    namespace: str
+    model_fingerprint: bytes
+    tokens: int
+    mode: ReplayModeKind
+    approx_k: float
+    hot: bool
+    window_prefix_len: int
+    parent: str
+    created_s: float
+    def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., tokens: _Optional[int] = ..., mode: _Optional[_Union[ReplayModeKind, str]] = ..., approx_k: _Optional[float] = ..., hot: _Optional[bool] = ..., window_prefix_len: _Optional[int] = ..., parent: _Optional[str] = ..., created_s: _Optional[float] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ("session", "position")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    session: SessionRef
+    position: int
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., position: _Optional[int] = ...) -> None: ...
+
+class ResumeHeader(_message.Message):
+    __slots__ = ("position", "blocks", "source", "replayed_tokens", "token_layers", "replay_s", "window")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_S_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockRef]
+    source: str
+    replayed_tokens: int
+    token_layers: int
+    replay_s: float
+    window: SwaWindowData
+    def __init__(self, position: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., source: _Optional[str] = ..., replayed_tokens: _Optional[int] = ..., token_layers: _Optional[int] = ..., replay_s: _Optional[float] = ..., window: _Optional[_Union[SwaWindowData, _Mapping]] = ...) -> None: ...
+
+class ResumeResponse(_message.Message):
+    __slots__ = ("header", "window_chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: ResumeHeader
+    window_chunk: bytes
+    def __init__(self, header: _Optional[_Union[ResumeHeader, _Mapping]] = ..., window_chunk: _Optional[bytes] = ...) -> None: ...
 
 class CheckRequest(_message.Message):
     __slots__ = ("fix",)

@@ -69,6 +69,36 @@ class EngramStub:
                 request_serializer=engram_dot_v1_dot_engram__pb2.CheckRequest.SerializeToString,
                 response_deserializer=engram_dot_v1_dot_engram__pb2.CheckResponse.FromString,
                 _registered_method=True)
+        self.OpenSession = channel.unary_unary(
+                '/engram.v1.Engram/OpenSession',
+                request_serializer=engram_dot_v1_dot_engram__pb2.OpenSessionRequest.SerializeToString,
+                response_deserializer=engram_dot_v1_dot_engram__pb2.SessionInfo.FromString,
+                _registered_method=True)
+        self.AppendSession = channel.unary_unary(
+                '/engram.v1.Engram/AppendSession',
+                request_serializer=engram_dot_v1_dot_engram__pb2.AppendSessionRequest.SerializeToString,
+                response_deserializer=engram_dot_v1_dot_engram__pb2.SessionInfo.FromString,
+                _registered_method=True)
+        self.ForkSession = channel.unary_unary(
+                '/engram.v1.Engram/ForkSession',
+                request_serializer=engram_dot_v1_dot_engram__pb2.ForkSessionRequest.SerializeToString,
+                response_deserializer=engram_dot_v1_dot_engram__pb2.SessionInfo.FromString,
+                _registered_method=True)
+        self.SuspendSession = channel.unary_unary(
+                '/engram.v1.Engram/SuspendSession',
+                request_serializer=engram_dot_v1_dot_engram__pb2.SessionRef.SerializeToString,
+                response_deserializer=engram_dot_v1_dot_engram__pb2.SessionInfo.FromString,
+                _registered_method=True)
+        self.CloseSession = channel.unary_unary(
+                '/engram.v1.Engram/CloseSession',
+                request_serializer=engram_dot_v1_dot_engram__pb2.SessionRef.SerializeToString,
+                response_deserializer=engram_dot_v1_dot_engram__pb2.SessionInfo.FromString,
+                _registered_method=True)
+        self.Resume = channel.unary_stream(
+                '/engram.v1.Engram/Resume',
+                request_serializer=engram_dot_v1_dot_engram__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=engram_dot_v1_dot_engram__pb2.ResumeResponse.FromString,
+                _registered_method=True)
 
 
 class EngramServicer:
@@ -118,8 +148,46 @@ class EngramServicer:
 
     def Check(self, request, context):
         """Verify every stored copy (payload checksums, block files); with fix, drop what is broken.
-        Reserved for later issues: session RPCs (Open/Append/Fork/Close/Resume) and admin RPCs
-        (Evict/Check/List/Show) are added beside these, never by changing the messages above.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenSession(self, request, context):
+        """Sessions: one agent conversation's tokens and replay mode. Its global KV travels as blocks (Put/Get);
+        its sliding-window KV is rebuilt by the daemon's own model (Resume) or, in persist mode, stored.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AppendSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForkSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SuspendSession(self, request, context):
+        """The session goes cold: its SWA window is dropped (kept in persist mode).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """The global KV block keys for [0, position) and the SWA window a query at `position` needs.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -162,6 +230,36 @@ def add_EngramServicer_to_server(servicer, server):
                     servicer.Check,
                     request_deserializer=engram_dot_v1_dot_engram__pb2.CheckRequest.FromString,
                     response_serializer=engram_dot_v1_dot_engram__pb2.CheckResponse.SerializeToString,
+            ),
+            'OpenSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenSession,
+                    request_deserializer=engram_dot_v1_dot_engram__pb2.OpenSessionRequest.FromString,
+                    response_serializer=engram_dot_v1_dot_engram__pb2.SessionInfo.SerializeToString,
+            ),
+            'AppendSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.AppendSession,
+                    request_deserializer=engram_dot_v1_dot_engram__pb2.AppendSessionRequest.FromString,
+                    response_serializer=engram_dot_v1_dot_engram__pb2.SessionInfo.SerializeToString,
+            ),
+            'ForkSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkSession,
+                    request_deserializer=engram_dot_v1_dot_engram__pb2.ForkSessionRequest.FromString,
+                    response_serializer=engram_dot_v1_dot_engram__pb2.SessionInfo.SerializeToString,
+            ),
+            'SuspendSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.SuspendSession,
+                    request_deserializer=engram_dot_v1_dot_engram__pb2.SessionRef.FromString,
+                    response_serializer=engram_dot_v1_dot_engram__pb2.SessionInfo.SerializeToString,
+            ),
+            'CloseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSession,
+                    request_deserializer=engram_dot_v1_dot_engram__pb2.SessionRef.FromString,
+                    response_serializer=engram_dot_v1_dot_engram__pb2.SessionInfo.SerializeToString,
+            ),
+            'Resume': grpc.unary_stream_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=engram_dot_v1_dot_engram__pb2.ResumeRequest.FromString,
+                    response_serializer=engram_dot_v1_dot_engram__pb2.ResumeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -353,6 +451,168 @@ class Engram:
             '/engram.v1.Engram/Check',
             engram_dot_v1_dot_engram__pb2.CheckRequest.SerializeToString,
             engram_dot_v1_dot_engram__pb2.CheckResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engram.v1.Engram/OpenSession',
+            engram_dot_v1_dot_engram__pb2.OpenSessionRequest.SerializeToString,
+            engram_dot_v1_dot_engram__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AppendSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engram.v1.Engram/AppendSession',
+            engram_dot_v1_dot_engram__pb2.AppendSessionRequest.SerializeToString,
+            engram_dot_v1_dot_engram__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForkSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engram.v1.Engram/ForkSession',
+            engram_dot_v1_dot_engram__pb2.ForkSessionRequest.SerializeToString,
+            engram_dot_v1_dot_engram__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SuspendSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engram.v1.Engram/SuspendSession',
+            engram_dot_v1_dot_engram__pb2.SessionRef.SerializeToString,
+            engram_dot_v1_dot_engram__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engram.v1.Engram/CloseSession',
+            engram_dot_v1_dot_engram__pb2.SessionRef.SerializeToString,
+            engram_dot_v1_dot_engram__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/engram.v1.Engram/Resume',
+            engram_dot_v1_dot_engram__pb2.ResumeRequest.SerializeToString,
+            engram_dot_v1_dot_engram__pb2.ResumeResponse.FromString,
             options,
             channel_credentials,
             insecure,

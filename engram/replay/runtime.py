@@ -1,0 +1,89 @@
+"""The daemon's replay runtime: which replay model serves which registered model, and rebuilding a
+session's SWA window from the global KV blocks in the store.
+
+A replay model serves a registered ModelSpec when its weights identity equals the spec's weights_id and
+the layout it implies (layer kinds, window, KV heads, head dim, dtype) equals the spec's layout; the
+block size and the storage codec are the worker's choice and do not matter here. The worker derives its
+ModelSpec with the same function (`model_spec_for`), so both sides agree by construction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engram.errors import FailedPrecondition
+from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
+from engram.replay.model import AttentionKind, HybridDecoder, load_decoder
+from engram.replay.reconstruct import Reconstruction, ReplayMode, reconstruct_swa
+
+_KIND = {AttentionKind.GLOBAL: LayerKind.GLOBAL, AttentionKind.SLIDING: LayerKind.SLIDING,
+         AttentionKind.REINDEX: LayerKind.SHARED, AttentionKind.REUSE: LayerKind.SHARED}
+
+
+def weights_identity(model: HybridDecoder) -> str:
+    """A content hash of the config and every parameter: equal models, equal identities."""
+    h = hashlib.blake2b(model.config.to_json().encode(), digest_size=16)
+    for name, p in sorted(model.named_parameters()):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return f"hybrid:{h.hexdigest()}"
+
+
+def model_spec_for(model: HybridDecoder, *, name: str = "hybrid", block_tokens: int = 256, codec: str = "raw"
+                   ) -> ModelSpec:
+    """The ModelSpec a worker registers for this model (and the daemon matches its replay models by)."""
+    cfg = model.config
+    layers = tuple(LayerSpec(_KIND[k], cfg.window if k is AttentionKind.SLIDING else 0) for k in cfg.layers)
+    layout = KVLayout(layers=layers, num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                      dtype=DType.from_torch(cfg.dtype), block_tokens=block_tokens)
+    return ModelSpec(name=name, weights_id=weights_identity(model), layout=layout, codec=codec)
+
+
+def _same_model(spec: ModelSpec, model: HybridDecoder) -> bool:
+    mine = model_spec_for(model, block_tokens=spec.layout.block_tokens)
+    return mine.weights_id == spec.weights_id and mine.layout == spec.layout
+
+
+@dataclass
+class ReplayCounters:
+    replays: int = 0
+    replayed_tokens: int = 0
+    token_layers: int = 0
+    seconds: float = 0.0
+
+
+class ReplayRuntime:
+    """The replay models this daemon can run, loaded once at start-up."""
+
+    def __init__(self, models: Sequence[HybridDecoder] = ()) -> None:
+        self.models = list(models)
+        self.counters = ReplayCounters()
+
+    @classmethod
+    def from_paths(cls, paths: Sequence[str | Path], device: str = "auto") -> ReplayRuntime:
+        dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        return cls([load_decoder(p, device=dev) for p in paths])
+
+    def model_for(self, spec: ModelSpec) -> HybridDecoder | None:
+        return next((m for m in self.models if _same_model(spec, m)), None)
+
+    def require(self, spec: ModelSpec) -> HybridDecoder:
+        model = self.model_for(spec)
+        if model is None:
+            raise FailedPrecondition(
+                f"this daemon has no replay model for {spec.name} (weights_id {spec.weights_id}): it cannot "
+                "rebuild its sliding-window KV; load the weights with replay.models, or open the session in "
+                "persist mode"
+            )
+        return model
+
+    def rebuild(self, model: HybridDecoder, tokens: torch.Tensor, global_kv: torch.Tensor, mode: ReplayMode
+                ) -> Reconstruction:
+        """Replay against stored global KV (stored_layers, 2, P, H, D); CPU or GPU work, run in a thread."""
+        kv = global_kv.to(device=model.device, dtype=model.config.dtype)
+        return reconstruct_swa(model, tokens.to(model.device), kv, mode)

@@ -1,0 +1,282 @@
+"""Agent sessions: a conversation's tokens, its replay mode, and (while hot) its sliding-window KV.
+
+The global KV of a session lives in the block store like any other prefix (content-addressed, shared with
+every session of the same prefix). What is per session is the SWA window, the sliding layers' KV for the
+last W-1 positions, which a query needs to continue:
+- exact / approx mode: the daemon never stores the window. Resume rebuilds it with the daemon's own model
+  instance from the stored global KV (engram/replay); the rebuilt window stays hot (in memory) until the
+  session is suspended, appended to, or pushed out by newer hot windows (`max_hot_windows`, LRU).
+- persist mode: the worker uploads the window (AppendSession) and the daemon keeps it, no replay.
+The mode is recorded in the session, so a user can choose per session and per model (BRIEF section 3).
+Sessions live in daemon memory; they do not survive a restart (their blocks do).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engram.block import checksum
+from engram.errors import FailedPrecondition, InvalidArgument, NotFound
+from engram.index import BlockMeta
+from engram.layout import DType, LayerKind, ModelSpec
+from engram.replay.model import SwaWindow
+from engram.replay.reconstruct import ReplayMode
+from engram.replay.runtime import ReplayRuntime
+from engram.store import BlockStore
+
+
+class Mode(enum.IntEnum):
+    EXACT = 1
+    APPROX = 2
+    PERSIST = 3
+
+
+@dataclass(frozen=True)
+class Window:
+    """An SWA window as bytes: (sliding layers, 2, prefix_len - start, kv heads, head dim) in dtype."""
+
+    prefix_len: int
+    start: int
+    dtype: DType
+    shape: tuple[int, ...]
+    data: bytes
+    checksum: int
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+    @classmethod
+    def from_swa(cls, w: SwaWindow, dtype: DType, n_kv: int, head_dim: int) -> Window:
+        rows = w.prefix_len - w.start
+        if w.kv:
+            t = torch.stack([torch.stack((k, v)) for k, v in w.kv]).to("cpu", dtype.torch_dtype).contiguous()
+        else:
+            t = torch.empty(0, 2, rows, n_kv, head_dim, dtype=dtype.torch_dtype)
+        data = t.view(torch.uint8).numpy().tobytes()
+        return cls(w.prefix_len, w.start, dtype, tuple(t.shape), data, checksum(data))
+
+    def tensor(self) -> torch.Tensor:
+        return torch.frombuffer(bytearray(self.data), dtype=torch.uint8).view(self.dtype.torch_dtype).reshape(self.shape)
+
+    def to_swa(self, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> SwaWindow:
+        t = self.tensor().to(device=device, dtype=dtype or self.dtype.torch_dtype)
+        return SwaWindow(self.prefix_len, self.start, tuple((layer[0], layer[1]) for layer in t))
+
+    def validate(self, spec: ModelSpec, where: str = "window") -> None:
+        lay = spec.layout
+        sliding = [layer for layer in lay.layers if layer.kind == LayerKind.SLIDING]
+        w = sliding[0].window if sliding else 1
+        rows = min(self.prefix_len, w - 1)
+        want = (len(sliding), 2, rows, lay.num_kv_heads, lay.head_dim)
+        if self.start != self.prefix_len - rows or tuple(self.shape) != want:
+            raise InvalidArgument(f"{where}: shape {tuple(self.shape)} from {self.start} does not fit a query at "
+                                  f"{self.prefix_len}: need {want} from {self.prefix_len - rows} (W={w})")
+        if self.dtype != lay.dtype:
+            raise InvalidArgument(f"{where}: dtype {self.dtype.name}, the layout's is {lay.dtype.name}")
+        n = len(self.data)
+        if n != int(np.prod(self.shape)) * self.dtype.itemsize or checksum(self.data) != self.checksum:
+            raise InvalidArgument(f"{where}: {n} bytes do not match its shape and checksum")
+
+
+@dataclass
+class Session:
+    id: str
+    namespace: str
+    fingerprint: bytes
+    tokens: np.ndarray  # int32
+    mode: Mode
+    approx_k: float
+    parent: str = ""
+    window: Window | None = None  # hot (rebuilt) or persisted
+    created: float = field(default_factory=time.time)
+
+    def replay_mode(self) -> ReplayMode:
+        return ReplayMode.approx(self.approx_k) if self.mode == Mode.APPROX else ReplayMode.exact()
+
+
+@dataclass(frozen=True)
+class Resumed:
+    position: int
+    blocks: tuple[BlockMeta, ...]
+    window: Window
+    source: str  # "replay", "hot" or "persisted"
+    replayed: int
+    token_layers: int
+    seconds: float
+
+
+class SessionManager:
+    def __init__(self, store: BlockStore, runtime: ReplayRuntime, *, max_hot_windows: int = 64) -> None:
+        self.store = store
+        self.runtime = runtime
+        self.max_hot_windows = max_hot_windows
+        self._sessions: dict[tuple[str, str], Session] = {}
+        self._hot: OrderedDict[tuple[str, str], None] = OrderedDict()  # rebuilt windows, LRU first
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def open(self, namespace: str, fingerprint: bytes, mode: Mode, approx_k: float = 0.0, session_id: str = "",
+             tokens: np.ndarray | None = None) -> Session:
+        spec = self.store.registry.get(fingerprint)
+        if mode == Mode.APPROX and approx_k <= 0:
+            raise InvalidArgument("approx mode needs approx_k > 0 (R = approx_k * W tokens are replayed)")
+        if mode != Mode.PERSIST:
+            self.runtime.require(spec)  # refuse now, not at the first Resume
+        sid = session_id or uuid.uuid4().hex[:16]
+        if (namespace, sid) in self._sessions:
+            raise InvalidArgument(f"session {sid} already exists in this namespace; pick another id or omit it")
+        toks = np.asarray(tokens if tokens is not None else [], dtype=np.int32)
+        s = Session(sid, namespace, fingerprint, toks, mode, approx_k)
+        self._sessions[(namespace, sid)] = s
+        return s
+
+    def get(self, namespace: str, session_id: str) -> Session:
+        s = self._sessions.get((namespace, session_id))
+        if s is None:  # another namespace's session is reported exactly like an absent one
+            raise NotFound(f"no session {session_id!r} in this namespace")
+        return s
+
+    def append(self, namespace: str, session_id: str, tokens: np.ndarray, window: Window | None = None) -> Session:
+        s = self.get(namespace, session_id)
+        if window is not None and s.mode != Mode.PERSIST:
+            raise InvalidArgument(f"session {session_id} is in {s.mode.name.lower()} mode: the daemon rebuilds its "
+                                  "window; send windows only for persist-mode sessions")
+        new_len = len(s.tokens) + len(tokens)
+        if window is not None:
+            if window.prefix_len != new_len:
+                raise InvalidArgument(f"the window serves position {window.prefix_len}, the session will have "
+                                      f"{new_len} tokens")
+            window.validate(self.store.registry.get(s.fingerprint))
+        s.tokens = np.concatenate([s.tokens, np.asarray(tokens, dtype=np.int32)])
+        if window is not None:
+            s.window = window
+        elif s.mode != Mode.PERSIST:
+            self._drop_hot(s)  # a window for the old length is stale
+        return s
+
+    def fork(self, namespace: str, parent_id: str, session_id: str = "", position: int = 0) -> Session:
+        """A sub-agent starting from its parent's prefix: tokens are copied, blocks are shared by content."""
+        parent = self.get(namespace, parent_id)
+        p = position or len(parent.tokens)
+        if p > len(parent.tokens):
+            raise InvalidArgument(f"fork position {p} is past the parent's {len(parent.tokens)} tokens")
+        child = self.open(namespace, parent.fingerprint, parent.mode, parent.approx_k, session_id, parent.tokens[:p])
+        child.parent = parent.id
+        if parent.window is not None and parent.window.prefix_len == p:
+            child.window = parent.window
+            if child.mode != Mode.PERSIST:
+                self._mark_hot(child)
+        return child
+
+    def suspend(self, namespace: str, session_id: str) -> Session:
+        """The session goes cold: a rebuilt window is dropped; a persisted one stays."""
+        s = self.get(namespace, session_id)
+        if s.mode != Mode.PERSIST:
+            self._drop_hot(s)
+        return s
+
+    def close(self, namespace: str, session_id: str) -> Session:
+        s = self.get(namespace, session_id)
+        self._drop_hot(s)
+        del self._sessions[(namespace, session_id)]
+        return s
+
+    # ---- resume ---------------------------------------------------------------------------------
+
+    async def resume(self, namespace: str, session_id: str, position: int = 0) -> Resumed:
+        s = self.get(namespace, session_id)
+        p = position or len(s.tokens)
+        if p <= 0:
+            raise InvalidArgument(f"session {session_id} has no tokens to resume from; append some first")
+        if p > len(s.tokens):
+            raise InvalidArgument(f"position {p} is past the session's end ({len(s.tokens)} tokens)")
+        spec = self.store.registry.get(s.fingerprint)
+        match = self.store.lookup(namespace, s.fingerprint, s.tokens[:p])
+        if match.matched_tokens < p:
+            raise FailedPrecondition(
+                f"the global KV of positions [{match.matched_tokens}, {p}) is not stored (never put, or evicted); "
+                "put it again, then Resume"
+            )
+        if s.window is not None and s.window.prefix_len == p:
+            if s.mode != Mode.PERSIST:
+                self._mark_hot(s)
+            return Resumed(p, match.blocks, s.window, "persisted" if s.mode == Mode.PERSIST else "hot", 0, 0, 0.0)
+        if s.mode == Mode.PERSIST:
+            have = "none" if s.window is None else f"one for position {s.window.prefix_len}"
+            raise FailedPrecondition(f"session {session_id} is in persist mode and holds no window for position {p} "
+                                     f"({have}); append with the window, or open it in exact mode")
+        model = self.runtime.require(spec)
+        global_kv = await self._global_kv(match.blocks, p)
+        t0 = time.perf_counter()
+        tokens = torch.as_tensor(s.tokens[:p], dtype=torch.long)
+        rec = await asyncio.to_thread(self.runtime.rebuild, model, tokens, global_kv, s.replay_mode())
+        seconds = time.perf_counter() - t0
+        c = self.runtime.counters
+        c.replays += 1
+        c.replayed_tokens += rec.replayed
+        c.token_layers += rec.token_layers
+        c.seconds += seconds
+        lay = spec.layout
+        s.window = Window.from_swa(rec.window, lay.dtype, lay.num_kv_heads, lay.head_dim)
+        self._mark_hot(s)
+        return Resumed(p, match.blocks, s.window, "replay", rec.replayed, rec.token_layers, seconds)
+
+    async def _global_kv(self, blocks: tuple[BlockMeta, ...], p: int) -> torch.Tensor:
+        """The stored global KV of [0, p) as one tensor (stored_layers, 2, p, H, D), read and verified."""
+        from engram.codec import blockformat
+
+        self.store.acquire(blocks)
+        try:
+            parts = []
+            for meta in blocks:
+                payload = await self.store.read(meta)
+                codec = self.store.registry.get(meta.model_fingerprint).codec
+                if codec == "raw":
+                    t = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                    parts.append(t.view(meta.dtype.torch_dtype).reshape(meta.shape))
+                else:
+                    parts.append(await asyncio.to_thread(blockformat.decode, payload, backend=self.store.codec_backend))
+        finally:
+            self.store.release(blocks)
+        return torch.cat(parts, dim=2)[:, :, :p]
+
+    # ---- hot windows ------------------------------------------------------------------------------
+
+    def _mark_hot(self, s: Session) -> None:
+        key = (s.namespace, s.id)
+        self._hot[key] = None
+        self._hot.move_to_end(key)
+        while len(self._hot) > self.max_hot_windows:
+            old, _ = self._hot.popitem(last=False)
+            victim = self._sessions.get(old)
+            if victim is not None:
+                victim.window = None  # pushed out of the hot set: rebuilt on its next Resume
+
+    def _drop_hot(self, s: Session) -> None:
+        self._hot.pop((s.namespace, s.id), None)
+        if s.mode != Mode.PERSIST:
+            s.window = None
+
+    # ---- stats -----------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def sessions(self) -> list[Session]:
+        return list(self._sessions.values())
+
+    def hot_count(self) -> int:
+        return len(self._hot)
+
+    def window_bytes(self, *, persisted: bool) -> int:
+        return sum(s.window.nbytes for s in self._sessions.values()
+                   if s.window is not None and (s.mode == Mode.PERSIST) == persisted)

@@ -1,0 +1,190 @@
+"""Sessions and Resume through a real daemon that replays with its own model instance: a session whose
+blocks were demoted and whose window was dropped resumes to the same next-token logits as an
+uninterrupted run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engram import errors
+from engram.client import EngramClient
+from engram.replay import (
+    HybridConfig,
+    HybridDecoder,
+    SwaWindow,
+    decode_next,
+    exact_bound,
+    gpt_oss_pattern,
+    save_decoder,
+)
+from engram.replay.runtime import model_spec_for
+
+BT = 16  # block tokens
+P = 53  # a prefix that ends inside a block
+
+
+@pytest.fixture(scope="module")
+def model() -> HybridDecoder:
+    return HybridDecoder(HybridConfig(layers=gpt_oss_pattern(4), window=8, dtype=torch.float32, seed=3))
+
+
+@pytest.fixture
+def model_file(model: HybridDecoder, tmp_path: Path) -> Path:
+    path = tmp_path / "replay-model.safetensors"
+    save_decoder(model, path)
+    return path
+
+
+@pytest.fixture
+async def daemon(server_factory, model_file: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
+    return await server_factory(**{"replay.models": str(model_file), "tiers.dram.capacity": "64KiB",
+                                   "tiers.nvme.path": str(tmp_path / "nvme")})
+
+
+def tokens_for(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.int32)
+
+
+def block_tensor(model: HybridDecoder, toks: np.ndarray) -> torch.Tensor:
+    """The stored form of a prefill's global KV: (global layers, 2, T, kv heads, head dim)."""
+    res = model.prefill(torch.as_tensor(toks, dtype=torch.long), logits=False)
+    return torch.stack([torch.stack((k, v)) for k, v in res.global_kv])
+
+
+async def put_session(client: EngramClient, model: HybridDecoder, toks: np.ndarray, mode: str = "exact",
+                      **kw: object) -> tuple[bytes, str]:
+    fp = await client.register_model(model_spec_for(model, block_tokens=BT, codec="raw"))
+    await client.put(fp, toks, block_tensor(model, toks))
+    info = await client.open_session(fp, mode=mode, tokens=toks, **kw)  # type: ignore[arg-type]
+    return fp, info.session_id
+
+
+async def next_logits(client: EngramClient, model: HybridDecoder, fp: bytes, sid: str, toks: np.ndarray,
+                      position: int = 0) -> tuple[torch.Tensor, str]:
+    r, global_kv = await client.resume_kv(fp, sid, position=position)
+    window = SwaWindow(r.position, r.window_start, tuple((layer[0], layer[1]) for layer in r.window))
+    step = decode_next(model, int(toks[r.position]), global_kv, window)
+    return step.logits, r.source
+
+
+def reference_logits(model: HybridDecoder, toks: np.ndarray, p: int) -> torch.Tensor:
+    out = model.prefill(torch.as_tensor(toks[: p + 1], dtype=torch.long))
+    assert out.logits is not None
+    return out.logits[-1]
+
+
+async def test_resumed_session_gives_the_uninterrupted_logits(daemon, model: HybridDecoder) -> None:  # type: ignore[no-untyped-def]
+    toks = tokens_for(P + 1)
+    async with EngramClient(daemon.address, namespace="agents") as client:
+        fp, sid = await put_session(client, model, toks[:P])
+        # Other sessions' blocks push this one's out of DRAM: its global KV now lives on NVMe.
+        for s in range(6):
+            other = tokens_for(4 * BT, seed=100 + s)
+            await client.put(fp, other, block_tensor(model, other))
+        stats = await client.stats()
+        assert stats.tiers[0].demotions > 0
+        assert any(b.tier == "nvme" for b in (await client.lookup(fp, toks[:P])).blocks)
+        await client.suspend_session(sid)  # leaves the hot tiers: no window anywhere
+
+        logits, source = await next_logits(client, model, fp, sid, toks)
+        assert source == "replay"
+        assert torch.equal(logits, reference_logits(model, toks, P))  # bit for bit (batch-invariant numerics)
+
+        again, source = await next_logits(client, model, fp, sid, toks)
+        assert source == "hot" and torch.equal(again, logits)
+        await client.suspend_session(sid)
+        _, source = await next_logits(client, model, fp, sid, toks)
+        assert source == "replay"
+
+        stats = await client.stats()
+        assert stats.replay.replays == 2 and stats.replay.sessions == 1
+        assert stats.replay.replayed_tokens == 2 * min(P, exact_bound(model.replay_spec))
+        m = next(m for m in stats.models if m.model_fingerprint == fp)
+        assert m.replayable
+        # Only the 2 global layers of 4 are persisted: half the bytes of keeping every layer.
+        assert m.stored_bytes * 2 == m.all_layers_bytes
+
+
+async def test_approx_mode_is_close_but_not_exact(daemon, model: HybridDecoder) -> None:  # type: ignore[no-untyped-def]
+    toks = tokens_for(P + 1, seed=5)
+    async with EngramClient(daemon.address) as client:
+        fp, sid = await put_session(client, model, toks[:P], mode="approx", approx_k=1.0)
+        logits, _ = await next_logits(client, model, fp, sid, toks)
+        ref = reference_logits(model, toks, P)
+        assert not torch.equal(logits, ref)  # R = W < L_swa * (W - 1): an approximation
+        assert float((logits - ref).abs().max()) < 10 * float(ref.abs().max())
+        info = await client.open_session(fp, mode="approx", approx_k=1.0, tokens=toks[:P])
+        assert info.mode == 2 and info.approx_k == 1.0
+
+
+async def test_persist_mode_serves_the_uploaded_window_without_a_model(server_factory, model: HybridDecoder) -> None:  # type: ignore[no-untyped-def]
+    srv = await server_factory()  # no replay model at all
+    toks = tokens_for(P + 1, seed=7)
+    async with EngramClient(srv.address) as client:
+        fp = await client.register_model(model_spec_for(model, block_tokens=BT, codec="raw"))
+        await client.put(fp, toks[:P], block_tensor(model, toks[:P]))
+        with pytest.raises(errors.FailedPrecondition, match="no replay model"):
+            await client.open_session(fp, mode="exact", tokens=toks[:P])
+        info = await client.open_session(fp, mode="persist")
+        ref = model.prefill(torch.as_tensor(toks[:P], dtype=torch.long), logits=False).swa_window(P)
+        win = torch.stack([torch.stack((k, v)) for k, v in ref.kv])
+        await client.append_session(info.session_id, toks[:P], window=win, window_start=ref.start)
+        await client.suspend_session(info.session_id)  # persisted windows survive going cold
+        logits, source = await next_logits(client, model, fp, info.session_id, toks)
+        assert source == "persisted" and torch.equal(logits, reference_logits(model, toks, P))
+        stats = await client.stats()
+        assert stats.replay.persisted_window_bytes == win.numel() * win.element_size()
+        assert not stats.models[0].replayable
+        # A window of the wrong shape, or for the wrong position, is refused.
+        with pytest.raises(errors.InvalidArgument, match="does not fit"):
+            await client.append_session(info.session_id, toks[P : P + 1], window=win[:, :, 1:], window_start=P - 5)
+        with pytest.raises(errors.InvalidArgument, match="serves position"):
+            await client.append_session(info.session_id, toks[P : P + 1], window=win, window_start=ref.start)
+        with pytest.raises(errors.FailedPrecondition, match="persist mode"):
+            await client.resume(info.session_id, position=P - 3)
+
+
+async def test_fork_shares_the_prefix_and_resumes(daemon, model: HybridDecoder) -> None:  # type: ignore[no-untyped-def]
+    toks = tokens_for(P + 1, seed=9)
+    async with EngramClient(daemon.address) as client:
+        fp, sid = await put_session(client, model, toks[:P])
+        child = await client.fork_session(sid, position=40)
+        assert child.tokens == 40 and child.parent == sid
+        logits, source = await next_logits(client, model, fp, child.session_id, toks)
+        assert source == "replay" and torch.equal(logits, reference_logits(model, toks, 40))
+        stats = await client.stats()
+        assert stats.models[0].blocks == 4  # no block was copied for the fork
+        await client.close_session(child.session_id)
+        with pytest.raises(errors.NotFound):
+            await client.resume(child.session_id)
+
+
+async def test_bad_session_requests(daemon, model: HybridDecoder) -> None:  # type: ignore[no-untyped-def]
+    toks = tokens_for(P, seed=11)
+    async with EngramClient(daemon.address, namespace="a") as client:
+        fp, sid = await put_session(client, model, toks)
+        with pytest.raises(errors.InvalidArgument, match="past the session's end"):
+            await client.resume(sid, position=P + 1)
+        with pytest.raises(errors.NotFound, match="no session"):
+            await client.resume("nope")
+        with pytest.raises(errors.NotFound, match="no session"):
+            await client.resume(sid, namespace="b")  # another tenant cannot see it
+        with pytest.raises(errors.InvalidArgument, match="persist-mode"):
+            await client.append_session(sid, [1], window=torch.zeros(2, 2, 7, 2, 16), window_start=P - 6)
+        with pytest.raises(errors.InvalidArgument, match="approx_k"):
+            await client.open_session(fp, mode="approx")
+        with pytest.raises(errors.InvalidArgument, match="already exists"):
+            await client.open_session(fp, session_id=sid)
+        unstored = await client.open_session(fp, tokens=tokens_for(P, seed=12))
+        with pytest.raises(errors.FailedPrecondition, match="not stored"):
+            await client.resume(unstored.session_id)
+        other = model_spec_for(HybridDecoder(HybridConfig(layers=gpt_oss_pattern(4), seed=99)), block_tokens=BT)
+        fp_other = await client.register_model(other)
+        with pytest.raises(errors.FailedPrecondition, match="no replay model"):
+            await client.open_session(fp_other)
+        # The daemon kept serving: the good session still resumes.
+        assert (await client.resume(sid)).source == "replay"
