@@ -29,7 +29,24 @@ def datasets(seed: int) -> dict[str, torch.Tensor]:
     student = torch.randn(SHAPE, generator=g) / (chi2 / 3).sqrt()
     k_like = torch.randn(SHAPE, generator=g)
     k_like[..., list(OUTLIER_CHANNELS)] *= 20.0
-    return {"gaussian": gauss, "student-t(3)": student, "outlier channels": k_like}
+    out = {"gaussian": gauss, "student-t(3)": student, "outlier channels": k_like}
+    out.update(reference_model_kv(seed))
+    return out
+
+
+def reference_model_kv(seed: int) -> dict[str, torch.Tensor]:
+    """K and V of the global layers of the reference hybrid decoder (engram.replay), random seeded weights,
+    shaped like SHAPE: real attention KV (RoPE'd K, projected V), though not from trained weights."""
+    from engram.replay import HybridConfig, HybridDecoder, gpt_oss_pattern
+
+    layers, tokens, heads, dim = SHAPE
+    cfg = HybridConfig(layers=gpt_oss_pattern(2 * layers), window=128, vocab_size=4096, d_model=512, n_heads=16,
+                       n_kv_heads=heads, head_dim=dim, d_ff=1024, seed=seed)
+    ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(seed))
+    res = HybridDecoder(cfg, numerics="fast").prefill(ids, logits=False)
+    k = torch.stack([k for k, _ in res.global_kv])  # (layers, tokens, heads, dim)
+    v = torch.stack([v for _, v in res.global_kv])
+    return {"reference model K": k, "reference model V": v}
 
 
 def to_matrix(x: torch.Tensor, axis: str) -> torch.Tensor:
