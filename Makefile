@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(BIN)/engram demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/pytest -q  # not `python -m pytest`: that puts the repo root (and its kernels/) on sys.path
 
 lint: $(STAMP)
 	$(BIN)/ruff check engram kernels cli tests benchmarks scripts

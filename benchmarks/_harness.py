@@ -71,7 +71,7 @@ def engram_daemon(transport: str, dram: str = "8GiB", extra: tuple[str, ...] = (
             address = f"127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "engram", "serve", "--dram-capacity", dram, "--log-level", "warning",
                "--set", "server.max_message_bytes=64MiB", "--set", "server.chunk_bytes=32MiB", *args, *extra]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp)
         try:
             _wait_health(address, proc)
             yield address

@@ -45,9 +45,9 @@ def main() -> int:
 
 def run(args: argparse.Namespace) -> int:
     import triton
-    from engram.kernels import fp4
 
     from engram.codec import fp4_reference as ref
+    from engram.kernels import fp4
 
     if args.smoke:
         device, sizes, configs = "cpu", [1 / 64], fp4.CONFIGS[::4]  # 16 KiB of bf16

@@ -7,37 +7,23 @@ import os
 import signal
 import subprocess
 import sys
-import time
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from engram.cli.main import app
 from typer.testing import CliRunner
 
+from engram.cli.main import app
 from engram.client import SyncEngramClient
-from tests.conftest import random_kv, tiny_model, tokens
+
+from helpers import random_kv, tiny_model, tokens, wait_for
 
 ENGRAM = [sys.executable, "-m", "engram"]
-
-
-def wait_for(address: str, proc: subprocess.Popen[str], timeout: float = 20.0) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"engram serve exited early: {proc.stdout.read() if proc.stdout else ''}")
-        try:
-            with grpc.insecure_channel(address) as ch:
-                resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
-                if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-        except grpc.RpcError:
-            time.sleep(0.1)
-    raise AssertionError("daemon did not become healthy")
+# Subprocesses run outside the checkout: `python -m` puts its working directory on sys.path, and the
+# repository root's kernels/ would shadow Hugging Face's `kernels` package there.
+NEUTRAL_CWD = tempfile.gettempdir()
 
 
 @pytest.fixture
@@ -45,7 +31,7 @@ def daemon(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     sock = tmp_path / "engram.sock"
     env = {**os.environ, "ENGRAM_TIERS__DRAM__CAPACITY": "64MiB"}
     proc = subprocess.Popen([*ENGRAM, "serve", "--unix-socket", str(sock), "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=NEUTRAL_CWD)
     address = f"unix:{sock}"
     try:
         wait_for(address, proc)
@@ -59,7 +45,7 @@ def daemon(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*ENGRAM, *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([*ENGRAM, *args], capture_output=True, text=True, timeout=60, cwd=NEUTRAL_CWD)
 
 
 def test_stats_json_and_table_match_daemon_state(daemon) -> None:  # type: ignore[no-untyped-def]
@@ -113,8 +99,9 @@ def test_config_keys_listing() -> None:
 
 
 def test_demo_shares_the_prefix() -> None:
-    from engram.cli.demo import demo
     from rich.console import Console
+
+    from engram.cli.demo import demo
 
     console = Console(record=True, width=140)
     reports = demo(console)

@@ -14,7 +14,8 @@ from engram.codec import base, blockformat
 from engram.layout import DType
 from engram.v1 import engram_pb2 as pb
 from engram.v1 import engram_pb2_grpc as pb_grpc
-from tests.conftest import BLOCK_TOKENS, random_kv, tiny_model, tokens
+
+from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
 
 CODECS = ["fp8_e4m3", "nvfp4", "mxfp4"]
 

@@ -7,7 +7,8 @@ import pytest
 from engram.config import config_keys, load_config, parse_bytes
 from engram.errors import ConfigError, InvalidArgument
 from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
-from tests.conftest import tiny_layout
+
+from helpers import tiny_layout
 
 
 def test_precedence_defaults_file_env_flags(tmp_path: Path) -> None:

@@ -17,8 +17,8 @@ import torch
 
 from engram import errors
 from engram.client import SyncEngramClient
-from tests.conftest import BLOCK_TOKENS, random_kv, tiny_model, tokens
-from tests.test_cli import wait_for
+
+from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens, wait_for
 
 SPEC = tiny_model()
 
@@ -27,7 +27,7 @@ def start_daemon(sock: Path, nvme: Path) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "engram", "serve", "--unix-socket", str(sock), "--log-level", "warning",
            "--dram-capacity", "256KiB", "--set", f"tiers.nvme.path={nvme}",
            "--set", "tiers.write_policy=write-through"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=sock.parent)
     wait_for(f"unix:{sock}", proc)
     return proc
 

@@ -28,10 +28,9 @@ if importlib.util.find_spec("triton") is None:
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engram.kernels import fp4
-
 import engram.codec as codec
 from engram.codec import fp4_reference as ref
+from engram.kernels import fp4
 
 SEED = int(os.environ.get("ENGRAM_TEST_SEED", random.SystemRandom().randrange(2**31)))
 FORMATS = sorted(ref.CODECS)

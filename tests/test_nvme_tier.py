@@ -22,7 +22,8 @@ from engram.keys import root_key
 from engram.server.app import build_store
 from engram.store import BlockStore
 from engram.tiers.nvme import NvmeTier
-from tests.conftest import BLOCK_TOKENS, random_kv, tiny_model, tokens
+
+from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
 
 SPEC = tiny_model()
 BLOCK = SPEC.layout.block_nbytes(BLOCK_TOKENS)

@@ -14,7 +14,8 @@ from engram.layout import DType
 from engram.server import RunningServer
 from engram.v1 import engram_pb2 as pb
 from engram.v1 import engram_pb2_grpc as pb_grpc
-from tests.conftest import BLOCK_TOKENS, random_kv, tiny_model, tokens
+
+from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
 
 
 @pytest.fixture

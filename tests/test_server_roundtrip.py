@@ -12,7 +12,8 @@ import torch
 from engram import errors
 from engram.client import EngramClient
 from engram.layout import DType
-from tests.conftest import BLOCK_TOKENS, random_kv, tiny_model, tokens
+
+from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
 
 
 @pytest.mark.parametrize("dtype", [DType.BF16, DType.FP16, DType.FP32])
