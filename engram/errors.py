@@ -32,6 +32,14 @@ class FailedPrecondition(EngramError):
     """The request is well formed but the daemon's state does not allow it (e.g. a missing parent block)."""
 
 
+class Unauthenticated(EngramError):
+    """The call carries no valid credentials (a missing or unknown bearer token)."""
+
+
+class PermissionDenied(EngramError):
+    """The caller is known but may not act on what it named (another tenant's namespace, an admin call)."""
+
+
 class DataLoss(EngramError):
     """Stored data failed verification (checksum, torn file); the block is dropped, never served."""
 

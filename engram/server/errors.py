@@ -20,6 +20,8 @@ STATUS_OF: dict[type[errors.EngramError], grpc.StatusCode] = {
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     errors.DataLoss: grpc.StatusCode.DATA_LOSS,
+    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
 }

@@ -15,9 +15,10 @@ import torch
 from engram import __version__
 from engram.block import BlockHeader, checksum
 from engram.config import ServerConfig
-from engram.errors import InvalidArgument, ResourceExhausted
+from engram.errors import InvalidArgument, PermissionDenied, ResourceExhausted
 from engram.keys import root_key
 from engram.server import convert
+from engram.server.auth import is_admin, namespace_for
 from engram.server.errors import streaming, unary
 from engram.sessions import Mode, Session, SessionManager, Window
 from engram.store import BlockStore
@@ -90,7 +91,8 @@ class EngramService:
     async def Lookup(self, request: Any, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         req = _decoded(request)
         _check_limit("Lookup tokens", len(req.tokens), self.config.max_tokens_per_request)
-        match = self.store.lookup(req.namespace, req.model_fingerprint, np.asarray(req.tokens, dtype="<i4"))
+        ns = namespace_for(context, req.namespace)
+        match = self.store.lookup(ns, req.model_fingerprint, np.asarray(req.tokens, dtype="<i4"))
         return pb.LookupResponse(
             matched_tokens=match.matched_tokens,
             blocks=[pb.BlockRef(key=m.key, num_tokens=m.num_tokens, tier=m.tier, nbytes=m.nbytes) for m in match.blocks],
@@ -113,6 +115,7 @@ class EngramService:
                 if item != "header":
                     raise InvalidArgument("the first message of a Put stream must be a PutHeader")
                 stream = req.header
+                stream.namespace = namespace_for(context, stream.namespace)
                 spec = self.store.registry.get(stream.model_fingerprint)
                 parent = stream.parent_key or root_key(stream.namespace, stream.model_fingerprint)
                 continue
@@ -176,7 +179,7 @@ class EngramService:
     async def Get(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse]:
         req = _decoded(request)
         _check_limit("Get keys", len(req.keys), self.config.max_blocks_per_request)
-        metas = self.store.find(req.namespace, req.model_fingerprint, list(req.keys))
+        metas = self.store.find(namespace_for(context, req.namespace), req.model_fingerprint, list(req.keys))
         codec = self.store.registry.get(req.model_fingerprint).codec
         step = self.config.chunk_bytes
         self.store.acquire(metas)
@@ -214,7 +217,7 @@ class EngramService:
     async def Pin(self, request: Any, context: grpc.aio.ServicerContext) -> pb.PinResponse:
         req = _decoded(request)
         _check_limit("Pin keys", len(req.keys), self.config.max_blocks_per_request)
-        changed = self.store.pin(req.namespace, req.model_fingerprint, list(req.keys), unpin=req.unpin)
+        changed = self.store.pin(namespace_for(context, req.namespace), req.model_fingerprint, list(req.keys), unpin=req.unpin)
         return pb.PinResponse(changed=changed)
 
     @unary
@@ -264,6 +267,8 @@ class EngramService:
     @unary
     async def Check(self, request: Any, context: grpc.aio.ServicerContext) -> pb.CheckResponse:
         req = _decoded(request)
+        if not is_admin(context):
+            raise PermissionDenied("Check scans every namespace's blocks: call it with an admin token")
         report = await self.store.check(fix=req.fix)
         return pb.CheckResponse(scanned=report.scanned, valid=report.valid, findings=[
             pb.CheckFinding(path=path, problem=problem, fixed=fixed) for path, problem, fixed in report.findings])
@@ -276,7 +281,7 @@ class EngramService:
         if req.mode not in _MODE_OF:
             raise InvalidArgument(f"unknown replay mode {req.mode}")
         _check_limit("OpenSession tokens", len(req.tokens), self.config.max_tokens_per_request)
-        s = self.sessions.open(req.namespace, req.model_fingerprint, _MODE_OF[req.mode], req.approx_k,
+        s = self.sessions.open(namespace_for(context, req.namespace), req.model_fingerprint, _MODE_OF[req.mode], req.approx_k,
                                req.session_id, np.asarray(req.tokens, dtype=np.int32))
         return _session_info(s)
 
@@ -285,30 +290,30 @@ class EngramService:
         req = _decoded(request)
         _check_limit("AppendSession tokens", len(req.tokens), self.config.max_tokens_per_request)
         window = _window_from_pb(req.window) if req.HasField("window") else None
-        s = self.sessions.append(req.session.namespace, req.session.session_id,
+        s = self.sessions.append(namespace_for(context, req.session.namespace), req.session.session_id,
                                  np.asarray(req.tokens, dtype=np.int32), window)
         return _session_info(s)
 
     @unary
     async def ForkSession(self, request: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
         req = _decoded(request)
-        s = self.sessions.fork(req.parent.namespace, req.parent.session_id, req.session_id, req.position)
+        s = self.sessions.fork(namespace_for(context, req.parent.namespace), req.parent.session_id, req.session_id, req.position)
         return _session_info(s)
 
     @unary
     async def SuspendSession(self, request: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
         req = _decoded(request)
-        return _session_info(self.sessions.suspend(req.namespace, req.session_id))
+        return _session_info(self.sessions.suspend(namespace_for(context, req.namespace), req.session_id))
 
     @unary
     async def CloseSession(self, request: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
         req = _decoded(request)
-        return _session_info(self.sessions.close(req.namespace, req.session_id))
+        return _session_info(self.sessions.close(namespace_for(context, req.namespace), req.session_id))
 
     @streaming
     async def Resume(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ResumeResponse]:
         req = _decoded(request)
-        r = await self.sessions.resume(req.session.namespace, req.session.session_id, req.position)
+        r = await self.sessions.resume(namespace_for(context, req.session.namespace), req.session.session_id, req.position)
         w = r.window
         yield pb.ResumeResponse(header=pb.ResumeHeader(
             position=r.position, source=r.source, replayed_tokens=r.replayed, token_layers=r.token_layers,
