@@ -54,11 +54,25 @@ class ServerConfig:
     max_blocks_per_request: int = 4096
     max_tokens_per_request: int = 1 << 21
     shutdown_grace_s: float = 5.0  # in-flight RPCs get this long to finish on SIGTERM
+    lease_s: float = 30.0  # a zero-copy Get's descriptors keep their slots this long unless released sooner
 
 
 @dataclass
 class DramConfig:
     capacity: ByteSize = ByteSize(4 * 2**30)
+    # shared: one segment in shm_dir that a co-located worker maps (zero-copy Get), pinned when CUDA is
+    # present; private: payloads as bytes objects in the daemon's own memory (no zero-copy).
+    pool: str = "shared"
+    shm_dir: str = "/dev/shm"
+    page_bytes: ByteSize = ByteSize(0)  # allocation unit of the pool; 0: capacity / 64Ki, in [16 B, 64 KiB]
+    pin: bool = True  # register the shared pool with CUDA (cudaHostRegister) when a GPU is present
+
+
+@dataclass
+class HbmConfig:
+    capacity: ByteSize = ByteSize(0)  # 0: no HBM tier; else one preallocated device buffer of this size
+    device: str = "cuda"  # a torch device; "cpu" runs the same pool logic without a GPU (tests)
+    page_bytes: ByteSize = ByteSize(0)  # as tiers.dram.page_bytes
 
 
 @dataclass
@@ -73,6 +87,7 @@ class NvmeConfig:
 
 @dataclass
 class TiersConfig:
+    hbm: HbmConfig = field(default_factory=HbmConfig)
     dram: DramConfig = field(default_factory=DramConfig)
     nvme: NvmeConfig = field(default_factory=NvmeConfig)
     write_policy: str = "write-back"  # or "write-through": a put is acknowledged once it is on NVMe too
@@ -117,6 +132,7 @@ class EngramConfig:
             )
         if self.tiers.dram.capacity <= 0:
             raise ConfigError("tiers.dram.capacity must be positive")
+        self._validate_pools()
         if self.tiers.write_policy not in {"write-back", "write-through"}:
             raise ConfigError(f"tiers.write_policy must be write-back or write-through, got {self.tiers.write_policy!r}")
         if self.tiers.write_policy == "write-through" and not self.tiers.nvme.path:
@@ -135,6 +151,28 @@ class EngramConfig:
         if self.logging.level.lower() not in {"debug", "info", "warning", "error"}:
             raise ConfigError(f"logging.level must be debug, info, warning or error, got {self.logging.level!r}")
         return self
+
+    def _validate_pools(self) -> None:
+        d, h = self.tiers.dram, self.tiers.hbm
+        if d.pool not in {"shared", "private"}:
+            raise ConfigError(f"tiers.dram.pool must be shared or private, got {d.pool!r}")
+        if self.server.lease_s <= 0:
+            raise ConfigError(f"server.lease_s must be positive, got {self.server.lease_s}")
+        for key, page in (("tiers.dram.page_bytes", d.page_bytes), ("tiers.hbm.page_bytes", h.page_bytes)):
+            if page < 0 or (page and page & (page - 1)):
+                raise ConfigError(f"{key} must be 0 (auto) or a power of two, got {page}")
+        if h.capacity < 0:
+            raise ConfigError("tiers.hbm.capacity must be >= 0 (0: no HBM tier)")
+        if h.capacity:
+            import torch
+
+            try:
+                dev = torch.device(h.device)
+            except RuntimeError:
+                raise ConfigError(f"tiers.hbm.device {h.device!r} is not a torch device (cuda, cuda:1, cpu)") from None
+            if dev.type == "cuda" and not torch.cuda.is_available():
+                raise ConfigError("tiers.hbm.capacity is set but no CUDA device is present; set tiers.hbm.capacity "
+                                  "= 0 (or tiers.hbm.device = cpu to exercise the tier without a GPU)")
 
 
 def _coerce(value: object, typ: Any, where: str) -> object:

@@ -22,7 +22,8 @@ from engram.server.service import SERVICE_NAME, EngramService
 from engram.sessions import SessionManager
 from engram.store import BlockStore, WritePolicy
 from engram.tiers.base import Tier
-from engram.tiers.dram import DramTier
+from engram.tiers.dram import DramTier, shared_dram_tier
+from engram.tiers.hbm import hbm_tier
 from engram.tiers.nvme import NvmeTier
 from engram.v1 import engram_pb2
 
@@ -32,7 +33,12 @@ log = logging.getLogger("engram.server")
 async def build_store(config: EngramConfig) -> BlockStore:
     """The tiers the config names, and the index recovered from the NVMe tier when there is one."""
     t = config.tiers
-    tiers: list[Tier] = [DramTier(t.dram.capacity)]
+    tiers: list[Tier] = []
+    if t.hbm.capacity:
+        tiers.append(hbm_tier(t.hbm.capacity, t.hbm.device, t.hbm.page_bytes))
+    d = t.dram
+    tiers.append(shared_dram_tier(d.capacity, d.shm_dir, d.page_bytes, pin=d.pin) if d.pool == "shared"
+                 else DramTier(d.capacity))
     codec = config.codec.default
     registry = ModelRegistry(default_codec=codec)
     if t.nvme.path:

@@ -1,13 +1,29 @@
-"""DRAM tier: payloads held as immutable bytes in process memory.
-
-Pinned DRAM for the GPU path is a separate pool (the GPU data path issue).
+"""DRAM tiers. The default (`shared_dram_tier`) is a pool in one shared-memory segment, pinned when CUDA is
+present, that co-located workers map for zero-copy Gets; `DramTier` (tiers.dram.pool = private) keeps
+payloads as bytes objects in the daemon's own memory, for hosts without a usable /dev/shm.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from engram.block import BlockRecord
 from engram.errors import NotFound
 from engram.tiers.base import TierUsage
+from engram.tiers.pool import PoolTier, auto_page_bytes
+from engram.tiers.shm import SharedSegment
+from engram.tiers.slots import SlotAllocator
+
+
+def shared_dram_tier(capacity: int, shm_dir: str | Path = "/dev/shm", page_bytes: int = 0, *,
+                     pin: bool = True) -> PoolTier:
+    """The DRAM pool: a shared segment of `capacity` bytes carved by the slot allocator, whose generation
+    table lives in the segment so a worker can check its descriptors."""
+    page = page_bytes or auto_page_bytes(capacity)
+    pages = -(-capacity // page)  # round up: a capacity below a page still holds one block
+    seg = SharedSegment(shm_dir, pages * page, page, pin=pin)
+    return PoolTier("dram", seg.data, page, SlotAllocator(seg.layout.pages, seg.generations), on_close=seg.close,
+                    segment=seg)
 
 
 class DramTier:

@@ -1,0 +1,175 @@
+"""A pooled tier: block payloads in one preallocated byte buffer, carved into page runs by the slot
+allocator (engram/tiers/slots.py). The DRAM tier's buffer is a shared-memory segment (engram/tiers/shm.py);
+the HBM tier's is one device tensor (engram/tiers/hbm.py). No allocation happens per block.
+
+The Tier Protocol reserves bytes before a write without naming the block; here a reservation allocates
+the run at once (so a fragmented pool says "no room" at reserve time, and the store evicts), and the write
+consumes a run reserved for that size.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engram.block import BlockRecord
+from engram.errors import NotFound
+from engram.tiers.base import TierUsage
+from engram.tiers.shm import SharedSegment
+from engram.tiers.slots import Run, SlotAllocator
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one block's payload lies in the pool: byte offset, length, and its run's generation."""
+
+    run: Run
+    offset: int
+    length: int
+
+    @property
+    def generation(self) -> int:
+        return self.run.generation
+
+
+def auto_page_bytes(capacity: int) -> int:
+    """A power of two near capacity / 64Ki, in [16 B, 64 KiB]: at most ~128Ki pages (a 1 MiB generation
+    table), and at most 64 KiB lost to rounding per block."""
+    page = 16
+    while page < 64 * 1024 and page * 2 * 65536 <= capacity:
+        page *= 2
+    return page
+
+
+def bytes_tensor(payload: bytes | memoryview) -> torch.Tensor:
+    """A uint8 view of immutable bytes, for copy_ sources only (torch warns that it is not writable)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(payload, dtype=torch.uint8)
+
+
+class PoolTier:
+    def __init__(self, name: str, buffer: torch.Tensor, page_bytes: int, allocator: SlotAllocator,
+                 on_close: Callable[[], None] | None = None, segment: SharedSegment | None = None) -> None:
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1:
+            raise ValueError("a pool buffer is a 1-D uint8 tensor")
+        if allocator.n_pages * page_bytes > buffer.numel():
+            raise ValueError("the allocator's pages overrun the buffer")
+        self.name = name
+        self.buffer = buffer
+        self.page_bytes = page_bytes
+        self.allocator = allocator
+        self._on_close = on_close
+        self.segment = segment  # the shared segment a co-located worker maps, when the buffer is one
+        self._slots: dict[bytes, Slot] = {}
+        self._reserved: dict[int, list[Run]] = {}  # runs reserved for a coming write, by reserved bytes
+        self._reserved_bytes = 0
+        self._stored = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffer.device
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.allocator.n_pages * self.page_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        """Payload bytes held plus bytes reserved (as the other tiers count); `allocated_bytes` adds what
+        rounding to pages costs."""
+        return self._stored + self._reserved_bytes
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.allocator.used_pages * self.page_bytes
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._slots
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def pages_for(self, nbytes: int) -> int:
+        return max(1, -(-nbytes // self.page_bytes))
+
+    def space_for(self, rec: BlockRecord) -> int:
+        return self.pages_for(rec.nbytes) * self.page_bytes
+
+    def reserve(self, nbytes: int) -> bool:
+        run = self.allocator.alloc(self.pages_for(nbytes))
+        if run is None:
+            return False
+        self._reserved.setdefault(nbytes, []).append(run)
+        self._reserved_bytes += nbytes
+        return True
+
+    def unreserve(self, nbytes: int) -> None:
+        self.allocator.free(self._take_reserved(nbytes))
+
+    def _take_reserved(self, nbytes: int) -> Run:
+        runs = self._reserved.get(nbytes)
+        if not runs:
+            raise AssertionError(f"no reservation of {nbytes} bytes to consume")
+        self._reserved_bytes -= nbytes
+        return runs.pop()
+
+    async def write(self, rec: BlockRecord, payload: bytes, reserved: int) -> None:
+        run = self._take_reserved(reserved)
+        if rec.key in self._slots:
+            self.allocator.free(run)
+            raise AssertionError("write of a key already in the tier; the store must dedupe first")
+        slot = Slot(run, run.start * self.page_bytes, len(payload))
+        if slot.length > run.pages * self.page_bytes:
+            self.allocator.free(run)
+            raise AssertionError(f"a {slot.length}-byte payload does not fit the {reserved} bytes reserved")
+        self.region(slot).copy_(bytes_tensor(payload))
+        self._slots[rec.key] = slot
+        self._stored += slot.length
+
+    def place(self, key: bytes, reserved: int, length: int) -> torch.Tensor:
+        """Take a reserved run for `key` and return its region, for a caller that fills it itself (a batched
+        transfer). The key counts as stored from now on: callers fill it before they publish the copy."""
+        run = self._take_reserved(reserved)
+        slot = Slot(run, run.start * self.page_bytes, length)
+        self._slots[key] = slot
+        self._stored += length
+        return self.region(slot)
+
+    def region(self, slot: Slot) -> torch.Tensor:
+        return self.buffer[slot.offset : slot.offset + slot.length]
+
+    def slot(self, key: bytes) -> Slot:
+        try:
+            return self._slots[key]
+        except KeyError:
+            raise NotFound(f"block {key.hex()} is not in the {self.name} tier") from None
+
+    async def read(self, key: bytes) -> bytes:
+        region = self.region(self.slot(key))
+        if region.device.type != "cpu":
+            region = region.cpu()
+        return region.numpy().tobytes()
+
+    async def delete(self, key: bytes) -> int:
+        slot = self._slots.pop(key, None)
+        if slot is None:
+            return 0
+        self.allocator.free(slot.run)
+        self._stored -= slot.length
+        return slot.length
+
+    def usage(self) -> TierUsage:
+        return TierUsage(self.name, self.capacity_bytes, self.used_bytes, len(self._slots))
+
+    async def close(self) -> None:
+        self._slots.clear()
+        self._reserved.clear()
+        self._stored = self._reserved_bytes = 0
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        if self._on_close is not None:
+            self._on_close()
+            self._on_close = None

@@ -1,0 +1,116 @@
+"""The shared DRAM pool: real segments in /dev/shm, mapped by a reader as a worker would; budgets checked
+before allocating; stale segments of a dead daemon removed at start; the segment unlinked on close."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from engram.block import BlockRecord
+from engram.errors import ConfigError, FailedPrecondition
+from engram.layout import DType
+from engram.tiers.base import Tier
+from engram.tiers.dram import shared_dram_tier
+from engram.tiers.pool import PoolTier
+from engram.tiers.shm import PREFIX, SUFFIX, SegmentReader, clean_stale
+
+
+def record(key: bytes, nbytes: int) -> BlockRecord:
+    return BlockRecord(key, b"p", b"fp", "ns", DType.BF16, True, (nbytes,), b"", nbytes, 0)
+
+
+async def put(tier: PoolTier, key: bytes, payload: bytes) -> None:
+    rec = record(key, len(payload))
+    need = tier.space_for(rec)
+    assert tier.reserve(need)
+    await tier.write(rec, payload, need)
+
+
+@pytest.fixture
+def shm_dir(tmp_path: Path) -> Iterator[Path]:
+    # A private directory on the real /dev/shm when it exists (so other daemons' segments are untouched).
+    base = Path("/dev/shm")
+    d = base / f"engram-test-{os.getpid()}-{tmp_path.name}" if base.is_dir() else tmp_path
+    d.mkdir()
+    yield d
+    for p in d.iterdir():
+        p.unlink()
+    d.rmdir()
+
+
+async def test_a_worker_maps_the_segment_and_reads_blocks_in_place(shm_dir: Path) -> None:
+    tier = shared_dram_tier(64 * 1024, shm_dir, 4096, pin=False)
+    assert isinstance(tier, Tier)
+    payloads = {bytes([i]) * 8: os.urandom(5000 + i) for i in range(5)}
+    for key, payload in payloads.items():
+        await put(tier, key, payload)
+    seg = tier.segment
+    assert seg is not None and seg.path.parent == shm_dir and seg.path.exists()
+    reader = SegmentReader(seg.path, seg.layout.segment_id)
+    for key, payload in payloads.items():
+        slot = tier.slot(key)
+        assert reader.copy(slot.offset, slot.length, slot.generation) == payload
+        assert await tier.read(key) == payload
+    # Deleting a block and reusing its pages makes the old descriptor stale: never the new block's bytes.
+    key = next(iter(payloads))
+    old = tier.slot(key)
+    await tier.delete(key)
+    assert reader.copy(old.offset, old.length, old.generation) is None
+    await put(tier, b"new-key!", os.urandom(old.length))
+    assert tier.slot(b"new-key!").offset == old.offset  # best fit reused the same pages
+    assert reader.copy(old.offset, old.length, old.generation) is None
+    reader.close()
+    await tier.close()
+    assert not seg.path.exists(), "the segment was not unlinked on close"
+
+
+async def test_a_reader_refuses_a_segment_that_is_not_the_one_named(shm_dir: Path) -> None:
+    tier = shared_dram_tier(16 * 1024, shm_dir, pin=False)
+    assert tier.segment is not None
+    with pytest.raises(FailedPrecondition, match="another segment"):
+        SegmentReader(tier.segment.path, b"\0" * 16)
+    junk = shm_dir / "junk"
+    junk.write_bytes(b"x" * 100)
+    with pytest.raises(FailedPrecondition, match="not an Engram segment"):
+        SegmentReader(junk, b"\0" * 16)
+    await tier.close()
+
+
+def test_a_budget_beyond_the_host_is_refused_before_allocating(shm_dir: Path) -> None:
+    with pytest.raises(ConfigError, match=r"tiers\.dram\.capacity") as exc:
+        shared_dram_tier(1 << 50, shm_dir, pin=False)  # a PiB: more than any /dev/shm or MemAvailable
+    assert "lower tiers.dram.capacity" in str(exc.value)
+    assert not list(shm_dir.glob(f"{PREFIX}*")), "a refused pool left a segment behind"
+
+
+async def test_a_stale_segment_of_a_killed_daemon_is_removed_at_start(shm_dir: Path) -> None:
+    # A real process creates a pool and is killed without closing it: its segment stays behind.
+    code = (f"import os, sys; from engram.tiers.dram import shared_dram_tier; "
+            f"t = shared_dram_tier(8192, {str(shm_dir)!r}, pin=False); print(t.segment.path, flush=True); "
+            "os.kill(os.getpid(), 9)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    stale = Path(out.stdout.strip())
+    assert stale.exists() and stale.name.endswith(SUFFIX)
+    live = shared_dram_tier(8192, shm_dir, pin=False)  # cleans at start, and must not remove itself
+    assert not stale.exists()
+    assert live.segment is not None and live.segment.path.exists()
+    assert clean_stale(shm_dir) == []  # a live daemon's segment (locked) is never removed
+    await live.close()
+
+
+def test_config_refuses_bad_pool_settings() -> None:
+    from engram.config import load_config
+
+    with pytest.raises(ConfigError, match="power of two"):
+        load_config(env={}, overrides={"tiers.dram.page_bytes": 3000})
+    with pytest.raises(ConfigError, match="shared or private"):
+        load_config(env={}, overrides={"tiers.dram.pool": "pinned"})
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            load_config(env={}, overrides={"tiers.hbm.capacity": "1MiB"})
