@@ -8,6 +8,7 @@ place, engram/server/errors.py), with the server's message.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
 from collections.abc import AsyncIterator, Coroutine, Sequence
@@ -27,6 +28,7 @@ from engram.keys import chain_keys
 from engram.layout import DType, ModelSpec
 from engram.server.convert import dtype_from_pb, model_to_pb
 from engram.server.errors import ERROR_OF
+from engram.tiers.shm import SegmentReader
 from engram.v1 import engram_pb2 as pb
 from engram.v1 import engram_pb2_grpc as pb_grpc
 
@@ -83,6 +85,15 @@ def _map_error(exc: grpc.aio.AioRpcError) -> Exception:
 T = TypeVar("T")
 
 
+def same_host(address: str) -> bool:
+    """Whether a daemon address is on this host (a unix socket or loopback), where its shared DRAM
+    segment can be mapped."""
+    if address.startswith("unix:"):
+        return True
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host in {"localhost", "::1"} or host.startswith("127.")
+
+
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """The raw little-endian bytes of a tensor (bf16 included, which numpy cannot hold)."""
     return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
@@ -116,6 +127,8 @@ class EngramClient:
         )
         self._stub = pb_grpc.EngramStub(self._channel)
         self._layouts: dict[bytes, ModelSpec] = {}
+        self._segments: dict[str, SegmentReader] = {}  # shared DRAM segments mapped for zero-copy Gets
+        self._zero_copy_ok = True
 
     async def __aenter__(self) -> EngramClient:
         return self
@@ -124,6 +137,9 @@ class EngramClient:
         await self.close()
 
     async def close(self) -> None:
+        for reader in self._segments.values():
+            reader.close()
+        self._segments.clear()
         await self._channel.close()
 
     async def _call(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -255,17 +271,31 @@ class EngramClient:
         return await self._call(self._stub.Put(requests()))
 
     async def get(self, fingerprint: bytes, keys: Sequence[bytes], *, namespace: str | None = None,
-                  decode_on_server: bool = False, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+                  decode_on_server: bool = False, device: torch.device | str = "cpu",
+                  zero_copy: bool | None = None) -> list[torch.Tensor]:
         """Blocks by key, in order, each (persisted_layers, 2, tokens, kv_heads, head_dim) on `device`;
         every payload's checksum is verified again on arrival. Encoded blocks travel as stored and are
-        decoded here (the Triton kernels on a GPU device), unless decode_on_server."""
+        decoded here (the Triton kernels on a GPU device), unless decode_on_server.
+
+        zero_copy (None: whenever the daemon is on this host, over a unix socket or loopback): blocks in
+        the daemon's shared DRAM pool come as descriptors and are copied straight out of the mapped
+        segment; a descriptor whose slot was reused meanwhile, or a segment this process cannot map, falls
+        back to bytes for those blocks. Either way the tensors are the same.
+        """
+        if zero_copy is None:
+            zero_copy = self._zero_copy_ok and same_host(self.address)
         req = pb.GetRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint, keys=list(keys),
-                            decode=decode_on_server)
-        out: list[torch.Tensor] = []
+                            decode=decode_on_server, zero_copy=zero_copy)
+        out: list[torch.Tensor | None] = []
+        descriptors: list[tuple[int, pb.BlockDescriptor]] = []
         parts: list[bytes] = []
         header: pb.BlockHeader | None = None
         try:
             async for resp in self._stub.Get(req):
+                if resp.HasField("descriptor"):
+                    descriptors.append((len(out), resp.descriptor))
+                    out.append(None)
+                    continue
                 chunk = resp.chunk
                 if chunk.HasField("header"):
                     header = chunk.header
@@ -275,21 +305,70 @@ class EngramClient:
                     if header is None:
                         raise errors.DataLoss("Get stream sent a block's bytes without its header")
                     data = parts[0] if len(parts) == 1 else b"".join(parts)
-                    if len(data) != header.payload_nbytes or checksum(data) != header.checksum:
-                        raise errors.DataLoss(f"block {len(out)} arrived damaged (size or checksum mismatch)")
-                    where = f"block {len(out)}"
-                    if header.codec in ("", "raw"):
-                        dtype = dtype_from_pb(header.dtype, where).torch_dtype
-                        out.append(tensor_from_bytes(data, dtype, header.shape).to(device))
-                    else:
-                        backend = "triton" if torch.device(device).type == "cuda" else "reference"
-                        out.append(blockformat.decode(data, backend=backend, device=device, where=where))
+                    out.append(self._block(header, data, len(out), device))
                     header = None
         except grpc.aio.AioRpcError as exc:
+            await self._release({d.lease_id for _, d in descriptors}, namespace)
             raise _map_error(exc) from exc
+        if descriptors:
+            stale = self._copy_out(descriptors, out, device)
+            await self._release({d.lease_id for _, d in descriptors}, namespace)
+            if stale:
+                again = await self.get(fingerprint, [keys[i] for i in stale], namespace=namespace,
+                                       decode_on_server=decode_on_server, device=device, zero_copy=False)
+                for i, t in zip(stale, again, strict=True):
+                    out[i] = t
         if len(out) != len(keys):
             raise errors.DataLoss(f"Get returned {len(out)} of {len(keys)} blocks")
-        return out
+        return out  # type: ignore[return-value]
+
+    def _block(self, header: pb.BlockHeader, data: bytes, i: int, device: torch.device | str) -> torch.Tensor:
+        if len(data) != header.payload_nbytes or checksum(data) != header.checksum:
+            raise errors.DataLoss(f"block {i} arrived damaged (size or checksum mismatch)")
+        where = f"block {i}"
+        if header.codec in ("", "raw"):
+            dtype = dtype_from_pb(header.dtype, where).torch_dtype
+            return tensor_from_bytes(data, dtype, header.shape).to(device)
+        backend = "triton" if torch.device(device).type == "cuda" else "reference"
+        return blockformat.decode(data, backend=backend, device=device, where=where)
+
+    def _copy_out(self, descriptors: list[tuple[int, pb.BlockDescriptor]], out: list[torch.Tensor | None],
+                  device: torch.device | str) -> list[int]:
+        """Copy described blocks out of the mapped segment into `out`; returns the indices that must be
+        fetched as bytes (a reused slot, a damaged copy, or a segment this process cannot map)."""
+        stale = []
+        for i, d in descriptors:
+            data = None
+            try:
+                reader = self._segment(d.segment_path, d.segment_id)
+                data = reader.copy(d.offset, d.header.payload_nbytes, d.generation)
+            except (OSError, errors.FailedPrecondition):
+                self._zero_copy_ok = False  # another host or container: bytes from now on
+            if data is None or checksum(data) != d.header.checksum:
+                stale.append(i)
+                continue
+            out[i] = self._block(d.header, data, i, device)
+        return stale
+
+    def _segment(self, path: str, segment_id: bytes) -> SegmentReader:
+        reader = self._segments.get(path)
+        if reader is None or reader.layout.segment_id != segment_id:
+            if reader is not None:
+                reader.close()
+            reader = self._segments[path] = SegmentReader(path, segment_id)
+        return reader
+
+    async def _release(self, lease_ids: set[int], namespace: str | None) -> None:
+        if not lease_ids:
+            return
+        req = pb.ReleaseLeasesRequest(namespace=self._ns(namespace), lease_ids=sorted(lease_ids))
+        with contextlib.suppress(errors.NotFound):  # expired meanwhile: nothing left to release
+            await self._call(self._stub.ReleaseLeases(req))
+
+    async def release_leases(self, lease_ids: Sequence[int], *, namespace: str | None = None) -> int:
+        """End zero-copy leases explicitly (get does this itself); NotFound when one is not held here."""
+        req = pb.ReleaseLeasesRequest(namespace=self._ns(namespace), lease_ids=list(lease_ids))
+        return (await self._call(self._stub.ReleaseLeases(req))).released
 
     async def get_prefix(self, fingerprint: bytes, tokens: Sequence[int] | np.ndarray, *,
                          namespace: str | None = None, decode_on_server: bool = False,

@@ -16,12 +16,15 @@ from engram import __version__
 from engram.block import BlockHeader, checksum
 from engram.config import ServerConfig
 from engram.errors import InvalidArgument, PermissionDenied, ResourceExhausted
+from engram.index import BlockMeta
 from engram.keys import root_key
+from engram.leases import Lease, LeaseTable
 from engram.server import convert
 from engram.server.auth import is_admin, namespace_for
 from engram.server.errors import streaming, unary
 from engram.sessions import Mode, Session, SessionManager, Window
 from engram.store import BlockStore
+from engram.tiers.pool import shared_pool
 from engram.v1 import engram_pb2 as pb
 
 SERVICE_NAME = "engram.v1.Engram"
@@ -79,6 +82,8 @@ class EngramService:
         self.store = store
         self.config = config
         self.sessions = sessions
+        self.leases = LeaseTable(store, config.lease_s)
+        self.pool = shared_pool(store.tiers)  # None: no shared DRAM pool, Gets answer with bytes only
 
     @unary
     async def RegisterModel(self, request: Any, context: grpc.aio.ServicerContext) -> pb.RegisterModelResponse:
@@ -179,12 +184,20 @@ class EngramService:
     async def Get(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse]:
         req = _decoded(request)
         _check_limit("Get keys", len(req.keys), self.config.max_blocks_per_request)
-        metas = self.store.find(namespace_for(context, req.namespace), req.model_fingerprint, list(req.keys))
+        ns = namespace_for(context, req.namespace)
+        metas = self.store.find(ns, req.model_fingerprint, list(req.keys))
         codec = self.store.registry.get(req.model_fingerprint).codec
         step = self.config.chunk_bytes
+        zero_copy = req.zero_copy and not (req.decode and codec != "raw") and self.pool is not None
+        in_pool = [m for m in metas if zero_copy and self.pool.name in m.locations and not m.moving]  # type: ignore[union-attr]
+        lease = self.leases.grant(ns, in_pool) if in_pool else None  # leased before any descriptor is sent
+        pooled = {m.key for m in in_pool}
         self.store.acquire(metas)
         try:
             for meta in metas:
+                if lease is not None and meta.key in pooled:
+                    yield pb.GetResponse(descriptor=self._descriptor(meta, codec, lease))
+                    continue
                 payload = await self.store.read(meta)
                 block = BlockHeader(meta.token_array(), meta.dtype, meta.shape, meta.nbytes, meta.checksum, codec)
                 if req.decode and codec != "raw":
@@ -204,8 +217,33 @@ class EngramService:
                     else:
                         msg = pb.BlockChunk(data=data, last=last)
                     yield pb.GetResponse(chunk=msg)
+        except BaseException:
+            if lease is not None:
+                self.leases.drop(lease)  # the worker will not copy what it may not have received
+            raise
         finally:
             self.store.release(metas)
+
+    def _descriptor(self, meta: BlockMeta, codec: str, lease: Lease) -> pb.BlockDescriptor:
+        pool = self.pool
+        assert pool is not None and pool.segment is not None
+        slot = pool.slot(meta.key)
+        c = self.store.counters
+        c.blocks_served += 1
+        c.bytes_served += meta.nbytes
+        c.tiers[pool.name].hits += 1
+        block = BlockHeader(meta.token_array(), meta.dtype, meta.shape, meta.nbytes, meta.checksum, codec)
+        return pb.BlockDescriptor(
+            key=meta.key, header=convert.header_to_pb(block), segment_path=str(pool.segment.path),
+            segment_id=pool.segment.layout.segment_id, offset=slot.offset, generation=slot.generation,
+            lease_id=lease.id, lease_expires_in_s=max(0.0, lease.expires - time.monotonic()))
+
+    @unary
+    async def ReleaseLeases(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ReleaseLeasesResponse:
+        req = _decoded(request)
+        _check_limit("ReleaseLeases ids", len(req.lease_ids), self.config.max_blocks_per_request)
+        released = self.leases.release(namespace_for(context, req.namespace), list(req.lease_ids))
+        return pb.ReleaseLeasesResponse(released=released)
 
     def _decode(self, blob: bytes) -> bytes:
         from engram.codec import blockformat
@@ -353,5 +391,7 @@ class EngramService:
             "CloseSession": grpc.unary_unary_rpc_method_handler(
                 self.CloseSession, _safe_decoder(pb.SessionRef), ser),
             "Resume": grpc.unary_stream_rpc_method_handler(self.Resume, _safe_decoder(pb.ResumeRequest), ser),
+            "ReleaseLeases": grpc.unary_unary_rpc_method_handler(
+                self.ReleaseLeases, _safe_decoder(pb.ReleaseLeasesRequest), ser),
         }
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

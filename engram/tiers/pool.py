@@ -10,7 +10,7 @@ consumes a run reserved for that size.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -173,3 +173,8 @@ class PoolTier:
         if self._on_close is not None:
             self._on_close()
             self._on_close = None
+
+
+def shared_pool(tiers: Sequence[object]) -> PoolTier | None:
+    """The tier whose buffer is a shared segment (the DRAM pool), if the store has one."""
+    return next((t for t in tiers if isinstance(t, PoolTier) and t.segment is not None), None)

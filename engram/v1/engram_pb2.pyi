@@ -177,22 +177,26 @@ class PutResponse(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., stored: _Optional[int] = ..., deduplicated: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("namespace", "model_fingerprint", "keys", "decode")
+    __slots__ = ("namespace", "model_fingerprint", "keys", "decode", "zero_copy")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
+    ZERO_COPY_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     model_fingerprint: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     decode: bool
-    def __init__(self, namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., decode: _Optional[bool] = ...) -> None: ...
+    zero_copy: bool
+    def __init__(self, namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., decode: _Optional[bool] = ..., zero_copy: _Optional[bool] = ...) -> None: ...
 
 class GetResponse(_message.Message):
-    __slots__ = ("chunk",)
+    __slots__ = ("chunk", "descriptor")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
     chunk: BlockChunk
-    def __init__(self, chunk: _Optional[_Union[BlockChunk, _Mapping]] = ...) -> None: ...
+    descriptor: BlockDescriptor
+    def __init__(self, chunk: _Optional[_Union[BlockChunk, _Mapping]] = ..., descriptor: _Optional[_Union[BlockDescriptor, _Mapping]] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("namespace", "model_fingerprint", "keys", "unpin")
@@ -479,3 +483,37 @@ class CheckResponse(_message.Message):
     valid: int
     findings: _containers.RepeatedCompositeFieldContainer[CheckFinding]
     def __init__(self, scanned: _Optional[int] = ..., valid: _Optional[int] = ..., findings: _Optional[_Iterable[_Union[CheckFinding, _Mapping]]] = ...) -> None: ...
+
+class BlockDescriptor(_message.Message):
+    __slots__ = ("key", "header", "segment_path", "segment_id", "offset", "generation", "lease_id", "lease_expires_in_s")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    header: BlockHeader
+    segment_path: str
+    segment_id: bytes
+    offset: int
+    generation: int
+    lease_id: int
+    lease_expires_in_s: float
+    def __init__(self, key: _Optional[bytes] = ..., header: _Optional[_Union[BlockHeader, _Mapping]] = ..., segment_path: _Optional[str] = ..., segment_id: _Optional[bytes] = ..., offset: _Optional[int] = ..., generation: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_expires_in_s: _Optional[float] = ...) -> None: ...
+
+class ReleaseLeasesRequest(_message.Message):
+    __slots__ = ("namespace", "lease_ids")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[str] = ..., lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReleaseLeasesResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...

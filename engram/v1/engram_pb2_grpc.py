@@ -99,6 +99,11 @@ class EngramStub:
                 request_serializer=engram_dot_v1_dot_engram__pb2.ResumeRequest.SerializeToString,
                 response_deserializer=engram_dot_v1_dot_engram__pb2.ResumeResponse.FromString,
                 _registered_method=True)
+        self.ReleaseLeases = channel.unary_unary(
+                '/engram.v1.Engram/ReleaseLeases',
+                request_serializer=engram_dot_v1_dot_engram__pb2.ReleaseLeasesRequest.SerializeToString,
+                response_deserializer=engram_dot_v1_dot_engram__pb2.ReleaseLeasesResponse.FromString,
+                _registered_method=True)
 
 
 class EngramServicer:
@@ -193,6 +198,15 @@ class EngramServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseLeases(self, request, context):
+        """---- GPU data path: same-host zero-copy ----
+        End the leases of a zero-copy Get's descriptors (once the worker has copied the blocks), so their
+        slots may be reused; unreleased leases expire after the server's lease_s.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngramServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -260,6 +274,11 @@ def add_EngramServicer_to_server(servicer, server):
                     servicer.Resume,
                     request_deserializer=engram_dot_v1_dot_engram__pb2.ResumeRequest.FromString,
                     response_serializer=engram_dot_v1_dot_engram__pb2.ResumeResponse.SerializeToString,
+            ),
+            'ReleaseLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseLeases,
+                    request_deserializer=engram_dot_v1_dot_engram__pb2.ReleaseLeasesRequest.FromString,
+                    response_serializer=engram_dot_v1_dot_engram__pb2.ReleaseLeasesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -613,6 +632,33 @@ class Engram:
             '/engram.v1.Engram/Resume',
             engram_dot_v1_dot_engram__pb2.ResumeRequest.SerializeToString,
             engram_dot_v1_dot_engram__pb2.ResumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engram.v1.Engram/ReleaseLeases',
+            engram_dot_v1_dot_engram__pb2.ReleaseLeasesRequest.SerializeToString,
+            engram_dot_v1_dot_engram__pb2.ReleaseLeasesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,87 @@
+"""Read leases of zero-copy Gets: while a worker copies blocks out of the shared DRAM pool in place, the
+blocks must keep their slots. A lease holds the store's read lease on each block (so it is neither evicted
+nor demoted) until the worker releases it (ReleaseLeases) or `lease_s` passes, whichever comes first: a
+worker that dies never pins memory for long. After expiry the slots may be reused; a worker that copies
+late is caught by the generation check (engram/tiers/slots.py), never served another block's bytes.
+
+Lease ids are random 63-bit numbers, and a lease can only be released in the namespace that took it: an
+id of another namespace is reported exactly like an unknown one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engram.errors import InvalidArgument, NotFound
+from engram.index import BlockMeta
+from engram.store import BlockStore
+
+
+@dataclass
+class Lease:
+    id: int
+    namespace: str
+    metas: list[BlockMeta]
+    expires: float  # time.monotonic()
+    timer: asyncio.TimerHandle | None = None
+
+
+class LeaseTable:
+    def __init__(self, store: BlockStore, lease_s: float) -> None:
+        if lease_s <= 0:
+            raise InvalidArgument(f"lease_s must be positive, got {lease_s}")
+        self.store = store
+        self.lease_s = lease_s
+        self._leases: dict[int, Lease] = {}
+        self.expired = 0  # leases that ended by expiry rather than release
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def grant(self, namespace: str, metas: Sequence[BlockMeta]) -> Lease:
+        lease_id = secrets.randbits(63) or 1
+        while lease_id in self._leases:
+            lease_id = secrets.randbits(63) or 1
+        self.store.acquire(metas)
+        lease = Lease(lease_id, namespace, list(metas), time.monotonic() + self.lease_s)
+        lease.timer = asyncio.get_running_loop().call_later(self.lease_s, self._expire, lease_id)
+        self._leases[lease_id] = lease
+        return lease
+
+    def release(self, namespace: str, lease_ids: Sequence[int]) -> int:
+        """End leases of this namespace; every id must name a live one (NotFound names the first that does
+        not, and then nothing is released)."""
+        found = []
+        for i, lease_id in enumerate(lease_ids):
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.namespace != namespace:
+                raise NotFound(f"lease {i} ({lease_id}) is not held in this namespace: it expired (after "
+                               f"{self.lease_s:g}s), was released already, or was never granted")
+            found.append(lease)
+        for lease_id in dict.fromkeys(lease.id for lease in found):  # an id named twice ends once
+            self._end(lease_id)
+        return len(set(lease_ids))
+
+    def drop(self, lease: Lease) -> None:
+        """End a lease the daemon granted but could not deliver (the Get failed)."""
+        if lease.id in self._leases:
+            self._end(lease.id)
+
+    def _expire(self, lease_id: int) -> None:
+        if lease_id in self._leases:
+            self.expired += 1
+            self._end(lease_id)
+
+    def _end(self, lease_id: int) -> None:
+        lease = self._leases.pop(lease_id)
+        if lease.timer is not None:
+            lease.timer.cancel()
+        self.store.release(lease.metas)
+
+    def close(self) -> None:
+        for lease_id in list(self._leases):
+            self._end(lease_id)
