@@ -1,0 +1,160 @@
+"""Same-host zero-copy Get against a real daemon (loopback TCP and a unix socket, the shared DRAM segment in
+/dev/shm): descriptors and bytes give identical tensors; a lease keeps a slot from reuse; after expiry or
+release the slot is reused and the old descriptor is detected as stale (never another block's bytes);
+bad or foreign lease ids get NOT_FOUND and leave the owner's lease intact."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from engram.block import checksum
+from engram.client import EngramClient, same_host
+from engram.errors import NotFound
+from engram.tiers.shm import SegmentReader
+from engram.v1 import engram_pb2 as pb
+from engram.v1 import engram_pb2_grpc as pb_grpc
+
+from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
+
+SPEC = tiny_model()
+BLOCK = SPEC.layout.block_nbytes(BLOCK_TOKENS)
+
+
+async def raw_get(address: str, ns: str, fp: bytes, keys: list[bytes]) -> list[pb.GetResponse]:
+    """A zero-copy Get through the bare stub, so a test holds the descriptors (and their leases)."""
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = pb_grpc.EngramStub(ch)
+        req = pb.GetRequest(namespace=ns, model_fingerprint=fp, keys=keys, zero_copy=True)
+        return [r async for r in stub.Get(req)]
+
+
+async def wait_until(cond: Any, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("codec", ["raw", "nvfp4"])
+async def test_zero_copy_and_bytes_paths_return_identical_tensors(server_factory, codec: str) -> None:  # type: ignore[no-untyped-def]
+    srv = await server_factory()
+    assert same_host(srv.address)
+    spec = tiny_model(codec=codec)
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        toks = tokens(5 * BLOCK_TOKENS + 3)
+        keys = list((await c.put(fp, toks, random_kv(spec, len(toks)))).keys)
+        fast = await c.get(fp, keys, zero_copy=True)
+        slow = await c.get(fp, keys, zero_copy=False)
+        auto = await c.get(fp, keys)
+        assert len(fast) == len(keys) == 6
+        for a, b, d in zip(fast, slow, auto, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b) and torch.equal(a, d)
+        # The zero-copy Get really answered with descriptors (no payload bytes on the wire) ...
+        resps = await raw_get(srv.address, "t", fp, keys)
+        assert [r.HasField("descriptor") for r in resps] == [True] * 6 and not any(r.chunk.data for r in resps)
+        # ... and the client released its leases: nothing stays leased.
+        await wait_until(lambda: all(srv.store.index.get(k).leases == 1 for k in keys), "the raw Get's leases")
+        assert srv.store.counters.blocks_served >= 4 * 6
+
+
+async def test_an_expired_lease_lets_the_slot_be_reused_and_the_old_descriptor_is_stale(server_factory) -> None:  # type: ignore[no-untyped-def]
+    srv = await server_factory(**{"tiers.dram.capacity": 4 * BLOCK, "server.lease_s": 0.2})
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(SPEC)
+        first = tokens(2 * BLOCK_TOKENS, seed=1)
+        keys = list((await c.put(fp, first, random_kv(SPEC, len(first), seed=1))).keys)
+        [d0, d1] = [r.descriptor for r in await raw_get(srv.address, "t", fp, keys)]
+        reader = SegmentReader(d0.segment_path, d0.segment_id)
+        original = reader.copy(d0.offset, d0.header.payload_nbytes, d0.generation)
+        assert original is not None and checksum(original) == d0.header.checksum
+        # The lease expires (nobody released it) ...
+        await wait_until(lambda: srv.store.index.get(keys[0]).leases == 0, "lease expiry")
+        # ... so new blocks may evict these and take their pages.
+        for s in range(2, 5):
+            t = tokens(2 * BLOCK_TOKENS, seed=s)
+            await c.put(fp, t, random_kv(SPEC, len(t), seed=s))
+        assert srv.store.index.get(keys[0]) is None, "the old block was not evicted"
+        start = srv.store.tiers[0].segment.layout.data_offset + d0.offset  # type: ignore[attr-defined]
+        now = bytes(reader._mm[start : start + d0.header.payload_nbytes])
+        assert now != original, "the slot was not reused: the test proves nothing"
+        # A read through the old descriptor is refused, not served another block's bytes.
+        assert reader.copy(d0.offset, d0.header.payload_nbytes, d0.generation) is None
+        assert reader.copy(d1.offset, d1.header.payload_nbytes, d1.generation) is None
+        with pytest.raises(NotFound, match="expired"):
+            await c.release_leases([d0.lease_id])
+        reader.close()
+
+
+async def test_a_held_lease_keeps_the_slot_and_a_released_one_frees_it(server_factory) -> None:  # type: ignore[no-untyped-def]
+    srv = await server_factory(**{"tiers.dram.capacity": 4 * BLOCK})
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(SPEC)
+        first = tokens(2 * BLOCK_TOKENS, seed=1)
+        keys = list((await c.put(fp, first, random_kv(SPEC, len(first), seed=1))).keys)
+        [d0, _] = [r.descriptor for r in await raw_get(srv.address, "t", fp, keys)]
+        reader = SegmentReader(d0.segment_path, d0.segment_id)
+        for s in range(2, 5):  # pressure: the leased blocks must survive it
+            t = tokens(2 * BLOCK_TOKENS, seed=s)
+            await c.put(fp, t, random_kv(SPEC, len(t), seed=s))
+        assert srv.store.index.get(keys[0]) is not None
+        data = reader.copy(d0.offset, d0.header.payload_nbytes, d0.generation)
+        assert data is not None and checksum(data) == d0.header.checksum
+        assert await c.release_leases([d0.lease_id]) == 1
+        for s in range(5, 8):
+            t = tokens(2 * BLOCK_TOKENS, seed=s)
+            await c.put(fp, t, random_kv(SPEC, len(t), seed=s))
+        assert srv.store.index.get(keys[0]) is None
+        assert reader.copy(d0.offset, d0.header.payload_nbytes, d0.generation) is None
+        reader.close()
+
+
+async def test_bad_and_foreign_lease_ids_get_not_found_and_leave_the_lease(server_factory) -> None:  # type: ignore[no-untyped-def]
+    srv = await server_factory()
+    async with EngramClient(srv.address, namespace="owner") as c, \
+            EngramClient(srv.address, namespace="other") as other:
+        fp = await c.register_model(SPEC)
+        await other.register_model(SPEC)
+        toks = tokens(BLOCK_TOKENS)
+        keys = list((await c.put(fp, toks, random_kv(SPEC, len(toks)))).keys)
+        [d] = [r.descriptor for r in await raw_get(srv.address, "owner", fp, keys)]
+        with pytest.raises(NotFound, match="not held in this namespace"):
+            await other.release_leases([d.lease_id])
+        with pytest.raises(NotFound, match="lease 1"):
+            await c.release_leases([d.lease_id, 12345])  # one bad id: nothing is released
+        assert srv.store.index.get(keys[0]).leases == 1
+        assert await c.release_leases([d.lease_id]) == 1
+        assert srv.store.index.get(keys[0]).leases == 0
+        # A Get in another namespace gets neither descriptors nor bytes of these blocks.
+        with pytest.raises(NotFound):
+            await other.get(fp, keys, zero_copy=True)
+        # The daemon is still serving.
+        [got] = await c.get(fp, keys)
+        assert got.shape[2] == BLOCK_TOKENS
+
+
+async def test_an_unmappable_segment_falls_back_to_bytes(server_factory) -> None:  # type: ignore[no-untyped-def]
+    srv = await server_factory()
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(SPEC)
+        toks = tokens(3 * BLOCK_TOKENS)
+        kv = random_kv(SPEC, len(toks))
+        keys = list((await c.put(fp, toks, kv)).keys)
+        seg = srv.store.tiers[0].segment  # type: ignore[attr-defined]
+        hidden = seg.path.with_name(seg.path.name + ".hidden")
+        os.rename(seg.path, hidden)  # as if the worker ran in another container: the path does not exist
+        try:
+            got = await c.get(fp, keys, zero_copy=True)
+        finally:
+            os.rename(hidden, seg.path)
+        assert not c._zero_copy_ok  # this client asks for bytes from now on
+        assert torch.equal(torch.cat(got, dim=2), kv)
+        assert all(srv.store.index.get(k).leases == 0 for k in keys)  # the fallback released its leases
