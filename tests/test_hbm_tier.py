@@ -1,0 +1,76 @@
+"""The HBM tier's logic in the real store chain hbm -> dram -> nvme, run on a CPU "device" here (the same
+PoolTier code runs over a CUDA tensor on a GPU; test_gpu_data_path.py checks that one on the H200): puts
+land in HBM, pressure demotes to DRAM and then NVMe, a hit below HBM is promoted back, every byte intact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engram.client import EngramClient
+from engram.tiers.hbm import hbm_tier
+
+from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
+
+SPEC = tiny_model()
+BLOCK = SPEC.layout.block_nbytes(BLOCK_TOKENS)
+
+
+def tier_stats(stats, name):  # type: ignore[no-untyped-def]
+    return next(t for t in stats.tiers if t.name == name)
+
+
+async def test_blocks_move_down_the_chain_and_are_promoted_on_a_hit(server_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    srv = await server_factory(**{"tiers.hbm.capacity": 4 * BLOCK, "tiers.hbm.device": "cpu",
+                                  "tiers.dram.capacity": 4 * BLOCK, "tiers.nvme.path": str(tmp_path / "nvme")})
+    assert [t.name for t in srv.store.tiers] == ["hbm", "dram", "nvme"]
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(SPEC)
+        seqs = [tokens(4 * BLOCK_TOKENS, seed=s) for s in range(4)]  # 16 blocks into 4 + 4 + nvme
+        kvs = [random_kv(SPEC, len(t), seed=s) for s, t in enumerate(seqs)]
+        keys = [list((await c.put(fp, t, kv)).keys) for t, kv in zip(seqs, kvs, strict=True)]
+        st = await c.stats()
+        hbm, dram, nvme = (tier_stats(st, n) for n in ("hbm", "dram", "nvme"))
+        assert hbm.blocks == 4 and hbm.demotions >= 12 and dram.demotions >= 8 and nvme.blocks >= 8
+        assert all(srv.store.index.get(k).tier == "hbm" for k in keys[-1])  # the newest in HBM
+        assert all(srv.store.index.get(k).tier == "nvme" for k in keys[0])  # the oldest on NVMe
+        # A hit on the oldest sequence is served from NVMe and promoted to HBM; the bytes are the same
+        # on every path (zero-copy from the DRAM pool where a block is there, bytes otherwise).
+        for t, kv in zip(seqs, kvs, strict=True):
+            n, got = await c.get_prefix(fp, t)  # same host: zero-copy where the block is in DRAM
+            assert n == len(t) and got is not None and torch.equal(got, kv)
+            hit = [b.key for b in (await c.lookup(fp, t)).blocks]
+            assert torch.equal(torch.cat(await c.get(fp, hit, zero_copy=False), dim=2), kv)
+        st = await c.stats()
+        assert tier_stats(st, "hbm").promotions > 0 and tier_stats(st, "nvme").hits > 0
+        assert tier_stats(st, "hbm").used_bytes <= 4 * BLOCK
+
+
+async def test_the_pool_is_one_allocation_and_is_released_on_close() -> None:
+    tier = hbm_tier(64 * 1024, "cpu", 4096)
+    base = tier.buffer.data_ptr()
+    assert tier.buffer.numel() == 64 * 1024 and tier.capacity_bytes == 64 * 1024
+    from engram.block import BlockRecord
+    from engram.layout import DType
+
+    for i in range(8):
+        payload = bytes([i]) * 5000
+        rec = BlockRecord(bytes([i]) * 8, b"p", b"fp", "ns", DType.BF16, True, (5000,), b"", 5000, 0)
+        need = tier.space_for(rec)
+        assert tier.reserve(need)
+        await tier.write(rec, payload, need)
+        slot = tier.slot(rec.key)
+        assert base <= tier.region(slot).data_ptr() < base + 64 * 1024  # carved from the one buffer
+        assert await tier.read(rec.key) == payload
+    assert not tier.reserve(8192 * 2)  # full (8 x 2 pages of 16): refused, the store evicts
+    await tier.close()
+    assert tier.buffer.numel() == 0 and len(tier) == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without CUDA")
+def test_an_hbm_tier_without_cuda_is_refused_with_what_to_change() -> None:
+    from engram.config import load_config
+    from engram.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"tiers\.hbm\.device = cpu"):
+        load_config(env={}, overrides={"tiers.hbm.capacity": "1MiB"})
