@@ -343,6 +343,31 @@ class BlockStore:
                 return j
         return None
 
+    async def begin_copy(self, meta: BlockMeta, tier_name: str) -> int:
+        """Phase one of a copy that someone else performs (engram/transfer.py's batched moves): mark the
+        block moving and make room in the tier; returns the bytes reserved there. Never waits for room."""
+        i = self._rank[tier_name]
+        meta.moving = True
+        self._busy += 1
+        try:
+            need = self.tiers[i].space_for(meta.record())
+            await self._make_room(i, need, wait=False)
+        except BaseException:
+            self.end_copy(meta, tier_name, ok=False)
+            raise
+        return need
+
+    def end_copy(self, meta: BlockMeta, tier_name: str, *, ok: bool) -> None:
+        """Phase two: the new copy joins the block's locations only if its bytes landed (ok)."""
+        if ok:
+            meta.locations.append(tier_name)
+            meta.locations.sort(key=self._rank.__getitem__)
+            self._lru[tier_name].add(meta)
+            self.counters.tiers[tier_name].promotions += 1
+        meta.moving = False
+        self._busy -= 1
+        self._notify_freed()
+
     async def _place(self, meta: BlockMeta, i: int, payload: bytes, *, wait: bool = True) -> None:
         """Make room in tier i and write a copy there; the copy counts once the write completed."""
         tier = self.tiers[i]

@@ -130,14 +130,14 @@ class PoolTier:
         self._slots[rec.key] = slot
         self._stored += slot.length
 
-    def place(self, key: bytes, reserved: int, length: int) -> torch.Tensor:
-        """Take a reserved run for `key` and return its region, for a caller that fills it itself (a batched
-        transfer). The key counts as stored from now on: callers fill it before they publish the copy."""
+    def place(self, key: bytes, reserved: int, length: int) -> Slot:
+        """Take a reserved run for `key`, for a caller that fills it itself (a batched transfer). The tier
+        holds the key from now on; the store publishes the copy only once the caller's copy completed."""
         run = self._take_reserved(reserved)
         slot = Slot(run, run.start * self.page_bytes, length)
         self._slots[key] = slot
         self._stored += length
-        return self.region(slot)
+        return slot
 
     def region(self, slot: Slot) -> torch.Tensor:
         return self.buffer[slot.offset : slot.offset + slot.length]

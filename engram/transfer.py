@@ -1,0 +1,196 @@
+"""Batched transfers between pooled tiers and paged layouts: many blocks per submission, on a dedicated
+CUDA stream, completion signalled by an event, so copies overlap the caller's compute.
+
+- `TransferEngine.copy(src, dst, moves)`: byte ranges between two flat uint8 buffers. Adjacent ranges are
+  coalesced; when every range is whole pages of one size and both buffers are on one device, the batch is
+  one gather and one scatter over page rows (index_select / index_copy_: two kernel launches for any number
+  of blocks); otherwise one cudaMemcpyAsync per coalesced range (host <-> device: PCIe-bound, from pinned
+  memory). Without CUDA the same moves run synchronously on the CPU: the semantics CI tests.
+- `gather(pool, pairs, pages)`: blocks of a pool into the pages a worker names, a list of (key,
+  destination page); `scatter(pages, pairs, pool)` the reverse, into slots reserved for new blocks.
+- `promote(store, metas, engine)`: DRAM pool -> HBM pool for many blocks, keeping the store's two-phase
+  move protocol (begin_copy: moving + room; the copy; end_copy: the HBM copy counts only once the event
+  completed), so a block is never served from a copy still in flight.
+
+This module does not decide *what* to move (the store's policy does), and does not share memory across
+processes (engram/tiers/shm.py and CUDA IPC do).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engram.errors import InvalidArgument, ResourceExhausted
+from engram.index import BlockMeta
+from engram.store import BlockStore
+from engram.tiers.pool import PoolTier
+
+
+@dataclass(frozen=True)
+class Move:
+    """Copy bytes [src, src + length) of the source buffer to [dst, dst + length) of the destination."""
+
+    src: int
+    dst: int
+    length: int
+
+
+def coalesce(moves: Sequence[Move]) -> list[Move]:
+    """Merge moves that continue each other in both buffers (in the order given)."""
+    out: list[Move] = []
+    for m in moves:
+        if out and out[-1].src + out[-1].length == m.src and out[-1].dst + out[-1].length == m.dst:
+            out[-1] = Move(out[-1].src, out[-1].dst, out[-1].length + m.length)
+        else:
+            out.append(m)
+    return out
+
+
+class Done:
+    """Completion of a submitted batch: an event on the transfer stream, or nothing on the CPU."""
+
+    def __init__(self, event: torch.cuda.Event | None) -> None:
+        self.event = event
+
+    def ready(self) -> bool:
+        return self.event is None or bool(self.event.query())
+
+    def synchronize(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    async def wait(self) -> None:
+        """Wait without blocking the event loop (the daemon's other RPCs go on)."""
+        if not self.ready():
+            await asyncio.to_thread(self.synchronize)
+
+
+class TransferEngine:
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        dev = torch.device(device) if device is not None else None
+        self.stream = torch.cuda.Stream(dev) if dev is not None and dev.type == "cuda" else None
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor, moves: Sequence[Move], *, page_bytes: int = 0) -> Done:
+        for t in (src, dst):
+            if t.dtype != torch.uint8 or t.dim() != 1:
+                raise InvalidArgument("transfer buffers are flat uint8 tensors")
+        for m in moves:
+            if m.length < 0 or m.src < 0 or m.dst < 0 or m.src + m.length > src.numel() or \
+                    m.dst + m.length > dst.numel():
+                raise InvalidArgument(f"move {m} is outside its buffers ({src.numel()} -> {dst.numel()} bytes)")
+        cuda = src.is_cuda or dst.is_cuda
+        if not cuda or self.stream is None:
+            if cuda:
+                raise InvalidArgument("a CUDA transfer needs an engine built for a CUDA device")
+            self._run(src, dst, moves, page_bytes)
+            return Done(None)
+        # The stream waits for work already queued on the current stream (e.g. what wrote src).
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            self._run(src, dst, moves, page_bytes)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        for t in (src, dst):
+            if t.is_cuda:
+                t.record_stream(self.stream)  # the caching allocator must not reuse them before the copy ends
+        return Done(event)
+
+    @staticmethod
+    def _run(src: torch.Tensor, dst: torch.Tensor, moves: Sequence[Move], page_bytes: int) -> None:
+        paged = page_bytes > 0 and src.device == dst.device and len(moves) > 1 and all(
+            m.src % page_bytes == 0 and m.dst % page_bytes == 0 and m.length % page_bytes == 0 for m in moves)
+        if paged:
+            rows_src, rows_dst = [], []
+            for m in moves:
+                n = m.length // page_bytes
+                rows_src += range(m.src // page_bytes, m.src // page_bytes + n)
+                rows_dst += range(m.dst // page_bytes, m.dst // page_bytes + n)
+            idx_src = torch.tensor(rows_src, dtype=torch.int64).to(src.device, non_blocking=True)
+            idx_dst = torch.tensor(rows_dst, dtype=torch.int64).to(dst.device, non_blocking=True)
+            s = src[: src.numel() // page_bytes * page_bytes].view(-1, page_bytes)
+            d = dst[: dst.numel() // page_bytes * page_bytes].view(-1, page_bytes)
+            d.index_copy_(0, idx_dst, s.index_select(0, idx_src))
+            return
+        for m in coalesce(moves):
+            dst[m.dst : m.dst + m.length].copy_(src[m.src : m.src + m.length], non_blocking=True)
+
+
+def _check_pages(pairs: Sequence[tuple[bytes, int]], pages: torch.Tensor) -> None:
+    if pages.dtype != torch.uint8 or pages.dim() != 2:
+        raise InvalidArgument(f"pages must be a (n_pages, page_bytes) uint8 tensor, got {tuple(pages.shape)} "
+                              f"{pages.dtype}")
+    seen: set[int] = set()
+    for i, (_, page) in enumerate(pairs):
+        if not 0 <= page < pages.shape[0]:
+            raise InvalidArgument(f"pair {i}: page {page} is outside the layout's {pages.shape[0]} pages")
+        if page in seen:
+            raise InvalidArgument(f"pair {i}: page {page} is named twice; each block needs its own page")
+        seen.add(page)
+
+
+def gather(engine: TransferEngine, pool: PoolTier, pairs: Sequence[tuple[bytes, int]], pages: torch.Tensor) -> Done:
+    """Copy the blocks named by key into the destination pages; each page starts with its block's bytes
+    (what follows them in the page is unspecified). On one device, with pages a multiple of the pool's
+    page size, whole pool pages are copied, so the batch is one gather over page rows."""
+    _check_pages(pairs, pages)
+    page_bytes = pages.shape[1]
+    rows = pool.page_bytes if pool.device == pages.device and page_bytes % pool.page_bytes == 0 else 0
+    moves = []
+    for i, (key, page) in enumerate(pairs):
+        slot = pool.slot(key)
+        if slot.length > page_bytes:
+            raise InvalidArgument(f"pair {i}: a {slot.length}-byte block does not fit a {page_bytes}-byte page")
+        length = min(slot.run.pages * pool.page_bytes, page_bytes) if rows else slot.length
+        moves.append(Move(slot.offset, page * page_bytes, length))
+    return engine.copy(pool.buffer, pages.view(-1), moves, page_bytes=rows)
+
+
+def scatter(engine: TransferEngine, pages: torch.Tensor, pairs: Sequence[tuple[bytes, int, int]],
+            pool: PoolTier, reserved: Sequence[int]) -> Done:
+    """Copy (key, source page, length) triples out of the pages into slots reserved in the pool (one
+    reservation per triple, as the store's begin_copy made them)."""
+    _check_pages([(k, p) for k, p, _ in pairs], pages)
+    page_bytes = pages.shape[1]
+    moves = []
+    for i, ((key, page, length), need) in enumerate(zip(pairs, reserved, strict=True)):
+        if length > page_bytes:
+            raise InvalidArgument(f"pair {i}: length {length} exceeds the {page_bytes}-byte page")
+        moves.append(Move(page * page_bytes, pool.place(key, need, length).offset, length))
+    return engine.copy(pages.view(-1), pool.buffer, moves)
+
+
+async def promote(store: BlockStore, metas: Sequence[BlockMeta], engine: TransferEngine, *,
+                  src: str = "dram", dst: str = "hbm") -> int:
+    """Copy blocks from one pool tier up to another in one batch; returns how many landed. Blocks already
+    there, moving, or for which no room can be made without waiting are skipped (served from where they are)."""
+    tiers = {t.name: t for t in store.tiers}
+    lower, upper = tiers[src], tiers[dst]
+    if not isinstance(lower, PoolTier) or not isinstance(upper, PoolTier):
+        raise InvalidArgument(f"promote moves between pool tiers; {src} or {dst} is not one")
+    started: list[tuple[BlockMeta, int]] = []
+    moves = []
+    try:
+        for meta in metas:
+            if meta.moving or src not in meta.locations or dst in meta.locations:
+                continue
+            try:
+                need = await store.begin_copy(meta, dst)
+            except ResourceExhausted:
+                continue  # no room up there right now: served from where it is
+            started.append((meta, need))
+            slot = lower.slot(meta.key)
+            moves.append(Move(slot.offset, upper.place(meta.key, need, slot.length).offset, slot.length))
+        if moves:
+            await engine.copy(lower.buffer, upper.buffer, moves, page_bytes=0).wait()
+    except BaseException:
+        for meta, _ in started:
+            await upper.delete(meta.key)
+            store.end_copy(meta, dst, ok=False)
+        raise
+    for meta, _ in started:
+        store.end_copy(meta, dst, ok=True)
+    return len(started)

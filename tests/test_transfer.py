@@ -1,0 +1,140 @@
+"""Batched transfers on the CPU path (the semantics the CUDA stream path must match; test_gpu_data_path.py
+compares them on the H200): gather into a worker's pages, scatter back into pool slots, bad pairs refused,
+and the store's batched DRAM -> HBM promotion keeping its two-phase protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+from engram.block import BlockHeader, checksum
+from engram.config import load_config
+from engram.errors import InvalidArgument
+from engram.keys import root_key
+from engram.layout import DType
+from engram.server.app import build_store
+from engram.tiers.hbm import hbm_tier
+from engram.tiers.pool import PoolTier
+from engram.transfer import Done, Move, TransferEngine, coalesce, gather, promote, scatter
+
+from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
+
+SPEC = tiny_model()
+BLOCK = SPEC.layout.block_nbytes(BLOCK_TOKENS)
+
+
+async def filled_pool(n: int, sizes: list[int]) -> tuple[PoolTier, dict[bytes, bytes]]:
+    from engram.block import BlockRecord
+
+    pool = hbm_tier(n, "cpu", 256)
+    blocks = {}
+    for i, size in enumerate(sizes):
+        key, payload = bytes([i]) * 8, os.urandom(size)
+        rec = BlockRecord(key, b"p", b"fp", "ns", DType.BF16, True, (size,), b"", size, 0)
+        need = pool.space_for(rec)
+        assert pool.reserve(need)
+        await pool.write(rec, payload, need)
+        blocks[key] = payload
+    return pool, blocks
+
+
+def test_coalesce_merges_only_ranges_that_continue_in_both_buffers() -> None:
+    moves = [Move(0, 100, 10), Move(10, 110, 5), Move(15, 200, 5), Move(40, 205, 1)]
+    assert coalesce(moves) == [Move(0, 100, 15), Move(15, 200, 5), Move(40, 205, 1)]
+
+
+@pytest.mark.parametrize("page_bytes", [1024, 1000])  # a multiple of the pool's 256-byte pages, and not
+async def test_gather_then_scatter_round_trips_every_block(page_bytes: int) -> None:
+    pool, blocks = await filled_pool(16 * 1024, [1000, 700, 256, 513, 1])
+    engine = TransferEngine()
+    pages = torch.zeros(8, page_bytes, dtype=torch.uint8)
+    pairs = [(k, p) for k, p in zip(blocks, [6, 0, 3, 7, 2], strict=True)]
+    done = gather(engine, pool, pairs, pages)
+    await done.wait()
+    assert done.ready()
+    for key, page in pairs:
+        assert bytes(pages[page, : len(blocks[key])].numpy()) == blocks[key]
+    # Scatter the pages back as new blocks into another pool.
+    other, _ = await filled_pool(16 * 1024, [])
+    triples = [(b"new" + k[:5], p, len(blocks[k])) for k, p in pairs]
+    reserved = []
+    for _, _, length in triples:
+        need = other.pages_for(length) * other.page_bytes
+        assert other.reserve(need)
+        reserved.append(need)
+    scatter(engine, pages, triples, other, reserved).synchronize()
+    for (new_key, _, _), (key, _) in zip(triples, pairs, strict=True):
+        assert await other.read(new_key) == blocks[key]
+
+
+async def test_bad_pairs_are_refused_with_what_to_change() -> None:
+    pool, blocks = await filled_pool(8 * 1024, [1000, 300])
+    engine = TransferEngine()
+    pages = torch.zeros(2, 512, dtype=torch.uint8)
+    k0, k1 = list(blocks)
+    with pytest.raises(InvalidArgument, match="does not fit a 512-byte page"):
+        gather(engine, pool, [(k0, 0)], pages)
+    with pytest.raises(InvalidArgument, match="outside the layout's 2 pages"):
+        gather(engine, pool, [(k1, 5)], pages)
+    with pytest.raises(InvalidArgument, match="named twice"):
+        gather(engine, pool, [(k1, 1), (k1, 1)], pages)
+    with pytest.raises(InvalidArgument, match="outside its buffers"):
+        engine.copy(pool.buffer, pages.view(-1), [Move(0, 1020, 10)])
+
+
+class HeldEngine(TransferEngine):
+    """The real CPU copy, whose completion the test releases: so it can look at the store mid-move.
+    (A wrapper, not a mock: the bytes are really copied.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+        self.started = asyncio.Event()
+
+    def copy(self, src, dst, moves, *, page_bytes=0):  # type: ignore[no-untyped-def]
+        super().copy(src, dst, moves, page_bytes=page_bytes)
+        engine = self
+
+        class Held(Done):
+            async def wait(self) -> None:
+                engine.started.set()
+                await engine.release.wait()
+
+        return Held(None)
+
+
+async def test_batched_promotion_keeps_the_two_phase_protocol(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    cfg = load_config(env={}, overrides={"tiers.hbm.capacity": 4 * BLOCK, "tiers.hbm.device": "cpu",
+                                         "tiers.dram.capacity": 16 * BLOCK, "tiers.dram.shm_dir": str(tmp_path)})
+    store = await build_store(cfg)
+    try:
+        fp = store.registry.register(SPEC)
+        parent, metas, payloads = root_key("ns", fp), [], []
+        for s in range(8):  # 8 blocks into 4 of HBM: the first ones are demoted to DRAM
+            toks = tokens(BLOCK_TOKENS, seed=s)
+            payload = random_kv(SPEC, BLOCK_TOKENS, seed=s).view(torch.uint8).numpy().tobytes()
+            header = BlockHeader(toks, SPEC.layout.dtype, SPEC.layout.block_shape(BLOCK_TOKENS), len(payload),
+                                 checksum(payload))
+            parent = (await store.put("ns", fp, parent, header, payload)).key
+            metas.append(store.index.get(parent))
+            payloads.append(payload)
+        in_dram = [m for m in metas if m.locations == ["dram"]]
+        assert len(in_dram) == 4
+        engine = HeldEngine()
+        task = asyncio.create_task(promote(store, in_dram[:2], engine))
+        await engine.started.wait()
+        # Mid-move: the HBM copies are written but not published; reads go to DRAM. (HBM made room by
+        # demoting its own blocks to DRAM.)
+        assert all(m.moving and "hbm" not in m.locations for m in in_dram[:2])
+        assert await store.read(in_dram[0], promote=False) == payloads[metas.index(in_dram[0])]
+        engine.release.set()
+        assert await task == 2
+        for m in in_dram[:2]:
+            assert not m.moving and m.locations == ["hbm", "dram"]
+            assert await store.tiers[0].read(m.key) == payloads[metas.index(m)]
+        assert store.counters.tiers["hbm"].promotions >= 2
+    finally:
+        await store.close()
