@@ -99,9 +99,11 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
 
-def tensor_from_bytes(data: bytes, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
-    # bytearray: torch.frombuffer needs a writable buffer; this is the one copy on the receive path.
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(tuple(shape))
+def tensor_from_bytes(data: bytes | torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    # torch.frombuffer needs a writable buffer: bytes are copied once here; a uint8 tensor (a zero-copy
+    # Get's copy out of the segment) is used as it is.
+    buf = data if isinstance(data, torch.Tensor) else torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return buf.view(dtype).reshape(tuple(shape))
 
 
 class EngramClient:
@@ -129,6 +131,7 @@ class EngramClient:
         self._layouts: dict[bytes, ModelSpec] = {}
         self._segments: dict[str, SegmentReader] = {}  # shared DRAM segments mapped for zero-copy Gets
         self._zero_copy_ok = True
+        self._releasing: set[asyncio.Task[None]] = set()  # lease releases in flight
 
     async def __aenter__(self) -> EngramClient:
         return self
@@ -137,6 +140,8 @@ class EngramClient:
         await self.close()
 
     async def close(self) -> None:
+        if self._releasing:
+            await asyncio.gather(*self._releasing, return_exceptions=True)
         for reader in self._segments.values():
             reader.close()
         self._segments.clear()
@@ -312,7 +317,11 @@ class EngramClient:
             raise _map_error(exc) from exc
         if descriptors:
             stale = self._copy_out(descriptors, out, device)
-            await self._release({d.lease_id for _, d in descriptors}, namespace)
+            # The copies are done: end the leases in the background (the caller need not wait a round trip).
+            task = asyncio.get_running_loop().create_task(
+                self._release({d.lease_id for _, d in descriptors}, namespace))
+            self._releasing.add(task)
+            task.add_done_callback(self._releasing.discard)
             if stale:
                 again = await self.get(fingerprint, [keys[i] for i in stale], namespace=namespace,
                                        decode_on_server=decode_on_server, device=device, zero_copy=False)
@@ -322,15 +331,17 @@ class EngramClient:
             raise errors.DataLoss(f"Get returned {len(out)} of {len(keys)} blocks")
         return out  # type: ignore[return-value]
 
-    def _block(self, header: pb.BlockHeader, data: bytes, i: int, device: torch.device | str) -> torch.Tensor:
-        if len(data) != header.payload_nbytes or checksum(data) != header.checksum:
+    def _block(self, header: pb.BlockHeader, data: bytes | torch.Tensor, i: int, device: torch.device | str
+               ) -> torch.Tensor:
+        view = data.numpy() if isinstance(data, torch.Tensor) else data
+        if len(view) != header.payload_nbytes or checksum(memoryview(view)) != header.checksum:
             raise errors.DataLoss(f"block {i} arrived damaged (size or checksum mismatch)")
         where = f"block {i}"
         if header.codec in ("", "raw"):
             dtype = dtype_from_pb(header.dtype, where).torch_dtype
             return tensor_from_bytes(data, dtype, header.shape).to(device)
         backend = "triton" if torch.device(device).type == "cuda" else "reference"
-        return blockformat.decode(data, backend=backend, device=device, where=where)
+        return blockformat.decode(memoryview(view), backend=backend, device=device, where=where)
 
     def _copy_out(self, descriptors: list[tuple[int, pb.BlockDescriptor]], out: list[torch.Tensor | None],
                   device: torch.device | str) -> list[int]:
@@ -344,10 +355,12 @@ class EngramClient:
                 data = reader.copy(d.offset, d.header.payload_nbytes, d.generation)
             except (OSError, errors.FailedPrecondition):
                 self._zero_copy_ok = False  # another host or container: bytes from now on
-            if data is None or checksum(data) != d.header.checksum:
+            try:
+                if data is None:
+                    raise errors.DataLoss("the slot was reused")
+                out[i] = self._block(d.header, data, i, device)  # checks size and checksum
+            except errors.DataLoss:
                 stale.append(i)
-                continue
-            out[i] = self._block(d.header, data, i, device)
         return stale
 
     def _segment(self, path: str, segment_id: bytes) -> SegmentReader:
@@ -362,7 +375,8 @@ class EngramClient:
         if not lease_ids:
             return
         req = pb.ReleaseLeasesRequest(namespace=self._ns(namespace), lease_ids=sorted(lease_ids))
-        with contextlib.suppress(errors.NotFound):  # expired meanwhile: nothing left to release
+        # Expired meanwhile (NotFound), or the daemon is gone: either way the leases end by expiry.
+        with contextlib.suppress(errors.NotFound, errors.Unavailable):
             await self._call(self._stub.ReleaseLeases(req))
 
     async def release_leases(self, lease_ids: Sequence[int], *, namespace: str | None = None) -> int:

@@ -20,6 +20,12 @@ from engram.tiers.pool import PoolTier
 from engram.tiers.shm import PREFIX, SUFFIX, SegmentReader, clean_stale
 
 
+def copied(reader: SegmentReader, offset: int, length: int, generation: int) -> bytes | None:
+    """What a worker gets through a descriptor: the bytes, or None for a stale one."""
+    out = reader.copy(offset, length, generation)
+    return None if out is None else bytes(out.numpy())
+
+
 def record(key: bytes, nbytes: int) -> BlockRecord:
     return BlockRecord(key, b"p", b"fp", "ns", DType.BF16, True, (nbytes,), b"", nbytes, 0)
 
@@ -54,16 +60,16 @@ async def test_a_worker_maps_the_segment_and_reads_blocks_in_place(shm_dir: Path
     reader = SegmentReader(seg.path, seg.layout.segment_id)
     for key, payload in payloads.items():
         slot = tier.slot(key)
-        assert reader.copy(slot.offset, slot.length, slot.generation) == payload
+        assert copied(reader, slot.offset, slot.length, slot.generation) == payload
         assert await tier.read(key) == payload
     # Deleting a block and reusing its pages makes the old descriptor stale: never the new block's bytes.
     key = next(iter(payloads))
     old = tier.slot(key)
     await tier.delete(key)
-    assert reader.copy(old.offset, old.length, old.generation) is None
+    assert copied(reader, old.offset, old.length, old.generation) is None
     await put(tier, b"new-key!", os.urandom(old.length))
     assert tier.slot(b"new-key!").offset == old.offset  # best fit reused the same pages
-    assert reader.copy(old.offset, old.length, old.generation) is None
+    assert copied(reader, old.offset, old.length, old.generation) is None
     reader.close()
     await tier.close()
     assert not seg.path.exists(), "the segment was not unlinked on close"

@@ -27,6 +27,12 @@ SPEC = tiny_model()
 BLOCK = SPEC.layout.block_nbytes(BLOCK_TOKENS)
 
 
+def copied(reader: SegmentReader, offset: int, length: int, generation: int) -> bytes | None:
+    """What a worker gets through a descriptor: the bytes, or None for a stale one."""
+    out = reader.copy(offset, length, generation)
+    return None if out is None else bytes(out.numpy())
+
+
 async def raw_get(address: str, ns: str, fp: bytes, keys: list[bytes]) -> list[pb.GetResponse]:
     """A zero-copy Get through the bare stub, so a test holds the descriptors (and their leases)."""
     async with grpc.aio.insecure_channel(address) as ch:
@@ -74,7 +80,7 @@ async def test_an_expired_lease_lets_the_slot_be_reused_and_the_old_descriptor_i
         keys = list((await c.put(fp, first, random_kv(SPEC, len(first), seed=1))).keys)
         [d0, d1] = [r.descriptor for r in await raw_get(srv.address, "t", fp, keys)]
         reader = SegmentReader(d0.segment_path, d0.segment_id)
-        original = reader.copy(d0.offset, d0.header.payload_nbytes, d0.generation)
+        original = copied(reader, d0.offset, d0.header.payload_nbytes, d0.generation)
         assert original is not None and checksum(original) == d0.header.checksum
         # The lease expires (nobody released it) ...
         await wait_until(lambda: srv.store.index.get(keys[0]).leases == 0, "lease expiry")
@@ -87,8 +93,8 @@ async def test_an_expired_lease_lets_the_slot_be_reused_and_the_old_descriptor_i
         now = bytes(reader._mm[start : start + d0.header.payload_nbytes])
         assert now != original, "the slot was not reused: the test proves nothing"
         # A read through the old descriptor is refused, not served another block's bytes.
-        assert reader.copy(d0.offset, d0.header.payload_nbytes, d0.generation) is None
-        assert reader.copy(d1.offset, d1.header.payload_nbytes, d1.generation) is None
+        assert copied(reader, d0.offset, d0.header.payload_nbytes, d0.generation) is None
+        assert copied(reader, d1.offset, d1.header.payload_nbytes, d1.generation) is None
         with pytest.raises(NotFound, match="expired"):
             await c.release_leases([d0.lease_id])
         reader.close()
@@ -106,14 +112,14 @@ async def test_a_held_lease_keeps_the_slot_and_a_released_one_frees_it(server_fa
             t = tokens(2 * BLOCK_TOKENS, seed=s)
             await c.put(fp, t, random_kv(SPEC, len(t), seed=s))
         assert srv.store.index.get(keys[0]) is not None
-        data = reader.copy(d0.offset, d0.header.payload_nbytes, d0.generation)
+        data = copied(reader, d0.offset, d0.header.payload_nbytes, d0.generation)
         assert data is not None and checksum(data) == d0.header.checksum
         assert await c.release_leases([d0.lease_id]) == 1
         for s in range(5, 8):
             t = tokens(2 * BLOCK_TOKENS, seed=s)
             await c.put(fp, t, random_kv(SPEC, len(t), seed=s))
         assert srv.store.index.get(keys[0]) is None
-        assert reader.copy(d0.offset, d0.header.payload_nbytes, d0.generation) is None
+        assert copied(reader, d0.offset, d0.header.payload_nbytes, d0.generation) is None
         reader.close()
 
 
@@ -157,4 +163,5 @@ async def test_an_unmappable_segment_falls_back_to_bytes(server_factory) -> None
             os.rename(hidden, seg.path)
         assert not c._zero_copy_ok  # this client asks for bytes from now on
         assert torch.equal(torch.cat(got, dim=2), kv)
-        assert all(srv.store.index.get(k).leases == 0 for k in keys)  # the fallback released its leases
+        # The client released its leases (in the background, right after its copies).
+        await wait_until(lambda: all(srv.store.index.get(k).leases == 0 for k in keys), "lease release")

@@ -23,6 +23,7 @@ import mmap
 import os
 import struct
 import uuid
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -192,16 +193,19 @@ class SegmentReader:
         first, last = offset // page, (offset + max(length, 1) - 1) // page + 1
         return bool(np.all(self._gens[first:last] == generation))
 
-    def copy(self, offset: int, length: int, generation: int) -> bytes | None:
-        """The bytes at data offset [offset, offset + length), or None when the slot was reused (before or
-        while copying): the generation is checked before and after the copy."""
+    def copy(self, offset: int, length: int, generation: int) -> torch.Tensor | None:
+        """The bytes at data offset [offset, offset + length) as a new uint8 tensor, or None when the slot
+        was reused (before or while copying): the generation is checked before and after the copy."""
         if offset + length > self.layout.pages * self.layout.page_bytes:
             return None
         if not self.current(offset, length, generation):
             return None
         start = self.layout.data_offset + offset
-        data = self._mm[start : start + length]
-        return data if self.current(offset, length, generation) else None
+        out = torch.empty(length, dtype=torch.uint8)
+        with warnings.catch_warnings():  # a read-only mapping: torch warns, and we only read it
+            warnings.simplefilter("ignore", UserWarning)
+            out.copy_(torch.frombuffer(self._mm, dtype=torch.uint8, offset=start, count=length))
+        return out if self.current(offset, length, generation) else None
 
     def close(self) -> None:
         with contextlib.suppress(BufferError):
