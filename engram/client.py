@@ -132,6 +132,7 @@ class EngramClient:
         self._segments: dict[str, SegmentReader] = {}  # shared DRAM segments mapped for zero-copy Gets
         self._zero_copy_ok = True
         self._releasing: set[asyncio.Task[None]] = set()  # lease releases in flight
+        self._ipc_pools: dict[bytes, torch.Tensor] = {}  # the daemon's HBM pool, opened by CUDA IPC
 
     async def __aenter__(self) -> EngramClient:
         return self
@@ -145,6 +146,7 @@ class EngramClient:
         for reader in self._segments.values():
             reader.close()
         self._segments.clear()
+        self._ipc_pools.clear()
         await self._channel.close()
 
     async def _call(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -289,8 +291,9 @@ class EngramClient:
         """
         if zero_copy is None:
             zero_copy = self._zero_copy_ok and same_host(self.address)
+        cuda_ipc = zero_copy and torch.device(device).type == "cuda"
         req = pb.GetRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint, keys=list(keys),
-                            decode=decode_on_server, zero_copy=zero_copy)
+                            decode=decode_on_server, zero_copy=zero_copy, cuda_ipc=cuda_ipc)
         out: list[torch.Tensor | None] = []
         descriptors: list[tuple[int, pb.BlockDescriptor]] = []
         parts: list[bytes] = []
@@ -352,16 +355,46 @@ class EngramClient:
             data = None
             try:
                 reader = self._segment(d.segment_path, d.segment_id)
-                data = reader.copy(d.offset, d.header.payload_nbytes, d.generation)
-            except (OSError, errors.FailedPrecondition):
-                self._zero_copy_ok = False  # another host or container: bytes from now on
+                if d.HasField("cuda"):
+                    data = self._ipc_copy(reader, d)
+                else:
+                    data = reader.copy(d.offset, d.header.payload_nbytes, d.generation)
+            except (OSError, RuntimeError, errors.FailedPrecondition):
+                self._zero_copy_ok = False  # another host, container or GPU: bytes from now on
             try:
                 if data is None:
                     raise errors.DataLoss("the slot was reused")
-                out[i] = self._block(d.header, data, i, device)  # checks size and checksum
+                if data.is_cuda and d.header.codec in ("", "raw"):
+                    # Device to device, no host round trip: the checksum is not recomputed here (that
+                    # would read the block back to the host); the generation check guards reuse.
+                    dtype = dtype_from_pb(d.header.dtype, f"block {i}").torch_dtype
+                    out[i] = data.view(dtype).reshape(tuple(d.header.shape)).to(device)
+                else:
+                    out[i] = self._block(d.header, data.cpu(), i, device)  # checks size and checksum
             except errors.DataLoss:
                 stale.append(i)
         return stale
+
+    def _ipc_copy(self, reader: SegmentReader, d: pb.BlockDescriptor) -> torch.Tensor | None:
+        """A block of the daemon's HBM pool, opened through CUDA IPC, cloned on the device; None when its
+        slot was reused (the pool's generation table, in `reader`, is checked before and after)."""
+        n = d.header.payload_nbytes
+        if not reader.current(d.offset, n, d.generation):
+            return None
+        c = d.cuda
+        pool = self._ipc_pools.get(c.handle)
+        if pool is None:
+            storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
+                c.device, c.handle, c.storage_bytes, c.storage_offset, c.ref_counter_handle,
+                c.ref_counter_offset, c.event_handle or None, c.event_sync_required)
+            pool = torch.empty(0, dtype=torch.uint8, device=storage.device)
+            pool.set_(storage, 0, (storage.nbytes(),), (1,))
+            self._ipc_pools[c.handle] = pool
+        if d.offset + n > pool.numel():
+            return None
+        out = pool[d.offset : d.offset + n].clone()
+        torch.cuda.current_stream(pool.device).synchronize()  # the copy is done before the second check
+        return out if reader.current(d.offset, n, d.generation) else None
 
     def _segment(self, path: str, segment_id: bytes) -> SegmentReader:
         reader = self._segments.get(path)

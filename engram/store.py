@@ -360,13 +360,22 @@ class BlockStore:
     def end_copy(self, meta: BlockMeta, tier_name: str, *, ok: bool) -> None:
         """Phase two: the new copy joins the block's locations only if its bytes landed (ok)."""
         if ok:
+            upward = self._rank[tier_name] < min(map(self._rank.__getitem__, meta.locations), default=0)
             meta.locations.append(tier_name)
             meta.locations.sort(key=self._rank.__getitem__)
             self._lru[tier_name].add(meta)
-            self.counters.tiers[tier_name].promotions += 1
+            if upward:
+                self.counters.tiers[tier_name].promotions += 1
         meta.moving = False
         self._busy -= 1
         self._notify_freed()
+
+    async def drop_copy(self, meta: BlockMeta, tier_name: str) -> None:
+        """Drop one copy of a block that another tier also holds (a caller's own demotion policy)."""
+        if tier_name not in meta.locations or len(meta.locations) < 2 or meta.moving or meta.leases:
+            raise FailedPrecondition(f"block {meta.key.hex()}: its {tier_name} copy is not a spare copy that "
+                                     "may be dropped (the only copy, being read, or moving)")
+        await self._drop_copy(meta, tier_name)
 
     async def _place(self, meta: BlockMeta, i: int, payload: bytes, *, wait: bool = True) -> None:
         """Make room in tier i and write a copy there; the copy counts once the write completed."""

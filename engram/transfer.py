@@ -8,7 +8,7 @@ CUDA stream, completion signalled by an event, so copies overlap the caller's co
   memory). Without CUDA the same moves run synchronously on the CPU: the semantics CI tests.
 - `gather(pool, pairs, pages)`: blocks of a pool into the pages a worker names, a list of (key,
   destination page); `scatter(pages, pairs, pool)` the reverse, into slots reserved for new blocks.
-- `promote(store, metas, engine)`: DRAM pool -> HBM pool for many blocks, keeping the store's two-phase
+- `promote(store, metas, engine)` (and `copy_blocks`, either direction): DRAM pool -> HBM pool for many blocks, keeping the store's two-phase
   move protocol (begin_copy: moving + room; the copy; end_copy: the HBM copy counts only once the event
   completed), so a block is never served from a copy still in flight.
 
@@ -163,9 +163,14 @@ def scatter(engine: TransferEngine, pages: torch.Tensor, pairs: Sequence[tuple[b
     return engine.copy(pages.view(-1), pool.buffer, moves)
 
 
-async def promote(store: BlockStore, metas: Sequence[BlockMeta], engine: TransferEngine, *,
-                  src: str = "dram", dst: str = "hbm") -> int:
-    """Copy blocks from one pool tier up to another in one batch; returns how many landed. Blocks already
+async def promote(store: BlockStore, metas: Sequence[BlockMeta], engine: TransferEngine) -> int:
+    """DRAM -> HBM for many blocks in one batch: `copy_blocks` from the dram pool to the hbm pool."""
+    return await copy_blocks(store, metas, engine, src="dram", dst="hbm")
+
+
+async def copy_blocks(store: BlockStore, metas: Sequence[BlockMeta], engine: TransferEngine, *, src: str,
+                      dst: str) -> int:
+    """Copy blocks from one pool tier to another in one batch; returns how many landed. Blocks already
     there, moving, or for which no room can be made without waiting are skipped (served from where they are)."""
     tiers = {t.name: t for t in store.tiers}
     lower, upper = tiers[src], tiers[dst]

@@ -34,9 +34,10 @@ async def build_store(config: EngramConfig) -> BlockStore:
     """The tiers the config names, and the index recovered from the NVMe tier when there is one."""
     t = config.tiers
     tiers: list[Tier] = []
-    if t.hbm.capacity:
-        tiers.append(hbm_tier(t.hbm.capacity, t.hbm.device, t.hbm.page_bytes))
     d = t.dram
+    if t.hbm.capacity:
+        tiers.append(hbm_tier(t.hbm.capacity, t.hbm.device, t.hbm.page_bytes,
+                              shm_dir=d.shm_dir if d.pool == "shared" else None))
     tiers.append(shared_dram_tier(d.capacity, d.shm_dir, d.page_bytes, pin=d.pin) if d.pool == "shared"
                  else DramTier(d.capacity))
     codec = config.codec.default

@@ -24,7 +24,7 @@ from engram.server.auth import is_admin, namespace_for
 from engram.server.errors import streaming, unary
 from engram.sessions import Mode, Session, SessionManager, Window
 from engram.store import BlockStore
-from engram.tiers.pool import shared_pool
+from engram.tiers.pool import PoolTier, ipc_pool, shared_pool
 from engram.v1 import engram_pb2 as pb
 
 SERVICE_NAME = "engram.v1.Engram"
@@ -84,6 +84,7 @@ class EngramService:
         self.sessions = sessions
         self.leases = LeaseTable(store, config.lease_s)
         self.pool = shared_pool(store.tiers)  # None: no shared DRAM pool, Gets answer with bytes only
+        self.ipc_pool = ipc_pool(store.tiers)  # the HBM pool, when workers can open it by CUDA IPC
 
     @unary
     async def RegisterModel(self, request: Any, context: grpc.aio.ServicerContext) -> pb.RegisterModelResponse:
@@ -188,15 +189,18 @@ class EngramService:
         metas = self.store.find(ns, req.model_fingerprint, list(req.keys))
         codec = self.store.registry.get(req.model_fingerprint).codec
         step = self.config.chunk_bytes
-        zero_copy = req.zero_copy and not (req.decode and codec != "raw") and self.pool is not None
-        in_pool = [m for m in metas if zero_copy and self.pool.name in m.locations and not m.moving]  # type: ignore[union-attr]
-        lease = self.leases.grant(ns, in_pool) if in_pool else None  # leased before any descriptor is sent
-        pooled = {m.key for m in in_pool}
+        pools = self._zero_copy_pools(req, codec)
+        in_pool = {}  # key -> the pool its descriptor points into (the first preferred pool holding it)
+        for m in metas:
+            pool = next((p for p in pools if p.name in m.locations), None)
+            if pool is not None and not m.moving:
+                in_pool[m.key] = pool
+        lease = self.leases.grant(ns, [m for m in metas if m.key in in_pool]) if in_pool else None  # before sending
         self.store.acquire(metas)
         try:
             for meta in metas:
-                if lease is not None and meta.key in pooled:
-                    yield pb.GetResponse(descriptor=self._descriptor(meta, codec, lease))
+                if lease is not None and meta.key in in_pool:
+                    yield pb.GetResponse(descriptor=self._descriptor(meta, codec, lease, in_pool[meta.key]))
                     continue
                 payload = await self.store.read(meta)
                 block = BlockHeader(meta.token_array(), meta.dtype, meta.shape, meta.nbytes, meta.checksum, codec)
@@ -224,19 +228,32 @@ class EngramService:
         finally:
             self.store.release(metas)
 
-    def _descriptor(self, meta: BlockMeta, codec: str, lease: Lease) -> pb.BlockDescriptor:
-        pool = self.pool
-        assert pool is not None and pool.segment is not None
+    def _zero_copy_pools(self, req: Any, codec: str) -> list[PoolTier]:
+        """The pools whose blocks this Get may answer with descriptors, in order of preference."""
+        if not req.zero_copy or (req.decode and codec != "raw"):
+            return []
+        pools = [self.ipc_pool] if req.cuda_ipc and self.ipc_pool is not None else []
+        return pools + ([self.pool] if self.pool is not None else [])
+
+    def _descriptor(self, meta: BlockMeta, codec: str, lease: Lease, pool: PoolTier) -> pb.BlockDescriptor:
+        assert pool.segment is not None
         slot = pool.slot(meta.key)
         c = self.store.counters
         c.blocks_served += 1
         c.bytes_served += meta.nbytes
         c.tiers[pool.name].hits += 1
         block = BlockHeader(meta.token_array(), meta.dtype, meta.shape, meta.nbytes, meta.checksum, codec)
-        return pb.BlockDescriptor(
+        desc = pb.BlockDescriptor(
             key=meta.key, header=convert.header_to_pb(block), segment_path=str(pool.segment.path),
             segment_id=pool.segment.layout.segment_id, offset=slot.offset, generation=slot.generation,
             lease_id=lease.id, lease_expires_in_s=max(0.0, lease.expires - time.monotonic()))
+        if pool is self.ipc_pool:
+            dev, handle, size, offset, ref, ref_off, event, sync = pool.cuda_ipc()
+            desc.cuda.CopyFrom(pb.CudaIpcHandle(
+                device=dev, handle=handle, storage_bytes=size, storage_offset=offset,  # type: ignore[arg-type]
+                ref_counter_handle=ref, ref_counter_offset=ref_off, event_handle=event or b"",  # type: ignore[arg-type]
+                event_sync_required=sync))  # type: ignore[arg-type]
+        return desc
 
     @unary
     async def ReleaseLeases(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ReleaseLeasesResponse:

@@ -12,10 +12,14 @@ import torch
 
 from engram.errors import ConfigError
 from engram.tiers.pool import PoolTier, auto_page_bytes
+from engram.tiers.shm import SharedSegment
 from engram.tiers.slots import SlotAllocator
 
 
-def hbm_tier(capacity: int, device: str | torch.device = "cuda", page_bytes: int = 0) -> PoolTier:
+def hbm_tier(capacity: int, device: str | torch.device = "cuda", page_bytes: int = 0, *,
+             shm_dir: str | None = None) -> PoolTier:
+    """With shm_dir (and a CUDA device), the allocator's generation table lives in a small shared segment
+    there, so a worker that reads HBM blocks through CUDA IPC can check its descriptors."""
     dev = torch.device(device)
     page = page_bytes or auto_page_bytes(capacity)
     pages = -(-capacity // page)
@@ -25,10 +29,15 @@ def hbm_tier(capacity: int, device: str | torch.device = "cuda", page_bytes: int
             raise ConfigError(f"tiers.hbm.capacity ({pages * page} bytes) exceeds the {free} bytes free on {dev}; "
                               "lower tiers.hbm.capacity")
     buffer = torch.empty(pages * page, dtype=torch.uint8, device=dev)
+    table = SharedSegment(shm_dir, pages * page, page, pin=False, with_data=False) \
+        if shm_dir and dev.type == "cuda" else None
 
     def release() -> None:
+        if table is not None:
+            table.close()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
             torch.cuda.empty_cache()
 
-    return PoolTier("hbm", buffer, page, SlotAllocator(pages), on_close=release)
+    allocator = SlotAllocator(pages, table.generations if table is not None else None)
+    return PoolTier("hbm", buffer, page, allocator, on_close=release, segment=table)

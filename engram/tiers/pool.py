@@ -63,7 +63,10 @@ class PoolTier:
         self.page_bytes = page_bytes
         self.allocator = allocator
         self._on_close = on_close
-        self.segment = segment  # the shared segment a co-located worker maps, when the buffer is one
+        # The shared segment a co-located worker maps: the pool's bytes and generation table (DRAM), or
+        # only the generation table (HBM, whose bytes a worker opens through CUDA IPC).
+        self.segment = segment
+        self._ipc: tuple[object, ...] | None = None
         self._slots: dict[bytes, Slot] = {}
         self._reserved: dict[int, list[Run]] = {}  # runs reserved for a coming write, by reserved bytes
         self._reserved_bytes = 0
@@ -139,6 +142,15 @@ class PoolTier:
         self._stored += length
         return slot
 
+    def cuda_ipc(self) -> tuple[object, ...]:
+        """The CUDA IPC export of the pool's one allocation (torch's storage sharing: device, handle, sizes,
+        ref counter, event), made once; a worker opens it with UntypedStorage._new_shared_cuda."""
+        if self.device.type != "cuda":
+            raise AssertionError("only a CUDA pool can be shared by CUDA IPC")
+        if self._ipc is None:
+            self._ipc = self.buffer.untyped_storage()._share_cuda_()
+        return self._ipc
+
     def region(self, slot: Slot) -> torch.Tensor:
         return self.buffer[slot.offset : slot.offset + slot.length]
 
@@ -176,5 +188,12 @@ class PoolTier:
 
 
 def shared_pool(tiers: Sequence[object]) -> PoolTier | None:
-    """The tier whose buffer is a shared segment (the DRAM pool), if the store has one."""
-    return next((t for t in tiers if isinstance(t, PoolTier) and t.segment is not None), None)
+    """The tier whose bytes are a shared segment (the DRAM pool), if the store has one."""
+    return next((t for t in tiers if isinstance(t, PoolTier) and t.segment is not None
+                 and t.segment.layout.data_bytes), None)
+
+
+def ipc_pool(tiers: Sequence[object]) -> PoolTier | None:
+    """The CUDA pool whose generation table is shared (the HBM pool a worker reaches by CUDA IPC)."""
+    return next((t for t in tiers if isinstance(t, PoolTier) and t.device.type == "cuda" and t.segment is not None
+                 and not t.segment.layout.data_bytes), None)

@@ -36,9 +36,11 @@ log = logging.getLogger("engram.tiers")
 
 MAGIC = b"ENGRAMSHM\x00"
 VERSION = 1
-_HEADER = struct.Struct("<10sH16sQQQQ")  # magic, version, id, page_bytes, pages, table offset, data offset
+# magic, version, id, page_bytes, pages, table offset, data offset, data bytes (0: a table-only segment,
+# the generation table of a pool whose bytes live elsewhere, e.g. the HBM pool shared by CUDA IPC)
+_HEADER = struct.Struct("<10sH16sQQQQQ")
 _ALIGN = 4096
-PREFIX = "engram-dram-"
+PREFIX = "engram-seg-"
 SUFFIX = ".shm"
 
 
@@ -53,29 +55,31 @@ class SegmentLayout:
     pages: int
     table_offset: int
     data_offset: int
+    data_bytes: int
 
     @classmethod
-    def for_capacity(cls, capacity: int, page_bytes: int) -> SegmentLayout:
+    def for_capacity(cls, capacity: int, page_bytes: int, *, with_data: bool = True) -> SegmentLayout:
         pages = capacity // page_bytes
         table = _align(_HEADER.size)
-        return cls(uuid.uuid4().bytes, page_bytes, pages, table, table + _align(pages * 8))
+        return cls(uuid.uuid4().bytes, page_bytes, pages, table, table + _align(pages * 8),
+                   pages * page_bytes if with_data else 0)
 
     @property
     def size(self) -> int:
-        return self.data_offset + self.pages * self.page_bytes
+        return self.data_offset + self.data_bytes
 
     def pack(self) -> bytes:
         return _HEADER.pack(MAGIC, VERSION, self.segment_id, self.page_bytes, self.pages, self.table_offset,
-                            self.data_offset)
+                            self.data_offset, self.data_bytes)
 
     @classmethod
     def unpack(cls, raw: bytes, where: str) -> SegmentLayout:
         if len(raw) < _HEADER.size:
             raise FailedPrecondition(f"{where} is too short to be an Engram segment")
-        magic, version, sid, page, pages, table, data = _HEADER.unpack_from(raw)
+        magic, version, sid, page, pages, table, data, data_bytes = _HEADER.unpack_from(raw)
         if magic != MAGIC or version != VERSION:
             raise FailedPrecondition(f"{where} is not an Engram segment of version {VERSION}")
-        return cls(sid, page, pages, table, data)
+        return cls(sid, page, pages, table, data, data_bytes)
 
 
 def mem_available() -> int:
@@ -123,11 +127,12 @@ def clean_stale(directory: Path) -> list[Path]:
 class SharedSegment:
     """The daemon's side: creates, locks, maps (and pins) the segment; `data` and `generations` view it."""
 
-    def __init__(self, directory: str | Path, capacity: int, page_bytes: int, *, pin: bool = True) -> None:
+    def __init__(self, directory: str | Path, capacity: int, page_bytes: int, *, pin: bool = True,
+                 with_data: bool = True) -> None:
         directory = Path(directory)
         if not directory.is_dir():
             raise ConfigError(f"tiers.dram.shm_dir {directory} is not a directory")
-        self.layout = SegmentLayout.for_capacity(capacity, page_bytes)
+        self.layout = SegmentLayout.for_capacity(capacity, page_bytes, with_data=with_data)
         if self.layout.pages < 1:
             raise ConfigError(f"tiers.dram.capacity ({capacity}) is below one page (tiers.dram.page_bytes = "
                               f"{page_bytes}); raise the capacity or lower page_bytes")
@@ -141,10 +146,10 @@ class SharedSegment:
         self._mm[: _HEADER.size] = self.layout.pack()
         lay = self.layout
         self.generations = np.ndarray((lay.pages,), dtype="<u8", buffer=self._mm, offset=lay.table_offset)
-        self.data = torch.frombuffer(self._mm, dtype=torch.uint8, offset=lay.data_offset,
-                                     count=lay.pages * lay.page_bytes)
+        self.data = (torch.frombuffer(self._mm, dtype=torch.uint8, offset=lay.data_offset, count=lay.data_bytes)
+                     if lay.data_bytes else torch.empty(0, dtype=torch.uint8))
         self.pinned = False
-        if pin and torch.cuda.is_available():
+        if pin and lay.data_bytes and torch.cuda.is_available():
             self._register()
 
     def _register(self) -> None:
@@ -196,7 +201,7 @@ class SegmentReader:
     def copy(self, offset: int, length: int, generation: int) -> torch.Tensor | None:
         """The bytes at data offset [offset, offset + length) as a new uint8 tensor, or None when the slot
         was reused (before or while copying): the generation is checked before and after the copy."""
-        if offset + length > self.layout.pages * self.layout.page_bytes:
+        if offset + length > self.layout.data_bytes:
             return None
         if not self.current(offset, length, generation):
             return None

@@ -177,18 +177,20 @@ class PutResponse(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., stored: _Optional[int] = ..., deduplicated: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("namespace", "model_fingerprint", "keys", "decode", "zero_copy")
+    __slots__ = ("namespace", "model_fingerprint", "keys", "decode", "zero_copy", "cuda_ipc")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     ZERO_COPY_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     model_fingerprint: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     decode: bool
     zero_copy: bool
-    def __init__(self, namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., decode: _Optional[bool] = ..., zero_copy: _Optional[bool] = ...) -> None: ...
+    cuda_ipc: bool
+    def __init__(self, namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., decode: _Optional[bool] = ..., zero_copy: _Optional[bool] = ..., cuda_ipc: _Optional[bool] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("chunk", "descriptor")
@@ -485,7 +487,7 @@ class CheckResponse(_message.Message):
     def __init__(self, scanned: _Optional[int] = ..., valid: _Optional[int] = ..., findings: _Optional[_Iterable[_Union[CheckFinding, _Mapping]]] = ...) -> None: ...
 
 class BlockDescriptor(_message.Message):
-    __slots__ = ("key", "header", "segment_path", "segment_id", "offset", "generation", "lease_id", "lease_expires_in_s")
+    __slots__ = ("key", "header", "segment_path", "segment_id", "offset", "generation", "lease_id", "lease_expires_in_s", "cuda")
     KEY_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -494,6 +496,7 @@ class BlockDescriptor(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     header: BlockHeader
     segment_path: str
@@ -502,7 +505,28 @@ class BlockDescriptor(_message.Message):
     generation: int
     lease_id: int
     lease_expires_in_s: float
-    def __init__(self, key: _Optional[bytes] = ..., header: _Optional[_Union[BlockHeader, _Mapping]] = ..., segment_path: _Optional[str] = ..., segment_id: _Optional[bytes] = ..., offset: _Optional[int] = ..., generation: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_expires_in_s: _Optional[float] = ...) -> None: ...
+    cuda: CudaIpcHandle
+    def __init__(self, key: _Optional[bytes] = ..., header: _Optional[_Union[BlockHeader, _Mapping]] = ..., segment_path: _Optional[str] = ..., segment_id: _Optional[bytes] = ..., offset: _Optional[int] = ..., generation: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_expires_in_s: _Optional[float] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+
+class CudaIpcHandle(_message.Message):
+    __slots__ = ("device", "handle", "storage_bytes", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    handle: bytes
+    storage_bytes: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_bytes: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class ReleaseLeasesRequest(_message.Message):
     __slots__ = ("namespace", "lease_ids")
