@@ -336,15 +336,15 @@ class EngramClient:
 
     def _block(self, header: pb.BlockHeader, data: bytes | torch.Tensor, i: int, device: torch.device | str
                ) -> torch.Tensor:
-        view = data.numpy() if isinstance(data, torch.Tensor) else data
-        if len(view) != header.payload_nbytes or checksum(memoryview(view)) != header.checksum:
+        view = memoryview(data.numpy()) if isinstance(data, torch.Tensor) else memoryview(data)  # type: ignore[arg-type]
+        if view.nbytes != header.payload_nbytes or checksum(view) != header.checksum:
             raise errors.DataLoss(f"block {i} arrived damaged (size or checksum mismatch)")
         where = f"block {i}"
         if header.codec in ("", "raw"):
             dtype = dtype_from_pb(header.dtype, where).torch_dtype
             return tensor_from_bytes(data, dtype, header.shape).to(device)
         backend = "triton" if torch.device(device).type == "cuda" else "reference"
-        return blockformat.decode(memoryview(view), backend=backend, device=device, where=where)
+        return blockformat.decode(view, backend=backend, device=device, where=where)
 
     def _copy_out(self, descriptors: list[tuple[int, pb.BlockDescriptor]], out: list[torch.Tensor | None],
                   device: torch.device | str) -> list[int]:

@@ -104,7 +104,8 @@ class TransferEngine:
         paged = page_bytes > 0 and src.device == dst.device and len(moves) > 1 and all(
             m.src % page_bytes == 0 and m.dst % page_bytes == 0 and m.length % page_bytes == 0 for m in moves)
         if paged:
-            rows_src, rows_dst = [], []
+            rows_src: list[int] = []
+            rows_dst: list[int] = []
             for m in moves:
                 n = m.length // page_bytes
                 rows_src += range(m.src // page_bytes, m.src // page_bytes + n)
