@@ -50,7 +50,7 @@ async def test_the_shared_pool_is_pinned_and_released(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("page_bytes", [2**16, 2**16 + 512])  # page rows on one device, and not
 async def test_cuda_transfers_match_the_cpu_path_bit_for_bit(page_bytes: int) -> None:
-    sizes = [2**16, 1000, 3 * 2**15 + 7, 1, 2**16 - 1] * 8
+    sizes = [2**16, 1000, 3 * 2**13 + 7, 1, 2**16 - 1] * 8  # each fits a 64 KiB page
     dram = shared_dram_tier(16 * 2**20, "/dev/shm", 2**12, pin=True)
     hbm = hbm_tier(16 * 2**20, "cuda", 2**12)
     cpu = hbm_tier(16 * 2**20, "cpu", 2**12)
