@@ -2,6 +2,7 @@
 # What this project runs on the lent H200, in as few device calls as possible (device README).
 #   part 1: GPU kernel tests (every tile config bit-exact against the reference) + codec speed
 #   part 2: replay bound benchmark
+#   part 4: GPU data path tests (pinned pool, CUDA transfers, daemon + worker over CUDA IPC) + transfer benchmarks
 # Usage there: OUT=... bash benchmarks/gpu_session.sh 1|2     (carry .whl: wheels the image lacks)
 set -uo pipefail
 OUT=${OUT:-/tmp/engram-gpu-out}
@@ -25,6 +26,13 @@ case "${1:-1}" in
     timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fp4_kernels.py tests/test_fp4_reference.py 2>&1 \
       | tee "$OUT/gpu_tests.log" | tail -15
     timeout 280 python3 benchmarks/codec_speed.py --out "$OUT/codec_speed.json" 2>&1 | tee "$OUT/codec_speed.log" | tail -45
+    ;;
+  4)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_data_path.py 2>&1 | tee "$OUT/gpu_data_path.log" | tail -20
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_transfer.py tests/test_hbm_tier.py \
+      tests/test_zero_copy.py tests/test_shared_pool.py tests/test_slots.py 2>&1 | tee "$OUT/gpu_cpu_logic.log" | tail -8
+    timeout 150 python3 -m benchmarks.gpu_transfer --blocks 256 --rounds 10 2>&1 | tee "$OUT/gpu_transfer.log" | tail -30
+    timeout 150 python3 -m benchmarks.zero_copy --blocks 64 --batch 16 --rounds 20 2>&1 | tee "$OUT/zero_copy.log" | tail -20
     ;;
   2)
     timeout 560 python3 benchmarks/replay_bound.py --out "$OUT/replay_bound.json" 2>&1 | tee "$OUT/replay_bound.log" | tail -25
