@@ -164,6 +164,9 @@ def scatter(engine: TransferEngine, pages: torch.Tensor, pairs: Sequence[tuple[b
     return engine.copy(pages.view(-1), pool.buffer, moves)
 
 
+SUBMIT_EVERY = 16  # blocks per submission in copy_blocks: early submissions overlap the DMA with the bookkeeping
+
+
 async def promote(store: BlockStore, metas: Sequence[BlockMeta], engine: TransferEngine) -> int:
     """DRAM -> HBM for many blocks in one batch: `copy_blocks` from the dram pool to the hbm pool."""
     return await copy_blocks(store, metas, engine, src="dram", dst="hbm")
@@ -178,7 +181,8 @@ async def copy_blocks(store: BlockStore, metas: Sequence[BlockMeta], engine: Tra
     if not isinstance(lower, PoolTier) or not isinstance(upper, PoolTier):
         raise InvalidArgument(f"promote moves between pool tiers; {src} or {dst} is not one")
     started: list[tuple[BlockMeta, int]] = []
-    moves = []
+    moves: list[Move] = []
+    done: Done | None = None
     try:
         for meta in metas:
             if meta.moving or src not in meta.locations or dst in meta.locations:
@@ -190,8 +194,14 @@ async def copy_blocks(store: BlockStore, metas: Sequence[BlockMeta], engine: Tra
             started.append((meta, need))
             slot = lower.slot(meta.key)
             moves.append(Move(slot.offset, upper.place(meta.key, need, slot.length).offset, slot.length))
+            if len(moves) == SUBMIT_EVERY:
+                # Submit while the rest is still being booked, so the copy engine runs during the bookkeeping.
+                done = engine.copy(lower.buffer, upper.buffer, moves, page_bytes=0)
+                moves = []
         if moves:
-            await engine.copy(lower.buffer, upper.buffer, moves, page_bytes=0).wait()
+            done = engine.copy(lower.buffer, upper.buffer, moves, page_bytes=0)
+        if done is not None:
+            await done.wait()  # one stream: the last submission's event covers every earlier one
     except BaseException:
         for meta, _ in started:
             await upper.delete(meta.key)

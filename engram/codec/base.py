@@ -84,6 +84,8 @@ class QuantCodec:
                                       v_axis=_axis_name(v_axis))
 
     def encode(self, kv: Tensor, k_axis: Axis, v_axis: Axis, backend: str) -> bytes:
+        if backend == "triton" and not kv.is_cuda:
+            kv = kv.cuda()  # the kernels run on the GPU; the daemon's payloads arrive in host memory
         try:
             q = kvcodec.quantize_kv_block(kv, self.name, k_axis=_axis_name(k_axis), v_axis=_axis_name(v_axis),
                                           backend=backend)
@@ -94,9 +96,10 @@ class QuantCodec:
     def decode(self, body: bytes | memoryview, shape: Shape, dtype: torch.dtype, k_axis: Axis, v_axis: Axis,
                backend: str, device: torch.device | str) -> Tensor:
         layers, _, tokens, heads, dim = shape
+        on = "cuda" if backend == "triton" and torch.device(device).type != "cuda" else device
         q = kvcodec.from_bytes(body, self.name, (layers, tokens, heads, dim), k_axis=_axis_name(k_axis),
-                               v_axis=_axis_name(v_axis), device=device)
-        return kvcodec.dequantize_kv_block(q, dtype, backend=backend)
+                               v_axis=_axis_name(v_axis), device=on)
+        return kvcodec.dequantize_kv_block(q, dtype, backend=backend).to(device)
 
 
 def _axis_name(axis: Axis) -> str:
