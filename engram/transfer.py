@@ -99,11 +99,8 @@ class TransferEngine:
                 t.record_stream(self.stream)  # the caching allocator must not reuse them before the copy ends
         return Done(event)
 
-    def _run(self, src: torch.Tensor, dst: torch.Tensor, moves: Sequence[Move], page_bytes: int) -> None:
-        if src.device != dst.device and self.stream is not None:
-            # Pinned host memory is mapped into the GPU's address space: one gather kernel reads it over
-            # PCIe, instead of one memcpy launch per block (which made promotion CPU-bound).
-            src, dst = (_mapped(t, self.stream.device) for t in (src, dst))
+    @staticmethod
+    def _run(src: torch.Tensor, dst: torch.Tensor, moves: Sequence[Move], page_bytes: int) -> None:
         paged = page_bytes > 0 and src.device == dst.device and len(moves) > 1 and all(
             m.src % page_bytes == 0 and m.dst % page_bytes == 0 and m.length % page_bytes == 0 for m in moves)
         if paged:
@@ -117,37 +114,10 @@ class TransferEngine:
             idx_dst = torch.tensor(rows_dst, dtype=torch.int64).to(dst.device, non_blocking=True)
             s = src[: src.numel() // page_bytes * page_bytes].view(-1, page_bytes)
             d = dst[: dst.numel() // page_bytes * page_bytes].view(-1, page_bytes)
-            if page_bytes % 8 == 0 and s.data_ptr() % 8 == 0 and d.data_ptr() % 8 == 0:
-                s, d = s.view(torch.int64), d.view(torch.int64)  # 8-byte words: fewer, wider loads
             d.index_copy_(0, idx_dst, s.index_select(0, idx_src))
             return
         for m in coalesce(moves):
             dst[m.dst : m.dst + m.length].copy_(src[m.src : m.src + m.length], non_blocking=True)
-
-
-class _DeviceView:
-    """A device pointer and size in the CUDA array interface, which torch.as_tensor wraps without a copy."""
-
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
-
-
-_MAPPED: dict[tuple[int, int], bool] = {}  # (host pointer, device index) -> its device alias reads the host bytes
-
-
-def _mapped(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CPU tensor in pinned (page-locked, registered) memory as a CUDA tensor over the same bytes, where
-    the platform maps such memory at the same address (unified addressing, every 64-bit Linux GPU host);
-    anything else comes back unchanged and is copied by memcpy."""
-    if t.is_cuda or t.numel() == 0 or not t.is_pinned():
-        return t
-    with torch.cuda.device(device):
-        alias = torch.as_tensor(_DeviceView(t.data_ptr(), t.numel()), device=device)
-    key = (t.data_ptr(), alias.device.index or 0)
-    if key not in _MAPPED:  # checked once per buffer: the alias must read what the host sees
-        probe = min(t.numel(), 64)
-        _MAPPED[key] = bool(torch.equal(alias[:probe].cpu(), t[:probe]))
-    return alias if _MAPPED[key] else t
 
 
 def _check_pages(pairs: Sequence[tuple[bytes, int]], pages: torch.Tensor) -> None:
@@ -194,7 +164,7 @@ def scatter(engine: TransferEngine, pages: torch.Tensor, pairs: Sequence[tuple[b
     return engine.copy(pages.view(-1), pool.buffer, moves)
 
 
-SUBMIT_EVERY = 64  # blocks per submission in copy_blocks: early submissions overlap the DMA with the bookkeeping
+SUBMIT_EVERY = 16  # blocks per submission in copy_blocks: early submissions overlap the DMA with the bookkeeping
 
 
 async def promote(store: BlockStore, metas: Sequence[BlockMeta], engine: TransferEngine) -> int:
@@ -210,7 +180,6 @@ async def copy_blocks(store: BlockStore, metas: Sequence[BlockMeta], engine: Tra
     lower, upper = tiers[src], tiers[dst]
     if not isinstance(lower, PoolTier) or not isinstance(upper, PoolTier):
         raise InvalidArgument(f"promote moves between pool tiers; {src} or {dst} is not one")
-    page = lower.page_bytes if lower.page_bytes == upper.page_bytes else 0
     started: list[tuple[BlockMeta, int]] = []
     moves: list[Move] = []
     done: Done | None = None
@@ -224,16 +193,13 @@ async def copy_blocks(store: BlockStore, metas: Sequence[BlockMeta], engine: Tra
                 continue  # no room up there right now: served from where it is
             started.append((meta, need))
             slot = lower.slot(meta.key)
-            placed = upper.place(meta.key, need, slot.length)
-            # With one page size on both sides, whole pages move (the run is reserved on both): a page gather.
-            length = slot.run.pages * page if page and placed.run.pages == slot.run.pages else slot.length
-            moves.append(Move(slot.offset, placed.offset, length))
+            moves.append(Move(slot.offset, upper.place(meta.key, need, slot.length).offset, slot.length))
             if len(moves) == SUBMIT_EVERY:
                 # Submit while the rest is still being booked, so the copy engine runs during the bookkeeping.
-                done = engine.copy(lower.buffer, upper.buffer, moves, page_bytes=page)
+                done = engine.copy(lower.buffer, upper.buffer, moves, page_bytes=0)
                 moves = []
         if moves:
-            done = engine.copy(lower.buffer, upper.buffer, moves, page_bytes=page)
+            done = engine.copy(lower.buffer, upper.buffer, moves, page_bytes=0)
         if done is not None:
             await done.wait()  # one stream: the last submission's event covers every earlier one
     except BaseException:
