@@ -108,7 +108,8 @@ class HeldEngine(TransferEngine):
 
 async def test_batched_promotion_keeps_the_two_phase_protocol(tmp_path) -> None:  # type: ignore[no-untyped-def]
     cfg = load_config(env={}, overrides={"tiers.hbm.capacity": 4 * BLOCK, "tiers.hbm.device": "cpu",
-                                         "tiers.dram.capacity": 16 * BLOCK, "tiers.dram.shm_dir": str(tmp_path)})
+                                         "tiers.dram.capacity": 16 * BLOCK, "tiers.dram.shm_dir": str(tmp_path),
+                                         "tiers.dram.pin": False})  # a file on disk cannot be pinned
     store = await build_store(cfg)
     try:
         fp = store.registry.register(SPEC)

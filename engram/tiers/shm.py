@@ -156,13 +156,9 @@ class SharedSegment:
         cudart = torch.cuda.cudart()
         err = cudart.cudaHostRegister(self.data.data_ptr(), self.data.numel(), 0)
         if int(err) != 0:
-            # A mapping that was unmapped without being unregistered (a pool dropped without close()) leaves
-            # its address registered; ours may reuse that address. Clear it and try once more.
-            cudart.cudaHostUnregister(self.data.data_ptr())
-            err = cudart.cudaHostRegister(self.data.data_ptr(), self.data.numel(), 0)
-        if int(err) != 0:
-            raise ConfigError(f"cudaHostRegister of {self.data.numel()} bytes failed ({err}); lower "
-                              "tiers.dram.capacity or raise the memlock limit (ulimit -l)")
+            raise ConfigError(f"cudaHostRegister of {self.data.numel()} bytes failed ({err}): the pool's directory "
+                              "must be a tmpfs (tiers.dram.shm_dir, e.g. /dev/shm), and the memlock limit "
+                              "(ulimit -l) must allow it; or set tiers.dram.pin = false")
         self.pinned = True
 
     def close(self) -> None:
