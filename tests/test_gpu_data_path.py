@@ -106,6 +106,7 @@ def test_daemon_and_worker_processes_exchange_blocks_through_the_pool_and_cuda_i
         assert report["identical"], report
         assert report["descriptors"] > 0, "no block came through the pinned pool"
         assert report["ipc_blocks"] > 0, "no block came through CUDA IPC"
+        print(report)  # the counts, for the run's log
     finally:
         daemon.terminate()
-        daemon.wait(30)
+        daemon.communicate(timeout=30)  # reaps it and closes its output pipe
