@@ -15,12 +15,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engram.codec.base import default_backend
-from engram.config import EngramConfig
+from engram.config import EngramConfig, ServerConfig
 from engram.registry import ModelRegistry
 from engram.replay.runtime import ReplayRuntime
 from engram.server.service import SERVICE_NAME, EngramService
 from engram.sessions import SessionManager
 from engram.store import BlockStore, WritePolicy
+from engram.tenancy import Tenancy
 from engram.tiers.base import Tier
 from engram.tiers.dram import DramTier
 from engram.tiers.nvme import NvmeTier
@@ -29,7 +30,7 @@ from engram.v1 import engram_pb2
 log = logging.getLogger("engram.server")
 
 
-async def build_store(config: EngramConfig) -> BlockStore:
+async def build_store(config: EngramConfig, tenancy: Tenancy | None = None) -> BlockStore:
     """The tiers the config names, and the index recovered from the NVMe tier when there is one."""
     t = config.tiers
     tiers: list[Tier] = [DramTier(t.dram.capacity)]
@@ -42,7 +43,7 @@ async def build_store(config: EngramConfig) -> BlockStore:
                               fsync=t.nvme.fsync))
     backend = default_backend() if config.codec.backend == "auto" else config.codec.backend
     store = BlockStore(tiers, registry, write_policy=WritePolicy(t.write_policy), retry_s=t.retry_s,
-                       codec_backend=backend)
+                       codec_backend=backend, namespaces=tenancy)
     if t.nvme.path:
         report = await store.recover()
         log.info("recovered %d blocks from %s (%d problems fixed)", report.recovered_blocks, t.nvme.path,
@@ -50,6 +51,11 @@ async def build_store(config: EngramConfig) -> BlockStore:
         for path, problem, _ in report.findings:
             log.warning("recovery: %s: %s", path, problem)
     return store
+
+
+def _tls(s: ServerConfig) -> grpc.ServerCredentials:
+    key, cert = Path(s.tls_key).read_bytes(), Path(s.tls_cert).read_bytes()
+    return grpc.ssl_server_credentials([(key, cert)])
 
 
 @dataclass
@@ -80,7 +86,8 @@ def build_sessions(config: EngramConfig, store: BlockStore) -> SessionManager:
 async def start_server(config: EngramConfig, store: BlockStore | None = None,
                        sessions: SessionManager | None = None) -> RunningServer:
     s = config.server
-    store = store or await build_store(config)
+    tenancy = Tenancy.from_config(config.auth, config.cluster.peer_token)
+    store = store or await build_store(config, tenancy)
     sessions = sessions or build_sessions(config, store)
     options = [
         ("grpc.max_send_message_length", int(s.max_message_bytes)),
@@ -88,7 +95,7 @@ async def start_server(config: EngramConfig, store: BlockStore | None = None,
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=s.max_concurrent_rpcs)
-    service = EngramService(store, s, sessions)
+    service = EngramService(store, s, sessions, tenancy)
     server.add_generic_rpc_handlers((service.generic_handler(),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -105,7 +112,8 @@ async def start_server(config: EngramConfig, store: BlockStore | None = None,
         server.add_insecure_port(f"unix:{path}")
         address = f"unix:{path}"
     else:
-        port = server.add_insecure_port(f"{s.host}:{s.port}")
+        port = server.add_secure_port(f"{s.host}:{s.port}", _tls(s)) if s.tls_cert else \
+            server.add_insecure_port(f"{s.host}:{s.port}")
         if port == 0:
             raise OSError(f"could not bind {s.host}:{s.port}; is another daemon running there?")
         host = f"[{s.host}]" if ":" in s.host else s.host

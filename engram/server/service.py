@@ -16,12 +16,12 @@ from engram import __version__
 from engram.block import BlockHeader, checksum
 from engram.config import ServerConfig
 from engram.errors import InvalidArgument, PermissionDenied, ResourceExhausted
-from engram.keys import root_key
 from engram.server import convert
-from engram.server.auth import is_admin, namespace_for
+from engram.server.auth import guard, is_admin, namespace_for, visible_namespaces
 from engram.server.errors import streaming, unary
 from engram.sessions import Mode, Session, SessionManager, Window
 from engram.store import BlockStore
+from engram.tenancy import Tenancy
 from engram.v1 import engram_pb2 as pb
 
 SERVICE_NAME = "engram.v1.Engram"
@@ -75,8 +75,10 @@ def _window_from_pb(msg: pb.SwaWindowData) -> Window:
 
 
 class EngramService:
-    def __init__(self, store: BlockStore, config: ServerConfig, sessions: SessionManager) -> None:
+    def __init__(self, store: BlockStore, config: ServerConfig, sessions: SessionManager,
+                 tenancy: Tenancy | None = None) -> None:
         self.store = store
+        self.tenancy = tenancy
         self.config = config
         self.sessions = sessions
 
@@ -117,7 +119,7 @@ class EngramService:
                 stream = req.header
                 stream.namespace = namespace_for(context, stream.namespace)
                 spec = self.store.registry.get(stream.model_fingerprint)
-                parent = stream.parent_key or root_key(stream.namespace, stream.model_fingerprint)
+                parent = stream.parent_key or self.store.root(stream.namespace, stream.model_fingerprint)
                 continue
             if item != "chunk":
                 raise InvalidArgument("a Put stream carries one PutHeader, first; then only BlockChunks")
@@ -254,7 +256,21 @@ class EngramService:
                              max_tokens_per_request=cfg.max_tokens_per_request),
             version=__version__, uptime_s=time.time() - store.started, write_policy=str(store.write_policy),
             corrupt_blocks=c.corrupt_blocks, replay=self._replay_stats(),
+            namespaces=[self._namespace_stats(ns) for ns in visible_namespaces(context, store.index.namespaces())],
         )
+
+    def _namespace_stats(self, ns: str) -> pb.NamespaceStats:
+        u = self.store.namespace_usage(ns)
+        return pb.NamespaceStats(namespace=ns, quota_bytes=self.store.namespaces.quota(ns), blocks=u.blocks,
+                                 physical_bytes=u.physical_bytes, logical_bytes=u.logical_bytes,
+                                 referenced_blocks=u.referenced_blocks, sessions=self.sessions.count_in(ns))
+
+    @unary
+    async def DescribeNamespace(self, request: Any, context: grpc.aio.ServicerContext) -> pb.NamespaceStats:
+        ns = namespace_for(context, _decoded(request).namespace)
+        info = self._namespace_stats(ns)
+        info.key_salt = self.store.namespaces.salt(ns)
+        return info
 
     def _replay_stats(self) -> pb.ReplayStats:
         sm = self.sessions
@@ -335,23 +351,25 @@ class EngramService:
 
         handlers = {
             "RegisterModel": grpc.unary_unary_rpc_method_handler(
-                self.RegisterModel, _safe_decoder(pb.RegisterModelRequest), ser),
-            "Lookup": grpc.unary_unary_rpc_method_handler(self.Lookup, _safe_decoder(pb.LookupRequest), ser),
-            "Put": grpc.stream_unary_rpc_method_handler(self.Put, _safe_decoder(pb.PutRequest), ser),
-            "Get": grpc.unary_stream_rpc_method_handler(self.Get, _safe_decoder(pb.GetRequest), ser),
-            "Pin": grpc.unary_unary_rpc_method_handler(self.Pin, _safe_decoder(pb.PinRequest), ser),
-            "Stats": grpc.unary_unary_rpc_method_handler(self.Stats, _safe_decoder(pb.StatsRequest), ser),
-            "Check": grpc.unary_unary_rpc_method_handler(self.Check, _safe_decoder(pb.CheckRequest), ser),
+                guard(self.RegisterModel, self.tenancy), _safe_decoder(pb.RegisterModelRequest), ser),
+            "Lookup": grpc.unary_unary_rpc_method_handler(guard(self.Lookup, self.tenancy), _safe_decoder(pb.LookupRequest), ser),
+            "Put": grpc.stream_unary_rpc_method_handler(guard(self.Put, self.tenancy), _safe_decoder(pb.PutRequest), ser),
+            "Get": grpc.unary_stream_rpc_method_handler(guard(self.Get, self.tenancy), _safe_decoder(pb.GetRequest), ser),
+            "Pin": grpc.unary_unary_rpc_method_handler(guard(self.Pin, self.tenancy), _safe_decoder(pb.PinRequest), ser),
+            "Stats": grpc.unary_unary_rpc_method_handler(guard(self.Stats, self.tenancy), _safe_decoder(pb.StatsRequest), ser),
+            "Check": grpc.unary_unary_rpc_method_handler(guard(self.Check, self.tenancy), _safe_decoder(pb.CheckRequest), ser),
             "OpenSession": grpc.unary_unary_rpc_method_handler(
-                self.OpenSession, _safe_decoder(pb.OpenSessionRequest), ser),
+                guard(self.OpenSession, self.tenancy), _safe_decoder(pb.OpenSessionRequest), ser),
             "AppendSession": grpc.unary_unary_rpc_method_handler(
-                self.AppendSession, _safe_decoder(pb.AppendSessionRequest), ser),
+                guard(self.AppendSession, self.tenancy), _safe_decoder(pb.AppendSessionRequest), ser),
             "ForkSession": grpc.unary_unary_rpc_method_handler(
-                self.ForkSession, _safe_decoder(pb.ForkSessionRequest), ser),
+                guard(self.ForkSession, self.tenancy), _safe_decoder(pb.ForkSessionRequest), ser),
             "SuspendSession": grpc.unary_unary_rpc_method_handler(
-                self.SuspendSession, _safe_decoder(pb.SessionRef), ser),
+                guard(self.SuspendSession, self.tenancy), _safe_decoder(pb.SessionRef), ser),
             "CloseSession": grpc.unary_unary_rpc_method_handler(
-                self.CloseSession, _safe_decoder(pb.SessionRef), ser),
-            "Resume": grpc.unary_stream_rpc_method_handler(self.Resume, _safe_decoder(pb.ResumeRequest), ser),
+                guard(self.CloseSession, self.tenancy), _safe_decoder(pb.SessionRef), ser),
+            "Resume": grpc.unary_stream_rpc_method_handler(guard(self.Resume, self.tenancy), _safe_decoder(pb.ResumeRequest), ser),
+            "DescribeNamespace": grpc.unary_unary_rpc_method_handler(
+                guard(self.DescribeNamespace, self.tenancy), _safe_decoder(pb.DescribeNamespaceRequest), ser),
         }
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
