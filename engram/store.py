@@ -190,6 +190,7 @@ class BlockStore:
         header.validate(layout, index=index)
         header.verify_payload(payload, index=index)
         header, payload = await self._stored_form(spec.codec or "raw", header, payload, index)
+        pmeta = None
         if parent != self.root(namespace, model_fingerprint):
             pmeta = self.index.get_in(namespace, parent)
             if pmeta is None or pmeta.model_fingerprint != model_fingerprint:
@@ -225,6 +226,10 @@ class BlockStore:
         tick(meta)
         self._charge_quota(namespace, len(payload), index)
         done = self._pending[key] = asyncio.Event()
+        # Until the block is indexed its parent is a leaf: lease it, or making room could evict it and
+        # leave the new block without a parent.
+        held = [pmeta] if pmeta is not None else []
+        self.acquire(held)
         try:
             await self._place(meta, 0, payload)
             if self.write_policy == WritePolicy.WRITE_THROUGH:
@@ -239,6 +244,7 @@ class BlockStore:
                 await self._drop_copy(meta, name)
             raise
         finally:
+            self.release(held)
             del self._pending[key]
             self._quota_pending[namespace] -= len(payload)
             done.set()
