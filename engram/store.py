@@ -226,10 +226,10 @@ class BlockStore:
         tick(meta)
         self._charge_quota(namespace, len(payload), index)
         done = self._pending[key] = asyncio.Event()
-        # Until the block is indexed its parent is a leaf: lease it, or making room could evict it and
-        # leave the new block without a parent.
-        held = [pmeta] if pmeta is not None else []
-        self.acquire(held)
+        # Until the block is indexed its parent is a leaf, which making room could delete, orphaning the new
+        # block: count the coming child now (the parent may still be demoted: it stays reachable).
+        if pmeta is not None:
+            pmeta.children += 1
         try:
             await self._place(meta, 0, payload)
             if self.write_policy == WritePolicy.WRITE_THROUGH:
@@ -244,7 +244,11 @@ class BlockStore:
                 await self._drop_copy(meta, name)
             raise
         finally:
-            self.release(held)
+            if pmeta is not None:
+                pmeta.children -= 1
+                if pmeta.children == 0:  # the put failed: the parent is a leaf again, and a victim
+                    for name in pmeta.locations:
+                        self._lru[name].add(pmeta)
             del self._pending[key]
             self._quota_pending[namespace] -= len(payload)
             done.set()
