@@ -221,3 +221,24 @@ async def test_tls_over_tcp_with_a_self_signed_certificate(tmp_path: Path) -> No
                 await plain.stats()
     finally:
         await srv.stop(0)
+
+
+async def test_fetch_blocks_is_for_peers_only(server_factory: Any) -> None:
+    import grpc
+
+    from engram.client import open_channel, stub_for
+    from engram.v1 import engram_pb2 as pb
+
+    srv = await server_factory(**AUTH, **{"cluster.peer_token": "peer-token"})
+    _, _, _, keys = await alice_prefix(srv)
+    for token, code in ((ALICE, grpc.StatusCode.PERMISSION_DENIED), ("", grpc.StatusCode.UNAUTHENTICATED)):
+        channel = open_channel(srv.address)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in stub_for(channel, token).FetchBlocks(pb.FetchBlocksRequest(keys=keys)):
+                pass
+        assert info.value.code() == code
+        await channel.close()
+    channel = open_channel(srv.address)  # control: the peer token gets the blocks
+    got = [r async for r in stub_for(channel, "peer-token").FetchBlocks(pb.FetchBlocksRequest(keys=keys))]
+    await channel.close()
+    assert [r.chunk.key for r in got if r.chunk.HasField("header")] == keys

@@ -14,14 +14,16 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engram.cluster import ClusterIndex
 from engram.codec.base import default_backend
 from engram.config import EngramConfig, ServerConfig
+from engram.peers import PeerFetcher
 from engram.registry import ModelRegistry
 from engram.replay.runtime import ReplayRuntime
 from engram.server.service import SERVICE_NAME, EngramService
 from engram.sessions import SessionManager
 from engram.store import BlockStore, WritePolicy
-from engram.tenancy import Tenancy
+from engram.tenancy import Tenancy, resolve_secret
 from engram.tiers.base import Tier
 from engram.tiers.dram import DramTier
 from engram.tiers.nvme import NvmeTier
@@ -66,11 +68,15 @@ class RunningServer:
     sessions: SessionManager
     health: health.aio.HealthServicer
     grace_s: float
+    service: EngramService | None = None
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop accepting RPCs, give in-flight ones `grace_s` to finish, then release the tiers."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.grace_s if grace_s is None else grace_s)
+        if self.service is not None and self.service.cluster is not None:
+            await self.service.cluster.close()
+            await self.service.peers.close()  # type: ignore[union-attr]
         await self.store.close()
 
     async def wait(self) -> None:
@@ -122,7 +128,20 @@ async def start_server(config: EngramConfig, store: BlockStore | None = None,
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("engram serving on %s", address)
-    return RunningServer(server, address, store, sessions, health_servicer, s.shutdown_grace_s)
+    if config.cluster.redis_url:
+        await _join_cluster(config, service, address)
+    return RunningServer(server, address, store, sessions, health_servicer, s.shutdown_grace_s, service)
+
+
+async def _join_cluster(config: EngramConfig, service: EngramService, address: str) -> None:
+    c = config.cluster
+    advertised = c.advertise or address
+    service.cluster = ClusterIndex(c, service.store.index, c.node_id or advertised, advertised)
+    token = resolve_secret(c.peer_token, "cluster.peer_token") if c.peer_token else ""
+    root = Path(c.peer_root_cert).read_bytes() if c.peer_root_cert else None
+    service.peers = PeerFetcher(service.cluster, service.store, token=token, root_cert=root,
+                                timeout_s=c.fetch_timeout_s)
+    await service.cluster.start()
 
 
 async def serve(config: EngramConfig, ready: asyncio.Event | None = None) -> None:

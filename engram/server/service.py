@@ -14,10 +14,12 @@ import torch
 
 from engram import __version__
 from engram.block import BlockHeader, checksum
+from engram.cluster import ClusterIndex
 from engram.config import ServerConfig
 from engram.errors import InvalidArgument, PermissionDenied, ResourceExhausted
+from engram.peers import PeerFetcher
 from engram.server import convert
-from engram.server.auth import guard, is_admin, namespace_for, visible_namespaces
+from engram.server.auth import guard, is_admin, is_peer, namespace_for, visible_namespaces
 from engram.server.errors import streaming, unary
 from engram.sessions import Mode, Session, SessionManager, Window
 from engram.store import BlockStore
@@ -69,6 +71,15 @@ def _session_info(s: Session) -> pb.SessionInfo:
                           window_prefix_len=w.prefix_len if w else 0, parent=s.parent, created_s=s.created)
 
 
+def _chunks(key: bytes, header: pb.BlockHeader, payload: bytes, step: int) -> list[pb.BlockChunk]:
+    """A block as chunks under the message limit: the first carries its header and key."""
+    view = memoryview(payload)
+    offsets = range(0, len(payload), step) if payload else [0]
+    return [pb.BlockChunk(header=header, key=key, data=bytes(view[off : off + step]), last=off + step >= len(payload))
+            if off == 0 else pb.BlockChunk(data=bytes(view[off : off + step]), last=off + step >= len(payload))
+            for off in offsets]
+
+
 def _window_from_pb(msg: pb.SwaWindowData) -> Window:
     return Window(msg.prefix_len, msg.start, convert.dtype_from_pb(msg.dtype, "window"), tuple(msg.shape),
                   msg.data, msg.checksum)
@@ -79,6 +90,8 @@ class EngramService:
                  tenancy: Tenancy | None = None) -> None:
         self.store = store
         self.tenancy = tenancy
+        self.cluster: ClusterIndex | None = None  # set by the app once the daemon's address is known
+        self.peers: PeerFetcher | None = None
         self.config = config
         self.sessions = sessions
 
@@ -94,7 +107,12 @@ class EngramService:
         req = _decoded(request)
         _check_limit("Lookup tokens", len(req.tokens), self.config.max_tokens_per_request)
         ns = namespace_for(context, req.namespace)
-        match = self.store.lookup(ns, req.model_fingerprint, np.asarray(req.tokens, dtype="<i4"))
+        tokens = np.asarray(req.tokens, dtype="<i4")
+        match = self.store.lookup(ns, req.model_fingerprint, tokens)
+        if self.peers is not None:  # the cluster tier: fetch the missing full blocks from peers
+            have = sum(m.num_tokens for m in match.blocks if m.full)
+            if await self.peers.fill(ns, req.model_fingerprint, tokens, have):
+                match = self.store.lookup(ns, req.model_fingerprint, tokens)
         return pb.LookupResponse(
             matched_tokens=match.matched_tokens,
             blocks=[pb.BlockRef(key=m.key, num_tokens=m.num_tokens, tier=m.tier, nbytes=m.nbytes) for m in match.blocks],
@@ -193,19 +211,30 @@ class EngramService:
                     payload = await asyncio.to_thread(self._decode, payload)
                     block = dataclasses.replace(block, codec="raw", payload_nbytes=len(payload),
                                                 checksum=checksum(payload))
-                header = convert.header_to_pb(block)
-                if len(payload) <= step:
-                    yield pb.GetResponse(chunk=pb.BlockChunk(header=header, key=meta.key, data=payload, last=True))
-                    continue
-                view = memoryview(payload)
-                for off in range(0, len(payload), step):
-                    data = bytes(view[off : off + step])
-                    last = off + step >= len(payload)
-                    if off == 0:
-                        msg = pb.BlockChunk(header=header, key=meta.key, data=data, last=last)
-                    else:
-                        msg = pb.BlockChunk(data=data, last=last)
+                for msg in _chunks(meta.key, convert.header_to_pb(block), payload, step):
                     yield pb.GetResponse(chunk=msg)
+        finally:
+            self.store.release(metas)
+
+    @streaming
+    async def FetchBlocks(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.FetchBlocksResponse]:
+        req = _decoded(request)
+        if not is_peer(context):
+            raise PermissionDenied("FetchBlocks serves the cluster's daemons: call it with cluster.peer_token")
+        _check_limit("FetchBlocks keys", len(req.keys), self.config.max_blocks_per_request)
+        metas = [m for k in req.keys if (m := self.store.index.get(k)) is not None]
+        self.store.acquire(metas)
+        try:
+            for meta in metas:
+                payload = await self.store.read(meta, promote=False)
+                codec = self.store.registry.get(meta.model_fingerprint).codec
+                block = BlockHeader(meta.token_array(), meta.dtype, meta.shape, meta.nbytes, meta.checksum, codec)
+                for i, msg in enumerate(_chunks(meta.key, convert.header_to_pb(block), payload, self.config.chunk_bytes)):
+                    if i:
+                        yield pb.FetchBlocksResponse(chunk=msg)
+                    else:
+                        yield pb.FetchBlocksResponse(chunk=msg, parent_key=meta.parent, namespace=meta.namespace,
+                                                     model_fingerprint=meta.model_fingerprint)
         finally:
             self.store.release(metas)
 
@@ -257,7 +286,17 @@ class EngramService:
             version=__version__, uptime_s=time.time() - store.started, write_policy=str(store.write_policy),
             corrupt_blocks=c.corrupt_blocks, replay=self._replay_stats(),
             namespaces=[self._namespace_stats(ns) for ns in visible_namespaces(context, store.index.namespaces())],
+            cluster=await self._cluster_stats(),
         )
+
+    async def _cluster_stats(self) -> pb.ClusterStats:
+        cl = self.cluster
+        if cl is None:
+            return pb.ClusterStats(state="off")
+        c = cl.counters
+        return pb.ClusterStats(state=cl.state, reason=cl.reason, node_id=cl.node_id, live_nodes=await cl.live_nodes(),
+                               remote_hits=c.remote_hits, remote_bytes=c.remote_bytes,
+                               remote_failures=c.remote_failures, published=c.published, reconnects=c.reconnects)
 
     def _namespace_stats(self, ns: str) -> pb.NamespaceStats:
         u = self.store.namespace_usage(ns)
@@ -369,6 +408,8 @@ class EngramService:
             "CloseSession": grpc.unary_unary_rpc_method_handler(
                 guard(self.CloseSession, self.tenancy), _safe_decoder(pb.SessionRef), ser),
             "Resume": grpc.unary_stream_rpc_method_handler(guard(self.Resume, self.tenancy), _safe_decoder(pb.ResumeRequest), ser),
+            "FetchBlocks": grpc.unary_stream_rpc_method_handler(
+                guard(self.FetchBlocks, self.tenancy), _safe_decoder(pb.FetchBlocksRequest), ser),
             "DescribeNamespace": grpc.unary_unary_rpc_method_handler(
                 guard(self.DescribeNamespace, self.tenancy), _safe_decoder(pb.DescribeNamespaceRequest), ser),
         }
