@@ -1,7 +1,7 @@
 """Cross-daemon hit latency: Lookup + Get of a 4-block prefix through daemon B when only daemon A holds it
 (B finds it in the Redis cluster index, fetches it from A over gRPC, verifies and stores it), against a
 local hit (the same prefix through A). Two daemons in this process (grpc.aio) on loopback, a real
-redis-server subprocess. Run: .venv/bin/python benchmarks/cross_daemon.py [--samples 200] [--json]"""
+redis-server subprocess. Run: .venv/bin/python -m benchmarks.cross_daemon [--samples 200] [--json]"""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from engram.server import start_server
 from engram.workload import synthetic_kv
 
 LAYOUT = KVLayout(layers=(LayerSpec(LayerKind.SLIDING, 128), LayerSpec(LayerKind.GLOBAL)) * 4, num_kv_heads=8,
-                  head_dim=64, dtype=DType.BF16, block_tokens=256)  # 256 KiB raw per block
+                  head_dim=64, dtype=DType.BF16, block_tokens=256)  # 2 MiB raw per block (4 global layers)
 SPEC = ModelSpec("bench", "bench-0", LAYOUT, codec="raw")
 
 
