@@ -4,6 +4,7 @@ with a message and exit code instead of a traceback."""
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -46,10 +47,11 @@ def address_of(config: EngramConfig, address: str | None) -> str:
 
 
 def call(address: str, fn: Callable[[EngramClient], Coroutine[Any, Any, T]], timeout_s: float = 10.0) -> T:
-    """Run one client coroutine against the daemon; map failures to CLI exit codes."""
+    """Run one client coroutine against the daemon (as ENGRAM_TOKEN, when tenancy is on); map failures to CLI
+    exit codes."""
 
     async def run() -> T:
-        async with EngramClient(address) as client:
+        async with EngramClient(address, token=os.environ.get("ENGRAM_TOKEN", "")) as client:
             return await asyncio.wait_for(fn(client), timeout_s)
 
     try:

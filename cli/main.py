@@ -11,6 +11,7 @@ import typer
 from engram.config import config_keys
 from engram.server import serve as serve_daemon
 
+from .bench import bench_app
 from .check import offline as check_offline
 from .check import show as show_check
 from .common import EXIT_BAD_INPUT, address_of, call, console, fail, load
@@ -23,6 +24,7 @@ app = typer.Typer(name="engram", help="Engram: a tiered KV-cache daemon for LLM 
 ConfigOpt = Annotated[str | None, typer.Option("--config", "-c", help="TOML config file (or ENGRAM_CONFIG).")]
 AddressOpt = Annotated[str | None, typer.Option(
     "--address", "-a", help="Daemon address, host:port or unix:/path (default: from the config).")]
+app.add_typer(bench_app, name="bench")
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 
 

@@ -1,7 +1,8 @@
 """Client library for inference workers: put, look up and get KV blocks as torch tensors.
 
 `EngramClient` is asyncio-native; `SyncEngramClient` runs one on a private event loop thread for
-callers that are not async. gRPC errors come back as the domain errors of engram.errors (mapped in one
+callers that are not async. A token (tenancy on) travels as `authorization: Bearer <token>` metadata on
+every call; with a root certificate the channel is TLS. gRPC errors come back as the domain errors of engram.errors (mapped in one
 place, engram/server/errors.py), with the server's message.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import threading
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from concurrent.futures import Future
@@ -106,33 +108,62 @@ def tensor_from_bytes(data: bytes | torch.Tensor, dtype: torch.dtype, shape: Seq
     return buf.view(dtype).reshape(tuple(shape))
 
 
+class _Authorized:
+    """A stub whose every call carries `authorization: Bearer <token>` metadata."""
+
+    def __init__(self, stub: Any, token: str) -> None:
+        self._stub = stub
+        self._md = (("authorization", f"Bearer {token}"),)
+
+    def __getattr__(self, name: str) -> Any:
+        return functools.partial(getattr(self._stub, name), metadata=self._md)
+
+
+def stub_for(channel: grpc.aio.Channel, token: str = "") -> Any:
+    stub = pb_grpc.EngramStub(channel)
+    return _Authorized(stub, token) if token else stub
+
+
+def open_channel(address: str, *, root_cert: bytes | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 server_name: str = "") -> grpc.aio.Channel:
+    """A channel to a daemon (or, for the cluster tier, to a peer): TLS when root_cert is given."""
+    options: list[tuple[str, Any]] = [("grpc.max_send_message_length", max_message_bytes),
+                                      ("grpc.max_receive_message_length", max_message_bytes)]
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    if root_cert is not None:
+        creds = grpc.ssl_channel_credentials(root_certificates=root_cert)
+        return grpc.aio.secure_channel(address, creds, options=options)
+    return grpc.aio.insecure_channel(address, options=options)
+
+
 class EngramClient:
     def __init__(
         self,
         address: str,
         *,
         namespace: str = "default",
+        token: str = "",
+        root_cert: bytes | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
+        """token: the tenant's bearer token (tenancy on); root_cert: PEM root certificate, for a daemon
+        serving TLS. namespace: the default of every call; with a token, "" means the token's first."""
         if chunk_bytes + 4096 > max_message_bytes:
             raise ValueError("chunk_bytes must leave room for headers under max_message_bytes")
         self.address = address
         self.namespace = namespace
         self.chunk_bytes = chunk_bytes
-        self._channel = grpc.aio.insecure_channel(
-            address,
-            options=[
-                ("grpc.max_send_message_length", max_message_bytes),
-                ("grpc.max_receive_message_length", max_message_bytes),
-            ],
-        )
-        self._stub = pb_grpc.EngramStub(self._channel)
+        self._channel = open_channel(address, root_cert=root_cert, max_message_bytes=max_message_bytes)
+        self._stub = stub_for(self._channel, token)
         self._layouts: dict[bytes, ModelSpec] = {}
         self._segments: dict[str, SegmentReader] = {}  # shared DRAM segments mapped for zero-copy Gets
         self._zero_copy_ok = True
         self._releasing: set[asyncio.Task[None]] = set()  # lease releases in flight
         self._ipc_pools: dict[bytes, torch.Tensor] = {}  # the daemon's HBM pool, opened by CUDA IPC
+        self._salts: dict[str, tuple[str, bytes]] = {}  # name -> (namespace, key salt), from DescribeNamespace
 
     async def __aenter__(self) -> EngramClient:
         return self
@@ -209,7 +240,8 @@ class EngramClient:
             raise errors.InvalidArgument(
                 f"kv must be (layers, 2, tokens, kv_heads, head_dim) with tokens={len(arr)}, got {tuple(kv.shape)}"
             )
-        all_keys = [k for k, _, _ in chain_keys(ns, fingerprint, arr, bt)]
+        key_ns, salt = await self._keying(ns)
+        all_keys = [k for k, _, _ in chain_keys(key_ns, fingerprint, arr, bt, salt)]
         first = 0
         if skip_cached:
             hit = await self.lookup(fingerprint, arr, namespace=ns)
@@ -505,6 +537,19 @@ class EngramClient:
         r = await self.resume(session_id, position=position, namespace=namespace)
         blocks = await self.get(fingerprint, [b.key for b in r.blocks], namespace=namespace, device=device)
         return r, torch.cat(blocks, dim=2)[:, :, : r.position]
+
+    async def describe_namespace(self, namespace: str | None = None) -> pb.NamespaceStats:
+        """The namespace's key salt, quota, and physical against logical bytes."""
+        req = pb.DescribeNamespaceRequest(namespace=self._ns(namespace))
+        return await self._call(self._stub.DescribeNamespace(req))
+
+    async def _keying(self, namespace: str) -> tuple[str, bytes]:
+        """What the daemon computes this namespace's keys with: the namespace it resolves the name to (a
+        token's first when empty) and its salt."""
+        if namespace not in self._salts:
+            info = await self.describe_namespace(namespace)
+            self._salts[namespace] = (info.namespace, info.key_salt)
+        return self._salts[namespace]
 
     async def stats(self) -> pb.StatsResponse:
         return await self._call(self._stub.Stats(pb.StatsRequest()))

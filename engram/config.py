@@ -55,6 +55,8 @@ class ServerConfig:
     max_tokens_per_request: int = 1 << 21
     shutdown_grace_s: float = 5.0  # in-flight RPCs get this long to finish on SIGTERM
     lease_s: float = 30.0  # a zero-copy Get's descriptors keep their slots this long unless released sooner
+    tls_cert: str = ""  # PEM certificate chain: with tls_key, TCP is served over TLS
+    tls_key: str = ""  # PEM private key of tls_cert
 
 
 @dataclass
@@ -108,6 +110,39 @@ class ReplayConfig:
 
 
 @dataclass
+class TenantConfig:
+    token: str = ""  # its bearer token; or env:VAR / file:PATH, read when the daemon starts
+    namespaces: str = ""  # comma-separated namespaces it may act in; empty: the tenant's own name
+    quota: ByteSize = ByteSize(0)  # physical bytes each of its namespaces may hold; 0: unlimited
+
+
+@dataclass
+class AuthConfig:
+    """Tenancy is on as soon as a tenant or an admin token is configured (engram/tenancy.py)."""
+
+    tenants: dict[str, TenantConfig] = field(default_factory=dict)  # [auth.tenants.NAME] tables
+    tenants_file: str = ""  # a TOML file of [tenants.NAME] tables and admin_tokens: secrets out of the config
+    admin_tokens: str = ""  # comma-separated; each may be env:VAR or file:PATH
+    salt_secret: str = ""  # derives every namespace's key salt (env:VAR / file:PATH); the same on every node
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tenants or self.tenants_file or self.admin_tokens)
+
+
+@dataclass
+class ClusterConfig:
+    redis_url: str = ""  # e.g. redis://10.0.0.5:6379/0; empty: no cluster tier
+    node_id: str = ""  # unique per daemon; empty: the advertised address
+    advertise: str = ""  # the address peers dial to fetch blocks; empty: the address the daemon bound
+    heartbeat_s: float = 2.0  # how often a node refreshes its liveness key
+    ttl_s: float = 10.0  # a node whose key is older than this is dead: its blocks are ignored
+    peer_token: str = ""  # bearer token daemons present to each other (env:VAR / file:PATH)
+    peer_root_cert: str = ""  # PEM root certificate to verify peers that serve TLS
+    fetch_timeout_s: float = 5.0  # one peer fetch; past it the block counts as a miss
+
+
+@dataclass
 class LoggingConfig:
     level: str = "info"
     json: bool = False
@@ -120,6 +155,8 @@ class EngramConfig:
     codec: CodecConfig = field(default_factory=CodecConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def validate(self) -> EngramConfig:
         s = self.server
@@ -148,6 +185,9 @@ class EngramConfig:
         for path in filter(None, (p.strip() for p in self.replay.models.split(","))):
             if not Path(path).is_file():
                 raise ConfigError(f"replay.models: {path} is not a file (save one with engram.replay.save_decoder)")
+        _validate_tls(s)
+        _validate_auth(self.auth)
+        _validate_cluster(self.cluster, self.auth)
         if self.logging.level.lower() not in {"debug", "info", "warning", "error"}:
             raise ConfigError(f"logging.level must be debug, info, warning or error, got {self.logging.level!r}")
         return self
@@ -173,6 +213,44 @@ class EngramConfig:
             if dev.type == "cuda" and not torch.cuda.is_available():
                 raise ConfigError("tiers.hbm.capacity is set but no CUDA device is present; set tiers.hbm.capacity "
                                   "= 0 (or tiers.hbm.device = cpu to exercise the tier without a GPU)")
+
+
+def _validate_tls(s: ServerConfig) -> None:
+    if bool(s.tls_cert) != bool(s.tls_key):
+        raise ConfigError("server.tls_cert and server.tls_key go together: set both (PEM files) or neither")
+    for key in ("tls_cert", "tls_key"):
+        path = getattr(s, key)
+        if path and not Path(path).is_file():
+            raise ConfigError(f"server.{key}: {path} is not a file")
+    if s.tls_cert and s.unix_socket:
+        raise ConfigError("server.tls_cert: TLS is for TCP; a unix socket is protected by its file permissions")
+
+
+def _validate_auth(a: AuthConfig) -> None:
+    for name, t in a.tenants.items():
+        if not t.token:
+            raise ConfigError(f"auth.tenants.{name}.token is empty: give the tenant a bearer token (or env:VAR)")
+        if t.quota < 0:
+            raise ConfigError(f"auth.tenants.{name}.quota must be >= 0 (0: unlimited)")
+    if a.tenants_file and not Path(a.tenants_file).is_file():
+        raise ConfigError(f"auth.tenants_file: {a.tenants_file} is not a file")
+    if a.enabled and not a.salt_secret:
+        raise ConfigError("auth.salt_secret is empty: tenancy salts every namespace's keys with it; set a secret "
+                          "(or env:VAR / file:PATH), the same on every daemon of a cluster")
+
+
+def _validate_cluster(c: ClusterConfig, a: AuthConfig) -> None:
+    if not c.redis_url:
+        return
+    if not c.redis_url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(f"cluster.redis_url must start with redis://, rediss:// or unix://, got {c.redis_url!r}")
+    if c.heartbeat_s <= 0 or c.ttl_s <= c.heartbeat_s:
+        raise ConfigError(f"cluster.ttl_s ({c.ttl_s}) must exceed cluster.heartbeat_s ({c.heartbeat_s}) > 0")
+    if c.fetch_timeout_s <= 0:
+        raise ConfigError("cluster.fetch_timeout_s must be positive")
+    if a.enabled and not c.peer_token:
+        raise ConfigError("cluster.peer_token is empty: with tenancy on, daemons fetch blocks from each other "
+                          "with it; set the same token on every node")
 
 
 def _coerce(value: object, typ: Any, where: str) -> object:
@@ -210,6 +288,13 @@ def _set(node: object, path: list[str], value: object, full: str) -> None:
     head = path[0]
     if head not in names:
         raise ConfigError(f"unknown config key {full!r}: {type(node).__name__} has {sorted(names)}")
+    if typing.get_origin(hints[head]) is dict:  # a table of named sections: [auth.tenants.NAME]
+        if len(path) < 3:
+            raise ConfigError(f"config key {full!r}: write {head}.NAME.KEY (e.g. auth.tenants.alice.token)")
+        entry_type = typing.get_args(hints[head])[1]
+        entry = getattr(node, head).setdefault(path[1], entry_type())
+        _set(entry, path[2:], value, full)
+        return
     if len(path) == 1:
         if dataclasses.is_dataclass(hints[head]):
             raise ConfigError(f"config key {full!r} is a section; set one of its keys")

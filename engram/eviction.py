@@ -6,8 +6,13 @@ so every stored block stays reachable from the root (prefix closure): plain LRU 
 block, and the oldest block of a chain is its root, whose loss orphans every descendant. Demoting a block
 to a lower tier keeps it reachable, so demotion may take any block.
 
-Structure: a binary heap of (tick, key) with lazy deletion. Every access gives a block a new tick and
-pushes a fresh entry; entries whose tick no longer matches the block's, or whose block gained a child,
+Blocks that a live session references (its prefix: engram/sessions.py) go after every unreferenced block
+of the tier: a session about to resume keeps its prefix, while blocks nobody holds (a finished agent's
+history) go first. They are still victims when nothing else is left, so sessions cannot wedge a tier.
+
+Structure: a binary heap of (referenced, tick, key) with lazy deletion. Every access gives a block a new tick and
+pushes a fresh entry (so does a change of referenced class); entries whose tick or class no longer match
+the block's, or whose block gained a child,
 moved tier or left the index, are discarded when they surface. Entries of pinned, leased or moving
 blocks are held aside while a victim is sought and pushed back with their own tick, so they keep their
 true place in the order (an LRU list could only re-append them as the newest). In leaf-only mode inner
@@ -31,37 +36,42 @@ def tick(meta: BlockMeta) -> None:
     meta.tick = next(_ticks)
 
 
+def _entry(meta: BlockMeta) -> tuple[bool, int, bytes]:
+    return (meta.refs > 0, meta.tick, meta.key)
+
+
 class LeafLRU:
     def __init__(self, tier_name: str) -> None:
         self.tier_name = tier_name
-        self._heap: list[tuple[int, bytes]] = []
+        self._heap: list[tuple[bool, int, bytes]] = []
         self._live = 0
 
     def touch(self, meta: BlockMeta) -> None:
-        """Record a use; call for a block's every tier (one clock, so recency is the same everywhere)."""
-        heapq.heappush(self._heap, (meta.tick, meta.key))
+        """Record a use, or a change of referenced class; call for a block's every tier (one clock, so
+        recency is the same everywhere)."""
+        heapq.heappush(self._heap, _entry(meta))
 
     def add(self, meta: BlockMeta) -> None:
         """A copy of the block arrived in this tier."""
-        heapq.heappush(self._heap, (meta.tick, meta.key))
+        heapq.heappush(self._heap, _entry(meta))
 
     def victim(self, lookup: Callable[[bytes], BlockMeta | None], live_blocks: int, *, leaf_only: bool
                ) -> BlockMeta | None:
         """The least recently used evictable block (leaf, with leaf_only) of this tier, or None if every
-        candidate is pinned, leased or moving."""
-        held: list[tuple[int, bytes]] = []
+        candidate is pinned, leased or moving. Unreferenced blocks first, then those sessions hold."""
+        held: list[tuple[bool, int, bytes]] = []
         found = None
         while self._heap:
-            tick, key = heapq.heappop(self._heap)
-            meta = lookup(key)
-            if meta is None or meta.tick != tick or self.tier_name not in meta.locations:
+            item = heapq.heappop(self._heap)
+            meta = lookup(item[2])
+            if meta is None or _entry(meta) != item or self.tier_name not in meta.locations:
                 continue  # stale entry
             if leaf_only and meta.children:
                 continue  # an inner block: `add` pushes it again when its last child goes
             if meta.evictable:
                 found = meta
                 break
-            held.append((tick, key))  # pinned, being read or moving: keep its place
+            held.append(item)  # pinned, being read or moving: keep its place
         for item in held:
             heapq.heappush(self._heap, item)
         if len(self._heap) > 4 * max(live_blocks, 16):
@@ -69,14 +79,14 @@ class LeafLRU:
         return found
 
     def rebuild(self, metas: Iterable[BlockMeta]) -> None:
-        self._heap = [(m.tick, m.key) for m in metas if self.tier_name in m.locations]
+        self._heap = [_entry(m) for m in metas if self.tier_name in m.locations]
         heapq.heapify(self._heap)
 
     def _compact(self, lookup: Callable[[bytes], BlockMeta | None]) -> None:
         keep = []
-        for tick, key in self._heap:
-            meta = lookup(key)
-            if meta is not None and meta.tick == tick and self.tier_name in meta.locations:
-                keep.append((tick, key))
+        for item in self._heap:
+            meta = lookup(item[2])
+            if meta is not None and _entry(meta) == item and self.tier_name in meta.locations:
+                keep.append(item)
         heapq.heapify(keep)
         self._heap = keep

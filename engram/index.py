@@ -7,12 +7,16 @@ block that diverges from the query part-way. KV is causal, so the first m tokens
 the query's next m tokens: every block is therefore also listed under its parent, and the match ends with
 the child sharing the longest prefix with the query (the last block then counts only m of its tokens;
 callers slice). A key match is only a hint: stored tokens are always compared.
+
+The index is partitioned by namespace: a match walks only its own namespace's tables, so a lookup by one
+tenant never reads (and so cannot time) another tenant's entries. A flat table by key serves the store's
+own bookkeeping (eviction, recovery), never a tenant's query.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,6 +46,7 @@ class BlockMeta:
     tick: int = 0  # recency, from engram/eviction.py's clock
     moving: bool = False  # a copy to another tier is being written: not a victim until it lands
     hits: int = 0
+    refs: int = 0  # live sessions whose prefix holds this block (engram/refs.py); eviction prefers 0
     created: float = field(default_factory=time.time)
 
     @property
@@ -79,10 +84,23 @@ class PrefixMatch:
     matched_tokens: int
 
 
+@dataclass
+class _Space:
+    """One namespace's part of the index."""
+
+    entries: dict[bytes, BlockMeta] = field(default_factory=dict)
+    children: dict[bytes, dict[bytes, BlockMeta]] = field(default_factory=dict)  # parent key -> its blocks
+    nbytes: int = 0  # physical bytes: each stored block once
+
+
+IndexListener = Callable[[str, BlockMeta], None]  # ("add" | "remove", block): the cluster index follows
+
+
 class ChainIndex:
     def __init__(self) -> None:
         self._entries: dict[bytes, BlockMeta] = {}
-        self._children: dict[bytes, dict[bytes, BlockMeta]] = {}  # parent key -> its blocks
+        self._spaces: dict[str, _Space] = {}
+        self.listeners: list[IndexListener] = []
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -94,46 +112,79 @@ class ChainIndex:
         return iter(self._entries.values())
 
     def get(self, key: bytes) -> BlockMeta | None:
+        """By key across namespaces: the store's bookkeeping only; tenant-facing reads use `get_in`."""
         return self._entries.get(key)
+
+    def get_in(self, namespace: str, key: bytes) -> BlockMeta | None:
+        space = self._spaces.get(namespace)
+        return None if space is None else space.entries.get(key)
+
+    def namespaces(self) -> list[str]:
+        return sorted(self._spaces)
+
+    def blocks_in(self, namespace: str) -> list[BlockMeta]:
+        space = self._spaces.get(namespace)
+        return [] if space is None else list(space.entries.values())
+
+    def physical_bytes(self, namespace: str) -> int:
+        space = self._spaces.get(namespace)
+        return 0 if space is None else space.nbytes
 
     def add(self, meta: BlockMeta) -> None:
         if meta.key in self._entries:
             raise AssertionError(f"block {meta.key.hex()} is already indexed")
         self._entries[meta.key] = meta
-        parent = self._entries.get(meta.parent)
+        space = self._spaces.setdefault(meta.namespace, _Space())
+        space.entries[meta.key] = meta
+        space.nbytes += meta.nbytes
+        parent = space.entries.get(meta.parent)
         if parent is not None:
             parent.children += 1
-        self._children.setdefault(meta.parent, {})[meta.key] = meta
+        space.children.setdefault(meta.parent, {})[meta.key] = meta
+        for listener in self.listeners:
+            listener("add", meta)
 
     def remove(self, key: bytes) -> tuple[BlockMeta | None, BlockMeta | None]:
         """Drop a block; returns it and its parent if that parent just became a leaf."""
         meta = self._entries.pop(key, None)
         if meta is None:
             return None, None
-        siblings = self._children.get(meta.parent)
+        space = self._spaces[meta.namespace]
+        del space.entries[key]
+        space.nbytes -= meta.nbytes
+        siblings = space.children.get(meta.parent)
         if siblings is not None:
             siblings.pop(key, None)
             if not siblings:
-                del self._children[meta.parent]
-        parent = self._entries.get(meta.parent)
+                del space.children[meta.parent]
+        if not space.entries:
+            del self._spaces[meta.namespace]
+        for listener in self.listeners:
+            listener("remove", meta)
+        parent = space.entries.get(meta.parent)
         if parent is not None:
             parent.children -= 1
             if parent.children == 0:
                 return meta, parent
         return meta, None
 
-    def partial_children(self, parent: bytes) -> list[BlockMeta]:
-        return [m for m in self._children.get(parent, {}).values() if not m.full]
+    def partial_children(self, namespace: str, parent: bytes) -> list[BlockMeta]:
+        space = self._spaces.get(namespace)
+        return [] if space is None else [m for m in space.children.get(parent, {}).values() if not m.full]
 
-    def match(self, namespace: str, model_fingerprint: bytes, tokens: np.ndarray, block_tokens: int) -> PrefixMatch:
+    def match(self, namespace: str, model_fingerprint: bytes, tokens: np.ndarray, block_tokens: int,
+              salt: bytes = b"") -> PrefixMatch:
         """Longest stored prefix of `tokens`: consecutive full blocks, then at most one partial block."""
         found: list[BlockMeta] = []
         matched = 0
-        parent = root_key(namespace, model_fingerprint)
-        for key, start, end in chain_keys(namespace, model_fingerprint, tokens, block_tokens):
+        space = self._spaces.get(namespace)
+        if space is None:
+            return PrefixMatch((), 0)
+        parent = root_key(namespace, model_fingerprint, salt)
+        for key, start, end in chain_keys(namespace, model_fingerprint, tokens, block_tokens, salt):
             if end - start < block_tokens:
                 break  # the query's own tail is partial: handled with the stored partials below
-            meta = self._entries.get(key)
+            meta = space.entries.get(key)
             if meta is None or not self._same(meta, namespace, model_fingerprint, tokens[start:end]):
                 break
             found.append(meta)
@@ -143,7 +194,7 @@ class ChainIndex:
         best: BlockMeta | None = None
         best_m = 0
         if len(tail):
-            for cand in self._children.get(parent, {}).values():
+            for cand in space.children.get(parent, {}).values():
                 if cand.namespace != namespace or cand.model_fingerprint != model_fingerprint:
                     continue
                 m = _common_prefix(cand.token_array(), tail)

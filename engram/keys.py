@@ -3,8 +3,11 @@
     key_0 = H(root(namespace, fingerprint) || tokens_0)
     key_i = H(key_{i-1} || tokens_i)
 
-The namespace (tenant salt) and the model fingerprint enter through the chain's root, so every key of a
-chain depends on both: two tenants, or two models, never produce the same key for the same tokens.
+The namespace, the model fingerprint and the namespace's secret salt enter through the chain's root, so
+every key of a chain depends on all three: two tenants, or two models, never produce the same key for the
+same tokens, and a tenant who does not hold another namespace's salt cannot compute that namespace's keys
+(so it cannot name them in a Get or a Pin, nor match them in a shared cluster index). The salt is empty
+when tenancy is off; engram/tenancy.py derives it from the daemon's secret when it is on.
 
 Hash choice: BLAKE2b with a 16-byte digest (hashlib, no extra dependency). A predictable non-cryptographic
 hash (xxhash, Python's hash) lets anyone who can submit tokens craft two token blocks with the same key and
@@ -39,8 +42,8 @@ def _tokens_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
     return arr.astype(_TOKEN_DTYPE, copy=False).tobytes()
 
 
-def root_key(namespace: str, model_fingerprint: bytes) -> bytes:
-    """The chain's parent before block 0: binds the namespace and model into every key."""
+def root_key(namespace: str, model_fingerprint: bytes, salt: bytes = b"") -> bytes:
+    """The chain's parent before block 0: binds the namespace, its salt and the model into every key."""
     h = hashlib.blake2b(_SEED, digest_size=KEY_BYTES)
     ns = namespace.encode("utf-8")
     # Length-prefix both fields so ("ab", "c") and ("a", "bc") cannot collide.
@@ -48,6 +51,9 @@ def root_key(namespace: str, model_fingerprint: bytes) -> bytes:
     h.update(ns)
     h.update(len(model_fingerprint).to_bytes(4, "little"))
     h.update(model_fingerprint)
+    if salt:  # appended last: an empty salt keeps an untenanted daemon's keys (and NVMe files) as they were
+        h.update(len(salt).to_bytes(4, "little"))
+        h.update(salt)
     return h.digest()
 
 
@@ -61,11 +67,12 @@ def block_key(parent: bytes, tokens: Sequence[int] | np.ndarray) -> bytes:
 
 
 def chain_keys(
-    namespace: str, model_fingerprint: bytes, tokens: Sequence[int] | np.ndarray, block_tokens: int
+    namespace: str, model_fingerprint: bytes, tokens: Sequence[int] | np.ndarray, block_tokens: int,
+    salt: bytes = b"",
 ) -> Iterator[tuple[bytes, int, int]]:
     """Yield (key, start, end) for each block of a token sequence; the last block may be partial."""
     arr = np.asarray(tokens, dtype=_TOKEN_DTYPE)
-    parent = root_key(namespace, model_fingerprint)
+    parent = root_key(namespace, model_fingerprint, salt)
     for start in range(0, len(arr), block_tokens):
         end = min(start + block_tokens, len(arr))
         parent = block_key(parent, arr[start:end])

@@ -8,6 +8,10 @@ last W-1 positions, which a query needs to continue:
   session is suspended, appended to, or pushed out by newer hot windows (`max_hot_windows`, LRU).
 - persist mode: the worker uploads the window (AppendSession) and the daemon keeps it, no replay.
 The mode is recorded in the session, so a user can choose per session and per model (BRIEF section 3).
+
+A live session holds a reference to every stored block of its prefix (re-resolved on Open, Append, Fork
+and Resume, so blocks put since are picked up), and a forked sub-agent holds the same blocks, not copies.
+Eviction takes unreferenced blocks first (engram/eviction.py); CloseSession drops the references.
 Sessions live in daemon memory; they do not survive a restart (their blocks do).
 """
 
@@ -98,6 +102,7 @@ class Session:
     parent: str = ""
     window: Window | None = None  # hot (rebuilt) or persisted
     created: float = field(default_factory=time.time)
+    held: dict[bytes, BlockMeta] = field(default_factory=dict)  # the stored blocks of its prefix it references
 
     def replay_mode(self) -> ReplayMode:
         return ReplayMode.approx(self.approx_k) if self.mode == Mode.APPROX else ReplayMode.exact()
@@ -137,7 +142,17 @@ class SessionManager:
         toks = np.asarray(tokens if tokens is not None else [], dtype=np.int32)
         s = Session(sid, namespace, fingerprint, toks, mode, approx_k)
         self._sessions[(namespace, sid)] = s
+        self.hold(s)
         return s
+
+    def hold(self, s: Session) -> None:
+        """Re-resolve the blocks of the session's prefix and move its references to them."""
+        bt = self.store.registry.get(s.fingerprint).layout.block_tokens
+        match = self.store.index.match(s.namespace, s.fingerprint, s.tokens, bt, self.store.namespaces.salt(s.namespace))
+        now = {m.key: m for m in match.blocks}
+        self.store.reference([m for k, m in s.held.items() if now.get(k) is not m], -1)
+        self.store.reference([m for k, m in now.items() if s.held.get(k) is not m], +1)
+        s.held = now
 
     def get(self, namespace: str, session_id: str) -> Session:
         s = self._sessions.get((namespace, session_id))
@@ -157,6 +172,7 @@ class SessionManager:
                                       f"{new_len} tokens")
             window.validate(self.store.registry.get(s.fingerprint))
         s.tokens = np.concatenate([s.tokens, np.asarray(tokens, dtype=np.int32)])
+        self.hold(s)
         if window is not None:
             s.window = window
         elif s.mode != Mode.PERSIST:
@@ -187,6 +203,8 @@ class SessionManager:
     def close(self, namespace: str, session_id: str) -> Session:
         s = self.get(namespace, session_id)
         self._drop_hot(s)
+        self.store.reference(list(s.held.values()), -1)
+        s.held = {}
         del self._sessions[(namespace, session_id)]
         return s
 
@@ -201,6 +219,7 @@ class SessionManager:
             raise InvalidArgument(f"position {p} is past the session's end ({len(s.tokens)} tokens)")
         spec = self.store.registry.get(s.fingerprint)
         match = self.store.lookup(namespace, s.fingerprint, s.tokens[:p])
+        self.hold(s)
         if match.matched_tokens < p:
             raise FailedPrecondition(
                 f"the global KV of positions [{match.matched_tokens}, {p}) is not stored (never put, or evicted); "
@@ -273,6 +292,9 @@ class SessionManager:
 
     def sessions(self) -> list[Session]:
         return list(self._sessions.values())
+
+    def count_in(self, namespace: str) -> int:
+        return sum(1 for ns, _ in self._sessions if ns == namespace)
 
     def hot_count(self) -> int:
         return len(self._hot)

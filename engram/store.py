@@ -43,6 +43,7 @@ from engram.eviction import LeafLRU, tick
 from engram.index import BlockMeta, ChainIndex, PrefixMatch
 from engram.keys import block_key, root_key, tokens_to_bytes
 from engram.registry import ModelRegistry
+from engram.tenancy import NamespacePolicy, OpenNamespaces
 from engram.tiers.base import Tier
 
 
@@ -100,6 +101,14 @@ class ModelUsage:
     raw_bytes: int  # as raw elements of the layout's dtype
 
 
+@dataclass(frozen=True)
+class NamespaceUsage:
+    blocks: int
+    physical_bytes: int  # each stored block once
+    logical_bytes: int  # each block once per session referencing it (once if none does): what dedupe saves
+    referenced_blocks: int
+
+
 @dataclass
 class StoreReport:
     """What a recovery or a check found: per tier, valid blocks and problems (path, what, fixed)."""
@@ -120,7 +129,7 @@ _TIER_FAULTS = (ResourceExhausted, Unavailable, DataLoss, OSError)
 class BlockStore:
     def __init__(self, tiers: Sequence[Tier], registry: ModelRegistry, *,
                  write_policy: WritePolicy = WritePolicy.WRITE_BACK, retry_s: float = 5.0,
-                 codec_backend: str = "reference") -> None:
+                 codec_backend: str = "reference", namespaces: NamespacePolicy | None = None) -> None:
         if not tiers:
             raise ValueError("a store needs at least one tier")
         self.tiers = list(tiers)  # fastest first
@@ -130,6 +139,8 @@ class BlockStore:
         self.retry_s = retry_s
         self.codec_backend = codec_backend  # where raw puts are encoded: "reference" or "triton"
         self.index = ChainIndex()
+        self.namespaces = namespaces or OpenNamespaces()  # key salts and quotas (engram/tenancy.py)
+        self._quota_pending: dict[str, int] = {}  # bytes of puts in flight, per namespace
         self._lru = {t.name: LeafLRU(t.name) for t in self.tiers}
         self.health = {t.name: TierHealth() for t in self.tiers}
         self.counters = StoreCounters(tiers={t.name: TierCounters() for t in self.tiers})
@@ -141,10 +152,15 @@ class BlockStore:
 
     # ---- queries -------------------------------------------------------------------------------
 
+    def root(self, namespace: str, model_fingerprint: bytes) -> bytes:
+        """The parent key of a chain's first block in this namespace (salted when tenancy is on)."""
+        return root_key(namespace, model_fingerprint, self.namespaces.salt(namespace))
+
     def lookup(self, namespace: str, model_fingerprint: bytes, tokens: Sequence[int] | np.ndarray) -> PrefixMatch:
         spec = self.registry.get(model_fingerprint)
         arr = np.asarray(tokens, dtype="<i4")
-        match = self.index.match(namespace, model_fingerprint, arr, spec.layout.block_tokens)
+        match = self.index.match(namespace, model_fingerprint, arr, spec.layout.block_tokens,
+                                 self.namespaces.salt(namespace))
         self.counters.lookups += 1
         self.counters.lookup_hit_tokens += match.matched_tokens
         self.counters.lookup_miss_tokens += len(arr) - match.matched_tokens
@@ -157,9 +173,9 @@ class BlockStore:
         self.registry.get(model_fingerprint)
         metas = []
         for i, key in enumerate(keys):
-            meta = self.index.get(key)
-            # A block of another namespace is reported exactly like an absent one: no probing.
-            if meta is None or meta.namespace != namespace or meta.model_fingerprint != model_fingerprint:
+            meta = self.index.get_in(namespace, key)
+            # A block of another namespace is reported exactly like an absent one (and never even looked at).
+            if meta is None or meta.model_fingerprint != model_fingerprint:
                 raise NotFound(f"block {i} ({key.hex() or '<empty>'}) is not stored in this namespace and model")
             metas.append(meta)
         return metas
@@ -174,9 +190,10 @@ class BlockStore:
         header.validate(layout, index=index)
         header.verify_payload(payload, index=index)
         header, payload = await self._stored_form(spec.codec or "raw", header, payload, index)
-        if parent != root_key(namespace, model_fingerprint):
-            pmeta = self.index.get(parent)
-            if pmeta is None or pmeta.namespace != namespace or pmeta.model_fingerprint != model_fingerprint:
+        pmeta = None
+        if parent != self.root(namespace, model_fingerprint):
+            pmeta = self.index.get_in(namespace, parent)
+            if pmeta is None or pmeta.model_fingerprint != model_fingerprint:
                 raise FailedPrecondition(
                     f"block {index}: parent block {parent.hex() or '<empty>'} is not stored (it may have been "
                     "evicted); Lookup again and put the chain from its first missing block"
@@ -190,7 +207,7 @@ class BlockStore:
         tokens = tokens_to_bytes(header.tokens)
         while (pending := self._pending.get(key)) is not None:
             await pending.wait()  # the same block is being stored by another put: dedupe against it
-        existing = self.index.get(key)
+        existing = self.index.get_in(namespace, key)
         if existing is not None:
             if existing.tokens != tokens:
                 raise FailedPrecondition(f"block {index}: key {key.hex()} is stored with other tokens (hash collision)")
@@ -207,7 +224,12 @@ class BlockStore:
             pins=1 if pin else 0,
         )
         tick(meta)
+        self._charge_quota(namespace, len(payload), index)
         done = self._pending[key] = asyncio.Event()
+        # Until the block is indexed its parent is a leaf, which making room could delete, orphaning the new
+        # block: count the coming child now (the parent may still be demoted: it stays reachable).
+        if pmeta is not None:
+            pmeta.children += 1
         try:
             await self._place(meta, 0, payload)
             if self.write_policy == WritePolicy.WRITE_THROUGH:
@@ -222,12 +244,30 @@ class BlockStore:
                 await self._drop_copy(meta, name)
             raise
         finally:
+            if pmeta is not None:
+                pmeta.children -= 1
+                if pmeta.children == 0:  # the put failed: the parent is a leaf again, and a victim
+                    for name in pmeta.locations:
+                        self._lru[name].add(pmeta)
             del self._pending[key]
+            self._quota_pending[namespace] -= len(payload)
             done.set()
         self.counters.blocks_put += 1
         if meta.full:
             await self._drop_superseded_partials(meta)
         return PutOutcome(key, stored=True)
+
+    def _charge_quota(self, namespace: str, nbytes: int, index: int) -> None:
+        """Count a new block against its namespace's quota (physical bytes: a deduplicated block is free)."""
+        quota = self.namespaces.quota(namespace)
+        pending = self._quota_pending.get(namespace, 0)
+        used = self.index.physical_bytes(namespace) + pending
+        if quota and used + nbytes > quota:
+            raise ResourceExhausted(
+                f"block {index}: namespace {namespace!r} holds {used} of its {quota}-byte quota and this block needs "
+                f"{nbytes} more; close sessions and unpin blocks so they can be evicted, or raise the tenant's quota"
+            )
+        self._quota_pending[namespace] = pending + nbytes
 
     async def _stored_form(self, codec: str, header: BlockHeader, payload: bytes, index: int
                            ) -> tuple[BlockHeader, bytes]:
@@ -252,7 +292,7 @@ class BlockStore:
 
     async def _drop_superseded_partials(self, full: BlockMeta) -> None:
         """A full block makes the partial tails under the same parent that it extends redundant."""
-        for cand in self.index.partial_children(full.parent):
+        for cand in self.index.partial_children(full.namespace, full.parent):
             if cand.evictable and full.tokens.startswith(cand.tokens):
                 await self._delete_block(cand)
 
@@ -551,7 +591,7 @@ class BlockStore:
                     parent_depth = None
                     break
                 path.append(k)
-                if rec.parent == root_key(rec.namespace, rec.model_fingerprint) or rec.parent in self.index:
+                if rec.parent == self.root(rec.namespace, rec.model_fingerprint) or rec.parent in self.index:
                     parent_depth = -1
                     break
                 k = rec.parent
@@ -610,6 +650,22 @@ class BlockStore:
             out.append(ModelUsage(spec.fingerprint, spec.name, spec.codec, blocks, nbytes, tokens,
                                   tokens * spec.layout.bytes_per_token()))
         return out
+
+    def reference(self, metas: Sequence[BlockMeta], delta: int) -> None:
+        """Add (+1) or drop (-1) one session's reference to blocks; eviction prefers unreferenced blocks."""
+        for meta in metas:
+            was = meta.refs > 0
+            meta.refs += delta
+            if meta.refs < 0:
+                raise AssertionError(f"block {meta.key.hex()} unreferenced more often than referenced")
+            if was != (meta.refs > 0) and self.index.get(meta.key) is meta:
+                for name in meta.locations:
+                    self._lru[name].touch(meta)  # re-queued in its new class (engram/eviction.py)
+
+    def namespace_usage(self, namespace: str) -> NamespaceUsage:
+        blocks = self.index.blocks_in(namespace)
+        return NamespaceUsage(len(blocks), self.index.physical_bytes(namespace),
+                              sum(m.nbytes * max(1, m.refs) for m in blocks), sum(1 for m in blocks if m.refs))
 
     def pinned_blocks(self, tier_name: str) -> int:
         return sum(1 for m in self.index if tier_name in m.locations and m.pins > 0)

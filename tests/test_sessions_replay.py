@@ -81,10 +81,15 @@ async def test_resumed_session_gives_the_uninterrupted_logits(daemon, model: Hyb
     toks = tokens_for(P + 1)
     async with EngramClient(daemon.address, namespace="agents") as client:
         fp, sid = await put_session(client, model, toks[:P])
-        # Other sessions' blocks push this one's out of DRAM: its global KV now lives on NVMe.
+        # Other live sessions' blocks push this one's out of DRAM: its global KV now lives on NVMe. (They
+        # must be sessions: eviction takes blocks no session references first.)
+        others = []
         for s in range(6):
             other = tokens_for(4 * BT, seed=100 + s)
             await client.put(fp, other, block_tensor(model, other))
+            others.append((await client.open_session(fp, tokens=other)).session_id)
+        for sid_other in others:
+            await client.close_session(sid_other)
         stats = await client.stats()
         assert stats.tiers[0].demotions > 0
         assert any(b.tier == "nvme" for b in (await client.lookup(fp, toks[:P])).blocks)

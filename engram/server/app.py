@@ -14,13 +14,16 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engram.cluster import ClusterIndex
 from engram.codec.base import default_backend
-from engram.config import EngramConfig
+from engram.config import EngramConfig, ServerConfig
+from engram.peers import PeerFetcher
 from engram.registry import ModelRegistry
 from engram.replay.runtime import ReplayRuntime
 from engram.server.service import SERVICE_NAME, EngramService
 from engram.sessions import SessionManager
 from engram.store import BlockStore, WritePolicy
+from engram.tenancy import Tenancy, resolve_secret
 from engram.tiers.base import Tier
 from engram.tiers.dram import DramTier, shared_dram_tier
 from engram.tiers.hbm import hbm_tier
@@ -30,7 +33,7 @@ from engram.v1 import engram_pb2
 log = logging.getLogger("engram.server")
 
 
-async def build_store(config: EngramConfig) -> BlockStore:
+async def build_store(config: EngramConfig, tenancy: Tenancy | None = None) -> BlockStore:
     """The tiers the config names, and the index recovered from the NVMe tier when there is one."""
     t = config.tiers
     tiers: list[Tier] = []
@@ -49,7 +52,7 @@ async def build_store(config: EngramConfig) -> BlockStore:
                               fsync=t.nvme.fsync))
     backend = default_backend() if config.codec.backend == "auto" else config.codec.backend
     store = BlockStore(tiers, registry, write_policy=WritePolicy(t.write_policy), retry_s=t.retry_s,
-                       codec_backend=backend)
+                       codec_backend=backend, namespaces=tenancy)
     if t.nvme.path:
         report = await store.recover()
         log.info("recovered %d blocks from %s (%d problems fixed)", report.recovered_blocks, t.nvme.path,
@@ -57,6 +60,11 @@ async def build_store(config: EngramConfig) -> BlockStore:
         for path, problem, _ in report.findings:
             log.warning("recovery: %s: %s", path, problem)
     return store
+
+
+def _tls(s: ServerConfig) -> grpc.ServerCredentials:
+    key, cert = Path(s.tls_key).read_bytes(), Path(s.tls_cert).read_bytes()
+    return grpc.ssl_server_credentials([(key, cert)])
 
 
 @dataclass
@@ -67,11 +75,15 @@ class RunningServer:
     sessions: SessionManager
     health: health.aio.HealthServicer
     grace_s: float
+    service: EngramService | None = None
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop accepting RPCs, give in-flight ones `grace_s` to finish, then release the tiers."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.grace_s if grace_s is None else grace_s)
+        if self.service is not None and self.service.cluster is not None:
+            await self.service.cluster.close()
+            await self.service.peers.close()  # type: ignore[union-attr]
         await self.store.close()
 
     async def wait(self) -> None:
@@ -87,7 +99,8 @@ def build_sessions(config: EngramConfig, store: BlockStore) -> SessionManager:
 async def start_server(config: EngramConfig, store: BlockStore | None = None,
                        sessions: SessionManager | None = None) -> RunningServer:
     s = config.server
-    store = store or await build_store(config)
+    tenancy = Tenancy.from_config(config.auth, config.cluster.peer_token)
+    store = store or await build_store(config, tenancy)
     sessions = sessions or build_sessions(config, store)
     options = [
         ("grpc.max_send_message_length", int(s.max_message_bytes)),
@@ -95,7 +108,7 @@ async def start_server(config: EngramConfig, store: BlockStore | None = None,
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=s.max_concurrent_rpcs)
-    service = EngramService(store, s, sessions)
+    service = EngramService(store, s, sessions, tenancy)
     server.add_generic_rpc_handlers((service.generic_handler(),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -112,7 +125,8 @@ async def start_server(config: EngramConfig, store: BlockStore | None = None,
         server.add_insecure_port(f"unix:{path}")
         address = f"unix:{path}"
     else:
-        port = server.add_insecure_port(f"{s.host}:{s.port}")
+        port = server.add_secure_port(f"{s.host}:{s.port}", _tls(s)) if s.tls_cert else \
+            server.add_insecure_port(f"{s.host}:{s.port}")
         if port == 0:
             raise OSError(f"could not bind {s.host}:{s.port}; is another daemon running there?")
         host = f"[{s.host}]" if ":" in s.host else s.host
@@ -121,7 +135,20 @@ async def start_server(config: EngramConfig, store: BlockStore | None = None,
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("engram serving on %s", address)
-    return RunningServer(server, address, store, sessions, health_servicer, s.shutdown_grace_s)
+    if config.cluster.redis_url:
+        await _join_cluster(config, service, address)
+    return RunningServer(server, address, store, sessions, health_servicer, s.shutdown_grace_s, service)
+
+
+async def _join_cluster(config: EngramConfig, service: EngramService, address: str) -> None:
+    c = config.cluster
+    advertised = c.advertise or address
+    service.cluster = ClusterIndex(c, service.store.index, c.node_id or advertised, advertised)
+    token = resolve_secret(c.peer_token, "cluster.peer_token") if c.peer_token else ""
+    root = Path(c.peer_root_cert).read_bytes() if c.peer_root_cert else None
+    service.peers = PeerFetcher(service.cluster, service.store, token=token, root_cert=root,
+                                timeout_s=c.fetch_timeout_s)
+    await service.cluster.start()
 
 
 async def serve(config: EngramConfig, ready: asyncio.Event | None = None) -> None:

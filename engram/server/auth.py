@@ -1,20 +1,91 @@
 """Who may name which namespace: the one place the service asks before it touches a namespace's data.
 
-Every RPC that carries a namespace passes it through `namespace_for` and uses what comes back, so tenant
-isolation is enforced here and nowhere else. With no tenants configured (the default), the daemon trusts
-its callers (it listens on loopback or a unix socket) and every namespace is open to every caller.
+Every RPC handler is wrapped by `guard`, which authenticates the call (engram/tenancy.py) and records its
+principal for the call's task; every RPC that carries a namespace passes it through `namespace_for` and
+uses what comes back, so tenant isolation is enforced here and nowhere else. With tenancy off (the
+default), the daemon trusts its callers (it listens on loopback or a unix socket) and every namespace is
+open to every caller.
+
+Codes: no token or an unknown token is UNAUTHENTICATED; naming a namespace the token does not grant is
+PERMISSION_DENIED, with the same message whether or not that namespace holds anything (so it reveals
+nothing). Blocks and sessions are named inside a namespace: another namespace's key or session id is
+NOT_FOUND, exactly like one that does not exist, so probing by key or id learns nothing.
 """
 
 from __future__ import annotations
 
+import contextvars
+import inspect
+from collections.abc import AsyncIterator, Callable
 from typing import Any
+
+from engram.errors import PermissionDenied
+from engram.server.errors import abort_with
+from engram.tenancy import OPEN, Principal, Tenancy
+
+# Set by `guard` in each RPC's own task (grpc.aio runs every RPC in a task of its own), read below.
+_principal: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("engram_principal", default=None)
+
+
+def _current() -> Principal:
+    p = _principal.get()
+    if p is None:  # fail closed: a handler that was not wrapped by `guard` gets nothing
+        raise PermissionDenied("this call was not authenticated")
+    return p
 
 
 def namespace_for(context: Any, requested: str) -> str:
-    """The namespace this call may act in. Tenancy off: the one the caller asked for."""
-    return requested
+    """The namespace this call may act in: the one asked for (or, if none, the token's first)."""
+    p = _current()
+    if p is OPEN:
+        return requested
+    ns = requested or (p.namespaces[0] if p.namespaces else "")
+    if not p.may_use(ns):
+        raise PermissionDenied(f"this token may not act in namespace {ns!r}; it may use "
+                               f"{', '.join(p.namespaces) or 'no namespace'}")
+    return ns
 
 
 def is_admin(context: Any) -> bool:
     """Whether the caller may act on the whole daemon (check, evict across namespaces, list them)."""
-    return True
+    return _current().admin
+
+
+def is_peer(context: Any) -> bool:
+    """Whether the caller is another daemon of the cluster (or an admin): it may fetch blocks by key."""
+    p = _current()
+    return p.peer or p.admin
+
+
+def visible_namespaces(context: Any, namespaces: list[str]) -> list[str]:
+    """The namespaces whose figures the caller may see in Stats."""
+    p = _current()
+    return namespaces if p.admin else [ns for ns in namespaces if ns in p.namespaces]
+
+
+def guard(behavior: Callable[..., Any], tenancy: Tenancy | None) -> Callable[..., Any]:
+    """Wrap an RPC behaviour (coroutine or async generator): authenticate, then run as that principal."""
+
+    async def principal_of(context: Any) -> Principal:
+        if tenancy is None:
+            return OPEN
+        try:
+            return tenancy.authenticate(context.invocation_metadata())
+        except Exception as exc:
+            await abort_with(context, exc, behavior.__name__)
+            raise
+
+    if inspect.isasyncgenfunction(behavior):
+
+        async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
+            _principal.set(await principal_of(context))
+            async for item in behavior(request, context):
+                yield item
+
+        return stream
+
+    async def unary(request: Any, context: Any) -> Any:
+        _principal.set(await principal_of(context))
+        return await behavior(request, context)
+
+    return unary

@@ -39,7 +39,8 @@ def status_of(exc: errors.EngramError) -> grpc.StatusCode:
 R = TypeVar("R")
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+    """Abort the call with the status of a domain error, or INTERNAL (logged) for anything else."""
     if isinstance(exc, errors.EngramError):
         await context.abort(status_of(exc), str(exc))
     log.exception("internal error in %s", method)
@@ -57,7 +58,7 @@ def unary(fn: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
         except (grpc.aio.AbortError, KeyboardInterrupt):
             raise
         except Exception as exc:
-            await _abort(context, exc, fn.__name__)
+            await abort_with(context, exc, fn.__name__)
             raise AssertionError("unreachable: abort raises") from exc
 
     return wrapper
@@ -74,6 +75,6 @@ def streaming(fn: Callable[..., AsyncIterator[R]]) -> Callable[..., AsyncIterato
         except (grpc.aio.AbortError, KeyboardInterrupt):
             raise
         except Exception as exc:
-            await _abort(context, exc, fn.__name__)
+            await abort_with(context, exc, fn.__name__)
 
     return wrapper

@@ -14,16 +14,18 @@ import torch
 
 from engram import __version__
 from engram.block import BlockHeader, checksum
+from engram.cluster import ClusterIndex
 from engram.config import ServerConfig
 from engram.errors import InvalidArgument, PermissionDenied, ResourceExhausted
 from engram.index import BlockMeta
-from engram.keys import root_key
 from engram.leases import Lease, LeaseTable
+from engram.peers import PeerFetcher
 from engram.server import convert
-from engram.server.auth import is_admin, namespace_for
+from engram.server.auth import guard, is_admin, is_peer, namespace_for, visible_namespaces
 from engram.server.errors import streaming, unary
 from engram.sessions import Mode, Session, SessionManager, Window
 from engram.store import BlockStore
+from engram.tenancy import Tenancy
 from engram.tiers.pool import PoolTier, ipc_pool, shared_pool
 from engram.v1 import engram_pb2 as pb
 
@@ -72,14 +74,27 @@ def _session_info(s: Session) -> pb.SessionInfo:
                           window_prefix_len=w.prefix_len if w else 0, parent=s.parent, created_s=s.created)
 
 
+def _chunks(key: bytes, header: pb.BlockHeader, payload: bytes, step: int) -> list[pb.BlockChunk]:
+    """A block as chunks under the message limit: the first carries its header and key."""
+    view = memoryview(payload)
+    offsets = range(0, len(payload), step) if payload else [0]
+    return [pb.BlockChunk(header=header, key=key, data=bytes(view[off : off + step]), last=off + step >= len(payload))
+            if off == 0 else pb.BlockChunk(data=bytes(view[off : off + step]), last=off + step >= len(payload))
+            for off in offsets]
+
+
 def _window_from_pb(msg: pb.SwaWindowData) -> Window:
     return Window(msg.prefix_len, msg.start, convert.dtype_from_pb(msg.dtype, "window"), tuple(msg.shape),
                   msg.data, msg.checksum)
 
 
 class EngramService:
-    def __init__(self, store: BlockStore, config: ServerConfig, sessions: SessionManager) -> None:
+    def __init__(self, store: BlockStore, config: ServerConfig, sessions: SessionManager,
+                 tenancy: Tenancy | None = None) -> None:
         self.store = store
+        self.tenancy = tenancy
+        self.cluster: ClusterIndex | None = None  # set by the app once the daemon's address is known
+        self.peers: PeerFetcher | None = None
         self.config = config
         self.sessions = sessions
         self.leases = LeaseTable(store, config.lease_s)
@@ -98,7 +113,12 @@ class EngramService:
         req = _decoded(request)
         _check_limit("Lookup tokens", len(req.tokens), self.config.max_tokens_per_request)
         ns = namespace_for(context, req.namespace)
-        match = self.store.lookup(ns, req.model_fingerprint, np.asarray(req.tokens, dtype="<i4"))
+        tokens = np.asarray(req.tokens, dtype="<i4")
+        match = self.store.lookup(ns, req.model_fingerprint, tokens)
+        if self.peers is not None:  # the cluster tier: fetch the missing full blocks from peers
+            have = sum(m.num_tokens for m in match.blocks if m.full)
+            if await self.peers.fill(ns, req.model_fingerprint, tokens, have):
+                match = self.store.lookup(ns, req.model_fingerprint, tokens)
         return pb.LookupResponse(
             matched_tokens=match.matched_tokens,
             blocks=[pb.BlockRef(key=m.key, num_tokens=m.num_tokens, tier=m.tier, nbytes=m.nbytes) for m in match.blocks],
@@ -123,7 +143,7 @@ class EngramService:
                 stream = req.header
                 stream.namespace = namespace_for(context, stream.namespace)
                 spec = self.store.registry.get(stream.model_fingerprint)
-                parent = stream.parent_key or root_key(stream.namespace, stream.model_fingerprint)
+                parent = stream.parent_key or self.store.root(stream.namespace, stream.model_fingerprint)
                 continue
             if item != "chunk":
                 raise InvalidArgument("a Put stream carries one PutHeader, first; then only BlockChunks")
@@ -208,18 +228,7 @@ class EngramService:
                     payload = await asyncio.to_thread(self._decode, payload)
                     block = dataclasses.replace(block, codec="raw", payload_nbytes=len(payload),
                                                 checksum=checksum(payload))
-                header = convert.header_to_pb(block)
-                if len(payload) <= step:
-                    yield pb.GetResponse(chunk=pb.BlockChunk(header=header, key=meta.key, data=payload, last=True))
-                    continue
-                view = memoryview(payload)
-                for off in range(0, len(payload), step):
-                    data = bytes(view[off : off + step])
-                    last = off + step >= len(payload)
-                    if off == 0:
-                        msg = pb.BlockChunk(header=header, key=meta.key, data=data, last=last)
-                    else:
-                        msg = pb.BlockChunk(data=data, last=last)
+                for msg in _chunks(meta.key, convert.header_to_pb(block), payload, step):
                     yield pb.GetResponse(chunk=msg)
         except BaseException:
             if lease is not None:
@@ -261,6 +270,27 @@ class EngramService:
         _check_limit("ReleaseLeases ids", len(req.lease_ids), self.config.max_blocks_per_request)
         released = self.leases.release(namespace_for(context, req.namespace), list(req.lease_ids))
         return pb.ReleaseLeasesResponse(released=released)
+    @streaming
+    async def FetchBlocks(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.FetchBlocksResponse]:
+        req = _decoded(request)
+        if not is_peer(context):
+            raise PermissionDenied("FetchBlocks serves the cluster's daemons: call it with cluster.peer_token")
+        _check_limit("FetchBlocks keys", len(req.keys), self.config.max_blocks_per_request)
+        metas = [m for k in req.keys if (m := self.store.index.get(k)) is not None]
+        self.store.acquire(metas)
+        try:
+            for meta in metas:
+                payload = await self.store.read(meta, promote=False)
+                codec = self.store.registry.get(meta.model_fingerprint).codec
+                block = BlockHeader(meta.token_array(), meta.dtype, meta.shape, meta.nbytes, meta.checksum, codec)
+                for i, msg in enumerate(_chunks(meta.key, convert.header_to_pb(block), payload, self.config.chunk_bytes)):
+                    if i:
+                        yield pb.FetchBlocksResponse(chunk=msg)
+                    else:
+                        yield pb.FetchBlocksResponse(chunk=msg, parent_key=meta.parent, namespace=meta.namespace,
+                                                     model_fingerprint=meta.model_fingerprint)
+        finally:
+            self.store.release(metas)
 
     def _decode(self, blob: bytes) -> bytes:
         from engram.codec import blockformat
@@ -309,7 +339,31 @@ class EngramService:
                              max_tokens_per_request=cfg.max_tokens_per_request),
             version=__version__, uptime_s=time.time() - store.started, write_policy=str(store.write_policy),
             corrupt_blocks=c.corrupt_blocks, replay=self._replay_stats(),
+            namespaces=[self._namespace_stats(ns) for ns in visible_namespaces(context, store.index.namespaces())],
+            cluster=await self._cluster_stats(),
         )
+
+    async def _cluster_stats(self) -> pb.ClusterStats:
+        cl = self.cluster
+        if cl is None:
+            return pb.ClusterStats(state="off")
+        c = cl.counters
+        return pb.ClusterStats(state=cl.state, reason=cl.reason, node_id=cl.node_id, live_nodes=await cl.live_nodes(),
+                               remote_hits=c.remote_hits, remote_bytes=c.remote_bytes,
+                               remote_failures=c.remote_failures, published=c.published, reconnects=c.reconnects)
+
+    def _namespace_stats(self, ns: str) -> pb.NamespaceStats:
+        u = self.store.namespace_usage(ns)
+        return pb.NamespaceStats(namespace=ns, quota_bytes=self.store.namespaces.quota(ns), blocks=u.blocks,
+                                 physical_bytes=u.physical_bytes, logical_bytes=u.logical_bytes,
+                                 referenced_blocks=u.referenced_blocks, sessions=self.sessions.count_in(ns))
+
+    @unary
+    async def DescribeNamespace(self, request: Any, context: grpc.aio.ServicerContext) -> pb.NamespaceStats:
+        ns = namespace_for(context, _decoded(request).namespace)
+        info = self._namespace_stats(ns)
+        info.key_salt = self.store.namespaces.salt(ns)
+        return info
 
     def _replay_stats(self) -> pb.ReplayStats:
         sm = self.sessions
@@ -390,25 +444,29 @@ class EngramService:
 
         handlers = {
             "RegisterModel": grpc.unary_unary_rpc_method_handler(
-                self.RegisterModel, _safe_decoder(pb.RegisterModelRequest), ser),
-            "Lookup": grpc.unary_unary_rpc_method_handler(self.Lookup, _safe_decoder(pb.LookupRequest), ser),
-            "Put": grpc.stream_unary_rpc_method_handler(self.Put, _safe_decoder(pb.PutRequest), ser),
-            "Get": grpc.unary_stream_rpc_method_handler(self.Get, _safe_decoder(pb.GetRequest), ser),
-            "Pin": grpc.unary_unary_rpc_method_handler(self.Pin, _safe_decoder(pb.PinRequest), ser),
-            "Stats": grpc.unary_unary_rpc_method_handler(self.Stats, _safe_decoder(pb.StatsRequest), ser),
-            "Check": grpc.unary_unary_rpc_method_handler(self.Check, _safe_decoder(pb.CheckRequest), ser),
+                guard(self.RegisterModel, self.tenancy), _safe_decoder(pb.RegisterModelRequest), ser),
+            "Lookup": grpc.unary_unary_rpc_method_handler(guard(self.Lookup, self.tenancy), _safe_decoder(pb.LookupRequest), ser),
+            "Put": grpc.stream_unary_rpc_method_handler(guard(self.Put, self.tenancy), _safe_decoder(pb.PutRequest), ser),
+            "Get": grpc.unary_stream_rpc_method_handler(guard(self.Get, self.tenancy), _safe_decoder(pb.GetRequest), ser),
+            "Pin": grpc.unary_unary_rpc_method_handler(guard(self.Pin, self.tenancy), _safe_decoder(pb.PinRequest), ser),
+            "Stats": grpc.unary_unary_rpc_method_handler(guard(self.Stats, self.tenancy), _safe_decoder(pb.StatsRequest), ser),
+            "Check": grpc.unary_unary_rpc_method_handler(guard(self.Check, self.tenancy), _safe_decoder(pb.CheckRequest), ser),
             "OpenSession": grpc.unary_unary_rpc_method_handler(
-                self.OpenSession, _safe_decoder(pb.OpenSessionRequest), ser),
+                guard(self.OpenSession, self.tenancy), _safe_decoder(pb.OpenSessionRequest), ser),
             "AppendSession": grpc.unary_unary_rpc_method_handler(
-                self.AppendSession, _safe_decoder(pb.AppendSessionRequest), ser),
+                guard(self.AppendSession, self.tenancy), _safe_decoder(pb.AppendSessionRequest), ser),
             "ForkSession": grpc.unary_unary_rpc_method_handler(
-                self.ForkSession, _safe_decoder(pb.ForkSessionRequest), ser),
+                guard(self.ForkSession, self.tenancy), _safe_decoder(pb.ForkSessionRequest), ser),
             "SuspendSession": grpc.unary_unary_rpc_method_handler(
-                self.SuspendSession, _safe_decoder(pb.SessionRef), ser),
+                guard(self.SuspendSession, self.tenancy), _safe_decoder(pb.SessionRef), ser),
             "CloseSession": grpc.unary_unary_rpc_method_handler(
-                self.CloseSession, _safe_decoder(pb.SessionRef), ser),
-            "Resume": grpc.unary_stream_rpc_method_handler(self.Resume, _safe_decoder(pb.ResumeRequest), ser),
+                guard(self.CloseSession, self.tenancy), _safe_decoder(pb.SessionRef), ser),
+            "Resume": grpc.unary_stream_rpc_method_handler(guard(self.Resume, self.tenancy), _safe_decoder(pb.ResumeRequest), ser),
             "ReleaseLeases": grpc.unary_unary_rpc_method_handler(
-                self.ReleaseLeases, _safe_decoder(pb.ReleaseLeasesRequest), ser),
+                guard(self.ReleaseLeases, self.tenancy), _safe_decoder(pb.ReleaseLeasesRequest), ser),
+            "FetchBlocks": grpc.unary_stream_rpc_method_handler(
+                guard(self.FetchBlocks, self.tenancy), _safe_decoder(pb.FetchBlocksRequest), ser),
+            "DescribeNamespace": grpc.unary_unary_rpc_method_handler(
+                guard(self.DescribeNamespace, self.tenancy), _safe_decoder(pb.DescribeNamespaceRequest), ser),
         }
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

@@ -291,7 +291,7 @@ class Limits(_message.Message):
     def __init__(self, max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "models", "lookups", "lookup_hit_tokens", "lookup_miss_tokens", "blocks_put", "blocks_deduplicated", "blocks_served", "bytes_served", "limits", "version", "uptime_s", "write_policy", "corrupt_blocks", "replay")
+    __slots__ = ("tiers", "models", "lookups", "lookup_hit_tokens", "lookup_miss_tokens", "blocks_put", "blocks_deduplicated", "blocks_served", "bytes_served", "limits", "version", "uptime_s", "write_policy", "corrupt_blocks", "replay", "namespaces", "cluster")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +307,8 @@ class StatsResponse(_message.Message):
     WRITE_POLICY_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     REPLAY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     models: _containers.RepeatedCompositeFieldContainer[ModelStats]
     lookups: int
@@ -322,7 +324,9 @@ class StatsResponse(_message.Message):
     write_policy: str
     corrupt_blocks: int
     replay: ReplayStats
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_hit_tokens: _Optional[int] = ..., lookup_miss_tokens: _Optional[int] = ..., blocks_put: _Optional[int] = ..., blocks_deduplicated: _Optional[int] = ..., blocks_served: _Optional[int] = ..., bytes_served: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., write_policy: _Optional[str] = ..., corrupt_blocks: _Optional[int] = ..., replay: _Optional[_Union[ReplayStats, _Mapping]] = ...) -> None: ...
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
+    cluster: ClusterStats
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_hit_tokens: _Optional[int] = ..., lookup_miss_tokens: _Optional[int] = ..., blocks_put: _Optional[int] = ..., blocks_deduplicated: _Optional[int] = ..., blocks_served: _Optional[int] = ..., bytes_served: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., write_policy: _Optional[str] = ..., corrupt_blocks: _Optional[int] = ..., replay: _Optional[_Union[ReplayStats, _Mapping]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., cluster: _Optional[_Union[ClusterStats, _Mapping]] = ...) -> None: ...
 
 class ReplayStats(_message.Message):
     __slots__ = ("sessions", "hot_sessions", "persisted_window_bytes", "hot_window_bytes", "replays", "replayed_tokens", "replay_seconds")
@@ -541,3 +545,69 @@ class ReleaseLeasesResponse(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: int
     def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class DescribeNamespaceRequest(_message.Message):
+    __slots__ = ("namespace",)
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    def __init__(self, namespace: _Optional[str] = ...) -> None: ...
+
+class NamespaceStats(_message.Message):
+    __slots__ = ("namespace", "key_salt", "quota_bytes", "blocks", "physical_bytes", "logical_bytes", "referenced_blocks", "sessions")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEY_SALT_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PHYSICAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOGICAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REFERENCED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    key_salt: bytes
+    quota_bytes: int
+    blocks: int
+    physical_bytes: int
+    logical_bytes: int
+    referenced_blocks: int
+    sessions: int
+    def __init__(self, namespace: _Optional[str] = ..., key_salt: _Optional[bytes] = ..., quota_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., physical_bytes: _Optional[int] = ..., logical_bytes: _Optional[int] = ..., referenced_blocks: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
+
+class FetchBlocksRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class FetchBlocksResponse(_message.Message):
+    __slots__ = ("chunk", "parent_key", "namespace", "model_fingerprint")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    chunk: BlockChunk
+    parent_key: bytes
+    namespace: str
+    model_fingerprint: bytes
+    def __init__(self, chunk: _Optional[_Union[BlockChunk, _Mapping]] = ..., parent_key: _Optional[bytes] = ..., namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ...) -> None: ...
+
+class ClusterStats(_message.Message):
+    __slots__ = ("state", "reason", "node_id", "live_nodes", "remote_hits", "remote_bytes", "remote_failures", "published", "reconnects")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LIVE_NODES_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_HITS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    RECONNECTS_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    reason: str
+    node_id: str
+    live_nodes: int
+    remote_hits: int
+    remote_bytes: int
+    remote_failures: int
+    published: int
+    reconnects: int
+    def __init__(self, state: _Optional[str] = ..., reason: _Optional[str] = ..., node_id: _Optional[str] = ..., live_nodes: _Optional[int] = ..., remote_hits: _Optional[int] = ..., remote_bytes: _Optional[int] = ..., remote_failures: _Optional[int] = ..., published: _Optional[int] = ..., reconnects: _Optional[int] = ...) -> None: ...

@@ -104,6 +104,16 @@ class EngramStub:
                 request_serializer=engram_dot_v1_dot_engram__pb2.ReleaseLeasesRequest.SerializeToString,
                 response_deserializer=engram_dot_v1_dot_engram__pb2.ReleaseLeasesResponse.FromString,
                 _registered_method=True)
+        self.DescribeNamespace = channel.unary_unary(
+                '/engram.v1.Engram/DescribeNamespace',
+                request_serializer=engram_dot_v1_dot_engram__pb2.DescribeNamespaceRequest.SerializeToString,
+                response_deserializer=engram_dot_v1_dot_engram__pb2.NamespaceStats.FromString,
+                _registered_method=True)
+        self.FetchBlocks = channel.unary_stream(
+                '/engram.v1.Engram/FetchBlocks',
+                request_serializer=engram_dot_v1_dot_engram__pb2.FetchBlocksRequest.SerializeToString,
+                response_deserializer=engram_dot_v1_dot_engram__pb2.FetchBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class EngramServicer:
@@ -207,6 +217,23 @@ class EngramServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DescribeNamespace(self, request, context):
+        """---- prefix sharing: tenancy, dedupe accounting, cluster ----
+        The caller's namespace: the salt inside its keys (a client needs it to compute them), its quota, and
+        logical against physical bytes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchBlocks(self, request, context):
+        """Daemon to daemon (peer or admin token): blocks by key, with what the fetching daemon needs to store
+        them. Keys this daemon no longer holds are left out of the stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngramServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -279,6 +306,16 @@ def add_EngramServicer_to_server(servicer, server):
                     servicer.ReleaseLeases,
                     request_deserializer=engram_dot_v1_dot_engram__pb2.ReleaseLeasesRequest.FromString,
                     response_serializer=engram_dot_v1_dot_engram__pb2.ReleaseLeasesResponse.SerializeToString,
+            ),
+            'DescribeNamespace': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeNamespace,
+                    request_deserializer=engram_dot_v1_dot_engram__pb2.DescribeNamespaceRequest.FromString,
+                    response_serializer=engram_dot_v1_dot_engram__pb2.NamespaceStats.SerializeToString,
+            ),
+            'FetchBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchBlocks,
+                    request_deserializer=engram_dot_v1_dot_engram__pb2.FetchBlocksRequest.FromString,
+                    response_serializer=engram_dot_v1_dot_engram__pb2.FetchBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -659,6 +696,60 @@ class Engram:
             '/engram.v1.Engram/ReleaseLeases',
             engram_dot_v1_dot_engram__pb2.ReleaseLeasesRequest.SerializeToString,
             engram_dot_v1_dot_engram__pb2.ReleaseLeasesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeNamespace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engram.v1.Engram/DescribeNamespace',
+            engram_dot_v1_dot_engram__pb2.DescribeNamespaceRequest.SerializeToString,
+            engram_dot_v1_dot_engram__pb2.NamespaceStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/engram.v1.Engram/FetchBlocks',
+            engram_dot_v1_dot_engram__pb2.FetchBlocksRequest.SerializeToString,
+            engram_dot_v1_dot_engram__pb2.FetchBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

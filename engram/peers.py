@@ -1,0 +1,92 @@
+"""Peer fetch: on a local miss, find the blocks a query needs in the cluster index and copy them from the
+daemon that holds them (FetchBlocks, authenticated with the peer token), verifying each against the
+checksum the index advertised and the key its tokens hash to, before the local store publishes it."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import grpc
+import numpy as np
+
+from engram.cluster import ClusterIndex
+from engram.errors import EngramError
+from engram.keys import chain_keys
+from engram.server import convert
+from engram.store import BlockStore
+from engram.v1 import engram_pb2 as pb
+
+log = logging.getLogger("engram.peers")
+
+
+class PeerFetcher:
+    def __init__(self, cluster: ClusterIndex, store: BlockStore, *, token: str = "", root_cert: bytes | None = None,
+                 timeout_s: float = 5.0) -> None:
+        self.cluster = cluster
+        self.store = store
+        self.token = token
+        self.root_cert = root_cert
+        self.timeout_s = timeout_s
+        self._stubs: dict[str, Any] = {}
+        self._channels: list[grpc.aio.Channel] = []
+
+    def _stub(self, address: str) -> Any:
+        from engram.client import open_channel, stub_for
+
+        if address not in self._stubs:
+            channel = open_channel(address, root_cert=self.root_cert)
+            self._channels.append(channel)
+            self._stubs[address] = stub_for(channel, self.token)
+        return self._stubs[address]
+
+    async def fill(self, namespace: str, fingerprint: bytes, tokens: np.ndarray, have_tokens: int) -> int:
+        """Copy the full blocks of `tokens` after the first `have_tokens` from peers, in chain order, until
+        one is not found; returns how many were stored."""
+        bt = self.store.registry.get(fingerprint).layout.block_tokens
+        salt = self.store.namespaces.salt(namespace)
+        parent = self.store.root(namespace, fingerprint)
+        stored = 0
+        for key, start, end in chain_keys(namespace, fingerprint, tokens, bt, salt):
+            if end - start < bt:
+                break
+            if end <= have_tokens:
+                parent = key
+                continue
+            if not await self._fetch_one(namespace, fingerprint, parent, key):
+                break
+            parent = key
+            stored += 1
+        return stored
+
+    async def _fetch_one(self, namespace: str, fingerprint: bytes, parent: bytes, key: bytes) -> bool:
+        for holder in await self.cluster.holders(key):
+            try:
+                header = None
+                parts: list[bytes] = []
+                async for resp in self._stub(holder.address).FetchBlocks(pb.FetchBlocksRequest(keys=[key]),
+                                                                         timeout=self.timeout_s):
+                    if resp.chunk.HasField("header"):
+                        header = convert.header_from_pb(resp.chunk.header, 0)
+                        if resp.chunk.key != key or resp.parent_key != parent or resp.namespace != namespace:
+                            raise EngramError("the peer sent another block than the one asked for")
+                    parts.append(resp.chunk.data)
+                if header is None:
+                    continue  # the peer evicted it meanwhile
+                payload = b"".join(parts)
+                if header.checksum != holder.checksum:
+                    raise EngramError("the block's checksum differs from the one the cluster index advertised")
+                out = await self.store.put(namespace, fingerprint, parent, header, payload)  # verifies it again
+                if out.key != key:
+                    raise EngramError("the block's tokens do not hash to its key")
+                self.cluster.counters.remote_hits += 1
+                self.cluster.counters.remote_bytes += len(payload)
+                return True
+            except (grpc.aio.AioRpcError, EngramError) as exc:
+                self.cluster.counters.remote_failures += 1
+                log.warning("peer fetch of %s from %s failed: %s", key.hex(), holder.node_id, exc)
+        return False
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()

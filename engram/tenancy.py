@@ -1,0 +1,145 @@
+"""Tenants: who a bearer token is, which namespaces it may act in, each namespace's key salt and quota.
+
+Tenancy is off unless `[auth]` names tenants or admin tokens; then every call must carry
+`authorization: Bearer <token>` (engram/server/auth.py checks it). Each namespace's key salt is an HMAC of
+the daemon's `auth.salt_secret` and the namespace, so keys are the same on every daemon sharing the secret
+(prefixes match across a cluster and across restarts) but cannot be computed by anyone without the salt:
+a tenant learns only its own namespaces' salts (DescribeNamespace). Tokens may be written in the config, in
+`auth.tenants_file`, or as `env:VAR` / `file:PATH` references, so secrets need not sit in the config file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from engram.config import AuthConfig, ConfigError, _apply_tree
+from engram.errors import Unauthenticated
+
+SALT_BYTES = 16
+
+
+class NamespacePolicy(Protocol):
+    """What the store asks about a namespace: the salt inside its keys and its quota (0: none)."""
+
+    def salt(self, namespace: str) -> bytes: ...
+
+    def quota(self, namespace: str) -> int: ...
+
+
+class OpenNamespaces:
+    """Tenancy off: no salt (keys as before tenancy existed), no quota."""
+
+    def salt(self, namespace: str) -> bytes:
+        return b""
+
+    def quota(self, namespace: str) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a call acts as. Admins act on the whole daemon; peers (other daemons) only fetch blocks."""
+
+    name: str
+    namespaces: tuple[str, ...] = ()  # the first is the default when a call names none
+    admin: bool = False
+    peer: bool = False
+
+    def may_use(self, namespace: str) -> bool:
+        return self.admin or namespace in self.namespaces
+
+
+OPEN = Principal("open", admin=True, peer=True)  # tenancy off: every caller may do everything
+
+
+def resolve_secret(value: str, where: str) -> str:
+    """A literal secret, or env:VAR, or file:PATH (its content, whitespace stripped)."""
+    if value.startswith("env:"):
+        var = value[4:]
+        if var not in os.environ:
+            raise ConfigError(f"{where}: environment variable {var} is not set")
+        return os.environ[var]
+    if value.startswith("file:"):
+        try:
+            return Path(value[5:]).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"{where}: cannot read {value[5:]}: {exc}") from None
+    return value
+
+
+def _token_digest(token: str) -> bytes:
+    # Tokens are looked up by digest, so the table never holds (or compares) the secrets themselves.
+    return hashlib.sha256(token.encode()).digest()
+
+
+@dataclass
+class Tenancy:
+    secret: bytes
+    principals: dict[bytes, Principal] = field(default_factory=dict)  # token digest -> principal
+    quotas: dict[str, int] = field(default_factory=dict)  # namespace -> bytes
+    _salts: dict[str, bytes] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, auth: AuthConfig, peer_token: str = "") -> Tenancy | None:
+        if not auth.enabled:
+            return None
+        merged = AuthConfig(tenants=dict(auth.tenants), admin_tokens=auth.admin_tokens)
+        if auth.tenants_file:
+            with open(auth.tenants_file, "rb") as fh:
+                try:
+                    _apply_tree(merged, tomllib.load(fh))  # type: ignore[arg-type]
+                except tomllib.TOMLDecodeError as exc:
+                    raise ConfigError(f"auth.tenants_file {auth.tenants_file}: not valid TOML: {exc}") from None
+        t = cls(resolve_secret(auth.salt_secret, "auth.salt_secret").encode())
+        for name, tc in merged.tenants.items():
+            spaces = tuple(n.strip() for n in tc.namespaces.split(",") if n.strip()) or (name,)
+            t._add(resolve_secret(tc.token, f"auth.tenants.{name}.token"), Principal(name, spaces))
+            for ns in spaces:
+                if tc.quota:  # a namespace shared by tenants gets the smallest of their quotas
+                    t.quotas[ns] = min(t.quotas.get(ns, tc.quota), tc.quota)
+        for i, tok in enumerate(filter(None, (x.strip() for x in merged.admin_tokens.split(",")))):
+            t._add(resolve_secret(tok, "auth.admin_tokens"), Principal(f"admin-{i}", admin=True))
+        if peer_token:
+            t._add(resolve_secret(peer_token, "cluster.peer_token"), Principal("peer", peer=True))
+        return t
+
+    def _add(self, token: str, principal: Principal) -> None:
+        if not token:
+            raise ConfigError(f"{principal.name}: its token is empty")
+        digest = _token_digest(token)
+        if digest in self.principals:
+            raise ConfigError(f"{principal.name} and {self.principals[digest].name} have the same token; give "
+                              "every tenant its own")
+        self.principals[digest] = principal
+
+    def authenticate(self, metadata: object) -> Principal:
+        """The principal of a call's `authorization: Bearer <token>` metadata."""
+        token = None
+        for key, value in metadata or ():  # type: ignore[attr-defined]
+            if key == "authorization":
+                scheme, _, rest = str(value).partition(" ")
+                if scheme.lower() == "bearer" and rest.strip():
+                    token = rest.strip()
+        if token is None:
+            raise Unauthenticated("this daemon requires a token: send metadata 'authorization: Bearer <token>' "
+                                  "(EngramClient(token=...))")
+        principal = self.principals.get(_token_digest(token))
+        if principal is None:
+            raise Unauthenticated("unknown token: use one the daemon's [auth] config lists")
+        return principal
+
+    def salt(self, namespace: str) -> bytes:
+        salt = self._salts.get(namespace)
+        if salt is None:
+            msg = b"engram/namespace-salt/v1\0" + namespace.encode()
+            salt = self._salts[namespace] = hmac.new(self.secret, msg, hashlib.sha256).digest()[:SALT_BYTES]
+        return salt
+
+    def quota(self, namespace: str) -> int:
+        return self.quotas.get(namespace, 0)

@@ -1,0 +1,121 @@
+"""The cluster tier with a real redis-server (started here on a free port) and two real daemons: a prefix
+written through daemon A is a hit through daemon B with identical bytes; Redis killed mid-run leaves both
+serving local hits with Stats degraded, and once it is back on the same port both rejoin."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from engram.client import EngramClient
+from engram.config import load_config
+from engram.server import RunningServer, start_server
+
+from helpers import BLOCK_TOKENS, free_port, random_kv, tiny_model, tokens
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+
+
+def start_redis(port: int) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).stdout.strip() == b"PONG":
+            return proc
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("redis-server did not start")
+
+
+@pytest.fixture
+def redis_port() -> Iterator[int]:
+    port = free_port()
+    yield port
+    subprocess.run(["redis-cli", "-p", str(port), "shutdown", "nosave"], capture_output=True)
+
+
+@pytest.fixture
+async def daemons(redis_port: int) -> AsyncIterator[tuple[RunningServer, RunningServer]]:
+    started = []
+    for name in ("a", "b"):
+        cfg = load_config(env={}, overrides={"server.port": 0, "cluster.redis_url": f"redis://127.0.0.1:{redis_port}/0",
+                                             "cluster.node_id": name, "cluster.heartbeat_s": 0.2, "cluster.ttl_s": 2.0})
+        started.append(await start_server(cfg))
+    yield started[0], started[1]
+    for srv in started:
+        await srv.stop(0)
+
+
+async def until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 20.0) -> None:
+    """Wait for a state the daemons reach by themselves (a bound on waiting, not a timing assertion)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await check():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"never reached: {what}")
+
+
+async def state(c: EngramClient) -> str:
+    return str((await c.stats()).cluster.state)
+
+
+async def test_a_prefix_written_through_a_is_a_hit_through_b_across_a_redis_restart(
+        daemons: tuple[RunningServer, RunningServer], redis_port: int) -> None:
+    proc = start_redis(redis_port)
+    a_srv, b_srv = daemons
+    spec = tiny_model()
+    async with EngramClient(a_srv.address, namespace="ns") as a, EngramClient(b_srv.address, namespace="ns") as b:
+        fp = await a.register_model(spec)
+        assert await b.register_model(spec) == fp
+        await until(lambda: _both(a, b, "ok"), "both daemons joined")
+
+        async def cross_hit(seed: int) -> None:
+            toks = tokens(4 * BLOCK_TOKENS, seed=seed)
+            kv = random_kv(spec, len(toks), seed=seed)
+            await a.put(fp, toks, kv)
+
+            async def b_hits() -> bool:
+                return (await b.lookup(fp, toks)).matched_tokens == len(toks)
+
+            await until(b_hits, "daemon B serves the prefix daemon A stored")
+            n, got = await b.get_prefix(fp, toks)
+            assert n == len(toks) and got is not None and torch.equal(got, kv)  # the same bytes
+            assert b_srv.store.index.get((await b.lookup(fp, toks)).blocks[0].key) is not None  # now local on B
+
+        await cross_hit(1)
+        assert (await b.stats()).cluster.remote_hits == 4
+
+        proc.kill()
+        proc.wait()
+        await until(lambda: _both(a, b, "degraded"), "both daemons report the cluster degraded")
+        assert "Redis unreachable" in (await a.stats()).cluster.reason
+        old = tokens(4 * BLOCK_TOKENS, seed=1)
+        assert (await a.lookup(fp, old)).matched_tokens == len(old)  # local hits go on, on both
+        assert (await b.lookup(fp, old)).matched_tokens == len(old)
+        alone = tokens(2 * BLOCK_TOKENS, seed=9)
+        await a.put(fp, alone, random_kv(spec, len(alone), seed=9))  # A keeps taking puts
+        assert (await b.lookup(fp, alone)).matched_tokens == 0  # no cluster: B cannot know of it
+
+        proc = start_redis(redis_port)  # back, on the same port, empty
+        await until(lambda: _both(a, b, "ok"), "both daemons rejoined")
+        await until(lambda: _b_hits(b, fp, alone), "A republished what it stored while Redis was down")
+        await cross_hit(2)
+    proc.kill()
+    proc.wait()
+
+
+async def _b_hits(b: EngramClient, fp: bytes, toks: Any) -> bool:
+    return (await b.lookup(fp, toks)).matched_tokens == len(toks)
+
+
+async def _both(a: EngramClient, b: EngramClient, want: str) -> bool:
+    return await state(a) == want and await state(b) == want

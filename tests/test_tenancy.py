@@ -1,0 +1,244 @@
+"""Tenant isolation through a real daemon: tenant B's token never reaches tenant A's blocks, sessions or
+namespace, through any RPC, by name or by key. Every denial is paired with a positive control (A itself
+gets the hit), so the tests fail if caching is simply off rather than isolated."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from engram import errors
+from engram.client import EngramClient
+from engram.keys import chain_keys
+from engram.server import RunningServer
+
+from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
+
+ALICE, BOB, ADMIN = "alice-token", "bob-token", "admin-token"
+AUTH = {"auth.tenants.alice.token": ALICE, "auth.tenants.alice.quota": "128KiB",
+        "auth.tenants.bob.token": BOB, "auth.tenants.bob.namespaces": "bob,bob-scratch",
+        "auth.admin_tokens": ADMIN, "auth.salt_secret": "test-secret"}
+
+
+@pytest.fixture
+async def daemon(server_factory: Any) -> RunningServer:
+    srv: RunningServer = await server_factory(**AUTH)
+    return srv
+
+
+def as_(srv: RunningServer, token: str = "", namespace: str = "") -> EngramClient:
+    return EngramClient(srv.address, token=token, namespace=namespace)
+
+
+async def alice_prefix(srv: RunningServer) -> tuple[bytes, np.ndarray, torch.Tensor, list[bytes]]:
+    spec = tiny_model()
+    toks = tokens(4 * BLOCK_TOKENS, seed=11)
+    kv = random_kv(spec, len(toks), seed=11)
+    async with as_(srv, ALICE) as a:
+        fp = await a.register_model(spec)
+        put = await a.put(fp, toks, kv)
+        assert put.stored == 4
+        await a.open_session(fp, mode="persist", session_id="plan", tokens=toks)
+        # Positive control: alice herself gets the whole prefix back, bit for bit.
+        n, got = await a.get_prefix(fp, toks)
+        assert n == len(toks) and got is not None and torch.equal(got, kv)
+    return fp, toks, kv, list(put.keys)
+
+
+async def test_calls_without_a_valid_token_are_unauthenticated(daemon: RunningServer) -> None:
+    for token in ("", "not-a-token"):
+        async with as_(daemon, token) as c:
+            with pytest.raises(errors.Unauthenticated, match="token"):
+                await c.stats()
+            with pytest.raises(errors.Unauthenticated):
+                await c.register_model(tiny_model())
+    async with as_(daemon, ALICE) as a:  # the daemon kept serving
+        assert (await a.stats()).version
+
+
+async def test_bob_never_reaches_alices_blocks_through_any_rpc(daemon: RunningServer) -> None:
+    fp, toks, kv, keys = await alice_prefix(daemon)
+    async with as_(daemon, BOB) as b:
+        await b.register_model(tiny_model())
+        # By content, in his own namespace: nothing, although the tokens are the same.
+        assert (await b.lookup(fp, toks)).matched_tokens == 0
+        # By naming her namespace: refused, on every namespaced RPC.
+        for call in (lambda: b.lookup(fp, toks, namespace="alice"),
+                     lambda: b.get(fp, keys, namespace="alice"),
+                     lambda: b.pin(fp, keys, namespace="alice"),
+                     lambda: b.put(fp, toks, kv, namespace="alice"),
+                     lambda: b.open_session(fp, mode="persist", tokens=toks, namespace="alice"),
+                     lambda: b.fork_session("plan", namespace="alice"),
+                     lambda: b.append_session("plan", [1], namespace="alice"),
+                     lambda: b.suspend_session("plan", namespace="alice"),
+                     lambda: b.close_session("plan", namespace="alice"),
+                     lambda: b.resume("plan", namespace="alice"),
+                     lambda: b.describe_namespace("alice")):
+            with pytest.raises(errors.PermissionDenied, match="may not act in namespace 'alice'"):
+                await call()
+        # By key, in his own namespace: her keys do not exist there (NOT_FOUND, like any absent key).
+        with pytest.raises(errors.NotFound):
+            await b.get(fp, keys)
+        with pytest.raises(errors.NotFound):
+            await b.pin(fp, keys)
+        # Chaining onto her block: the parent is not stored in his namespace; nothing lands in hers.
+        with pytest.raises(errors.FailedPrecondition, match="parent block"):
+            await b.put_blocks(fp, [(toks[:BLOCK_TOKENS], kv[:, :, :BLOCK_TOKENS])], parent_key=keys[-1])
+        # Her session id, in his namespace: absent.
+        for call in (lambda: b.fork_session("plan"), lambda: b.append_session("plan", [1]),
+                     lambda: b.suspend_session("plan"), lambda: b.resume("plan"), lambda: b.close_session("plan")):
+            with pytest.raises(errors.NotFound):
+                await call()
+        with pytest.raises(errors.PermissionDenied, match="admin"):
+            await b.check()
+        stats = await b.stats()
+        assert {n.namespace for n in stats.namespaces} <= {"bob", "bob-scratch"}
+    async with as_(daemon, ALICE) as a:  # and her data is intact
+        await a.register_model(tiny_model())
+        n, got = await a.get_prefix(fp, toks)
+        assert n == len(toks) and got is not None and torch.equal(got, kv)
+        assert (await a.describe_namespace()).blocks == 4
+
+
+async def test_admin_acts_on_the_whole_daemon_and_a_tenant_defaults_to_its_namespace(daemon: RunningServer) -> None:
+    fp, toks, _, _ = await alice_prefix(daemon)
+    async with as_(daemon, ADMIN) as admin:
+        assert (await admin.check()).valid == 4
+        assert "alice" in {n.namespace for n in (await admin.stats()).namespaces}
+    async with as_(daemon, ALICE) as a:  # no namespace named: the token's first
+        await a.register_model(tiny_model())
+        assert (await a.lookup(fp, toks)).matched_tokens == len(toks)
+
+
+async def test_keys_carry_a_secret_per_namespace_salt(daemon: RunningServer) -> None:
+    fp, toks, _, keys = await alice_prefix(daemon)
+    # Knowing her namespace's name, the model and the tokens is not enough to compute her keys.
+    unsalted = [k for k, _, _ in chain_keys("alice", fp, toks, BLOCK_TOKENS)]
+    assert not set(unsalted) & set(keys)
+    async with as_(daemon, ALICE) as a, as_(daemon, BOB) as b:
+        salt_a = (await a.describe_namespace()).key_salt
+        salt_b = (await b.describe_namespace()).key_salt
+        assert salt_a and salt_b and salt_a != salt_b
+        assert [k for k, _, _ in chain_keys("alice", fp, toks, BLOCK_TOKENS, salt_a)] == keys
+
+
+async def test_a_lookup_in_another_namespace_never_reads_the_first_ones_entries(daemon: RunningServer) -> None:
+    fp, toks, _, keys = await alice_prefix(daemon)
+    space = daemon.store.index._spaces["alice"]
+    reads: list[bytes] = []
+
+    class Recording(dict):  # type: ignore[type-arg]
+        def get(self, key: Any, default: Any = None) -> Any:
+            reads.append(key)
+            return super().get(key, default)
+
+        def __getitem__(self, key: Any) -> Any:
+            reads.append(key)
+            return super().__getitem__(key)
+
+    space.entries = Recording(space.entries)
+    space.children = Recording(space.children)
+    async with as_(daemon, BOB) as b:
+        await b.register_model(tiny_model())
+        await b.lookup(fp, toks)
+        with pytest.raises(errors.NotFound):
+            await b.get(fp, keys)
+        with pytest.raises(errors.NotFound):
+            await b.pin(fp, keys)
+    assert reads == []  # so no timing can depend on what alice holds
+    async with as_(daemon, ALICE) as a:  # control: her own lookup does read them
+        await a.register_model(tiny_model())
+        assert (await a.lookup(fp, toks)).matched_tokens == len(toks)
+    assert reads
+
+
+async def test_quota_counts_physical_bytes_and_refuses_with_a_message(daemon: RunningServer) -> None:
+    spec = tiny_model()
+    block = spec.layout.block_nbytes(BLOCK_TOKENS)  # 4 KiB: the 128 KiB quota holds 32 blocks
+    async with as_(daemon, ALICE) as a:
+        fp = await a.register_model(spec)
+        first = tokens(30 * BLOCK_TOKENS, seed=1)
+        await a.put(fp, first, random_kv(spec, len(first), seed=1))
+        again = await a.put(fp, first, random_kv(spec, len(first), seed=1), skip_cached=False)
+        assert again.deduplicated == 30  # a duplicate costs no quota
+        info = await a.describe_namespace()
+        assert info.physical_bytes == 30 * block and info.quota_bytes == 128 * 1024
+        more = tokens(4 * BLOCK_TOKENS, seed=2)
+        with pytest.raises(errors.ResourceExhausted, match="quota"):
+            await a.put(fp, more, random_kv(spec, len(more), seed=2))
+        assert (await a.describe_namespace()).physical_bytes == 32 * block  # two fit, the rest was refused
+        assert (await a.lookup(fp, first)).matched_tokens == len(first)  # nothing stored was lost
+    async with as_(daemon, BOB) as b:  # another tenant's quota is its own
+        fp = await b.register_model(spec)
+        await b.put(fp, more, random_kv(spec, len(more), seed=2))
+
+
+async def test_tokens_from_a_tenants_file_and_the_environment(server_factory: Any, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    secrets = tmp_path / "tenants.toml"
+    secrets.write_text('admin_tokens = "file-admin"\n[tenants.carol]\ntoken = "env:CAROL_TOKEN"\n')
+    monkeypatch.setenv("CAROL_TOKEN", "carol-from-env")
+    srv = await server_factory(**{"auth.tenants_file": str(secrets), "auth.salt_secret": "env:CAROL_TOKEN"})
+    async with as_(srv, "carol-from-env") as c:
+        assert (await c.describe_namespace()).namespace == "carol"
+    async with as_(srv, "file-admin") as admin:
+        await admin.check()
+    async with as_(srv, "env:CAROL_TOKEN") as literal:  # the reference itself is not a token
+        with pytest.raises(errors.Unauthenticated):
+            await literal.stats()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make a self-signed cert")
+async def test_tls_over_tcp_with_a_self_signed_certificate(tmp_path: Path) -> None:
+    from engram.config import load_config
+    from engram.server import start_server
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext",
+                    "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True,
+                   env={**os.environ, "OPENSSL_CONF": "/dev/null"})
+    srv = await start_server(load_config(env={}, overrides={
+        "server.port": 0, "server.tls_cert": str(cert), "server.tls_key": str(key), **AUTH}))
+    try:
+        spec = tiny_model()
+        toks = tokens(2 * BLOCK_TOKENS)
+        kv = random_kv(spec, len(toks))
+        async with EngramClient(srv.address, token=ALICE, namespace="alice", root_cert=cert.read_bytes()) as a:
+            fp = await a.register_model(spec)
+            await a.put(fp, toks, kv)
+            n, got = await a.get_prefix(fp, toks)
+            assert n == len(toks) and got is not None and torch.equal(got, kv)
+        async with EngramClient(srv.address, token=ALICE) as plain:  # plaintext to a TLS port fails
+            with pytest.raises(errors.Unavailable):
+                await plain.stats()
+    finally:
+        await srv.stop(0)
+
+
+async def test_fetch_blocks_is_for_peers_only(server_factory: Any) -> None:
+    import grpc
+
+    from engram.client import open_channel, stub_for
+    from engram.v1 import engram_pb2 as pb
+
+    srv = await server_factory(**AUTH, **{"cluster.peer_token": "peer-token"})
+    _, _, _, keys = await alice_prefix(srv)
+    for token, code in ((ALICE, grpc.StatusCode.PERMISSION_DENIED), ("", grpc.StatusCode.UNAUTHENTICATED)):
+        channel = open_channel(srv.address)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in stub_for(channel, token).FetchBlocks(pb.FetchBlocksRequest(keys=keys)):
+                pass
+        assert info.value.code() == code
+        await channel.close()
+    channel = open_channel(srv.address)  # control: the peer token gets the blocks
+    got = [r async for r in stub_for(channel, "peer-token").FetchBlocks(pb.FetchBlocksRequest(keys=keys))]
+    await channel.close()
+    assert [r.chunk.key for r in got if r.chunk.HasField("header")] == keys

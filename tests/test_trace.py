@@ -1,0 +1,71 @@
+"""The trace replayer: formats, the synthetic agent generator, the three policies, and `engram bench trace`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from engram.cli.main import app
+from engram.trace import Request, agent_trace, read_trace, replay_all, write_trace
+
+
+def test_mooncake_lines_and_session_lines_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "mooncake.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 1024, "output_length": 10, "hash_ids": [0, 1]}\n'
+                    '{"timestamp": 5, "input_length": 1536, "output_length": 3, "hash_ids": [0, 1, 2]}\n')
+    reqs = read_trace(path)
+    assert reqs[1] == Request(5, (0, 1, 2), 1536, 3)
+    synth = agent_trace(sessions=5, turns=3, seed=2)
+    write_trace(tmp_path / "s.jsonl", synth)
+    assert read_trace(tmp_path / "s.jsonl") == synth
+
+
+def test_synthetic_agents_share_the_system_prompt_and_fork_their_parents() -> None:
+    trace = agent_trace(sessions=20, turns=4, seed=3, system_blocks=4, repo_blocks=12)
+    firsts = {r.session: r for r in reversed(trace)}
+    assert len({r.hash_ids[:4] for r in trace}) == 1  # every request starts with the same system prompt
+    forks = [r for r in trace if r.parent]
+    assert forks
+    for f in forks:  # a sub-agent's first request extends its parent's prefix (system + repository at least)
+        parent_first = firsts[f.parent]
+        assert f.hash_ids[:16] == parent_first.hash_ids[:16]
+        before = [r.hash_ids for r in trace if r.session == f.parent and r.timestamp < f.timestamp]
+        if before:  # forked after the parent's turns: it carries the parent's whole history then
+            assert any(f.hash_ids[: len(p)] == p for p in before)
+    for s in {r.session for r in trace}:  # histories grow
+        lens = [len(r.hash_ids) for r in trace if r.session == s]
+        assert lens == sorted(lens)
+    assert sum(r.close for r in trace) == 20
+
+
+def test_prefix_contiguous_hits_are_counted_exactly() -> None:
+    trace = [Request(0, (1, 2, 3)), Request(1, (1, 2, 4)), Request(2, (5, 2, 3))]
+    for r in replay_all(trace, [100]):
+        assert r.hit_blocks == 2, r.policy  # (1, 2) then nothing: block 2 after a miss does not count
+    tight = {r.policy: r.hit_blocks for r in replay_all([Request(0, (1, 2, 3)), Request(1, (9,)),
+                                                          Request(2, (1, 2, 3))], [3])}
+    assert tight["lru"] == 0  # plain LRU dropped block 1, the head: nothing of the chain serves
+    assert tight["engram"] == 2  # leaf-first eviction dropped the tail: the head still serves
+
+
+def test_engram_policy_is_at_least_lru_at_every_capacity_on_agent_traces() -> None:
+    trace = agent_trace(sessions=30, turns=6, seed=5)
+    results = replay_all(trace, [16, 48, 128, 512])
+    by = {(r.policy, r.capacity_blocks): r for r in results}
+    for cap in (16, 48, 128, 512):
+        assert by[("engram", cap)].hit_blocks >= by[("lru", cap)].hit_blocks
+        assert by[("engram", cap)].bytes_moved <= by[("lru", cap)].bytes_moved
+
+
+def test_bench_trace_cli_prints_every_policy(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    write_trace(path, agent_trace(sessions=6, turns=3, seed=1))
+    res = CliRunner().invoke(app, ["bench", "trace", str(path), "--capacity", "8,32", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.output)
+    assert {(r["policy"], r["capacity_blocks"]) for r in rows} == {(p, c) for p in ("engram", "lru", "belady")
+                                                                  for c in (8, 32)}
+    bad = CliRunner().invoke(app, ["bench", "trace", str(tmp_path / "missing.jsonl")])
+    assert bad.exit_code == 4 and "cannot read the trace" in bad.output
