@@ -1,4 +1,5 @@
-"""The `engram` command: serve, stats, demo."""
+"""The `engram` command: serve, stats, check, demo, config, and the inspection commands (ls, show, evict,
+pin, unpin)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ from .check import offline as check_offline
 from .check import show as show_check
 from .common import EXIT_BAD_INPUT, address_of, call, console, fail, load
 from .demo import demo as run_demo
+from .evict import evict
+from .ls import ls
+from .pin import pin, unpin
+from .show import show
 from .stats import stats_json, stats_renderable
 
 app = typer.Typer(name="engram", help="Engram: a tiered KV-cache daemon for LLM inference.",
@@ -107,6 +112,10 @@ def show_config(config: ConfigOpt = None, keys: Annotated[bool, typer.Option(hel
             typer.echo(key)
         return
     typer.echo(json.dumps(dataclasses.asdict(load(config)), indent=2))
+
+
+for _command in (ls, show, evict, pin, unpin):  # inspection commands, one module each
+    app.command()(_command)
 
 
 def main() -> None:

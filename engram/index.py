@@ -122,6 +122,9 @@ class ChainIndex:
                 return meta, parent
         return meta, None
 
+    def children_of(self, parent: bytes) -> list[BlockMeta]:
+        return list(self._children.get(parent, {}).values())
+
     def partial_children(self, parent: bytes) -> list[BlockMeta]:
         return [m for m in self._children.get(parent, {}).values() if not m.full]
 

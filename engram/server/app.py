@@ -16,8 +16,10 @@ from grpc_reflection.v1alpha import reflection
 
 from engram.codec.base import default_backend
 from engram.config import EngramConfig
+from engram.inspection import Inspector
 from engram.registry import ModelRegistry
 from engram.replay.runtime import ReplayRuntime
+from engram.server.inspection import InspectionService
 from engram.server.service import SERVICE_NAME, EngramService
 from engram.sessions import SessionManager
 from engram.store import BlockStore, WritePolicy
@@ -89,7 +91,8 @@ async def start_server(config: EngramConfig, store: BlockStore | None = None,
     ]
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=s.max_concurrent_rpcs)
     service = EngramService(store, s, sessions)
-    server.add_generic_rpc_handlers((service.generic_handler(),))
+    inspection = InspectionService(Inspector(store, sessions), s.max_blocks_per_request)
+    server.add_generic_rpc_handlers((service.generic_handler(), inspection.generic_handler()))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (
