@@ -54,6 +54,8 @@ class ServerConfig:
     max_blocks_per_request: int = 4096
     max_tokens_per_request: int = 1 << 21
     shutdown_grace_s: float = 5.0  # in-flight RPCs get this long to finish on SIGTERM
+    metrics_port: int = 0  # Prometheus /metrics over HTTP on this port; 0 = off, -1 = any free port (tests)
+    metrics_host: str = "127.0.0.1"  # where /metrics listens (0.0.0.0 in a container)
 
 
 @dataclass
@@ -110,6 +112,8 @@ class EngramConfig:
         s = self.server
         if not 0 <= s.port <= 65535:
             raise ConfigError(f"server.port must be in 0..65535, got {s.port}")
+        if not -1 <= s.metrics_port <= 65535:
+            raise ConfigError(f"server.metrics_port must be 0 (off), -1 (any free port) or 1..65535, got {s.metrics_port}")
         if s.chunk_bytes <= 0 or s.chunk_bytes + 4096 > s.max_message_bytes:
             raise ConfigError(
                 f"server.chunk_bytes ({s.chunk_bytes}) must be positive and leave room for headers "

@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from engram.codec.base import default_backend
 from engram.config import EngramConfig
 from engram.inspection import Inspector
+from engram.metrics import MetricsEndpoint
 from engram.registry import ModelRegistry
 from engram.replay.runtime import ReplayRuntime
 from engram.server.inspection import InspectionService
@@ -62,11 +63,14 @@ class RunningServer:
     sessions: SessionManager
     health: health.aio.HealthServicer
     grace_s: float
+    metrics: MetricsEndpoint | None = None  # when server.metrics_port is set; metrics.port is the bound port
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop accepting RPCs, give in-flight ones `grace_s` to finish, then release the tiers."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.grace_s if grace_s is None else grace_s)
+        if self.metrics is not None:
+            self.metrics.stop()
         await self.store.close()
 
     async def wait(self) -> None:
@@ -89,7 +93,9 @@ async def start_server(config: EngramConfig, store: BlockStore | None = None,
         ("grpc.max_receive_message_length", int(s.max_message_bytes)),
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=s.max_concurrent_rpcs)
+    metrics = MetricsEndpoint() if s.metrics_port else None
+    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=s.max_concurrent_rpcs,
+                             interceptors=[metrics.interceptor] if metrics else None)
     service = EngramService(store, s, sessions)
     inspection = InspectionService(Inspector(store, sessions), s.max_blocks_per_request)
     server.add_generic_rpc_handlers((service.generic_handler(), inspection.generic_handler()))
@@ -116,8 +122,12 @@ async def start_server(config: EngramConfig, store: BlockStore | None = None,
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if metrics is not None:
+        metrics.watch(store, sessions)
+        metrics.start(s.metrics_host, s.metrics_port)
+        log.info("engram metrics on http://%s:%d/metrics", s.metrics_host, metrics.port)
     log.info("engram serving on %s", address)
-    return RunningServer(server, address, store, sessions, health_servicer, s.shutdown_grace_s)
+    return RunningServer(server, address, store, sessions, health_servicer, s.shutdown_grace_s, metrics)
 
 
 async def serve(config: EngramConfig, ready: asyncio.Event | None = None) -> None:
@@ -128,6 +138,8 @@ async def serve(config: EngramConfig, ready: asyncio.Event | None = None) -> Non
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     print(f"engram: serving on {running.address}", flush=True)
+    if running.metrics is not None:
+        print(f"engram: metrics on http://{config.server.metrics_host}:{running.metrics.port}/metrics", flush=True)
     if ready is not None:
         ready.set()
     await stop.wait()
