@@ -4,12 +4,12 @@ pin, unpin)."""
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Annotated, Any
 
 import typer
 
 from engram.config import config_keys
+from engram.logs import setup_logging
 from engram.server import serve as serve_daemon
 
 from .check import offline as check_offline
@@ -58,7 +58,7 @@ def serve(
         if value is not None:
             overrides[key] = value
     cfg = load(config, overrides)
-    logging.basicConfig(level=cfg.logging.level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(cfg.logging)
     try:
         asyncio.run(serve_daemon(cfg))
     except OSError as exc:

@@ -97,7 +97,8 @@ class ReplayConfig:
 @dataclass
 class LoggingConfig:
     level: str = "info"
-    json: bool = False
+    json: bool = False  # one JSON object per line: time, level, logger, event, fields
+    summary_s: float = 10.0  # evictions, corrupt blocks and tier health are summarized this often
 
 
 @dataclass
@@ -136,6 +137,8 @@ class EngramConfig:
         for path in filter(None, (p.strip() for p in self.replay.models.split(","))):
             if not Path(path).is_file():
                 raise ConfigError(f"replay.models: {path} is not a file (save one with engram.replay.save_decoder)")
+        if self.logging.summary_s <= 0:
+            raise ConfigError(f"logging.summary_s must be positive, got {self.logging.summary_s}")
         if self.logging.level.lower() not in {"debug", "info", "warning", "error"}:
             raise ConfigError(f"logging.level must be debug, info, warning or error, got {self.logging.level!r}")
         return self

@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from engram.codec.base import default_backend
 from engram.config import EngramConfig
 from engram.inspection import Inspector
+from engram.logs import report_activity
 from engram.metrics import MetricsEndpoint
 from engram.registry import ModelRegistry
 from engram.replay.runtime import ReplayRuntime
@@ -64,9 +65,12 @@ class RunningServer:
     health: health.aio.HealthServicer
     grace_s: float
     metrics: MetricsEndpoint | None = None  # when server.metrics_port is set; metrics.port is the bound port
+    reporter: asyncio.Task[None] | None = None  # engram/logs.py: summary lines of store activity
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop accepting RPCs, give in-flight ones `grace_s` to finish, then release the tiers."""
+        if self.reporter is not None:
+            self.reporter.cancel()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.grace_s if grace_s is None else grace_s)
         if self.metrics is not None:
@@ -126,8 +130,11 @@ async def start_server(config: EngramConfig, store: BlockStore | None = None,
         metrics.watch(store, sessions)
         metrics.start(s.metrics_host, s.metrics_port)
         log.info("engram metrics on http://%s:%d/metrics", s.metrics_host, metrics.port)
-    log.info("engram serving on %s", address)
-    return RunningServer(server, address, store, sessions, health_servicer, s.shutdown_grace_s, metrics)
+    log.info("engram serving on %s", address, extra={"fields": {
+        "address": address, "tiers": [t.name for t in store.tiers], "blocks": len(store.index),
+        "metrics_port": metrics.port if metrics else 0}})
+    reporter = asyncio.get_running_loop().create_task(report_activity(store, config.logging.summary_s))
+    return RunningServer(server, address, store, sessions, health_servicer, s.shutdown_grace_s, metrics, reporter)
 
 
 async def serve(config: EngramConfig, ready: asyncio.Event | None = None) -> None:
@@ -143,6 +150,7 @@ async def serve(config: EngramConfig, ready: asyncio.Event | None = None) -> Non
     if ready is not None:
         ready.set()
     await stop.wait()
-    log.info("engram: shutting down (grace %.1fs)", running.grace_s)
+    log.info("engram: shutting down (grace %.1fs)", running.grace_s, extra={"fields": {"grace_s": running.grace_s}})
     await running.stop()
+    log.info("engram stopped", extra={"fields": {"address": running.address}})
     print("engram: stopped", flush=True)
