@@ -21,6 +21,7 @@ from .ls import ls
 from .pin import pin, unpin
 from .show import show
 from .stats import stats_json, stats_renderable
+from .top import top
 
 app = typer.Typer(name="engram", help="Engram: a tiered KV-cache daemon for LLM inference.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -114,7 +115,7 @@ def show_config(config: ConfigOpt = None, keys: Annotated[bool, typer.Option(hel
     typer.echo(json.dumps(dataclasses.asdict(load(config)), indent=2))
 
 
-for _command in (ls, show, evict, pin, unpin):  # inspection commands, one module each
+for _command in (ls, show, evict, pin, unpin, top):  # inspection commands, one module each
     app.command()(_command)
 
 
