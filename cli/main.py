@@ -14,7 +14,7 @@ from engram.server import serve as serve_daemon
 
 from .check import offline as check_offline
 from .check import show as show_check
-from .common import EXIT_BAD_INPUT, address_of, call, console, fail, load
+from .common import EXIT_BAD_INPUT, address_of, call, console, err_console, fail, load
 from .demo import demo as run_demo
 from .evict import evict
 from .ls import ls
@@ -86,11 +86,13 @@ def check(
     json_: JsonOpt = False,
 ) -> None:
     """Verify every stored copy; exit 1 if any problem was found."""
-    if directory:
-        resp = check_offline(directory, fix)
-    else:
-        addr = address_of(load(config), address)
-        resp = call(addr, lambda c: c.check(fix=fix), timeout_s=600)
+    # A spinner on stderr while the scan runs (a terminal only: piped output stays clean for --json).
+    with err_console.status("checking every stored copy (payload checksums, block files)..."):
+        if directory:
+            resp = check_offline(directory, fix)
+        else:
+            addr = address_of(load(config), address)
+            resp = call(addr, lambda c: c.check(fix=fix), timeout_s=600)
     show_check(resp, json_)
 
 
