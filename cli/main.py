@@ -1,22 +1,28 @@
-"""The `engram` command: serve, stats, demo."""
+"""The `engram` command: serve, stats, check, demo, config, and the inspection commands (ls, show, evict,
+pin, unpin)."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Annotated, Any
 
 import typer
 
 from engram.config import config_keys
+from engram.logs import setup_logging
 from engram.server import serve as serve_daemon
 
 from .bench import bench_app
 from .check import offline as check_offline
 from .check import show as show_check
-from .common import EXIT_BAD_INPUT, address_of, call, console, fail, load
+from .common import EXIT_BAD_INPUT, address_of, call, console, err_console, fail, load
 from .demo import demo as run_demo
+from .evict import evict
+from .ls import ls
+from .pin import pin, unpin
+from .show import show
 from .stats import stats_json, stats_renderable
+from .top import top
 
 app = typer.Typer(name="engram", help="Engram: a tiered KV-cache daemon for LLM inference.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -55,7 +61,7 @@ def serve(
         if value is not None:
             overrides[key] = value
     cfg = load(config, overrides)
-    logging.basicConfig(level=cfg.logging.level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(cfg.logging)
     try:
         asyncio.run(serve_daemon(cfg))
     except OSError as exc:
@@ -82,11 +88,13 @@ def check(
     json_: JsonOpt = False,
 ) -> None:
     """Verify every stored copy; exit 1 if any problem was found."""
-    if directory:
-        resp = check_offline(directory, fix)
-    else:
-        addr = address_of(load(config), address)
-        resp = call(addr, lambda c: c.check(fix=fix), timeout_s=600)
+    # A spinner on stderr while the scan runs (a terminal only: piped output stays clean for --json).
+    with err_console.status("checking every stored copy (payload checksums, block files)..."):
+        if directory:
+            resp = check_offline(directory, fix)
+        else:
+            addr = address_of(load(config), address)
+            resp = call(addr, lambda c: c.check(fix=fix), timeout_s=600)
     show_check(resp, json_)
 
 
@@ -109,6 +117,10 @@ def show_config(config: ConfigOpt = None, keys: Annotated[bool, typer.Option(hel
             typer.echo(key)
         return
     typer.echo(json.dumps(dataclasses.asdict(load(config)), indent=2))
+
+
+for _command in (ls, show, evict, pin, unpin, top):  # inspection commands, one module each
+    app.command()(_command)
 
 
 def main() -> None:

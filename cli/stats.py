@@ -33,12 +33,18 @@ def stats_json(resp: pb.StatsResponse) -> str:
 
 def stats_renderable(resp: pb.StatsResponse) -> Group:
     tiers = Table(title="tiers", title_justify="left")
-    for col in ("tier", "used", "capacity", "blocks", "pinned", "hits", "evictions"):
-        tiers.add_column(col, justify="left" if col == "tier" else "right")
+    for col in ("tier", "state", "used", "capacity", "blocks", "tokens", "bytes/token", "pinned", "hits", "misses",
+                "hit ratio", "evictions", "demoted", "promoted"):
+        tiers.add_column(col, justify="left" if col in ("tier", "state") else "right")
     for t in resp.tiers:
         pct = 100.0 * t.used_bytes / t.capacity_bytes if t.capacity_bytes else 0.0
-        tiers.add_row(t.name, f"{human_bytes(t.used_bytes)} ({pct:.0f}%)", human_bytes(t.capacity_bytes),
-                      str(t.blocks), str(t.pinned_blocks), str(t.hits), str(t.evictions))
+        reads = t.hits + t.misses
+        tiers.add_row(t.name, t.state + (f" ({t.state_reason})" if t.state_reason else ""),
+                      f"{human_bytes(t.used_bytes)} ({pct:.0f}%)", human_bytes(t.capacity_bytes), str(t.blocks),
+                      str(t.tokens), f"{t.used_bytes / t.tokens:.0f}" if t.tokens else "-", str(t.pinned_blocks),
+                      str(t.hits), str(t.misses), f"{100.0 * t.hits / reads:.1f}%" if reads else "-", str(t.evictions),
+                      f"{t.demotions} ({human_bytes(t.demoted_bytes)})",
+                      f"{t.promotions} ({human_bytes(t.promoted_bytes)})")
     models = Table(title="models", title_justify="left")
     for col in ("model", "fingerprint", "codec", "blocks", "tokens", "stored", "bytes/token", "raw bytes/token"):
         models.add_column(col, justify="left" if col in ("model", "fingerprint", "codec") else "right")
@@ -71,6 +77,8 @@ def stats_renderable(resp: pb.StatsResponse) -> Group:
         ("blocks put", str(resp.blocks_put)),
         ("blocks deduplicated", str(resp.blocks_deduplicated)),
         ("blocks served", str(resp.blocks_served)),
+        ("blocks evicted on request", str(resp.blocks_evicted_on_request)),
+        ("corrupt blocks found", str(resp.corrupt_blocks)),
         ("bytes served", human_bytes(resp.bytes_served)),
         ("uptime", f"{resp.uptime_s:.1f} s"),
         ("version", resp.version),

@@ -557,6 +557,31 @@ class EngramClient:
     async def check(self, *, fix: bool = False) -> pb.CheckResponse:
         return await self._call(self._stub.Check(pb.CheckRequest(fix=fix)))
 
+    # ---- inspection (engram ls / show / evict) --------------------------------------------------
+
+    async def list_namespaces(self) -> pb.ListNamespacesResponse:
+        return await self._call(self._stub.ListNamespaces(pb.ListNamespacesRequest()))
+
+    async def list_sessions(self, *, namespace: str | None = None, all_namespaces: bool = False
+                            ) -> pb.ListSessionsResponse:
+        req = pb.ListSessionsRequest(namespace=self._ns(namespace), all_namespaces=all_namespaces)
+        return await self._call(self._stub.ListSessions(req))
+
+    async def describe_blocks(self, *, session_id: str = "", key_prefixes: Sequence[str] = (),
+                              namespace: str | None = None, all_namespaces: bool = False
+                              ) -> pb.DescribeBlocksResponse:
+        req = pb.DescribeBlocksRequest(namespace=self._ns(namespace), all_namespaces=all_namespaces,
+                                       session_id=session_id, key_prefixes=list(key_prefixes))
+        return await self._call(self._stub.DescribeBlocks(req))
+
+    async def evict(self, *, key_prefixes: Sequence[str] = (), session_id: str = "", whole_namespace: bool = False,
+                    force: bool = False, namespace: str | None = None, all_namespaces: bool = False
+                    ) -> pb.EvictResponse:
+        req = pb.EvictRequest(namespace=self._ns(namespace), all_namespaces=all_namespaces,
+                              key_prefixes=list(key_prefixes), session_id=session_id,
+                              whole_namespace=whole_namespace, force=force)
+        return await self._call(self._stub.Evict(req))
+
     def _ns(self, namespace: str | None) -> str:
         return self.namespace if namespace is None else namespace
 

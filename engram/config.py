@@ -57,6 +57,8 @@ class ServerConfig:
     lease_s: float = 30.0  # a zero-copy Get's descriptors keep their slots this long unless released sooner
     tls_cert: str = ""  # PEM certificate chain: with tls_key, TCP is served over TLS
     tls_key: str = ""  # PEM private key of tls_cert
+    metrics_port: int = 0  # Prometheus /metrics over HTTP on this port; 0 = off, -1 = any free port (tests)
+    metrics_host: str = "127.0.0.1"  # where /metrics listens (0.0.0.0 in a container)
 
 
 @dataclass
@@ -145,7 +147,8 @@ class ClusterConfig:
 @dataclass
 class LoggingConfig:
     level: str = "info"
-    json: bool = False
+    json: bool = False  # one JSON object per line: time, level, logger, event, fields
+    summary_s: float = 10.0  # evictions, corrupt blocks and tier health are summarized this often
 
 
 @dataclass
@@ -162,6 +165,8 @@ class EngramConfig:
         s = self.server
         if not 0 <= s.port <= 65535:
             raise ConfigError(f"server.port must be in 0..65535, got {s.port}")
+        if not -1 <= s.metrics_port <= 65535:
+            raise ConfigError(f"server.metrics_port must be 0 (off), -1 (any free port) or 1..65535, got {s.metrics_port}")
         if s.chunk_bytes <= 0 or s.chunk_bytes + 4096 > s.max_message_bytes:
             raise ConfigError(
                 f"server.chunk_bytes ({s.chunk_bytes}) must be positive and leave room for headers "
@@ -188,6 +193,8 @@ class EngramConfig:
         _validate_tls(s)
         _validate_auth(self.auth)
         _validate_cluster(self.cluster, self.auth)
+        if self.logging.summary_s <= 0:
+            raise ConfigError(f"logging.summary_s must be positive, got {self.logging.summary_s}")
         if self.logging.level.lower() not in {"debug", "info", "warning", "error"}:
             raise ConfigError(f"logging.level must be debug, info, warning or error, got {self.logging.level!r}")
         return self

@@ -172,6 +172,12 @@ class ChainIndex:
         space = self._spaces.get(namespace)
         return [] if space is None else [m for m in space.children.get(parent, {}).values() if not m.full]
 
+    def children_of(self, parent: bytes) -> list[BlockMeta]:
+        """The blocks that extend a stored block (in its namespace)."""
+        meta = self._entries.get(parent)
+        space = None if meta is None else self._spaces.get(meta.namespace)
+        return [] if space is None else list(space.children.get(parent, {}).values())
+
     def match(self, namespace: str, model_fingerprint: bytes, tokens: np.ndarray, block_tokens: int,
               salt: bytes = b"") -> PrefixMatch:
         """Longest stored prefix of `tokens`: consecutive full blocks, then at most one partial block."""

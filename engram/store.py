@@ -59,6 +59,8 @@ class TierCounters:
     evictions: int = 0
     demotions: int = 0  # blocks copied down out of this tier
     promotions: int = 0  # blocks copied up into this tier on a hit
+    demoted_bytes: int = 0
+    promoted_bytes: int = 0
     io_errors: int = 0
     corrupt_blocks: int = 0
     enospc: int = 0
@@ -81,6 +83,7 @@ class StoreCounters:
     blocks_served: int = 0
     bytes_served: int = 0
     corrupt_blocks: int = 0
+    blocks_evicted_on_request: int = 0  # by `remove` (engram evict), not by tier pressure
     tiers: dict[str, TierCounters] = field(default_factory=dict)
 
 
@@ -371,6 +374,14 @@ class BlockStore:
                 changed += 1
         return changed
 
+    async def remove(self, meta: BlockMeta) -> None:
+        """Delete a block on request (engram evict). Only a leaf that no reader or move holds: the caller
+        removes descendants first (prefix closure) and lifts pins it was told to override."""
+        if meta.children or not meta.evictable:
+            raise FailedPrecondition(f"block {meta.key.hex()} has children, is pinned, or is being read or moved")
+        await self._delete_block(meta)
+        self.counters.blocks_evicted_on_request += 1
+
     # ---- placement, eviction, moves ---------------------------------------------------------------
 
     def _available(self, i: int) -> bool:
@@ -483,6 +494,7 @@ class BlockStore:
             self._busy -= 1
             self._notify_freed()
         self.counters.tiers[self.tiers[i].name].demotions += 1
+        self.counters.tiers[self.tiers[i].name].demoted_bytes += len(payload)
         await self._drop_copy(meta, self.tiers[i].name)
 
     async def _promote(self, meta: BlockMeta, payload: bytes) -> None:
@@ -491,6 +503,7 @@ class BlockStore:
         try:
             await self._place(meta, 0, payload, wait=False)
             self.counters.tiers[self.tiers[0].name].promotions += 1
+            self.counters.tiers[self.tiers[0].name].promoted_bytes += len(payload)
         except ResourceExhausted:
             pass  # no room up there right now: the block is served from where it is
         finally:

@@ -4,9 +4,15 @@ and not the repository root, whose kernels/ directory would shadow Hugging Face'
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -59,3 +65,30 @@ def wait_for(address: str, proc: subprocess.Popen[str], timeout: float = 20.0) -
         except grpc.RpcError:
             time.sleep(0.1)
     raise AssertionError("daemon did not become healthy")
+
+
+ENGRAM = [sys.executable, "-m", "engram"]
+# Subprocesses run outside the checkout: `python -m` puts its working directory on sys.path, and the
+# repository root's kernels/ would shadow Hugging Face's `kernels` package there.
+NEUTRAL_CWD = tempfile.gettempdir()
+
+
+@contextlib.contextmanager
+def engram_daemon(tmp_path: Path, *args: str, env: dict[str, str] | None = None
+                  ) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """A real `engram serve` subprocess on a unix socket in tmp_path; yields (address, process), killed at exit.
+    Its stdout and stderr go to one pipe (read it after it stops)."""
+    sock = tmp_path / "engram.sock"
+    full_env = {**os.environ, "ENGRAM_TIERS__DRAM__CAPACITY": "64MiB", **(env or {})}
+    proc = subprocess.Popen([*ENGRAM, "serve", "--unix-socket", str(sock), "--log-level", "warning", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, cwd=NEUTRAL_CWD)
+    address = f"unix:{sock}"
+    try:
+        wait_for(address, proc)
+        yield address, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()

@@ -6,8 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,30 +16,13 @@ from typer.testing import CliRunner
 from engram.cli.main import app
 from engram.client import SyncEngramClient
 
-from helpers import random_kv, tiny_model, tokens, wait_for
-
-ENGRAM = [sys.executable, "-m", "engram"]
-# Subprocesses run outside the checkout: `python -m` puts its working directory on sys.path, and the
-# repository root's kernels/ would shadow Hugging Face's `kernels` package there.
-NEUTRAL_CWD = tempfile.gettempdir()
+from helpers import ENGRAM, NEUTRAL_CWD, engram_daemon, random_kv, tiny_model, tokens
 
 
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    sock = tmp_path / "engram.sock"
-    env = {**os.environ, "ENGRAM_TIERS__DRAM__CAPACITY": "64MiB"}
-    proc = subprocess.Popen([*ENGRAM, "serve", "--unix-socket", str(sock), "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=NEUTRAL_CWD)
-    address = f"unix:{sock}"
-    try:
-        wait_for(address, proc)
-        yield address, proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
-        if proc.stdout is not None:
-            proc.stdout.close()
+    with engram_daemon(tmp_path) as running:
+        yield running
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -17,9 +17,13 @@ from grpc_reflection.v1alpha import reflection
 from engram.cluster import ClusterIndex
 from engram.codec.base import default_backend
 from engram.config import EngramConfig, ServerConfig
+from engram.inspection import Inspector
+from engram.logs import report_activity
+from engram.metrics import MetricsEndpoint
 from engram.peers import PeerFetcher
 from engram.registry import ModelRegistry
 from engram.replay.runtime import ReplayRuntime
+from engram.server.inspection import InspectionService
 from engram.server.service import SERVICE_NAME, EngramService
 from engram.sessions import SessionManager
 from engram.store import BlockStore, WritePolicy
@@ -76,14 +80,20 @@ class RunningServer:
     health: health.aio.HealthServicer
     grace_s: float
     service: EngramService | None = None
+    metrics: MetricsEndpoint | None = None  # when server.metrics_port is set; metrics.port is the bound port
+    reporter: asyncio.Task[None] | None = None  # engram/logs.py: summary lines of store activity
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop accepting RPCs, give in-flight ones `grace_s` to finish, then release the tiers."""
+        if self.reporter is not None:
+            self.reporter.cancel()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.grace_s if grace_s is None else grace_s)
         if self.service is not None and self.service.cluster is not None:
             await self.service.cluster.close()
             await self.service.peers.close()  # type: ignore[union-attr]
+        if self.metrics is not None:
+            self.metrics.stop()
         await self.store.close()
 
     async def wait(self) -> None:
@@ -107,9 +117,12 @@ async def start_server(config: EngramConfig, store: BlockStore | None = None,
         ("grpc.max_receive_message_length", int(s.max_message_bytes)),
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=s.max_concurrent_rpcs)
+    metrics = MetricsEndpoint() if s.metrics_port else None
+    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=s.max_concurrent_rpcs,
+                             interceptors=[metrics.interceptor] if metrics else None)
     service = EngramService(store, s, sessions, tenancy)
-    server.add_generic_rpc_handlers((service.generic_handler(),))
+    inspection = InspectionService(Inspector(store, sessions), s.max_blocks_per_request, tenancy)
+    server.add_generic_rpc_handlers((service.generic_handler(), inspection.generic_handler()))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (
@@ -134,10 +147,18 @@ async def start_server(config: EngramConfig, store: BlockStore | None = None,
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("engram serving on %s", address)
+    if metrics is not None:
+        metrics.watch(store, sessions)
+        metrics.start(s.metrics_host, s.metrics_port)
+        log.info("engram metrics on http://%s:%d/metrics", s.metrics_host, metrics.port)
+    log.info("engram serving on %s", address, extra={"fields": {
+        "address": address, "tiers": [t.name for t in store.tiers], "blocks": len(store.index),
+        "metrics_port": metrics.port if metrics else 0}})
     if config.cluster.redis_url:
         await _join_cluster(config, service, address)
-    return RunningServer(server, address, store, sessions, health_servicer, s.shutdown_grace_s, service)
+    reporter = asyncio.get_running_loop().create_task(report_activity(store, config.logging.summary_s))
+    return RunningServer(server, address, store, sessions, health_servicer, s.shutdown_grace_s, service, metrics,
+                         reporter)
 
 
 async def _join_cluster(config: EngramConfig, service: EngramService, address: str) -> None:
@@ -159,9 +180,12 @@ async def serve(config: EngramConfig, ready: asyncio.Event | None = None) -> Non
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     print(f"engram: serving on {running.address}", flush=True)
+    if running.metrics is not None:
+        print(f"engram: metrics on http://{config.server.metrics_host}:{running.metrics.port}/metrics", flush=True)
     if ready is not None:
         ready.set()
     await stop.wait()
-    log.info("engram: shutting down (grace %.1fs)", running.grace_s)
+    log.info("engram: shutting down (grace %.1fs)", running.grace_s, extra={"fields": {"grace_s": running.grace_s}})
     await running.stop()
+    log.info("engram stopped", extra={"fields": {"address": running.address}})
     print("engram: stopped", flush=True)

@@ -311,6 +311,10 @@ class EngramService:
         store = self.store
         c = store.counters
         tiers = []
+        tier_tokens: dict[str, int] = {}
+        for meta in store.index:
+            for name in meta.locations:
+                tier_tokens[name] = tier_tokens.get(name, 0) + meta.num_tokens
         for tier in store.tiers:
             usage = tier.usage()
             tc = c.tiers[tier.name]
@@ -320,7 +324,8 @@ class EngramService:
                 blocks=usage.blocks, hits=tc.hits, misses=tc.misses, evictions=tc.evictions,
                 pinned_blocks=store.pinned_blocks(tier.name), state=health.state, state_reason=health.reason,
                 demotions=tc.demotions, promotions=tc.promotions, io_errors=tc.io_errors,
-                corrupt_blocks=tc.corrupt_blocks, enospc=tc.enospc,
+                corrupt_blocks=tc.corrupt_blocks, enospc=tc.enospc, tokens=tier_tokens.get(tier.name, 0),
+                demoted_bytes=tc.demoted_bytes, promoted_bytes=tc.promoted_bytes,
             ))
         models = [
             pb.ModelStats(model_fingerprint=m.fingerprint, name=m.name, blocks=m.blocks, stored_bytes=m.bytes,
@@ -341,6 +346,7 @@ class EngramService:
             corrupt_blocks=c.corrupt_blocks, replay=self._replay_stats(),
             namespaces=[self._namespace_stats(ns) for ns in visible_namespaces(context, store.index.namespaces())],
             cluster=await self._cluster_stats(),
+            blocks_evicted_on_request=c.blocks_evicted_on_request,
         )
 
     async def _cluster_stats(self) -> pb.ClusterStats:

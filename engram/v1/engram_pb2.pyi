@@ -223,7 +223,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "capacity_bytes", "used_bytes", "blocks", "hits", "misses", "evictions", "pinned_blocks", "state", "state_reason", "demotions", "promotions", "io_errors", "corrupt_blocks", "enospc")
+    __slots__ = ("name", "capacity_bytes", "used_bytes", "blocks", "hits", "misses", "evictions", "pinned_blocks", "state", "state_reason", "demotions", "promotions", "io_errors", "corrupt_blocks", "enospc", "tokens", "demoted_bytes", "promoted_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +239,9 @@ class TierStats(_message.Message):
     IO_ERRORS_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ENOSPC_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PROMOTED_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     capacity_bytes: int
     used_bytes: int
@@ -254,7 +257,10 @@ class TierStats(_message.Message):
     io_errors: int
     corrupt_blocks: int
     enospc: int
-    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., state: _Optional[str] = ..., state_reason: _Optional[str] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., io_errors: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., enospc: _Optional[int] = ...) -> None: ...
+    tokens: int
+    demoted_bytes: int
+    promoted_bytes: int
+    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., state: _Optional[str] = ..., state_reason: _Optional[str] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., io_errors: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., enospc: _Optional[int] = ..., tokens: _Optional[int] = ..., demoted_bytes: _Optional[int] = ..., promoted_bytes: _Optional[int] = ...) -> None: ...
 
 class ModelStats(_message.Message):
     __slots__ = ("model_fingerprint", "name", "blocks", "stored_bytes", "tokens", "codec", "raw_bytes", "all_layers_bytes", "replayable")
@@ -291,7 +297,7 @@ class Limits(_message.Message):
     def __init__(self, max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "models", "lookups", "lookup_hit_tokens", "lookup_miss_tokens", "blocks_put", "blocks_deduplicated", "blocks_served", "bytes_served", "limits", "version", "uptime_s", "write_policy", "corrupt_blocks", "replay", "namespaces", "cluster")
+    __slots__ = ("tiers", "models", "lookups", "lookup_hit_tokens", "lookup_miss_tokens", "blocks_put", "blocks_deduplicated", "blocks_served", "bytes_served", "limits", "version", "uptime_s", "write_policy", "corrupt_blocks", "replay", "namespaces", "cluster", "blocks_evicted_on_request")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
@@ -309,6 +315,7 @@ class StatsResponse(_message.Message):
     REPLAY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_EVICTED_ON_REQUEST_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     models: _containers.RepeatedCompositeFieldContainer[ModelStats]
     lookups: int
@@ -326,7 +333,8 @@ class StatsResponse(_message.Message):
     replay: ReplayStats
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     cluster: ClusterStats
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_hit_tokens: _Optional[int] = ..., lookup_miss_tokens: _Optional[int] = ..., blocks_put: _Optional[int] = ..., blocks_deduplicated: _Optional[int] = ..., blocks_served: _Optional[int] = ..., bytes_served: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., write_policy: _Optional[str] = ..., corrupt_blocks: _Optional[int] = ..., replay: _Optional[_Union[ReplayStats, _Mapping]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., cluster: _Optional[_Union[ClusterStats, _Mapping]] = ...) -> None: ...
+    blocks_evicted_on_request: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_hit_tokens: _Optional[int] = ..., lookup_miss_tokens: _Optional[int] = ..., blocks_put: _Optional[int] = ..., blocks_deduplicated: _Optional[int] = ..., blocks_served: _Optional[int] = ..., bytes_served: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., write_policy: _Optional[str] = ..., corrupt_blocks: _Optional[int] = ..., replay: _Optional[_Union[ReplayStats, _Mapping]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., cluster: _Optional[_Union[ClusterStats, _Mapping]] = ..., blocks_evicted_on_request: _Optional[int] = ...) -> None: ...
 
 class ReplayStats(_message.Message):
     __slots__ = ("sessions", "hot_sessions", "persisted_window_bytes", "hot_window_bytes", "replays", "replayed_tokens", "replay_seconds")
@@ -611,3 +619,145 @@ class ClusterStats(_message.Message):
     published: int
     reconnects: int
     def __init__(self, state: _Optional[str] = ..., reason: _Optional[str] = ..., node_id: _Optional[str] = ..., live_nodes: _Optional[int] = ..., remote_hits: _Optional[int] = ..., remote_bytes: _Optional[int] = ..., remote_failures: _Optional[int] = ..., published: _Optional[int] = ..., reconnects: _Optional[int] = ...) -> None: ...
+
+class ListNamespacesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NamespaceSummary(_message.Message):
+    __slots__ = ("namespace", "blocks", "stored_bytes", "tokens", "pinned_blocks", "sessions")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    blocks: int
+    stored_bytes: int
+    tokens: int
+    pinned_blocks: int
+    sessions: int
+    def __init__(self, namespace: _Optional[str] = ..., blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., tokens: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
+
+class ListNamespacesResponse(_message.Message):
+    __slots__ = ("namespaces",)
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceSummary]
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceSummary, _Mapping]]] = ...) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ("namespace", "all_namespaces")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ALL_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    all_namespaces: bool
+    def __init__(self, namespace: _Optional[str] = ..., all_namespaces: _Optional[bool] = ...) -> None: ...
+
+class SessionSummary(_message.Message):
+    __slots__ = ("info", "cached_tokens", "blocks", "tiers", "stored_bytes", "age_s")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    info: SessionInfo
+    cached_tokens: int
+    blocks: int
+    tiers: _containers.RepeatedScalarFieldContainer[str]
+    stored_bytes: int
+    age_s: float
+    def __init__(self, info: _Optional[_Union[SessionInfo, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., stored_bytes: _Optional[int] = ..., age_s: _Optional[float] = ...) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionSummary]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionSummary, _Mapping]]] = ...) -> None: ...
+
+class DescribeBlocksRequest(_message.Message):
+    __slots__ = ("namespace", "all_namespaces", "session_id", "key_prefixes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ALL_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_PREFIXES_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    all_namespaces: bool
+    session_id: str
+    key_prefixes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, namespace: _Optional[str] = ..., all_namespaces: _Optional[bool] = ..., session_id: _Optional[str] = ..., key_prefixes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class BlockDetail(_message.Message):
+    __slots__ = ("key", "parent", "namespace", "model_fingerprint", "num_tokens", "full", "tiers", "codec", "checksum", "nbytes", "pins", "children", "sessions", "refcount", "leases", "hits", "age_s", "start_token")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    PINS_FIELD_NUMBER: _ClassVar[int]
+    CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    REFCOUNT_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    START_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    parent: bytes
+    namespace: str
+    model_fingerprint: bytes
+    num_tokens: int
+    full: bool
+    tiers: _containers.RepeatedScalarFieldContainer[str]
+    codec: str
+    checksum: int
+    nbytes: int
+    pins: int
+    children: int
+    sessions: int
+    refcount: int
+    leases: int
+    hits: int
+    age_s: float
+    start_token: int
+    def __init__(self, key: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., full: _Optional[bool] = ..., tiers: _Optional[_Iterable[str]] = ..., codec: _Optional[str] = ..., checksum: _Optional[int] = ..., nbytes: _Optional[int] = ..., pins: _Optional[int] = ..., children: _Optional[int] = ..., sessions: _Optional[int] = ..., refcount: _Optional[int] = ..., leases: _Optional[int] = ..., hits: _Optional[int] = ..., age_s: _Optional[float] = ..., start_token: _Optional[int] = ...) -> None: ...
+
+class DescribeBlocksResponse(_message.Message):
+    __slots__ = ("blocks", "session")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockDetail]
+    session: SessionSummary
+    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockDetail, _Mapping]]] = ..., session: _Optional[_Union[SessionSummary, _Mapping]] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("namespace", "all_namespaces", "key_prefixes", "session_id", "whole_namespace", "force")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ALL_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    KEY_PREFIXES_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    all_namespaces: bool
+    key_prefixes: _containers.RepeatedScalarFieldContainer[str]
+    session_id: str
+    whole_namespace: bool
+    force: bool
+    def __init__(self, namespace: _Optional[str] = ..., all_namespaces: _Optional[bool] = ..., key_prefixes: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., whole_namespace: _Optional[bool] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("evicted", "skipped", "unpinned")
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    UNPINNED_FIELD_NUMBER: _ClassVar[int]
+    evicted: _containers.RepeatedScalarFieldContainer[bytes]
+    skipped: _containers.RepeatedScalarFieldContainer[bytes]
+    unpinned: int
+    def __init__(self, evicted: _Optional[_Iterable[bytes]] = ..., skipped: _Optional[_Iterable[bytes]] = ..., unpinned: _Optional[int] = ...) -> None: ...

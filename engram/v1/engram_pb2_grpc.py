@@ -114,6 +114,26 @@ class EngramStub:
                 request_serializer=engram_dot_v1_dot_engram__pb2.FetchBlocksRequest.SerializeToString,
                 response_deserializer=engram_dot_v1_dot_engram__pb2.FetchBlocksResponse.FromString,
                 _registered_method=True)
+        self.ListNamespaces = channel.unary_unary(
+                '/engram.v1.Engram/ListNamespaces',
+                request_serializer=engram_dot_v1_dot_engram__pb2.ListNamespacesRequest.SerializeToString,
+                response_deserializer=engram_dot_v1_dot_engram__pb2.ListNamespacesResponse.FromString,
+                _registered_method=True)
+        self.ListSessions = channel.unary_unary(
+                '/engram.v1.Engram/ListSessions',
+                request_serializer=engram_dot_v1_dot_engram__pb2.ListSessionsRequest.SerializeToString,
+                response_deserializer=engram_dot_v1_dot_engram__pb2.ListSessionsResponse.FromString,
+                _registered_method=True)
+        self.DescribeBlocks = channel.unary_unary(
+                '/engram.v1.Engram/DescribeBlocks',
+                request_serializer=engram_dot_v1_dot_engram__pb2.DescribeBlocksRequest.SerializeToString,
+                response_deserializer=engram_dot_v1_dot_engram__pb2.DescribeBlocksResponse.FromString,
+                _registered_method=True)
+        self.Evict = channel.unary_unary(
+                '/engram.v1.Engram/Evict',
+                request_serializer=engram_dot_v1_dot_engram__pb2.EvictRequest.SerializeToString,
+                response_deserializer=engram_dot_v1_dot_engram__pb2.EvictResponse.FromString,
+                _registered_method=True)
 
 
 class EngramServicer:
@@ -234,6 +254,35 @@ class EngramServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListNamespaces(self, request, context):
+        """---- inspection (engram ls / show / evict / pin) ----
+        Every namespace with its block, byte and session counts (admin: it spans tenants).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSessions(self, request, context):
+        """Sessions of one namespace (or, admin, of all) with the blocks and tiers their tokens resolve to.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DescribeBlocks(self, request, context):
+        """A session's block chain, or blocks named by hex key or unique hex prefix.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Evict(self, request, context):
+        """Remove blocks by key, by session or by namespace; a block's descendants go with it (prefix closure).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngramServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -316,6 +365,26 @@ def add_EngramServicer_to_server(servicer, server):
                     servicer.FetchBlocks,
                     request_deserializer=engram_dot_v1_dot_engram__pb2.FetchBlocksRequest.FromString,
                     response_serializer=engram_dot_v1_dot_engram__pb2.FetchBlocksResponse.SerializeToString,
+            ),
+            'ListNamespaces': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListNamespaces,
+                    request_deserializer=engram_dot_v1_dot_engram__pb2.ListNamespacesRequest.FromString,
+                    response_serializer=engram_dot_v1_dot_engram__pb2.ListNamespacesResponse.SerializeToString,
+            ),
+            'ListSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSessions,
+                    request_deserializer=engram_dot_v1_dot_engram__pb2.ListSessionsRequest.FromString,
+                    response_serializer=engram_dot_v1_dot_engram__pb2.ListSessionsResponse.SerializeToString,
+            ),
+            'DescribeBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeBlocks,
+                    request_deserializer=engram_dot_v1_dot_engram__pb2.DescribeBlocksRequest.FromString,
+                    response_serializer=engram_dot_v1_dot_engram__pb2.DescribeBlocksResponse.SerializeToString,
+            ),
+            'Evict': grpc.unary_unary_rpc_method_handler(
+                    servicer.Evict,
+                    request_deserializer=engram_dot_v1_dot_engram__pb2.EvictRequest.FromString,
+                    response_serializer=engram_dot_v1_dot_engram__pb2.EvictResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -750,6 +819,114 @@ class Engram:
             '/engram.v1.Engram/FetchBlocks',
             engram_dot_v1_dot_engram__pb2.FetchBlocksRequest.SerializeToString,
             engram_dot_v1_dot_engram__pb2.FetchBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListNamespaces(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engram.v1.Engram/ListNamespaces',
+            engram_dot_v1_dot_engram__pb2.ListNamespacesRequest.SerializeToString,
+            engram_dot_v1_dot_engram__pb2.ListNamespacesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engram.v1.Engram/ListSessions',
+            engram_dot_v1_dot_engram__pb2.ListSessionsRequest.SerializeToString,
+            engram_dot_v1_dot_engram__pb2.ListSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engram.v1.Engram/DescribeBlocks',
+            engram_dot_v1_dot_engram__pb2.DescribeBlocksRequest.SerializeToString,
+            engram_dot_v1_dot_engram__pb2.DescribeBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Evict(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engram.v1.Engram/Evict',
+            engram_dot_v1_dot_engram__pb2.EvictRequest.SerializeToString,
+            engram_dot_v1_dot_engram__pb2.EvictResponse.FromString,
             options,
             channel_credentials,
             insecure,

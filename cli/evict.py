@@ -1,0 +1,47 @@
+"""`engram evict`: remove blocks by key (or unique key prefix), by session, or a whole namespace.
+
+Prefix closure: a block's descendants (blocks that extend it) are evicted with it, so nothing stored is
+left unreachable. Pinned blocks refuse the request unless --force; blocks being read right now are
+skipped and reported. Evicting a session removes only the blocks no other session uses; the session
+itself stays (its next Resume needs its blocks put again)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from .common import EXIT_BAD_INPUT, address_of, call, console, fail, load
+from .format import dumps, to_dict
+from .options import AddressOpt, ConfigOpt, JsonOpt, NamespaceOpt
+from .show import DEFAULT_NAMESPACE
+
+
+def evict(keys: Annotated[list[str] | None, typer.Argument(help="Block keys or unique hex key prefixes.")] = None,
+          session: Annotated[str | None, typer.Option("--session", "-s", help="Evict the blocks only this session uses.")] = None,
+          whole_namespace: Annotated[bool, typer.Option("--whole-namespace", help="Evict every block of --namespace.")] = False,
+          force: Annotated[bool, typer.Option("--force", help="Evict pinned blocks too.")] = False,
+          config: ConfigOpt = None, address: AddressOpt = None, namespace: NamespaceOpt = None,
+          json_: JsonOpt = False) -> None:
+    """Evict blocks (and their descendants) by key, by session, or a whole namespace."""
+    if sum((bool(keys), session is not None, whole_namespace)) != 1:
+        raise fail("name what to evict: block keys, --session ID, or --whole-namespace --namespace NS (one of them)",
+                   EXIT_BAD_INPUT)
+    if whole_namespace and namespace is None:
+        raise fail("--whole-namespace needs --namespace NS", EXIT_BAD_INPUT)
+    addr = address_of(load(config), address)
+    if keys:
+        resp = call(addr, lambda c: c.evict(key_prefixes=keys, force=force, namespace=namespace or "",
+                                            all_namespaces=namespace is None))
+    elif session is not None:
+        resp = call(addr, lambda c: c.evict(session_id=session, force=force, namespace=namespace or DEFAULT_NAMESPACE))
+    else:
+        resp = call(addr, lambda c: c.evict(whole_namespace=True, force=force, namespace=namespace))
+    if json_:
+        typer.echo(dumps(to_dict(resp)))
+        return
+    console.print(f"evicted {len(resp.evicted)} blocks" + (f" ({resp.unpinned} were pinned)" if resp.unpinned else ""))
+    for key in resp.evicted:
+        console.print(f"  {key.hex()}")
+    if resp.skipped:
+        console.print(f"skipped {len(resp.skipped)} blocks being read or moved right now; run it again")

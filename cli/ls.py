@@ -1,0 +1,72 @@
+"""`engram ls`: namespaces (block, byte, session counts) and sessions (length, cached prefix, tiers, age,
+replay mode, hot or cold). Without --namespace it lists every namespace, which needs an admin caller."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import typer
+from rich.console import Group
+from rich.table import Table
+
+from engram.client import EngramClient
+from engram.v1 import engram_pb2 as pb
+
+from .common import address_of, call, console, load
+from .format import age, dumps, mode_name, session_state, to_dict
+from .options import AddressOpt, ConfigOpt, JsonOpt, NamespaceOpt
+from .stats import human_bytes
+
+
+@dataclass(frozen=True)
+class Listing:
+    namespaces: pb.ListNamespacesResponse | None  # None when one namespace was asked for
+    sessions: pb.ListSessionsResponse
+
+
+async def fetch(client: EngramClient, namespace: str | None) -> Listing:
+    if namespace is not None:
+        return Listing(None, await client.list_sessions(namespace=namespace))
+    return Listing(await client.list_namespaces(), await client.list_sessions(all_namespaces=True))
+
+
+def sessions_table(sessions: pb.ListSessionsResponse, title: str = "sessions") -> Table:
+    table = Table(title=title, title_justify="left")
+    for col in ("namespace", "session", "model", "tokens", "cached", "blocks", "tiers", "age", "mode", "state"):
+        table.add_column(col, justify="right" if col in ("tokens", "cached", "blocks", "age") else "left")
+    for s in sessions.sessions:
+        i = s.info
+        table.add_row(i.namespace, i.session_id, i.model_fingerprint.hex()[:12], str(i.tokens), str(s.cached_tokens),
+                      str(s.blocks), ",".join(s.tiers) or "-", age(s.age_s), mode_name(i), session_state(i))
+    return table
+
+
+def renderable(listing: Listing) -> Group:
+    parts = []
+    if listing.namespaces is not None:
+        ns = Table(title="namespaces", title_justify="left")
+        for col in ("namespace", "blocks", "tokens", "stored", "pinned", "sessions"):
+            ns.add_column(col, justify="left" if col == "namespace" else "right")
+        for n in listing.namespaces.namespaces:
+            ns.add_row(n.namespace, str(n.blocks), str(n.tokens), human_bytes(n.stored_bytes), str(n.pinned_blocks),
+                       str(n.sessions))
+        parts.append(ns)
+    parts.append(sessions_table(listing.sessions))
+    return Group(*parts)
+
+
+def as_json(listing: Listing) -> str:
+    data = {"sessions": [to_dict(s) for s in listing.sessions.sessions]}
+    if listing.namespaces is not None:
+        data["namespaces"] = [to_dict(n) for n in listing.namespaces.namespaces]
+    return dumps(data)
+
+
+def ls(config: ConfigOpt = None, address: AddressOpt = None, namespace: NamespaceOpt = None,
+       json_: JsonOpt = False) -> None:
+    """Namespaces and sessions of a running daemon."""
+    listing = call(address_of(load(config), address), lambda c: fetch(c, namespace))
+    if json_:
+        typer.echo(as_json(listing))
+    else:
+        console.print(renderable(listing))

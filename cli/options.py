@@ -1,0 +1,14 @@
+"""Typer option types shared by the inspection commands (ls, show, evict, pin, top)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+ConfigOpt = Annotated[str | None, typer.Option("--config", "-c", help="TOML config file (or ENGRAM_CONFIG).")]
+AddressOpt = Annotated[str | None, typer.Option(
+    "--address", "-a", help="Daemon address, host:port or unix:/path (default: from the config).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+NamespaceOpt = Annotated[str | None, typer.Option(
+    "--namespace", "-n", help="Namespace (tenant). Default: every namespace where that makes sense (admin).")]

@@ -1,0 +1,59 @@
+"""`engram pin` / `engram unpin`: blocks by key (or unique key prefix), or a session's whole chain.
+Pins count: a block pinned twice needs two unpins. A pinned block is never evicted."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Annotated
+
+import typer
+
+from engram.client import EngramClient
+
+from .common import EXIT_BAD_INPUT, address_of, call, console, fail, load
+from .format import dumps
+from .options import AddressOpt, ConfigOpt, JsonOpt, NamespaceOpt
+from .show import DEFAULT_NAMESPACE
+
+KeysArg = Annotated[list[str] | None, typer.Argument(help="Block keys or unique hex key prefixes.")]
+SessionOpt = Annotated[str | None, typer.Option("--session", "-s", help="Every block of this session's chain.")]
+
+
+async def _pin(client: EngramClient, keys: list[str], session: str | None, namespace: str | None, unpin: bool
+               ) -> tuple[int, list[bytes]]:
+    if session is not None:
+        resp = await client.describe_blocks(session_id=session, namespace=namespace or DEFAULT_NAMESPACE)
+    else:
+        resp = await client.describe_blocks(key_prefixes=keys, namespace=namespace or "", all_namespaces=namespace is None)
+    groups: dict[tuple[str, bytes], list[bytes]] = defaultdict(list)
+    for b in resp.blocks:
+        groups[(b.namespace, b.model_fingerprint)].append(b.key)
+    changed = 0
+    for (ns, fp), group in groups.items():
+        changed += await client.pin(fp, group, unpin=unpin, namespace=ns)
+    return changed, [b.key for b in resp.blocks]
+
+
+def _run(keys: list[str] | None, session: str | None, config: str | None, address: str | None,
+         namespace: str | None, json_: bool, unpin: bool) -> None:
+    if bool(keys) == (session is not None):
+        raise fail("name block keys or --session ID (one of them)", EXIT_BAD_INPUT)
+    changed, named = call(address_of(load(config), address), lambda c: _pin(c, keys or [], session, namespace, unpin))
+    verb = "unpinned" if unpin else "pinned"
+    if json_:
+        typer.echo(dumps({"changed": changed, "keys": [k.hex() for k in named]}))
+    else:
+        console.print(f"{verb} {changed} of {len(named)} blocks" +
+                      (" (the others were not pinned)" if unpin and changed < len(named) else ""))
+
+
+def pin(keys: KeysArg = None, session: SessionOpt = None, config: ConfigOpt = None, address: AddressOpt = None,
+        namespace: NamespaceOpt = None, json_: JsonOpt = False) -> None:
+    """Pin blocks so that they are never evicted."""
+    _run(keys, session, config, address, namespace, json_, unpin=False)
+
+
+def unpin(keys: KeysArg = None, session: SessionOpt = None, config: ConfigOpt = None, address: AddressOpt = None,
+          namespace: NamespaceOpt = None, json_: JsonOpt = False) -> None:
+    """Remove one pin from each block."""
+    _run(keys, session, config, address, namespace, json_, unpin=True)

@@ -1,0 +1,97 @@
+"""`engram top`: a live view of a daemon: tiers, rates per second (from two Stats snapshots `--interval`
+apart) and sessions. `--once` prints one frame and exits (scripts, tests)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Annotated
+
+import typer
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from engram.client import EngramClient
+from engram.v1 import engram_pb2 as pb
+
+from .common import address_of, call, console, load
+from .ls import sessions_table
+from .options import AddressOpt, ConfigOpt, NamespaceOpt
+from .stats import human_bytes
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    at: float
+    stats: pb.StatsResponse
+    sessions: pb.ListSessionsResponse
+
+
+async def snapshot(client: EngramClient, namespace: str | None) -> Snapshot:
+    stats = await client.stats()
+    if namespace is None:
+        sessions = await client.list_sessions(all_namespaces=True)
+    else:
+        sessions = await client.list_sessions(namespace=namespace)
+    return Snapshot(time.monotonic(), stats, sessions)
+
+
+def frame(prev: Snapshot, cur: Snapshot, address: str) -> Group:
+    dt = max(cur.at - prev.at, 1e-9)
+    tiers = Table(title=f"engram top: {address}, up {cur.stats.uptime_s:.0f} s, rates over {dt:.1f} s",
+                  title_justify="left")
+    for col in ("tier", "state", "used", "capacity", "blocks", "hits/s", "misses/s", "evictions/s", "demoted/s",
+                "promoted/s"):
+        tiers.add_column(col, justify="left" if col in ("tier", "state") else "right")
+    before = {t.name: t for t in prev.stats.tiers}
+    for t in cur.stats.tiers:
+        p = before.get(t.name, t)
+        tiers.add_row(t.name, t.state, human_bytes(t.used_bytes), human_bytes(t.capacity_bytes), str(t.blocks),
+                      f"{(t.hits - p.hits) / dt:.1f}", f"{(t.misses - p.misses) / dt:.1f}",
+                      f"{(t.evictions - p.evictions) / dt:.1f}",
+                      f"{human_bytes((t.demoted_bytes - p.demoted_bytes) / dt)}/s",
+                      f"{human_bytes((t.promoted_bytes - p.promoted_bytes) / dt)}/s")
+    a, b = prev.stats, cur.stats
+    rates = Table(title="rates", title_justify="left", show_header=False)
+    rates.add_column("name")
+    rates.add_column("per second", justify="right")
+    hit, miss = b.lookup_hit_tokens - a.lookup_hit_tokens, b.lookup_miss_tokens - a.lookup_miss_tokens
+    for name, value in (
+        ("lookups/s", f"{(b.lookups - a.lookups) / dt:.1f}"),
+        ("token hit ratio (interval)", f"{100.0 * hit / (hit + miss):.1f}%" if hit + miss else "-"),
+        ("blocks put/s", f"{(b.blocks_put - a.blocks_put) / dt:.1f}"),
+        ("blocks served/s", f"{(b.blocks_served - a.blocks_served) / dt:.1f}"),
+        ("bytes served/s", f"{human_bytes((b.bytes_served - a.bytes_served) / dt)}/s"),
+        ("replays/s", f"{(b.replay.replays - a.replay.replays) / dt:.2f}"),
+    ):
+        rates.add_row(name, value)
+    return Group(tiers, rates, sessions_table(cur.sessions))
+
+
+async def watch(client: EngramClient, out: Console, address: str, namespace: str | None, interval: float,
+                once: bool) -> None:
+    prev = await snapshot(client, namespace)
+    await asyncio.sleep(interval)
+    cur = await snapshot(client, namespace)
+    if once:
+        out.print(frame(prev, cur, address))
+        return
+    with Live(frame(prev, cur, address), console=out, refresh_per_second=4, screen=False) as live:
+        while True:
+            prev = cur
+            await asyncio.sleep(interval)
+            cur = await snapshot(client, namespace)
+            live.update(frame(prev, cur, address))
+
+
+def top(config: ConfigOpt = None, address: AddressOpt = None, namespace: NamespaceOpt = None,
+        interval: Annotated[float, typer.Option("--interval", "-i", min=0.05, help="Seconds between refreshes.")] = 1.0,
+        once: Annotated[bool, typer.Option("--once", help="Print one frame and exit.")] = False) -> None:
+    """A live view of tiers, rates per second and sessions; Ctrl-C quits."""
+    addr = address_of(load(config), address)
+    limit = interval * 4 + 10 if once else 10.0**9
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a live view ends
+        call(addr, lambda c: watch(c, console, addr, namespace, interval, once), timeout_s=limit)

@@ -1,0 +1,201 @@
+"""What an operator asks of a running daemon: which namespaces and sessions it holds, where a session's
+blocks live, and evicting blocks on request (engram ls / show / evict / pin).
+
+Read-only queries walk the index and the session table when asked; nothing here runs on the put/get path
+and nothing touches recency or hit counters (inspecting a cache must not change what it evicts next).
+
+Eviction keeps prefix closure: evicting a block evicts every block that extends it (its descendants), so
+no stored block is ever left unreachable from its root. Pinned blocks in that closure refuse the whole
+request unless forced. Blocks being read or moved right now are skipped, with their ancestors (which
+cannot go while a descendant stays), and reported, never waited for.
+"""
+
+from __future__ import annotations
+
+import string
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from engram.errors import FailedPrecondition, InvalidArgument, NotFound
+from engram.index import BlockMeta
+from engram.sessions import Session, SessionManager
+from engram.store import BlockStore
+
+
+@dataclass(frozen=True)
+class NamespaceSummary:
+    namespace: str
+    blocks: int
+    stored_bytes: int
+    tokens: int
+    pinned_blocks: int
+    sessions: int
+
+
+@dataclass(frozen=True)
+class SessionSummary:
+    session: Session
+    blocks: tuple[BlockMeta, ...]  # the stored chain its tokens resolve to, in order
+    cached_tokens: int
+    tiers: tuple[str, ...]  # fastest first
+    stored_bytes: int
+    age_s: float
+
+
+@dataclass(frozen=True)
+class BlockDetail:
+    meta: BlockMeta
+    codec: str
+    sessions: int  # sessions whose chain runs through the block
+    start_token: int
+
+    @property
+    def refcount(self) -> int:
+        return self.meta.children + self.sessions + self.meta.pins
+
+
+@dataclass(frozen=True)
+class EvictOutcome:
+    evicted: tuple[bytes, ...]
+    skipped: tuple[bytes, ...]
+    unpinned: int
+
+
+class Inspector:
+    def __init__(self, store: BlockStore, sessions: SessionManager) -> None:
+        self.store = store
+        self.sessions = sessions
+
+    # ---- listings ------------------------------------------------------------------------------
+
+    def namespaces(self) -> list[NamespaceSummary]:
+        acc: dict[str, list[int]] = {}
+        for meta in self.store.index:
+            row = acc.setdefault(meta.namespace, [0, 0, 0, 0, 0])
+            row[0] += 1
+            row[1] += meta.nbytes
+            row[2] += meta.num_tokens
+            row[3] += meta.pins > 0
+        for s in self.sessions.sessions():
+            acc.setdefault(s.namespace, [0, 0, 0, 0, 0])[4] += 1
+        return [NamespaceSummary(ns, *row) for ns, row in sorted(acc.items())]
+
+    def session_list(self, namespace: str | None) -> list[SessionSummary]:
+        """Sessions of one namespace, or of every namespace when namespace is None."""
+        chosen = [s for s in self.sessions.sessions() if namespace is None or s.namespace == namespace]
+        return [self.summary(s) for s in sorted(chosen, key=lambda s: (s.namespace, s.created))]
+
+    def summary(self, s: Session) -> SessionSummary:
+        blocks = self._chain(s)
+        cached = 0
+        for meta in blocks:
+            cached = min(len(s.tokens), cached + meta.num_tokens)
+        rank = {t.name: i for i, t in enumerate(self.store.tiers)}
+        tiers = sorted({name for m in blocks for name in m.locations}, key=rank.__getitem__)
+        return SessionSummary(s, blocks, cached, tuple(tiers), sum(m.nbytes for m in blocks),
+                              time.time() - s.created)
+
+    def _chain(self, s: Session) -> tuple[BlockMeta, ...]:
+        # The index's own match, not store.lookup: an inspection must not count as a hit or a use.
+        spec = self.store.registry.get(s.fingerprint)
+        return self.store.index.match(s.namespace, s.fingerprint, s.tokens, spec.layout.block_tokens).blocks
+
+    # ---- blocks --------------------------------------------------------------------------------
+
+    def resolve(self, namespace: str | None, prefixes: Sequence[str]) -> list[BlockMeta]:
+        """Blocks named by full hex keys or unique hex prefixes, in one namespace (None: every one).
+        Another namespace's block is reported exactly like an absent one."""
+        wanted = []
+        for p in prefixes:
+            p = p.strip().lower()
+            if not p or any(c not in string.hexdigits for c in p):
+                raise InvalidArgument(f"{p!r} is not a hex block key or key prefix (as `engram show` prints)")
+            wanted.append(p)
+        found: list[BlockMeta] = []
+        for p in wanted:
+            hits = [m for m in self.store.index
+                    if (namespace is None or m.namespace == namespace) and m.key.hex().startswith(p)]
+            if not hits:
+                raise NotFound(f"no stored block has a key starting with {p}" +
+                               ("" if namespace is None else f" in namespace {namespace!r}"))
+            if len(hits) > 1:
+                raise InvalidArgument(f"key prefix {p} matches {len(hits)} blocks; give more hex digits")
+            found.append(hits[0])
+        return found
+
+    def describe(self, metas: Iterable[BlockMeta]) -> list[BlockDetail]:
+        refs = self._session_refs()
+        return [BlockDetail(m, self._codec(m.model_fingerprint), refs[m.key], self._start(m)) for m in metas]
+
+    def _codec(self, fingerprint: bytes) -> str:
+        # A recovered block whose model file was lost keeps its bytes but has no known codec until registered.
+        registry = self.store.registry
+        return registry.get(fingerprint).codec if fingerprint in registry else "unknown (model not registered)"
+
+    def _session_refs(self) -> Counter[bytes]:
+        refs: Counter[bytes] = Counter()
+        for s in self.sessions.sessions():
+            refs.update(m.key for m in self._chain(s))
+        return refs
+
+    def _start(self, meta: BlockMeta) -> int:
+        start, parent = 0, self.store.index.get(meta.parent)
+        while parent is not None:
+            start += parent.num_tokens
+            parent = self.store.index.get(parent.parent)
+        return start
+
+    # ---- eviction ------------------------------------------------------------------------------
+
+    def session_blocks_to_evict(self, s: Session) -> list[BlockMeta]:
+        """The blocks of a session's chain that no other session runs through (a suffix of the chain:
+        a block shared with another session shares its ancestors too)."""
+        refs = self._session_refs()
+        return [m for m in self._chain(s) if refs[m.key] <= 1]
+
+    def namespace_blocks(self, namespace: str) -> list[BlockMeta]:
+        return [m for m in self.store.index if m.namespace == namespace]
+
+    async def evict(self, metas: Sequence[BlockMeta], *, force: bool) -> EvictOutcome:
+        closure = self._closure(metas)
+        pinned = [m for m in closure if m.pins]
+        if pinned and not force:
+            raise FailedPrecondition(
+                f"{len(pinned)} of the {len(closure)} blocks to evict (descendants included) are pinned, e.g. "
+                f"{pinned[0].key.hex()}; unpin them (engram unpin) or pass --force")
+        held = self._held_with_ancestors(closure)
+        evicted, unpinned = [], 0
+        for meta in closure:  # deepest first, so every block is a leaf when its turn comes
+            if meta.key in held or self.store.index.get(meta.key) is not meta:
+                continue
+            if meta.pins:
+                meta.pins = 0
+                unpinned += 1
+            await self.store.remove(meta)
+            evicted.append(meta.key)
+        return EvictOutcome(tuple(evicted), tuple(k for k in held), unpinned)
+
+    def _closure(self, metas: Sequence[BlockMeta]) -> list[BlockMeta]:
+        """The blocks and all their descendants, deepest first."""
+        depth: dict[bytes, tuple[int, BlockMeta]] = {}
+        stack = [(m, 0) for m in metas]
+        while stack:
+            meta, d = stack.pop()
+            if meta.key in depth and depth[meta.key][0] >= d:
+                continue
+            depth[meta.key] = (d, meta)
+            stack.extend((child, d + 1) for child in self.store.index.children_of(meta.key))
+        return [m for _, m in sorted(depth.values(), key=lambda dm: -dm[0])]
+
+    def _held_with_ancestors(self, closure: list[BlockMeta]) -> dict[bytes, None]:
+        inside = {m.key: m for m in closure}
+        held: dict[bytes, None] = {}
+        for meta in closure:
+            if meta.leases or meta.moving:
+                m: BlockMeta | None = meta
+                while m is not None and m.key in inside and m.key not in held:
+                    held[m.key] = None
+                    m = inside.get(m.parent)
+        return held

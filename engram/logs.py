@@ -1,0 +1,76 @@
+"""Daemon logging: plain text or one JSON object per line (`logging.json = true`), and a reporter that
+turns the store's counters into one line per notable change instead of one line per block.
+
+The reporter wakes every `logging.summary_s` seconds and compares counters with its last look: eviction
+and demotion bursts become one summary line per tier, corrupt blocks found and I/O errors one warning,
+and a tier going degraded or recovering one line each. Nothing is logged from the put/get path itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import sys
+from datetime import UTC, datetime
+from typing import Any
+
+from engram.config import LoggingConfig
+from engram.store import BlockStore, TierCounters
+
+log = logging.getLogger("engram.activity")
+
+
+class JsonFormatter(logging.Formatter):
+    """{"time", "level", "logger", "event", "fields"}: `fields` comes from `extra={"fields": {...}}`."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "event": record.getMessage(),
+            "fields": getattr(record, "fields", {}),
+        }
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup_logging(cfg: LoggingConfig) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if cfg.json else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(cfg.level.upper())
+
+
+async def report_activity(store: BlockStore, interval_s: float) -> None:
+    """Run until cancelled: one line per notable change in the store's counters and tier health."""
+    last = {name: dataclasses.replace(tc) for name, tc in store.counters.tiers.items()}
+    state = {name: h.state for name, h in store.health.items()}
+    while True:
+        await asyncio.sleep(interval_s)
+        for name, tc in store.counters.tiers.items():
+            _report_tier(name, last[name], tc, interval_s)
+            last[name] = dataclasses.replace(tc)
+            h = store.health[name]
+            if h.state != state[name]:
+                level = logging.WARNING if h.state != "ok" else logging.INFO
+                log.log(level, f"tier {name} is {h.state}", extra={"fields": {"tier": name, "state": h.state,
+                                                                                "reason": h.reason}})
+                state[name] = h.state
+
+
+def _report_tier(name: str, old: TierCounters, new: TierCounters, interval_s: float) -> None:
+    evicted, demoted = new.evictions - old.evictions, new.demotions - old.demotions
+    if evicted or demoted:
+        log.info(f"tier {name}: {evicted} blocks evicted, {demoted} demoted in the last {interval_s:g}s",
+                 extra={"fields": {"tier": name, "evicted": evicted, "demoted": demoted,
+                                   "demoted_bytes": new.demoted_bytes - old.demoted_bytes, "interval_s": interval_s}})
+    corrupt, io_errors = new.corrupt_blocks - old.corrupt_blocks, new.io_errors - old.io_errors
+    if corrupt or io_errors:
+        log.warning(f"tier {name}: {corrupt} corrupt blocks found (dropped, never served), {io_errors} I/O errors",
+                    extra={"fields": {"tier": name, "corrupt_blocks": corrupt, "io_errors": io_errors}})

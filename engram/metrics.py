@@ -1,0 +1,164 @@
+"""Prometheus metrics for a daemon: an HTTP /metrics endpoint (prometheus-client), per-RPC counters and
+latency histograms (a grpc.aio server interceptor), and the store's own counters read at scrape time.
+
+Nothing is added to the per-block hot path: tier, replay and corruption figures are the counters the
+store already keeps (engram/store.py), turned into metric families by a custom Collector when Prometheus
+scrapes. Each daemon has its own CollectorRegistry, so two daemons in one process (tests) never mix.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
+from prometheus_client.registry import Collector
+
+from engram.sessions import SessionManager
+from engram.store import BlockStore
+
+ANY_FREE_PORT = -1  # server.metrics_port = -1: bind any free port (tests); 0 turns metrics off
+
+
+class StoreCollector(Collector):
+    """Tier occupancy, hits, misses, evictions, bytes moved, replays and corrupt blocks, at scrape time."""
+
+    def __init__(self, store: BlockStore, sessions: SessionManager) -> None:
+        self.store = store
+        self.sessions = sessions
+
+    def collect(self) -> Iterator[Metric]:
+        store = self.store
+        label = ["tier"]
+        fams: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+            "capacity": GaugeMetricFamily("engram_tier_capacity_bytes", "Tier budget in bytes.", labels=label),
+            "used": GaugeMetricFamily("engram_tier_used_bytes", "Bytes held or reserved in the tier.", labels=label),
+            "blocks": GaugeMetricFamily("engram_tier_blocks", "Blocks with a copy in the tier.", labels=label),
+            "degraded": GaugeMetricFamily("engram_tier_degraded", "1 while the tier is degraded (e.g. ENOSPC).",
+                                          labels=label),
+            "hits": CounterMetricFamily("engram_tier_hits", "Reads served by the tier.", labels=label),
+            "misses": CounterMetricFamily("engram_tier_misses", "Reads a lower tier served instead.", labels=label),
+            "evictions": CounterMetricFamily("engram_tier_evictions", "Blocks evicted for room.", labels=label),
+            "demoted": CounterMetricFamily("engram_tier_demoted_bytes", "Payload bytes copied down out of the tier.",
+                                           labels=label),
+            "promoted": CounterMetricFamily("engram_tier_promoted_bytes", "Payload bytes copied up into the tier.",
+                                            labels=label),
+            "corrupt": CounterMetricFamily("engram_tier_corrupt_blocks", "Copies that failed their checksum.",
+                                           labels=label),
+            "io_errors": CounterMetricFamily("engram_tier_io_errors", "I/O errors on the tier.", labels=label),
+        }
+        for tier in store.tiers:
+            usage = tier.usage()
+            tc = store.counters.tiers[tier.name]
+            values = {"capacity": usage.capacity_bytes, "used": usage.used_bytes, "blocks": usage.blocks,
+                      "degraded": int(store.health[tier.name].state != "ok"), "hits": tc.hits, "misses": tc.misses,
+                      "evictions": tc.evictions, "demoted": tc.demoted_bytes, "promoted": tc.promoted_bytes,
+                      "corrupt": tc.corrupt_blocks, "io_errors": tc.io_errors}
+            for name, fam in fams.items():
+                fam.add_metric([tier.name], values[name])
+        yield from fams.values()
+        c = store.counters
+        for name, doc, value in (
+            ("engram_lookups", "Lookup calls.", c.lookups),
+            ("engram_lookup_hit_tokens", "Tokens found cached by lookups.", c.lookup_hit_tokens),
+            ("engram_lookup_miss_tokens", "Tokens not found by lookups.", c.lookup_miss_tokens),
+            ("engram_blocks_put", "Blocks newly stored.", c.blocks_put),
+            ("engram_blocks_deduplicated", "Blocks put that were already stored.", c.blocks_deduplicated),
+            ("engram_blocks_served", "Blocks read out.", c.blocks_served),
+            ("engram_bytes_served", "Payload bytes read out.", c.bytes_served),
+            ("engram_corrupt_blocks", "Stored copies found corrupt (any tier).", c.corrupt_blocks),
+            ("engram_blocks_evicted_on_request", "Blocks removed by Evict.", c.blocks_evicted_on_request),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        rc = self.sessions.runtime.counters
+        yield SummaryMetricFamily("engram_replay_seconds", "SWA window rebuilds and their time.",
+                                  count_value=rc.replays, sum_value=rc.seconds)
+        yield CounterMetricFamily("engram_replayed_tokens", "Tokens re-run by replays.", value=rc.replayed_tokens)
+        yield GaugeMetricFamily("engram_sessions", "Open sessions.", value=len(self.sessions))
+        yield GaugeMetricFamily("engram_hot_sessions", "Sessions holding a rebuilt window.",
+                                value=self.sessions.hot_count())
+
+
+class RpcMetrics(grpc.aio.ServerInterceptor):
+    """Counts every RPC and times it, labelled by method and final status code."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.calls = Counter("engram_rpcs", "RPCs handled.", ["method", "code"], registry=registry)
+        self.latency = Histogram("engram_rpc_duration_seconds", "RPC time from call to last response.",
+                                 ["method", "code"], registry=registry,
+                                 buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
+                                          5, 10))
+
+    def _done(self, method: str, context: Any, t0: float, failed: BaseException | None) -> None:
+        code = context.code()
+        if code is None:
+            code = grpc.StatusCode.UNKNOWN if failed is not None and not isinstance(failed, grpc.aio.AbortError) \
+                else grpc.StatusCode.OK
+        name = code.name if isinstance(code, grpc.StatusCode) else str(code)
+        self.calls.labels(method, name).inc()
+        self.latency.labels(method, name).observe(time.perf_counter() - t0)
+
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
+                                handler_call_details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        if handler.unary_unary or handler.stream_unary:
+            kind = "unary_unary" if handler.unary_unary else "stream_unary"
+            inner = getattr(handler, kind)
+
+            async def unary(request: Any, context: Any) -> Any:
+                t0, failed = time.perf_counter(), None
+                try:
+                    return await inner(request, context)
+                except BaseException as exc:
+                    failed = exc
+                    raise
+                finally:
+                    self._done(method, context, t0, failed)
+
+            return handler._replace(**{kind: unary})
+        kind = "unary_stream" if handler.unary_stream else "stream_stream"
+        inner_stream = getattr(handler, kind)
+
+        async def streaming(request: Any, context: Any) -> AsyncIterator[Any]:
+            t0, failed = time.perf_counter(), None
+            try:
+                async for item in inner_stream(request, context):
+                    yield item
+            except BaseException as exc:
+                failed = exc
+                raise
+            finally:
+                self._done(method, context, t0, failed)
+
+        return handler._replace(**{kind: streaming})
+
+
+class MetricsEndpoint:
+    """The registry, the RPC interceptor and (once started) the HTTP server of one daemon."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.interceptor = RpcMetrics(self.registry)
+        self.port = 0
+        self._server: Any = None
+
+    def watch(self, store: BlockStore, sessions: SessionManager) -> None:
+        self.registry.register(StoreCollector(store, sessions))
+
+    def start(self, host: str, port: int) -> int:
+        """Serve /metrics; returns the bound port (port -1: any free one)."""
+        self._server, _ = start_http_server(0 if port == ANY_FREE_PORT else port, addr=host, registry=self.registry)
+        self.port = int(self._server.server_port)
+        return self.port
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

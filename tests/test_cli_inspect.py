@@ -1,0 +1,203 @@
+"""`engram ls / show / evict / pin / unpin` against a real daemon subprocess holding known content.
+
+The commands run in this process through Typer's CliRunner (what the user sees: stdout, stderr, exit
+code); the daemon is a real `engram serve` on a unix socket, filled with a real client."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner, Result
+
+from engram.cli.main import app
+from engram.client import SyncEngramClient
+
+from helpers import engram_daemon, random_kv, tiny_model, tokens
+
+
+@dataclass
+class Content:
+    address: str
+    fp: bytes
+    s1: list[bytes]  # team-a session s1: 64 tokens, 4 full blocks
+    s2_own: bytes  # team-a session s2: forked from s1 at 32 tokens, plus one block of its own
+    b: list[bytes]  # team-b: 40 tokens, no session (2 full blocks and a partial one)
+
+
+@pytest.fixture
+def content(tmp_path: Path) -> Iterator[Content]:
+    with engram_daemon(tmp_path) as (address, _):
+        spec = tiny_model()
+        toks = tokens(64)
+        with SyncEngramClient(address, namespace="team-a") as c:
+            fp = c.register_model(spec)
+            s1 = list(c.put(fp, toks, random_kv(spec, 64)).keys)
+            c.open_session(fp, mode="persist", session_id="s1", tokens=toks)
+            c.open_session(fp, mode="persist", session_id="parent-of-s2", tokens=toks)
+            c.fork_session("parent-of-s2", session_id="s2", position=32)
+            c.close_session("parent-of-s2")
+            own = tokens(16, seed=5)
+            c.append_session("s2", own)
+            s2_keys = c.put(fp, [*toks[:32], *own], random_kv(spec, 48, seed=1)).keys
+            assert list(s2_keys[:2]) == s1[:2]
+            tb = tokens(40, seed=9)
+            b = list(c.put(fp, tb, random_kv(spec, 40, seed=2), namespace="team-b").keys)
+        yield Content(address, fp, s1, s2_keys[2], b)
+
+
+def cli(*args: str) -> Result:
+    return CliRunner().invoke(app, list(args))
+
+
+def as_json(result: Result) -> dict:  # type: ignore[type-arg]
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_ls_lists_namespaces_and_sessions(content: Content) -> None:
+    data = as_json(cli("ls", "--json", "-a", content.address))
+    ns = {n["namespace"]: n for n in data["namespaces"]}
+    assert set(ns) == {"team-a", "team-b"}
+    assert (ns["team-a"]["blocks"], ns["team-a"]["tokens"], ns["team-a"]["sessions"]) == (5, 80, 2)
+    assert (ns["team-b"]["blocks"], ns["team-b"]["tokens"], ns["team-b"]["sessions"]) == (3, 40, 0)
+    assert ns["team-a"]["stored_bytes"] == tiny_model().layout.block_nbytes(16) * 5
+    sessions = {s["info"]["session_id"]: s for s in data["sessions"]}
+    assert set(sessions) == {"s1", "s2"}
+    s1, s2 = sessions["s1"], sessions["s2"]
+    assert (s1["info"]["tokens"], s1["cached_tokens"], s1["blocks"], s1["tiers"]) == (64, 64, 4, ["dram"])
+    assert (s2["info"]["tokens"], s2["cached_tokens"], s2["blocks"]) == (48, 48, 3)
+    assert s1["info"]["mode"] == "REPLAY_MODE_PERSIST" and s1["info"]["model_fingerprint"] == content.fp.hex()
+    assert s2["info"]["parent"] == "parent-of-s2" and s2["age_s"] >= 0
+
+    table = cli("ls", "-a", content.address)
+    assert table.exit_code == 0
+    lines = table.stdout.splitlines()
+    s1_line = next(line for line in lines if " s1 " in line)
+    assert "team-a" in s1_line and "64" in s1_line and "dram" in s1_line and "persist" in s1_line and "cold" in s1_line
+    assert any("team-b" in line and " 40 " in line for line in lines)
+
+    only_b = as_json(cli("ls", "--json", "-n", "team-b", "-a", content.address))
+    assert only_b == {"sessions": []}
+
+
+def test_show_session_chain_and_blocks(content: Content) -> None:
+    data = as_json(cli("show", "s1", "-n", "team-a", "--json", "-a", content.address))
+    assert data["session"]["info"]["session_id"] == "s1"
+    blocks = data["blocks"]
+    assert [b["key"] for b in blocks] == [k.hex() for k in content.s1]
+    assert [b["start_token"] for b in blocks] == [0, 16, 32, 48]
+    # Blocks 0 and 1 are shared with s2 (its fork point is 32): two sessions each; block 1 has two children.
+    assert [b["sessions"] for b in blocks] == [2, 2, 1, 1]
+    assert [b["children"] for b in blocks] == [1, 2, 1, 0]
+    assert [b["refcount"] for b in blocks] == [3, 4, 2, 1]
+    assert all(b["tiers"] == ["dram"] and b["codec"] == "raw" and b["checksum"] != 0 and b["pins"] == 0
+               for b in blocks)
+
+    # One block by a unique key prefix, found in whichever namespace holds it.
+    key = content.b[2].hex()
+    one = as_json(cli("show", key[:12], "--json", "-a", content.address))
+    assert [b["key"] for b in one["blocks"]] == [key]
+    assert one["session"] is None
+    b = one["blocks"][0]
+    assert (b["namespace"], b["num_tokens"], b["full"], b["parent"], b["start_token"]) == \
+        ("team-b", 8, False, content.b[1].hex(), 32)
+
+    table = cli("show", "s2", "-n", "team-a", "-a", content.address)
+    assert table.exit_code == 0
+    assert "session s2" in table.stdout and "48 cached in 3 blocks" in table.stdout
+    assert content.s2_own.hex()[:16] in table.stdout
+
+
+def test_show_unknown_and_ambiguous_names(content: Content) -> None:
+    missing = cli("show", "nosuch", "-a", content.address)
+    assert missing.exit_code == 3 and "no session 'nosuch'" in missing.stderr and "engram ls" in missing.stderr
+    all_keys = [k.hex() for k in (*content.s1, content.s2_own, *content.b)]
+    absent = next(p for p in (f"{i:x}" * 6 for i in range(16)) if not any(k.startswith(p) for k in all_keys))
+    gone = cli("show", absent, "-a", content.address)
+    assert gone.exit_code == 3 and "no session and no block" in gone.stderr
+    # Another namespace's block is not found when a namespace is named.
+    hidden = cli("show", content.b[0].hex(), "-n", "team-a", "-a", content.address)
+    assert hidden.exit_code == 3
+    first = [k[0] for k in all_keys]
+    shared = next((c for c in first if first.count(c) > 1), None)
+    assert shared is not None  # 8 keys of 16 possible first digits: the seeded keys do share one
+    ambiguous = cli("show", shared, "-a", content.address)
+    assert ambiguous.exit_code == 4 and "give more hex digits" in ambiguous.stderr
+
+
+def test_pin_blocks_eviction_until_forced_and_closure(content: Content) -> None:
+    addr = content.address
+    pinned = as_json(cli("pin", content.s1[2].hex()[:16], "--json", "-a", addr))
+    assert pinned == {"changed": 1, "keys": [content.s1[2].hex()]}
+    shown = as_json(cli("show", content.s1[2].hex(), "--json", "-a", addr))
+    assert shown["blocks"][0]["pins"] == 1 and shown["blocks"][0]["refcount"] == 3  # child + s1 + pin
+
+    # Block 1's descendants include the pinned block 2: refused, and nothing is evicted.
+    refused = cli("evict", content.s1[1].hex(), "-a", addr)
+    assert refused.exit_code == 4 and "pinned" in refused.stderr and "--force" in refused.stderr
+    assert as_json(cli("ls", "--json", "-a", addr))["namespaces"][0]["blocks"] == 5
+
+    # Evicting s1 takes only the blocks no other session uses (2 and 3), pinned 2 only with --force.
+    assert cli("evict", "--session", "s1", "-n", "team-a", "-a", addr).exit_code == 4
+    out = as_json(cli("evict", "--session", "s1", "-n", "team-a", "--force", "--json", "-a", addr))
+    assert out["evicted"] == [content.s1[3].hex(), content.s1[2].hex()] and out["unpinned"] == 1
+    s1 = as_json(cli("show", "s1", "-n", "team-a", "--json", "-a", addr))
+    assert s1["session"]["cached_tokens"] == 32 and len(s1["blocks"]) == 2
+
+    # Evicting block 0 evicts what extends it: block 1 and s2's own block.
+    out = as_json(cli("evict", content.s1[0].hex(), "--json", "-a", addr))
+    assert set(out["evicted"]) == {content.s1[0].hex(), content.s1[1].hex(), content.s2_own.hex()}
+    assert out["evicted"][-1] == content.s1[0].hex()  # the root goes last: no block is ever orphaned
+
+    text = cli("evict", "--whole-namespace", "-n", "team-b", "-a", addr)
+    assert text.exit_code == 0 and "evicted 3 blocks" in text.stdout
+    listing = as_json(cli("ls", "--json", "-a", addr))
+    assert {n["namespace"]: n["blocks"] for n in listing["namespaces"]} == {"team-a": 0}
+    stats = as_json(cli("stats", "--json", "-a", addr))
+    assert int(stats["blocks_evicted_on_request"]) == 8 and int(stats["tiers"][0]["blocks"]) == 0
+
+
+def test_pins_count_and_unpin(content: Content) -> None:
+    addr = content.address
+    assert as_json(cli("pin", "--session", "s2", "-n", "team-a", "--json", "-a", addr))["changed"] == 3
+    assert as_json(cli("pin", content.s1[0].hex(), "--json", "-a", addr))["changed"] == 1
+    stats = as_json(cli("stats", "--json", "-a", addr))
+    assert int(stats["tiers"][0]["pinned_blocks"]) == 3  # s1[0] twice: pins count, blocks do not
+    first = as_json(cli("show", content.s1[0].hex(), "--json", "-a", addr))["blocks"][0]
+    assert first["pins"] == 2
+    out = cli("unpin", content.s1[0].hex(), content.s2_own.hex(), "-a", addr)
+    assert out.exit_code == 0 and "unpinned 2 of 2 blocks" in out.stdout
+    again = cli("unpin", content.s2_own.hex(), "-a", addr)
+    assert "unpinned 0 of 1 blocks" in again.stdout
+    assert as_json(cli("show", content.s1[0].hex(), "--json", "-a", addr))["blocks"][0]["pins"] == 1
+
+
+def test_bad_input_names_what_to_change(content: Content) -> None:
+    addr = content.address
+    none = cli("evict", "-a", addr)
+    assert none.exit_code == 4 and "name what to evict" in none.stderr
+    assert "--namespace" in cli("evict", "--whole-namespace", "-a", addr).stderr
+    bad = cli("evict", "xyz!", "-a", addr)
+    assert bad.exit_code == 4 and "not a hex block key" in bad.stderr
+    assert cli("pin", "-a", addr).exit_code == 4
+    assert cli("show", "s1", "-a", addr).exit_code == 3  # s1 lives in team-a, not in the default namespace
+
+
+@pytest.mark.parametrize("command", [["ls"], ["show", "s1"], ["evict", "ab12"], ["pin", "ab12"], ["unpin", "ab12"]])
+def test_unreachable_daemon(tmp_path: Path, command: list[str]) -> None:
+    out = cli(*command, "-a", f"unix:{tmp_path / 'nobody.sock'}")
+    assert out.exit_code == 2 and "no Engram daemon answers" in out.stderr
+
+
+def test_stats_reports_tokens_per_tier(content: Content) -> None:
+    stats = as_json(cli("stats", "--json", "-a", content.address))
+    dram = stats["tiers"][0]
+    assert int(dram["tokens"]) == 64 + 16 + 40
+    assert int(dram["used_bytes"]) == tiny_model().layout.block_nbytes(16) * 7 + tiny_model().layout.block_nbytes(8)
+    table = cli("stats", "-a", content.address)
+    per_token = tiny_model().layout.bytes_per_token()
+    assert table.exit_code == 0 and f" {per_token} " in table.stdout

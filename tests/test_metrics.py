@@ -1,0 +1,84 @@
+"""Scrape the real /metrics endpoint of a running daemon after known traffic and check the values."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engram import errors
+from engram.client import EngramClient
+from engram.config import load_config
+
+from helpers import random_kv, tiny_model, tokens
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+async def test_metrics_after_known_traffic(server_factory) -> None:  # type: ignore[no-untyped-def]
+    spec = tiny_model()
+    block = spec.layout.block_nbytes(16)
+    # Room for 3 blocks in DRAM and no tier below: a second chain of 2 blocks evicts the first chain's tail
+    # (2 evictions; a chain loses its tail first, and a put never evicts the parent it extends).
+    srv = await server_factory(**{"server.metrics_port": -1, "tiers.dram.capacity": 3 * block})
+    assert srv.metrics is not None and srv.metrics.port > 0
+    async with EngramClient(srv.address, namespace="m") as c:
+        fp = await c.register_model(spec)
+        toks = tokens(48)
+        await c.put(fp, toks, random_kv(spec, 48))
+        await c.put(fp, tokens(32, seed=1), random_kv(spec, 32))
+        hit = await c.lookup(fp, toks)
+        assert hit.blocks
+        await c.lookup(fp, toks[:48])
+        await c.get(fp, [hit.blocks[0].key])
+        with pytest.raises(errors.NotFound):
+            await c.get(fp, [b"\0" * 16])
+    m = await asyncio.to_thread(scrape, srv.metrics.port)
+    dram = (("tier", "dram"),)
+    assert m[("engram_tier_capacity_bytes", dram)] == 3 * block
+    assert m[("engram_tier_blocks", dram)] == 3
+    assert m[("engram_tier_used_bytes", dram)] == 3 * block
+    assert m[("engram_tier_evictions_total", dram)] == 2
+    assert m[("engram_tier_hits_total", dram)] == 1
+    assert m[("engram_tier_degraded", dram)] == 0
+    assert m[("engram_blocks_put_total", ())] == 5
+    assert m[("engram_lookups_total", ())] == 4  # each put looks up first
+    assert m[("engram_corrupt_blocks_total", ())] == 0
+    assert m[("engram_replay_seconds_count", ())] == 0
+    ok = lambda method: (("code", "OK"), ("method", method))  # noqa: E731
+    assert m[("engram_rpcs_total", ok("Put"))] == 2
+    assert m[("engram_rpcs_total", ok("Lookup"))] == 4
+    assert m[("engram_rpcs_total", ok("Get"))] == 1
+    assert m[("engram_rpcs_total", (("code", "NOT_FOUND"), ("method", "Get")))] == 1
+    assert m[("engram_rpc_duration_seconds_count", ok("Put"))] == 2
+    assert m[("engram_rpc_duration_seconds_sum", ok("Put"))] > 0
+
+
+async def test_metrics_count_promotions_and_bytes_moved(server_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    spec = tiny_model()
+    block = spec.layout.block_nbytes(16)
+    srv = await server_factory(**{"server.metrics_port": -1, "tiers.dram.capacity": 2 * block,
+                                  "tiers.nvme.path": str(tmp_path / "nvme"), "tiers.nvme.fsync": False})
+    async with EngramClient(srv.address, namespace="m") as c:
+        fp = await c.register_model(spec)
+        toks = tokens(64)
+        keys = (await c.put(fp, toks, random_kv(spec, 64))).keys  # 4 blocks: 2 demoted to NVMe
+        await c.get(fp, [keys[0]])  # served by NVMe, promoted to DRAM (demoting another)
+    m = await asyncio.to_thread(scrape, srv.metrics.port)
+    dram, nvme = (("tier", "dram"),), (("tier", "nvme"),)
+    demoted = m[("engram_tier_demoted_bytes_total", dram)]
+    assert demoted == block * srv.store.counters.tiers["dram"].demotions and demoted >= 2 * block
+    assert m[("engram_tier_promoted_bytes_total", dram)] == block
+    assert m[("engram_tier_hits_total", nvme)] == 1 and m[("engram_tier_misses_total", dram)] == 1
+
+
+def test_metrics_port_is_validated() -> None:
+    with pytest.raises(errors.ConfigError, match="metrics_port"):
+        load_config(env={}, overrides={"server.metrics_port": -2})

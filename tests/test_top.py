@@ -1,0 +1,53 @@
+"""`engram top` renders against a real daemon: a frame built from two snapshots (Rich console capture)
+shows the rates of the traffic between them, and `--once` prints one frame and exits 0."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from typer.testing import CliRunner
+
+from engram.cli.main import app
+from engram.cli.top import frame, snapshot
+from engram.client import EngramClient, SyncEngramClient
+
+from helpers import engram_daemon, random_kv, tiny_model, tokens
+
+
+async def test_frame_shows_rates_between_snapshots(server_factory) -> None:  # type: ignore[no-untyped-def]
+    srv = await server_factory()
+    spec = tiny_model()
+    async with EngramClient(srv.address, namespace="top") as c:
+        fp = await c.register_model(spec)
+        await c.open_session(fp, mode="persist", session_id="agent-1", tokens=tokens(32))
+        before = await snapshot(c, None)
+        await c.put(fp, tokens(32), random_kv(spec, 32))
+        for _ in range(4):
+            await c.get_prefix(fp, tokens(32))
+        after = await snapshot(c, None)
+    after = type(after)(before.at + 2.0, after.stats, after.sessions)  # a known interval: rates are exact
+    out = Console(record=True, width=160)
+    out.print(frame(before, after, srv.address))
+    text = out.export_text()
+    rows = {cells[1]: cells[2:] for line in text.splitlines()
+            if len(cells := [c.strip() for c in line.split("│")]) > 2}
+    assert rows["dram"][4] == "4.0"  # hits/s: 8 block reads in 2 s
+    assert rows["dram"][3] == "2"  # blocks
+    assert "rates over 2.0 s" in text
+    assert rows["blocks put/s"][0] == "1.0" and rows["blocks served/s"][0] == "4.0"
+    assert rows["lookups/s"][0] == "2.5"  # the put's own lookup and four get_prefix lookups
+    assert "agent-1" in text and "persist" in text
+
+
+def test_top_once_against_daemon_subprocess(tmp_path: Path) -> None:
+    with engram_daemon(tmp_path) as (address, _):
+        spec = tiny_model()
+        with SyncEngramClient(address, namespace="top") as c:
+            fp = c.register_model(spec)
+            c.put(fp, tokens(32), random_kv(spec, 32))
+        result = CliRunner().invoke(app, ["top", "--once", "--interval", "0.1", "-a", address])
+        assert result.exit_code == 0, result.output
+        assert "engram top" in result.stdout and "dram" in result.stdout and "lookups/s" in result.stdout
+        gone = CliRunner().invoke(app, ["top", "--once", "-a", f"unix:{tmp_path / 'none.sock'}"])
+        assert gone.exit_code == 2 and "no Engram daemon answers" in gone.stderr
