@@ -100,7 +100,8 @@ class Inspector:
     def _chain(self, s: Session) -> tuple[BlockMeta, ...]:
         # The index's own match, not store.lookup: an inspection must not count as a hit or a use.
         spec = self.store.registry.get(s.fingerprint)
-        return self.store.index.match(s.namespace, s.fingerprint, s.tokens, spec.layout.block_tokens).blocks
+        return self.store.index.match(s.namespace, s.fingerprint, s.tokens, spec.layout.block_tokens,
+                                      self.store.namespaces.salt(s.namespace)).blocks
 
     # ---- blocks --------------------------------------------------------------------------------
 

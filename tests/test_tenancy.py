@@ -242,3 +242,34 @@ async def test_fetch_blocks_is_for_peers_only(server_factory: Any) -> None:
     got = [r async for r in stub_for(channel, "peer-token").FetchBlocks(pb.FetchBlocksRequest(keys=keys))]
     await channel.close()
     assert [r.chunk.key for r in got if r.chunk.HasField("header")] == keys
+
+
+async def test_bob_never_reaches_alices_blocks_through_the_inspection_rpcs(daemon: RunningServer) -> None:
+    fp, toks, kv, keys = await alice_prefix(daemon)
+    async with as_(daemon, BOB) as b:
+        for call in (lambda: b.list_namespaces(),
+                     lambda: b.list_sessions(all_namespaces=True),
+                     lambda: b.describe_blocks(key_prefixes=[keys[0].hex()], all_namespaces=True),
+                     lambda: b.evict(key_prefixes=[keys[0].hex()], all_namespaces=True, force=True)):
+            with pytest.raises(errors.PermissionDenied, match="admin"):
+                await call()
+        for call in (lambda: b.list_sessions(namespace="alice"),
+                     lambda: b.describe_blocks(session_id="plan", namespace="alice"),
+                     lambda: b.evict(whole_namespace=True, force=True, namespace="alice")):
+            with pytest.raises(errors.PermissionDenied, match="may not act in namespace 'alice'"):
+                await call()
+        # Her keys and session, named inside his own namespace: absent.
+        for call in (lambda: b.describe_blocks(key_prefixes=[keys[0].hex()]),
+                     lambda: b.evict(key_prefixes=[keys[0].hex()], force=True),
+                     lambda: b.describe_blocks(session_id="plan")):
+            with pytest.raises(errors.NotFound):
+                await call()
+        assert not (await b.list_sessions()).sessions
+    async with as_(daemon, ADMIN) as admin:  # positive control: the admin sees her session and blocks
+        listed = await admin.list_sessions(all_namespaces=True)
+        assert [s.info.session_id for s in listed.sessions] == ["plan"]
+        assert len((await admin.describe_blocks(session_id="plan", namespace="alice")).blocks) == 4
+    async with as_(daemon, ALICE) as a:  # and nothing of hers was evicted
+        await a.register_model(tiny_model())
+        n, got = await a.get_prefix(fp, toks)
+        assert n == len(toks) and got is not None and torch.equal(got, kv)
