@@ -119,3 +119,41 @@ async def _b_hits(b: EngramClient, fp: bytes, toks: Any) -> bool:
 
 async def _both(a: EngramClient, b: EngramClient, want: str) -> bool:
     return await state(a) == want and await state(b) == want
+
+
+async def test_with_tenancy_a_tenants_prefix_crosses_daemons_and_no_other_tenant_gets_it(redis_port: int) -> None:
+    """Both daemons share the salt secret and a peer token: Alice's prefix written through A is a hit for
+    Alice through B (fetched with the peer token), and Bob, on B, gets nothing of it."""
+    proc = start_redis(redis_port)
+    auth = {"auth.tenants.alice.token": "alice-token", "auth.tenants.bob.token": "bob-token",
+            "auth.salt_secret": "shared-secret", "cluster.peer_token": "peer-token"}
+    started = []
+    try:
+        for name in ("a", "b"):
+            cfg = load_config(env={}, overrides={
+                "server.port": 0, "cluster.redis_url": f"redis://127.0.0.1:{redis_port}/0", "cluster.node_id": name,
+                "cluster.heartbeat_s": 0.2, "cluster.ttl_s": 2.0, **auth})
+            started.append(await start_server(cfg))
+        a_srv, b_srv = started
+        spec = tiny_model()
+        toks = tokens(4 * BLOCK_TOKENS, seed=21)
+        kv = random_kv(spec, len(toks), seed=21)
+        async with EngramClient(a_srv.address, token="alice-token", namespace="alice") as a, \
+                EngramClient(b_srv.address, token="alice-token", namespace="alice") as b, \
+                EngramClient(b_srv.address, token="bob-token", namespace="bob") as bob:
+            fp = await a.register_model(spec)
+            assert await b.register_model(spec) == fp and await bob.register_model(spec) == fp
+            await until(lambda: _both(a, b, "ok"), "both daemons joined")
+            await a.put(fp, toks, kv)
+            await until(lambda: _b_hits(b, fp, toks), "daemon B serves Alice the prefix daemon A stored")
+            n, got = await b.get_prefix(fp, toks)
+            assert n == len(toks) and got is not None and torch.equal(got, kv)
+            assert (await b.stats()).cluster.remote_hits == 4
+            # Bob, on the daemon that now holds her blocks and in the cluster that advertises them: nothing.
+            assert (await bob.lookup(fp, toks)).matched_tokens == 0
+            assert (await b.stats()).cluster.remote_hits == 4  # and his miss fetched nothing
+    finally:
+        for srv in started:
+            await srv.stop(0)
+        proc.kill()
+        proc.wait()
