@@ -408,6 +408,17 @@ class BlockStore:
             raise
         return need
 
+    def begin_copy_now(self, meta: BlockMeta, tier_name: str) -> int | None:
+        """begin_copy when the tier has room already, with no await (a batch books hundreds of blocks, and
+        the copy engine idles while it does); None when room must be made first: call begin_copy."""
+        tier = self.tiers[self._rank[tier_name]]
+        need = tier.space_for(meta.record())
+        if not tier.reserve(need):
+            return None
+        meta.moving = True
+        self._busy += 1
+        return need
+
     def end_copy(self, meta: BlockMeta, tier_name: str, *, ok: bool) -> None:
         """Phase two: the new copy joins the block's locations only if its bytes landed (ok)."""
         if ok:

@@ -187,10 +187,12 @@ async def copy_blocks(store: BlockStore, metas: Sequence[BlockMeta], engine: Tra
         for meta in metas:
             if meta.moving or src not in meta.locations or dst in meta.locations:
                 continue
-            try:
-                need = await store.begin_copy(meta, dst)
-            except ResourceExhausted:
-                continue  # no room up there right now: served from where it is
+            need = store.begin_copy_now(meta, dst)
+            if need is None:
+                try:
+                    need = await store.begin_copy(meta, dst)
+                except ResourceExhausted:
+                    continue  # no room up there right now: served from where it is
             started.append((meta, need))
             slot = lower.slot(meta.key)
             moves.append(Move(slot.offset, upper.place(meta.key, need, slot.length).offset, slot.length))
