@@ -12,7 +12,7 @@ import typer.main
 import yaml
 
 from engram.cli.main import app
-from engram.config import EngramConfig, config_keys, load_config
+from engram.config import EngramConfig, config_keys, load_config, parse_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -82,6 +82,9 @@ def test_compose_and_prometheus() -> None:
     assert published == {port, cfg.server.metrics_port}
     mounts = [v.split(":")[1] for v in engram.get("volumes", [])]
     assert any(cfg.tiers.nvme.path.startswith(m) for m in mounts), "the NVMe tier must live on a volume"
+    if cfg.tiers.dram.pool == "shared":  # the segment lives in /dev/shm: docker's default 64 MiB cannot hold it
+        assert parse_bytes(engram["shm_size"]) > cfg.tiers.dram.capacity
+    assert cfg.cluster.redis_url.startswith("redis://redis:") and cfg.cluster.advertise == f"engram:{port}"
 
     prom = services["prometheus"]
     config_arg = next(a for a in prom["command"] if a.startswith("--config.file="))
