@@ -5,6 +5,7 @@ session B finds the prefix cached, gets it back, checks it bit for bit, and only
 from __future__ import annotations
 
 import asyncio
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -69,8 +70,17 @@ async def run_session(client: EngramClient, fp: bytes, name: str, tokens: np.nda
                          0 if kv_hit is None else kv_hit.numel() * kv_hit.element_size(), time.perf_counter() - t0)
 
 
+DEMO_DRAM = 256 * 2**20  # the demo's sessions take ~40 MiB; a fresh machine may have little shared memory
+
+
 async def run_demo(console: Console, socket_dir: Path) -> list[SessionReport]:
-    cfg = load_config(env={}, overrides={"server.unix_socket": str(socket_dir / "engram.sock")})
+    overrides: dict[str, object] = {"server.unix_socket": str(socket_dir / "engram.sock"),
+                                    "tiers.dram.capacity": DEMO_DRAM}
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shutil.disk_usage(shm).free < 2 * DEMO_DRAM:
+        # A small /dev/shm (docker's 64 MiB default): the pool's segment goes in the demo's own directory.
+        overrides |= {"tiers.dram.shm_dir": str(socket_dir), "tiers.dram.pin": False}
+    cfg = load_config(env={}, overrides=overrides)
     server = await start_server(cfg)
     console.print(f"[bold]engram demo[/]: embedded daemon on [cyan]{server.address}[/] "
                   f"(DRAM tier {human_bytes(cfg.tiers.dram.capacity)}, blocks stored as {cfg.codec.default}, "
