@@ -12,10 +12,27 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
+
+
+@contextlib.contextmanager
+def cells(total: int, what: str) -> Iterator[Callable[[str], None]]:
+    """A Rich progress bar on stderr over a benchmark's cells (the Markdown table stays alone on stdout);
+    yields `done(label)`, called once per finished cell."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(what, total=total)
+
+        def done(label: str) -> None:
+            bar.update(task, advance=1, description=f"{what}: {label}")
+
+        yield done
 
 
 def free_port() -> int:

@@ -27,7 +27,7 @@ from pathlib import Path
 import aiofiles
 import aiofiles.os
 
-from benchmarks._harness import machine, percentiles
+from benchmarks._harness import cells, machine, percentiles
 from engram.block import BlockRecord, checksum
 from engram.layout import DType
 from engram.tiers.blockfile import encode
@@ -160,13 +160,15 @@ def main() -> None:
     total_mib = 256 if args.quick else 1024
     rows: list[Row] = []
     cache_dropped = drop_caches()
-    for block_mib in (1, 4, 16):
-        n = total_mib // block_mib
-        for qd in (1, 4, 16):
-            rows += asyncio.run(engram_run(base / "engram", block_mib, qd, n))
-            rows.append(fio(base / "fio", "write", block_mib, qd, total_mib))
-            rows.append(fio(base / "fio", "read", block_mib, qd, total_mib))
-        rows.append(asyncio.run(aiofiles_write(base / "aio", block_mib, 4, n)))
+    with cells(9, "nvme_tier") as done:
+        for block_mib in (1, 4, 16):
+            n = total_mib // block_mib
+            for qd in (1, 4, 16):
+                rows += asyncio.run(engram_run(base / "engram", block_mib, qd, n))
+                rows.append(fio(base / "fio", "write", block_mib, qd, total_mib))
+                rows.append(fio(base / "fio", "read", block_mib, qd, total_mib))
+                done(f"{block_mib} MiB QD{qd}")
+            rows.append(asyncio.run(aiofiles_write(base / "aio", block_mib, 4, n)))
     shutil.rmtree(base, ignore_errors=True)
     print(f"# nvme_tier: {datetime.date.today()} on {machine()}; {total_mib} MiB per cell; "
           f"page cache dropped before reads: {cache_dropped}\n")

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from benchmarks._harness import engram_daemon, machine, percentiles, redis_server
+from benchmarks._harness import cells, engram_daemon, machine, percentiles, redis_server
 from engram.client import EngramClient
 from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
 
@@ -145,13 +145,16 @@ def main() -> None:
     plan = [(1, 1, 256), (1, 8, 32), (16, 1, 64), (16, 8, 8)]
     if args.quick:
         plan = [(1, 1, 16), (1, 8, 2), (16, 1, 4), (16, 8, 1)]
-    for transport in ("tcp", "unix"):
-        with engram_daemon(transport) as address:
-            for block_mib, clients, per_client in plan:
-                rows += asyncio.run(bench_engram(address, transport, block_mib, clients, per_client))
-        with redis_server(transport) as kwargs:
-            for block_mib, clients, per_client in plan:
-                rows += asyncio.run(bench_redis(kwargs, transport, block_mib, clients, per_client))
+    with cells(4 * len(plan), "put_get") as done:
+        for transport in ("tcp", "unix"):
+            with engram_daemon(transport) as address:
+                for block_mib, clients, per_client in plan:
+                    rows += asyncio.run(bench_engram(address, transport, block_mib, clients, per_client))
+                    done(f"engram {transport} {block_mib} MiB x{clients}")
+            with redis_server(transport) as kwargs:
+                for block_mib, clients, per_client in plan:
+                    rows += asyncio.run(bench_redis(kwargs, transport, block_mib, clients, per_client))
+                    done(f"redis {transport} {block_mib} MiB x{clients}")
     print(f"# put_get: {datetime.date.today()} on {machine()}\n")
     print("| system | transport | block | clients | op | GB/s | p50 ms | p99 ms |")
     print("|---|---|---|---|---|---|---|---|")
