@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
@@ -18,7 +19,7 @@ from .common import EXIT_BAD_INPUT, console, fail
 EXIT_PROBLEMS = 1
 
 
-def offline(directory: str, fix: bool) -> pb.CheckResponse:
+def offline(directory: str, fix: bool, progress: Callable[[int, int], None] | None = None) -> pb.CheckResponse:
     root = Path(directory)
     if not (root / "blocks").is_dir():
         raise fail(f"{directory} is not an Engram NVMe tier directory (no blocks/ inside)", EXIT_BAD_INPUT)
@@ -26,7 +27,7 @@ def offline(directory: str, fix: bool) -> pb.CheckResponse:
     async def run() -> pb.CheckResponse:
         tier = NvmeTier(root, 1 << 62, fsync=False)
         try:
-            report = await tier.check(fix=fix)
+            report = await tier.check(fix=fix, progress=progress)
         finally:
             await tier.close()
         return pb.CheckResponse(scanned=report.scanned, valid=report.valid, findings=[

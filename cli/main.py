@@ -7,6 +7,7 @@ import asyncio
 from typing import Annotated, Any
 
 import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from engram.config import config_keys
 from engram.logs import setup_logging
@@ -88,11 +89,15 @@ def check(
     json_: JsonOpt = False,
 ) -> None:
     """Verify every stored copy; exit 1 if any problem was found."""
-    # A spinner on stderr while the scan runs (a terminal only: piped output stays clean for --json).
-    with err_console.status("checking every stored copy (payload checksums, block files)..."):
-        if directory:
-            resp = check_offline(directory, fix)
-        else:
+    # On stderr (a terminal only: piped output stays clean for --json): a bar with counts over the files of
+    # a directory checked here; a spinner while a daemon checks (one Check RPC, no progress to report).
+    if directory:
+        with Progress(TextColumn("checking block files"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=err_console, transient=True) as bar:
+            task = bar.add_task("check", total=None)
+            resp = check_offline(directory, fix, lambda done, total: bar.update(task, completed=done, total=total))
+    else:
+        with err_console.status("checking every stored copy (payload checksums, block files)..."):
             addr = address_of(load(config), address)
             resp = call(addr, lambda c: c.check(fix=fix), timeout_s=600)
     show_check(resp, json_)

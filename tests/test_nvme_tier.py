@@ -102,6 +102,19 @@ async def test_write_through_puts_every_block_on_disk(tmp_path: Path) -> None:
     await store.close()
 
 
+async def test_check_reports_progress_per_file(tmp_path: Path) -> None:
+    store = await make_store(tmp_path, dram_blocks=64, write_policy="write-through")
+    t = tokens(4 * BLOCK_TOKENS + 3)
+    await put_seq(store, t, random_kv(SPEC, len(t)))
+    await store.close()
+    (tmp_path / "blocks" / "stray.txt").write_text("not a block")  # counted too: every entry is looked at
+    calls: list[tuple[int, int]] = []
+    offline = NvmeTier(tmp_path, 1 << 40)
+    report = await offline.check(fix=False, progress=lambda done, total: calls.append((done, total)))
+    await offline.close()
+    assert calls == [(i, 6) for i in range(1, 7)] and report.scanned == 6 and report.valid == 5
+
+
 async def test_restart_recovers_every_committed_block(tmp_path: Path) -> None:
     store = await make_store(tmp_path, dram_blocks=64, write_policy="write-through")
     seqs = [tokens(2 * BLOCK_TOKENS + s, seed=s) for s in range(4)]

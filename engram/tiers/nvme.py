@@ -210,17 +210,21 @@ class NvmeTier:
 
     # ---- recovery and check --------------------------------------------------------------------
 
-    def _scan(self, fix: bool, verify_payloads: bool) -> CheckReport:
+    def _scan(self, fix: bool, verify_payloads: bool,
+              progress: Callable[[int, int], None] | None = None) -> CheckReport:
         report = CheckReport()
         for tmp in sorted(self.tmp_dir.iterdir()):
             report.findings.append(Finding(str(tmp), "leftover temp file (a write torn by a crash)"))
             if fix:
                 tmp.unlink(missing_ok=True)
                 report.findings[-1].fixed = True
-        for sub in sorted(self.blocks_dir.iterdir()):
-            entries = sorted(sub.iterdir()) if sub.is_dir() else [sub]
+        listing = [(sub, sorted(sub.iterdir()) if sub.is_dir() else [sub]) for sub in sorted(self.blocks_dir.iterdir())]
+        total = sum(len(entries) for _, entries in listing)
+        for sub, entries in listing:
             for path in entries:
                 report.scanned += 1
+                if progress is not None:
+                    progress(report.scanned, total)
                 problem = self._check_file(path, sub, report, verify_payloads)
                 if problem is None:
                     continue
@@ -275,10 +279,10 @@ class NvmeTier:
             self._stored += size
         return report
 
-    async def check(self, *, fix: bool) -> CheckReport:
+    async def check(self, *, fix: bool, progress: Callable[[int, int], None] | None = None) -> CheckReport:
         """Verify every file, payloads included; with fix, remove what is broken (the caller drops those
-        blocks from its index)."""
-        report = await self._run(lambda: self._scan(fix=fix, verify_payloads=True))
+        blocks from its index). `progress(done, total)` is called per file, from the I/O thread."""
+        report = await self._run(lambda: self._scan(fix=fix, verify_payloads=True, progress=progress))
         assert isinstance(report, CheckReport)
         return report
 
