@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from engram.block import BlockHeader
 from engram.cluster import ClusterIndex
 from engram.errors import EngramError
 from engram.keys import chain_keys
@@ -18,6 +19,8 @@ from engram.store import BlockStore
 from engram.v1 import engram_pb2 as pb
 
 log = logging.getLogger("engram.peers")
+
+MAX_CHAIN = 256  # ancestors a Get-triggered fetch follows before it gives up (the payloads wait in memory)
 
 
 class PeerFetcher:
@@ -59,16 +62,57 @@ class PeerFetcher:
             stored += 1
         return stored
 
+    async def fetch_keys(self, namespace: str, fingerprint: bytes, keys: list[bytes]) -> int:
+        """Copy blocks named by key from peers, with whatever of their chains this daemon lacks (a Get of
+        keys the worker learnt from another daemon); returns how many blocks were stored."""
+        stored = 0
+        for key in keys:
+            if self.store.index.get_in(namespace, key) is None:
+                stored += await self._fetch_chain(namespace, fingerprint, key)
+        return stored
+
+    async def _fetch_chain(self, namespace: str, fingerprint: bytes, key: bytes) -> int:
+        """Download `key` and its missing ancestors (up to MAX_CHAIN), then store them parents first."""
+        root = self.store.root(namespace, fingerprint)
+        chain: list[tuple[bytes, bytes, BlockHeader, bytes]] = []  # (key, parent, header, payload), child first
+        while len(chain) < MAX_CHAIN:
+            got = await self._download(namespace, fingerprint, key, parent=None)
+            if got is None:
+                return 0
+            parent, header, payload = got
+            chain.append((key, parent, header, payload))
+            if parent == root or self.store.index.get_in(namespace, parent) is not None:
+                break
+            key = parent
+        else:
+            return 0
+        stored = 0
+        for key, parent, header, payload in reversed(chain):
+            if not await self._store(namespace, fingerprint, key, parent, header, payload):
+                break
+            stored += 1
+        return stored
+
     async def _fetch_one(self, namespace: str, fingerprint: bytes, parent: bytes, key: bytes) -> bool:
+        got = await self._download(namespace, fingerprint, key, parent=parent)
+        return got is not None and await self._store(namespace, fingerprint, key, parent, got[1], got[2])
+
+    async def _download(self, namespace: str, fingerprint: bytes, key: bytes, *,
+                        parent: bytes | None) -> tuple[bytes, BlockHeader, bytes] | None:
+        """One block from the first live holder whose copy verifies against the advertised checksum:
+        (its parent key, header, payload); None when no holder has it. `parent`, when known, must match."""
         for holder in await self.cluster.holders(key):
             try:
                 header = None
                 parts: list[bytes] = []
+                sent_parent = b""
                 async for resp in self._stub(holder.address).FetchBlocks(pb.FetchBlocksRequest(keys=[key]),
                                                                          timeout=self.timeout_s):
                     if resp.chunk.HasField("header"):
                         header = convert.header_from_pb(resp.chunk.header, 0)
-                        if resp.chunk.key != key or resp.parent_key != parent or resp.namespace != namespace:
+                        sent_parent = resp.parent_key
+                        if resp.chunk.key != key or resp.namespace != namespace or \
+                                resp.model_fingerprint != fingerprint or parent not in (None, sent_parent):
                             raise EngramError("the peer sent another block than the one asked for")
                     parts.append(resp.chunk.data)
                 if header is None:
@@ -76,16 +120,25 @@ class PeerFetcher:
                 payload = b"".join(parts)
                 if header.checksum != holder.checksum:
                     raise EngramError("the block's checksum differs from the one the cluster index advertised")
-                out = await self.store.put(namespace, fingerprint, parent, header, payload)  # verifies it again
-                if out.key != key:
-                    raise EngramError("the block's tokens do not hash to its key")
-                self.cluster.counters.remote_hits += 1
-                self.cluster.counters.remote_bytes += len(payload)
-                return True
+                return sent_parent, header, payload
             except (grpc.aio.AioRpcError, EngramError) as exc:
                 self.cluster.counters.remote_failures += 1
                 log.warning("peer fetch of %s from %s failed: %s", key.hex(), holder.node_id, exc)
-        return False
+        return None
+
+    async def _store(self, namespace: str, fingerprint: bytes, key: bytes, parent: bytes, header: BlockHeader,
+                     payload: bytes) -> bool:
+        try:
+            out = await self.store.put(namespace, fingerprint, parent, header, payload)  # verifies it again
+            if out.key != key:
+                raise EngramError("the block's tokens do not hash to its key")
+        except EngramError as exc:
+            self.cluster.counters.remote_failures += 1
+            log.warning("a peer's block %s did not verify: %s", key.hex(), exc)
+            return False
+        self.cluster.counters.remote_hits += 1
+        self.cluster.counters.remote_bytes += len(payload)
+        return True
 
     async def close(self) -> None:
         for channel in self._channels:

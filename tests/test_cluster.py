@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from engram import errors
 from engram.client import EngramClient
 from engram.config import load_config
 from engram.server import RunningServer, start_server
@@ -152,6 +153,27 @@ async def test_with_tenancy_a_tenants_prefix_crosses_daemons_and_no_other_tenant
             # Bob, on the daemon that now holds her blocks and in the cluster that advertises them: nothing.
             assert (await bob.lookup(fp, toks)).matched_tokens == 0
             assert (await b.stats()).cluster.remote_hits == 4  # and his miss fetched nothing
+
+            # A Get by key alone (keys learnt from daemon A, no Lookup on B): B copies each block with the
+            # ancestors it lacks from A, and serves the same bytes.
+            more = tokens(3 * BLOCK_TOKENS, seed=22)
+            more_kv = random_kv(spec, len(more), seed=22)
+            keys = list((await a.put(fp, more, more_kv)).keys)
+            tail = keys[1:]  # the chain's first block is not asked for: B must fetch it as an ancestor
+
+            async def b_gets_by_key() -> bool:
+                try:
+                    await b.get(fp, tail)
+                except errors.NotFound:
+                    return False  # A's index entries are not in Redis yet
+                return True
+
+            await until(b_gets_by_key, "daemon B serves by key the blocks daemon A stored")
+            got = torch.cat(await b.get(fp, keys), dim=2)
+            assert torch.equal(got, more_kv)
+            assert (await b.stats()).cluster.remote_hits == 4 + 3
+            with pytest.raises(errors.NotFound):  # and Bob still gets none of it, by key
+                await bob.get(fp, keys)
     finally:
         for srv in started:
             await srv.stop(0)

@@ -16,7 +16,7 @@ from engram import __version__
 from engram.block import BlockHeader, checksum
 from engram.cluster import ClusterIndex
 from engram.config import ServerConfig
-from engram.errors import InvalidArgument, PermissionDenied, ResourceExhausted
+from engram.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from engram.index import BlockMeta
 from engram.leases import Lease, LeaseTable
 from engram.peers import PeerFetcher
@@ -206,7 +206,14 @@ class EngramService:
         req = _decoded(request)
         _check_limit("Get keys", len(req.keys), self.config.max_blocks_per_request)
         ns = namespace_for(context, req.namespace)
-        metas = self.store.find(ns, req.model_fingerprint, list(req.keys))
+        try:
+            metas = self.store.find(ns, req.model_fingerprint, list(req.keys))
+        except NotFound:
+            if self.peers is None:
+                raise
+            # The cluster tier: keys this daemon lacks are copied from the peers that hold them.
+            await self.peers.fetch_keys(ns, req.model_fingerprint, list(req.keys))
+            metas = self.store.find(ns, req.model_fingerprint, list(req.keys))
         codec = self.store.registry.get(req.model_fingerprint).codec
         step = self.config.chunk_bytes
         pools = self._zero_copy_pools(req, codec)
