@@ -20,6 +20,7 @@ from .common import EXIT_BAD_INPUT, address_of, call, console, err_console, fail
 from .demo import demo as run_demo
 from .evict import evict
 from .ls import ls
+from .options import AddressOpt, ConfigOpt, JsonOpt
 from .pin import pin, unpin
 from .show import show
 from .stats import stats_json, stats_renderable
@@ -28,11 +29,7 @@ from .top import top
 app = typer.Typer(name="engram", help="Engram: a tiered KV-cache daemon for LLM inference.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
-ConfigOpt = Annotated[str | None, typer.Option("--config", "-c", help="TOML config file (or ENGRAM_CONFIG).")]
-AddressOpt = Annotated[str | None, typer.Option(
-    "--address", "-a", help="Daemon address, host:port or unix:/path (default: from the config).")]
 app.add_typer(bench_app, name="bench")
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 
 
 def _parse_sets(sets: list[str]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Typer option types shared by the inspection commands (ls, show, evict, pin, top)."""
+"""Typer option types shared by every command (serve, stats, check, ls, show, evict, pin, top, ...)."""
 
 from __future__ import annotations
 
