@@ -95,6 +95,29 @@ def test_demo_shares_the_prefix() -> None:
     assert torch.__version__  # the demo ran on the CPU build
 
 
+def test_demo_puts_its_pool_in_its_own_directory_when_dev_shm_is_small(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import shutil as shutil_mod
+
+    from rich.console import Console
+
+    import engram.cli.demo as demo_mod
+    from engram.tiers import shm
+
+    made: list[str] = []
+    real_init = shm.SharedSegment.__init__
+
+    def recording_init(self, directory, *args, **kwargs):  # type: ignore[no-untyped-def]
+        made.append(str(directory))
+        real_init(self, directory, *args, **kwargs)
+
+    # Docker's default: a 64 MiB /dev/shm, too small for the demo's 256 MiB pool.
+    monkeypatch.setattr(demo_mod.shutil, "disk_usage", lambda path: shutil_mod._ntuple_diskusage(64 << 20, 0, 64 << 20))
+    monkeypatch.setattr(shm.SharedSegment, "__init__", recording_init)
+    a, b = demo_mod.demo(Console(record=True, width=140))
+    assert b.cached_tokens == 4096 and b.verified
+    assert made and all(d != "/dev/shm" and "engram-demo-" in d for d in made)
+
+
 def test_check_offline_reports_then_fixes(tmp_path: Path) -> None:
     import asyncio
 
