@@ -217,10 +217,36 @@ class HFReplayModel:
                           len(spec.kinds) * tokens.numel())
 
 
-def _build(model_cls: Any, config: Any, seed: int, dtype: torch.dtype) -> HFReplayModel:
+_SAME_DTYPE_EAGER = "engram_eager"
+
+
+def _same_dtype_eager(module: Any, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                      scaling: float, dropout: float = 0.0, **kwargs: Any) -> tuple[Tensor, Tensor]:
+    """HF's Llama-family eager attention with the softmax in the model's dtype. HF upcasts that softmax to
+    float32, whose vectorised row sums depend on the row's length, so a float64 model replayed over fewer keys
+    differs from its own prefill by ~5e-8 (measured on Mistral, torch 2.13 CPU): rounding of HF's, not replay's."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)  # (B, n_h, T, d_h)
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = torch.softmax(weights, dim=-1)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def _register_same_dtype_eager() -> str:
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import eager_mask
+
+    AttentionInterface.register(_SAME_DTYPE_EAGER, _same_dtype_eager)
+    AttentionMaskInterface.register(_SAME_DTYPE_EAGER, eager_mask)
+    return _SAME_DTYPE_EAGER
+
+
+def _build(model_cls: Any, config: Any, seed: int, dtype: torch.dtype, *, attention: str = "eager") -> HFReplayModel:
     # eager attention: explicit masks, the same math for every layer kind; eager experts: torch's grouped_mm
     # has no float64 kernel on the CPU.
-    config._attn_implementation = "eager"
+    config._attn_implementation = attention
     config._experts_implementation = "eager"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -259,4 +285,6 @@ def tiny_mistral(*, n_layers: int = 3, window: int = 8, seed: int = 0, dtype: to
     config = MistralConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
                            num_hidden_layers=n_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                            sliding_window=window, max_position_embeddings=4096)
-    return _build(MistralForCausalLM, config, seed, dtype)
+    # Mistral's own eager attention runs its softmax in float32 (see _same_dtype_eager); gpt-oss's (sinks)
+    # and Gemma 3's keep the model's dtype and stay as they are.
+    return _build(MistralForCausalLM, config, seed, dtype, attention=_register_same_dtype_eager())
