@@ -77,7 +77,7 @@ async def run(args: argparse.Namespace) -> list[tuple[str, str]]:
             toks = np.full(256, i, dtype=np.int32)
             header = BlockHeader(toks, DType.BF16, layout.block_shape(256), len(payload), checksum(payload))
             out = await store.put("bench", fp, root_key("bench", fp), header, payload)
-            metas.append(store.index.get(out.key))
+            metas.append(store.block(out.key))
         t0 = time.perf_counter()
         down = await copy_blocks(store, metas, engine, src="hbm", dst="dram")
         t_down = time.perf_counter() - t0

@@ -11,32 +11,32 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from engram.api import CheckFinding, CheckReport
 from engram.tiers.nvme import NvmeTier
-from engram.v1 import engram_pb2 as pb
 
 from .common import EXIT_BAD_INPUT, console, fail
 
 EXIT_PROBLEMS = 1
 
 
-def offline(directory: str, fix: bool, progress: Callable[[int, int], None] | None = None) -> pb.CheckResponse:
+def offline(directory: str, fix: bool, progress: Callable[[int, int], None] | None = None) -> CheckReport:
     root = Path(directory)
     if not (root / "blocks").is_dir():
         raise fail(f"{directory} is not an Engram NVMe tier directory (no blocks/ inside)", EXIT_BAD_INPUT)
 
-    async def run() -> pb.CheckResponse:
+    async def run() -> CheckReport:
         tier = NvmeTier(root, 1 << 62, fsync=False)
         try:
             report = await tier.check(fix=fix, progress=progress)
         finally:
             await tier.close()
-        return pb.CheckResponse(scanned=report.scanned, valid=report.valid, findings=[
-            pb.CheckFinding(path=f.path, problem=f.problem, fixed=f.fixed) for f in report.findings])
+        return CheckReport(report.scanned, report.valid,
+                           tuple(CheckFinding(f.path, f.problem, f.fixed) for f in report.findings))
 
     return asyncio.run(run())
 
 
-def show(resp: pb.CheckResponse, as_json: bool) -> None:
+def show(resp: CheckReport, as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps({"scanned": resp.scanned, "valid": resp.valid, "findings": [
             {"path": f.path, "problem": f.problem, "fixed": f.fixed} for f in resp.findings]}, indent=2))

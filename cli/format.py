@@ -1,61 +1,29 @@
-"""Turning daemon replies into what a user reads: JSON with keys as hex, ages, session states."""
+"""Turning daemon replies (engram.api dataclasses) into what a user reads: JSON with keys as hex, ages."""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import json
 from typing import Any
 
-from google.protobuf.descriptor import FieldDescriptor
-from google.protobuf.message import Message
 
-from engram.v1 import engram_pb2 as pb
-
-_MODE = {pb.REPLAY_MODE_EXACT: "exact", pb.REPLAY_MODE_APPROX: "approx", pb.REPLAY_MODE_PERSIST: "persist",
-         pb.REPLAY_MODE_UNSPECIFIED: "exact"}
-
-
-def to_dict(msg: Message) -> dict[str, Any]:
-    """Every field (defaults included), bytes as hex (block keys, fingerprints), enums by name, 64-bit
-    integers as numbers (protobuf's JSON mapping would make them strings)."""
-    out: dict[str, Any] = {}
-    for field in msg.DESCRIPTOR.fields:
-        value = getattr(msg, field.name)
-        repeated = field.is_repeated
-        if field.type == FieldDescriptor.TYPE_MESSAGE:
-            if repeated:
-                out[field.name] = [to_dict(v) for v in value]
-            elif msg.HasField(field.name):
-                out[field.name] = to_dict(value)
-            else:
-                out[field.name] = None
-        elif field.type == FieldDescriptor.TYPE_BYTES:
-            out[field.name] = [v.hex() for v in value] if repeated else value.hex()
-        elif field.type == FieldDescriptor.TYPE_ENUM:
-            names = field.enum_type.values_by_number
-            out[field.name] = ([_enum_name(names, v) for v in value] if repeated else _enum_name(names, value))
-        else:
-            out[field.name] = list(value) if repeated else value
-    return out
-
-
-def _enum_name(names: Any, value: int) -> str | int:
-    return names[value].name if value in names else value
+def to_dict(obj: Any) -> Any:
+    """Every field (defaults included), bytes as hex (block keys, fingerprints), enums by value, nested
+    replies as objects, sequences as lists, integers as numbers."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, bytes):
+        return obj.hex()
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, tuple | list):
+        return [to_dict(v) for v in obj]
+    return obj
 
 
 def dumps(data: Any) -> str:
     return json.dumps(data, indent=2, sort_keys=True)
-
-
-def mode_name(info: pb.SessionInfo) -> str:
-    return _MODE.get(info.mode, str(info.mode))
-
-
-def session_state(info: pb.SessionInfo) -> str:
-    """hot: the daemon holds a rebuilt window; persisted: persist mode with a stored window; cold: a
-    Resume replays (or, persist mode without a window, cannot resume yet)."""
-    if info.mode == pb.REPLAY_MODE_PERSIST:
-        return "persisted" if info.hot else "cold"
-    return "hot" if info.hot else "cold"
 
 
 def age(seconds: float) -> str:

@@ -9,19 +9,19 @@ import typer
 from rich.console import Group
 from rich.table import Table
 
+from engram.api import NamespaceSummary, SessionSummary
 from engram.client import EngramClient
-from engram.v1 import engram_pb2 as pb
 
 from .common import address_of, call, console, load
-from .format import age, dumps, mode_name, session_state, to_dict
+from .format import age, dumps, to_dict
 from .options import AddressOpt, ConfigOpt, JsonOpt, NamespaceOpt
 from .stats import human_bytes
 
 
 @dataclass(frozen=True)
 class Listing:
-    namespaces: pb.ListNamespacesResponse | None  # None when one namespace was asked for
-    sessions: pb.ListSessionsResponse
+    namespaces: tuple[NamespaceSummary, ...] | None  # None when one namespace was asked for
+    sessions: tuple[SessionSummary, ...]
 
 
 async def fetch(client: EngramClient, namespace: str | None) -> Listing:
@@ -30,14 +30,14 @@ async def fetch(client: EngramClient, namespace: str | None) -> Listing:
     return Listing(await client.list_namespaces(), await client.list_sessions(all_namespaces=True))
 
 
-def sessions_table(sessions: pb.ListSessionsResponse, title: str = "sessions") -> Table:
+def sessions_table(sessions: tuple[SessionSummary, ...], title: str = "sessions") -> Table:
     table = Table(title=title, title_justify="left")
     for col in ("namespace", "session", "model", "tokens", "cached", "blocks", "tiers", "age", "mode", "state"):
         table.add_column(col, justify="right" if col in ("tokens", "cached", "blocks", "age") else "left")
-    for s in sessions.sessions:
+    for s in sessions:
         i = s.info
         table.add_row(i.namespace, i.session_id, i.model_fingerprint.hex()[:12], str(i.tokens), str(s.cached_tokens),
-                      str(s.blocks), ",".join(s.tiers) or "-", age(s.age_s), mode_name(i), session_state(i))
+                      str(s.blocks), ",".join(s.tiers) or "-", age(s.age_s), i.mode.value, i.state)
     return table
 
 
@@ -47,7 +47,7 @@ def renderable(listing: Listing) -> Group:
         ns = Table(title="namespaces", title_justify="left")
         for col in ("namespace", "blocks", "tokens", "stored", "pinned", "sessions"):
             ns.add_column(col, justify="left" if col == "namespace" else "right")
-        for n in listing.namespaces.namespaces:
+        for n in listing.namespaces:
             ns.add_row(n.namespace, str(n.blocks), str(n.tokens), human_bytes(n.stored_bytes), str(n.pinned_blocks),
                        str(n.sessions))
         parts.append(ns)
@@ -56,9 +56,9 @@ def renderable(listing: Listing) -> Group:
 
 
 def as_json(listing: Listing) -> str:
-    data = {"sessions": [to_dict(s) for s in listing.sessions.sessions]}
+    data = {"sessions": to_dict(listing.sessions)}
     if listing.namespaces is not None:
-        data["namespaces"] = [to_dict(n) for n in listing.namespaces.namespaces]
+        data["namespaces"] = to_dict(listing.namespaces)
     return dumps(data)
 
 

@@ -11,11 +11,11 @@ from rich.console import Group
 from rich.table import Table
 
 from engram import errors
+from engram.api import BlockDescription
 from engram.client import EngramClient
-from engram.v1 import engram_pb2 as pb
 
 from .common import address_of, call, console, load
-from .format import age, dumps, mode_name, session_state, to_dict
+from .format import age, dumps, to_dict
 from .options import AddressOpt, ConfigOpt, JsonOpt, NamespaceOpt
 from .stats import human_bytes
 
@@ -23,7 +23,7 @@ KEY_DIGITS = 16  # of 32: a unique prefix that every command accepts; --json pri
 DEFAULT_NAMESPACE = "default"  # the client library's default, where sessions live unless named
 
 
-async def describe(client: EngramClient, target: str, namespace: str | None) -> pb.DescribeBlocksResponse:
+async def describe(client: EngramClient, target: str, namespace: str | None) -> BlockDescription:
     """A session of that id first; else a block key (prefix), searched in every namespace unless one is named."""
     try:
         return await client.describe_blocks(session_id=target, namespace=namespace or DEFAULT_NAMESPACE)
@@ -40,7 +40,7 @@ async def describe(client: EngramClient, target: str, namespace: str | None) -> 
                               + "; `engram ls` lists sessions") from None
 
 
-def blocks_table(resp: pb.DescribeBlocksResponse) -> Table:
+def blocks_table(resp: BlockDescription) -> Table:
     table = Table(title="blocks", title_justify="left")
     for col in ("#", "key", "tokens", "from", "tiers", "codec", "bytes", "checksum", "refs", "pins", "children",
                 "sessions", "hits", "age"):
@@ -52,8 +52,8 @@ def blocks_table(resp: pb.DescribeBlocksResponse) -> Table:
     return table
 
 
-def renderable(resp: pb.DescribeBlocksResponse) -> Group:
-    if not resp.HasField("session"):
+def renderable(resp: BlockDescription) -> Group:
+    if resp.session is None:
         b = resp.blocks[0]
         head = (f"block {b.key.hex()} in namespace {b.namespace!r}, model {b.model_fingerprint.hex()[:12]}, "
                 f"parent {b.parent.hex()}")
@@ -62,7 +62,7 @@ def renderable(resp: pb.DescribeBlocksResponse) -> Group:
     i = s.info
     head = (f"session {i.session_id} in namespace {i.namespace!r}: {i.tokens} tokens, {s.cached_tokens} cached in "
             f"{s.blocks} blocks ({human_bytes(s.stored_bytes)}), tiers {','.join(s.tiers) or '-'}, mode "
-            f"{mode_name(i)}, {session_state(i)}, age {age(s.age_s)}" + (f", forked from {i.parent}" if i.parent else ""))
+            f"{i.mode.value}, {i.state}, age {age(s.age_s)}" + (f", forked from {i.parent}" if i.parent else ""))
     return Group(head, blocks_table(resp))
 
 

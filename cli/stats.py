@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from google.protobuf.json_format import MessageToDict
 from rich.console import Group
 from rich.table import Table
 
-from engram.v1 import engram_pb2 as pb
+from engram.api import Stats
+
+from .format import to_dict
 
 
 def human_bytes(n: float) -> str:
@@ -20,18 +21,16 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def stats_dict(resp: pb.StatsResponse) -> dict[str, Any]:
-    d = MessageToDict(resp, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-    for m, src in zip(d.get("models", []), resp.models, strict=True):
-        m["model_fingerprint"] = src.model_fingerprint.hex()
+def stats_dict(resp: Stats) -> dict[str, Any]:
+    d: dict[str, Any] = to_dict(resp)
     return d
 
 
-def stats_json(resp: pb.StatsResponse) -> str:
+def stats_json(resp: Stats) -> str:
     return json.dumps(stats_dict(resp), indent=2, sort_keys=True)
 
 
-def stats_renderable(resp: pb.StatsResponse) -> Group:
+def stats_renderable(resp: Stats) -> Group:
     tiers = Table(title="tiers", title_justify="left")
     for col in ("tier", "state", "used", "capacity", "blocks", "tokens", "bytes/token", "pinned", "hits", "misses",
                 "hit ratio", "evictions", "demoted", "promoted"):

@@ -14,8 +14,8 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from engram.api import SessionSummary, Stats
 from engram.client import EngramClient
-from engram.v1 import engram_pb2 as pb
 
 from .common import address_of, call, console, load
 from .ls import sessions_table
@@ -26,8 +26,8 @@ from .stats import human_bytes
 @dataclass(frozen=True)
 class Snapshot:
     at: float
-    stats: pb.StatsResponse
-    sessions: pb.ListSessionsResponse
+    stats: Stats
+    sessions: tuple[SessionSummary, ...]
 
 
 async def snapshot(client: EngramClient, namespace: str | None) -> Snapshot:

@@ -12,15 +12,6 @@ from engram.errors import InvalidArgument
 from engram.layout import DType, KVLayout
 
 
-def encoded_block_nbytes(codec: str, shape: tuple[int, ...], layout: KVLayout) -> int:
-    """Payload bytes of a block of this shape: raw elements, or a v1 block of the codec."""
-    if codec in ("", "raw"):
-        return layout.block_nbytes(shape[2])
-    from engram.codec import base, blockformat  # the codec stack (torch numerics) only where used
-
-    return blockformat.encoded_nbytes(base.codec_by_name(codec), shape, layout.dtype)  # type: ignore[arg-type]
-
-
 def checksum(payload: bytes | memoryview) -> int:
     """xxh3_64 of a payload: an integrity check against torn writes and bit flips, not an adversary
     (block keys, which an adversary could target, use BLAKE2b: engram/keys.py)."""
@@ -58,7 +49,9 @@ class BlockHeader:
                 f"{where}: shape {tuple(self.shape)} does not match the layout's "
                 f"(persisted_layers, 2, tokens, kv_heads, head_dim) = {want}"
             )
-        expected = encoded_block_nbytes(self.codec, want, layout)
+        from engram.codec.stored import stored_nbytes  # the codec stack (torch numerics) only where used
+
+        expected = stored_nbytes(self.codec, want, layout.dtype)
         if self.payload_nbytes != expected:
             raise InvalidArgument(
                 f"{where}: payload_nbytes {self.payload_nbytes} != {expected} for shape {want} in codec {self.codec}"

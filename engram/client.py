@@ -2,8 +2,12 @@
 
 `EngramClient` is asyncio-native; `SyncEngramClient` runs one on a private event loop thread for
 callers that are not async. A token (tenancy on) travels as `authorization: Bearer <token>` metadata on
-every call; with a root certificate the channel is TLS. gRPC errors come back as the domain errors of engram.errors (mapped in one
-place, engram/server/errors.py), with the server's message.
+every call; with a root certificate the channel is TLS. Every method returns engram.api dataclasses or
+tensors, never protobuf; gRPC errors come back as the domain errors of engram.errors, with the server's
+message (engram/wire/status.py maps them).
+
+This module imports the wire, the codecs and the segment reader, and none of the daemon: a worker process
+does not load the store, the tiers, redis or prometheus.
 """
 
 from __future__ import annotations
@@ -11,11 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import threading
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -23,119 +25,50 @@ import numpy as np
 import torch
 
 from engram import errors
+from engram.api import (
+    BlockDescription,
+    BlockRef,
+    CheckReport,
+    EvictResult,
+    LookupResult,
+    NamespaceStats,
+    NamespaceSummary,
+    PutReply,
+    PutResult,
+    ResumeResult,
+    SessionInfo,
+    SessionMode,
+    SessionSummary,
+    Stats,
+)
 from engram.block import checksum
-from engram.codec import blockformat
-from engram.codec.base import codec_by_name
-from engram.keys import chain_keys
+from engram.codec import stored
 from engram.layout import DType, ModelSpec
-from engram.server.convert import dtype_from_pb, model_to_pb
-from engram.server.errors import ERROR_OF
-from engram.tiers.shm import SegmentReader
+from engram.segment import SegmentReader
 from engram.v1 import engram_pb2 as pb
-from engram.v1 import engram_pb2_grpc as pb_grpc
+from engram.wire import convert
+from engram.wire.channel import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    open_channel,
+    same_host,
+    stub_for,
+)
+from engram.wire.status import error_from_rpc
+from engram.wire.stream import Reassembler, client_reassembler, pieces
 
-DEFAULT_CHUNK_BYTES = 8 * 2**20
-DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20
-
-
-@dataclass(frozen=True)
-class BlockInfo:
-    key: bytes
-    num_tokens: int
-    tier: str
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class LookupResult:
-    matched_tokens: int
-    blocks: tuple[BlockInfo, ...]
-
-
-@dataclass(frozen=True)
-class PutResult:
-    keys: tuple[bytes, ...]  # every block of the sequence, cached ones included
-    stored: int
-    deduplicated: int
-    skipped: int  # blocks not sent because a Lookup showed them cached
-
-
-@dataclass(frozen=True)
-class ResumeResult:
-    """What Resume returns: the global KV blocks of [0, position) (fetch them with get) and the SWA window,
-    (sliding layers, 2, position - window_start, kv heads, head dim), for a query at `position`."""
-
-    position: int
-    blocks: tuple[BlockInfo, ...]
-    window: torch.Tensor
-    window_start: int
-    source: str  # "replay", "hot" or "persisted"
-    replayed_tokens: int
-    replay_s: float
-
-
-MODES = {"exact": pb.REPLAY_MODE_EXACT, "approx": pb.REPLAY_MODE_APPROX, "persist": pb.REPLAY_MODE_PERSIST}
-
-
-def _map_error(exc: grpc.aio.AioRpcError) -> Exception:
-    cls = ERROR_OF.get(exc.code())
-    if cls is None:
-        return errors.Unavailable(f"{exc.code().name}: {exc.details()}")
-    return cls(exc.details() or exc.code().name)
-
+__all__ = ["EngramClient", "SyncEngramClient", "same_host"]
 
 T = TypeVar("T")
 
 
-def same_host(address: str) -> bool:
-    """Whether a daemon address is on this host (a unix socket or loopback), where its shared DRAM
-    segment can be mapped."""
-    if address.startswith("unix:"):
-        return True
-    host = address.rsplit(":", 1)[0].strip("[]")
-    return host in {"localhost", "::1"} or host.startswith("127.")
-
-
-def tensor_bytes(t: torch.Tensor) -> bytes:
+def _tensor_bytes(t: torch.Tensor) -> bytes:
     """The raw little-endian bytes of a tensor (bf16 included, which numpy cannot hold)."""
     return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
 
-def tensor_from_bytes(data: bytes | torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
-    # torch.frombuffer needs a writable buffer: bytes are copied once here; a uint8 tensor (a zero-copy
-    # Get's copy out of the segment) is used as it is.
-    buf = data if isinstance(data, torch.Tensor) else torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return buf.view(dtype).reshape(tuple(shape))
-
-
-class _Authorized:
-    """A stub whose every call carries `authorization: Bearer <token>` metadata."""
-
-    def __init__(self, stub: Any, token: str) -> None:
-        self._stub = stub
-        self._md = (("authorization", f"Bearer {token}"),)
-
-    def __getattr__(self, name: str) -> Any:
-        return functools.partial(getattr(self._stub, name), metadata=self._md)
-
-
-def stub_for(channel: grpc.aio.Channel, token: str = "") -> Any:
-    stub = pb_grpc.EngramStub(channel)
-    return _Authorized(stub, token) if token else stub
-
-
-def open_channel(address: str, *, root_cert: bytes | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 server_name: str = "") -> grpc.aio.Channel:
-    """A channel to a daemon (or, for the cluster tier, to a peer): TLS when root_cert is given."""
-    options: list[tuple[str, Any]] = [("grpc.max_send_message_length", max_message_bytes),
-                                      ("grpc.max_receive_message_length", max_message_bytes)]
-    if server_name:
-        options.append(("grpc.ssl_target_name_override", server_name))
-    if root_cert is not None:
-        creds = grpc.ssl_channel_credentials(root_certificates=root_cert)
-        return grpc.aio.secure_channel(address, creds, options=options)
-    return grpc.aio.insecure_channel(address, options=options)
+def _backend_for(device: torch.device | str) -> str:
+    return "triton" if torch.device(device).type == "cuda" else "reference"
 
 
 class EngramClient:
@@ -184,13 +117,14 @@ class EngramClient:
         try:
             return await coro
         except grpc.aio.AioRpcError as exc:
-            raise _map_error(exc) from exc
+            raise error_from_rpc(exc) from exc
 
     # ---- models --------------------------------------------------------------------------------
 
     async def register_model(self, spec: ModelSpec) -> bytes:
         """Register a model; returns its fingerprint. Its codec, if left empty, is the daemon's default."""
-        resp = await self._call(self._stub.RegisterModel(pb.RegisterModelRequest(model=model_to_pb(spec))))
+        req = pb.RegisterModelRequest(model=convert.model_to_pb(spec))
+        resp = await self._call(self._stub.RegisterModel(req))
         self._layouts[resp.model_fingerprint] = dataclasses.replace(spec, codec=resp.codec)
         return resp.model_fingerprint
 
@@ -208,11 +142,8 @@ class EngramClient:
     async def lookup(self, fingerprint: bytes, tokens: Sequence[int] | np.ndarray, *, namespace: str | None = None
                      ) -> LookupResult:
         req = pb.LookupRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint,
-                               tokens=np.asarray(tokens, dtype=np.int32).tolist())
-        resp = await self._call(self._stub.Lookup(req))
-        return LookupResult(
-            resp.matched_tokens, tuple(BlockInfo(b.key, b.num_tokens, b.tier, b.nbytes) for b in resp.blocks)
-        )
+                               tokens=convert.tokens_to_pb(tokens))
+        return convert.from_pb(LookupResult, await self._call(self._stub.Lookup(req)))
 
     async def put(
         self,
@@ -232,6 +163,8 @@ class EngramClient:
         With encode, blocks are encoded here in the model's codec (with the Triton kernels when kv is on a
         GPU) and travel 3.5-4x smaller; otherwise the daemon encodes them.
         """
+        from engram.keys import chain_keys
+
         spec = self._spec(fingerprint)
         ns = self._ns(namespace)
         arr = np.asarray(tokens, dtype=np.int32)
@@ -250,22 +183,22 @@ class EngramClient:
         if first == len(all_keys):
             return PutResult(tuple(all_keys), 0, 0, skipped=first)
         try:
-            resp = await self._put_from(fingerprint, arr, kv, all_keys, first, bt, ns, pin, encode)
+            reply = await self._put_from(fingerprint, arr, kv, all_keys, first, bt, ns, pin, encode)
         except errors.FailedPrecondition:
             if first == 0:
                 raise
             # The cached prefix was evicted between our Lookup and the Put: send the whole chain.
             first = 0
-            resp = await self._put_from(fingerprint, arr, kv, all_keys, first, bt, ns, pin, encode)
-        if list(resp.keys) != all_keys[first:]:
+            reply = await self._put_from(fingerprint, arr, kv, all_keys, first, bt, ns, pin, encode)
+        if list(reply.keys) != all_keys[first:]:
             raise errors.DataLoss("the daemon computed other block keys than this client; key versions differ?")
-        return PutResult(tuple(all_keys), resp.stored, resp.deduplicated, skipped=first)
+        return PutResult(tuple(all_keys), reply.stored, reply.deduplicated, skipped=first)
 
     async def _put_from(self, fingerprint: bytes, arr: np.ndarray, kv: torch.Tensor, all_keys: list[bytes],
-                        first: int, bt: int, ns: str, pin: bool, encode: bool) -> pb.PutResponse:
+                        first: int, bt: int, ns: str, pin: bool, encode: bool) -> PutReply:
         parent = all_keys[first - 1] if first else b""
         blocks = [(arr[i * bt : (i + 1) * bt], kv[:, :, i * bt : (i + 1) * bt]) for i in range(first, len(all_keys))]
-        codec = self.codec_of(fingerprint) if encode else "raw"
+        codec = self.codec_of(fingerprint) if encode else stored.RAW
         return await self.put_blocks(fingerprint, blocks, parent_key=parent, namespace=ns, pin=pin, codec=codec)
 
     async def put_blocks(
@@ -276,38 +209,28 @@ class EngramClient:
         parent_key: bytes = b"",
         namespace: str | None = None,
         pin: bool = False,
-        codec: str = "raw",
-    ) -> pb.PutResponse:
+        codec: str = stored.RAW,
+    ) -> PutReply:
         """Send a chain of (tokens, kv) blocks after `parent_key` (empty: the chain's start), as raw
         elements or encoded here in `codec` (which must be the model's)."""
         ns = self._ns(namespace)
         step = self.chunk_bytes
-        enc = None if codec == "raw" else codec_by_name(codec)
 
         async def requests() -> AsyncIterator[pb.PutRequest]:
             yield pb.PutRequest(header=pb.PutHeader(namespace=ns, model_fingerprint=fingerprint,
                                                     parent_key=parent_key, pin=pin))
             for toks, kv in blocks:
-                if enc is None:
-                    payload = tensor_bytes(kv)
-                else:
-                    payload = blockformat.encode(kv, enc, backend="triton" if kv.is_cuda else "reference")
+                payload = stored.encode(kv, codec, backend=_backend_for(kv.device))
                 header = pb.BlockHeader(
-                    tokens=np.asarray(toks, dtype=np.int32).tolist(),
-                    dtype=int(DType.from_torch(kv.dtype)),  # type: ignore[arg-type]
+                    tokens=convert.tokens_to_pb(toks), dtype=int(DType.from_torch(kv.dtype)),  # type: ignore[arg-type]
                     shape=list(kv.shape), payload_nbytes=len(payload), checksum=checksum(payload), codec=codec,
                 )
-                if len(payload) <= step:
-                    yield pb.PutRequest(chunk=pb.BlockChunk(header=header, data=payload, last=True))
-                    continue
-                view = memoryview(payload)
-                for off in range(0, len(payload), step):
-                    chunk = pb.BlockChunk(data=bytes(view[off : off + step]), last=off + step >= len(payload))
-                    if off == 0:
-                        chunk.header.CopyFrom(header)
+                for i, (piece, last) in enumerate(pieces(payload, step)):
+                    chunk = pb.BlockChunk(header=header, data=piece, last=last) if i == 0 else \
+                        pb.BlockChunk(data=piece, last=last)
                     yield pb.PutRequest(chunk=chunk)
 
-        return await self._call(self._stub.Put(requests()))
+        return convert.from_pb(PutReply, await self._call(self._stub.Put(requests())))
 
     async def get(self, fingerprint: bytes, keys: Sequence[bytes], *, namespace: str | None = None,
                   decode_on_server: bool = False, device: torch.device | str = "cpu",
@@ -328,28 +251,20 @@ class EngramClient:
                             decode=decode_on_server, zero_copy=zero_copy, cuda_ipc=cuda_ipc)
         out: list[torch.Tensor | None] = []
         descriptors: list[tuple[int, pb.BlockDescriptor]] = []
-        parts: list[bytes] = []
-        header: pb.BlockHeader | None = None
+        blocks: Reassembler[pb.BlockHeader] = client_reassembler(lambda h: h.payload_nbytes)
         try:
             async for resp in self._stub.Get(req):
                 if resp.HasField("descriptor"):
                     descriptors.append((len(out), resp.descriptor))
                     out.append(None)
                     continue
-                chunk = resp.chunk
-                if chunk.HasField("header"):
-                    header = chunk.header
-                    parts = []
-                parts.append(chunk.data)
-                if chunk.last:
-                    if header is None:
-                        raise errors.DataLoss("Get stream sent a block's bytes without its header")
-                    data = parts[0] if len(parts) == 1 else b"".join(parts)
-                    out.append(self._block(header, data, len(out), device))
-                    header = None
+                c = resp.chunk
+                done = blocks.add(c.header if c.HasField("header") else None, c.data, c.last, len(out))
+                if done is not None:
+                    out.append(self._block(done[0], done[1], len(out), device))
         except grpc.aio.AioRpcError as exc:
             await self._release({d.lease_id for _, d in descriptors}, namespace)
-            raise _map_error(exc) from exc
+            raise error_from_rpc(exc) from exc
         if descriptors:
             stale = self._copy_out(descriptors, out, device)
             # The copies are done: end the leases in the background (the caller need not wait a round trip).
@@ -372,11 +287,8 @@ class EngramClient:
         if view.nbytes != header.payload_nbytes or checksum(view) != header.checksum:
             raise errors.DataLoss(f"block {i} arrived damaged (size or checksum mismatch)")
         where = f"block {i}"
-        if header.codec in ("", "raw"):
-            dtype = dtype_from_pb(header.dtype, where).torch_dtype
-            return tensor_from_bytes(data, dtype, header.shape).to(device)
-        backend = "triton" if torch.device(device).type == "cuda" else "reference"
-        return blockformat.decode(view, backend=backend, device=device, where=where)
+        return stored.decode(data, header.codec, convert.dtype_from_pb(header.dtype, where), tuple(header.shape),
+                             backend=_backend_for(device), device=device, where=where)
 
     def _copy_out(self, descriptors: list[tuple[int, pb.BlockDescriptor]], out: list[torch.Tensor | None],
                   device: torch.device | str) -> list[int]:
@@ -396,11 +308,11 @@ class EngramClient:
             try:
                 if data is None:
                     raise errors.DataLoss("the slot was reused")
-                if data.is_cuda and d.header.codec in ("", "raw"):
+                if data.is_cuda and stored.is_raw(d.header.codec):
                     # Device to device, no host round trip: the checksum is not recomputed here (that
                     # would read the block back to the host); the generation check guards reuse.
-                    dtype = dtype_from_pb(d.header.dtype, f"block {i}").torch_dtype
-                    out[i] = data.view(dtype).reshape(tuple(d.header.shape)).to(device)
+                    dtype = convert.dtype_from_pb(d.header.dtype, f"block {i}")
+                    out[i] = stored.decode(data, stored.RAW, dtype, tuple(d.header.shape), device=device)
                 else:
                     out[i] = self._block(d.header, data.cpu(), i, device)  # checks size and checksum
             except errors.DataLoss:
@@ -471,41 +383,41 @@ class EngramClient:
     def _ref(self, session_id: str, namespace: str | None) -> pb.SessionRef:
         return pb.SessionRef(namespace=self._ns(namespace), session_id=session_id)
 
-    async def open_session(self, fingerprint: bytes, *, mode: str = "exact", approx_k: float = 0.0,
-                           session_id: str = "", tokens: Sequence[int] | np.ndarray = (),
-                           namespace: str | None = None) -> pb.SessionInfo:
-        if mode not in MODES:
-            raise errors.InvalidArgument(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+    async def _session_call(self, coro: Coroutine[Any, Any, pb.SessionInfo]) -> SessionInfo:
+        return convert.from_pb(SessionInfo, await self._call(coro))
+
+    async def open_session(self, fingerprint: bytes, *, mode: str | SessionMode = SessionMode.EXACT,
+                           approx_k: float = 0.0, session_id: str = "", tokens: Sequence[int] | np.ndarray = (),
+                           namespace: str | None = None) -> SessionInfo:
         req = pb.OpenSessionRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint,
-                                    session_id=session_id, mode=MODES[mode], approx_k=approx_k,  # type: ignore[arg-type]
-                                    tokens=np.asarray(tokens, dtype=np.int32).tolist())
-        return await self._call(self._stub.OpenSession(req))
+                                    session_id=session_id, mode=convert.scalar_to_pb(SessionMode.parse(mode)),
+                                    approx_k=approx_k, tokens=convert.tokens_to_pb(tokens))
+        return await self._session_call(self._stub.OpenSession(req))
 
     async def append_session(self, session_id: str, tokens: Sequence[int] | np.ndarray, *,
                              window: torch.Tensor | None = None, window_start: int = 0,
-                             namespace: str | None = None) -> pb.SessionInfo:
+                             namespace: str | None = None) -> SessionInfo:
         """Append tokens (their global KV goes with put). In persist mode, also send the SWA window for the
         new end: (sliding layers, 2, rows, kv heads, head dim) starting at window_start."""
-        req = pb.AppendSessionRequest(session=self._ref(session_id, namespace),
-                                      tokens=np.asarray(tokens, dtype=np.int32).tolist())
+        req = pb.AppendSessionRequest(session=self._ref(session_id, namespace), tokens=convert.tokens_to_pb(tokens))
         if window is not None:
-            data = tensor_bytes(window)
+            data = _tensor_bytes(window)
             req.window.CopyFrom(pb.SwaWindowData(
                 prefix_len=window_start + window.shape[2], start=window_start,
                 dtype=int(DType.from_torch(window.dtype)), shape=list(window.shape),  # type: ignore[arg-type]
                 checksum=checksum(data), data=data))
-        return await self._call(self._stub.AppendSession(req))
+        return await self._session_call(self._stub.AppendSession(req))
 
     async def fork_session(self, parent_id: str, *, session_id: str = "", position: int = 0,
-                           namespace: str | None = None) -> pb.SessionInfo:
+                           namespace: str | None = None) -> SessionInfo:
         req = pb.ForkSessionRequest(parent=self._ref(parent_id, namespace), session_id=session_id, position=position)
-        return await self._call(self._stub.ForkSession(req))
+        return await self._session_call(self._stub.ForkSession(req))
 
-    async def suspend_session(self, session_id: str, *, namespace: str | None = None) -> pb.SessionInfo:
-        return await self._call(self._stub.SuspendSession(self._ref(session_id, namespace)))
+    async def suspend_session(self, session_id: str, *, namespace: str | None = None) -> SessionInfo:
+        return await self._session_call(self._stub.SuspendSession(self._ref(session_id, namespace)))
 
-    async def close_session(self, session_id: str, *, namespace: str | None = None) -> pb.SessionInfo:
-        return await self._call(self._stub.CloseSession(self._ref(session_id, namespace)))
+    async def close_session(self, session_id: str, *, namespace: str | None = None) -> SessionInfo:
+        return await self._session_call(self._stub.CloseSession(self._ref(session_id, namespace)))
 
     async def resume(self, session_id: str, *, position: int = 0, namespace: str | None = None) -> ResumeResult:
         req = pb.ResumeRequest(session=self._ref(session_id, namespace), position=position)
@@ -518,16 +430,19 @@ class EngramClient:
                 else:
                     parts.append(resp.window_chunk)
         except grpc.aio.AioRpcError as exc:
-            raise _map_error(exc) from exc
+            raise error_from_rpc(exc) from exc
         if header is None:
             raise errors.DataLoss("Resume stream carried no header")
         w = header.window
         data = b"".join(parts)
         if checksum(data) != w.checksum:
             raise errors.DataLoss("the SWA window arrived damaged (checksum mismatch)")
-        window = tensor_from_bytes(data, dtype_from_pb(w.dtype, "window").torch_dtype, w.shape)
-        blocks = tuple(BlockInfo(b.key, b.num_tokens, b.tier, b.nbytes) for b in header.blocks)
-        return ResumeResult(header.position, blocks, window, w.start, header.source, header.replayed_tokens,
+        dtype = convert.dtype_from_pb(w.dtype, "window")
+        if len(data) != stored.stored_nbytes(stored.RAW, tuple(w.shape), dtype):
+            raise errors.DataLoss(f"the SWA window has {len(data)} bytes, its shape {tuple(w.shape)} needs more")
+        tensor = stored.decode(data, stored.RAW, dtype, tuple(w.shape))
+        blocks = tuple(convert.from_pb(BlockRef, b) for b in header.blocks)
+        return ResumeResult(header.position, blocks, tensor, w.start, header.source, header.replayed_tokens,
                             header.replay_s)
 
     async def resume_kv(self, fingerprint: bytes, session_id: str, *, position: int = 0,
@@ -538,10 +453,10 @@ class EngramClient:
         blocks = await self.get(fingerprint, [b.key for b in r.blocks], namespace=namespace, device=device)
         return r, torch.cat(blocks, dim=2)[:, :, : r.position]
 
-    async def describe_namespace(self, namespace: str | None = None) -> pb.NamespaceStats:
+    async def describe_namespace(self, namespace: str | None = None) -> NamespaceStats:
         """The namespace's key salt, quota, and physical against logical bytes."""
         req = pb.DescribeNamespaceRequest(namespace=self._ns(namespace))
-        return await self._call(self._stub.DescribeNamespace(req))
+        return convert.from_pb(NamespaceStats, await self._call(self._stub.DescribeNamespace(req)))
 
     async def _keying(self, namespace: str) -> tuple[str, bytes]:
         """What the daemon computes this namespace's keys with: the namespace it resolves the name to (a
@@ -551,36 +466,36 @@ class EngramClient:
             self._salts[namespace] = (info.namespace, info.key_salt)
         return self._salts[namespace]
 
-    async def stats(self) -> pb.StatsResponse:
-        return await self._call(self._stub.Stats(pb.StatsRequest()))
+    async def stats(self) -> Stats:
+        return convert.from_pb(Stats, await self._call(self._stub.Stats(pb.StatsRequest())))
 
-    async def check(self, *, fix: bool = False) -> pb.CheckResponse:
-        return await self._call(self._stub.Check(pb.CheckRequest(fix=fix)))
+    async def check(self, *, fix: bool = False) -> CheckReport:
+        return convert.from_pb(CheckReport, await self._call(self._stub.Check(pb.CheckRequest(fix=fix))))
 
     # ---- inspection (engram ls / show / evict) --------------------------------------------------
 
-    async def list_namespaces(self) -> pb.ListNamespacesResponse:
-        return await self._call(self._stub.ListNamespaces(pb.ListNamespacesRequest()))
+    async def list_namespaces(self) -> tuple[NamespaceSummary, ...]:
+        resp = await self._call(self._stub.ListNamespaces(pb.ListNamespacesRequest()))
+        return tuple(convert.from_pb(NamespaceSummary, n) for n in resp.namespaces)
 
     async def list_sessions(self, *, namespace: str | None = None, all_namespaces: bool = False
-                            ) -> pb.ListSessionsResponse:
+                            ) -> tuple[SessionSummary, ...]:
         req = pb.ListSessionsRequest(namespace=self._ns(namespace), all_namespaces=all_namespaces)
-        return await self._call(self._stub.ListSessions(req))
+        resp = await self._call(self._stub.ListSessions(req))
+        return tuple(convert.from_pb(SessionSummary, s) for s in resp.sessions)
 
     async def describe_blocks(self, *, session_id: str = "", key_prefixes: Sequence[str] = (),
-                              namespace: str | None = None, all_namespaces: bool = False
-                              ) -> pb.DescribeBlocksResponse:
+                              namespace: str | None = None, all_namespaces: bool = False) -> BlockDescription:
         req = pb.DescribeBlocksRequest(namespace=self._ns(namespace), all_namespaces=all_namespaces,
                                        session_id=session_id, key_prefixes=list(key_prefixes))
-        return await self._call(self._stub.DescribeBlocks(req))
+        return convert.from_pb(BlockDescription, await self._call(self._stub.DescribeBlocks(req)))
 
     async def evict(self, *, key_prefixes: Sequence[str] = (), session_id: str = "", whole_namespace: bool = False,
-                    force: bool = False, namespace: str | None = None, all_namespaces: bool = False
-                    ) -> pb.EvictResponse:
+                    force: bool = False, namespace: str | None = None, all_namespaces: bool = False) -> EvictResult:
         req = pb.EvictRequest(namespace=self._ns(namespace), all_namespaces=all_namespaces,
                               key_prefixes=list(key_prefixes), session_id=session_id,
                               whole_namespace=whole_namespace, force=force)
-        return await self._call(self._stub.Evict(req))
+        return convert.from_pb(EvictResult, await self._call(self._stub.Evict(req)))
 
     def _ns(self, namespace: str | None) -> str:
         return self.namespace if namespace is None else namespace

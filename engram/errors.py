@@ -1,5 +1,5 @@
 """Domain errors. Each names what went wrong and what to change; the gRPC edge maps them to status codes
-in one place (engram/server/errors.py) and the client maps status codes back (engram/client.py)."""
+in one place (engram/wire/status.py), which the client uses to map them back."""
 
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ class BlockMeta:
     tick: int = 0  # recency, from engram/eviction.py's clock
     moving: bool = False  # a copy to another tier is being written: not a victim until it lands
     hits: int = 0
-    refs: int = 0  # live sessions whose prefix holds this block (engram/refs.py); eviction prefers 0
+    refs: int = 0  # live sessions whose prefix holds this block (engram/sessions.py); eviction prefers 0
     created: float = field(default_factory=time.time)
 
     @property

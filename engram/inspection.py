@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from engram.api import BlockDetail, EvictResult, NamespaceSummary, SessionSummary
 from engram.errors import FailedPrecondition, InvalidArgument, NotFound
 from engram.index import BlockMeta
 from engram.sessions import Session, SessionManager
@@ -25,42 +26,19 @@ from engram.store import BlockStore
 
 
 @dataclass(frozen=True)
-class NamespaceSummary:
-    namespace: str
-    blocks: int
-    stored_bytes: int
-    tokens: int
-    pinned_blocks: int
-    sessions: int
+class SessionChain:
+    """A session with the stored chain its tokens resolve to now."""
 
-
-@dataclass(frozen=True)
-class SessionSummary:
     session: Session
-    blocks: tuple[BlockMeta, ...]  # the stored chain its tokens resolve to, in order
+    blocks: tuple[BlockMeta, ...]  # in chain order
     cached_tokens: int
     tiers: tuple[str, ...]  # fastest first
     stored_bytes: int
     age_s: float
 
-
-@dataclass(frozen=True)
-class BlockDetail:
-    meta: BlockMeta
-    codec: str
-    sessions: int  # sessions whose chain runs through the block
-    start_token: int
-
-    @property
-    def refcount(self) -> int:
-        return self.meta.children + self.sessions + self.meta.pins
-
-
-@dataclass(frozen=True)
-class EvictOutcome:
-    evicted: tuple[bytes, ...]
-    skipped: tuple[bytes, ...]
-    unpinned: int
+    def summary(self) -> SessionSummary:
+        return SessionSummary(info=self.session.info(), cached_tokens=self.cached_tokens, blocks=len(self.blocks),
+                              tiers=self.tiers, stored_bytes=self.stored_bytes, age_s=self.age_s)
 
 
 class Inspector:
@@ -72,7 +50,7 @@ class Inspector:
 
     def namespaces(self) -> list[NamespaceSummary]:
         acc: dict[str, list[int]] = {}
-        for meta in self.store.index:
+        for meta in self.store.blocks():
             row = acc.setdefault(meta.namespace, [0, 0, 0, 0, 0])
             row[0] += 1
             row[1] += meta.nbytes
@@ -82,26 +60,23 @@ class Inspector:
             acc.setdefault(s.namespace, [0, 0, 0, 0, 0])[4] += 1
         return [NamespaceSummary(ns, *row) for ns, row in sorted(acc.items())]
 
-    def session_list(self, namespace: str | None) -> list[SessionSummary]:
+    def session_list(self, namespace: str | None) -> list[SessionChain]:
         """Sessions of one namespace, or of every namespace when namespace is None."""
         chosen = [s for s in self.sessions.sessions() if namespace is None or s.namespace == namespace]
-        return [self.summary(s) for s in sorted(chosen, key=lambda s: (s.namespace, s.created))]
+        return [self.chain(s) for s in sorted(chosen, key=lambda s: (s.namespace, s.created))]
 
-    def summary(self, s: Session) -> SessionSummary:
+    def chain(self, s: Session) -> SessionChain:
         blocks = self._chain(s)
         cached = 0
         for meta in blocks:
             cached = min(len(s.tokens), cached + meta.num_tokens)
-        rank = {t.name: i for i, t in enumerate(self.store.tiers)}
-        tiers = sorted({name for m in blocks for name in m.locations}, key=rank.__getitem__)
-        return SessionSummary(s, blocks, cached, tuple(tiers), sum(m.nbytes for m in blocks),
+        tiers = sorted({name for m in blocks for name in m.locations}, key=self.store.tier_rank)
+        return SessionChain(s, blocks, cached, tuple(tiers), sum(m.nbytes for m in blocks),
                               time.time() - s.created)
 
     def _chain(self, s: Session) -> tuple[BlockMeta, ...]:
-        # The index's own match, not store.lookup: an inspection must not count as a hit or a use.
-        spec = self.store.registry.get(s.fingerprint)
-        return self.store.index.match(s.namespace, s.fingerprint, s.tokens, spec.layout.block_tokens,
-                                      self.store.namespaces.salt(s.namespace)).blocks
+        # match, not lookup: an inspection must not count as a hit or a use.
+        return self.store.match(s.namespace, s.fingerprint, s.tokens).blocks
 
     # ---- blocks --------------------------------------------------------------------------------
 
@@ -116,8 +91,7 @@ class Inspector:
             wanted.append(p)
         found: list[BlockMeta] = []
         for p in wanted:
-            hits = [m for m in self.store.index
-                    if (namespace is None or m.namespace == namespace) and m.key.hex().startswith(p)]
+            hits = [m for m in self.store.blocks(namespace) if m.key.hex().startswith(p)]
             if not hits:
                 raise NotFound(f"no stored block has a key starting with {p}" +
                                ("" if namespace is None else f" in namespace {namespace!r}"))
@@ -128,12 +102,18 @@ class Inspector:
 
     def describe(self, metas: Iterable[BlockMeta]) -> list[BlockDetail]:
         refs = self._session_refs()
-        return [BlockDetail(m, self._codec(m.model_fingerprint), refs[m.key], self._start(m)) for m in metas]
+        now = time.time()
+        return [BlockDetail(
+            key=m.key, parent=m.parent, namespace=m.namespace, model_fingerprint=m.model_fingerprint,
+            num_tokens=m.num_tokens, full=m.full, tiers=tuple(m.locations), codec=self._codec(m.model_fingerprint),
+            checksum=m.checksum, nbytes=m.nbytes, pins=m.pins, children=m.children, sessions=refs[m.key],
+            refcount=m.children + refs[m.key] + m.pins, leases=m.leases, hits=m.hits, age_s=now - m.created,
+            start_token=self._start(m)) for m in metas]
 
     def _codec(self, fingerprint: bytes) -> str:
         # A recovered block whose model file was lost keeps its bytes but has no known codec until registered.
         registry = self.store.registry
-        return registry.get(fingerprint).codec if fingerprint in registry else "unknown (model not registered)"
+        return self.store.spec(fingerprint).codec if fingerprint in registry else "unknown (model not registered)"
 
     def _session_refs(self) -> Counter[bytes]:
         refs: Counter[bytes] = Counter()
@@ -142,10 +122,10 @@ class Inspector:
         return refs
 
     def _start(self, meta: BlockMeta) -> int:
-        start, parent = 0, self.store.index.get(meta.parent)
+        start, parent = 0, self.store.block(meta.parent)
         while parent is not None:
             start += parent.num_tokens
-            parent = self.store.index.get(parent.parent)
+            parent = self.store.block(parent.parent)
         return start
 
     # ---- eviction ------------------------------------------------------------------------------
@@ -157,9 +137,9 @@ class Inspector:
         return [m for m in self._chain(s) if refs[m.key] <= 1]
 
     def namespace_blocks(self, namespace: str) -> list[BlockMeta]:
-        return [m for m in self.store.index if m.namespace == namespace]
+        return self.store.blocks(namespace)
 
-    async def evict(self, metas: Sequence[BlockMeta], *, force: bool) -> EvictOutcome:
+    async def evict(self, metas: Sequence[BlockMeta], *, force: bool) -> EvictResult:
         closure = self._closure(metas)
         pinned = [m for m in closure if m.pins]
         if pinned and not force:
@@ -169,14 +149,14 @@ class Inspector:
         held = self._held_with_ancestors(closure)
         evicted, unpinned = [], 0
         for meta in closure:  # deepest first, so every block is a leaf when its turn comes
-            if meta.key in held or self.store.index.get(meta.key) is not meta:
+            if meta.key in held or self.store.block(meta.key) is not meta:
                 continue
             if meta.pins:
                 meta.pins = 0
                 unpinned += 1
             await self.store.remove(meta)
             evicted.append(meta.key)
-        return EvictOutcome(tuple(evicted), tuple(k for k in held), unpinned)
+        return EvictResult(tuple(evicted), tuple(k for k in held), unpinned)
 
     def _closure(self, metas: Sequence[BlockMeta]) -> list[BlockMeta]:
         """The blocks and all their descendants, deepest first."""
@@ -187,7 +167,7 @@ class Inspector:
             if meta.key in depth and depth[meta.key][0] >= d:
                 continue
             depth[meta.key] = (d, meta)
-            stack.extend((child, d + 1) for child in self.store.index.children_of(meta.key))
+            stack.extend((child, d + 1) for child in self.store.children(meta.key))
         return [m for _, m in sorted(depth.values(), key=lambda dm: -dm[0])]
 
     def _held_with_ancestors(self, closure: list[BlockMeta]) -> dict[bytes, None]:

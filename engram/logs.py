@@ -9,15 +9,15 @@ and a tier going degraded or recovering one line each. Nothing is logged from th
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import sys
 from datetime import UTC, datetime
 from typing import Any
 
+from engram.api import TierStats
 from engram.config import LoggingConfig
-from engram.store import BlockStore, TierCounters
+from engram.store import BlockStore
 
 log = logging.getLogger("engram.activity")
 
@@ -49,22 +49,21 @@ def setup_logging(cfg: LoggingConfig) -> None:
 
 async def report_activity(store: BlockStore, interval_s: float) -> None:
     """Run until cancelled: one line per notable change in the store's counters and tier health."""
-    last = {name: dataclasses.replace(tc) for name, tc in store.counters.tiers.items()}
-    state = {name: h.state for name, h in store.health.items()}
+    last = {t.name: t for t in store.tier_stats(per_block=False)}
     while True:
         await asyncio.sleep(interval_s)
-        for name, tc in store.counters.tiers.items():
-            _report_tier(name, last[name], tc, interval_s)
-            last[name] = dataclasses.replace(tc)
-            h = store.health[name]
-            if h.state != state[name]:
-                level = logging.WARNING if h.state != "ok" else logging.INFO
-                log.log(level, f"tier {name} is {h.state}", extra={"fields": {"tier": name, "state": h.state,
-                                                                                "reason": h.reason}})
-                state[name] = h.state
+        for t in store.tier_stats(per_block=False):
+            old = last[t.name]
+            _report_tier(old, t, interval_s)
+            if t.state != old.state:
+                level = logging.WARNING if t.state != "ok" else logging.INFO
+                log.log(level, f"tier {t.name} is {t.state}", extra={"fields": {
+                    "tier": t.name, "state": t.state, "reason": t.state_reason}})
+            last[t.name] = t
 
 
-def _report_tier(name: str, old: TierCounters, new: TierCounters, interval_s: float) -> None:
+def _report_tier(old: TierStats, new: TierStats, interval_s: float) -> None:
+    name = new.name
     evicted, demoted = new.evictions - old.evictions, new.demotions - old.demotions
     if evicted or demoted:
         log.info(f"tier {name}: {evicted} blocks evicted, {demoted} demoted in the last {interval_s:g}s",

@@ -2,7 +2,7 @@
 latency histograms (a grpc.aio server interceptor), and the store's own counters read at scrape time.
 
 Nothing is added to the per-block hot path: tier, replay and corruption figures are the counters the
-store already keeps (engram/store.py), turned into metric families by a custom Collector when Prometheus
+store already keeps (engram/store/counters.py), turned into metric families by a custom Collector when Prometheus
 scrapes. Each daemon has its own CollectorRegistry, so two daemons in one process (tests) never mix.
 """
 
@@ -50,15 +50,13 @@ class StoreCollector(Collector):
                                            labels=label),
             "io_errors": CounterMetricFamily("engram_tier_io_errors", "I/O errors on the tier.", labels=label),
         }
-        for tier in store.tiers:
-            usage = tier.usage()
-            tc = store.counters.tiers[tier.name]
-            values = {"capacity": usage.capacity_bytes, "used": usage.used_bytes, "blocks": usage.blocks,
-                      "degraded": int(store.health[tier.name].state != "ok"), "hits": tc.hits, "misses": tc.misses,
-                      "evictions": tc.evictions, "demoted": tc.demoted_bytes, "promoted": tc.promoted_bytes,
-                      "corrupt": tc.corrupt_blocks, "io_errors": tc.io_errors}
+        for t in store.tier_stats(per_block=False):
+            values = {"capacity": t.capacity_bytes, "used": t.used_bytes, "blocks": t.blocks,
+                      "degraded": int(t.state != "ok"), "hits": t.hits, "misses": t.misses, "evictions": t.evictions,
+                      "demoted": t.demoted_bytes, "promoted": t.promoted_bytes, "corrupt": t.corrupt_blocks,
+                      "io_errors": t.io_errors}
             for name, fam in fams.items():
-                fam.add_metric([tier.name], values[name])
+                fam.add_metric([t.name], values[name])
         yield from fams.values()
         c = store.counters
         for name, doc, value in (

@@ -18,7 +18,6 @@ Sessions live in daemon memory; they do not survive a restart (their blocks do).
 from __future__ import annotations
 
 import asyncio
-import enum
 import time
 import uuid
 from collections import OrderedDict
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engram.api import SessionInfo, SessionMode
 from engram.block import checksum
 from engram.errors import FailedPrecondition, InvalidArgument, NotFound
 from engram.index import BlockMeta
@@ -35,12 +35,6 @@ from engram.replay.model import SwaWindow
 from engram.replay.reconstruct import ReplayMode
 from engram.replay.runtime import ReplayRuntime
 from engram.store import BlockStore
-
-
-class Mode(enum.IntEnum):
-    EXACT = 1
-    APPROX = 2
-    PERSIST = 3
 
 
 @dataclass(frozen=True)
@@ -97,7 +91,7 @@ class Session:
     namespace: str
     fingerprint: bytes
     tokens: np.ndarray  # int32
-    mode: Mode
+    mode: SessionMode
     approx_k: float
     parent: str = ""
     window: Window | None = None  # hot (rebuilt) or persisted
@@ -105,7 +99,13 @@ class Session:
     held: dict[bytes, BlockMeta] = field(default_factory=dict)  # the stored blocks of its prefix it references
 
     def replay_mode(self) -> ReplayMode:
-        return ReplayMode.approx(self.approx_k) if self.mode == Mode.APPROX else ReplayMode.exact()
+        return ReplayMode.approx(self.approx_k) if self.mode == SessionMode.APPROX else ReplayMode.exact()
+
+    def info(self) -> SessionInfo:
+        w = self.window
+        return SessionInfo(session_id=self.id, namespace=self.namespace, model_fingerprint=self.fingerprint,
+                           tokens=len(self.tokens), mode=self.mode, approx_k=self.approx_k, hot=w is not None,
+                           window_prefix_len=w.prefix_len if w else 0, parent=self.parent, created_s=self.created)
 
 
 @dataclass(frozen=True)
@@ -129,12 +129,12 @@ class SessionManager:
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
-    def open(self, namespace: str, fingerprint: bytes, mode: Mode, approx_k: float = 0.0, session_id: str = "",
+    def open(self, namespace: str, fingerprint: bytes, mode: SessionMode, approx_k: float = 0.0, session_id: str = "",
              tokens: np.ndarray | None = None) -> Session:
-        spec = self.store.registry.get(fingerprint)
-        if mode == Mode.APPROX and approx_k <= 0:
+        spec = self.store.spec(fingerprint)
+        if mode == SessionMode.APPROX and approx_k <= 0:
             raise InvalidArgument("approx mode needs approx_k > 0 (R = approx_k * W tokens are replayed)")
-        if mode != Mode.PERSIST:
+        if mode != SessionMode.PERSIST:
             self.runtime.require(spec)  # refuse now, not at the first Resume
         sid = session_id or uuid.uuid4().hex[:16]
         if (namespace, sid) in self._sessions:
@@ -147,8 +147,7 @@ class SessionManager:
 
     def hold(self, s: Session) -> None:
         """Re-resolve the blocks of the session's prefix and move its references to them."""
-        bt = self.store.registry.get(s.fingerprint).layout.block_tokens
-        match = self.store.index.match(s.namespace, s.fingerprint, s.tokens, bt, self.store.namespaces.salt(s.namespace))
+        match = self.store.match(s.namespace, s.fingerprint, s.tokens)
         now = {m.key: m for m in match.blocks}
         self.store.reference([m for k, m in s.held.items() if now.get(k) is not m], -1)
         self.store.reference([m for k, m in now.items() if s.held.get(k) is not m], +1)
@@ -162,20 +161,20 @@ class SessionManager:
 
     def append(self, namespace: str, session_id: str, tokens: np.ndarray, window: Window | None = None) -> Session:
         s = self.get(namespace, session_id)
-        if window is not None and s.mode != Mode.PERSIST:
-            raise InvalidArgument(f"session {session_id} is in {s.mode.name.lower()} mode: the daemon rebuilds its "
+        if window is not None and s.mode != SessionMode.PERSIST:
+            raise InvalidArgument(f"session {session_id} is in {s.mode.value} mode: the daemon rebuilds its "
                                   "window; send windows only for persist-mode sessions")
         new_len = len(s.tokens) + len(tokens)
         if window is not None:
             if window.prefix_len != new_len:
                 raise InvalidArgument(f"the window serves position {window.prefix_len}, the session will have "
                                       f"{new_len} tokens")
-            window.validate(self.store.registry.get(s.fingerprint))
+            window.validate(self.store.spec(s.fingerprint))
         s.tokens = np.concatenate([s.tokens, np.asarray(tokens, dtype=np.int32)])
         self.hold(s)
         if window is not None:
             s.window = window
-        elif s.mode != Mode.PERSIST:
+        elif s.mode != SessionMode.PERSIST:
             self._drop_hot(s)  # a window for the old length is stale
         return s
 
@@ -189,14 +188,14 @@ class SessionManager:
         child.parent = parent.id
         if parent.window is not None and parent.window.prefix_len == p:
             child.window = parent.window
-            if child.mode != Mode.PERSIST:
+            if child.mode != SessionMode.PERSIST:
                 self._mark_hot(child)
         return child
 
     def suspend(self, namespace: str, session_id: str) -> Session:
         """The session goes cold: a rebuilt window is dropped; a persisted one stays."""
         s = self.get(namespace, session_id)
-        if s.mode != Mode.PERSIST:
+        if s.mode != SessionMode.PERSIST:
             self._drop_hot(s)
         return s
 
@@ -217,7 +216,7 @@ class SessionManager:
             raise InvalidArgument(f"session {session_id} has no tokens to resume from; append some first")
         if p > len(s.tokens):
             raise InvalidArgument(f"position {p} is past the session's end ({len(s.tokens)} tokens)")
-        spec = self.store.registry.get(s.fingerprint)
+        spec = self.store.spec(s.fingerprint)
         match = self.store.lookup(namespace, s.fingerprint, s.tokens[:p])
         self.hold(s)
         if match.matched_tokens < p:
@@ -226,10 +225,10 @@ class SessionManager:
                 "put it again, then Resume"
             )
         if s.window is not None and s.window.prefix_len == p:
-            if s.mode != Mode.PERSIST:
+            if s.mode != SessionMode.PERSIST:
                 self._mark_hot(s)
-            return Resumed(p, match.blocks, s.window, "persisted" if s.mode == Mode.PERSIST else "hot", 0, 0, 0.0)
-        if s.mode == Mode.PERSIST:
+            return Resumed(p, match.blocks, s.window, "persisted" if s.mode == SessionMode.PERSIST else "hot", 0, 0, 0.0)
+        if s.mode == SessionMode.PERSIST:
             have = "none" if s.window is None else f"one for position {s.window.prefix_len}"
             raise FailedPrecondition(f"session {session_id} is in persist mode and holds no window for position {p} "
                                      f"({have}); append with the window, or open it in exact mode")
@@ -251,21 +250,11 @@ class SessionManager:
 
     async def _global_kv(self, blocks: tuple[BlockMeta, ...], p: int) -> torch.Tensor:
         """The stored global KV of [0, p) as one tensor (stored_layers, 2, p, H, D), read and verified."""
-        from engram.codec import blockformat
-
-        self.store.acquire(blocks)
-        try:
-            parts = []
+        parts = []
+        with self.store.reading(blocks):
             for meta in blocks:
                 payload = await self.store.read(meta)
-                codec = self.store.registry.get(meta.model_fingerprint).codec
-                if codec == "raw":
-                    t = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-                    parts.append(t.view(meta.dtype.torch_dtype).reshape(meta.shape))
-                else:
-                    parts.append(await asyncio.to_thread(blockformat.decode, payload, backend=self.store.codec_backend))
-        finally:
-            self.store.release(blocks)
+                parts.append(await asyncio.to_thread(self.store.decode, payload, meta))
         return torch.cat(parts, dim=2)[:, :, :p]
 
     # ---- hot windows ------------------------------------------------------------------------------
@@ -282,7 +271,7 @@ class SessionManager:
 
     def _drop_hot(self, s: Session) -> None:
         self._hot.pop((s.namespace, s.id), None)
-        if s.mode != Mode.PERSIST:
+        if s.mode != SessionMode.PERSIST:
             s.window = None
 
     # ---- stats -----------------------------------------------------------------------------------
@@ -301,4 +290,4 @@ class SessionManager:
 
     def window_bytes(self, *, persisted: bool) -> int:
         return sum(s.window.nbytes for s in self._sessions.values()
-                   if s.window is not None and (s.mode == Mode.PERSIST) == persisted)
+                   if s.window is not None and (s.mode == SessionMode.PERSIST) == persisted)

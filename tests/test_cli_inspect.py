@@ -70,7 +70,7 @@ def test_ls_lists_namespaces_and_sessions(content: Content) -> None:
     s1, s2 = sessions["s1"], sessions["s2"]
     assert (s1["info"]["tokens"], s1["cached_tokens"], s1["blocks"], s1["tiers"]) == (64, 64, 4, ["dram"])
     assert (s2["info"]["tokens"], s2["cached_tokens"], s2["blocks"]) == (48, 48, 3)
-    assert s1["info"]["mode"] == "REPLAY_MODE_PERSIST" and s1["info"]["model_fingerprint"] == content.fp.hex()
+    assert s1["info"]["mode"] == "persist" and s1["info"]["model_fingerprint"] == content.fp.hex()
     assert s2["info"]["parent"] == "parent-of-s2" and s2["age_s"] >= 0
 
     table = cli("ls", "-a", content.address)

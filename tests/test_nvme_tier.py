@@ -16,7 +16,8 @@ import torch
 
 from engram import errors
 from engram.block import BlockHeader, checksum
-from engram.client import EngramClient, tensor_bytes
+from engram.client import EngramClient
+from engram.codec.stored import RAW, encode
 from engram.config import load_config
 from engram.keys import root_key
 from engram.server.app import build_store
@@ -46,7 +47,7 @@ async def put_seq(store: BlockStore, toks: np.ndarray, kv: torch.Tensor, pin: bo
     for i, start in enumerate(range(0, len(toks), BLOCK_TOKENS)):
         t = toks[start : start + BLOCK_TOKENS]
         block = kv[:, :, start : start + BLOCK_TOKENS]
-        payload = tensor_bytes(block)
+        payload = encode(block, RAW)
         header = BlockHeader(t, SPEC.layout.dtype, tuple(block.shape), len(payload), checksum(payload))
         out = await store.put(NS, fp, parent, header, payload, pin=pin, index=i)
         keys.append(out.key)

@@ -9,7 +9,8 @@ import torch
 
 from engram import errors
 from engram.block import checksum
-from engram.client import EngramClient, tensor_bytes
+from engram.client import EngramClient
+from engram.codec.stored import RAW, encode
 from engram.layout import DType
 from engram.server import RunningServer
 from engram.v1 import engram_pb2 as pb
@@ -40,7 +41,7 @@ async def assert_content_intact(client: EngramClient, fp: bytes, toks: np.ndarra
 
 
 def block_msg(toks: np.ndarray, kv: torch.Tensor, **override: object) -> pb.PutRequest:
-    payload = tensor_bytes(kv)
+    payload = encode(kv, RAW)
     fields: dict[str, object] = {
         "tokens": toks.tolist(), "dtype": int(DType.from_torch(kv.dtype)), "shape": list(kv.shape),
         "payload_nbytes": len(payload), "checksum": checksum(payload),
@@ -90,7 +91,7 @@ async def test_wrong_dtype(seeded, client) -> None:  # type: ignore[no-untyped-d
 async def test_checksum_and_size_mismatch(seeded, client) -> None:  # type: ignore[no-untyped-def]
     spec, fp, toks, kv, stub, _ = seeded
     good = random_kv(spec, BLOCK_TOKENS)
-    flipped = bytearray(tensor_bytes(good))
+    flipped = bytearray(encode(good, RAW))
     flipped[7] ^= 0x10
     await expect_status(put_raw(stub, fp, block_msg(tokens(BLOCK_TOKENS, 5), good, data=bytes(flipped))),
                         grpc.StatusCode.INVALID_ARGUMENT, "checksum")

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engram import errors
+from engram.api import SessionMode
 from engram.client import EngramClient
 from engram.replay import (
     HybridConfig,
@@ -123,7 +124,7 @@ async def test_approx_mode_is_close_but_not_exact(daemon, model: HybridDecoder) 
         assert not torch.equal(logits, ref)  # R = W < L_swa * (W - 1): an approximation
         assert float((logits - ref).abs().max()) < 10 * float(ref.abs().max())
         info = await client.open_session(fp, mode="approx", approx_k=1.0, tokens=toks[:P])
-        assert info.mode == 2 and info.approx_k == 1.0
+        assert info.mode == SessionMode.APPROX and info.approx_k == 1.0
 
 
 async def test_persist_mode_serves_the_uploaded_window_without_a_model(server_factory, model: HybridDecoder) -> None:  # type: ignore[no-untyped-def]

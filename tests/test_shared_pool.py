@@ -14,10 +14,11 @@ import pytest
 from engram.block import BlockRecord
 from engram.errors import ConfigError, FailedPrecondition
 from engram.layout import DType
+from engram.segment import SegmentReader
 from engram.tiers.base import Tier
 from engram.tiers.dram import shared_dram_tier
 from engram.tiers.pool import PoolTier
-from engram.tiers.shm import PREFIX, SUFFIX, SegmentReader, clean_stale
+from engram.tiers.shm import PREFIX, SUFFIX, clean_stale
 
 
 def copied(reader: SegmentReader, offset: int, length: int, generation: int) -> bytes | None:

@@ -17,7 +17,7 @@ import torch
 from engram.block import checksum
 from engram.client import EngramClient, same_host
 from engram.errors import NotFound
-from engram.tiers.shm import SegmentReader
+from engram.segment import SegmentReader
 from engram.v1 import engram_pb2 as pb
 from engram.v1 import engram_pb2_grpc as pb_grpc
 

@@ -20,10 +20,10 @@ from engram.config import EngramConfig, ServerConfig
 from engram.inspection import Inspector
 from engram.logs import report_activity
 from engram.metrics import MetricsEndpoint
-from engram.peers import PeerFetcher
 from engram.registry import ModelRegistry
 from engram.replay.runtime import ReplayRuntime
 from engram.server.inspection import InspectionService
+from engram.server.peers import PeerFetcher
 from engram.server.service import SERVICE_NAME, EngramService
 from engram.sessions import SessionManager
 from engram.store import BlockStore, WritePolicy
@@ -33,6 +33,7 @@ from engram.tiers.dram import DramTier, shared_dram_tier
 from engram.tiers.hbm import hbm_tier
 from engram.tiers.nvme import NvmeTier
 from engram.v1 import engram_pb2
+from engram.wire.channel import message_options
 
 log = logging.getLogger("engram.server")
 
@@ -112,11 +113,7 @@ async def start_server(config: EngramConfig, store: BlockStore | None = None,
     tenancy = Tenancy.from_config(config.auth, config.cluster.peer_token)
     store = store or await build_store(config, tenancy)
     sessions = sessions or build_sessions(config, store)
-    options = [
-        ("grpc.max_send_message_length", int(s.max_message_bytes)),
-        ("grpc.max_receive_message_length", int(s.max_message_bytes)),
-        ("grpc.so_reuseport", 0),
-    ]
+    options = [*message_options(int(s.max_message_bytes)), ("grpc.so_reuseport", 0)]
     metrics = MetricsEndpoint() if s.metrics_port else None
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=s.max_concurrent_rpcs,
                              interceptors=[metrics.interceptor] if metrics else None)
@@ -152,7 +149,7 @@ async def start_server(config: EngramConfig, store: BlockStore | None = None,
         metrics.start(s.metrics_host, s.metrics_port)
         log.info("engram metrics on http://%s:%d/metrics", s.metrics_host, metrics.port)
     log.info("engram serving on %s", address, extra={"fields": {
-        "address": address, "tiers": [t.name for t in store.tiers], "blocks": len(store.index),
+        "address": address, "tiers": [t.name for t in store.tiers], "blocks": len(store),
         "metrics_port": metrics.port if metrics else 0}})
     if config.cluster.redis_url:
         await _join_cluster(config, service, address)

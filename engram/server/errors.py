@@ -1,4 +1,5 @@
-"""The one place where domain errors become gRPC status codes (and the client maps them back)."""
+"""Handler wrappers: a domain error aborts the call with its status (the mapping is engram/wire/status.py);
+anything else is a bug, logged and answered INTERNAL, and the daemon keeps serving."""
 
 from __future__ import annotations
 
@@ -10,31 +11,9 @@ from typing import Any, TypeVar
 import grpc
 
 from engram import errors
+from engram.wire.status import status_of
 
 log = logging.getLogger("engram.server")
-
-STATUS_OF: dict[type[errors.EngramError], grpc.StatusCode] = {
-    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    errors.NotFound: grpc.StatusCode.NOT_FOUND,
-    errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
-    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
-    errors.DataLoss: grpc.StatusCode.DATA_LOSS,
-    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
-    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
-    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
-    errors.ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
-}
-ERROR_OF: dict[grpc.StatusCode, type[errors.EngramError]] = {code: exc for exc, code in STATUS_OF.items()}
-ERROR_OF[grpc.StatusCode.INVALID_ARGUMENT] = errors.InvalidArgument
-
-
-def status_of(exc: errors.EngramError) -> grpc.StatusCode:
-    for cls in type(exc).__mro__:
-        if cls in STATUS_OF:
-            return STATUS_OF[cls]  # type: ignore[index]
-    return grpc.StatusCode.UNKNOWN
-
 
 R = TypeVar("R")
 

@@ -1,7 +1,7 @@
 """The contract every storage tier keeps (DRAM now; NVMe, HBM and the cluster tier later).
 
 A tier stores opaque payloads by key. It does not decide *what* to evict or where a victim goes: the
-store (engram/store.py) owns the eviction order (engram/eviction.py), pins, leases and the moves between
+store (engram/store/) owns the eviction order (engram/eviction.py), pins, leases and the moves between
 tiers, so the rules live in one place. Space is reserved before a write (`reserve`) and returned if the write fails
 (`unreserve`), so concurrent writers cannot overfill a tier.
 """

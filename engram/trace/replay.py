@@ -21,12 +21,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engram.api import SessionMode
 from engram.block import BlockHeader, checksum
 from engram.errors import ResourceExhausted
 from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
 from engram.registry import ModelRegistry
 from engram.replay.runtime import ReplayRuntime
-from engram.sessions import Mode, Session, SessionManager
+from engram.sessions import Session, SessionManager
 from engram.store import BlockStore
 from engram.tiers.dram import DramTier
 from engram.trace.formats import Request
@@ -80,7 +81,7 @@ async def _engram(trace: Sequence[Request], capacity: int, progress: Progress | 
         if r.session:
             s = live.get(r.session)
             if s is None:
-                s = live[r.session] = sessions.open(_NS, fp, Mode.PERSIST, session_id=r.session, tokens=toks)
+                s = live[r.session] = sessions.open(_NS, fp, SessionMode.PERSIST, session_id=r.session, tokens=toks)
             else:
                 s.tokens = toks
                 sessions.hold(s)

@@ -14,11 +14,13 @@ from engram.block import BlockHeader
 from engram.cluster import ClusterIndex
 from engram.errors import EngramError
 from engram.keys import chain_keys
-from engram.server import convert
 from engram.store import BlockStore
 from engram.v1 import engram_pb2 as pb
+from engram.wire import convert
+from engram.wire.channel import open_channel, stub_for
+from engram.wire.stream import Reassembler, client_reassembler
 
-log = logging.getLogger("engram.peers")
+log = logging.getLogger("engram.server.peers")
 
 MAX_CHAIN = 256  # ancestors a Get-triggered fetch follows before it gives up (the payloads wait in memory)
 
@@ -35,8 +37,6 @@ class PeerFetcher:
         self._channels: list[grpc.aio.Channel] = []
 
     def _stub(self, address: str) -> Any:
-        from engram.client import open_channel, stub_for
-
         if address not in self._stubs:
             channel = open_channel(address, root_cert=self.root_cert)
             self._channels.append(channel)
@@ -46,7 +46,7 @@ class PeerFetcher:
     async def fill(self, namespace: str, fingerprint: bytes, tokens: np.ndarray, have_tokens: int) -> int:
         """Copy the full blocks of `tokens` after the first `have_tokens` from peers, in chain order, until
         one is not found; returns how many were stored."""
-        bt = self.store.registry.get(fingerprint).layout.block_tokens
+        bt = self.store.spec(fingerprint).layout.block_tokens
         salt = self.store.namespaces.salt(namespace)
         parent = self.store.root(namespace, fingerprint)
         stored = 0
@@ -67,7 +67,7 @@ class PeerFetcher:
         keys the worker learnt from another daemon); returns how many blocks were stored."""
         stored = 0
         for key in keys:
-            if self.store.index.get_in(namespace, key) is None:
+            if not self.store.holds(namespace, key):
                 stored += await self._fetch_chain(namespace, fingerprint, key)
         return stored
 
@@ -81,7 +81,7 @@ class PeerFetcher:
                 return 0
             parent, header, payload = got
             chain.append((key, parent, header, payload))
-            if parent == root or self.store.index.get_in(namespace, parent) is not None:
+            if parent == root or self.store.holds(namespace, parent):
                 break
             key = parent
         else:
@@ -103,24 +103,24 @@ class PeerFetcher:
         (its parent key, header, payload); None when no holder has it. `parent`, when known, must match."""
         for holder in await self.cluster.holders(key):
             try:
-                header = None
-                parts: list[bytes] = []
+                got = None
                 sent_parent = b""
-                async for resp in self._stub(holder.address).FetchBlocks(pb.FetchBlocksRequest(keys=[key]),
-                                                                         timeout=self.timeout_s):
-                    if resp.chunk.HasField("header"):
-                        header = convert.header_from_pb(resp.chunk.header, 0)
+                blocks: Reassembler[pb.BlockHeader] = client_reassembler(lambda h: h.payload_nbytes)
+                request = pb.FetchBlocksRequest(keys=[key])
+                async for resp in self._stub(holder.address).FetchBlocks(request, timeout=self.timeout_s):
+                    c = resp.chunk
+                    if c.HasField("header"):
                         sent_parent = resp.parent_key
-                        if resp.chunk.key != key or resp.namespace != namespace or \
+                        if c.key != key or resp.namespace != namespace or \
                                 resp.model_fingerprint != fingerprint or parent not in (None, sent_parent):
                             raise EngramError("the peer sent another block than the one asked for")
-                    parts.append(resp.chunk.data)
-                if header is None:
+                    got = blocks.add(c.header if c.HasField("header") else None, c.data, c.last, 0) or got
+                if got is None:
                     continue  # the peer evicted it meanwhile
-                payload = b"".join(parts)
+                header = convert.header_from_pb(got[0], 0)
                 if header.checksum != holder.checksum:
                     raise EngramError("the block's checksum differs from the one the cluster index advertised")
-                return sent_parent, header, payload
+                return sent_parent, header, got[1]
             except (grpc.aio.AioRpcError, EngramError) as exc:
                 self.cluster.counters.remote_failures += 1
                 log.warning("peer fetch of %s from %s failed: %s", key.hex(), holder.node_id, exc)

@@ -1,0 +1,277 @@
+"""What the daemon answers, as plain frozen dataclasses: the client returns these, the CLI renders them,
+and the server builds them from the store before engram/wire/convert.py turns them into protobuf.
+
+Field names follow the protobuf messages of proto/engram/v1/engram.proto one for one, so the conversion is
+one generic function and a reader can look a field up in either place. Nothing here imports the daemon or
+grpc: a worker that imports engram.client loads this, the wire, and the codecs, nothing more.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class SessionMode(enum.StrEnum):
+    """How a session's sliding-window KV comes back on Resume (docs/REPLAY.md)."""
+
+    EXACT = "exact"  # the daemon replays R = L_swa * (W - 1) tokens: bit-exact with the stored global KV
+    APPROX = "approx"  # the daemon replays R = approx_k * W tokens
+    PERSIST = "persist"  # the worker uploads the window; no replay
+
+    @classmethod
+    def parse(cls, value: str | SessionMode) -> SessionMode:
+        from engram.errors import InvalidArgument
+
+        try:
+            return cls(value)
+        except ValueError:
+            raise InvalidArgument(f"mode must be one of {[m.value for m in cls]}, got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    """A stored block as a lookup reports it."""
+
+    key: bytes
+    num_tokens: int
+    tier: str  # the fastest tier holding a copy now
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    matched_tokens: int  # tokens covered by `blocks`, a prefix of the query
+    blocks: tuple[BlockRef, ...]  # in chain order
+
+
+@dataclass(frozen=True)
+class PutReply:
+    """What the daemon says about one Put stream."""
+
+    keys: tuple[bytes, ...]  # every block's key, in the order sent
+    stored: int  # newly stored
+    deduplicated: int  # already present: the payload was dropped
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """What `EngramClient.put` did with a whole sequence."""
+
+    keys: tuple[bytes, ...]  # every block of the sequence, cached ones included
+    stored: int
+    deduplicated: int
+    skipped: int  # blocks not sent because a Lookup showed them cached
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    session_id: str
+    namespace: str
+    model_fingerprint: bytes
+    tokens: int
+    mode: SessionMode
+    approx_k: float
+    hot: bool  # the daemon holds an SWA window for it
+    window_prefix_len: int
+    parent: str
+    created_s: float
+
+    @property
+    def state(self) -> str:
+        """hot: the daemon holds a rebuilt window; persisted: persist mode with a stored window; cold: a
+        Resume replays (or, persist mode without a window, cannot resume yet)."""
+        if self.mode == SessionMode.PERSIST:
+            return "persisted" if self.hot else "cold"
+        return "hot" if self.hot else "cold"
+
+
+@dataclass(frozen=True)
+class ResumeResult:
+    """What Resume returns: the global KV blocks of [0, position) (fetch them with get) and the SWA window,
+    (sliding layers, 2, position - window_start, kv heads, head dim), for a query at `position`."""
+
+    position: int
+    blocks: tuple[BlockRef, ...]
+    window: torch.Tensor
+    window_start: int
+    source: str  # "replay", "hot" or "persisted"
+    replayed_tokens: int
+    replay_s: float
+
+
+@dataclass(frozen=True)
+class NamespaceStats:
+    namespace: str
+    key_salt: bytes = b""  # DescribeNamespace only; empty when tenancy is off
+    quota_bytes: int = 0  # 0: no quota
+    blocks: int = 0
+    physical_bytes: int = 0  # every stored block once
+    logical_bytes: int = 0  # a block once per session holding it: what dedupe saves
+    referenced_blocks: int = 0
+    sessions: int = 0
+
+
+@dataclass(frozen=True)
+class TierStats:
+    name: str
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    blocks: int = 0
+    hits: int = 0
+    misses: int = 0  # reads served by a lower tier because this one had no copy
+    evictions: int = 0
+    pinned_blocks: int = 0
+    state: str = "ok"  # "ok" or "degraded"
+    state_reason: str = ""
+    demotions: int = 0
+    promotions: int = 0
+    io_errors: int = 0
+    corrupt_blocks: int = 0
+    enospc: int = 0
+    tokens: int = 0  # tokens of the blocks with a copy here: used_bytes / tokens = bytes per token
+    demoted_bytes: int = 0
+    promoted_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    model_fingerprint: bytes
+    name: str
+    blocks: int
+    stored_bytes: int
+    tokens: int
+    codec: str
+    raw_bytes: int  # the same blocks as raw elements
+    all_layers_bytes: int  # keeping every layer's KV (sliding ones too), raw
+    replayable: bool  # this daemon has a replay model for it
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_message_bytes: int = 0
+    chunk_bytes: int = 0
+    max_blocks_per_request: int = 0
+    max_tokens_per_request: int = 0
+
+
+@dataclass(frozen=True)
+class ReplayStats:
+    sessions: int = 0
+    hot_sessions: int = 0
+    persisted_window_bytes: int = 0
+    hot_window_bytes: int = 0
+    replays: int = 0
+    replayed_tokens: int = 0
+    replay_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class ClusterStats:
+    state: str = "off"  # "off", "ok" or "degraded"
+    reason: str = ""
+    node_id: str = ""
+    live_nodes: int = 0
+    remote_hits: int = 0
+    remote_bytes: int = 0
+    remote_failures: int = 0
+    published: int = 0
+    reconnects: int = 0
+
+
+@dataclass(frozen=True)
+class Stats:
+    tiers: tuple[TierStats, ...] = ()
+    models: tuple[ModelStats, ...] = ()
+    lookups: int = 0
+    lookup_hit_tokens: int = 0
+    lookup_miss_tokens: int = 0
+    blocks_put: int = 0
+    blocks_deduplicated: int = 0
+    blocks_served: int = 0
+    bytes_served: int = 0
+    limits: Limits = field(default_factory=Limits)
+    version: str = ""
+    uptime_s: float = 0.0
+    write_policy: str = ""
+    corrupt_blocks: int = 0
+    replay: ReplayStats = field(default_factory=ReplayStats)
+    namespaces: tuple[NamespaceStats, ...] = ()  # those the caller may see (all, for an admin)
+    cluster: ClusterStats = field(default_factory=ClusterStats)
+    blocks_evicted_on_request: int = 0
+
+    def tier(self, name: str) -> TierStats:
+        return next(t for t in self.tiers if t.name == name)
+
+
+@dataclass(frozen=True)
+class CheckFinding:
+    path: str  # a file, or tier:key for an in-memory copy
+    problem: str
+    fixed: bool
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    scanned: int = 0
+    valid: int = 0
+    findings: tuple[CheckFinding, ...] = ()
+
+
+@dataclass(frozen=True)
+class NamespaceSummary:
+    namespace: str
+    blocks: int
+    stored_bytes: int
+    tokens: int
+    pinned_blocks: int
+    sessions: int
+
+
+@dataclass(frozen=True)
+class SessionSummary:
+    info: SessionInfo
+    cached_tokens: int  # leading tokens whose global KV is stored now
+    blocks: int
+    tiers: tuple[str, ...]  # tiers holding at least one of its blocks, fastest first
+    stored_bytes: int
+    age_s: float
+
+
+@dataclass(frozen=True)
+class BlockDetail:
+    key: bytes
+    parent: bytes
+    namespace: str
+    model_fingerprint: bytes
+    num_tokens: int
+    full: bool
+    tiers: tuple[str, ...]  # tiers holding a complete copy, fastest first
+    codec: str
+    checksum: int
+    nbytes: int
+    pins: int
+    children: int
+    sessions: int
+    refcount: int  # children + sessions + pins
+    leases: int
+    hits: int
+    age_s: float
+    start_token: int
+
+
+@dataclass(frozen=True)
+class BlockDescription:
+    """DescribeBlocks: the blocks, and the session's summary when a session was asked for."""
+
+    blocks: tuple[BlockDetail, ...]
+    session: SessionSummary | None = None
+
+
+@dataclass(frozen=True)
+class EvictResult:
+    evicted: tuple[bytes, ...]  # descendants of the named blocks included
+    skipped: tuple[bytes, ...]  # being read or moving right now (and their ancestors)
+    unpinned: int  # pinned blocks evicted with force

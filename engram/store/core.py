@@ -1,0 +1,437 @@
+"""BlockStore: the one object that knows blocks, their tiers, pins and leases. Its callers (the gRPC
+service, inspection, sessions, peers, transfers, the demo and benchmarks) use its verbs (lookup, match,
+find, put, read, reading, served, pin, remove, tier_stats, ...) and never its index or tiers directly.
+
+The rules kept here:
+- A block is published in the index only after its payload is written (its copies are placed by
+  engram/store/placement.py, which keeps the rules of moves between tiers), so no reader ever sees a block
+  before its bytes.
+- A pinned block, a leased block (one a reader holds) and a moving block are never evicted.
+- Every payload is verified against its checksum when read; a corrupt copy is dropped and the next copy
+  (or DATA_LOSS) is served, never the corrupt bytes.
+- Every block served is counted in one place (`served`), whichever path served it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import enum
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engram.api import TierStats
+from engram.block import BlockHeader, checksum
+from engram.codec import stored
+from engram.errors import (
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from engram.eviction import tick
+from engram.index import BlockMeta, ChainIndex, PrefixMatch
+from engram.keys import block_key, root_key, tokens_to_bytes
+from engram.layout import ModelSpec
+from engram.registry import ModelRegistry
+from engram.store import recovery
+from engram.store.counters import (
+    ModelUsage,
+    NamespaceUsage,
+    StoreCounters,
+    TierCounters,
+    TierHealth,
+    tier_stats,
+)
+from engram.store.placement import TIER_FAULTS, Placement
+from engram.tenancy import NamespacePolicy, OpenNamespaces
+from engram.tiers.base import Tier
+
+
+class WritePolicy(enum.StrEnum):
+    WRITE_BACK = "write-back"  # puts land in the top tier; lower tiers receive blocks when it is full
+    WRITE_THROUGH = "write-through"  # a put is acknowledged once it is also in the next tier (durable)
+
+
+@dataclass(frozen=True)
+class PutOutcome:
+    key: bytes
+    stored: bool  # False: the block was already present (deduplicated)
+
+
+class BlockStore:
+    def __init__(self, tiers: Sequence[Tier], registry: ModelRegistry, *,
+                 write_policy: WritePolicy = WritePolicy.WRITE_BACK, retry_s: float = 5.0,
+                 codec_backend: str = "reference", namespaces: NamespacePolicy | None = None) -> None:
+        if not tiers:
+            raise ValueError("a store needs at least one tier")
+        self.registry = registry
+        self.write_policy = write_policy
+        self.codec_backend = codec_backend  # where raw puts are encoded: "reference" or "triton"
+        self.index = ChainIndex()
+        self.namespaces = namespaces or OpenNamespaces()  # key salts and quotas (engram/tenancy.py)
+        self.counters = StoreCounters(tiers={t.name: TierCounters() for t in tiers})
+        self.placement = Placement(list(tiers), self.index, self.counters, retry_s=retry_s)
+        self._quota_pending: dict[str, int] = {}  # bytes of puts in flight, per namespace
+        self._pending: dict[bytes, asyncio.Event] = {}  # puts in flight, by key
+        self.started = time.time()
+
+    # Views kept for readers of the store's state (tests, benchmarks); callers act through the verbs.
+    @property
+    def tiers(self) -> list[Tier]:
+        return self.placement.tiers
+
+    @property
+    def health(self) -> dict[str, TierHealth]:
+        return self.placement.health
+
+    @property
+    def wait_for_room_s(self) -> float:
+        return self.placement.wait_for_room_s
+
+    @wait_for_room_s.setter
+    def wait_for_room_s(self, seconds: float) -> None:
+        self.placement.wait_for_room_s = seconds
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    # ---- queries -------------------------------------------------------------------------------
+
+    def spec(self, model_fingerprint: bytes) -> ModelSpec:
+        """The registered model (NotFound says to register it)."""
+        return self.registry.get(model_fingerprint)
+
+    def root(self, namespace: str, model_fingerprint: bytes) -> bytes:
+        """The parent key of a chain's first block in this namespace (salted when tenancy is on)."""
+        return root_key(namespace, model_fingerprint, self.namespaces.salt(namespace))
+
+    def match(self, namespace: str, model_fingerprint: bytes, tokens: Sequence[int] | np.ndarray) -> PrefixMatch:
+        """The stored prefix of `tokens`, without counting a lookup or touching recency (inspection, and
+        sessions re-resolving what they reference)."""
+        spec = self.spec(model_fingerprint)
+        return self.index.match(namespace, model_fingerprint, np.asarray(tokens, dtype="<i4"),
+                                spec.layout.block_tokens, self.namespaces.salt(namespace))
+
+    def lookup(self, namespace: str, model_fingerprint: bytes, tokens: Sequence[int] | np.ndarray) -> PrefixMatch:
+        """`match`, counted as a lookup, and a use of every matched block."""
+        arr = np.asarray(tokens, dtype="<i4")
+        match = self.match(namespace, model_fingerprint, arr)
+        self.counters.lookups += 1
+        self.counters.lookup_hit_tokens += match.matched_tokens
+        self.counters.lookup_miss_tokens += len(arr) - match.matched_tokens
+        for meta in match.blocks:
+            self.placement.touch(meta)
+        return match
+
+    def find(self, namespace: str, model_fingerprint: bytes, keys: Sequence[bytes]) -> list[BlockMeta]:
+        """Metadata for keys in this namespace and model; NotFound names the first missing key."""
+        self.spec(model_fingerprint)
+        metas = []
+        for i, key in enumerate(keys):
+            meta = self.index.get_in(namespace, key)
+            # A block of another namespace is reported exactly like an absent one (and never even looked at).
+            if meta is None or meta.model_fingerprint != model_fingerprint:
+                raise NotFound(f"block {i} ({key.hex() or '<empty>'}) is not stored in this namespace and model")
+            metas.append(meta)
+        return metas
+
+    def holds(self, namespace: str, key: bytes) -> bool:
+        return self.index.get_in(namespace, key) is not None
+
+    def block(self, key: bytes) -> BlockMeta | None:
+        """A block by key in any namespace: for the daemon's own bookkeeping (peers, inspection by admins)."""
+        return self.index.get(key)
+
+    def blocks(self, namespace: str | None = None) -> list[BlockMeta]:
+        """Every stored block, or one namespace's."""
+        return list(self.index) if namespace is None else self.index.blocks_in(namespace)
+
+    def children(self, key: bytes) -> list[BlockMeta]:
+        return self.index.children_of(key)
+
+    def namespaces_in_use(self) -> list[str]:
+        return self.index.namespaces()
+
+    def tier_rank(self, name: str) -> int:
+        return self.placement.rank[name]
+
+    # ---- writes --------------------------------------------------------------------------------
+
+    async def put(self, namespace: str, model_fingerprint: bytes, parent: bytes, header: BlockHeader,
+                  payload: bytes, *, pin: bool = False, index: int = 0) -> PutOutcome:
+        """Validate, dedupe and store one block under the key its parent and tokens hash to."""
+        spec = self.spec(model_fingerprint)
+        layout = spec.layout
+        header.validate(layout, index=index)
+        header.verify_payload(payload, index=index)
+        header, payload = await self._stored_form(spec.codec or stored.RAW, header, payload, index)
+        pmeta = None
+        if parent != self.root(namespace, model_fingerprint):
+            pmeta = self.index.get_in(namespace, parent)
+            if pmeta is None or pmeta.model_fingerprint != model_fingerprint:
+                raise FailedPrecondition(
+                    f"block {index}: parent block {parent.hex() or '<empty>'} is not stored (it may have been "
+                    "evicted); Lookup again and put the chain from its first missing block"
+                )
+            if not pmeta.full:
+                raise FailedPrecondition(
+                    f"block {index}: its parent is a partial block; only a chain's last block may have fewer "
+                    "than block_tokens tokens"
+                )
+        key = block_key(parent, header.tokens)
+        tokens = tokens_to_bytes(header.tokens)
+        while (pending := self._pending.get(key)) is not None:
+            await pending.wait()  # the same block is being stored by another put: dedupe against it
+        existing = self.index.get_in(namespace, key)
+        if existing is not None:
+            if existing.tokens != tokens:
+                raise FailedPrecondition(f"block {index}: key {key.hex()} is stored with other tokens (hash collision)")
+            self.counters.blocks_deduplicated += 1
+            if pin:
+                existing.pins += 1
+            self.placement.touch(existing)
+            return PutOutcome(key, stored=False)
+
+        meta = BlockMeta(
+            key=key, parent=parent, namespace=namespace, model_fingerprint=model_fingerprint, tokens=tokens,
+            num_tokens=header.num_tokens, dtype=header.dtype, shape=tuple(header.shape), nbytes=len(payload),
+            checksum=header.checksum, locations=[], full=header.num_tokens == layout.block_tokens,
+            pins=1 if pin else 0,
+        )
+        tick(meta)
+        self._charge_quota(namespace, len(payload), index)
+        done = self._pending[key] = asyncio.Event()
+        # Until the block is indexed its parent is a leaf, which making room could delete, orphaning the new
+        # block: count the coming child now (the parent may still be demoted: it stays reachable).
+        if pmeta is not None:
+            pmeta.children += 1
+        placement = self.placement
+        try:
+            await placement.place(meta, 0, payload)
+            if self.write_policy == WritePolicy.WRITE_THROUGH:
+                lower = placement.lower(0)
+                if lower is not None:
+                    # A failure is counted (and ENOSPC degrades the tier); the block stays in DRAM.
+                    with contextlib.suppress(*TIER_FAULTS):
+                        await placement.place(meta, lower, payload)
+            self.index.add(meta)  # published only now that the bytes are in their tiers
+        except BaseException:
+            for name in list(meta.locations):
+                await placement.drop_copy(meta, name)
+            raise
+        finally:
+            if pmeta is not None:
+                pmeta.children -= 1
+                if pmeta.children == 0:  # the put failed: the parent is a leaf again, and a victim
+                    for name in pmeta.locations:
+                        placement.lru[name].add(pmeta)
+            del self._pending[key]
+            self._quota_pending[namespace] -= len(payload)
+            done.set()
+        self.counters.blocks_put += 1
+        if meta.full:
+            await self._drop_superseded_partials(meta)
+        return PutOutcome(key, stored=True)
+
+    def _charge_quota(self, namespace: str, nbytes: int, index: int) -> None:
+        """Count a new block against its namespace's quota (physical bytes: a deduplicated block is free)."""
+        quota = self.namespaces.quota(namespace)
+        pending = self._quota_pending.get(namespace, 0)
+        used = self.index.physical_bytes(namespace) + pending
+        if quota and used + nbytes > quota:
+            raise ResourceExhausted(
+                f"block {index}: namespace {namespace!r} holds {used} of its {quota}-byte quota and this block needs "
+                f"{nbytes} more; close sessions and unpin blocks so they can be evicted, or raise the tenant's quota"
+            )
+        self._quota_pending[namespace] = pending + nbytes
+
+    async def _stored_form(self, codec: str, header: BlockHeader, payload: bytes, index: int
+                           ) -> tuple[BlockHeader, bytes]:
+        """The block as the model stores it: raw elements are encoded here when the model's codec is a
+        quantizing one; a block the worker already encoded must be in the model's codec and verify."""
+        where = f"block {index}"
+        if header.codec == codec:
+            stored.check_encoded(payload, codec, header.dtype, tuple(header.shape), where)
+            return header, payload
+        if not stored.is_raw(header.codec):
+            raise InvalidArgument(f"{where}: this model stores {codec} blocks; send raw elements (the daemon "
+                                  f"encodes them) or {codec} blocks, not {header.codec}")
+        kv = stored.decode(payload, stored.RAW, header.dtype, tuple(header.shape))
+        blob = await asyncio.to_thread(stored.encode, kv, codec, backend=self.codec_backend)
+        return dataclasses.replace(header, codec=codec, payload_nbytes=len(blob), checksum=checksum(blob)), blob
+
+    async def _drop_superseded_partials(self, full: BlockMeta) -> None:
+        """A full block makes the partial tails under the same parent that it extends redundant."""
+        for cand in self.index.partial_children(full.namespace, full.parent):
+            if cand.evictable and full.tokens.startswith(cand.tokens):
+                await self.placement.delete_block(cand)
+
+    # ---- reads ---------------------------------------------------------------------------------
+
+    def acquire(self, metas: Sequence[BlockMeta]) -> None:
+        """Lease blocks for reading: a leased block is not evicted until `release`."""
+        for meta in metas:
+            meta.leases += 1
+            self.placement.touch(meta)
+        self.placement.busy += len(metas)
+
+    def release(self, metas: Sequence[BlockMeta]) -> None:
+        for meta in metas:
+            meta.leases -= 1
+            if meta.leases < 0:
+                raise AssertionError(f"block {meta.key.hex()} released more often than acquired")
+        self.placement.busy -= len(metas)
+        self.placement.notify_freed()
+
+    @contextlib.contextmanager
+    def reading(self, metas: Sequence[BlockMeta]) -> Iterator[Sequence[BlockMeta]]:
+        """Hold read leases on blocks for the duration of a `with` (a stream being sent)."""
+        self.acquire(metas)
+        try:
+            yield metas
+        finally:
+            self.release(metas)
+
+    def served(self, meta: BlockMeta, tier_name: str) -> None:
+        """Count a block served from `tier_name`, whichever path served it (bytes, a zero-copy descriptor, a
+        Resume, a peer): a hit there, a miss in every faster tier, and the block's own hit count."""
+        rank = self.placement.rank[tier_name]
+        c = self.counters
+        c.tiers[tier_name].hits += 1
+        for upper in self.placement.tiers[:rank]:
+            c.tiers[upper.name].misses += 1
+        meta.hits += 1
+        c.blocks_served += 1
+        c.bytes_served += meta.nbytes
+
+    async def read(self, meta: BlockMeta, *, promote: bool = True) -> bytes:
+        """The block's payload from its fastest verified copy; a corrupt or unreadable copy is dropped and
+        the next tried. A hit below the top tier is copied up (promotion) unless promote is False."""
+        placement = self.placement
+        reasons = []
+        for name in list(meta.locations):
+            tc = self.counters.tiers[name]
+            try:
+                payload = await placement.tier(name).read(meta.key)
+                if checksum(payload) != meta.checksum:
+                    raise DataLoss(f"block {meta.key.hex()} failed its checksum in tier {name}")
+            except (DataLoss, Unavailable, OSError) as exc:
+                if isinstance(exc, DataLoss):
+                    tc.corrupt_blocks += 1
+                    self.counters.corrupt_blocks += 1
+                else:
+                    tc.io_errors += 1
+                reasons.append(str(exc))
+                await placement.drop_copy(meta, name)
+                continue
+            self.served(meta, name)
+            top = placement.tiers[0].name
+            if promote and placement.rank[name] > 0 and not meta.moving and top not in meta.locations:
+                await placement.promote(meta, payload)
+            return payload
+        placement.unindex(meta)
+        raise DataLoss(f"block {meta.key.hex()}: no tier holds a valid copy any more ({'; '.join(reasons)}); "
+                       "it was dropped")
+
+    # ---- pins, references, removal -------------------------------------------------------------
+
+    def pin(self, namespace: str, model_fingerprint: bytes, keys: Sequence[bytes], *, unpin: bool = False) -> int:
+        """Pin (or unpin) blocks; returns how many changed. Pins count, so two pinners need two unpins."""
+        metas = self.find(namespace, model_fingerprint, keys)
+        changed = 0
+        for meta in metas:
+            if unpin:
+                if meta.pins > 0:
+                    meta.pins -= 1
+                    changed += 1
+            else:
+                meta.pins += 1
+                changed += 1
+        return changed
+
+    def reference(self, metas: Sequence[BlockMeta], delta: int) -> None:
+        """Add (+1) or drop (-1) one session's reference to blocks; eviction prefers unreferenced blocks."""
+        for meta in metas:
+            was = meta.refs > 0
+            meta.refs += delta
+            if meta.refs < 0:
+                raise AssertionError(f"block {meta.key.hex()} unreferenced more often than referenced")
+            if was != (meta.refs > 0) and self.index.get(meta.key) is meta:
+                for name in meta.locations:
+                    self.placement.lru[name].touch(meta)  # re-queued in its new class (engram/eviction.py)
+
+    async def remove(self, meta: BlockMeta) -> None:
+        """Delete a block on request (engram evict). Only a leaf that no reader or move holds: the caller
+        removes descendants first (prefix closure) and lifts pins it was told to override."""
+        if meta.children or not meta.evictable:
+            raise FailedPrecondition(f"block {meta.key.hex()} has children, is pinned, or is being read or moved")
+        await self.placement.delete_block(meta)
+        self.counters.blocks_evicted_on_request += 1
+
+    # ---- moves that others perform (engram/transfer.py): the two-phase protocol ---------------------
+
+    async def begin_copy(self, meta: BlockMeta, tier_name: str) -> int:
+        return await self.placement.begin_copy(meta, tier_name)
+
+    def begin_copy_now(self, meta: BlockMeta, tier_name: str) -> int | None:
+        return self.placement.begin_copy_now(meta, tier_name)
+
+    def end_copy(self, meta: BlockMeta, tier_name: str, *, ok: bool) -> None:
+        self.placement.end_copy(meta, tier_name, ok=ok)
+
+    async def drop_copy(self, meta: BlockMeta, tier_name: str) -> None:
+        await self.placement.drop_spare_copy(meta, tier_name)
+
+    # ---- recovery and check --------------------------------------------------------------------
+
+    async def recover(self) -> recovery.StoreReport:
+        """Rebuild the index from the tiers that outlive the process (engram/store/recovery.py)."""
+        return await recovery.recover(self)
+
+    async def check(self, *, fix: bool) -> recovery.StoreReport:
+        """Verify every stored copy (DRAM payloads, NVMe files); with fix, drop what is broken."""
+        return await recovery.check(self, fix=fix)
+
+    # ---- figures -------------------------------------------------------------------------------
+
+    def tier_stats(self, *, per_block: bool = True) -> tuple[TierStats, ...]:
+        """Every tier's figures; without per_block, tokens and pinned_blocks stay 0 and the index is not
+        walked (what a metrics scrape or the log reporter needs)."""
+        return tier_stats(self.placement, self.index if per_block else ())
+
+    def model_usage(self) -> list[ModelUsage]:
+        acc: dict[bytes, list[int]] = {}
+        for meta in self.index:
+            row = acc.setdefault(meta.model_fingerprint, [0, 0, 0])
+            row[0] += 1
+            row[1] += meta.nbytes
+            row[2] += meta.num_tokens
+        out = []
+        for spec in self.registry:
+            blocks, nbytes, tokens = acc.get(spec.fingerprint, [0, 0, 0])
+            out.append(ModelUsage(spec.fingerprint, spec.name, spec.codec, blocks, nbytes, tokens,
+                                  tokens * spec.layout.bytes_per_token()))
+        return out
+
+    def namespace_usage(self, namespace: str) -> NamespaceUsage:
+        blocks = self.index.blocks_in(namespace)
+        return NamespaceUsage(len(blocks), self.index.physical_bytes(namespace),
+                              sum(m.nbytes * max(1, m.refs) for m in blocks), sum(1 for m in blocks if m.refs))
+
+    def decode(self, payload: bytes, meta: BlockMeta, *, device: torch.device | str = "cpu") -> torch.Tensor:
+        """A stored payload of `meta` as its KV tensor, decoded with the daemon's codec backend."""
+        codec = self.spec(meta.model_fingerprint).codec
+        return stored.decode(payload, codec, meta.dtype, meta.shape, backend=self.codec_backend, device=device,
+                             where=f"stored block {meta.key.hex()}")
+
+    async def close(self) -> None:
+        for tier in self.tiers:
+            await tier.close()

@@ -1,0 +1,93 @@
+"""What the store counts, and the per-tier figures assembled from it in one place (`tier_stats`), which
+Stats, the Prometheus collector and the log reporter all read."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engram.api import TierStats
+
+if TYPE_CHECKING:
+    from engram.index import BlockMeta
+    from engram.store.placement import Placement
+
+
+@dataclass
+class TierCounters:
+    hits: int = 0
+    misses: int = 0  # reads served by a lower tier because this one had no copy
+    evictions: int = 0
+    demotions: int = 0  # blocks copied down out of this tier
+    promotions: int = 0  # blocks copied up into this tier on a hit
+    demoted_bytes: int = 0
+    promoted_bytes: int = 0
+    io_errors: int = 0
+    corrupt_blocks: int = 0
+    enospc: int = 0
+
+
+@dataclass
+class TierHealth:
+    state: str = "ok"  # "ok" or "degraded"
+    reason: str = ""
+    retry_at: float = 0.0
+
+
+@dataclass
+class StoreCounters:
+    lookups: int = 0
+    lookup_hit_tokens: int = 0
+    lookup_miss_tokens: int = 0
+    blocks_put: int = 0
+    blocks_deduplicated: int = 0
+    blocks_served: int = 0  # by every path: bytes Gets, zero-copy descriptors, Resume, peer fetches
+    bytes_served: int = 0
+    corrupt_blocks: int = 0
+    blocks_evicted_on_request: int = 0  # by `remove` (engram evict), not by tier pressure
+    tiers: dict[str, TierCounters] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelUsage:
+    fingerprint: bytes
+    name: str
+    codec: str
+    blocks: int
+    bytes: int  # as stored
+    tokens: int
+    raw_bytes: int  # as raw elements of the layout's dtype
+
+
+@dataclass(frozen=True)
+class NamespaceUsage:
+    blocks: int
+    physical_bytes: int  # each stored block once
+    logical_bytes: int  # each block once per session referencing it (once if none does): what dedupe saves
+    referenced_blocks: int
+
+
+def tier_stats(placement: Placement, blocks: Iterable[BlockMeta] = ()) -> tuple[TierStats, ...]:
+    """Usage, counters and health of every tier, fastest first; pinned blocks and tokens per tier from one
+    pass over `blocks` (the index; readers that need neither, like the metrics scrape, pass none)."""
+    tokens: dict[str, int] = {}
+    pinned: dict[str, int] = {}
+    for meta in blocks:
+        for name in meta.locations:
+            tokens[name] = tokens.get(name, 0) + meta.num_tokens
+            if meta.pins:
+                pinned[name] = pinned.get(name, 0) + 1
+    out = []
+    for tier in placement.tiers:
+        usage = tier.usage()
+        tc = placement.counters.tiers[tier.name]
+        health = placement.health[tier.name]
+        out.append(TierStats(
+            name=usage.name, capacity_bytes=usage.capacity_bytes, used_bytes=usage.used_bytes, blocks=usage.blocks,
+            hits=tc.hits, misses=tc.misses, evictions=tc.evictions, pinned_blocks=pinned.get(tier.name, 0),
+            state=health.state, state_reason=health.reason, demotions=tc.demotions, promotions=tc.promotions,
+            io_errors=tc.io_errors, corrupt_blocks=tc.corrupt_blocks, enospc=tc.enospc,
+            tokens=tokens.get(tier.name, 0), demoted_bytes=tc.demoted_bytes, promoted_bytes=tc.promoted_bytes,
+        ))
+    return tuple(out)

@@ -1,0 +1,255 @@
+"""Where copies of blocks live: making room in a tier, writing a copy, demotion, promotion, the two-phase
+copy protocol for moves others perform (engram/transfer.py), and each tier's health.
+
+The rules kept here:
+- A copy counts (joins the block's `locations`) only once its write completed; a block that is moving is
+  never a victim, and neither is a pinned or leased one.
+- Eviction from a tier that has a lower tier demotes (write-back); from the last tier it deletes, and then
+  only leaves (engram/eviction.py), so every stored block stays reachable from its root.
+- A tier whose filesystem is full (ENOSPC) is degraded: the tier above becomes the last, and the tier is
+  tried again after `retry_s`; an I/O error fails that block, not the tier.
+Backpressure is structural: a write that needs room waits for the demotions that make it (and, when every
+candidate is moving or leased, for one of those to end, up to `wait_for_room_s`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engram.errors import DataLoss, FailedPrecondition, ResourceExhausted, StorageFull, Unavailable
+from engram.eviction import LeafLRU, tick
+from engram.index import BlockMeta, ChainIndex
+from engram.store.counters import StoreCounters, TierHealth
+from engram.tiers.base import Tier
+
+TIER_FAULTS = (ResourceExhausted, Unavailable, DataLoss, OSError)
+
+
+@dataclass
+class Placement:
+    """The tiers of one store, fastest first, with their LRU orders, health and the moves between them."""
+
+    tiers: list[Tier]
+    index: ChainIndex
+    counters: StoreCounters
+    retry_s: float = 5.0
+    wait_for_room_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        self.rank = {t.name: i for i, t in enumerate(self.tiers)}
+        self.lru = {t.name: LeafLRU(t.name) for t in self.tiers}
+        self.health = {t.name: TierHealth() for t in self.tiers}
+        self.busy = 0  # moves in progress plus leases held: what may free a victim soon
+        self.freed = asyncio.Condition()  # notified when a move ends or a lease is released
+
+    def tier(self, name: str) -> Tier:
+        return self.tiers[self.rank[name]]
+
+    def available(self, i: int) -> bool:
+        h = self.health[self.tiers[i].name]
+        return h.state == "ok" or time.monotonic() >= h.retry_at
+
+    def lower(self, i: int) -> int | None:
+        """The next tier below i that is not degraded, if any."""
+        for j in range(i + 1, len(self.tiers)):
+            if self.available(j):
+                return j
+        return None
+
+    def touch(self, meta: BlockMeta) -> None:
+        tick(meta)
+        for name in meta.locations:
+            self.lru[name].touch(meta)
+
+    def notify_freed(self) -> None:
+        async def notify() -> None:
+            async with self.freed:
+                self.freed.notify_all()
+
+        if self.freed._waiters:  # type: ignore[attr-defined]
+            asyncio.get_running_loop().create_task(notify())
+
+    # ---- copies --------------------------------------------------------------------------------
+
+    async def place(self, meta: BlockMeta, i: int, payload: bytes, *, wait: bool = True) -> None:
+        """Make room in tier i and write a copy there; the copy counts once the write completed."""
+        tier = self.tiers[i]
+        rec = meta.record()
+        need = tier.space_for(rec)
+        await self.make_room(i, need, wait=wait)
+        try:
+            await tier.write(rec, payload, need)
+        except BaseException as exc:
+            self.tier_failed(i, exc)
+            raise
+        self.tier_ok(i)
+        meta.locations.append(tier.name)
+        meta.locations.sort(key=self.rank.__getitem__)
+        self.lru[tier.name].add(meta)
+
+    async def make_room(self, i: int, need: int, *, wait: bool = True) -> None:
+        """Reserve `need` bytes in tier i, evicting (demoting) as needed. With wait, and when every
+        candidate is moving or leased, wait for one to come free; promotions pass wait=False because
+        their reader holds leases itself, and waiting on each other's leases would deadlock."""
+        tier = self.tiers[i]
+        if need > tier.capacity_bytes:
+            raise ResourceExhausted(
+                f"a block of {need} bytes exceeds the {tier.name} tier's capacity of {tier.capacity_bytes} "
+                f"bytes; raise tiers.{tier.name}.capacity or use smaller blocks"
+            )
+        lru = self.lru[tier.name]
+        demote = True
+        deadline = time.monotonic() + self.wait_for_room_s
+        while not tier.reserve(need):
+            lower = self.lower(i) if demote else None
+            victim = lru.victim(self.index.get, len(tier), leaf_only=lower is None)
+            if victim is None and wait and self.busy and time.monotonic() < deadline:
+                # Every candidate is moving or being read: one of those ends soon and frees a victim.
+                async with self.freed:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.freed.wait(), max(0.0, deadline - time.monotonic()))
+                continue
+            if victim is None:
+                raise ResourceExhausted(
+                    f"the {tier.name} tier is full ({tier.used_bytes} of {tier.capacity_bytes} bytes) and every "
+                    "block in it is pinned, being read or moving; unpin blocks or raise its capacity"
+                )
+            if len(victim.locations) > 1:
+                await self.drop_copy(victim, tier.name)  # a lower tier already holds it
+            elif lower is not None:
+                try:
+                    await self._demote(victim, i, lower)
+                except TIER_FAULTS:
+                    demote = False  # the lower tier cannot take it: delete leaves here instead
+                    continue
+            else:
+                await self.delete_block(victim)
+            self.counters.tiers[tier.name].evictions += 1
+
+    async def _demote(self, meta: BlockMeta, i: int, j: int) -> None:
+        meta.moving = True
+        self.busy += 1
+        try:
+            payload = await self.tiers[i].read(meta.key)
+            await self.place(meta, j, payload)
+        finally:
+            meta.moving = False
+            self.busy -= 1
+            self.notify_freed()
+        tc = self.counters.tiers[self.tiers[i].name]
+        tc.demotions += 1
+        tc.demoted_bytes += len(payload)
+        await self.drop_copy(meta, self.tiers[i].name)
+
+    async def promote(self, meta: BlockMeta, payload: bytes) -> None:
+        """Copy a block read from a lower tier into the top tier, if room can be made without waiting."""
+        meta.moving = True
+        self.busy += 1
+        try:
+            await self.place(meta, 0, payload, wait=False)
+            tc = self.counters.tiers[self.tiers[0].name]
+            tc.promotions += 1
+            tc.promoted_bytes += len(payload)
+        except ResourceExhausted:
+            pass  # no room up there right now: the block is served from where it is
+        finally:
+            meta.moving = False
+            self.busy -= 1
+            self.notify_freed()
+
+    async def drop_copy(self, meta: BlockMeta, name: str) -> None:
+        if name in meta.locations:
+            meta.locations.remove(name)
+        try:
+            await self.tier(name).delete(meta.key)
+        except OSError:
+            self.counters.tiers[name].io_errors += 1
+
+    async def delete_block(self, meta: BlockMeta) -> None:
+        if not meta.evictable:
+            raise AssertionError("deleting a pinned, leased or moving block")
+        self.unindex(meta)
+        for name in list(meta.locations):
+            await self.drop_copy(meta, name)
+
+    def unindex(self, meta: BlockMeta) -> None:
+        if self.index.get(meta.key) is not meta:
+            return
+        _, new_leaf = self.index.remove(meta.key)
+        if new_leaf is not None:
+            for name in new_leaf.locations:
+                self.lru[name].add(new_leaf)
+
+    # ---- the two-phase protocol for moves performed elsewhere (engram/transfer.py) ----------------
+
+    async def begin_copy(self, meta: BlockMeta, tier_name: str) -> int:
+        """Phase one: mark the block moving and make room in the tier; returns the bytes reserved there.
+        Never waits for room."""
+        i = self.rank[tier_name]
+        meta.moving = True
+        self.busy += 1
+        try:
+            need = self.tiers[i].space_for(meta.record())
+            await self.make_room(i, need, wait=False)
+        except BaseException:
+            self.end_copy(meta, tier_name, ok=False)
+            raise
+        return need
+
+    def begin_copy_now(self, meta: BlockMeta, tier_name: str) -> int | None:
+        """begin_copy when the tier has room already, with no await (a batch books hundreds of blocks, and
+        the copy engine idles while it does); None when room must be made first: call begin_copy."""
+        tier = self.tier(tier_name)
+        need = tier.space_for(meta.record())
+        if not tier.reserve(need):
+            return None
+        meta.moving = True
+        self.busy += 1
+        return need
+
+    def end_copy(self, meta: BlockMeta, tier_name: str, *, ok: bool) -> None:
+        """Phase two: the new copy joins the block's locations only if its bytes landed (ok)."""
+        if ok:
+            upward = self.rank[tier_name] < min(map(self.rank.__getitem__, meta.locations), default=0)
+            meta.locations.append(tier_name)
+            meta.locations.sort(key=self.rank.__getitem__)
+            self.lru[tier_name].add(meta)
+            if upward:
+                self.counters.tiers[tier_name].promotions += 1
+        meta.moving = False
+        self.busy -= 1
+        self.notify_freed()
+
+    async def drop_spare_copy(self, meta: BlockMeta, tier_name: str) -> None:
+        """Drop one copy of a block that another tier also holds (a caller's own demotion policy)."""
+        if tier_name not in meta.locations or len(meta.locations) < 2 or meta.moving or meta.leases:
+            raise FailedPrecondition(f"block {meta.key.hex()}: its {tier_name} copy is not a spare copy that "
+                                     "may be dropped (the only copy, being read, or moving)")
+        await self.drop_copy(meta, tier_name)
+
+    # ---- health ---------------------------------------------------------------------------------
+
+    def tier_failed(self, i: int, exc: BaseException) -> None:
+        name = self.tiers[i].name
+        if isinstance(exc, StorageFull):
+            self.counters.tiers[name].enospc += 1
+            h = self.health[name]
+            h.state, h.reason = "degraded", f"{exc}; retrying every {self.retry_s:g}s"
+            h.retry_at = time.monotonic() + self.retry_s
+        elif isinstance(exc, Unavailable | OSError):
+            self.counters.tiers[name].io_errors += 1
+
+    def tier_ok(self, i: int) -> None:
+        h = self.health[self.tiers[i].name]
+        if h.state != "ok":
+            h.state, h.reason = "ok", ""
+            for upper in self.tiers[:i]:  # they evicted leaf-only meanwhile and dropped inner entries
+                self.lru[upper.name].rebuild(self.index)
+
+    def holding(self, name: str) -> Sequence[BlockMeta]:
+        """Indexed blocks with a copy in tier `name`."""
+        return [m for m in self.index if name in m.locations]

@@ -1,0 +1,56 @@
+"""Channels to a daemon (or, for the cluster tier, to a peer): message limits, TLS, bearer tokens."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import grpc
+
+from engram.v1 import engram_pb2_grpc as pb_grpc
+
+DEFAULT_CHUNK_BYTES = 8 * 2**20
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20
+
+
+def message_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    """The send and receive limits, the same on channels and servers."""
+    return [("grpc.max_send_message_length", int(max_message_bytes)),
+            ("grpc.max_receive_message_length", int(max_message_bytes))]
+
+
+def same_host(address: str) -> bool:
+    """Whether a daemon address is on this host (a unix socket or loopback), where its shared DRAM
+    segment can be mapped."""
+    if address.startswith("unix:"):
+        return True
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host in {"localhost", "::1"} or host.startswith("127.")
+
+
+class _Authorized:
+    """A stub whose every call carries `authorization: Bearer <token>` metadata."""
+
+    def __init__(self, stub: Any, token: str) -> None:
+        self._stub = stub
+        self._md = (("authorization", f"Bearer {token}"),)
+
+    def __getattr__(self, name: str) -> Any:
+        return functools.partial(getattr(self._stub, name), metadata=self._md)
+
+
+def stub_for(channel: grpc.aio.Channel, token: str = "") -> Any:
+    stub = pb_grpc.EngramStub(channel)
+    return _Authorized(stub, token) if token else stub
+
+
+def open_channel(address: str, *, root_cert: bytes | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, server_name: str = "") -> grpc.aio.Channel:
+    """A channel to a daemon: TLS when root_cert (PEM) is given."""
+    options = message_options(max_message_bytes)
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    if root_cert is not None:
+        creds = grpc.ssl_channel_credentials(root_certificates=root_cert)
+        return grpc.aio.secure_channel(address, creds, options=options)
+    return grpc.aio.insecure_channel(address, options=options)

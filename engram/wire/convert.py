@@ -1,0 +1,166 @@
+"""Protobuf messages <-> domain values, for the client and the server alike.
+
+engram.api's result dataclasses mirror their messages field for field, so `from_pb` / `to_pb` convert them
+generically: nested dataclasses recurse, tuples are repeated fields, `X | None` is an optional message, and
+enums go through `_ENUMS` (a table keyed by the domain type). Layouts, model specs and block headers, whose
+domain types carry checks of their own, have explicit functions below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import types
+import typing
+from typing import Any, TypeVar
+
+import numpy as np
+from google.protobuf import message_factory
+from google.protobuf.message import Message
+
+from engram.api import SessionMode
+from engram.block import BlockHeader
+from engram.errors import InvalidArgument
+from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
+from engram.v1 import engram_pb2 as pb
+
+T = TypeVar("T")
+
+# domain enum -> (protobuf value -> member, member -> protobuf value)
+_ENUMS: dict[type[enum.Enum], tuple[dict[int, Any], dict[Any, int]]] = {
+    SessionMode: ({pb.REPLAY_MODE_UNSPECIFIED: SessionMode.EXACT, pb.REPLAY_MODE_EXACT: SessionMode.EXACT,
+                   pb.REPLAY_MODE_APPROX: SessionMode.APPROX, pb.REPLAY_MODE_PERSIST: SessionMode.PERSIST},
+                  {SessionMode.EXACT: pb.REPLAY_MODE_EXACT, SessionMode.APPROX: pb.REPLAY_MODE_APPROX,
+                   SessionMode.PERSIST: pb.REPLAY_MODE_PERSIST}),
+}
+
+
+@functools.cache
+def _hints(cls: Any) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _optional(tp: Any) -> Any | None:
+    """X for `X | None`, else None."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return None
+
+
+def from_pb(cls: type[T], msg: Message) -> T:
+    """The engram.api dataclass `cls` read from its message."""
+    hints = _hints(typing.cast(Any, cls))
+    values = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        tp = hints[f.name]
+        inner = _optional(tp)
+        if inner is not None:
+            values[f.name] = from_pb(inner, getattr(msg, f.name)) if msg.HasField(f.name) else None
+        else:
+            values[f.name] = _value_from_pb(tp, getattr(msg, f.name), f.name)
+    return cls(**values)
+
+
+def _value_from_pb(tp: Any, value: Any, name: str) -> Any:
+    if typing.get_origin(tp) is tuple:
+        (item, *_) = typing.get_args(tp)
+        return tuple(_value_from_pb(item, v, name) for v in value)
+    if dataclasses.is_dataclass(tp):
+        return from_pb(tp, value)  # type: ignore[arg-type]
+    if tp in _ENUMS:
+        try:
+            return _ENUMS[tp][0][value]
+        except KeyError:
+            raise InvalidArgument(f"unknown {name} {value}") from None
+    return value
+
+
+def enum_from_pb(tp: type[T], value: int, name: str) -> T:
+    """A domain enum member from its protobuf value; InvalidArgument names the field for an unknown one."""
+    result: T = _value_from_pb(tp, value, name)
+    return result
+
+
+def to_pb(obj: Any, msg_cls: type[Message]) -> Any:
+    """The message `msg_cls` holding an engram.api dataclass."""
+    fields = msg_cls.DESCRIPTOR.fields_by_name
+    values = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if value is None:
+            continue
+        fd = fields[f.name]
+        sub = message_factory.GetMessageClass(fd.message_type) if fd.message_type is not None else None
+        if isinstance(value, tuple):
+            values[f.name] = [to_pb(v, sub) if sub is not None else scalar_to_pb(v) for v in value]
+        elif sub is not None:
+            values[f.name] = to_pb(value, sub)
+        else:
+            values[f.name] = scalar_to_pb(value)
+    return msg_cls(**values)
+
+
+def scalar_to_pb(value: Any) -> Any:
+    table = _ENUMS.get(type(value))
+    return table[1][value] if table is not None else value
+
+
+# ---- layouts, models, block headers ----------------------------------------------------------------
+
+def dtype_from_pb(value: int, where: str) -> DType:
+    try:
+        return DType(value)
+    except ValueError:
+        raise InvalidArgument(f"{where}: dtype must be DTYPE_BF16, DTYPE_FP16 or DTYPE_FP32, got {value}") from None
+
+
+def layout_from_pb(msg: pb.KVLayout) -> KVLayout:
+    layers = []
+    for i, layer in enumerate(msg.layers):
+        try:
+            kind = LayerKind(layer.kind)
+        except ValueError:
+            raise InvalidArgument(f"layout layer {i}: kind must be LAYER_KIND_GLOBAL, LAYER_KIND_SLIDING or "
+                                  "LAYER_KIND_SHARED") from None
+        layers.append(LayerSpec(kind, layer.window))
+    return KVLayout(layers=tuple(layers), num_kv_heads=msg.num_kv_heads, head_dim=msg.head_dim,
+                    dtype=dtype_from_pb(msg.dtype, "layout"), block_tokens=msg.block_tokens)
+
+
+def layout_to_pb(layout: KVLayout) -> pb.KVLayout:
+    return pb.KVLayout(
+        layers=[pb.LayerSpec(kind=int(layer.kind), window=layer.window) for layer in layout.layers],  # type: ignore[arg-type]
+        num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=int(layout.dtype),  # type: ignore[arg-type]
+        block_tokens=layout.block_tokens,
+    )
+
+
+def model_from_pb(msg: pb.ModelSpec) -> ModelSpec:
+    return ModelSpec(name=msg.name, weights_id=msg.weights_id, layout=layout_from_pb(msg.layout), codec=msg.codec)
+
+
+def model_to_pb(spec: ModelSpec) -> pb.ModelSpec:
+    return pb.ModelSpec(name=spec.name, weights_id=spec.weights_id, layout=layout_to_pb(spec.layout), codec=spec.codec)
+
+
+def header_from_pb(msg: pb.BlockHeader, index: int) -> BlockHeader:
+    return BlockHeader(tokens=np.asarray(msg.tokens, dtype="<i4"), dtype=dtype_from_pb(msg.dtype, f"block {index}"),
+                       shape=tuple(msg.shape), payload_nbytes=msg.payload_nbytes, checksum=msg.checksum,
+                       codec=msg.codec or "raw")
+
+
+def header_to_pb(header: BlockHeader) -> pb.BlockHeader:
+    return pb.BlockHeader(tokens=header.tokens.tolist(), dtype=int(header.dtype),  # type: ignore[arg-type]
+                          shape=list(header.shape), payload_nbytes=header.payload_nbytes, checksum=header.checksum,
+                          codec=header.codec)
+
+
+def tokens_from_pb(values: Any) -> np.ndarray:
+    return np.asarray(values, dtype="<i4")
+
+
+def tokens_to_pb(tokens: Any) -> list[int]:
+    return np.asarray(tokens, dtype=np.int32).tolist()

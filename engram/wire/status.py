@@ -1,0 +1,39 @@
+"""The one place where domain errors and gRPC status codes map to each other: the server aborts with the
+status of the error it caught, and the client raises the same error class from the status it received."""
+
+from __future__ import annotations
+
+import grpc
+
+from engram import errors
+
+STATUS_OF: dict[type[errors.EngramError], grpc.StatusCode] = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.DataLoss: grpc.StatusCode.DATA_LOSS,
+    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
+}
+ERROR_OF: dict[grpc.StatusCode, type[errors.EngramError]] = {code: exc for exc, code in STATUS_OF.items()}
+ERROR_OF[grpc.StatusCode.INVALID_ARGUMENT] = errors.InvalidArgument
+
+
+def status_of(exc: errors.EngramError) -> grpc.StatusCode:
+    for cls in type(exc).__mro__:
+        if cls in STATUS_OF:
+            return STATUS_OF[cls]  # type: ignore[index]
+    return grpc.StatusCode.UNKNOWN
+
+
+def error_from_rpc(exc: grpc.aio.AioRpcError) -> errors.EngramError:
+    """The domain error a failed call stands for, with the server's message; codes with no domain error
+    (a daemon that is down, a deadline) become Unavailable."""
+    cls = ERROR_OF.get(exc.code())
+    if cls is None:
+        return errors.Unavailable(f"{exc.code().name}: {exc.details()}")
+    return cls(exc.details() or exc.code().name)

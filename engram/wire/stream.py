@@ -1,0 +1,80 @@
+"""Payloads as chunks under the message limit, and chunks back into payloads: the one chunker and the one
+reassembler that Put, Get, Resume and FetchBlocks streams use on both sides."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
+
+from engram.errors import DataLoss, InvalidArgument
+
+H = TypeVar("H")
+
+
+def pieces(payload: bytes | memoryview, step: int) -> Iterator[tuple[bytes, bool]]:
+    """(piece, last) for consecutive pieces of at most `step` bytes; an empty payload is one empty piece,
+    so every block has a first chunk to carry its header."""
+    if step < 1:
+        raise ValueError(f"chunk size must be positive, got {step}")
+    n = len(payload)
+    if n <= step:  # the common case: no slicing copy at all
+        yield (payload if isinstance(payload, bytes) else bytes(payload)), True
+        return
+    view = memoryview(payload)
+    for off in range(0, n, step):
+        yield bytes(view[off : off + step]), off + step >= n
+
+
+class Reassembler(Generic[H]):
+    """Collects one block at a time from chunks: the first chunk carries the header (announcing the payload
+    size), the last one is flagged. `expected_size(header)` gives the announced size, so an oversized block
+    is refused before it is buffered; `check(header)` may refuse a header before any payload is kept.
+
+    `damaged` is the error class for a malformed stream: InvalidArgument on the server (bad client input),
+    DataLoss on the client (a daemon sent a broken stream)."""
+
+    def __init__(self, expected_size: Callable[[H], int], *, check: Callable[[H], None] | None = None,
+                 damaged: type[Exception] = InvalidArgument, what: str = "block") -> None:
+        self._size = expected_size
+        self._check = check
+        self._damaged = damaged
+        self._what = what
+        self.header: H | None = None
+        self._parts: list[bytes] = []
+        self._received = 0
+
+    @property
+    def open(self) -> bool:
+        """Inside a block: its header arrived, its last chunk not yet."""
+        return self.header is not None
+
+    @property
+    def received(self) -> int:
+        return self._received
+
+    def add(self, header: H | None, data: bytes, last: bool, index: int) -> tuple[H, bytes] | None:
+        """Feed one chunk of block `index`; returns (header, payload) once the block is complete."""
+        if self.header is None:
+            if header is None:
+                raise self._damaged(f"{self._what} {index}: its first chunk must carry the BlockHeader")
+            if self._check is not None:
+                self._check(header)
+            self.header = header
+        elif header is not None:
+            raise self._damaged(f"{self._what} {index}: a second BlockHeader arrived before the block's last chunk")
+        self._received += len(data)
+        want = self._size(self.header)
+        if self._received > want:
+            raise self._damaged(f"{self._what} {index}: received more payload bytes than the {want} announced")
+        self._parts.append(data)
+        if not last:
+            return None
+        done = self.header
+        payload = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
+        self.header, self._parts, self._received = None, [], 0
+        return done, payload
+
+
+def client_reassembler(expected_size: Callable[[H], int], what: str = "block") -> Reassembler[H]:
+    """A reassembler for what a daemon streams: a malformed stream is DataLoss."""
+    return Reassembler(expected_size, damaged=DataLoss, what=what)
