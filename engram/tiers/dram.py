@@ -9,7 +9,7 @@ from pathlib import Path
 
 from engram.block import BlockRecord
 from engram.errors import NotFound
-from engram.tiers.base import TierUsage
+from engram.tiers.base import ByteBudget, TierUsage
 from engram.tiers.pool import PoolTier, auto_page_bytes
 from engram.tiers.shm import SharedSegment
 from engram.tiers.slots import SlotAllocator
@@ -26,41 +26,18 @@ def shared_dram_tier(capacity: int, shm_dir: str | Path = "/dev/shm", page_bytes
                     segment=seg)
 
 
-class DramTier:
+class DramTier(ByteBudget):
     name = "dram"
 
     def __init__(self, capacity_bytes: int) -> None:
-        if capacity_bytes <= 0:
-            raise ValueError(f"DRAM capacity must be positive, got {capacity_bytes}")
-        self._capacity = capacity_bytes
+        super().__init__(capacity_bytes, "DRAM")
         self._blocks: dict[bytes, bytes] = {}
-        self._stored = 0
-        self._reserved = 0
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._capacity
-
-    @property
-    def used_bytes(self) -> int:
-        return self._stored + self._reserved
 
     def __contains__(self, key: object) -> bool:
         return key in self._blocks
 
     def __len__(self) -> int:
         return len(self._blocks)
-
-    def reserve(self, nbytes: int) -> bool:
-        if self.used_bytes + nbytes > self._capacity:
-            return False
-        self._reserved += nbytes
-        return True
-
-    def unreserve(self, nbytes: int) -> None:
-        if nbytes > self._reserved:
-            raise AssertionError(f"unreserve({nbytes}) exceeds the {self._reserved} bytes reserved")
-        self._reserved -= nbytes
 
     def space_for(self, rec: BlockRecord) -> int:
         return rec.nbytes

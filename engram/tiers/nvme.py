@@ -27,7 +27,7 @@ from pathlib import Path
 
 from engram.block import BlockRecord
 from engram.errors import DataLoss, NotFound, StorageFull, StorageIOError
-from engram.tiers.base import TierUsage
+from engram.tiers.base import ByteBudget, TierUsage
 from engram.tiers.blockfile import decode_header, decode_payload, encode, max_file_len
 
 SUFFIX = ".blk"
@@ -57,22 +57,18 @@ class CheckReport:
 FaultHook = Callable[[str, Path], None]
 
 
-class NvmeTier:
+class NvmeTier(ByteBudget):
     name = "nvme"
 
     def __init__(self, root: str | Path, capacity_bytes: int, *, compression: bool = False, io_threads: int = 4,
                  fsync: bool = True) -> None:
-        if capacity_bytes <= 0:
-            raise ValueError(f"NVMe capacity must be positive, got {capacity_bytes}")
+        super().__init__(capacity_bytes, "NVMe")
         self.root = Path(root)
         self.blocks_dir = self.root / "blocks"
         self.tmp_dir = self.root / "tmp"
         self.blocks_dir.mkdir(parents=True, exist_ok=True)
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
-        self._capacity = capacity_bytes
         self._sizes: dict[bytes, int] = {}  # key -> bytes on disk
-        self._stored = 0
-        self._reserved = 0
         self.compression = compression
         self.fsync = fsync
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="engram-nvme")
@@ -80,30 +76,11 @@ class NvmeTier:
 
     # ---- accounting ------------------------------------------------------------------------------
 
-    @property
-    def capacity_bytes(self) -> int:
-        return self._capacity
-
-    @property
-    def used_bytes(self) -> int:
-        return self._stored + self._reserved
-
     def __contains__(self, key: object) -> bool:
         return key in self._sizes
 
     def __len__(self) -> int:
         return len(self._sizes)
-
-    def reserve(self, nbytes: int) -> bool:
-        if self.used_bytes + nbytes > self._capacity:
-            return False
-        self._reserved += nbytes
-        return True
-
-    def unreserve(self, nbytes: int) -> None:
-        if nbytes > self._reserved:
-            raise AssertionError(f"unreserve({nbytes}) exceeds the {self._reserved} bytes reserved")
-        self._reserved -= nbytes
 
     def usage(self) -> TierUsage:
         return TierUsage(self.name, self._capacity, self.used_bytes, len(self._sizes))
