@@ -61,13 +61,13 @@ async def run_session(client: EngramClient, fp: bytes, name: str, tokens: np.nda
     cached, kv_hit = await client.get_prefix(fp, tokens)
     kv_all = synthetic_kv(DEMO_LAYOUT, client.namespace, fp, tokens)  # what "prefill" would compute
     verified, err = True, 0.0
-    if kv_hit is not None:
+    if cached:
         want = kv_all[:, :, :cached]
         verified = torch.equal(kv_hit, stored_form(want, client.codec_of(fp), DEMO_LAYOUT.block_tokens))
         err = float((kv_hit.float() - want.float()).norm() / want.float().norm())
     put = await client.put(fp, tokens, kv_all)
     return SessionReport(name, len(tokens), cached, verified, err, put.stored, put.deduplicated, put.skipped,
-                         0 if kv_hit is None else kv_hit.numel() * kv_hit.element_size(), time.perf_counter() - t0)
+                         kv_hit.numel() * kv_hit.element_size(), time.perf_counter() - t0)
 
 
 DEMO_DRAM = 256 * 2**20  # the demo's sessions take ~40 MiB; a fresh machine may have little shared memory

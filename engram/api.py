@@ -48,6 +48,18 @@ class LookupResult:
 
 
 @dataclass(frozen=True)
+class LoadResult:
+    """What `EngramClient.load_prefix_into` did: how much of the prefix was cached and written, and how."""
+
+    matched_tokens: int  # the cached prefix the daemon found
+    loaded_tokens: int  # written into the destination: min(matched_tokens, its capacity)
+    blocks: tuple[BlockRef, ...]
+    mapped_blocks: int  # copied out of a pool this process maps (DRAM, or HBM by CUDA IPC)
+    bytes_blocks: int  # that came over the socket (on NVMe only, another host, or refetched)
+    refetched_blocks: int  # whose slot was reused while it was copied, fetched again as bytes
+
+
+@dataclass(frozen=True)
 class PutReply:
     """What the daemon says about one Put stream."""
 

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import threading
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -30,6 +30,7 @@ from engram.api import (
     BlockRef,
     CheckReport,
     EvictResult,
+    LoadResult,
     LookupResult,
     NamespaceStats,
     NamespaceSummary,
@@ -43,7 +44,9 @@ from engram.api import (
 )
 from engram.block import checksum
 from engram.codec import stored
+from engram.destinations import ContiguousKV, KVDestination
 from engram.layout import DType, ModelSpec
+from engram.loader import BlockSource, MappedSegment, PrefixLoader
 from engram.segment import SegmentReader
 from engram.v1 import engram_pb2 as pb
 from engram.wire import convert
@@ -97,6 +100,8 @@ class EngramClient:
         self._releasing: set[asyncio.Task[None]] = set()  # lease releases in flight
         self._ipc_pools: dict[bytes, torch.Tensor] = {}  # the daemon's HBM pool, opened by CUDA IPC
         self._salts: dict[str, tuple[str, bytes]] = {}  # name -> (namespace, key salt), from DescribeNamespace
+        self._loader = PrefixLoader()  # the hit path (engram/loader.py)
+        self._mapped: dict[str, MappedSegment] = {}  # pools mapped (and registered with CUDA) for the hit path
 
     async def __aenter__(self) -> EngramClient:
         return self
@@ -110,6 +115,10 @@ class EngramClient:
         for reader in self._segments.values():
             reader.close()
         self._segments.clear()
+        self._loader.close()
+        for seg in self._mapped.values():
+            seg.close()
+        self._mapped.clear()
         self._ipc_pools.clear()
         await self._channel.close()
 
@@ -268,10 +277,7 @@ class EngramClient:
         if descriptors:
             stale = self._copy_out(descriptors, out, device)
             # The copies are done: end the leases in the background (the caller need not wait a round trip).
-            task = asyncio.get_running_loop().create_task(
-                self._release({d.lease_id for _, d in descriptors}, namespace))
-            self._releasing.add(task)
-            task.add_done_callback(self._releasing.discard)
+            self._release_later({d.lease_id for _, d in descriptors}, namespace)
             if stale:
                 again = await self.get(fingerprint, [keys[i] for i in stale], namespace=namespace,
                                        decode_on_server=decode_on_server, device=device, zero_copy=False)
@@ -325,15 +331,7 @@ class EngramClient:
         n = d.header.payload_nbytes
         if not reader.current(d.offset, n, d.generation):
             return None
-        c = d.cuda
-        pool = self._ipc_pools.get(c.handle)
-        if pool is None:
-            storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
-                c.device, c.handle, c.storage_bytes, c.storage_offset, c.ref_counter_handle,
-                c.ref_counter_offset, c.event_handle or None, c.event_sync_required)
-            pool = torch.empty(0, dtype=torch.uint8, device=storage.device)
-            pool.set_(storage, 0, (storage.nbytes(),), (1,))
-            self._ipc_pools[c.handle] = pool
+        pool = self._ipc_pool(d.cuda)
         if d.offset + n > pool.numel():
             return None
         out = pool[d.offset : d.offset + n].clone()
@@ -347,6 +345,11 @@ class EngramClient:
                 reader.close()
             reader = self._segments[path] = SegmentReader(path, segment_id)
         return reader
+
+    def _release_later(self, lease_ids: set[int], namespace: str | None) -> None:
+        task = asyncio.get_running_loop().create_task(self._release(lease_ids, namespace))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
 
     async def _release(self, lease_ids: set[int], namespace: str | None) -> None:
         if not lease_ids:
@@ -362,16 +365,141 @@ class EngramClient:
         return (await self._call(self._stub.ReleaseLeases(req))).released
 
     async def get_prefix(self, fingerprint: bytes, tokens: Sequence[int] | np.ndarray, *,
-                         namespace: str | None = None, decode_on_server: bool = False,
-                         device: torch.device | str = "cpu") -> tuple[int, torch.Tensor | None]:
-        """The longest cached prefix of `tokens` and its KV, concatenated along the token axis."""
-        hit = await self.lookup(fingerprint, tokens, namespace=namespace)
-        if not hit.blocks:
-            return 0, None
-        blocks = await self.get(fingerprint, [b.key for b in hit.blocks], namespace=namespace,
-                                decode_on_server=decode_on_server, device=device)
-        # The last block may serve only its first tokens (the query diverges inside it): slice.
-        return hit.matched_tokens, torch.cat(blocks, dim=2)[:, :, : hit.matched_tokens]
+                         namespace: str | None = None, device: torch.device | str = "cpu"
+                         ) -> tuple[int, torch.Tensor]:
+        """The longest cached prefix of `tokens` and its KV, (persisted_layers, 2, matched, kv_heads, head_dim)
+        on `device` (matched = 0 on a miss: an empty tensor of that shape). One round trip; on a GPU the
+        blocks are decoded there (load_prefix_into into a new tensor)."""
+        lay = self._spec(fingerprint).layout
+
+        made: list[ContiguousKV] = []
+
+        def make(n: int) -> KVDestination:
+            made.append(ContiguousKV(torch.empty(lay.block_shape(n), dtype=lay.dtype.torch_dtype, device=device)))
+            return made[-1]
+
+        result = await self._load_prefix(fingerprint, tokens, make, torch.device(device), namespace)
+        return result.matched_tokens, made[0].kv
+
+    async def load_prefix_into(self, fingerprint: bytes, tokens: Sequence[int] | np.ndarray,
+                               dest: KVDestination | torch.Tensor, *, namespace: str | None = None) -> LoadResult:
+        """The hit path: write the KV of the longest cached prefix of `tokens` into the worker's own KV memory
+        `dest` (engram/destinations.py: ContiguousKV, LayerKV, PagedKV; a (L, 2, T, H, D) tensor is taken as
+        ContiguousKV), up to its capacity. One round trip (GetPrefix): blocks in the daemon's shared pools are
+        copied straight out of them (DMA into a GPU, FP4 decoded there), the rest come as bytes. On a GPU the
+        writes are queued on the current stream; the call returns once every copy out of the daemon's pools
+        has completed, and their leases end in the background."""
+        target = ContiguousKV(dest) if isinstance(dest, torch.Tensor) else dest
+        return await self._load_prefix(fingerprint, tokens, lambda n: target, target.device, namespace)
+
+    async def _load_prefix(self, fingerprint: bytes, tokens: Sequence[int] | np.ndarray,
+                           make_dest: Callable[[int], KVDestination], device: torch.device,
+                           namespace: str | None) -> LoadResult:
+        spec = self._spec(fingerprint)
+        bt = spec.layout.block_tokens
+        zero_copy = self._zero_copy_ok and same_host(self.address)
+        req = pb.GetPrefixRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint,
+                                  tokens=convert.tokens_to_pb(tokens), zero_copy=zero_copy,
+                                  cuda_ipc=zero_copy and device.type == "cuda")
+        header: pb.PrefixHeader | None = None
+        sources: list[BlockSource] = []
+        unmapped: list[int] = []  # descriptors this process could not map: fetched as bytes
+        chunks: Reassembler[pb.BlockHeader] = client_reassembler(lambda h: h.payload_nbytes)
+        try:
+            async for resp in self._stub.GetPrefix(req):
+                item = resp.WhichOneof("item")
+                if item == "header":
+                    header = resp.header
+                elif item == "descriptor":
+                    src = self._mapped_source(len(sources) + len(unmapped), resp.descriptor, device)
+                    if src is None:
+                        unmapped.append(len(sources) + len(unmapped))
+                    else:
+                        sources.append(src)
+                else:
+                    c = resp.chunk
+                    done = chunks.add(c.header if c.HasField("header") else None, c.data, c.last,
+                                      len(sources) + len(unmapped))
+                    if done is not None:
+                        sources.append(self._bytes_source(len(sources) + len(unmapped), *done))
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from exc
+        if header is None:
+            raise errors.DataLoss("GetPrefix stream carried no header")
+        dest = make_dest(header.matched_tokens)
+        n_tokens = min(header.matched_tokens, dest.capacity_tokens)
+        blocks = tuple(convert.from_pb(BlockRef, b) for b in header.blocks)
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        try:
+            report = await asyncio.to_thread(self._loader.load, sources, dest, block_tokens=bt, n_tokens=n_tokens,
+                                             stream=stream)
+        finally:  # every copy out of a pool has completed (or failed): the slots may be reused
+            if header.lease_id:
+                self._release_later({header.lease_id}, namespace)
+        again = sorted(set(unmapped) | set(report.stale))
+        again = [i for i in again if i * bt < n_tokens]
+        if again:  # slots reused during the copy, or a pool this process cannot map: those blocks as bytes
+            got = await self._fetch_bytes(fingerprint, [blocks[i].key for i in again], namespace)
+            refetch = [self._bytes_source(i, h, p) for i, (h, p) in zip(again, got, strict=True)]
+            await asyncio.to_thread(self._loader.load, refetch, dest, block_tokens=bt, n_tokens=n_tokens, stream=stream)
+        mapped = sum(1 for s in sources if s.payload is None and s.index * bt < n_tokens)
+        return LoadResult(header.matched_tokens, n_tokens, blocks, mapped - len(report.stale),
+                          len(sources) - mapped + len(again), len(again))
+
+    async def _fetch_bytes(self, fingerprint: bytes, keys: Sequence[bytes], namespace: str | None
+                           ) -> list[tuple[pb.BlockHeader, bytes]]:
+        """Blocks as stored, over the socket: (header, payload) each, not decoded."""
+        req = pb.GetRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint, keys=list(keys))
+        out = []
+        blocks: Reassembler[pb.BlockHeader] = client_reassembler(lambda h: h.payload_nbytes)
+        try:
+            async for resp in self._stub.Get(req):
+                c = resp.chunk
+                done = blocks.add(c.header if c.HasField("header") else None, c.data, c.last, len(out))
+                if done is not None:
+                    out.append(done)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from exc
+        if len(out) != len(keys):
+            raise errors.DataLoss(f"Get returned {len(out)} of {len(keys)} blocks")
+        return out
+
+    def _mapped_source(self, index: int, d: pb.BlockDescriptor, device: torch.device) -> BlockSource | None:
+        """A descriptor as a loader source: its segment mapped (and registered with CUDA) once per process;
+        None when this process cannot map it (another host, container or GPU)."""
+        h = d.header
+        dtype = convert.dtype_from_pb(h.dtype, f"block {index}")
+        try:
+            seg = self._mapped.get(d.segment_path)
+            if seg is None or seg.segment_id != d.segment_id:
+                if seg is not None:
+                    seg.close()
+                seg = self._mapped[d.segment_path] = MappedSegment(
+                    d.segment_path, d.segment_id, register=device.type == "cuda")
+            pool = self._ipc_pool(d.cuda) if d.HasField("cuda") else None
+        except (OSError, RuntimeError, errors.FailedPrecondition):
+            self._zero_copy_ok = False  # bytes from now on
+            return None
+        return BlockSource(index, h.codec or stored.RAW, dtype, tuple(h.shape), h.payload_nbytes, segment=seg,
+                           offset=d.offset, generation=d.generation, device_pool=pool)
+
+    def _bytes_source(self, index: int, h: pb.BlockHeader, payload: bytes) -> BlockSource:
+        if len(payload) != h.payload_nbytes or checksum(payload) != h.checksum:
+            raise errors.DataLoss(f"block {index} arrived damaged (size or checksum mismatch)")
+        dtype = convert.dtype_from_pb(h.dtype, f"block {index}")
+        return BlockSource(index, h.codec or stored.RAW, dtype, tuple(h.shape), len(payload), payload=payload)
+
+    def _ipc_pool(self, c: pb.CudaIpcHandle) -> torch.Tensor:
+        """The daemon's HBM pool, opened by CUDA IPC once per process."""
+        pool = self._ipc_pools.get(c.handle)
+        if pool is None:
+            storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
+                c.device, c.handle, c.storage_bytes, c.storage_offset, c.ref_counter_handle,
+                c.ref_counter_offset, c.event_handle or None, c.event_sync_required)
+            pool = torch.empty(0, dtype=torch.uint8, device=storage.device)
+            pool.set_(storage, 0, (storage.nbytes(),), (1,))
+            self._ipc_pools[c.handle] = pool
+        return pool
 
     async def pin(self, fingerprint: bytes, keys: Sequence[bytes], *, unpin: bool = False,
                   namespace: str | None = None) -> int:

@@ -66,6 +66,18 @@ class LeaseTable:
             self._end(lease_id)
         return len(set(lease_ids))
 
+    def release_known(self, namespace: str, lease_ids: Sequence[int]) -> int:
+        """End those of these leases that are still held in this namespace, ignoring the rest (expired, or
+        not this namespace's: reported like absent ones, never released): a worker hands back the leases of
+        its previous request with its next one, and one that expired meanwhile is no error."""
+        ended = 0
+        for lease_id in dict.fromkeys(lease_ids):
+            lease = self._leases.get(lease_id)
+            if lease is not None and lease.namespace == namespace:
+                self._end(lease_id)
+                ended += 1
+        return ended
+
     def drop(self, lease: Lease) -> None:
         """End a lease the daemon granted but could not deliver (the Get failed)."""
         if lease.id in self._leases:

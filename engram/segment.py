@@ -97,6 +97,19 @@ class SegmentReader:
         first, last = offset // page, (offset + max(length, 1) - 1) // page + 1
         return bool(np.all(self._gens[first:last] == generation))
 
+    def data(self) -> torch.Tensor:
+        """The data area as a read-only uint8 tensor over the mapping (no copy): the hit path copies block
+        ranges out of it (after registering it with CUDA, at DMA speed). Writing to it faults."""
+        lay = self.layout
+        with warnings.catch_warnings():  # a read-only mapping: torch warns, and we only read it
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(self._mm, dtype=torch.uint8, offset=lay.data_offset, count=lay.data_bytes)
+
+    def header_bytes(self, offset: int, length: int) -> bytes:
+        """A few bytes of the data area (a block's format header), copied."""
+        start = self.layout.data_offset + offset
+        return self._mm[start : start + length]
+
     def copy(self, offset: int, length: int, generation: int) -> torch.Tensor | None:
         """The bytes at data offset [offset, offset + length) as a new uint8 tensor, or None when the slot
         was reused (before or while copying): the generation is checked before and after the copy."""

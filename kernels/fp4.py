@@ -247,6 +247,68 @@ def _fp8_dequantize(codes_ptr, scale_ptr, out_ptr, n, OUT_KIND: tl.constexpr, NA
         tl.store(out_ptr + offs, v, mask=mask)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Batched decoders: one launch decodes one payload (K's or V's) of many blocks of one shape. Block b's payload
+# starts at byte offsets[b] of `src` (a staging buffer, or a pool the worker opened by CUDA IPC) and decodes
+# to out[b]. Grid: (programs per payload, blocks). The per-block scale is read as 4 little-endian bytes, so
+# `src` needs no alignment.
+
+
+@triton.jit
+def _f32_at(ptr):
+    b0 = tl.load(ptr).to(tl.int32)
+    b1 = tl.load(ptr + 1).to(tl.int32)
+    b2 = tl.load(ptr + 2).to(tl.int32)
+    b3 = tl.load(ptr + 3).to(tl.int32)
+    return (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _nvfp4_dequantize_blocks(src_ptr, offsets_ptr, out_ptr, out_stride, n_groups, scales_at, codes_at,
+                             OUT_KIND: tl.constexpr, NATIVE_BF16: tl.constexpr, BLOCK_GROUPS: tl.constexpr):
+    base = src_ptr + tl.load(offsets_ptr + tl.program_id(1))  # the payload: tensor scale, scales, codes
+    out = out_ptr + tl.program_id(1).to(tl.int64) * out_stride
+    g, gmask, offs = _tile(n_groups, BLOCK_GROUPS, 8)
+    lo, hi = _dequantize_pairs(tl.load(base + codes_at + offs, mask=gmask[:, None], other=0))
+    s = _e4m3_value(tl.load(base + scales_at + g, mask=gmask, other=0).to(tl.int32))[:, None]
+    ts = _f32_at(base)
+    _store_pairs(out, offs, gmask[:, None], (lo * s) * ts, (hi * s) * ts, OUT_KIND, NATIVE_BF16)
+
+
+@triton.jit
+def _mxfp4_dequantize_blocks(src_ptr, offsets_ptr, out_ptr, out_stride, n_groups, codes_at,
+                             OUT_KIND: tl.constexpr, NATIVE_BF16: tl.constexpr, BLOCK_GROUPS: tl.constexpr):
+    base = src_ptr + tl.load(offsets_ptr + tl.program_id(1))  # the payload: scales, codes
+    out = out_ptr + tl.program_id(1).to(tl.int64) * out_stride
+    g, gmask, offs = _tile(n_groups, BLOCK_GROUPS, 16)
+    lo, hi = _dequantize_pairs(tl.load(base + codes_at + offs, mask=gmask[:, None], other=0))
+    sc = tl.load(base + g, mask=gmask, other=0).to(tl.int32)
+    s = tl.where(sc == 0, 0x00400000, sc << 23).to(tl.float32, bitcast=True)[:, None]
+    _store_pairs(out, offs, gmask[:, None], lo * s, hi * s, OUT_KIND, NATIVE_BF16)
+
+
+@triton.jit
+def _fp8_dequantize_blocks(src_ptr, offsets_ptr, out_ptr, out_stride, n, OUT_KIND: tl.constexpr,
+                           NATIVE_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    base = src_ptr + tl.load(offsets_ptr + tl.program_id(1))  # the payload: scale, codes
+    out = out_ptr + tl.program_id(1).to(tl.int64) * out_stride
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    c = tl.load(base + 4 + offs, mask=mask, other=0).to(tl.int32)
+    v = (_e4m3_value(c & 0x7F) * _f32_at(base)).to(tl.int32, bitcast=True) | ((c & 0x80) << 24)
+    v = v.to(tl.float32, bitcast=True)
+    if OUT_KIND == 1:
+        if NATIVE_BF16:
+            tl.store(out + offs, v.to(tl.bfloat16).to(tl.int16, bitcast=True), mask=mask)
+        else:
+            b = v.to(tl.int32, bitcast=True)
+            tl.store(out + offs, ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.int16), mask=mask)
+    elif OUT_KIND == 2:
+        tl.store(out + offs, v.to(tl.float16), mask=mask)
+    else:
+        tl.store(out + offs, v, mask=mask)
+
+
 INTERPRETED = isinstance(_nvfp4_quantize, InterpretedFunction)
 NATIVE_BF16 = not INTERPRETED  # the interpreter's fp32 -> bf16 cast truncates
 
@@ -316,6 +378,37 @@ def dequantize_fp8_e4m3_into(codes: Tensor, scale: Tensor, out: Tensor, config: 
     _fp8_dequantize[(triton.cdiv(codes.numel(), block),)](codes, scale, dst, codes.numel(),
                                                           OUT_KIND=_OUT_KINDS[out.dtype], NATIVE_BF16=native_bf16,
                                                           BLOCK=block, **_options(config))
+
+
+def dequantize_blocks_into(fmt: str, src: Tensor, offsets: Tensor, rows: int, cols: int, out: Tensor,
+                           config: KernelConfig = DEQUANTIZE_CONFIG, native_bf16: bool = NATIVE_BF16) -> None:
+    """Decode the payloads of len(offsets) blocks: each a (rows, cols) matrix in `fmt` (cols padded to the
+    group, as stored) starting at byte offsets[b] (int64, on src's device) of the uint8 buffer `src`, into
+    out[b] (out: (blocks, rows, cols) contiguous). No checks and no host synchronisation."""
+    n_blocks = offsets.numel()
+    if n_blocks == 0:
+        return
+    opts = {"OUT_KIND": _OUT_KINDS[out.dtype], "NATIVE_BF16": native_bf16, **_options(config)}
+    if fmt == "fp8_e4m3":
+        block = config.groups_per_program * 16
+        dst = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+        n = rows * cols
+        _fp8_dequantize_blocks[(triton.cdiv(n, block), n_blocks)](src, offsets, dst, n, n, BLOCK=block, **opts)
+        return
+    group = ref.NVFP4_GROUP if fmt == "nvfp4" else ref.MXFP4_GROUP
+    n_groups = rows * cols // group
+    words = _words(out)
+    stride = words[0].numel()
+    grid = (triton.cdiv(n_groups, config.groups_per_program), n_blocks)
+    if fmt == "nvfp4":
+        scales_at = 4
+        _nvfp4_dequantize_blocks[grid](src, offsets, words, stride, n_groups, scales_at, scales_at + n_groups,
+                                       BLOCK_GROUPS=config.groups_per_program, **opts)
+    elif fmt == "mxfp4":
+        _mxfp4_dequantize_blocks[grid](src, offsets, words, stride, n_groups, n_groups,
+                                       BLOCK_GROUPS=config.groups_per_program, **opts)
+    else:
+        raise ValueError(f"unknown format {fmt!r}")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -75,8 +75,9 @@ async def test_daemon_encodes_raw_puts_and_client_decodes(client: EngramClient, 
     want = stored_form(kv, codec)
     n, got = await client.get_prefix(fp, toks)
     assert n == len(toks) and got is not None and torch.equal(got, want)
-    n, got_server = await client.get_prefix(fp, toks, decode_on_server=True)
-    assert got_server is not None and torch.equal(got_server, want)  # the same bytes, decoded on either side
+    keys = [b.key for b in (await client.lookup(fp, toks)).blocks]
+    got_server = torch.cat(await client.get(fp, keys, decode_on_server=True), dim=2)
+    assert torch.equal(got_server, want)  # the same bytes, decoded on either side
     stats = await client.stats()
     m = next(m for m in stats.models if m.model_fingerprint == fp)
     assert m.codec == codec and m.raw_bytes == spec.layout.block_nbytes(len(toks))

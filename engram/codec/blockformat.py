@@ -74,8 +74,9 @@ def encode(kv: Tensor, codec: Codec, *, k_axis: Axis = Axis.CHANNEL, v_axis: Axi
     return head + _CHECK.pack(xxhash.xxh3_64_intdigest(head)) + body
 
 
-def parse(blob: bytes | memoryview, where: str = "block") -> BlockFormat:
-    """Parse and verify a v1 block's header and body checksum; raise InvalidArgument saying what is wrong."""
+def parse_header(blob: bytes | memoryview, where: str = "block") -> BlockFormat:
+    """Parse and verify a v1 block's 56-byte header (its own checksum, known version, codec and fields); the
+    body is not read. InvalidArgument says what is wrong."""
     if len(blob) < HEADER_LEN:
         raise InvalidArgument(f"{where}: {len(blob)} bytes is shorter than a v1 block header ({HEADER_LEN})")
     fields = _HEADER.unpack_from(blob)
@@ -94,11 +95,18 @@ def parse(blob: bytes | memoryview, where: str = "block") -> BlockFormat:
         raise InvalidArgument(f"{where}: bad header field: {exc}") from None
     if ndim != 5 or shape[1] != 2:
         raise InvalidArgument(f"{where}: shape {tuple(shape)} is not (layers, 2, tokens, kv_heads, head_dim)")
+    return fmt
+
+
+def parse(blob: bytes | memoryview, where: str = "block") -> BlockFormat:
+    """Parse and verify a v1 block: its header, then its body's size and checksum."""
+    fmt = parse_header(blob, where)
+    codec = fmt.codec
     want = codec.body_nbytes(fmt.shape, fmt.dtype.torch_dtype, fmt.k_axis, fmt.v_axis)
-    if body_len != want or len(blob) != HEADER_LEN + body_len:
-        raise InvalidArgument(f"{where}: body is {len(blob) - HEADER_LEN} bytes (header says {body_len}); "
+    if fmt.body_len != want or len(blob) != HEADER_LEN + fmt.body_len:
+        raise InvalidArgument(f"{where}: body is {len(blob) - HEADER_LEN} bytes (header says {fmt.body_len}); "
                               f"{codec.name} for shape {fmt.shape} needs {want}")
-    if xxhash.xxh3_64_intdigest(memoryview(blob)[HEADER_LEN:]) != body_ck:
+    if xxhash.xxh3_64_intdigest(memoryview(blob)[HEADER_LEN:]) != fmt.body_checksum:
         raise InvalidArgument(f"{where}: body checksum mismatch")
     return fmt
 

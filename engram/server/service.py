@@ -181,9 +181,36 @@ class EngramService:
             # The cluster tier: keys this daemon lacks are copied from the peers that hold them.
             await self.peers.fetch_keys(ns, req.model_fingerprint, list(req.keys))
             metas = self.store.find(ns, req.model_fingerprint, list(req.keys))
-        codec = self.store.spec(req.model_fingerprint).codec
+        async for kind, msg in self._serve(ns, req.model_fingerprint, metas, zero_copy=req.zero_copy,
+                                           cuda_ipc=req.cuda_ipc, decode=req.decode):
+            yield pb.GetResponse(**{kind: msg})
+
+    @streaming
+    async def GetPrefix(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetPrefixResponse]:
+        req = decoded(request)
+        check_limit("GetPrefix tokens", len(req.tokens), self.config.max_tokens_per_request)
+        check_limit("GetPrefix release_lease_ids", len(req.release_lease_ids), self.config.max_blocks_per_request)
+        ns = namespace_for(context, req.namespace)
+        self.leases.release_known(ns, list(req.release_lease_ids))  # expired ones ended by themselves
+        tokens = convert.tokens_from_pb(req.tokens)
+        match = self.store.lookup(ns, req.model_fingerprint, tokens)
+        if self.peers is not None:
+            have = sum(m.num_tokens for m in match.blocks if m.full)
+            if await self.peers.fill(ns, req.model_fingerprint, tokens, have):
+                match = self.store.lookup(ns, req.model_fingerprint, tokens)
+        header = pb.PrefixHeader(matched_tokens=match.matched_tokens, blocks=_refs(match.blocks))
+        async for kind, msg in self._serve(ns, req.model_fingerprint, list(match.blocks), zero_copy=req.zero_copy,
+                                           cuda_ipc=req.cuda_ipc, decode=False, header=header):
+            yield pb.GetPrefixResponse(**{kind: msg})
+
+    async def _serve(self, ns: str, fingerprint: bytes, metas: list[BlockMeta], *, zero_copy: bool, cuda_ipc: bool,
+                     decode: bool, header: pb.PrefixHeader | None = None) -> AsyncIterator[tuple[str, Any]]:
+        """The blocks, in order, as ("descriptor", BlockDescriptor) under one lease for those in a pool the
+        caller may map, and ("chunk", BlockChunk)s for the rest; a GetPrefix `header` goes first, carrying
+        the lease. Every block is held (not evicted) while the stream is open."""
+        codec = self.store.spec(fingerprint).codec
         step = self.config.chunk_bytes
-        pools = self._zero_copy_pools(req, codec)
+        pools = self._zero_copy_pools(zero_copy, cuda_ipc, decode, codec)
         in_pool = {}  # key -> the pool its descriptor points into (the first preferred pool holding it)
         for m in metas:
             pool = next((p for p in pools if p.name in m.locations), None)
@@ -191,30 +218,35 @@ class EngramService:
                 in_pool[m.key] = pool
         lease = self.leases.grant(ns, [m for m in metas if m.key in in_pool]) if in_pool else None  # before sending
         try:
+            if header is not None:
+                if lease is not None:
+                    header.lease_id = lease.id
+                    header.lease_expires_in_s = max(0.0, lease.expires - time.monotonic())
+                yield "header", header
             with self.store.reading(metas):
                 for meta in metas:
                     if lease is not None and meta.key in in_pool:
-                        yield pb.GetResponse(descriptor=self._descriptor(meta, codec, lease, in_pool[meta.key]))
+                        yield "descriptor", self._descriptor(meta, codec, lease, in_pool[meta.key])
                         continue
                     payload = await self.store.read(meta)
                     block = _header_of(meta, codec)
-                    if req.decode and not stored.is_raw(codec):
+                    if decode and not stored.is_raw(codec):
                         kv = await asyncio.to_thread(self.store.decode, payload, meta)
                         payload = stored.encode(kv, stored.RAW)
                         block = dataclasses.replace(block, codec=stored.RAW, payload_nbytes=len(payload),
                                                     checksum=checksum(payload))
                     for msg in _chunks(meta.key, convert.header_to_pb(block), payload, step):
-                        yield pb.GetResponse(chunk=msg)
+                        yield "chunk", msg
         except BaseException:
             if lease is not None:
                 self.leases.drop(lease)  # the worker will not copy what it may not have received
             raise
 
-    def _zero_copy_pools(self, req: Any, codec: str) -> list[PoolTier]:
-        """The pools whose blocks this Get may answer with descriptors, in order of preference."""
-        if not req.zero_copy or (req.decode and not stored.is_raw(codec)):
+    def _zero_copy_pools(self, zero_copy: bool, cuda_ipc: bool, decode: bool, codec: str) -> list[PoolTier]:
+        """The pools whose blocks a call may answer with descriptors, in order of preference."""
+        if not zero_copy or (decode and not stored.is_raw(codec)):
             return []
-        pools = [self.ipc_pool] if req.cuda_ipc and self.ipc_pool is not None else []
+        pools = [self.ipc_pool] if cuda_ipc and self.ipc_pool is not None else []
         return pools + ([self.pool] if self.pool is not None else [])
 
     def _descriptor(self, meta: BlockMeta, codec: str, lease: Lease, pool: PoolTier) -> pb.BlockDescriptor:
@@ -402,6 +434,8 @@ class EngramService:
             "Lookup": grpc.unary_unary_rpc_method_handler(guard(self.Lookup, self.tenancy), safe_decoder(pb.LookupRequest), ser),
             "Put": grpc.stream_unary_rpc_method_handler(guard(self.Put, self.tenancy), safe_decoder(pb.PutRequest), ser),
             "Get": grpc.unary_stream_rpc_method_handler(guard(self.Get, self.tenancy), safe_decoder(pb.GetRequest), ser),
+            "GetPrefix": grpc.unary_stream_rpc_method_handler(
+                guard(self.GetPrefix, self.tenancy), safe_decoder(pb.GetPrefixRequest), ser),
             "Pin": grpc.unary_unary_rpc_method_handler(guard(self.Pin, self.tenancy), safe_decoder(pb.PinRequest), ser),
             "Stats": grpc.unary_unary_rpc_method_handler(guard(self.Stats, self.tenancy), safe_decoder(pb.StatsRequest), ser),
             "Check": grpc.unary_unary_rpc_method_handler(guard(self.Check, self.tenancy), safe_decoder(pb.CheckRequest), ser),

@@ -200,6 +200,80 @@ class GetResponse(_message.Message):
     descriptor: BlockDescriptor
     def __init__(self, chunk: _Optional[_Union[BlockChunk, _Mapping]] = ..., descriptor: _Optional[_Union[BlockDescriptor, _Mapping]] = ...) -> None: ...
 
+class GetPrefixRequest(_message.Message):
+    __slots__ = ("namespace", "model_fingerprint", "tokens", "zero_copy", "cuda_ipc", "release_lease_ids")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ZERO_COPY_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    model_fingerprint: bytes
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    zero_copy: bool
+    cuda_ipc: bool
+    release_lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., tokens: _Optional[_Iterable[int]] = ..., zero_copy: _Optional[bool] = ..., cuda_ipc: _Optional[bool] = ..., release_lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PrefixHeader(_message.Message):
+    __slots__ = ("matched_tokens", "blocks", "lease_id", "lease_expires_in_s")
+    MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    matched_tokens: int
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockRef]
+    lease_id: int
+    lease_expires_in_s: float
+    def __init__(self, matched_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_expires_in_s: _Optional[float] = ...) -> None: ...
+
+class GetPrefixResponse(_message.Message):
+    __slots__ = ("header", "descriptor", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PrefixHeader
+    descriptor: BlockDescriptor
+    chunk: BlockChunk
+    def __init__(self, header: _Optional[_Union[PrefixHeader, _Mapping]] = ..., descriptor: _Optional[_Union[BlockDescriptor, _Mapping]] = ..., chunk: _Optional[_Union[BlockChunk, _Mapping]] = ...) -> None: ...
+
+class ReservePutRequest(_message.Message):
+    __slots__ = ("namespace", "model_fingerprint", "parent_key", "pin", "blocks")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    model_fingerprint: bytes
+    parent_key: bytes
+    pin: bool
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockHeader]
+    def __init__(self, namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., parent_key: _Optional[bytes] = ..., pin: _Optional[bool] = ..., blocks: _Optional[_Iterable[_Union[BlockHeader, _Mapping]]] = ...) -> None: ...
+
+class ReservePutResponse(_message.Message):
+    __slots__ = ("reservation_id", "keys", "slots", "cached", "expires_in_s")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: int
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    slots: _containers.RepeatedCompositeFieldContainer[BlockDescriptor]
+    cached: _containers.RepeatedScalarFieldContainer[bool]
+    expires_in_s: float
+    def __init__(self, reservation_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., slots: _Optional[_Iterable[_Union[BlockDescriptor, _Mapping]]] = ..., cached: _Optional[_Iterable[bool]] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+
+class CommitPutRequest(_message.Message):
+    __slots__ = ("namespace", "reservation_id")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    reservation_id: int
+    def __init__(self, namespace: _Optional[str] = ..., reservation_id: _Optional[int] = ...) -> None: ...
+
 class PinRequest(_message.Message):
     __slots__ = ("namespace", "model_fingerprint", "keys", "unpin")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]

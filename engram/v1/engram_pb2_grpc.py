@@ -99,6 +99,21 @@ class EngramStub:
                 request_serializer=engram_dot_v1_dot_engram__pb2.ResumeRequest.SerializeToString,
                 response_deserializer=engram_dot_v1_dot_engram__pb2.ResumeResponse.FromString,
                 _registered_method=True)
+        self.GetPrefix = channel.unary_stream(
+                '/engram.v1.Engram/GetPrefix',
+                request_serializer=engram_dot_v1_dot_engram__pb2.GetPrefixRequest.SerializeToString,
+                response_deserializer=engram_dot_v1_dot_engram__pb2.GetPrefixResponse.FromString,
+                _registered_method=True)
+        self.ReservePut = channel.unary_unary(
+                '/engram.v1.Engram/ReservePut',
+                request_serializer=engram_dot_v1_dot_engram__pb2.ReservePutRequest.SerializeToString,
+                response_deserializer=engram_dot_v1_dot_engram__pb2.ReservePutResponse.FromString,
+                _registered_method=True)
+        self.CommitPut = channel.unary_unary(
+                '/engram.v1.Engram/CommitPut',
+                request_serializer=engram_dot_v1_dot_engram__pb2.CommitPutRequest.SerializeToString,
+                response_deserializer=engram_dot_v1_dot_engram__pb2.PutResponse.FromString,
+                _registered_method=True)
         self.ReleaseLeases = channel.unary_unary(
                 '/engram.v1.Engram/ReleaseLeases',
                 request_serializer=engram_dot_v1_dot_engram__pb2.ReleaseLeasesRequest.SerializeToString,
@@ -228,9 +243,33 @@ class EngramServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ReleaseLeases(self, request, context):
+    def GetPrefix(self, request, context):
         """---- GPU data path: same-host zero-copy ----
-        End the leases of a zero-copy Get's descriptors (once the worker has copied the blocks), so their
+
+        The hit path in one round trip: the longest cached prefix of `tokens` (as Lookup), then its blocks (as
+        Get): descriptors under one lease for blocks in a shared pool, bytes for the rest. Leases of earlier
+        calls named in release_lease_ids end first, so a worker releases with its next request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReservePut(self, request, context):
+        """The put path without bytes on the socket: reserve pool slots for a chain of blocks (cached ones are
+        skipped), write the encoded blocks into them in place, then commit. Only a committed block is served.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitPut(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseLeases(self, request, context):
+        """End the leases of a zero-copy Get's descriptors (once the worker has copied the blocks), so their
         slots may be reused; unreleased leases expire after the server's lease_s.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -350,6 +389,21 @@ def add_EngramServicer_to_server(servicer, server):
                     servicer.Resume,
                     request_deserializer=engram_dot_v1_dot_engram__pb2.ResumeRequest.FromString,
                     response_serializer=engram_dot_v1_dot_engram__pb2.ResumeResponse.SerializeToString,
+            ),
+            'GetPrefix': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetPrefix,
+                    request_deserializer=engram_dot_v1_dot_engram__pb2.GetPrefixRequest.FromString,
+                    response_serializer=engram_dot_v1_dot_engram__pb2.GetPrefixResponse.SerializeToString,
+            ),
+            'ReservePut': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReservePut,
+                    request_deserializer=engram_dot_v1_dot_engram__pb2.ReservePutRequest.FromString,
+                    response_serializer=engram_dot_v1_dot_engram__pb2.ReservePutResponse.SerializeToString,
+            ),
+            'CommitPut': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitPut,
+                    request_deserializer=engram_dot_v1_dot_engram__pb2.CommitPutRequest.FromString,
+                    response_serializer=engram_dot_v1_dot_engram__pb2.PutResponse.SerializeToString,
             ),
             'ReleaseLeases': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseLeases,
@@ -738,6 +792,87 @@ class Engram:
             '/engram.v1.Engram/Resume',
             engram_dot_v1_dot_engram__pb2.ResumeRequest.SerializeToString,
             engram_dot_v1_dot_engram__pb2.ResumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/engram.v1.Engram/GetPrefix',
+            engram_dot_v1_dot_engram__pb2.GetPrefixRequest.SerializeToString,
+            engram_dot_v1_dot_engram__pb2.GetPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReservePut(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engram.v1.Engram/ReservePut',
+            engram_dot_v1_dot_engram__pb2.ReservePutRequest.SerializeToString,
+            engram_dot_v1_dot_engram__pb2.ReservePutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitPut(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engram.v1.Engram/CommitPut',
+            engram_dot_v1_dot_engram__pb2.CommitPutRequest.SerializeToString,
+            engram_dot_v1_dot_engram__pb2.PutResponse.FromString,
             options,
             channel_credentials,
             insecure,

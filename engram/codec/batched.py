@@ -1,0 +1,108 @@
+"""Decoding many stored blocks of one shape at once: the hit path's decoder.
+
+A stored block in a quantizing codec is a v1 block (engram/codec/blockformat.py): a 56-byte header, K's
+payload, V's payload. All full blocks of a model have the same shape, so the payloads of a run of blocks lie at
+the same places relative to each block's start. `decode_blocks` decodes a run found at byte offsets of one
+uint8 buffer (a staging buffer on the GPU, or the daemon's HBM pool opened by CUDA IPC) with one kernel launch
+per payload on the Triton backend; the reference backend loops over blocks with the same numerics.
+
+K is grouped along tokens (its matrix is (L*H*D, T)), V along head_dim ((L*T*H, D)); both come back as
+(blocks, L, T, H, D) views, K's a permuted view of its matrix: writing it into the worker's KV memory is the
+one copy that puts it in place (engram/destinations.py).
+
+What it does not do: verify checksums (the daemon verified every block when it was stored; see
+docs/ARCHITECTURE.md, "Integrity on the hit path"), or decode partial blocks (blockformat.decode does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from engram import codec as kvcodec
+from engram.codec import blockformat
+from engram.codec.base import Axis, codec_by_name
+from engram.codec.fp4_reference import FORMATS, padded
+from engram.errors import EngramError
+from engram.layout import DType
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """Where K's and V's payloads lie in a stored block of one codec, dtype and shape, and their matrices."""
+
+    codec: str
+    dtype: DType
+    shape: tuple[int, int, int, int, int]  # (L, 2, T, H, D)
+    k_at: int  # byte offset of K's payload from the block's start
+    v_at: int
+    k_matrix: tuple[int, int]  # (rows, cols), cols padded to the codec's group
+    v_matrix: tuple[int, int]
+    nbytes: int  # the whole stored block
+
+    @property
+    def tokens(self) -> int:
+        return self.shape[2]
+
+
+def plan(codec: str, dtype: DType, shape: tuple[int, ...]) -> BlockPlan:
+    """The plan of a v1 block with the default axes (K per channel, V per token), as Engram writes them."""
+    layers, two, tokens, heads, dim = shape
+    if two != 2 or codec not in FORMATS:
+        raise ValueError(f"a batched plan needs a (L, 2, T, H, D) block in one of {sorted(FORMATS)}, "
+                         f"got {codec} {tuple(shape)}")
+    fmt = FORMATS[codec]
+    group = fmt.GROUP
+    if tokens % group or dim % group:
+        raise ValueError(f"{codec} groups of {group} do not tile tokens={tokens} and head_dim={dim} without "
+                         "padding; such blocks decode one at a time")
+    k_matrix = (layers * heads * dim, padded(tokens, group))
+    v_matrix = (layers * tokens * heads, padded(dim, group))
+    k_at = blockformat.HEADER_LEN
+    v_at = k_at + fmt.payload_nbytes((k_matrix[0], tokens))
+    nbytes = blockformat.encoded_nbytes(codec_by_name(codec), tuple(shape), dtype)  # type: ignore[arg-type]
+    return BlockPlan(codec, dtype, tuple(shape), k_at, v_at, k_matrix, v_matrix, nbytes)  # type: ignore[arg-type]
+
+
+def header_matches(plan_: BlockPlan, head: bytes | memoryview) -> bool:
+    """Whether a block's 56-byte header describes a block of this plan (codec, axes, dtype, shape) and is
+    itself intact (its own checksum); the body is not read."""
+    try:
+        fmt = blockformat.parse_header(head)
+    except EngramError:
+        return False
+    return (fmt.codec.name == plan_.codec and fmt.k_axis == Axis.CHANNEL and fmt.v_axis == Axis.TOKEN
+            and fmt.dtype == plan_.dtype and fmt.shape == plan_.shape)
+
+
+def decode_blocks(src: Tensor, offsets: Tensor, plan_: BlockPlan, *, backend: str) -> tuple[Tensor, Tensor]:
+    """K and V of len(offsets) blocks, each (blocks, L, T, H, D) in the plan's dtype on src's device.
+    src: a flat uint8 buffer; offsets: int64 byte offsets of each block's start (on src's device for the
+    Triton backend)."""
+    layers, _, tokens, heads, dim = plan_.shape
+    n = offsets.numel()
+    dtype = plan_.dtype.torch_dtype
+    k_rows, k_cols = plan_.k_matrix
+    v_rows, v_cols = plan_.v_matrix
+    k = torch.empty(n, k_rows, k_cols, dtype=dtype, device=src.device)
+    v = torch.empty(n, v_rows, v_cols, dtype=dtype, device=src.device)
+    if backend == "triton":
+        from engram.kernels import fp4 as kernels
+
+        kernels.dequantize_blocks_into(plan_.codec, src, offsets + plan_.k_at, k_rows, k_cols, k)
+        kernels.dequantize_blocks_into(plan_.codec, src, offsets + plan_.v_at, v_rows, v_cols, v)
+    else:
+        fmt = FORMATS[plan_.codec]
+        _, dequantize = kvcodec._backend(backend).CODECS[plan_.codec]
+        for b, off in enumerate(offsets.tolist()):
+            for out, at, rows, real_cols in ((k, plan_.k_at, k_rows, tokens), (v, plan_.v_at, v_rows, dim)):
+                start = off + at
+                nbytes = fmt.payload_nbytes((rows, real_cols))
+                body = memoryview(src[start : start + nbytes].cpu().numpy())
+                q = fmt.from_bytes(body, (rows, real_cols), src.device)
+                out[b, :, :real_cols] = dequantize(q, dtype)
+    k_view = k[:, :, :tokens].view(n, layers, heads, dim, tokens).permute(0, 1, 4, 2, 3)
+    v_view = v[:, :, :dim].view(n, layers, tokens, heads, dim)
+    return k_view, v_view

@@ -1,0 +1,149 @@
+"""Where a worker wants a cached prefix's KV: its own KV memory, in the layout its attention reads.
+
+The hit path (engram/loader.py) decodes a run of blocks at a time into K and V of shape
+(blocks, L, block_tokens, H, D) (L: the model's persisted layers) and hands each to the destination, which
+writes them in place with as few copies as its layout allows. Three layouts cover the serving stacks:
+
+- `ContiguousKV`: one tensor (L, 2, T, H, D), any strides: what `EngramClient.get_prefix` returns, and a worker
+  that keeps its KV as one buffer. One strided copy per stream per run of blocks.
+- `LayerKV`: one K and one V tensor per layer, each (T, H, D) with any strides: Hugging Face's DynamicCache
+  keeps (batch, H, T, D) per layer, whose [0].transpose(0, 1) is such a view. One copy per layer and stream.
+- `PagedKV`: per layer K and V pages (num_pages, page_tokens, H, D) and a block table mapping the request's
+  logical pages to physical ones, as vLLM's paged KV cache (page_tokens must divide block_tokens). One
+  index_copy_ per layer and stream.
+
+Writes run on the caller's current CUDA stream, so the worker's own kernels that read the KV afterwards are
+ordered after them without a host synchronisation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from engram.errors import InvalidArgument
+
+
+class KVDestination(Protocol):
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens it can hold: a load writes at most this many."""
+        ...
+
+    def write(self, stream: int, data: Tensor, start: int, n_tokens: int) -> None:
+        """Write tokens [start, start + n_tokens) of stream 0 (K) or 1 (V). data: (blocks, L, block_tokens, H, D),
+        covering start onward; only its first n_tokens tokens (in block order) are written."""
+        ...
+
+
+def _tokens_major(data: Tensor, n_tokens: int) -> Tensor:
+    """(blocks, L, bt, H, D) -> its first n_tokens tokens as (L, n_tokens, H, D) (a copy)."""
+    blocks, layers, bt, heads, dim = data.shape
+    return data.transpose(0, 1).reshape(layers, blocks * bt, heads, dim)[:, :n_tokens]
+
+
+class ContiguousKV:
+    """One (L, 2, T, H, D) tensor."""
+
+    def __init__(self, kv: Tensor) -> None:
+        if kv.dim() != 5 or kv.shape[1] != 2:
+            raise InvalidArgument(f"a KV destination is (layers, 2, tokens, kv_heads, head_dim), got {tuple(kv.shape)}")
+        self.kv = kv
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv.device
+
+    @property
+    def capacity_tokens(self) -> int:
+        return int(self.kv.shape[2])
+
+    def write(self, stream: int, data: Tensor, start: int, n_tokens: int) -> None:
+        blocks, layers, bt, heads, dim = data.shape
+        target = self.kv[:, stream, start : start + n_tokens]  # (L, n, H, D)
+        if n_tokens == blocks * bt:
+            # (L, blocks, bt, H, D) view of the target: one copy, whatever the source's strides.
+            target.view(layers, blocks, bt, heads, dim).copy_(data.transpose(0, 1))
+        else:
+            target.copy_(_tokens_major(data, n_tokens))
+
+
+class LayerKV:
+    """Per layer, a K and a V tensor (T, H, D), any strides."""
+
+    def __init__(self, k: Sequence[Tensor], v: Sequence[Tensor]) -> None:
+        if len(k) != len(v) or not k:
+            raise InvalidArgument(f"LayerKV needs one K and one V tensor per layer, got {len(k)} and {len(v)}")
+        shapes = {tuple(t.shape) for t in (*k, *v)}
+        if len(shapes) != 1 or len(next(iter(shapes))) != 3:
+            raise InvalidArgument(f"every layer's K and V must be (tokens, kv_heads, head_dim) of one shape, got {shapes}")
+        self.streams = (list(k), list(v))
+
+    @property
+    def device(self) -> torch.device:
+        return self.streams[0][0].device
+
+    @property
+    def capacity_tokens(self) -> int:
+        return int(self.streams[0][0].shape[0])
+
+    def write(self, stream: int, data: Tensor, start: int, n_tokens: int) -> None:
+        blocks, layers, bt, heads, dim = data.shape
+        if layers != len(self.streams[stream]):
+            raise InvalidArgument(f"the model stores {layers} layers; the destination has {len(self.streams[stream])}")
+        for layer, target in enumerate(self.streams[stream]):
+            part = target[start : start + n_tokens]  # (n, H, D)
+            src = data[:, layer]  # (blocks, bt, H, D)
+            if n_tokens == blocks * bt:
+                part.view(blocks, bt, heads, dim).copy_(src)
+            else:
+                part.copy_(src.reshape(blocks * bt, heads, dim)[:n_tokens])
+
+
+class PagedKV:
+    """Per layer, K and V pages (num_pages, page_tokens, H, D), and the request's block table: logical page i
+    of the request is physical page block_table[i]."""
+
+    def __init__(self, k: Sequence[Tensor], v: Sequence[Tensor], block_table: Sequence[int] | Tensor) -> None:
+        if len(k) != len(v) or not k:
+            raise InvalidArgument(f"PagedKV needs one K and one V page tensor per layer, got {len(k)} and {len(v)}")
+        shapes = {tuple(t.shape) for t in (*k, *v)}
+        if len(shapes) != 1 or len(next(iter(shapes))) != 4:
+            raise InvalidArgument(f"every layer's pages must be (pages, page_tokens, kv_heads, head_dim) of one shape, "
+                                  f"got {shapes}")
+        self.streams = (list(k), list(v))
+        self.page_tokens = int(k[0].shape[1])
+        table = torch.as_tensor(block_table, dtype=torch.int64)
+        if table.dim() != 1 or (table.numel() and (int(table.min()) < 0 or int(table.max()) >= k[0].shape[0])):
+            raise InvalidArgument(f"block_table must name pages in [0, {k[0].shape[0]}), got {table.tolist()[:8]}...")
+        self.table = table.to(k[0].device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.streams[0][0].device
+
+    @property
+    def capacity_tokens(self) -> int:
+        return int(self.table.numel()) * self.page_tokens
+
+    def write(self, stream: int, data: Tensor, start: int, n_tokens: int) -> None:
+        blocks, _, bt, heads, dim = data.shape
+        pt = self.page_tokens
+        if bt % pt or start % pt:
+            raise InvalidArgument(f"page_tokens={pt} must divide the model's block_tokens={bt}")
+        whole = n_tokens // pt  # whole pages; a partial last page is written row by row below
+        first = start // pt
+        for layer, pages in enumerate(self.streams[stream]):
+            src = data[:, layer].reshape(blocks * bt // pt, pt, heads, dim)
+            if whole:
+                pages.index_copy_(0, self.table[first : first + whole], src[:whole])
+            rest = n_tokens - whole * pt
+            if rest:
+                page = int(self.table[first + whole])
+                pages[page, :rest].copy_(src[whole, :rest])

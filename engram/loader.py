@@ -1,0 +1,298 @@
+"""The worker side of the hit path: a prefix's blocks, wherever the daemon described them, into the worker's own
+KV memory (engram/destinations.py) with the fewest passes over the bytes.
+
+Sources of a block, as a GetPrefix answer gives them:
+- a slot of the daemon's shared DRAM pool: the worker maps the segment once and registers the mapping with
+  CUDA in its own process, so a copy out of it is a DMA at PCIe speed (pinned memory), not a staged copy;
+- a slot of the daemon's HBM pool, opened by CUDA IPC on the same GPU: decoded where it lies;
+- bytes that came over the socket (a block on NVMe only, or another host).
+
+On a GPU the blocks go in runs of up to `chunk_bytes`: the copy engine moves run i+1 into a staging buffer (on
+a side stream) while the current stream decodes run i (engram/codec/batched.py: one launch per payload and
+run) and writes it into the destination; a ring of staging buffers and events keeps the two in step, with no
+host synchronisation until the end. Raw blocks need no decode: the staged run is viewed as (blocks, L, 2, T,
+H, D) and written. On the CPU the same writes read straight from the mapping, one pass.
+
+Integrity: the daemon verified each block's checksum when it was stored and leases the described slots
+against reuse; the loader checks each pool slot's page generations before it copies and again once the DMA of
+its run has completed, and returns the blocks whose slot was reused meanwhile (the caller fetches those as
+bytes and writes them again). Checksums are not recomputed here: that would read every byte back to the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from engram.codec import batched, stored
+from engram.destinations import KVDestination
+from engram.layout import DType
+from engram.segment import SegmentReader
+
+log = logging.getLogger("engram.loader")
+
+DEFAULT_CHUNK_BYTES = 64 * 2**20  # stored bytes staged per run: large enough for few launches, small on the GPU
+_STAGES = 2  # staging buffers in the ring: one filling while the other is decoded
+_ALIGN = 256
+
+
+@dataclass(frozen=True)
+class BlockSource:
+    """One block of the prefix and where its stored bytes are."""
+
+    index: int  # its position in the prefix
+    codec: str
+    dtype: DType
+    shape: tuple[int, ...]  # (L, 2, T, H, D)
+    nbytes: int
+    segment: MappedSegment | None = None  # a slot of a shared pool...
+    offset: int = 0
+    generation: int = 0
+    device_pool: Tensor | None = None  # ... or of an HBM pool opened by CUDA IPC ...
+    payload: bytes | Tensor | None = None  # ... or its bytes
+
+    @property
+    def tokens(self) -> int:
+        return int(self.shape[2])
+
+
+class MappedSegment:
+    """A daemon's shared segment mapped in this process, its data area registered with CUDA (when there is a
+    GPU) so that copies from it are DMAs. Registration pins nothing new (the daemon's pages are pinned
+    already) but costs time once per process, like mapping."""
+
+    def __init__(self, path: str, segment_id: bytes, *, register: bool) -> None:
+        self.reader = SegmentReader(path, segment_id)
+        self.data = self.reader.data()
+        self.registered = False
+        if register and self.data.numel():
+            cudart = torch.cuda.cudart()
+            # cudaHostRegisterReadOnly (8): the mapping is read-only; Portable (1): any CUDA context may DMA.
+            err = cudart.cudaHostRegister(self.data.data_ptr(), self.data.numel(), 8 | 1)
+            self.registered = int(err) == 0
+            if not self.registered:
+                log.warning("could not register %s with CUDA (%s): hits from it are staged copies", path, err)
+
+    @property
+    def segment_id(self) -> bytes:
+        return self.reader.layout.segment_id
+
+    def current(self, offset: int, length: int, generation: int) -> bool:
+        return self.reader.current(offset, length, generation)
+
+    def close(self) -> None:
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
+            self.registered = False
+        del self.data
+        self.reader.close()
+
+
+@dataclass
+class LoadReport:
+    blocks: int = 0
+    tokens: int = 0
+    stale: list[int] = field(default_factory=list)  # prefix positions of blocks whose pool slot was reused
+    staged_bytes: int = 0  # stored bytes moved host -> device
+
+
+def _host_view(src: BlockSource) -> Tensor:
+    """The block's stored bytes on the host, as a uint8 tensor (a view of the mapping, or of its payload)."""
+    if src.segment is not None and src.device_pool is None:
+        return src.segment.data[src.offset : src.offset + src.nbytes]
+    if isinstance(src.payload, Tensor):
+        return src.payload
+    assert src.payload is not None
+    return torch.frombuffer(bytearray(src.payload), dtype=torch.uint8)
+
+
+def _raw_view(buf: Tensor, n: int, shape: tuple[int, ...], dtype: DType) -> Tensor:
+    """n raw blocks back to back in buf: (n, L, 2, T, H, D)."""
+    return buf.view(dtype.torch_dtype)[: n * _numel(shape)].view(n, *shape)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+class PrefixLoader:
+    def __init__(self, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._staging: dict[torch.device, list[Tensor]] = {}
+        self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def load(self, sources: Sequence[BlockSource], dest: KVDestination, *, block_tokens: int, n_tokens: int,
+             stream: torch.cuda.Stream | None = None) -> LoadReport:
+        """Write tokens [0, n_tokens) of the prefix whose blocks are `sources` (in prefix order, block i
+        holding tokens [i * block_tokens, ...)) into dest. On a GPU, writes are queued on `stream` (default:
+        the current stream) and the call returns once the host copies have completed (the pool slots may
+        be reused from then on); the writes themselves complete in stream order."""
+        report = LoadReport(tokens=n_tokens)
+        todo = [s for s in sources if s.index * block_tokens < n_tokens]
+        report.blocks = len(todo)
+        for s in todo:  # generations before: a slot reused already is not worth copying
+            if s.segment is not None and not s.segment.current(s.offset, s.nbytes, s.generation):
+                report.stale.append(s.index)
+        todo = [s for s in todo if s.index not in report.stale]
+        if dest.device.type == "cuda":
+            stream = stream or torch.cuda.current_stream(dest.device)
+            with torch.cuda.device(dest.device), torch.cuda.stream(stream):
+                self._load_cuda(todo, dest, block_tokens, n_tokens, stream, report)
+        else:
+            for run in self._runs(todo, block_tokens):
+                self._write(run, [_host_view(s) for s in run], dest, block_tokens, n_tokens, backend="reference")
+        for s in todo:  # generations after: a slot reused while we copied is fetched again
+            if s.segment is not None and not s.segment.current(s.offset, s.nbytes, s.generation):
+                report.stale.append(s.index)
+        report.stale.sort()
+        return report
+
+    # ---- runs ---------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _runs(sources: Sequence[BlockSource], block_tokens: int) -> list[list[BlockSource]]:
+        """Consecutive blocks of one kind (host or device pool), codec and full shape, in prefix order; a
+        partial block is a run of its own."""
+        runs: list[list[BlockSource]] = []
+        for s in sorted(sources, key=lambda s: s.index):
+            last = runs[-1][-1] if runs else None
+            if (last is not None and last.index + 1 == s.index and last.codec == s.codec
+                    and last.shape == s.shape and s.tokens == block_tokens
+                    and (last.device_pool is None) == (s.device_pool is None)):
+                runs[-1].append(s)
+            else:
+                runs.append([s])
+        return runs
+
+    def _write(self, run: list[BlockSource], bufs: list[Tensor] | None, dest: KVDestination, block_tokens: int,
+               n_tokens: int, *, backend: str, staged: Tensor | None = None, offsets: list[int] | None = None
+               ) -> None:
+        """Decode a run (its blocks' bytes as `bufs`, or at `offsets` of one `staged` buffer) and write it."""
+        first = run[0]
+        start = first.index * block_tokens
+        count = min(n_tokens, start + len(run) * first.tokens) - start
+        if stored.is_raw(first.codec):
+            if bufs is None:
+                assert staged is not None and offsets is not None
+                if offsets == [offsets[0] + i * first.nbytes for i in range(len(run))]:  # back to back: one view
+                    kv = _raw_view(staged.narrow(0, offsets[0], len(run) * first.nbytes), len(run), first.shape,
+                                   first.dtype)
+                    dest.write(0, kv[:, :, 0], start, count)
+                    dest.write(1, kv[:, :, 1], start, count)
+                    return
+                bufs = [staged.narrow(0, o, s.nbytes) for o, s in zip(offsets, run, strict=True)]
+            for s, buf in zip(run, bufs, strict=True):  # scattered: each block is written from where it lies
+                kv = _raw_view(buf, 1, s.shape, s.dtype)
+                at = s.index * block_tokens
+                n = min(n_tokens - at, s.tokens)
+                dest.write(0, kv[:, :, 0], at, n)
+                dest.write(1, kv[:, :, 1], at, n)
+            return
+        k, v = self._decode(run, bufs, backend, staged, offsets)
+        dest.write(0, k, start, count)
+        dest.write(1, v, start, count)
+
+    @staticmethod
+    def _decode(run: list[BlockSource], bufs: list[Tensor] | None, backend: str, staged: Tensor | None,
+                offsets: list[int] | None) -> tuple[Tensor, Tensor]:
+        first = run[0]
+        try:
+            plan = batched.plan(first.codec, first.dtype, first.shape)
+        except ValueError:
+            plan = None  # a partial block, or groups that do not tile it: one block at a time
+        if plan is not None:
+            if staged is None:
+                assert bufs is not None
+                staged = torch.cat(bufs) if len(bufs) > 1 else bufs[0]
+                offsets = [i * first.nbytes for i in range(len(run))]
+            assert offsets is not None
+            offs = torch.tensor(offsets, dtype=torch.int64).to(staged.device, non_blocking=True)
+            return batched.decode_blocks(staged, offs, plan, backend=backend)
+        if bufs is None:
+            assert staged is not None and offsets is not None
+            bufs = [staged.narrow(0, o, s.nbytes) for o, s in zip(offsets, run, strict=True)]
+        device = bufs[0].device
+        # v1 headers are parsed on the host: a partial block's bytes (a few MiB at most) go there first.
+        kv = torch.stack([stored.decode(b.cpu(), s.codec, s.dtype, s.shape, backend=backend, device=device,
+                                        where=f"block {s.index}") for b, s in zip(bufs, run, strict=True)])
+        return kv[:, :, 0], kv[:, :, 1]
+
+    # ---- the GPU pipeline -------------------------------------------------------------------------------
+
+    def _load_cuda(self, sources: list[BlockSource], dest: KVDestination, block_tokens: int, n_tokens: int,
+                   compute: torch.cuda.Stream, report: LoadReport) -> None:
+        device = dest.device
+        backend = "triton"
+        copy = self._copy_streams.get(device)
+        if copy is None:
+            copy = self._copy_streams[device] = torch.cuda.Stream(device)
+        free = [torch.cuda.Event() for _ in range(_STAGES)]
+        for e in free:
+            e.record(compute)
+        stage = 0
+        last_copy: torch.cuda.Event | None = None
+        last_read: torch.cuda.Event | None = None  # the last decode that read the HBM pool in place
+        for run in self._runs(sources, block_tokens):
+            if run[0].device_pool is not None:  # the daemon's HBM pool: decode where it lies
+                pool = run[0].device_pool
+                for chunk in self._chunks(run):
+                    self._write(chunk, None, dest, block_tokens, n_tokens, backend=backend, staged=pool,
+                                offsets=[s.offset for s in chunk])
+                last_read = torch.cuda.Event()
+                last_read.record(compute)
+                continue
+            for chunk in self._chunks(run):
+                nbytes = sum(-(-s.nbytes // _ALIGN) * _ALIGN for s in chunk)
+                buf = self._buffer(device, stage, nbytes)
+                offsets = []
+                copy.wait_event(free[stage])  # the decode that last read this buffer is done
+                with torch.cuda.stream(copy):
+                    at = 0
+                    for s in chunk:
+                        buf[at : at + s.nbytes].copy_(_host_view(s), non_blocking=True)
+                        offsets.append(at)
+                        at += -(-s.nbytes // _ALIGN) * _ALIGN
+                    ready = torch.cuda.Event()
+                    ready.record(copy)
+                compute.wait_event(ready)
+                self._write(chunk, None, dest, block_tokens, n_tokens, backend=backend, staged=buf, offsets=offsets)
+                buf.record_stream(compute)
+                free[stage].record(compute)
+                report.staged_bytes += at
+                last_copy = ready
+                stage = (stage + 1) % _STAGES
+        for event in (last_copy, last_read):
+            if event is not None:
+                event.synchronize()  # every read of a pool slot has completed: the generations are final
+
+    def _chunks(self, run: list[BlockSource]) -> list[list[BlockSource]]:
+        chunks: list[list[BlockSource]] = [[]]
+        size = 0
+        for s in run:
+            if chunks[-1] and size + s.nbytes > self.chunk_bytes:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(s)
+            size += s.nbytes
+        return chunks
+
+    def _buffer(self, device: torch.device, stage: int, nbytes: int) -> Tensor:
+        bufs = self._staging.setdefault(device, [torch.empty(0, dtype=torch.uint8, device=device)] * _STAGES)
+        if bufs[stage].numel() < nbytes:
+            bufs[stage] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return bufs[stage]
+
+    def close(self) -> None:
+        self._staging.clear()
+        with contextlib.suppress(Exception):
+            for s in self._copy_streams.values():
+                s.synchronize()
+        self._copy_streams.clear()
