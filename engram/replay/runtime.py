@@ -18,8 +18,10 @@ import torch
 
 from engram.errors import FailedPrecondition
 from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
-from engram.replay.model import AttentionKind, HybridDecoder, load_decoder
+from engram.replay.decoder import HybridDecoder
+from engram.replay.model import AttentionKind
 from engram.replay.reconstruct import Reconstruction, ReplayMode, reconstruct_swa
+from engram.replay.weights import load_decoder
 
 _KIND = {AttentionKind.GLOBAL: LayerKind.GLOBAL, AttentionKind.SLIDING: LayerKind.SLIDING,
          AttentionKind.REINDEX: LayerKind.SHARED, AttentionKind.REUSE: LayerKind.SHARED}
