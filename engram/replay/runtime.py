@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from engram.errors import FailedPrecondition
+from engram.errors import FailedPrecondition, InvalidArgument
 from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
 from engram.replay.decoder import HybridDecoder
-from engram.replay.model import AttentionKind
+from engram.replay.model import AttentionKind, ReplayError
 from engram.replay.reconstruct import Reconstruction, ReplayMode, reconstruct_swa
 from engram.replay.weights import load_decoder
 
@@ -36,14 +36,24 @@ def weights_identity(model: HybridDecoder) -> str:
     return f"hybrid:{h.hexdigest()}"
 
 
+def implied_layout(model: HybridDecoder, block_tokens: int = 256) -> KVLayout:
+    """The KV layout a worker registers this model with. A ReplayError when no layout can describe it (no
+    global layer: nothing to store; a dtype the daemon does not store, such as float64)."""
+    cfg = model.config
+    layers = tuple(LayerSpec(_KIND[k], cfg.window if k is AttentionKind.SLIDING else 0) for k in cfg.layers)
+    try:
+        return KVLayout(layers=layers, num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                        dtype=DType.from_torch(cfg.dtype), block_tokens=block_tokens)
+    except InvalidArgument as exc:
+        raise ReplayError(f"a replay model with layers {[k.value for k in cfg.layers]} in {cfg.dtype} cannot "
+                          f"serve any model a worker can register: {exc}") from exc
+
+
 def model_spec_for(model: HybridDecoder, *, name: str = "hybrid", block_tokens: int = 256, codec: str = "raw"
                    ) -> ModelSpec:
     """The ModelSpec a worker registers for this model (and the daemon matches its replay models by)."""
-    cfg = model.config
-    layers = tuple(LayerSpec(_KIND[k], cfg.window if k is AttentionKind.SLIDING else 0) for k in cfg.layers)
-    layout = KVLayout(layers=layers, num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                      dtype=DType.from_torch(cfg.dtype), block_tokens=block_tokens)
-    return ModelSpec(name=name, weights_id=weights_identity(model), layout=layout, codec=codec)
+    return ModelSpec(name=name, weights_id=weights_identity(model), layout=implied_layout(model, block_tokens),
+                     codec=codec)
 
 
 def _same_model(spec: ModelSpec, model: HybridDecoder) -> bool:
@@ -62,14 +72,23 @@ class ReplayCounters:
 class ReplayRuntime:
     """The replay models this daemon can run, loaded once at start-up."""
 
-    def __init__(self, models: Sequence[HybridDecoder] = ()) -> None:
+    def __init__(self, models: Sequence[HybridDecoder] = (), *, sources: Sequence[str] = ()) -> None:
+        """`sources` names the models in errors (their files); a model no registered model could ever match
+        is refused here, at start-up, rather than failing every OpenSession, Resume and Stats later."""
         self.models = list(models)
+        for i, model in enumerate(self.models):
+            try:
+                implied_layout(model)
+            except ReplayError as exc:
+                where = sources[i] if i < len(sources) else f"replay model {i}"
+                raise ReplayError(f"{where}: {exc}; load a model with a global layer in bfloat16, float16 or "
+                                  "float32") from exc
         self.counters = ReplayCounters()
 
     @classmethod
     def from_paths(cls, paths: Sequence[str | Path], device: str = "auto") -> ReplayRuntime:
         dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-        return cls([load_decoder(p, device=dev) for p in paths])
+        return cls([load_decoder(p, device=dev) for p in paths], sources=[str(p) for p in paths])
 
     def model_for(self, spec: ModelSpec) -> HybridDecoder | None:
         return next((m for m in self.models if _same_model(spec, m)), None)
