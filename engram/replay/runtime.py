@@ -5,10 +5,15 @@ A replay model serves a registered ModelSpec when its weights identity equals th
 the layout it implies (layer kinds, window, KV heads, head dim, dtype) equals the spec's layout; the
 block size and the storage codec are the worker's choice and do not matter here. The worker derives its
 ModelSpec with the same function (`model_spec_for`), so both sides agree by construction.
+
+The identity hashes every parameter, so the runtime computes it once per model, when it is built (at
+start-up, right after the load), and matches specs against that: OpenSession, Resume and Stats (every
+`engram top` tick) only compare strings and layouts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,9 +61,22 @@ def model_spec_for(model: HybridDecoder, *, name: str = "hybrid", block_tokens: 
                      codec=codec)
 
 
-def _same_model(spec: ModelSpec, model: HybridDecoder) -> bool:
-    mine = model_spec_for(model, block_tokens=spec.layout.block_tokens)
-    return mine.weights_id == spec.weights_id and mine.layout == spec.layout
+@dataclass(frozen=True)
+class ReplayIdentity:
+    """What a registered ModelSpec must carry for a replay model to serve it."""
+
+    weights_id: str  # weights_identity: config and every parameter
+    layout: KVLayout  # implied_layout at the default block size; `serves` ignores block_tokens
+
+    @classmethod
+    def of(cls, model: HybridDecoder) -> ReplayIdentity:
+        """Reads every parameter of the model: once per model, at load, not per request."""
+        layout = implied_layout(model)  # first: a model no spec can describe is refused before it is hashed
+        return cls(weights_identity(model), layout)
+
+    def serves(self, spec: ModelSpec) -> bool:
+        return (spec.weights_id == self.weights_id
+                and dataclasses.replace(spec.layout, block_tokens=self.layout.block_tokens) == self.layout)
 
 
 @dataclass
@@ -70,20 +88,37 @@ class ReplayCounters:
 
 
 class ReplayRuntime:
-    """The replay models this daemon can run, loaded once at start-up."""
+    """The replay models this daemon can run, loaded once at start-up and never changed after.
+
+    Each model's identity is computed here, once, and every match is against it. That is sound because
+    replay models are not mutated: the daemon loads them from files at start-up and only runs them
+    (HybridDecoder turns gradients off and runs its forward in inference mode); nothing trains them or swaps
+    their weights. A model changed in place after this would keep matching by its load-time identity, so
+    don't: to serve other weights, start the daemon with their file (or build a new runtime).
+    """
 
     def __init__(self, models: Sequence[HybridDecoder] = (), *, sources: Sequence[str] = ()) -> None:
         """`sources` names the models in errors (their files); a model no registered model could ever match
         is refused here, at start-up, rather than failing every OpenSession, Resume and Stats later."""
-        self.models = list(models)
-        for i, model in enumerate(self.models):
+        served = []
+        for i, model in enumerate(models):
             try:
-                implied_layout(model)
+                served.append((ReplayIdentity.of(model), model))
             except ReplayError as exc:
                 where = sources[i] if i < len(sources) else f"replay model {i}"
                 raise ReplayError(f"{where}: {exc}; load a model with a global layer in bfloat16, float16 or "
                                   "float32") from exc
+        self._served: tuple[tuple[ReplayIdentity, HybridDecoder], ...] = tuple(served)
         self.counters = ReplayCounters()
+
+    @property
+    def models(self) -> tuple[HybridDecoder, ...]:
+        return tuple(model for _, model in self._served)
+
+    @property
+    def identities(self) -> tuple[ReplayIdentity, ...]:
+        """Each model's identity as computed at construction, in the order of `models`."""
+        return tuple(identity for identity, _ in self._served)
 
     @classmethod
     def from_paths(cls, paths: Sequence[str | Path], device: str = "auto") -> ReplayRuntime:
@@ -91,7 +126,7 @@ class ReplayRuntime:
         return cls([load_decoder(p, device=dev) for p in paths], sources=[str(p) for p in paths])
 
     def model_for(self, spec: ModelSpec) -> HybridDecoder | None:
-        return next((m for m in self.models if _same_model(spec, m)), None)
+        return next((model for identity, model in self._served if identity.serves(spec)), None)
 
     def require(self, spec: ModelSpec) -> HybridDecoder:
         model = self.model_for(spec)
