@@ -13,11 +13,16 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
+
+if TYPE_CHECKING:  # the store stays unimported for tests that only need a layout
+    from engram.index import BlockMeta
+    from engram.store import BlockStore
 
 BLOCK_TOKENS = 16
 
@@ -41,6 +46,40 @@ def random_kv(spec: ModelSpec, n_tokens: int, seed: int = 0) -> torch.Tensor:
 
 def tokens(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 32_000, n, dtype=np.int32)
+
+
+def dram_store(capacity_blocks: int = 64, spec: ModelSpec | None = None) -> tuple[BlockStore, bytes]:
+    """A real BlockStore over one real DRAM tier that holds `capacity_blocks` full blocks of `spec` (tiny_model
+    by default), with the model registered; returns the store and the model's fingerprint."""
+    from engram.registry import ModelRegistry
+    from engram.store import BlockStore
+    from engram.tiers.dram import DramTier
+
+    spec = spec or tiny_model()
+    tier = DramTier(capacity_blocks * spec.layout.block_nbytes(spec.layout.block_tokens))
+    store = BlockStore([tier], ModelRegistry(default_codec="raw"))
+    return store, store.registry.register(spec)
+
+
+async def put_tokens(store: BlockStore, namespace: str, fingerprint: bytes, toks: np.ndarray,
+                     kv: torch.Tensor | None = None, *, seed: int = 0) -> list[BlockMeta]:
+    """Put `toks` as a chain of raw blocks, the last one partial if the length says so, as a worker does;
+    `kv` is the whole sequence's (global layers, 2, T, kv heads, head dim), seeded random KV if None.
+    Returns the chain's blocks in order."""
+    from engram.block import BlockHeader, checksum
+
+    spec = store.registry.get(fingerprint)
+    bt = spec.layout.block_tokens
+    kv = random_kv(spec, len(toks), seed) if kv is None else kv
+    parent, keys = store.root(namespace, fingerprint), []
+    for i, start in enumerate(range(0, len(toks), bt)):
+        end = min(start + bt, len(toks))
+        payload = kv[:, :, start:end].contiguous().view(torch.uint8).numpy().tobytes()
+        header = BlockHeader(toks[start:end], spec.layout.dtype, spec.layout.block_shape(end - start), len(payload),
+                             checksum(payload))
+        parent = (await store.put(namespace, fingerprint, parent, header, payload, index=i)).key
+        keys.append(parent)
+    return store.find(namespace, fingerprint, keys)
 
 
 def free_port() -> int:

@@ -1,11 +1,10 @@
 """SWA bounded replay: rebuild sliding-window KV from tokens and stored global KV (see docs/REPLAY.md)."""
 
+from engram.replay.config import HybridConfig, all_sliding_pattern, gemma3_pattern, gpt_oss_pattern
+from engram.replay.decoder import HybridDecoder
 from engram.replay.model import (
     KV,
     AttentionKind,
-    HybridConfig,
-    HybridDecoder,
-    Numerics,
     PrefillResult,
     ReplayError,
     ReplayModel,
@@ -13,12 +12,8 @@ from engram.replay.model import (
     ReplaySpec,
     SpanOutput,
     SwaWindow,
-    all_sliding_pattern,
-    gemma3_pattern,
-    gpt_oss_pattern,
-    load_decoder,
-    save_decoder,
 )
+from engram.replay.numerics import Numerics
 from engram.replay.reconstruct import (
     DecodeStep,
     Reconstruction,
@@ -32,6 +27,7 @@ from engram.replay.reconstruct import (
     replay_length,
     window_error,
 )
+from engram.replay.weights import load_decoder, save_decoder
 
 __all__ = [
     "KV",

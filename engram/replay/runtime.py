@@ -5,10 +5,15 @@ A replay model serves a registered ModelSpec when its weights identity equals th
 the layout it implies (layer kinds, window, KV heads, head dim, dtype) equals the spec's layout; the
 block size and the storage codec are the worker's choice and do not matter here. The worker derives its
 ModelSpec with the same function (`model_spec_for`), so both sides agree by construction.
+
+The identity hashes every parameter, so the runtime computes it once per model, when it is built (at
+start-up, right after the load), and matches specs against that: OpenSession, Resume and Stats (every
+`engram top` tick) only compare strings and layouts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,10 +21,12 @@ from pathlib import Path
 
 import torch
 
-from engram.errors import FailedPrecondition
+from engram.errors import FailedPrecondition, InvalidArgument
 from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
-from engram.replay.model import AttentionKind, HybridDecoder, load_decoder
+from engram.replay.decoder import HybridDecoder
+from engram.replay.model import AttentionKind, ReplayError
 from engram.replay.reconstruct import Reconstruction, ReplayMode, reconstruct_swa
+from engram.replay.weights import load_decoder
 
 _KIND = {AttentionKind.GLOBAL: LayerKind.GLOBAL, AttentionKind.SLIDING: LayerKind.SLIDING,
          AttentionKind.REINDEX: LayerKind.SHARED, AttentionKind.REUSE: LayerKind.SHARED}
@@ -34,19 +41,42 @@ def weights_identity(model: HybridDecoder) -> str:
     return f"hybrid:{h.hexdigest()}"
 
 
+def implied_layout(model: HybridDecoder, block_tokens: int = 256) -> KVLayout:
+    """The KV layout a worker registers this model with. A ReplayError when no layout can describe it (no
+    global layer: nothing to store; a dtype the daemon does not store, such as float64)."""
+    cfg = model.config
+    layers = tuple(LayerSpec(_KIND[k], cfg.window if k is AttentionKind.SLIDING else 0) for k in cfg.layers)
+    try:
+        return KVLayout(layers=layers, num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                        dtype=DType.from_torch(cfg.dtype), block_tokens=block_tokens)
+    except InvalidArgument as exc:
+        raise ReplayError(f"a replay model with layers {[k.value for k in cfg.layers]} in {cfg.dtype} cannot "
+                          f"serve any model a worker can register: {exc}") from exc
+
+
 def model_spec_for(model: HybridDecoder, *, name: str = "hybrid", block_tokens: int = 256, codec: str = "raw"
                    ) -> ModelSpec:
     """The ModelSpec a worker registers for this model (and the daemon matches its replay models by)."""
-    cfg = model.config
-    layers = tuple(LayerSpec(_KIND[k], cfg.window if k is AttentionKind.SLIDING else 0) for k in cfg.layers)
-    layout = KVLayout(layers=layers, num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                      dtype=DType.from_torch(cfg.dtype), block_tokens=block_tokens)
-    return ModelSpec(name=name, weights_id=weights_identity(model), layout=layout, codec=codec)
+    return ModelSpec(name=name, weights_id=weights_identity(model), layout=implied_layout(model, block_tokens),
+                     codec=codec)
 
 
-def _same_model(spec: ModelSpec, model: HybridDecoder) -> bool:
-    mine = model_spec_for(model, block_tokens=spec.layout.block_tokens)
-    return mine.weights_id == spec.weights_id and mine.layout == spec.layout
+@dataclass(frozen=True)
+class ReplayIdentity:
+    """What a registered ModelSpec must carry for a replay model to serve it."""
+
+    weights_id: str  # weights_identity: config and every parameter
+    layout: KVLayout  # implied_layout at the default block size; `serves` ignores block_tokens
+
+    @classmethod
+    def of(cls, model: HybridDecoder) -> ReplayIdentity:
+        """Reads every parameter of the model: once per model, at load, not per request."""
+        layout = implied_layout(model)  # first: a model no spec can describe is refused before it is hashed
+        return cls(weights_identity(model), layout)
+
+    def serves(self, spec: ModelSpec) -> bool:
+        return (spec.weights_id == self.weights_id
+                and dataclasses.replace(spec.layout, block_tokens=self.layout.block_tokens) == self.layout)
 
 
 @dataclass
@@ -58,19 +88,45 @@ class ReplayCounters:
 
 
 class ReplayRuntime:
-    """The replay models this daemon can run, loaded once at start-up."""
+    """The replay models this daemon can run, loaded once at start-up and never changed after.
 
-    def __init__(self, models: Sequence[HybridDecoder] = ()) -> None:
-        self.models = list(models)
+    Each model's identity is computed here, once, and every match is against it. That is sound because
+    replay models are not mutated: the daemon loads them from files at start-up and only runs them
+    (HybridDecoder turns gradients off and runs its forward in inference mode); nothing trains them or swaps
+    their weights. A model changed in place after this would keep matching by its load-time identity, so
+    don't: to serve other weights, start the daemon with their file (or build a new runtime).
+    """
+
+    def __init__(self, models: Sequence[HybridDecoder] = (), *, sources: Sequence[str] = ()) -> None:
+        """`sources` names the models in errors (their files); a model no registered model could ever match
+        is refused here, at start-up, rather than failing every OpenSession, Resume and Stats later."""
+        served = []
+        for i, model in enumerate(models):
+            try:
+                served.append((ReplayIdentity.of(model), model))
+            except ReplayError as exc:
+                where = sources[i] if i < len(sources) else f"replay model {i}"
+                raise ReplayError(f"{where}: {exc}; load a model with a global layer in bfloat16, float16 or "
+                                  "float32") from exc
+        self._served: tuple[tuple[ReplayIdentity, HybridDecoder], ...] = tuple(served)
         self.counters = ReplayCounters()
+
+    @property
+    def models(self) -> tuple[HybridDecoder, ...]:
+        return tuple(model for _, model in self._served)
+
+    @property
+    def identities(self) -> tuple[ReplayIdentity, ...]:
+        """Each model's identity as computed at construction, in the order of `models`."""
+        return tuple(identity for identity, _ in self._served)
 
     @classmethod
     def from_paths(cls, paths: Sequence[str | Path], device: str = "auto") -> ReplayRuntime:
         dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-        return cls([load_decoder(p, device=dev) for p in paths])
+        return cls([load_decoder(p, device=dev) for p in paths], sources=[str(p) for p in paths])
 
     def model_for(self, spec: ModelSpec) -> HybridDecoder | None:
-        return next((m for m in self.models if _same_model(spec, m)), None)
+        return next((model for identity, model in self._served if identity.serves(spec)), None)
 
     def require(self, spec: ModelSpec) -> HybridDecoder:
         model = self.model_for(spec)

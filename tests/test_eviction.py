@@ -1,0 +1,173 @@
+"""LeafLRU on its own (engram/eviction.py): least recently used first, unreferenced blocks before those a
+session holds, pinned/leased/moving blocks skipped but kept in their place, leaf-only mode for the tier that
+deletes, `rebuild` after leaving it, one clock across tiers, and a heap that stays O(blocks)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from engram.eviction import LeafLRU, tick
+from engram.index import BlockMeta
+from engram.layout import DType
+
+TIER = "dram"
+
+
+def block(name: str, *, tier: str = TIER, parent: str = "") -> BlockMeta:
+    return BlockMeta(key=name.encode(), parent=parent.encode(), namespace="ns", model_fingerprint=b"fp",
+                     tokens=b"", num_tokens=16, dtype=DType.BF16, shape=(1, 2, 16, 1, 1), nbytes=64, checksum=0,
+                     locations=[tier], full=True)
+
+
+class Tier:
+    """The blocks of one tier in the order they were used (oldest first), as the store would feed them."""
+
+    def __init__(self, *names: str, tier: str = TIER) -> None:
+        self.lru = LeafLRU(tier)
+        self.blocks: dict[bytes, BlockMeta] = {}
+        for name in names:
+            self.add(block(name, tier=tier))
+
+    def add(self, meta: BlockMeta) -> BlockMeta:
+        tick(meta)
+        self.blocks[meta.key] = meta
+        self.lru.add(meta)
+        return meta
+
+    def __getitem__(self, name: str) -> BlockMeta:
+        return self.blocks[name.encode()]
+
+    @property
+    def lookup(self) -> Callable[[bytes], BlockMeta | None]:
+        return self.blocks.get
+
+    def use(self, name: str) -> None:
+        """A read or a put hit: a new tick, and a fresh heap entry."""
+        tick(self[name])
+        self.lru.touch(self[name])
+
+    def victim(self, *, leaf_only: bool = False) -> str | None:
+        meta = self.lru.victim(self.lookup, len(self.blocks), leaf_only=leaf_only)
+        return None if meta is None else meta.key.decode()
+
+    def evict_all(self, *, leaf_only: bool = False) -> list[str]:
+        """Victims until none is left; each leaves the tier (and the index) as the store would delete it."""
+        order = []
+        while (name := self.victim(leaf_only=leaf_only)) is not None:
+            order.append(name)
+            meta = self.blocks.pop(name.encode())
+            parent = self.blocks.get(meta.parent)
+            if parent is not None:
+                parent.children -= 1
+                if parent.children == 0:
+                    self.lru.add(parent)  # what the store does when the index reports a new leaf
+        return order
+
+
+def test_least_recently_used_goes_first() -> None:
+    assert Tier("a", "b", "c").evict_all() == ["a", "b", "c"]
+
+
+def test_a_use_moves_a_block_to_the_back() -> None:
+    tier = Tier("a", "b", "c")
+    tier.use("a")
+    tier.use("b")
+    assert tier.evict_all() == ["c", "a", "b"]
+
+
+def test_blocks_a_session_references_go_after_every_unreferenced_one() -> None:
+    tier = Tier("a", "b", "c", "d")
+    for name in ("a", "c"):  # the two oldest of their class
+        tier[name].refs = 1
+        tier.lru.touch(tier[name])  # a change of class re-queues, keeping the tick
+    assert tier.evict_all() == ["b", "d", "a", "c"]
+
+
+def test_dropping_the_last_reference_restores_the_block_to_its_true_recency() -> None:
+    tier = Tier("a", "b", "c")
+    tier["a"].refs = 1
+    tier.lru.touch(tier["a"])
+    tier["a"].refs = 0
+    tier.lru.touch(tier["a"])  # unreferenced again, with the tick it had: the oldest
+    assert tier.evict_all() == ["a", "b", "c"]
+
+
+def test_referenced_blocks_are_still_victims_when_nothing_else_is_left() -> None:
+    tier = Tier("a", "b")
+    for name in ("a", "b"):
+        tier[name].refs = 2
+        tier.lru.touch(tier[name])
+    assert tier.evict_all() == ["a", "b"]  # sessions cannot wedge a tier
+
+
+def test_pinned_leased_and_moving_blocks_are_skipped_and_keep_their_place() -> None:
+    tier = Tier("a", "b", "c", "d")
+    tier["a"].pins = 1
+    tier["b"].leases = 1
+    tier["c"].moving = True
+    assert tier.victim() == "d"
+    assert tier.victim() is None  # every candidate left is held
+    tier["a"].pins = tier["b"].leases = 0
+    tier["c"].moving = False
+    tier.add(block("e"))  # newer than all of them
+    # Released without a new tick: they come back in their own order, before the newer block.
+    assert [tier.victim() for _ in range(4)] == ["a", "b", "c", "e"]
+
+
+def test_leaf_only_takes_the_oldest_leaf_and_the_parent_once_its_last_child_goes() -> None:
+    # root <- mid <- leaf, and an older lone block: plain LRU would take the chain's root first.
+    tier = Tier("lone")
+    tier.add(block("root"))
+    tier.add(block("mid", parent="root"))
+    tier.add(block("leaf", parent="mid"))
+    tier["root"].children = tier["mid"].children = 1
+    tier.use("lone")  # now the newest
+    assert tier.evict_all(leaf_only=True) == ["leaf", "mid", "root", "lone"]
+
+
+def test_without_leaf_only_inner_blocks_go_in_plain_lru_order() -> None:
+    tier = Tier("root")
+    tier.add(block("leaf", parent="root"))
+    tier["root"].children = 1
+    assert tier.victim() == "root"  # demotion keeps a block reachable: any block may go
+
+
+def test_rebuild_restores_the_inner_blocks_leaf_only_mode_dropped() -> None:
+    tier = Tier("root")
+    tier.add(block("leaf", parent="root"))
+    tier.add(block("other"))
+    tier["root"].children = 1
+    assert tier.victim(leaf_only=True) == "leaf"  # the inner root's entry is dropped on the way
+    tier["leaf"].locations = ["nvme"]  # demoted, not deleted: root still has its child
+    assert tier.victim() == "other"  # root's entry is gone: only `rebuild` brings it back
+    del tier.blocks[b"other"]  # evicted
+    tier.lru.rebuild(tier.blocks.values())
+    assert tier.victim() == "root"
+    assert tier.victim() is None  # rebuild skips blocks no longer in this tier ("leaf" is in nvme)
+
+
+def test_stale_entries_are_skipped() -> None:
+    tier = Tier("a", "b", "c")
+    tier["a"].locations = ["nvme"]  # moved to another tier
+    del tier.blocks[b"b"]  # left the index
+    tier.use("c")  # its first entry is stale now; the fresh one counts
+    assert tier.evict_all() == ["c"]
+
+
+def test_one_clock_across_tiers_keeps_recency_when_a_block_moves() -> None:
+    dram, nvme = Tier("old", "new"), Tier(tier="nvme")
+    nvme.add(block("resident", tier="nvme"))  # in nvme for a while, but used after "old"
+    moved = dram.blocks.pop(b"old")
+    moved.locations = ["nvme"]
+    nvme.blocks[moved.key] = moved
+    nvme.lru.add(moved)  # a demotion: no new tick
+    assert nvme.evict_all() == ["old", "resident"]
+
+
+def test_the_heap_stays_proportional_to_the_blocks() -> None:
+    tier = Tier("a", "b")
+    for _ in range(1000):
+        tier.use("b")  # every use pushes an entry; 999 of them go stale
+    assert tier.victim() == "a"
+    assert len(tier.lru._heap) <= 4 * 16  # compacted once stale entries outnumber live blocks 4:1
+    assert tier.victim() == "b"

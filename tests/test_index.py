@@ -1,0 +1,312 @@
+"""ChainIndex on its own (engram/index.py): the longest-prefix match over chained keys, partial tails and
+blocks that diverge part-way, per-namespace tables, physical bytes, and the parent/child bookkeeping that
+eviction relies on. Blocks are BlockMeta built from real chain keys; no store, no tiers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engram.index import BlockMeta, ChainIndex
+from engram.keys import block_key, chain_keys, root_key, tokens_to_bytes
+from engram.layout import DType
+
+BT = 16
+FP = b"model-fp-0000000"
+OTHER_FP = b"model-fp-1111111"
+
+
+def toks(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 32_000, n, dtype=np.int32)
+
+
+def meta(namespace: str, parent: bytes, tokens: np.ndarray, *, fp: bytes = FP, nbytes: int = 100,
+         key: bytes | None = None) -> BlockMeta:
+    return BlockMeta(key=key or block_key(parent, tokens), parent=parent, namespace=namespace, model_fingerprint=fp,
+                     tokens=tokens_to_bytes(tokens), num_tokens=len(tokens), dtype=DType.BF16,
+                     shape=(1, 2, len(tokens), 1, 1), nbytes=nbytes, checksum=0, locations=["dram"],
+                     full=len(tokens) == BT)
+
+
+def chain(namespace: str, tokens: np.ndarray, *, fp: bytes = FP, salt: bytes = b"", nbytes: int = 100
+          ) -> list[BlockMeta]:
+    """The blocks a put of `tokens` stores, in chain order (the last one partial if the length says so)."""
+    parent = root_key(namespace, fp, salt)
+    out = []
+    for key, start, end in chain_keys(namespace, fp, tokens, BT, salt):
+        out.append(meta(namespace, parent, tokens[start:end], fp=fp, nbytes=nbytes, key=key))
+        parent = key
+    return out
+
+
+def recording(reads: list[object]) -> type[dict[Any, Any]]:
+    """A dict class that notes every key read through it (to prove a table was never consulted)."""
+
+    class Recording(dict):  # type: ignore[type-arg]
+        def get(self, key: Any, default: Any = None) -> Any:
+            reads.append(key)
+            return super().get(key, default)
+
+        def __getitem__(self, key: Any) -> Any:
+            reads.append(key)
+            return super().__getitem__(key)
+
+    return Recording
+
+
+def index_of(*metas: BlockMeta) -> ChainIndex:
+    index = ChainIndex()
+    for m in metas:
+        index.add(m)
+    return index
+
+
+# ---- full blocks -------------------------------------------------------------------------------------------
+
+
+def test_full_blocks_match_in_chain_order() -> None:
+    t = toks(3 * BT)
+    blocks = chain("ns", t)
+    index = index_of(*blocks)
+    match = index.match("ns", FP, t, BT)
+    assert match.blocks == tuple(blocks)
+    assert match.matched_tokens == 3 * BT
+    # A longer query matches the stored prefix and stops where the store does.
+    longer = np.concatenate([t, toks(BT, seed=9)])
+    assert index.match("ns", FP, longer, BT).matched_tokens == 3 * BT
+
+
+def test_the_walk_stops_at_the_first_missing_block() -> None:
+    # Consecutive blocks only: a block whose parent is gone is unreachable, even though it is indexed.
+    t = toks(3 * BT)
+    b0, b1, b2 = chain("ns", t)
+    index = index_of(b0, b1, b2)
+    index.remove(b1.key)
+    match = index.match("ns", FP, t, BT)
+    assert match.blocks == (b0,)
+    assert match.matched_tokens == BT
+
+
+def test_a_key_match_with_other_stored_tokens_is_not_a_hit() -> None:
+    # A key is a hint: a block stored under the query's key (a collision) but holding other tokens is refused.
+    t = toks(2 * BT)
+    b0, b1 = chain("ns", t)
+    impostor = meta("ns", b0.key, toks(BT, seed=5), key=b1.key)
+    index = index_of(b0, impostor)
+    match = index.match("ns", FP, t, BT)
+    assert match.blocks == (b0,)
+    assert match.matched_tokens == BT
+
+
+def test_another_model_never_matches() -> None:
+    t = toks(2 * BT)
+    index = index_of(*chain("ns", t))
+    assert index.match("ns", OTHER_FP, t, BT).matched_tokens == 0
+    index.add(chain("ns", t, fp=OTHER_FP)[0])
+    assert index.match("ns", OTHER_FP, t, BT).matched_tokens == BT
+
+
+def test_a_salted_chain_matches_only_with_its_salt() -> None:
+    t = toks(2 * BT)
+    index = index_of(*chain("ns", t, salt=b"secret"))
+    assert index.match("ns", FP, t, BT).matched_tokens == 0
+    assert index.match("ns", FP, t, BT, salt=b"wrong").matched_tokens == 0
+    assert index.match("ns", FP, t, BT, salt=b"secret").matched_tokens == 2 * BT
+
+
+# ---- partial tails and divergence --------------------------------------------------------------------------
+
+
+def test_a_stored_partial_tail_serves_a_longer_query() -> None:
+    # Stored: 2 full blocks and a partial of 5; the query carries 12 tokens past them, the first 5 equal.
+    t = toks(2 * BT + 12)
+    stored = chain("ns", t[: 2 * BT + 5])
+    assert not stored[-1].full
+    index = index_of(*stored)
+    match = index.match("ns", FP, t, BT)
+    assert match.blocks == tuple(stored)
+    assert match.matched_tokens == 2 * BT + 5
+
+
+def test_a_query_with_a_partial_tail_uses_the_first_tokens_of_a_stored_full_block() -> None:
+    # The query's own last block is partial (its key cannot be computed from a stored full block's): the
+    # stored full block that extends the prefix serves its first 7 tokens, and callers slice.
+    t = toks(3 * BT)
+    stored = chain("ns", t)
+    index = index_of(*stored)
+    match = index.match("ns", FP, t[: 2 * BT + 7], BT)
+    assert match.blocks == tuple(stored)
+    assert match.matched_tokens == 2 * BT + 7
+
+
+def test_a_stored_partial_longer_than_the_query_tail_serves_the_tail() -> None:
+    t = toks(BT + 10)
+    stored = chain("ns", t)
+    index = index_of(*stored)
+    match = index.match("ns", FP, t[: BT + 4], BT)
+    assert match.blocks == tuple(stored)
+    assert match.matched_tokens == BT + 4
+
+
+def test_divergence_inside_a_block_counts_the_shared_tokens() -> None:
+    t = toks(3 * BT)
+    stored = chain("ns", t)
+    query = t.copy()
+    query[BT + 6] += 1  # differs from block 1 at its 7th token
+    match = index_of(*stored).match("ns", FP, query, BT)
+    assert match.blocks == tuple(stored[:2])
+    assert match.matched_tokens == BT + 6
+
+
+def test_a_block_diverging_at_its_first_token_is_not_listed() -> None:
+    t = toks(2 * BT)
+    stored = chain("ns", t)
+    query = t.copy()
+    query[BT] += 1
+    match = index_of(*stored).match("ns", FP, query, BT)
+    assert match.blocks == (stored[0],)
+    assert match.matched_tokens == BT
+
+
+def test_the_child_sharing_the_longest_prefix_wins() -> None:
+    # Three blocks extend the same parent and share 3, 11 and 7 tokens with the query's next block.
+    t = toks(2 * BT)
+    b0 = chain("ns", t)[0]
+    children = []
+    for shared in (3, 11, 7):
+        other = t[BT: 2 * BT].copy()
+        other[shared:] = toks(BT - shared, seed=shared) + 40_000  # token ids the query never has
+        children.append(meta("ns", b0.key, other))
+    index = index_of(b0, *children)
+    match = index.match("ns", FP, t, BT)
+    assert match.blocks == (b0, children[1])
+    assert match.matched_tokens == BT + 11
+
+
+def test_a_query_ending_on_a_block_boundary_lists_no_child_past_it() -> None:
+    t = toks(3 * BT)
+    stored = chain("ns", t)
+    index = index_of(*stored)
+    match = index.match("ns", FP, t[: 2 * BT], BT)
+    assert match.blocks == tuple(stored[:2])  # block 2 extends the prefix but serves none of the query
+    assert match.matched_tokens == 2 * BT
+    assert index.match("ns", FP, t[:0], BT).matched_tokens == 0
+
+
+# ---- namespaces --------------------------------------------------------------------------------------------
+
+
+def test_the_same_tokens_in_two_namespaces_are_two_chains() -> None:
+    t = toks(2 * BT)
+    a, b = chain("alice", t), chain("bob", t)
+    assert {m.key for m in a}.isdisjoint(m.key for m in b)
+    index = index_of(*a)
+    assert index.match("bob", FP, t, BT).matched_tokens == 0
+    index.add(b[0])
+    assert index.match("bob", FP, t, BT).blocks == (b[0],)
+    assert index.match("alice", FP, t, BT).blocks == tuple(a)
+
+
+def test_a_block_of_another_namespace_under_a_colliding_key_is_never_matched() -> None:
+    # Alice's entry carries the very key (and parent) Bob's query computes: the match still only sees Bob's.
+    t = toks(2 * BT)
+    bob = chain("bob", t)
+    forged = [meta("alice", m.parent, t[i * BT:(i + 1) * BT], key=m.key) for i, m in enumerate(bob)]
+    index = index_of(*forged, chain("bob", toks(BT, seed=3))[0])  # Bob has some other block
+    reads: list[object] = []
+    index._entries = recording(reads)(index._entries)  # the flat table: never part of a tenant's match
+    assert index.match("bob", FP, t, BT).matched_tokens == 0
+    assert reads == []
+    assert index.get_in("bob", bob[0].key) is None
+    assert index.get_in("alice", bob[0].key) is forged[0]
+    assert index.get(bob[0].key) is forged[0]  # the flat table is the store's bookkeeping only
+
+
+def test_a_match_in_one_namespace_reads_no_entry_of_another() -> None:
+    t = toks(2 * BT + 5)
+    index = index_of(*chain("alice", t), *chain("bob", toks(BT, seed=2)))
+    reads: list[object] = []
+    Recording = recording(reads)
+    space = index._spaces["alice"]
+    space.entries, space.children = Recording(space.entries), Recording(space.children)
+    assert index.match("bob", FP, t, BT).matched_tokens == 0
+    assert index.match("carol", FP, t, BT).matched_tokens == 0  # a namespace with no table at all
+    assert reads == []
+    assert index.match("alice", FP, t, BT).matched_tokens == len(t)  # control: her own match reads them
+    assert reads
+
+
+def test_namespaces_and_blocks_in_list_only_their_own() -> None:
+    a, b = chain("alice", toks(2 * BT)), chain("bob", toks(BT + 3, seed=1))
+    index = index_of(*a, *b)
+    assert index.namespaces() == ["alice", "bob"]
+    assert sorted(m.key for m in index.blocks_in("bob")) == sorted(m.key for m in b)
+    assert index.blocks_in("carol") == []
+    assert len(index) == 4
+    assert all(m.key in index for m in a + b)
+
+
+# ---- bytes and bookkeeping ---------------------------------------------------------------------------------
+
+
+def test_physical_bytes_count_each_block_once_per_namespace() -> None:
+    a = chain("alice", toks(3 * BT), nbytes=100)
+    b = chain("bob", toks(BT), nbytes=7)
+    index = index_of(*a, *b)
+    assert index.physical_bytes("alice") == 300
+    assert index.physical_bytes("bob") == 7
+    assert index.physical_bytes("carol") == 0
+    index.remove(a[2].key)
+    assert index.physical_bytes("alice") == 200
+    index.remove(b[0].key)
+    assert index.physical_bytes("bob") == 0
+    assert index.namespaces() == ["alice"]  # an emptied namespace leaves no table behind
+
+
+def test_adding_a_key_twice_is_refused() -> None:
+    b0 = chain("ns", toks(BT))[0]
+    index = index_of(b0)
+    with pytest.raises(AssertionError, match="already indexed"):
+        index.add(meta("ns", b0.parent, toks(BT), key=b0.key))
+    assert index.physical_bytes("ns") == b0.nbytes
+
+
+def test_children_are_counted_and_remove_reports_a_parent_that_became_a_leaf() -> None:
+    t = toks(2 * BT)
+    b0, b1 = chain("ns", t)
+    sibling = meta("ns", b0.key, toks(5, seed=4))  # a partial tail beside b1
+    index = index_of(b0, b1, sibling)
+    assert b0.children == 2
+    assert sorted(m.key for m in index.children_of(b0.key)) == sorted([b1.key, sibling.key])
+    assert index.remove(b1.key) == (b1, None)  # b0 still has a child
+    assert index.remove(sibling.key) == (sibling, b0)  # now b0 is a leaf: eviction may take it
+    assert b0.children == 0
+    assert index.children_of(b0.key) == []
+    assert index.remove(b0.key) == (b0, None)  # a first block's parent is the root, never indexed
+    assert index.remove(b0.key) == (None, None)
+
+
+def test_partial_children_lists_only_partial_blocks_of_that_namespace() -> None:
+    t = toks(2 * BT)
+    b0, b1 = chain("ns", t)
+    tails = [meta("ns", b0.key, toks(n, seed=n)) for n in (3, 9)]
+    index = index_of(b0, b1, *tails)
+    assert sorted(m.key for m in index.partial_children("ns", b0.key)) == sorted(m.key for m in tails)
+    assert index.partial_children("other", b0.key) == []
+    assert index.partial_children("ns", b1.key) == []
+    index.remove(tails[0].key)
+    assert index.partial_children("ns", b0.key) == [tails[1]]
+
+
+def test_listeners_see_every_add_and_remove() -> None:
+    index = ChainIndex()
+    seen: list[tuple[str, bytes]] = []
+    index.listeners.append(lambda event, m: seen.append((event, m.key)))
+    b0, b1 = chain("ns", toks(2 * BT))
+    index.add(b0)
+    index.add(b1)
+    index.remove(b1.key)
+    index.remove(b"absent")
+    assert seen == [("add", b0.key), ("add", b1.key), ("remove", b1.key)]
