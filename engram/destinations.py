@@ -135,15 +135,14 @@ class PagedKV:
     def write(self, stream: int, data: Tensor, start: int, n_tokens: int) -> None:
         blocks, _, bt, heads, dim = data.shape
         pt = self.page_tokens
-        if bt % pt or start % pt:
-            raise InvalidArgument(f"page_tokens={pt} must divide the model's block_tokens={bt}")
-        whole = n_tokens // pt  # whole pages; a partial last page is written row by row below
+        if start % pt:
+            raise InvalidArgument(f"page_tokens={pt} must divide the model's block_tokens (a run starts at {start})")
+        whole = n_tokens // pt  # whole pages; a partial last page is written row by row
         first = start // pt
+        rest = n_tokens - whole * pt
         for layer, pages in enumerate(self.streams[stream]):
-            src = data[:, layer].reshape(blocks * bt // pt, pt, heads, dim)
+            src = data[:, layer].reshape(blocks * bt, heads, dim)
             if whole:
-                pages.index_copy_(0, self.table[first : first + whole], src[:whole])
-            rest = n_tokens - whole * pt
+                pages.index_copy_(0, self.table[first : first + whole], src[: whole * pt].view(whole, pt, heads, dim))
             if rest:
-                page = int(self.table[first + whole])
-                pages[page, :rest].copy_(src[whole, :rest])
+                pages[int(self.table[first + whole]), :rest].copy_(src[whole * pt : n_tokens])

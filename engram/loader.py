@@ -86,11 +86,11 @@ class MappedSegment:
         return self.reader.current(offset, length, generation)
 
     def close(self) -> None:
+        """Unregister and let go. The mapping itself goes when the last tensor viewing it does (unmapping
+        under a live view would turn a later read into a segfault)."""
         if self.registered:
             torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
             self.registered = False
-        del self.data
-        self.reader.close()
 
 
 @dataclass

@@ -214,6 +214,47 @@ def test_kv_block_triton_backend_matches_reference(fmt: str, tokens: int) -> Non
                 codec.dequantize_kv_block(want, torch.bfloat16), f"{fmt} T={tokens} decoded")
 
 
+def _stored_blocks(fmt: str, shape: tuple[int, ...], n: int, device: str, seed: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """n random blocks encoded as v1 blocks by the reference, laid at uneven offsets of one uint8 buffer (as in
+    a pool): (buffer, int64 offsets, the blocks' reference decodes)."""
+    from engram.codec import blockformat
+    from engram.codec.base import codec_by_name
+
+    g = torch.Generator().manual_seed(seed)
+    blobs, want = [], []
+    for _ in range(n):
+        kv = (torch.randn(shape, generator=g) * torch.rand(shape[-1], generator=g) * 4).to(torch.bfloat16)
+        blob = blockformat.encode(kv, codec_by_name(fmt))
+        blobs.append(blob)
+        want.append(blockformat.decode(blob))
+    buf, offsets, at = bytearray(), [], 3  # odd offsets: the kernels may not assume alignment
+    for blob in blobs:
+        buf += b"\x5a" * (at - len(buf)) + blob
+        offsets.append(at)
+        at = len(buf) + 37
+    src = torch.frombuffer(buf, dtype=torch.uint8).to(device)
+    return src, torch.tensor(offsets, dtype=torch.int64, device=device), want
+
+
+def check_batched(fmt: str, shape: tuple[int, ...], n: int, device: str, seed: int) -> None:
+    from engram.codec import batched
+    from engram.layout import DType
+
+    src, offsets, want = _stored_blocks(fmt, shape, n, device, seed)
+    plan = batched.plan(fmt, DType.BF16, shape)
+    k, v = batched.decode_blocks(src, offsets, plan, backend="triton")
+    for b in range(n):
+        assert_same(k[b].cpu(), want[b][:, 0], f"{fmt} block {b} K (batched)")
+        assert_same(v[b].cpu(), want[b][:, 1], f"{fmt} block {b} V (batched)")
+
+
+@cpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_batched_decode_of_blocks_at_offsets_matches_reference(fmt: str) -> None:
+    check_batched(fmt, (2, 2, 32, 2, 32), 3, "cpu", SEED + 11)
+
+
 @pytest.mark.skipif(fp4.INTERPRETED, reason="the CPU tests ran in this process, in interpreter mode")
 def test_cpu_tests_in_subprocess() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -274,3 +315,10 @@ def test_gpu_reference_is_device_independent() -> None:
                 assert_same(getattr(on_gpu, field).cpu(), getattr(on_cpu, field), f"{fmt} {field}")
         assert_same(dequantize(on_gpu, torch.bfloat16).cpu(), dequantize(on_cpu, torch.bfloat16), f"{fmt} decoded")
 
+
+
+@on_gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_batched_decode_matches_reference(fmt: str) -> None:
+    """Llama-3-8B-shaped blocks of 64 tokens (32 layers, 8 KV heads x 128) at uneven offsets."""
+    check_batched(fmt, (32, 2, 64, 8, 128), 5, "cuda", SEED + 12)

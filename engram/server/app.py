@@ -95,6 +95,8 @@ class RunningServer:
             await self.service.peers.close()  # type: ignore[union-attr]
         if self.metrics is not None:
             self.metrics.stop()
+        if self.service is not None and self.service.inplace is not None:
+            await self.service.inplace.close()  # uncommitted reservations free their slots
         await self.store.close()
 
     async def wait(self) -> None:

@@ -28,7 +28,7 @@ from engram.block import BlockHeader, checksum
 from engram.cluster import ClusterIndex
 from engram.codec import stored
 from engram.config import ServerConfig
-from engram.errors import InvalidArgument, NotFound, PermissionDenied
+from engram.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from engram.index import BlockMeta
 from engram.layout import KVLayout
 from engram.leases import Lease, LeaseTable
@@ -38,6 +38,7 @@ from engram.server.peers import PeerFetcher
 from engram.server.requests import check_limit, decoded, safe_decoder
 from engram.sessions import SessionManager, Window
 from engram.store import BlockStore
+from engram.store.inplace import InPlacePuts
 from engram.tenancy import Tenancy
 from engram.tiers.pool import PoolTier, ipc_pool, shared_pool
 from engram.v1 import engram_pb2 as pb
@@ -78,6 +79,8 @@ class EngramService:
         self.leases = LeaseTable(store, config.lease_s)
         self.pool = shared_pool(store.tiers)  # None: no shared DRAM pool, Gets answer with bytes only
         self.ipc_pool = ipc_pool(store.tiers)  # the HBM pool, when workers can open it by CUDA IPC
+        # Puts written in place into the shared pool (ReservePut / CommitPut), when there is one.
+        self.inplace = InPlacePuts(store, self.pool, config.lease_s) if self.pool is not None else None
 
     @unary
     async def RegisterModel(self, request: Any, context: grpc.aio.ServicerContext) -> pb.RegisterModelResponse:
@@ -266,6 +269,36 @@ class EngramService:
         return desc
 
     @unary
+    async def ReservePut(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ReservePutResponse:
+        req = decoded(request)
+        check_limit("ReservePut blocks", len(req.blocks), self.config.max_blocks_per_request)
+        ns = namespace_for(context, req.namespace)
+        if self.inplace is None:
+            raise FailedPrecondition("this daemon has no shared DRAM pool (tiers.dram.pool = private): put blocks "
+                                     "as bytes (Put)")
+        parent = req.parent_key or self.store.root(ns, req.model_fingerprint)
+        headers = [convert.header_from_pb(h, i) for i, h in enumerate(req.blocks)]
+        res = await self.inplace.reserve(ns, req.model_fingerprint, parent, headers, pin=req.pin)
+        seg = self.inplace.pool.segment
+        assert seg is not None
+        slots = [pb.BlockDescriptor(key=r.meta.key, segment_path=str(seg.path), segment_id=seg.layout.segment_id,
+                                    offset=r.slot.offset, generation=r.slot.generation, lease_id=res.id)
+                 if r.slot is not None else pb.BlockDescriptor(key=r.meta.key) for r in res.blocks]
+        return pb.ReservePutResponse(reservation_id=res.id, keys=[r.meta.key for r in res.blocks], slots=slots,
+                                     cached=[r.slot is None for r in res.blocks],
+                                     expires_in_s=max(0.0, res.expires - time.monotonic()))
+
+    @unary
+    async def CommitPut(self, request: Any, context: grpc.aio.ServicerContext) -> pb.PutResponse:
+        req = decoded(request)
+        ns = namespace_for(context, req.namespace)
+        if self.inplace is None:
+            raise FailedPrecondition("this daemon has no shared DRAM pool: nothing was reserved")
+        outcomes = await self.inplace.commit(self.inplace.get(ns, req.reservation_id))
+        return pb.PutResponse(keys=[o.key for o in outcomes], stored=sum(o.stored for o in outcomes),
+                              deduplicated=sum(not o.stored for o in outcomes))
+
+    @unary
     async def ReleaseLeases(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ReleaseLeasesResponse:
         req = decoded(request)
         check_limit("ReleaseLeases ids", len(req.lease_ids), self.config.max_blocks_per_request)
@@ -436,6 +469,10 @@ class EngramService:
             "Get": grpc.unary_stream_rpc_method_handler(guard(self.Get, self.tenancy), safe_decoder(pb.GetRequest), ser),
             "GetPrefix": grpc.unary_stream_rpc_method_handler(
                 guard(self.GetPrefix, self.tenancy), safe_decoder(pb.GetPrefixRequest), ser),
+            "ReservePut": grpc.unary_unary_rpc_method_handler(
+                guard(self.ReservePut, self.tenancy), safe_decoder(pb.ReservePutRequest), ser),
+            "CommitPut": grpc.unary_unary_rpc_method_handler(
+                guard(self.CommitPut, self.tenancy), safe_decoder(pb.CommitPutRequest), ser),
             "Pin": grpc.unary_unary_rpc_method_handler(guard(self.Pin, self.tenancy), safe_decoder(pb.PinRequest), ser),
             "Stats": grpc.unary_unary_rpc_method_handler(guard(self.Stats, self.tenancy), safe_decoder(pb.StatsRequest), ser),
             "Check": grpc.unary_unary_rpc_method_handler(guard(self.Check, self.tenancy), safe_decoder(pb.CheckRequest), ser),

@@ -268,6 +268,20 @@ class BlockStore:
         blob = await asyncio.to_thread(stored.encode, kv, codec, backend=self.codec_backend)
         return dataclasses.replace(header, codec=codec, payload_nbytes=len(blob), checksum=checksum(blob)), blob
 
+    async def after_put(self, metas: Sequence[BlockMeta]) -> None:
+        """What follows publishing blocks that were written into a pool in place (engram/store/inplace.py):
+        under write-through, their copy in the tier below; partial tails they supersede go."""
+        placement = self.placement
+        for meta in metas:
+            if self.write_policy == WritePolicy.WRITE_THROUGH:
+                lower = placement.lower(placement.rank[meta.locations[0]])
+                if lower is not None:
+                    payload = await placement.tier(meta.locations[0]).read(meta.key)
+                    with contextlib.suppress(*TIER_FAULTS):
+                        await placement.place(meta, lower, payload)
+            if meta.full:
+                await self._drop_superseded_partials(meta)
+
     async def _drop_superseded_partials(self, full: BlockMeta) -> None:
         """A full block makes the partial tails under the same parent that it extends redundant."""
         for cand in self.index.partial_children(full.namespace, full.parent):

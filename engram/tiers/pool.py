@@ -142,6 +142,13 @@ class PoolTier:
         self._stored += length
         return slot
 
+    def rename(self, key: bytes, new_key: bytes) -> None:
+        """The slot of `key` now holds `new_key` (a block written in place under a reservation's own name,
+        published under its real one)."""
+        if new_key in self._slots:
+            raise AssertionError("rename onto a key already in the tier; the store must dedupe first")
+        self._slots[new_key] = self._slots.pop(key)
+
     def cuda_ipc(self) -> tuple[object, ...]:
         """The CUDA IPC export of the pool's one allocation (torch's storage sharing: device, handle, sizes,
         ref counter, event), made once; a worker opens it with UntypedStorage._new_shared_cuda."""

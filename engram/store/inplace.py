@@ -1,0 +1,245 @@
+"""Puts written in place: a worker on the daemon's host writes encoded blocks straight into slots of the shared
+DRAM pool, so a put's bytes never cross the socket (ReservePut, then CommitPut).
+
+Reserve: the chain's keys are computed as for any put; blocks already stored are skipped; for the rest a
+slot is allocated in the pool (room made by the ordinary eviction) and held by the tier, but nothing is
+indexed, so no reader can see a block whose bytes are still being written, and an unindexed slot is never an
+eviction victim. The chain's parent counts the coming children, so it cannot be deleted under the put.
+Commit: each slot's bytes are checked against what was reserved (a v1 block's header: codec, dtype, shape;
+its body checksum, and the whole payload's, are computed here, by the daemon, from the bytes as they lie in
+the pool) and the blocks are published in chain order, then copied down under write-through like any put.
+A reservation not committed within its time is dropped with its slots.
+
+What it does not do: protect a slot from a worker that writes outside its reservation. A same-host worker
+that may write the pool is trusted with it, as one that may read it is (docs/ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import xxhash
+
+from engram.block import BlockHeader
+from engram.codec import blockformat, stored
+from engram.codec.base import codec_by_name
+from engram.errors import FailedPrecondition, InvalidArgument, NotFound
+from engram.eviction import tick
+from engram.index import BlockMeta
+from engram.keys import block_key, tokens_to_bytes
+from engram.tiers.pool import PoolTier, Slot
+
+if TYPE_CHECKING:
+    from engram.store.core import BlockStore, PutOutcome
+
+
+@dataclass
+class Reserved:
+    meta: BlockMeta  # not indexed until commit; checksum filled in at commit
+    slot: Slot | None  # None: the block was stored already
+    header: BlockHeader
+
+
+@dataclass
+class Reservation:
+    id: int
+    namespace: str
+    fingerprint: bytes
+    blocks: list[Reserved]
+    parent: BlockMeta | None  # the deepest stored block of the chain: holding a coming child, so not deleted
+    pool: PoolTier
+    expires: float
+    pin: bool = False
+    timer: asyncio.TimerHandle | None = None
+    done: bool = field(default=False)
+
+
+class InPlacePuts:
+    def __init__(self, store: BlockStore, pool: PoolTier, reserve_s: float) -> None:
+        self.store = store
+        self.pool = pool
+        self.reserve_s = reserve_s
+        self._open: dict[int, Reservation] = {}
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    async def reserve(self, namespace: str, fingerprint: bytes, parent: bytes, headers: Sequence[BlockHeader],
+                      *, pin: bool) -> Reservation:
+        store = self.store
+        layout = store.spec(fingerprint).layout
+        codec = store.spec(fingerprint).codec or stored.RAW
+        pmeta = None
+        if parent != store.root(namespace, fingerprint):
+            pmeta = store.index.get_in(namespace, parent)
+            if pmeta is None or pmeta.model_fingerprint != fingerprint or not pmeta.full:
+                raise FailedPrecondition("the parent block is not stored (or is a partial block); Lookup again "
+                                         "and put the chain from its first missing block")
+        res = Reservation(secrets.randbits(63) or 1, namespace, fingerprint, [], pmeta, self.pool,
+                          time.monotonic() + self.reserve_s, pin)
+        if pmeta is not None:
+            pmeta.children += 1
+        rank = store.tier_rank(self.pool.name)
+        try:
+            for i, h in enumerate(headers):
+                h.validate(layout, index=i)
+                if h.codec != codec:
+                    raise InvalidArgument(f"block {i}: this model stores {codec} blocks; encode them so "
+                                          f"(in-place puts are written as stored), not {h.codec}")
+                if i < len(headers) - 1 and h.num_tokens < layout.block_tokens:
+                    raise InvalidArgument(f"block {i} is partial, but only a chain's last block may be")
+                key = block_key(parent, h.tokens)
+                meta = BlockMeta(key=key, parent=parent, namespace=namespace, model_fingerprint=fingerprint,
+                                 tokens=tokens_to_bytes(h.tokens), num_tokens=h.num_tokens, dtype=h.dtype,
+                                 shape=tuple(h.shape), nbytes=h.payload_nbytes, checksum=0, locations=[],
+                                 full=h.num_tokens == layout.block_tokens, pins=1 if pin else 0)
+                slot = None
+                existing = store.index.get_in(namespace, key)
+                if existing is not None:  # stored already: hold it instead (the chain's deepest stored block)
+                    existing.children += 1
+                    self._release_parent(res)
+                    res.parent, res.done = existing, False
+                else:
+                    store._charge_quota(namespace, h.payload_nbytes, i)
+                    need = self.pool.space_for(meta.record())
+                    try:
+                        await store.placement.make_room(rank, need)
+                        slot = self.pool.place(key + res.id.to_bytes(8, "little"), need, h.payload_nbytes)
+                    except BaseException:
+                        store._quota_pending[namespace] -= h.payload_nbytes
+                        raise
+                res.blocks.append(Reserved(meta, slot, h))
+                parent = key
+        except BaseException:
+            await self._drop(res)
+            raise
+        self._open[res.id] = res
+        res.timer = asyncio.get_running_loop().call_later(self.reserve_s, self._expire, res.id)
+        return res
+
+    def get(self, namespace: str, reservation_id: int) -> Reservation:
+        res = self._open.get(reservation_id)
+        if res is None or res.namespace != namespace:
+            raise NotFound(f"reservation {reservation_id} is not open in this namespace: it was committed, expired "
+                           f"(after {self.reserve_s:g}s), or never made")
+        return res
+
+    async def commit(self, res: Reservation) -> list[PutOutcome]:
+        """Check, seal and publish the reserved blocks in chain order; the slots of blocks stored meanwhile
+        by someone else are dropped (deduplicated)."""
+        from engram.store.core import PutOutcome
+
+        del self._open[res.id]
+        if res.timer is not None:
+            res.timer.cancel()
+        store = self.store
+        try:
+            await asyncio.to_thread(self._seal, res)  # hashes gigabytes: off the event loop
+        except BaseException:
+            await self._drop(res)
+            raise
+        out: list[PutOutcome] = []
+        for r in res.blocks:
+            meta = r.meta
+            if r.slot is None or store.index.get_in(res.namespace, meta.key) is not None:
+                if r.slot is not None:
+                    await self._free_slot(res, r)
+                existing = store.index.get_in(res.namespace, meta.key)
+                if existing is not None and res.pin:
+                    existing.pins += 1
+                store.counters.blocks_deduplicated += 1
+                out.append(PutOutcome(meta.key, stored=False))
+                continue
+            self.pool.rename(self._slot_key(res, meta), meta.key)
+            tick(meta)
+            meta.locations.append(self.pool.name)
+            store.index.add(meta)
+            store.placement.lru[self.pool.name].add(meta)
+            store._quota_pending[res.namespace] -= meta.nbytes
+            r.slot = None
+            store.counters.blocks_put += 1
+            out.append(PutOutcome(meta.key, stored=True))
+        self._release_parent(res)
+        await store.after_put([r.meta for r in res.blocks if r.meta.locations])
+        return out
+
+    def _seal(self, res: Reservation) -> None:
+        """Verify each slot holds what was reserved, fill in a v1 block's body and header checksums, and take
+        the payload's checksum: all from the bytes as they lie in the pool."""
+        for i, r in enumerate(res.blocks):
+            if r.slot is None:
+                continue
+            region = self.pool.region(r.slot)
+            if not stored.is_raw(r.header.codec):
+                _seal_v1(region.numpy(), r.header, i)
+            r.meta.checksum = xxhash.xxh3_64_intdigest(region.numpy())
+
+    def _slot_key(self, res: Reservation, meta: BlockMeta) -> bytes:
+        return meta.key + res.id.to_bytes(8, "little")
+
+    async def _free_slot(self, res: Reservation, r: Reserved) -> None:
+        await self.pool.delete(self._slot_key(res, r.meta))
+        self.store._quota_pending[res.namespace] -= r.meta.nbytes
+        r.slot = None
+
+    async def _drop(self, res: Reservation) -> None:
+        for r in res.blocks:
+            if r.slot is not None:
+                await self._free_slot(res, r)
+        self._release_parent(res)
+        self.store.placement.notify_freed()
+
+    def _release_parent(self, res: Reservation) -> None:
+        p = res.parent
+        if p is None or res.done:
+            return
+        res.done = True
+        p.children -= 1
+        if p.children == 0:
+            for name in p.locations:
+                self.store.placement.lru[name].add(p)
+
+    def _expire(self, reservation_id: int) -> None:
+        res = self._open.pop(reservation_id, None)
+        if res is not None:
+            asyncio.get_running_loop().create_task(self._drop(res))
+
+    async def close(self) -> None:
+        for rid in list(self._open):
+            res = self._open.pop(rid)
+            if res.timer is not None:
+                res.timer.cancel()
+            await self._drop(res)
+
+
+_FIELDS = struct.Struct("<4sBBBBBBH5IQQ")  # blockformat's header fields, before the header checksum
+
+
+def _seal_v1(region: object, header: BlockHeader, index: int) -> None:
+    """The worker wrote a v1 header with zero checksums; check its fields, then write the body's checksum
+    and the header's own."""
+    import numpy as np
+
+    buf = memoryview(region)  # type: ignore[arg-type]
+    where = f"block {index}"
+    try:
+        magic, version, codec_id, k_axis, v_axis, dtype, ndim, _, *shape, body_len, _ = _FIELDS.unpack_from(buf)
+    except struct.error:
+        raise InvalidArgument(f"{where}: too short for a v1 block") from None
+    codec = codec_by_name(header.codec)
+    want_len = len(buf) - blockformat.HEADER_LEN
+    if (magic, version, codec_id, dtype, ndim, tuple(shape), body_len) != (
+            blockformat.MAGIC, blockformat.VERSION, int(codec.codec_id), int(header.dtype), 5, tuple(header.shape),
+            want_len) or (k_axis, v_axis) != (0, 1):
+        raise InvalidArgument(f"{where}: the bytes written are not the {header.codec} block of shape "
+                              f"{tuple(header.shape)} that was reserved (write v1 blocks with zero checksums)")
+    body = np.asarray(region)[blockformat.HEADER_LEN :]
+    struct.pack_into("<Q", buf, _FIELDS.size - 8, xxhash.xxh3_64_intdigest(body))
+    struct.pack_into("<Q", buf, _FIELDS.size, xxhash.xxh3_64_intdigest(buf[: _FIELDS.size]))
+    blockformat.parse_header(buf, where)  # and it parses as a v1 header now

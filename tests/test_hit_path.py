@@ -1,0 +1,186 @@
+"""The hit path on the CPU against a real daemon (same host: the shared DRAM pool is mapped): load_prefix_into
+writes exactly what the bytes path returns into every destination layout and codec, in one round trip; a slot
+reused while it is copied (its lease expired) is detected and fetched again; blocks on NVMe only come as bytes
+in the same call; a worker in another process gets the same tensors. The GPU version of these tests is in
+tests/test_gpu_data_path.py."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engram.client import EngramClient
+from engram.destinations import ContiguousKV, LayerKV, PagedKV
+from engram.loader import PrefixLoader
+
+from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
+
+CODECS = ["raw", "nvfp4", "mxfp4", "fp8_e4m3"]
+
+
+async def bytes_path(c: EngramClient, fp: bytes, toks: Any) -> torch.Tensor:
+    """The prefix's KV as the bytes path returns it (no descriptors, nothing mapped)."""
+    hit = await c.lookup(fp, toks)
+    blocks = await c.get(fp, [b.key for b in hit.blocks], zero_copy=False)
+    return torch.cat(blocks, dim=2)[:, :, : hit.matched_tokens]
+
+
+@pytest.mark.parametrize("codec", CODECS)
+async def test_every_destination_gets_what_the_bytes_path_returns(server_factory, codec: str) -> None:  # type: ignore[no-untyped-def]
+    srv = await server_factory()
+    spec = tiny_model(codec=codec)
+    lay = spec.layout
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        toks = tokens(5 * BLOCK_TOKENS + 7)
+        await c.put(fp, toks, random_kv(spec, len(toks)))
+        want = await bytes_path(c, fp, toks)
+        served = (await c.stats()).blocks_served
+        n = len(toks)
+        L, H, D = lay.persisted_layers, lay.num_kv_heads, lay.head_dim  # noqa: N806
+
+        contiguous = torch.full(lay.block_shape(n), float("nan"), dtype=torch.bfloat16)
+        got = await c.load_prefix_into(fp, toks, contiguous)
+        assert (got.matched_tokens, got.loaded_tokens, got.mapped_blocks, got.bytes_blocks) == (n, n, 6, 0)
+        assert torch.equal(contiguous, want)
+        assert (await c.stats()).blocks_served == served + 6  # counted like any hit
+
+        # Hugging Face keeps (batch, heads, tokens, head_dim) per layer: hand it transposed views.
+        hf = [torch.full((2, 1, H, n + 9, D), float("nan"), dtype=torch.bfloat16) for _ in range(L)]
+        await c.load_prefix_into(fp, toks, LayerKV([t[0, 0].transpose(0, 1) for t in hf],
+                                                   [t[1, 0].transpose(0, 1) for t in hf]))
+        for layer, t in enumerate(hf):
+            assert torch.equal(t[:, 0, :, :n].transpose(1, 2), want[layer])
+            assert t[:, 0, :, n:].isnan().all()  # nothing written past the prefix
+
+        # vLLM-style pages of 4 tokens, the request's pages scattered over the pool in reverse.
+        pages = -(-n // 4)
+        table = list(range(3 * pages, 3 * pages - 2 * pages, -2))[:pages]
+        kp = [torch.full((3 * pages + 1, 4, H, D), float("nan"), dtype=torch.bfloat16) for _ in range(L)]
+        vp = [torch.full((3 * pages + 1, 4, H, D), float("nan"), dtype=torch.bfloat16) for _ in range(L)]
+        await c.load_prefix_into(fp, toks, PagedKV(kp, vp, table))
+        for layer in range(L):
+            for stream, paged in enumerate((kp, vp)):
+                flat = paged[layer][table].reshape(pages * 4, H, D)
+                assert torch.equal(flat[:n], want[layer, stream])
+
+
+async def test_a_query_diverging_inside_a_block_and_a_small_destination(server_factory) -> None:  # type: ignore[no-untyped-def]
+    srv = await server_factory()
+    spec = tiny_model(codec="nvfp4")
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        toks = tokens(4 * BLOCK_TOKENS)
+        await c.put(fp, toks, random_kv(spec, len(toks)))
+        want = await bytes_path(c, fp, toks)
+        diverged = toks.copy()
+        diverged[2 * BLOCK_TOKENS + 5] += 1  # the query leaves the cached chain inside block 2
+        n, got = await c.get_prefix(fp, diverged)
+        assert n == 2 * BLOCK_TOKENS + 5 and torch.equal(got, want[:, :, :n])
+        small = torch.zeros(spec.layout.block_shape(BLOCK_TOKENS + 3), dtype=torch.bfloat16)
+        res = await c.load_prefix_into(fp, toks, small)
+        assert (res.matched_tokens, res.loaded_tokens) == (4 * BLOCK_TOKENS, BLOCK_TOKENS + 3)
+        assert torch.equal(small, want[:, :, : BLOCK_TOKENS + 3])
+        n, empty = await c.get_prefix(fp, tokens(40, seed=5))  # a miss: the documented shape, zero tokens
+        assert n == 0 and empty.shape == spec.layout.block_shape(0)
+
+
+async def test_blocks_on_nvme_only_come_as_bytes_in_the_same_call(server_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    spec = tiny_model()
+    block = spec.layout.block_nbytes(BLOCK_TOKENS)
+    srv = await server_factory(**{"tiers.dram.capacity": 4 * block, "tiers.dram.page_bytes": 256,
+                                  "tiers.nvme.path": str(tmp_path / "nvme")})
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        toks = tokens(8 * BLOCK_TOKENS)
+        kv = random_kv(spec, len(toks))
+        await c.put(fp, toks, kv)  # 8 blocks through a 4-block DRAM tier: the first ones are demoted
+        on_nvme = [b for b in (await c.lookup(fp, toks)).blocks if b.tier == "nvme"]
+        assert on_nvme
+        dest = torch.zeros_like(kv)
+        res = await c.load_prefix_into(fp, toks, dest)
+        assert res.bytes_blocks >= len(on_nvme) and res.mapped_blocks + res.bytes_blocks == 8
+        assert torch.equal(dest, kv)
+
+
+async def test_a_slot_reused_while_it_is_copied_is_detected_and_fetched_again(server_factory, tmp_path: Path,
+                                                                               monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The lease expires mid-load (lease_s 0.2 s, the loader held up after its first block), new puts evict
+    the prefix to NVMe and reuse its DRAM slots: the loader finds the generations changed and those blocks come
+    again as bytes (from NVMe), so the destination holds the right KV, not the new blocks' bytes."""
+    spec = tiny_model()
+    block = spec.layout.block_nbytes(BLOCK_TOKENS)
+    srv = await server_factory(**{"tiers.dram.capacity": 4 * block, "tiers.dram.page_bytes": 256,
+                                  "tiers.nvme.path": str(tmp_path / "nvme"), "server.lease_s": 0.2})
+    first_written, go_on = threading.Event(), threading.Event()
+    write = PrefixLoader._write
+
+    def held_up(self, run, *args, **kwargs):  # type: ignore[no-untyped-def]
+        write(self, run, *args, **kwargs)
+        if not first_written.is_set():
+            first_written.set()
+            assert go_on.wait(30)
+
+    monkeypatch.setattr(PrefixLoader, "_write", held_up)
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        toks = tokens(4 * BLOCK_TOKENS)
+        kv = random_kv(spec, len(toks))
+        await c.put(fp, toks, kv)
+        assert all(b.tier == "dram" for b in (await c.lookup(fp, toks)).blocks)
+        dest = torch.zeros_like(kv)
+        load = asyncio.ensure_future(c.load_prefix_into(fp, toks, dest))
+        while not first_written.is_set():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.4)  # the lease has expired
+        for s in range(3):  # other prefixes push this one out of DRAM and take its slots
+            other = tokens(4 * BLOCK_TOKENS, seed=10 + s)
+            await c.put(fp, other, random_kv(spec, len(other), seed=10 + s))
+        go_on.set()
+        res = await load
+    assert res.refetched_blocks >= 1 and res.mapped_blocks + res.refetched_blocks == 4
+    assert torch.equal(dest, kv)
+
+
+WORKER = """
+import asyncio, sys, torch
+sys.path.insert(0, {tests!r})
+from engram.client import EngramClient
+from helpers import tiny_model, tokens, BLOCK_TOKENS
+
+async def main():
+    spec = tiny_model(codec="nvfp4")
+    async with EngramClient({address!r}, namespace="t") as c:
+        fp = await c.register_model(spec)
+        toks = tokens(3 * BLOCK_TOKENS + 2)
+        dest = torch.zeros(spec.layout.block_shape(len(toks)), dtype=torch.bfloat16)
+        res = await c.load_prefix_into(fp, toks, dest)
+        print(res.mapped_blocks, res.bytes_blocks, dest.view(torch.int16).to(torch.int64).sum().item())
+
+asyncio.run(main())
+"""
+
+
+async def test_a_worker_in_another_process_loads_the_same_tensors(server_factory) -> None:  # type: ignore[no-untyped-def]
+    srv = await server_factory()
+    spec = tiny_model(codec="nvfp4")
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        toks = tokens(3 * BLOCK_TOKENS + 2)
+        await c.put(fp, toks, random_kv(spec, len(toks)))
+        want = await bytes_path(c, fp, toks)
+    code = WORKER.format(tests=str(Path(__file__).parent), address=srv.address)
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, stdout=subprocess.PIPE,
+                                                stderr=subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, err.decode()
+    mapped, sent, total = map(int, out.split())
+    assert (mapped, sent) == (4, 0)  # every block copied out of the mapped pool, none over the socket
+    assert total == want.view(torch.int16).to(torch.int64).sum().item()
