@@ -59,6 +59,7 @@ from engram.wire.channel import (
 )
 from engram.wire.status import error_from_rpc
 from engram.wire.stream import Reassembler, client_reassembler, pieces
+from engram.writer import PutWriter, Slot
 
 __all__ = ["EngramClient", "SyncEngramClient", "same_host"]
 
@@ -84,9 +85,12 @@ class EngramClient:
         root_cert: bytes | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        zero_copy: bool | None = None,
     ) -> None:
         """token: the tenant's bearer token (tenancy on); root_cert: PEM root certificate, for a daemon
-        serving TLS. namespace: the default of every call; with a token, "" means the token's first."""
+        serving TLS. namespace: the default of every call; with a token, "" means the token's first.
+        zero_copy: the same-host paths (hits copied out of the daemon's mapped pools, puts written into
+        them in place); None: whenever the daemon is on this host; False: bytes over the socket only."""
         if chunk_bytes + 4096 > max_message_bytes:
             raise ValueError("chunk_bytes must leave room for headers under max_message_bytes")
         self.address = address
@@ -96,11 +100,14 @@ class EngramClient:
         self._stub = stub_for(self._channel, token)
         self._layouts: dict[bytes, ModelSpec] = {}
         self._segments: dict[str, SegmentReader] = {}  # shared DRAM segments mapped for zero-copy Gets
-        self._zero_copy_ok = True
+        self._zero_copy_ok = zero_copy is not False and same_host(address)
         self._releasing: set[asyncio.Task[None]] = set()  # lease releases in flight
         self._ipc_pools: dict[bytes, torch.Tensor] = {}  # the daemon's HBM pool, opened by CUDA IPC
         self._salts: dict[str, tuple[str, bytes]] = {}  # name -> (namespace, key salt), from DescribeNamespace
         self._loader = PrefixLoader()  # the hit path (engram/loader.py)
+        self._writer = PutWriter()  # the put path on the daemon's host (engram/writer.py)
+        self._writable_pools: dict[str, MappedSegment] = {}
+        self._in_place_ok = True
         self._mapped: dict[str, MappedSegment] = {}  # pools mapped (and registered with CUDA) for the hit path
 
     async def __aenter__(self) -> EngramClient:
@@ -116,6 +123,10 @@ class EngramClient:
             reader.close()
         self._segments.clear()
         self._loader.close()
+        self._writer.close()
+        for seg in self._writable_pools.values():
+            seg.close()
+        self._writable_pools.clear()
         for seg in self._mapped.values():
             seg.close()
         self._mapped.clear()
@@ -167,10 +178,12 @@ class EngramClient:
     ) -> PutResult:
         """Store the KV of a token sequence. kv: (persisted_layers, 2, len(tokens), kv_heads, head_dim).
 
-        With skip_cached (the default) a Lookup first finds the cached prefix and only the blocks after
-        it are sent: agents re-read far more than they write, so most of a long prefix is usually there.
-        With encode, blocks are encoded here in the model's codec (with the Triton kernels when kv is on a
-        GPU) and travel 3.5-4x smaller; otherwise the daemon encodes them.
+        On the daemon's host (and a daemon with a shared DRAM pool) the blocks are encoded here in the
+        model's codec (the Triton kernels when kv is on a GPU, a few launches for all blocks) and written
+        straight into pool slots the daemon reserved (ReservePut, CommitPut): no KV crosses the socket, and
+        blocks already stored are skipped. Elsewhere they travel as Put messages: with skip_cached (the
+        default) a Lookup first finds the cached prefix and only the blocks after it are sent; with encode
+        they are encoded here and travel 3.5-4x smaller, otherwise the daemon encodes them.
         """
         from engram.keys import chain_keys
 
@@ -182,6 +195,10 @@ class EngramClient:
             raise errors.InvalidArgument(
                 f"kv must be (layers, 2, tokens, kv_heads, head_dim) with tokens={len(arr)}, got {tuple(kv.shape)}"
             )
+        if self._in_place_ok and self._zero_copy_ok and same_host(self.address):
+            done = await self._put_in_place(fingerprint, spec, arr, kv, ns, pin)
+            if done is not None:
+                return done
         key_ns, salt = await self._keying(ns)
         all_keys = [k for k, _, _ in chain_keys(key_ns, fingerprint, arr, bt, salt)]
         first = 0
@@ -202,6 +219,62 @@ class EngramClient:
         if list(reply.keys) != all_keys[first:]:
             raise errors.DataLoss("the daemon computed other block keys than this client; key versions differ?")
         return PutResult(tuple(all_keys), reply.stored, reply.deduplicated, skipped=first)
+
+    async def _put_in_place(self, fingerprint: bytes, spec: ModelSpec, arr: np.ndarray, kv: torch.Tensor, ns: str,
+                            pin: bool) -> PutResult | None:
+        """The put path on the daemon's host; None when this daemon or process cannot take it (the caller
+        puts as bytes, and so do later puts of this client)."""
+        bt = spec.layout.block_tokens
+        codec = spec.codec or stored.RAW
+        dtype = DType.from_torch(kv.dtype)
+        headers = []
+        for start in range(0, len(arr), bt):
+            shape = spec.layout.block_shape(min(bt, len(arr) - start))
+            headers.append(pb.BlockHeader(tokens=convert.tokens_to_pb(arr[start : start + bt]), dtype=int(dtype),  # type: ignore[arg-type]
+                                          shape=list(shape), payload_nbytes=stored.stored_nbytes(codec, shape, dtype),
+                                          codec=codec))
+        keys: list[bytes] = []
+        stored_count = deduplicated = skipped = 0
+        stream = torch.cuda.current_stream(kv.device) if kv.is_cuda else None
+        while len(keys) < len(headers):  # in rounds, when the chain is longer than the pool takes at once
+            first = len(keys)
+            req = pb.ReservePutRequest(namespace=ns, model_fingerprint=fingerprint, pin=pin, blocks=headers[first:],
+                                       parent_key=keys[-1] if keys else b"")
+            try:
+                res = await self._call(self._stub.ReservePut(req))
+            except errors.FailedPrecondition:
+                if keys:
+                    raise
+                self._in_place_ok = False  # no shared pool there
+                return None
+            slots: list[Slot] = []
+            try:
+                for i, (d, cached) in enumerate(zip(res.slots, res.cached, strict=True)):
+                    if not cached:
+                        seg = self._writable(d.segment_path, d.segment_id, kv.is_cuda)
+                        slots.append(Slot(first + i, seg, d.offset, headers[first + i].payload_nbytes))
+            except (OSError, RuntimeError, errors.FailedPrecondition):
+                if keys:
+                    raise
+                self._in_place_ok = False  # this process cannot map the pool: the reservation expires unused
+                return None
+            await asyncio.to_thread(self._writer.write, kv, spec, slots, stream)
+            reply = await self._call(self._stub.CommitPut(pb.CommitPutRequest(
+                namespace=ns, reservation_id=res.reservation_id)))
+            keys += list(res.keys)
+            stored_count += reply.stored
+            deduplicated += reply.deduplicated
+            skipped += sum(res.cached)
+            if not res.keys:  # nothing reserved and no error: the daemon says why
+                raise errors.ResourceExhausted(res.refused or "the daemon reserved none of the blocks")
+            # Stopped early (room, or the quota): the next round makes room, or fails saying why.
+        return PutResult(tuple(keys), stored_count, deduplicated, skipped=skipped)
+
+    def _writable(self, path: str, segment_id: bytes, register: bool) -> MappedSegment:
+        seg = self._writable_pools.get(path)
+        if seg is None or seg.segment_id != segment_id:
+            seg = self._writable_pools[path] = MappedSegment(path, segment_id, register=register, writable=True)
+        return seg
 
     async def _put_from(self, fingerprint: bytes, arr: np.ndarray, kv: torch.Tensor, all_keys: list[bytes],
                         first: int, bt: int, ns: str, pin: bool, encode: bool) -> PutReply:

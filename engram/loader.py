@@ -66,14 +66,14 @@ class MappedSegment:
     GPU) so that copies from it are DMAs. Registration pins nothing new (the daemon's pages are pinned
     already) but costs time once per process, like mapping."""
 
-    def __init__(self, path: str, segment_id: bytes, *, register: bool) -> None:
-        self.reader = SegmentReader(path, segment_id)
+    def __init__(self, path: str, segment_id: bytes, *, register: bool, writable: bool = False) -> None:
+        self.reader = SegmentReader(path, segment_id, writable=writable)
         self.data = self.reader.data()
         self.registered = False
         if register and self.data.numel():
             cudart = torch.cuda.cudart()
-            # cudaHostRegisterReadOnly (8): the mapping is read-only; Portable (1): any CUDA context may DMA.
-            err = cudart.cudaHostRegister(self.data.data_ptr(), self.data.numel(), 8 | 1)
+            # Portable (1): any CUDA context may DMA; ReadOnly (8) for a read-only mapping.
+            err = cudart.cudaHostRegister(self.data.data_ptr(), self.data.numel(), 1 if writable else 8 | 1)
             self.registered = int(err) == 0
             if not self.registered:
                 log.warning("could not register %s with CUDA (%s): hits from it are staged copies", path, err)

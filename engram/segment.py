@@ -76,14 +76,17 @@ class SegmentLayout:
 
 
 class SegmentReader:
-    """The worker's side: maps a segment read-only and copies blocks out, detecting stale descriptors."""
+    """The worker's side: maps a segment and copies blocks out, detecting stale descriptors. Read-only,
+    unless `writable` (a worker that writes puts in place into slots the daemon reserved for it)."""
 
-    def __init__(self, path: str | Path, segment_id: bytes) -> None:
+    def __init__(self, path: str | Path, segment_id: bytes, *, writable: bool = False) -> None:
         self.path = Path(path)
-        fd = os.open(self.path, os.O_RDONLY)
+        self.writable = writable
+        fd = os.open(self.path, os.O_RDWR if writable else os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
-            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
         finally:
             os.close(fd)
         self.layout = SegmentLayout.unpack(self._mm[: HEADER.size], str(self.path))
@@ -98,8 +101,8 @@ class SegmentReader:
         return bool(np.all(self._gens[first:last] == generation))
 
     def data(self) -> torch.Tensor:
-        """The data area as a read-only uint8 tensor over the mapping (no copy): the hit path copies block
-        ranges out of it (after registering it with CUDA, at DMA speed). Writing to it faults."""
+        """The data area as a uint8 tensor over the mapping (no copy): the hit path copies block ranges out of
+        it (after registering it with CUDA, at DMA speed). Writing to a read-only mapping faults."""
         lay = self.layout
         with warnings.catch_warnings():  # a read-only mapping: torch warns, and we only read it
             warnings.simplefilter("ignore", UserWarning)

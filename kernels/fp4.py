@@ -309,6 +309,78 @@ def _fp8_dequantize_blocks(src_ptr, offsets_ptr, out_ptr, out_stride, n, OUT_KIN
         tl.store(out + offs, v, mask=mask)
 
 
+# Batched encoders: one launch encodes one matrix (K's or V's) of many blocks, x[b] (rows, cols) contiguous, into
+# the payload at byte offsets[b] of `dst`, as the codec's to_bytes lays it out. Per-block scales come in ts[b]
+# (already checked finite by the caller: no NaN marks).
+
+
+@triton.jit
+def _put_f32(ptr, value):
+    bits = value.to(tl.int32, bitcast=True)
+    tl.store(ptr, (bits & 0xFF).to(tl.uint8))
+    tl.store(ptr + 1, ((bits >> 8) & 0xFF).to(tl.uint8))
+    tl.store(ptr + 2, ((bits >> 16) & 0xFF).to(tl.uint8))
+    tl.store(ptr + 3, ((bits >> 24) & 0xFF).to(tl.uint8))
+
+
+@triton.jit
+def _nvfp4_quantize_blocks(x_ptr, x_stride, ts_ptr, dst_ptr, offsets_ptr, n_groups, scales_at, codes_at,
+                           IN_KIND: tl.constexpr, BLOCK_GROUPS: tl.constexpr):
+    b = tl.program_id(1)
+    x = x_ptr + b.to(tl.int64) * x_stride
+    base = dst_ptr + tl.load(offsets_ptr + b)
+    ts = tl.load(ts_ptr + b)
+    g, gmask, offs = _tile(n_groups, BLOCK_GROUPS, 8)
+    lo, hi = _load_pairs(x, offs, gmask[:, None], IN_KIND)
+    amax_bits = tl.max(tl.maximum(lo & 0x7FFFFFFF, hi & 0x7FFFFFFF), axis=1)
+    amax = amax_bits.to(tl.float32, bitcast=True)
+    raw = tl.minimum(tl.div_rn(tl.div_rn(amax, 6.0), ts), 448.0)
+    sc = tl.where(amax > 0, tl.maximum(_e4m3_code(raw), 1), 0)
+    s = _e4m3_value(sc) * ts
+    inv = tl.div_rn(tl.full(s.shape, 1.0, tl.float32), tl.where(s > 0, s, 1.0))
+    tl.store(base + codes_at + offs, _quantize_pairs(lo, hi, inv[:, None]), mask=gmask[:, None])
+    tl.store(base + scales_at + g, sc.to(tl.uint8), mask=gmask)
+    if tl.program_id(0) == 0:
+        _put_f32(base, ts)
+
+
+@triton.jit
+def _mxfp4_quantize_blocks(x_ptr, x_stride, dst_ptr, offsets_ptr, n_groups, codes_at,
+                           IN_KIND: tl.constexpr, BLOCK_GROUPS: tl.constexpr):
+    b = tl.program_id(1)
+    x = x_ptr + b.to(tl.int64) * x_stride
+    base = dst_ptr + tl.load(offsets_ptr + b)
+    g, gmask, offs = _tile(n_groups, BLOCK_GROUPS, 16)
+    lo, hi = _load_pairs(x, offs, gmask[:, None], IN_KIND)
+    amax_bits = tl.max(tl.maximum(lo & 0x7FFFFFFF, hi & 0x7FFFFFFF), axis=1)
+    sc = (amax_bits >> 23) - 2
+    sc = tl.minimum(tl.maximum(sc, 0), 254)
+    inv = ((254 - sc) << 23).to(tl.float32, bitcast=True)
+    tl.store(base + codes_at + offs, _quantize_pairs(lo, hi, inv[:, None]), mask=gmask[:, None])
+    tl.store(base + g, sc.to(tl.uint8), mask=gmask)
+
+
+@triton.jit
+def _fp8_quantize_blocks(x_ptr, x_stride, scale_ptr, dst_ptr, offsets_ptr, n, IN_KIND: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    b = tl.program_id(1)
+    x = x_ptr + b.to(tl.int64) * x_stride
+    base = dst_ptr + tl.load(offsets_ptr + b)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    if IN_KIND == 1:
+        bits = (tl.load(x + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF) << 16
+    else:
+        bits = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32).to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    scale = tl.load(scale_ptr + b)
+    inv = tl.div_rn(1.0, scale)
+    code = _e4m3_code(tl.minimum(mag.to(tl.float32, bitcast=True) * inv, 448.0)) | ((bits >> 24) & 0x80)
+    tl.store(base + 4 + offs, code.to(tl.uint8), mask=mask)
+    if tl.program_id(0) == 0:
+        _put_f32(base, scale)
+
+
 INTERPRETED = isinstance(_nvfp4_quantize, InterpretedFunction)
 NATIVE_BF16 = not INTERPRETED  # the interpreter's fp32 -> bf16 cast truncates
 
@@ -378,6 +450,36 @@ def dequantize_fp8_e4m3_into(codes: Tensor, scale: Tensor, out: Tensor, config: 
     _fp8_dequantize[(triton.cdiv(codes.numel(), block),)](codes, scale, dst, codes.numel(),
                                                           OUT_KIND=_OUT_KINDS[out.dtype], NATIVE_BF16=native_bf16,
                                                           BLOCK=block, **_options(config))
+
+
+def quantize_blocks_into(fmt: str, x: Tensor, scales: Tensor | None, dst: Tensor, offsets: Tensor,
+                         config: KernelConfig = QUANTIZE_CONFIG) -> None:
+    """Encode x[b] ((blocks, rows, cols) contiguous, cols a multiple of the group) into the payload at byte
+    offsets[b] of the uint8 buffer dst, laid out as the codec's to_bytes; scales[b] is block b's per-tensor scale
+    (nvfp4, fp8_e4m3; float32 on x's device). No checks and no host synchronisation."""
+    n_blocks, rows, cols = x.shape
+    if n_blocks == 0:
+        return
+    opts = {"IN_KIND": _IN_KINDS[x.dtype], **_options(config)}
+    if fmt == "fp8_e4m3":
+        block = config.groups_per_program * 16
+        bits = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+        n = rows * cols
+        _fp8_quantize_blocks[(triton.cdiv(n, block), n_blocks)](bits, n, scales, dst, offsets, n, BLOCK=block, **opts)
+        return
+    words = _words(x)
+    stride = words[0].numel()
+    group = ref.NVFP4_GROUP if fmt == "nvfp4" else ref.MXFP4_GROUP
+    n_groups = rows * cols // group
+    grid = (triton.cdiv(n_groups, config.groups_per_program), n_blocks)
+    if fmt == "nvfp4":
+        _nvfp4_quantize_blocks[grid](words, stride, scales, dst, offsets, n_groups, 4, 4 + n_groups,
+                                     BLOCK_GROUPS=config.groups_per_program, **opts)
+    elif fmt == "mxfp4":
+        _mxfp4_quantize_blocks[grid](words, stride, dst, offsets, n_groups, n_groups,
+                                     BLOCK_GROUPS=config.groups_per_program, **opts)
+    else:
+        raise ValueError(f"unknown format {fmt!r}")
 
 
 def dequantize_blocks_into(fmt: str, src: Tensor, offsets: Tensor, rows: int, cols: int, out: Tensor,

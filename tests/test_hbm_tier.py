@@ -24,7 +24,8 @@ async def test_blocks_move_down_the_chain_and_are_promoted_on_a_hit(server_facto
     srv = await server_factory(**{"tiers.hbm.capacity": 4 * BLOCK, "tiers.hbm.device": "cpu",
                                   "tiers.dram.capacity": 4 * BLOCK, "tiers.nvme.path": str(tmp_path / "nvme")})
     assert [t.name for t in srv.store.tiers] == ["hbm", "dram", "nvme"]
-    async with EngramClient(srv.address, namespace="t") as c:
+    # Puts as bytes, which land in the top tier (an in-place put lands in the shared DRAM pool it can write).
+    async with EngramClient(srv.address, namespace="t", zero_copy=False) as c:
         fp = await c.register_model(SPEC)
         seqs = [tokens(4 * BLOCK_TOKENS, seed=s) for s in range(4)]  # 16 blocks into 4 + 4 + nvme
         kvs = [random_kv(SPEC, len(t), seed=s) for s, t in enumerate(seqs)]

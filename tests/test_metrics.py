@@ -29,7 +29,7 @@ async def test_metrics_after_known_traffic(server_factory) -> None:  # type: ign
     # (2 evictions; a chain loses its tail first, and a put never evicts the parent it extends).
     srv = await server_factory(**{"server.metrics_port": -1, "tiers.dram.capacity": 3 * block})
     assert srv.metrics is not None and srv.metrics.port > 0
-    async with EngramClient(srv.address, namespace="m") as c:
+    async with EngramClient(srv.address, namespace="m", zero_copy=False) as c:  # puts as Put RPCs
         fp = await c.register_model(spec)
         toks = tokens(48)
         await c.put(fp, toks, random_kv(spec, 48))

@@ -94,10 +94,12 @@ async def test_stats_and_show_count_every_block_served_once_on_every_path(server
     bytes served, the serving tier's hits, the faster tier's misses) and in each block's hit count."""
     srv = await server_factory(**{"tiers.hbm.capacity": "1MiB", "tiers.hbm.device": "cpu"})
     spec = tiny_model()
-    async with EngramClient(srv.address, namespace="t") as c:
-        fp = await c.register_model(spec)
+    async with EngramClient(srv.address, namespace="t", zero_copy=False) as putter:  # a Put lands in HBM
+        fp = await putter.register_model(spec)
         toks = tokens(4 * BLOCK_TOKENS)
-        keys = list((await c.put(fp, toks, random_kv(spec, len(toks)))).keys)
+        keys = list((await putter.put(fp, toks, random_kv(spec, len(toks)))).keys)
+    async with EngramClient(srv.address, namespace="t") as c:
+        await c.register_model(spec)
         # Put lands in HBM (the top tier); demote two blocks to the shared DRAM pool by evicting their HBM copy.
         store = srv.store
         for key in keys[:2]:

@@ -106,3 +106,46 @@ def decode_blocks(src: Tensor, offsets: Tensor, plan_: BlockPlan, *, backend: st
     k_view = k[:, :, :tokens].view(n, layers, heads, dim, tokens).permute(0, 1, 4, 2, 3)
     v_view = v[:, :, :dim].view(n, layers, tokens, heads, dim)
     return k_view, v_view
+
+
+def unsealed_header(plan_: BlockPlan) -> bytes:
+    """The v1 header of a block of this plan with both checksums zero: a worker writes it, and the daemon
+    computes the checksums from the bytes as they lie in its pool (engram/store/inplace.py)."""
+    codec = codec_by_name(plan_.codec)
+    body_len = plan_.nbytes - blockformat.HEADER_LEN
+    fields = blockformat.header_fields(codec, Axis.CHANNEL, Axis.TOKEN, plan_.dtype, plan_.shape, body_len, 0)
+    return fields + bytes(blockformat.HEADER_LEN - len(fields))
+
+
+def encode_blocks(kv: Tensor, plan_: BlockPlan, dst: Tensor, offsets: Tensor, *, backend: str) -> None:
+    """Write len(offsets) blocks kv (blocks, L, 2, T, H, D) as v1 blocks of the plan (unsealed headers) into the
+    uint8 buffer dst at byte offsets (int64 on dst's device). The Triton backend does it in a few launches for
+    all blocks: one amax reduction per stream, one permute copy for K, one encode launch per stream."""
+    from engram.codec import fp4_reference as ref
+
+    n = kv.shape[0]
+    head = torch.frombuffer(bytearray(unsealed_header(plan_)), dtype=torch.uint8).to(dst.device)
+    where = offsets[:, None] + torch.arange(len(head), device=dst.device)[None, :]
+    dst[where.flatten()] = head.repeat(n)
+    if backend != "triton":
+        enc = codec_by_name(plan_.codec)
+        for b, off in enumerate(offsets.tolist()):
+            body = enc.encode(kv[b], Axis.CHANNEL, Axis.TOKEN, backend)
+            at = off + blockformat.HEADER_LEN
+            dst[at : at + len(body)] = torch.frombuffer(bytearray(body), dtype=torch.uint8).to(dst.device)
+        return
+    from engram.kernels import fp4 as kernels
+
+    layers, _, tokens, heads, dim = plan_.shape
+    k = kv[:, :, 0].permute(0, 1, 3, 4, 2).reshape(n, layers * heads * dim, tokens)  # (n, L*H*D, T): a copy
+    v = kv[:, :, 1].reshape(n, layers * tokens * heads, dim)  # (n, L*T*H, D)
+    for name, x, at in (("K", k, plan_.k_at), ("V", v, plan_.v_at)):
+        scales = None
+        if plan_.codec in ("nvfp4", "fp8_e4m3"):
+            amax = x.reshape(n, -1).abs().amax(dim=1).float()  # (n,): per block, as the reference per matrix
+            if not bool(torch.isfinite(amax).all()):
+                raise ValueError(f"{name}: a block holds NaN or Inf")
+            scales = ref.nvfp4_tensor_scale(amax) if plan_.codec == "nvfp4" else ref.fp8_tensor_scale(amax)
+        elif not bool(torch.isfinite(x.reshape(n, -1).abs().amax(dim=1)).all()):
+            raise ValueError(f"{name}: a block holds NaN or Inf")
+        kernels.quantize_blocks_into(plan_.codec, x.contiguous(), scales, dst, offsets + at)

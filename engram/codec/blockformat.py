@@ -69,9 +69,15 @@ def encode(kv: Tensor, codec: Codec, *, k_axis: Axis = Axis.CHANNEL, v_axis: Axi
     dtype = DType.from_torch(kv.dtype)
     body = codec.encode(kv, k_axis, v_axis, backend)
     shape = tuple(int(d) for d in kv.shape)
-    head = _HEADER.pack(MAGIC, VERSION, int(codec.codec_id), int(k_axis), int(v_axis), int(dtype), 5, 0, *shape,
-                        len(body), xxhash.xxh3_64_intdigest(body))
+    head = header_fields(codec, k_axis, v_axis, dtype, shape, len(body), xxhash.xxh3_64_intdigest(body))
     return head + _CHECK.pack(xxhash.xxh3_64_intdigest(head)) + body
+
+
+def header_fields(codec: Codec, k_axis: Axis, v_axis: Axis, dtype: DType, shape: tuple[int, ...], body_len: int,
+                  body_checksum: int) -> bytes:
+    """Bytes 0..48 of a v1 header (everything but the header's own checksum)."""
+    return _HEADER.pack(MAGIC, VERSION, int(codec.codec_id), int(k_axis), int(v_axis), int(dtype), 5, 0, *shape,
+                        body_len, body_checksum)
 
 
 def parse_header(blob: bytes | memoryview, where: str = "block") -> BlockFormat:

@@ -285,7 +285,7 @@ class EngramService:
                                     offset=r.slot.offset, generation=r.slot.generation, lease_id=res.id)
                  if r.slot is not None else pb.BlockDescriptor(key=r.meta.key) for r in res.blocks]
         return pb.ReservePutResponse(reservation_id=res.id, keys=[r.meta.key for r in res.blocks], slots=slots,
-                                     cached=[r.slot is None for r in res.blocks],
+                                     cached=[r.slot is None for r in res.blocks], refused=res.refused,
                                      expires_in_s=max(0.0, res.expires - time.monotonic()))
 
     @unary

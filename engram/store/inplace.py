@@ -29,7 +29,7 @@ import xxhash
 from engram.block import BlockHeader
 from engram.codec import blockformat, stored
 from engram.codec.base import codec_by_name
-from engram.errors import FailedPrecondition, InvalidArgument, NotFound
+from engram.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from engram.eviction import tick
 from engram.index import BlockMeta
 from engram.keys import block_key, tokens_to_bytes
@@ -56,6 +56,7 @@ class Reservation:
     pool: PoolTier
     expires: float
     pin: bool = False
+    refused: str = ""  # why the reservation stopped before the chain's end (the blocks after it were not reserved)
     timer: asyncio.TimerHandle | None = None
     done: bool = field(default=False)
 
@@ -100,17 +101,32 @@ class InPlacePuts:
                                  shape=tuple(h.shape), nbytes=h.payload_nbytes, checksum=0, locations=[],
                                  full=h.num_tokens == layout.block_tokens, pins=1 if pin else 0)
                 slot = None
+                if res.blocks and not self._fits(res, h.payload_nbytes):
+                    break
                 existing = store.index.get_in(namespace, key)
                 if existing is not None:  # stored already: hold it instead (the chain's deepest stored block)
                     existing.children += 1
                     self._release_parent(res)
                     res.parent, res.done = existing, False
                 else:
-                    store._charge_quota(namespace, h.payload_nbytes, i)
+                    try:
+                        store._charge_quota(namespace, h.payload_nbytes, i)
+                    except ResourceExhausted as exc:
+                        if not res.blocks:
+                            raise
+                        res.refused = str(exc)  # the blocks before it are reserved: commit those
+                        break
                     need = self.pool.space_for(meta.record())
                     try:
-                        await store.placement.make_room(rank, need)
+                        await store.placement.make_room(rank, need, wait=not res.blocks)
                         slot = self.pool.place(key + res.id.to_bytes(8, "little"), need, h.payload_nbytes)
+                    except ResourceExhausted as exc:
+                        store._quota_pending[namespace] -= h.payload_nbytes
+                        if not res.blocks:
+                            raise
+                        # The pool is full of this reservation's own unpublished slots: commit them first.
+                        res.refused = str(exc)
+                        break
                     except BaseException:
                         store._quota_pending[namespace] -= h.payload_nbytes
                         raise
@@ -122,6 +138,16 @@ class InPlacePuts:
         self._open[res.id] = res
         res.timer = asyncio.get_running_loop().call_later(self.reserve_s, self._expire, res.id)
         return res
+
+    def _fits(self, res: Reservation, nbytes: int) -> bool:
+        """Whether one more slot may go into this reservation: at most half the pool is held unpublished by
+        one reservation, so a chain longer than the pool goes in rounds (reserve, write, commit) and the
+        pool can demote published blocks to make room for the next round."""
+        held = sum(r.meta.nbytes for r in res.blocks if r.slot is not None)
+        if held and held + nbytes > self.pool.capacity_bytes // 2:
+            res.refused = "the reservation holds half of the shared pool: commit it, then reserve the rest"
+            return False
+        return True
 
     def get(self, namespace: str, reservation_id: int) -> Reservation:
         res = self._open.get(reservation_id)

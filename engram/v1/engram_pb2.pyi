@@ -253,18 +253,20 @@ class ReservePutRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., parent_key: _Optional[bytes] = ..., pin: _Optional[bool] = ..., blocks: _Optional[_Iterable[_Union[BlockHeader, _Mapping]]] = ...) -> None: ...
 
 class ReservePutResponse(_message.Message):
-    __slots__ = ("reservation_id", "keys", "slots", "cached", "expires_in_s")
+    __slots__ = ("reservation_id", "keys", "slots", "cached", "expires_in_s", "refused")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     slots: _containers.RepeatedCompositeFieldContainer[BlockDescriptor]
     cached: _containers.RepeatedScalarFieldContainer[bool]
     expires_in_s: float
-    def __init__(self, reservation_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., slots: _Optional[_Iterable[_Union[BlockDescriptor, _Mapping]]] = ..., cached: _Optional[_Iterable[bool]] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+    refused: str
+    def __init__(self, reservation_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., slots: _Optional[_Iterable[_Union[BlockDescriptor, _Mapping]]] = ..., cached: _Optional[_Iterable[bool]] = ..., expires_in_s: _Optional[float] = ..., refused: _Optional[str] = ...) -> None: ...
 
 class CommitPutRequest(_message.Message):
     __slots__ = ("namespace", "reservation_id")

@@ -1,0 +1,132 @@
+"""Puts written in place (ReservePut, the worker writes the pool slots, CommitPut) against a real daemon on this
+host: the stored blocks are byte for byte those a Put stores; a chain longer than the pool goes in rounds; the
+daemon refuses bytes that are not what was reserved and publishes nothing of them; a reservation never
+committed frees its slots; reservation ids are per namespace."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from engram import errors
+from engram.client import EngramClient
+from engram.v1 import engram_pb2 as pb
+from engram.v1 import engram_pb2_grpc as pb_grpc
+from engram.wire import convert
+
+from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
+
+CODECS = ["raw", "nvfp4", "mxfp4", "fp8_e4m3"]
+
+
+@pytest.mark.parametrize("codec", CODECS)
+async def test_an_in_place_put_stores_what_a_put_stores(server_factory, codec: str) -> None:  # type: ignore[no-untyped-def]
+    srv = await server_factory()
+    spec = tiny_model(codec=codec)
+    toks = tokens(4 * BLOCK_TOKENS + 5)
+    kv = random_kv(spec, len(toks))
+    async with EngramClient(srv.address, namespace="a") as local, \
+            EngramClient(srv.address, namespace="b", zero_copy=False) as remote:
+        fp = await local.register_model(spec)
+        await remote.register_model(spec)
+        served = (await local.stats()).blocks_put
+        put = await local.put(fp, toks, kv)
+        assert (put.stored, put.skipped) == (5, 0) and (await local.stats()).blocks_put == served + 5
+        await remote.put(fp, toks, kv)  # the same KV as Put messages, in another namespace
+        their_keys = [b.key for b in (await remote.lookup(fp, toks)).blocks]
+        mine = await local.describe_blocks(key_prefixes=[k.hex() for k in put.keys])
+        theirs = await remote.describe_blocks(key_prefixes=[k.hex() for k in their_keys])
+        # The daemon sealed the in-place blocks from the pool's bytes: the same checksums as the encoded Puts.
+        assert [b.checksum for b in mine.blocks] == [b.checksum for b in theirs.blocks]
+        assert [b.nbytes for b in mine.blocks] == [b.nbytes for b in theirs.blocks]
+        a = torch.cat(await local.get(fp, list(put.keys), zero_copy=False), dim=2)
+        assert torch.equal(a, torch.cat(await remote.get(fp, their_keys), dim=2))
+        again = await local.put(fp, toks, kv)  # everything cached: nothing written
+        assert (again.stored, again.skipped) == (0, 5)
+
+
+async def test_a_chain_longer_than_the_pool_goes_in_rounds(server_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    spec = tiny_model()
+    block = spec.layout.block_nbytes(BLOCK_TOKENS)
+    srv = await server_factory(**{"tiers.dram.capacity": 4 * block, "tiers.dram.page_bytes": 256,
+                                  "tiers.nvme.path": str(tmp_path / "nvme")})
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        toks = tokens(11 * BLOCK_TOKENS)
+        kv = random_kv(spec, len(toks))
+        put = await c.put(fp, toks, kv)
+        assert put.stored == 11
+        n, got = await c.get_prefix(fp, toks)
+        assert n == len(toks) and torch.equal(got, kv)
+        assert (await c.stats()).tier("nvme").blocks >= 7  # demoted between rounds
+
+
+async def _reserve(address: str, ns: str, fp: bytes, toks, spec) -> pb.ReservePutResponse:  # type: ignore[no-untyped-def]
+    hdr = pb.BlockHeader(tokens=convert.tokens_to_pb(toks), dtype=1, shape=list(spec.layout.block_shape(len(toks))),
+                         payload_nbytes=spec.layout.block_nbytes(len(toks)), codec="raw")
+    async with grpc.aio.insecure_channel(address) as ch:
+        return await pb_grpc.EngramStub(ch).ReservePut(pb.ReservePutRequest(namespace=ns, model_fingerprint=fp,
+                                                                            blocks=[hdr]))
+
+
+async def test_bytes_that_are_not_what_was_reserved_are_refused_and_nothing_is_published(server_factory) -> None:  # type: ignore[no-untyped-def]
+    srv = await server_factory()
+    spec = tiny_model(codec="nvfp4")
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        toks = tokens(BLOCK_TOKENS)
+        used = (await c.stats()).tier("dram").used_bytes
+        bt = spec.layout.block_shape(BLOCK_TOKENS)
+        from engram.codec.stored import stored_nbytes
+
+        hdr = pb.BlockHeader(tokens=convert.tokens_to_pb(toks), dtype=1, shape=list(bt), codec="nvfp4",
+                             payload_nbytes=stored_nbytes("nvfp4", bt, spec.layout.dtype))
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.EngramStub(ch)
+            res = await stub.ReservePut(pb.ReservePutRequest(namespace="t", model_fingerprint=fp, blocks=[hdr]))
+            # nothing written: the slot holds zeros, not a v1 block
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.CommitPut(pb.CommitPutRequest(namespace="t", reservation_id=res.reservation_id))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not the nvfp4 block" in info.value.details()
+        assert (await c.lookup(fp, toks)).matched_tokens == 0
+        assert (await c.stats()).tier("dram").used_bytes == used  # the slot was freed
+
+
+async def test_an_uncommitted_reservation_expires_and_ids_are_per_namespace(server_factory) -> None:  # type: ignore[no-untyped-def]
+    srv = await server_factory(**{"server.lease_s": 0.3})
+    spec = tiny_model()
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        used = (await c.stats()).tier("dram").used_bytes
+        res = await _reserve(srv.address, "t", fp, tokens(BLOCK_TOKENS), spec)
+        assert (await c.stats()).tier("dram").used_bytes > used
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.EngramStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as info:  # another namespace cannot commit it
+                await stub.CommitPut(pb.CommitPutRequest(namespace="u", reservation_id=res.reservation_id))
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND
+            await asyncio.sleep(0.6)
+            assert (await c.stats()).tier("dram").used_bytes == used  # expired: its slot is free again
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.CommitPut(pb.CommitPutRequest(namespace="t", reservation_id=res.reservation_id))
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND and "expired" in info.value.details()
+
+
+async def test_a_put_on_a_daemon_without_a_shared_pool_falls_back_to_bytes(server_factory) -> None:  # type: ignore[no-untyped-def]
+    srv = await server_factory(**{"tiers.dram.pool": "private"})
+    spec = tiny_model()
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        toks = tokens(2 * BLOCK_TOKENS)
+        kv = random_kv(spec, len(toks))
+        assert (await c.put(fp, toks, kv)).stored == 2
+        n, got = await c.get_prefix(fp, toks)
+        assert n == len(toks) and torch.equal(got, kv)
+    with pytest.raises(errors.FailedPrecondition):
+        async with EngramClient(srv.address, namespace="t") as c2:
+            await c2.register_model(spec)
+            stub = c2._stub
+            await c2._call(stub.ReservePut(pb.ReservePutRequest(namespace="t", model_fingerprint=fp)))
