@@ -3,6 +3,7 @@
 #   part 1: GPU kernel tests (every tile config bit-exact against the reference) + codec speed
 #   part 2: replay bound benchmark
 #   part 4: GPU data path tests (pinned pool, CUDA transfers, daemon + worker over CUDA IPC) + transfer benchmarks
+#   part 5: the hit path and the in-place put (tests on the GPU, then benchmarks/hit_path.py)
 # Usage there: OUT=... bash benchmarks/gpu_session.sh 1|2     (carry .whl: wheels the image lacks)
 set -uo pipefail
 OUT=${OUT:-/tmp/engram-gpu-out}
@@ -33,6 +34,11 @@ case "${1:-1}" in
       tests/test_zero_copy.py tests/test_shared_pool.py tests/test_slots.py 2>&1 | tee "$OUT/gpu_cpu_logic.log" | tail -8
     timeout 150 python3 -m benchmarks.gpu_transfer --blocks 256 --rounds 10 2>&1 | tee "$OUT/gpu_transfer.log" | tail -30
     timeout 150 python3 -m benchmarks.zero_copy --blocks 64 --batch 16 --rounds 20 2>&1 | tee "$OUT/zero_copy.log" | tail -20
+    ;;
+  5)
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_hit_path.py tests/test_put_in_place.py \
+      tests/test_fp4_kernels.py -k "batched or cuda or hbm" 2>&1 | tee "$OUT/hit_path_tests.log" | tail -15
+    timeout 300 python3 -m benchmarks.hit_path --json "$OUT/hit_path.json" 2>&1 | tee "$OUT/hit_path.log" | tail -20
     ;;
   2)
     timeout 560 python3 benchmarks/replay_bound.py --out "$OUT/replay_bound.json" 2>&1 | tee "$OUT/replay_bound.log" | tail -25

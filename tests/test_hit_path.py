@@ -17,12 +17,15 @@ import pytest
 import torch
 
 from engram.client import EngramClient
-from engram.destinations import ContiguousKV, LayerKV, PagedKV
+from engram.destinations import LayerKV, PagedKV
 from engram.loader import PrefixLoader
 
 from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
 
 CODECS = ["raw", "nvfp4", "mxfp4", "fp8_e4m3"]
+# The same tests on a GPU (the H200): the staged pipeline, the batched kernels and the registered mapping.
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (the H200)")])]
 
 
 async def bytes_path(c: EngramClient, fp: bytes, toks: Any) -> torch.Tensor:
@@ -32,8 +35,9 @@ async def bytes_path(c: EngramClient, fp: bytes, toks: Any) -> torch.Tensor:
     return torch.cat(blocks, dim=2)[:, :, : hit.matched_tokens]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("codec", CODECS)
-async def test_every_destination_gets_what_the_bytes_path_returns(server_factory, codec: str) -> None:  # type: ignore[no-untyped-def]
+async def test_every_destination_gets_what_the_bytes_path_returns(server_factory, codec: str, device: str) -> None:  # type: ignore[no-untyped-def]
     srv = await server_factory()
     spec = tiny_model(codec=codec)
     lay = spec.layout
@@ -44,16 +48,17 @@ async def test_every_destination_gets_what_the_bytes_path_returns(server_factory
         want = await bytes_path(c, fp, toks)
         served = (await c.stats()).blocks_served
         n = len(toks)
-        L, H, D = lay.persisted_layers, lay.num_kv_heads, lay.head_dim  # noqa: N806
+        L, H, D = lay.persisted_layers, lay.num_kv_heads, lay.head_dim
 
-        contiguous = torch.full(lay.block_shape(n), float("nan"), dtype=torch.bfloat16)
+        want = want.to(device)
+        contiguous = torch.full(lay.block_shape(n), float("nan"), dtype=torch.bfloat16, device=device)
         got = await c.load_prefix_into(fp, toks, contiguous)
         assert (got.matched_tokens, got.loaded_tokens, got.mapped_blocks, got.bytes_blocks) == (n, n, 6, 0)
         assert torch.equal(contiguous, want)
         assert (await c.stats()).blocks_served == served + 6  # counted like any hit
 
         # Hugging Face keeps (batch, heads, tokens, head_dim) per layer: hand it transposed views.
-        hf = [torch.full((2, 1, H, n + 9, D), float("nan"), dtype=torch.bfloat16) for _ in range(L)]
+        hf = [torch.full((2, 1, H, n + 9, D), float("nan"), dtype=torch.bfloat16, device=device) for _ in range(L)]
         await c.load_prefix_into(fp, toks, LayerKV([t[0, 0].transpose(0, 1) for t in hf],
                                                    [t[1, 0].transpose(0, 1) for t in hf]))
         for layer, t in enumerate(hf):
@@ -63,8 +68,8 @@ async def test_every_destination_gets_what_the_bytes_path_returns(server_factory
         # vLLM-style pages of 4 tokens, the request's pages scattered over the pool in reverse.
         pages = -(-n // 4)
         table = list(range(3 * pages, 3 * pages - 2 * pages, -2))[:pages]
-        kp = [torch.full((3 * pages + 1, 4, H, D), float("nan"), dtype=torch.bfloat16) for _ in range(L)]
-        vp = [torch.full((3 * pages + 1, 4, H, D), float("nan"), dtype=torch.bfloat16) for _ in range(L)]
+        kp = [torch.full((3 * pages + 1, 4, H, D), float("nan"), dtype=torch.bfloat16, device=device) for _ in range(L)]
+        vp = [torch.full((3 * pages + 1, 4, H, D), float("nan"), dtype=torch.bfloat16, device=device) for _ in range(L)]
         await c.load_prefix_into(fp, toks, PagedKV(kp, vp, table))
         for layer in range(L):
             for stream, paged in enumerate((kp, vp)):
@@ -72,7 +77,8 @@ async def test_every_destination_gets_what_the_bytes_path_returns(server_factory
                 assert torch.equal(flat[:n], want[layer, stream])
 
 
-async def test_a_query_diverging_inside_a_block_and_a_small_destination(server_factory) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("device", DEVICES)
+async def test_a_query_diverging_inside_a_block_and_a_small_destination(server_factory, device: str) -> None:  # type: ignore[no-untyped-def]
     srv = await server_factory()
     spec = tiny_model(codec="nvfp4")
     async with EngramClient(srv.address, namespace="t") as c:
@@ -82,17 +88,19 @@ async def test_a_query_diverging_inside_a_block_and_a_small_destination(server_f
         want = await bytes_path(c, fp, toks)
         diverged = toks.copy()
         diverged[2 * BLOCK_TOKENS + 5] += 1  # the query leaves the cached chain inside block 2
-        n, got = await c.get_prefix(fp, diverged)
+        want = want.to(device)
+        n, got = await c.get_prefix(fp, diverged, device=device)
         assert n == 2 * BLOCK_TOKENS + 5 and torch.equal(got, want[:, :, :n])
-        small = torch.zeros(spec.layout.block_shape(BLOCK_TOKENS + 3), dtype=torch.bfloat16)
+        small = torch.zeros(spec.layout.block_shape(BLOCK_TOKENS + 3), dtype=torch.bfloat16, device=device)
         res = await c.load_prefix_into(fp, toks, small)
         assert (res.matched_tokens, res.loaded_tokens) == (4 * BLOCK_TOKENS, BLOCK_TOKENS + 3)
         assert torch.equal(small, want[:, :, : BLOCK_TOKENS + 3])
-        n, empty = await c.get_prefix(fp, tokens(40, seed=5))  # a miss: the documented shape, zero tokens
+        n, empty = await c.get_prefix(fp, tokens(40, seed=5), device=device)  # a miss: the documented shape
         assert n == 0 and empty.shape == spec.layout.block_shape(0)
 
 
-async def test_blocks_on_nvme_only_come_as_bytes_in_the_same_call(server_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("device", DEVICES)
+async def test_blocks_on_nvme_only_come_as_bytes_in_the_same_call(server_factory, tmp_path: Path, device: str) -> None:  # type: ignore[no-untyped-def]
     spec = tiny_model()
     block = spec.layout.block_nbytes(BLOCK_TOKENS)
     srv = await server_factory(**{"tiers.dram.capacity": 4 * block, "tiers.dram.page_bytes": 256,
@@ -104,14 +112,15 @@ async def test_blocks_on_nvme_only_come_as_bytes_in_the_same_call(server_factory
         await c.put(fp, toks, kv)  # 8 blocks through a 4-block DRAM tier: the first ones are demoted
         on_nvme = [b for b in (await c.lookup(fp, toks)).blocks if b.tier == "nvme"]
         assert on_nvme
-        dest = torch.zeros_like(kv)
+        dest = torch.zeros_like(kv, device=device)
         res = await c.load_prefix_into(fp, toks, dest)
         assert res.bytes_blocks >= len(on_nvme) and res.mapped_blocks + res.bytes_blocks == 8
-        assert torch.equal(dest, kv)
+        assert torch.equal(dest.cpu(), kv)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 async def test_a_slot_reused_while_it_is_copied_is_detected_and_fetched_again(server_factory, tmp_path: Path,
-                                                                               monkeypatch) -> None:  # type: ignore[no-untyped-def]
+                                                                               monkeypatch, device: str) -> None:  # type: ignore[no-untyped-def]
     """The lease expires mid-load (lease_s 0.2 s, the loader held up after its first block), new puts evict
     the prefix to NVMe and reuse its DRAM slots: the loader finds the generations changed and those blocks come
     again as bytes (from NVMe), so the destination holds the right KV, not the new blocks' bytes."""
@@ -135,7 +144,7 @@ async def test_a_slot_reused_while_it_is_copied_is_detected_and_fetched_again(se
         kv = random_kv(spec, len(toks))
         await c.put(fp, toks, kv)
         assert all(b.tier == "dram" for b in (await c.lookup(fp, toks)).blocks)
-        dest = torch.zeros_like(kv)
+        dest = torch.zeros_like(kv, device=device)
         load = asyncio.ensure_future(c.load_prefix_into(fp, toks, dest))
         while not first_written.is_set():
             await asyncio.sleep(0.01)
@@ -146,7 +155,7 @@ async def test_a_slot_reused_while_it_is_copied_is_detected_and_fetched_again(se
         go_on.set()
         res = await load
     assert res.refetched_blocks >= 1 and res.mapped_blocks + res.refetched_blocks == 4
-    assert torch.equal(dest, kv)
+    assert torch.equal(dest.cpu(), kv)
 
 
 WORKER = """
@@ -184,3 +193,24 @@ async def test_a_worker_in_another_process_loads_the_same_tensors(server_factory
     mapped, sent, total = map(int, out.split())
     assert (mapped, sent) == (4, 0)  # every block copied out of the mapped pool, none over the socket
     assert total == want.view(torch.int16).to(torch.int64).sum().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the H200)")
+@pytest.mark.parametrize("codec", ["raw", "nvfp4"])
+async def test_hbm_blocks_load_through_cuda_ipc_into_the_worker(server_factory, codec: str) -> None:  # type: ignore[no-untyped-def]
+    """Blocks in the daemon's HBM pool (on the same GPU) are decoded where they lie, opened by CUDA IPC."""
+    srv = await server_factory(**{"tiers.hbm.capacity": "64MiB", "tiers.hbm.device": "cuda"})
+    spec = tiny_model(codec=codec)
+    async with EngramClient(srv.address, namespace="t", zero_copy=False) as putter:  # a Put lands in HBM
+        fp = await putter.register_model(spec)
+        toks = tokens(4 * BLOCK_TOKENS + 3)
+        await putter.put(fp, toks, random_kv(spec, len(toks)))
+        want = await bytes_path(putter, fp, toks)
+    async with EngramClient(srv.address, namespace="t") as c:
+        await c.register_model(spec)
+        assert all(b.tier == "hbm" for b in (await c.lookup(fp, toks)).blocks)
+        dest = torch.zeros(spec.layout.block_shape(len(toks)), dtype=torch.bfloat16, device="cuda")
+        res = await c.load_prefix_into(fp, toks, dest)
+        assert (res.mapped_blocks, res.bytes_blocks) == (5, 0)
+        assert torch.equal(dest.cpu(), want)

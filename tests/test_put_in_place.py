@@ -20,14 +20,18 @@ from engram.wire import convert
 from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
 
 CODECS = ["raw", "nvfp4", "mxfp4", "fp8_e4m3"]
+# On a GPU the worker encodes every block of a run in a few launches and copies them device -> pinned pool.
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (the H200)")])]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("codec", CODECS)
-async def test_an_in_place_put_stores_what_a_put_stores(server_factory, codec: str) -> None:  # type: ignore[no-untyped-def]
+async def test_an_in_place_put_stores_what_a_put_stores(server_factory, codec: str, device: str) -> None:  # type: ignore[no-untyped-def]
     srv = await server_factory()
     spec = tiny_model(codec=codec)
     toks = tokens(4 * BLOCK_TOKENS + 5)
-    kv = random_kv(spec, len(toks))
+    kv = random_kv(spec, len(toks)).to(device)
     async with EngramClient(srv.address, namespace="a") as local, \
             EngramClient(srv.address, namespace="b", zero_copy=False) as remote:
         fp = await local.register_model(spec)
@@ -35,7 +39,7 @@ async def test_an_in_place_put_stores_what_a_put_stores(server_factory, codec: s
         served = (await local.stats()).blocks_put
         put = await local.put(fp, toks, kv)
         assert (put.stored, put.skipped) == (5, 0) and (await local.stats()).blocks_put == served + 5
-        await remote.put(fp, toks, kv)  # the same KV as Put messages, in another namespace
+        await remote.put(fp, toks, kv.cpu())  # the same KV as Put messages, in another namespace
         their_keys = [b.key for b in (await remote.lookup(fp, toks)).blocks]
         mine = await local.describe_blocks(key_prefixes=[k.hex() for k in put.keys])
         theirs = await remote.describe_blocks(key_prefixes=[k.hex() for k in their_keys])
