@@ -124,6 +124,7 @@ async def bench_codec(address: str, codec: str, layout: KVLayout, sizes: list[in
             q = toks[:n]
 
             samples = []
+            rpc, copy = [], []
             for i in range(rounds + 1):
                 sync(device)
                 t0 = time.perf_counter()
@@ -135,6 +136,8 @@ async def bench_codec(address: str, codec: str, layout: KVLayout, sizes: list[in
                     first_load = dt if first_load is None else first_load
                 else:
                     samples.append(dt)
+                    rpc.append(res.rpc_ms)
+                    copy.append(res.copy_ms)
             if codec == "raw" and not torch.equal(dest, kv[:, :, :n]):
                 raise SystemExit(f"the loaded KV differs from what was put ({n} tokens)")
             ms = statistics.median(samples)
@@ -142,7 +145,8 @@ async def bench_codec(address: str, codec: str, layout: KVLayout, sizes: list[in
             ceiling = ceiling_in(nbytes, device, rounds)
             row = {"case": "load", "tokens": n, "codec": codec, "ms": ms * 1e3, "gbs": nbytes / ms / 1e9,
                    "ceiling_gbs": nbytes / ceiling / 1e9, "ratio": ceiling / ms,
-                   "bf16_gbs": layout.block_nbytes(n) / ms / 1e9}
+                   "bf16_gbs": layout.block_nbytes(n) / ms / 1e9, "rpc_ms": statistics.median(rpc),
+                   "copy_ms": statistics.median(copy)}
             if n == min(sizes):
                 row["first_ms"] = (first_load or 0) * 1e3
             rows.append(row)
@@ -168,13 +172,14 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    out = ["| case | tokens | codec | ms | GB/s (stored) | ceiling GB/s | ratio | bf16 GB/s | vs raw | first call ms |",
-           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    out = ["| case | tokens | codec | ms | GB/s (stored) | ceiling GB/s | ratio | bf16 GB/s | vs raw | rpc ms | "
+           "copy ms | first call ms |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         out.append(f"| {r['case']} | {r['tokens']} | {r['codec']} | {r['ms']:.1f} | {r['gbs']:.1f} | "
                    f"{r['ceiling_gbs']:.1f} | {100 * r['ratio']:.0f}% | "
                    f"{r.get('bf16_gbs', float('nan')):.1f} | "
                    + (f"{r['vs_raw']:.2f}x" if "vs_raw" in r else "-") + " | "
+                   + (f"{r['rpc_ms']:.1f} | {r['copy_ms']:.1f}" if "rpc_ms" in r else "- | -") + " | "
                    + (f"{r['first_ms']:.0f}" if "first_ms" in r else "-") + " |")
     return "\n".join(out)
 

@@ -57,6 +57,8 @@ class LoadResult:
     mapped_blocks: int  # copied out of a pool this process maps (DRAM, or HBM by CUDA IPC)
     bytes_blocks: int  # that came over the socket (on NVMe only, another host, or refetched)
     refetched_blocks: int  # whose slot was reused while it was copied, fetched again as bytes
+    rpc_ms: float = 0.0  # the GetPrefix round trip (lookup, descriptors, bytes of unmapped blocks)
+    copy_ms: float = 0.0  # copies, decode and writes into the destination, until the pool was read
 
 
 @dataclass(frozen=True)

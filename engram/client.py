@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -474,6 +475,7 @@ class EngramClient:
         req = pb.GetPrefixRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint,
                                   tokens=convert.tokens_to_pb(tokens), zero_copy=zero_copy,
                                   cuda_ipc=zero_copy and device.type == "cuda")
+        t0 = time.perf_counter()
         header: pb.PrefixHeader | None = None
         sources: list[BlockSource] = []
         unmapped: list[int] = []  # descriptors this process could not map: fetched as bytes
@@ -503,6 +505,7 @@ class EngramClient:
         n_tokens = min(header.matched_tokens, dest.capacity_tokens)
         blocks = tuple(convert.from_pb(BlockRef, b) for b in header.blocks)
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        t1 = time.perf_counter()
         try:
             report = await asyncio.to_thread(self._loader.load, sources, dest, block_tokens=bt, n_tokens=n_tokens,
                                              stream=stream)
@@ -515,9 +518,10 @@ class EngramClient:
             got = await self._fetch_bytes(fingerprint, [blocks[i].key for i in again], namespace)
             refetch = [self._bytes_source(i, h, p) for i, (h, p) in zip(again, got, strict=True)]
             await asyncio.to_thread(self._loader.load, refetch, dest, block_tokens=bt, n_tokens=n_tokens, stream=stream)
+        t2 = time.perf_counter()
         mapped = sum(1 for s in sources if s.payload is None and s.index * bt < n_tokens)
         return LoadResult(header.matched_tokens, n_tokens, blocks, mapped - len(report.stale),
-                          len(sources) - mapped + len(again), len(again))
+                          len(sources) - mapped + len(again), len(again), (t1 - t0) * 1e3, (t2 - t1) * 1e3)
 
     async def _fetch_bytes(self, fingerprint: bytes, keys: Sequence[bytes], namespace: str | None
                            ) -> list[tuple[pb.BlockHeader, bytes]]:

@@ -116,6 +116,18 @@ def _raw_view(buf: Tensor, n: int, shape: tuple[int, ...], dtype: DType) -> Tens
     return buf.view(dtype.torch_dtype)[: n * _numel(shape)].view(n, *shape)
 
 
+def _device_offsets(offsets: list[int], device: torch.device) -> Tensor:
+    """Offsets as an int64 tensor on the device without a synchronising copy: evenly spaced ones (a staged
+    run) are made there; others go through pinned memory (a copy from pageable memory would wait for the
+    stream, stalling the pipeline)."""
+    if device.type != "cuda":
+        return torch.tensor(offsets, dtype=torch.int64)
+    step = offsets[1] - offsets[0] if len(offsets) > 1 else 0
+    if all(o == offsets[0] + i * step for i, o in enumerate(offsets)):
+        return torch.arange(len(offsets), dtype=torch.int64, device=device) * step + offsets[0]
+    return torch.tensor(offsets, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+
+
 def _numel(shape: Sequence[int]) -> int:
     out = 1
     for d in shape:
@@ -214,8 +226,7 @@ class PrefixLoader:
                 staged = torch.cat(bufs) if len(bufs) > 1 else bufs[0]
                 offsets = [i * first.nbytes for i in range(len(run))]
             assert offsets is not None
-            offs = torch.tensor(offsets, dtype=torch.int64).to(staged.device, non_blocking=True)
-            return batched.decode_blocks(staged, offs, plan, backend=backend)
+            return batched.decode_blocks(staged, _device_offsets(offsets, staged.device), plan, backend=backend)
         if bufs is None:
             assert staged is not None and offsets is not None
             bufs = [staged.narrow(0, o, s.nbytes) for o, s in zip(offsets, run, strict=True)]

@@ -104,6 +104,8 @@ class SegmentReader:
         """The data area as a uint8 tensor over the mapping (no copy): the hit path copies block ranges out of
         it (after registering it with CUDA, at DMA speed). Writing to a read-only mapping faults."""
         lay = self.layout
+        if not lay.data_bytes:  # a table-only segment (the HBM pool's generations): no data area
+            return torch.empty(0, dtype=torch.uint8)
         with warnings.catch_warnings():  # a read-only mapping: torch warns, and we only read it
             warnings.simplefilter("ignore", UserWarning)
             return torch.frombuffer(self._mm, dtype=torch.uint8, offset=lay.data_offset, count=lay.data_bytes)

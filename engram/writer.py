@@ -23,6 +23,7 @@ from torch import Tensor
 
 from engram.codec import batched, blockformat, stored
 from engram.codec.base import codec_by_name
+from engram.errors import InvalidArgument
 from engram.layout import DType, ModelSpec
 from engram.loader import DEFAULT_CHUNK_BYTES, MappedSegment
 
@@ -84,6 +85,7 @@ class PutWriter:
         partial = [s for s in slots if s not in full]
         written = 0
         stage = 0
+        bad = torch.zeros((), dtype=torch.bool, device=device)  # NaN/Inf in any block: checked once, at the end
         plan = None
         if full and not stored.is_raw(codec):
             try:
@@ -101,7 +103,7 @@ class PutWriter:
             else:
                 buf = self._buffer(device, stage, n * size)
                 offsets = torch.arange(n, dtype=torch.int64, device=device) * size
-                batched.encode_blocks(blocks, plan, buf, offsets, backend="triton")
+                bad |= batched.encode_blocks(blocks, plan, buf, offsets, backend="triton")
             ready = torch.cuda.Event()
             ready.record(compute)
             copy.wait_event(ready)
@@ -119,6 +121,8 @@ class PutWriter:
             s.segment.data[s.offset : s.offset + s.nbytes].copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
             written += s.nbytes
         copy.synchronize()
+        if bool(bad):
+            raise InvalidArgument(f"the KV holds NaN or Inf values: it cannot be stored as {codec}")
         return written
 
     def _chunks(self, slots: Sequence[Slot]) -> list[list[Slot]]:

@@ -117,14 +117,23 @@ def unsealed_header(plan_: BlockPlan) -> bytes:
     return fields + bytes(blockformat.HEADER_LEN - len(fields))
 
 
-def encode_blocks(kv: Tensor, plan_: BlockPlan, dst: Tensor, offsets: Tensor, *, backend: str) -> None:
+_HEADS: dict[tuple[BlockPlan, torch.device], Tensor] = {}
+
+
+def encode_blocks(kv: Tensor, plan_: BlockPlan, dst: Tensor, offsets: Tensor, *, backend: str) -> Tensor:
     """Write len(offsets) blocks kv (blocks, L, 2, T, H, D) as v1 blocks of the plan (unsealed headers) into the
     uint8 buffer dst at byte offsets (int64 on dst's device). The Triton backend does it in a few launches for
-    all blocks: one amax reduction per stream, one permute copy for K, one encode launch per stream."""
+    all blocks: one amax reduction per stream, one permute copy for K, one encode launch per stream.
+
+    Returns a bool tensor on dst's device, true when some block held NaN or Inf (its bytes are then not a
+    valid encoding): the caller checks it once, after all its runs, instead of synchronising per run."""
     from engram.codec import fp4_reference as ref
 
     n = kv.shape[0]
-    head = torch.frombuffer(bytearray(unsealed_header(plan_)), dtype=torch.uint8).to(dst.device)
+    head = _HEADS.get((plan_, dst.device))
+    if head is None:  # made once: a copy from pageable memory would wait for the stream
+        head = _HEADS[(plan_, dst.device)] = torch.frombuffer(bytearray(unsealed_header(plan_)),
+                                                              dtype=torch.uint8).to(dst.device)
     where = offsets[:, None] + torch.arange(len(head), device=dst.device)[None, :]
     dst[where.flatten()] = head.repeat(n)
     if backend != "triton":
@@ -133,19 +142,20 @@ def encode_blocks(kv: Tensor, plan_: BlockPlan, dst: Tensor, offsets: Tensor, *,
             body = enc.encode(kv[b], Axis.CHANNEL, Axis.TOKEN, backend)
             at = off + blockformat.HEADER_LEN
             dst[at : at + len(body)] = torch.frombuffer(bytearray(body), dtype=torch.uint8).to(dst.device)
-        return
+        return torch.zeros((), dtype=torch.bool, device=dst.device)  # the reference raised on NaN/Inf
     from engram.kernels import fp4 as kernels
 
     layers, _, tokens, heads, dim = plan_.shape
     k = kv[:, :, 0].permute(0, 1, 3, 4, 2).reshape(n, layers * heads * dim, tokens)  # (n, L*H*D, T): a copy
     v = kv[:, :, 1].reshape(n, layers * tokens * heads, dim)  # (n, L*T*H, D)
-    for name, x, at in (("K", k, plan_.k_at), ("V", v, plan_.v_at)):
+    bad = torch.zeros((), dtype=torch.bool, device=dst.device)
+    for x, at in ((k, plan_.k_at), (v, plan_.v_at)):
+        amax = x.reshape(n, -1).abs().amax(dim=1).float()  # (n,): per block, as the reference per matrix
+        bad |= ~torch.isfinite(amax).all()
         scales = None
-        if plan_.codec in ("nvfp4", "fp8_e4m3"):
-            amax = x.reshape(n, -1).abs().amax(dim=1).float()  # (n,): per block, as the reference per matrix
-            if not bool(torch.isfinite(amax).all()):
-                raise ValueError(f"{name}: a block holds NaN or Inf")
-            scales = ref.nvfp4_tensor_scale(amax) if plan_.codec == "nvfp4" else ref.fp8_tensor_scale(amax)
-        elif not bool(torch.isfinite(x.reshape(n, -1).abs().amax(dim=1)).all()):
-            raise ValueError(f"{name}: a block holds NaN or Inf")
+        if plan_.codec == "nvfp4":
+            scales = ref.nvfp4_tensor_scale(amax)
+        elif plan_.codec == "fp8_e4m3":
+            scales = ref.fp8_tensor_scale(amax)
         kernels.quantize_blocks_into(plan_.codec, x.contiguous(), scales, dst, offsets + at)
+    return bad

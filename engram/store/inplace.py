@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-
-import xxhash
 
 from engram.block import BlockHeader
 from engram.codec import blockformat, stored
@@ -33,6 +30,7 @@ from engram.errors import FailedPrecondition, InvalidArgument, NotFound, Resourc
 from engram.eviction import tick
 from engram.index import BlockMeta
 from engram.keys import block_key, tokens_to_bytes
+from engram.sealing import Sealer, SealTask
 from engram.tiers.pool import PoolTier, Slot
 
 if TYPE_CHECKING:
@@ -62,11 +60,13 @@ class Reservation:
 
 
 class InPlacePuts:
-    def __init__(self, store: BlockStore, pool: PoolTier, reserve_s: float) -> None:
+    def __init__(self, store: BlockStore, pool: PoolTier, reserve_s: float, *, sealers: int | None = None) -> None:
         self.store = store
         self.pool = pool
         self.reserve_s = reserve_s
         self._open: dict[int, Reservation] = {}
+        assert pool.segment is not None
+        self.sealer = Sealer(str(pool.segment.path), pool.segment.layout.data_offset, sealers)
 
     def __len__(self) -> int:
         return len(self._open)
@@ -166,7 +166,7 @@ class InPlacePuts:
             res.timer.cancel()
         store = self.store
         try:
-            await asyncio.to_thread(self._seal, res)  # hashes gigabytes: off the event loop
+            await self._seal(res)
         except BaseException:
             await self._drop(res)
             raise
@@ -195,16 +195,17 @@ class InPlacePuts:
         await store.after_put([r.meta for r in res.blocks if r.meta.locations])
         return out
 
-    def _seal(self, res: Reservation) -> None:
+    async def _seal(self, res: Reservation) -> None:
         """Verify each slot holds what was reserved, fill in a v1 block's body and header checksums, and take
-        the payload's checksum: all from the bytes as they lie in the pool."""
-        for i, r in enumerate(res.blocks):
-            if r.slot is None:
-                continue
-            region = self.pool.region(r.slot)
-            if not stored.is_raw(r.header.codec):
-                _seal_v1(region.numpy(), r.header, i)
-            r.meta.checksum = xxhash.xxh3_64_intdigest(region.numpy())
+        the payload's checksum: all from the bytes as they lie in the pool (engram/sealing.py)."""
+        todo = [r for r in res.blocks if r.slot is not None]
+        tasks = [SealTask(r.slot.offset, r.meta.nbytes, None if stored.is_raw(r.header.codec)  # type: ignore[union-attr]
+                          else _v1_fields(r.header, r.meta.nbytes)) for r in todo]
+        for i, (r, got) in enumerate(zip(todo, await self.sealer.seal(tasks), strict=True)):
+            if isinstance(got, str):
+                raise InvalidArgument(f"block {i}: {got}: not the {r.header.codec} block of shape "
+                                      f"{tuple(r.header.shape)} that was reserved")
+            r.meta.checksum = got
 
     def _slot_key(self, res: Reservation, meta: BlockMeta) -> bytes:
         return meta.key + res.id.to_bytes(8, "little")
@@ -237,6 +238,7 @@ class InPlacePuts:
             asyncio.get_running_loop().create_task(self._drop(res))
 
     async def close(self) -> None:
+        self.sealer.close()
         for rid in list(self._open):
             res = self._open.pop(rid)
             if res.timer is not None:
@@ -244,28 +246,8 @@ class InPlacePuts:
             await self._drop(res)
 
 
-_FIELDS = struct.Struct("<4sBBBBBBH5IQQ")  # blockformat's header fields, before the header checksum
-
-
-def _seal_v1(region: object, header: BlockHeader, index: int) -> None:
-    """The worker wrote a v1 header with zero checksums; check its fields, then write the body's checksum
-    and the header's own."""
-    import numpy as np
-
-    buf = memoryview(region)  # type: ignore[arg-type]
-    where = f"block {index}"
-    try:
-        magic, version, codec_id, k_axis, v_axis, dtype, ndim, _, *shape, body_len, _ = _FIELDS.unpack_from(buf)
-    except struct.error:
-        raise InvalidArgument(f"{where}: too short for a v1 block") from None
+def _v1_fields(header: BlockHeader, nbytes: int) -> tuple[int, ...]:
+    """The v1 header fields a block in place must carry, checksums left out (engram/sealing.py checks them)."""
     codec = codec_by_name(header.codec)
-    want_len = len(buf) - blockformat.HEADER_LEN
-    if (magic, version, codec_id, dtype, ndim, tuple(shape), body_len) != (
-            blockformat.MAGIC, blockformat.VERSION, int(codec.codec_id), int(header.dtype), 5, tuple(header.shape),
-            want_len) or (k_axis, v_axis) != (0, 1):
-        raise InvalidArgument(f"{where}: the bytes written are not the {header.codec} block of shape "
-                              f"{tuple(header.shape)} that was reserved (write v1 blocks with zero checksums)")
-    body = np.asarray(region)[blockformat.HEADER_LEN :]
-    struct.pack_into("<Q", buf, _FIELDS.size - 8, xxhash.xxh3_64_intdigest(body))
-    struct.pack_into("<Q", buf, _FIELDS.size, xxhash.xxh3_64_intdigest(buf[: _FIELDS.size]))
-    blockformat.parse_header(buf, where)  # and it parses as a v1 header now
+    return (blockformat.MAGIC, blockformat.VERSION, int(codec.codec_id), 0, 1, int(header.dtype), 5, 0,
+            *header.shape, nbytes - blockformat.HEADER_LEN)
