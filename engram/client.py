@@ -64,6 +64,8 @@ from engram.writer import PutWriter, Slot
 
 __all__ = ["EngramClient", "SyncEngramClient", "same_host"]
 
+RELEASE_AFTER_S = 0.25  # a finished load's lease ends with the next load, or this long after it
+
 T = TypeVar("T")
 
 
@@ -109,6 +111,8 @@ class EngramClient:
         self._writer = PutWriter()  # the put path on the daemon's host (engram/writer.py)
         self._writable_pools: dict[str, MappedSegment] = {}
         self._in_place_ok = True
+        self._held: dict[str, list[int]] = {}  # finished loads' leases, by namespace: ended with the next load
+        self._flush: asyncio.TimerHandle | None = None
         self._mapped: dict[str, MappedSegment] = {}  # pools mapped (and registered with CUDA) for the hit path
 
     async def __aenter__(self) -> EngramClient:
@@ -118,6 +122,9 @@ class EngramClient:
         await self.close()
 
     async def close(self) -> None:
+        if self._flush is not None:
+            self._flush.cancel()
+        self._flush_held()
         if self._releasing:
             await asyncio.gather(*self._releasing, return_exceptions=True)
         for reader in self._segments.values():
@@ -420,6 +427,19 @@ class EngramClient:
             reader = self._segments[path] = SegmentReader(path, segment_id)
         return reader
 
+    def _hold(self, namespace: str, lease_id: int) -> None:
+        """Keep a finished load's lease to end with the next load (no extra round trip), or, if none comes
+        within RELEASE_AFTER_S, with a ReleaseLeases of its own."""
+        self._held.setdefault(namespace, []).append(lease_id)
+        if self._flush is None:
+            self._flush = asyncio.get_running_loop().call_later(RELEASE_AFTER_S, self._flush_held)
+
+    def _flush_held(self) -> None:
+        self._flush = None
+        held, self._held = self._held, {}
+        for ns, ids in held.items():
+            self._release_later(set(ids), ns)
+
     def _release_later(self, lease_ids: set[int], namespace: str | None) -> None:
         task = asyncio.get_running_loop().create_task(self._release(lease_ids, namespace))
         self._releasing.add(task)
@@ -452,7 +472,7 @@ class EngramClient:
             made.append(ContiguousKV(torch.empty(lay.block_shape(n), dtype=lay.dtype.torch_dtype, device=device)))
             return made[-1]
 
-        result = await self._load_prefix(fingerprint, tokens, make, torch.device(device), namespace)
+        result = await self._load_prefix(fingerprint, tokens, make, torch.device(device), namespace, hold=False)
         return result.matched_tokens, made[0].kv
 
     async def load_prefix_into(self, fingerprint: bytes, tokens: Sequence[int] | np.ndarray,
@@ -462,45 +482,33 @@ class EngramClient:
         ContiguousKV), up to its capacity. One round trip (GetPrefix): blocks in the daemon's shared pools are
         copied straight out of them (DMA into a GPU, FP4 decoded there), the rest come as bytes. On a GPU the
         writes are queued on the current stream; the call returns once every copy out of the daemon's pools
-        has completed, and their leases end in the background."""
+        has completed. The blocks' lease ends with this client's next load (no extra round trip), or
+        RELEASE_AFTER_S after this one."""
         target = ContiguousKV(dest) if isinstance(dest, torch.Tensor) else dest
         return await self._load_prefix(fingerprint, tokens, lambda n: target, target.device, namespace)
 
     async def _load_prefix(self, fingerprint: bytes, tokens: Sequence[int] | np.ndarray,
                            make_dest: Callable[[int], KVDestination], device: torch.device,
-                           namespace: str | None) -> LoadResult:
+                           namespace: str | None, *, hold: bool = True) -> LoadResult:
         spec = self._spec(fingerprint)
         bt = spec.layout.block_tokens
         zero_copy = self._zero_copy_ok and same_host(self.address)
-        req = pb.GetPrefixRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint,
+        ns = self._ns(namespace)
+        held = self._held.pop(ns, [])  # the last load's lease: ended by this call, before it starts
+        req = pb.GetPrefixRequest(namespace=ns, model_fingerprint=fingerprint,
                                   tokens=convert.tokens_to_pb(tokens), zero_copy=zero_copy,
-                                  cuda_ipc=zero_copy and device.type == "cuda")
+                                  cuda_ipc=zero_copy and device.type == "cuda", release_lease_ids=held)
         t0 = time.perf_counter()
-        header: pb.PrefixHeader | None = None
+        header = await self._call(self._stub.GetPrefix(req))
         sources: list[BlockSource] = []
-        unmapped: list[int] = []  # descriptors this process could not map: fetched as bytes
-        chunks: Reassembler[pb.BlockHeader] = client_reassembler(lambda h: h.payload_nbytes)
-        try:
-            async for resp in self._stub.GetPrefix(req):
-                item = resp.WhichOneof("item")
-                if item == "header":
-                    header = resp.header
-                elif item == "descriptor":
-                    src = self._mapped_source(len(sources) + len(unmapped), resp.descriptor, device)
-                    if src is None:
-                        unmapped.append(len(sources) + len(unmapped))
-                    else:
-                        sources.append(src)
-                else:
-                    c = resp.chunk
-                    done = chunks.add(c.header if c.HasField("header") else None, c.data, c.last,
-                                      len(sources) + len(unmapped))
-                    if done is not None:
-                        sources.append(self._bytes_source(len(sources) + len(unmapped), *done))
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from exc
-        if header is None:
-            raise errors.DataLoss("GetPrefix stream carried no header")
+        unmapped: list[int] = []  # blocks not described, or in a pool this process cannot map: fetched as bytes
+        for i in range(len(header.blocks)):
+            d = header.descriptors[i] if i < len(header.descriptors) else None
+            src = self._mapped_source(i, d, device) if d is not None and d.segment_path else None
+            if src is None:
+                unmapped.append(i)
+            else:
+                sources.append(src)
         dest = make_dest(header.matched_tokens)
         n_tokens = min(header.matched_tokens, dest.capacity_tokens)
         blocks = tuple(convert.from_pb(BlockRef, b) for b in header.blocks)
@@ -510,8 +518,10 @@ class EngramClient:
             report = await asyncio.to_thread(self._loader.load, sources, dest, block_tokens=bt, n_tokens=n_tokens,
                                              stream=stream)
         finally:  # every copy out of a pool has completed (or failed): the slots may be reused
-            if header.lease_id:
-                self._release_later({header.lease_id}, namespace)
+            if header.lease_id and hold:
+                self._hold(ns, header.lease_id)
+            elif header.lease_id:
+                self._release_later({header.lease_id}, ns)
         again = sorted(set(unmapped) | set(report.stale))
         again = [i for i in again if i * bt < n_tokens]
         if again:  # slots reused during the copy, or a pool this process cannot map: those blocks as bytes

@@ -100,22 +100,31 @@ async def test_a_query_diverging_inside_a_block_and_a_small_destination(server_f
 
 
 @pytest.mark.parametrize("device", DEVICES)
-async def test_blocks_on_nvme_only_come_as_bytes_in_the_same_call(server_factory, tmp_path: Path, device: str) -> None:  # type: ignore[no-untyped-def]
+async def test_blocks_on_nvme_are_promoted_into_the_pool_or_else_come_as_bytes(server_factory, tmp_path: Path,
+                                                                               device: str) -> None:  # type: ignore[no-untyped-def]
     spec = tiny_model()
     block = spec.layout.block_nbytes(BLOCK_TOKENS)
-    srv = await server_factory(**{"tiers.dram.capacity": 4 * block, "tiers.dram.page_bytes": 256,
+    srv = await server_factory(**{"tiers.dram.capacity": 8 * block, "tiers.dram.page_bytes": 256,
                                   "tiers.nvme.path": str(tmp_path / "nvme")})
     async with EngramClient(srv.address, namespace="t") as c:
         fp = await c.register_model(spec)
-        toks = tokens(8 * BLOCK_TOKENS)
-        kv = random_kv(spec, len(toks))
-        await c.put(fp, toks, kv)  # 8 blocks through a 4-block DRAM tier: the first ones are demoted
-        on_nvme = [b for b in (await c.lookup(fp, toks)).blocks if b.tier == "nvme"]
-        assert on_nvme
-        dest = torch.zeros_like(kv, device=device)
-        res = await c.load_prefix_into(fp, toks, dest)
-        assert res.bytes_blocks >= len(on_nvme) and res.mapped_blocks + res.bytes_blocks == 8
-        assert torch.equal(dest.cpu(), kv)
+        a, b = tokens(8 * BLOCK_TOKENS, seed=1), tokens(8 * BLOCK_TOKENS, seed=2)
+        kv_a, kv_b = random_kv(spec, len(a), seed=1), random_kv(spec, len(b), seed=2)
+        await c.put(fp, a, kv_a)
+        await c.put(fp, b, kv_b)  # a goes down to NVMe
+        assert {x.tier for x in (await c.lookup(fp, a)).blocks} == {"nvme"}
+        before = (await c.stats()).tier("dram").promotions
+        dest = torch.zeros_like(kv_a, device=device)
+        res = await c.load_prefix_into(fp, a, dest)  # one batch up into the pool (b is demoted), then mapped
+        assert (res.mapped_blocks, res.bytes_blocks) == (8, 0)
+        assert (await c.stats()).tier("dram").promotions - before == 8
+        assert torch.equal(dest.cpu(), kv_a)
+        # Now b is on NVMe and a fills the pool pinned: nothing can make room, so b comes as bytes.
+        await c.pin(fp, [x.key for x in (await c.lookup(fp, a)).blocks])
+        dest = torch.zeros_like(kv_b, device=device)
+        res = await c.load_prefix_into(fp, b, dest)
+        assert (res.mapped_blocks, res.bytes_blocks) == (0, 8)
+        assert torch.equal(dest.cpu(), kv_b)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -188,8 +188,8 @@ class EngramService:
                                            cuda_ipc=req.cuda_ipc, decode=req.decode):
             yield pb.GetResponse(**{kind: msg})
 
-    @streaming
-    async def GetPrefix(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetPrefixResponse]:
+    @unary
+    async def GetPrefix(self, request: Any, context: grpc.aio.ServicerContext) -> pb.PrefixHeader:
         req = decoded(request)
         check_limit("GetPrefix tokens", len(req.tokens), self.config.max_tokens_per_request)
         check_limit("GetPrefix release_lease_ids", len(req.release_lease_ids), self.config.max_blocks_per_request)
@@ -201,16 +201,31 @@ class EngramService:
             have = sum(m.num_tokens for m in match.blocks if m.full)
             if await self.peers.fill(ns, req.model_fingerprint, tokens, have):
                 match = self.store.lookup(ns, req.model_fingerprint, tokens)
-        header = pb.PrefixHeader(matched_tokens=match.matched_tokens, blocks=_refs(match.blocks))
-        async for kind, msg in self._serve(ns, req.model_fingerprint, list(match.blocks), zero_copy=req.zero_copy,
-                                           cuda_ipc=req.cuda_ipc, decode=False, header=header):
-            yield pb.GetPrefixResponse(**{kind: msg})
+        metas = list(match.blocks)
+        header = pb.PrefixHeader(matched_tokens=match.matched_tokens, blocks=_refs(metas))
+        codec = self.store.spec(req.model_fingerprint).codec
+        pools = self._zero_copy_pools(req.zero_copy, req.cuda_ipc, False, codec)
+        if self.pool is not None and self.pool in pools:
+            # Blocks on NVMe (or a pool the caller cannot map) come up into the shared pool first, as one batch.
+            up = [m for m in metas if not any(p.name in m.locations for p in pools)]
+            if up:
+                with self.store.reading(metas):
+                    await self.store.copy_up(up, self.pool.name)
+        in_pool = {m.key: p for m in metas if not m.moving
+                   and (p := next((p for p in pools if p.name in m.locations), None)) is not None}
+        if in_pool:
+            lease = self.leases.grant(ns, [m for m in metas if m.key in in_pool])
+            header.lease_id = lease.id
+            header.lease_expires_in_s = max(0.0, lease.expires - time.monotonic())
+            header.descriptors.extend(self._descriptor(m, codec, lease, in_pool[m.key], tokens=False)
+                                      if m.key in in_pool else pb.BlockDescriptor() for m in metas)
+        return header
 
     async def _serve(self, ns: str, fingerprint: bytes, metas: list[BlockMeta], *, zero_copy: bool, cuda_ipc: bool,
-                     decode: bool, header: pb.PrefixHeader | None = None) -> AsyncIterator[tuple[str, Any]]:
+                     decode: bool) -> AsyncIterator[tuple[str, Any]]:
         """The blocks, in order, as ("descriptor", BlockDescriptor) under one lease for those in a pool the
-        caller may map, and ("chunk", BlockChunk)s for the rest; a GetPrefix `header` goes first, carrying
-        the lease. Every block is held (not evicted) while the stream is open."""
+        caller may map, and ("chunk", BlockChunk)s for the rest. Every block is held (not evicted) while the
+        stream is open."""
         codec = self.store.spec(fingerprint).codec
         step = self.config.chunk_bytes
         pools = self._zero_copy_pools(zero_copy, cuda_ipc, decode, codec)
@@ -221,11 +236,6 @@ class EngramService:
                 in_pool[m.key] = pool
         lease = self.leases.grant(ns, [m for m in metas if m.key in in_pool]) if in_pool else None  # before sending
         try:
-            if header is not None:
-                if lease is not None:
-                    header.lease_id = lease.id
-                    header.lease_expires_in_s = max(0.0, lease.expires - time.monotonic())
-                yield "header", header
             with self.store.reading(metas):
                 for meta in metas:
                     if lease is not None and meta.key in in_pool:
@@ -252,12 +262,16 @@ class EngramService:
         pools = [self.ipc_pool] if cuda_ipc and self.ipc_pool is not None else []
         return pools + ([self.pool] if self.pool is not None else [])
 
-    def _descriptor(self, meta: BlockMeta, codec: str, lease: Lease, pool: PoolTier) -> pb.BlockDescriptor:
+    def _descriptor(self, meta: BlockMeta, codec: str, lease: Lease, pool: PoolTier, *, tokens: bool = True
+                    ) -> pb.BlockDescriptor:
         assert pool.segment is not None
         slot = pool.slot(meta.key)
         self.store.served(meta, pool.name)  # counted like every other hit: the worker copies it in place
+        header = _header_of(meta, codec)
+        if not tokens:  # GetPrefix: the caller sent them
+            header = dataclasses.replace(header, tokens=header.tokens[:0])
         desc = pb.BlockDescriptor(
-            key=meta.key, header=convert.header_to_pb(_header_of(meta, codec)), segment_path=str(pool.segment.path),
+            key=meta.key, header=convert.header_to_pb(header), segment_path=str(pool.segment.path),
             segment_id=pool.segment.layout.segment_id, offset=slot.offset, generation=slot.generation,
             lease_id=lease.id, lease_expires_in_s=max(0.0, lease.expires - time.monotonic()))
         if pool is self.ipc_pool:
@@ -467,7 +481,7 @@ class EngramService:
             "Lookup": grpc.unary_unary_rpc_method_handler(guard(self.Lookup, self.tenancy), safe_decoder(pb.LookupRequest), ser),
             "Put": grpc.stream_unary_rpc_method_handler(guard(self.Put, self.tenancy), safe_decoder(pb.PutRequest), ser),
             "Get": grpc.unary_stream_rpc_method_handler(guard(self.Get, self.tenancy), safe_decoder(pb.GetRequest), ser),
-            "GetPrefix": grpc.unary_stream_rpc_method_handler(
+            "GetPrefix": grpc.unary_unary_rpc_method_handler(
                 guard(self.GetPrefix, self.tenancy), safe_decoder(pb.GetPrefixRequest), ser),
             "ReservePut": grpc.unary_unary_rpc_method_handler(
                 guard(self.ReservePut, self.tenancy), safe_decoder(pb.ReservePutRequest), ser),

@@ -329,6 +329,45 @@ class BlockStore:
     async def read(self, meta: BlockMeta, *, promote: bool = True) -> bytes:
         """The block's payload from its fastest verified copy; a corrupt or unreadable copy is dropped and
         the next tried. A hit below the top tier is copied up (promotion) unless promote is False."""
+        payload, name = await self._read_verified(meta)
+        self.served(meta, name)
+        placement = self.placement
+        top = placement.tiers[0].name
+        if promote and placement.rank[name] > 0 and not meta.moving and top not in meta.locations:
+            await placement.promote(meta, payload)
+        return payload
+
+    async def copy_up(self, metas: Sequence[BlockMeta], tier_name: str) -> int:
+        """Copy blocks that tier `tier_name` lacks into it from where they lie, as one batch: every block is
+        read (concurrently, verified) and placed without waiting for room (what finds none stays where it
+        is); a copy joins a block's locations once written. Returns how many landed. The hit path uses it
+        to bring NVMe blocks into the shared DRAM pool before describing them."""
+        placement = self.placement
+        rank = placement.rank[tier_name]
+        todo = [m for m in metas if tier_name not in m.locations and m.locations and not m.moving]
+
+        async def one(meta: BlockMeta) -> int:
+            meta.moving = True
+            placement.busy += 1
+            try:
+                payload, _ = await self._read_verified(meta)
+                await placement.place(meta, rank, payload, wait=False)
+            except (ResourceExhausted, DataLoss):
+                return 0
+            finally:
+                meta.moving = False
+                placement.busy -= 1
+                placement.notify_freed()
+            tc = self.counters.tiers[tier_name]
+            tc.promotions += 1
+            tc.promoted_bytes += meta.nbytes
+            return 1
+
+        return sum(await asyncio.gather(*(one(m) for m in todo)))
+
+    async def _read_verified(self, meta: BlockMeta) -> tuple[bytes, str]:
+        """The payload of the block's fastest copy that reads and verifies, and that tier's name; copies
+        that fail are dropped (counted); with none left the block is unindexed and DataLoss raised."""
         placement = self.placement
         reasons = []
         for name in list(meta.locations):
@@ -346,11 +385,7 @@ class BlockStore:
                 reasons.append(str(exc))
                 await placement.drop_copy(meta, name)
                 continue
-            self.served(meta, name)
-            top = placement.tiers[0].name
-            if promote and placement.rank[name] > 0 and not meta.moving and top not in meta.locations:
-                await placement.promote(meta, payload)
-            return payload
+            return payload, name
         placement.unindex(meta)
         raise DataLoss(f"block {meta.key.hex()}: no tier holds a valid copy any more ({'; '.join(reasons)}); "
                        "it was dropped")

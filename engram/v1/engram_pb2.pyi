@@ -217,26 +217,18 @@ class GetPrefixRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., tokens: _Optional[_Iterable[int]] = ..., zero_copy: _Optional[bool] = ..., cuda_ipc: _Optional[bool] = ..., release_lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefixHeader(_message.Message):
-    __slots__ = ("matched_tokens", "blocks", "lease_id", "lease_expires_in_s")
+    __slots__ = ("matched_tokens", "blocks", "lease_id", "lease_expires_in_s", "descriptors")
     MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
     matched_tokens: int
     blocks: _containers.RepeatedCompositeFieldContainer[BlockRef]
     lease_id: int
     lease_expires_in_s: float
-    def __init__(self, matched_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_expires_in_s: _Optional[float] = ...) -> None: ...
-
-class GetPrefixResponse(_message.Message):
-    __slots__ = ("header", "descriptor", "chunk")
-    HEADER_FIELD_NUMBER: _ClassVar[int]
-    DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_FIELD_NUMBER: _ClassVar[int]
-    header: PrefixHeader
-    descriptor: BlockDescriptor
-    chunk: BlockChunk
-    def __init__(self, header: _Optional[_Union[PrefixHeader, _Mapping]] = ..., descriptor: _Optional[_Union[BlockDescriptor, _Mapping]] = ..., chunk: _Optional[_Union[BlockChunk, _Mapping]] = ...) -> None: ...
+    descriptors: _containers.RepeatedCompositeFieldContainer[BlockDescriptor]
+    def __init__(self, matched_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_expires_in_s: _Optional[float] = ..., descriptors: _Optional[_Iterable[_Union[BlockDescriptor, _Mapping]]] = ...) -> None: ...
 
 class ReservePutRequest(_message.Message):
     __slots__ = ("namespace", "model_fingerprint", "parent_key", "pin", "blocks")

@@ -99,10 +99,10 @@ class EngramStub:
                 request_serializer=engram_dot_v1_dot_engram__pb2.ResumeRequest.SerializeToString,
                 response_deserializer=engram_dot_v1_dot_engram__pb2.ResumeResponse.FromString,
                 _registered_method=True)
-        self.GetPrefix = channel.unary_stream(
+        self.GetPrefix = channel.unary_unary(
                 '/engram.v1.Engram/GetPrefix',
                 request_serializer=engram_dot_v1_dot_engram__pb2.GetPrefixRequest.SerializeToString,
-                response_deserializer=engram_dot_v1_dot_engram__pb2.GetPrefixResponse.FromString,
+                response_deserializer=engram_dot_v1_dot_engram__pb2.PrefixHeader.FromString,
                 _registered_method=True)
         self.ReservePut = channel.unary_unary(
                 '/engram.v1.Engram/ReservePut',
@@ -246,9 +246,10 @@ class EngramServicer:
     def GetPrefix(self, request, context):
         """---- GPU data path: same-host zero-copy ----
 
-        The hit path in one round trip: the longest cached prefix of `tokens` (as Lookup), then its blocks (as
-        Get): descriptors under one lease for blocks in a shared pool, bytes for the rest. Leases of earlier
-        calls named in release_lease_ids end first, so a worker releases with its next request.
+        The hit path in one round trip: the longest cached prefix of `tokens` (as Lookup) and, under one lease,
+        where its blocks lie in pools the caller may map (blocks on NVMe are promoted into the shared DRAM pool
+        first). A block that could not be described is fetched with Get. Leases of earlier calls named in
+        release_lease_ids end first, so a worker releases with its next request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -390,10 +391,10 @@ def add_EngramServicer_to_server(servicer, server):
                     request_deserializer=engram_dot_v1_dot_engram__pb2.ResumeRequest.FromString,
                     response_serializer=engram_dot_v1_dot_engram__pb2.ResumeResponse.SerializeToString,
             ),
-            'GetPrefix': grpc.unary_stream_rpc_method_handler(
+            'GetPrefix': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPrefix,
                     request_deserializer=engram_dot_v1_dot_engram__pb2.GetPrefixRequest.FromString,
-                    response_serializer=engram_dot_v1_dot_engram__pb2.GetPrefixResponse.SerializeToString,
+                    response_serializer=engram_dot_v1_dot_engram__pb2.PrefixHeader.SerializeToString,
             ),
             'ReservePut': grpc.unary_unary_rpc_method_handler(
                     servicer.ReservePut,
@@ -813,12 +814,12 @@ class Engram:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
+        return grpc.experimental.unary_unary(
             request,
             target,
             '/engram.v1.Engram/GetPrefix',
             engram_dot_v1_dot_engram__pb2.GetPrefixRequest.SerializeToString,
-            engram_dot_v1_dot_engram__pb2.GetPrefixResponse.FromString,
+            engram_dot_v1_dot_engram__pb2.PrefixHeader.FromString,
             options,
             channel_credentials,
             insecure,
