@@ -104,20 +104,24 @@ async def bench_codec(address: str, codec: str, layout: KVLayout, sizes: list[in
         first_put = time.perf_counter() - t0
         assert put.stored == -(-longest // layout.block_tokens), put
         put_bytes = stored_bytes(layout, codec, longest)
-        samples = []
+        samples, parts = [], []
         for r in range(put_rounds):  # other sequences of the same length: every block is new
             other = np.arange(longest, dtype=np.int32) + (r + 1) * 1_000_000
             sync(device)
             t0 = time.perf_counter()
-            await c.put(fp, other, kv)
+            p = await c.put(fp, other, kv)
             sync(device)
             samples.append(time.perf_counter() - t0)
+            parts.append((p.reserve_ms, p.write_ms, p.commit_ms))
         if samples:
             ms = statistics.median(samples)
             ceiling = ceiling_out(put_bytes, device, rounds)
             rows.append({"case": "put", "tokens": longest, "codec": codec, "ms": ms * 1e3,
                          "gbs": put_bytes / ms / 1e9, "ceiling_gbs": put_bytes / ceiling / 1e9,
-                         "ratio": ceiling / ms, "first_ms": first_put * 1e3})
+                         "ratio": ceiling / ms, "first_ms": first_put * 1e3,
+                         "reserve_ms": statistics.median(x[0] for x in parts),
+                         "write_ms": statistics.median(x[1] for x in parts),
+                         "commit_ms": statistics.median(x[2] for x in parts)})
         first_load = None
         for n in sizes:
             dest = torch.empty(layout.block_shape(n), dtype=torch.bfloat16, device=device)
@@ -179,7 +183,9 @@ def table(rows: list[dict[str, Any]]) -> str:
                    f"{r['ceiling_gbs']:.1f} | {100 * r['ratio']:.0f}% | "
                    f"{r.get('bf16_gbs', float('nan')):.1f} | "
                    + (f"{r['vs_raw']:.2f}x" if "vs_raw" in r else "-") + " | "
-                   + (f"{r['rpc_ms']:.1f} | {r['copy_ms']:.1f}" if "rpc_ms" in r else "- | -") + " | "
+                   + (f"{r['rpc_ms']:.1f} | {r['copy_ms']:.1f}" if "rpc_ms" in r else
+                      f"{r['reserve_ms'] + r['commit_ms']:.1f} | {r['write_ms']:.1f}" if "write_ms" in r else "- | -")
+                   + " | "
                    + (f"{r['first_ms']:.0f}" if "first_ms" in r else "-") + " |")
     return "\n".join(out)
 

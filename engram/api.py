@@ -78,6 +78,10 @@ class PutResult:
     stored: int
     deduplicated: int
     skipped: int  # blocks not sent because a Lookup showed them cached
+    # An in-place put's time: reserving slots, encoding and writing them, the daemon's sealing and publishing.
+    reserve_ms: float = 0.0
+    write_ms: float = 0.0
+    commit_ms: float = 0.0
 
 
 @dataclass(frozen=True)

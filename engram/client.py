@@ -243,11 +243,13 @@ class EngramClient:
                                           codec=codec))
         keys: list[bytes] = []
         stored_count = deduplicated = skipped = 0
+        ms = [0.0, 0.0, 0.0]  # reserve, write, commit
         stream = torch.cuda.current_stream(kv.device) if kv.is_cuda else None
         while len(keys) < len(headers):  # in rounds, when the chain is longer than the pool takes at once
             first = len(keys)
             req = pb.ReservePutRequest(namespace=ns, model_fingerprint=fingerprint, pin=pin, blocks=headers[first:],
                                        parent_key=keys[-1] if keys else b"")
+            t0 = time.perf_counter()
             try:
                 res = await self._call(self._stub.ReservePut(req))
             except errors.FailedPrecondition:
@@ -266,9 +268,13 @@ class EngramClient:
                     raise
                 self._in_place_ok = False  # this process cannot map the pool: the reservation expires unused
                 return None
+            t1 = time.perf_counter()
             await asyncio.to_thread(self._writer.write, kv, spec, slots, stream)
+            t2 = time.perf_counter()
             reply = await self._call(self._stub.CommitPut(pb.CommitPutRequest(
                 namespace=ns, reservation_id=res.reservation_id)))
+            for i, dt in enumerate((t1 - t0, t2 - t1, time.perf_counter() - t2)):
+                ms[i] += dt * 1e3
             keys += list(res.keys)
             stored_count += reply.stored
             deduplicated += reply.deduplicated
@@ -276,7 +282,7 @@ class EngramClient:
             if not res.keys:  # nothing reserved and no error: the daemon says why
                 raise errors.ResourceExhausted(res.refused or "the daemon reserved none of the blocks")
             # Stopped early (room, or the quota): the next round makes room, or fails saying why.
-        return PutResult(tuple(keys), stored_count, deduplicated, skipped=skipped)
+        return PutResult(tuple(keys), stored_count, deduplicated, skipped, *ms)
 
     def _writable(self, path: str, segment_id: bytes, register: bool) -> MappedSegment:
         seg = self._writable_pools.get(path)
@@ -511,7 +517,7 @@ class EngramClient:
                 sources.append(src)
         dest = make_dest(header.matched_tokens)
         n_tokens = min(header.matched_tokens, dest.capacity_tokens)
-        blocks = tuple(convert.from_pb(BlockRef, b) for b in header.blocks)
+        blocks = tuple(BlockRef(b.key, b.num_tokens, b.tier, b.nbytes) for b in header.blocks)
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         t1 = time.perf_counter()
         try:

@@ -20,7 +20,7 @@ from engram.client import EngramClient
 from engram.destinations import LayerKV, PagedKV
 from engram.loader import PrefixLoader
 
-from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
+from helpers import BLOCK_TOKENS, engram_daemon, random_kv, tiny_model, tokens
 
 CODECS = ["raw", "nvfp4", "mxfp4", "fp8_e4m3"]
 # The same tests on a GPU (the H200): the staged pipeline, the batched kernels and the registered mapping.
@@ -207,19 +207,20 @@ async def test_a_worker_in_another_process_loads_the_same_tensors(server_factory
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the H200)")
 @pytest.mark.parametrize("codec", ["raw", "nvfp4"])
-async def test_hbm_blocks_load_through_cuda_ipc_into_the_worker(server_factory, codec: str) -> None:  # type: ignore[no-untyped-def]
-    """Blocks in the daemon's HBM pool (on the same GPU) are decoded where they lie, opened by CUDA IPC."""
-    srv = await server_factory(**{"tiers.hbm.capacity": "64MiB", "tiers.hbm.device": "cuda"})
+async def test_hbm_blocks_load_through_cuda_ipc_into_the_worker(tmp_path: Path, codec: str) -> None:
+    """Blocks in the daemon's HBM pool (a daemon process on the same GPU) are decoded where they lie, the pool
+    opened by CUDA IPC in the worker (a process cannot open its own allocation so)."""
     spec = tiny_model(codec=codec)
-    async with EngramClient(srv.address, namespace="t", zero_copy=False) as putter:  # a Put lands in HBM
-        fp = await putter.register_model(spec)
-        toks = tokens(4 * BLOCK_TOKENS + 3)
-        await putter.put(fp, toks, random_kv(spec, len(toks)))
-        want = await bytes_path(putter, fp, toks)
-    async with EngramClient(srv.address, namespace="t") as c:
-        await c.register_model(spec)
-        assert all(b.tier == "hbm" for b in (await c.lookup(fp, toks)).blocks)
-        dest = torch.zeros(spec.layout.block_shape(len(toks)), dtype=torch.bfloat16, device="cuda")
-        res = await c.load_prefix_into(fp, toks, dest)
-        assert (res.mapped_blocks, res.bytes_blocks) == (5, 0)
-        assert torch.equal(dest.cpu(), want)
+    with engram_daemon(tmp_path, "--set", "tiers.hbm.capacity=64MiB", "--set", "tiers.hbm.device=cuda") as (addr, _):
+        async with EngramClient(addr, namespace="t", zero_copy=False) as putter:  # a Put lands in HBM
+            fp = await putter.register_model(spec)
+            toks = tokens(4 * BLOCK_TOKENS + 3)
+            await putter.put(fp, toks, random_kv(spec, len(toks)))
+            want = await bytes_path(putter, fp, toks)
+        async with EngramClient(addr, namespace="t") as c:
+            await c.register_model(spec)
+            assert all(b.tier == "hbm" for b in (await c.lookup(fp, toks)).blocks)
+            dest = torch.zeros(spec.layout.block_shape(len(toks)), dtype=torch.bfloat16, device="cuda")
+            res = await c.load_prefix_into(fp, toks, dest)
+            assert (res.mapped_blocks, res.bytes_blocks) == (5, 0)
+            assert torch.equal(dest.cpu(), want)

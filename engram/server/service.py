@@ -13,7 +13,6 @@ import grpc
 
 from engram import __version__
 from engram.api import (
-    BlockRef,
     CheckFinding,
     CheckReport,
     ClusterStats,
@@ -55,7 +54,8 @@ def _chunks(key: bytes, header: pb.BlockHeader, payload: bytes, step: int) -> li
 
 
 def _refs(metas: tuple[BlockMeta, ...] | list[BlockMeta]) -> list[pb.BlockRef]:
-    return [convert.to_pb(BlockRef(m.key, m.num_tokens, m.tier, m.nbytes), pb.BlockRef) for m in metas]
+    """engram.api.BlockRef's message for each block (built directly: a hit of a long prefix has hundreds)."""
+    return [pb.BlockRef(key=m.key, num_tokens=m.num_tokens, tier=m.tier, nbytes=m.nbytes) for m in metas]
 
 
 def _header_of(meta: BlockMeta, codec: str) -> BlockHeader:
@@ -267,11 +267,13 @@ class EngramService:
         assert pool.segment is not None
         slot = pool.slot(meta.key)
         self.store.served(meta, pool.name)  # counted like every other hit: the worker copies it in place
-        header = _header_of(meta, codec)
-        if not tokens:  # GetPrefix: the caller sent them
-            header = dataclasses.replace(header, tokens=header.tokens[:0])
+        if tokens:
+            header = convert.header_to_pb(_header_of(meta, codec))
+        else:  # GetPrefix: the caller sent them
+            header = pb.BlockHeader(dtype=int(meta.dtype), shape=meta.shape, payload_nbytes=meta.nbytes,  # type: ignore[arg-type]
+                                    checksum=meta.checksum, codec=codec)
         desc = pb.BlockDescriptor(
-            key=meta.key, header=convert.header_to_pb(header), segment_path=str(pool.segment.path),
+            key=meta.key, header=header, segment_path=str(pool.segment.path),
             segment_id=pool.segment.layout.segment_id, offset=slot.offset, generation=slot.generation,
             lease_id=lease.id, lease_expires_in_s=max(0.0, lease.expires - time.monotonic()))
         if pool is self.ipc_pool:
