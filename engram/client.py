@@ -269,10 +269,22 @@ class EngramClient:
                 self._in_place_ok = False  # this process cannot map the pool: the reservation expires unused
                 return None
             t1 = time.perf_counter()
-            await asyncio.to_thread(self._writer.write, kv, spec, slots, stream)
+            # In runs: while the daemon seals and publishes run i, this process writes run i + 1.
+            commits: list[asyncio.Task[Any]] = []
+            for first_block, run in self._commit_runs(slots, first, len(res.keys)):
+                await asyncio.to_thread(self._writer.write, kv, spec, run, stream)
+                commits.append(asyncio.ensure_future(self._commit_after(
+                    commits[-1] if commits else None, ns, res.reservation_id, first_block)))
             t2 = time.perf_counter()
-            reply = await self._call(self._stub.CommitPut(pb.CommitPutRequest(
-                namespace=ns, reservation_id=res.reservation_id)))
+            if not commits:  # every block was cached: the commit closes the reservation
+                commits.append(asyncio.ensure_future(self._commit_after(None, ns, res.reservation_id, 0)))
+            outcomes = await asyncio.gather(*commits, return_exceptions=True)
+            failed = [o for o in outcomes if isinstance(o, BaseException)]
+            if failed:
+                raise failed[0]
+            replies: list[pb.PutResponse] = outcomes  # type: ignore[assignment]
+            reply = pb.PutResponse(stored=sum(r.stored for r in replies),
+                                   deduplicated=sum(r.deduplicated for r in replies))
             for i, dt in enumerate((t1 - t0, t2 - t1, time.perf_counter() - t2)):
                 ms[i] += dt * 1e3
             keys += list(res.keys)
@@ -283,6 +295,36 @@ class EngramClient:
                 raise errors.ResourceExhausted(res.refused or "the daemon reserved none of the blocks")
             # Stopped early (room, or the quota): the next round makes room, or fails saying why.
         return PutResult(tuple(keys), stored_count, deduplicated, skipped, *ms)
+
+    @staticmethod
+    def _commit_runs(slots: list[Slot], first: int, n_blocks: int) -> list[tuple[int, list[Slot]]]:
+        """The slots in runs of about a quarter of the bytes (at least 64 MiB), each with the number of the
+        reservation's blocks a commit after it covers (cached blocks between slots count too); the last run
+        covers every block that remains."""
+        total = sum(s.nbytes for s in slots)
+        target = max(64 * 2**20, total // 4)
+        runs: list[tuple[int, list[Slot]]] = []
+        done = first  # reservation blocks are numbered from `first` in the sequence
+        size = 0
+        current: list[Slot] = []
+        for s in slots:
+            current.append(s)
+            size += s.nbytes
+            if size >= target:
+                runs.append((s.index + 1 - done, current))
+                done, size, current = s.index + 1, 0, []
+        if current or not runs:
+            runs.append((0, current))  # 0: all that remain
+        else:
+            runs[-1] = (0, runs[-1][1])
+        return runs
+
+    async def _commit_after(self, previous: asyncio.Task[Any] | None, ns: str, reservation_id: int, blocks: int
+                            ) -> pb.PutResponse:
+        if previous is not None:
+            await previous  # commits go in chain order
+        return await self._call(self._stub.CommitPut(pb.CommitPutRequest(
+            namespace=ns, reservation_id=reservation_id, blocks=blocks)))
 
     def _writable(self, path: str, segment_id: bytes, register: bool) -> MappedSegment:
         seg = self._writable_pools.get(path)

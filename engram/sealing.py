@@ -1,24 +1,25 @@
 """Sealing blocks written in place: their checksums, computed by the daemon from the bytes in its shared pool.
 
 xxhash holds the GIL, so hashing the gigabytes of a long put in threads gains nothing; the daemon hashes in a
-few worker processes instead, each mapping the pool's segment once and taking whole blocks (a block's hash is
-sequential; blocks are independent). This module is what those processes import: it loads neither torch nor
-the daemon, so they start in well under a second.
+few helper processes instead (`python -m engram.sealing PATH DATA_OFFSET`), each mapping the pool's segment
+once (prefaulted) and taking whole blocks (a block's hash is sequential; blocks are independent). They are
+plain subprocesses speaking one JSON line per task on stdin/stdout, not multiprocessing workers: those would
+re-import the daemon's main module (torch, the CLI) in every helper. This module imports neither.
 
-For a v1 block (a quantizing codec) a worker also checks the header the client wrote against what was reserved,
-then writes the body's checksum and the header's own (engram/codec/blockformat.py's layout) before it takes the
-payload's. On a one-core host, or where processes cannot be started, the same function runs in a thread.
+For a v1 block (a quantizing codec) a helper also checks the header the client wrote against what was
+reserved, then writes the body's checksum and the header's own (engram/codec/blockformat.py's layout) before it
+takes the payload's. On a small host, or where helpers cannot start, the same function runs in a thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
+import json
 import mmap
-import multiprocessing
 import os
 import struct
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,10 +34,10 @@ HEADER_LEN = _FIELDS.size + 8
 class SealTask:
     offset: int  # of the block in the segment's data area
     length: int
-    v1: tuple[int, ...] | None  # a v1 block: (magic..body_len) as reserved, without the checksums; None: raw
+    v1: tuple[int, ...] | None  # a v1 block: its header fields as reserved, magic as int, checksums left out
 
 
-_maps: dict[str, tuple[mmap.mmap, int]] = {}  # in a worker process: segment path -> (mapping, data offset)
+_maps: dict[str, tuple[mmap.mmap, int]] = {}
 
 
 def _mapping(path: str, data_offset: int) -> memoryview:
@@ -44,7 +45,10 @@ def _mapping(path: str, data_offset: int) -> memoryview:
     if m is None:
         fd = os.open(path, os.O_RDWR)
         try:
-            mm = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # MAP_POPULATE: fault the pool in once, here, rather than a page at a time under every put (a fresh
+            # 4 GiB put would otherwise cost a million page faults in the hashing processes).
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mm = mmap.mmap(fd, 0, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         m = _maps[path] = (mm, data_offset)
@@ -58,49 +62,104 @@ def seal(path: str, data_offset: int, task: SealTask) -> int | str:
         if len(buf) < HEADER_LEN:
             return "too short for a v1 block"
         fields = _FIELDS.unpack_from(buf)
-        if tuple(fields[:-1]) != task.v1:
+        got = (int.from_bytes(fields[0], "little"), *fields[1:-1])
+        if got != tuple(task.v1):
             return "the bytes written are not the block that was reserved (write v1 blocks with zero checksums)"
         struct.pack_into("<Q", buf, _FIELDS.size - 8, xxhash.xxh3_64_intdigest(buf[HEADER_LEN:]))
         struct.pack_into("<Q", buf, _FIELDS.size, xxhash.xxh3_64_intdigest(buf[: _FIELDS.size]))
     return xxhash.xxh3_64_intdigest(buf)
 
 
+def _serve(path: str, data_offset: int) -> None:
+    """A helper's loop: one task a line in ([offset, length, v1 or null]), one result a line out."""
+    _mapping(path, data_offset)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        offset, length, v1 = json.loads(line)
+        print(json.dumps(seal(path, data_offset, SealTask(offset, length, v1))), flush=True)
+
+
+class _Helper:
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.lock = asyncio.Lock()
+
+    async def run(self, task: SealTask) -> int | str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        async with self.lock:
+            self.proc.stdin.write((json.dumps([task.offset, task.length, task.v1]) + "\n").encode())
+            await self.proc.stdin.drain()
+            line = await self.proc.stdout.readline()
+        if not line:
+            raise OSError("a sealing helper died")
+        result: int | str = json.loads(line)
+        return result
+
+
 class Sealer:
-    """A small pool of hashing processes (started on first use) over one shared segment."""
+    """Helper processes (started by `start`, or on first use) hashing blocks of one shared segment."""
 
     def __init__(self, path: str, data_offset: int, workers: int | None = None) -> None:
         self.path = path
         self.data_offset = data_offset
         cores = os.cpu_count() or 1
-        self.workers = workers if workers is not None else max(1, min(8, cores // 2))
-        self._pool: concurrent.futures.Executor | None = None
+        # Most of the host's cores for the moments a commit hashes; none on a small host (hash in a thread).
+        self.workers = workers if workers is not None else (min(16, cores - 2) if cores >= 4 else 1)
+        self._helpers: list[_Helper] = []
+        self._starting: asyncio.Task[None] | None = None
 
-    def _executor(self) -> concurrent.futures.Executor | None:
-        if self.workers <= 1:
-            return None
-        if self._pool is None:
-            try:
-                ctx = multiprocessing.get_context("spawn")  # not fork: the daemon runs gRPC threads
-                self._pool = concurrent.futures.ProcessPoolExecutor(self.workers, mp_context=ctx)
-            except (OSError, ValueError):
-                self.workers = 1
-                return None
-        return self._pool
+    def start(self) -> None:
+        """Start the helpers in the background (each maps and prefaults the pool), ahead of the first put."""
+        if self.workers > 1 and self._starting is None:
+            self._starting = asyncio.get_running_loop().create_task(self._start())
+
+    async def _start(self) -> None:
+        procs = await asyncio.gather(*(asyncio.create_subprocess_exec(
+            sys.executable, "-m", "engram.sealing", self.path, str(self.data_offset),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE) for _ in range(self.workers)))
+        for proc in procs:
+            assert proc.stdout is not None
+            if await proc.stdout.readline() == b"ready\n":
+                self._helpers.append(_Helper(proc))
+            else:
+                proc.kill()
 
     async def seal(self, tasks: Sequence[SealTask]) -> list[int | str]:
-        loop = asyncio.get_running_loop()
-        pool = self._executor()
-        if pool is None or len(tasks) < 2:
+        if self.workers > 1:
+            self.start()
+            assert self._starting is not None
+            with contextlib.suppress(OSError):
+                await self._starting
+        helpers = [h for h in self._helpers if h.proc.returncode is None]
+        if len(helpers) < 2 or len(tasks) < 2:
             return await asyncio.to_thread(lambda: [seal(self.path, self.data_offset, t) for t in tasks])
-        try:
-            futures = [loop.run_in_executor(pool, seal, self.path, self.data_offset, t) for t in tasks]
-            return list(await asyncio.gather(*futures))
-        except concurrent.futures.process.BrokenProcessPool:
-            self._pool = None  # a worker died: hash here this time, start afresh next time
-            return await asyncio.to_thread(lambda: [seal(self.path, self.data_offset, t) for t in tasks])
+        queue = list(enumerate(tasks))
+        out: list[int | str | None] = [None] * len(tasks)
 
-    def close(self) -> None:
-        if self._pool is not None:
+        async def drain(helper: _Helper) -> None:
+            while queue:
+                i, task = queue.pop()
+                out[i] = await helper.run(task)
+
+        try:
+            await asyncio.gather(*(drain(h) for h in helpers))
+        except OSError:  # a helper died: hash the rest here
+            for i, t in enumerate(tasks):
+                if out[i] is None:
+                    out[i] = await asyncio.to_thread(seal, self.path, self.data_offset, t)
+        return out  # type: ignore[return-value]
+
+    async def close(self) -> None:
+        if self._starting is not None:
             with contextlib.suppress(Exception):
-                self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+                await self._starting
+        for h in self._helpers:
+            with contextlib.suppress(ProcessLookupError):
+                h.proc.kill()
+            with contextlib.suppress(Exception):
+                await h.proc.wait()
+        self._helpers.clear()
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1], int(sys.argv[2]))

@@ -27,7 +27,8 @@ async def server_factory(transport: str, tmp_path: Path) -> AsyncIterator[Server
     started: list[RunningServer] = []
 
     async def start(**overrides: Any) -> RunningServer:
-        base: dict[str, Any] = {"server.port": 0}
+        # 256 MiB pools, not the 4 GiB default: several daemons at once fit a small /dev/shm.
+        base: dict[str, Any] = {"server.port": 0, "tiers.dram.capacity": "256MiB"}
         if transport == "unix":
             base["server.unix_socket"] = str(tmp_path / f"engram-{len(started)}.sock")
         cfg = load_config(env={}, overrides={**base, **overrides})

@@ -47,7 +47,8 @@ def redis_port() -> Iterator[int]:
 async def daemons(redis_port: int) -> AsyncIterator[tuple[RunningServer, RunningServer]]:
     started = []
     for name in ("a", "b"):
-        cfg = load_config(env={}, overrides={"server.port": 0, "cluster.redis_url": f"redis://127.0.0.1:{redis_port}/0",
+        cfg = load_config(env={}, overrides={"server.port": 0, "tiers.dram.capacity": "64MiB",
+                                             "cluster.redis_url": f"redis://127.0.0.1:{redis_port}/0",
                                              "cluster.node_id": name, "cluster.heartbeat_s": 0.2, "cluster.ttl_s": 2.0})
         started.append(await start_server(cfg))
     yield started[0], started[1]
@@ -132,7 +133,8 @@ async def test_with_tenancy_a_tenants_prefix_crosses_daemons_and_no_other_tenant
     try:
         for name in ("a", "b"):
             cfg = load_config(env={}, overrides={
-                "server.port": 0, "cluster.redis_url": f"redis://127.0.0.1:{redis_port}/0", "cluster.node_id": name,
+                "server.port": 0, "tiers.dram.capacity": "64MiB",
+                "cluster.redis_url": f"redis://127.0.0.1:{redis_port}/0", "cluster.node_id": name,
                 "cluster.heartbeat_s": 0.2, "cluster.ttl_s": 2.0, **auth})
             started.append(await start_server(cfg))
         a_srv, b_srv = started

@@ -143,7 +143,8 @@ async def test_model_file_lost_keeps_blocks_until_registered(tmp_path: Path) -> 
     await store.close()
     for f in (tmp_path / "models").iterdir():
         f.unlink()
-    store2 = await build_store(load_config(env={}, overrides={"tiers.nvme.path": str(tmp_path)}))
+    store2 = await build_store(load_config(env={}, overrides={"tiers.nvme.path": str(tmp_path),
+                                                              "tiers.dram.capacity": "64MiB"}))
     assert len(store2.index) == 2
     with pytest.raises(errors.NotFound, match="RegisterModel"):
         store2.lookup(NS, SPEC.fingerprint, t)

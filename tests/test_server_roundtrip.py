@@ -264,7 +264,8 @@ def test_sync_client_round_trip(server) -> None:  # type: ignore[no-untyped-def]
     holder: dict[str, object] = {}
 
     async def boot() -> None:
-        holder["srv"] = await start_server(load_config(env={}, overrides={"server.port": 0}))
+        holder["srv"] = await start_server(load_config(env={}, overrides={"server.port": 0,
+                                                                          "tiers.dram.capacity": "64MiB"}))
         ready.set()
 
     thread = threading.Thread(target=lambda: (loop.run_until_complete(boot()), loop.run_forever()), daemon=True)

@@ -310,7 +310,7 @@ class EngramService:
         ns = namespace_for(context, req.namespace)
         if self.inplace is None:
             raise FailedPrecondition("this daemon has no shared DRAM pool: nothing was reserved")
-        outcomes = await self.inplace.commit(self.inplace.get(ns, req.reservation_id))
+        outcomes = await self.inplace.commit(self.inplace.get(ns, req.reservation_id), req.blocks)
         return pb.PutResponse(keys=[o.key for o in outcomes], stored=sum(o.stored for o in outcomes),
                               deduplicated=sum(not o.stored for o in outcomes))
 

@@ -54,6 +54,7 @@ class Reservation:
     pool: PoolTier
     expires: float
     pin: bool = False
+    committed: int = 0  # blocks committed so far (a prefix of `blocks`)
     refused: str = ""  # why the reservation stopped before the chain's end (the blocks after it were not reserved)
     timer: asyncio.TimerHandle | None = None
     done: bool = field(default=False)
@@ -67,6 +68,7 @@ class InPlacePuts:
         self._open: dict[int, Reservation] = {}
         assert pool.segment is not None
         self.sealer = Sealer(str(pool.segment.path), pool.segment.layout.data_offset, sealers)
+        self.sealer.start()
 
     def __len__(self) -> int:
         return len(self._open)
@@ -156,22 +158,30 @@ class InPlacePuts:
                            f"(after {self.reserve_s:g}s), or never made")
         return res
 
-    async def commit(self, res: Reservation) -> list[PutOutcome]:
-        """Check, seal and publish the reserved blocks in chain order; the slots of blocks stored meanwhile
-        by someone else are dropped (deduplicated)."""
+    async def commit(self, res: Reservation, count: int = 0) -> list[PutOutcome]:
+        """Check, seal and publish the next `count` reserved blocks (0: all that remain) in chain order; the
+        slots of blocks stored meanwhile by someone else are dropped (deduplicated). The reservation closes
+        with its last block; a failure drops what remains of it."""
         from engram.store.core import PutOutcome
 
-        del self._open[res.id]
-        if res.timer is not None:
-            res.timer.cancel()
+        end = len(res.blocks) if count <= 0 else min(len(res.blocks), res.committed + count)
+        batch = res.blocks[res.committed : end]
+        last = end == len(res.blocks)
+        if last:
+            del self._open[res.id]
+            if res.timer is not None:
+                res.timer.cancel()
         store = self.store
         try:
-            await self._seal(res)
+            await self._seal(batch)
         except BaseException:
+            self._open.pop(res.id, None)
+            if res.timer is not None:
+                res.timer.cancel()
             await self._drop(res)
             raise
         out: list[PutOutcome] = []
-        for r in res.blocks:
+        for r in batch:
             meta = r.meta
             if r.slot is None or store.index.get_in(res.namespace, meta.key) is not None:
                 if r.slot is not None:
@@ -191,14 +201,20 @@ class InPlacePuts:
             r.slot = None
             store.counters.blocks_put += 1
             out.append(PutOutcome(meta.key, stored=True))
+        res.committed = end
         self._release_parent(res)
-        await store.after_put([r.meta for r in res.blocks if r.meta.locations])
+        if not last:  # the next blocks extend the last one committed: hold it, as the chain's deepest stored block
+            tail = store.index.get_in(res.namespace, batch[-1].meta.key)
+            if tail is not None:
+                tail.children += 1
+                res.parent, res.done = tail, False
+        await store.after_put([r.meta for r in batch if r.meta.locations])
         return out
 
-    async def _seal(self, res: Reservation) -> None:
+    async def _seal(self, batch: Sequence[Reserved]) -> None:
         """Verify each slot holds what was reserved, fill in a v1 block's body and header checksums, and take
         the payload's checksum: all from the bytes as they lie in the pool (engram/sealing.py)."""
-        todo = [r for r in res.blocks if r.slot is not None]
+        todo = [r for r in batch if r.slot is not None]
         tasks = [SealTask(r.slot.offset, r.meta.nbytes, None if stored.is_raw(r.header.codec)  # type: ignore[union-attr]
                           else _v1_fields(r.header, r.meta.nbytes)) for r in todo]
         for i, (r, got) in enumerate(zip(todo, await self.sealer.seal(tasks), strict=True)):
@@ -238,7 +254,7 @@ class InPlacePuts:
             asyncio.get_running_loop().create_task(self._drop(res))
 
     async def close(self) -> None:
-        self.sealer.close()
+        await self.sealer.close()
         for rid in list(self._open):
             res = self._open.pop(rid)
             if res.timer is not None:
@@ -249,5 +265,5 @@ class InPlacePuts:
 def _v1_fields(header: BlockHeader, nbytes: int) -> tuple[int, ...]:
     """The v1 header fields a block in place must carry, checksums left out (engram/sealing.py checks them)."""
     codec = codec_by_name(header.codec)
-    return (blockformat.MAGIC, blockformat.VERSION, int(codec.codec_id), 0, 1, int(header.dtype), 5, 0,
-            *header.shape, nbytes - blockformat.HEADER_LEN)
+    return (int.from_bytes(blockformat.MAGIC, "little"), blockformat.VERSION, int(codec.codec_id), 0, 1,
+            int(header.dtype), 5, 0, *header.shape, nbytes - blockformat.HEADER_LEN)

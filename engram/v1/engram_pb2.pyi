@@ -261,12 +261,14 @@ class ReservePutResponse(_message.Message):
     def __init__(self, reservation_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., slots: _Optional[_Iterable[_Union[BlockDescriptor, _Mapping]]] = ..., cached: _Optional[_Iterable[bool]] = ..., expires_in_s: _Optional[float] = ..., refused: _Optional[str] = ...) -> None: ...
 
 class CommitPutRequest(_message.Message):
-    __slots__ = ("namespace", "reservation_id")
+    __slots__ = ("namespace", "reservation_id", "blocks")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     reservation_id: int
-    def __init__(self, namespace: _Optional[str] = ..., reservation_id: _Optional[int] = ...) -> None: ...
+    blocks: int
+    def __init__(self, namespace: _Optional[str] = ..., reservation_id: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("namespace", "model_fingerprint", "keys", "unpin")
