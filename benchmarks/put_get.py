@@ -4,6 +4,8 @@ For each block size (1 MiB, 16 MiB), client count (1, 8) and transport (TCP, uni
 clients each put N blocks (one Put RPC per block) and then get them back (one Get RPC per block, the
 client rebuilding a torch tensor and verifying the checksum); the same payloads go through redis-py
 SET/GET on the same transport. Figures: GB/s (payload bytes / wall time) and per-operation p50/p99.
+The clients take the bytes path (zero_copy=False), as a worker on another host does: on the daemon's host a
+put is written in place and a get copied out of the mapped pool (benchmarks/hit_path.py measures those).
 
     .venv/bin/python benchmarks/put_get.py [--quick] [--out results.json]
 """
@@ -62,8 +64,8 @@ def payloads(block_mib: int, clients: int, per_client: int) -> list[list[tuple[n
 async def bench_engram(address: str, transport: str, block_mib: int, clients: int, per_client: int) -> list[Row]:
     spec = ModelSpec(f"bench-{block_mib}", "w", layout_for(block_mib))
     data = payloads(block_mib, clients, per_client)
-    conns = [EngramClient(address, namespace="bench", chunk_bytes=32 * MiB, max_message_bytes=64 * MiB)
-             for _ in range(clients)]
+    conns = [EngramClient(address, namespace="bench", chunk_bytes=32 * MiB, max_message_bytes=64 * MiB,
+                          zero_copy=False) for _ in range(clients)]
     fps = [await c.register_model(spec) for c in conns]
     put_lat: list[float] = []
     get_lat: list[float] = []
