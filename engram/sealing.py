@@ -37,27 +37,23 @@ class SealTask:
     v1: tuple[int, ...] | None  # a v1 block: its header fields as reserved, magic as int, checksums left out
 
 
-_maps: dict[str, tuple[mmap.mmap, int]] = {}
+def _map_pool(path: str, data_offset: int) -> memoryview:
+    """A helper process's own mapping of the pool's data area (it lives as long as the process)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        # MAP_POPULATE: fault the pool in once, here, rather than a page at a time under every put (a fresh
+        # 4 GiB put would otherwise cost a million page faults in the hashing processes).
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mm = mmap.mmap(fd, 0, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return memoryview(mm)[data_offset:]
 
 
-def _mapping(path: str, data_offset: int) -> memoryview:
-    m = _maps.get(path)
-    if m is None:
-        fd = os.open(path, os.O_RDWR)
-        try:
-            # MAP_POPULATE: fault the pool in once, here, rather than a page at a time under every put (a fresh
-            # 4 GiB put would otherwise cost a million page faults in the hashing processes).
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            mm = mmap.mmap(fd, 0, flags, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        m = _maps[path] = (mm, data_offset)
-    return memoryview(m[0])[m[1] :]
-
-
-def seal(path: str, data_offset: int, task: SealTask) -> int | str:
-    """The payload's checksum, after sealing a v1 header; or a message saying what is wrong."""
-    buf = _mapping(path, data_offset)[task.offset : task.offset + task.length]
+def seal(data: memoryview, task: SealTask) -> int | str:
+    """The payload's checksum, after sealing a v1 header; or a message saying what is wrong. data: the
+    pool's data area (a helper's own mapping, or the daemon's)."""
+    buf = data[task.offset : task.offset + task.length]
     if task.v1 is not None:
         if len(buf) < HEADER_LEN:
             return "too short for a v1 block"
@@ -72,11 +68,11 @@ def seal(path: str, data_offset: int, task: SealTask) -> int | str:
 
 def _serve(path: str, data_offset: int) -> None:
     """A helper's loop: one task a line in ([offset, length, v1 or null]), one result a line out."""
-    _mapping(path, data_offset)
+    data = _map_pool(path, data_offset)
     print("ready", flush=True)
     for line in sys.stdin:
         offset, length, v1 = json.loads(line)
-        print(json.dumps(seal(path, data_offset, SealTask(offset, length, v1))), flush=True)
+        print(json.dumps(seal(data, SealTask(offset, length, v1))), flush=True)
 
 
 class _Helper:
@@ -97,11 +93,13 @@ class _Helper:
 
 
 class Sealer:
-    """Helper processes (started by `start`, or on first use) hashing blocks of one shared segment."""
+    """Helper processes (started by `start`, or on first use) hashing blocks of one shared segment; `data`,
+    the daemon's own view of the segment's data area, is what a thread hashes when there are no helpers."""
 
-    def __init__(self, path: str, data_offset: int, workers: int | None = None) -> None:
+    def __init__(self, path: str, data_offset: int, data: memoryview, workers: int | None = None) -> None:
         self.path = path
         self.data_offset = data_offset
+        self.data = data
         cores = os.cpu_count() or 1
         # Most of the host's cores for the moments a commit hashes; none on a small host (hash in a thread).
         self.workers = workers if workers is not None else (min(16, cores - 2) if cores >= 4 else 1)
@@ -132,7 +130,7 @@ class Sealer:
                 await self._starting
         helpers = [h for h in self._helpers if h.proc.returncode is None]
         if len(helpers) < 2 or len(tasks) < 2:
-            return await asyncio.to_thread(lambda: [seal(self.path, self.data_offset, t) for t in tasks])
+            return await asyncio.to_thread(lambda: [seal(self.data, t) for t in tasks])
         queue = list(enumerate(tasks))
         out: list[int | str | None] = [None] * len(tasks)
 
@@ -146,7 +144,7 @@ class Sealer:
         except OSError:  # a helper died: hash the rest here
             for i, t in enumerate(tasks):
                 if out[i] is None:
-                    out[i] = await asyncio.to_thread(seal, self.path, self.data_offset, t)
+                    out[i] = await asyncio.to_thread(seal, self.data, t)
         return out  # type: ignore[return-value]
 
     async def close(self) -> None:
@@ -159,6 +157,7 @@ class Sealer:
             with contextlib.suppress(Exception):
                 await h.proc.wait()
         self._helpers.clear()
+        self.data = memoryview(b"")  # the pool's view goes with the pool
 
 
 if __name__ == "__main__":

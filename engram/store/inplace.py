@@ -67,7 +67,8 @@ class InPlacePuts:
         self.reserve_s = reserve_s
         self._open: dict[int, Reservation] = {}
         assert pool.segment is not None
-        self.sealer = Sealer(str(pool.segment.path), pool.segment.layout.data_offset, sealers)
+        self.sealer = Sealer(str(pool.segment.path), pool.segment.layout.data_offset,
+                             memoryview(pool.buffer.numpy()), sealers)
         self.sealer.start()
 
     def __len__(self) -> int:

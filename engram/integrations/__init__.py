@@ -1,0 +1,1 @@
+"""Engram inside serving stacks: Hugging Face transformers (transformers.py) and a vLLM KV connector (vllm)."""

@@ -1,0 +1,177 @@
+"""Engram as a Hugging Face transformers causal LM's prefix cache, through the model's own cache object.
+
+    from engram.client import SyncEngramClient
+    from engram.integrations.transformers import EngramPrefixCache, generate
+
+    cache = EngramPrefixCache(model, SyncEngramClient("unix:/run/engram.sock"), codec="raw")
+    out = generate(model, input_ids, cache, max_new_tokens=64)      # was: model.generate(input_ids, ...)
+
+Before a request, the longest cached prefix of its tokens is loaded straight into the tensors of a
+`DynamicCache` (the client's hit path: descriptors, DMA into the GPU, FP4 decoded there) and the model
+prefills only the rest; after it, the KV of the whole sequence is stored (the blocks not cached yet, written
+into the daemon's pool in place). Only the model's global layers are stored per block (engram/layout.py); for
+a hybrid model (gpt-oss, Gemma 3: sliding-window layers beside global ones) the sliding layers' window for the
+cached prefix is rebuilt here by exact bounded replay (engram/replay: the last L_swa * (W - 1) tokens re-run
+through this model, reading the loaded global KV), so a prefix another session stored serves this one too.
+
+The model's identity in its fingerprint: `weights_id` when given (a checkpoint revision or hash); otherwise a
+hash of the config and of every parameter's shape, dtype and first 4096 values, computed once here: a
+weights change that keeps all of those is not seen (pass weights_id to be sure).
+
+What it does not do: batches of more than one sequence, and attention kinds other than full and sliding
+(chunked, linear, MLA: the layouts issue).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from engram.destinations import LayerKV
+from engram.errors import InvalidArgument
+from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
+
+_KINDS = {"full_attention": LayerKind.GLOBAL, "sliding_attention": LayerKind.SLIDING}
+
+
+def _text_config(model: Any) -> Any:
+    cfg = model.config
+    return cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+
+
+def layout_of(model: Any, *, block_tokens: int = 256) -> KVLayout:
+    """The Engram layout of a transformers causal LM: its layer kinds (full -> global, sliding -> sliding with
+    its window), KV heads, head dim and dtype."""
+    cfg = _text_config(model)
+    n = cfg.num_hidden_layers
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None) or (["sliding_attention" if window else "full_attention"] * n)
+    unknown = sorted(set(types) - set(_KINDS))
+    if unknown:
+        raise InvalidArgument(f"layer types {unknown} are not supported; Engram stores full and sliding attention")
+    layers = tuple(LayerSpec(_KINDS[t], int(window) if _KINDS[t] == LayerKind.SLIDING else 0) for t in types)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dtype = DType.from_torch(next(model.parameters()).dtype)
+    return KVLayout(layers=layers, num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim, dtype=dtype,
+                    block_tokens=block_tokens)
+
+
+def weights_identity(model: Any) -> str:
+    """A hash of the config and of each parameter's name, shape, dtype and first 4096 values (see above)."""
+    h = hashlib.blake2b(model.config.to_json_string().encode(), digest_size=16)
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+        h.update(p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
+    return f"hf:{h.hexdigest()}"
+
+
+class EngramPrefixCache:
+    """A causal LM's prefix cache in an Engram daemon: `load` before a forward, `store` after it."""
+
+    def __init__(self, model: Any, client: Any, *, namespace: str | None = None, codec: str = "",
+                 block_tokens: int = 256, weights_id: str = "", name: str = "") -> None:
+        """client: a SyncEngramClient. codec: the storage codec ("" = the daemon's default, nvfp4; "raw" keeps
+        the KV bit for bit)."""
+        self.model = model
+        self.client = client
+        self.namespace = namespace
+        self.layout = layout_of(model, block_tokens=block_tokens)
+        cfg = _text_config(model)
+        self.spec = ModelSpec(name or getattr(cfg, "name_or_path", "") or type(model).__name__,
+                              weights_id or weights_identity(model), self.layout, codec)
+        self.fingerprint: bytes = client.register_model(self.spec)
+        kinds = [layer.kind for layer in self.layout.layers]
+        self.global_layers = [i for i, k in enumerate(kinds) if k == LayerKind.GLOBAL]
+        self.sliding_layers = [i for i, k in enumerate(kinds) if k == LayerKind.SLIDING]
+        self._replay: Any = None
+        self.last_loaded = 0  # tokens the last `load` found cached
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # ---- before a forward -----------------------------------------------------------------------
+
+    def load(self, input_ids: Tensor) -> Any:
+        """A DynamicCache holding the longest cached prefix of input_ids (1, T), at most T - 1 tokens (the
+        model computes the last token's logits itself), sliding layers' windows rebuilt by replay."""
+        from transformers import DynamicCache
+
+        tokens = input_ids[0].tolist() if isinstance(input_ids, Tensor) else list(input_ids)
+        cache = DynamicCache(config=self.model.config)
+        lay = self.layout
+        h, d = lay.num_kv_heads, lay.head_dim
+        dtype = lay.dtype.torch_dtype
+        limit = len(tokens) - 1
+        # Global layers' KV lands in (1, H, T, D) tensors, as the cache keeps it; the loader writes (T, H, D) views.
+        ks = [torch.empty(1, h, max(limit, 0), d, dtype=dtype, device=self.device) for _ in self.global_layers]
+        vs = [torch.empty_like(k) for k in ks]
+        self.last_loaded = 0
+        if limit > 0:
+            res = self.client.load_prefix_into(self.fingerprint, tokens, LayerKV(
+                [k[0].transpose(0, 1) for k in ks], [v[0].transpose(0, 1) for v in vs]), namespace=self.namespace)
+            self.last_loaded = res.loaded_tokens
+        m = self.last_loaded
+        if m == 0:
+            return cache
+        windows = self._windows(tokens, ks, vs, m) if self.sliding_layers else {}
+        for i, layer in enumerate(cache.layers):
+            if i in windows:
+                k, v = windows[i]
+                layer.lazy_initialization(k, v)
+                layer.keys, layer.values = k, v
+                layer.cumulative_length = m  # the window holds the last W-1 of m tokens
+            else:
+                j = self.global_layers.index(i)
+                k, v = ks[j][:, :, :m], vs[j][:, :, :m]
+                layer.lazy_initialization(k, v)
+                layer.keys, layer.values = k, v
+        return cache
+
+    def _windows(self, tokens: list[int], ks: list[Tensor], vs: list[Tensor], m: int) -> dict[int, tuple[Tensor, Tensor]]:
+        """Each sliding layer's (1, H, rows, D) window for a query at m, by exact replay over the loaded KV."""
+        from engram.replay import ReplayMode, reconstruct_swa
+        from engram.replay.hf import HFReplayModel
+
+        if self._replay is None:
+            self._replay = HFReplayModel(self.model)
+        global_kv = tuple((k[0, :, :m].transpose(0, 1), v[0, :, :m].transpose(0, 1)) for k, v in zip(ks, vs, strict=True))
+        rec = reconstruct_swa(self._replay, torch.tensor(tokens[:m]), global_kv, ReplayMode.exact(), prefix_len=m)
+        return {i: (k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0))
+                for i, (k, v) in zip(self.sliding_layers, rec.window.kv, strict=True)}
+
+    # ---- after a forward -----------------------------------------------------------------------
+
+    def store(self, tokens: Tensor | list[int], cache: Any) -> int:
+        """Store the global layers' KV of `tokens` that `cache` holds (the blocks not cached yet); returns the
+        tokens stored. A cache holds KV for every token but the last one generated."""
+        toks = tokens[0].tolist() if isinstance(tokens, Tensor) and tokens.dim() == 2 else list(tokens)
+        layers = [cache.layers[i] for i in self.global_layers]
+        n = min(len(toks), min(int(layer.keys.shape[-2]) for layer in layers))
+        if n == 0:
+            return 0
+        kv = torch.stack([torch.stack((layer.keys[0, :, :n], layer.values[0, :, :n])) for layer in layers])  # (L, 2, H, n, D)
+        self.client.put(self.fingerprint, np.asarray(toks[:n], dtype=np.int32), kv.transpose(2, 3),
+                        namespace=self.namespace)
+        return n
+
+
+def generate(model: Any, input_ids: Tensor, cache: EngramPrefixCache, **kwargs: Any) -> Tensor:
+    """`model.generate(input_ids, **kwargs)` with Engram as its prefix cache: the cached prefix is loaded, only
+    the rest prefilled, and the whole sequence's KV stored afterwards. One sequence (batch size 1)."""
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise InvalidArgument(f"generate takes one sequence, input_ids of shape (1, T); got {tuple(input_ids.shape)}")
+    past = cache.load(input_ids)
+    out = model.generate(input_ids, **{cache_kwarg(model): past}, **kwargs)
+    cache.store(out, past)
+    return out
+
+
+def cache_kwarg(model: Any) -> str:
+    """The name a model's forward takes its cache by: `cache` from transformers 5.2x, `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

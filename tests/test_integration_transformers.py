@@ -1,0 +1,126 @@
+"""Engram as a transformers model's prefix cache, against a real daemon, with tiny random-weight Llama, Qwen3,
+gpt-oss and Gemma 3 models saved with save_pretrained: one session stores its KV, the worker process is
+replaced (a fresh process loads the model from its directory), and a second session sharing a long prefix
+loads it and prefills only the rest. Greedy generation is token-identical with and without Engram (raw
+codec; for the hybrid models the sliding layers' windows are rebuilt by exact replay); with nvfp4 the first
+step's logits stay within the tolerance docs/INTEGRATIONS.md states."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the transformers integration needs transformers")
+
+from engram.client import SyncEngramClient
+from engram.integrations.transformers import EngramPrefixCache, generate, layout_of
+
+from helpers import NEUTRAL_CWD
+
+NVFP4_LOGIT_TOL = 0.25  # relative L2 error of the first step's logits (docs/INTEGRATIONS.md)
+
+
+def tiny(kind: str) -> Any:
+    """A tiny random-weight model of the family, in float32, eager attention."""
+    import transformers as tf
+
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
+    if kind == "llama":
+        cfg, cls = tf.LlamaConfig(num_hidden_layers=2, **common), tf.LlamaForCausalLM
+    elif kind == "qwen3":
+        cfg, cls = tf.Qwen3Config(num_hidden_layers=2, **common), tf.Qwen3ForCausalLM
+    elif kind == "gpt-oss":
+        cfg = tf.GptOssConfig(num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                              **{**common, "intermediate_size": 64})
+        cls = tf.GptOssForCausalLM
+        cfg._experts_implementation = "eager"
+    else:
+        cfg = tf.Gemma3TextConfig(num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=16,
+                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"], **common)
+        cls = tf.Gemma3ForCausalLM
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return cls(cfg).float().eval()
+
+
+WORKER = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+from engram.client import SyncEngramClient
+from engram.integrations.transformers import EngramPrefixCache, cache_kwarg, generate
+model = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32, attn_implementation="eager").eval()
+with SyncEngramClient({address!r}, namespace="agents") as client:
+    cache = EngramPrefixCache(model, client, codec={codec!r}, block_tokens=16)
+    ids = torch.tensor([{tokens!r}])
+    out = generate(model, ids, cache, max_new_tokens=6, do_sample=False)
+    past = cache.load(ids)
+    logits = model(ids[:, cache.last_loaded:], **{{cache_kwarg(model): past}}).logits[0, -1]
+    print(json.dumps({{"tokens": out[0].tolist(), "loaded": cache.last_loaded, "logits": logits.tolist()}}))
+"""
+
+
+async def _second_session(path: Path, address: str, codec: str, tokens: list[int]) -> dict[str, Any]:
+    """A fresh worker process: loads the model from its directory and runs a session through Engram."""
+    code = WORKER.format(path=str(path), address=address, codec=codec, tokens=tokens)
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE, cwd=NEUTRAL_CWD)
+    out, err = await asyncio.wait_for(proc.communicate(), 300)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    result: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gpt-oss", "gemma3"])
+async def test_greedy_generation_is_identical_with_and_without_engram(server_factory, tmp_path: Path,
+                                                                      kind: str) -> None:  # type: ignore[no-untyped-def]
+    srv = await server_factory()
+    model = tiny(kind)
+    model.save_pretrained(tmp_path / kind)
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randint(0, 256, (1, 70), generator=g)  # a shared system prompt + repository
+    first = torch.cat([prefix, torch.randint(0, 256, (1, 5), generator=g)], dim=1)
+    second = torch.cat([prefix, torch.randint(0, 256, (1, 9), generator=g)], dim=1)
+
+    def first_session() -> tuple[int, int]:
+        with SyncEngramClient(srv.address, namespace="agents") as client:
+            cache = EngramPrefixCache(model, client, codec="raw", block_tokens=16)
+            generate(model, first, cache, max_new_tokens=6, do_sample=False)
+            return cache.last_loaded, cache.client.stats().blocks_put
+
+    loaded, stored = await asyncio.to_thread(first_session)
+    assert loaded == 0 and stored >= 4  # a cold cache; its whole sequence stored
+    got = await _second_session(tmp_path / kind, srv.address, "raw", second[0].tolist())
+    assert got["loaded"] == 70  # the shared prefix came from Engram; only the rest was prefilled
+    want = model.generate(second, max_new_tokens=6, do_sample=False)[0].tolist()
+    assert got["tokens"] == want
+    if kind in ("gpt-oss", "gemma3"):
+        assert layout_of(model).persisted_layers < len(layout_of(model).layers)  # sliding layers were replayed
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+async def test_nvfp4_logits_stay_within_the_stated_tolerance(server_factory, tmp_path: Path, kind: str) -> None:  # type: ignore[no-untyped-def]
+    srv = await server_factory()
+    model = tiny(kind)
+    model.save_pretrained(tmp_path / kind)
+    g = torch.Generator().manual_seed(2)
+    prefix = torch.randint(0, 256, (1, 96), generator=g)
+    ids = torch.cat([prefix, torch.randint(0, 256, (1, 4), generator=g)], dim=1)
+
+    def store() -> None:
+        with SyncEngramClient(srv.address, namespace="agents") as client:
+            cache = EngramPrefixCache(model, client, codec="nvfp4", block_tokens=16)
+            generate(model, ids, cache, max_new_tokens=1, do_sample=False)
+
+    await asyncio.to_thread(store)
+    got = await _second_session(tmp_path / kind, srv.address, "nvfp4", ids[0].tolist())
+    assert got["loaded"] == 99  # all but the last token came from Engram
+    want = model(ids).logits[0, -1]
+    err = float((torch.tensor(got["logits"]) - want).norm() / want.norm())
+    assert 0 < err <= NVFP4_LOGIT_TOL, err  # not bit-exact (FP4), but close
