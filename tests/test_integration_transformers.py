@@ -23,7 +23,7 @@ from engram.integrations.transformers import EngramPrefixCache, generate, layout
 
 from helpers import NEUTRAL_CWD
 
-NVFP4_LOGIT_TOL = 0.25  # relative L2 error of the first step's logits (docs/INTEGRATIONS.md)
+NVFP4_LOGIT_TOL = 0.1  # relative L2 error of the first step's logits; measured 0.018 (Llama), 0.046 (Gemma 3)
 
 
 def tiny(kind: str) -> Any:
@@ -60,9 +60,10 @@ with SyncEngramClient({address!r}, namespace="agents") as client:
     cache = EngramPrefixCache(model, client, codec={codec!r}, block_tokens=16)
     ids = torch.tensor([{tokens!r}])
     out = generate(model, ids, cache, max_new_tokens=6, do_sample=False)
+    loaded = cache.last_loaded  # what this session found cached from the first one
     past = cache.load(ids)
     logits = model(ids[:, cache.last_loaded:], **{{cache_kwarg(model): past}}).logits[0, -1]
-    print(json.dumps({{"tokens": out[0].tolist(), "loaded": cache.last_loaded, "logits": logits.tolist()}}))
+    print(json.dumps({{"tokens": out[0].tolist(), "loaded": loaded, "logits": logits.tolist()}}))
 """
 
 
@@ -120,7 +121,9 @@ async def test_nvfp4_logits_stay_within_the_stated_tolerance(server_factory, tmp
 
     await asyncio.to_thread(store)
     got = await _second_session(tmp_path / kind, srv.address, "nvfp4", ids[0].tolist())
-    assert got["loaded"] == 99  # all but the last token came from Engram
-    want = model(ids).logits[0, -1]
+    assert got["loaded"] == 99  # all but the last token came from Engram (the logits' load)
+    with torch.no_grad():
+        want = model(ids).logits[0, -1]
     err = float((torch.tensor(got["logits"]) - want).norm() / want.norm())
+    print(f"{kind}: nvfp4 first-step logits relative error {err:.4f}")
     assert 0 < err <= NVFP4_LOGIT_TOL, err  # not bit-exact (FP4), but close

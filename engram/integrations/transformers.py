@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 from typing import Any
 
 import numpy as np
@@ -61,9 +62,19 @@ def layout_of(model: Any, *, block_tokens: int = 256) -> KVLayout:
                     block_tokens=block_tokens)
 
 
+# Config entries that say how a model was saved or is run, not what it computes: left out of its identity, so the
+# same weights loaded from their directory (where save_pretrained added some of these) fingerprint the same.
+_BOOKKEEPING = {"_name_or_path", "name_or_path", "transformers_version", "architectures", "dtype", "torch_dtype",
+                "_attn_implementation", "attn_implementation", "_attn_implementation_autoset", "_experts_implementation",
+                "use_cache", "return_dict", "output_attentions", "output_hidden_states", "_commit_hash",
+                "tie_word_embeddings_autoset"}
+
+
 def weights_identity(model: Any) -> str:
-    """A hash of the config and of each parameter's name, shape, dtype and first 4096 values (see above)."""
-    h = hashlib.blake2b(model.config.to_json_string().encode(), digest_size=16)
+    """A hash of the config (bookkeeping left out) and of each parameter's name, shape, dtype and first 4096
+    values (see the module's docstring)."""
+    config = {k: v for k, v in model.config.to_dict().items() if k not in _BOOKKEEPING}
+    h = hashlib.blake2b(json.dumps(config, sort_keys=True, default=str).encode(), digest_size=16)
     for name, p in model.named_parameters():
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
         h.update(p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
@@ -82,7 +93,7 @@ class EngramPrefixCache:
         self.namespace = namespace
         self.layout = layout_of(model, block_tokens=block_tokens)
         cfg = _text_config(model)
-        self.spec = ModelSpec(name or getattr(cfg, "name_or_path", "") or type(model).__name__,
+        self.spec = ModelSpec(name or getattr(cfg, "model_type", "") or type(model).__name__,
                               weights_id or weights_identity(model), self.layout, codec)
         self.fingerprint: bytes = client.register_model(self.spec)
         kinds = [layer.kind for layer in self.layout.layers]
