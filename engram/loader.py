@@ -147,6 +147,11 @@ class PrefixLoader:
         holding tokens [i * block_tokens, ...)) into dest. On a GPU, writes are queued on `stream` (default:
         the current stream) and the call returns once the host copies have completed (the pool slots may
         be reused from then on); the writes themselves complete in stream order."""
+        with torch.inference_mode():  # the destination may hold inference tensors (a model's cache under it)
+            return self._load(sources, dest, block_tokens, n_tokens, stream)
+
+    def _load(self, sources: Sequence[BlockSource], dest: KVDestination, block_tokens: int, n_tokens: int,
+              stream: torch.cuda.Stream | None) -> LoadReport:
         report = LoadReport(tokens=n_tokens)
         todo = [s for s in sources if s.index * block_tokens < n_tokens]
         report.blocks = len(todo)

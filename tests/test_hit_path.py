@@ -224,3 +224,20 @@ async def test_hbm_blocks_load_through_cuda_ipc_into_the_worker(tmp_path: Path, 
             res = await c.load_prefix_into(fp, toks, dest)
             assert (res.mapped_blocks, res.bytes_blocks) == (5, 0)
             assert torch.equal(dest.cpu(), want)
+            # A prefix put in place lands in DRAM; the first hit of a worker on this GPU promotes it to HBM in
+            # the background (one batched DMA), and the next hit reads it device to device.
+            other = tokens(3 * BLOCK_TOKENS, seed=9)
+            kv = random_kv(spec, len(other), seed=9).cuda()
+            await c.put(fp, other, kv)
+            assert {b.tier for b in (await c.lookup(fp, other)).blocks} == {"dram"}
+            got = torch.zeros_like(kv)
+            await c.load_prefix_into(fp, other, got)
+            for _ in range(100):
+                if {b.tier for b in (await c.lookup(fp, other)).blocks} == {"hbm"}:
+                    break
+                await asyncio.sleep(0.05)
+            assert {b.tier for b in (await c.lookup(fp, other)).blocks} == {"hbm"}
+            got.zero_()
+            res = await c.load_prefix_into(fp, other, got)
+            assert res.mapped_blocks == 3
+            assert torch.equal(got.cpu(), await bytes_path(c, fp, other))

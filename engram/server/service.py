@@ -27,7 +27,7 @@ from engram.block import BlockHeader, checksum
 from engram.cluster import ClusterIndex
 from engram.codec import stored
 from engram.config import ServerConfig
-from engram.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from engram.errors import EngramError, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from engram.index import BlockMeta
 from engram.layout import KVLayout
 from engram.leases import Lease, LeaseTable
@@ -79,6 +79,8 @@ class EngramService:
         self.leases = LeaseTable(store, config.lease_s)
         self.pool = shared_pool(store.tiers)  # None: no shared DRAM pool, Gets answer with bytes only
         self.ipc_pool = ipc_pool(store.tiers)  # the HBM pool, when workers can open it by CUDA IPC
+        self._engine: Any = None  # the DMA engine of HBM promotions, made on first use
+        self._promoting: asyncio.Task[None] | None = None  # one batch of HBM promotions at a time
         # Puts written in place into the shared pool (ReservePut / CommitPut), when there is one.
         self.inplace = InPlacePuts(store, self.pool, config.lease_s) if self.pool is not None else None
 
@@ -219,7 +221,31 @@ class EngramService:
             header.lease_expires_in_s = max(0.0, lease.expires - time.monotonic())
             header.descriptors.extend(self._descriptor(m, codec, lease, in_pool[m.key], tokens=False)
                                       if m.key in in_pool else pb.BlockDescriptor() for m in metas)
+        if req.cuda_ipc and self.ipc_pool is not None and self.pool is not None:
+            self._promote_later([m for m in metas if self.pool.name in m.locations
+                                 and self.ipc_pool.name not in m.locations])
         return header
+
+    def _promote_later(self, metas: list[BlockMeta]) -> None:
+        """A worker on the GPU of the daemon's HBM pool hit these blocks in DRAM: copy them up in the background
+        (one batched DMA, engram/transfer.py), so its next hit is a device-to-device copy through CUDA IPC."""
+        if not metas or self._promoting is not None:
+            return
+        from engram.transfer import TransferEngine, promote
+
+        if self._engine is None:
+            self._engine = TransferEngine(self.ipc_pool.device)  # type: ignore[union-attr]
+
+        async def run() -> None:
+            try:
+                with self.store.reading(metas):
+                    await promote(self.store, metas, self._engine)  # type: ignore[arg-type]
+            except EngramError:
+                pass  # no room up there now: the blocks are served from DRAM
+            finally:
+                self._promoting = None
+
+        self._promoting = asyncio.get_running_loop().create_task(run())
 
     async def _serve(self, ns: str, fingerprint: bytes, metas: list[BlockMeta], *, zero_copy: bool, cuda_ipc: bool,
                      decode: bool) -> AsyncIterator[tuple[str, Any]]:

@@ -1,0 +1,175 @@
+"""Time to first token with and without Engram, for shared prefixes of a Llama-3-8B-shaped model.
+
+A real `engram serve` subprocess (a shared DRAM pool, and on a GPU an HBM pool on the same device) and a
+worker in this process running a random-weight Llama-3-8B-shaped model (32 layers, 32 heads, 8 KV heads x 128,
+hidden 4096, bf16, sdpa) through transformers. The longest prefix is prefilled once and its KV stored
+(`EngramPrefixCache.store`: in place, raw or nvfp4). Then for each prefix length N a new request (the prefix and
+a SUFFIX-token question) is answered:
+
+- without Engram: the whole prompt prefilled, then the first token (argmax of the last logits);
+- with Engram: `EngramPrefixCache.load` (GetPrefix, the blocks DMAed into the model's cache tensors, nvfp4
+  decoded on the GPU), the suffix prefilled against it, then the first token.
+
+Tiers: "dram" (blocks in the daemon's shared pool), "hbm" (after a first hit the daemon promotes the blocks into
+its HBM pool in the background, and the next hits copy them device to device through CUDA IPC). Each figure is
+the median of ROUNDS requests after a warm-up; `match` says whether both paths chose the same first token.
+
+    python -m benchmarks.ttft [--tokens 1024,4096,16384,32768] [--codecs raw,nvfp4] [--json FILE]
+    python -m benchmarks.ttft --smoke          # a tiny model on the CPU, under a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks._harness import engram_daemon, machine
+from engram.client import SyncEngramClient
+from engram.integrations.transformers import EngramPrefixCache, cache_kwarg
+
+# `python -m benchmarks.ttft` puts the repository root on sys.path, where kernels/ (engram.kernels) would shadow
+# Hugging Face's `kernels` package that transformers imports; engram itself is installed, so the root can go.
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
+
+
+def build_model(smoke: bool, device: torch.device) -> Any:
+    import transformers as tf
+
+    if smoke:
+        cfg = tf.LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=65536)
+        dtype = torch.float32
+    else:
+        cfg = tf.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                             num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                             max_position_embeddings=65536, rope_theta=500000.0)
+        dtype = torch.bfloat16
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = tf.LlamaForCausalLM(cfg).to(dtype)
+    return model.eval()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def first_token_plain(model: Any, ids: torch.Tensor) -> tuple[int, float]:
+    sync(ids.device)
+    t0 = time.perf_counter()
+    tok = int(model(ids).logits[0, -1].argmax())
+    sync(ids.device)
+    return tok, time.perf_counter() - t0
+
+
+@torch.inference_mode()
+def first_token_engram(model: Any, cache: EngramPrefixCache, ids: torch.Tensor) -> tuple[int, float, int]:
+    sync(ids.device)
+    t0 = time.perf_counter()
+    past = cache.load(ids)
+    m = cache.last_loaded
+    tok = int(model(ids[:, m:], **{cache_kwarg(model): past}).logits[0, -1].argmax())
+    sync(ids.device)
+    return tok, time.perf_counter() - t0, m
+
+
+def run(address: str, args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    model = build_model(args.smoke, device)
+    sizes = [int(x) for x in args.tokens.split(",")]
+    longest = max(sizes)
+    g = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    prefix = torch.randint(0, vocab, (1, longest), generator=g).to(device)
+    rows: list[dict[str, Any]] = []
+    with torch.inference_mode():
+        from transformers import DynamicCache
+
+        warm = prefix[:, : min(longest, 256)]
+        model(warm)  # kernels compiled and autotuned before anything is timed
+    plain: dict[int, tuple[int, float]] = {}
+    for codec in args.codecs.split(","):
+        with SyncEngramClient(address, namespace=f"ttft-{codec}") as client:
+            cache = EngramPrefixCache(model, client, codec=codec, weights_id="random-llama-3-8b-shaped")
+            with torch.inference_mode():
+                dyn = DynamicCache(config=model.config)
+                model(prefix, **{cache_kwarg(model): dyn})
+                cache.store(prefix[0].tolist(), dyn)
+                del dyn
+            for n in sizes:
+                q = torch.randint(0, vocab, (1, args.suffix), generator=g).to(device)
+                ids = torch.cat([prefix[:, :n], q], dim=1)
+                if n not in plain:
+                    first_token_plain(model, ids)
+                    samples = [first_token_plain(model, ids) for _ in range(args.rounds)]
+                    plain[n] = (samples[0][0], statistics.median(s[1] for s in samples))
+                tiers = ["dram", "hbm"] if device.type == "cuda" and args.hbm else ["dram"]
+                for tier in tiers:
+                    if tier == "hbm":
+                        # The hits above made the daemon promote the blocks to HBM in the background.
+                        deadline = time.monotonic() + 30
+                        while time.monotonic() < deadline and any(
+                                b.tier != "hbm" for b in client.lookup(cache.fingerprint, ids[0, :n].tolist()).blocks):
+                            time.sleep(0.1)
+                    first_token_engram(model, cache, ids)  # warm-up (and, from DRAM, the promotion's trigger)
+                    got = [first_token_engram(model, cache, ids) for _ in range(args.rounds)]
+                    where = {b.tier for b in client.lookup(cache.fingerprint, ids[0, :n].tolist()).blocks}
+                    ttft = statistics.median(s[1] for s in got)
+                    rows.append({"tokens": n, "tier": tier, "codec": codec, "ttft_ms": ttft * 1e3,
+                                 "prefill_ms": plain[n][1] * 1e3, "speedup": plain[n][1] / ttft,
+                                 "loaded": got[0][2], "served_from": ",".join(sorted(where)),
+                                 "match": got[0][0] == plain[n][0]})
+                    print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    out = ["| tokens | tier | codec | TTFT ms | prefill ms | speedup | cached tokens | blocks in | same token |",
+           "|---:|---|---|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        out.append(f"| {r['tokens']} | {r['tier']} | {r['codec']} | {r['ttft_ms']:.1f} | {r['prefill_ms']:.1f} | "
+                   f"{r['speedup']:.1f}x | {r['loaded']} | {r['served_from']} | {'yes' if r['match'] else 'no'} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tokens", default="1024,4096,16384,32768")
+    ap.add_argument("--codecs", default="raw,nvfp4")
+    ap.add_argument("--suffix", type=int, default=32, help="tokens of the new question after the shared prefix")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--no-hbm", dest="hbm", action="store_false", help="no HBM tier in the daemon")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, 512 and 2048 tokens")
+    args = ap.parse_args()
+    if args.smoke:
+        args.device, args.tokens, args.rounds, args.hbm = "cpu", "512,2048", 3, False
+    device = torch.device(args.device)
+    extra: tuple[str, ...] = ()
+    if device.type == "cuda" and args.hbm:
+        extra = ("--set", "tiers.hbm.capacity=12GiB", "--set", f"tiers.hbm.device={device}")
+    with engram_daemon("unix", dram="12GiB" if not args.smoke else "1GiB", extra=extra) as address:
+        rows = run(address, args, device)
+    print(f"ttft, {datetime.date.today()}, {machine()}, device {args.device}"
+          + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else ""))
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as fh:
+            for r in rows:
+                fh.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()
