@@ -85,20 +85,17 @@ def first_token_engram(model: Any, cache: EngramPrefixCache, ids: torch.Tensor) 
     return tok, time.perf_counter() - t0, m
 
 
-def run(address: str, args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
-    model = build_model(args.smoke, device)
+def run(address: str, tier: str, args: argparse.Namespace, model: Any, device: torch.device,
+        plain: dict[int, tuple[int, float]]) -> list[dict[str, Any]]:
+    """One daemon: each codec's prefix stored, then the requests of every length (their hits from `tier`)."""
+    from transformers import DynamicCache
+
     sizes = [int(x) for x in args.tokens.split(",")]
     longest = max(sizes)
     g = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     prefix = torch.randint(0, vocab, (1, longest), generator=g).to(device)
     rows: list[dict[str, Any]] = []
-    with torch.inference_mode():
-        from transformers import DynamicCache
-
-        warm = prefix[:, : min(longest, 256)]
-        model(warm)  # kernels compiled and autotuned before anything is timed
-    plain: dict[int, tuple[int, float]] = {}
     for codec in args.codecs.split(","):
         with SyncEngramClient(address, namespace=f"ttft-{codec}") as client:
             cache = EngramPrefixCache(model, client, codec=codec, weights_id="random-llama-3-8b-shaped")
@@ -108,29 +105,26 @@ def run(address: str, args: argparse.Namespace, device: torch.device) -> list[di
                 cache.store(prefix[0].tolist(), dyn)
                 del dyn
             for n in sizes:
-                q = torch.randint(0, vocab, (1, args.suffix), generator=g).to(device)
+                q = torch.randint(0, vocab, (1, args.suffix), generator=torch.Generator().manual_seed(n)).to(device)
                 ids = torch.cat([prefix[:, :n], q], dim=1)
                 if n not in plain:
                     first_token_plain(model, ids)
                     samples = [first_token_plain(model, ids) for _ in range(args.rounds)]
                     plain[n] = (samples[0][0], statistics.median(s[1] for s in samples))
-                tiers = ["dram", "hbm"] if device.type == "cuda" and args.hbm else ["dram"]
-                for tier in tiers:
-                    if tier == "hbm":
-                        # The hits above made the daemon promote the blocks to HBM in the background.
-                        deadline = time.monotonic() + 30
-                        while time.monotonic() < deadline and any(
-                                b.tier != "hbm" for b in client.lookup(cache.fingerprint, ids[0, :n].tolist()).blocks):
-                            time.sleep(0.1)
-                    first_token_engram(model, cache, ids)  # warm-up (and, from DRAM, the promotion's trigger)
-                    got = [first_token_engram(model, cache, ids) for _ in range(args.rounds)]
-                    where = {b.tier for b in client.lookup(cache.fingerprint, ids[0, :n].tolist()).blocks}
-                    ttft = statistics.median(s[1] for s in got)
-                    rows.append({"tokens": n, "tier": tier, "codec": codec, "ttft_ms": ttft * 1e3,
-                                 "prefill_ms": plain[n][1] * 1e3, "speedup": plain[n][1] / ttft,
-                                 "loaded": got[0][2], "served_from": ",".join(sorted(where)),
-                                 "match": got[0][0] == plain[n][0]})
-                    print(json.dumps(rows[-1]), flush=True)
+                first_token_engram(model, cache, ids)  # warm-up (from DRAM: the trigger of HBM promotion)
+                if tier == "hbm":  # wait until the daemon has promoted the blocks
+                    deadline = time.monotonic() + 30
+                    while time.monotonic() < deadline and any(
+                            b.tier != "hbm" for b in client.lookup(cache.fingerprint, ids[0, :n].tolist()).blocks):
+                        time.sleep(0.1)
+                got = [first_token_engram(model, cache, ids) for _ in range(args.rounds)]
+                where = {b.tier for b in client.lookup(cache.fingerprint, ids[0, :n].tolist()).blocks}
+                ttft = statistics.median(s[1] for s in got)
+                rows.append({"tokens": n, "tier": tier, "codec": codec, "ttft_ms": ttft * 1e3,
+                             "prefill_ms": plain[n][1] * 1e3, "speedup": plain[n][1] / ttft,
+                             "loaded": got[0][2], "served_from": ",".join(sorted(where)),
+                             "match": got[0][0] == plain[n][0]})
+                print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -157,11 +151,17 @@ def main() -> None:
     if args.smoke:
         args.device, args.tokens, args.rounds, args.hbm = "cpu", "512,2048", 3, False
     device = torch.device(args.device)
-    extra: tuple[str, ...] = ()
-    if device.type == "cuda" and args.hbm:
-        extra = ("--set", "tiers.hbm.capacity=12GiB", "--set", f"tiers.hbm.device={device}")
-    with engram_daemon("unix", dram="12GiB" if not args.smoke else "1GiB", extra=extra) as address:
-        rows = run(address, args, device)
+    model = build_model(args.smoke, device)
+    with torch.inference_mode():
+        model(torch.zeros(1, 256, dtype=torch.long, device=device))  # kernels compiled before anything is timed
+    plain: dict[int, tuple[int, float]] = {}
+    rows: list[dict[str, Any]] = []
+    for tier in ["dram", "hbm"] if device.type == "cuda" and args.hbm else ["dram"]:
+        extra: tuple[str, ...] = ()
+        if tier == "hbm":  # a daemon with an HBM pool on this GPU: hits from DRAM promote blocks there
+            extra = ("--set", "tiers.hbm.capacity=12GiB", "--set", f"tiers.hbm.device={device}")
+        with engram_daemon("unix", dram="12GiB" if not args.smoke else "1GiB", extra=extra) as address:
+            rows += run(address, tier, args, model, device, plain)
     print(f"ttft, {datetime.date.today()}, {machine()}, device {args.device}"
           + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else ""))
     print(table(rows))

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from engram.destinations import LayerKV
+from engram.destinations import ContiguousKV
 from engram.errors import InvalidArgument
 from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
 
@@ -119,13 +119,16 @@ class EngramPrefixCache:
         h, d = lay.num_kv_heads, lay.head_dim
         dtype = lay.dtype.torch_dtype
         limit = len(tokens) - 1
-        # Global layers' KV lands in (1, H, T, D) tensors, as the cache keeps it; the loader writes (T, H, D) views.
-        ks = [torch.empty(1, h, max(limit, 0), d, dtype=dtype, device=self.device) for _ in self.global_layers]
-        vs = [torch.empty_like(k) for k in ks]
+        # Global layers' KV lands in one buffer (L, 2, H, T, D): each layer's keys and values are (1, H, T, D)
+        # views of it, as the cache keeps them, and the loader writes the whole buffer, seen as (L, 2, T, H, D),
+        # in one strided copy per stream and run (per-layer tensors cost 2 * L copies per run).
+        buf = torch.empty(len(self.global_layers), 2, h, max(limit, 0), d, dtype=dtype, device=self.device)
+        ks = [buf[j, 0].unsqueeze(0) for j in range(len(self.global_layers))]
+        vs = [buf[j, 1].unsqueeze(0) for j in range(len(self.global_layers))]
         self.last_loaded = 0
         if limit > 0:
-            res = self.client.load_prefix_into(self.fingerprint, tokens, LayerKV(
-                [k[0].transpose(0, 1) for k in ks], [v[0].transpose(0, 1) for v in vs]), namespace=self.namespace)
+            res = self.client.load_prefix_into(self.fingerprint, tokens, ContiguousKV(buf.transpose(2, 3)),
+                                               namespace=self.namespace)
             self.last_loaded = res.loaded_tokens
         m = self.last_loaded
         if m == 0:
