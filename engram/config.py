@@ -126,10 +126,18 @@ class AuthConfig:
     tenants_file: str = ""  # a TOML file of [tenants.NAME] tables and admin_tokens: secrets out of the config
     admin_tokens: str = ""  # comma-separated; each may be env:VAR or file:PATH
     salt_secret: str = ""  # derives every namespace's key salt (env:VAR / file:PATH); the same on every node
+    # Same-host zero-copy hits and in-place puts map the one shared DRAM pool, which holds every tenant's blocks:
+    # "auto" allows them without tenancy and refuses them with it (hits and puts then travel as bytes); "on"
+    # trusts this host's workers with every tenant's blocks; "off" refuses them always.
+    same_host_paths: str = "auto"
 
     @property
     def enabled(self) -> bool:
         return bool(self.tenants or self.tenants_file or self.admin_tokens)
+
+    @property
+    def same_host_allowed(self) -> bool:
+        return self.same_host_paths == "on" or (self.same_host_paths == "auto" and not self.enabled)
 
 
 @dataclass
@@ -241,6 +249,8 @@ def _validate_auth(a: AuthConfig) -> None:
             raise ConfigError(f"auth.tenants.{name}.quota must be >= 0 (0: unlimited)")
     if a.tenants_file and not Path(a.tenants_file).is_file():
         raise ConfigError(f"auth.tenants_file: {a.tenants_file} is not a file")
+    if a.same_host_paths not in ("auto", "on", "off"):
+        raise ConfigError(f"auth.same_host_paths must be auto, on or off, got {a.same_host_paths!r}")
     if a.enabled and not a.salt_secret:
         raise ConfigError("auth.salt_secret is empty: tenancy salts every namespace's keys with it; set a secret "
                           "(or env:VAR / file:PATH), the same on every daemon of a cluster")

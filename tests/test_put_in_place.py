@@ -134,3 +134,23 @@ async def test_a_put_on_a_daemon_without_a_shared_pool_falls_back_to_bytes(serve
             await c2.register_model(spec)
             stub = c2._stub
             await c2._call(stub.ReservePut(pb.ReservePutRequest(namespace="t", model_fingerprint=fp)))
+
+
+async def test_under_tenancy_the_same_host_paths_are_off_unless_trusted(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """The shared pool holds every tenant's blocks: with tenancy on, a worker gets no descriptors into it and
+    cannot write it (hits and puts travel as bytes, and still work); auth.same_host_paths = on trusts it."""
+    spec = tiny_model()
+    auth = {"auth.tenants.alice.token": "alice-token", "auth.tenants.alice.namespaces": "alice",
+            "auth.salt_secret": "s"}
+    for trusted in (False, True):
+        srv = await server_factory(**auth, **({"auth.same_host_paths": "on"} if trusted else {}))
+        async with EngramClient(srv.address, namespace="alice", token="alice-token") as c:
+            fp = await c.register_model(spec)
+            toks = tokens(3 * BLOCK_TOKENS)
+            kv = random_kv(spec, len(toks))
+            put = await c.put(fp, toks, kv)
+            assert put.stored == 3 and (put.write_ms > 0) == trusted  # written in place only when trusted
+            dest = torch.zeros_like(kv)
+            res = await c.load_prefix_into(fp, toks, dest)
+            assert (res.mapped_blocks, res.bytes_blocks) == ((3, 0) if trusted else (0, 3))
+            assert torch.equal(dest, kv)

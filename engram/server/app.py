@@ -119,7 +119,12 @@ async def start_server(config: EngramConfig, store: BlockStore | None = None,
     metrics = MetricsEndpoint() if s.metrics_port else None
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=s.max_concurrent_rpcs,
                              interceptors=[metrics.interceptor] if metrics else None)
-    service = EngramService(store, s, sessions, tenancy)
+    service = EngramService(store, s, sessions, tenancy, same_host=config.auth.same_host_allowed)
+    if not config.auth.same_host_allowed and service.pool is not None:
+        log.warning("same-host zero-copy hits and in-place puts are off (%s): the shared DRAM pool holds every "
+                    "tenant's blocks; hits and puts travel as bytes. Set auth.same_host_paths = on to trust this "
+                    "host's workers with all of them", "tenancy is on" if config.auth.enabled else
+                    "auth.same_host_paths = off")
     inspection = InspectionService(Inspector(store, sessions), s.max_blocks_per_request, tenancy)
     server.add_generic_rpc_handlers((service.generic_handler(), inspection.generic_handler()))
     health_servicer = health.aio.HealthServicer()

@@ -69,9 +69,10 @@ def _window_from_pb(msg: pb.SwaWindowData) -> Window:
 
 class EngramService:
     def __init__(self, store: BlockStore, config: ServerConfig, sessions: SessionManager,
-                 tenancy: Tenancy | None = None) -> None:
+                 tenancy: Tenancy | None = None, *, same_host: bool = True) -> None:
         self.store = store
         self.tenancy = tenancy
+        self.same_host = same_host  # zero-copy descriptors and in-place puts allowed (auth.same_host_paths)
         self.cluster: ClusterIndex | None = None  # set by the app once the daemon's address is known
         self.peers: PeerFetcher | None = None
         self.config = config
@@ -283,7 +284,7 @@ class EngramService:
 
     def _zero_copy_pools(self, zero_copy: bool, cuda_ipc: bool, decode: bool, codec: str) -> list[PoolTier]:
         """The pools whose blocks a call may answer with descriptors, in order of preference."""
-        if not zero_copy or (decode and not stored.is_raw(codec)):
+        if not zero_copy or not self.same_host or (decode and not stored.is_raw(codec)):
             return []
         pools = [self.ipc_pool] if cuda_ipc and self.ipc_pool is not None else []
         return pools + ([self.pool] if self.pool is not None else [])
@@ -315,9 +316,9 @@ class EngramService:
         req = decoded(request)
         check_limit("ReservePut blocks", len(req.blocks), self.config.max_blocks_per_request)
         ns = namespace_for(context, req.namespace)
-        if self.inplace is None:
-            raise FailedPrecondition("this daemon has no shared DRAM pool (tiers.dram.pool = private): put blocks "
-                                     "as bytes (Put)")
+        if self.inplace is None or not self.same_host:
+            raise FailedPrecondition("this daemon takes no in-place puts (no shared DRAM pool, or auth.same_host_paths "
+                                     "refuses them under tenancy): put blocks as bytes (Put)")
         parent = req.parent_key or self.store.root(ns, req.model_fingerprint)
         headers = [convert.header_from_pb(h, i) for i, h in enumerate(req.blocks)]
         res = await self.inplace.reserve(ns, req.model_fingerprint, parent, headers, pin=req.pin)
