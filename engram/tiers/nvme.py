@@ -27,6 +27,7 @@ from pathlib import Path
 
 from engram.block import BlockRecord
 from engram.errors import DataLoss, NotFound, StorageFull, StorageIOError
+from engram.lockfile import DaemonLock
 from engram.tiers.base import ByteBudget, TierUsage
 from engram.tiers.blockfile import decode_header, decode_payload, encode, max_file_len
 
@@ -68,6 +69,9 @@ class NvmeTier(ByteBudget):
         self.tmp_dir = self.root / "tmp"
         self.blocks_dir.mkdir(parents=True, exist_ok=True)
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        # One daemon (or offline check) per directory: two would delete each other's files as strays.
+        self._lock = DaemonLock(self.root / "engram.lock", f"the NVMe directory {self.root}",
+                                "set another tiers.nvme.path").acquire()
         self._sizes: dict[bytes, int] = {}  # key -> bytes on disk
         self.compression = compression
         self.fsync = fsync
@@ -184,6 +188,7 @@ class NvmeTier(ByteBudget):
 
     async def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._lock.release()
 
     # ---- recovery and check --------------------------------------------------------------------
 
