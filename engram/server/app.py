@@ -55,7 +55,7 @@ async def build_store(config: EngramConfig, tenancy: Tenancy | None = None) -> B
         root = Path(t.nvme.path)
         registry = ModelRegistry(root / "models", default_codec=codec)
         tiers.append(NvmeTier(root, t.nvme.capacity, compression=t.nvme.compression, io_threads=t.nvme.io_threads,
-                              fsync=t.nvme.fsync))
+                              fsync=t.nvme.fsync, verify_on_start=t.nvme.verify_on_start))
     backend = default_backend() if config.codec.backend == "auto" else config.codec.backend
     store = BlockStore(tiers, registry, write_policy=WritePolicy(t.write_policy), retry_s=t.retry_s,
                        codec_backend=backend, namespaces=tenancy)

@@ -81,6 +81,7 @@ class BlockStore:
         self.placement = Placement(list(tiers), self.index, self.counters, retry_s=retry_s)
         self._quota_pending: dict[str, int] = {}  # bytes of puts in flight, per namespace
         self._pending: dict[bytes, asyncio.Event] = {}  # puts in flight, by key
+        self.background: set[asyncio.Task[None]] = set()  # work started by recovery; cancelled by close
         self.started = time.time()
 
     # Views kept for readers of the store's state (tests, benchmarks); callers act through the verbs.
@@ -482,5 +483,10 @@ class BlockStore:
                              where=f"stored block {meta.key.hex()}")
 
     async def close(self) -> None:
+        for task in self.background:
+            task.cancel()
+        for task in self.background:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
         for tier in self.tiers:
             await tier.close()

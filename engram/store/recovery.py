@@ -8,15 +8,22 @@ Blocks of a model whose model file was lost are kept: they match again once it i
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engram.block import BlockRecord, checksum
+from engram.errors import NotFound
 from engram.eviction import tick
 from engram.index import BlockMeta
+from engram.tiers.base import Tier
 
 if TYPE_CHECKING:
     from engram.store.core import BlockStore
+
+log = logging.getLogger("engram.store")
 
 
 @dataclass
@@ -45,18 +52,37 @@ async def recover(store: BlockStore) -> StoreReport:
         report.findings += [(f.path, f.problem, f.fixed) for f in tr.findings]
         records = {rec.key: rec for rec, _ in tr.records}
         reachable = _reachable(store, records)
+        lru = placement.lru[tier.name]
         for rec in sorted(records.values(), key=lambda r: reachable.get(r.key, -1)):
             if rec.key in reachable and rec.key not in store.index:
                 meta = BlockMeta.from_record(rec, [tier.name])
                 tick(meta)
                 store.index.add(meta)
-                placement.lru[tier.name].add(meta)
+                lru.add(meta)
                 report.recovered_blocks += 1
             elif rec.key not in reachable:
                 await tier.delete(rec.key)
                 report.findings.append((f"{tier.name}:{rec.key.hex()}", "its parent block is gone (orphan)", True))
         report.valid += report.recovered_blocks
+        if getattr(tier, "unverified", None):
+            store.background.add(asyncio.get_running_loop().create_task(_verify_trusted(store, tier)))
     return report
+
+
+async def _verify_trusted(store: BlockStore, tier: Tier) -> None:
+    """Check, in the background, the files a tier trusted from its journal at start-up, and drop the copies
+    whose file is broken (as `check --fix` does: a block with no copy left leaves the index; its descendants
+    stay until the next start drops them as orphans). A read before the check got there verified the file
+    itself, so nothing broken is served meanwhile."""
+    bad = await tier.verify_trusted()  # type: ignore[attr-defined]
+    for key, problem in bad:
+        log.warning("recovery: %s block %s: %s (dropped)", tier.name, key.hex(), problem)
+        meta = store.index.get(key)
+        if meta is None or tier.name not in meta.locations:
+            continue
+        meta.locations.remove(tier.name)
+        if not meta.locations:
+            store.placement.unindex(meta)
 
 
 def _reachable(store: BlockStore, records: dict[bytes, BlockRecord]) -> dict[bytes, int]:
@@ -88,32 +114,46 @@ def _reachable(store: BlockStore, records: dict[bytes, BlockRecord]) -> dict[byt
 
 
 async def check(store: BlockStore, *, fix: bool) -> StoreReport:
-    """Verify every stored copy (DRAM payloads, NVMe files); with fix, drop what is broken."""
+    """Verify every stored copy (DRAM payloads, NVMe files); with fix, drop what is broken. Safe while puts,
+    gets and evictions run: only blocks that held a copy when the check started are judged, a block whose
+    file is not among the valid ones found is checked once more on its own before it is dropped (it may have
+    been written or replaced during the scan), and a copy evicted meanwhile is not a finding."""
     report = StoreReport()
     placement = store.placement
     for tier in placement.tiers:
         tier_check = getattr(tier, "check", None)
         if tier_check is not None:
+            before = {m.key for m in store.index if tier.name in m.locations}
             tr = await tier_check(fix=fix)
             report.scanned += tr.scanned
             report.valid += tr.valid
             report.findings += [(f.path, f.problem, f.fixed) for f in tr.findings]
             on_disk = {rec.key for rec, _ in tr.records}
+            reported = {Path(f.path).name.partition(".")[0] for f in tr.findings}  # key hex of files found broken
             for meta in list(store.index):
-                if tier.name in meta.locations and meta.key not in on_disk:
-                    report.findings.append((meta.key.hex(), f"indexed in {tier.name} but its file is invalid "
-                                            "or missing", fix))
-                    if fix:
-                        tier.forget(meta.key)  # type: ignore[attr-defined]
-                        meta.locations.remove(tier.name)
-                        if not meta.locations:
-                            placement.unindex(meta)
+                if tier.name not in meta.locations or meta.key not in before or meta.key in on_disk:
+                    continue
+                if meta.key.hex() not in reported:  # not a file found broken: it may have changed since
+                    problem = await tier.verify(meta.key)  # type: ignore[attr-defined]
+                    if problem is None or store.index.get(meta.key) is not meta or tier.name not in meta.locations:
+                        continue  # valid now, or gone meanwhile
+                    report.findings.append((meta.key.hex(), f"indexed in {tier.name} but its file is {problem}", fix))
+                if fix:
+                    tier.forget(meta.key)  # type: ignore[attr-defined]
+                    meta.locations.remove(tier.name)
+                    if not meta.locations:
+                        placement.unindex(meta)
             continue
         for meta in list(store.index):
             if tier.name not in meta.locations:
                 continue
             report.scanned += 1
-            payload = await tier.read(meta.key)
+            try:
+                payload = await tier.read(meta.key)
+            except NotFound:
+                if tier.name in meta.locations:
+                    raise
+                continue  # its copy was dropped (evicted, demoted) while the check ran
             if checksum(payload) == meta.checksum:
                 report.valid += 1
                 continue

@@ -22,6 +22,7 @@ still appear through disk faults) is detected, never served.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import lz4.block
@@ -73,12 +74,39 @@ def encode(rec: BlockRecord, payload: bytes, *, compress: bool) -> tuple[bytes, 
         packed = lz4.block.compress(payload, store_size=False)
         if len(packed) <= 0.9 * len(payload):
             stored = packed
+    return header_bytes(rec, len(stored), compressed=stored is not payload), stored
+
+
+def header_bytes(rec: BlockRecord, stored_len: int, *, compressed: bool) -> bytes:
+    """The header (fixed part and meta) of a block file holding `rec` with `stored_len` payload bytes: what
+    the file starts with, and what the index journal records for it (engram/tiers/journal.py)."""
     meta = _meta_bytes(rec)
-    flags = FLAG_LZ4 if stored is not payload else 0
-    prefix = _FIXED.pack(MAGIC, VERSION, flags, len(meta), len(stored), rec.nbytes, rec.checksum, 0)
+    flags = FLAG_LZ4 if compressed else 0
+    prefix = _FIXED.pack(MAGIC, VERSION, flags, len(meta), stored_len, rec.nbytes, rec.checksum, 0)
     meta_ck = xxhash.xxh3_64_intdigest(prefix[:_CHECKED_PREFIX] + meta)
-    header = prefix[:_CHECKED_PREFIX] + struct.pack("<Q", meta_ck) + meta
-    return header, stored
+    return prefix[:_CHECKED_PREFIX] + struct.pack("<Q", meta_ck) + meta
+
+
+def header_len(fixed: bytes) -> int:
+    """The whole header's length (48 + meta_len) from a file's first 48 bytes, before they are verified."""
+    if len(fixed) < FIXED_LEN:
+        return FIXED_LEN
+    (meta_len,) = struct.unpack_from("<I", fixed, 12)
+    return FIXED_LEN + meta_len
+
+
+FIRST_READ = 64 * 1024  # one read covers the header of any block up to ~16K tokens; larger ones take two
+
+
+def read_header(pread: Callable[[int, int], bytes], size: int, where: str) -> tuple[BlockRecord, FileLayout]:
+    """Read and verify the header of a block file of `size` bytes through `pread(length, offset)`: one read
+    for usual headers, a second when the meta is longer (a block of 16K tokens or more: its tokens alone
+    are 64 KiB)."""
+    head = pread(min(size, FIRST_READ), 0)
+    need = header_len(head)
+    if need > len(head) and need <= size:
+        head = pread(need, 0)
+    return decode_header(head, where)
 
 
 def decode_header(head: bytes, where: str) -> tuple[BlockRecord, FileLayout]:
