@@ -58,7 +58,7 @@ async def build_store(config: EngramConfig, tenancy: Tenancy | None = None) -> B
                               fsync=t.nvme.fsync, verify_on_start=t.nvme.verify_on_start))
     backend = default_backend() if config.codec.backend == "auto" else config.codec.backend
     store = BlockStore(tiers, registry, write_policy=WritePolicy(t.write_policy), retry_s=t.retry_s,
-                       codec_backend=backend, namespaces=tenancy)
+                       codec_backend=backend, namespaces=tenancy, on_nvme_failure=t.on_nvme_failure)
     if t.nvme.path:
         report = await store.recover()
         log.info("recovered %d blocks from %s (%d problems fixed)", report.recovered_blocks, t.nvme.path,
