@@ -58,7 +58,8 @@ async def build_store(config: EngramConfig, tenancy: Tenancy | None = None) -> B
                               fsync=t.nvme.fsync, verify_on_start=t.nvme.verify_on_start))
     backend = default_backend() if config.codec.backend == "auto" else config.codec.backend
     store = BlockStore(tiers, registry, write_policy=WritePolicy(t.write_policy), retry_s=t.retry_s,
-                       codec_backend=backend, namespaces=tenancy, on_nvme_failure=t.on_nvme_failure)
+                       codec_backend=backend, namespaces=tenancy, on_nvme_failure=t.on_nvme_failure,
+                       write_back_window_s=t.write_back_window_s, write_back_window_bytes=t.write_back_window_bytes)
     if t.nvme.path:
         report = await store.recover()
         log.info("recovered %d blocks from %s (%d problems fixed)", report.recovered_blocks, t.nvme.path,
@@ -85,6 +86,7 @@ class RunningServer:
     metrics: MetricsEndpoint | None = None  # when server.metrics_port is set; metrics.port is the bound port
     reporter: asyncio.Task[None] | None = None  # engram/logs.py: summary lines of store activity
     socket_lock: DaemonLock | None = None  # held while serving on a unix socket (engram/lockfile.py)
+    flush_s: float = 30.0  # tiers.shutdown_flush_s: time to copy blocks held only in DRAM/HBM to NVMe at stop
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop accepting RPCs, give in-flight ones `grace_s` to finish, then release the tiers."""
@@ -99,6 +101,14 @@ class RunningServer:
             self.metrics.stop()
         if self.service is not None and self.service.inplace is not None:
             await self.service.inplace.close()  # uncommitted reservations free their slots
+        if self.flush_s > 0:  # the DRAM pool dies with the process: what only it holds goes to NVMe first
+            flushed = await self.store.flush(self.flush_s)
+            if flushed.flushed or flushed.left:
+                log.log(logging.WARNING if flushed.left else logging.INFO,
+                        "shutdown: %d blocks (%d bytes) copied to NVMe in %.2fs; %d held only in memory were not "
+                        "(tiers.shutdown_flush_s = %g)", flushed.flushed, flushed.flushed_bytes, flushed.seconds,
+                        flushed.left, self.flush_s, extra={"fields": {
+                            "flushed": flushed.flushed, "left": flushed.left, "seconds": flushed.seconds}})
         await self.store.close()
         if self.socket_lock is not None:
             self.socket_lock.release()
@@ -183,7 +193,7 @@ async def _start(config: EngramConfig, store: BlockStore, sessions: SessionManag
         await _join_cluster(config, service, address)
     reporter = asyncio.get_running_loop().create_task(report_activity(store, config.logging.summary_s))
     return RunningServer(server, address, store, sessions, health_servicer, s.shutdown_grace_s, service, metrics,
-                         reporter, socket_lock)
+                         reporter, socket_lock, config.tiers.shutdown_flush_s)
 
 
 async def _join_cluster(config: EngramConfig, service: EngramService, address: str) -> None:

@@ -384,6 +384,7 @@ class EngramService:
     async def stats(self, namespaces: list[str]) -> StatsReply:
         store = self.store
         c = store.counters
+        pending = store.write_back_pending()
         models = []
         for m in store.model_usage():
             spec = store.spec(m.fingerprint)
@@ -404,7 +405,8 @@ class EngramService:
             namespaces=tuple(self._namespace_stats(ns) for ns in namespaces),
             cluster=await self._cluster_stats(),
             blocks_evicted_on_request=c.blocks_evicted_on_request, blocks_not_durable=c.blocks_not_durable,
-            blocks_flushed=c.blocks_flushed,
+            blocks_flushed=c.blocks_flushed, write_back_pending_blocks=pending.blocks,
+            write_back_pending_bytes=pending.bytes, write_back_oldest_s=pending.oldest_s,
         )
 
     async def _cluster_stats(self) -> ClusterStats:

@@ -51,6 +51,7 @@ from engram.store.counters import (
     TierHealth,
     tier_stats,
 )
+from engram.store.flusher import Flusher, FlushResult, Pending
 from engram.store.placement import Placement
 from engram.tenancy import NamespacePolicy, OpenNamespaces
 from engram.tiers.base import Tier
@@ -72,7 +73,8 @@ class BlockStore:
     def __init__(self, tiers: Sequence[Tier], registry: ModelRegistry, *,
                  write_policy: WritePolicy = WritePolicy.WRITE_BACK, retry_s: float = 5.0,
                  codec_backend: str = "reference", namespaces: NamespacePolicy | None = None,
-                 on_nvme_failure: str = "fail") -> None:
+                 on_nvme_failure: str = "fail", write_back_window_s: float = 5.0,
+                 write_back_window_bytes: int = 2**30) -> None:
         if not tiers:
             raise ValueError("a store needs at least one tier")
         self.registry = registry
@@ -86,6 +88,9 @@ class BlockStore:
         self._quota_pending: dict[str, int] = {}  # bytes of puts in flight, per namespace
         self._pending: dict[bytes, asyncio.Event] = {}  # puts in flight, by key
         self.background: set[asyncio.Task[None]] = set()  # work started by recovery; cancelled by close
+        # Blocks held only in volatile tiers go to NVMe in the background (the loss window; engram/store/flusher.py).
+        self.flusher = Flusher(self, window_s=write_back_window_s, window_bytes=write_back_window_bytes) \
+            if durable.durable_tier(self.placement) is not None else None
         self.started = time.time()
 
     # Views kept for readers of the store's state (tests, benchmarks); callers act through the verbs.
@@ -193,6 +198,8 @@ class BlockStore:
                 )
         key = block_key(parent, header.tokens)
         tokens = tokens_to_bytes(header.tokens)
+        if self.flusher is not None and self.write_policy == WritePolicy.WRITE_BACK:
+            await self.flusher.admit(len(payload))  # the loss window's byte bound: wait for the disk
         while (pending := self._pending.get(key)) is not None:
             await pending.wait()  # the same block is being stored by another put: dedupe against it
         existing = self.index.get_in(namespace, key)
@@ -242,6 +249,8 @@ class BlockStore:
             self._quota_pending[namespace] -= len(payload)
             done.set()
         self.counters.blocks_put += 1
+        if self.flusher is not None and not durable.is_durable(placement, meta):
+            self.flusher.note(meta, now=not ok)  # write-back's window; or write-through degraded: at once
         if meta.full:
             await self._drop_superseded_partials(meta)
         return PutOutcome(key, stored=True, durable=ok)
@@ -292,8 +301,12 @@ class BlockStore:
                         if undo.evictable and not undo.children and self.index.get(undo.key) is undo:
                             await placement.delete_block(undo)
                     raise
+            if self.flusher is not None and not durable.is_durable(placement, meta):
+                self.flusher.note(meta, now=self.write_policy == WritePolicy.WRITE_THROUGH)
             if meta.full:
                 await self._drop_superseded_partials(meta)
+        if self.flusher is not None and self.write_policy == WritePolicy.WRITE_BACK:
+            await self.flusher.admit(0)  # in-place puts are held back after the fact: one reservation at most
         return not_durable
 
     async def _drop_superseded_partials(self, full: BlockMeta) -> None:
@@ -495,7 +508,19 @@ class BlockStore:
         return stored.decode(payload, codec, meta.dtype, meta.shape, backend=self.codec_backend, device=device,
                              where=f"stored block {meta.key.hex()}")
 
+    def write_back_pending(self) -> Pending:
+        """Blocks held only in volatile tiers (DRAM, HBM) while an NVMe tier exists: what a crash would lose."""
+        return Pending(0, 0, 0.0) if self.flusher is None else self.flusher.pending()
+
+    async def flush(self, deadline_s: float) -> FlushResult:
+        """Copy every block held only in volatile tiers to NVMe (shutdown), within `deadline_s`."""
+        if self.flusher is None:
+            return FlushResult(0, 0, 0, 0.0)
+        return await self.flusher.flush_all(deadline_s)
+
     async def close(self) -> None:
+        if self.flusher is not None:
+            await self.flusher.close()
         for task in self.background:
             task.cancel()
         for task in self.background:
