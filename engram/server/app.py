@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,9 +62,10 @@ async def build_store(config: EngramConfig, tenancy: Tenancy | None = None) -> B
                        codec_backend=backend, namespaces=tenancy, on_nvme_failure=t.on_nvme_failure,
                        write_back_window_s=t.write_back_window_s, write_back_window_bytes=t.write_back_window_bytes)
     if t.nvme.path:
+        t0 = time.perf_counter()
         report = await store.recover()
-        log.info("recovered %d blocks from %s (%d problems fixed)", report.recovered_blocks, t.nvme.path,
-                 len(report.findings))
+        log.info("recovered %d blocks from %s in %.2fs (%d problems fixed)", report.recovered_blocks, t.nvme.path,
+                 time.perf_counter() - t0, len(report.findings))
         for path, problem, _ in report.findings:
             log.warning("recovery: %s: %s", path, problem)
     return store
