@@ -96,7 +96,7 @@ def writer(address: str, fp_box: list[bytes], seeds: list[int], stop: threading.
 
 def verify(address: str, seeds: list[int], tally: Tally) -> None:
     with SyncEngramClient(address, namespace=NS) as client:
-        fp = client.register_model(spec())
+        fp = client.register_model(spec())  # the daemon answered its health check: it serves
         for seed in seeds:
             toks, kv = sequence(seed)
             try:

@@ -226,6 +226,7 @@ class Stats:
     write_back_pending_bytes: int = 0
     write_back_oldest_s: float = 0.0
     blocks_flushed: int = 0  # copied to NVMe by the background flusher
+    leases: int = 0  # zero-copy leases open
 
     def tier(self, name: str) -> TierStats:
         return next(t for t in self.tiers if t.name == name)

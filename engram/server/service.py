@@ -406,7 +406,7 @@ class EngramService:
             cluster=await self._cluster_stats(),
             blocks_evicted_on_request=c.blocks_evicted_on_request, blocks_not_durable=c.blocks_not_durable,
             blocks_flushed=c.blocks_flushed, write_back_pending_blocks=pending.blocks,
-            write_back_pending_bytes=pending.bytes, write_back_oldest_s=pending.oldest_s,
+            write_back_pending_bytes=pending.bytes, write_back_oldest_s=pending.oldest_s, leases=len(self.leases),
         )
 
     async def _cluster_stats(self) -> ClusterStats:

@@ -73,8 +73,11 @@ class Flusher:
 
     def note(self, meta: BlockMeta, *, now: bool = False) -> None:
         """A block was published without a durable copy; `now`: due at once (write-through, degraded)."""
-        if meta.key in self._pending:
-            return
+        old = self._pending.get(meta.key)
+        if old is not None:
+            if old[0] is meta:
+                return
+            self._drop(meta.key)  # a block deleted and put again: the new copy starts its own window
         due = time.monotonic() + (0.0 if now or not self.window_s else self.window_s)
         if not now and not self.window_s:
             due = float("inf")  # no age bound: flushed only by the byte bound, eviction or shutdown
@@ -158,7 +161,13 @@ class Flusher:
             if not placement.available(d) or meta.moving:
                 await asyncio.sleep(0.01 if meta.moving else min(placement.retry_s, 1.0))
                 continue
-            if await self._flush(meta, d):
+            try:
+                flushed = await self._flush(meta, d)
+            except Exception:  # a bug, not a disk fault: say so, skip the block, keep the loop alive
+                log.exception("flusher: copying block %s to NVMe failed; it stays only in memory", key.hex())
+                self._drop(key)
+                continue
+            if flushed:
                 self._drop(key)
                 backoff = 0.05
                 await self._notify()
