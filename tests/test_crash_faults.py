@@ -123,7 +123,7 @@ def test_sigkill_mid_check_fix_loses_no_acknowledged_block(tmp_path: Path) -> No
     try:
         with SyncEngramClient(f"unix:{sock}", namespace="crash") as client:
             fp = client.register_model(spec)
-            for seed in range(100):
+            for seed in range(150):
                 toks = tokens(4 * 128, seed=seed)
                 kv = random_kv(spec, len(toks), seed=seed)
                 client.put(fp, toks, kv)  # acknowledged: on NVMe
@@ -131,22 +131,31 @@ def test_sigkill_mid_check_fix_loses_no_acknowledged_block(tmp_path: Path) -> No
     except BaseException:
         kill(proc)
         raise
+    with SyncEngramClient(f"unix:{sock}", namespace="crash") as client:
+        t0 = time.perf_counter()
+        client.check(fix=True)
+        check_s = time.perf_counter() - t0  # how long one check takes here: the kills land inside one
     mid_check = 0
-    for delay in (0.05, 0.2, 0.5):
+    for fraction in (0.2, 0.5, 0.8):
         outcome: list[object] = []
+        ready = threading.Event()
+        client = SyncEngramClient(f"unix:{sock}", namespace="crash")
+        client.stats()  # connected: the check goes out at once
 
-        def run_check(outcome: list[object] = outcome) -> None:
+        def run_check(client: SyncEngramClient = client, outcome: list[object] = outcome) -> None:
+            ready.set()
             try:
-                with SyncEngramClient(f"unix:{sock}", namespace="crash") as c:
-                    outcome.append(c.check(fix=True))
+                outcome.append(client.check(fix=True))
             except (errors.EngramError, RuntimeError) as exc:
                 outcome.append(exc)
 
         t = threading.Thread(target=run_check)
         t.start()
-        time.sleep(delay)
+        ready.wait(10)
+        time.sleep(fraction * check_s)
         kill(proc)
         t.join(30)
+        client.close()
         mid_check += bool(outcome) and isinstance(outcome[0], Exception)
         proc = serve(sock, nvme, "tiers.write_policy=write-through", "tiers.dram.capacity=16MiB",
                      "tiers.dram.pool=private")
