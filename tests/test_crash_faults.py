@@ -142,7 +142,8 @@ def test_sigkill_mid_check_fix_loses_no_acknowledged_block(tmp_path: Path) -> No
         client = SyncEngramClient(f"unix:{sock}", namespace="crash")
         client.stats()  # connected: the check goes out at once
 
-        def run_check(client: SyncEngramClient = client, outcome: list[object] = outcome) -> None:
+        def run_check(client: SyncEngramClient = client, outcome: list[object] = outcome,
+                      ready: threading.Event = ready) -> None:
             ready.set()
             try:
                 outcome.append(client.check(fix=True))
