@@ -64,16 +64,35 @@ async def _recover(store: BlockStore) -> StoreReport:
         tr = await tier_recover()
         report.scanned += tr.scanned
         report.findings += [(f.path, f.problem, f.fixed) for f in tr.findings]
-        records = {rec.key: rec for rec, _ in tr.records}
-        reachable = _reachable(store, records)
         lru = placement.lru[tier.name]
-        for rec in sorted(records.values(), key=lambda r: reachable.get(r.key, -1)):
-            if rec.key in reachable and rec.key not in store.index:
-                meta = BlockMeta.from_record(rec, [tier.name])
-                tick(meta)
-                store.index.add(meta)
-                lru.add(meta)
-                report.recovered_blocks += 1
+        index = store.index
+        roots: dict[tuple[str, bytes], bytes] = {}
+
+        def add(rec: BlockRecord) -> None:
+            meta = BlockMeta.from_record(rec, [tier.name])
+            tick(meta)
+            index.add(meta)
+            lru.add(meta)
+            report.recovered_blocks += 1
+
+        # One pass over records that come parents first (a journal's order): each is added once its parent is
+        # a root or indexed; the rest (a scan's order, or a parent written after its child) go through the
+        # general reachability walk.
+        rest: dict[bytes, BlockRecord] = {}
+        for rec, _ in tr.records:
+            if rec.key in index:
+                continue
+            root = roots.get((rec.namespace, rec.model_fingerprint))
+            if root is None:
+                root = roots[rec.namespace, rec.model_fingerprint] = store.root(rec.namespace, rec.model_fingerprint)
+            if rec.parent == root or rec.parent in index:
+                add(rec)
+            else:
+                rest[rec.key] = rec
+        reachable = _reachable(store, rest)
+        for rec in sorted(rest.values(), key=lambda r: reachable.get(r.key, -1)):
+            if rec.key in reachable and rec.key not in index:
+                add(rec)
             elif rec.key not in reachable:
                 await tier.delete(rec.key)
                 report.findings.append((f"{tier.name}:{rec.key.hex()}", "its parent block is gone (orphan)", True))

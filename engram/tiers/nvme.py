@@ -427,22 +427,28 @@ class NvmeTier(ByteBudget):
         trusted: list[bytes] = []
         self._sweep_tmp(report, fix=True, skip=set())
         listing = self._listing(report, fix=True)
-        for key, path in listing.items():
+        # In journal order (the order blocks were written: parents before children), so the store can index
+        # them in one pass; files the journal does not know come after.
+        for key, header in loaded.headers.items():
+            path = listing.pop(key, None)
+            if path is None:
+                continue  # unlinked after its last add (the remove entry was lost with a crash)
             report.scanned += 1
-            header = loaded.headers.get(key)
-            if header is not None:
-                try:
-                    rec, lay = decode_header(header, path.name, verify=False)  # its journal entry's checksum held
-                except DataLoss:
-                    rec = None
-                if rec is not None and rec.key == key:
-                    report.valid += 1
-                    report.trusted += 1
-                    report.records.append((rec, lay.file_len))
-                    files.append(_File(rec, lay.file_len, lay.stored_len, lay.compressed))
-                    trusted.append(key)
-                    continue
+            try:
+                rec, lay = decode_header(header, path.name, verify=False)  # its journal entry's checksum held
+            except DataLoss:
+                rec = None
+            if rec is not None and rec.key == key:
+                report.valid += 1
+                report.trusted += 1
+                report.records.append((rec, lay.file_len))
+                files.append(_File(rec, lay.file_len, lay.stored_len, lay.compressed))
+                trusted.append(key)
+            else:
+                listing[key] = path  # journaled wrongly: read the file itself, below
+        for key, path in listing.items():
             # Written after its journal entry was lost (a crash), or journaled wrongly: read the file itself.
+            report.scanned += 1
             got = self._check_file(path, key, verify_payload=False)
             if got.problem is None:
                 assert got.file is not None
