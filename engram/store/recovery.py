@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 from engram.block import BlockRecord, checksum
 from engram.errors import NotFound
-from engram.eviction import tick
-from engram.index import BlockMeta
+from engram.eviction import LeafLRU, tick
+from engram.index import BlockMeta, ChainIndex
 from engram.tiers.base import Tier
 
 if TYPE_CHECKING:
@@ -68,8 +68,8 @@ async def _recover(store: BlockStore) -> StoreReport:
         index = store.index
         roots: dict[tuple[str, bytes], bytes] = {}
 
-        def add(rec: BlockRecord) -> None:
-            meta = BlockMeta.from_record(rec, [tier.name])
+        def add(rec: BlockRecord, name: str = tier.name, lru: LeafLRU = lru, index: ChainIndex = index) -> None:
+            meta = BlockMeta.from_record(rec, [name])
             tick(meta)
             index.add(meta)
             lru.add(meta)
