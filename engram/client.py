@@ -297,7 +297,8 @@ class EngramClient:
             if not res.keys:  # nothing reserved and no error: the daemon says why
                 raise errors.ResourceExhausted(res.refused or "the daemon reserved none of the blocks")
             # Stopped early (room, or the quota): the next round makes room, or fails saying why.
-        return PutResult(tuple(keys), stored_count, deduplicated, skipped, *ms, not_durable=not_durable)
+        return PutResult(tuple(keys), stored_count, deduplicated, skipped, reserve_ms=ms[0], write_ms=ms[1],
+                         commit_ms=ms[2], not_durable=not_durable)
 
     @staticmethod
     def _commit_runs(slots: list[Slot], first: int, n_blocks: int) -> list[tuple[int, list[Slot]]]:
