@@ -274,15 +274,16 @@ class NvmeTier(ByteBudget):
             self._compact_if_due()
         return f.size
 
-    async def close(self) -> None:
-        """Wait for writes in flight, write a final journal snapshot (the next start reads only it), release
-        the directory."""
+    async def close(self, *, snapshot: bool = True) -> None:
+        """Wait for writes in flight, write a final journal snapshot (the next start reads only it; without
+        `snapshot`, it replays the journal as after a crash), release the directory."""
         if self._compacting is not None:
             with contextlib.suppress(Exception):
                 await self._compacting
         if self._journal_open:
-            with contextlib.suppress(OSError):
-                await self._compact()
+            if snapshot:
+                with contextlib.suppress(OSError):
+                    await self._compact()
             self._journal.close()  # type: ignore[union-attr]
             self._journal_open = False
         self._pool.shutdown(wait=True)
