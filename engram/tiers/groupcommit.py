@@ -1,24 +1,24 @@
-"""Group commit for the NVMe tier's durable writes: the blocks waiting to be written when a batch starts
-are made durable together, and each directory touched is synced once per batch instead of once per block.
+"""Group commit for the NVMe tier's durable writes: each directory touched is synced once per batch of blocks
+instead of once per block.
 
 Why: one block alone costs a write, an fsync of the new file and, after the rename that publishes it, an
 fsync of its directory: two journal commits per block, which kept durable writes at 32-60% of fio's at
-queue depth >= 4 (benchmarks/RESULTS.md). Here a batch is every write queued while the previous batch was
-committing (up to `max_blocks` / `max_bytes`):
+queue depth >= 4 (benchmarks/RESULTS.md). Here each block's temp file is written and fsynced as soon as it
+arrives, in parallel on the tier's threads (the filesystem folds concurrent fsyncs into shared journal
+commits); the files synced while the previous batch was being published form the next batch (up to
+`max_blocks` / `max_bytes`), which is published together:
 
-    1. each block's temp file is written and fsynced, in parallel on the tier's threads (the filesystem
-       folds concurrent fsyncs into shared journal commits);
-    2. the temp files are renamed into place, in one thread, in queue order;
-    3. each directory the renames touched is fsynced once, in parallel;
-    4. every block of the batch is acknowledged.
+    1. the temp files are renamed into place, in one thread, in the order they became durable;
+    2. each directory the renames touched is fsynced once, in parallel;
+    3. every block of the batch is acknowledged.
 
 A block whose own write fails (ENOSPC, EIO) fails alone; a failed directory sync fails every block renamed
 into that directory (their files stay and are found again by recovery, but they were not acknowledged).
-With `sync` off (tiers.nvme.fsync = false) steps 1 and 3 skip the fsyncs: faster, and not durable across a
-power loss (still atomic across a process crash: a file is only ever seen whole, under its final name).
+With `sync` off (tiers.nvme.fsync = false) the fsyncs are skipped: faster, and not durable across a power
+loss (still atomic across a process crash: a file is only ever seen whole, under its final name).
 
-Ordering and backpressure: one batch commits at a time, in arrival order; a batch is bounded, and the
-callers' own bound (the store reserves tier space before it writes) bounds what waits.
+Ordering and backpressure: one batch is published at a time; a batch is bounded, and the callers' own bound
+(the store reserves tier space before it writes) bounds what waits.
 """
 
 from __future__ import annotations
@@ -67,13 +67,28 @@ class GroupCommitter:
         self.stats = CommitStats()
 
     async def commit(self, job: WriteJob) -> None:
-        """Queue a write and wait until it is durable under its final name (or raise its error)."""
+        """Write and sync the job's temp file now (in parallel with every other write), then queue it for the
+        next publish batch and wait until it is durable under its final name (or raise its error)."""
+        loop = asyncio.get_running_loop()
+        written = loop.run_in_executor(self._pool, job.write_temp)
+        try:
+            job.temp = await asyncio.shield(written)
+        except asyncio.CancelledError:
+            written.add_done_callback(_remove_temp)  # the caller is gone: its temp file goes once written
+            if not job.future.done():
+                job.future.set_exception(RuntimeError("the write was cancelled before its file was synced"))
+            raise
+        except BaseException as exc:
+            if not job.future.done():
+                job.future.set_exception(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
+            raise
         self._queue.append(job)
         if self._runner is None or self._runner.done():
-            self._runner = asyncio.get_running_loop().create_task(self._run())
+            self._runner = loop.create_task(self._run())
         await asyncio.shield(job.future)  # a cancelled caller does not cancel the batch it rides in
 
     async def _run(self) -> None:
+        """Publish batches: every file synced while the previous batch was being published goes together."""
         while self._queue:
             batch: list[WriteJob] = []
             nbytes = 0
@@ -82,7 +97,7 @@ class GroupCommitter:
                 batch.append(job)
                 nbytes += job.nbytes
             try:
-                await self._commit(batch)
+                await self._publish(batch)
             except BaseException as exc:  # never leave a waiter hanging
                 for job in batch:
                     if not job.future.done():
@@ -90,19 +105,8 @@ class GroupCommitter:
                 if not isinstance(exc, Exception):
                     raise
 
-    async def _commit(self, batch: list[WriteJob]) -> None:
+    async def _publish(self, ready: list[WriteJob]) -> None:
         loop = asyncio.get_running_loop()
-        written = await asyncio.gather(*(loop.run_in_executor(self._pool, job.write_temp) for job in batch),
-                                       return_exceptions=True)
-        ready = []
-        for job, got in zip(batch, written, strict=True):
-            if isinstance(got, BaseException):
-                job.future.set_exception(got)
-            else:
-                job.temp = got
-                ready.append(job)
-        if not ready:
-            return
         renamed = await loop.run_in_executor(self._pool, self._rename_all, ready)
         dirs = sorted({job.final.parent for job in renamed})
         synced = await asyncio.gather(*(loop.run_in_executor(self._pool, self._sync_dir, d) for d in dirs),
@@ -139,6 +143,11 @@ class GroupCommitter:
             self._fsync_dir(path)
         except OSError as exc:
             raise self._on_error(exc, path) from exc
+
+
+def _remove_temp(written: asyncio.Future[Path]) -> None:
+    if not written.cancelled() and written.exception() is None:
+        written.result().unlink(missing_ok=True)
 
 
 def _fail(future: asyncio.Future[None], exc: Exception) -> None:
