@@ -61,12 +61,14 @@ def _wait_health(address: str, proc: subprocess.Popen[bytes], timeout: float = 3
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from engram.wire.channel import RECONNECT_OPTIONS
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError("engram serve exited during start-up")
         try:
-            with grpc.insecure_channel(address) as ch:
+            with grpc.insecure_channel(address, options=RECONNECT_OPTIONS) as ch:
                 health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
                 return
         except grpc.RpcError:

@@ -12,6 +12,7 @@ import typer
 from rich.table import Table
 
 from engram.api import CheckFinding, CheckReport
+from engram.errors import AlreadyRunning
 from engram.tiers.nvme import NvmeTier
 
 from .common import EXIT_BAD_INPUT, console, fail
@@ -25,7 +26,10 @@ def offline(directory: str, fix: bool, progress: Callable[[int, int], None] | No
         raise fail(f"{directory} is not an Engram NVMe tier directory (no blocks/ inside)", EXIT_BAD_INPUT)
 
     async def run() -> CheckReport:
-        tier = NvmeTier(root, 1 << 62, fsync=False)
+        try:
+            tier = NvmeTier(root, 1 << 62, fsync=False)
+        except AlreadyRunning as exc:  # a daemon serves this directory: check it through the daemon instead
+            raise fail(f"{exc}; or run `engram check` against the running daemon", EXIT_BAD_INPUT) from None
         try:
             report = await tier.check(fix=fix, progress=progress)
         finally:

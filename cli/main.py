@@ -10,6 +10,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from engram.config import config_keys
+from engram.errors import AlreadyRunning
 from engram.logs import setup_logging
 from engram.server import serve as serve_daemon
 
@@ -64,6 +65,8 @@ def serve(
         asyncio.run(serve_daemon(cfg))
     except OSError as exc:
         raise fail(f"cannot listen: {exc}", EXIT_BAD_INPUT) from None
+    except AlreadyRunning as exc:  # another daemon holds the socket path or the NVMe directory
+        raise fail(str(exc), EXIT_BAD_INPUT) from None
 
 
 @app.command()

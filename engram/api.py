@@ -68,6 +68,7 @@ class PutReply:
     keys: tuple[bytes, ...]  # every block's key, in the order sent
     stored: int  # newly stored
     deduplicated: int  # already present: the payload was dropped
+    not_durable: int = 0  # acknowledged without a durable copy (write-through, tiers.on_nvme_failure = degrade)
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class PutResult:
     reserve_ms: float = 0.0
     write_ms: float = 0.0
     commit_ms: float = 0.0
+    not_durable: int = 0  # acknowledged without a durable copy (write-through, tiers.on_nvme_failure = degrade)
 
 
 @dataclass(frozen=True)
@@ -219,6 +221,12 @@ class Stats:
     namespaces: tuple[NamespaceStats, ...] = ()  # those the caller may see (all, for an admin)
     cluster: ClusterStats = field(default_factory=ClusterStats)
     blocks_evicted_on_request: int = 0
+    blocks_not_durable: int = 0  # acknowledged without a durable copy (write-through, degrade)
+    write_back_pending_blocks: int = 0  # only in volatile tiers: what a crash now would lose
+    write_back_pending_bytes: int = 0
+    write_back_oldest_s: float = 0.0
+    blocks_flushed: int = 0  # copied to NVMe by the background flusher
+    leases: int = 0  # zero-copy leases open
 
     def tier(self, name: str) -> TierStats:
         return next(t for t in self.tiers if t.name == name)

@@ -226,7 +226,8 @@ class EngramClient:
             reply = await self._put_from(fingerprint, arr, kv, all_keys, first, bt, ns, pin, encode)
         if list(reply.keys) != all_keys[first:]:
             raise errors.DataLoss("the daemon computed other block keys than this client; key versions differ?")
-        return PutResult(tuple(all_keys), reply.stored, reply.deduplicated, skipped=first)
+        return PutResult(tuple(all_keys), reply.stored, reply.deduplicated, skipped=first,
+                         not_durable=reply.not_durable)
 
     async def _put_in_place(self, fingerprint: bytes, spec: ModelSpec, arr: np.ndarray, kv: torch.Tensor, ns: str,
                             pin: bool) -> PutResult | None:
@@ -242,7 +243,7 @@ class EngramClient:
                                           shape=list(shape), payload_nbytes=stored.stored_nbytes(codec, shape, dtype),
                                           codec=codec))
         keys: list[bytes] = []
-        stored_count = deduplicated = skipped = 0
+        stored_count = deduplicated = skipped = not_durable = 0
         ms = [0.0, 0.0, 0.0]  # reserve, write, commit
         stream = torch.cuda.current_stream(kv.device) if kv.is_cuda else None
         while len(keys) < len(headers):  # in rounds, when the chain is longer than the pool takes at once
@@ -284,17 +285,20 @@ class EngramClient:
                 raise failed[0]
             replies: list[pb.PutResponse] = outcomes  # type: ignore[assignment]
             reply = pb.PutResponse(stored=sum(r.stored for r in replies),
-                                   deduplicated=sum(r.deduplicated for r in replies))
+                                   deduplicated=sum(r.deduplicated for r in replies),
+                                   not_durable=sum(r.not_durable for r in replies))
             for i, dt in enumerate((t1 - t0, t2 - t1, time.perf_counter() - t2)):
                 ms[i] += dt * 1e3
             keys += list(res.keys)
             stored_count += reply.stored
             deduplicated += reply.deduplicated
+            not_durable += reply.not_durable
             skipped += sum(res.cached)
             if not res.keys:  # nothing reserved and no error: the daemon says why
                 raise errors.ResourceExhausted(res.refused or "the daemon reserved none of the blocks")
             # Stopped early (room, or the quota): the next round makes room, or fails saying why.
-        return PutResult(tuple(keys), stored_count, deduplicated, skipped, *ms)
+        return PutResult(tuple(keys), stored_count, deduplicated, skipped, reserve_ms=ms[0], write_ms=ms[1],
+                         commit_ms=ms[2], not_durable=not_durable)
 
     @staticmethod
     def _commit_runs(slots: list[Slot], first: int, n_blocks: int) -> list[tuple[int, list[Slot]]]:

@@ -96,6 +96,16 @@ class TiersConfig:
     nvme: NvmeConfig = field(default_factory=NvmeConfig)
     write_policy: str = "write-back"  # or "write-through": a put is acknowledged once it is on NVMe too
     retry_s: float = 5.0  # a tier degraded by a full disk is tried again after this long
+    # Write-through when the NVMe copy cannot be made (disk full, I/O error, tier degraded): "fail" refuses the
+    # put (UNAVAILABLE, nothing acknowledged); "degrade" acknowledges it as not durable (PutResponse.not_durable,
+    # Stats.blocks_not_durable, a warning) and copies it to NVMe in the background once it recovers.
+    on_nvme_failure: str = "fail"
+    # Write-back's loss window (docs/RELIABILITY.md): blocks held only in DRAM/HBM are copied to NVMe in the
+    # background once older than write_back_window_s (0: only when evicted), and puts wait while more than
+    # write_back_window_bytes are held so (0: no bound but the DRAM tier's). A crash loses at most that.
+    write_back_window_s: float = 5.0
+    write_back_window_bytes: ByteSize = ByteSize(2**30)
+    shutdown_flush_s: float = 30.0  # on SIGTERM, time to copy blocks held only in DRAM/HBM to NVMe (0: none)
 
 
 @dataclass
@@ -187,6 +197,12 @@ class EngramConfig:
             raise ConfigError(f"tiers.write_policy must be write-back or write-through, got {self.tiers.write_policy!r}")
         if self.tiers.write_policy == "write-through" and not self.tiers.nvme.path:
             raise ConfigError("tiers.write_policy = write-through needs an NVMe tier: set tiers.nvme.path")
+        t = self.tiers
+        if t.on_nvme_failure not in {"fail", "degrade"}:
+            raise ConfigError(f"tiers.on_nvme_failure must be fail or degrade, got {t.on_nvme_failure!r}")
+        if t.write_back_window_s < 0 or t.write_back_window_bytes < 0 or t.shutdown_flush_s < 0:
+            raise ConfigError("tiers.write_back_window_s, tiers.write_back_window_bytes and tiers.shutdown_flush_s "
+                              "must be >= 0 (0: off)")
         if self.tiers.nvme.path and (self.tiers.nvme.capacity <= 0 or self.tiers.nvme.io_threads < 1):
             raise ConfigError("tiers.nvme.capacity must be positive and tiers.nvme.io_threads >= 1")
         if self.codec.default not in {"raw", "fp8_e4m3", "nvfp4", "mxfp4"}:

@@ -32,6 +32,10 @@ class FailedPrecondition(EngramError):
     """The request is well formed but the daemon's state does not allow it (e.g. a missing parent block)."""
 
 
+class AlreadyRunning(FailedPrecondition):
+    """Another daemon holds what this one needs for itself (its unix socket path, its NVMe directory)."""
+
+
 class Unauthenticated(EngramError):
     """The call carries no valid credentials (a missing or unknown bearer token)."""
 
@@ -50,6 +54,10 @@ class Unavailable(EngramError):
 
 class StorageIOError(Unavailable):
     """An I/O error on one block's storage; that block fails, the tier and the daemon go on."""
+
+
+class NotDurable(Unavailable):
+    """A write-through put whose durable (NVMe) copy could not be made: it is not acknowledged."""
 
 
 class ConfigError(EngramError):

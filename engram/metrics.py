@@ -69,6 +69,9 @@ class StoreCollector(Collector):
             ("engram_bytes_served", "Payload bytes read out.", c.bytes_served),
             ("engram_corrupt_blocks", "Stored copies found corrupt (any tier).", c.corrupt_blocks),
             ("engram_blocks_evicted_on_request", "Blocks removed by Evict.", c.blocks_evicted_on_request),
+            ("engram_blocks_not_durable", "Write-through blocks acknowledged without a durable copy.",
+             c.blocks_not_durable),
+            ("engram_blocks_flushed", "Blocks copied to NVMe by the background flusher.", c.blocks_flushed),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         rc = self.sessions.runtime.counters

@@ -233,10 +233,13 @@ class SessionManager:
             raise FailedPrecondition(f"session {session_id} is in persist mode and holds no window for position {p} "
                                      f"({have}); append with the window, or open it in exact mode")
         model = self.runtime.require(spec)
-        global_kv = await self._global_kv(match.blocks, p)
-        t0 = time.perf_counter()
-        tokens = torch.as_tensor(s.tokens[:p], dtype=torch.long)
-        rec = await asyncio.to_thread(self.runtime.rebuild, model, tokens, global_kv, s.replay_mode())
+        # The blocks are leased until the answer naming them is built: an eviction during the replay (which
+        # may take seconds) left blocks with no copy in the answer (INTERNAL, found by benchmarks/soak.py).
+        with self.store.reading(match.blocks):
+            global_kv = await self._global_kv(match.blocks, p)
+            t0 = time.perf_counter()
+            tokens = torch.as_tensor(s.tokens[:p], dtype=torch.long)
+            rec = await asyncio.to_thread(self.runtime.rebuild, model, tokens, global_kv, s.replay_mode())
         seconds = time.perf_counter() - t0
         c = self.runtime.counters
         c.replays += 1

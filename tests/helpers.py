@@ -92,12 +92,14 @@ def wait_for(address: str, proc: subprocess.Popen[str], timeout: float = 20.0) -
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from engram.wire.channel import RECONNECT_OPTIONS
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"engram serve exited early: {proc.stdout.read() if proc.stdout else ''}")
         try:
-            with grpc.insecure_channel(address) as ch:
+            with grpc.insecure_channel(address, options=RECONNECT_OPTIONS) as ch:
                 resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
                 if resp.status == health_pb2.HealthCheckResponse.SERVING:
                     return

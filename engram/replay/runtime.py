@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from engram.errors import FailedPrecondition, InvalidArgument
+from engram.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
 from engram.replay.decoder import HybridDecoder
 from engram.replay.model import AttentionKind, ReplayError
@@ -140,6 +140,16 @@ class ReplayRuntime:
 
     def rebuild(self, model: HybridDecoder, tokens: torch.Tensor, global_kv: torch.Tensor, mode: ReplayMode
                 ) -> Reconstruction:
-        """Replay against stored global KV (stored_layers, 2, P, H, D); CPU or GPU work, run in a thread."""
-        kv = global_kv.to(device=model.device, dtype=model.config.dtype)
-        return reconstruct_swa(model, tokens.to(model.device), kv, mode)
+        """Replay against stored global KV (stored_layers, 2, P, H, D); CPU or GPU work, run in a thread.
+        Out of device memory (other sessions' replays, the serving engine beside it): the memory this replay
+        took is given back and ResourceExhausted says so; the caller's Resume fails like a miss (the worker
+        prefills) and the daemon goes on."""
+        try:
+            kv = global_kv.to(device=model.device, dtype=model.config.dtype)
+            return reconstruct_swa(model, tokens.to(model.device), kv, mode)
+        except torch.OutOfMemoryError as exc:
+            if model.device.type == "cuda":
+                torch.cuda.empty_cache()
+            raise ResourceExhausted(
+                f"replaying {len(tokens)} tokens ran out of memory on {model.device} ({str(exc).splitlines()[0]}); "
+                "retry later, prefill the prefix instead, or give replay.device more free memory") from None

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from engram.cluster import ClusterIndex
 from engram.codec.base import default_backend
 from engram.config import EngramConfig, ServerConfig
 from engram.inspection import Inspector
+from engram.lockfile import DaemonLock
 from engram.logs import report_activity
 from engram.metrics import MetricsEndpoint
 from engram.registry import ModelRegistry
@@ -54,14 +56,16 @@ async def build_store(config: EngramConfig, tenancy: Tenancy | None = None) -> B
         root = Path(t.nvme.path)
         registry = ModelRegistry(root / "models", default_codec=codec)
         tiers.append(NvmeTier(root, t.nvme.capacity, compression=t.nvme.compression, io_threads=t.nvme.io_threads,
-                              fsync=t.nvme.fsync))
+                              fsync=t.nvme.fsync, verify_on_start=t.nvme.verify_on_start))
     backend = default_backend() if config.codec.backend == "auto" else config.codec.backend
     store = BlockStore(tiers, registry, write_policy=WritePolicy(t.write_policy), retry_s=t.retry_s,
-                       codec_backend=backend, namespaces=tenancy)
+                       codec_backend=backend, namespaces=tenancy, on_nvme_failure=t.on_nvme_failure,
+                       write_back_window_s=t.write_back_window_s, write_back_window_bytes=t.write_back_window_bytes)
     if t.nvme.path:
+        t0 = time.perf_counter()
         report = await store.recover()
-        log.info("recovered %d blocks from %s (%d problems fixed)", report.recovered_blocks, t.nvme.path,
-                 len(report.findings))
+        log.info("recovered %d blocks from %s in %.2fs (%d problems fixed)", report.recovered_blocks, t.nvme.path,
+                 time.perf_counter() - t0, len(report.findings))
         for path, problem, _ in report.findings:
             log.warning("recovery: %s: %s", path, problem)
     return store
@@ -83,6 +87,8 @@ class RunningServer:
     service: EngramService | None = None
     metrics: MetricsEndpoint | None = None  # when server.metrics_port is set; metrics.port is the bound port
     reporter: asyncio.Task[None] | None = None  # engram/logs.py: summary lines of store activity
+    socket_lock: DaemonLock | None = None  # held while serving on a unix socket (engram/lockfile.py)
+    flush_s: float = 30.0  # tiers.shutdown_flush_s: time to copy blocks held only in DRAM/HBM to NVMe at stop
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop accepting RPCs, give in-flight ones `grace_s` to finish, then release the tiers."""
@@ -97,7 +103,17 @@ class RunningServer:
             self.metrics.stop()
         if self.service is not None and self.service.inplace is not None:
             await self.service.inplace.close()  # uncommitted reservations free their slots
+        if self.flush_s > 0:  # the DRAM pool dies with the process: what only it holds goes to NVMe first
+            flushed = await self.store.flush(self.flush_s)
+            if flushed.flushed or flushed.left:
+                log.log(logging.WARNING if flushed.left else logging.INFO,
+                        "shutdown: %d blocks (%d bytes) copied to NVMe in %.2fs; %d held only in memory were not "
+                        "(tiers.shutdown_flush_s = %g)", flushed.flushed, flushed.flushed_bytes, flushed.seconds,
+                        flushed.left, self.flush_s, extra={"fields": {
+                            "flushed": flushed.flushed, "left": flushed.left, "seconds": flushed.seconds}})
         await self.store.close()
+        if self.socket_lock is not None:
+            self.socket_lock.release()
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()
@@ -109,11 +125,33 @@ def build_sessions(config: EngramConfig, store: BlockStore) -> SessionManager:
     return SessionManager(store, runtime, max_hot_windows=config.replay.max_hot_windows)
 
 
+def _lock_socket(unix_socket: str) -> DaemonLock:
+    """Only the lock's holder may replace the socket: a second daemon is refused before it can unlink a
+    live daemon's socket (or build a store on its NVMe directory)."""
+    path = os.path.abspath(unix_socket)
+    return DaemonLock(f"{path}.lock", f"the unix socket {path}", "set another server.unix_socket").acquire()
+
+
 async def start_server(config: EngramConfig, store: BlockStore | None = None,
                        sessions: SessionManager | None = None) -> RunningServer:
+    socket_lock = _lock_socket(config.server.unix_socket) if config.server.unix_socket else None
+    built = None
+    try:
+        tenancy = Tenancy.from_config(config.auth, config.cluster.peer_token)
+        if store is None:
+            store = built = await build_store(config, tenancy)
+        return await _start(config, store, sessions, tenancy, socket_lock)
+    except BaseException:
+        if built is not None:
+            await built.close()  # its NVMe directory lock too
+        if socket_lock is not None:
+            socket_lock.release()
+        raise
+
+
+async def _start(config: EngramConfig, store: BlockStore, sessions: SessionManager | None, tenancy: Tenancy | None,
+                 socket_lock: DaemonLock | None) -> RunningServer:
     s = config.server
-    tenancy = Tenancy.from_config(config.auth, config.cluster.peer_token)
-    store = store or await build_store(config, tenancy)
     sessions = sessions or build_sessions(config, store)
     options = [*message_options(int(s.max_message_bytes)), ("grpc.so_reuseport", 0)]
     metrics = MetricsEndpoint() if s.metrics_port else None
@@ -162,7 +200,7 @@ async def start_server(config: EngramConfig, store: BlockStore | None = None,
         await _join_cluster(config, service, address)
     reporter = asyncio.get_running_loop().create_task(report_activity(store, config.logging.summary_s))
     return RunningServer(server, address, store, sessions, health_servicer, s.shutdown_grace_s, service, metrics,
-                         reporter)
+                         reporter, socket_lock, config.tiers.shutdown_flush_s)
 
 
 async def _join_cluster(config: EngramConfig, service: EngramService, address: str) -> None:

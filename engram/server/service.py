@@ -108,19 +108,20 @@ class EngramService:
     @unary
     async def Put(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> pb.PutResponse:
         keys: list[bytes] = []
-        stored_count = deduplicated = 0
+        stored_count = deduplicated = not_durable = 0
         stream: pb.PutHeader | None = None
         parent = b""
         blocks: Reassembler[BlockHeader] | None = None
         tail: tuple[BlockHeader, bytes] | None = None  # a partial block, committed when the stream ends
 
         async def commit(header: BlockHeader, payload: bytes, index: int) -> bytes:
-            nonlocal stored_count, deduplicated
+            nonlocal stored_count, deduplicated, not_durable
             assert stream is not None
             outcome = await self.store.put(stream.namespace, stream.model_fingerprint, parent, header, payload,
                                            pin=stream.pin, index=index)
             stored_count += outcome.stored
             deduplicated += not outcome.stored
+            not_durable += not outcome.durable
             return outcome.key
 
         async for raw in request_iterator:
@@ -167,7 +168,7 @@ class EngramService:
             )
         if tail is not None:
             keys[-1] = await commit(tail[0], tail[1], len(keys) - 1)
-        return pb.PutResponse(keys=keys, stored=stored_count, deduplicated=deduplicated)
+        return pb.PutResponse(keys=keys, stored=stored_count, deduplicated=deduplicated, not_durable=not_durable)
 
     def _check_put(self, layout: KVLayout, keys: list[bytes], header: BlockHeader) -> None:
         """A block's header, before any of its payload is buffered."""
@@ -339,7 +340,8 @@ class EngramService:
             raise FailedPrecondition("this daemon has no shared DRAM pool: nothing was reserved")
         outcomes = await self.inplace.commit(self.inplace.get(ns, req.reservation_id), req.blocks)
         return pb.PutResponse(keys=[o.key for o in outcomes], stored=sum(o.stored for o in outcomes),
-                              deduplicated=sum(not o.stored for o in outcomes))
+                              deduplicated=sum(not o.stored for o in outcomes),
+                              not_durable=sum(not o.durable for o in outcomes))
 
     @unary
     async def ReleaseLeases(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ReleaseLeasesResponse:
@@ -383,6 +385,7 @@ class EngramService:
     async def stats(self, namespaces: list[str]) -> StatsReply:
         store = self.store
         c = store.counters
+        pending = store.write_back_pending()
         models = []
         for m in store.model_usage():
             spec = store.spec(m.fingerprint)
@@ -402,7 +405,9 @@ class EngramService:
             corrupt_blocks=c.corrupt_blocks, replay=self._replay_stats(),
             namespaces=tuple(self._namespace_stats(ns) for ns in namespaces),
             cluster=await self._cluster_stats(),
-            blocks_evicted_on_request=c.blocks_evicted_on_request,
+            blocks_evicted_on_request=c.blocks_evicted_on_request, blocks_not_durable=c.blocks_not_durable,
+            blocks_flushed=c.blocks_flushed, write_back_pending_blocks=pending.blocks,
+            write_back_pending_bytes=pending.bytes, write_back_oldest_s=pending.oldest_s, leases=len(self.leases),
         )
 
     async def _cluster_stats(self) -> ClusterStats:

@@ -32,6 +32,7 @@ from engram.errors import (
     DataLoss,
     FailedPrecondition,
     InvalidArgument,
+    NotDurable,
     NotFound,
     ResourceExhausted,
     Unavailable,
@@ -41,7 +42,7 @@ from engram.index import BlockMeta, ChainIndex, PrefixMatch
 from engram.keys import block_key, root_key, tokens_to_bytes
 from engram.layout import ModelSpec
 from engram.registry import ModelRegistry
-from engram.store import recovery
+from engram.store import durable, recovery
 from engram.store.counters import (
     ModelUsage,
     NamespaceUsage,
@@ -50,7 +51,8 @@ from engram.store.counters import (
     TierHealth,
     tier_stats,
 )
-from engram.store.placement import TIER_FAULTS, Placement
+from engram.store.flusher import Flusher, FlushResult, Pending
+from engram.store.placement import Placement
 from engram.tenancy import NamespacePolicy, OpenNamespaces
 from engram.tiers.base import Tier
 
@@ -64,16 +66,20 @@ class WritePolicy(enum.StrEnum):
 class PutOutcome:
     key: bytes
     stored: bool  # False: the block was already present (deduplicated)
+    durable: bool = True  # False: write-through acknowledged it without a durable copy (engram/store/durable.py)
 
 
 class BlockStore:
     def __init__(self, tiers: Sequence[Tier], registry: ModelRegistry, *,
                  write_policy: WritePolicy = WritePolicy.WRITE_BACK, retry_s: float = 5.0,
-                 codec_backend: str = "reference", namespaces: NamespacePolicy | None = None) -> None:
+                 codec_backend: str = "reference", namespaces: NamespacePolicy | None = None,
+                 on_nvme_failure: str = "fail", write_back_window_s: float = 5.0,
+                 write_back_window_bytes: int = 2**30) -> None:
         if not tiers:
             raise ValueError("a store needs at least one tier")
         self.registry = registry
         self.write_policy = write_policy
+        self.on_nvme_failure = durable.OnNvmeFailure(on_nvme_failure)  # write-through without NVMe: fail or degrade
         self.codec_backend = codec_backend  # where raw puts are encoded: "reference" or "triton"
         self.index = ChainIndex()
         self.namespaces = namespaces or OpenNamespaces()  # key salts and quotas (engram/tenancy.py)
@@ -81,6 +87,10 @@ class BlockStore:
         self.placement = Placement(list(tiers), self.index, self.counters, retry_s=retry_s)
         self._quota_pending: dict[str, int] = {}  # bytes of puts in flight, per namespace
         self._pending: dict[bytes, asyncio.Event] = {}  # puts in flight, by key
+        self.background: set[asyncio.Task[None]] = set()  # work started by recovery; cancelled by close
+        # Blocks held only in volatile tiers go to NVMe in the background (the loss window; engram/store/flusher.py).
+        self.flusher = Flusher(self, window_s=write_back_window_s, window_bytes=write_back_window_bytes) \
+            if durable.durable_tier(self.placement) is not None else None
         self.started = time.time()
 
     # Views kept for readers of the store's state (tests, benchmarks); callers act through the verbs.
@@ -188,6 +198,8 @@ class BlockStore:
                 )
         key = block_key(parent, header.tokens)
         tokens = tokens_to_bytes(header.tokens)
+        if self.flusher is not None and self.write_policy == WritePolicy.WRITE_BACK:
+            await self.flusher.admit(len(payload))  # the loss window's byte bound: wait for the disk
         while (pending := self._pending.get(key)) is not None:
             await pending.wait()  # the same block is being stored by another put: dedupe against it
         existing = self.index.get_in(namespace, key)
@@ -198,7 +210,10 @@ class BlockStore:
             if pin:
                 existing.pins += 1
             self.placement.touch(existing)
-            return PutOutcome(key, stored=False)
+            ok = True
+            if self.write_policy == WritePolicy.WRITE_THROUGH:  # acknowledged again: durable again, too
+                ok = await durable.make_durable(self, existing, payload, index=index)
+            return PutOutcome(key, stored=False, durable=ok)
 
         meta = BlockMeta(
             key=key, parent=parent, namespace=namespace, model_fingerprint=model_fingerprint, tokens=tokens,
@@ -214,14 +229,11 @@ class BlockStore:
         if pmeta is not None:
             pmeta.children += 1
         placement = self.placement
+        ok = True
         try:
             await placement.place(meta, 0, payload)
             if self.write_policy == WritePolicy.WRITE_THROUGH:
-                lower = placement.lower(0)
-                if lower is not None:
-                    # A failure is counted (and ENOSPC degrades the tier); the block stays in DRAM.
-                    with contextlib.suppress(*TIER_FAULTS):
-                        await placement.place(meta, lower, payload)
+                ok = await durable.make_durable(self, meta, payload, index=index)  # NotDurable: not acknowledged
             self.index.add(meta)  # published only now that the bytes are in their tiers
         except BaseException:
             for name in list(meta.locations):
@@ -237,9 +249,11 @@ class BlockStore:
             self._quota_pending[namespace] -= len(payload)
             done.set()
         self.counters.blocks_put += 1
+        if self.flusher is not None and not durable.is_durable(placement, meta):
+            self.flusher.note(meta, now=not ok)  # write-back's window; or write-through degraded: at once
         if meta.full:
             await self._drop_superseded_partials(meta)
-        return PutOutcome(key, stored=True)
+        return PutOutcome(key, stored=True, durable=ok)
 
     def _charge_quota(self, namespace: str, nbytes: int, index: int) -> None:
         """Count a new block against its namespace's quota (physical bytes: a deduplicated block is free)."""
@@ -268,19 +282,32 @@ class BlockStore:
         blob = await asyncio.to_thread(stored.encode, kv, codec, backend=self.codec_backend)
         return dataclasses.replace(header, codec=codec, payload_nbytes=len(blob), checksum=checksum(blob)), blob
 
-    async def after_put(self, metas: Sequence[BlockMeta]) -> None:
+    async def after_put(self, metas: Sequence[BlockMeta]) -> set[bytes]:
         """What follows publishing blocks that were written into a pool in place (engram/store/inplace.py):
-        under write-through, their copy in the tier below; partial tails they supersede go."""
+        under write-through, their durable copy (returns the keys acknowledged without one); partial tails
+        they supersede go. NotDurable (write-through, on_nvme_failure = fail): the blocks from the first one
+        that could not be made durable on are unpublished again where nothing holds them, so that a retry
+        sends them instead of finding them cached."""
         placement = self.placement
-        for meta in metas:
-            if self.write_policy == WritePolicy.WRITE_THROUGH:
-                lower = placement.lower(placement.rank[meta.locations[0]])
-                if lower is not None:
-                    payload = await placement.tier(meta.locations[0]).read(meta.key)
-                    with contextlib.suppress(*TIER_FAULTS):
-                        await placement.place(meta, lower, payload)
+        not_durable: set[bytes] = set()
+        for i, meta in enumerate(metas):
+            if self.write_policy == WritePolicy.WRITE_THROUGH and not durable.is_durable(placement, meta):
+                payload = await placement.tier(meta.locations[0]).read(meta.key)
+                try:
+                    if not await durable.make_durable(self, meta, payload, index=i):
+                        not_durable.add(meta.key)
+                except NotDurable:
+                    for undo in reversed(metas[i:]):
+                        if undo.evictable and not undo.children and self.index.get(undo.key) is undo:
+                            await placement.delete_block(undo)
+                    raise
+            if self.flusher is not None and not durable.is_durable(placement, meta):
+                self.flusher.note(meta, now=self.write_policy == WritePolicy.WRITE_THROUGH)
             if meta.full:
                 await self._drop_superseded_partials(meta)
+        if self.flusher is not None and self.write_policy == WritePolicy.WRITE_BACK:
+            await self.flusher.admit(0)  # in-place puts are held back after the fact: one reservation at most
+        return not_durable
 
     async def _drop_superseded_partials(self, full: BlockMeta) -> None:
         """A full block makes the partial tails under the same parent that it extends redundant."""
@@ -481,6 +508,23 @@ class BlockStore:
         return stored.decode(payload, codec, meta.dtype, meta.shape, backend=self.codec_backend, device=device,
                              where=f"stored block {meta.key.hex()}")
 
+    def write_back_pending(self) -> Pending:
+        """Blocks held only in volatile tiers (DRAM, HBM) while an NVMe tier exists: what a crash would lose."""
+        return Pending(0, 0, 0.0) if self.flusher is None else self.flusher.pending()
+
+    async def flush(self, deadline_s: float) -> FlushResult:
+        """Copy every block held only in volatile tiers to NVMe (shutdown), within `deadline_s`."""
+        if self.flusher is None:
+            return FlushResult(0, 0, 0, 0.0)
+        return await self.flusher.flush_all(deadline_s)
+
     async def close(self) -> None:
+        if self.flusher is not None:
+            await self.flusher.close()
+        for task in self.background:
+            task.cancel()
+        for task in self.background:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
         for tier in self.tiers:
             await tier.close()

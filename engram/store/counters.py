@@ -46,6 +46,8 @@ class StoreCounters:
     bytes_served: int = 0
     corrupt_blocks: int = 0
     blocks_evicted_on_request: int = 0  # by `remove` (engram evict), not by tier pressure
+    blocks_not_durable: int = 0  # write-through puts acknowledged without a durable copy (on_nvme_failure = degrade)
+    blocks_flushed: int = 0  # copied to the durable tier by the background flusher (engram/store/flusher.py)
     tiers: dict[str, TierCounters] = field(default_factory=dict)
 
 

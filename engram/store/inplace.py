@@ -17,6 +17,7 @@ that may write the pool is trusted with it, as one that may read it is (docs/ARC
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import time
 from collections.abc import Sequence
@@ -209,8 +210,8 @@ class InPlacePuts:
             if tail is not None:
                 tail.children += 1
                 res.parent, res.done = tail, False
-        await store.after_put([r.meta for r in batch if r.meta.locations])
-        return out
+        not_durable = await store.after_put([r.meta for r in batch if r.meta.locations])
+        return [dataclasses.replace(o, durable=False) if o.key in not_durable else o for o in out]
 
     async def _seal(self, batch: Sequence[Reserved]) -> None:
         """Verify each slot holds what was reserved, fill in a v1 block's body and header checksums, and take

@@ -124,11 +124,16 @@ class Placement:
                 try:
                     await self._demote(victim, i, lower)
                 except TIER_FAULTS:
-                    demote = False  # the lower tier cannot take it: delete leaves here instead
+                    # The lower tier cannot take it: delete leaves here instead. The victim keeps its place,
+                    # and the inner blocks the leaf-only search drops come back once room is made.
+                    demote = False
+                    lru.add(victim)
                     continue
             else:
                 await self.delete_block(victim)
             self.counters.tiers[tier.name].evictions += 1
+        if not demote:
+            lru.rebuild(self.index)
 
     async def _demote(self, meta: BlockMeta, i: int, j: int) -> None:
         meta.moving = True

@@ -8,15 +8,23 @@ Blocks of a model whose model file was lost are kept: they match again once it i
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engram.block import BlockRecord, checksum
-from engram.eviction import tick
-from engram.index import BlockMeta
+from engram.errors import NotFound
+from engram.eviction import LeafLRU, tick
+from engram.index import BlockMeta, ChainIndex
+from engram.tiers.base import Tier
 
 if TYPE_CHECKING:
     from engram.store.core import BlockStore
+
+log = logging.getLogger("engram.store")
 
 
 @dataclass
@@ -34,6 +42,19 @@ class StoreReport:
 
 
 async def recover(store: BlockStore) -> StoreReport:
+    # A restart creates a few objects per block (100k blocks: ~1M); with the cyclic GC on, its full
+    # collections rescan all of them again and again and took most of the time. Nothing made here is cyclic
+    # garbage, so the collector waits until the index is built.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return await _recover(store)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+async def _recover(store: BlockStore) -> StoreReport:
     report = StoreReport()
     placement = store.placement
     for tier in placement.tiers:
@@ -43,26 +64,65 @@ async def recover(store: BlockStore) -> StoreReport:
         tr = await tier_recover()
         report.scanned += tr.scanned
         report.findings += [(f.path, f.problem, f.fixed) for f in tr.findings]
-        records = {rec.key: rec for rec, _ in tr.records}
-        reachable = _reachable(store, records)
-        for rec in sorted(records.values(), key=lambda r: reachable.get(r.key, -1)):
-            if rec.key in reachable and rec.key not in store.index:
-                meta = BlockMeta.from_record(rec, [tier.name])
-                tick(meta)
-                store.index.add(meta)
-                placement.lru[tier.name].add(meta)
-                report.recovered_blocks += 1
+        lru = placement.lru[tier.name]
+        index = store.index
+        roots: dict[tuple[str, bytes], bytes] = {}
+
+        def add(rec: BlockRecord, name: str = tier.name, lru: LeafLRU = lru, index: ChainIndex = index) -> None:
+            meta = BlockMeta.from_record(rec, [name])
+            tick(meta)
+            index.add(meta)
+            lru.add(meta)
+            report.recovered_blocks += 1
+
+        # One pass over records that come parents first (a journal's order): each is added once its parent is
+        # a root or indexed; the rest (a scan's order, or a parent written after its child) go through the
+        # general reachability walk.
+        rest: dict[bytes, BlockRecord] = {}
+        for rec, _ in tr.records:
+            if rec.key in index:
+                continue
+            root = roots.get((rec.namespace, rec.model_fingerprint))
+            if root is None:
+                root = roots[rec.namespace, rec.model_fingerprint] = store.root(rec.namespace, rec.model_fingerprint)
+            if rec.parent == root or rec.parent in index:
+                add(rec)
+            else:
+                rest[rec.key] = rec
+        reachable = _reachable(store, rest)
+        for rec in sorted(rest.values(), key=lambda r: reachable.get(r.key, -1)):
+            if rec.key in reachable and rec.key not in index:
+                add(rec)
             elif rec.key not in reachable:
                 await tier.delete(rec.key)
                 report.findings.append((f"{tier.name}:{rec.key.hex()}", "its parent block is gone (orphan)", True))
         report.valid += report.recovered_blocks
+        if getattr(tier, "unverified", None):
+            store.background.add(asyncio.get_running_loop().create_task(_verify_trusted(store, tier)))
     return report
+
+
+async def _verify_trusted(store: BlockStore, tier: Tier) -> None:
+    """Check, in the background, the files a tier trusted from its journal at start-up, and drop the copies
+    whose file is broken (as `check --fix` does: a block with no copy left leaves the index; its descendants
+    stay until the next start drops them as orphans). A read before the check got there verified the file
+    itself, so nothing broken is served meanwhile."""
+    bad = await tier.verify_trusted()  # type: ignore[attr-defined]
+    for key, problem in bad:
+        log.warning("recovery: %s block %s: %s (dropped)", tier.name, key.hex(), problem)
+        meta = store.index.get(key)
+        if meta is None or tier.name not in meta.locations:
+            continue
+        meta.locations.remove(tier.name)
+        if not meta.locations:
+            store.placement.unindex(meta)
 
 
 def _reachable(store: BlockStore, records: dict[bytes, BlockRecord]) -> dict[bytes, int]:
     """Depth of every record whose chain reaches its root through records or indexed blocks, so the
     caller can add parents before children; orphans are left out."""
     depth: dict[bytes, int | None] = {}
+    roots: dict[tuple[str, bytes], bytes] = {}  # one key hash per namespace and model, not per record
     for key in records:
         path: list[bytes] = []
         k = key
@@ -78,7 +138,10 @@ def _reachable(store: BlockStore, records: dict[bytes, BlockRecord]) -> dict[byt
                 parent_depth = None
                 break
             path.append(k)
-            if rec.parent == store.root(rec.namespace, rec.model_fingerprint) or rec.parent in store.index:
+            root = roots.get((rec.namespace, rec.model_fingerprint))
+            if root is None:
+                root = roots[rec.namespace, rec.model_fingerprint] = store.root(rec.namespace, rec.model_fingerprint)
+            if rec.parent == root or rec.parent in store.index:
                 parent_depth = -1
                 break
             k = rec.parent
@@ -88,32 +151,46 @@ def _reachable(store: BlockStore, records: dict[bytes, BlockRecord]) -> dict[byt
 
 
 async def check(store: BlockStore, *, fix: bool) -> StoreReport:
-    """Verify every stored copy (DRAM payloads, NVMe files); with fix, drop what is broken."""
+    """Verify every stored copy (DRAM payloads, NVMe files); with fix, drop what is broken. Safe while puts,
+    gets and evictions run: only blocks that held a copy when the check started are judged, a block whose
+    file is not among the valid ones found is checked once more on its own before it is dropped (it may have
+    been written or replaced during the scan), and a copy evicted meanwhile is not a finding."""
     report = StoreReport()
     placement = store.placement
     for tier in placement.tiers:
         tier_check = getattr(tier, "check", None)
         if tier_check is not None:
+            before = {m.key for m in store.index if tier.name in m.locations}
             tr = await tier_check(fix=fix)
             report.scanned += tr.scanned
             report.valid += tr.valid
             report.findings += [(f.path, f.problem, f.fixed) for f in tr.findings]
             on_disk = {rec.key for rec, _ in tr.records}
+            reported = {Path(f.path).name.partition(".")[0] for f in tr.findings}  # key hex of files found broken
             for meta in list(store.index):
-                if tier.name in meta.locations and meta.key not in on_disk:
-                    report.findings.append((meta.key.hex(), f"indexed in {tier.name} but its file is invalid "
-                                            "or missing", fix))
-                    if fix:
-                        tier.forget(meta.key)  # type: ignore[attr-defined]
-                        meta.locations.remove(tier.name)
-                        if not meta.locations:
-                            placement.unindex(meta)
+                if tier.name not in meta.locations or meta.key not in before or meta.key in on_disk:
+                    continue
+                if meta.key.hex() not in reported:  # not a file found broken: it may have changed since
+                    problem = await tier.verify(meta.key)  # type: ignore[attr-defined]
+                    if problem is None or store.index.get(meta.key) is not meta or tier.name not in meta.locations:
+                        continue  # valid now, or gone meanwhile
+                    report.findings.append((meta.key.hex(), f"indexed in {tier.name} but its file is {problem}", fix))
+                if fix:
+                    tier.forget(meta.key)  # type: ignore[attr-defined]
+                    meta.locations.remove(tier.name)
+                    if not meta.locations:
+                        placement.unindex(meta)
             continue
         for meta in list(store.index):
             if tier.name not in meta.locations:
                 continue
             report.scanned += 1
-            payload = await tier.read(meta.key)
+            try:
+                payload = await tier.read(meta.key)
+            except NotFound:
+                if tier.name in meta.locations:
+                    raise
+                continue  # its copy was dropped (evicted, demoted) while the check ran
             if checksum(payload) == meta.checksum:
                 report.valid += 1
                 continue

@@ -22,6 +22,7 @@ still appear through disk faults) is detected, never served.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import lz4.block
@@ -37,6 +38,8 @@ FLAG_LZ4 = 1
 _FIXED = struct.Struct("<8sHHIQQQQ")  # magic, version, flags, meta_len, stored_len, raw_len, checksum, meta_ck
 FIXED_LEN = _FIXED.size  # 48
 _CHECKED_PREFIX = 40  # bytes of the fixed header covered by the meta checksum (all but itself)
+_U8X3, _U16, _U32 = struct.Struct("<BBB"), struct.Struct("<H"), struct.Struct("<I")
+_DTYPES = {int(d): d for d in DType}
 
 
 @dataclass(frozen=True)
@@ -73,16 +76,44 @@ def encode(rec: BlockRecord, payload: bytes, *, compress: bool) -> tuple[bytes, 
         packed = lz4.block.compress(payload, store_size=False)
         if len(packed) <= 0.9 * len(payload):
             stored = packed
+    return header_bytes(rec, len(stored), compressed=stored is not payload), stored
+
+
+def header_bytes(rec: BlockRecord, stored_len: int, *, compressed: bool) -> bytes:
+    """The header (fixed part and meta) of a block file holding `rec` with `stored_len` payload bytes: what
+    the file starts with, and what the index journal records for it (engram/tiers/journal.py)."""
     meta = _meta_bytes(rec)
-    flags = FLAG_LZ4 if stored is not payload else 0
-    prefix = _FIXED.pack(MAGIC, VERSION, flags, len(meta), len(stored), rec.nbytes, rec.checksum, 0)
+    flags = FLAG_LZ4 if compressed else 0
+    prefix = _FIXED.pack(MAGIC, VERSION, flags, len(meta), stored_len, rec.nbytes, rec.checksum, 0)
     meta_ck = xxhash.xxh3_64_intdigest(prefix[:_CHECKED_PREFIX] + meta)
-    header = prefix[:_CHECKED_PREFIX] + struct.pack("<Q", meta_ck) + meta
-    return header, stored
+    return prefix[:_CHECKED_PREFIX] + struct.pack("<Q", meta_ck) + meta
 
 
-def decode_header(head: bytes, where: str) -> tuple[BlockRecord, FileLayout]:
-    """Parse and verify a file's header; returns the record and the payload's offset."""
+def header_len(fixed: bytes) -> int:
+    """The whole header's length (48 + meta_len) from a file's first 48 bytes, before they are verified."""
+    if len(fixed) < FIXED_LEN:
+        return FIXED_LEN
+    (meta_len,) = struct.unpack_from("<I", fixed, 12)
+    return FIXED_LEN + meta_len
+
+
+FIRST_READ = 64 * 1024  # one read covers the header of any block up to ~16K tokens; larger ones take two
+
+
+def read_header(pread: Callable[[int, int], bytes], size: int, where: str) -> tuple[BlockRecord, FileLayout]:
+    """Read and verify the header of a block file of `size` bytes through `pread(length, offset)`: one read
+    for usual headers, a second when the meta is longer (a block of 16K tokens or more: its tokens alone
+    are 64 KiB)."""
+    head = pread(min(size, FIRST_READ), 0)
+    need = header_len(head)
+    if need > len(head) and need <= size:
+        head = pread(need, 0)
+    return decode_header(head, where)
+
+
+def decode_header(head: bytes, where: str, *, verify: bool = True) -> tuple[BlockRecord, FileLayout]:
+    """Parse and verify a file's header; returns the record and the payload's offset. `verify=False` skips
+    the meta checksum, for headers whose bytes another checksum covers already (journal entries)."""
     if len(head) < FIXED_LEN:
         raise DataLoss(f"{where}: {len(head)} bytes, shorter than a block file header")
     magic, version, flags, meta_len, stored_len, raw_len, checksum, meta_ck = _FIXED.unpack_from(head)
@@ -92,27 +123,27 @@ def decode_header(head: bytes, where: str) -> tuple[BlockRecord, FileLayout]:
         raise DataLoss(f"{where}: block file version {version}, this daemon reads version {VERSION}")
     if len(head) < FIXED_LEN + meta_len:
         raise DataLoss(f"{where}: header truncated ({len(head)} of {FIXED_LEN + meta_len} bytes)")
-    meta = head[FIXED_LEN : FIXED_LEN + meta_len]
-    if xxhash.xxh3_64_intdigest(head[:_CHECKED_PREFIX] + meta) != meta_ck:
+    if verify and xxhash.xxh3_64_intdigest(head[:_CHECKED_PREFIX] + head[FIXED_LEN : FIXED_LEN + meta_len]) != meta_ck:
         raise DataLoss(f"{where}: header checksum mismatch")
     try:
-        key, parent, fp = meta[0:16], meta[16:32], meta[32:48]
-        (ns_len,) = struct.unpack_from("<H", meta, 48)
-        off = 50
-        namespace = meta[off : off + ns_len].decode()
+        # Fields are read from `head` in place (no copy of the meta; recovery parses 100k of these).
+        m = FIXED_LEN
+        (ns_len,) = _U16.unpack_from(head, m + 48)
+        off = m + 50
+        namespace = head[off : off + ns_len].decode()
         off += ns_len
-        dtype, full, ndim = struct.unpack_from("<BBB", meta, off)
+        dtype, full, ndim = _U8X3.unpack_from(head, off)
         off += 3
-        shape = struct.unpack_from(f"<{ndim}I", meta, off)
+        shape = struct.unpack_from(f"<{ndim}I", head, off)
         off += 4 * ndim
-        (n_tokens,) = struct.unpack_from("<I", meta, off)
+        (n_tokens,) = _U32.unpack_from(head, off)
         off += 4
-        tokens = meta[off : off + 4 * n_tokens]
-        if len(tokens) != 4 * n_tokens or off + 4 * n_tokens != meta_len:
+        end = off + 4 * n_tokens
+        if end != m + meta_len or end > len(head):
             raise ValueError("meta length does not match its fields")
-        rec = BlockRecord(key, parent, fp, namespace, DType(dtype), bool(full), tuple(shape), tokens, raw_len,
-                          checksum)
-    except (struct.error, ValueError, UnicodeDecodeError) as exc:
+        rec = BlockRecord(head[m : m + 16], head[m + 16 : m + 32], head[m + 32 : m + 48], namespace, _DTYPES[dtype],
+                          bool(full), shape, head[off:end], raw_len, checksum)
+    except (struct.error, ValueError, KeyError, UnicodeDecodeError) as exc:
         raise DataLoss(f"{where}: malformed header: {exc}") from None
     return rec, FileLayout(FIXED_LEN + meta_len, stored_len, bool(flags & FLAG_LZ4))
 

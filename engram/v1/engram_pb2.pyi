@@ -167,14 +167,16 @@ class PutRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PutHeader, _Mapping]] = ..., chunk: _Optional[_Union[BlockChunk, _Mapping]] = ...) -> None: ...
 
 class PutResponse(_message.Message):
-    __slots__ = ("keys", "stored", "deduplicated")
+    __slots__ = ("keys", "stored", "deduplicated", "not_durable")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     DEDUPLICATED_FIELD_NUMBER: _ClassVar[int]
+    NOT_DURABLE_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     stored: int
     deduplicated: int
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., stored: _Optional[int] = ..., deduplicated: _Optional[int] = ...) -> None: ...
+    not_durable: int
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., stored: _Optional[int] = ..., deduplicated: _Optional[int] = ..., not_durable: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
     __slots__ = ("namespace", "model_fingerprint", "keys", "decode", "zero_copy", "cuda_ipc")
@@ -367,7 +369,7 @@ class Limits(_message.Message):
     def __init__(self, max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "models", "lookups", "lookup_hit_tokens", "lookup_miss_tokens", "blocks_put", "blocks_deduplicated", "blocks_served", "bytes_served", "limits", "version", "uptime_s", "write_policy", "corrupt_blocks", "replay", "namespaces", "cluster", "blocks_evicted_on_request")
+    __slots__ = ("tiers", "models", "lookups", "lookup_hit_tokens", "lookup_miss_tokens", "blocks_put", "blocks_deduplicated", "blocks_served", "bytes_served", "limits", "version", "uptime_s", "write_policy", "corrupt_blocks", "replay", "namespaces", "cluster", "blocks_evicted_on_request", "blocks_not_durable", "write_back_pending_blocks", "write_back_pending_bytes", "write_back_oldest_s", "blocks_flushed", "leases")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
@@ -386,6 +388,12 @@ class StatsResponse(_message.Message):
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_EVICTED_ON_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_NOT_DURABLE_FIELD_NUMBER: _ClassVar[int]
+    WRITE_BACK_PENDING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WRITE_BACK_PENDING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WRITE_BACK_OLDEST_S_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FLUSHED_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     models: _containers.RepeatedCompositeFieldContainer[ModelStats]
     lookups: int
@@ -404,7 +412,13 @@ class StatsResponse(_message.Message):
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     cluster: ClusterStats
     blocks_evicted_on_request: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_hit_tokens: _Optional[int] = ..., lookup_miss_tokens: _Optional[int] = ..., blocks_put: _Optional[int] = ..., blocks_deduplicated: _Optional[int] = ..., blocks_served: _Optional[int] = ..., bytes_served: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., write_policy: _Optional[str] = ..., corrupt_blocks: _Optional[int] = ..., replay: _Optional[_Union[ReplayStats, _Mapping]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., cluster: _Optional[_Union[ClusterStats, _Mapping]] = ..., blocks_evicted_on_request: _Optional[int] = ...) -> None: ...
+    blocks_not_durable: int
+    write_back_pending_blocks: int
+    write_back_pending_bytes: int
+    write_back_oldest_s: float
+    blocks_flushed: int
+    leases: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_hit_tokens: _Optional[int] = ..., lookup_miss_tokens: _Optional[int] = ..., blocks_put: _Optional[int] = ..., blocks_deduplicated: _Optional[int] = ..., blocks_served: _Optional[int] = ..., bytes_served: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., write_policy: _Optional[str] = ..., corrupt_blocks: _Optional[int] = ..., replay: _Optional[_Union[ReplayStats, _Mapping]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., cluster: _Optional[_Union[ClusterStats, _Mapping]] = ..., blocks_evicted_on_request: _Optional[int] = ..., blocks_not_durable: _Optional[int] = ..., write_back_pending_blocks: _Optional[int] = ..., write_back_pending_bytes: _Optional[int] = ..., write_back_oldest_s: _Optional[float] = ..., blocks_flushed: _Optional[int] = ..., leases: _Optional[int] = ...) -> None: ...
 
 class ReplayStats(_message.Message):
     __slots__ = ("sessions", "hot_sessions", "persisted_window_bytes", "hot_window_bytes", "replays", "replayed_tokens", "replay_seconds")

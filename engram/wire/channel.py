@@ -44,10 +44,18 @@ def stub_for(channel: grpc.aio.Channel, token: str = "") -> Any:
     return _Authorized(stub, token) if token else stub
 
 
+# A daemon that restarts (an upgrade, a crash) is back within seconds: reconnect attempts back off from 0.1 s
+# to at most 2 s (gRPC's default grows to 120 s, so a worker could fail for two minutes after a restart), and
+# each channel keeps its own connections, so a new client does not inherit another one's backoff.
+RECONNECT_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000), ("grpc.use_local_subchannel_pool", 1)]
+
+
 def open_channel(address: str, *, root_cert: bytes | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, server_name: str = "") -> grpc.aio.Channel:
     """A channel to a daemon: TLS when root_cert (PEM) is given."""
-    options = message_options(max_message_bytes)
+    options = message_options(max_message_bytes) + RECONNECT_OPTIONS
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
     if root_cert is not None:

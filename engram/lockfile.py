@@ -1,0 +1,88 @@
+"""Exclusive locks that keep two daemons off one unix socket path and one NVMe directory.
+
+Why: a second `engram serve` on the same socket path used to unlink the first's socket and bind its own,
+leaving the first running and unreachable, and then delete the socket again when it exited; two daemons
+on one NVMe directory would each believe they own every block file and delete each other's. A daemon
+therefore takes an exclusive `flock` on a lock file beside what it owns (`<socket>.lock`, `ROOT/engram.lock`)
+before touching it, and holds it for its lifetime.
+
+Why flock: the kernel drops the lock when the holder dies, SIGKILL included, so a lock file left behind by a
+crashed daemon never blocks a restart (no stale-pid guessing). The holder writes its pid into the file, only
+so that the refusal can say which process to look at; the lock, not the pid, decides.
+
+What it does not do: protect against a process that ignores the lock (an older engram, `rm`), or locks on
+NFS, where flock may be local to one client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from pathlib import Path
+
+from engram.errors import AlreadyRunning
+
+__all__ = ["DaemonLock", "holder_pid"]
+
+
+def holder_pid(path: str | Path) -> int | None:
+    """The pid written in a lock file, if any (it names the holder; it is not what decides)."""
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+class DaemonLock:
+    """An exclusive lock on `path`, held until `release` (or the process's death)."""
+
+    def __init__(self, path: str | Path, what: str, fix: str) -> None:
+        """`what` names the thing guarded ("the unix socket /run/engram.sock"), `fix` what to change when
+        another daemon holds it; both go into the refusal."""
+        self.path = Path(path)
+        self.what = what
+        self.fix = fix
+        self._fd: int | None = None
+
+    def acquire(self) -> DaemonLock:
+        """Take the lock or raise AlreadyRunning naming the holder's pid; never waits."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            pid = holder_pid(self.path)
+            who = f"process {pid}" if pid is not None else "another process"
+            raise AlreadyRunning(
+                f"{who} holds {self.what} (lock file {self.path}); is another engram daemon running? "
+                f"Stop it (kill {pid if pid is not None else '<pid>'}) or {self.fix}"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        """Drop the lock. The file stays (removing it would race a daemon that just opened it)."""
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.ftruncate(self._fd, 0)
+        os.close(self._fd)  # closing the last descriptor drops the flock
+        self._fd = None
+
+    def __enter__(self) -> DaemonLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

@@ -1,0 +1,117 @@
+"""One daemon per unix socket path and per NVMe directory: a second `engram serve` is refused, says which
+process holds what it wanted, and leaves the first daemon (and its socket) alone; a lock left by a daemon
+killed with SIGKILL does not block the next start."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from engram.config import load_config
+from engram.errors import AlreadyRunning
+from engram.lockfile import DaemonLock, holder_pid
+from engram.server import start_server
+from engram.tiers.nvme import NvmeTier
+
+from helpers import ENGRAM, NEUTRAL_CWD, wait_for
+
+
+def serve(sock: Path, nvme: Path | None = None) -> subprocess.Popen[str]:
+    args = [*ENGRAM, "serve", "--unix-socket", str(sock), "--log-level", "warning", "--dram-capacity", "8MiB"]
+    if nvme is not None:
+        args += ["--set", f"tiers.nvme.path={nvme}"]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=NEUTRAL_CWD)
+
+
+def refused(proc: subprocess.Popen[str]) -> str:
+    """Wait for a daemon that must refuse to start to exit on its own; its output."""
+    proc.wait(60)
+    return stop(proc)
+
+
+def stop(proc: subprocess.Popen[str]) -> str:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    proc.wait(20)
+    out = proc.stdout.read() if proc.stdout else ""
+    if proc.stdout:
+        proc.stdout.close()
+    return out
+
+
+def test_a_second_daemon_on_the_same_socket_is_refused_and_the_first_keeps_serving(tmp_path: Path) -> None:
+    sock = tmp_path / "engram.sock"
+    first = serve(sock)
+    try:
+        wait_for(f"unix:{sock}", first)
+        second = serve(sock)
+        out = refused(second)
+        assert second.returncode != 0
+        assert f"process {first.pid}" in out and str(sock) in out and "server.unix_socket" in out, out
+        assert sock.exists()  # the second never unlinked the first's socket
+        wait_for(f"unix:{sock}", first)  # and the first still answers on it
+    finally:
+        stop(first)
+
+
+def test_a_second_daemon_on_the_same_nvme_directory_is_refused(tmp_path: Path) -> None:
+    nvme = tmp_path / "nvme"
+    first = serve(tmp_path / "a.sock", nvme)
+    try:
+        wait_for(f"unix:{tmp_path / 'a.sock'}", first)
+        second = serve(tmp_path / "b.sock", nvme)
+        out = refused(second)
+        assert second.returncode != 0
+        assert f"process {first.pid}" in out and str(nvme) in out and "tiers.nvme.path" in out, out
+        wait_for(f"unix:{tmp_path / 'a.sock'}", first)
+        # An offline check of the directory is refused too while the daemon owns it.
+        check = subprocess.run([*ENGRAM, "check", "--dir", str(nvme), "--fix"], capture_output=True, text=True,
+                               cwd=NEUTRAL_CWD, timeout=60)
+        assert check.returncode == 4 and f"process {first.pid}" in check.stderr, check.stderr
+    finally:
+        stop(first)
+
+
+def test_locks_of_a_daemon_killed_with_sigkill_do_not_block_a_restart(tmp_path: Path) -> None:
+    sock, nvme = tmp_path / "engram.sock", tmp_path / "nvme"
+    first = serve(sock, nvme)
+    wait_for(f"unix:{sock}", first)
+    first.kill()
+    stop(first)
+    assert holder_pid(f"{sock}.lock") == first.pid  # the dead daemon's pid is still written there
+    again = serve(sock, nvme)
+    try:
+        wait_for(f"unix:{sock}", again)
+        assert holder_pid(f"{sock}.lock") == again.pid and holder_pid(nvme / "engram.lock") == again.pid
+    finally:
+        out = stop(again)
+    assert again.returncode == 0, out
+
+
+async def test_in_process_the_second_start_fails_before_touching_the_socket(tmp_path: Path) -> None:
+    sock = tmp_path / "engram.sock"
+    cfg = load_config(env={}, overrides={"server.unix_socket": str(sock), "tiers.nvme.path": str(tmp_path / "n"),
+                                         "tiers.dram.capacity": "4MiB", "tiers.dram.pool": "private"})
+    first = await start_server(cfg)
+    try:
+        inode = sock.stat().st_ino
+        with pytest.raises(AlreadyRunning, match=f"process {os.getpid()} holds the unix socket"):
+            await start_server(cfg)
+        assert sock.stat().st_ino == inode
+        # The same NVMe directory under another socket: refused by the directory's lock, which names it.
+        other = load_config(env={}, overrides={"server.unix_socket": str(tmp_path / "other.sock"),
+                                               "tiers.nvme.path": str(tmp_path / "n"), "tiers.dram.capacity": "4MiB",
+                                               "tiers.dram.pool": "private"})
+        with pytest.raises(AlreadyRunning, match="holds the NVMe directory"):
+            await start_server(other)
+        # The refused start released what it had taken: the other socket's lock is free again.
+        with DaemonLock(tmp_path / "other.sock.lock", "x", "y"):
+            pass
+    finally:
+        await first.stop(0)
+    tier = NvmeTier(tmp_path / "n", 1 << 20)  # the stopped daemon released the directory
+    await tier.close()

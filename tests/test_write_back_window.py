@@ -1,0 +1,205 @@
+"""Write-back's stated loss window (docs/RELIABILITY.md), and what a clean stop flushes.
+
+Expected behaviour:
+- a block held only in DRAM is copied to NVMe once it is tiers.write_back_window_s old (its DRAM copy stays);
+  once Stats.write_back_pending_blocks is 0, a SIGKILL loses none of the acknowledged blocks;
+- at most tiers.write_back_window_bytes are ever held only in DRAM: puts wait for a slow disk;
+- SIGTERM copies what only DRAM holds to NVMe before exit (tiers.shutdown_flush_s), so a clean restart
+  loses nothing; with shutdown_flush_s = 0 those blocks are gone (the contrast that shows the flush works);
+- blocks write-through acknowledged as not durable (degrade) reach NVMe once the disk is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engram.block import BlockHeader, checksum
+from engram.client import EngramClient, SyncEngramClient
+from engram.codec.stored import RAW, encode
+from engram.config import load_config
+from engram.keys import root_key
+from engram.server.app import build_store
+from engram.store import BlockStore
+
+from helpers import BLOCK_TOKENS, ENGRAM, NEUTRAL_CWD, random_kv, tiny_model, tokens, wait_for
+
+SPEC = tiny_model()
+BLOCK = SPEC.layout.block_nbytes(BLOCK_TOKENS)
+NS = "window"
+
+
+async def put_chain(store: BlockStore, seed: int, n_blocks: int) -> list[bytes]:
+    toks = tokens(n_blocks * BLOCK_TOKENS, seed=seed)
+    kv = random_kv(SPEC, len(toks), seed=seed)
+    parent = root_key(NS, SPEC.fingerprint)
+    keys = []
+    for i in range(n_blocks):
+        block = kv[:, :, i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS]
+        payload = encode(block, RAW)
+        header = BlockHeader(toks[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS], SPEC.layout.dtype, tuple(block.shape),
+                             len(payload), checksum(payload))
+        parent = (await store.put(NS, SPEC.fingerprint, parent, header, payload, index=i)).key
+        keys.append(parent)
+    return keys
+
+
+async def open_store(root: Path, **tiers: object) -> BlockStore:
+    store = await build_store(load_config(env={}, overrides={
+        "tiers.nvme.path": str(root), "tiers.dram.capacity": 256 * BLOCK, "tiers.dram.pool": "private",
+        **{f"tiers.{k}": v for k, v in tiers.items()}}))
+    store.registry.register(SPEC)
+    return store
+
+
+async def test_blocks_reach_nvme_once_the_window_has_passed_and_keep_their_dram_copy(tmp_path: Path) -> None:
+    store = await open_store(tmp_path, write_back_window_s=0.2)
+    keys = await put_chain(store, 1, 6)
+    assert store.write_back_pending().blocks == 6  # DRAM only, for now
+    for _ in range(200):
+        if store.write_back_pending().blocks == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert store.write_back_pending().blocks == 0 and store.counters.blocks_flushed == 6
+    assert [store.block(k).locations for k in keys] == [["dram", "nvme"]] * 6  # type: ignore[union-attr]
+    await store.close()
+
+
+async def test_the_byte_bound_holds_puts_back_for_a_slow_disk(tmp_path: Path) -> None:
+    store = await open_store(tmp_path, write_back_window_s=0, write_back_window_bytes=3 * BLOCK)
+
+    def slow(op: str, path: Path) -> None:
+        if op == "write":
+            time.sleep(0.02)  # a slow disk (in the I/O thread; the event loop goes on)
+
+    store.tiers[-1].fault_hook = slow  # type: ignore[attr-defined]
+    highest = 0
+    for seed in range(4):
+        toks = tokens(3 * BLOCK_TOKENS, seed=seed)
+        kv = random_kv(SPEC, len(toks), seed=seed)
+        parent = root_key(NS, SPEC.fingerprint)
+        for i in range(3):
+            block = kv[:, :, i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS]
+            payload = encode(block, RAW)
+            header = BlockHeader(toks[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS], SPEC.layout.dtype,
+                                 tuple(block.shape), len(payload), checksum(payload))
+            parent = (await store.put(NS, SPEC.fingerprint, parent, header, payload, index=i)).key
+            highest = max(highest, store.write_back_pending().bytes)
+    assert highest <= 3 * BLOCK  # never more than the window held only in DRAM
+    assert store.counters.blocks_flushed >= 12 - 3
+    await store.close()
+
+
+async def test_write_through_blocks_acknowledged_not_durable_reach_nvme_when_the_disk_is_back(tmp_path: Path) -> None:
+    store = await open_store(tmp_path, write_policy="write-through", on_nvme_failure="degrade", retry_s=0.05)
+    full = {"on": True}
+
+    def hook(op: str, path: Path) -> None:
+        if op == "write" and full["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    store.tiers[-1].fault_hook = hook  # type: ignore[attr-defined]
+    keys = await put_chain(store, 2, 4)
+    assert store.counters.blocks_not_durable == 4 and store.write_back_pending().blocks == 4
+    full["on"] = False
+    for _ in range(300):
+        if store.write_back_pending().blocks == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert all("nvme" in store.block(k).locations for k in keys)  # type: ignore[union-attr]
+    assert store.health["nvme"].state == "ok"
+    await store.close()
+
+
+# ---- across a real process: SIGKILL after the window, SIGTERM with and without the shutdown flush ---------
+
+
+def serve(sock: Path, nvme: Path, *sets: str) -> subprocess.Popen[str]:
+    args = [*ENGRAM, "serve", "--unix-socket", str(sock), "--log-level", "info", "--dram-capacity", "4MiB",
+            "--set", f"tiers.nvme.path={nvme}", *[a for s in sets for a in ("--set", s)]]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=NEUTRAL_CWD)
+    wait_for(f"unix:{sock}", proc)
+    return proc
+
+
+def put_all(address: str, n: int) -> list[tuple[np.ndarray, torch.Tensor]]:
+    out = []
+    with SyncEngramClient(address, namespace=NS) as client:
+        fp = client.register_model(SPEC)
+        for seed in range(n):
+            toks = tokens(2 * BLOCK_TOKENS + 3, seed=100 + seed)
+            kv = random_kv(SPEC, len(toks), seed=100 + seed)
+            client.put(fp, toks, kv)
+            out.append((toks, kv))
+    assert fp == SPEC.fingerprint
+    return out
+
+
+def count_back(address: str, puts: list[tuple[np.ndarray, torch.Tensor]]) -> int:
+    with SyncEngramClient(address, namespace=NS) as client:
+        fp = client.register_model(SPEC)
+        whole = 0
+        for toks, kv in puts:
+            n, got = client.get_prefix(fp, toks)
+            if n:
+                assert torch.equal(got, kv[:, :, :n])  # whatever comes back is intact
+            whole += n == len(toks)
+        return whole
+
+
+def finish(proc: subprocess.Popen[str], sig: int) -> str:
+    proc.send_signal(sig)
+    proc.wait(60)
+    out = proc.stdout.read() if proc.stdout else ""
+    if proc.stdout:
+        proc.stdout.close()
+    return out
+
+
+def test_sigterm_flushes_what_only_dram_holds_and_sigkill_after_the_window_loses_nothing(tmp_path: Path) -> None:
+    sock = tmp_path / "e.sock"
+    # No background flush at all (window 0): only the shutdown flush can save these blocks.
+    proc = serve(sock, tmp_path / "a", "tiers.write_back_window_s=0")
+    puts = put_all(f"unix:{sock}", 20)
+    out = finish(proc, signal.SIGTERM)
+    assert proc.returncode == 0 and "copied to NVMe" in out, out
+    proc = serve(sock, tmp_path / "a")
+    try:
+        assert count_back(f"unix:{sock}", puts) == 20
+    finally:
+        finish(proc, signal.SIGTERM)
+
+    # The contrast: the same without the shutdown flush loses them (so the check above can fail).
+    proc = serve(sock, tmp_path / "b", "tiers.write_back_window_s=0", "tiers.shutdown_flush_s=0")
+    puts = put_all(f"unix:{sock}", 20)
+    finish(proc, signal.SIGTERM)
+    proc = serve(sock, tmp_path / "b")
+    try:
+        assert count_back(f"unix:{sock}", puts) == 0
+    finally:
+        finish(proc, signal.SIGTERM)
+
+    # With a window: once nothing is pending, a SIGKILL loses none of the acknowledged blocks.
+    proc = serve(sock, tmp_path / "c", "tiers.write_back_window_s=0.2")
+    puts = put_all(f"unix:{sock}", 20)
+    with SyncEngramClient(f"unix:{sock}", namespace=NS) as client:
+        deadline = time.monotonic() + 30
+        while client.stats().write_back_pending_blocks and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.stats().write_back_pending_blocks == 0
+    os.kill(proc.pid, signal.SIGKILL)
+    finish(proc, signal.SIGKILL)
+    proc = serve(sock, tmp_path / "c")
+    try:
+        assert count_back(f"unix:{sock}", puts) == 20
+    finally:
+        finish(proc, signal.SIGTERM)
+    _ = EngramClient  # the async client is the same path; the sync one drives a subprocess here
