@@ -5,7 +5,7 @@
 # are added one by one. Nothing here runs a vLLM server or a model.
 #
 #   scripts/vllm_venv.sh [VENV]          # default /tmp/vllm-venv; then:
-#   VLLM_TARGET_DEVICE=cpu VENV/bin/pytest -q tests/test_integration_vllm.py
+#   VENV/bin/pytest -q tests/test_integration_vllm.py    # from the repository root
 set -euo pipefail
 VENV=${1:-/tmp/vllm-venv}
 REPO=$(cd "$(dirname "$0")/.." && pwd)

@@ -13,7 +13,10 @@ and load into the cache views vLLM's own allocator makes. No test runs a vLLM se
 from __future__ import annotations
 
 import importlib.util
+import inspect
+import pickle
 import random
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,6 +196,10 @@ class _NoSaves:
 _NO_SAVES = _NoSaves()
 
 
+def namespace_of(request: pytest.FixtureRequest) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "-", request.node.name)
+
+
 @pytest.fixture
 def engines(daemon: str, request: pytest.FixtureRequest) -> Iterator[Any]:
     """Engines on one daemon and one namespace per test: the first stores, a later one (another worker
@@ -200,7 +207,7 @@ def engines(daemon: str, request: pytest.FixtureRequest) -> Iterator[Any]:
     made: list[MiniVllm] = []
 
     def make(**kw: Any) -> MiniVllm:
-        made.append(MiniVllm(daemon, request.node.name, seed=len(made), **kw))
+        made.append(MiniVllm(daemon, namespace_of(request), seed=len(made), **kw))
         return made[-1]
 
     yield make
@@ -439,3 +446,179 @@ def test_pages_smaller_than_vllms_block_are_addressed_through_it(engines: Any, d
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed here (scripts/vllm_venv.sh makes a "
                                 "scratch venv with it); the connector's logic is tested above without it")
+
+
+@pytest.fixture(scope="module")
+def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """vLLM imported for a CPU-only machine (its CPU platform, and Triton's missing GPU driver tolerated), and a
+    tiny Llama model directory (config only: nothing here loads weights)."""
+    if not HAVE_VLLM:
+        pytest.skip("vLLM is not installed")
+    with pytest.MonkeyPatch.context() as mp:
+        if not torch.cuda.is_available():
+            mp.setenv("VLLM_TARGET_DEVICE", "cpu")
+            mp.setenv("CUDA_VISIBLE_DEVICES", "")
+        from transformers import LlamaConfig
+
+        model = tmp_path_factory.mktemp("tiny-llama")
+        LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+                    num_key_value_heads=HEADS, head_dim=DIM, vocab_size=32_000, max_position_embeddings=1024,
+                    dtype="bfloat16", architectures=["LlamaForCausalLM"]).save_pretrained(model)
+        import warnings
+
+        with warnings.catch_warnings():  # vLLM's own imports warn (deprecations in torch.jit, pydantic): not ours
+            warnings.simplefilter("ignore")
+            for name in ("vllm.config", "vllm.distributed.kv_transfer.kv_connector.factory",
+                         "vllm.v1.core.kv_cache_planning", "vllm.v1.worker.utils", "vllm.v1.request",
+                         "vllm.v1.core.sched.output", "vllm.v1.core.kv_cache_manager", "vllm.sampling_params",
+                         "engram.integrations.vllm.connector"):
+                importlib.import_module(name)
+        yield model
+
+
+class RealVllm:
+    """EngramConnector's two roles built as vLLM builds them, from a real VllmConfig and KVCacheConfig, over the
+    per-layer cache views vLLM's own allocator (allocate_kv_cache) makes in the given physical layout."""
+
+    def __init__(self, model_dir: Path, address: str, namespace: str, layout: str, **extra: Any) -> None:
+        from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+        from vllm.v1.worker.utils import allocate_kv_cache
+
+        model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024)
+        transfer = KVTransferConfig(kv_connector="EngramConnector", kv_connector_module_path="engram.integrations.vllm",
+                                    kv_role="kv_both", kv_connector_extra_config={
+                                        "address": address, "namespace": namespace, "codec": "raw",
+                                        "block_tokens": BT, **extra})
+        self.config = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=BS),
+                                 kv_transfer_config=transfer)
+        self.config.cache_config.kv_cache_layout = layout  # what vLLM's engine core resolves and records there
+        spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=DIM, dtype=torch.bfloat16)
+        self.kv_cache_config = get_kv_cache_config_from_groups(
+            self.config, [KVCacheGroupSpec(list(NAMES), spec)], NUM_BLOCKS * LAYERS * spec.page_size_bytes)
+        self.caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"),
+                                        self.config.cache_config.get_resolved_kv_cache_layout())
+        for c in self.caches.values():
+            c.fill_(float("nan"))
+        # The class vLLM's factory finds, constructed as the factory does for each role.
+        cls = KVConnectorFactory.get_connector_class(transfer)
+        self.scheduler = cls(self.config, KVConnectorRole.SCHEDULER, self.kv_cache_config)
+        self.worker = cls(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
+        self.worker.register_kv_caches(self.caches)
+        self.free = list(range(self.kv_cache_config.num_blocks))
+        random.Random(len(layout)).shuffle(self.free)
+
+    def close(self) -> None:
+        self.scheduler.shutdown()
+        self.worker.shutdown()
+
+    def token_kv(self, ids: list[int], n: int) -> torch.Tensor:
+        """The cache's first n tokens by plain indexing of vLLM's [B, H, N, 2D] view (K channels first)."""
+        out = torch.empty(LAYERS, 2, n, HEADS, DIM, dtype=torch.bfloat16)
+        for layer, name in enumerate(NAMES):
+            for t in range(n):
+                row = self.caches[name][ids[t // BS], :, t % BS]
+                out[layer, 0, t], out[layer, 1, t] = row[:, :DIM], row[:, DIM:]
+        return out
+
+    def step(self, req_id: str, tokens: list[int]) -> tuple[int, Any, list[int], dict[Any, int]]:
+        """One request through the connector's hooks with vLLM's own objects, its whole prompt in one step."""
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+        from vllm.v1.core.kv_cache_utils import KVCacheBlock
+        from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+        from vllm.v1.request import Request as VllmRequest
+
+        req = VllmRequest(req_id, tokens, SamplingParams(max_tokens=4), None)
+        ext, load_async = self.scheduler.get_num_new_matched_tokens(req, 0)
+        assert load_async is False
+        ids = [self.free.pop() for _ in range(-(-len(tokens) // BS))]
+        self.scheduler.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(i) for i in ids],)), ext)
+        sources = self.scheduler.get_external_cache_hit_sources(req, ext)
+        req.num_computed_tokens = ext
+        new = NewRequestData.from_request(req, (ids,), prefill_token_ids=tokens)
+        out = SchedulerOutput(scheduled_new_reqs=[new], scheduled_cached_reqs=CachedRequestData.make_empty(),
+                              num_scheduled_tokens={req_id: len(tokens) - ext},
+                              total_num_scheduled_tokens=len(tokens) - ext, scheduled_spec_decode_tokens={},
+                              scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[])
+        meta = pickle.loads(pickle.dumps(self.scheduler.build_connector_meta(out)))  # to the worker's process
+        self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv(None)
+        kv = reference_kv(tokens)
+        for layer, name in enumerate(NAMES):
+            self.worker.wait_for_layer_load(name)
+            for t in range(ext, len(tokens)):  # attention writes the new tokens' KV
+                row = self.caches[name][ids[t // BS], :, t % BS]
+                row[:, :DIM], row[:, DIM:] = kv[layer, 0, t], kv[layer, 1, t]
+            self.worker.save_kv_layer(name, self.caches[name], None)
+        self.worker.wait_for_save()
+        errors = self.worker.get_block_ids_with_load_errors()
+        self.worker.clear_connector_metadata()
+        assert self.scheduler.request_finished(req, ids) == (False, None)
+        assert errors == set()
+        return ext, meta, ids, sources
+
+
+@needs_vllm
+def test_the_connector_subclasses_vllms_base_class_with_its_signatures(vllm_model: Path) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
+
+    from engram.integrations.vllm import EngramConnector, EngramConnectorMetadata
+
+    assert issubclass(EngramConnector, KVConnectorBase_V1) and not EngramConnector.__abstractmethods__
+    assert issubclass(EngramConnectorMetadata, KVConnectorMetadata)
+    overridden = [name for name, attr in vars(EngramConnector).items()
+                  if callable(attr) and not name.startswith("_") and hasattr(KVConnectorBase_V1, name)]
+    assert {"get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "request_finished",
+            "register_kv_caches", "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save",
+            "get_block_ids_with_load_errors"} <= set(overridden)
+    for name in overridden:
+        ours = inspect.signature(getattr(EngramConnector, name)).parameters
+        theirs = inspect.signature(getattr(KVConnectorBase_V1, name)).parameters
+        assert [(p.name, p.kind) for p in ours.values()] == [(p.name, p.kind) for p in theirs.values()], name
+
+
+@needs_vllm
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])  # vLLM's NHD and HND physical orders of one [B, H, N, C] view
+def test_real_vllm_classes_save_then_report_and_load_a_cached_prefix(vllm_model: Path, daemon: str, layout: str,
+                                                                       request: pytest.FixtureRequest) -> None:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    ns = namespace_of(request)
+    first = RealVllm(vllm_model, daemon, ns, layout)
+    second = RealVllm(vllm_model, daemon, ns, layout)
+    try:
+        shared = prompt(5 * BS + 3, seed=20)
+        ext, meta, _, _ = first.step("a", shared)
+        assert ext == 0 and [s.req_id for s in meta.saves] == ["a"]
+        longer = shared + prompt(9, seed=21)
+        ext, meta, ids, sources = second.step("b", longer)
+        assert ext == 5 * BS and sources == {CacheHitSource.HOST: 5 * BS}  # from the daemon's DRAM pool
+        assert [(s.first_token, len(s.token_ids)) for s in meta.loads] == [(0, 5 * BS)]
+        assert torch.equal(second.token_kv(ids, 5 * BS), reference_kv(longer)[:, :, : 5 * BS])
+        miss, _, _, _ = second.step("c", prompt(3 * BS, seed=22))
+        assert miss == 0
+    finally:
+        first.close()
+        second.close()
+
+
+@needs_vllm
+def test_real_vllm_configs_engram_cannot_serve_are_refused(vllm_model: Path, daemon: str) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
+
+    from engram.integrations.vllm import EngramConnector
+
+    base = RealVllm(vllm_model, daemon, "refusals", "LBNHC")
+    base.close()
+    mla = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
+        list(NAMES), MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=576, dtype=torch.bfloat16))])
+    with pytest.raises(InvalidArgument, match="MLA models"):
+        EngramConnector(base.config, KVConnectorRole.WORKER, mla)
+    base.config.parallel_config.tensor_parallel_size = 2
+    with pytest.raises(InvalidArgument, match="tensor_parallel_size=2"):
+        EngramConnector(base.config, KVConnectorRole.SCHEDULER, base.kv_cache_config)
