@@ -380,6 +380,23 @@ def test_the_model_spec_stores_every_attention_layer_in_model_order() -> None:
     assert (named.name, named.weights_id) == ("mine", "rev-3")
 
 
+def test_a_full_attention_model_is_the_same_engram_model_to_vllm_and_transformers() -> None:
+    """Blocks a vLLM engine stores serve a transformers worker of the same model, and back: same name,
+    weights_id, codec and block_tokens give the same layout and fingerprint (docs/INTEGRATIONS.md)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engram.integrations.transformers import layout_of
+    from engram.layout import ModelSpec
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+                      num_key_value_heads=HEADS, head_dim=DIM, vocab_size=1000)
+    hf = ModelSpec(cfg.model_type, "rev-1", layout_of(LlamaForCausalLM(cfg).to(torch.bfloat16), block_tokens=BT),
+                   "raw")
+    ours = ConnectorConfig(address="unix:/x", codec="raw", block_tokens=BT, weights_id="rev-1").model_spec(
+        layers(), name=cfg.model_type, weights_id="vllm:default")
+    assert ours.fingerprint == hf.fingerprint
+
+
 @pytest.mark.parametrize(("caches", "match"), [
     ([LayerCache("model.layers.0.attn", "mla", 1, 576, 0, torch.bfloat16, BS)], "MLA models"),
     ([LayerCache("model.layers.0.attn", "sliding", HEADS, DIM, DIM, torch.bfloat16, BS)],
