@@ -1,0 +1,141 @@
+"""What the vLLM connector is told (kv_connector_extra_config) and what it derives: the model's Engram ModelSpec
+from the layers of vLLM's KV cache.
+
+Plain data and checks, no vLLM import: engram/integrations/vllm/connector.py reads vLLM's VllmConfig and
+KVCacheConfig into `LayerCache` rows, and everything from there on is tested without vLLM installed.
+
+Every layer vLLM keeps a KV cache for is stored per block, as a global layer: with the hybrid KV cache manager
+off (vLLM turns it off for a connector that does not support it), a sliding-window layer's cache holds every
+token like a full one, so its blocks can be loaded as they were computed. MLA models (one latent entry per token
+and layer, 576 wide for DeepSeek) are refused: they need layouts with named streams, a later issue's work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engram.errors import InvalidArgument
+from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
+
+MLA_REFUSED = ("MLA models (one latent KV entry per token and layer, e.g. DeepSeek's 576-wide one) are not supported "
+               "by Engram's vLLM connector yet: they need layouts with named streams (a later issue). Run this model "
+               "without kv_transfer_config, or with another connector.")
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """kv_connector_extra_config, checked: an unknown key is refused (a misspelt one would silently fall back to
+    its default)."""
+
+    address: str  # the daemon: unix:/path/engram.sock (same host: the zero-copy paths) or host:port
+    namespace: str = "default"
+    token: str = ""  # the tenant's bearer token, when the daemon has tenancy on
+    root_cert: str = ""  # path to a PEM root certificate, for a daemon serving TLS
+    codec: str = ""  # "" = the daemon's default (nvfp4); "raw" keeps the KV bit for bit
+    block_tokens: int = 256  # Engram's block: a multiple of vLLM's block_size
+    name: str = ""  # the model's name in Engram; "" = its Hugging Face model_type
+    weights_id: str = ""  # the checkpoint's identity; "" = vLLM's model path or id, revision and quantization
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        extra = dict(extra or {})
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise InvalidArgument(f"kv_connector_extra_config has unknown keys {unknown}; Engram's connector takes "
+                                  f"{sorted(known)}")
+        if not extra.get("address"):
+            raise InvalidArgument("kv_connector_extra_config needs 'address', the Engram daemon "
+                                  "(unix:/path/engram.sock or host:port)")
+        values: dict[str, Any] = {}
+        for key, value in extra.items():
+            kind = int if key == "block_tokens" else str
+            try:
+                values[key] = kind(value)
+            except (TypeError, ValueError):
+                raise InvalidArgument(f"kv_connector_extra_config[{key!r}] must be {kind.__name__}, got {value!r}"
+                                      ) from None
+        return cls(**values)
+
+    def client(self) -> Any:
+        """A SyncEngramClient for this daemon: vLLM's connector hooks are synchronous."""
+        from engram.client import SyncEngramClient
+
+        cert = Path(self.root_cert).read_bytes() if self.root_cert else None
+        return SyncEngramClient(self.address, namespace=self.namespace, token=self.token, root_cert=cert)
+
+    def model_spec(self, layers: VllmLayers, *, name: str, weights_id: str) -> ModelSpec:
+        """The model as Engram registers it. `name` and `weights_id` are the defaults from vLLM's model config; the
+        connector config's own win."""
+        try:
+            dtype = DType.from_torch(layers.dtype)
+        except InvalidArgument:
+            raise InvalidArgument(f"vLLM's KV cache is {layers.dtype}; Engram stores bfloat16, float16 or float32 KV "
+                                  "(and codes it itself): run vLLM with kv_cache_dtype='auto'") from None
+        if self.block_tokens % layers.block_size:
+            raise InvalidArgument(f"block_tokens={self.block_tokens} must be a multiple of vLLM's block_size "
+                                  f"({layers.block_size}): a loaded Engram block fills whole vLLM blocks")
+        layout = KVLayout(layers=(LayerSpec(LayerKind.GLOBAL),) * len(layers.names), num_kv_heads=layers.num_kv_heads,
+                          head_dim=layers.head_dim, dtype=dtype, block_tokens=self.block_tokens)
+        return ModelSpec(self.name or name, self.weights_id or weights_id, layout, self.codec)
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    """One layer's KV cache as vLLM's KVCacheConfig describes it."""
+
+    name: str  # vLLM's layer name, e.g. model.layers.3.self_attn.attn
+    kind: str  # "full", or what Engram refuses: "mla", "sliding" (hybrid manager on), another spec's name
+    num_kv_heads: int
+    head_dim: int
+    head_dim_v: int
+    dtype: torch.dtype
+    block_size: int  # tokens per vLLM block id
+
+
+def _layer_index(name: str) -> int:
+    """The layer's number in its name (model.layers.12.self_attn.attn -> 12): blocks carry layers in model order."""
+    numbers = re.findall(r"\d+", name)
+    return int(numbers[0]) if numbers else -1
+
+
+@dataclass(frozen=True)
+class VllmLayers:
+    """The layers whose KV Engram stores for a vLLM engine, in the order a block carries them, and their shape."""
+
+    names: tuple[str, ...]
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int
+
+    @classmethod
+    def from_caches(cls, caches: Sequence[LayerCache]) -> VllmLayers:
+        if not caches:
+            raise InvalidArgument("vLLM's KV cache config lists no attention layer: nothing for Engram to store")
+        for c in caches:
+            if c.kind == "mla":
+                raise InvalidArgument(MLA_REFUSED)
+            if c.kind == "sliding":
+                raise InvalidArgument(f"layer {c.name} keeps only a sliding window (vLLM's hybrid KV cache manager); "
+                                      "run vLLM with --disable-hybrid-kv-cache-manager so every layer holds all tokens")
+            if c.kind != "full":
+                raise InvalidArgument(f"layer {c.name} has a {c.kind} KV cache; Engram's vLLM connector stores full "
+                                      "attention layers only")
+            if c.head_dim_v != c.head_dim:
+                raise InvalidArgument(f"layer {c.name} has K head dim {c.head_dim} and V head dim {c.head_dim_v}; "
+                                      "Engram stores K and V of one shape")
+        shapes = {(c.num_kv_heads, c.head_dim, c.dtype, c.block_size) for c in caches}
+        if len(shapes) != 1:
+            raise InvalidArgument(f"vLLM's attention layers differ in (kv heads, head dim, dtype, block size): "
+                                  f"{sorted(shapes, key=str)}; Engram's layout has one shape for every layer")
+        heads, head_dim, dtype, block_size = shapes.pop()
+        names = tuple(c.name for c in sorted(caches, key=lambda c: _layer_index(c.name)))
+        return cls(names, heads, head_dim, dtype, block_size)

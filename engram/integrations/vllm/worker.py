@@ -1,0 +1,147 @@
+"""The worker side of the vLLM connector: loads into vLLM's paged KV cache before a forward, saves out of it
+after.
+
+`register_kv_caches` takes vLLM's per-layer cache tensors once; each step's EngramMetadata (scheduler.py) says
+what to load and save. A load is one `load_prefix_into` per request (the client's hit path: one GetPrefix round
+trip, blocks copied out of the daemon's mapped pool straight into the request's pages, FP4 decoded on the GPU),
+done in start_load_kv before the forward reads the KV: the writes are queued on the current CUDA stream, so
+wait_for_layer_load has nothing to wait for. A save gathers the prompt's KV out of its blocks into one buffer
+(layer by layer as vLLM's save_kv_layer hooks come, any layer they skipped in wait_for_save) and puts it there,
+within the step: the blocks are never read after vLLM may reuse them.
+
+What a failure does: a load that finds fewer tokens than the scheduler planned (evicted in between, daemon
+down) reports the blocks it did not fill (`take_load_errors`, vLLM's get_block_ids_with_load_errors) so vLLM
+recomputes them (kv_load_failure_policy="recompute") or fails the request ("fail"), never reads them as they
+are. A failed save is logged and counted: the next request with that prefix misses.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from engram.errors import EngramError, InvalidArgument
+from engram.integrations.vllm.config import VllmLayers
+from engram.integrations.vllm.paged import as_destination, gather, kv_pages, page_table
+from engram.integrations.vllm.scheduler import EngramMetadata, LoadSpec, SaveSpec
+
+log = logging.getLogger("engram.integrations.vllm")
+
+
+class EngramWorker:
+    """Worker-side state: one instance per vLLM worker process."""
+
+    def __init__(self, client: Any, fingerprint: bytes, layers: VllmLayers, *, namespace: str | None = None) -> None:
+        self.client = client
+        self.fingerprint = fingerprint
+        self.layers = layers
+        self.namespace = namespace
+        self._index = {name: i for i, name in enumerate(layers.names)}
+        self.k: list[Tensor] = []
+        self.v: list[Tensor] = []
+        self.pages_per_block = 0
+        self._saving: dict[str, tuple[Tensor, set[int]]] = {}  # request -> (L, 2, T, H, D) buffer, layers gathered
+        self._load_errors: set[int] = set()
+        self.loaded_tokens = 0  # written into vLLM's blocks since start (the tests and logs read these)
+        self.saved_tokens = 0
+        self.save_failures = 0
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Tensor]) -> None:
+        lay = self.layers
+        missing = [name for name in lay.names if name not in kv_caches]
+        if missing:
+            raise InvalidArgument(f"vLLM registered no KV cache for layers {missing[:4]} of its KV cache config")
+        pages = [kv_pages(kv_caches[name], lay.num_kv_heads, lay.head_dim) for name in lay.names]
+        self.k = [k for k, _ in pages]
+        self.v = [v for _, v in pages]
+        page_tokens = int(self.k[0].shape[1])
+        if lay.block_size % page_tokens:
+            raise InvalidArgument(f"vLLM's cache pages hold {page_tokens} tokens, which does not divide its block "
+                                  f"size {lay.block_size}")
+        self.pages_per_block = lay.block_size // page_tokens
+
+    # ---- before the forward -----------------------------------------------------------------------
+
+    def start_load(self, meta: EngramMetadata) -> None:
+        for spec in meta.loads:
+            self._load(spec)
+        if meta.loads:
+            self._sync()  # the client queued its writes on its own thread's stream; vLLM's may be another
+
+    def _sync(self) -> None:
+        """Wait for the device's queued work: the client's threads and vLLM's use their own CUDA streams."""
+        device = self.k[0].device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def _load(self, spec: LoadSpec) -> None:
+        bs = self.layers.block_size
+        table = page_table(spec.block_ids, self.pages_per_block)
+        dest = as_destination(self.k, self.v, table, spec.first_token)
+        want = len(spec.token_ids)
+        try:
+            res = self.client.load_prefix_into(self.fingerprint, spec.token_ids, dest, namespace=self.namespace)
+            got = res.loaded_tokens
+        except EngramError as exc:
+            log.warning("Engram load for request %s failed: %s", spec.req_id, exc)
+            got = 0
+        if got < want:  # the blocks not (wholly) written: vLLM must not read them as computed
+            first_bad = max(got, spec.first_token) // bs
+            self._load_errors.update(spec.block_ids[first_bad:])
+            log.warning("Engram held %d of the %d tokens planned for request %s; %d blocks reported to vLLM",
+                        got, want, spec.req_id, len(spec.block_ids) - first_bad)
+        self.loaded_tokens += max(0, min(got, want) - spec.first_token)
+
+    def take_load_errors(self) -> set[int]:
+        """Block ids whose load failed since the last call (vLLM's get_block_ids_with_load_errors)."""
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    # ---- after the forward ------------------------------------------------------------------------
+
+    def save_layer(self, layer_name: str, meta: EngramMetadata) -> None:
+        """vLLM computed this layer's KV for the step: gather it for the prompts being saved."""
+        i = self._index.get(layer_name)
+        if i is None:  # a layer outside the KV cache config (a draft model's): not Engram's
+            return
+        for spec in meta.saves:
+            buf, done = self._buffer(spec)
+            if i not in done:
+                self._gather(i, spec, buf)
+                done.add(i)
+
+    def wait_for_save(self, meta: EngramMetadata) -> None:
+        """Gather what save_layer did not (every layer has run by now), then put each prompt's KV."""
+        for spec in meta.saves:
+            buf, done = self._buffer(spec)
+            for i in range(len(self.layers.names)):
+                if i not in done:
+                    self._gather(i, spec, buf)
+            del self._saving[spec.req_id]
+            self._sync()  # the gathers ran on vLLM's stream; the put reads buf from the client's threads
+            try:
+                self.client.put(self.fingerprint, np.asarray(spec.token_ids, dtype=np.int32), buf,
+                                namespace=self.namespace)
+                self.saved_tokens += len(spec.token_ids)
+            except EngramError as exc:
+                self.save_failures += 1
+                log.warning("Engram save of request %s (%d tokens) failed: %s", spec.req_id, len(spec.token_ids), exc)
+
+    def _buffer(self, spec: SaveSpec) -> tuple[Tensor, set[int]]:
+        got = self._saving.get(spec.req_id)
+        if got is None:
+            lay = self.layers
+            shape = (len(lay.names), 2, len(spec.token_ids), lay.num_kv_heads, lay.head_dim)
+            got = self._saving[spec.req_id] = (torch.empty(shape, dtype=lay.dtype, device=self.k[0].device), set())
+        return got
+
+    def _gather(self, layer: int, spec: SaveSpec, buf: Tensor) -> None:
+        table = page_table(spec.block_ids, self.pages_per_block)
+        n = len(spec.token_ids)
+        gather(self.k[layer], table, n, buf[layer, 0])
+        gather(self.v[layer], table, n, buf[layer, 1])

@@ -1,0 +1,641 @@
+"""The vLLM KV connector (engram.integrations.vllm) against a real Engram daemon (an `engram serve` subprocess:
+vLLM's connector hooks are synchronous, so the daemon runs outside the test's thread).
+
+Without vLLM, `MiniVllm` drives the connector's scheduler and worker sides in vLLM's order with vLLM-shaped
+arguments (a request with request_id and prompt_token_ids, KVCacheBlocks-like get_block_ids(), SchedulerOutput-
+like scheduled requests) over per-layer paged caches in vLLM's standardized layout, shuffled block ids, and a
+"forward" that writes each token's KV into its block and calls save_kv_layer per layer. The tests at the end
+need vLLM (the scratch venv of scripts/vllm_venv.sh) and skip without it: they build the real EngramConnector
+from a real VllmConfig and KVCacheConfig, drive it with vLLM's own Request, KVCacheBlocks and SchedulerOutput,
+and load into the cache views vLLM's own allocator makes. No test runs a vLLM server or a model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import pickle
+import random
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from engram.client import SyncEngramClient
+from engram.errors import InvalidArgument
+from engram.integrations.vllm import (
+    ConnectorConfig,
+    EngramScheduler,
+    EngramWorker,
+    LayerCache,
+    VllmLayers,
+    kv_pages,
+)
+
+from helpers import engram_daemon
+
+BS = 16  # vLLM's block size
+BT = 32  # Engram's block_tokens: two vLLM blocks
+LAYERS, HEADS, DIM = 2, 2, 16
+NUM_BLOCKS = 24
+NAMES = tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS))
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with engram_daemon(tmp_path_factory.mktemp("vllm")) as (address, _):
+        yield address
+
+
+def reference_kv(tokens: list[int]) -> torch.Tensor:
+    """The model's KV for a prompt, (L, 2, T, H, D) bf16: each token's a function of the tokens up to it, as a
+    causal model's is, so prompts sharing a prefix share its KV."""
+    out = torch.empty(LAYERS, 2, len(tokens), HEADS, DIM, dtype=torch.bfloat16)
+    h = 0
+    for t, tok in enumerate(tokens):
+        h = (h * 1_000_003 + int(tok) + 1) % (2**61 - 1)
+        out[:, :, t] = torch.randn(LAYERS, 2, HEADS, DIM, generator=torch.Generator().manual_seed(h))
+    return out
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(0, 32_000, n)]
+
+
+# ---- vLLM-shaped arguments, and a miniature vLLM that drives the connector ------------------------------------
+
+
+@dataclass
+class Request:  # vllm.v1.request.Request: what the connector reads
+    request_id: str
+    prompt_token_ids: list[int]
+    mm_features: list[Any] = field(default_factory=list)
+    lora_request: Any = None
+    cache_salt: str | None = None
+
+
+@dataclass
+class Blocks:  # vllm.v1.core.kv_cache_manager.KVCacheBlocks
+    ids: list[int]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (self.ids,)
+
+
+@dataclass
+class NewRequestData:  # vllm.v1.core.sched.output.NewRequestData
+    req_id: str
+    prompt_token_ids: list[int]
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+    mm_features: list[Any] = field(default_factory=list)
+    lora_request: Any = None
+
+
+@dataclass
+class CachedRequestData:
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    finished_req_ids: set[str] = field(default_factory=set)
+
+
+def layers(block_size: int = BS) -> VllmLayers:
+    return VllmLayers.from_caches([LayerCache(n, "full", HEADS, DIM, DIM, torch.bfloat16, block_size) for n in NAMES])
+
+
+def config(address: str, namespace: str, **kw: Any) -> ConnectorConfig:
+    return ConnectorConfig.from_extra({"address": address, "namespace": namespace, "codec": "raw",
+                                       "block_tokens": BT, **kw})
+
+
+class MiniVllm:
+    """One engine: the connector's scheduler and worker sides (in one process here), per-layer caches in vLLM's
+    standardized (num_blocks, H, block_size, 2 * D) layout filled with NaN (vLLM does not zero blocks), and block
+    ids handed out in shuffled order, as a pool that has served other requests does."""
+
+    def __init__(self, address: str, namespace: str, *, seed: int = 0, **extra: Any) -> None:
+        cfg = config(address, namespace, **extra)
+        self.layers = layers()
+        self.spec = cfg.model_spec(self.layers, name="tiny-llama", weights_id="seed-0")
+        self.client = cfg.client()
+        fp = self.client.register_model(self.spec)
+        self.scheduler = EngramScheduler(self.client, fp, BS, namespace=namespace)
+        self.worker = EngramWorker(self.client, fp, self.layers, namespace=namespace)
+        self.caches = {n: torch.full((NUM_BLOCKS, HEADS, BS, 2 * DIM), float("nan"), dtype=torch.bfloat16)
+                       for n in NAMES}
+        self.worker.register_kv_caches(self.caches)
+        self.free = list(range(NUM_BLOCKS))
+        random.Random(seed).shuffle(self.free)
+        self.fingerprint = fp
+
+    def close(self) -> None:
+        self.client.close()
+
+    def token_kv(self, block_ids: list[int], n: int) -> torch.Tensor:
+        """What the cache holds for a request's first n tokens, (L, 2, n, H, D), read by plain indexing: row r of
+        block b holds K in channels [0, D) and V in [D, 2D) (FlashAttention's kv_cache.transpose(1, 2).split)."""
+        out = torch.empty(LAYERS, 2, n, HEADS, DIM, dtype=torch.bfloat16)
+        for layer, name in enumerate(NAMES):
+            for t in range(n):
+                row = self.caches[name][block_ids[t // BS], :, t % BS]  # (H, 2D)
+                out[layer, 0, t], out[layer, 1, t] = row[:, :DIM], row[:, DIM:]
+        return out
+
+    def forward(self, block_ids: list[int], tokens: list[int], start: int, meta: Any) -> None:
+        """Attention writing each new token's KV into its block, layer by layer, with vLLM's save hook after."""
+        kv = reference_kv(tokens)
+        for layer, name in enumerate(NAMES):
+            for t in range(start, len(tokens)):
+                row = self.caches[name][block_ids[t // BS], :, t % BS]
+                row[:, :DIM], row[:, DIM:] = kv[layer, 0, t], kv[layer, 1, t]
+            self.worker.save_layer(name, meta)
+
+    def run(self, req_id: str, tokens: list[int], *, local_hit: int = 0, request: Request | None = None
+            ) -> tuple[int, list[int], Any]:
+        """Admit a request whose first local_hit tokens vLLM's own prefix cache holds (those blocks written
+        here, as an earlier request left them) and run its whole prompt in one step. Returns the tokens the
+        connector reported, the request's block ids, and the step's metadata."""
+        req = request or Request(req_id, tokens)
+        ext, load_async = self.scheduler.num_new_matched_tokens(req, local_hit)
+        assert load_async is False
+        ids = [self.free.pop() for _ in range(-(-len(tokens) // BS))]
+        if local_hit:
+            self.forward(ids, tokens[:local_hit], 0, _NO_SAVES)
+        self.scheduler.update_state_after_alloc(req, Blocks(ids), ext)
+        computed = local_hit + ext
+        out = SchedulerOutput([NewRequestData(req_id, tokens, (ids,), computed, req.mm_features, req.lora_request)],
+                              CachedRequestData(), {req_id: len(tokens) - computed})
+        meta = self.scheduler.build_meta(out)
+        self.worker.start_load(meta)
+        self.loaded_now = self.token_kv(ids, computed) if computed else None  # before the forward writes
+        self.forward(ids, tokens, computed, meta)
+        self.worker.wait_for_save(meta)
+        self.scheduler.request_finished(req, ids)
+        return ext, ids, meta
+
+
+@dataclass
+class _NoSaves:
+    loads: list[Any] = field(default_factory=list)
+    saves: list[Any] = field(default_factory=list)
+
+
+_NO_SAVES = _NoSaves()
+
+
+def namespace_of(request: pytest.FixtureRequest) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "-", request.node.name)
+
+
+@pytest.fixture
+def engines(daemon: str, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """Engines on one daemon and one namespace per test: the first stores, a later one (another worker
+    process in production: its own client and caches) loads."""
+    made: list[MiniVllm] = []
+
+    def make(**kw: Any) -> MiniVllm:
+        made.append(MiniVllm(daemon, namespace_of(request), seed=len(made), **kw))
+        return made[-1]
+
+    yield make
+    for e in made:
+        e.close()
+
+
+# ---- hits, misses, partial hits -------------------------------------------------------------------------------
+
+
+def test_a_saved_prompt_is_reported_cached_and_loads_bit_exact_into_scattered_blocks(engines: Any) -> None:
+    first = engines()
+    shared = prompt(5 * BS + 3)
+    ext, _, meta = first.run("a", shared)
+    assert ext == 0 and [s.req_id for s in meta.saves] == ["a"]
+    assert first.worker.saved_tokens == len(shared)
+
+    second = engines()  # fresh caches, other block ids
+    longer = shared + prompt(20, seed=9)
+    ext, ids, meta = second.run("b", longer)
+    # Engram holds all 83 tokens of the shared prefix; vLLM gets its whole blocks: 5 of 16.
+    assert ext == 5 * BS
+    assert [(s.req_id, s.first_token, len(s.token_ids)) for s in meta.loads] == [("b", 0, 5 * BS)]
+    assert sorted(ids) != ids  # the blocks are scattered
+    assert torch.equal(second.loaded_now, reference_kv(longer)[:, :, : 5 * BS])
+    assert second.worker.loaded_tokens == 5 * BS
+    # Blocks no request was given were never written.
+    untouched = sorted(set(range(NUM_BLOCKS)) - set(ids))
+    assert torch.isnan(second.caches[NAMES[0]][untouched]).all()
+
+
+def test_a_fully_cached_prompt_leaves_its_last_token_to_compute(engines: Any) -> None:
+    whole = prompt(4 * BS, seed=3)
+    engines().run("a", whole)
+    ext, _, meta = engines().run("b", whole)
+    assert ext == 3 * BS  # not 4 * BS: vLLM computes at least the last token, whose block is then its own
+    assert meta.saves == []  # Engram held every token already: nothing to store again
+
+
+def test_a_miss_reports_zero_and_loads_nothing(engines: Any) -> None:
+    engines().run("a", prompt(3 * BS, seed=1))
+    e = engines()
+    ext, ids, meta = e.run("b", prompt(3 * BS, seed=2))
+    assert ext == 0 and meta.loads == [] and e.worker.loaded_tokens == 0
+
+
+def test_a_partially_cached_prompt_reports_its_whole_block_part(engines: Any) -> None:
+    stored = prompt(3 * BS, seed=4)
+    engines().run("a", stored)
+    diverged = stored[: BS + 9] + prompt(2 * BS, seed=5)  # leaves the cached chain 9 tokens into block 1
+    e = engines()
+    ext, _, meta = e.run("b", diverged)
+    assert ext == BS  # 25 tokens match; one whole vLLM block of them
+    assert torch.equal(e.loaded_now, reference_kv(stored)[:, :, :BS])
+
+
+def test_tokens_vllm_holds_itself_are_not_loaded_over(engines: Any) -> None:
+    """vLLM's own prefix cache hit the first block: Engram reports and writes only the blocks after it, and the
+    block vLLM holds (shared with other requests) is left as it is."""
+    stored = prompt(4 * BS, seed=6)
+    engines().run("a", stored)
+    e = engines()
+    ext, ids, meta = e.run("b", [*stored, 7], local_hit=BS)
+    assert ext == 3 * BS and [(s.first_token, len(s.token_ids)) for s in meta.loads] == [(BS, 4 * BS)]
+    # Mark vLLM's block, then load again: a load that wrote it would overwrite the mark.
+    e.caches[NAMES[0]][ids[0]].fill_(7.0)
+    e.worker.start_load(meta)
+    assert (e.caches[NAMES[0]][ids[0]] == 7.0).all()
+    assert torch.equal(e.token_kv(ids, 4 * BS)[:, :, BS:], reference_kv(stored)[:, :, BS : 4 * BS])
+
+
+def test_nvfp4_loads_are_the_daemons_decoded_blocks_within_the_codecs_error(engines: Any) -> None:
+    shared = prompt(4 * BS + 5, seed=7)
+    first = engines(codec="nvfp4")
+    first.run("a", shared)
+    e = engines(codec="nvfp4")
+    ext, _, _ = e.run("b", shared + prompt(4, seed=8))
+    assert ext == 4 * BS
+    n, decoded = e.client.get_prefix(e.fingerprint, shared)  # the bytes path: what the daemon stored, decoded
+    assert n == len(shared)
+    assert torch.equal(e.loaded_now, decoded[:, :, :ext])
+    want = reference_kv(shared)[:, :, :ext].float()
+    rel = float((e.loaded_now.float() - want).norm() / want.norm())
+    assert 0.0 < rel < 0.12  # docs/FP4_NOTES.md: relative RMS 0.095 on Gaussian data; 0 would mean it stored raw
+
+
+# ---- what the scheduler plans ------------------------------------------------------------------------------
+
+
+def test_a_chunked_prefill_is_saved_once_in_the_step_that_completes_the_prompt(engines: Any) -> None:
+    e = engines()
+    tokens = prompt(3 * BS + 4, seed=10)
+    req = Request("c", tokens)
+    assert e.scheduler.num_new_matched_tokens(req, 0) == (0, False)
+    ids = [e.free.pop() for _ in range(2)]
+    e.scheduler.update_state_after_alloc(req, Blocks(ids), 0)
+    step1 = e.scheduler.build_meta(SchedulerOutput([NewRequestData("c", tokens, (ids,), 0)], CachedRequestData(),
+                                                   {"c": 2 * BS}))
+    assert step1.saves == []
+    more = [e.free.pop() for _ in range(2)]
+    step2 = e.scheduler.build_meta(SchedulerOutput([], CachedRequestData(["c"], [(more,)], [2 * BS]),
+                                                   {"c": BS + 4}))
+    assert [(s.req_id, s.token_ids, s.block_ids) for s in step2.saves] == [("c", tokens, ids + more)]
+    step3 = e.scheduler.build_meta(SchedulerOutput([], CachedRequestData(["c"], [None], [3 * BS + 4]), {"c": 1}))
+    assert step3.saves == []  # decoding: the prompt was saved once
+
+
+def test_requests_keyed_by_more_than_their_tokens_are_neither_looked_up_nor_saved(engines: Any) -> None:
+    tokens = prompt(3 * BS, seed=11)
+    engines().run("a", tokens)
+    e = engines()
+    for i, req in enumerate([Request("m", tokens, mm_features=["image"]), Request("l", tokens, lora_request="adapter"),
+                             Request("s", tokens, cache_salt="user-7")]):
+        ext, _, meta = e.run(f"r{i}", tokens, request=req)
+        assert ext == 0 and meta.loads == [] and meta.saves == []
+
+
+def test_a_load_that_finds_less_than_planned_reports_the_blocks_it_did_not_fill(engines: Any) -> None:
+    tokens = prompt(4 * BS, seed=12)
+    engines().run("a", tokens)
+    e = engines()
+    req = Request("b", [*tokens, 1])
+    ext, _ = e.scheduler.num_new_matched_tokens(req, 0)
+    assert ext == 4 * BS
+    ids = [e.free.pop() for _ in range(5)]
+    e.scheduler.update_state_after_alloc(req, Blocks(ids), ext)
+    meta = e.scheduler.build_meta(SchedulerOutput([NewRequestData("b", req.prompt_token_ids, (ids,), ext)],
+                                                  CachedRequestData(), {"b": 1}))
+    keys = [b.key.hex() for b in e.client.lookup(e.fingerprint, tokens).blocks]
+    e.client.evict(key_prefixes=keys[1:], force=True)  # evicted between the scheduler's lookup and the load
+    e.worker.start_load(meta)
+    assert e.worker.take_load_errors() == set(ids[2:4])  # Engram block 0 (vLLM blocks 0, 1) still loaded
+    assert e.worker.take_load_errors() == set()
+
+
+def test_a_daemon_that_is_down_gives_misses_not_errors(tmp_path: Path) -> None:
+    client = SyncEngramClient(f"unix:{tmp_path}/none.sock")
+    try:
+        sched = EngramScheduler(client, b"\0" * 16, BS)
+        assert sched.num_new_matched_tokens(Request("a", prompt(40)), 0) == (0, False)
+        assert sched.lookup_failures == 1
+    finally:
+        client.close()
+
+
+# ---- config, layouts, refusals -------------------------------------------------------------------------------
+
+
+def test_the_connector_config_refuses_unknown_keys_and_a_missing_address() -> None:
+    with pytest.raises(InvalidArgument, match=r"unknown keys \['adress'\]"):
+        ConnectorConfig.from_extra({"adress": "unix:/x"})
+    with pytest.raises(InvalidArgument, match="needs 'address'"):
+        ConnectorConfig.from_extra({"namespace": "a"})
+    with pytest.raises(InvalidArgument, match=r"block_tokens.*must be int"):
+        ConnectorConfig.from_extra({"address": "unix:/x", "block_tokens": "many"})
+    cfg = ConnectorConfig.from_extra({"address": "unix:/x", "block_tokens": "128", "codec": "nvfp4"})
+    assert (cfg.block_tokens, cfg.codec, cfg.namespace) == (128, "nvfp4", "default")
+
+
+def test_the_model_spec_stores_every_attention_layer_in_model_order() -> None:
+    shuffled = [LayerCache(n, "full", HEADS, DIM, DIM, torch.float16, BS) for n in reversed(NAMES)]
+    lay = VllmLayers.from_caches(shuffled)
+    assert lay.names == NAMES
+    spec = ConnectorConfig(address="unix:/x", block_tokens=64, codec="raw").model_spec(lay, name="llama",
+                                                                                        weights_id="w")
+    assert spec.layout.persisted_layers == LAYERS and spec.layout.block_shape(64) == (LAYERS, 2, 64, HEADS, DIM)
+    assert (spec.name, spec.weights_id, spec.codec, spec.layout.dtype.name) == ("llama", "w", "raw", "FP16")
+    named = ConnectorConfig(address="unix:/x", name="mine", weights_id="rev-3").model_spec(lay, name="llama",
+                                                                                           weights_id="w")
+    assert (named.name, named.weights_id) == ("mine", "rev-3")
+
+
+def test_a_full_attention_model_is_the_same_engram_model_to_vllm_and_transformers() -> None:
+    """Blocks a vLLM engine stores serve a transformers worker of the same model, and back: same name,
+    weights_id, codec and block_tokens give the same layout and fingerprint (docs/INTEGRATIONS.md)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engram.integrations.transformers import layout_of
+    from engram.layout import ModelSpec
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+                      num_key_value_heads=HEADS, head_dim=DIM, vocab_size=1000)
+    hf = ModelSpec(cfg.model_type, "rev-1", layout_of(LlamaForCausalLM(cfg).to(torch.bfloat16), block_tokens=BT),
+                   "raw")
+    ours = ConnectorConfig(address="unix:/x", codec="raw", block_tokens=BT, weights_id="rev-1").model_spec(
+        layers(), name=cfg.model_type, weights_id="vllm:default")
+    assert ours.fingerprint == hf.fingerprint
+
+
+@pytest.mark.parametrize(("caches", "match"), [
+    ([LayerCache("model.layers.0.attn", "mla", 1, 576, 0, torch.bfloat16, BS)], "MLA models"),
+    ([LayerCache("model.layers.0.attn", "sliding", HEADS, DIM, DIM, torch.bfloat16, BS)],
+     "disable-hybrid-kv-cache-manager"),
+    ([LayerCache("model.layers.0.attn", "MambaSpec", 1, 0, 0, torch.bfloat16, BS)], "full attention layers only"),
+    ([LayerCache("model.layers.0.attn", "full", HEADS, DIM, DIM, torch.bfloat16, BS),
+      LayerCache("model.layers.1.attn", "full", HEADS, 2 * DIM, 2 * DIM, torch.bfloat16, BS)], "differ"),
+    ([], "no attention layer"),
+])
+def test_layers_engram_cannot_store_are_refused_saying_why(caches: list[LayerCache], match: str) -> None:
+    with pytest.raises(InvalidArgument, match=match):
+        VllmLayers.from_caches(caches)
+
+
+def test_a_quantized_vllm_cache_and_an_engram_block_vllm_blocks_do_not_fill_are_refused() -> None:
+    fp8 = VllmLayers(NAMES, HEADS, DIM, torch.float8_e4m3fn, BS)
+    with pytest.raises(InvalidArgument, match="kv_cache_dtype='auto'"):
+        ConnectorConfig(address="unix:/x").model_spec(fp8, name="m", weights_id="w")
+    with pytest.raises(InvalidArgument, match="multiple of vLLM's block_size"):
+        ConnectorConfig(address="unix:/x", block_tokens=16).model_spec(layers(block_size=32), name="m", weights_id="w")
+
+
+def test_both_vllm_cache_layouts_give_pages_that_write_into_the_cache() -> None:
+    k = torch.randn(3, BS, HEADS, DIM)
+    v = torch.randn(3, BS, HEADS, DIM)
+    standardized = torch.zeros(3, HEADS, BS, 2 * DIM)  # (B, H, N, 2D)
+    flash_v0 = torch.zeros(2, 3, BS, HEADS, DIM)  # (2, B, N, H, D)
+    for cache in (standardized, flash_v0):
+        kp, vp = kv_pages(cache, HEADS, DIM)
+        kp.copy_(k)
+        vp.copy_(v)
+    assert torch.equal(standardized[:, :, :, :DIM], k.transpose(1, 2))
+    assert torch.equal(standardized[:, :, :, DIM:], v.transpose(1, 2))
+    assert torch.equal(flash_v0[0], k) and torch.equal(flash_v0[1], v)
+    with pytest.raises(InvalidArgument, match="no layout Engram knows"):
+        kv_pages(torch.zeros(3, BS, HEADS, DIM), HEADS, DIM)
+
+
+def test_pages_smaller_than_vllms_block_are_addressed_through_it(engines: Any, daemon: str) -> None:
+    """vLLM may view its cache in kernel blocks smaller than its own (8-token pages for 16-token blocks)."""
+    tokens = prompt(3 * BS + 1, seed=13)
+    engines().run("a", tokens)
+    e = engines()
+    kernel = {n: torch.full((2 * NUM_BLOCKS, HEADS, BS // 2, 2 * DIM), float("nan"), dtype=torch.bfloat16)
+              for n in NAMES}
+    e.worker.register_kv_caches(kernel)
+    assert e.worker.pages_per_block == 2
+    req = Request("b", tokens)
+    ext, _ = e.scheduler.num_new_matched_tokens(req, 0)
+    ids = [5, 1, 9, 3]
+    e.scheduler.update_state_after_alloc(req, Blocks(ids), ext)
+    meta = e.scheduler.build_meta(SchedulerOutput([NewRequestData("b", tokens, (ids,), ext)], CachedRequestData(),
+                                                  {"b": 1}))
+    e.worker.start_load(meta)
+    want = reference_kv(tokens)
+    for t in range(ext):
+        page, row = ids[t // BS] * 2 + (t % BS) // (BS // 2), t % (BS // 2)
+        assert torch.equal(kernel[NAMES[1]][page, :, row, :DIM], want[1, 0, t])
+        assert torch.equal(kernel[NAMES[1]][page, :, row, DIM:], want[1, 1, t])
+
+
+# ---- against vLLM's real classes (skipped without vLLM: scripts/vllm_venv.sh builds a venv that has it) ----------
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed here (scripts/vllm_venv.sh makes a "
+                                "scratch venv with it); the connector's logic is tested above without it")
+
+
+@pytest.fixture(scope="module")
+def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """vLLM imported for a CPU-only machine (its CPU platform, and Triton's missing GPU driver tolerated), and a
+    tiny Llama model directory (config only: nothing here loads weights)."""
+    if not HAVE_VLLM:
+        pytest.skip("vLLM is not installed")
+    with pytest.MonkeyPatch.context() as mp:
+        if not torch.cuda.is_available():
+            mp.setenv("VLLM_TARGET_DEVICE", "cpu")
+            mp.setenv("CUDA_VISIBLE_DEVICES", "")
+        from transformers import LlamaConfig
+
+        model = tmp_path_factory.mktemp("tiny-llama")
+        LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+                    num_key_value_heads=HEADS, head_dim=DIM, vocab_size=32_000, max_position_embeddings=1024,
+                    dtype="bfloat16", architectures=["LlamaForCausalLM"]).save_pretrained(model)
+        import warnings
+
+        with warnings.catch_warnings():  # vLLM's own imports warn (deprecations in torch.jit, pydantic): not ours
+            warnings.simplefilter("ignore")
+            for name in ("vllm.config", "vllm.distributed.kv_transfer.kv_connector.factory",
+                         "vllm.v1.core.kv_cache_planning", "vllm.v1.worker.utils", "vllm.v1.request",
+                         "vllm.v1.core.sched.output", "vllm.v1.core.kv_cache_manager", "vllm.sampling_params",
+                         "engram.integrations.vllm.connector"):
+                importlib.import_module(name)
+        yield model
+
+
+class RealVllm:
+    """EngramConnector's two roles built as vLLM builds them, from a real VllmConfig and KVCacheConfig, over the
+    per-layer cache views vLLM's own allocator (allocate_kv_cache) makes in the given physical layout."""
+
+    def __init__(self, model_dir: Path, address: str, namespace: str, layout: str, **extra: Any) -> None:
+        from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+        from vllm.v1.worker.utils import allocate_kv_cache
+
+        model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024)
+        transfer = KVTransferConfig(kv_connector="EngramConnector", kv_connector_module_path="engram.integrations.vllm",
+                                    kv_role="kv_both", kv_connector_extra_config={
+                                        "address": address, "namespace": namespace, "codec": "raw",
+                                        "block_tokens": BT, **extra})
+        self.config = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=BS),
+                                 kv_transfer_config=transfer)
+        self.config.cache_config.kv_cache_layout = layout  # what vLLM's engine core resolves and records there
+        spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=DIM, dtype=torch.bfloat16)
+        self.kv_cache_config = get_kv_cache_config_from_groups(
+            self.config, [KVCacheGroupSpec(list(NAMES), spec)], NUM_BLOCKS * LAYERS * spec.page_size_bytes)
+        self.caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"),
+                                        self.config.cache_config.get_resolved_kv_cache_layout())
+        for c in self.caches.values():
+            c.fill_(float("nan"))
+        # The class vLLM's factory finds, constructed as the factory does for each role.
+        cls = KVConnectorFactory.get_connector_class(transfer)
+        self.scheduler = cls(self.config, KVConnectorRole.SCHEDULER, self.kv_cache_config)
+        self.worker = cls(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
+        self.worker.register_kv_caches(self.caches)
+        self.free = list(range(self.kv_cache_config.num_blocks))
+        random.Random(len(layout)).shuffle(self.free)
+
+    def close(self) -> None:
+        self.scheduler.shutdown()
+        self.worker.shutdown()
+
+    def token_kv(self, ids: list[int], n: int) -> torch.Tensor:
+        """The cache's first n tokens by plain indexing of vLLM's [B, H, N, 2D] view (K channels first)."""
+        out = torch.empty(LAYERS, 2, n, HEADS, DIM, dtype=torch.bfloat16)
+        for layer, name in enumerate(NAMES):
+            for t in range(n):
+                row = self.caches[name][ids[t // BS], :, t % BS]
+                out[layer, 0, t], out[layer, 1, t] = row[:, :DIM], row[:, DIM:]
+        return out
+
+    def step(self, req_id: str, tokens: list[int]) -> tuple[int, Any, list[int], dict[Any, int]]:
+        """One request through the connector's hooks with vLLM's own objects, its whole prompt in one step."""
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+        from vllm.v1.core.kv_cache_utils import KVCacheBlock
+        from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+        from vllm.v1.request import Request as VllmRequest
+
+        req = VllmRequest(req_id, tokens, SamplingParams(max_tokens=4), None)
+        ext, load_async = self.scheduler.get_num_new_matched_tokens(req, 0)
+        assert load_async is False
+        ids = [self.free.pop() for _ in range(-(-len(tokens) // BS))]
+        self.scheduler.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(i) for i in ids],)), ext)
+        sources = self.scheduler.get_external_cache_hit_sources(req, ext)
+        req.num_computed_tokens = ext
+        new = NewRequestData.from_request(req, (ids,), prefill_token_ids=tokens)
+        out = SchedulerOutput(scheduled_new_reqs=[new], scheduled_cached_reqs=CachedRequestData.make_empty(),
+                              num_scheduled_tokens={req_id: len(tokens) - ext},
+                              total_num_scheduled_tokens=len(tokens) - ext, scheduled_spec_decode_tokens={},
+                              scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[])
+        meta = pickle.loads(pickle.dumps(self.scheduler.build_connector_meta(out)))  # to the worker's process
+        self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv(None)
+        kv = reference_kv(tokens)
+        for layer, name in enumerate(NAMES):
+            self.worker.wait_for_layer_load(name)
+            for t in range(ext, len(tokens)):  # attention writes the new tokens' KV
+                row = self.caches[name][ids[t // BS], :, t % BS]
+                row[:, :DIM], row[:, DIM:] = kv[layer, 0, t], kv[layer, 1, t]
+            self.worker.save_kv_layer(name, self.caches[name], None)
+        self.worker.wait_for_save()
+        errors = self.worker.get_block_ids_with_load_errors()
+        self.worker.clear_connector_metadata()
+        assert self.scheduler.request_finished(req, ids) == (False, None)
+        assert errors == set()
+        return ext, meta, ids, sources
+
+
+@needs_vllm
+def test_the_connector_subclasses_vllms_base_class_with_its_signatures(vllm_model: Path) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
+
+    from engram.integrations.vllm import EngramConnector, EngramConnectorMetadata
+
+    assert issubclass(EngramConnector, KVConnectorBase_V1) and not EngramConnector.__abstractmethods__
+    assert issubclass(EngramConnectorMetadata, KVConnectorMetadata)
+    overridden = [name for name, attr in vars(EngramConnector).items()
+                  if callable(attr) and not name.startswith("_") and hasattr(KVConnectorBase_V1, name)]
+    assert {"get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "request_finished",
+            "register_kv_caches", "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save",
+            "get_block_ids_with_load_errors"} <= set(overridden)
+    for name in overridden:
+        ours = inspect.signature(getattr(EngramConnector, name)).parameters
+        theirs = inspect.signature(getattr(KVConnectorBase_V1, name)).parameters
+        assert [(p.name, p.kind) for p in ours.values()] == [(p.name, p.kind) for p in theirs.values()], name
+
+
+@needs_vllm
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])  # vLLM's NHD and HND physical orders of one [B, H, N, C] view
+def test_real_vllm_classes_save_then_report_and_load_a_cached_prefix(vllm_model: Path, daemon: str, layout: str,
+                                                                       request: pytest.FixtureRequest) -> None:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    ns = namespace_of(request)
+    first = RealVllm(vllm_model, daemon, ns, layout)
+    second = RealVllm(vllm_model, daemon, ns, layout)
+    try:
+        shared = prompt(5 * BS + 3, seed=20)
+        ext, meta, _, _ = first.step("a", shared)
+        assert ext == 0 and [s.req_id for s in meta.saves] == ["a"]
+        longer = shared + prompt(9, seed=21)
+        ext, meta, ids, sources = second.step("b", longer)
+        assert ext == 5 * BS and sources == {CacheHitSource.HOST: 5 * BS}  # from the daemon's DRAM pool
+        assert [(s.first_token, len(s.token_ids)) for s in meta.loads] == [(0, 5 * BS)]
+        assert torch.equal(second.token_kv(ids, 5 * BS), reference_kv(longer)[:, :, : 5 * BS])
+        miss, _, _, _ = second.step("c", prompt(3 * BS, seed=22))
+        assert miss == 0
+    finally:
+        first.close()
+        second.close()
+
+
+@needs_vllm
+def test_real_vllm_configs_engram_cannot_serve_are_refused(vllm_model: Path, daemon: str) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
+
+    from engram.integrations.vllm import EngramConnector
+
+    base = RealVllm(vllm_model, daemon, "refusals", "LBNHC")
+    base.close()
+    mla = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
+        list(NAMES), MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=576, dtype=torch.bfloat16))])
+    with pytest.raises(InvalidArgument, match="MLA models"):
+        EngramConnector(base.config, KVConnectorRole.WORKER, mla)
+    base.config.parallel_config.tensor_parallel_size = 2
+    with pytest.raises(InvalidArgument, match="tensor_parallel_size=2"):
+        EngramConnector(base.config, KVConnectorRole.SCHEDULER, base.kv_cache_config)
