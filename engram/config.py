@@ -48,6 +48,7 @@ class ServerConfig:
     host: str = "127.0.0.1"  # TCP address; loopback by default: expose it on purpose, not by accident
     port: int = 50051  # 0 picks a free port (tests)
     unix_socket: str = ""  # when set, listen on this unix socket path instead of TCP
+    unix_socket_group: str = ""  # the socket is 0600 (the daemon's user); a group here makes it 0660 for it
     max_message_bytes: ByteSize = ByteSize(64 * 2**20)  # gRPC send/receive limit per message
     chunk_bytes: ByteSize = ByteSize(8 * 2**20)  # payload bytes per streamed message (< max_message_bytes)
     max_concurrent_rpcs: int = 512  # beyond this, RPCs are refused with RESOURCE_EXHAUSTED
@@ -229,6 +230,10 @@ def _validate_tls(s: ServerConfig) -> None:
         path = getattr(s, key)
         if path and not Path(path).is_file():
             raise ConfigError(f"server.{key}: {path} is not a file")
+    if s.unix_socket_group:
+        from engram.private import group_id
+
+        group_id(s.unix_socket_group)  # a group that does not exist is a config error now, not at bind time
     if s.tls_cert and s.unix_socket:
         raise ConfigError("server.tls_cert: TLS is for TCP; a unix socket is protected by its file permissions")
 

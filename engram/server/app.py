@@ -20,6 +20,7 @@ from engram.config import EngramConfig, ServerConfig
 from engram.inspection import Inspector
 from engram.logs import report_activity
 from engram.metrics import MetricsEndpoint
+from engram.private import secure_socket, socket_umask
 from engram.registry import ModelRegistry
 from engram.replay.runtime import ReplayRuntime
 from engram.server.inspection import InspectionService
@@ -134,7 +135,9 @@ async def start_server(config: EngramConfig, store: BlockStore | None = None,
         path = os.path.abspath(s.unix_socket)
         if os.path.exists(path):
             os.unlink(path)  # a stale socket from a previous run would make the bind fail
-        server.add_insecure_port(f"unix:{path}")
+        with socket_umask(s.unix_socket_group):
+            server.add_insecure_port(f"unix:{path}")  # gRPC binds here, under the narrow umask
+        secure_socket(path, s.unix_socket_group)
         address = f"unix:{path}"
     else:
         port = server.add_secure_port(f"{s.host}:{s.port}", _tls(s)) if s.tls_cert else \

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from engram.block import BlockRecord
 from engram.errors import DataLoss, NotFound, StorageFull, StorageIOError
+from engram.private import DIR_MODE, FILE_MODE, private_dir
 from engram.tiers.base import ByteBudget, TierUsage
 from engram.tiers.blockfile import decode_header, decode_payload, encode, max_file_len
 
@@ -66,8 +67,8 @@ class NvmeTier(ByteBudget):
         self.root = Path(root)
         self.blocks_dir = self.root / "blocks"
         self.tmp_dir = self.root / "tmp"
-        self.blocks_dir.mkdir(parents=True, exist_ok=True)
-        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        for d in (self.root, self.blocks_dir, self.tmp_dir):  # a tenant's KV: 0700 directories, 0600 files
+            private_dir(d)
         self._sizes: dict[bytes, int] = {}  # key -> bytes on disk
         self.compression = compression
         self.fsync = fsync
@@ -107,7 +108,7 @@ class NvmeTier(ByteBudget):
         tmp = self.tmp_dir / f"{rec.key.hex()}.{uuid.uuid4().hex[:8]}.tmp"
         try:
             self._fault("write", final)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
             try:
                 with os.fdopen(fd, "wb", closefd=True) as fh:
                     fh.write(header)
@@ -118,7 +119,7 @@ class NvmeTier(ByteBudget):
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
-            final.parent.mkdir(exist_ok=True)
+            final.parent.mkdir(exist_ok=True, mode=DIR_MODE)
             os.replace(tmp, final)  # atomic: a reader sees the old state or the whole new file
             if self.fsync:
                 _fsync_dir(final.parent)
