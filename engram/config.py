@@ -53,7 +53,10 @@ class ServerConfig:
     chunk_bytes: ByteSize = ByteSize(8 * 2**20)  # payload bytes per streamed message (< max_message_bytes)
     max_concurrent_rpcs: int = 512  # beyond this, RPCs are refused with RESOURCE_EXHAUSTED
     max_blocks_per_request: int = 4096
-    max_tokens_per_request: int = 1 << 21
+    max_tokens_per_request: int = 1 << 21  # also the longest a session may grow
+    max_block_bytes: ByteSize = ByteSize(256 * 2**20)  # a model whose raw block is larger is refused at register
+    max_models: int = 1024  # registered models (each is a file and an entry in memory)
+    max_sessions_per_namespace: int = 4096  # a tenant's max_sessions, when set, overrides it for its namespaces
     shutdown_grace_s: float = 5.0  # in-flight RPCs get this long to finish on SIGTERM
     lease_s: float = 30.0  # a zero-copy Get's descriptors keep their slots this long unless released sooner
     tls_cert: str = ""  # PEM certificate chain: with tls_key, TCP is served over TLS
@@ -110,13 +113,15 @@ class ReplayConfig:
     models: str = ""  # comma-separated safetensors files (engram.replay.save_decoder) the daemon can replay
     device: str = "auto"  # auto (cuda when present), cpu, cuda
     max_hot_windows: int = 64  # rebuilt SWA windows kept in memory; beyond, the least recent is dropped
+    max_persisted_window_bytes: ByteSize = ByteSize(2**30)  # persist-mode windows, all sessions together
 
 
 @dataclass
 class TenantConfig:
     token: str = ""  # its bearer token; or env:VAR / file:PATH, read when the daemon starts
     namespaces: str = ""  # comma-separated namespaces it may act in; empty: the tenant's own name
-    quota: ByteSize = ByteSize(0)  # physical bytes each of its namespaces may hold; 0: unlimited
+    quota: ByteSize = ByteSize(0)  # bytes each of its namespaces may hold (blocks, persisted windows); 0: unlimited
+    max_sessions: int = 0  # live sessions per namespace; 0: server.max_sessions_per_namespace
 
 
 @dataclass
@@ -186,6 +191,11 @@ class EngramConfig:
             raise ConfigError(f"codec.default must be raw, fp8_e4m3, nvfp4 or mxfp4, got {self.codec.default!r}")
         if self.codec.backend not in {"auto", "reference", "triton"}:
             raise ConfigError(f"codec.backend must be auto, reference or triton, got {self.codec.backend!r}")
+        for key, value in (("server.max_block_bytes", s.max_block_bytes), ("server.max_models", s.max_models),
+                           ("server.max_sessions_per_namespace", s.max_sessions_per_namespace),
+                           ("replay.max_persisted_window_bytes", self.replay.max_persisted_window_bytes)):
+            if value <= 0:
+                raise ConfigError(f"{key} must be positive, got {value}")
         if self.replay.max_hot_windows < 0:
             raise ConfigError("replay.max_hot_windows must be >= 0")
         for path in filter(None, (p.strip() for p in self.replay.models.split(","))):
@@ -244,6 +254,8 @@ def _validate_auth(a: AuthConfig) -> None:
             raise ConfigError(f"auth.tenants.{name}.token is empty: give the tenant a bearer token (or env:VAR)")
         if t.quota < 0:
             raise ConfigError(f"auth.tenants.{name}.quota must be >= 0 (0: unlimited)")
+        if t.max_sessions < 0:
+            raise ConfigError(f"auth.tenants.{name}.max_sessions must be >= 0 (0: server.max_sessions_per_namespace)")
     if a.tenants_file and not Path(a.tenants_file).is_file():
         raise ConfigError(f"auth.tenants_file: {a.tenants_file} is not a file")
     if a.enabled and not a.salt_secret:

@@ -273,3 +273,24 @@ async def test_bob_never_reaches_alices_blocks_through_the_inspection_rpcs(daemo
         await a.register_model(tiny_model())
         n, got = await a.get_prefix(fp, toks)
         assert n == len(toks) and got is not None and torch.equal(got, kv)
+
+
+async def test_stats_counts_only_the_callers_namespaces(daemon: RunningServer) -> None:
+    """Stats showed every tenant the per-model block and token counts of all namespaces (and every session)."""
+    fp, toks, _, _ = await alice_prefix(daemon)  # 4 blocks and a session of hers
+    async with as_(daemon, BOB) as b:
+        stats = await b.stats()
+        assert stats.models == () and stats.replay.sessions == 0 and stats.replay.persisted_window_bytes == 0
+        await b.register_model(tiny_model())
+        mine = tokens(BLOCK_TOKENS, seed=99)
+        await b.put(fp, mine, random_kv(tiny_model(), BLOCK_TOKENS, seed=99))
+        stats = await b.stats()
+        assert [(m.model_fingerprint, m.blocks, m.tokens) for m in stats.models] == [(fp, 1, BLOCK_TOKENS)]
+        assert [n.namespace for n in stats.namespaces] == ["bob"]
+    async with as_(daemon, ALICE) as a:
+        stats = await a.stats()
+        assert [(m.blocks, m.tokens) for m in stats.models] == [(4, len(toks))] and stats.replay.sessions == 1
+    async with as_(daemon, ADMIN) as admin:  # positive control: the admin sees both
+        stats = await admin.stats()
+        assert [(m.blocks, m.tokens) for m in stats.models] == [(5, len(toks) + BLOCK_TOKENS)]
+        assert {n.namespace for n in stats.namespaces} == {"alice", "bob"} and stats.replay.sessions == 1

@@ -27,9 +27,8 @@ from engram.block import BlockHeader, checksum
 from engram.cluster import ClusterIndex
 from engram.codec import stored
 from engram.config import ServerConfig
-from engram.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from engram.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from engram.index import BlockMeta
-from engram.layout import KVLayout
 from engram.leases import Lease, LeaseTable
 from engram.server.auth import guard, is_admin, is_peer, namespace_for, visible_namespaces
 from engram.server.errors import streaming, unary
@@ -86,7 +85,16 @@ class EngramService:
     async def RegisterModel(self, request: Any, context: grpc.aio.ServicerContext) -> pb.RegisterModelResponse:
         req = decoded(request)
         spec = convert.model_from_pb(req.model)
-        fp = self.store.registry.register(spec)
+        block = spec.layout.block_nbytes(spec.layout.block_tokens)
+        if block > self.config.max_block_bytes:
+            raise InvalidArgument(f"a block of this layout holds {block} bytes (raw); the daemon takes at most "
+                                  f"server.max_block_bytes = {int(self.config.max_block_bytes)}: register it with "
+                                  "fewer block_tokens")
+        registry = self.store.registry
+        if spec.fingerprint not in registry and len(registry) >= self.config.max_models:
+            raise ResourceExhausted(f"this daemon already knows {len(registry)} models (server.max_models); "
+                                    "register one of those, or raise the limit")
+        fp = registry.register(spec)
         return pb.RegisterModelResponse(model_fingerprint=fp, codec=self.store.spec(fp).codec)
 
     @unary
@@ -131,7 +139,9 @@ class EngramService:
                 layout = self.store.spec(stream.model_fingerprint).layout
                 parent = stream.parent_key or self.store.root(stream.namespace, stream.model_fingerprint)
 
-                blocks = Reassembler(lambda h: h.payload_nbytes, check=functools.partial(self._check_put, layout, keys))
+                blocks = Reassembler(lambda h: h.payload_nbytes,
+                                     check=functools.partial(self._check_put, stream.namespace,
+                                                             stream.model_fingerprint, keys))
                 continue
             if item != "chunk":
                 raise InvalidArgument("a Put stream carries one PutHeader, first; then only BlockChunks")
@@ -166,10 +176,11 @@ class EngramService:
             keys[-1] = await commit(tail[0], tail[1], len(keys) - 1)
         return pb.PutResponse(keys=keys, stored=stored_count, deduplicated=deduplicated)
 
-    def _check_put(self, layout: KVLayout, keys: list[bytes], header: BlockHeader) -> None:
-        """A block's header, before any of its payload is buffered."""
+    def _check_put(self, namespace: str, fingerprint: bytes, keys: list[bytes], header: BlockHeader) -> None:
+        """A block's header, before any of its payload is buffered: its shape, and whether it could fit
+        its namespace's quota and the top tier at all."""
         check_limit("Put blocks", len(keys) + 1, self.config.max_blocks_per_request)
-        header.validate(layout, index=len(keys))
+        self.store.admit(namespace, fingerprint, header, index=len(keys))
 
     @streaming
     async def Get(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse]:
@@ -350,14 +361,26 @@ class EngramService:
     @unary
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         decoded(request)
-        return convert.to_pb(await self.stats(visible_namespaces(context, self.store.namespaces_in_use())),
-                             pb.StatsResponse)
+        scope = visible_namespaces(context)
+        if scope is None:
+            return convert.to_pb(await self.stats(self.store.namespaces_in_use()), pb.StatsResponse)
+        in_use = set(self.store.namespaces_in_use())
+        mine = [ns for ns in scope if ns in in_use or self.sessions.count_in(ns)]
+        return convert.to_pb(await self.stats(mine, scoped=True), pb.StatsResponse)
 
-    async def stats(self, namespaces: list[str]) -> StatsReply:
+    async def stats(self, namespaces: list[str], *, scoped: bool = False) -> StatsReply:
+        """The daemon's figures. Scoped (a tenant's call), everything that counts a namespace's content
+        (models, sessions, windows, namespaces) covers `namespaces` only, and a model none of them holds
+        is left out, so no tenant learns what another stores or which models it uses. The tier figures
+        and the daemon-wide counters stay: they show the daemon's load, and no call of one tenant can
+        make them depend on whether another holds a given prefix (its keys are salted, nothing dedupes
+        across namespaces)."""
         store = self.store
         c = store.counters
         models = []
-        for m in store.model_usage():
+        for m in store.model_usage(namespaces if scoped else None):
+            if scoped and not m.blocks:
+                continue
             spec = store.spec(m.fingerprint)
             models.append(ModelStats(
                 model_fingerprint=m.fingerprint, name=m.name, blocks=m.blocks, stored_bytes=m.bytes, tokens=m.tokens,
@@ -372,7 +395,7 @@ class EngramService:
                           max_blocks_per_request=cfg.max_blocks_per_request,
                           max_tokens_per_request=cfg.max_tokens_per_request),
             version=__version__, uptime_s=time.time() - store.started, write_policy=str(store.write_policy),
-            corrupt_blocks=c.corrupt_blocks, replay=self._replay_stats(),
+            corrupt_blocks=c.corrupt_blocks, replay=self._replay_stats(namespaces if scoped else None),
             namespaces=tuple(self._namespace_stats(ns) for ns in namespaces),
             cluster=await self._cluster_stats(),
             blocks_evicted_on_request=c.blocks_evicted_on_request,
@@ -399,13 +422,13 @@ class EngramService:
         ns = namespace_for(context, decoded(request).namespace)
         return convert.to_pb(self._namespace_stats(ns, with_salt=True), pb.NamespaceStats)
 
-    def _replay_stats(self) -> ReplayStats:
+    def _replay_stats(self, namespaces: list[str] | None) -> ReplayStats:
         sm = self.sessions
         rc = sm.runtime.counters
-        return ReplayStats(sessions=len(sm), hot_sessions=sm.hot_count(),
-                           persisted_window_bytes=sm.window_bytes(persisted=True),
-                           hot_window_bytes=sm.window_bytes(persisted=False), replays=rc.replays,
-                           replayed_tokens=rc.replayed_tokens, replay_seconds=rc.seconds)
+        return ReplayStats(sessions=sm.count(namespaces), hot_sessions=sm.hot_count(namespaces),
+                           persisted_window_bytes=sm.window_bytes(persisted=True, namespaces=namespaces),
+                           hot_window_bytes=sm.window_bytes(persisted=False, namespaces=namespaces),
+                           replays=rc.replays, replayed_tokens=rc.replayed_tokens, replay_seconds=rc.seconds)
 
     @unary
     async def Check(self, request: Any, context: grpc.aio.ServicerContext) -> pb.CheckResponse:
