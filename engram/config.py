@@ -140,12 +140,18 @@ class AuthConfig:
 
 @dataclass
 class ClusterConfig:
-    redis_url: str = ""  # e.g. redis://10.0.0.5:6379/0; empty: no cluster tier
+    redis_url: str = ""  # redis://host:6379/0, rediss:// for TLS (a password may sit in it); empty: no cluster tier
+    redis_password: str = ""  # Redis AUTH password (env:VAR / file:PATH), instead of one in redis_url
+    redis_ca_cert: str = ""  # PEM CA that signed Redis's certificate (rediss://); empty: the system's CAs
+    redis_client_cert: str = ""  # PEM certificate this daemon shows Redis (with redis_client_key), if it asks
+    redis_client_key: str = ""
+    redis_cluster: bool = False  # redis_url names a node of a Redis Cluster (redis-py's cluster client)
+    secret: str = ""  # signs records in Redis and MACs blocks between peers (env:VAR / file:PATH); every node
     node_id: str = ""  # unique per daemon; empty: the advertised address
     advertise: str = ""  # the address peers dial to fetch blocks; empty: the address the daemon bound
     heartbeat_s: float = 2.0  # how often a node refreshes its liveness key
     ttl_s: float = 10.0  # a node whose key is older than this is dead: its blocks are ignored
-    peer_token: str = ""  # bearer token daemons present to each other (env:VAR / file:PATH)
+    peer_token: str = ""  # bearer token daemons present to each other (env:VAR / file:PATH); empty: from secret
     peer_root_cert: str = ""  # PEM root certificate to verify peers that serve TLS
     fetch_timeout_s: float = 5.0  # one peer fetch; past it the block counts as a miss
 
@@ -272,9 +278,18 @@ def _validate_cluster(c: ClusterConfig, a: AuthConfig) -> None:
         raise ConfigError(f"cluster.ttl_s ({c.ttl_s}) must exceed cluster.heartbeat_s ({c.heartbeat_s}) > 0")
     if c.fetch_timeout_s <= 0:
         raise ConfigError("cluster.fetch_timeout_s must be positive")
-    if a.enabled and not c.peer_token:
-        raise ConfigError("cluster.peer_token is empty: with tenancy on, daemons fetch blocks from each other "
-                          "with it; set the same token on every node")
+    if not c.secret:
+        raise ConfigError("cluster.secret is empty: Redis is not trusted, so daemons sign what they publish there "
+                          "and MAC the blocks they send each other with a secret; set the same one on every node "
+                          "(env:VAR or file:PATH keep it out of the config)")
+    if bool(c.redis_client_cert) != bool(c.redis_client_key):
+        raise ConfigError("cluster.redis_client_cert and cluster.redis_client_key go together: set both or neither")
+    for key in ("redis_ca_cert", "redis_client_cert", "redis_client_key", "peer_root_cert"):
+        path = getattr(c, key)
+        if path and not Path(path).is_file():
+            raise ConfigError(f"cluster.{key}: {path} is not a file")
+    if (c.redis_ca_cert or c.redis_client_cert) and not c.redis_url.startswith("rediss://"):
+        raise ConfigError("cluster.redis_ca_cert / redis_client_cert are for TLS: write the URL as rediss://")
 
 
 def _coerce(value: object, typ: Any, where: str) -> object:

@@ -230,18 +230,23 @@ async def test_fetch_blocks_is_for_peers_only(server_factory: Any) -> None:
     from engram.wire.channel import open_channel, stub_for
 
     srv = await server_factory(**AUTH, **{"cluster.peer_token": "peer-token"})
-    _, _, _, keys = await alice_prefix(srv)
+    fp, _, _, keys = await alice_prefix(srv)
+    request = pb.FetchBlocksRequest(keys=keys, namespace="alice", model_fingerprint=fp)
     for token, code in ((ALICE, grpc.StatusCode.PERMISSION_DENIED), ("", grpc.StatusCode.UNAUTHENTICATED)):
         channel = open_channel(srv.address)
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            async for _ in stub_for(channel, token).FetchBlocks(pb.FetchBlocksRequest(keys=keys)):
+            async for _ in stub_for(channel, token).FetchBlocks(request):
                 pass
         assert info.value.code() == code
         await channel.close()
     channel = open_channel(srv.address)  # control: the peer token gets the blocks
-    got = [r async for r in stub_for(channel, "peer-token").FetchBlocks(pb.FetchBlocksRequest(keys=keys))]
+    got = [r async for r in stub_for(channel, "peer-token").FetchBlocks(request)]
+    # ... of the namespace and model it names only: her keys asked for in bob's namespace are absent
+    other = [r async for r in stub_for(channel, "peer-token").FetchBlocks(
+        pb.FetchBlocksRequest(keys=keys, namespace="bob", model_fingerprint=fp))]
     await channel.close()
     assert [r.chunk.key for r in got if r.chunk.HasField("header")] == keys
+    assert other == []
 
 
 async def test_bob_never_reaches_alices_blocks_through_the_inspection_rpcs(daemon: RunningServer) -> None:

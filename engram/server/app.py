@@ -28,11 +28,12 @@ from engram.server.peers import PeerFetcher
 from engram.server.service import SERVICE_NAME, EngramService
 from engram.sessions import SessionManager
 from engram.store import BlockStore, WritePolicy
-from engram.tenancy import Tenancy, resolve_secret
+from engram.tenancy import Tenancy
 from engram.tiers.base import Tier
 from engram.tiers.dram import DramTier, shared_dram_tier
 from engram.tiers.hbm import hbm_tier
 from engram.tiers.nvme import NvmeTier
+from engram.trust import ClusterTrust
 from engram.v1 import engram_pb2
 from engram.wire.channel import message_options
 
@@ -116,7 +117,8 @@ def build_sessions(config: EngramConfig, store: BlockStore) -> SessionManager:
 async def start_server(config: EngramConfig, store: BlockStore | None = None,
                        sessions: SessionManager | None = None) -> RunningServer:
     s = config.server
-    tenancy = Tenancy.from_config(config.auth, config.cluster.peer_token)
+    trust = ClusterTrust.from_config(config.cluster) if config.cluster.redis_url else None
+    tenancy = Tenancy.from_config(config.auth, trust.peer_token if trust else config.cluster.peer_token)
     store = store or await build_store(config, tenancy)
     sessions = sessions or build_sessions(config, store)
     options = [*message_options(int(s.max_message_bytes)), ("grpc.so_reuseport", 0)]
@@ -159,20 +161,20 @@ async def start_server(config: EngramConfig, store: BlockStore | None = None,
     log.info("engram serving on %s", address, extra={"fields": {
         "address": address, "tiers": [t.name for t in store.tiers], "blocks": len(store),
         "metrics_port": metrics.port if metrics else 0}})
-    if config.cluster.redis_url:
-        await _join_cluster(config, service, address)
+    if trust is not None:
+        await _join_cluster(config, service, address, trust)
     reporter = asyncio.get_running_loop().create_task(report_activity(store, config.logging.summary_s))
     return RunningServer(server, address, store, sessions, health_servicer, s.shutdown_grace_s, service, metrics,
                          reporter)
 
 
-async def _join_cluster(config: EngramConfig, service: EngramService, address: str) -> None:
+async def _join_cluster(config: EngramConfig, service: EngramService, address: str, trust: ClusterTrust) -> None:
     c = config.cluster
     advertised = c.advertise or address
-    service.cluster = ClusterIndex(c, service.store.index, c.node_id or advertised, advertised)
-    token = resolve_secret(c.peer_token, "cluster.peer_token") if c.peer_token else ""
+    service.trust = trust
+    service.cluster = ClusterIndex(c, service.store.index, c.node_id or advertised, advertised, trust)
     root = Path(c.peer_root_cert).read_bytes() if c.peer_root_cert else None
-    service.peers = PeerFetcher(service.cluster, service.store, token=token, root_cert=root,
+    service.peers = PeerFetcher(service.cluster, service.store, token=trust.peer_token, root_cert=root,
                                 timeout_s=c.fetch_timeout_s)
     await service.cluster.start()
 

@@ -30,6 +30,7 @@ from engram.config import ServerConfig
 from engram.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from engram.index import BlockMeta
 from engram.leases import Lease, LeaseTable
+from engram.limits import check_namespace
 from engram.server.auth import guard, is_admin, is_peer, namespace_for, visible_namespaces
 from engram.server.errors import streaming, unary
 from engram.server.peers import PeerFetcher
@@ -39,6 +40,7 @@ from engram.store import BlockStore
 from engram.store.inplace import InPlacePuts
 from engram.tenancy import Tenancy
 from engram.tiers.pool import PoolTier, ipc_pool, shared_pool
+from engram.trust import ClusterTrust
 from engram.v1 import engram_pb2 as pb
 from engram.wire import convert
 from engram.wire.stream import Reassembler, pieces
@@ -72,6 +74,7 @@ class EngramService:
         self.store = store
         self.tenancy = tenancy
         self.cluster: ClusterIndex | None = None  # set by the app once the daemon's address is known
+        self.trust: ClusterTrust | None = None  # the cluster secret's keys, with the cluster
         self.peers: PeerFetcher | None = None
         self.config = config
         self.sessions = sessions
@@ -335,20 +338,33 @@ class EngramService:
     @streaming
     async def FetchBlocks(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.FetchBlocksResponse]:
         req = decoded(request)
-        if not is_peer(context):
-            raise PermissionDenied("FetchBlocks serves the cluster's daemons: call it with cluster.peer_token")
+        if not self._is_peer_call(context):
+            raise PermissionDenied("FetchBlocks serves the cluster's daemons: call it with the cluster's peer token")
         check_limit("FetchBlocks keys", len(req.keys), self.config.max_blocks_per_request)
-        metas = [m for k in req.keys if (m := self.store.block(k)) is not None]
+        ns = check_namespace(req.namespace)
+        # Only the namespace and model asked for: a peer names both, and a key of another namespace is absent.
+        metas = [m for k in req.keys
+                 if (m := self.store.index.get_in(ns, k)) is not None and m.model_fingerprint == req.model_fingerprint]
         with self.store.reading(metas):
             for meta in metas:
                 payload = await self.store.read(meta, promote=False)
-                block = _header_of(meta, self.store.spec(meta.model_fingerprint).codec)
+                codec = self.store.spec(meta.model_fingerprint).codec
+                block = _header_of(meta, codec)
                 for i, msg in enumerate(_chunks(meta.key, convert.header_to_pb(block), payload, self.config.chunk_bytes)):
                     if i:
                         yield pb.FetchBlocksResponse(chunk=msg)
-                    else:
-                        yield pb.FetchBlocksResponse(chunk=msg, parent_key=meta.parent, namespace=meta.namespace,
-                                                     model_fingerprint=meta.model_fingerprint)
+                        continue
+                    mac = b"" if self.trust is None else self.trust.block_mac(
+                        meta.key, meta.parent, meta.namespace, meta.model_fingerprint, codec, payload)
+                    yield pb.FetchBlocksResponse(chunk=msg, parent_key=meta.parent, namespace=meta.namespace,
+                                                 model_fingerprint=meta.model_fingerprint, mac=mac)
+
+    def _is_peer_call(self, context: grpc.aio.ServicerContext) -> bool:
+        """A peer (or, with tenancy, an admin). With tenancy off every caller is trusted, except here when the
+        daemon is in a cluster: it listens where peers reach it, so FetchBlocks still needs the peer token."""
+        if self.trust is not None and self.tenancy is None:
+            return self.trust.is_peer_call(context.invocation_metadata())
+        return is_peer(context)
 
     @unary
     async def Pin(self, request: Any, context: grpc.aio.ServicerContext) -> pb.PinResponse:
@@ -408,7 +424,8 @@ class EngramService:
         c = cl.counters
         return ClusterStats(state=cl.state, reason=cl.reason, node_id=cl.node_id, live_nodes=await cl.live_nodes(),
                             remote_hits=c.remote_hits, remote_bytes=c.remote_bytes,
-                            remote_failures=c.remote_failures, published=c.published, reconnects=c.reconnects)
+                            remote_failures=c.remote_failures, published=c.published, reconnects=c.reconnects,
+                            untrusted_records=c.untrusted_records)
 
     def _namespace_stats(self, ns: str, *, with_salt: bool = False) -> NamespaceStats:
         u = self.store.namespace_usage(ns)
