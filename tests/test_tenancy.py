@@ -299,3 +299,19 @@ async def test_stats_counts_only_the_callers_namespaces(daemon: RunningServer) -
         stats = await admin.stats()
         assert [(m.blocks, m.tokens) for m in stats.models] == [(5, len(toks) + BLOCK_TOKENS)]
         assert {n.namespace for n in stats.namespaces} == {"alice", "bob"} and stats.replay.sessions == 1
+
+
+async def test_keys_depend_on_the_salt_secret(server_factory: Any) -> None:
+    """The salt is derived from auth.salt_secret: daemons sharing it compute the same keys (prefixes match
+    across a cluster and a restart), a daemon with another secret computes others (so the keys cannot be
+    derived by anyone who runs the same code without the secret)."""
+    spec = tiny_model()
+    toks = tokens(2 * BLOCK_TOKENS, seed=5)
+    kv = random_kv(spec, len(toks), seed=5)
+    keys = []
+    for secret in ("test-secret", "test-secret", "another-secret"):
+        srv = await server_factory(**{**AUTH, "auth.salt_secret": secret})
+        async with as_(srv, ALICE) as a:
+            fp = await a.register_model(spec)
+            keys.append((await a.put(fp, toks, kv)).keys)
+    assert keys[0] == keys[1] and not set(keys[0]) & set(keys[2])

@@ -482,6 +482,22 @@ class BlockStore:
     async def drop_copy(self, meta: BlockMeta, tier_name: str) -> None:
         await self.placement.drop_spare_copy(meta, tier_name)
 
+    async def keep_only_in(self, meta: BlockMeta, tier_name: str) -> None:
+        """Leave a block's one copy in `tier_name`, copying it there first: how `engram verify-isolation`
+        (engram/isolation_rig.py) puts a block in the tier it probes. Not for serving paths: it ignores
+        the write policy, and reads the copy without counting a hit."""
+        placement = self.placement
+        if tier_name not in meta.locations:
+            payload = await placement.tier(meta.tier).read(meta.key)
+            meta.moving = True  # not a victim of the room its own copy needs
+            try:
+                await placement.place(meta, placement.rank[tier_name], payload)
+            finally:
+                meta.moving = False
+        for name in list(meta.locations):
+            if name != tier_name:
+                await placement.drop_spare_copy(meta, name)
+
     # ---- recovery and check --------------------------------------------------------------------
 
     async def recover(self) -> recovery.StoreReport:
