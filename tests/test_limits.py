@@ -295,3 +295,33 @@ async def test_worker_encoded_blocks_with_bad_scales_are_refused_at_put(server: 
         assert n == len(toks) and got is not None and got.shape == kv.shape
         assert bool(torch.isfinite(got.float()).all())
     np.testing.assert_equal(len(bad), len(good))
+
+
+async def test_blocks_written_in_place_with_bad_scales_are_refused_at_commit(server: RunningServer,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the daemon's host a put writes its encoded blocks straight into the shared pool (ReservePut /
+    CommitPut): the daemon checks their scales in place before it publishes them."""
+    from engram.writer import PutWriter
+
+    spec = tiny_model(codec="nvfp4")
+    toks = tokens(2 * BLOCK_TOKENS, seed=6)
+    kv = random_kv(spec, len(toks), seed=6)
+    write = PutWriter.write
+
+    def nan_scale(self: PutWriter, kv: torch.Tensor, spec: ModelSpec, slots: Any, stream: Any = None) -> int:
+        n = write(self, kv, spec, slots, stream)
+        s = slots[-1]
+        s.segment.data[s.offset + HEADER_LEN + 4] = 0x7F  # K's first group scale: the E4M3 NaN pattern
+        return n
+
+    async with EngramClient(server.address, namespace="w") as c:
+        fp = await c.register_model(spec)
+        monkeypatch.setattr(PutWriter, "write", nan_scale)
+        with pytest.raises(errors.InvalidArgument, match="would not decode"):
+            await c.put(fp, toks, kv)
+        assert (await c.lookup(fp, toks)).matched_tokens == 0  # nothing of the chain was published
+        monkeypatch.setattr(PutWriter, "write", write)
+        put = await c.put(fp, toks, kv)  # control: the same put, written right
+        assert put.stored == 2 and put.reserve_ms > 0  # and it went in place
+        n, got = await c.get_prefix(fp, toks)
+        assert n == len(toks) and bool(torch.isfinite(got.float()).all())

@@ -111,8 +111,8 @@ class QuantCodec:
     def check(self, body: bytes | memoryview, shape: Shape, k_axis: Axis, v_axis: Axis, where: str) -> None:
         layers, _, tokens, heads, dim = shape
         try:  # parsing is what decoding fails on: NaN or negative scales, out-of-range tensor scales
-            kvcodec.from_bytes(body, self.name, (layers, tokens, heads, dim), k_axis=_axis_name(k_axis),
-                               v_axis=_axis_name(v_axis))
+            kvcodec.check_bytes(body, self.name, (layers, tokens, heads, dim), k_axis=_axis_name(k_axis),
+                                v_axis=_axis_name(v_axis))
         except ValueError as exc:
             raise InvalidArgument(f"{where}: the {self.name} body would not decode: {exc}") from None
 
