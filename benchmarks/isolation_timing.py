@@ -26,7 +26,7 @@ async def measure(address: str, samples: int, blocks: int) -> dict[str, object]:
             EngramClient(address, token=TOKENS["b"], namespace="b") as b:
         prober = Prober(a, b, "a", "b")
         fp = await prober.register()
-        t = await prober.timing(fp, samples, pool=50, blocks=blocks, seed=1)
+        t = await prober.timing(fp, samples, pool=50, blocks=blocks, repeat=1, seed=1)  # one lookup per sample
     return {"samples": samples, "prefix_blocks": blocks, "prefix_tokens": blocks * prober.spec.layout.block_tokens,
             "across_auc": round(t.across_auc, 4), "within_auc": round(t.within_auc, 4),
             "across_median_us": [round(x, 1) for x in t.across_median_us],

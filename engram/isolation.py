@@ -288,10 +288,14 @@ class Prober:
         return Timing(middle.samples, middle.across_auc, sorted(t.within_auc for t in runs)[1],
                       middle.across_median_us, middle.within_median_us, runs=3)
 
-    async def timing(self, fp: bytes, samples: int, *, pool: int = 24, blocks: int = 32, seed: int = 10_000) -> Timing:
+    async def timing(self, fp: bytes, samples: int, *, pool: int = 8, blocks: int = 64, repeat: int = 3,
+                     seed: int = 10_000) -> Timing:
         """Lookup answer times: the prober's for `pool` prefixes the owner holds against `pool` absent ones,
-        `samples` lookups each, in a random interleaving (so drift hits both classes alike); and the
-        owner's own, the same way, as the probe's sensitivity."""
+        `samples` per class, in a random interleaving (so drift hits both classes alike); and the owner's
+        own, the same way, as the probe's sensitivity. Each sample is the fastest of `repeat` back-to-back
+        lookups of one prefix: on a loaded machine a preempted lookup takes milliseconds longer, and the
+        minimum keeps what the daemon's own work costs (held prefixes of 64 blocks make that work differ
+        clearly inside a namespace)."""
         held = [prefix(self.spec, blocks, seed + i)[0] for i in range(pool)]
         absent = [prefix(self.spec, blocks, seed + pool + i)[0] for i in range(pool)]
         for i, toks in enumerate(held):
@@ -306,9 +310,13 @@ class Prober:
             out: tuple[list[float], list[float]] = ([], [])
             for is_held, i in order:
                 toks = held[i] if is_held else absent[i]
-                t0 = time.perf_counter_ns()
-                await client.lookup(fp, toks, namespace=ns)
-                out[0 if is_held else 1].append((time.perf_counter_ns() - t0) / 1000)
+                best = None
+                for _ in range(repeat):
+                    t0 = time.perf_counter_ns()
+                    await client.lookup(fp, toks, namespace=ns)
+                    took = time.perf_counter_ns() - t0
+                    best = took if best is None else min(best, took)
+                out[0 if is_held else 1].append((best or 0) / 1000)
             return out
 
         across = await measure(self.other, self.other_ns)
