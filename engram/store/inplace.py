@@ -228,7 +228,7 @@ class InPlacePuts:
     def _check_scales(self, blocks: list[Reserved]) -> None:
         for i, r in enumerate(blocks):
             assert r.slot is not None
-            body = memoryview(self.pool.region(r.slot).numpy())[blockformat.HEADER_LEN :]
+            body = self.pool.region(r.slot).numpy().data[blockformat.HEADER_LEN :]
             codec_by_name(r.header.codec).check(body, tuple(r.header.shape), Axis.CHANNEL, Axis.TOKEN,  # type: ignore[arg-type]
                                                 f"block {i}")
 
