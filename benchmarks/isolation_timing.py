@@ -35,7 +35,7 @@ async def measure(address: str, samples: int, blocks: int) -> dict[str, object]:
 
 
 def main(samples: int, blocks: int) -> dict[str, object]:
-    with engram_daemon("tcp", dram="1GiB", extra=AUTH) as address:
+    with engram_daemon("tcp", dram="256MiB", extra=AUTH) as address:
         return asyncio.run(measure(address, samples, blocks))
 
 

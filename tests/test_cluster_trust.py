@@ -106,7 +106,7 @@ async def daemon_factory() -> AsyncIterator[Callable[..., Awaitable[RunningServe
     started: list[RunningServer] = []
 
     async def start(name: str, **overrides: Any) -> RunningServer:
-        cfg = load_config(env={}, overrides={"server.port": 0, "cluster.node_id": name, "cluster.heartbeat_s": 0.2,
+        cfg = load_config(env={}, overrides={"server.port": 0, "tiers.dram.capacity": "64MiB", "cluster.node_id": name, "cluster.heartbeat_s": 0.2,
                                              "cluster.ttl_s": 2.0, "cluster.secret": SECRET, **overrides})
         srv = await start_server(cfg)
         started.append(srv)

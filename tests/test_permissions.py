@@ -63,7 +63,8 @@ async def test_the_unix_socket_is_0600(tmp_path: Path, lax_umask: None) -> None:
     from engram.server import start_server
 
     sock = tmp_path / "engram.sock"
-    srv = await start_server(load_config(env={}, overrides={"server.unix_socket": str(sock)}))
+    srv = await start_server(load_config(env={}, overrides={"server.unix_socket": str(sock),
+                                                            "tiers.dram.capacity": "64MiB"}))
     try:
         assert stat.S_ISSOCK(os.stat(sock).st_mode) and mode(sock) == 0o600
         async with EngramClient(srv.address) as c:  # and its owner still connects
@@ -78,7 +79,8 @@ async def test_the_unix_socket_with_a_group_is_0660_and_that_group(tmp_path: Pat
     group = grp.getgrgid(os.getgid()).gr_name  # a group this user is in, so the chown is allowed
     sock = tmp_path / "engram.sock"
     srv = await start_server(load_config(env={}, overrides={"server.unix_socket": str(sock),
-                                                            "server.unix_socket_group": group}))
+                                                            "server.unix_socket_group": group,
+                                                            "tiers.dram.capacity": "64MiB"}))
     try:
         st = os.stat(sock)
         assert mode(sock) == 0o660 and st.st_gid == os.getgid()

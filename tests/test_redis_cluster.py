@@ -84,7 +84,7 @@ async def test_a_prefix_crosses_daemons_through_a_redis_cluster(redis_cluster: l
     try:
         for name in ("a", "b"):
             started.append(await start_server(load_config(env={}, overrides={
-                "server.port": 0, "cluster.redis_url": f"redis://:{PASSWORD}@127.0.0.1:{redis_cluster[0]}/0",
+                "server.port": 0, "tiers.dram.capacity": "64MiB", "cluster.redis_url": f"redis://:{PASSWORD}@127.0.0.1:{redis_cluster[0]}/0",
                 "cluster.redis_cluster": True, "cluster.node_id": name, "cluster.heartbeat_s": 0.2,
                 "cluster.ttl_s": 2.0, "cluster.secret": "s"})))
         a, b = started

@@ -206,7 +206,8 @@ async def test_tls_over_tcp_with_a_self_signed_certificate(tmp_path: Path) -> No
                     "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True,
                    env={**os.environ, "OPENSSL_CONF": "/dev/null"})
     srv = await start_server(load_config(env={}, overrides={
-        "server.port": 0, "server.tls_cert": str(cert), "server.tls_key": str(key), **AUTH}))
+        "server.port": 0, "tiers.dram.capacity": "64MiB", "server.tls_cert": str(cert), "server.tls_key": str(key),
+        **AUTH}))
     try:
         spec = tiny_model()
         toks = tokens(2 * BLOCK_TOKENS)
