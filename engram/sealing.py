@@ -159,6 +159,9 @@ class Sealer:
             with contextlib.suppress(Exception):
                 await h.proc.wait()
         self._helpers.clear()
+        # Sealing in a thread (a small host) mapped the pool in this process, prefaulted: let it go with the
+        # pool, or every daemon started in one process (tests) keeps its whole pool resident after it stops.
+        _maps.pop(self.path, None)
 
 
 if __name__ == "__main__":

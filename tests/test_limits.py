@@ -325,3 +325,28 @@ async def test_blocks_written_in_place_with_bad_scales_are_refused_at_commit(ser
         assert put.stored == 2 and put.reserve_ms > 0  # and it went in place
         n, got = await c.get_prefix(fp, toks)
         assert n == len(toks) and bool(torch.isfinite(got.float()).all())
+
+
+async def test_a_stopped_daemon_leaves_its_pool_unmapped() -> None:
+    """Sealing an in-place put in a thread (a host of fewer than 4 cores) maps the pool in the daemon's
+    process, prefaulted; a stopped daemon must let go of it, or every daemon started in one process keeps
+    its whole pool resident (the test suite ran this 24 GiB machine out of memory)."""
+    import gc
+
+    from engram.config import load_config
+    from engram.server import start_server
+
+    def mapped() -> int:
+        with open("/proc/self/maps") as fh:
+            return sum(1 for line in fh if "engram-seg" in line and "(deleted)" in line)
+
+    before = mapped()
+    srv = await start_server(load_config(env={}, overrides={"server.port": 0, "tiers.dram.capacity": "16MiB"}))
+    spec = tiny_model()
+    toks = tokens(4 * BLOCK_TOKENS)
+    async with EngramClient(srv.address, namespace="n") as c:
+        fp = await c.register_model(spec)
+        assert (await c.put(fp, toks, random_kv(spec, len(toks)))).reserve_ms > 0  # in place: sealed here
+    await srv.stop(0)
+    gc.collect()
+    assert mapped() == before
