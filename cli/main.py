@@ -1,5 +1,5 @@
-"""The `engram` command: serve, stats, check, demo, config, and the inspection commands (ls, show, evict,
-pin, unpin)."""
+"""The `engram` command: serve, stats, check, demo, config, verify-isolation, and the inspection commands
+(ls, show, evict, pin, unpin, top)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from .pin import pin, unpin
 from .show import show
 from .stats import stats_json, stats_renderable
 from .top import top
+from .verify_isolation import verify_isolation
 
 app = typer.Typer(name="engram", help="Engram: a tiered KV-cache daemon for LLM inference.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -126,6 +127,7 @@ def show_config(config: ConfigOpt = None, keys: Annotated[bool, typer.Option(hel
 
 for _command in (ls, show, evict, pin, unpin, top):  # inspection commands, one module each
     app.command()(_command)
+app.command("verify-isolation")(verify_isolation)
 
 
 def main() -> None:

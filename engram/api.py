@@ -199,6 +199,7 @@ class ClusterStats:
     remote_failures: int = 0
     published: int = 0
     reconnects: int = 0
+    untrusted_records: int = 0  # records in Redis whose signature did not verify (ignored)
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,21 @@
 """The cluster tier: a shared index in Redis of which daemon holds which block, and fetches from peers.
 
-Redis holds, per block, a hash `engram:block:<key>` of node id -> "tier|size|checksum", and per node a
-liveness key `engram:node:<id>` = its advertised address, refreshed every heartbeat_s and expiring after
-ttl_s: a dead node's entries are ignored (and removed when met). Each daemon publishes its own index
-changes (ChainIndex listeners feed a queue, a task drains it). Keys are salted per namespace
-(engram/keys.py), so the shared index names no tenant's prefix in a computable way.
+Records in Redis (every one signed with the cluster secret, engram/trust.py; Redis is not trusted):
+- `engram:block:{<key hex>}`: a hash of node id -> "tier|size|checksum|sig", the nodes holding a block.
+  The braces are a Redis Cluster hash tag: every record of one block lives on one shard.
+- `engram:{nodes}:node:<id>` = "address|ts|sig", refreshed every heartbeat_s and expiring after ttl_s (a
+  dead node's entries are ignored, and removed when met), and the set `engram:{nodes}:ids` of node ids.
+  The `{nodes}` tag keeps them on one shard, so one MGET reads the addresses of many holders.
+A record whose signature does not verify is ignored and counted (`untrusted_records` in Stats): it was
+written by someone without the secret. Each daemon publishes its own index changes (ChainIndex listeners
+feed a queue, a task drains it). Keys are salted per namespace (engram/keys.py), so the shared index names
+no tenant's prefix in a computable way.
 
-When Redis is unreachable the daemon keeps serving its own tiers: the state turns "degraded" (with the
-reason, in Stats), queued changes are dropped, and a task reconnects with exponential backoff; once back
-it re-registers the node and republishes its whole index (Redis may have restarted empty).
+Redis may be one server (`redis://`, `rediss://` for TLS, with a password in the URL or in
+`cluster.redis_password`) or a Redis Cluster (`cluster.redis_cluster`, redis-py's cluster client). When it
+is unreachable the daemon keeps serving its own tiers: the state turns "degraded" (with the reason, in
+Stats), queued changes are dropped, and a task reconnects with exponential backoff; once back it
+re-registers the node and republishes its whole index (Redis may have restarted empty).
 """
 
 from __future__ import annotations
@@ -17,16 +24,25 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import AuthenticationError, RedisError
 
 from engram.config import ClusterConfig
 from engram.index import BlockMeta, ChainIndex
+from engram.trust import ClusterTrust
 
 log = logging.getLogger("engram.cluster")
-_BLOCK = "engram:block:"
-_NODE = "engram:node:"
+_NODES = "engram:{nodes}:"
+_NODE = _NODES + "node:"
+_NODE_IDS = _NODES + "ids"
+
+
+def block_record_key(key: bytes) -> str:
+    """The Redis key of a block's holders: hash-tagged by the block key, so its records share one shard."""
+    return "engram:block:{" + key.hex() + "}"
 
 
 @dataclass(frozen=True)
@@ -45,20 +61,40 @@ class ClusterCounters:
     remote_failures: int = 0
     published: int = 0
     reconnects: int = 0
+    untrusted_records: int = 0  # records in Redis whose signature did not verify: ignored
+
+
+def connect(config: ClusterConfig) -> Any:
+    """A redis.asyncio client (or cluster client) for the configured URL, password and TLS files."""
+    from engram.tenancy import resolve_secret
+
+    kwargs: dict[str, Any] = {"socket_timeout": 1.0, "socket_connect_timeout": 1.0}
+    if config.redis_password:
+        kwargs["password"] = resolve_secret(config.redis_password, "cluster.redis_password")
+    if config.redis_url.startswith("rediss://"):
+        if config.redis_ca_cert:
+            kwargs["ssl_ca_certs"] = config.redis_ca_cert
+        if config.redis_client_cert:
+            kwargs["ssl_certfile"] = config.redis_client_cert
+            kwargs["ssl_keyfile"] = config.redis_client_key
+    if config.redis_cluster:
+        return RedisCluster.from_url(config.redis_url, **kwargs)
+    return aioredis.from_url(config.redis_url, **kwargs)
 
 
 class ClusterIndex:
-    def __init__(self, config: ClusterConfig, index: ChainIndex, node_id: str, address: str) -> None:
+    def __init__(self, config: ClusterConfig, index: ChainIndex, node_id: str, address: str,
+                 trust: ClusterTrust) -> None:
         self.config = config
         self.index = index
         self.node_id = node_id
         self.address = address
+        self.trust = trust
         self.state, self.reason = "degraded", "not connected yet"
         self.counters = ClusterCounters()
-        self._redis = aioredis.from_url(config.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self._redis = connect(config)
         self._queue: asyncio.Queue[tuple[str, BlockMeta]] = asyncio.Queue(maxsize=100_000)
         self._tasks: list[asyncio.Task[None]] = []
-        self._wake = asyncio.Event()
         index.listeners.append(self._changed)
 
     def _changed(self, event: str, meta: BlockMeta) -> None:
@@ -81,7 +117,12 @@ class ClusterIndex:
     def _degrade(self, exc: BaseException) -> None:
         if self.state == "ok":
             log.warning("cluster: Redis unreachable (%s); serving local tiers only", exc)
-        self.state, self.reason = "degraded", f"Redis unreachable: {exc}; reconnecting"
+        text = str(exc)
+        if isinstance(exc, AuthenticationError) or "NOAUTH" in text or "WRONGPASS" in text or "authenticated" in text:
+            self.state, self.reason = "degraded", (f"Redis refused authentication ({text}): set cluster.redis_password "
+                                                   "(or the password in cluster.redis_url); reconnecting")
+        else:
+            self.state, self.reason = "degraded", f"Redis unreachable: {text}; reconnecting"
         while not self._queue.empty():
             self._queue.get_nowait()
 
@@ -90,7 +131,9 @@ class ClusterIndex:
         ttl_ms = int(self.config.ttl_s * 1000)
         while True:
             try:
-                await self._redis.set(_NODE + self.node_id, self.address, px=ttl_ms)
+                record = self.trust.node_record(self.node_id, self.address)
+                await self._redis.set(_NODE + self.node_id, record, px=ttl_ms)
+                await self._redis.sadd(_NODE_IDS, self.node_id)
                 if self.state != "ok":
                     await self._resync()
                     self.state, self.reason = "ok", ""
@@ -102,10 +145,14 @@ class ClusterIndex:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
 
+    def _entry(self, meta: BlockMeta) -> str:
+        tier = meta.tier if meta.locations else "dram"
+        return self.trust.holder_record(meta.key, self.node_id, tier, meta.nbytes, meta.checksum)
+
     async def _resync(self) -> None:
         pipe = self._redis.pipeline(transaction=False)
         for meta in list(self.index):
-            pipe.hset(_BLOCK + meta.key.hex(), self.node_id, _entry(meta))
+            pipe.hset(block_record_key(meta.key), self.node_id, self._entry(meta))
         await pipe.execute()
         self.counters.published += len(self.index)
 
@@ -119,45 +166,64 @@ class ClusterIndex:
                 pipe = self._redis.pipeline(transaction=False)
                 for ev, m in batch:
                     if ev == "add":
-                        pipe.hset(_BLOCK + m.key.hex(), self.node_id, _entry(m))
+                        pipe.hset(block_record_key(m.key), self.node_id, self._entry(m))
                     else:
-                        pipe.hdel(_BLOCK + m.key.hex(), self.node_id)
+                        pipe.hdel(block_record_key(m.key), self.node_id)
                 await pipe.execute()
                 self.counters.published += len(batch)
             except (RedisError, OSError) as exc:
                 self._degrade(exc)
 
+    def _untrusted(self, what: str, node: str) -> None:
+        self.counters.untrusted_records += 1
+        log.warning("cluster: ignoring a %s for node %r whose signature does not verify (written without the "
+                    "cluster secret, or stale)", what, node)
+
     async def holders(self, key: bytes) -> list[Holder]:
-        """Live peers holding a block; [] when degraded (no waiting on a Redis that is down)."""
+        """Live peers holding a block, as their signed records say; [] when degraded (no waiting on a
+        Redis that is down)."""
         if self.state != "ok":
             return []
+        name = block_record_key(key)
         try:
-            entries = await self._redis.hgetall(_BLOCK + key.hex())
-            nodes = [n.decode() for n in entries if n.decode() != self.node_id]
-            if not nodes:
+            entries = {n.decode(): v.decode() for n, v in (await self._redis.hgetall(name)).items()}
+            entries.pop(self.node_id, None)
+            if not entries:
                 return []
-            addresses = await self._redis.mget([_NODE + n for n in nodes])
-        except (RedisError, OSError) as exc:
-            self._degrade(exc)
+            nodes = list(entries)
+            records = await self._redis.mget([_NODE + n for n in nodes])
+        except (RedisError, OSError, UnicodeDecodeError) as exc:
+            if not isinstance(exc, UnicodeDecodeError):
+                self._degrade(exc)
             return []
         out = []
-        for node, addr in zip(nodes, addresses, strict=True):
-            if addr is None:  # its heartbeat expired: the node is gone
+        for node, record in zip(nodes, records, strict=True):
+            if record is None:  # its heartbeat expired: the node is gone
                 with contextlib.suppress(RedisError, OSError):
-                    await self._redis.hdel(_BLOCK + key.hex(), node)
+                    await self._redis.hdel(name, node)
                 continue
-            tier, size, check = entries[node.encode()].decode().split("|")
-            out.append(Holder(node, addr.decode(), tier, int(size), int(check)))
+            entry = self.trust.holder_entry(key, node, entries[node])
+            address = self.trust.node_address(node, record.decode(errors="replace"))
+            if entry is None:
+                self._untrusted("holder record", node)
+            elif address is None:
+                self._untrusted("node record", node)
+            else:
+                out.append(Holder(node, address, entry.tier, entry.size, entry.checksum))
         return out
 
     async def live_nodes(self) -> int:
+        """Nodes with a fresh, signed heartbeat record, this one included."""
         if self.state != "ok":
             return 0
         try:
-            return len([k async for k in self._redis.scan_iter(match=_NODE + "*")])
-        except (RedisError, OSError):
+            ids = sorted(n.decode() for n in await self._redis.smembers(_NODE_IDS))
+            records = await self._redis.mget([_NODE + n for n in ids]) if ids else []
+        except (RedisError, OSError, UnicodeDecodeError):
             return 0
-
-
-def _entry(meta: BlockMeta) -> str:
-    return f"{meta.tier if meta.locations else 'dram'}|{meta.nbytes}|{meta.checksum}"
+        gone = [n for n, r in zip(ids, records, strict=True) if r is None]
+        if gone:
+            with contextlib.suppress(RedisError, OSError):
+                await self._redis.srem(_NODE_IDS, *gone)
+        return sum(1 for n, r in zip(ids, records, strict=True)
+                   if r is not None and self.trust.node_address(n, r.decode(errors="replace")) is not None)

@@ -48,11 +48,15 @@ class ServerConfig:
     host: str = "127.0.0.1"  # TCP address; loopback by default: expose it on purpose, not by accident
     port: int = 50051  # 0 picks a free port (tests)
     unix_socket: str = ""  # when set, listen on this unix socket path instead of TCP
+    unix_socket_group: str = ""  # the socket is 0600 (the daemon's user); a group here makes it 0660 for it
     max_message_bytes: ByteSize = ByteSize(64 * 2**20)  # gRPC send/receive limit per message
     chunk_bytes: ByteSize = ByteSize(8 * 2**20)  # payload bytes per streamed message (< max_message_bytes)
     max_concurrent_rpcs: int = 512  # beyond this, RPCs are refused with RESOURCE_EXHAUSTED
     max_blocks_per_request: int = 4096
-    max_tokens_per_request: int = 1 << 21
+    max_tokens_per_request: int = 1 << 21  # also the longest a session may grow
+    max_block_bytes: ByteSize = ByteSize(256 * 2**20)  # a model whose raw block is larger is refused at register
+    max_models: int = 1024  # registered models (each is a file and an entry in memory)
+    max_sessions_per_namespace: int = 4096  # a tenant's max_sessions, when set, overrides it for its namespaces
     shutdown_grace_s: float = 5.0  # in-flight RPCs get this long to finish on SIGTERM
     lease_s: float = 30.0  # a zero-copy Get's descriptors keep their slots this long unless released sooner
     tls_cert: str = ""  # PEM certificate chain: with tls_key, TCP is served over TLS
@@ -119,13 +123,15 @@ class ReplayConfig:
     models: str = ""  # comma-separated safetensors files (engram.replay.save_decoder) the daemon can replay
     device: str = "auto"  # auto (cuda when present), cpu, cuda
     max_hot_windows: int = 64  # rebuilt SWA windows kept in memory; beyond, the least recent is dropped
+    max_persisted_window_bytes: ByteSize = ByteSize(2**30)  # persist-mode windows, all sessions together
 
 
 @dataclass
 class TenantConfig:
     token: str = ""  # its bearer token; or env:VAR / file:PATH, read when the daemon starts
     namespaces: str = ""  # comma-separated namespaces it may act in; empty: the tenant's own name
-    quota: ByteSize = ByteSize(0)  # physical bytes each of its namespaces may hold; 0: unlimited
+    quota: ByteSize = ByteSize(0)  # bytes each of its namespaces may hold (blocks, persisted windows); 0: unlimited
+    max_sessions: int = 0  # live sessions per namespace; 0: server.max_sessions_per_namespace
 
 
 @dataclass
@@ -152,12 +158,18 @@ class AuthConfig:
 
 @dataclass
 class ClusterConfig:
-    redis_url: str = ""  # e.g. redis://10.0.0.5:6379/0; empty: no cluster tier
+    redis_url: str = ""  # redis://host:6379/0, rediss:// for TLS (a password may sit in it); empty: no cluster tier
+    redis_password: str = ""  # Redis AUTH password (env:VAR / file:PATH), instead of one in redis_url
+    redis_ca_cert: str = ""  # PEM CA that signed Redis's certificate (rediss://); empty: the system's CAs
+    redis_client_cert: str = ""  # PEM certificate this daemon shows Redis (with redis_client_key), if it asks
+    redis_client_key: str = ""
+    redis_cluster: bool = False  # redis_url names a node of a Redis Cluster (redis-py's cluster client)
+    secret: str = ""  # signs records in Redis and MACs blocks between peers (env:VAR / file:PATH); every node
     node_id: str = ""  # unique per daemon; empty: the advertised address
     advertise: str = ""  # the address peers dial to fetch blocks; empty: the address the daemon bound
     heartbeat_s: float = 2.0  # how often a node refreshes its liveness key
     ttl_s: float = 10.0  # a node whose key is older than this is dead: its blocks are ignored
-    peer_token: str = ""  # bearer token daemons present to each other (env:VAR / file:PATH)
+    peer_token: str = ""  # bearer token daemons present to each other (env:VAR / file:PATH); empty: from secret
     peer_root_cert: str = ""  # PEM root certificate to verify peers that serve TLS
     fetch_timeout_s: float = 5.0  # one peer fetch; past it the block counts as a miss
 
@@ -209,6 +221,11 @@ class EngramConfig:
             raise ConfigError(f"codec.default must be raw, fp8_e4m3, nvfp4 or mxfp4, got {self.codec.default!r}")
         if self.codec.backend not in {"auto", "reference", "triton"}:
             raise ConfigError(f"codec.backend must be auto, reference or triton, got {self.codec.backend!r}")
+        for key, value in (("server.max_block_bytes", s.max_block_bytes), ("server.max_models", s.max_models),
+                           ("server.max_sessions_per_namespace", s.max_sessions_per_namespace),
+                           ("replay.max_persisted_window_bytes", self.replay.max_persisted_window_bytes)):
+            if value <= 0:
+                raise ConfigError(f"{key} must be positive, got {value}")
         if self.replay.max_hot_windows < 0:
             raise ConfigError("replay.max_hot_windows must be >= 0")
         for path in filter(None, (p.strip() for p in self.replay.models.split(","))):
@@ -253,6 +270,10 @@ def _validate_tls(s: ServerConfig) -> None:
         path = getattr(s, key)
         if path and not Path(path).is_file():
             raise ConfigError(f"server.{key}: {path} is not a file")
+    if s.unix_socket_group:
+        from engram.private import group_id
+
+        group_id(s.unix_socket_group)  # a group that does not exist is a config error now, not at bind time
     if s.tls_cert and s.unix_socket:
         raise ConfigError("server.tls_cert: TLS is for TCP; a unix socket is protected by its file permissions")
 
@@ -263,6 +284,8 @@ def _validate_auth(a: AuthConfig) -> None:
             raise ConfigError(f"auth.tenants.{name}.token is empty: give the tenant a bearer token (or env:VAR)")
         if t.quota < 0:
             raise ConfigError(f"auth.tenants.{name}.quota must be >= 0 (0: unlimited)")
+        if t.max_sessions < 0:
+            raise ConfigError(f"auth.tenants.{name}.max_sessions must be >= 0 (0: server.max_sessions_per_namespace)")
     if a.tenants_file and not Path(a.tenants_file).is_file():
         raise ConfigError(f"auth.tenants_file: {a.tenants_file} is not a file")
     if a.same_host_paths not in ("auto", "on", "off"):
@@ -281,9 +304,18 @@ def _validate_cluster(c: ClusterConfig, a: AuthConfig) -> None:
         raise ConfigError(f"cluster.ttl_s ({c.ttl_s}) must exceed cluster.heartbeat_s ({c.heartbeat_s}) > 0")
     if c.fetch_timeout_s <= 0:
         raise ConfigError("cluster.fetch_timeout_s must be positive")
-    if a.enabled and not c.peer_token:
-        raise ConfigError("cluster.peer_token is empty: with tenancy on, daemons fetch blocks from each other "
-                          "with it; set the same token on every node")
+    if not c.secret:
+        raise ConfigError("cluster.secret is empty: Redis is not trusted, so daemons sign what they publish there "
+                          "and MAC the blocks they send each other with a secret; set the same one on every node "
+                          "(env:VAR or file:PATH keep it out of the config)")
+    if bool(c.redis_client_cert) != bool(c.redis_client_key):
+        raise ConfigError("cluster.redis_client_cert and cluster.redis_client_key go together: set both or neither")
+    for key in ("redis_ca_cert", "redis_client_cert", "redis_client_key", "peer_root_cert"):
+        path = getattr(c, key)
+        if path and not Path(path).is_file():
+            raise ConfigError(f"cluster.{key}: {path} is not a file")
+    if (c.redis_ca_cert or c.redis_client_cert) and not c.redis_url.startswith("rediss://"):
+        raise ConfigError("cluster.redis_ca_cert / redis_client_cert are for TLS: write the URL as rediss://")
 
 
 def _coerce(value: object, typ: Any, where: str) -> object:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from engram import limits
 from engram.errors import InvalidArgument
 
 FINGERPRINT_BYTES = 16
@@ -59,6 +60,8 @@ class LayerSpec:
     def __post_init__(self) -> None:
         if self.kind == LayerKind.SLIDING and self.window < 1:
             raise InvalidArgument("a sliding layer needs window >= 1 (keys seen, the query's own included)")
+        if self.window > limits.MAX_WINDOW:
+            raise InvalidArgument(f"a sliding window of {self.window} keys exceeds the bound of {limits.MAX_WINDOW}")
         if self.kind != LayerKind.SLIDING and self.window != 0:
             raise InvalidArgument(f"a {self.kind.name.lower()} layer has no window; leave window at 0")
 
@@ -74,14 +77,15 @@ class KVLayout:
     def __post_init__(self) -> None:
         if not self.layers:
             raise InvalidArgument("a layout needs at least one layer")
+        limits.check_dimension("a layout's number of layers", len(self.layers), 1, limits.MAX_LAYERS)
         if self.persisted_layers == 0:
             raise InvalidArgument("the layout has no global layer, so a block would carry no KV; "
                                   "mark at least one layer LAYER_KIND_GLOBAL")
-        if self.num_kv_heads < 1 or self.head_dim < 1:
-            raise InvalidArgument(f"num_kv_heads and head_dim must be >= 1, got {self.num_kv_heads}, {self.head_dim}")
+        limits.check_dimension("num_kv_heads", self.num_kv_heads, 1, limits.MAX_KV_HEADS)
+        limits.check_dimension("head_dim", self.head_dim, 1, limits.MAX_HEAD_DIM)
         bt = self.block_tokens
-        if bt < 16 or bt & (bt - 1):
-            raise InvalidArgument(f"block_tokens must be a power of two >= 16, got {bt}")
+        if bt < 16 or bt & (bt - 1) or bt > limits.MAX_BLOCK_TOKENS:
+            raise InvalidArgument(f"block_tokens must be a power of two in [16, {limits.MAX_BLOCK_TOKENS}], got {bt}")
 
     @property
     def persisted_layers(self) -> int:
@@ -125,6 +129,8 @@ class ModelSpec:
             raise InvalidArgument("a model needs a name")
         if not self.weights_id:
             raise InvalidArgument("a model needs a weights_id (a checkpoint hash or revision)")
+        limits.check_length("the model's name", self.name, limits.MAX_NAME_BYTES)
+        limits.check_length("the model's weights_id", self.weights_id, limits.MAX_NAME_BYTES)
 
     def to_dict(self) -> dict[str, object]:
         lay = self.layout

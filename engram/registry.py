@@ -15,6 +15,7 @@ from pathlib import Path
 
 from engram.errors import NotFound
 from engram.layout import ModelSpec
+from engram.private import FILE_MODE, private_dir
 
 log = logging.getLogger("engram.registry")
 
@@ -25,7 +26,7 @@ class ModelRegistry:
         self._models: dict[bytes, ModelSpec] = {}
         self._dir = Path(directory) if directory else None
         if self._dir is not None:
-            self._dir.mkdir(parents=True, exist_ok=True)
+            private_dir(self._dir)
             self._load()
 
     def _load(self) -> None:
@@ -59,7 +60,7 @@ class ModelRegistry:
         assert self._dir is not None
         final = self._dir / f"{fp.hex()}.json"
         tmp = final.with_suffix(".tmp")
-        with open(tmp, "w") as fh:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE), "w") as fh:
             json.dump(spec.to_dict(), fh, sort_keys=True)
             fh.flush()
             os.fsync(fh.fileno())

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engram import limits
 from engram.api import SessionInfo, SessionMode
 from engram.block import checksum
-from engram.errors import FailedPrecondition, InvalidArgument, NotFound
+from engram.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from engram.index import BlockMeta
 from engram.layout import DType, LayerKind, ModelSpec
 from engram.replay.model import SwaWindow
@@ -120,10 +121,20 @@ class Resumed:
 
 
 class SessionManager:
-    def __init__(self, store: BlockStore, runtime: ReplayRuntime, *, max_hot_windows: int = 64) -> None:
+    def __init__(self, store: BlockStore, runtime: ReplayRuntime, *, max_hot_windows: int = 64,
+                 max_sessions_per_namespace: int = 4096, max_session_tokens: int = 1 << 21,
+                 max_persisted_window_bytes: int = 2**30) -> None:
         self.store = store
         self.runtime = runtime
         self.max_hot_windows = max_hot_windows
+        # Bounds on what sessions hold in daemon memory: their number per namespace (a tenant's own
+        # max_sessions overrides it), their length, and persisted windows, which also count against their
+        # namespace's quota (store.hold) so that a tenant cannot keep outside its quota what it could not
+        # keep inside.
+        self.max_sessions_per_namespace = max_sessions_per_namespace
+        self.max_session_tokens = max_session_tokens
+        self.max_persisted_window_bytes = max_persisted_window_bytes
+        self._persisted_bytes = 0
         self._sessions: dict[tuple[str, str], Session] = {}
         self._hot: OrderedDict[tuple[str, str], None] = OrderedDict()  # rebuilt windows, LRU first
 
@@ -132,6 +143,8 @@ class SessionManager:
     def open(self, namespace: str, fingerprint: bytes, mode: SessionMode, approx_k: float = 0.0, session_id: str = "",
              tokens: np.ndarray | None = None) -> Session:
         spec = self.store.spec(fingerprint)
+        limits.check_session_id(session_id)
+        limits.check_approx_k(approx_k)
         if mode == SessionMode.APPROX and approx_k <= 0:
             raise InvalidArgument("approx mode needs approx_k > 0 (R = approx_k * W tokens are replayed)")
         if mode != SessionMode.PERSIST:
@@ -139,7 +152,12 @@ class SessionManager:
         sid = session_id or uuid.uuid4().hex[:16]
         if (namespace, sid) in self._sessions:
             raise InvalidArgument(f"session {sid} already exists in this namespace; pick another id or omit it")
+        limit = self.store.namespaces.max_sessions(namespace) or self.max_sessions_per_namespace
+        if self.count_in(namespace) >= limit:
+            raise ResourceExhausted(f"namespace {namespace!r} has {limit} live sessions, its limit; close sessions "
+                                    "it no longer needs (or raise the tenant's max_sessions)")
         toks = np.asarray(tokens if tokens is not None else [], dtype=np.int32)
+        self._check_length(len(toks))
         s = Session(sid, namespace, fingerprint, toks, mode, approx_k)
         self._sessions[(namespace, sid)] = s
         self.hold(s)
@@ -165,16 +183,16 @@ class SessionManager:
             raise InvalidArgument(f"session {session_id} is in {s.mode.value} mode: the daemon rebuilds its "
                                   "window; send windows only for persist-mode sessions")
         new_len = len(s.tokens) + len(tokens)
+        self._check_length(new_len)
         if window is not None:
             if window.prefix_len != new_len:
                 raise InvalidArgument(f"the window serves position {window.prefix_len}, the session will have "
                                       f"{new_len} tokens")
             window.validate(self.store.spec(s.fingerprint))
+            self._keep_window(s, window)  # counted (or refused) before anything of the session changes
         s.tokens = np.concatenate([s.tokens, np.asarray(tokens, dtype=np.int32)])
         self.hold(s)
-        if window is not None:
-            s.window = window
-        elif s.mode != SessionMode.PERSIST:
+        if window is None and s.mode != SessionMode.PERSIST:
             self._drop_hot(s)  # a window for the old length is stale
         return s
 
@@ -187,8 +205,14 @@ class SessionManager:
         child = self.open(namespace, parent.fingerprint, parent.mode, parent.approx_k, session_id, parent.tokens[:p])
         child.parent = parent.id
         if parent.window is not None and parent.window.prefix_len == p:
-            child.window = parent.window
-            if child.mode != SessionMode.PERSIST:
+            if child.mode == SessionMode.PERSIST:
+                try:
+                    self._keep_window(child, parent.window)  # the child holds it too: counted once more
+                except ResourceExhausted:
+                    self.close(namespace, child.id)
+                    raise
+            else:
+                child.window = parent.window
                 self._mark_hot(child)
         return child
 
@@ -202,10 +226,40 @@ class SessionManager:
     def close(self, namespace: str, session_id: str) -> Session:
         s = self.get(namespace, session_id)
         self._drop_hot(s)
+        if s.mode == SessionMode.PERSIST and s.window is not None:
+            self._release_window(s)
         self.store.reference(list(s.held.values()), -1)
         s.held = {}
         del self._sessions[(namespace, session_id)]
         return s
+
+    def _check_length(self, n: int) -> None:
+        if n > self.max_session_tokens:
+            raise InvalidArgument(f"a session may hold at most {self.max_session_tokens} tokens "
+                                  f"(server.max_tokens_per_request), this one would hold {n}; open a new session")
+
+    def _keep_window(self, s: Session, window: Window) -> None:
+        """Make `window` the persisted window of `s`, counting its bytes against the daemon's budget for
+        persisted windows and its namespace's quota (the previous window's bytes are given back)."""
+        old = s.window.nbytes if s.window is not None else 0
+        delta = window.nbytes - old
+        if self._persisted_bytes + delta > self.max_persisted_window_bytes:
+            raise ResourceExhausted(
+                f"persisted windows hold {self._persisted_bytes} bytes and this one needs {delta} more, past "
+                f"replay.max_persisted_window_bytes = {self.max_persisted_window_bytes}; close persist-mode "
+                "sessions, or open sessions in exact mode (the daemon rebuilds their windows)")
+        if delta > 0:
+            self.store.hold(s.namespace, delta, "this persisted window")
+        elif delta < 0:
+            self.store.release_held(s.namespace, -delta)
+        self._persisted_bytes += delta
+        s.window = window
+
+    def _release_window(self, s: Session) -> None:
+        assert s.window is not None
+        self.store.release_held(s.namespace, s.window.nbytes)
+        self._persisted_bytes -= s.window.nbytes
+        s.window = None
 
     # ---- resume ---------------------------------------------------------------------------------
 
@@ -288,9 +342,16 @@ class SessionManager:
     def count_in(self, namespace: str) -> int:
         return sum(1 for ns, _ in self._sessions if ns == namespace)
 
-    def hot_count(self) -> int:
-        return len(self._hot)
+    def count(self, namespaces: list[str] | None = None) -> int:
+        """Live sessions, of some namespaces only (a tenant's Stats) or of all."""
+        if namespaces is None:
+            return len(self._sessions)
+        return sum(self.count_in(ns) for ns in namespaces)
 
-    def window_bytes(self, *, persisted: bool) -> int:
+    def hot_count(self, namespaces: list[str] | None = None) -> int:
+        return len(self._hot) if namespaces is None else sum(1 for ns, _ in self._hot if ns in namespaces)
+
+    def window_bytes(self, *, persisted: bool, namespaces: list[str] | None = None) -> int:
         return sum(s.window.nbytes for s in self._sessions.values()
-                   if s.window is not None and (s.mode == SessionMode.PERSIST) == persisted)
+                   if s.window is not None and (s.mode == SessionMode.PERSIST) == persisted
+                   and (namespaces is None or s.namespace in namespaces))

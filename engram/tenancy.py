@@ -31,6 +31,8 @@ class NamespacePolicy(Protocol):
 
     def quota(self, namespace: str) -> int: ...
 
+    def max_sessions(self, namespace: str) -> int: ...  # 0: the daemon's default
+
 
 class OpenNamespaces:
     """Tenancy off: no salt (keys as before tenancy existed), no quota."""
@@ -39,6 +41,9 @@ class OpenNamespaces:
         return b""
 
     def quota(self, namespace: str) -> int:
+        return 0
+
+    def max_sessions(self, namespace: str) -> int:
         return 0
 
 
@@ -83,6 +88,7 @@ class Tenancy:
     secret: bytes
     principals: dict[bytes, Principal] = field(default_factory=dict)  # token digest -> principal
     quotas: dict[str, int] = field(default_factory=dict)  # namespace -> bytes
+    session_limits: dict[str, int] = field(default_factory=dict)  # namespace -> live sessions
     _salts: dict[str, bytes] = field(default_factory=dict)
 
     @classmethod
@@ -103,6 +109,8 @@ class Tenancy:
             for ns in spaces:
                 if tc.quota:  # a namespace shared by tenants gets the smallest of their quotas
                     t.quotas[ns] = min(t.quotas.get(ns, tc.quota), tc.quota)
+                if tc.max_sessions:  # and the smallest of their session limits
+                    t.session_limits[ns] = min(t.session_limits.get(ns, tc.max_sessions), tc.max_sessions)
         for i, tok in enumerate(filter(None, (x.strip() for x in merged.admin_tokens.split(",")))):
             t._add(resolve_secret(tok, "auth.admin_tokens"), Principal(f"admin-{i}", admin=True))
         if peer_token:
@@ -143,3 +151,6 @@ class Tenancy:
 
     def quota(self, namespace: str) -> int:
         return self.quotas.get(namespace, 0)
+
+    def max_sessions(self, namespace: str) -> int:
+        return self.session_limits.get(namespace, 0)

@@ -133,3 +133,26 @@ def engram_daemon(tmp_path: Path, *args: str, env: dict[str, str] | None = None
         proc.wait(10)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def redis_cli(port: int, *args: str, password: str = "") -> str:
+    auth = ["-a", password, "--no-auth-warning"] if password else []
+    return subprocess.run(["redis-cli", "-p", str(port), *auth, *args], capture_output=True, text=True).stdout.strip()
+
+
+def start_redis(port: int, *args: str, password: str = "", ping_port: int | None = None,
+                ping_args: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+    """A real redis-server on 127.0.0.1:port (no persistence), with extra args (requirepass, TLS, cluster);
+    returns once it answers PING. `ping_port`/`ping_args` reach it where plain TCP on `port` would not (TLS)."""
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        out = subprocess.run(["redis-cli", "-p", str(ping_port or port), *ping_args,
+                              *(["-a", password, "--no-auth-warning"] if password else []), "ping"],
+                             capture_output=True, text=True).stdout.strip()
+        if out == "PONG":
+            return proc
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("redis-server did not start")

@@ -19,21 +19,9 @@ from engram.client import EngramClient
 from engram.config import load_config
 from engram.server import RunningServer, start_server
 
-from helpers import BLOCK_TOKENS, free_port, random_kv, tiny_model, tokens
+from helpers import BLOCK_TOKENS, free_port, random_kv, start_redis, tiny_model, tokens
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
-
-
-def start_redis(port: int) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).stdout.strip() == b"PONG":
-            return proc
-        time.sleep(0.05)
-    proc.kill()
-    raise AssertionError("redis-server did not start")
 
 
 @pytest.fixture
@@ -49,7 +37,8 @@ async def daemons(redis_port: int) -> AsyncIterator[tuple[RunningServer, Running
     for name in ("a", "b"):
         cfg = load_config(env={}, overrides={"server.port": 0, "tiers.dram.capacity": "64MiB",
                                              "cluster.redis_url": f"redis://127.0.0.1:{redis_port}/0",
-                                             "cluster.node_id": name, "cluster.heartbeat_s": 0.2, "cluster.ttl_s": 2.0})
+                                             "cluster.node_id": name, "cluster.heartbeat_s": 0.2, "cluster.ttl_s": 2.0,
+                                             "cluster.secret": "cluster-secret"})
         started.append(await start_server(cfg))
     yield started[0], started[1]
     for srv in started:
@@ -128,7 +117,8 @@ async def test_with_tenancy_a_tenants_prefix_crosses_daemons_and_no_other_tenant
     Alice through B (fetched with the peer token), and Bob, on B, gets nothing of it."""
     proc = start_redis(redis_port)
     auth = {"auth.tenants.alice.token": "alice-token", "auth.tenants.bob.token": "bob-token",
-            "auth.salt_secret": "shared-secret", "cluster.peer_token": "peer-token"}
+            "auth.salt_secret": "shared-secret", "cluster.peer_token": "peer-token",
+            "cluster.secret": "cluster-secret"}
     started = []
     try:
         for name in ("a", "b"):

@@ -68,6 +68,27 @@ def test_dockerfile() -> None:
         assert (REPO / src).exists(), f"the Dockerfile copies {src}, which is not in the repository"
 
 
+COMPOSE_VAR = re.compile(r"\$\{(\w+)(?::\?[^}]*)?\}")
+
+
+def substitute(value: str, seen: set[str]) -> str:
+    """What compose makes of `${VAR:?message}`: the variable's value (a stand-in here). Only the required
+    form is allowed, so a missing secret stops compose instead of becoming an empty string."""
+    assert ":-" not in value and "${" not in COMPOSE_VAR.sub("", value), f"use ${{VAR:?message}} in {value!r}"
+    seen.update(COMPOSE_VAR.findall(value))
+    return COMPOSE_VAR.sub(lambda m: f"stand-in-{m.group(1).lower()}", value)
+
+
+def published(ports: list[str]) -> dict[int, str]:
+    """container port -> the host address it is published on ("" = every interface)."""
+    out = {}
+    for spec in ports:
+        parts = str(spec).split(":")
+        host, container = (parts[0] if len(parts) == 3 else ""), int(parts[-1])
+        out[container] = host
+    return out
+
+
 def test_compose_and_prometheus() -> None:
     compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
     services = compose["services"]
@@ -76,10 +97,20 @@ def test_compose_and_prometheus() -> None:
     check_command(engram["command"])
     argv = engram["command"]
     port = int(argv[argv.index("--port") + 1])
-    cfg = check_env({k: str(v) for k, v in engram["environment"].items()})
+    secrets: set[str] = set()
+    env = {k: substitute(str(v), secrets) for k, v in engram["environment"].items()}
+    cfg = check_env(env)
     assert cfg.server.metrics_port > 0 and cfg.server.metrics_host == "0.0.0.0"
-    published = {int(p.split(":")[1]) for p in engram["ports"]}
-    assert published == {port, cfg.server.metrics_port}
+    ports = published(engram["ports"])
+    assert set(ports) == {port, cfg.server.metrics_port}
+    if not cfg.auth.enabled:  # a daemon that trusts every caller is published on loopback only
+        assert all(host == "127.0.0.1" for host in ports.values()), ports
+    # Redis: a password the daemon uses, never published; the cluster secret from the environment.
+    redis_cmd = [substitute(str(a), secrets) for a in services["redis"]["command"]]
+    assert "ports" not in services["redis"]
+    assert redis_cmd[redis_cmd.index("--requirepass") + 1] == cfg.cluster.redis_password
+    assert {"REDIS_PASSWORD", "ENGRAM_CLUSTER_SECRET"} <= secrets and cfg.cluster.secret.startswith("stand-in-")
+    assert all(host == "127.0.0.1" for host in published(services["prometheus"]["ports"]).values())
     mounts = [v.split(":")[1] for v in engram.get("volumes", [])]
     assert any(cfg.tiers.nvme.path.startswith(m) for m in mounts), "the NVMe tier must live on a volume"
     if cfg.tiers.dram.pool == "shared":  # the segment lives in /dev/shm: docker's default 64 MiB cannot hold it

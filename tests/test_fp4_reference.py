@@ -379,5 +379,28 @@ def test_from_bytes_rejects_bad_payloads() -> None:
 
 def test_public_surface() -> None:
     assert sorted(codec.__all__) == sorted(
-        ["AXES", "BACKENDS", "FORMATS", "FP8Tensor", "MXFP4Tensor", "NVFP4Tensor", "QuantizedKV",
+        ["AXES", "BACKENDS", "FORMATS", "FP8Tensor", "MXFP4Tensor", "NVFP4Tensor", "QuantizedKV", "check_bytes",
          "dequantize_kv_block", "from_bytes", "payload_nbytes", "quantize_kv_block", "to_bytes"])
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8_e4m3"])
+def test_check_bytes_refuses_what_from_bytes_refuses_without_copying(fmt: str) -> None:
+    """check_bytes (what a daemon runs on a block a worker encoded) and from_bytes agree on every scale byte
+    that cannot decode, and check_bytes accepts every payload the encoder writes."""
+    shape = (2, 32, 2, 32)
+    kv = torch.randn(2, 2, 32, 2, 32)
+    good = codec.to_bytes(codec.quantize_kv_block(kv, fmt))
+    codec.check_bytes(good, fmt, shape)
+    bad_byte = {"nvfp4": 0x7F, "mxfp4": 0xFF, "fp8_e4m3": 0x7F}[fmt]
+    for offset in (0, 4):  # a float32 tensor scale (nvfp4, fp8) or the first group scale / code
+        broken = bytearray(good)
+        if offset == 0 and fmt != "mxfp4":
+            broken[0:4] = np.array([np.nan], dtype="<f4").tobytes()
+        else:
+            broken[offset] = bad_byte
+        with pytest.raises(ValueError, match="corrupt"):
+            codec.from_bytes(bytes(broken), fmt, shape)
+        with pytest.raises(ValueError, match="corrupt"):
+            codec.check_bytes(bytes(broken), fmt, shape)
+    with pytest.raises(ValueError, match="must be"):
+        codec.check_bytes(good[:-1], fmt, shape)

@@ -206,7 +206,8 @@ async def test_tls_over_tcp_with_a_self_signed_certificate(tmp_path: Path) -> No
                     "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True,
                    env={**os.environ, "OPENSSL_CONF": "/dev/null"})
     srv = await start_server(load_config(env={}, overrides={
-        "server.port": 0, "server.tls_cert": str(cert), "server.tls_key": str(key), **AUTH}))
+        "server.port": 0, "tiers.dram.capacity": "64MiB", "server.tls_cert": str(cert), "server.tls_key": str(key),
+        **AUTH}))
     try:
         spec = tiny_model()
         toks = tokens(2 * BLOCK_TOKENS)
@@ -230,18 +231,23 @@ async def test_fetch_blocks_is_for_peers_only(server_factory: Any) -> None:
     from engram.wire.channel import open_channel, stub_for
 
     srv = await server_factory(**AUTH, **{"cluster.peer_token": "peer-token"})
-    _, _, _, keys = await alice_prefix(srv)
+    fp, _, _, keys = await alice_prefix(srv)
+    request = pb.FetchBlocksRequest(keys=keys, namespace="alice", model_fingerprint=fp)
     for token, code in ((ALICE, grpc.StatusCode.PERMISSION_DENIED), ("", grpc.StatusCode.UNAUTHENTICATED)):
         channel = open_channel(srv.address)
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            async for _ in stub_for(channel, token).FetchBlocks(pb.FetchBlocksRequest(keys=keys)):
+            async for _ in stub_for(channel, token).FetchBlocks(request):
                 pass
         assert info.value.code() == code
         await channel.close()
     channel = open_channel(srv.address)  # control: the peer token gets the blocks
-    got = [r async for r in stub_for(channel, "peer-token").FetchBlocks(pb.FetchBlocksRequest(keys=keys))]
+    got = [r async for r in stub_for(channel, "peer-token").FetchBlocks(request)]
+    # ... of the namespace and model it names only: her keys asked for in bob's namespace are absent
+    other = [r async for r in stub_for(channel, "peer-token").FetchBlocks(
+        pb.FetchBlocksRequest(keys=keys, namespace="bob", model_fingerprint=fp))]
     await channel.close()
     assert [r.chunk.key for r in got if r.chunk.HasField("header")] == keys
+    assert other == []
 
 
 async def test_bob_never_reaches_alices_blocks_through_the_inspection_rpcs(daemon: RunningServer) -> None:
@@ -273,3 +279,40 @@ async def test_bob_never_reaches_alices_blocks_through_the_inspection_rpcs(daemo
         await a.register_model(tiny_model())
         n, got = await a.get_prefix(fp, toks)
         assert n == len(toks) and got is not None and torch.equal(got, kv)
+
+
+async def test_stats_counts_only_the_callers_namespaces(daemon: RunningServer) -> None:
+    """Stats showed every tenant the per-model block and token counts of all namespaces (and every session)."""
+    fp, toks, _, _ = await alice_prefix(daemon)  # 4 blocks and a session of hers
+    async with as_(daemon, BOB) as b:
+        stats = await b.stats()
+        assert stats.models == () and stats.replay.sessions == 0 and stats.replay.persisted_window_bytes == 0
+        await b.register_model(tiny_model())
+        mine = tokens(BLOCK_TOKENS, seed=99)
+        await b.put(fp, mine, random_kv(tiny_model(), BLOCK_TOKENS, seed=99))
+        stats = await b.stats()
+        assert [(m.model_fingerprint, m.blocks, m.tokens) for m in stats.models] == [(fp, 1, BLOCK_TOKENS)]
+        assert [n.namespace for n in stats.namespaces] == ["bob"]
+    async with as_(daemon, ALICE) as a:
+        stats = await a.stats()
+        assert [(m.blocks, m.tokens) for m in stats.models] == [(4, len(toks))] and stats.replay.sessions == 1
+    async with as_(daemon, ADMIN) as admin:  # positive control: the admin sees both
+        stats = await admin.stats()
+        assert [(m.blocks, m.tokens) for m in stats.models] == [(5, len(toks) + BLOCK_TOKENS)]
+        assert {n.namespace for n in stats.namespaces} == {"alice", "bob"} and stats.replay.sessions == 1
+
+
+async def test_keys_depend_on_the_salt_secret(server_factory: Any) -> None:
+    """The salt is derived from auth.salt_secret: daemons sharing it compute the same keys (prefixes match
+    across a cluster and a restart), a daemon with another secret computes others (so the keys cannot be
+    derived by anyone who runs the same code without the secret)."""
+    spec = tiny_model()
+    toks = tokens(2 * BLOCK_TOKENS, seed=5)
+    kv = random_kv(spec, len(toks), seed=5)
+    keys = []
+    for secret in ("test-secret", "test-secret", "another-secret"):
+        srv = await server_factory(**{**AUTH, "auth.salt_secret": secret})
+        async with as_(srv, ALICE) as a:
+            fp = await a.register_model(spec)
+            keys.append((await a.put(fp, toks, kv)).keys)
+    assert keys[0] == keys[1] and not set(keys[0]) & set(keys[2])

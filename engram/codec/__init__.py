@@ -31,6 +31,7 @@ __all__ = [
     "MXFP4Tensor",
     "NVFP4Tensor",
     "QuantizedKV",
+    "check_bytes",
     "dequantize_kv_block",
     "from_bytes",
     "payload_nbytes",
@@ -129,6 +130,21 @@ def to_bytes(q: QuantizedKV) -> bytes:
 
     The format, the shape and the axes are not written: they belong in the block header."""
     return q.k.to_bytes() + q.v.to_bytes()
+
+
+def check_bytes(buf: bytes | memoryview, fmt: str, shape: tuple[int, int, int, int], *, k_axis: str = "channel",
+                v_axis: str = "token") -> None:
+    """Raise ValueError unless `to_bytes` output would parse (`from_bytes`): its length and every scale, read
+    in place, without building tensors (what a daemon asks of a block a worker encoded, at put time)."""
+    expected = payload_nbytes(fmt, shape, k_axis=k_axis, v_axis=v_axis)
+    if len(buf) != expected:
+        raise ValueError(f"{fmt} KV payload of shape {shape} must be {expected} bytes, got {len(buf)}")
+    payload = FORMATS[fmt]
+    k_shape, v_shape = _matrix_shape(shape, k_axis), _matrix_shape(shape, v_axis)
+    split = payload.payload_nbytes(k_shape)
+    view = memoryview(buf)
+    payload.check_bytes(view[:split], k_shape)
+    payload.check_bytes(view[split:], v_shape)
 
 
 def from_bytes(buf: bytes | memoryview, fmt: str, shape: tuple[int, int, int, int], *, k_axis: str = "channel",

@@ -48,6 +48,10 @@ class Codec(Protocol):
     def decode(self, body: bytes | memoryview, shape: Shape, dtype: torch.dtype, k_axis: Axis, v_axis: Axis,
                backend: str, device: torch.device | str) -> Tensor: ...
 
+    def check(self, body: bytes | memoryview, shape: Shape, k_axis: Axis, v_axis: Axis, where: str) -> None:
+        """Raise InvalidArgument unless `body` decodes (its scales are valid), without decoding it."""
+        ...
+
 
 @dataclass(frozen=True)
 class RawCodec:
@@ -69,6 +73,9 @@ class RawCodec:
                backend: str, device: torch.device | str) -> Tensor:
         t = torch.frombuffer(bytearray(body), dtype=torch.uint8).view(dtype).reshape(shape)
         return t.to(device)
+
+    def check(self, body: bytes | memoryview, shape: Shape, k_axis: Axis, v_axis: Axis, where: str) -> None:
+        return None  # any element bytes are a block
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,14 @@ class QuantCodec:
         q = kvcodec.from_bytes(body, self.name, (layers, tokens, heads, dim), k_axis=_axis_name(k_axis),
                                v_axis=_axis_name(v_axis), device=on)
         return kvcodec.dequantize_kv_block(q, dtype, backend=backend).to(device)
+
+    def check(self, body: bytes | memoryview, shape: Shape, k_axis: Axis, v_axis: Axis, where: str) -> None:
+        layers, _, tokens, heads, dim = shape
+        try:  # parsing is what decoding fails on: NaN or negative scales, out-of-range tensor scales
+            kvcodec.check_bytes(body, self.name, (layers, tokens, heads, dim), k_axis=_axis_name(k_axis),
+                                v_axis=_axis_name(v_axis))
+        except ValueError as exc:
+            raise InvalidArgument(f"{where}: the {self.name} body would not decode: {exc}") from None
 
 
 def _axis_name(axis: Axis) -> str:

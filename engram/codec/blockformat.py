@@ -117,6 +117,14 @@ def parse(blob: bytes | memoryview, where: str = "block") -> BlockFormat:
     return fmt
 
 
+def check(blob: bytes | memoryview, where: str = "block") -> BlockFormat:
+    """`parse`, and the body's scales too: what a block from outside (a worker's own encoding) must pass
+    before it is stored, so that no stored block fails every later decode."""
+    fmt = parse(blob, where)
+    fmt.codec.check(memoryview(blob)[HEADER_LEN:], fmt.shape, fmt.k_axis, fmt.v_axis, where)
+    return fmt
+
+
 def decode(blob: bytes | memoryview, *, backend: str = "reference", device: torch.device | str = "cpu",
            where: str = "block") -> Tensor:
     """A v1 block back to its KV tensor (L, 2, T, H, D) in its recorded dtype."""

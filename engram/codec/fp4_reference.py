@@ -102,10 +102,23 @@ class _Reader:
         return torch.from_numpy(arr).view(()).to(self.device)
 
 
-def _check_scale_value(kind: str, value: Tensor, bounds: tuple[float, float]) -> None:
+def _check_scale_value(kind: str, value: Tensor | float, bounds: tuple[float, float]) -> None:
     v = float(value)
     if not bounds[0] <= v <= bounds[1]:
         raise ValueError(f"corrupt {kind} payload: tensor scale {v!r} is outside [{bounds[0]!r}, {bounds[1]!r}]")
+
+
+def _check_length(kind: str, buf: bytes | memoryview, nbytes: int) -> None:
+    if len(buf) != nbytes:
+        raise ValueError(f"corrupt {kind} payload: {len(buf)} bytes, the shape needs {nbytes}")
+
+
+def _f32_at(buf: bytes | memoryview, offset: int) -> float:
+    return float(np.frombuffer(buf, dtype="<f4", count=1, offset=offset)[0])
+
+
+def _u8_at(buf: bytes | memoryview, count: int, offset: int) -> np.ndarray:
+    return np.frombuffer(buf, dtype=np.uint8, count=count, offset=offset)  # a view: nothing is copied
 
 
 @dataclass(frozen=True)
@@ -134,15 +147,22 @@ class NVFP4Tensor:
         return _f32(self.tensor_scale) + _u8(self.scales) + _u8(self.codes)
 
     @classmethod
+    def check_bytes(cls, buf: bytes | memoryview, shape: tuple[int, int]) -> None:
+        """Raise ValueError unless `buf` decodes: its length, its tensor scale's range, its group scales
+        (positive, never NaN). Reads the scales in place; the codes (any nibble is a value) are not read."""
+        _check_length("NVFP4", buf, cls.payload_nbytes(shape))
+        _check_scale_value("NVFP4", _f32_at(buf, 0), NVFP4_TENSOR_SCALE_RANGE)
+        if bool((_u8_at(buf, shape[0] * (padded(shape[1], cls.GROUP) // cls.GROUP), 4) >= _E4M3_NAN).any()):
+            raise ValueError("corrupt NVFP4 payload: a group scale has its sign bit set or is NaN")
+
+    @classmethod
     def from_bytes(cls, buf: bytes | memoryview, shape: tuple[int, int],
                    device: torch.device | str = "cpu") -> NVFP4Tensor:
+        cls.check_bytes(buf, shape)
         cols = padded(shape[1], cls.GROUP)
         r = _Reader("NVFP4", buf, cls.payload_nbytes(shape), device)
         ts = r.f32()
-        _check_scale_value("NVFP4", ts, NVFP4_TENSOR_SCALE_RANGE)
         scales = r.u8(shape[0], cols // cls.GROUP)
-        if bool((scales >= _E4M3_NAN).any()):  # group scales are positive and never NaN
-            raise ValueError("corrupt NVFP4 payload: a group scale has its sign bit set or is NaN")
         return cls(r.u8(shape[0], cols // 2), scales, ts, shape)
 
     def codes_fp4(self) -> Tensor:
@@ -177,13 +197,19 @@ class MXFP4Tensor:
         return _u8(self.scales) + _u8(self.codes)
 
     @classmethod
+    def check_bytes(cls, buf: bytes | memoryview, shape: tuple[int, int]) -> None:
+        """Raise ValueError unless `buf` decodes: its length and its group scales (never the NaN code)."""
+        _check_length("MXFP4", buf, cls.payload_nbytes(shape))
+        if bool((_u8_at(buf, shape[0] * (padded(shape[1], cls.GROUP) // cls.GROUP), 0) == _E8M0_NAN).any()):
+            raise ValueError("corrupt MXFP4 payload: a group scale is the E8M0 NaN code 0xFF")
+
+    @classmethod
     def from_bytes(cls, buf: bytes | memoryview, shape: tuple[int, int],
                    device: torch.device | str = "cpu") -> MXFP4Tensor:
+        cls.check_bytes(buf, shape)
         cols = padded(shape[1], cls.GROUP)
         r = _Reader("MXFP4", buf, cls.payload_nbytes(shape), device)
         scales = r.u8(shape[0], cols // cls.GROUP)
-        if bool((scales == _E8M0_NAN).any()):
-            raise ValueError("corrupt MXFP4 payload: a group scale is the E8M0 NaN code 0xFF")
         return cls(r.u8(shape[0], cols // 2), scales, shape)
 
     def codes_fp4(self) -> Tensor:
@@ -215,15 +241,20 @@ class FP8Tensor:
         return _f32(self.scale) + _u8(self.codes)
 
     @classmethod
+    def check_bytes(cls, buf: bytes | memoryview, shape: tuple[int, int]) -> None:
+        """Raise ValueError unless `buf` decodes: its length, its scale's range, and no NaN code."""
+        _check_length("FP8", buf, cls.payload_nbytes(shape))
+        _check_scale_value("FP8", _f32_at(buf, 0), FP8_SCALE_RANGE)
+        if bool(((_u8_at(buf, shape[0] * shape[1], 4) & 0x7F) == _E4M3_NAN).any()):
+            raise ValueError("corrupt FP8 payload: a code is the E4M3 NaN pattern")
+
+    @classmethod
     def from_bytes(cls, buf: bytes | memoryview, shape: tuple[int, int],
                    device: torch.device | str = "cpu") -> FP8Tensor:
+        cls.check_bytes(buf, shape)
         r = _Reader("FP8", buf, cls.payload_nbytes(shape), device)
         scale = r.f32()
-        _check_scale_value("FP8", scale, FP8_SCALE_RANGE)
-        codes = r.u8(*shape)
-        if bool(((codes & 0x7F) == _E4M3_NAN).any()):
-            raise ValueError("corrupt FP8 payload: a code is the E4M3 NaN pattern")
-        return cls(codes, scale, shape)
+        return cls(r.u8(*shape), scale, shape)
 
     def codes_fp8(self) -> Tensor:
         return self.codes.view(torch.float8_e4m3fn)

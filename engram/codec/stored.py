@@ -55,10 +55,11 @@ def decode(payload: bytes | memoryview | Tensor, codec: str, dtype: DType, shape
 
 
 def check_encoded(payload: bytes | memoryview, codec: str, dtype: DType, shape: tuple[int, ...], where: str) -> None:
-    """A block a worker encoded itself must parse, verify, and describe the block its header announces."""
+    """A block a worker encoded itself must parse, verify, decode (valid scales), and describe the block
+    its header announces."""
     if is_raw(codec):
         return
-    fmt = blockformat.parse(payload, where)
+    fmt = blockformat.check(payload, where)
     if fmt.shape != tuple(shape) or fmt.dtype != dtype:
         raise InvalidArgument(f"{where}: its v1 header says shape {fmt.shape} {fmt.dtype.name}, its BlockHeader "
                               f"{tuple(shape)} {dtype.name}")

@@ -22,6 +22,7 @@ from engram.inspection import Inspector
 from engram.lockfile import DaemonLock
 from engram.logs import report_activity
 from engram.metrics import MetricsEndpoint
+from engram.private import secure_socket, socket_umask
 from engram.registry import ModelRegistry
 from engram.replay.runtime import ReplayRuntime
 from engram.server.inspection import InspectionService
@@ -29,11 +30,12 @@ from engram.server.peers import PeerFetcher
 from engram.server.service import SERVICE_NAME, EngramService
 from engram.sessions import SessionManager
 from engram.store import BlockStore, WritePolicy
-from engram.tenancy import Tenancy, resolve_secret
+from engram.tenancy import Tenancy
 from engram.tiers.base import Tier
 from engram.tiers.dram import DramTier, shared_dram_tier
 from engram.tiers.hbm import hbm_tier
 from engram.tiers.nvme import NvmeTier
+from engram.trust import ClusterTrust
 from engram.v1 import engram_pb2
 from engram.wire.channel import message_options
 
@@ -122,7 +124,10 @@ class RunningServer:
 def build_sessions(config: EngramConfig, store: BlockStore) -> SessionManager:
     paths = [p.strip() for p in config.replay.models.split(",") if p.strip()]
     runtime = ReplayRuntime.from_paths(paths, device=config.replay.device)
-    return SessionManager(store, runtime, max_hot_windows=config.replay.max_hot_windows)
+    return SessionManager(store, runtime, max_hot_windows=config.replay.max_hot_windows,
+                          max_sessions_per_namespace=config.server.max_sessions_per_namespace,
+                          max_session_tokens=config.server.max_tokens_per_request,
+                          max_persisted_window_bytes=config.replay.max_persisted_window_bytes)
 
 
 def _lock_socket(unix_socket: str) -> DaemonLock:
@@ -137,10 +142,11 @@ async def start_server(config: EngramConfig, store: BlockStore | None = None,
     socket_lock = _lock_socket(config.server.unix_socket) if config.server.unix_socket else None
     built = None
     try:
-        tenancy = Tenancy.from_config(config.auth, config.cluster.peer_token)
+        trust = ClusterTrust.from_config(config.cluster) if config.cluster.redis_url else None
+        tenancy = Tenancy.from_config(config.auth, trust.peer_token if trust else config.cluster.peer_token)
         if store is None:
             store = built = await build_store(config, tenancy)
-        return await _start(config, store, sessions, tenancy, socket_lock)
+        return await _start(config, store, sessions, tenancy, trust, socket_lock)
     except BaseException:
         if built is not None:
             await built.close()  # its NVMe directory lock too
@@ -150,7 +156,7 @@ async def start_server(config: EngramConfig, store: BlockStore | None = None,
 
 
 async def _start(config: EngramConfig, store: BlockStore, sessions: SessionManager | None, tenancy: Tenancy | None,
-                 socket_lock: DaemonLock | None) -> RunningServer:
+                 trust: ClusterTrust | None, socket_lock: DaemonLock | None) -> RunningServer:
     s = config.server
     sessions = sessions or build_sessions(config, store)
     options = [*message_options(int(s.max_message_bytes)), ("grpc.so_reuseport", 0)]
@@ -177,7 +183,9 @@ async def _start(config: EngramConfig, store: BlockStore, sessions: SessionManag
         path = os.path.abspath(s.unix_socket)
         if os.path.exists(path):
             os.unlink(path)  # a stale socket from a previous run would make the bind fail
-        server.add_insecure_port(f"unix:{path}")
+        with socket_umask(s.unix_socket_group):
+            server.add_insecure_port(f"unix:{path}")  # gRPC binds here, under the narrow umask
+        secure_socket(path, s.unix_socket_group)
         address = f"unix:{path}"
     else:
         port = server.add_secure_port(f"{s.host}:{s.port}", _tls(s)) if s.tls_cert else \
@@ -196,20 +204,20 @@ async def _start(config: EngramConfig, store: BlockStore, sessions: SessionManag
     log.info("engram serving on %s", address, extra={"fields": {
         "address": address, "tiers": [t.name for t in store.tiers], "blocks": len(store),
         "metrics_port": metrics.port if metrics else 0}})
-    if config.cluster.redis_url:
-        await _join_cluster(config, service, address)
+    if trust is not None:
+        await _join_cluster(config, service, address, trust)
     reporter = asyncio.get_running_loop().create_task(report_activity(store, config.logging.summary_s))
     return RunningServer(server, address, store, sessions, health_servicer, s.shutdown_grace_s, service, metrics,
                          reporter, socket_lock, config.tiers.shutdown_flush_s)
 
 
-async def _join_cluster(config: EngramConfig, service: EngramService, address: str) -> None:
+async def _join_cluster(config: EngramConfig, service: EngramService, address: str, trust: ClusterTrust) -> None:
     c = config.cluster
     advertised = c.advertise or address
-    service.cluster = ClusterIndex(c, service.store.index, c.node_id or advertised, advertised)
-    token = resolve_secret(c.peer_token, "cluster.peer_token") if c.peer_token else ""
+    service.trust = trust
+    service.cluster = ClusterIndex(c, service.store.index, c.node_id or advertised, advertised, trust)
     root = Path(c.peer_root_cert).read_bytes() if c.peer_root_cert else None
-    service.peers = PeerFetcher(service.cluster, service.store, token=token, root_cert=root,
+    service.peers = PeerFetcher(service.cluster, service.store, token=trust.peer_token, root_cert=root,
                                 timeout_s=c.fetch_timeout_s)
     await service.cluster.start()
 

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from engram.errors import PermissionDenied
+from engram.limits import check_namespace
 from engram.server.errors import abort_with
 from engram.tenancy import OPEN, Principal, Tenancy
 
@@ -37,6 +38,7 @@ def _current() -> Principal:
 def namespace_for(context: Any, requested: str) -> str:
     """The namespace this call may act in: the one asked for (or, if none, the token's first)."""
     p = _current()
+    check_namespace(requested)  # before the grant: a bound, not a secret, so it reveals nothing
     if p is OPEN:
         return requested
     ns = requested or (p.namespaces[0] if p.namespaces else "")
@@ -57,10 +59,11 @@ def is_peer(context: Any) -> bool:
     return p.peer or p.admin
 
 
-def visible_namespaces(context: Any, namespaces: list[str]) -> list[str]:
-    """The namespaces whose figures the caller may see in Stats."""
+def visible_namespaces(context: Any) -> list[str] | None:
+    """The namespaces whose figures the caller may see in Stats: None for every one (an admin, or
+    tenancy off), else the token's own."""
     p = _current()
-    return namespaces if p.admin else [ns for ns in namespaces if ns in p.namespaces]
+    return None if p.admin else list(p.namespaces)
 
 
 def guard(behavior: Callable[..., Any], tenancy: Tenancy | None) -> Callable[..., Any]:

@@ -1,6 +1,8 @@
 """Peer fetch: on a local miss, find the blocks a query needs in the cluster index and copy them from the
-daemon that holds them (FetchBlocks, authenticated with the peer token), verifying each against the
-checksum the index advertised and the key its tokens hash to, before the local store publishes it."""
+daemon that holds them (FetchBlocks, authenticated with the peer token), verifying each before the local
+store publishes it: against the MAC this daemon computes itself with the cluster secret (engram/trust.py:
+Redis supplies nothing a block is checked against), the checksum of the signed holder record, and the key
+its tokens hash to. The peer token goes only to addresses from signed, fresh node records."""
 
 from __future__ import annotations
 
@@ -106,11 +108,12 @@ class PeerFetcher:
                 got = None
                 sent_parent = b""
                 blocks: Reassembler[pb.BlockHeader] = client_reassembler(lambda h: h.payload_nbytes)
-                request = pb.FetchBlocksRequest(keys=[key])
+                mac = b""
+                request = pb.FetchBlocksRequest(keys=[key], namespace=namespace, model_fingerprint=fingerprint)
                 async for resp in self._stub(holder.address).FetchBlocks(request, timeout=self.timeout_s):
                     c = resp.chunk
                     if c.HasField("header"):
-                        sent_parent = resp.parent_key
+                        sent_parent, mac = resp.parent_key, resp.mac
                         if c.key != key or resp.namespace != namespace or \
                                 resp.model_fingerprint != fingerprint or parent not in (None, sent_parent):
                             raise EngramError("the peer sent another block than the one asked for")
@@ -118,8 +121,11 @@ class PeerFetcher:
                 if got is None:
                     continue  # the peer evicted it meanwhile
                 header = convert.header_from_pb(got[0], 0)
+                if not self.cluster.trust.block_verifies(mac, key, sent_parent, namespace, fingerprint, header.codec,
+                                                         got[1]):
+                    raise EngramError("the block's MAC does not verify under the cluster secret: forged or damaged")
                 if header.checksum != holder.checksum:
-                    raise EngramError("the block's checksum differs from the one the cluster index advertised")
+                    raise EngramError("the block's checksum differs from the one its holder record advertised")
                 return sent_parent, header, got[1]
             except (grpc.aio.AioRpcError, EngramError) as exc:
                 self.cluster.counters.remote_failures += 1

@@ -27,10 +27,17 @@ from engram.block import BlockHeader, checksum
 from engram.cluster import ClusterIndex
 from engram.codec import stored
 from engram.config import ServerConfig
-from engram.errors import EngramError, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from engram.errors import (
+    EngramError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+)
 from engram.index import BlockMeta
-from engram.layout import KVLayout
 from engram.leases import Lease, LeaseTable
+from engram.limits import check_namespace
 from engram.server.auth import guard, is_admin, is_peer, namespace_for, visible_namespaces
 from engram.server.errors import streaming, unary
 from engram.server.peers import PeerFetcher
@@ -40,6 +47,7 @@ from engram.store import BlockStore
 from engram.store.inplace import InPlacePuts
 from engram.tenancy import Tenancy
 from engram.tiers.pool import PoolTier, ipc_pool, shared_pool
+from engram.trust import ClusterTrust
 from engram.v1 import engram_pb2 as pb
 from engram.wire import convert
 from engram.wire.stream import Reassembler, pieces
@@ -74,6 +82,7 @@ class EngramService:
         self.tenancy = tenancy
         self.same_host = same_host  # zero-copy descriptors and in-place puts allowed (auth.same_host_paths)
         self.cluster: ClusterIndex | None = None  # set by the app once the daemon's address is known
+        self.trust: ClusterTrust | None = None  # the cluster secret's keys, with the cluster
         self.peers: PeerFetcher | None = None
         self.config = config
         self.sessions = sessions
@@ -89,7 +98,16 @@ class EngramService:
     async def RegisterModel(self, request: Any, context: grpc.aio.ServicerContext) -> pb.RegisterModelResponse:
         req = decoded(request)
         spec = convert.model_from_pb(req.model)
-        fp = self.store.registry.register(spec)
+        block = spec.layout.block_nbytes(spec.layout.block_tokens)
+        if block > self.config.max_block_bytes:
+            raise InvalidArgument(f"a block of this layout holds {block} bytes (raw); the daemon takes at most "
+                                  f"server.max_block_bytes = {int(self.config.max_block_bytes)}: register it with "
+                                  "fewer block_tokens")
+        registry = self.store.registry
+        if spec.fingerprint not in registry and len(registry) >= self.config.max_models:
+            raise ResourceExhausted(f"this daemon already knows {len(registry)} models (server.max_models); "
+                                    "register one of those, or raise the limit")
+        fp = registry.register(spec)
         return pb.RegisterModelResponse(model_fingerprint=fp, codec=self.store.spec(fp).codec)
 
     @unary
@@ -135,7 +153,9 @@ class EngramService:
                 layout = self.store.spec(stream.model_fingerprint).layout
                 parent = stream.parent_key or self.store.root(stream.namespace, stream.model_fingerprint)
 
-                blocks = Reassembler(lambda h: h.payload_nbytes, check=functools.partial(self._check_put, layout, keys))
+                blocks = Reassembler(lambda h: h.payload_nbytes,
+                                     check=functools.partial(self._check_put, stream.namespace,
+                                                             stream.model_fingerprint, keys))
                 continue
             if item != "chunk":
                 raise InvalidArgument("a Put stream carries one PutHeader, first; then only BlockChunks")
@@ -170,10 +190,11 @@ class EngramService:
             keys[-1] = await commit(tail[0], tail[1], len(keys) - 1)
         return pb.PutResponse(keys=keys, stored=stored_count, deduplicated=deduplicated, not_durable=not_durable)
 
-    def _check_put(self, layout: KVLayout, keys: list[bytes], header: BlockHeader) -> None:
-        """A block's header, before any of its payload is buffered."""
+    def _check_put(self, namespace: str, fingerprint: bytes, keys: list[bytes], header: BlockHeader) -> None:
+        """A block's header, before any of its payload is buffered: its shape, and whether it could fit
+        its namespace's quota and the top tier at all."""
         check_limit("Put blocks", len(keys) + 1, self.config.max_blocks_per_request)
-        header.validate(layout, index=len(keys))
+        self.store.admit(namespace, fingerprint, header, index=len(keys))
 
     @streaming
     async def Get(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse]:
@@ -353,20 +374,33 @@ class EngramService:
     @streaming
     async def FetchBlocks(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.FetchBlocksResponse]:
         req = decoded(request)
-        if not is_peer(context):
-            raise PermissionDenied("FetchBlocks serves the cluster's daemons: call it with cluster.peer_token")
+        if not self._is_peer_call(context):
+            raise PermissionDenied("FetchBlocks serves the cluster's daemons: call it with the cluster's peer token")
         check_limit("FetchBlocks keys", len(req.keys), self.config.max_blocks_per_request)
-        metas = [m for k in req.keys if (m := self.store.block(k)) is not None]
+        ns = check_namespace(req.namespace)
+        # Only the namespace and model asked for: a peer names both, and a key of another namespace is absent.
+        metas = [m for k in req.keys
+                 if (m := self.store.index.get_in(ns, k)) is not None and m.model_fingerprint == req.model_fingerprint]
         with self.store.reading(metas):
             for meta in metas:
                 payload = await self.store.read(meta, promote=False)
-                block = _header_of(meta, self.store.spec(meta.model_fingerprint).codec)
+                codec = self.store.spec(meta.model_fingerprint).codec
+                block = _header_of(meta, codec)
                 for i, msg in enumerate(_chunks(meta.key, convert.header_to_pb(block), payload, self.config.chunk_bytes)):
                     if i:
                         yield pb.FetchBlocksResponse(chunk=msg)
-                    else:
-                        yield pb.FetchBlocksResponse(chunk=msg, parent_key=meta.parent, namespace=meta.namespace,
-                                                     model_fingerprint=meta.model_fingerprint)
+                        continue
+                    mac = b"" if self.trust is None else self.trust.block_mac(
+                        meta.key, meta.parent, meta.namespace, meta.model_fingerprint, codec, payload)
+                    yield pb.FetchBlocksResponse(chunk=msg, parent_key=meta.parent, namespace=meta.namespace,
+                                                 model_fingerprint=meta.model_fingerprint, mac=mac)
+
+    def _is_peer_call(self, context: grpc.aio.ServicerContext) -> bool:
+        """A peer (or, with tenancy, an admin). With tenancy off every caller is trusted, except here when the
+        daemon is in a cluster: it listens where peers reach it, so FetchBlocks still needs the peer token."""
+        if self.trust is not None and self.tenancy is None:
+            return self.trust.is_peer_call(context.invocation_metadata())
+        return is_peer(context)
 
     @unary
     async def Pin(self, request: Any, context: grpc.aio.ServicerContext) -> pb.PinResponse:
@@ -379,15 +413,27 @@ class EngramService:
     @unary
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         decoded(request)
-        return convert.to_pb(await self.stats(visible_namespaces(context, self.store.namespaces_in_use())),
-                             pb.StatsResponse)
+        scope = visible_namespaces(context)
+        if scope is None:
+            return convert.to_pb(await self.stats(self.store.namespaces_in_use()), pb.StatsResponse)
+        in_use = set(self.store.namespaces_in_use())
+        mine = [ns for ns in scope if ns in in_use or self.sessions.count_in(ns)]
+        return convert.to_pb(await self.stats(mine, scoped=True), pb.StatsResponse)
 
-    async def stats(self, namespaces: list[str]) -> StatsReply:
+    async def stats(self, namespaces: list[str], *, scoped: bool = False) -> StatsReply:
+        """The daemon's figures. Scoped (a tenant's call), everything that counts a namespace's content
+        (models, sessions, windows, namespaces) covers `namespaces` only, and a model none of them holds
+        is left out, so no tenant learns what another stores or which models it uses. The tier figures
+        and the daemon-wide counters stay: they show the daemon's load, and no call of one tenant can
+        make them depend on whether another holds a given prefix (its keys are salted, nothing dedupes
+        across namespaces)."""
         store = self.store
         c = store.counters
         pending = store.write_back_pending()
         models = []
-        for m in store.model_usage():
+        for m in store.model_usage(namespaces if scoped else None):
+            if scoped and not m.blocks:
+                continue
             spec = store.spec(m.fingerprint)
             models.append(ModelStats(
                 model_fingerprint=m.fingerprint, name=m.name, blocks=m.blocks, stored_bytes=m.bytes, tokens=m.tokens,
@@ -402,7 +448,7 @@ class EngramService:
                           max_blocks_per_request=cfg.max_blocks_per_request,
                           max_tokens_per_request=cfg.max_tokens_per_request),
             version=__version__, uptime_s=time.time() - store.started, write_policy=str(store.write_policy),
-            corrupt_blocks=c.corrupt_blocks, replay=self._replay_stats(),
+            corrupt_blocks=c.corrupt_blocks, replay=self._replay_stats(namespaces if scoped else None),
             namespaces=tuple(self._namespace_stats(ns) for ns in namespaces),
             cluster=await self._cluster_stats(),
             blocks_evicted_on_request=c.blocks_evicted_on_request, blocks_not_durable=c.blocks_not_durable,
@@ -417,7 +463,8 @@ class EngramService:
         c = cl.counters
         return ClusterStats(state=cl.state, reason=cl.reason, node_id=cl.node_id, live_nodes=await cl.live_nodes(),
                             remote_hits=c.remote_hits, remote_bytes=c.remote_bytes,
-                            remote_failures=c.remote_failures, published=c.published, reconnects=c.reconnects)
+                            remote_failures=c.remote_failures, published=c.published, reconnects=c.reconnects,
+                            untrusted_records=c.untrusted_records)
 
     def _namespace_stats(self, ns: str, *, with_salt: bool = False) -> NamespaceStats:
         u = self.store.namespace_usage(ns)
@@ -431,13 +478,13 @@ class EngramService:
         ns = namespace_for(context, decoded(request).namespace)
         return convert.to_pb(self._namespace_stats(ns, with_salt=True), pb.NamespaceStats)
 
-    def _replay_stats(self) -> ReplayStats:
+    def _replay_stats(self, namespaces: list[str] | None) -> ReplayStats:
         sm = self.sessions
         rc = sm.runtime.counters
-        return ReplayStats(sessions=len(sm), hot_sessions=sm.hot_count(),
-                           persisted_window_bytes=sm.window_bytes(persisted=True),
-                           hot_window_bytes=sm.window_bytes(persisted=False), replays=rc.replays,
-                           replayed_tokens=rc.replayed_tokens, replay_seconds=rc.seconds)
+        return ReplayStats(sessions=sm.count(namespaces), hot_sessions=sm.hot_count(namespaces),
+                           persisted_window_bytes=sm.window_bytes(persisted=True, namespaces=namespaces),
+                           hot_window_bytes=sm.window_bytes(persisted=False, namespaces=namespaces),
+                           replays=rc.replays, replayed_tokens=rc.replayed_tokens, replay_seconds=rc.seconds)
 
     @unary
     async def Check(self, request: Any, context: grpc.aio.ServicerContext) -> pb.CheckResponse:

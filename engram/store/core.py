@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engram import limits
 from engram.api import TierStats
 from engram.block import BlockHeader, checksum
 from engram.codec import stored
@@ -86,6 +87,7 @@ class BlockStore:
         self.counters = StoreCounters(tiers={t.name: TierCounters() for t in tiers})
         self.placement = Placement(list(tiers), self.index, self.counters, retry_s=retry_s)
         self._quota_pending: dict[str, int] = {}  # bytes of puts in flight, per namespace
+        self._held: dict[str, int] = {}  # bytes a namespace holds outside the index (persisted windows)
         self._pending: dict[bytes, asyncio.Event] = {}  # puts in flight, by key
         self.background: set[asyncio.Task[None]] = set()  # work started by recovery; cancelled by close
         # Blocks held only in volatile tiers go to NVMe in the background (the loss window; engram/store/flusher.py).
@@ -175,9 +177,57 @@ class BlockStore:
 
     # ---- writes --------------------------------------------------------------------------------
 
+    def admit(self, namespace: str, model_fingerprint: bytes, header: BlockHeader, *, index: int = 0) -> None:
+        """Refuse a block whose header announces more than its namespace's quota or the top tier can take,
+        before its payload is buffered: a Put streams a block's bytes after its header, and buffering
+        first let one put of a 4 GiB block grow the daemon by a GiB on a 64 MiB tier. (Room made by
+        eviction is the put's business; this asks only whether the block could ever fit.)"""
+        spec = self.spec(model_fingerprint)
+        header.validate(spec.layout, index=index)
+        nbytes = stored.stored_nbytes(spec.codec or stored.RAW, tuple(header.shape), header.dtype)
+        top = self.placement.tiers[0]
+        if nbytes > top.capacity_bytes:  # (a raw payload the daemon encodes is bounded by max_block_bytes)
+            raise ResourceExhausted(
+                f"block {index}: {nbytes} bytes cannot fit the {top.name} tier's "
+                f"capacity of {top.capacity_bytes} bytes; raise tiers.{top.name}.capacity or register the model "
+                "with fewer block_tokens")
+        self._check_quota(namespace, nbytes, index)
+
+    def quota_used(self, namespace: str) -> int:
+        """What counts against a namespace's quota: its stored blocks (every block once), its puts in
+        flight and what it holds outside the index (persisted session windows)."""
+        return (self.index.physical_bytes(namespace) + self._quota_pending.get(namespace, 0)
+                + self._held.get(namespace, 0))
+
+    def _check_quota(self, namespace: str, nbytes: int, index: int | None, what: str = "this block") -> None:
+        quota = self.namespaces.quota(namespace)
+        used = self.quota_used(namespace)
+        if quota and used + nbytes > quota:
+            where = f"block {index}: " if index is not None else ""
+            raise ResourceExhausted(
+                f"{where}namespace {namespace!r} holds {used} of its {quota}-byte quota and {what} needs "
+                f"{nbytes} more; close sessions and unpin blocks so they can be evicted, or raise the tenant's quota"
+            )
+
+    def hold(self, namespace: str, nbytes: int, what: str) -> None:
+        """Count bytes a namespace keeps outside the index (a persisted window) against its quota;
+        ResourceExhausted when they do not fit. `release_held` gives them back."""
+        self._check_quota(namespace, nbytes, None, what)
+        self._held[namespace] = self._held.get(namespace, 0) + nbytes
+
+    def release_held(self, namespace: str, nbytes: int) -> None:
+        left = self._held.get(namespace, 0) - nbytes
+        if left < 0:
+            raise AssertionError(f"namespace {namespace!r} released more held bytes than it held")
+        if left:
+            self._held[namespace] = left
+        else:
+            self._held.pop(namespace, None)
+
     async def put(self, namespace: str, model_fingerprint: bytes, parent: bytes, header: BlockHeader,
                   payload: bytes, *, pin: bool = False, index: int = 0) -> PutOutcome:
         """Validate, dedupe and store one block under the key its parent and tokens hash to."""
+        limits.check_namespace(namespace)  # also for blocks that did not come through a Put (peers)
         spec = self.spec(model_fingerprint)
         layout = spec.layout
         header.validate(layout, index=index)
@@ -257,15 +307,8 @@ class BlockStore:
 
     def _charge_quota(self, namespace: str, nbytes: int, index: int) -> None:
         """Count a new block against its namespace's quota (physical bytes: a deduplicated block is free)."""
-        quota = self.namespaces.quota(namespace)
-        pending = self._quota_pending.get(namespace, 0)
-        used = self.index.physical_bytes(namespace) + pending
-        if quota and used + nbytes > quota:
-            raise ResourceExhausted(
-                f"block {index}: namespace {namespace!r} holds {used} of its {quota}-byte quota and this block needs "
-                f"{nbytes} more; close sessions and unpin blocks so they can be evicted, or raise the tenant's quota"
-            )
-        self._quota_pending[namespace] = pending + nbytes
+        self._check_quota(namespace, nbytes, index)
+        self._quota_pending[namespace] = self._quota_pending.get(namespace, 0) + nbytes
 
     async def _stored_form(self, codec: str, header: BlockHeader, payload: bytes, index: int
                            ) -> tuple[BlockHeader, bytes]:
@@ -466,6 +509,22 @@ class BlockStore:
     async def drop_copy(self, meta: BlockMeta, tier_name: str) -> None:
         await self.placement.drop_spare_copy(meta, tier_name)
 
+    async def keep_only_in(self, meta: BlockMeta, tier_name: str) -> None:
+        """Leave a block's one copy in `tier_name`, copying it there first: how `engram verify-isolation`
+        (engram/isolation_rig.py) puts a block in the tier it probes. Not for serving paths: it ignores
+        the write policy, and reads the copy without counting a hit."""
+        placement = self.placement
+        if tier_name not in meta.locations:
+            payload = await placement.tier(meta.tier).read(meta.key)
+            meta.moving = True  # not a victim of the room its own copy needs
+            try:
+                await placement.place(meta, placement.rank[tier_name], payload)
+            finally:
+                meta.moving = False
+        for name in list(meta.locations):
+            if name != tier_name:
+                await placement.drop_spare_copy(meta, name)
+
     # ---- recovery and check --------------------------------------------------------------------
 
     async def recover(self) -> recovery.StoreReport:
@@ -483,9 +542,11 @@ class BlockStore:
         walked (what a metrics scrape or the log reporter needs)."""
         return tier_stats(self.placement, self.index if per_block else ())
 
-    def model_usage(self) -> list[ModelUsage]:
+    def model_usage(self, namespaces: Sequence[str] | None = None) -> list[ModelUsage]:
+        """Blocks, bytes and tokens per registered model: of every namespace, or of `namespaces` only."""
         acc: dict[bytes, list[int]] = {}
-        for meta in self.index:
+        metas = self.index if namespaces is None else (m for ns in namespaces for m in self.index.blocks_in(ns))
+        for meta in metas:
             row = acc.setdefault(meta.model_fingerprint, [0, 0, 0])
             row[0] += 1
             row[1] += meta.nbytes

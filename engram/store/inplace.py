@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from engram.block import BlockHeader
 from engram.codec import blockformat, stored
-from engram.codec.base import codec_by_name
+from engram.codec.base import Axis, codec_by_name
 from engram.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from engram.eviction import tick
 from engram.index import BlockMeta
@@ -224,6 +224,15 @@ class InPlacePuts:
                 raise InvalidArgument(f"block {i}: {got}: not the {r.header.codec} block of shape "
                                       f"{tuple(r.header.shape)} that was reserved")
             r.meta.checksum = got
+        # A worker's own encoding must decode (valid scales), or every later Get of it fails: read in place.
+        await asyncio.to_thread(self._check_scales, [r for r in todo if not stored.is_raw(r.header.codec)])
+
+    def _check_scales(self, blocks: list[Reserved]) -> None:
+        for i, r in enumerate(blocks):
+            assert r.slot is not None
+            body = self.pool.region(r.slot).numpy().data[blockformat.HEADER_LEN :]
+            codec_by_name(r.header.codec).check(body, tuple(r.header.shape), Axis.CHANNEL, Axis.TOKEN,  # type: ignore[arg-type]
+                                                f"block {i}")
 
     def _slot_key(self, res: Reservation, meta: BlockMeta) -> bytes:
         return meta.key + res.id.to_bytes(8, "little")

@@ -30,6 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engram.private import DIR_MODE
+
 __all__ = ["GroupCommitter", "WriteJob"]
 
 
@@ -127,7 +129,7 @@ class GroupCommitter:
         for job in jobs:
             assert job.temp is not None
             try:
-                job.final.parent.mkdir(exist_ok=True)
+                job.final.parent.mkdir(exist_ok=True, mode=DIR_MODE)
                 os.replace(job.temp, job.final)  # atomic: a reader sees no file or the whole new one
             except OSError as exc:
                 job.temp.unlink(missing_ok=True)

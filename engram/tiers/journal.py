@@ -37,6 +37,8 @@ from pathlib import Path
 
 import xxhash
 
+from engram.private import FILE_MODE, private_dir
+
 SNAPSHOT_MAGIC = b"ENGRMSNP"
 JOURNAL_MAGIC = b"ENGRMJNL"
 VERSION = 1
@@ -85,8 +87,7 @@ class IndexJournal:
     """Appends (from the event loop, or a thread: a lock orders them) and compaction of the journal."""
 
     def __init__(self, root: Path) -> None:
-        self.dir = root / "index"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = private_dir(root / "index")  # headers carry token ids: a tenant's data
         self.snapshot_path = self.dir / "snapshot"
         self._lock = threading.Lock()
         self._fd: int | None = None
@@ -158,7 +159,7 @@ class IndexJournal:
 
     def _switch(self, gen: int) -> None:
         path = self.dir / f"journal.{gen}"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, FILE_MODE)
         if os.fstat(fd).st_size == 0:
             os.write(fd, _FILE_HEAD.pack(JOURNAL_MAGIC, VERSION, 0, 0, gen))
         old, self._fd, self.generation = self._fd, fd, gen
@@ -190,7 +191,7 @@ class IndexJournal:
         """Write a snapshot of `headers` (the state when journal `covers_before` was opened), then delete the
         journals it makes redundant. Runs in a thread: it may take a second for 100k blocks."""
         tmp = self.dir / "snapshot.tmp"
-        with open(tmp, "wb") as fh:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE), "wb") as fh:
             fh.write(_FILE_HEAD.pack(SNAPSHOT_MAGIC, VERSION, 0, 0, covers_before))
             buf: list[bytes] = []
             for header in headers:

@@ -36,6 +36,7 @@ from typing import TypeVar
 from engram.block import BlockRecord
 from engram.errors import DataLoss, NotFound, StorageFull, StorageIOError
 from engram.lockfile import DaemonLock
+from engram.private import FILE_MODE, private_dir
 from engram.tiers.base import ByteBudget, TierUsage
 from engram.tiers.blockfile import (
     decode_header,
@@ -105,8 +106,8 @@ class NvmeTier(ByteBudget):
         self.root = Path(root)
         self.blocks_dir = self.root / "blocks"
         self.tmp_dir = self.root / "tmp"
-        self.blocks_dir.mkdir(parents=True, exist_ok=True)
-        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        for d in (self.root, self.blocks_dir, self.tmp_dir):  # a tenant's KV: 0700 directories, 0600 files
+            private_dir(d)
         # One daemon (or offline check) per directory: two would delete each other's files as strays.
         self._lock = DaemonLock(self.root / "engram.lock", f"the NVMe directory {self.root}",
                                 "set another tiers.nvme.path").acquire()
@@ -172,7 +173,7 @@ class NvmeTier(ByteBudget):
             try:
                 self._fault("write", final)
                 header, stored = encode(rec, payload, compress=self.compression)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
                 try:
                     with os.fdopen(fd, "wb", closefd=True) as fh:
                         fh.write(header)

@@ -665,25 +665,31 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., key_salt: _Optional[bytes] = ..., quota_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., physical_bytes: _Optional[int] = ..., logical_bytes: _Optional[int] = ..., referenced_blocks: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
 
 class FetchBlocksRequest(_message.Message):
-    __slots__ = ("keys",)
+    __slots__ = ("keys", "namespace", "model_fingerprint")
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    namespace: str
+    model_fingerprint: bytes
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ...) -> None: ...
 
 class FetchBlocksResponse(_message.Message):
-    __slots__ = ("chunk", "parent_key", "namespace", "model_fingerprint")
+    __slots__ = ("chunk", "parent_key", "namespace", "model_fingerprint", "mac")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
     chunk: BlockChunk
     parent_key: bytes
     namespace: str
     model_fingerprint: bytes
-    def __init__(self, chunk: _Optional[_Union[BlockChunk, _Mapping]] = ..., parent_key: _Optional[bytes] = ..., namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ...) -> None: ...
+    mac: bytes
+    def __init__(self, chunk: _Optional[_Union[BlockChunk, _Mapping]] = ..., parent_key: _Optional[bytes] = ..., namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class ClusterStats(_message.Message):
-    __slots__ = ("state", "reason", "node_id", "live_nodes", "remote_hits", "remote_bytes", "remote_failures", "published", "reconnects")
+    __slots__ = ("state", "reason", "node_id", "live_nodes", "remote_hits", "remote_bytes", "remote_failures", "published", "reconnects", "untrusted_records")
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -693,6 +699,7 @@ class ClusterStats(_message.Message):
     REMOTE_FAILURES_FIELD_NUMBER: _ClassVar[int]
     PUBLISHED_FIELD_NUMBER: _ClassVar[int]
     RECONNECTS_FIELD_NUMBER: _ClassVar[int]
+    UNTRUSTED_RECORDS_FIELD_NUMBER: _ClassVar[int]
     state: str
     reason: str
     node_id: str
@@ -702,7 +709,8 @@ class ClusterStats(_message.Message):
     remote_failures: int
     published: int
     reconnects: int
-    def __init__(self, state: _Optional[str] = ..., reason: _Optional[str] = ..., node_id: _Optional[str] = ..., live_nodes: _Optional[int] = ..., remote_hits: _Optional[int] = ..., remote_bytes: _Optional[int] = ..., remote_failures: _Optional[int] = ..., published: _Optional[int] = ..., reconnects: _Optional[int] = ...) -> None: ...
+    untrusted_records: int
+    def __init__(self, state: _Optional[str] = ..., reason: _Optional[str] = ..., node_id: _Optional[str] = ..., live_nodes: _Optional[int] = ..., remote_hits: _Optional[int] = ..., remote_bytes: _Optional[int] = ..., remote_failures: _Optional[int] = ..., published: _Optional[int] = ..., reconnects: _Optional[int] = ..., untrusted_records: _Optional[int] = ...) -> None: ...
 
 class ListNamespacesRequest(_message.Message):
     __slots__ = ()

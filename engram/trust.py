@@ -1,0 +1,140 @@
+"""What the daemons of one cluster prove to each other, so that Redis need not be trusted.
+
+Redis is shared infrastructure: whoever can write to it (a compromised client, a neighbour on an open
+port) could publish a holder address of its own choosing, and the daemon that dialled it handed over its
+peer token; or advertise a checksum for a forged block, which the fetching daemon then checked the forgery
+against. So nothing read from Redis is believed unless a daemon of the cluster signed it, and no block
+fetched from a peer is believed unless the peer proves it knows the cluster secret over the block's bytes:
+
+- `cluster.secret` (the same on every node; env:VAR / file:PATH) is the one root of trust. Keys derived
+  from it (HMAC-SHA256 with a distinct label each) sign node records, sign holder records, MAC blocks and
+  derive the peer token when `cluster.peer_token` is not set.
+- Node record (`address|ts_ms|sig`): a node's advertised address, signed with its node id and the time it
+  was written. A daemon dials only addresses whose record verifies and is fresh (written within
+  `ttl_s + CLOCK_SKEW_S`), so the peer token goes only to an address a daemon of the cluster published, and
+  a copied old record stops working once it is stale.
+- Holder record (`tier|size|checksum|sig`): that node holds block `key`; signed with the key and node id,
+  so a record cannot be moved to another block or node.
+- Block MAC: the serving daemon sends HMAC(key, parent, namespace, model, codec, BLAKE2b(payload)) with
+  each block; the fetching daemon computes the same MAC itself over what it received and drops the block
+  unless they match. The key is recomputed from parent and tokens by the store as for every put, so a block
+  verified here is the block its key names, written by a daemon that holds the secret. (xxh3, the payload
+  checksum, guards against bit flips, not forgers; BLAKE2b under the MAC does.)
+
+What this does not do: encrypt. Blocks travel in the clear unless the peers serve TLS
+(`server.tls_cert`, `cluster.peer_root_cert`); the peer token is then also safe from a network observer.
+A holder of the cluster secret is a member of the cluster and trusted with every namespace's blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from engram.config import ClusterConfig
+from engram.errors import ConfigError
+
+CLOCK_SKEW_S = 30.0  # how far nodes' clocks may disagree before a fresh node record looks stale
+MAC_BYTES = 32
+
+
+def _field(value: bytes) -> bytes:
+    return len(value).to_bytes(4, "little") + value  # length-prefixed: fields cannot run into each other
+
+
+@dataclass(frozen=True)
+class HolderEntry:
+    tier: str
+    size: int
+    checksum: int
+
+
+class ClusterTrust:
+    def __init__(self, secret: bytes, peer_token: str = "", *, ttl_s: float = 10.0) -> None:
+        if not secret:
+            raise ConfigError("cluster.secret is empty: daemons sign what they publish in Redis and MAC the "
+                              "blocks they send each other with it; set the same secret on every node")
+        self._node_key = self._derive(secret, b"node-record")
+        self._holder_key = self._derive(secret, b"holder-record")
+        self._block_key = self._derive(secret, b"block-mac")
+        self.peer_token = peer_token or self._derive(secret, b"peer-token").hex()
+        self.max_age_ms = int((ttl_s + CLOCK_SKEW_S) * 1000)
+
+    @classmethod
+    def from_config(cls, c: ClusterConfig) -> ClusterTrust:
+        from engram.tenancy import resolve_secret
+
+        secret = resolve_secret(c.secret, "cluster.secret").encode()
+        token = resolve_secret(c.peer_token, "cluster.peer_token") if c.peer_token else ""
+        return cls(secret, token, ttl_s=c.ttl_s)
+
+    @staticmethod
+    def _derive(secret: bytes, label: bytes) -> bytes:
+        return hmac.new(secret, b"engram/cluster/v1\0" + label, hashlib.sha256).digest()
+
+    @staticmethod
+    def _mac(key: bytes, parts: Iterable[bytes]) -> bytes:
+        h = hmac.new(key, digestmod=hashlib.sha256)
+        for p in parts:
+            h.update(_field(p))
+        return h.digest()
+
+    def is_peer_call(self, metadata: object) -> bool:
+        """Whether a call carries `authorization: Bearer <the peer token>`."""
+        for key, value in metadata or ():  # type: ignore[attr-defined]
+            if key == "authorization":
+                scheme, _, token = str(value).partition(" ")
+                if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.peer_token.encode()):
+                    return True
+        return False
+
+    # ---- node records -------------------------------------------------------------------------------
+
+    def node_record(self, node_id: str, address: str, now_ms: int | None = None) -> str:
+        ts = str(int(time.time() * 1000) if now_ms is None else now_ms)
+        sig = self._mac(self._node_key, (node_id.encode(), address.encode(), ts.encode())).hex()
+        return f"{address}|{ts}|{sig}"
+
+    def node_address(self, node_id: str, record: str, now_ms: int | None = None) -> str | None:
+        """The address a signed, fresh node record holds; None for a forged, altered or stale one."""
+        try:
+            address, ts, sig = record.rsplit("|", 2)
+            age = (int(time.time() * 1000) if now_ms is None else now_ms) - int(ts)
+        except ValueError:
+            return None
+        want = self._mac(self._node_key, (node_id.encode(), address.encode(), ts.encode())).hex()
+        if not hmac.compare_digest(want, sig) or not -self.max_age_ms <= age <= self.max_age_ms:
+            return None
+        return address
+
+    # ---- holder records -----------------------------------------------------------------------------
+
+    def holder_record(self, key: bytes, node_id: str, tier: str, size: int, checksum: int) -> str:
+        fields = f"{tier}|{size}|{checksum}"
+        return f"{fields}|{self._mac(self._holder_key, (key, node_id.encode(), fields.encode())).hex()}"
+
+    def holder_entry(self, key: bytes, node_id: str, record: str) -> HolderEntry | None:
+        """What a signed holder record says; None for one that does not verify (forged, moved, altered)."""
+        fields, _, sig = record.rpartition("|")
+        want = self._mac(self._holder_key, (key, node_id.encode(), fields.encode())).hex()
+        if not hmac.compare_digest(want, sig):
+            return None
+        try:
+            tier, size, checksum = fields.split("|")
+            return HolderEntry(tier, int(size), int(checksum))
+        except ValueError:
+            return None
+
+    # ---- blocks -------------------------------------------------------------------------------------
+
+    def block_mac(self, key: bytes, parent: bytes, namespace: str, fingerprint: bytes, codec: str,
+                  payload: bytes | memoryview) -> bytes:
+        digest = hashlib.blake2b(payload, digest_size=32).digest()
+        return self._mac(self._block_key, (key, parent, namespace.encode(), fingerprint, codec.encode(), digest))
+
+    def block_verifies(self, mac: bytes, key: bytes, parent: bytes, namespace: str, fingerprint: bytes, codec: str,
+                       payload: bytes | memoryview) -> bool:
+        return hmac.compare_digest(mac, self.block_mac(key, parent, namespace, fingerprint, codec, payload))
