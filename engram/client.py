@@ -589,7 +589,7 @@ class EngramClient:
                            ) -> list[tuple[pb.BlockHeader, bytes]]:
         """Blocks as stored, over the socket: (header, payload) each, not decoded."""
         req = pb.GetRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint, keys=list(keys))
-        out = []
+        out: list[tuple[pb.BlockHeader, bytes]] = []
         blocks: Reassembler[pb.BlockHeader] = client_reassembler(lambda h: h.payload_nbytes)
         try:
             async for resp in self._stub.Get(req):

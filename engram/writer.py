@@ -91,7 +91,7 @@ class PutWriter:
             try:
                 plan = batched.plan(codec, DType.from_torch(kv.dtype), tuple(_block(kv, full[0].index, bt).shape))
             except ValueError:  # groups that do not tile the block: one block at a time, as a partial one
-                partial, full = slots, []
+                partial, full = list(slots), []
         for chunk in self._chunks(full):
             n = len(chunk)
             size = -(-chunk[0].nbytes // _ALIGN) * _ALIGN

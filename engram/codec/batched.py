@@ -100,7 +100,7 @@ def decode_blocks(src: Tensor, offsets: Tensor, plan_: BlockPlan, *, backend: st
             for out, at, rows, real_cols in ((k, plan_.k_at, k_rows, tokens), (v, plan_.v_at, v_rows, dim)):
                 start = off + at
                 nbytes = fmt.payload_nbytes((rows, real_cols))
-                body = memoryview(src[start : start + nbytes].cpu().numpy())
+                body = memoryview(src[start : start + nbytes].cpu().numpy())  # type: ignore[arg-type]
                 q = fmt.from_bytes(body, (rows, real_cols), src.device)
                 out[b, :, :real_cols] = dequantize(q, dtype)
     k_view = k[:, :, :tokens].view(n, layers, heads, dim, tokens).permute(0, 1, 4, 2, 3)

@@ -55,7 +55,7 @@ def layout_of(model: Any, *, block_tokens: int = 256) -> KVLayout:
     unknown = sorted(set(types) - set(_KINDS))
     if unknown:
         raise InvalidArgument(f"layer types {unknown} are not supported; Engram stores full and sliding attention")
-    layers = tuple(LayerSpec(_KINDS[t], int(window) if _KINDS[t] == LayerKind.SLIDING else 0) for t in types)
+    layers = tuple(LayerSpec(_KINDS[t], int(window or 0) if _KINDS[t] == LayerKind.SLIDING else 0) for t in types)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     dtype = DType.from_torch(next(model.parameters()).dtype)
     return KVLayout(layers=layers, num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim, dtype=dtype,
@@ -134,6 +134,7 @@ class EngramPrefixCache:
         if m == 0:
             return cache
         windows = self._windows(tokens, ks, vs, m) if self.sliding_layers else {}
+        layer: Any
         for i, layer in enumerate(cache.layers):
             if i in windows:
                 k, v = windows[i]

@@ -69,7 +69,7 @@ class InPlacePuts:
         self._open: dict[int, Reservation] = {}
         assert pool.segment is not None
         self.sealer = Sealer(str(pool.segment.path), pool.segment.layout.data_offset,
-                             memoryview(pool.buffer.numpy()), sealers)
+                             memoryview(pool.buffer.numpy()), sealers)  # type: ignore[arg-type]
         self.sealer.start()
 
     def __len__(self) -> int:

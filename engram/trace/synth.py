@@ -5,6 +5,7 @@ chained as in Mooncake's traces: a block's id stands for its whole prefix."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 from engram.trace.formats import Request
 
@@ -28,7 +29,7 @@ def agent_trace(sessions: int = 24, turns: int = 6, seed: int = 0, *, system_blo
     rng = random.Random(seed)
     chain = _Chain()
     system = chain.extend([], [f"system{i}" for i in range(system_blocks)])
-    live: list[dict[str, object]] = []
+    live: list[dict[str, Any]] = []
     out: list[Request] = []
     t = 0
     started = 0
@@ -36,7 +37,7 @@ def agent_trace(sessions: int = 24, turns: int = 6, seed: int = 0, *, system_blo
         while started < sessions and len(live) < concurrent:
             parent = rng.choice(live) if live and rng.random() < fork_p else None
             if parent is not None:  # a sub-agent: its parent's prefix, then its own task
-                ids = chain.extend(list(parent["ids"]), [f"task{started}"])  # type: ignore[call-overload]
+                ids = chain.extend(list(parent["ids"]), [f"task{started}"])
             else:
                 repo = rng.randrange(3)  # a few repositories; each session reads one once
                 ids = chain.extend(system, [f"repo{repo}-{i}" for i in range(repo_blocks)])
@@ -44,11 +45,11 @@ def agent_trace(sessions: int = 24, turns: int = 6, seed: int = 0, *, system_blo
             started += 1
         s = rng.choice(live)
         n = rng.randint(*turn_blocks)
-        s["ids"] = chain.extend(list(s["ids"]), [f"{s['id']}-t{s['turns']}-{i}" for i in range(n)])  # type: ignore[call-overload]
-        s["turns"] = int(s["turns"]) + 1  # type: ignore[call-overload]
+        s["ids"] = chain.extend(list(s["ids"]), [f"{s['id']}-t{s['turns']}-{i}" for i in range(n)])
+        s["turns"] = int(s["turns"]) + 1
         done = int(s["turns"]) >= turns
-        ids = tuple(s["ids"])  # type: ignore[call-overload]
-        out.append(Request(t, ids, len(ids) * 512, 256 * n, str(s["id"]),
+        seen = tuple(s["ids"])
+        out.append(Request(t, seen, len(seen) * 512, 256 * n, str(s["id"]),
                            str(s["parent"]) if s["turns"] == 1 else "", done))
         if done:
             live.remove(s)
