@@ -283,3 +283,49 @@ async def test_out_of_memory_during_replay_is_a_miss_and_the_daemon_goes_on(serv
         r, _ = await client.resume_kv(fp, sid)  # the next one replays
         assert r.source == "replay" and r.position == len(toks)
         assert (await client.stats()).replay.replays == 1
+
+
+def _fill_gpu() -> list[torch.Tensor]:
+    """Take every byte of free device memory: large chunks first, then 2 MiB, then the small pool's 512-byte
+    ones, until even a tiny allocation fails (the caching allocator has nothing free left to hand out)."""
+    hog: list[torch.Tensor] = []
+    for size in (1 << 30, 1 << 26, 1 << 21, 1 << 16, 512):
+        for _ in range(1 << 16):
+            try:
+                hog.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+            except torch.OutOfMemoryError:
+                break
+    return hog
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the H200)")
+async def test_a_real_cuda_out_of_memory_during_replay_is_a_miss_and_the_daemon_goes_on(
+        server_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The same promise as above with nothing faked: the daemon's replay model on the GPU, the device filled
+    by another user of it (this test) so the replay's own allocations fail in CUDA."""
+    from engram.replay import HybridConfig, HybridDecoder, gpt_oss_pattern, save_decoder
+    from engram.replay.runtime import model_spec_for
+
+    model = HybridDecoder(HybridConfig(layers=gpt_oss_pattern(4), window=8, dtype=torch.float32, seed=3))
+    path = tmp_path / "replay.safetensors"
+    save_decoder(model, path)
+    srv = await server_factory(**{"replay.models": str(path), "replay.device": "cuda", "tiers.dram.pool": "private"})
+    toks = np.random.default_rng(0).integers(0, 256, 40, dtype=np.int32)
+    res = model.prefill(torch.as_tensor(toks, dtype=torch.long), logits=False)
+    kv = torch.stack([torch.stack((k, v)) for k, v in res.global_kv])
+    async with EngramClient(srv.address, namespace=NS) as client:
+        fp = await client.register_model(model_spec_for(model, block_tokens=16, codec="raw"))
+        await client.put(fp, toks, kv)
+        sid = (await client.open_session(fp, mode="exact", tokens=toks)).session_id
+        hog = _fill_gpu()
+        try:
+            with pytest.raises(errors.ResourceExhausted, match="ran out of memory"):
+                await client.resume_kv(fp, sid)
+            assert (await client.lookup(fp, toks)).matched_tokens == len(toks)  # the daemon goes on
+        finally:
+            del hog
+            torch.cuda.empty_cache()
+        r, _ = await client.resume_kv(fp, sid)  # with memory back, the next Resume replays
+        assert r.source == "replay" and r.position == len(toks)
+        assert (await client.stats()).replay.replays == 1
