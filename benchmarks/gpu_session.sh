@@ -5,6 +5,7 @@
 #   part 4: GPU data path tests (pinned pool, CUDA transfers, daemon + worker over CUDA IPC) + transfer benchmarks
 #   part 5: the hit path and the in-place put (tests on the GPU, then benchmarks/hit_path.py)
 #   part 6: the hit-path GPU tests, then time to first token (benchmarks/ttft.py)
+#   part 7: every gpu-marked test (kernels, data path, hit path, in-place put, faults), then the hit path benchmark
 # Usage there: OUT=... bash benchmarks/gpu_session.sh 1|2     (carry .whl: wheels the image lacks)
 set -uo pipefail
 OUT=${OUT:-/tmp/engram-gpu-out}
@@ -45,6 +46,11 @@ case "${1:-1}" in
     timeout 150 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_hit_path.py tests/test_put_in_place.py \
       2>&1 | tee "$OUT/hit_path_tests.log" | tail -6
     timeout 400 python3 -m benchmarks.ttft --json "$OUT/ttft.json" 2>&1 | tee "$OUT/ttft.log" | tail -22
+    ;;
+  7)
+    timeout 330 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_fp4_kernels.py tests/test_gpu_data_path.py \
+      tests/test_hit_path.py tests/test_put_in_place.py tests/test_faults.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+    timeout 240 python3 -m benchmarks.hit_path --json "$OUT/hit_path.json" 2>&1 | tee "$OUT/hit_path.log" | tail -20
     ;;
   2)
     timeout 560 python3 benchmarks/replay_bound.py --out "$OUT/replay_bound.json" 2>&1 | tee "$OUT/replay_bound.log" | tail -25
