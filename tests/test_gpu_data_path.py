@@ -98,7 +98,7 @@ def test_daemon_and_worker_processes_exchange_blocks_through_the_pool_and_cuda_i
     try:
         wait_for(f"unix:{sock}", daemon, timeout=120)
         worker = Path(__file__).with_name("gpu_worker.py")
-        out = subprocess.run([sys.executable, str(worker), f"unix:{sock}"], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-X", "faulthandler", str(worker), f"unix:{sock}"], capture_output=True, text=True,
                              timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(
                                      filter(None, (str(worker.parent), os.environ.get("PYTHONPATH"))))})
         assert out.returncode == 0, out.stdout + out.stderr
