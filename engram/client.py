@@ -632,6 +632,9 @@ class EngramClient:
         """The daemon's HBM pool, opened by CUDA IPC once per process."""
         pool = self._ipc_pools.get(c.handle)
         if pool is None:
+            # CUDA must be initialised first: in a process that has not touched the GPU yet, opening the
+            # handle dereferences the caching allocator's unbuilt per-device state (a segfault, torch 2.11).
+            torch.cuda.init()
             storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
                 c.device, c.handle, c.storage_bytes, c.storage_offset, c.ref_counter_handle,
                 c.ref_counter_offset, c.event_handle or None, c.event_sync_required)
