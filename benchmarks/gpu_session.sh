@@ -49,7 +49,7 @@ case "${1:-1}" in
     ;;
   7)
     timeout 330 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_fp4_kernels.py tests/test_gpu_data_path.py \
-      tests/test_hit_path.py tests/test_put_in_place.py tests/test_faults.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+      tests/test_hit_path.py tests/test_put_in_place.py tests/test_faults.py tests/test_integration_vllm.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
     timeout 240 python3 -m benchmarks.hit_path --json "$OUT/hit_path.json" 2>&1 | tee "$OUT/hit_path.log" | tail -20
     ;;
   2)

@@ -126,7 +126,7 @@ class MiniVllm:
     standardized (num_blocks, H, block_size, 2 * D) layout filled with NaN (vLLM does not zero blocks), and block
     ids handed out in shuffled order, as a pool that has served other requests does."""
 
-    def __init__(self, address: str, namespace: str, *, seed: int = 0, **extra: Any) -> None:
+    def __init__(self, address: str, namespace: str, *, seed: int = 0, device: str = "cpu", **extra: Any) -> None:
         cfg = config(address, namespace, **extra)
         self.layers = layers()
         self.spec = cfg.model_spec(self.layers, name="tiny-llama", weights_id="seed-0")
@@ -134,8 +134,8 @@ class MiniVllm:
         fp = self.client.register_model(self.spec)
         self.scheduler = EngramScheduler(self.client, fp, BS, namespace=namespace)
         self.worker = EngramWorker(self.client, fp, self.layers, namespace=namespace)
-        self.caches = {n: torch.full((NUM_BLOCKS, HEADS, BS, 2 * DIM), float("nan"), dtype=torch.bfloat16)
-                       for n in NAMES}
+        self.caches = {n: torch.full((NUM_BLOCKS, HEADS, BS, 2 * DIM), float("nan"), dtype=torch.bfloat16,
+                                     device=device) for n in NAMES}
         self.worker.register_kv_caches(self.caches)
         self.free = list(range(NUM_BLOCKS))
         random.Random(seed).shuffle(self.free)
@@ -150,7 +150,7 @@ class MiniVllm:
         out = torch.empty(LAYERS, 2, n, HEADS, DIM, dtype=torch.bfloat16)
         for layer, name in enumerate(NAMES):
             for t in range(n):
-                row = self.caches[name][block_ids[t // BS], :, t % BS]  # (H, 2D)
+                row = self.caches[name][block_ids[t // BS], :, t % BS].cpu()  # (H, 2D)
                 out[layer, 0, t], out[layer, 1, t] = row[:, :DIM], row[:, DIM:]
         return out
 
@@ -235,6 +235,24 @@ def test_a_saved_prompt_is_reported_cached_and_loads_bit_exact_into_scattered_bl
     assert torch.equal(second.loaded_now, reference_kv(longer)[:, :, : 5 * BS])
     assert second.worker.loaded_tokens == 5 * BS
     # Blocks no request was given were never written.
+    untouched = sorted(set(range(NUM_BLOCKS)) - set(ids))
+    assert torch.isnan(second.caches[NAMES[0]][untouched]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the H200)")
+def test_cuda_caches_save_and_load_bit_exact(engines: Any) -> None:
+    """vLLM's caches on the GPU, as in a real engine: the saves gather from device pages, the loads DMA into
+    them (the client's own CUDA streams; the worker synchronizes before the forward reads them)."""
+    shared = prompt(5 * BS + 3, seed=11)
+    first = engines(device="cuda")
+    first.run("a", shared)
+    assert first.worker.saved_tokens == len(shared)
+    second = engines(device="cuda")
+    longer = shared + prompt(20, seed=12)
+    ext, ids, _ = second.run("b", longer)
+    assert ext == 5 * BS and second.caches[NAMES[0]].is_cuda
+    assert torch.equal(second.loaded_now, reference_kv(longer)[:, :, : 5 * BS])
     untouched = sorted(set(range(NUM_BLOCKS)) - set(ids))
     assert torch.isnan(second.caches[NAMES[0]][untouched]).all()
 
