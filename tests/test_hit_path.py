@@ -99,6 +99,49 @@ async def test_a_query_diverging_inside_a_block_and_a_small_destination(server_f
         assert n == 0 and empty.shape == spec.layout.block_shape(0)
 
 
+async def test_concurrent_loads_of_the_same_nvme_blocks_bring_each_up_once(server_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Several workers asking at once for a prefix that lies on NVMe, with room in the pool for it twice over:
+    each GetPrefix copies up only what no other is already moving, so one copy of each block lands and every
+    load gets the right KV (the soak found two GetPrefix calls writing the same key into the pool: INTERNAL)."""
+    spec = tiny_model()
+    block = spec.layout.block_nbytes(BLOCK_TOKENS)
+    srv = await server_factory(**{"tiers.dram.capacity": 16 * block, "tiers.dram.page_bytes": 256,
+                                  "tiers.nvme.path": str(tmp_path / "nvme")})
+    a = tokens(8 * BLOCK_TOKENS, seed=1)
+    kv_a = random_kv(spec, len(a), seed=1)
+
+    async def push_a_down(c: EngramClient) -> None:  # other blocks push a out to NVMe, then go: the pool is empty
+        for seed in (2, 3):
+            toks = tokens(8 * BLOCK_TOKENS, seed=seed)
+            await c.put(fp, toks, random_kv(spec, len(toks), seed=seed), namespace="other")
+        await c.evict(whole_namespace=True, force=True, namespace="other")
+        assert {x.tier for x in (await c.lookup(fp, a)).blocks} == {"nvme"}
+
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        await c.put(fp, a, kv_a)
+        await push_a_down(c)
+        before = (await c.stats()).tier("dram").promotions
+        # Two GetPrefix calls' copy_up in the same loop iteration (what concurrent requests do): the second
+        # must see the first's blocks as moving, before the first's copies have started.
+        metas = srv.store.match("t", fp, a).blocks
+        assert await asyncio.gather(srv.store.copy_up(metas, "dram"), srv.store.copy_up(metas, "dram")) == [8, 0]
+        await push_a_down(c)
+        clients = [EngramClient(srv.address, namespace="t") for _ in range(4)]
+        try:
+            for w in clients:
+                await w.register_model(spec)
+            dests = [torch.zeros_like(kv_a) for _ in clients]
+            results = await asyncio.gather(*(w.load_prefix_into(fp, a, d) for w, d in zip(clients, dests, strict=True)))
+        finally:
+            for w in clients:
+                await w.close()
+        assert all(r.loaded_tokens == len(a) for r in results)
+        assert all(torch.equal(d, kv_a) for d in dests)
+        assert (await c.stats()).tier("dram").promotions - before == 16  # each block brought up once a round
+        assert (await c.check()).findings == ()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 async def test_blocks_on_nvme_are_promoted_into_the_pool_or_else_come_as_bytes(server_factory, tmp_path: Path,
                                                                                device: str) -> None:  # type: ignore[no-untyped-def]

@@ -415,10 +415,11 @@ class BlockStore:
         placement = self.placement
         rank = placement.rank[tier_name]
         todo = [m for m in metas if tier_name not in m.locations and m.locations and not m.moving]
+        for meta in todo:  # marked before the first await: gather starts its tasks later, and a concurrent
+            meta.moving = True  # GetPrefix that saw them not moving would write the same key into the tier
+            placement.busy += 1
 
         async def one(meta: BlockMeta) -> int:
-            meta.moving = True
-            placement.busy += 1
             try:
                 payload, _ = await self._read_verified(meta)
                 await placement.place(meta, rank, payload, wait=False)
