@@ -1,8 +1,9 @@
 """Where a worker wants a cached prefix's KV: its own KV memory, in the layout its attention reads.
 
-The hit path (engram/loader.py) decodes a run of blocks at a time into K and V of shape
-(blocks, L, block_tokens, H, D) (L: the model's persisted layers) and hands each to the destination, which
-writes them in place with as few copies as its layout allows. Three layouts cover the serving stacks:
+The hit path (engram/loader.py) decodes a run of blocks at a time into each stream of the layout (the K/V
+layout's: K and V of shape (blocks, L, block_tokens, H, D), L the model's persisted layers; a stream layout's:
+(blocks, L, entries per block, *entry shape)) and hands each to the destination, which writes it in place with as
+few copies as its layout allows. Four layouts cover the serving stacks:
 
 - `ContiguousKV`: one tensor (L, 2, T, H, D), any strides: what `EngramClient.get_prefix` returns, and a worker
   that keeps its KV as one buffer. One strided copy per stream per run of blocks.
@@ -11,6 +12,9 @@ writes them in place with as few copies as its layout allows. Three layouts cove
 - `PagedKV`: per layer K and V pages (num_pages, page_tokens, H, D) and a block table mapping the request's
   logical pages to physical ones, as vLLM's paged KV cache (page_tokens must divide block_tokens). One
   index_copy_ per layer and stream.
+- `StreamsKV`: a stream layout's streams, one tensor (L, entries, *shape) each, any strides: what get_prefix
+  returns for a stream layout, and a worker that keeps a stream in one buffer (the transformers integration's
+  MLA latent). One strided copy per stream per run of blocks.
 
 Writes run on the caller's current CUDA stream, so the worker's own kernels that read the KV afterwards are
 ordered after them without a host synchronisation.
@@ -18,13 +22,14 @@ ordered after them without a host synchronisation.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from engram.errors import InvalidArgument
+from engram.layout import StreamSpec
 
 
 class KVDestination(Protocol):
@@ -37,8 +42,10 @@ class KVDestination(Protocol):
         ...
 
     def write(self, stream: int, data: Tensor, start: int, n_tokens: int) -> None:
-        """Write tokens [start, start + n_tokens) of stream 0 (K) or 1 (V). data: (blocks, L, block_tokens, H, D),
-        covering start onward; only its first n_tokens tokens (in block order) are written."""
+        """Write entries [start, start + n_tokens) of stream `stream` of the layout (the K/V layout: 0 K, 1 V).
+        data: (blocks, L, entries per block, *entry shape) ((blocks, L, block_tokens, H, D) for K and V),
+        covering start onward; only its first n_tokens entries (in block order) are written. An entry is a token
+        except in a compressed stream (engram.layout.StreamSpec.compress)."""
         ...
 
 
@@ -146,3 +153,40 @@ class PagedKV:
                 pages.index_copy_(0, self.table[first : first + whole], src[: whole * pt].view(whole, pt, heads, dim))
             if rest:
                 pages[int(self.table[first + whole]), :rest].copy_(src[whole * pt : n_tokens])
+
+
+class StreamsKV:
+    """A stream layout's streams (engram.layout.StreamSpec, in the layout's order), one tensor (L, entries,
+    *shape) each, any strides."""
+
+    def __init__(self, streams: Sequence[StreamSpec], tensors: Mapping[str, Tensor]) -> None:
+        names = [s.name for s in streams]
+        if set(tensors) != set(names):
+            raise InvalidArgument(f"StreamsKV needs one tensor per stream {names}, got {sorted(tensors)}")
+        self.streams = tuple(streams)
+        self.tensors = [tensors[s.name] for s in self.streams]
+        for s, t in zip(self.streams, self.tensors, strict=True):
+            if t.dim() != 2 + len(s.shape) or tuple(t.shape[2:]) != s.shape or t.dtype != s.dtype.torch_dtype:
+                raise InvalidArgument(f"stream {s.name}: a (layers, entries, {', '.join(map(str, s.shape))}) "
+                                      f"{s.dtype.torch_dtype} tensor, got {tuple(t.shape)} {t.dtype}")
+        devices = {t.device for t in self.tensors}
+        if len(devices) != 1:
+            raise InvalidArgument(f"every stream's tensor must be on one device, got {sorted(map(str, devices))}")
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors[0].device
+
+    @property
+    def capacity_tokens(self) -> int:
+        # tokens whose entries fit: T tokens make T // compress entries of a compressed stream
+        return min((int(t.shape[1]) + 1) * s.compress - 1 for s, t in zip(self.streams, self.tensors, strict=True))
+
+    def write(self, stream: int, data: Tensor, start: int, n_tokens: int) -> None:
+        blocks, layers, per_block = data.shape[:3]
+        target = self.tensors[stream][:, start : start + n_tokens]  # (L, n, *shape)
+        if n_tokens == blocks * per_block:
+            # (L, blocks, per_block, *shape) view of the target: one copy, whatever the source's strides.
+            target.view(layers, blocks, per_block, *data.shape[3:]).copy_(data.transpose(0, 1))
+        else:
+            target.copy_(data.transpose(0, 1).reshape(layers, blocks * per_block, *data.shape[3:])[:, :n_tokens])

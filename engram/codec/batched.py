@@ -240,7 +240,7 @@ def decode_streams(src: Tensor, offsets: list[int], device_offsets: Tensor, plan
             fmt = FORMATS[p.codec.name]
             _, dequantize = kvcodec._backend(backend).CODECS[p.codec.name]
             for b, off in enumerate(offsets):
-                body = memoryview(src[off + p.at : off + p.at + p.nbytes].cpu().numpy())
+                body = src[off + p.at : off + p.at + p.nbytes].cpu().numpy().tobytes()
                 m[b] = dequantize(fmt.from_bytes(body, (rows, cols), src.device), m.dtype)
         out.append(_from_matrices(m, p))
     return out
