@@ -1,6 +1,12 @@
 """SWA bounded replay: rebuild sliding-window KV from tokens and stored global KV (see docs/REPLAY.md)."""
 
-from engram.replay.config import HybridConfig, all_sliding_pattern, csa_pattern, gemma3_pattern, gpt_oss_pattern
+from engram.replay.config import (
+    HybridConfig,
+    all_sliding_pattern,
+    csa_pattern,
+    gemma3_pattern,
+    gpt_oss_pattern,
+)
 from engram.replay.decoder import HybridDecoder
 from engram.replay.model import (
     KV,

@@ -119,7 +119,7 @@ def as_layer_kv(global_kv: Sequence[KV] | Tensor, spec: ReplaySpec, prefix_len: 
     k_width = int(torch.Size(k_shape).numel())
     if isinstance(global_kv, Tensor):
         if global_kv.ndim == 3 and global_kv.shape[-1] == k_width + int(torch.Size(v_shape).numel()):
-            layers, t = global_kv.shape[:2]
+            t = global_kv.shape[1]
             pairs = [(layer[:, :k_width].reshape(t, *k_shape), layer[:, k_width:].reshape(t, *v_shape))
                      for layer in global_kv]
         elif global_kv.ndim == 5 and global_kv.shape[1] == 2 and k_shape == v_shape:
