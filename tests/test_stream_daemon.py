@@ -12,6 +12,7 @@ import torch
 
 from engram import errors
 from engram.client import EngramClient
+from engram.codec import stored, streamformat
 from engram.destinations import StreamsKV
 from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec, StreamSpec
 
@@ -147,6 +148,62 @@ async def test_encoded_stream_puts_are_verified(client: EngramClient) -> None:
     client._layouts[fp2] = spec  # a worker that believes the model stores nvfp4: it sends nvfp4 streams
     with pytest.raises(errors.InvalidArgument, match="neither the block as stored nor with every stream raw"):
         await client.put_blocks(fp2, blocks, codec="nvfp4")  # type: ignore[arg-type]
+
+
+def _nan_latent_scale(blob: bytearray | memoryview, spec: ModelSpec, tokens: int) -> None:
+    """Set the nvfp4 latent's first group scale to the E4M3 NaN pattern (after its 4-byte tensor scale)."""
+    part = streamformat.plan(spec.streams, spec.layout.persisted_layers, tokens).part("latent")
+    assert part.codec.name == "nvfp4"
+    blob[part.at + 4] = 0x7F
+
+
+async def test_worker_encoded_streams_with_bad_scales_are_refused(server_factory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A worker's own encoding must decode, or every later Get of it fails: a v2 block whose nvfp4 stream has a
+    NaN scale is INVALID_ARGUMENT both as Put messages and written in place (checked at CommitPut), and nothing
+    of the chain is published; the same puts written right are taken."""
+    from engram.writer import PutWriter
+
+    srv = await server_factory()
+    spec = mla_spec("nvfp4")
+    toks = tokens(2 * BLOCK_TOKENS, seed=7)
+    data = streams_for(spec, len(toks), seed=7)
+    encode, write = stored.encode_streams, PutWriter.write
+
+    def bad_encode(*args, **kw):  # type: ignore[no-untyped-def]
+        blob = encode(*args, **kw)
+        fmt = streamformat.parse(blob)
+        payloads = [bytearray(streamformat.payload(blob, p)) for p in fmt.parts]
+        payloads[[p.name for p in fmt.parts].index("latent")][4] = 0x7F  # sealed again: only the scale is wrong
+        return streamformat.assemble(fmt, payloads)
+
+    def bad_write(self, kv, spec, slots, stream=None, **kw):  # type: ignore[no-untyped-def]
+        n = write(self, kv, spec, slots, stream, **kw)
+        s = slots[-1]
+        _nan_latent_scale(s.segment.data[s.offset : s.offset + s.nbytes].numpy().data, spec, BLOCK_TOKENS)
+        return n
+
+    async with EngramClient(srv.address, namespace="p", zero_copy=False) as remote, \
+            EngramClient(srv.address, namespace="q") as local:
+        fp = await remote.register_model(spec)
+        await local.register_model(spec)
+        monkeypatch.setattr(stored, "encode_streams", bad_encode)
+        with pytest.raises(errors.InvalidArgument, match="stream latent: the nvfp4 payload would not decode"):
+            await remote.put(fp, toks, data, encode=True)
+        monkeypatch.setattr(stored, "encode_streams", encode)
+        assert (await remote.lookup(fp, toks)).matched_tokens == 0
+        monkeypatch.setattr(PutWriter, "write", bad_write)
+        with pytest.raises(errors.InvalidArgument, match="stream latent: the nvfp4 payload would not decode"):
+            await local.put(fp, toks, data)
+        monkeypatch.setattr(PutWriter, "write", write)
+        assert (await local.lookup(fp, toks)).matched_tokens == 0
+        # controls: the same puts, written right
+        assert (await remote.put(fp, toks, data, encode=True)).stored == 2
+        put = await local.put(fp, toks, data)
+        assert put.stored == 2 and put.reserve_ms > 0  # in place
+        for c in (remote, local):
+            n, got = await c.get_prefix(fp, toks)
+            assert n == len(toks)
+            check_close(got, data, spec)
 
 
 async def test_stream_blocks_survive_a_restart_on_nvme(server_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -384,7 +384,8 @@ class EngramService:
         with self.store.reading(metas):
             for meta in metas:
                 payload = await self.store.read(meta, promote=False)
-                block = _header_of(meta, self.store.spec(meta.model_fingerprint).stored_codec)
+                codec = self.store.spec(meta.model_fingerprint).stored_codec  # the header's: what a peer's MAC covers
+                block = _header_of(meta, codec)
                 for i, msg in enumerate(_chunks(meta.key, convert.header_to_pb(block), payload, self.config.chunk_bytes)):
                     if i:
                         yield pb.FetchBlocksResponse(chunk=msg)
