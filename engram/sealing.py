@@ -73,8 +73,7 @@ def seal(data: memoryview, task: SealTask) -> int | str:
         if len(buf) < HEADER_LEN:
             return "too short for a v1 block"
         fields = _FIELDS.unpack_from(buf)
-        got = (int.from_bytes(fields[0], "little"), *fields[1:-1])
-        if got != tuple(task.v1):
+        if (int.from_bytes(fields[0], "little"), *fields[1:-1]) != tuple(task.v1):
             return "the bytes written are not the block that was reserved (write v1 blocks with zero checksums)"
         struct.pack_into("<Q", buf, _FIELDS.size - 8, xxhash.xxh3_64_intdigest(buf[HEADER_LEN:]))
         struct.pack_into("<Q", buf, _FIELDS.size, xxhash.xxh3_64_intdigest(buf[: _FIELDS.size]))

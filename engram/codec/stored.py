@@ -98,7 +98,7 @@ def as_raw(payload: bytes | memoryview, codec: str, dtype: DType, shape: tuple[i
 
 
 def _host_bytes(payload: bytes | memoryview | Tensor) -> bytes | memoryview:
-    return memoryview(payload.cpu().numpy()) if isinstance(payload, Tensor) else payload
+    return memoryview(payload.cpu().numpy().data) if isinstance(payload, Tensor) else payload
 
 
 def check_encoded(payload: bytes | memoryview, codec: str, dtype: DType, shape: tuple[int, ...], where: str) -> None:

@@ -125,9 +125,9 @@ def as_layer_kv(global_kv: Sequence[KV] | Tensor, spec: ReplaySpec, prefix_len: 
         elif global_kv.ndim == 5 and global_kv.shape[1] == 2 and k_shape == v_shape:
             pairs = [(layer[0], layer[1]) for layer in global_kv]
         else:
-            want = ("(stored_layers, T, latent width) or " if spec.global_shapes else "") + \
+            forms = ("(stored_layers, T, latent width) or " if spec.global_shapes else "") + \
                 "(stored_layers, 2, T, n_kv, d_h)"
-            raise ReplayError(f"stored global KV as one tensor must be {want}, got {tuple(global_kv.shape)}")
+            raise ReplayError(f"stored global KV as one tensor must be {forms}, got {tuple(global_kv.shape)}")
     else:
         pairs = [tuple(p) for p in global_kv]  # type: ignore[misc]
     if len(pairs) != len(spec.stored_layers):
