@@ -591,8 +591,9 @@ class EngramClient:
                                dest: KVDestination | torch.Tensor | Mapping[str, torch.Tensor], *,
                                namespace: str | None = None) -> LoadResult:
         """The hit path: write the KV of the longest cached prefix of `tokens` into the worker's own KV memory
-        `dest` (engram/destinations.py: ContiguousKV, LayerKV, PagedKV; a (L, 2, T, H, D) tensor is taken as
-        ContiguousKV), up to its capacity. One round trip (GetPrefix): blocks in the daemon's shared pools are
+        `dest` (engram/destinations.py: ContiguousKV, LayerKV, PagedKV, and for a stream layout StreamsKV or
+        PagedStreamsKV; a (L, 2, T, H, D) tensor is taken as ContiguousKV, a mapping of stream name to tensor as
+        StreamsKV), up to its capacity. One round trip (GetPrefix): blocks in the daemon's shared pools are
         copied straight out of them (DMA into a GPU, FP4 decoded there), the rest come as bytes. On a GPU the
         writes are queued on the current stream; the call returns once every copy out of the daemon's pools
         has completed. The blocks' lease ends with this client's next load (no extra round trip), or
