@@ -319,7 +319,6 @@ def test_gpu_batched_streams_of_deepseek_widths_match_reference() -> None:
     check_batched_streams((576, 128, 8), 4, 256, 5, "cuda", SEED + 17)
 
 
-
 @on_gpu
 @pytest.mark.parametrize("config", fp4.CONFIGS, ids=str)
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -13,7 +13,7 @@ import torch
 from engram import errors
 from engram.client import EngramClient
 from engram.codec import stored, streamformat
-from engram.destinations import StreamsKV
+from engram.destinations import PagedStreamsKV, StreamsKV
 from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec, StreamSpec
 
 from helpers import BLOCK_TOKENS, tokens
@@ -148,6 +148,57 @@ async def test_encoded_stream_puts_are_verified(client: EngramClient) -> None:
     client._layouts[fp2] = spec  # a worker that believes the model stores nvfp4: it sends nvfp4 streams
     with pytest.raises(errors.InvalidArgument, match="neither the block as stored nor with every stream raw"):
         await client.put_blocks(fp2, blocks, codec="nvfp4")  # type: ignore[arg-type]
+
+
+# The same test on a GPU (the H200): the writer's batched stream encode, the staged loader's batched decode.
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (the H200)")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("codec", ["raw", "nvfp4"])
+async def test_streams_on_a_device_put_in_place_and_load_into_every_stream_destination(
+        server_factory, device: str, codec: str) -> None:  # type: ignore[no-untyped-def]
+    """The worker's stream paths on the device the streams live on: an in-place put from that device stores the
+    bytes the daemon's own encoding of the same streams stores, and load_prefix_into StreamsKV and PagedStreamsKV
+    (pages of 4 tokens, scattered) on that device get what the bytes path returns, bit for bit, nothing past it."""
+    srv = await server_factory()
+    spec = mla_spec(codec)
+    lay = spec.layout
+    toks = tokens(3 * BLOCK_TOKENS + 5)
+    n = len(toks)
+    data = streams_for(spec, n, seed=11)
+    async with EngramClient(srv.address, namespace="a") as local, \
+            EngramClient(srv.address, namespace="b", zero_copy=False) as remote:
+        fp = await local.register_model(spec)
+        await remote.register_model(spec)
+        put = await local.put(fp, toks, {k: v.to(device) for k, v in data.items()})
+        assert put.reserve_ms > 0 and put.stored == 4  # written into the pool in place
+        await remote.put(fp, toks, data)  # raw streams as Put messages: the daemon encodes them
+        theirs = [b.key for b in (await remote.lookup(fp, toks)).blocks]
+        mine = await local.describe_blocks(key_prefixes=[k.hex() for k in put.keys])
+        other = await remote.describe_blocks(key_prefixes=[k.hex() for k in theirs])
+        assert [b.checksum for b in mine.blocks] == [b.checksum for b in other.blocks]
+        want = cat(await remote.get(fp, theirs))  # the bytes path, decoded on the CPU by the reference
+        check_close(want, data, spec)
+
+        dest = {s.name: torch.full(lay.stream_shape(s, n + 6), float("nan"), dtype=s.dtype.torch_dtype,
+                                   device=device) for s in lay.stream_specs}
+        res = await local.load_prefix_into(fp, toks, StreamsKV(lay.stream_specs, dest))
+        assert (res.matched_tokens, res.loaded_tokens) == (n, n)
+        for name, w in want.items():
+            assert torch.equal(dest[name][:, :n].cpu(), w), name
+            assert dest[name][:, n:].isnan().all(), name  # nothing past the prefix
+
+        pages = -(-n // 4)
+        table = list(range(3 * pages, pages, -2))[:pages]
+        paged = {s.name: [torch.full((3 * pages + 1, 4, *s.shape), float("nan"), dtype=s.dtype.torch_dtype,
+                                     device=device) for _ in range(lay.persisted_layers)] for s in lay.stream_specs}
+        await local.load_prefix_into(fp, toks, PagedStreamsKV(lay.stream_specs, paged, table))
+        for name, w in want.items():
+            for layer, p in enumerate(paged[name]):
+                flat = p[table].flatten(0, 1)
+                assert torch.equal(flat[:n].cpu(), w[layer]), (name, layer)
 
 
 def _nan_latent_scale(blob: bytearray | memoryview, spec: ModelSpec, tokens: int) -> None:
