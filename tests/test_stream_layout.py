@@ -103,6 +103,11 @@ def test_a_stream_layouts_fingerprint_covers_its_streams() -> None:
     (lambda: StreamSpec("x", (2, 3, 4, 5)), "1-3 dimensions"),
     (lambda: StreamSpec("x", (0,)), "1-3 dimensions"),
     (lambda: StreamSpec("x", (8,), compress=3), "power of two"),
+    (lambda: StreamSpec("x", (4096, 1025)), "elements per entry must be in"),  # limits.py: the K/V layout's bound
+    (lambda: KVLayout((LayerSpec(LayerKind.GLOBAL),), block_tokens=1 << 17, streams=(StreamSpec("x", (8,)),)),
+     "power of two in"),
+    (lambda: KVLayout((LayerSpec(LayerKind.GLOBAL),) * 1025, streams=(StreamSpec("x", (8,)),)), "number of layers"),
+    (lambda: LayerSpec(LayerKind.GLOBAL, (1 << 20) + 1), "exceeds the bound"),
     (lambda: KVLayout((LayerSpec(LayerKind.GLOBAL),), streams=(StreamSpec("x", (8,)), StreamSpec("x", (4,)))),
      "repeat"),
     (lambda: KVLayout((LayerSpec(LayerKind.GLOBAL),), block_tokens=16, streams=(StreamSpec("x", (8,), compress=32),)),
