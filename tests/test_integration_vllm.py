@@ -510,7 +510,8 @@ class MiniMlaVllm(MiniVllm):
     """MiniVllm for an MLA model: per-layer caches of one 576-wide latent a token, in vLLM's standardized [B, H=1,
     N, C] view (`squeezed`: the (num_blocks, block_size, 576) of earlier releases), NaN-filled, shuffled ids."""
 
-    def __init__(self, address: str, namespace: str, *, seed: int = 0, squeezed: bool = False, **extra: Any) -> None:
+    def __init__(self, address: str, namespace: str, *, seed: int = 0, squeezed: bool = False, device: str = "cpu",
+                 **extra: Any) -> None:
         cfg = config(address, namespace, **extra)
         self.layers = mla_layers()
         self.spec = cfg.model_spec(self.layers, name="tiny-deepseek", weights_id="seed-0")
@@ -519,7 +520,7 @@ class MiniMlaVllm(MiniVllm):
         self.scheduler = EngramScheduler(self.client, fp, BS, namespace=namespace)
         self.worker = EngramWorker(self.client, fp, self.layers, namespace=namespace)
         shape = (NUM_BLOCKS, BS, LATENT_W) if squeezed else (NUM_BLOCKS, 1, BS, LATENT_W)
-        self.caches = {n: torch.full(shape, float("nan"), dtype=torch.bfloat16) for n in NAMES}
+        self.caches = {n: torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device) for n in NAMES}
         self.worker.register_kv_caches(self.caches)
         self.free = list(range(NUM_BLOCKS))
         random.Random(seed).shuffle(self.free)
@@ -534,7 +535,7 @@ class MiniMlaVllm(MiniVllm):
         out = torch.empty(LAYERS, n, LATENT_W, dtype=torch.bfloat16)
         for layer, name in enumerate(NAMES):
             for t in range(n):
-                out[layer, t] = self.row(name, block_ids[t // BS], t % BS)
+                out[layer, t] = self.row(name, block_ids[t // BS], t % BS).cpu()
         return out
 
     def forward(self, block_ids: list[int], tokens: list[int], start: int, meta: Any) -> None:
@@ -570,6 +571,28 @@ def test_an_mla_prompt_is_saved_as_a_latent_stream_and_loads_bit_exact(mla_engin
     assert second.worker.loaded_tokens == 5 * BS
     untouched = sorted(set(range(NUM_BLOCKS)) - set(ids))
     assert torch.isnan(second.caches[NAMES[1]][untouched]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the H200)")
+@pytest.mark.parametrize("codec", ["raw", "nvfp4"])
+def test_mla_cuda_caches_save_and_load(mla_engines: Any, codec: str) -> None:
+    """An MLA model's caches on the GPU: saves gathered from device latent pages, loads (FP4 decoded on the GPU)
+    written into them; the latents are what the daemon holds, decoded."""
+    shared = prompt(5 * BS + 3, seed=35)
+    first = mla_engines(device="cuda", codec=codec)
+    first.run("a", shared)
+    assert first.worker.saved_tokens == len(shared)
+    second = mla_engines(device="cuda", codec=codec)
+    longer = shared + prompt(20, seed=36)
+    ext, ids, _ = second.run("b", longer)
+    assert ext == 5 * BS and second.caches[NAMES[0]].is_cuda
+    n, decoded = second.client.get_prefix(second.fingerprint, shared)
+    assert torch.equal(second.loaded_now, decoded["latent"][:, :ext])
+    if codec == "raw":
+        assert torch.equal(second.loaded_now, reference_latent(longer)[:, :ext])
+    untouched = sorted(set(range(NUM_BLOCKS)) - set(ids))
+    assert torch.isnan(second.caches[NAMES[0]][untouched]).all()
 
 
 def test_mla_tokens_vllm_holds_itself_are_not_loaded_over(mla_engines: Any) -> None:
