@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -135,10 +136,7 @@ class StreamSpec:
     @property
     def width(self) -> int:
         """Elements per entry."""
-        out = 1
-        for d in self.shape:
-            out *= d
-        return out
+        return math.prod(self.shape)
 
     def entries(self, num_tokens: int) -> int:
         """Entries a block of num_tokens holds: a compressed entry exists once all its tokens do."""

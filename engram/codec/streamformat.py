@@ -35,6 +35,7 @@ size for its records, and either checksum failing, with an error that says which
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -81,10 +82,7 @@ class Part:
 
     @property
     def width(self) -> int:
-        out = 1
-        for d in self.shape:
-            out *= d
-        return out
+        return math.prod(self.shape)
 
     @property
     def quantized(self) -> bool:
