@@ -119,6 +119,18 @@ def _raw_view(buf: Tensor, n: int, shape: tuple[int, ...], dtype: DType) -> Tens
     return buf.view(dtype.torch_dtype)[: n * _numel(shape)].view(n, *shape)
 
 
+def _one_buffer(run: list[BlockSource], bufs: list[Tensor] | None, staged: Tensor | None,
+                offsets: list[int] | None) -> tuple[Tensor, list[int]]:
+    """A run's blocks in one buffer, with their byte offsets in it: the staging buffer as it is, or the blocks'
+    own buffers concatenated (back to back)."""
+    if staged is None:
+        assert bufs is not None
+        staged = torch.cat(bufs) if len(bufs) > 1 else bufs[0]
+        offsets = [i * run[0].nbytes for i in range(len(run))]
+    assert offsets is not None
+    return staged, offsets
+
+
 def _device_offsets(offsets: list[int], device: torch.device) -> Tensor:
     """Offsets as an int64 tensor on the device without a synchronising copy: evenly spaced ones (a staged
     run) are made there; others go through pinned memory (a copy from pageable memory would wait for the
@@ -236,11 +248,7 @@ class PrefixLoader:
         except ValueError:
             plan = None  # a partial block, or groups that do not tile it: one block at a time
         if plan is not None:
-            if staged is None:
-                assert bufs is not None
-                staged = torch.cat(bufs) if len(bufs) > 1 else bufs[0]
-                offsets = [i * first.nbytes for i in range(len(run))]
-            assert offsets is not None
+            staged, offsets = _one_buffer(run, bufs, staged, offsets)
             return batched.decode_blocks(staged, _device_offsets(offsets, staged.device), plan, backend=backend)
         if bufs is None:
             assert staged is not None and offsets is not None
@@ -261,11 +269,7 @@ class PrefixLoader:
         except ValueError:
             plan = None  # groups that do not tile a stream: one block at a time
         if plan is not None:
-            if staged is None:
-                assert bufs is not None
-                staged = torch.cat(bufs) if len(bufs) > 1 else bufs[0]
-                offsets = [i * first.nbytes for i in range(len(run))]
-            assert offsets is not None
+            staged, offsets = _one_buffer(run, bufs, staged, offsets)
             return batched.decode_streams(staged, offsets, _device_offsets(offsets, staged.device), plan,
                                           backend=backend)
         if bufs is None:

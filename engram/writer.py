@@ -42,6 +42,23 @@ class Slot:
     nbytes: int
 
 
+def _copy_out(chunk: Sequence[Slot], buf: Tensor, size: int, compute: torch.cuda.Stream, copy: torch.cuda.Stream,
+              free: torch.cuda.Event) -> int:
+    """Queue the copies of a chunk's encoded blocks (block i at buf[i * size]) into their pool slots on the side
+    stream `copy`, once `compute` has made them; `free` is recorded after them (the stage's buffer may be
+    reused). Returns the bytes queued."""
+    ready = torch.cuda.Event()
+    ready.record(compute)
+    copy.wait_event(ready)
+    with torch.cuda.stream(copy):
+        for i, s in enumerate(chunk):
+            s.segment.data[s.offset : s.offset + s.nbytes].copy_(buf[i * size : i * size + s.nbytes],
+                                                                 non_blocking=True)
+        free.record(copy)
+    buf.record_stream(copy)
+    return sum(s.nbytes for s in chunk)
+
+
 def _block(kv: Tensor, index: int, block_tokens: int) -> Tensor:
     return kv[:, :, index * block_tokens : (index + 1) * block_tokens]
 
@@ -86,14 +103,20 @@ class PutWriter:
             written += s.nbytes
         return written
 
-    def _write_cuda(self, kv: Tensor, codec: str, bt: int, slots: Sequence[Slot], compute: torch.cuda.Stream) -> int:
-        device = kv.device
+    def _stages(self, device: torch.device) -> tuple[torch.cuda.Stream, list[torch.cuda.Event]]:
+        """The device's side stream for the copies into the pool, and one event per staging buffer, recorded on it
+        (each buffer free to start with)."""
         copy = self._copy_streams.get(device)
         if copy is None:
             copy = self._copy_streams[device] = torch.cuda.Stream(device)
         free = [torch.cuda.Event() for _ in range(_STAGES)]
         for e in free:
             e.record(copy)
+        return copy, free
+
+    def _write_cuda(self, kv: Tensor, codec: str, bt: int, slots: Sequence[Slot], compute: torch.cuda.Stream) -> int:
+        device = kv.device
+        copy, free = self._stages(device)
         full = [s for s in slots if _block(kv, s.index, bt).shape[2] == bt]
         partial = [s for s in slots if s not in full]
         written = 0
@@ -117,16 +140,7 @@ class PutWriter:
                 buf = self._buffer(device, stage, n * size)
                 offsets = torch.arange(n, dtype=torch.int64, device=device) * size
                 bad |= batched.encode_blocks(blocks, plan, buf, offsets, backend="triton")
-            ready = torch.cuda.Event()
-            ready.record(compute)
-            copy.wait_event(ready)
-            with torch.cuda.stream(copy):
-                for i, s in enumerate(chunk):
-                    s.segment.data[s.offset : s.offset + s.nbytes].copy_(buf[i * size : i * size + s.nbytes],
-                                                                         non_blocking=True)
-                free[stage].record(copy)
-            buf.record_stream(copy)
-            written += sum(s.nbytes for s in chunk)
+            written += _copy_out(chunk, buf, size, compute, copy, free[stage])
             stage = (stage + 1) % _STAGES
         for s in partial:  # the chain's partial tail: encoded on its own, written from the host
             block = _block(kv, s.index, bt)
@@ -163,12 +177,7 @@ class PutWriter:
         streams = spec.streams
         bt = spec.layout.block_tokens
         device = next(iter(data.values())).device
-        copy = self._copy_streams.get(device)
-        if copy is None:
-            copy = self._copy_streams[device] = torch.cuda.Stream(device)
-        free = [torch.cuda.Event() for _ in range(_STAGES)]
-        for e in free:
-            e.record(copy)
+        copy, free = self._stages(device)
         full = [s for s in slots if tokens - s.index * bt >= bt]
         partial = [s for s in slots if s not in full]
         plan = None
@@ -190,16 +199,7 @@ class PutWriter:
             buf = self._buffer(device, stage, n * size)
             offsets = torch.arange(n, dtype=torch.int64, device=device) * size
             bad |= batched.encode_streams(parts, plan, buf, offsets, backend="triton")
-            ready = torch.cuda.Event()
-            ready.record(compute)
-            copy.wait_event(ready)
-            with torch.cuda.stream(copy):
-                for i, s in enumerate(chunk):
-                    s.segment.data[s.offset : s.offset + s.nbytes].copy_(buf[i * size : i * size + s.nbytes],
-                                                                         non_blocking=True)
-                free[stage].record(copy)
-            buf.record_stream(copy)
-            written += sum(s.nbytes for s in chunk)
+            written += _copy_out(chunk, buf, size, compute, copy, free[stage])
             stage = (stage + 1) % _STAGES
         for s in partial:  # the chain's partial tail: encoded on its own, written from the host
             n = min(bt, tokens - s.index * bt)
