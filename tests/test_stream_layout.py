@@ -251,3 +251,29 @@ def test_a_raw_put_is_encoded_as_stored_and_an_encoded_one_kept() -> None:
     want = stored.decode_block(as_stored, "streams", lay.dtype, lay.block_shape(16))
     assert isinstance(back, dict) and isinstance(want, dict)
     assert all(torch.equal(back[k], want[k]) for k in want)
+
+
+def test_engram_layouts_lists_every_preset_with_its_bytes_per_token() -> None:
+    """`engram layouts --json` is presets.table(): every preset, priced in every codec and in its own; the table
+    form names each of them."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from engram.cli.main import app
+
+    result = CliRunner().invoke(app, ["layouts", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {r["name"]: r for r in json.loads(result.output)}
+    assert list(rows) == list(PRESETS)
+    for name, row in rows.items():
+        costs = row["bytes_per_token"]
+        assert set(costs) == {"raw", "fp8_e4m3", "nvfp4", "mxfp4", "preset"}, name
+        assert costs["nvfp4"]["persisted"] == round(bytes_per_token(PRESETS[name], "nvfp4").persisted, 2)
+        assert costs["nvfp4"]["persisted"] < costs["fp8_e4m3"]["persisted"] < costs["raw"]["persisted"]
+        assert all(c["persisted"] <= c["all_layers"] for c in costs.values())
+    raw = rows["deepseek-v3"]["bytes_per_token"]["raw"]["persisted"]
+    assert 61 * 576 * 2 < raw < 61 * 576 * 2 + 1  # a v2 block even raw: its header is 0.31 bytes a token
+    assert round(rows["csa2"]["bytes_per_token"]["nvfp4"]["persisted"]) == 901
+    table = CliRunner().invoke(app, ["layouts"])
+    assert table.exit_code == 0 and all(name in table.output for name in PRESETS)
