@@ -201,6 +201,33 @@ async def test_streams_on_a_device_put_in_place_and_load_into_every_stream_desti
                 assert torch.equal(flat[:n].cpu(), w[layer]), (name, layer)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the H200)")
+@pytest.mark.parametrize("codec", ["raw", "nvfp4"])
+async def test_stream_blocks_in_hbm_load_through_cuda_ipc(tmp_path, codec: str) -> None:  # type: ignore[no-untyped-def]
+    """A stream layout's blocks in the daemon's HBM pool (a daemon process on the same GPU) are decoded where they
+    lie, the pool opened by CUDA IPC in the worker: the same streams the bytes path returns."""
+    from helpers import engram_daemon
+
+    spec = mla_spec(codec)
+    toks = tokens(4 * BLOCK_TOKENS + 3)
+    data = streams_for(spec, len(toks), seed=12)
+    with engram_daemon(tmp_path, "--set", "tiers.hbm.capacity=64MiB", "--set", "tiers.hbm.device=cuda") as (addr, _):
+        async with EngramClient(addr, namespace="t", zero_copy=False) as putter:  # a Put lands in HBM
+            fp = await putter.register_model(spec)
+            await putter.put(fp, toks, data)
+            hit = await putter.lookup(fp, toks)
+            want = cat(await putter.get(fp, [b.key for b in hit.blocks], zero_copy=False))
+        async with EngramClient(addr, namespace="t") as c:
+            await c.register_model(spec)
+            assert all(b.tier == "hbm" for b in (await c.lookup(fp, toks)).blocks)
+            dest = {s.name: torch.zeros(spec.layout.stream_shape(s, len(toks)), dtype=s.dtype.torch_dtype,
+                                        device="cuda") for s in spec.layout.stream_specs}
+            res = await c.load_prefix_into(fp, toks, StreamsKV(spec.layout.stream_specs, dest))
+            assert (res.mapped_blocks, res.bytes_blocks) == (5, 0)
+            assert all(torch.equal(dest[k].cpu(), w) for k, w in want.items())
+
+
 def _nan_latent_scale(blob: bytearray | memoryview, spec: ModelSpec, tokens: int) -> None:
     """Set the nvfp4 latent's first group scale to the E4M3 NaN pattern (after its 4-byte tensor scale)."""
     part = streamformat.plan(spec.streams, spec.layout.persisted_layers, tokens).part("latent")
