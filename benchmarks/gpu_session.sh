@@ -6,6 +6,7 @@
 #   part 5: the hit path and the in-place put (tests on the GPU, then benchmarks/hit_path.py)
 #   part 6: the hit-path GPU tests, then time to first token (benchmarks/ttft.py)
 #   part 7: every gpu-marked test (kernels, data path, hit path, in-place put, faults), then the hit path benchmark
+#   part 8: stream layouts: the stream kernel and stream hit/put GPU tests, then the MLA latent's FP4 against a copy
 # Usage there: OUT=... bash benchmarks/gpu_session.sh 1|2     (carry .whl: wheels the image lacks)
 set -uo pipefail
 OUT=${OUT:-/tmp/engram-gpu-out}
@@ -49,8 +50,14 @@ case "${1:-1}" in
     ;;
   7)
     timeout 330 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_fp4_kernels.py tests/test_gpu_data_path.py \
-      tests/test_hit_path.py tests/test_put_in_place.py tests/test_faults.py tests/test_integration_vllm.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+      tests/test_hit_path.py tests/test_put_in_place.py tests/test_faults.py tests/test_integration_vllm.py \
+      tests/test_stream_daemon.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
     timeout 240 python3 -m benchmarks.hit_path --json "$OUT/hit_path.json" 2>&1 | tee "$OUT/hit_path.log" | tail -20
+    ;;
+  8)
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_fp4_kernels.py tests/test_stream_daemon.py \
+      -k "streams" 2>&1 | tee "$OUT/stream_gpu_tests.log" | tail -8
+    timeout 330 python3 -m benchmarks.latent_fp4 --json "$OUT/latent_fp4.json" 2>&1 | tee "$OUT/latent_fp4.log" | tail -45
     ;;
   2)
     timeout 560 python3 benchmarks/replay_bound.py --out "$OUT/replay_bound.json" 2>&1 | tee "$OUT/replay_bound.log" | tail -25

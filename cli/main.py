@@ -1,5 +1,5 @@
-"""The `engram` command: serve, stats, check, demo, config, verify-isolation, and the inspection commands
-(ls, show, evict, pin, unpin, top)."""
+"""The `engram` command: serve, stats, check, demo, config, layouts, verify-isolation, and the inspection
+commands (ls, show, evict, pin, unpin, top)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from .check import show as show_check
 from .common import EXIT_BAD_INPUT, address_of, call, console, err_console, fail, load
 from .demo import demo as run_demo
 from .evict import evict
+from .layouts import layouts
 from .ls import ls
 from .options import AddressOpt, ConfigOpt, JsonOpt
 from .pin import pin, unpin
@@ -125,7 +126,7 @@ def show_config(config: ConfigOpt = None, keys: Annotated[bool, typer.Option(hel
     typer.echo(json.dumps(dataclasses.asdict(load(config)), indent=2))
 
 
-for _command in (ls, show, evict, pin, unpin, top):  # inspection commands, one module each
+for _command in (ls, show, evict, pin, unpin, top, layouts):  # one module each
     app.command()(_command)
 app.command("verify-isolation")(verify_isolation)
 

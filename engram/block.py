@@ -25,16 +25,16 @@ class BlockHeader:
     shape: tuple[int, ...]
     payload_nbytes: int
     checksum: int
-    codec: str = "raw"  # "raw": the elements as they are; otherwise a v1 block (engram/codec/blockformat.py)
+    codec: str = "raw"  # "raw": the elements as they are; "streams": a v2 block; otherwise a v1 block in this codec
 
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
 
-    def validate(self, layout: KVLayout, *, index: int) -> None:
+    def validate(self, layout: KVLayout, *, index: int, model_codec: str = "") -> None:
         """Raise InvalidArgument, saying what to change, when the header does not fit the layout.
         (That only a chain's last block may be partial is checked by the store: a partial block has
-        no children.)"""
+        no children.) model_codec: the model's codec, which a stream layout's streams default to."""
         where = f"block {index}"
         n = self.num_tokens
         if n == 0:
@@ -45,13 +45,27 @@ class BlockHeader:
             raise InvalidArgument(f"{where}: dtype {self.dtype.name} does not match the layout's {layout.dtype.name}")
         want = layout.block_shape(n)
         if tuple(self.shape) != want:
-            raise InvalidArgument(
-                f"{where}: shape {tuple(self.shape)} does not match the layout's "
-                f"(persisted_layers, 2, tokens, kv_heads, head_dim) = {want}"
-            )
-        from engram.codec.stored import stored_nbytes  # the codec stack (torch numerics) only where used
+            what = "(persisted_layers, streams, tokens)" if layout.has_streams else \
+                "(persisted_layers, 2, tokens, kv_heads, head_dim)"
+            raise InvalidArgument(f"{where}: shape {tuple(self.shape)} does not match the layout's {what} = {want}")
+        from engram.codec import stored  # the codec stack (torch numerics) only where used
 
-        expected = stored_nbytes(self.codec, want, layout.dtype)
+        if layout.has_streams:
+            if not stored.is_streams(self.codec):
+                raise InvalidArgument(f"{where}: a stream layout's blocks are v2 blocks with codec "
+                                      f"{stored.STREAMS!r}, not {self.codec!r}")
+            from engram.codec.streamformat import raw_streams
+
+            streams = layout.resolved_streams(model_codec)
+            sizes = {stored.stored_nbytes(self.codec, want, layout.dtype, streams),
+                     stored.stored_nbytes(self.codec, want, layout.dtype, raw_streams(streams))}
+            if self.payload_nbytes not in sizes:
+                raise InvalidArgument(f"{where}: payload_nbytes {self.payload_nbytes} is neither the block as stored "
+                                      f"nor with every stream raw ({sorted(sizes)} bytes for {n} tokens)")
+            return
+        if stored.is_streams(self.codec):
+            raise InvalidArgument(f"{where}: codec {self.codec!r} is a stream layout's; this model has the K/V layout")
+        expected = stored.stored_nbytes(self.codec, want, layout.dtype)
         if self.payload_nbytes != expected:
             raise InvalidArgument(
                 f"{where}: payload_nbytes {self.payload_nbytes} != {expected} for shape {want} in codec {self.codec}"

@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -45,8 +46,9 @@ from engram.api import (
 )
 from engram.block import checksum
 from engram.codec import stored
-from engram.destinations import ContiguousKV, KVDestination
-from engram.layout import DType, ModelSpec
+from engram.codec.streamformat import raw_streams
+from engram.destinations import ContiguousKV, KVDestination, StreamsKV
+from engram.layout import DType, ModelSpec, StreamSpec
 from engram.loader import BlockSource, MappedSegment, PrefixLoader
 from engram.segment import SegmentReader
 from engram.v1 import engram_pb2 as pb
@@ -60,7 +62,7 @@ from engram.wire.channel import (
 )
 from engram.wire.status import error_from_rpc
 from engram.wire.stream import Reassembler, client_reassembler, pieces
-from engram.writer import PutWriter, Slot
+from engram.writer import PutWriter, Slot, stream_block
 
 __all__ = ["EngramClient", "SyncEngramClient", "same_host"]
 
@@ -76,6 +78,29 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
 
 def _backend_for(device: torch.device | str) -> str:
     return "triton" if torch.device(device).type == "cuda" else "reference"
+
+
+def _device_of(kv: torch.Tensor | Mapping[str, torch.Tensor]) -> torch.device:
+    return kv.device if isinstance(kv, torch.Tensor) else next(iter(kv.values())).device
+
+
+def _check_streams(spec: ModelSpec, kv: torch.Tensor | Mapping[str, torch.Tensor], tokens: int) -> None:
+    """A stream layout's KV for `tokens` tokens: every stream, (layers, tokens // compress, *shape), its dtype."""
+    lay = spec.layout
+    if not isinstance(kv, Mapping):
+        raise errors.InvalidArgument(f"{spec.name} has a stream layout: pass its streams as a dict, name -> "
+                                     f"(layers, entries, *shape), for {[s.name for s in lay.stream_specs]}")
+    names = [s.name for s in lay.stream_specs]
+    if set(kv) != set(names):
+        raise errors.InvalidArgument(f"kv has streams {sorted(kv)}; the layout's are {names}")
+    devices = {t.device for t in kv.values()}
+    if len(devices) != 1:
+        raise errors.InvalidArgument(f"every stream must be on one device, got {sorted(map(str, devices))}")
+    for s in lay.stream_specs:
+        t, want = kv[s.name], lay.stream_shape(s, tokens)
+        if tuple(t.shape) != want or t.dtype != s.dtype.torch_dtype:
+            raise errors.InvalidArgument(f"stream {s.name} is {tuple(t.shape)} {t.dtype}; {tokens} tokens need "
+                                         f"(layers, tokens // {s.compress}, *shape) = {want} {s.dtype.torch_dtype}")
 
 
 class EngramClient:
@@ -177,14 +202,15 @@ class EngramClient:
         self,
         fingerprint: bytes,
         tokens: Sequence[int] | np.ndarray,
-        kv: torch.Tensor,
+        kv: torch.Tensor | Mapping[str, torch.Tensor],
         *,
         namespace: str | None = None,
         pin: bool = False,
         skip_cached: bool = True,
         encode: bool = False,
     ) -> PutResult:
-        """Store the KV of a token sequence. kv: (persisted_layers, 2, len(tokens), kv_heads, head_dim).
+        """Store the KV of a token sequence. kv: (persisted_layers, 2, len(tokens), kv_heads, head_dim); for a
+        stream layout, its streams: name -> (persisted_layers, len(tokens) // compress, *shape), each in its dtype.
 
         On the daemon's host (and a daemon with a shared DRAM pool) the blocks are encoded here in the
         model's codec (the Triton kernels when kv is on a GPU, a few launches for all blocks) and written
@@ -199,9 +225,12 @@ class EngramClient:
         ns = self._ns(namespace)
         arr = np.asarray(tokens, dtype=np.int32)
         bt = spec.layout.block_tokens
-        if kv.dim() != 5 or kv.shape[2] != len(arr):
+        if spec.layout.has_streams:
+            _check_streams(spec, kv, len(arr))
+        elif not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[2] != len(arr):
+            got = tuple(kv.shape) if isinstance(kv, torch.Tensor) else f"streams {sorted(kv)}"
             raise errors.InvalidArgument(
-                f"kv must be (layers, 2, tokens, kv_heads, head_dim) with tokens={len(arr)}, got {tuple(kv.shape)}"
+                f"kv must be (layers, 2, tokens, kv_heads, head_dim) with tokens={len(arr)}, got {got}"
             )
         if self._in_place_ok and self._zero_copy_ok and same_host(self.address):
             done = await self._put_in_place(fingerprint, spec, arr, kv, ns, pin)
@@ -229,23 +258,24 @@ class EngramClient:
         return PutResult(tuple(all_keys), reply.stored, reply.deduplicated, skipped=first,
                          not_durable=reply.not_durable)
 
-    async def _put_in_place(self, fingerprint: bytes, spec: ModelSpec, arr: np.ndarray, kv: torch.Tensor, ns: str,
-                            pin: bool) -> PutResult | None:
+    async def _put_in_place(self, fingerprint: bytes, spec: ModelSpec, arr: np.ndarray,
+                            kv: torch.Tensor | Mapping[str, torch.Tensor], ns: str, pin: bool) -> PutResult | None:
         """The put path on the daemon's host; None when this daemon or process cannot take it (the caller
         puts as bytes, and so do later puts of this client)."""
         bt = spec.layout.block_tokens
-        codec = spec.codec or stored.RAW
-        dtype = DType.from_torch(kv.dtype)
+        codec = spec.stored_codec
+        dtype = spec.layout.dtype if isinstance(kv, Mapping) else DType.from_torch(kv.dtype)
+        device = _device_of(kv)
         headers = []
         for start in range(0, len(arr), bt):
             shape = spec.layout.block_shape(min(bt, len(arr) - start))
+            nbytes = stored.stored_nbytes(codec, shape, dtype, spec.streams)
             headers.append(pb.BlockHeader(tokens=convert.tokens_to_pb(arr[start : start + bt]), dtype=int(dtype),  # type: ignore[arg-type]
-                                          shape=list(shape), payload_nbytes=stored.stored_nbytes(codec, shape, dtype),
-                                          codec=codec))
+                                          shape=list(shape), payload_nbytes=nbytes, codec=codec))
         keys: list[bytes] = []
         stored_count = deduplicated = skipped = not_durable = 0
         ms = [0.0, 0.0, 0.0]  # reserve, write, commit
-        stream = torch.cuda.current_stream(kv.device) if kv.is_cuda else None
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         while len(keys) < len(headers):  # in rounds, when the chain is longer than the pool takes at once
             first = len(keys)
             req = pb.ReservePutRequest(namespace=ns, model_fingerprint=fingerprint, pin=pin, blocks=headers[first:],
@@ -262,7 +292,7 @@ class EngramClient:
             try:
                 for i, (d, cached) in enumerate(zip(res.slots, res.cached, strict=True)):
                     if not cached:
-                        seg = self._writable(d.segment_path, d.segment_id, kv.is_cuda)
+                        seg = self._writable(d.segment_path, d.segment_id, device.type == "cuda")
                         slots.append(Slot(first + i, seg, d.offset, headers[first + i].payload_nbytes))
             except (OSError, RuntimeError, errors.FailedPrecondition):
                 if keys:
@@ -273,7 +303,7 @@ class EngramClient:
             # In runs: while the daemon seals and publishes run i, this process writes run i + 1.
             commits: list[asyncio.Task[Any]] = []
             for first_block, run in self._commit_runs(slots, first, len(res.keys)):
-                await asyncio.to_thread(self._writer.write, kv, spec, run, stream)
+                await asyncio.to_thread(functools.partial(self._writer.write, kv, spec, run, stream, tokens=len(arr)))
                 commits.append(asyncio.ensure_future(self._commit_after(
                     commits[-1] if commits else None, ns, res.reservation_id, first_block)))
             t2 = time.perf_counter()
@@ -336,17 +366,23 @@ class EngramClient:
             seg = self._writable_pools[path] = MappedSegment(path, segment_id, register=register, writable=True)
         return seg
 
-    async def _put_from(self, fingerprint: bytes, arr: np.ndarray, kv: torch.Tensor, all_keys: list[bytes],
-                        first: int, bt: int, ns: str, pin: bool, encode: bool) -> PutReply:
+    async def _put_from(self, fingerprint: bytes, arr: np.ndarray, kv: torch.Tensor | Mapping[str, torch.Tensor],
+                        all_keys: list[bytes], first: int, bt: int, ns: str, pin: bool, encode: bool) -> PutReply:
         parent = all_keys[first - 1] if first else b""
-        blocks = [(arr[i * bt : (i + 1) * bt], kv[:, :, i * bt : (i + 1) * bt]) for i in range(first, len(all_keys))]
+        blocks: list[tuple[np.ndarray, torch.Tensor | Mapping[str, torch.Tensor]]]
+        if isinstance(kv, Mapping):
+            streams = self._spec(fingerprint).streams
+            blocks = [(arr[i * bt : (i + 1) * bt], stream_block(kv, streams, i, bt, len(arr)))
+                      for i in range(first, len(all_keys))]
+        else:
+            blocks = [(arr[i * bt : (i + 1) * bt], kv[:, :, i * bt : (i + 1) * bt]) for i in range(first, len(all_keys))]
         codec = self.codec_of(fingerprint) if encode else stored.RAW
         return await self.put_blocks(fingerprint, blocks, parent_key=parent, namespace=ns, pin=pin, codec=codec)
 
     async def put_blocks(
         self,
         fingerprint: bytes,
-        blocks: Sequence[tuple[np.ndarray | Sequence[int], torch.Tensor]],
+        blocks: Sequence[tuple[np.ndarray | Sequence[int], torch.Tensor | Mapping[str, torch.Tensor]]],
         *,
         parent_key: bytes = b"",
         namespace: str | None = None,
@@ -354,18 +390,30 @@ class EngramClient:
         codec: str = stored.RAW,
     ) -> PutReply:
         """Send a chain of (tokens, kv) blocks after `parent_key` (empty: the chain's start), as raw
-        elements or encoded here in `codec` (which must be the model's)."""
+        elements or encoded here in `codec` (which must be the model's). A stream layout's block is its streams
+        (name -> (layers, entries, *shape)), sent as a v2 block: every stream raw, or with a codec given, each
+        in the model's codec for it."""
         ns = self._ns(namespace)
         step = self.chunk_bytes
+        spec = self._layouts.get(fingerprint)
 
         async def requests() -> AsyncIterator[pb.PutRequest]:
             yield pb.PutRequest(header=pb.PutHeader(namespace=ns, model_fingerprint=fingerprint,
                                                     parent_key=parent_key, pin=pin))
             for toks, kv in blocks:
-                payload = stored.encode(kv, codec, backend=_backend_for(kv.device))
+                if isinstance(kv, Mapping):
+                    if spec is None or not spec.layout.has_streams:
+                        raise errors.InvalidArgument("streams are a stream layout's block: register the model "
+                                                     "through this client first, with its streams")
+                    streams = spec.streams if not stored.is_raw(codec) else raw_streams(spec.streams)
+                    payload = stored.encode_streams(kv, streams, len(toks), backend=_backend_for(_device_of(kv)))
+                    dtype, shape, block_codec = spec.layout.dtype, spec.layout.block_shape(len(toks)), stored.STREAMS
+                else:
+                    payload = stored.encode(kv, codec, backend=_backend_for(kv.device))
+                    dtype, shape, block_codec = DType.from_torch(kv.dtype), tuple(kv.shape), codec
                 header = pb.BlockHeader(
-                    tokens=convert.tokens_to_pb(toks), dtype=int(DType.from_torch(kv.dtype)),  # type: ignore[arg-type]
-                    shape=list(kv.shape), payload_nbytes=len(payload), checksum=checksum(payload), codec=codec,
+                    tokens=convert.tokens_to_pb(toks), dtype=int(dtype),  # type: ignore[arg-type]
+                    shape=list(shape), payload_nbytes=len(payload), checksum=checksum(payload), codec=block_codec,
                 )
                 for i, (piece, last) in enumerate(pieces(payload, step)):
                     chunk = pb.BlockChunk(header=header, data=piece, last=last) if i == 0 else \
@@ -376,8 +424,9 @@ class EngramClient:
 
     async def get(self, fingerprint: bytes, keys: Sequence[bytes], *, namespace: str | None = None,
                   decode_on_server: bool = False, device: torch.device | str = "cpu",
-                  zero_copy: bool | None = None) -> list[torch.Tensor]:
-        """Blocks by key, in order, each (persisted_layers, 2, tokens, kv_heads, head_dim) on `device`;
+                  zero_copy: bool | None = None) -> list[Any]:
+        """Blocks by key, in order, each (persisted_layers, 2, tokens, kv_heads, head_dim) on `device` (a stream
+        layout's: a dict of its streams, name -> (persisted_layers, entries, *shape));
         every payload's checksum is verified again on arrival. Encoded blocks travel as stored and are
         decoded here (the Triton kernels on a GPU device), unless decode_on_server.
 
@@ -391,7 +440,7 @@ class EngramClient:
         cuda_ipc = zero_copy and torch.device(device).type == "cuda"
         req = pb.GetRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint, keys=list(keys),
                             decode=decode_on_server, zero_copy=zero_copy, cuda_ipc=cuda_ipc)
-        out: list[torch.Tensor | None] = []
+        out: list[Any] = []
         descriptors: list[tuple[int, pb.BlockDescriptor]] = []
         blocks: Reassembler[pb.BlockHeader] = client_reassembler(lambda h: h.payload_nbytes)
         try:
@@ -421,15 +470,15 @@ class EngramClient:
         return out  # type: ignore[return-value]
 
     def _block(self, header: pb.BlockHeader, data: bytes | torch.Tensor, i: int, device: torch.device | str
-               ) -> torch.Tensor:
+               ) -> stored.BlockKV:
         view = memoryview(data.numpy()) if isinstance(data, torch.Tensor) else memoryview(data)  # type: ignore[arg-type]
         if view.nbytes != header.payload_nbytes or checksum(view) != header.checksum:
             raise errors.DataLoss(f"block {i} arrived damaged (size or checksum mismatch)")
         where = f"block {i}"
-        return stored.decode(data, header.codec, convert.dtype_from_pb(header.dtype, where), tuple(header.shape),
-                             backend=_backend_for(device), device=device, where=where)
+        return stored.decode_block(data, header.codec, convert.dtype_from_pb(header.dtype, where),
+                                   tuple(header.shape), backend=_backend_for(device), device=device, where=where)
 
-    def _copy_out(self, descriptors: list[tuple[int, pb.BlockDescriptor]], out: list[torch.Tensor | None],
+    def _copy_out(self, descriptors: list[tuple[int, pb.BlockDescriptor]], out: list[Any],
                   device: torch.device | str) -> list[int]:
         """Copy described blocks out of the mapped segment into `out`; returns the indices that must be
         fetched as bytes (a reused slot, a damaged copy, or a segment this process cannot map)."""
@@ -512,31 +561,49 @@ class EngramClient:
 
     async def get_prefix(self, fingerprint: bytes, tokens: Sequence[int] | np.ndarray, *,
                          namespace: str | None = None, device: torch.device | str = "cpu"
-                         ) -> tuple[int, torch.Tensor]:
+                         ) -> tuple[int, Any]:
         """The longest cached prefix of `tokens` and its KV, (persisted_layers, 2, matched, kv_heads, head_dim)
-        on `device` (matched = 0 on a miss: an empty tensor of that shape). One round trip; on a GPU the
-        blocks are decoded there (load_prefix_into into a new tensor)."""
-        lay = self._spec(fingerprint).layout
+        on `device` (matched = 0 on a miss: an empty tensor of that shape); a stream layout's: a dict of its
+        streams, name -> (persisted_layers, matched // compress, *shape). One round trip; on a GPU the blocks
+        are decoded there (load_prefix_into into new tensors)."""
+        spec = self._spec(fingerprint)
+        lay = spec.layout
 
-        made: list[ContiguousKV] = []
+        made: list[KVDestination] = []
 
         def make(n: int) -> KVDestination:
-            made.append(ContiguousKV(torch.empty(lay.block_shape(n), dtype=lay.dtype.torch_dtype, device=device)))
+            if lay.has_streams:
+                made.append(StreamsKV(lay.stream_specs, {
+                    s.name: torch.empty(lay.stream_shape(s, n), dtype=s.dtype.torch_dtype, device=device)
+                    for s in lay.stream_specs}))
+            else:
+                made.append(ContiguousKV(torch.empty(lay.block_shape(n), dtype=lay.dtype.torch_dtype, device=device)))
             return made[-1]
 
         result = await self._load_prefix(fingerprint, tokens, make, torch.device(device), namespace, hold=False)
-        return result.matched_tokens, made[0].kv
+        dest = made[0]
+        if isinstance(dest, StreamsKV):
+            return result.matched_tokens, {s.name: t for s, t in zip(dest.streams, dest.tensors, strict=True)}
+        assert isinstance(dest, ContiguousKV)
+        return result.matched_tokens, dest.kv
 
     async def load_prefix_into(self, fingerprint: bytes, tokens: Sequence[int] | np.ndarray,
-                               dest: KVDestination | torch.Tensor, *, namespace: str | None = None) -> LoadResult:
+                               dest: KVDestination | torch.Tensor | Mapping[str, torch.Tensor], *,
+                               namespace: str | None = None) -> LoadResult:
         """The hit path: write the KV of the longest cached prefix of `tokens` into the worker's own KV memory
-        `dest` (engram/destinations.py: ContiguousKV, LayerKV, PagedKV; a (L, 2, T, H, D) tensor is taken as
-        ContiguousKV), up to its capacity. One round trip (GetPrefix): blocks in the daemon's shared pools are
+        `dest` (engram/destinations.py: ContiguousKV, LayerKV, PagedKV, and for a stream layout StreamsKV or
+        PagedStreamsKV; a (L, 2, T, H, D) tensor is taken as ContiguousKV, a mapping of stream name to tensor as
+        StreamsKV), up to its capacity. One round trip (GetPrefix): blocks in the daemon's shared pools are
         copied straight out of them (DMA into a GPU, FP4 decoded there), the rest come as bytes. On a GPU the
         writes are queued on the current stream; the call returns once every copy out of the daemon's pools
         has completed. The blocks' lease ends with this client's next load (no extra round trip), or
         RELEASE_AFTER_S after this one."""
-        target = ContiguousKV(dest) if isinstance(dest, torch.Tensor) else dest
+        if isinstance(dest, torch.Tensor):
+            target: KVDestination = ContiguousKV(dest)
+        elif isinstance(dest, Mapping):
+            target = StreamsKV(self._spec(fingerprint).layout.stream_specs, dest)
+        else:
+            target = dest
         return await self._load_prefix(fingerprint, tokens, lambda n: target, target.device, namespace)
 
     async def _load_prefix(self, fingerprint: bytes, tokens: Sequence[int] | np.ndarray,
@@ -556,7 +623,7 @@ class EngramClient:
         unmapped: list[int] = []  # blocks not described, or in a pool this process cannot map: fetched as bytes
         for i in range(len(header.blocks)):
             d = header.descriptors[i] if i < len(header.descriptors) else None
-            src = self._mapped_source(i, d, device) if d is not None and d.segment_path else None
+            src = self._mapped_source(i, d, device, spec.streams) if d is not None and d.segment_path else None
             if src is None:
                 unmapped.append(i)
             else:
@@ -578,7 +645,7 @@ class EngramClient:
         again = [i for i in again if i * bt < n_tokens]
         if again:  # slots reused during the copy, or a pool this process cannot map: those blocks as bytes
             got = await self._fetch_bytes(fingerprint, [blocks[i].key for i in again], namespace)
-            refetch = [self._bytes_source(i, h, p) for i, (h, p) in zip(again, got, strict=True)]
+            refetch = [self._bytes_source(i, h, p, spec.streams) for i, (h, p) in zip(again, got, strict=True)]
             await asyncio.to_thread(self._loader.load, refetch, dest, block_tokens=bt, n_tokens=n_tokens, stream=stream)
         t2 = time.perf_counter()
         mapped = sum(1 for s in sources if s.payload is None and s.index * bt < n_tokens)
@@ -603,7 +670,8 @@ class EngramClient:
             raise errors.DataLoss(f"Get returned {len(out)} of {len(keys)} blocks")
         return out
 
-    def _mapped_source(self, index: int, d: pb.BlockDescriptor, device: torch.device) -> BlockSource | None:
+    def _mapped_source(self, index: int, d: pb.BlockDescriptor, device: torch.device,
+                       streams: tuple[StreamSpec, ...]) -> BlockSource | None:
         """A descriptor as a loader source: its segment mapped (and registered with CUDA) once per process;
         None when this process cannot map it (another host, container or GPU)."""
         h = d.header
@@ -620,13 +688,16 @@ class EngramClient:
             self._zero_copy_ok = False  # bytes from now on
             return None
         return BlockSource(index, h.codec or stored.RAW, dtype, tuple(h.shape), h.payload_nbytes, segment=seg,
-                           offset=d.offset, generation=d.generation, device_pool=pool)
+                           offset=d.offset, generation=d.generation, device_pool=pool,
+                           streams=streams if stored.is_streams(h.codec) else ())
 
-    def _bytes_source(self, index: int, h: pb.BlockHeader, payload: bytes) -> BlockSource:
+    def _bytes_source(self, index: int, h: pb.BlockHeader, payload: bytes,
+                      streams: tuple[StreamSpec, ...]) -> BlockSource:
         if len(payload) != h.payload_nbytes or checksum(payload) != h.checksum:
             raise errors.DataLoss(f"block {index} arrived damaged (size or checksum mismatch)")
         dtype = convert.dtype_from_pb(h.dtype, f"block {index}")
-        return BlockSource(index, h.codec or stored.RAW, dtype, tuple(h.shape), len(payload), payload=payload)
+        return BlockSource(index, h.codec or stored.RAW, dtype, tuple(h.shape), len(payload), payload=payload,
+                           streams=streams if stored.is_streams(h.codec) else ())
 
     def _ipc_pool(self, c: pb.CudaIpcHandle) -> torch.Tensor:
         """The daemon's HBM pool, opened by CUDA IPC once per process."""

@@ -1,8 +1,9 @@
 """Where a worker wants a cached prefix's KV: its own KV memory, in the layout its attention reads.
 
-The hit path (engram/loader.py) decodes a run of blocks at a time into K and V of shape
-(blocks, L, block_tokens, H, D) (L: the model's persisted layers) and hands each to the destination, which
-writes them in place with as few copies as its layout allows. Three layouts cover the serving stacks:
+The hit path (engram/loader.py) decodes a run of blocks at a time into each stream of the layout (the K/V
+layout's: K and V of shape (blocks, L, block_tokens, H, D), L the model's persisted layers; a stream layout's:
+(blocks, L, entries per block, *entry shape)) and hands each to the destination, which writes it in place with as
+few copies as its layout allows. Five layouts cover the serving stacks:
 
 - `ContiguousKV`: one tensor (L, 2, T, H, D), any strides: what `EngramClient.get_prefix` returns, and a worker
   that keeps its KV as one buffer. One strided copy per stream per run of blocks.
@@ -11,6 +12,11 @@ writes them in place with as few copies as its layout allows. Three layouts cove
 - `PagedKV`: per layer K and V pages (num_pages, page_tokens, H, D) and a block table mapping the request's
   logical pages to physical ones, as vLLM's paged KV cache (page_tokens must divide block_tokens). One
   index_copy_ per layer and stream.
+- `PagedStreamsKV`: a stream layout's streams in paged caches, per stream and layer pages (num_pages,
+  page_tokens, *shape) and a block table: vLLM's MLA cache (one latent a token). One index_copy_ per layer.
+- `StreamsKV`: a stream layout's streams, one tensor (L, entries, *shape) each, any strides: what get_prefix
+  returns for a stream layout, and a worker that keeps a stream in one buffer (the transformers integration's
+  MLA latent). One strided copy per stream per run of blocks.
 
 Writes run on the caller's current CUDA stream, so the worker's own kernels that read the KV afterwards are
 ordered after them without a host synchronisation.
@@ -18,13 +24,14 @@ ordered after them without a host synchronisation.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from engram.errors import InvalidArgument
+from engram.layout import StreamSpec
 
 
 class KVDestination(Protocol):
@@ -37,8 +44,10 @@ class KVDestination(Protocol):
         ...
 
     def write(self, stream: int, data: Tensor, start: int, n_tokens: int) -> None:
-        """Write tokens [start, start + n_tokens) of stream 0 (K) or 1 (V). data: (blocks, L, block_tokens, H, D),
-        covering start onward; only its first n_tokens tokens (in block order) are written."""
+        """Write entries [start, start + n_tokens) of stream `stream` of the layout (the K/V layout: 0 K, 1 V).
+        data: (blocks, L, entries per block, *entry shape) ((blocks, L, block_tokens, H, D) for K and V),
+        covering start onward; only its first n_tokens entries (in block order) are written. An entry is a token
+        except in a compressed stream (engram.layout.StreamSpec.compress)."""
         ...
 
 
@@ -106,7 +115,26 @@ class LayerKV:
                 part.copy_(src.reshape(blocks * bt, heads, dim)[:n_tokens])
 
 
-class PagedKV:
+class _Paged:
+    """Per-layer pages of each stream, and the request's block table (page i of the request is table[i])."""
+
+    streams: Sequence[Sequence[Tensor]]
+    page_tokens: int
+    table: Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.streams[0][0].device
+
+    @property
+    def capacity_tokens(self) -> int:
+        return int(self.table.numel()) * self.page_tokens
+
+    def write(self, stream: int, data: Tensor, start: int, n_tokens: int) -> None:
+        _write_pages(self.streams[stream], self.table, self.page_tokens, data, start, n_tokens)
+
+
+class PagedKV(_Paged):
     """Per layer, K and V pages (num_pages, page_tokens, H, D), and the request's block table: logical page i
     of the request is physical page block_table[i]."""
 
@@ -119,30 +147,96 @@ class PagedKV:
                                   f"got {shapes}")
         self.streams = (list(k), list(v))
         self.page_tokens = int(k[0].shape[1])
-        table = torch.as_tensor(block_table, dtype=torch.int64)
-        if table.dim() != 1 or (table.numel() and (int(table.min()) < 0 or int(table.max()) >= k[0].shape[0])):
-            raise InvalidArgument(f"block_table must name pages in [0, {k[0].shape[0]}), got {table.tolist()[:8]}...")
-        self.table = table.to(k[0].device)
+        self.table = _page_table(block_table, k[0])
+
+
+def _page_table(block_table: Sequence[int] | Tensor, pages: Tensor) -> Tensor:
+    table = torch.as_tensor(block_table, dtype=torch.int64)
+    if table.dim() != 1 or (table.numel() and (int(table.min()) < 0 or int(table.max()) >= pages.shape[0])):
+        raise InvalidArgument(f"block_table must name pages in [0, {pages.shape[0]}), got {table.tolist()[:8]}...")
+    return table.to(pages.device)
+
+
+def _write_pages(layers: Sequence[Tensor], table: Tensor, pt: int, data: Tensor, start: int, n_tokens: int) -> None:
+    """Entries [start, start + n_tokens) of data (blocks, L, per_block, *shape) into per-layer pages (num_pages,
+    pt, *shape) through the block table: one index_copy_ per layer for the whole pages, the rest row by row."""
+    blocks, _, per_block = data.shape[:3]
+    entry = tuple(data.shape[3:])
+    if start % pt:
+        raise InvalidArgument(f"page_tokens={pt} must divide the model's block_tokens (a run starts at {start})")
+    whole = n_tokens // pt  # whole pages; a partial last page is written row by row
+    first = start // pt
+    rest = n_tokens - whole * pt
+    for layer, pages in enumerate(layers):
+        src = data[:, layer].reshape(blocks * per_block, *entry)
+        if whole:
+            pages.index_copy_(0, table[first : first + whole], src[: whole * pt].view(whole, pt, *entry))
+        if rest:
+            pages[int(table[first + whole]), :rest].copy_(src[whole * pt : n_tokens])
+
+
+class StreamsKV:
+    """A stream layout's streams (engram.layout.StreamSpec, in the layout's order), one tensor (L, entries,
+    *shape) each, any strides."""
+
+    def __init__(self, streams: Sequence[StreamSpec], tensors: Mapping[str, Tensor]) -> None:
+        names = [s.name for s in streams]
+        if set(tensors) != set(names):
+            raise InvalidArgument(f"StreamsKV needs one tensor per stream {names}, got {sorted(tensors)}")
+        self.streams = tuple(streams)
+        self.tensors = [tensors[s.name] for s in self.streams]
+        for s, t in zip(self.streams, self.tensors, strict=True):
+            if t.dim() != 2 + len(s.shape) or tuple(t.shape[2:]) != s.shape or t.dtype != s.dtype.torch_dtype:
+                raise InvalidArgument(f"stream {s.name}: a (layers, entries, {', '.join(map(str, s.shape))}) "
+                                      f"{s.dtype.torch_dtype} tensor, got {tuple(t.shape)} {t.dtype}")
+        devices = {t.device for t in self.tensors}
+        if len(devices) != 1:
+            raise InvalidArgument(f"every stream's tensor must be on one device, got {sorted(map(str, devices))}")
 
     @property
     def device(self) -> torch.device:
-        return self.streams[0][0].device
+        return self.tensors[0].device
 
     @property
     def capacity_tokens(self) -> int:
-        return int(self.table.numel()) * self.page_tokens
+        # tokens whose entries fit: T tokens make T // compress entries of a compressed stream
+        return min((int(t.shape[1]) + 1) * s.compress - 1 for s, t in zip(self.streams, self.tensors, strict=True))
 
     def write(self, stream: int, data: Tensor, start: int, n_tokens: int) -> None:
-        blocks, _, bt, heads, dim = data.shape
-        pt = self.page_tokens
-        if start % pt:
-            raise InvalidArgument(f"page_tokens={pt} must divide the model's block_tokens (a run starts at {start})")
-        whole = n_tokens // pt  # whole pages; a partial last page is written row by row
-        first = start // pt
-        rest = n_tokens - whole * pt
-        for layer, pages in enumerate(self.streams[stream]):
-            src = data[:, layer].reshape(blocks * bt, heads, dim)
-            if whole:
-                pages.index_copy_(0, self.table[first : first + whole], src[: whole * pt].view(whole, pt, heads, dim))
-            if rest:
-                pages[int(self.table[first + whole]), :rest].copy_(src[whole * pt : n_tokens])
+        blocks, layers, per_block = data.shape[:3]
+        target = self.tensors[stream][:, start : start + n_tokens]  # (L, n, *shape)
+        if n_tokens == blocks * per_block:
+            # (L, blocks, per_block, *shape) view of the target: one copy, whatever the source's strides.
+            target.view(layers, blocks, per_block, *data.shape[3:]).copy_(data.transpose(0, 1))
+        else:
+            target.copy_(data.transpose(0, 1).reshape(layers, blocks * per_block, *data.shape[3:])[:, :n_tokens])
+
+
+class PagedStreamsKV(_Paged):
+    """A stream layout's streams in paged caches: per stream, per layer pages (num_pages, page_tokens, *shape),
+    and the request's block table, as PagedKV's. vLLM's MLA cache is one such stream: a 576-wide latent a token
+    (engram/integrations/vllm). Streams compressed over tokens are not paged this way (their entries are not
+    the pages' tokens)."""
+
+    def __init__(self, streams: Sequence[StreamSpec], pages: Mapping[str, Sequence[Tensor]],
+                 block_table: Sequence[int] | Tensor) -> None:
+        names = [s.name for s in streams]
+        if set(pages) != set(names):
+            raise InvalidArgument(f"PagedStreamsKV needs pages for every stream {names}, got {sorted(pages)}")
+        self.streams = [list(pages[s.name]) for s in streams]
+        first = self.streams[0][0] if self.streams[0] else None
+        if first is None or first.dim() < 3:
+            raise InvalidArgument("PagedStreamsKV needs per-layer pages (num_pages, page_tokens, *shape) per stream")
+        self.page_tokens = int(first.shape[1])
+        for s, layers in zip(streams, self.streams, strict=True):
+            if s.compress != 1:
+                raise InvalidArgument(f"stream {s.name} is compressed {s.compress}:1; paged caches hold one entry a "
+                                      "token")
+            want = (first.shape[0], self.page_tokens, *s.shape)
+            bad = [tuple(t.shape) for t in layers if tuple(t.shape) != want or t.dtype != s.dtype.torch_dtype]
+            if not layers or bad or len(layers) != len(self.streams[0]):
+                raise InvalidArgument(f"stream {s.name}: every layer's pages must be {want} {s.dtype.torch_dtype}, "
+                                      f"as many layers as the other streams; got {bad or len(layers)}")
+            if {t.device for t in layers} != {first.device}:
+                raise InvalidArgument(f"stream {s.name}: every stream's pages must be on one device")
+        self.table = _page_table(block_table, first)

@@ -11,7 +11,9 @@ On a GPU the blocks go in runs of up to `chunk_bytes`: the copy engine moves run
 a side stream) while the current stream decodes run i (engram/codec/batched.py: one launch per payload and
 run) and writes it into the destination; a ring of staging buffers and events keeps the two in step, with no
 host synchronisation until the end. Raw blocks need no decode: the staged run is viewed as (blocks, L, 2, T,
-H, D) and written. On the CPU the same writes read straight from the mapping, one pass.
+H, D) and written. On the CPU the same writes read straight from the mapping, one pass. A stream layout's v2
+blocks go stream by stream: one launch per quantized stream and run, a raw stream written from a view of the
+staged bytes, and each stream handed to the destination (engram/codec/batched.py decode_streams).
 
 Integrity: the daemon verified each block's checksum when it was stored and leases the described slots
 against reuse; the loader checks each pool slot's page generations before it copies and again once the DMA of
@@ -31,7 +33,7 @@ from torch import Tensor
 
 from engram.codec import batched, stored
 from engram.destinations import KVDestination
-from engram.layout import DType
+from engram.layout import DType, StreamSpec
 from engram.segment import SegmentReader
 
 log = logging.getLogger("engram.loader")
@@ -48,13 +50,14 @@ class BlockSource:
     index: int  # its position in the prefix
     codec: str
     dtype: DType
-    shape: tuple[int, ...]  # (L, 2, T, H, D)
+    shape: tuple[int, ...]  # (L, 2, T, H, D); a stream layout's: (L, streams, T)
     nbytes: int
     segment: MappedSegment | None = None  # a slot of a shared pool...
     offset: int = 0
     generation: int = 0
     device_pool: Tensor | None = None  # ... or of an HBM pool opened by CUDA IPC ...
     payload: bytes | Tensor | None = None  # ... or its bytes
+    streams: tuple[StreamSpec, ...] = ()  # a stream layout's block (codec "streams"): its streams, codecs resolved
 
     @property
     def tokens(self) -> int:
@@ -114,6 +117,18 @@ def _host_view(src: BlockSource) -> Tensor:
 def _raw_view(buf: Tensor, n: int, shape: tuple[int, ...], dtype: DType) -> Tensor:
     """n raw blocks back to back in buf: (n, L, 2, T, H, D)."""
     return buf.view(dtype.torch_dtype)[: n * _numel(shape)].view(n, *shape)
+
+
+def _one_buffer(run: list[BlockSource], bufs: list[Tensor] | None, staged: Tensor | None,
+                offsets: list[int] | None) -> tuple[Tensor, list[int]]:
+    """A run's blocks in one buffer, with their byte offsets in it: the staging buffer as it is, or the blocks'
+    own buffers concatenated (back to back)."""
+    if staged is None:
+        assert bufs is not None
+        staged = torch.cat(bufs) if len(bufs) > 1 else bufs[0]
+        offsets = [i * run[0].nbytes for i in range(len(run))]
+    assert offsets is not None
+    return staged, offsets
 
 
 def _device_offsets(offsets: list[int], device: torch.device) -> Tensor:
@@ -196,6 +211,13 @@ class PrefixLoader:
         first = run[0]
         start = first.index * block_tokens
         count = min(n_tokens, start + len(run) * first.tokens) - start
+        if stored.is_streams(first.codec):
+            parts = self._decode_streams(run, bufs, backend, staged, offsets)
+            for i, (st, data) in enumerate(zip(first.streams, parts, strict=True)):
+                e0, e1 = start // st.compress, (start + count) // st.compress
+                if e1 > e0:
+                    dest.write(i, data, e0, e1 - e0)
+            return
         if stored.is_raw(first.codec):
             if bufs is None:
                 assert staged is not None and offsets is not None
@@ -226,11 +248,7 @@ class PrefixLoader:
         except ValueError:
             plan = None  # a partial block, or groups that do not tile it: one block at a time
         if plan is not None:
-            if staged is None:
-                assert bufs is not None
-                staged = torch.cat(bufs) if len(bufs) > 1 else bufs[0]
-                offsets = [i * first.nbytes for i in range(len(run))]
-            assert offsets is not None
+            staged, offsets = _one_buffer(run, bufs, staged, offsets)
             return batched.decode_blocks(staged, _device_offsets(offsets, staged.device), plan, backend=backend)
         if bufs is None:
             assert staged is not None and offsets is not None
@@ -240,6 +258,28 @@ class PrefixLoader:
         kv = torch.stack([stored.decode(b.cpu(), s.codec, s.dtype, s.shape, backend=backend, device=device,
                                         where=f"block {s.index}") for b, s in zip(bufs, run, strict=True)])
         return kv[:, :, 0], kv[:, :, 1]
+
+    @staticmethod
+    def _decode_streams(run: list[BlockSource], bufs: list[Tensor] | None, backend: str, staged: Tensor | None,
+                        offsets: list[int] | None) -> list[Tensor]:
+        """Each stream of a run of v2 blocks: (blocks, L, entries, *shape), in the layout's stream order."""
+        first = run[0]
+        try:
+            plan = batched.streams_plan(first.streams, first.shape[0], first.tokens)
+        except ValueError:
+            plan = None  # groups that do not tile a stream: one block at a time
+        if plan is not None:
+            staged, offsets = _one_buffer(run, bufs, staged, offsets)
+            return batched.decode_streams(staged, offsets, _device_offsets(offsets, staged.device), plan,
+                                          backend=backend)
+        if bufs is None:
+            assert staged is not None and offsets is not None
+            bufs = [staged.narrow(0, o, s.nbytes) for o, s in zip(offsets, run, strict=True)]
+        device = bufs[0].device
+        # v2 headers are parsed on the host: a partial block's bytes (a few MiB at most) go there first.
+        blocks = [stored.decode_block(b.cpu(), s.codec, s.dtype, s.shape, backend=backend, device=device,
+                                      where=f"block {s.index}") for b, s in zip(bufs, run, strict=True)]
+        return [torch.stack([b[s.name] for b in blocks]) for s in first.streams]  # type: ignore[index]
 
     # ---- the GPU pipeline -------------------------------------------------------------------------------
 

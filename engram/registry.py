@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from engram.errors import NotFound
+from engram.errors import InvalidArgument, NotFound
 from engram.layout import ModelSpec
 from engram.private import FILE_MODE, private_dir
 
@@ -49,6 +49,12 @@ class ModelRegistry:
         from engram.codec.base import codec_by_name
 
         codec_by_name(spec.codec)  # an unknown codec is InvalidArgument
+        for stream in (*spec.layout.streams, *spec.layout.window_streams):
+            if stream.codec:
+                try:
+                    codec_by_name(stream.codec)
+                except InvalidArgument as exc:
+                    raise InvalidArgument(f"stream {stream.name}: {exc}") from None
         fp = spec.fingerprint
         if fp not in self._models:
             if self._dir is not None:

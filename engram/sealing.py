@@ -8,7 +8,8 @@ re-import the daemon's main module (torch, the CLI) in every helper. This module
 
 For a v1 block (a quantizing codec) a helper also checks the header the client wrote against what was
 reserved, then writes the body's checksum and the header's own (engram/codec/blockformat.py's layout) before it
-takes the payload's. On a small host, or where helpers cannot start, the same function runs in a thread.
+takes the payload's; likewise for a v2 block (a stream layout's, engram/codec/streamformat.py), whose reserved
+header (stream records included) it compares byte for byte. On a small host, or where helpers cannot start, the same function runs in a thread.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ import xxhash
 # blockformat's v1 header: fields (48 bytes), then the header's checksum (8); the body follows.
 _FIELDS = struct.Struct("<4sBBBBBBH5IQQ")
 HEADER_LEN = _FIELDS.size + 8
+# streamformat's v2 header: 32 fixed bytes (the body checksum at 24), 32 per stream (their count at byte 5), the
+# header's checksum (8), zero padding to the body.
+_V2_BODY_CHECKSUM_AT = 24
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class SealTask:
     offset: int  # of the block in the segment's data area
     length: int
     v1: tuple[int, ...] | None  # a v1 block: its header fields as reserved, magic as int, checksums left out
+    v2: str | None = None  # a v2 block: its header as reserved (hex), both checksums zero, padded to the body
 
 
 def _map_pool(path: str, data_offset: int) -> memoryview:
@@ -54,12 +59,21 @@ def seal(data: memoryview, task: SealTask) -> int | str:
     """The payload's checksum, after sealing a v1 header; or a message saying what is wrong. data: the
     pool's data area (a helper's own mapping, or the daemon's)."""
     buf = data[task.offset : task.offset + task.length]
-    if task.v1 is not None:
+    if task.v2 is not None:
+        want = bytes.fromhex(task.v2)
+        head_ck_at = 32 + 32 * want[5]
+        got = bytearray(buf[: len(want)])
+        got[_V2_BODY_CHECKSUM_AT : _V2_BODY_CHECKSUM_AT + 8] = bytes(8)  # whatever checksums the worker wrote
+        got[head_ck_at : head_ck_at + 8] = bytes(8)
+        if len(buf) < len(want) or bytes(got) != want:
+            return "the bytes written are not the block that was reserved (its v2 header differs)"
+        struct.pack_into("<Q", buf, _V2_BODY_CHECKSUM_AT, xxhash.xxh3_64_intdigest(buf[len(want):]))
+        struct.pack_into("<Q", buf, head_ck_at, xxhash.xxh3_64_intdigest(buf[:head_ck_at]))
+    elif task.v1 is not None:
         if len(buf) < HEADER_LEN:
             return "too short for a v1 block"
         fields = _FIELDS.unpack_from(buf)
-        got = (int.from_bytes(fields[0], "little"), *fields[1:-1])
-        if got != tuple(task.v1):
+        if (int.from_bytes(fields[0], "little"), *fields[1:-1]) != tuple(task.v1):
             return "the bytes written are not the block that was reserved (write v1 blocks with zero checksums)"
         struct.pack_into("<Q", buf, _FIELDS.size - 8, xxhash.xxh3_64_intdigest(buf[HEADER_LEN:]))
         struct.pack_into("<Q", buf, _FIELDS.size, xxhash.xxh3_64_intdigest(buf[: _FIELDS.size]))
@@ -67,12 +81,12 @@ def seal(data: memoryview, task: SealTask) -> int | str:
 
 
 def _serve(path: str, data_offset: int) -> None:
-    """A helper's loop: one task a line in ([offset, length, v1 or null]), one result a line out."""
+    """A helper's loop: one task a line in ([offset, length, v1 or null, v2 or null]), one result a line out."""
     data = _map_pool(path, data_offset)
     print("ready", flush=True)
     for line in sys.stdin:
-        offset, length, v1 = json.loads(line)
-        print(json.dumps(seal(data, SealTask(offset, length, v1))), flush=True)
+        offset, length, v1, v2 = json.loads(line)
+        print(json.dumps(seal(data, SealTask(offset, length, v1, v2))), flush=True)
 
 
 class _Helper:
@@ -83,7 +97,7 @@ class _Helper:
     async def run(self, task: SealTask) -> int | str:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         async with self.lock:
-            self.proc.stdin.write((json.dumps([task.offset, task.length, task.v1]) + "\n").encode())
+            self.proc.stdin.write((json.dumps([task.offset, task.length, task.v1, task.v2]) + "\n").encode())
             await self.proc.stdin.drain()
             line = await self.proc.stdout.readline()
         if not line:

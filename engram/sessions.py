@@ -72,6 +72,9 @@ class Window:
 
     def validate(self, spec: ModelSpec, where: str = "window") -> None:
         lay = spec.layout
+        if lay.has_streams:
+            raise FailedPrecondition(f"{where}: windows of a stream layout's model are not persisted yet (their "
+                                     "sliding layers' KV has no fixed K/V shape here); keep the window in the worker")
         sliding = [layer for layer in lay.layers if layer.kind == LayerKind.SLIDING]
         w = sliding[0].window if sliding else 1
         rows = min(self.prefix_len, w - 1)

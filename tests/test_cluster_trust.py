@@ -164,6 +164,42 @@ async def test_redis_with_a_password(redis_port: int, daemon_factory: Any, monke
         proc.wait()
 
 
+async def test_a_stream_layouts_blocks_cross_daemons_under_the_mac(redis_port: int, daemon_factory: Any) -> None:
+    """A stream layout's v2 blocks (an MLA latent in nvfp4, indexer keys in fp8) fetched from a peer: the MAC
+    covers the codec their header names ("streams"), and B serves what A stored, bit for bit."""
+    from engram.layout import KVLayout, LayerKind, LayerSpec, ModelSpec, StreamSpec
+
+    proc = start_redis(redis_port, "--requirepass", PASSWORD, password=PASSWORD)
+    url = f"redis://:{PASSWORD}@127.0.0.1:{redis_port}/0"
+    try:
+        a = await daemon_factory("a", **{"cluster.redis_url": url})
+        b = await daemon_factory("b", **{"cluster.redis_url": url})
+        layout = KVLayout((LayerSpec(LayerKind.GLOBAL),) * 2, block_tokens=BLOCK_TOKENS, streams=(
+            StreamSpec("latent", (80,)), StreamSpec("index_k", (32,), codec="fp8_e4m3")))
+        spec = ModelSpec("tiny-mla", "seed-0", layout, "nvfp4")
+        toks = tokens(3 * BLOCK_TOKENS, seed=8)  # full blocks: peers serve those
+        g = torch.Generator().manual_seed(8)
+        data = {s.name: torch.randn(layout.stream_shape(s, len(toks)), generator=g).bfloat16()
+                for s in layout.stream_specs}
+        async with EngramClient(a.address, namespace="ns") as ca, EngramClient(b.address, namespace="ns") as cb:
+            fp = await ca.register_model(spec)
+            await cb.register_model(spec)
+            await until(lambda: _ok(a, b), "both daemons joined")
+            await ca.put(fp, toks, data)
+            _, stored = await ca.get_prefix(fp, toks)
+
+            async def b_hits() -> bool:
+                return (await cb.lookup(fp, toks)).matched_tokens == len(toks)
+
+            await until(b_hits, "daemon B serves the stream blocks daemon A stored")
+            n, got = await cb.get_prefix(fp, toks)
+            assert n == len(toks) and all(torch.equal(got[k], stored[k]) for k in stored)
+            assert (await cb.stats()).cluster.remote_hits > 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def _openssl(*args: str) -> None:
     subprocess.run(["openssl", *args], check=True, capture_output=True, env={**os.environ, "OPENSSL_CONF": "/dev/null"})
 

@@ -1,6 +1,7 @@
 """docs/FORMAT.md is enough to read an NVMe tier directory: a minimal reader written from that page alone
 (struct, xxhash, lz4; nothing from engram) parses the block files and the index journal a real store wrote,
-and gets back exactly the tokens and bytes that were put. Blocks of any header size recover after a
+and gets back exactly the tokens and bytes that were put; extended by the "Block format v2" section alone, it
+parses a stream layout's blocks too. Blocks of any header size recover after a
 restart (a 16K-token block's tokens alone are 64 KiB, which recovery used to cut off and delete)."""
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import torch
 import xxhash
 
 from engram.block import BlockHeader, checksum
-from engram.codec.stored import RAW, encode
+from engram.codec.fp4_reference import CODECS
+from engram.codec.stored import RAW, encode, encode_streams
+from engram.codec.streamformat import raw_streams
 from engram.config import load_config
 from engram.keys import root_key
-from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
+from engram.layout import Axis, DType, KVLayout, LayerKind, LayerSpec, ModelSpec, StreamSpec
 from engram.server.app import build_store
 from engram.store import BlockStore
 
@@ -60,6 +63,57 @@ def read_block_file(path: Path) -> dict[str, object]:
     return {"key": key, "parent": parent, "fingerprint": fingerprint, "namespace": namespace, "dtype": dtype,
             "full": bool(full), "shape": shape, "tokens": list(toks), "payload": payload, "compressed": bool(flags & 1),
             "header": data[: 48 + meta_len]}
+
+
+# docs/FORMAT.md, "Block format v2": a stream layout's block, the payload of a block file whose shape has ndim 3.
+CODEC_NAMES = {0: "raw", 1: "fp8_e4m3", 2: "nvfp4", 3: "mxfp4"}
+ITEMSIZE = {1: 2, 2: 2, 3: 4}
+
+
+def _pad(n: int, g: int) -> int:
+    return -(-n // g) * g
+
+
+def read_v2_block(blob: bytes) -> dict[str, dict[str, object]]:
+    """Each stream's record fields and payload bytes, with every size and checksum checked."""
+    magic, version, count, reserved, tokens, reserved2, body_len, body_ck = struct.unpack_from("<4sBBHIIQQ", blob, 0)
+    assert magic == b"EGKV" and version == 2 and 1 <= count <= 16 and reserved == reserved2 == 0
+    head_end = 32 + 32 * count
+    (head_ck,) = struct.unpack_from("<Q", blob, head_end)
+    assert xxhash.xxh3_64_intdigest(blob[:head_end]) == head_ck, "header checksum"
+    body_at = _pad(head_end + 8, 16)
+    assert blob[head_end + 8 : body_at] == bytes(body_at - head_end - 8), "zero padding before the body"
+    assert len(blob) == body_at + body_len and xxhash.xxh3_64_intdigest(blob[body_at:]) == body_ck, "body"
+    out, at = {}, body_at
+    for i in range(count):
+        name, codec_id, axis, dtype, ndim, layers, entries, *dims = struct.unpack_from("<8sBBBBII3I", blob, 32 + 32 * i)
+        assert 1 <= ndim <= 3 and all(dims[:ndim]) and not any(dims[ndim:])
+        shape = tuple(dims[:ndim])
+        width = 1
+        for d in shape:
+            width *= d
+        codec = CODEC_NAMES[codec_id]
+        if axis == 0:  # channel: the tensor transposed to (layers, width, entries)
+            rows, cols = layers * width, entries
+        else:  # token: as it lies
+            rows, cols = layers * entries * width // shape[-1], shape[-1]
+        if rows * cols == 0:
+            nbytes = 0
+        elif codec == "raw":
+            nbytes = layers * entries * width * ITEMSIZE[dtype]
+        elif codec == "fp8_e4m3":
+            nbytes = 4 + rows * cols
+        elif codec == "nvfp4":
+            nbytes = 4 + rows * (_pad(cols, 16) // 16 + _pad(cols, 16) // 2)
+        else:
+            nbytes = rows * (_pad(cols, 32) // 32 + _pad(cols, 32) // 2)
+        at = _pad(at, 16)
+        out[name.rstrip(b"\0").decode("ascii")] = {"codec": codec, "axis": axis, "dtype": dtype, "layers": layers,
+                                                   "entries": entries, "shape": shape, "matrix": (rows, cols),
+                                                   "payload": blob[at : at + nbytes], "tokens": tokens}
+        at += nbytes
+    assert at == len(blob), "the last stream ends the block"
+    return out
 
 
 def read_journal_file(path: Path, magic: bytes) -> tuple[int, list[tuple[int, bytes]]]:
@@ -187,3 +241,65 @@ async def test_blocks_with_headers_over_64_kib_survive_a_restart(tmp_path: Path,
         assert report.ok and report.valid == 6, report.findings  # 3 files, and the 3 copies the reads promoted
     finally:
         await store.close()
+
+
+def stream_model() -> ModelSpec:
+    """Every form a v2 block's streams take: a token-axis nvfp4 latent, channel-axis mxfp4 K of (2, 16), an fp8
+    indexer key compressed 4:1, an exact fp32 stream; two persisted layers of three (one SHARED)."""
+    layout = KVLayout(layers=(LayerSpec(LayerKind.GLOBAL), LayerSpec(LayerKind.SHARED), LayerSpec(LayerKind.GLOBAL)),
+                      block_tokens=16, streams=(
+                          StreamSpec("latent", (40,), DType.BF16, "nvfp4"),
+                          StreamSpec("k", (2, 16), DType.BF16, "mxfp4", Axis.CHANNEL),
+                          StreamSpec("index_k", (24,), DType.BF16, "fp8_e4m3", Axis.TOKEN, compress=4),
+                          StreamSpec("exact", (3,), DType.FP32, "raw")))
+    return ModelSpec(name="reader-streams", weights_id="w", layout=layout, codec="nvfp4")
+
+
+async def test_a_reader_written_from_format_md_reads_v2_blocks(tmp_path: Path) -> None:
+    """The same reader, extended by FORMAT.md's v2 section alone, parses a stream layout's blocks from the block
+    files (ndim 3, a v2 payload): record fields, payload places and sizes from the formulas, both checksums;
+    a raw stream's bytes are what was put, and a quantized stream's are the codec's payload of the matrix the
+    page describes for its axis (channel: transposed)."""
+    store = await open_store(tmp_path)
+    spec = stream_model()
+    store.registry.register(spec)
+    lay = spec.layout
+    toks = tokens(2 * 16 + 3, seed=4)  # two full blocks and a 3-token tail: the 4:1 stream has no entry there
+    gen = torch.Generator().manual_seed(4)
+    data = {s.name: torch.randn(lay.stream_shape(s, len(toks)), generator=gen).to(s.dtype.torch_dtype)
+            for s in lay.stream_specs}
+    parent = root_key(NS, spec.fingerprint)
+    keys = []
+    for i, start in enumerate(range(0, len(toks), 16)):
+        t = toks[start : start + 16]
+        block = {s.name: data[s.name][:, start // s.compress : (start + len(t)) // s.compress] for s in spec.streams}
+        payload = encode_streams(block, raw_streams(spec.streams), len(t))  # raw: the daemon encodes each stream
+        header = BlockHeader(t, DType.BF16, lay.block_shape(len(t)), len(payload), checksum(payload), codec="streams")
+        parent = (await store.put(NS, spec.fingerprint, parent, header, payload, index=i)).key
+        keys.append(parent)
+    await store.close()
+
+    read = {r["key"]: r for r in map(read_block_file, sorted((tmp_path / "blocks").rglob("*.blk")))}
+    assert sorted(read) == sorted(keys)
+    quantize = {name: CODECS[name][0] for name in ("nvfp4", "mxfp4", "fp8_e4m3")}
+    for i, key in enumerate(keys):
+        r = read[key]
+        n = len(r["tokens"])  # type: ignore[arg-type]
+        assert r["shape"] == (2, 4, n) and r["payload"][:5] == b"EGKV\x02"  # type: ignore[index]
+        streams = read_v2_block(r["payload"])  # type: ignore[arg-type]
+        assert list(streams) == ["latent", "k", "index_k", "exact"]
+        for s in spec.streams:
+            got = streams[s.name]
+            start, entries = i * 16 // s.compress, n // s.compress
+            x = data[s.name][:, start : start + entries]
+            assert (got["codec"], got["layers"], got["entries"], got["shape"], got["tokens"]) == \
+                (s.codec, 2, entries, s.shape, n)
+            if s.codec == "raw":
+                assert got["payload"] == x.contiguous().view(torch.uint8).numpy().tobytes()
+                continue
+            if not entries:
+                assert got["payload"] == b""
+                continue
+            rows, cols = got["matrix"]  # type: ignore[misc]
+            m = x.reshape(2, entries, -1).permute(0, 2, 1) if s.axis == Axis.CHANNEL else x
+            assert got["payload"] == quantize[s.codec](m.reshape(rows, cols).contiguous(), name=s.name).to_bytes()

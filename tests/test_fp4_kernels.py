@@ -255,6 +255,51 @@ def test_batched_decode_of_blocks_at_offsets_matches_reference(fmt: str) -> None
     check_batched(fmt, (2, 2, 32, 2, 32), 3, "cpu", SEED + 11)
 
 
+def check_batched_streams(widths: tuple[int, int, int], layers: int, tokens: int, n: int, device: str, seed: int) -> None:
+    """A stream layout's v2 blocks (a latent per token, indexer keys compressed 4:1, K grouped per channel, a raw
+    stream) decoded and encoded by the batched kernels, one launch per stream and run: identical bits and bytes to
+    the reference, at uneven offsets (as in a pool) and evenly spaced ones (a staging buffer)."""
+    from engram.codec import batched, streamformat
+    from engram.layout import Axis, DType, StreamSpec
+
+    latent, index, heads = widths
+    streams = (StreamSpec("latent", (latent,), DType.BF16, "nvfp4"),
+               StreamSpec("index_k", (index,), DType.BF16, "fp8_e4m3", compress=4),
+               StreamSpec("k", (heads, 32), DType.FP16, "mxfp4", Axis.CHANNEL),
+               StreamSpec("exact", (3,), DType.FP32, "raw"))
+    g = torch.Generator().manual_seed(seed)
+    datas = [{s.name: (torch.randn(layers, s.entries(tokens), *s.shape, generator=g) * 3).to(s.dtype.torch_dtype)
+              for s in streams} for _ in range(n)]
+    blobs = [streamformat.encode(d, streams, tokens) for d in datas]
+    plan = batched.streams_plan(streams, layers, tokens)
+    step = -(-plan.nbytes // 256) * 256
+    for offsets in ([3 + i * (plan.nbytes + 37) for i in range(n)], [i * step for i in range(n)]):
+        buf = bytearray(offsets[-1] + plan.nbytes)
+        for off, blob in zip(offsets, blobs, strict=True):
+            buf[off : off + len(blob)] = blob
+        src = torch.frombuffer(buf, dtype=torch.uint8).to(device)
+        dev_offsets = torch.tensor(offsets, dtype=torch.int64, device=device)
+        got = batched.decode_streams(src, offsets, dev_offsets, plan, backend="triton")
+        for b, blob in enumerate(blobs):
+            want = streamformat.decode(blob)
+            for s, part in zip(streams, got, strict=True):
+                assert_same(part[b].cpu(), want[s.name], f"stream {s.name} block {b} (batched, offsets {offsets[:2]})")
+    dst = torch.zeros(n * step, dtype=torch.uint8, device=device)
+    stacked = [torch.stack([d[s.name] for d in datas]).to(device) for s in streams]
+    bad = batched.encode_streams(stacked, plan, dst, torch.arange(n, device=device) * step, backend="triton")
+    assert not bool(bad)
+    head = len(streamformat.unsealed_header(plan.fmt))
+    for b, blob in enumerate(blobs):
+        got_bytes = bytes(dst[b * step : b * step + len(blob)].cpu().numpy())
+        assert got_bytes[head:] == blob[head:], f"block {b}: batched encode differs from the reference"
+        assert got_bytes[:head] == streamformat.unsealed_header(plan.fmt)
+
+
+@cpu
+def test_batched_streams_match_reference() -> None:
+    check_batched_streams((80, 32, 2), 2, 32, 3, "cpu", SEED + 13)
+
+
 @pytest.mark.skipif(fp4.INTERPRETED, reason="the CPU tests ran in this process, in interpreter mode")
 def test_cpu_tests_in_subprocess() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -267,6 +312,11 @@ def test_cpu_tests_in_subprocess() -> None:
 
 
 # --- GPU: every configuration, larger inputs ----------------------------------------------------------
+
+
+@on_gpu
+def test_gpu_batched_streams_of_deepseek_widths_match_reference() -> None:
+    check_batched_streams((576, 128, 8), 4, 256, 5, "cuda", SEED + 17)
 
 
 @on_gpu

@@ -1,9 +1,10 @@
 """Engram as a transformers model's prefix cache, against a real daemon, with tiny random-weight Llama, Qwen3,
-gpt-oss and Gemma 3 models saved with save_pretrained: one session stores its KV, the worker process is
-replaced (a fresh process loads the model from its directory), and a second session sharing a long prefix
-loads it and prefills only the rest. Greedy generation is token-identical with and without Engram (raw
-codec; for the hybrid models the sliding layers' windows are rebuilt by exact replay); with nvfp4 the first
-step's logits stay within the tolerance docs/INTEGRATIONS.md states."""
+gpt-oss, Gemma 3 and DeepSeek-V3 (MLA: a latent stream) models saved with save_pretrained: one session stores
+its KV, the worker process is replaced (a fresh process loads the model from its directory), and a second
+session sharing a long prefix loads it and prefills only the rest. Greedy generation is token-identical with and
+without Engram and the first step's logits agree to float32 rounding (raw codec; for the hybrid models the
+sliding layers' windows are rebuilt by exact replay); with nvfp4 the first step's logits stay within the
+tolerance docs/INTEGRATIONS.md states."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from engram.integrations.transformers import EngramPrefixCache, generate, layout
 
 from helpers import NEUTRAL_CWD
 
+RAW_LOGIT_TOL = 1e-5  # float32 rounding of a different prefill split; damage to any stream is orders above
 NVFP4_LOGIT_TOL = 0.1  # relative L2 error of the first step's logits; measured 0.018 (Llama), 0.046 (Gemma 3)
 
 
@@ -36,6 +38,13 @@ def tiny(kind: str) -> Any:
         cfg, cls = tf.LlamaConfig(num_hidden_layers=2, **common), tf.LlamaForCausalLM
     elif kind == "qwen3":
         cfg, cls = tf.Qwen3Config(num_hidden_layers=2, **common), tf.Qwen3ForCausalLM
+    elif kind == "deepseek-v3":  # MLA: the cache holds the latent (c of 32 + k_pe of 8), not per-head K/V
+        cfg = tf.DeepseekV3Config(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=4,
+                                  num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
+                                  moe_intermediate_size=32, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
+                                  qk_nope_head_dim=16, v_head_dim=16,
+                                  **{**common, "num_key_value_heads": 4, "head_dim": 8})
+        cls = tf.DeepseekV3ForCausalLM
     elif kind == "gpt-oss":
         cfg = tf.GptOssConfig(num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
                               **{**common, "intermediate_size": 64})
@@ -78,7 +87,7 @@ async def _second_session(path: Path, address: str, codec: str, tokens: list[int
     return result
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "gpt-oss", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gpt-oss", "gemma3", "deepseek-v3"])
 async def test_greedy_generation_is_identical_with_and_without_engram(server_factory, tmp_path: Path,
                                                                       kind: str) -> None:  # type: ignore[no-untyped-def]
     srv = await server_factory()
@@ -101,8 +110,15 @@ async def test_greedy_generation_is_identical_with_and_without_engram(server_fac
     assert got["loaded"] == 70  # the shared prefix came from Engram; only the rest was prefilled
     want = model.generate(second, max_new_tokens=6, do_sample=False)[0].tolist()
     assert got["tokens"] == want
+    with torch.no_grad():  # and the loaded cache is the model's own (greedy tokens alone miss small damage)
+        want_logits = model(second).logits[0, -1]
+    err = float((torch.tensor(got["logits"]) - want_logits).norm() / want_logits.norm())
+    print(f"{kind}: raw first-step logits relative error {err:.2e}")
+    assert err <= RAW_LOGIT_TOL, err
     if kind in ("gpt-oss", "gemma3"):
         assert layout_of(model).persisted_layers < len(layout_of(model).layers)  # sliding layers were replayed
+    if kind == "deepseek-v3":  # one 40-wide latent a token and layer, not 4 heads of K (24) and V (16)
+        assert [(s.name, s.shape) for s in layout_of(model).streams] == [("latent", (40,))]
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])

@@ -4,7 +4,8 @@ vLLM's connector hooks are synchronous, so the daemon runs outside the test's th
 Without vLLM, `MiniVllm` drives the connector's scheduler and worker sides in vLLM's order with vLLM-shaped
 arguments (a request with request_id and prompt_token_ids, KVCacheBlocks-like get_block_ids(), SchedulerOutput-
 like scheduled requests) over per-layer paged caches in vLLM's standardized layout, shuffled block ids, and a
-"forward" that writes each token's KV into its block and calls save_kv_layer per layer. The tests at the end
+"forward" that writes each token's KV into its block and calls save_kv_layer per layer; `MiniMlaVllm` does the
+same for an MLA model (one 576-wide latent a token and layer, stored as Engram's latent stream). The tests at the end
 need vLLM (the scratch venv of scripts/vllm_venv.sh) and skip without it: they build the real EngramConnector
 from a real VllmConfig and KVCacheConfig, drive it with vLLM's own Request, KVCacheBlocks and SchedulerOutput,
 and load into the cache views vLLM's own allocator makes. No test runs a vLLM server or a model.
@@ -35,6 +36,7 @@ from engram.integrations.vllm import (
     LayerCache,
     VllmLayers,
     kv_pages,
+    latent_pages,
 )
 
 from helpers import engram_daemon
@@ -200,19 +202,23 @@ def namespace_of(request: pytest.FixtureRequest) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "-", request.node.name)
 
 
-@pytest.fixture
-def engines(daemon: str, request: pytest.FixtureRequest) -> Iterator[Any]:
+def _engines(cls: type[MiniVllm], daemon: str, request: pytest.FixtureRequest) -> Iterator[Any]:
     """Engines on one daemon and one namespace per test: the first stores, a later one (another worker
     process in production: its own client and caches) loads."""
     made: list[MiniVllm] = []
 
     def make(**kw: Any) -> MiniVllm:
-        made.append(MiniVllm(daemon, namespace_of(request), seed=len(made), **kw))
+        made.append(cls(daemon, namespace_of(request), seed=len(made), **kw))
         return made[-1]
 
     yield make
     for e in made:
         e.close()
+
+
+@pytest.fixture
+def engines(daemon: str, request: pytest.FixtureRequest) -> Iterator[Any]:
+    yield from _engines(MiniVllm, daemon, request)
 
 
 # ---- hits, misses, partial hits -------------------------------------------------------------------------------
@@ -416,10 +422,15 @@ def test_a_full_attention_model_is_the_same_engram_model_to_vllm_and_transformer
 
 
 @pytest.mark.parametrize(("caches", "match"), [
-    ([LayerCache("model.layers.0.attn", "mla", 1, 576, 0, torch.bfloat16, BS)], "MLA models"),
+    ([LayerCache("model.layers.0.attn", "mla", 1, 576, 0, torch.bfloat16, BS),
+      LayerCache("model.layers.1.attn", "full", HEADS, DIM, DIM, torch.bfloat16, BS)], "mixes MLA layers"),
+    ([LayerCache("model.layers.0.attn", "mla", 2, 576, 0, torch.bfloat16, BS)], "MLA cache of 2 heads"),
+    ([LayerCache("model.layers.0.attn", "the sparse indexer's keys (DeepSeek-V3.2)", 1, 132, 0, torch.uint8, BS)],
+     "full attention and MLA layers only"),
     ([LayerCache("model.layers.0.attn", "sliding", HEADS, DIM, DIM, torch.bfloat16, BS)],
      "disable-hybrid-kv-cache-manager"),
-    ([LayerCache("model.layers.0.attn", "MambaSpec", 1, 0, 0, torch.bfloat16, BS)], "full attention layers only"),
+    ([LayerCache("model.layers.0.attn", "MambaSpec", 1, 0, 0, torch.bfloat16, BS)],
+     "full attention and MLA layers only"),
     ([LayerCache("model.layers.0.attn", "full", HEADS, DIM, DIM, torch.bfloat16, BS),
       LayerCache("model.layers.1.attn", "full", HEADS, 2 * DIM, 2 * DIM, torch.bfloat16, BS)], "differ"),
     ([], "no attention layer"),
@@ -476,6 +487,171 @@ def test_pages_smaller_than_vllms_block_are_addressed_through_it(engines: Any, d
         assert torch.equal(kernel[NAMES[1]][page, :, row, DIM:], want[1, 1, t])
 
 
+# ---- MLA: one latent entry a token and layer ------------------------------------------------------------------
+
+LATENT_W = 576  # DeepSeek-V2/V3: kv_lora_rank 512 + qk_rope_head_dim 64
+
+
+def reference_latent(tokens: list[int]) -> torch.Tensor:
+    """An MLA model's cache entries for a prompt, (L, T, 576) bf16, each a function of the tokens up to it."""
+    out = torch.empty(LAYERS, len(tokens), LATENT_W, dtype=torch.bfloat16)
+    h = 0
+    for t, tok in enumerate(tokens):
+        h = (h * 1_000_003 + int(tok) + 1) % (2**61 - 1)
+        out[:, t] = torch.randn(LAYERS, LATENT_W, generator=torch.Generator().manual_seed(h))
+    return out
+
+
+def mla_layers() -> VllmLayers:
+    return VllmLayers.from_caches([LayerCache(n, "mla", 1, LATENT_W, 0, torch.bfloat16, BS) for n in NAMES])
+
+
+class MiniMlaVllm(MiniVllm):
+    """MiniVllm for an MLA model: per-layer caches of one 576-wide latent a token, in vLLM's standardized [B, H=1,
+    N, C] view (`squeezed`: the (num_blocks, block_size, 576) of earlier releases), NaN-filled, shuffled ids."""
+
+    def __init__(self, address: str, namespace: str, *, seed: int = 0, squeezed: bool = False, device: str = "cpu",
+                 **extra: Any) -> None:
+        cfg = config(address, namespace, **extra)
+        self.layers = mla_layers()
+        self.spec = cfg.model_spec(self.layers, name="tiny-deepseek", weights_id="seed-0")
+        self.client = cfg.client()
+        fp = self.client.register_model(self.spec)
+        self.scheduler = EngramScheduler(self.client, fp, BS, namespace=namespace)
+        self.worker = EngramWorker(self.client, fp, self.layers, namespace=namespace)
+        shape = (NUM_BLOCKS, BS, LATENT_W) if squeezed else (NUM_BLOCKS, 1, BS, LATENT_W)
+        self.caches = {n: torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device) for n in NAMES}
+        self.worker.register_kv_caches(self.caches)
+        self.free = list(range(NUM_BLOCKS))
+        random.Random(seed).shuffle(self.free)
+        self.fingerprint = fp
+
+    def row(self, name: str, block: int, t: int) -> torch.Tensor:
+        cache = self.caches[name]
+        return cache[block, t] if cache.dim() == 3 else cache[block, 0, t]
+
+    def token_kv(self, block_ids: list[int], n: int) -> torch.Tensor:
+        """The latents the cache holds for a request's first n tokens, (L, n, 576), by plain indexing."""
+        out = torch.empty(LAYERS, n, LATENT_W, dtype=torch.bfloat16)
+        for layer, name in enumerate(NAMES):
+            for t in range(n):
+                out[layer, t] = self.row(name, block_ids[t // BS], t % BS).cpu()
+        return out
+
+    def forward(self, block_ids: list[int], tokens: list[int], start: int, meta: Any) -> None:
+        latent = reference_latent(tokens)
+        for layer, name in enumerate(NAMES):
+            for t in range(start, len(tokens)):
+                self.row(name, block_ids[t // BS], t % BS).copy_(latent[layer, t])
+            self.worker.save_layer(name, meta)
+
+
+@pytest.fixture
+def mla_engines(daemon: str, request: pytest.FixtureRequest) -> Iterator[Any]:
+    yield from _engines(MiniMlaVllm, daemon, request)
+
+
+@pytest.mark.parametrize("squeezed", [False, True], ids=["B1NC", "BNC"])
+def test_an_mla_prompt_is_saved_as_a_latent_stream_and_loads_bit_exact(mla_engines: Any, squeezed: bool) -> None:
+    first = mla_engines(squeezed=squeezed)
+    assert [(s.name, s.shape, s.codec) for s in first.spec.layout.streams] == [("latent", (LATENT_W,), "")]
+    shared = prompt(5 * BS + 3, seed=30)
+    ext, _, meta = first.run("a", shared)
+    assert ext == 0 and [s.req_id for s in meta.saves] == ["a"] and first.worker.saved_tokens == len(shared)
+    # What the daemon holds is the latent as vLLM's pages had it, one 576-wide entry a token and layer.
+    n, stored = first.client.get_prefix(first.fingerprint, shared)
+    assert n == len(shared) and torch.equal(stored["latent"], reference_latent(shared))
+
+    second = mla_engines(squeezed=squeezed)
+    longer = shared + prompt(20, seed=31)
+    ext, ids, meta = second.run("b", longer)
+    assert ext == 5 * BS and [(s.first_token, len(s.token_ids)) for s in meta.loads] == [(0, 5 * BS)]
+    assert sorted(ids) != ids
+    assert torch.equal(second.loaded_now, reference_latent(longer)[:, : 5 * BS])
+    assert second.worker.loaded_tokens == 5 * BS
+    untouched = sorted(set(range(NUM_BLOCKS)) - set(ids))
+    assert torch.isnan(second.caches[NAMES[1]][untouched]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the H200)")
+@pytest.mark.parametrize("codec", ["raw", "nvfp4"])
+def test_mla_cuda_caches_save_and_load(mla_engines: Any, codec: str) -> None:
+    """An MLA model's caches on the GPU: saves gathered from device latent pages, loads (FP4 decoded on the GPU)
+    written into them; the latents are what the daemon holds, decoded."""
+    shared = prompt(5 * BS + 3, seed=35)
+    first = mla_engines(device="cuda", codec=codec)
+    first.run("a", shared)
+    assert first.worker.saved_tokens == len(shared)
+    second = mla_engines(device="cuda", codec=codec)
+    longer = shared + prompt(20, seed=36)
+    ext, ids, _ = second.run("b", longer)
+    assert ext == 5 * BS and second.caches[NAMES[0]].is_cuda
+    n, decoded = second.client.get_prefix(second.fingerprint, shared)
+    assert torch.equal(second.loaded_now, decoded["latent"][:, :ext])
+    if codec == "raw":
+        assert torch.equal(second.loaded_now, reference_latent(longer)[:, :ext])
+    untouched = sorted(set(range(NUM_BLOCKS)) - set(ids))
+    assert torch.isnan(second.caches[NAMES[0]][untouched]).all()
+
+
+def test_mla_tokens_vllm_holds_itself_are_not_loaded_over(mla_engines: Any) -> None:
+    stored = prompt(4 * BS, seed=32)
+    mla_engines().run("a", stored)
+    e = mla_engines()
+    ext, ids, meta = e.run("b", [*stored, 7], local_hit=BS)
+    assert ext == 3 * BS and [(s.first_token, len(s.token_ids)) for s in meta.loads] == [(BS, 4 * BS)]
+    e.caches[NAMES[0]][ids[0]].fill_(7.0)
+    e.worker.start_load(meta)
+    assert (e.caches[NAMES[0]][ids[0]] == 7.0).all()
+    assert torch.equal(e.token_kv(ids, 4 * BS)[:, BS:], reference_latent(stored)[:, BS : 4 * BS])
+
+
+def test_mla_nvfp4_loads_are_the_daemons_decoded_latents_within_the_codecs_error(mla_engines: Any) -> None:
+    shared = prompt(4 * BS + 5, seed=33)
+    mla_engines(codec="nvfp4").run("a", shared)
+    e = mla_engines(codec="nvfp4")
+    ext, _, _ = e.run("b", shared + prompt(4, seed=34))
+    assert ext == 4 * BS
+    n, decoded = e.client.get_prefix(e.fingerprint, shared)
+    assert n == len(shared) and torch.equal(e.loaded_now, decoded["latent"][:, :ext])
+    want = reference_latent(shared)[:, :ext].float()
+    rel = float((e.loaded_now.float() - want).norm() / want.norm())
+    assert 0.0 < rel < 0.12  # nvfp4's error on Gaussian data (docs/FP4_NOTES.md); 0 would mean it stored raw
+
+
+def test_an_mla_model_is_the_same_engram_model_to_vllm_and_transformers() -> None:
+    """vLLM's MLA cache entry and transformers' DeepseekV3 cache (c then k_pe per layer) give the same layout: the
+    same name, weights_id, codec and block_tokens make the same fingerprint."""
+    from transformers import DeepseekV3Config
+
+    from engram.integrations.transformers import layout_of
+    from engram.layout import ModelSpec
+
+    cfg = DeepseekV3Config(num_hidden_layers=LAYERS, first_k_dense_replace=LAYERS, hidden_size=64,
+                           intermediate_size=64, num_attention_heads=2, kv_lora_rank=512, qk_rope_head_dim=64,
+                           q_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16, vocab_size=1000)
+
+    class Config:  # what layout_of reads of a model: its config and its parameters' dtype
+        config = cfg
+
+        @staticmethod
+        def parameters() -> Iterator[torch.Tensor]:
+            yield torch.zeros(1, dtype=torch.bfloat16)
+
+    hf = ModelSpec(cfg.model_type, "rev-1", layout_of(Config(), block_tokens=BT), "raw")
+    ours = ConnectorConfig(address="unix:/x", codec="raw", block_tokens=BT, weights_id="rev-1").model_spec(
+        mla_layers(), name=cfg.model_type, weights_id="vllm:default")
+    assert ours.fingerprint == hf.fingerprint and ours.layout.bytes_per_token() == LAYERS * LATENT_W * 2
+
+
+def test_mla_pages_of_unknown_shapes_are_refused() -> None:
+    with pytest.raises(InvalidArgument, match="no layout Engram knows for a 576-wide latent"):
+        latent_pages(torch.zeros(3, 2, BS, LATENT_W), LATENT_W)
+    with pytest.raises(InvalidArgument, match="no layout Engram knows"):
+        latent_pages(torch.zeros(3, BS, 512), LATENT_W)
+
+
 # ---- against vLLM's real classes (skipped without vLLM: scripts/vllm_venv.sh builds a venv that has it) ----------
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -515,13 +691,16 @@ class RealVllm:
     """EngramConnector's two roles built as vLLM builds them, from a real VllmConfig and KVCacheConfig, over the
     per-layer cache views vLLM's own allocator (allocate_kv_cache) makes in the given physical layout."""
 
-    def __init__(self, model_dir: Path, address: str, namespace: str, layout: str, **extra: Any) -> None:
+    def __init__(self, model_dir: Path, address: str, namespace: str, layout: str, *, mla: bool = False,
+                 **extra: Any) -> None:
         from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MLAAttentionSpec
         from vllm.v1.worker.utils import allocate_kv_cache
+
+        self.mla = mla
 
         model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024)
         transfer = KVTransferConfig(kv_connector="EngramConnector", kv_connector_module_path="engram.integrations.vllm",
@@ -531,7 +710,10 @@ class RealVllm:
         self.config = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=BS),
                                  kv_transfer_config=transfer)
         self.config.cache_config.kv_cache_layout = layout  # what vLLM's engine core resolves and records there
-        spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=DIM, dtype=torch.bfloat16)
+        # An MLA model's layers as vLLM's DeepSeek attention declares them (the model config stays the tiny
+        # Llama's: the connector reads the layers' KV from the KV cache config alone).
+        spec = MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=LATENT_W, dtype=torch.bfloat16) if mla \
+            else FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=DIM, dtype=torch.bfloat16)
         self.kv_cache_config = get_kv_cache_config_from_groups(
             self.config, [KVCacheGroupSpec(list(NAMES), spec)], NUM_BLOCKS * LAYERS * spec.page_size_bytes)
         self.caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"),
@@ -551,7 +733,11 @@ class RealVllm:
         self.worker.shutdown()
 
     def token_kv(self, ids: list[int], n: int) -> torch.Tensor:
-        """The cache's first n tokens by plain indexing of vLLM's [B, H, N, 2D] view (K channels first)."""
+        """The cache's first n tokens by plain indexing of vLLM's [B, H, N, 2D] view (K channels first); for MLA,
+        its [B, 1, N, 576] view's latents, (L, n, 576)."""
+        if self.mla:
+            return torch.stack([torch.stack([self.caches[name][ids[t // BS], 0, t % BS] for t in range(n)])
+                                for name in NAMES])
         out = torch.empty(LAYERS, 2, n, HEADS, DIM, dtype=torch.bfloat16)
         for layer, name in enumerate(NAMES):
             for t in range(n):
@@ -582,12 +768,15 @@ class RealVllm:
         meta = pickle.loads(pickle.dumps(self.scheduler.build_connector_meta(out)))  # to the worker's process
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv(None)
-        kv = reference_kv(tokens)
+        kv = reference_latent(tokens) if self.mla else reference_kv(tokens)
         for layer, name in enumerate(NAMES):
             self.worker.wait_for_layer_load(name)
             for t in range(ext, len(tokens)):  # attention writes the new tokens' KV
                 row = self.caches[name][ids[t // BS], :, t % BS]
-                row[:, :DIM], row[:, DIM:] = kv[layer, 0, t], kv[layer, 1, t]
+                if self.mla:
+                    row[0] = kv[layer, t]
+                else:
+                    row[:, :DIM], row[:, DIM:] = kv[layer, 0, t], kv[layer, 1, t]
             self.worker.save_kv_layer(name, self.caches[name], None)
         self.worker.wait_for_save()
         errors = self.worker.get_block_ids_with_load_errors()
@@ -642,18 +831,50 @@ def test_real_vllm_classes_save_then_report_and_load_a_cached_prefix(vllm_model:
 
 
 @needs_vllm
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
+def test_real_vllm_mla_caches_save_and_load_a_latent_stream(vllm_model: Path, daemon: str, layout: str,
+                                                             request: pytest.FixtureRequest) -> None:
+    """vLLM's MLAAttentionSpec (one 576-wide latent a token, the [B, 1, N, 576] views its allocator makes) through
+    the real EngramConnector: saved as the latent stream, reported and loaded bit for bit into scattered blocks."""
+    ns = namespace_of(request)
+    first = RealVllm(vllm_model, daemon, ns, layout, mla=True)
+    second = RealVllm(vllm_model, daemon, ns, layout, mla=True)
+    try:
+        assert tuple(first.caches[NAMES[0]].shape) == (first.kv_cache_config.num_blocks, 1, BS, LATENT_W)
+        assert [s.name for s in first.worker.spec.layout.streams] == ["latent"]
+        shared = prompt(4 * BS + 7, seed=40)
+        ext, meta, _, _ = first.step("a", shared)
+        assert ext == 0 and [s.req_id for s in meta.saves] == ["a"]
+        longer = shared + prompt(5, seed=41)
+        ext, meta, ids, _ = second.step("b", longer)
+        assert ext == 4 * BS and [(s.first_token, len(s.token_ids)) for s in meta.loads] == [(0, 4 * BS)]
+        assert torch.equal(second.token_kv(ids, 4 * BS), reference_latent(longer)[:, : 4 * BS])
+    finally:
+        first.close()
+        second.close()
+
+
+@needs_vllm
 def test_real_vllm_configs_engram_cannot_serve_are_refused(vllm_model: Path, daemon: str) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec, SparseCacheRole
 
     from engram.integrations.vllm import EngramConnector
 
     base = RealVllm(vllm_model, daemon, "refusals", "LBNHC")
     base.close()
-    mla = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
-        list(NAMES), MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=576, dtype=torch.bfloat16))])
-    with pytest.raises(InvalidArgument, match="MLA models"):
-        EngramConnector(base.config, KVConnectorRole.WORKER, mla)
+
+    def mla(**kw: Any) -> KVCacheConfig:
+        spec = {"block_size": BS, "num_kv_heads": 1, "head_size": LATENT_W, "dtype": torch.bfloat16, **kw}
+        return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                             kv_cache_groups=[KVCacheGroupSpec(list(NAMES), MLAAttentionSpec(**spec))])
+
+    with pytest.raises(InvalidArgument, match="quantized"):  # DeepSeek's fp8 latent cache
+        EngramConnector(base.config, KVConnectorRole.WORKER, mla(head_size=656, dtype=torch.uint8,
+                                                                cache_dtype_str="fp8_ds_mla"))
+    with pytest.raises(InvalidArgument, match="sparse indexer"):  # DeepSeek-V3.2's indexer keys
+        EngramConnector(base.config, KVConnectorRole.WORKER, mla(head_size=132, dtype=torch.uint8,
+                                                                cache_role=SparseCacheRole.INDEXER))
     base.config.parallel_config.tensor_parallel_size = 2
     with pytest.raises(InvalidArgument, match="tensor_parallel_size=2"):
         EngramConnector(base.config, KVConnectorRole.SCHEDULER, base.kv_cache_config)

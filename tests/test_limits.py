@@ -308,8 +308,9 @@ async def test_blocks_written_in_place_with_bad_scales_are_refused_at_commit(ser
     kv = random_kv(spec, len(toks), seed=6)
     write = PutWriter.write
 
-    def nan_scale(self: PutWriter, kv: torch.Tensor, spec: ModelSpec, slots: Any, stream: Any = None) -> int:
-        n = write(self, kv, spec, slots, stream)
+    def nan_scale(self: PutWriter, kv: torch.Tensor, spec: ModelSpec, slots: Any, stream: Any = None,
+                  **kw: Any) -> int:
+        n = write(self, kv, spec, slots, stream, **kw)
         s = slots[-1]
         s.segment.data[s.offset + HEADER_LEN + 4] = 0x7F  # K's first group scale: the E4M3 NaN pattern
         return n

@@ -23,6 +23,7 @@ from engram.replay import (
     SwaWindow,
     all_sliding_pattern,
     as_layer_kv,
+    csa_pattern,
     decode_next,
     exact_bound,
     gemma3_pattern,
@@ -34,14 +35,18 @@ from engram.replay import (
 )
 
 SHARED = ("sliding", "global", "sliding", "reindex", "sliding", "reuse")
+# MLA global layers (one cached latent per token: c of 24 + k_pe of 8) beside GQA sliding layers
+MLA = {"attention": "mla", "kv_lora_rank": 24, "rope_dim": 8, "nope_dim": 16, "v_head_dim": 12}
 
-# (name, layers, window, extra config): bounds 9, 30, 12, 9, 9
+# (name, layers, window, extra config): bounds 9, 30, 12, 9, 9, 9, 9
 CONFIGS = [
     ("gpt-oss", gpt_oss_pattern(6), 4, {}),
     ("gemma3", gemma3_pattern(12), 4, {}),
     ("all-sliding", all_sliding_pattern(4), 4, {}),
     ("sinks", gpt_oss_pattern(6), 4, {"sinks": True}),
     ("shared-topk", SHARED, 4, {"top_k": 5, "sinks": True}),
+    ("mla", gpt_oss_pattern(6), 4, MLA),
+    ("mla-csa-topk", csa_pattern(6), 4, {**MLA, "top_k": 5, "sinks": True}),
 ]
 IDS = [c[0] for c in CONFIGS]
 

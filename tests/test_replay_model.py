@@ -211,7 +211,7 @@ def test_the_public_surface_is_pinned_and_every_name_resolves() -> None:
     assert sorted(replay.__all__) == sorted([
         "KV", "AttentionKind", "DecodeStep", "HybridConfig", "HybridDecoder", "Numerics", "PrefillResult",
         "Reconstruction", "ReplayError", "ReplayKind", "ReplayMode", "ReplayModel", "ReplayPast", "ReplaySpec",
-        "SpanOutput", "SwaWindow", "all_sliding_pattern", "as_layer_kv", "decode_next", "exact_bound",
+        "SpanOutput", "SwaWindow", "all_sliding_pattern", "as_layer_kv", "csa_pattern", "decode_next", "exact_bound",
         "gemma3_pattern", "gpt_oss_pattern", "layer_starts", "load_decoder", "reconstruct_swa", "replay_length",
         "save_decoder", "window_error",
     ])

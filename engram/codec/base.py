@@ -1,7 +1,7 @@
 """Storage codecs behind one Protocol, in a registry keyed by codec id and by name.
 
 A codec turns a KV block (L, 2, T, H, D) into the body of a v1 block (engram/codec/blockformat.py) and
-back. `raw` keeps the element bytes as sent (bf16/fp16/fp32); the quantizing codecs (fp8_e4m3, nvfp4,
+back, and one stream's (rows, cols) matrix into its payload in a v2 block (engram/codec/streamformat.py). `raw` keeps the element bytes as sent (bf16/fp16/fp32); the quantizing codecs (fp8_e4m3, nvfp4,
 mxfp4) use the numerics of engram.codec on the reference backend (PyTorch, any device) or the Triton
 kernels (engram.kernels.fp4), which produce the same bytes.
 """
@@ -17,6 +17,9 @@ from torch import Tensor
 
 from engram import codec as kvcodec
 from engram.errors import InvalidArgument
+from engram.layout import Axis
+
+__all__ = ["Axis", "Codec", "CodecId", "codec_by_id", "codec_by_name", "default_backend"]
 
 
 class CodecId(enum.IntEnum):
@@ -24,11 +27,6 @@ class CodecId(enum.IntEnum):
     FP8_E4M3 = 1
     NVFP4 = 2
     MXFP4 = 3
-
-
-class Axis(enum.IntEnum):
-    CHANNEL = 0  # groups of consecutive tokens within one (layer, head, channel): K's default
-    TOKEN = 1  # groups along head_dim within one (layer, token, head): V's default
 
 
 Shape = tuple[int, int, int, int, int]  # (layers, 2, tokens, kv heads, head dim)
@@ -50,6 +48,19 @@ class Codec(Protocol):
 
     def check(self, body: bytes | memoryview, shape: Shape, k_axis: Axis, v_axis: Axis, where: str) -> None:
         """Raise InvalidArgument unless `body` decodes (its scales are valid), without decoding it."""
+        ...
+
+    def matrix_nbytes(self, shape: tuple[int, int], dtype: torch.dtype) -> int:
+        """Payload bytes of one (rows, cols) matrix whose groups run along its rows."""
+        ...
+
+    def encode_matrix(self, x: Tensor, backend: str, name: str) -> bytes: ...
+
+    def decode_matrix(self, body: bytes | memoryview, shape: tuple[int, int], dtype: torch.dtype, backend: str,
+                      device: torch.device | str) -> Tensor: ...
+
+    def check_matrix(self, body: bytes | memoryview, shape: tuple[int, int], where: str) -> None:
+        """Raise InvalidArgument unless one matrix's payload decodes (its length, its scales), without decoding."""
         ...
 
 
@@ -76,6 +87,19 @@ class RawCodec:
 
     def check(self, body: bytes | memoryview, shape: Shape, k_axis: Axis, v_axis: Axis, where: str) -> None:
         return None  # any element bytes are a block
+
+    def matrix_nbytes(self, shape: tuple[int, int], dtype: torch.dtype) -> int:
+        return shape[0] * shape[1] * dtype.itemsize
+
+    def encode_matrix(self, x: Tensor, backend: str, name: str) -> bytes:
+        return x.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+    def decode_matrix(self, body: bytes | memoryview, shape: tuple[int, int], dtype: torch.dtype, backend: str,
+                      device: torch.device | str) -> Tensor:
+        return torch.frombuffer(bytearray(body), dtype=torch.uint8).view(dtype).reshape(shape).to(device)
+
+    def check_matrix(self, body: bytes | memoryview, shape: tuple[int, int], where: str) -> None:
+        return None  # any element bytes are a matrix (its length is the block format's to check)
 
 
 @dataclass(frozen=True)
@@ -115,6 +139,31 @@ class QuantCodec:
                                 v_axis=_axis_name(v_axis))
         except ValueError as exc:
             raise InvalidArgument(f"{where}: the {self.name} body would not decode: {exc}") from None
+
+    def matrix_nbytes(self, shape: tuple[int, int], dtype: torch.dtype) -> int:
+        return kvcodec.FORMATS[self.name].payload_nbytes(shape)
+
+    def encode_matrix(self, x: Tensor, backend: str, name: str) -> bytes:
+        if backend == "triton" and not x.is_cuda:
+            x = x.cuda()
+        quantize, _ = kvcodec._backend(backend).CODECS[self.name]
+        try:
+            return quantize(x.contiguous(), name=name).to_bytes()  # type: ignore[no-any-return]
+        except ValueError as exc:  # NaN/Inf
+            raise InvalidArgument(f"cannot encode {name} as {self.name}: {exc}") from None
+
+    def decode_matrix(self, body: bytes | memoryview, shape: tuple[int, int], dtype: torch.dtype, backend: str,
+                      device: torch.device | str) -> Tensor:
+        on = "cuda" if backend == "triton" and torch.device(device).type != "cuda" else device
+        q = kvcodec.FORMATS[self.name].from_bytes(body, shape, on)
+        _, dequantize = kvcodec._backend(backend).CODECS[self.name]
+        return dequantize(q, dtype).to(device)  # type: ignore[no-any-return]
+
+    def check_matrix(self, body: bytes | memoryview, shape: tuple[int, int], where: str) -> None:
+        try:
+            kvcodec.FORMATS[self.name].check_bytes(body, shape)
+        except ValueError as exc:
+            raise InvalidArgument(f"{where}: the {self.name} payload would not decode: {exc}") from None
 
 
 def _axis_name(axis: Axis) -> str:

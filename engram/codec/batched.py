@@ -1,4 +1,4 @@
-"""Decoding many stored blocks of one shape at once: the hit path's decoder.
+"""Decoding (and encoding) many stored blocks of one shape at once: the hit path's decoder, the put path's encoder.
 
 A stored block in a quantizing codec is a v1 block (engram/codec/blockformat.py): a 56-byte header, K's
 payload, V's payload. All full blocks of a model have the same shape, so the payloads of a run of blocks lie at
@@ -10,23 +10,28 @@ K is grouped along tokens (its matrix is (L*H*D, T)), V along head_dim ((L*T*H, 
 (blocks, L, T, H, D) views, K's a permuted view of its matrix: writing it into the worker's KV memory is the
 one copy that puts it in place (engram/destinations.py).
 
+A stream layout's v2 block (engram/codec/streamformat.py) goes the same way stream by stream (`streams_plan`,
+`decode_streams`, `encode_streams`): one launch per quantized stream per run; a raw stream is a strided view of
+the staged bytes.
+
 What it does not do: verify checksums (the daemon verified every block when it was stored; see
 docs/ARCHITECTURE.md, "Integrity on the hit path"), or decode partial blocks (blockformat.decode does).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from engram import codec as kvcodec
-from engram.codec import blockformat
+from engram.codec import blockformat, streamformat
 from engram.codec.base import Axis, codec_by_name
 from engram.codec.fp4_reference import FORMATS, padded
 from engram.errors import EngramError
-from engram.layout import DType
+from engram.layout import DType, StreamSpec
 
 
 @dataclass(frozen=True)
@@ -158,4 +163,145 @@ def encode_blocks(kv: Tensor, plan_: BlockPlan, dst: Tensor, offsets: Tensor, *,
         elif plan_.codec == "fp8_e4m3":
             scales = ref.fp8_tensor_scale(amax)
         kernels.quantize_blocks_into(plan_.codec, x.contiguous(), scales, dst, offsets + at)
+    return bad
+
+
+# ---- stream layouts: block format v2 -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StreamsPlan:
+    """Where each stream's payload lies in a full v2 block of one stream layout, and its matrix as stored (cols
+    padded to the codec's group). Planned from the model's streams, like `plan`: the daemon verified every
+    stored block's header against them when it was put."""
+
+    fmt: streamformat.StreamsFormat
+    matrices: tuple[tuple[int, int], ...]  # per part: (rows, padded cols); raw parts: (rows, cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self.fmt.nbytes
+
+    @property
+    def tokens(self) -> int:
+        return self.fmt.tokens
+
+
+def streams_plan(streams: Sequence[StreamSpec], layers: int, tokens: int) -> StreamsPlan:
+    """The plan of a v2 block of these (resolved) streams. ValueError where a quantized stream's groups do not
+    tile its matrix without padding: such blocks decode one at a time (as partial blocks do)."""
+    fmt = streamformat.plan(streams, layers, tokens)
+    matrices = []
+    for p in fmt.parts:
+        rows, cols = p.matrix
+        if p.quantized:
+            group = FORMATS[p.codec.name].GROUP
+            if cols % group or rows * cols == 0:
+                raise ValueError(f"{p.codec.name} groups of {group} do not tile stream {p.name}'s ({rows}, {cols}) "
+                                 "matrix; such blocks decode one at a time")
+        matrices.append((rows, cols))
+    return StreamsPlan(fmt, tuple(matrices))
+
+
+def _raw_part(src: Tensor, offsets: list[int], part: streamformat.Part) -> Tensor:
+    """A raw stream of len(offsets) blocks, (blocks, layers, entries, *shape): a strided view of src where the
+    blocks are evenly spaced and aligned for the dtype, else one copy."""
+    n = len(offsets)
+    dtype = part.dtype.torch_dtype
+    size = dtype.itemsize
+    step = offsets[1] - offsets[0] if n > 1 else part.nbytes
+    even = all(o == offsets[0] + i * step for i, o in enumerate(offsets))
+    start = src.storage_offset() + offsets[0] + part.at
+    if even and step % size == 0 and start % size == 0 and part.nbytes % size == 0:
+        as_bytes = src.as_strided((n, part.nbytes), (step, 1), start)
+        return as_bytes.view(dtype).view(n, *part.tensor_shape)
+    return torch.stack([src[o + part.at : o + part.at + part.nbytes].clone().view(dtype).view(part.tensor_shape)
+                        for o in offsets])
+
+
+def decode_streams(src: Tensor, offsets: list[int], device_offsets: Tensor, plan_: StreamsPlan, *,
+                   backend: str) -> list[Tensor]:
+    """Each stream of len(offsets) full v2 blocks found at byte `offsets` of the uint8 buffer src (device_offsets:
+    the same as int64 on src's device, for the kernels), as (blocks, layers, entries, *shape) in the stream's
+    dtype, in the layout's stream order. The Triton backend launches once per quantized stream for the whole
+    run; a raw stream is a view of src (no pass at all); the reference backend loops over blocks."""
+    n = len(offsets)
+    out: list[Tensor] = []
+    for p, (rows, cols) in zip(plan_.fmt.parts, plan_.matrices, strict=True):
+        if not p.quantized:
+            out.append(_raw_part(src, offsets, p))
+            continue
+        m = torch.empty(n, rows, cols, dtype=p.dtype.torch_dtype, device=src.device)
+        if backend == "triton":
+            from engram.kernels import fp4 as kernels
+
+            kernels.dequantize_blocks_into(p.codec.name, src, device_offsets + p.at, rows, cols, m)
+        else:
+            fmt = FORMATS[p.codec.name]
+            _, dequantize = kvcodec._backend(backend).CODECS[p.codec.name]
+            for b, off in enumerate(offsets):
+                body = src[off + p.at : off + p.at + p.nbytes].cpu().numpy().tobytes()
+                m[b] = dequantize(fmt.from_bytes(body, (rows, cols), src.device), m.dtype)
+        out.append(_from_matrices(m, p))
+    return out
+
+
+def _from_matrices(m: Tensor, p: streamformat.Part) -> Tensor:
+    """(blocks, rows, cols) matrices of one stream -> (blocks, layers, entries, *shape) views."""
+    n = m.shape[0]
+    if p.axis == Axis.CHANNEL:
+        return m.view(n, p.layers, p.width, p.entries).transpose(2, 3).unflatten(3, p.shape)
+    return m.view(n, *p.tensor_shape)
+
+
+def _to_matrices(x: Tensor, p: streamformat.Part) -> Tensor:
+    """(blocks, layers, entries, *shape) -> contiguous (blocks, rows, cols) matrices (one copy at most)."""
+    n = x.shape[0]
+    if p.axis == Axis.CHANNEL and p.quantized:
+        return x.reshape(n, p.layers, p.entries, p.width).transpose(2, 3).reshape(n, *p.matrix).contiguous()
+    return x.reshape(n, *p.matrix).contiguous()
+
+
+_STREAM_HEADS: dict[tuple[StreamsPlan, torch.device], Tensor] = {}
+
+
+def encode_streams(data: Sequence[Tensor], plan_: StreamsPlan, dst: Tensor, offsets: Tensor, *,
+                   backend: str) -> Tensor:
+    """Write len(offsets) full blocks, each stream's data[i] (blocks, layers, entries, *shape), as v2 blocks of
+    the plan (unsealed headers: the daemon seals them) into the uint8 buffer dst at byte offsets (int64 on dst's
+    device). The Triton backend: per quantized stream one amax reduction and one encode launch for all blocks;
+    a raw stream one strided copy. Returns a bool tensor on dst's device, true when some block held NaN or Inf
+    (checked once by the caller)."""
+    from engram.codec import fp4_reference as ref
+
+    n = int(offsets.numel())
+    head = _STREAM_HEADS.get((plan_, dst.device))
+    if head is None:
+        head = _STREAM_HEADS[(plan_, dst.device)] = torch.frombuffer(
+            bytearray(streamformat.unsealed_header(plan_.fmt)), dtype=torch.uint8).to(dst.device)
+    where = offsets[:, None] + torch.arange(len(head), device=dst.device)[None, :]
+    dst[where.flatten()] = head.repeat(n)
+    bad = torch.zeros((), dtype=torch.bool, device=dst.device)
+    for p, x in zip(plan_.fmt.parts, data, strict=True):
+        if not p.quantized:
+            at = offsets[:, None] + p.at + torch.arange(p.nbytes, device=dst.device)[None, :]
+            dst[at.flatten()] = x.contiguous().view(torch.uint8).reshape(-1)
+            continue
+        m = _to_matrices(x, p)
+        if backend != "triton":
+            for b, off in enumerate(offsets.tolist()):
+                body = p.codec.encode_matrix(m[b], backend, f"stream {p.name}")
+                dst[off + p.at : off + p.at + len(body)] = torch.frombuffer(bytearray(body), dtype=torch.uint8
+                                                                            ).to(dst.device)
+            continue
+        from engram.kernels import fp4 as kernels
+
+        amax = m.reshape(n, -1).abs().amax(dim=1).float()  # (n,): per block, as the reference per matrix
+        bad |= ~torch.isfinite(amax).all()
+        scales = None
+        if p.codec.name == "nvfp4":
+            scales = ref.nvfp4_tensor_scale(amax)
+        elif p.codec.name == "fp8_e4m3":
+            scales = ref.fp8_tensor_scale(amax)
+        kernels.quantize_blocks_into(p.codec.name, m, scales, dst, offsets + p.at)
     return bad

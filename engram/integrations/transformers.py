@@ -18,8 +18,15 @@ The model's identity in its fingerprint: `weights_id` when given (a checkpoint r
 hash of the config and of every parameter's shape, dtype and first 4096 values, computed once here: a
 weights change that keeps all of those is not seen (pass weights_id to be sure).
 
-What it does not do: batches of more than one sequence, and attention kinds other than full and sliding
-(chunked, linear, MLA: the layouts issue).
+MLA models (DeepSeek-V2/V3: `kv_lora_rank` in the config): transformers' DeepseekV3 cache keeps, per layer, the
+compressed latent, not per-head K/V: its DynamicLayer's keys are the normalized latent c (1, 1, T,
+kv_lora_rank) and its values the RoPE key k_pe (1, 1, T, qk_rope_head_dim), which attention decompresses on every
+step. That is what is stored: one "latent" stream of kv_lora_rank + qk_rope_head_dim per token and layer (a
+stream layout, engram/layout.py; 576 numbers a token and layer for DeepSeek-V3 itself), loaded into one buffer
+whose per-layer slices are the cache's keys and values.
+
+What it does not do: batches of more than one sequence, attention kinds other than full and sliding (chunked,
+linear), MLA models with sliding layers, and the indexer keys of DeepSeek-V3.2 (transformers has no such cache).
 """
 
 from __future__ import annotations
@@ -33,9 +40,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from engram.destinations import ContiguousKV
+from engram.destinations import ContiguousKV, KVDestination, StreamsKV
 from engram.errors import InvalidArgument
-from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
+from engram.layout import Axis, DType, KVLayout, LayerKind, LayerSpec, ModelSpec, StreamSpec
 
 _KINDS = {"full_attention": LayerKind.GLOBAL, "sliding_attention": LayerKind.SLIDING}
 
@@ -45,9 +52,16 @@ def _text_config(model: Any) -> Any:
     return cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
 
 
+def mla_widths(model: Any) -> tuple[int, int] | None:
+    """(kv_lora_rank, qk_rope_head_dim) of an MLA model (what its cache's keys and values hold), else None."""
+    cfg = _text_config(model)
+    rank = getattr(cfg, "kv_lora_rank", None)
+    return (int(rank), int(cfg.qk_rope_head_dim)) if rank else None
+
+
 def layout_of(model: Any, *, block_tokens: int = 256) -> KVLayout:
     """The Engram layout of a transformers causal LM: its layer kinds (full -> global, sliding -> sliding with
-    its window), KV heads, head dim and dtype."""
+    its window), KV heads, head dim and dtype; for an MLA model, one latent stream per global layer."""
     cfg = _text_config(model)
     n = cfg.num_hidden_layers
     window = getattr(cfg, "sliding_window", None)
@@ -56,8 +70,15 @@ def layout_of(model: Any, *, block_tokens: int = 256) -> KVLayout:
     if unknown:
         raise InvalidArgument(f"layer types {unknown} are not supported; Engram stores full and sliding attention")
     layers = tuple(LayerSpec(_KINDS[t], int(window or 0) if _KINDS[t] == LayerKind.SLIDING else 0) for t in types)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     dtype = DType.from_torch(next(model.parameters()).dtype)
+    mla = mla_widths(model)
+    if mla is not None:
+        if any(layer.kind != LayerKind.GLOBAL for layer in layers):
+            raise InvalidArgument("an MLA model with sliding layers is not supported: its sliding KV's shape is not "
+                                  "in the config")
+        return KVLayout(layers=layers, dtype=dtype, block_tokens=block_tokens,
+                        streams=(StreamSpec("latent", (sum(mla),), dtype, "", Axis.TOKEN),))
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return KVLayout(layers=layers, num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim, dtype=dtype,
                     block_tokens=block_tokens)
 
@@ -99,6 +120,7 @@ class EngramPrefixCache:
         kinds = [layer.kind for layer in self.layout.layers]
         self.global_layers = [i for i, k in enumerate(kinds) if k == LayerKind.GLOBAL]
         self.sliding_layers = [i for i, k in enumerate(kinds) if k == LayerKind.SLIDING]
+        self.mla = mla_widths(model)
         self._replay: Any = None
         self.last_loaded = 0  # tokens the last `load` found cached
 
@@ -115,20 +137,11 @@ class EngramPrefixCache:
 
         tokens = input_ids[0].tolist() if isinstance(input_ids, Tensor) else list(input_ids)
         cache = DynamicCache(config=self.model.config)
-        lay = self.layout
-        h, d = lay.num_kv_heads, lay.head_dim
-        dtype = lay.dtype.torch_dtype
-        limit = len(tokens) - 1
-        # Global layers' KV lands in one buffer (L, 2, H, T, D): each layer's keys and values are (1, H, T, D)
-        # views of it, as the cache keeps them, and the loader writes the whole buffer, seen as (L, 2, T, H, D),
-        # in one strided copy per stream and run (per-layer tensors cost 2 * L copies per run).
-        buf = torch.empty(len(self.global_layers), 2, h, max(limit, 0), d, dtype=dtype, device=self.device)
-        ks = [buf[j, 0].unsqueeze(0) for j in range(len(self.global_layers))]
-        vs = [buf[j, 1].unsqueeze(0) for j in range(len(self.global_layers))]
+        limit = max(len(tokens) - 1, 0)
+        ks, vs, dest = self._buffers(limit)
         self.last_loaded = 0
         if limit > 0:
-            res = self.client.load_prefix_into(self.fingerprint, tokens, ContiguousKV(buf.transpose(2, 3)),
-                                               namespace=self.namespace)
+            res = self.client.load_prefix_into(self.fingerprint, tokens, dest, namespace=self.namespace)
             self.last_loaded = res.loaded_tokens
         m = self.last_loaded
         if m == 0:
@@ -147,6 +160,24 @@ class EngramPrefixCache:
                 layer.lazy_initialization(k, v)
                 layer.keys, layer.values = k, v
         return cache
+
+    def _buffers(self, tokens: int) -> tuple[list[Tensor], list[Tensor], KVDestination]:
+        """The global layers' keys and values, (1, H, T, D) views of one buffer the loader writes in one strided copy
+        per stream and run (per-layer tensors cost 2 * L copies per run). K/V models: a buffer (L, 2, H, T, D), seen
+        as (L, 2, T, H, D). MLA models: a latent buffer (L, T, kv_lora_rank + rope), whose per-layer slices are the
+        cache's keys (1, 1, T, kv_lora_rank) and values (1, 1, T, rope)."""
+        lay = self.layout
+        n = len(self.global_layers)
+        if self.mla is not None:
+            rank = self.mla[0]
+            latent = torch.empty(n, tokens, sum(self.mla), dtype=lay.dtype.torch_dtype, device=self.device)
+            ks = [latent[j, :, :rank][None, None] for j in range(n)]
+            vs = [latent[j, :, rank:][None, None] for j in range(n)]
+            return ks, vs, StreamsKV(lay.stream_specs, {"latent": latent})
+        buf = torch.empty(n, 2, lay.num_kv_heads, tokens, lay.head_dim, dtype=lay.dtype.torch_dtype, device=self.device)
+        ks = [buf[j, 0].unsqueeze(0) for j in range(n)]
+        vs = [buf[j, 1].unsqueeze(0) for j in range(n)]
+        return ks, vs, ContiguousKV(buf.transpose(2, 3))
 
     def _windows(self, tokens: list[int], ks: list[Tensor], vs: list[Tensor], m: int) -> dict[int, tuple[Tensor, Tensor]]:
         """Each sliding layer's (1, H, rows, D) window for a query at m, by exact replay over the loaded KV."""
@@ -170,9 +201,13 @@ class EngramPrefixCache:
         n = min(len(toks), min(int(layer.keys.shape[-2]) for layer in layers))
         if n == 0:
             return 0
+        ids = np.asarray(toks[:n], dtype=np.int32)
+        if self.mla is not None:  # the latent c and k_pe side by side: (L, n, kv_lora_rank + rope)
+            latent = torch.stack([torch.cat((layer.keys[0, 0, :n], layer.values[0, 0, :n]), dim=-1) for layer in layers])
+            self.client.put(self.fingerprint, ids, {"latent": latent}, namespace=self.namespace)
+            return n
         kv = torch.stack([torch.stack((layer.keys[0, :, :n], layer.values[0, :, :n])) for layer in layers])  # (L, 2, H, n, D)
-        self.client.put(self.fingerprint, np.asarray(toks[:n], dtype=np.int32), kv.transpose(2, 3),
-                        namespace=self.namespace)
+        self.client.put(self.fingerprint, ids, kv.transpose(2, 3), namespace=self.namespace)
         return n
 
 

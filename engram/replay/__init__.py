@@ -1,6 +1,12 @@
 """SWA bounded replay: rebuild sliding-window KV from tokens and stored global KV (see docs/REPLAY.md)."""
 
-from engram.replay.config import HybridConfig, all_sliding_pattern, gemma3_pattern, gpt_oss_pattern
+from engram.replay.config import (
+    HybridConfig,
+    all_sliding_pattern,
+    csa_pattern,
+    gemma3_pattern,
+    gpt_oss_pattern,
+)
 from engram.replay.decoder import HybridDecoder
 from engram.replay.model import (
     KV,
@@ -48,6 +54,7 @@ __all__ = [
     "SwaWindow",
     "all_sliding_pattern",
     "as_layer_kv",
+    "csa_pattern",
     "decode_next",
     "exact_bound",
     "gemma3_pattern",

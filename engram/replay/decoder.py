@@ -1,5 +1,6 @@
 """`HybridDecoder`: a reference hybrid (global + sliding-window) decoder in pure PyTorch that implements
-ReplayModel (model.py), with the sharing patterns of gpt-oss, Gemma 3 and DeepSeek-style REINDEX/REUSE layers.
+ReplayModel (model.py), with the sharing patterns of gpt-oss, Gemma 3 and DeepSeek-style REINDEX/REUSE layers,
+and global layers of GQA or of MLA (one cached latent per token: DeepSeek-V2/V3).
 One sequence per call; the global KV it reads and returns is in the stored layout (T, n_kv, d_h).
 
 What this module does not do: batching several sequences, paged KV, sampling, training. Its arithmetic is in
@@ -55,17 +56,25 @@ class RMSNorm(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm attention + SwiGLU MLP. REINDEX/REUSE layers have no K/V projections: they read shared KV."""
+    """Pre-norm attention + SwiGLU MLP. REINDEX/REUSE layers have no K/V projections: they read shared KV.
+    In an MLA model a non-sliding layer's query is (nope_dim + rope_dim) per head and its output v_head_dim; a
+    GLOBAL one compresses into the latent (kv_a: c and k_pe; kv_norm) and decompresses it (kv_b)."""
 
     def __init__(self, cfg: HybridConfig, kind: AttentionKind) -> None:
         super().__init__()
         self.kind = kind
+        self.mla = cfg.mla and kind is not AttentionKind.SLIDING
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.q_proj = nn.Parameter(torch.empty(cfg.n_heads * cfg.head_dim, cfg.d_model))
-        if kind in (AttentionKind.GLOBAL, AttentionKind.SLIDING):
+        q_dim, o_dim = (cfg.nope_dim + cfg.rope_dim, cfg.v_head_dim) if self.mla else (cfg.head_dim, cfg.head_dim)
+        self.q_proj = nn.Parameter(torch.empty(cfg.n_heads * q_dim, cfg.d_model))
+        if self.mla and kind is AttentionKind.GLOBAL:
+            self.kv_a = nn.Parameter(torch.empty(cfg.kv_lora_rank + cfg.rope_dim, cfg.d_model))
+            self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
+            self.kv_b = nn.Parameter(torch.empty(cfg.n_heads * (cfg.nope_dim + cfg.v_head_dim), cfg.kv_lora_rank))
+        elif kind in (AttentionKind.GLOBAL, AttentionKind.SLIDING):
             self.k_proj = nn.Parameter(torch.empty(cfg.n_kv_heads * cfg.head_dim, cfg.d_model))
             self.v_proj = nn.Parameter(torch.empty(cfg.n_kv_heads * cfg.head_dim, cfg.d_model))
-        self.o_proj = nn.Parameter(torch.empty(cfg.d_model, cfg.n_heads * cfg.head_dim))
+        self.o_proj = nn.Parameter(torch.empty(cfg.d_model, cfg.n_heads * o_dim))
         self.sinks = nn.Parameter(torch.empty(cfg.n_heads)) if cfg.sinks else None
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.gate_proj = nn.Parameter(torch.empty(cfg.d_ff, cfg.d_model))
@@ -128,7 +137,7 @@ class HybridDecoder(nn.Module):
     def prefill(self, tokens: Tensor | Sequence[int], *, logits: bool = True) -> PrefillResult:
         """Run a whole sequence from position 0 (what a serving worker does)."""
         tokens = torch.as_tensor(tokens, dtype=torch.long)
-        empty = tuple((self._empty_kv(), self._empty_kv()) for _ in self.config.replay_spec().stored_layers)
+        empty = tuple(self._empty_global() for _ in self.config.replay_spec().stored_layers)
         sliding = tuple((self._empty_kv(), self._empty_kv()) for _ in self.config.replay_spec().sliding_layers)
         out = self.forward_span(tokens, ReplayPast(0, empty, sliding), logits=logits)
         return PrefillResult(out.logits, out.global_kv, out.swa_kv, self.config.window)
@@ -136,6 +145,12 @@ class HybridDecoder(nn.Module):
     def _empty_kv(self) -> Tensor:
         return torch.empty(0, self.config.n_kv_heads, self.config.head_dim, dtype=self.config.dtype,
                            device=self.device)
+
+    def _empty_global(self) -> KV:
+        """A stored layer's (K, V) of no tokens: (0, n_kv, d_h) each, or an MLA layer's (c, k_pe)."""
+        spec = self.config.replay_spec()
+        return tuple(torch.empty(0, *shape, dtype=self.config.dtype, device=self.device)  # type: ignore[return-value]
+                     for shape in (spec.global_k_shape, spec.global_v_shape))
 
     @torch.inference_mode()
     def forward_span(self, tokens: Tensor, past: ReplayPast, *, starts: Sequence[int] | None = None,
@@ -153,6 +168,8 @@ class HybridDecoder(nn.Module):
 
         positions = torch.arange(start, end, device=self.device)
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.dtype, self.numerics)  # (T, d_h / 2) each
+        mla_rope = (rope_tables(positions, cfg.rope_dim, cfg.rope_theta, cfg.dtype, self.numerics) if cfg.mla
+                    else (cos, sin))  # (T, rope_dim / 2) each: the MLA layers' decoupled RoPE
         x = self.embed[tokens][None]  # (1, T, d_model); rows for positions [starts[0], end)
         shared = _SharedState()
         swa_kv: list[KV] = []
@@ -178,7 +195,8 @@ class HybridDecoder(nn.Module):
                 raise ReplayError(f"global layer {layer} starts at {s_in}, after the stored KV ends ({stored_len}); "
                                   "it could not compute the missing global KV")
             h = block.attn_norm(x)  # (1, T_in, d_model)
-            attn = self._attention(block, h, s_in, s_out, end, cos[s_in - start:], sin[s_in - start:],
+            c, sn = mla_rope if block.mla else (cos, sin)
+            attn = self._attention(block, h, s_in, s_out, end, c[s_in - start:], sn[s_in - start:],
                                    stored, stored_len, swa_past, shared, swa_kv)
             x = x[:, s_out - s_in:] + linear(attn, block.o_proj, self.numerics)  # (1, T_out, d_model)
             hm = block.mlp_norm(x)
@@ -195,6 +213,8 @@ class HybridDecoder(nn.Module):
                    swa_kv: list[KV]) -> Tensor:
         """h (1, T_in, d_model) for positions [s_in, end) -> attention output (1, T_out, H * d_h) for [s_out, end)."""
         cfg, nx = self.config, self.numerics
+        if block.mla:
+            return self._mla_attention(block, h, s_in, s_out, end, cos, sin, stored, stored_len, shared)
         n_rep = cfg.n_heads // cfg.n_kv_heads
         q = linear(h[:, s_out - s_in:], block.q_proj, nx).view(1, -1, cfg.n_heads, cfg.head_dim).transpose(1, 2)
         q = rope(q, cos[s_out - s_in:], sin[s_out - s_in:])  # (1, H, T_out, d_h)
@@ -240,6 +260,44 @@ class HybridDecoder(nn.Module):
             shared.index = new_index
         return out.transpose(1, 2).reshape(1, -1, cfg.n_heads * cfg.head_dim)
 
+    def _mla_attention(self, block: Block, h: Tensor, s_in: int, s_out: int, end: int, cos: Tensor, sin: Tensor,
+                       stored: KV | None, stored_len: int, shared: _SharedState) -> Tensor:
+        """An MLA layer (DeepSeek-V2/V3, the naive form): h (1, T_in, d_model) for [s_in, end) -> (1, T_out,
+        H * v_head_dim) for [s_out, end). A GLOBAL layer reads the stored latent (c, k_pe) of every position,
+        adds the latent of the positions past it, and decompresses all of it into per-head keys and values
+        (what REINDEX/REUSE layers then share); cos, sin are the rope_dim tables."""
+        cfg, nx = self.config, self.numerics
+        heads, nope, rdim, r = cfg.n_heads, cfg.nope_dim, cfg.rope_dim, cfg.kv_lora_rank
+        q = linear(h[:, s_out - s_in:], block.q_proj, nx).view(1, -1, heads, nope + rdim).transpose(1, 2)
+        q = torch.cat((q[..., :nope], rope(q[..., nope:], cos[s_out - s_in:], sin[s_out - s_in:])), dim=-1)
+        if block.kind is AttentionKind.GLOBAL:
+            assert stored is not None
+            c_all, pe_all = stored[0][:min(stored_len, end)], stored[1][:min(stored_len, end)]  # (S, 1, r), (S, 1, rope)
+            if stored_len < end:
+                a = linear(h[:, stored_len - s_in:], block.kv_a, nx)  # (1, T_new, r + rope)
+                c = block.kv_norm(a[..., :r])[0].unsqueeze(1)  # (T_new, 1, r)
+                pe = rope(a[..., r:].unsqueeze(1), cos[stored_len - s_in:], sin[stored_len - s_in:])  # (1, 1, T_new, rope)
+                c, pe = self._transform(c), self._transform(pe[0].transpose(0, 1).contiguous())
+                shared.new_global.append((c, pe))
+                c_all, pe_all = torch.cat((c_all, c)), torch.cat((pe_all, pe))
+            else:
+                shared.new_global.append(self._empty_global())
+            s = c_all.shape[0]
+            kv = linear(c_all[:, 0].unsqueeze(0), block.kv_b, nx).view(1, s, heads, nope + cfg.v_head_dim)
+            kv = kv.transpose(1, 2)  # (1, H, S, nope + v)
+            k = torch.cat((kv[..., :nope], pe_all[:, 0].view(1, 1, s, rdim).expand(1, heads, s, rdim)), dim=-1)
+            shared.kv = (k, kv[..., nope:])
+            shared.index = None
+        assert shared.kv is not None
+        k_all, v_all = shared.kv
+        index = None
+        if block.kind is AttentionKind.REUSE and shared.index is not None:
+            index = shared.index[:, :, -q.shape[2]:]
+        out, new_index = attend_global(q, k_all, v_all, sinks=block.sinks, top_k=cfg.top_k, index=index, numerics=nx)
+        if block.kind is not AttentionKind.REUSE:
+            shared.index = new_index
+        return out.transpose(1, 2).reshape(1, -1, heads * cfg.v_head_dim)
+
     def _transform(self, x: Tensor) -> Tensor:
         if self.global_kv_transform is None:
             return x
@@ -269,11 +327,17 @@ class HybridDecoder(nn.Module):
         if len(past.swa_kv) != len(spec.sliding_layers):
             raise ReplayError(f"expected SWA past for {len(spec.sliding_layers)} sliding layers, got {len(past.swa_kv)}")
         lengths = set()
-        for what, kvs in (("global", past.global_kv), ("SWA", past.swa_kv)):
+        swa_shape = (cfg.n_kv_heads, cfg.head_dim)
+        for what, kvs, shapes in (("global", past.global_kv, (spec.global_k_shape, spec.global_v_shape)),
+                                  ("SWA", past.swa_kv, (swa_shape, swa_shape))):
             for i, (k, v) in enumerate(kvs):
-                if k.shape != v.shape or k.ndim != 3 or tuple(k.shape[1:]) != (cfg.n_kv_heads, cfg.head_dim):
-                    raise ReplayError(f"{what} KV {i}: K {tuple(k.shape)} and V {tuple(v.shape)} must both be "
-                                      f"(T, n_kv_heads={cfg.n_kv_heads}, head_dim={cfg.head_dim})")
+                if (k.ndim != 3 or v.ndim != 3 or k.shape[0] != v.shape[0] or tuple(k.shape[1:]) != shapes[0]
+                        or tuple(v.shape[1:]) != shapes[1]):
+                    if shapes[0] == shapes[1] == swa_shape:
+                        want = f"must both be (T, n_kv_heads={cfg.n_kv_heads}, head_dim={cfg.head_dim})"
+                    else:
+                        want = f"must be (T, {', '.join(map(str, shapes[0]))}) and (T, {', '.join(map(str, shapes[1]))})"
+                    raise ReplayError(f"{what} KV {i}: K {tuple(k.shape)} and V {tuple(v.shape)} {want}")
                 if what == "global":
                     lengths.add(k.shape[0])
         if len(lengths) > 1:

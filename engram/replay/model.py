@@ -7,7 +7,9 @@ past (the stored global KV of every position, and whatever SWA KV precedes the s
 
 Conventions (the daemon's; convert other engines' at the boundary):
 - window W counts the keys a sliding query sees *including itself*: the query at t sees t-W+1 .. t.
-- KV at this boundary is one sequence, laid out as stored: K and V of one layer are (T, n_kv, d_h), K after RoPE.
+- KV at this boundary is one sequence, laid out as stored: K and V of one layer are (T, n_kv, d_h), K after RoPE;
+  an MLA global layer's pair is its latent c (T, 1, kv_lora_rank) and RoPE key k_pe (T, 1, rope_dim), which
+  Engram stores concatenated as one "latent" stream (engram/layout.py), as transformers' DeepseekV3 caches them.
 - "stored" layers are the GLOBAL ones; REINDEX/REUSE layers read the nearest preceding GLOBAL layer's KV and
   have none of their own; SLIDING layers' KV is never persisted (replay rebuilds it).
 
@@ -60,6 +62,17 @@ class ReplaySpec:
     head_dim: int
     dtype: torch.dtype
     supports_cone: bool = True  # forward_span honours per-layer start positions
+    # Per-token shapes of a stored (GLOBAL) layer's two tensors, where they are not the sliding layers'
+    # (n_kv_heads, head_dim): an MLA layer stores its latent c (1, kv_lora_rank) and RoPE key k_pe (1, rope_dim).
+    global_shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+
+    @property
+    def global_k_shape(self) -> tuple[int, ...]:
+        return self.global_shapes[0] if self.global_shapes else (self.n_kv_heads, self.head_dim)
+
+    @property
+    def global_v_shape(self) -> tuple[int, ...]:
+        return self.global_shapes[1] if self.global_shapes else (self.n_kv_heads, self.head_dim)
 
     @property
     def stored_layers(self) -> tuple[int, ...]:

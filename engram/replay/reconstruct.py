@@ -108,19 +108,28 @@ class Reconstruction:
 
 def as_layer_kv(global_kv: Sequence[KV] | Tensor, spec: ReplaySpec, prefix_len: int,
                 device: torch.device | None = None, *, exact_rows: bool = False) -> tuple[KV, ...]:
-    """Normalize stored global KV to one (K, V) per stored layer, (P, n_kv, d_h) each, in the model's dtype.
+    """Normalize stored global KV to one (K, V) per stored layer, (P, *shape) each (spec.global_k_shape and
+    global_v_shape: (n_kv, d_h), or an MLA layer's (1, kv_lora_rank) and (1, rope_dim)), in the model's dtype.
 
-    Accepts a sequence of (K, V) or one tensor in the block layout of engram.layout,
-    (stored_layers, 2, T, n_kv, d_h), with T >= P (rows past P are ignored) or, with exact_rows, T == P.
+    Accepts a sequence of (K, V); one tensor in the block layout of engram.layout, (stored_layers, 2, T, n_kv,
+    d_h); or an MLA model's latent stream as Engram stores it, (stored_layers, T, kv_lora_rank + rope_dim). T >= P
+    (rows past P are ignored) or, with exact_rows, T == P.
     """
+    k_shape, v_shape = spec.global_k_shape, spec.global_v_shape
+    k_width = int(torch.Size(k_shape).numel())
     if isinstance(global_kv, Tensor):
-        if global_kv.ndim != 5 or global_kv.shape[1] != 2:
-            raise ReplayError(f"stored global KV as one tensor must be (stored_layers, 2, T, n_kv, d_h), "
-                              f"got {tuple(global_kv.shape)}")
-        pairs = [(layer[0], layer[1]) for layer in global_kv]
+        if global_kv.ndim == 3 and global_kv.shape[-1] == k_width + int(torch.Size(v_shape).numel()):
+            t = global_kv.shape[1]
+            pairs = [(layer[:, :k_width].reshape(t, *k_shape), layer[:, k_width:].reshape(t, *v_shape))
+                     for layer in global_kv]
+        elif global_kv.ndim == 5 and global_kv.shape[1] == 2 and k_shape == v_shape:
+            pairs = [(layer[0], layer[1]) for layer in global_kv]
+        else:
+            forms = ("(stored_layers, T, latent width) or " if spec.global_shapes else "") + \
+                "(stored_layers, 2, T, n_kv, d_h)"
+            raise ReplayError(f"stored global KV as one tensor must be {forms}, got {tuple(global_kv.shape)}")
     else:
         pairs = [tuple(p) for p in global_kv]  # type: ignore[misc]
-    want = (spec.n_kv_heads, spec.head_dim)
     if len(pairs) != len(spec.stored_layers):
         raise ReplayError(f"the model stores {len(spec.stored_layers)} global layers (layers {spec.stored_layers}); "
                           f"got KV for {len(pairs)}")
@@ -129,12 +138,14 @@ def as_layer_kv(global_kv: Sequence[KV] | Tensor, spec: ReplaySpec, prefix_len: 
         if len(pair) != 2:
             raise ReplayError(f"stored layer {i}: expected a (K, V) pair, got {len(pair)} tensors")
         k, v = pair
-        for name, t in (("K", k), ("V", v)):
+        for name, t, want in (("K", k, k_shape), ("V", v, v_shape)):
             rows_ok = t.shape[0] == prefix_len if exact_rows else t.shape[0] >= prefix_len
-            if t.ndim != 3 or tuple(t.shape[1:]) != want or not rows_ok:
+            if t.ndim != 1 + len(want) or tuple(t.shape[1:]) != tuple(want) or not rows_ok:
                 rows = str(prefix_len) if exact_rows else f">= {prefix_len}"
-                raise ReplayError(f"stored layer {i} {name} has shape {tuple(t.shape)}; need ({rows}, "
-                                  f"n_kv_heads={want[0]}, head_dim={want[1]}) for a prefix of {prefix_len} tokens")
+                dims = ", ".join(map(str, want)) if spec.global_shapes else \
+                    f"n_kv_heads={want[0]}, head_dim={want[1]}"
+                raise ReplayError(f"stored layer {i} {name} has shape {tuple(t.shape)}; need ({rows}, {dims}) for "
+                                  f"a prefix of {prefix_len} tokens")
         out.append((k[:prefix_len].to(device=device, dtype=spec.dtype),
                     v[:prefix_len].to(device=device, dtype=spec.dtype)))
     return tuple(out)

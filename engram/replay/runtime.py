@@ -45,6 +45,9 @@ def implied_layout(model: HybridDecoder, block_tokens: int = 256) -> KVLayout:
     """The KV layout a worker registers this model with. A ReplayError when no layout can describe it (no
     global layer: nothing to store; a dtype the daemon does not store, such as float64)."""
     cfg = model.config
+    if cfg.mla:
+        raise ReplayError("the daemon does not replay MLA models yet (their blocks are a stream layout, whose "
+                          "sessions keep their window in the worker); replay them in-process with reconstruct_swa")
     layers = tuple(LayerSpec(_KIND[k], cfg.window if k is AttentionKind.SLIDING else 0) for k in cfg.layers)
     try:
         return KVLayout(layers=layers, num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,

@@ -150,7 +150,8 @@ class EngramService:
                     raise InvalidArgument("the first message of a Put stream must be a PutHeader")
                 stream = req.header
                 stream.namespace = namespace_for(context, stream.namespace)
-                layout = self.store.spec(stream.model_fingerprint).layout
+                spec = self.store.spec(stream.model_fingerprint)
+                layout = spec.layout
                 parent = stream.parent_key or self.store.root(stream.namespace, stream.model_fingerprint)
 
                 blocks = Reassembler(lambda h: h.payload_nbytes,
@@ -228,7 +229,7 @@ class EngramService:
                 match = self.store.lookup(ns, req.model_fingerprint, tokens)
         metas = list(match.blocks)
         header = pb.PrefixHeader(matched_tokens=match.matched_tokens, blocks=_refs(metas))
-        codec = self.store.spec(req.model_fingerprint).codec
+        codec = self.store.spec(req.model_fingerprint).stored_codec
         pools = self._zero_copy_pools(req.zero_copy, req.cuda_ipc, False, codec)
         if self.pool is not None and self.pool in pools:
             # Blocks on NVMe (or a pool the caller cannot map) come up into the shared pool first, as one batch.
@@ -275,7 +276,7 @@ class EngramService:
         """The blocks, in order, as ("descriptor", BlockDescriptor) under one lease for those in a pool the
         caller may map, and ("chunk", BlockChunk)s for the rest. Every block is held (not evicted) while the
         stream is open."""
-        codec = self.store.spec(fingerprint).codec
+        codec = self.store.spec(fingerprint).stored_codec
         step = self.config.chunk_bytes
         pools = self._zero_copy_pools(zero_copy, cuda_ipc, decode, codec)
         in_pool = {}  # key -> the pool its descriptor points into (the first preferred pool holding it)
@@ -293,10 +294,9 @@ class EngramService:
                     payload = await self.store.read(meta)
                     block = _header_of(meta, codec)
                     if decode and not stored.is_raw(codec):
-                        kv = await asyncio.to_thread(self.store.decode, payload, meta)
-                        payload = stored.encode(kv, stored.RAW)
-                        block = dataclasses.replace(block, codec=stored.RAW, payload_nbytes=len(payload),
-                                                    checksum=checksum(payload))
+                        payload = await asyncio.to_thread(self.store.as_raw, payload, meta)
+                        block = dataclasses.replace(block, codec=stored.STREAMS if stored.is_streams(codec) else
+                                                    stored.RAW, payload_nbytes=len(payload), checksum=checksum(payload))
                     for msg in _chunks(meta.key, convert.header_to_pb(block), payload, step):
                         yield "chunk", msg
         except BaseException:
@@ -384,7 +384,7 @@ class EngramService:
         with self.store.reading(metas):
             for meta in metas:
                 payload = await self.store.read(meta, promote=False)
-                codec = self.store.spec(meta.model_fingerprint).codec
+                codec = self.store.spec(meta.model_fingerprint).stored_codec  # the header's: what a peer's MAC covers
                 block = _header_of(meta, codec)
                 for i, msg in enumerate(_chunks(meta.key, convert.header_to_pb(block), payload, self.config.chunk_bytes)):
                     if i:

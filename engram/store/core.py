@@ -183,8 +183,8 @@ class BlockStore:
         first let one put of a 4 GiB block grow the daemon by a GiB on a 64 MiB tier. (Room made by
         eviction is the put's business; this asks only whether the block could ever fit.)"""
         spec = self.spec(model_fingerprint)
-        header.validate(spec.layout, index=index)
-        nbytes = stored.stored_nbytes(spec.codec or stored.RAW, tuple(header.shape), header.dtype)
+        header.validate(spec.layout, index=index, model_codec=spec.codec)
+        nbytes = stored.stored_nbytes(spec.stored_codec, tuple(header.shape), header.dtype, spec.streams)
         top = self.placement.tiers[0]
         if nbytes > top.capacity_bytes:  # (a raw payload the daemon encodes is bounded by max_block_bytes)
             raise ResourceExhausted(
@@ -230,9 +230,9 @@ class BlockStore:
         limits.check_namespace(namespace)  # also for blocks that did not come through a Put (peers)
         spec = self.spec(model_fingerprint)
         layout = spec.layout
-        header.validate(layout, index=index)
+        header.validate(layout, index=index, model_codec=spec.codec)
         header.verify_payload(payload, index=index)
-        header, payload = await self._stored_form(spec.codec or stored.RAW, header, payload, index)
+        header, payload = await self._stored_form(spec, header, payload, index)
         pmeta = None
         if parent != self.root(namespace, model_fingerprint):
             pmeta = self.index.get_in(namespace, parent)
@@ -310,11 +310,19 @@ class BlockStore:
         self._check_quota(namespace, nbytes, index)
         self._quota_pending[namespace] = self._quota_pending.get(namespace, 0) + nbytes
 
-    async def _stored_form(self, codec: str, header: BlockHeader, payload: bytes, index: int
+    async def _stored_form(self, spec: ModelSpec, header: BlockHeader, payload: bytes, index: int
                            ) -> tuple[BlockHeader, bytes]:
         """The block as the model stores it: raw elements are encoded here when the model's codec is a
-        quantizing one; a block the worker already encoded must be in the model's codec and verify."""
+        quantizing one; a block the worker already encoded must be in the model's codec and verify. A stream
+        layout's v2 block: each stream raw (encoded here) or in its codec (verified)."""
         where = f"block {index}"
+        codec = spec.stored_codec
+        if stored.is_streams(codec):
+            blob = await asyncio.to_thread(stored.stored_streams, payload, spec.streams, tuple(header.shape),
+                                           backend=self.codec_backend, where=where)
+            if blob is payload or blob == payload:
+                return header, payload
+            return dataclasses.replace(header, payload_nbytes=len(blob), checksum=checksum(blob)), blob
         if header.codec == codec:
             stored.check_encoded(payload, codec, header.dtype, tuple(header.shape), where)
             return header, payload
@@ -565,8 +573,9 @@ class BlockStore:
                               sum(m.nbytes * max(1, m.refs) for m in blocks), sum(1 for m in blocks if m.refs))
 
     def decode(self, payload: bytes, meta: BlockMeta, *, device: torch.device | str = "cpu") -> torch.Tensor:
-        """A stored payload of `meta` as its KV tensor, decoded with the daemon's codec backend."""
-        codec = self.spec(meta.model_fingerprint).codec
+        """A stored payload of `meta` (a K/V layout's block) as its KV tensor, decoded with the daemon's codec
+        backend."""
+        codec = self.spec(meta.model_fingerprint).stored_codec
         return stored.decode(payload, codec, meta.dtype, meta.shape, backend=self.codec_backend, device=device,
                              where=f"stored block {meta.key.hex()}")
 
@@ -579,6 +588,12 @@ class BlockStore:
         if self.flusher is None:
             return FlushResult(0, 0, 0, 0.0)
         return await self.flusher.flush_all(deadline_s)
+
+    def as_raw(self, payload: bytes, meta: BlockMeta) -> bytes:
+        """A stored payload as a raw put would send it (Get with decode: the daemon decodes)."""
+        codec = self.spec(meta.model_fingerprint).stored_codec
+        return stored.as_raw(payload, codec, meta.dtype, meta.shape, backend=self.codec_backend,
+                             where=f"stored block {meta.key.hex()}")
 
     async def close(self) -> None:
         if self.flusher is not None:

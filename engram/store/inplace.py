@@ -26,12 +26,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engram.block import BlockHeader
-from engram.codec import blockformat, stored
+from engram.codec import blockformat, stored, streamformat
 from engram.codec.base import Axis, codec_by_name
 from engram.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from engram.eviction import tick
 from engram.index import BlockMeta
 from engram.keys import block_key, tokens_to_bytes
+from engram.layout import ModelSpec
 from engram.sealing import Sealer, SealTask
 from engram.tiers.pool import PoolTier, Slot
 
@@ -79,8 +80,9 @@ class InPlacePuts:
     async def reserve(self, namespace: str, fingerprint: bytes, parent: bytes, headers: Sequence[BlockHeader],
                       *, pin: bool) -> Reservation:
         store = self.store
-        layout = store.spec(fingerprint).layout
-        codec = store.spec(fingerprint).codec or stored.RAW
+        spec = store.spec(fingerprint)
+        layout = spec.layout
+        codec = spec.stored_codec
         pmeta = None
         if parent != store.root(namespace, fingerprint):
             pmeta = store.index.get_in(namespace, parent)
@@ -94,10 +96,13 @@ class InPlacePuts:
         rank = store.tier_rank(self.pool.name)
         try:
             for i, h in enumerate(headers):
-                h.validate(layout, index=i)
+                h.validate(layout, index=i, model_codec=spec.codec)
                 if h.codec != codec:
                     raise InvalidArgument(f"block {i}: this model stores {codec} blocks; encode them so "
                                           f"(in-place puts are written as stored), not {h.codec}")
+                if stored.is_streams(codec) and h.payload_nbytes != _v2_plan(spec, h).nbytes:
+                    raise InvalidArgument(f"block {i}: {h.payload_nbytes} bytes is not the block as stored "
+                                          f"({_v2_plan(spec, h).nbytes}); in-place puts write every stream in its codec")
                 if i < len(headers) - 1 and h.num_tokens < layout.block_tokens:
                     raise InvalidArgument(f"block {i} is partial, but only a chain's last block may be")
                 key = block_key(parent, h.tokens)
@@ -218,8 +223,7 @@ class InPlacePuts:
         """Verify each slot holds what was reserved, fill in a v1 block's body and header checksums, and take
         the payload's checksum: all from the bytes as they lie in the pool (engram/sealing.py)."""
         todo = [r for r in batch if r.slot is not None]
-        tasks = [SealTask(r.slot.offset, r.meta.nbytes, None if stored.is_raw(r.header.codec)  # type: ignore[union-attr]
-                          else _v1_fields(r.header, r.meta.nbytes)) for r in todo]
+        tasks = [self._seal_task(r) for r in todo]
         # A worker's own encoding must decode (valid scales), or every later Get of it fails: read in place,
         # beside the hashing (the helpers write only headers; the check reads only bodies). Both end before
         # either's error is raised: a slot is freed only once no helper writes into it.
@@ -247,9 +251,22 @@ class InPlacePuts:
     def _check_some(self, blocks: list[tuple[int, Reserved]]) -> None:
         for i, r in blocks:
             assert r.slot is not None
+            if stored.is_streams(r.header.codec):  # a v2 block: each quantized stream's scales
+                blob = self.pool.region(r.slot).numpy().data
+                streamformat.check_scales(blob, _v2_plan(self.store.spec(r.meta.model_fingerprint), r.header),
+                                          f"block {i}")
+                continue
             body = self.pool.region(r.slot).numpy().data[blockformat.HEADER_LEN :]
             codec_by_name(r.header.codec).check(body, tuple(r.header.shape), Axis.CHANNEL, Axis.TOKEN,  # type: ignore[arg-type]
                                                 f"block {i}")
+
+    def _seal_task(self, r: Reserved) -> SealTask:
+        assert r.slot is not None
+        h = r.header
+        if stored.is_streams(h.codec):
+            head = streamformat.unsealed_header(_v2_plan(self.store.spec(r.meta.model_fingerprint), h))
+            return SealTask(r.slot.offset, r.meta.nbytes, None, head.hex())
+        return SealTask(r.slot.offset, r.meta.nbytes, None if stored.is_raw(h.codec) else _v1_fields(h, r.meta.nbytes))
 
     def _slot_key(self, res: Reservation, meta: BlockMeta) -> bytes:
         return meta.key + res.id.to_bytes(8, "little")
@@ -288,6 +305,11 @@ class InPlacePuts:
             if res.timer is not None:
                 res.timer.cancel()
             await self._drop(res)
+
+
+def _v2_plan(spec: ModelSpec, header: BlockHeader) -> streamformat.StreamsFormat:
+    """The v2 block a stream layout's header announces, every stream in its codec (as stored)."""
+    return streamformat.plan(spec.streams, spec.layout.persisted_layers, header.num_tokens)
 
 
 def _v1_fields(header: BlockHeader, nbytes: int) -> tuple[int, ...]:

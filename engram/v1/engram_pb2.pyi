@@ -20,6 +20,14 @@ class LayerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LAYER_KIND_GLOBAL: _ClassVar[LayerKind]
     LAYER_KIND_SLIDING: _ClassVar[LayerKind]
     LAYER_KIND_SHARED: _ClassVar[LayerKind]
+    LAYER_KIND_REINDEX: _ClassVar[LayerKind]
+    LAYER_KIND_REUSE: _ClassVar[LayerKind]
+
+class GroupAxis(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GROUP_AXIS_UNSPECIFIED: _ClassVar[GroupAxis]
+    GROUP_AXIS_CHANNEL: _ClassVar[GroupAxis]
+    GROUP_AXIS_TOKEN: _ClassVar[GroupAxis]
 
 class ReplayModeKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -35,10 +43,31 @@ LAYER_KIND_UNSPECIFIED: LayerKind
 LAYER_KIND_GLOBAL: LayerKind
 LAYER_KIND_SLIDING: LayerKind
 LAYER_KIND_SHARED: LayerKind
+LAYER_KIND_REINDEX: LayerKind
+LAYER_KIND_REUSE: LayerKind
+GROUP_AXIS_UNSPECIFIED: GroupAxis
+GROUP_AXIS_CHANNEL: GroupAxis
+GROUP_AXIS_TOKEN: GroupAxis
 REPLAY_MODE_UNSPECIFIED: ReplayModeKind
 REPLAY_MODE_EXACT: ReplayModeKind
 REPLAY_MODE_APPROX: ReplayModeKind
 REPLAY_MODE_PERSIST: ReplayModeKind
+
+class StreamSpec(_message.Message):
+    __slots__ = ("name", "shape", "dtype", "codec", "axis", "compress")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    AXIS_FIELD_NUMBER: _ClassVar[int]
+    COMPRESS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    codec: str
+    axis: GroupAxis
+    compress: int
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[str] = ..., axis: _Optional[_Union[GroupAxis, str]] = ..., compress: _Optional[int] = ...) -> None: ...
 
 class LayerSpec(_message.Message):
     __slots__ = ("kind", "window")
@@ -49,18 +78,22 @@ class LayerSpec(_message.Message):
     def __init__(self, kind: _Optional[_Union[LayerKind, str]] = ..., window: _Optional[int] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("layers", "num_kv_heads", "head_dim", "dtype", "block_tokens")
+    __slots__ = ("layers", "num_kv_heads", "head_dim", "dtype", "block_tokens", "streams", "window_streams")
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_STREAMS_FIELD_NUMBER: _ClassVar[int]
     layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
     num_kv_heads: int
     head_dim: int
     dtype: DType
     block_tokens: int
-    def __init__(self, layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., block_tokens: _Optional[int] = ...) -> None: ...
+    streams: _containers.RepeatedCompositeFieldContainer[StreamSpec]
+    window_streams: _containers.RepeatedCompositeFieldContainer[StreamSpec]
+    def __init__(self, layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., block_tokens: _Optional[int] = ..., streams: _Optional[_Iterable[_Union[StreamSpec, _Mapping]]] = ..., window_streams: _Optional[_Iterable[_Union[StreamSpec, _Mapping]]] = ...) -> None: ...
 
 class ModelSpec(_message.Message):
     __slots__ = ("name", "weights_id", "layout", "codec")

@@ -23,7 +23,7 @@ from google.protobuf.message import Message
 from engram.api import SessionMode
 from engram.block import BlockHeader
 from engram.errors import InvalidArgument
-from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
+from engram.layout import Axis, DType, KVLayout, LayerKind, LayerSpec, ModelSpec, StreamSpec
 from engram.v1 import engram_pb2 as pb
 
 T = TypeVar("T")
@@ -127,24 +127,43 @@ def dtype_from_pb(value: int, where: str) -> DType:
         raise InvalidArgument(f"{where}: dtype must be DTYPE_BF16, DTYPE_FP16 or DTYPE_FP32, got {value}") from None
 
 
+_KINDS = "LAYER_KIND_GLOBAL, LAYER_KIND_SLIDING, LAYER_KIND_SHARED, LAYER_KIND_REINDEX or LAYER_KIND_REUSE"
+_AXES = {pb.GROUP_AXIS_UNSPECIFIED: Axis.TOKEN, pb.GROUP_AXIS_TOKEN: Axis.TOKEN, pb.GROUP_AXIS_CHANNEL: Axis.CHANNEL}
+
+
 def layout_from_pb(msg: pb.KVLayout) -> KVLayout:
     layers = []
     for i, layer in enumerate(msg.layers):
         try:
             kind = LayerKind(layer.kind)
         except ValueError:
-            raise InvalidArgument(f"layout layer {i}: kind must be LAYER_KIND_GLOBAL, LAYER_KIND_SLIDING or "
-                                  "LAYER_KIND_SHARED") from None
+            raise InvalidArgument(f"layout layer {i}: kind must be {_KINDS}") from None
         layers.append(LayerSpec(kind, layer.window))
     return KVLayout(layers=tuple(layers), num_kv_heads=msg.num_kv_heads, head_dim=msg.head_dim,
-                    dtype=dtype_from_pb(msg.dtype, "layout"), block_tokens=msg.block_tokens)
+                    dtype=dtype_from_pb(msg.dtype, "layout"), block_tokens=msg.block_tokens,
+                    streams=tuple(stream_from_pb(s, "layout stream") for s in msg.streams),
+                    window_streams=tuple(stream_from_pb(s, "layout window stream") for s in msg.window_streams))
+
+
+def stream_from_pb(msg: pb.StreamSpec, where: str) -> StreamSpec:
+    if msg.axis not in _AXES:
+        raise InvalidArgument(f"{where} {msg.name}: axis must be GROUP_AXIS_CHANNEL or GROUP_AXIS_TOKEN, got {msg.axis}")
+    return StreamSpec(msg.name, tuple(msg.shape), dtype_from_pb(msg.dtype, f"{where} {msg.name}"), msg.codec,
+                      _AXES[msg.axis], msg.compress or 1)
+
+
+def stream_to_pb(s: StreamSpec) -> pb.StreamSpec:
+    axis = pb.GROUP_AXIS_CHANNEL if s.axis == Axis.CHANNEL else pb.GROUP_AXIS_TOKEN
+    return pb.StreamSpec(name=s.name, shape=list(s.shape), dtype=int(s.dtype), codec=s.codec, axis=axis,  # type: ignore[arg-type]
+                         compress=s.compress)
 
 
 def layout_to_pb(layout: KVLayout) -> pb.KVLayout:
     return pb.KVLayout(
         layers=[pb.LayerSpec(kind=int(layer.kind), window=layer.window) for layer in layout.layers],  # type: ignore[arg-type]
         num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=int(layout.dtype),  # type: ignore[arg-type]
-        block_tokens=layout.block_tokens,
+        block_tokens=layout.block_tokens, streams=[stream_to_pb(s) for s in layout.streams],
+        window_streams=[stream_to_pb(s) for s in layout.window_streams],
     )
 
 

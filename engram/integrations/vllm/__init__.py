@@ -14,23 +14,27 @@ The package imports without vLLM: the logic is in plain classes (config.py, page
 that take vLLM's objects by attribute; `EngramConnector`, the KVConnectorBase_V1 subclass (connector.py),
 imports vLLM and is loaded on first use, as vLLM's connector factory does with getattr(module, name).
 
-What it does not do: MLA models (refused: layouts with named streams are a later issue's work), tensor or
-pipeline parallelism (refused), vLLM's hybrid KV cache manager (sliding-window layers keeping only their window),
-quantized vLLM KV caches, requests with multimodal inputs, LoRA adapters or cache salts (served and computed as
-usual, not cached), generated tokens' KV (a prompt's only), asynchronous loads and saves.
+MLA models (DeepSeek-V2/V3: one 576-wide latent a token and layer in vLLM's cache) are stored as one "latent"
+stream (a stream layout, docs/LAYOUTS.md), loaded into and saved out of vLLM's MLA pages like K and V pages.
+
+What it does not do: tensor or pipeline parallelism (refused), vLLM's hybrid KV cache manager (sliding-window
+layers keeping only their window), quantized vLLM KV caches (fp8 K/V, fp8_ds_mla latents), the sparse indexer's
+cache of DeepSeek-V3.2 and compressed MLA caches (refused), requests with multimodal inputs, LoRA adapters or cache
+salts (served and computed as usual, not cached), generated tokens' KV (a prompt's only), asynchronous loads and
+saves.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from engram.integrations.vllm.config import MLA_REFUSED, ConnectorConfig, LayerCache, VllmLayers
-from engram.integrations.vllm.paged import FromToken, kv_pages, page_table
+from engram.integrations.vllm.config import LATENT, ConnectorConfig, LayerCache, VllmLayers
+from engram.integrations.vllm.paged import FromToken, kv_pages, latent_pages, page_table
 from engram.integrations.vllm.scheduler import EngramMetadata, EngramScheduler, LoadSpec, SaveSpec
 from engram.integrations.vllm.worker import EngramWorker
 
 __all__ = [
-    "MLA_REFUSED",
+    "LATENT",
     "ConnectorConfig",
     "EngramConnector",
     "EngramMetadata",
@@ -42,6 +46,7 @@ __all__ = [
     "SaveSpec",
     "VllmLayers",
     "kv_pages",
+    "latent_pages",
     "page_table",
 ]
 

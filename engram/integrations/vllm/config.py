@@ -6,8 +6,9 @@ KVCacheConfig into `LayerCache` rows, and everything from there on is tested wit
 
 Every layer vLLM keeps a KV cache for is stored per block, as a global layer: with the hybrid KV cache manager
 off (vLLM turns it off for a connector that does not support it), a sliding-window layer's cache holds every
-token like a full one, so its blocks can be loaded as they were computed. MLA models (one latent entry per token
-and layer, 576 wide for DeepSeek) are refused: they need layouts with named streams, a later issue's work.
+token like a full one, so its blocks can be loaded as they were computed. An MLA model's layers (one latent entry
+per token and layer, kv_lora_rank + rope dims: 576 for DeepSeek-V2/V3) are stored as one "latent" stream of that
+width (a stream layout, engram/layout.py: block format v2), in the model's codec.
 """
 
 from __future__ import annotations
@@ -22,11 +23,9 @@ from typing import Any
 import torch
 
 from engram.errors import InvalidArgument
-from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
+from engram.layout import Axis, DType, KVLayout, LayerKind, LayerSpec, ModelSpec, StreamSpec
 
-MLA_REFUSED = ("MLA models (one latent KV entry per token and layer, e.g. DeepSeek's 576-wide one) are not supported "
-               "by Engram's vLLM connector yet: they need layouts with named streams (a later issue). Run this model "
-               "without kv_transfer_config, or with another connector.")
+LATENT = "latent"  # the stream an MLA model's cache entries are stored as
 
 
 @dataclass(frozen=True)
@@ -82,8 +81,12 @@ class ConnectorConfig:
         if self.block_tokens % layers.block_size:
             raise InvalidArgument(f"block_tokens={self.block_tokens} must be a multiple of vLLM's block_size "
                                   f"({layers.block_size}): a loaded Engram block fills whole vLLM blocks")
-        layout = KVLayout(layers=(LayerSpec(LayerKind.GLOBAL),) * len(layers.names), num_kv_heads=layers.num_kv_heads,
-                          head_dim=layers.head_dim, dtype=dtype, block_tokens=self.block_tokens)
+        every = (LayerSpec(LayerKind.GLOBAL),) * len(layers.names)
+        if layers.mla:  # one latent a token and layer: the transformers integration's layout of an MLA model
+            layout = KVLayout(layers=every, dtype=dtype, block_tokens=self.block_tokens, streams=layers.streams)
+        else:
+            layout = KVLayout(layers=every, num_kv_heads=layers.num_kv_heads, head_dim=layers.head_dim, dtype=dtype,
+                              block_tokens=self.block_tokens)
         return ModelSpec(self.name or name, self.weights_id or weights_id, layout, self.codec)
 
 
@@ -92,9 +95,9 @@ class LayerCache:
     """One layer's KV cache as vLLM's KVCacheConfig describes it."""
 
     name: str  # vLLM's layer name, e.g. model.layers.3.self_attn.attn
-    kind: str  # "full", or what Engram refuses: "mla", "sliding" (hybrid manager on), another spec's name
-    num_kv_heads: int
-    head_dim: int
+    kind: str  # "full", "mla", or what Engram refuses: "sliding" (hybrid manager on), another spec's name
+    num_kv_heads: int  # 1 for an MLA layer
+    head_dim: int  # an MLA layer's: the latent's width (kv_lora_rank + rope dims)
     head_dim_v: int
     dtype: torch.dtype
     block_size: int  # tokens per vLLM block id
@@ -108,27 +111,36 @@ def _layer_index(name: str) -> int:
 
 @dataclass(frozen=True)
 class VllmLayers:
-    """The layers whose KV Engram stores for a vLLM engine, in the order a block carries them, and their shape."""
+    """The layers whose KV Engram stores for a vLLM engine, in the order a block carries them, and their shape
+    (an MLA model's: one head of the latent's width, `mla` set)."""
 
     names: tuple[str, ...]
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
     block_size: int
+    mla: bool = False
 
     @classmethod
     def from_caches(cls, caches: Sequence[LayerCache]) -> VllmLayers:
         if not caches:
             raise InvalidArgument("vLLM's KV cache config lists no attention layer: nothing for Engram to store")
+        kinds = {c.kind for c in caches}
+        if "mla" in kinds and kinds != {"mla"}:
+            raise InvalidArgument(f"vLLM's KV cache mixes MLA layers with {sorted(kinds - {'mla'})} ones; Engram's "
+                                  "vLLM connector stores a model whose layers are all MLA or all full attention")
         for c in caches:
             if c.kind == "mla":
-                raise InvalidArgument(MLA_REFUSED)
+                if c.num_kv_heads != 1:
+                    raise InvalidArgument(f"layer {c.name}: an MLA cache of {c.num_kv_heads} heads; vLLM's MLA keeps one "
+                                          "latent a token")
+                continue
             if c.kind == "sliding":
                 raise InvalidArgument(f"layer {c.name} keeps only a sliding window (vLLM's hybrid KV cache manager); "
                                       "run vLLM with --disable-hybrid-kv-cache-manager so every layer holds all tokens")
             if c.kind != "full":
-                raise InvalidArgument(f"layer {c.name} has a {c.kind} KV cache; Engram's vLLM connector stores full "
-                                      "attention layers only")
+                raise InvalidArgument(f"layer {c.name}'s KV cache is {c.kind}; Engram's vLLM connector stores full "
+                                      "attention and MLA layers only")
             if c.head_dim_v != c.head_dim:
                 raise InvalidArgument(f"layer {c.name} has K head dim {c.head_dim} and V head dim {c.head_dim_v}; "
                                       "Engram stores K and V of one shape")
@@ -138,4 +150,11 @@ class VllmLayers:
                                   f"{sorted(shapes, key=str)}; Engram's layout has one shape for every layer")
         heads, head_dim, dtype, block_size = shapes.pop()
         names = tuple(c.name for c in sorted(caches, key=lambda c: _layer_index(c.name)))
-        return cls(names, heads, head_dim, dtype, block_size)
+        return cls(names, heads, head_dim, dtype, block_size, mla=kinds == {"mla"})
+
+    @property
+    def streams(self) -> tuple[StreamSpec, ...]:
+        """An MLA model's one stream: the latent, grouped along it (like V), in the model's codec. () for K/V."""
+        if not self.mla:
+            return ()
+        return (StreamSpec(LATENT, (self.head_dim,), DType.from_torch(self.dtype), "", Axis.TOKEN),)

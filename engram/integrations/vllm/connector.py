@@ -25,7 +25,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from engram.errors import InvalidArgument
-from engram.integrations.vllm.config import MLA_REFUSED, ConnectorConfig, LayerCache, VllmLayers
+from engram.integrations.vllm.config import ConnectorConfig, LayerCache, VllmLayers
 from engram.integrations.vllm.scheduler import EngramMetadata, EngramScheduler
 from engram.integrations.vllm.worker import EngramWorker
 
@@ -50,6 +50,10 @@ class EngramConnectorMetadata(EngramMetadata, KVConnectorMetadata):
 
 def _kind(spec: Any) -> str:
     if isinstance(spec, MLAAttentionSpec):  # before FullAttentionSpec: it subclasses it
+        if str(getattr(spec, "cache_role", "sparse")) == "indexer":
+            return "the sparse indexer's keys (DeepSeek-V3.2)"
+        if getattr(spec, "tokens_per_state", 1) != 1:
+            return f"compressed MLA ({spec.tokens_per_state} tokens an entry)"
         return "mla"
     if isinstance(spec, FullAttentionSpec):
         return "full"
@@ -72,7 +76,9 @@ def layer_caches(kv_cache_config: KVCacheConfig) -> list[LayerCache]:
             spec = spec.kv_cache_specs[name]
         kind = _kind(spec)
         quantized = getattr(spec, "kv_quant_mode", None)  # KVQuantMode.NONE is 0
-        if kind == "full" and quantized:
+        if kind == "mla":  # an fp8 latent cache (fp8, fp8_ds_mla) names itself here
+            quantized = getattr(spec, "cache_dtype_str", None) not in (None, "auto", "bfloat16", "float16")
+        if kind in ("full", "mla") and quantized:
             raise InvalidArgument("vLLM's KV cache is quantized (kv_cache_dtype); Engram stores bfloat16, float16 or "
                                   "float32 KV and codes it itself: run vLLM with kv_cache_dtype='auto'")
         heads = getattr(spec, "num_kv_heads", 0)
@@ -101,9 +107,6 @@ def _check_supported(vllm_config: VllmConfig) -> None:
             f"Engram's vLLM connector stores one worker's whole KV: tensor_parallel_size={pc.tensor_parallel_size} "
             f"and pipeline_parallel_size={pc.pipeline_parallel_size} split it across workers; run with both at 1 "
             "(per-rank models are not built yet)")
-    mc = vllm_config.model_config
-    if mc is not None and mc.use_mla:
-        raise InvalidArgument(MLA_REFUSED)
 
 
 class EngramConnector(KVConnectorBase_V1):

@@ -9,6 +9,10 @@ vLLM hands the connector one tensor per layer (register_kv_caches). Two layouts 
 
 Either way the pages come out as (num_pages, page_tokens, H, D) views, so writes through them land in vLLM's
 cache. A page may be smaller than vLLM's block (kernel blocks): block id b is then pages b * r ... b * r + r - 1.
+
+An MLA model's cache holds one latent entry a token (kv_lora_rank + rope dims: 576 for DeepSeek-V2/V3, no K/V
+split): (num_blocks, 1, block_size, 576) in the standardized view (one "head"), (num_blocks, block_size, 576) in
+earlier releases. Its pages are (num_pages, page_tokens, 576) views, Engram's "latent" stream.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from engram.destinations import KVDestination, PagedKV
+from engram.destinations import KVDestination, PagedKV, PagedStreamsKV
 from engram.errors import InvalidArgument
+from engram.layout import StreamSpec
 
 Split = Callable[[Tensor, int], tuple[Tensor, Tensor]]
 
@@ -52,6 +57,17 @@ def kv_pages(cache: Tensor, num_kv_heads: int, head_dim: int) -> tuple[Tensor, T
                           f"of dim {head_dim}: {[name for name, _, _ in _LAYOUTS]}")
 
 
+def latent_pages(cache: Tensor, width: int) -> Tensor:
+    """One MLA layer's latent pages, a (num_pages, page_tokens, width) view of vLLM's cache tensor."""
+    shape = tuple(cache.shape)
+    if len(shape) == 4 and shape[1] == 1 and shape[3] == width:  # [B, H=1, N, C]
+        return cache[:, 0]
+    if len(shape) == 3 and shape[2] == width:
+        return cache
+    raise InvalidArgument(f"a vLLM MLA cache of shape {shape} is in no layout Engram knows for a {width}-wide latent: "
+                          f"['(num_blocks, 1, block_size, {width})', '(num_blocks, block_size, {width})']")
+
+
 def page_table(block_ids: Sequence[int], pages_per_block: int) -> Tensor:
     """vLLM block ids -> the pages holding them, in token order."""
     ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
@@ -62,7 +78,7 @@ class FromToken:
     """A PagedKV that writes only tokens from `first` on: the blocks before it are vLLM's own prefix-cache hits,
     possibly shared with running requests, and a lossy codec's values must not replace theirs."""
 
-    def __init__(self, inner: PagedKV, first: int) -> None:
+    def __init__(self, inner: PagedKV | PagedStreamsKV, first: int) -> None:
         if first % inner.page_tokens:
             raise InvalidArgument(f"a load starts on a page boundary ({inner.page_tokens} tokens), not at {first}")
         self.inner = inner
@@ -83,19 +99,28 @@ class FromToken:
             self.inner.write(stream, data, start, n_tokens)
             return
         # The run straddles `first`: its tokens from there on, as one "block" of that many tokens.
-        blocks, layers, bt, heads, dim = data.shape
+        blocks, layers, bt = data.shape[:3]
         cut = self.first - start
-        rest = data.transpose(0, 1).reshape(layers, blocks * bt, heads, dim)[:, cut:n_tokens]  # (L, n - cut, H, D)
+        entry = data.shape[3:]  # (H, D), or a stream's entry shape
+        rest = data.transpose(0, 1).reshape(layers, blocks * bt, *entry)[:, cut:n_tokens]  # (L, n - cut, *entry)
         self.inner.write(stream, rest.unsqueeze(0), self.first, n_tokens - cut)
 
 
 def gather(pages: Tensor, table: Tensor, n_tokens: int, out: Tensor) -> None:
-    """Copy a request's first n_tokens out of `pages` (num_pages, page_tokens, H, D) into out (n_tokens, H, D)."""
+    """Copy a request's first n_tokens out of `pages` (num_pages, page_tokens, *entry) into out (n_tokens,
+    *entry): K or V (H, D), or an MLA latent (576,)."""
     pt = pages.shape[1]
     used = table[: -(-n_tokens // pt)].to(pages.device)
     out.copy_(pages.index_select(0, used).flatten(0, 1)[:n_tokens])
 
 
-def as_destination(k: list[Tensor], v: list[Tensor], table: Tensor, first: int) -> KVDestination:
-    paged = PagedKV(k, v, table)
+def as_destination(pages: list[list[Tensor]], table: Tensor, first: int,
+                   streams: Sequence[StreamSpec] = ()) -> KVDestination:
+    """The request's pages as a load's destination: K and V pages (pages = [k, v]) for a K/V layout, or one list
+    of per-layer pages per stream of a stream layout (an MLA model's latent)."""
+    paged: PagedKV | PagedStreamsKV
+    if streams:
+        paged = PagedStreamsKV(streams, {s.name: p for s, p in zip(streams, pages, strict=True)}, table)
+    else:
+        paged = PagedKV(pages[0], pages[1], table)
     return paged if first == 0 else FromToken(paged, first)

@@ -26,8 +26,8 @@ import torch
 from torch import Tensor
 
 from engram.errors import EngramError, InvalidArgument
-from engram.integrations.vllm.config import VllmLayers
-from engram.integrations.vllm.paged import as_destination, gather, kv_pages, page_table
+from engram.integrations.vllm.config import LATENT, VllmLayers
+from engram.integrations.vllm.paged import as_destination, gather, kv_pages, latent_pages, page_table
 from engram.integrations.vllm.scheduler import EngramMetadata, LoadSpec, SaveSpec
 
 log = logging.getLogger("engram.integrations.vllm")
@@ -42,10 +42,12 @@ class EngramWorker:
         self.layers = layers
         self.namespace = namespace
         self._index = {name: i for i, name in enumerate(layers.names)}
-        self.k: list[Tensor] = []
-        self.v: list[Tensor] = []
+        # Per stream, per layer pages: [K, V] for full attention, [latent] for MLA (its stream in the model spec).
+        self.pages: list[list[Tensor]] = []
+        self.streams = layers.streams
         self.pages_per_block = 0
-        self._saving: dict[str, tuple[Tensor, set[int]]] = {}  # request -> (L, 2, T, H, D) buffer, layers gathered
+        # request -> (L, 2, T, H, D) buffer ((L, T, width) for MLA), layers gathered
+        self._saving: dict[str, tuple[Tensor, set[int]]] = {}
         self._load_errors: set[int] = set()
         self.loaded_tokens = 0  # written into vLLM's blocks since start (the tests and logs read these)
         self.saved_tokens = 0
@@ -56,10 +58,12 @@ class EngramWorker:
         missing = [name for name in lay.names if name not in kv_caches]
         if missing:
             raise InvalidArgument(f"vLLM registered no KV cache for layers {missing[:4]} of its KV cache config")
-        pages = [kv_pages(kv_caches[name], lay.num_kv_heads, lay.head_dim) for name in lay.names]
-        self.k = [k for k, _ in pages]
-        self.v = [v for _, v in pages]
-        page_tokens = int(self.k[0].shape[1])
+        if lay.mla:
+            self.pages = [[latent_pages(kv_caches[name], lay.head_dim) for name in lay.names]]
+        else:
+            kv = [kv_pages(kv_caches[name], lay.num_kv_heads, lay.head_dim) for name in lay.names]
+            self.pages = [[k for k, _ in kv], [v for _, v in kv]]
+        page_tokens = int(self.pages[0][0].shape[1])
         if lay.block_size % page_tokens:
             raise InvalidArgument(f"vLLM's cache pages hold {page_tokens} tokens, which does not divide its block "
                                   f"size {lay.block_size}")
@@ -75,14 +79,14 @@ class EngramWorker:
 
     def _sync(self) -> None:
         """Wait for the device's queued work: the client's threads and vLLM's use their own CUDA streams."""
-        device = self.k[0].device
+        device = self.pages[0][0].device
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
     def _load(self, spec: LoadSpec) -> None:
         bs = self.layers.block_size
         table = page_table(spec.block_ids, self.pages_per_block)
-        dest = as_destination(self.k, self.v, table, spec.first_token)
+        dest = as_destination(self.pages, table, spec.first_token, self.streams)
         want = len(spec.token_ids)
         try:
             res = self.client.load_prefix_into(self.fingerprint, spec.token_ids, dest, namespace=self.namespace)
@@ -125,8 +129,8 @@ class EngramWorker:
             del self._saving[spec.req_id]
             self._sync()  # the gathers ran on vLLM's stream; the put reads buf from the client's threads
             try:
-                self.client.put(self.fingerprint, np.asarray(spec.token_ids, dtype=np.int32), buf,
-                                namespace=self.namespace)
+                self.client.put(self.fingerprint, np.asarray(spec.token_ids, dtype=np.int32),
+                                {LATENT: buf} if self.layers.mla else buf, namespace=self.namespace)
                 self.saved_tokens += len(spec.token_ids)
             except EngramError as exc:
                 self.save_failures += 1
@@ -136,12 +140,18 @@ class EngramWorker:
         got = self._saving.get(spec.req_id)
         if got is None:
             lay = self.layers
-            shape = (len(lay.names), 2, len(spec.token_ids), lay.num_kv_heads, lay.head_dim)
-            got = self._saving[spec.req_id] = (torch.empty(shape, dtype=lay.dtype, device=self.k[0].device), set())
+            n = len(spec.token_ids)
+            shape = (len(lay.names), n, lay.head_dim) if lay.mla else \
+                (len(lay.names), 2, n, lay.num_kv_heads, lay.head_dim)
+            device = self.pages[0][0].device
+            got = self._saving[spec.req_id] = (torch.empty(shape, dtype=lay.dtype, device=device), set())
         return got
 
     def _gather(self, layer: int, spec: SaveSpec, buf: Tensor) -> None:
         table = page_table(spec.block_ids, self.pages_per_block)
         n = len(spec.token_ids)
-        gather(self.k[layer], table, n, buf[layer, 0])
-        gather(self.v[layer], table, n, buf[layer, 1])
+        if self.layers.mla:
+            gather(self.pages[0][layer], table, n, buf[layer])
+            return
+        gather(self.pages[0][layer], table, n, buf[layer, 0])
+        gather(self.pages[1][layer], table, n, buf[layer, 1])
