@@ -5,6 +5,7 @@
 #   part 4: GPU data path tests (pinned pool, CUDA transfers, daemon + worker over CUDA IPC) + transfer benchmarks
 #   part 5: the hit path and the in-place put (tests on the GPU, then benchmarks/hit_path.py)
 #   part 6: the hit-path GPU tests, then time to first token (benchmarks/ttft.py)
+#   part 9: latent-stream FP4, promotion and restart benchmarks
 #   part 7: every gpu-marked test (kernels, data path, hit path, in-place put, faults), then the hit path benchmark
 #   part 8: stream layouts: the stream kernel and stream hit/put GPU tests, then the MLA latent's FP4 against a copy
 # Usage there: OUT=... bash benchmarks/gpu_session.sh 1|2     (carry .whl: wheels the image lacks)
@@ -58,6 +59,11 @@ case "${1:-1}" in
     timeout 240 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_fp4_kernels.py tests/test_stream_daemon.py \
       -k "streams" 2>&1 | tee "$OUT/stream_gpu_tests.log" | tail -8
     timeout 330 python3 -m benchmarks.latent_fp4 --json "$OUT/latent_fp4.json" 2>&1 | tee "$OUT/latent_fp4.log" | tail -45
+    ;;
+  9)  # the benchmarks beside part 7: the latent stream's FP4, promotion, restart with 100k blocks (a quiet host)
+    timeout 200 python3 -m benchmarks.latent_fp4 --json "$OUT/latent_fp4.json" 2>&1 | tee "$OUT/latent_fp4.log" | tail -30
+    timeout 120 python3 -m benchmarks.gpu_transfer --blocks 256 --rounds 10 2>&1 | tee "$OUT/gpu_transfer.log" | tail -14
+    timeout 240 python3 -m benchmarks.restart --blocks 100000 --json "$OUT/restart.json" 2>&1 | tee "$OUT/restart.log" | tail -14
     ;;
   2)
     timeout 560 python3 benchmarks/replay_bound.py --out "$OUT/replay_bound.json" 2>&1 | tee "$OUT/replay_bound.log" | tail -25
