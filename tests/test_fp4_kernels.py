@@ -284,7 +284,7 @@ def check_batched_streams(widths: tuple[int, int, int], layers: int, tokens: int
             want = streamformat.decode(blob)
             for s, part in zip(streams, got, strict=True):
                 assert_same(part[b].cpu(), want[s.name], f"stream {s.name} block {b} (batched, offsets {offsets[:2]})")
-    dst = torch.zeros(n * step, dtype=torch.uint8, device=device)
+    dst = torch.full((n * step,), 0xA5, dtype=torch.uint8, device=device)  # a staging buffer used before
     stacked = [torch.stack([d[s.name] for d in datas]).to(device) for s in streams]
     bad = batched.encode_streams(stacked, plan, dst, torch.arange(n, device=device) * step, backend="triton")
     assert not bool(bad)

@@ -262,7 +262,19 @@ def _to_matrices(x: Tensor, p: streamformat.Part) -> Tensor:
     return x.reshape(n, *p.matrix).contiguous()
 
 
-_STREAM_HEADS: dict[tuple[StreamsPlan, torch.device], Tensor] = {}
+_STREAM_HEADS: dict[tuple[StreamsPlan, torch.device], tuple[Tensor, Tensor]] = {}
+
+
+def _head_and_gaps(plan_: StreamsPlan, device: torch.device) -> tuple[Tensor, Tensor]:
+    """A plan's unsealed header (padded to the body), and the offsets of the body's bytes no stream covers."""
+    fmt = plan_.fmt
+    head = torch.frombuffer(bytearray(streamformat.unsealed_header(fmt)), dtype=torch.uint8).to(device)
+    ranges, at = [], fmt.body_at
+    for p in sorted(fmt.parts, key=lambda p: p.at):
+        ranges.append(torch.arange(at, max(at, p.at)))
+        at = max(at, p.at + p.nbytes)
+    ranges.append(torch.arange(at, max(at, fmt.nbytes)))
+    return head, torch.cat(ranges).to(device)
 
 
 def encode_streams(data: Sequence[Tensor], plan_: StreamsPlan, dst: Tensor, offsets: Tensor, *,
@@ -275,12 +287,14 @@ def encode_streams(data: Sequence[Tensor], plan_: StreamsPlan, dst: Tensor, offs
     from engram.codec import fp4_reference as ref
 
     n = int(offsets.numel())
-    head = _STREAM_HEADS.get((plan_, dst.device))
-    if head is None:
-        head = _STREAM_HEADS[(plan_, dst.device)] = torch.frombuffer(
-            bytearray(streamformat.unsealed_header(plan_.fmt)), dtype=torch.uint8).to(dst.device)
+    cached = _STREAM_HEADS.get((plan_, dst.device))
+    if cached is None:
+        cached = _STREAM_HEADS[(plan_, dst.device)] = _head_and_gaps(plan_, dst.device)
+    head, gaps = cached
     where = offsets[:, None] + torch.arange(len(head), device=dst.device)[None, :]
     dst[where.flatten()] = head.repeat(n)
+    if gaps.numel():  # the padding between streams: zero, as the reference writes it (dst is a reused buffer)
+        dst[(offsets[:, None] + gaps[None, :]).flatten()] = 0
     bad = torch.zeros((), dtype=torch.bool, device=dst.device)
     for p, x in zip(plan_.fmt.parts, data, strict=True):
         if not p.quantized:
