@@ -1,5 +1,6 @@
 """The worker process of test_gpu_data_path.py (run as a script, not collected): connects to a daemon on
-this host, puts blocks (some stay in the daemon's HBM pool, the rest are demoted to its pinned DRAM pool),
+this host, puts blocks as Put messages (they land in the daemon's top tier, its HBM pool, and the rest are
+demoted to its pinned DRAM pool; an in-place put would write them into the DRAM pool directly),
 then gets them three ways: bytes, zero-copy to the CPU (the pinned pool, mapped), and zero-copy to the GPU
 (CUDA IPC for HBM blocks, the pool for DRAM blocks). Prints one JSON line: whether all agree bit for bit,
 and how many blocks came through each path."""
@@ -39,14 +40,16 @@ async def count_paths(address: str, fp: bytes, keys: list[bytes]) -> tuple[int, 
 
 
 async def main(address: str) -> None:
-    async with EngramClient(address, namespace="gpu") as c:
+    async with EngramClient(address, namespace="gpu") as c, \
+            EngramClient(address, namespace="gpu", zero_copy=False) as writer:
         fp = await c.register_model(SPEC)
+        await writer.register_model(SPEC)
         gen = torch.Generator().manual_seed(0)
         keys: list[bytes] = []
         for s in range(4):  # 64 blocks of 128 KiB: 8 MiB into a 4 MiB HBM pool
             toks = np.arange(s * 1000, s * 1000 + 16 * 16, dtype=np.int32)
             kv = torch.randn(LAYOUT.block_shape(len(toks)), generator=gen).to(torch.bfloat16)
-            keys += (await c.put(fp, toks, kv)).keys
+            keys += (await writer.put(fp, toks, kv)).keys
         pool, ipc = await count_paths(address, fp, keys)
         ref = await c.get(fp, keys, zero_copy=False)
         host = await c.get(fp, keys, zero_copy=True)
