@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -69,3 +71,62 @@ def test_bench_trace_cli_prints_every_policy(tmp_path: Path) -> None:
                                                                   for c in (8, 32)}
     bad = CliRunner().invoke(app, ["bench", "trace", str(tmp_path / "missing.jsonl")])
     assert bad.exit_code == 4 and "cannot read the trace" in bad.output
+
+
+def _best_possible(trace: list[Request], capacity: int) -> int:
+    """The most prefix-contiguous hits any cache of `capacity` blocks could get: every choice of what to keep
+    after every request (blocks enter only when requested), tried exhaustively."""
+    states: dict[frozenset[int], int] = {frozenset(): 0}
+    for r in trace:
+        nxt: dict[frozenset[int], int] = {}
+        for cache, hits in states.items():
+            got = 0
+            for h in r.hash_ids:
+                if h not in cache:
+                    break
+                got += 1
+            pool = sorted(cache | set(r.hash_ids))
+            for k in range(min(capacity, len(pool)) + 1):
+                for keep in itertools.combinations(pool, k):
+                    key = frozenset(keep)
+                    nxt[key] = max(nxt.get(key, -1), hits + got)
+        states = nxt
+    return max(states.values())
+
+
+def _belady_hits(trace: list[Request], capacity: int) -> int:
+    return next(r.hit_blocks for r in replay_all(trace, [capacity]) if r.policy == "belady")
+
+
+def test_belady_evicts_the_deepest_of_blocks_needed_together() -> None:
+    # Blocks 1, 2, 3 are all next needed by the second request. With room for 2, dropping the start (1)
+    # loses every hit; dropping the end (3) keeps 2 hits, which is the most possible.
+    trace = [Request(0, (1, 2, 3)), Request(1, (1, 2, 3))]
+    assert _best_possible(trace, 2) == 2
+    assert _belady_hits(trace, 2) == 2
+    # Ids need not grow with depth: the rule goes by position in the chain, not by id.
+    trace = [Request(0, (9, 5, 1)), Request(1, (9, 5, 1))]
+    assert _belady_hits(trace, 2) == 2
+
+
+def test_belady_is_the_optimum_on_small_chained_traces() -> None:
+    rng = random.Random(4)
+    for _ in range(60):
+        ids: dict[tuple[int, int], int] = {}  # (parent id, content) -> chained id: equal prefixes, equal ids
+        fresh = rng.sample(range(1000), 40)  # ids in no order of depth
+        trace = []
+        for t in range(rng.randint(3, 6)):
+            chain_ids, parent = [], -1
+            for _ in range(rng.randint(1, 4)):
+                parent = ids.setdefault((parent, rng.randrange(2)), fresh[len(ids)])
+                chain_ids.append(parent)
+            trace.append(Request(t, tuple(chain_ids)))
+        for cap in (1, 2, 3):
+            assert _belady_hits(trace, cap) == _best_possible(trace, cap), (trace, cap)
+
+
+def test_belady_bounds_the_other_policies_on_agent_traces() -> None:
+    trace = agent_trace(sessions=30, turns=6, seed=5)
+    by = {(r.policy, r.capacity_blocks): r.hit_blocks for r in replay_all(trace, [16, 32, 64])}
+    for cap in (16, 32, 64):
+        assert by[("belady", cap)] >= max(by[("engram", cap)], by[("lru", cap)]), cap

@@ -6,8 +6,13 @@ useless). After its lookup each request stores its missing blocks.
   tiny layout, payloads of 256 bytes), with sessions holding references as the daemon's do. Nothing of
   the policy is re-implemented here.
 - lru: plain LRU over block ids (what most caches do).
-- belady: evict the block whose next use is furthest (offline, knows the future). It is the optimum for
-  plain hit counts; for prefix-contiguous hits it is a strong reference, not a proven bound.
+- belady: evict the block whose next use is furthest (offline, knows the future), and among blocks next
+  used at the same time (by the same request) the deepest first. That is the optimum for prefix-contiguous
+  hits too: a chained id stands for its whole prefix, so a block's ancestors are next used no later than it
+  is; evicting furthest-then-deepest therefore never drops an ancestor while a descendant stays, the cache
+  stays prefix-closed, every cached block it meets is a contiguous hit, and it gets Belady's plain-hit count,
+  which bounds any policy's contiguous hits. (Breaking ties the other way, by id, dropped the chain's start
+  and lost the hits of everything behind it.) tests/test_trace.py checks it against a brute force.
 Bytes moved: missed blocks times `block_bytes` (what the blocks would weigh in the real model).
 """
 
@@ -119,18 +124,18 @@ def _belady(trace: Sequence[Request], capacity: int, progress: Progress | None) 
         for h in trace[i].hash_ids:
             nxt[h] = i
     cache: dict[int, int] = {}  # block -> its next use
-    heap: list[tuple[int, int]] = []  # (-next use, block), lazy
+    heap: list[tuple[int, int, int]] = []  # (-next use, -depth, block), lazy: furthest first, then deepest
     hits = 0
     for i, r in enumerate(trace):
         for h in r.hash_ids:
             if h not in cache:
                 break
             hits += 1
-        for h, when in zip(r.hash_ids, uses[i], strict=True):
+        for depth, (h, when) in enumerate(zip(r.hash_ids, uses[i], strict=True)):
             cache[h] = when
-            heapq.heappush(heap, (-when, h))
+            heapq.heappush(heap, (-when, -depth, h))
         while len(cache) > capacity:
-            when, h = heapq.heappop(heap)
+            when, _, h = heapq.heappop(heap)
             if cache.get(h) == -when:
                 del cache[h]
         if progress:
