@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ class PolicyResult:
     requested_blocks: int
     hit_blocks: int
     bytes_moved: int
+    seconds: float = 0.0  # the run's wall time
 
     @property
     def hit_ratio(self) -> float:
@@ -143,15 +145,31 @@ def _belady(trace: Sequence[Request], capacity: int, progress: Progress | None) 
     return hits
 
 
+POLICIES = ("engram", "lru", "belady")
+
+
 def replay_all(trace: Sequence[Request], capacities: Sequence[int], block_bytes: int = 512 * 890,
-               progress: Progress | None = None) -> list[PolicyResult]:
-    """Every policy at every capacity (blocks). block_bytes defaults to 512 tokens of an FP4 global KV."""
+               progress: Progress | None = None, policies: Sequence[str] = POLICIES,
+               on_run: Callable[[str, int], None] | None = None) -> list[PolicyResult]:
+    """Each of `policies` at every capacity (blocks), in trace order (sort by timestamp first:
+    formats.in_time_order). block_bytes defaults to 512 tokens of an FP4 global KV. `on_run(policy,
+    capacity)` is called as each run starts."""
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}: choose from {', '.join(POLICIES)}")
+    runs: dict[str, Callable[[int], int]] = {
+        "engram": lambda c: asyncio.run(_engram(trace, c, progress)),
+        "lru": lambda c: _lru(trace, c, progress),
+        "belady": lambda c: _belady(trace, c, progress),
+    }
     requested = sum(len(r.hash_ids) for r in trace)
     out = []
     for cap in capacities:
-        for name, run in (("engram", lambda c: asyncio.run(_engram(trace, c, progress))),
-                          ("lru", lambda c: _lru(trace, c, progress)),
-                          ("belady", lambda c: _belady(trace, c, progress))):
-            hit = run(cap)
-            out.append(PolicyResult(name, cap, requested, hit, (requested - hit) * block_bytes))
+        for name in policies:
+            if on_run:
+                on_run(name, cap)
+            t0 = time.perf_counter()
+            hit = runs[name](cap)
+            out.append(PolicyResult(name, cap, requested, hit, (requested - hit) * block_bytes,
+                                    time.perf_counter() - t0))
     return out
