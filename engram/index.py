@@ -117,10 +117,11 @@ def _place(node: _Node, meta: BlockMeta, d: int) -> None:
 class _Children:
     """The blocks that extend one parent: by key, and past `_SCAN_LIMIT` of them also in a token trie."""
 
-    __slots__ = ("by_key", "trie")
+    __slots__ = ("by_key", "partials", "trie")
 
     def __init__(self) -> None:
         self.by_key: dict[bytes, BlockMeta] = {}
+        self.partials: dict[bytes, BlockMeta] = {}  # the partial ones: each put of a full block reads them
         self.trie: _Node | None = None
 
     def __len__(self) -> int:
@@ -128,6 +129,8 @@ class _Children:
 
     def add(self, meta: BlockMeta) -> None:
         self.by_key[meta.key] = meta
+        if not meta.full:
+            self.partials[meta.key] = meta
         if self.trie is not None:
             self._insert(meta)
         elif len(self.by_key) > _SCAN_LIMIT:
@@ -137,6 +140,7 @@ class _Children:
 
     def remove(self, key: bytes) -> None:
         meta = self.by_key.pop(key, None)
+        self.partials.pop(key, None)
         if meta is None or self.trie is None:
             return
         path: list[tuple[_Node, int]] = []  # (node, the token leading out of it) down to the child
@@ -291,7 +295,7 @@ class ChainIndex:
     def partial_children(self, namespace: str, parent: bytes) -> list[BlockMeta]:
         space = self._spaces.get(namespace)
         kids = None if space is None else space.children.get(parent)
-        return [] if kids is None else [m for m in kids.by_key.values() if not m.full]
+        return [] if kids is None else list(kids.partials.values())
 
     def children_of(self, parent: bytes) -> list[BlockMeta]:
         """The blocks that extend a stored block (in its namespace)."""
