@@ -8,9 +8,12 @@ to a lower tier keeps it reachable, so demotion may take any block.
 
 Blocks that a live session references (its prefix: engram/sessions.py) go after every unreferenced block
 of the tier: a session about to resume keeps its prefix, while blocks nobody holds (a finished agent's
-history) go first. They are still victims when nothing else is left, so sessions cannot wedge a tier.
+history) go first. Blocks that several live sessions hold (a shared system prompt, a repository they all
+read, a fork point) go after those only one session holds: a shared root serves every session below it, a
+private tail only its own. They are still victims when nothing else is left, so sessions cannot wedge a tier.
 
-Structure: a binary heap of (referenced, tick, key) with lazy deletion. Every access gives a block a new tick and
+Structure: a binary heap of (held class, tick, key) with lazy deletion; the class is `held_class`: 0 nobody
+holds the block, 1 one session, 2 several. Every access gives a block a new tick and
 pushes a fresh entry (so does a change of referenced class); entries whose tick or class no longer match
 the block's, or whose block gained a child,
 moved tier or left the index, are discarded when they surface. Entries of pinned, leased or moving
@@ -36,14 +39,19 @@ def tick(meta: BlockMeta) -> None:
     meta.tick = next(_ticks)
 
 
-def _entry(meta: BlockMeta) -> tuple[bool, int, bytes]:
-    return (meta.refs > 0, meta.tick, meta.key)
+def held_class(meta: BlockMeta) -> int:
+    """0: no live session holds the block, 1: one does, 2: several (evicted in that order)."""
+    return min(meta.refs, 2)
+
+
+def _entry(meta: BlockMeta) -> tuple[int, int, bytes]:
+    return (held_class(meta), meta.tick, meta.key)
 
 
 class LeafLRU:
     def __init__(self, tier_name: str) -> None:
         self.tier_name = tier_name
-        self._heap: list[tuple[bool, int, bytes]] = []
+        self._heap: list[tuple[int, int, bytes]] = []
         self._live = 0
 
     def touch(self, meta: BlockMeta) -> None:
@@ -58,8 +66,9 @@ class LeafLRU:
     def victim(self, lookup: Callable[[bytes], BlockMeta | None], live_blocks: int, *, leaf_only: bool
                ) -> BlockMeta | None:
         """The least recently used evictable block (leaf, with leaf_only) of this tier, or None if every
-        candidate is pinned, leased or moving. Unreferenced blocks first, then those sessions hold."""
-        held: list[tuple[bool, int, bytes]] = []
+        candidate is pinned, leased or moving. Unreferenced blocks first, then those one session holds,
+        then those several hold."""
+        held: list[tuple[int, int, bytes]] = []
         found = None
         while self._heap:
             item = heapq.heappop(self._heap)

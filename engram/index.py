@@ -8,6 +8,12 @@ the query's next m tokens: every block is therefore also listed under its parent
 the child sharing the longest prefix with the query (the last block then counts only m of its tokens;
 callers slice). A key match is only a hint: stored tokens are always compared.
 
+Finding that child costs the same whatever the fan-out: up to `_SCAN_LIMIT` children of a block are
+compared one by one; past that they are also kept in a token trie (`_Children`), where each step of the
+match is one dictionary probe by the query's next token and a child sits at the shortest prefix that sets
+it apart from its siblings. The work is bounded by the block's length, not by how many blocks extend the
+same prefix (a shared system prompt can have thousands). `ChainIndex.probes` counts that work.
+
 The index is partitioned by namespace: a match walks only its own namespace's tables, so a lookup by one
 tenant never reads (and so cannot time) another tenant's entries. A flat table by key serves the store's
 own bookkeeping (eviction, recovery), never a tenant's query.
@@ -84,12 +90,129 @@ class PrefixMatch:
     matched_tokens: int
 
 
+_SCAN_LIMIT = 8  # children of one block compared one by one; past this many, the trie finds the best
+
+
+class _Node:
+    """A trie node at depth d: the children whose first d tokens are this node's path."""
+
+    __slots__ = ("ends", "next")
+
+    def __init__(self) -> None:
+        self.next: dict[int, _Node | BlockMeta] = {}  # token at depth d -> a deeper node, or the one child there
+        self.ends: list[BlockMeta] = []  # children of exactly d tokens (partial blocks)
+
+
+def _token(meta: BlockMeta, d: int) -> int:
+    return int.from_bytes(meta.tokens[4 * d : 4 * d + 4], "little", signed=True)
+
+
+def _place(node: _Node, meta: BlockMeta, d: int) -> None:
+    if d == meta.num_tokens:
+        node.ends.append(meta)
+    else:
+        node.next[_token(meta, d)] = meta
+
+
+class _Children:
+    """The blocks that extend one parent: by key, and past `_SCAN_LIMIT` of them also in a token trie."""
+
+    __slots__ = ("by_key", "partials", "trie")
+
+    def __init__(self) -> None:
+        self.by_key: dict[bytes, BlockMeta] = {}
+        self.partials: dict[bytes, BlockMeta] = {}  # the partial ones: each put of a full block reads them
+        self.trie: _Node | None = None
+
+    def __len__(self) -> int:
+        return len(self.by_key)
+
+    def add(self, meta: BlockMeta) -> None:
+        self.by_key[meta.key] = meta
+        if not meta.full:
+            self.partials[meta.key] = meta
+        if self.trie is not None:
+            self._insert(meta)
+        elif len(self.by_key) > _SCAN_LIMIT:
+            self.trie = _Node()
+            for m in self.by_key.values():
+                self._insert(m)
+
+    def remove(self, key: bytes) -> None:
+        meta = self.by_key.pop(key, None)
+        self.partials.pop(key, None)
+        if meta is None or self.trie is None:
+            return
+        path: list[tuple[_Node, int]] = []  # (node, the token leading out of it) down to the child
+        node, d = self.trie, 0
+        while True:
+            if d == meta.num_tokens:
+                node.ends.remove(meta)
+                break
+            tok = _token(meta, d)
+            slot = node.next[tok]
+            if isinstance(slot, _Node):
+                path.append((node, tok))
+                node, d = slot, d + 1
+                continue
+            del node.next[tok]
+            break
+        while path and not node.next and not node.ends:  # prune the branch that led only to it
+            node, tok = path.pop()
+            del node.next[tok]
+
+    def _insert(self, meta: BlockMeta) -> None:
+        assert self.trie is not None
+        node, d = self.trie, 0
+        while d < meta.num_tokens:
+            tok = _token(meta, d)
+            slot = node.next.get(tok)
+            if slot is None:
+                break
+            if isinstance(slot, BlockMeta):  # a sibling shares this token: both move one level down
+                deeper = _Node()
+                _place(deeper, slot, d + 1)
+                node.next[tok] = slot = deeper
+            node, d = slot, d + 1
+        _place(node, meta, d)
+
+    def best(self, tail: np.ndarray, count: Callable[[int], None]) -> tuple[BlockMeta | None, int]:
+        """The child sharing the longest prefix with `tail`, and how many tokens it shares (0: none)."""
+        if self.trie is None:
+            best: BlockMeta | None = None
+            best_m = 0
+            for cand in self.by_key.values():
+                count(1)
+                m = _common_prefix(cand.token_array(), tail)
+                if m > best_m:
+                    best, best_m = cand, m
+            return best, best_m
+        node, d = self.trie, 0
+        while d < len(tail):
+            count(1)
+            slot = node.next.get(int(tail[d]))
+            if slot is None:
+                break
+            if isinstance(slot, BlockMeta):  # the only child with these d + 1 tokens
+                return slot, _common_prefix(slot.token_array(), tail)
+            node, d = slot, d + 1
+        if d == 0:
+            return None, 0
+        while not node.ends:  # every child below shares exactly d tokens with the tail: any one serves
+            count(1)
+            slot = next(iter(node.next.values()))
+            if isinstance(slot, BlockMeta):
+                return slot, d
+            node = slot
+        return node.ends[0], d
+
+
 @dataclass
 class _Space:
     """One namespace's part of the index."""
 
     entries: dict[bytes, BlockMeta] = field(default_factory=dict)
-    children: dict[bytes, dict[bytes, BlockMeta]] = field(default_factory=dict)  # parent key -> its blocks
+    children: dict[bytes, _Children] = field(default_factory=dict)  # parent key -> the blocks extending it
     nbytes: int = 0  # physical bytes: each stored block once
 
 
@@ -101,6 +224,7 @@ class ChainIndex:
         self._entries: dict[bytes, BlockMeta] = {}
         self._spaces: dict[str, _Space] = {}
         self.listeners: list[IndexListener] = []
+        self.probes = 0  # the work of every match so far: key probes, children compared, trie steps
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -140,7 +264,7 @@ class ChainIndex:
         parent = space.entries.get(meta.parent)
         if parent is not None:
             parent.children += 1
-        space.children.setdefault(meta.parent, {})[meta.key] = meta
+        space.children.setdefault(meta.parent, _Children()).add(meta)
         for listener in self.listeners:
             listener("add", meta)
 
@@ -154,7 +278,7 @@ class ChainIndex:
         space.nbytes -= meta.nbytes
         siblings = space.children.get(meta.parent)
         if siblings is not None:
-            siblings.pop(key, None)
+            siblings.remove(key)
             if not siblings:
                 del space.children[meta.parent]
         if not space.entries:
@@ -170,13 +294,15 @@ class ChainIndex:
 
     def partial_children(self, namespace: str, parent: bytes) -> list[BlockMeta]:
         space = self._spaces.get(namespace)
-        return [] if space is None else [m for m in space.children.get(parent, {}).values() if not m.full]
+        kids = None if space is None else space.children.get(parent)
+        return [] if kids is None else list(kids.partials.values())
 
     def children_of(self, parent: bytes) -> list[BlockMeta]:
         """The blocks that extend a stored block (in its namespace)."""
         meta = self._entries.get(parent)
         space = None if meta is None else self._spaces.get(meta.namespace)
-        return [] if space is None else list(space.children.get(parent, {}).values())
+        kids = None if space is None else space.children.get(parent)
+        return [] if kids is None else list(kids.by_key.values())
 
     def match(self, namespace: str, model_fingerprint: bytes, tokens: np.ndarray, block_tokens: int,
               salt: bytes = b"") -> PrefixMatch:
@@ -190,6 +316,7 @@ class ChainIndex:
         for key, start, end in chain_keys(namespace, model_fingerprint, tokens, block_tokens, salt):
             if end - start < block_tokens:
                 break  # the query's own tail is partial: handled with the stored partials below
+            self.probes += 1
             meta = space.entries.get(key)
             if meta is None or not self._same(meta, namespace, model_fingerprint, tokens[start:end]):
                 break
@@ -197,19 +324,17 @@ class ChainIndex:
             matched = end
             parent = key
         tail = np.asarray(tokens[matched : matched + block_tokens], dtype="<i4")
-        best: BlockMeta | None = None
-        best_m = 0
-        if len(tail):
-            for cand in space.children.get(parent, {}).values():
-                if cand.namespace != namespace or cand.model_fingerprint != model_fingerprint:
-                    continue
-                m = _common_prefix(cand.token_array(), tail)
-                if m > best_m:
-                    best, best_m = cand, m
-        if best is not None:
+        kids = space.children.get(parent) if len(tail) else None
+        if kids is None:
+            return PrefixMatch(tuple(found), matched)
+        best, best_m = kids.best(tail, self._count)
+        if best is not None and best.namespace == namespace and best.model_fingerprint == model_fingerprint:
             found.append(best)
             matched += best_m
         return PrefixMatch(tuple(found), matched)
+
+    def _count(self, n: int) -> None:
+        self.probes += n
 
     @staticmethod
     def _same(meta: BlockMeta, namespace: str, model_fingerprint: bytes, tokens: np.ndarray) -> bool:

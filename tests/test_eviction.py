@@ -92,6 +92,26 @@ def test_dropping_the_last_reference_restores_the_block_to_its_true_recency() ->
     assert tier.evict_all() == ["a", "b", "c"]
 
 
+def test_blocks_several_sessions_hold_go_after_those_one_session_holds() -> None:
+    # a and b: a prefix two live sessions share (the oldest blocks); c, d: one session's private tail.
+    tier = Tier("a", "b", "c", "d", "e")
+    for name, refs in (("a", 2), ("b", 3), ("c", 1), ("d", 1)):
+        tier[name].refs = refs
+        tier.lru.touch(tier[name])
+    assert tier.evict_all() == ["e", "c", "d", "a", "b"]
+
+
+def test_a_block_one_session_lets_go_of_returns_to_the_private_class() -> None:
+    tier = Tier("a", "b")
+    tier["a"].refs = 2
+    tier.lru.touch(tier["a"])
+    tier["b"].refs = 1
+    tier.lru.touch(tier["b"])
+    tier["a"].refs = 1  # one of its two sessions closed: a is private now, and the older of the two
+    tier.lru.touch(tier["a"])
+    assert tier.evict_all() == ["a", "b"]
+
+
 def test_referenced_blocks_are_still_victims_when_nothing_else_is_left() -> None:
     tier = Tier("a", "b")
     for name in ("a", "b"):

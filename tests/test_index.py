@@ -310,3 +310,80 @@ def test_listeners_see_every_add_and_remove() -> None:
     index.remove(b1.key)
     index.remove(b"absent")
     assert seen == [("add", b0.key), ("add", b1.key), ("remove", b1.key)]
+
+
+# ---- fan-out -----------------------------------------------------------------------------------------------
+
+
+def _fan(children: int) -> tuple[ChainIndex, BlockMeta, np.ndarray, list[BlockMeta]]:
+    """A first block with `children` blocks extending it, all opening with the same 6 template tokens
+    (a chat turn's header after a shared system prompt) and then going their own ways."""
+    t = toks(BT)
+    b0 = chain("ns", t)[0]
+    rng = np.random.default_rng(7)
+    kids = []
+    for i in range(children):
+        body = rng.integers(0, 32_000, BT, dtype=np.int32)
+        body[:6] = np.arange(100, 106)
+        body[6] = 50_000 + i  # where they part
+        kids.append(meta("ns", b0.key, body))
+    return index_of(b0, *kids), b0, t, kids
+
+
+@pytest.mark.parametrize("stored_tail", [False, True])
+def test_a_match_does_the_same_work_behind_10_or_10000_children(stored_tail: bool) -> None:
+    work = {}
+    for n in (10, 10_000):
+        index, b0, t, kids = _fan(n)
+        target = kids[3]
+        query = np.concatenate([t, target.token_array()[:11], [40_001, 40_002]]).astype(np.int32)  # diverges at 11
+        if stored_tail:  # the query's next block is cut short: its own tail is partial
+            query = query[: BT + 9]
+        before = index.probes
+        match = index.match("ns", FP, query, BT)
+        work[n] = index.probes - before
+        assert match.blocks == (b0, target)
+        assert match.matched_tokens == BT + (9 if stored_tail else 11)
+    assert work[10_000] == work[10]
+    assert work[10] <= 2 + BT  # one key probe, then at most one trie step per token of the block
+
+
+def test_the_trie_finds_what_comparing_every_child_finds() -> None:
+    # Children over a tiny vocabulary (so they share prefixes of every length), full and partial, some
+    # identical up to a partial's end; every query's answer is checked against the brute-force best.
+    rng = np.random.default_rng(11)
+    b0 = chain("ns", toks(BT))[0]
+    index = index_of(b0)
+    kids: dict[bytes, BlockMeta] = {}
+    for _ in range(300):
+        body = rng.integers(0, 3, int(rng.choice([BT, BT, rng.integers(1, BT)])), dtype=np.int32)
+        m = meta("ns", b0.key, body)
+        if m.key not in kids:
+            kids[m.key] = m
+            index.add(m)
+
+    def check() -> None:
+        for _ in range(200):
+            tail = rng.integers(0, 3, int(rng.integers(1, BT + 1)), dtype=np.int32)
+            query = np.concatenate([toks(BT), tail]).astype(np.int32)
+            best = max((_shared(k.token_array(), tail) for k in kids.values()), default=0)
+            match = index.match("ns", FP, query, BT)
+            assert match.matched_tokens == BT + best
+            if best:
+                assert _shared(match.blocks[-1].token_array(), tail) == best
+            else:
+                assert match.blocks == (b0,)
+
+    check()
+    for key in list(kids)[:-3]:  # remove all but three: the trie shrinks and stays right
+        index.remove(key)
+        del kids[key]
+    check()
+    assert b0.children == len(kids) == 3
+
+
+def _shared(a: np.ndarray, b: np.ndarray) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n

@@ -190,6 +190,21 @@ async def test_referenced_blocks_outlive_unreferenced_ones_under_pressure(model:
     assert not any(d.store.holds("ns", m.key) for m in loose)
 
 
+async def test_a_prefix_two_sessions_hold_outlives_one_sessions_newer_tail(model: HybridDecoder) -> None:
+    d = Daemon(model, capacity_blocks=4)
+    shared = await d.put(toks(2 * BT, seed=1))  # the oldest chain, held by two sessions
+    for sid in ("s1", "s2"):
+        d.sessions.open("ns", d.fp, PERSIST, session_id=sid, tokens=toks(2 * BT, seed=1))
+    private = await d.put(toks(2 * BT, seed=2))  # newer, held by one
+    d.sessions.open("ns", d.fp, PERSIST, session_id="s3", tokens=toks(2 * BT, seed=2))
+    await d.put(toks(BT, seed=3))  # needs one block of room: recency alone would take the shared leaf
+    d.sessions.open("ns", d.fp, PERSIST, session_id="s4", tokens=toks(BT, seed=3))
+    assert [d.store.holds("ns", m.key) for m in shared + private] == [True, True, True, False]
+    d.sessions.close("ns", "s2")  # one session holds the first chain now, and it is the oldest
+    await d.put(toks(BT, seed=4))
+    assert [d.store.holds("ns", m.key) for m in shared + private] == [True, False, True, False]
+
+
 # ---- windows: persist mode ---------------------------------------------------------------------------------
 
 

@@ -38,7 +38,7 @@ from engram.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from engram.eviction import tick
+from engram.eviction import held_class, tick
 from engram.index import BlockMeta, ChainIndex, PrefixMatch
 from engram.keys import block_key, root_key, tokens_to_bytes
 from engram.layout import ModelSpec
@@ -486,13 +486,14 @@ class BlockStore:
         return changed
 
     def reference(self, metas: Sequence[BlockMeta], delta: int) -> None:
-        """Add (+1) or drop (-1) one session's reference to blocks; eviction prefers unreferenced blocks."""
+        """Add (+1) or drop (-1) one session's reference to blocks; eviction prefers unreferenced blocks, then
+        those one session holds (engram/eviction.py `held_class`)."""
         for meta in metas:
-            was = meta.refs > 0
+            was = held_class(meta)
             meta.refs += delta
             if meta.refs < 0:
                 raise AssertionError(f"block {meta.key.hex()} unreferenced more often than referenced")
-            if was != (meta.refs > 0) and self.index.get(meta.key) is meta:
+            if was != held_class(meta) and self.index.get(meta.key) is meta:
                 for name in meta.locations:
                     self.placement.lru[name].touch(meta)  # re-queued in its new class (engram/eviction.py)
 

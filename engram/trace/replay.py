@@ -6,8 +6,13 @@ useless). After its lookup each request stores its missing blocks.
   tiny layout, payloads of 256 bytes), with sessions holding references as the daemon's do. Nothing of
   the policy is re-implemented here.
 - lru: plain LRU over block ids (what most caches do).
-- belady: evict the block whose next use is furthest (offline, knows the future). It is the optimum for
-  plain hit counts; for prefix-contiguous hits it is a strong reference, not a proven bound.
+- belady: evict the block whose next use is furthest (offline, knows the future), and among blocks next
+  used at the same time (by the same request) the deepest first. That is the optimum for prefix-contiguous
+  hits too: a chained id stands for its whole prefix, so a block's ancestors are next used no later than it
+  is; evicting furthest-then-deepest therefore never drops an ancestor while a descendant stays, the cache
+  stays prefix-closed, every cached block it meets is a contiguous hit, and it gets Belady's plain-hit count,
+  which bounds any policy's contiguous hits. (Breaking ties the other way, by id, dropped the chain's start
+  and lost the hits of everything behind it.) tests/test_trace.py checks it against a brute force.
 Bytes moved: missed blocks times `block_bytes` (what the blocks would weigh in the real model).
 """
 
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -48,6 +54,7 @@ class PolicyResult:
     requested_blocks: int
     hit_blocks: int
     bytes_moved: int
+    seconds: float = 0.0  # the run's wall time
 
     @property
     def hit_ratio(self) -> float:
@@ -119,18 +126,18 @@ def _belady(trace: Sequence[Request], capacity: int, progress: Progress | None) 
         for h in trace[i].hash_ids:
             nxt[h] = i
     cache: dict[int, int] = {}  # block -> its next use
-    heap: list[tuple[int, int]] = []  # (-next use, block), lazy
+    heap: list[tuple[int, int, int]] = []  # (-next use, -depth, block), lazy: furthest first, then deepest
     hits = 0
     for i, r in enumerate(trace):
         for h in r.hash_ids:
             if h not in cache:
                 break
             hits += 1
-        for h, when in zip(r.hash_ids, uses[i], strict=True):
+        for depth, (h, when) in enumerate(zip(r.hash_ids, uses[i], strict=True)):
             cache[h] = when
-            heapq.heappush(heap, (-when, h))
+            heapq.heappush(heap, (-when, -depth, h))
         while len(cache) > capacity:
-            when, h = heapq.heappop(heap)
+            when, _, h = heapq.heappop(heap)
             if cache.get(h) == -when:
                 del cache[h]
         if progress:
@@ -138,15 +145,31 @@ def _belady(trace: Sequence[Request], capacity: int, progress: Progress | None) 
     return hits
 
 
+POLICIES = ("engram", "lru", "belady")
+
+
 def replay_all(trace: Sequence[Request], capacities: Sequence[int], block_bytes: int = 512 * 890,
-               progress: Progress | None = None) -> list[PolicyResult]:
-    """Every policy at every capacity (blocks). block_bytes defaults to 512 tokens of an FP4 global KV."""
+               progress: Progress | None = None, policies: Sequence[str] = POLICIES,
+               on_run: Callable[[str, int], None] | None = None) -> list[PolicyResult]:
+    """Each of `policies` at every capacity (blocks), in trace order (sort by timestamp first:
+    formats.in_time_order). block_bytes defaults to 512 tokens of an FP4 global KV. `on_run(policy,
+    capacity)` is called as each run starts."""
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}: choose from {', '.join(POLICIES)}")
+    runs: dict[str, Callable[[int], int]] = {
+        "engram": lambda c: asyncio.run(_engram(trace, c, progress)),
+        "lru": lambda c: _lru(trace, c, progress),
+        "belady": lambda c: _belady(trace, c, progress),
+    }
     requested = sum(len(r.hash_ids) for r in trace)
     out = []
     for cap in capacities:
-        for name, run in (("engram", lambda c: asyncio.run(_engram(trace, c, progress))),
-                          ("lru", lambda c: _lru(trace, c, progress)),
-                          ("belady", lambda c: _belady(trace, c, progress))):
-            hit = run(cap)
-            out.append(PolicyResult(name, cap, requested, hit, (requested - hit) * block_bytes))
+        for name in policies:
+            if on_run:
+                on_run(name, cap)
+            t0 = time.perf_counter()
+            hit = runs[name](cap)
+            out.append(PolicyResult(name, cap, requested, hit, (requested - hit) * block_bytes,
+                                    time.perf_counter() - t0))
     return out
