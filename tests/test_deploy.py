@@ -125,3 +125,12 @@ def test_compose_and_prometheus() -> None:
     targets = [t for job in scrape["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
     assert targets == [f"engram:{cfg.server.metrics_port}"]
     assert re.fullmatch(r"redis:\d+(\.\d+)*", services["redis"]["image"])
+
+
+def test_makefile_installs_the_cpu_build_of_torch() -> None:
+    """PyPI's torch==2.13.0 is the multi-GB CUDA build; `make demo` / `make test` promise the CPU one."""
+    text = (REPO / "Makefile").read_text()
+    index = re.search(r"^TORCH_INDEX \?= (\S+)$", text, re.M)
+    assert index is not None and index.group(1) == "https://download.pytorch.org/whl/cpu"
+    installs = [line for line in text.splitlines() if "pip install" in line and "torch" in line]
+    assert installs and all("torch==2.13.0" in line and "--index-url $(TORCH_INDEX)" in line for line in installs)
