@@ -12,9 +12,9 @@ from rich.table import Table
 from engram.api import NamespaceSummary, SessionSummary
 from engram.client import EngramClient
 
-from .common import address_of, call, console, load
+from .common import call, console, target
 from .format import age, dumps, to_dict
-from .options import AddressOpt, ConfigOpt, JsonOpt, NamespaceOpt
+from .options import AddressOpt, ConfigOpt, JsonOpt, NamespaceOpt, TlsCaOpt, TokenOpt
 from .stats import human_bytes
 
 
@@ -63,9 +63,9 @@ def as_json(listing: Listing) -> str:
 
 
 def ls(config: ConfigOpt = None, address: AddressOpt = None, namespace: NamespaceOpt = None,
-       json_: JsonOpt = False) -> None:
+       json_: JsonOpt = False, token: TokenOpt = None, tls_ca: TlsCaOpt = None) -> None:
     """Namespaces and sessions of a running daemon."""
-    listing = call(address_of(load(config), address), lambda c: fetch(c, namespace))
+    listing = call(target(config, address, token, tls_ca), lambda c: fetch(c, namespace))
     if json_:
         typer.echo(as_json(listing))
     else:

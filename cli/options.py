@@ -12,3 +12,9 @@ AddressOpt = Annotated[str | None, typer.Option(
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 NamespaceOpt = Annotated[str | None, typer.Option(
     "--namespace", "-n", help="Namespace (tenant). Default: every namespace where that makes sense (admin).")]
+TokenOpt = Annotated[str | None, typer.Option(
+    "--token", envvar="ENGRAM_TOKEN", show_envvar=True,
+    help="Bearer token of a daemon with tenants (prefer the variable: a flag shows in `ps`).")]
+TlsCaOpt = Annotated[str | None, typer.Option(
+    "--tls-ca", envvar="ENGRAM_TLS_CA", show_envvar=True, metavar="PEM",
+    help="Root certificate of a daemon that serves TLS (its own certificate when self-signed).")]

@@ -4,12 +4,15 @@ never silently falls back to a default.
 
 Environment variables name a key with double underscores between levels:
 ENGRAM_SERVER__PORT=7000 sets server.port; ENGRAM_TIERS__DRAM__CAPACITY=8GiB sets tiers.dram.capacity.
-ENGRAM_CONFIG names the TOML file. Byte sizes accept plain integers or units (KiB, MiB, GiB, TiB, KB, MB, GB).
+Only names with a double underscore are config variables (every key lives in a section), and an unknown one
+is an error. Other ENGRAM_* names are not read here: ENGRAM_CONFIG names the TOML file, ENGRAM_TOKEN and
+ENGRAM_TLS_CA are the CLI's, and secrets referenced as env:VAR (env:ENGRAM_SALT) may use the prefix too. Byte sizes accept plain integers or units (KiB, MiB, GiB, TiB, KB, MB, GB).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import tomllib
@@ -380,6 +383,13 @@ def _apply_tree(cfg: EngramConfig, tree: Mapping[str, object], prefix: str = "")
             _set(cfg, full.split("."), value, full)
 
 
+def is_config_variable(name: str) -> bool:
+    """ENGRAM_<SECTION>__<KEY>: the prefix, then a double underscore somewhere (every key is in a section).
+    ENGRAM_CONFIG, the CLI's ENGRAM_TOKEN, and secrets such as ENGRAM_SALT that a config names by env:VAR
+    have none, so they never collide with a key."""
+    return name.startswith(ENV_PREFIX) and "__" in name[len(ENV_PREFIX):]
+
+
 def load_config(
     path: str | Path | None = None,
     env: Mapping[str, str] | None = None,
@@ -399,7 +409,7 @@ def load_config(
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
         _apply_tree(cfg, tree)
     for name, value in sorted(env.items()):
-        if not name.startswith(ENV_PREFIX) or name == ENV_CONFIG_FILE:
+        if not is_config_variable(name):
             continue
         dotted = name[len(ENV_PREFIX):].lower().replace("__", ".")
         try:
@@ -426,3 +436,36 @@ def config_keys(node: object | None = None, prefix: str = "") -> list[str]:
 
 def as_dict(cfg: EngramConfig) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
+
+
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value if not isinstance(value, int) else int(value))
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a TOML basic string (the same escapes)
+    raise TypeError(f"no TOML form for {value!r}")
+
+
+def _toml_tables(tree: Mapping[str, Any], name: str, out: list[str]) -> None:
+    scalars = [(k, v) for k, v in tree.items() if not isinstance(v, Mapping)]
+    if scalars:
+        out.append(f"\n[{name}]")
+        out += [f"{k} = {_toml_value(v)}" for k, v in scalars]
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            quoted = key if _BARE_KEY.fullmatch(key) else json.dumps(key)
+            if value:  # an empty table of named sections (no tenants) is left out
+                _toml_tables(value, f"{name}.{quoted}", out)
+
+
+def to_toml(cfg: EngramConfig) -> str:
+    """The whole tree as a TOML file that load_config reads back to the same configuration (`engram config`)."""
+    out: list[str] = ["# engram config: the effective configuration; `engram serve --config FILE` loads it back"]
+    for section, tree in as_dict(cfg).items():
+        _toml_tables(tree, section, out)
+    return "\n".join(out).lstrip("\n") + "\n"

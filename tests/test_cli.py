@@ -74,6 +74,21 @@ def test_bad_config_is_a_clear_error(tmp_path: Path) -> None:
     assert out.returncode == 4 and "key=value" in out.stderr
 
 
+def test_config_output_loads_back_as_a_config_file(tmp_path: Path) -> None:
+    from engram.config import load_config
+
+    env = {"ENGRAM_TIERS__DRAM__CAPACITY": "3GiB", "ENGRAM_AUTH__SALT_SECRET": "env:S",
+           "ENGRAM_AUTH__TENANTS__TEAM_A__TOKEN": "t", "ENGRAM_SERVER__HOST": "10.0.0.1"}
+    out = CliRunner().invoke(app, ["config"], env=env)
+    assert out.exit_code == 0, out.output
+    (tmp_path / "effective.toml").write_text(out.stdout)
+    again = load_config(tmp_path / "effective.toml", env={})
+    assert again == load_config(env=env) and again.tiers.dram.capacity == 3 * 2**30
+    assert again.auth.tenants["team_a"].token == "t"
+    as_json = CliRunner().invoke(app, ["config", "--json"], env=env)
+    assert json.loads(as_json.stdout)["server"]["host"] == "10.0.0.1"
+
+
 def test_config_keys_listing() -> None:
     result = CliRunner().invoke(app, ["config", "--keys"])
     assert result.exit_code == 0 and "tiers.dram.capacity" in result.output.split()

@@ -184,7 +184,20 @@ def test_bad_input_names_what_to_change(content: Content) -> None:
     bad = cli("evict", "xyz!", "-a", addr)
     assert bad.exit_code == 4 and "not a hex block key" in bad.stderr
     assert cli("pin", "-a", addr).exit_code == 4
-    assert cli("show", "s1", "-a", addr).exit_code == 3  # s1 lives in team-a, not in the default namespace
+    assert cli("show", "s1", "-n", "default", "-a", addr).exit_code == 3  # s1 lives in team-a
+
+
+def test_show_finds_a_session_without_its_namespace_when_only_one_has_it(content: Content) -> None:
+    addr = content.address
+    assert as_json(cli("show", "s1", "--json", "-a", addr))["session"]["info"]["namespace"] == "team-a"
+    assert cli("pin", "--session", "s1", "-a", addr).exit_code == 0
+    assert as_json(cli("show", content.s1[3].hex(), "--json", "-a", addr))["blocks"][0]["pins"] == 1
+    with SyncEngramClient(addr, namespace="team-b") as c:  # now a second s1, in team-b
+        c.register_model(tiny_model())
+        c.open_session(content.fp, mode="persist", session_id="s1", tokens=tokens(16, seed=9))
+    both = cli("show", "s1", "-a", addr)
+    assert both.exit_code == 4 and "namespaces team-a, team-b" in both.stderr and "--namespace" in both.stderr
+    assert as_json(cli("show", "s1", "-n", "team-b", "--json", "-a", addr))["session"]["info"]["tokens"] == 16
 
 
 @pytest.mark.parametrize("command", [["ls"], ["show", "s1"], ["evict", "ab12"], ["pin", "ab12"], ["unpin", "ab12"]])
