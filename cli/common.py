@@ -21,10 +21,15 @@ from engram.config import EngramConfig, load_config
 console = Console(width=None if sys.stdout.isatty() else 140)  # piped: wide enough for the tables
 err_console = Console(stderr=True, soft_wrap=True)  # messages stay on one line for grep
 
-EXIT_UNAVAILABLE = 2
-EXIT_NOT_FOUND = 3
-EXIT_BAD_INPUT = 4  # also every usage error (an unknown option, a missing argument): see main.py
-EXIT_DENIED = 6  # the daemon refused the caller's token (none, unknown, or not allowed there); 5 is verify-isolation's
+# Exit codes, the same for every command (README). 1 is a command's own "problems found" (check, demo) and 5
+# verify-isolation's "no positive control".
+EXIT_UNAVAILABLE = 2  # no daemon answers at the address
+EXIT_NOT_FOUND = 3  # a session, block or namespace is unknown
+EXIT_BAD_INPUT = 4  # bad input or configuration, and every usage error (an unknown option): see main.py
+EXIT_DENIED = 6  # the daemon refused the caller's token (none, unknown, or not allowed there)
+EXIT_NO_RESOURCES = 7  # serve: the host has too little memory, /dev/shm or disk for the configuration
+EXIT_IN_USE = 8  # serve: another process holds the address, the unix socket or the NVMe directory
+EXIT_START_FAILED = 9  # serve: a file or directory it needs cannot be used (permissions, a read-only disk)
 
 T = TypeVar("T")
 

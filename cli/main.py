@@ -14,14 +14,26 @@ from typer._click.exceptions import UsageError
 from typer.core import TyperGroup
 
 from engram.config import config_keys
-from engram.errors import AlreadyRunning
+from engram.errors import AddressInUse, AlreadyRunning, ConfigError, InsufficientResources
 from engram.logs import setup_logging
 from engram.server import serve as serve_daemon
 
 from .bench import bench_app
 from .check import offline as check_offline
 from .check import show as show_check
-from .common import EXIT_BAD_INPUT, EXIT_NOT_FOUND, call, console, err_console, fail, load, target
+from .common import (
+    EXIT_BAD_INPUT,
+    EXIT_IN_USE,
+    EXIT_NO_RESOURCES,
+    EXIT_NOT_FOUND,
+    EXIT_START_FAILED,
+    call,
+    console,
+    err_console,
+    fail,
+    load,
+    target,
+)
 from .demo import demo as run_demo
 from .evict import evict
 from .layouts import layouts
@@ -88,12 +100,18 @@ def serve(
             overrides[key] = value
     cfg = load(config, overrides)
     setup_logging(cfg.logging)
+    # One line and a code per class of start-up failure (README, "Running the daemon"); whatever was built
+    # before the failure (the DRAM segment, locks) is released by start_server on the way out.
     try:
         asyncio.run(serve_daemon(cfg))
-    except OSError as exc:
-        raise fail(f"cannot listen: {exc}", EXIT_BAD_INPUT) from None
-    except AlreadyRunning as exc:  # another daemon holds the socket path or the NVMe directory
+    except InsufficientResources as exc:  # memory, /dev/shm or disk smaller than the config asks
+        raise fail(str(exc), EXIT_NO_RESOURCES) from None
+    except ConfigError as exc:
         raise fail(str(exc), EXIT_BAD_INPUT) from None
+    except (AddressInUse, AlreadyRunning) as exc:  # a port, socket path or NVMe directory another process holds
+        raise fail(str(exc), EXIT_IN_USE) from None
+    except OSError as exc:  # a file or directory the daemon needs: permissions, a read-only disk
+        raise fail(f"cannot start: {exc}", EXIT_START_FAILED) from None
 
 
 @app.command()

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engram.errors import ConfigError
+from engram.errors import ConfigError, InsufficientResources
 from engram.segment import HEADER, SegmentLayout
 
 log = logging.getLogger("engram.tiers")
@@ -44,11 +44,11 @@ def check_budget(size: int, directory: Path, *, key: str = "tiers.dram.capacity"
     st = os.statvfs(directory)
     free = st.f_bavail * st.f_frsize
     if size > free:
-        raise ConfigError(f"{key} needs {size} bytes in {directory}, which has {free} free; lower {key} or "
+        raise InsufficientResources(f"{key} needs {size} bytes in {directory}, which has {free} free; lower {key} or "
                           f"give {directory} more room (docker: --shm-size), or set tiers.dram.shm_dir")
     avail = mem_available()
     if size > avail:
-        raise ConfigError(f"{key} needs {size} bytes of host memory, but MemAvailable is {avail}; lower {key}")
+        raise InsufficientResources(f"{key} needs {size} bytes of host memory, but MemAvailable is {avail}; lower {key}")
 
 
 def clean_stale(directory: Path) -> list[Path]:
