@@ -7,11 +7,9 @@ import json
 from typing import Annotated
 
 import typer
-from rich.progress import Progress
 from rich.table import Table
 
 from engram.errors import InvalidArgument
-from engram.trace import read_trace, replay_all
 
 from .common import EXIT_BAD_INPUT, console, fail
 
@@ -26,6 +24,9 @@ def trace(
     json_: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
     """Replay a trace: prefix-contiguous hit ratio and bytes moved, Engram's policy against LRU and Belady."""
+    from rich.progress import Progress
+
+    from engram.trace import read_trace, replay_all  # numpy and the policies: loaded only when run
     try:
         caps = [int(c) for c in capacity.split(",") if c.strip()]
     except ValueError:

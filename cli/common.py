@@ -15,8 +15,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from engram import errors
-from engram.client import EngramClient
 from engram.config import EngramConfig, load_config
+from engram.control import ControlClient
 
 console = Console(width=None if sys.stdout.isatty() else 140)  # piped: wide enough for the tables
 err_console = Console(stderr=True, soft_wrap=True)  # messages stay on one line for grep
@@ -94,11 +94,11 @@ def target(config_path: str | None, address: str | None, token: str | None = Non
     return Target(addr, token or "", root_cert)
 
 
-def call(where: Target, fn: Callable[[EngramClient], Coroutine[Any, Any, T]], timeout_s: float = 10.0) -> T:
+def call(where: Target, fn: Callable[[ControlClient], Coroutine[Any, Any, T]], timeout_s: float = 10.0) -> T:
     """Run one client coroutine against the daemon; map failures to CLI exit codes."""
 
     async def run() -> T:
-        async with EngramClient(where.address, token=where.token, root_cert=where.root_cert) as client:
+        async with ControlClient(where.address, token=where.token, root_cert=where.root_cert) as client:
             return await asyncio.wait_for(fn(client), timeout_s)
 
     try:

@@ -13,7 +13,7 @@ import typer
 
 from engram import errors
 from engram.api import EvictResult
-from engram.client import EngramClient
+from engram.control import ControlClient
 
 from .common import EXIT_BAD_INPUT, call, console, fail, target
 from .format import dumps, to_dict
@@ -21,7 +21,7 @@ from .options import AddressOpt, ConfigOpt, JsonOpt, NamespaceOpt, TlsCaOpt, Tok
 from .show import session_namespace
 
 
-async def evict_session(client: EngramClient, session: str, namespace: str | None, force: bool) -> EvictResult:
+async def evict_session(client: ControlClient, session: str, namespace: str | None, force: bool) -> EvictResult:
     ns = await session_namespace(client, session, namespace)
     if ns is None:
         raise errors.NotFound(f"no session {session!r} in any namespace you may see; `engram ls` lists sessions")

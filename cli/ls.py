@@ -10,7 +10,7 @@ from rich.console import Group
 from rich.table import Table
 
 from engram.api import NamespaceSummary, SessionSummary
-from engram.client import EngramClient
+from engram.control import ControlClient
 
 from .common import call, console, target
 from .format import age, dumps, to_dict
@@ -24,7 +24,7 @@ class Listing:
     sessions: tuple[SessionSummary, ...]
 
 
-async def fetch(client: EngramClient, namespace: str | None) -> Listing:
+async def fetch(client: ControlClient, namespace: str | None) -> Listing:
     if namespace is not None:
         return Listing(None, await client.list_sessions(namespace=namespace))
     return Listing(await client.list_namespaces(), await client.list_sessions(all_namespaces=True))

@@ -8,15 +8,13 @@ import dataclasses
 from typing import Annotated, Any
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from typer._click.core import Context  # typer (0.29) vendors click: its usage errors are these classes
 from typer._click.exceptions import UsageError
 from typer.core import TyperGroup
 
+from engram import __version__
 from engram.config import config_keys
 from engram.errors import AddressInUse, AlreadyRunning, ConfigError, InsufficientResources
-from engram.logs import setup_logging
-from engram.server import serve as serve_daemon
 
 from .bench import bench_app
 from .check import offline as check_offline
@@ -34,8 +32,8 @@ from .common import (
     load,
     target,
 )
-from .demo import demo as run_demo
 from .evict import evict
+from .format import dumps
 from .layouts import layouts
 from .ls import ls
 from .options import AddressOpt, ConfigOpt, JsonOpt, NamespaceOpt, TlsCaOpt, TokenOpt
@@ -66,8 +64,21 @@ class _Group(TyperGroup):
 
 
 app = typer.Typer(name="engram", help="Engram: a tiered KV-cache daemon for LLM inference.", cls=_Group,
-                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]})
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"engram {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool | None, typer.Option(
+        "--version", "-V", callback=_print_version, is_eager=True, help="Print the version and exit.")] = None
+          ) -> None:
+    """Engram: a tiered KV-cache daemon for LLM inference."""
 
 app.add_typer(bench_app, name="bench")
 
@@ -98,6 +109,9 @@ def serve(
                        ("tiers.dram.capacity", dram_capacity), ("logging.level", log_level)):
         if value is not None:
             overrides[key] = value
+    from engram.logs import setup_logging  # the daemon (and torch) only for serve: inspection starts fast
+    from engram.server import serve as serve_daemon
+
     cfg = load(config, overrides)
     setup_logging(cfg.logging)
     # One line and a code per class of start-up failure (README, "Running the daemon"); whatever was built
@@ -112,6 +126,18 @@ def serve(
         raise fail(str(exc), EXIT_IN_USE) from None
     except OSError as exc:  # a file or directory the daemon needs: permissions, a read-only disk
         raise fail(f"cannot start: {exc}", EXIT_START_FAILED) from None
+
+
+@app.command()
+def ping(config: ConfigOpt = None, address: AddressOpt = None, json_: JsonOpt = False, token: TokenOpt = None,
+         tls_ca: TlsCaOpt = None) -> None:
+    """Whether a daemon answers (the standard health check: no token needed) and its round trip; exit 2 if not."""
+    where = target(config, address, token, tls_ca)
+    seconds = call(where, lambda c: c.ping())
+    if json_:
+        typer.echo(dumps({"address": where.address, "serving": True, "round_trip_ms": seconds * 1e3}))
+    else:
+        console.print(f"engram daemon at {where.address}: serving ({seconds * 1e3:.1f} ms round trip)")
 
 
 @app.command()
@@ -145,6 +171,8 @@ def check(
     # On stderr (a terminal only: piped output stays clean for --json): a bar with counts over the files of
     # a directory checked here; a spinner while a daemon checks (one Check RPC, no progress to report).
     if directory:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
         with Progress(TextColumn("checking block files"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err_console, transient=True) as bar:
             task = bar.add_task("check", total=None)
@@ -158,6 +186,7 @@ def check(
 @app.command()
 def demo() -> None:
     """Start an embedded daemon and run two agent sessions that share a long prefix."""
+    from .demo import demo as run_demo
     reports = run_demo(console)
     if not all(r.verified for r in reports) or reports[-1].cached_tokens == 0:
         raise fail("the demo's second session did not get the shared prefix back intact", 1)

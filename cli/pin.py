@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from engram import errors
-from engram.client import EngramClient
+from engram.control import ControlClient
 
 from .common import EXIT_BAD_INPUT, Target, call, console, fail, target
 from .format import dumps
@@ -20,7 +20,7 @@ KeysArg = Annotated[list[str] | None, typer.Argument(help="Block keys or unique 
 SessionOpt = Annotated[str | None, typer.Option("--session", "-s", help="Every block of this session's chain.")]
 
 
-async def _pin(client: EngramClient, keys: list[str], session: str | None, namespace: str | None, unpin: bool
+async def _pin(client: ControlClient, keys: list[str], session: str | None, namespace: str | None, unpin: bool
                ) -> tuple[int, list[bytes]]:
     if session is not None:
         ns = await session_namespace(client, session, namespace)

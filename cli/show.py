@@ -12,7 +12,7 @@ from rich.table import Table
 
 from engram import errors
 from engram.api import BlockDescription, SessionSummary
-from engram.client import EngramClient
+from engram.control import ControlClient
 
 from .common import call, console, target
 from .format import age, dumps, to_dict
@@ -22,7 +22,7 @@ from .stats import human_bytes
 KEY_DIGITS = 16  # of 32: a unique prefix that every command accepts; --json prints whole keys
 
 
-async def visible_sessions(client: EngramClient) -> tuple[SessionSummary, ...]:
+async def visible_sessions(client: ControlClient) -> tuple[SessionSummary, ...]:
     """Every session the caller may see: all namespaces for an admin (or with tenancy off), the token's own
     namespace for a tenant."""
     try:
@@ -31,7 +31,7 @@ async def visible_sessions(client: EngramClient) -> tuple[SessionSummary, ...]:
         return await client.list_sessions(namespace="")
 
 
-async def session_namespace(client: EngramClient, session_id: str, namespace: str | None) -> str | None:
+async def session_namespace(client: ControlClient, session_id: str, namespace: str | None) -> str | None:
     """The namespace holding `session_id`: the one named, else the only one that has such a session (None when
     none has; InvalidArgument when several have, since -n must choose)."""
     if namespace is not None:
@@ -43,7 +43,7 @@ async def session_namespace(client: EngramClient, session_id: str, namespace: st
     return found[0] if found else None
 
 
-async def describe(client: EngramClient, name: str, namespace: str | None) -> BlockDescription:
+async def describe(client: ControlClient, name: str, namespace: str | None) -> BlockDescription:
     """A session of that id first (in the namespace named, else in the one namespace that has it); else a block
     key (prefix), searched in every namespace the caller may see unless one is named."""
     ns = await session_namespace(client, name, namespace)

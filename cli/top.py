@@ -15,7 +15,7 @@ from rich.live import Live
 from rich.table import Table
 
 from engram.api import SessionSummary, Stats
-from engram.client import EngramClient
+from engram.control import ControlClient
 
 from .common import call, console, target
 from .format import dumps, to_dict
@@ -31,7 +31,7 @@ class Snapshot:
     sessions: tuple[SessionSummary, ...]
 
 
-async def snapshot(client: EngramClient, namespace: str | None) -> Snapshot:
+async def snapshot(client: ControlClient, namespace: str | None) -> Snapshot:
     stats = await client.stats()
     if namespace is None:
         sessions = await client.list_sessions(all_namespaces=True)
@@ -94,7 +94,7 @@ def frame_dict(prev: Snapshot, cur: Snapshot, address: str) -> dict[str, object]
                             "replays": rate(b.replay.replays, a.replay.replays), "tiers": tiers}}
 
 
-async def watch(client: EngramClient, out: Console, address: str, namespace: str | None, interval: float,
+async def watch(client: ControlClient, out: Console, address: str, namespace: str | None, interval: float,
                 once: bool, as_json: bool = False) -> None:
     prev = await snapshot(client, namespace)
     await asyncio.sleep(interval)

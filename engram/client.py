@@ -28,25 +28,19 @@ import torch
 
 from engram import errors
 from engram.api import (
-    BlockDescription,
     BlockRef,
-    CheckReport,
-    EvictResult,
     LoadResult,
     LookupResult,
-    NamespaceStats,
-    NamespaceSummary,
     PutReply,
     PutResult,
     ResumeResult,
     SessionInfo,
     SessionMode,
-    SessionSummary,
-    Stats,
 )
 from engram.block import checksum
 from engram.codec import stored
 from engram.codec.streamformat import raw_streams
+from engram.control import ControlClient
 from engram.destinations import ContiguousKV, KVDestination, StreamsKV
 from engram.layout import DType, ModelSpec, StreamSpec
 from engram.loader import BlockSource, MappedSegment, PrefixLoader
@@ -56,9 +50,7 @@ from engram.wire import convert
 from engram.wire.channel import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
-    open_channel,
     same_host,
-    stub_for,
 )
 from engram.wire.status import error_from_rpc
 from engram.wire.stream import Reassembler, client_reassembler, pieces
@@ -103,7 +95,9 @@ def _check_streams(spec: ModelSpec, kv: torch.Tensor | Mapping[str, torch.Tensor
                                          f"(layers, tokens // {s.compress}, *shape) = {want} {s.dtype.torch_dtype}")
 
 
-class EngramClient:
+class EngramClient(ControlClient):
+    """The worker's client: the control calls of ControlClient (stats, listings, pin, ...) and the data path."""
+
     def __init__(
         self,
         address: str,
@@ -121,11 +115,9 @@ class EngramClient:
         them in place); None: whenever the daemon is on this host; False: bytes over the socket only."""
         if chunk_bytes + 4096 > max_message_bytes:
             raise ValueError("chunk_bytes must leave room for headers under max_message_bytes")
-        self.address = address
-        self.namespace = namespace
+        super().__init__(address, namespace=namespace, token=token, root_cert=root_cert,
+                         max_message_bytes=max_message_bytes)
         self.chunk_bytes = chunk_bytes
-        self._channel = open_channel(address, root_cert=root_cert, max_message_bytes=max_message_bytes)
-        self._stub = stub_for(self._channel, token)
         self._layouts: dict[bytes, ModelSpec] = {}
         self._segments: dict[str, SegmentReader] = {}  # shared DRAM segments mapped for zero-copy Gets
         self._zero_copy_ok = zero_copy is not False and same_host(address)
@@ -139,12 +131,6 @@ class EngramClient:
         self._held: dict[str, list[int]] = {}  # finished loads' leases, by namespace: ended with the next load
         self._flush: asyncio.TimerHandle | None = None
         self._mapped: dict[str, MappedSegment] = {}  # pools mapped (and registered with CUDA) for the hit path
-
-    async def __aenter__(self) -> EngramClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
     async def close(self) -> None:
         if self._flush is not None:
@@ -164,13 +150,7 @@ class EngramClient:
             seg.close()
         self._mapped.clear()
         self._ipc_pools.clear()
-        await self._channel.close()
-
-    async def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        try:
-            return await coro
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from exc
+        await super().close()
 
     # ---- models --------------------------------------------------------------------------------
 
@@ -714,11 +694,6 @@ class EngramClient:
             self._ipc_pools[c.handle] = pool
         return pool
 
-    async def pin(self, fingerprint: bytes, keys: Sequence[bytes], *, unpin: bool = False,
-                  namespace: str | None = None) -> int:
-        req = pb.PinRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint, keys=list(keys), unpin=unpin)
-        return (await self._call(self._stub.Pin(req))).changed
-
     # ---- sessions ----------------------------------------------------------------------------------
 
     def _ref(self, session_id: str, namespace: str | None) -> pb.SessionRef:
@@ -794,11 +769,6 @@ class EngramClient:
         blocks = await self.get(fingerprint, [b.key for b in r.blocks], namespace=namespace, device=device)
         return r, torch.cat(blocks, dim=2)[:, :, : r.position]
 
-    async def describe_namespace(self, namespace: str | None = None) -> NamespaceStats:
-        """The namespace's key salt, quota, and physical against logical bytes."""
-        req = pb.DescribeNamespaceRequest(namespace=self._ns(namespace))
-        return convert.from_pb(NamespaceStats, await self._call(self._stub.DescribeNamespace(req)))
-
     async def _keying(self, namespace: str) -> tuple[str, bytes]:
         """What the daemon computes this namespace's keys with: the namespace it resolves the name to (a
         token's first when empty) and its salt."""
@@ -806,41 +776,6 @@ class EngramClient:
             info = await self.describe_namespace(namespace)
             self._salts[namespace] = (info.namespace, info.key_salt)
         return self._salts[namespace]
-
-    async def stats(self) -> Stats:
-        return convert.from_pb(Stats, await self._call(self._stub.Stats(pb.StatsRequest())))
-
-    async def check(self, *, fix: bool = False) -> CheckReport:
-        return convert.from_pb(CheckReport, await self._call(self._stub.Check(pb.CheckRequest(fix=fix))))
-
-    # ---- inspection (engram ls / show / evict) --------------------------------------------------
-
-    async def list_namespaces(self) -> tuple[NamespaceSummary, ...]:
-        resp = await self._call(self._stub.ListNamespaces(pb.ListNamespacesRequest()))
-        return tuple(convert.from_pb(NamespaceSummary, n) for n in resp.namespaces)
-
-    async def list_sessions(self, *, namespace: str | None = None, all_namespaces: bool = False
-                            ) -> tuple[SessionSummary, ...]:
-        req = pb.ListSessionsRequest(namespace=self._ns(namespace), all_namespaces=all_namespaces)
-        resp = await self._call(self._stub.ListSessions(req))
-        return tuple(convert.from_pb(SessionSummary, s) for s in resp.sessions)
-
-    async def describe_blocks(self, *, session_id: str = "", key_prefixes: Sequence[str] = (),
-                              namespace: str | None = None, all_namespaces: bool = False) -> BlockDescription:
-        req = pb.DescribeBlocksRequest(namespace=self._ns(namespace), all_namespaces=all_namespaces,
-                                       session_id=session_id, key_prefixes=list(key_prefixes))
-        return convert.from_pb(BlockDescription, await self._call(self._stub.DescribeBlocks(req)))
-
-    async def evict(self, *, key_prefixes: Sequence[str] = (), session_id: str = "", whole_namespace: bool = False,
-                    force: bool = False, namespace: str | None = None, all_namespaces: bool = False) -> EvictResult:
-        req = pb.EvictRequest(namespace=self._ns(namespace), all_namespaces=all_namespaces,
-                              key_prefixes=list(key_prefixes), session_id=session_id,
-                              whole_namespace=whole_namespace, force=force)
-        return convert.from_pb(EvictResult, await self._call(self._stub.Evict(req)))
-
-    def _ns(self, namespace: str | None) -> str:
-        return self.namespace if namespace is None else namespace
-
 
 class SyncEngramClient:
     """Blocking facade over EngramClient, for workers that are not asyncio programs."""

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -183,3 +184,36 @@ def test_check_online(daemon) -> None:  # type: ignore[no-untyped-def]
     out = run_cli("check", "--address", address, "--json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == {"scanned": 3, "valid": 3, "findings": []}
+
+
+def test_inspection_commands_do_not_load_torch(daemon) -> None:  # type: ignore[no-untyped-def]
+    """Importing torch costs seconds: stats, ls, show, top, ping and their --help must run without it."""
+    address, _ = daemon
+    script = f"""
+import sys
+from engram.cli.main import app
+for args in (["stats", "--json"], ["ls", "--json"], ["top", "--json", "-i", "0.05"], ["ping"], ["show", "x"],
+             ["evict", "--session", "x"], ["pin", "ab"], ["check", "--json"], ["stats", "--help"]):
+    try:
+        app([*args, "-a", {address!r}] if args[-1] != "--help" else args)
+    except SystemExit as exc:
+        assert exc.code in (0, 3), (args, exc.code)  # 3: x and ab are unknown
+heavy = sorted(m for m in ("torch", "numpy", "engram.server", "engram.store", "engram.client") if m in sys.modules)
+print("heavy:", heavy)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=NEUTRAL_CWD)
+    assert out.returncode == 0, out.stderr
+    assert "heavy: []" in out.stdout, out.stdout[-500:]
+
+
+def test_version_help_and_ping(daemon) -> None:  # type: ignore[no-untyped-def]
+    address, _ = daemon
+    from engram import __version__
+
+    assert CliRunner().invoke(app, ["--version"]).stdout.strip() == f"engram {__version__}"
+    short = CliRunner().invoke(app, ["stats", "-h"])
+    assert short.exit_code == 0 and "--tls-ca" in short.stdout and "ENGRAM_TOKEN" in short.stdout
+    ping = CliRunner().invoke(app, ["ping", "--json", "-a", address])
+    assert ping.exit_code == 0 and json.loads(ping.stdout)["serving"] is True
+    gone = CliRunner().invoke(app, ["ping", "-a", address + ".gone"])
+    assert gone.exit_code == 2 and "no Engram daemon answers" in gone.stderr
