@@ -18,7 +18,8 @@ from engram import errors
 from engram.config import EngramConfig, load_config
 from engram.control import ControlClient
 
-console = Console(width=None if sys.stdout.isatty() else 140)  # piped: wide enough for the tables
+# Piped: as wide as the tables need, so no column is cut with "…" (grep sees whole keys and paths).
+console = Console(width=None if sys.stdout.isatty() else 4096)
 err_console = Console(stderr=True, soft_wrap=True)  # messages stay on one line for grep
 
 # Exit codes, the same for every command (README). 1 is a command's own "problems found" (check, demo) and 5
