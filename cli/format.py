@@ -7,7 +7,6 @@ import enum
 import json
 from typing import Any
 
-
 HEX_INTS = frozenset({"checksum"})  # u64 hashes: past 2**53, which JSON readers (jq, JavaScript) round
 
 
