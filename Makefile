@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # (pip.conf) still apply: a host with a local wheel of torch 2.13.0+cpu takes it from there.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: demo test lint proto bench clean
+.PHONY: demo test lint proto config-docs bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,6 +29,9 @@ lint: $(STAMP)
 
 proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py
+
+config-docs: $(STAMP)  # docs/CONFIG.md and engram.example.toml, from engram/config.py
+	$(BIN)/python scripts/gen_config_docs.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
