@@ -116,6 +116,7 @@ def test_tenants_and_tls_from_the_cli(deployment: Deployment) -> None:
 
     denied = cli("ls", "-a", addr, token=TEAM_A, ca=cert)  # every namespace: admin only
     assert denied.exit_code == 6 and "admin token" in denied.stderr
+    assert cli("ping", "-a", addr, token=None, ca=cert).exit_code == 0  # the health check needs no token
     anonymous = cli("stats", "-a", addr, token=None, ca=cert)
     assert anonymous.exit_code == 6 and "ENGRAM_TOKEN" in anonymous.stderr
     plaintext = cli("stats", "-a", addr)
