@@ -133,6 +133,7 @@ class EngramClient(ControlClient):
         self._mapped: dict[str, MappedSegment] = {}  # pools mapped (and registered with CUDA) for the hit path
 
     async def close(self) -> None:
+        """End held leases, unmap the daemon's pools and close the channel (the context manager does it)."""
         if self._flush is not None:
             self._flush.cancel()
         self._flush_held()
@@ -162,6 +163,7 @@ class EngramClient(ControlClient):
         return resp.model_fingerprint
 
     def codec_of(self, fingerprint: bytes) -> str:
+        """The codec the daemon stores this model's blocks in (register_model through this client first)."""
         return self._spec(fingerprint).codec
 
     def _spec(self, fingerprint: bytes) -> ModelSpec:
@@ -174,6 +176,7 @@ class EngramClient(ControlClient):
 
     async def lookup(self, fingerprint: bytes, tokens: Sequence[int] | np.ndarray, *, namespace: str | None = None
                      ) -> LookupResult:
+        """How many leading tokens are cached, and the blocks holding them (no KV moves)."""
         req = pb.LookupRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint,
                                tokens=convert.tokens_to_pb(tokens))
         return convert.from_pb(LookupResult, await self._call(self._stub.Lookup(req)))
@@ -705,6 +708,8 @@ class EngramClient(ControlClient):
     async def open_session(self, fingerprint: bytes, *, mode: str | SessionMode = SessionMode.EXACT,
                            approx_k: float = 0.0, session_id: str = "", tokens: Sequence[int] | np.ndarray = (),
                            namespace: str | None = None) -> SessionInfo:
+        """Open a session (docs/REPLAY.md): mode exact (the daemon replays the sliding-window KV bit-exactly),
+        approx (replays approx_k windows) or persist (the worker uploads windows); tokens it already has."""
         req = pb.OpenSessionRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint,
                                     session_id=session_id, mode=convert.scalar_to_pb(SessionMode.parse(mode)),
                                     approx_k=approx_k, tokens=convert.tokens_to_pb(tokens))
@@ -726,16 +731,21 @@ class EngramClient(ControlClient):
 
     async def fork_session(self, parent_id: str, *, session_id: str = "", position: int = 0,
                            namespace: str | None = None) -> SessionInfo:
+        """A new session sharing the parent's first `position` tokens (0: all of them) and their blocks."""
         req = pb.ForkSessionRequest(parent=self._ref(parent_id, namespace), session_id=session_id, position=position)
         return await self._session_call(self._stub.ForkSession(req))
 
     async def suspend_session(self, session_id: str, *, namespace: str | None = None) -> SessionInfo:
+        """The session goes cold: a rebuilt window is dropped; a persisted one stays."""
         return await self._session_call(self._stub.SuspendSession(self._ref(session_id, namespace)))
 
     async def close_session(self, session_id: str, *, namespace: str | None = None) -> SessionInfo:
+        """End the session: its window goes and its blocks lose the session's reference."""
         return await self._session_call(self._stub.CloseSession(self._ref(session_id, namespace)))
 
     async def resume(self, session_id: str, *, position: int = 0, namespace: str | None = None) -> ResumeResult:
+        """The session's state at `position` (0: its end): the global KV blocks to fetch, and the sliding-window
+        KV, replayed by the daemon, held hot, or persisted. resume_kv fetches the blocks too."""
         req = pb.ResumeRequest(session=self._ref(session_id, namespace), position=position)
         header: pb.ResumeHeader | None = None
         parts: list[bytes] = []
@@ -801,6 +811,7 @@ class SyncEngramClient:
         return lambda *a, **kw: self._run(attr(*a, **kw))
 
     def close(self) -> None:
+        """Close the client and stop its event loop thread (the context manager does it)."""
         if self._loop.is_running():
             self._run(self._client.close())
             self._loop.call_soon_threadsafe(self._loop.stop)

@@ -51,6 +51,7 @@ class ControlClient:
         await self.close()
 
     async def close(self) -> None:
+        """Close the channel (the context manager does it)."""
         await self._channel.close()
 
     async def _call(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -76,9 +77,11 @@ class ControlClient:
         return time.perf_counter() - t0
 
     async def stats(self) -> Stats:
+        """Tiers, models, counters, replay, cluster and the namespaces this caller may see (all, for an admin)."""
         return convert.from_pb(Stats, await self._call(self._stub.Stats(pb.StatsRequest())))
 
     async def check(self, *, fix: bool = False) -> CheckReport:
+        """Verify every stored copy (payload checksums, block files); with fix, drop the broken ones. Admin only."""
         return convert.from_pb(CheckReport, await self._call(self._stub.Check(pb.CheckRequest(fix=fix))))
 
     async def describe_namespace(self, namespace: str | None = None) -> NamespaceStats:
@@ -89,23 +92,29 @@ class ControlClient:
     # ---- inspection (engram ls / show / evict / pin) ---------------------------------------------
 
     async def list_namespaces(self) -> tuple[NamespaceSummary, ...]:
+        """Every namespace with its blocks, bytes and sessions. Admin only (or tenancy off)."""
         resp = await self._call(self._stub.ListNamespaces(pb.ListNamespacesRequest()))
         return tuple(convert.from_pb(NamespaceSummary, n) for n in resp.namespaces)
 
     async def list_sessions(self, *, namespace: str | None = None, all_namespaces: bool = False
                             ) -> tuple[SessionSummary, ...]:
+        """The sessions of one namespace, or of every namespace (all_namespaces: admin only)."""
         req = pb.ListSessionsRequest(namespace=self._ns(namespace), all_namespaces=all_namespaces)
         resp = await self._call(self._stub.ListSessions(req))
         return tuple(convert.from_pb(SessionSummary, s) for s in resp.sessions)
 
     async def describe_blocks(self, *, session_id: str = "", key_prefixes: Sequence[str] = (),
                               namespace: str | None = None, all_namespaces: bool = False) -> BlockDescription:
+        """A session's block chain (session_id), or the blocks named by hex keys or unique key prefixes: tiers,
+        codec, checksum, refcount, pins. NotFound when nothing matches; InvalidArgument for an ambiguous prefix."""
         req = pb.DescribeBlocksRequest(namespace=self._ns(namespace), all_namespaces=all_namespaces,
                                        session_id=session_id, key_prefixes=list(key_prefixes))
         return convert.from_pb(BlockDescription, await self._call(self._stub.DescribeBlocks(req)))
 
     async def evict(self, *, key_prefixes: Sequence[str] = (), session_id: str = "", whole_namespace: bool = False,
                     force: bool = False, namespace: str | None = None, all_namespaces: bool = False) -> EvictResult:
+        """Evict blocks by key (with every block extending them), the blocks only a session uses, or a whole
+        namespace. Pinned blocks refuse the request unless force; blocks being read are skipped and reported."""
         req = pb.EvictRequest(namespace=self._ns(namespace), all_namespaces=all_namespaces,
                               key_prefixes=list(key_prefixes), session_id=session_id,
                               whole_namespace=whole_namespace, force=force)
