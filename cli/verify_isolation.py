@@ -42,7 +42,9 @@ def verify_isolation(
         help="The prober's token, another tenant (live run; or ENGRAM_OTHER_TOKEN).")] = None,
     namespace: Annotated[str, typer.Option(help="The owner's namespace (live run; default: its token's first).")] = "",
     other_namespace: Annotated[str, typer.Option(help="The prober's namespace (live run).")] = "",
-    root_cert: Annotated[str | None, typer.Option(help="PEM root certificate of a daemon serving TLS.")] = None,
+    root_cert: Annotated[str | None, typer.Option(
+        "--tls-ca", "--root-cert", envvar="ENGRAM_TLS_CA", help="PEM root certificate of a daemon serving TLS.")
+    ] = None,
     samples: Annotated[int, typer.Option(help="Timed lookups per class (held, absent), per namespace.")] = 300,
     no_redis: Annotated[bool, typer.Option("--no-redis", help="Built-in run without Redis and a second daemon.")]
     = False,
