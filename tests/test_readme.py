@@ -5,12 +5,15 @@
 - Every `engram` command of the bash blocks exists with the flags it uses; every `--set` names a config key.
 - The inspection commands ("Inspecting a running daemon") run against a real daemon holding a session in
   team-a and blocks in team-b, with SESSION and the key prefix 3ae67ee3 replaced by real ones, and exit 0.
+- The client library's Python block runs as a script against a real daemon (its free names filled in).
 """
 
 from __future__ import annotations
 
 import re
 import shlex
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +25,7 @@ from engram.cli.main import app
 from engram.client import SyncEngramClient
 from engram.config import config_keys, load_config
 
-from helpers import engram_daemon, random_kv, tiny_model, tokens
+from helpers import NEUTRAL_CWD, engram_daemon, random_kv, tiny_model, tokens
 
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()
@@ -103,3 +106,28 @@ def test_inspection_commands_run_against_a_daemon(daemon: tuple[str, str, str]) 
         assert result.exit_code == 0, f"README: engram {' '.join(argv)} -> {result.exit_code}: {result.output}"
         ran += 1
     assert ran >= 9
+
+
+def test_client_library_snippet_runs(tmp_path: Path) -> None:
+    """The "client library underneath" block, as a script: its free names (tokens, kv, full_kv) filled in with
+    the shapes its comments give, device cuda -> cpu (no GPU here), the body inside an async main."""
+    block = next(b for b in blocks("python") if "EngramClient(" in b and "load_prefix_into" in b)
+    imports = [line for line in block.splitlines() if line.startswith(("from ", "import "))]
+    body = [line for line in block.splitlines() if line and not line.startswith(("from ", "import "))]
+    with engram_daemon(tmp_path) as (address, _):
+        script = "\n".join([
+            "import asyncio", "import torch", *imports, "",
+            "async def main() -> None:",
+            "    tokens = list(range(512))                                  # two blocks of 256",
+            "    full_kv = torch.randn(12, 2, 512, 8, 64).bfloat16()",
+            "    kv = torch.zeros(12, 2, 512, 8, 64, dtype=torch.bfloat16)",
+            *("    " + line for line in body),
+            "    assert res.loaded_tokens == 0 and matched == 512 and kv.shape == (12, 2, 512, 8, 64)",
+            "    print('ok', (kv.float() - full_kv.float()).norm().item() / full_kv.float().norm().item())",
+            "", "asyncio.run(main())", ""]).replace("unix:/run/engram.sock", address).replace('"cuda"', '"cpu"')
+        (tmp_path / "snippet.py").write_text(script)
+        out = subprocess.run([sys.executable, str(tmp_path / "snippet.py")], capture_output=True, text=True,
+                             timeout=300, cwd=NEUTRAL_CWD)
+    assert out.returncode == 0, out.stderr + script
+    word, error = out.stdout.split()
+    assert word == "ok" and 0 < float(error) < 0.2  # nvfp4, the default codec: close, not equal (README says so)
