@@ -8,6 +8,8 @@ import socket
 import subprocess
 from pathlib import Path
 
+from engram.tiers.shm import mem_available
+
 from helpers import ENGRAM, NEUTRAL_CWD
 
 
@@ -92,3 +94,41 @@ def test_banner_names_what_runs_and_warns_about_an_open_address(tmp_path: Path) 
     assert "engram: replay models: none" in lines
     assert any(line.startswith("engram: tenancy: off") for line in lines)
     assert any(line.startswith("engram: warning: listening on 0.0.0.0 with tenancy off") for line in lines), lines
+
+
+def test_memory_budget_counts_a_containers_cgroup_limit(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 33554432 kB\nMemAvailable: 16777216 kB\n")  # 16 GiB free on the host
+    v2, v1, unlimited = tmp_path / "v2", tmp_path / "v1", tmp_path / "none"
+    v2.mkdir()
+    (v2 / "memory.max").write_text(f"{2**30}\n")  # docker --memory 1g
+    (v2 / "memory.current").write_text(f"{256 * 2**20}\n")
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{4 * 2**30}\n")
+    (v1 / "memory" / "memory.usage_in_bytes").write_text(f"{2**30}\n")
+    unlimited.mkdir()
+    (unlimited / "memory.max").write_text("max\n")
+    (unlimited / "memory.current").write_text("123\n")
+    assert mem_available(meminfo, v2) == 768 * 2**20
+    assert mem_available(meminfo, v1) == 3 * 2**30
+    assert mem_available(meminfo, unlimited) == mem_available(meminfo, tmp_path / "absent") == 16 * 2**30
+
+
+def test_banner_warns_when_the_disk_cannot_hold_the_nvme_capacity(tmp_path: Path) -> None:
+    shm, nvme = tmp_path / "shm", tmp_path / "nvme"
+    shm.mkdir()
+    proc = subprocess.Popen([*ENGRAM, "serve", "--unix-socket", str(tmp_path / "e.sock"), "--dram-capacity", "64MiB",
+                             "--set", f"tiers.dram.shm_dir={shm}", "--set", f"tiers.nvme.path={nvme}",
+                             "--set", "tiers.nvme.capacity=1000TiB", "--set", "tiers.nvme.fsync=false",
+                             "--log-level", "error"], stdout=subprocess.PIPE, text=True, cwd=NEUTRAL_CWD)
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline().strip() for _ in range(7)]
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert f"engram: tiers: dram 64 MiB (shared pool in {shm}), nvme 1024000.0 GiB at {nvme}; write-back, loss " \
+           "window 5 s" in lines, lines
+    assert any("warning: tiers.nvme.capacity" in line and "lower the capacity" in line for line in lines), lines

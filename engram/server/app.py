@@ -59,7 +59,8 @@ async def build_store(config: EngramConfig, tenancy: Tenancy | None = None) -> B
         avail = mem_available()
         if d.capacity > avail:
             raise InsufficientResources(f"tiers.dram.capacity needs {d.capacity} bytes of host memory, but "
-                                        f"MemAvailable is {avail}; lower tiers.dram.capacity")
+                                        f"MemAvailable (or the container's memory limit) leaves {avail}; lower "
+                                        "tiers.dram.capacity")
     if t.nvme.path:
         _check_nvme_dir(Path(t.nvme.path))
     tiers.append(shared_dram_tier(d.capacity, d.shm_dir, d.page_bytes, pin=d.pin) if d.pool == "shared"
