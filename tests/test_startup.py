@@ -74,20 +74,24 @@ def test_failure_after_the_segment_exists_removes_it(tmp_path: Path) -> None:
     assert list(shm.iterdir()) == []
 
 
-def test_banner_names_what_runs_and_warns_about_an_open_address(tmp_path: Path) -> None:
-    shm = tmp_path / "shm"
+def banner(shm: Path, *args: str) -> list[str]:
+    """The first seven lines `engram serve` prints (address, tiers, codec, tenancy, TLS, replay, a warning)."""
     shm.mkdir()
-    proc = subprocess.Popen([*ENGRAM, "serve", "--host", "0.0.0.0", "--port", "0", "--dram-capacity", "64MiB",
-                             "--set", f"tiers.dram.shm_dir={shm}", "--set", "codec.default=raw",
-                             "--log-level", "error"], stdout=subprocess.PIPE, text=True, cwd=NEUTRAL_CWD)
+    proc = subprocess.Popen([*ENGRAM, "serve", "--dram-capacity", "64MiB", "--set", f"tiers.dram.shm_dir={shm}",
+                             "--log-level", "error", *args], stdout=subprocess.PIPE, text=True, cwd=NEUTRAL_CWD)
     try:
         assert proc.stdout is not None
-        lines = [proc.stdout.readline().strip() for _ in range(7)]
+        return [proc.stdout.readline().strip() for _ in range(7)]
     finally:
         proc.terminate()
         proc.wait(20)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def test_banner_names_what_runs_and_warns_about_an_open_address(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    lines = banner(shm, "--host", "0.0.0.0", "--port", "0", "--set", "codec.default=raw")
     assert lines[0].startswith("engram: serving on 0.0.0.0:")
     assert f"engram: tiers: dram 64 MiB (shared pool in {shm}); write-back" in lines
     assert "engram: codec: raw (lossless)" in lines and "engram: TLS: off" in lines
@@ -116,19 +120,8 @@ def test_memory_budget_counts_a_containers_cgroup_limit(tmp_path: Path) -> None:
 
 def test_banner_warns_when_the_disk_cannot_hold_the_nvme_capacity(tmp_path: Path) -> None:
     shm, nvme = tmp_path / "shm", tmp_path / "nvme"
-    shm.mkdir()
-    proc = subprocess.Popen([*ENGRAM, "serve", "--unix-socket", str(tmp_path / "e.sock"), "--dram-capacity", "64MiB",
-                             "--set", f"tiers.dram.shm_dir={shm}", "--set", f"tiers.nvme.path={nvme}",
-                             "--set", "tiers.nvme.capacity=1000TiB", "--set", "tiers.nvme.fsync=false",
-                             "--log-level", "error"], stdout=subprocess.PIPE, text=True, cwd=NEUTRAL_CWD)
-    try:
-        assert proc.stdout is not None
-        lines = [proc.stdout.readline().strip() for _ in range(7)]
-    finally:
-        proc.terminate()
-        proc.wait(20)
-        if proc.stdout is not None:
-            proc.stdout.close()
+    lines = banner(shm, "--unix-socket", str(tmp_path / "e.sock"), "--set", f"tiers.nvme.path={nvme}",
+                   "--set", "tiers.nvme.capacity=1000TiB", "--set", "tiers.nvme.fsync=false")
     assert f"engram: tiers: dram 64 MiB (shared pool in {shm}), nvme 1024000.0 GiB at {nvme}; write-back, loss " \
            "window 5 s" in lines, lines
     assert any("warning: tiers.nvme.capacity" in line and "lower the capacity" in line for line in lines), lines
