@@ -214,6 +214,7 @@ def test_version_help_and_ping(daemon) -> None:  # type: ignore[no-untyped-def]
     for command in ("stats", "ls", "show", "evict", "pin", "unpin", "top", "check", "ping", "verify-isolation"):
         short = CliRunner().invoke(app, [command, "-h"])  # one name for the TLS root everywhere
         assert short.exit_code == 0 and "--tls-ca" in short.stdout and "ENGRAM_TLS_CA" in short.stdout, command
+    assert all(f" {metavar} " in CliRunner().invoke(app, ["ls", "-h"]).stdout for metavar in ("FILE", "ADDR", "NS"))
     ping = CliRunner().invoke(app, ["ping", "--json", "-a", address])
     assert ping.exit_code == 0 and json.loads(ping.stdout)["serving"] is True
     gone = CliRunner().invoke(app, ["ping", "-a", address + ".gone"])
