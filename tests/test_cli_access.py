@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,3 +145,19 @@ def test_usage_errors_are_bad_input_not_unreachable(args: list[str]) -> None:
 def test_garbage_address_is_named(tmp_path: Path) -> None:
     out = CliRunner().invoke(app, ["stats", "-a", "garbage"])
     assert out.exit_code == 4 and "--address 'garbage' is not host:port, [v6addr]:port or unix:" in out.stderr
+
+
+def test_readme_tenant_client_line_runs(deployment: Deployment, tmp_path: Path) -> None:
+    """README's one-line tenant client (token, namespace, root_cert) against the daemon its TOML configures."""
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    line = next(b for b in blocks if "root_cert=ca_pem" in b).strip()
+    assert line.endswith(": ...")
+    body = line.replace("host:50051", deployment.address).removesuffix("...") + \
+        "\n        print((await client.describe_namespace()).namespace)"
+    script = tmp_path / "tenant.py"
+    script.write_text("\n".join(["import asyncio", "from engram.client import EngramClient", f"token = {TEAM_A!r}",
+                                 f"ca_pem = open({str(deployment.cert)!r}, 'rb').read()", "",
+                                 "async def main() -> None:", f"    {body}", "", "asyncio.run(main())", ""]))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=NEUTRAL_CWD)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "team-a"
