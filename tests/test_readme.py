@@ -5,7 +5,8 @@
 - Every `engram` command of the bash blocks exists with the flags it uses; every `--set` names a config key.
 - The inspection commands ("Inspecting a running daemon") run against a real daemon holding a session in
   team-a and blocks in team-b, with SESSION and the key prefix 3ae67ee3 replaced by real ones, and exit 0.
-- The client library's Python block runs as a script against a real daemon (its free names filled in).
+- The client library's and the transformers Python blocks run as scripts against a real daemon (their free
+  names filled in: tokens and KV of the shapes the comments give, a tiny random Llama for `model`).
 """
 
 from __future__ import annotations
@@ -131,3 +132,24 @@ def test_client_library_snippet_runs(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr + script
     word, error = out.stdout.split()
     assert word == "ok" and 0 < float(error) < 0.2  # nvfp4, the default codec: close, not equal (README says so)
+
+
+def test_transformers_snippet_runs(tmp_path: Path) -> None:
+    """README's two-line transformers change, as a script, with a tiny random Llama for `model`."""
+    pytest.importorskip("transformers", reason="the transformers integration needs transformers")
+    block = next(b for b in blocks("python") if "EngramPrefixCache(" in b)
+    with engram_daemon(tmp_path) as (address, _):
+        script = "\n".join([
+            "import torch", "import transformers as tf", block.replace("unix:/run/engram.sock", address),
+            "print(out.shape[1], cache.client.stats().tier('dram').blocks > 0)",
+        ]).replace("cache = EngramPrefixCache", "\n".join([
+            "torch.manual_seed(0)",
+            "model = tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=2, vocab_size=256, hidden_size=64, "
+            "intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=None)).eval()",
+            "input_ids = torch.randint(0, 256, (1, 40))",
+            "cache = EngramPrefixCache"]))
+        (tmp_path / "snippet.py").write_text(script)
+        out = subprocess.run([sys.executable, str(tmp_path / "snippet.py")], capture_output=True, text=True,
+                             timeout=300, cwd=NEUTRAL_CWD)
+    assert out.returncode == 0, out.stderr[-3000:] + script
+    assert out.stdout.split() == ["296", "True"]  # 40 prompt tokens + max_new_tokens=256; its KV stored
