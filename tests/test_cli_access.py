@@ -136,7 +136,8 @@ def test_engram_token_in_the_environment_of_a_real_cli(deployment: Deployment) -
 
 
 @pytest.mark.parametrize("args", [["stats", "--bogus"], ["show"], ["nosuch"], ["ls", "-a", "garbage"],
-                                  ["stats", "-a", "host:notaport"], ["top", "-i", "x"]])
+                                  ["stats", "-a", "host:notaport"], ["top", "-i", "x"], ["bench", "trace", "--bogus"],
+                                  ["--bogus"]])
 def test_usage_errors_are_bad_input_not_unreachable(args: list[str]) -> None:
     out = CliRunner().invoke(app, args)
     assert out.exit_code == 4, out.output
