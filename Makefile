@@ -4,13 +4,16 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The CPU wheels (as in the Dockerfile); PyPI's torch is the CUDA build. pip's own find-links and extra indexes
+# (pip.conf) still apply: a host with a local wheel of torch 2.13.0+cpu takes it from there.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: demo test lint proto bench clean
+.PHONY: demo test lint proto config-docs bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0 --index-url $(TORCH_INDEX)
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
@@ -26,6 +29,9 @@ lint: $(STAMP)
 
 proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py
+
+config-docs: $(STAMP)  # docs/CONFIG.md and engram.example.toml, from engram/config.py
+	$(BIN)/python scripts/gen_config_docs.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

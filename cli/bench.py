@@ -8,13 +8,14 @@ import time
 from typing import Annotated
 
 import typer
-from rich.progress import Progress
 from rich.table import Table
 
 from engram.errors import InvalidArgument
-from engram.trace import POLICIES, block_tokens_of, in_time_order, read_trace, replay_all
 
 from .common import EXIT_BAD_INPUT, console, err_console, fail
+
+# engram.trace.POLICIES, named here so that the CLI starts without importing numpy (a test keeps them equal)
+POLICIES = ("engram", "lru", "belady")
 
 bench_app = typer.Typer(help="Benchmarks of the cache policy.", no_args_is_help=True)
 
@@ -36,6 +37,10 @@ def trace(
     json_: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
     """Replay a trace in time order: prefix-contiguous hits and bytes moved, per policy and capacity."""
+    from rich.progress import Progress
+
+    # numpy and the policies: loaded only when run
+    from engram.trace import block_tokens_of, in_time_order, read_trace, replay_all
     try:
         caps = [int(c) for c in capacity.split(",") if c.strip()]
     except ValueError:

@@ -13,7 +13,6 @@ from rich.table import Table
 
 from engram.api import CheckFinding, CheckReport
 from engram.errors import AlreadyRunning
-from engram.tiers.nvme import NvmeTier
 
 from .common import EXIT_BAD_INPUT, console, fail
 
@@ -21,6 +20,8 @@ EXIT_PROBLEMS = 1
 
 
 def offline(directory: str, fix: bool, progress: Callable[[int, int], None] | None = None) -> CheckReport:
+    from engram.tiers.nvme import NvmeTier  # the tier's code only for an offline check
+
     root = Path(directory)
     if not (root / "blocks").is_dir():
         raise fail(f"{directory} is not an Engram NVMe tier directory (no blocks/ inside)", EXIT_BAD_INPUT)

@@ -4,30 +4,39 @@ with a message and exit code instead of a traceback."""
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from engram import errors
-from engram.client import EngramClient
 from engram.config import EngramConfig, load_config
+from engram.control import ControlClient
 
-console = Console(width=None if sys.stdout.isatty() else 140)  # piped: wide enough for the tables
+# Piped: as wide as the tables need, so no column is cut with "…" (grep sees whole keys and paths).
+console = Console(width=None if sys.stdout.isatty() else 4096)
 err_console = Console(stderr=True, soft_wrap=True)  # messages stay on one line for grep
 
-EXIT_UNAVAILABLE = 2
-EXIT_NOT_FOUND = 3
-EXIT_BAD_INPUT = 4
+# Exit codes, the same for every command (README). 1 is a command's own "problems found" (check, demo) and 5
+# verify-isolation's "no positive control".
+EXIT_UNAVAILABLE = 2  # no daemon answers at the address
+EXIT_NOT_FOUND = 3  # a session, block or namespace is unknown
+EXIT_BAD_INPUT = 4  # bad input or configuration, and every usage error (an unknown option): see main.py
+EXIT_DENIED = 6  # the daemon refused the caller's token (none, unknown, or not allowed there)
+EXIT_NO_RESOURCES = 7  # serve: the host has too little memory, /dev/shm or disk for the configuration
+EXIT_IN_USE = 8  # serve: another process holds the address, the unix socket or the NVMe directory
+EXIT_START_FAILED = 9  # serve: a file or directory it needs cannot be used (permissions, a read-only disk)
 
 T = TypeVar("T")
 
 
 def fail(message: str, code: int) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {message}")
+    err_console.print(f"[bold red]error:[/] {escape(message)}")  # messages hold [brackets]: not markup
     return typer.Exit(code)
 
 
@@ -38,27 +47,72 @@ def load(config_path: str | None, overrides: dict[str, Any] | None = None) -> En
         raise fail(str(exc), EXIT_BAD_INPUT) from None
 
 
+@dataclass(frozen=True)
+class Target:
+    """Where a command reaches its daemon and as whom: the address, the bearer token (tenancy on) and the PEM
+    root certificate of a daemon that serves TLS."""
+
+    address: str
+    token: str = ""
+    root_cert: bytes | None = None
+
+
+def check_address(address: str) -> str:
+    """host:port, [v6]:port or unix:/path; anything else is bad input (not "unreachable")."""
+    if address.startswith(("unix:", "unix-abstract:")) and len(address.split(":", 1)[1]) > 0:
+        return address
+    host, sep, port = address.rpartition(":")
+    if sep and host and port.isdigit() and 0 < int(port) < 65536 and not any(c.isspace() for c in host):
+        return address
+    raise fail(f"--address {address!r} is not host:port, [v6addr]:port or unix:/path/to.sock", EXIT_BAD_INPUT)
+
+
 def address_of(config: EngramConfig, address: str | None) -> str:
     if address:
-        return address
+        return check_address(address)
     if config.server.unix_socket:
         return f"unix:{config.server.unix_socket}"
     return f"{config.server.host}:{config.server.port}"
 
 
-def call(address: str, fn: Callable[[EngramClient], Coroutine[Any, Any, T]], timeout_s: float = 10.0) -> T:
-    """Run one client coroutine against the daemon (as ENGRAM_TOKEN, when tenancy is on); map failures to CLI
-    exit codes."""
+def target(config_path: str | None, address: str | None, token: str | None = None, tls_ca: str | None = None
+           ) -> Target:
+    """The daemon a command talks to: --address (else the config's own address), --token (else ENGRAM_TOKEN)
+    and --tls-ca (else ENGRAM_TLS_CA; else, when the address comes from a config that serves TLS, its own
+    certificate, which is its root when self-signed)."""
+    cfg = load(config_path)
+    addr = address_of(cfg, address)
+    ca = tls_ca or (cfg.server.tls_cert if not address and not cfg.server.unix_socket else "") or None
+    root_cert = None
+    if ca:
+        try:
+            root_cert = Path(ca).read_bytes()
+        except OSError as exc:
+            raise fail(f"--tls-ca {ca}: {exc.strerror}; give the PEM certificate that signed the daemon's",
+                       EXIT_BAD_INPUT) from None
+        if b"-----BEGIN CERTIFICATE-----" not in root_cert:
+            raise fail(f"--tls-ca {ca} is not a PEM certificate (no BEGIN CERTIFICATE line)", EXIT_BAD_INPUT)
+    return Target(addr, token or "", root_cert)
+
+
+def call(where: Target, fn: Callable[[ControlClient], Coroutine[Any, Any, T]], timeout_s: float = 10.0) -> T:
+    """Run one client coroutine against the daemon; map failures to CLI exit codes."""
 
     async def run() -> T:
-        async with EngramClient(address, token=os.environ.get("ENGRAM_TOKEN", "")) as client:
+        async with ControlClient(where.address, token=where.token, root_cert=where.root_cert) as client:
             return await asyncio.wait_for(fn(client), timeout_s)
 
     try:
         return asyncio.run(run())
     except (errors.Unavailable, TimeoutError):
-        raise fail(f"no Engram daemon answers at {address}; start one with `engram serve`", EXIT_UNAVAILABLE) from None
+        hint = "" if where.root_cert or where.address.startswith("unix") else " (if it serves TLS, pass --tls-ca)"
+        raise fail(f"no Engram daemon answers at {where.address}{hint}; start one with `engram serve`",
+                   EXIT_UNAVAILABLE) from None
     except errors.NotFound as exc:
         raise fail(str(exc), EXIT_NOT_FOUND) from None
+    except errors.Unauthenticated as exc:
+        raise fail(f"{exc}; give the daemon's token with --token or ENGRAM_TOKEN", EXIT_DENIED) from None
+    except errors.PermissionDenied as exc:
+        raise fail(f"{exc}; use a token allowed there (an admin token for every namespace)", EXIT_DENIED) from None
     except errors.EngramError as exc:
         raise fail(str(exc), EXIT_BAD_INPUT) from None

@@ -11,10 +11,21 @@ from typing import Annotated
 
 import typer
 
-from .common import EXIT_BAD_INPUT, address_of, call, console, fail, load
+from engram import errors
+from engram.api import EvictResult
+from engram.control import ControlClient
+
+from .common import EXIT_BAD_INPUT, call, console, fail, target
 from .format import dumps, to_dict
-from .options import AddressOpt, ConfigOpt, JsonOpt, NamespaceOpt
-from .show import DEFAULT_NAMESPACE
+from .options import AddressOpt, ConfigOpt, JsonOpt, NamespaceOpt, TlsCaOpt, TokenOpt
+from .show import session_namespace
+
+
+async def evict_session(client: ControlClient, session: str, namespace: str | None, force: bool) -> EvictResult:
+    ns = await session_namespace(client, session, namespace)
+    if ns is None:
+        raise errors.NotFound(f"no session {session!r} in any namespace you may see; `engram ls` lists sessions")
+    return await client.evict(session_id=session, force=force, namespace=ns)
 
 
 def evict(keys: Annotated[list[str] | None, typer.Argument(help="Block keys or unique hex key prefixes.")] = None,
@@ -22,19 +33,19 @@ def evict(keys: Annotated[list[str] | None, typer.Argument(help="Block keys or u
           whole_namespace: Annotated[bool, typer.Option("--whole-namespace", help="Evict every block of --namespace.")] = False,
           force: Annotated[bool, typer.Option("--force", help="Evict pinned blocks too.")] = False,
           config: ConfigOpt = None, address: AddressOpt = None, namespace: NamespaceOpt = None,
-          json_: JsonOpt = False) -> None:
+          json_: JsonOpt = False, token: TokenOpt = None, tls_ca: TlsCaOpt = None) -> None:
     """Evict blocks (and their descendants) by key, by session, or a whole namespace."""
     if sum((bool(keys), session is not None, whole_namespace)) != 1:
         raise fail("name what to evict: block keys, --session ID, or --whole-namespace --namespace NS (one of them)",
                    EXIT_BAD_INPUT)
     if whole_namespace and namespace is None:
         raise fail("--whole-namespace needs --namespace NS", EXIT_BAD_INPUT)
-    addr = address_of(load(config), address)
+    addr = target(config, address, token, tls_ca)
     if keys:
         resp = call(addr, lambda c: c.evict(key_prefixes=keys, force=force, namespace=namespace or "",
                                             all_namespaces=namespace is None))
     elif session is not None:
-        resp = call(addr, lambda c: c.evict(session_id=session, force=force, namespace=namespace or DEFAULT_NAMESPACE))
+        resp = call(addr, lambda c: evict_session(c, session, namespace, force))
     else:
         resp = call(addr, lambda c: c.evict(whole_namespace=True, force=force, namespace=namespace))
     if json_:

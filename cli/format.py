@@ -7,12 +7,15 @@ import enum
 import json
 from typing import Any
 
+HEX_INTS = frozenset({"checksum"})  # u64 hashes: past 2**53, which JSON readers (jq, JavaScript) round
+
 
 def to_dict(obj: Any) -> Any:
-    """Every field (defaults included), bytes as hex (block keys, fingerprints), enums by value, nested
-    replies as objects, sequences as lists, integers as numbers."""
+    """Every field (defaults included), bytes as hex (block keys, fingerprints), checksums as 16 hex digits,
+    enums by value, nested replies as objects, sequences as lists, integers as numbers (docs/JSON.md)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {f.name: f"{getattr(obj, f.name):016x}" if f.name in HEX_INTS else to_dict(getattr(obj, f.name))
+                for f in dataclasses.fields(obj)}
     if isinstance(obj, bytes):
         return obj.hex()
     if isinstance(obj, enum.Enum):

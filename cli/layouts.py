@@ -6,8 +6,6 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from engram.presets import CODECS, table
-
 from .common import console
 from .format import dumps
 from .options import JsonOpt
@@ -25,6 +23,8 @@ def _streams(row: dict) -> str:  # type: ignore[type-arg]
 def layouts(json_: JsonOpt = False) -> None:
     """Named KV layouts (llama-3-8b .. deepseek-v3.2, csa2) and their bytes per token per codec: persisted with
     SWA replayed / with every layer persisted."""
+    from engram.presets import CODECS, table  # the layouts and codecs: loaded only when this command runs
+
     rows = table()
     if json_:
         typer.echo(dumps(rows))

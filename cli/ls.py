@@ -10,11 +10,11 @@ from rich.console import Group
 from rich.table import Table
 
 from engram.api import NamespaceSummary, SessionSummary
-from engram.client import EngramClient
+from engram.control import ControlClient
 
-from .common import address_of, call, console, load
+from .common import call, console, target
 from .format import age, dumps, to_dict
-from .options import AddressOpt, ConfigOpt, JsonOpt, NamespaceOpt
+from .options import AddressOpt, ConfigOpt, JsonOpt, NamespaceOpt, TlsCaOpt, TokenOpt
 from .stats import human_bytes
 
 
@@ -24,7 +24,7 @@ class Listing:
     sessions: tuple[SessionSummary, ...]
 
 
-async def fetch(client: EngramClient, namespace: str | None) -> Listing:
+async def fetch(client: ControlClient, namespace: str | None) -> Listing:
     if namespace is not None:
         return Listing(None, await client.list_sessions(namespace=namespace))
     return Listing(await client.list_namespaces(), await client.list_sessions(all_namespaces=True))
@@ -63,9 +63,9 @@ def as_json(listing: Listing) -> str:
 
 
 def ls(config: ConfigOpt = None, address: AddressOpt = None, namespace: NamespaceOpt = None,
-       json_: JsonOpt = False) -> None:
+       json_: JsonOpt = False, token: TokenOpt = None, tls_ca: TlsCaOpt = None) -> None:
     """Namespaces and sessions of a running daemon."""
-    listing = call(address_of(load(config), address), lambda c: fetch(c, namespace))
+    listing = call(target(config, address, token, tls_ca), lambda c: fetch(c, namespace))
     if json_:
         typer.echo(as_json(listing))
     else:

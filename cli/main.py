@@ -4,33 +4,81 @@ commands (ls, show, evict, pin, unpin, top)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Annotated, Any
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from typer._click.core import Context  # typer (0.29) vendors click: its usage errors are these classes
+from typer._click.exceptions import UsageError
+from typer.core import TyperGroup
 
+from engram import __version__
 from engram.config import config_keys
-from engram.errors import AlreadyRunning
-from engram.logs import setup_logging
-from engram.server import serve as serve_daemon
+from engram.errors import AddressInUse, AlreadyRunning, ConfigError, InsufficientResources
 
 from .bench import bench_app
 from .check import offline as check_offline
 from .check import show as show_check
-from .common import EXIT_BAD_INPUT, address_of, call, console, err_console, fail, load
-from .demo import demo as run_demo
+from .common import (
+    EXIT_BAD_INPUT,
+    EXIT_IN_USE,
+    EXIT_NO_RESOURCES,
+    EXIT_NOT_FOUND,
+    EXIT_START_FAILED,
+    call,
+    console,
+    err_console,
+    fail,
+    load,
+    target,
+)
 from .evict import evict
+from .format import dumps
 from .layouts import layouts
 from .ls import ls
-from .options import AddressOpt, ConfigOpt, JsonOpt
+from .options import AddressOpt, ConfigOpt, JsonOpt, NamespaceOpt, TlsCaOpt, TokenOpt
 from .pin import pin, unpin
 from .show import show
 from .stats import stats_json, stats_renderable
 from .top import top
 from .verify_isolation import verify_isolation
 
-app = typer.Typer(name="engram", help="Engram: a tiered KV-cache daemon for LLM inference.",
-                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+
+class _Group(TyperGroup):
+    """Usage errors (an unknown option, a missing argument, a bad value) exit EXIT_BAD_INPUT, not click's 2,
+    which is the CLI's code for "no daemon answers"."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> Context:
+        try:
+            return super().make_context(*args, **kwargs)
+        except UsageError as exc:
+            exc.exit_code = EXIT_BAD_INPUT  # type: ignore[misc]  # this instance's code, not the class's
+            raise
+
+    def invoke(self, ctx: Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except UsageError as exc:
+            exc.exit_code = EXIT_BAD_INPUT  # type: ignore[misc]
+            raise
+
+
+app = typer.Typer(name="engram", help="Engram: a tiered KV-cache daemon for LLM inference.", cls=_Group,
+                  no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]})
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"engram {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool | None, typer.Option(
+        "--version", "-V", callback=_print_version, is_eager=True, help="Print the version and exit.")] = None
+          ) -> None:
+    """Engram: a tiered KV-cache daemon for LLM inference."""
 
 app.add_typer(bench_app, name="bench")
 
@@ -61,21 +109,48 @@ def serve(
                        ("tiers.dram.capacity", dram_capacity), ("logging.level", log_level)):
         if value is not None:
             overrides[key] = value
+    from engram.logs import setup_logging  # the daemon (and torch) only for serve: inspection starts fast
+    from engram.server import serve as serve_daemon
+
     cfg = load(config, overrides)
     setup_logging(cfg.logging)
+    # One line and a code per class of start-up failure (README, "Running the daemon"); whatever was built
+    # before the failure (the DRAM segment, locks) is released by start_server on the way out.
     try:
         asyncio.run(serve_daemon(cfg))
-    except OSError as exc:
-        raise fail(f"cannot listen: {exc}", EXIT_BAD_INPUT) from None
-    except AlreadyRunning as exc:  # another daemon holds the socket path or the NVMe directory
+    except InsufficientResources as exc:  # memory, /dev/shm or disk smaller than the config asks
+        raise fail(str(exc), EXIT_NO_RESOURCES) from None
+    except ConfigError as exc:
         raise fail(str(exc), EXIT_BAD_INPUT) from None
+    except (AddressInUse, AlreadyRunning) as exc:  # a port, socket path or NVMe directory another process holds
+        raise fail(str(exc), EXIT_IN_USE) from None
+    except OSError as exc:  # a file or directory the daemon needs: permissions, a read-only disk
+        raise fail(f"cannot start: {exc}", EXIT_START_FAILED) from None
 
 
 @app.command()
-def stats(config: ConfigOpt = None, address: AddressOpt = None, json_: JsonOpt = False) -> None:
-    """Tier occupancy, models and hit counters of a running daemon."""
-    addr = address_of(load(config), address)
-    resp = call(addr, lambda c: c.stats())
+def ping(config: ConfigOpt = None, address: AddressOpt = None, json_: JsonOpt = False, token: TokenOpt = None,
+         tls_ca: TlsCaOpt = None) -> None:
+    """Whether a daemon answers (the standard health check: no token needed) and its round trip; exit 2 if not."""
+    where = target(config, address, token, tls_ca)
+    seconds = call(where, lambda c: c.ping())
+    if json_:
+        typer.echo(dumps({"address": where.address, "serving": True, "round_trip_ms": seconds * 1e3}))
+    else:
+        console.print(f"engram daemon at {where.address}: serving ({seconds * 1e3:.1f} ms round trip)")
+
+
+@app.command()
+def stats(config: ConfigOpt = None, address: AddressOpt = None, namespace: NamespaceOpt = None,
+          json_: JsonOpt = False, token: TokenOpt = None, tls_ca: TlsCaOpt = None) -> None:
+    """Tier occupancy, models, namespaces and hit counters of a running daemon (-n: one namespace's line)."""
+    resp = call(target(config, address, token, tls_ca), lambda c: c.stats())
+    if namespace is not None:
+        mine = tuple(n for n in resp.namespaces if n.namespace == namespace)
+        if not mine:
+            raise fail(f"namespace {namespace!r} holds nothing this caller may see; `engram ls` lists namespaces",
+                       EXIT_NOT_FOUND)
+        resp = dataclasses.replace(resp, namespaces=mine)
     if json_:
         typer.echo(stats_json(resp))
     else:
@@ -89,41 +164,49 @@ def check(
     fix: Annotated[bool, typer.Option("--fix", help="Remove broken copies and files.")] = False,
     directory: Annotated[str | None, typer.Option("--dir", help="Check an NVMe tier directory offline.")] = None,
     json_: JsonOpt = False,
+    token: TokenOpt = None,
+    tls_ca: TlsCaOpt = None,
 ) -> None:
-    """Verify every stored copy; exit 1 if any problem was found."""
+    """Verify every stored copy (the whole daemon: an admin call); exit 1 if any problem was found."""
     # On stderr (a terminal only: piped output stays clean for --json): a bar with counts over the files of
     # a directory checked here; a spinner while a daemon checks (one Check RPC, no progress to report).
     if directory:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
         with Progress(TextColumn("checking block files"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err_console, transient=True) as bar:
             task = bar.add_task("check", total=None)
             resp = check_offline(directory, fix, lambda done, total: bar.update(task, completed=done, total=total))
     else:
         with err_console.status("checking every stored copy (payload checksums, block files)..."):
-            addr = address_of(load(config), address)
-            resp = call(addr, lambda c: c.check(fix=fix), timeout_s=600)
+            resp = call(target(config, address, token, tls_ca), lambda c: c.check(fix=fix), timeout_s=600)
     show_check(resp, json_)
 
 
 @app.command()
 def demo() -> None:
     """Start an embedded daemon and run two agent sessions that share a long prefix."""
+    from .demo import demo as run_demo
     reports = run_demo(console)
     if not all(r.verified for r in reports) or reports[-1].cached_tokens == 0:
         raise fail("the demo's second session did not get the shared prefix back intact", 1)
 
 
 @app.command("config")
-def show_config(config: ConfigOpt = None, keys: Annotated[bool, typer.Option(help="List every key.")] = False) -> None:
-    """Print the effective configuration (defaults < file < ENGRAM_* environment)."""
-    import dataclasses
+def show_config(config: ConfigOpt = None, keys: Annotated[bool, typer.Option(help="List every key.")] = False,
+                json_: JsonOpt = False) -> None:
+    """Print the effective configuration (defaults < file < ENGRAM_* environment) as TOML that --config loads
+    back (--json: as JSON)."""
     import json
+
+    from engram.config import as_dict, to_toml
 
     if keys:
         for key in config_keys():
             typer.echo(key)
         return
-    typer.echo(json.dumps(dataclasses.asdict(load(config)), indent=2))
+    cfg = load(config)
+    typer.echo(json.dumps(as_dict(cfg), indent=2) if json_ else to_toml(cfg), nl=json_)
 
 
 for _command in (ls, show, evict, pin, unpin, top, layouts):  # one module each

@@ -8,21 +8,25 @@ from typing import Annotated
 
 import typer
 
-from engram.client import EngramClient
+from engram import errors
+from engram.control import ControlClient
 
-from .common import EXIT_BAD_INPUT, address_of, call, console, fail, load
+from .common import EXIT_BAD_INPUT, Target, call, console, fail, target
 from .format import dumps
-from .options import AddressOpt, ConfigOpt, JsonOpt, NamespaceOpt
-from .show import DEFAULT_NAMESPACE
+from .options import AddressOpt, ConfigOpt, JsonOpt, NamespaceOpt, TlsCaOpt, TokenOpt
+from .show import session_namespace
 
 KeysArg = Annotated[list[str] | None, typer.Argument(help="Block keys or unique hex key prefixes.")]
 SessionOpt = Annotated[str | None, typer.Option("--session", "-s", help="Every block of this session's chain.")]
 
 
-async def _pin(client: EngramClient, keys: list[str], session: str | None, namespace: str | None, unpin: bool
+async def _pin(client: ControlClient, keys: list[str], session: str | None, namespace: str | None, unpin: bool
                ) -> tuple[int, list[bytes]]:
     if session is not None:
-        resp = await client.describe_blocks(session_id=session, namespace=namespace or DEFAULT_NAMESPACE)
+        ns = await session_namespace(client, session, namespace)
+        if ns is None:
+            raise errors.NotFound(f"no session {session!r} in any namespace you may see; `engram ls` lists sessions")
+        resp = await client.describe_blocks(session_id=session, namespace=ns)
     else:
         resp = await client.describe_blocks(key_prefixes=keys, namespace=namespace or "", all_namespaces=namespace is None)
     groups: dict[tuple[str, bytes], list[bytes]] = defaultdict(list)
@@ -34,11 +38,11 @@ async def _pin(client: EngramClient, keys: list[str], session: str | None, names
     return changed, [b.key for b in resp.blocks]
 
 
-def _run(keys: list[str] | None, session: str | None, config: str | None, address: str | None,
-         namespace: str | None, json_: bool, unpin: bool) -> None:
+def _run(keys: list[str] | None, session: str | None, where: Target, namespace: str | None, json_: bool,
+         unpin: bool) -> None:
     if bool(keys) == (session is not None):
         raise fail("name block keys or --session ID (one of them)", EXIT_BAD_INPUT)
-    changed, named = call(address_of(load(config), address), lambda c: _pin(c, keys or [], session, namespace, unpin))
+    changed, named = call(where, lambda c: _pin(c, keys or [], session, namespace, unpin))
     verb = "unpinned" if unpin else "pinned"
     if json_:
         typer.echo(dumps({"changed": changed, "keys": [k.hex() for k in named]}))
@@ -48,12 +52,14 @@ def _run(keys: list[str] | None, session: str | None, config: str | None, addres
 
 
 def pin(keys: KeysArg = None, session: SessionOpt = None, config: ConfigOpt = None, address: AddressOpt = None,
-        namespace: NamespaceOpt = None, json_: JsonOpt = False) -> None:
+        namespace: NamespaceOpt = None, json_: JsonOpt = False, token: TokenOpt = None, tls_ca: TlsCaOpt = None
+        ) -> None:
     """Pin blocks so that they are never evicted."""
-    _run(keys, session, config, address, namespace, json_, unpin=False)
+    _run(keys, session, target(config, address, token, tls_ca), namespace, json_, unpin=False)
 
 
 def unpin(keys: KeysArg = None, session: SessionOpt = None, config: ConfigOpt = None, address: AddressOpt = None,
-          namespace: NamespaceOpt = None, json_: JsonOpt = False) -> None:
+          namespace: NamespaceOpt = None, json_: JsonOpt = False, token: TokenOpt = None, tls_ca: TlsCaOpt = None
+        ) -> None:
     """Remove one pin from each block."""
-    _run(keys, session, config, address, namespace, json_, unpin=True)
+    _run(keys, session, target(config, address, token, tls_ca), namespace, json_, unpin=True)

@@ -11,31 +11,62 @@ from rich.console import Group
 from rich.table import Table
 
 from engram import errors
-from engram.api import BlockDescription
-from engram.client import EngramClient
+from engram.api import BlockDescription, SessionSummary
+from engram.control import ControlClient
 
-from .common import address_of, call, console, load
+from .common import call, console, target
 from .format import age, dumps, to_dict
-from .options import AddressOpt, ConfigOpt, JsonOpt, NamespaceOpt
+from .options import AddressOpt, ConfigOpt, JsonOpt, NamespaceOpt, TlsCaOpt, TokenOpt
 from .stats import human_bytes
 
 KEY_DIGITS = 16  # of 32: a unique prefix that every command accepts; --json prints whole keys
-DEFAULT_NAMESPACE = "default"  # the client library's default, where sessions live unless named
 
 
-async def describe(client: EngramClient, target: str, namespace: str | None) -> BlockDescription:
-    """A session of that id first; else a block key (prefix), searched in every namespace unless one is named."""
+async def visible_sessions(client: ControlClient) -> tuple[SessionSummary, ...]:
+    """Every session the caller may see: all namespaces for an admin (or with tenancy off), the token's own
+    namespace for a tenant."""
     try:
-        return await client.describe_blocks(session_id=target, namespace=namespace or DEFAULT_NAMESPACE)
-    except errors.NotFound:
-        if not target or any(c not in string.hexdigits for c in target):
-            raise errors.NotFound(f"no session {target!r} in namespace {namespace or DEFAULT_NAMESPACE!r}, and it is "
-                                  "not a hex block key; `engram ls` lists sessions") from None
+        return await client.list_sessions(all_namespaces=True)
+    except errors.PermissionDenied:
+        return await client.list_sessions(namespace="")
+
+
+async def session_namespace(client: ControlClient, session_id: str, namespace: str | None) -> str | None:
+    """The namespace holding `session_id`: the one named, else the only one that has such a session (None when
+    none has; InvalidArgument when several have, since -n must choose)."""
+    if namespace is not None:
+        return namespace
+    found = sorted({s.info.namespace for s in await visible_sessions(client) if s.info.session_id == session_id})
+    if len(found) > 1:
+        raise errors.InvalidArgument(f"session {session_id!r} exists in namespaces {', '.join(found)}; "
+                                     "name one with --namespace")
+    return found[0] if found else None
+
+
+async def describe(client: ControlClient, name: str, namespace: str | None) -> BlockDescription:
+    """A session of that id first (in the namespace named, else in the one namespace that has it); else a block
+    key (prefix), searched in every namespace the caller may see unless one is named."""
+    ns = await session_namespace(client, name, namespace)
+    if ns is not None:
+        try:
+            return await client.describe_blocks(session_id=name, namespace=ns)
+        except errors.NotFound:
+            if namespace is None:
+                raise
+    if not name or any(c not in string.hexdigits for c in name):
+        where = f"in namespace {namespace!r}" if namespace is not None else "in any namespace you may see"
+        raise errors.NotFound(f"no session {name!r} {where}, and it is not a hex block key; `engram ls` lists "
+                              "sessions") from None
     try:
-        return await client.describe_blocks(key_prefixes=[target], namespace=namespace or "",
-                                            all_namespaces=namespace is None)
+        try:
+            return await client.describe_blocks(key_prefixes=[name], namespace=namespace or "",
+                                                all_namespaces=namespace is None)
+        except errors.PermissionDenied:
+            if namespace is not None:
+                raise
+            return await client.describe_blocks(key_prefixes=[name], namespace="")  # a tenant: its namespace
     except errors.NotFound:
-        raise errors.NotFound(f"no session and no block named {target!r}"
+        raise errors.NotFound(f"no session and no block named {name!r}"
                               + (f" in namespace {namespace!r}" if namespace else "")
                               + "; `engram ls` lists sessions") from None
 
@@ -66,11 +97,12 @@ def renderable(resp: BlockDescription) -> Group:
     return Group(head, blocks_table(resp))
 
 
-def show(target: Annotated[str, typer.Argument(help="A session id, or a block key / unique key prefix (hex).")],
+def show(name: Annotated[str, typer.Argument(metavar="SESSION|BLOCK",
+                                             help="A session id, or a block key / unique key prefix (hex).")],
          config: ConfigOpt = None, address: AddressOpt = None, namespace: NamespaceOpt = None,
-         json_: JsonOpt = False) -> None:
+         json_: JsonOpt = False, token: TokenOpt = None, tls_ca: TlsCaOpt = None) -> None:
     """A session's block chain, or one block: where it lives, codec, checksum, refcount."""
-    resp = call(address_of(load(config), address), lambda c: describe(c, target, namespace))
+    resp = call(target(config, address, token, tls_ca), lambda c: describe(c, name, namespace))
     if json_:
         typer.echo(dumps(to_dict(resp)))
     else:

@@ -84,4 +84,22 @@ def stats_renderable(resp: Stats) -> Group:
         ("version", resp.version),
     ):
         counters.add_row(name, value)
-    return Group(tiers, models, replay, counters)
+    parts = [tiers, models, replay, counters]
+    c = resp.cluster
+    if c.state != "off":  # a daemon with a cluster tier: its node, peers and what crossed between them
+        cluster = Table(title="cluster", title_justify="left", show_header=False)
+        cluster.add_column("name")
+        cluster.add_column("value", justify="right")
+        for name, value in (
+            ("state", c.state + (f" ({c.reason})" if c.reason else "")),
+            ("node", c.node_id),
+            ("live nodes", str(c.live_nodes)),
+            ("blocks fetched from peers", f"{c.remote_hits} ({human_bytes(c.remote_bytes)})"),
+            ("peer fetches failed", str(c.remote_failures)),
+            ("blocks published", str(c.published)),
+            ("rejoins", str(max(0, c.reconnects - 1))),
+            ("untrusted records ignored", str(c.untrusted_records)),
+        ):
+            cluster.add_row(name, value)
+        parts.append(cluster)
+    return Group(*parts)

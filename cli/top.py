@@ -15,11 +15,12 @@ from rich.live import Live
 from rich.table import Table
 
 from engram.api import SessionSummary, Stats
-from engram.client import EngramClient
+from engram.control import ControlClient
 
-from .common import address_of, call, console, load
+from .common import call, console, target
+from .format import dumps, to_dict
 from .ls import sessions_table
-from .options import AddressOpt, ConfigOpt, NamespaceOpt
+from .options import AddressOpt, ConfigOpt, NamespaceOpt, TlsCaOpt, TokenOpt
 from .stats import human_bytes
 
 
@@ -30,7 +31,7 @@ class Snapshot:
     sessions: tuple[SessionSummary, ...]
 
 
-async def snapshot(client: EngramClient, namespace: str | None) -> Snapshot:
+async def snapshot(client: ControlClient, namespace: str | None) -> Snapshot:
     stats = await client.stats()
     if namespace is None:
         sessions = await client.list_sessions(all_namespaces=True)
@@ -71,11 +72,36 @@ def frame(prev: Snapshot, cur: Snapshot, address: str) -> Group:
     return Group(tiers, rates, sessions_table(cur.sessions))
 
 
-async def watch(client: EngramClient, out: Console, address: str, namespace: str | None, interval: float,
-                once: bool) -> None:
+def frame_dict(prev: Snapshot, cur: Snapshot, address: str) -> dict[str, object]:
+    """One frame for scripts: per-second rates over the interval (floats), the current stats and sessions."""
+    dt = max(cur.at - prev.at, 1e-9)
+    a, b = prev.stats, cur.stats
+    before = {t.name: t for t in a.tiers}
+
+    def rate(now: float, then: float) -> float:
+        return (now - then) / dt
+
+    tiers = {t.name: {"hits": rate(t.hits, before.get(t.name, t).hits),
+                      "misses": rate(t.misses, before.get(t.name, t).misses),
+                      "evictions": rate(t.evictions, before.get(t.name, t).evictions),
+                      "demoted_bytes": rate(t.demoted_bytes, before.get(t.name, t).demoted_bytes),
+                      "promoted_bytes": rate(t.promoted_bytes, before.get(t.name, t).promoted_bytes)}
+             for t in b.tiers}
+    return {"address": address, "interval_s": dt, "stats": to_dict(b), "sessions": to_dict(cur.sessions),
+            "rates_per_s": {"lookups": rate(b.lookups, a.lookups), "blocks_put": rate(b.blocks_put, a.blocks_put),
+                            "blocks_served": rate(b.blocks_served, a.blocks_served),
+                            "bytes_served": rate(b.bytes_served, a.bytes_served),
+                            "replays": rate(b.replay.replays, a.replay.replays), "tiers": tiers}}
+
+
+async def watch(client: ControlClient, out: Console, address: str, namespace: str | None, interval: float,
+                once: bool, as_json: bool = False) -> None:
     prev = await snapshot(client, namespace)
     await asyncio.sleep(interval)
     cur = await snapshot(client, namespace)
+    if as_json:
+        typer.echo(dumps(frame_dict(prev, cur, address)))
+        return
     if once:
         out.print(frame(prev, cur, address))
         return
@@ -89,9 +115,13 @@ async def watch(client: EngramClient, out: Console, address: str, namespace: str
 
 def top(config: ConfigOpt = None, address: AddressOpt = None, namespace: NamespaceOpt = None,
         interval: Annotated[float, typer.Option("--interval", "-i", min=0.05, help="Seconds between refreshes.")] = 1.0,
-        once: Annotated[bool, typer.Option("--once", help="Print one frame and exit.")] = False) -> None:
+        once: Annotated[bool, typer.Option("--once", help="Print one frame and exit.")] = False,
+        json_: Annotated[bool, typer.Option("--json", help="Print one frame as JSON (rates per second) and exit.")
+                         ] = False,
+        token: TokenOpt = None, tls_ca: TlsCaOpt = None) -> None:
     """A live view of tiers, rates per second and sessions; Ctrl-C quits."""
-    addr = address_of(load(config), address)
+    where = target(config, address, token, tls_ca)
+    once = once or json_
     limit = interval * 4 + 10 if once else 10.0**9
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a live view ends
-        call(addr, lambda c: watch(c, console, addr, namespace, interval, once), timeout_s=limit)
+        call(where, lambda c: watch(c, console, where.address, namespace, interval, once, json_), timeout_s=limit)

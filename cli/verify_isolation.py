@@ -17,21 +17,22 @@ import asyncio
 import json
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
 from engram import errors
-from engram.isolation import ISOLATED, LEAK, NO_CONTROL, Report
-from engram.isolation_rig import run_builtin, run_live
+
+if TYPE_CHECKING:
+    from engram.isolation import Report
 
 from .common import EXIT_BAD_INPUT, EXIT_UNAVAILABLE, console, err_console, fail
 from .options import AddressOpt, JsonOpt
 
 EXIT_LEAK = 1
 EXIT_INCONCLUSIVE = 5
-_STYLE = {ISOLATED: "green", LEAK: "bold red", NO_CONTROL: "yellow"}
+_STYLE = {"isolated": "green", "leak": "bold red", "no control": "yellow"}  # engram.isolation's statuses
 
 
 def verify_isolation(
@@ -41,13 +42,16 @@ def verify_isolation(
         help="The prober's token, another tenant (live run; or ENGRAM_OTHER_TOKEN).")] = None,
     namespace: Annotated[str, typer.Option(help="The owner's namespace (live run; default: its token's first).")] = "",
     other_namespace: Annotated[str, typer.Option(help="The prober's namespace (live run).")] = "",
-    root_cert: Annotated[str | None, typer.Option(help="PEM root certificate of a daemon serving TLS.")] = None,
+    root_cert: Annotated[str | None, typer.Option(
+        "--tls-ca", "--root-cert", envvar="ENGRAM_TLS_CA", help="PEM root certificate of a daemon serving TLS.")
+    ] = None,
     samples: Annotated[int, typer.Option(help="Timed lookups per class (held, absent), per namespace.")] = 300,
     no_redis: Annotated[bool, typer.Option("--no-redis", help="Built-in run without Redis and a second daemon.")]
     = False,
     json_: JsonOpt = False,
 ) -> None:
     """Check that one namespace's blocks are out of another's reach on every tier and path; exit 1 on a leak."""
+    from engram.isolation_rig import run_builtin, run_live  # the daemon and torch: not for `engram -h`
     if samples < 20:
         raise fail("--samples must be at least 20 (the timing comparison needs them)", EXIT_BAD_INPUT)
     say = (lambda _: None) if json_ else (lambda what: err_console.print(f"[dim]checking {what}...[/]"))

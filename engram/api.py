@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # ResumeResult.window only; the CLI reads these replies without loading torch
+    import torch
 
 
 class SessionMode(enum.StrEnum):

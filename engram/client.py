@@ -28,25 +28,19 @@ import torch
 
 from engram import errors
 from engram.api import (
-    BlockDescription,
     BlockRef,
-    CheckReport,
-    EvictResult,
     LoadResult,
     LookupResult,
-    NamespaceStats,
-    NamespaceSummary,
     PutReply,
     PutResult,
     ResumeResult,
     SessionInfo,
     SessionMode,
-    SessionSummary,
-    Stats,
 )
 from engram.block import checksum
 from engram.codec import stored
 from engram.codec.streamformat import raw_streams
+from engram.control import ControlClient
 from engram.destinations import ContiguousKV, KVDestination, StreamsKV
 from engram.layout import DType, ModelSpec, StreamSpec
 from engram.loader import BlockSource, MappedSegment, PrefixLoader
@@ -56,9 +50,7 @@ from engram.wire import convert
 from engram.wire.channel import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
-    open_channel,
     same_host,
-    stub_for,
 )
 from engram.wire.status import error_from_rpc
 from engram.wire.stream import Reassembler, client_reassembler, pieces
@@ -103,7 +95,9 @@ def _check_streams(spec: ModelSpec, kv: torch.Tensor | Mapping[str, torch.Tensor
                                          f"(layers, tokens // {s.compress}, *shape) = {want} {s.dtype.torch_dtype}")
 
 
-class EngramClient:
+class EngramClient(ControlClient):
+    """The worker's client: the control calls of ControlClient (stats, listings, pin, ...) and the data path."""
+
     def __init__(
         self,
         address: str,
@@ -121,11 +115,9 @@ class EngramClient:
         them in place); None: whenever the daemon is on this host; False: bytes over the socket only."""
         if chunk_bytes + 4096 > max_message_bytes:
             raise ValueError("chunk_bytes must leave room for headers under max_message_bytes")
-        self.address = address
-        self.namespace = namespace
+        super().__init__(address, namespace=namespace, token=token, root_cert=root_cert,
+                         max_message_bytes=max_message_bytes)
         self.chunk_bytes = chunk_bytes
-        self._channel = open_channel(address, root_cert=root_cert, max_message_bytes=max_message_bytes)
-        self._stub = stub_for(self._channel, token)
         self._layouts: dict[bytes, ModelSpec] = {}
         self._segments: dict[str, SegmentReader] = {}  # shared DRAM segments mapped for zero-copy Gets
         self._zero_copy_ok = zero_copy is not False and same_host(address)
@@ -140,13 +132,8 @@ class EngramClient:
         self._flush: asyncio.TimerHandle | None = None
         self._mapped: dict[str, MappedSegment] = {}  # pools mapped (and registered with CUDA) for the hit path
 
-    async def __aenter__(self) -> EngramClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
     async def close(self) -> None:
+        """End held leases, unmap the daemon's pools and close the channel (the context manager does it)."""
         if self._flush is not None:
             self._flush.cancel()
         self._flush_held()
@@ -164,13 +151,7 @@ class EngramClient:
             seg.close()
         self._mapped.clear()
         self._ipc_pools.clear()
-        await self._channel.close()
-
-    async def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        try:
-            return await coro
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from exc
+        await super().close()
 
     # ---- models --------------------------------------------------------------------------------
 
@@ -182,6 +163,7 @@ class EngramClient:
         return resp.model_fingerprint
 
     def codec_of(self, fingerprint: bytes) -> str:
+        """The codec the daemon stores this model's blocks in (register_model through this client first)."""
         return self._spec(fingerprint).codec
 
     def _spec(self, fingerprint: bytes) -> ModelSpec:
@@ -194,6 +176,7 @@ class EngramClient:
 
     async def lookup(self, fingerprint: bytes, tokens: Sequence[int] | np.ndarray, *, namespace: str | None = None
                      ) -> LookupResult:
+        """How many leading tokens are cached, and the blocks holding them (no KV moves)."""
         req = pb.LookupRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint,
                                tokens=convert.tokens_to_pb(tokens))
         return convert.from_pb(LookupResult, await self._call(self._stub.Lookup(req)))
@@ -714,11 +697,6 @@ class EngramClient:
             self._ipc_pools[c.handle] = pool
         return pool
 
-    async def pin(self, fingerprint: bytes, keys: Sequence[bytes], *, unpin: bool = False,
-                  namespace: str | None = None) -> int:
-        req = pb.PinRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint, keys=list(keys), unpin=unpin)
-        return (await self._call(self._stub.Pin(req))).changed
-
     # ---- sessions ----------------------------------------------------------------------------------
 
     def _ref(self, session_id: str, namespace: str | None) -> pb.SessionRef:
@@ -730,6 +708,8 @@ class EngramClient:
     async def open_session(self, fingerprint: bytes, *, mode: str | SessionMode = SessionMode.EXACT,
                            approx_k: float = 0.0, session_id: str = "", tokens: Sequence[int] | np.ndarray = (),
                            namespace: str | None = None) -> SessionInfo:
+        """Open a session (docs/REPLAY.md): mode exact (the daemon replays the sliding-window KV bit-exactly),
+        approx (replays approx_k windows) or persist (the worker uploads windows); tokens it already has."""
         req = pb.OpenSessionRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint,
                                     session_id=session_id, mode=convert.scalar_to_pb(SessionMode.parse(mode)),
                                     approx_k=approx_k, tokens=convert.tokens_to_pb(tokens))
@@ -751,16 +731,21 @@ class EngramClient:
 
     async def fork_session(self, parent_id: str, *, session_id: str = "", position: int = 0,
                            namespace: str | None = None) -> SessionInfo:
+        """A new session sharing the parent's first `position` tokens (0: all of them) and their blocks."""
         req = pb.ForkSessionRequest(parent=self._ref(parent_id, namespace), session_id=session_id, position=position)
         return await self._session_call(self._stub.ForkSession(req))
 
     async def suspend_session(self, session_id: str, *, namespace: str | None = None) -> SessionInfo:
+        """The session goes cold: a rebuilt window is dropped; a persisted one stays."""
         return await self._session_call(self._stub.SuspendSession(self._ref(session_id, namespace)))
 
     async def close_session(self, session_id: str, *, namespace: str | None = None) -> SessionInfo:
+        """End the session: its window goes and its blocks lose the session's reference."""
         return await self._session_call(self._stub.CloseSession(self._ref(session_id, namespace)))
 
     async def resume(self, session_id: str, *, position: int = 0, namespace: str | None = None) -> ResumeResult:
+        """The session's state at `position` (0: its end): the global KV blocks to fetch, and the sliding-window
+        KV, replayed by the daemon, held hot, or persisted. resume_kv fetches the blocks too."""
         req = pb.ResumeRequest(session=self._ref(session_id, namespace), position=position)
         header: pb.ResumeHeader | None = None
         parts: list[bytes] = []
@@ -794,11 +779,6 @@ class EngramClient:
         blocks = await self.get(fingerprint, [b.key for b in r.blocks], namespace=namespace, device=device)
         return r, torch.cat(blocks, dim=2)[:, :, : r.position]
 
-    async def describe_namespace(self, namespace: str | None = None) -> NamespaceStats:
-        """The namespace's key salt, quota, and physical against logical bytes."""
-        req = pb.DescribeNamespaceRequest(namespace=self._ns(namespace))
-        return convert.from_pb(NamespaceStats, await self._call(self._stub.DescribeNamespace(req)))
-
     async def _keying(self, namespace: str) -> tuple[str, bytes]:
         """What the daemon computes this namespace's keys with: the namespace it resolves the name to (a
         token's first when empty) and its salt."""
@@ -806,41 +786,6 @@ class EngramClient:
             info = await self.describe_namespace(namespace)
             self._salts[namespace] = (info.namespace, info.key_salt)
         return self._salts[namespace]
-
-    async def stats(self) -> Stats:
-        return convert.from_pb(Stats, await self._call(self._stub.Stats(pb.StatsRequest())))
-
-    async def check(self, *, fix: bool = False) -> CheckReport:
-        return convert.from_pb(CheckReport, await self._call(self._stub.Check(pb.CheckRequest(fix=fix))))
-
-    # ---- inspection (engram ls / show / evict) --------------------------------------------------
-
-    async def list_namespaces(self) -> tuple[NamespaceSummary, ...]:
-        resp = await self._call(self._stub.ListNamespaces(pb.ListNamespacesRequest()))
-        return tuple(convert.from_pb(NamespaceSummary, n) for n in resp.namespaces)
-
-    async def list_sessions(self, *, namespace: str | None = None, all_namespaces: bool = False
-                            ) -> tuple[SessionSummary, ...]:
-        req = pb.ListSessionsRequest(namespace=self._ns(namespace), all_namespaces=all_namespaces)
-        resp = await self._call(self._stub.ListSessions(req))
-        return tuple(convert.from_pb(SessionSummary, s) for s in resp.sessions)
-
-    async def describe_blocks(self, *, session_id: str = "", key_prefixes: Sequence[str] = (),
-                              namespace: str | None = None, all_namespaces: bool = False) -> BlockDescription:
-        req = pb.DescribeBlocksRequest(namespace=self._ns(namespace), all_namespaces=all_namespaces,
-                                       session_id=session_id, key_prefixes=list(key_prefixes))
-        return convert.from_pb(BlockDescription, await self._call(self._stub.DescribeBlocks(req)))
-
-    async def evict(self, *, key_prefixes: Sequence[str] = (), session_id: str = "", whole_namespace: bool = False,
-                    force: bool = False, namespace: str | None = None, all_namespaces: bool = False) -> EvictResult:
-        req = pb.EvictRequest(namespace=self._ns(namespace), all_namespaces=all_namespaces,
-                              key_prefixes=list(key_prefixes), session_id=session_id,
-                              whole_namespace=whole_namespace, force=force)
-        return convert.from_pb(EvictResult, await self._call(self._stub.Evict(req)))
-
-    def _ns(self, namespace: str | None) -> str:
-        return self.namespace if namespace is None else namespace
-
 
 class SyncEngramClient:
     """Blocking facade over EngramClient, for workers that are not asyncio programs."""
@@ -866,6 +811,7 @@ class SyncEngramClient:
         return lambda *a, **kw: self._run(attr(*a, **kw))
 
     def close(self) -> None:
+        """Close the client and stop its event loop thread (the context manager does it)."""
         if self._loop.is_running():
             self._run(self._client.close())
             self._loop.call_soon_threadsafe(self._loop.stop)

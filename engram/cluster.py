@@ -138,6 +138,10 @@ class ClusterIndex:
                     await self._resync()
                     self.state, self.reason = "ok", ""
                     self.counters.reconnects += 1
+                    log.info("cluster: %s as node %s (advertising %s); %d blocks published",
+                             "joined" if self.counters.reconnects == 1 else "rejoined", self.node_id, self.address,
+                             len(self.index), extra={"fields": {"node_id": self.node_id, "address": self.address,
+                                                                "reconnects": self.counters.reconnects}})
                 backoff = 0.1
                 await asyncio.sleep(self.config.heartbeat_s)
             except (RedisError, OSError) as exc:

@@ -4,12 +4,15 @@ never silently falls back to a default.
 
 Environment variables name a key with double underscores between levels:
 ENGRAM_SERVER__PORT=7000 sets server.port; ENGRAM_TIERS__DRAM__CAPACITY=8GiB sets tiers.dram.capacity.
-ENGRAM_CONFIG names the TOML file. Byte sizes accept plain integers or units (KiB, MiB, GiB, TiB, KB, MB, GB).
+Only names with a double underscore are config variables (every key lives in a section), and an unknown one
+is an error. Other ENGRAM_* names are not read here: ENGRAM_CONFIG names the TOML file, ENGRAM_TOKEN and
+ENGRAM_TLS_CA are the CLI's, and secrets referenced as env:VAR (env:ENGRAM_SALT) may use the prefix too. Byte sizes accept plain integers or units (KiB, MiB, GiB, TiB, KB, MB, GB).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import tomllib
@@ -52,7 +55,7 @@ class ServerConfig:
     max_message_bytes: ByteSize = ByteSize(64 * 2**20)  # gRPC send/receive limit per message
     chunk_bytes: ByteSize = ByteSize(8 * 2**20)  # payload bytes per streamed message (< max_message_bytes)
     max_concurrent_rpcs: int = 512  # beyond this, RPCs are refused with RESOURCE_EXHAUSTED
-    max_blocks_per_request: int = 4096
+    max_blocks_per_request: int = 4096  # blocks (or keys) one Put, Get, ReservePut, DescribeBlocks or Evict may name
     max_tokens_per_request: int = 1 << 21  # also the longest a session may grow
     max_block_bytes: ByteSize = ByteSize(256 * 2**20)  # a model whose raw block is larger is refused at register
     max_models: int = 1024  # registered models (each is a file and an entry in memory)
@@ -67,11 +70,11 @@ class ServerConfig:
 
 @dataclass
 class DramConfig:
-    capacity: ByteSize = ByteSize(4 * 2**30)
+    capacity: ByteSize = ByteSize(4 * 2**30)  # the DRAM tier's budget; checked against MemAvailable and shm_dir
     # shared: one segment in shm_dir that a co-located worker maps (zero-copy Get), pinned when CUDA is
     # present; private: payloads as bytes objects in the daemon's own memory (no zero-copy).
     pool: str = "shared"
-    shm_dir: str = "/dev/shm"
+    shm_dir: str = "/dev/shm"  # where the shared pool's segment file lives (a tmpfs; docker: raise --shm-size)
     page_bytes: ByteSize = ByteSize(0)  # allocation unit of the pool; 0: capacity / 64Ki, in [16 B, 64 KiB]
     pin: bool = True  # register the shared pool with CUDA (cudaHostRegister) when a GPU is present
 
@@ -86,7 +89,7 @@ class HbmConfig:
 @dataclass
 class NvmeConfig:
     path: str = ""  # a directory; empty: no NVMe tier
-    capacity: ByteSize = ByteSize(64 * 2**30)
+    capacity: ByteSize = ByteSize(64 * 2**30)  # bytes of block files kept; beyond, the coldest are evicted
     compression: bool = False  # lz4 per block, kept only where it saves >= 10% (rarely, on FP4 payloads)
     io_threads: int = 4  # concurrent file operations
     fsync: bool = True  # fsync each block file and its directory before the block counts as written
@@ -107,8 +110,8 @@ class TiersConfig:
     # Write-back's loss window (docs/RELIABILITY.md): blocks held only in DRAM/HBM are copied to NVMe in the
     # background once older than write_back_window_s (0: only when evicted), and puts wait while more than
     # write_back_window_bytes are held so (0: no bound but the DRAM tier's). A crash loses at most that.
-    write_back_window_s: float = 5.0
-    write_back_window_bytes: ByteSize = ByteSize(2**30)
+    write_back_window_s: float = 5.0  # age past which a block held only in DRAM/HBM is copied to NVMe
+    write_back_window_bytes: ByteSize = ByteSize(2**30)  # bytes held only in DRAM/HBM before puts wait
     shutdown_flush_s: float = 30.0  # on SIGTERM, time to copy blocks held only in DRAM/HBM to NVMe (0: none)
 
 
@@ -162,7 +165,7 @@ class ClusterConfig:
     redis_password: str = ""  # Redis AUTH password (env:VAR / file:PATH), instead of one in redis_url
     redis_ca_cert: str = ""  # PEM CA that signed Redis's certificate (rediss://); empty: the system's CAs
     redis_client_cert: str = ""  # PEM certificate this daemon shows Redis (with redis_client_key), if it asks
-    redis_client_key: str = ""
+    redis_client_key: str = ""  # PEM private key of redis_client_cert
     redis_cluster: bool = False  # redis_url names a node of a Redis Cluster (redis-py's cluster client)
     secret: str = ""  # signs records in Redis and MACs blocks between peers (env:VAR / file:PATH); every node
     node_id: str = ""  # unique per daemon; empty: the advertised address
@@ -176,7 +179,7 @@ class ClusterConfig:
 
 @dataclass
 class LoggingConfig:
-    level: str = "info"
+    level: str = "info"  # debug, info, warning or error
     json: bool = False  # one JSON object per line: time, level, logger, event, fields
     summary_s: float = 10.0  # evictions, corrupt blocks and tier health are summarized this often
 
@@ -380,6 +383,13 @@ def _apply_tree(cfg: EngramConfig, tree: Mapping[str, object], prefix: str = "")
             _set(cfg, full.split("."), value, full)
 
 
+def is_config_variable(name: str) -> bool:
+    """ENGRAM_<SECTION>__<KEY>: the prefix, then a double underscore somewhere (every key is in a section).
+    ENGRAM_CONFIG, the CLI's ENGRAM_TOKEN, and secrets such as ENGRAM_SALT that a config names by env:VAR
+    have none, so they never collide with a key."""
+    return name.startswith(ENV_PREFIX) and "__" in name[len(ENV_PREFIX):]
+
+
 def load_config(
     path: str | Path | None = None,
     env: Mapping[str, str] | None = None,
@@ -399,7 +409,7 @@ def load_config(
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
         _apply_tree(cfg, tree)
     for name, value in sorted(env.items()):
-        if not name.startswith(ENV_PREFIX) or name == ENV_CONFIG_FILE:
+        if not is_config_variable(name):
             continue
         dotted = name[len(ENV_PREFIX):].lower().replace("__", ".")
         try:
@@ -426,3 +436,36 @@ def config_keys(node: object | None = None, prefix: str = "") -> list[str]:
 
 def as_dict(cfg: EngramConfig) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
+
+
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value if not isinstance(value, int) else int(value))
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a TOML basic string (the same escapes)
+    raise TypeError(f"no TOML form for {value!r}")
+
+
+def _toml_tables(tree: Mapping[str, Any], name: str, out: list[str]) -> None:
+    scalars = [(k, v) for k, v in tree.items() if not isinstance(v, Mapping)]
+    if scalars:
+        out.append(f"\n[{name}]")
+        out += [f"{k} = {_toml_value(v)}" for k, v in scalars]
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            quoted = key if _BARE_KEY.fullmatch(key) else json.dumps(key)
+            if value:  # an empty table of named sections (no tenants) is left out
+                _toml_tables(value, f"{name}.{quoted}", out)
+
+
+def to_toml(cfg: EngramConfig) -> str:
+    """The whole tree as a TOML file that load_config reads back to the same configuration (`engram config`)."""
+    out: list[str] = ["# engram config: the effective configuration; `engram serve --config FILE` loads it back"]
+    for section, tree in as_dict(cfg).items():
+        _toml_tables(tree, section, out)
+    return "\n".join(out).lstrip("\n") + "\n"

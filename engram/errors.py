@@ -62,3 +62,11 @@ class NotDurable(Unavailable):
 
 class ConfigError(EngramError):
     """The configuration is invalid: unknown key, wrong type, impossible value."""
+
+
+class InsufficientResources(ConfigError):
+    """The host cannot give what the configuration asks (memory, /dev/shm, disk): lower a capacity or add room."""
+
+
+class AddressInUse(EngramError):
+    """The daemon cannot listen where it was told (the port is taken, or the address is not this host's)."""

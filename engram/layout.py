@@ -26,13 +26,15 @@ What it does not describe: a layer that produces only some of the streams (every
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from engram import limits
 from engram.errors import InvalidArgument
@@ -62,21 +64,29 @@ class DType(enum.IntEnum):
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _TORCH_DTYPES[self]
+        return _torch_dtypes()[self]
 
     @property
     def itemsize(self) -> int:
-        return _TORCH_DTYPES[self].itemsize
+        return _ITEMSIZE[self]
 
     @classmethod
     def from_torch(cls, dtype: torch.dtype) -> DType:
-        for member, td in _TORCH_DTYPES.items():
+        for member, td in _torch_dtypes().items():
             if td == dtype:
                 return member
         raise InvalidArgument(f"unsupported KV dtype {dtype}; use one of bfloat16, float16, float32")
 
 
-_TORCH_DTYPES = {DType.BF16: torch.bfloat16, DType.FP16: torch.float16, DType.FP32: torch.float32}
+_ITEMSIZE = {DType.BF16: 2, DType.FP16: 2, DType.FP32: 4}
+
+
+@functools.cache
+def _torch_dtypes() -> dict[DType, torch.dtype]:
+    """Imported on first use: the CLI's inspection commands read layouts without loading torch (seconds)."""
+    import torch
+
+    return {DType.BF16: torch.bfloat16, DType.FP16: torch.float16, DType.FP32: torch.float32}
 
 
 class Axis(enum.IntEnum):

@@ -88,7 +88,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for(address: str, proc: subprocess.Popen[str], timeout: float = 20.0) -> None:
+def wait_for(address: str, proc: subprocess.Popen[str], timeout: float = 20.0, root_cert: bytes | None = None
+             ) -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -99,7 +100,9 @@ def wait_for(address: str, proc: subprocess.Popen[str], timeout: float = 20.0) -
         if proc.poll() is not None:
             raise AssertionError(f"engram serve exited early: {proc.stdout.read() if proc.stdout else ''}")
         try:
-            with grpc.insecure_channel(address, options=RECONNECT_OPTIONS) as ch:
+            creds = grpc.ssl_channel_credentials(root_cert) if root_cert else None
+            with (grpc.secure_channel(address, creds, options=RECONNECT_OPTIONS) if creds
+                  else grpc.insecure_channel(address, options=RECONNECT_OPTIONS)) as ch:
                 resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
                 if resp.status == health_pb2.HealthCheckResponse.SERVING:
                     return
@@ -133,6 +136,16 @@ def engram_daemon(tmp_path: Path, *args: str, env: dict[str, str] | None = None
         proc.wait(10)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def self_signed_cert(directory: Path) -> tuple[Path, Path]:
+    """(cert, key): a throwaway certificate for localhost and 127.0.0.1, made by the openssl CLI."""
+    key, cert = directory / "key.pem", directory / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext",
+                    "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True,
+                   env={**os.environ, "OPENSSL_CONF": "/dev/null"})
+    return cert, key
 
 
 def redis_cli(port: int, *args: str, password: str = "") -> str:

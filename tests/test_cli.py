@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -72,6 +73,21 @@ def test_bad_config_is_a_clear_error(tmp_path: Path) -> None:
     assert out.returncode == 4 and "unknown config key 'server.prot'" in out.stderr
     out = run_cli("serve", "--set", "novalue")
     assert out.returncode == 4 and "key=value" in out.stderr
+
+
+def test_config_output_loads_back_as_a_config_file(tmp_path: Path) -> None:
+    from engram.config import load_config
+
+    env = {"ENGRAM_TIERS__DRAM__CAPACITY": "3GiB", "ENGRAM_AUTH__SALT_SECRET": "env:S",
+           "ENGRAM_AUTH__TENANTS__TEAM_A__TOKEN": "t", "ENGRAM_SERVER__HOST": "10.0.0.1"}
+    out = CliRunner().invoke(app, ["config"], env=env)
+    assert out.exit_code == 0, out.output
+    (tmp_path / "effective.toml").write_text(out.stdout)
+    again = load_config(tmp_path / "effective.toml", env={})
+    assert again == load_config(env=env) and again.tiers.dram.capacity == 3 * 2**30
+    assert again.auth.tenants["team_a"].token == "t"
+    as_json = CliRunner().invoke(app, ["config", "--json"], env=env)
+    assert json.loads(as_json.stdout)["server"]["host"] == "10.0.0.1"
 
 
 def test_config_keys_listing() -> None:
@@ -168,3 +184,38 @@ def test_check_online(daemon) -> None:  # type: ignore[no-untyped-def]
     out = run_cli("check", "--address", address, "--json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == {"scanned": 3, "valid": 3, "findings": []}
+
+
+def test_inspection_commands_do_not_load_torch(daemon) -> None:  # type: ignore[no-untyped-def]
+    """Importing torch costs seconds: stats, ls, show, top, ping and their --help must run without it."""
+    address, _ = daemon
+    script = f"""
+import sys
+from engram.cli.main import app
+for args in (["stats", "--json"], ["ls", "--json"], ["top", "--json", "-i", "0.05"], ["ping"], ["show", "x"],
+             ["evict", "--session", "x"], ["pin", "ab"], ["check", "--json"], ["stats", "--help"]):
+    try:
+        app([*args, "-a", {address!r}] if args[-1] != "--help" else args)
+    except SystemExit as exc:
+        assert exc.code in (0, 3), (args, exc.code)  # 3: x and ab are unknown
+heavy = sorted(m for m in ("torch", "numpy", "engram.server", "engram.store", "engram.client") if m in sys.modules)
+print("heavy:", heavy)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=NEUTRAL_CWD)
+    assert out.returncode == 0, out.stderr
+    assert "heavy: []" in out.stdout, out.stdout[-500:]
+
+
+def test_version_help_and_ping(daemon) -> None:  # type: ignore[no-untyped-def]
+    address, _ = daemon
+    from engram import __version__
+
+    assert CliRunner().invoke(app, ["--version"]).stdout.strip() == f"engram {__version__}"
+    for command in ("stats", "ls", "show", "evict", "pin", "unpin", "top", "check", "ping", "verify-isolation"):
+        short = CliRunner().invoke(app, [command, "-h"])  # one name for the TLS root everywhere
+        assert short.exit_code == 0 and "--tls-ca" in short.stdout and "ENGRAM_TLS_CA" in short.stdout, command
+    assert all(f" {metavar} " in CliRunner().invoke(app, ["ls", "-h"]).stdout for metavar in ("FILE", "ADDR", "NS"))
+    ping = CliRunner().invoke(app, ["ping", "--json", "-a", address])
+    assert ping.exit_code == 0 and json.loads(ping.stdout)["serving"] is True
+    gone = CliRunner().invoke(app, ["ping", "-a", address + ".gone"])
+    assert gone.exit_code == 2 and "no Engram daemon answers" in gone.stderr

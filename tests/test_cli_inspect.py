@@ -5,7 +5,13 @@ code); the daemon is a real `engram serve` on a unix socket, filled with a real 
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import json
+import re
+import subprocess
+import types
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,10 +19,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner, Result
 
+from engram import api
 from engram.cli.main import app
 from engram.client import SyncEngramClient
 
-from helpers import engram_daemon, random_kv, tiny_model, tokens
+from helpers import ENGRAM, NEUTRAL_CWD, engram_daemon, random_kv, tiny_model, tokens
 
 
 @dataclass
@@ -94,7 +101,8 @@ def test_show_session_chain_and_blocks(content: Content) -> None:
     assert [b["sessions"] for b in blocks] == [2, 2, 1, 1]
     assert [b["children"] for b in blocks] == [1, 2, 1, 0]
     assert [b["refcount"] for b in blocks] == [3, 4, 2, 1]
-    assert all(b["tiers"] == ["dram"] and b["codec"] == "raw" and b["checksum"] != 0 and b["pins"] == 0
+    assert all(b["tiers"] == ["dram"] and b["codec"] == "raw" and re.fullmatch("[0-9a-f]{16}", b["checksum"])
+               and b["checksum"] != "0" * 16 and b["pins"] == 0
                for b in blocks)
 
     # One block by a unique key prefix, found in whichever namespace holds it.
@@ -184,7 +192,20 @@ def test_bad_input_names_what_to_change(content: Content) -> None:
     bad = cli("evict", "xyz!", "-a", addr)
     assert bad.exit_code == 4 and "not a hex block key" in bad.stderr
     assert cli("pin", "-a", addr).exit_code == 4
-    assert cli("show", "s1", "-a", addr).exit_code == 3  # s1 lives in team-a, not in the default namespace
+    assert cli("show", "s1", "-n", "default", "-a", addr).exit_code == 3  # s1 lives in team-a
+
+
+def test_show_finds_a_session_without_its_namespace_when_only_one_has_it(content: Content) -> None:
+    addr = content.address
+    assert as_json(cli("show", "s1", "--json", "-a", addr))["session"]["info"]["namespace"] == "team-a"
+    assert cli("pin", "--session", "s1", "-a", addr).exit_code == 0
+    assert as_json(cli("show", content.s1[3].hex(), "--json", "-a", addr))["blocks"][0]["pins"] == 1
+    with SyncEngramClient(addr, namespace="team-b") as c:  # now a second s1, in team-b
+        c.register_model(tiny_model())
+        c.open_session(content.fp, mode="persist", session_id="s1", tokens=tokens(16, seed=9))
+    both = cli("show", "s1", "-a", addr)
+    assert both.exit_code == 4 and "namespaces team-a, team-b" in both.stderr and "--namespace" in both.stderr
+    assert as_json(cli("show", "s1", "-n", "team-b", "--json", "-a", addr))["session"]["info"]["tokens"] == 16
 
 
 @pytest.mark.parametrize("command", [["ls"], ["show", "s1"], ["evict", "ab12"], ["pin", "ab12"], ["unpin", "ab12"]])
@@ -201,3 +222,83 @@ def test_stats_reports_tokens_per_tier(content: Content) -> None:
     table = cli("stats", "-a", content.address)
     per_token = tiny_model().layout.bytes_per_token()
     assert table.exit_code == 0 and f" {per_token} " in table.stdout
+
+
+def conforms(value: object, tp: typing.Any, where: str) -> None:
+    """value is what cli/format.py makes of an engram.api value of type tp (docs/JSON.md): every field present
+    and no other, integers as JSON numbers, bytes as hex, checksums as 16 hex digits, enums by their value."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        assert isinstance(value, dict), where
+        hints = typing.get_type_hints(tp)
+        assert set(value) == set(hints), f"{where}: {sorted(set(value) ^ set(hints))}"
+        for name, sub in hints.items():
+            if name == "checksum":
+                assert isinstance(value[name], str) and re.fullmatch("[0-9a-f]{16}", value[name]), where
+            else:
+                conforms(value[name], sub, f"{where}.{name}")
+    elif origin in (typing.Union, types.UnionType):
+        assert any(_ok(value, a, where) for a in args), f"{where}: {value!r} is none of {args}"
+    elif origin is tuple:
+        assert isinstance(value, list), where
+        for i, item in enumerate(value):
+            conforms(item, args[0], f"{where}[{i}]")
+    elif isinstance(tp, type) and issubclass(tp, enum.Enum):
+        assert value in [m.value for m in tp], f"{where}: {value!r}"
+    elif tp is bytes:
+        assert isinstance(value, str) and re.fullmatch("([0-9a-f]{2})*", value), f"{where}: {value!r}"
+    elif tp is bool:
+        assert isinstance(value, bool), where
+    elif tp is int:
+        assert isinstance(value, int) and not isinstance(value, bool), f"{where}: {value!r} is not an integer"
+    elif tp is float:
+        assert isinstance(value, int | float) and not isinstance(value, bool), f"{where}: {value!r}"
+    elif tp is str:
+        assert isinstance(value, str), where
+    elif tp is type(None):
+        assert value is None, where
+    else:
+        raise AssertionError(f"{where}: no rule for {tp}")
+
+
+def _ok(value: object, tp: typing.Any, where: str) -> bool:
+    try:
+        conforms(value, tp, where)
+    except AssertionError:
+        return False
+    return True
+
+
+def test_json_output_follows_the_api_dataclasses(content: Content) -> None:
+    addr = content.address
+    conforms(as_json(cli("stats", "--json", "-a", addr)), api.Stats, "stats")
+    listing = as_json(cli("ls", "--json", "-a", addr))
+    assert set(listing) == {"namespaces", "sessions"}
+    conforms(listing["namespaces"], tuple[api.NamespaceSummary, ...], "ls.namespaces")
+    conforms(listing["sessions"], tuple[api.SessionSummary, ...], "ls.sessions")
+    assert {s["info"]["mode"] for s in listing["sessions"]} == {"persist"}  # the enum's value, not PERSIST
+    conforms(as_json(cli("show", "s1", "--json", "-a", addr)), api.BlockDescription, "show")
+    conforms(as_json(cli("show", content.b[0].hex(), "--json", "-a", addr)), api.BlockDescription, "show block")
+    frame = as_json(cli("top", "--json", "-i", "0.05", "-a", addr))
+    conforms(frame["stats"], api.Stats, "top.stats")
+    conforms(frame["sessions"], tuple[api.SessionSummary, ...], "top.sessions")
+    assert all(isinstance(v, float) for k, v in frame["rates_per_s"].items() if k != "tiers")
+    conforms(as_json(cli("evict", content.b[2].hex(), "--json", "-a", addr)), api.EvictResult, "evict")
+    pinned = as_json(cli("pin", content.s1[0].hex(), "--json", "-a", addr))
+    assert pinned == {"changed": 1, "keys": [content.s1[0].hex()]}
+
+
+def test_piped_tables_keep_whole_keys(content: Content) -> None:
+    """Piped (not a terminal), the tables are as wide as they need: no column is cut with an ellipsis."""
+    long_id = "agent-run-" + "0123456789abcdef" * 6
+    with SyncEngramClient(content.address, namespace="team-a-with-a-rather-long-name") as c:
+        fp = c.register_model(tiny_model())
+        c.open_session(fp, mode="persist", session_id=long_id, tokens=tokens(16))
+    for args in (["ls"], ["show", "s1"], ["stats"]):
+        out = subprocess.run([*ENGRAM, *args, "-a", content.address], capture_output=True, text=True, timeout=60,
+                             cwd=NEUTRAL_CWD)
+        assert out.returncode == 0 and "…" not in out.stdout, out.stdout
+        if args == ["ls"]:
+            assert long_id in out.stdout
+        if args == ["show", "s1"]:
+            assert all(k.hex()[:16] in out.stdout for k in content.s1)

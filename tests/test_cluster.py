@@ -5,6 +5,9 @@ serving local hits with Stats degraded, and once it is back on the same port bot
 from __future__ import annotations
 
 import asyncio
+import io
+import logging
+import re
 import shutil
 import subprocess
 import time
@@ -13,8 +16,10 @@ from typing import Any
 
 import pytest
 import torch
+from rich.console import Console
 
 from engram import errors
+from engram.cli.stats import stats_renderable
 from engram.client import EngramClient
 from engram.config import load_config
 from engram.server import RunningServer, start_server
@@ -60,7 +65,8 @@ async def state(c: EngramClient) -> str:
 
 
 async def test_a_prefix_written_through_a_is_a_hit_through_b_across_a_redis_restart(
-        daemons: tuple[RunningServer, RunningServer], redis_port: int) -> None:
+        daemons: tuple[RunningServer, RunningServer], redis_port: int, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="engram.cluster")
     proc = start_redis(redis_port)
     a_srv, b_srv = daemons
     spec = tiny_model()
@@ -100,6 +106,15 @@ async def test_a_prefix_written_through_a_is_a_hit_through_b_across_a_redis_rest
         await until(lambda: _both(a, b, "ok"), "both daemons rejoined")
         await until(lambda: _b_hits(b, fp, alone), "A republished what it stored while Redis was down")
         await cross_hit(2)
+        # Joining and rejoining are logged, and the stats table has a cluster section.
+        said = [r.getMessage() for r in caplog.records if r.name == "engram.cluster"]
+        for node in ("a", "b"):
+            assert any(m.startswith(f"cluster: joined as node {node} ") for m in said), said
+            assert any(m.startswith(f"cluster: rejoined as node {node} ") for m in said), said
+        out = Console(width=200, record=True, file=io.StringIO())
+        out.print(stats_renderable(await b.stats()))
+        text = out.export_text()
+        assert "cluster" in text and re.search(r"node\s+│\s+b", text) and re.search(r"rejoins\s+│\s+1", text), text
     proc.kill()
     proc.wait()
 

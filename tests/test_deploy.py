@@ -7,6 +7,7 @@ import json
 import re
 import shlex
 from pathlib import Path
+from typing import Any
 
 import typer.main
 import yaml
@@ -37,35 +38,46 @@ def check_env(env: dict[str, str]) -> EngramConfig:
     return load_config(env=env)  # and every value is valid
 
 
-def dockerfile() -> tuple[str, dict[str, str], list[int], list[str], list[str]]:
+def dockerfile() -> dict[str, Any]:
+    """base, env, expose, cmd, copies, user and healthcheck (its CMD) of the Dockerfile."""
     text = (REPO / "Dockerfile").read_text().replace("\\\n", " ")
-    base, env, expose, cmd, copies = "", {}, [], [], []
+    d: dict[str, Any] = {"base": "", "env": {}, "expose": [], "cmd": [], "copies": [], "user": "root",
+                         "healthcheck": None}
     for line in text.splitlines():
         word, _, rest = line.strip().partition(" ")
         if word == "FROM":
-            base = rest.strip()
+            d["base"] = rest.strip()
         elif word == "ENV":
-            env.update(dict(item.split("=", 1) for item in shlex.split(rest)))
+            d["env"].update(dict(item.split("=", 1) for item in shlex.split(rest)))
         elif word == "EXPOSE":
-            expose += [int(p) for p in rest.split()]
+            d["expose"] += [int(p) for p in rest.split()]
         elif word == "CMD":
-            cmd = json.loads(rest)
+            d["cmd"] = json.loads(rest)
         elif word == "COPY":
-            copies += rest.split()[:-1]
+            d["copies"] += rest.split()[:-1]
         elif word == "RUN" and "torch" in rest:
             assert "torch==2.13.0" in rest and "/whl/cpu" in rest
-    return base, env, expose, cmd, copies
+        elif word == "USER":
+            d["user"] = rest.strip()
+        elif word == "HEALTHCHECK":
+            d["healthcheck"] = json.loads(rest.split(" CMD ", 1)[1])
+    return d
 
 
 def test_dockerfile() -> None:
-    base, env, expose, cmd, copies = dockerfile()
-    assert base == "python:3.11-slim"
-    check_command(cmd)
-    cfg = check_env(env)
-    assert sorted(expose) == sorted([cfg.server.port, cfg.server.metrics_port])
+    d = dockerfile()
+    assert d["base"] == "python:3.11-slim"
+    check_command(d["cmd"])
+    cfg = check_env(d["env"])
+    assert sorted(d["expose"]) == sorted([cfg.server.port, cfg.server.metrics_port])
     assert cfg.server.host == cfg.server.metrics_host == "0.0.0.0"
-    for src in copies:
+    for src in d["copies"]:
         assert (REPO / src).exists(), f"the Dockerfile copies {src}, which is not in the repository"
+    assert d["user"] not in ("root", "0"), "the daemon must not run as root"
+    health = d["healthcheck"]
+    assert health is not None, "the image needs a HEALTHCHECK"
+    check_command(health)
+    assert health[1] == "ping" and health[health.index("--address") + 1] == f"127.0.0.1:{cfg.server.port}"
 
 
 COMPOSE_VAR = re.compile(r"\$\{(\w+)(?::\?[^}]*)?\}")
@@ -125,3 +137,12 @@ def test_compose_and_prometheus() -> None:
     targets = [t for job in scrape["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
     assert targets == [f"engram:{cfg.server.metrics_port}"]
     assert re.fullmatch(r"redis:\d+(\.\d+)*", services["redis"]["image"])
+
+
+def test_makefile_installs_the_cpu_build_of_torch() -> None:
+    """PyPI's torch==2.13.0 is the multi-GB CUDA build; `make demo` / `make test` promise the CPU one."""
+    text = (REPO / "Makefile").read_text()
+    index = re.search(r"^TORCH_INDEX \?= (\S+)$", text, re.M)
+    assert index is not None and index.group(1) == "https://download.pytorch.org/whl/cpu"
+    installs = [line for line in text.splitlines() if "pip install" in line and "torch" in line]
+    assert installs and all("torch==2.13.0" in line and "--index-url $(TORCH_INDEX)" in line for line in installs)

@@ -78,7 +78,7 @@ print(json.dumps(failed))
     assert failed == {}, "\n".join(f"{k}:\n{v}" for k, v in failed.items())
 
 
-EDGE = ("engram/wire/", "engram/server/", "engram/client.py", "engram/v1/")
+EDGE = ("engram/wire/", "engram/server/", "engram/client.py", "engram/control.py", "engram/v1/")
 
 
 def test_protobuf_stays_at_the_grpc_edge() -> None:

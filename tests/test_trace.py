@@ -202,3 +202,11 @@ def test_block_tokens_are_the_power_of_two_every_request_allows() -> None:
     assert block_tokens_of([Request(0, (1, 2), 1024), Request(1, (1, 2, 3), 2000)]) == 667  # no power of two fits
     assert block_tokens_of([Request(0, (1, 2), 100), Request(1, (1, 2, 3), 1000)]) is None  # they contradict
     assert block_tokens_of([Request(0, (1,), 100)]) is None  # one block says only b >= 100
+
+
+def test_the_cli_names_the_replayers_policies() -> None:
+    """cli/bench.py names the policies itself (importing engram.trace would load numpy at every CLI start)."""
+    from engram.cli.bench import POLICIES as CLI_POLICIES
+    from engram.trace import POLICIES
+
+    assert CLI_POLICIES == POLICIES

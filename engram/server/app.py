@@ -4,10 +4,13 @@ address) and the long-running `engram serve` loop with graceful shutdown on SIGT
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
+import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from engram.cluster import ClusterIndex
 from engram.codec.base import default_backend
 from engram.config import EngramConfig, ServerConfig
+from engram.errors import AddressInUse, ConfigError, InsufficientResources
 from engram.inspection import Inspector
 from engram.lockfile import DaemonLock
 from engram.logs import report_activity
@@ -35,6 +39,7 @@ from engram.tiers.base import Tier
 from engram.tiers.dram import DramTier, shared_dram_tier
 from engram.tiers.hbm import hbm_tier
 from engram.tiers.nvme import NvmeTier
+from engram.tiers.shm import mem_available
 from engram.trust import ClusterTrust
 from engram.v1 import engram_pb2
 from engram.wire.channel import message_options
@@ -50,6 +55,14 @@ async def build_store(config: EngramConfig, tenancy: Tenancy | None = None) -> B
     if t.hbm.capacity:
         tiers.append(hbm_tier(t.hbm.capacity, t.hbm.device, t.hbm.page_bytes,
                               shm_dir=d.shm_dir if d.pool == "shared" else None))
+    if d.pool == "private":  # the shared pool checks its own budget (engram/tiers/shm.py)
+        avail = mem_available()
+        if d.capacity > avail:
+            raise InsufficientResources(f"tiers.dram.capacity needs {d.capacity} bytes of host memory, but "
+                                        f"MemAvailable (or the container's memory limit) leaves {avail}; lower "
+                                        "tiers.dram.capacity")
+    if t.nvme.path:
+        _check_nvme_dir(Path(t.nvme.path))
     tiers.append(shared_dram_tier(d.capacity, d.shm_dir, d.page_bytes, pin=d.pin) if d.pool == "shared"
                  else DramTier(d.capacity))
     codec = config.codec.default
@@ -71,6 +84,16 @@ async def build_store(config: EngramConfig, tenancy: Tenancy | None = None) -> B
         for path, problem, _ in report.findings:
             log.warning("recovery: %s: %s", path, problem)
     return store
+
+
+def _check_nvme_dir(root: Path) -> None:
+    """The NVMe tier's directory, or its parent, must exist: a typo must not create a tree under / (or on the
+    root filesystem instead of the drive)."""
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"tiers.nvme.path {root} is not a directory; name a directory on the NVMe drive")
+    if not root.exists() and not root.parent.is_dir():
+        raise ConfigError(f"tiers.nvme.path {root}: neither it nor its parent {root.parent} exists; create the "
+                          f"directory on the NVMe drive (mkdir -p {root}) or correct the path")
 
 
 def _tls(s: ServerConfig) -> grpc.ServerCredentials:
@@ -134,12 +157,18 @@ def _lock_socket(unix_socket: str) -> DaemonLock:
     """Only the lock's holder may replace the socket: a second daemon is refused before it can unlink a
     live daemon's socket (or build a store on its NVMe directory)."""
     path = os.path.abspath(unix_socket)
+    if not os.path.isdir(os.path.dirname(path)):  # checked here: the lock would create the directory
+        raise ConfigError(f"server.unix_socket {path}: the directory {os.path.dirname(path)} does not exist; "
+                          "create it or choose another path")
     return DaemonLock(f"{path}.lock", f"the unix socket {path}", "set another server.unix_socket").acquire()
 
 
 async def start_server(config: EngramConfig, store: BlockStore | None = None,
                        sessions: SessionManager | None = None) -> RunningServer:
-    socket_lock = _lock_socket(config.server.unix_socket) if config.server.unix_socket else None
+    s = config.server
+    if not s.unix_socket:  # before the tiers are built: a taken port fails fast, with nothing to undo
+        _check_free(s.host, s.port, f"[{s.host}]:{s.port}" if ":" in s.host else f"{s.host}:{s.port}")
+    socket_lock = _lock_socket(s.unix_socket) if s.unix_socket else None
     built = None
     try:
         trust = ClusterTrust.from_config(config.cluster) if config.cluster.redis_url else None
@@ -184,15 +213,15 @@ async def _start(config: EngramConfig, store: BlockStore, sessions: SessionManag
         if os.path.exists(path):
             os.unlink(path)  # a stale socket from a previous run would make the bind fail
         with socket_umask(s.unix_socket_group):
-            server.add_insecure_port(f"unix:{path}")  # gRPC binds here, under the narrow umask
+            _bind(lambda: server.add_insecure_port(f"unix:{path}"), f"unix:{path}",  # under the narrow umask
+                  "check that its directory is writable, or set server.unix_socket")
         secure_socket(path, s.unix_socket_group)
         address = f"unix:{path}"
     else:
-        port = server.add_secure_port(f"{s.host}:{s.port}", _tls(s)) if s.tls_cert else \
-            server.add_insecure_port(f"{s.host}:{s.port}")
-        if port == 0:
-            raise OSError(f"could not bind {s.host}:{s.port}; is another daemon running there?")
         host = f"[{s.host}]" if ":" in s.host else s.host
+        port = _bind(lambda: server.add_secure_port(f"{s.host}:{s.port}", _tls(s)) if s.tls_cert else
+                     server.add_insecure_port(f"{s.host}:{s.port}"), f"{host}:{s.port}",
+                     _BIND_HINT)
         address = f"{host}:{port}"
     await server.start()
     for name in ("", SERVICE_NAME):
@@ -211,6 +240,40 @@ async def _start(config: EngramConfig, store: BlockStore, sessions: SessionManag
                          reporter, socket_lock, config.tiers.shutdown_flush_s)
 
 
+_BIND_HINT = ("stop what holds the port or set another (--port, server.port; 0 picks a free one), and check that "
+              "the host is an address of this machine (--host, server.host)")
+
+
+def _check_free(host: str, port: int, where: str) -> None:
+    """Bind the address once here first: gRPC's own failure says neither why nor which address. Racy (another
+    process may take it in between), so _bind still maps gRPC's failure."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise ConfigError(f"server.host {host!r} does not resolve ({exc.strerror}); give an address of this "
+                          "machine (127.0.0.1, 0.0.0.0, ::)") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no conflict
+        try:
+            probe.bind(addr)
+        except OSError as exc:
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise ConfigError(f"server.host {host!r} is not an address of this machine; give one of its "
+                                  "addresses (127.0.0.1, 0.0.0.0 for every interface)") from None
+            raise AddressInUse(f"cannot listen on {where}: {exc.strerror}; {_BIND_HINT}") from None
+
+
+def _bind(add_port: Callable[[], int], where: str, what_to_change: str) -> int:
+    """gRPC's add_*_port, its failures (a RuntimeError, or port 0) as AddressInUse saying what to change."""
+    try:
+        port = add_port()
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise AddressInUse(f"cannot listen on {where}: the address is in use or not this host's; {what_to_change}")
+    return port
+
+
 async def _join_cluster(config: EngramConfig, service: EngramService, address: str, trust: ClusterTrust) -> None:
     c = config.cluster
     advertised = c.advertise or address
@@ -222,6 +285,55 @@ async def _join_cluster(config: EngramConfig, service: EngramService, address: s
     await service.cluster.start()
 
 
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def banner(config: EngramConfig, running: RunningServer) -> list[str]:
+    """What `engram serve` says it is running, after the address: tiers, codec, tenancy, TLS, replay, metrics."""
+    t, a = config.tiers, config.auth
+    where = {"hbm": f" on {t.hbm.device}", "dram": f" ({t.dram.pool} pool" +
+             (f" in {t.dram.shm_dir})" if t.dram.pool == "shared" else ")"), "nvme": f" at {t.nvme.path}"}
+    tiers = ", ".join(f"{tier.name} {_gib(tier.usage().capacity_bytes)}{where.get(tier.name, '')}"
+                      for tier in running.store.tiers)
+    policy = t.write_policy + (f", loss window {t.write_back_window_s:g} s" if t.write_policy == "write-back"
+                               and t.nvme.path else "")
+    tenants = len(a.tenants)
+    models = [p.strip() for p in config.replay.models.split(",") if p.strip()]
+    lines = [f"tiers: {tiers}; {policy}",
+             f"codec: {config.codec.default} (lossy; codec.default = raw stores KV exactly)"
+             if config.codec.default != "raw" else "codec: raw (lossless)",
+             (f"tenancy: on ({tenants} tenants" + (", a tenants file" if a.tenants_file else "") + ")") if a.enabled
+             else "tenancy: off (every caller may act in every namespace)",
+             "TLS: on" if config.server.tls_cert else "TLS: off",
+             f"replay models: {', '.join(models)}" if models else "replay models: none"]
+    if running.metrics is not None:
+        lines.append(f"metrics on http://{config.server.metrics_host}:{running.metrics.port}/metrics")
+    if config.cluster.redis_url:
+        lines.append(f"cluster: node {config.cluster.node_id or config.cluster.advertise or running.address}")
+    return lines
+
+
+def startup_warnings(config: EngramConfig, running: RunningServer) -> list[str]:
+    """What is allowed but probably not meant: an open address without tenants, tokens in clear, a disk that
+    cannot hold the NVMe tier's capacity."""
+    out = []
+    s = config.server
+    exposed = not s.unix_socket and s.host not in ("127.0.0.1", "::1", "localhost")
+    if exposed and not config.auth.enabled:
+        out.append(f"listening on {s.host} with tenancy off: any host that reaches it may read, write and evict "
+                   "every namespace; configure [auth] tenants or listen on 127.0.0.1")
+    if exposed and config.auth.enabled and not s.tls_cert:
+        out.append(f"tokens travel in clear text to {s.host}: set server.tls_cert and server.tls_key")
+    if config.tiers.nvme.path:
+        st = os.statvfs(config.tiers.nvme.path)
+        free = st.f_bavail * st.f_frsize + running.store.tiers[-1].usage().used_bytes
+        if config.tiers.nvme.capacity > free:
+            out.append(f"tiers.nvme.capacity is {_gib(config.tiers.nvme.capacity)} but {config.tiers.nvme.path} "
+                       f"has {_gib(free)} free: the tier degrades (ENOSPC) before it is full; lower the capacity")
+    return out
+
+
 async def serve(config: EngramConfig, ready: asyncio.Event | None = None) -> None:
     """Run a daemon until SIGTERM or SIGINT, then shut down gracefully."""
     running = await start_server(config)
@@ -230,8 +342,11 @@ async def serve(config: EngramConfig, ready: asyncio.Event | None = None) -> Non
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     print(f"engram: serving on {running.address}", flush=True)
-    if running.metrics is not None:
-        print(f"engram: metrics on http://{config.server.metrics_host}:{running.metrics.port}/metrics", flush=True)
+    for line in banner(config, running):
+        print(f"engram: {line}", flush=True)
+    for warning in startup_warnings(config, running):
+        log.warning(warning)
+        print(f"engram: warning: {warning}", flush=True)
     if ready is not None:
         ready.set()
     await stop.wait()

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engram.errors import ConfigError
+from engram.errors import ConfigError, InsufficientResources
 from engram.segment import HEADER, SegmentLayout
 
 log = logging.getLogger("engram.tiers")
@@ -30,13 +30,27 @@ PREFIX = "engram-seg-"
 SUFFIX = ".shm"
 
 
-def mem_available() -> int:
-    """MemAvailable from /proc/meminfo, in bytes (what the kernel can give without swapping)."""
-    with open("/proc/meminfo") as fh:
+def mem_available(meminfo: str | Path = "/proc/meminfo", cgroup: str | Path = "/sys/fs/cgroup") -> int:
+    """What this process may still allocate, in bytes: the host's MemAvailable, or less where a cgroup (a
+    container's --memory) limits it: its limit minus its usage, cgroup v2 (memory.max) or v1 (memory/). The
+    usage counts reclaimable page cache, so this errs low."""
+    avail = None
+    with open(meminfo) as fh:
         for line in fh:
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("/proc/meminfo has no MemAvailable line")
+                avail = int(line.split()[1]) * 1024
+    if avail is None:
+        raise OSError(f"{meminfo} has no MemAvailable line")
+    root = Path(cgroup)
+    for limit, usage in (("memory.max", "memory.current"),
+                         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            cap, used = (root / limit).read_text().strip(), (root / usage).read_text().strip()
+        except OSError:
+            continue
+        if cap.isdigit() and used.isdigit():  # "max" (v2) or a huge number (v1): no limit below the host's
+            return max(0, min(avail, int(cap) - int(used)))
+    return avail
 
 
 def check_budget(size: int, directory: Path, *, key: str = "tiers.dram.capacity") -> None:
@@ -44,11 +58,12 @@ def check_budget(size: int, directory: Path, *, key: str = "tiers.dram.capacity"
     st = os.statvfs(directory)
     free = st.f_bavail * st.f_frsize
     if size > free:
-        raise ConfigError(f"{key} needs {size} bytes in {directory}, which has {free} free; lower {key} or "
+        raise InsufficientResources(f"{key} needs {size} bytes in {directory}, which has {free} free; lower {key} or "
                           f"give {directory} more room (docker: --shm-size), or set tiers.dram.shm_dir")
     avail = mem_available()
     if size > avail:
-        raise ConfigError(f"{key} needs {size} bytes of host memory, but MemAvailable is {avail}; lower {key}")
+        raise InsufficientResources(f"{key} needs {size} bytes of host memory, but MemAvailable (or the container's "
+                                    f"memory limit) leaves {avail}; lower {key}")
 
 
 def clean_stale(directory: Path) -> list[Path]:

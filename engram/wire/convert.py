@@ -14,17 +14,20 @@ import functools
 import operator
 import types
 import typing
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import numpy as np
 from google.protobuf import message_factory
 from google.protobuf.message import Message
 
 from engram.api import SessionMode
-from engram.block import BlockHeader
 from engram.errors import InvalidArgument
 from engram.layout import Axis, DType, KVLayout, LayerKind, LayerSpec, ModelSpec, StreamSpec
 from engram.v1 import engram_pb2 as pb
+
+if TYPE_CHECKING:  # numpy (and the block module) load on first use: the CLI's inspection path needs neither
+    import numpy as np
+
+    from engram.block import BlockHeader
 
 T = TypeVar("T")
 
@@ -176,6 +179,10 @@ def model_to_pb(spec: ModelSpec) -> pb.ModelSpec:
 
 
 def header_from_pb(msg: pb.BlockHeader, index: int) -> BlockHeader:
+    import numpy as np
+
+    from engram.block import BlockHeader
+
     return BlockHeader(tokens=np.asarray(msg.tokens, dtype="<i4"), dtype=dtype_from_pb(msg.dtype, f"block {index}"),
                        shape=tuple(msg.shape), payload_nbytes=msg.payload_nbytes, checksum=msg.checksum,
                        codec=msg.codec or "raw")
@@ -188,8 +195,12 @@ def header_to_pb(header: BlockHeader) -> pb.BlockHeader:
 
 
 def tokens_from_pb(values: Any) -> np.ndarray:
+    import numpy as np
+
     return np.asarray(values, dtype="<i4")
 
 
 def tokens_to_pb(tokens: Any) -> list[int]:
+    import numpy as np
+
     return np.asarray(tokens, dtype=np.int32).tolist()

@@ -1,0 +1,127 @@
+"""The daemon's control and inspection calls: stats, check, ping, the listings, describe, evict and pin.
+
+`ControlClient` moves no KV, so it imports neither torch nor the codecs: the CLI's inspection commands use it
+and start in a fraction of a second. `EngramClient` (engram/client.py) extends it with the data path (put,
+get, sessions). Replies are engram.api dataclasses; gRPC errors come back as the domain errors of
+engram.errors, with the server's message.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Coroutine, Sequence
+from typing import Any, Self, TypeVar
+
+import grpc
+
+from engram.api import (
+    BlockDescription,
+    CheckReport,
+    EvictResult,
+    NamespaceStats,
+    NamespaceSummary,
+    SessionSummary,
+    Stats,
+)
+from engram.v1 import engram_pb2 as pb
+from engram.wire import convert
+from engram.wire.channel import DEFAULT_MAX_MESSAGE_BYTES, open_channel, stub_for
+from engram.wire.status import error_from_rpc
+
+__all__ = ["ControlClient"]
+
+T = TypeVar("T")
+
+
+class ControlClient:
+    def __init__(self, address: str, *, namespace: str = "default", token: str = "", root_cert: bytes | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        """address: host:port or unix:/path. token: the tenant's bearer token (tenancy on); root_cert: PEM root
+        certificate, for a daemon serving TLS. namespace: the default of every call; with a token, "" means
+        the token's first."""
+        self.address = address
+        self.namespace = namespace
+        self._channel = open_channel(address, root_cert=root_cert, max_message_bytes=max_message_bytes)
+        self._stub = stub_for(self._channel, token)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the channel (the context manager does it)."""
+        await self._channel.close()
+
+    async def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        try:
+            return await coro
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from exc
+
+    def _ns(self, namespace: str | None) -> str:
+        return self.namespace if namespace is None else namespace
+
+    async def ping(self) -> float:
+        """Seconds for one round trip of the standard health check (which needs no token); Unavailable when the
+        daemon does not answer or is not serving."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        t0 = time.perf_counter()
+        resp = await self._call(health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest()))
+        if resp.status != health_pb2.HealthCheckResponse.SERVING:
+            from engram.errors import Unavailable
+
+            raise Unavailable(f"the daemon at {self.address} answers but is not serving (shutting down?)")
+        return time.perf_counter() - t0
+
+    async def stats(self) -> Stats:
+        """Tiers, models, counters, replay, cluster and the namespaces this caller may see (all, for an admin)."""
+        return convert.from_pb(Stats, await self._call(self._stub.Stats(pb.StatsRequest())))
+
+    async def check(self, *, fix: bool = False) -> CheckReport:
+        """Verify every stored copy (payload checksums, block files); with fix, drop the broken ones. Admin only."""
+        return convert.from_pb(CheckReport, await self._call(self._stub.Check(pb.CheckRequest(fix=fix))))
+
+    async def describe_namespace(self, namespace: str | None = None) -> NamespaceStats:
+        """The namespace's key salt, quota, and physical against logical bytes."""
+        req = pb.DescribeNamespaceRequest(namespace=self._ns(namespace))
+        return convert.from_pb(NamespaceStats, await self._call(self._stub.DescribeNamespace(req)))
+
+    # ---- inspection (engram ls / show / evict / pin) ---------------------------------------------
+
+    async def list_namespaces(self) -> tuple[NamespaceSummary, ...]:
+        """Every namespace with its blocks, bytes and sessions. Admin only (or tenancy off)."""
+        resp = await self._call(self._stub.ListNamespaces(pb.ListNamespacesRequest()))
+        return tuple(convert.from_pb(NamespaceSummary, n) for n in resp.namespaces)
+
+    async def list_sessions(self, *, namespace: str | None = None, all_namespaces: bool = False
+                            ) -> tuple[SessionSummary, ...]:
+        """The sessions of one namespace, or of every namespace (all_namespaces: admin only)."""
+        req = pb.ListSessionsRequest(namespace=self._ns(namespace), all_namespaces=all_namespaces)
+        resp = await self._call(self._stub.ListSessions(req))
+        return tuple(convert.from_pb(SessionSummary, s) for s in resp.sessions)
+
+    async def describe_blocks(self, *, session_id: str = "", key_prefixes: Sequence[str] = (),
+                              namespace: str | None = None, all_namespaces: bool = False) -> BlockDescription:
+        """A session's block chain (session_id), or the blocks named by hex keys or unique key prefixes: tiers,
+        codec, checksum, refcount, pins. NotFound when nothing matches; InvalidArgument for an ambiguous prefix."""
+        req = pb.DescribeBlocksRequest(namespace=self._ns(namespace), all_namespaces=all_namespaces,
+                                       session_id=session_id, key_prefixes=list(key_prefixes))
+        return convert.from_pb(BlockDescription, await self._call(self._stub.DescribeBlocks(req)))
+
+    async def evict(self, *, key_prefixes: Sequence[str] = (), session_id: str = "", whole_namespace: bool = False,
+                    force: bool = False, namespace: str | None = None, all_namespaces: bool = False) -> EvictResult:
+        """Evict blocks by key (with every block extending them), the blocks only a session uses, or a whole
+        namespace. Pinned blocks refuse the request unless force; blocks being read are skipped and reported."""
+        req = pb.EvictRequest(namespace=self._ns(namespace), all_namespaces=all_namespaces,
+                              key_prefixes=list(key_prefixes), session_id=session_id,
+                              whole_namespace=whole_namespace, force=force)
+        return convert.from_pb(EvictResult, await self._call(self._stub.Evict(req)))
+
+    async def pin(self, fingerprint: bytes, keys: Sequence[bytes], *, unpin: bool = False,
+                  namespace: str | None = None) -> int:
+        """Pin blocks (never evicted) or, with unpin, remove one pin from each; returns how many changed."""
+        req = pb.PinRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint, keys=list(keys), unpin=unpin)
+        return (await self._call(self._stub.Pin(req))).changed

@@ -1,0 +1,164 @@
+"""The CLI against a daemon with tenants and TLS, configured as README.md's "Tenants" section says (its TOML
+block, read from the README, with real files for the paths it names), and the exit codes of usage errors.
+
+The daemon is a real `engram serve` subprocess over TCP with a self-signed certificate; the README's secrets
+come from the environment variables it names (ENGRAM_SALT, TEAM_A_TOKEN), which the config loader must not
+take for config keys. Commands run in this process through Typer's CliRunner with the environment a user
+would set (ENGRAM_TOKEN, ENGRAM_TLS_CA), and once as a real `engram` subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner, Result
+
+from engram.cli.main import app
+from engram.client import SyncEngramClient
+from engram.config import load_config
+
+from helpers import ENGRAM, NEUTRAL_CWD, free_port, random_kv, self_signed_cert, tiny_model, tokens, wait_for
+
+REPO = Path(__file__).resolve().parent.parent
+ADMIN, TEAM_A = "admin-token-1", "team-a-token-1"
+
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI for a certificate")
+
+
+def readme_tenant_toml() -> str:
+    blocks = re.findall(r"```toml\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    return next(b for b in blocks if "[auth.tenants." in b)
+
+
+@dataclass
+class Deployment:
+    address: str
+    cert: Path
+    env: dict[str, str]  # what the daemon was started with (ENGRAM_SALT, TEAM_A_TOKEN, ...)
+
+
+@pytest.fixture
+def deployment(tmp_path: Path) -> Iterator[Deployment]:
+    cert, key = self_signed_cert(tmp_path)
+    admin = tmp_path / "admin"
+    admin.write_text(ADMIN)
+    toml = (readme_tenant_toml().replace("/etc/engram/cert.pem", str(cert)).replace("/etc/engram/key.pem", str(key))
+            .replace("/etc/engram/admin", str(admin)))
+    config = tmp_path / "engram.toml"
+    config.write_text(toml)
+    port = free_port()
+    env = {**os.environ, "ENGRAM_SALT": "salt-secret", "TEAM_A_TOKEN": TEAM_A, "ENGRAM_TOKEN": ADMIN,
+           "ENGRAM_PEER": "unused", "ENGRAM_TIERS__DRAM__CAPACITY": "64MiB"}
+    proc = subprocess.Popen([*ENGRAM, "serve", "--config", str(config), "--port", str(port), "--log-level",
+                             "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=NEUTRAL_CWD)
+    address = f"localhost:{port}"
+    try:
+        wait_for(address, proc, root_cert=cert.read_bytes())
+        with SyncEngramClient(address, token=TEAM_A, namespace="team-a", root_cert=cert.read_bytes()) as c:
+            spec = tiny_model()
+            toks = tokens(32)
+            fp = c.register_model(spec)
+            c.put(fp, toks, random_kv(spec, 32))
+            c.open_session(fp, mode="persist", session_id="chat-1", tokens=toks)
+        yield Deployment(address, cert, env)
+    finally:
+        proc.kill()
+        proc.wait(10)
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+def cli(*args: str, token: str | None = ADMIN, ca: Path | None = None) -> Result:
+    env = {"ENGRAM_TOKEN": token, "ENGRAM_TLS_CA": str(ca) if ca else None}
+    return CliRunner().invoke(app, list(args), env=env)
+
+
+def test_readme_tenant_config_loads_with_its_env_references(tmp_path: Path) -> None:
+    """ENGRAM_SALT (named by env:ENGRAM_SALT), ENGRAM_PEER and the CLI's ENGRAM_TOKEN are not config keys."""
+    config = tmp_path / "engram.toml"
+    config.write_text(readme_tenant_toml().split("[server]")[0])
+    env = {"ENGRAM_SALT": "s", "ENGRAM_PEER": "p", "ENGRAM_TOKEN": "t", "ENGRAM_TLS_CA": "/x.pem",
+           "ENGRAM_CLUSTER_SECRET": "c", "ENGRAM_SERVER__PORT": "7000"}
+    cfg = load_config(config, env=env)
+    assert cfg.auth.salt_secret == "env:ENGRAM_SALT" and cfg.auth.tenants["team-a"].quota == 64 * 2**30
+    assert cfg.server.port == 7000  # ENGRAM_<SECTION>__<KEY> still sets keys
+    with pytest.raises(Exception, match="ENGRAM_SERVER__PROT"):  # and a typo in one is still an error
+        load_config(config, env={**env, "ENGRAM_SERVER__PROT": "1"})
+
+
+def test_tenants_and_tls_from_the_cli(deployment: Deployment) -> None:
+    addr, cert = deployment.address, deployment.cert
+    stats = cli("stats", "--json", "-a", addr, "--tls-ca", str(cert))  # admin token from ENGRAM_TOKEN
+    assert stats.exit_code == 0, stats.output
+    assert [n["namespace"] for n in json.loads(stats.stdout)["namespaces"]] == ["team-a"]
+    one = cli("stats", "--json", "-n", "team-a", "-a", addr, ca=cert)  # the CA from ENGRAM_TLS_CA
+    assert one.exit_code == 0 and json.loads(one.stdout)["namespaces"][0]["blocks"] == 2
+    assert cli("stats", "-n", "team-b", "-a", addr, ca=cert).exit_code == 3
+    assert cli("check", "--json", "-a", addr, ca=cert).exit_code == 0
+
+    mine = cli("ls", "-n", "team-a", "--json", "-a", addr, token=TEAM_A, ca=cert)
+    assert mine.exit_code == 0, mine.output
+    assert [s["info"]["session_id"] for s in json.loads(mine.stdout)["sessions"]] == ["chat-1"]
+    for token in (ADMIN, TEAM_A):  # no -n: the one namespace holding chat-1 (a tenant sees only its own)
+        shown = cli("show", "chat-1", "--json", "-a", addr, token=token, ca=cert)
+        assert shown.exit_code == 0, shown.output
+        assert json.loads(shown.stdout)["session"]["info"]["namespace"] == "team-a"
+    top = cli("top", "--json", "-i", "0.1", "-a", addr, ca=cert)
+    assert top.exit_code == 0 and "rates_per_s" in json.loads(top.stdout)
+
+    denied = cli("ls", "-a", addr, token=TEAM_A, ca=cert)  # every namespace: admin only
+    assert denied.exit_code == 6 and "admin token" in denied.stderr
+    assert cli("ping", "-a", addr, token=None, ca=cert).exit_code == 0  # the health check needs no token
+    anonymous = cli("stats", "-a", addr, token=None, ca=cert)
+    assert anonymous.exit_code == 6 and "ENGRAM_TOKEN" in anonymous.stderr
+    plaintext = cli("stats", "-a", addr)
+    assert plaintext.exit_code == 2 and "--tls-ca" in plaintext.stderr
+    bad_ca = cli("stats", "-a", addr, "--tls-ca", str(deployment.cert.parent / "key.pem"))
+    assert bad_ca.exit_code == 4 and "not a PEM certificate" in bad_ca.stderr
+
+
+def test_engram_token_in_the_environment_of_a_real_cli(deployment: Deployment) -> None:
+    """What README says to do, as a user's shell would: ENGRAM_TOKEN (and the daemon's own secrets) exported."""
+    out = subprocess.run([*ENGRAM, "ls", "-n", "team-a", "-a", deployment.address, "--tls-ca", str(deployment.cert)],
+                         capture_output=True, text=True, timeout=60, cwd=NEUTRAL_CWD,
+                         env={**deployment.env, "ENGRAM_TOKEN": TEAM_A})
+    assert out.returncode == 0, out.stderr
+    assert "chat-1" in out.stdout
+
+
+@pytest.mark.parametrize("args", [["stats", "--bogus"], ["show"], ["nosuch"], ["ls", "-a", "garbage"],
+                                  ["stats", "-a", "host:notaport"], ["top", "-i", "x"], ["bench", "trace", "--bogus"],
+                                  ["--bogus"]])
+def test_usage_errors_are_bad_input_not_unreachable(args: list[str]) -> None:
+    out = CliRunner().invoke(app, args)
+    assert out.exit_code == 4, out.output
+
+
+def test_garbage_address_is_named(tmp_path: Path) -> None:
+    out = CliRunner().invoke(app, ["stats", "-a", "garbage"])
+    assert out.exit_code == 4 and "--address 'garbage' is not host:port, [v6addr]:port or unix:" in out.stderr
+
+
+def test_readme_tenant_client_line_runs(deployment: Deployment, tmp_path: Path) -> None:
+    """README's one-line tenant client (token, namespace, root_cert) against the daemon its TOML configures."""
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    line = next(b for b in blocks if "root_cert=ca_pem" in b).strip()
+    assert line.endswith(": ...")
+    body = line.replace("host:50051", deployment.address).removesuffix("...") + \
+        "\n        print((await client.describe_namespace()).namespace)"
+    script = tmp_path / "tenant.py"
+    script.write_text("\n".join(["import asyncio", "from engram.client import EngramClient", f"token = {TEAM_A!r}",
+                                 f"ca_pem = open({str(deployment.cert)!r}, 'rb').read()", "",
+                                 "async def main() -> None:", f"    {body}", "", "asyncio.run(main())", ""]))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=NEUTRAL_CWD)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "team-a"

@@ -1,0 +1,127 @@
+"""`engram serve` start-up, as a real subprocess: each class of failure is one line on stderr (what is wrong,
+what to change) with its own exit code, and leaves nothing behind (no DRAM segment, no directories); a start
+that succeeds prints a banner naming what runs, and warns about an open address without tenants."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from pathlib import Path
+
+from engram.tiers.shm import mem_available
+
+from helpers import ENGRAM, NEUTRAL_CWD
+
+
+def serve(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    shm = tmp_path / "shm"
+    shm.mkdir(exist_ok=True)
+    out = subprocess.run([*ENGRAM, "serve", "--set", f"tiers.dram.shm_dir={shm}", *args], capture_output=True,
+                         text=True, timeout=60, cwd=NEUTRAL_CWD)
+    return out, shm
+
+
+def one_line(out: subprocess.CompletedProcess[str]) -> str:
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert lines[0].startswith("error: ")
+    return lines[0]
+
+
+def test_port_in_use(tmp_path: Path) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        out, shm = serve(tmp_path, "--port", str(port), "--dram-capacity", "64MiB")
+    assert out.returncode == 8
+    line = one_line(out)
+    assert f"127.0.0.1:{port}" in line and "Address already in use" in line and "--port" in line
+    assert list(shm.iterdir()) == []
+
+
+def test_host_not_of_this_machine(tmp_path: Path) -> None:
+    out, shm = serve(tmp_path, "--host", "192.0.2.1", "--port", "0", "--dram-capacity", "64MiB")  # TEST-NET-1
+    assert out.returncode == 4 and "not an address of this machine" in one_line(out)
+
+
+def test_dram_larger_than_the_host_can_give(tmp_path: Path) -> None:
+    out, shm = serve(tmp_path, "--port", "0", "--dram-capacity", "100TiB")
+    assert out.returncode == 7 and "lower tiers.dram.capacity" in one_line(out)
+    assert list(shm.iterdir()) == []
+    private, _ = serve(tmp_path, "--port", "0", "--dram-capacity", "100TiB", "--set", "tiers.dram.pool=private")
+    assert private.returncode == 7 and "MemAvailable" in one_line(private)
+
+
+def test_missing_nvme_directory_is_not_created_anywhere(tmp_path: Path) -> None:
+    out, shm = serve(tmp_path, "--port", "0", "--dram-capacity", "64MiB",
+                     "--set", f"tiers.nvme.path={tmp_path / 'typo' / 'engram'}")
+    assert out.returncode == 4 and "mkdir -p" in one_line(out)
+    assert not (tmp_path / "typo").exists() and list(shm.iterdir()) == []
+
+
+def test_missing_socket_directory_is_not_created(tmp_path: Path) -> None:
+    out, _ = serve(tmp_path, "--unix-socket", str(tmp_path / "nodir" / "e.sock"), "--dram-capacity", "64MiB")
+    assert out.returncode == 4 and "does not exist" in one_line(out)
+    assert not (tmp_path / "nodir").exists()
+
+
+def test_failure_after_the_segment_exists_removes_it(tmp_path: Path) -> None:
+    """The socket path is a directory: found only at bind time, once the DRAM segment was made."""
+    (tmp_path / "sock").mkdir()
+    out, shm = serve(tmp_path, "--unix-socket", str(tmp_path / "sock"), "--dram-capacity", "64MiB")
+    assert out.returncode == 9 and "cannot start" in one_line(out)
+    assert list(shm.iterdir()) == []
+
+
+def banner(shm: Path, *args: str) -> list[str]:
+    """The first seven lines `engram serve` prints (address, tiers, codec, tenancy, TLS, replay, a warning)."""
+    shm.mkdir()
+    proc = subprocess.Popen([*ENGRAM, "serve", "--dram-capacity", "64MiB", "--set", f"tiers.dram.shm_dir={shm}",
+                             "--log-level", "error", *args], stdout=subprocess.PIPE, text=True, cwd=NEUTRAL_CWD)
+    try:
+        assert proc.stdout is not None
+        return [proc.stdout.readline().strip() for _ in range(7)]
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_banner_names_what_runs_and_warns_about_an_open_address(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    lines = banner(shm, "--host", "0.0.0.0", "--port", "0", "--set", "codec.default=raw")
+    assert lines[0].startswith("engram: serving on 0.0.0.0:")
+    assert f"engram: tiers: dram 64 MiB (shared pool in {shm}); write-back" in lines
+    assert "engram: codec: raw (lossless)" in lines and "engram: TLS: off" in lines
+    assert "engram: replay models: none" in lines
+    assert any(line.startswith("engram: tenancy: off") for line in lines)
+    assert any(line.startswith("engram: warning: listening on 0.0.0.0 with tenancy off") for line in lines), lines
+
+
+def test_memory_budget_counts_a_containers_cgroup_limit(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 33554432 kB\nMemAvailable: 16777216 kB\n")  # 16 GiB free on the host
+    v2, v1, unlimited = tmp_path / "v2", tmp_path / "v1", tmp_path / "none"
+    v2.mkdir()
+    (v2 / "memory.max").write_text(f"{2**30}\n")  # docker --memory 1g
+    (v2 / "memory.current").write_text(f"{256 * 2**20}\n")
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{4 * 2**30}\n")
+    (v1 / "memory" / "memory.usage_in_bytes").write_text(f"{2**30}\n")
+    unlimited.mkdir()
+    (unlimited / "memory.max").write_text("max\n")
+    (unlimited / "memory.current").write_text("123\n")
+    assert mem_available(meminfo, v2) == 768 * 2**20
+    assert mem_available(meminfo, v1) == 3 * 2**30
+    assert mem_available(meminfo, unlimited) == mem_available(meminfo, tmp_path / "absent") == 16 * 2**30
+
+
+def test_banner_warns_when_the_disk_cannot_hold_the_nvme_capacity(tmp_path: Path) -> None:
+    shm, nvme = tmp_path / "shm", tmp_path / "nvme"
+    lines = banner(shm, "--unix-socket", str(tmp_path / "e.sock"), "--set", f"tiers.nvme.path={nvme}",
+                   "--set", "tiers.nvme.capacity=1000TiB", "--set", "tiers.nvme.fsync=false")
+    assert f"engram: tiers: dram 64 MiB (shared pool in {shm}), nvme 1024000.0 GiB at {nvme}; write-back, loss " \
+           "window 5 s" in lines, lines
+    assert any("warning: tiers.nvme.capacity" in line and "lower the capacity" in line for line in lines), lines
