@@ -33,7 +33,8 @@ async def main(samples: int) -> dict[str, object]:
     time.sleep(0.5)
     daemons = [await start_server(load_config(env={}, overrides={
         "server.port": 0, "cluster.redis_url": f"redis://127.0.0.1:{port}/0", "cluster.node_id": n,
-        "cluster.heartbeat_s": 0.5, "cluster.ttl_s": 5.0, "cluster.secret": "bench-secret"})) for n in ("a", "b")]
+        "cluster.heartbeat_s": 0.5, "cluster.ttl_s": 5.0, "cluster.secret": "bench-secret",
+        "tiers.dram.capacity": "512MiB"})) for n in ("a", "b")]
     try:
         async with EngramClient(daemons[0].address, namespace="ns") as a, \
                 EngramClient(daemons[1].address, namespace="ns") as b:
