@@ -82,6 +82,28 @@ async def put_tokens(store: BlockStore, namespace: str, fingerprint: bytes, toks
     return store.find(namespace, fingerprint, keys)
 
 
+async def put_raw_chain(store: BlockStore, namespace: str, spec: ModelSpec, seed: int, n_blocks: int) -> list[bytes]:
+    """Put n_blocks full raw blocks of seeded tokens and KV through the store, one put per block as the daemon
+    does; the chain's keys (each block is acknowledged before the next is put)."""
+    from engram.block import BlockHeader, checksum
+    from engram.codec.stored import RAW, encode
+    from engram.keys import root_key
+
+    bt = spec.layout.block_tokens
+    toks = tokens(n_blocks * bt, seed=seed)
+    kv = random_kv(spec, len(toks), seed=seed)
+    parent = root_key(namespace, spec.fingerprint)
+    keys = []
+    for i in range(n_blocks):
+        block = kv[:, :, i * bt : (i + 1) * bt]
+        payload = encode(block, RAW)
+        header = BlockHeader(toks[i * bt : (i + 1) * bt], spec.layout.dtype, tuple(block.shape), len(payload),
+                             checksum(payload))
+        parent = (await store.put(namespace, spec.fingerprint, parent, header, payload, index=i)).key
+        keys.append(parent)
+    return keys
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

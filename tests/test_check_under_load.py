@@ -15,33 +15,20 @@ from pathlib import Path
 
 import numpy as np
 
-from engram.block import BlockHeader, checksum
-from engram.codec.stored import RAW, encode
+from engram.block import checksum
 from engram.config import load_config
 from engram.errors import FailedPrecondition
-from engram.keys import root_key
 from engram.server.app import build_store
 from engram.store import BlockStore
 
-from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
+from helpers import BLOCK_TOKENS, put_raw_chain, tiny_model, tokens
 
 SPEC = tiny_model()
 NS = "load"
 
 
 async def put_chain(store: BlockStore, seed: int, n_blocks: int) -> list[bytes]:
-    toks = tokens(n_blocks * BLOCK_TOKENS, seed=seed)
-    kv = random_kv(SPEC, len(toks), seed=seed)
-    parent = root_key(NS, SPEC.fingerprint)
-    keys = []
-    for i in range(n_blocks):
-        block = kv[:, :, i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS]
-        payload = encode(block, RAW)
-        header = BlockHeader(toks[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS], SPEC.layout.dtype, tuple(block.shape),
-                             len(payload), checksum(payload))
-        parent = (await store.put(NS, SPEC.fingerprint, parent, header, payload, index=i)).key
-        keys.append(parent)
-    return keys
+    return await put_raw_chain(store, NS, SPEC, seed, n_blocks)
 
 
 async def test_check_fix_under_puts_gets_demotions_and_evictions_drops_only_what_is_broken(tmp_path: Path) -> None:

@@ -30,17 +30,16 @@ import pytest
 import torch
 
 from engram import errors
-from engram.block import BlockHeader, checksum
+from engram.block import checksum
 from engram.client import EngramClient
 from engram.codec.stored import RAW, encode
 from engram.config import load_config
-from engram.keys import root_key
 from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
 from engram.server.app import build_store
 from engram.v1 import engram_pb2 as pb
 from engram.v1 import engram_pb2_grpc as pb_grpc
 
-from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
+from helpers import BLOCK_TOKENS, put_raw_chain, random_kv, tiny_model, tokens
 
 SPEC = tiny_model()
 BLOCK = SPEC.layout.block_nbytes(BLOCK_TOKENS)
@@ -56,18 +55,7 @@ def eio(op_name: str, only: set[Path] | None = None):  # type: ignore[no-untyped
 
 
 async def put_chain(store, seed: int, n_blocks: int) -> list[bytes]:  # type: ignore[no-untyped-def]
-    toks = tokens(n_blocks * BLOCK_TOKENS, seed=seed)
-    kv = random_kv(SPEC, len(toks), seed=seed)
-    parent = root_key(NS, SPEC.fingerprint)
-    keys = []
-    for i in range(n_blocks):
-        block = kv[:, :, i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS]
-        payload = encode(block, RAW)
-        header = BlockHeader(toks[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS], SPEC.layout.dtype, tuple(block.shape),
-                             len(payload), checksum(payload))
-        parent = (await store.put(NS, SPEC.fingerprint, parent, header, payload, index=i)).key
-        keys.append(parent)
-    return keys
+    return await put_raw_chain(store, NS, SPEC, seed, n_blocks)
 
 
 async def test_eio_on_demotion_deletes_the_victim_instead_and_serves_the_rest(tmp_path: Path) -> None:

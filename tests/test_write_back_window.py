@@ -30,7 +30,7 @@ from engram.keys import root_key
 from engram.server.app import build_store
 from engram.store import BlockStore
 
-from helpers import BLOCK_TOKENS, ENGRAM, NEUTRAL_CWD, random_kv, tiny_model, tokens, wait_for
+from helpers import BLOCK_TOKENS, ENGRAM, NEUTRAL_CWD, put_raw_chain, random_kv, tiny_model, tokens, wait_for
 
 SPEC = tiny_model()
 BLOCK = SPEC.layout.block_nbytes(BLOCK_TOKENS)
@@ -38,18 +38,7 @@ NS = "window"
 
 
 async def put_chain(store: BlockStore, seed: int, n_blocks: int) -> list[bytes]:
-    toks = tokens(n_blocks * BLOCK_TOKENS, seed=seed)
-    kv = random_kv(SPEC, len(toks), seed=seed)
-    parent = root_key(NS, SPEC.fingerprint)
-    keys = []
-    for i in range(n_blocks):
-        block = kv[:, :, i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS]
-        payload = encode(block, RAW)
-        header = BlockHeader(toks[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS], SPEC.layout.dtype, tuple(block.shape),
-                             len(payload), checksum(payload))
-        parent = (await store.put(NS, SPEC.fingerprint, parent, header, payload, index=i)).key
-        keys.append(parent)
-    return keys
+    return await put_raw_chain(store, NS, SPEC, seed, n_blocks)
 
 
 async def open_store(root: Path, **tiers: object) -> BlockStore:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -132,10 +133,9 @@ def to_bytes(q: QuantizedKV) -> bytes:
     return q.k.to_bytes() + q.v.to_bytes()
 
 
-def check_bytes(buf: bytes | memoryview, fmt: str, shape: tuple[int, int, int, int], *, k_axis: str = "channel",
-                v_axis: str = "token") -> None:
-    """Raise ValueError unless `to_bytes` output would parse (`from_bytes`): its length and every scale, read
-    in place, without building tensors (what a daemon asks of a block a worker encoded, at put time)."""
+def _split_kv(buf: bytes | memoryview, fmt: str, shape: tuple[int, int, int, int], k_axis: str, v_axis: str
+              ) -> tuple[Any, tuple[memoryview, tuple[int, int]], tuple[memoryview, tuple[int, int]]]:
+    """A `to_bytes` payload checked for length and cut into its K and V matrices' bytes, with their shapes."""
     expected = payload_nbytes(fmt, shape, k_axis=k_axis, v_axis=v_axis)
     if len(buf) != expected:
         raise ValueError(f"{fmt} KV payload of shape {shape} must be {expected} bytes, got {len(buf)}")
@@ -143,20 +143,22 @@ def check_bytes(buf: bytes | memoryview, fmt: str, shape: tuple[int, int, int, i
     k_shape, v_shape = _matrix_shape(shape, k_axis), _matrix_shape(shape, v_axis)
     split = payload.payload_nbytes(k_shape)
     view = memoryview(buf)
-    payload.check_bytes(view[:split], k_shape)
-    payload.check_bytes(view[split:], v_shape)
+    return payload, (view[:split], k_shape), (view[split:], v_shape)
+
+
+def check_bytes(buf: bytes | memoryview, fmt: str, shape: tuple[int, int, int, int], *, k_axis: str = "channel",
+                v_axis: str = "token") -> None:
+    """Raise ValueError unless `to_bytes` output would parse (`from_bytes`): its length and every scale, read
+    in place, without building tensors (what a daemon asks of a block a worker encoded, at put time)."""
+    payload, (k_buf, k_shape), (v_buf, v_shape) = _split_kv(buf, fmt, shape, k_axis, v_axis)
+    payload.check_bytes(k_buf, k_shape)
+    payload.check_bytes(v_buf, v_shape)
 
 
 def from_bytes(buf: bytes | memoryview, fmt: str, shape: tuple[int, int, int, int], *, k_axis: str = "channel",
                v_axis: str = "token", device: torch.device | str = "cpu") -> QuantizedKV:
     """Parse `to_bytes` output; raises ValueError on a wrong length or impossible scale bytes."""
-    expected = payload_nbytes(fmt, shape, k_axis=k_axis, v_axis=v_axis)
-    if len(buf) != expected:
-        raise ValueError(f"{fmt} KV payload of shape {shape} must be {expected} bytes, got {len(buf)}")
-    payload = FORMATS[fmt]
-    k_shape, v_shape = _matrix_shape(shape, k_axis), _matrix_shape(shape, v_axis)
-    split = payload.payload_nbytes(k_shape)
-    view = memoryview(buf)
-    k = payload.from_bytes(view[:split], k_shape, device)
-    v = payload.from_bytes(view[split:], v_shape, device)
+    payload, (k_buf, k_shape), (v_buf, v_shape) = _split_kv(buf, fmt, shape, k_axis, v_axis)
+    k = payload.from_bytes(k_buf, k_shape, device)
+    v = payload.from_bytes(v_buf, v_shape, device)
     return QuantizedKV(fmt, tuple(shape), k_axis, v_axis, k, v)  # type: ignore[arg-type]
