@@ -11,8 +11,8 @@ Live: against a running daemon with two tokens. Blocks stay where the daemon put
 need a deployment of their own (per tier, Redis, peers, another secret) are reported "not checked".
 
 Zero-copy memory and CUDA IPC are reported "not checked": a zero-copy Get is probed as a request (another
-namespace's keys are NOT_FOUND before any descriptor), but whether a mapped segment or an exported device
-allocation holds only the caller's blocks is decided by the hit path's pools, not probed here.
+namespace's keys are NOT_FOUND before any descriptor), but the shared segment and an exported device allocation
+hold every namespace's blocks: under tenancy the daemon hands out neither unless auth.same_host_paths = on.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ OWNER_NS, PROBER_NS = "isolation-owner", "isolation-prober"
 TIERS = ("hbm", "dram", "nvme")
 Progress = Callable[[str], None]
 
-ZERO_COPY_NOTE = ("not probed here: whether a mapped DRAM segment holds only the caller's namespaces is the "
-                  "hit path's (per-tenant pools); a zero-copy Get request is probed above")
+ZERO_COPY_NOTE = ("not probed here: the shared DRAM segment holds every namespace's blocks, so under tenancy the "
+                  "daemon hands out no descriptors into it unless auth.same_host_paths = on trusts this host's "
+                  "workers (tests/test_put_in_place.py); a zero-copy Get request is probed above")
 CUDA_IPC_NOTE = "not probed here: needs a GPU, and which allocation a CUDA IPC handle exports is the hit path's"
 
 
