@@ -121,3 +121,12 @@ def redis_server(transport: str) -> Iterator[dict[str, object]]:
         finally:
             proc.terminate()
             proc.wait(10)
+
+
+def write_rows(path: str, rows: list[dict[str, object]]) -> None:
+    """One JSON object per row (the --json files the GPU session brings back)."""
+    import json
+
+    with open(path, "w") as fh:
+        for r in rows:
+            fh.write(json.dumps(r) + "\n")

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import statistics
 import time
 from typing import Any
@@ -30,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks._harness import engram_daemon, machine
+from benchmarks._harness import engram_daemon, machine, write_rows
 from engram.client import EngramClient
 from engram.codec.stored import stored_nbytes
 from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
@@ -207,9 +206,7 @@ def main() -> None:
           + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else ""))
     print(table(rows))
     if args.json:
-        with open(args.json, "w") as fh:
-            for r in rows:
-                fh.write(json.dumps(r) + "\n")
+        write_rows(args.json, rows)
 
 
 if __name__ == "__main__":

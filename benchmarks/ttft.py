@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._harness import engram_daemon, machine
+from benchmarks._harness import engram_daemon, machine, write_rows
 from engram.client import SyncEngramClient
 from engram.integrations.transformers import EngramPrefixCache, cache_kwarg
 
@@ -166,9 +166,7 @@ def main() -> None:
           + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else ""))
     print(table(rows))
     if args.json:
-        with open(args.json, "w") as fh:
-            for r in rows:
-                fh.write(json.dumps(r) + "\n")
+        write_rows(args.json, rows)
 
 
 if __name__ == "__main__":
