@@ -11,10 +11,11 @@ RUN pip install --no-cache-dir . \
  && mkdir -p /data && chown engram /data
 ENV ENGRAM_SERVER__HOST=0.0.0.0 \
     ENGRAM_SERVER__PORT=50051 \
+    ENGRAM_SERVER__DATA_PORT=50052 \
     ENGRAM_SERVER__METRICS_PORT=9400 \
     ENGRAM_SERVER__METRICS_HOST=0.0.0.0 \
     ENGRAM_LOGGING__JSON=true
-EXPOSE 50051 9400
+EXPOSE 50051 50052 9400
 VOLUME ["/data"]
 USER engram
 # The standard gRPC health check (no token needed): exit 0 while the daemon serves, 2 when it does not answer.

@@ -47,11 +47,13 @@ from engram.loader import BlockSource, MappedSegment, PrefixLoader
 from engram.segment import SegmentReader
 from engram.v1 import engram_pb2 as pb
 from engram.wire import convert
+from engram.wire import data as wire
 from engram.wire.channel import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
     same_host,
 )
+from engram.wire.data import Conn, DataChannel, Endpoint
 from engram.wire.status import error_from_rpc
 from engram.wire.stream import Reassembler, client_reassembler, pieces
 from engram.writer import PutWriter, Slot, stream_block
@@ -66,6 +68,13 @@ T = TypeVar("T")
 def _tensor_bytes(t: torch.Tensor) -> bytes:
     """The raw little-endian bytes of a tensor (bf16 included, which numpy cannot hold)."""
     return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+def _raw_view(kv: torch.Tensor) -> memoryview:
+    """A raw block's payload as it lies: the bytes of a contiguous CPU tensor, not copied (others are copied
+    once, to the host or into order)."""
+    t = kv.detach().contiguous().cpu()
+    return memoryview(t.view(torch.uint8).numpy().reshape(-1))  # type: ignore[arg-type]
 
 
 def _backend_for(device: torch.device | str) -> str:
@@ -108,16 +117,22 @@ class EngramClient(ControlClient):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         zero_copy: bool | None = None,
+        data_channel: bool = True,
     ) -> None:
         """token: the tenant's bearer token (tenancy on); root_cert: PEM root certificate, for a daemon
         serving TLS. namespace: the default of every call; with a token, "" means the token's first.
         zero_copy: the same-host paths (hits copied out of the daemon's mapped pools, puts written into
-        them in place); None: whenever the daemon is on this host; False: bytes over the socket only."""
+        them in place); None: whenever the daemon is on this host; False: bytes over the socket only.
+        data_channel: payloads that travel as bytes take the daemon's data channel (raw bytes on a socket
+        beside gRPC, engram/wire/data.py) when it announces one; False: gRPC streams only."""
         if chunk_bytes + 4096 > max_message_bytes:
             raise ValueError("chunk_bytes must leave room for headers under max_message_bytes")
         super().__init__(address, namespace=namespace, token=token, root_cert=root_cert,
                          max_message_bytes=max_message_bytes)
         self.chunk_bytes = chunk_bytes
+        self._token, self._root_cert = token, root_cert
+        self._data_wanted = data_channel
+        self._data: DataChannel | None = None
         self._layouts: dict[bytes, ModelSpec] = {}
         self._segments: dict[str, SegmentReader] = {}  # shared DRAM segments mapped for zero-copy Gets
         self._zero_copy_ok = zero_copy is not False and same_host(address)
@@ -151,6 +166,8 @@ class EngramClient(ControlClient):
             seg.close()
         self._mapped.clear()
         self._ipc_pools.clear()
+        if self._data is not None:
+            await self._data.aclose()
         await super().close()
 
     # ---- models --------------------------------------------------------------------------------
@@ -377,33 +394,175 @@ class EngramClient(ControlClient):
         (name -> (layers, entries, *shape)), sent as a v2 block: every stream raw, or with a codec given, each
         in the model's codec for it."""
         ns = self._ns(namespace)
-        step = self.chunk_bytes
         spec = self._layouts.get(fingerprint)
 
+        def encoded(toks: np.ndarray | Sequence[int], kv: torch.Tensor | Mapping[str, torch.Tensor]
+                    ) -> tuple[pb.BlockHeader, bytes | memoryview]:
+            if isinstance(kv, Mapping):
+                if spec is None or not spec.layout.has_streams:
+                    raise errors.InvalidArgument("streams are a stream layout's block: register the model "
+                                                 "through this client first, with its streams")
+                streams = spec.streams if not stored.is_raw(codec) else raw_streams(spec.streams)
+                payload: bytes | memoryview = stored.encode_streams(kv, streams, len(toks),
+                                                                    backend=_backend_for(_device_of(kv)))
+                dtype, shape, block_codec = spec.layout.dtype, spec.layout.block_shape(len(toks)), stored.STREAMS
+            else:
+                payload = _raw_view(kv) if stored.is_raw(codec) else stored.encode(kv, codec,
+                                                                                   backend=_backend_for(kv.device))
+                dtype, shape, block_codec = DType.from_torch(kv.dtype), tuple(kv.shape), codec
+            return pb.BlockHeader(
+                tokens=convert.tokens_to_pb(toks), dtype=int(dtype),  # type: ignore[arg-type]
+                shape=list(shape), payload_nbytes=len(payload), checksum=checksum(payload), codec=block_codec,
+            ), payload
+
+        put = pb.PutHeader(namespace=ns, model_fingerprint=fingerprint, parent_key=parent_key, pin=pin)
+        data = await self._data_channel()
+        if data is not None:
+            return await self._put_data(data, put, [encoded(toks, kv) for toks, kv in blocks])
+        step = self.chunk_bytes
+
         async def requests() -> AsyncIterator[pb.PutRequest]:
-            yield pb.PutRequest(header=pb.PutHeader(namespace=ns, model_fingerprint=fingerprint,
-                                                    parent_key=parent_key, pin=pin))
+            yield pb.PutRequest(header=put)
             for toks, kv in blocks:
-                if isinstance(kv, Mapping):
-                    if spec is None or not spec.layout.has_streams:
-                        raise errors.InvalidArgument("streams are a stream layout's block: register the model "
-                                                     "through this client first, with its streams")
-                    streams = spec.streams if not stored.is_raw(codec) else raw_streams(spec.streams)
-                    payload = stored.encode_streams(kv, streams, len(toks), backend=_backend_for(_device_of(kv)))
-                    dtype, shape, block_codec = spec.layout.dtype, spec.layout.block_shape(len(toks)), stored.STREAMS
-                else:
-                    payload = stored.encode(kv, codec, backend=_backend_for(kv.device))
-                    dtype, shape, block_codec = DType.from_torch(kv.dtype), tuple(kv.shape), codec
-                header = pb.BlockHeader(
-                    tokens=convert.tokens_to_pb(toks), dtype=int(dtype),  # type: ignore[arg-type]
-                    shape=list(shape), payload_nbytes=len(payload), checksum=checksum(payload), codec=block_codec,
-                )
+                header, payload = encoded(toks, kv)
                 for i, (piece, last) in enumerate(pieces(payload, step)):
                     chunk = pb.BlockChunk(header=header, data=piece, last=last) if i == 0 else \
                         pb.BlockChunk(data=piece, last=last)
                     yield pb.PutRequest(chunk=chunk)
 
         return convert.from_pb(PutReply, await self._call(self._stub.Put(requests())))
+
+    # ---- the data channel (engram/wire/data.py) ----------------------------------------------
+
+    async def _data_channel(self) -> DataChannel | None:
+        """The daemon's data channel, asked for once; None when this client or the daemon has none (an
+        older daemon answers UNIMPLEMENTED), and the call goes over gRPC."""
+        if not self._data_wanted:
+            return None
+        if self._data is None:
+            try:
+                ep = await self._stub.DataEndpoint(pb.DataEndpointRequest())
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    self._data_wanted = False
+                    return None
+                raise error_from_rpc(exc) from exc
+            unix = self.address.startswith("unix:") and ep.unix_path
+            if not unix and not ep.tcp_port:
+                self._data_wanted = False
+                return None
+            host = "" if unix else self.address.rsplit(":", 1)[0].strip("[]")
+            endpoint = Endpoint(unix_path=ep.unix_path if unix else "", host=host, port=ep.tcp_port, tls=ep.tls,
+                                max_request_bytes=ep.max_request_bytes)
+            self._data = DataChannel(endpoint, self._token, self._root_cert)
+        return self._data
+
+    async def _exchange(self, data: DataChannel, kind: int, meta: bytes, body: Sequence[bytes | memoryview],
+                        answer: Callable[[Conn], Coroutine[Any, Any, T]]) -> T:
+        """One request and its answer. The daemon's refusal (an ERROR frame, wire.Refused) leaves the
+        connection framed, so it is reused; anything else closes it. A connection that breaks before any
+        answer (the daemon restarted since it was opened) is retried once on a new one, and a daemon not found
+        at its announced address is asked for it again: Put and Get are both idempotent."""
+        retried = refreshed = False
+        while True:
+            try:
+                conn = await data.call(kind, meta, body)
+                try:
+                    result = await answer(conn)
+                except wire.Refused as refused:
+                    data.done(conn)
+                    refusal = refused.error
+                    break
+                except BaseException:
+                    conn.close()
+                    raise
+            except ConnectionError as exc:  # an idle connection the daemon closed meanwhile
+                if retried:
+                    raise errors.Unavailable(f"the data channel to {self.address} broke: {exc}") from exc
+                retried = True
+                data.close()  # its other idle connections went the same way
+                continue
+            except errors.Unavailable:
+                if refreshed or self._data is not data:
+                    raise
+                refreshed = True  # a restarted daemon may listen elsewhere (data_port 0): ask again
+                data.close()
+                self._data = None
+                fresh = await self._data_channel()
+                if fresh is None:
+                    raise
+                data = fresh
+                continue
+            data.done(conn)
+            return result
+        raise refusal
+
+    async def _put_data(self, data: DataChannel, put: pb.PutHeader,
+                        blocks: list[tuple[pb.BlockHeader, bytes | memoryview]]) -> PutReply:
+        """A chain as data-channel Puts: the blocks' headers, then their payloads as they lie (a raw CPU
+        tensor is sent from its own memory). A chain over the daemon's request limit goes in several Puts,
+        each after the last key of the one before."""
+        limit = data.endpoint.max_request_bytes or 1 << 62
+        keys: list[bytes] = []
+        stored_n = dedup = not_durable = 0
+        start = 0
+        while start < len(blocks) or (not keys and start == 0):
+            end, size = start, 0
+            while end < len(blocks) and (end == start or size + blocks[end][0].payload_nbytes <= limit):
+                size += blocks[end][0].payload_nbytes
+                end += 1
+            part = blocks[start:end]
+            head = pb.PutHeader()
+            head.CopyFrom(put)
+            if keys:
+                head.parent_key = keys[-1]
+            meta = pb.DataPut(header=head, blocks=[h for h, _ in part]).SerializeToString()
+
+            async def answer(conn: Conn) -> pb.PutResponse:
+                kind, meta, body = await conn.read_frame()
+                if kind == wire.ERROR and not body:
+                    raise wire.Refused(wire.error_of(meta))
+                if kind != wire.PUT_OK or body:
+                    raise errors.DataLoss(f"data channel: a Put answered with frame kind {kind:#x}")
+                return pb.PutResponse.FromString(bytes(meta))
+
+            reply = await self._exchange(data, wire.PUT, meta, [p for _, p in part], answer)
+            keys += list(reply.keys)
+            stored_n, dedup, not_durable = (stored_n + reply.stored, dedup + reply.deduplicated,
+                                            not_durable + reply.not_durable)
+            start = end
+            if not blocks:
+                break
+        return convert.from_pb(PutReply, pb.PutResponse(keys=keys, stored=stored_n, deduplicated=dedup,
+                                                        not_durable=not_durable))
+
+    async def _get_data(self, data: DataChannel, req: pb.GetRequest) -> list[tuple[pb.BlockHeader, torch.Tensor]]:
+        """Blocks over the data channel as (header, payload), each payload read straight into a uint8 tensor
+        of its own (not yet checked: the caller verifies as it decodes)."""
+
+        async def answer(conn: Conn) -> list[tuple[pb.BlockHeader, torch.Tensor]]:
+            out: list[tuple[pb.BlockHeader, torch.Tensor]] = []
+            while True:
+                kind, meta, body = await conn.read_frame()
+                if kind == wire.END and not body:
+                    return out
+                if kind == wire.ERROR and not body:
+                    raise wire.Refused(wire.error_of(meta))
+                if kind != wire.BLOCK:
+                    raise errors.DataLoss(f"data channel: a Get answered with frame kind {kind:#x}")
+                header = pb.BlockChunk.FromString(bytes(meta)).header
+                if body != header.payload_nbytes:
+                    raise errors.DataLoss(f"block {len(out)}: {body} bytes sent, its header says "
+                                          f"{header.payload_nbytes}")
+                payload = torch.empty(body, dtype=torch.uint8)
+                if body:
+                    await conn.recv_into(memoryview(payload.numpy()))  # type: ignore[arg-type]
+                out.append((header, payload))
+
+        got = await self._exchange(data, wire.GET, req.SerializeToString(), (), answer)
+        if len(got) != len(req.keys):
+            raise errors.DataLoss(f"Get returned {len(got)} of {len(req.keys)} blocks")
+        return got
 
     async def get(self, fingerprint: bytes, keys: Sequence[bytes], *, namespace: str | None = None,
                   decode_on_server: bool = False, device: torch.device | str = "cpu",
@@ -423,6 +582,8 @@ class EngramClient(ControlClient):
         cuda_ipc = zero_copy and torch.device(device).type == "cuda"
         req = pb.GetRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint, keys=list(keys),
                             decode=decode_on_server, zero_copy=zero_copy, cuda_ipc=cuda_ipc)
+        if not zero_copy and (data := await self._data_channel()) is not None:
+            return [self._block(h, p, i, device) for i, (h, p) in enumerate(await self._get_data(data, req))]
         out: list[Any] = []
         descriptors: list[tuple[int, pb.BlockDescriptor]] = []
         blocks: Reassembler[pb.BlockHeader] = client_reassembler(lambda h: h.payload_nbytes)
@@ -636,10 +797,13 @@ class EngramClient(ControlClient):
                           len(sources) - mapped + len(again), len(again), (t1 - t0) * 1e3, (t2 - t1) * 1e3)
 
     async def _fetch_bytes(self, fingerprint: bytes, keys: Sequence[bytes], namespace: str | None
-                           ) -> list[tuple[pb.BlockHeader, bytes]]:
-        """Blocks as stored, over the socket: (header, payload) each, not decoded."""
+                           ) -> Sequence[tuple[pb.BlockHeader, bytes | torch.Tensor]]:
+        """Blocks as stored, over the socket (the data channel when there is one): (header, payload) each, not
+        decoded."""
         req = pb.GetRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint, keys=list(keys))
-        out: list[tuple[pb.BlockHeader, bytes]] = []
+        if (data := await self._data_channel()) is not None:
+            return await self._get_data(data, req)
+        out: list[tuple[pb.BlockHeader, bytes | torch.Tensor]] = []
         blocks: Reassembler[pb.BlockHeader] = client_reassembler(lambda h: h.payload_nbytes)
         try:
             async for resp in self._stub.Get(req):
@@ -674,9 +838,10 @@ class EngramClient(ControlClient):
                            offset=d.offset, generation=d.generation, device_pool=pool,
                            streams=streams if stored.is_streams(h.codec) else ())
 
-    def _bytes_source(self, index: int, h: pb.BlockHeader, payload: bytes,
+    def _bytes_source(self, index: int, h: pb.BlockHeader, payload: bytes | torch.Tensor,
                       streams: tuple[StreamSpec, ...]) -> BlockSource:
-        if len(payload) != h.payload_nbytes or checksum(payload) != h.checksum:
+        view = memoryview(payload.numpy()) if isinstance(payload, torch.Tensor) else payload  # type: ignore[arg-type]
+        if len(payload) != h.payload_nbytes or checksum(view) != h.checksum:
             raise errors.DataLoss(f"block {index} arrived damaged (size or checksum mismatch)")
         dtype = convert.dtype_from_pb(h.dtype, f"block {index}")
         return BlockSource(index, h.codec or stored.RAW, dtype, tuple(h.shape), len(payload), payload=payload,

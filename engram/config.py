@@ -66,6 +66,11 @@ class ServerConfig:
     tls_key: str = ""  # PEM private key of tls_cert
     metrics_port: int = 0  # Prometheus /metrics over HTTP on this port; 0 = off, -1 = any free port (tests)
     metrics_host: str = "127.0.0.1"  # where /metrics listens (0.0.0.0 in a container)
+    # The data channel: Put/Get payloads as raw bytes on a socket beside gRPC's (docs/API.md), several times
+    # faster than gRPC's bytes for workers that cannot map the shared pool; off: payloads over gRPC only.
+    data_channel: bool = True
+    data_port: int = 0  # its TCP port on server.host (0: a free one, which clients learn from DataEndpoint); on a unix socket it is <unix_socket>.data
+    data_max_request_bytes: ByteSize = ByteSize(64 * 2**30)  # payload bytes one data-channel Put may carry
 
 
 @dataclass
@@ -198,6 +203,10 @@ class EngramConfig:
         s = self.server
         if not 0 <= s.port <= 65535:
             raise ConfigError(f"server.port must be in 0..65535, got {s.port}")
+        if not 0 <= s.data_port <= 65535:
+            raise ConfigError(f"server.data_port must be in 0..65535 (0: a free port), got {s.data_port}")
+        if s.data_max_request_bytes <= 0:
+            raise ConfigError("server.data_max_request_bytes must be positive")
         if not -1 <= s.metrics_port <= 65535:
             raise ConfigError(f"server.metrics_port must be 0 (off), -1 (any free port) or 1..65535, got {s.metrics_port}")
         if s.chunk_bytes <= 0 or s.chunk_bytes + 4096 > s.max_message_bytes:

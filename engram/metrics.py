@@ -93,6 +93,17 @@ class RpcMetrics(grpc.aio.ServerInterceptor):
                                  buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
                                           5, 10))
 
+        self.data_calls = Counter("engram_data_requests", "Data-channel requests (Put/Get payloads beside gRPC).",
+                                  ["op", "code"], registry=registry)
+        self.data_latency = Histogram("engram_data_request_duration_seconds",
+                                      "Data-channel request time, from its frame header to the last byte answered.",
+                                      ["op", "code"], registry=registry, buckets=self.latency._upper_bounds[:-1])
+
+    def data_done(self, op: str, code: str, seconds: float) -> None:
+        """One data-channel request (engram/server/dataport.py), with the gRPC status name it ended with."""
+        self.data_calls.labels(op, code).inc()
+        self.data_latency.labels(op, code).observe(seconds)
+
     def _done(self, method: str, context: Any, t0: float, failed: BaseException | None) -> None:
         code = context.code()
         if code is None:

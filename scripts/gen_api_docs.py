@@ -46,6 +46,13 @@ private event loop thread and offers every method blocking. `ControlClient` alon
 docs/JSON.md); failures raise the domain errors of `engram/errors.py` (NotFound, InvalidArgument,
 Unauthenticated, PermissionDenied, ResourceExhausted, Unavailable, ...) with the daemon's message.
 
+How payloads travel: on the daemon's host, through its shared pools (hits copied out of the mapped pool, puts
+written into reserved slots: no KV on the socket). Everywhere else, on the daemon's **data channel**, a plain
+socket beside the gRPC port (`<unix_socket>.data`, or `server.data_port` on TCP, under TLS when gRPC is) that
+carries Put and Get payloads as raw bytes; the client asks the daemon where it listens (the DataEndpoint RPC) and
+uses gRPC streams when there is none (`server.data_channel = off`, or `EngramClient(data_channel=False)`). The
+control calls always go over gRPC. Its framing is in engram/wire/data.py; docs/ARCHITECTURE.md says why.
+
 The default codec of a daemon is nvfp4, which is lossy (FP4 values with a scale per group): a model registered
 without a codec gets its KV back approximately. Register with `codec="raw"` for bit-exact KV.
 

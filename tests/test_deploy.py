@@ -69,7 +69,7 @@ def test_dockerfile() -> None:
     assert d["base"] == "python:3.11-slim"
     check_command(d["cmd"])
     cfg = check_env(d["env"])
-    assert sorted(d["expose"]) == sorted([cfg.server.port, cfg.server.metrics_port])
+    assert sorted(d["expose"]) == sorted([cfg.server.port, cfg.server.data_port, cfg.server.metrics_port])
     assert cfg.server.host == cfg.server.metrics_host == "0.0.0.0"
     for src in d["copies"]:
         assert (REPO / src).exists(), f"the Dockerfile copies {src}, which is not in the repository"
@@ -114,7 +114,7 @@ def test_compose_and_prometheus() -> None:
     cfg = check_env(env)
     assert cfg.server.metrics_port > 0 and cfg.server.metrics_host == "0.0.0.0"
     ports = published(engram["ports"])
-    assert set(ports) == {port, cfg.server.metrics_port}
+    assert set(ports) == {port, cfg.server.data_port, cfg.server.metrics_port}
     if not cfg.auth.enabled:  # a daemon that trusts every caller is published on loopback only
         assert all(host == "127.0.0.1" for host in ports.values()), ports
     # Redis: a password the daemon uses, never published; the cluster secret from the environment.

@@ -29,7 +29,7 @@ async def test_metrics_after_known_traffic(server_factory) -> None:  # type: ign
     # (2 evictions; a chain loses its tail first, and a put never evicts the parent it extends).
     srv = await server_factory(**{"server.metrics_port": -1, "tiers.dram.capacity": 3 * block})
     assert srv.metrics is not None and srv.metrics.port > 0
-    async with EngramClient(srv.address, namespace="m", zero_copy=False) as c:  # puts as Put RPCs
+    async with EngramClient(srv.address, namespace="m", zero_copy=False, data_channel=False) as c:  # Put RPCs
         fp = await c.register_model(spec)
         toks = tokens(48)
         await c.put(fp, toks, random_kv(spec, 48))
@@ -82,3 +82,21 @@ async def test_metrics_count_promotions_and_bytes_moved(server_factory, tmp_path
 def test_metrics_port_is_validated() -> None:
     with pytest.raises(errors.ConfigError, match="metrics_port"):
         load_config(env={}, overrides={"server.metrics_port": -2})
+
+
+async def test_data_channel_requests_are_counted(server_factory) -> None:  # type: ignore[no-untyped-def]
+    srv = await server_factory(**{"server.metrics_port": -1})
+    spec = tiny_model()
+    async with EngramClient(srv.address, namespace="m", zero_copy=False) as c:  # payloads on the data channel
+        fp = await c.register_model(spec)
+        toks = tokens(48)
+        put = await c.put(fp, toks, random_kv(spec, 48))
+        await c.get(fp, list(put.keys))
+        with pytest.raises(errors.NotFound):
+            await c.get(fp, [b"\0" * 16])
+    m = await asyncio.to_thread(scrape, srv.metrics.port)
+    assert m[("engram_data_requests_total", (("code", "OK"), ("op", "put")))] == 1
+    assert m[("engram_data_requests_total", (("code", "OK"), ("op", "get")))] == 1
+    assert m[("engram_data_requests_total", (("code", "NOT_FOUND"), ("op", "get")))] == 1
+    assert m[("engram_data_request_duration_seconds_count", (("code", "OK"), ("op", "put")))] == 1
+    assert ("engram_rpcs_total", (("code", "OK"), ("method", "Put"))) not in m  # no payload went over gRPC

@@ -238,13 +238,19 @@ async def test_large_blocks_are_chunked_under_the_message_limit(server_factory) 
                       dtype=DType.FP32, block_tokens=256)
     spec = ModelSpec("big", "w", layout, codec="raw")  # 4 MiB blocks
     srv = await server_factory(**{"server.max_message_bytes": 2 * 2**20, "server.chunk_bytes": 1 * 2**20})
-    async with EngramClient(srv.address, chunk_bytes=2**20, max_message_bytes=2 * 2**20) as client:
+    # gRPC streams only (no data channel, no same-host paths): a 4 MiB block crosses as 1 MiB chunks, and
+    # would be refused whole by the 2 MiB message limit
+    async with EngramClient(srv.address, chunk_bytes=2**20, max_message_bytes=2 * 2**20, zero_copy=False,
+                            data_channel=False) as client:
         fp = await client.register_model(spec)
         toks = tokens(2 * 256)
         kv = torch.randn(layout.block_shape(len(toks)))
         await client.put(fp, toks, kv)
         n, got = await client.get_prefix(fp, toks)
         assert n == len(toks) and got is not None and torch.equal(got, kv)
+        assert torch.equal(torch.cat(await client.get(fp, [b.key for b in (await client.lookup(fp, toks)).blocks]),
+                                     dim=2), kv)
+    assert srv.service.dataport is not None and srv.service.dataport.served["put"] == 0
 
 
 def test_sync_client_round_trip(server) -> None:  # type: ignore[no-untyped-def]

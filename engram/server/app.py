@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from engram.metrics import MetricsEndpoint
 from engram.private import secure_socket, socket_umask
 from engram.registry import ModelRegistry
 from engram.replay.runtime import ReplayRuntime
+from engram.server.dataport import DataPort
 from engram.server.inspection import InspectionService
 from engram.server.peers import PeerFetcher
 from engram.server.service import SERVICE_NAME, EngramService
@@ -120,6 +122,8 @@ class RunningServer:
         if self.reporter is not None:
             self.reporter.cancel()
         await self.health.enter_graceful_shutdown()
+        if self.service is not None and self.service.dataport is not None:
+            await self.service.dataport.stop()
         await self.server.stop(self.grace_s if grace_s is None else grace_s)
         if self.service is not None and self.service.cluster is not None:
             await self.service.cluster.close()
@@ -223,6 +227,8 @@ async def _start(config: EngramConfig, store: BlockStore, sessions: SessionManag
                      server.add_insecure_port(f"{s.host}:{s.port}"), f"{host}:{s.port}",
                      _BIND_HINT)
         address = f"{host}:{port}"
+    if s.data_channel:  # before gRPC starts: a taken data port fails the start with nothing to stop
+        service.dataport = await _start_dataport(service, s, tenancy, metrics)
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -238,6 +244,26 @@ async def _start(config: EngramConfig, store: BlockStore, sessions: SessionManag
     reporter = asyncio.get_running_loop().create_task(report_activity(store, config.logging.summary_s))
     return RunningServer(server, address, store, sessions, health_servicer, s.shutdown_grace_s, service, metrics,
                          reporter, socket_lock, config.tiers.shutdown_flush_s)
+
+
+async def _start_dataport(service: EngramService, s: ServerConfig, tenancy: Tenancy | None,
+                          metrics: MetricsEndpoint | None) -> DataPort:
+    """The data channel beside the gRPC port: <unix_socket>.data (as private as the gRPC socket), or data_port on
+    the same host, under TLS when the gRPC port is."""
+    port = DataPort(service, s, tenancy, metrics.interceptor.data_done if metrics else None)
+    if s.unix_socket:
+        path = os.path.abspath(s.unix_socket) + ".data"
+        with socket_umask(s.unix_socket_group):
+            await port.start_unix(path)
+        secure_socket(path, s.unix_socket_group)
+    else:
+        tls = None
+        if s.tls_cert:
+            tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            tls.load_cert_chain(s.tls_cert, s.tls_key)
+        await port.start_tcp(s.host, s.data_port, tls)
+    log.info("engram data channel on %s", port.unix_path or f"port {port.tcp_port}" + (" (TLS)" if port.tls else ""))
+    return port
 
 
 _BIND_HINT = ("stop what holds the port or set another (--port, server.port; 0 picks a free one), and check that "

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -52,10 +51,13 @@ from engram.v1 import engram_pb2 as pb
 from engram.wire import convert
 from engram.wire.stream import Reassembler, pieces
 
+if TYPE_CHECKING:
+    from engram.server.dataport import DataPort
+
 SERVICE_NAME = "engram.v1.Engram"
 
 
-def _chunks(key: bytes, header: pb.BlockHeader, payload: bytes, step: int) -> list[pb.BlockChunk]:
+def _chunks(key: bytes, header: pb.BlockHeader, payload: bytes | memoryview, step: int) -> list[pb.BlockChunk]:
     """A block as chunks under the message limit: the first carries its header and key."""
     return [pb.BlockChunk(header=header, key=key, data=piece, last=last) if i == 0 else
             pb.BlockChunk(data=piece, last=last) for i, (piece, last) in enumerate(pieces(payload, step))]
@@ -75,6 +77,61 @@ def _window_from_pb(msg: pb.SwaWindowData) -> Window:
                   msg.data, msg.checksum)
 
 
+class ChainPut:
+    """One Put's chain, block by block: each header checked before its payload is buffered, each full block
+    stored as it completes, a partial block held until the chain proves to end with it."""
+
+    def __init__(self, service: EngramService, stream: pb.PutHeader) -> None:
+        self.service, self.stream = service, stream
+        self.layout = service.store.spec(stream.model_fingerprint).layout
+        self.parent = stream.parent_key or service.store.root(stream.namespace, stream.model_fingerprint)
+        self.keys: list[bytes] = []
+        self.stored = self.deduplicated = self.not_durable = 0
+        self.tail: tuple[BlockHeader, bytes | bytearray] | None = None  # a partial block, committed when the stream ends
+
+    @property
+    def index(self) -> int:
+        """The index of the next block."""
+        return len(self.keys)
+
+    def check(self, header: BlockHeader) -> None:
+        """A block's header, before any of its payload is buffered: its count, shape, and whether it could
+        fit its namespace's quota and the top tier at all."""
+        check_limit("Put blocks", self.index + 1, self.service.config.max_blocks_per_request)
+        self.service.store.admit(self.stream.namespace, self.stream.model_fingerprint, header, index=self.index)
+
+    def check_not_after_tail(self) -> None:
+        if self.tail is not None:
+            raise InvalidArgument(
+                f"block {self.index - 1} has {self.tail[0].num_tokens} of {self.layout.block_tokens} tokens, but "
+                "only a chain's last block may be partial; nothing of the partial block was stored"
+            )
+
+    async def add(self, header: BlockHeader, payload: bytes | bytearray) -> None:
+        self.check_not_after_tail()
+        if header.num_tokens < self.layout.block_tokens:
+            self.tail = (header, payload)  # a partial block must end the chain: held until the stream proves it
+            self.keys.append(b"")
+        else:
+            self.parent = await self._commit(header, payload, self.index)
+            self.keys.append(self.parent)
+
+    async def _commit(self, header: BlockHeader, payload: bytes | bytearray, index: int) -> bytes:
+        s = self.stream
+        outcome = await self.service.store.put(s.namespace, s.model_fingerprint, self.parent, header,
+                                               payload, pin=s.pin, index=index)  # type: ignore[arg-type]
+        self.stored += outcome.stored
+        self.deduplicated += not outcome.stored
+        self.not_durable += not outcome.durable
+        return outcome.key
+
+    async def finish(self) -> pb.PutResponse:
+        if self.tail is not None:
+            self.keys[-1] = await self._commit(*self.tail, self.index - 1)
+        return pb.PutResponse(keys=self.keys, stored=self.stored, deduplicated=self.deduplicated,
+                              not_durable=self.not_durable)
+
+
 class EngramService:
     def __init__(self, store: BlockStore, config: ServerConfig, sessions: SessionManager,
                  tenancy: Tenancy | None = None, *, same_host: bool = True) -> None:
@@ -84,6 +141,7 @@ class EngramService:
         self.cluster: ClusterIndex | None = None  # set by the app once the daemon's address is known
         self.trust: ClusterTrust | None = None  # the cluster secret's keys, with the cluster
         self.peers: PeerFetcher | None = None
+        self.dataport: DataPort | None = None  # the data channel, once started (engram/server/dataport.py)
         self.config = config
         self.sessions = sessions
         self.leases = LeaseTable(store, config.lease_s)
@@ -125,94 +183,75 @@ class EngramService:
 
     @unary
     async def Put(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> pb.PutResponse:
-        keys: list[bytes] = []
-        stored_count = deduplicated = not_durable = 0
-        stream: pb.PutHeader | None = None
-        parent = b""
+        chain: ChainPut | None = None
         blocks: Reassembler[BlockHeader] | None = None
-        tail: tuple[BlockHeader, bytes] | None = None  # a partial block, committed when the stream ends
-
-        async def commit(header: BlockHeader, payload: bytes, index: int) -> bytes:
-            nonlocal stored_count, deduplicated, not_durable
-            assert stream is not None
-            outcome = await self.store.put(stream.namespace, stream.model_fingerprint, parent, header, payload,
-                                           pin=stream.pin, index=index)
-            stored_count += outcome.stored
-            deduplicated += not outcome.stored
-            not_durable += not outcome.durable
-            return outcome.key
-
         async for raw in request_iterator:
             req = decoded(raw)
             item = req.WhichOneof("item")
-            if stream is None:
+            if chain is None:
                 if item != "header":
                     raise InvalidArgument("the first message of a Put stream must be a PutHeader")
-                stream = req.header
-                stream.namespace = namespace_for(context, stream.namespace)
-                spec = self.store.spec(stream.model_fingerprint)
-                layout = spec.layout
-                parent = stream.parent_key or self.store.root(stream.namespace, stream.model_fingerprint)
-
-                blocks = Reassembler(lambda h: h.payload_nbytes,
-                                     check=functools.partial(self._check_put, stream.namespace,
-                                                             stream.model_fingerprint, keys))
+                chain = self.chain_put(req.header)
+                blocks = Reassembler(lambda h: h.payload_nbytes, check=chain.check)
                 continue
             if item != "chunk":
                 raise InvalidArgument("a Put stream carries one PutHeader, first; then only BlockChunks")
             assert blocks is not None
             chunk = req.chunk
-            index = len(keys)
-            if tail is not None:
-                raise InvalidArgument(
-                    f"block {index - 1} has {tail[0].num_tokens} of {layout.block_tokens} tokens, but only a "
-                    "chain's last block may be partial; nothing of the partial block was stored"
-                )
-            header = convert.header_from_pb(chunk.header, index) if chunk.HasField("header") else None
-            done = blocks.add(header, chunk.data, chunk.last, index)
-            if done is None:
-                continue
-            if done[0].num_tokens < layout.block_tokens:
-                # A partial block must end the chain: hold it until the stream proves that it does.
-                tail = done
-                keys.append(b"")
-            else:
-                parent = await commit(done[0], done[1], index)
-                keys.append(parent)
-        if stream is None or blocks is None:
+            chain.check_not_after_tail()
+            header = convert.header_from_pb(chunk.header, chain.index) if chunk.HasField("header") else None
+            done = blocks.add(header, chunk.data, chunk.last, chain.index)
+            if done is not None:
+                await chain.add(*done)
+        if chain is None or blocks is None:
             raise InvalidArgument("empty Put stream: send a PutHeader, then the blocks")
         if blocks.open:
             assert blocks.header is not None
             raise InvalidArgument(
-                f"Put stream ended inside block {len(keys)} ({blocks.received} of {blocks.header.payload_nbytes} "
-                f"bytes, no chunk with last=true); the {len(keys)} blocks before it were stored"
+                f"Put stream ended inside block {chain.index} ({blocks.received} of {blocks.header.payload_nbytes} "
+                f"bytes, no chunk with last=true); the {chain.index} blocks before it were stored"
             )
-        if tail is not None:
-            keys[-1] = await commit(tail[0], tail[1], len(keys) - 1)
-        return pb.PutResponse(keys=keys, stored=stored_count, deduplicated=deduplicated, not_durable=not_durable)
+        return await chain.finish()
 
-    def _check_put(self, namespace: str, fingerprint: bytes, keys: list[bytes], header: BlockHeader) -> None:
-        """A block's header, before any of its payload is buffered: its shape, and whether it could fit
-        its namespace's quota and the top tier at all."""
-        check_limit("Put blocks", len(keys) + 1, self.config.max_blocks_per_request)
-        self.store.admit(namespace, fingerprint, header, index=len(keys))
+    def chain_put(self, header: pb.PutHeader) -> ChainPut:
+        """A Put of one chain, whichever channel its bytes come on (gRPC chunks, the data channel)."""
+        header.namespace = namespace_for(None, header.namespace)
+        return ChainPut(self, header)
 
     @streaming
     async def Get(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse]:
         req = decoded(request)
+        ns, metas = await self.blocks_to_get(req)
+        step = self.config.chunk_bytes
+        async for kind, item in self._serve(ns, req.model_fingerprint, metas, zero_copy=req.zero_copy,
+                                            cuda_ipc=req.cuda_ipc, decode=req.decode):
+            if kind == "descriptor":
+                yield pb.GetResponse(descriptor=item)
+                continue
+            key, header, payload = item
+            for msg in _chunks(key, header, payload, step):
+                yield pb.GetResponse(chunk=msg)
+
+    async def blocks_to_get(self, req: pb.GetRequest) -> tuple[str, list[BlockMeta]]:
+        """A Get's namespace and blocks, whichever channel answers it; keys this daemon lacks are copied from
+        the cluster's peers first."""
         check_limit("Get keys", len(req.keys), self.config.max_blocks_per_request)
-        ns = namespace_for(context, req.namespace)
+        ns = namespace_for(None, req.namespace)
         try:
-            metas = self.store.find(ns, req.model_fingerprint, list(req.keys))
+            return ns, self.store.find(ns, req.model_fingerprint, list(req.keys))
         except NotFound:
             if self.peers is None:
                 raise
-            # The cluster tier: keys this daemon lacks are copied from the peers that hold them.
             await self.peers.fetch_keys(ns, req.model_fingerprint, list(req.keys))
-            metas = self.store.find(ns, req.model_fingerprint, list(req.keys))
-        async for kind, msg in self._serve(ns, req.model_fingerprint, metas, zero_copy=req.zero_copy,
-                                           cuda_ipc=req.cuda_ipc, decode=req.decode):
-            yield pb.GetResponse(**{kind: msg})
+            return ns, self.store.find(ns, req.model_fingerprint, list(req.keys))
+
+    async def serve_bytes(self, ns: str, fingerprint: bytes, metas: list[BlockMeta], *, decode: bool
+                          ) -> AsyncIterator[tuple[bytes, pb.BlockHeader, bytes | memoryview]]:
+        """The blocks as (key, header, payload), in order, each held while it is being sent: the data
+        channel's Get. A payload may be a view of its pool slot, valid until the next item is asked for."""
+        async for _, item in self._serve(ns, fingerprint, metas, zero_copy=False, cuda_ipc=False, decode=decode,
+                                         views=True):
+            yield item
 
     @unary
     async def GetPrefix(self, request: Any, context: grpc.aio.ServicerContext) -> pb.PrefixHeader:
@@ -272,12 +311,11 @@ class EngramService:
         self._promoting = asyncio.get_running_loop().create_task(run())
 
     async def _serve(self, ns: str, fingerprint: bytes, metas: list[BlockMeta], *, zero_copy: bool, cuda_ipc: bool,
-                     decode: bool) -> AsyncIterator[tuple[str, Any]]:
+                     decode: bool, views: bool = False) -> AsyncIterator[tuple[str, Any]]:
         """The blocks, in order, as ("descriptor", BlockDescriptor) under one lease for those in a pool the
-        caller may map, and ("chunk", BlockChunk)s for the rest. Every block is held (not evicted) while the
-        stream is open."""
+        caller may map, and ("block", (key, header, payload)) for the rest (with `views`, a payload in a pool
+        is a view of its slot, not a copy). Every block is held (not evicted) while the stream is open."""
         codec = self.store.spec(fingerprint).stored_codec
-        step = self.config.chunk_bytes
         pools = self._zero_copy_pools(zero_copy, cuda_ipc, decode, codec)
         in_pool = {}  # key -> the pool its descriptor points into (the first preferred pool holding it)
         for m in metas:
@@ -291,14 +329,13 @@ class EngramService:
                     if lease is not None and meta.key in in_pool:
                         yield "descriptor", self._descriptor(meta, codec, lease, in_pool[meta.key])
                         continue
-                    payload = await self.store.read(meta)
+                    payload = await (self.store.read_view(meta) if views else self.store.read(meta))
                     block = _header_of(meta, codec)
                     if decode and not stored.is_raw(codec):
                         payload = await asyncio.to_thread(self.store.as_raw, payload, meta)
                         block = dataclasses.replace(block, codec=stored.STREAMS if stored.is_streams(codec) else
                                                     stored.RAW, payload_nbytes=len(payload), checksum=checksum(payload))
-                    for msg in _chunks(meta.key, convert.header_to_pb(block), payload, step):
-                        yield "chunk", msg
+                    yield "block", (meta.key, convert.header_to_pb(block), payload)
         except BaseException:
             if lease is not None:
                 self.leases.drop(lease)  # the worker will not copy what it may not have received
@@ -549,6 +586,11 @@ class EngramService:
         for piece, _ in pieces(w.data, self.config.chunk_bytes):
             yield pb.ResumeResponse(window_chunk=piece)
 
+    @unary
+    async def DataEndpoint(self, request: Any, context: grpc.aio.ServicerContext) -> pb.DataEndpointResponse:
+        decoded(request)
+        return self.dataport.endpoint() if self.dataport is not None else pb.DataEndpointResponse()
+
     def generic_handler(self) -> grpc.GenericRpcHandler:
         """Method handlers built by hand (rather than add_EngramServicer_to_server) so that undecodable
         request bytes reach the handler and get INVALID_ARGUMENT."""
@@ -586,6 +628,8 @@ class EngramService:
                 guard(self.ReleaseLeases, self.tenancy), safe_decoder(pb.ReleaseLeasesRequest), ser),
             "FetchBlocks": grpc.unary_stream_rpc_method_handler(
                 guard(self.FetchBlocks, self.tenancy), safe_decoder(pb.FetchBlocksRequest), ser),
+            "DataEndpoint": grpc.unary_unary_rpc_method_handler(
+                guard(self.DataEndpoint, self.tenancy), safe_decoder(pb.DataEndpointRequest), ser),
             "DescribeNamespace": grpc.unary_unary_rpc_method_handler(
                 guard(self.DescribeNamespace, self.tenancy), safe_decoder(pb.DescribeNamespaceRequest), ser),
         }

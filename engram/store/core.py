@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import enum
 import time
+import typing
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -56,6 +57,7 @@ from engram.store.flusher import Flusher, FlushResult, Pending
 from engram.store.placement import Placement
 from engram.tenancy import NamespacePolicy, OpenNamespaces
 from engram.tiers.base import Tier
+from engram.tiers.pool import PoolTier
 
 
 class WritePolicy(enum.StrEnum):
@@ -408,12 +410,23 @@ class BlockStore:
         """The block's payload from its fastest verified copy; a corrupt or unreadable copy is dropped and
         the next tried. A hit below the top tier is copied up (promotion) unless promote is False."""
         payload, name = await self._read_verified(meta)
+        payload = typing.cast(bytes, payload)  # without `view`, a tier's read gives bytes (or a bytearray)
+        await self._served_from(meta, name, payload, promote)
+        return payload
+
+    async def read_view(self, meta: BlockMeta, *, promote: bool = True) -> bytes | memoryview:
+        """As `read`, but a copy in a host pool comes as a view of its slot, valid only while the block is
+        held (`reading`): the data channel writes it to the socket from there, without a copy."""
+        payload, name = await self._read_verified(meta, view=True)
+        await self._served_from(meta, name, payload, promote)
+        return payload
+
+    async def _served_from(self, meta: BlockMeta, name: str, payload: bytes | memoryview, promote: bool) -> None:
         self.served(meta, name)
         placement = self.placement
         top = placement.tiers[0].name
         if promote and placement.rank[name] > 0 and not meta.moving and top not in meta.locations:
-            await placement.promote(meta, payload)
-        return payload
+            await placement.promote(meta, bytes(payload) if isinstance(payload, memoryview) else payload)
 
     async def copy_up(self, metas: Sequence[BlockMeta], tier_name: str) -> int:
         """Copy blocks that tier `tier_name` lacks into it from where they lie, as one batch: every block is
@@ -430,6 +443,7 @@ class BlockStore:
         async def one(meta: BlockMeta) -> int:
             try:
                 payload, _ = await self._read_verified(meta)
+                payload = typing.cast(bytes, payload)
                 await placement.place(meta, rank, payload, wait=False)
             except (ResourceExhausted, DataLoss):
                 return 0
@@ -444,7 +458,7 @@ class BlockStore:
 
         return sum(await asyncio.gather(*(one(m) for m in todo)))
 
-    async def _read_verified(self, meta: BlockMeta) -> tuple[bytes, str]:
+    async def _read_verified(self, meta: BlockMeta, *, view: bool = False) -> tuple[bytes | memoryview, str]:
         """The payload of the block's fastest copy that reads and verifies, and that tier's name; copies
         that fail are dropped (counted); with none left the block is unindexed and DataLoss raised."""
         placement = self.placement
@@ -452,7 +466,9 @@ class BlockStore:
         for name in list(meta.locations):
             tc = self.counters.tiers[name]
             try:
-                payload = await placement.tier(name).read(meta.key)
+                tier = placement.tier(name)
+                in_place = tier.view(meta.key) if view and isinstance(tier, PoolTier) else None
+                payload = in_place if in_place is not None else await tier.read(meta.key)
                 if checksum(payload) != meta.checksum:
                     raise DataLoss(f"block {meta.key.hex()} failed its checksum in tier {name}")
             except (DataLoss, Unavailable, OSError) as exc:
@@ -590,7 +606,7 @@ class BlockStore:
             return FlushResult(0, 0, 0, 0.0)
         return await self.flusher.flush_all(deadline_s)
 
-    def as_raw(self, payload: bytes, meta: BlockMeta) -> bytes:
+    def as_raw(self, payload: bytes | memoryview, meta: BlockMeta) -> bytes:
         """A stored payload as a raw put would send it (Get with decode: the daemon decodes)."""
         codec = self.spec(meta.model_fingerprint).stored_codec
         return stored.as_raw(payload, codec, meta.dtype, meta.shape, backend=self.codec_backend,

@@ -173,6 +173,12 @@ class PoolTier:
             region = region.cpu()
         return region.numpy().tobytes()
 
+    def view(self, key: bytes) -> memoryview | None:
+        """The block's bytes in place (a host pool only; None for one in HBM): valid while the block is held,
+        for a sender that writes them to a socket without a copy."""
+        region = self.region(self.slot(key))
+        return memoryview(region.numpy()) if region.device.type == "cpu" else None  # type: ignore[arg-type]
+
     async def delete(self, key: bytes) -> int:
         slot = self._slots.pop(key, None)
         if slot is None:

@@ -179,6 +179,30 @@ class BlockChunk(_message.Message):
     key: bytes
     def __init__(self, header: _Optional[_Union[BlockHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., key: _Optional[bytes] = ...) -> None: ...
 
+class DataEndpointRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DataEndpointResponse(_message.Message):
+    __slots__ = ("tcp_port", "unix_path", "tls", "max_request_bytes")
+    TCP_PORT_FIELD_NUMBER: _ClassVar[int]
+    UNIX_PATH_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tcp_port: int
+    unix_path: str
+    tls: bool
+    max_request_bytes: int
+    def __init__(self, tcp_port: _Optional[int] = ..., unix_path: _Optional[str] = ..., tls: _Optional[bool] = ..., max_request_bytes: _Optional[int] = ...) -> None: ...
+
+class DataPut(_message.Message):
+    __slots__ = ("header", "blocks")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    header: PutHeader
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockHeader]
+    def __init__(self, header: _Optional[_Union[PutHeader, _Mapping]] = ..., blocks: _Optional[_Iterable[_Union[BlockHeader, _Mapping]]] = ...) -> None: ...
+
 class PutHeader(_message.Message):
     __slots__ = ("namespace", "model_fingerprint", "parent_key", "pin")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]

@@ -119,6 +119,11 @@ class EngramStub:
                 request_serializer=engram_dot_v1_dot_engram__pb2.ReleaseLeasesRequest.SerializeToString,
                 response_deserializer=engram_dot_v1_dot_engram__pb2.ReleaseLeasesResponse.FromString,
                 _registered_method=True)
+        self.DataEndpoint = channel.unary_unary(
+                '/engram.v1.Engram/DataEndpoint',
+                request_serializer=engram_dot_v1_dot_engram__pb2.DataEndpointRequest.SerializeToString,
+                response_deserializer=engram_dot_v1_dot_engram__pb2.DataEndpointResponse.FromString,
+                _registered_method=True)
         self.DescribeNamespace = channel.unary_unary(
                 '/engram.v1.Engram/DescribeNamespace',
                 request_serializer=engram_dot_v1_dot_engram__pb2.DescribeNamespaceRequest.SerializeToString,
@@ -277,6 +282,16 @@ class EngramServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DataEndpoint(self, request, context):
+        """---- the data channel: bulk bytes beside gRPC ----
+        Where this daemon's data channel listens (docs/API.md, "Data channel"): a plain socket protocol that
+        carries Put and Get payloads as raw bytes, without protobuf or HTTP/2 framing, for workers that cannot
+        map the shared pool (another host, a container). Absent (no port, no path) when it is switched off.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DescribeNamespace(self, request, context):
         """---- prefix sharing: tenancy, dedupe accounting, cluster ----
         The caller's namespace: the salt inside its keys (a client needs it to compute them), its quota, and
@@ -410,6 +425,11 @@ def add_EngramServicer_to_server(servicer, server):
                     servicer.ReleaseLeases,
                     request_deserializer=engram_dot_v1_dot_engram__pb2.ReleaseLeasesRequest.FromString,
                     response_serializer=engram_dot_v1_dot_engram__pb2.ReleaseLeasesResponse.SerializeToString,
+            ),
+            'DataEndpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.DataEndpoint,
+                    request_deserializer=engram_dot_v1_dot_engram__pb2.DataEndpointRequest.FromString,
+                    response_serializer=engram_dot_v1_dot_engram__pb2.DataEndpointResponse.SerializeToString,
             ),
             'DescribeNamespace': grpc.unary_unary_rpc_method_handler(
                     servicer.DescribeNamespace,
@@ -901,6 +921,33 @@ class Engram:
             '/engram.v1.Engram/ReleaseLeases',
             engram_dot_v1_dot_engram__pb2.ReleaseLeasesRequest.SerializeToString,
             engram_dot_v1_dot_engram__pb2.ReleaseLeasesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DataEndpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engram.v1.Engram/DataEndpoint',
+            engram_dot_v1_dot_engram__pb2.DataEndpointRequest.SerializeToString,
+            engram_dot_v1_dot_engram__pb2.DataEndpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,253 @@
+"""The daemon's end of the data channel (framing and the why: engram/wire/data.py): Put and Get payloads as raw
+bytes on a TCP port and a unix socket beside gRPC's.
+
+A connection authenticates once (HELLO carries the bearer token, checked by the same Tenancy as gRPC's metadata)
+and then runs the same service code as the gRPC Put and Get (EngramService.chain_put, blocks_to_get,
+serve_bytes) as that principal, so quotas, namespaces, limits and checksums hold exactly as on gRPC. A payload
+is received into its own buffer, which the store keeps (no join, no second copy), and sent from where it lies
+(a pool slot is written to the socket from the slot). Errors answer an ERROR frame with the gRPC status code;
+only a connection whose framing cannot be trusted any more is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import ssl
+import time
+from collections.abc import Callable
+from typing import Any
+
+from engram import errors
+from engram.config import ServerConfig
+from engram.server.auth import _principal
+from engram.server.service import EngramService
+from engram.tenancy import OPEN, Tenancy
+from engram.v1 import engram_pb2 as pb
+from engram.wire import convert
+from engram.wire import data as wire
+from engram.wire.status import status_of
+
+log = logging.getLogger("engram.server")
+
+
+_OPS = {wire.PUT: "put", wire.GET: "get"}
+
+
+class _Desync(Exception):
+    """The byte stream can no longer be framed (an impossible length, a body shorter than announced)."""
+
+
+def _parse(message_cls: Any, meta: bytes | bytearray, what: str) -> Any:
+    try:
+        return message_cls.FromString(bytes(meta))
+    except Exception as exc:
+        raise errors.InvalidArgument(f"data channel: {what} is not a valid {message_cls.DESCRIPTOR.full_name}: "
+                                     f"{exc}") from None
+
+
+class DataPort:
+    """Listens for data-channel connections and serves each in a task of its own."""
+
+    def __init__(self, service: EngramService, config: ServerConfig, tenancy: Tenancy | None,
+                 observe: Callable[[str, str, float], None] | None = None) -> None:
+        """observe(op, status code name, seconds): told of every request (the daemon's /metrics)."""
+        self.service, self.config, self.tenancy, self.observe = service, config, tenancy, observe
+        self.tcp_port = 0
+        self.unix_path = ""
+        self.tls = False
+        self._listeners: list[socket.socket] = []
+        self._servers: list[asyncio.AbstractServer] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._accepting: list[asyncio.Task[None]] = []
+        self.served = {"put": 0, "get": 0, "refused": 0}  # requests answered, by kind (tests, logs)
+
+    @property
+    def max_request_bytes(self) -> int:
+        return int(self.config.data_max_request_bytes)
+
+    def endpoint(self) -> pb.DataEndpointResponse:
+        return pb.DataEndpointResponse(tcp_port=self.tcp_port, unix_path=self.unix_path, tls=self.tls,
+                                       max_request_bytes=self.max_request_bytes)
+
+    async def start_unix(self, path: str) -> None:
+        if os.path.exists(path):
+            os.unlink(path)  # a stale socket of an earlier run (the gRPC socket's lock is held by now)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(path)
+        self.unix_path = path
+        self._listen(sock)
+
+    async def start_tcp(self, host: str, port: int, tls: ssl.SSLContext | None) -> None:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        if tls is not None:
+            server = await asyncio.start_server(self._serve_streams, host, port, ssl=tls,
+                                                family=family, reuse_address=True)
+            self._servers.append(server)
+            self.tcp_port = server.sockets[0].getsockname()[1]
+            self.tls = True
+            return
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as exc:
+            sock.close()
+            raise errors.AddressInUse(f"cannot listen on the data port {host}:{port}: {exc.strerror}; set "
+                                      "server.data_port to a free port (0 picks one) or server.data_channel = "
+                                      "off") from None
+        self.tcp_port = sock.getsockname()[1]
+        self._listen(sock)
+
+    def _listen(self, sock: socket.socket) -> None:
+        sock.listen(128)
+        sock.setblocking(False)
+        self._listeners.append(sock)
+        self._accepting.append(asyncio.get_running_loop().create_task(self._accept(sock)))
+
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as exc:
+                if listener.fileno() < 0:
+                    return
+                log.warning("data channel: accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            wire.tune(sock)
+            self._spawn(wire.Conn(sock))
+
+    async def _serve_streams(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)  # asyncio's server runs this in a task of its own: stop() must end it too
+        try:
+            wire.tune(writer.get_extra_info("socket"))
+            await self._serve(wire.Conn(reader=reader, writer=writer))
+        finally:
+            self._tasks.discard(task)
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    def _spawn(self, conn: wire.Conn) -> None:
+        task = asyncio.get_running_loop().create_task(self._serve(conn))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, conn: wire.Conn) -> None:
+        """One connection: HELLO, then requests until the client leaves or the framing breaks."""
+        try:
+            if not await self._hello(conn):
+                return
+            while True:
+                try:
+                    kind, meta, body = await conn.read_frame()
+                except asyncio.IncompleteReadError:
+                    return
+                t0, code = time.perf_counter(), "OK"
+                try:
+                    await self._request(conn, kind, meta, body)
+                except errors.EngramError as exc:
+                    self.served["refused"] += 1
+                    code = status_of(exc).name
+                    await conn.send_error(exc)
+                finally:
+                    if self.observe is not None:
+                        self.observe(_OPS.get(kind, "other"), code, time.perf_counter() - t0)
+        except (ConnectionError, asyncio.IncompleteReadError, _Desync, errors.InvalidArgument):
+            pass  # a client gone, or a stream that cannot be framed: the connection ends, the daemon goes on
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("internal error on a data-channel connection; it was closed")
+        finally:
+            conn.close()
+
+    async def _hello(self, conn: wire.Conn) -> bool:
+        kind, meta, body = await conn.read_frame()
+        if kind != wire.HELLO or body:
+            await conn.send_error(errors.InvalidArgument("data channel: a connection starts with HELLO"))
+            return False
+        if self.tenancy is None:
+            principal = OPEN
+        else:
+            token = bytes(meta).decode(errors="replace")
+            try:
+                principal = self.tenancy.authenticate((("authorization", f"Bearer {token}"),) if token else ())
+            except errors.EngramError as exc:
+                await conn.send_error(exc)
+                return False
+        _principal.set(principal)  # this connection's task: the service's namespace checks read it
+        await conn.send_frame(wire.HELLO_OK)
+        return True
+
+    async def _request(self, conn: wire.Conn, kind: int, meta: bytearray, body: int) -> None:
+        if kind == wire.PUT:
+            await self._put(conn, meta, body)
+        elif kind == wire.GET:
+            if body:
+                raise _Desync("a GET frame carries no body")
+            await self._get(conn, meta)
+        else:
+            await conn.send_error(errors.InvalidArgument(f"data channel: unknown request kind {kind}"))
+            raise _Desync(f"unknown request kind {kind}")
+
+    async def _put(self, conn: wire.Conn, meta: bytearray, body: int) -> None:
+        """Read each block's payload into a buffer of its own and store it as it completes; on a refusal the
+        rest of the body is read and dropped, so the connection stays framed."""
+        if body > self.max_request_bytes:
+            await conn.send_error(errors.ResourceExhausted(
+                f"data channel: a Put of {body} bytes exceeds the server's limit of {self.max_request_bytes}; "
+                "split the chain"))
+            raise _Desync("body over the limit")
+        left = body
+        try:
+            req = _parse(pb.DataPut, meta, "a PUT's metadata")
+            announced = sum(b.payload_nbytes for b in req.blocks)
+            if announced != body:
+                raise errors.InvalidArgument(f"data channel: the blocks announce {announced} payload bytes, the "
+                                             f"frame carries {body}")
+            chain = self.service.chain_put(req.header)
+            for block in req.blocks:
+                header = convert.header_from_pb(block, chain.index)
+                chain.check_not_after_tail()
+                chain.check(header)
+                payload = await conn.recv(header.payload_nbytes)
+                left -= header.payload_nbytes
+                await chain.add(header, payload)
+            reply = await chain.finish()
+        except errors.EngramError:
+            await conn.skip(left)
+            raise
+        await conn.send_frame(wire.PUT_OK, reply.SerializeToString())
+        self.served["put"] += 1
+
+    async def _get(self, conn: wire.Conn, meta: bytearray) -> None:
+        req = _parse(pb.GetRequest, meta, "a GET's metadata")
+        ns, metas = await self.service.blocks_to_get(req)
+        async for key, header, payload in self.service.serve_bytes(ns, req.model_fingerprint, metas,
+                                                                   decode=req.decode):
+            chunk = pb.BlockChunk(header=header, key=key, last=True)
+            await conn.send_frame(wire.BLOCK, chunk.SerializeToString(), payload)
+        await conn.send_frame(wire.END)
+        self.served["get"] += 1
+
+    async def stop(self) -> None:
+        for task in self._accepting:
+            task.cancel()
+        for sock in self._listeners:
+            sock.close()
+        for server in self._servers:
+            server.close()  # new connections; the open ones end with their tasks below
+        for task in list(self._tasks):
+            task.cancel()
+        for task in [*self._accepting, *self._tasks]:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.unix_path and os.path.exists(self.unix_path):
+            os.unlink(self.unix_path)

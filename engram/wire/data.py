@@ -1,0 +1,245 @@
+"""The data channel: Put and Get payloads as raw bytes on a plain socket beside the gRPC port.
+
+Why a second channel: gRPC's Python stack copies a payload several times (protobuf bytes field, HTTP/2 frames,
+the core's slices) and tops out near 0.5 GB/s per connection on a 2-core host, below what a redis-server
+client gets for the same bytes. Here a payload is written to the socket from where it lies (the sender's
+buffer, the daemon's pool slot) and read into where it will live (a fresh block buffer, the caller's
+tensor): the kernel's copy is the only one. The control RPCs, and every client in another language, stay on
+gRPC; a Python client uses this channel when the daemon announces one (DataEndpoint) and gRPC otherwise.
+
+Framing (docs/API.md, "Data channel"): every message is a 16-byte frame header `<B3xIQ` (kind, meta length,
+body length), then `meta` (a protobuf message, or for an error a 4-byte status code and a UTF-8 message), then
+`body` (payload bytes). A connection opens with HELLO (meta: the bearer token, possibly empty), answered
+HELLO_OK or ERROR. Then requests one at a time:
+- PUT: meta DataPut (PutHeader + the blocks' BlockHeaders), body the payloads back to back; answered PUT_OK
+  (meta PutResponse) or ERROR. The daemon reads the whole body even when it refuses, so the connection stays
+  usable.
+- GET: meta GetRequest, no body; answered by one BLOCK frame per block (meta a BlockChunk holding header and
+  key, body the payload), then END; or ERROR at any point (the blocks before it were whole).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engram import errors
+from engram.wire import status
+
+FRAME = struct.Struct("<B3xIQ")
+CODE = struct.Struct("<I")
+
+HELLO, PUT, GET = 1, 2, 3
+HELLO_OK, PUT_OK, BLOCK, END, ERROR = 0x81, 0x82, 0x83, 0x84, 0xFF
+
+MAX_META_BYTES = 64 * 2**20  # a DataPut for thousands of blocks fits; a wild length is refused before reading
+SOCKET_BUFFER_BYTES = 4 * 2**20  # kernel buffers large enough that one MiB moves in a few system calls
+
+Buffer = bytes | bytearray | memoryview
+
+
+def tune(sock: socket.socket) -> None:
+    """Non-blocking, large kernel buffers, and no Nagle delay on TCP (a frame header waits for nothing)."""
+    sock.setblocking(False)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        with contextlib.suppress(OSError):  # the kernel's limit applies; buffers only tune speed
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class Conn:
+    """One byte stream: a plain socket (the kernel copies straight into the caller's buffer) or, under TLS,
+    asyncio streams (one copy more, from the TLS record buffer)."""
+
+    def __init__(self, sock: socket.socket | None = None, *, reader: asyncio.StreamReader | None = None,
+                 writer: asyncio.StreamWriter | None = None) -> None:
+        self._sock, self._reader, self._writer = sock, reader, writer
+        self._loop = asyncio.get_running_loop()
+
+    async def recv_into(self, buf: memoryview) -> None:
+        """Fill `buf` exactly; ConnectionError if the peer closes first."""
+        if self._reader is not None:
+            while buf:
+                data = await self._reader.read(len(buf))
+                if not data:
+                    raise ConnectionError("the peer closed the data channel mid-message")
+                buf[: len(data)] = data
+                buf = buf[len(data):]
+            return
+        assert self._sock is not None
+        while buf:
+            n = await self._loop.sock_recv_into(self._sock, buf)
+            if n == 0:
+                raise ConnectionError("the peer closed the data channel mid-message")
+            buf = buf[n:]
+
+    async def recv(self, n: int) -> bytearray:
+        out = bytearray(n)
+        if n:
+            await self.recv_into(memoryview(out))
+        return out
+
+    async def skip(self, n: int) -> None:
+        """Read and drop n bytes (the rest of a refused request's body)."""
+        scratch = memoryview(bytearray(min(n, 4 * 2**20)))
+        while n > 0:
+            step = min(n, len(scratch))
+            await self.recv_into(scratch[:step])
+            n -= step
+
+    async def send(self, *parts: Buffer) -> None:
+        if self._writer is not None:
+            for p in parts:
+                self._writer.write(p)
+            await self._writer.drain()
+            return
+        assert self._sock is not None
+        for p in parts:
+            if len(p):
+                await self._loop.sock_sendall(self._sock, p)
+
+    async def read_frame(self) -> tuple[int, bytearray, int]:
+        """(kind, meta, body length) of the next frame; its body is left for the caller to read."""
+        kind, meta_len, body_len = FRAME.unpack(await self.recv(FRAME.size))
+        if meta_len > MAX_META_BYTES:
+            raise errors.InvalidArgument(f"data channel: a frame announces {meta_len} bytes of metadata, more "
+                                         f"than the {MAX_META_BYTES} allowed")
+        return kind, await self.recv(meta_len), body_len
+
+    async def send_frame(self, kind: int, meta: bytes = b"", *body: Buffer) -> None:
+        await self.send(FRAME.pack(kind, len(meta), sum(len(b) for b in body)) + meta, *body)
+
+    async def send_error(self, exc: errors.EngramError) -> None:
+        code = status.status_of(exc).value[0]
+        await self.send_frame(ERROR, CODE.pack(code) + str(exc).encode())
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        elif self._sock is not None:
+            self._sock.close()
+
+    async def aclose(self) -> None:
+        self.close()
+        if self._writer is not None:
+            with contextlib.suppress(Exception):
+                await self._writer.wait_closed()
+
+
+class Refused(Exception):
+    """The daemon answered a request with an ERROR frame: the request failed, the connection is still framed."""
+
+    def __init__(self, error: errors.EngramError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def error_of(meta: bytes | bytearray) -> errors.EngramError:
+    """The domain error an ERROR frame's meta stands for (the same classes gRPC statuses map to)."""
+    if len(meta) < CODE.size:
+        return errors.DataLoss("data channel: a malformed ERROR frame")
+    (code,) = CODE.unpack_from(meta)
+    message = bytes(meta[CODE.size:]).decode(errors="replace")
+    by_code = {c.value[0]: c for c in status.ERROR_OF}
+    cls = status.ERROR_OF.get(by_code[code]) if code in by_code else None
+    return (cls or errors.Unavailable)(message or f"status {code}")
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where to dial a daemon's data channel, from its DataEndpoint answer and the gRPC address."""
+
+    unix_path: str = ""
+    host: str = ""
+    port: int = 0
+    tls: bool = False
+    max_request_bytes: int = 0
+
+
+class DataChannel:
+    """A client's connections to one daemon's data channel: idle ones are reused, one request per connection
+    at a time, so concurrent calls of one client each get their own. A connection that fails mid-request is
+    closed, never reused."""
+
+    def __init__(self, endpoint: Endpoint, token: str = "", root_cert: bytes | None = None,
+                 server_name: str = "") -> None:
+        self.endpoint = endpoint
+        self._token = token.encode()
+        self._ssl: ssl.SSLContext | None = None
+        if endpoint.tls:
+            self._ssl = ssl.create_default_context(cadata=root_cert.decode() if root_cert else None)
+        self._server_name = server_name or endpoint.host
+        self._idle: list[Conn] = []
+
+    async def _dial(self) -> Conn:
+        try:
+            return await self._open()
+        except OSError as exc:
+            where = self.endpoint.unix_path or f"{self.endpoint.host}:{self.endpoint.port}"
+            raise errors.Unavailable(f"cannot reach the daemon's data channel at {where}: {exc}") from exc
+
+    async def _open(self) -> Conn:
+        ep = self.endpoint
+        loop = asyncio.get_running_loop()
+        if self._ssl is not None:
+            reader, writer = await asyncio.open_connection(ep.host, ep.port, ssl=self._ssl,
+                                                           server_hostname=self._server_name)
+            tune(writer.get_extra_info("socket"))
+            conn = Conn(reader=reader, writer=writer)
+        else:
+            if ep.unix_path:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                target: object = ep.unix_path
+            else:
+                info = socket.getaddrinfo(ep.host, ep.port, type=socket.SOCK_STREAM)[0]
+                sock = socket.socket(info[0], socket.SOCK_STREAM)
+                target = info[4]
+            try:
+                tune(sock)
+                await loop.sock_connect(sock, target)  # type: ignore[arg-type]
+            except BaseException:
+                sock.close()
+                raise
+            conn = Conn(sock)
+        try:
+            await conn.send_frame(HELLO, self._token)
+            kind, meta, body = await conn.read_frame()
+            if kind == ERROR:
+                raise error_of(meta)
+            if kind != HELLO_OK or body:
+                raise errors.DataLoss(f"data channel: expected HELLO_OK, got frame kind {kind:#x}")
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    async def call(self, kind: int, meta: bytes, body: Sequence[Buffer] = ()) -> Conn:
+        """Send one request on an idle (or new) connection; returns the connection, which the caller reads
+        the answer from and hands back with `done` (or `close`s on failure)."""
+        conn = self._idle.pop() if self._idle else await self._dial()
+        try:
+            await conn.send_frame(kind, meta, *body)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def done(self, conn: Conn) -> None:
+        self._idle.append(conn)
+
+    def close(self) -> None:
+        for conn in self._idle:
+            conn.close()
+        self._idle.clear()
+
+    async def aclose(self) -> None:
+        """close, then wait for TLS connections to finish closing (so none is left to the garbage collector)."""
+        conns, self._idle = self._idle, []
+        for conn in conns:
+            await conn.aclose()

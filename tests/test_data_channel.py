@@ -1,0 +1,294 @@
+"""The data channel (engram/wire/data.py, engram/server/dataport.py): Put and Get payloads as raw bytes on a
+socket beside gRPC, against a real daemon over TCP and a unix socket. What the gRPC Put/Get promise holds here
+too: checksums, namespaces, limits, clear errors, nothing stored from a refused or broken request."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engram import errors
+from engram.block import checksum
+from engram.client import EngramClient
+from engram.config import load_config
+from engram.server import start_server
+from engram.v1 import engram_pb2 as pb
+from engram.wire import convert
+from engram.wire import data as wire
+
+from helpers import random_kv, self_signed_cert, tiny_model, tokens
+
+NS = "tenant-a"
+
+
+def served(srv) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    assert srv.service.dataport is not None, "the daemon started no data channel"
+    return dict(srv.service.dataport.served)
+
+
+async def raw_conn(srv, token: str = "") -> wire.Conn:  # type: ignore[no-untyped-def]
+    """A hand-driven data-channel connection, after HELLO."""
+    conn = await dial(srv)
+    await conn.send_frame(wire.HELLO, token.encode())
+    kind, meta, _ = await conn.read_frame()
+    assert kind == wire.HELLO_OK, wire.error_of(meta)
+    return conn
+
+
+async def dial(srv) -> wire.Conn:  # type: ignore[no-untyped-def]
+    port = srv.service.dataport
+    loop = asyncio.get_running_loop()
+    if port.unix_path:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        target: object = port.unix_path
+    else:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        target = ("127.0.0.1", port.tcp_port)
+    sock.setblocking(False)
+    await loop.sock_connect(sock, target)  # type: ignore[arg-type]
+    return wire.Conn(sock)
+
+
+async def expect_error(conn: wire.Conn, cls: type[errors.EngramError], text: str) -> None:
+    kind, meta, body = await conn.read_frame()
+    assert kind == wire.ERROR and body == 0, f"expected an ERROR frame, got kind {kind:#x}"
+    err = wire.error_of(meta)
+    assert type(err) is cls and text in str(err), repr(err)
+
+
+def block_header(spec, toks: np.ndarray, payload: bytes) -> pb.BlockHeader:  # type: ignore[no-untyped-def]
+    shape = spec.layout.block_shape(len(toks))
+    return pb.BlockHeader(tokens=convert.tokens_to_pb(toks), dtype=int(spec.layout.dtype), shape=list(shape),
+                          payload_nbytes=len(payload), checksum=checksum(payload), codec="raw")
+
+
+def raw_payload(kv: torch.Tensor) -> bytes:
+    return kv.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("codec", ["raw", "nvfp4"])
+async def test_put_and_get_travel_on_the_data_channel(server_factory, codec: str) -> None:  # type: ignore[no-untyped-def]
+    srv = await server_factory()
+    spec = tiny_model(codec=codec)
+    toks = tokens(5 * 16 + 8)  # five full blocks and a partial tail
+    kv = random_kv(spec, len(toks))
+    async with EngramClient(srv.address, namespace=NS, zero_copy=False) as c:
+        fp = await c.register_model(spec)
+        put = await c.put(fp, toks, kv, encode=codec != "raw")
+        assert put.stored == 6
+        keys = [b.key for b in (await c.lookup(fp, toks)).blocks]
+        assert keys == list(put.keys)
+        got = await c.get(fp, keys)
+        decoded = await c.get(fp, keys, decode_on_server=True)
+    assert served(srv) == {"put": 1, "get": 2, "refused": 0}
+    whole = torch.cat(got, dim=2)
+    assert torch.equal(torch.cat(decoded, dim=2), whole)
+    if codec == "raw":
+        assert torch.equal(whole, kv)
+    else:  # FP4 is lossy: what comes back is what the codec stores, the same on every path
+        async with EngramClient(srv.address, namespace=NS, zero_copy=False, data_channel=False) as g:
+            await g.register_model(spec)
+            assert torch.equal(torch.cat(await g.get(fp, keys), dim=2), whole)
+
+
+async def test_without_the_data_channel_payloads_go_over_grpc(server_factory) -> None:  # type: ignore[no-untyped-def]
+    srv = await server_factory()
+    off = await server_factory(**{"server.data_channel": False})
+    assert off.service.dataport is None
+    spec = tiny_model()
+    toks = tokens(40)
+    kv = random_kv(spec, 40)
+    async with EngramClient(srv.address, namespace=NS, zero_copy=False, data_channel=False) as c:
+        fp = await c.register_model(spec)
+        await c.put(fp, toks, kv)
+        n, got = await c.get_prefix(fp, toks)
+        assert n == 40 and torch.equal(got, kv)
+    assert served(srv) == {"put": 0, "get": 0, "refused": 0}
+    async with EngramClient(off.address, namespace=NS, zero_copy=False) as c:  # the daemon announces none
+        fp = await c.register_model(spec)
+        await c.put(fp, toks, kv)
+        n, got = await c.get_prefix(fp, toks)
+        assert n == 40 and torch.equal(got, kv)
+        assert c._data is None
+
+
+async def test_a_chain_over_the_request_limit_goes_in_several_puts(server_factory) -> None:  # type: ignore[no-untyped-def]
+    spec = tiny_model()
+    block = spec.layout.block_nbytes(16)
+    srv = await server_factory(**{"server.data_max_request_bytes": 2 * block})
+    toks = tokens(7 * 16)
+    kv = random_kv(spec, len(toks))
+    async with EngramClient(srv.address, namespace=NS, zero_copy=False) as c:
+        fp = await c.register_model(spec)
+        put = await c.put(fp, toks, kv)
+        assert put.stored == 7
+        assert served(srv)["put"] == 4  # 2 + 2 + 2 + 1 blocks
+        n, got = await c.get_prefix(fp, toks)
+        assert n == len(toks) and torch.equal(got, kv)
+        # a request over the limit is refused from its frame header, and its connection closed
+        conn = await raw_conn(srv)
+        payload = raw_payload(kv[:, :, :48])
+        meta = pb.DataPut(header=pb.PutHeader(namespace=NS, model_fingerprint=fp),
+                          blocks=[block_header(spec, toks[:48], payload)]).SerializeToString()
+        await conn.send(wire.FRAME.pack(wire.PUT, len(meta), len(payload)) + meta)
+        await expect_error(conn, errors.ResourceExhausted, "exceeds the server's limit")
+        with pytest.raises(ConnectionError):
+            await conn.read_frame()
+        conn.close()
+
+
+async def test_tenancy_holds_on_the_data_channel(server_factory) -> None:  # type: ignore[no-untyped-def]
+    srv = await server_factory(**{
+        "auth.tenants.alice.token": "alice-secret", "auth.tenants.alice.namespaces": "alice",
+        "auth.tenants.bob.token": "bob-secret", "auth.tenants.bob.namespaces": "bob", "auth.salt_secret": "s"})
+    spec = tiny_model()
+    toks = tokens(32)
+    kv = random_kv(spec, 32)
+    async with EngramClient(srv.address, token="alice-secret", namespace="alice", zero_copy=False) as a:
+        fp = await a.register_model(spec)
+        keys = list((await a.put(fp, toks, kv)).keys)
+        with pytest.raises(errors.PermissionDenied):
+            await a.get(fp, keys, namespace="bob")
+        got = await a.get(fp, keys)  # the refused request left the connection usable
+        assert torch.equal(torch.cat(got, dim=2), kv)
+    async with EngramClient(srv.address, token="bob-secret", namespace="bob", zero_copy=False) as b:
+        await b.register_model(spec)
+        with pytest.raises(errors.NotFound):  # alice's keys do not exist in bob's namespace
+            await b.get(fp, keys)
+    # a wrong token, and none, are refused at HELLO
+    for token in ("not-a-token", ""):
+        conn = await dial(srv)
+        await conn.send_frame(wire.HELLO, token.encode())
+        await expect_error(conn, errors.Unauthenticated, "")
+        conn.close()
+    assert served(srv)["get"] == 1
+
+
+async def test_bad_frames_get_clear_errors_and_store_nothing(server_factory) -> None:  # type: ignore[no-untyped-def]
+    srv = await server_factory()
+    spec = tiny_model()
+    toks = tokens(32)
+    kv = random_kv(spec, 32)
+    async with EngramClient(srv.address, namespace=NS, zero_copy=False) as c:
+        fp = await c.register_model(spec)
+    payload = raw_payload(kv[:, :, :16])
+    good = block_header(spec, toks[:16], payload)
+    conn = await raw_conn(srv)
+
+    async def put(blocks: list[pb.BlockHeader], body: bytes, **head: object) -> None:
+        fields: dict[str, object] = {"namespace": NS, "model_fingerprint": fp, **head}
+        meta = pb.DataPut(header=pb.PutHeader(**fields), blocks=blocks).SerializeToString()  # type: ignore[arg-type]
+        await conn.send_frame(wire.PUT, meta, body)
+
+    await conn.send_frame(wire.PUT, b"\xff\xff not protobuf", payload)
+    await expect_error(conn, errors.InvalidArgument, "not a valid engram.v1.DataPut")
+    damaged = bytearray(payload)
+    damaged[5] ^= 1
+    await put([good], bytes(damaged))
+    await expect_error(conn, errors.InvalidArgument, "checksum")
+    await put([good], payload + b"xx")
+    await expect_error(conn, errors.InvalidArgument, "the frame carries")
+    await put([good], payload, model_fingerprint=b"\x01" * 16)
+    await expect_error(conn, errors.NotFound, "")
+    await conn.send_frame(wire.GET, pb.GetRequest(namespace=NS, model_fingerprint=fp, keys=[b"\x00" * 16])
+                          .SerializeToString())
+    await expect_error(conn, errors.NotFound, "")
+    assert len(srv.store) == 0, "a refused request stored something"
+    await put([good], payload)  # the same connection, after five refusals, still stores
+    kind, meta, _ = await conn.read_frame()
+    assert kind == wire.PUT_OK and len(pb.PutResponse.FromString(bytes(meta)).keys) == 1
+    # an unknown request kind is refused and the connection closed; the daemon goes on
+    await conn.send_frame(0x42)
+    await expect_error(conn, errors.InvalidArgument, "unknown request kind")
+    conn.close()
+    # a client that leaves mid-body stores nothing of that block
+    conn = await raw_conn(srv)
+    second = block_header(spec, toks[16:32], raw_payload(kv[:, :, 16:32]))
+    meta = pb.DataPut(header=pb.PutHeader(namespace=NS, model_fingerprint=fp, parent_key=b""),
+                      blocks=[good, second]).SerializeToString()
+    await conn.send(wire.FRAME.pack(wire.PUT, len(meta), 2 * len(payload)) + meta, payload, payload[:100])
+    conn.close()
+    await asyncio.sleep(0.2)
+    assert len(srv.store) == 1  # the first block (already stored above, deduplicated); not the broken second
+    async with EngramClient(srv.address, namespace=NS, zero_copy=False) as c:
+        await c.register_model(spec)
+        n, got = await c.get_prefix(fp, toks)
+        assert n == 16 and torch.equal(got, kv[:, :, :16])
+
+
+async def test_a_corrupt_block_is_refused_mid_get_and_the_connection_goes_on(server_factory) -> None:  # type: ignore[no-untyped-def]
+    srv = await server_factory(**{"tiers.dram.pool": "private"})
+    spec = tiny_model()
+    toks = tokens(48)
+    kv = random_kv(spec, 48)
+    async with EngramClient(srv.address, namespace=NS, zero_copy=False) as c:
+        fp = await c.register_model(spec)
+        keys = list((await c.put(fp, toks, kv)).keys)
+        dram = srv.store.placement.tier("dram")
+        blob = bytearray(dram._blocks[keys[1]])
+        blob[0] ^= 0xFF
+        dram._blocks[keys[1]] = bytes(blob)
+        with pytest.raises(errors.DataLoss):
+            await c.get(fp, keys)
+        first = await c.get(fp, keys[:1])  # the same connection: the refusal ended that answer cleanly
+        assert torch.equal(first[0], kv[:, :, :16])
+        assert served(srv)["get"] == 1 and served(srv)["refused"] == 1
+        assert len(c._data._idle) == 1  # type: ignore[union-attr]
+
+
+async def test_a_restarted_daemon_is_found_again(tmp_path: Path) -> None:
+    """A client whose idle connections (and, on TCP with data_port 0, the announced port) went with the old
+    daemon: the next call reconnects, asking for the endpoint again."""
+    spec = tiny_model()
+    toks = tokens(32)
+    kv = random_kv(spec, 32)
+    cfg = load_config(env={}, overrides={"server.port": 0, "tiers.dram.capacity": "64MiB"})
+    srv = await start_server(cfg)
+    port = int(srv.address.rsplit(":", 1)[1])
+    try:
+        c = EngramClient(srv.address, namespace=NS, zero_copy=False)
+        fp = await c.register_model(spec)
+        await c.put(fp, toks, kv)
+        old = srv.service.dataport.tcp_port  # type: ignore[union-attr]
+        await srv.stop(0)
+        srv = await start_server(load_config(env={}, overrides={
+            "server.port": port, "tiers.dram.capacity": "64MiB"}))
+        assert srv.service.dataport.tcp_port != old  # type: ignore[union-attr]
+        await c.register_model(spec)
+        put = await c.put(fp, toks, kv)  # a fresh daemon: stored again
+        assert put.stored == 2
+        got = await c.get(fp, list(put.keys))
+        assert torch.equal(torch.cat(got, dim=2), kv)
+        await c.close()
+    finally:
+        await srv.stop(0)
+
+
+async def test_the_data_channel_speaks_tls_when_grpc_does(tmp_path: Path) -> None:
+    cert, key = self_signed_cert(tmp_path)
+    srv = await start_server(load_config(env={}, overrides={
+        "server.port": 0, "tiers.dram.capacity": "64MiB", "server.tls_cert": str(cert), "server.tls_key": str(key)}))
+    try:
+        assert srv.service.dataport.tls  # type: ignore[union-attr]
+        spec = tiny_model()
+        toks = tokens(40)
+        kv = random_kv(spec, 40)
+        async with EngramClient(srv.address, namespace=NS, root_cert=cert.read_bytes(), zero_copy=False) as c:
+            fp = await c.register_model(spec)
+            await c.put(fp, toks, kv)
+            n, got = await c.get_prefix(fp, toks)
+            assert n == 40 and torch.equal(got, kv)
+        assert served(srv)["put"] == 1 and served(srv)["get"] >= 1
+        # plaintext to the TLS data port is not served
+        conn = await dial(srv)
+        await conn.send_frame(wire.HELLO)
+        with pytest.raises((ConnectionError, errors.InvalidArgument)):
+            await conn.read_frame()
+        conn.close()
+    finally:
+        await srv.stop(0)
