@@ -76,9 +76,27 @@ def _wait_health(address: str, proc: subprocess.Popen[bytes], timeout: float = 3
     raise RuntimeError("engram serve did not become healthy")
 
 
+def _rss_shmem(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssShmem:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _wait_prefault(proc: subprocess.Popen[bytes], nbytes: int, timeout: float = 300.0) -> None:
+    """Until the daemon's DRAM pool is resident (tiers.dram.prefault populates it in the background after
+    start): figures are of a warm daemon, as on a GPU host, where pinning populates it at start."""
+    deadline = time.monotonic() + timeout
+    while _rss_shmem(proc.pid) < 0.99 * nbytes:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the daemon's DRAM pool was not prefaulted")
+        time.sleep(0.2)
+
+
 @contextlib.contextmanager
-def engram_daemon(transport: str, dram: str = "8GiB", extra: tuple[str, ...] = ()) -> Iterator[str]:
-    """A real `engram serve` subprocess; yields the address to dial."""
+def engram_daemon(transport: str, dram: str = "8GiB", extra: tuple[str, ...] = (), *, warm: bool = True
+                  ) -> Iterator[str]:
+    """A real `engram serve` subprocess; yields the address to dial (with warm, once its pool is resident)."""
     with tempfile.TemporaryDirectory(prefix="engram-bench-") as tmp:
         if transport == "unix":
             sock = Path(tmp) / "engram.sock"
@@ -93,6 +111,10 @@ def engram_daemon(transport: str, dram: str = "8GiB", extra: tuple[str, ...] = (
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp)
         try:
             _wait_health(address, proc)
+            if warm and Path("/proc").is_dir():
+                from engram.config import parse_bytes
+
+                _wait_prefault(proc, parse_bytes(dram))
             yield address
         finally:
             proc.terminate()

@@ -72,7 +72,7 @@ def payloads(layout: KVLayout, clients: int, per_client: int, seed: int) -> list
     for c in range(clients):
         blocks = []
         for i in range(per_client):
-            toks = np.full(256, c * 10_000 + i, dtype=np.int32)  # distinct root blocks: no dedupe
+            toks = np.full(256, seed * 1_000_000 + c * 10_000 + i, dtype=np.int32)  # distinct roots: no dedupe
             blocks.append((toks, torch.randn(layout.block_shape(256), generator=gen).to(torch.bfloat16)))
         out.append(blocks)
     return out
@@ -200,7 +200,7 @@ def main() -> None:
     n_cells = 2 * len(plan) * (len(codecs) + 1) + (2 * len(LMCACHE_CASES) + 1 if args.lmcache_python else 0)
     with cells(n_cells, "put_get") as done:
         for transport in ("tcp", "unix"):
-            with engram_daemon(transport) as address:
+            with engram_daemon(transport, dram="4GiB") as address:
                 for codec in codecs:
                     for block_mib, clients, per_client in plan:
                         per = per_client if codec == "raw" else max(1, per_client // 4)
@@ -214,7 +214,7 @@ def main() -> None:
         if args.lmcache_python:
             rows += bench_lmcache(args.lmcache_python, lm_n)
             done("lmcache mp-l1")
-            with engram_daemon("unix") as address:
+            with engram_daemon("unix", dram="4GiB") as address:
                 for case, (layers, heads, dim) in LMCACHE_CASES.items():
                     for transport, zero_copy in (("unix", False), ("shm", True)):
                         rows += asyncio.run(bench_engram(address, transport, layout_for(layers, heads, dim), 1, lm_n,

@@ -82,6 +82,9 @@ class DramConfig:
     shm_dir: str = "/dev/shm"  # where the shared pool's segment file lives (a tmpfs; docker: raise --shm-size)
     page_bytes: ByteSize = ByteSize(0)  # allocation unit of the pool; 0: capacity / 64Ki, in [16 B, 64 KiB]
     pin: bool = True  # register the shared pool with CUDA (cudaHostRegister) when a GPU is present
+    # populate the shared pool's pages in the background at start (pinning does it on a GPU host), so puts into
+    # a cold pool do not pay a page fault per 4 KiB; its memory is then taken from the start
+    prefault: bool = True
 
 
 @dataclass

@@ -28,7 +28,8 @@ async def server_factory(transport: str, tmp_path: Path) -> AsyncIterator[Server
 
     async def start(**overrides: Any) -> RunningServer:
         # 256 MiB pools, not the 4 GiB default: several daemons at once fit a small /dev/shm.
-        base: dict[str, Any] = {"server.port": 0, "tiers.dram.capacity": "256MiB"}
+        # No prefault: a background thread per daemon would only slow the suite (tests/test_shared_pool.py checks it).
+        base: dict[str, Any] = {"server.port": 0, "tiers.dram.capacity": "256MiB", "tiers.dram.prefault": False}
         if transport == "unix":
             base["server.unix_socket"] = str(tmp_path / f"engram-{len(started)}.sock")
         cfg = load_config(env={}, overrides={**base, **overrides})

@@ -117,3 +117,26 @@ def test_config_refuses_bad_pool_settings() -> None:
         load_config(env={}, overrides={"tiers.dram.page_bytes": 3000})
     with pytest.raises(ConfigError, match="shared or private"):
         load_config(env={}, overrides={"tiers.dram.pool": "pinned"})
+
+
+def _rss_shmem_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssShmem:"):
+            return int(line.split()[1])
+    raise AssertionError("no RssShmem in /proc/self/status")
+
+
+async def test_the_pool_is_prefaulted_in_the_background_without_changing_its_bytes(shm_dir: Path) -> None:
+    before = _rss_shmem_kib()
+    tier = shared_dram_tier(64 * 2**20, shm_dir, 4096, pin=False, prefault=True)
+    payload = os.urandom(1 << 20)
+    await put(tier, b"early!!!", payload)  # written while the prefault may still run
+    seg = tier.segment
+    assert seg is not None
+    assert seg.prefaulted.wait(30), "the prefault thread did not finish"
+    assert _rss_shmem_kib() - before >= 64 * 1024, "the pool's pages are not resident after the prefault"
+    assert await tier.read(b"early!!!") == payload
+    await tier.close()
+    cold = shared_dram_tier(64 * 2**20, shm_dir, 4096, pin=False)  # prefault off: nothing populated ahead
+    assert cold.segment is not None and not cold.segment.prefaulted.is_set()
+    await cold.close()

@@ -65,7 +65,7 @@ async def build_store(config: EngramConfig, tenancy: Tenancy | None = None) -> B
                                         "tiers.dram.capacity")
     if t.nvme.path:
         _check_nvme_dir(Path(t.nvme.path))
-    tiers.append(shared_dram_tier(d.capacity, d.shm_dir, d.page_bytes, pin=d.pin) if d.pool == "shared"
+    tiers.append(shared_dram_tier(d.capacity, d.shm_dir, d.page_bytes, pin=d.pin, prefault=d.prefault) if d.pool == "shared"
                  else DramTier(d.capacity))
     codec = config.codec.default
     registry = ModelRegistry(default_codec=codec)

@@ -6,7 +6,8 @@ The daemon holds an exclusive flock on the file for as long as the segment lives
 lock on belongs to a daemon that died, and `clean_stale` removes it at start. The segment is unlinked on
 close. When CUDA is present the data area is registered with the driver (cudaHostRegister), so host <->
 device copies from it run at pinned speed; registering touches every page, which is why the budget is
-checked against MemAvailable and the filesystem's free space first.
+checked against MemAvailable and the filesystem's free space first. Without CUDA the pages are populated by a
+background thread instead (tiers.dram.prefault), so that puts do not pay for them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import fcntl
 import logging
 import mmap
 import os
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +29,7 @@ from engram.segment import HEADER, SegmentLayout
 
 log = logging.getLogger("engram.tiers")
 
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python 3.11's mmap lacks the name
 PREFIX = "engram-seg-"
 SUFFIX = ".shm"
 
@@ -91,7 +95,7 @@ class SharedSegment:
     """The daemon's side: creates, locks, maps (and pins) the segment; `data` and `generations` view it."""
 
     def __init__(self, directory: str | Path, capacity: int, page_bytes: int, *, pin: bool = True,
-                 with_data: bool = True) -> None:
+                 with_data: bool = True, prefault: bool = False) -> None:
         directory = Path(directory)
         if not directory.is_dir():
             raise ConfigError(f"tiers.dram.shm_dir {directory} is not a directory")
@@ -113,7 +117,30 @@ class SharedSegment:
                      if lay.data_bytes else torch.empty(0, dtype=torch.uint8))
         self.pinned = False
         if pin and lay.data_bytes and torch.cuda.is_available():
-            self._register()
+            self._register()  # pinning populates every page: no prefault needed
+        self.prefaulted = threading.Event()
+        self._stop_prefault = False
+        self._prefaulter: threading.Thread | None = None
+        if prefault and lay.data_bytes and not self.pinned:
+            self._prefaulter = threading.Thread(target=self._prefault, name="engram-prefault", daemon=True)
+            self._prefaulter.start()
+
+    def _prefault(self) -> None:
+        """Populate the segment's pages, 64 MiB at a time, in the background: a page of a fresh tmpfs file is
+        allocated and zeroed at its first write, which made the first puts into a cold pool about twice as slow
+        (benchmarks/RESULTS.md, put_get). madvise(MADV_POPULATE_WRITE) faults pages in without changing their
+        bytes, so it is safe while the daemon writes blocks; a kernel without it (< 5.14) skips the warm-up."""
+        t0, size, step = time.perf_counter(), self.layout.size, 64 * 2**20
+        try:
+            for off in range(0, size, step):
+                if self._stop_prefault:
+                    return
+                self._mm.madvise(MADV_POPULATE_WRITE, off, min(step, size - off))
+        except (OSError, ValueError) as exc:
+            log.info("the DRAM pool is not prefaulted (%s): its pages are allocated as blocks first land", exc)
+            return
+        self.prefaulted.set()
+        log.info("DRAM pool prefaulted: %d MiB in %.1f s", size >> 20, time.perf_counter() - t0)
 
     def _register(self) -> None:
         cudart = torch.cuda.cudart()
@@ -128,6 +155,9 @@ class SharedSegment:
         """Unpin, unmap and unlink. A worker that still maps the file keeps its pages until it unmaps."""
         if self._fd < 0:
             return
+        if self._prefaulter is not None:
+            self._stop_prefault = True
+            self._prefaulter.join()
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
             self.pinned = False
