@@ -140,7 +140,7 @@ class SharedSegment:
             log.info("the DRAM pool is not prefaulted (%s): its pages are allocated as blocks first land", exc)
             return
         self.prefaulted.set()
-        log.info("DRAM pool prefaulted: %d MiB in %.1f s", size >> 20, time.perf_counter() - t0)
+        log.debug("DRAM pool prefaulted: %d MiB in %.1f s", size >> 20, time.perf_counter() - t0)
 
     def _register(self) -> None:
         cudart = torch.cuda.cudart()
