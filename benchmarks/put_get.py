@@ -1,5 +1,5 @@
 """Put and Get through a real Engram daemon's bytes path, against redis-server and (given its venv) LMCache 0.5.6,
-the same payloads in the same run.
+the same payloads in the same run. Every client connects (one untimed call) before the clock starts.
 
 Engram's clients take the bytes path (zero_copy=False), as a worker on another host does: the data channel when
 the daemon has one (the default), or gRPC streams (`--grpc`). Cells:
@@ -87,6 +87,8 @@ async def bench_engram(address: str, transport: str, layout: KVLayout, clients: 
     conns = [EngramClient(address, namespace=f"bench-{transport}", chunk_bytes=32 * MiB, max_message_bytes=64 * MiB,
                           zero_copy=zero_copy, data_channel=data_channel) for _ in range(clients)]
     fps = [await c.register_model(spec) for c in conns]
+    for c, fp in zip(conns, fps, strict=True):  # connected before the clock starts, as redis-py's PING below
+        await c.get(fp, [])
     put_lat: list[float] = []
     get_lat: list[float] = []
     keys: list[list[bytes]] = [[] for _ in range(clients)]
@@ -132,6 +134,8 @@ async def bench_redis(kwargs: dict[str, object], transport: str, layout: KVLayou
     data = payloads(layout, clients, per_client, seed=len(layout.layers) * 100 + clients)
     blobs = [[kv.view(torch.uint8).numpy().tobytes() for _, kv in blocks] for blocks in data]
     conns = [aioredis.Redis(**kwargs) for _ in range(clients)]  # type: ignore[arg-type]
+    for c in conns:
+        await c.ping()
     put_lat: list[float] = []
     get_lat: list[float] = []
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gc
 import logging
 import os
 import signal
@@ -373,6 +374,10 @@ async def serve(config: EngramConfig, ready: asyncio.Event | None = None) -> Non
     for warning in startup_warnings(config, running):
         log.warning(warning)
         print(f"engram: warning: {warning}", flush=True)
+    # What start-up built (torch, the protobuf modules, the index of blocks recovered from NVMe) lives as long as
+    # the daemon: out of the collector's sight, a full collection no longer walks it, which stalled every
+    # request for tens of milliseconds under load (benchmarks/RESULTS.md, put_get).
+    gc.freeze()
     if ready is not None:
         ready.set()
     await stop.wait()
