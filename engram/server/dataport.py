@@ -35,6 +35,7 @@ log = logging.getLogger("engram.server")
 
 
 _OPS = {wire.PUT: "put", wire.GET: "get"}
+REUSE_MAX = 64 * 2**20  # the largest receive buffer a connection keeps between blocks
 
 
 class _Desync(Exception):
@@ -217,15 +218,27 @@ class DataPort:
                 header = convert.header_from_pb(block, chain.index)
                 chain.check_not_after_tail()
                 chain.check(header)
-                payload = await conn.recv(header.payload_nbytes)
+                payload = self._buffer(conn, header.payload_nbytes)
+                await conn.recv_into(payload)
                 left -= header.payload_nbytes
-                await chain.add(header, payload)
+                # The store copies what it keeps (a pool slot, the private tier's bytes), so the buffer is
+                # reused for the next block; a partial tail is committed by finish() before any further read.
+                await chain.add(header, payload)  # type: ignore[arg-type]
             reply = await chain.finish()
         except errors.EngramError:
             await conn.skip(left)
             raise
         await conn.send_frame(wire.PUT_OK, reply.SerializeToString())
         self.served["put"] += 1
+
+    def _buffer(self, conn: wire.Conn, n: int) -> memoryview:
+        """A receive buffer of n bytes: the connection's own, reused from block to block, so that a put does not
+        allocate (and fault in) fresh memory for every payload; a block above REUSE_MAX gets one of its own."""
+        if n > REUSE_MAX:
+            return memoryview(bytearray(n))
+        if len(conn.scratch) < n:
+            conn.scratch = bytearray(n)
+        return memoryview(conn.scratch)[:n]
 
     async def _get(self, conn: wire.Conn, meta: bytearray) -> None:
         req = _parse(pb.GetRequest, meta, "a GET's metadata")

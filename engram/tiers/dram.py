@@ -46,7 +46,8 @@ class DramTier(ByteBudget):
         if rec.key in self._blocks:
             raise AssertionError("write of a key already in the tier; the store must dedupe first")
         self.unreserve(reserved)
-        self._blocks[rec.key] = payload
+        # kept as it is: a caller's reused buffer (the data channel's) is copied, bytes are not
+        self._blocks[rec.key] = payload if isinstance(payload, bytes) else bytes(payload)
         self._stored += len(payload)
 
     async def read(self, key: bytes) -> bytes:

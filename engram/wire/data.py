@@ -61,6 +61,7 @@ class Conn:
                  writer: asyncio.StreamWriter | None = None) -> None:
         self._sock, self._reader, self._writer = sock, reader, writer
         self._loop = asyncio.get_running_loop()
+        self.scratch = bytearray()  # a receiver's buffer, reused from message to message (the daemon's puts)
 
     async def recv_into(self, buf: memoryview) -> None:
         """Fill `buf` exactly; ConnectionError if the peer closes first."""
