@@ -83,7 +83,8 @@ async def run_demo(console: Console, socket_dir: Path) -> list[SessionReport]:
     cfg = load_config(env={}, overrides=overrides)
     server = await start_server(cfg)
     console.print(f"[bold]engram demo[/]: embedded daemon on [cyan]{server.address}[/] "
-                  f"(DRAM tier {human_bytes(cfg.tiers.dram.capacity)}, blocks stored as {cfg.codec.default}, "
+                  f"(DRAM tier {human_bytes(cfg.tiers.dram.capacity)}, blocks stored as "
+                  f"{server.store.registry.default_codec}, "
                   "no GPU, no Redis)")
     work = agent_sessions(n_sessions=2, system_tokens=1024, repository_tokens=3072, history_tokens=600)
     console.print(f"two agent sessions share a {work.shared_tokens}-token prefix (system prompt + repository), "

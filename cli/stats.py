@@ -80,6 +80,7 @@ def stats_renderable(resp: Stats) -> Group:
         ("blocks acknowledged not durable", str(resp.blocks_not_durable)),
         ("corrupt blocks found", str(resp.corrupt_blocks)),
         ("bytes served", human_bytes(resp.bytes_served)),
+        ("default codec", f"{resp.default_codec} ({resp.default_codec_reason}); encoded here by {resp.codec_backend}"),
         ("uptime", f"{resp.uptime_s:.1f} s"),
         ("version", resp.version),
     ):

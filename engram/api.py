@@ -230,6 +230,9 @@ class Stats:
     write_back_oldest_s: float = 0.0
     blocks_flushed: int = 0  # copied to NVMe by the background flusher
     leases: int = 0  # zero-copy leases open
+    default_codec: str = ""  # for models registered without a codec
+    default_codec_reason: str = ""  # codec.default, or what auto found
+    codec_backend: str = ""  # where the daemon encodes: triton (its GPU), cpu (compiled), reference (PyTorch)
 
     def tier(self, name: str) -> TierStats:
         return next(t for t in self.tiers if t.name == name)

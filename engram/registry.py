@@ -21,8 +21,10 @@ log = logging.getLogger("engram.registry")
 
 
 class ModelRegistry:
-    def __init__(self, directory: str | Path | None = None, *, default_codec: str = "raw") -> None:
+    def __init__(self, directory: str | Path | None = None, *, default_codec: str = "raw", default_reason: str = ""
+                 ) -> None:
         self.default_codec = default_codec
+        self.default_reason = default_reason  # why this default (codec.default, or what auto found)
         self._models: dict[bytes, ModelSpec] = {}
         self._dir = Path(directory) if directory else None
         if self._dir is not None:

@@ -53,8 +53,10 @@ carries Put and Get payloads as raw bytes; the client asks the daemon where it l
 uses gRPC streams when there is none (`server.data_channel = off`, or `EngramClient(data_channel=False)`). The
 control calls always go over gRPC. Its framing is in engram/wire/data.py; docs/ARCHITECTURE.md says why.
 
-The default codec of a daemon is nvfp4, which is lossy (FP4 values with a scale per group): a model registered
-without a codec gets its KV back approximately. Register with `codec="raw"` for bit-exact KV.
+A daemon's default codec (`codec.default = auto`) is nvfp4 where it encodes fast (a GPU, or the compiled CPU
+codec), raw otherwise (`stats().default_codec` says which, and why). nvfp4 is lossy (FP4 values with a scale per
+group): a model registered without a codec may get its KV back approximately. Register with `codec="raw"` for
+bit-exact KV.
 
 ## Example (blocking)
 

@@ -96,12 +96,23 @@ async def test_client_encoded_puts_store_the_same_bytes(client: EngramClient) ->
     assert ga is not None and gb is not None and torch.equal(ga, gb)
 
 
-async def test_default_codec_is_nvfp4_and_in_the_fingerprint(client: EngramClient) -> None:
+def test_auto_default_codec_follows_where_the_daemon_encodes() -> None:
+    assert base.resolve_default_codec("auto", "triton")[0] == "nvfp4"
+    assert base.resolve_default_codec("auto", "cpu")[0] == "nvfp4"
+    codec, why = base.resolve_default_codec("auto", "reference")
+    assert codec == "raw" and "no GPU or compiled CPU codec" in why
+    assert base.resolve_default_codec("mxfp4", "reference") == ("mxfp4", "codec.default")
+
+
+async def test_default_codec_is_the_daemons_and_in_the_fingerprint(client: EngramClient) -> None:
+    stats = await client.stats()
+    expected = "nvfp4" if stats.codec_backend in base.FAST_BACKENDS else "raw"
+    assert stats.default_codec == expected and stats.default_codec_reason.startswith("auto")
     fp_default = await client.register_model(tiny_model(codec=""))
-    assert client.codec_of(fp_default) == "nvfp4"
-    fp_nvfp4 = await client.register_model(tiny_model(codec="nvfp4"))
-    fp_raw = await client.register_model(tiny_model(codec="raw"))
-    assert fp_default == fp_nvfp4 != fp_raw
+    assert client.codec_of(fp_default) == expected
+    fp_same = await client.register_model(tiny_model(codec=expected))
+    fp_other = await client.register_model(tiny_model(codec="mxfp4"))
+    assert fp_default == fp_same != fp_other
     with pytest.raises(errors.InvalidArgument, match="unknown codec"):
         await client.register_model(tiny_model(codec="int3"))
 

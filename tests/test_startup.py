@@ -94,7 +94,8 @@ def test_banner_names_what_runs_and_warns_about_an_open_address(tmp_path: Path) 
     lines = banner(shm, "--host", "0.0.0.0", "--port", "0", "--set", "codec.default=raw")
     assert lines[0].startswith("engram: serving on 0.0.0.0:")
     assert f"engram: tiers: dram 64 MiB (shared pool in {shm}); write-back" in lines
-    assert "engram: codec: raw (lossless)" in lines and "engram: TLS: off" in lines
+    assert any(line.startswith("engram: codec: raw (lossless; codec.default)") for line in lines), lines
+    assert "engram: TLS: off" in lines
     assert "engram: replay models: none" in lines
     assert any(line.startswith("engram: tenancy: off") for line in lines)
     assert any(line.startswith("engram: warning: listening on 0.0.0.0 with tenancy off") for line in lines), lines

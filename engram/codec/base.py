@@ -202,3 +202,20 @@ def default_backend() -> str:
             return "reference"
         return "triton"
     return "reference"
+
+
+# Backends that encode at memory speed (>= 1 GB/s per core; benchmarks/RESULTS.md, codec_speed): where the daemon
+# has one, a lossy default codec costs its puts little; the PyTorch reference (0.01 GB/s) would dominate them.
+FAST_BACKENDS = ("triton", "cpu")
+
+
+def resolve_default_codec(configured: str, backend: str) -> tuple[str, str]:
+    """The daemon's default codec and why: codec.default = auto picks nvfp4 where the daemon itself encodes fast
+    (Triton on its GPU, or the compiled CPU codec; workers with a GPU encode on theirs), raw where it could only
+    use the PyTorch reference. An explicit codec.default is taken as given."""
+    if configured != "auto":
+        return configured, "codec.default"
+    if backend in FAST_BACKENDS:
+        where = "the daemon's GPU" if backend == "triton" else "the compiled CPU codec"
+        return "nvfp4", f"auto: encoded by {where}"
+    return "raw", "auto: no GPU or compiled CPU codec, and the PyTorch reference encodes nvfp4 at ~0.01 GB/s"

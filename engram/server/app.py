@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engram.cluster import ClusterIndex
-from engram.codec.base import default_backend
+from engram.codec.base import default_backend, resolve_default_codec
 from engram.config import EngramConfig, ServerConfig
 from engram.errors import AddressInUse, ConfigError, InsufficientResources
 from engram.inspection import Inspector
@@ -68,14 +68,14 @@ async def build_store(config: EngramConfig, tenancy: Tenancy | None = None) -> B
         _check_nvme_dir(Path(t.nvme.path))
     tiers.append(shared_dram_tier(d.capacity, d.shm_dir, d.page_bytes, pin=d.pin, prefault=d.prefault) if d.pool == "shared"
                  else DramTier(d.capacity))
-    codec = config.codec.default
-    registry = ModelRegistry(default_codec=codec)
+    backend = default_backend() if config.codec.backend == "auto" else config.codec.backend
+    codec, why = resolve_default_codec(config.codec.default, backend)
+    registry = ModelRegistry(default_codec=codec, default_reason=why)
     if t.nvme.path:
         root = Path(t.nvme.path)
-        registry = ModelRegistry(root / "models", default_codec=codec)
+        registry = ModelRegistry(root / "models", default_codec=codec, default_reason=why)
         tiers.append(NvmeTier(root, t.nvme.capacity, compression=t.nvme.compression, io_threads=t.nvme.io_threads,
                               fsync=t.nvme.fsync, verify_on_start=t.nvme.verify_on_start))
-    backend = default_backend() if config.codec.backend == "auto" else config.codec.backend
     store = BlockStore(tiers, registry, write_policy=WritePolicy(t.write_policy), retry_s=t.retry_s,
                        codec_backend=backend, namespaces=tenancy, on_nvme_failure=t.on_nvme_failure,
                        write_back_window_s=t.write_back_window_s, write_back_window_bytes=t.write_back_window_bytes)
@@ -327,9 +327,11 @@ def banner(config: EngramConfig, running: RunningServer) -> list[str]:
                                and t.nvme.path else "")
     tenants = len(a.tenants)
     models = [p.strip() for p in config.replay.models.split(",") if p.strip()]
+    reg, backend = running.store.registry, running.store.codec_backend
+    codec = (f"codec: {reg.default_codec} ({reg.default_reason}; lossy: codec.default = raw stores KV exactly)"
+             if reg.default_codec != "raw" else f"codec: raw (lossless; {reg.default_reason})")
     lines = [f"tiers: {tiers}; {policy}",
-             f"codec: {config.codec.default} (lossy; codec.default = raw stores KV exactly)"
-             if config.codec.default != "raw" else "codec: raw (lossless)",
+             f"{codec}; the daemon encodes with {backend}",
              (f"tenancy: on ({tenants} tenants" + (", a tenants file" if a.tenants_file else "") + ")") if a.enabled
              else "tenancy: off (every caller may act in every namespace)",
              "TLS: on" if config.server.tls_cert else "TLS: off",

@@ -491,6 +491,8 @@ class EngramService:
             blocks_evicted_on_request=c.blocks_evicted_on_request, blocks_not_durable=c.blocks_not_durable,
             blocks_flushed=c.blocks_flushed, write_back_pending_blocks=pending.blocks,
             write_back_pending_bytes=pending.bytes, write_back_oldest_s=pending.oldest_s, leases=len(self.leases),
+            default_codec=store.registry.default_codec, default_codec_reason=store.registry.default_reason,
+            codec_backend=store.codec_backend,
         )
 
     async def _cluster_stats(self) -> ClusterStats:

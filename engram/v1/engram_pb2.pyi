@@ -426,7 +426,7 @@ class Limits(_message.Message):
     def __init__(self, max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "models", "lookups", "lookup_hit_tokens", "lookup_miss_tokens", "blocks_put", "blocks_deduplicated", "blocks_served", "bytes_served", "limits", "version", "uptime_s", "write_policy", "corrupt_blocks", "replay", "namespaces", "cluster", "blocks_evicted_on_request", "blocks_not_durable", "write_back_pending_blocks", "write_back_pending_bytes", "write_back_oldest_s", "blocks_flushed", "leases")
+    __slots__ = ("tiers", "models", "lookups", "lookup_hit_tokens", "lookup_miss_tokens", "blocks_put", "blocks_deduplicated", "blocks_served", "bytes_served", "limits", "version", "uptime_s", "write_policy", "corrupt_blocks", "replay", "namespaces", "cluster", "blocks_evicted_on_request", "blocks_not_durable", "write_back_pending_blocks", "write_back_pending_bytes", "write_back_oldest_s", "blocks_flushed", "leases", "default_codec", "default_codec_reason", "codec_backend")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
@@ -451,6 +451,9 @@ class StatsResponse(_message.Message):
     WRITE_BACK_OLDEST_S_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FLUSHED_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_CODEC_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_CODEC_REASON_FIELD_NUMBER: _ClassVar[int]
+    CODEC_BACKEND_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     models: _containers.RepeatedCompositeFieldContainer[ModelStats]
     lookups: int
@@ -475,7 +478,10 @@ class StatsResponse(_message.Message):
     write_back_oldest_s: float
     blocks_flushed: int
     leases: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_hit_tokens: _Optional[int] = ..., lookup_miss_tokens: _Optional[int] = ..., blocks_put: _Optional[int] = ..., blocks_deduplicated: _Optional[int] = ..., blocks_served: _Optional[int] = ..., bytes_served: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., write_policy: _Optional[str] = ..., corrupt_blocks: _Optional[int] = ..., replay: _Optional[_Union[ReplayStats, _Mapping]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., cluster: _Optional[_Union[ClusterStats, _Mapping]] = ..., blocks_evicted_on_request: _Optional[int] = ..., blocks_not_durable: _Optional[int] = ..., write_back_pending_blocks: _Optional[int] = ..., write_back_pending_bytes: _Optional[int] = ..., write_back_oldest_s: _Optional[float] = ..., blocks_flushed: _Optional[int] = ..., leases: _Optional[int] = ...) -> None: ...
+    default_codec: str
+    default_codec_reason: str
+    codec_backend: str
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_hit_tokens: _Optional[int] = ..., lookup_miss_tokens: _Optional[int] = ..., blocks_put: _Optional[int] = ..., blocks_deduplicated: _Optional[int] = ..., blocks_served: _Optional[int] = ..., bytes_served: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., write_policy: _Optional[str] = ..., corrupt_blocks: _Optional[int] = ..., replay: _Optional[_Union[ReplayStats, _Mapping]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., cluster: _Optional[_Union[ClusterStats, _Mapping]] = ..., blocks_evicted_on_request: _Optional[int] = ..., blocks_not_durable: _Optional[int] = ..., write_back_pending_blocks: _Optional[int] = ..., write_back_pending_bytes: _Optional[int] = ..., write_back_oldest_s: _Optional[float] = ..., blocks_flushed: _Optional[int] = ..., leases: _Optional[int] = ..., default_codec: _Optional[str] = ..., default_codec_reason: _Optional[str] = ..., codec_backend: _Optional[str] = ...) -> None: ...
 
 class ReplayStats(_message.Message):
     __slots__ = ("sessions", "hot_sessions", "persisted_window_bytes", "hot_window_bytes", "replays", "replayed_tokens", "replay_seconds")
