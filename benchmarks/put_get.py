@@ -92,8 +92,12 @@ async def bench_engram(address: str, transport: str, layout: KVLayout, clients: 
     conns = [EngramClient(address, namespace=f"bench-{transport}", chunk_bytes=32 * MiB, max_message_bytes=64 * MiB,
                           zero_copy=zero_copy, data_channel=data_channel) for _ in range(clients)]
     fps = [await c.register_model(spec) for c in conns]
-    for c, fp in zip(conns, fps, strict=True):  # connected before the clock starts, as redis-py's PING below
-        await c.get(fp, [])
+    for i, (c, fp) in enumerate(zip(conns, fps, strict=True)):  # connected before the clock starts, as
+        await c.get(fp, [])  # redis-py's PING below; a same-host client also maps the pool (one block put and hit)
+        if zero_copy:
+            toks = np.full(256, 9_999 - i, dtype=np.int32)
+            await c.put(fp, toks, data[i][0][1], skip_cached=False)
+            await c.load_prefix_into(fp, toks, torch.empty(layout.block_shape(256), dtype=torch.bfloat16))
     put_lat: list[float] = []
     get_lat: list[float] = []
     keys: list[list[bytes]] = [[] for _ in range(clients)]

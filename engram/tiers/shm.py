@@ -18,18 +18,17 @@ import logging
 import mmap
 import os
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from engram.errors import ConfigError, InsufficientResources
+from engram.populate import Populator
 from engram.segment import HEADER, SegmentLayout
 
 log = logging.getLogger("engram.tiers")
 
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python 3.11's mmap lacks the name
 PREFIX = "engram-seg-"
 SUFFIX = ".shm"
 
@@ -118,29 +117,11 @@ class SharedSegment:
         self.pinned = False
         if pin and lay.data_bytes and torch.cuda.is_available():
             self._register()  # pinning populates every page: no prefault needed
-        self.prefaulted = threading.Event()
-        self._stop_prefault = False
-        self._prefaulter: threading.Thread | None = None
+        self._populator: Populator | None = None
         if prefault and lay.data_bytes and not self.pinned:
-            self._prefaulter = threading.Thread(target=self._prefault, name="engram-prefault", daemon=True)
-            self._prefaulter.start()
-
-    def _prefault(self) -> None:
-        """Populate the segment's pages, 64 MiB at a time, in the background: a page of a fresh tmpfs file is
-        allocated and zeroed at its first write, which made the first puts into a cold pool about twice as slow
-        (benchmarks/RESULTS.md, put_get). madvise(MADV_POPULATE_WRITE) faults pages in without changing their
-        bytes, so it is safe while the daemon writes blocks; a kernel without it (< 5.14) skips the warm-up."""
-        t0, size, step = time.perf_counter(), self.layout.size, 64 * 2**20
-        try:
-            for off in range(0, size, step):
-                if self._stop_prefault:
-                    return
-                self._mm.madvise(MADV_POPULATE_WRITE, off, min(step, size - off))
-        except (OSError, ValueError) as exc:
-            log.info("the DRAM pool is not prefaulted (%s): its pages are allocated as blocks first land", exc)
-            return
-        self.prefaulted.set()
-        log.debug("DRAM pool prefaulted: %d MiB in %.1f s", size >> 20, time.perf_counter() - t0)
+            # A fresh tmpfs page is allocated and zeroed at its first write: done here in the background instead
+            # of in the puts (engram/populate.py).
+            self._populator = Populator(self._mm, write=True, what="the DRAM pool")
 
     def _register(self) -> None:
         cudart = torch.cuda.cudart()
@@ -151,13 +132,17 @@ class SharedSegment:
                               "(ulimit -l) must allow it; or set tiers.dram.pin = false")
         self.pinned = True
 
+    @property
+    def prefaulted(self) -> threading.Event | None:
+        """Set once the pool's pages are all allocated (None: no prefault runs)."""
+        return self._populator.done if self._populator is not None else None
+
     def close(self) -> None:
         """Unpin, unmap and unlink. A worker that still maps the file keeps its pages until it unmaps."""
         if self._fd < 0:
             return
-        if self._prefaulter is not None:
-            self._stop_prefault = True
-            self._prefaulter.join()
+        if self._populator is not None:
+            self._populator.stop()
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
             self.pinned = False
