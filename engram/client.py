@@ -61,6 +61,7 @@ from engram.writer import PutWriter, Slot, stream_block
 __all__ = ["EngramClient", "SyncEngramClient", "same_host"]
 
 RELEASE_AFTER_S = 0.25  # a finished load's lease ends with the next load, or this long after it
+IN_PLACE_MIN_BYTES = 16 * 2**20  # host-memory puts smaller than this take the data channel (_in_place_pays)
 
 T = TypeVar("T")
 
@@ -118,13 +119,16 @@ class EngramClient(ControlClient):
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         zero_copy: bool | None = None,
         data_channel: bool = True,
+        in_place_min_bytes: int = IN_PLACE_MIN_BYTES,
     ) -> None:
         """token: the tenant's bearer token (tenancy on); root_cert: PEM root certificate, for a daemon
         serving TLS. namespace: the default of every call; with a token, "" means the token's first.
         zero_copy: the same-host paths (hits copied out of the daemon's mapped pools, puts written into
         them in place); None: whenever the daemon is on this host; False: bytes over the socket only.
         data_channel: payloads that travel as bytes take the daemon's data channel (raw bytes on a socket
-        beside gRPC, engram/wire/data.py) when it announces one; False: gRPC streams only."""
+        beside gRPC, engram/wire/data.py) when it announces one; False: gRPC streams only.
+        in_place_min_bytes: on the daemon's host, a put from host memory smaller than this goes over the data
+        channel instead of in place (0: always in place)."""
         if chunk_bytes + 4096 > max_message_bytes:
             raise ValueError("chunk_bytes must leave room for headers under max_message_bytes")
         super().__init__(address, namespace=namespace, token=token, root_cert=root_cert,
@@ -132,6 +136,7 @@ class EngramClient(ControlClient):
         self.chunk_bytes = chunk_bytes
         self._token, self._root_cert = token, root_cert
         self._data_wanted = data_channel
+        self.in_place_min_bytes = in_place_min_bytes
         self._data: DataChannel | None = None
         self._layouts: dict[bytes, ModelSpec] = {}
         self._segments: dict[str, SegmentReader] = {}  # shared DRAM segments mapped for zero-copy Gets
@@ -215,7 +220,8 @@ class EngramClient(ControlClient):
         On the daemon's host (and a daemon with a shared DRAM pool) the blocks are encoded here in the
         model's codec (the Triton kernels when kv is on a GPU, a few launches for all blocks) and written
         straight into pool slots the daemon reserved (ReservePut, CommitPut): no KV crosses the socket, and
-        blocks already stored are skipped. Elsewhere they travel as Put messages: with skip_cached (the
+        blocks already stored are skipped; from host memory only for 16 MiB or more (below, one message on
+        the data channel is faster than two RPCs). Elsewhere they travel as bytes (the data channel): with skip_cached (the
         default) a Lookup first finds the cached prefix and only the blocks after it are sent; with encode
         they are encoded here and travel 3.5-4x smaller, otherwise the daemon encodes them.
         """
@@ -232,7 +238,7 @@ class EngramClient(ControlClient):
             raise errors.InvalidArgument(
                 f"kv must be (layers, 2, tokens, kv_heads, head_dim) with tokens={len(arr)}, got {got}"
             )
-        if self._in_place_ok and self._zero_copy_ok and same_host(self.address):
+        if self._in_place_ok and self._zero_copy_ok and same_host(self.address) and await self._in_place_pays(kv):
             done = await self._put_in_place(fingerprint, spec, arr, kv, ns, pin)
             if done is not None:
                 return done
@@ -257,6 +263,18 @@ class EngramClient(ControlClient):
             raise errors.DataLoss("the daemon computed other block keys than this client; key versions differ?")
         return PutResult(tuple(all_keys), reply.stored, reply.deduplicated, skipped=first,
                          not_durable=reply.not_durable)
+
+    async def _in_place_pays(self, kv: torch.Tensor | Mapping[str, torch.Tensor]) -> bool:
+        """Whether a put on the daemon's host goes in place: always from a GPU (encoded there, DMA'd into the
+        pool); from host memory only for chains of in_place_min_bytes or more when the daemon has a data
+        channel, because two RPCs and a seal cost more than moving a few MiB once over the socket
+        (benchmarks/RESULTS.md, put_get: 1 MiB took 2.4 ms in place, 0.7 ms on the data channel)."""
+        if _device_of(kv).type == "cuda":
+            return True
+        tensors = kv.values() if isinstance(kv, Mapping) else (kv,)
+        if sum(t.numel() * t.element_size() for t in tensors) >= self.in_place_min_bytes:
+            return True
+        return await self._data_channel() is None
 
     async def _put_in_place(self, fingerprint: bytes, spec: ModelSpec, arr: np.ndarray,
                             kv: torch.Tensor | Mapping[str, torch.Tensor], ns: str, pin: bool) -> PutResult | None:

@@ -32,7 +32,7 @@ async def test_an_in_place_put_stores_what_a_put_stores(server_factory, codec: s
     spec = tiny_model(codec=codec)
     toks = tokens(4 * BLOCK_TOKENS + 5)
     kv = random_kv(spec, len(toks)).to(device)
-    async with EngramClient(srv.address, namespace="a") as local, \
+    async with EngramClient(srv.address, namespace="a", in_place_min_bytes=0) as local, \
             EngramClient(srv.address, namespace="b", zero_copy=False) as remote:
         fp = await local.register_model(spec)
         await remote.register_model(spec)
@@ -57,7 +57,7 @@ async def test_a_chain_longer_than_the_pool_goes_in_rounds(server_factory, tmp_p
     block = spec.layout.block_nbytes(BLOCK_TOKENS)
     srv = await server_factory(**{"tiers.dram.capacity": 4 * block, "tiers.dram.page_bytes": 256,
                                   "tiers.nvme.path": str(tmp_path / "nvme")})
-    async with EngramClient(srv.address, namespace="t") as c:
+    async with EngramClient(srv.address, namespace="t", in_place_min_bytes=0) as c:
         fp = await c.register_model(spec)
         toks = tokens(11 * BLOCK_TOKENS)
         kv = random_kv(spec, len(toks))
@@ -144,7 +144,7 @@ async def test_under_tenancy_the_same_host_paths_are_off_unless_trusted(server_f
             "auth.salt_secret": "s"}
     for trusted in (False, True):
         srv = await server_factory(**auth, **({"auth.same_host_paths": "on"} if trusted else {}))
-        async with EngramClient(srv.address, namespace="alice", token="alice-token") as c:
+        async with EngramClient(srv.address, namespace="alice", token="alice-token", in_place_min_bytes=0) as c:
             fp = await c.register_model(spec)
             toks = tokens(3 * BLOCK_TOKENS)
             kv = random_kv(spec, len(toks))

@@ -109,7 +109,7 @@ async def test_in_place_puts_of_streams_seal_what_a_put_stores(server_factory) -
     spec = csa_spec()
     toks = tokens(4 * BLOCK_TOKENS + 9)
     data = streams_for(spec, len(toks))
-    async with EngramClient(srv.address, namespace="a") as local, \
+    async with EngramClient(srv.address, namespace="a", in_place_min_bytes=0) as local, \
             EngramClient(srv.address, namespace="b", zero_copy=False) as remote:
         fp = await local.register_model(spec)
         await remote.register_model(spec)
@@ -168,7 +168,7 @@ async def test_streams_on_a_device_put_in_place_and_load_into_every_stream_desti
     toks = tokens(3 * BLOCK_TOKENS + 5)
     n = len(toks)
     data = streams_for(spec, n, seed=11)
-    async with EngramClient(srv.address, namespace="a") as local, \
+    async with EngramClient(srv.address, namespace="a", in_place_min_bytes=0) as local, \
             EngramClient(srv.address, namespace="b", zero_copy=False) as remote:
         fp = await local.register_model(spec)
         await remote.register_model(spec)
@@ -261,7 +261,7 @@ async def test_worker_encoded_streams_with_bad_scales_are_refused(server_factory
         return n
 
     async with EngramClient(srv.address, namespace="p", zero_copy=False) as remote, \
-            EngramClient(srv.address, namespace="q") as local:
+            EngramClient(srv.address, namespace="q", in_place_min_bytes=0) as local:
         fp = await remote.register_model(spec)
         await local.register_model(spec)
         monkeypatch.setattr(stored, "encode_streams", bad_encode)
