@@ -55,7 +55,7 @@ from engram.wire.channel import (
 )
 from engram.wire.data import Conn, DataChannel, Endpoint
 from engram.wire.status import error_from_rpc
-from engram.wire.stream import Reassembler, client_reassembler, pieces
+from engram.wire.stream import Reassembler, chunk_frames, client_reassembler
 from engram.writer import PutWriter, Slot, stream_block
 
 __all__ = ["EngramClient", "SyncEngramClient", "same_host"]
@@ -135,6 +135,11 @@ class EngramClient(ControlClient):
                          max_message_bytes=max_message_bytes)
         self.chunk_bytes = chunk_bytes
         self._token, self._root_cert = token, root_cert
+        # Put over gRPC with requests serialized by chunk_frames (bytes pass through a None serializer)
+        put = self._channel.stream_unary("/engram.v1.Engram/Put", request_serializer=None,
+                                         response_deserializer=pb.PutResponse.FromString)
+        self._put_frames = (functools.partial(put, metadata=(("authorization", f"Bearer {token}"),)) if token
+                            else put)
         self._data_wanted = data_channel
         self.in_place_min_bytes = in_place_min_bytes
         self._data: DataChannel | None = None
@@ -439,16 +444,14 @@ class EngramClient(ControlClient):
             return await self._put_data(data, put, [encoded(toks, kv) for toks, kv in blocks])
         step = self.chunk_bytes
 
-        async def requests() -> AsyncIterator[pb.PutRequest]:
-            yield pb.PutRequest(header=put)
+        async def requests() -> AsyncIterator[bytes]:  # serialized PutRequests (chunk_frames: one copy each)
+            yield pb.PutRequest(header=put).SerializeToString()
             for toks, kv in blocks:
                 header, payload = encoded(toks, kv)
-                for i, (piece, last) in enumerate(pieces(payload, step)):
-                    chunk = pb.BlockChunk(header=header, data=piece, last=last) if i == 0 else \
-                        pb.BlockChunk(data=piece, last=last)
-                    yield pb.PutRequest(chunk=chunk)
+                for frame in chunk_frames(2, b"", header.SerializeToString(), payload, step):  # PutRequest.chunk
+                    yield frame
 
-        return convert.from_pb(PutReply, await self._call(self._stub.Put(requests())))
+        return convert.from_pb(PutReply, await self._call(self._put_frames(requests())))
 
     # ---- the data channel (engram/wire/data.py) ----------------------------------------------
 

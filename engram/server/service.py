@@ -49,7 +49,7 @@ from engram.tiers.pool import PoolTier, ipc_pool, shared_pool
 from engram.trust import ClusterTrust
 from engram.v1 import engram_pb2 as pb
 from engram.wire import convert
-from engram.wire.stream import Reassembler, pieces
+from engram.wire.stream import Reassembler, chunk_frames, pieces
 
 if TYPE_CHECKING:
     from engram.server.dataport import DataPort
@@ -219,7 +219,7 @@ class EngramService:
         return ChainPut(self, header)
 
     @streaming
-    async def Get(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse]:
+    async def Get(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse | bytes]:
         req = decoded(request)
         ns, metas = await self.blocks_to_get(req)
         step = self.config.chunk_bytes
@@ -229,8 +229,8 @@ class EngramService:
                 yield pb.GetResponse(descriptor=item)
                 continue
             key, header, payload = item
-            for msg in _chunks(key, header, payload, step):
-                yield pb.GetResponse(chunk=msg)
+            for frame in chunk_frames(1, key, header.SerializeToString(), payload, step):  # GetResponse.chunk
+                yield frame  # serialized already (one copy of the payload, not three)
 
     async def blocks_to_get(self, req: pb.GetRequest) -> tuple[str, list[BlockMeta]]:
         """A Get's namespace and blocks, whichever channel answers it; keys this daemon lacks are copied from
@@ -598,7 +598,7 @@ class EngramService:
         request bytes reach the handler and get INVALID_ARGUMENT."""
 
         def ser(msg: Any) -> bytes:
-            return msg.SerializeToString()
+            return msg if isinstance(msg, bytes) else msg.SerializeToString()  # Get yields serialized frames
 
         handlers = {
             "RegisterModel": grpc.unary_unary_rpc_method_handler(

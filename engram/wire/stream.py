@@ -78,3 +78,36 @@ class Reassembler(Generic[H]):
 def client_reassembler(expected_size: Callable[[H], int], what: str = "block") -> Reassembler[H]:
     """A reassembler for what a daemon streams: a malformed stream is DataLoss."""
     return Reassembler(expected_size, damaged=DataLoss, what=what)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _field(number: int, data: bytes | memoryview) -> list[bytes | memoryview]:
+    """A length-delimited protobuf field, as parts to join."""
+    return [_varint(number << 3 | 2), _varint(len(data)), data]
+
+
+def chunk_frames(field: int, key: bytes, header: bytes, payload: bytes | memoryview, step: int) -> Iterator[bytes]:
+    """A block as serialized messages whose field `field` is a BlockChunk{header, key, data, last} (GetResponse's
+    chunk is field 1, PutRequest's field 2), each built with one copy of its piece of the payload: building the
+    messages (BlockChunk(data=...), the wrapper, SerializeToString) copied it three times. `header` is a
+    serialized BlockHeader, `key` may be empty; parsing a frame gives exactly the message protobuf would have
+    built (tests/test_wire_frames.py)."""
+    view = memoryview(payload)
+    n = len(view)
+    offsets = range(0, n, step) if n else range(1)
+    for i, off in enumerate(offsets):
+        piece = view[off : off + step]
+        last = off + step >= n
+        chunk = (_field(1, header) + (_field(4, key) if key else []) if i == 0 else []) + _field(2, piece)
+        if last:
+            chunk.append(b"\x18\x01")  # field 3 (last), varint 1
+        size = sum(len(p) for p in chunk)
+        yield b"".join([_varint(field << 3 | 2), _varint(size), *chunk])
