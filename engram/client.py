@@ -26,6 +26,7 @@ import grpc
 import numpy as np
 import torch
 
+from engram import codec as kvcodec
 from engram import errors
 from engram.api import (
     BlockRef,
@@ -79,7 +80,7 @@ def _raw_view(kv: torch.Tensor) -> memoryview:
 
 
 def _backend_for(device: torch.device | str) -> str:
-    return "triton" if torch.device(device).type == "cuda" else "reference"
+    return "triton" if torch.device(device).type == "cuda" else kvcodec.host_backend()
 
 
 def _device_of(kv: torch.Tensor | Mapping[str, torch.Tensor]) -> torch.device:

@@ -128,7 +128,7 @@ class CodecConfig:
     # for models registered without a codec: raw, fp8_e4m3, nvfp4, mxfp4, or auto: nvfp4 where the daemon encodes
     # fast (a GPU, or the compiled CPU codec), raw where it could only use the slow PyTorch reference
     default: str = "auto"
-    backend: str = "auto"  # where the daemon encodes and decodes: auto (triton on CUDA), reference, triton
+    backend: str = "auto"  # where the daemon encodes and decodes: auto (triton on CUDA, else cpu), cpu, reference, triton
 
 
 @dataclass
@@ -236,8 +236,8 @@ class EngramConfig:
             raise ConfigError("tiers.nvme.capacity must be positive and tiers.nvme.io_threads >= 1")
         if self.codec.default not in {"auto", "raw", "fp8_e4m3", "nvfp4", "mxfp4"}:
             raise ConfigError(f"codec.default must be auto, raw, fp8_e4m3, nvfp4 or mxfp4, got {self.codec.default!r}")
-        if self.codec.backend not in {"auto", "reference", "triton"}:
-            raise ConfigError(f"codec.backend must be auto, reference or triton, got {self.codec.backend!r}")
+        if self.codec.backend not in {"auto", "cpu", "reference", "triton"}:
+            raise ConfigError(f"codec.backend must be auto, cpu, reference or triton, got {self.codec.backend!r}")
         for key, value in (("server.max_block_bytes", s.max_block_bytes), ("server.max_models", s.max_models),
                            ("server.max_sessions_per_namespace", s.max_sessions_per_namespace),
                            ("replay.max_persisted_window_bytes", self.replay.max_persisted_window_bytes)):

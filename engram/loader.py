@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from engram import codec as kvcodec
 from engram.codec import batched, stored
 from engram.destinations import KVDestination
 from engram.layout import DType, StreamSpec
@@ -180,7 +181,8 @@ class PrefixLoader:
                 self._load_cuda(todo, dest, block_tokens, n_tokens, stream, report)
         else:
             for run in self._runs(todo, block_tokens):
-                self._write(run, [_host_view(s) for s in run], dest, block_tokens, n_tokens, backend="reference")
+                self._write(run, [_host_view(s) for s in run], dest, block_tokens, n_tokens,
+                            backend=kvcodec.host_backend())
         for s in todo:  # generations after: a slot reused while we copied is fetched again
             if s.segment is not None and not s.segment.current(s.offset, s.nbytes, s.generation):
                 report.stale.append(s.index)

@@ -380,7 +380,7 @@ def test_from_bytes_rejects_bad_payloads() -> None:
 def test_public_surface() -> None:
     assert sorted(codec.__all__) == sorted(
         ["AXES", "BACKENDS", "FORMATS", "FP8Tensor", "MXFP4Tensor", "NVFP4Tensor", "QuantizedKV", "check_bytes",
-         "dequantize_kv_block", "from_bytes", "payload_nbytes", "quantize_kv_block", "to_bytes"])
+         "dequantize_kv_block", "from_bytes", "host_backend", "payload_nbytes", "quantize_kv_block", "to_bytes"])
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8_e4m3"])

@@ -7,13 +7,18 @@ K and V are quantized separately, each as a 2-D matrix whose groups run along on
 A partial block (T < block_tokens, T not a multiple of the group) is padded with zeros to whole groups along the
 grouped axis, and the padded size is what is stored; decoding drops the padding.
 
-Numerics live in engram.codec.fp4_reference (the definition) and engram.kernels.fp4 (Triton, the same bytes).
+Numerics live in engram.codec.fp4_reference (the definition), engram.kernels.fp4 (Triton, the same bytes) and
+engram.codec.cpu (C, the same bytes; `host_backend()` says whether it was built). A backend that sets STRIDED_VIEWS
+(the cpu one) is handed each matrix as a (layers, rows, cols) view of the block and decodes straight into the
+block, so K's channel-axis matrix is never copied into a transposed matrix on either side.
 Not here: block headers, checksums, compression; the block format wraps `to_bytes` output with those.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import logging
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -35,14 +40,23 @@ __all__ = [
     "check_bytes",
     "dequantize_kv_block",
     "from_bytes",
+    "host_backend",
     "payload_nbytes",
     "quantize_kv_block",
     "to_bytes",
 ]
 
+log = logging.getLogger("engram.codec")
+
 AXES = ("channel", "token")
-# backend name -> module with a CODECS table; the Triton one is imported on first use (Triton is optional).
-BACKENDS = {"reference": "engram.codec.fp4_reference", "triton": "engram.kernels.fp4"}
+# backend name -> module with a CODECS table; the others are imported on first use (Triton is optional, and the
+# cpu backend's C extension is built at install, so a bare source tree has none).
+BACKENDS = {"reference": "engram.codec.fp4_reference", "triton": "engram.kernels.fp4", "cpu": "engram.codec.cpu"}
+_MISSING = {
+    "triton": "the 'triton' codec backend needs Triton (pip install 'engram-kv[kernels]')",
+    "cpu": "the 'cpu' codec backend needs its C extension engram.codec._cpu, built when the package is installed "
+           "with a C compiler present (pip install -e .)",
+}
 
 
 @dataclass(frozen=True)
@@ -65,8 +79,24 @@ def _backend(name: str) -> ModuleType:
     try:
         return importlib.import_module(BACKENDS[name])
     except ImportError as exc:
-        raise ImportError("the 'triton' codec backend needs Triton (pip install 'engram-kv[kernels]'); "
-                          "use backend='reference' without it") from exc
+        raise ImportError(f"{_MISSING[name]}; use backend='reference' without it") from exc
+
+
+@functools.cache
+def host_backend() -> str:
+    """The backend for tensors in host memory: "cpu" where its C extension was built, else "reference" (said once
+    in the log: the reference is ~100x slower)."""
+    try:
+        _backend("cpu")
+    except ImportError as exc:
+        log.warning("CPU codecs run on the PyTorch reference, not the C extension: %s", exc.__cause__ or exc)
+        return "reference"
+    return "cpu"
+
+
+def _strided(backend: ModuleType) -> bool:
+    """Whether a backend's codecs read (layers, rows, cols) views of any strides and decode into `out=`."""
+    return bool(getattr(backend, "STRIDED_VIEWS", False))
 
 
 def _check_spec(fmt: str, k_axis: str, v_axis: str) -> None:
@@ -90,6 +120,14 @@ def _to_matrix(x: Tensor, axis: str) -> Tensor:
     return x.reshape(layers * tokens * heads, dim)  # (L*T*H, D)
 
 
+def _to_rows(x: Tensor, axis: str) -> Tensor:
+    """(L, T, H, D) -> the matrix as a (L, rows, cols) view of x, nothing copied: (L, H*D, T) for "channel"
+    (rows adjacent in memory, columns H*D apart), (L, T*H, D) for "token"."""
+    if axis == "channel":
+        return x.permute(0, 2, 3, 1).flatten(1, 2)
+    return x.flatten(1, 2)
+
+
 def _from_matrix(m: Tensor, axis: str, shape: tuple[int, int, int, int]) -> Tensor:
     layers, tokens, heads, dim = shape
     if axis == "channel":
@@ -103,16 +141,25 @@ def quantize_kv_block(kv: Tensor, fmt: str = "nvfp4", *, k_axis: str = "channel"
     _check_spec(fmt, k_axis, v_axis)
     if kv.dim() != 5 or kv.shape[1] != 2:
         raise ValueError(f"expected a KV block of shape (layers, 2, tokens, kv_heads, head_dim), got {tuple(kv.shape)}")
-    quantize, _ = _backend(backend).CODECS[fmt]
+    module = _backend(backend)
+    quantize, _ = module.CODECS[fmt]
     shape = (kv.shape[0], kv.shape[2], kv.shape[3], kv.shape[4])
-    k = quantize(_to_matrix(kv[:, 0], k_axis), name="K (kv[:, 0])")
-    v = quantize(_to_matrix(kv[:, 1], v_axis), name="V (kv[:, 1])")
+    matrix = _to_rows if _strided(module) else _to_matrix
+    k = quantize(matrix(kv[:, 0], k_axis), name="K (kv[:, 0])")
+    v = quantize(matrix(kv[:, 1], v_axis), name="V (kv[:, 1])")
     return QuantizedKV(fmt, shape, k_axis, v_axis, k, v)
 
 
 def dequantize_kv_block(q: QuantizedKV, dtype: torch.dtype, *, backend: str = "reference") -> Tensor:
     """The block (L, 2, T, H, D) in dtype."""
-    _, dequantize = _backend(backend).CODECS[q.fmt]
+    module = _backend(backend)
+    _, dequantize = module.CODECS[q.fmt]
+    if _strided(module):  # each half decoded in place: no matrix, no transposing copy, no stack
+        layers, tokens, heads, dim = q.shape
+        out = torch.empty(layers, 2, tokens, heads, dim, dtype=dtype, device=q.k.codes.device)
+        dequantize(q.k, dtype, out=_to_rows(out[:, 0], q.k_axis))
+        dequantize(q.v, dtype, out=_to_rows(out[:, 1], q.v_axis))
+        return out
     k = _from_matrix(dequantize(q.k, dtype), q.k_axis, q.shape)
     v = _from_matrix(dequantize(q.v, dtype), q.v_axis, q.shape)
     return torch.stack((k, v), dim=1)

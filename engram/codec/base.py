@@ -2,8 +2,8 @@
 
 A codec turns a KV block (L, 2, T, H, D) into the body of a v1 block (engram/codec/blockformat.py) and
 back, and one stream's (rows, cols) matrix into its payload in a v2 block (engram/codec/streamformat.py). `raw` keeps the element bytes as sent (bf16/fp16/fp32); the quantizing codecs (fp8_e4m3, nvfp4,
-mxfp4) use the numerics of engram.codec on the reference backend (PyTorch, any device) or the Triton
-kernels (engram.kernels.fp4), which produce the same bytes.
+mxfp4) use the numerics of engram.codec on the reference backend (PyTorch, any device), the Triton kernels
+(engram.kernels.fp4, on the GPU) or the C codecs (engram.codec.cpu, host memory), which produce the same bytes.
 """
 
 from __future__ import annotations
@@ -115,8 +115,7 @@ class QuantCodec:
                                       v_axis=_axis_name(v_axis))
 
     def encode(self, kv: Tensor, k_axis: Axis, v_axis: Axis, backend: str) -> bytes:
-        if backend == "triton" and not kv.is_cuda:
-            kv = kv.cuda()  # the kernels run on the GPU; the daemon's payloads arrive in host memory
+        kv = _on_backend(kv, backend)
         try:
             q = kvcodec.quantize_kv_block(kv, self.name, k_axis=_axis_name(k_axis), v_axis=_axis_name(v_axis),
                                           backend=backend)
@@ -127,7 +126,7 @@ class QuantCodec:
     def decode(self, body: bytes | memoryview, shape: Shape, dtype: torch.dtype, k_axis: Axis, v_axis: Axis,
                backend: str, device: torch.device | str) -> Tensor:
         layers, _, tokens, heads, dim = shape
-        on = "cuda" if backend == "triton" and torch.device(device).type != "cuda" else device
+        on = _device_for(backend, device)
         q = kvcodec.from_bytes(body, self.name, (layers, tokens, heads, dim), k_axis=_axis_name(k_axis),
                                v_axis=_axis_name(v_axis), device=on)
         return kvcodec.dequantize_kv_block(q, dtype, backend=backend).to(device)
@@ -144,8 +143,7 @@ class QuantCodec:
         return kvcodec.FORMATS[self.name].payload_nbytes(shape)
 
     def encode_matrix(self, x: Tensor, backend: str, name: str) -> bytes:
-        if backend == "triton" and not x.is_cuda:
-            x = x.cuda()
+        x = _on_backend(x, backend)
         quantize, _ = kvcodec._backend(backend).CODECS[self.name]
         try:
             return quantize(x.contiguous(), name=name).to_bytes()  # type: ignore[no-any-return]
@@ -154,7 +152,7 @@ class QuantCodec:
 
     def decode_matrix(self, body: bytes | memoryview, shape: tuple[int, int], dtype: torch.dtype, backend: str,
                       device: torch.device | str) -> Tensor:
-        on = "cuda" if backend == "triton" and torch.device(device).type != "cuda" else device
+        on = _device_for(backend, device)
         q = kvcodec.FORMATS[self.name].from_bytes(body, shape, on)
         _, dequantize = kvcodec._backend(backend).CODECS[self.name]
         return dequantize(q, dtype).to(device)  # type: ignore[no-any-return]
@@ -164,6 +162,22 @@ class QuantCodec:
             kvcodec.FORMATS[self.name].check_bytes(body, shape)
         except ValueError as exc:
             raise InvalidArgument(f"{where}: the {self.name} payload would not decode: {exc}") from None
+
+
+# backends that run on one kind of device: the Triton kernels on the GPU (the daemon's payloads arrive in host
+# memory), the C codecs on the host (a worker's CUDA tensor is copied down)
+_BACKEND_DEVICE = {"triton": "cuda", "cpu": "cpu"}
+
+
+def _on_backend(x: Tensor, backend: str) -> Tensor:
+    where = _BACKEND_DEVICE.get(backend)
+    return x if where is None or x.device.type == where else x.to(where)
+
+
+def _device_for(backend: str, device: torch.device | str) -> torch.device | str:
+    """Where a payload is parsed for decoding on `device` with `backend`."""
+    where = _BACKEND_DEVICE.get(backend)
+    return device if where is None or torch.device(device).type == where else where
 
 
 def _axis_name(axis: Axis) -> str:
@@ -194,14 +208,15 @@ def codec_by_id(codec_id: int) -> Codec:
 
 
 def default_backend() -> str:
-    """Triton kernels on a CUDA host (where Triton is installed), the PyTorch reference otherwise."""
+    """Triton kernels on a CUDA host (where Triton is installed), else the C codecs on the CPU (the PyTorch
+    reference where the C extension was not built: engram.codec.host_backend)."""
     if torch.cuda.is_available():
         try:
             import triton  # noqa: F401
         except ImportError:
-            return "reference"
+            return kvcodec.host_backend()
         return "triton"
-    return "reference"
+    return kvcodec.host_backend()
 
 
 # Backends that encode at memory speed (>= 1 GB/s per core; benchmarks/RESULTS.md, codec_speed): where the daemon

@@ -4,7 +4,7 @@ A stored block in a quantizing codec is a v1 block (engram/codec/blockformat.py)
 payload, V's payload. All full blocks of a model have the same shape, so the payloads of a run of blocks lie at
 the same places relative to each block's start. `decode_blocks` decodes a run found at byte offsets of one
 uint8 buffer (a staging buffer on the GPU, or the daemon's HBM pool opened by CUDA IPC) with one kernel launch
-per payload on the Triton backend; the reference backend loops over blocks with the same numerics.
+per payload on the Triton backend; the reference and cpu backends loop over blocks with the same numerics.
 
 K is grouped along tokens (its matrix is (L*H*D, T)), V along head_dim ((L*T*H, D)); both come back as
 (blocks, L, T, H, D) views, K's a permuted view of its matrix: writing it into the worker's KV memory is the
@@ -100,14 +100,19 @@ def decode_blocks(src: Tensor, offsets: Tensor, plan_: BlockPlan, *, backend: st
         kernels.dequantize_blocks_into(plan_.codec, src, offsets + plan_.v_at, v_rows, v_cols, v)
     else:
         fmt = FORMATS[plan_.codec]
-        _, dequantize = kvcodec._backend(backend).CODECS[plan_.codec]
+        module = kvcodec._backend(backend)
+        _, dequantize = module.CODECS[plan_.codec]
+        into = kvcodec._strided(module)  # decodes into out[b] in place
         for b, off in enumerate(offsets.tolist()):
             for out, at, rows, real_cols in ((k, plan_.k_at, k_rows, tokens), (v, plan_.v_at, v_rows, dim)):
                 start = off + at
                 nbytes = fmt.payload_nbytes((rows, real_cols))
                 body = memoryview(src[start : start + nbytes].cpu().numpy())  # type: ignore[arg-type]
                 q = fmt.from_bytes(body, (rows, real_cols), src.device)
-                out[b, :, :real_cols] = dequantize(q, dtype)
+                if into:
+                    dequantize(q, dtype, out=out[b, :, :real_cols])
+                else:
+                    out[b, :, :real_cols] = dequantize(q, dtype)
     k_view = k[:, :, :tokens].view(n, layers, heads, dim, tokens).permute(0, 1, 4, 2, 3)
     v_view = v[:, :, :dim].view(n, layers, tokens, heads, dim)
     return k_view, v_view

@@ -83,7 +83,7 @@ class BlockStore:
         self.registry = registry
         self.write_policy = write_policy
         self.on_nvme_failure = durable.OnNvmeFailure(on_nvme_failure)  # write-through without NVMe: fail or degrade
-        self.codec_backend = codec_backend  # where raw puts are encoded: "reference" or "triton"
+        self.codec_backend = codec_backend  # where raw puts are encoded: "cpu", "reference" or "triton"
         self.index = ChainIndex()
         self.namespaces = namespaces or OpenNamespaces()  # key salts and quotas (engram/tenancy.py)
         self.counters = StoreCounters(tiers={t.name: TierCounters() for t in tiers})
