@@ -85,7 +85,7 @@ async def bench_engram(address: str, transport: str, layout: KVLayout, clients: 
                        ) -> list[Row]:
     """into: each hit is written into a KV tensor the client allocated once (load_prefix_into, the worker's own
     KV memory, as LMCache's retrieve writes into its registered KV cache); else get() returns new tensors."""
-    system = f"engram-{codec}"
+    system = f"engram-{codec}" + ("-into" if into else "")  # -into: hits written into a tensor allocated once
     spec = ModelSpec(f"bench-{len(layout.layers)}-{layout.num_kv_heads}-{codec}", "w", layout, codec=codec)
     data = payloads(layout, clients, per_client, seed=len(layout.layers) * 100 + clients)
     nbytes = layout.block_nbytes(256)
@@ -112,9 +112,11 @@ async def bench_engram(address: str, transport: str, layout: KVLayout, clients: 
             put_lat.append(time.perf_counter() - t0)
             keys[i].append(resp.keys[0])
 
+    wrong: list[int] = []
+
     async def getter(i: int) -> None:
         dest = torch.empty(layout.block_shape(256), dtype=torch.bfloat16) if into else None
-        for (toks, kv), key in zip(data[i], keys[i], strict=True):
+        for j, ((toks, kv), key) in enumerate(zip(data[i], keys[i], strict=True)):
             t0 = time.perf_counter()
             if dest is not None:
                 res = await conns[i].load_prefix_into(fps[i], toks, dest)
@@ -123,17 +125,23 @@ async def bench_engram(address: str, transport: str, layout: KVLayout, clients: 
             else:
                 (got,) = await conns[i].get(fps[i], [key])
             get_lat.append(time.perf_counter() - t0)
-            assert got.shape == kv.shape
-            if codec == "raw":
-                assert torch.equal(got, kv)
+            # Checked, but off the clock as far as it can be (redis-py's GET is checked by length only): every
+            # block when it is small, a sample of big ones (comparing 32 MiB costs a third of the hit itself).
+            if codec == "raw" and (j % 8 == 0 or nbytes <= MiB):
+                t1 = time.perf_counter()
+                if not torch.equal(got, kv):
+                    wrong.append(j)
+                check_s[0] += time.perf_counter() - t1
 
     total = clients * per_client * nbytes
+    check_s = [0.0]
     t0 = time.perf_counter()
     await asyncio.gather(*(putter(i) for i in range(clients)))
     put_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     await asyncio.gather(*(getter(i) for i in range(clients)))
-    get_s = time.perf_counter() - t0
+    get_s = time.perf_counter() - t0 - check_s[0]
+    assert not wrong, f"blocks {wrong} came back different"
     for c in conns:
         await c.close()
     n = clients * per_client
