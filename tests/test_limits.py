@@ -315,7 +315,7 @@ async def test_blocks_written_in_place_with_bad_scales_are_refused_at_commit(ser
         s.segment.data[s.offset + HEADER_LEN + 4] = 0x7F  # K's first group scale: the E4M3 NaN pattern
         return n
 
-    async with EngramClient(server.address, namespace="w") as c:
+    async with EngramClient(server.address, namespace="w", in_place_min_bytes=0) as c:
         fp = await c.register_model(spec)
         monkeypatch.setattr(PutWriter, "write", nan_scale)
         with pytest.raises(errors.InvalidArgument, match="would not decode"):
@@ -349,7 +349,7 @@ async def test_a_stopped_daemon_leaves_its_pool_unmapped() -> None:
 
     spec = tiny_model()
     toks = tokens(4 * BLOCK_TOKENS)
-    async with EngramClient(srv.address, namespace="n") as c:
+    async with EngramClient(srv.address, namespace="n", in_place_min_bytes=0) as c:
         fp = await c.register_model(spec)
         assert (await c.put(fp, toks, random_kv(spec, len(toks)))).reserve_ms > 0  # in place: sealed here
     assert mapped()  # control: the pool was mapped here while the daemon ran

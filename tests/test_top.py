@@ -18,7 +18,7 @@ from helpers import engram_daemon, random_kv, tiny_model, tokens
 async def test_frame_shows_rates_between_snapshots(server_factory) -> None:  # type: ignore[no-untyped-def]
     srv = await server_factory()
     spec = tiny_model()
-    async with EngramClient(srv.address, namespace="top") as c:
+    async with EngramClient(srv.address, namespace="top", in_place_min_bytes=0) as c:
         fp = await c.register_model(spec)
         await c.open_session(fp, mode="persist", session_id="agent-1", tokens=tokens(32))
         before = await snapshot(c, None)

@@ -230,18 +230,26 @@ async def _start(config: EngramConfig, store: BlockStore, sessions: SessionManag
         address = f"{host}:{port}"
     if s.data_channel:  # before gRPC starts: a taken data port fails the start with nothing to stop
         service.dataport = await _start_dataport(service, s, tenancy, metrics)
-    await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    if metrics is not None:
-        metrics.watch(store, sessions)
-        metrics.start(s.metrics_host, s.metrics_port)
-        log.info("engram metrics on http://%s:%d/metrics", s.metrics_host, metrics.port)
-    log.info("engram serving on %s", address, extra={"fields": {
-        "address": address, "tiers": [t.name for t in store.tiers], "blocks": len(store),
-        "metrics_port": metrics.port if metrics else 0}})
-    if trust is not None:
-        await _join_cluster(config, service, address, trust)
+    try:
+        await server.start()
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if metrics is not None:
+            metrics.watch(store, sessions)
+            metrics.start(s.metrics_host, s.metrics_port)
+            log.info("engram metrics on http://%s:%d/metrics", s.metrics_host, metrics.port)
+        log.info("engram serving on %s", address, extra={"fields": {
+            "address": address, "tiers": [t.name for t in store.tiers], "blocks": len(store),
+            "metrics_port": metrics.port if metrics else 0}})
+        if trust is not None:
+            await _join_cluster(config, service, address, trust)
+    except BaseException:  # a taken metrics port, an unreachable cluster: nothing is left listening
+        if service.dataport is not None:
+            await service.dataport.stop()
+        await server.stop(0)
+        if metrics is not None:
+            metrics.stop()
+        raise
     reporter = asyncio.get_running_loop().create_task(report_activity(store, config.logging.summary_s))
     return RunningServer(server, address, store, sessions, health_servicer, s.shutdown_grace_s, service, metrics,
                          reporter, socket_lock, config.tiers.shutdown_flush_s)

@@ -262,5 +262,8 @@ class DataPort:
         for task in [*self._accepting, *self._tasks]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        for server in self._servers:
+            with contextlib.suppress(Exception):
+                await server.wait_closed()
         if self.unix_path and os.path.exists(self.unix_path):
             os.unlink(self.unix_path)
