@@ -14,6 +14,7 @@ a whole NVFP4 quantize reads 2 more, counted in its row's own figure. Times are 
 
   python benchmarks/codec_speed.py --out results.json       # on the GPU (about 3 minutes on an H200)
   python benchmarks/codec_speed.py --smoke                   # on the CPU through the Triton interpreter
+  python benchmarks/codec_speed.py --cpu                     # the C codecs (backend "cpu"): codec_speed_cpu.py
 """
 
 from __future__ import annotations
@@ -33,11 +34,23 @@ import torch  # Triton is imported in run(), once TRITON_INTERPRET is settled
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 64, 256, 1024], help="bf16 input sizes")
-    p.add_argument("--ref-max-mib", type=int, default=256, help="largest size to time the reference at")
+    p.add_argument("--sizes-mib", type=float, nargs="+", help="bf16 input sizes (GPU: 16 64 256 1024; --cpu: 6 64)")
+    p.add_argument("--ref-max-mib", type=float, help="largest size to time the reference at (GPU: 256); with --cpu "
+                   "the one size it is timed at (2)")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, kernels in Triton's interpreter")
+    p.add_argument("--cpu", action="store_true", help="time the C codecs (backend 'cpu') on one core instead")
+    p.add_argument("--reps", type=int, default=9, help="--cpu: timed runs per cell (the median is reported)")
     args = p.parse_args()
+    if args.cpu:
+        try:
+            from benchmarks.codec_speed_cpu import run_cpu
+        except ImportError:  # run as a script: benchmarks/ is sys.path[0]
+            from codec_speed_cpu import run_cpu  # type: ignore[no-redef]
+        args.ref_mib = args.ref_max_mib or 2
+        return run_cpu(args)
+    args.sizes_mib = args.sizes_mib or [16, 64, 256, 1024]
+    args.ref_max_mib = args.ref_max_mib or 256
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, so before the import below
     return run(args)

@@ -63,12 +63,12 @@ static inline uint32_t e2m1_bits(uint32_t n) {
     return v | ((n & 8u) << 28);
 }
 
-/* E4M3 code of s in [0, 448], nearest even. Subnormals: round(s * 2^9) by adding 2^23 (ulp 1). */
+/* E4M3 code of s in [0, 448], nearest even. Subnormals: round(s * 2^9) by adding 2^14, whose ulp is 2^-9. */
 static inline uint32_t e4m3_code(float s) {
     uint32_t b = f2u(s);
     uint32_t normal = ((b + 0x7FFFFu + ((b >> 20) & 1u)) >> 20) - (120u << 3);
-    uint32_t sub = f2u(s * 512.0f + 8388608.0f) - 0x4B000000u;
-    return s < 0x1p-6f ? sub : normal;
+    uint32_t sub = f2u(s + 16384.0f) - 0x46800000u;
+    return b < 0x3C800000u ? sub : normal;  /* s < 2^-6 */
 }
 
 /* float32 value of E4M3 magnitude codes 0..126. */
@@ -189,15 +189,15 @@ static uint32_t encode_lanes(const uint32_t *tile, size_t nl, const GroupSpec *s
 
 /* FP8: per element, |x| times the tensor's reciprocal scale, clamped to 448, E4M3 code, sign in bit 7. */
 static uint32_t fp8_encode_n(const uint32_t *tile, size_t n, float inv, uint8_t *codes) {
-    uint32_t m = 0;
+    uint32_t bad = 0;
     for (size_t i = 0; i < n; i++) {
         uint32_t e = tile[i], a = e & 0x7FFFFFFFu;
-        m = a > m ? a : m;
+        bad |= a + 0x00800000u;  /* bit 31 set exactly when a >= 0x7F800000: NaN or Inf */
         float q = u2f(a) * inv;
         q = q < 448.0f ? q : 448.0f;
         codes[i] = (uint8_t)(e4m3_code(q) | ((e >> 31) << 7));
     }
-    return m >= 0x7F800000u;
+    return bad >> 31;
 }
 
 /* ---- strided input views ----------------------------------------------------------------------------- */
