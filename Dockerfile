@@ -6,7 +6,11 @@ COPY pyproject.toml README.md ./
 COPY engram ./engram
 COPY kernels ./kernels
 COPY cli ./cli
-RUN pip install --no-cache-dir . \
+# The C codecs (engram/codec/_cpu*.c) are compiled at install: a compiler for that step only.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && pip install --no-cache-dir . \
+ && (cd / && python -c "from engram.codec import _cpu") \
+ && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/* \
  && useradd --system --uid 10001 --home-dir /opt/engram engram \
  && mkdir -p /data && chown engram /data
 ENV ENGRAM_SERVER__HOST=0.0.0.0 \
