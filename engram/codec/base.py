@@ -233,4 +233,4 @@ def resolve_default_codec(configured: str, backend: str) -> tuple[str, str]:
     if backend in FAST_BACKENDS:
         where = "the daemon's GPU" if backend == "triton" else "the compiled CPU codec"
         return "nvfp4", f"auto: encoded by {where}"
-    return "raw", "auto: no GPU or compiled CPU codec, and the PyTorch reference encodes nvfp4 at ~0.01 GB/s"
+    return "raw", "auto: no GPU or compiled CPU codec, and the PyTorch reference encodes nvfp4 at 0.01-0.2 GB/s"
