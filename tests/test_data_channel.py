@@ -292,3 +292,37 @@ async def test_the_data_channel_speaks_tls_when_grpc_does(tmp_path: Path) -> Non
         conn.close()
     finally:
         await srv.stop(0)
+
+
+async def test_an_unauthenticated_connection_cannot_make_the_daemon_buffer_much(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """Before HELLO is accepted a connection may announce only a token's worth of metadata: a client claiming
+    64 MiB is refused from the frame header, nothing of it buffered; the daemon serves on."""
+    srv = await server_factory(**{"auth.tenants.alice.token": "alice-secret", "auth.tenants.alice.namespaces": "alice",
+                                  "auth.salt_secret": "s"})
+    conn = await dial(srv)
+    await conn.send(wire.FRAME.pack(wire.HELLO, 64 * 2**20, 0))  # no metadata follows
+    await expect_error(conn, errors.InvalidArgument, f"more than the {wire.MAX_HELLO_BYTES} allowed")
+    with pytest.raises(ConnectionError):
+        await conn.read_frame()
+    conn.close()
+    async with EngramClient(srv.address, token="alice-secret", namespace="alice", zero_copy=False) as c:
+        spec = tiny_model()
+        fp = await c.register_model(spec)
+        kv = random_kv(spec, 32)
+        put = await c.put(fp, tokens(32), kv)
+        assert torch.equal(torch.cat(await c.get(fp, list(put.keys)), dim=2), kv)
+
+
+async def test_connections_beyond_the_concurrency_limit_are_refused(server_factory) -> None:  # type: ignore[no-untyped-def]
+    srv = await server_factory(**{"server.max_concurrent_rpcs": 2})
+    held = [await raw_conn(srv), await raw_conn(srv)]
+    extra = await dial(srv)  # accepted by the kernel, closed by the daemon at once
+    await extra.send_frame(wire.HELLO)
+    with pytest.raises(ConnectionError):
+        await extra.read_frame()
+    extra.close()
+    for c in held:
+        c.close()
+    await asyncio.sleep(0.1)  # the held connections' tasks end: room again
+    conn = await raw_conn(srv)
+    conn.close()

@@ -136,6 +136,11 @@ class DataPort:
                 await writer.wait_closed()
 
     def _spawn(self, conn: wire.Conn) -> None:
+        if len(self._tasks) >= self.config.max_concurrent_rpcs:  # the same bound as gRPC's concurrent calls
+            conn.close()
+            log.warning("data channel: %d connections open (server.max_concurrent_rpcs); one more was refused",
+                        len(self._tasks))
+            return
         task = asyncio.get_running_loop().create_task(self._serve(conn))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -170,7 +175,11 @@ class DataPort:
             conn.close()
 
     async def _hello(self, conn: wire.Conn) -> bool:
-        kind, meta, body = await conn.read_frame()
+        try:
+            kind, meta, body = await conn.read_frame(wire.MAX_HELLO_BYTES)
+        except errors.InvalidArgument as exc:
+            await conn.send_error(exc)
+            return False
         if kind != wire.HELLO or body:
             await conn.send_error(errors.InvalidArgument("data channel: a connection starts with HELLO"))
             return False

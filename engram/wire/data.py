@@ -38,6 +38,7 @@ HELLO, PUT, GET = 1, 2, 3
 HELLO_OK, PUT_OK, BLOCK, END, ERROR = 0x81, 0x82, 0x83, 0x84, 0xFF
 
 MAX_META_BYTES = 64 * 2**20  # a DataPut for thousands of blocks fits; a wild length is refused before reading
+MAX_HELLO_BYTES = 4096  # a bearer token: what a connection not yet authenticated may make the daemon buffer
 SOCKET_BUFFER_BYTES = 4 * 2**20  # kernel buffers large enough that one MiB moves in a few system calls
 
 Buffer = bytes | bytearray | memoryview
@@ -105,12 +106,13 @@ class Conn:
             if len(p):
                 await self._loop.sock_sendall(self._sock, p)
 
-    async def read_frame(self) -> tuple[int, bytearray, int]:
-        """(kind, meta, body length) of the next frame; its body is left for the caller to read."""
+    async def read_frame(self, max_meta: int = MAX_META_BYTES) -> tuple[int, bytearray, int]:
+        """(kind, meta, body length) of the next frame; its body is left for the caller to read. A frame
+        announcing more than max_meta bytes of metadata is refused before any of it is buffered."""
         kind, meta_len, body_len = FRAME.unpack(await self.recv(FRAME.size))
-        if meta_len > MAX_META_BYTES:
+        if meta_len > max_meta:
             raise errors.InvalidArgument(f"data channel: a frame announces {meta_len} bytes of metadata, more "
-                                         f"than the {MAX_META_BYTES} allowed")
+                                         f"than the {max_meta} allowed")
         return kind, await self.recv(meta_len), body_len
 
     async def send_frame(self, kind: int, meta: bytes = b"", *body: Buffer) -> None:
