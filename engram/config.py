@@ -133,8 +133,11 @@ class CodecConfig:
 
 @dataclass
 class ReplayConfig:
-    models: str = ""  # comma-separated safetensors files (engram.replay.save_decoder) the daemon can replay
+    # comma-separated models the daemon can replay with: HF checkpoint directories (config.json + safetensors
+    # shards: gpt-oss, Gemma 2/3, Mistral/Ministral and Qwen2/3 with sliding layers) or decoder files (save_decoder)
+    models: str = ""
     device: str = "auto"  # auto (cuda when present), cpu, cuda
+    dtype: str = "auto"  # a checkpoint's: auto (bfloat16 on cuda, float32 on cpu), bfloat16, float16, float32, float64
     max_hot_windows: int = 64  # rebuilt SWA windows kept in memory; beyond, the least recent is dropped
     max_persisted_window_bytes: ByteSize = ByteSize(2**30)  # persist-mode windows, all sessions together
 
@@ -246,8 +249,15 @@ class EngramConfig:
         if self.replay.max_hot_windows < 0:
             raise ConfigError("replay.max_hot_windows must be >= 0")
         for path in filter(None, (p.strip() for p in self.replay.models.split(","))):
-            if not Path(path).is_file():
-                raise ConfigError(f"replay.models: {path} is not a file (save one with engram.replay.save_decoder)")
+            if Path(path).is_dir() and not (Path(path) / "config.json").is_file():
+                raise ConfigError(f"replay.models: {path} is a directory without config.json (an HF checkpoint "
+                                  "directory has config.json and *.safetensors shards)")
+            if not Path(path).exists():
+                raise ConfigError(f"replay.models: {path} does not exist (an HF checkpoint directory, or a decoder "
+                                  "file saved with engram.replay.save_decoder)")
+        if self.replay.dtype not in ("auto", "bfloat16", "float16", "float32", "float64"):
+            raise ConfigError(f"replay.dtype must be auto, bfloat16, float16, float32 or float64, not "
+                              f"{self.replay.dtype!r}")
         _validate_tls(s)
         _validate_auth(self.auth)
         _validate_cluster(self.cluster, self.auth)

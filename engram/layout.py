@@ -61,6 +61,7 @@ class DType(enum.IntEnum):
     BF16 = 1
     FP16 = 2
     FP32 = 3
+    FP64 = 4  # exactness tests of replay on the CPU (bit-identical logits); stored raw only
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -75,10 +76,10 @@ class DType(enum.IntEnum):
         for member, td in _torch_dtypes().items():
             if td == dtype:
                 return member
-        raise InvalidArgument(f"unsupported KV dtype {dtype}; use one of bfloat16, float16, float32")
+        raise InvalidArgument(f"unsupported KV dtype {dtype}; use one of bfloat16, float16, float32, float64")
 
 
-_ITEMSIZE = {DType.BF16: 2, DType.FP16: 2, DType.FP32: 4}
+_ITEMSIZE = {DType.BF16: 2, DType.FP16: 2, DType.FP32: 4, DType.FP64: 8}
 
 
 @functools.cache
@@ -86,7 +87,8 @@ def _torch_dtypes() -> dict[DType, torch.dtype]:
     """Imported on first use: the CLI's inspection commands read layouts without loading torch (seconds)."""
     import torch
 
-    return {DType.BF16: torch.bfloat16, DType.FP16: torch.float16, DType.FP32: torch.float32}
+    return {DType.BF16: torch.bfloat16, DType.FP16: torch.float16, DType.FP32: torch.float32,
+            DType.FP64: torch.float64}
 
 
 class Axis(enum.IntEnum):

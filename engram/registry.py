@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from engram.errors import InvalidArgument, NotFound
-from engram.layout import ModelSpec
+from engram.layout import DType, ModelSpec
 from engram.private import FILE_MODE, private_dir
 
 log = logging.getLogger("engram.registry")
@@ -47,10 +47,13 @@ class ModelRegistry:
     def register(self, spec: ModelSpec) -> bytes:
         """Register a model (its codec defaulted to the daemon's); returns its fingerprint."""
         if not spec.codec:
-            spec = dataclasses.replace(spec, codec=self.default_codec)
+            spec = dataclasses.replace(spec, codec="raw" if spec.layout.dtype == DType.FP64 else self.default_codec)
         from engram.codec.base import codec_by_name
 
         codec_by_name(spec.codec)  # an unknown codec is InvalidArgument
+        if spec.layout.dtype == DType.FP64 and spec.stored_codec != "raw":
+            raise InvalidArgument(f"a float64 layout is stored raw only (it exists for exactness tests of replay); "
+                                  f"register it with codec raw, not {spec.codec}")
         for stream in (*spec.layout.streams, *spec.layout.window_streams):
             if stream.codec:
                 try:

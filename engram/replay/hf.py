@@ -11,13 +11,19 @@ Checked against transformers 5.24: forward takes `cache=` and returns `outputs.c
 `cache.get_mask_sizes` and `cache.get_query_offset`. transformers is imported lazily: the rest of
 engram.replay works without it.
 
+`load_checkpoint` loads a checkpoint directory (config.json and safetensors shards, as save_pretrained writes
+them) for the daemon's `replay.models`; its layer pattern is checked from config.json before any weight is read.
+
 What it does not do: cone replay (the HF forward runs every layer over the same rows), batching, or models
 whose layer types are not full/sliding attention (linear attention, chunked attention, KV-sharing layers).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -150,6 +156,18 @@ def _stored_layout(x: Tensor) -> Tensor:
     return x[0].transpose(0, 1).contiguous()  # (1, n_kv, T, d_h) -> (T, n_kv, d_h)
 
 
+# Config keys that say how this process runs the model, not what the model computes: left out of its identity so
+# that a worker (sdpa on its GPU) and the daemon (eager on its CPU) that load the same checkpoint agree.
+_RUNTIME_KEYS = frozenset({"transformers_version", "_name_or_path", "_attn_implementation",
+                           "_attn_implementation_autoset", "_experts_implementation", "dtype", "torch_dtype",
+                           "use_cache", "output_attentions", "output_hidden_states", "return_dict"})
+
+
+def _identity_config(config: Any) -> str:
+    d = {k: v for k, v in config.to_dict().items() if k not in _RUNTIME_KEYS and not k.startswith("_")}
+    return json.dumps(d, sort_keys=True, default=str)
+
+
 class HFReplayModel:
     """ReplayModel over an HF causal LM (eager attention, one sequence). Flat replay only."""
 
@@ -157,6 +175,16 @@ class HFReplayModel:
         self.model = model.eval()
         dtype = next(model.parameters()).dtype
         self._spec = replay_spec_from_config(model.config, dtype)
+
+    def weights_identity(self) -> str:
+        """A content hash of the config (what it computes, not how it runs) and every parameter as loaded (so
+        the dtype is part of it): equal checkpoints loaded alike give equal identities. Reads every parameter."""
+        h = hashlib.blake2b(_identity_config(self.model.config).encode(), digest_size=16)
+        for name, p in sorted(self.model.named_parameters()):
+            h.update(name.encode())
+            h.update(str(p.dtype).encode())
+            h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return f"hf:{h.hexdigest()}"
 
     @property
     def replay_spec(self) -> ReplaySpec:
@@ -241,6 +269,63 @@ def _register_same_dtype_eager() -> str:
     AttentionInterface.register(_SAME_DTYPE_EAGER, _same_dtype_eager)
     AttentionMaskInterface.register(_SAME_DTYPE_EAGER, eager_mask)
     return _SAME_DTYPE_EAGER
+
+
+# Model types whose HF eager attention upcasts its softmax to float32 (see _same_dtype_eager): in float64 they
+# run Engram's same-dtype eager so a replay is bit-identical to the prefill. The others (gpt-oss's sinks, Gemma's
+# softcapping) keep the model's dtype in their own eager attention.
+_UPCASTING = frozenset({"mistral", "ministral", "qwen2", "qwen3", "llama"})
+
+
+def checkpoint_spec(path: str | Path) -> ReplaySpec:
+    """The layer pattern of a checkpoint directory, from its config.json alone (no weights read): a directory
+    whose layers bounded replay cannot serve is refused before its shards are loaded."""
+    from transformers import AutoConfig
+
+    root = Path(path)
+    if not (root / "config.json").is_file():
+        raise ReplayError(f"{root} has no config.json: not a Hugging Face checkpoint directory")
+    if not any(root.glob("*.safetensors")):
+        raise ReplayError(f"{root} has no *.safetensors shards (save with save_pretrained(safe_serialization=True))")
+    try:
+        config = AutoConfig.from_pretrained(str(root))
+    except (ValueError, KeyError, OSError) as exc:
+        raise ReplayError(f"{root}/config.json: {exc}") from exc
+    return replay_spec_from_config(config, torch.float32)
+
+
+def load_checkpoint(path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+                    attention: str = "auto") -> HFReplayModel:
+    """A checkpoint directory as a replay model, on `device` in `dtype` (default bfloat16 on CUDA, float32 on
+    the CPU). attention "auto": eager on the CPU (exact, the tests' float64), sdpa on CUDA (eager would
+    materialise every head's (R, context) score matrix of a long replay)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    checkpoint_spec(path)
+    hf_logging.disable_progress_bar()  # the daemon's log is not a terminal
+    dev = torch.device(device)
+    dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    if attention == "auto":
+        attention = "sdpa" if dev.type == "cuda" else "eager"
+    config = AutoConfig.from_pretrained(str(path))
+    if attention == "eager" and dtype == torch.float64 and config.model_type in _UPCASTING:
+        attention = _register_same_dtype_eager()
+    try:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=attention,
+                                                         experts_implementation="eager")
+        except ValueError as exc:
+            if attention != "sdpa" or "scaled_dot_product_attention" not in str(exc):
+                raise
+            # gpt-oss (its attention sinks) has no sdpa path in transformers: eager, whatever it costs.
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="eager",
+                                                         experts_implementation="eager")
+    except (ValueError, KeyError, OSError, RuntimeError) as exc:
+        raise ReplayError(f"{path}: the checkpoint does not load: {exc}") from exc
+    # Loaded on the host first (device_map would need `accelerate`); transformers' typed `to` confuses mypy.
+    moved: Any = torch.nn.Module.to(model, dev)
+    return HFReplayModel(moved)
 
 
 def _build(model_cls: Any, config: Any, seed: int, dtype: torch.dtype, *, attention: str = "eager") -> HFReplayModel:

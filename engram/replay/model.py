@@ -134,6 +134,11 @@ class ReplayModel(Protocol):
     @property
     def replay_spec(self) -> ReplaySpec: ...
 
+    @property
+    def device(self) -> torch.device:
+        """Where its weights are: stored KV and tokens are moved there for a replay."""
+        ...
+
     def forward_span(self, tokens: Tensor, past: ReplayPast, *, starts: Sequence[int] | None = None,
                      logits: bool = True) -> SpanOutput:
         """Run tokens (T,) for positions [past.start, past.start + T). `starts[l]` (L + 1 entries, non-

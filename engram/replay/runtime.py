@@ -1,6 +1,9 @@
 """The daemon's replay runtime: which replay model serves which registered model, and rebuilding a
 session's SWA window from the global KV blocks in the store.
 
+A replay model is the in-house reference decoder (a file written by `save_decoder`) or a Hugging Face
+checkpoint directory (`engram.replay.hf.load_checkpoint`); both implement ReplayModel and have an identity.
+
 A replay model serves a registered ModelSpec when its weights identity equals the spec's weights_id and
 the layout it implies (layer kinds, window, KV heads, head dim, dtype) equals the spec's layout; the
 block size and the storage codec are the worker's choice and do not matter here. The worker derives its
@@ -24,16 +27,24 @@ import torch
 from engram.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
 from engram.replay.decoder import HybridDecoder
-from engram.replay.model import AttentionKind, ReplayError
+from engram.replay.model import AttentionKind, ReplayError, ReplayModel
 from engram.replay.reconstruct import Reconstruction, ReplayMode, reconstruct_swa
 from engram.replay.weights import load_decoder
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 
 _KIND = {AttentionKind.GLOBAL: LayerKind.GLOBAL, AttentionKind.SLIDING: LayerKind.SLIDING,
          AttentionKind.REINDEX: LayerKind.SHARED, AttentionKind.REUSE: LayerKind.SHARED}
 
 
-def weights_identity(model: HybridDecoder) -> str:
-    """A content hash of the config and every parameter: equal models, equal identities."""
+def weights_identity(model: ReplayModel) -> str:
+    """A content hash of the config and every parameter: equal models, equal identities. A model that knows
+    its own (an HF checkpoint: `HFReplayModel.weights_identity`) says it."""
+    own = getattr(model, "weights_identity", None)
+    if own is not None:
+        return str(own())
+    if not isinstance(model, HybridDecoder):
+        raise ReplayError(f"{type(model).__name__} has no weights identity; give it a weights_identity() method")
     h = hashlib.blake2b(model.config.to_json().encode(), digest_size=16)
     for name, p in sorted(model.named_parameters()):
         h.update(name.encode())
@@ -41,23 +52,26 @@ def weights_identity(model: HybridDecoder) -> str:
     return f"hybrid:{h.hexdigest()}"
 
 
-def implied_layout(model: HybridDecoder, block_tokens: int = 256) -> KVLayout:
+def implied_layout(model: ReplayModel, block_tokens: int = 256) -> KVLayout:
     """The KV layout a worker registers this model with. A ReplayError when no layout can describe it (no
-    global layer: nothing to store; a dtype the daemon does not store, such as float64)."""
-    cfg = model.config
-    if cfg.mla:
+    global layer, as in a Mistral whose every layer slides: nothing to store)."""
+    spec = model.replay_spec
+    if spec.global_shapes is not None:
         raise ReplayError("the daemon does not replay MLA models yet (their blocks are a stream layout, whose "
                           "sessions keep their window in the worker); replay them in-process with reconstruct_swa")
-    layers = tuple(LayerSpec(_KIND[k], cfg.window if k is AttentionKind.SLIDING else 0) for k in cfg.layers)
+    if AttentionKind.GLOBAL not in spec.kinds:
+        raise ReplayError("every layer of this model slides, so it has no global KV to store and replay from; "
+                          "its sessions keep their windows in persist mode (or in the worker)")
+    layers = tuple(LayerSpec(_KIND[k], spec.window if k is AttentionKind.SLIDING else 0) for k in spec.kinds)
     try:
-        return KVLayout(layers=layers, num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                        dtype=DType.from_torch(cfg.dtype), block_tokens=block_tokens)
+        return KVLayout(layers=layers, num_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim,
+                        dtype=DType.from_torch(spec.dtype), block_tokens=block_tokens)
     except InvalidArgument as exc:
-        raise ReplayError(f"a replay model with layers {[k.value for k in cfg.layers]} in {cfg.dtype} cannot "
+        raise ReplayError(f"a replay model with layers {[k.value for k in spec.kinds]} in {spec.dtype} cannot "
                           f"serve any model a worker can register: {exc}") from exc
 
 
-def model_spec_for(model: HybridDecoder, *, name: str = "hybrid", block_tokens: int = 256, codec: str = "raw"
+def model_spec_for(model: ReplayModel, *, name: str = "hybrid", block_tokens: int = 256, codec: str = "raw"
                    ) -> ModelSpec:
     """The ModelSpec a worker registers for this model (and the daemon matches its replay models by)."""
     return ModelSpec(name=name, weights_id=weights_identity(model), layout=implied_layout(model, block_tokens),
@@ -72,7 +86,7 @@ class ReplayIdentity:
     layout: KVLayout  # implied_layout at the default block size; `serves` ignores block_tokens
 
     @classmethod
-    def of(cls, model: HybridDecoder) -> ReplayIdentity:
+    def of(cls, model: ReplayModel) -> ReplayIdentity:
         """Reads every parameter of the model: once per model, at load, not per request."""
         layout = implied_layout(model)  # first: a model no spec can describe is refused before it is hashed
         return cls(weights_identity(model), layout)
@@ -100,7 +114,7 @@ class ReplayRuntime:
     don't: to serve other weights, start the daemon with their file (or build a new runtime).
     """
 
-    def __init__(self, models: Sequence[HybridDecoder] = (), *, sources: Sequence[str] = ()) -> None:
+    def __init__(self, models: Sequence[ReplayModel] = (), *, sources: Sequence[str] = ()) -> None:
         """`sources` names the models in errors (their files); a model no registered model could ever match
         is refused here, at start-up, rather than failing every OpenSession, Resume and Stats later."""
         served = []
@@ -109,13 +123,12 @@ class ReplayRuntime:
                 served.append((ReplayIdentity.of(model), model))
             except ReplayError as exc:
                 where = sources[i] if i < len(sources) else f"replay model {i}"
-                raise ReplayError(f"{where}: {exc}; load a model with a global layer in bfloat16, float16 or "
-                                  "float32") from exc
-        self._served: tuple[tuple[ReplayIdentity, HybridDecoder], ...] = tuple(served)
+                raise ReplayError(f"{where}: {exc}") from exc
+        self._served: tuple[tuple[ReplayIdentity, ReplayModel], ...] = tuple(served)
         self.counters = ReplayCounters()
 
     @property
-    def models(self) -> tuple[HybridDecoder, ...]:
+    def models(self) -> tuple[ReplayModel, ...]:
         return tuple(model for _, model in self._served)
 
     @property
@@ -124,14 +137,31 @@ class ReplayRuntime:
         return tuple(identity for identity, _ in self._served)
 
     @classmethod
-    def from_paths(cls, paths: Sequence[str | Path], device: str = "auto") -> ReplayRuntime:
+    def from_paths(cls, paths: Sequence[str | Path], device: str = "auto", dtype: str = "auto") -> ReplayRuntime:
+        """Each path is a decoder file (save_decoder) or an HF checkpoint directory, loaded on `device` in
+        `dtype` (auto: a checkpoint in bfloat16 on CUDA and float32 on the CPU; a decoder file as saved)."""
         dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-        return cls([load_decoder(p, device=dev) for p in paths], sources=[str(p) for p in paths])
+        if dtype != "auto" and dtype not in _DTYPES:
+            raise ReplayError(f"replay.dtype must be auto or one of {sorted(_DTYPES)}, not {dtype!r}")
+        want = _DTYPES.get(dtype)
+        models: list[ReplayModel] = []
+        for p in paths:
+            if Path(p).is_dir():
+                from engram.replay.hf import load_checkpoint
 
-    def model_for(self, spec: ModelSpec) -> HybridDecoder | None:
+                models.append(load_checkpoint(p, device=dev, dtype=want))
+            else:
+                decoder = load_decoder(p, device=dev)
+                if want is not None and want != decoder.config.dtype:
+                    raise ReplayError(f"{p} holds a {decoder.config.dtype} decoder; replay.dtype {dtype} applies "
+                                      "to checkpoint directories (save the decoder in that dtype instead)")
+                models.append(decoder)
+        return cls(models, sources=[str(p) for p in paths])
+
+    def model_for(self, spec: ModelSpec) -> ReplayModel | None:
         return next((model for identity, model in self._served if identity.serves(spec)), None)
 
-    def require(self, spec: ModelSpec) -> HybridDecoder:
+    def require(self, spec: ModelSpec) -> ReplayModel:
         model = self.model_for(spec)
         if model is None:
             raise FailedPrecondition(
@@ -141,17 +171,18 @@ class ReplayRuntime:
             )
         return model
 
-    def rebuild(self, model: HybridDecoder, tokens: torch.Tensor, global_kv: torch.Tensor, mode: ReplayMode
+    def rebuild(self, model: ReplayModel, tokens: torch.Tensor, global_kv: torch.Tensor, mode: ReplayMode
                 ) -> Reconstruction:
         """Replay against stored global KV (stored_layers, 2, P, H, D); CPU or GPU work, run in a thread.
         Out of device memory (other sessions' replays, the serving engine beside it): the memory this replay
         took is given back and ResourceExhausted says so; the caller's Resume fails like a miss (the worker
         prefills) and the daemon goes on."""
         try:
-            kv = global_kv.to(device=model.device, dtype=model.config.dtype)
-            return reconstruct_swa(model, tokens.to(model.device), kv, mode)
+            device = model.device
+            kv = global_kv.to(device=device, dtype=model.replay_spec.dtype)
+            return reconstruct_swa(model, tokens.to(device), kv, mode)
         except torch.OutOfMemoryError as exc:
-            if model.device.type == "cuda":
+            if device.type == "cuda":
                 torch.cuda.empty_cache()
             raise ResourceExhausted(
                 f"replaying {len(tokens)} tokens ran out of memory on {model.device} ({str(exc).splitlines()[0]}); "

@@ -151,7 +151,7 @@ class RunningServer:
 
 def build_sessions(config: EngramConfig, store: BlockStore) -> SessionManager:
     paths = [p.strip() for p in config.replay.models.split(",") if p.strip()]
-    runtime = ReplayRuntime.from_paths(paths, device=config.replay.device)
+    runtime = ReplayRuntime.from_paths(paths, device=config.replay.device, dtype=config.replay.dtype)
     return SessionManager(store, runtime, max_hot_windows=config.replay.max_hot_windows,
                           max_sessions_per_namespace=config.server.max_sessions_per_namespace,
                           max_session_tokens=config.server.max_tokens_per_request,

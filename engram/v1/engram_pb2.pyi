@@ -13,6 +13,7 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_BF16: _ClassVar[DType]
     DTYPE_FP16: _ClassVar[DType]
     DTYPE_FP32: _ClassVar[DType]
+    DTYPE_FP64: _ClassVar[DType]
 
 class LayerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -39,6 +40,7 @@ DTYPE_UNSPECIFIED: DType
 DTYPE_BF16: DType
 DTYPE_FP16: DType
 DTYPE_FP32: DType
+DTYPE_FP64: DType
 LAYER_KIND_UNSPECIFIED: LayerKind
 LAYER_KIND_GLOBAL: LayerKind
 LAYER_KIND_SLIDING: LayerKind

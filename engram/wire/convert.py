@@ -127,7 +127,7 @@ def dtype_from_pb(value: int, where: str) -> DType:
     try:
         return DType(value)
     except ValueError:
-        raise InvalidArgument(f"{where}: dtype must be DTYPE_BF16, DTYPE_FP16 or DTYPE_FP32, got {value}") from None
+        raise InvalidArgument(f"{where}: dtype must be DTYPE_BF16, DTYPE_FP16, DTYPE_FP32 or DTYPE_FP64, got {value}") from None
 
 
 _KINDS = "LAYER_KIND_GLOBAL, LAYER_KIND_SLIDING, LAYER_KIND_SHARED, LAYER_KIND_REINDEX or LAYER_KIND_REUSE"
