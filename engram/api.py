@@ -122,6 +122,7 @@ class ResumeResult:
     source: str  # "replay", "hot" or "persisted"
     replayed_tokens: int
     replay_s: float
+    global_kv: torch.Tensor | None = None  # with_global_kv: (stored layers, 2, position, kv heads, head dim)
 
 
 @dataclass(frozen=True)

@@ -930,16 +930,23 @@ class EngramClient(ControlClient):
         """End the session: its window goes and its blocks lose the session's reference."""
         return await self._session_call(self._stub.CloseSession(self._ref(session_id, namespace)))
 
-    async def resume(self, session_id: str, *, position: int = 0, namespace: str | None = None) -> ResumeResult:
+    async def resume(self, session_id: str, *, position: int = 0, namespace: str | None = None,
+                     with_global_kv: bool = False) -> ResumeResult:
         """The session's state at `position` (0: its end): the global KV blocks to fetch, and the sliding-window
-        KV, replayed by the daemon, held hot, or persisted. resume_kv fetches the blocks too."""
-        req = pb.ResumeRequest(session=self._ref(session_id, namespace), position=position)
+        KV, replayed by the daemon, held hot, or persisted. With `with_global_kv` the daemon sends the global KV
+        of [0, position) decoded (`ResumeResult.global_kv`): a replay has read and decoded it already."""
+        req = pb.ResumeRequest(session=self._ref(session_id, namespace), position=position,
+                               with_global_kv=with_global_kv)
         header: pb.ResumeHeader | None = None
         parts: list[bytes] = []
+        kv_parts: list[bytes] = []
         try:
             async for resp in self._stub.Resume(req):
-                if resp.WhichOneof("item") == "header":
+                item = resp.WhichOneof("item")
+                if item == "header":
                     header = resp.header
+                elif item == "global_kv_chunk":
+                    kv_parts.append(resp.global_kv_chunk)
                 else:
                     parts.append(resp.window_chunk)
         except grpc.aio.AioRpcError as exc:
@@ -955,16 +962,32 @@ class EngramClient(ControlClient):
             raise errors.DataLoss(f"the SWA window has {len(data)} bytes, its shape {tuple(w.shape)} needs more")
         tensor = stored.decode(data, stored.RAW, dtype, tuple(w.shape))
         blocks = tuple(convert.from_pb(BlockRef, b) for b in header.blocks)
+        global_kv = None
+        if header.HasField("global_kv"):
+            g = header.global_kv
+            raw = b"".join(kv_parts)
+            if checksum(raw) != g.checksum:
+                raise errors.DataLoss("the global KV arrived damaged (checksum mismatch)")
+            kv_dtype = convert.dtype_from_pb(g.dtype, "global KV")
+            if len(raw) != stored.stored_nbytes(stored.RAW, tuple(g.shape), kv_dtype):
+                raise errors.DataLoss(f"the global KV has {len(raw)} bytes, its shape {tuple(g.shape)} needs more")
+            global_kv = stored.decode(raw, stored.RAW, kv_dtype, tuple(g.shape))
+        elif with_global_kv:
+            raise errors.DataLoss("Resume was asked for the global KV and sent none")
         return ResumeResult(header.position, blocks, tensor, w.start, header.source, header.replayed_tokens,
-                            header.replay_s)
+                            header.replay_s, global_kv)
 
     async def resume_kv(self, fingerprint: bytes, session_id: str, *, position: int = 0,
                         namespace: str | None = None, device: torch.device | str = "cpu"
                         ) -> tuple[ResumeResult, torch.Tensor]:
-        """Resume, then fetch the global KV: (stored_layers, 2, position, kv heads, head dim)."""
-        r = await self.resume(session_id, position=position, namespace=namespace)
-        blocks = await self.get(fingerprint, [b.key for b in r.blocks], namespace=namespace, device=device)
-        return r, torch.cat(blocks, dim=2)[:, :, : r.position]
+        """Resume with the global KV: (stored_layers, 2, position, kv heads, head dim). The daemon sends it
+        decoded in the Resume (each stored block is read and decoded once, by the replay that needed it), over
+        gRPC in the layout's dtype. A worker on the daemon's host with FP4 blocks and a long prefix may do
+        better with resume() then get() into its GPU (zero-copy, FP4 decoded there): `fingerprint` is for that
+        caller's symmetry; this call does not need it."""
+        r = await self.resume(session_id, position=position, namespace=namespace, with_global_kv=True)
+        assert r.global_kv is not None
+        return r, r.global_kv.to(device)
 
     async def _keying(self, namespace: str) -> tuple[str, bytes]:
         """What the daemon computes this namespace's keys with: the namespace it resolves the name to (a

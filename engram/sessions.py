@@ -121,6 +121,7 @@ class Resumed:
     replayed: int
     token_layers: int
     seconds: float
+    global_kv: torch.Tensor | None = None  # [0, position) decoded, when asked for: (stored layers, 2, P, H, D)
 
 
 class SessionManager:
@@ -266,7 +267,10 @@ class SessionManager:
 
     # ---- resume ---------------------------------------------------------------------------------
 
-    async def resume(self, namespace: str, session_id: str, position: int = 0) -> Resumed:
+    async def resume(self, namespace: str, session_id: str, position: int = 0, *, with_global_kv: bool = False
+                     ) -> Resumed:
+        """The window for a query at `position`, and with `with_global_kv` the global KV of [0, position) too,
+        decoded: a replay has read and decoded those blocks already, so the worker need not Get them again."""
         s = self.get(namespace, session_id)
         p = position or len(s.tokens)
         if p <= 0:
@@ -284,7 +288,9 @@ class SessionManager:
         if s.window is not None and s.window.prefix_len == p:
             if s.mode != SessionMode.PERSIST:
                 self._mark_hot(s)
-            return Resumed(p, match.blocks, s.window, "persisted" if s.mode == SessionMode.PERSIST else "hot", 0, 0, 0.0)
+            kept = await self._global_kv(match.blocks, p) if with_global_kv else None
+            return Resumed(p, match.blocks, s.window, "persisted" if s.mode == SessionMode.PERSIST else "hot", 0, 0,
+                           0.0, kept)
         if s.mode == SessionMode.PERSIST:
             have = "none" if s.window is None else f"one for position {s.window.prefix_len}"
             raise FailedPrecondition(f"session {session_id} is in persist mode and holds no window for position {p} "
@@ -306,7 +312,8 @@ class SessionManager:
         lay = spec.layout
         s.window = Window.from_swa(rec.window, lay.dtype, lay.num_kv_heads, lay.head_dim)
         self._mark_hot(s)
-        return Resumed(p, match.blocks, s.window, "replay", rec.replayed, rec.token_layers, seconds)
+        return Resumed(p, match.blocks, s.window, "replay", rec.replayed, rec.token_layers, seconds,
+                       global_kv if with_global_kv else None)
 
     async def _global_kv(self, blocks: tuple[BlockMeta, ...], p: int) -> torch.Tensor:
         """The stored global KV of [0, p) as one tensor (stored_layers, 2, p, H, D), read and verified."""

@@ -194,3 +194,50 @@ async def test_bad_session_requests(daemon, model: HybridDecoder) -> None:  # ty
             await client.open_session(fp_other)
         # The daemon kept serving: the good session still resumes.
         assert (await client.resume(sid)).source == "replay"
+
+
+async def test_resume_reads_and_decodes_each_stored_block_once(daemon, model: HybridDecoder,  # type: ignore[no-untyped-def]
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replay reads and decodes the session's blocks; the global KV the worker gets comes from that same
+    decode, sent in the Resume, not from a second read and a second decode on the worker (a spy on the daemon's
+    real store counts reads, by gRPC or the data channel, and decodes; the calls go through)."""
+    toks = tokens_for(P + 1, seed=11)
+    reads: list[bytes] = []
+    decodes: list[bytes] = []
+    store = daemon.store
+    real_read, real_view, real_decode = store.read, store.read_view, store.decode
+
+    async def read(meta, **kw):  # type: ignore[no-untyped-def]
+        reads.append(meta.key)
+        return await real_read(meta, **kw)
+
+    async def read_view(meta, **kw):  # type: ignore[no-untyped-def]  # the data channel's Get reads this way
+        reads.append(meta.key)
+        return await real_view(meta, **kw)
+
+    def decode(payload, meta, **kw):  # type: ignore[no-untyped-def]
+        decodes.append(meta.key)
+        return real_decode(payload, meta, **kw)
+
+    async with EngramClient(daemon.address) as client:
+        fp, sid = await put_session(client, model, toks[:P])
+        monkeypatch.setattr(store, "read", read)
+        monkeypatch.setattr(store, "read_view", read_view)
+        monkeypatch.setattr(store, "decode", decode)
+        r, global_kv = await client.resume_kv(fp, sid)
+        assert r.source == "replay"
+        keys = [b.key for b in r.blocks]
+        assert len(keys) == -(-P // BT) and sorted(reads) == sorted(keys) and sorted(decodes) == sorted(keys)
+        assert torch.equal(global_kv, block_tensor(model, toks[:P]))
+        # A hot window was not replayed: asked for the KV, the daemon reads and decodes it, once.
+        reads.clear(), decodes.clear()
+        r, again = await client.resume_kv(fp, sid)
+        assert r.source == "hot" and sorted(reads) == sorted(keys) and sorted(decodes) == sorted(keys)
+        assert torch.equal(again, global_kv)
+        # Without it, a hot Resume reads nothing.
+        reads.clear(), decodes.clear()
+        plain = await client.resume(sid)
+        assert plain.global_kv is None and not reads and not decodes
+        logits = decode_next(model, int(toks[P]), global_kv,
+                             SwaWindow(r.position, r.window_start, tuple((la[0], la[1]) for la in r.window))).logits
+        assert torch.equal(logits, reference_logits(model, toks, P))

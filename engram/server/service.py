@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
+import torch
 
 from engram import __version__
 from engram.api import (
@@ -35,6 +36,7 @@ from engram.errors import (
     ResourceExhausted,
 )
 from engram.index import BlockMeta
+from engram.layout import DType
 from engram.leases import Lease, LeaseTable
 from engram.limits import check_namespace
 from engram.server.auth import guard, is_admin, is_peer, namespace_for, visible_namespaces
@@ -577,16 +579,27 @@ class EngramService:
     async def Resume(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ResumeResponse]:
         req = decoded(request)
         r = await self.sessions.resume(namespace_for(context, req.session.namespace), req.session.session_id,
-                                       req.position)
+                                       req.position, with_global_kv=req.with_global_kv)
         w = r.window
+        kv_bytes: memoryview | None = None
+        kv_header = None
+        if r.global_kv is not None:
+            kv = r.global_kv.to("cpu").contiguous()
+            kv_bytes = memoryview(kv.view(torch.uint8).numpy().data).cast("B")
+            kv_header = pb.GlobalKVData(dtype=int(DType.from_torch(kv.dtype)), shape=list(kv.shape),  # type: ignore[arg-type]
+                                        checksum=checksum(kv_bytes))
         yield pb.ResumeResponse(header=pb.ResumeHeader(
             position=r.position, source=r.source, replayed_tokens=r.replayed, token_layers=r.token_layers,
             replay_s=r.seconds, blocks=_refs(r.blocks),
             window=pb.SwaWindowData(prefix_len=w.prefix_len, start=w.start, dtype=int(w.dtype),  # type: ignore[arg-type]
                                     shape=list(w.shape), checksum=w.checksum),
+            global_kv=kv_header,
         ))
         for piece, _ in pieces(w.data, self.config.chunk_bytes):
             yield pb.ResumeResponse(window_chunk=piece)
+        if kv_bytes is not None:
+            for piece, _ in pieces(kv_bytes, self.config.chunk_bytes):
+                yield pb.ResumeResponse(global_kv_chunk=piece)
 
     @unary
     async def DataEndpoint(self, request: Any, context: grpc.aio.ServicerContext) -> pb.DataEndpointResponse:

@@ -588,15 +588,27 @@ class SessionInfo(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., tokens: _Optional[int] = ..., mode: _Optional[_Union[ReplayModeKind, str]] = ..., approx_k: _Optional[float] = ..., hot: _Optional[bool] = ..., window_prefix_len: _Optional[int] = ..., parent: _Optional[str] = ..., created_s: _Optional[float] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
-    __slots__ = ("session", "position")
+    __slots__ = ("session", "position", "with_global_kv")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
+    WITH_GLOBAL_KV_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     position: int
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., position: _Optional[int] = ...) -> None: ...
+    with_global_kv: bool
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., position: _Optional[int] = ..., with_global_kv: _Optional[bool] = ...) -> None: ...
+
+class GlobalKVData(_message.Message):
+    __slots__ = ("dtype", "shape", "checksum")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    checksum: int
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class ResumeHeader(_message.Message):
-    __slots__ = ("position", "blocks", "source", "replayed_tokens", "token_layers", "replay_s", "window")
+    __slots__ = ("position", "blocks", "source", "replayed_tokens", "token_layers", "replay_s", "window", "global_kv")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -604,6 +616,7 @@ class ResumeHeader(_message.Message):
     TOKEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
     REPLAY_S_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_KV_FIELD_NUMBER: _ClassVar[int]
     position: int
     blocks: _containers.RepeatedCompositeFieldContainer[BlockRef]
     source: str
@@ -611,15 +624,18 @@ class ResumeHeader(_message.Message):
     token_layers: int
     replay_s: float
     window: SwaWindowData
-    def __init__(self, position: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., source: _Optional[str] = ..., replayed_tokens: _Optional[int] = ..., token_layers: _Optional[int] = ..., replay_s: _Optional[float] = ..., window: _Optional[_Union[SwaWindowData, _Mapping]] = ...) -> None: ...
+    global_kv: GlobalKVData
+    def __init__(self, position: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., source: _Optional[str] = ..., replayed_tokens: _Optional[int] = ..., token_layers: _Optional[int] = ..., replay_s: _Optional[float] = ..., window: _Optional[_Union[SwaWindowData, _Mapping]] = ..., global_kv: _Optional[_Union[GlobalKVData, _Mapping]] = ...) -> None: ...
 
 class ResumeResponse(_message.Message):
-    __slots__ = ("header", "window_chunk")
+    __slots__ = ("header", "window_chunk", "global_kv_chunk")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     WINDOW_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_KV_CHUNK_FIELD_NUMBER: _ClassVar[int]
     header: ResumeHeader
     window_chunk: bytes
-    def __init__(self, header: _Optional[_Union[ResumeHeader, _Mapping]] = ..., window_chunk: _Optional[bytes] = ...) -> None: ...
+    global_kv_chunk: bytes
+    def __init__(self, header: _Optional[_Union[ResumeHeader, _Mapping]] = ..., window_chunk: _Optional[bytes] = ..., global_kv_chunk: _Optional[bytes] = ...) -> None: ...
 
 class CheckRequest(_message.Message):
     __slots__ = ("fix",)
