@@ -63,6 +63,7 @@ def stats_renderable(resp: Stats) -> Group:
         ("persisted bytes, with replay", f"{human_bytes(stored + rp.persisted_window_bytes)}"),
         ("persisted bytes, every layer kept (raw)", human_bytes(every)),
         ("replays", f"{rp.replays} ({rp.replayed_tokens} tokens, {rp.replay_seconds * 1000:.0f} ms)"),
+        ("windows dropped as their blocks left memory", str(rp.windows_dropped_cold)),
     ):
         replay.add_row(name, value)
     looked = resp.lookup_hit_tokens + resp.lookup_miss_tokens

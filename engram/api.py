@@ -189,6 +189,7 @@ class ReplayStats:
     replays: int = 0
     replayed_tokens: int = 0
     replay_seconds: float = 0.0
+    windows_dropped_cold: int = 0
 
 
 @dataclass(frozen=True)

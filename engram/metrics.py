@@ -78,6 +78,8 @@ class StoreCollector(Collector):
         yield SummaryMetricFamily("engram_replay_seconds", "SWA window rebuilds and their time.",
                                   count_value=rc.replays, sum_value=rc.seconds)
         yield CounterMetricFamily("engram_replayed_tokens", "Tokens re-run by replays.", value=rc.replayed_tokens)
+        yield CounterMetricFamily("engram_windows_dropped_cold", "Rebuilt windows dropped as their blocks left memory.",
+                                  value=self.sessions.windows_dropped_cold)
         yield GaugeMetricFamily("engram_sessions", "Open sessions.", value=len(self.sessions))
         yield GaugeMetricFamily("engram_hot_sessions", "Sessions holding a rebuilt window.",
                                 value=self.sessions.hot_count())

@@ -5,7 +5,8 @@ every session of the same prefix). What is per session is the SWA window, the sl
 last W-1 positions, which a query needs to continue:
 - exact / approx mode: the daemon never stores the window. Resume rebuilds it with the daemon's own model
   instance from the stored global KV (engram/replay); the rebuilt window stays hot (in memory) until the
-  session is suspended, appended to, or pushed out by newer hot windows (`max_hot_windows`, LRU).
+  session is suspended, appended to, pushed out by newer hot windows (`max_hot_windows`, LRU), or one of its
+  blocks leaves the memory tiers (demoted to NVMe or evicted: the session has gone cold).
 - persist mode: the worker uploads the window (AppendSession) and the daemon keeps it, no replay.
 The mode is recorded in the session, so a user can choose per session and per model (BRIEF section 3).
 
@@ -141,6 +142,8 @@ class SessionManager:
         self._persisted_bytes = 0
         self._sessions: dict[tuple[str, str], Session] = {}
         self._hot: OrderedDict[tuple[str, str], None] = OrderedDict()  # rebuilt windows, LRU first
+        self.windows_dropped_cold = 0  # rebuilt windows dropped because their session's blocks left memory
+        store.on_cold(self._block_went_cold)
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -335,6 +338,14 @@ class SessionManager:
             victim = self._sessions.get(old)
             if victim is not None:
                 victim.window = None  # pushed out of the hot set: rebuilt on its next Resume
+
+    def _block_went_cold(self, meta: BlockMeta) -> None:
+        """A block left the memory tiers: every hot session whose prefix holds it is cold now, and its rebuilt
+        window goes (a window beside blocks that load from NVMe saves little, and holds memory the hot sessions
+        need). Persisted windows stay: nothing could rebuild them. At most max_hot_windows dictionary probes."""
+        for key in [k for k in self._hot if meta.key in self._sessions[k].held]:
+            self._drop_hot(self._sessions[key])
+            self.windows_dropped_cold += 1
 
     def _drop_hot(self, s: Session) -> None:
         self._hot.pop((s.namespace, s.id), None)

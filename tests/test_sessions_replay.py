@@ -241,3 +241,35 @@ async def test_resume_reads_and_decodes_each_stored_block_once(daemon, model: Hy
         logits = decode_next(model, int(toks[P]), global_kv,
                              SwaWindow(r.position, r.window_start, tuple((la[0], la[1]) for la in r.window))).logits
         assert torch.equal(logits, reference_logits(model, toks, P))
+
+
+async def test_a_rebuilt_window_is_dropped_when_its_blocks_leave_memory(daemon, model: HybridDecoder) -> None:  # type: ignore[no-untyped-def]
+    toks = tokens_for(P + 1, seed=21)
+    async with EngramClient(daemon.address) as client:
+        fp, sid = await put_session(client, model, toks[:P])
+        kept = await client.open_session(fp, mode="persist")  # a persisted window: nothing could rebuild it
+        short = tokens_for(BT + 3, seed=22)
+        await client.put(fp, short, block_tensor(model, short))
+        ref = model.prefill(torch.as_tensor(short, dtype=torch.long), logits=False).swa_window(len(short))
+        win = torch.stack([torch.stack((k, v)) for k, v in ref.kv])
+        await client.append_session(kept.session_id, short, window=win, window_start=ref.start)
+        assert (await client.resume(sid)).source == "replay"
+        stats = await client.stats()
+        assert stats.replay.hot_sessions == 1 and stats.replay.windows_dropped_cold == 0
+        assert (await client.resume(sid)).source == "hot"
+        # Other sessions' blocks push this one's out of DRAM to NVMe (open sessions' blocks: eviction takes
+        # unreferenced ones first, and there are none).
+        others = []
+        for s in range(6):
+            other = tokens_for(4 * BT, seed=200 + s)
+            await client.put(fp, other, block_tensor(model, other))
+            others.append((await client.open_session(fp, tokens=other)).session_id)
+        for sid_other in others:
+            await client.close_session(sid_other)
+        assert any(b.tier == "nvme" for b in (await client.lookup(fp, toks[:P])).blocks)
+        stats = await client.stats()
+        assert stats.replay.hot_sessions == 0 and stats.replay.windows_dropped_cold == 1
+        assert stats.replay.hot_window_bytes == 0
+        assert (await client.resume(kept.session_id)).source == "persisted"
+        logits, source = await next_logits(client, model, fp, sid, toks)
+        assert source == "replay" and torch.equal(logits, reference_logits(model, toks, P))

@@ -525,7 +525,8 @@ class EngramService:
         return ReplayStats(sessions=sm.count(namespaces), hot_sessions=sm.hot_count(namespaces),
                            persisted_window_bytes=sm.window_bytes(persisted=True, namespaces=namespaces),
                            hot_window_bytes=sm.window_bytes(persisted=False, namespaces=namespaces),
-                           replays=rc.replays, replayed_tokens=rc.replayed_tokens, replay_seconds=rc.seconds)
+                           replays=rc.replays, replayed_tokens=rc.replayed_tokens, replay_seconds=rc.seconds,
+                           windows_dropped_cold=sm.windows_dropped_cold)
 
     @unary
     async def Check(self, request: Any, context: grpc.aio.ServicerContext) -> pb.CheckResponse:

@@ -20,7 +20,7 @@ import dataclasses
 import enum
 import time
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,6 +96,11 @@ class BlockStore:
         self.flusher = Flusher(self, window_s=write_back_window_s, window_bytes=write_back_window_bytes) \
             if durable.durable_tier(self.placement) is not None else None
         self.started = time.time()
+
+    def on_cold(self, listener: Callable[[BlockMeta], None]) -> None:
+        """Call `listener(meta)` whenever a block's last copy in a memory tier (HBM, DRAM) is dropped: demoted
+        to NVMe, or deleted. Sessions drop the rebuilt windows that only made sense beside hot blocks."""
+        self.placement.went_cold.append(listener)
 
     # Views kept for readers of the store's state (tests, benchmarks); callers act through the verbs.
     @property

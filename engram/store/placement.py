@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engram.errors import DataLoss, FailedPrecondition, ResourceExhausted, StorageFull, Unavailable
@@ -27,6 +27,7 @@ from engram.store.counters import StoreCounters, TierHealth
 from engram.tiers.base import Tier
 
 TIER_FAULTS = (ResourceExhausted, Unavailable, DataLoss, OSError)
+HOT_TIERS = frozenset({"hbm", "dram"})  # memory: a block here loads in milliseconds; below it, from NVMe or a peer
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Placement:
         self.health = {t.name: TierHealth() for t in self.tiers}
         self.busy = 0  # moves in progress plus leases held: what may free a victim soon
         self.freed = asyncio.Condition()  # notified when a move ends or a lease is released
+        self.went_cold: list[Callable[[BlockMeta], None]] = []  # called when a block's last hot copy is dropped
 
     def tier(self, name: str) -> Tier:
         return self.tiers[self.rank[name]]
@@ -169,6 +171,9 @@ class Placement:
     async def drop_copy(self, meta: BlockMeta, name: str) -> None:
         if name in meta.locations:
             meta.locations.remove(name)
+            if name in HOT_TIERS and HOT_TIERS.isdisjoint(meta.locations):
+                for listener in self.went_cold:
+                    listener(meta)
         try:
             await self.tier(name).delete(meta.key)
         except OSError:

@@ -486,7 +486,7 @@ class StatsResponse(_message.Message):
     def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_hit_tokens: _Optional[int] = ..., lookup_miss_tokens: _Optional[int] = ..., blocks_put: _Optional[int] = ..., blocks_deduplicated: _Optional[int] = ..., blocks_served: _Optional[int] = ..., bytes_served: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., write_policy: _Optional[str] = ..., corrupt_blocks: _Optional[int] = ..., replay: _Optional[_Union[ReplayStats, _Mapping]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., cluster: _Optional[_Union[ClusterStats, _Mapping]] = ..., blocks_evicted_on_request: _Optional[int] = ..., blocks_not_durable: _Optional[int] = ..., write_back_pending_blocks: _Optional[int] = ..., write_back_pending_bytes: _Optional[int] = ..., write_back_oldest_s: _Optional[float] = ..., blocks_flushed: _Optional[int] = ..., leases: _Optional[int] = ..., default_codec: _Optional[str] = ..., default_codec_reason: _Optional[str] = ..., codec_backend: _Optional[str] = ...) -> None: ...
 
 class ReplayStats(_message.Message):
-    __slots__ = ("sessions", "hot_sessions", "persisted_window_bytes", "hot_window_bytes", "replays", "replayed_tokens", "replay_seconds")
+    __slots__ = ("sessions", "hot_sessions", "persisted_window_bytes", "hot_window_bytes", "replays", "replayed_tokens", "replay_seconds", "windows_dropped_cold")
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     HOT_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     PERSISTED_WINDOW_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -494,6 +494,7 @@ class ReplayStats(_message.Message):
     REPLAYS_FIELD_NUMBER: _ClassVar[int]
     REPLAYED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REPLAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_DROPPED_COLD_FIELD_NUMBER: _ClassVar[int]
     sessions: int
     hot_sessions: int
     persisted_window_bytes: int
@@ -501,7 +502,8 @@ class ReplayStats(_message.Message):
     replays: int
     replayed_tokens: int
     replay_seconds: float
-    def __init__(self, sessions: _Optional[int] = ..., hot_sessions: _Optional[int] = ..., persisted_window_bytes: _Optional[int] = ..., hot_window_bytes: _Optional[int] = ..., replays: _Optional[int] = ..., replayed_tokens: _Optional[int] = ..., replay_seconds: _Optional[float] = ...) -> None: ...
+    windows_dropped_cold: int
+    def __init__(self, sessions: _Optional[int] = ..., hot_sessions: _Optional[int] = ..., persisted_window_bytes: _Optional[int] = ..., hot_window_bytes: _Optional[int] = ..., replays: _Optional[int] = ..., replayed_tokens: _Optional[int] = ..., replay_seconds: _Optional[float] = ..., windows_dropped_cold: _Optional[int] = ...) -> None: ...
 
 class SessionRef(_message.Message):
     __slots__ = ("namespace", "session_id")
