@@ -157,3 +157,36 @@ async def test_a_float64_model_is_stored_raw_only(server_factory) -> None:  # ty
         await client.put(fp, toks, kv)
         got = await client.get(fp, [b.key for b in (await client.lookup(fp, toks)).blocks])
         assert torch.equal(torch.cat(got, dim=2), kv)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the H200)")
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+async def test_daemon_replays_a_checkpoint_in_bf16_on_the_gpu(family: str, server_factory,  # type: ignore[no-untyped-def]
+                                                               tmp_path: Path) -> None:
+    """As served: bf16 on CUDA (sdpa where the model has it). The replay runs fewer rows through the same
+    kernels than the prefill did, so bf16 rounding differs: the window within 2% of its largest entry and the
+    next-token logits within 3% of their largest (bounds set from measurements on the H200, with margin:
+    see the test's output), the same top-1 token."""
+    path = save_checkpoint(FAMILIES[family](torch.float32), tmp_path / family)
+    worker = load_checkpoint(path, device="cuda")
+    assert worker.replay_spec.dtype == torch.bfloat16
+    srv = await server_factory(**{"replay.models": str(path), "replay.device": "cuda"})
+    toks = tokens_for(P + 1)
+    async with EngramClient(srv.address) as client:
+        fp = await client.register_model(model_spec_for(worker, name=family, block_tokens=BT, codec="raw"))
+        await client.put(fp, toks[:P], stored_tensor(worker, toks[:P]))
+        info = await client.open_session(fp, mode="exact", tokens=toks[:P])
+        r, global_kv = await client.resume_kv(fp, info.session_id, device="cuda")
+        assert r.source == "replay"
+        window = SwaWindow(r.position, r.window_start, tuple((la[0].cuda(), la[1].cuda()) for la in r.window))
+        pre = worker.prefill(torch.as_tensor(toks[:P], dtype=torch.long))
+        from engram.replay import window_error
+
+        werr = window_error(window, pre.swa_window(P))
+        step = decode_next(worker, int(toks[P]), global_kv, window).logits.float()
+        ref = decode_next(worker, int(toks[P]), pre.stored_global_kv(P), pre.swa_window(P)).logits.float()
+        lerr = float((step - ref).abs().max() / ref.abs().max())
+        print(f"{family}: bf16 window error {werr:.2e}, logits error {lerr:.2e}")
+        assert werr <= 0.02 and lerr <= 0.03
+        assert int(step.argmax()) == int(ref.argmax())
