@@ -19,7 +19,9 @@ fi
 # kernels/ and cli/ are engram.kernels / engram.cli through setuptools package-dir; without an install, links do it.
 [ -e engram/kernels ] || ln -s ../kernels engram/kernels
 [ -e engram/cli ] || ln -s ../cli engram/cli
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# The carried wheels first: the repo root's kernels/ would shadow Hugging Face's `kernels`, which transformers
+# imports (and run pytest as `python3 -P -m pytest`, so that the working directory is not put first either).
+export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 case "${1:-1}" in
