@@ -266,7 +266,7 @@ def test_machine_id_names_host_and_device() -> None:
     (lambda d: d["replay"][2].update(seconds="fast"), "'replay[2].seconds'"),
     (lambda d: d["load"][0].update(tier="tape"), "'load[0].tier'"),
     (lambda d: d["fidelity"][1].update(top1=1.5), "'fidelity[1].top1'"),
-    (lambda d: d["fidelity"][0].update(label="twice"), "'fidelity[0].label'"),
+    (lambda d: d["fidelity"][0].update(kl=float("inf")), "'fidelity[0].kl'"),
     (lambda d: d["persisted"][0].update(window_bytes=-1), "'persisted[0].window_bytes'"),
     (lambda d: d.update(machine=[]), "'machine' must be an object"),
 ])
@@ -311,3 +311,8 @@ def test_report_against_own_and_another_run(tmp_path: Any) -> None:
                                           for r, lab in ((W, "W"), (2 * W, "2W"), (4 * W, "4W"), (BOUND, "exact"))]
     assert all(r.ratio < 1 for r in rows[:4])  # it was slower than predicted: the report shows it
     assert all(abs(r.ratio - 1) < 1e-6 for r in rows[4:])  # the loads were the same
+    slower["load"].append({"tier": "nvme", "bytes": 1, "seconds": 1.0})
+    bare = Calibration.from_json({**calib(), "replay": [], "load": [q for q in calib()["load"] if q["tier"] != "nvme"]})
+    rows = report(bare, slower)  # nothing to predict with: NaN rows, the rest still reported
+    assert all(math.isnan(r.predicted) for r in rows if r.what.startswith(("replay", "load nvme")))
+    assert all(abs(r.ratio - 1) < 1e-6 for r in rows if r.what.startswith(("load hbm", "load dram")))

@@ -20,8 +20,9 @@ import json
 import math
 import re
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -177,7 +178,8 @@ class Calibration:
         set_(self, "replay_fit", _fit_replay(self.replay_points))
         by_r: dict[int, list[ReplayPoint]] = {}
         for p in self.replay_points:
-            by_r.setdefault(p.replayed, []).append(p)
+            if p.replayed > 0:  # a replay of nothing costs nothing: no point in fitting it
+                by_r.setdefault(p.replayed, []).append(p)
         set_(self, "replay_fit_by_r", tuple(
             (r, _line([float(p.context) for p in ps], [p.seconds for p in ps])) for r, ps in sorted(by_r.items())))
         by_tier: dict[str, list[LoadPoint]] = {}
@@ -351,8 +353,8 @@ class _Fields:
 
     def number(self, key: str, lo: float = 0.0, hi: float = math.inf) -> float:
         v = self._get(key)
-        if isinstance(v, bool) or not isinstance(v, int | float) or not (lo <= v <= hi) or math.isnan(v):
-            raise self.fail(key, f"must be a number in [{lo}, {hi}]")
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not lo <= v <= hi:
+            raise self.fail(key, f"must be a finite number in [{lo}, {hi}]")
         return float(v)
 
     def objects(self, key: str) -> list[_Fields]:
@@ -394,10 +396,6 @@ def _parse(data: Any, source: str) -> Calibration:
     persisted = tuple(PersistedPoint(context=p.integer("context"), global_bytes=p.integer("global_bytes"),
                                      window_bytes=p.integer("window_bytes"))
                       for p in top.objects("persisted"))
-    for i, f in enumerate(fidelity):
-        if f.label != "exact" and _label_k(f.label) is None:
-            raise _Fields(source, f"fidelity[{i}]", top.obj["fidelity"][i]).fail(
-                "label", "must be 'exact' or '<k>W' (k a positive number, '' for 1)")
     return Calibration(model, machine, top.text("date"), replay, load, fidelity, persisted)
 
 
@@ -627,12 +625,16 @@ def report(calibration: Calibration, bench_json: Mapping[str, Any] | str | Path)
              else Calibration.from_json(bench_json, "<bench>"))
     cm = CostModel(calibration)
 
-    def row(what: str, measured: float, predicted: float) -> Accuracy:
+    def row(what: str, measured: float, predict: Callable[[], float]) -> Accuracy:
+        try:
+            predicted = predict()
+        except ValueError:  # nothing calibrated for it (a tier, or replay at all): NaN, not a crash mid-report
+            return Accuracy(what, measured, math.nan, math.nan)
         ratio = predicted / measured if measured > 0 else (1.0 if predicted == 0 else math.inf)
         return Accuracy(what, measured, predicted, ratio)
 
     rows = [row(f"replay P={p.context} R={p.replayed} ({p.label})", p.seconds,
-                cm.predict_replay(p.context, p.replayed)) for p in bench.replay_points]
-    rows += [row(f"load {q.tier} {q.bytes} B", q.seconds, cm.predict_load(q.tier, q.bytes))
+                partial(cm.predict_replay, p.context, p.replayed)) for p in bench.replay_points]
+    rows += [row(f"load {q.tier} {q.bytes} B", q.seconds, partial(cm.predict_load, q.tier, q.bytes))
              for q in bench.load_points]
     return rows
