@@ -188,6 +188,18 @@ def test_replay_wins_when_it_is_faster_than_the_load() -> None:
     assert cm.choose(16384, budget_bytes=1 << 30, floor=FidelityFloor(min_top1=1.0)).mode == "exact"
 
 
+def test_window_bytes_without_persisted_points_come_from_the_model_shape() -> None:
+    data = calib()
+    data["persisted"] = []
+    cm = model(data)
+    assert cm.window_bytes(16384) == SLIDING * 2 * (W - 1) * 4 * 128 * 2  # bf16
+    assert cm.window_bytes(10) == SLIDING * 2 * 10 * 4 * 128 * 2
+    assert cm.choose(16384, budget_bytes=1 << 30).mode == "persist"
+    data["model"]["dtype"] = "fp4-e2m1"
+    ch = model(data).choose(16384, budget_bytes=1 << 30)
+    assert ch.mode != "persist" and "window size unknown" in ch.reason
+
+
 def test_nothing_allowed_says_why() -> None:
     cm = model()
     with pytest.raises(NoAllowedOption, match=r"persist: its window needs 2080768 B, 0 B .*exact: no replay model"):
@@ -233,6 +245,7 @@ def test_choice_never_below_floor_and_nothing_allowed_is_faster(
     if ch.mode == "persist":
         assert cm.window_bytes(context) <= budget
     assert all(o.predicted_s >= ch.predicted_s for o in allowed)
+    assert ch.predicted_s >= 0 and math.isfinite(ch.predicted_s)
     for o in opts:  # and every refusal is a real one
         if not o.allowed:
             assert (o.mode == "persist" and cm.window_bytes(context) > budget) or not floor.allows(o.fidelity)

@@ -304,6 +304,7 @@ def _line(x: Sequence[float], y: Sequence[float], *, slope_first: bool = False) 
 
 
 def _fit_replay(points: Sequence[ReplayPoint]) -> ReplayFit | None:
+    points = [p for p in points if p.replayed > 0]
     if not points or any(p.token_layers <= 0 for p in points):
         return None
     tl = [float(p.token_layers) for p in points]
@@ -399,6 +400,7 @@ def _parse(data: Any, source: str) -> Calibration:
     return Calibration(model, machine, top.text("date"), replay, load, fidelity, persisted)
 
 
+_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 _K_LABEL = re.compile(r"^([0-9]*\.?[0-9]*)W$")
 
 
@@ -483,7 +485,7 @@ class CostModel:
         if not pts:
             return float(layers * r)
         near = min({p.context for p in pts}, key=lambda c: (abs(math.log(max(c, 1) / max(context, 1))), -c))
-        table: dict[int, int] = {0: 0}
+        table: dict[int, int] = {0: 0}  # flat and cone points at one R: the larger (flat), to overestimate
         for p in pts:
             if p.context == near:
                 table[p.replayed] = max(table.get(p.replayed, 0), p.token_layers)
@@ -542,11 +544,18 @@ class CostModel:
         upper = [r for r in table if r >= replayed]
         return below.worse(table[min(upper)]) if upper else below
 
-    def window_bytes(self, context: int) -> int:
+    def window_bytes(self, context: int) -> int | None:
         """Bytes of a persisted window: the measured value at this context, else the largest measured (a window
-        stops growing at W - 1 rows). 0 when the benchmark measured none."""
+        stops growing at W - 1 rows). Without measurements, K and V of min(W - 1, P) rows per sliding layer in
+        the model's dtype; None where that dtype is not one we know the size of."""
         sizes = {p.context: p.window_bytes for p in self.calibration.persisted_points}
-        return sizes.get(context, max(sizes.values(), default=0))
+        if sizes:
+            return sizes.get(context, max(sizes.values()))
+        m = self.calibration.model
+        itemsize = _ITEMSIZE.get(m.dtype.removeprefix("torch."))
+        if itemsize is None:
+            return None
+        return m.sliding_layers * 2 * min(m.window - 1, max(context, 0)) * m.n_kv_heads * m.head_dim * itemsize
 
     def approx_ks(self) -> list[float]:
         """The k the fidelity table measured below the exact bound: the approx options on offer."""
@@ -565,7 +574,10 @@ class CostModel:
         has no replay model for these weights."""
         out: list[Option] = []
         need = self.window_bytes(context) if window_bytes is None else window_bytes
-        if need > budget_bytes:
+        if need is None:
+            out.append(Option(SessionMode.PERSIST, 0.0, 0, math.inf, EXACT, False,
+                              f"window size unknown (no persisted points, dtype {self.calibration.model.dtype!r})"))
+        elif need > budget_bytes:
             out.append(Option(SessionMode.PERSIST, 0.0, 0, math.inf, EXACT, False,
                               f"its window needs {need} B, {max(budget_bytes, 0)} B of the budget left"))
         elif tier not in dict(self.calibration.load_fits):
