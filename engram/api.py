@@ -22,6 +22,7 @@ class SessionMode(enum.StrEnum):
     EXACT = "exact"  # the daemon replays R = L_swa * (W - 1) tokens: bit-exact with the stored global KV
     APPROX = "approx"  # the daemon replays R = approx_k * W tokens
     PERSIST = "persist"  # the worker uploads the window; no replay
+    AUTO = "auto"  # the daemon's cost model chooses per session: keep its window, or replay exact or approx
 
     @classmethod
     def parse(cls, value: str | SessionMode) -> SessionMode:
@@ -100,12 +101,14 @@ class SessionInfo:
     window_prefix_len: int
     parent: str
     created_s: float
+    persisted: bool = False  # its window is kept through going cold (persist mode, or auto's choice)
+    decision: str = ""  # auto mode: the cost model's last choice and why
 
     @property
     def state(self) -> str:
-        """hot: the daemon holds a rebuilt window; persisted: persist mode with a stored window; cold: a
-        Resume replays (or, persist mode without a window, cannot resume yet)."""
-        if self.mode == SessionMode.PERSIST:
+        """hot: the daemon holds a rebuilt window; persisted: a window kept through going cold (persist mode,
+        or auto's choice); cold: a Resume replays (or, persist mode without a window, cannot resume yet)."""
+        if self.mode == SessionMode.PERSIST or self.persisted:
             return "persisted" if self.hot else "cold"
         return "hot" if self.hot else "cold"
 

@@ -139,7 +139,12 @@ class ReplayConfig:
     device: str = "auto"  # auto (cuda when present), cpu, cuda
     dtype: str = "auto"  # a checkpoint's: auto (bfloat16 on cuda, float32 on cpu), bfloat16, float16, float32, float64
     max_hot_windows: int = 64  # rebuilt SWA windows kept in memory; beyond, the least recent is dropped
-    max_persisted_window_bytes: ByteSize = ByteSize(2**30)  # persist-mode windows, all sessions together
+    max_persisted_window_bytes: ByteSize = ByteSize(2**30)  # persisted windows (persist mode, auto's), all together
+    # auto-mode sessions: calibrations written by `engram bench replay --calibrate DIR` (one per model and
+    # machine; none: auto behaves as exact), and the fidelity floor an approximate replay must have measured
+    calibrations: str = ""
+    min_top1: float = 0.99  # next-token top-1 agreement with the exact window over the benchmark's prompts
+    max_kl: float = 0.01  # next-token KL divergence (nats); 0 = no bound
 
 
 @dataclass
@@ -255,6 +260,11 @@ class EngramConfig:
             if not Path(path).exists():
                 raise ConfigError(f"replay.models: {path} does not exist (an HF checkpoint directory, or a decoder "
                                   "file saved with engram.replay.save_decoder)")
+        if not 0.0 <= self.replay.min_top1 <= 1.0 or self.replay.max_kl < 0:
+            raise ConfigError("replay.min_top1 must be within [0, 1] and replay.max_kl >= 0")
+        if self.replay.calibrations and not Path(self.replay.calibrations).is_dir():
+            raise ConfigError(f"replay.calibrations: {self.replay.calibrations} is not a directory (write one with "
+                              "engram bench replay --calibrate DIR)")
         if self.replay.dtype not in ("auto", "bfloat16", "float16", "float32", "float64"):
             raise ConfigError(f"replay.dtype must be auto, bfloat16, float16, float32 or float64, not "
                               f"{self.replay.dtype!r}")

@@ -8,6 +8,10 @@ last W-1 positions, which a query needs to continue:
   session is suspended, appended to, pushed out by newer hot windows (`max_hot_windows`, LRU), or one of its
   blocks leaves the memory tiers (demoted to NVMe or evicted: the session has gone cold).
 - persist mode: the worker uploads the window (AppendSession) and the daemon keeps it, no replay.
+- auto mode: the daemon chooses with the cost model calibrated for the model on this machine
+  (engram/replay/costmodel.py, `engram bench replay --calibrate`): when the session goes cold, keep its rebuilt
+  window (persisted, within replay.max_persisted_window_bytes) or drop it; on Resume, replay exact or approx,
+  whichever is fastest above the operator's fidelity floor. Without a calibration it behaves as exact mode.
 The mode is recorded in the session, so a user can choose per session and per model (BRIEF section 3).
 
 A live session holds a reference to every stored block of its prefix (re-resolved on Open, Append, Fork
@@ -33,6 +37,7 @@ from engram.block import checksum
 from engram.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from engram.index import BlockMeta
 from engram.layout import DType, LayerKind, ModelSpec
+from engram.replay.costmodel import CostModel, FidelityFloor, NoAllowedOption
 from engram.replay.model import SwaWindow
 from engram.replay.reconstruct import ReplayMode
 from engram.replay.runtime import ReplayRuntime
@@ -100,6 +105,8 @@ class Session:
     approx_k: float
     parent: str = ""
     window: Window | None = None  # hot (rebuilt) or persisted
+    kept: bool = False  # the window is persisted: its bytes count against the budget and it survives going cold
+    decision: str = ""  # auto mode: the cost model's last choice, with its reason
     created: float = field(default_factory=time.time)
     held: dict[bytes, BlockMeta] = field(default_factory=dict)  # the stored blocks of its prefix it references
 
@@ -110,7 +117,8 @@ class Session:
         w = self.window
         return SessionInfo(session_id=self.id, namespace=self.namespace, model_fingerprint=self.fingerprint,
                            tokens=len(self.tokens), mode=self.mode, approx_k=self.approx_k, hot=w is not None,
-                           window_prefix_len=w.prefix_len if w else 0, parent=self.parent, created_s=self.created)
+                           window_prefix_len=w.prefix_len if w else 0, parent=self.parent, created_s=self.created,
+                           persisted=self.kept, decision=self.decision)
 
 
 @dataclass(frozen=True)
@@ -128,9 +136,16 @@ class Resumed:
 class SessionManager:
     def __init__(self, store: BlockStore, runtime: ReplayRuntime, *, max_hot_windows: int = 64,
                  max_sessions_per_namespace: int = 4096, max_session_tokens: int = 1 << 21,
-                 max_persisted_window_bytes: int = 2**30) -> None:
+                 max_persisted_window_bytes: int = 2**30, cost_models: dict[str, CostModel] | None = None,
+                 floor: FidelityFloor | None = None, persist_tier: str = "dram") -> None:
+        """cost_models: per weights_id, the calibrated cost model auto-mode sessions of that model decide by;
+        floor: the fidelity an approximate replay must have measured; persist_tier: where a kept window lives
+        (what its load is priced at)."""
         self.store = store
         self.runtime = runtime
+        self.cost_models = dict(cost_models or {})
+        self.floor = floor or FidelityFloor()
+        self.persist_tier = persist_tier
         self.max_hot_windows = max_hot_windows
         # Bounds on what sessions hold in daemon memory: their number per namespace (a tenant's own
         # max_sessions overrides it), their length, and persisted windows, which also count against their
@@ -201,6 +216,8 @@ class SessionManager:
         self.hold(s)
         if window is None and s.mode != SessionMode.PERSIST:
             self._drop_hot(s)  # a window for the old length is stale
+            if s.kept:
+                self._release_window(s)
         return s
 
     def fork(self, namespace: str, parent_id: str, session_id: str = "", position: int = 0) -> Session:
@@ -224,16 +241,17 @@ class SessionManager:
         return child
 
     def suspend(self, namespace: str, session_id: str) -> Session:
-        """The session goes cold: a rebuilt window is dropped; a persisted one stays."""
+        """The session goes cold: a rebuilt window is dropped (auto mode: or kept, as its cost model
+        decides); a persisted one stays."""
         s = self.get(namespace, session_id)
         if s.mode != SessionMode.PERSIST:
-            self._drop_hot(s)
+            self._cool(s)
         return s
 
     def close(self, namespace: str, session_id: str) -> Session:
         s = self.get(namespace, session_id)
         self._drop_hot(s)
-        if s.mode == SessionMode.PERSIST and s.window is not None:
+        if s.kept:
             self._release_window(s)
         self.store.reference(list(s.held.values()), -1)
         s.held = {}
@@ -248,7 +266,7 @@ class SessionManager:
     def _keep_window(self, s: Session, window: Window) -> None:
         """Make `window` the persisted window of `s`, counting its bytes against the daemon's budget for
         persisted windows and its namespace's quota (the previous window's bytes are given back)."""
-        old = s.window.nbytes if s.window is not None else 0
+        old = s.window.nbytes if s.window is not None and s.kept else 0  # a hot window is not counted
         delta = window.nbytes - old
         if self._persisted_bytes + delta > self.max_persisted_window_bytes:
             raise ResourceExhausted(
@@ -261,12 +279,14 @@ class SessionManager:
             self.store.release_held(s.namespace, -delta)
         self._persisted_bytes += delta
         s.window = window
+        s.kept = True
 
     def _release_window(self, s: Session) -> None:
-        assert s.window is not None
+        assert s.window is not None and s.kept
         self.store.release_held(s.namespace, s.window.nbytes)
         self._persisted_bytes -= s.window.nbytes
         s.window = None
+        s.kept = False
 
     # ---- resume ---------------------------------------------------------------------------------
 
@@ -289,23 +309,25 @@ class SessionManager:
                 "put it again, then Resume"
             )
         if s.window is not None and s.window.prefix_len == p:
-            if s.mode != SessionMode.PERSIST:
+            if not s.kept:
                 self._mark_hot(s)
-            kept = await self._global_kv(match.blocks, p) if with_global_kv else None
-            return Resumed(p, match.blocks, s.window, "persisted" if s.mode == SessionMode.PERSIST else "hot", 0, 0,
-                           0.0, kept)
+            kv = await self._global_kv(match.blocks, p) if with_global_kv else None
+            return Resumed(p, match.blocks, s.window, "persisted" if s.kept else "hot", 0, 0, 0.0, kv)
         if s.mode == SessionMode.PERSIST:
             have = "none" if s.window is None else f"one for position {s.window.prefix_len}"
             raise FailedPrecondition(f"session {session_id} is in persist mode and holds no window for position {p} "
                                      f"({have}); append with the window, or open it in exact mode")
         model = self.runtime.require(spec)
+        if s.kept:  # an auto-mode window kept for another position: replaced by this replay's
+            self._release_window(s)
+        mode = self._auto_replay_mode(s, spec, p) if s.mode == SessionMode.AUTO else s.replay_mode()
         # The blocks are leased until the answer naming them is built: an eviction during the replay (which
         # may take seconds) left blocks with no copy in the answer (INTERNAL, found by benchmarks/soak.py).
         with self.store.reading(match.blocks):
             global_kv = await self._global_kv(match.blocks, p)
             t0 = time.perf_counter()
             tokens = torch.as_tensor(s.tokens[:p], dtype=torch.long)
-            rec = await asyncio.to_thread(self.runtime.rebuild, model, tokens, global_kv, s.replay_mode())
+            rec = await asyncio.to_thread(self.runtime.rebuild, model, tokens, global_kv, mode)
         seconds = time.perf_counter() - t0
         c = self.runtime.counters
         c.replays += 1
@@ -327,6 +349,47 @@ class SessionManager:
                 parts.append(await asyncio.to_thread(self.store.decode, payload, meta))
         return torch.cat(parts, dim=2)[:, :, :p]
 
+    # ---- auto mode: the cost model decides ------------------------------------------------------------
+
+    def _auto_replay_mode(self, s: Session, spec: ModelSpec, p: int) -> ReplayMode:
+        """The fastest replay whose measured fidelity passes the floor (exact without a calibration)."""
+        cm = self.cost_models.get(spec.weights_id)
+        if cm is None:
+            s.decision = "exact replay: no calibration for these weights on this machine (engram bench replay)"
+            return ReplayMode.exact()
+        try:
+            choice = cm.choose(p, budget_bytes=0, floor=self.floor)  # a Resume has no window to keep
+        except NoAllowedOption as exc:
+            s.decision = f"exact replay: the calibration allows no option ({exc})"
+            return ReplayMode.exact()
+        s.decision = choice.reason
+        return ReplayMode.approx(choice.approx_k) if choice.mode == SessionMode.APPROX else ReplayMode.exact()
+
+    def _cool(self, s: Session) -> None:
+        """The session goes cold (suspended, its blocks left memory, or pushed out of the hot set). A rebuilt
+        window is dropped, unless the session is in auto mode and its cost model finds keeping it (loading
+        it later) faster than any replay the fidelity floor allows, within the persisted-window budget."""
+        if s.mode == SessionMode.AUTO and s.window is not None and not s.kept:
+            cm = self.cost_models.get(self.store.spec(s.fingerprint).weights_id)
+            if cm is not None:
+                budget = self.max_persisted_window_bytes - self._persisted_bytes
+                try:
+                    choice = cm.choose(s.window.prefix_len, budget_bytes=budget, floor=self.floor,
+                                       tier=self.persist_tier, window_bytes=s.window.nbytes)
+                except NoAllowedOption as exc:
+                    choice = None
+                    s.decision = f"dropped the window: the calibration allows no option ({exc})"
+                if choice is not None:
+                    s.decision = choice.reason
+                if choice is not None and choice.mode == SessionMode.PERSIST:
+                    self._hot.pop((s.namespace, s.id), None)
+                    try:
+                        self._keep_window(s, s.window)
+                        return
+                    except ResourceExhausted as exc:  # the namespace's quota: replay it after all
+                        s.decision = f"dropped the window: keeping it was chosen, but {exc}"
+        self._drop_hot(s)
+
     # ---- hot windows ------------------------------------------------------------------------------
 
     def _mark_hot(self, s: Session) -> None:
@@ -337,19 +400,20 @@ class SessionManager:
             old, _ = self._hot.popitem(last=False)
             victim = self._sessions.get(old)
             if victim is not None:
-                victim.window = None  # pushed out of the hot set: rebuilt on its next Resume
+                self._cool(victim)  # pushed out of the hot set: rebuilt on its next Resume (or kept: auto)
 
     def _block_went_cold(self, meta: BlockMeta) -> None:
         """A block left the memory tiers: every hot session whose prefix holds it is cold now, and its rebuilt
         window goes (a window beside blocks that load from NVMe saves little, and holds memory the hot sessions
         need). Persisted windows stay: nothing could rebuild them. At most max_hot_windows dictionary probes."""
         for key in [k for k in self._hot if meta.key in self._sessions[k].held]:
-            self._drop_hot(self._sessions[key])
-            self.windows_dropped_cold += 1
+            s = self._sessions[key]
+            self._cool(s)
+            self.windows_dropped_cold += not s.kept
 
     def _drop_hot(self, s: Session) -> None:
         self._hot.pop((s.namespace, s.id), None)
-        if s.mode != SessionMode.PERSIST:
+        if not s.kept:
             s.window = None
 
     # ---- stats -----------------------------------------------------------------------------------
@@ -374,5 +438,5 @@ class SessionManager:
 
     def window_bytes(self, *, persisted: bool, namespaces: list[str] | None = None) -> int:
         return sum(s.window.nbytes for s in self._sessions.values()
-                   if s.window is not None and (s.mode == SessionMode.PERSIST) == persisted
+                   if s.window is not None and s.kept == persisted
                    and (namespaces is None or s.namespace in namespaces))

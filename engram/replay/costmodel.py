@@ -254,13 +254,15 @@ def calibration_path(directory: str | Path, weights_id: str, machine_id: str) ->
     return Path(directory) / f"replay_cost.{_safe(weights_id)}.{_safe(machine_id)}.{digest}.json"
 
 
-def machine_id() -> str:
-    """hostname/device: the first CUDA device's name, or "cpu". Calibrations are per machine because replay
-    time depends on the accelerator and load time on the host's memory and disks."""
+def machine_id(device: str = "auto") -> str:
+    """hostname/device: the name of the CUDA device replay runs on, or "cpu" (device "cpu", or no CUDA).
+    Calibrations are per machine because replay time depends on the accelerator and load time on the host's
+    memory and disks."""
     import torch  # here, not at import: the module stays light for callers that only read calibrations
 
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    return f"{socket.gethostname()}/{device}"
+    cuda = device != "cpu" and torch.cuda.is_available()
+    name = torch.cuda.get_device_name(torch.device(device) if device.startswith("cuda:") else 0) if cuda else "cpu"
+    return f"{socket.gethostname()}/{name}"
 
 
 # ---- fitting -------------------------------------------------------------------------------------------

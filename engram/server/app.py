@@ -30,6 +30,7 @@ from engram.logs import report_activity
 from engram.metrics import MetricsEndpoint
 from engram.private import secure_socket, socket_umask
 from engram.registry import ModelRegistry
+from engram.replay.costmodel import Calibration, CostModel, FidelityFloor, machine_id
 from engram.replay.runtime import ReplayRuntime
 from engram.server.dataport import DataPort
 from engram.server.inspection import InspectionService
@@ -150,12 +151,32 @@ class RunningServer:
 
 
 def build_sessions(config: EngramConfig, store: BlockStore) -> SessionManager:
-    paths = [p.strip() for p in config.replay.models.split(",") if p.strip()]
-    runtime = ReplayRuntime.from_paths(paths, device=config.replay.device, dtype=config.replay.dtype)
-    return SessionManager(store, runtime, max_hot_windows=config.replay.max_hot_windows,
+    rc = config.replay
+    paths = [p.strip() for p in rc.models.split(",") if p.strip()]
+    runtime = ReplayRuntime.from_paths(paths, device=rc.device, dtype=rc.dtype)
+    return SessionManager(store, runtime, max_hot_windows=rc.max_hot_windows,
                           max_sessions_per_namespace=config.server.max_sessions_per_namespace,
                           max_session_tokens=config.server.max_tokens_per_request,
-                          max_persisted_window_bytes=config.replay.max_persisted_window_bytes)
+                          max_persisted_window_bytes=rc.max_persisted_window_bytes,
+                          cost_models=load_cost_models(runtime, rc.calibrations, rc.device),
+                          floor=FidelityFloor(min_top1=rc.min_top1, max_kl=rc.max_kl or None))
+
+
+def load_cost_models(runtime: ReplayRuntime, directory: str, device: str) -> dict[str, CostModel]:
+    """The calibration of each replay model on this machine, where `directory` holds one; a malformed one stops
+    the start (ConfigError), as any bad setting does."""
+    if not directory:
+        return {}
+    here = machine_id(device)
+    out = {}
+    for identity in runtime.identities:
+        try:
+            cal = Calibration.load(directory, identity.weights_id, here)
+        except ValueError as exc:
+            raise ConfigError(f"replay.calibrations: {exc}") from exc
+        if cal is not None:
+            out[identity.weights_id] = CostModel(cal)
+    return out
 
 
 def _lock_socket(unix_socket: str) -> DaemonLock:

@@ -36,6 +36,7 @@ class ReplayModeKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REPLAY_MODE_EXACT: _ClassVar[ReplayModeKind]
     REPLAY_MODE_APPROX: _ClassVar[ReplayModeKind]
     REPLAY_MODE_PERSIST: _ClassVar[ReplayModeKind]
+    REPLAY_MODE_AUTO: _ClassVar[ReplayModeKind]
 DTYPE_UNSPECIFIED: DType
 DTYPE_BF16: DType
 DTYPE_FP16: DType
@@ -54,6 +55,7 @@ REPLAY_MODE_UNSPECIFIED: ReplayModeKind
 REPLAY_MODE_EXACT: ReplayModeKind
 REPLAY_MODE_APPROX: ReplayModeKind
 REPLAY_MODE_PERSIST: ReplayModeKind
+REPLAY_MODE_AUTO: ReplayModeKind
 
 class StreamSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype", "codec", "axis", "compress")
@@ -566,7 +568,7 @@ class ForkSessionRequest(_message.Message):
     def __init__(self, parent: _Optional[_Union[SessionRef, _Mapping]] = ..., session_id: _Optional[str] = ..., position: _Optional[int] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "namespace", "model_fingerprint", "tokens", "mode", "approx_k", "hot", "window_prefix_len", "parent", "created_s")
+    __slots__ = ("session_id", "namespace", "model_fingerprint", "tokens", "mode", "approx_k", "hot", "window_prefix_len", "parent", "created_s", "persisted", "decision")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -577,6 +579,8 @@ class SessionInfo(_message.Message):
     WINDOW_PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     CREATED_S_FIELD_NUMBER: _ClassVar[int]
+    PERSISTED_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     namespace: str
     model_fingerprint: bytes
@@ -587,7 +591,9 @@ class SessionInfo(_message.Message):
     window_prefix_len: int
     parent: str
     created_s: float
-    def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., tokens: _Optional[int] = ..., mode: _Optional[_Union[ReplayModeKind, str]] = ..., approx_k: _Optional[float] = ..., hot: _Optional[bool] = ..., window_prefix_len: _Optional[int] = ..., parent: _Optional[str] = ..., created_s: _Optional[float] = ...) -> None: ...
+    persisted: bool
+    decision: str
+    def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., tokens: _Optional[int] = ..., mode: _Optional[_Union[ReplayModeKind, str]] = ..., approx_k: _Optional[float] = ..., hot: _Optional[bool] = ..., window_prefix_len: _Optional[int] = ..., parent: _Optional[str] = ..., created_s: _Optional[float] = ..., persisted: _Optional[bool] = ..., decision: _Optional[str] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
     __slots__ = ("session", "position", "with_global_kv")

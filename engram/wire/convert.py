@@ -34,9 +34,10 @@ T = TypeVar("T")
 # domain enum -> (protobuf value -> member, member -> protobuf value)
 _ENUMS: dict[type[enum.Enum], tuple[dict[int, Any], dict[Any, int]]] = {
     SessionMode: ({pb.REPLAY_MODE_UNSPECIFIED: SessionMode.EXACT, pb.REPLAY_MODE_EXACT: SessionMode.EXACT,
-                   pb.REPLAY_MODE_APPROX: SessionMode.APPROX, pb.REPLAY_MODE_PERSIST: SessionMode.PERSIST},
+                   pb.REPLAY_MODE_APPROX: SessionMode.APPROX, pb.REPLAY_MODE_PERSIST: SessionMode.PERSIST,
+                   pb.REPLAY_MODE_AUTO: SessionMode.AUTO},
                   {SessionMode.EXACT: pb.REPLAY_MODE_EXACT, SessionMode.APPROX: pb.REPLAY_MODE_APPROX,
-                   SessionMode.PERSIST: pb.REPLAY_MODE_PERSIST}),
+                   SessionMode.PERSIST: pb.REPLAY_MODE_PERSIST, SessionMode.AUTO: pb.REPLAY_MODE_AUTO}),
 }
 
 
