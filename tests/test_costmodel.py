@@ -329,3 +329,22 @@ def test_report_against_own_and_another_run(tmp_path: Any) -> None:
     rows = report(bare, slower)  # nothing to predict with: NaN rows, the rest still reported
     assert all(math.isnan(r.predicted) for r in rows if r.what.startswith(("replay", "load nvme")))
     assert all(abs(r.ratio - 1) < 1e-6 for r in rows if r.what.startswith(("load hbm", "load dram")))
+
+
+def test_policy_check_compares_the_choice_with_what_the_run_measured() -> None:
+    from engram.replay.costmodel import policy_check
+
+    cal = Calibration.from_json(calib())
+    rows = policy_check(cal, calib(), budgets=[0, 1 << 30], floor=FidelityFloor(min_top1=0.99))
+    assert {r.budget_bytes for r in rows} == {0, 1 << 30} and {r.context for r in rows} == {4096, 16384}
+    # On its own run the model is exact: the choice is the measured best, ratio 1.
+    assert all(r.chosen == r.best and r.ratio == 1.0 for r in rows)
+    assert all(r.chosen == "persist" for r in rows if r.budget_bytes)  # a 2 MiB load beats a 10 ms replay
+    assert all(r.chosen == "approx k=4" for r in rows if not r.budget_bytes)  # top-1 0.995 passes 0.99
+    # A run where approx replay turned out slow: the calibration still picks it, and the check says by how much.
+    slow = calib()
+    for p in slow["replay"]:
+        if p["label"] == "4W":
+            p["seconds"] *= 10
+    rows = policy_check(cal, slow, budgets=[0], floor=FidelityFloor(min_top1=0.99))
+    assert all(r.chosen == "approx k=4" and r.best == "exact" and r.ratio > 1.2 for r in rows)

@@ -652,3 +652,60 @@ def report(calibration: Calibration, bench_json: Mapping[str, Any] | str | Path)
     rows += [row(f"load {q.tier} {q.bytes} B", q.seconds, partial(cm.predict_load, q.tier, q.bytes))
              for q in bench.load_points]
     return rows
+
+
+# ---- the policy against measurements ---------------------------------------------------------------------
+
+
+class PolicyCheck(NamedTuple):
+    context: int
+    budget_bytes: int
+    chosen: str  # "persist", "exact" or "approx k=2"
+    chosen_s: float  # what the chosen option measured in the run
+    best: str  # the fastest option the run measured among those the budget and floor allowed
+    best_s: float
+    ratio: float  # chosen_s / best_s: the issue's target is <= 1.2
+
+
+def policy_check(calibration: Calibration, bench_json: Mapping[str, Any] | str | Path, budgets: Sequence[int],
+                 floor: FidelityFloor | None = None, tier: str = "dram") -> list[PolicyCheck]:
+    """For each context of a run and each budget, the option the calibrated model chooses against the options
+    the run measured: allowed by the run's own fidelity and window sizes, timed by its own points (a load at
+    the window's size: the nearest measured size of `tier`). Contexts whose options the run did not all time
+    are left out."""
+    floor = floor or FidelityFloor()
+    bench = (Calibration.from_file(bench_json) if isinstance(bench_json, str | Path)
+             else Calibration.from_json(bench_json, "<bench>"))
+    chooser, measured = CostModel(calibration), CostModel(bench)
+    loads = sorted((q.bytes, q.seconds) for q in bench.load_points if q.tier == tier)
+    out = []
+    for context in sorted({p.context for p in bench.replay_points}):
+        timed = {p.replayed: p.seconds for p in bench.replay_points if p.context == context}
+        for budget in budgets:
+            opts = measured.options(context, budget_bytes=budget, floor=floor, tier=tier)
+            times: dict[tuple[SessionMode, float], float] = {}
+            for o in opts:
+                if o.mode == SessionMode.PERSIST:
+                    need = measured.window_bytes(context)
+                    if loads and need is not None:
+                        times[(o.mode, 0.0)] = min(loads, key=lambda q, n=need: abs(q[0] - n))[1]
+                elif o.replayed in timed:
+                    times[(o.mode, o.approx_k)] = timed[o.replayed]
+            allowed = [o for o in opts if o.allowed]
+            if not allowed or any((o.mode, o.approx_k) not in times for o in allowed):
+                continue
+            try:
+                choice = chooser.choose(context, budget_bytes=budget, floor=floor, tier=tier)
+            except NoAllowedOption:
+                continue
+            best = min(allowed, key=lambda o: times[(o.mode, o.approx_k)])
+            chosen_s = times.get((choice.mode, choice.approx_k), math.inf)
+            best_s = times[(best.mode, best.approx_k)]
+            out.append(PolicyCheck(context, budget, _label(choice.mode, choice.approx_k), chosen_s,
+                                   _label(best.mode, best.approx_k), best_s,
+                                   chosen_s / best_s if best_s > 0 else math.inf))
+    return out
+
+
+def _label(mode: SessionMode, k: float) -> str:
+    return f"approx k={k:g}" if mode == SessionMode.APPROX else str(mode.value)
