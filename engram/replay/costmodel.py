@@ -688,7 +688,8 @@ def policy_check(calibration: Calibration, bench_json: Mapping[str, Any] | str |
                 if o.mode == SessionMode.PERSIST:
                     need = measured.window_bytes(context)
                     if loads and need is not None:
-                        times[(o.mode, 0.0)] = min(loads, key=lambda q, n=need: abs(q[0] - n))[1]
+                        gaps = [abs(size - need) for size, _ in loads]
+                        times[(o.mode, 0.0)] = loads[gaps.index(min(gaps))][1]
                 elif o.replayed in timed:
                     times[(o.mode, o.approx_k)] = timed[o.replayed]
             allowed = [o for o in opts if o.allowed]
