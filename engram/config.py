@@ -129,11 +129,13 @@ class CodecConfig:
     # fast (a GPU, or the compiled CPU codec), raw where it could only use the slow PyTorch reference
     default: str = "auto"
     backend: str = "auto"  # where the daemon encodes and decodes: auto (triton on CUDA, else cpu), cpu, reference, triton
-    # Error telemetry (Stats, /metrics): every quality_sample-th block the daemon encodes with a lossy codec is decoded
-    # again, off the put path, and compared with its raw elements (0: off). Blocks a worker encoded are not measured.
+    # Error telemetry (Stats, /metrics): every quality_sample-th block the daemon stores from raw elements (a raw put)
+    # is decoded again off the put path and compared with them, per layer (0: off). Blocks a worker encoded are not
+    # measured: the daemon never sees their raw elements.
     quality_sample: int = 64
-    # Lossless fallback: once a lossy codec's mean relative error on a layer kind exceeds max_error, blocks the
-    # daemon encodes with those layers are stored raw (bit-exact) until restart; 0: off. NVFP4 measures about 0.1.
+    # Lossless fallback: once a lossy codec's mean relative error on a layer kind exceeds max_error, whole blocks the
+    # daemon would encode with it that hold such layers are stored bit-exact instead (a v1 block of the raw codec)
+    # until restart; 0: off. NVFP4 measures about 0.1 on Gaussian data, FP8 E4M3 a few hundredths.
     max_error: float = 0.0
 
 

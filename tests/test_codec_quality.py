@@ -4,8 +4,13 @@ error passes codec.max_error. Real daemons, real clients, real codecs."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,12 +18,12 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from engram.api import CodecError, Stats
-from engram.client import EngramClient
+from engram.client import EngramClient, SyncEngramClient
 from engram.codec import blockformat, stored
 from engram.codec.base import codec_by_name
 from engram.codec.quality import kv_errors
 
-from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
+from helpers import BLOCK_TOKENS, ENGRAM, NEUTRAL_CWD, engram_daemon, random_kv, tiny_model, tokens
 
 GLOBAL_LAYERS = 2  # tiny_layout: 4 layers, 2 of them global
 
@@ -160,3 +165,27 @@ async def test_fallback_stores_later_blocks_lossless(server_factory, caplog) -> 
     assert m[("engram_codec_fallback_blocks_total", (("codec", "nvfp4"), ("layer_kind", "global")))] == 3
     starts = [r for r in caplog.records if "codec fallback" in r.getMessage()]
     assert len(starts) == 1 and "nvfp4" in starts[0].getMessage()  # said once, when it started
+
+
+def test_engram_stats_shows_codec_error_and_fallback(tmp_path: Path) -> None:
+    env = {"ENGRAM_CODEC__DEFAULT": "nvfp4", "ENGRAM_CODEC__QUALITY_SAMPLE": "1", "ENGRAM_CODEC__MAX_ERROR": "0.01"}
+    with engram_daemon(tmp_path, env=env) as (address, _):
+        spec = tiny_model(codec="")
+        with SyncEngramClient(address, namespace="cli") as c:
+            fp = c.register_model(spec)
+            c.put(fp, tokens(2 * BLOCK_TOKENS), random_kv(spec, 2 * BLOCK_TOKENS))
+        deadline = time.monotonic() + 30
+        while True:  # the measurements land after the put returned
+            out = subprocess.run([*ENGRAM, "stats", "--json", "--address", address], capture_output=True, text=True,
+                                 timeout=60, cwd=NEUTRAL_CWD)
+            assert out.returncode == 0, out.stderr
+            data = json.loads(out.stdout)
+            if data.get("codec_fallbacks") or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert data["codec_fallbacks"][0]["codec"] == "nvfp4"
+        assert {e["part"] for e in data["codec_errors"] if e["codec"] == "nvfp4"} == {"k", "v"}
+        table = subprocess.run([*ENGRAM, "stats", "--address", address], capture_output=True, text=True, timeout=60,
+                               cwd=NEUTRAL_CWD, env={**os.environ, "COLUMNS": "250"})
+        assert table.returncode == 0, table.stderr
+        assert "codec error" in table.stdout and "raw since" in table.stdout and "global" in table.stdout
