@@ -161,6 +161,12 @@ async def test_fallback_stores_later_blocks_lossless(server_factory, caplog) -> 
     assert rows(stats, "nvfp4")["k"].samples == GLOBAL_LAYERS  # no lossy block since
     (model,) = stats.models
     assert model.codec == "nvfp4"  # the model keeps its codec; only these blocks are raw
+    async with EngramClient(srv.address, namespace="q") as c:  # and inspection says which blocks are
+        keys = [b.key for b in (await c.lookup(fp, toks)).blocks]
+        desc = await c.describe_blocks(key_prefixes=[k.hex() for k in keys])
+    by_key = {d.key: d.codec for d in desc.blocks}
+    codecs = [by_key[k] for k in keys]
+    assert codecs[0] == "nvfp4" and all(x.startswith("raw (lossless fallback") for x in codecs[1:])
     m = scrape(srv.metrics.port)
     assert m[("engram_codec_fallback_blocks_total", (("codec", "nvfp4"), ("layer_kind", "global")))] == 3
     starts = [r for r in caplog.records if "codec fallback" in r.getMessage()]
