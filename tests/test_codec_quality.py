@@ -22,6 +22,8 @@ from engram.client import EngramClient, SyncEngramClient
 from engram.codec import blockformat, stored
 from engram.codec.base import codec_by_name
 from engram.codec.quality import kv_errors
+from engram.config import load_config
+from engram.server.app import start_server
 
 from helpers import BLOCK_TOKENS, ENGRAM, NEUTRAL_CWD, engram_daemon, random_kv, tiny_model, tokens
 
@@ -195,3 +197,30 @@ def test_engram_stats_shows_codec_error_and_fallback(tmp_path: Path) -> None:
                                cwd=NEUTRAL_CWD, env={**os.environ, "COLUMNS": "250"})
         assert table.returncode == 0, table.stderr
         assert "codec error" in table.stdout and "raw since" in table.stdout and "global" in table.stdout
+
+
+async def test_lossless_blocks_read_back_exactly_after_a_restart(tmp_path: Path) -> None:
+    """What a block was kept in is in its own v1 header, not in the daemon's memory: a daemon restarted from
+    NVMe, without the fallback, serves the lossless blocks bit-exact and the lossy one as it was."""
+    over = {"server.port": 0, "tiers.dram.capacity": "64MiB", "tiers.dram.prefault": False,
+            "tiers.nvme.path": str(tmp_path / "nvme"), "tiers.write_policy": "write-through",
+            "codec.default": "nvfp4", "codec.quality_sample": 1, "codec.max_error": 0.01}
+    srv = await start_server(load_config(env={}, overrides=over))
+    try:
+        fp, toks_a, kv_a = await put_chain(srv, 1, seed=7)
+        lossy_a = await get_chain(srv, fp, toks_a)
+        toks = np.concatenate([toks_a, tokens(2 * BLOCK_TOKENS, seed=8)])
+        kv = torch.cat([kv_a, random_kv(tiny_model(), 2 * BLOCK_TOKENS, seed=8)], dim=2)
+        await put_chain(srv, 0, seed=0, toks=toks, kv=kv)
+        assert srv.store.quality.codec_fallbacks()[0].blocks == 2
+    finally:
+        await srv.stop(0)
+    srv = await start_server(load_config(env={}, overrides={**over, "codec.max_error": 0.0}))
+    try:
+        assert len(srv.store.index) == 3  # recovered from NVMe
+        got = await get_chain(srv, fp, toks)
+        assert torch.equal(got[:, :, :BLOCK_TOKENS], lossy_a) and torch.equal(got[:, :, BLOCK_TOKENS:],
+                                                                              kv[:, :, BLOCK_TOKENS:])
+        assert (await srv.store.check(fix=False)).ok
+    finally:
+        await srv.stop(0)

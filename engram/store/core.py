@@ -345,8 +345,9 @@ class BlockStore:
             raise InvalidArgument(f"{where}: this model stores {codec} blocks; send raw elements (the daemon "
                                   f"encodes them) or {codec} blocks, not {header.codec}")
         kv = stored.decode(payload, stored.RAW, header.dtype, tuple(header.shape))
-        kinds = persisted_kinds(spec.layout)
-        sample = Sample(kv, codec, kinds, codec) if quality.sample(len(payload)) else None
+        sampled = quality.sample(len(payload))
+        kinds = persisted_kinds(spec.layout) if sampled or quality.fallbacks else ()  # (most puts need neither)
+        sample = Sample(kv, codec, kinds, codec) if sampled else None
         fallback = quality.lossless(codec, kinds)
         if fallback is not None:  # kept bit-exact: measured, when sampled, under the codec it is in (raw)
             blob = await asyncio.to_thread(stored.encode_lossless, kv)
