@@ -87,6 +87,8 @@ def stats_renderable(resp: Stats) -> Group:
     ):
         counters.add_row(name, value)
     parts = [tiers, models, replay, counters]
+    if resp.codec_errors or resp.codec_fallbacks:
+        parts.append(codec_error_table(resp))
     c = resp.cluster
     if c.state != "off":  # a daemon with a cluster tier: its node, peers and what crossed between them
         cluster = Table(title="cluster", title_justify="left", show_header=False)
@@ -105,3 +107,22 @@ def stats_renderable(resp: Stats) -> Group:
             cluster.add_row(name, value)
         parts.append(cluster)
     return Group(*parts)
+
+
+def codec_error_table(resp: Stats) -> Table:
+    """The sampled error of blocks the daemon encoded, per codec, tier (first written), layer kind and part, and
+    the (codec, layer kind) pairs stored lossless since they passed codec.max_error."""
+    table = Table(title=f"codec error (sampled: {resp.codec_error_blocks} blocks, {resp.codec_error_skipped} "
+                        "skipped; rel = ||x - dq|| / ||x||, max abs = max|x - dq| / max|x|, per layer)",
+                  title_justify="left")
+    for col in ("codec", "tier", "layer kind", "part", "layers", "rel mean", "rel max", "max abs mean",
+                "max abs max", "fallback"):
+        table.add_column(col, justify="left" if col in ("codec", "tier", "layer kind", "part", "fallback")
+                         else "right")
+    falls = {(f.codec, f.layer_kind): f for f in resp.codec_fallbacks}
+    for e in resp.codec_errors:
+        f = falls.get((e.codec, e.layer_kind))
+        table.add_row(e.codec, e.tier, e.layer_kind, e.part, str(e.samples), f"{e.rel_mean:.4f}", f"{e.rel_max:.4f}",
+                      f"{e.max_abs_mean:.4f}", f"{e.max_abs_max:.4f}",
+                      f"raw since {f.rel_mean:.4f} > {f.max_error:g} ({f.blocks} blocks)" if f else "-")
+    return table

@@ -210,6 +210,33 @@ class ClusterStats:
 
 
 @dataclass(frozen=True)
+class CodecError:
+    """A lossy codec's measured error on one part (k, v) of one layer kind, in one tier (first written)."""
+
+    codec: str = ""
+    tier: str = ""
+    layer_kind: str = ""
+    part: str = ""
+    samples: int = 0  # layers measured
+    rel_mean: float = 0.0  # ||x - dq(x)|| / ||x||
+    rel_max: float = 0.0
+    max_abs_mean: float = 0.0  # max |x - dq(x)| / max |x|
+    max_abs_max: float = 0.0
+
+
+@dataclass(frozen=True)
+class CodecFallback:
+    """A (codec, layer kind) stored lossless since its mean relative error passed codec.max_error."""
+
+    codec: str = ""
+    layer_kind: str = ""
+    rel_mean: float = 0.0
+    samples: int = 0
+    max_error: float = 0.0
+    blocks: int = 0  # stored lossless since
+
+
+@dataclass(frozen=True)
 class Stats:
     tiers: tuple[TierStats, ...] = ()
     models: tuple[ModelStats, ...] = ()
@@ -238,6 +265,10 @@ class Stats:
     default_codec: str = ""  # for models registered without a codec
     default_codec_reason: str = ""  # codec.default, or what auto found
     codec_backend: str = ""  # where the daemon encodes: triton (its GPU), cpu (compiled), reference (PyTorch)
+    codec_errors: tuple[CodecError, ...] = ()  # sampled error of the blocks the daemon encoded (codec.quality_sample)
+    codec_error_blocks: int = 0  # blocks measured
+    codec_error_skipped: int = 0  # samples dropped while earlier measurements ran
+    codec_fallbacks: tuple[CodecFallback, ...] = ()  # stored lossless since (codec.max_error)
 
     def tier(self, name: str) -> TierStats:
         return next(t for t in self.tiers if t.name == name)

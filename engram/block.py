@@ -66,7 +66,10 @@ class BlockHeader:
         if stored.is_streams(self.codec):
             raise InvalidArgument(f"{where}: codec {self.codec!r} is a stream layout's; this model has the K/V layout")
         expected = stored.stored_nbytes(self.codec, want, layout.dtype)
-        if self.payload_nbytes != expected:
+        # a quantizing model's block may also be kept lossless, a v1 block of the raw codec (the fallback of
+        # engram/store/quality.py): a peer serves it so, and it is sent so on Get
+        if self.payload_nbytes != expected and (stored.is_raw(self.codec)
+                                                or self.payload_nbytes != stored.lossless_nbytes(want, layout.dtype)):
             raise InvalidArgument(
                 f"{where}: payload_nbytes {self.payload_nbytes} != {expected} for shape {want} in codec {self.codec}"
             )

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from engram.api import BlockDetail, EvictResult, NamespaceSummary, SessionSummary
+from engram.codec import stored
 from engram.errors import FailedPrecondition, InvalidArgument, NotFound
 from engram.index import BlockMeta
 from engram.sessions import Session, SessionManager
@@ -105,15 +106,23 @@ class Inspector:
         now = time.time()
         return [BlockDetail(
             key=m.key, parent=m.parent, namespace=m.namespace, model_fingerprint=m.model_fingerprint,
-            num_tokens=m.num_tokens, full=m.full, tiers=tuple(m.locations), codec=self._codec(m.model_fingerprint),
+            num_tokens=m.num_tokens, full=m.full, tiers=tuple(m.locations), codec=self._codec(m),
             checksum=m.checksum, nbytes=m.nbytes, pins=m.pins, children=m.children, sessions=refs[m.key],
             refcount=m.children + refs[m.key] + m.pins, leases=m.leases, hits=m.hits, age_s=now - m.created,
             start_token=self._start(m)) for m in metas]
 
-    def _codec(self, fingerprint: bytes) -> str:
+    def _codec(self, meta: BlockMeta) -> str:
         # A recovered block whose model file was lost keeps its bytes but has no known codec until registered.
-        registry = self.store.registry
-        return self.store.spec(fingerprint).codec if fingerprint in registry else "unknown (model not registered)"
+        if meta.model_fingerprint not in self.store.registry:
+            return "unknown (model not registered)"
+        spec = self.store.spec(meta.model_fingerprint)
+        codec = spec.stored_codec
+        # a block kept lossless by the codec fallback (engram/store/quality.py) is a v1 block of the raw codec,
+        # which no block in the model's own quantizing codec is as large as
+        if (not stored.is_raw(codec) and not stored.is_streams(codec)
+                and meta.nbytes == stored.lossless_nbytes(meta.shape, meta.dtype)):
+            return f"raw (lossless fallback; the model's codec is {codec})"
+        return spec.codec
 
     def _session_refs(self) -> Counter[bytes]:
         refs: Counter[bytes] = Counter()

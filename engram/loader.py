@@ -199,7 +199,7 @@ class PrefixLoader:
         for s in sorted(sources, key=lambda s: s.index):
             last = runs[-1][-1] if runs else None
             if (last is not None and last.index + 1 == s.index and last.codec == s.codec
-                    and last.shape == s.shape and s.tokens == block_tokens
+                    and last.shape == s.shape and last.nbytes == s.nbytes and s.tokens == block_tokens
                     and (last.device_pool is None) == (s.device_pool is None)):
                 runs[-1].append(s)
             else:
@@ -249,6 +249,8 @@ class PrefixLoader:
             plan = batched.plan(first.codec, first.dtype, first.shape)
         except ValueError:
             plan = None  # a partial block, or groups that do not tile it: one block at a time
+        if plan is not None and first.nbytes != plan.nbytes:
+            plan = None  # a block kept lossless (v1, raw codec: engram/store/quality.py): its own header says so
         if plan is not None:
             staged, offsets = _one_buffer(run, bufs, staged, offsets)
             return batched.decode_blocks(staged, _device_offsets(offsets, staged.device), plan, backend=backend)

@@ -74,6 +74,7 @@ class StoreCollector(Collector):
             ("engram_blocks_flushed", "Blocks copied to NVMe by the background flusher.", c.blocks_flushed),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        yield from codec_error_metrics(store)
         rc = self.sessions.runtime.counters
         yield SummaryMetricFamily("engram_replay_seconds", "SWA window rebuilds and their time.",
                                   count_value=rc.replays, sum_value=rc.seconds)
@@ -83,6 +84,33 @@ class StoreCollector(Collector):
         yield GaugeMetricFamily("engram_sessions", "Open sessions.", value=len(self.sessions))
         yield GaugeMetricFamily("engram_hot_sessions", "Sessions holding a rebuilt window.",
                                 value=self.sessions.hot_count())
+
+
+def codec_error_metrics(store: BlockStore) -> Iterator[Metric]:
+    """The sampled dequantization error of blocks the daemon encoded (engram/store/quality.py): a gauge per
+    (codec, tier, layer kind, part) and stat (rel_mean, rel_max, max_abs_mean, max_abs_max), the layers
+    measured, and the blocks stored lossless by the fallback."""
+    q = store.quality
+    labels = ["codec", "tier", "layer_kind", "part"]
+    error = GaugeMetricFamily("engram_codec_error", "Sampled dequantization error of blocks the daemon encoded: "
+                              "rel = ||x - dq(x)|| / ||x||, max_abs = max|x - dq(x)| / max|x|, per layer.",
+                              labels=[*labels, "stat"])
+    samples = CounterMetricFamily("engram_codec_error_samples", "Layers whose dequantization error was measured.",
+                                  labels=labels)
+    for e in q.codec_errors():
+        key = [e.codec, e.tier, e.layer_kind, e.part]
+        for stat, value in (("rel_mean", e.rel_mean), ("rel_max", e.rel_max), ("max_abs_mean", e.max_abs_mean),
+                            ("max_abs_max", e.max_abs_max)):
+            error.add_metric([*key, stat], value)
+        samples.add_metric(key, e.samples)
+    fallback = CounterMetricFamily("engram_codec_fallback_blocks", "Blocks stored lossless because their codec's "
+                                   "measured error on a layer kind passed codec.max_error.",
+                                   labels=["codec", "layer_kind"])
+    for f in q.codec_fallbacks():
+        fallback.add_metric([f.codec, f.layer_kind], f.blocks)
+    yield error
+    yield samples
+    yield fallback
 
 
 class RpcMetrics(grpc.aio.ServerInterceptor):

@@ -54,6 +54,18 @@ def encode(kv: Tensor, codec: str, *, backend: str = "reference") -> bytes:
     return blockformat.encode(kv, codec_by_name(codec), backend=backend)
 
 
+def encode_lossless(kv: Tensor) -> bytes:
+    """A K/V block kept bit-exact in a quantizing model's stored form: a v1 block of the raw codec (codec id 0).
+    v1 is self-describing, so every decode of the model's blocks reads it; the lossless fallback stores it
+    (engram/store/quality.py)."""
+    return blockformat.encode(kv, codec_by_name(RAW))
+
+
+def lossless_nbytes(shape: tuple[int, ...], dtype: DType) -> int:
+    """Payload bytes of `encode_lossless` for a block of this shape."""
+    return blockformat.encoded_nbytes(codec_by_name(RAW), shape, dtype)  # type: ignore[arg-type]
+
+
 def encode_streams(data: Mapping[str, Tensor], streams: Sequence[StreamSpec], tokens: int, *,
                    backend: str = "reference", where: str = "block") -> bytes:
     """A stream layout's block as a v2 block, each stream in its codec (streams resolved)."""

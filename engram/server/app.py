@@ -38,6 +38,7 @@ from engram.server.peers import PeerFetcher
 from engram.server.service import SERVICE_NAME, EngramService
 from engram.sessions import SessionManager
 from engram.store import BlockStore, WritePolicy
+from engram.store.quality import QualityWatch
 from engram.tenancy import Tenancy
 from engram.tiers.base import Tier
 from engram.tiers.dram import DramTier, shared_dram_tier
@@ -79,7 +80,8 @@ async def build_store(config: EngramConfig, tenancy: Tenancy | None = None) -> B
                               fsync=t.nvme.fsync, verify_on_start=t.nvme.verify_on_start))
     store = BlockStore(tiers, registry, write_policy=WritePolicy(t.write_policy), retry_s=t.retry_s,
                        codec_backend=backend, namespaces=tenancy, on_nvme_failure=t.on_nvme_failure,
-                       write_back_window_s=t.write_back_window_s, write_back_window_bytes=t.write_back_window_bytes)
+                       write_back_window_s=t.write_back_window_s, write_back_window_bytes=t.write_back_window_bytes,
+                       quality=QualityWatch(config.codec.quality_sample, config.codec.max_error, backend=backend))
     if t.nvme.path:
         t0 = time.perf_counter()
         report = await store.recover()

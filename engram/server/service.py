@@ -494,7 +494,9 @@ class EngramService:
             blocks_flushed=c.blocks_flushed, write_back_pending_blocks=pending.blocks,
             write_back_pending_bytes=pending.bytes, write_back_oldest_s=pending.oldest_s, leases=len(self.leases),
             default_codec=store.registry.default_codec, default_codec_reason=store.registry.default_reason,
-            codec_backend=store.codec_backend,
+            codec_backend=store.codec_backend, codec_errors=store.quality.codec_errors(),
+            codec_error_blocks=store.quality.errors.blocks, codec_error_skipped=store.quality.skipped,
+            codec_fallbacks=store.quality.codec_fallbacks(),
         )
 
     async def _cluster_stats(self) -> ClusterStats:

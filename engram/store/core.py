@@ -55,6 +55,7 @@ from engram.store.counters import (
 )
 from engram.store.flusher import Flusher, FlushResult, Pending
 from engram.store.placement import Placement
+from engram.store.quality import QualityWatch, Sample, persisted_kinds
 from engram.tenancy import NamespacePolicy, OpenNamespaces
 from engram.tiers.base import Tier
 from engram.tiers.pool import PoolTier
@@ -77,13 +78,15 @@ class BlockStore:
                  write_policy: WritePolicy = WritePolicy.WRITE_BACK, retry_s: float = 5.0,
                  codec_backend: str = "reference", namespaces: NamespacePolicy | None = None,
                  on_nvme_failure: str = "fail", write_back_window_s: float = 5.0,
-                 write_back_window_bytes: int = 2**30) -> None:
+                 write_back_window_bytes: int = 2**30, quality: QualityWatch | None = None) -> None:
         if not tiers:
             raise ValueError("a store needs at least one tier")
         self.registry = registry
         self.write_policy = write_policy
         self.on_nvme_failure = durable.OnNvmeFailure(on_nvme_failure)  # write-through without NVMe: fail or degrade
         self.codec_backend = codec_backend  # where raw puts are encoded: "cpu", "reference" or "triton"
+        # error of the blocks encoded here, sampled, and the lossless fallback (engram/store/quality.py)
+        self.quality = quality or QualityWatch(0, backend=codec_backend)
         self.index = ChainIndex()
         self.namespaces = namespaces or OpenNamespaces()  # key salts and quotas (engram/tenancy.py)
         self.counters = StoreCounters(tiers={t.name: TierCounters() for t in tiers})
@@ -239,7 +242,7 @@ class BlockStore:
         layout = spec.layout
         header.validate(layout, index=index, model_codec=spec.codec)
         header.verify_payload(payload, index=index)
-        header, payload = await self._stored_form(spec, header, payload, index)
+        header, payload, sample = await self._stored_form(spec, header, payload, index)
         pmeta = None
         if parent != self.root(namespace, model_fingerprint):
             pmeta = self.index.get_in(namespace, parent)
@@ -306,6 +309,9 @@ class BlockStore:
             self._quota_pending[namespace] -= len(payload)
             done.set()
         self.counters.blocks_put += 1
+        if sample is not None:  # measured off the loop; this put does not wait (engram/store/quality.py)
+            self.quality.measure_later(sample, payload, header.dtype, tuple(header.shape),
+                                       meta.locations[0] if meta.locations else placement.tiers[0].name)
         if self.flusher is not None and not durable.is_durable(placement, meta):
             self.flusher.note(meta, now=not ok)  # write-back's window; or write-through degraded: at once
         if meta.full:
@@ -318,27 +324,45 @@ class BlockStore:
         self._quota_pending[namespace] = self._quota_pending.get(namespace, 0) + nbytes
 
     async def _stored_form(self, spec: ModelSpec, header: BlockHeader, payload: bytes, index: int
-                           ) -> tuple[BlockHeader, bytes]:
+                           ) -> tuple[BlockHeader, bytes, Sample | None]:
         """The block as the model stores it: raw elements are encoded here when the model's codec is a
-        quantizing one; a block the worker already encoded must be in the model's codec and verify. A stream
-        layout's v2 block: each stream raw (encoded here) or in its codec (verified)."""
+        quantizing one (or kept lossless, a v1 block of the raw codec, while the fallback holds for its layer
+        kinds; and sampled for the error telemetry); a block the worker already encoded must be in the
+        model's codec and verify. A stream layout's v2 block: each stream raw (encoded here) or in its codec
+        (verified); not sampled yet."""
         where = f"block {index}"
         codec = spec.stored_codec
         if stored.is_streams(codec):
             blob = await asyncio.to_thread(stored.stored_streams, payload, spec.streams, tuple(header.shape),
                                            backend=self.codec_backend, where=where)
             if blob is payload or blob == payload:
-                return header, payload
-            return dataclasses.replace(header, payload_nbytes=len(blob), checksum=checksum(blob)), blob
-        if header.codec == codec:
+                return header, payload, None
+            return dataclasses.replace(header, payload_nbytes=len(blob), checksum=checksum(blob)), blob, None
+        quality = self.quality
+        if header.codec == codec:  # raw models, and blocks a worker encoded (no raw elements here to measure)
             stored.check_encoded(payload, codec, header.dtype, tuple(header.shape), where)
-            return header, payload
+            sample = None
+            if stored.is_raw(codec) and quality.sample(len(payload)):  # stored as sent: its error is measured as 0
+                kv = stored.decode(payload, stored.RAW, header.dtype, tuple(header.shape))
+                sample = Sample(kv, stored.RAW, persisted_kinds(spec.layout), codec, stored=bytes(payload))
+            return header, payload, sample
         if not stored.is_raw(header.codec):
             raise InvalidArgument(f"{where}: this model stores {codec} blocks; send raw elements (the daemon "
                                   f"encodes them) or {codec} blocks, not {header.codec}")
         kv = stored.decode(payload, stored.RAW, header.dtype, tuple(header.shape))
-        blob = await asyncio.to_thread(stored.encode, kv, codec, backend=self.codec_backend)
-        return dataclasses.replace(header, codec=codec, payload_nbytes=len(blob), checksum=checksum(blob)), blob
+        sampled = quality.sample(len(payload))
+        kinds = persisted_kinds(spec.layout) if sampled or quality.fallbacks else ()  # (most puts need neither)
+        sample = Sample(kv, codec, kinds, codec) if sampled else None
+        fallback = quality.lossless(codec, kinds)
+        if fallback is not None:  # kept bit-exact: measured, when sampled, under the codec it is in (raw)
+            blob = await asyncio.to_thread(stored.encode_lossless, kv)
+            fallback.blocks += 1
+            if sample is not None:
+                sample = dataclasses.replace(sample, codec=stored.RAW)
+        else:
+            blob = await asyncio.to_thread(stored.encode, kv, codec, backend=self.codec_backend)
+        header = dataclasses.replace(header, codec=codec, payload_nbytes=len(blob), checksum=checksum(blob))
+        return header, blob, sample
 
     async def after_put(self, metas: Sequence[BlockMeta]) -> set[bytes]:
         """What follows publishing blocks that were written into a pool in place (engram/store/inplace.py):
@@ -618,6 +642,7 @@ class BlockStore:
                              where=f"stored block {meta.key.hex()}")
 
     async def close(self) -> None:
+        await self.quality.close()
         if self.flusher is not None:
             await self.flusher.close()
         for task in self.background:

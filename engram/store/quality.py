@@ -1,0 +1,165 @@
+"""Quality telemetry of the blocks the daemon encodes, and the lossless fallback it drives.
+
+Which blocks: those the daemon stores from raw elements. A raw put of a model whose codec quantizes is
+encoded here (the store's `_stored_form`), and measured; a raw put of a raw model is stored as sent, and
+measures 0. A block the worker encoded on its GPU (`put(..., encode=True)`, in-place puts through the pool)
+reaches the daemon without its raw elements, so its error cannot be measured here and is not: the figures
+describe the daemon's own encodes only.
+
+What it costs the put: one counter per block. Every `every`-th block is sampled; its raw elements and its
+stored form are kept and compared after the block is stored, in a worker thread (asyncio.to_thread), by a
+task the put does not wait for. One measurement runs at a time (one core at most, beside the encodes); the
+samples waiting for it hold at most `max_pending_bytes` of raw elements (always one), and a sample past
+that is skipped (counted), so a burst of puts never queues unbounded work or memory behind itself.
+
+The fallback (`max_error` > 0): once the mean relative error of a codec on a layer kind passes the limit,
+later blocks whose layers of that kind the codec would encode are stored lossless instead. Block format v1
+carries one codec per block (docs/FORMAT.md), so the whole block is stored as a v1 block of the raw codec
+(bit-exact) when any of its layer kinds is over its limit. It lasts until the daemon restarts (no lossy block
+of that codec and kind is sampled any more to say otherwise); the daemon logs it once when it starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engram.api import CodecError, CodecFallback
+from engram.codec import stored
+from engram.codec.quality import ErrorAccumulator, LayerError, kv_errors
+from engram.layout import DType, KVLayout, LayerKind
+
+log = logging.getLogger("engram.store.quality")
+
+
+@dataclass
+class Fallback:
+    """A (codec, layer kind) whose measured error passed `max_error`: its blocks are stored lossless."""
+
+    codec: str
+    layer_kind: str
+    rel_mean: float  # the mean relative error that started it
+    samples: int
+    blocks: int = 0  # blocks stored lossless because of it
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A sampled block: its raw elements, the codec it was stored in (what its error is counted under) and the
+    model's stored codec (what its stored form decodes as: a block kept lossless is a v1 block of the raw codec
+    under a quantizing model's codec)."""
+
+    kv: torch.Tensor
+    codec: str
+    layer_kinds: tuple[str, ...]
+    model_codec: str
+    stored: bytes | None = None  # its stored form, copied where the put's buffer is reused (a raw block's is the
+    # data channel's receive buffer); None: the one `measure_later` is given
+
+
+def persisted_kinds(layout: KVLayout) -> tuple[str, ...]:
+    """The kind of each layer whose KV a block holds, in block order ("global" for every one today)."""
+    return tuple(layer.kind.name.lower() for layer in layout.layers if layer.kind == LayerKind.GLOBAL)
+
+
+class QualityWatch:
+    def __init__(self, every: int = 64, max_error: float = 0.0, *, backend: str = "reference",
+                 max_pending_bytes: int = 64 * 2**20) -> None:
+        self.every = every  # sample every every-th block the daemon encodes; 0: never
+        self.max_error = max_error  # relative error limit of the lossless fallback; 0: off
+        self.backend = backend
+        self.max_pending_bytes = max_pending_bytes
+        self.pending_bytes = 0  # raw elements held by samples not measured yet
+        self._one_at_a_time = asyncio.Lock()
+        self.errors = ErrorAccumulator()
+        self.fallbacks: dict[tuple[str, str], Fallback] = {}
+        self.seen = 0  # blocks the daemon stored from raw elements (the sampling counter)
+        self.skipped = 0  # samples dropped because max_pending_bytes were waiting to be measured
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def sample(self, nbytes: int) -> bool:
+        """Whether the block about to be stored from its `nbytes` of raw elements is measured (called once per
+        such block)."""
+        self.seen += 1
+        if not self.every or self.seen % self.every:
+            return False
+        if self._tasks and self.pending_bytes + nbytes > self.max_pending_bytes:
+            self.skipped += 1
+            return False
+        return True
+
+    def lossless(self, codec: str, layer_kinds: Sequence[str]) -> Fallback | None:
+        """The fallback that makes a block of these layer kinds go lossless instead of into `codec`, if any."""
+        if not self.fallbacks:
+            return None
+        for kind in layer_kinds:
+            fb = self.fallbacks.get((codec, kind))
+            if fb is not None:
+                return fb
+        return None
+
+    def measure_later(self, sample: Sample, blob: bytes, dtype: DType, shape: tuple[int, ...], tier: str) -> None:
+        """Compare `blob` (the block as stored) with the sample's raw elements, off the event loop; the put
+        that stored it does not wait."""
+        nbytes = sample.kv.numel() * sample.kv.element_size()
+        self.pending_bytes += nbytes
+        blob = sample.stored if sample.stored is not None else blob
+        task = asyncio.get_running_loop().create_task(self._measure(sample, blob, dtype, shape, tier))
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._tasks.discard(t)
+            self.pending_bytes -= nbytes
+
+        task.add_done_callback(done)
+
+    async def _measure(self, sample: Sample, blob: bytes, dtype: DType, shape: tuple[int, ...], tier: str) -> None:
+        try:
+            async with self._one_at_a_time:
+                errors = await asyncio.to_thread(self._errors, sample, blob, dtype, shape)
+        except Exception:  # telemetry never fails a put; a decode that fails here fails the Get loudly anyway
+            log.exception("measuring a %s block's error failed", sample.codec)
+            return
+        self.errors.add(sample.codec, tier, errors)
+        self._check_limit(sample.codec, {e.layer_kind for e in errors})
+
+    def _errors(self, sample: Sample, blob: bytes, dtype: DType, shape: tuple[int, ...]) -> list[LayerError]:
+        dq = stored.decode(blob, sample.model_codec, dtype, shape, backend=self.backend, where="sampled block")
+        return kv_errors(sample.kv, dq, sample.layer_kinds)
+
+    def _check_limit(self, codec: str, kinds: set[str]) -> None:
+        if not self.max_error or stored.is_raw(codec):
+            return
+        for kind in sorted(kinds):
+            if (codec, kind) in self.fallbacks:
+                continue
+            mean, n = self.errors.rel_mean(codec, kind)
+            if mean > self.max_error:
+                self.fallbacks[(codec, kind)] = Fallback(codec, kind, mean, n)
+                log.warning("codec fallback: %s on %s layers measured a mean relative error of %.4g over %d "
+                            "samples, above codec.max_error = %g; blocks with %s layers are stored lossless (raw) "
+                            "from now on", codec, kind, mean, n, self.max_error, kind)
+
+    # ---- figures -------------------------------------------------------------------------------------
+
+    def codec_errors(self) -> tuple[CodecError, ...]:
+        return tuple(CodecError(codec, tier, kind, part, e.samples, e.rel_mean, e.rel_max, e.max_abs_mean,
+                                e.max_abs_max) for (codec, tier, kind, part), e in self.errors.items())
+
+    def codec_fallbacks(self) -> tuple[CodecFallback, ...]:
+        return tuple(CodecFallback(f.codec, f.layer_kind, f.rel_mean, f.samples, self.max_error, f.blocks)
+                     for _, f in sorted(self.fallbacks.items()))
+
+    async def drain(self) -> None:
+        """Wait for the measurements running now (tests, and close)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*list(self._tasks), return_exceptions=True)
