@@ -198,12 +198,12 @@ def global_bytes(spec: ReplaySpec, context: int) -> int:
     return len(spec.stored_layers) * context * per_token * spec.dtype.itemsize
 
 
-def _o_direct_read(fd: int, buf: mmap.mmap) -> None:
-    view, done = memoryview(buf), 0
-    while done < len(buf):
+def _read_all(fd: int, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
         n = os.preadv(fd, [view[done:]], done)
         if n <= 0:
-            raise OSError(f"short read at {done} of {len(buf)} bytes")
+            raise OSError(f"short read at {done} of {len(view)} bytes")
         done += n
 
 
@@ -218,28 +218,39 @@ def _fs_type(path: Path) -> str:
 
 
 class NvmeReader:
-    """Reads a file of `nbytes` (rounded up to 4 KiB) into an aligned buffer, then onto the device on CUDA.
-    `method` says how the page cache was kept out: "O_DIRECT", "fadvise" (the file's pages dropped with
-    posix_fadvise(DONTNEED) before each read; the kernel may keep some) or "page cache" (neither worked)."""
+    """Reads a file of `nbytes` (rounded up to 4 KiB) into a page-aligned host buffer (pinned on CUDA where the
+    allocator hands out aligned memory), then copies it onto the device on CUDA. `method` says how the page
+    cache was kept out: "O_DIRECT", "fadvise" (the file's pages dropped with posix_fadvise(DONTNEED) before each
+    read; the kernel may keep some) or "page cache" (neither worked)."""
 
     def __init__(self, directory: Path, nbytes: int, device: torch.device) -> None:
         self.size = -(-nbytes // 4096) * 4096
         self.path = directory / f"engram-replay-cost-{os.getpid()}-{nbytes}.bin"
-        self.device = device
         chunk = os.urandom(min(self.size, 1 << 20))
         with open(self.path, "wb") as fh:
             for at in range(0, self.size, len(chunk)):
                 fh.write(chunk[: self.size - at])
             fh.flush()
             os.fsync(fh.fileno())
-        self.buf = mmap.mmap(-1, self.size)  # page-aligned, as O_DIRECT wants
-        self.host = torch.frombuffer(self.buf, dtype=torch.uint8)
+        self.mm: mmap.mmap | None = None
         self.dst = torch.empty(self.size, dtype=torch.uint8, device=device) if device.type == "cuda" else None
+        pinned = torch.empty(self.size, dtype=torch.uint8, pin_memory=True) if self.dst is not None else None
+        if pinned is not None and pinned.data_ptr() % 4096 == 0:
+            self.host, self.pinned = pinned, True
+        else:
+            self.mm = mmap.mmap(-1, self.size)  # page-aligned, as O_DIRECT wants
+            self.host, self.pinned = torch.frombuffer(self.mm, dtype=torch.uint8), False
+        self.view = self.host.numpy().data
         self.method = "O_DIRECT"
-        try:  # file systems without O_DIRECT (tmpfs) refuse the open or the read with EINVAL
+        try:  # file systems without O_DIRECT refuse the open or the read with EINVAL
             self.read()
         except (OSError, AttributeError):
             self.method = "fadvise" if hasattr(os, "posix_fadvise") else "page cache"
+
+    def describe(self) -> str:
+        if self.dst is None:
+            return f"{self.method} reads into host memory"
+        return f"{self.method} reads into {'pinned' if self.pinned else 'pageable'} host memory, then a copy to the device"
 
     def drop(self) -> None:
         if self.method == "fadvise":
@@ -253,15 +264,17 @@ class NvmeReader:
         flags = os.O_RDONLY | (os.O_DIRECT if self.method == "O_DIRECT" else 0)  # AttributeError: no O_DIRECT
         fd = os.open(self.path, flags)
         try:
-            _o_direct_read(fd, self.buf)
+            _read_all(fd, self.view)
         finally:
             os.close(fd)
         if self.dst is not None:
-            self.dst.copy_(self.host)  # pageable -> device
+            self.dst.copy_(self.host, non_blocking=self.pinned)  # median_seconds synchronizes
 
     def close(self) -> None:
+        self.view.release()
         del self.host
-        self.buf.close()
+        if self.mm is not None:
+            self.mm.close()
         self.path.unlink(missing_ok=True)
 
 
@@ -297,8 +310,7 @@ def measure_loads(nbytes: int, device: torch.device, factors: Sequence[int], rep
             secs = median_seconds(reader.read, device, max(3, repeats // 2), warmup=1, before=reader.drop)
             # the file is rounded up to 4 KiB for O_DIRECT; the time is charged to the window's bytes
             rows.append({"tier": "nvme", "bytes": n, "seconds": secs})
-            notes["nvme"] = (f"{reader.method} reads of a file in {nvme_dir} ({_fs_type(nvme_dir)})"
-                             + (", then a pageable copy to the device" if cuda else ""))
+            notes["nvme"] = f"{reader.describe()}, from a file in {nvme_dir} ({_fs_type(nvme_dir)})"
         finally:
             reader.close()
         step(f"load {n:,} B from nvme")
