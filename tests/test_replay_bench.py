@@ -141,7 +141,8 @@ def test_a_checkpoint_directory(tmp_path: Path) -> None:
 
 
 def test_bad_input_is_refused(tmp_path: Path) -> None:
-    for args in (["--model", "no-such-model"], ["--contexts", "4K,x"], ["--device", "tpu"]):
+    for args in (["--model", "no-such-model"], ["--contexts", "4K,x"], ["--device", "tpu"], ["--contexts", "4"],
+                 ["--fidelity-context", "20"]):
         res = CliRunner().invoke(app, ["bench", "replay", "--smoke", "--out", str(tmp_path), *args])
         assert res.exit_code == 4, (args, res.output)
     assert not (tmp_path / "replay_cost.json").exists()
