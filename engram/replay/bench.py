@@ -603,6 +603,13 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {tier} | {r['bytes']:,} | {_ms(r['seconds'])} | {fitted[0]} | {fitted[1]} |")
     if notes.get("nvme"):
         lines += ["", f"NVMe: {notes['nvme']}."]
+    exact = [r for r in result["replay"] if r["label"] == "exact"]
+    if exact:
+        last = max(exact, key=lambda r: r["context"])
+        ratios = [f"{last['seconds'] / r['seconds']:.3g}x the {r['tier']} load" for r in result["load"]
+                  if r["bytes"] == wbytes]
+        lines += ["", f"Exact replay at N = {last['context']} takes {_ms(last['seconds'])} ms: "
+                  + ", ".join(ratios) + " of the same window."]
     lines += ["", f"## Fidelity ({notes.get('prompts', '?')} seeded prompts of {notes.get('fidelity_context', '?')} "
               "tokens; decode with the rebuilt window vs the prefill's)", "",
               "| R | label | K/V rel. error (max) | next-token KL (mean) | top-1 agreement |",
