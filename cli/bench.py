@@ -1,10 +1,12 @@
-"""`engram bench`: offline benchmarks of the cache policy (no daemon needed)."""
+"""`engram bench`: offline benchmarks, no daemon needed: the cache policy over a trace, and bounded replay
+against loading the SWA window from a tier."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from typing import Annotated
 
 import typer
@@ -17,7 +19,7 @@ from .common import EXIT_BAD_INPUT, console, err_console, fail
 # engram.trace.POLICIES, named here so that the CLI starts without importing numpy (a test keeps them equal)
 POLICIES = ("engram", "lru", "belady")
 
-bench_app = typer.Typer(help="Benchmarks of the cache policy.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks: the cache policy (trace), bounded replay against loading (replay).", no_args_is_help=True)
 
 FP4_GLOBAL_BYTES_PER_TOKEN = 890  # an FP4 global KV's bytes per token: what a missed block would weigh
 
@@ -85,3 +87,74 @@ def trace(
                       f"{100 * r.hit_ratio:.2f}", f"{r.bytes_moved / 1e9:.2f}", f"{r.seconds:.3f}")
     console.print(table)
     console.print(f"replayed in {total:.2f} s")
+
+
+def _parse_contexts(text: str) -> tuple[int, ...]:
+    """"4K,16K,64K" or "4096,16384": K = 1024 tokens."""
+    out = []
+    for item in (c.strip().upper() for c in text.split(",") if c.strip()):
+        scale = 1024 if item.endswith("K") else 1
+        try:
+            out.append(int(item.removesuffix("K")) * scale)
+        except ValueError:
+            raise fail(f"--contexts takes token counts like 4K,16K,64K or 4096, got {text!r}", EXIT_BAD_INPUT) from None
+    if not out or min(out) <= 0:
+        raise fail("--contexts needs at least one positive token count", EXIT_BAD_INPUT)
+    return tuple(out)
+
+
+@bench_app.command("replay")
+def replay(
+    model: Annotated[str | None, typer.Option(
+        help="A named random-weight model of real shape (tiny, gpt-oss-20b, gpt-oss-120b, gemma3-4b) or a Hugging "
+             "Face checkpoint directory. Default: gpt-oss-20b (tiny with --smoke).")] = None,
+    contexts: Annotated[str | None, typer.Option(
+        help="Context lengths N, comma-separated, K = 1024 (default 4K,16K,64K; 64,128,256 with --smoke).")] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda (auto: cuda if there is one; cpu with --smoke).")]
+    = "auto",
+    dtype: Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float32 on the CPU), bfloat16, float16, "
+                                            "float32 or float64.")] = "auto",
+    out: Annotated[str, typer.Option(help="Directory for replay_cost.json, .md and .png.")] = "replay-cost",
+    smoke: Annotated[bool, typer.Option(help="The tiny model, small contexts and few repeats: end to end on a "
+                                             "CPU in seconds.")] = False,
+    repeats: Annotated[int, typer.Option(help="Timed runs per median (0: 10, or 3 with --smoke).")] = 0,
+    prompts: Annotated[int, typer.Option(help="Seeded prompts for the fidelity figures (0: 8, or 4 with "
+                                              "--smoke).")] = 0,
+    fidelity_context: Annotated[int, typer.Option(help="Tokens per fidelity prompt (0: the smallest context "
+                                                       ">= exact bound + W).")] = 0,
+    nvme_dir: Annotated[str | None, typer.Option(help="Directory for the NVMe read test's file (default: a "
+                                                      "temporary directory; put it on the NVMe drive).")] = None,
+) -> None:
+    """Replay time against R and context, next to loading the same SWA window from HBM, DRAM and NVMe; the
+    replay's fidelity against R; the bytes persisted with and without replay. Writes JSON, Markdown and a PNG."""
+    from pathlib import Path
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from engram.replay.bench import BenchOptions, markdown, write_outputs
+    from engram.replay.bench import run as run_bench
+    from engram.replay.model import ReplayError
+
+    opts = BenchOptions(model=model, contexts=_parse_contexts(contexts) if contexts else (), device=device,
+                        dtype=dtype, out=Path(out), smoke=smoke, repeats=repeats, prompts=prompts,
+                        fidelity_context=fidelity_context, nvme_dir=nvme_dir)
+    if min(repeats, prompts, fidelity_context) < 0:
+        raise fail("--repeats, --prompts and --fidelity-context must not be negative", EXIT_BAD_INPUT)
+    start = time.perf_counter()
+    with Progress(TextColumn("[bold]replay cost[/]"), TextColumn("{task.description}"), BarColumn(),
+                  MofNCompleteColumn(), TimeElapsedColumn(), console=err_console, transient=True) as bar:
+        task = bar.add_task("loading the model", total=None)
+
+        def steps(total: int) -> Callable[[str], None]:
+            bar.update(task, total=total, description="started")
+            return lambda label: bar.update(task, advance=1, description=label)
+
+        try:
+            result = run_bench(opts, steps)
+        except (ReplayError, OSError) as exc:
+            raise fail(str(exc), EXIT_BAD_INPUT) from None
+    files, missing = write_outputs(result, opts.out)
+    typer.echo(markdown(result))
+    if missing:
+        err_console.print(f"[yellow]warning:[/] {missing}")
+    err_console.print(f"wrote {', '.join(str(f) for f in files)} in {time.perf_counter() - start:.1f} s")
