@@ -124,6 +124,12 @@ def replay(
                                                        ">= exact bound + W).")] = 0,
     nvme_dir: Annotated[str | None, typer.Option(help="Directory for the NVMe read test's file (default: a "
                                                       "temporary directory; put it on the NVMe drive).")] = None,
+    calibrate: Annotated[str | None, typer.Option(help="Also save this run as the model's calibration on this "
+                                                       "machine in DIR (the daemon's replay.calibrations).")] = None,
+    check: Annotated[str | None, typer.Option(help="A calibration file (an earlier run's replay_cost.json): "
+                                                   "report how well it predicts this run, and its choices.")] = None,
+    min_top1: Annotated[float, typer.Option(help="Fidelity floor of --check's policy table.")] = 0.99,
+    max_kl: Annotated[float, typer.Option(help="Fidelity floor of --check's policy table.")] = 0.01,
 ) -> None:
     """Replay time against R and context, next to loading the same SWA window from HBM, DRAM and NVMe; the
     replay's fidelity against R; the bytes persisted with and without replay. Writes JSON, Markdown and a PNG."""
@@ -131,8 +137,10 @@ def replay(
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from engram.replay.bench import BenchOptions, markdown, write_outputs
+    from engram.replay.bench import BenchOptions, check_markdown, markdown, write_outputs
+    from engram.replay.bench import calibrate as save_calibration
     from engram.replay.bench import run as run_bench
+    from engram.replay.costmodel import FidelityFloor
     from engram.replay.model import ReplayError
 
     opts = BenchOptions(model=model, contexts=_parse_contexts(contexts) if contexts else (), device=device,
@@ -155,6 +163,17 @@ def replay(
             raise fail(str(exc), EXIT_BAD_INPUT) from None
     files, missing = write_outputs(result, opts.out)
     typer.echo(markdown(result))
+    if calibrate:
+        saved = save_calibration(result, Path(calibrate))
+        err_console.print(f"calibration saved: {saved}")
+    if check:
+        try:
+            text = check_markdown(Path(check), result, FidelityFloor(min_top1=min_top1, max_kl=max_kl),
+                                  budgets=(0, 1 << 40))
+        except (OSError, ValueError) as exc:
+            raise fail(f"--check {check}: {exc}", EXIT_BAD_INPUT) from None
+        (opts.out / "replay_cost_check.md").write_text(text)
+        typer.echo(text)
     if missing:
         err_console.print(f"[yellow]warning:[/] {missing}")
     err_console.print(f"wrote {', '.join(str(f) for f in files)} in {time.perf_counter() - start:.1f} s")

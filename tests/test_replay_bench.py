@@ -167,3 +167,43 @@ def test_the_validator_refuses_strays() -> None:
     for doc in bad:
         with pytest.raises(ValueError):
             validate(doc)
+
+
+async def test_a_calibration_it_saves_is_what_the_daemon_decides_by(tmp_path: Path, server_factory) -> None:  # type: ignore[no-untyped-def]
+    """bench -> --calibrate DIR -> a daemon with replay.calibrations=DIR and the same checkpoint finds the
+    calibration (same weights id, same machine id) and its auto sessions decide by it; a second run --check'd
+    against the first reports the prediction error and the policy's choices."""
+    pytest.importorskip("transformers")
+    import numpy as np
+
+    from engram.client import EngramClient
+    from engram.replay.hf import load_checkpoint, tiny_gpt_oss
+    from engram.replay.runtime import model_spec_for
+
+    ckpt = tmp_path / "gpt-oss-tiny"
+    tiny_gpt_oss(dtype=torch.float32).model.save_pretrained(ckpt)
+    cal_dir = tmp_path / "calibrations"
+    common = ["bench", "replay", "--smoke", "--model", str(ckpt), "--prompts", "2", "--device", "cpu"]
+    res = CliRunner().invoke(app, [*common, "--contexts", "48,64", "--out", str(tmp_path / "a"),
+                                   "--calibrate", str(cal_dir)])
+    assert res.exit_code == 0, res.output
+    assert len(list(cal_dir.glob("replay_cost.*.json"))) == 1
+    res = CliRunner().invoke(app, [*common, "--contexts", "56", "--out", str(tmp_path / "b"),
+                                   "--check", str(tmp_path / "a" / "replay_cost.json")])
+    assert res.exit_code == 0, res.output
+    check = (tmp_path / "b" / "replay_cost_check.md").read_text()
+    assert "replay: predicted within" in check and "load: predicted within" in check
+    assert "worst chosen / best" in check and "| 56 |" in check
+
+    worker = load_checkpoint(ckpt, dtype=torch.float32)
+    srv = await server_factory(**{"replay.models": str(ckpt), "replay.device": "cpu",
+                                  "replay.calibrations": str(cal_dir)})
+    toks = np.random.default_rng(0).integers(0, 256, 40, dtype=np.int32)
+    async with EngramClient(srv.address) as client:
+        fp = await client.register_model(model_spec_for(worker, block_tokens=16, codec="raw"))
+        res_kv = worker.prefill(torch.as_tensor(toks, dtype=torch.long))
+        await client.put(fp, toks, torch.stack([torch.stack((k, v)) for k, v in res_kv.global_kv]))
+        sid = (await client.open_session(fp, mode="auto", tokens=toks)).session_id
+        assert (await client.resume(sid)).source == "replay"
+        info = next(s.info for s in await client.list_sessions() if s.info.session_id == sid)
+        assert info.decision and "no calibration" not in info.decision, info.decision

@@ -26,13 +26,11 @@ import contextlib
 import dataclasses
 import datetime
 import functools
-import hashlib
 import json
 import math
 import mmap
 import os
 import platform
-import socket
 import statistics
 import tempfile
 import time
@@ -45,6 +43,7 @@ import torch
 from torch import Tensor
 
 from engram.replay.config import HybridConfig, gemma3_pattern, gpt_oss_pattern
+from engram.replay.costmodel import Calibration, FidelityFloor, machine_id, policy_check, report
 from engram.replay.decoder import HybridDecoder
 from engram.replay.model import PrefillResult, ReplayError, ReplayModel, ReplaySpec
 from engram.replay.numerics import Numerics
@@ -106,33 +105,16 @@ class LoadedModel:
     layers: int
 
 
-def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype) -> Any:
-    """A Hugging Face causal LM, eager attention (HFReplayModel's masks), wrapped for replay. Local until
-    engram.replay.hf grows its own loader."""
-    from transformers import AutoModelForCausalLM
-
-    from engram.replay.hf import HFReplayModel
-
-    model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="eager")
-    return HFReplayModel(model.to(device))
-
-
-def hf_weights_identity(model: Any) -> str:
-    """blake2b of the config's JSON and every parameter (name and bytes): equal checkpoints, equal identities."""
-    h = hashlib.blake2b(model.config.to_json_string(use_diff=False).encode(), digest_size=16)
-    for name, p in sorted(model.named_parameters()):
-        h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return f"hf:{h.hexdigest()}"
-
-
 def build_model(name_or_path: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> LoadedModel:
     from engram.replay.runtime import weights_identity
 
     if Path(name_or_path).is_dir():
-        hf = load_checkpoint(name_or_path, device, dtype)
+        from engram.replay.hf import load_checkpoint
+
+        # As the daemon loads it (replay.models), so the weights id is the one its calibration is found by.
+        hf = load_checkpoint(name_or_path, device=device, dtype=dtype)
         text = hf.model.config.get_text_config(decoder=True)
-        return LoadedModel(hf, Path(name_or_path).resolve().name, "checkpoint", hf_weights_identity(hf.model),
+        return LoadedModel(hf, Path(name_or_path).resolve().name, "checkpoint", hf.weights_identity(),
                            int(text.vocab_size), len(hf.replay_spec.kinds))
     if name_or_path not in NAMED:
         raise ReplayError(f"--model {name_or_path!r} is neither a checkpoint directory nor a named config "
@@ -473,7 +455,7 @@ def _run(opts: BenchOptions, device: torch.device, dtype: torch.dtype, progress:
                   "global_layers": loaded.layers - len(spec.sliding_layers), "window": w,
                   "n_kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim,
                   "dtype": str(spec.dtype).removeprefix("torch.")},
-        "machine": {"id": f"{socket.gethostname()} / {_device_name(device)}", "device": device.type,
+        "machine": {"id": machine_id(str(device)), "device": device.type,
                     "device_name": _device_name(device), "torch": torch.__version__},
         "date": datetime.datetime.now(datetime.UTC).date().isoformat(),
         "replay": replay_rows,
@@ -683,3 +665,35 @@ def write_outputs(result: dict[str, Any], out: Path) -> tuple[list[Path], str | 
         return [json_path, md_path], "matplotlib is not installed (pip install 'engram-kv[bench]'): no PNG"
     plot(result, png_path)
     return [json_path, md_path, png_path], None
+
+
+def calibrate(result: dict[str, Any], directory: Path) -> Path:
+    """Save the run as the calibration of its model on this machine, where the daemon's replay.calibrations
+    finds it (the machine id is the daemon's: hostname and the CUDA device replay runs on, or cpu)."""
+    return Calibration.from_json(public(result), "<this run>").save(directory)
+
+
+def check_markdown(calibration_file: Path, result: dict[str, Any], floor: FidelityFloor,
+                   budgets: Sequence[int]) -> str:
+    """This run against a calibration made by another (the issue's targets): how far the calibrated model's
+    predictions are from what this run measured, and whether the option it chooses is within 20% of the
+    fastest option this run measured among those the budget and the floor allow."""
+    cal = Calibration.from_file(calibration_file)
+    acc = [a for a in report(cal, public(result)) if math.isfinite(a.ratio)]
+    lines = [f"## Against the calibration {calibration_file}", "",
+             "| what | measured ms | predicted ms | predicted / measured |", "|---|---:|---:|---:|"]
+    lines += [f"| {a.what} | {a.measured * 1e3:.3f} | {a.predicted * 1e3:.3f} | {a.ratio:.2f} |" for a in acc]
+    for kind in ("replay", "load"):
+        errs = [abs(a.ratio - 1) for a in acc if a.what.startswith(kind)]
+        if errs:
+            lines.append(f"\n{kind}: predicted within {100 * max(errs):.1f}% (worst), "
+                         f"{100 * statistics.median(errs):.1f}% (median) of {len(errs)} points")
+    rows = policy_check(cal, public(result), budgets, floor)
+    lines += ["", f"Policy (floor: top-1 >= {floor.min_top1}, KL <= {floor.max_kl}):", "",
+              "| context | budget | chosen | its measured ms | best allowed | its ms | ratio |",
+              "|---:|---:|---|---:|---|---:|---:|"]
+    lines += [f"| {r.context} | {_mib(r.budget_bytes)} | {r.chosen} | {r.chosen_s * 1e3:.3f} | {r.best} | "
+              f"{r.best_s * 1e3:.3f} | {r.ratio:.2f} |" for r in rows]
+    worst = max((r.ratio for r in rows), default=math.nan)
+    lines.append(f"\nworst chosen / best: {worst:.2f} (target <= 1.20)")
+    return "\n".join(lines) + "\n"
