@@ -7,6 +7,7 @@
 #   part 6: the hit-path GPU tests, then time to first token (benchmarks/ttft.py)
 #   part 9: latent-stream FP4, promotion and restart benchmarks
 #   part 7: every gpu-marked test (kernels, data path, hit path, in-place put, faults), then the hit path benchmark
+#   part 10: HF checkpoint replay in bf16 (gpu tests), then the replay-cost benchmark twice: calibrate, then check
 #   part 8: stream layouts: the stream kernel and stream hit/put GPU tests, then the MLA latent's FP4 against a copy
 # Usage there: OUT=... bash benchmarks/gpu_session.sh 1|2     (carry .whl: wheels the image lacks)
 set -uo pipefail
@@ -69,5 +70,15 @@ case "${1:-1}" in
     ;;
   2)
     timeout 560 python3 benchmarks/replay_bound.py --out "$OUT/replay_bound.json" 2>&1 | tee "$OUT/replay_bound.log" | tail -25
+    ;;
+  10)  # issue 20: HF checkpoints replayed by the daemon in bf16; the replay-cost benchmark, calibrated on one run
+       # (4K, 16K, 64K) and checked against a second (8K, 32K): prediction error and the policy's choices
+    timeout 120 python3 -P -m pytest -q -p no:cacheprovider -rs -s -m gpu tests/test_replay_checkpoints.py 2>&1 \
+      | grep -v Warn | tee "$OUT/replay_checkpoints.log" | tail -12
+    mkdir -p "$OUT/run1" "$OUT/run2" /tmp/engram-cal
+    timeout 260 python3 -P benchmarks/replay_cost.py --model gpt-oss-20b --contexts 4K,16K,64K --nvme-dir /tmp \
+      --calibrate /tmp/engram-cal --out "$OUT/run1" 2>&1 | tail -60
+    timeout 200 python3 -P benchmarks/replay_cost.py --model gpt-oss-20b --contexts 8K,32K --nvme-dir /tmp \
+      --check "$OUT/run1/replay_cost.json" --out "$OUT/run2" 2>&1 | tail -40
     ;;
 esac
