@@ -692,7 +692,7 @@ def check_markdown(calibration_file: Path, result: dict[str, Any], floor: Fideli
     lines += ["", f"Policy (floor: top-1 >= {floor.min_top1}, KL <= {floor.max_kl}):", "",
               "| context | budget | chosen | its measured ms | best allowed | its ms | ratio |",
               "|---:|---:|---|---:|---|---:|---:|"]
-    lines += [f"| {r.context} | {_mib(r.budget_bytes)} | {r.chosen} | {r.chosen_s * 1e3:.3f} | {r.best} | "
+    lines += [f"| {r.context} | {'none' if not r.budget_bytes else 'ample' if r.budget_bytes >= 1 << 40 else _mib(r.budget_bytes)} | {r.chosen} | {r.chosen_s * 1e3:.3f} | {r.best} | "
               f"{r.best_s * 1e3:.3f} | {r.ratio:.2f} |" for r in rows]
     worst = max((r.ratio for r in rows), default=math.nan)
     lines.append(f"\nworst chosen / best: {worst:.2f} (target <= 1.20)")
