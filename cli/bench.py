@@ -117,7 +117,7 @@ def replay(
     out: Annotated[str, typer.Option(help="Directory for replay_cost.json, .md and .png.")] = "replay-cost",
     smoke: Annotated[bool, typer.Option(help="The tiny model, small contexts and few repeats: end to end on a "
                                              "CPU in seconds.")] = False,
-    repeats: Annotated[int, typer.Option(help="Timed runs per median (0: 10, or 3 with --smoke).")] = 0,
+    repeats: Annotated[int, typer.Option(help="Timed runs per figure, the fastest kept (0: 20, or 3 with --smoke).")] = 0,
     prompts: Annotated[int, typer.Option(help="Seeded prompts for the fidelity figures (0: 8, or 4 with "
                                               "--smoke).")] = 0,
     fidelity_context: Annotated[int, typer.Option(help="Tokens per fidelity prompt (0: the smallest context "

@@ -348,3 +348,18 @@ def test_policy_check_compares_the_choice_with_what_the_run_measured() -> None:
             p["seconds"] *= 10
     rows = policy_check(cal, slow, budgets=[0], floor=FidelityFloor(min_top1=0.99))
     assert all(r.chosen == "approx k=4" and r.best == "exact" and r.ratio > 1.2 for r in rows)
+
+
+def test_a_launch_bound_floor_is_fitted_as_overlapped_not_added() -> None:
+    """Replays that cost max(floor, work) (the host launching kernels hides short device work, as on the H200)
+    are fitted in that form: a sum would charge the floor again on top of long replays' work."""
+    data = calib(contexts=(4096, 16384, 65536))
+    for p in data["replay"]:
+        p["seconds"] = max(0.027, p["token_layers"] * 2e-10 * p["context"])
+    cal = Calibration.from_json(data)
+    assert cal.replay_fit is not None and cal.replay_fit.overlapped
+    assert math.isclose(cal.replay_fit.intercept, 0.027, rel_tol=1e-9)
+    rows = report(cal, data)
+    assert max(abs(r.ratio - 1) for r in rows if r.what.startswith("replay")) < 1e-6
+    # Linear data still gets the sum form.
+    assert not Calibration.from_json(calib(c=1e-12, contexts=(4096, 16384))).replay_fit.overlapped  # type: ignore[union-attr]

@@ -147,14 +147,20 @@ class ReplayFit:
 
     TL (token_layers) is the replay's work in rows through layers. The TL * P term is the global layers'
     attention over all P stored keys, the one cost that grows with the context (docs/REPLAY.md, "Cost"); it is
-    fitted only when the points span two contexts or more, and is 0 otherwise."""
+    fitted only when the points span two contexts or more, and is 0 otherwise.
+
+    `overlapped`: seconds = max(intercept, TL * (per_token_layer + per_token_layer_context * P)) instead. A GPU
+    replay of a short span is bound by the host launching its kernels (a floor of ~20-27 ms for 24 layers on
+    the H200, whatever R), and the device's work overlaps that until it exceeds it: a sum charges both."""
 
     intercept: float
     per_token_layer: float
     per_token_layer_context: float
+    overlapped: bool = False
 
     def __call__(self, token_layers: float, context: float) -> float:
-        return self.intercept + token_layers * (self.per_token_layer + self.per_token_layer_context * context)
+        work = token_layers * (self.per_token_layer + self.per_token_layer_context * context)
+        return max(self.intercept, work) if self.overlapped else self.intercept + work
 
 
 @dataclass(frozen=True)
@@ -310,12 +316,35 @@ def _fit_replay(points: Sequence[ReplayPoint]) -> ReplayFit | None:
     if not points or any(p.token_layers <= 0 for p in points):
         return None
     tl = [float(p.token_layers) for p in points]
+    seconds = [p.seconds for p in points]
+    spans = len({p.context for p in points}) > 1
     cols = [tl, [1.0] * len(points)]
-    if len({p.context for p in points}) > 1:
+    if spans:
         cols.append([p.token_layers * float(p.context) for p in points])
-    coef = _nnls(cols, [p.seconds for p in points])
-    return ReplayFit(intercept=coef[1], per_token_layer=coef[0],
-                     per_token_layer_context=coef[2] if len(coef) > 2 else 0.0)
+    coef = _nnls(cols, seconds)
+    best = ReplayFit(intercept=coef[1], per_token_layer=coef[0], per_token_layer_context=coef[2] if spans else 0.0)
+
+    def loss(fit: ReplayFit) -> float:  # relative: the target is "within 20%" of each point
+        return sum((fit(p.token_layers, p.context) / p.seconds - 1) ** 2 for p in points if p.seconds > 0)
+
+    # The overlapped form: for each floor a point could set, the work terms fitted to the points clearly above
+    # it (10%: the floor's own noise must not be read as work). Points above it from one context only cannot
+    # tell TL from TL * P apart; growth with R that shows at one long context is attention over its P keys.
+    for floor in sorted(set(seconds)):
+        above = [p for p in points if p.seconds > 1.1 * floor]
+        if not above:
+            continue
+        per_tl = [float(p.token_layers) for p in above]
+        per_tlp = [p.token_layers * float(p.context) for p in above]
+        if len({p.context for p in above}) > 1:
+            w = _nnls([per_tl, per_tlp], [p.seconds for p in above])
+        else:
+            ys = [p.seconds for p in above]
+            w = [0.0, *_nnls([per_tlp], ys)] if spans else [*_nnls([per_tl], ys), 0.0]
+        fit = ReplayFit(floor, w[0], w[1], overlapped=True)
+        if loss(fit) < loss(best):
+            best = fit
+    return best
 
 
 # ---- parsing -------------------------------------------------------------------------------------------
