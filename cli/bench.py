@@ -69,7 +69,7 @@ def trace(
     with Progress(console=err_console, transient=True, disable=json_) as bar:
         task = bar.add_task("replaying", total=len(requests) * len(caps) * len(policies))
         results = replay_all(requests, caps, nbytes, progress=lambda n: bar.advance(task, n), policies=policies,
-                             on_run=lambda p, c: bar.update(task, description=f"{p} at {c} blocks"))
+                             on_run=lambda p, c: bar.update(task, description=f"{p} at {c}"))
     total = time.perf_counter() - start
     if json_:
         typer.echo(json.dumps([dataclasses.asdict(r) | {"hit_ratio": r.hit_ratio, "block_tokens": bt,

@@ -50,7 +50,7 @@ def agent_trace(sessions: int = 24, turns: int = 6, seed: int = 0, *, system_blo
         done = int(s["turns"]) >= turns
         seen = tuple(s["ids"])
         out.append(Request(t, seen, len(seen) * 512, 256 * n, str(s["id"]),
-                           str(s["parent"]) if s["turns"] == 1 else "", done))
+                           str(s["parent"]) if s["turns"] == 1 else "", done, scope=""))
         if done:
             live.remove(s)
         t += rng.randint(50, 2000)
