@@ -100,6 +100,7 @@ class PolicyResult:
     bytes_moved: int  # missed blocks x block_bytes
     seconds: float = 0.0  # the run's wall time
     tiers: tuple[TierResult, ...] = ()  # engram only
+    config: str = ""  # the tiers by bytes ("hbm 2GiB + dram 16GiB"); "": one DRAM tier of capacity_blocks
 
     @property
     def hit_ratio(self) -> float:
@@ -342,7 +343,7 @@ def replay_all(trace: Sequence[Request], capacities: Sequence[int] = (), block_b
     configs: list[tuple[str, int, list[TierSpec]]] = [
         (f"{c} blocks", c, [TierSpec("dram", c * nbytes)]) for c in capacities]
     if tiers:
-        label = " ".join(f"{t.name} {fmt_bytes(t.capacity_bytes)}" for t in tiers)
+        label = " + ".join(f"{t.name} {fmt_bytes(t.capacity_bytes)}" for t in tiers)
         configs.append((label, sum(t.capacity_bytes for t in tiers) // nbytes, list(tiers)))
     dense, parent_of = prefix_ids(trace)
     requested = sum(len(r.hash_ids) for r in dense)
@@ -369,7 +370,7 @@ def replay_all(trace: Sequence[Request], capacities: Sequence[int] = (), block_b
             else:
                 hit = _belady(dense, cap, progress)
             out.append(PolicyResult(name, cap, requested, hit, (requested - hit) * block_bytes,
-                                    time.perf_counter() - t0, detail))
+                                    time.perf_counter() - t0, detail, "" if label.endswith(" blocks") else label))
     return out
 
 
