@@ -152,6 +152,9 @@ class _Run:
     def __init__(self, tiers: Sequence[TierSpec], layout: KVLayout, nvme_dir: Path | None) -> None:
         self.store = BlockStore(_tiers(tiers, nvme_dir), ModelRegistry(default_codec="raw"))
         self.store.flusher = None  # trace time is not wall time: blocks reach NVMe by demotion only
+        # Nothing runs beside the replay that could free a leased block: waiting for room would only stall (a
+        # demotion into a tier whose blocks the current read holds fails at once, as it would after the wait).
+        self.store.wait_for_room_s = 0.0
         self.layout = layout
         self.fp = self.store.registry.register(ModelSpec(name="trace", weights_id="trace", layout=layout,
                                                          codec="raw"))
@@ -343,6 +346,7 @@ def replay_all(trace: Sequence[Request], capacities: Sequence[int] = (), block_b
     configs: list[tuple[str, int, list[TierSpec]]] = [
         (f"{c} blocks", c, [TierSpec("dram", c * nbytes)]) for c in capacities]
     if tiers:
+        tiers = sorted(tiers, key=lambda t: TIER_NAMES.index(t.name) if t.name in TIER_NAMES else -1)  # fastest first
         label = " + ".join(f"{t.name} {fmt_bytes(t.capacity_bytes)}" for t in tiers)
         configs.append((label, sum(t.capacity_bytes for t in tiers) // nbytes, list(tiers)))
     dense, parent_of = prefix_ids(trace)
