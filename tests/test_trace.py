@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -441,3 +443,16 @@ def test_trace_synth_writes_a_trace_the_bench_replays(tmp_path: Path) -> None:
         assert res.exit_code == 4 and says in res.output
     res = _bench(out, "--dram", "lots")
     assert res.exit_code == 4 and "--dram takes a size like 2GiB" in res.output
+
+
+def test_the_workload_parameters_table_in_architecture_lists_every_parameter_with_its_default() -> None:
+    doc = (Path(__file__).parent.parent / "docs" / "ARCHITECTURE.md").read_text()
+    rows = re.findall(r"^\| ([a-z_, ]+) \| ([^|]+) \| [^|]+ \|$", doc.split("**Synthetic agent workloads**")[1], re.M)
+    documented: dict[str, str] = {}
+    for names, defaults in rows:
+        parts = [d.strip() for d in re.split(r",\s*(?![^()]*\))", defaults)]
+        for name, default in zip(names.split(", "), parts, strict=True):
+            documented[name] = default
+    documented.pop("parameter")  # the header row
+    want = {f.name: str(f.default).replace(" ", "").replace("_", "") for f in dataclasses.fields(AgentWorkload)}
+    assert {k: v.replace(" ", "") for k, v in documented.items()} == want
