@@ -2,7 +2,8 @@
 and Placement), on a synthetic agent trace of about 100k block accesses, at a few capacities in blocks.
 Runs against whatever `engram` is importable, so the same command times an older tree with
 PYTHONPATH=that/tree. --profile: cProfile of the first capacity's run, top functions by own time.
---workload: the agent workload generator's trace (engram.trace.synth.agent_workload) instead of agent_trace.
+--workload: the agent workload generator's trace (engram.trace.synth.agent_workload) instead of agent_trace;
+--file: a trace file (so an older tree without the generator replays the same trace).
 Blocks weigh 64 x 890 bytes (64 tokens of an FP4 global KV; the engram run's capacity is in blocks, so the
 size changes no decision). Run: .venv/bin/python benchmarks/trace_speed.py [--workload] [--sessions N]
 [--capacity 32,256,4096] [--profile] [--json]"""
@@ -23,10 +24,15 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=None, help="default 400 (agent_trace), 6 (--workload)")
     ap.add_argument("--capacity", default="32,256,4096")
     ap.add_argument("--workload", action="store_true")
+    ap.add_argument("--file", help="replay this trace file instead (e.g. one `engram trace synth` wrote)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    if args.workload:
+    if args.file:
+        from engram.trace import read_trace
+
+        trace = read_trace(args.file)
+    elif args.workload:
         from engram.trace.synth import agent_workload
 
         trace = agent_workload(sessions=args.sessions or 6, seed=1)

@@ -478,10 +478,10 @@ class BlockStore:
         await self._served_from(meta, name, payload, promote)
         return payload
 
-    async def read_view(self, meta: BlockMeta, *, promote: bool = True) -> bytes | memoryview:
+    async def read_view(self, meta: BlockMeta, *, promote: bool = True, verify: bool = True) -> bytes | memoryview:
         """As `read`, but a copy in a host pool comes as a view of its slot, valid only while the block is
         held (`reading`): the data channel writes it to the socket from there, without a copy."""
-        payload, name = await self._read_verified(meta, view=True)
+        payload, name = await self._read_verified(meta, view=True, verify=verify)
         await self._served_from(meta, name, payload, promote)
         return payload
 

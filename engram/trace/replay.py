@@ -7,8 +7,9 @@ distinct prefix, hash scopes applied), so every policy sees the same blocks.
   daemon's do. Its tiers are sized in bytes (`TierSpec`: hbm, dram, nvme; a capacity in blocks is one DRAM
   tier of that many blocks) and hold blocks of the trace's own size: a raw layout whose block weighs
   `block_bytes` (rounded up to 64 bytes). Each request is a lookup, a read of every hit block under read
-  leases (served from its fastest tier, promoted to the top tier on a hit below it, as a daemon's Get does),
-  and a put of the missing blocks; bytes served, written, promoted and demoted per tier are the store's own
+  leases (served from its fastest tier, promoted to the top tier on a hit below it, as a daemon's Get does;
+  a hit in a host pool, the HBM stand-in, is read in place as the same-host zero-copy Get reads it), and a
+  put of the missing blocks; bytes served, written, promoted and demoted per tier are the store's own
   counters (store.counters.tiers), not misses times a block size. Tiers: DRAM is the store's private DRAM
   tier (DramTier, which keeps every block's bytes object: all blocks share one, so 16 GiB of blocks costs no
   memory); HBM is the real HBM pool tier over a CPU tensor (engram/tiers/hbm.py's CPU path: it allocates and
@@ -19,8 +20,9 @@ distinct prefix, hash scopes applied), so every policy sees the same blocks.
   Fast path (the default): keys are hashed once per distinct block for the whole replay (the ids stand for
   prefixes), lookups go by key (BlockStore.lookup_keys), puts through BlockStore.put_chain (the same
   dedupe, placement and publishing as put, without re-checking blocks the replayer made) and payloads are
-  read unverified. `fast=False` goes through the daemon's verbs instead (lookup by tokens, put per block,
-  verified reads, SessionManager.hold); tests/test_trace.py checks both give the same counts.
+  read unverified (read_view(verify=False)). `fast=False` goes through the daemon's verbs instead (lookup
+  by tokens, put per block, verified reads, SessionManager.hold); tests/test_trace.py checks both give the
+  same counts.
 - lru: plain LRU over block ids (what most caches do).
 - belady: evict the block whose next use is furthest (offline, knows the future), and among blocks next
   used at the same time (by the same request) the deepest first. That is the optimum for prefix-contiguous
@@ -45,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from engram import limits
 from engram.api import SessionMode
@@ -209,7 +212,7 @@ async def _engram_fast(trace: Sequence[Request], parent_of: Sequence[int], tiers
     keys = key_cache.get(root)
     if keys is None:
         keys = key_cache[root] = _keys(parent_of, root)
-    lookup, put_chain, read, reading = store.lookup_keys, store.put_chain, store.read, store.reading
+    lookup, put_chain, read, reading = store.lookup_keys, store.put_chain, store.read_view, store.reading
     match_keys, hold = store.index.match_keys, run.sessions.hold_blocks
     payload, ck = run.payload, run.checksum
     hits = 0
@@ -354,11 +357,18 @@ def replay_all(trace: Sequence[Request], capacities: Sequence[int] = (), block_b
     key_cache: dict[bytes, list[bytes]] = {}
 
     def engram(specs: list[TierSpec]) -> tuple[int, tuple[TierResult, ...]]:
-        with tempfile.TemporaryDirectory(prefix="engram-trace-") as tmp:
-            nvme = Path(tmp) if nvme_files else None
-            if fast:
-                return asyncio.run(_engram_fast(dense, parent_of, specs, layout, nvme, progress, key_cache))
-            return asyncio.run(_engram_verbs(dense, specs, layout, nvme, progress))
+        # One torch thread for the HBM stand-in's copies of single blocks: with more, OpenMP's threads spin at
+        # every copy, and on a busy 2-core machine a 57 KB copy took a millisecond instead of microseconds.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with tempfile.TemporaryDirectory(prefix="engram-trace-") as tmp:
+                nvme = Path(tmp) if nvme_files else None
+                if fast:
+                    return asyncio.run(_engram_fast(dense, parent_of, specs, layout, nvme, progress, key_cache))
+                return asyncio.run(_engram_verbs(dense, specs, layout, nvme, progress))
+        finally:
+            torch.set_num_threads(threads)
 
     out = []
     for label, cap, specs in configs:
