@@ -430,7 +430,7 @@ def test_trace_synth_writes_a_trace_the_bench_replays(tmp_path: Path) -> None:
     summary = json.loads(res.stdout)
     assert summary["params"]["tool_ms"] == [100, 200] and summary["params"]["system_blocks"] == 8
     assert read_trace(out) == agent_workload(sessions=3, seed=2, system_blocks=8, tool_ms=(100, 200))
-    res = _bench(out, "--hbm", "1MiB", "--dram", "4MiB", "--nvme", "64MiB", "--block-bytes", "8192", "--json")
+    res = _bench(out, "--hbm", "1MiB", "--dram", "4MiB", "--nvme", "64MiB", "--nvme-files", "--block-bytes", "8192", "--json")
     assert res.exit_code == 0, res.output
     rows = json.loads(res.stdout)
     assert [r["policy"] for r in rows] == ["engram", "lru", "belady"]
