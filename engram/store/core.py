@@ -281,6 +281,7 @@ class BlockStore:
         right by construction); what decides where blocks go is the same code as `put`'s (dedupe, quota,
         room made by each tier's eviction order with demotion, publishing in the index). Stops at the first
         block that no tier can take; returns how many blocks are stored (put, or found already stored)."""
+        limits.check_namespace(namespace)
         spec = self.spec(model_fingerprint)
         layout = spec.layout
         bt = layout.block_tokens
