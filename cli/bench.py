@@ -7,12 +7,13 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
-from engram.errors import InvalidArgument
+from engram.config import parse_bytes
+from engram.errors import ConfigError, InvalidArgument
 
 from .common import EXIT_BAD_INPUT, console, err_console, fail
 
@@ -24,36 +25,73 @@ bench_app = typer.Typer(help="Benchmarks: the cache policy (trace), bounded repl
 FP4_GLOBAL_BYTES_PER_TOKEN = 890  # an FP4 global KV's bytes per token: what a missed block would weigh
 
 
+def _tier_size(flag: str, value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        n = int(parse_bytes(value))
+    except ConfigError:
+        raise fail(f"{flag} takes a size like 2GiB, 512MB or 1073741824, got {value!r}", EXIT_BAD_INPUT) from None
+    if n <= 0:
+        raise fail(f"{flag} must be positive, got {value!r}", EXIT_BAD_INPUT)
+    return n
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f}"
+
+
+def _capacity(r: Any) -> str:
+    return f"{r.config} ({r.capacity_blocks:,})" if r.config else str(r.capacity_blocks)
+
+
 @bench_app.command("trace")
 def trace(
-    file: Annotated[str, typer.Argument(help="Mooncake JSONL trace, or Engram's session format.")],
-    capacity: Annotated[str, typer.Option(help="Capacities in blocks, comma-separated.")] = "256,1024,4096",
+    file: Annotated[str, typer.Argument(help="Mooncake JSONL trace, or Engram's session format "
+                                             "(engram/trace/formats.py; `engram trace synth` writes one).")],
+    capacity: Annotated[str | None, typer.Option(help="Capacities in blocks, comma-separated: one DRAM tier of "
+                                                      "that many blocks each (default 256,1024,4096 unless "
+                                                      "--hbm/--dram/--nvme are given).")] = None,
+    hbm: Annotated[str | None, typer.Option(help="HBM tier capacity in bytes (2GiB, 512MB): a run with the "
+                                                 "tiers given (the HBM pool over a CPU tensor).")] = None,
+    dram: Annotated[str | None, typer.Option(help="DRAM tier capacity in bytes, e.g. 16GiB.")] = None,
+    nvme: Annotated[str | None, typer.Option(help="NVMe tier capacity in bytes, e.g. 200GiB (a DRAM-like "
+                                                  "stand-in unless --nvme-files).")] = None,
+    nvme_files: Annotated[bool, typer.Option(help="The NVMe tier as real block files in a temporary directory "
+                                                  "(no fsync; a file write per demotion: slow).")] = False,
     policy: Annotated[str, typer.Option(help=f"Policies to replay, comma-separated, of {', '.join(POLICIES)}: "
                                              "the store's own, plain LRU, the offline optimum.")] = ",".join(POLICIES),
     block_tokens: Annotated[int | None, typer.Option(help="Tokens per block of the trace (default: from its "
                                                           "input lengths and block counts).")] = None,
-    bytes_per_token: Annotated[int, typer.Option(help="KV bytes per token, for bytes moved.")]
+    bytes_per_token: Annotated[int, typer.Option(help="KV bytes per token, for the block size.")]
     = FP4_GLOBAL_BYTES_PER_TOKEN,
-    block_bytes: Annotated[int | None, typer.Option(help="Bytes of one block, for bytes moved (default: "
-                                                         "block tokens x bytes per token).")] = None,
+    block_bytes: Annotated[int | None, typer.Option(help="Bytes of one block (default: block tokens x bytes per "
+                                                         "token): what the store's blocks weigh, and a miss.")]
+    = None,
     json_: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
-    """Replay a trace in time order: prefix-contiguous hits and bytes moved, per policy and capacity."""
-    from rich.progress import Progress
+    """Replay a trace in time order: prefix-contiguous hits per policy and capacity, and for the store's policy
+    hits and bytes moved per tier, from the store's counters."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     # numpy and the policies: loaded only when run
-    from engram.trace import block_tokens_of, in_time_order, read_trace, replay_all
+    from engram.trace import TierSpec, block_tokens_of, in_time_order, read_trace, replay_all
+    tiers = [TierSpec(name, n) for name, n in (("hbm", _tier_size("--hbm", hbm)), ("dram", _tier_size("--dram", dram)),
+                                                ("nvme", _tier_size("--nvme", nvme))) if n is not None]
+    if capacity is None:
+        capacity = "" if tiers else "256,1024,4096"
     try:
         caps = [int(c) for c in capacity.split(",") if c.strip()]
     except ValueError:
         raise fail(f"--capacity takes block counts like 256,1024, got {capacity!r}", EXIT_BAD_INPUT) from None
-    if not caps or min(caps) <= 0:
-        raise fail("--capacity needs at least one positive block count", EXIT_BAD_INPUT)
+    if (not caps and not tiers) or (caps and min(caps) <= 0):
+        raise fail("--capacity needs at least one positive block count (or give --hbm/--dram/--nvme)",
+                   EXIT_BAD_INPUT)
     policies = [p.strip() for p in policy.split(",") if p.strip()]
     if not policies or set(policies) - set(POLICIES):
         raise fail(f"--policy takes some of {', '.join(POLICIES)}, got {policy!r}", EXIT_BAD_INPUT)
-    if (block_tokens is not None and block_tokens <= 0) or (block_bytes is not None and block_bytes < 0):
-        raise fail("--block-tokens must be positive and --block-bytes not negative", EXIT_BAD_INPUT)
+    if (block_tokens is not None and block_tokens <= 0) or (block_bytes is not None and block_bytes <= 0):
+        raise fail("--block-tokens and --block-bytes must be positive", EXIT_BAD_INPUT)
     try:
         requests = read_trace(file)
     except (OSError, InvalidArgument) as exc:
@@ -68,10 +106,16 @@ def trace(
                    "--block-tokens or --block-bytes", EXIT_BAD_INPUT)
     nbytes = block_bytes if block_bytes is not None else (bt or 0) * bytes_per_token
     start = time.perf_counter()
-    with Progress(console=err_console, transient=True, disable=json_) as bar:
-        task = bar.add_task("replaying", total=len(requests) * len(caps) * len(policies))
-        results = replay_all(requests, caps, nbytes, progress=lambda n: bar.advance(task, n), policies=policies,
-                             on_run=lambda p, c: bar.update(task, description=f"{p} at {c} blocks"))
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=err_console, transient=True, disable=json_) as bar:
+        task = bar.add_task("replaying", total=len(requests) * (len(caps) + bool(tiers)) * len(policies))
+        try:
+            results = replay_all(requests, caps, nbytes, progress=lambda n: bar.advance(task, n), policies=policies,
+                                 on_run=lambda p, c: bar.update(task, description=f"{p} at {c}"), tiers=tiers,
+                                 nvme_files=nvme_files)
+        except InvalidArgument as exc:
+            raise fail(str(exc), EXIT_BAD_INPUT) from None
     total = time.perf_counter() - start
     if json_:
         typer.echo(json.dumps([dataclasses.asdict(r) | {"hit_ratio": r.hit_ratio, "block_tokens": bt,
@@ -80,12 +124,25 @@ def trace(
     size = f"{bt} tokens" if bt else "? tokens"
     table = Table(title=f"{file}: {len(requests)} requests, {results[0].requested_blocks} blocks requested, "
                         f"blocks of {size} = {nbytes:,} bytes", title_justify="left")
-    for col in ("capacity (blocks)", "policy", "hit blocks", "hit %", "GB moved", "seconds"):
+    for col in ("capacity (blocks)", "policy", "hit blocks", "hit %", "GB missed", "seconds", "accesses/s"):
         table.add_column(col, justify="right")
     for r in results:
-        table.add_row(str(r.capacity_blocks), r.policy, f"{r.hit_blocks:,} / {r.requested_blocks:,}",
-                      f"{100 * r.hit_ratio:.2f}", f"{r.bytes_moved / 1e9:.2f}", f"{r.seconds:.3f}")
+        table.add_row(_capacity(r), r.policy, f"{r.hit_blocks:,} / {r.requested_blocks:,}",
+                      f"{100 * r.hit_ratio:.2f}", _gb(r.bytes_moved), f"{r.seconds:.3f}", f"{r.accesses_per_s:,.0f}")
     console.print(table)
+    detail = [r for r in results if r.tiers]
+    if detail:
+        per = Table(title="engram per tier (the store's counters): hits are blocks served from the tier; GB "
+                          "written = puts + copies moved in", title_justify="left")
+        for col in ("capacity (blocks)", "tier", "capacity GB", "hits", "GB served", "GB written", "GB promoted in",
+                    "GB demoted out", "evictions", "blocks held"):
+            per.add_column(col, justify="right")
+        for r in detail:
+            for t in r.tiers:
+                per.add_row(_capacity(r), t.name, _gb(t.capacity_bytes), f"{t.hits:,}", _gb(t.served_bytes),
+                            _gb(t.written_bytes), _gb(t.promoted_bytes), _gb(t.demoted_bytes), f"{t.evictions:,}",
+                            f"{t.blocks:,}")
+        console.print(per)
     console.print(f"replayed in {total:.2f} s")
 
 

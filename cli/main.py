@@ -41,6 +41,7 @@ from .pin import pin, unpin
 from .show import show
 from .stats import stats_json, stats_renderable
 from .top import top
+from .trace import trace_app
 from .verify_isolation import verify_isolation
 
 
@@ -81,6 +82,7 @@ def _root(version: Annotated[bool | None, typer.Option(
     """Engram: a tiered KV-cache daemon for LLM inference."""
 
 app.add_typer(bench_app, name="bench")
+app.add_typer(trace_app, name="trace")
 
 
 def _parse_sets(sets: list[str]) -> dict[str, Any]:

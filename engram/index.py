@@ -22,7 +22,7 @@ own bookkeeping (eviction, recovery), never a tenant's query.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -331,6 +331,24 @@ class ChainIndex:
         if best is not None and best.namespace == namespace and best.model_fingerprint == model_fingerprint:
             found.append(best)
             matched += best_m
+        return PrefixMatch(tuple(found), matched)
+
+    def match_keys(self, namespace: str, model_fingerprint: bytes, keys: Sequence[bytes]) -> PrefixMatch:
+        """The longest run of stored full blocks under `keys`, a chain's keys the caller derived itself (the
+        trace replayer: BlockStore.lookup_keys): one probe per block, no hashing, no token compare."""
+        found: list[BlockMeta] = []
+        space = self._spaces.get(namespace)
+        if space is None:
+            return PrefixMatch((), 0)
+        entries = space.entries
+        matched = 0
+        for key in keys:
+            meta = entries.get(key)
+            if meta is None or not meta.full or meta.model_fingerprint != model_fingerprint:
+                break
+            found.append(meta)
+            matched += meta.num_tokens
+        self.probes += len(found) + (len(found) < len(keys))
         return PrefixMatch(tuple(found), matched)
 
     def _count(self, n: int) -> None:

@@ -59,8 +59,12 @@ def root_key(namespace: str, model_fingerprint: bytes, salt: bytes = b"") -> byt
 
 def block_key(parent: bytes, tokens: Sequence[int] | np.ndarray) -> bytes:
     """Key of one block given its parent's key (or the root key) and the block's tokens."""
+    return block_key_of_bytes(parent, _tokens_bytes(tokens))
+
+
+def block_key_of_bytes(parent: bytes, data: bytes) -> bytes:
+    """`block_key` of tokens given as int32 little-endian bytes (the trace replayer's blocks)."""
     h = hashlib.blake2b(parent, digest_size=KEY_BYTES)
-    data = _tokens_bytes(tokens)
     h.update(len(data).to_bytes(4, "little"))  # a partial block differs from a full one with more tokens
     h.update(data)
     return h.digest()

@@ -26,6 +26,7 @@ import asyncio
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -187,8 +188,12 @@ class SessionManager:
 
     def hold(self, s: Session) -> None:
         """Re-resolve the blocks of the session's prefix and move its references to them."""
-        match = self.store.match(s.namespace, s.fingerprint, s.tokens)
-        now = {m.key: m for m in match.blocks}
+        self.hold_blocks(s, self.store.match(s.namespace, s.fingerprint, s.tokens).blocks)
+
+    def hold_blocks(self, s: Session, blocks: Sequence[BlockMeta]) -> None:
+        """Move the session's references to `blocks`, its prefix's stored blocks as `hold` resolves them (the
+        trace replayer resolves them by key: BlockStore.lookup_keys)."""
+        now = {m.key: m for m in blocks}
         self.store.reference([m for k, m in s.held.items() if now.get(k) is not m], -1)
         self.store.reference([m for k, m in now.items() if s.held.get(k) is not m], +1)
         s.held = now

@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
+import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 from typer.testing import CliRunner
 
 from engram.cli.main import app
-from engram.trace import Request, agent_trace, block_tokens_of, read_trace, replay_all, write_trace
+from engram.errors import InvalidArgument
+from engram.trace import (
+    PolicyResult,
+    Request,
+    TierSpec,
+    agent_trace,
+    block_tokens_of,
+    read_trace,
+    replay_all,
+    write_trace,
+)
+from engram.trace.formats import check_sessions, prefix_ids
+from engram.trace.synth import AgentWorkload, agent_workload
 
 
 def test_mooncake_lines_and_session_lines_round_trip(tmp_path: Path) -> None:
@@ -210,3 +225,234 @@ def test_the_cli_names_the_replayers_policies() -> None:
     from engram.trace import POLICIES
 
     assert CLI_POLICIES == POLICIES
+
+
+# ---- the store's run: fast path, tiers by bytes ---------------------------------------------------------------
+
+
+def _engram(trace: list[Request], caps: list[int], **kw: Any) -> list[PolicyResult]:
+    return replay_all(trace, caps, policies=("engram",), **kw)
+
+
+def test_engram_hit_counts_are_those_of_the_replayer_before_its_fast_path() -> None:
+    # Figures of the engram policy on these traces at commit 190ca97 (before lookup_keys, put_chain, reads and
+    # global prefix ids): the replayer's changes must not change one decision of the store.
+    trace = agent_trace(sessions=30, turns=6, seed=5)
+    assert [r.hit_blocks for r in _engram(trace, [16, 48, 128, 512])] == [2072, 3306, 4168, 4192]
+    trace = agent_trace(sessions=40, turns=8, seed=7, concurrent=12, fork_p=0.5)
+    assert [r.hit_blocks for r in _engram(trace, [16, 32, 64, 256])] == [3292, 4238, 6003, 9254]
+
+
+def _small_workload(seed: int = 2) -> list[Request]:
+    return agent_workload(sessions=4, seed=seed, system_blocks=8, tool_blocks=4, repo_blocks=6, turns=(4, 8),
+                          tool_result_blocks=(1, 4), subagent_p=0.3)
+
+
+def test_fast_path_counts_equal_the_daemon_verbs_run_in_every_tier() -> None:
+    tiers = [TierSpec("hbm", 16 * 4096), TierSpec("dram", 32 * 4096), TierSpec("nvme", 64 * 4096)]
+    for trace in (agent_trace(sessions=12, turns=5, seed=3), _small_workload()):
+        fast = _engram(trace, [8, 40], block_bytes=4096, tiers=tiers)
+        verbs = _engram(trace, [8, 40], block_bytes=4096, tiers=tiers, fast=False)
+        assert [(r.hit_blocks, r.tiers) for r in fast] == [(r.hit_blocks, r.tiers) for r in verbs]
+        assert any(t.demoted_bytes for r in fast for t in r.tiers)  # the tiers were under pressure
+
+
+def test_bytes_per_tier_are_the_stores_counters_and_add_up(tmp_path: Path) -> None:
+    nb = 4096
+    tiers = [TierSpec("hbm", 16 * nb), TierSpec("dram", 32 * nb), TierSpec("nvme", 2000 * nb)]
+    trace = _small_workload()
+    plain = None
+    for files in (False, True):  # the NVMe stand-in, then real block files in a temporary directory
+        r = _engram(trace, [], block_bytes=nb, tiers=tiers, nvme_files=files)[0]
+        hbm, dram, nvme = r.tiers
+        assert (hbm.name, dram.name, nvme.name) == ("hbm", "dram", "nvme")
+        assert hbm.hits + dram.hits + nvme.hits == r.hit_blocks
+        assert min(hbm.hits, dram.hits, nvme.hits) > 0  # served from every tier
+        for t in r.tiers:
+            assert t.served_bytes == t.hits * nb
+            assert t.blocks * nb <= t.capacity_bytes
+        misses = r.requested_blocks - r.hit_blocks
+        assert hbm.written_bytes == misses * nb + hbm.promoted_bytes  # puts land in the top tier
+        assert hbm.promoted_bytes > 0 and dram.promoted_bytes == nvme.promoted_bytes == 0
+        assert dram.written_bytes == hbm.demoted_bytes > 0  # what HBM demotes lands in DRAM
+        assert nvme.written_bytes == dram.demoted_bytes > 0
+        assert nvme.demoted_bytes == nvme.evictions == 0  # room enough at the bottom
+        if plain is not None:  # real files (whose headers take room too) decide nothing differently here
+            assert r.tiers == plain.tiers
+        plain = r
+
+
+def test_a_capacity_in_blocks_is_one_dram_tier_of_that_many_blocks_of_the_traces_size() -> None:
+    r = _engram(_small_workload(), [10], block_bytes=1000)[0]
+    (dram,) = r.tiers
+    nb = 1024  # 1000 bytes rounded up to the layout's 64-byte step
+    assert (dram.name, dram.capacity_bytes, dram.blocks) == ("dram", 10 * nb, 10)
+    assert dram.served_bytes == r.hit_blocks * nb
+
+
+def test_runs_are_announced_with_their_policy_and_capacity() -> None:
+    seen: list[tuple[str, str]] = []
+    replay_all(_small_workload(), [8], block_bytes=2048, policies=("engram", "lru"), on_run=lambda p, c: seen.append((p, c)),
+               tiers=[TierSpec("dram", 2 * 2**20), TierSpec("hbm", 2**20)])
+    assert seen == [("engram", "8 blocks"), ("lru", "8 blocks"), ("engram", "hbm 1MiB + dram 2MiB"),
+                    ("lru", "hbm 1MiB + dram 2MiB")]
+
+
+# ---- the session format: scopes, sub-agents, think time, bad input ----------------------------------------------
+
+
+def _lines(path: Path, *rows: dict[str, Any]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_hash_ids_are_local_to_a_session_unless_a_scope_shares_them(tmp_path: Path) -> None:
+    rows = [{"timestamp": 0, "hash_ids": [1, 2, 3], "session": "a"},
+            {"timestamp": 1, "hash_ids": [1, 2, 3], "session": "b"},  # its own scope: no hit
+            {"timestamp": 2, "hash_ids": [1, 2, 3, 4], "session": "a.1", "parent": "a"},  # a's scope: 3 hits
+            {"timestamp": 3, "hash_ids": [1, 2, 3, 4, 5], "session": "a.1.1", "parent": "a.1"},  # nested: 4 hits
+            {"timestamp": 4, "hash_ids": [1, 2], "session": "c", "scope": "team"},
+            {"timestamp": 5, "hash_ids": [1, 2], "session": "d", "scope": "team"},  # shared scope: 2 hits
+            {"timestamp": 6, "hash_ids": [1, 2, 3]},  # no session: the global scope, new
+            {"timestamp": 7, "hash_ids": [1, 2, 3], "session": "e", "scope": ""}]  # the global scope: 3 hits
+    reqs = read_trace(_lines(tmp_path / "t.jsonl", *rows))
+    dense, parent_of = prefix_ids(reqs)
+    assert dense[0].hash_ids == (0, 1, 2) and dense[1].hash_ids == (3, 4, 5)
+    assert dense[2].hash_ids[:3] == dense[0].hash_ids and dense[3].hash_ids[:4] == dense[2].hash_ids
+    assert dense[4].hash_ids == dense[5].hash_ids and dense[6].hash_ids == dense[7].hash_ids
+    assert parent_of[dense[3].hash_ids[-1]] == dense[3].hash_ids[-2]
+    for r in replay_all(reqs, [100]):
+        assert r.hit_blocks == 3 + 4 + 2 + 3, r.policy
+
+
+def test_the_same_id_after_another_parent_is_another_block() -> None:
+    dense, _ = prefix_ids([Request(0, (1, 7)), Request(1, (2, 7)), Request(2, (1, 7))])
+    assert dense[0].hash_ids[1] != dense[1].hash_ids[1] and dense[0].hash_ids == dense[2].hash_ids
+
+
+def test_the_replayer_keeps_sessions_held_through_their_think_time(tmp_path: Path) -> None:
+    # a pauses (think time) from 0 to 1000 while b streams private blocks through a 6-block store; a's
+    # references keep its prefix until it comes back, which LRU cannot do.
+    rows = [{"timestamp": 0, "hash_ids": [1, 2, 3], "session": "a"}]
+    rows += [{"timestamp": 10 * k, "hash_ids": [100 + k, 200 + k], "session": f"b{k}", "close": True}
+             for k in range(1, 20)]
+    rows += [{"timestamp": 1000, "hash_ids": [1, 2, 3, 4], "session": "a", "close": True}]
+    reqs = read_trace(_lines(tmp_path / "t.jsonl", *rows))
+    by = {r.policy: r.hit_blocks for r in replay_all(reqs, [6], policies=("engram", "lru"))}
+    assert by == {"engram": 3, "lru": 0}
+
+
+@pytest.mark.parametrize(("rows", "line", "says"), [
+    (['{"timestamp": 0, "hash_ids": [1]}', "{not json"], 2, "not a trace line"),
+    (['{"timestamp": 0, "hash_ids": "1,2"}'], 1, "hash_ids must be a list of integers"),
+    (['{"hash_ids": [1]}'], 1, "timestamp is missing"),
+    (['{"timestamp": -5, "hash_ids": [1]}'], 1, "timestamp must be a non-negative integer"),
+    (['{"timestamp": 0, "hash_ids": [1], "parent": "p"}'], 1, "parent without session"),
+    (['{"timestamp": 0, "hash_ids": [1], "session": "s", "close": "yes"}'], 1, "close must be true or false"),
+    (['{"timestamp": 0, "hash_ids": [1], "session": "s", "scope": 3}'], 1, "scope must be a string"),
+    (['{"timestamp": 0, "hash_ids": [1], "session": "s", "parent": "ghost"}'], 1, "which has no request"),
+    (['{"timestamp": 0, "hash_ids": [1], "session": "p"}', '{"timestamp": 0, "hash_ids": [1], "session": "q"}',
+      '{"timestamp": 1, "hash_ids": [1], "session": "s", "parent": "p"}',
+      '{"timestamp": 2, "hash_ids": [1], "session": "s", "parent": "q"}'], 4, "names parent 'q', but 'p' at line 3"),
+    (['{"timestamp": 0, "hash_ids": [1], "session": "s", "scope": "x"}',
+      '{"timestamp": 1, "hash_ids": [1], "session": "s", "scope": "y"}'], 2, "names scope 'y', but 'x' at line 1"),
+    (['{"timestamp": 0, "hash_ids": [1], "session": "s", "close": true}', '',
+      '{"timestamp": 5, "hash_ids": [1, 2], "session": "s"}'], 3, "has a request after it closed (line 1)"),
+    (['{"timestamp": 0, "hash_ids": [1], "session": "a", "parent": "b"}',
+      '{"timestamp": 1, "hash_ids": [1], "session": "b", "parent": "a"}'], 1, "form a cycle"),
+    (['{"timestamp": 0, "hash_ids": [1], "session": "a", "parent": "a"}'], 1, "names itself as its parent"),
+])
+def test_bad_session_lines_are_refused_with_file_and_line(tmp_path: Path, rows: list[str], line: int,
+                                                          says: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    with pytest.raises(InvalidArgument) as exc:
+        read_trace(path)
+    assert f"{path}:{line}:" in str(exc.value) and says in str(exc.value), str(exc.value)
+    res = _bench(path, "--capacity", "4", "--block-bytes", "64")
+    assert res.exit_code == 4 and f"{path}:{line}:" in res.output.replace("\n", "")
+
+
+# ---- the agent workload generator ---------------------------------------------------------------------------------
+
+
+def test_agent_workload_is_seeded_and_shares_system_tools_and_repository_prefixes() -> None:
+    p = AgentWorkload(sessions=12, seed=4, system_blocks=20, toolsets=2, tool_blocks=10, repos=3, repo_blocks=8)
+    trace = agent_workload(p)
+    assert trace == agent_workload(p) and trace != agent_workload(p, seed=5)
+    check_sessions(trace)
+    assert [r.timestamp for r in trace] == sorted(r.timestamp for r in trace)
+    assert len({r.hash_ids[:20] for r in trace}) == 1  # one system prompt
+    assert len({r.hash_ids[:30] for r in trace}) == 2  # two toolsets behind it
+    heads = {r.hash_ids[:38] for r in trace}
+    assert 1 < len(heads) <= 2 * 3  # a repository's context, shared per (toolset, repository)
+    firsts = [r for r in trace if r.session.count(".") == 0 and not r.parent]
+    assert len({r.session for r in firsts}) == 12 and len({r.hash_ids[:38] for r in firsts}) < 12  # shared
+    assert block_tokens_of(trace) == 64 and all(r.input_length == 64 * len(r.hash_ids) for r in trace)
+    assert all(r.scope == "" for r in trace)
+
+
+def test_agent_workload_sessions_think_and_wait_for_their_nested_sub_agents() -> None:
+    p = AgentWorkload(sessions=16, seed=1, system_blocks=4, tool_blocks=2, repo_blocks=2, subagent_p=0.3,
+                      max_depth=2, tool_ms=(300, 800), user_ms=(10_000, 20_000), user_p=0.2)
+    trace = agent_workload(p)
+    by: dict[str, list[Request]] = {}
+    for r in trace:
+        by.setdefault(r.session, []).append(r)
+    depth = {s: s.count(".") for s in by}
+    assert max(depth.values()) == 2  # sub-agents of sub-agents, and no deeper
+    gaps = [b.timestamp - a.timestamp for rs in by.values() for a, b in itertools.pairwise(rs)]
+    assert any(300 <= g <= 800 for g in gaps) and any(g >= 10_000 for g in gaps)  # tool calls and users
+    assert min(gaps) >= 300
+    for s, rs in by.items():
+        assert rs[-1].close and not any(r.close for r in rs[:-1])
+        lens = [len(r.hash_ids) for r in rs]
+        assert lens == sorted(lens)  # a session's context only grows
+        for a, b in itertools.pairwise(rs):
+            assert b.hash_ids[: len(a.hash_ids)] == a.hash_ids
+        if depth[s]:
+            parent = rs[0].parent
+            assert s.rsplit(".", 1)[0] == parent
+            before = [r for r in by[parent] if r.timestamp <= rs[0].timestamp][-1]
+            head = 4 + 2 + 2
+            assert rs[0].hash_ids[:head] == before.hash_ids[:head]  # it starts from its parent's prefix
+            # the parent waits: none of its requests while the sub-agent runs
+            assert not [r for r in by[parent] if rs[0].timestamp <= r.timestamp <= rs[-1].timestamp]
+    forks = [rs[0] for s, rs in by.items() if depth[s]]
+    assert any(len(f.hash_ids) > 12 for f in forks)  # some carry the parent's whole history
+
+
+def test_trace_synth_writes_a_trace_the_bench_replays(tmp_path: Path) -> None:
+    out = tmp_path / "w.jsonl"
+    res = CliRunner().invoke(app, ["trace", "synth", str(out), "--sessions", "3", "--seed", "2", "--param",
+                                   "system_blocks=8", "--param", "tool_ms=100,200", "--json"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)
+    assert summary["params"]["tool_ms"] == [100, 200] and summary["params"]["system_blocks"] == 8
+    assert read_trace(out) == agent_workload(sessions=3, seed=2, system_blocks=8, tool_ms=(100, 200))
+    res = _bench(out, "--hbm", "1MiB", "--dram", "4MiB", "--nvme", "64MiB", "--nvme-files", "--block-bytes", "8192", "--json")
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)
+    assert [r["policy"] for r in rows] == ["engram", "lru", "belady"]
+    assert [t["name"] for t in rows[0]["tiers"]] == ["hbm", "dram", "nvme"]
+    assert rows[0]["config"] == "hbm 1MiB + dram 4MiB + nvme 64MiB"
+    assert rows[1]["capacity_blocks"] == (1 + 4 + 64) * 2**20 // 8192
+    for bad, says in ((["--param", "nope=1"], "--param takes NAME=VALUE"),
+                      (["--param", "tool_ms=5"], "--param tool_ms takes LOW,HIGH")):
+        res = CliRunner().invoke(app, ["trace", "synth", str(out), *bad])
+        assert res.exit_code == 4 and says in res.output
+    res = _bench(out, "--dram", "lots")
+    assert res.exit_code == 4 and "--dram takes a size like 2GiB" in res.output
+
+
+def test_the_workload_parameters_table_in_architecture_lists_every_parameter_with_its_default() -> None:
+    doc = (Path(__file__).parent.parent / "docs" / "ARCHITECTURE.md").read_text()
+    rows = re.findall(r"^\| ([a-z_, ]+) \| ([^|]+) \| [^|]+ \|$", doc.split("**Synthetic agent workloads**")[1], re.M)
+    documented: dict[str, str] = {}
+    for names, defaults in rows:
+        parts = [d.strip() for d in re.split(r",\s*(?![^()]*\))", defaults)]
+        for name, default in zip(names.split(", "), parts, strict=True):
+            documented[name] = default
+    documented.pop("parameter")  # the header row
+    want = {f.name: str(f.default).replace(" ", "").replace("_", "") for f in dataclasses.fields(AgentWorkload)}
+    assert {k: v.replace(" ", "") for k, v in documented.items()} == want

@@ -42,7 +42,7 @@ from engram.errors import (
 from engram.eviction import held_class, tick
 from engram.index import BlockMeta, ChainIndex, PrefixMatch
 from engram.keys import block_key, root_key, tokens_to_bytes
-from engram.layout import ModelSpec
+from engram.layout import DType, ModelSpec
 from engram.registry import ModelRegistry
 from engram.store import durable, recovery
 from engram.store.counters import (
@@ -153,6 +153,20 @@ class BlockStore:
             self.placement.touch(meta)
         return match
 
+    def lookup_keys(self, namespace: str, model_fingerprint: bytes, keys: Sequence[bytes]) -> PrefixMatch:
+        """`lookup` for a caller that derived the chain's keys itself (the trace replayer hashes each distinct
+        block once for a whole trace, not at every lookup): the longest run of stored full blocks under
+        `keys`, counted as a lookup and a use of every matched block. A key names its prefix, so there are no
+        tokens to compare and no partial tail to look for."""
+        bt = self.spec(model_fingerprint).layout.block_tokens
+        match = self.index.match_keys(namespace, model_fingerprint, keys)
+        self.counters.lookups += 1
+        self.counters.lookup_hit_tokens += match.matched_tokens
+        self.counters.lookup_miss_tokens += len(keys) * bt - match.matched_tokens
+        for meta in match.blocks:
+            self.placement.touch(meta)
+        return match
+
     def find(self, namespace: str, model_fingerprint: bytes, keys: Sequence[bytes]) -> list[BlockMeta]:
         """Metadata for keys in this namespace and model; NotFound names the first missing key."""
         self.spec(model_fingerprint)
@@ -257,7 +271,51 @@ class BlockStore:
                     "than block_tokens tokens"
                 )
         key = block_key(parent, header.tokens)
-        tokens = tokens_to_bytes(header.tokens)
+        return await self._store(namespace, model_fingerprint, parent, pmeta, key, tokens_to_bytes(header.tokens),
+                                 header.num_tokens, layout.block_tokens, header.dtype, tuple(header.shape),
+                                 header.checksum, payload, pin=pin, index=index)
+
+    async def put_chain(self, namespace: str, model_fingerprint: bytes, parent: bytes,
+                        blocks: Sequence[tuple[bytes, bytes]], payload: bytes, payload_checksum: int) -> int:
+        """The trace replayer's put (engram/trace/replay.py): a chain of full blocks under `parent` (the root or
+        a stored block), given as (key, tokens as int32 bytes) that the caller derived itself, every block with
+        the same raw `payload`. What `put` checks of a client's block is skipped (the header against the
+        layout, the payload's checksum, the codec, hashing the key from the tokens: the caller's own blocks,
+        right by construction); what decides where blocks go is the same code as `put`'s (dedupe, quota,
+        room made by each tier's eviction order with demotion, publishing in the index). Stops at the first
+        block that no tier can take; returns how many blocks are stored (put, or found already stored)."""
+        limits.check_namespace(namespace)
+        spec = self.spec(model_fingerprint)
+        layout = spec.layout
+        bt = layout.block_tokens
+        if not stored.is_raw(spec.stored_codec) or len(payload) != layout.block_nbytes(bt):
+            raise InvalidArgument(f"put_chain takes raw full blocks of {layout.block_nbytes(bt)} bytes of a model "
+                                  f"stored raw, got {len(payload)} bytes for codec {spec.stored_codec}")
+        pmeta = None
+        if parent != self.root(namespace, model_fingerprint):
+            pmeta = self.index.get_in(namespace, parent)
+            if pmeta is None or pmeta.model_fingerprint != model_fingerprint or not pmeta.full:
+                raise FailedPrecondition(f"parent block {parent.hex()} is not a stored full block")
+        shape = layout.block_shape(bt)
+        done = 0
+        for i, (key, tokens) in enumerate(blocks):
+            if len(tokens) != 4 * bt:
+                raise InvalidArgument(f"block {i}: {len(tokens) // 4} tokens, a full block has {bt}")
+            try:
+                await self._store(namespace, model_fingerprint, parent, pmeta, key, tokens, bt, bt, layout.dtype,
+                                  shape, payload_checksum, payload, index=i)
+            except ResourceExhausted:
+                break  # the rest of the chain would have no parent
+            parent, pmeta = key, self.index.get_in(namespace, key)
+            done += 1
+        return done
+
+    async def _store(self, namespace: str, model_fingerprint: bytes, parent: bytes, pmeta: BlockMeta | None,
+                     key: bytes, tokens: bytes, num_tokens: int, block_tokens: int, dtype: DType,
+                     shape: tuple[int, ...], payload_checksum: int, payload: bytes, *, pin: bool = False,
+                     index: int = 0) -> PutOutcome:
+        """Dedupe and store one block whose header and payload were checked (put) or are the caller's own
+        (put_chain): placed, then published in the index."""
         if self.flusher is not None and self.write_policy == WritePolicy.WRITE_BACK:
             await self.flusher.admit(len(payload))  # the loss window's byte bound: wait for the disk
         while (pending := self._pending.get(key)) is not None:
@@ -277,8 +335,8 @@ class BlockStore:
 
         meta = BlockMeta(
             key=key, parent=parent, namespace=namespace, model_fingerprint=model_fingerprint, tokens=tokens,
-            num_tokens=header.num_tokens, dtype=header.dtype, shape=tuple(header.shape), nbytes=len(payload),
-            checksum=header.checksum, locations=[], full=header.num_tokens == layout.block_tokens,
+            num_tokens=num_tokens, dtype=dtype, shape=shape, nbytes=len(payload),
+            checksum=payload_checksum, locations=[], full=num_tokens == block_tokens,
             pins=1 if pin else 0,
         )
         tick(meta)
@@ -429,24 +487,26 @@ class BlockStore:
         rank = self.placement.rank[tier_name]
         c = self.counters
         c.tiers[tier_name].hits += 1
+        c.tiers[tier_name].served_bytes += meta.nbytes
         for upper in self.placement.tiers[:rank]:
             c.tiers[upper.name].misses += 1
         meta.hits += 1
         c.blocks_served += 1
         c.bytes_served += meta.nbytes
 
-    async def read(self, meta: BlockMeta, *, promote: bool = True) -> bytes:
+    async def read(self, meta: BlockMeta, *, promote: bool = True, verify: bool = True) -> bytes:
         """The block's payload from its fastest verified copy; a corrupt or unreadable copy is dropped and
-        the next tried. A hit below the top tier is copied up (promotion) unless promote is False."""
-        payload, name = await self._read_verified(meta)
+        the next tried. A hit below the top tier is copied up (promotion) unless promote is False. verify=False
+        skips the checksum: only for payloads the caller wrote itself (the trace replayer's)."""
+        payload, name = await self._read_verified(meta, verify=verify)
         payload = typing.cast(bytes, payload)  # without `view`, a tier's read gives bytes (or a bytearray)
         await self._served_from(meta, name, payload, promote)
         return payload
 
-    async def read_view(self, meta: BlockMeta, *, promote: bool = True) -> bytes | memoryview:
+    async def read_view(self, meta: BlockMeta, *, promote: bool = True, verify: bool = True) -> bytes | memoryview:
         """As `read`, but a copy in a host pool comes as a view of its slot, valid only while the block is
         held (`reading`): the data channel writes it to the socket from there, without a copy."""
-        payload, name = await self._read_verified(meta, view=True)
+        payload, name = await self._read_verified(meta, view=True, verify=verify)
         await self._served_from(meta, name, payload, promote)
         return payload
 
@@ -487,7 +547,8 @@ class BlockStore:
 
         return sum(await asyncio.gather(*(one(m) for m in todo)))
 
-    async def _read_verified(self, meta: BlockMeta, *, view: bool = False) -> tuple[bytes | memoryview, str]:
+    async def _read_verified(self, meta: BlockMeta, *, view: bool = False, verify: bool = True
+                             ) -> tuple[bytes | memoryview, str]:
         """The payload of the block's fastest copy that reads and verifies, and that tier's name; copies
         that fail are dropped (counted); with none left the block is unindexed and DataLoss raised."""
         placement = self.placement
@@ -498,7 +559,7 @@ class BlockStore:
                 tier = placement.tier(name)
                 in_place = tier.view(meta.key) if view and isinstance(tier, PoolTier) else None
                 payload = in_place if in_place is not None else await tier.read(meta.key)
-                if checksum(payload) != meta.checksum:
+                if verify and checksum(payload) != meta.checksum:
                     raise DataLoss(f"block {meta.key.hex()} failed its checksum in tier {name}")
             except (DataLoss, Unavailable, OSError) as exc:
                 if isinstance(exc, DataLoss):

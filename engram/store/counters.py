@@ -23,6 +23,8 @@ class TierCounters:
     promotions: int = 0  # blocks copied up into this tier on a hit
     demoted_bytes: int = 0
     promoted_bytes: int = 0
+    served_bytes: int = 0  # bytes of the blocks served from this tier (its hits)
+    written_bytes: int = 0  # bytes of copies written into this tier: puts, demotions into it, promotions
     io_errors: int = 0
     corrupt_blocks: int = 0
     enospc: int = 0

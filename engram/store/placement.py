@@ -89,6 +89,7 @@ class Placement:
             self.tier_failed(i, exc)
             raise
         self.tier_ok(i)
+        self.counters.tiers[tier.name].written_bytes += len(payload)
         meta.locations.append(tier.name)
         meta.locations.sort(key=self.rank.__getitem__)
         self.lru[tier.name].add(meta)

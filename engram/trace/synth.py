@@ -1,10 +1,22 @@
-"""Synthetic agent traces: a system prompt every session shares, a repository each session reads once,
-per-session histories that grow turn by turn, and sub-agents that fork a parent's prefix. Block ids are
-chained as in Mooncake's traces: a block's id stands for its whole prefix."""
+"""Synthetic agent traces. Block ids are chained as in Mooncake's traces: a block's id stands for its whole
+prefix, and every id is in the global hash scope (formats.py).
+
+- `agent_trace`: the small generator the policy benchmarks were first measured with (benchmarks/trace_policy.py):
+  a 4-block system prompt, one of 3 repositories read once per session, histories growing 1-4 blocks a turn,
+  sub-agents forking a live parent; one timestamp gap between any two requests.
+- `agent_workload` (parameters: `AgentWorkload`): closer to coding agents: a long shared system prompt, a few
+  shared tool-definition prefixes, repository context shared by the sessions in a repository, model replies
+  and tool results alternating, think time while tools run or the user answers, sub-agents (nested) that
+  start from their parent's head prefix or fork its history while the parent waits, sessions arriving over
+  time. Seeded: the same parameters give the same trace."""
 
 from __future__ import annotations
 
+import dataclasses
+import heapq
+import itertools
 import random
+from dataclasses import dataclass
 from typing import Any
 
 from engram.trace.formats import Request
@@ -50,8 +62,123 @@ def agent_trace(sessions: int = 24, turns: int = 6, seed: int = 0, *, system_blo
         done = int(s["turns"]) >= turns
         seen = tuple(s["ids"])
         out.append(Request(t, seen, len(seen) * 512, 256 * n, str(s["id"]),
-                           str(s["parent"]) if s["turns"] == 1 else "", done))
+                           str(s["parent"]) if s["turns"] == 1 else "", done, scope=""))
         if done:
             live.remove(s)
         t += rng.randint(50, 2000)
+    return out
+
+
+# ---- agent workloads ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AgentWorkload:
+    """Parameters of `agent_workload` (docs/ARCHITECTURE.md "Trace replay" has them as a table). Ranges are
+    (low, high), inclusive, drawn uniformly; every draw comes from one random.Random(seed)."""
+
+    sessions: int = 64  # top-level agent sessions
+    seed: int = 0
+    block_tokens: int = 64  # tokens per block; input_length is written as blocks x block_tokens
+    system_blocks: int = 256  # the system prompt every session opens with (16k tokens at 64-token blocks)
+    toolsets: int = 3  # distinct tool-definition prefixes after the system prompt; a session uses one
+    tool_blocks: int = 96  # blocks of one toolset's definitions
+    repos: int = 4  # repositories; a session works in one, picked with weights 1, 1/2, 1/3 ... (a few are hot)
+    repo_blocks: int = 48  # a repository's context read at session start (its instructions, the file tree):
+    # shared by every session in that repository, since it comes right after the same system and tools
+    turns: tuple[int, int] = (8, 40)  # requests of a top-level session
+    subagent_turns: tuple[int, int] = (3, 12)  # requests of a sub-agent
+    user_blocks: tuple[int, int] = (1, 4)  # a user message: the first turn's, and later turns' with user_p
+    tool_result_blocks: tuple[int, int] = (1, 24)  # a tool's result (a file read, a command's output)
+    assistant_blocks: tuple[int, int] = (1, 4)  # the model's reply (a tool call): the request's output
+    task_blocks: tuple[int, int] = (1, 6)  # the task a sub-agent is given
+    tool_ms: tuple[int, int] = (300, 8000)  # think time while a tool runs: the gap before the next request
+    user_ms: tuple[int, int] = (10_000, 120_000)  # think time waiting on the user
+    user_p: float = 0.1  # the chance that a turn waits on the user rather than on a tool
+    subagent_p: float = 0.08  # the chance per turn that the session starts a sub-agent and waits for it
+    fork_history_p: float = 0.5  # the chance that a sub-agent carries its parent's whole history (a fork);
+    # otherwise it starts from the parent's system, tools and repository context only
+    max_depth: int = 2  # sub-agents may start sub-agents down to this depth (1: only top-level sessions do)
+    arrival_ms: int = 20_000  # mean gap between top-level session starts (exponential)
+
+
+@dataclass
+class _Agent:
+    id: str
+    parent: str
+    depth: int
+    ids: list[int]
+    turns_left: int
+    head: int  # blocks of its system, tools and repository context
+    children: int = 0
+    first: bool = True
+
+
+def agent_workload(params: AgentWorkload | None = None, **overrides: Any) -> list[Request]:
+    """A synthetic agent workload (AgentWorkload's fields, or keyword overrides of its defaults): sessions
+    arrive over time, open with a long shared system prompt, one of a few tool-definition prefixes and their
+    repository's context (shared by every session in the repository), then alternate model replies and tool
+    results, pausing between requests for tool calls (seconds) or the user (minutes). A session may start a
+    sub-agent (from its head prefix, or forking its whole history) and wait for it to close; sub-agents nest
+    to max_depth. Requests come in timestamp order, in the session format with every id in the global scope
+    (block ids chained: equal prefixes, equal ids)."""
+    p = dataclasses.replace(params or AgentWorkload(), **overrides)
+    rng = random.Random(p.seed)
+    chain = _Chain()
+    bt = p.block_tokens
+    system = chain.extend([], [f"system{i}" for i in range(p.system_blocks)])
+    tools = [chain.extend(system, [f"tools{k}-{i}" for i in range(p.tool_blocks)]) for k in range(p.toolsets)]
+    heads: dict[tuple[int, int], list[int]] = {}
+    weights = [1 / (k + 1) for k in range(p.repos)]
+
+    def span(r: tuple[int, int]) -> int:
+        return rng.randint(*r)
+
+    def grow(a: _Agent, kind: str, n: int) -> None:
+        a.ids = chain.extend(a.ids, [f"{a.id}-{len(a.ids)}-{kind}{i}" for i in range(n)])
+
+    events: list[tuple[int, int, _Agent]] = []
+    seq = itertools.count()
+    agents: dict[str, _Agent] = {}
+    t = 0.0
+    for k in range(p.sessions):
+        t += rng.expovariate(1 / p.arrival_ms) if k else 0.0
+        toolset, repo = rng.randrange(p.toolsets), rng.choices(range(p.repos), weights)[0]
+        head = heads.get((toolset, repo))
+        if head is None:
+            head = heads[(toolset, repo)] = chain.extend(tools[toolset], [f"repo{repo}-{i}"
+                                                                          for i in range(p.repo_blocks)])
+        a = agents[f"s{k}"] = _Agent(f"s{k}", "", 0, list(head), span(p.turns), len(head))
+        grow(a, "user", span(p.user_blocks))
+        heapq.heappush(events, (int(t), next(seq), a))
+    out: list[Request] = []
+    while events:
+        now, _, a = heapq.heappop(events)
+        a.turns_left -= 1
+        done = a.turns_left <= 0
+        out_blocks = span(p.assistant_blocks)
+        out.append(Request(now, tuple(a.ids), len(a.ids) * bt, out_blocks * bt, a.id, a.parent if a.first else "",
+                           done, scope=""))
+        a.first = False
+        if done:
+            parent = agents.get(a.parent)
+            if parent is not None:  # the parent resumes with the sub-agent's answer as a tool result
+                grow(parent, "answer", span(p.tool_result_blocks))
+                heapq.heappush(events, (now + span(p.tool_ms), next(seq), parent))
+            continue
+        grow(a, "reply", out_blocks)
+        if a.depth < p.max_depth and rng.random() < p.subagent_p:
+            a.children += 1
+            cid = f"{a.id}.{a.children}"
+            base = list(a.ids) if rng.random() < p.fork_history_p else a.ids[: a.head]
+            child = agents[cid] = _Agent(cid, a.id, a.depth + 1, base, span(p.subagent_turns), a.head)
+            grow(child, "task", span(p.task_blocks))
+            heapq.heappush(events, (now + span(p.tool_ms), next(seq), child))
+            continue  # the parent waits for its sub-agent
+        if rng.random() < p.user_p:
+            grow(a, "user", span(p.user_blocks))
+            heapq.heappush(events, (now + span(p.user_ms), next(seq), a))
+        else:
+            grow(a, "tool", span(p.tool_result_blocks))
+            heapq.heappush(events, (now + span(p.tool_ms), next(seq), a))
     return out
