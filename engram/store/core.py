@@ -273,7 +273,7 @@ class BlockStore:
         key = block_key(parent, header.tokens)
         return await self._store(namespace, model_fingerprint, parent, pmeta, key, tokens_to_bytes(header.tokens),
                                  header.num_tokens, layout.block_tokens, header.dtype, tuple(header.shape),
-                                 header.checksum, payload, pin=pin, index=index)
+                                 header.checksum, payload, pin=pin, index=index, sample=sample)
 
     async def put_chain(self, namespace: str, model_fingerprint: bytes, parent: bytes,
                         blocks: Sequence[tuple[bytes, bytes]], payload: bytes, payload_checksum: int) -> int:
@@ -313,9 +313,10 @@ class BlockStore:
     async def _store(self, namespace: str, model_fingerprint: bytes, parent: bytes, pmeta: BlockMeta | None,
                      key: bytes, tokens: bytes, num_tokens: int, block_tokens: int, dtype: DType,
                      shape: tuple[int, ...], payload_checksum: int, payload: bytes, *, pin: bool = False,
-                     index: int = 0) -> PutOutcome:
+                     index: int = 0, sample: Sample | None = None) -> PutOutcome:
         """Dedupe and store one block whose header and payload were checked (put) or are the caller's own
-        (put_chain): placed, then published in the index."""
+        (put_chain): placed, then published in the index; `sample`, the raw elements a lossy encoding was
+        sampled from, is measured once stored (engram/store/quality.py)."""
         if self.flusher is not None and self.write_policy == WritePolicy.WRITE_BACK:
             await self.flusher.admit(len(payload))  # the loss window's byte bound: wait for the disk
         while (pending := self._pending.get(key)) is not None:
@@ -368,7 +369,7 @@ class BlockStore:
             done.set()
         self.counters.blocks_put += 1
         if sample is not None:  # measured off the loop; this put does not wait (engram/store/quality.py)
-            self.quality.measure_later(sample, payload, header.dtype, tuple(header.shape),
+            self.quality.measure_later(sample, payload, dtype, shape,
                                        meta.locations[0] if meta.locations else placement.tiers[0].name)
         if self.flusher is not None and not durable.is_durable(placement, meta):
             self.flusher.note(meta, now=not ok)  # write-back's window; or write-through degraded: at once
