@@ -158,3 +158,21 @@ async def test_a_malformed_calibration_stops_the_start(model: HybridDecoder, tmp
         await start_server(cfg)
     with pytest.raises(ConfigError, match=r"replay\.calibrations: .* is not a directory"):
         load_config(env={}, overrides={"replay.calibrations": str(tmp_path / "nowhere")})
+
+
+async def test_the_start_banner_says_which_models_are_calibrated(model: HybridDecoder, tmp_path: Path) -> None:
+    from engram.server.app import banner
+
+    cal = calibration(model, exact_s=0.010, approx_s=0.002, load_s=1e-5, top1=1.0, kl=0.0)
+    Calibration.from_json(cal).save(tmp_path)
+    save_decoder(model, tmp_path / "model.safetensors")
+    cfg = load_config(env={}, overrides={"server.port": 0, "tiers.dram.capacity": "64MiB",
+                                         "tiers.dram.prefault": False, "replay.device": "cpu",
+                                         "replay.models": str(tmp_path / "model.safetensors"),
+                                         "replay.calibrations": str(tmp_path)})
+    srv = await start_server(cfg)
+    try:
+        line = next(x for x in banner(cfg, srv) if x.startswith("replay cost models"))
+        assert line.startswith("replay cost models: 1 of 1 calibrated") and "top-1 >= 0.99" in line
+    finally:
+        await srv.stop(0)

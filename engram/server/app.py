@@ -367,6 +367,11 @@ def banner(config: EngramConfig, running: RunningServer) -> list[str]:
              else "tenancy: off (every caller may act in every namespace)",
              "TLS: on" if config.server.tls_cert else "TLS: off",
              f"replay models: {', '.join(models)}" if models else "replay models: none"]
+    if models and config.replay.calibrations:
+        sm = running.sessions
+        lines.append(f"replay cost models: {len(sm.cost_models)} of {len(models)} calibrated for this machine in "
+                     f"{config.replay.calibrations} (auto sessions of the others replay exact); fidelity floor "
+                     f"top-1 >= {sm.floor.min_top1}, KL <= {sm.floor.max_kl}")
     if running.metrics is not None:
         lines.append(f"metrics on http://{config.server.metrics_host}:{running.metrics.port}/metrics")
     if config.cluster.redis_url:
