@@ -1,5 +1,5 @@
 """Hugging Face checkpoint directories as the daemon's replay models (replay.models): tiny random gpt-oss,
-Gemma 3, Mistral-family (Ministral's interleaved layers) and Qwen2 models written with save_pretrained in
+Gemma 2, Gemma 3, Mistral-family (Ministral's interleaved layers) and Qwen2 models written with save_pretrained in
 several safetensors shards, loaded by path by a real daemon, which replays a session whose window was dropped;
 the logits the worker then computes equal an uninterrupted run's (prefill, keep the window, decode) bit for bit
 in float64 on the CPU. (HF's own decode differs from a prefill of one more token by ~5e-8 on Gemma 3, float32
@@ -49,6 +49,17 @@ def _qwen2(dtype: torch.dtype) -> HFReplayModel:
     return _random(Qwen2ForCausalLM, config, dtype)
 
 
+def _gemma2(dtype: torch.dtype) -> HFReplayModel:
+    """Gemma 2: sliding and global layers alternating, attention logit softcapping."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
+                          max_position_embeddings=4096)
+    config._attn_implementation = "eager"
+    return _random(Gemma2ForCausalLM, config, dtype)
+
+
 def _random(cls: Any, config: Any, dtype: torch.dtype) -> HFReplayModel:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -57,6 +68,7 @@ def _random(cls: Any, config: Any, dtype: torch.dtype) -> HFReplayModel:
 
 FAMILIES: dict[str, Callable[[torch.dtype], HFReplayModel]] = {
     "gpt-oss": lambda dtype: tiny_gpt_oss(window=6, dtype=dtype),
+    "gemma2": _gemma2,
     "gemma3": lambda dtype: tiny_gemma3(window=6, dtype=dtype),
     "ministral": _ministral,
     "qwen2": _qwen2,

@@ -249,13 +249,16 @@ _SAME_DTYPE_EAGER = "engram_eager"
 
 
 def _same_dtype_eager(module: Any, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                      scaling: float, dropout: float = 0.0, **kwargs: Any) -> tuple[Tensor, Tensor]:
+                      scaling: float, dropout: float = 0.0, softcap: float | None = None, **kwargs: Any
+                      ) -> tuple[Tensor, Tensor]:
     """HF's Llama-family eager attention with the softmax in the model's dtype. HF upcasts that softmax to
     float32, whose vectorised row sums depend on the row's length, so a float64 model replayed over fewer keys
     differs from its own prefill by ~5e-8 (measured on Mistral, torch 2.13 CPU): rounding of HF's, not replay's."""
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)  # (B, n_h, T, d_h)
     weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:  # Gemma 2's attention logit softcapping
+        weights = torch.tanh(weights / softcap) * softcap
     if attention_mask is not None:
         weights = weights + attention_mask
     weights = torch.softmax(weights, dim=-1)
@@ -272,9 +275,9 @@ def _register_same_dtype_eager() -> str:
 
 
 # Model types whose HF eager attention upcasts its softmax to float32 (see _same_dtype_eager): in float64 they
-# run Engram's same-dtype eager so a replay is bit-identical to the prefill. The others (gpt-oss's sinks, Gemma's
-# softcapping) keep the model's dtype in their own eager attention.
-_UPCASTING = frozenset({"mistral", "ministral", "qwen2", "qwen3", "llama"})
+# run Engram's same-dtype eager so a replay is bit-identical to the prefill. The others (gpt-oss's sinks, Gemma
+# 3) keep the model's dtype in their own eager attention.
+_UPCASTING = frozenset({"mistral", "ministral", "qwen2", "qwen3", "llama", "gemma2"})
 
 
 def checkpoint_spec(path: str | Path) -> ReplaySpec:
