@@ -1,10 +1,11 @@
 """Prefix-contiguous hit ratio of Engram's eviction (the real store) against LRU and Belady (the offline
 optimum) on synthetic agent traces, at several capacities, and how much of the gap from LRU to the optimum
-Engram closes. Run: .venv/bin/python benchmarks/trace_policy.py [--json]
+Engram closes. Run: .venv/bin/python benchmarks/trace_policy.py [--json | --sweep | --conversations]
 
 --sweep: engram against LRU only (hit blocks), on 12 more trace shapes (seeds 4-7; default, 12 concurrent
 sessions with half of them sub-agents, 12 turns of 2-6 blocks) at 16-256 blocks, for checking a policy change
-against the previous commit's figures."""
+against the previous commit's figures.
+--conversations: the chat shape without sessions (synth.conversation_trace), where Engram's order is LRU's."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 from typing import Any
 
 from engram.trace import agent_trace, replay_all
+from engram.trace.synth import conversation_trace
 
 CAPACITIES = [32, 64, 128, 256, 512, 1024]
 
@@ -33,9 +35,27 @@ def sweep() -> None:
     print(f"engram below lru in {below} of {len(SHAPES) * 4 * 5}")
 
 
+def conversations() -> None:
+    """The conversation shape (synth.conversation_trace: no sessions, long flat think times), 3 seeds."""
+    print("| seed | capacity (blocks) | engram | lru | belady | gap to belady closed |")
+    print("|---|---|---|---|---|---|")
+    for seed in (1, 2, 3):
+        trace = conversation_trace(2000, seed=seed)
+        res = replay_all(trace, (300, 1000, 3000))
+        for cap in (300, 1000, 3000):
+            h = {r.policy: r.hit_ratio for r in res if r.capacity_blocks == cap}
+            gap = h["belady"] - h["lru"]
+            closed = f"{(h['engram'] - h['lru']) / gap:.0%}" if gap > 0 else "-"
+            print(f"| {seed} | {cap} | {100 * h['engram']:.2f}% | {100 * h['lru']:.2f}% | {100 * h['belady']:.2f}% | "
+                  f"{closed} |")
+
+
 def main() -> None:
     if "--sweep" in sys.argv:
         sweep()
+        return
+    if "--conversations" in sys.argv:
+        conversations()
         return
     rows = []
     for seed in (1, 2, 3):

@@ -456,3 +456,19 @@ def test_the_workload_parameters_table_in_architecture_lists_every_parameter_wit
     documented.pop("parameter")  # the header row
     want = {f.name: str(f.default).replace(" ", "").replace("_", "") for f in dataclasses.fields(AgentWorkload)}
     assert {k: v.replace(" ", "") for k, v in documented.items()} == want
+
+
+def test_conversation_trace_turns_resend_their_history_and_are_in_time_order() -> None:
+    from engram.trace.synth import conversation_trace
+
+    trace = conversation_trace(50, seed=3)
+    assert trace == conversation_trace(50, seed=3) and trace != conversation_trace(50, seed=4)
+    assert all(a.timestamp <= b.timestamp for a, b in itertools.pairwise(trace))
+    assert all(r.hash_ids[:2] == (1, 2) and not r.session for r in trace)  # the shared system prompt, no sessions
+    by_first = {}
+    for r in trace:  # a conversation's turns: each extends the one before by 1-4 blocks
+        prev = by_first.get(r.hash_ids[2])
+        if prev is not None:
+            assert r.hash_ids[: len(prev)] == prev and 1 <= len(r.hash_ids) - len(prev) <= 4
+        by_first[r.hash_ids[2]] = r.hash_ids
+    assert len(by_first) == 50 and len(trace) > 50
