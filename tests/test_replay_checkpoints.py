@@ -179,7 +179,7 @@ async def test_daemon_replays_a_checkpoint_in_bf16_on_the_gpu(family: str, serve
     """As served: bf16 on CUDA (sdpa where the model has it). The replay runs fewer rows through the same
     kernels than the prefill did, so bf16 rounding may differ: the window within 2% of its largest entry, the
     next-token logits within 3% of their largest, the same top-1 token. Measured on the H200 (2026-12-04,
-    torch 2.11): 0 and 0 for all four tiny models (bit-identical); the bounds are for shapes whose kernels
+    torch 2.11): 0 and 0 for all five tiny models (bit-identical); the bounds are for shapes whose kernels
     tile by row count, which these do not reach."""
     path = save_checkpoint(FAMILIES[family](torch.float32), tmp_path / family)
     worker = load_checkpoint(path, device="cuda")
