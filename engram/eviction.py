@@ -63,14 +63,16 @@ class LeafLRU:
         """A copy of the block arrived in this tier."""
         heapq.heappush(self._heap, _entry(meta))
 
-    def victim(self, lookup: Callable[[bytes], BlockMeta | None], live_blocks: int, *, leaf_only: bool
-               ) -> BlockMeta | None:
+    def victim(self, lookup: Callable[[bytes], BlockMeta | None], live_blocks: int, *, leaf_only: bool,
+               max_held: int | None = None) -> BlockMeta | None:
         """The least recently used evictable block (leaf, with leaf_only) of this tier, or None if every
         candidate is pinned, leased or moving. Unreferenced blocks first, then those one session holds,
-        then those several hold."""
+        then those several hold. `max_held`: give up (None) after passing that many pinned, leased or moving
+        blocks, for callers that would rather skip than search (a promotion into a tier that the reader's own
+        leased chain fills would otherwise pass every one of them, for every block it promotes)."""
         held: list[tuple[int, int, bytes]] = []
         found = None
-        while self._heap:
+        while self._heap and (max_held is None or len(held) < max_held):
             item = heapq.heappop(self._heap)
             meta = lookup(item[2])
             if meta is None or _entry(meta) != item or self.tier_name not in meta.locations:

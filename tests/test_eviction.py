@@ -191,3 +191,17 @@ def test_the_heap_stays_proportional_to_the_blocks() -> None:
     assert tier.victim() == "a"
     assert len(tier.lru._heap) <= 4 * 16  # compacted once stale entries outnumber live blocks 4:1
     assert tier.victim() == "b"
+
+
+def test_a_search_that_will_not_wait_gives_up_after_max_held_blocks_and_keeps_their_places() -> None:
+    """A promotion (make_room(wait=False)) passes at most max_held leased blocks, then skips, instead of
+    popping every leased entry of a tier its reader's own chain fills, for every block it promotes."""
+    tier = Tier(*(f"b{i}" for i in range(10)))
+    for i in range(8):
+        tier[f"b{i}"].leases = 1  # the eight oldest are being read
+    assert tier.lru.victim(tier.lookup, 10, leaf_only=False, max_held=4) is None  # b8 is there, but too far
+    found = tier.lru.victim(tier.lookup, 10, leaf_only=False, max_held=9)  # passes 8, reaches b8
+    assert found is not None and found.key == b"b8"
+    for i in range(8):  # once the reads end, the leased blocks come first again, in their old order
+        tier[f"b{i}"].leases = 0
+    assert tier.evict_all() == [f"b{i}" for i in range(10) if i != 8]

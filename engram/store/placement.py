@@ -27,6 +27,7 @@ from engram.store.counters import StoreCounters, TierHealth
 from engram.tiers.base import Tier
 
 TIER_FAULTS = (ResourceExhausted, Unavailable, DataLoss, OSError)
+SKIP_HELD = 64  # make_room(wait=False): leased, pinned or moving blocks passed before giving up
 HOT_TIERS = frozenset({"hbm", "dram"})  # memory: a block here loads in milliseconds; below it, from NVMe or a peer
 
 
@@ -109,7 +110,10 @@ class Placement:
         deadline = time.monotonic() + self.wait_for_room_s
         while not tier.reserve(need):
             lower = self.lower(i) if demote else None
-            victim = lru.victim(self.index.get, len(tier), leaf_only=lower is None)
+            # A caller that will not wait (a promotion, a transfer's copy) gives up after passing SKIP_HELD
+            # blocks it may not evict: it skips the copy rather than scan the tier's leased blocks every time.
+            victim = lru.victim(self.index.get, len(tier), leaf_only=lower is None,
+                                max_held=None if wait else SKIP_HELD)
             if victim is None and wait and self.busy and time.monotonic() < deadline:
                 # Every candidate is moving or being read: one of those ends soon and frees a victim.
                 async with self.freed:
