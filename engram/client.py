@@ -954,24 +954,12 @@ class EngramClient(ControlClient):
         if header is None:
             raise errors.DataLoss("Resume stream carried no header")
         w = header.window
-        data = b"".join(parts)
-        if checksum(data) != w.checksum:
-            raise errors.DataLoss("the SWA window arrived damaged (checksum mismatch)")
-        dtype = convert.dtype_from_pb(w.dtype, "window")
-        if len(data) != stored.stored_nbytes(stored.RAW, tuple(w.shape), dtype):
-            raise errors.DataLoss(f"the SWA window has {len(data)} bytes, its shape {tuple(w.shape)} needs more")
-        tensor = stored.decode(data, stored.RAW, dtype, tuple(w.shape))
+        tensor = _raw_tensor(parts, w.checksum, w.dtype, tuple(w.shape), "window", "the SWA window")
         blocks = tuple(convert.from_pb(BlockRef, b) for b in header.blocks)
         global_kv = None
         if header.HasField("global_kv"):
             g = header.global_kv
-            raw = b"".join(kv_parts)
-            if checksum(raw) != g.checksum:
-                raise errors.DataLoss("the global KV arrived damaged (checksum mismatch)")
-            kv_dtype = convert.dtype_from_pb(g.dtype, "global KV")
-            if len(raw) != stored.stored_nbytes(stored.RAW, tuple(g.shape), kv_dtype):
-                raise errors.DataLoss(f"the global KV has {len(raw)} bytes, its shape {tuple(g.shape)} needs more")
-            global_kv = stored.decode(raw, stored.RAW, kv_dtype, tuple(g.shape))
+            global_kv = _raw_tensor(kv_parts, g.checksum, g.dtype, tuple(g.shape), "global KV", "the global KV")
         elif with_global_kv:
             raise errors.DataLoss("Resume was asked for the global KV and sent none")
         return ResumeResult(header.position, blocks, tensor, w.start, header.source, header.replayed_tokens,
@@ -996,6 +984,18 @@ class EngramClient(ControlClient):
             info = await self.describe_namespace(namespace)
             self._salts[namespace] = (info.namespace, info.key_salt)
         return self._salts[namespace]
+
+def _raw_tensor(parts: list[bytes], expected: int, dtype_pb: int, shape: tuple[int, ...], where: str,
+                what: str) -> torch.Tensor:
+    """A tensor sent raw in chunks (a Resume's window or global KV), checked against its checksum and shape."""
+    data = b"".join(parts)
+    if checksum(data) != expected:
+        raise errors.DataLoss(f"{what} arrived damaged (checksum mismatch)")
+    dtype = convert.dtype_from_pb(dtype_pb, where)
+    if len(data) != stored.stored_nbytes(stored.RAW, shape, dtype):
+        raise errors.DataLoss(f"{what} has {len(data)} bytes, its shape {shape} needs more")
+    return stored.decode(data, stored.RAW, dtype, shape)
+
 
 class SyncEngramClient:
     """Blocking facade over EngramClient, for workers that are not asyncio programs."""
