@@ -273,3 +273,22 @@ async def test_a_rebuilt_window_is_dropped_when_its_blocks_leave_memory(daemon, 
         assert (await client.resume(kept.session_id)).source == "persisted"
         logits, source = await next_logits(client, model, fp, sid, toks)
         assert source == "replay" and torch.equal(logits, reference_logits(model, toks, P))
+
+
+async def test_another_tenant_cannot_resume_a_session_or_take_its_global_kv(server_factory, model_file: Path,  # type: ignore[no-untyped-def]
+                                                                              model: HybridDecoder) -> None:
+    """Bob asks for Alice's session with its decoded global KV, by id, in his namespace and in hers: the
+    answers are NOT_FOUND and PERMISSION_DENIED, and nothing of her KV comes back."""
+    auth = {"auth.tenants.alice.token": "alice-token", "auth.tenants.bob.token": "bob-token",
+            "auth.salt_secret": "test-secret"}
+    srv = await server_factory(**{"replay.models": str(model_file), **auth})
+    toks = tokens_for(P + 1, seed=31)
+    async with EngramClient(srv.address, token="alice-token", namespace="alice") as alice, \
+            EngramClient(srv.address, token="bob-token", namespace="bob") as bob:
+        fp, sid = await put_session(alice, model, toks[:P])
+        with pytest.raises(errors.NotFound):
+            await bob.resume(sid, with_global_kv=True)
+        with pytest.raises(errors.PermissionDenied):
+            await bob.resume(sid, namespace="alice", with_global_kv=True)
+        r, kv = await alice.resume_kv(fp, sid)  # hers still answers, with her KV
+        assert r.source == "replay" and torch.equal(kv, block_tensor(model, toks[:P]))
