@@ -1,4 +1,4 @@
-"""Block accesses per second of the trace replayer's engram policy (the real BlockStore, ChainIndex, LeafLRU
+"""Block accesses per second of the trace replayer's engram policy (the real BlockStore, ChainIndex, eviction order
 and Placement), on a synthetic agent trace of about 100k block accesses, at a few capacities in blocks.
 Runs against whatever `engram` is importable, so the same command times an older tree with
 PYTHONPATH=that/tree. --profile: cProfile of the first capacity's run, top functions by own time.

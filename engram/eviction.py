@@ -1,42 +1,92 @@
-"""Eviction order for one tier: least recently used first, and on the tier whose eviction deletes a
-block (the last one, or any tier with nowhere to demote to) least recently used *leaf* first.
+"""Which block a full tier gives up. Blocks no live session references go first, then those one session
+holds, then those several hold; within that, one of two orders picks: least recently used first, or the
+lowest *hit density* first (the hits a block may still earn per unit of cache time it would take up,
+learned from when blocks come back). Which order picks is learned too (LeCaR): an order whose victims come
+back soon after they went loses weight. Where eviction deletes (the last tier, or any tier with nowhere to
+demote to) only leaves go.
 
-Deleting only blocks with no children in the index (leaves) makes a chain lose its tail before its head,
-so every stored block stays reachable from the root (prefix closure): plain LRU would delete the oldest
-block, and the oldest block of a chain is its root, whose loss orphans every descendant. Demoting a block
-to a lower tier keeps it reachable, so demotion may take any block.
+Why held classes: a session about to resume keeps its prefix, while blocks nobody holds (a finished agent's
+history) go first; a shared root serves every session below it, a private tail only its own. They are still
+victims when nothing else is left, so sessions cannot wedge a tier.
 
-Blocks that a live session references (its prefix: engram/sessions.py) go after every unreferenced block
-of the tier: a session about to resume keeps its prefix, while blocks nobody holds (a finished agent's
-history) go first. Blocks that several live sessions hold (a shared system prompt, a repository they all
-read, a fork point) go after those only one session holds: a shared root serves every session below it, a
-private tail only its own. They are still victims when nothing else is left, so sessions cannot wedge a tier.
+Why leaves: deleting only blocks with no children in the index makes a chain lose its tail before its head,
+so every stored block stays reachable from the root (prefix closure). Demoting keeps a block reachable, so
+demotion may take any block.
 
-Structure: a binary heap of (held class, tick, key) with lazy deletion; the class is `held_class`: 0 nobody
-holds the block, 1 one session, 2 several. Every access gives a block a new tick and
-pushes a fresh entry (so does a change of referenced class); entries whose tick or class no longer match
-the block's, or whose block gained a child,
-moved tier or left the index, are discarded when they surface. Entries of pinned, leased or moving
-blocks are held aside while a victim is sought and pushed back with their own tick, so they keep their
-true place in the order (an LRU list could only re-append them as the newest). In leaf-only mode inner
-blocks are dropped from the heap and pushed again, with their own tick, when their last child goes;
-`rebuild` restores every entry when a tier leaves leaf-only mode. Costs: touch O(log n), victim O(log n) amortised; the heap is
-rebuilt when stale entries outnumber live blocks 4:1, so memory stays O(blocks).
+Why not LRU alone: LRU bets that the longest-idle block is the least likely to come back. Chats break that
+bet: a conversation comes back after its user reads and types (in the public Mooncake conversation trace,
+never within 30 s and half of the time after 2 minutes), and most prompts' tails never. When the cache
+cannot hold that much traffic, LRU evicts each conversation just before it returns. The hit density ranks
+by what the store has seen instead (LHD: Beckmann, Chen and Cidon, NSDI '18), with two changes for this
+cache:
+- Comebacks past eviction are seen too: a deleted block is remembered as a ghost (key, last use, class),
+  and a put of it later counts as a comeback at its true age. LHD learns only from what it keeps, so a cache
+  that evicts everything younger than the typical think time never learns that blocks come back after it.
+- The horizon is chosen per block: density(class, age a) = max over T > a of (comebacks in (a, T]) /
+  (cache time in (a, T]), where each block still waiting at age a occupies the cache until it comes back or
+  until T: the best rate keeping it can still earn. Blocks unused for HORIZON x (stored blocks) uses count
+  as gone.
+Why not the density alone: where recency is right (agent sessions that come back after a tool call, and
+whose liveness the held classes already tell), the density's estimates over pooled classes measured worse
+than LRU; the LeCaR weights (Vietri et al., HotStorage '18) let each workload keep the order that works for
+it (benchmarks/RESULTS.md trace_policy).
+
+What is learned (`ReturnModel`, one per store, shared by its tiers):
+- classes: held class (0, 1, 2) x reuse (0, 1, 2, 3 or more comebacks so far; a ghost carries its count).
+- age: the store's clock counts block uses (each block a lookup finds, a put stores or finds stored); a
+  block's age is the clock's advance since its last use; ages go in buckets, four per octave.
+- a use at age a counts a comeback in the class the block had at its last use; a lease (a Get after the
+  Lookup that found the block) refreshes its age without counting one.
+- every (stored blocks) uses the densities are recomputed and older counts halved (workloads drift).
+- a ghost that comes back costs the order(s) that chose it weight, the more the sooner it came back.
+Until MIN_EVIDENCE comebacks and gones are seen (a small or new store) the order is plain least recently
+used, exactly.
+
+Per tier (`TierVictims`): every block with a copy in the tier, and apart the leaves, in arrays sampled
+SAMPLE at a time (as LHD and Redis do; up to 2 x SAMPLE candidates all are compared); entries of blocks that
+left the tier or gained a child are dropped as they are met (a block is added back when it becomes a leaf
+again). Pinned, leased or moving blocks are passed over. Costs: a use O(1), a victim O(SAMPLE), memory
+O(blocks + ghosts), a recomputation O(blocks) every (stored blocks) uses.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
+import bisect
+import math
+import random
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
+
+import numpy as np
 
 from engram.index import BlockMeta
 
-_ticks = itertools.count(1)  # one clock for every tier, so a block keeps its recency when it moves
+SAMPLE = 16  # candidates compared per victim in a tier with more than twice as many
+KEEP_DIVISOR = 8  # a cold search keeps its sample's best 1/8 for the next searches
+HORIZON = 16.0  # unused for HORIZON x stored blocks uses: gone
+MIN_EVIDENCE = 256  # comebacks and gones seen before densities replace least-recently-used order
+LEARNING_RATE = 0.45  # LeCaR's: how much weight an order loses per victim that came back at once
+GHOSTS_MAX = 1 << 20  # deleted blocks remembered past the ghost table (for their reuse class), at most
+GHOSTS_PER_BLOCK = 4  # ghosts within the horizon: 4 per stored block, plus 1024
+_REUSE = 4  # reuse classes: 0, 1, 2, 3+ comebacks
+CLASSES = 3 * _REUSE
+_NB = 160  # age buckets: ages 0-7 exact, then four per octave
+
+
+class _Clock:
+    __slots__ = ("now",)
+
+    def __init__(self) -> None:
+        self.now = 0
+
+
+CLOCK = _Clock()  # one clock for every store and tier, so a block keeps its age when it moves
 
 
 def tick(meta: BlockMeta) -> None:
-    meta.tick = next(_ticks)
+    """Restart a block's age (a recovered block, or a test's use) without counting a comeback."""
+    CLOCK.now += 1
+    meta.tick = CLOCK.now
 
 
 def held_class(meta: BlockMeta) -> int:
@@ -44,60 +94,441 @@ def held_class(meta: BlockMeta) -> int:
     return min(meta.refs, 2)
 
 
-def _entry(meta: BlockMeta) -> tuple[int, int, bytes]:
-    return (held_class(meta), meta.tick, meta.key)
+def class_of(meta: BlockMeta) -> int:
+    return min(meta.refs, 2) * _REUSE + min(meta.uses, _REUSE - 1)
 
 
-class LeafLRU:
-    def __init__(self, tier_name: str) -> None:
-        self.tier_name = tier_name
-        self._heap: list[tuple[int, int, bytes]] = []
-        self._live = 0
+def age_bucket(age: int) -> int:
+    if age < 8:
+        return max(age, 0)
+    bl = age.bit_length()
+    return min(4 * (bl - 2) + ((age >> (bl - 3)) & 3), _NB - 1)
 
-    def touch(self, meta: BlockMeta) -> None:
-        """Record a use, or a change of referenced class; call for a block's every tier (one clock, so
-        recency is the same everywhere)."""
-        heapq.heappush(self._heap, _entry(meta))
+
+def _bucket_ages() -> np.ndarray:
+    """A representative age (the middle) of every bucket."""
+    out = np.zeros(_NB)
+    for b in range(_NB):
+        if b < 8:
+            out[b] = b
+            continue
+        bl, sub = b // 4 + 2, b % 4
+        lo = (4 + sub) << (bl - 3)
+        out[b] = lo + (1 << (bl - 3)) / 2
+    return out
+
+
+_AGES = _bucket_ages()
+
+
+class ReturnModel:
+    """Comebacks and gones per class and age bucket, and from them each class's hit density by age."""
+
+    def __init__(self, stored: Callable[[], Iterable[BlockMeta]], count: Callable[[], int], *,
+                 horizon: float = HORIZON, min_evidence: int = MIN_EVIDENCE) -> None:
+        self._stored = stored  # every indexed block: idle ones past the horizon count as gone
+        self._count = count  # how many blocks are stored
+        self.horizon = horizon
+        self.min_evidence = min_evidence
+        self.hits = [[0.0] * _NB for _ in range(CLASSES)]
+        self.gone = [[0.0] * _NB for _ in range(CLASSES)]
+        self.density: list[list[float]] | None = None  # None: not enough evidence yet, LRU order
+        # key -> (tick, class, uses, the orders that chose it, the clock when it went)
+        self.ghosts: OrderedDict[bytes, tuple[int, int, int, int, int]] = OrderedDict()
+        self.weights = [0.5, 0.5]  # recency, density: how often each order picks the victim (LeCaR)
+        self.past: OrderedDict[bytes, int] = OrderedDict()  # ghosts past the horizon: key -> uses, for the class
+        self.evidence = 0
+        self._since = 0
+        self._limit = self._g = 1024
+        self.recomputed = 0
+
+    # ---- what the store reports -----------------------------------------------------------------
+
+    def use(self, meta: BlockMeta) -> None:
+        """A request used a stored block (a lookup found it, a put found it stored)."""
+        CLOCK.now += 1
+        if meta.tick:
+            self._came_back(meta.cls, CLOCK.now - meta.tick)
+            meta.uses += 1
+        meta.tick = CLOCK.now
+        meta.cls = class_of(meta)
+        meta.chosen = 0
+        self._since += 1
+        if self._since >= self._limit:
+            self.recompute()
+
+    def arrive(self, meta: BlockMeta) -> None:
+        """A new block was put: a comeback if the store deleted it before (a ghost), else its first use."""
+        CLOCK.now += 1
+        ghost = self.ghosts.pop(meta.key, None)
+        if ghost is not None:
+            last, cls, uses, chosen, went = ghost
+            self._came_back(cls, CLOCK.now - last)
+            meta.uses = uses + 1
+            if chosen:
+                self._regret(chosen, CLOCK.now - went)
+        else:
+            past = self.past.pop(meta.key, -1)
+            if past >= 0:  # back after the horizon: counted gone then, but a reuser all the same
+                meta.uses = past + 1
+        meta.tick = CLOCK.now
+        meta.cls = class_of(meta)
+        self._since += 1
+        if self._since >= self._limit:
+            self.recompute()
+
+    @staticmethod
+    def refresh(meta: BlockMeta) -> None:
+        """A lease on a block a lookup just found (a Get): its age restarts, no comeback is counted."""
+        meta.tick = CLOCK.now
+
+    def forget(self, meta: BlockMeta) -> None:
+        """The store deleted the block: remember it, so a put of it later counts as a comeback."""
+        if meta.cls < 0:  # already counted gone
+            self._remember(meta.key, meta.uses)
+            return
+        self.ghosts[meta.key] = (meta.tick, meta.cls, meta.uses, meta.chosen, CLOCK.now)
+        self.ghosts.move_to_end(meta.key)
+        while len(self.ghosts) > GHOSTS_PER_BLOCK * self._count() + 1024:
+            key, (_, cls, uses, _, _) = self.ghosts.popitem(last=False)
+            self._gone(cls)
+            self._remember(key, uses)
+
+    def _remember(self, key: bytes, uses: int) -> None:
+        self.past[key] = uses
+        self.past.move_to_end(key)
+        while len(self.past) > min(GHOSTS_MAX, max(65536, 8 * self._count())):
+            self.past.popitem(last=False)
+
+    # ---- learning -------------------------------------------------------------------------------
+
+    def _came_back(self, cls: int, age: int) -> None:
+        if cls < 0:
+            return  # counted gone already: it starts afresh
+        if age > self._g:
+            self._gone(cls)
+        else:
+            self.hits[cls][age_bucket(age)] += 1
+            self.evidence += 1
+
+    def _regret(self, chosen: int, since: int) -> None:
+        """A block an order chose came back `since` uses after it went: that order loses weight, the more
+        the sooner (LeCaR: Vietri et al., HotStorage '18)."""
+        n = max(16, self._count())
+        r = 0.005 ** (since / n)
+        w = self.weights
+        for e in (0, 1):
+            if chosen & (1 << e):
+                w[e] *= math.exp(-LEARNING_RATE * r)
+        total = w[0] + w[1]
+        for e in (0, 1):
+            w[e] = min(0.99, max(0.01, w[e] / total))
+
+    def _gone(self, cls: int) -> None:
+        self.gone[cls][age_bucket(self._g)] += 1
+        self.evidence += 1
+
+    def recompute(self) -> None:
+        """Count blocks idle past the horizon as gone, recompute every class's densities, halve the counts."""
+        n = self._count()
+        self._g = max(1024, int(self.horizon * n))
+        self._limit = max(1024, n)
+        self._since = 0
+        now = CLOCK.now
+        for meta in self._stored():
+            if meta.cls >= 0 and now - meta.tick > self._g:
+                self._gone(meta.cls)
+                meta.cls = -1
+        while self.ghosts:
+            key, (last, cls, _, _, _) = next(iter(self.ghosts.items()))
+            if now - last <= self._g:
+                break
+            _, _, uses, _, _ = self.ghosts.pop(key)
+            self._gone(cls)
+            self._remember(key, uses)
+        if self.evidence >= self.min_evidence:
+            self.density = densities(np.array(self.hits), np.array(self.gone)).tolist()
+        self.hits = [[h / 2 for h in row] for row in self.hits]
+        self.gone = [[g / 2 for g in row] for row in self.gone]
+        self.recomputed += 1
+
+
+def densities(hits: np.ndarray, gone: np.ndarray) -> np.ndarray:
+    """density[c, a] = max over T > a of hits in (a, T] / cache time in (a, T], where a block that comes
+    back at age x (or is gone at x) occupies min(x, T) - a. Arrays are (classes, buckets); buckets past the
+    last one with any count get 0 and are left out of the O(buckets^2) work."""
+    used = np.flatnonzero((hits + gone).sum(axis=0))
+    out = np.zeros(hits.shape)
+    if not len(used):
+        return out
+    nb = int(used[-1]) + 1
+    hits, gone = hits[:, :nb], gone[:, :nb]
+    n = hits + gone
+    ages = _AGES[:nb]
+    cum_h = np.cumsum(hits, axis=1)  # (C, B): comebacks at buckets <= k
+    cum_n = np.cumsum(n, axis=1)
+    cum_rn = np.cumsum(n * ages, axis=1)
+    total_n = cum_n[:, -1:]
+    # [c, a, T]
+    h = cum_h[:, None, :] - cum_h[:, :, None]
+    occ = ((cum_rn[:, None, :] - cum_rn[:, :, None])
+           - ages[None, :, None] * (cum_n[:, None, :] - cum_n[:, :, None])
+           + (ages[None, None, :] - ages[None, :, None]) * (total_n[:, :, None] - cum_n[:, None, :]))
+    later = np.triu(np.ones((nb, nb), dtype=bool), k=1)[None]
+    ok = later & (occ > 0)
+    rate = np.where(ok, h / np.where(ok, occ, 1.0), 0.0)
+    out[:, :nb] = rate.max(axis=2)
+    return out
+
+
+def _first(entry: tuple) -> tuple:
+    return entry[0]
+
+
+class _Members:
+    """An array of blocks with O(1) add, remove and uniform sampling."""
+
+    __slots__ = ("items", "pos")
+
+    def __init__(self) -> None:
+        self.items: list[BlockMeta] = []
+        self.pos: dict[int, int] = {}  # id(meta) -> index; the array keeps the object alive, so ids stay unique
+
+    def __len__(self) -> int:
+        return len(self.items)
 
     def add(self, meta: BlockMeta) -> None:
-        """A copy of the block arrived in this tier."""
-        heapq.heappush(self._heap, _entry(meta))
+        if id(meta) not in self.pos:
+            self.pos[id(meta)] = len(self.items)
+            self.items.append(meta)
 
-    def victim(self, lookup: Callable[[bytes], BlockMeta | None], live_blocks: int, *, leaf_only: bool,
-               max_held: int | None = None) -> BlockMeta | None:
-        """The least recently used evictable block (leaf, with leaf_only) of this tier, or None if every
-        candidate is pinned, leased or moving. Unreferenced blocks first, then those one session holds,
-        then those several hold. `max_held`: give up (None) after passing that many pinned, leased or moving
-        blocks, for callers that would rather skip than search (a promotion into a tier that the reader's own
-        leased chain fills would otherwise pass every one of them, for every block it promotes)."""
-        held: list[tuple[int, int, bytes]] = []
-        found = None
-        while self._heap and (max_held is None or len(held) < max_held):
-            item = heapq.heappop(self._heap)
-            meta = lookup(item[2])
-            if meta is None or _entry(meta) != item or self.tier_name not in meta.locations:
-                continue  # stale entry
-            if leaf_only and meta.children:
-                continue  # an inner block: `add` pushes it again when its last child goes
-            if meta.evictable:
-                found = meta
-                break
-            held.append(item)  # pinned, being read or moving: keep its place
-        for item in held:
-            heapq.heappush(self._heap, item)
-        if len(self._heap) > 4 * max(live_blocks, 16):
-            self._compact(lookup)
+    def remove_at(self, i: int) -> None:
+        meta = self.items[i]
+        last = self.items.pop()
+        del self.pos[id(meta)]
+        if last is not meta:
+            self.items[i] = last
+            self.pos[id(last)] = i
+
+    def reset(self, metas: Iterable[BlockMeta]) -> None:
+        self.items = []
+        self.pos = {}
+        for m in metas:
+            self.add(m)
+
+
+RECENCY, DENSITY = 0, 1  # the two orders a victim is chosen by
+
+
+class TierVictims:
+    """One tier's eviction candidates (every block it holds, and its leaves), and the victim search."""
+
+    def __init__(self, tier_name: str, lookup: Callable[[bytes], BlockMeta | None],
+                 model: ReturnModel | None = None, *, sample: int = SAMPLE, seed: int = 0) -> None:
+        self.tier_name = tier_name
+        self.lookup = lookup
+        self.model = model
+        self.sample = sample
+        self.keep = max(1, sample // KEEP_DIVISOR)
+        self._all = _Members()
+        self._leaves = _Members()
+        self._rng = random.Random(seed)
+        self._live = 0  # blocks found valid at the last compaction
+        # Per order, the best candidates of the last search, best last: (negated rank key, block, its tick
+        # then); for the leaves or for every block (`_queued_leaf_only`), and the densities of `_epoch`.
+        self._queues: tuple[list[tuple[tuple, BlockMeta, int]], ...] = ([], [])
+        self._queued_leaf_only = False
+        self._epoch = -1
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def add(self, meta: BlockMeta) -> None:
+        """A copy of the block arrived in this tier (it competes once a sample draws it)."""
+        self._all.add(meta)
+        if not meta.children:
+            self._leaves.add(meta)
+        if len(self._all) > 2 * self._live + 1024:
+            self._compact()
+
+    def leaf_again(self, meta: BlockMeta) -> None:
+        """The block's last child left the index: a candidate where eviction deletes, and in the recency
+        order at once, since it is that order's next victim (as old as the child that went). The density
+        order waits until a sample draws it: trimming the tails of several chains rather than eating one
+        chain whole measured better."""
+        self.add(meta)
+        queue = self._queues[RECENCY]
+        if queue and self._queued_leaf_only:
+            entry = self._entry(RECENCY, meta, CLOCK.now)
+            if len(queue) < self.keep or entry[0] > queue[0][0]:
+                bisect.insort(queue, entry, key=_first)
+                if len(queue) > self.keep:
+                    del queue[0]
+
+    def forget_queue(self) -> None:
+        """Blocks may have become evictable (a lease or pin ended, a move landed) or changed class (a session
+        took or dropped a reference): what the last search kept no longer reflects the order."""
+        self._queues[RECENCY].clear()
+        self._queues[DENSITY].clear()
+
+    def _valid(self, meta: BlockMeta, leaf_only: bool) -> bool:
+        return (self.tier_name in meta.locations and self.lookup(meta.key) is meta
+                and not (leaf_only and meta.children))
+
+    def victim(self, *, leaf_only: bool, max_held: int | None = None) -> BlockMeta | None:
+        """The evictable block (a leaf, with leaf_only) that one of two orders puts first, among all
+        candidates or a sample of them; None if every candidate is pinned, leased or moving. Both orders
+        take blocks no live session holds first, then those one holds, then those several hold. Within that,
+        the recency order takes the least recently used; the density order the lowest hit density. While
+        the model is cold the recency order decides; once it is warm, each search draws the order by the
+        model's weights (LeCaR), which move toward the order whose victims come back less.
+        `max_held`: give up (None) after passing that many held blocks (a promotion would rather skip than
+        search a tier its reader's leases fill). A sample's best `sample // KEEP_DIVISOR` per order are kept
+        for the next searches (as Redis's eviction pool), each taken only if it is still a candidate and
+        unused since, and ranked again as it is taken."""
+        model = self.model
+        warm = model is not None and model.density is not None
+        order = DENSITY if model is not None and warm and self._rng.random() >= model.weights[RECENCY] else RECENCY
+        epoch = model.recomputed if model is not None else -1
+        if not warm and self._queued_leaf_only == leaf_only and self._epoch == epoch:
+            found = self._from_queue(self._queues[order], leaf_only)
+            if found is not None:
+                found.chosen = 1 << order
+                return found
+        for q in self._queues:
+            q.clear()
+        self._queued_leaf_only = leaf_only
+        self._epoch = epoch
+        candidates = self._candidates(leaf_only, max_held)
+        if not candidates:
+            return None
+        now = CLOCK.now
+        if not warm:
+            entries = sorted(self._entry(RECENCY, m, now) for m in candidates)
+            victim = entries.pop()[1]
+            self._queues[RECENCY][:] = entries[-self.keep:] if self.keep > 1 else []
+            return victim
+        # Warm: both orders rank this search's candidates afresh (kept candidates ranked stale measured worse).
+        by_recency, by_density = self._both_best(candidates, now)
+        victim = by_density if order == DENSITY else by_recency
+        victim.chosen = (victim is by_recency) << RECENCY | (victim is by_density) << DENSITY
+        return victim
+
+    def _from_queue(self, queue: list[tuple[tuple, BlockMeta, int]], leaf_only: bool) -> BlockMeta | None:
+        now = CLOCK.now
+        order = RECENCY if queue is self._queues[RECENCY] else DENSITY
+        while queue:
+            key, meta, at = queue.pop()
+            if meta.tick != at or not meta.evictable or not self._valid(meta, leaf_only):
+                continue
+            fresh = self._entry(order, meta, now)  # its class or age may have changed since it was ranked
+            if fresh[0] == key or not queue or fresh[0] >= queue[-1][0]:
+                return meta
+            bisect.insort(queue, fresh, key=_first)
+        return None
+
+    def _candidates(self, leaf_only: bool, max_held: int | None) -> list[BlockMeta]:
+        """Every evictable candidate when there are at most 2 x sample, else a sample of `sample` of them;
+        entries no longer candidates are dropped on the way."""
+        members = self._leaves if leaf_only else self._all
+        items = members.items
+        found: list[BlockMeta] = []
+        if len(items) <= 2 * self.sample:
+            name, lookup = self.tier_name, self.lookup
+            i = 0
+            while i < len(items):
+                meta = items[i]
+                if (leaf_only and meta.children) or name not in meta.locations or lookup(meta.key) is not meta:
+                    members.remove_at(i)
+                    continue
+                i += 1
+                if not (meta.pins or meta.leases or meta.moving):  # evictable, inlined: this runs per eviction
+                    found.append(meta)
+            return found
+        held = draws = 0
+        rand = self._rng.random
+        name, lookup = self.tier_name, self.lookup
+        while items and len(found) < self.sample and draws < 8 * self.sample:
+            draws += 1
+            i = int(rand() * len(items))
+            meta = items[i]
+            if (leaf_only and meta.children) or name not in meta.locations or lookup(meta.key) is not meta:
+                members.remove_at(i)
+                continue
+            if not (meta.pins or meta.leases or meta.moving):
+                found.append(meta)
+                continue
+            held += 1
+            if max_held is not None and held >= max_held and not found:
+                return []
+        if found or not items or (max_held is not None and held >= max_held):
+            return found
+        held = 0  # the sample met only held blocks: look at every candidate
+        for meta in list(items):
+            if not self._valid(meta, leaf_only):
+                members.remove_at(members.pos[id(meta)])
+            elif meta.evictable:
+                found.append(meta)
+            else:
+                held += 1
+                if max_held is not None and held >= max_held and not found:
+                    return []
         return found
 
-    def rebuild(self, metas: Iterable[BlockMeta]) -> None:
-        self._heap = [_entry(m) for m in metas if self.tier_name in m.locations]
-        heapq.heapify(self._heap)
+    def _both_best(self, candidates: list[BlockMeta], now: int) -> tuple[BlockMeta, BlockMeta]:
+        """The first candidate by recency and by density (`_entry`'s orders, in one pass: this runs for
+        every eviction)."""
+        assert self.model is not None and self.model.density is not None
+        density = self.model.density
+        reuse_top = _REUSE - 1
+        top = _NB - 1
+        best_r = best_d = candidates[0]
+        kr: tuple[int, int] = (3, 0)
+        kd: tuple[int, float, int] = (3, 0.0, 0)
+        for m in candidates:
+            refs = m.refs if m.refs < 2 else 2
+            t = m.tick
+            if (refs, t) < kr:
+                kr, best_r = (refs, t), m
+            age = now - t
+            if age < 8:
+                b = age if age > 0 else 0
+            else:
+                bl = age.bit_length()
+                b = 4 * (bl - 2) + ((age >> (bl - 3)) & 3)
+                if b > top:
+                    b = top
+            u = m.uses if m.uses < reuse_top else reuse_top
+            key = (refs, density[refs * _REUSE + u][b], t)
+            if key < kd:
+                kd, best_d = key, m
+        return best_r, best_d
 
-    def _compact(self, lookup: Callable[[bytes], BlockMeta | None]) -> None:
-        keep = []
-        for item in self._heap:
-            meta = lookup(item[2])
-            if meta is not None and _entry(meta) == item and self.tier_name in meta.locations:
-                keep.append(item)
-        heapq.heapify(keep)
-        self._heap = keep
+    def _entry(self, order: int, m: BlockMeta, now: int) -> tuple[tuple, BlockMeta, int]:
+        """(negated rank key, block, tick): the largest negated key goes first. Recency: held class, then
+        the older. Density: held class, then the lower density, then the older. Ties (a lease gives every
+        block of a chain the same tick) go by key, so a replay decides the same way every time."""
+        refs = min(m.refs, 2)
+        if order == RECENCY or self.model is None or self.model.density is None:
+            return (-refs, -m.tick, m.key), m, m.tick
+        age = now - m.tick
+        if age < 8:
+            b = max(age, 0)
+        else:
+            bl = age.bit_length()
+            b = min(4 * (bl - 2) + ((age >> (bl - 3)) & 3), _NB - 1)
+        d = self.model.density[refs * _REUSE + min(m.uses, _REUSE - 1)][b]
+        return (-refs, -d, -m.tick, m.key), m, m.tick
+
+    def rebuild(self, metas: Iterable[BlockMeta]) -> None:
+        """Every block of `metas` with a copy in this tier (after recovery, or when the tier leaves
+        leaf-only mode and inner blocks dropped from the leaves may be leaves again)."""
+        mine = [m for m in metas if self.tier_name in m.locations]
+        self._all.reset(mine)
+        self._leaves.reset(m for m in mine if not m.children)
+        self._live = len(mine)
+
+    def _compact(self) -> None:
+        self._all.reset(m for m in self._all.items if self._valid(m, False))
+        self._leaves.reset(m for m in self._leaves.items if self._valid(m, True))
+        self._live = len(self._all)

@@ -49,7 +49,10 @@ class BlockMeta:
     pins: int = 0
     leases: int = 0
     children: int = 0  # indexed blocks whose parent this is; only leaves (0) may be evicted
-    tick: int = 0  # recency, from engram/eviction.py's clock
+    tick: int = 0  # the clock's reading at its last use (engram/eviction.py); 0: never used
+    uses: int = 0  # comebacks: uses after its first put, counted across deletions (eviction.py's ghosts)
+    cls: int = 0  # its eviction class at its last use (eviction.py); -1: already counted gone
+    chosen: int = 0  # which eviction orders picked it as a victim (eviction.py: 1 recency, 2 density)
     moving: bool = False  # a copy to another tier is being written: not a victim until it lands
     hits: int = 0
     refs: int = 0  # live sessions whose prefix holds this block (engram/sessions.py); eviction prefers 0
@@ -222,6 +225,7 @@ IndexListener = Callable[[str, BlockMeta], None]  # ("add" | "remove", block): t
 class ChainIndex:
     def __init__(self) -> None:
         self._entries: dict[bytes, BlockMeta] = {}
+        self.get_entry = self._entries.get  # `get` without a Python frame, for the eviction search's checks
         self._spaces: dict[str, _Space] = {}
         self.listeners: list[IndexListener] = []
         self.probes = 0  # the work of every match so far: key probes, children compared, trie steps

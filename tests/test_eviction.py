@@ -1,12 +1,13 @@
-"""LeafLRU on its own (engram/eviction.py): least recently used first, unreferenced blocks before those a
-session holds, pinned/leased/moving blocks skipped but kept in their place, leaf-only mode for the tier that
-deletes, `rebuild` after leaving it, one clock across tiers, and a heap that stays O(blocks)."""
+"""TierVictims on its own, with no learned densities (engram/eviction.py; the model is tested in
+tests/test_eviction_model.py): least recently used first, unreferenced blocks before those a session holds,
+pinned/leased/moving blocks skipped but kept in their place, leaf-only mode for the tier that deletes, one
+clock across tiers, and candidate arrays that stay O(blocks)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from engram.eviction import LeafLRU, tick
+from engram.eviction import TierVictims, tick
 from engram.index import BlockMeta
 from engram.layout import DType
 
@@ -23,8 +24,8 @@ class Tier:
     """The blocks of one tier in the order they were used (oldest first), as the store would feed them."""
 
     def __init__(self, *names: str, tier: str = TIER) -> None:
-        self.lru = LeafLRU(tier)
         self.blocks: dict[bytes, BlockMeta] = {}
+        self.lru = TierVictims(tier, self.blocks.get)
         for name in names:
             self.add(block(name, tier=tier))
 
@@ -42,13 +43,19 @@ class Tier:
         return self.blocks.get
 
     def use(self, name: str) -> None:
-        """A read or a put hit: a new tick, and a fresh heap entry."""
+        """A read or a put hit: a new tick."""
         tick(self[name])
-        self.lru.touch(self[name])
 
     def victim(self, *, leaf_only: bool = False) -> str | None:
-        meta = self.lru.victim(self.lookup, len(self.blocks), leaf_only=leaf_only)
+        meta = self.lru.victim(leaf_only=leaf_only)
         return None if meta is None else meta.key.decode()
+
+    def take(self) -> str | None:
+        """One victim, which then leaves the tier (as the store deletes or demotes it)."""
+        name = self.victim()
+        if name is not None:
+            del self.blocks[name.encode()]
+        return name
 
     def evict_all(self, *, leaf_only: bool = False) -> list[str]:
         """Victims until none is left; each leaves the tier (and the index) as the store would delete it."""
@@ -60,7 +67,7 @@ class Tier:
             if parent is not None:
                 parent.children -= 1
                 if parent.children == 0:
-                    self.lru.add(parent)  # what the store does when the index reports a new leaf
+                    self.lru.leaf_again(parent)  # what the store does when the index reports a new leaf
         return order
 
 
@@ -79,16 +86,13 @@ def test_blocks_a_session_references_go_after_every_unreferenced_one() -> None:
     tier = Tier("a", "b", "c", "d")
     for name in ("a", "c"):  # the two oldest of their class
         tier[name].refs = 1
-        tier.lru.touch(tier[name])  # a change of class re-queues, keeping the tick
     assert tier.evict_all() == ["b", "d", "a", "c"]
 
 
 def test_dropping_the_last_reference_restores_the_block_to_its_true_recency() -> None:
     tier = Tier("a", "b", "c")
     tier["a"].refs = 1
-    tier.lru.touch(tier["a"])
-    tier["a"].refs = 0
-    tier.lru.touch(tier["a"])  # unreferenced again, with the tick it had: the oldest
+    tier["a"].refs = 0  # unreferenced again, with the tick it had: the oldest
     assert tier.evict_all() == ["a", "b", "c"]
 
 
@@ -97,18 +101,14 @@ def test_blocks_several_sessions_hold_go_after_those_one_session_holds() -> None
     tier = Tier("a", "b", "c", "d", "e")
     for name, refs in (("a", 2), ("b", 3), ("c", 1), ("d", 1)):
         tier[name].refs = refs
-        tier.lru.touch(tier[name])
     assert tier.evict_all() == ["e", "c", "d", "a", "b"]
 
 
 def test_a_block_one_session_lets_go_of_returns_to_the_private_class() -> None:
     tier = Tier("a", "b")
     tier["a"].refs = 2
-    tier.lru.touch(tier["a"])
     tier["b"].refs = 1
-    tier.lru.touch(tier["b"])
     tier["a"].refs = 1  # one of its two sessions closed: a is private now, and the older of the two
-    tier.lru.touch(tier["a"])
     assert tier.evict_all() == ["a", "b"]
 
 
@@ -116,7 +116,6 @@ def test_referenced_blocks_are_still_victims_when_nothing_else_is_left() -> None
     tier = Tier("a", "b")
     for name in ("a", "b"):
         tier[name].refs = 2
-        tier.lru.touch(tier[name])
     assert tier.evict_all() == ["a", "b"]  # sessions cannot wedge a tier
 
 
@@ -125,13 +124,13 @@ def test_pinned_leased_and_moving_blocks_are_skipped_and_keep_their_place() -> N
     tier["a"].pins = 1
     tier["b"].leases = 1
     tier["c"].moving = True
-    assert tier.victim() == "d"
-    assert tier.victim() is None  # every candidate left is held
+    assert tier.take() == "d"
+    assert tier.take() is None  # every candidate left is held
     tier["a"].pins = tier["b"].leases = 0
     tier["c"].moving = False
     tier.add(block("e"))  # newer than all of them
     # Released without a new tick: they come back in their own order, before the newer block.
-    assert [tier.victim() for _ in range(4)] == ["a", "b", "c", "e"]
+    assert [tier.take() for _ in range(4)] == ["a", "b", "c", "e"]
 
 
 def test_leaf_only_takes_the_oldest_leaf_and_the_parent_once_its_last_child_goes() -> None:
@@ -152,18 +151,28 @@ def test_without_leaf_only_inner_blocks_go_in_plain_lru_order() -> None:
     assert tier.victim() == "root"  # demotion keeps a block reachable: any block may go
 
 
-def test_rebuild_restores_the_inner_blocks_leaf_only_mode_dropped() -> None:
+def test_inner_blocks_are_candidates_again_as_soon_as_a_tier_leaves_leaf_only_mode() -> None:
     tier = Tier("root")
     tier.add(block("leaf", parent="root"))
     tier.add(block("other"))
     tier["root"].children = 1
-    assert tier.victim(leaf_only=True) == "leaf"  # the inner root's entry is dropped on the way
+    assert tier.victim(leaf_only=True) == "leaf"  # the inner root is passed over
     tier["leaf"].locations = ["nvme"]  # demoted, not deleted: root still has its child
-    assert tier.victim() == "other"  # root's entry is gone: only `rebuild` brings it back
-    del tier.blocks[b"other"]  # evicted
-    tier.lru.rebuild(tier.blocks.values())
-    assert tier.victim() == "root"
-    assert tier.victim() is None  # rebuild skips blocks no longer in this tier ("leaf" is in nvme)
+    assert tier.victim() == "root"  # demotion may take any block, and nothing had to be rebuilt
+    assert tier.victim(leaf_only=True) == "other"
+
+
+def test_rebuild_takes_the_blocks_of_its_tier_only() -> None:
+    tier = Tier()
+    metas = [block("a"), block("b", tier="nvme"), block("c", parent="a")]
+    for m in metas:
+        tick(m)
+        tier.blocks[m.key] = m
+    metas[0].children = 1
+    tier.lru.rebuild(metas)
+    assert len(tier.lru) == 2
+    assert tier.victim(leaf_only=True) == "c"
+    assert tier.victim() == "a"
 
 
 def test_stale_entries_are_skipped() -> None:
@@ -184,24 +193,41 @@ def test_one_clock_across_tiers_keeps_recency_when_a_block_moves() -> None:
     assert nvme.evict_all() == ["old", "resident"]
 
 
-def test_the_heap_stays_proportional_to_the_blocks() -> None:
-    tier = Tier("a", "b")
-    for _ in range(1000):
-        tier.use("b")  # every use pushes an entry; 999 of them go stale
-    assert tier.victim() == "a"
-    assert len(tier.lru._heap) <= 4 * 16  # compacted once stale entries outnumber live blocks 4:1
-    assert tier.victim() == "b"
+def test_candidate_arrays_stay_proportional_to_the_blocks() -> None:
+    tier = Tier("keep")
+    for i in range(5000):  # blocks that come and go without ever being a victim (deleted on request)
+        meta = tier.add(block(f"b{i}"))
+        del tier.blocks[meta.key]
+    assert len(tier.lru) <= 2 * 1 + 1024 + 1  # compacted once stale entries pass twice the live ones plus 1024
+    assert tier.victim() == "keep"
 
 
-def test_a_search_that_will_not_wait_gives_up_after_max_held_blocks_and_keeps_their_places() -> None:
+def test_a_large_tier_samples_its_candidates_and_still_takes_an_old_block() -> None:
+    """Past 2 x SAMPLE candidates the search compares a random sample: never a held block, and an old one
+    (the oldest of 16 draws out of 1,000 is among the oldest 60 on average)."""
+    tier = Tier(*(f"b{i}" for i in range(1000)))
+    tier["b3"].leases = 1
+    picks = [tier.take() for _ in range(50)]
+    assert "b3" not in picks
+    ages = sorted(int(p[1:]) for p in picks if p is not None)
+    assert len(ages) == 50 and ages[len(ages) // 2] < 200
+
+
+def test_a_search_that_finds_only_held_blocks_in_its_sample_scans_for_the_evictable_one() -> None:
+    tier = Tier(*(f"b{i}" for i in range(500)))
+    for i in range(500):
+        tier[f"b{i}"].leases = int(i != 321)
+    found = tier.lru.victim(leaf_only=False)
+    assert found is not None and found.key == b"b321"
+
+
+def test_a_search_that_will_not_wait_gives_up_after_max_held_blocks() -> None:
     """A promotion (make_room(wait=False)) passes at most max_held leased blocks, then skips, instead of
-    popping every leased entry of a tier its reader's own chain fills, for every block it promotes."""
-    tier = Tier(*(f"b{i}" for i in range(10)))
-    for i in range(8):
-        tier[f"b{i}"].leases = 1  # the eight oldest are being read
-    assert tier.lru.victim(tier.lookup, 10, leaf_only=False, max_held=4) is None  # b8 is there, but too far
-    found = tier.lru.victim(tier.lookup, 10, leaf_only=False, max_held=9)  # passes 8, reaches b8
-    assert found is not None and found.key == b"b8"
-    for i in range(8):  # once the reads end, the leased blocks come first again, in their old order
-        tier[f"b{i}"].leases = 0
-    assert tier.evict_all() == [f"b{i}" for i in range(10) if i != 8]
+    searching a tier that its reader's own leased chain fills, for every block it promotes. Below 2 x SAMPLE
+    candidates the search compares them all (cheap), so the tier here is large."""
+    tier = Tier(*(f"b{i}" for i in range(1000)))
+    for i in range(1000):
+        tier[f"b{i}"].leases = int(i != 500)  # all but one are being read
+    assert tier.lru.victim(leaf_only=False, max_held=4) is None
+    found = tier.lru.victim(leaf_only=False)  # a search that waits finds the one evictable block
+    assert found is not None and found.key == b"b500"

@@ -39,7 +39,6 @@ from engram.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from engram.eviction import held_class, tick
 from engram.index import BlockMeta, ChainIndex, PrefixMatch
 from engram.keys import block_key, root_key, tokens_to_bytes
 from engram.layout import DType, ModelSpec
@@ -150,7 +149,7 @@ class BlockStore:
         self.counters.lookup_hit_tokens += match.matched_tokens
         self.counters.lookup_miss_tokens += len(arr) - match.matched_tokens
         for meta in match.blocks:
-            self.placement.touch(meta)
+            self.placement.use(meta)
         return match
 
     def lookup_keys(self, namespace: str, model_fingerprint: bytes, keys: Sequence[bytes]) -> PrefixMatch:
@@ -164,7 +163,7 @@ class BlockStore:
         self.counters.lookup_hit_tokens += match.matched_tokens
         self.counters.lookup_miss_tokens += len(keys) * bt - match.matched_tokens
         for meta in match.blocks:
-            self.placement.touch(meta)
+            self.placement.use(meta)
         return match
 
     def find(self, namespace: str, model_fingerprint: bytes, keys: Sequence[bytes]) -> list[BlockMeta]:
@@ -328,7 +327,7 @@ class BlockStore:
             self.counters.blocks_deduplicated += 1
             if pin:
                 existing.pins += 1
-            self.placement.touch(existing)
+            self.placement.use(existing)
             ok = True
             if self.write_policy == WritePolicy.WRITE_THROUGH:  # acknowledged again: durable again, too
                 ok = await durable.make_durable(self, existing, payload, index=index)
@@ -340,7 +339,7 @@ class BlockStore:
             checksum=payload_checksum, locations=[], full=num_tokens == block_tokens,
             pins=1 if pin else 0,
         )
-        tick(meta)
+        self.placement.model.arrive(meta)
         self._charge_quota(namespace, len(payload), index)
         done = self._pending[key] = asyncio.Event()
         # Until the block is indexed its parent is a leaf, which making room could delete, orphaning the new
@@ -363,7 +362,7 @@ class BlockStore:
                 pmeta.children -= 1
                 if pmeta.children == 0:  # the put failed: the parent is a leaf again, and a victim
                     for name in pmeta.locations:
-                        placement.lru[name].add(pmeta)
+                        placement.victims[name].leaf_again(pmeta)
             del self._pending[key]
             self._quota_pending[namespace] -= len(payload)
             done.set()
@@ -462,7 +461,7 @@ class BlockStore:
         """Lease blocks for reading: a leased block is not evicted until `release`."""
         for meta in metas:
             meta.leases += 1
-            self.placement.touch(meta)
+            self.placement.refresh(meta)
         self.placement.busy += len(metas)
 
     def release(self, metas: Sequence[BlockMeta]) -> None:
@@ -587,6 +586,7 @@ class BlockStore:
                 if meta.pins > 0:
                     meta.pins -= 1
                     changed += 1
+                    self.placement.reordered()
             else:
                 meta.pins += 1
                 changed += 1
@@ -594,15 +594,13 @@ class BlockStore:
 
     def reference(self, metas: Sequence[BlockMeta], delta: int) -> None:
         """Add (+1) or drop (-1) one session's reference to blocks; eviction prefers unreferenced blocks, then
-        those one session holds (engram/eviction.py `held_class`)."""
+        those one session holds (engram/eviction.py `held_class`, read at each victim search)."""
         for meta in metas:
-            was = held_class(meta)
             meta.refs += delta
             if meta.refs < 0:
                 raise AssertionError(f"block {meta.key.hex()} unreferenced more often than referenced")
-            if was != held_class(meta) and self.index.get(meta.key) is meta:
-                for name in meta.locations:
-                    self.placement.lru[name].touch(meta)  # re-queued in its new class (engram/eviction.py)
+        if metas:
+            self.placement.reordered()
 
     async def remove(self, meta: BlockMeta) -> None:
         """Delete a block on request (engram evict). Only a leaf that no reader or move holds: the caller

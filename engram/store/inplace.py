@@ -29,7 +29,6 @@ from engram.block import BlockHeader
 from engram.codec import blockformat, stored, streamformat
 from engram.codec.base import Axis, codec_by_name
 from engram.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from engram.eviction import tick
 from engram.index import BlockMeta
 from engram.keys import block_key, tokens_to_bytes
 from engram.layout import ModelSpec
@@ -201,10 +200,10 @@ class InPlacePuts:
                 out.append(PutOutcome(meta.key, stored=False))
                 continue
             self.pool.rename(self._slot_key(res, meta), meta.key)
-            tick(meta)
+            store.placement.model.arrive(meta)
             meta.locations.append(self.pool.name)
             store.index.add(meta)
-            store.placement.lru[self.pool.name].add(meta)
+            store.placement.victims[self.pool.name].add(meta)
             store._quota_pending[res.namespace] -= meta.nbytes
             r.slot = None
             store.counters.blocks_put += 1
@@ -291,7 +290,7 @@ class InPlacePuts:
         p.children -= 1
         if p.children == 0:
             for name in p.locations:
-                self.store.placement.lru[name].add(p)
+                self.store.placement.victims[name].leaf_again(p)
 
     def _expire(self, reservation_id: int) -> None:
         res = self._open.pop(reservation_id, None)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engram.errors import DataLoss, FailedPrecondition, ResourceExhausted, StorageFull, Unavailable
-from engram.eviction import LeafLRU, tick
+from engram.eviction import ReturnModel, TierVictims
 from engram.index import BlockMeta, ChainIndex
 from engram.store.counters import StoreCounters, TierHealth
 from engram.tiers.base import Tier
@@ -33,7 +33,7 @@ HOT_TIERS = frozenset({"hbm", "dram"})  # memory: a block here loads in millisec
 
 @dataclass
 class Placement:
-    """The tiers of one store, fastest first, with their LRU orders, health and the moves between them."""
+    """The tiers of one store, fastest first, with their eviction candidates, health and the moves between them."""
 
     tiers: list[Tier]
     index: ChainIndex
@@ -43,7 +43,8 @@ class Placement:
 
     def __post_init__(self) -> None:
         self.rank = {t.name: i for i, t in enumerate(self.tiers)}
-        self.lru = {t.name: LeafLRU(t.name) for t in self.tiers}
+        self.model = ReturnModel(lambda: self.index, lambda: len(self.index))
+        self.victims = {t.name: TierVictims(t.name, self.index.get_entry, self.model) for t in self.tiers}
         self.health = {t.name: TierHealth() for t in self.tiers}
         self.busy = 0  # moves in progress plus leases held: what may free a victim soon
         self.freed = asyncio.Condition()  # notified when a move ends or a lease is released
@@ -63,12 +64,23 @@ class Placement:
                 return j
         return None
 
-    def touch(self, meta: BlockMeta) -> None:
-        tick(meta)
-        for name in meta.locations:
-            self.lru[name].touch(meta)
+    def use(self, meta: BlockMeta) -> None:
+        """A request used a stored block (a lookup found it, a put found it stored): eviction learns from it."""
+        self.model.use(meta)
+
+    def refresh(self, meta: BlockMeta) -> None:
+        """A lease on a block the request's lookup already counted: its age restarts, nothing is learned."""
+        self.model.refresh(meta)
+
+    def reordered(self) -> None:
+        """Blocks may have become evictable or changed held class: searches start afresh."""
+        for v in self.victims.values():
+            v.forget_queue()
 
     def notify_freed(self) -> None:
+        """A lease ended or a move landed: a waiting make_room may find a victim now."""
+        self.reordered()
+
         async def notify() -> None:
             async with self.freed:
                 self.freed.notify_all()
@@ -93,7 +105,7 @@ class Placement:
         self.counters.tiers[tier.name].written_bytes += len(payload)
         meta.locations.append(tier.name)
         meta.locations.sort(key=self.rank.__getitem__)
-        self.lru[tier.name].add(meta)
+        self.victims[tier.name].add(meta)
 
     async def make_room(self, i: int, need: int, *, wait: bool = True) -> None:
         """Reserve `need` bytes in tier i, evicting (demoting) as needed. With wait, and when every
@@ -105,15 +117,14 @@ class Placement:
                 f"a block of {need} bytes exceeds the {tier.name} tier's capacity of {tier.capacity_bytes} "
                 f"bytes; raise tiers.{tier.name}.capacity or use smaller blocks"
             )
-        lru = self.lru[tier.name]
+        victims = self.victims[tier.name]
         demote = True
         deadline = time.monotonic() + self.wait_for_room_s
         while not tier.reserve(need):
             lower = self.lower(i) if demote else None
             # A caller that will not wait (a promotion, a transfer's copy) gives up after passing SKIP_HELD
             # blocks it may not evict: it skips the copy rather than scan the tier's leased blocks every time.
-            victim = lru.victim(self.index.get, len(tier), leaf_only=lower is None,
-                                max_held=None if wait else SKIP_HELD)
+            victim = victims.victim(leaf_only=lower is None, max_held=None if wait else SKIP_HELD)
             if victim is None and wait and self.busy and time.monotonic() < deadline:
                 # Every candidate is moving or being read: one of those ends soon and frees a victim.
                 async with self.freed:
@@ -134,13 +145,13 @@ class Placement:
                     # The lower tier cannot take it: delete leaves here instead. The victim keeps its place,
                     # and the inner blocks the leaf-only search drops come back once room is made.
                     demote = False
-                    lru.add(victim)
+                    victims.add(victim)
                     continue
             else:
                 await self.delete_block(victim)
             self.counters.tiers[tier.name].evictions += 1
         if not demote:
-            lru.rebuild(self.index)
+            victims.rebuild(self.index)
 
     async def _demote(self, meta: BlockMeta, i: int, j: int) -> None:
         meta.moving = True
@@ -195,9 +206,10 @@ class Placement:
         if self.index.get(meta.key) is not meta:
             return
         _, new_leaf = self.index.remove(meta.key)
+        self.model.forget(meta)
         if new_leaf is not None:
             for name in new_leaf.locations:
-                self.lru[name].add(new_leaf)
+                self.victims[name].leaf_again(new_leaf)
 
     # ---- the two-phase protocol for moves performed elsewhere (engram/transfer.py) ----------------
 
@@ -232,7 +244,7 @@ class Placement:
             upward = self.rank[tier_name] < min(map(self.rank.__getitem__, meta.locations), default=0)
             meta.locations.append(tier_name)
             meta.locations.sort(key=self.rank.__getitem__)
-            self.lru[tier_name].add(meta)
+            self.victims[tier_name].add(meta)
             if upward:
                 self.counters.tiers[tier_name].promotions += 1
         meta.moving = False
@@ -263,7 +275,7 @@ class Placement:
         if h.state != "ok":
             h.state, h.reason = "ok", ""
             for upper in self.tiers[:i]:  # they evicted leaf-only meanwhile and dropped inner entries
-                self.lru[upper.name].rebuild(self.index)
+                self.victims[upper.name].rebuild(self.index)
 
     def holding(self, name: str) -> Sequence[BlockMeta]:
         """Indexed blocks with a copy in tier `name`."""

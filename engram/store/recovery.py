@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from engram.block import BlockRecord, checksum
 from engram.errors import NotFound
-from engram.eviction import LeafLRU, tick
+from engram.eviction import TierVictims, tick
 from engram.index import BlockMeta, ChainIndex
 from engram.tiers.base import Tier
 
@@ -64,15 +64,16 @@ async def _recover(store: BlockStore) -> StoreReport:
         tr = await tier_recover()
         report.scanned += tr.scanned
         report.findings += [(f.path, f.problem, f.fixed) for f in tr.findings]
-        lru = placement.lru[tier.name]
+        victims = placement.victims[tier.name]
         index = store.index
         roots: dict[tuple[str, bytes], bytes] = {}
 
-        def add(rec: BlockRecord, name: str = tier.name, lru: LeafLRU = lru, index: ChainIndex = index) -> None:
+        def add(rec: BlockRecord, name: str = tier.name, victims: TierVictims = victims,
+                index: ChainIndex = index) -> None:
             meta = BlockMeta.from_record(rec, [name])
             tick(meta)
             index.add(meta)
-            lru.add(meta)
+            victims.add(meta)
             report.recovered_blocks += 1
 
         # One pass over records that come parents first (a journal's order): each is added once its parent is

@@ -3,7 +3,7 @@ if all of them are cached (KV is causal, so a block after a gap is useless). Aft
 reads its hit blocks and stores its missing ones. Ids are first made global (formats.prefix_ids: one id per
 distinct prefix, hash scopes applied), so every policy sees the same blocks.
 
-- engram: the real BlockStore, ChainIndex, LeafLRU and Placement, with sessions holding references as the
+- engram: the real BlockStore, ChainIndex, eviction (TierVictims, ReturnModel) and Placement, with sessions holding references as the
   daemon's do. Its tiers are sized in bytes (`TierSpec`: hbm, dram, nvme; a capacity in blocks is one DRAM
   tier of that many blocks) and hold blocks of the trace's own size: a raw layout whose block weighs
   `block_bytes` (rounded up to 64 bytes). Each request is a lookup, a read of every hit block under read
