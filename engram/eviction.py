@@ -55,7 +55,7 @@ import bisect
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -154,6 +154,42 @@ class ReturnModel:
         meta.cls = class_of(meta)
         meta.chosen = 0
         self._since += 1
+        if self._since >= self._limit:
+            self.recompute()
+
+    def use_all(self, metas: Sequence[BlockMeta]) -> None:
+        """`use` of each block in turn (a lookup's chain), in one loop: the densities are recomputed after
+        the chain if it crossed the period."""
+        hits = self.hits
+        g = self._g
+        now = CLOCK.now
+        seen = gone = 0
+        top = _REUSE - 1
+        for meta in metas:
+            now += 1
+            if meta.tick:
+                cls = meta.cls
+                if cls >= 0:
+                    age = now - meta.tick
+                    if age > g:
+                        self.gone[cls][age_bucket(g)] += 1
+                        gone += 1
+                    else:
+                        if age < 8:
+                            b = age
+                        else:
+                            bl = age.bit_length()
+                            b = 4 * (bl - 2) + ((age >> (bl - 3)) & 3)  # age_bucket, inlined: age <= g
+                        hits[cls][b] += 1
+                        seen += 1
+                meta.uses += 1
+            meta.tick = now
+            refs, uses = meta.refs, meta.uses
+            meta.cls = (refs if refs < 2 else 2) * _REUSE + (uses if uses < top else top)
+            meta.chosen = 0
+        CLOCK.now = now
+        self.evidence += seen + gone
+        self._since += len(metas)
         if self._since >= self._limit:
             self.recompute()
 

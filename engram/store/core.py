@@ -39,6 +39,7 @@ from engram.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from engram.eviction import CLOCK
 from engram.index import BlockMeta, ChainIndex, PrefixMatch
 from engram.keys import block_key, root_key, tokens_to_bytes
 from engram.layout import DType, ModelSpec
@@ -57,6 +58,7 @@ from engram.store.placement import Placement
 from engram.store.quality import QualityWatch, Sample, persisted_kinds
 from engram.tenancy import NamespacePolicy, OpenNamespaces
 from engram.tiers.base import Tier
+from engram.tiers.dram import DramTier
 from engram.tiers.pool import PoolTier
 
 
@@ -148,8 +150,7 @@ class BlockStore:
         self.counters.lookups += 1
         self.counters.lookup_hit_tokens += match.matched_tokens
         self.counters.lookup_miss_tokens += len(arr) - match.matched_tokens
-        for meta in match.blocks:
-            self.placement.use(meta)
+        self.placement.use_all(match.blocks)
         return match
 
     def lookup_keys(self, namespace: str, model_fingerprint: bytes, keys: Sequence[bytes]) -> PrefixMatch:
@@ -162,8 +163,7 @@ class BlockStore:
         self.counters.lookups += 1
         self.counters.lookup_hit_tokens += match.matched_tokens
         self.counters.lookup_miss_tokens += len(keys) * bt - match.matched_tokens
-        for meta in match.blocks:
-            self.placement.use(meta)
+        self.placement.use_all(match.blocks)
         return match
 
     def find(self, namespace: str, model_fingerprint: bytes, keys: Sequence[bytes]) -> list[BlockMeta]:
@@ -459,9 +459,10 @@ class BlockStore:
 
     def acquire(self, metas: Sequence[BlockMeta]) -> None:
         """Lease blocks for reading: a leased block is not evicted until `release`."""
+        now = CLOCK.now
         for meta in metas:
             meta.leases += 1
-            self.placement.refresh(meta)
+            meta.tick = now  # placement.refresh, inlined: a Get leases every block of its chain
         self.placement.busy += len(metas)
 
     def release(self, metas: Sequence[BlockMeta]) -> None:
@@ -509,6 +510,40 @@ class BlockStore:
         payload, name = await self._read_verified(meta, view=True, verify=verify)
         await self._served_from(meta, name, payload, promote)
         return payload
+
+    async def read_views(self, metas: Sequence[BlockMeta], *, promote: bool = True, verify: bool = True
+                         ) -> list[bytes | memoryview]:
+        """`read_view` of every block, as one call: a block whose copy in the top tier answers without an
+        await (a host pool's slot, a private DRAM tier's bytes) and verifies is served in the loop, counted
+        once for the batch; any other (a copy below the top tier, which may be promoted, or one that fails
+        its checksum) goes through `read_view`. The blocks must be held (`reading`)."""
+        out: list[bytes | memoryview] = []
+        placement = self.placement
+        top = placement.tiers[0]
+        now: Callable[[bytes], bytes | memoryview | None] | None = (
+            top.view if isinstance(top, PoolTier) else top.read_now if isinstance(top, DramTier) else None)
+        top_name = top.name
+        n_top = bytes_top = 0
+        for meta in metas:
+            locations = meta.locations
+            payload: bytes | memoryview | None = None
+            if now is not None and locations and locations[0] == top_name:
+                payload = now(meta.key)
+                if payload is not None and verify and checksum(payload) != meta.checksum:
+                    payload = None  # read_view drops the copy, counts it and tries the next
+            if payload is None:
+                out.append(await self.read_view(meta, promote=promote, verify=verify))
+                continue
+            n_top += 1
+            bytes_top += meta.nbytes
+            meta.hits += 1
+            out.append(payload)
+        c = self.counters
+        c.tiers[top_name].hits += n_top  # `served`, once for the batch: the top tier misses nothing
+        c.tiers[top_name].served_bytes += bytes_top
+        c.blocks_served += n_top
+        c.bytes_served += bytes_top
+        return out
 
     async def _served_from(self, meta: BlockMeta, name: str, payload: bytes | memoryview, promote: bool) -> None:
         self.served(meta, name)

@@ -68,6 +68,10 @@ class Placement:
         """A request used a stored block (a lookup found it, a put found it stored): eviction learns from it."""
         self.model.use(meta)
 
+    def use_all(self, metas: Sequence[BlockMeta]) -> None:
+        """`use` of every block a lookup found."""
+        self.model.use_all(metas)
+
     def refresh(self, meta: BlockMeta) -> None:
         """A lease on a block the request's lookup already counted: its age restarts, nothing is learned."""
         self.model.refresh(meta)

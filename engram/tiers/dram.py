@@ -50,6 +50,10 @@ class DramTier(ByteBudget):
         self._blocks[rec.key] = payload if isinstance(payload, bytes) else bytes(payload)
         self._stored += len(payload)
 
+    def read_now(self, key: bytes) -> bytes | None:
+        """The payload without an await (a batch read of many blocks: BlockStore.read_views), or None."""
+        return self._blocks.get(key)
+
     async def read(self, key: bytes) -> bytes:
         try:
             return self._blocks[key]

@@ -212,7 +212,7 @@ async def _engram_fast(trace: Sequence[Request], parent_of: Sequence[int], tiers
     keys = key_cache.get(root)
     if keys is None:
         keys = key_cache[root] = _keys(parent_of, root)
-    lookup, put_chain, read, reading = store.lookup_keys, store.put_chain, store.read_view, store.reading
+    lookup, put_chain, read_views, reading = store.lookup_keys, store.put_chain, store.read_views, store.reading
     match_keys, hold = store.index.match_keys, run.sessions.hold_blocks
     payload, ck = run.payload, run.checksum
     hits = 0
@@ -224,8 +224,7 @@ async def _engram_fast(trace: Sequence[Request], parent_of: Sequence[int], tiers
         hits += have
         if have:
             with reading(blocks):
-                for meta in blocks:
-                    await read(meta, verify=False)
+                await read_views(blocks, verify=False)
         if have < len(ks):
             await put_chain(_NS, fp, blocks[-1].key if have else root,
                             [(ks[i], _token_bytes(ids[i])) for i in range(have, len(ks))], payload, ck)
