@@ -23,6 +23,7 @@ Sessions live in daemon memory; they do not survive a restart (their blocks do).
 from __future__ import annotations
 
 import asyncio
+import operator
 import time
 import uuid
 from collections import OrderedDict
@@ -193,9 +194,18 @@ class SessionManager:
     def hold_blocks(self, s: Session, blocks: Sequence[BlockMeta]) -> None:
         """Move the session's references to `blocks`, its prefix's stored blocks as `hold` resolves them (the
         trace replayer resolves them by key: BlockStore.lookup_keys)."""
+        held = s.held
+        n = len(held)
+        if n <= len(blocks) and all(map(operator.is_, blocks, held.values())):
+            # The common case, a session's next turn: its prefix grew. Only the new blocks take a reference.
+            tail = blocks[n:]
+            self.store.reference(tail, +1)
+            for m in tail:
+                held[m.key] = m
+            return
         now = {m.key: m for m in blocks}
-        self.store.reference([m for k, m in s.held.items() if now.get(k) is not m], -1)
-        self.store.reference([m for k, m in now.items() if s.held.get(k) is not m], +1)
+        self.store.reference([m for k, m in held.items() if now.get(k) is not m], -1)
+        self.store.reference([m for k, m in now.items() if held.get(k) is not m], +1)
         s.held = now
 
     def get(self, namespace: str, session_id: str) -> Session:

@@ -275,14 +275,15 @@ class BlockStore:
                                  header.checksum, payload, pin=pin, index=index, sample=sample)
 
     async def put_chain(self, namespace: str, model_fingerprint: bytes, parent: bytes,
-                        blocks: Sequence[tuple[bytes, bytes]], payload: bytes, payload_checksum: int) -> int:
+                        blocks: Sequence[tuple[bytes, bytes]], payload: bytes, payload_checksum: int
+                        ) -> list[BlockMeta]:
         """The trace replayer's put (engram/trace/replay.py): a chain of full blocks under `parent` (the root or
         a stored block), given as (key, tokens as int32 bytes) that the caller derived itself, every block with
         the same raw `payload`. What `put` checks of a client's block is skipped (the header against the
         layout, the payload's checksum, the codec, hashing the key from the tokens: the caller's own blocks,
         right by construction); what decides where blocks go is the same code as `put`'s (dedupe, quota,
         room made by each tier's eviction order with demotion, publishing in the index). Stops at the first
-        block that no tier can take; returns how many blocks are stored (put, or found already stored)."""
+        block that no tier can take; returns the blocks stored (put, or found already stored), in order."""
         limits.check_namespace(namespace)
         spec = self.spec(model_fingerprint)
         layout = spec.layout
@@ -296,7 +297,7 @@ class BlockStore:
             if pmeta is None or pmeta.model_fingerprint != model_fingerprint or not pmeta.full:
                 raise FailedPrecondition(f"parent block {parent.hex()} is not a stored full block")
         shape = layout.block_shape(bt)
-        done = 0
+        done: list[BlockMeta] = []
         for i, (key, tokens) in enumerate(blocks):
             if len(tokens) != 4 * bt:
                 raise InvalidArgument(f"block {i}: {len(tokens) // 4} tokens, a full block has {bt}")
@@ -306,7 +307,9 @@ class BlockStore:
             except ResourceExhausted:
                 break  # the rest of the chain would have no parent
             parent, pmeta = key, self.index.get_in(namespace, key)
-            done += 1
+            if pmeta is None:
+                break  # stored and already gone (it made room for nothing else): the chain ends here
+            done.append(pmeta)
         return done
 
     async def _store(self, namespace: str, model_fingerprint: bytes, parent: bytes, pmeta: BlockMeta | None,

@@ -5,6 +5,7 @@ payloads as bytes objects in the daemon's own memory, for hosts without a usable
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from engram.block import BlockRecord
@@ -32,6 +33,8 @@ class DramTier(ByteBudget):
     def __init__(self, capacity_bytes: int) -> None:
         super().__init__(capacity_bytes, "DRAM")
         self._blocks: dict[bytes, bytes] = {}
+        # The payload without an await (BlockStore.read_views' batch reads), or None: the dict's own get.
+        self.read_now: Callable[[bytes], bytes | None] = self._blocks.get
 
     def __contains__(self, key: object) -> bool:
         return key in self._blocks
@@ -49,10 +52,6 @@ class DramTier(ByteBudget):
         # kept as it is: a caller's reused buffer (the data channel's) is copied, bytes are not
         self._blocks[rec.key] = payload if isinstance(payload, bytes) else bytes(payload)
         self._stored += len(payload)
-
-    def read_now(self, key: bytes) -> bytes | None:
-        """The payload without an await (a batch read of many blocks: BlockStore.read_views), or None."""
-        return self._blocks.get(key)
 
     async def read(self, key: bytes) -> bytes:
         try:

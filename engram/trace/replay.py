@@ -225,13 +225,17 @@ async def _engram_fast(trace: Sequence[Request], parent_of: Sequence[int], tiers
         if have:
             with reading(blocks):
                 await read_views(blocks, verify=False)
+        chain = blocks
         if have < len(ks):
-            await put_chain(_NS, fp, blocks[-1].key if have else root,
-                            [(ks[i], _token_bytes(ids[i])) for i in range(have, len(ks))], payload, ck)
+            chain = blocks + tuple(await put_chain(_NS, fp, blocks[-1].key if have else root,
+                                                   [(ks[i], _token_bytes(ids[i])) for i in range(have, len(ks))],
+                                                   payload, ck))
         s = run.session(r, None)
         if s is not None:
             # The session's tokens are not kept (nothing in a replay reads them): its references are what counts.
-            hold(s, match_keys(_NS, fp, ks).blocks)
+            # Its stored prefix is what the lookup found and the put stored, unless a block of it went meanwhile
+            # (a deleted block's locations are emptied): then it is looked up again.
+            hold(s, chain if all(m.locations for m in chain) else match_keys(_NS, fp, ks).blocks)
             run.closed(r)
         if progress and n % _PROGRESS_EVERY == 0:
             progress(_PROGRESS_EVERY)
