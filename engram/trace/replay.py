@@ -19,8 +19,9 @@ distinct prefix, hash scopes applied), so every policy sees the same blocks.
   reach NVMe only by demotion. Nothing of the policy is re-implemented here.
   Fast path (the default): keys are hashed once per distinct block for the whole replay (the ids stand for
   prefixes), lookups go by key (BlockStore.lookup_keys), puts through BlockStore.put_chain (the same
-  dedupe, placement and publishing as put, without re-checking blocks the replayer made) and payloads are
-  read unverified (read_view(verify=False)). `fast=False` goes through the daemon's verbs instead (lookup
+  dedupe, placement and publishing as put, without re-checking blocks the replayer made; the blocks it
+  stored and the lookup's are what the session holds) and a request's hits are read in one call, unverified
+  (read_views(verify=False)). `fast=False` goes through the daemon's verbs instead (lookup
   by tokens, put per block, verified reads, SessionManager.hold); tests/test_trace.py checks both give the
   same counts.
 - lru: plain LRU over block ids (what most caches do).
