@@ -66,7 +66,7 @@ KEEP_DIVISOR = 8  # a cold search keeps its sample's best 1/8 for the next searc
 HORIZON = 16.0  # unused for HORIZON x stored blocks uses: gone
 MIN_EVIDENCE = 256  # comebacks and gones seen before densities replace least-recently-used order
 LEARNING_RATE = 0.45  # LeCaR's: how much weight an order loses per victim that came back at once
-GHOSTS_MAX = 1 << 20  # deleted blocks remembered past the ghost table (for their reuse class), at most
+GHOSTS_MAX = 1 << 20  # entries of each ghost table at most (about 200 bytes each)
 GHOSTS_PER_BLOCK = 4  # ghosts within the horizon: 4 per stored block, plus 1024
 _REUSE = 4  # reuse classes: 0, 1, 2, 3+ comebacks
 CLASSES = 3 * _REUSE
@@ -225,7 +225,7 @@ class ReturnModel:
             return
         self.ghosts[meta.key] = (meta.tick, meta.cls, meta.uses, meta.chosen, CLOCK.now)
         self.ghosts.move_to_end(meta.key)
-        while len(self.ghosts) > GHOSTS_PER_BLOCK * self._count() + 1024:
+        while len(self.ghosts) > min(GHOSTS_MAX, GHOSTS_PER_BLOCK * self._count() + 1024):
             key, (_, cls, uses, _, _) = self.ghosts.popitem(last=False)
             self._gone(cls)
             self._remember(key, uses)

@@ -166,3 +166,14 @@ def test_the_store_beats_lru_on_chats_whose_think_time_outlasts_the_cache() -> N
     trace = conversation_trace(600, seed=5)
     res = {r.policy: r for r in replay_all(trace, [300], policies=("engram", "lru"))}
     assert res["engram"].hit_blocks > 1.1 * res["lru"].hit_blocks
+
+
+def test_the_ghost_tables_stay_bounded() -> None:
+    s = Store()
+    for i in range(3000):  # 3,000 blocks put and deleted, with at most one stored at a time
+        s.put(f"g{i}")
+        s.delete(f"g{i}")
+    assert len(s.model.ghosts) <= eviction.GHOSTS_PER_BLOCK * 1 + 1024
+    assert len(s.model.ghosts) + len(s.model.past) <= 3000
+    s.model.recompute()
+    assert len(s.model.past) <= 65536
