@@ -82,6 +82,7 @@ def stats_renderable(resp: Stats) -> Group:
         ("corrupt blocks found", str(resp.corrupt_blocks)),
         ("bytes served", human_bytes(resp.bytes_served)),
         ("default codec", f"{resp.default_codec} ({resp.default_codec_reason}); encoded here by {resp.codec_backend}"),
+        ("eviction order", eviction_line(resp)),
         ("uptime", f"{resp.uptime_s:.1f} s"),
         ("version", resp.version),
     ):
@@ -107,6 +108,15 @@ def stats_renderable(resp: Stats) -> Group:
             cluster.add_row(name, value)
         parts.append(cluster)
     return Group(*parts)
+
+
+def eviction_line(resp: Stats) -> str:
+    """Which order picks victims within a held class (engram/eviction.py), and what it has learned from."""
+    e = resp.eviction
+    seen = f"{e.comebacks} comebacks seen, {e.ghosts} deleted blocks remembered"
+    if not e.learned:
+        return f"least recently used (learning: {seen})"
+    return f"recency {e.recency_weight:.0%} / hit density {1 - e.recency_weight:.0%} ({seen})"
 
 
 def codec_error_table(resp: Stats) -> Table:

@@ -196,6 +196,15 @@ class ReplayStats:
 
 
 @dataclass(frozen=True)
+class EvictionStats:
+    learned: bool = False  # densities in use; False: plain least recently used (too few comebacks seen yet)
+    recency_weight: float = 0.5  # the chance a victim search picks by recency; by density otherwise
+    comebacks: int = 0  # comebacks and gones the model has counted
+    ghosts: int = 0  # deleted blocks remembered
+    recomputations: int = 0
+
+
+@dataclass(frozen=True)
 class ClusterStats:
     state: str = "off"  # "off", "ok" or "degraded"
     reason: str = ""
@@ -269,6 +278,7 @@ class Stats:
     codec_error_blocks: int = 0  # blocks measured
     codec_error_skipped: int = 0  # samples dropped while earlier measurements ran
     codec_fallbacks: tuple[CodecFallback, ...] = ()  # stored lossless since (codec.max_error)
+    eviction: EvictionStats = field(default_factory=EvictionStats)
 
     def tier(self, name: str) -> TierStats:
         return next(t for t in self.tiers if t.name == name)

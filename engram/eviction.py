@@ -59,6 +59,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
+from engram.api import EvictionStats
 from engram.index import BlockMeta
 
 SAMPLE = 16  # candidates compared per victim in a tier with more than twice as many
@@ -287,6 +288,12 @@ class ReturnModel:
         self.hits = [[h / 2 for h in row] for row in self.hits]
         self.gone = [[g / 2 for g in row] for row in self.gone]
         self.recomputed += 1
+
+
+def stats(model: ReturnModel) -> EvictionStats:
+    return EvictionStats(learned=model.density is not None, recency_weight=model.weights[RECENCY],
+                         comebacks=model.evidence, ghosts=len(model.ghosts) + len(model.past),
+                         recomputations=model.recomputed)
 
 
 def densities(hits: np.ndarray, gone: np.ndarray) -> np.ndarray:

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
+from engram import eviction
 from engram.sessions import SessionManager
 from engram.store import BlockStore
 
@@ -50,6 +51,16 @@ class StoreCollector(Collector):
                                            labels=label),
             "io_errors": CounterMetricFamily("engram_tier_io_errors", "I/O errors on the tier.", labels=label),
         }
+        e = eviction.stats(store.placement.model)
+        yield GaugeMetricFamily("engram_eviction_learned", "1 once eviction ranks by learned hit density too.",
+                                value=int(e.learned))
+        yield GaugeMetricFamily("engram_eviction_recency_weight",
+                                "Chance a victim search picks by recency (by hit density otherwise).",
+                                value=e.recency_weight)
+        yield CounterMetricFamily("engram_eviction_comebacks", "Comebacks and gones the eviction model counted.",
+                                  value=e.comebacks)
+        yield GaugeMetricFamily("engram_eviction_ghosts", "Deleted blocks the eviction model remembers.",
+                                value=e.ghosts)
         for t in store.tier_stats(per_block=False):
             values = {"capacity": t.capacity_bytes, "used": t.used_bytes, "blocks": t.blocks,
                       "degraded": int(t.state != "ok"), "hits": t.hits, "misses": t.misses, "evictions": t.evictions,

@@ -48,10 +48,13 @@ def test_stats_json_and_table_match_daemon_state(daemon) -> None:  # type: ignor
     assert data["models"][0]["model_fingerprint"] == fp.hex()
     assert int(data["models"][0]["tokens"]) == 40
     assert int(data["blocks_served"]) == 3
+    ev = data["eviction"]  # cold: three uses by the prefix Get, far from the evidence densities need
+    assert ev.get("learned", False) is False and float(ev["recency_weight"]) == 0.5 and int(ev["comebacks"]) == 3
 
     table = run_cli("stats", "--address", address)
     assert table.returncode == 0
     assert "dram" in table.stdout and "tiny-hybrid" in table.stdout and fp.hex()[:12] in table.stdout
+    assert "least recently used (learning: 3 comebacks seen" in " ".join(table.stdout.split())
 
 
 def test_serve_stops_gracefully_on_sigterm(daemon) -> None:  # type: ignore[no-untyped-def]

@@ -52,6 +52,12 @@ async def test_metrics_after_known_traffic(server_factory) -> None:  # type: ign
     assert m[("engram_lookups_total", ())] == 4  # each put looks up first
     assert m[("engram_corrupt_blocks_total", ())] == 0
     assert m[("engram_replay_seconds_count", ())] == 0
+    # The eviction model: cold (too few comebacks to rank by density), both orders even, and the two blocks
+    # the second chain deleted remembered as ghosts; the lookups' hits are comebacks it counted.
+    assert m[("engram_eviction_learned", ())] == 0
+    assert m[("engram_eviction_recency_weight", ())] == 0.5
+    assert m[("engram_eviction_ghosts", ())] == 2
+    assert m[("engram_eviction_comebacks_total", ())] >= 1
     ok = lambda method: (("code", "OK"), ("method", method))  # noqa: E731
     assert m[("engram_rpcs_total", ok("Put"))] == 2
     assert m[("engram_rpcs_total", ok("Lookup"))] == 4

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import torch
 
-from engram import __version__
+from engram import __version__, eviction
 from engram.api import (
     CheckFinding,
     CheckReport,
@@ -496,7 +496,7 @@ class EngramService:
             default_codec=store.registry.default_codec, default_codec_reason=store.registry.default_reason,
             codec_backend=store.codec_backend, codec_errors=store.quality.codec_errors(),
             codec_error_blocks=store.quality.errors.blocks, codec_error_skipped=store.quality.skipped,
-            codec_fallbacks=store.quality.codec_fallbacks(),
+            codec_fallbacks=store.quality.codec_fallbacks(), eviction=eviction.stats(store.placement.model),
         )
 
     async def _cluster_stats(self) -> ClusterStats:

@@ -430,7 +430,7 @@ class Limits(_message.Message):
     def __init__(self, max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "models", "lookups", "lookup_hit_tokens", "lookup_miss_tokens", "blocks_put", "blocks_deduplicated", "blocks_served", "bytes_served", "limits", "version", "uptime_s", "write_policy", "corrupt_blocks", "replay", "namespaces", "cluster", "blocks_evicted_on_request", "blocks_not_durable", "write_back_pending_blocks", "write_back_pending_bytes", "write_back_oldest_s", "blocks_flushed", "leases", "default_codec", "default_codec_reason", "codec_backend", "codec_errors", "codec_error_blocks", "codec_error_skipped", "codec_fallbacks")
+    __slots__ = ("tiers", "models", "lookups", "lookup_hit_tokens", "lookup_miss_tokens", "blocks_put", "blocks_deduplicated", "blocks_served", "bytes_served", "limits", "version", "uptime_s", "write_policy", "corrupt_blocks", "replay", "namespaces", "cluster", "blocks_evicted_on_request", "blocks_not_durable", "write_back_pending_blocks", "write_back_pending_bytes", "write_back_oldest_s", "blocks_flushed", "leases", "default_codec", "default_codec_reason", "codec_backend", "codec_errors", "codec_error_blocks", "codec_error_skipped", "codec_fallbacks", "eviction")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
@@ -462,6 +462,7 @@ class StatsResponse(_message.Message):
     CODEC_ERROR_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CODEC_ERROR_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     CODEC_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    EVICTION_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     models: _containers.RepeatedCompositeFieldContainer[ModelStats]
     lookups: int
@@ -493,7 +494,8 @@ class StatsResponse(_message.Message):
     codec_error_blocks: int
     codec_error_skipped: int
     codec_fallbacks: _containers.RepeatedCompositeFieldContainer[CodecFallback]
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_hit_tokens: _Optional[int] = ..., lookup_miss_tokens: _Optional[int] = ..., blocks_put: _Optional[int] = ..., blocks_deduplicated: _Optional[int] = ..., blocks_served: _Optional[int] = ..., bytes_served: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., write_policy: _Optional[str] = ..., corrupt_blocks: _Optional[int] = ..., replay: _Optional[_Union[ReplayStats, _Mapping]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., cluster: _Optional[_Union[ClusterStats, _Mapping]] = ..., blocks_evicted_on_request: _Optional[int] = ..., blocks_not_durable: _Optional[int] = ..., write_back_pending_blocks: _Optional[int] = ..., write_back_pending_bytes: _Optional[int] = ..., write_back_oldest_s: _Optional[float] = ..., blocks_flushed: _Optional[int] = ..., leases: _Optional[int] = ..., default_codec: _Optional[str] = ..., default_codec_reason: _Optional[str] = ..., codec_backend: _Optional[str] = ..., codec_errors: _Optional[_Iterable[_Union[CodecError, _Mapping]]] = ..., codec_error_blocks: _Optional[int] = ..., codec_error_skipped: _Optional[int] = ..., codec_fallbacks: _Optional[_Iterable[_Union[CodecFallback, _Mapping]]] = ...) -> None: ...
+    eviction: EvictionStats
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_hit_tokens: _Optional[int] = ..., lookup_miss_tokens: _Optional[int] = ..., blocks_put: _Optional[int] = ..., blocks_deduplicated: _Optional[int] = ..., blocks_served: _Optional[int] = ..., bytes_served: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., write_policy: _Optional[str] = ..., corrupt_blocks: _Optional[int] = ..., replay: _Optional[_Union[ReplayStats, _Mapping]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., cluster: _Optional[_Union[ClusterStats, _Mapping]] = ..., blocks_evicted_on_request: _Optional[int] = ..., blocks_not_durable: _Optional[int] = ..., write_back_pending_blocks: _Optional[int] = ..., write_back_pending_bytes: _Optional[int] = ..., write_back_oldest_s: _Optional[float] = ..., blocks_flushed: _Optional[int] = ..., leases: _Optional[int] = ..., default_codec: _Optional[str] = ..., default_codec_reason: _Optional[str] = ..., codec_backend: _Optional[str] = ..., codec_errors: _Optional[_Iterable[_Union[CodecError, _Mapping]]] = ..., codec_error_blocks: _Optional[int] = ..., codec_error_skipped: _Optional[int] = ..., codec_fallbacks: _Optional[_Iterable[_Union[CodecFallback, _Mapping]]] = ..., eviction: _Optional[_Union[EvictionStats, _Mapping]] = ...) -> None: ...
 
 class CodecError(_message.Message):
     __slots__ = ("codec", "tier", "layer_kind", "part", "samples", "rel_mean", "rel_max", "max_abs_mean", "max_abs_max")
@@ -532,6 +534,20 @@ class CodecFallback(_message.Message):
     max_error: float
     blocks: int
     def __init__(self, codec: _Optional[str] = ..., layer_kind: _Optional[str] = ..., rel_mean: _Optional[float] = ..., samples: _Optional[int] = ..., max_error: _Optional[float] = ..., blocks: _Optional[int] = ...) -> None: ...
+
+class EvictionStats(_message.Message):
+    __slots__ = ("learned", "recency_weight", "comebacks", "ghosts", "recomputations")
+    LEARNED_FIELD_NUMBER: _ClassVar[int]
+    RECENCY_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    COMEBACKS_FIELD_NUMBER: _ClassVar[int]
+    GHOSTS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTATIONS_FIELD_NUMBER: _ClassVar[int]
+    learned: bool
+    recency_weight: float
+    comebacks: int
+    ghosts: int
+    recomputations: int
+    def __init__(self, learned: _Optional[bool] = ..., recency_weight: _Optional[float] = ..., comebacks: _Optional[int] = ..., ghosts: _Optional[int] = ..., recomputations: _Optional[int] = ...) -> None: ...
 
 class ReplayStats(_message.Message):
     __slots__ = ("sessions", "hot_sessions", "persisted_window_bytes", "hot_window_bytes", "replays", "replayed_tokens", "replay_seconds", "windows_dropped_cold")
