@@ -439,7 +439,8 @@ class TierVictims:
                 found.chosen = 1 << order
                 return found
         for q in self._queues:
-            q.clear()
+            if q:
+                q.clear()
         self._queued_leaf_only = leaf_only
         self._epoch = epoch
         candidates = self._candidates(leaf_only, max_held)
@@ -491,15 +492,19 @@ class TierVictims:
         held = draws = 0
         rand = self._rng.random
         name, lookup = self.tier_name, self.lookup
-        while items and len(found) < self.sample and draws < 8 * self.sample:
+        n = len(items)
+        want, most = self.sample, 8 * self.sample
+        while n and want and draws < most:
             draws += 1
-            i = int(rand() * len(items))
+            i = int(rand() * n)
             meta = items[i]
             if (leaf_only and meta.children) or name not in meta.locations or lookup(meta.key) is not meta:
                 members.remove_at(i)
+                n -= 1
                 continue
             if not (meta.pins or meta.leases or meta.moving):
                 found.append(meta)
+                want -= 1
                 continue
             held += 1
             if max_held is not None and held >= max_held and not found:
@@ -526,13 +531,15 @@ class TierVictims:
         reuse_top = _REUSE - 1
         top = _NB - 1
         best_r = best_d = candidates[0]
-        kr: tuple[int, int] = (3, 0)
-        kd: tuple[int, float, int] = (3, 0.0, 0)
+        r_refs, r_tick = 3, 0  # the recency order's best so far: (held class, tick)
+        d_refs, d_dens, d_tick = 3, 0.0, 0  # the density order's: (held class, density, tick)
         for m in candidates:
             refs = m.refs if m.refs < 2 else 2
             t = m.tick
-            if (refs, t) < kr:
-                kr, best_r = (refs, t), m
+            if refs < r_refs or (refs == r_refs and t < r_tick):
+                r_refs, r_tick, best_r = refs, t, m
+            if refs > d_refs:
+                continue  # a higher held class never beats the density order's best
             age = now - t
             if age < 8:
                 b = age if age > 0 else 0
@@ -542,9 +549,9 @@ class TierVictims:
                 if b > top:
                     b = top
             u = m.uses if m.uses < reuse_top else reuse_top
-            key = (refs, density[refs * _REUSE + u][b], t)
-            if key < kd:
-                kd, best_d = key, m
+            d = density[refs * _REUSE + u][b]
+            if refs < d_refs or d < d_dens or (d == d_dens and t < d_tick):
+                d_refs, d_dens, d_tick, best_d = refs, d, t, m
         return best_r, best_d
 
     def _entry(self, order: int, m: BlockMeta, now: int) -> tuple[tuple, BlockMeta, int]:
