@@ -377,11 +377,11 @@ class TierVictims:
         self._leaves = _Members()
         self._rng = random.Random(seed)
         self._live = 0  # blocks found valid at the last compaction
-        # Per order, the best candidates of the last search, best last: (negated rank key, block, its tick
-        # then); for the leaves or for every block (`_queued_leaf_only`), and the densities of `_epoch`.
-        self._queues: tuple[list[tuple[tuple, BlockMeta, int]], ...] = ([], [])
+        # While the model is cold: the best candidates of the last search by recency, best last: (negated
+        # rank key, block, its tick then); for the leaves or for every block (`_queued_leaf_only`).
+        self._queue: list[tuple[tuple, BlockMeta, int]] = []
         self._queued_leaf_only = False
-        self._epoch = -1
+        self._epoch = -1  # the model's recomputations when the queue was filled: warm since, it is dropped
 
     def __len__(self) -> int:
         return len(self._all)
@@ -395,14 +395,14 @@ class TierVictims:
             self._compact()
 
     def leaf_again(self, meta: BlockMeta) -> None:
-        """The block's last child left the index: a candidate where eviction deletes, and in the recency
-        order at once, since it is that order's next victim (as old as the child that went). The density
-        order waits until a sample draws it: trimming the tails of several chains rather than eating one
-        chain whole measured better."""
+        """The block's last child left the index: a candidate where eviction deletes. While the model is cold
+        it joins the kept candidates at once, since it is least recently used order's next victim (as old as
+        the child that went); once warm, it waits until a sample draws it: trimming the tails of several
+        chains rather than eating one chain whole measured better."""
         self.add(meta)
-        queue = self._queues[RECENCY]
+        queue = self._queue
         if queue and self._queued_leaf_only:
-            entry = self._entry(RECENCY, meta, CLOCK.now)
+            entry = self._entry(meta)
             if len(queue) < self.keep or entry[0] > queue[0][0]:
                 bisect.insort(queue, entry, key=_first)
                 if len(queue) > self.keep:
@@ -411,8 +411,7 @@ class TierVictims:
     def forget_queue(self) -> None:
         """Blocks may have become evictable (a lease or pin ended, a move landed) or changed class (a session
         took or dropped a reference): what the last search kept no longer reflects the order."""
-        self._queues[RECENCY].clear()
-        self._queues[DENSITY].clear()
+        self._queue.clear()
 
     def _valid(self, meta: BlockMeta, leaf_only: bool) -> bool:
         return (self.tier_name in meta.locations and self.lookup(meta.key) is meta
@@ -426,21 +425,21 @@ class TierVictims:
         the model is cold the recency order decides; once it is warm, each search draws the order by the
         model's weights (LeCaR), which move toward the order whose victims come back less.
         `max_held`: give up (None) after passing that many held blocks (a promotion would rather skip than
-        search a tier its reader's leases fill). A sample's best `sample // KEEP_DIVISOR` per order are kept
-        for the next searches (as Redis's eviction pool), each taken only if it is still a candidate and
-        unused since, and ranked again as it is taken."""
+        search a tier its reader's leases fill). While the model is cold a search's next best
+        `sample // KEEP_DIVISOR` are kept for the next searches (as Redis's eviction pool), each taken only if
+        it is still a candidate and unused since, and ranked again as it is taken; once warm every search
+        samples afresh (kept candidates ranked stale measured worse)."""
         model = self.model
         warm = model is not None and model.density is not None
         order = DENSITY if model is not None and warm and self._rng.random() >= model.weights[RECENCY] else RECENCY
         epoch = model.recomputed if model is not None else -1
         if not warm and self._queued_leaf_only == leaf_only and self._epoch == epoch:
-            found = self._from_queue(self._queues[order], leaf_only)
+            found = self._from_queue(leaf_only)
             if found is not None:
-                found.chosen = 1 << order
+                found.chosen = 1 << RECENCY
                 return found
-        for q in self._queues:
-            if q:
-                q.clear()
+        if self._queue:
+            self._queue.clear()
         self._queued_leaf_only = leaf_only
         self._epoch = epoch
         candidates = self._candidates(leaf_only, max_held)
@@ -448,24 +447,22 @@ class TierVictims:
             return None
         now = CLOCK.now
         if not warm:
-            entries = sorted(self._entry(RECENCY, m, now) for m in candidates)
+            entries = sorted(self._entry(m) for m in candidates)
             victim = entries.pop()[1]
-            self._queues[RECENCY][:] = entries[-self.keep:] if self.keep > 1 else []
+            self._queue[:] = entries[-self.keep:] if self.keep > 1 else []
             return victim
-        # Warm: both orders rank this search's candidates afresh (kept candidates ranked stale measured worse).
         by_recency, by_density = self._both_best(candidates, now)
         victim = by_density if order == DENSITY else by_recency
         victim.chosen = (victim is by_recency) << RECENCY | (victim is by_density) << DENSITY
         return victim
 
-    def _from_queue(self, queue: list[tuple[tuple, BlockMeta, int]], leaf_only: bool) -> BlockMeta | None:
-        now = CLOCK.now
-        order = RECENCY if queue is self._queues[RECENCY] else DENSITY
+    def _from_queue(self, leaf_only: bool) -> BlockMeta | None:
+        queue = self._queue
         while queue:
             key, meta, at = queue.pop()
             if meta.tick != at or not meta.evictable or not self._valid(meta, leaf_only):
                 continue
-            fresh = self._entry(order, meta, now)  # its class or age may have changed since it was ranked
+            fresh = self._entry(meta)  # its class may have changed since it was ranked
             if fresh[0] == key or not queue or fresh[0] >= queue[-1][0]:
                 return meta
             bisect.insort(queue, fresh, key=_first)
@@ -554,21 +551,12 @@ class TierVictims:
                 d_refs, d_dens, d_tick, best_d = refs, d, t, m
         return best_r, best_d
 
-    def _entry(self, order: int, m: BlockMeta, now: int) -> tuple[tuple, BlockMeta, int]:
-        """(negated rank key, block, tick): the largest negated key goes first. Recency: held class, then
-        the older. Density: held class, then the lower density, then the older. Ties (a lease gives every
-        block of a chain the same tick) go by key, so a replay decides the same way every time."""
-        refs = min(m.refs, 2)
-        if order == RECENCY or self.model is None or self.model.density is None:
-            return (-refs, -m.tick, m.key), m, m.tick
-        age = now - m.tick
-        if age < 8:
-            b = max(age, 0)
-        else:
-            bl = age.bit_length()
-            b = min(4 * (bl - 2) + ((age >> (bl - 3)) & 3), _NB - 1)
-        d = self.model.density[refs * _REUSE + min(m.uses, _REUSE - 1)][b]
-        return (-refs, -d, -m.tick, m.key), m, m.tick
+    @staticmethod
+    def _entry(m: BlockMeta) -> tuple[tuple, BlockMeta, int]:
+        """(negated rank key, block, tick) by recency: held class, then the older; the largest negated key
+        goes first. Ties (a lease gives every block of a chain the same tick) go by key, so a replay decides
+        the same way every time."""
+        return (-min(m.refs, 2), -m.tick, m.key), m, m.tick
 
     def rebuild(self, metas: Iterable[BlockMeta]) -> None:
         """Every block of `metas` with a copy in this tier (after recovery, or when the tier leaves
