@@ -37,7 +37,8 @@ What is learned (`ReturnModel`, one per store, shared by its tiers):
   block's age is the clock's advance since its last use; ages go in buckets, four per octave.
 - a use at age a counts a comeback in the class the block had at its last use; a lease (a Get after the
   Lookup that found the block) refreshes its age without counting one.
-- every (stored blocks) uses the densities are recomputed and older counts halved (workloads drift).
+- every (stored blocks) uses the densities are recomputed and older counts halved (workloads drift); stored
+  blocks idle past the horizon are counted gone then (a sample of SWEEP_MAX of them in a larger store).
 - a ghost that comes back costs the order(s) that chose it weight, the more the sooner it came back.
 Until MIN_EVIDENCE comebacks and gones are seen (a small or new store) the order is plain least recently
 used, exactly.
@@ -69,6 +70,7 @@ MIN_EVIDENCE = 256  # comebacks and gones seen before densities replace least-re
 LEARNING_RATE = 0.45  # LeCaR's: how much weight an order loses per victim that came back at once
 GHOSTS_MAX = 1 << 20  # entries of each ghost table at most (about 200 bytes each)
 GHOSTS_PER_BLOCK = 4  # ghosts within the horizon: 4 per stored block, plus 1024
+SWEEP_MAX = 1 << 17  # stored blocks a recomputation checks for idleness (all of them up to this many)
 _REUSE = 4  # reuse classes: 0, 1, 2, 3+ comebacks
 CLASSES = 3 * _REUSE
 _NB = 160  # age buckets: ages 0-7 exact, then four per octave
@@ -142,6 +144,7 @@ class ReturnModel:
         self._since = 0
         self._limit = self._g = 1024
         self.recomputed = 0
+        self._rng = random.Random(0)
 
     # ---- what the store reports -----------------------------------------------------------------
 
@@ -272,7 +275,10 @@ class ReturnModel:
         self._limit = max(1024, n)
         self._since = 0
         now = CLOCK.now
-        for meta in self._stored():
+        stored: Iterable[BlockMeta] = self._stored()
+        if n > SWEEP_MAX:  # a large store: a sample, so a recomputation stays tens of milliseconds on the loop
+            stored = self._rng.sample(list(stored), SWEEP_MAX)
+        for meta in stored:
             if meta.cls >= 0 and now - meta.tick > self._g:
                 self._gone(meta.cls)
                 meta.cls = -1

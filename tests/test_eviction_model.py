@@ -177,3 +177,14 @@ def test_the_ghost_tables_stay_bounded() -> None:
     assert len(s.model.ghosts) + len(s.model.past) <= 3000
     s.model.recompute()
     assert len(s.model.past) <= 65536
+
+
+def test_a_large_store_checks_a_sample_of_its_blocks_for_idleness(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(eviction, "SWEEP_MAX", 100)
+    s = Store()
+    metas = [s.put(f"i{i}") for i in range(300)]
+    advance(10**6)
+    s.model.recompute()
+    assert sum(m.cls == -1 for m in metas) == 100  # counted gone: the sample only, once each
+    s.model.recompute()
+    assert 100 < sum(m.cls == -1 for m in metas) <= 200  # the next recomputation samples others too
