@@ -121,6 +121,10 @@ class TiersConfig:
     write_back_window_s: float = 5.0  # age past which a block held only in DRAM/HBM is copied to NVMe
     write_back_window_bytes: ByteSize = ByteSize(2**30)  # bytes held only in DRAM/HBM before puts wait
     shutdown_flush_s: float = 30.0  # on SIGTERM, time to copy blocks held only in DRAM/HBM to NVMe (0: none)
+    # Which block a full tier gives up (engram/eviction.py), after the held classes (no live session, one,
+    # several): "learned" draws between least recently used and a learned hit density by which order's victims
+    # come back less; "lru": least recently used only.
+    eviction: str = "learned"
 
 
 @dataclass
@@ -243,6 +247,8 @@ class EngramConfig:
         if self.tiers.write_policy == "write-through" and not self.tiers.nvme.path:
             raise ConfigError("tiers.write_policy = write-through needs an NVMe tier: set tiers.nvme.path")
         t = self.tiers
+        if t.eviction not in {"learned", "lru"}:
+            raise ConfigError(f"tiers.eviction must be learned or lru, got {t.eviction!r}")
         if t.on_nvme_failure not in {"fail", "degrade"}:
             raise ConfigError(f"tiers.on_nvme_failure must be fail or degrade, got {t.on_nvme_failure!r}")
         if t.write_back_window_s < 0 or t.write_back_window_bytes < 0 or t.shutdown_flush_s < 0:

@@ -37,6 +37,7 @@ def test_precedence_defaults_file_env_flags(tmp_path: Path) -> None:
         ({"overrides": {"tiers.dram.capacity": "lots"}}, "not a byte size"),
         ({"overrides": {"server.chunk_bytes": "128MiB"}}, "chunk_bytes"),
         ({"file": "[server\n"}, "not valid TOML"),
+        ({"overrides": {"tiers.eviction": "arc"}}, "tiers.eviction must be learned or lru"),
     ],
 )
 def test_bad_config_is_an_error(tmp_path: Path, source: dict, match: str) -> None:  # type: ignore[type-arg]

@@ -188,3 +188,26 @@ def test_a_large_store_checks_a_sample_of_its_blocks_for_idleness(monkeypatch) -
     assert sum(m.cls == -1 for m in metas) == 100  # counted gone: the sample only, once each
     s.model.recompute()
     assert 100 < sum(m.cls == -1 for m in metas) <= 200  # the next recomputation samples others too
+
+
+def test_a_store_configured_for_lru_never_ranks_by_density(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """tiers.eviction = "lru": the model still counts comebacks (Stats shows them) but never warms up, so
+    every victim is least recently used; the same trace warms a learned store and decides differently."""
+    from engram.trace import replay as trace_replay
+
+    trace = conversation_trace(200, seed=3)
+    made = []
+    real_store = trace_replay.BlockStore
+
+    def store(*args, eviction: str = "learned", **kwargs):  # type: ignore[no-untyped-def]
+        made.append(real_store(*args, eviction=eviction, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(trace_replay, "BlockStore", store)
+    learned = replay_all(trace, [100], policies=("engram",))[0]
+    assert made[-1].placement.model.density is not None
+    monkeypatch.setattr(trace_replay, "BlockStore", lambda *a, **k: store(*a, eviction="lru", **k))
+    plain = replay_all(trace, [100], policies=("engram",))[0]
+    model = made[-1].placement.model
+    assert model.density is None and model.evidence > 10 * eviction.MIN_EVIDENCE
+    assert plain.hit_blocks != learned.hit_blocks

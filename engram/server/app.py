@@ -81,7 +81,8 @@ async def build_store(config: EngramConfig, tenancy: Tenancy | None = None) -> B
     store = BlockStore(tiers, registry, write_policy=WritePolicy(t.write_policy), retry_s=t.retry_s,
                        codec_backend=backend, namespaces=tenancy, on_nvme_failure=t.on_nvme_failure,
                        write_back_window_s=t.write_back_window_s, write_back_window_bytes=t.write_back_window_bytes,
-                       quality=QualityWatch(config.codec.quality_sample, config.codec.max_error, backend=backend))
+                       quality=QualityWatch(config.codec.quality_sample, config.codec.max_error, backend=backend),
+                       eviction=t.eviction)
     if t.nvme.path:
         t0 = time.perf_counter()
         report = await store.recover()

@@ -79,7 +79,8 @@ class BlockStore:
                  write_policy: WritePolicy = WritePolicy.WRITE_BACK, retry_s: float = 5.0,
                  codec_backend: str = "reference", namespaces: NamespacePolicy | None = None,
                  on_nvme_failure: str = "fail", write_back_window_s: float = 5.0,
-                 write_back_window_bytes: int = 2**30, quality: QualityWatch | None = None) -> None:
+                 write_back_window_bytes: int = 2**30, quality: QualityWatch | None = None,
+                 eviction: str = "learned") -> None:
         if not tiers:
             raise ValueError("a store needs at least one tier")
         self.registry = registry
@@ -92,6 +93,10 @@ class BlockStore:
         self.namespaces = namespaces or OpenNamespaces()  # key salts and quotas (engram/tenancy.py)
         self.counters = StoreCounters(tiers={t.name: TierCounters() for t in tiers})
         self.placement = Placement(list(tiers), self.index, self.counters, retry_s=retry_s)
+        if eviction not in ("learned", "lru"):
+            raise ValueError(f"eviction is learned or lru, got {eviction!r}")
+        if eviction == "lru":  # the model still counts (Stats shows what it would learn) but never ranks
+            self.placement.model.min_evidence = 1 << 62
         self._quota_pending: dict[str, int] = {}  # bytes of puts in flight, per namespace
         self._held: dict[str, int] = {}  # bytes a namespace holds outside the index (persisted windows)
         self._pending: dict[bytes, asyncio.Event] = {}  # puts in flight, by key
