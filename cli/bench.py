@@ -143,6 +143,13 @@ def trace(
                             _gb(t.written_bytes), _gb(t.promoted_bytes), _gb(t.demoted_bytes), f"{t.evictions:,}",
                             f"{t.blocks:,}")
         console.print(per)
+    for r in results:
+        e = r.eviction
+        if e is not None:
+            order = (f"recency {e.recency_weight:.0%} / hit density {1 - e.recency_weight:.0%}" if e.learned
+                     else "least recently used (not enough comebacks to learn from)")
+            console.print(f"engram eviction at {_capacity(r)}: {order}; {e.comebacks:,} comebacks counted, "
+                          f"{e.ghosts:,} deleted blocks remembered")
     console.print(f"replayed in {total:.2f} s")
 
 

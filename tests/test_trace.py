@@ -85,6 +85,12 @@ def test_bench_trace_cli_prints_every_policy(tmp_path: Path) -> None:
     rows = json.loads(res.output)
     assert {(r["policy"], r["capacity_blocks"]) for r in rows} == {(p, c) for p in ("engram", "lru", "belady")
                                                                   for c in (8, 32)}
+    for r in rows:  # what the store's eviction order learned, for its runs only
+        assert (r["eviction"] is None) == (r["policy"] != "engram")
+        if r["policy"] == "engram":
+            assert r["eviction"]["comebacks"] > 0 and 0 < r["eviction"]["recency_weight"] < 1
+    table = CliRunner().invoke(app, ["bench", "trace", str(path), "--capacity", "8", "--policy", "engram"])
+    assert "engram eviction at 8:" in table.output and "comebacks counted" in table.output
     bad = CliRunner().invoke(app, ["bench", "trace", str(tmp_path / "missing.jsonl")])
     assert bad.exit_code == 4 and "cannot read the trace" in bad.output
 

@@ -51,9 +51,10 @@ import numpy as np
 import torch
 
 from engram import limits
-from engram.api import SessionMode
+from engram.api import EvictionStats, SessionMode
 from engram.block import BlockHeader, checksum
 from engram.errors import InvalidArgument, ResourceExhausted
+from engram.eviction import stats as eviction_stats
 from engram.keys import block_key_of_bytes
 from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
 from engram.registry import ModelRegistry
@@ -105,6 +106,7 @@ class PolicyResult:
     seconds: float = 0.0  # the run's wall time
     tiers: tuple[TierResult, ...] = ()  # engram only
     config: str = ""  # the tiers by bytes ("hbm 2GiB + dram 16GiB"); "": one DRAM tier of capacity_blocks
+    eviction: EvictionStats | None = None  # engram only: what the eviction order learned by the end of the run
 
     @property
     def hit_ratio(self) -> float:
@@ -182,6 +184,9 @@ class _Run:
             self.sessions.close(_NS, r.session)
             del self.live[r.session]
 
+    def eviction(self) -> EvictionStats:
+        return eviction_stats(self.store.placement.model)
+
     def result(self, specs: Sequence[TierSpec]) -> tuple[TierResult, ...]:
         cap = {t.name: t.capacity_bytes for t in specs}
         out = []
@@ -206,7 +211,7 @@ def _keys(parent_of: Sequence[int], root: bytes) -> list[bytes]:
 
 async def _engram_fast(trace: Sequence[Request], parent_of: Sequence[int], tiers: Sequence[TierSpec],
                        layout: KVLayout, nvme_dir: Path | None, progress: Progress | None,
-                       key_cache: dict[bytes, list[bytes]]) -> tuple[int, tuple[TierResult, ...]]:
+                       key_cache: dict[bytes, list[bytes]]) -> tuple[int, tuple[TierResult, ...], EvictionStats]:
     run = _Run(tiers, layout, nvme_dir)
     store, fp = run.store, run.fp
     root = store.root(_NS, fp)
@@ -244,11 +249,12 @@ async def _engram_fast(trace: Sequence[Request], parent_of: Sequence[int], tiers
         progress(len(trace) % _PROGRESS_EVERY)
     out = run.result(tiers)
     await store.close()
-    return hits, out
+    return hits, out, run.eviction()
 
 
 async def _engram_verbs(trace: Sequence[Request], tiers: Sequence[TierSpec], layout: KVLayout,
-                        nvme_dir: Path | None, progress: Progress | None) -> tuple[int, tuple[TierResult, ...]]:
+                        nvme_dir: Path | None, progress: Progress | None
+                        ) -> tuple[int, tuple[TierResult, ...], EvictionStats]:
     """The engram run through the daemon's own verbs: lookup by tokens, put per block, verified reads."""
     run = _Run(tiers, layout, nvme_dir)
     store, fp, payload = run.store, run.fp, run.payload
@@ -280,7 +286,7 @@ async def _engram_verbs(trace: Sequence[Request], tiers: Sequence[TierSpec], lay
         progress(len(trace) % _PROGRESS_EVERY)
     out = run.result(tiers)
     await store.close()
-    return hits, out
+    return hits, out, run.eviction()
 
 
 def _lru(trace: Sequence[Request], capacity: int, progress: Progress | None) -> int:
@@ -360,7 +366,7 @@ def replay_all(trace: Sequence[Request], capacities: Sequence[int] = (), block_b
     requested = sum(len(r.hash_ids) for r in dense)
     key_cache: dict[bytes, list[bytes]] = {}
 
-    def engram(specs: list[TierSpec]) -> tuple[int, tuple[TierResult, ...]]:
+    def engram(specs: list[TierSpec]) -> tuple[int, tuple[TierResult, ...], EvictionStats]:
         # One torch thread for the HBM stand-in's copies of single blocks: with more, OpenMP's threads spin at
         # every copy, and on a busy 2-core machine a 57 KB copy took a millisecond instead of microseconds.
         threads = torch.get_num_threads()
@@ -381,14 +387,16 @@ def replay_all(trace: Sequence[Request], capacities: Sequence[int] = (), block_b
                 on_run(name, label)
             t0 = time.perf_counter()
             detail: tuple[TierResult, ...] = ()
+            learned = None
             if name == "engram":
-                hit, detail = engram(specs)
+                hit, detail, learned = engram(specs)
             elif name == "lru":
                 hit = _lru(dense, cap, progress)
             else:
                 hit = _belady(dense, cap, progress)
             out.append(PolicyResult(name, cap, requested, hit, (requested - hit) * block_bytes,
-                                    time.perf_counter() - t0, detail, "" if label.endswith(" blocks") else label))
+                                    time.perf_counter() - t0, detail, "" if label.endswith(" blocks") else label,
+                                    learned))
     return out
 
 
