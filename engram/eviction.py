@@ -92,11 +92,6 @@ def tick(meta: BlockMeta) -> None:
     meta.tick = CLOCK.now
 
 
-def held_class(meta: BlockMeta) -> int:
-    """0: no live session holds the block, 1: one does, 2: several (evicted in that order)."""
-    return min(meta.refs, 2)
-
-
 def class_of(meta: BlockMeta) -> int:
     return min(meta.refs, 2) * _REUSE + min(meta.uses, _REUSE - 1)
 
@@ -149,17 +144,8 @@ class ReturnModel:
     # ---- what the store reports -----------------------------------------------------------------
 
     def use(self, meta: BlockMeta) -> None:
-        """A request used a stored block (a lookup found it, a put found it stored)."""
-        CLOCK.now += 1
-        if meta.tick:
-            self._came_back(meta.cls, CLOCK.now - meta.tick)
-            meta.uses += 1
-        meta.tick = CLOCK.now
-        meta.cls = class_of(meta)
-        meta.chosen = 0
-        self._since += 1
-        if self._since >= self._limit:
-            self.recompute()
+        """A request used a stored block (a put found it stored; a lookup's chain goes through `use_all`)."""
+        self.use_all((meta,))
 
     def use_all(self, metas: Sequence[BlockMeta]) -> None:
         """`use` of each block in turn (a lookup's chain), in one loop: the densities are recomputed after
@@ -216,11 +202,6 @@ class ReturnModel:
         self._since += 1
         if self._since >= self._limit:
             self.recompute()
-
-    @staticmethod
-    def refresh(meta: BlockMeta) -> None:
-        """A lease on a block a lookup just found (a Get): its age restarts, no comeback is counted."""
-        meta.tick = CLOCK.now
 
     def forget(self, meta: BlockMeta) -> None:
         """The store deleted the block: remember it, so a put of it later counts as a comeback."""

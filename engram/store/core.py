@@ -470,7 +470,7 @@ class BlockStore:
         now = CLOCK.now
         for meta in metas:
             meta.leases += 1
-            meta.tick = now  # placement.refresh, inlined: a Get leases every block of its chain
+            meta.tick = now  # its age restarts; no comeback is counted (the Lookup before it counted one)
         self.placement.busy += len(metas)
 
     def release(self, metas: Sequence[BlockMeta]) -> None:
@@ -637,7 +637,7 @@ class BlockStore:
 
     def reference(self, metas: Sequence[BlockMeta], delta: int) -> None:
         """Add (+1) or drop (-1) one session's reference to blocks; eviction prefers unreferenced blocks, then
-        those one session holds (engram/eviction.py `held_class`, read at each victim search)."""
+        those one session holds (engram/eviction.py: read at each victim search)."""
         for meta in metas:
             meta.refs += delta
             if meta.refs < 0:

@@ -72,10 +72,6 @@ class Placement:
         """`use` of every block a lookup found."""
         self.model.use_all(metas)
 
-    def refresh(self, meta: BlockMeta) -> None:
-        """A lease on a block the request's lookup already counted: its age restarts, nothing is learned."""
-        self.model.refresh(meta)
-
     def reordered(self) -> None:
         """Blocks may have become evictable or changed held class: searches start afresh."""
         for v in self.victims.values():

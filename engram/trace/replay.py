@@ -184,8 +184,14 @@ class _Run:
             self.sessions.close(_NS, r.session)
             del self.live[r.session]
 
-    def eviction(self) -> EvictionStats:
-        return eviction_stats(self.store.placement.model)
+    async def finish(self, hits: int, specs: Sequence[TierSpec], progress: Progress | None, requests: int
+                     ) -> tuple[int, tuple[TierResult, ...], EvictionStats]:
+        """The run's hits, per-tier figures and what its eviction order learned; the store closed."""
+        if progress:
+            progress(requests % _PROGRESS_EVERY)
+        out = self.result(specs), eviction_stats(self.store.placement.model)
+        await self.store.close()
+        return hits, *out
 
     def result(self, specs: Sequence[TierSpec]) -> tuple[TierResult, ...]:
         cap = {t.name: t.capacity_bytes for t in specs}
@@ -245,11 +251,7 @@ async def _engram_fast(trace: Sequence[Request], parent_of: Sequence[int], tiers
             run.closed(r)
         if progress and n % _PROGRESS_EVERY == 0:
             progress(_PROGRESS_EVERY)
-    if progress:
-        progress(len(trace) % _PROGRESS_EVERY)
-    out = run.result(tiers)
-    await store.close()
-    return hits, out, run.eviction()
+    return await run.finish(hits, tiers, progress, len(trace))
 
 
 async def _engram_verbs(trace: Sequence[Request], tiers: Sequence[TierSpec], layout: KVLayout,
@@ -282,11 +284,7 @@ async def _engram_verbs(trace: Sequence[Request], tiers: Sequence[TierSpec], lay
             run.closed(r)
         if progress and n % _PROGRESS_EVERY == 0:
             progress(_PROGRESS_EVERY)
-    if progress:
-        progress(len(trace) % _PROGRESS_EVERY)
-    out = run.result(tiers)
-    await store.close()
-    return hits, out, run.eviction()
+    return await run.finish(hits, tiers, progress, len(trace))
 
 
 def _lru(trace: Sequence[Request], capacity: int, progress: Progress | None) -> int:
