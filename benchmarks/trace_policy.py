@@ -5,7 +5,9 @@ Engram closes. Run: .venv/bin/python benchmarks/trace_policy.py [--json | --swee
 --sweep: engram against LRU only (hit blocks), on 12 more trace shapes (seeds 4-7; default, 12 concurrent
 sessions with half of them sub-agents, 12 turns of 2-6 blocks) at 16-256 blocks, for checking a policy change
 against the previous commit's figures.
---conversations: the chat shape without sessions (synth.conversation_trace), where Engram's order is LRU's."""
+--conversations: the chat shape without sessions (synth.conversation_trace), where Engram's order was LRU's.
+--mooncake DIR: the public Mooncake traces (conversation_trace.jsonl and synthetic_trace.jsonl from
+kvcache-ai/Mooncake's FAST25-release/traces, downloaded into DIR) at 1k / 10k / 100k blocks."""
 
 from __future__ import annotations
 
@@ -50,7 +52,30 @@ def conversations() -> None:
                   f"{closed} |")
 
 
+def mooncake(directory: str) -> None:
+    """The issue's Mooncake-format traces, replayed as `engram bench trace` does (timestamp order, 512-token
+    blocks), with the share of the LRU-to-optimum gap the store closes."""
+    from pathlib import Path
+
+    from engram.trace import in_time_order, read_trace
+
+    print("| trace | capacity (blocks) | engram | lru | belady | gap closed |")
+    print("|---|---|---|---|---|---|")
+    for name in ("conversation_trace", "synthetic_trace"):
+        trace, _ = in_time_order(read_trace(Path(directory) / f"{name}.jsonl"))
+        res = replay_all(trace, (1000, 10000, 100000))
+        for cap in (1000, 10000, 100000):
+            h = {r.policy: r for r in res if r.capacity_blocks == cap}
+            gap = h["belady"].hit_blocks - h["lru"].hit_blocks
+            closed = f"{(h['engram'].hit_blocks - h['lru'].hit_blocks) / gap:.0%}" if gap > 0 else "-"
+            print(f"| {name} | {cap} | " + " | ".join(f"{100 * h[p].hit_ratio:.2f}% ({h[p].hit_blocks:,})"
+                                                      for p in ("engram", "lru", "belady")) + f" | {closed} |")
+
+
 def main() -> None:
+    if "--mooncake" in sys.argv:
+        mooncake(sys.argv[sys.argv.index("--mooncake") + 1])
+        return
     if "--sweep" in sys.argv:
         sweep()
         return

@@ -211,3 +211,24 @@ def test_a_store_configured_for_lru_never_ranks_by_density(monkeypatch) -> None:
     model = made[-1].placement.model
     assert model.density is None and model.evidence > 10 * eviction.MIN_EVIDENCE
     assert plain.hit_blocks != learned.hit_blocks
+
+
+async def test_another_tenant_putting_the_same_tokens_inherits_nothing_from_a_deleted_blocks_ghost() -> None:
+    """Keys are per namespace, so a ghost is too: a tenant who puts exactly the tokens another tenant's
+    deleted blocks held gets fresh blocks (no comeback, no reuse count), and cannot learn from the model
+    that the other tenant ever stored them."""
+    from helpers import dram_store, put_tokens, tokens
+
+    store, fp = dram_store()
+    toks = tokens(3 * 16, seed=8)
+    theirs = await put_tokens(store, "victim", fp, toks)
+    store.lookup("victim", fp, toks)  # reused once: a reuser class
+    for meta in reversed(theirs):
+        await store.remove(meta)
+    model = store.placement.model
+    assert {m.key for m in theirs} <= set(model.ghosts)
+    before = model.evidence
+    mine = await put_tokens(store, "attacker", fp, toks)
+    assert [m.uses for m in mine] == [0, 0, 0]
+    assert model.evidence == before  # no comeback was counted for the attacker's puts
+    assert not {m.key for m in mine} & {m.key for m in theirs}

@@ -345,3 +345,24 @@ async def test_resume_errors(model: HybridDecoder) -> None:
     assert (await d.sessions.resume("ns", s.id, position=BT)).source == "replay"  # what is stored resumes
     with pytest.raises(NotFound):
         await d.sessions.resume("other", s.id)
+
+
+async def test_moving_references_to_a_grown_prefix_or_to_another_one() -> None:
+    """hold_blocks (the trace replayer's hold): a prefix that grew takes references on its new blocks only,
+    one that changed lets go of the blocks it no longer has; each block counts one reference per session."""
+    from helpers import tiny_model, tokens
+
+    store, fp = dram_store()
+    sm = SessionManager(store, ReplayRuntime([]))
+    spec = tiny_model()
+    bt = spec.layout.block_tokens
+    a = await put_tokens(store, "ns", fp, tokens(4 * bt, seed=1))
+    b = await put_tokens(store, "ns", fp, tokens(2 * bt, seed=2))
+    s = sm.open("ns", fp, SessionMode.PERSIST)
+    sm.hold_blocks(s, a[:2])
+    sm.hold_blocks(s, a)  # the prefix grew
+    assert [m.refs for m in a] == [1, 1, 1, 1] and list(s.held) == [m.key for m in a]
+    sm.hold_blocks(s, a[:1] + b)  # another prefix (sharing nothing but a[0] in this list)
+    assert [m.refs for m in a] == [1, 0, 0, 0] and [m.refs for m in b] == [1, 1]
+    sm.hold_blocks(s, [])
+    assert all(m.refs == 0 for m in a + b)
