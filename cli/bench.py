@@ -68,6 +68,9 @@ def trace(
     block_bytes: Annotated[int | None, typer.Option(help="Bytes of one block (default: block tokens x bytes per "
                                                          "token): what the store's blocks weigh, and a miss.")]
     = None,
+    hints: Annotated[bool, typer.Option(help="Pass the trace's back_ms hints to the store's sessions (as a "
+                                             "client's AppendSession expect_back_ms); --no-hints ignores them.")]
+    = True,
     json_: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
     """Replay a trace in time order: prefix-contiguous hits per policy and capacity, and for the store's policy
@@ -113,7 +116,7 @@ def trace(
         try:
             results = replay_all(requests, caps, nbytes, progress=lambda n: bar.advance(task, n), policies=policies,
                                  on_run=lambda p, c: bar.update(task, description=f"{p} at {c}"), tiers=tiers,
-                                 nvme_files=nvme_files)
+                                 nvme_files=nvme_files, hints=hints)
         except InvalidArgument as exc:
             raise fail(str(exc), EXIT_BAD_INPUT) from None
     total = time.perf_counter() - start
@@ -146,8 +149,7 @@ def trace(
     for r in results:
         e = r.eviction
         if e is not None:
-            order = (f"recency {e.recency_weight:.0%} / hit density {1 - e.recency_weight:.0%}" if e.learned
-                     else "least recently used (not enough comebacks to learn from)")
+            order = e.orders() if e.learned else "least recently used (not enough comebacks to learn from)"
             console.print(f"engram eviction at {_capacity(r)}: {order}; {e.comebacks:,} comebacks counted, "
                           f"{e.ghosts:,} deleted blocks remembered")
     console.print(f"replayed in {total:.2f} s")

@@ -116,7 +116,7 @@ def eviction_line(resp: Stats) -> str:
     seen = f"{e.comebacks} comebacks seen, {e.ghosts} deleted blocks remembered"
     if not e.learned:
         return f"least recently used (learning: {seen})"
-    return f"recency {e.recency_weight:.0%} / hit density {1 - e.recency_weight:.0%} ({seen})"
+    return f"{e.orders()} ({seen})"
 
 
 def codec_error_table(resp: Stats) -> Table:

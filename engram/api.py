@@ -103,6 +103,7 @@ class SessionInfo:
     created_s: float
     persisted: bool = False  # its window is kept through going cold (persist mode, or auto's choice)
     decision: str = ""  # auto mode: the cost model's last choice and why
+    expect_back_ms: int = 0  # what its last append said of its next turn (0: nothing)
 
     @property
     def state(self) -> str:
@@ -198,10 +199,17 @@ class ReplayStats:
 @dataclass(frozen=True)
 class EvictionStats:
     learned: bool = False  # densities in use; False: plain least recently used (too few comebacks seen yet)
-    recency_weight: float = 0.5  # the chance a victim search picks by recency; by density otherwise
+    recency_weight: float = 0.5  # the chance a victim search picks by recency; by density (or hint) otherwise
     comebacks: int = 0  # comebacks and gones the model has counted
     ghosts: int = 0  # deleted blocks remembered
     recomputations: int = 0
+    hint_weight: float = 0.0  # the chance it picks by sessions' expect_back_ms (0 until a client sent one)
+
+    def orders(self) -> str:
+        """Each order's share of victim picks: "recency 10% / hit density 60% / hint 30%"."""
+        density = 1 - self.recency_weight - self.hint_weight
+        hint = f" / hint {self.hint_weight:.0%}" if self.hint_weight else ""
+        return f"recency {self.recency_weight:.0%} / hit density {density:.0%}{hint}"
 
 
 @dataclass(frozen=True)

@@ -904,10 +904,13 @@ class EngramClient(ControlClient):
 
     async def append_session(self, session_id: str, tokens: Sequence[int] | np.ndarray, *,
                              window: torch.Tensor | None = None, window_start: int = 0,
-                             namespace: str | None = None) -> SessionInfo:
+                             expect_back_ms: int = 0, namespace: str | None = None) -> SessionInfo:
         """Append tokens (their global KV goes with put). In persist mode, also send the SWA window for the
-        new end: (sliding layers, 2, rows, kv heads, head dim) starting at window_start."""
-        req = pb.AppendSessionRequest(session=self._ref(session_id, namespace), tokens=convert.tokens_to_pb(tokens))
+        new end: (sliding layers, 2, rows, kv heads, head dim) starting at window_start. expect_back_ms: when
+        the session's next turn is expected (an agent's tool call: that tool's usual duration); eviction gives
+        up the blocks of sessions due back last first. 0: no hint (each append says it again)."""
+        req = pb.AppendSessionRequest(session=self._ref(session_id, namespace), tokens=convert.tokens_to_pb(tokens),
+                                      expect_back_ms=expect_back_ms)
         if window is not None:
             data = _tensor_bytes(window)
             req.window.CopyFrom(pb.SwaWindowData(

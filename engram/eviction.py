@@ -31,6 +31,16 @@ whose liveness the held classes already tell), the density's estimates over pool
 than LRU; the LeCaR weights (Vietri et al., HotStorage '18) let each workload keep the order that works for
 it (benchmarks/RESULTS.md trace_policy).
 
+Why a hint order: what decides an agent's hits is which session comes back next, and its client knows
+(the tool it called and how long that tool usually takes, or that its user is next), while the store only
+sees ages. A client may say so with each turn (AppendSession expect_back_ms; `SessionManager.expect_back`):
+a block points at the hint of the last session that took a reference to it (BlockMeta.holder), and the
+third order gives up, within the lowest held class, the block whose session is due back last; a block with
+no hint, or whose session is late by HINT_LAPSE x its wait (a crashed agent's), goes before any with one.
+This is Continuum's tool-call-aware retention and KVFlow's steps-to-execution order, with the wait told by
+the client rather than predicted here. The order takes a third of the picks once a client sends a hint, and
+the LeCaR regrets move its weight like the others' (bad hints lose it); without hints nothing changes.
+
 What is learned (`ReturnModel`, one per store, shared by its tiers):
 - classes: held class (0, 1, 2) x reuse (0, 1, 2, 3 or more comebacks so far; a ghost carries its count).
 - age: the store's clock counts block uses (each block a lookup finds, a put stores or finds stored); a
@@ -55,6 +65,7 @@ from __future__ import annotations
 import bisect
 import math
 import random
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
@@ -67,6 +78,7 @@ SAMPLE = 16  # candidates compared per victim in a tier with more than twice as 
 KEEP_DIVISOR = 8  # a cold search keeps its sample's best 1/8 for the next searches
 HORIZON = 16.0  # unused for HORIZON x stored blocks uses: gone
 MIN_EVIDENCE = 256  # comebacks and gones seen before densities replace least-recently-used order
+HINT_LAPSE = 3.0  # a hint no longer counts once its session is late by 3 x the wait it said (at least 3 s)
 LEARNING_RATE = 0.45  # LeCaR's: how much weight an order loses per victim that came back at once
 GHOSTS_MAX = 1 << 20  # entries of each ghost table at most (about 200 bytes each)
 GHOSTS_PER_BLOCK = 4  # ghosts within the horizon: 4 per stored block, plus 1024
@@ -74,6 +86,10 @@ SWEEP_MAX = 1 << 17  # stored blocks a recomputation checks for idleness (all of
 _REUSE = 4  # reuse classes: 0, 1, 2, 3+ comebacks
 CLASSES = 3 * _REUSE
 _NB = 160  # age buckets: ages 0-7 exact, then four per octave
+
+
+def _monotonic_ms() -> float:
+    return time.monotonic() * 1000.0
 
 
 class _Clock:
@@ -84,6 +100,18 @@ class _Clock:
 
 
 CLOCK = _Clock()  # one clock for every store and tier, so a block keeps its age when it moves
+
+
+class Expected:
+    """When a session's client said it will be back: `due`, in ms on its store's `ReturnModel.clock_ms`, after
+    a wait of `wait` ms; due 0: nothing said. Blocks point at the Expected of the last session that took a
+    reference to them (BlockMeta.holder), so a session's new hint reaches all its blocks at once."""
+
+    __slots__ = ("due", "wait")
+
+    def __init__(self) -> None:
+        self.due = 0.0
+        self.wait = 0.0
 
 
 def tick(meta: BlockMeta) -> None:
@@ -133,7 +161,9 @@ class ReturnModel:
         self.density: list[list[float]] | None = None  # None: not enough evidence yet, LRU order
         # key -> (tick, class, uses, the orders that chose it, the clock when it went)
         self.ghosts: OrderedDict[bytes, tuple[int, int, int, int, int]] = OrderedDict()
-        self.weights = [0.5, 0.5]  # recency, density: how often each order picks the victim (LeCaR)
+        self.weights = [0.5, 0.5, 0.0]  # recency, density, hint: how often each order picks the victim (LeCaR)
+        self.clock_ms: Callable[[], float] = _monotonic_ms  # what hints' due times are read against
+        self.hinted = False  # a client has said when a session comes back: the hint order takes part from then
         self.past: OrderedDict[bytes, int] = OrderedDict()  # ghosts past the horizon: key -> uses, for the class
         self.evidence = 0
         self._since = 0
@@ -238,12 +268,21 @@ class ReturnModel:
         n = max(16, self._count())
         r = 0.005 ** (since / n)
         w = self.weights
-        for e in (0, 1):
+        orders = range(3 if self.hinted else 2)
+        for e in orders:
             if chosen & (1 << e):
                 w[e] *= math.exp(-LEARNING_RATE * r)
-        total = w[0] + w[1]
-        for e in (0, 1):
+        total = sum(w[e] for e in orders)
+        for e in orders:
             w[e] = min(0.99, max(0.01, w[e] / total))
+
+    def hint_seen(self) -> None:
+        """A client said when a session comes back: from now on the hint order draws a share of the victims
+        (a third of them to begin with; the regrets move it like the others')."""
+        if not self.hinted:
+            self.hinted = True
+            w = self.weights
+            w[0], w[1], w[2] = w[0] * 2 / 3, w[1] * 2 / 3, 1 / 3
 
     def _gone(self, cls: int) -> None:
         self.gone[cls][age_bucket(self._g)] += 1
@@ -279,6 +318,7 @@ class ReturnModel:
 
 def stats(model: ReturnModel) -> EvictionStats:
     return EvictionStats(learned=model.density is not None, recency_weight=model.weights[RECENCY],
+                         hint_weight=model.weights[HINT],
                          comebacks=model.evidence, ghosts=len(model.ghosts) + len(model.past),
                          recomputations=model.recomputed)
 
@@ -347,7 +387,7 @@ class _Members:
             self.add(m)
 
 
-RECENCY, DENSITY = 0, 1  # the two orders a victim is chosen by
+RECENCY, DENSITY, HINT = 0, 1, 2  # the orders a victim is chosen by
 
 
 class TierVictims:
@@ -410,7 +450,8 @@ class TierVictims:
         take blocks no live session holds first, then those one holds, then those several hold. Within that,
         the recency order takes the least recently used; the density order the lowest hit density. While
         the model is cold the recency order decides; once it is warm, each search draws the order by the
-        model's weights (LeCaR), which move toward the order whose victims come back less.
+        model's weights (LeCaR), which move toward the order whose victims come back less; once a client
+        has sent a hint, a third order draws too: the block whose session is due back last (`_hint_best`).
         `max_held`: give up (None) after passing that many held blocks (a promotion would rather skip than
         search a tier its reader's leases fill). While the model is cold a search's next best
         `sample // KEEP_DIVISOR` are kept for the next searches (as Redis's eviction pool), each taken only if
@@ -418,7 +459,10 @@ class TierVictims:
         samples afresh (kept candidates ranked stale measured worse)."""
         model = self.model
         warm = model is not None and model.density is not None
-        order = DENSITY if model is not None and warm and self._rng.random() >= model.weights[RECENCY] else RECENCY
+        order = RECENCY
+        if model is not None and warm:
+            u, w = self._rng.random(), model.weights
+            order = RECENCY if u < w[RECENCY] else DENSITY if u < w[RECENCY] + w[DENSITY] or not model.hinted else HINT
         epoch = model.recomputed if model is not None else -1
         if not warm and self._queued_leaf_only == leaf_only and self._epoch == epoch:
             found = self._from_queue(leaf_only)
@@ -438,9 +482,13 @@ class TierVictims:
             victim = entries.pop()[1]
             self._queue[:] = entries[-self.keep:] if self.keep > 1 else []
             return victim
+        assert model is not None  # warm
         by_recency, by_density = self._both_best(candidates, now)
-        victim = by_density if order == DENSITY else by_recency
-        victim.chosen = (victim is by_recency) << RECENCY | (victim is by_density) << DENSITY
+        hinted = model.hinted
+        by_hint = self._hint_best(candidates, model.clock_ms()) if hinted else by_recency
+        victim = by_density if order == DENSITY else by_hint if order == HINT else by_recency
+        victim.chosen = ((victim is by_recency) << RECENCY | (victim is by_density) << DENSITY
+                         | (hinted and victim is by_hint) << HINT)
         return victim
 
     def _from_queue(self, leaf_only: bool) -> BlockMeta | None:
@@ -537,6 +585,25 @@ class TierVictims:
             if refs < d_refs or d < d_dens or (d == d_dens and t < d_tick):
                 d_refs, d_dens, d_tick, best_d = refs, d, t, m
         return best_r, best_d
+
+    @staticmethod
+    def _hint_best(candidates: list[BlockMeta], now_ms: float) -> BlockMeta:
+        """The hint order's first: held class first, as the others; within it, the block whose session said
+        it comes back last; a block with no live hint (none said, or its session late by HINT_LAPSE x its
+        wait, at least HINT_LAPSE seconds) before any that has one, the least recently used of those first."""
+        best = candidates[0]
+        b_refs, b_due, b_tick = 3, -1.0, 0
+        for m in candidates:
+            refs = m.refs if m.refs < 2 else 2
+            if refs > b_refs:
+                continue
+            h = m.holder
+            due = math.inf
+            if h is not None and h.due and now_ms <= h.due + HINT_LAPSE * max(h.wait, 1000.0):
+                due = h.due
+            if refs < b_refs or due > b_due or (due == b_due and m.tick < b_tick):
+                b_refs, b_due, b_tick, best = refs, due, m.tick, m
+        return best
 
     @staticmethod
     def _entry(m: BlockMeta) -> tuple[tuple, BlockMeta, int]:

@@ -24,12 +24,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engram.block import BlockRecord
 from engram.keys import chain_keys, root_key, tokens_to_bytes
 from engram.layout import DType
+
+if TYPE_CHECKING:
+    from engram.eviction import Expected
 
 
 @dataclass(slots=True)
@@ -52,10 +56,11 @@ class BlockMeta:
     tick: int = 0  # the clock's reading at its last use (engram/eviction.py); 0: never used
     uses: int = 0  # comebacks: uses after its first put, counted across deletions (eviction.py's ghosts)
     cls: int = 0  # its eviction class at its last use (eviction.py); -1: already counted gone
-    chosen: int = 0  # which eviction orders picked it as a victim (eviction.py: 1 recency, 2 density)
+    chosen: int = 0  # which eviction orders picked it as a victim (eviction.py: 1 recency, 2 density, 4 hint)
     moving: bool = False  # a copy to another tier is being written: not a victim until it lands
     hits: int = 0
     refs: int = 0  # live sessions whose prefix holds this block (engram/sessions.py); eviction prefers 0
+    holder: Expected | None = None  # eviction.Expected of the last session that took a reference: when it said it is back
     created: float = field(default_factory=time.time)
 
     @property

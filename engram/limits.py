@@ -27,6 +27,7 @@ MAX_HEAD_DIM = 4096
 MAX_BLOCK_TOKENS = 1 << 16
 MAX_WINDOW = 1 << 20  # keys a sliding layer sees
 MAX_APPROX_K = 1 << 16  # approx replay re-runs approx_k * W tokens
+MAX_EXPECT_BACK_MS = 86_400_000  # a session's hint of when it is back: a day at most
 
 
 def check_length(what: str, value: str, limit: int) -> None:

@@ -57,6 +57,9 @@ class StoreCollector(Collector):
         yield GaugeMetricFamily("engram_eviction_recency_weight",
                                 "Chance a victim search picks by recency (by hit density otherwise).",
                                 value=e.recency_weight)
+        yield GaugeMetricFamily("engram_eviction_hint_weight",
+                                "Chance a victim search picks by sessions' expect_back_ms hints (0 until one is sent).",
+                                value=e.hint_weight)
         yield CounterMetricFamily("engram_eviction_comebacks", "Comebacks and gones the eviction model counted.",
                                   value=e.comebacks)
         yield GaugeMetricFamily("engram_eviction_ghosts", "Deleted blocks the eviction model remembers.",

@@ -37,6 +37,7 @@ from engram import limits
 from engram.api import SessionInfo, SessionMode
 from engram.block import checksum
 from engram.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from engram.eviction import Expected
 from engram.index import BlockMeta
 from engram.layout import DType, LayerKind, ModelSpec
 from engram.replay.costmodel import CostModel, FidelityFloor, NoAllowedOption
@@ -111,6 +112,7 @@ class Session:
     decision: str = ""  # auto mode: the cost model's last choice, with its reason
     created: float = field(default_factory=time.time)
     held: dict[bytes, BlockMeta] = field(default_factory=dict)  # the stored blocks of its prefix it references
+    expected: Expected = field(default_factory=Expected)  # when its client said it is back (its blocks point here)
 
     def replay_mode(self) -> ReplayMode:
         return ReplayMode.approx(self.approx_k) if self.mode == SessionMode.APPROX else ReplayMode.exact()
@@ -120,7 +122,7 @@ class Session:
         return SessionInfo(session_id=self.id, namespace=self.namespace, model_fingerprint=self.fingerprint,
                            tokens=len(self.tokens), mode=self.mode, approx_k=self.approx_k, hot=w is not None,
                            window_prefix_len=w.prefix_len if w else 0, parent=self.parent, created_s=self.created,
-                           persisted=self.kept, decision=self.decision)
+                           persisted=self.kept, decision=self.decision, expect_back_ms=int(self.expected.wait))
 
 
 @dataclass(frozen=True)
@@ -199,14 +201,29 @@ class SessionManager:
         if n <= len(blocks) and all(map(operator.is_, blocks, held.values())):
             # The common case, a session's next turn: its prefix grew. Only the new blocks take a reference.
             tail = blocks[n:]
-            self.store.reference(tail, +1)
+            self.store.reference(tail, +1, s.expected)
             for m in tail:
                 held[m.key] = m
             return
         now = {m.key: m for m in blocks}
-        self.store.reference([m for k, m in held.items() if now.get(k) is not m], -1)
-        self.store.reference([m for k, m in now.items() if held.get(k) is not m], +1)
+        self.store.reference([m for k, m in held.items() if now.get(k) is not m], -1, s.expected)
+        self.store.reference([m for k, m in now.items() if held.get(k) is not m], +1, s.expected)
         s.held = now
+
+    def expect_back(self, s: Session, wait_ms: float) -> None:
+        """The session's client expects its next request in `wait_ms` (an agent's tool call, by the tool's
+        usual duration; a long wait for a user); 0: it does not say (a hint given before no longer holds).
+        Eviction's hint order (engram/eviction.py) gives up the blocks of sessions due back last first."""
+        if not 0 <= wait_ms <= limits.MAX_EXPECT_BACK_MS:
+            raise InvalidArgument(f"expect_back_ms must be between 0 and {limits.MAX_EXPECT_BACK_MS} (a day), "
+                                  f"got {wait_ms}")
+        e = s.expected
+        if not wait_ms:
+            e.due = e.wait = 0.0
+            return
+        model = self.store.placement.model
+        e.due, e.wait = model.clock_ms() + wait_ms, float(wait_ms)
+        model.hint_seen()
 
     def get(self, namespace: str, session_id: str) -> Session:
         s = self._sessions.get((namespace, session_id))
@@ -214,8 +231,15 @@ class SessionManager:
             raise NotFound(f"no session {session_id!r} in this namespace")
         return s
 
-    def append(self, namespace: str, session_id: str, tokens: np.ndarray, window: Window | None = None) -> Session:
+    def append(self, namespace: str, session_id: str, tokens: np.ndarray, window: Window | None = None,
+               expect_back_ms: float = 0.0) -> Session:
+        """A turn: the session's tokens grow (and, in persist mode, its window is replaced). expect_back_ms:
+        when the client expects the session's next turn (`expect_back`); each turn says it again, or the
+        hint lapses."""
         s = self.get(namespace, session_id)
+        if not 0 <= expect_back_ms <= limits.MAX_EXPECT_BACK_MS:
+            raise InvalidArgument(f"expect_back_ms must be between 0 and {limits.MAX_EXPECT_BACK_MS} (a day), "
+                                  f"got {expect_back_ms}")
         if window is not None and s.mode != SessionMode.PERSIST:
             raise InvalidArgument(f"session {session_id} is in {s.mode.value} mode: the daemon rebuilds its "
                                   "window; send windows only for persist-mode sessions")
@@ -233,6 +257,7 @@ class SessionManager:
             self._drop_hot(s)  # a window for the old length is stale
             if s.kept:
                 self._release_window(s)
+        self.expect_back(s, expect_back_ms)
         return s
 
     def fork(self, namespace: str, parent_id: str, session_id: str = "", position: int = 0) -> Session:
@@ -268,7 +293,7 @@ class SessionManager:
         self._drop_hot(s)
         if s.kept:
             self._release_window(s)
-        self.store.reference(list(s.held.values()), -1)
+        self.store.reference(list(s.held.values()), -1, s.expected)
         s.held = {}
         del self._sessions[(namespace, session_id)]
         return s

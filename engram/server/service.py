@@ -556,7 +556,7 @@ class EngramService:
         check_limit("AppendSession tokens", len(req.tokens), self.config.max_tokens_per_request)
         window = _window_from_pb(req.window) if req.HasField("window") else None
         s = self.sessions.append(namespace_for(context, req.session.namespace), req.session.session_id,
-                                 convert.tokens_from_pb(req.tokens), window)
+                                 convert.tokens_from_pb(req.tokens), window, req.expect_back_ms)
         return convert.to_pb(s.info(), pb.SessionInfo)
 
     @unary

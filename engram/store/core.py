@@ -39,7 +39,7 @@ from engram.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from engram.eviction import CLOCK
+from engram.eviction import CLOCK, Expected
 from engram.index import BlockMeta, ChainIndex, PrefixMatch
 from engram.keys import block_key, root_key, tokens_to_bytes
 from engram.layout import DType, ModelSpec
@@ -635,13 +635,18 @@ class BlockStore:
                 changed += 1
         return changed
 
-    def reference(self, metas: Sequence[BlockMeta], delta: int) -> None:
+    def reference(self, metas: Sequence[BlockMeta], delta: int, holder: Expected | None = None) -> None:
         """Add (+1) or drop (-1) one session's reference to blocks; eviction prefers unreferenced blocks, then
-        those one session holds (engram/eviction.py: read at each victim search)."""
+        those one session holds (engram/eviction.py: read at each victim search). `holder`: the session's
+        Expected (when its client said it is back): a block taken points at it, a block dropped forgets it."""
         for meta in metas:
             meta.refs += delta
             if meta.refs < 0:
                 raise AssertionError(f"block {meta.key.hex()} unreferenced more often than referenced")
+            if delta > 0:
+                meta.holder = holder
+            elif meta.holder is holder:
+                meta.holder = None
         if metas:
             self.placement.reordered()
 

@@ -12,6 +12,7 @@ Engram's session format (agent traces) is the same lines with optional fields mo
 | parent  | string | the session that started this one (a sub-agent); on its first request, and if repeated the same |
 | close   | bool   | the session ends after this request: no later request of it, its references are dropped |
 | scope   | string | the hash scope of the request's ids (below); absent or null: the session's default |
+| back_ms | int    | the client's hint, after this request, of when the session's next one comes (ms; absent or 0: none): what a worker sends as AppendSession's expect_back_ms (an agent knows which tool it called) |
 
 Hash scope: a request's hash_ids are ids within a scope, and the same id in two scopes is two different
 blocks. A session's scope is the `scope` named on its requests if any ("" is the global scope every Mooncake
@@ -52,6 +53,7 @@ class Request:
     parent: str = ""
     close: bool = False
     scope: str | None = None  # None: the session's default (see the module docstring)
+    back_ms: int = 0  # the client's hint of the wait until the session's next request; 0: none
 
 
 def _int(d: dict[str, Any], name: str, default: int | None = None) -> int:
@@ -89,8 +91,11 @@ def _line(d: Any) -> Request:
         raise ValueError("parent without session: only a session has a parent")
     if parent and parent == session:
         raise ValueError(f"session {session!r} names itself as its parent")
+    back_ms = _int(d, "back_ms", 0)
+    if back_ms and not session:
+        raise ValueError("back_ms without session: the hint is of a session's next request")
     return Request(_int(d, "timestamp"), tuple(ids), _int(d, "input_length", 0), _int(d, "output_length", 0),
-                   session, parent, close, scope)
+                   session, parent, close, scope, back_ms)
 
 
 def read_trace(path: str | Path) -> list[Request]:
@@ -194,7 +199,7 @@ def prefix_ids(requests: Sequence[Request]) -> tuple[list[Request], list[int]]:
             chain.append(d)
             prev = d
         out.append(Request(r.timestamp, tuple(chain), r.input_length, r.output_length, r.session, r.parent,
-                           r.close, ""))
+                           r.close, "", r.back_ms))
     return out, parent_of
 
 
@@ -227,7 +232,8 @@ def block_tokens_of(requests: Sequence[Request]) -> int | None:
 
 def write_trace(path: str | Path, requests: Iterable[Request]) -> None:
     """JSON lines; fields at their defaults are left out (a trace without sessions is plain Mooncake)."""
-    defaults = {"input_length": 0, "output_length": 0, "session": "", "parent": "", "close": False, "scope": None}
+    defaults = {"input_length": 0, "output_length": 0, "session": "", "parent": "", "close": False, "scope": None,
+                "back_ms": 0}
     with open(path, "w") as fh:
         for r in requests:
             d = {k: v for k, v in asdict(r).items() if k not in defaults or v != defaults[k]}

@@ -165,6 +165,8 @@ class _Run:
         self.fp = self.store.registry.register(ModelSpec(name="trace", weights_id="trace", layout=layout,
                                                          codec="raw"))
         self.sessions = SessionManager(self.store, ReplayRuntime([]), max_sessions_per_namespace=1 << 30)
+        self.now_ms = 0.0  # trace time: what sessions' hints are due by (ReturnModel.clock_ms)
+        self.store.placement.model.clock_ms = lambda: self.now_ms
         self.live: dict[str, Session] = {}
         self.payload = bytes(layout.block_nbytes(_BT))
         self.checksum = checksum(self.payload)
@@ -178,6 +180,11 @@ class _Run:
             s = self.live[r.session] = self.sessions.open(_NS, self.fp, SessionMode.PERSIST, session_id=r.session,
                                                           tokens=tokens)
         return s
+
+    def hint(self, s: Session, r: Request, hints: bool) -> None:
+        """What the request's client said of its session's next request (expect_back_ms), if hints are used."""
+        if hints or s.expected.due:
+            self.sessions.expect_back(s, r.back_ms if hints else 0)
 
     def closed(self, r: Request) -> None:
         if r.session and r.close:
@@ -217,7 +224,8 @@ def _keys(parent_of: Sequence[int], root: bytes) -> list[bytes]:
 
 async def _engram_fast(trace: Sequence[Request], parent_of: Sequence[int], tiers: Sequence[TierSpec],
                        layout: KVLayout, nvme_dir: Path | None, progress: Progress | None,
-                       key_cache: dict[bytes, list[bytes]]) -> tuple[int, tuple[TierResult, ...], EvictionStats]:
+                       key_cache: dict[bytes, list[bytes]], hints: bool = True
+                       ) -> tuple[int, tuple[TierResult, ...], EvictionStats]:
     run = _Run(tiers, layout, nvme_dir)
     store, fp = run.store, run.fp
     root = store.root(_NS, fp)
@@ -229,6 +237,7 @@ async def _engram_fast(trace: Sequence[Request], parent_of: Sequence[int], tiers
     payload, ck = run.payload, run.checksum
     hits = 0
     for n, r in enumerate(trace, 1):
+        run.now_ms = r.timestamp
         ids = r.hash_ids
         ks = [keys[d] for d in ids]
         blocks = lookup(_NS, fp, ks).blocks
@@ -248,6 +257,7 @@ async def _engram_fast(trace: Sequence[Request], parent_of: Sequence[int], tiers
             # Its stored prefix is what the lookup found and the put stored, unless a block of it went meanwhile
             # (a deleted block's locations are emptied): then it is looked up again.
             hold(s, chain if all(m.locations for m in chain) else match_keys(_NS, fp, ks).blocks)
+            run.hint(s, r, hints)
             run.closed(r)
         if progress and n % _PROGRESS_EVERY == 0:
             progress(_PROGRESS_EVERY)
@@ -255,13 +265,14 @@ async def _engram_fast(trace: Sequence[Request], parent_of: Sequence[int], tiers
 
 
 async def _engram_verbs(trace: Sequence[Request], tiers: Sequence[TierSpec], layout: KVLayout,
-                        nvme_dir: Path | None, progress: Progress | None
+                        nvme_dir: Path | None, progress: Progress | None, hints: bool = True
                         ) -> tuple[int, tuple[TierResult, ...], EvictionStats]:
     """The engram run through the daemon's own verbs: lookup by tokens, put per block, verified reads."""
     run = _Run(tiers, layout, nvme_dir)
     store, fp, payload = run.store, run.fp, run.payload
     hits = 0
     for n, r in enumerate(trace, 1):
+        run.now_ms = r.timestamp
         toks = np.repeat(np.asarray(r.hash_ids, dtype=np.int64) % (2**31 - 1), _BT).astype(np.int32)
         match = store.lookup(_NS, fp, toks)
         have = match.matched_tokens // _BT
@@ -281,6 +292,7 @@ async def _engram_verbs(trace: Sequence[Request], tiers: Sequence[TierSpec], lay
         if s is not None:
             s.tokens = toks
             run.sessions.hold(s)
+            run.hint(s, r, hints)
             run.closed(r)
         if progress and n % _PROGRESS_EVERY == 0:
             progress(_PROGRESS_EVERY)
@@ -342,13 +354,13 @@ POLICIES = ("engram", "lru", "belady")
 def replay_all(trace: Sequence[Request], capacities: Sequence[int] = (), block_bytes: int = 512 * 890,
                progress: Progress | None = None, policies: Sequence[str] = POLICIES,
                on_run: Callable[[str, str], None] | None = None, *, tiers: Sequence[TierSpec] | None = None,
-               nvme_files: bool = False, fast: bool = True) -> list[PolicyResult]:
+               nvme_files: bool = False, fast: bool = True, hints: bool = True) -> list[PolicyResult]:
     """Each of `policies` at every capacity in blocks (one DRAM tier of that many blocks for engram), then
     once more with `tiers` (capacities in bytes) if given; requests in trace order (sort by timestamp first:
     formats.in_time_order). block_bytes: one block's weight, by default 512 tokens of an FP4 global KV.
     `on_run(policy, label)` is called as each run starts; `progress(requests)` as requests are replayed.
     nvme_files: the NVMe tier is the real NvmeTier in a temporary directory; fast=False: engram through the
-    daemon's verbs (slower, same counts)."""
+    daemon's verbs (slower, same counts); hints=False: the engram run ignores the trace's back_ms hints."""
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}: choose from {', '.join(POLICIES)}")
@@ -373,8 +385,8 @@ def replay_all(trace: Sequence[Request], capacities: Sequence[int] = (), block_b
             with tempfile.TemporaryDirectory(prefix="engram-trace-") as tmp:
                 nvme = Path(tmp) if nvme_files else None
                 if fast:
-                    return asyncio.run(_engram_fast(dense, parent_of, specs, layout, nvme, progress, key_cache))
-                return asyncio.run(_engram_verbs(dense, specs, layout, nvme, progress))
+                    return asyncio.run(_engram_fast(dense, parent_of, specs, layout, nvme, progress, key_cache, hints))
+                return asyncio.run(_engram_verbs(dense, specs, layout, nvme, progress, hints))
         finally:
             torch.set_num_threads(threads)
 

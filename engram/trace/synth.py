@@ -104,6 +104,11 @@ class AgentWorkload:
     # otherwise it starts from the parent's system, tools and repository context only
     max_depth: int = 2  # sub-agents may start sub-agents down to this depth (1: only top-level sessions do)
     arrival_ms: int = 20_000  # mean gap between top-level session starts (exponential)
+    hint_noise: float = 0.5  # back_ms hints (what a client would send as expect_back_ms): a tool call's is its
+    # true wait times a log-normal error of this sigma (0.5: half of them within x0.71-1.4 of the truth); a wait
+    # for the user is hinted as user_ms's middle (the client only knows a human is next); a wait for a
+    # sub-agent, and a session's last request, are not hinted. Drawn from their own generator: the ids and
+    # times do not depend on it. A negative sigma writes no hints.
 
 
 @dataclass
@@ -128,6 +133,12 @@ def agent_workload(params: AgentWorkload | None = None, **overrides: Any) -> lis
     (block ids chained: equal prefixes, equal ids)."""
     p = dataclasses.replace(params or AgentWorkload(), **overrides)
     rng = random.Random(p.seed)
+    hint_rng = random.Random(f"{p.seed}-hints")
+
+    def hinted(gap: int, user: bool) -> None:
+        if p.hint_noise >= 0:
+            back = (p.user_ms[0] + p.user_ms[1]) / 2 if user else gap * hint_rng.lognormvariate(0.0, p.hint_noise)
+            out[-1] = dataclasses.replace(out[-1], back_ms=max(1, round(back)))
     chain = _Chain()
     bt = p.block_tokens
     system = chain.extend([], [f"system{i}" for i in range(p.system_blocks)])
@@ -179,12 +190,15 @@ def agent_workload(params: AgentWorkload | None = None, **overrides: Any) -> lis
             grow(child, "task", span(p.task_blocks))
             heapq.heappush(events, (now + span(p.tool_ms), next(seq), child))
             continue  # the parent waits for its sub-agent
-        if rng.random() < p.user_p:
+        user = rng.random() < p.user_p
+        if user:
             grow(a, "user", span(p.user_blocks))
-            heapq.heappush(events, (now + span(p.user_ms), next(seq), a))
+            gap = span(p.user_ms)
         else:
             grow(a, "tool", span(p.tool_result_blocks))
-            heapq.heappush(events, (now + span(p.tool_ms), next(seq), a))
+            gap = span(p.tool_ms)
+        heapq.heappush(events, (now + gap, next(seq), a))
+        hinted(gap, user)
     return out
 
 

@@ -536,18 +536,20 @@ class CodecFallback(_message.Message):
     def __init__(self, codec: _Optional[str] = ..., layer_kind: _Optional[str] = ..., rel_mean: _Optional[float] = ..., samples: _Optional[int] = ..., max_error: _Optional[float] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class EvictionStats(_message.Message):
-    __slots__ = ("learned", "recency_weight", "comebacks", "ghosts", "recomputations")
+    __slots__ = ("learned", "recency_weight", "comebacks", "ghosts", "recomputations", "hint_weight")
     LEARNED_FIELD_NUMBER: _ClassVar[int]
     RECENCY_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     COMEBACKS_FIELD_NUMBER: _ClassVar[int]
     GHOSTS_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTATIONS_FIELD_NUMBER: _ClassVar[int]
+    HINT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     learned: bool
     recency_weight: float
     comebacks: int
     ghosts: int
     recomputations: int
-    def __init__(self, learned: _Optional[bool] = ..., recency_weight: _Optional[float] = ..., comebacks: _Optional[int] = ..., ghosts: _Optional[int] = ..., recomputations: _Optional[int] = ...) -> None: ...
+    hint_weight: float
+    def __init__(self, learned: _Optional[bool] = ..., recency_weight: _Optional[float] = ..., comebacks: _Optional[int] = ..., ghosts: _Optional[int] = ..., recomputations: _Optional[int] = ..., hint_weight: _Optional[float] = ...) -> None: ...
 
 class ReplayStats(_message.Message):
     __slots__ = ("sessions", "hot_sessions", "persisted_window_bytes", "hot_window_bytes", "replays", "replayed_tokens", "replay_seconds", "windows_dropped_cold")
@@ -610,14 +612,16 @@ class SwaWindowData(_message.Message):
     def __init__(self, prefix_len: _Optional[int] = ..., start: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class AppendSessionRequest(_message.Message):
-    __slots__ = ("session", "tokens", "window")
+    __slots__ = ("session", "tokens", "window", "expect_back_ms")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_BACK_MS_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     tokens: _containers.RepeatedScalarFieldContainer[int]
     window: SwaWindowData
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., window: _Optional[_Union[SwaWindowData, _Mapping]] = ...) -> None: ...
+    expect_back_ms: int
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., window: _Optional[_Union[SwaWindowData, _Mapping]] = ..., expect_back_ms: _Optional[int] = ...) -> None: ...
 
 class ForkSessionRequest(_message.Message):
     __slots__ = ("parent", "session_id", "position")
@@ -630,7 +634,7 @@ class ForkSessionRequest(_message.Message):
     def __init__(self, parent: _Optional[_Union[SessionRef, _Mapping]] = ..., session_id: _Optional[str] = ..., position: _Optional[int] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "namespace", "model_fingerprint", "tokens", "mode", "approx_k", "hot", "window_prefix_len", "parent", "created_s", "persisted", "decision")
+    __slots__ = ("session_id", "namespace", "model_fingerprint", "tokens", "mode", "approx_k", "hot", "window_prefix_len", "parent", "created_s", "persisted", "decision", "expect_back_ms")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -643,6 +647,7 @@ class SessionInfo(_message.Message):
     CREATED_S_FIELD_NUMBER: _ClassVar[int]
     PERSISTED_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_BACK_MS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     namespace: str
     model_fingerprint: bytes
@@ -655,7 +660,8 @@ class SessionInfo(_message.Message):
     created_s: float
     persisted: bool
     decision: str
-    def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., tokens: _Optional[int] = ..., mode: _Optional[_Union[ReplayModeKind, str]] = ..., approx_k: _Optional[float] = ..., hot: _Optional[bool] = ..., window_prefix_len: _Optional[int] = ..., parent: _Optional[str] = ..., created_s: _Optional[float] = ..., persisted: _Optional[bool] = ..., decision: _Optional[str] = ...) -> None: ...
+    expect_back_ms: int
+    def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., tokens: _Optional[int] = ..., mode: _Optional[_Union[ReplayModeKind, str]] = ..., approx_k: _Optional[float] = ..., hot: _Optional[bool] = ..., window_prefix_len: _Optional[int] = ..., parent: _Optional[str] = ..., created_s: _Optional[float] = ..., persisted: _Optional[bool] = ..., decision: _Optional[str] = ..., expect_back_ms: _Optional[int] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
     __slots__ = ("session", "position", "with_global_kv")

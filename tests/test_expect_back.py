@@ -1,0 +1,196 @@
+"""Sessions' hints of when they are back (AppendSession expect_back_ms; a trace's back_ms): blocks point at the
+hint of the session holding them, eviction's hint order gives up the session due back last first, a hint
+lapses when its session is very late, and the whole path through the daemon, the trace format, the workload
+generator and the replayer. Real store, real DRAM tier, real gRPC daemon."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engram import errors, eviction
+from engram.api import SessionMode
+from engram.client import EngramClient
+from engram.errors import InvalidArgument
+from engram.eviction import HINT, RECENCY
+from engram.replay.runtime import ReplayRuntime
+from engram.sessions import SessionManager
+from engram.store import BlockStore
+from engram.trace import read_trace, replay_all, write_trace
+from engram.trace.synth import agent_workload
+
+from helpers import dram_store, put_tokens, tiny_model, tokens
+
+PERSIST = SessionMode.PERSIST
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.ms = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.ms
+
+
+def daemon(capacity_blocks: int) -> tuple[BlockStore, bytes, SessionManager, Clock]:
+    store, fp = dram_store(capacity_blocks)
+    clock = Clock()
+    store.placement.model.clock_ms = clock
+    return store, fp, SessionManager(store, ReplayRuntime([])), clock
+
+
+def warm(store: BlockStore, weights: list[float]) -> None:
+    """A model past its cold start, drawing orders by `weights` (recency, density, hint)."""
+    model = store.placement.model
+    model.hits[0][eviction.age_bucket(100)] = 1000
+    model.evidence = 10 * eviction.MIN_EVIDENCE
+    model.recompute()
+    assert model.density is not None
+    model.weights[:] = weights
+
+
+async def test_a_sessions_blocks_point_at_its_hint_and_forget_it_when_it_lets_go() -> None:
+    store, fp, sm, clock = daemon(64)
+    bt = tiny_model().layout.block_tokens
+    blocks = await put_tokens(store, "ns", fp, tokens(3 * bt, seed=1))
+    a = sm.open("ns", fp, PERSIST, session_id="a", tokens=tokens(3 * bt, seed=1))
+    assert store.placement.model.weights[HINT] == 0 and not store.placement.model.hinted
+    sm.expect_back(a, 1500)
+    assert all(m.holder is a.expected for m in blocks)
+    assert a.expected.due == clock.ms + 1500 and a.info().expect_back_ms == 1500
+    assert store.placement.model.weights[HINT] == pytest.approx(1 / 3)  # the hint order takes part from now
+    b = sm.open("ns", fp, PERSIST, session_id="b", tokens=tokens(2 * bt, seed=1))  # a sub-agent on 2 of them
+    assert [m.holder for m in blocks] == [b.expected, b.expected, a.expected]
+    sm.close("ns", "b")
+    assert [m.holder for m in blocks] == [None, None, a.expected]  # b's hint is gone with b
+    sm.append("ns", "a", tokens(0))  # a turn that says nothing: the hint given before lapses
+    assert a.expected.due == 0 and a.info().expect_back_ms == 0
+    sm.close("ns", "a")
+    assert all(m.holder is None and m.refs == 0 for m in blocks)
+
+
+async def test_hints_outside_zero_to_a_day_are_refused_and_change_nothing() -> None:
+    store, fp, sm, _ = daemon(64)
+    bt = tiny_model().layout.block_tokens
+    s = sm.open("ns", fp, PERSIST, session_id="s", tokens=tokens(bt, seed=1))
+    for bad in (-1, 86_400_001):
+        with pytest.raises(InvalidArgument, match="expect_back_ms"):
+            sm.append("ns", "s", tokens(bt, seed=2), expect_back_ms=bad)
+        with pytest.raises(InvalidArgument, match="expect_back_ms"):
+            sm.expect_back(s, bad)
+    assert len(s.tokens) == bt and s.expected.due == 0 and not store.placement.model.hinted
+
+
+async def test_the_hint_order_gives_up_the_session_due_back_last_first() -> None:
+    """Two sessions' chains fill the tier; the older one's client says it is back in 200 ms (a file read),
+    the newer one's in two minutes (its user). Recency would take the older chain's tail; the hint order takes
+    the newer one's, and then lets a hint lapse once its session is three waits late."""
+    store, fp, sm, clock = daemon(4)
+    bt = tiny_model().layout.block_tokens
+    soon = await put_tokens(store, "ns", fp, tokens(2 * bt, seed=1))
+    s_soon = sm.open("ns", fp, PERSIST, session_id="soon", tokens=tokens(2 * bt, seed=1))
+    late = await put_tokens(store, "ns", fp, tokens(2 * bt, seed=2))
+    s_late = sm.open("ns", fp, PERSIST, session_id="late", tokens=tokens(2 * bt, seed=2))
+    sm.expect_back(s_soon, 200)
+    sm.expect_back(s_late, 120_000)
+    warm(store, [0.0, 0.0, 1.0])
+    await put_tokens(store, "ns", fp, tokens(bt, seed=3))
+    assert [store.holds("ns", m.key) for m in soon + late] == [True, True, True, False]
+    victim = [m for m in late if not store.holds("ns", m.key)]
+    assert store.placement.model.ghosts[victim[0].key][3] & (1 << HINT)  # chosen by the hint order
+
+    third = sm.open("ns", fp, PERSIST, session_id="third", tokens=tokens(bt, seed=3))
+    sm.expect_back(third, 60_000)
+    clock.ms += 200 + 3 * 1000 + 1  # "soon" is late by three times its wait (at least 3 s): its hint lapsed
+    await put_tokens(store, "ns", fp, tokens(bt, seed=4))
+    # A lapsed hint counts as none, which goes before every live one; had it held, "late" would have gone.
+    assert [store.holds("ns", m.key) for m in soon + late[:1]] == [True, False, True]
+
+    # The same tier without hints: least recently used takes the older chain's tail.
+    store, fp, sm, _ = daemon(4)
+    soon = await put_tokens(store, "ns", fp, tokens(2 * bt, seed=1))
+    sm.open("ns", fp, PERSIST, session_id="soon", tokens=tokens(2 * bt, seed=1))
+    late = await put_tokens(store, "ns", fp, tokens(2 * bt, seed=2))
+    sm.open("ns", fp, PERSIST, session_id="late", tokens=tokens(2 * bt, seed=2))
+    warm(store, [1.0, 0.0, 0.0])
+    await put_tokens(store, "ns", fp, tokens(bt, seed=3))
+    assert [store.holds("ns", m.key) for m in soon + late] == [True, False, True, True]
+
+
+def test_a_hint_order_whose_victim_comes_back_soon_loses_weight() -> None:
+    store, _, _, _ = daemon(8)
+    model = store.placement.model
+    model.hint_seen()
+    before = list(model.weights)
+    model._regret(1 << HINT, 1)  # its victim was put again one use after it went
+    assert model.weights[HINT] < before[HINT] and model.weights[RECENCY] > before[RECENCY]
+    assert sum(model.weights) == pytest.approx(1.0)
+
+
+# ---- through the daemon ------------------------------------------------------------------------------------
+
+
+async def test_append_session_carries_the_hint_and_stats_show_the_hint_order(server_factory: Any) -> None:
+    srv = await server_factory()
+    async with EngramClient(srv.address) as c:
+        fp = await c.register_model(tiny_model())
+        s = await c.open_session(fp, mode="persist")
+        assert (await c.stats()).eviction.hint_weight == 0
+        info = await c.append_session(s.session_id, tokens(16, seed=1), expect_back_ms=2500)
+        assert info.expect_back_ms == 2500
+        assert (await c.stats()).eviction.hint_weight == pytest.approx(1 / 3)
+        with pytest.raises(errors.InvalidArgument, match="expect_back_ms"):
+            await c.append_session(s.session_id, tokens(16, seed=2), expect_back_ms=86_400_001)
+        assert (await c.append_session(s.session_id, tokens(16, seed=3))).expect_back_ms == 0  # the daemon is up
+        assert (await c.append_session(s.session_id, tokens(0))).tokens == 32  # the refused append added nothing
+
+
+# ---- traces: the format, the generator, the replayer ---------------------------------------------------------
+
+
+def test_back_ms_is_read_written_and_checked(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"timestamp": 0, "hash_ids": [1, 2], "session": "s", "back_ms": 700}) + "\n")
+    [r] = read_trace(path)
+    assert r.back_ms == 700
+    write_trace(tmp_path / "u.jsonl", [r])
+    assert read_trace(tmp_path / "u.jsonl") == [r]
+    for bad, why in (({"session": "s", "back_ms": -5}, "non-negative"), ({"back_ms": 5}, "without session")):
+        path.write_text(json.dumps({"timestamp": 0, "hash_ids": [1]} | bad) + "\n")
+        with pytest.raises(InvalidArgument, match=f"t.jsonl:1: .*{why}"):
+            read_trace(path)
+
+
+def _pressed(**kw: Any) -> list[Any]:
+    """Many agents at once whose contexts outgrow the cache: who comes back when decides the hits."""
+    return agent_workload(sessions=12, seed=4, system_blocks=16, tool_blocks=8, repo_blocks=8, turns=(20, 40),
+                          tool_result_blocks=(2, 16), arrival_ms=1000, subagent_p=0.02, **kw)
+
+
+def test_the_generators_hints_change_no_id_or_time() -> None:
+    hinted, bare = _pressed(), _pressed(hint_noise=-1)
+    assert [(r.timestamp, r.hash_ids) for r in hinted] == [(r.timestamp, r.hash_ids) for r in bare]
+    assert all(r.back_ms == 0 for r in bare)
+    nexts: dict[str, int] = {}
+    gaps = []
+    for r in reversed(hinted):
+        if r.back_ms and r.session in nexts:
+            gaps.append(r.back_ms / (nexts[r.session] - r.timestamp))
+        nexts[r.session] = r.timestamp
+    assert len(gaps) > 0.8 * len(hinted) - 12 * 2  # nearly every request but the last says when it is back
+    assert 0.5 < sorted(gaps)[len(gaps) // 2] < 2  # a tool call's hint is its wait within a log-normal error
+
+
+def test_hints_raise_the_stores_hits_when_agents_outgrow_the_cache() -> None:
+    trace = _pressed()
+    cap = [600]
+    with_hints = replay_all(trace, cap, policies=("engram",))[0]
+    without = replay_all(trace, cap, policies=("engram",), hints=False)[0]
+    bare = replay_all(_pressed(hint_noise=-1), cap, policies=("engram",))[0]
+    assert without.hit_blocks == bare.hit_blocks  # hints=False is a trace without them
+    assert with_hints.eviction is not None and with_hints.eviction.hint_weight > 0
+    assert without.eviction is not None and without.eviction.hint_weight == 0
+    assert with_hints.hit_blocks > 1.05 * without.hit_blocks
