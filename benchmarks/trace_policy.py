@@ -7,7 +7,10 @@ sessions with half of them sub-agents, 12 turns of 2-6 blocks) at 16-256 blocks,
 against the previous commit's figures.
 --conversations: the chat shape without sessions (synth.conversation_trace), where Engram's order was LRU's.
 --mooncake DIR: the public Mooncake traces (conversation_trace.jsonl and synthetic_trace.jsonl from
-kvcache-ai/Mooncake's FAST25-release/traces, downloaded into DIR) at 1k / 10k / 100k blocks."""
+kvcache-ai/Mooncake's FAST25-release/traces, downloaded into DIR) at 1k / 10k / 100k blocks.
+--hints: the agent workloads (`engram trace synth`'s default W64, and BUSY: 68 agents at once whose contexts
+outgrow 10k blocks) at 1k / 10k blocks, the store without and with its sessions' back_ms hints (exact, and
+with log-normal errors of sigma 0.5 and 1)."""
 
 from __future__ import annotations
 
@@ -72,7 +75,35 @@ def mooncake(directory: str) -> None:
                                                       for p in ("engram", "lru", "belady")) + f" | {closed} |")
 
 
+BUSY: dict[str, Any] = {"sessions": 68, "seed": 3, "turns": (30, 90), "arrival_ms": 3000,
+                        "tool_result_blocks": (2, 48), "subagent_p": 0.03}
+
+
+def hints() -> None:
+    """The store with and without sessions' hints of when they are back, on agent workloads."""
+    from engram.trace.synth import agent_workload
+
+    print("| workload | capacity (blocks) | lru | belady | engram, no hints | engram, hints sigma 0.5 | "
+          "sigma 1 | exact | gap closed (no hints / 0.5 / 1 / exact) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, params in (("W64", {}), ("BUSY", BUSY)):
+        base = agent_workload(**params, hint_noise=-1)
+        for cap in (1000, 10000):
+            h = {r.policy: r for r in replay_all(base, [cap])}
+            runs = [h["engram"]] + [replay_all(agent_workload(**params, hint_noise=sigma), [cap],
+                                               policies=("engram",))[0] for sigma in (0.5, 1.0, 0.0)]
+            gap = h["belady"].hit_blocks - h["lru"].hit_blocks
+            closed = " / ".join(f"{(r.hit_blocks - h['lru'].hit_blocks) / gap:.0%}" if gap > 0 else "-"
+                                for r in runs)
+            cells = [h["lru"], h["belady"], *runs]
+            print(f"| {name} | {cap} | " + " | ".join(f"{100 * r.hit_ratio:.2f}%" for r in cells) + f" | {closed} |",
+                  flush=True)
+
+
 def main() -> None:
+    if "--hints" in sys.argv:
+        hints()
+        return
     if "--mooncake" in sys.argv:
         mooncake(sys.argv[sys.argv.index("--mooncake") + 1])
         return

@@ -206,9 +206,22 @@ class SessionManager:
                 held[m.key] = m
             return
         now = {m.key: m for m in blocks}
-        self.store.reference([m for k, m in held.items() if now.get(k) is not m], -1, s.expected)
+        dropped = [m for k, m in held.items() if now.get(k) is not m]
+        self.store.reference(dropped, -1, s.expected)
+        self._hand_back(s, dropped)
         self.store.reference([m for k, m in now.items() if held.get(k) is not m], +1, s.expected)
         s.held = now
+
+    def _hand_back(self, s: Session, dropped: Sequence[BlockMeta]) -> None:
+        """Blocks the session let go of that its parent still holds point at the parent's hint again (a
+        sub-agent that forked its parent's history ends: the history is the parent's, due back when it said)."""
+        parent = self._sessions.get((s.namespace, s.parent)) if s.parent else None
+        if parent is None:
+            return
+        held, hint = parent.held, parent.expected
+        for m in dropped:
+            if m.holder is None and m.refs and held.get(m.key) is m:
+                m.holder = hint
 
     def expect_back(self, s: Session, wait_ms: float) -> None:
         """The session's client expects its next request in `wait_ms` (an agent's tool call, by the tool's
@@ -293,7 +306,9 @@ class SessionManager:
         self._drop_hot(s)
         if s.kept:
             self._release_window(s)
-        self.store.reference(list(s.held.values()), -1, s.expected)
+        dropped = list(s.held.values())
+        self.store.reference(dropped, -1, s.expected)
+        self._hand_back(s, dropped)
         s.held = {}
         del self._sessions[(namespace, session_id)]
         return s

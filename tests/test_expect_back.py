@@ -66,6 +66,10 @@ async def test_a_sessions_blocks_point_at_its_hint_and_forget_it_when_it_lets_go
     assert [m.holder for m in blocks] == [b.expected, b.expected, a.expected]
     sm.close("ns", "b")
     assert [m.holder for m in blocks] == [None, None, a.expected]  # b's hint is gone with b
+    c = sm.fork("ns", "a", "c")  # a sub-agent forking a's history: a's blocks point at c's hint (none) ...
+    assert all(m.holder is c.expected and m.refs == 2 for m in blocks)
+    sm.close("ns", "c")  # ... and at a's again when it ends
+    assert all(m.holder is a.expected and m.refs == 1 for m in blocks)
     sm.append("ns", "a", tokens(0))  # a turn that says nothing: the hint given before lapses
     assert a.expected.due == 0 and a.info().expect_back_ms == 0
     sm.close("ns", "a")

@@ -179,6 +179,7 @@ class _Run:
         if s is None:
             s = self.live[r.session] = self.sessions.open(_NS, self.fp, SessionMode.PERSIST, session_id=r.session,
                                                           tokens=tokens)
+            s.parent = r.parent  # a sub-agent, as a fork is: its parent's blocks keep the parent's hint after it
         return s
 
     def hint(self, s: Session, r: Request, hints: bool) -> None:
