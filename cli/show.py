@@ -93,7 +93,8 @@ def renderable(resp: BlockDescription) -> Group:
     i = s.info
     head = (f"session {i.session_id} in namespace {i.namespace!r}: {i.tokens} tokens, {s.cached_tokens} cached in "
             f"{s.blocks} blocks ({human_bytes(s.stored_bytes)}), tiers {','.join(s.tiers) or '-'}, mode "
-            f"{i.mode.value}, {i.state}, age {age(s.age_s)}" + (f", forked from {i.parent}" if i.parent else ""))
+            f"{i.mode.value}, {i.state}, age {age(s.age_s)}" + (f", forked from {i.parent}" if i.parent else "")
+            + (f", its client said back in {i.expect_back_ms / 1000:g} s" if i.expect_back_ms else ""))
     return Group(head, blocks_table(resp))
 
 

@@ -48,7 +48,7 @@ def content(tmp_path: Path) -> Iterator[Content]:
             c.fork_session("parent-of-s2", session_id="s2", position=32)
             c.close_session("parent-of-s2")
             own = tokens(16, seed=5)
-            c.append_session("s2", own)
+            c.append_session("s2", own, expect_back_ms=4000)  # a tool call's usual time
             s2_keys = c.put(fp, [*toks[:32], *own], random_kv(spec, 48, seed=1)).keys
             assert list(s2_keys[:2]) == s1[:2]
             tb = tokens(40, seed=9)
@@ -117,6 +117,9 @@ def test_show_session_chain_and_blocks(content: Content) -> None:
     table = cli("show", "s2", "-n", "team-a", "-a", content.address)
     assert table.exit_code == 0
     assert "session s2" in table.stdout and "48 cached in 3 blocks" in table.stdout
+    assert "its client said back in 4 s" in table.stdout
+    assert as_json(cli("show", "s2", "-n", "team-a", "--json", "-a", content.address))["session"]["info"][
+        "expect_back_ms"] == 4000
     assert content.s2_own.hex()[:16] in table.stdout
 
 
