@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from collections.abc import Callable
 from typing import Annotated, Any
@@ -71,6 +72,8 @@ def trace(
     hints: Annotated[bool, typer.Option(help="Pass the trace's back_ms hints to the store's sessions (as a "
                                              "client's AppendSession expect_back_ms); --no-hints ignores them.")]
     = True,
+    jobs: Annotated[int, typer.Option(help="Runs (policy x capacity) at once, each in a process of its own: 0 = "
+                                           "one per core. Same figures; a run's seconds are its own.")] = 0,
     json_: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
     """Replay a trace in time order: prefix-contiguous hits per policy and capacity, and for the store's policy
@@ -93,6 +96,8 @@ def trace(
     policies = [p.strip() for p in policy.split(",") if p.strip()]
     if not policies or set(policies) - set(POLICIES):
         raise fail(f"--policy takes some of {', '.join(POLICIES)}, got {policy!r}", EXIT_BAD_INPUT)
+    if jobs < 0:
+        raise fail(f"--jobs takes 0 (one per core) or a positive count, got {jobs}", EXIT_BAD_INPUT)
     if (block_tokens is not None and block_tokens <= 0) or (block_bytes is not None and block_bytes <= 0):
         raise fail("--block-tokens and --block-bytes must be positive", EXIT_BAD_INPUT)
     try:
@@ -115,8 +120,8 @@ def trace(
         task = bar.add_task("replaying", total=len(requests) * (len(caps) + bool(tiers)) * len(policies))
         try:
             results = replay_all(requests, caps, nbytes, progress=lambda n: bar.advance(task, n), policies=policies,
-                                 on_run=lambda p, c: bar.update(task, description=f"{p} at {c}"), tiers=tiers,
-                                 nvme_files=nvme_files, hints=hints)
+                                 on_run=lambda p, c: bar.update(task, description=f"{p} ({c})"), tiers=tiers,
+                                 nvme_files=nvme_files, hints=hints, jobs=jobs or os.cpu_count() or 1)
         except InvalidArgument as exc:
             raise fail(str(exc), EXIT_BAD_INPUT) from None
     total = time.perf_counter() - start

@@ -306,6 +306,34 @@ def test_runs_are_announced_with_their_policy_and_capacity() -> None:
                     ("lru", "hbm 1MiB + dram 2MiB")]
 
 
+def test_runs_in_processes_give_the_same_figures_and_progress_as_one_after_another() -> None:
+    trace = _small_workload()
+    tiers = [TierSpec("hbm", 16 * 4096), TierSpec("dram", 32 * 4096)]
+    counted: dict[int, list[int]] = {1: [], 3: []}
+    seen: list[tuple[str, str]] = []
+    results = {jobs: replay_all(trace, [8, 40], block_bytes=4096, tiers=tiers, progress=counted[jobs].append,
+                                on_run=lambda p, c: seen.append((p, c)), jobs=jobs) for jobs in (1, 3)}
+    assert len(results[3]) == 9  # 3 policies x (2 capacities + the tiers)
+    for a, b in zip(results[1], results[3], strict=True):
+        assert dataclasses.replace(a, seconds=0) == dataclasses.replace(b, seconds=0)
+    assert sum(counted[1]) == sum(counted[3]) == 9 * len(trace)
+    assert seen[-1] == ("9 runs", "3 at a time")  # announced once when they run at once
+
+
+def test_bench_trace_jobs(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    write_trace(path, agent_trace(sessions=6, turns=3, seed=1))
+
+    def rows(*args: str) -> list[dict[str, Any]]:
+        res = CliRunner().invoke(app, ["bench", "trace", str(path), "--capacity", "8,32", "--json", *args])
+        assert res.exit_code == 0, res.output
+        return [r | {"seconds": 0} for r in json.loads(res.output)]
+
+    assert rows("--jobs", "1") == rows("--jobs", "2") == rows()
+    bad = CliRunner().invoke(app, ["bench", "trace", str(path), "--jobs", "-1"])
+    assert bad.exit_code == 4 and "--jobs takes 0" in bad.output
+
+
 # ---- the session format: scopes, sub-agents, think time, bad input ----------------------------------------------
 
 

@@ -39,13 +39,17 @@ lru and belady count capacity in blocks: with tiers, the tiers' total bytes over
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import heapq
+import multiprocessing
+import queue as queue_module
 import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -355,13 +359,16 @@ POLICIES = ("engram", "lru", "belady")
 def replay_all(trace: Sequence[Request], capacities: Sequence[int] = (), block_bytes: int = 512 * 890,
                progress: Progress | None = None, policies: Sequence[str] = POLICIES,
                on_run: Callable[[str, str], None] | None = None, *, tiers: Sequence[TierSpec] | None = None,
-               nvme_files: bool = False, fast: bool = True, hints: bool = True) -> list[PolicyResult]:
+               nvme_files: bool = False, fast: bool = True, hints: bool = True, jobs: int = 1) -> list[PolicyResult]:
     """Each of `policies` at every capacity in blocks (one DRAM tier of that many blocks for engram), then
     once more with `tiers` (capacities in bytes) if given; requests in trace order (sort by timestamp first:
     formats.in_time_order). block_bytes: one block's weight, by default 512 tokens of an FP4 global KV.
     `on_run(policy, label)` is called as each run starts; `progress(requests)` as requests are replayed.
     nvme_files: the NVMe tier is the real NvmeTier in a temporary directory; fast=False: engram through the
-    daemon's verbs (slower, same counts); hints=False: the engram run ignores the trace's back_ms hints."""
+    daemon's verbs (slower, same counts); hints=False: the engram run ignores the trace's back_ms hints.
+    jobs: runs at once, each in a forked process of its own (the same figures: a run shares nothing with
+    another; its seconds are its own, slower if the runs outnumber the cores); on_run is then called once,
+    as they start."""
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}: choose from {', '.join(POLICIES)}")
@@ -377,7 +384,7 @@ def replay_all(trace: Sequence[Request], capacities: Sequence[int] = (), block_b
     requested = sum(len(r.hash_ids) for r in dense)
     key_cache: dict[bytes, list[bytes]] = {}
 
-    def engram(specs: list[TierSpec]) -> tuple[int, tuple[TierResult, ...], EvictionStats]:
+    def engram(specs: list[TierSpec], progress: Progress | None) -> tuple[int, tuple[TierResult, ...], EvictionStats]:
         # One torch thread for the HBM stand-in's copies of single blocks: with more, OpenMP's threads spin at
         # every copy, and on a busy 2-core machine a 57 KB copy took a millisecond instead of microseconds.
         threads = torch.get_num_threads()
@@ -391,24 +398,68 @@ def replay_all(trace: Sequence[Request], capacities: Sequence[int] = (), block_b
         finally:
             torch.set_num_threads(threads)
 
+    runs = [(label, cap, specs, name) for label, cap, specs in configs for name in policies]
+
+    def one(i: int, progress: Progress | None) -> PolicyResult:
+        label, cap, specs, name = runs[i]
+        t0 = time.perf_counter()
+        detail: tuple[TierResult, ...] = ()
+        learned = None
+        if name == "engram":
+            hit, detail, learned = engram(specs, progress)
+        elif name == "lru":
+            hit = _lru(dense, cap, progress)
+        else:
+            hit = _belady(dense, cap, progress)
+        return PolicyResult(name, cap, requested, hit, (requested - hit) * block_bytes, time.perf_counter() - t0,
+                            detail, "" if label.endswith(" blocks") else label, learned)
+
+    if jobs > 1 and len(runs) > 1:
+        if on_run:
+            on_run(f"{len(runs)} runs", f"{min(jobs, len(runs))} at a time")
+        return _in_processes(one, len(runs), jobs, progress)
     out = []
-    for label, cap, specs in configs:
-        for name in policies:
-            if on_run:
-                on_run(name, label)
-            t0 = time.perf_counter()
-            detail: tuple[TierResult, ...] = ()
-            learned = None
-            if name == "engram":
-                hit, detail, learned = engram(specs)
-            elif name == "lru":
-                hit = _lru(dense, cap, progress)
-            else:
-                hit = _belady(dense, cap, progress)
-            out.append(PolicyResult(name, cap, requested, hit, (requested - hit) * block_bytes,
-                                    time.perf_counter() - t0, detail, "" if label.endswith(" blocks") else label,
-                                    learned))
+    for i, (label, _, _, name) in enumerate(runs):
+        if on_run:
+            on_run(name, label)
+        out.append(one(i, progress))
     return out
+
+
+_FORKED: tuple[Callable[[int, Progress | None], PolicyResult], Any] | None = None  # what a forked worker runs
+
+
+def _forked_run(i: int) -> PolicyResult:
+    assert _FORKED is not None
+    run, queue = _FORKED
+    return run(i, queue.put)
+
+
+def _in_processes(run: Callable[[int, Progress | None], PolicyResult], n: int, jobs: int,
+                  progress: Progress | None) -> list[PolicyResult]:
+    """run(0) .. run(n - 1), `jobs` at a time in forked processes (each inherits the trace: nothing is pickled
+    but the results); their progress comes back through a queue."""
+    global _FORKED
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    _FORKED = (run, queue)
+    try:
+        with concurrent.futures.ProcessPoolExecutor(min(jobs, n), mp_context=ctx) as pool:
+            futures = [pool.submit(_forked_run, i) for i in range(n)]
+            while True:
+                finished = all(f.done() for f in futures)
+                try:
+                    while True:
+                        done = queue.get(timeout=0.2)
+                        if progress:
+                            progress(done)
+                except queue_module.Empty:
+                    pass
+                if finished:
+                    break
+            return [f.result() for f in futures]
+    finally:
+        _FORKED = None
 
 
 def fmt_bytes(n: int) -> str:
