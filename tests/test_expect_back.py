@@ -6,16 +6,21 @@ generator and the replayer. Real store, real DRAM tier, real gRPC daemon."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engram import errors, eviction
 from engram.api import SessionMode
 from engram.client import EngramClient
 from engram.errors import InvalidArgument
-from engram.eviction import HINT, RECENCY
+from engram.eviction import HINT, RECENCY, Expected, TierVictims
+from engram.index import BlockMeta
+from engram.layout import DType
 from engram.replay.runtime import ReplayRuntime
 from engram.sessions import SessionManager
 from engram.store import BlockStore
@@ -25,6 +30,12 @@ from engram.trace.synth import agent_workload
 from helpers import dram_store, put_tokens, tiny_model, tokens
 
 PERSIST = SessionMode.PERSIST
+
+
+def block(name: str) -> BlockMeta:
+    return BlockMeta(key=name.encode(), parent=b"", namespace="ns", model_fingerprint=b"fp", tokens=b"",
+                     num_tokens=16, dtype=DType.BF16, shape=(1, 2, 16, 1, 1), nbytes=64, checksum=0,
+                     locations=["dram"], full=True)
 
 
 class Clock:
@@ -198,3 +209,29 @@ def test_hints_raise_the_stores_hits_when_agents_outgrow_the_cache() -> None:
     assert with_hints.eviction is not None and with_hints.eviction.hint_weight > 0
     assert without.eviction is not None and without.eviction.hint_weight == 0
     assert with_hints.hit_blocks > 1.05 * without.hit_blocks
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.one_of(st.none(), st.tuples(st.integers(0, 20_000),
+                                                                           st.integers(0, 5_000))),
+                          st.integers(1, 50)), min_size=1, max_size=20),
+       st.integers(0, 30_000))
+def test_the_hint_orders_pick_equals_its_definition(cands: list[tuple[int, Any, int]], now_ms: int) -> None:
+    """Lowest held class first; within it the latest due back, a block without a live hint (none, 0, or its
+    session late by HINT_LAPSE x its wait, at least HINT_LAPSE s) before all; then the least recently used."""
+    metas = []
+    for i, (refs, hint, tick) in enumerate(cands):
+        m = block(f"b{i}")
+        m.refs, m.tick = refs, tick
+        if hint is not None:
+            m.holder = Expected()
+            m.holder.due, m.holder.wait = float(hint[0]), float(hint[1])
+        metas.append(m)
+
+    def due(m: BlockMeta) -> float:
+        h = m.holder
+        live = h is not None and h.due and now_ms <= h.due + eviction.HINT_LAPSE * max(h.wait, 1000.0)
+        return h.due if live else math.inf
+
+    want = min(metas, key=lambda m: (min(m.refs, 2), -due(m), m.tick))
+    assert TierVictims._hint_best(metas, now_ms) is want
