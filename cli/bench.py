@@ -72,6 +72,10 @@ def trace(
     hints: Annotated[bool, typer.Option(help="Pass the trace's back_ms hints to the store's sessions (as a "
                                              "client's AppendSession expect_back_ms); --no-hints ignores them.")]
     = True,
+    prefetch_lead_ms: Annotated[float, typer.Option(help="With tiers: a hinted session's blocks below the top tier "
+                                                         "are copied up this long (trace time) before it is due, "
+                                                         "as the daemon's tiers.prefetch_lead_ms (0: never).")]
+    = 1000.0,
     jobs: Annotated[int, typer.Option(help="Runs (policy x capacity) at once, each in a process of its own: 0 = "
                                            "one per core. Same figures; a run's seconds are its own.")] = 0,
     json_: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
@@ -96,6 +100,8 @@ def trace(
     policies = [p.strip() for p in policy.split(",") if p.strip()]
     if not policies or set(policies) - set(POLICIES):
         raise fail(f"--policy takes some of {', '.join(POLICIES)}, got {policy!r}", EXIT_BAD_INPUT)
+    if prefetch_lead_ms < 0:
+        raise fail(f"--prefetch-lead-ms must be >= 0, got {prefetch_lead_ms}", EXIT_BAD_INPUT)
     if jobs < 0:
         raise fail(f"--jobs takes 0 (one per core) or a positive count, got {jobs}", EXIT_BAD_INPUT)
     if (block_tokens is not None and block_tokens <= 0) or (block_bytes is not None and block_bytes <= 0):
@@ -121,7 +127,8 @@ def trace(
         try:
             results = replay_all(requests, caps, nbytes, progress=lambda n: bar.advance(task, n), policies=policies,
                                  on_run=lambda p, c: bar.update(task, description=f"{p} ({c})"), tiers=tiers,
-                                 nvme_files=nvme_files, hints=hints, jobs=jobs or os.cpu_count() or 1)
+                                 nvme_files=nvme_files, hints=hints, jobs=jobs or os.cpu_count() or 1,
+                                 prefetch_lead_ms=prefetch_lead_ms)
         except InvalidArgument as exc:
             raise fail(str(exc), EXIT_BAD_INPUT) from None
     total = time.perf_counter() - start

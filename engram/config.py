@@ -125,6 +125,10 @@ class TiersConfig:
     # several): "learned" draws between least recently used and a learned hit density by which order's victims
     # come back less; "lru": least recently used only.
     eviction: str = "learned"
+    # A session whose client said when it is back (AppendSession expect_back_ms) has its blocks below the top
+    # tier copied up this long before it is due, head first, up to half the top tier (0: never): its turn is
+    # then served from memory.
+    prefetch_lead_ms: float = 1000.0
 
 
 @dataclass
@@ -249,6 +253,8 @@ class EngramConfig:
         t = self.tiers
         if t.eviction not in {"learned", "lru"}:
             raise ConfigError(f"tiers.eviction must be learned or lru, got {t.eviction!r}")
+        if not 0 <= t.prefetch_lead_ms <= 3_600_000:
+            raise ConfigError(f"tiers.prefetch_lead_ms must be between 0 and an hour, got {t.prefetch_lead_ms}")
         if t.on_nvme_failure not in {"fail", "degrade"}:
             raise ConfigError(f"tiers.on_nvme_failure must be fail or degrade, got {t.on_nvme_failure!r}")
         if t.write_back_window_s < 0 or t.write_back_window_bytes < 0 or t.shutdown_flush_s < 0:

@@ -23,6 +23,9 @@ Sessions live in daemon memory; they do not survive a restart (their blocks do).
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
+import logging
 import operator
 import time
 import uuid
@@ -45,6 +48,8 @@ from engram.replay.model import SwaWindow
 from engram.replay.reconstruct import ReplayMode
 from engram.replay.runtime import ReplayRuntime
 from engram.store import BlockStore
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -141,10 +146,12 @@ class SessionManager:
     def __init__(self, store: BlockStore, runtime: ReplayRuntime, *, max_hot_windows: int = 64,
                  max_sessions_per_namespace: int = 4096, max_session_tokens: int = 1 << 21,
                  max_persisted_window_bytes: int = 2**30, cost_models: dict[str, CostModel] | None = None,
-                 floor: FidelityFloor | None = None, persist_tier: str = "dram") -> None:
+                 floor: FidelityFloor | None = None, persist_tier: str = "dram", prefetch_lead_ms: float = 1000.0
+                 ) -> None:
         """cost_models: per weights_id, the calibrated cost model auto-mode sessions of that model decide by;
         floor: the fidelity an approximate replay must have measured; persist_tier: where a kept window lives
-        (what its load is priced at)."""
+        (what its load is priced at); prefetch_lead_ms: how long before a session is due back (its client's
+        expect_back_ms) its blocks below the top tier are copied up (`prefetch_due`; 0: never)."""
         self.store = store
         self.runtime = runtime
         self.cost_models = dict(cost_models or {})
@@ -162,6 +169,9 @@ class SessionManager:
         self._sessions: dict[tuple[str, str], Session] = {}
         self._hot: OrderedDict[tuple[str, str], None] = OrderedDict()  # rebuilt windows, LRU first
         self.windows_dropped_cold = 0  # rebuilt windows dropped because their session's blocks left memory
+        self.prefetch_lead_ms = prefetch_lead_ms
+        self._due: list[tuple[float, int, Session, float]] = []  # (when to prefetch, seq, session, its due then)
+        self._seq = itertools.count()
         store.on_cold(self._block_went_cold)
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -237,6 +247,30 @@ class SessionManager:
         model = self.store.placement.model
         e.due, e.wait = model.clock_ms() + wait_ms, float(wait_ms)
         model.hint_seen()
+        if self.prefetch_lead_ms:
+            heapq.heappush(self._due, (e.due - self.prefetch_lead_ms, next(self._seq), s, e.due))
+
+    async def prefetch_due(self) -> int:
+        """Sessions due back within prefetch_lead_ms (by their clients' word) get their blocks below the top
+        tier copied up now, head first, so the turn is served from memory (as KVFlow prefetches for the agents
+        about to run); a session closed or re-hinted since is skipped. Returns the blocks copied up."""
+        due = self._due
+        now = self.store.placement.model.clock_ms()
+        copied = 0
+        while due and due[0][0] <= now:
+            _, _, s, when = heapq.heappop(due)
+            if self._sessions.get((s.namespace, s.id)) is s and s.expected.due == when:
+                copied += await self.store.prefetch(list(s.held.values()))
+        return copied
+
+    async def run_prefetch(self, period_s: float = 0.05) -> None:
+        """The daemon's prefetcher: `prefetch_due` every period, until cancelled."""
+        while True:
+            try:
+                await self.prefetch_due()
+            except Exception:
+                log.exception("prefetch failed")
+            await asyncio.sleep(period_s)
 
     def get(self, namespace: str, session_id: str) -> Session:
         s = self._sessions.get((namespace, session_id))

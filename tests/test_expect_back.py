@@ -5,6 +5,7 @@ generator and the replayer. Real store, real DRAM tier, real gRPC daemon."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from pathlib import Path
@@ -21,13 +22,15 @@ from engram.errors import InvalidArgument
 from engram.eviction import HINT, RECENCY, Expected, TierVictims
 from engram.index import BlockMeta
 from engram.layout import DType
+from engram.registry import ModelRegistry
 from engram.replay.runtime import ReplayRuntime
 from engram.sessions import SessionManager
 from engram.store import BlockStore
-from engram.trace import read_trace, replay_all, write_trace
+from engram.tiers.dram import DramTier
+from engram.trace import TierSpec, read_trace, replay_all, write_trace
 from engram.trace.synth import agent_workload
 
-from helpers import dram_store, put_tokens, tiny_model, tokens
+from helpers import dram_store, put_tokens, random_kv, tiny_model, tokens
 
 PERSIST = SessionMode.PERSIST
 
@@ -235,3 +238,100 @@ def test_the_hint_orders_pick_equals_its_definition(cands: list[tuple[int, Any, 
 
     want = min(metas, key=lambda m: (min(m.refs, 2), -due(m), m.tick))
     assert TierVictims._hint_best(metas, now_ms) is want
+
+
+# ---- prefetch: a hinted session's blocks come up before it is due --------------------------------------------
+
+
+class LowerTier(DramTier):
+    name = "nvme"  # a tier below DRAM, kept in memory
+
+
+async def two_tiers(top_blocks: int) -> tuple[BlockStore, bytes, SessionManager, Clock, int]:
+    spec = tiny_model()
+    nb = spec.layout.block_nbytes(spec.layout.block_tokens)
+    store = BlockStore([DramTier(top_blocks * nb), LowerTier(64 * nb)], ModelRegistry(default_codec="raw"))
+    fp = store.registry.register(spec)
+    clock = Clock()
+    store.placement.model.clock_ms = clock
+    return store, fp, SessionManager(store, ReplayRuntime([]), prefetch_lead_ms=1000), clock, spec.layout.block_tokens
+
+
+async def move_down(store: BlockStore, metas: list[BlockMeta]) -> None:
+    """Leave each block's only copy in the lower tier (as a demotion would)."""
+    for m in metas:
+        if "nvme" not in m.locations:  # (a daemon's write-back may have copied it down already)
+            await store.placement.place(m, 1, bytes(await store.placement.tier("dram").read(m.key)))
+        await store.placement.drop_spare_copy(m, "dram")
+    assert all(m.locations == ["nvme"] for m in metas)
+
+
+async def test_a_hinted_session_has_its_blocks_copied_up_before_it_is_due_and_nothing_served() -> None:
+    store, fp, sm, clock, bt = await two_tiers(8)
+    a_blocks = await put_tokens(store, "ns", fp, tokens(3 * bt, seed=1))
+    a = sm.open("ns", fp, PERSIST, session_id="a", tokens=tokens(3 * bt, seed=1))
+    await move_down(store, a_blocks)
+    served = store.counters.blocks_served
+    sm.expect_back(a, 10_000)
+    clock.ms += 8_000
+    assert await sm.prefetch_due() == 0 and all(m.locations == ["nvme"] for m in a_blocks)  # not yet
+    clock.ms += 1_500  # within prefetch_lead_ms of its due time
+    assert await sm.prefetch_due() == 3
+    assert all(m.locations[0] == "dram" for m in a_blocks)
+    assert store.counters.blocks_prefetched == 3 and store.counters.blocks_served == served  # no hit counted
+    assert all(m.leases == 0 for m in a_blocks) and store.placement.busy == 0
+    assert await sm.prefetch_due() == 0  # once
+
+
+async def test_prefetch_skips_sessions_closed_or_rehinted_and_never_copies_a_corrupt_block_up() -> None:
+    store, fp, sm, clock, bt = await two_tiers(8)
+    a_blocks = await put_tokens(store, "ns", fp, tokens(2 * bt, seed=1))
+    b_blocks = await put_tokens(store, "ns", fp, tokens(2 * bt, seed=2))
+    a = sm.open("ns", fp, PERSIST, session_id="a", tokens=tokens(2 * bt, seed=1))
+    b = sm.open("ns", fp, PERSIST, session_id="b", tokens=tokens(2 * bt, seed=2))
+    await move_down(store, a_blocks + b_blocks)
+    sm.expect_back(a, 2_000)
+    sm.expect_back(b, 2_000)
+    sm.expect_back(a, 60_000)  # a's client changed its mind: a tool call that takes a minute
+    sm.close("ns", "b")
+    clock.ms += 1_500
+    assert await sm.prefetch_due() == 0
+    assert all(m.locations == ["nvme"] for m in a_blocks + b_blocks)
+
+    lower = store.placement.tier("nvme")
+    assert isinstance(lower, DramTier)
+    lower._blocks[a_blocks[1].key] = bytes(len(lower._blocks[a_blocks[1].key]))  # its only copy rots
+    clock.ms += 58_000
+    assert await sm.prefetch_due() == 1  # the head came up; the corrupt block was dropped, not copied
+    assert a_blocks[0].locations[0] == "dram" and not store.holds("ns", a_blocks[1].key)
+    assert store.counters.corrupt_blocks == 1
+
+
+async def test_the_daemon_prefetches_a_hinted_sessions_blocks_from_nvme(server_factory: Any, tmp_path: Path) -> None:
+    srv = await server_factory(**{"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.prefetch_lead_ms": 1000})
+    async with EngramClient(srv.address) as c:
+        spec = tiny_model()
+        fp = await c.register_model(spec)
+        toks = tokens(3 * spec.layout.block_tokens, seed=1)
+        keys = (await c.put(fp, toks, random_kv(spec, len(toks)))).keys
+        s = await c.open_session(fp, mode="persist", tokens=toks)
+        metas = [srv.store.index.get(k) for k in keys]
+        await move_down(srv.store, [m for m in metas if m is not None])  # as if demoted while the session waited
+        await c.append_session(s.session_id, tokens(0), expect_back_ms=1200)  # prefetched from 200 ms on
+        for _ in range(250):
+            if all(m is not None and m.locations[0] == "dram" for m in metas):
+                break
+            await asyncio.sleep(0.02)
+        assert all(m is not None and m.locations[0] == "dram" for m in metas)
+        assert srv.store.counters.blocks_prefetched == 3
+
+
+def test_prefetch_moves_a_replays_hits_from_the_lower_tier_to_the_top_one() -> None:
+    trace = _pressed()
+    nb = replay_all(trace[:1], [1], block_bytes=4096, policies=("engram",))[0].tiers[0].capacity_bytes
+    tiers = [TierSpec("dram", 600 * nb), TierSpec("nvme", 2000 * nb)]
+    runs = {lead: replay_all(trace, [], 4096, policies=("engram",), tiers=tiers, prefetch_lead_ms=lead)[0]
+            for lead in (0, 1000)}
+    lower = {lead: r.tiers[1].hits for lead, r in runs.items()}
+    assert lower[1000] < 0.85 * lower[0]
+    assert abs(runs[1000].hit_blocks - runs[0].hit_blocks) < 0.01 * runs[0].hit_blocks  # the same hits, mostly

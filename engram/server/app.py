@@ -121,11 +121,13 @@ class RunningServer:
     reporter: asyncio.Task[None] | None = None  # engram/logs.py: summary lines of store activity
     socket_lock: DaemonLock | None = None  # held while serving on a unix socket (engram/lockfile.py)
     flush_s: float = 30.0  # tiers.shutdown_flush_s: time to copy blocks held only in DRAM/HBM to NVMe at stop
+    prefetcher: asyncio.Task[None] | None = None  # SessionManager.run_prefetch: hinted sessions' blocks copied up
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop accepting RPCs, give in-flight ones `grace_s` to finish, then release the tiers."""
-        if self.reporter is not None:
-            self.reporter.cancel()
+        for task in (self.reporter, self.prefetcher):
+            if task is not None:
+                task.cancel()
         await self.health.enter_graceful_shutdown()
         if self.service is not None and self.service.dataport is not None:
             await self.service.dataport.stop()
@@ -162,7 +164,8 @@ def build_sessions(config: EngramConfig, store: BlockStore) -> SessionManager:
                           max_session_tokens=config.server.max_tokens_per_request,
                           max_persisted_window_bytes=rc.max_persisted_window_bytes,
                           cost_models=load_cost_models(runtime, rc.calibrations, rc.device),
-                          floor=FidelityFloor(min_top1=rc.min_top1, max_kl=rc.max_kl or None))
+                          floor=FidelityFloor(min_top1=rc.min_top1, max_kl=rc.max_kl or None),
+                          prefetch_lead_ms=config.tiers.prefetch_lead_ms)
 
 
 def load_cost_models(runtime: ReplayRuntime, directory: str, device: str) -> dict[str, CostModel]:
@@ -274,9 +277,12 @@ async def _start(config: EngramConfig, store: BlockStore, sessions: SessionManag
         if metrics is not None:
             metrics.stop()
         raise
-    reporter = asyncio.get_running_loop().create_task(report_activity(store, config.logging.summary_s))
+    loop = asyncio.get_running_loop()
+    reporter = loop.create_task(report_activity(store, config.logging.summary_s))
+    prefetcher = loop.create_task(sessions.run_prefetch()) if len(store.tiers) > 1 and sessions.prefetch_lead_ms \
+        else None  # with one tier every block is in the top one already
     return RunningServer(server, address, store, sessions, health_servicer, s.shutdown_grace_s, service, metrics,
-                         reporter, socket_lock, config.tiers.shutdown_flush_s)
+                         reporter, socket_lock, config.tiers.shutdown_flush_s, prefetcher)
 
 
 async def _start_dataport(service: EngramService, s: ServerConfig, tenancy: Tenancy | None,

@@ -20,7 +20,7 @@ import dataclasses
 import enum
 import time
 import typing
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -617,6 +617,39 @@ class BlockStore:
         placement.unindex(meta)
         raise DataLoss(f"block {meta.key.hex()}: no tier holds a valid copy any more ({'; '.join(reasons)}); "
                        "it was dropped")
+
+    async def prefetch(self, metas: Iterable[BlockMeta]) -> int:
+        """Copy blocks held below the top tier up into it before they are asked for (a session due back soon,
+        its blocks head first), as far as half the top tier takes the chain, without waiting for room. Nothing
+        is served or counted as a hit; a copy that fails its checksum is dropped as a read would. Returns the
+        blocks copied up (also StoreCounters.blocks_prefetched and the tier's promotions)."""
+        placement = self.placement
+        top = placement.tiers[0]
+        budget = top.capacity_bytes // 2
+        copied = 0
+        for meta in metas:
+            budget -= meta.nbytes
+            if budget < 0:
+                break
+            if (not meta.locations or meta.locations[0] == top.name or meta.moving
+                    or self.index.get(meta.key) is not meta):
+                continue
+            meta.leases += 1  # not evicted while it is read
+            placement.busy += 1
+            try:
+                payload, _ = await self._read_verified(meta)
+                if meta.locations and top.name not in meta.locations and not meta.moving:
+                    await placement.promote(meta, typing.cast(bytes, payload))
+                    if top.name in meta.locations:
+                        copied += 1
+                        meta.tick = CLOCK.now  # as a lease does: its age restarts (no comeback counted), or
+                        # least-recently-used order would take it straight back down
+            except DataLoss:
+                continue  # no valid copy was left: unindexed, as a Get would have
+            finally:
+                self.release([meta])
+        self.counters.blocks_prefetched += copied
+        return copied
 
     # ---- pins, references, removal -------------------------------------------------------------
 

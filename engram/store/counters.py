@@ -50,6 +50,7 @@ class StoreCounters:
     blocks_evicted_on_request: int = 0  # by `remove` (engram evict), not by tier pressure
     blocks_not_durable: int = 0  # write-through puts acknowledged without a durable copy (on_nvme_failure = degrade)
     blocks_flushed: int = 0  # copied to the durable tier by the background flusher (engram/store/flusher.py)
+    blocks_prefetched: int = 0  # copied up into the top tier before their session was due back (`prefetch`)
     tiers: dict[str, TierCounters] = field(default_factory=dict)
 
 

@@ -159,7 +159,8 @@ def _tiers(specs: Sequence[TierSpec], nvme_dir: Path | None) -> list[Tier]:
 class _Run:
     """One engram run: a store of the given tiers, the model, sessions."""
 
-    def __init__(self, tiers: Sequence[TierSpec], layout: KVLayout, nvme_dir: Path | None) -> None:
+    def __init__(self, tiers: Sequence[TierSpec], layout: KVLayout, nvme_dir: Path | None,
+                 prefetch_lead_ms: float = 0.0) -> None:
         self.store = BlockStore(_tiers(tiers, nvme_dir), ModelRegistry(default_codec="raw"))
         self.store.flusher = None  # trace time is not wall time: blocks reach NVMe by demotion only
         # Nothing runs beside the replay that could free a leased block: waiting for room would only stall (a
@@ -168,7 +169,8 @@ class _Run:
         self.layout = layout
         self.fp = self.store.registry.register(ModelSpec(name="trace", weights_id="trace", layout=layout,
                                                          codec="raw"))
-        self.sessions = SessionManager(self.store, ReplayRuntime([]), max_sessions_per_namespace=1 << 30)
+        self.sessions = SessionManager(self.store, ReplayRuntime([]), max_sessions_per_namespace=1 << 30,
+                                       prefetch_lead_ms=prefetch_lead_ms if len(tiers) > 1 else 0.0)
         self.now_ms = 0.0  # trace time: what sessions' hints are due by (ReturnModel.clock_ms)
         self.store.placement.model.clock_ms = lambda: self.now_ms
         self.live: dict[str, Session] = {}
@@ -229,9 +231,10 @@ def _keys(parent_of: Sequence[int], root: bytes) -> list[bytes]:
 
 async def _engram_fast(trace: Sequence[Request], parent_of: Sequence[int], tiers: Sequence[TierSpec],
                        layout: KVLayout, nvme_dir: Path | None, progress: Progress | None,
-                       key_cache: dict[bytes, list[bytes]], hints: bool = True
+                       key_cache: dict[bytes, list[bytes]], hints: bool = True, prefetch_lead_ms: float = 0.0
                        ) -> tuple[int, tuple[TierResult, ...], EvictionStats]:
-    run = _Run(tiers, layout, nvme_dir)
+    run = _Run(tiers, layout, nvme_dir, prefetch_lead_ms)
+    prefetch = run.sessions.prefetch_due if run.sessions.prefetch_lead_ms else None
     store, fp = run.store, run.fp
     root = store.root(_NS, fp)
     keys = key_cache.get(root)
@@ -243,6 +246,8 @@ async def _engram_fast(trace: Sequence[Request], parent_of: Sequence[int], tiers
     hits = 0
     for n, r in enumerate(trace, 1):
         run.now_ms = r.timestamp
+        if prefetch is not None:
+            await prefetch()  # hinted sessions due back by now (trace time) have their blocks copied up
         ids = r.hash_ids
         ks = [keys[d] for d in ids]
         blocks = lookup(_NS, fp, ks).blocks
@@ -270,14 +275,16 @@ async def _engram_fast(trace: Sequence[Request], parent_of: Sequence[int], tiers
 
 
 async def _engram_verbs(trace: Sequence[Request], tiers: Sequence[TierSpec], layout: KVLayout,
-                        nvme_dir: Path | None, progress: Progress | None, hints: bool = True
-                        ) -> tuple[int, tuple[TierResult, ...], EvictionStats]:
+                        nvme_dir: Path | None, progress: Progress | None, hints: bool = True,
+                        prefetch_lead_ms: float = 0.0) -> tuple[int, tuple[TierResult, ...], EvictionStats]:
     """The engram run through the daemon's own verbs: lookup by tokens, put per block, verified reads."""
-    run = _Run(tiers, layout, nvme_dir)
+    run = _Run(tiers, layout, nvme_dir, prefetch_lead_ms)
     store, fp, payload = run.store, run.fp, run.payload
     hits = 0
     for n, r in enumerate(trace, 1):
         run.now_ms = r.timestamp
+        if run.sessions.prefetch_lead_ms:
+            await run.sessions.prefetch_due()
         toks = np.repeat(np.asarray(r.hash_ids, dtype=np.int64) % (2**31 - 1), _BT).astype(np.int32)
         match = store.lookup(_NS, fp, toks)
         have = match.matched_tokens // _BT
@@ -359,13 +366,16 @@ POLICIES = ("engram", "lru", "belady")
 def replay_all(trace: Sequence[Request], capacities: Sequence[int] = (), block_bytes: int = 512 * 890,
                progress: Progress | None = None, policies: Sequence[str] = POLICIES,
                on_run: Callable[[str, str], None] | None = None, *, tiers: Sequence[TierSpec] | None = None,
-               nvme_files: bool = False, fast: bool = True, hints: bool = True, jobs: int = 1) -> list[PolicyResult]:
+               nvme_files: bool = False, fast: bool = True, hints: bool = True, jobs: int = 1,
+               prefetch_lead_ms: float = 1000.0) -> list[PolicyResult]:
     """Each of `policies` at every capacity in blocks (one DRAM tier of that many blocks for engram), then
     once more with `tiers` (capacities in bytes) if given; requests in trace order (sort by timestamp first:
     formats.in_time_order). block_bytes: one block's weight, by default 512 tokens of an FP4 global KV.
     `on_run(policy, label)` is called as each run starts; `progress(requests)` as requests are replayed.
     nvme_files: the NVMe tier is the real NvmeTier in a temporary directory; fast=False: engram through the
-    daemon's verbs (slower, same counts); hints=False: the engram run ignores the trace's back_ms hints.
+    daemon's verbs (slower, same counts); hints=False: the engram run ignores the trace's back_ms hints;
+    prefetch_lead_ms: a hinted session's blocks below the top tier are copied up this long (trace time) before
+    it is due, as the daemon's tiers.prefetch_lead_ms (0: never; a one-tier run has nothing to copy up).
     jobs: runs at once, each in a forked process of its own (the same figures: a run shares nothing with
     another; its seconds are its own, slower if the runs outnumber the cores); on_run is then called once,
     as they start."""
@@ -393,8 +403,9 @@ def replay_all(trace: Sequence[Request], capacities: Sequence[int] = (), block_b
             with tempfile.TemporaryDirectory(prefix="engram-trace-") as tmp:
                 nvme = Path(tmp) if nvme_files else None
                 if fast:
-                    return asyncio.run(_engram_fast(dense, parent_of, specs, layout, nvme, progress, key_cache, hints))
-                return asyncio.run(_engram_verbs(dense, specs, layout, nvme, progress, hints))
+                    return asyncio.run(_engram_fast(dense, parent_of, specs, layout, nvme, progress, key_cache, hints,
+                                                    prefetch_lead_ms))
+                return asyncio.run(_engram_verbs(dense, specs, layout, nvme, progress, hints, prefetch_lead_ms))
         finally:
             torch.set_num_threads(threads)
 
