@@ -249,6 +249,13 @@ class SessionManager:
         model.hint_seen()
         if self.prefetch_lead_ms:
             heapq.heappush(self._due, (e.due - self.prefetch_lead_ms, next(self._seq), s, e.due))
+            if len(self._due) > 2 * len(self._sessions) + 1024:  # hints said again or sessions closed: stale
+                self._due = [d for d in self._due if self._current(d[2], d[3])]  # one per live session at most
+                heapq.heapify(self._due)
+
+    def _current(self, s: Session, due: float) -> bool:
+        """Whether a prefetch planned for `due` still stands: the session is open and has not re-hinted."""
+        return self._sessions.get((s.namespace, s.id)) is s and s.expected.due == due
 
     async def prefetch_due(self) -> int:
         """Sessions due back within prefetch_lead_ms (by their clients' word) get their blocks below the top
@@ -259,7 +266,7 @@ class SessionManager:
         copied = 0
         while due and due[0][0] <= now:
             _, _, s, when = heapq.heappop(due)
-            if self._sessions.get((s.namespace, s.id)) is s and s.expected.due == when:
+            if self._current(s, when):
                 copied += await self.store.prefetch(list(s.held.values()))
         return copied
 

@@ -335,3 +335,12 @@ def test_prefetch_moves_a_replays_hits_from_the_lower_tier_to_the_top_one() -> N
     lower = {lead: r.tiers[1].hits for lead, r in runs.items()}
     assert lower[1000] < 0.85 * lower[0]
     assert abs(runs[1000].hit_blocks - runs[0].hit_blocks) < 0.01 * runs[0].hit_blocks  # the same hits, mostly
+
+
+async def test_planned_prefetches_stay_bounded_when_a_client_hints_again_and_again() -> None:
+    store, fp, sm, _, bt = await two_tiers(8)
+    s = sm.open("ns", fp, PERSIST, session_id="s", tokens=tokens(bt, seed=1))
+    for i in range(5000):  # a day ahead each time: none is due while this runs
+        sm.expect_back(s, 86_400_000 - i)
+    assert len(sm._due) <= 2 * 1 + 1024 + 1
+    assert sum(sm._current(d[2], d[3]) for d in sm._due) == 1
