@@ -57,3 +57,10 @@ def check_approx_k(approx_k: float) -> float:
 def check_dimension(what: str, value: int, low: int, high: int) -> None:
     if not low <= value <= high:
         raise InvalidArgument(f"{what} must be in [{low}, {high}], got {value}")
+
+
+def check_expect_back_ms(wait_ms: float) -> float:
+    """A session's hint of when it is back: 0 (none) up to a day."""
+    if not 0 <= wait_ms <= MAX_EXPECT_BACK_MS:
+        raise InvalidArgument(f"expect_back_ms must be between 0 and {MAX_EXPECT_BACK_MS} (a day), got {wait_ms}")
+    return wait_ms

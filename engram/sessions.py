@@ -237,9 +237,7 @@ class SessionManager:
         """The session's client expects its next request in `wait_ms` (an agent's tool call, by the tool's
         usual duration; a long wait for a user); 0: it does not say (a hint given before no longer holds).
         Eviction's hint order (engram/eviction.py) gives up the blocks of sessions due back last first."""
-        if not 0 <= wait_ms <= limits.MAX_EXPECT_BACK_MS:
-            raise InvalidArgument(f"expect_back_ms must be between 0 and {limits.MAX_EXPECT_BACK_MS} (a day), "
-                                  f"got {wait_ms}")
+        limits.check_expect_back_ms(wait_ms)
         e = s.expected
         if not wait_ms:
             e.due = e.wait = 0.0
@@ -291,9 +289,7 @@ class SessionManager:
         when the client expects the session's next turn (`expect_back`); each turn says it again, or the
         hint lapses."""
         s = self.get(namespace, session_id)
-        if not 0 <= expect_back_ms <= limits.MAX_EXPECT_BACK_MS:
-            raise InvalidArgument(f"expect_back_ms must be between 0 and {limits.MAX_EXPECT_BACK_MS} (a day), "
-                                  f"got {expect_back_ms}")
+        limits.check_expect_back_ms(expect_back_ms)  # before anything of the session changes
         if window is not None and s.mode != SessionMode.PERSIST:
             raise InvalidArgument(f"session {session_id} is in {s.mode.value} mode: the daemon rebuilds its "
                                   "window; send windows only for persist-mode sessions")
