@@ -77,6 +77,7 @@ def stats_renderable(resp: Stats) -> Group:
         ("blocks put", str(resp.blocks_put)),
         ("blocks deduplicated", str(resp.blocks_deduplicated)),
         ("blocks served", str(resp.blocks_served)),
+        ("blocks prefetched", str(resp.blocks_prefetched)),
         ("blocks evicted on request", str(resp.blocks_evicted_on_request)),
         ("blocks acknowledged not durable", str(resp.blocks_not_durable)),
         ("corrupt blocks found", str(resp.corrupt_blocks)),

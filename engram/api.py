@@ -287,6 +287,7 @@ class Stats:
     codec_error_skipped: int = 0  # samples dropped while earlier measurements ran
     codec_fallbacks: tuple[CodecFallback, ...] = ()  # stored lossless since (codec.max_error)
     eviction: EvictionStats = field(default_factory=EvictionStats)
+    blocks_prefetched: int = 0  # copied up before their session was due back (a client's expect_back_ms)
 
     def tier(self, name: str) -> TierStats:
         return next(t for t in self.tiers if t.name == name)

@@ -86,6 +86,7 @@ class StoreCollector(Collector):
             ("engram_blocks_not_durable", "Write-through blocks acknowledged without a durable copy.",
              c.blocks_not_durable),
             ("engram_blocks_flushed", "Blocks copied to NVMe by the background flusher.", c.blocks_flushed),
+            ("engram_blocks_prefetched", "Blocks copied up before their session was due back.", c.blocks_prefetched),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         yield from codec_error_metrics(store)

@@ -323,7 +323,7 @@ async def test_the_daemon_prefetches_a_hinted_sessions_blocks_from_nvme(server_f
                 break
             await asyncio.sleep(0.02)
         assert all(m is not None and m.locations[0] == "dram" for m in metas)
-        assert srv.store.counters.blocks_prefetched == 3
+        assert srv.store.counters.blocks_prefetched == 3 == (await c.stats()).blocks_prefetched
 
 
 def test_prefetch_moves_a_replays_hits_from_the_lower_tier_to_the_top_one() -> None:
