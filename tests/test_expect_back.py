@@ -344,3 +344,25 @@ async def test_planned_prefetches_stay_bounded_when_a_client_hints_again_and_aga
         sm.expect_back(s, 86_400_000 - i)
     assert len(sm._due) <= 2 * 1 + 1024 + 1
     assert sum(sm._current(d[2], d[3]) for d in sm._due) == 1
+
+
+async def test_the_prefetcher_outlives_a_failed_round_and_stops_when_cancelled(monkeypatch: Any) -> None:
+    store, fp, sm, _, _ = await two_tiers(8)
+    rounds: list[int] = []
+
+    async def flaky() -> int:
+        rounds.append(len(rounds))
+        if len(rounds) == 1:
+            raise OSError("the NVMe tier went away for a moment")
+        return 0
+
+    monkeypatch.setattr(sm, "prefetch_due", flaky)
+    task = asyncio.get_running_loop().create_task(sm.run_prefetch(period_s=0.001))
+    for _ in range(500):
+        if len(rounds) >= 3:
+            break
+        await asyncio.sleep(0.002)
+    assert len(rounds) >= 3 and not task.done()  # the failed first round was logged, the next ones ran
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
