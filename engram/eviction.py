@@ -1,8 +1,9 @@
 """Which block a full tier gives up. Blocks no live session references go first, then those one session
 holds, then those several hold; within that, one of two orders picks: least recently used first, or the
 lowest *hit density* first (the hits a block may still earn per unit of cache time it would take up,
-learned from when blocks come back). Which order picks is learned too (LeCaR): an order whose victims come
-back soon after they went loses weight. Where eviction deletes (the last tier, or any tier with nowhere to
+learned from when blocks come back); once clients say when their sessions are back, a third: the block whose
+session is due back last first. Which order picks is learned too (LeCaR): an order whose victims come back
+soon after they went loses weight. Where eviction deletes (the last tier, or any tier with nowhere to
 demote to) only leaves go.
 
 Why held classes: a session about to resume keeps its prefix, while blocks nobody holds (a finished agent's
