@@ -366,3 +366,25 @@ async def test_the_prefetcher_outlives_a_failed_round_and_stops_when_cancelled(m
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+def test_bench_trace_uses_the_traces_hints_unless_told_not_to(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from engram.cli.main import app
+
+    path = tmp_path / "w.jsonl"
+    write_trace(path, _pressed())
+
+    def run(*args: str) -> dict[str, Any]:
+        res = CliRunner().invoke(app, ["bench", "trace", str(path), "--capacity", "600", "--policy", "engram",
+                                       "--json", "--block-bytes", "4096", *args])
+        assert res.exit_code == 0, res.output
+        [row] = json.loads(res.output)
+        return row
+
+    hinted, bare = run(), run("--no-hints")
+    assert hinted["eviction"]["hint_weight"] > 0 and bare["eviction"]["hint_weight"] == 0
+    assert hinted["hit_blocks"] > bare["hit_blocks"]
+    bad = CliRunner().invoke(app, ["bench", "trace", str(path), "--prefetch-lead-ms", "-1"])
+    assert bad.exit_code == 4 and "--prefetch-lead-ms" in bad.output
