@@ -388,3 +388,25 @@ def test_bench_trace_uses_the_traces_hints_unless_told_not_to(tmp_path: Path) ->
     assert hinted["hit_blocks"] > bare["hit_blocks"]
     bad = CliRunner().invoke(app, ["bench", "trace", str(path), "--prefetch-lead-ms", "-1"])
     assert bad.exit_code == 4 and "--prefetch-lead-ms" in bad.output
+
+
+async def test_a_tenant_cannot_hint_another_tenants_session(server_factory: Any) -> None:
+    """Bob names Alice's session id in his own namespace and in hers: NOT_FOUND and PERMISSION_DENIED, and
+    Alice's blocks keep her word, not his."""
+    srv = await server_factory(**{"auth.tenants.alice.token": "a", "auth.tenants.bob.token": "b",
+                                  "auth.salt_secret": "s"})
+    async with EngramClient(srv.address, token="a", namespace="alice") as alice, \
+            EngramClient(srv.address, token="b", namespace="bob") as bob:
+        fp = await alice.register_model(tiny_model())
+        await bob.register_model(tiny_model())
+        toks = tokens(32, seed=1)
+        await alice.put(fp, toks, random_kv(tiny_model(), 32))
+        s = await alice.open_session(fp, mode="persist", tokens=toks)
+        await alice.append_session(s.session_id, tokens(0), expect_back_ms=60_000)
+        with pytest.raises(errors.NotFound):
+            await bob.append_session(s.session_id, tokens(0), expect_back_ms=1)
+        with pytest.raises(errors.PermissionDenied):
+            await bob.append_session(s.session_id, tokens(0), expect_back_ms=1, namespace="alice")
+        session = srv.sessions.get("alice", s.session_id)
+        assert session.expected.wait == 60_000 and len(session.held) == 2
+        assert all(m.holder is session.expected for m in session.held.values())
