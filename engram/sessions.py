@@ -237,7 +237,10 @@ class SessionManager:
         """The session's client expects its next request in `wait_ms` (an agent's tool call, by the tool's
         usual duration; a long wait for a user); 0: it does not say (a hint given before no longer holds).
         Eviction's hint order (engram/eviction.py) gives up the blocks of sessions due back last first."""
-        limits.check_expect_back_ms(wait_ms)
+        self._hint(s, limits.check_expect_back_ms(wait_ms))
+
+    def _hint(self, s: Session, wait_ms: float) -> None:
+        """`expect_back` of a checked wait."""
         e = s.expected
         if not wait_ms:
             e.due = e.wait = 0.0
@@ -307,7 +310,7 @@ class SessionManager:
             self._drop_hot(s)  # a window for the old length is stale
             if s.kept:
                 self._release_window(s)
-        self.expect_back(s, expect_back_ms)
+        self._hint(s, expect_back_ms)  # checked above
         return s
 
     def fork(self, namespace: str, parent_id: str, session_id: str = "", position: int = 0) -> Session:

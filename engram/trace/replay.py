@@ -190,8 +190,8 @@ class _Run:
 
     def hint(self, s: Session, r: Request, hints: bool) -> None:
         """What the request's client said of its session's next request (expect_back_ms), if hints are used."""
-        if hints or s.expected.due:
-            self.sessions.expect_back(s, r.back_ms if hints else 0)
+        if hints:
+            self.sessions.expect_back(s, r.back_ms)
 
     def closed(self, r: Request) -> None:
         if r.session and r.close:
