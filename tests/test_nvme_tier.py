@@ -9,6 +9,7 @@ import errno
 import os
 import random
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -263,6 +264,50 @@ async def test_online_check_finds_and_fixes_a_corrupted_file(tmp_path: Path) -> 
     assert key not in store.index and (await store.check(fix=False)).ok
     n, got = await get_seq(store, seqs[0])
     assert n == BLOCK_TOKENS and got is not None and torch.equal(got, kvs[0][:, :, :BLOCK_TOKENS])
+    await store.close()
+
+
+async def test_online_check_leaves_a_write_that_starts_while_it_lists_temp_files(tmp_path: Path,
+                                                                                   monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The race CI caught once under load: a write that registers its temp file after the check began (and
+    whose file exists when the check lists the temp directory) was taken for a torn write and deleted under
+    the writer. Here the race is forced: the check's listing waits until such a write's temp file exists."""
+    store = await make_store(tmp_path, dram_blocks=8, write_policy="write-through")
+    nvme = store.tiers[1]
+    loop = asyncio.get_running_loop()
+    synced, release = threading.Event(), threading.Event()
+    real_fsync, temps = os.fsync, str(nvme.tmp_dir)  # type: ignore[attr-defined]
+
+    def held_fsync(fd: int) -> None:  # the file write itself is real; only its fsync waits for the test
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(f"{temps}/"):  # a block's temp file, not the journal's
+            synced.set()
+            release.wait(10)
+        real_fsync(fd)
+
+    t = tokens(BLOCK_TOKENS, seed=7)
+    kv = random_kv(SPEC, BLOCK_TOKENS, seed=7)
+    put: list[asyncio.Future] = []  # type: ignore[type-arg]
+
+    class ListsDuringAWrite(type(nvme.tmp_dir)):  # type: ignore[misc]
+        def iterdir(self):  # type: ignore[no-untyped-def]
+            if not put:  # the first listing: start a write now, and list once its temp file exists
+                monkeypatch.setattr("engram.tiers.nvme.os.fsync", held_fsync)
+                put.append(asyncio.run_coroutine_threadsafe(put_seq(store, t, kv), loop))
+                assert synced.wait(10), "the write never reached its fsync"
+            return super().iterdir()
+
+    nvme.tmp_dir = ListsDuringAWrite(nvme.tmp_dir)  # type: ignore[attr-defined]
+    check = asyncio.ensure_future(store.check(fix=True))
+    while not put or not synced.is_set():
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)  # the check lists the temp directory now, with the write's file in it
+    release.set()
+    report = await check
+    keys = await asyncio.wrap_future(put[0])
+    assert report.ok, report.findings  # the write in flight is not a torn one
+    assert nvme.path_of(keys[0]).exists()  # type: ignore[attr-defined]
+    n, got = await get_seq(store, t)
+    assert n == BLOCK_TOKENS and got is not None and torch.equal(got, kv)
     await store.close()
 
 

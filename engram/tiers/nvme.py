@@ -384,7 +384,7 @@ class NvmeTier(ByteBudget):
               *, online: bool = False) -> CheckReport:
         report = CheckReport()
         self._found: list[_File] = []
-        self._sweep_tmp(report, fix, skip=set(self._writing) if online else set())
+        self._sweep_tmp(report, fix, online=online)
         listing = self._listing(report, fix)
         total = report.scanned + len(listing)
         if progress is not None:
@@ -408,10 +408,15 @@ class NvmeTier(ByteBudget):
                 report.findings[-1].fixed = True
         return report
 
-    def _sweep_tmp(self, report: CheckReport, fix: bool, skip: set[str]) -> None:
+    def _sweep_tmp(self, report: CheckReport, fix: bool, *, online: bool) -> None:
+        """Report (and with `fix` delete) temp files no write will finish. Online, a write registers its temp
+        name before the file exists and forgets it only once the file is renamed or deleted, so a listed file
+        whose name is not registered *now* (the live set, read after the listing, not a copy taken before it:
+        a write starting in between would be taken for a torn one and deleted under it) and that still exists
+        is a torn write."""
         for tmp in sorted(self.tmp_dir.iterdir()):
-            if tmp.name in skip:
-                continue  # a write in flight, not a torn one
+            if online and (tmp.name in self._writing or not tmp.exists()):
+                continue  # a write in flight, or one published since the listing
             report.findings.append(Finding(str(tmp), "leftover temp file (a write torn by a crash)"))
             if fix:
                 tmp.unlink(missing_ok=True)
@@ -427,7 +432,7 @@ class NvmeTier(ByteBudget):
         report = CheckReport()
         files: list[_File] = []
         trusted: list[bytes] = []
-        self._sweep_tmp(report, fix=True, skip=set())
+        self._sweep_tmp(report, fix=True, online=False)
         listing = self._listing(report, fix=True)
         # In journal order (the order blocks were written: parents before children), so the store can index
         # them in one pass; files the journal does not know come after.
