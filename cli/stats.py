@@ -78,6 +78,7 @@ def stats_renderable(resp: Stats) -> Group:
         ("blocks deduplicated", str(resp.blocks_deduplicated)),
         ("blocks served", str(resp.blocks_served)),
         ("blocks prefetched", str(resp.blocks_prefetched)),
+        ("sessions closed idle", str(resp.sessions_closed_idle)),
         ("blocks evicted on request", str(resp.blocks_evicted_on_request)),
         ("blocks acknowledged not durable", str(resp.blocks_not_durable)),
         ("corrupt blocks found", str(resp.corrupt_blocks)),

@@ -288,6 +288,7 @@ class Stats:
     codec_fallbacks: tuple[CodecFallback, ...] = ()  # stored lossless since (codec.max_error)
     eviction: EvictionStats = field(default_factory=EvictionStats)
     blocks_prefetched: int = 0  # copied up before their session was due back (a client's expect_back_ms)
+    sessions_closed_idle: int = 0  # closed by the daemon after server.session_idle_s without a call
 
     def tier(self, name: str) -> TierStats:
         return next(t for t in self.tiers if t.name == name)

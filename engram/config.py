@@ -60,6 +60,10 @@ class ServerConfig:
     max_block_bytes: ByteSize = ByteSize(256 * 2**20)  # a model whose raw block is larger is refused at register
     max_models: int = 1024  # registered models (each is a file and an entry in memory)
     max_sessions_per_namespace: int = 4096  # a tenant's max_sessions, when set, overrides it for its namespaces
+    # A session no call has touched for this long is closed, its blocks' references dropped (an agent that crashed
+    # or was abandoned never closes its sessions; they would hold blocks and count against max_sessions forever);
+    # a session whose client said it is back later (expect_back_ms) is kept until then. 0: never.
+    session_idle_s: float = 86400.0
     shutdown_grace_s: float = 5.0  # in-flight RPCs get this long to finish on SIGTERM
     lease_s: float = 30.0  # a zero-copy Get's descriptors keep their slots this long unless released sooner
     tls_cert: str = ""  # PEM certificate chain: with tls_key, TCP is served over TLS
@@ -275,6 +279,8 @@ class EngramConfig:
                            ("replay.max_persisted_window_bytes", self.replay.max_persisted_window_bytes)):
             if value <= 0:
                 raise ConfigError(f"{key} must be positive, got {value}")
+        if not s.session_idle_s >= 0:  # NaN too
+            raise ConfigError(f"server.session_idle_s must be >= 0 (0: sessions never close idle), got {s.session_idle_s}")
         if self.replay.max_hot_windows < 0:
             raise ConfigError("replay.max_hot_windows must be >= 0")
         for path in filter(None, (p.strip() for p in self.replay.models.split(","))):

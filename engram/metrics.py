@@ -87,6 +87,8 @@ class StoreCollector(Collector):
              c.blocks_not_durable),
             ("engram_blocks_flushed", "Blocks copied to NVMe by the background flusher.", c.blocks_flushed),
             ("engram_blocks_prefetched", "Blocks copied up before their session was due back.", c.blocks_prefetched),
+            ("engram_sessions_closed_idle", "Sessions closed after server.session_idle_s without a call.",
+             self.sessions.closed_idle),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         yield from codec_error_metrics(store)

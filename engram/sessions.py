@@ -118,6 +118,7 @@ class Session:
     created: float = field(default_factory=time.time)
     held: dict[bytes, BlockMeta] = field(default_factory=dict)  # the stored blocks of its prefix it references
     expected: Expected = field(default_factory=Expected)  # when its client said it is back (its blocks point here)
+    active_ms: float = 0.0  # the eviction model's clock at its last call: idle past idle_close_s, it is closed
 
     def replay_mode(self) -> ReplayMode:
         return ReplayMode.approx(self.approx_k) if self.mode == SessionMode.APPROX else ReplayMode.exact()
@@ -146,12 +147,13 @@ class SessionManager:
     def __init__(self, store: BlockStore, runtime: ReplayRuntime, *, max_hot_windows: int = 64,
                  max_sessions_per_namespace: int = 4096, max_session_tokens: int = 1 << 21,
                  max_persisted_window_bytes: int = 2**30, cost_models: dict[str, CostModel] | None = None,
-                 floor: FidelityFloor | None = None, persist_tier: str = "dram", prefetch_lead_ms: float = 1000.0
-                 ) -> None:
+                 floor: FidelityFloor | None = None, persist_tier: str = "dram", prefetch_lead_ms: float = 1000.0,
+                 idle_close_s: float = 0.0) -> None:
         """cost_models: per weights_id, the calibrated cost model auto-mode sessions of that model decide by;
         floor: the fidelity an approximate replay must have measured; persist_tier: where a kept window lives
         (what its load is priced at); prefetch_lead_ms: how long before a session is due back (its client's
-        expect_back_ms) its blocks below the top tier are copied up (`prefetch_due`; 0: never)."""
+        expect_back_ms) its blocks below the top tier are copied up (`prefetch_due`; 0: never); idle_close_s:
+        a session no call touched for this long is closed (`close_idle`; 0: never)."""
         self.store = store
         self.runtime = runtime
         self.cost_models = dict(cost_models or {})
@@ -172,6 +174,10 @@ class SessionManager:
         self.prefetch_lead_ms = prefetch_lead_ms
         self._due: list[tuple[float, int, Session, float]] = []  # (when to prefetch, seq, session, its due then)
         self._seq = itertools.count()
+        self.idle_close_s = idle_close_s
+        self.closed_idle = 0  # sessions `close_idle` closed
+        # (namespace, id) -> idle seconds, of the last sessions closed idle: a later call on one says why it is gone
+        self._closed_idle: OrderedDict[tuple[str, str], float] = OrderedDict()
         store.on_cold(self._block_went_cold)
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -196,6 +202,8 @@ class SessionManager:
         self._check_length(len(toks))
         s = Session(sid, namespace, fingerprint, toks, mode, approx_k)
         self._sessions[(namespace, sid)] = s
+        self._closed_idle.pop((namespace, sid), None)
+        self._touch(s)
         self.hold(s)
         return s
 
@@ -238,6 +246,7 @@ class SessionManager:
         usual duration; a long wait for a user); 0: it does not say (a hint given before no longer holds).
         Eviction's hint order (engram/eviction.py) gives up the blocks of sessions due back last first."""
         self._hint(s, limits.check_expect_back_ms(wait_ms))
+        self._touch(s)
 
     def _hint(self, s: Session, wait_ms: float) -> None:
         """`expect_back` of a checked wait."""
@@ -283,8 +292,54 @@ class SessionManager:
     def get(self, namespace: str, session_id: str) -> Session:
         s = self._sessions.get((namespace, session_id))
         if s is None:  # another namespace's session is reported exactly like an absent one
+            idle = self._closed_idle.get((namespace, session_id))
+            if idle is not None:
+                raise NotFound(f"session {session_id!r} was closed after {idle:.0f} s without a call "
+                               "(server.session_idle_s); open a new one (its blocks are still stored)")
             raise NotFound(f"no session {session_id!r} in this namespace")
         return s
+
+    def _touch(self, s: Session) -> None:
+        """A call on the session: it is not idle. Sessions stay in order of their last call, so `close_idle`
+        looks at the idle ones only."""
+        s.active_ms = self.store.placement.model.clock_ms()
+        key = (s.namespace, s.id)
+        self._sessions[key] = self._sessions.pop(key)
+
+    def close_idle(self) -> list[Session]:
+        """Close every session no call has touched for idle_close_s (an agent that crashed or was abandoned
+        never closes its own): its blocks' references go, as at CloseSession. A session whose client said it
+        is back later (expect_back_ms) is kept until idle_close_s after that time."""
+        if not self.idle_close_s:
+            return []
+        limit = self.idle_close_s * 1000.0
+        now = self.store.placement.model.clock_ms()
+        closed = []
+        for key, s in list(self._sessions.items()):  # least recently active first
+            if now - s.active_ms <= limit:
+                break
+            if s.expected.due and now - s.expected.due <= limit:
+                continue  # said it is back later: not abandoned yet
+            self.close(*key)
+            self._closed_idle[key] = (now - s.active_ms) / 1000.0
+            while len(self._closed_idle) > 4096:
+                self._closed_idle.popitem(last=False)
+            closed.append(s)
+            log.info("closed session %s of namespace %r: no call for %.0f s (server.session_idle_s)", s.id,
+                     s.namespace, (now - s.active_ms) / 1000.0)
+        self.closed_idle += len(closed)
+        return closed
+
+    async def run_idle_close(self, period_s: float | None = None) -> None:
+        """The daemon's closer: `close_idle` every period (a tenth of idle_close_s, within 50 ms..60 s), until
+        cancelled."""
+        period = period_s if period_s is not None else min(60.0, max(0.05, self.idle_close_s / 10))
+        while True:
+            try:
+                self.close_idle()
+            except Exception:
+                log.exception("closing idle sessions failed")
+            await asyncio.sleep(period)
 
     def append(self, namespace: str, session_id: str, tokens: np.ndarray, window: Window | None = None,
                expect_back_ms: float = 0.0) -> Session:
@@ -293,6 +348,7 @@ class SessionManager:
         hint lapses."""
         s = self.get(namespace, session_id)
         limits.check_expect_back_ms(expect_back_ms)  # before anything of the session changes
+        self._touch(s)
         if window is not None and s.mode != SessionMode.PERSIST:
             raise InvalidArgument(f"session {session_id} is in {s.mode.value} mode: the daemon rebuilds its "
                                   "window; send windows only for persist-mode sessions")
@@ -316,6 +372,7 @@ class SessionManager:
     def fork(self, namespace: str, parent_id: str, session_id: str = "", position: int = 0) -> Session:
         """A sub-agent starting from its parent's prefix: tokens are copied, blocks are shared by content."""
         parent = self.get(namespace, parent_id)
+        self._touch(parent)
         p = position or len(parent.tokens)
         if p > len(parent.tokens):
             raise InvalidArgument(f"fork position {p} is past the parent's {len(parent.tokens)} tokens")
@@ -337,6 +394,7 @@ class SessionManager:
         """The session goes cold: a rebuilt window is dropped (auto mode: or kept, as its cost model
         decides); a persisted one stays."""
         s = self.get(namespace, session_id)
+        self._touch(s)
         if s.mode != SessionMode.PERSIST:
             self._cool(s)
         return s
@@ -390,6 +448,7 @@ class SessionManager:
         """The window for a query at `position`, and with `with_global_kv` the global KV of [0, position) too,
         decoded: a replay has read and decoded those blocks already, so the worker need not Get them again."""
         s = self.get(namespace, session_id)
+        self._touch(s)
         p = position or len(s.tokens)
         if p <= 0:
             raise InvalidArgument(f"session {session_id} has no tokens to resume from; append some first")

@@ -122,10 +122,11 @@ class RunningServer:
     socket_lock: DaemonLock | None = None  # held while serving on a unix socket (engram/lockfile.py)
     flush_s: float = 30.0  # tiers.shutdown_flush_s: time to copy blocks held only in DRAM/HBM to NVMe at stop
     prefetcher: asyncio.Task[None] | None = None  # SessionManager.run_prefetch: hinted sessions' blocks copied up
+    closer: asyncio.Task[None] | None = None  # SessionManager.run_idle_close: sessions idle past server.session_idle_s
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop accepting RPCs, give in-flight ones `grace_s` to finish, then release the tiers."""
-        for task in (self.reporter, self.prefetcher):
+        for task in (self.reporter, self.prefetcher, self.closer):
             if task is not None:
                 task.cancel()
         await self.health.enter_graceful_shutdown()
@@ -165,7 +166,7 @@ def build_sessions(config: EngramConfig, store: BlockStore) -> SessionManager:
                           max_persisted_window_bytes=rc.max_persisted_window_bytes,
                           cost_models=load_cost_models(runtime, rc.calibrations, rc.device),
                           floor=FidelityFloor(min_top1=rc.min_top1, max_kl=rc.max_kl or None),
-                          prefetch_lead_ms=config.tiers.prefetch_lead_ms)
+                          prefetch_lead_ms=config.tiers.prefetch_lead_ms, idle_close_s=config.server.session_idle_s)
 
 
 def load_cost_models(runtime: ReplayRuntime, directory: str, device: str) -> dict[str, CostModel]:
@@ -281,8 +282,9 @@ async def _start(config: EngramConfig, store: BlockStore, sessions: SessionManag
     reporter = loop.create_task(report_activity(store, config.logging.summary_s))
     prefetcher = loop.create_task(sessions.run_prefetch()) if len(store.tiers) > 1 and sessions.prefetch_lead_ms \
         else None  # with one tier every block is in the top one already
+    closer = loop.create_task(sessions.run_idle_close()) if sessions.idle_close_s else None
     return RunningServer(server, address, store, sessions, health_servicer, s.shutdown_grace_s, service, metrics,
-                         reporter, socket_lock, config.tiers.shutdown_flush_s, prefetcher)
+                         reporter, socket_lock, config.tiers.shutdown_flush_s, prefetcher, closer)
 
 
 async def _start_dataport(service: EngramService, s: ServerConfig, tenancy: Tenancy | None,

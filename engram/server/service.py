@@ -497,7 +497,7 @@ class EngramService:
             codec_backend=store.codec_backend, codec_errors=store.quality.codec_errors(),
             codec_error_blocks=store.quality.errors.blocks, codec_error_skipped=store.quality.skipped,
             codec_fallbacks=store.quality.codec_fallbacks(), eviction=eviction.stats(store.placement.model),
-            blocks_prefetched=c.blocks_prefetched,
+            blocks_prefetched=c.blocks_prefetched, sessions_closed_idle=self.sessions.closed_idle,
         )
 
     async def _cluster_stats(self) -> ClusterStats:
