@@ -79,6 +79,7 @@ class Request:  # vllm.v1.request.Request: what the connector reads
     mm_features: list[Any] = field(default_factory=list)
     lora_request: Any = None
     cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # from the OpenAI request's body, as vLLM passes it on
 
 
 @dataclass
@@ -375,6 +376,72 @@ def test_a_daemon_that_is_down_gives_misses_not_errors(tmp_path: Path) -> None:
         assert sched.lookup_failures == 1
     finally:
         client.close()
+
+
+# ---- agent sessions named in kv_transfer_params ----------------------------------------------------------------
+
+
+def session_request(req_id: str, tokens: list[int], **params: Any) -> Request:
+    return Request(req_id, tokens, kv_transfer_params={"engram_session_id": "agent-1", **params})
+
+
+def held(e: MiniVllm, session_id: str = "agent-1") -> tuple[int, int, list[int]]:
+    """The daemon's session: its tokens, its hint, and how many live sessions hold each of its blocks."""
+    d = e.client.describe_blocks(session_id=session_id)
+    assert d.session is not None
+    return d.session.info.tokens, d.session.info.expect_back_ms, [b.sessions for b in d.blocks]
+
+
+def test_a_request_naming_a_session_makes_the_daemons_session_hold_its_prompt_with_its_hint(engines: Any) -> None:
+    e = engines()
+    turn1 = prompt(3 * BT + 5, seed=1)
+    e.run("t1", turn1, request=session_request("t1", turn1, engram_expect_back_ms=60_000))
+    assert held(e) == (len(turn1), 60_000, [1] * 4)  # opened on the prompt; its stored blocks (a partial last) held
+    turn2 = turn1 + prompt(BT, seed=2)  # the next turn resends the conversation and adds to it
+    e.run("t2", turn2, request=session_request("t2", turn2, engram_expect_back_ms=1500))
+    assert held(e) == (len(turn2), 1500, [1] * 5)  # appended to, the new hint in place of the old
+    rewritten = prompt(2 * BT + 1, seed=3)  # the harness compacted its context: no longer an extension
+    e.run("t3", rewritten, request=session_request("t3", rewritten))
+    assert held(e) == (len(rewritten), 0, [1] * 3)  # reset to the new prompt; no hint said, none kept
+    assert e.scheduler.session_failures == 0
+    plain = prompt(BT + 1, seed=4)
+    e.run("p", plain)  # no session named: nothing opened
+    assert [s.info.session_id for s in e.client.list_sessions()] == ["agent-1"]
+
+
+def test_a_session_closed_on_the_daemon_or_by_another_engine_is_opened_again(engines: Any) -> None:
+    a, b = engines(), engines()
+    turn1 = prompt(2 * BT + 3, seed=5)
+    a.run("t1", turn1, request=session_request("t1", turn1))
+    a.client.close_session("agent-1")  # closed idle, say (or the daemon restarted)
+    turn2 = turn1 + prompt(BT, seed=6)
+    a.run("t2", turn2, request=session_request("t2", turn2, engram_expect_back_ms=500))
+    assert held(a) == (len(turn2), 500, [1] * 4)
+    turn3 = turn2 + prompt(5, seed=7)  # served by another engine, which never saw the session
+    b.run("t3", turn3, request=session_request("t3", turn3))
+    assert held(b) == (len(turn3), 0, [1] * 4) and a.scheduler.session_failures == b.scheduler.session_failures == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 86_400_001, "soon", True])
+def test_a_bad_hint_is_logged_and_leaves_the_request_and_the_session_alone(engines: Any, bad: Any,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    e = engines()
+    turn1 = prompt(BT + 3, seed=8)
+    e.run("t1", turn1, request=session_request("t1", turn1, engram_expect_back_ms=2000))
+    turn2 = turn1 + prompt(BT, seed=9)
+    e.run("t2", turn2, request=session_request("t2", turn2, engram_expect_back_ms=bad))
+    assert e.scheduler.session_failures == 1 and "expect_back_ms" in caplog.text
+    assert held(e) == (len(turn1), 2000, [1] * 2)  # the session as it was
+    assert e.run("t3", turn2)[0] == 2 * BT  # the refused turn's prompt was stored all the same
+    e.run("t4", turn2, request=session_request("t4", turn2))  # the next good turn appends, as before
+    assert held(e) == (len(turn2), 0, [1] * 3) and e.scheduler.session_failures == 1
+
+
+def test_a_session_id_the_daemon_refuses_is_logged_not_raised(engines: Any) -> None:
+    e = engines()
+    turn1 = prompt(BT + 3, seed=10)
+    e.run("t1", turn1, request=Request("t1", turn1, kv_transfer_params={"engram_session_id": "x" * 500}))
+    assert e.scheduler.session_failures == 1 and list(e.client.list_sessions()) == []
 
 
 # ---- config, layouts, refusals -------------------------------------------------------------------------------
