@@ -196,9 +196,12 @@ def demo() -> None:
 
 @app.command("config")
 def show_config(config: ConfigOpt = None, keys: Annotated[bool, typer.Option(help="List every key.")] = False,
-                json_: JsonOpt = False) -> None:
+                json_: JsonOpt = False,
+                show_secrets: Annotated[bool, typer.Option(help="Print literal secrets (tokens, salts, passwords) "
+                                                                "instead of 'redacted:'.")] = False) -> None:
     """Print the effective configuration (defaults < file < ENGRAM_* environment) as TOML that --config loads
-    back (--json: as JSON)."""
+    back (--json: as JSON). Literal secrets print as 'redacted:' (which a config may not hold) unless
+    --show-secrets; env:VAR and file:PATH references print as they are."""
     import json
 
     from engram.config import as_dict, to_toml
@@ -208,7 +211,8 @@ def show_config(config: ConfigOpt = None, keys: Annotated[bool, typer.Option(hel
             typer.echo(key)
         return
     cfg = load(config)
-    typer.echo(json.dumps(as_dict(cfg), indent=2) if json_ else to_toml(cfg), nl=json_)
+    typer.echo(json.dumps(as_dict(cfg, secrets=show_secrets), indent=2) if json_ else to_toml(cfg, secrets=show_secrets),
+               nl=json_)
 
 
 for _command in (ls, show, evict, pin, unpin, top, layouts):  # one module each

@@ -299,6 +299,7 @@ class EngramConfig:
             raise ConfigError(f"replay.dtype must be auto, bfloat16, float16, float32 or float64, not "
                               f"{self.replay.dtype!r}")
         _validate_tls(s)
+        _refuse_redacted(self)
         _validate_auth(self.auth)
         _validate_cluster(self.cluster, self.auth)
         if self.logging.summary_s <= 0:
@@ -498,8 +499,45 @@ def config_keys(node: object | None = None, prefix: str = "") -> list[str]:
     return keys
 
 
-def as_dict(cfg: EngramConfig) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+REDACTED = "redacted:"  # what `engram config` prints for a literal secret; refused when a config is loaded
+
+
+def _secret_fields(tree: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any], str]]:
+    """(dotted key, its table, field) of every secret in a config tree: tokens, salts, signing secrets,
+    passwords (paths to key files are not secrets themselves)."""
+    auth, cluster = tree["auth"], tree["cluster"]
+    out = [("auth.admin_tokens", auth, "admin_tokens"), ("auth.salt_secret", auth, "salt_secret"),
+           ("cluster.secret", cluster, "secret"), ("cluster.peer_token", cluster, "peer_token"),
+           ("cluster.redis_password", cluster, "redis_password"), ("cluster.redis_url", cluster, "redis_url")]
+    out += [(f"auth.tenants.{name}.token", t, "token") for name, t in auth["tenants"].items()]
+    return out
+
+
+def _redact(key: str, value: str) -> str:
+    """A secret as printed: env:VAR and file:PATH references as they are (pointers, not secrets), a literal
+    as REDACTED; a Redis URL keeps everything but its password."""
+    if key == "cluster.redis_url":  # redis://user:PASSWORD@host, or ?password=PASSWORD
+        value = re.sub(r"^(\w+://[^:@/]*:)[^@/]+@", lambda m: f"{m.group(1)}{REDACTED}@", value)
+        return re.sub(r"([?&]password=)[^&]*", lambda m: f"{m.group(1)}{REDACTED}", value)
+    if key == "auth.admin_tokens":
+        return ",".join(_redact("", t.strip()) for t in value.split(",")) if value else value
+    return value if not value or value.startswith(("env:", "file:")) else REDACTED
+
+
+def as_dict(cfg: EngramConfig, *, secrets: bool = False) -> dict[str, Any]:
+    """The configuration as a tree; literal secrets replaced by REDACTED unless `secrets`."""
+    tree = dataclasses.asdict(cfg)
+    if not secrets:
+        for key, table, name in _secret_fields(tree):
+            table[name] = _redact(key, table[name])  # type: ignore[index]
+    return tree
+
+
+def _refuse_redacted(cfg: EngramConfig) -> None:
+    for key, table, name in _secret_fields(dataclasses.asdict(cfg)):
+        if REDACTED in table[name]:
+            raise ConfigError(f"{key} holds {REDACTED!r}, what `engram config` prints in place of a secret: put the "
+                              "secret back (better: env:VAR or file:PATH), or print the config with --show-secrets")
 
 
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
@@ -527,9 +565,12 @@ def _toml_tables(tree: Mapping[str, Any], name: str, out: list[str]) -> None:
                 _toml_tables(value, f"{name}.{quoted}", out)
 
 
-def to_toml(cfg: EngramConfig) -> str:
-    """The whole tree as a TOML file that load_config reads back to the same configuration (`engram config`)."""
+def to_toml(cfg: EngramConfig, *, secrets: bool = False) -> str:
+    """The whole tree as a TOML file that load_config reads back to the same configuration (`engram config`);
+    without `secrets` literal secrets are REDACTED, which load_config refuses until they are put back."""
     out: list[str] = ["# engram config: the effective configuration; `engram serve --config FILE` loads it back"]
-    for section, tree in as_dict(cfg).items():
+    if not secrets and as_dict(cfg) != dataclasses.asdict(cfg):
+        out.append(f"# literal secrets are printed as {REDACTED!r}: put them back (or env:VAR / file:PATH) to load it")
+    for section, tree in as_dict(cfg, secrets=secrets).items():
         _toml_tables(tree, section, out)
     return "\n".join(out).lstrip("\n") + "\n"

@@ -113,7 +113,8 @@ def config_md(found: list[Key]) -> str:
            "only `ENGRAM_` names with a double underscore are read as keys. Secrets (tokens, salts, passwords) "
            "may be written `env:VAR` or `file:PATH`, read when the daemon starts.", "",
            "`engram.example.toml` has every key at its default; `engram config` prints the effective "
-           "configuration as TOML that `--config` loads back.", ""]
+           "configuration as TOML that `--config` loads back; literal secrets print as `redacted:`, which a "
+           "config may not hold (env:/file: references print as they are; `--show-secrets` prints them all).", ""]
     section = None
     for k in found:
         if k.section != section:

@@ -83,15 +83,40 @@ def test_config_output_loads_back_as_a_config_file(tmp_path: Path) -> None:
     from engram.config import load_config
 
     env = {"ENGRAM_TIERS__DRAM__CAPACITY": "3GiB", "ENGRAM_AUTH__SALT_SECRET": "env:S",
-           "ENGRAM_AUTH__TENANTS__TEAM_A__TOKEN": "t", "ENGRAM_SERVER__HOST": "10.0.0.1"}
+           "ENGRAM_AUTH__TENANTS__TEAM_A__TOKEN": "file:/run/t", "ENGRAM_SERVER__HOST": "10.0.0.1"}
     out = CliRunner().invoke(app, ["config"], env=env)
     assert out.exit_code == 0, out.output
     (tmp_path / "effective.toml").write_text(out.stdout)
     again = load_config(tmp_path / "effective.toml", env={})
     assert again == load_config(env=env) and again.tiers.dram.capacity == 3 * 2**30
-    assert again.auth.tenants["team_a"].token == "t"
+    assert again.auth.tenants["team_a"].token == "file:/run/t"  # references are not secrets: printed as they are
     as_json = CliRunner().invoke(app, ["config", "--json"], env=env)
     assert json.loads(as_json.stdout)["server"]["host"] == "10.0.0.1"
+
+
+def test_config_prints_literal_secrets_only_when_asked(tmp_path: Path) -> None:
+    """Tokens, salts, signing secrets and passwords a config holds literally print as 'redacted:' (a
+    config printed for a bug report or a screen share leaks nothing), which a config may not hold: loading it
+    says what to do. --show-secrets prints them, and that output loads back to the same configuration."""
+    from engram.config import ConfigError, load_config
+
+    secrets = {"ENGRAM_AUTH__SALT_SECRET": "salt-s3cr3t-1", "ENGRAM_AUTH__TENANTS__TEAM_A__TOKEN": "tok-s3cr3t-2",
+               "ENGRAM_AUTH__ADMIN_TOKENS": "adm-s3cr3t-3,env:ADMIN2", "ENGRAM_CLUSTER__SECRET": "mac-s3cr3t-4",
+               "ENGRAM_CLUSTER__PEER_TOKEN": "peer-s3cr3t-5", "ENGRAM_CLUSTER__REDIS_PASSWORD": "pw-s3cr3t-6",
+               "ENGRAM_CLUSTER__REDIS_URL": "redis://user:pw-s3cr3t-7@redis:6379/0?password=pw-s3cr3t-8"}
+    for args in (["config"], ["config", "--json"]):
+        out = CliRunner().invoke(app, args, env=secrets)
+        assert out.exit_code == 0, out.output
+        assert "s3cr3t" not in out.stdout, out.stdout  # none of the eight
+        assert "env:ADMIN2" in out.stdout and "redis://user:redacted:@redis:6379/0" in out.stdout
+    printed = tmp_path / "printed.toml"
+    printed.write_text(CliRunner().invoke(app, ["config"], env=secrets).stdout)
+    with pytest.raises(ConfigError, match=r"auth.admin_tokens holds 'redacted:'.*--show-secrets"):
+        load_config(printed, env={})
+    shown = CliRunner().invoke(app, ["config", "--show-secrets"], env=secrets).stdout
+    assert all(v.split(",")[0] in shown for v in secrets.values() if "s3cr3t" in v)
+    printed.write_text(shown)
+    assert load_config(printed, env={}) == load_config(env=secrets)
 
 
 def test_config_keys_listing() -> None:
