@@ -18,6 +18,7 @@ import inspect
 import pickle
 import random
 import re
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,7 +137,9 @@ class MiniVllm:
         self.client = cfg.client()
         fp = self.client.register_model(self.spec)
         self.scheduler = EngramScheduler(self.client, fp, BS, namespace=namespace)
-        self.worker = EngramWorker(self.client, fp, self.layers, namespace=namespace)
+        self.worker = EngramWorker(self.client, fp, self.layers, namespace=namespace,  # as the connector makes it
+                                   save_client=cfg.save_client(self.spec),
+                                   max_pending_saves=cfg.max_pending_saves)
         self.caches = {n: torch.full((NUM_BLOCKS, HEADS, BS, 2 * DIM), float("nan"), dtype=torch.bfloat16,
                                      device=device) for n in NAMES}
         self.worker.register_kv_caches(self.caches)
@@ -145,6 +148,7 @@ class MiniVllm:
         self.fingerprint = fp
 
     def close(self) -> None:
+        self.worker.close()
         self.client.close()
 
     def token_kv(self, block_ids: list[int], n: int) -> torch.Tensor:
@@ -166,8 +170,8 @@ class MiniVllm:
                 row[:, :DIM], row[:, DIM:] = kv[layer, 0, t], kv[layer, 1, t]
             self.worker.save_layer(name, meta)
 
-    def run(self, req_id: str, tokens: list[int], *, local_hit: int = 0, request: Request | None = None
-            ) -> tuple[int, list[int], Any]:
+    def run(self, req_id: str, tokens: list[int], *, local_hit: int = 0, request: Request | None = None,
+            flush: bool = True) -> tuple[int, list[int], Any]:
         """Admit a request whose first local_hit tokens vLLM's own prefix cache holds (those blocks written
         here, as an earlier request left them) and run its whole prompt in one step. Returns the tokens the
         connector reported, the request's block ids, and the step's metadata."""
@@ -186,6 +190,8 @@ class MiniVllm:
         self.loaded_now = self.token_kv(ids, computed) if computed else None  # before the forward writes
         self.forward(ids, tokens, computed, meta)
         self.worker.wait_for_save(meta)
+        if flush:  # decoding the answer outlasts the put in the background (the async-save tests do not wait)
+            self.worker.flush()
         self.scheduler.request_finished(req, ids)
         return ext, ids, meta
 
@@ -376,6 +382,83 @@ def test_a_daemon_that_is_down_gives_misses_not_errors(tmp_path: Path) -> None:
         assert sched.lookup_failures == 1
     finally:
         client.close()
+
+
+# ---- saves in the background (async_saves) -------------------------------------------------------------------
+
+
+class Gate:
+    """The save client with its put held until the test opens the gate (then the real put runs, or `fail`)."""
+
+    def __init__(self, client: Any, fail: Exception | None = None) -> None:
+        self.client, self.fail = client, fail
+        self.open, self.entered = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    def put(self, *args: Any, **kwargs: Any) -> Any:
+        self.entered.set()
+        assert self.open.wait(10), "the test never opened the gate"
+        if self.fail is not None:
+            raise self.fail
+        return self.client.put(*args, **kwargs)
+
+
+def test_an_async_save_does_not_hold_up_the_step_and_lands_after(engines: Any) -> None:
+    e, other = engines(), engines()
+    gate = e.worker.save_client = Gate(e.worker.save_client)
+    tokens = prompt(3 * BS + 1, seed=20)
+    e.run("a", tokens, flush=False)  # wait_for_save returned with the put still held
+    assert gate.entered.wait(10) and e.worker.saved_tokens == 0
+    assert other.scheduler.num_new_matched_tokens(Request("x", tokens), 0) == (0, False)  # not stored yet
+    gate.open.set()
+    e.worker.flush()
+    assert e.worker.saved_tokens == len(tokens) and e.worker.save_failures == 0
+    ext, _, _ = other.run("b", tokens)
+    assert ext == 3 * BS and torch.equal(other.loaded_now, reference_kv(tokens)[:, :, :3 * BS])  # what was gathered
+
+
+def test_at_most_max_pending_saves_wait_and_the_next_step_waits_for_the_oldest(engines: Any) -> None:
+    e = engines(max_pending_saves=1)
+    gate = e.worker.save_client = Gate(e.worker.save_client)
+    first, second = prompt(2 * BS + 1, seed=21), prompt(2 * BS + 1, seed=22)
+    e.run("a", first, flush=False)
+    step = threading.Thread(target=e.run, args=("b", second), kwargs={"flush": False})
+    step.start()
+    step.join(0.3)
+    assert step.is_alive()  # its save waits for the first one's buffer to be freed
+    gate.open.set()
+    step.join(10)
+    assert not step.is_alive()
+    e.worker.flush()
+    assert e.worker.saved_tokens == len(first) + len(second)
+
+
+def test_a_background_put_that_raises_is_logged_and_counted_not_raised_into_a_later_step(
+        engines: Any, caplog: pytest.LogCaptureFixture) -> None:
+    e = engines()
+    gate = e.worker.save_client = Gate(e.worker.save_client, fail=RuntimeError("the save client broke"))
+    gate.open.set()
+    e.run("a", prompt(2 * BS + 1, seed=23))  # flushed: the failure does not surface as an exception
+    assert e.worker.save_failures == 1 and "the save client broke" in caplog.text
+    e.worker.save_client = gate.client
+    tokens = prompt(2 * BS + 1, seed=24)
+    e.run("b", tokens)
+    assert e.worker.saved_tokens == len(tokens)
+
+
+def test_with_async_saves_off_the_step_puts_and_the_connector_config_checks_the_keys(engines: Any) -> None:
+    e = engines(async_saves="false")
+    assert e.worker.save_client is None
+    tokens = prompt(2 * BS + 1, seed=25)
+    e.run("a", tokens, flush=False)
+    assert e.worker.saved_tokens == len(tokens)  # stored before wait_for_save returned
+    for key, bad in (("async_saves", "maybe"), ("max_pending_saves", 0), ("max_pending_saves", 1.5)):
+        with pytest.raises(InvalidArgument, match=key):
+            ConnectorConfig.from_extra({"address": "unix:/x", key: bad})
+    cfg = ConnectorConfig.from_extra({"address": "unix:/x", "async_saves": "off", "max_pending_saves": "3"})
+    assert (cfg.async_saves, cfg.max_pending_saves) == (False, 3)
 
 
 # ---- agent sessions named in kv_transfer_params ----------------------------------------------------------------
@@ -846,6 +929,7 @@ class RealVllm:
                     row[:, :DIM], row[:, DIM:] = kv[layer, 0, t], kv[layer, 1, t]
             self.worker.save_kv_layer(name, self.caches[name], None)
         self.worker.wait_for_save()
+        self.worker.worker.flush()  # the put runs in the background (async_saves); the next request should hit
         errors = self.worker.get_block_ids_with_load_errors()
         self.worker.clear_connector_metadata()
         assert self.scheduler.request_finished(req, ids) == (False, None)

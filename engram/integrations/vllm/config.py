@@ -28,6 +28,21 @@ from engram.layout import Axis, DType, KVLayout, LayerKind, LayerSpec, ModelSpec
 LATENT = "latent"  # the stream an MLA model's cache entries are stored as
 
 
+def _parse(value: Any, kind: str) -> Any:
+    """A kv_connector_extra_config value (JSON, or a string from a command line) as its field's type."""
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return str(value).lower() in ("true", "1", "yes", "on")
+        raise ValueError(value)
+    if kind == "int":
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError(value)
+        return int(value)
+    return str(value)
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     """kv_connector_extra_config, checked: an unknown key is refused (a misspelt one would silently fall back to
@@ -41,6 +56,8 @@ class ConnectorConfig:
     block_tokens: int = 256  # Engram's block: a multiple of vLLM's block_size
     name: str = ""  # the model's name in Engram; "" = its Hugging Face model_type
     weights_id: str = ""  # the checkpoint's identity; "" = vLLM's model path or id, revision and quantization
+    async_saves: bool = True  # puts run in a background thread on a second client; false: within the step
+    max_pending_saves: int = 2  # async saves queued or running at once (each holds its prompt's KV on the GPU)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -55,12 +72,13 @@ class ConnectorConfig:
                                   "(unix:/path/engram.sock or host:port)")
         values: dict[str, Any] = {}
         for key, value in extra.items():
-            kind = int if key == "block_tokens" else str
+            kind: Any = known[key].type
             try:
-                values[key] = kind(value)
+                values[key] = _parse(value, kind)
             except (TypeError, ValueError):
-                raise InvalidArgument(f"kv_connector_extra_config[{key!r}] must be {kind.__name__}, got {value!r}"
-                                      ) from None
+                raise InvalidArgument(f"kv_connector_extra_config[{key!r}] must be {kind}, got {value!r}") from None
+        if values.get("max_pending_saves", 1) < 1:
+            raise InvalidArgument("kv_connector_extra_config['max_pending_saves'] must be at least 1")
         return cls(**values)
 
     def client(self) -> Any:
@@ -69,6 +87,14 @@ class ConnectorConfig:
 
         cert = Path(self.root_cert).read_bytes() if self.root_cert else None
         return SyncEngramClient(self.address, namespace=self.namespace, token=self.token, root_cert=cert)
+
+    def save_client(self, spec: ModelSpec) -> Any:
+        """The second client async saves put on, with the model registered; None when async_saves is off."""
+        if not self.async_saves:
+            return None
+        client = self.client()
+        client.register_model(spec)
+        return client
 
     def model_spec(self, layers: VllmLayers, *, name: str, weights_id: str) -> ModelSpec:
         """The model as Engram registers it. `name` and `weights_id` are the defaults from vLLM's model config; the

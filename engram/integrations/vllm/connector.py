@@ -131,7 +131,9 @@ class EngramConnector(KVConnectorBase_V1):
             self.scheduler = EngramScheduler(self.client, self.fingerprint, self.layers.block_size,
                                              namespace=config.namespace)
         else:
-            self.worker = EngramWorker(self.client, self.fingerprint, self.layers, namespace=config.namespace)
+            self.worker = EngramWorker(self.client, self.fingerprint, self.layers, namespace=config.namespace,
+                                       save_client=config.save_client(self.spec),
+                                       max_pending_saves=config.max_pending_saves)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -197,4 +199,6 @@ class EngramConnector(KVConnectorBase_V1):
         return self._work().take_load_errors()
 
     def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()  # the saves in flight are finished first
         self.client.close()

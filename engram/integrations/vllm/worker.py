@@ -6,8 +6,11 @@ what to load and save. A load is one `load_prefix_into` per request (the client'
 trip, blocks copied out of the daemon's mapped pool straight into the request's pages, FP4 decoded on the GPU),
 done in start_load_kv before the forward reads the KV: the writes are queued on the current CUDA stream, so
 wait_for_layer_load has nothing to wait for. A save gathers the prompt's KV out of its blocks into one buffer
-(layer by layer as vLLM's save_kv_layer hooks come, any layer they skipped in wait_for_save) and puts it there,
-within the step: the blocks are never read after vLLM may reuse them.
+(layer by layer as vLLM's save_kv_layer hooks come, any layer they skipped in wait_for_save), queued on vLLM's
+stream within the step: the blocks are never read after vLLM may reuse them. The put of that buffer runs
+in a background thread (`async_saves`, the default) on its own client, after the gathers' CUDA event, so the
+step does not wait for it; at most `max_pending_saves` buffers (on the cache's device, outside vLLM's memory
+profile) wait or run at once: the next save waits for the oldest. With async_saves off the step puts it.
 
 What a failure does: a load that finds fewer tokens than the scheduler planned (evicted in between, daemon
 down) reports the blocks it did not fill (`take_load_errors`, vLLM's get_block_ids_with_load_errors) so vLLM
@@ -18,7 +21,9 @@ are. A failed save is logged and counted: the next request with that prefix miss
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -36,8 +41,15 @@ log = logging.getLogger("engram.integrations.vllm")
 class EngramWorker:
     """Worker-side state: one instance per vLLM worker process."""
 
-    def __init__(self, client: Any, fingerprint: bytes, layers: VllmLayers, *, namespace: str | None = None) -> None:
+    def __init__(self, client: Any, fingerprint: bytes, layers: VllmLayers, *, namespace: str | None = None,
+                 save_client: Any = None, max_pending_saves: int = 2) -> None:
+        """save_client: a second client the puts run on, in a background thread (its own event loop, so a put
+        in flight never holds up the next step's loads); None: puts run within the step on `client`."""
         self.client = client
+        self.save_client = save_client
+        self.max_pending_saves = max_pending_saves
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="engram-save") if save_client is not None else None
+        self._pending: deque[Future[None]] = deque()  # puts queued or running, oldest first
         self.fingerprint = fingerprint
         self.layers = layers
         self.namespace = namespace
@@ -127,14 +139,48 @@ class EngramWorker:
                 if i not in done:
                     self._gather(i, spec, buf)
             del self._saving[spec.req_id]
-            self._sync()  # the gathers ran on vLLM's stream; the put reads buf from the client's threads
-            try:
-                self.client.put(self.fingerprint, np.asarray(spec.token_ids, dtype=np.int32),
-                                {LATENT: buf} if self.layers.mla else buf, namespace=self.namespace)
-                self.saved_tokens += len(spec.token_ids)
-            except EngramError as exc:
-                self.save_failures += 1
-                log.warning("Engram save of request %s (%d tokens) failed: %s", spec.req_id, len(spec.token_ids), exc)
+            if self._saver is None:
+                self._sync()  # the gathers ran on vLLM's stream; the put reads buf from the client's threads
+                self._put(self.client, spec, buf, None)
+                continue
+            gathered = None
+            if buf.device.type == "cuda":
+                gathered = torch.cuda.Event()
+                gathered.record(torch.cuda.current_stream(buf.device))
+            while len(self._pending) >= self.max_pending_saves:  # bounded: each holds a buffer on the device
+                self._pending.popleft().result()
+            self._pending.append(self._saver.submit(self._put_in_background, spec, buf, gathered))
+
+    def _put_in_background(self, spec: SaveSpec, buf: Tensor, gathered: torch.cuda.Event | None) -> None:
+        try:
+            self._put(self.save_client, spec, buf, gathered)
+        except Exception:  # raised in a later step it would fail vLLM's step for an earlier request's save
+            self.save_failures += 1
+            log.exception("Engram save of request %s (%d tokens) failed", spec.req_id, len(spec.token_ids))
+
+    def _put(self, client: Any, spec: SaveSpec, buf: Tensor, gathered: torch.cuda.Event | None) -> None:
+        if gathered is not None:
+            gathered.synchronize()  # the gathers vLLM's stream queued have run
+        try:
+            client.put(self.fingerprint, np.asarray(spec.token_ids, dtype=np.int32),
+                       {LATENT: buf} if self.layers.mla else buf, namespace=self.namespace)
+            self.saved_tokens += len(spec.token_ids)
+        except EngramError as exc:
+            self.save_failures += 1
+            log.warning("Engram save of request %s (%d tokens) failed: %s", spec.req_id, len(spec.token_ids), exc)
+
+    def flush(self) -> None:
+        """Wait until every save handed to the background thread is stored (or has failed)."""
+        while self._pending:
+            self._pending.popleft().result()
+
+    def close(self) -> None:
+        """Finish the saves in flight, then stop the background thread and close the save client."""
+        self.flush()
+        if self._saver is not None:
+            self._saver.shutdown()
+            self.save_client.close()
+            self._saver = None
 
     def _buffer(self, spec: SaveSpec) -> tuple[Tensor, set[int]]:
         got = self._saving.get(spec.req_id)
