@@ -8,6 +8,7 @@
 #   part 9: latent-stream FP4, promotion and restart benchmarks
 #   part 7: every gpu-marked test (kernels, data path, hit path, in-place put, faults), then the hit path benchmark
 #   part 10: HF checkpoint replay in bf16 (gpu tests), then the replay-cost benchmark twice: calibrate, then check
+#   part 11: the vLLM connector's gpu tests (CUDA caches, async saves after the gathers' event), then vllm_save
 #   part 8: stream layouts: the stream kernel and stream hit/put GPU tests, then the MLA latent's FP4 against a copy
 # Usage there: OUT=... bash benchmarks/gpu_session.sh 1|2     (carry .whl: wheels the image lacks)
 set -uo pipefail
@@ -51,6 +52,11 @@ case "${1:-1}" in
     timeout 150 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_hit_path.py tests/test_put_in_place.py \
       2>&1 | tee "$OUT/hit_path_tests.log" | tail -6
     timeout 400 python3 -m benchmarks.ttft --json "$OUT/ttft.json" 2>&1 | tee "$OUT/ttft.log" | tail -22
+    ;;
+  11)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_integration_vllm.py 2>&1 \
+      | tee "$OUT/vllm_gpu_tests.log" | tail -8
+    timeout 330 python3 -m benchmarks.vllm_save --json "$OUT/vllm_save.json" 2>&1 | tee "$OUT/vllm_save.log" | tail -12
     ;;
   7)
     timeout 330 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_fp4_kernels.py tests/test_gpu_data_path.py \
