@@ -64,6 +64,11 @@ class ServerConfig:
     # or was abandoned never closes its sessions; they would hold blocks and count against max_sessions forever);
     # a session whose client said it is back later (expect_back_ms) is kept until then. 0: never.
     session_idle_s: float = 86400.0
+    # Every gc_freeze_s what survived the young generations is frozen (engram/collector.py), so the collector's
+    # full passes do not walk the whole index (pauses that grow with the stored blocks); every gc_full_s the
+    # heap is collected whole once. 0: CPython's own schedule.
+    gc_freeze_s: float = 1.0  # survivors frozen this often (engram/collector.py); 0: CPython's own schedule
+    gc_full_s: float = 3600.0  # the whole heap collected once this often (bounds cyclic garbage frozen alive)
     shutdown_grace_s: float = 5.0  # in-flight RPCs get this long to finish on SIGTERM
     lease_s: float = 30.0  # a zero-copy Get's descriptors keep their slots this long unless released sooner
     tls_cert: str = ""  # PEM certificate chain: with tls_key, TCP is served over TLS
@@ -279,6 +284,9 @@ class EngramConfig:
                            ("replay.max_persisted_window_bytes", self.replay.max_persisted_window_bytes)):
             if value <= 0:
                 raise ConfigError(f"{key} must be positive, got {value}")
+        if not (s.gc_freeze_s >= 0 and s.gc_full_s >= s.gc_freeze_s):  # NaN too
+            raise ConfigError(f"server.gc_freeze_s must be >= 0 (0: CPython's schedule) and server.gc_full_s at least "
+                              f"as long, got {s.gc_freeze_s} and {s.gc_full_s}")
         if not s.session_idle_s >= 0:  # NaN too
             raise ConfigError(f"server.session_idle_s must be >= 0 (0: sessions never close idle), got {s.session_idle_s}")
         if self.replay.max_hot_windows < 0:

@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from engram.cluster import ClusterIndex
 from engram.codec.base import default_backend, resolve_default_codec
+from engram.collector import CollectorSchedule
 from engram.config import EngramConfig, ServerConfig
 from engram.errors import AddressInUse, ConfigError, InsufficientResources
 from engram.inspection import Inspector
@@ -425,9 +426,13 @@ async def serve(config: EngramConfig, ready: asyncio.Event | None = None) -> Non
     # the daemon: out of the collector's sight, a full collection no longer walks it, which stalled every
     # request for tens of milliseconds under load (benchmarks/RESULTS.md, put_get).
     gc.freeze()
+    schedule = CollectorSchedule(config.server.gc_freeze_s, config.server.gc_full_s)
+    collector = loop.create_task(schedule.run()) if schedule.freeze_s else None
     if ready is not None:
         ready.set()
     await stop.wait()
+    if collector is not None:
+        collector.cancel()
     log.info("engram: shutting down (grace %.1fs)", running.grace_s, extra={"fields": {"grace_s": running.grace_s}})
     await running.stop()
     log.info("engram stopped", extra={"fields": {"address": running.address}})
