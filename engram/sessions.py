@@ -42,6 +42,7 @@ from engram.block import checksum
 from engram.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from engram.eviction import Expected
 from engram.index import BlockMeta
+from engram.keys import block_key
 from engram.layout import DType, LayerKind, ModelSpec
 from engram.replay.costmodel import CostModel, FidelityFloor, NoAllowedOption
 from engram.replay.model import SwaWindow
@@ -119,6 +120,7 @@ class Session:
     held: dict[bytes, BlockMeta] = field(default_factory=dict)  # the stored blocks of its prefix it references
     expected: Expected = field(default_factory=Expected)  # when its client said it is back (its blocks point here)
     active_ms: float = 0.0  # the eviction model's clock at its last call: idle past idle_close_s, it is closed
+    awaiting: bytes = b""  # the key of its prefix's next block, not stored yet: referenced when it is put
 
     def replay_mode(self) -> ReplayMode:
         return ReplayMode.approx(self.approx_k) if self.mode == SessionMode.APPROX else ReplayMode.exact()
@@ -178,7 +180,10 @@ class SessionManager:
         self.closed_idle = 0  # sessions `close_idle` closed
         # (namespace, id) -> idle seconds, of the last sessions closed idle: a later call on one says why it is gone
         self._closed_idle: OrderedDict[tuple[str, str], float] = OrderedDict()
+        # key of a block not stored yet -> the sessions whose prefix continues with it (`_await_next`)
+        self._awaiting: dict[bytes, dict[tuple[str, str], Session]] = {}
         store.on_cold(self._block_went_cold)
+        store.index.listeners.append(self._indexed)
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -208,8 +213,59 @@ class SessionManager:
         return s
 
     def hold(self, s: Session) -> None:
-        """Re-resolve the blocks of the session's prefix and move its references to them."""
-        self.hold_blocks(s, self.store.match(s.namespace, s.fingerprint, s.tokens).blocks)
+        """Re-resolve the blocks of the session's prefix and move its references to them; the next block of
+        the prefix that is not stored yet is awaited, so a put that lands after the append is held too."""
+        match = self.store.match(s.namespace, s.fingerprint, s.tokens)
+        self.hold_blocks(s, match.blocks)
+        self._await_next(s, match.blocks[-1] if match.blocks else None, match.matched_tokens)
+
+    def _await_next(self, s: Session, last: BlockMeta | None, matched: int) -> None:
+        """Register the key of the block after `last` (the end of the session's stored prefix, `matched`
+        tokens), if its tokens go on: a client (the vLLM connector with async saves) may append before its put
+        lands."""
+        self._stop_awaiting(s)
+        if matched >= len(s.tokens):
+            return  # all of it is stored (its tail perhaps as the start of a longer block)
+        bt = self.store.spec(s.fingerprint).layout.block_tokens
+        if matched % bt:  # the match ends inside a block (a stored partial one, or a longer one that diverges):
+            assert last is not None  # the awaited block is the whole one in its place, under the last whole one
+            matched -= matched % bt
+            last = self.store.index.get_in(s.namespace, last.parent)
+        parent = last.key if last is not None else self.store.root(s.namespace, s.fingerprint)
+        s.awaiting = block_key(parent, s.tokens[matched : matched + bt])
+        self._awaiting.setdefault(s.awaiting, {})[(s.namespace, s.id)] = s
+
+    def _stop_awaiting(self, s: Session) -> None:
+        waiting = self._awaiting.get(s.awaiting) if s.awaiting else None
+        if waiting is not None:
+            waiting.pop((s.namespace, s.id), None)
+            if not waiting:
+                del self._awaiting[s.awaiting]
+        s.awaiting = b""
+
+    def _indexed(self, change: str, meta: BlockMeta) -> None:
+        """The store indexed a block: sessions awaiting it (its key names its whole prefix, in its namespace)
+        take a reference and await the next one."""
+        waiting = self._awaiting.get(meta.key) if change == "add" else None
+        if not waiting:
+            return
+        for s in list(waiting.values()):
+            if s.namespace != meta.namespace or self._sessions.get((s.namespace, s.id)) is not s:
+                continue
+            # The awaited key extends the whole blocks it holds (each hold registers it anew): one more
+            # reference, in place of the block it held there if any (a partial one, or one that diverges).
+            tail = next(reversed(s.held.values()), None)
+            if tail is not None and tail.key != meta.parent:
+                blocks = list(s.held.values())
+                keep = next((i + 1 for i, m in enumerate(blocks) if m.key == meta.parent), 0)
+                self.hold_blocks(s, [*blocks[:keep], meta])
+            else:
+                self.store.reference([meta], +1, s.expected)
+                s.held[meta.key] = meta
+            if meta.full:
+                self._await_next(s, meta, len(s.held) * meta.num_tokens)
+            else:
+                self._stop_awaiting(s)  # a partial block ends the prefix
 
     def hold_blocks(self, s: Session, blocks: Sequence[BlockMeta]) -> None:
         """Move the session's references to `blocks`, its prefix's stored blocks as `hold` resolves them (the
@@ -404,6 +460,7 @@ class SessionManager:
         self._drop_hot(s)
         if s.kept:
             self._release_window(s)
+        self._stop_awaiting(s)
         dropped = list(s.held.values())
         self.store.reference(dropped, -1, s.expected)
         self._hand_back(s, dropped)

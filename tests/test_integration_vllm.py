@@ -492,6 +492,17 @@ def test_a_request_naming_a_session_makes_the_daemons_session_hold_its_prompt_wi
     assert [s.info.session_id for s in e.client.list_sessions()] == ["agent-1"]
 
 
+def test_a_session_updated_before_its_async_save_lands_holds_the_blocks_once_they_do(engines: Any) -> None:
+    e = engines()
+    gate = e.worker.save_client = Gate(e.worker.save_client)
+    turn1 = prompt(2 * BT + 3, seed=11)
+    e.run("t1", turn1, request=session_request("t1", turn1, engram_expect_back_ms=900), flush=False)
+    assert held(e) == (len(turn1), 900, [])  # the request finished (a short answer) before its put landed
+    gate.open.set()
+    e.worker.flush()
+    assert held(e) == (len(turn1), 900, [1] * 3)  # the daemon's session took the blocks as they were stored
+
+
 def test_a_session_closed_on_the_daemon_or_by_another_engine_is_opened_again(engines: Any) -> None:
     a, b = engines(), engines()
     turn1 = prompt(2 * BT + 3, seed=5)

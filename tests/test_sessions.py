@@ -135,6 +135,29 @@ async def test_append_picks_up_blocks_put_since_and_moves_references_with_the_pr
     assert refs(rest) == [1, 1, 1]  # the first block is counted once, not again
 
 
+async def test_blocks_put_after_an_append_are_held_as_they_are_indexed(model: HybridDecoder) -> None:
+    """A client may append before its put lands (the vLLM connector's saves run in the background): the
+    session awaits its prefix's next block and holds it when it is put, then the next, up to a partial tail;
+    another chain's blocks, or blocks put after the session closed, are not held."""
+    d = Daemon(model, replay=False)
+    t = toks(2 * BT + 5)
+    s = d.sessions.open("ns", d.fp, PERSIST, tokens=t)
+    assert s.held == {}
+    await d.put(toks(3 * BT, seed=9))  # another conversation
+    assert s.held == {}
+    blocks = await d.put(t)  # two full blocks and a partial one
+    assert set(s.held) == {m.key for m in blocks} and refs(blocks) == [1, 1, 1]
+    assert s.awaiting == b""  # the partial block ends the prefix
+    d.sessions.append("ns", s.id, toks(BT, seed=3))  # the next turn, put after it again
+    assert s.awaiting != b"" and len(s.held) == 3  # the partial block is a prefix of it still: held until ...
+    more = await d.put(np.concatenate([t, toks(BT, seed=3)]))  # ... the whole block in its place is put
+    assert set(s.held) == {m.key for m in more} and refs(more) == [1, 1, 1, 1] and blocks[2].refs == 0
+    d.sessions.close("ns", s.id)
+    later = d.sessions.open("ns", d.fp, PERSIST, tokens=toks(2 * BT, seed=5))
+    d.sessions.close("ns", later.id)
+    assert refs(await d.put(toks(2 * BT, seed=5))) == [0, 0]  # closed before the put: nothing awaits it
+
+
 async def test_resume_references_blocks_put_after_open(model: HybridDecoder) -> None:
     d = Daemon(model, replay=False)
     t = toks(2 * BT)
@@ -366,3 +389,15 @@ async def test_moving_references_to_a_grown_prefix_or_to_another_one() -> None:
     assert [m.refs for m in a] == [1, 0, 0, 0] and [m.refs for m in b] == [1, 1]
     sm.hold_blocks(s, [])
     assert all(m.refs == 0 for m in a + b)
+
+
+async def test_a_session_whose_tail_diverges_inside_a_stored_block_awaits_its_own(model: HybridDecoder) -> None:
+    d = Daemon(model, replay=False)
+    stored = toks(2 * BT)
+    await d.put(stored)
+    mine = np.concatenate([stored[: BT + 5], toks(6, seed=7)])  # block 1 shares 5 tokens, then goes its own way
+    s = d.sessions.open("ns", d.fp, PERSIST, tokens=mine)
+    assert len(s.held) == 2 and s.awaiting  # the stored block 1 is the best match, its own is awaited
+    blocks = await d.put(mine)
+    assert set(s.held) == {m.key for m in blocks} and refs(blocks) == [1, 1]  # its own tail, in place of ...
+    assert d.store.match("ns", d.fp, stored).blocks[1].refs == 0  # ... the stored block it shared 5 tokens with
