@@ -139,7 +139,7 @@ class MiniVllm:
         self.scheduler = EngramScheduler(self.client, fp, BS, namespace=namespace)
         self.worker = EngramWorker(self.client, fp, self.layers, namespace=namespace,  # as the connector makes it
                                    save_client=cfg.save_client(self.spec),
-                                   max_pending_saves=cfg.max_pending_saves)
+                                   max_pending_bytes=cfg.max_pending_bytes)
         self.caches = {n: torch.full((NUM_BLOCKS, HEADS, BS, 2 * DIM), float("nan"), dtype=torch.bfloat16,
                                      device=device) for n in NAMES}
         self.worker.register_kv_caches(self.caches)
@@ -419,8 +419,9 @@ def test_an_async_save_does_not_hold_up_the_step_and_lands_after(engines: Any) -
     assert ext == 3 * BS and torch.equal(other.loaded_now, reference_kv(tokens)[:, :, :3 * BS])  # what was gathered
 
 
-def test_at_most_max_pending_saves_wait_and_the_next_step_waits_for_the_oldest(engines: Any) -> None:
-    e = engines(max_pending_saves=1)
+def test_pending_saves_are_bounded_in_bytes_and_the_next_step_waits_for_the_oldest(engines: Any) -> None:
+    one = LAYERS * 2 * (2 * BS + 1) * HEADS * DIM * 2  # one prompt's buffer: room for one at a time
+    e = engines(max_pending_bytes=one + 1)
     gate = e.worker.save_client = Gate(e.worker.save_client)
     first, second = prompt(2 * BS + 1, seed=21), prompt(2 * BS + 1, seed=22)
     e.run("a", first, flush=False)
@@ -454,11 +455,11 @@ def test_with_async_saves_off_the_step_puts_and_the_connector_config_checks_the_
     tokens = prompt(2 * BS + 1, seed=25)
     e.run("a", tokens, flush=False)
     assert e.worker.saved_tokens == len(tokens)  # stored before wait_for_save returned
-    for key, bad in (("async_saves", "maybe"), ("max_pending_saves", 0), ("max_pending_saves", 1.5)):
+    for key, bad in (("async_saves", "maybe"), ("max_pending_bytes", 0), ("max_pending_bytes", "lots")):
         with pytest.raises(InvalidArgument, match=key):
             ConnectorConfig.from_extra({"address": "unix:/x", key: bad})
-    cfg = ConnectorConfig.from_extra({"address": "unix:/x", "async_saves": "off", "max_pending_saves": "3"})
-    assert (cfg.async_saves, cfg.max_pending_saves) == (False, 3)
+    cfg = ConnectorConfig.from_extra({"address": "unix:/x", "async_saves": "off", "max_pending_bytes": "512MiB"})
+    assert (cfg.async_saves, cfg.max_pending_bytes) == (False, 512 * 2**20)
 
 
 # ---- agent sessions named in kv_transfer_params ----------------------------------------------------------------

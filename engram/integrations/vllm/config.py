@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from engram.errors import InvalidArgument
+from engram.errors import ConfigError, InvalidArgument
 from engram.layout import Axis, DType, KVLayout, LayerKind, LayerSpec, ModelSpec, StreamSpec
 
 LATENT = "latent"  # the stream an MLA model's cache entries are stored as
@@ -36,6 +36,10 @@ def _parse(value: Any, kind: str) -> Any:
         if str(value).lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
             return str(value).lower() in ("true", "1", "yes", "on")
         raise ValueError(value)
+    if kind == "bytes":  # 2GiB, 512MB or an integer, as the daemon's config takes sizes
+        from engram.config import parse_bytes
+
+        return int(parse_bytes(value))
     if kind == "int":
         if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
             raise ValueError(value)
@@ -57,7 +61,7 @@ class ConnectorConfig:
     name: str = ""  # the model's name in Engram; "" = its Hugging Face model_type
     weights_id: str = ""  # the checkpoint's identity; "" = vLLM's model path or id, revision and quantization
     async_saves: bool = True  # puts run in a background thread on a second client; false: within the step
-    max_pending_saves: int = 2  # async saves queued or running at once (each holds its prompt's KV on the GPU)
+    max_pending_bytes: int = 2 << 30  # async saves' buffers (each its prompt's KV, on the GPU) queued or running
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -72,13 +76,13 @@ class ConnectorConfig:
                                   "(unix:/path/engram.sock or host:port)")
         values: dict[str, Any] = {}
         for key, value in extra.items():
-            kind: Any = known[key].type
+            kind: Any = "bytes" if key.endswith("_bytes") else known[key].type
             try:
                 values[key] = _parse(value, kind)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, ConfigError):
                 raise InvalidArgument(f"kv_connector_extra_config[{key!r}] must be {kind}, got {value!r}") from None
-        if values.get("max_pending_saves", 1) < 1:
-            raise InvalidArgument("kv_connector_extra_config['max_pending_saves'] must be at least 1")
+        if values.get("max_pending_bytes", 1) < 1:
+            raise InvalidArgument("kv_connector_extra_config['max_pending_bytes'] must be positive")
         return cls(**values)
 
     def client(self) -> Any:

@@ -133,7 +133,7 @@ class EngramConnector(KVConnectorBase_V1):
         else:
             self.worker = EngramWorker(self.client, self.fingerprint, self.layers, namespace=config.namespace,
                                        save_client=config.save_client(self.spec),
-                                       max_pending_saves=config.max_pending_saves)
+                                       max_pending_bytes=config.max_pending_bytes)
 
     @property
     def requires_kv_delivery(self) -> bool:

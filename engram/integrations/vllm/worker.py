@@ -9,8 +9,9 @@ wait_for_layer_load has nothing to wait for. A save gathers the prompt's KV out 
 (layer by layer as vLLM's save_kv_layer hooks come, any layer they skipped in wait_for_save), queued on vLLM's
 stream within the step: the blocks are never read after vLLM may reuse them. The put of that buffer runs
 in a background thread (`async_saves`, the default) on its own client, after the gathers' CUDA event, so the
-step does not wait for it; at most `max_pending_saves` buffers (on the cache's device, outside vLLM's memory
-profile) wait or run at once: the next save waits for the oldest. With async_saves off the step puts it.
+step does not wait for it. The buffers of puts queued or running (on the cache's device, outside vLLM's memory
+profile) are bounded by `max_pending_bytes`: a save waits for the oldest until its own fits, or none is left
+(a prompt larger than the bound goes alone). With async_saves off the step puts it.
 
 What a failure does: a load that finds fewer tokens than the scheduler planned (evicted in between, daemon
 down) reports the blocks it did not fill (`take_load_errors`, vLLM's get_block_ids_with_load_errors) so vLLM
@@ -42,14 +43,15 @@ class EngramWorker:
     """Worker-side state: one instance per vLLM worker process."""
 
     def __init__(self, client: Any, fingerprint: bytes, layers: VllmLayers, *, namespace: str | None = None,
-                 save_client: Any = None, max_pending_saves: int = 2) -> None:
+                 save_client: Any = None, max_pending_bytes: int = 2 << 30) -> None:
         """save_client: a second client the puts run on, in a background thread (its own event loop, so a put
         in flight never holds up the next step's loads); None: puts run within the step on `client`."""
         self.client = client
         self.save_client = save_client
-        self.max_pending_saves = max_pending_saves
+        self.max_pending_bytes = max_pending_bytes
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="engram-save") if save_client is not None else None
-        self._pending: deque[Future[None]] = deque()  # puts queued or running, oldest first
+        self._pending: deque[tuple[Future[None], int]] = deque()  # puts queued or running and their buffers' bytes
+        self._pending_bytes = 0
         self.fingerprint = fingerprint
         self.layers = layers
         self.namespace = namespace
@@ -147,9 +149,17 @@ class EngramWorker:
             if buf.device.type == "cuda":
                 gathered = torch.cuda.Event()
                 gathered.record(torch.cuda.current_stream(buf.device))
-            while len(self._pending) >= self.max_pending_saves:  # bounded: each holds a buffer on the device
-                self._pending.popleft().result()
-            self._pending.append(self._saver.submit(self._put_in_background, spec, buf, gathered))
+            nbytes = buf.numel() * buf.element_size()
+            while self._pending and (self._pending[0][0].done()  # each holds a buffer on the device: bounded
+                                     or self._pending_bytes + nbytes > self.max_pending_bytes):
+                self._wait_oldest()
+            self._pending.append((self._saver.submit(self._put_in_background, spec, buf, gathered), nbytes))
+            self._pending_bytes += nbytes
+
+    def _wait_oldest(self) -> None:
+        future, nbytes = self._pending.popleft()
+        future.result()  # never raises: _put_in_background logs what failed
+        self._pending_bytes -= nbytes
 
     def _put_in_background(self, spec: SaveSpec, buf: Tensor, gathered: torch.cuda.Event | None) -> None:
         try:
@@ -172,7 +182,7 @@ class EngramWorker:
     def flush(self) -> None:
         """Wait until every save handed to the background thread is stored (or has failed)."""
         while self._pending:
-            self._pending.popleft().result()
+            self._wait_oldest()
 
     def close(self) -> None:
         """Finish the saves in flight, then stop the background thread and close the save client."""
