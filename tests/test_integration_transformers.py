@@ -121,6 +121,31 @@ async def test_greedy_generation_is_identical_with_and_without_engram(server_fac
         assert [(s.name, s.shape) for s in layout_of(model).streams] == [("latent", (40,))]
 
 
+async def test_generate_with_a_session_id_makes_the_daemons_session_hold_the_conversation(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """An agent's turns through `generate(..., session_id=, expect_back_ms=)`: the daemon's session holds what
+    each turn stored (opened, then appended to), with the turn's hint; a bad hint is logged, not raised."""
+    srv = await server_factory()
+    model = tiny("llama")
+    g = torch.Generator().manual_seed(3)
+    turn1 = torch.randint(0, 256, (1, 40), generator=g)
+
+    def turns() -> tuple[Any, Any, int]:
+        with SyncEngramClient(srv.address, namespace="agents") as client:
+            cache = EngramPrefixCache(model, client, codec="raw", block_tokens=16)
+            out = generate(model, turn1, cache, session_id="agent-7", expect_back_ms=30_000, max_new_tokens=4,
+                           do_sample=False)
+            first = client.describe_blocks(session_id="agent-7").session
+            turn2 = torch.cat([out, torch.randint(0, 256, (1, 9), generator=g)], dim=1)  # the tool's result
+            generate(model, turn2, cache, session_id="agent-7", expect_back_ms=-5, max_new_tokens=4, do_sample=False)
+            second = client.describe_blocks(session_id="agent-7")
+            return first, second, cache.sessions.failures
+
+    first, second, failures = await asyncio.to_thread(turns)
+    assert (first.info.tokens, first.info.expect_back_ms, first.blocks) == (43, 30_000, 3)  # 40 + 4 generated - 1
+    assert failures == 1 and second.session.info.tokens == 43  # the refused hint: the session as it was
+    assert all(b.sessions == 1 for b in second.blocks)
+
+
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
 async def test_nvfp4_logits_stay_within_the_stated_tolerance(server_factory, tmp_path: Path, kind: str) -> None:  # type: ignore[no-untyped-def]
     srv = await server_factory()

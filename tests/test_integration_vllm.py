@@ -487,7 +487,7 @@ def test_a_request_naming_a_session_makes_the_daemons_session_hold_its_prompt_wi
     rewritten = prompt(2 * BT + 1, seed=3)  # the harness compacted its context: no longer an extension
     e.run("t3", rewritten, request=session_request("t3", rewritten))
     assert held(e) == (len(rewritten), 0, [1] * 3)  # reset to the new prompt; no hint said, none kept
-    assert e.scheduler.session_failures == 0
+    assert e.scheduler.sessions.failures == 0
     plain = prompt(BT + 1, seed=4)
     e.run("p", plain)  # no session named: nothing opened
     assert [s.info.session_id for s in e.client.list_sessions()] == ["agent-1"]
@@ -514,7 +514,7 @@ def test_a_session_closed_on_the_daemon_or_by_another_engine_is_opened_again(eng
     assert held(a) == (len(turn2), 500, [1] * 4)
     turn3 = turn2 + prompt(5, seed=7)  # served by another engine, which never saw the session
     b.run("t3", turn3, request=session_request("t3", turn3))
-    assert held(b) == (len(turn3), 0, [1] * 4) and a.scheduler.session_failures == b.scheduler.session_failures == 0
+    assert held(b) == (len(turn3), 0, [1] * 4) and a.scheduler.sessions.failures == b.scheduler.sessions.failures == 0
 
 
 @pytest.mark.parametrize("bad", [-1, 86_400_001, "soon", True])
@@ -525,18 +525,18 @@ def test_a_bad_hint_is_logged_and_leaves_the_request_and_the_session_alone(engin
     e.run("t1", turn1, request=session_request("t1", turn1, engram_expect_back_ms=2000))
     turn2 = turn1 + prompt(BT, seed=9)
     e.run("t2", turn2, request=session_request("t2", turn2, engram_expect_back_ms=bad))
-    assert e.scheduler.session_failures == 1 and "expect_back_ms" in caplog.text
+    assert e.scheduler.sessions.failures == 1 and "expect_back_ms" in caplog.text
     assert held(e) == (len(turn1), 2000, [1] * 2)  # the session as it was
     assert e.run("t3", turn2)[0] == 2 * BT  # the refused turn's prompt was stored all the same
     e.run("t4", turn2, request=session_request("t4", turn2))  # the next good turn appends, as before
-    assert held(e) == (len(turn2), 0, [1] * 3) and e.scheduler.session_failures == 1
+    assert held(e) == (len(turn2), 0, [1] * 3) and e.scheduler.sessions.failures == 1
 
 
 def test_a_session_id_the_daemon_refuses_is_logged_not_raised(engines: Any) -> None:
     e = engines()
     turn1 = prompt(BT + 3, seed=10)
     e.run("t1", turn1, request=Request("t1", turn1, kv_transfer_params={"engram_session_id": "x" * 500}))
-    assert e.scheduler.session_failures == 1 and list(e.client.list_sessions()) == []
+    assert e.scheduler.sessions.failures == 1 and list(e.client.list_sessions()) == []
 
 
 # ---- config, layouts, refusals -------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from torch import Tensor
 
 from engram.destinations import ContiguousKV, KVDestination, StreamsKV
 from engram.errors import InvalidArgument
+from engram.integrations.sessions import SessionLink
 from engram.layout import Axis, DType, KVLayout, LayerKind, LayerSpec, ModelSpec, StreamSpec
 
 _KINDS = {"full_attention": LayerKind.GLOBAL, "sliding_attention": LayerKind.SLIDING}
@@ -123,6 +124,7 @@ class EngramPrefixCache:
         self.mla = mla_widths(model)
         self._replay: Any = None
         self.last_loaded = 0  # tokens the last `load` found cached
+        self.sessions = SessionLink(client, self.fingerprint, namespace=namespace)
 
     @property
     def device(self) -> torch.device:
@@ -193,9 +195,13 @@ class EngramPrefixCache:
 
     # ---- after a forward -----------------------------------------------------------------------
 
-    def store(self, tokens: Tensor | list[int], cache: Any) -> int:
+    def store(self, tokens: Tensor | list[int], cache: Any, *, session_id: str = "", expect_back_ms: float = 0
+              ) -> int:
         """Store the global layers' KV of `tokens` that `cache` holds (the blocks not cached yet); returns the
-        tokens stored. A cache holds KV for every token but the last one generated."""
+        tokens stored. A cache holds KV for every token but the last one generated. With `session_id` (an agent's
+        conversation), the daemon's session of that id then holds what was stored, with the hint of when the
+        agent is back (`expect_back_ms`; engram/integrations/sessions.py): its blocks outlive those of finished
+        conversations under eviction."""
         toks = tokens[0].tolist() if isinstance(tokens, Tensor) and tokens.dim() == 2 else list(tokens)
         layers = [cache.layers[i] for i in self.global_layers]
         n = min(len(toks), min(int(layer.keys.shape[-2]) for layer in layers))
@@ -205,20 +211,24 @@ class EngramPrefixCache:
         if self.mla is not None:  # the latent c and k_pe side by side: (L, n, kv_lora_rank + rope)
             latent = torch.stack([torch.cat((layer.keys[0, 0, :n], layer.values[0, 0, :n]), dim=-1) for layer in layers])
             self.client.put(self.fingerprint, ids, {"latent": latent}, namespace=self.namespace)
-            return n
-        kv = torch.stack([torch.stack((layer.keys[0, :, :n], layer.values[0, :, :n])) for layer in layers])  # (L, 2, H, n, D)
-        self.client.put(self.fingerprint, ids, kv.transpose(2, 3), namespace=self.namespace)
+        else:
+            kv = torch.stack([torch.stack((layer.keys[0, :, :n], layer.values[0, :, :n])) for layer in layers])
+            self.client.put(self.fingerprint, ids, kv.transpose(2, 3), namespace=self.namespace)  # (L, 2, n, H, D)
+        if session_id:
+            self.sessions.join(session_id, ids, expect_back_ms)
         return n
 
 
-def generate(model: Any, input_ids: Tensor, cache: EngramPrefixCache, **kwargs: Any) -> Tensor:
+def generate(model: Any, input_ids: Tensor, cache: EngramPrefixCache, *, session_id: str = "",
+             expect_back_ms: float = 0, **kwargs: Any) -> Tensor:
     """`model.generate(input_ids, **kwargs)` with Engram as its prefix cache: the cached prefix is loaded, only
-    the rest prefilled, and the whole sequence's KV stored afterwards. One sequence (batch size 1)."""
+    the rest prefilled, and the whole sequence's KV stored afterwards (held by the daemon's session
+    `session_id`, with its hint, when given: `EngramPrefixCache.store`). One sequence (batch size 1)."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise InvalidArgument(f"generate takes one sequence, input_ids of shape (1, T); got {tuple(input_ids.shape)}")
     past = cache.load(input_ids)
     out = model.generate(input_ids, **{cache_kwarg(model): past}, **kwargs)
-    cache.store(out, past)
+    cache.store(out, past, session_id=session_id, expect_back_ms=expect_back_ms)
     return out
 
 

@@ -11,10 +11,10 @@ prompt's last token is computed (the prompt's KV only: generated tokens are not 
 A request may name the agent session it belongs to in its `kv_transfer_params` (`engram_session_id`, and
 `engram_expect_back_ms`: when the agent's next request is expected, where its harness knows it when sending:
 a user's turn next). When it finishes, the session on the daemon is made to hold the request's prompt (opened,
-appended to, or reset when the prompt no longer extends it), so its blocks are held by a live session and carry
-its hint in eviction's order (engram/eviction.py); a harness that learns the wait later (from the tool the
-response calls) sends it itself: AppendSession(session, no tokens, expect_back_ms). A failed session call logs
-a warning and changes nothing for the request.
+appended to, or reset when the prompt no longer extends it: engram/integrations/sessions.py), so its blocks are
+held by a live session and carry its hint in eviction's order; a harness that learns the wait later (from the
+tool the response calls) sends it itself: AppendSession(session, no tokens, expect_back_ms). A failed session
+call logs a warning and changes nothing for the request.
 
 The arguments are vLLM's objects, read by attribute (request.request_id, request.prompt_token_ids,
 blocks.get_block_ids(), the SchedulerOutput's scheduled requests), so tests drive this class with the same
@@ -25,16 +25,12 @@ adapter, a cache salt) are neither looked up nor saved: Engram keys blocks by to
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import xxhash
-
-from engram import limits
-from engram.api import BlockRef, SessionMode
-from engram.errors import EngramError, InvalidArgument, NotFound
+from engram.api import BlockRef
+from engram.errors import EngramError
+from engram.integrations.sessions import SessionLink
 
 log = logging.getLogger("engram.integrations.vllm")
 
@@ -84,17 +80,6 @@ class _Running:
 
 SESSION_ID = "engram_session_id"  # kv_transfer_params: the agent session a request belongs to
 EXPECT_BACK_MS = "engram_expect_back_ms"  # kv_transfer_params: when that session's next request is expected
-MAX_SESSIONS = 65536  # sessions whose prompt the scheduler remembers (by length and hash); beyond, the oldest go
-
-
-@dataclass(frozen=True)
-class _Known:
-    tokens: int  # the prompt the daemon's session holds: its length
-    digest: int  # and its xxh3 (a prompt is not kept: 100K-token prompts x many sessions)
-
-
-def _digest(tokens: np.ndarray) -> int:
-    return xxhash.xxh3_64_intdigest(tokens.tobytes())
 
 
 def session_of(request: Any) -> tuple[str, Any] | None:
@@ -103,13 +88,6 @@ def session_of(request: Any) -> tuple[str, Any] | None:
     if not isinstance(params, dict) or not params.get(SESSION_ID):
         return None
     return str(params[SESSION_ID]), params.get(EXPECT_BACK_MS) or 0
-
-
-def _wait_ms(value: Any) -> int:
-    """A hint as sent in JSON, checked as the daemon checks it (AppendSession's field is unsigned)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidArgument(f"{EXPECT_BACK_MS} must be a number of milliseconds, got {value!r}")
-    return int(limits.check_expect_back_ms(value))
 
 
 def keyed_by_tokens_alone(request: Any) -> bool:
@@ -130,9 +108,8 @@ class EngramScheduler:
         self._hits: dict[str, _Hit] = {}  # the last lookup of each waiting request
         self._loads: dict[str, LoadSpec] = {}  # for the next step's metadata
         self._running: dict[str, _Running] = {}
-        self._sessions: OrderedDict[str, _Known] = OrderedDict()  # what the daemon's sessions hold, as far as known
+        self.sessions = SessionLink(client, fingerprint, namespace=namespace, hint_name=EXPECT_BACK_MS)
         self.lookup_failures = 0
-        self.session_failures = 0
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens Engram can supply beyond vLLM's own num_computed_tokens: whole vLLM blocks of the cached prefix,
@@ -222,54 +199,8 @@ class EngramScheduler:
         self._forget(request.request_id)
         session = session_of(request)
         if session is not None and keyed_by_tokens_alone(request):
-            self.join_session(session[0], request.prompt_token_ids, session[1])
+            self.sessions.join(session[0], request.prompt_token_ids, session[1])
         return False, None
-
-    def join_session(self, session_id: str, prompt: Any, expect_back_ms: Any = 0) -> None:
-        """Make the daemon's session `session_id` hold `prompt` (its conversation so far) with the hint: an
-        append of the new tokens when the prompt extends what the session holds, else the session is opened
-        afresh on the prompt (new to this scheduler, closed since (idle, or the daemon restarted), or its
-        context rewritten by the harness). Errors are logged and counted, never raised: the request is done."""
-        toks = np.asarray(prompt, dtype=np.int32)
-        try:
-            expect_back_ms = _wait_ms(expect_back_ms)
-        except InvalidArgument as exc:  # nothing sent: what the session holds is still known
-            self.session_failures += 1
-            log.warning("Engram session %s was not updated for its request: %s", session_id, exc)
-            return
-        known = self._sessions.pop(session_id, None)  # until the calls below succeed, unknown
-        try:
-            if known is not None and known.tokens <= len(toks) and _digest(toks[:known.tokens]) == known.digest:
-                try:
-                    self.client.append_session(session_id, toks[known.tokens:], expect_back_ms=expect_back_ms,
-                                               namespace=self.namespace)
-                except NotFound:  # closed on the daemon since
-                    self._open_session(session_id, toks, expect_back_ms)
-            else:
-                self._open_session(session_id, toks, expect_back_ms)
-        except EngramError as exc:
-            self.session_failures += 1
-            log.warning("Engram session %s was not updated for its request (its blocks are stored all the same): "
-                        "%s", session_id, exc)
-            return
-        self._sessions[session_id] = _Known(len(toks), _digest(toks))
-        while len(self._sessions) > MAX_SESSIONS:
-            self._sessions.popitem(last=False)
-
-    def _open_session(self, session_id: str, toks: np.ndarray, expect_back_ms: int) -> None:
-        # Persist mode: the daemon needs no model of its own for it (nothing here asks it to replay a window).
-        def open_() -> None:
-            self.client.open_session(self.fingerprint, mode=SessionMode.PERSIST, session_id=session_id, tokens=toks,
-                                     namespace=self.namespace)
-        try:
-            open_()
-        except InvalidArgument as exc:
-            if "already exists" not in str(exc):
-                raise
-            self.client.close_session(session_id, namespace=self.namespace)  # it holds another context: reset
-            open_()
-        if expect_back_ms:
-            self.client.append_session(session_id, toks[:0], expect_back_ms=expect_back_ms, namespace=self.namespace)
 
     def _forget(self, req_id: str) -> None:
         self._hits.pop(req_id, None)
