@@ -140,7 +140,7 @@ def main() -> None:
         device, tokens, dram = torch.device("cpu"), [256], "256MiB"
     else:
         shape = {"layers": 32, "heads": 8, "dim": 128, "block_size": 16, "block_tokens": 256}
-        device, tokens, dram = torch.device("cuda"), [int(t) for t in args.tokens.split(",")], "48GiB"
+        device, tokens, dram = torch.device("cuda"), [int(t) for t in args.tokens.split(",")], "16GiB"
     print(f"# vllm_save {datetime.date.today()} on {machine()}"
           + (f", {torch.cuda.get_device_name()}" if device.type == "cuda" else ""))
     rows = []
