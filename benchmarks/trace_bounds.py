@@ -96,6 +96,11 @@ def reuse_by_feature(trace: Sequence[Request]) -> dict[str, tuple[int, int]]:
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
+def _quantile(ordered: list[float], p: float) -> float:
+    """The p-quantile of sorted ms, in seconds."""
+    return ordered[int(p * (len(ordered) - 1))] / 1000 if ordered else 0.0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("trace")
@@ -118,8 +123,8 @@ def main() -> None:
         for name, rank in ORDERS.items():
             hits, ages = simulate(trace, cap, rank, uses)
             ages.sort()
-            q = (lambda p: ages[int(p * (len(ages) - 1))] / 1000) if ages else (lambda p: 0.0)
-            print(f"| {name} | {100 * hits / accesses:.2f}% | {hits:,} | {q(0.5):.0f} / {q(0.9):.0f} |")
+            print(f"| {name} | {100 * hits / accesses:.2f}% | {hits:,} | {_quantile(ages, 0.5):.0f} / "
+                  f"{_quantile(ages, 0.9):.0f} |")
         within = " / ".join(f"{100 * sum(a <= s * 1000 for a in ages) / accesses:.2f}%" for s in (10, 30, 60, 120, 300))
         print(f"the optimum's hits that came back within 10 / 30 / 60 / 120 / 300 s, of all accesses: {within}")
     print("\n| blocks a request adds | blocks | used again |")

@@ -3,12 +3,21 @@ prints rest on them), and its oracle orders between the two."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 
-from benchmarks.trace_bounds import ORDERS, reuse_by_feature, simulate
 from engram.trace import agent_trace, replay_all
 from engram.trace.formats import Request, prefix_ids
 from engram.trace.synth import conversation_trace
+
+# benchmarks/ is scripts, not a package on the tests' path (pytest runs with --import-mode=importlib): by file.
+_spec = importlib.util.spec_from_file_location("trace_bounds", Path(__file__).parents[1] / "benchmarks" / "trace_bounds.py")
+assert _spec is not None and _spec.loader is not None
+bounds = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bounds)
+ORDERS, reuse_by_feature, simulate = bounds.ORDERS, bounds.reuse_by_feature, bounds.simulate
 
 
 @pytest.mark.parametrize("make", [lambda: conversation_trace(300, seed=2), lambda: agent_trace(sessions=30, seed=4)],
