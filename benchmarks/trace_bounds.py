@@ -19,6 +19,7 @@ import heapq
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+from engram.errors import EngramError
 from engram.trace import in_time_order, read_trace
 from engram.trace.formats import Request, prefix_ids
 
@@ -106,7 +107,14 @@ def main() -> None:
     ap.add_argument("trace")
     ap.add_argument("--capacity", default="1000,10000")
     args = ap.parse_args()
-    trace, moved = in_time_order(read_trace(args.trace))
+    try:
+        trace, moved = in_time_order(read_trace(args.trace))
+        caps = [int(c) for c in args.capacity.split(",")]
+    except (OSError, ValueError, EngramError) as exc:
+        raise SystemExit(f"trace_bounds: {exc}") from None
+    if not trace or min(caps) < 1:
+        raise SystemExit(f"trace_bounds: {args.trace} holds no requests" if not trace
+                         else "trace_bounds: --capacity takes positive block counts")
     trace = prefix_ids(trace)[0]  # ids stand for whole prefixes, in their hash scopes, as the replayer counts them
     accesses = sum(len(r.hash_ids) for r in trace)
     seconds = max(1e-3, (trace[-1].timestamp - trace[0].timestamp) / 1000)
@@ -115,7 +123,7 @@ def main() -> None:
           f"{len({h for r in trace for h in r.hash_ids}):,} distinct blocks over {seconds:,.0f} s "
           f"({rate:,.1f} blocks/s)")
     uses = next_uses(trace)
-    for cap in (int(c) for c in args.capacity.split(",")):
+    for cap in caps:
         print(f"\ncapacity {cap:,} blocks ({cap / rate:,.1f} s of traffic)")
         print("| order | hit ratio | hit blocks | return age of hits p50 / p90 s |")
         print("|---|---:|---:|---|")
