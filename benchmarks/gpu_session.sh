@@ -8,7 +8,8 @@
 #   part 9: latent-stream FP4, promotion and restart benchmarks
 #   part 7: every gpu-marked test (kernels, data path, hit path, in-place put, faults), then the hit path benchmark
 #   part 10: HF checkpoint replay in bf16 (gpu tests), then the replay-cost benchmark twice: calibrate, then check
-#   part 11: the vLLM connector's gpu tests (CUDA caches, async saves after the gathers' event), then vllm_save
+#   part 11: the vLLM connector's and the paged kernel's gpu tests, then paged_write (torch vs kernel), vllm_save
+#   part 12: the paged-write kernel's gpu tests, benchmarks/paged_write.py, vllm_save at 32K without and with it
 #   part 8: stream layouts: the stream kernel and stream hit/put GPU tests, then the MLA latent's FP4 against a copy
 # Usage there: OUT=... bash benchmarks/gpu_session.sh 1|2     (carry .whl: wheels the image lacks)
 set -uo pipefail
@@ -57,6 +58,15 @@ case "${1:-1}" in
     timeout 200 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_integration_vllm.py 2>&1 \
       | tee "$OUT/vllm_gpu_tests.log" | tail -8
     timeout 330 python3 -m benchmarks.vllm_save --json "$OUT/vllm_save.json" 2>&1 | tee "$OUT/vllm_save.log" | tail -12
+    ;;
+  12)  # the paged-write kernel: its gpu tests, torch vs kernel alone, then a vLLM load at 32K without and with it
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_paged_kernel.py \
+      tests/test_integration_vllm.py 2>&1 | tee "$OUT/paged_gpu_tests.log" | tail -8
+    timeout 120 python3 -m benchmarks.paged_write --json "$OUT/paged_write.json" 2>&1 | tee "$OUT/paged_write.log" | tail -8
+    for k in 0 1; do
+      ENGRAM_PAGED_KERNEL=$k timeout 200 python3 -m benchmarks.vllm_save --tokens 32768 \
+        --json "$OUT/vllm_save_kernel$k.json" 2>&1 | tee "$OUT/vllm_save_kernel$k.log" | tail -6
+    done
     ;;
   7)
     timeout 330 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_fp4_kernels.py tests/test_gpu_data_path.py \

@@ -11,9 +11,10 @@ few copies as its layout allows. Five layouts cover the serving stacks:
   keeps (batch, H, T, D) per layer, whose [0].transpose(0, 1) is such a view. One copy per layer and stream.
 - `PagedKV`: per layer K and V pages (num_pages, page_tokens, H, D) and a block table mapping the request's
   logical pages to physical ones, as vLLM's paged KV cache (page_tokens must divide block_tokens). One
-  index_copy_ per layer and stream.
+  index_copy_ per layer and stream; with ENGRAM_PAGED_KERNEL=1, on a GPU, one Triton launch per run and stream
+  for every layer (engram/kernels/paged.py).
 - `PagedStreamsKV`: a stream layout's streams in paged caches, per stream and layer pages (num_pages,
-  page_tokens, *shape) and a block table: vLLM's MLA cache (one latent a token). One index_copy_ per layer.
+  page_tokens, *shape) and a block table: vLLM's MLA cache (one latent a token). Written as PagedKV's pages.
 - `StreamsKV`: a stream layout's streams, one tensor (L, entries, *shape) each, any strides: what get_prefix
   returns for a stream layout, and a worker that keeps a stream in one buffer (the transformers integration's
   MLA latent). One strided copy per stream per run of blocks.
@@ -24,6 +25,7 @@ ordered after them without a host synchronisation.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
@@ -31,7 +33,12 @@ import torch
 from torch import Tensor
 
 from engram.errors import InvalidArgument
+from engram.kernels import triton_available
 from engram.layout import StreamSpec
+
+# ENGRAM_PAGED_KERNEL=1 writes paged caches on a GPU with the Triton kernel (engram/kernels/paged.py); off by
+# default until it has been checked on a GPU (tests/test_paged_kernel.py's gpu test, benchmarks/paged_write.py).
+PAGED_KERNEL = os.environ.get("ENGRAM_PAGED_KERNEL", "0") == "1"
 
 
 class KVDestination(Protocol):
@@ -131,7 +138,27 @@ class _Paged:
         return int(self.table.numel()) * self.page_tokens
 
     def write(self, stream: int, data: Tensor, start: int, n_tokens: int) -> None:
-        _write_pages(self.streams[stream], self.table, self.page_tokens, data, start, n_tokens)
+        layers = self.streams[stream]
+        offsets = self._kernel_offsets(stream)
+        if offsets is not None:
+            from engram.kernels import paged
+
+            if paged.write_pages(layers, offsets, self.table, self.page_tokens, data, start, n_tokens):
+                return
+        _write_pages(layers, self.table, self.page_tokens, data, start, n_tokens)
+
+    def _kernel_offsets(self, stream: int) -> Tensor | None:
+        """The Triton kernel's per-layer offsets for this stream's pages (engram/kernels/paged.py: one launch per
+        run writes every layer), or None where the torch path writes: pages on the CPU, Triton missing, layers
+        the kernel cannot address. Worked out once per stream."""
+        cache = self.__dict__.setdefault("_offsets", {})
+        if stream not in cache:
+            cache[stream] = None
+            if PAGED_KERNEL and self.device.type == "cuda" and triton_available():
+                from engram.kernels import paged
+
+                cache[stream] = paged.layer_offsets(self.streams[stream])
+        return cache[stream]
 
 
 class PagedKV(_Paged):
