@@ -40,7 +40,7 @@ CHUNK_BYTES = 64 * 2**20
 def make_dest(caches: list[torch.Tensor], table: torch.Tensor, kernel: bool) -> PagedKV:
     k, v = zip(*(kv_pages(c, HEADS, DIM) for c in caches), strict=True)
     dest = PagedKV(list(k), list(v), table)
-    destinations.PAGED_KERNEL = kernel  # as ENGRAM_PAGED_KERNEL=1 / unset
+    destinations.PAGED_KERNEL = kernel  # as ENGRAM_PAGED_KERNEL unset / =0
     return dest
 
 

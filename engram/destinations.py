@@ -10,9 +10,9 @@ few copies as its layout allows. Five layouts cover the serving stacks:
 - `LayerKV`: one K and one V tensor per layer, each (T, H, D) with any strides: Hugging Face's DynamicCache
   keeps (batch, H, T, D) per layer, whose [0].transpose(0, 1) is such a view. One copy per layer and stream.
 - `PagedKV`: per layer K and V pages (num_pages, page_tokens, H, D) and a block table mapping the request's
-  logical pages to physical ones, as vLLM's paged KV cache (page_tokens must divide block_tokens). One
-  index_copy_ per layer and stream; with ENGRAM_PAGED_KERNEL=1, on a GPU, one Triton launch per run and stream
-  for every layer (engram/kernels/paged.py).
+  logical pages to physical ones, as vLLM's paged KV cache (page_tokens must divide block_tokens). On a GPU one
+  Triton launch per run and stream writes every layer (engram/kernels/paged.py); elsewhere, or with
+  ENGRAM_PAGED_KERNEL=0, one index_copy_ per layer and stream.
 - `PagedStreamsKV`: a stream layout's streams in paged caches, per stream and layer pages (num_pages,
   page_tokens, *shape) and a block table: vLLM's MLA cache (one latent a token). Written as PagedKV's pages.
 - `StreamsKV`: a stream layout's streams, one tensor (L, entries, *shape) each, any strides: what get_prefix
@@ -36,9 +36,10 @@ from engram.errors import InvalidArgument
 from engram.kernels import triton_available
 from engram.layout import StreamSpec
 
-# ENGRAM_PAGED_KERNEL=1 writes paged caches on a GPU with the Triton kernel (engram/kernels/paged.py); off by
-# default until it has been checked on a GPU (tests/test_paged_kernel.py's gpu test, benchmarks/paged_write.py).
-PAGED_KERNEL = os.environ.get("ENGRAM_PAGED_KERNEL", "0") == "1"
+# Paged caches on a GPU are written by the Triton kernel (engram/kernels/paged.py). ENGRAM_PAGED_KERNEL=0 keeps
+# them on the torch path: for comparisons (benchmarks/paged_write.py does it in-process), or as a way around the
+# kernel should it misbehave on some GPU.
+PAGED_KERNEL = os.environ.get("ENGRAM_PAGED_KERNEL", "1") != "0"
 
 
 class KVDestination(Protocol):

@@ -8,7 +8,7 @@ a write to the wrong page, row, layer or element, or a write outside the request
 On the CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1 before the kernels are imported, as in
 tests/test_fp4_kernels.py; where this process compiled them instead, test_cpu_tests_in_subprocess runs the CPU
 tests in a fresh process). The GPU test checks PagedKV.write takes the kernel on CUDA and writes what the torch
-path writes (ENGRAM_PAGED_KERNEL=1).
+path writes.
 """
 
 from __future__ import annotations
