@@ -8,7 +8,9 @@ prompt's blocks (save_kv_layer) and calls wait_for_save, as vLLM does in the ste
 - step ms: how long wait_for_save holds the step (sync: the whole put; async: handing it to the background);
 - stored ms: from the start of wait_for_save until the prompt is stored (async: flush);
 - load ms: a load of another stored prompt of the same length into vLLM's blocks (what the next step does
-  for a hit), alone, and while the put of a save is still running in the background.
+  for a hit), alone, and while the put of a save is still running in the background (which gives way to it,
+  engram/loadgate.py; --no-give-way turns that off for a comparison);
+- stored ms, load running: that put's stored ms, the load within it.
 
 Medians of ROUNDS rounds after a warm-up (each round saves a new prompt). Run:
 
@@ -41,7 +43,7 @@ def sync(device: torch.device) -> None:
 
 class Bench:
     def __init__(self, address: str, codec: str, async_saves: bool, shape: dict[str, int], device: torch.device,
-                 blocks: int) -> None:
+                 blocks: int, give_way: bool = True) -> None:
         self.shape, self.device, self.bs = shape, device, shape["block_size"]
         self.names = [f"model.layers.{i}.self_attn.attn" for i in range(shape["layers"])]
         self.layers = VllmLayers.from_caches([LayerCache(n, "full", shape["heads"], shape["dim"], shape["dim"],
@@ -58,6 +60,8 @@ class Bench:
         self.caches = {n: torch.randn((blocks, shape["heads"], self.bs, 2 * shape["dim"]), generator=gen,
                                       dtype=torch.bfloat16, device=device) for n in self.names}
         self.worker.register_kv_caches(self.caches)
+        if not give_way and self.worker.save_client is not None:
+            self.worker.save_client.give_way_to(None)
         self.rng = np.random.default_rng(1)
 
     def close(self) -> None:
@@ -85,17 +89,17 @@ class Bench:
         return time.perf_counter() - t0
 
 
-def run(address: str, codec: str, async_saves: bool, n: int, shape: dict[str, int], device: torch.device
-        ) -> dict[str, Any]:
+def run(address: str, codec: str, async_saves: bool, n: int, shape: dict[str, int], device: torch.device,
+        give_way: bool = True) -> dict[str, Any]:
     per_prompt = -(-n // shape["block_size"])
-    b = Bench(address, codec, async_saves, shape, device, 2 * per_prompt)
+    b = Bench(address, codec, async_saves, shape, device, 2 * per_prompt, give_way)
     save_ids, load_ids = list(range(per_prompt)), list(range(per_prompt, 2 * per_prompt))
     try:
         stored = b.prompt(n)
         b.step(stored, save_ids)  # warm-up: maps the pool, compiles the kernels; and a prompt to load
         b.worker.flush()
         b.load(stored, load_ids)
-        steps, dones, quiet, busy = [], [], [], []
+        steps, dones, quiet, busy, busy_dones = [], [], [], [], []
         for _ in range(ROUNDS + 1):
             quiet.append(b.load(stored, load_ids))
             t0 = time.perf_counter()
@@ -103,9 +107,11 @@ def run(address: str, codec: str, async_saves: bool, n: int, shape: dict[str, in
             b.worker.flush()
             dones.append(time.perf_counter() - t0)
             if async_saves:  # again, and the next step's hit while the put runs
+                t0 = time.perf_counter()
                 b.step(b.prompt(n), save_ids)
                 busy.append(b.load(stored, load_ids))
                 b.worker.flush()
+                busy_dones.append(time.perf_counter() - t0)
         if b.worker.save_failures:
             raise RuntimeError(f"{b.worker.save_failures} saves failed")
     finally:
@@ -115,16 +121,19 @@ def run(address: str, codec: str, async_saves: bool, n: int, shape: dict[str, in
         return round(statistics.median(xs[1:]) * 1e3, 1)
 
     return {"codec": codec, "saves": "async" if async_saves else "sync", "tokens": n, "step_ms": ms(steps),
-            "stored_ms": ms(dones), "load_ms": ms(quiet), "load_during_put_ms": ms(busy) if busy else None}
+            "stored_ms": ms(dones), "load_ms": ms(quiet), "load_during_put_ms": ms(busy) if busy else None,
+            "stored_during_load_ms": ms(busy_dones) if busy_dones else None, "gate_waits": b.worker.gate.waits,
+            "gate_waited_ms": round(b.worker.gate.waited_s * 1e3, 1)}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    out = ["| codec | saves | tokens | step ms | stored ms | load ms | load ms, put running |",
-           "|---|---|---:|---:|---:|---:|---:|"]
+    out = ["| codec | saves | tokens | step ms | stored ms | load ms | load ms, put running | stored ms, load running |",
+           "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         busy = "-" if r["load_during_put_ms"] is None else f"{r['load_during_put_ms']:.1f}"
+        later = "-" if r["stored_during_load_ms"] is None else f"{r['stored_during_load_ms']:.1f}"
         out.append(f"| {r['codec']} | {r['saves']} | {r['tokens']} | {r['step_ms']:.1f} | {r['stored_ms']:.1f} | "
-                   f"{r['load_ms']:.1f} | {busy} |")
+                   f"{r['load_ms']:.1f} | {busy} | {later} |")
     return "\n".join(out)
 
 
@@ -134,6 +143,7 @@ def main() -> None:
     ap.add_argument("--codecs", default="raw,nvfp4")
     ap.add_argument("--json")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    ap.add_argument("--no-give-way", action="store_true", help="background puts do not give way to loads")
     args = ap.parse_args()
     if args.smoke:
         shape = {"layers": 2, "heads": 2, "dim": 16, "block_size": 16, "block_tokens": 32}
@@ -148,7 +158,7 @@ def main() -> None:
         for codec in args.codecs.split(","):
             for n in tokens:
                 for async_saves in (False, True):
-                    rows.append(run(address, codec, async_saves, n, shape, device))
+                    rows.append(run(address, codec, async_saves, n, shape, device, not args.no_give_way))
                     print(rows[-1], flush=True)
     print(table(rows))
     if args.json:

@@ -45,6 +45,7 @@ from engram.control import ControlClient
 from engram.destinations import ContiguousKV, KVDestination, StreamsKV
 from engram.layout import DType, ModelSpec, StreamSpec
 from engram.loader import BlockSource, MappedSegment, PrefixLoader
+from engram.loadgate import LoadGate
 from engram.segment import SegmentReader
 from engram.v1 import engram_pb2 as pb
 from engram.wire import convert
@@ -152,6 +153,7 @@ class EngramClient(ControlClient):
         self._salts: dict[str, tuple[str, bytes]] = {}  # name -> (namespace, key salt), from DescribeNamespace
         self._loader = PrefixLoader()  # the hit path (engram/loader.py)
         self._writer = PutWriter()  # the put path on the daemon's host (engram/writer.py)
+        self._gate: LoadGate | None = None  # loads this client's puts give way to (give_way_to)
         self._writable_pools: dict[str, MappedSegment] = {}
         self._in_place_ok = True
         self._held: dict[str, list[int]] = {}  # finished loads' leases, by namespace: ended with the next load
@@ -209,6 +211,13 @@ class EngramClient(ControlClient):
                                tokens=convert.tokens_to_pb(tokens))
         return convert.from_pb(LookupResult, await self._call(self._stub.Lookup(req)))
 
+    def give_way_to(self, gate: LoadGate | None) -> None:
+        """Make this client's puts wait for the loads `gate` counts (engram/loadgate.py): before each put and,
+        on the daemon's host, before each run of blocks written into the pool. For a client that saves in the
+        background beside another that loads (the vLLM connector's); None: puts never wait."""
+        self._gate = gate
+        self._writer.gate = gate
+
     async def put(
         self,
         fingerprint: bytes,
@@ -244,6 +253,8 @@ class EngramClient(ControlClient):
             raise errors.InvalidArgument(
                 f"kv must be (layers, 2, tokens, kv_heads, head_dim) with tokens={len(arr)}, got {got}"
             )
+        if self._gate is not None and self._gate.loads:
+            await asyncio.to_thread(self._gate.give_way)
         if self._in_place_ok and self._zero_copy_ok and same_host(self.address) and await self._in_place_pays(kv):
             done = await self._put_in_place(fingerprint, spec, arr, kv, ns, pin)
             if done is not None:

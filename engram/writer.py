@@ -27,6 +27,7 @@ from engram.codec.base import codec_by_name
 from engram.errors import InvalidArgument
 from engram.layout import DType, ModelSpec, StreamSpec
 from engram.loader import DEFAULT_CHUNK_BYTES, MappedSegment
+from engram.loadgate import LoadGate
 
 _STAGES = 2
 _ALIGN = 256
@@ -75,6 +76,7 @@ def stream_block(data: Mapping[str, Tensor], streams: Sequence[StreamSpec], inde
 class PutWriter:
     def __init__(self, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         self.chunk_bytes = chunk_bytes
+        self.gate: LoadGate | None = None  # loads this writer gives way to, before each run of blocks
         self._staging: dict[torch.device, list[Tensor]] = {}
         self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -93,6 +95,7 @@ class PutWriter:
                 return self._write_cuda(kv, codec, bt, slots, stream)
         written = 0
         for s in slots:
+            self._give_way()
             block = _block(kv, s.index, bt)
             target = s.segment.data[s.offset : s.offset + s.nbytes]
             if stored.is_raw(codec):
@@ -131,6 +134,7 @@ class PutWriter:
         for chunk in self._chunks(full):
             n = len(chunk)
             size = -(-chunk[0].nbytes // _ALIGN) * _ALIGN
+            self._give_way()
             compute.wait_event(free[stage])  # the copies that last read this stage's buffer are done
             blocks = torch.stack([_block(kv, s.index, bt) for s in chunk])  # (n, L, 2, bt, H, D), one copy
             if plan is None:  # raw: the contiguous block is the stored form
@@ -163,6 +167,7 @@ class PutWriter:
                 return self._write_streams_cuda(data, tokens, spec, slots, stream)
         written = 0
         for s in slots:
+            self._give_way()
             n = min(bt, tokens - s.index * bt)
             blob = stored.encode_streams(stream_block(data, streams, s.index, bt, tokens), streams, n,
                                          where=f"block {s.index}")
@@ -193,6 +198,7 @@ class PutWriter:
             assert plan is not None
             n = len(chunk)
             size = -(-plan.nbytes // _ALIGN) * _ALIGN
+            self._give_way()
             compute.wait_event(free[stage])  # the copies that last read this stage's buffer are done
             parts = [torch.stack([stream_block(data, (st,), s.index, bt, tokens)[st.name] for s in chunk])
                      for st in streams]  # per stream (n, L, entries, *shape): one copy
@@ -211,6 +217,10 @@ class PutWriter:
         if bool(bad):
             raise InvalidArgument("the KV holds NaN or Inf values: it cannot be stored in its streams' codecs")
         return written
+
+    def _give_way(self) -> None:
+        if self.gate is not None:
+            self.gate.give_way()
 
     def _chunks(self, slots: Sequence[Slot]) -> list[list[Slot]]:
         chunks: list[list[Slot]] = [[]]

@@ -19,6 +19,7 @@ import pickle
 import random
 import re
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -434,6 +435,32 @@ def test_pending_saves_are_bounded_in_bytes_and_the_next_step_waits_for_the_olde
     assert not step.is_alive()
     e.worker.flush()
     assert e.worker.saved_tokens == len(first) + len(second)
+
+
+def test_a_background_save_gives_way_to_a_load_in_flight_and_lands_after_it(engines: Any) -> None:
+    e, other = engines(), engines()
+    e.worker.gate.max_wait_s = 30  # as long as the load lasts (0.1 s by default)
+    tokens = prompt(3 * BS + 1, seed=25)
+    with e.worker.gate.loading():  # a load in flight on this worker (start_load holds the gate so)
+        e.run("a", tokens, flush=False)
+        time.sleep(0.3)
+        assert e.worker.saved_tokens == 0
+        assert other.scheduler.num_new_matched_tokens(Request("x", tokens), 0) == (0, False)  # nothing stored
+    e.worker.flush()
+    assert e.worker.saved_tokens == len(tokens) and e.worker.gate.waits >= 1
+    ext, _, _ = other.run("b", tokens)
+    assert ext == 3 * BS and torch.equal(other.loaded_now, reference_kv(tokens)[:, :, :3 * BS])
+
+
+def test_a_load_holds_the_gate_while_it_runs(engines: Any) -> None:
+    e = engines()
+    tokens = prompt(2 * BS + 1, seed=26)
+    e.run("a", tokens)
+    seen = []
+    load = e.worker._load
+    e.worker._load = lambda spec: (seen.append(e.worker.gate.loads), load(spec))[1]  # type: ignore[method-assign]
+    ext, _, _ = e.run("b", tokens)
+    assert ext == 2 * BS and seen == [1] and e.worker.gate.loads == 0
 
 
 def test_a_background_put_that_raises_is_logged_and_counted_not_raised_into_a_later_step(

@@ -7,8 +7,8 @@ a write to the wrong page, row, layer or element, or a write outside the request
 
 On the CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1 before the kernels are imported, as in
 tests/test_fp4_kernels.py; where this process compiled them instead, test_cpu_tests_in_subprocess runs the CPU
-tests in a fresh process). The GPU test checks PagedKV.write takes the kernel on CUDA and writes what the torch
-path writes.
+tests in a fresh process). The GPU test checks PagedKV.write (PagedStreamsKV.write for the latent) takes the
+kernel on CUDA and writes what the torch path writes.
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from engram import destinations
-from engram.destinations import PagedKV, _write_pages
+from engram.destinations import PagedKV, PagedStreamsKV, _write_pages
 from engram.errors import InvalidArgument
 from engram.integrations.vllm.paged import FromToken, kv_pages, latent_pages
 from engram.kernels import paged
+from engram.layout import DType, StreamSpec
 
 cpu = pytest.mark.skipif(not paged.INTERPRETED, reason="kernels are compiled in this process; "
                          "test_cpu_tests_in_subprocess runs the CPU tests in interpreter mode")
@@ -179,23 +180,27 @@ def test_cpu_tests_in_subprocess() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: run on a GPU")
 @pytest.mark.skipif(paged.INTERPRETED, reason="TRITON_INTERPRET is set: GPU tests need compiled kernels")
-@pytest.mark.parametrize("layout", ["flash", "standardized"])
-def test_gpu_paged_kv_write_takes_the_kernel_and_matches_torch_path(layout: str,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("layout", ["flash", "standardized", "mla"])
+def test_gpu_paged_write_takes_the_kernel_and_matches_torch_path(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(destinations, "PAGED_KERNEL", True)
     pt, bt, blocks = 16, 256, 3
     table = torch.randperm(64)[:48].tolist()
     g_caches = [c for c in caches(layout, 64, pt, torch.bfloat16, "cuda", 7)]
     ref = [c.clone() for c in g_caches]
-    k, v = zip(*(kv_pages(c, HEADS, DIM) for c in g_caches), strict=True)
-    dest = PagedKV(list(k), list(v), table)
+    streams = [list(layers) for layers in zip(*(pages_of(layout, c) for c in g_caches), strict=True)]
+    dest: PagedKV | PagedStreamsKV
+    if layout == "mla":
+        spec = StreamSpec("latent", (4 * DIM,), DType.BF16)
+        dest = PagedStreamsKV([spec], {"latent": streams[0]}, table)
+    else:
+        dest = PagedKV(streams[0], streams[1], table)
     data = run_data(layout, blocks, bt, torch.bfloat16, "cuda", 8)
     n = blocks * bt - 37
-    dest.write(0, data[0], 0, n)
-    dest.write(1, data[1], 0, n)
-    assert dest._kernel_offsets(0) is not None and dest._kernel_offsets(1) is not None  # the kernel wrote
+    for stream, d in enumerate(data):
+        dest.write(stream, d, 0, n)
+        assert dest._kernel_offsets(stream) is not None  # the kernel wrote
     t = torch.tensor(table, dtype=torch.int64, device="cuda")
-    for stream in (0, 1):
-        _write_pages([kv_pages(c, HEADS, DIM)[stream] for c in ref], t, pt, data[stream], 0, n)
+    for stream, d in enumerate(data):
+        _write_pages([pages_of(layout, c)[stream] for c in ref], t, pt, d, 0, n)
     torch.cuda.synchronize()
     assert_same(g_caches, ref)

@@ -9,7 +9,8 @@ wait_for_layer_load has nothing to wait for. A save gathers the prompt's KV out 
 (layer by layer as vLLM's save_kv_layer hooks come, any layer they skipped in wait_for_save), queued on vLLM's
 stream within the step: the blocks are never read after vLLM may reuse them. The put of that buffer runs
 in a background thread (`async_saves`, the default) on its own client, after the gathers' CUDA event, so the
-step does not wait for it. The buffers of puts queued or running (on the cache's device, outside vLLM's memory
+step does not wait for it; that client gives way to this worker's loads (engram/loadgate.py: a put waits, up
+to 0.1 s a time, while a load is in flight). The buffers of puts queued or running (on the cache's device, outside vLLM's memory
 profile) are bounded by `max_pending_bytes`: a save waits for the oldest until its own fits, or none is left
 (a prompt larger than the bound goes alone). With async_saves off the step puts it.
 
@@ -35,6 +36,7 @@ from engram.errors import EngramError, InvalidArgument
 from engram.integrations.vllm.config import LATENT, VllmLayers
 from engram.integrations.vllm.paged import as_destination, gather, kv_pages, latent_pages, page_table
 from engram.integrations.vllm.scheduler import EngramMetadata, LoadSpec, SaveSpec
+from engram.loadgate import LoadGate
 
 log = logging.getLogger("engram.integrations.vllm")
 
@@ -50,6 +52,11 @@ class EngramWorker:
         self.save_client = save_client
         self.max_pending_bytes = max_pending_bytes
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="engram-save") if save_client is not None else None
+        # Background puts give way to this worker's loads (engram/loadgate.py): a load is on a request's
+        # critical path, a save is not.
+        self.gate = LoadGate()
+        if save_client is not None:
+            save_client.give_way_to(self.gate)
         self._pending: deque[tuple[Future[None], int]] = deque()  # puts queued or running and their buffers' bytes
         self._pending_bytes = 0
         self.fingerprint = fingerprint
@@ -86,9 +93,11 @@ class EngramWorker:
     # ---- before the forward -----------------------------------------------------------------------
 
     def start_load(self, meta: EngramMetadata) -> None:
-        for spec in meta.loads:
-            self._load(spec)
-        if meta.loads:
+        if not meta.loads:
+            return
+        with self.gate.loading():  # background puts wait (a while) until the loads' copies are done
+            for spec in meta.loads:
+                self._load(spec)
             self._sync()  # the client queued its writes on its own thread's stream; vLLM's may be another
 
     def _sync(self) -> None:
