@@ -5,8 +5,10 @@ before each block runs)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import AsyncIterator
 
 from engram.client import EngramClient
 from engram.loadgate import LoadGate
@@ -57,14 +59,21 @@ class CountingGate(LoadGate):
         return super().give_way()
 
 
+@contextlib.asynccontextmanager
+async def giving_way(server_factory, gate: LoadGate) -> AsyncIterator[tuple[EngramClient, bytes]]:  # type: ignore[no-untyped-def]
+    """A client on a fresh daemon whose puts go in place from host memory and give way to `gate`."""
+    srv = await server_factory()
+    async with EngramClient(srv.address, namespace="g", in_place_min_bytes=0) as c:
+        fp = await c.register_model(tiny_model())
+        c.give_way_to(gate)
+        yield c, fp
+
+
 async def test_an_in_place_put_asks_the_gate_before_each_block_and_waits_while_a_load_runs(
         server_factory) -> None:  # type: ignore[no-untyped-def]
-    srv = await server_factory()
     spec = tiny_model()
-    async with EngramClient(srv.address, namespace="g", in_place_min_bytes=0) as c:
-        fp = await c.register_model(spec)
-        gate = CountingGate(max_wait_s=0.02)
-        c.give_way_to(gate)
+    gate = CountingGate(max_wait_s=0.02)
+    async with giving_way(server_factory, gate) as (c, fp):
         toks = tokens(5 * BLOCK_TOKENS)
         put = await c.put(fp, toks, random_kv(spec, len(toks)))
         assert put.stored == 5 and gate.asked == 5 and gate.waits == 0  # asked per block, never waited
@@ -83,12 +92,9 @@ async def test_an_in_place_put_asks_the_gate_before_each_block_and_waits_while_a
 
 
 async def test_a_put_stores_nothing_until_the_load_it_gives_way_to_is_over(server_factory) -> None:  # type: ignore[no-untyped-def]
-    srv = await server_factory()
     spec = tiny_model()
-    async with EngramClient(srv.address, namespace="h", in_place_min_bytes=0) as c:
-        fp = await c.register_model(spec)
-        gate = LoadGate(max_wait_s=30)
-        c.give_way_to(gate)
+    gate = LoadGate(max_wait_s=30)
+    async with giving_way(server_factory, gate) as (c, fp):
         toks = tokens(3 * BLOCK_TOKENS, seed=3)
         before = (await c.stats()).blocks_put
         with gate.loading():
