@@ -19,6 +19,7 @@ imported (the tests); the daemon's clients call it for CUDA tensors only.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -121,7 +122,8 @@ def write_pages(layers: Sequence[Tensor], offsets: Tensor, table: Tensor, pt: in
     s_block, s_layer, s_entry = data.stride()[:3]
     d_page, d_row = pages.stride()[:2]
     grid = (triton.cdiv(n_tokens, entries), n_layers)
-    _scatter_entries[grid](data, pages, offsets, table, n_tokens, first, per_block, pt, outer, inner,
-                           s_block, s_layer, s_entry, s_outer, s_inner, d_page, d_row, d_outer, d_inner,
-                           ENTRIES=entries, BLOCK_O=block_o, BLOCK_I=block_i, num_warps=NUM_WARPS)
+    with torch.cuda.device(pages.device) if pages.is_cuda else contextlib.nullcontext():  # launch on the pages' GPU
+        _scatter_entries[grid](data, pages, offsets, table, n_tokens, first, per_block, pt, outer, inner,
+                               s_block, s_layer, s_entry, s_outer, s_inner, d_page, d_row, d_outer, d_inner,
+                               ENTRIES=entries, BLOCK_O=block_o, BLOCK_I=block_i, num_warps=NUM_WARPS)
     return True
