@@ -95,6 +95,7 @@ class ClusterIndex:
         self._redis = connect(config)
         self._queue: asyncio.Queue[tuple[str, BlockMeta]] = asyncio.Queue(maxsize=100_000)
         self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
         index.listeners.append(self._changed)
 
     def _changed(self, event: str, meta: BlockMeta) -> None:
@@ -106,11 +107,18 @@ class ClusterIndex:
         self._tasks = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._publish())]
 
     async def close(self) -> None:
+        """Stop the heartbeat and the publisher. redis-py can swallow a cancellation that lands inside a
+        command (redis/redis-py#2028, #2551: seen here as a heartbeat that went on sleeping and a close that
+        never returned), so the loops also stop on `_closing`, and a task still running is cancelled again."""
+        self._closing = True
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
+            while not t.done():
+                await asyncio.wait({t}, timeout=0.5)
+                t.cancel()
             with contextlib.suppress(asyncio.CancelledError, RedisError, OSError):
-                await t
+                t.result()
         with contextlib.suppress(RedisError, OSError):
             await self._redis.aclose()
 
@@ -129,7 +137,7 @@ class ClusterIndex:
     async def _heartbeat(self) -> None:
         backoff = 0.1
         ttl_ms = int(self.config.ttl_s * 1000)
-        while True:
+        while not self._closing:
             try:
                 record = self.trust.node_record(self.node_id, self.address)
                 await self._redis.set(_NODE + self.node_id, record, px=ttl_ms)
@@ -161,7 +169,7 @@ class ClusterIndex:
         self.counters.published += len(self.index)
 
     async def _publish(self) -> None:
-        while True:
+        while not self._closing:
             event, meta = await self._queue.get()
             batch = [(event, meta)]
             while not self._queue.empty() and len(batch) < 512:
