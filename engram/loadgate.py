@@ -2,7 +2,8 @@
 
 A load (a hit) is on its request's critical path: the first token waits for it. A background save of a finished
 prompt is not. In one worker process the two compete for the same PCIe link, GPU, host cores and GIL: on an H100
-a 32K-token load took 40-60% longer while a background put ran (benchmarks/RESULTS.md vllm_save). A LoadGate
+a 32K-token load took 33-40% longer while a background put ran, and as long as alone when the put gave way
+(benchmarks/RESULTS.md vllm_save; the put then ends about the load's time later). A LoadGate
 counts the loads in flight (`loading()` around each); a client given one (`EngramClient.give_way_to`) waits for
 none to be in flight before a put starts and, on the daemon's host, before each run of blocks it encodes and
 copies into the pool (engram/writer.py), at most `max_wait_s` each time: a stream of loads slows saves but
