@@ -129,6 +129,7 @@ class _Paged:
     streams: Sequence[Sequence[Tensor]]
     page_tokens: int
     table: Tensor
+    _offsets: dict[int, Tensor | None]  # per stream: _kernel_offsets' answer
 
     @property
     def device(self) -> torch.device:
@@ -152,7 +153,7 @@ class _Paged:
         """The Triton kernel's per-layer offsets for this stream's pages (engram/kernels/paged.py: one launch per
         run writes every layer), or None where the torch path writes: pages on the CPU, Triton missing, layers
         the kernel cannot address. Worked out once per stream."""
-        cache = self.__dict__.setdefault("_offsets", {})
+        cache = self._offsets
         if stream not in cache:
             cache[stream] = None
             if PAGED_KERNEL and self.device.type == "cuda" and triton_available():
@@ -176,6 +177,7 @@ class PagedKV(_Paged):
         self.streams = (list(k), list(v))
         self.page_tokens = int(k[0].shape[1])
         self.table = _page_table(block_table, k[0])
+        self._offsets = {}
 
 
 def _page_table(block_table: Sequence[int] | Tensor, pages: Tensor) -> Tensor:
@@ -268,3 +270,4 @@ class PagedStreamsKV(_Paged):
             if {t.device for t in layers} != {first.device}:
                 raise InvalidArgument(f"stream {s.name}: every stream's pages must be on one device")
         self.table = _page_table(block_table, first)
+        self._offsets = {}

@@ -126,7 +126,7 @@ def test_a_load_that_starts_inside_a_run_writes_only_from_there() -> None:
         k, v = zip(*(kv_pages(c, HEADS, DIM) for c in target), strict=True)
         dest = FromToken(PagedKV(list(k), list(v), table), first=4)
         if target is kernel:  # force the kernel on CPU tensors (PagedKV takes it on CUDA only)
-            dest.inner.__dict__["_offsets"] = {s: paged.layer_offsets(dest.inner.streams[s]) for s in (0, 1)}
+            dest.inner._offsets = {s: paged.layer_offsets(dest.inner.streams[s]) for s in (0, 1)}
         dest.write(0, data[0], 0, 15)
         dest.write(1, data[1], 0, 15)
     assert_same(kernel, torch_)
