@@ -11,6 +11,11 @@ import xxhash
 from engram.errors import InvalidArgument
 from engram.layout import DType, KVLayout
 
+# A block's bytes as a put hands them over: bytes (or gRPC's chunks joined in a bytearray), or a view of the data
+# channel's receive buffer, which is reused after the put (a tier that keeps bytes in memory copies a view:
+# DramTier.write). Said exactly because compiled modules (engram/compiled.py) check argument types at run time.
+Payload = bytes | memoryview
+
 
 def checksum(payload: bytes | memoryview) -> int:
     """xxh3_64 of a payload: an integrity check against torn writes and bit flips, not an adversary

@@ -232,7 +232,7 @@ class DataPort:
                 left -= header.payload_nbytes
                 # The store copies what it keeps (a pool slot, the private tier's bytes), so the buffer is
                 # reused for the next block; a partial tail is committed by finish() before any further read.
-                await chain.add(header, payload)  # type: ignore[arg-type]
+                await chain.add(header, payload)
             reply = await chain.finish()
         except errors.EngramError:
             await conn.skip(left)

@@ -23,7 +23,7 @@ from engram.api import (
     SessionMode,
 )
 from engram.api import Stats as StatsReply
-from engram.block import BlockHeader, checksum
+from engram.block import BlockHeader, Payload, checksum
 from engram.cluster import ClusterIndex
 from engram.codec import stored
 from engram.config import ServerConfig
@@ -89,7 +89,7 @@ class ChainPut:
         self.parent = stream.parent_key or service.store.root(stream.namespace, stream.model_fingerprint)
         self.keys: list[bytes] = []
         self.stored = self.deduplicated = self.not_durable = 0
-        self.tail: tuple[BlockHeader, bytes | bytearray] | None = None  # a partial block, committed when the stream ends
+        self.tail: tuple[BlockHeader, Payload] | None = None  # a partial block, committed when the stream ends
 
     @property
     def index(self) -> int:
@@ -109,7 +109,7 @@ class ChainPut:
                 "only a chain's last block may be partial; nothing of the partial block was stored"
             )
 
-    async def add(self, header: BlockHeader, payload: bytes | bytearray) -> None:
+    async def add(self, header: BlockHeader, payload: Payload) -> None:
         self.check_not_after_tail()
         if header.num_tokens < self.layout.block_tokens:
             self.tail = (header, payload)  # a partial block must end the chain: held until the stream proves it
@@ -118,10 +118,10 @@ class ChainPut:
             self.parent = await self._commit(header, payload, self.index)
             self.keys.append(self.parent)
 
-    async def _commit(self, header: BlockHeader, payload: bytes | bytearray, index: int) -> bytes:
+    async def _commit(self, header: BlockHeader, payload: Payload, index: int) -> bytes:
         s = self.stream
         outcome = await self.service.store.put(s.namespace, s.model_fingerprint, self.parent, header,
-                                               payload, pin=s.pin, index=index)  # type: ignore[arg-type]
+                                               payload, pin=s.pin, index=index)
         self.stored += outcome.stored
         self.deduplicated += not outcome.stored
         self.not_durable += not outcome.durable

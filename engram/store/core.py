@@ -28,7 +28,7 @@ import torch
 
 from engram import limits
 from engram.api import TierStats
-from engram.block import BlockHeader, checksum
+from engram.block import BlockHeader, Payload, checksum
 from engram.codec import stored
 from engram.errors import (
     DataLoss,
@@ -253,7 +253,7 @@ class BlockStore:
             self._held.pop(namespace, None)
 
     async def put(self, namespace: str, model_fingerprint: bytes, parent: bytes, header: BlockHeader,
-                  payload: bytes, *, pin: bool = False, index: int = 0) -> PutOutcome:
+                  payload: Payload, *, pin: bool = False, index: int = 0) -> PutOutcome:
         """Validate, dedupe and store one block under the key its parent and tokens hash to."""
         limits.check_namespace(namespace)  # also for blocks that did not come through a Put (peers)
         spec = self.spec(model_fingerprint)
@@ -319,7 +319,7 @@ class BlockStore:
 
     async def _store(self, namespace: str, model_fingerprint: bytes, parent: bytes, pmeta: BlockMeta | None,
                      key: bytes, tokens: bytes, num_tokens: int, block_tokens: int, dtype: DType,
-                     shape: tuple[int, ...], payload_checksum: int, payload: bytes, *, pin: bool = False,
+                     shape: tuple[int, ...], payload_checksum: int, payload: Payload, *, pin: bool = False,
                      index: int = 0, sample: Sample | None = None) -> PutOutcome:
         """Dedupe and store one block whose header and payload were checked (put) or are the caller's own
         (put_chain): placed, then published in the index; `sample`, the raw elements a lossy encoding was
@@ -389,8 +389,8 @@ class BlockStore:
         self._check_quota(namespace, nbytes, index)
         self._quota_pending[namespace] = self._quota_pending.get(namespace, 0) + nbytes
 
-    async def _stored_form(self, spec: ModelSpec, header: BlockHeader, payload: bytes, index: int
-                           ) -> tuple[BlockHeader, bytes, Sample | None]:
+    async def _stored_form(self, spec: ModelSpec, header: BlockHeader, payload: Payload, index: int
+                           ) -> tuple[BlockHeader, Payload, Sample | None]:
         """The block as the model stores it: raw elements are encoded here when the model's codec is a
         quantizing one (or kept lossless, a v1 block of the raw codec, while the fallback holds for its layer
         kinds; and sampled for the error telemetry); a block the worker already encoded must be in the
@@ -645,7 +645,7 @@ class BlockStore:
                         meta.tick = CLOCK.now  # as a lease does: its age restarts (no comeback counted), or
                         # least-recently-used order would take it straight back down
             except DataLoss:
-                continue  # no valid copy was left: unindexed, as a Get would have
+                pass  # no valid copy was left: unindexed, as a Get would have (not `continue`: mypyc has none here)
             finally:
                 self.release([meta])
         self.counters.blocks_prefetched += copied

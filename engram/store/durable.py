@@ -18,6 +18,7 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
+from engram.block import Payload
 from engram.errors import NotDurable
 from engram.index import BlockMeta
 from engram.store.placement import TIER_FAULTS, Placement
@@ -44,7 +45,7 @@ def is_durable(placement: Placement, meta: BlockMeta) -> bool:
     return d is None or placement.tiers[d].name in meta.locations
 
 
-async def make_durable(store: BlockStore, meta: BlockMeta, payload: bytes, *, index: int = 0) -> bool:
+async def make_durable(store: BlockStore, meta: BlockMeta, payload: Payload, *, index: int = 0) -> bool:
     """Give `meta` a copy in the durable tier, if it has none: True once it has one; False when it could not
     and the policy is degrade; NotDurable when it could not and the policy is fail."""
     placement = store.placement

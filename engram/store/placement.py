@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from engram.block import Payload
 from engram.errors import DataLoss, FailedPrecondition, ResourceExhausted, StorageFull, Unavailable
 from engram.eviction import ReturnModel, TierVictims
 from engram.index import BlockMeta, ChainIndex
@@ -90,7 +91,7 @@ class Placement:
 
     # ---- copies --------------------------------------------------------------------------------
 
-    async def place(self, meta: BlockMeta, i: int, payload: bytes, *, wait: bool = True) -> None:
+    async def place(self, meta: BlockMeta, i: int, payload: Payload, *, wait: bool = True) -> None:
         """Make room in tier i and write a copy there; the copy counts once the write completed."""
         tier = self.tiers[i]
         rec = meta.record()

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from engram.api import CodecError, CodecFallback
+from engram.block import Payload
 from engram.codec import stored
 from engram.codec.quality import ErrorAccumulator, LayerError, kv_errors
 from engram.layout import DType, KVLayout, LayerKind
@@ -102,12 +103,12 @@ class QualityWatch:
                 return fb
         return None
 
-    def measure_later(self, sample: Sample, blob: bytes, dtype: DType, shape: tuple[int, ...], tier: str) -> None:
+    def measure_later(self, sample: Sample, blob: Payload, dtype: DType, shape: tuple[int, ...], tier: str) -> None:
         """Compare `blob` (the block as stored) with the sample's raw elements, off the event loop; the put
-        that stored it does not wait."""
+        that stored it does not wait (so a view of a buffer the put's caller reuses is copied first)."""
         nbytes = sample.kv.numel() * sample.kv.element_size()
         self.pending_bytes += nbytes
-        blob = sample.stored if sample.stored is not None else blob
+        blob = sample.stored if sample.stored is not None else bytes(blob)
         task = asyncio.get_running_loop().create_task(self._measure(sample, blob, dtype, shape, tier))
         self._tasks.add(task)
 

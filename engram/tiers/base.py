@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from engram.block import BlockRecord
+from engram.block import BlockRecord, Payload
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class Tier(Protocol):
         """Bytes to reserve before writing this block (its payload, plus any per-block overhead)."""
         ...
 
-    async def write(self, rec: BlockRecord, payload: bytes, reserved: int) -> None:
+    async def write(self, rec: BlockRecord, payload: Payload, reserved: int) -> None:
         """Store a payload for which `reserved` bytes were reserved; the reservation is consumed whether
         the write succeeds or fails."""
         ...

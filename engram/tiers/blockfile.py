@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import lz4.block
 import xxhash
 
-from engram.block import BlockRecord
+from engram.block import BlockRecord, Payload
 from engram.errors import DataLoss
 from engram.layout import DType
 
@@ -68,7 +68,7 @@ def _meta_bytes(rec: BlockRecord) -> bytes:
     return b"".join(parts)
 
 
-def encode(rec: BlockRecord, payload: bytes, *, compress: bool) -> tuple[bytes, bytes]:
+def encode(rec: BlockRecord, payload: Payload, *, compress: bool) -> tuple[bytes, Payload]:
     """Header bytes and stored payload for a block. lz4 is kept only when it saves at least 10%: packed
     FP4 codes barely compress, and a wasted decompression on every read costs more than the bytes."""
     stored = payload

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from engram.block import BlockRecord
+from engram.block import BlockRecord, Payload
 from engram.errors import NotFound
 from engram.tiers.base import ByteBudget, TierUsage
 from engram.tiers.pool import PoolTier, auto_page_bytes
@@ -45,7 +45,7 @@ class DramTier(ByteBudget):
     def space_for(self, rec: BlockRecord) -> int:
         return rec.nbytes
 
-    async def write(self, rec: BlockRecord, payload: bytes, reserved: int) -> None:
+    async def write(self, rec: BlockRecord, payload: Payload, reserved: int) -> None:
         if rec.key in self._blocks:
             raise AssertionError("write of a key already in the tier; the store must dedupe first")
         self.unreserve(reserved)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from engram.block import BlockRecord
+from engram.block import BlockRecord, Payload
 from engram.errors import DataLoss, NotFound, StorageFull, StorageIOError
 from engram.lockfile import DaemonLock
 from engram.private import FILE_MODE, private_dir
@@ -162,7 +162,7 @@ class NvmeTier(ByteBudget):
     def space_for(self, rec: BlockRecord) -> int:
         return max_file_len(rec)
 
-    async def write(self, rec: BlockRecord, payload: bytes, reserved: int) -> None:
+    async def write(self, rec: BlockRecord, payload: Payload, reserved: int) -> None:
         """Write a block durably (group commit); `reserved` is what the caller reserved (`space_for`). Returns
         once the file is durable under its final name; raises StorageFull / StorageIOError otherwise."""
         final = self.path_of(rec.key)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engram.block import BlockRecord
+from engram.block import BlockRecord, Payload
 from engram.errors import NotFound
 from engram.tiers.base import TierUsage
 from engram.tiers.shm import SharedSegment
@@ -120,7 +120,7 @@ class PoolTier:
         self._reserved_bytes -= nbytes
         return runs.pop()
 
-    async def write(self, rec: BlockRecord, payload: bytes, reserved: int) -> None:
+    async def write(self, rec: BlockRecord, payload: Payload, reserved: int) -> None:
         run = self._take_reserved(reserved)
         if rec.key in self._slots:
             self.allocator.free(run)
