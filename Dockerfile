@@ -2,14 +2,16 @@
 FROM python:3.11-slim
 WORKDIR /opt/engram
 RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY engram ./engram
 COPY kernels ./kernels
 COPY cli ./cli
-# The C codecs (engram/codec/_cpu*.c) are compiled at install: a compiler for that step only.
+# The C codecs (engram/codec/_cpu*.c) are compiled at install, and so are the store's hot modules (mypyc,
+# ENGRAM_COMPILE=1: setup.py, engram/compiled.py): a compiler for that step only.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
- && pip install --no-cache-dir . \
- && (cd / && python -c "from engram.codec import _cpu") \
+ && ENGRAM_COMPILE=1 pip install --no-cache-dir . \
+ && (cd / && python -c "from engram.codec import _cpu; from engram import compiled; \
+assert set(compiled.status().values()) == {'compiled'}, compiled.status()") \
  && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/* \
  && useradd --system --uid 10001 --home-dir /opt/engram engram \
  && mkdir -p /data && chown engram /data

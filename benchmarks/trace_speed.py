@@ -4,7 +4,9 @@ Runs against whatever `engram` is importable, so the same command times an older
 PYTHONPATH=that/tree. --profile: cProfile of the first capacity's run, top functions by own time.
 --workload: the agent workload generator's trace (engram.trace.synth.agent_workload) instead of agent_trace;
 --file: a trace file (so an older tree without the generator replays the same trace).
-Blocks weigh 64 x 890 bytes (64 tokens of an FP4 global KV; the engram run's capacity is in blocks, so the
+Timed twice: the whole replay_all call (with the trace's ids made global and its keys hashed, once per call), and
+the run alone (PolicyResult.seconds: the replay through the store). Prints whether the store's modules run compiled
+(engram/compiled.py). Blocks weigh 64 x 890 bytes (64 tokens of an FP4 global KV; the engram run's capacity is in blocks, so the
 size changes no decision). Run: .venv/bin/python benchmarks/trace_speed.py [--workload] [--sessions N]
 [--capacity 32,256,4096] [--profile] [--json]"""
 
@@ -50,13 +52,18 @@ def main() -> None:
         r = replay_all(trace, [cap], 64 * 890, policies=("engram",))[0]
         dt = time.perf_counter() - t0
         rows.append({"capacity": cap, "requests": len(trace), "accesses": accesses, "hit_blocks": r.hit_blocks,
-                     "seconds": round(dt, 3), "accesses_per_s": round(accesses / dt)})
+                     "seconds": round(dt, 3), "accesses_per_s": round(accesses / dt),
+                     "replay_seconds": round(r.seconds, 3), "replay_accesses_per_s": round(accesses / r.seconds)})
+    from engram import compiled
+
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps({"store": compiled.summary(), "rows": rows}, indent=2))
         return
+    print(f"the store's modules: {compiled.summary()}")
     for row in rows:
         print(f"{row['capacity']:>6} blocks: {row['requests']} requests, {row['accesses']} accesses, "
-              f"{row['hit_blocks']} hits, {row['seconds']:.2f} s, {row['accesses_per_s']:,} accesses/s")
+              f"{row['hit_blocks']} hits, {row['seconds']:.2f} s, {row['accesses_per_s']:,} accesses/s; the run "
+              f"alone {row['replay_seconds']:.2f} s, {row['replay_accesses_per_s']:,}/s")
 
 
 if __name__ == "__main__":

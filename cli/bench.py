@@ -164,7 +164,9 @@ def trace(
             order = e.orders() if e.learned else "least recently used (not enough comebacks to learn from)"
             console.print(f"engram eviction at {_capacity(r)}: {order}; {e.comebacks:,} comebacks counted, "
                           f"{e.ghosts:,} deleted blocks remembered")
-    console.print(f"replayed in {total:.2f} s")
+    from engram import compiled
+
+    console.print(f"replayed in {total:.2f} s; the store's modules {compiled.summary()}")
 
 
 def _parse_contexts(text: str) -> tuple[int, ...]:

@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engram import compiled
 from engram.cluster import ClusterIndex
 from engram.codec.base import default_backend, resolve_default_codec
 from engram.collector import CollectorSchedule
@@ -267,9 +268,12 @@ async def _start(config: EngramConfig, store: BlockStore, sessions: SessionManag
             metrics.watch(store, sessions)
             metrics.start(s.metrics_host, s.metrics_port)
             log.info("engram metrics on http://%s:%d/metrics", s.metrics_host, metrics.port)
+        states = compiled.status()
         log.info("engram serving on %s", address, extra={"fields": {
             "address": address, "tiers": [t.name for t in store.tiers], "blocks": len(store),
-            "metrics_port": metrics.port if metrics else 0}})
+            "metrics_port": metrics.port if metrics else 0, "compiled": sorted(set(states.values()))}})
+        if compiled.STALE in states.values():
+            log.warning("the store's modules: %s", compiled.summary(states))
         if trust is not None:
             await _join_cluster(config, service, address, trust)
     except BaseException:  # a taken metrics port, an unreachable cluster: nothing is left listening
