@@ -251,6 +251,33 @@ def test_engram_hit_counts_are_pinned_so_a_replayer_change_cannot_move_a_decisio
     assert [r.hit_blocks for r in _engram(trace, [16, 32, 64, 256])] == [3292, 4236, 5987, 9263]
 
 
+def test_a_replay_freezes_survivors_as_the_daemon_does_and_leaves_nothing_frozen(monkeypatch: pytest.MonkeyPatch
+                                                                                   ) -> None:
+    # The engram run steps the daemon's collector schedule (engram/collector.py) on wall time; here every request,
+    # so a short run freezes many times. Decisions do not depend on it, and replay_all unfreezes at the end.
+    import gc
+
+    from engram.collector import CollectorSchedule
+    from engram.trace import replay as replay_module
+
+    trace = agent_trace(sessions=30, turns=6, seed=5)
+    plain = [r.hit_blocks for r in _engram(trace, [16, 128])]
+    steps: list[int] = []
+
+    class EveryRequest(CollectorSchedule):
+        def __init__(self) -> None:
+            super().__init__(freeze_s=0.0)
+
+        def step(self, now: float | None = None) -> None:
+            super().step(now)
+            steps.append(gc.get_freeze_count())
+
+    monkeypatch.setattr(replay_module, "CollectorSchedule", EveryRequest)
+    assert [r.hit_blocks for r in _engram(trace, [16, 128])] == plain == [2072, 4168]
+    assert len(steps) >= 2 * len(trace) - 2 and max(steps) > 0  # it froze, at (nearly) every request
+    assert gc.get_freeze_count() == 0
+
+
 def _small_workload(seed: int = 2) -> list[Request]:
     return agent_workload(sessions=4, seed=seed, system_blocks=8, tool_blocks=4, repo_blocks=6, turns=(4, 8),
                           tool_result_blocks=(1, 4), subagent_p=0.3)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import heapq
 import multiprocessing
 import queue as queue_module
@@ -57,6 +58,7 @@ import torch
 from engram import limits
 from engram.api import EvictionStats, SessionMode
 from engram.block import BlockHeader, checksum
+from engram.collector import CollectorSchedule
 from engram.errors import InvalidArgument, ResourceExhausted
 from engram.eviction import stats as eviction_stats
 from engram.keys import block_key_of_bytes
@@ -176,6 +178,17 @@ class _Run:
         self.live: dict[str, Session] = {}
         self.payload = bytes(layout.block_nbytes(_BT))
         self.checksum = checksum(self.payload)
+        self.collector = CollectorSchedule()  # the daemon's garbage-collector schedule, on wall time
+        self._collect_at = time.monotonic() + self.collector.freeze_s
+
+    def collect(self) -> None:
+        """What the daemon does every second (engram/collector.py): collect the young generations and freeze what
+        survived, so collections do not walk the whole index again and again (with CPython's default thresholds
+        they took 5-8% of a compiled replay at 1,000 blocks, 3-3.5% frozen). replay_all unfreezes after the run."""
+        now = time.monotonic()
+        if now >= self._collect_at:
+            self.collector.step(now)
+            self._collect_at = now + self.collector.freeze_s
 
     def session(self, r: Request, tokens: np.ndarray | None) -> Session | None:
         """The request's session (opened on its first request), or None."""
@@ -271,6 +284,7 @@ async def _engram_fast(trace: Sequence[Request], parent_of: Sequence[int], tiers
             run.closed(r)
         if progress and n % _PROGRESS_EVERY == 0:
             progress(_PROGRESS_EVERY)
+        run.collect()
     return await run.finish(hits, tiers, progress, len(trace))
 
 
@@ -308,6 +322,7 @@ async def _engram_verbs(trace: Sequence[Request], tiers: Sequence[TierSpec], lay
             run.closed(r)
         if progress and n % _PROGRESS_EVERY == 0:
             progress(_PROGRESS_EVERY)
+        run.collect()
     return await run.finish(hits, tiers, progress, len(trace))
 
 
@@ -408,6 +423,7 @@ def replay_all(trace: Sequence[Request], capacities: Sequence[int] = (), block_b
                 return asyncio.run(_engram_verbs(dense, specs, layout, nvme, progress, hints, prefetch_lead_ms))
         finally:
             torch.set_num_threads(threads)
+            gc.unfreeze()  # what the run's collector froze (run.collect) is the collector's again
 
     runs = [(label, cap, specs, name) for label, cap, specs in configs for name in policies]
 
