@@ -94,15 +94,22 @@ def compiled_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     build = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=root, text=True,
                            capture_output=True, timeout=900, env={**os.environ, "ENGRAM_COMPILE": "1"})
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
-    return root
+    # What goes on sys.path: the package and the compiled modules' shared runtime only, not the tree's root,
+    # whose kernels/ would shadow the `kernels` package transformers imports.
+    path = root / "path"
+    path.mkdir()
+    (path / "engram").symlink_to(root / "engram")
+    for lib in root.glob("engram_compiled__mypyc*"):
+        (path / lib.name).symlink_to(lib)
+    return path
 
 
-def _in(root: Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(root)}
+def _in(path: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(path)}
 
 
 def test_a_compiled_build_decides_as_the_interpreted_one(compiled_tree: Path) -> None:
-    script = compiled_tree / "replays.py"
+    script = compiled_tree.parent / "replays.py"
     script.write_text(_REPLAYS)
     out = subprocess.run([sys.executable, str(script)], cwd=NEUTRAL_CWD, env=_in(compiled_tree), text=True,
                          capture_output=True, timeout=600)
@@ -134,7 +141,7 @@ def test_a_compiled_daemon_serves_puts_from_the_data_channel(compiled_tree: Path
 
 
 def test_an_edited_source_makes_its_compiled_module_stale(compiled_tree: Path) -> None:
-    counters = compiled_tree / "engram" / "store" / "counters.py"
+    counters = compiled_tree / "engram" / "store" / "counters.py"  # (through the link: the tree's own file)
     original = counters.read_text()
     counters.write_text(original + "\n# edited after the build\n")
     try:
