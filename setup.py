@@ -22,7 +22,11 @@ COMPILED = ["engram/eviction.py", "engram/index.py", "engram/store/core.py", "en
 
 
 def _compiled_modules() -> list:  # list of setuptools Extension
-    from mypyc.build import mypycify  # mypy ships mypyc; a build without ENGRAM_COMPILE needs neither
+    try:
+        from mypyc.build import mypycify  # mypy ships mypyc; a build without ENGRAM_COMPILE needs neither
+    except ImportError:
+        raise SystemExit("ENGRAM_COMPILE=1 needs mypy (its mypyc) where the package is built: pyproject.toml's "
+                         "build requirements bring it, or `pip install mypy` before --no-build-isolation") from None
 
     root = Path(__file__).resolve().parent
     sources = {p[:-3].replace("/", "."): hashlib.sha256((root / p).read_bytes()).hexdigest() for p in COMPILED}

@@ -6,8 +6,8 @@ PYTHONPATH=that/tree. --profile: cProfile of the first capacity's run, top funct
 --file: a trace file (so an older tree without the generator replays the same trace).
 Timed twice: the whole replay_all call (with the trace's ids made global and its keys hashed, once per call), and
 the run alone (PolicyResult.seconds: the replay through the store). Prints whether the store's modules run compiled
-(engram/compiled.py). Blocks weigh 64 x 890 bytes (64 tokens of an FP4 global KV; the engram run's capacity is in blocks, so the
-size changes no decision). Run: .venv/bin/python benchmarks/trace_speed.py [--workload] [--sessions N]
+(engram/compiled.py). Blocks weigh 64 x 890 bytes (64 tokens of an FP4 global KV; the engram run's capacity is in
+blocks, so the size changes no decision). Run: .venv/bin/python benchmarks/trace_speed.py [--workload] [--sessions N]
 [--capacity 32,256,4096] [--profile] [--json]"""
 
 from __future__ import annotations

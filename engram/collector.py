@@ -34,6 +34,15 @@ class CollectorSchedule:
     freed_by_full: int = 0  # cyclic garbage the full collections found (frozen while it was alive)
     longest_full_s: float = 0.0
     _last_full: float = field(default_factory=time.monotonic)
+    _next: float = field(default_factory=time.monotonic)  # when step_if_due steps next
+
+    def step_if_due(self, now: float | None = None) -> None:
+        """`step` once freeze_s has passed since the last one: for a loop that does not yield to `run` (the trace
+        replayer's, whose awaits never suspend)."""
+        now = time.monotonic() if now is None else now
+        if now >= self._next:
+            self.step(now)
+            self._next = now + self.freeze_s
 
     def step(self, now: float | None = None) -> None:
         """One period: collect the young generations, freeze what survived; past full_s, a full collection."""

@@ -110,3 +110,15 @@ def test_engram_serve_runs_the_schedule(tmp_path: Path) -> None:
         proc.terminate()
         out, _ = proc.communicate(timeout=15)
     assert "full garbage collection" in out, out[-2000:]
+
+
+def test_step_if_due_steps_once_a_period_for_a_loop_that_never_yields() -> None:
+    sched = CollectorSchedule(freeze_s=1.0)
+    try:
+        t0 = sched._next
+        for t in (t0, t0 + 0.5, t0 + 0.99, t0 + 1.0, t0 + 1.5, t0 + 2.1):
+            sched.step_if_due(t)
+        assert sched.freezes == 3  # at t0, t0 + 1.0 and t0 + 2.1
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

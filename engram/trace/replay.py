@@ -178,17 +178,11 @@ class _Run:
         self.live: dict[str, Session] = {}
         self.payload = bytes(layout.block_nbytes(_BT))
         self.checksum = checksum(self.payload)
-        self.collector = CollectorSchedule()  # the daemon's garbage-collector schedule, on wall time
-        self._collect_at = time.monotonic() + self.collector.freeze_s
-
-    def collect(self) -> None:
-        """What the daemon does every second (engram/collector.py): collect the young generations and freeze what
-        survived, so collections do not walk the whole index again and again (with CPython's default thresholds
-        they took 5-8% of a compiled replay at 1,000 blocks, 3-3.5% frozen). replay_all unfreezes after the run."""
-        now = time.monotonic()
-        if now >= self._collect_at:
-            self.collector.step(now)
-            self._collect_at = now + self.collector.freeze_s
+        # The daemon's garbage-collector schedule (engram/collector.py), stepped after each request: every second
+        # the young generations are collected and what survived is frozen, so collections do not walk the whole
+        # index again and again (with CPython's default thresholds they took 5-8% of a compiled replay at 1,000
+        # blocks, 3-3.5% frozen). replay_all unfreezes after the run.
+        self.collector = CollectorSchedule()
 
     def session(self, r: Request, tokens: np.ndarray | None) -> Session | None:
         """The request's session (opened on its first request), or None."""
@@ -284,7 +278,7 @@ async def _engram_fast(trace: Sequence[Request], parent_of: Sequence[int], tiers
             run.closed(r)
         if progress and n % _PROGRESS_EVERY == 0:
             progress(_PROGRESS_EVERY)
-        run.collect()
+        run.collector.step_if_due()
     return await run.finish(hits, tiers, progress, len(trace))
 
 
@@ -322,7 +316,7 @@ async def _engram_verbs(trace: Sequence[Request], tiers: Sequence[TierSpec], lay
             run.closed(r)
         if progress and n % _PROGRESS_EVERY == 0:
             progress(_PROGRESS_EVERY)
-        run.collect()
+        run.collector.step_if_due()
     return await run.finish(hits, tiers, progress, len(trace))
 
 
@@ -423,7 +417,7 @@ def replay_all(trace: Sequence[Request], capacities: Sequence[int] = (), block_b
                 return asyncio.run(_engram_verbs(dense, specs, layout, nvme, progress, hints, prefetch_lead_ms))
         finally:
             torch.set_num_threads(threads)
-            gc.unfreeze()  # what the run's collector froze (run.collect) is the collector's again
+            gc.unfreeze()  # what the run's collector froze is the collector's again
 
     runs = [(label, cap, specs, name) for label, cap, specs in configs for name in policies]
 
