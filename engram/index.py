@@ -267,13 +267,18 @@ class ChainIndex:
         if meta.key in self._entries:
             raise AssertionError(f"block {meta.key.hex()} is already indexed")
         self._entries[meta.key] = meta
-        space = self._spaces.setdefault(meta.namespace, _Space())
+        space = self._spaces.get(meta.namespace)
+        if space is None:  # (not setdefault: that builds a _Space, and below a _Children, for every add)
+            space = self._spaces[meta.namespace] = _Space()
         space.entries[meta.key] = meta
         space.nbytes += meta.nbytes
         parent = space.entries.get(meta.parent)
         if parent is not None:
             parent.children += 1
-        space.children.setdefault(meta.parent, _Children()).add(meta)
+        siblings = space.children.get(meta.parent)
+        if siblings is None:
+            siblings = space.children[meta.parent] = _Children()
+        siblings.add(meta)
         for listener in self.listeners:
             listener("add", meta)
 

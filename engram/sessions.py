@@ -269,22 +269,29 @@ class SessionManager:
 
     def hold_blocks(self, s: Session, blocks: Sequence[BlockMeta]) -> None:
         """Move the session's references to `blocks`, its prefix's stored blocks as `hold` resolves them (the
-        trace replayer resolves them by key: BlockStore.lookup_keys)."""
+        trace replayer resolves them by key: BlockStore.lookup_keys). Only what follows the first block where
+        the two differ is compared by key: a long context whose tail was evicted and stored again costs its
+        tail, not its whole length (a chain's keys are unique, so the common part's keys occur nowhere after)."""
         held = s.held
-        n = len(held)
-        if n <= len(blocks) and all(map(operator.is_, blocks, held.values())):
+        same = list(map(operator.is_, blocks, held.values()))
+        k = same.index(False) if False in same else len(same)
+        if k == len(held):
             # The common case, a session's next turn: its prefix grew. Only the new blocks take a reference.
-            tail = blocks[n:]
+            tail = blocks[k:]
             self.store.reference(tail, +1, s.expected)
             for m in tail:
                 held[m.key] = m
             return
-        now = {m.key: m for m in blocks}
-        dropped = [m for k, m in held.items() if now.get(k) is not m]
+        old = list(itertools.islice(held.values(), k, None))
+        new = {m.key: m for m in blocks[k:]}
+        dropped = [m for m in old if new.get(m.key) is not m]
+        taken = [m for m in new.values() if held.get(m.key) is not m]
         self.store.reference(dropped, -1, s.expected)
         self._hand_back(s, dropped)
-        self.store.reference([m for k, m in now.items() if held.get(k) is not m], +1, s.expected)
-        s.held = now
+        self.store.reference(taken, +1, s.expected)
+        for m in old:
+            del held[m.key]
+        held.update(new)
 
     def _hand_back(self, s: Session, dropped: Sequence[BlockMeta]) -> None:
         """Blocks the session let go of that its parent still holds point at the parent's hint again (a
@@ -617,6 +624,8 @@ class SessionManager:
         """A block left the memory tiers: every hot session whose prefix holds it is cold now, and its rebuilt
         window goes (a window beside blocks that load from NVMe saves little, and holds memory the hot sessions
         need). Persisted windows stay: nothing could rebuild them. At most max_hot_windows dictionary probes."""
+        if not self._hot:
+            return  # no session holds a rebuilt window (a replay's, or a daemon's without SWA models)
         for key in [k for k in self._hot if meta.key in self._sessions[k].held]:
             s = self._sessions[key]
             self._cool(s)

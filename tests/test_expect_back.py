@@ -243,14 +243,10 @@ def test_the_hint_orders_pick_equals_its_definition(cands: list[tuple[int, Any, 
 # ---- prefetch: a hinted session's blocks come up before it is due --------------------------------------------
 
 
-class LowerTier(DramTier):
-    name = "nvme"  # a tier below DRAM, kept in memory
-
-
 async def two_tiers(top_blocks: int) -> tuple[BlockStore, bytes, SessionManager, Clock, int]:
     spec = tiny_model()
     nb = spec.layout.block_nbytes(spec.layout.block_tokens)
-    store = BlockStore([DramTier(top_blocks * nb), LowerTier(64 * nb)], ModelRegistry(default_codec="raw"))
+    store = BlockStore([DramTier(top_blocks * nb), DramTier(64 * nb, name="nvme")], ModelRegistry(default_codec="raw"))
     fp = store.registry.register(spec)
     clock = Clock()
     store.placement.model.clock_ms = clock

@@ -13,10 +13,6 @@ from engram.tiers.dram import DramTier
 from tests.helpers import dram_store, put_tokens, tiny_model, tokens
 
 
-class _Lower(DramTier):
-    name = "nvme"  # a second tier below the top one, kept in memory
-
-
 def _counts(store: BlockStore) -> list[tuple[str, int, int, int]]:
     return [(name, t.hits, t.served_bytes, t.misses) for name, t in sorted(store.counters.tiers.items())]
 
@@ -54,7 +50,7 @@ async def test_a_corrupt_top_copy_is_never_served_by_a_batch_read() -> None:
 async def test_a_block_below_the_top_tier_is_served_from_there_and_promoted() -> None:
     spec = tiny_model()
     nbytes = spec.layout.block_nbytes(spec.layout.block_tokens)
-    store = BlockStore([DramTier(2 * nbytes), _Lower(8 * nbytes)], ModelRegistry(default_codec="raw"))
+    store = BlockStore([DramTier(2 * nbytes), DramTier(8 * nbytes, name="nvme")], ModelRegistry(default_codec="raw"))
     fp = store.registry.register(spec)
     chain = await put_tokens(store, "ns", fp, tokens(3 * 16, seed=5))
     assert [m.locations for m in chain] == [["nvme"], ["dram"], ["dram"]]  # the first was demoted

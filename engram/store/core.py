@@ -99,7 +99,9 @@ class BlockStore:
             self.placement.model.min_evidence = 1 << 62
         self._quota_pending: dict[str, int] = {}  # bytes of puts in flight, per namespace
         self._held: dict[str, int] = {}  # bytes a namespace holds outside the index (persisted windows)
-        self._pending: dict[bytes, asyncio.Event] = {}  # puts in flight, by key
+        # Puts in flight, by key, each with the events of the puts of the same block waiting for it (made only
+        # when one waits: most puts have none, and an asyncio.Event per put cost a microsecond each)
+        self._pending: dict[bytes, list[asyncio.Event]] = {}
         self.background: set[asyncio.Task[None]] = set()  # work started by recovery; cancelled by close
         # Blocks held only in volatile tiers go to NVMe in the background (the loss window; engram/store/flusher.py).
         self.flusher = Flusher(self, window_s=write_back_window_s, window_bytes=write_back_window_bytes) \
@@ -326,8 +328,10 @@ class BlockStore:
         sampled from, is measured once stored (engram/store/quality.py)."""
         if self.flusher is not None and self.write_policy == WritePolicy.WRITE_BACK:
             await self.flusher.admit(len(payload))  # the loss window's byte bound: wait for the disk
-        while (pending := self._pending.get(key)) is not None:
-            await pending.wait()  # the same block is being stored by another put: dedupe against it
+        while (waiting := self._pending.get(key)) is not None:
+            done = asyncio.Event()  # the same block is being stored by another put: dedupe against it
+            waiting.append(done)
+            await done.wait()
         existing = self.index.get_in(namespace, key)
         if existing is not None:
             if existing.tokens != tokens:
@@ -349,7 +353,8 @@ class BlockStore:
         )
         self.placement.model.arrive(meta)
         self._charge_quota(namespace, len(payload), index)
-        done = self._pending[key] = asyncio.Event()
+        waiters: list[asyncio.Event] = []
+        self._pending[key] = waiters
         # Until the block is indexed its parent is a leaf, which making room could delete, orphaning the new
         # block: count the coming child now (the parent may still be demoted: it stays reachable).
         if pmeta is not None:
@@ -373,7 +378,8 @@ class BlockStore:
                         placement.victims[name].leaf_again(pmeta)
             del self._pending[key]
             self._quota_pending[namespace] -= len(payload)
-            done.set()
+            for w in waiters:
+                w.set()
         self.counters.blocks_put += 1
         if sample is not None:  # measured off the loop; this put does not wait (engram/store/quality.py)
             self.quality.measure_later(sample, payload, dtype, shape,

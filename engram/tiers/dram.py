@@ -10,7 +10,8 @@ from pathlib import Path
 
 from engram.block import BlockRecord, Payload
 from engram.errors import NotFound
-from engram.tiers.base import ByteBudget, TierUsage
+from engram.tiers.base import TierUsage
+from engram.tiers.budget import ByteBudget
 from engram.tiers.pool import PoolTier, auto_page_bytes
 from engram.tiers.shm import SharedSegment
 from engram.tiers.slots import SlotAllocator
@@ -28,10 +29,12 @@ def shared_dram_tier(capacity: int, shm_dir: str | Path = "/dev/shm", page_bytes
 
 
 class DramTier(ByteBudget):
-    name = "dram"
+    """Payloads as bytes objects in a dict. `name`: the tier's place in a store's chain ("dram"; a test or the
+    trace replayer may stand it in for a lower tier, "nvme", without files)."""
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, name: str = "dram") -> None:
         super().__init__(capacity_bytes, "DRAM")
+        self.name = name
         self._blocks: dict[bytes, bytes] = {}
         # The payload without an await (BlockStore.read_views' batch reads), or None: the dict's own get.
         self.read_now: Callable[[bytes], bytes | None] = self._blocks.get

@@ -37,7 +37,7 @@ from engram.block import BlockRecord, Payload
 from engram.errors import DataLoss, NotFound, StorageFull, StorageIOError
 from engram.lockfile import DaemonLock
 from engram.private import FILE_MODE, private_dir
-from engram.tiers.base import ByteBudget, TierUsage
+from engram.tiers.base import TierUsage
 from engram.tiers.blockfile import (
     decode_header,
     decode_payload,
@@ -46,6 +46,7 @@ from engram.tiers.blockfile import (
     max_file_len,
     read_header,
 )
+from engram.tiers.budget import ByteBudget
 from engram.tiers.groupcommit import GroupCommitter, WriteJob
 from engram.tiers.journal import IndexJournal
 
