@@ -387,6 +387,10 @@ async def test_moving_references_to_a_grown_prefix_or_to_another_one() -> None:
     assert [m.refs for m in a] == [1, 1, 1, 1] and list(s.held) == [m.key for m in a]
     sm.hold_blocks(s, a[:1] + b)  # another prefix (sharing nothing but a[0] in this list)
     assert [m.refs for m in a] == [1, 0, 0, 0] and [m.refs for m in b] == [1, 1]
+    assert list(s.held) == [a[0].key] + [m.key for m in b]  # in the prefix's order
+    sm.hold_blocks(s, a)  # back, and past where the two part
+    sm.hold_blocks(s, a[:2])  # shorter: the tail's references go
+    assert [m.refs for m in a] == [1, 1, 0, 0] and [m.refs for m in b] == [0, 0] and list(s.held) == [a[0].key, a[1].key]
     sm.hold_blocks(s, [])
     assert all(m.refs == 0 for m in a + b)
 
