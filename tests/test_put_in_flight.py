@@ -13,6 +13,7 @@ from engram.errors import Unavailable
 from engram.registry import ModelRegistry
 from engram.store import BlockStore
 from engram.tiers.dram import DramTier
+
 from helpers import put_tokens, tiny_model, tokens
 
 
