@@ -17,8 +17,7 @@ import hashlib
 import importlib.util
 from pathlib import Path
 
-MODULES = ("engram.eviction", "engram.index", "engram.store.core", "engram.store.placement", "engram.store.counters",
-           "engram.tiers.budget", "engram.tiers.dram")
+MODULES = ("engram.eviction", "engram.index", "engram.store.core", "engram.store.placement", "engram.store.counters")
 
 COMPILED, INTERPRETED, STALE = "compiled", "interpreted", "stale"
 

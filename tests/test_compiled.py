@@ -125,6 +125,43 @@ def test_a_compiled_build_decides_as_the_interpreted_one(compiled_tree: Path) ->
     assert expected[2] == expected[3]  # fast path and verbs agree, in both builds
 
 
+_IMPORT_ALL = """
+import importlib, inspect, pkgutil, sys, engram
+def compiled(cls):  # a class of one of the package's compiled modules
+    module = sys.modules.get(cls.__module__)
+    return cls.__module__.startswith("engram.") and getattr(module, "__file__", "").endswith(".so")
+failed = []
+for m in pkgutil.walk_packages(engram.__path__, "engram."):
+    if m.name.endswith("__main__"):
+        continue
+    try:
+        mod = importlib.import_module(m.name)
+    except ModuleNotFoundError as exc:  # an optional integration's framework (vllm) not installed here
+        if (exc.name or "").startswith("engram"):
+            failed.append(f"{m.name}: {exc}")
+        continue
+    except Exception as exc:
+        failed.append(f"{m.name}: {type(exc).__name__}: {exc}")
+        continue
+    for name, cls in inspect.getmembers(mod, inspect.isclass):
+        if cls.__module__ == m.name and not compiled(cls):
+            bad = [base.__qualname__ for base in cls.__mro__[1:] if compiled(base)]
+            if bad:
+                failed.append(f"{m.name}.{name} subclasses compiled {bad}")
+print("\\n".join(failed))
+"""
+
+
+def test_no_interpreted_class_subclasses_a_compiled_one(compiled_tree: Path) -> None:
+    # An interpreted subclass of a compiled class imports, then raises TypeError at its first instance: compiling
+    # tiers/budget.py once broke every daemon with an NVMe tier (NvmeTier subclasses ByteBudget). Every module of
+    # the package is imported beside the compiled ones and its classes checked.
+    out = subprocess.run([sys.executable, "-c", _IMPORT_ALL], cwd=NEUTRAL_CWD, env=_in(compiled_tree), text=True,
+                         capture_output=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "", out.stdout
+
+
 def test_a_compiled_daemon_serves_puts_from_the_data_channel(compiled_tree: Path, tmp_path: Path) -> None:
     # The data channel hands the store a view of its receive buffer: an annotation that said `bytes` there was a
     # TypeError in compiled code. The API reference's example puts and gets through it.
