@@ -2,7 +2,7 @@
 
 Everything else is in pyproject.toml (the package, its dependencies, the C codec extension). The compiled modules
 are the same source as the interpreted ones, typed and checked by mypy; compiled, the index, the eviction order and
-the store's put and read paths run 1.9-3.0x faster (benchmarks/RESULTS.md trace_speed), which is what the trace
+the store's put and read paths run about 2-3x faster (benchmarks/RESULTS.md trace_speed), which is what the trace
 replayer spends its time in. `engram.compiled` says at run time which modules run compiled, and which were
 compiled from a source that has changed since (an editable install, compiled once, then edited: the compiled
 module would still run; it is reported stale).

@@ -2,7 +2,7 @@
 
 `ENGRAM_COMPILE=1 pip install .` compiles them with mypyc (setup.py): the same source, typed and checked by mypy,
 turned into C, so that the per-block work of a lookup, a put and an eviction costs less interpreter time (the trace
-replayer runs 1.9-3.0x faster; benchmarks/RESULTS.md trace_speed). A plain install runs them interpreted; both
+replayer runs about 2-3x faster; benchmarks/RESULTS.md trace_speed). A plain install runs them interpreted; both
 behave the same (tests/test_compiled.py builds the compiled ones and replays traces through both).
 
 Compiled code differs in two ways a developer meets: argument types are checked at run time (an annotation that
