@@ -18,7 +18,7 @@ from setuptools import setup
 
 # Keep in step with engram/compiled.py's MODULES (tests/test_compiled.py checks they agree).
 COMPILED = ["engram/eviction.py", "engram/index.py", "engram/store/core.py", "engram/store/placement.py",
-            "engram/store/counters.py"]
+            "engram/store/counters.py", "engram/tiers/budget.py", "engram/tiers/dram.py"]
 
 
 def _compiled_modules() -> list:  # list of setuptools Extension

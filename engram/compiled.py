@@ -17,7 +17,8 @@ import hashlib
 import importlib.util
 from pathlib import Path
 
-MODULES = ("engram.eviction", "engram.index", "engram.store.core", "engram.store.placement", "engram.store.counters")
+MODULES = ("engram.eviction", "engram.index", "engram.store.core", "engram.store.placement", "engram.store.counters",
+           "engram.tiers.budget", "engram.tiers.dram")
 
 COMPILED, INTERPRETED, STALE = "compiled", "interpreted", "stale"
 

@@ -306,6 +306,11 @@ class ChainIndex:
                 return meta, parent
         return meta, None
 
+    def has_partial_children(self, namespace: str, parent: bytes) -> bool:
+        space = self._spaces.get(namespace)
+        kids = None if space is None else space.children.get(parent)
+        return kids is not None and bool(kids.partials)
+
     def partial_children(self, namespace: str, parent: bytes) -> list[BlockMeta]:
         space = self._spaces.get(namespace)
         kids = None if space is None else space.children.get(parent)

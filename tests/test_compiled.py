@@ -154,8 +154,8 @@ print("\\n".join(failed))
 
 def test_no_interpreted_class_subclasses_a_compiled_one(compiled_tree: Path) -> None:
     # An interpreted subclass of a compiled class imports, then raises TypeError at its first instance: compiling
-    # tiers/budget.py once broke every daemon with an NVMe tier (NvmeTier subclasses ByteBudget). Every module of
-    # the package is imported beside the compiled ones and its classes checked.
+    # tiers/budget.py once broke every daemon with an NVMe tier (NvmeTier subclassed ByteBudget; it holds one now).
+    # Every module of the package is imported beside the compiled ones and its classes checked.
     out = subprocess.run([sys.executable, "-c", _IMPORT_ALL], cwd=NEUTRAL_CWD, env=_in(compiled_tree), text=True,
                          capture_output=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -21,7 +21,7 @@ import enum
 import time
 import typing
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -67,8 +67,10 @@ class WritePolicy(enum.StrEnum):
     WRITE_THROUGH = "write-through"  # a put is acknowledged once it is also in the next tier (durable)
 
 
-@dataclass(frozen=True)
-class PutOutcome:
+class PutOutcome(NamedTuple):
+    """What a put of one block did. A named tuple, as BlockRecord (engram/block.py): every put builds one, and a
+    frozen dataclass costs three times as much to build."""
+
     key: bytes
     stored: bool  # False: the block was already present (deduplicated)
     durable: bool = True  # False: write-through acknowledged it without a durable copy (engram/store/durable.py)
@@ -386,7 +388,7 @@ class BlockStore:
                                        meta.locations[0] if meta.locations else placement.tiers[0].name)
         if self.flusher is not None and not durable.is_durable(placement, meta):
             self.flusher.note(meta, now=not ok)  # write-back's window; or write-through degraded: at once
-        if meta.full:
+        if meta.full and self.index.has_partial_children(namespace, parent):
             await self._drop_superseded_partials(meta)
         return PutOutcome(key, stored=True, durable=ok)
 

@@ -17,7 +17,6 @@ that may write the pool is trusted with it, as one that may read it is (docs/ARC
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import secrets
 import time
@@ -216,7 +215,7 @@ class InPlacePuts:
                 tail.children += 1
                 res.parent, res.done = tail, False
         not_durable = await store.after_put([r.meta for r in batch if r.meta.locations])
-        return [dataclasses.replace(o, durable=False) if o.key in not_durable else o for o in out]
+        return [o._replace(durable=False) if o.key in not_durable else o for o in out]
 
     async def _seal(self, batch: Sequence[Reserved]) -> None:
         """Verify each slot holds what was reserved, fill in a v1 block's body and header checksums, and take

@@ -62,3 +62,16 @@ class Tier(Protocol):
     def usage(self) -> TierUsage: ...
 
     async def close(self) -> None: ...
+
+
+class ImmediateTier(Protocol):
+    """A tier whose write and delete never wait (memory: the DRAM pool, HBM, the private DRAM dict), so that its
+    async `write` and `delete` only call these. The store's placement calls them directly for such tiers
+    (engram/store/placement.py): a miss into a full tier writes one copy and deletes another, and a coroutine
+    for each measured 6% of a put's cost in the compiled store (benchmarks/put_cost.py). A subclass that changes
+    `write` or `delete` must change these too; a wrapper that forwards attributes is not taken for one (the
+    placement asks the class)."""
+
+    def write_now(self, rec: BlockRecord, payload: Payload, reserved: int) -> None: ...
+
+    def delete_now(self, key: bytes) -> int: ...

@@ -49,12 +49,16 @@ class DramTier(ByteBudget):
         return rec.nbytes
 
     async def write(self, rec: BlockRecord, payload: Payload, reserved: int) -> None:
+        self.write_now(rec, payload, reserved)
+
+    def write_now(self, rec: BlockRecord, payload: Payload, reserved: int) -> None:
+        """`write` without a coroutine (ImmediateTier): a dict entry never waits."""
         if rec.key in self._blocks:
             raise AssertionError("write of a key already in the tier; the store must dedupe first")
         self.unreserve(reserved)
         # kept as it is: a caller's reused buffer (the data channel's) is copied, bytes are not
         self._blocks[rec.key] = payload if isinstance(payload, bytes) else bytes(payload)
-        self._stored += len(payload)
+        self.stored += len(payload)
 
     async def read(self, key: bytes) -> bytes:
         try:
@@ -63,10 +67,13 @@ class DramTier(ByteBudget):
             raise NotFound(f"block {key.hex()} is not in the DRAM tier") from None
 
     async def delete(self, key: bytes) -> int:
+        return self.delete_now(key)
+
+    def delete_now(self, key: bytes) -> int:
         payload = self._blocks.pop(key, None)
         if payload is None:
             return 0
-        self._stored -= len(payload)
+        self.stored -= len(payload)
         return len(payload)
 
     def usage(self) -> TierUsage:
@@ -74,4 +81,4 @@ class DramTier(ByteBudget):
 
     async def close(self) -> None:
         self._blocks.clear()
-        self._stored = 0
+        self.stored = 0

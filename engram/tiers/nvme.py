@@ -96,14 +96,14 @@ class _Checked:
 FaultHook = Callable[[str, Path], None]
 
 
-class NvmeTier(ByteBudget):
+class NvmeTier:
     name = "nvme"
     durable = True  # survives the process: write-through puts are acknowledged once a copy is here
 
     def __init__(self, root: str | Path, capacity_bytes: int, *, compression: bool = False, io_threads: int = 4,
                  fsync: bool = True, journal: bool = True, verify_on_start: bool = False,
                  group_commit_blocks: int = 64) -> None:
-        super().__init__(capacity_bytes, "NVMe")
+        self.budget = ByteBudget(capacity_bytes, "NVMe")  # held, not inherited: ByteBudget runs compiled
         self.root = Path(root)
         self.blocks_dir = self.root / "blocks"
         self.tmp_dir = self.root / "tmp"
@@ -128,6 +128,20 @@ class NvmeTier(ByteBudget):
 
     # ---- accounting ------------------------------------------------------------------------------
 
+    @property
+    def capacity_bytes(self) -> int:
+        return self.budget.capacity_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.budget.used_bytes
+
+    def reserve(self, nbytes: int) -> bool:
+        return self.budget.reserve(nbytes)
+
+    def unreserve(self, nbytes: int) -> None:
+        self.budget.unreserve(nbytes)
+
     def __contains__(self, key: object) -> bool:
         return key in self._files
 
@@ -135,7 +149,7 @@ class NvmeTier(ByteBudget):
         return len(self._files)
 
     def usage(self) -> TierUsage:
-        return TierUsage(self.name, self._capacity, self.used_bytes, len(self._files))
+        return TierUsage(self.name, self.capacity_bytes, self.used_bytes, len(self._files))
 
     def path_of(self, key: bytes) -> Path:
         h = key.hex()
@@ -217,9 +231,9 @@ class NvmeTier(ByteBudget):
     def _add(self, f: _File) -> None:
         old = self._files.get(f.rec.key)
         if old is not None:
-            self._stored -= old.size
+            self.budget.stored -= old.size
         self._files[f.rec.key] = f
-        self._stored += f.size
+        self.budget.stored += f.size
 
     async def _discard_when_done(self, job: WriteJob) -> None:
         with contextlib.suppress(Exception):
@@ -262,7 +276,7 @@ class NvmeTier(ByteBudget):
         f = self._files.pop(key, None)
         if f is None:
             return 0
-        self._stored -= f.size
+        self.budget.stored -= f.size
         self.unverified.discard(key)
         path = self.path_of(key)
 
@@ -475,7 +489,7 @@ class NvmeTier(ByteBudget):
         its file); without one (or with tiers.nvme.verify_on_start) every file is read."""
         report, files, trusted, entries = await self._run(self._recover_sync)
         self._files.clear()
-        self._stored = 0
+        self.budget.stored = 0
         for f in files:
             self._add(f)
         self.unverified = set(trusted)
@@ -529,7 +543,7 @@ class NvmeTier(ByteBudget):
         """Drop a block from the accounting after its file was removed by a check."""
         f = self._files.pop(key, None)
         if f is not None:
-            self._stored -= f.size
+            self.budget.stored -= f.size
         self.unverified.discard(key)
         if self._journal_open:
             self._journal.remove(key)  # type: ignore[union-attr]

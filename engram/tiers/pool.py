@@ -121,6 +121,10 @@ class PoolTier:
         return runs.pop()
 
     async def write(self, rec: BlockRecord, payload: Payload, reserved: int) -> None:
+        self.write_now(rec, payload, reserved)
+
+    def write_now(self, rec: BlockRecord, payload: Payload, reserved: int) -> None:
+        """`write` without a coroutine (ImmediateTier): a copy into the pool's memory never waits."""
         run = self._take_reserved(reserved)
         if rec.key in self._slots:
             self.allocator.free(run)
@@ -180,6 +184,9 @@ class PoolTier:
         return memoryview(region.numpy()) if region.device.type == "cpu" else None  # type: ignore[arg-type]
 
     async def delete(self, key: bytes) -> int:
+        return self.delete_now(key)
+
+    def delete_now(self, key: bytes) -> int:
         slot = self._slots.pop(key, None)
         if slot is None:
             return 0
