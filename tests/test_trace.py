@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import json
 import random
@@ -22,6 +23,7 @@ from engram.trace import (
     agent_trace,
     block_tokens_of,
     read_trace,
+    replay,
     replay_all,
     write_trace,
 )
@@ -345,6 +347,25 @@ def test_runs_in_processes_give_the_same_figures_and_progress_as_one_after_anoth
         assert dataclasses.replace(a, seconds=0) == dataclasses.replace(b, seconds=0)
     assert sum(counted[1]) == sum(counted[3]) == 9 * len(trace)
     assert seen[-1] == ("9 runs", "3 at a time")  # announced once when they run at once
+
+
+def test_forked_runs_never_collect_what_they_inherited() -> None:
+    # A forked worker's collector must not walk the parent's objects (other threads' objects may be mid-change in
+    # the copy: a worker crashed collecting them once). They are frozen before the fork and stay frozen in the
+    # worker, also after an engram run, whose collector schedule unfreezes when it ends in a plain process.
+    trace = _small_workload()
+    parent_objects = len(gc.get_objects())
+
+    def run(i: int, progress: Any) -> Any:
+        inherited = gc.get_freeze_count()
+        replay_all(trace, [8], block_bytes=4096, policies=("engram",))
+        return inherited, gc.get_freeze_count()
+
+    got = replay._in_processes(run, 3, 2, None)
+    for inherited, after in got:
+        assert inherited >= parent_objects // 2, (inherited, parent_objects)
+        assert after >= inherited
+    assert gc.get_freeze_count() == 0  # the parent's collector has its objects back
 
 
 def test_bench_trace_jobs(tmp_path: Path) -> None:

@@ -422,7 +422,8 @@ def replay_all(trace: Sequence[Request], capacities: Sequence[int] = (), block_b
                 return asyncio.run(_engram_verbs(dense, specs, layout, nvme, progress, hints, prefetch_lead_ms))
         finally:
             torch.set_num_threads(threads)
-            gc.unfreeze()  # what the run's collector froze is the collector's again
+            if not _IN_WORKER:  # what the run's collector froze is the collector's again (a forked worker
+                gc.unfreeze()  # keeps what it inherited frozen: _in_processes says why)
 
     runs = [(label, cap, specs, name) for label, cap, specs in configs for name in policies]
 
@@ -453,6 +454,12 @@ def replay_all(trace: Sequence[Request], capacities: Sequence[int] = (), block_b
 
 
 _FORKED: tuple[Callable[[int, Progress | None], PolicyResult], Any] | None = None  # what a forked worker runs
+_IN_WORKER = False  # this process is one of _in_processes' forked workers
+
+
+def _worker_started() -> None:
+    global _IN_WORKER
+    _IN_WORKER = True
 
 
 def _forked_run(i: int) -> PolicyResult:
@@ -464,13 +471,23 @@ def _forked_run(i: int) -> PolicyResult:
 def _in_processes(run: Callable[[int, Progress | None], PolicyResult], n: int, jobs: int,
                   progress: Progress | None) -> list[PolicyResult]:
     """run(0) .. run(n - 1), `jobs` at a time in forked processes (each inherits the trace: nothing is pickled
-    but the results); their progress comes back through a queue."""
+    but the results); their progress comes back through a queue.
+
+    Everything the parent holds is frozen (`gc.freeze`) before the fork, and a worker never unfreezes it: a
+    worker's collector then walks only what the worker made. Forking copies one thread of a process that may run
+    others (gRPC's, in a process that served or called before; OpenMP's), whose objects may be mid-change in the
+    copy: in a test run, after tests that ran gRPC servers, a worker crashed in its collector (a segmentation
+    fault while collecting in `_belady`; gRPC logged that it skipped its fork handlers), and twice one hung.
+    Not walking them also keeps the trace's pages shared with the parent instead of copied into every worker
+    (the collector writes to each object it visits), as the gc module's documentation advises for fork."""
     global _FORKED
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
     _FORKED = (run, queue)
+    gc.freeze()
     try:
-        with concurrent.futures.ProcessPoolExecutor(min(jobs, n), mp_context=ctx) as pool:
+        with concurrent.futures.ProcessPoolExecutor(min(jobs, n), mp_context=ctx,
+                                                    initializer=_worker_started) as pool:
             futures = [pool.submit(_forked_run, i) for i in range(n)]
             while True:
                 finished = all(f.done() for f in futures)
@@ -486,6 +503,7 @@ def _in_processes(run: Callable[[int, Progress | None], PolicyResult], n: int, j
             return [f.result() for f in futures]
     finally:
         _FORKED = None
+        gc.unfreeze()
 
 
 def fmt_bytes(n: int) -> str:
