@@ -96,6 +96,26 @@ async def test_demotion_then_promotion_keeps_every_block_readable(tmp_path: Path
     await store.close()
 
 
+async def test_a_full_last_tier_on_disk_deletes_its_victims_files(tmp_path: Path) -> None:
+    # DRAM demotes into an NVMe tier that is full itself: NVMe, the last tier, deletes leaves, and a deletion
+    # there is awaited (file I/O), unlike one from memory (Placement.delete_block_now hands it back).
+    store = await make_store(tmp_path, dram_blocks=4, nvme_blocks=8)
+    seqs = [tokens(3 * BLOCK_TOKENS, seed=s) for s in range(8)]
+    kvs = [random_kv(SPEC, len(t), seed=s) for s, t in enumerate(seqs)]
+    for t, kv in zip(seqs, kvs, strict=True):
+        await put_seq(store, t, kv)
+    dram, nvme = store.tiers
+    assert store.counters.tiers["nvme"].evictions > 0
+    assert nvme.used_bytes <= nvme.capacity_bytes
+    assert len(block_files(tmp_path)) == len(nvme)  # a deleted block's file is gone with it
+    assert all(m.locations for m in store.index)  # every indexed block has a copy somewhere
+    on_disk = {m.key for m in store.index if "nvme" in m.locations}
+    assert {p.stem for p in block_files(tmp_path)} == {k.hex() for k in on_disk}
+    found = sum(len(store.lookup(NS, SPEC.fingerprint, t).blocks) for t in seqs)
+    assert found == len(store.index)  # prefix closure: every block kept is reachable from its root
+    await store.close()
+
+
 async def test_write_through_puts_every_block_on_disk(tmp_path: Path) -> None:
     store = await make_store(tmp_path, dram_blocks=64, write_policy="write-through")
     t = tokens(4 * BLOCK_TOKENS + 3)
