@@ -110,6 +110,8 @@ def trace(
         requests = read_trace(file)
     except (OSError, InvalidArgument) as exc:
         raise fail(f"cannot read the trace: {exc}", EXIT_BAD_INPUT) from None
+    if not requests:
+        raise fail(f"{file} holds no requests: nothing to replay", EXIT_BAD_INPUT)
     requests, late = in_time_order(requests)
     if late:
         err_console.print(f"[yellow]warning:[/] {late} of {len(requests)} requests come before the one above "

@@ -219,6 +219,12 @@ def test_bench_trace_takes_the_block_size_from_the_trace(tmp_path: Path) -> None
     assert res.exit_code == 4 and "cannot tell the block size" in res.output
 
 
+def test_bench_trace_says_an_empty_trace_holds_nothing_to_replay(tmp_path: Path) -> None:
+    (tmp_path / "empty.jsonl").write_text("")
+    res = _bench(tmp_path / "empty.jsonl", "--capacity", "10", "--block-tokens", "16")
+    assert res.exit_code == 4 and "holds no requests" in res.output
+
+
 def test_block_tokens_are_the_power_of_two_every_request_allows() -> None:
     assert block_tokens_of([Request(0, (1, 2), 1024), Request(1, (1, 2, 3), 1100)]) == 512
     assert block_tokens_of([Request(0, (1, 2), 600), Request(1, (1, 2, 3), 1100)]) == 512  # 300-599 and 367-599
