@@ -7,8 +7,9 @@ PYTHONPATH=that/tree. --profile: cProfile of the first capacity's run, top funct
 Timed twice: the whole replay_all call (with the trace's ids made global and its keys hashed, once per call), and
 the run alone (PolicyResult.seconds: the replay through the store). Prints whether the store's modules run compiled
 (engram/compiled.py). Blocks weigh 64 x 890 bytes (64 tokens of an FP4 global KV; the engram run's capacity is in
-blocks, so the size changes no decision). Run: .venv/bin/python benchmarks/trace_speed.py [--workload] [--sessions N]
-[--capacity 32,256,4096] [--profile] [--json]"""
+blocks, so the size changes no decision). --policy lru or belady times the replayer's plain simulators instead.
+Prints the process's peak resident memory (the trace included). Run: .venv/bin/python benchmarks/trace_speed.py
+[--workload] [--sessions N] [--capacity 32,256,4096] [--policy engram] [--profile] [--json]"""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import argparse
 import cProfile
 import json
 import pstats
+import resource
 import time
 
 from engram.trace import agent_trace, replay_all
@@ -27,6 +29,7 @@ def main() -> None:
     ap.add_argument("--capacity", default="32,256,4096")
     ap.add_argument("--workload", action="store_true")
     ap.add_argument("--file", help="replay this trace file instead (e.g. one `engram trace synth` wrote)")
+    ap.add_argument("--policy", default="engram", choices=("engram", "lru", "belady"))
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -44,22 +47,25 @@ def main() -> None:
     caps = [int(c) for c in args.capacity.split(",")]
     if args.profile:
         prof = cProfile.Profile()
-        prof.runcall(replay_all, trace, caps[:1], 64 * 890, policies=("engram",))
+        prof.runcall(replay_all, trace, caps[:1], 64 * 890, policies=(args.policy,))
         pstats.Stats(prof).sort_stats("tottime").print_stats(20)
     rows = []
     for cap in caps:
         t0 = time.perf_counter()
-        r = replay_all(trace, [cap], 64 * 890, policies=("engram",))[0]
+        r = replay_all(trace, [cap], 64 * 890, policies=(args.policy,))[0]
         dt = time.perf_counter() - t0
         rows.append({"capacity": cap, "requests": len(trace), "accesses": accesses, "hit_blocks": r.hit_blocks,
                      "seconds": round(dt, 3), "accesses_per_s": round(accesses / dt),
                      "replay_seconds": round(r.seconds, 3), "replay_accesses_per_s": round(accesses / r.seconds)})
     from engram import compiled
 
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024  # Linux: KiB
+
     if args.json:
-        print(json.dumps({"store": compiled.summary(), "rows": rows}, indent=2))
+        print(json.dumps({"store": compiled.summary(), "policy": args.policy, "rows": rows,
+                          "peak_rss_mb": peak_mb}, indent=2))
         return
-    print(f"the store's modules: {compiled.summary()}")
+    print(f"policy {args.policy}; the store's modules: {compiled.summary()}; peak resident memory {peak_mb} MB")
     for row in rows:
         print(f"{row['capacity']:>6} blocks: {row['requests']} requests, {row['accesses']} accesses, "
               f"{row['hit_blocks']} hits, {row['seconds']:.2f} s, {row['accesses_per_s']:,} accesses/s; the run "
