@@ -139,7 +139,8 @@ def trace(
                                                         "block_bytes": nbytes} for r in results], indent=2))
         return
     size = f"{bt} tokens" if bt else "? tokens"
-    table = Table(title=f"{file}: {len(requests)} requests, {results[0].requested_blocks} blocks requested, "
+    n = len(requests)
+    table = Table(title=f"{file}: {n:,} request{'' if n == 1 else 's'}, {results[0].requested_blocks:,} blocks requested, "
                         f"blocks of {size} = {nbytes:,} bytes", title_justify="left")
     for col in ("capacity (blocks)", "policy", "hit blocks", "hit %", "GB missed", "seconds", "accesses/s"):
         table.add_column(col, justify="right")
