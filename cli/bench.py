@@ -91,7 +91,7 @@ def trace(
     if capacity is None:
         capacity = "" if tiers else "256,1024,4096"
     try:
-        caps = [int(c) for c in capacity.split(",") if c.strip()]
+        caps = list(dict.fromkeys(int(c) for c in capacity.split(",") if c.strip()))  # each capacity once
     except ValueError:
         raise fail(f"--capacity takes block counts like 256,1024, got {capacity!r}", EXIT_BAD_INPUT) from None
     if (not caps and not tiers) or (caps and min(caps) <= 0):

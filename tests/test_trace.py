@@ -273,6 +273,15 @@ def test_bench_trace_says_an_empty_trace_holds_nothing_to_replay(tmp_path: Path)
     assert res.exit_code == 4 and "holds no requests" in res.output
 
 
+def test_bench_trace_refuses_a_tier_smaller_than_one_block_and_runs_a_repeated_capacity_once(tmp_path: Path) -> None:
+    write_trace(tmp_path / "t.jsonl", [Request(0, (1, 2, 3), 1536), Request(1, (1, 2, 4), 1536)])
+    res = _bench(tmp_path / "t.jsonl", "--dram", "1MiB", "--nvme", "1KB", "--policy", "lru")
+    assert res.exit_code == 4 and "nvme tier's 1000B hold no block of" in " ".join(res.output.split()), res.output
+    res = _bench(tmp_path / "t.jsonl", "--capacity", "10,4,10", "--policy", "lru", "--json")
+    assert res.exit_code == 0, res.output
+    assert [r["capacity_blocks"] for r in json.loads(res.stdout)] == [10, 4]
+
+
 def test_block_tokens_are_the_power_of_two_every_request_allows() -> None:
     assert block_tokens_of([Request(0, (1, 2), 1024), Request(1, (1, 2, 3), 1100)]) == 512
     assert block_tokens_of([Request(0, (1, 2), 600), Request(1, (1, 2, 3), 1100)]) == 512  # 300-599 and 367-599

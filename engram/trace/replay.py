@@ -427,6 +427,10 @@ def replay_all(trace: Sequence[Request], capacities: Sequence[int] = (), block_b
     nbytes = layout.block_nbytes(_BT)
     configs: list[tuple[str, int, list[TierSpec]]] = [
         (f"{c} blocks", c, [TierSpec("dram", c * nbytes)]) for c in capacities]
+    small = [t for t in tiers or () if t.capacity_bytes < nbytes]
+    if small:
+        raise InvalidArgument(f"the {small[0].name} tier's {fmt_bytes(small[0].capacity_bytes)} hold no block of "
+                              f"{nbytes:,} bytes: give each tier at least one block")
     if tiers:
         tiers = sorted(tiers, key=lambda t: TIER_NAMES.index(t.name) if t.name in TIER_NAMES else -1)  # fastest first
         label = " + ".join(f"{t.name} {fmt_bytes(t.capacity_bytes)}" for t in tiers)
