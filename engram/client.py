@@ -204,11 +204,14 @@ class EngramClient(ControlClient):
 
     # ---- lookup / put / get --------------------------------------------------------------------
 
-    async def lookup(self, fingerprint: bytes, tokens: Sequence[int] | np.ndarray, *, namespace: str | None = None
-                     ) -> LookupResult:
-        """How many leading tokens are cached, and the blocks holding them (no KV moves)."""
+    async def lookup(self, fingerprint: bytes, tokens: Sequence[int] | np.ndarray, *, namespace: str | None = None,
+                     probe: bool = False) -> LookupResult:
+        """How many leading tokens are cached, and the blocks holding them (no KV moves). A lookup is a use
+        of each block, which the daemon's eviction order learns from; probe: only the answer (no use counted,
+        no age restarted), for a caller whose read of the blocks follows (GetPrefix counts it) or who only
+        checks what it need not send."""
         req = pb.LookupRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint,
-                               tokens=convert.tokens_to_pb(tokens))
+                               tokens=convert.tokens_to_pb(tokens), probe=probe)
         return convert.from_pb(LookupResult, await self._call(self._stub.Lookup(req)))
 
     def give_way_to(self, gate: LoadGate | None) -> None:
@@ -263,7 +266,7 @@ class EngramClient(ControlClient):
         all_keys = [k for k, _, _ in chain_keys(key_ns, fingerprint, arr, bt, salt)]
         first = 0
         if skip_cached:
-            hit = await self.lookup(fingerprint, arr, namespace=ns)
+            hit = await self.lookup(fingerprint, arr, namespace=ns, probe=True)  # not a read: counts no use
             # Only whole cached blocks can be skipped: a cached partial tail is superseded by what we send.
             first = sum(1 for b in hit.blocks if b.num_tokens == bt and b.key in all_keys)
         if first == len(all_keys):

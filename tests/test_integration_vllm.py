@@ -253,6 +253,28 @@ def test_a_saved_prompt_is_reported_cached_and_loads_bit_exact_into_scattered_bl
     assert torch.isnan(second.caches[NAMES[0]][untouched]).all()
 
 
+def test_the_schedulers_lookups_count_no_use_and_the_load_counts_one_per_block(engines: Any) -> None:
+    # vLLM asks every step a request waits; the daemon's eviction order learns from comebacks, so only the
+    # load (GetPrefix) may count one, and the save's own question (what need not be sent) none.
+    first = engines()
+    shared = prompt(5 * BS + 3)
+    first.run("a", shared)
+    second = engines()
+    longer = shared + prompt(20, seed=9)
+
+    def comebacks() -> int:
+        return int(second.client.stats().eviction.comebacks)
+
+    before = comebacks()
+    for _ in range(3):
+        assert second.scheduler.num_new_matched_tokens(Request("b", longer), 0) == (5 * BS, False)
+    assert comebacks() == before
+    ext, _, meta = second.run("b", longer)
+    assert ext == 5 * BS
+    loaded = second.client.lookup(second.scheduler.fingerprint, meta.loads[0].token_ids, probe=True)
+    assert len(loaded.blocks) >= 2 and comebacks() == before + len(loaded.blocks)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the H200)")
 def test_cuda_caches_save_and_load_bit_exact(engines: Any) -> None:

@@ -129,6 +129,34 @@ async def test_lru_evicts_a_chain_from_its_tail(server_factory) -> None:  # type
         assert (await client.lookup(fp, a)).matched_tokens == 2 * BLOCK_TOKENS
 
 
+async def test_a_probe_answers_as_a_lookup_but_counts_no_use_and_restarts_no_age(server_factory) -> None:  # type: ignore[no-untyped-def]
+    # A client's put asks what is cached (a probe), and vLLM's scheduler asks again every step a request
+    # waits: counted as uses, such questions told the eviction order of reuse that never happened.
+    spec = tiny_model()
+    block_bytes = spec.layout.block_nbytes(BLOCK_TOKENS)
+    for probe in (True, False):
+        srv = await server_factory(**{"tiers.dram.capacity": 8 * block_bytes})
+        async with EngramClient(srv.address) as client:
+            fp = await client.register_model(spec)
+            a, b, c = (tokens(4 * BLOCK_TOKENS, seed=s) for s in (1, 2, 3))
+            kv_a = random_kv(spec, len(a), seed=1)
+            await client.put(fp, a, kv_a)
+            await client.put(fp, b, random_kv(spec, len(b), seed=2))
+            before = await client.stats()
+            asked = await client.lookup(fp, a, probe=probe)
+            assert asked.matched_tokens == len(a) and len(asked.blocks) == 4
+            again = await client.put(fp, a, kv_a)  # its own question is a probe: a's blocks are not sent again
+            assert (again.skipped, again.stored) == (4, 0)
+            after = await client.stats()
+            uses = 0 if probe else 4
+            assert after.lookups == before.lookups + (not probe)
+            assert after.eviction.comebacks == before.eviction.comebacks + uses
+            await client.put(fp, c, random_kv(spec, len(c), seed=3))  # room for 4 more: the 4 oldest go
+            kept, gone = (b, a) if probe else (a, b)  # a probe left a's ages as they were: a is the oldest
+            assert (await client.lookup(fp, kept, probe=True)).matched_tokens == len(kept)
+            assert (await client.lookup(fp, gone, probe=True)).matched_tokens == 0
+
+
 async def test_pinned_blocks_survive_eviction(server_factory) -> None:  # type: ignore[no-untyped-def]
     spec = tiny_model()
     block_bytes = spec.layout.block_nbytes(BLOCK_TOKENS)

@@ -176,11 +176,13 @@ class EngramService:
         check_limit("Lookup tokens", len(req.tokens), self.config.max_tokens_per_request)
         ns = namespace_for(context, req.namespace)
         tokens = convert.tokens_from_pb(req.tokens)
-        match = self.store.lookup(ns, req.model_fingerprint, tokens)
+        # A probe asks without using: the eviction order counts the read that follows, once (LookupRequest.probe).
+        find = self.store.match if req.probe else self.store.lookup
+        match = find(ns, req.model_fingerprint, tokens)
         if self.peers is not None:  # the cluster tier: fetch the missing full blocks from peers
             have = sum(m.num_tokens for m in match.blocks if m.full)
             if await self.peers.fill(ns, req.model_fingerprint, tokens, have):
-                match = self.store.lookup(ns, req.model_fingerprint, tokens)
+                match = find(ns, req.model_fingerprint, tokens)
         return pb.LookupResponse(matched_tokens=match.matched_tokens, blocks=_refs(match.blocks))
 
     @unary

@@ -146,8 +146,8 @@ class BlockStore:
         return root_key(namespace, model_fingerprint, self.namespaces.salt(namespace))
 
     def match(self, namespace: str, model_fingerprint: bytes, tokens: Sequence[int] | np.ndarray) -> PrefixMatch:
-        """The stored prefix of `tokens`, without counting a lookup or touching recency (inspection, and
-        sessions re-resolving what they reference)."""
+        """The stored prefix of `tokens`, without counting a lookup or touching recency (inspection, sessions
+        re-resolving what they reference, and a client's probe: LookupRequest.probe)."""
         spec = self.spec(model_fingerprint)
         return self.index.match(namespace, model_fingerprint, np.asarray(tokens, dtype="<i4"),
                                 spec.layout.block_tokens, self.namespaces.salt(namespace))

@@ -126,14 +126,16 @@ class RegisterModelResponse(_message.Message):
     def __init__(self, model_fingerprint: _Optional[bytes] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "model_fingerprint", "tokens")
+    __slots__ = ("namespace", "model_fingerprint", "tokens", "probe")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     model_fingerprint: bytes
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    probe: bool
+    def __init__(self, namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., tokens: _Optional[_Iterable[int]] = ..., probe: _Optional[bool] = ...) -> None: ...
 
 class BlockRef(_message.Message):
     __slots__ = ("key", "num_tokens", "tier", "nbytes")

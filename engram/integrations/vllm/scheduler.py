@@ -120,7 +120,8 @@ class EngramScheduler:
             return 0, False
         prompt = list(request.prompt_token_ids)
         try:
-            res = self.client.lookup(self.fingerprint, prompt, namespace=self.namespace)
+            # A probe: vLLM asks again each step a request waits; the worker's load (GetPrefix) is the one use.
+            res = self.client.lookup(self.fingerprint, prompt, namespace=self.namespace, probe=True)
         except EngramError as exc:  # the daemon is down or refuses: the request runs as a miss
             self.lookup_failures += 1
             log.warning("Engram lookup for request %s failed, computing it in full: %s", req_id, exc)
