@@ -177,12 +177,12 @@ class EngramService:
         ns = namespace_for(context, req.namespace)
         tokens = convert.tokens_from_pb(req.tokens)
         # A probe asks without using: the eviction order counts the read that follows, once (LookupRequest.probe).
-        find = self.store.match if req.probe else self.store.lookup
-        match = find(ns, req.model_fingerprint, tokens)
+        use = not req.probe
+        match = self.store.lookup(ns, req.model_fingerprint, tokens, use=use)
         if self.peers is not None:  # the cluster tier: fetch the missing full blocks from peers
             have = sum(m.num_tokens for m in match.blocks if m.full)
             if await self.peers.fill(ns, req.model_fingerprint, tokens, have):
-                match = find(ns, req.model_fingerprint, tokens)
+                match = self.store.lookup(ns, req.model_fingerprint, tokens, use=use)
         return pb.LookupResponse(matched_tokens=match.matched_tokens, blocks=_refs(match.blocks))
 
     @unary

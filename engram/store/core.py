@@ -146,20 +146,23 @@ class BlockStore:
         return root_key(namespace, model_fingerprint, self.namespaces.salt(namespace))
 
     def match(self, namespace: str, model_fingerprint: bytes, tokens: Sequence[int] | np.ndarray) -> PrefixMatch:
-        """The stored prefix of `tokens`, without counting a lookup or touching recency (inspection, sessions
-        re-resolving what they reference, and a client's probe: LookupRequest.probe)."""
+        """The stored prefix of `tokens`, without counting a lookup or touching recency (inspection, and
+        sessions re-resolving what they reference)."""
         spec = self.spec(model_fingerprint)
         return self.index.match(namespace, model_fingerprint, np.asarray(tokens, dtype="<i4"),
                                 spec.layout.block_tokens, self.namespaces.salt(namespace))
 
-    def lookup(self, namespace: str, model_fingerprint: bytes, tokens: Sequence[int] | np.ndarray) -> PrefixMatch:
-        """`match`, counted as a lookup, and a use of every matched block."""
+    def lookup(self, namespace: str, model_fingerprint: bytes, tokens: Sequence[int] | np.ndarray, *,
+               use: bool = True) -> PrefixMatch:
+        """`match`, counted as a lookup, and a use of every matched block; use=False: a client's probe
+        (LookupRequest.probe), counted as a lookup but not as a use (the read that follows is the use)."""
         arr = np.asarray(tokens, dtype="<i4")
         match = self.match(namespace, model_fingerprint, arr)
         self.counters.lookups += 1
         self.counters.lookup_hit_tokens += match.matched_tokens
         self.counters.lookup_miss_tokens += len(arr) - match.matched_tokens
-        self.placement.use_all(match.blocks)
+        if use:
+            self.placement.use_all(match.blocks)
         return match
 
     def lookup_keys(self, namespace: str, model_fingerprint: bytes, keys: Sequence[bytes]) -> PrefixMatch:
