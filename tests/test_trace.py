@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import gc
 import itertools
@@ -11,11 +13,15 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from engram.cli.main import app
-from engram.errors import InvalidArgument
+from engram.client import EngramClient
+from engram.errors import InvalidArgument, ResourceExhausted
+from engram.layout import ModelSpec
 from engram.trace import (
     PolicyResult,
     Request,
@@ -28,6 +34,7 @@ from engram.trace import (
     write_trace,
 )
 from engram.trace.formats import check_sessions, prefix_ids
+from engram.trace.replay import layout_for
 from engram.trace.synth import AgentWorkload, agent_workload
 
 
@@ -619,3 +626,45 @@ def test_conversation_trace_turns_resend_their_history_and_are_in_time_order() -
             assert r.hash_ids[: len(prev)] == prev and 1 <= len(r.hash_ids) - len(prev) <= 4
         by_first[r.hash_ids[2]] = r.hash_ids
     assert len(by_first) == 50 and len(trace) > 50
+
+
+@pytest.mark.parametrize("sessions", [False, True])
+async def test_a_trace_replayed_through_a_daemon_over_grpc_hits_what_the_replayer_counts(server_factory: Any,
+                                                                                        sessions: bool) -> None:
+    # The replayer's figures stand for a daemon only if a worker's protocol makes the same decisions: one
+    # GetPrefix per request (the use), then a put of what missed (its own question a probe), then the
+    # session's append (its references). Same tier (a private DRAM dict of `cap` blocks), model and
+    # namespace, so the same keys, sample draws and ties.
+    trace = agent_trace(sessions=10, turns=5, seed=5)
+    if not sessions:
+        trace = [dataclasses.replace(r, session="", parent="", close=False) for r in trace]
+    dense, _ = prefix_ids(trace)
+    bb, bt = 4096, 16
+    layout = layout_for(bb)
+    for cap in (12, 40):
+        want = (await asyncio.to_thread(replay_all, trace, [cap], bb, policies=("engram",)))[0]  # its own loop
+        srv = await server_factory(**{"tiers.dram.pool": "private", "tiers.dram.capacity": cap * layout.block_nbytes(bt)})
+        async with EngramClient(srv.address, namespace="trace") as c:
+            fp = await c.register_model(ModelSpec(name="trace", weights_id="trace", layout=layout, codec="raw"))
+            hits = 0
+            told: dict[str, int] = {}  # tokens each open session was sent
+            for r in dense:
+                toks = np.repeat(np.asarray(r.hash_ids, dtype=np.int64) % (2**31 - 1), bt).astype(np.int32)
+                n, _ = await c.get_prefix(fp, toks)
+                hits += n // bt
+                if n < len(toks):
+                    kv = torch.zeros(layout.block_shape(len(toks)), dtype=layout.dtype.torch_dtype)
+                    with contextlib.suppress(ResourceExhausted):  # the request alone outgrows the tier
+                        await c.put(fp, toks, kv)
+                if r.session:
+                    if r.session not in told:
+                        await c.open_session(fp, mode="persist", session_id=r.session)
+                        told[r.session] = 0
+                    await c.append_session(r.session, toks[told[r.session]:])  # a session's requests extend it
+                    told[r.session] = len(toks)
+                    if r.close:
+                        await c.close_session(r.session)
+                        del told[r.session]
+            stats = await c.stats()
+        assert hits == want.hit_blocks, (cap, hits, want.hit_blocks)
+        assert stats.tiers[0].evictions == want.tiers[0].evictions > 0
