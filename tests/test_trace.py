@@ -628,27 +628,38 @@ def test_conversation_trace_turns_resend_their_history_and_are_in_time_order() -
     assert len(by_first) == 50 and len(trace) > 50
 
 
-@pytest.mark.parametrize("sessions", [False, True])
+@pytest.mark.parametrize("kind", ["no sessions", "sessions", "hints"])
 async def test_a_trace_replayed_through_a_daemon_over_grpc_hits_what_the_replayer_counts(server_factory: Any,
-                                                                                        sessions: bool) -> None:
+                                                                                        kind: str) -> None:
     # The replayer's figures stand for a daemon only if a worker's protocol makes the same decisions: one
     # GetPrefix per request (the use), then a put of what missed (its own question a probe), then the
-    # session's append (its references). Same tier (a private DRAM dict of `cap` blocks), model and
-    # namespace, so the same keys, sample draws and ties.
-    trace = agent_trace(sessions=10, turns=5, seed=5)
-    if not sessions:
+    # session's append (its references, and its hint of when it is back). Same tier (a private DRAM dict of
+    # `cap` blocks), model and namespace, so the same keys, sample draws and ties; the daemon's clock reads
+    # trace time, as the replayer's does, so that hints fall due alike.
+    caps = (12, 40)
+    if kind == "hints":  # sub-agents as sessions of their own: a worker has no verb that names a parent
+        trace = [dataclasses.replace(r, parent="") for r in agent_workload(
+            sessions=8, seed=3, system_blocks=8, tool_blocks=4, repo_blocks=6, turns=(4, 8), tool_result_blocks=(1, 4),
+            subagent_p=0.3)]
+        caps = (48, 64)  # where the hints change the replayer's hits (7,361 against 7,317 without at 64)
+    else:
+        trace = agent_trace(sessions=10, turns=5, seed=5)
+    if kind == "no sessions":
         trace = [dataclasses.replace(r, session="", parent="", close=False) for r in trace]
     dense, _ = prefix_ids(trace)
+    now_ms = 0.0
     bb, bt = 4096, 16
     layout = layout_for(bb)
-    for cap in (12, 40):
+    for cap in caps:
         want = (await asyncio.to_thread(replay_all, trace, [cap], bb, policies=("engram",)))[0]  # its own loop
         srv = await server_factory(**{"tiers.dram.pool": "private", "tiers.dram.capacity": cap * layout.block_nbytes(bt)})
+        srv.store.placement.model.clock_ms = lambda: now_ms
         async with EngramClient(srv.address, namespace="trace") as c:
             fp = await c.register_model(ModelSpec(name="trace", weights_id="trace", layout=layout, codec="raw"))
             hits = 0
             told: dict[str, int] = {}  # tokens each open session was sent
             for r in dense:
+                now_ms = float(r.timestamp)
                 toks = np.repeat(np.asarray(r.hash_ids, dtype=np.int64) % (2**31 - 1), bt).astype(np.int32)
                 n, _ = await c.get_prefix(fp, toks)
                 hits += n // bt
@@ -660,7 +671,7 @@ async def test_a_trace_replayed_through_a_daemon_over_grpc_hits_what_the_replaye
                     if r.session not in told:
                         await c.open_session(fp, mode="persist", session_id=r.session)
                         told[r.session] = 0
-                    await c.append_session(r.session, toks[told[r.session]:])  # a session's requests extend it
+                    await c.append_session(r.session, toks[told[r.session]:], expect_back_ms=r.back_ms)  # they extend it
                     told[r.session] = len(toks)
                     if r.close:
                         await c.close_session(r.session)
@@ -668,3 +679,5 @@ async def test_a_trace_replayed_through_a_daemon_over_grpc_hits_what_the_replaye
             stats = await c.stats()
         assert hits == want.hit_blocks, (cap, hits, want.hit_blocks)
         assert stats.tiers[0].evictions == want.tiers[0].evictions > 0
+        assert stats.eviction.hint_weight == pytest.approx(want.eviction.hint_weight)  # > 0 with hints
+        assert (stats.eviction.hint_weight > 0) == (kind == "hints")
