@@ -647,19 +647,19 @@ async def test_a_trace_replayed_through_a_daemon_over_grpc_hits_what_the_replaye
     if kind == "no sessions":
         trace = [dataclasses.replace(r, session="", parent="", close=False) for r in trace]
     dense, _ = prefix_ids(trace)
-    now_ms = 0.0
+    clock = [0.0]  # trace time, ms
     bb, bt = 4096, 16
     layout = layout_for(bb)
     for cap in caps:
         want = (await asyncio.to_thread(replay_all, trace, [cap], bb, policies=("engram",)))[0]  # its own loop
         srv = await server_factory(**{"tiers.dram.pool": "private", "tiers.dram.capacity": cap * layout.block_nbytes(bt)})
-        srv.store.placement.model.clock_ms = lambda: now_ms
+        srv.store.placement.model.clock_ms = lambda: clock[0]
         async with EngramClient(srv.address, namespace="trace") as c:
             fp = await c.register_model(ModelSpec(name="trace", weights_id="trace", layout=layout, codec="raw"))
             hits = 0
             told: dict[str, int] = {}  # tokens each open session was sent
             for r in dense:
-                now_ms = float(r.timestamp)
+                clock[0] = float(r.timestamp)
                 toks = np.repeat(np.asarray(r.hash_ids, dtype=np.int64) % (2**31 - 1), bt).astype(np.int32)
                 n, _ = await c.get_prefix(fp, toks)
                 hits += n // bt
