@@ -24,7 +24,7 @@ from engram.replay import (
     reconstruct_swa,
     window_error,
 )
-from engram.replay.hf import HFReplayModel, tiny_gemma3, tiny_gpt_oss, tiny_mistral
+from engram.replay.hf import HFReplayModel, cache_kwarg, tiny_gemma3, tiny_gpt_oss, tiny_mistral
 
 EXACT_TOL = 1e-12  # relative to the reference's largest |x|; measured 4e-17..4e-16
 P = 40
@@ -91,9 +91,10 @@ def test_decode_after_replay_matches_hf_incremental_decode(hf) -> None:
     rec = reconstruct_swa(model, tokens, pre.stored_global_kv(P), prefix_len=P)
     out = decode_next(model, tokens[P], pre.stored_global_kv(P), rec.window)
     with torch.inference_mode():
-        cache = DynamicCache(config=model.model.config)
-        first = model.model(input_ids=tokens[None, :P], cache=cache, use_cache=True)
-        step = model.model(input_ids=tokens[None, P:], cache=first.cache, use_cache=True).logits[0, -1]
+        cache = DynamicCache(config=model.model.config)  # filled in place by both calls
+        kw = cache_kwarg(model.model)  # `cache` from transformers 5.2x, `past_key_values` before
+        model.model(input_ids=tokens[None, :P], use_cache=True, **{kw: cache})
+        step = model.model(input_ids=tokens[None, P:], use_cache=True, **{kw: cache}).logits[0, -1]
         full = model.model(input_ids=tokens[None]).logits[0, -1]
     scale = step.abs().max().item()
     assert (out.logits - step).abs().max().item() <= EXACT_TOL * scale

@@ -32,7 +32,6 @@ linear), MLA models with sliding layers, and the indexer keys of DeepSeek-V3.2 (
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 from typing import Any
 
@@ -44,6 +43,7 @@ from engram.destinations import ContiguousKV, KVDestination, StreamsKV
 from engram.errors import InvalidArgument
 from engram.integrations.sessions import SessionLink
 from engram.layout import Axis, DType, KVLayout, LayerKind, LayerSpec, ModelSpec, StreamSpec
+from engram.replay.hf import cache_kwarg
 
 _KINDS = {"full_attention": LayerKind.GLOBAL, "sliding_attention": LayerKind.SLIDING}
 
@@ -232,6 +232,3 @@ def generate(model: Any, input_ids: Tensor, cache: EngramPrefixCache, *, session
     return out
 
 
-def cache_kwarg(model: Any) -> str:
-    """The name a model's forward takes its cache by: `cache` from transformers 5.2x, `past_key_values` before."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

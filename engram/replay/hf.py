@@ -6,7 +6,8 @@ included (whatever the layer just computed for those positions is ignored), and 
 SWA past it was given (none, to start a replay). The cache also records what the span produced, so a prefill
 through it yields every layer's KV.
 
-Checked against transformers 5.24: forward takes `cache=` and returns `outputs.cache`; layers are
+Checked against transformers 5.24: forward takes `cache=` (`past_key_values=` before 5.2x, e.g. 5.17:
+`cache_kwarg` picks the name the model takes) and returns `outputs.cache`; layers are
 `cache.layers[i]` with `.keys` / `.values` of shape (B, n_kv, T, d_h); masks are sized from
 `cache.get_mask_sizes` and `cache.get_query_offset`. transformers is imported lazily: the rest of
 engram.replay works without it.
@@ -21,6 +22,7 @@ whose layer types are not full/sliding attention (linear attention, chunked atte
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -156,6 +158,12 @@ def _stored_layout(x: Tensor) -> Tensor:
     return x[0].transpose(0, 1).contiguous()  # (1, n_kv, T, d_h) -> (T, n_kv, d_h)
 
 
+def cache_kwarg(model: Any) -> str:
+    """The name a model's forward takes its cache by: `cache` from transformers 5.2x, `past_key_values` before (a
+    cache passed under the other name is swallowed by **kwargs, and the model makes its own)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 # Config keys that say how this process runs the model, not what the model computes: left out of its identity so
 # that a worker (sdpa on its GPU) and the daemon (eager on its CPU) that load the same checkpoint agree.
 _RUNTIME_KEYS = frozenset({"transformers_version", "_name_or_path", "_attn_implementation",
@@ -173,6 +181,7 @@ class HFReplayModel:
 
     def __init__(self, model: Any) -> None:
         self.model = model.eval()
+        self._cache_kwarg = cache_kwarg(model)
         dtype = next(model.parameters()).dtype
         self._spec = replay_spec_from_config(model.config, dtype)
 
@@ -234,7 +243,7 @@ class HFReplayModel:
                 layers.append(swa[-1])
         cache = cache_cls(layers)
         positions = torch.arange(start, end, device=self.device)[None]
-        out = self.model(input_ids=tokens[None], position_ids=positions, cache=cache, use_cache=True)
+        out = self.model(input_ids=tokens[None], position_ids=positions, use_cache=True, **{self._cache_kwarg: cache})
         swa_kv = tuple((_stored_layout(torch.cat([k for k, _ in w.produced], -2)),
                         _stored_layout(torch.cat([v for _, v in w.produced], -2))) for w in swa)
         empty = torch.empty(0, spec.n_kv_heads, spec.head_dim, dtype=spec.dtype, device=self.device)
