@@ -86,6 +86,24 @@ def test_replay_reads_stored_global_kv(hf) -> None:
     assert window_error(b.window, a.window) > 1e-6
 
 
+def test_the_replay_hands_its_cache_by_the_name_the_models_forward_takes(hf, monkeypatch: pytest.MonkeyPatch) -> None:
+    # transformers before 5.2x (5.17 on the GPU image) names it past_key_values and swallows an unknown `cache`
+    # into **kwargs, making a cache of its own: the replay then read nothing back. A forward of that older shape:
+    _, model, tokens, pre = hf
+    lm = model.model
+    new_name, forward = cache_kwarg(lm), lm.forward
+
+    def older(input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, past_key_values: object = None,
+              use_cache: bool | None = None, **ignored: object) -> object:
+        return forward(input_ids=input_ids, position_ids=position_ids, use_cache=use_cache,
+                       **{new_name: past_key_values})
+
+    monkeypatch.setattr(lm, "forward", older)
+    assert cache_kwarg(lm) == "past_key_values"
+    rec = reconstruct_swa(HFReplayModel(lm), tokens, pre.stored_global_kv(P), ReplayMode.exact(), prefix_len=P)
+    assert window_error(rec.window, pre.swa_window(P)) <= EXACT_TOL
+
+
 def test_decode_after_replay_matches_hf_incremental_decode(hf) -> None:
     _, model, tokens, pre = hf
     rec = reconstruct_swa(model, tokens, pre.stored_global_kv(P), prefix_len=P)
