@@ -141,9 +141,7 @@ def _tiers(specs: Sequence[TierSpec], nvme_dir: Path | None) -> list[Tier]:
     if set(names) - set(TIER_NAMES) or len(set(names)) != len(names) or not names:
         raise InvalidArgument(f"tiers are some of {', '.join(TIER_NAMES)}, each once; got {names}")
     out: list[Tier] = []
-    for t in sorted(specs, key=lambda t: order[t.name]):
-        if t.capacity_bytes <= 0:
-            raise InvalidArgument(f"the {t.name} tier needs a positive capacity, got {t.capacity_bytes}")
+    for t in sorted(specs, key=lambda t: order[t.name]):  # each holds a block at least: replay_all checked
         if t.name == "hbm":
             out.append(hbm_tier(t.capacity_bytes, device="cpu"))
         elif t.name == "dram":
