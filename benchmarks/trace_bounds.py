@@ -7,9 +7,11 @@ an oracle, part of what the optimum knows:
 - flag_depth: the same, then the deepest block first.
 If an order that knows which blocks come back still falls short of a target, no online policy that only
 predicts reuse (admission, frequency, reuse classes) meets it: what is missing is *when* blocks come back.
-Also prints the optimum's hits by return age (how long after its last use a hit block came back) and, for
-predicting reuse online, how often the blocks a request adds are used again by what the store can see of the
-request (a continuing conversation or a first turn, its last block).
+Beside them, the classic online policies of benchmarks/classic_policies.py (LIRS, ARC, S3-FIFO) on the same
+trace and scoring, so the store's order can be set against the literature's. Also prints the optimum's hits by
+return age (how long after its last use a hit block came back) and, for predicting reuse online, how often the
+blocks a request adds are used again by what the store can see of the request (a continuing conversation or a
+first turn, its last block).
 Run: .venv/bin/python benchmarks/trace_bounds.py TRACE.jsonl [--capacity 1000,10000]"""
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ from collections.abc import Callable, Sequence
 from engram.errors import EngramError
 from engram.trace import in_time_order, read_trace
 from engram.trace.formats import Request, prefix_ids
+
+try:
+    from benchmarks.classic_policies import POLICIES, replay
+except ImportError:  # run as a script: benchmarks/ is sys.path[0]
+    from classic_policies import POLICIES, replay  # type: ignore[no-redef]
 
 NEVER = 1 << 62
 # (request index, depth in its chain, the block's next use (NEVER: none), a sequence number) -> rank; highest first
@@ -133,6 +140,9 @@ def main() -> None:
             ages.sort()
             print(f"| {name} | {100 * hits / accesses:.2f}% | {hits:,} | {_quantile(ages, 0.5):.0f} / "
                   f"{_quantile(ages, 0.9):.0f} |")
+        for name, make in POLICIES.items():
+            hits = replay(trace, make(cap))
+            print(f"| {name} (online) | {100 * hits / accesses:.2f}% | {hits:,} | - |")
         within = " / ".join(f"{100 * sum(a <= s * 1000 for a in ages) / accesses:.2f}%" for s in (10, 30, 60, 120, 300))
         print(f"the optimum's hits that came back within 10 / 30 / 60 / 120 / 300 s, of all accesses: {within}")
     print("\n| blocks a request adds | blocks | used again |")
