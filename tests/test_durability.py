@@ -15,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from engram import errors
 from engram.client import EngramClient
@@ -109,3 +111,96 @@ async def test_with_an_hbm_tier_the_write_through_copy_goes_to_nvme(server_facto
         await client.put(fp, toks, random_kv(SPEC, len(toks), seed=4))
     assert [t.name for t in srv.store.tiers] == ["hbm", "dram", "nvme"]
     assert [m.locations for m in srv.store.blocks()] == [["hbm", "nvme"]] * 3
+
+
+def _nothing_leaked(srv) -> None:  # type: ignore[no-untyped-def]
+    """Every slot of the shared pool holds an indexed block (no reservation's slot left behind), no bytes are
+    charged as in flight, no reservation is open."""
+    store, pool = srv.store, srv.store.tiers[0]
+    assert sorted(pool._slots) == sorted(m.key for m in store.blocks() if pool.name in m.locations)
+    assert all(v == 0 for v in store._quota_pending.values())
+    assert len(srv.service.inplace) == 0
+
+
+@pytest.mark.parametrize("second", ["in place", "bytes"])
+async def test_a_put_of_a_block_whose_durable_copy_is_being_written_waits_for_it(server_factory, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                                                  second: str) -> None:
+    """An in-place put's block is not published (found by a Lookup, deduplicated against) until its NVMe copy is
+    written: another put of it meanwhile waits, and when that copy fails it is not acknowledged either."""
+    srv = await server_factory(**{"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.write_policy": "write-through",
+                                  "tiers.dram.pool": "shared", "tiers.dram.capacity": 64 * BLOCK,
+                                  "tiers.retry_s": 0.05})
+    nvme = srv.store.tiers[-1]
+    gate, stuck = threading.Event(), threading.Event()
+    state = {"on": True}
+
+    def slow_then_eio(op: str, path: Path) -> None:
+        if op == "write" and state["on"]:
+            stuck.set()
+            gate.wait(30)
+            raise OSError(errno.EIO, "Input/output error")
+
+    toks = tokens(BLOCK_TOKENS, seed=11)
+    kv = random_kv(SPEC, len(toks), seed=11)
+    async with EngramClient(srv.address, namespace=NS, in_place_min_bytes=0) as first_client, \
+            EngramClient(srv.address, namespace=NS, in_place_min_bytes=0 if second == "in place" else 1 << 40) as other:
+        fp = await first_client.register_model(SPEC)
+        await other.register_model(SPEC)
+        nvme.fault_hook = slow_then_eio
+        try:
+            first = asyncio.create_task(first_client.put(fp, toks, kv))
+            await asyncio.to_thread(stuck.wait, 30)  # the first put's NVMe copy is being written
+            assert (await other.lookup(fp, toks, probe=True)).matched_tokens == 0  # not published yet
+            again = asyncio.create_task(other.put(fp, toks, kv))
+            await asyncio.sleep(0.3)
+            assert not again.done()  # it waits for the first put's copy instead of deduplicating against it
+        finally:
+            gate.set()
+        with pytest.raises(errors.Unavailable):
+            await first
+        with pytest.raises(errors.Unavailable):  # it stored the block itself, and its own copy failed too
+            await again
+        assert (await other.lookup(fp, toks)).matched_tokens == 0
+        _nothing_leaked(srv)
+        state["on"] = False
+        await asyncio.sleep(0.1)  # past tiers.retry_s
+        put = await other.put(fp, toks, kv)
+        assert (put.stored, put.not_durable) == (1, 0)
+        assert all("nvme" in m.locations for m in srv.store.blocks())
+        _nothing_leaked(srv)
+
+
+async def test_an_in_place_put_of_a_block_a_put_stream_is_storing_is_deduplicated(server_factory,  # type: ignore[no-untyped-def]
+                                                                                 tmp_path: Path) -> None:
+    """ReservePut finds nothing indexed while a Put stream of the same block writes its NVMe copy: its commit
+    waits for that put and deduplicates (it once failed renaming onto the block's slot, leaking its own slot and
+    quota for good)."""
+    srv = await server_factory(**{"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.write_policy": "write-through",
+                                  "tiers.dram.pool": "shared", "tiers.dram.capacity": 64 * BLOCK})
+    nvme = srv.store.tiers[-1]
+    gate, stuck = threading.Event(), threading.Event()
+
+    def slow(op: str, path: Path) -> None:
+        if op == "write":
+            stuck.set()
+            gate.wait(30)
+
+    toks = tokens(BLOCK_TOKENS, seed=21)
+    kv = random_kv(SPEC, len(toks), seed=21)
+    async with EngramClient(srv.address, namespace=NS, in_place_min_bytes=1 << 40) as streams, \
+            EngramClient(srv.address, namespace=NS, in_place_min_bytes=0) as in_place:
+        fp = await streams.register_model(SPEC)
+        await in_place.register_model(SPEC)
+        nvme.fault_hook = slow
+        try:
+            streamed = asyncio.create_task(streams.put(fp, toks, kv))
+            await asyncio.to_thread(stuck.wait, 30)
+            asyncio.get_running_loop().call_later(0.3, gate.set)  # the disk finishes later
+            put = await in_place.put(fp, toks, kv)
+        finally:
+            gate.set()
+        assert (put.stored, put.deduplicated, put.not_durable) == (0, 1, 0)
+        assert (await streamed).stored == 1
+        _nothing_leaked(srv)
+        n, got = await in_place.get_prefix(fp, toks)
+        assert n == len(toks) and torch.equal(got, kv)

@@ -34,7 +34,6 @@ from engram.errors import (
     DataLoss,
     FailedPrecondition,
     InvalidArgument,
-    NotDurable,
     NotFound,
     ResourceExhausted,
     Unavailable,
@@ -441,32 +440,18 @@ class BlockStore:
         header = dataclasses.replace(header, codec=codec, payload_nbytes=len(blob), checksum=checksum(blob))
         return header, blob, sample
 
-    async def after_put(self, metas: Sequence[BlockMeta]) -> set[bytes]:
-        """What follows publishing blocks that were written into a pool in place (engram/store/inplace.py):
-        under write-through, their durable copy (returns the keys acknowledged without one); partial tails
-        they supersede go. NotDurable (write-through, on_nvme_failure = fail): the blocks from the first one
-        that could not be made durable on are unpublished again where nothing holds them, so that a retry
-        sends them instead of finding them cached."""
+    async def after_put(self, metas: Sequence[BlockMeta], not_durable: set[bytes]) -> None:
+        """What follows publishing blocks that were written into a pool in place (engram/store/inplace.py, which
+        made them durable first under write-through; `not_durable`: the keys acknowledged without a durable
+        copy): the flusher's note of what lacks one, and the partial tails they supersede go."""
         placement = self.placement
-        not_durable: set[bytes] = set()
-        for i, meta in enumerate(metas):
-            if self.write_policy == WritePolicy.WRITE_THROUGH and not durable.is_durable(placement, meta):
-                payload = await placement.tier(meta.locations[0]).read(meta.key)
-                try:
-                    if not await durable.make_durable(self, meta, payload, index=i):
-                        not_durable.add(meta.key)
-                except NotDurable:
-                    for undo in reversed(metas[i:]):
-                        if undo.evictable and not undo.children and self.index.get(undo.key) is undo:
-                            await placement.delete_block(undo)
-                    raise
+        for meta in metas:
             if self.flusher is not None and not durable.is_durable(placement, meta):
-                self.flusher.note(meta, now=self.write_policy == WritePolicy.WRITE_THROUGH)
+                self.flusher.note(meta, now=meta.key in not_durable)
             if meta.full:
                 await self._drop_superseded_partials(meta)
         if self.flusher is not None and self.write_policy == WritePolicy.WRITE_BACK:
             await self.flusher.admit(0)  # in-place puts are held back after the fact: one reservation at most
-        return not_durable
 
     async def _drop_superseded_partials(self, full: BlockMeta) -> None:
         """A full block makes the partial tails under the same parent that it extends redundant."""

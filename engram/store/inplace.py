@@ -32,6 +32,7 @@ from engram.index import BlockMeta
 from engram.keys import block_key, tokens_to_bytes
 from engram.layout import ModelSpec
 from engram.sealing import Sealer, SealTask
+from engram.store import durable
 from engram.tiers.pool import PoolTier, Slot
 
 if TYPE_CHECKING:
@@ -168,8 +169,6 @@ class InPlacePuts:
         """Check, seal and publish the next `count` reserved blocks (0: all that remain) in chain order; the
         slots of blocks stored meanwhile by someone else are dropped (deduplicated). The reservation closes
         with its last block; a failure drops what remains of it."""
-        from engram.store.core import PutOutcome
-
         end = len(res.blocks) if count <= 0 else min(len(res.blocks), res.committed + count)
         batch = res.blocks[res.committed : end]
         last = end == len(res.blocks)
@@ -181,32 +180,15 @@ class InPlacePuts:
         try:
             await self._seal(batch)
         except BaseException:
-            self._open.pop(res.id, None)
-            if res.timer is not None:
-                res.timer.cancel()
-            await self._drop(res)
+            await self._abandon(res)
             raise
         out: list[PutOutcome] = []
-        for r in batch:
-            meta = r.meta
-            if r.slot is None or store.index.get_in(res.namespace, meta.key) is not None:
-                if r.slot is not None:
-                    await self._free_slot(res, r)
-                existing = store.index.get_in(res.namespace, meta.key)
-                if existing is not None and res.pin:
-                    existing.pins += 1
-                store.counters.blocks_deduplicated += 1
-                out.append(PutOutcome(meta.key, stored=False))
-                continue
-            self.pool.rename(self._slot_key(res, meta), meta.key)
-            store.placement.model.arrive(meta)
-            meta.locations.append(self.pool.name)
-            store.index.add(meta)
-            store.placement.victims[self.pool.name].add(meta)
-            store._quota_pending[res.namespace] -= meta.nbytes
-            r.slot = None
-            store.counters.blocks_put += 1
-            out.append(PutOutcome(meta.key, stored=True))
+        try:
+            for i, r in enumerate(batch):
+                out.append(await self._publish(res, r, res.committed + i))
+        except BaseException:  # NotDurable, or cancelled: what was published stays; the rest is dropped
+            await self._abandon(res)
+            raise
         res.committed = end
         self._release_parent(res)
         if not last:  # the next blocks extend the last one committed: hold it, as the chain's deepest stored block
@@ -214,8 +196,58 @@ class InPlacePuts:
             if tail is not None:
                 tail.children += 1
                 res.parent, res.done = tail, False
-        not_durable = await store.after_put([r.meta for r in batch if r.meta.locations])
-        return [o._replace(durable=False) if o.key in not_durable else o for o in out]
+        await store.after_put([r.meta for r in batch if r.meta.locations],
+                              {o.key for o in out if not o.durable})
+        return out
+
+    async def _publish(self, res: Reservation, r: Reserved, index: int) -> PutOutcome:
+        """One sealed block: deduplicated against a copy stored meanwhile (made durable again under
+        write-through, as any put's), or renamed to its key, given its durable copy under write-through, and
+        only then indexed, so that no other put is acknowledged against a block that might yet be dropped."""
+        from engram.store.core import PutOutcome, WritePolicy
+
+        store, meta = self.store, r.meta
+        while (waiting := store._pending.get(meta.key)) is not None:  # another put is storing it: dedupe after
+            done = asyncio.Event()
+            waiting.append(done)
+            await done.wait()
+        existing = store.index.get_in(res.namespace, meta.key)
+        if r.slot is None or existing is not None:
+            if r.slot is not None:
+                await self._free_slot(res, r)
+            ok = True
+            if existing is not None:
+                if res.pin:
+                    existing.pins += 1
+                if store.write_policy == WritePolicy.WRITE_THROUGH and not durable.is_durable(store.placement, existing):
+                    payload = await store.placement.tier(existing.locations[0]).read(existing.key)
+                    ok = await durable.make_durable(store, existing, payload, index=index)
+            store.counters.blocks_deduplicated += 1
+            return PutOutcome(meta.key, stored=False, durable=ok)
+        placement = store.placement
+        self.pool.rename(self._slot_key(res, meta), meta.key)
+        r.slot = None
+        store._quota_pending[res.namespace] -= meta.nbytes  # the block's bytes now count as its own
+        placement.model.arrive(meta)
+        meta.locations.append(self.pool.name)
+        ok = True
+        if store.write_policy == WritePolicy.WRITE_THROUGH:
+            waiters: list[asyncio.Event] = []
+            store._pending[meta.key] = waiters
+            try:
+                ok = await durable.make_durable(store, meta, await self.pool.read(meta.key), index=index)
+            except BaseException:
+                for name in list(meta.locations):
+                    await placement.drop_copy(meta, name)
+                raise
+            finally:
+                del store._pending[meta.key]
+                for w in waiters:
+                    w.set()
+        store.index.add(meta)
+        placement.victims[self.pool.name].add(meta)
+        store.counters.blocks_put += 1
+        return PutOutcome(meta.key, stored=True, durable=ok)
 
     async def _seal(self, batch: Sequence[Reserved]) -> None:
         """Verify each slot holds what was reserved, fill in a v1 block's body and header checksums, and take
@@ -273,6 +305,13 @@ class InPlacePuts:
         await self.pool.delete(self._slot_key(res, r.meta))
         self.store._quota_pending[res.namespace] -= r.meta.nbytes
         r.slot = None
+
+    async def _abandon(self, res: Reservation) -> None:
+        """A commit failed: the reservation closes, and its slots not yet published are freed."""
+        self._open.pop(res.id, None)
+        if res.timer is not None:
+            res.timer.cancel()
+        await self._drop(res)
 
     async def _drop(self, res: Reservation) -> None:
         for r in res.blocks:
