@@ -125,6 +125,29 @@ async def test_write_through_puts_every_block_on_disk(tmp_path: Path) -> None:
     await store.close()
 
 
+async def test_every_directory_a_durable_block_lies_in_is_itself_synced(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block's file is fsynced, and so is the directory it is renamed into; a directory made for it (the tier's
+    own at start, a fan-out directory on its first block) is only there after a power loss if its parent was
+    synced after it was made."""
+    synced: list[Path] = []
+    fsync = os.fsync
+
+    def recording(fd: int) -> None:
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    root = tmp_path / "nvme"
+    store = await make_store(root, dram_blocks=64, write_policy="write-through")
+    assert {tmp_path, root} <= set(synced)  # the tier's directories, made at start
+    t = tokens(BLOCK_TOKENS)
+    await put_seq(store, t, random_kv(SPEC, len(t)))
+    [path] = block_files(root)
+    assert {path.parent, root / "blocks"} <= set(synced)  # its fan-out directory, made for it, and blocks/
+    await store.close()
+
+
 async def test_check_reports_progress_per_file(tmp_path: Path) -> None:
     store = await make_store(tmp_path, dram_blocks=64, write_policy="write-through")
     t = tokens(4 * BLOCK_TOKENS + 3)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from engram.private import DIR_MODE
 
-__all__ = ["GroupCommitter", "WriteJob"]
+__all__ = ["GroupCommitter", "WriteJob", "sync_directory"]
 
 
 @dataclass
@@ -62,7 +62,7 @@ class GroupCommitter:
         self.sync = sync
         self.max_blocks = max_blocks
         self.max_bytes = max_bytes
-        self._fsync_dir = fsync_dir or _fsync_dir
+        self._fsync_dir = fsync_dir or sync_directory
         self._on_error = on_error or (lambda exc, path: exc)
         self._queue: list[WriteJob] = []
         self._runner: asyncio.Task[None] | None = None
@@ -77,12 +77,10 @@ class GroupCommitter:
             job.temp = await asyncio.shield(written)
         except asyncio.CancelledError:
             written.add_done_callback(_remove_temp)  # the caller is gone: its temp file goes once written
-            if not job.future.done():
-                job.future.set_exception(RuntimeError("the write was cancelled before its file was synced"))
+            _settle(job.future, RuntimeError("the write was cancelled before its file was synced"))
             raise
         except BaseException as exc:
-            if not job.future.done():
-                job.future.set_exception(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
+            _settle(job.future, exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
             raise
         self._queue.append(job)
         if self._runner is None or self._runner.done():
@@ -129,7 +127,7 @@ class GroupCommitter:
         for job in jobs:
             assert job.temp is not None
             try:
-                job.final.parent.mkdir(exist_ok=True, mode=DIR_MODE)
+                self._make_dir(job.final.parent)
                 os.replace(job.temp, job.final)  # atomic: a reader sees no file or the whole new one
             except OSError as exc:
                 job.temp.unlink(missing_ok=True)
@@ -137,6 +135,15 @@ class GroupCommitter:
                 continue
             done.append(job)
         return done
+
+    def _make_dir(self, path: Path) -> None:
+        """Create a fan-out directory on its first block, and sync its parent: the new directory's own entry
+        must survive a power loss too, or every block renamed into it would go with it."""
+        if path.is_dir():
+            return
+        path.mkdir(exist_ok=True, mode=DIR_MODE)
+        if self.sync:
+            self._fsync_dir(path.parent)
 
     def _sync_dir(self, path: Path) -> None:
         if not self.sync:
@@ -152,12 +159,21 @@ def _remove_temp(written: asyncio.Future[Path]) -> None:
         written.result().unlink(missing_ok=True)
 
 
+def _settle(future: asyncio.Future[None], exc: Exception) -> None:
+    """Fail a job that never reached a batch: its caller gets the error raised, not through the future, so the
+    future's error is marked seen (no "exception was never retrieved" at collection)."""
+    if not future.done():
+        future.set_exception(exc)
+        future.exception()
+
+
 def _fail(future: asyncio.Future[None], exc: Exception) -> None:
     if not future.done():
         future.set_exception(exc)
 
 
-def _fsync_dir(path: Path) -> None:
+def sync_directory(path: Path) -> None:
+    """fsync a directory: what was created, renamed or removed in it survives a power loss."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import logging
 import os
 import uuid
 from collections.abc import Callable, Iterable
@@ -47,9 +48,10 @@ from engram.tiers.blockfile import (
     read_header,
 )
 from engram.tiers.budget import ByteBudget
-from engram.tiers.groupcommit import GroupCommitter, WriteJob
+from engram.tiers.groupcommit import GroupCommitter, WriteJob, sync_directory
 from engram.tiers.journal import IndexJournal
 
+log = logging.getLogger(__name__)
 SUFFIX = ".blk"
 T = TypeVar("T")
 
@@ -121,6 +123,12 @@ class NvmeTier:
         self._committer = GroupCommitter(self._pool, sync=fsync, max_blocks=group_commit_blocks,
                                          on_error=self._io_error)
         self._journal = IndexJournal(self.root) if journal else None
+        if fsync:  # the directories' own entries, made above, survive a power loss (their files' do per write)
+            for d in (self.root.parent, self.root):
+                try:
+                    sync_directory(d)
+                except OSError as exc:
+                    log.warning("could not sync directory %s: %s (a power loss may lose it)", d, exc)
         self._journal_open = False
         self._compacting: asyncio.Task[None] | None = None
         self.unverified: set[bytes] = set()  # trusted from the journal at start-up, headers not read yet
