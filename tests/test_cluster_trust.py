@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 import redis
 import torch
@@ -321,6 +322,9 @@ async def _expired(r: redis.Redis, node: str) -> bool:
     return r.get(f"engram:{{nodes}}:node:{node}") is None
 
 
+FORGED = np.arange(1000, 1000 + 2 * BLOCK_TOKENS, dtype=np.int32)  # tokens an attacker names a block with
+
+
 class Tamperer:
     """A proxy in front of daemon A (A advertises it, so its address is in A's own signed record): it
     forwards FetchBlocks and changes the block on the way, the way an attacker between daemons would."""
@@ -343,6 +347,10 @@ class Tamperer:
                         data = bytearray(resp.chunk.data)
                         if self.mode in ("payload", "payload-and-mac"):
                             data[:64] = bytes(64)  # forged KV
+                        if self.mode == "tokens":  # the KV of other tokens: a lookup of FORGED would be served it
+                            n = len(resp.chunk.header.tokens)
+                            del resp.chunk.header.tokens[:]
+                            resp.chunk.header.tokens.extend(FORGED[:n].tolist())
                         resp.chunk.data = bytes(data)
                         import xxhash
 
@@ -363,7 +371,7 @@ class Tamperer:
         await self.server.start()
 
 
-@pytest.mark.parametrize("mode", ["honest", "payload", "payload-and-mac", "no-mac"])
+@pytest.mark.parametrize("mode", ["honest", "payload", "payload-and-mac", "no-mac", "tokens"])
 async def test_a_block_altered_between_daemons_is_refused(redis_port: int, daemon_factory: Any, mode: str) -> None:
     proc = start_redis(redis_port, "--requirepass", PASSWORD, password=PASSWORD)
     url = f"redis://:{PASSWORD}@127.0.0.1:{redis_port}/0"
@@ -391,6 +399,7 @@ async def test_a_block_altered_between_daemons_is_refused(redis_port: int, daemo
 
             await until(refused, "B tried the block through the tampering proxy")
             assert (await cb.lookup(fp, toks)).matched_tokens == 0  # nothing forged was stored or served
+            assert (await cb.lookup(fp, FORGED)).matched_tokens == 0  # not under the tokens it was sent with either
             assert (await cb.stats()).cluster.remote_hits == 0
     finally:
         await proxy.server.stop(0)  # a grpc.aio server left running breaks the next test's event loop

@@ -15,7 +15,7 @@ import numpy as np
 from engram.block import BlockHeader
 from engram.cluster import ClusterIndex
 from engram.errors import EngramError
-from engram.keys import chain_keys
+from engram.keys import block_key, chain_keys
 from engram.store import BlockStore
 from engram.v1 import engram_pb2 as pb
 from engram.wire import convert
@@ -124,6 +124,8 @@ class PeerFetcher:
                 if not self.cluster.trust.block_verifies(mac, key, sent_parent, namespace, fingerprint, header.codec,
                                                          got[1]):
                     raise EngramError("the block's MAC does not verify under the cluster secret: forged or damaged")
+                if block_key(sent_parent, header.tokens) != key:  # the MAC binds key and parent; the key, its tokens
+                    raise EngramError("the block's tokens do not hash to its key: altered on the way")
                 if header.checksum != holder.checksum:
                     raise EngramError("the block's checksum differs from the one its holder record advertised")
                 return sent_parent, header, got[1]
@@ -135,9 +137,7 @@ class PeerFetcher:
     async def _store(self, namespace: str, fingerprint: bytes, key: bytes, parent: bytes, header: BlockHeader,
                      payload: bytes) -> bool:
         try:
-            out = await self.store.put(namespace, fingerprint, parent, header, payload)  # verifies it again
-            if out.key != key:
-                raise EngramError("the block's tokens do not hash to its key")
+            await self.store.put(namespace, fingerprint, parent, header, payload)  # verifies it again
         except EngramError as exc:
             self.cluster.counters.remote_failures += 1
             log.warning("a peer's block %s did not verify: %s", key.hex(), exc)
