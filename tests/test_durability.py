@@ -13,6 +13,7 @@ Both put paths are covered: Put streams (a private DRAM pool) and in-place puts 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import threading
@@ -204,3 +205,35 @@ async def test_an_in_place_put_of_a_block_a_put_stream_is_storing_is_deduplicate
         _nothing_leaked(srv)
         n, got = await in_place.get_prefix(fp, toks)
         assert n == len(toks) and torch.equal(got, kv)
+
+
+async def test_a_deduplicated_put_makes_the_durable_copy_from_the_blocks_own_bytes(server_factory,  # type: ignore[no-untyped-def]
+                                                                                   tmp_path: Path) -> None:
+    """A block acknowledged without a durable copy (degrade) is put again with other bytes for the same tokens
+    (another worker's numerics): the put is deduplicated, and the NVMe copy it makes is the stored block's own
+    bytes, not the new payload under the old checksum (a file that would fail every read after a restart)."""
+    srv = await server_factory(**{"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.write_policy": "write-through",
+                                  "tiers.on_nvme_failure": "degrade", "tiers.dram.capacity": 64 * BLOCK,
+                                  "tiers.retry_s": 0.05})
+    hook, state = fault(errno.EIO)
+    nvme = srv.store.tiers[-1]
+    nvme.fault_hook = hook
+    toks = tokens(BLOCK_TOKENS, seed=5)
+    mine, theirs = random_kv(SPEC, len(toks), seed=5), random_kv(SPEC, len(toks), seed=6)
+    async with EngramClient(srv.address, namespace=NS) as client:
+        fp = await client.register_model(SPEC)
+        first = await client.put(fp, toks, mine)
+        assert first.not_durable == 1
+        flusher = srv.store.flusher._task  # stopped: the dedupe below is the only writer of the NVMe copy
+        flusher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await flusher
+        state["on"] = False
+        await asyncio.sleep(0.1)  # past tiers.retry_s
+        again = await client.put(fp, toks, theirs, skip_cached=False)
+        assert (again.stored, again.deduplicated, again.not_durable) == (0, 1, 0)
+        [meta] = srv.store.blocks()
+        assert meta.locations == ["dram", "nvme"]
+        assert await nvme.read(meta.key) == await srv.store.tiers[0].read(meta.key)  # verified, and its own
+        [got] = await client.get(fp, list(first.keys), zero_copy=False)
+        assert torch.equal(got, mine)

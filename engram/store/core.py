@@ -346,7 +346,7 @@ class BlockStore:
             self.placement.use(existing)
             ok = True
             if self.write_policy == WritePolicy.WRITE_THROUGH:  # acknowledged again: durable again, too
-                ok = await durable.make_durable(self, existing, payload, index=index)
+                ok = await durable.make_durable_again(self, existing, payload, payload_checksum, index=index)
             return PutOutcome(key, stored=False, durable=ok)
 
         meta = BlockMeta(

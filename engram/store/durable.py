@@ -45,6 +45,19 @@ def is_durable(placement: Placement, meta: BlockMeta) -> bool:
     return d is None or placement.tiers[d].name in meta.locations
 
 
+async def make_durable_again(store: BlockStore, meta: BlockMeta, payload: Payload | None, payload_checksum: int,
+                             *, index: int = 0) -> bool:
+    """`make_durable` for a stored block that a put just deduplicated against: its durable copy is written
+    from the put's payload only if that is the block's own bytes (two workers' KV for the same tokens may
+    differ in the last bit), else from the block's own copy, so that the file never pairs one payload with
+    the other's header and checksum."""
+    if is_durable(store.placement, meta):
+        return True
+    if payload is None or payload_checksum != meta.checksum or len(payload) != meta.nbytes:
+        payload = await store.placement.tier(meta.locations[0]).read(meta.key)
+    return await make_durable(store, meta, payload, index=index)
+
+
 async def make_durable(store: BlockStore, meta: BlockMeta, payload: Payload, *, index: int = 0) -> bool:
     """Give `meta` a copy in the durable tier, if it has none: True once it has one; False when it could not
     and the policy is degrade; NotDurable when it could not and the policy is fail."""

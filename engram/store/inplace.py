@@ -219,9 +219,8 @@ class InPlacePuts:
             if existing is not None:
                 if res.pin:
                     existing.pins += 1
-                if store.write_policy == WritePolicy.WRITE_THROUGH and not durable.is_durable(store.placement, existing):
-                    payload = await store.placement.tier(existing.locations[0]).read(existing.key)
-                    ok = await durable.make_durable(store, existing, payload, index=index)
+                if store.write_policy == WritePolicy.WRITE_THROUGH:
+                    ok = await durable.make_durable_again(store, existing, None, 0, index=index)
             store.counters.blocks_deduplicated += 1
             return PutOutcome(meta.key, stored=False, durable=ok)
         placement = store.placement
