@@ -7,7 +7,8 @@ test_crash_recovery.py, SIGKILL during demotion and during check --fix in test_c
   other block is lost, nothing corrupt is served, the daemon goes on.
 - EIO on a read: that block's copy is dropped and its Get answers DATA_LOSS; the other blocks are served.
 - A slow disk: write-through puts wait for it, and only they: a Get of a block in DRAM is answered while a
-  put is stuck in the disk.
+  put is stuck in the disk. A block put again while its evicted file is still being unlinked keeps its new
+  file, across a restart.
 - A client that disconnects mid-Put: nothing of the unfinished block is stored or left reserved; the chain
   can be put again. Mid-Get: the read leases are released.
 - A client that never reads its Get stream: the daemon reads ahead only as far as gRPC flow control lets it
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -120,6 +122,43 @@ async def test_a_slow_disk_holds_up_write_through_puts_only(server_factory, tmp_
         assert n == len(resident) and torch.equal(got, kv) and not put.done()
         gate.set()
         assert (await put).stored == 2
+
+
+async def test_a_block_put_again_while_its_old_file_is_unlinked_keeps_its_new_file(server_factory,  # type: ignore[no-untyped-def]
+                                                                                    tmp_path: Path) -> None:
+    """An eviction unindexes a block, then unlinks its file on a thread; the worker puts the block again
+    meanwhile. The new file goes under the same name: it is written only once the old one is gone, or the
+    late unlink takes the new, acknowledged file (on NVMe by the daemon's account, lost at the restart)."""
+    nvme_dir = tmp_path / "nvme"
+    srv = await server_factory(**{"tiers.nvme.path": str(nvme_dir), "tiers.dram.capacity": 64 * BLOCK,
+                                  "tiers.dram.pool": "private", "tiers.write_policy": "write-through"})
+    nvme = srv.store.tiers[-1]
+    toks = tokens(BLOCK_TOKENS, seed=5)
+    kv = random_kv(SPEC, len(toks), seed=5)
+    unlinking = threading.Event()
+
+    def slow_unlink(op: str, path: Path) -> None:
+        if op == "delete":
+            unlinking.set()
+            time.sleep(0.3)
+
+    async with EngramClient(srv.address, namespace=NS) as client:
+        fp = await client.register_model(SPEC)
+        [key] = (await client.put(fp, toks, kv)).keys
+        nvme.fault_hook = slow_unlink
+        evict = asyncio.create_task(client.evict(key_prefixes=[key.hex()]))
+        await asyncio.to_thread(unlinking.wait, 30)  # unindexed; its file is being unlinked
+        again = await client.put(fp, toks, kv)
+        assert (again.stored, again.not_durable) == (1, 0)
+        assert (await evict).evicted == (key,)
+        assert nvme.path_of(key).exists()
+    await srv.stop(0)
+    srv = await server_factory(**{"tiers.nvme.path": str(nvme_dir), "tiers.dram.capacity": 64 * BLOCK,
+                                  "tiers.dram.pool": "private", "tiers.write_policy": "write-through"})
+    async with EngramClient(srv.address, namespace=NS) as client:
+        fp = await client.register_model(SPEC)
+        n, got = await client.get_prefix(fp, toks)  # after the restart: from the file
+        assert n == len(toks) and torch.equal(got, kv)
 
 
 # ---- clients that go away or stop reading (raw stubs, to control the stream) ------------------------------

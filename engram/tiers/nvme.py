@@ -116,6 +116,7 @@ class NvmeTier:
                                 "set another tiers.nvme.path").acquire()
         self._files: dict[bytes, _File] = {}
         self._writing: set[str] = set()  # temp file names of writes in flight: an online check leaves them be
+        self._deleting: dict[bytes, asyncio.Event] = {}  # keys whose file is being unlinked: a new write waits
         self.compression = compression
         self.fsync = fsync
         self.verify_on_start = verify_on_start
@@ -189,6 +190,8 @@ class NvmeTier:
         """Write a block durably (group commit); `reserved` is what the caller reserved (`space_for`). Returns
         once the file is durable under its final name; raises StorageFull / StorageIOError otherwise."""
         final = self.path_of(rec.key)
+        while (deleting := self._deleting.get(rec.key)) is not None:
+            await deleting.wait()  # the key's old file is being unlinked: that unlink must not take the new one
         tmp = self.tmp_dir / f"{rec.key.hex()}.{uuid.uuid4().hex[:8]}.tmp"
         out: dict[str, object] = {}
 
@@ -292,10 +295,15 @@ class NvmeTier:
             self._fault("delete", path)
             path.unlink(missing_ok=True)
 
-        await self._run(unlink)
-        if self._journal_open:
-            self._journal.remove(key)  # type: ignore[union-attr]  # after the unlink: see journal.py
-            self._compact_if_due()
+        done = self._deleting[key] = asyncio.Event()
+        try:
+            await self._run(unlink)
+            if self._journal_open:
+                self._journal.remove(key)  # type: ignore[union-attr]  # after the unlink: see journal.py
+                self._compact_if_due()
+        finally:
+            del self._deleting[key]
+            done.set()
         return f.size
 
     async def close(self, *, snapshot: bool = True) -> None:
