@@ -24,6 +24,8 @@ from engram.config import load_config
 from engram.keys import root_key
 from engram.server.app import build_store
 from engram.store import BlockStore
+from engram.tiers.journal import FILE_HEAD_LEN as JOURNAL_HEAD_LEN
+from engram.tiers.journal import parse_entries
 from engram.tiers.nvme import NvmeTier
 
 from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
@@ -145,6 +147,48 @@ async def test_every_directory_a_durable_block_lies_in_is_itself_synced(tmp_path
     await put_seq(store, t, random_kv(SPEC, len(t)))
     [path] = block_files(root)
     assert {path.parent, root / "blocks"} <= set(synced)  # its fan-out directory, made for it, and blocks/
+    await store.close()
+
+
+async def test_a_block_written_again_with_other_bytes_survives_losing_the_journals_unsynced_tail(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block is deleted, then put again with other bytes under the same key (a recompute that is not
+    bit-identical). A power loss keeps the journal up to its last fsync, and any part of what follows: at
+    every such cut, recovery serves the new file (had the old add survived without the remove, it would trust
+    the old header for the new file and drop it at its first read)."""
+    synced: dict[Path, int] = {}
+    fsync = os.fsync
+
+    def recording(fd: int) -> None:
+        fsync(fd)
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        if path.name.startswith("journal."):
+            synced[path] = os.fstat(fd).st_size
+
+    monkeypatch.setattr(os, "fsync", recording)
+    root = tmp_path / "nvme"
+    store = await make_store(root, dram_blocks=64, write_policy="write-through")
+    t = tokens(BLOCK_TOKENS, seed=9)
+    [key] = await put_seq(store, t, random_kv(SPEC, len(t), seed=1))
+    meta = store.index.get(key)
+    assert meta is not None
+    await store.placement.delete_block(meta)
+    new = random_kv(SPEC, len(t), seed=2)
+    assert await put_seq(store, t, new) == [key]
+    journal = max((root / "index").glob("journal.*"), key=lambda p: int(p.name.split(".")[1]))
+    cuts = [JOURNAL_HEAD_LEN]
+    for _, body in parse_entries(journal.read_bytes())[0]:
+        cuts.append(cuts[-1] + 13 + len(body))  # u32 length, u8 kind, body, u64 checksum
+    assert len(cuts) >= 3  # the remove and the add at least
+    for cut in [c for c in cuts if c >= synced.get(journal, 0)]:
+        image = tmp_path / f"power-loss-{cut}"
+        shutil.copytree(root, image, ignore=shutil.ignore_patterns("engram.lock"))
+        os.truncate(image / "index" / journal.name, cut)
+        recovered = await build_store(load_config(env={}, overrides={
+            "tiers.nvme.path": str(image), "tiers.dram.capacity": 64 * BLOCK}))
+        n, got = await get_seq(recovered, t)
+        assert n == len(t) and got is not None and torch.equal(got, new), f"journal cut at {cut} of {cuts}"
+        await recovered.close()
     await store.close()
 
 

@@ -12,7 +12,11 @@ The block files stay the truth; the journal is a hint checked against them. At s
 block directories (names only, no opens): a journaled block whose file is gone is dropped, a file the
 journal does not know (written just before a crash, before its entry) is read and verified as before, and
 each file's size and checksums are verified lazily, on its first read (never served if wrong). So the
-journal may lag or lose its tail (entries are appended without fsync) without losing or inventing a block.
+journal may lag or lose its tail (entries are appended without fsync) without losing or inventing a block,
+with one exception the tier closes itself: a key removed and written again with other bytes (a recompute
+that is not bit-identical). Were the remove lost and the old add kept, recovery would trust the old header
+for the new file, and its first read would drop an acknowledged block; so the tier syncs the journal
+(`sync`) before it publishes a file under a key whose remove is not yet synced.
 
 Ordering: an `add` is appended after the block file is durable and renamed into place; a `remove` after
 the file is unlinked. A snapshot is written to a temp file, fsynced and renamed over the old one, and names
@@ -92,6 +96,7 @@ class IndexJournal:
         self._lock = threading.Lock()
         self._fd: int | None = None
         self.generation = 0
+        self._dir_synced = 0  # the generation whose journal file's own entry in the directory was synced
         self.appended = 0  # entries appended since the last snapshot
 
     # ---- reading -------------------------------------------------------------------------------
@@ -178,6 +183,22 @@ class IndexJournal:
                 return
             os.write(self._fd, entry)  # one write: a crash leaves it whole or torn, and a torn one is skipped
             self.appended += 1
+
+    def sync(self) -> None:
+        """Make what was appended so far survive a power loss (the journal file, and its entry in the directory
+        when the file is new): for an entry whose loss would make recovery believe a stale one (a block's
+        remove, before a file of the same key but other bytes is published)."""
+        with self._lock:
+            if self._fd is None:
+                return
+            os.fsync(self._fd)
+            if self._dir_synced != self.generation:
+                fd = os.open(self.dir, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                self._dir_synced = self.generation
 
     def rotate(self) -> int:
         """Start a new journal generation; returns it. What a snapshot taken now must cover is everything

@@ -117,6 +117,7 @@ class NvmeTier:
         self._files: dict[bytes, _File] = {}
         self._writing: set[str] = set()  # temp file names of writes in flight: an online check leaves them be
         self._deleting: dict[bytes, asyncio.Event] = {}  # keys whose file is being unlinked: a new write waits
+        self._removed: set[bytes] = set()  # keys whose journal remove is not synced yet (journal.py says why)
         self.compression = compression
         self.fsync = fsync
         self.verify_on_start = verify_on_start
@@ -192,6 +193,8 @@ class NvmeTier:
         final = self.path_of(rec.key)
         while (deleting := self._deleting.get(rec.key)) is not None:
             await deleting.wait()  # the key's old file is being unlinked: that unlink must not take the new one
+        if rec.key in self._removed:  # its old header's remove must be on disk before a new file is
+            await self._sync_journal()
         tmp = self.tmp_dir / f"{rec.key.hex()}.{uuid.uuid4().hex[:8]}.tmp"
         out: dict[str, object] = {}
 
@@ -238,6 +241,12 @@ class NvmeTier:
         if self._journal_open:
             self._journal.add(header)  # type: ignore[union-attr]
             self._compact_if_due()
+
+    async def _sync_journal(self) -> None:
+        covered = set(self._removed)  # appended before the sync starts; a write of one of them meanwhile syncs too
+        if self._journal_open:
+            await self._run(self._journal.sync)  # type: ignore[union-attr]
+        self._removed -= covered
 
     def _add(self, f: _File) -> None:
         old = self._files.get(f.rec.key)
@@ -300,6 +309,10 @@ class NvmeTier:
             await self._run(unlink)
             if self._journal_open:
                 self._journal.remove(key)  # type: ignore[union-attr]  # after the unlink: see journal.py
+                if self.fsync:
+                    self._removed.add(key)
+                    if len(self._removed) > 65536:  # bounded: a sync now and then covers every remove before it
+                        await self._sync_journal()
                 self._compact_if_due()
         finally:
             del self._deleting[key]
