@@ -504,6 +504,43 @@ async def test_io_error_on_one_block_fails_that_block_only(tmp_path: Path) -> No
     await store.close()
 
 
+async def test_a_block_leased_while_it_is_demoted_keeps_its_pool_copy(tmp_path: Path) -> None:
+    """A victim is being copied down to NVMe when a reader leases it and reads its pool slot in place (a data
+    channel Get's view): the copy above stays until the read ends, so the slot is not freed and reused for
+    the block whose put made the room (the reader would send that block's bytes)."""
+    store = await make_store(tmp_path / "nvme", dram_blocks=4, eviction="lru", **{"dram.pool": "shared"})
+    pool = store.tiers[0]
+    seqs = [tokens(BLOCK_TOKENS, seed=s) for s in range(5)]
+    kvs = [random_kv(SPEC, BLOCK_TOKENS, seed=s) for s in range(5)]
+    for t, kv in zip(seqs[:4], kvs[:4], strict=True):
+        await put_seq(store, t, kv)
+    gate, stuck = threading.Event(), threading.Event()
+
+    def slow(op: str, path: Path) -> None:
+        if op == "write":
+            stuck.set()
+            gate.wait(30)
+
+    store.tiers[1].fault_hook = slow  # type: ignore[attr-defined]
+    try:
+        put = asyncio.create_task(put_seq(store, seqs[4], kvs[4]))  # demotes the least recently used block
+        await asyncio.to_thread(stuck.wait, 30)
+        [victim] = [m for m in store.index if m.moving]
+        store.acquire([victim])  # a reader, mid-demotion
+        view = pool.view(victim.key)
+        assert view is not None
+        before = bytes(view)
+    finally:
+        gate.set()
+    await put
+    assert victim.locations == ["dram", "nvme"] and pool.view(victim.key) is not None
+    assert bytes(view) == before  # the slot the reader sends from still holds its block
+    store.release([victim])
+    n, got = await get_seq(store, seqs[4])
+    assert n == BLOCK_TOKENS and got is not None and torch.equal(got, kvs[4])
+    await store.close()
+
+
 async def test_promotion_and_demotion_under_concurrent_load(tmp_path: Path) -> None:
     store = await make_store(tmp_path, dram_blocks=6, nvme_blocks=200)
     seqs = [tokens(3 * BLOCK_TOKENS + (s % 4), seed=s) for s in range(16)]

@@ -157,7 +157,8 @@ class Placement:
                 await self.drop_copy(victim, tier.name)  # a lower tier already holds it
             elif lower is not None:
                 try:
-                    await self._demote(victim, i, lower)
+                    if not await self._demote(victim, i, lower):
+                        continue  # read meanwhile: it keeps this copy too, and another victim makes the room
                 except TIER_FAULTS:
                     # The lower tier cannot take it: delete leaves here instead. The victim keeps its place,
                     # and the inner blocks the leaf-only search drops come back once room is made.
@@ -170,7 +171,10 @@ class Placement:
         if not demote:
             victims.rebuild(self.index)
 
-    async def _demote(self, meta: BlockMeta, i: int, j: int) -> None:
+    async def _demote(self, meta: BlockMeta, i: int, j: int) -> bool:
+        """Copy a victim down to tier j, then drop its copy in tier i; False when a reader leased the block
+        while it was copied: a read may be serving that copy's bytes in place (a view of its pool slot), so
+        the copy stays (and is the first to go once the read ends: it has a copy below)."""
         meta.moving = True
         self.busy += 1
         try:
@@ -183,7 +187,11 @@ class Placement:
         tc = self.counters.tiers[self.tiers[i].name]
         tc.demotions += 1
         tc.demoted_bytes += len(payload)
+        if meta.leases:
+            self.victims[self.tiers[i].name].add(meta)
+            return False
         await self.drop_copy(meta, self.tiers[i].name)
+        return True
 
     async def promote(self, meta: BlockMeta, payload: bytes) -> None:
         """Copy a block read from a lower tier into the top tier, if room can be made without waiting."""
