@@ -119,6 +119,75 @@ async def test_an_uncommitted_reservation_expires_and_ids_are_per_namespace(serv
             assert info.value.code() == grpc.StatusCode.NOT_FOUND and "expired" in info.value.details()
 
 
+async def test_a_reservation_does_not_expire_under_a_commit_of_part_of_it(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A CommitPut of the first block of two takes longer to seal than the reservation has left: the expiry
+    waits for it (it once freed the slots being sealed and answered the block as deduplicated, stored
+    nowhere), and the rest gets a full term after it."""
+    srv = await server_factory(**{"server.lease_s": 0.4})
+    spec = tiny_model()
+    inplace = srv.service.inplace
+    toks = tokens(2 * BLOCK_TOKENS, seed=8)
+    kv = random_kv(spec, len(toks), seed=8)
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        headers = [pb.BlockHeader(tokens=convert.tokens_to_pb(toks[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS]),
+                                  dtype=int(spec.layout.dtype), shape=list(spec.layout.block_shape(BLOCK_TOKENS)),
+                                  payload_nbytes=spec.layout.block_nbytes(BLOCK_TOKENS), codec="raw")
+                   for i in range(2)]
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.EngramStub(ch)
+            res = await stub.ReservePut(pb.ReservePutRequest(namespace="t", model_fingerprint=fp, blocks=headers))
+            for i, slot in enumerate(res.slots):  # the worker writes the blocks (in process: into the pool)
+                block = kv[:, :, i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS].contiguous().view(-1).view(torch.uint8)
+                inplace.pool.buffer[slot.offset:slot.offset + block.numel()].copy_(block)
+            seal = inplace.sealer.seal
+
+            async def slow_seal(tasks):  # type: ignore[no-untyped-def]
+                await asyncio.sleep(0.6)  # a seal of GiBs on a busy host
+                return await seal(tasks)
+
+            inplace.sealer.seal = slow_seal
+            first = await stub.CommitPut(pb.CommitPutRequest(namespace="t", reservation_id=res.reservation_id,
+                                                             blocks=1))
+            inplace.sealer.seal = seal
+            assert (first.stored, first.deduplicated) == (1, 0)
+            await asyncio.sleep(0.2)  # within the rest's new term
+            rest = await stub.CommitPut(pb.CommitPutRequest(namespace="t", reservation_id=res.reservation_id))
+            assert (rest.stored, rest.deduplicated) == (1, 0)
+        n, got = await c.get_prefix(fp, toks)
+        assert n == len(toks) and torch.equal(got, kv)
+
+
+async def test_a_block_stored_at_reserve_and_deleted_before_the_commit_is_not_acknowledged(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """ReservePut skips a block already stored; if that block is gone by the commit (an operator's forced
+    Evict), the commit fails instead of counting it deduplicated, and frees the rest of the reservation."""
+    srv = await server_factory()
+    spec = tiny_model()
+    toks = tokens(2 * BLOCK_TOKENS, seed=9)
+    kv = random_kv(spec, len(toks), seed=9)
+    async with EngramClient(srv.address, namespace="t", in_place_min_bytes=1 << 40) as c:
+        fp = await c.register_model(spec)
+        [first] = (await c.put(fp, toks[:BLOCK_TOKENS], kv[:, :, :BLOCK_TOKENS])).keys
+        headers = [pb.BlockHeader(tokens=convert.tokens_to_pb(toks[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS]),
+                                  dtype=int(spec.layout.dtype), shape=list(spec.layout.block_shape(BLOCK_TOKENS)),
+                                  payload_nbytes=spec.layout.block_nbytes(BLOCK_TOKENS), codec="raw")
+                   for i in range(2)]
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.EngramStub(ch)
+            res = await stub.ReservePut(pb.ReservePutRequest(namespace="t", model_fingerprint=fp, blocks=headers))
+            assert list(res.cached) == [True, False]  # the first is stored: no slot
+            block = kv[:, :, BLOCK_TOKENS:].contiguous().view(-1).view(torch.uint8)
+            srv.service.inplace.pool.buffer[res.slots[1].offset:res.slots[1].offset + block.numel()].copy_(block)
+            meta = srv.store.index.get_in("t", first)
+            assert meta is not None
+            await srv.store.placement.delete_block(meta)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.CommitPut(pb.CommitPutRequest(namespace="t", reservation_id=res.reservation_id))
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "evicted since" in info.value.details()
+        assert (await c.lookup(fp, toks)).matched_tokens == 0
+        assert len(srv.service.inplace.pool._slots) == len(srv.store.index) == 0  # nothing left reserved
+
+
 async def test_a_put_on_a_daemon_without_a_shared_pool_falls_back_to_bytes(server_factory) -> None:  # type: ignore[no-untyped-def]
     srv = await server_factory(**{"tiers.dram.pool": "private"})
     spec = tiny_model()

@@ -174,8 +174,9 @@ class InPlacePuts:
         last = end == len(res.blocks)
         if last:
             del self._open[res.id]
-            if res.timer is not None:
-                res.timer.cancel()
+        if res.timer is not None:  # no expiry while its slots are sealed and published (re-armed after)
+            res.timer.cancel()
+            res.timer = None
         store = self.store
         try:
             await self._seal(batch)
@@ -196,6 +197,8 @@ class InPlacePuts:
             if tail is not None:
                 tail.children += 1
                 res.parent, res.done = tail, False
+            res.expires = time.monotonic() + self.reserve_s  # the rest gets a full term from here
+            res.timer = asyncio.get_running_loop().call_later(self.reserve_s, self._expire, res.id)
         await store.after_put([r.meta for r in batch if r.meta.locations],
                               {o.key for o in out if not o.durable})
         return out
@@ -212,6 +215,9 @@ class InPlacePuts:
             waiting.append(done)
             await done.wait()
         existing = store.index.get_in(res.namespace, meta.key)
+        if r.slot is None and existing is None:  # stored at reserve time and gone since: not acknowledged
+            raise FailedPrecondition(f"block {index} was stored when it was reserved and has been evicted since; "
+                                     "Lookup again and put the chain from its first missing block")
         if r.slot is None or existing is not None:
             if r.slot is not None:
                 await self._free_slot(res, r)
