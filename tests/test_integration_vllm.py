@@ -107,6 +107,7 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    resumed_req_ids: set[str] = field(default_factory=set)  # their new_block_ids are all their blocks
 
 
 @dataclass
@@ -367,6 +368,35 @@ def test_a_chunked_prefill_is_saved_once_in_the_step_that_completes_the_prompt(e
     assert [(s.req_id, s.token_ids, s.block_ids) for s in step2.saves] == [("c", tokens, ids + more)]
     step3 = e.scheduler.build_meta(SchedulerOutput([], CachedRequestData(["c"], [None], [3 * BS + 4]), {"c": 1}))
     assert step3.saves == []  # decoding: the prompt was saved once
+
+
+def test_a_request_preempted_mid_prefill_is_saved_from_the_blocks_it_resumed_with(engines: Any) -> None:
+    """Preempted after the first chunk of its prefill, a request's blocks are freed and reused by another request;
+    vLLM resumes it with all-new blocks, sent whole (resumed_req_ids). Its save reads those, not the freed ones:
+    what a later engine loads is the prompt's KV."""
+    e = engines()
+    tokens = prompt(3 * BS + 4, seed=10)
+    req = Request("c", tokens)
+    assert e.scheduler.num_new_matched_tokens(req, 0) == (0, False)
+    old = [e.free.pop() for _ in range(2)]
+    e.scheduler.update_state_after_alloc(req, Blocks(old), 0)
+    first = e.scheduler.build_meta(SchedulerOutput([NewRequestData("c", tokens, (old,), 0)], CachedRequestData(),
+                                                   {"c": 2 * BS}))
+    e.forward(old, tokens[:2 * BS], 0, first)
+    other = prompt(2 * BS, seed=99)  # preempted: another request gets its blocks and writes its own KV there
+    e.forward(old, other, 0, _NO_SAVES)
+    assert e.scheduler.num_new_matched_tokens(req, 0) == (0, False)
+    new = [e.free.pop() for _ in range(4)]
+    e.scheduler.update_state_after_alloc(req, Blocks(new), 0)
+    resumed = e.scheduler.build_meta(SchedulerOutput([], CachedRequestData(["c"], [(new,)], [0], {"c"}),
+                                                     {"c": len(tokens)}))
+    assert [(s.req_id, s.block_ids) for s in resumed.saves] == [("c", new)]
+    e.forward(new, tokens, 0, resumed)
+    e.worker.wait_for_save(resumed)
+    e.worker.flush()
+    later = engines()
+    ext, _, _ = later.run("d", [*tokens, 7])
+    assert ext == 3 * BS and torch.equal(later.loaded_now, reference_kv(tokens)[:, :, :ext])
 
 
 def test_requests_keyed_by_more_than_their_tokens_are_neither_looked_up_nor_saved(engines: Any) -> None:

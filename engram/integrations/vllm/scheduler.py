@@ -96,6 +96,17 @@ def keyed_by_tokens_alone(request: Any) -> bool:
                 or getattr(request, "cache_salt", None) or getattr(request, "prompt_token_ids", None) is None)
 
 
+def _resumed(cached: Any) -> set[str]:
+    """The cached requests of a step that resume after a preemption: vLLM names them in `resumed_req_ids`
+    (0.11 on), or flags them in `resumed_from_preemption` (before); either way their new_block_ids are all
+    their blocks, not blocks added to those they had."""
+    ids = getattr(cached, "resumed_req_ids", None)
+    if ids:
+        return set(ids)
+    flags = getattr(cached, "resumed_from_preemption", None) or ()
+    return {req_id for req_id, flag in zip(cached.req_ids, flags, strict=False) if flag}
+
+
 class EngramScheduler:
     """Scheduler-side state: one instance in vLLM's scheduler process."""
 
@@ -175,11 +186,17 @@ class EngramScheduler:
             self._running[new.req_id] = _Running(list(new.prompt_token_ids), list(new.block_ids[0]),
                                                  new.num_computed_tokens, hit.matched)
         cached = scheduler_output.scheduled_cached_reqs
+        resumed = _resumed(cached)
         for i, req_id in enumerate(cached.req_ids):
             r = self._running.get(req_id)
             if r is None:
                 continue
-            if cached.new_block_ids[i] is not None:
+            if req_id in resumed:  # after a preemption: its blocks were freed, and the list is sent whole
+                r.block_ids = list(cached.new_block_ids[i][0]) if cached.new_block_ids[i] is not None else []
+                hit = self._hits.pop(req_id, None)
+                if hit is not None:
+                    r.stored = hit.matched
+            elif cached.new_block_ids[i] is not None:
                 r.block_ids += cached.new_block_ids[i][0]
             r.computed = cached.num_computed_tokens[i]
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
