@@ -409,7 +409,8 @@ def test_requests_keyed_by_more_than_their_tokens_are_neither_looked_up_nor_save
         assert ext == 0 and meta.loads == [] and meta.saves == []
 
 
-def test_a_load_that_finds_less_than_planned_reports_the_blocks_it_did_not_fill(engines: Any) -> None:
+def test_a_load_that_finds_less_than_planned_reports_the_blocks_it_did_not_fill_and_is_not_saved(
+        engines: Any) -> None:
     tokens = prompt(4 * BS, seed=12)
     engines().run("a", tokens)
     e = engines()
@@ -422,9 +423,17 @@ def test_a_load_that_finds_less_than_planned_reports_the_blocks_it_did_not_fill(
                                                   CachedRequestData(), {"b": 1}))
     keys = [b.key.hex() for b in e.client.lookup(e.fingerprint, tokens).blocks]
     e.client.evict(key_prefixes=keys[1:], force=True)  # evicted between the scheduler's lookup and the load
+    e.forward(ids, prompt(5 * BS, seed=77), 0, _NO_SAVES)  # what the blocks held: an earlier request's KV
     e.worker.start_load(meta)
     assert e.worker.take_load_errors() == set(ids[2:4])  # Engram block 0 (vLLM blocks 0, 1) still loaded
     assert e.worker.take_load_errors() == set()
+    e.forward(ids, req.prompt_token_ids, ext, meta)  # this step's forward, over blocks 2, 3 as they were
+    e.worker.wait_for_save(meta)
+    e.worker.flush()
+    assert e.worker.saved_tokens == 0  # not this step's save: it would store that KV as the prompt's
+    later = engines()
+    got, _, _ = later.run("c", [*tokens, 2])
+    assert got == 2 * BS and torch.equal(later.loaded_now, reference_kv(tokens)[:, :, :2 * BS])  # Engram block 0 only
 
 
 def test_a_daemon_that_is_down_gives_misses_not_errors(tmp_path: Path) -> None:

@@ -70,6 +70,7 @@ class EngramWorker:
         # request -> (L, 2, T, H, D) buffer ((L, T, width) for MLA), layers gathered
         self._saving: dict[str, tuple[Tensor, set[int]]] = {}
         self._load_errors: set[int] = set()
+        self._short: set[str] = set()  # requests whose load this step came up short: not saved this step
         self.loaded_tokens = 0  # written into vLLM's blocks since start (the tests and logs read these)
         self.saved_tokens = 0
         self.save_failures = 0
@@ -93,6 +94,7 @@ class EngramWorker:
     # ---- before the forward -----------------------------------------------------------------------
 
     def start_load(self, meta: EngramMetadata) -> None:
+        self._short.clear()
         if not meta.loads:
             return
         with self.gate.loading():  # background puts wait (a while) until the loads' copies are done
@@ -120,6 +122,9 @@ class EngramWorker:
         if got < want:  # the blocks not (wholly) written: vLLM must not read them as computed
             first_bad = max(got, spec.first_token) // bs
             self._load_errors.update(spec.block_ids[first_bad:])
+            # This step's forward ran over those blocks as they were (another request's KV): vLLM recomputes
+            # the request, but a save planned for this step would store them as the prompt's.
+            self._short.add(spec.req_id)
             log.warning("Engram held %d of the %d tokens planned for request %s; %d blocks reported to vLLM",
                         got, want, spec.req_id, len(spec.block_ids) - first_bad)
         self.loaded_tokens += max(0, min(got, want) - spec.first_token)
@@ -137,6 +142,8 @@ class EngramWorker:
         if i is None:  # a layer outside the KV cache config (a draft model's): not Engram's
             return
         for spec in meta.saves:
+            if spec.req_id in self._short:
+                continue
             buf, done = self._buffer(spec)
             if i not in done:
                 self._gather(i, spec, buf)
@@ -145,6 +152,9 @@ class EngramWorker:
     def wait_for_save(self, meta: EngramMetadata) -> None:
         """Gather what save_layer did not (every layer has run by now), then put each prompt's KV."""
         for spec in meta.saves:
+            if spec.req_id in self._short:
+                log.warning("Engram save of request %s skipped: its load this step came up short", spec.req_id)
+                continue
             buf, done = self._buffer(spec)
             for i in range(len(self.layers.names)):
                 if i not in done:
