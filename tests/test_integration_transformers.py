@@ -168,3 +168,36 @@ async def test_nvfp4_logits_stay_within_the_stated_tolerance(server_factory, tmp
     err = float((torch.tensor(got["logits"]) - want).norm() / want.norm())
     print(f"{kind}: nvfp4 first-step logits relative error {err:.4f}")
     assert 0 < err <= NVFP4_LOGIT_TOL, err  # not bit-exact (FP4), but close
+
+
+async def test_beam_search_stores_the_prompt_not_a_beams_tokens_under_the_answers_name(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """With beams the cache holds one row per beam, reordered every step: which row is out[0]'s is not known, so
+    `generate` stores only the prompt every row shares (it once filed row 0 under out[0]: another beam's KV),
+    and `store` refuses a cache of several rows. The next turn loads the prompt and prefills the rest."""
+    from engram.errors import InvalidArgument
+    from engram.integrations.transformers import cache_kwarg
+
+    srv = await server_factory()
+    model = tiny("llama")
+    prompt = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(5))
+
+    def turn() -> tuple[Any, int, int, Any]:
+        with SyncEngramClient(srv.address, namespace="agents") as client:
+            cache = EngramPrefixCache(model, client, codec="raw", block_tokens=16)
+            past = cache.load(prompt)
+            out = model.generate(prompt, **{cache_kwarg(model): past}, num_beams=4, max_new_tokens=12,
+                                 do_sample=False, length_penalty=0.0)
+            with pytest.raises(InvalidArgument, match="one sequence"):
+                cache.store(out, past)
+            out = generate(model, prompt, cache, num_beams=4, max_new_tokens=12, do_sample=False, length_penalty=0.0)
+            held = client.lookup(cache.fingerprint, out[0].tolist()).matched_tokens
+            nxt = cache.load(out)
+            with torch.no_grad():
+                logits = model(out[:, cache.last_loaded:], **{cache_kwarg(model): nxt}).logits[0, -1]
+            return out, held, cache.last_loaded, logits
+
+    out, held, loaded, logits = await asyncio.to_thread(turn)
+    assert held == loaded == prompt.shape[1]  # the prompt only
+    with torch.no_grad():
+        want = model(out).logits[0, -1]
+    assert float((logits - want).norm() / want.norm()) <= RAW_LOGIT_TOL

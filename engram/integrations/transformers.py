@@ -202,6 +202,13 @@ class EngramPrefixCache:
         conversation), the daemon's session of that id then holds what was stored, with the hint of when the
         agent is back (`expect_back_ms`; engram/integrations/sessions.py): its blocks outlive those of finished
         conversations under eviction."""
+        if _rows(self, cache) != 1:
+            raise InvalidArgument(f"store takes a cache of one sequence; this one holds {_rows(self, cache)} (beams "
+                                  "or several returned sequences: generate stores their common prompt only)")
+        return self._store(tokens, cache, session_id=session_id, expect_back_ms=expect_back_ms)
+
+    def _store(self, tokens: Tensor | list[int], cache: Any, *, session_id: str, expect_back_ms: float) -> int:
+        """`store` of row 0 of the cache: the caller knows `tokens`' KV is that row's."""
         toks = tokens[0].tolist() if isinstance(tokens, Tensor) and tokens.dim() == 2 else list(tokens)
         layers = [cache.layers[i] for i in self.global_layers]
         n = min(len(toks), min(int(layer.keys.shape[-2]) for layer in layers))
@@ -228,7 +235,15 @@ def generate(model: Any, input_ids: Tensor, cache: EngramPrefixCache, *, session
         raise InvalidArgument(f"generate takes one sequence, input_ids of shape (1, T); got {tuple(input_ids.shape)}")
     past = cache.load(input_ids)
     out = model.generate(input_ids, **{cache_kwarg(model): past}, **kwargs)
-    cache.store(out, past, session_id=session_id, expect_back_ms=expect_back_ms)
+    # Beam search (or several returned sequences) leaves one cache row per beam, reordered at every step: which
+    # row holds out[0]'s KV is not known, but every row holds the prompt's.
+    stored = out if _rows(cache, past) == 1 else input_ids
+    cache._store(stored, past, session_id=session_id, expect_back_ms=expect_back_ms)
     return out
+
+
+def _rows(prefix: EngramPrefixCache, cache: Any) -> int:
+    """How many sequences a transformers cache holds (its batch dimension)."""
+    return int(cache.layers[prefix.global_layers[0]].keys.shape[0])
 
 
