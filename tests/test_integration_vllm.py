@@ -654,6 +654,26 @@ def test_the_model_spec_stores_every_attention_layer_in_model_order() -> None:
     assert (named.name, named.weights_id) == ("mine", "rev-3")
 
 
+def test_the_default_identity_tells_apart_engines_whose_config_overrides_change_the_kv() -> None:
+    """Without a weights_id, the same checkpoint run with another RoPE theta (vLLM's --hf-overrides) is another
+    Engram model: its K differs for the same tokens. How the config was saved (its path entry) is not."""
+    from types import SimpleNamespace
+
+    from engram.integrations.vllm.config import model_defaults
+
+    def engine(**hf: Any) -> Any:
+        config = {"model_type": "llama", "rope_theta": 500000.0, "_name_or_path": "/models/llama", **hf}
+        return SimpleNamespace(model="/models/llama", revision=None, quantization=None,
+                               hf_config=SimpleNamespace(model_type="llama", to_dict=lambda: dict(config)))
+
+    name, base = model_defaults(engine())
+    assert name == "llama" and base.startswith("vllm:/models/llama@")
+    assert model_defaults(engine(_name_or_path="/elsewhere"))[1] == base
+    assert model_defaults(engine(rope_theta=1000000.0))[1] != base
+    assert model_defaults(engine(rope_scaling={"rope_type": "yarn", "factor": 4.0}))[1] != base
+    assert model_defaults(None) == ("vllm-model", "vllm:unknown")
+
+
 def test_a_full_attention_model_is_the_same_engram_model_to_vllm_and_transformers() -> None:
     """Blocks a vLLM engine stores serve a transformers worker of the same model, and back: same name,
     weights_id, codec and block_tokens give the same layout and fingerprint (docs/INTEGRATIONS.md)."""

@@ -31,8 +31,6 @@ linear), MLA models with sliding layers, and the indexer keys of DeepSeek-V3.2 (
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
 import numpy as np
@@ -41,6 +39,7 @@ from torch import Tensor
 
 from engram.destinations import ContiguousKV, KVDestination, StreamsKV
 from engram.errors import InvalidArgument
+from engram.integrations.identity import config_hash
 from engram.integrations.sessions import SessionLink
 from engram.layout import Axis, DType, KVLayout, LayerKind, LayerSpec, ModelSpec, StreamSpec
 from engram.replay.hf import cache_kwarg
@@ -84,19 +83,10 @@ def layout_of(model: Any, *, block_tokens: int = 256) -> KVLayout:
                     block_tokens=block_tokens)
 
 
-# Config entries that say how a model was saved or is run, not what it computes: left out of its identity, so the
-# same weights loaded from their directory (where save_pretrained added some of these) fingerprint the same.
-_BOOKKEEPING = {"_name_or_path", "name_or_path", "transformers_version", "architectures", "dtype", "torch_dtype",
-                "_attn_implementation", "attn_implementation", "_attn_implementation_autoset", "_experts_implementation",
-                "use_cache", "return_dict", "output_attentions", "output_hidden_states", "_commit_hash",
-                "tie_word_embeddings_autoset"}
-
-
 def weights_identity(model: Any) -> str:
     """A hash of the config (bookkeeping left out) and of each parameter's name, shape, dtype and first 4096
     values (see the module's docstring)."""
-    config = {k: v for k, v in model.config.to_dict().items() if k not in _BOOKKEEPING}
-    h = hashlib.blake2b(json.dumps(config, sort_keys=True, default=str).encode(), digest_size=16)
+    h = config_hash(model.config.to_dict())
     for name, p in model.named_parameters():
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
         h.update(p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())

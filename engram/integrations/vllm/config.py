@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from engram.errors import ConfigError, InvalidArgument
+from engram.integrations.identity import config_hash
 from engram.layout import Axis, DType, KVLayout, LayerKind, LayerSpec, ModelSpec, StreamSpec
 
 LATENT = "latent"  # the stream an MLA model's cache entries are stored as
@@ -188,3 +189,17 @@ class VllmLayers:
         if not self.mla:
             return ()
         return (StreamSpec(LATENT, (self.head_dim,), DType.from_torch(self.dtype), "", Axis.TOKEN),)
+
+
+def model_defaults(model_config: Any) -> tuple[str, str]:
+    """The model's name and weights identity in Engram when the connector config names none, from vLLM's
+    ModelConfig: the checkpoint, its revision and quantization, and a hash of its HF config as the engine runs it
+    (with --hf-overrides applied: a RoPE scaling or theta changes every K)."""
+    if model_config is None:
+        return "vllm-model", "vllm:unknown"
+    hf = model_config.hf_config
+    name = getattr(hf, "model_type", "") or "vllm-model"
+    weights = f"vllm:{model_config.model}@{model_config.revision or ''}"
+    if model_config.quantization:
+        weights += f"+{model_config.quantization}"
+    return name, f"{weights}#{config_hash(hf.to_dict()).hexdigest()}"

@@ -25,7 +25,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from engram.errors import InvalidArgument
-from engram.integrations.vllm.config import ConnectorConfig, LayerCache, VllmLayers
+from engram.integrations.vllm.config import ConnectorConfig, LayerCache, VllmLayers, model_defaults
 from engram.integrations.vllm.scheduler import EngramMetadata, EngramScheduler
 from engram.integrations.vllm.worker import EngramWorker
 
@@ -88,18 +88,6 @@ def layer_caches(kv_cache_config: KVCacheConfig) -> list[LayerCache]:
     return rows
 
 
-def _model_defaults(vllm_config: VllmConfig) -> tuple[str, str]:
-    """The model's name and weights identity in Engram when the connector config names none."""
-    mc = vllm_config.model_config
-    if mc is None:
-        return "vllm-model", "vllm:unknown"
-    name = getattr(mc.hf_config, "model_type", "") or "vllm-model"
-    weights = f"vllm:{mc.model}@{mc.revision or ''}"
-    if mc.quantization:
-        weights += f"+{mc.quantization}"
-    return name, weights
-
-
 def _check_supported(vllm_config: VllmConfig) -> None:
     pc = vllm_config.parallel_config
     if pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1:
@@ -121,7 +109,7 @@ class EngramConnector(KVConnectorBase_V1):
         _check_supported(vllm_config)
         config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self.layers = VllmLayers.from_caches(layer_caches(kv_cache_config))
-        name, weights_id = _model_defaults(vllm_config)
+        name, weights_id = model_defaults(vllm_config.model_config)
         self.spec = config.model_spec(self.layers, name=name, weights_id=weights_id)
         self.client = config.client()
         self.fingerprint: bytes = self.client.register_model(self.spec)
