@@ -338,19 +338,30 @@ class EngramClient(ControlClient):
                 self._in_place_ok = False  # this process cannot map the pool: the reservation expires unused
                 return None
             t1 = time.perf_counter()
+            # A run is written only while the reservation has time left (a margin for the write itself): the
+            # daemon frees an expired reservation's slots a term later, and this writer must be done by then.
+            deadline = time.monotonic() + res.expires_in_s - min(1.0, res.expires_in_s / 10)
+            late = False
             # In runs: while the daemon seals and publishes run i, this process writes run i + 1.
             commits: list[asyncio.Task[Any]] = []
             for first_block, run in self._commit_runs(slots, first, len(res.keys)):
+                if time.monotonic() > deadline:
+                    late = True
+                    break
                 await asyncio.to_thread(functools.partial(self._writer.write, kv, spec, run, stream, tokens=len(arr)))
                 commits.append(asyncio.ensure_future(self._commit_after(
                     commits[-1] if commits else None, ns, res.reservation_id, first_block)))
             t2 = time.perf_counter()
-            if not commits:  # every block was cached: the commit closes the reservation
+            if not commits and not late:  # every block was cached: the commit closes the reservation
                 commits.append(asyncio.ensure_future(self._commit_after(None, ns, res.reservation_id, 0)))
             outcomes = await asyncio.gather(*commits, return_exceptions=True)
             failed = [o for o in outcomes if isinstance(o, BaseException)]
             if failed:
                 raise failed[0]
+            if late:
+                raise errors.Unavailable(f"the in-place put's reservation ({res.expires_in_s:g}s: the daemon's "
+                                         "server.lease_s) ran out before its blocks were written; the runs written "
+                                         f"before were committed ({len(commits)}), the rest not: put again")
             replies: list[pb.PutResponse] = outcomes  # type: ignore[assignment]
             reply = pb.PutResponse(stored=sum(r.stored for r in replies),
                                    deduplicated=sum(r.deduplicated for r in replies),

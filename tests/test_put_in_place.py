@@ -6,6 +6,7 @@ committed frees its slots; reservation ids are per namespace."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -112,11 +113,13 @@ async def test_an_uncommitted_reservation_expires_and_ids_are_per_namespace(serv
             with pytest.raises(grpc.aio.AioRpcError) as info:  # another namespace cannot commit it
                 await stub.CommitPut(pb.CommitPutRequest(namespace="u", reservation_id=res.reservation_id))
             assert info.value.code() == grpc.StatusCode.NOT_FOUND
-            await asyncio.sleep(0.6)
-            assert (await c.stats()).tier("dram").used_bytes == used  # expired: its slot is free again
-            with pytest.raises(grpc.aio.AioRpcError) as info:
+            await asyncio.sleep(0.45)
+            with pytest.raises(grpc.aio.AioRpcError) as info:  # expired: closed
                 await stub.CommitPut(pb.CommitPutRequest(namespace="t", reservation_id=res.reservation_id))
             assert info.value.code() == grpc.StatusCode.NOT_FOUND and "expired" in info.value.details()
+            assert (await c.stats()).tier("dram").used_bytes > used  # its slot held a term more: a late writer's
+            await asyncio.sleep(0.45)
+            assert (await c.stats()).tier("dram").used_bytes == used  # then free again
 
 
 async def test_a_reservation_does_not_expire_under_a_commit_of_part_of_it(server_factory) -> None:  # type: ignore[no-untyped-def]
@@ -186,6 +189,69 @@ async def test_a_block_stored_at_reserve_and_deleted_before_the_commit_is_not_ac
             assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "evicted since" in info.value.details()
         assert (await c.lookup(fp, toks)).matched_tokens == 0
         assert len(srv.service.inplace.pool._slots) == len(srv.store.index) == 0  # nothing left reserved
+
+
+async def test_a_writer_late_past_its_reservation_lands_in_slots_no_block_holds(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A worker still writing when its reservation expires (a slow encode, a paused process): its commit is
+    refused, and its slots stay held a term after the expiry, so a put meanwhile is stored elsewhere and the late
+    write cannot overwrite it (a hit through the shared pool does not verify checksums)."""
+    spec = tiny_model()
+    block = spec.layout.block_nbytes(BLOCK_TOKENS)
+    srv = await server_factory(**{"server.lease_s": 0.5, "tiers.dram.capacity": 4 * block,
+                                  "tiers.dram.page_bytes": 256})
+    async with EngramClient(srv.address, namespace="t", in_place_min_bytes=0) as a, \
+            EngramClient(srv.address, namespace="t", in_place_min_bytes=1 << 40) as b:
+        fp = await a.register_model(spec)
+        await b.register_model(spec)
+        ta, ka = tokens(2 * BLOCK_TOKENS, seed=1), random_kv(spec, 2 * BLOCK_TOKENS, seed=1)
+        tb, kb = tokens(2 * BLOCK_TOKENS, seed=2), random_kv(spec, 2 * BLOCK_TOKENS, seed=2)
+        write = a._writer.write
+
+        def slow_write(*args, **kw):  # type: ignore[no-untyped-def]
+            time.sleep(0.8)  # past the expiry (0.5 s), within the term its slots stay held (1 s)
+            return write(*args, **kw)
+
+        a._writer.write = slow_write
+        late = asyncio.create_task(a.put(fp, ta, ka))
+        await asyncio.sleep(0.6)  # A's reservation has expired; its worker has not written yet
+        assert (await b.put(fp, tb, kb)).stored == 2  # the pool's other half
+        with pytest.raises(errors.NotFound, match="expired"):
+            await late
+        n, got = await b.get_prefix(fp, tb)  # the shared pool's path: no checksum
+        assert n == len(tb) and torch.equal(got, kb)
+        assert (await a.lookup(fp, ta)).matched_tokens == 0
+
+
+async def test_a_writer_stops_when_its_reservation_has_no_time_left(server_factory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The client writes a run only while its reservation has time left: a run later than that is not written
+    (the daemon frees an expired reservation's slots a term later), the runs before are committed, and the
+    put fails saying why."""
+    srv = await server_factory()
+    spec = tiny_model()
+    toks = tokens(2 * BLOCK_TOKENS, seed=3)
+    kv = random_kv(spec, len(toks), seed=3)
+    monkeypatch.setattr(EngramClient, "_commit_runs",  # one run per block (runs are >= 64 MiB otherwise)
+                        staticmethod(lambda slots, first, n: [(1, slots[:1]), (0, slots[1:])]))
+    async with EngramClient(srv.address, namespace="t", in_place_min_bytes=0) as c:
+        fp = await c.register_model(spec)
+        reserve = c._stub.ReservePut
+
+        async def short(request, **kw):  # type: ignore[no-untyped-def]
+            res = await reserve(request, **kw)
+            res.expires_in_s = 0.3  # what the daemon says is left (its own term is 30 s: nothing expires there)
+            return res
+
+        c._stub.ReservePut = short
+        write = c._writer.write
+
+        def slow_write(*args, **kw):  # type: ignore[no-untyped-def]
+            time.sleep(0.4)
+            return write(*args, **kw)
+
+        c._writer.write = slow_write
+        with pytest.raises(errors.Unavailable, match="ran out before its blocks were written"):
+            await c.put(fp, toks, kv)
+        assert (await c.lookup(fp, toks)).matched_tokens == BLOCK_TOKENS  # the first run, committed
 
 
 async def test_a_put_on_a_daemon_without_a_shared_pool_falls_back_to_bytes(server_factory) -> None:  # type: ignore[no-untyped-def]

@@ -8,7 +8,8 @@ eviction victim. The chain's parent counts the coming children, so it cannot be 
 Commit: each slot's bytes are checked against what was reserved (a v1 block's header: codec, dtype, shape;
 its body checksum, and the whole payload's, are computed here, by the daemon, from the bytes as they lie in
 the pool) and the blocks are published in chain order, then copied down under write-through like any put.
-A reservation not committed within its time is dropped with its slots.
+A reservation not committed within its time is closed, and its slots freed one term later (a late writer's
+bytes land in slots no block holds).
 
 What it does not do: protect a slot from a worker that writes outside its reservation. A same-host worker
 that may write the pool is trusted with it, as one that may read it is (docs/ARCHITECTURE.md).
@@ -68,6 +69,7 @@ class InPlacePuts:
         self.pool = pool
         self.reserve_s = reserve_s
         self._open: dict[int, Reservation] = {}
+        self._lapsed: dict[int, Reservation] = {}  # expired, slots still held for a term: a late writer's landing
         assert pool.segment is not None
         self.sealer = Sealer(str(pool.segment.path), pool.segment.layout.data_offset,
                              memoryview(pool.buffer.numpy()), sealers)  # type: ignore[arg-type]
@@ -336,17 +338,27 @@ class InPlacePuts:
                 self.store.placement.victims[name].leaf_again(p)
 
     def _expire(self, reservation_id: int) -> None:
+        """A reservation not committed in time closes (a commit is refused), but its slots are freed one term
+        later: its worker may still be writing them (paused, or slow), and a block stored in a freed slot would
+        be overwritten by that late write, and served so by the paths that do not verify checksums."""
         res = self._open.pop(reservation_id, None)
+        if res is not None:
+            self._lapsed[reservation_id] = res
+            res.timer = asyncio.get_running_loop().call_later(self.reserve_s, self._free_lapsed, reservation_id)
+
+    def _free_lapsed(self, reservation_id: int) -> None:
+        res = self._lapsed.pop(reservation_id, None)
         if res is not None:
             asyncio.get_running_loop().create_task(self._drop(res))
 
     async def close(self) -> None:
         await self.sealer.close()
-        for rid in list(self._open):
-            res = self._open.pop(rid)
-            if res.timer is not None:
-                res.timer.cancel()
-            await self._drop(res)
+        for table in (self._open, self._lapsed):
+            for rid in list(table):
+                res = table.pop(rid)
+                if res.timer is not None:
+                    res.timer.cancel()
+                await self._drop(res)
 
 
 def _v2_plan(spec: ModelSpec, header: BlockHeader) -> streamformat.StreamsFormat:
