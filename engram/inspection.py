@@ -155,12 +155,18 @@ class Inspector:
             raise FailedPrecondition(
                 f"{len(pinned)} of the {len(closure)} blocks to evict (descendants included) are pinned, e.g. "
                 f"{pinned[0].key.hex()}; unpin them (engram unpin) or pass --force")
-        held = self._held_with_ancestors(closure)
+        inside = {m.key: m for m in closure}
+        held: dict[bytes, None] = {}
         evicted, unpinned = [], 0
         for meta in closure:  # deepest first, so every block is a leaf when its turn comes
             if meta.key in held or self.store.block(meta.key) is not meta:
                 continue
-            if meta.pins:
+            # Read or moving (now: a reader may come while earlier removals wait on the disk), or above a block
+            # that stays: held, with its ancestors.
+            if meta.leases or meta.moving or meta.children:
+                self._hold(meta, inside, held)
+                continue
+            if meta.pins:  # no await between here and the removal's own check: a pin is lifted only if it goes
                 meta.pins = 0
                 unpinned += 1
             await self.store.remove(meta)
@@ -179,13 +185,10 @@ class Inspector:
             stack.extend((child, d + 1) for child in self.store.children(meta.key))
         return [m for _, m in sorted(depth.values(), key=lambda dm: -dm[0])]
 
-    def _held_with_ancestors(self, closure: list[BlockMeta]) -> dict[bytes, None]:
-        inside = {m.key: m for m in closure}
-        held: dict[bytes, None] = {}
-        for meta in closure:
-            if meta.leases or meta.moving:
-                m: BlockMeta | None = meta
-                while m is not None and m.key in inside and m.key not in held:
-                    held[m.key] = None
-                    m = inside.get(m.parent)
-        return held
+    @staticmethod
+    def _hold(meta: BlockMeta, inside: dict[bytes, BlockMeta], held: dict[bytes, None]) -> None:
+        """A block that stays, and its ancestors within the closure (each keeps a child)."""
+        m: BlockMeta | None = meta
+        while m is not None and m.key in inside and m.key not in held:
+            held[m.key] = None
+            m = inside.get(m.parent)

@@ -1,7 +1,13 @@
 """Inspection RPCs on an in-process daemon: eviction skips blocks being read (and their ancestors) instead
-of deleting them under a reader, and malformed requests get INVALID_ARGUMENT with what to change."""
+of deleting them under a reader, also a reader that comes while the evict waits on the disk, and malformed
+requests get INVALID_ARGUMENT with what to change."""
 
 from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +35,38 @@ async def test_evict_skips_leased_blocks_and_their_ancestors(server: RunningServ
     assert list(again.evicted) == [keys[1], keys[0]] and not again.skipped
     assert len(server.store.index) == 0
     assert (await client.lookup(fp, tokens(48))).matched_tokens == 0
+
+
+async def test_a_block_read_while_a_forced_evict_waits_on_the_disk_is_skipped_and_keeps_its_pin(
+        server_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Evict removes a chain deepest first, waiting on each NVMe unlink; a reader that leases a block of the chain
+    meanwhile makes it held (skipped, with its ancestors), not a failed RPC, and a forced evict lifts the pin only
+    of a block it removes."""
+    srv = await server_factory(**{"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.write_policy": "write-through",
+                                  "tiers.dram.pool": "private"})
+    spec = tiny_model()
+    unlinking = threading.Event()
+
+    def slow_unlink(op: str, path: Path) -> None:
+        if op == "delete":
+            unlinking.set()
+            time.sleep(0.3)
+
+    async with EngramClient(srv.address, namespace="ns") as c:
+        fp = await c.register_model(spec)
+        toks = tokens(48)
+        keys = (await c.put(fp, toks, random_kv(spec, 48), pin=True)).keys
+        srv.store.tiers[-1].fault_hook = slow_unlink
+        evict = asyncio.create_task(c.evict(key_prefixes=[keys[0].hex()], force=True))
+        await asyncio.to_thread(unlinking.wait, 30)  # the deepest block's file is being unlinked
+        first = srv.store.find("ns", fp, [keys[0]])
+        srv.store.acquire(first)  # a reader loads the first block meanwhile
+        try:
+            out = await evict
+        finally:
+            srv.store.release(first)
+        assert list(out.evicted) == [keys[2], keys[1]] and list(out.skipped) == [keys[0]]
+        assert first[0].pins == 1 and srv.store.index.get(keys[0]) is first[0]
 
 
 async def test_malformed_inspection_requests(server: RunningServer, client: EngramClient) -> None:
