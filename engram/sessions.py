@@ -546,6 +546,8 @@ class SessionManager:
             t0 = time.perf_counter()
             tokens = torch.as_tensor(s.tokens[:p], dtype=torch.long)
             rec = await asyncio.to_thread(self.runtime.rebuild, model, tokens, global_kv, mode)
+        if self._sessions.get((namespace, session_id)) is not s:  # closed (by its client, or idle) meanwhile
+            raise NotFound(f"session {session_id} was closed during its Resume")
         seconds = time.perf_counter() - t0
         c = self.runtime.counters
         c.replays += 1
@@ -626,10 +628,13 @@ class SessionManager:
         need). Persisted windows stay: nothing could rebuild them. At most max_hot_windows dictionary probes."""
         if not self._hot:
             return  # no session holds a rebuilt window (a replay's, or a daemon's without SWA models)
-        for key in [k for k in self._hot if meta.key in self._sessions[k].held]:
-            s = self._sessions[key]
-            self._cool(s)
-            self.windows_dropped_cold += not s.kept
+        for key in list(self._hot):
+            s = self._sessions.get(key)
+            if s is None:  # closed without leaving the hot set: nothing to cool
+                self._hot.pop(key, None)
+            elif meta.key in s.held:
+                self._cool(s)
+                self.windows_dropped_cold += not s.kept
 
     def _drop_hot(self, s: Session) -> None:
         self._hot.pop((s.namespace, s.id), None)

@@ -4,6 +4,9 @@ prefix's blocks, the three modes, hot windows (kept until suspend, append or LRU
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -302,6 +305,52 @@ async def test_resume_replays_once_then_serves_the_hot_window_until_suspend(mode
     assert s.window is None and d.sessions.hot_count() == 0
     assert (await d.sessions.resume("ns", s.id)).source == "replay"
     assert d.sessions.runtime.counters.replays == 2
+
+
+async def test_a_session_closed_during_its_resume_is_refused_and_leaves_nothing_hot(model: HybridDecoder) -> None:
+    """CloseSession (or the idle closer) while the session's replay runs in a thread: the Resume answers
+    NOT_FOUND, and the closed session is not put back in the hot set (it was, and every block leaving the
+    memory tiers then raised in the cold listener: every later eviction, every tenant's put, failed)."""
+    d = Daemon(model, capacity_blocks=4)
+    t = toks(2 * BT + 5)
+    await d.put(t)
+    s = d.sessions.open("ns", d.fp, EXACT, tokens=t)
+    started, go = threading.Event(), threading.Event()
+    rebuild = d.sessions.runtime.rebuild
+
+    def slow_rebuild(*args, **kw):  # type: ignore[no-untyped-def]
+        started.set()
+        go.wait(30)
+        return rebuild(*args, **kw)
+
+    d.sessions.runtime.rebuild = slow_rebuild  # type: ignore[method-assign]
+    resume = asyncio.create_task(d.sessions.resume("ns", s.id))
+    await asyncio.to_thread(started.wait, 30)
+    d.sessions.close("ns", s.id)
+    go.set()
+    with pytest.raises(NotFound, match="closed during its Resume"):
+        await resume
+    assert d.sessions.hot_count() == 0
+    for seed in range(1, 4):  # evictions from the memory tier run the cold listener
+        await d.put(toks(2 * BT, seed=seed))
+    assert d.store.counters.tiers["dram"].evictions > 0
+
+
+async def test_a_failing_cold_listener_does_not_stop_an_eviction_halfway(model: HybridDecoder,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """The went-cold listeners run after a copy stopped counting and before the tier deletes it: one that raises
+    is logged, and the eviction goes on (it once left copies no index knew, their bytes held for good)."""
+    d = Daemon(model, capacity_blocks=4)
+
+    def broken(meta: BlockMeta) -> None:
+        raise KeyError("a listener's bug")
+
+    d.store.placement.went_cold.append(broken)
+    for seed in range(3):
+        await d.put(toks(2 * BT, seed=seed))
+    dram = d.store.tiers[0]
+    assert d.store.counters.tiers["dram"].evictions > 0 and "went-cold listener failed" in caplog.text
+    assert dram.used_bytes == sum(m.nbytes for m in d.store.index if "dram" in m.locations)
 
 
 async def test_append_makes_a_hot_window_stale(model: HybridDecoder) -> None:

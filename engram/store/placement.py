@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import typing
 from collections.abc import Callable, Sequence
@@ -27,6 +28,8 @@ from engram.eviction import ReturnModel, TierVictims
 from engram.index import BlockMeta, ChainIndex
 from engram.store.counters import StoreCounters, TierHealth
 from engram.tiers.base import ImmediateTier, Tier
+
+log = logging.getLogger(__name__)
 
 TIER_FAULTS = (ResourceExhausted, Unavailable, DataLoss, OSError)
 SKIP_HELD = 64  # make_room(wait=False): leased, pinned or moving blocks passed before giving up
@@ -226,7 +229,10 @@ class Placement:
             meta.locations.remove(name)
             if name in HOT_TIERS and HOT_TIERS.isdisjoint(meta.locations):
                 for listener in self.went_cold:
-                    listener(meta)
+                    try:
+                        listener(meta)
+                    except Exception:  # a listener's bug must not stop the move halfway (a copy no one frees)
+                        log.exception("a went-cold listener failed on block %s", meta.key.hex())
         return self.rank[name]
 
     async def delete_block(self, meta: BlockMeta) -> None:
