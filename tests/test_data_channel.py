@@ -326,3 +326,27 @@ async def test_connections_beyond_the_concurrency_limit_are_refused(server_facto
     await asyncio.sleep(0.1)  # the held connections' tasks end: room again
     conn = await raw_conn(srv)
     conn.close()
+
+
+async def test_a_connection_that_sends_no_hello_is_closed_and_frees_its_slot(server_factory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A socket that connects and says nothing (no token needed) holds one of the max_concurrent_rpcs slots: it
+    is closed after HELLO_TIMEOUT_S, so sockets left open cannot lock every tenant out of the data channel."""
+    from engram.server import dataport
+
+    monkeypatch.setattr(dataport, "HELLO_TIMEOUT_S", 0.2)
+    srv = await server_factory(**{"server.max_concurrent_rpcs": 2})
+    silent = [await dial(srv), await dial(srv)]  # every slot, and not a byte sent
+    await asyncio.sleep(0.1)
+    assert len(srv.service.dataport._tasks) == 2
+    for conn in silent:
+        with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+            await asyncio.wait_for(conn.read_frame(), 5)  # closed by the daemon
+        conn.close()
+    spec = tiny_model()
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        toks = tokens(32)
+        kv = random_kv(spec, 32)
+        assert (await c.put(fp, toks, kv)).stored == 2
+        n, got = await c.get_prefix(fp, toks)
+        assert n == 32 and torch.equal(got, kv)

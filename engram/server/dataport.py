@@ -36,6 +36,7 @@ log = logging.getLogger("engram.server")
 
 _OPS = {wire.PUT: "put", wire.GET: "get"}
 REUSE_MAX = 64 * 2**20  # the largest receive buffer a connection keeps between blocks
+HELLO_TIMEOUT_S = 10.0  # a connection that sends no HELLO by then is closed (it holds one of the slots)
 
 
 class _Desync(Exception):
@@ -176,7 +177,9 @@ class DataPort:
 
     async def _hello(self, conn: wire.Conn) -> bool:
         try:
-            kind, meta, body = await conn.read_frame(wire.MAX_HELLO_BYTES)
+            kind, meta, body = await asyncio.wait_for(conn.read_frame(wire.MAX_HELLO_BYTES), HELLO_TIMEOUT_S)
+        except TimeoutError:
+            return False  # a socket that says nothing holds a connection slot (max_concurrent_rpcs): closed
         except errors.InvalidArgument as exc:
             await conn.send_error(exc)
             return False
