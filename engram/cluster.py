@@ -140,9 +140,11 @@ class ClusterIndex:
         while not self._closing:
             try:
                 record = self.trust.node_record(self.node_id, self.address)
-                await self._redis.set(_NODE + self.node_id, record, px=ttl_ms)
+                # GET: our previous record; none means Redis lost it (restarted empty, flushed, or it expired while
+                # this process stalled and a peer then dropped our holder entries): publish the index again.
+                previous = await self._redis.set(_NODE + self.node_id, record, px=ttl_ms, get=True)
                 await self._redis.sadd(_NODE_IDS, self.node_id)
-                if self.state != "ok":
+                if self.state != "ok" or previous is None:
                     await self._resync()
                     self.state, self.reason = "ok", ""
                     self.counters.reconnects += 1

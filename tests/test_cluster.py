@@ -120,6 +120,34 @@ async def test_a_prefix_written_through_a_is_a_hit_through_b_across_a_redis_rest
     proc.wait()
 
 
+async def test_records_redis_loses_without_a_disconnect_are_published_again(
+        daemons: tuple[RunningServer, RunningServer], redis_port: int) -> None:
+    """Redis loses every record while the daemons stay connected (restarted empty within a heartbeat, which
+    redis-py's retries hide; flushed; or a daemon stalled past ttl_s and a peer dropped its entries): a daemon
+    finds its own node record gone at its next heartbeat and publishes its index again."""
+    proc = start_redis(redis_port)
+    a_srv, b_srv = daemons
+    spec = tiny_model()
+    async with EngramClient(a_srv.address, namespace="ns") as a, EngramClient(b_srv.address, namespace="ns") as b:
+        fp = await a.register_model(spec)
+        await b.register_model(spec)
+        await until(lambda: _both(a, b, "ok"), "both daemons joined")
+        toks = tokens(2 * BLOCK_TOKENS, seed=4)
+        await a.put(fp, toks, random_kv(spec, len(toks), seed=4))
+        await until(lambda: _has_holders(redis_port), "A published its blocks")
+        subprocess.run(["redis-cli", "-p", str(redis_port), "flushall"], check=True, capture_output=True)
+        await until(lambda: _b_hits(b, fp, toks), "A published its blocks again; B serves A's prefix")
+        assert await state(a) == "ok"  # never degraded: nothing but the missing record told it
+    proc.kill()
+    proc.wait()
+
+
+async def _has_holders(port: int) -> bool:
+    out = subprocess.run(["redis-cli", "-p", str(port), "--scan", "--pattern", "engram:block:*"],
+                         capture_output=True, text=True, check=True).stdout
+    return bool(out.strip())
+
+
 async def _b_hits(b: EngramClient, fp: bytes, toks: Any) -> bool:
     return (await b.lookup(fp, toks)).matched_tokens == len(toks)
 
