@@ -136,6 +136,17 @@ def test_cone_replay_is_refused() -> None:
         reconstruct_swa(model, tokens, pre.stored_global_kv(20), cone=True)
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_before_the_forward() -> None:
+    """An id >= vocab_size is a ReplayError (INVALID_ARGUMENT at the daemon), checked on the host: the
+    embedding's own IndexError was an INTERNAL on the CPU, and is a device-side assert on a GPU."""
+    model = tiny_mistral(window=4)
+    vocab = model.model.get_input_embeddings().num_embeddings
+    for bad in (vocab, -1):
+        tokens = torch.tensor([1, 2, bad, 3])
+        with pytest.raises(ReplayError, match=rf"token ids must lie in \[0, {vocab}\)"):
+            model.prefill(tokens)
+
+
 def test_unsupported_layer_types_are_rejected() -> None:
     from engram.replay.hf import replay_spec_from_config
 

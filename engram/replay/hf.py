@@ -218,9 +218,13 @@ class HFReplayModel:
         spec = self._spec
         if starts is not None and any(int(s) != past.start for s in starts):
             raise ReplayError("HF models replay flat: every layer runs the whole span; pass starts=None (cone=False)")
-        tokens = torch.as_tensor(tokens, dtype=torch.long).to(self.device)
+        tokens = torch.as_tensor(tokens, dtype=torch.long)
         if tokens.ndim != 1 or tokens.numel() == 0:
             raise ReplayError(f"tokens must be a non-empty 1-D tensor of ids, got shape {tuple(tokens.shape)}")
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:  # checked here: on a GPU the embedding asserts
+            raise ReplayError(f"token ids must lie in [0, {vocab}); got {int(tokens.min())}..{int(tokens.max())}")
+        tokens = tokens.to(self.device)
         if len(past.global_kv) != len(spec.stored_layers) or len(past.swa_kv) != len(spec.sliding_layers):
             raise ReplayError(f"the model has {len(spec.stored_layers)} global and {len(spec.sliding_layers)} sliding "
                               f"layers; the past holds {len(past.global_kv)} and {len(past.swa_kv)}")
