@@ -161,6 +161,47 @@ async def test_a_reservation_does_not_expire_under_a_commit_of_part_of_it(server
         assert n == len(toks) and torch.equal(got, kv)
 
 
+async def test_a_second_commit_while_one_runs_is_refused_and_pins_once(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """Two CommitPuts of one reservation at once would seal and publish the same batch twice (a block pinned
+    twice, the first one's new expiry orphaned): the second is refused while the first runs."""
+    srv = await server_factory()
+    spec = tiny_model()
+    inplace = srv.service.inplace
+    toks = tokens(2 * BLOCK_TOKENS, seed=7)
+    kv = random_kv(spec, len(toks), seed=7)
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        headers = [pb.BlockHeader(tokens=convert.tokens_to_pb(toks[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS]),
+                                  dtype=int(spec.layout.dtype), shape=list(spec.layout.block_shape(BLOCK_TOKENS)),
+                                  payload_nbytes=spec.layout.block_nbytes(BLOCK_TOKENS), codec="raw")
+                   for i in range(2)]
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.EngramStub(ch)
+            res = await stub.ReservePut(pb.ReservePutRequest(namespace="t", model_fingerprint=fp, blocks=headers,
+                                                             pin=True))
+            for i, slot in enumerate(res.slots):
+                block = kv[:, :, i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS].contiguous().view(-1).view(torch.uint8)
+                inplace.pool.buffer[slot.offset:slot.offset + block.numel()].copy_(block)
+            seal = inplace.sealer.seal
+
+            async def slow_seal(tasks):  # type: ignore[no-untyped-def]
+                await asyncio.sleep(0.3)
+                return await seal(tasks)
+
+            inplace.sealer.seal = slow_seal
+            request = pb.CommitPutRequest(namespace="t", reservation_id=res.reservation_id, blocks=1)
+            first = asyncio.ensure_future(stub.CommitPut(request))
+            await asyncio.sleep(0.1)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.CommitPut(request)
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "one after the other" in info.value.details()
+            assert (await first).stored == 1
+            inplace.sealer.seal = seal
+            rest = await stub.CommitPut(pb.CommitPutRequest(namespace="t", reservation_id=res.reservation_id))
+            assert rest.stored == 1
+        assert [m.pins for m in srv.store.find("t", fp, list(res.keys))] == [1, 1]
+
+
 async def test_a_block_stored_at_reserve_and_deleted_before_the_commit_is_not_acknowledged(server_factory) -> None:  # type: ignore[no-untyped-def]
     """ReservePut skips a block already stored; if that block is gone by the commit (an operator's forced
     Evict), the commit fails instead of counting it deduplicated, and frees the rest of the reservation."""

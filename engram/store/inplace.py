@@ -61,6 +61,7 @@ class Reservation:
     refused: str = ""  # why the reservation stopped before the chain's end (the blocks after it were not reserved)
     timer: asyncio.TimerHandle | None = None
     done: bool = field(default=False)
+    committing: bool = False  # a commit is sealing or publishing: another one waits its turn (refused)
 
 
 class InPlacePuts:
@@ -170,7 +171,17 @@ class InPlacePuts:
     async def commit(self, res: Reservation, count: int = 0) -> list[PutOutcome]:
         """Check, seal and publish the next `count` reserved blocks (0: all that remain) in chain order; the
         slots of blocks stored meanwhile by someone else are dropped (deduplicated). The reservation closes
-        with its last block; a failure drops what remains of it."""
+        with its last block; a failure drops what remains of it. Commits of one reservation go one at a time."""
+        if res.committing:
+            raise FailedPrecondition(f"reservation {res.id} is being committed by another CommitPut; commit its "
+                                     "runs one after the other, in chain order")
+        res.committing = True
+        try:
+            return await self._commit(res, count)
+        finally:
+            res.committing = False
+
+    async def _commit(self, res: Reservation, count: int) -> list[PutOutcome]:
         end = len(res.blocks) if count <= 0 else min(len(res.blocks), res.committed + count)
         batch = res.blocks[res.committed : end]
         last = end == len(res.blocks)
