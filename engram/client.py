@@ -809,7 +809,11 @@ class EngramClient(ControlClient):
                                   tokens=convert.tokens_to_pb(tokens), zero_copy=zero_copy,
                                   cuda_ipc=zero_copy and device.type == "cuda", release_lease_ids=held)
         t0 = time.perf_counter()
-        header = await self._call(self._stub.GetPrefix(req))
+        try:
+            header = await self._call(self._stub.GetPrefix(req))
+        except BaseException:  # the call that was to end them did not: released now, not at their expiry
+            self._release_later(set(held), ns)
+            raise
         sources: list[BlockSource] = []
         unmapped: list[int] = []  # blocks not described, or in a pool this process cannot map: fetched as bytes
         for i in range(len(header.blocks)):

@@ -16,7 +16,7 @@ import torch
 
 from engram.block import checksum
 from engram.client import EngramClient, same_host
-from engram.errors import NotFound
+from engram.errors import NotFound, ResourceExhausted
 from engram.segment import SegmentReader
 from engram.v1 import engram_pb2 as pb
 from engram.v1 import engram_pb2_grpc as pb_grpc
@@ -165,3 +165,20 @@ async def test_an_unmappable_segment_falls_back_to_bytes(server_factory) -> None
         assert torch.equal(torch.cat(got, dim=2), kv)
         # The client released its leases (in the background, right after its copies).
         await wait_until(lambda: all(srv.store.index.get(k).leases == 0 for k in keys), "lease release")
+
+
+async def test_a_load_that_fails_releases_the_lease_the_last_load_left_held(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A finished load's lease is kept to end with the next load's GetPrefix; when that call fails (a prompt over
+    the daemon's limit: RESOURCE_EXHAUSTED), the lease is released then, not left to its expiry (lease_s)."""
+    srv = await server_factory(**{"server.max_tokens_per_request": 4 * BLOCK_TOKENS})
+    spec = tiny_model()
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        toks = tokens(2 * BLOCK_TOKENS)
+        keys = (await c.put(fp, toks, random_kv(spec, len(toks)))).keys
+        dest = torch.zeros(spec.layout.block_shape(len(toks)), dtype=spec.layout.dtype.torch_dtype)
+        assert (await c.load_prefix_into(fp, toks, dest)).mapped_blocks == 2
+        assert all(srv.store.index.get(k).leases == 1 for k in keys)  # held for the next load to end
+        with pytest.raises(ResourceExhausted):
+            await c.load_prefix_into(fp, tokens(8 * BLOCK_TOKENS), dest)
+        await wait_until(lambda: all(srv.store.index.get(k).leases == 0 for k in keys), "the held lease's release")
