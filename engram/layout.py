@@ -41,7 +41,7 @@ from engram.errors import InvalidArgument
 
 FINGERPRINT_BYTES = 16
 MAX_STREAMS = 16  # block format v2 counts streams in one byte; a real model has 1-3
-STREAM_NAME = re.compile(r"^[a-z][a-z0-9_]{0,7}$")  # v2 holds a stream's name in 8 bytes
+STREAM_NAME = re.compile(r"[a-z][a-z0-9_]{0,7}")  # v2 holds a stream's name in 8 bytes (fullmatch: no "\n")
 
 
 class LayerKind(enum.IntEnum):
@@ -134,7 +134,7 @@ class StreamSpec:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
         object.__setattr__(self, "axis", Axis(self.axis))
         object.__setattr__(self, "dtype", DType(self.dtype))
-        if not STREAM_NAME.match(self.name):
+        if not STREAM_NAME.fullmatch(self.name):
             raise InvalidArgument(f"stream name {self.name!r}: use 1-8 characters a-z, 0-9, _ starting with a letter")
         if not 1 <= len(self.shape) <= 3 or any(d < 1 for d in self.shape):
             raise InvalidArgument(f"stream {self.name}: shape {self.shape} must have 1-3 dimensions, each >= 1")

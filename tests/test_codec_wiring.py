@@ -11,6 +11,7 @@ from engram import errors
 from engram.block import checksum
 from engram.client import EngramClient
 from engram.codec import base, blockformat
+from engram.codec.base import Axis
 from engram.layout import DType
 from engram.v1 import engram_pb2 as pb
 from engram.v1 import engram_pb2_grpc as pb_grpc
@@ -140,6 +141,9 @@ async def test_bad_encoded_blocks_are_rejected(server, client: EngramClient) -> 
         (bytes(bad), "nvfp4", "body checksum"),
         (blockformat.encode(kv, base.codec_by_name("mxfp4")), "mxfp4", "this model stores nvfp4"),
         (bytes(good), "fp8_e4m3", "payload_nbytes"),
+        # K per token, V per channel: as valid, the same size, but not what the hit path's batched decode reads
+        (blockformat.encode(kv, base.codec_by_name("nvfp4"), k_axis=Axis.TOKEN, v_axis=Axis.CHANNEL), "nvfp4",
+         "K per channel and V per token"),
     ]:
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await put(payload, codec)

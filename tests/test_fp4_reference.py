@@ -404,3 +404,19 @@ def test_check_bytes_refuses_what_from_bytes_refuses_without_copying(fmt: str) -
             codec.check_bytes(bytes(broken), fmt, shape)
     with pytest.raises(ValueError, match="must be"):
         codec.check_bytes(good[:-1], fmt, shape)
+
+
+def test_mxfp4_scale_codes_no_encoder_writes_are_refused() -> None:
+    """E8M0 codes 254 and 253 are not NaN, but with the larger E2M1 codes they decode to Inf: above 253 (round_up's
+    top for float32) a worker's block is refused; every code an encoder writes, up to float32's largest values,
+    is accepted."""
+    shape = (2, 32, 2, 32)
+    kv = torch.randn(2, 2, 32, 2, 32)
+    kv[0, 0, 0, 0, 0] = torch.finfo(torch.float32).max  # the largest code the floor encoder writes (252)
+    good = codec.to_bytes(codec.quantize_kv_block(kv, "mxfp4"))
+    codec.check_bytes(good, "mxfp4", shape)
+    for code in (254, 0xFE):
+        broken = bytearray(good)
+        broken[0] = code
+        with pytest.raises(ValueError, match="above 253"):
+            codec.check_bytes(bytes(broken), "mxfp4", shape)

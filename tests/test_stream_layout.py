@@ -100,6 +100,7 @@ def test_a_stream_layouts_fingerprint_covers_its_streams() -> None:
 @pytest.mark.parametrize(("make", "match"), [
     (lambda: StreamSpec("Latent", (576,)), "stream name"),
     (lambda: StreamSpec("a_name_too_long", (576,)), "stream name"),
+    (lambda: StreamSpec("abcdefgh\n", (576,)), "stream name"),  # 9 bytes: a v2 record holds 8 ("$" let it by)
     (lambda: StreamSpec("x", (2, 3, 4, 5)), "1-3 dimensions"),
     (lambda: StreamSpec("x", (0,)), "1-3 dimensions"),
     (lambda: StreamSpec("x", (8,), compress=3), "power of two"),

@@ -44,6 +44,7 @@ INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _E4M3_MIN_NORMAL = 2.0**-6
 _E4M3_NAN = 0x7F
 _E8M0_NAN = 0xFF
+_E8M0_MAX_ENCODED = 253  # float32's largest amax: 252 by floor, 253 by round_up (whose top codes may overflow)
 # E2M1 round-to-nearest-even as thresholds on |q|: past a "strict" threshold only (ties go down to the even
 # code below: 0, 1.0, 2.0, 4.0), at or past an "inclusive" one (ties go up to the even code: 1.0, 2.0, 4.0).
 _E2M1_STRICT = (0.25, 1.25, 2.5, 5.0)
@@ -200,8 +201,12 @@ class MXFP4Tensor:
     def check_bytes(cls, buf: bytes | memoryview, shape: tuple[int, int]) -> None:
         """Raise ValueError unless `buf` decodes: its length and its group scales (never the NaN code)."""
         _check_length("MXFP4", buf, cls.payload_nbytes(shape))
-        if bool((_u8_at(buf, shape[0] * (padded(shape[1], cls.GROUP) // cls.GROUP), 0) == _E8M0_NAN).any()):
+        scales = _u8_at(buf, shape[0] * (padded(shape[1], cls.GROUP) // cls.GROUP), 0)
+        if bool((scales == _E8M0_NAN).any()):
             raise ValueError("corrupt MXFP4 payload: a group scale is the E8M0 NaN code 0xFF")
+        if bool((scales > _E8M0_MAX_ENCODED).any()):
+            raise ValueError(f"corrupt MXFP4 payload: a group scale code is above {_E8M0_MAX_ENCODED}, the largest "
+                             "an encoder writes (its codes would decode to Inf)")
 
     @classmethod
     def from_bytes(cls, buf: bytes | memoryview, shape: tuple[int, int],
@@ -421,7 +426,9 @@ def quantize_mxfp4(x: Tensor, *, round_up: bool = False, name: str = "x") -> MXF
 
     The OCP scale 2^(floor(log2 amax) - 2) leaves amax/scale in [4, 8), so values past 6 * scale saturate.
     round_up=True takes the smallest power of two with amax/scale <= 6 instead: it never clips (one bit less
-    resolution for about a third of groups). Both are decoded the same way.
+    resolution for about a third of groups), except at the top of the input dtype's range, where the rounded-up
+    code (value 4 at scale 2^e) decodes past the largest finite value to Inf (|x| >= 1.75 * 2^127 in float32,
+    >= 57344 in float16); the daemon encodes with the default. Both are decoded the same way.
     """
     check_matrix(x, name)
     raise_if_not_finite(x, name)

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from engram.codec import blockformat, streamformat
-from engram.codec.base import codec_by_name
+from engram.codec.base import Axis, codec_by_name
 from engram.errors import InvalidArgument
 from engram.layout import STREAMS_CODEC, DType, StreamSpec
 
@@ -122,6 +122,13 @@ def check_encoded(payload: bytes | memoryview, codec: str, dtype: DType, shape: 
     if fmt.shape != tuple(shape) or fmt.dtype != dtype:
         raise InvalidArgument(f"{where}: its v1 header says shape {fmt.shape} {fmt.dtype.name}, its BlockHeader "
                               f"{tuple(shape)} {dtype.name}")
+    # The hit path decodes runs of blocks as one batch, K per channel and V per token, without their headers:
+    # a block quantized along other axes (the same size when T and D are multiples of the group) would decode
+    # to other values there.
+    if fmt.codec.name != codec or fmt.k_axis != Axis.CHANNEL or fmt.v_axis != Axis.TOKEN:
+        raise InvalidArgument(f"{where}: its v1 body is {fmt.codec.name} with K along {fmt.k_axis.name.lower()} and V "
+                              f"along {fmt.v_axis.name.lower()}; this model stores {codec} with K per channel and V "
+                              "per token (encode it with engram's codec defaults)")
 
 
 def stored_streams(payload: bytes | memoryview, streams: Sequence[StreamSpec], shape: tuple[int, ...], *,
