@@ -11,8 +11,10 @@ ENGRAM_TLS_CA are the CLI's, and secrets referenced as env:VAR (env:ENGRAM_SALT)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 import tomllib
@@ -279,7 +281,12 @@ class EngramConfig:
             raise ConfigError(f"codec.quality_sample must be >= 0 (0: off), got {self.codec.quality_sample}")
         if not self.codec.max_error >= 0:  # NaN too
             raise ConfigError(f"codec.max_error must be >= 0 (0: off), got {self.codec.max_error}")
+        if s.max_message_bytes > 2**31 - 1:
+            raise ConfigError(f"server.max_message_bytes is at most 2 GiB - 1 (gRPC's int32), got {s.max_message_bytes}")
         for key, value in (("server.max_block_bytes", s.max_block_bytes), ("server.max_models", s.max_models),
+                           ("server.max_concurrent_rpcs", s.max_concurrent_rpcs),
+                           ("server.max_blocks_per_request", s.max_blocks_per_request),
+                           ("server.max_tokens_per_request", s.max_tokens_per_request),
                            ("server.max_sessions_per_namespace", s.max_sessions_per_namespace),
                            ("replay.max_persisted_window_bytes", self.replay.max_persisted_window_bytes)):
             if value <= 0:
@@ -287,6 +294,9 @@ class EngramConfig:
         if not (s.gc_freeze_s >= 0 and s.gc_full_s >= s.gc_freeze_s):  # NaN too
             raise ConfigError(f"server.gc_freeze_s must be >= 0 (0: CPython's schedule) and server.gc_full_s at least "
                               f"as long, got {s.gc_freeze_s} and {s.gc_full_s}")
+        if s.shutdown_grace_s < 0 or self.tiers.retry_s < 0:
+            raise ConfigError(f"server.shutdown_grace_s and tiers.retry_s must be >= 0, got {s.shutdown_grace_s} and "
+                              f"{self.tiers.retry_s}")
         if not s.session_idle_s >= 0:  # NaN too
             raise ConfigError(f"server.session_idle_s must be >= 0 (0: sessions never close idle), got {s.session_idle_s}")
         if self.replay.max_hot_windows < 0:
@@ -346,6 +356,14 @@ def _validate_tls(s: ServerConfig) -> None:
         path = getattr(s, key)
         if path and not Path(path).is_file():
             raise ConfigError(f"server.{key}: {path} is not a file")
+    if s.tls_cert:
+        import ssl
+
+        try:  # what gRPC would fail on at bind time, blamed there on the address
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(s.tls_cert, s.tls_key)
+        except (ssl.SSLError, OSError) as exc:
+            raise ConfigError(f"server.tls_cert / server.tls_key: {s.tls_cert} and {s.tls_key} are not a PEM "
+                              f"certificate and its private key ({exc})") from None
     if s.unix_socket_group:
         from engram.private import group_id
 
@@ -411,13 +429,16 @@ def _coerce(value: object, typ: Any, where: str) -> object:
         if isinstance(value, str) and re.fullmatch(r"-?\d+", value.strip()):
             return int(value)
     elif typ is float:
+        number: float | None = None
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
+            number = float(value)
+        elif isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                number = float(value)
+        if number is not None:
+            if math.isnan(number):  # passes every `< 0` check and compares false with anything after
+                raise ConfigError(f"{where}: expected a number, got NaN")
+            return number
     elif typ is str and isinstance(value, str):
         return value
     raise ConfigError(f"{where}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
@@ -478,8 +499,10 @@ def load_config(
                 tree = tomllib.load(fh)
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as exc:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        except OSError as exc:  # a directory, no permission
+            raise ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
         _apply_tree(cfg, tree)
     for name, value in sorted(env.items()):
         if not is_config_variable(name):

@@ -17,6 +17,7 @@ import contextlib
 import grp
 import logging
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,6 +40,21 @@ def private_dir(path: Path) -> Path:
     except PermissionError as exc:  # not ours (a mount point owned by root): say so, do not fail the start
         log.warning("cannot make %s private (mode 0700): %s; other local users may list it", path, exc)
     return path
+
+
+MAX_SOCKET_PATH = 107  # bytes of a unix socket's path (sun_path is 108 with its NUL)
+
+
+def remove_stale_socket(path: str, key: str) -> None:
+    """Remove a socket an earlier run left at `path` (the bind would fail on it); anything else there is not
+    ours to delete: ConfigError naming the setting."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise ConfigError(f"{key} {path} exists and is not a socket; move it, or choose another path")
+    os.unlink(path)
 
 
 def group_id(name: str) -> int:

@@ -38,15 +38,35 @@ def test_precedence_defaults_file_env_flags(tmp_path: Path) -> None:
         ({"overrides": {"server.chunk_bytes": "128MiB"}}, "chunk_bytes"),
         ({"file": "[server\n"}, "not valid TOML"),
         ({"overrides": {"tiers.eviction": "arc"}}, "tiers.eviction must be learned or lru"),
+        # NaN passed every `< 0` check: shutdown_flush_s = nan skipped the write-back flush on SIGTERM
+        ({"overrides": {"tiers.shutdown_flush_s": "nan"}}, "got NaN"),
+        ({"env": {"ENGRAM_SERVER__LEASE_S": "NaN"}}, "got NaN"),
+        ({"overrides": {"server.shutdown_grace_s": -1}}, "shutdown_grace_s"),
+        ({"overrides": {"server.max_concurrent_rpcs": 0}}, "max_concurrent_rpcs must be positive"),
+        ({"overrides": {"server.max_tokens_per_request": 0}}, "max_tokens_per_request must be positive"),
+        ({"overrides": {"server.max_message_bytes": "2GiB"}}, "int32"),
+        ({"file": b"\xff\xfe not utf-8"}, "not valid TOML"),
+        ({"file": None}, "cannot be read"),  # a directory given as the file
+        ({"overrides": {"server.tls_cert": "NOTPEM", "server.tls_key": "NOTPEM"}}, "not a PEM certificate"),
     ],
 )
 def test_bad_config_is_an_error(tmp_path: Path, source: dict, match: str) -> None:  # type: ignore[type-arg]
     path = None
     if "file" in source:
         path = tmp_path / "c.toml"
-        path.write_text(source["file"])
+        if source["file"] is None:
+            path.mkdir()
+        elif isinstance(source["file"], bytes):
+            path.write_bytes(source["file"])
+        else:
+            path.write_text(source["file"])
+    overrides = dict(source.get("overrides") or {})
+    for key, value in overrides.items():
+        if value == "NOTPEM":  # a file that exists and is not PEM
+            (tmp_path / "not.pem").write_text("not a certificate")
+            overrides[key] = str(tmp_path / "not.pem")
     with pytest.raises(ConfigError, match=match):
-        load_config(path, env=source.get("env", {}), overrides=source.get("overrides"))
+        load_config(path, env=source.get("env", {}), overrides=overrides)
 
 
 def test_missing_config_file(tmp_path: Path) -> None:

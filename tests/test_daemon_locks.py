@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from engram.config import load_config
-from engram.errors import AlreadyRunning
+from engram.errors import AddressInUse, AlreadyRunning, ConfigError
 from engram.lockfile import DaemonLock, holder_pid
 from engram.server import start_server
 from engram.tiers.nvme import NvmeTier
@@ -115,3 +116,65 @@ async def test_in_process_the_second_start_fails_before_touching_the_socket(tmp_
         await first.stop(0)
     tier = NvmeTier(tmp_path / "n", 1 << 20)  # the stopped daemon released the directory
     await tier.close()
+
+
+async def test_a_file_at_the_socket_path_that_is_not_a_socket_is_left_alone(tmp_path: Path) -> None:
+    """A stale socket is replaced at start; a regular file there (a config file named by mistake) is not ours
+    to delete: the start is refused naming the setting, and the file is intact."""
+    for target in ("engram.toml", "engram.toml.data"):
+        sock = tmp_path / "engram.toml"
+        victim = tmp_path / target
+        victim.write_text("[server]\n")
+        cfg = load_config(env={}, overrides={"server.unix_socket": str(sock), "tiers.dram.capacity": "4MiB",
+                                             "tiers.dram.pool": "private"})
+        with pytest.raises(ConfigError, match="exists and is not a socket"):
+            await start_server(cfg)
+        assert victim.read_text() == "[server]\n"
+        victim.unlink()
+
+
+async def test_start_errors_name_the_setting_to_change(tmp_path: Path) -> None:
+    """A socket path whose data channel socket would not fit sun_path, a metrics port already taken, and a
+    replay.models file that is not a checkpoint: each a ConfigError or AddressInUse saying what to set."""
+    long_dir = tmp_path / ("d" * (110 - len(str(tmp_path))))
+    long_dir.mkdir()
+    cfg = load_config(env={}, overrides={"server.unix_socket": str(long_dir / "s"), "tiers.dram.capacity": "4MiB"})
+    with pytest.raises(ConfigError, match="must fit a unix socket"):
+        await start_server(cfg)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        cfg = load_config(env={}, overrides={"server.unix_socket": str(tmp_path / "m.sock"), "tiers.dram.capacity": "4MiB",
+                                             "tiers.dram.pool": "private", "server.metrics_port": taken.getsockname()[1]})
+        with pytest.raises(AddressInUse, match=r"set server\.metrics_port"):
+            await start_server(cfg)
+    finally:
+        taken.close()
+    (tmp_path / "model.safetensors").write_text("not a checkpoint")
+    cfg = load_config(env={}, overrides={"server.unix_socket": str(tmp_path / "r.sock"), "tiers.dram.capacity": "4MiB",
+                                         "tiers.dram.pool": "private", "replay.models": str(tmp_path / "model.safetensors")})
+    with pytest.raises(ConfigError, match=r"replay\.models: cannot load"):
+        await start_server(cfg)
+
+
+async def test_an_ipv6_host_is_served(tmp_path: Path) -> None:
+    """server.host = ::1 binds as [::1] (gRPC takes IPv6 addresses in brackets; it refused the bare form)."""
+    probe = socket.socket(socket.AF_INET6)
+    try:
+        probe.bind(("::1", 0))
+    except OSError as exc:  # this host has no IPv6 loopback: nothing to serve on
+        pytest.skip(f"no IPv6 loopback here: {exc}")
+    finally:
+        probe.close()
+    from engram.client import EngramClient
+
+    cfg = load_config(env={}, overrides={"server.host": "::1", "server.port": 0, "tiers.dram.capacity": "4MiB",
+                                         "tiers.dram.pool": "private"})
+    srv = await start_server(cfg)
+    try:
+        assert srv.address.startswith("[::1]:")
+        async with EngramClient(srv.address) as c:
+            assert (await c.stats()).tiers
+    finally:
+        await srv.stop(0)

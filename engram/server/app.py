@@ -30,7 +30,7 @@ from engram.inspection import Inspector
 from engram.lockfile import DaemonLock
 from engram.logs import report_activity
 from engram.metrics import MetricsEndpoint
-from engram.private import secure_socket, socket_umask
+from engram.private import MAX_SOCKET_PATH, remove_stale_socket, secure_socket, socket_umask
 from engram.registry import ModelRegistry
 from engram.replay.costmodel import Calibration, CostModel, FidelityFloor, machine_id
 from engram.replay.runtime import ReplayRuntime
@@ -161,7 +161,10 @@ class RunningServer:
 def build_sessions(config: EngramConfig, store: BlockStore) -> SessionManager:
     rc = config.replay
     paths = [p.strip() for p in rc.models.split(",") if p.strip()]
-    runtime = ReplayRuntime.from_paths(paths, device=rc.device, dtype=rc.dtype)
+    try:
+        runtime = ReplayRuntime.from_paths(paths, device=rc.device, dtype=rc.dtype)
+    except Exception as exc:  # not a checkpoint: safetensors', transformers' and torch's errors, whatever they are
+        raise ConfigError(f"replay.models: cannot load {', '.join(paths)}: {exc}") from exc
     return SessionManager(store, runtime, max_hot_windows=rc.max_hot_windows,
                           max_sessions_per_namespace=config.server.max_sessions_per_namespace,
                           max_session_tokens=config.server.max_tokens_per_request,
@@ -195,6 +198,9 @@ def _lock_socket(unix_socket: str) -> DaemonLock:
     if not os.path.isdir(os.path.dirname(path)):  # checked here: the lock would create the directory
         raise ConfigError(f"server.unix_socket {path}: the directory {os.path.dirname(path)} does not exist; "
                           "create it or choose another path")
+    if len(os.fsencode(path + ".data")) > MAX_SOCKET_PATH:  # the data channel's socket beside it, the longer
+        raise ConfigError(f"server.unix_socket {path}: {len(os.fsencode(path))} bytes, and {path}.data must fit a "
+                          f"unix socket's {MAX_SOCKET_PATH} bytes; choose a shorter path")
     return DaemonLock(f"{path}.lock", f"the unix socket {path}", "set another server.unix_socket").acquire()
 
 
@@ -245,8 +251,7 @@ async def _start(config: EngramConfig, store: BlockStore, sessions: SessionManag
     reflection.enable_server_reflection(names, server)
     if s.unix_socket:
         path = os.path.abspath(s.unix_socket)
-        if os.path.exists(path):
-            os.unlink(path)  # a stale socket from a previous run would make the bind fail
+        remove_stale_socket(path, "server.unix_socket")
         with socket_umask(s.unix_socket_group):
             _bind(lambda: server.add_insecure_port(f"unix:{path}"), f"unix:{path}",  # under the narrow umask
                   "check that its directory is writable, or set server.unix_socket")
@@ -254,8 +259,8 @@ async def _start(config: EngramConfig, store: BlockStore, sessions: SessionManag
         address = f"unix:{path}"
     else:
         host = f"[{s.host}]" if ":" in s.host else s.host
-        port = _bind(lambda: server.add_secure_port(f"{s.host}:{s.port}", _tls(s)) if s.tls_cert else
-                     server.add_insecure_port(f"{s.host}:{s.port}"), f"{host}:{s.port}",
+        port = _bind(lambda: server.add_secure_port(f"{host}:{s.port}", _tls(s)) if s.tls_cert else
+                     server.add_insecure_port(f"{host}:{s.port}"), f"{host}:{s.port}",  # [::1]: gRPC wants brackets
                      _BIND_HINT)
         address = f"{host}:{port}"
     if s.data_channel:  # before gRPC starts: a taken data port fails the start with nothing to stop
@@ -266,7 +271,11 @@ async def _start(config: EngramConfig, store: BlockStore, sessions: SessionManag
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         if metrics is not None:
             metrics.watch(store, sessions)
-            metrics.start(s.metrics_host, s.metrics_port)
+            try:
+                metrics.start(s.metrics_host, s.metrics_port)
+            except OSError as exc:
+                raise AddressInUse(f"cannot serve /metrics on {s.metrics_host}:{s.metrics_port}: "
+                                   f"{exc.strerror or exc}; set server.metrics_port (0: off)") from None
             log.info("engram metrics on http://%s:%d/metrics", s.metrics_host, metrics.port)
         states = compiled.status()
         log.info("engram serving on %s", address, extra={"fields": {

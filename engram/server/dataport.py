@@ -23,6 +23,7 @@ from typing import Any
 
 from engram import errors
 from engram.config import ServerConfig
+from engram.private import remove_stale_socket
 from engram.server.auth import _principal
 from engram.server.service import EngramService
 from engram.tenancy import OPEN, Tenancy
@@ -76,8 +77,7 @@ class DataPort:
                                        max_request_bytes=self.max_request_bytes)
 
     async def start_unix(self, path: str) -> None:
-        if os.path.exists(path):
-            os.unlink(path)  # a stale socket of an earlier run (the gRPC socket's lock is held by now)
+        remove_stale_socket(path, "server.unix_socket's data channel")  # an earlier run's (its lock is ours now)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(path)
         self.unix_path = path
