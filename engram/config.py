@@ -356,14 +356,6 @@ def _validate_tls(s: ServerConfig) -> None:
         path = getattr(s, key)
         if path and not Path(path).is_file():
             raise ConfigError(f"server.{key}: {path} is not a file")
-    if s.tls_cert:
-        import ssl
-
-        try:  # what gRPC would fail on at bind time, blamed there on the address
-            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(s.tls_cert, s.tls_key)
-        except (ssl.SSLError, OSError) as exc:
-            raise ConfigError(f"server.tls_cert / server.tls_key: {s.tls_cert} and {s.tls_key} are not a PEM "
-                              f"certificate and its private key ({exc})") from None
     if s.unix_socket_group:
         from engram.private import group_id
 

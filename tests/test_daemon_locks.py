@@ -134,8 +134,9 @@ async def test_a_file_at_the_socket_path_that_is_not_a_socket_is_left_alone(tmp_
 
 
 async def test_start_errors_name_the_setting_to_change(tmp_path: Path) -> None:
-    """A socket path whose data channel socket would not fit sun_path, a metrics port already taken, and a
-    replay.models file that is not a checkpoint: each a ConfigError or AddressInUse saying what to set."""
+    """A socket path whose data channel socket would not fit sun_path, a metrics port already taken, a TLS pair
+    that is not PEM, and a replay.models file that is not a checkpoint: each a ConfigError or AddressInUse saying
+    what to set."""
     long_dir = tmp_path / ("d" * (110 - len(str(tmp_path))))
     long_dir.mkdir()
     cfg = load_config(env={}, overrides={"server.unix_socket": str(long_dir / "s"), "tiers.dram.capacity": "4MiB"})
@@ -151,6 +152,12 @@ async def test_start_errors_name_the_setting_to_change(tmp_path: Path) -> None:
             await start_server(cfg)
     finally:
         taken.close()
+    (tmp_path / "not.pem").write_text("not a certificate")
+    cfg = load_config(env={}, overrides={"server.port": 0, "tiers.dram.capacity": "4MiB", "tiers.dram.pool": "private",
+                                         "server.tls_cert": str(tmp_path / "not.pem"),
+                                         "server.tls_key": str(tmp_path / "not.pem")})
+    with pytest.raises(ConfigError, match="not a PEM certificate"):  # not blamed on the address any more
+        await start_server(cfg)
     (tmp_path / "model.safetensors").write_text("not a checkpoint")
     cfg = load_config(env={}, overrides={"server.unix_socket": str(tmp_path / "r.sock"), "tiers.dram.capacity": "4MiB",
                                          "tiers.dram.pool": "private", "replay.models": str(tmp_path / "model.safetensors")})

@@ -191,6 +191,15 @@ def load_cost_models(runtime: ReplayRuntime, directory: str, device: str) -> dic
     return out
 
 
+def _check_tls_pair(s: ServerConfig) -> None:
+    """Load the certificate and key as gRPC will: its failure to is blamed on the address at bind time."""
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(s.tls_cert, s.tls_key)
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError(f"server.tls_cert / server.tls_key: {s.tls_cert} and {s.tls_key} are not a PEM "
+                          f"certificate and its private key ({exc})") from None
+
+
 def _lock_socket(unix_socket: str) -> DaemonLock:
     """Only the lock's holder may replace the socket: a second daemon is refused before it can unlink a
     live daemon's socket (or build a store on its NVMe directory)."""
@@ -259,6 +268,8 @@ async def _start(config: EngramConfig, store: BlockStore, sessions: SessionManag
         address = f"unix:{path}"
     else:
         host = f"[{s.host}]" if ":" in s.host else s.host
+        if s.tls_cert:
+            _check_tls_pair(s)
         port = _bind(lambda: server.add_secure_port(f"{host}:{s.port}", _tls(s)) if s.tls_cert else
                      server.add_insecure_port(f"{host}:{s.port}"), f"{host}:{s.port}",  # [::1]: gRPC wants brackets
                      _BIND_HINT)
