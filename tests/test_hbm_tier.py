@@ -4,6 +4,8 @@ land in HBM, pressure demotes to DRAM and then NVMe, a hit below HBM is promoted
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -75,3 +77,22 @@ def test_an_hbm_tier_without_cuda_is_refused_with_what_to_change() -> None:
 
     with pytest.raises(ConfigError, match=r"tiers\.hbm\.device = cpu"):
         load_config(env={}, overrides={"tiers.hbm.capacity": "1MiB"})
+
+
+async def test_a_get_that_holds_dram_full_skips_promotions_instead_of_waiting_or_deleting(server_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A Get whose blocks fill DRAM and reach NVMe: each NVMe hit's promotion to HBM needs an HBM victim demoted
+    into DRAM, where only this Get's own leases hold every block. The promotion is skipped: it once waited
+    wait_for_room_s (10 s) per block on those leases, then deleted the HBM blocks it could not demote."""
+    srv = await server_factory(**{"tiers.hbm.capacity": 2 * BLOCK, "tiers.hbm.device": "cpu",
+                                  "tiers.dram.capacity": 4 * BLOCK, "tiers.nvme.path": str(tmp_path / "nvme"),
+                                  "tiers.write_back_window_s": 3600})
+    async with EngramClient(srv.address, namespace="t", zero_copy=False) as c:
+        fp = await c.register_model(SPEC)
+        toks = tokens(10 * BLOCK_TOKENS, seed=7)
+        kv = random_kv(SPEC, len(toks), seed=7)
+        keys = list((await c.put(fp, toks, kv)).keys)
+        assert [srv.store.index.get(k).tier for k in keys] == ["nvme"] * 4 + ["dram"] * 4 + ["hbm"] * 2
+        # within the daemon's 10 s room wait: a bound on the Get, which now waits on nothing
+        got = await asyncio.wait_for(c.get(fp, keys[:8], zero_copy=False), 5)
+        assert torch.equal(torch.cat(got, dim=2), kv[:, :, :8 * BLOCK_TOKENS])
+        assert all(srv.store.index.get(k) is not None for k in keys)  # nothing deleted for a promotion

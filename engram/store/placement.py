@@ -160,8 +160,17 @@ class Placement:
                 await self.drop_copy(victim, tier.name)  # a lower tier already holds it
             elif lower is not None:
                 try:
-                    if not await self._demote(victim, i, lower):
+                    if not await self._demote(victim, i, lower, wait=wait):
                         continue  # read meanwhile: it keeps this copy too, and another victim makes the room
+                except ResourceExhausted:
+                    if wait:
+                        demote = False  # the tier below is full of what it may not evict: delete leaves here
+                        victims.add(victim)
+                        continue
+                    # A caller that will not wait (a promotion) skips its copy rather than delete cached blocks
+                    # for it: the tier below is full of blocks it holds itself, most likely.
+                    victims.add(victim)
+                    raise
                 except TIER_FAULTS:
                     # The lower tier cannot take it: delete leaves here instead. The victim keeps its place,
                     # and the inner blocks the leaf-only search drops come back once room is made.
@@ -174,7 +183,7 @@ class Placement:
         if not demote:
             victims.rebuild(self.index)
 
-    async def _demote(self, meta: BlockMeta, i: int, j: int) -> bool:
+    async def _demote(self, meta: BlockMeta, i: int, j: int, *, wait: bool = True) -> bool:
         """Copy a victim down to tier j, then drop its copy in tier i; False when a reader leased the block
         while it was copied: a read may be serving that copy's bytes in place (a view of its pool slot), so
         the copy stays (and is the first to go once the read ends: it has a copy below)."""
@@ -182,7 +191,7 @@ class Placement:
         self.busy += 1
         try:
             payload = await self.tiers[i].read(meta.key)
-            await self.place(meta, j, payload)
+            await self.place(meta, j, payload, wait=wait)  # a promotion's room below waits on no lease either
         finally:
             meta.moving = False
             self.busy -= 1
