@@ -5,6 +5,7 @@ land in HBM, pressure demotes to DRAM and then NVMe, a hit below HBM is promoted
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,3 +97,101 @@ async def test_a_get_that_holds_dram_full_skips_promotions_instead_of_waiting_or
         got = await asyncio.wait_for(c.get(fp, keys[:8], zero_copy=False), 5)
         assert torch.equal(torch.cat(got, dim=2), kv[:, :, :8 * BLOCK_TOKENS])
         assert all(srv.store.index.get(k) is not None for k in keys)  # nothing deleted for a promotion
+
+
+async def test_a_read_that_fails_while_another_promotes_the_block_keeps_it_indexed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Reader B's NVMe read is slow and fails (EIO) while reader A reads the same block and promotes it to HBM. B
+    falls back to the new HBM copy instead of dropping the block (it walked the copies it saw first, then
+    unindexed a block with a valid HBM copy: that slot was then held by nothing, never evicted)."""
+    import errno
+    import time
+
+    from engram.config import load_config
+    from engram.server.app import build_store
+
+    from helpers import put_tokens
+
+    store = await build_store(load_config(env={}, overrides={
+        "tiers.hbm.capacity": 2 * BLOCK, "tiers.hbm.device": "cpu", "tiers.dram.capacity": 2 * BLOCK,
+        "tiers.dram.pool": "private", "tiers.nvme.path": str(tmp_path / "nvme"), "tiers.write_back_window_s": 3600}))
+    fp = store.registry.register(SPEC)
+    try:
+        toks = tokens(5 * BLOCK_TOKENS, seed=3)
+        kv = random_kv(SPEC, len(toks), seed=3)
+        metas = await put_tokens(store, "t", fp, toks, kv)
+        await store.remove(metas[-1])  # room in HBM: A's promotion evicts nothing
+        [m] = [x for x in metas[:-1] if x.locations == ["nvme"]][:1]
+        want = await store.tiers[-1].read(m.key)
+        calls: list[Path] = []
+
+        def slow_eio_once(op: str, path: Path) -> None:
+            if op == "read":
+                calls.append(path)
+                if len(calls) == 1:  # B's read
+                    time.sleep(0.1)
+                    raise OSError(errno.EIO, "Input/output error")
+
+        store.tiers[-1].fault_hook = slow_eio_once  # type: ignore[attr-defined]
+
+        async def read(delay: float) -> bytes:
+            await asyncio.sleep(delay)
+            with store.reading([m]):
+                return bytes(await store.read(m))
+
+        b, a = await asyncio.gather(read(0), read(0.02))
+        assert a == b == want  # B got the HBM copy A made
+        assert store.index.get(m.key) is m and m.locations == ["hbm"]
+    finally:
+        await store.close()
+
+
+async def test_a_promotion_that_lands_on_a_block_dropped_meanwhile_leaves_no_copy(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Reader A's promotion waits while room is made (a slow demotion to NVMe); reader B's read of the block's only
+    copy fails (EIO) meanwhile, and the block is dropped. A's copy must not outlive it: HBM holds a block's bytes
+    exactly when the block is indexed there (the copy once stayed, listed by nothing, never evicted)."""
+    import errno
+    import time
+
+    from engram.config import load_config
+    from engram.server.app import build_store
+
+    from helpers import put_tokens
+
+    store = await build_store(load_config(env={}, overrides={
+        "tiers.hbm.capacity": 2 * BLOCK, "tiers.hbm.device": "cpu", "tiers.dram.capacity": 2 * BLOCK,
+        "tiers.dram.pool": "private", "tiers.nvme.path": str(tmp_path / "nvme"), "tiers.write_back_window_s": 3600}))
+    fp = store.registry.register(SPEC)
+    try:
+        toks = tokens(6 * BLOCK_TOKENS, seed=4)
+        metas = await put_tokens(store, "t", fp, toks, random_kv(SPEC, len(toks), seed=4))
+        m = metas[0]
+        assert m.locations == ["nvme"]
+        reads: list[Path] = []
+
+        def disk(op: str, path: Path) -> None:
+            if op == "write":
+                time.sleep(0.1)  # the promotion's room: a demotion down to NVMe takes a while
+            elif op == "read":
+                reads.append(path)
+                if len(reads) == 2:  # B's read fails while A's promotion makes room
+                    time.sleep(0.03)
+                    raise OSError(errno.EIO, "Input/output error")
+
+        store.tiers[-1].fault_hook = disk  # type: ignore[attr-defined]
+
+        async def read(delay: float) -> str:
+            await asyncio.sleep(delay)
+            with store.reading([m]):
+                try:
+                    await store.read(m)
+                    return "ok"
+                except Exception as exc:  # B's DataLoss
+                    return type(exc).__name__
+
+        await asyncio.gather(read(0), read(0.01))
+        store.tiers[-1].fault_hook = None  # type: ignore[attr-defined]
+        hbm = store.tiers[0]
+        assert (m.key in hbm) == (store.index.get(m.key) is m and "hbm" in m.locations)  # type: ignore[operator]
+        assert hbm.used_bytes == sum(hbm.space_for(x.record()) for x in store.index if "hbm" in x.locations)
+    finally:
+        await store.close()

@@ -592,7 +592,11 @@ class BlockStore:
         that fail are dropped (counted); with none left the block is unindexed and DataLoss raised."""
         placement = self.placement
         reasons = []
-        for name in list(meta.locations):
+        tried: set[str] = set()
+        # The copies as they are now, at each step: one may arrive while another is read (a concurrent reader's
+        # promotion), and a block is unindexed only when no copy is left untried.
+        while (name := next((n for n in meta.locations if n not in tried), None)) is not None:
+            tried.add(name)
             tc = self.counters.tiers[name]
             try:
                 tier = placement.tier(name)
@@ -610,7 +614,8 @@ class BlockStore:
                 await placement.drop_copy(meta, name)
                 continue
             return payload, name
-        placement.unindex(meta)
+        if not meta.locations:
+            placement.unindex(meta)
         raise DataLoss(f"block {meta.key.hex()}: no tier holds a valid copy any more ({'; '.join(reasons)}); "
                        "it was dropped")
 

@@ -110,6 +110,7 @@ class Placement:
         tier = self.tiers[i]
         rec = meta.record()
         need = tier.space_for(rec)
+        moved = self.index.get(meta.key) is meta  # a copy of an indexed block (not a put's first copy)
         if not tier.reserve(need):  # room already: no make_room coroutine (make_room's first step is this)
             await self.make_room(i, need, wait=wait)
         now = self.immediate[i]
@@ -123,6 +124,9 @@ class Placement:
             raise
         self.tier_ok(i)
         self.counters.tiers[tier.name].written_bytes += len(payload)
+        if moved and self.index.get(meta.key) is not meta:  # deleted while copied (a failed read dropped it):
+            await self._discard(i, meta.key)  # the copy would be held by no block, never evicted
+            return
         meta.locations.append(tier.name)
         meta.locations.sort(key=self.rank.__getitem__)
         self.victims[tier.name].add(meta)
@@ -221,16 +225,19 @@ class Placement:
             self.busy -= 1
             self.notify_freed()
 
-    async def drop_copy(self, meta: BlockMeta, name: str) -> None:
-        i = self._leave(meta, name)
+    async def _discard(self, i: int, key: bytes) -> None:
+        """Delete a copy tier i holds that no block lists."""
         now = self.immediate[i]
         try:
             if now is not None:
-                now.delete_now(meta.key)
+                now.delete_now(key)
             else:
-                await self.tiers[i].delete(meta.key)
+                await self.tiers[i].delete(key)
         except OSError:
-            self.counters.tiers[name].io_errors += 1
+            self.counters.tiers[self.tiers[i].name].io_errors += 1
+
+    async def drop_copy(self, meta: BlockMeta, name: str) -> None:
+        await self._discard(self._leave(meta, name), meta.key)
 
     def _leave(self, meta: BlockMeta, name: str) -> int:
         """The block's copy in tier `name` no longer counts (before the tier deletes it); the tier's index."""
@@ -305,6 +312,11 @@ class Placement:
 
     def end_copy(self, meta: BlockMeta, tier_name: str, *, ok: bool) -> None:
         """Phase two: the new copy joins the block's locations only if its bytes landed (ok)."""
+        if ok and self.index.get(meta.key) is not meta:  # deleted while copied: the new copy belongs to nothing
+            now = self.immediate[self.rank[tier_name]]
+            if now is not None:
+                now.delete_now(meta.key)
+            ok = False
         if ok:
             upward = self.rank[tier_name] < min(map(self.rank.__getitem__, meta.locations), default=0)
             meta.locations.append(tier_name)
