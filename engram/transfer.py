@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engram.errors import InvalidArgument, ResourceExhausted
+from engram.errors import InvalidArgument, NotFound, ResourceExhausted
 from engram.index import BlockMeta
 from engram.store import BlockStore
 from engram.tiers.pool import PoolTier
@@ -193,9 +193,17 @@ async def copy_blocks(store: BlockStore, metas: Sequence[BlockMeta], engine: Tra
                     need = await store.begin_copy(meta, dst)
                 except ResourceExhausted:
                     continue  # no room up there right now: served from where it is
+            try:
+                slot = lower.slot(meta.key)
+                placed = upper.place(meta.key, need, slot.length)
+            except BaseException as exc:  # its source copy went while room was made: nothing was placed up there
+                upper.unreserve(need)
+                store.end_copy(meta, dst, ok=False)
+                if isinstance(exc, NotFound):
+                    continue  # served from where it is now
+                raise
             started.append((meta, need))
-            slot = lower.slot(meta.key)
-            moves.append(Move(slot.offset, upper.place(meta.key, need, slot.length).offset, slot.length))
+            moves.append(Move(slot.offset, placed.offset, slot.length))
             if len(moves) == SUBMIT_EVERY:
                 # Submit while the rest is still being booked, so the copy engine runs during the bookkeeping.
                 done = engine.copy(lower.buffer, upper.buffer, moves, page_bytes=0)

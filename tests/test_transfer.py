@@ -139,3 +139,45 @@ async def test_batched_promotion_keeps_the_two_phase_protocol(tmp_path) -> None:
         assert store.counters.tiers["hbm"].promotions >= 2
     finally:
         await store.close()
+
+
+async def test_a_block_whose_source_copy_goes_while_room_is_made_is_skipped_and_its_room_given_back(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A batched promotion reserves room in HBM (a demotion to a slow NVMe makes it); meanwhile a reader finds the
+    block's only DRAM copy corrupt and drops it. The promotion skips the block and gives its HBM room back (the
+    reservation stayed held for good: HBM shrank by a block per such race)."""
+    import time
+
+    from engram.errors import DataLoss
+
+    cfg = load_config(env={}, overrides={"tiers.hbm.capacity": 2 * BLOCK, "tiers.hbm.device": "cpu",
+                                         "tiers.dram.capacity": 2 * BLOCK, "tiers.dram.shm_dir": str(tmp_path),
+                                         "tiers.dram.pin": False, "tiers.nvme.path": str(tmp_path / "nvme"),
+                                         "tiers.write_back_window_s": 3600})
+    store = await build_store(cfg)
+    try:
+        fp = store.registry.register(SPEC)
+        parent, metas = root_key("ns", fp), []
+        for s in range(6):
+            toks = tokens(BLOCK_TOKENS, seed=s)
+            payload = random_kv(SPEC, BLOCK_TOKENS, seed=s).view(torch.uint8).numpy().tobytes()
+            header = BlockHeader(toks, SPEC.layout.dtype, SPEC.layout.block_shape(BLOCK_TOKENS), len(payload),
+                                 checksum(payload))
+            parent = (await store.put("ns", fp, parent, header, payload)).key
+            metas.append(store.index.get(parent))
+        k = metas[3]
+        assert k.locations == ["dram"]
+        dram, hbm = store.tiers[1], store.tiers[0]
+        dram.buffer[dram.slot(k.key).offset] ^= 0xFF  # its only copy goes bad
+        store.tiers[-1].fault_hook = lambda op, path: time.sleep(0.1) if op == "write" else None
+
+        async def reader() -> None:
+            await asyncio.sleep(0.02)  # while the promotion makes room
+            with store.reading([k]), pytest.raises(DataLoss):
+                await store.read(k)
+
+        promoted, _ = await asyncio.gather(promote(store, [k], TransferEngine()), reader())
+        assert promoted == 0 and store.index.get(k.key) is None
+        assert hbm._reserved_bytes == 0  # the room it reserved was given back
+        assert hbm.used_bytes == sum(hbm.space_for(m.record()) for m in store.index if "hbm" in m.locations)
+    finally:
+        await store.close()
