@@ -237,3 +237,101 @@ async def test_a_deduplicated_put_makes_the_durable_copy_from_the_blocks_own_byt
         assert await nvme.read(meta.key) == await srv.store.tiers[0].read(meta.key)  # verified, and its own
         [got] = await client.get(fp, list(first.keys), zero_copy=False)
         assert torch.equal(got, mine)
+
+
+async def test_blocks_put_concurrently_under_write_through_stay_eviction_candidates(tmp_path: Path) -> None:
+    """A put's block is an eviction candidate of its tier from its first copy on; while its NVMe copy is written
+    (unindexed yet) another put's victim search drops it as unindexed. Published, it competes again: two chains
+    put at once into a 4-block DRAM both land, and later puts still find victims (DRAM once wedged: every put
+    refused as if every block were pinned, none was)."""
+    from engram.config import load_config
+    from engram.server.app import build_store
+
+    from helpers import put_tokens
+
+    store = await build_store(load_config(env={}, overrides={
+        "tiers.dram.pool": "private", "tiers.dram.capacity": 4 * BLOCK, "tiers.nvme.path": str(tmp_path / "nvme"),
+        "tiers.write_policy": "write-through"}))
+    fp = store.registry.register(SPEC)
+    store.wait_for_room_s = 0.5
+    try:
+        chains = [tokens(6 * BLOCK_TOKENS, seed=s) for s in (1, 2)]
+        await asyncio.gather(*(put_tokens(store, ns, fp, t, random_kv(SPEC, len(t), seed=i))
+                               for i, (ns, t) in enumerate(zip(("a", "b"), chains, strict=True))))
+        victims = store.placement.victims["dram"]
+        in_dram = [m for m in store.index if "dram" in m.locations]
+        assert in_dram and all(id(m) in victims._all.pos for m in in_dram)
+        for s in range(3, 9):  # each needs a DRAM victim
+            t = tokens(BLOCK_TOKENS, seed=s)
+            await put_tokens(store, "a", fp, t, random_kv(SPEC, len(t), seed=s))
+    finally:
+        await store.close()
+
+
+async def test_a_dedupe_whose_block_is_evicted_while_it_waits_is_not_acknowledged(tmp_path: Path) -> None:
+    """A put deduplicated against a block held only in memory waits for a move of that block before making it
+    durable; the block is evicted meanwhile. The put is refused (NotDurable: put again), not acknowledged
+    durable with an NVMe file no block lists (it leaked, and a restart revived the evicted block)."""
+    from engram.block import BlockHeader, checksum
+    from engram.config import load_config
+    from engram.errors import NotDurable
+    from engram.server.app import build_store
+
+    store = await build_store(load_config(env={}, overrides={
+        "tiers.dram.pool": "private", "tiers.dram.capacity": 4 * BLOCK, "tiers.nvme.path": str(tmp_path / "nvme"),
+        "tiers.write_policy": "write-through"}))
+    fp = store.registry.register(SPEC)
+    try:
+        toks = tokens(BLOCK_TOKENS, seed=8)
+        payload = random_kv(SPEC, BLOCK_TOKENS, seed=8).view(torch.uint8).numpy().tobytes()
+        header = BlockHeader(toks, SPEC.layout.dtype, SPEC.layout.block_shape(BLOCK_TOKENS), len(payload),
+                             checksum(payload))
+
+        def put():  # type: ignore[no-untyped-def]
+            return store.put("a", fp, store.root("a", fp), header, payload)
+
+        meta = store.block((await put()).key)
+        assert meta is not None
+        await store.drop_copy(meta, "nvme")  # in DRAM only now (its NVMe copy evicted)
+        need = store.begin_copy_now(meta, "nvme")  # a move of it in flight
+        assert need is not None
+        again = asyncio.create_task(put())  # deduplicated: it waits for the move, then makes it durable
+        await asyncio.sleep(0.01)
+        store.tiers[1].unreserve(need)
+        store.end_copy(meta, "nvme", ok=False)  # the move is abandoned...
+        await store.remove(meta)  # ...and the block evicted while the put waits
+        with pytest.raises(NotDurable, match="evicted while its durable copy waited"):
+            await again
+        assert store.block(meta.key) is None and meta.key not in store.tiers[1]
+    finally:
+        await store.close()
+
+
+async def test_a_block_being_copied_by_keep_only_in_is_not_removed_under_it(tmp_path: Path) -> None:
+    """`keep_only_in` (how verify-isolation puts a block in the tier it probes) holds the block from its read
+    on: an Evict meanwhile is refused, instead of the copy landing in DRAM for a block no longer indexed."""
+    from engram.block import BlockHeader, checksum
+    from engram.config import load_config
+    from engram.errors import FailedPrecondition
+    from engram.server.app import build_store
+
+    store = await build_store(load_config(env={}, overrides={
+        "tiers.dram.pool": "private", "tiers.dram.capacity": 4 * BLOCK, "tiers.nvme.path": str(tmp_path / "nvme"),
+        "tiers.write_policy": "write-through"}))
+    fp = store.registry.register(SPEC)
+    try:
+        toks = tokens(BLOCK_TOKENS, seed=9)
+        payload = random_kv(SPEC, BLOCK_TOKENS, seed=9).view(torch.uint8).numpy().tobytes()
+        header = BlockHeader(toks, SPEC.layout.dtype, SPEC.layout.block_shape(BLOCK_TOKENS), len(payload),
+                             checksum(payload))
+        meta = store.block((await store.put("a", fp, store.root("a", fp), header, payload)).key)
+        assert meta is not None
+        await store.drop_copy(meta, "dram")  # on NVMe only
+        copy = asyncio.create_task(store.keep_only_in(meta, "dram"))
+        await asyncio.sleep(0)  # it reads the NVMe copy
+        with pytest.raises(FailedPrecondition):
+            await store.remove(meta)
+        await copy
+        assert store.block(meta.key) is meta and meta.locations == ["dram"]
+    finally:
+        await store.close()

@@ -370,6 +370,7 @@ class BlockStore:
             if self.write_policy == WritePolicy.WRITE_THROUGH:
                 ok = await durable.make_durable(self, meta, payload, index=index)  # NotDurable: not acknowledged
             self.index.add(meta)  # published only now that the bytes are in their tiers
+            placement.compete(meta)
         except BaseException:
             for name in list(meta.locations):
                 await placement.drop_copy(meta, name)
@@ -712,9 +713,9 @@ class BlockStore:
         the write policy, and reads the copy without counting a hit."""
         placement = self.placement
         if tier_name not in meta.locations:
-            payload = await placement.tier(meta.tier).read(meta.key)
-            meta.moving = True  # not a victim of the room its own copy needs
+            meta.moving = True  # not a victim (nor removed) while it is read and copied
             try:
+                payload = await placement.tier(meta.tier).read(meta.key)
                 await placement.place(meta, placement.rank[tier_name], payload)
             finally:
                 meta.moving = False

@@ -66,11 +66,14 @@ async def make_durable(store: BlockStore, meta: BlockMeta, payload: Payload, *, 
     if d is None:
         return True
     name = placement.tiers[d].name
+    indexed = store.index.get(meta.key) is meta  # a stored block made durable again (not a put's new block)
     deadline = time.monotonic() + placement.wait_for_room_s
     while meta.moving and time.monotonic() < deadline:
         await asyncio.sleep(0.005)  # a demotion (or the flusher) is writing that copy right now: wait for it
     if name in meta.locations:
         return True
+    if indexed and store.index.get(meta.key) is not meta:  # evicted while it waited: a copy would belong to nothing
+        raise NotDurable(f"block {index} was evicted while its durable copy waited on a move; put it again")
     if not placement.available(d):
         reason = placement.health[name].reason or f"the {name} tier is degraded"
     elif meta.moving:

@@ -263,7 +263,7 @@ class InPlacePuts:
                 for w in waiters:
                     w.set()
         store.index.add(meta)
-        placement.victims[self.pool.name].add(meta)
+        placement.compete(meta)  # the pool's copy, and the durable copy placed before it was indexed
         store.counters.blocks_put += 1
         return PutOutcome(meta.key, stored=True, durable=ok)
 

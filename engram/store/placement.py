@@ -131,6 +131,13 @@ class Placement:
         meta.locations.sort(key=self.rank.__getitem__)
         self.victims[tier.name].add(meta)
 
+    def compete(self, meta: BlockMeta) -> None:
+        """A block just published in the index: each of its copies is an eviction candidate of its tier again.
+        Copies placed before it was indexed were candidates already, but a victim search meanwhile (a put's
+        durable copy awaited) dropped them as unindexed, and nothing else would add them back."""
+        for name in meta.locations:
+            self.victims[name].add(meta)
+
     async def make_room(self, i: int, need: int, *, wait: bool = True) -> None:
         """Reserve `need` bytes in tier i, evicting (demoting) as needed. With wait, and when every
         candidate is moving or leased, wait for one to come free; promotions pass wait=False because
