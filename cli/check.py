@@ -22,6 +22,8 @@ EXIT_PROBLEMS = 1
 def offline(directory: str, fix: bool, progress: Callable[[int, int], None] | None = None) -> CheckReport:
     from engram.tiers.nvme import NvmeTier  # the tier's code only for an offline check
 
+    if not directory.strip():
+        raise fail("--dir needs the NVMe tier's directory (tiers.nvme.path)", EXIT_BAD_INPUT)
     root = Path(directory)
     if not (root / "blocks").is_dir():
         raise fail(f"{directory} is not an Engram NVMe tier directory (no blocks/ inside)", EXIT_BAD_INPUT)

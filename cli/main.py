@@ -172,7 +172,7 @@ def check(
     """Verify every stored copy (the whole daemon: an admin call); exit 1 if any problem was found."""
     # On stderr (a terminal only: piped output stays clean for --json): a bar with counts over the files of
     # a directory checked here; a spinner while a daemon checks (one Check RPC, no progress to report).
-    if directory:
+    if directory is not None:  # "" too: refused by the offline check, not taken for "no --dir"
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         with Progress(TextColumn("checking block files"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

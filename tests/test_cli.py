@@ -206,6 +206,8 @@ def test_check_offline_reports_then_fixes(tmp_path: Path) -> None:
     assert run_cli("check", "--dir", str(tmp_path)).returncode == 0
     bad = run_cli("check", "--dir", str(tmp_path / "nope"))
     assert bad.returncode == 4 and "not an Engram NVMe tier directory" in bad.stderr
+    empty = run_cli("check", "--dir", "")  # refused: not taken for "no --dir" (a check of the default daemon)
+    assert empty.returncode == 4 and "--dir needs the NVMe tier's directory" in empty.stderr
 
 
 def test_check_online(daemon) -> None:  # type: ignore[no-untyped-def]
