@@ -7,7 +7,9 @@ indexed, so no reader can see a block whose bytes are still being written, and a
 eviction victim. The chain's parent counts the coming children, so it cannot be deleted under the put.
 Commit: each slot's bytes are checked against what was reserved (a v1 block's header: codec, dtype, shape;
 its body checksum, and the whole payload's, are computed here, by the daemon, from the bytes as they lie in
-the pool) and the blocks are published in chain order, then copied down under write-through like any put.
+the pool) and the blocks are published in chain order; under write-through each only once its NVMe copy is
+written (another put of the block meanwhile waits on it, as on a Put's), so nothing is acknowledged against a
+block that might yet be dropped. Commits of one reservation go one at a time, and its expiry waits for them.
 A reservation not committed within its time is closed, and its slots freed one term later (a late writer's
 bytes land in slots no block holds).
 
