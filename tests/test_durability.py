@@ -244,15 +244,9 @@ async def test_blocks_put_concurrently_under_write_through_stay_eviction_candida
     (unindexed yet) another put's victim search drops it as unindexed. Published, it competes again: two chains
     put at once into a 4-block DRAM both land, and later puts still find victims (DRAM once wedged: every put
     refused as if every block were pinned, none was)."""
-    from engram.config import load_config
-    from engram.server.app import build_store
-
     from helpers import put_tokens
 
-    store = await build_store(load_config(env={}, overrides={
-        "tiers.dram.pool": "private", "tiers.dram.capacity": 4 * BLOCK, "tiers.nvme.path": str(tmp_path / "nvme"),
-        "tiers.write_policy": "write-through"}))
-    fp = store.registry.register(SPEC)
+    store, fp = await _write_through_store(tmp_path)
     store.wait_for_room_s = 0.5
     try:
         chains = [tokens(6 * BLOCK_TOKENS, seed=s) for s in (1, 2)]
@@ -272,20 +266,11 @@ async def test_a_dedupe_whose_block_is_evicted_while_it_waits_is_not_acknowledge
     """A put deduplicated against a block held only in memory waits for a move of that block before making it
     durable; the block is evicted meanwhile. The put is refused (NotDurable: put again), not acknowledged
     durable with an NVMe file no block lists (it leaked, and a restart revived the evicted block)."""
-    from engram.block import BlockHeader, checksum
-    from engram.config import load_config
     from engram.errors import NotDurable
-    from engram.server.app import build_store
 
-    store = await build_store(load_config(env={}, overrides={
-        "tiers.dram.pool": "private", "tiers.dram.capacity": 4 * BLOCK, "tiers.nvme.path": str(tmp_path / "nvme"),
-        "tiers.write_policy": "write-through"}))
-    fp = store.registry.register(SPEC)
+    store, fp = await _write_through_store(tmp_path)
     try:
-        toks = tokens(BLOCK_TOKENS, seed=8)
-        payload = random_kv(SPEC, BLOCK_TOKENS, seed=8).view(torch.uint8).numpy().tobytes()
-        header = BlockHeader(toks, SPEC.layout.dtype, SPEC.layout.block_shape(BLOCK_TOKENS), len(payload),
-                             checksum(payload))
+        header, payload = _one_block(seed=8)
 
         def put():  # type: ignore[no-untyped-def]
             return store.put("a", fp, store.root("a", fp), header, payload)
@@ -310,20 +295,11 @@ async def test_a_dedupe_whose_block_is_evicted_while_it_waits_is_not_acknowledge
 async def test_a_block_being_copied_by_keep_only_in_is_not_removed_under_it(tmp_path: Path) -> None:
     """`keep_only_in` (how verify-isolation puts a block in the tier it probes) holds the block from its read
     on: an Evict meanwhile is refused, instead of the copy landing in DRAM for a block no longer indexed."""
-    from engram.block import BlockHeader, checksum
-    from engram.config import load_config
     from engram.errors import FailedPrecondition
-    from engram.server.app import build_store
 
-    store = await build_store(load_config(env={}, overrides={
-        "tiers.dram.pool": "private", "tiers.dram.capacity": 4 * BLOCK, "tiers.nvme.path": str(tmp_path / "nvme"),
-        "tiers.write_policy": "write-through"}))
-    fp = store.registry.register(SPEC)
+    store, fp = await _write_through_store(tmp_path)
     try:
-        toks = tokens(BLOCK_TOKENS, seed=9)
-        payload = random_kv(SPEC, BLOCK_TOKENS, seed=9).view(torch.uint8).numpy().tobytes()
-        header = BlockHeader(toks, SPEC.layout.dtype, SPEC.layout.block_shape(BLOCK_TOKENS), len(payload),
-                             checksum(payload))
+        header, payload = _one_block(seed=9)
         meta = store.block((await store.put("a", fp, store.root("a", fp), header, payload)).key)
         assert meta is not None
         await store.drop_copy(meta, "dram")  # on NVMe only
@@ -335,3 +311,24 @@ async def test_a_block_being_copied_by_keep_only_in_is_not_removed_under_it(tmp_
         assert store.block(meta.key) is meta and meta.locations == ["dram"]
     finally:
         await store.close()
+
+
+async def _write_through_store(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A store on its own (no daemon): a 4-block private DRAM over NVMe, write-through; and the model's fingerprint."""
+    from engram.config import load_config
+    from engram.server.app import build_store
+
+    store = await build_store(load_config(env={}, overrides={
+        "tiers.dram.pool": "private", "tiers.dram.capacity": 4 * BLOCK, "tiers.nvme.path": str(tmp_path / "nvme"),
+        "tiers.write_policy": "write-through"}))
+    return store, store.registry.register(SPEC)
+
+
+def _one_block(seed: int):  # type: ignore[no-untyped-def]
+    """A first block's header and raw payload, as a Put sends them."""
+    from engram.block import BlockHeader, checksum
+
+    toks = tokens(BLOCK_TOKENS, seed=seed)
+    payload = random_kv(SPEC, BLOCK_TOKENS, seed=seed).view(torch.uint8).numpy().tobytes()
+    return BlockHeader(toks, SPEC.layout.dtype, SPEC.layout.block_shape(BLOCK_TOKENS), len(payload),
+                       checksum(payload)), payload

@@ -106,15 +106,9 @@ async def test_a_read_that_fails_while_another_promotes_the_block_keeps_it_index
     import errno
     import time
 
-    from engram.config import load_config
-    from engram.server.app import build_store
-
     from helpers import put_tokens
 
-    store = await build_store(load_config(env={}, overrides={
-        "tiers.hbm.capacity": 2 * BLOCK, "tiers.hbm.device": "cpu", "tiers.dram.capacity": 2 * BLOCK,
-        "tiers.dram.pool": "private", "tiers.nvme.path": str(tmp_path / "nvme"), "tiers.write_back_window_s": 3600}))
-    fp = store.registry.register(SPEC)
+    store, fp = await _small_tiers(tmp_path)
     try:
         toks = tokens(5 * BLOCK_TOKENS, seed=3)
         kv = random_kv(SPEC, len(toks), seed=3)
@@ -152,15 +146,9 @@ async def test_a_promotion_that_lands_on_a_block_dropped_meanwhile_leaves_no_cop
     import errno
     import time
 
-    from engram.config import load_config
-    from engram.server.app import build_store
-
     from helpers import put_tokens
 
-    store = await build_store(load_config(env={}, overrides={
-        "tiers.hbm.capacity": 2 * BLOCK, "tiers.hbm.device": "cpu", "tiers.dram.capacity": 2 * BLOCK,
-        "tiers.dram.pool": "private", "tiers.nvme.path": str(tmp_path / "nvme"), "tiers.write_back_window_s": 3600}))
-    fp = store.registry.register(SPEC)
+    store, fp = await _small_tiers(tmp_path)
     try:
         toks = tokens(6 * BLOCK_TOKENS, seed=4)
         metas = await put_tokens(store, "t", fp, toks, random_kv(SPEC, len(toks), seed=4))
@@ -195,3 +183,14 @@ async def test_a_promotion_that_lands_on_a_block_dropped_meanwhile_leaves_no_cop
         assert hbm.used_bytes == sum(hbm.space_for(x.record()) for x in store.index if "hbm" in x.locations)
     finally:
         await store.close()
+
+
+async def _small_tiers(tmp_path):  # type: ignore[no-untyped-def]
+    """A store on its own: 2 blocks of HBM (on the CPU), 2 of private DRAM, NVMe below; and the model's fingerprint."""
+    from engram.config import load_config
+    from engram.server.app import build_store
+
+    store = await build_store(load_config(env={}, overrides={
+        "tiers.hbm.capacity": 2 * BLOCK, "tiers.hbm.device": "cpu", "tiers.dram.capacity": 2 * BLOCK,
+        "tiers.dram.pool": "private", "tiers.nvme.path": str(tmp_path / "nvme"), "tiers.write_back_window_s": 3600}))
+    return store, store.registry.register(SPEC)

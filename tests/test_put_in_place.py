@@ -122,6 +122,23 @@ async def test_an_uncommitted_reservation_expires_and_ids_are_per_namespace(serv
             assert (await c.stats()).tier("dram").used_bytes == used  # then free again
 
 
+def _raw_headers(spec, toks) -> list[pb.BlockHeader]:  # type: ignore[no-untyped-def]
+    """A ReservePut's headers for `toks` in full raw blocks."""
+    return [pb.BlockHeader(tokens=convert.tokens_to_pb(toks[i:i + BLOCK_TOKENS]), dtype=int(spec.layout.dtype),
+                           shape=list(spec.layout.block_shape(BLOCK_TOKENS)),
+                           payload_nbytes=spec.layout.block_nbytes(BLOCK_TOKENS), codec="raw")
+            for i in range(0, len(toks), BLOCK_TOKENS)]
+
+
+def _write_slots(inplace, slots, kv, only=None) -> None:  # type: ignore[no-untyped-def]
+    """What a worker on the daemon's host does between ReservePut and CommitPut: each block's raw bytes into
+    its slot of the shared pool (here in process); `only`: those blocks' slots."""
+    for i, slot in enumerate(slots):
+        if only is None or i in only:
+            block = kv[:, :, i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS].contiguous().view(-1).view(torch.uint8)
+            inplace.pool.buffer[slot.offset:slot.offset + block.numel()].copy_(block)
+
+
 async def test_a_reservation_does_not_expire_under_a_commit_of_part_of_it(server_factory) -> None:  # type: ignore[no-untyped-def]
     """A CommitPut of the first block of two takes longer to seal than the reservation has left: the expiry
     waits for it (it once freed the slots being sealed and answered the block as deduplicated, stored
@@ -133,16 +150,11 @@ async def test_a_reservation_does_not_expire_under_a_commit_of_part_of_it(server
     kv = random_kv(spec, len(toks), seed=8)
     async with EngramClient(srv.address, namespace="t") as c:
         fp = await c.register_model(spec)
-        headers = [pb.BlockHeader(tokens=convert.tokens_to_pb(toks[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS]),
-                                  dtype=int(spec.layout.dtype), shape=list(spec.layout.block_shape(BLOCK_TOKENS)),
-                                  payload_nbytes=spec.layout.block_nbytes(BLOCK_TOKENS), codec="raw")
-                   for i in range(2)]
+        headers = _raw_headers(spec, toks)
         async with grpc.aio.insecure_channel(srv.address) as ch:
             stub = pb_grpc.EngramStub(ch)
             res = await stub.ReservePut(pb.ReservePutRequest(namespace="t", model_fingerprint=fp, blocks=headers))
-            for i, slot in enumerate(res.slots):  # the worker writes the blocks (in process: into the pool)
-                block = kv[:, :, i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS].contiguous().view(-1).view(torch.uint8)
-                inplace.pool.buffer[slot.offset:slot.offset + block.numel()].copy_(block)
+            _write_slots(inplace, res.slots, kv)  # the worker writes the blocks (in process: into the pool)
             seal = inplace.sealer.seal
 
             async def slow_seal(tasks):  # type: ignore[no-untyped-def]
@@ -171,17 +183,12 @@ async def test_a_second_commit_while_one_runs_is_refused_and_pins_once(server_fa
     kv = random_kv(spec, len(toks), seed=7)
     async with EngramClient(srv.address, namespace="t") as c:
         fp = await c.register_model(spec)
-        headers = [pb.BlockHeader(tokens=convert.tokens_to_pb(toks[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS]),
-                                  dtype=int(spec.layout.dtype), shape=list(spec.layout.block_shape(BLOCK_TOKENS)),
-                                  payload_nbytes=spec.layout.block_nbytes(BLOCK_TOKENS), codec="raw")
-                   for i in range(2)]
+        headers = _raw_headers(spec, toks)
         async with grpc.aio.insecure_channel(srv.address) as ch:
             stub = pb_grpc.EngramStub(ch)
             res = await stub.ReservePut(pb.ReservePutRequest(namespace="t", model_fingerprint=fp, blocks=headers,
                                                              pin=True))
-            for i, slot in enumerate(res.slots):
-                block = kv[:, :, i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS].contiguous().view(-1).view(torch.uint8)
-                inplace.pool.buffer[slot.offset:slot.offset + block.numel()].copy_(block)
+            _write_slots(inplace, res.slots, kv)
             seal = inplace.sealer.seal
 
             async def slow_seal(tasks):  # type: ignore[no-untyped-def]
@@ -212,16 +219,12 @@ async def test_a_block_stored_at_reserve_and_deleted_before_the_commit_is_not_ac
     async with EngramClient(srv.address, namespace="t", in_place_min_bytes=1 << 40) as c:
         fp = await c.register_model(spec)
         [first] = (await c.put(fp, toks[:BLOCK_TOKENS], kv[:, :, :BLOCK_TOKENS])).keys
-        headers = [pb.BlockHeader(tokens=convert.tokens_to_pb(toks[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS]),
-                                  dtype=int(spec.layout.dtype), shape=list(spec.layout.block_shape(BLOCK_TOKENS)),
-                                  payload_nbytes=spec.layout.block_nbytes(BLOCK_TOKENS), codec="raw")
-                   for i in range(2)]
+        headers = _raw_headers(spec, toks)
         async with grpc.aio.insecure_channel(srv.address) as ch:
             stub = pb_grpc.EngramStub(ch)
             res = await stub.ReservePut(pb.ReservePutRequest(namespace="t", model_fingerprint=fp, blocks=headers))
             assert list(res.cached) == [True, False]  # the first is stored: no slot
-            block = kv[:, :, BLOCK_TOKENS:].contiguous().view(-1).view(torch.uint8)
-            srv.service.inplace.pool.buffer[res.slots[1].offset:res.slots[1].offset + block.numel()].copy_(block)
+            _write_slots(srv.service.inplace, res.slots, kv, only=[1])
             meta = srv.store.index.get_in("t", first)
             assert meta is not None
             await srv.store.placement.delete_block(meta)

@@ -106,6 +106,20 @@ class HeldEngine(TransferEngine):
         return Held(None)
 
 
+async def _put_chain(store, fp: bytes, n: int) -> tuple[list, list[bytes]]:  # type: ignore[no-untyped-def]
+    """A chain of n full blocks put into `store` (namespace "ns"): their metas and payloads, in order."""
+    parent, metas, payloads = root_key("ns", fp), [], []
+    for s in range(n):
+        toks = tokens(BLOCK_TOKENS, seed=s)
+        payload = random_kv(SPEC, BLOCK_TOKENS, seed=s).view(torch.uint8).numpy().tobytes()
+        header = BlockHeader(toks, SPEC.layout.dtype, SPEC.layout.block_shape(BLOCK_TOKENS), len(payload),
+                             checksum(payload))
+        parent = (await store.put("ns", fp, parent, header, payload)).key
+        metas.append(store.index.get(parent))
+        payloads.append(payload)
+    return metas, payloads
+
+
 async def test_batched_promotion_keeps_the_two_phase_protocol(tmp_path) -> None:  # type: ignore[no-untyped-def]
     cfg = load_config(env={}, overrides={"tiers.hbm.capacity": 4 * BLOCK, "tiers.hbm.device": "cpu",
                                          "tiers.dram.capacity": 16 * BLOCK, "tiers.dram.shm_dir": str(tmp_path),
@@ -113,15 +127,7 @@ async def test_batched_promotion_keeps_the_two_phase_protocol(tmp_path) -> None:
     store = await build_store(cfg)
     try:
         fp = store.registry.register(SPEC)
-        parent, metas, payloads = root_key("ns", fp), [], []
-        for s in range(8):  # 8 blocks into 4 of HBM: the first ones are demoted to DRAM
-            toks = tokens(BLOCK_TOKENS, seed=s)
-            payload = random_kv(SPEC, BLOCK_TOKENS, seed=s).view(torch.uint8).numpy().tobytes()
-            header = BlockHeader(toks, SPEC.layout.dtype, SPEC.layout.block_shape(BLOCK_TOKENS), len(payload),
-                                 checksum(payload))
-            parent = (await store.put("ns", fp, parent, header, payload)).key
-            metas.append(store.index.get(parent))
-            payloads.append(payload)
+        metas, payloads = await _put_chain(store, fp, 8)  # 8 blocks into 4 of HBM: the first demoted to DRAM
         in_dram = [m for m in metas if m.locations == ["dram"]]
         assert len(in_dram) == 4
         engine = HeldEngine()
@@ -156,14 +162,7 @@ async def test_a_block_whose_source_copy_goes_while_room_is_made_is_skipped_and_
     store = await build_store(cfg)
     try:
         fp = store.registry.register(SPEC)
-        parent, metas = root_key("ns", fp), []
-        for s in range(6):
-            toks = tokens(BLOCK_TOKENS, seed=s)
-            payload = random_kv(SPEC, BLOCK_TOKENS, seed=s).view(torch.uint8).numpy().tobytes()
-            header = BlockHeader(toks, SPEC.layout.dtype, SPEC.layout.block_shape(BLOCK_TOKENS), len(payload),
-                                 checksum(payload))
-            parent = (await store.put("ns", fp, parent, header, payload)).key
-            metas.append(store.index.get(parent))
+        metas, _ = await _put_chain(store, fp, 6)
         k = metas[3]
         assert k.locations == ["dram"]
         dram, hbm = store.tiers[1], store.tiers[0]
