@@ -647,10 +647,17 @@ class EngramClient(ControlClient):
         except grpc.aio.AioRpcError as exc:
             await self._release({d.lease_id for _, d in descriptors}, namespace)
             raise error_from_rpc(exc) from exc
-        if descriptors:
-            stale = self._copy_out(descriptors, out, device)
-            # The copies are done: end the leases in the background (the caller need not wait a round trip).
+        except BaseException:
+            # Cancelled (a caller's timeout) or failed after some descriptors came: their leases would hold
+            # those blocks from eviction until they expire. End them without waiting (a cancelled task may not).
             self._release_later({d.lease_id for _, d in descriptors}, namespace)
+            raise
+        if descriptors:
+            try:
+                stale = self._copy_out(descriptors, out, device)
+            finally:
+                # The copies are done (or failed): end the leases in the background (no round trip to wait).
+                self._release_later({d.lease_id for _, d in descriptors}, namespace)
             if stale:
                 again = await self.get(fingerprint, [keys[i] for i in stale], namespace=namespace,
                                        decode_on_server=decode_on_server, device=device, zero_copy=False)

@@ -182,3 +182,31 @@ async def test_a_load_that_fails_releases_the_lease_the_last_load_left_held(serv
         with pytest.raises(ResourceExhausted):
             await c.load_prefix_into(fp, tokens(8 * BLOCK_TOKENS), dest)
         await wait_until(lambda: all(srv.store.index.get(k).leases == 0 for k in keys), "the held lease's release")
+
+
+async def test_a_zero_copy_get_cancelled_midway_releases_the_leases_it_was_given(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A caller's timeout cancels a zero-copy get after the daemon has leased and described some of its blocks:
+    those leases end then (in the background), not at their expiry, which would hold the blocks from eviction.
+    The cancel is made to land after the first descriptor by a stand-in stream that passes the real RPC's
+    answers through and then raises CancelledError, as the event loop would at the next message's await."""
+    srv = await server_factory()
+    spec = tiny_model()
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        toks = tokens(3 * BLOCK_TOKENS)
+        keys = (await c.put(fp, toks, random_kv(spec, len(toks)))).keys
+        real_get = c._stub.Get
+
+        async def cancelled_after_first(req: pb.GetRequest) -> Any:
+            async for resp in real_get(req):
+                yield resp
+                raise asyncio.CancelledError
+
+        c._stub.Get = cancelled_after_first
+        with pytest.raises(asyncio.CancelledError):
+            await c.get(fp, keys, zero_copy=True)
+        c._stub.Get = real_get
+        await wait_until(lambda: all(srv.store.index.get(k).leases == 0 for k in keys), "the cancelled get's release",
+                         timeout=5.0)
+        got = await c.get(fp, keys, zero_copy=True)  # the client is still usable
+        assert len(got) == 3
