@@ -467,7 +467,8 @@ class EngramClient(ControlClient):
         put = pb.PutHeader(namespace=ns, model_fingerprint=fingerprint, parent_key=parent_key, pin=pin)
         data = await self._data_channel()
         if data is not None:
-            return await self._put_data(data, put, [encoded(toks, kv) for toks, kv in blocks])
+            with contextlib.suppress(wire.ChannelFull):  # its connections are all taken: gRPC may take the call
+                return await self._put_data(data, put, [encoded(toks, kv) for toks, kv in blocks])
         step = self.chunk_bytes
 
         async def requests() -> AsyncIterator[bytes]:  # serialized PutRequests (chunk_frames: one copy each)
@@ -630,7 +631,8 @@ class EngramClient(ControlClient):
         req = pb.GetRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint, keys=list(keys),
                             decode=decode_on_server, zero_copy=zero_copy, cuda_ipc=cuda_ipc)
         if not zero_copy and (data := await self._data_channel()) is not None:
-            return [self._block(h, p, i, device) for i, (h, p) in enumerate(await self._get_data(data, req))]
+            with contextlib.suppress(wire.ChannelFull):  # its connections are all taken: gRPC may take the call
+                return [self._block(h, p, i, device) for i, (h, p) in enumerate(await self._get_data(data, req))]
         out: list[Any] = []
         descriptors: list[tuple[int, pb.BlockDescriptor]] = []
         blocks: Reassembler[pb.BlockHeader] = client_reassembler(lambda h: h.payload_nbytes)
@@ -860,7 +862,8 @@ class EngramClient(ControlClient):
         decoded."""
         req = pb.GetRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint, keys=list(keys))
         if (data := await self._data_channel()) is not None:
-            return await self._get_data(data, req)
+            with contextlib.suppress(wire.ChannelFull):  # its connections are all taken: gRPC may take the call
+                return await self._get_data(data, req)
         out: list[tuple[pb.BlockHeader, bytes | torch.Tensor]] = []
         blocks: Reassembler[pb.BlockHeader] = client_reassembler(lambda h: h.payload_nbytes)
         try:

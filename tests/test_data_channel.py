@@ -316,16 +316,37 @@ async def test_an_unauthenticated_connection_cannot_make_the_daemon_buffer_much(
 async def test_connections_beyond_the_concurrency_limit_are_refused(server_factory) -> None:  # type: ignore[no-untyped-def]
     srv = await server_factory(**{"server.max_concurrent_rpcs": 2})
     held = [await raw_conn(srv), await raw_conn(srv)]
-    extra = await dial(srv)  # accepted by the kernel, closed by the daemon at once
-    await extra.send_frame(wire.HELLO)
-    with pytest.raises(ConnectionError):
-        await extra.read_frame()
+    extra = await dial(srv)  # accepted by the kernel, told why and closed by the daemon at once
+    await expect_error(extra, errors.ResourceExhausted, "max_concurrent_rpcs = 2 connections open")
     extra.close()
     for c in held:
         c.close()
     await asyncio.sleep(0.1)  # the held connections' tasks end: room again
     conn = await raw_conn(srv)
     conn.close()
+
+
+async def test_a_client_whose_data_channel_is_full_puts_and_gets_over_grpc(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """Other clients' connections hold every data-channel slot: the daemon refuses one more with
+    RESOURCE_EXHAUSTED, and the client makes the same put, get and prefix load over gRPC (which has slots of
+    its own: those idle connections are not calls) instead of failing."""
+    srv = await server_factory(**{"server.max_concurrent_rpcs": 2})
+    held = [await raw_conn(srv), await raw_conn(srv)]
+    spec = tiny_model()
+    async with EngramClient(srv.address, namespace="t", zero_copy=False) as c:
+        fp = await c.register_model(spec)
+        toks, kv = tokens(32), random_kv(spec, 32)
+        before = served(srv)
+        put = await c.put(fp, toks, kv)
+        assert put.stored == 2
+        assert torch.equal(torch.cat(await c.get(fp, list(put.keys)), dim=2), kv)
+        dest = torch.zeros_like(kv)
+        loaded = await c.load_prefix_into(fp, toks, dest)
+        assert len(loaded.blocks) == loaded.bytes_blocks == 2
+        assert torch.equal(dest, kv)
+        assert served(srv) == before  # none of it went over the data channel
+    for conn in held:
+        conn.close()
 
 
 async def test_a_connection_that_sends_no_hello_is_closed_and_frees_its_slot(server_factory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -350,3 +371,27 @@ async def test_a_connection_that_sends_no_hello_is_closed_and_frees_its_slot(ser
         assert (await c.put(fp, toks, kv)).stored == 2
         n, got = await c.get_prefix(fp, toks)
         assert n == 32 and torch.equal(got, kv)
+
+
+async def test_a_full_tls_data_channel_refuses_with_a_reason_and_the_client_uses_grpc(tmp_path: Path) -> None:
+    """Over TLS the data channel's connections are asyncio streams (another accept path): the limit holds there
+    too, and a client refused there falls back to gRPC."""
+    cert, key = self_signed_cert(tmp_path)
+    srv = await start_server(load_config(env={}, overrides={
+        "server.port": 0, "tiers.dram.capacity": "64MiB", "server.tls_cert": str(cert), "server.tls_key": str(key),
+        "server.max_concurrent_rpcs": 1}))
+    try:
+        spec = tiny_model()
+        async with EngramClient(srv.address, namespace=NS, root_cert=cert.read_bytes(), zero_copy=False) as a, \
+                EngramClient(srv.address, namespace=NS, root_cert=cert.read_bytes(), zero_copy=False) as b:
+            fp = await a.register_model(spec)
+            await b.register_model(spec)
+            await a.put(fp, tokens(16, seed=1), random_kv(spec, 16))  # a's connection stays open, idle: the one slot
+            assert served(srv)["put"] == 1
+            toks, kv = tokens(40), random_kv(spec, 40)
+            await b.put(fp, toks, kv)
+            n, got = await b.get_prefix(fp, toks)
+            assert n == 40 and torch.equal(got, kv)
+            assert served(srv)["put"] == 1 and served(srv)["get"] == 0  # b went over gRPC
+    finally:
+        await srv.stop(0)

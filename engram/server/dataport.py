@@ -65,6 +65,7 @@ class DataPort:
         self._listeners: list[socket.socket] = []
         self._servers: list[asyncio.AbstractServer] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        self._refusing: set[asyncio.Task[None]] = set()  # connections over the limit, being told so
         self._accepting: list[asyncio.Task[None]] = []
         self.served = {"put": 0, "get": 0, "refused": 0}  # requests answered, by kind (tests, logs)
 
@@ -127,24 +128,49 @@ class DataPort:
     async def _serve_streams(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
+        conn = wire.Conn(reader=reader, writer=writer)
+        if self._full():
+            await self._refuse(conn)
+            return
         self._tasks.add(task)  # asyncio's server runs this in a task of its own: stop() must end it too
         try:
             wire.tune(writer.get_extra_info("socket"))
-            await self._serve(wire.Conn(reader=reader, writer=writer))
+            await self._serve(conn)
         finally:
             self._tasks.discard(task)
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
     def _spawn(self, conn: wire.Conn) -> None:
-        if len(self._tasks) >= self.config.max_concurrent_rpcs:  # the same bound as gRPC's concurrent calls
-            conn.close()
-            log.warning("data channel: %d connections open (server.max_concurrent_rpcs); one more was refused",
-                        len(self._tasks))
+        loop = asyncio.get_running_loop()
+        if self._full():
+            refusing = loop.create_task(self._refuse(conn))
+            self._refusing.add(refusing)
+            refusing.add_done_callback(self._refusing.discard)
             return
-        task = asyncio.get_running_loop().create_task(self._serve(conn))
+        task = loop.create_task(self._serve(conn))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _full(self) -> bool:
+        if len(self._tasks) < self.config.max_concurrent_rpcs:  # the same bound as gRPC's concurrent calls
+            return False
+        log.warning("data channel: %d connections open (server.max_concurrent_rpcs); one more was refused",
+                    len(self._tasks))
+        return True
+
+    async def _refuse(self, conn: wire.Conn) -> None:
+        """Say why before closing (RESOURCE_EXHAUSTED, which the client takes as its cue to use gRPC instead),
+        within a second: a peer that reads nothing is not waited for."""
+        try:
+            busy = errors.ResourceExhausted(
+                f"the daemon's data channel has server.max_concurrent_rpcs = {self.config.max_concurrent_rpcs} "
+                "connections open")
+            await asyncio.wait_for(conn.send_error(busy), 1.0)
+        except (OSError, TimeoutError):
+            pass
+        finally:
+            conn.close()
 
     async def _serve(self, conn: wire.Conn) -> None:
         """One connection: HELLO, then requests until the client leaves or the framing breaks."""
@@ -271,7 +297,7 @@ class DataPort:
             server.close()  # new connections; the open ones end with their tasks below
         for task in list(self._tasks):
             task.cancel()
-        for task in [*self._accepting, *self._tasks]:
+        for task in [*self._accepting, *self._tasks, *self._refusing]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         for server in self._servers:

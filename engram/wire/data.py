@@ -154,6 +154,11 @@ def error_of(meta: bytes | bytearray) -> errors.EngramError:
     return (cls or errors.Unavailable)(message or f"status {code}")
 
 
+class ChannelFull(errors.ResourceExhausted):
+    """The daemon's data channel already has server.max_concurrent_rpcs connections open and refused another;
+    the same call over gRPC may still be taken (the client falls back to it)."""
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """Where to dial a daemon's data channel, from its DataEndpoint answer and the gRPC address."""
@@ -214,7 +219,8 @@ class DataChannel:
             await conn.send_frame(HELLO, self._token)
             kind, meta, body = await conn.read_frame()
             if kind == ERROR:
-                raise error_of(meta)
+                refusal = error_of(meta)
+                raise ChannelFull(str(refusal)) if isinstance(refusal, errors.ResourceExhausted) else refusal
             if kind != HELLO_OK or body:
                 raise errors.DataLoss(f"data channel: expected HELLO_OK, got frame kind {kind:#x}")
         except BaseException:
