@@ -3,9 +3,12 @@ get (client or daemon), and bad blocks rejected with a clear status."""
 
 from __future__ import annotations
 
+import struct
+
 import grpc
 import pytest
 import torch
+import xxhash
 
 from engram import errors
 from engram.block import checksum
@@ -171,3 +174,45 @@ async def test_encoded_blocks_survive_the_nvme_tier(server_factory, tmp_path) ->
             n, got = await c.get_prefix(fp, t)
             assert n == len(t) and got is not None and torch.equal(got, stored_form(kv, "nvfp4"))
         assert (await c.stats()).tiers[0].demotions > 0
+
+
+def _rescaled_v1(kv: torch.Tensor, codec: str, tensor_scale: float) -> bytes:
+    """kv as a v1 block whose K tensor scale (the body's first float32: NVFP4's and FP8's) another encoder set."""
+    good = blockformat.encode(kv, base.codec_by_name(codec))
+    body = bytearray(good[blockformat.HEADER_LEN:])
+    struct.pack_into("<f", body, 0, tensor_scale)
+    fmt = blockformat.parse_header(good)
+    head = blockformat.header_fields(fmt.codec, fmt.k_axis, fmt.v_axis, fmt.dtype, fmt.shape, len(body),
+                                     xxhash.xxh3_64_intdigest(bytes(body)))
+    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + bytes(body)
+
+
+@pytest.mark.parametrize("codec", ["nvfp4", "fp8_e4m3"])
+async def test_a_float16_block_whose_scales_decode_to_inf_is_refused(server, client: EngramClient, codec: str) -> None:  # type: ignore[no-untyped-def]
+    """A worker's own float16 block with a tensor scale in the format's range but far above what float16 values
+    give (2^20): its codes decode past 65504, to Inf, so every hit would hand the model Inf. Refused at put
+    (INVALID_ARGUMENT); the same bytes as a bfloat16 block decode to finite values and are stored."""
+    toks = tokens(BLOCK_TOKENS)
+    for dtype, pb_dtype, refused in ((DType.FP16, pb.DTYPE_FP16, True), (DType.BF16, pb.DTYPE_BF16, False)):
+        spec = tiny_model(dtype=dtype, codec=codec)
+        fp = await client.register_model(spec)
+        kv = random_kv(spec, BLOCK_TOKENS)
+        payload = _rescaled_v1(kv, codec, 2.0**20)
+
+        async def gen():  # type: ignore[no-untyped-def]
+            yield pb.PutRequest(header=pb.PutHeader(namespace="tenant-a", model_fingerprint=fp))  # noqa: B023
+            yield pb.PutRequest(chunk=pb.BlockChunk(header=pb.BlockHeader(
+                tokens=toks.tolist(), dtype=pb_dtype, shape=list(kv.shape), payload_nbytes=len(payload),  # noqa: B023
+                checksum=checksum(payload), codec=codec), data=payload, last=True))  # noqa: B023
+
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            if refused:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await pb_grpc.EngramStub(ch).Put(gen())
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "Inf in torch.float16" in (info.value.details() or "")
+                assert (await client.lookup(fp, toks)).matched_tokens == 0
+            else:
+                assert (await pb_grpc.EngramStub(ch).Put(gen())).stored == 1
+                n, got = await client.get_prefix(fp, toks)
+                assert n == BLOCK_TOKENS and bool(torch.isfinite(got).all())

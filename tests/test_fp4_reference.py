@@ -420,3 +420,28 @@ def test_mxfp4_scale_codes_no_encoder_writes_are_refused() -> None:
         broken[0] = code
         with pytest.raises(ValueError, match="above 253"):
             codec.check_bytes(bytes(broken), "mxfp4", shape)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8_e4m3"])
+def test_scales_that_decode_past_the_dtypes_range_are_refused_for_that_dtype(fmt: str) -> None:
+    """A payload is checked against the dtype it decodes to: float16 blocks at float16's largest values pass,
+    the same payload with its scales raised 2^20 fold (tensor scale; MXFP4's first group scale code) decodes to
+    Inf in float16 and is refused, but not in bfloat16, whose range holds it."""
+    shape = (2, 32, 2, 32)
+    kv = torch.randn(2, 2, 32, 2, 32).half()
+    kv[0, 0, 0, 0, 0], kv[1, 1, 3, 1, 5] = 65504.0, -65504.0
+    good = codec.to_bytes(codec.quantize_kv_block(kv, fmt))
+    codec.check_bytes(good, fmt, shape, dtype=torch.float16)
+    decoded = codec.dequantize_kv_block(codec.from_bytes(good, fmt, shape), torch.float16)
+    assert bool(torch.isfinite(decoded).all())
+    raised = bytearray(good)
+    if fmt == "mxfp4":
+        raised[0] += 20
+    else:
+        struct.pack_into("<f", raised, 0, struct.unpack_from("<f", raised, 0)[0] * 2.0**20)
+    assert not bool(torch.isfinite(codec.dequantize_kv_block(codec.from_bytes(bytes(raised), fmt, shape),
+                                                              torch.float16)).all())
+    with pytest.raises(ValueError, match="Inf in torch.float16"):
+        codec.check_bytes(bytes(raised), fmt, shape, dtype=torch.float16)
+    codec.check_bytes(bytes(raised), fmt, shape, dtype=torch.bfloat16)
+    codec.check_bytes(bytes(raised), fmt, shape)  # the dtype unknown: the old checks only

@@ -194,12 +194,13 @@ def _split_kv(buf: bytes | memoryview, fmt: str, shape: tuple[int, int, int, int
 
 
 def check_bytes(buf: bytes | memoryview, fmt: str, shape: tuple[int, int, int, int], *, k_axis: str = "channel",
-                v_axis: str = "token") -> None:
+                v_axis: str = "token", dtype: torch.dtype | None = None) -> None:
     """Raise ValueError unless `to_bytes` output would parse (`from_bytes`): its length and every scale, read
-    in place, without building tensors (what a daemon asks of a block a worker encoded, at put time)."""
+    in place, without building tensors (what a daemon asks of a block a worker encoded, at put time); with
+    `dtype`, unless its scales could decode to Inf in it."""
     payload, (k_buf, k_shape), (v_buf, v_shape) = _split_kv(buf, fmt, shape, k_axis, v_axis)
-    payload.check_bytes(k_buf, k_shape)
-    payload.check_bytes(v_buf, v_shape)
+    payload.check_bytes(k_buf, k_shape, dtype)
+    payload.check_bytes(v_buf, v_shape, dtype)
 
 
 def from_bytes(buf: bytes | memoryview, fmt: str, shape: tuple[int, int, int, int], *, k_axis: str = "channel",

@@ -46,8 +46,10 @@ class Codec(Protocol):
     def decode(self, body: bytes | memoryview, shape: Shape, dtype: torch.dtype, k_axis: Axis, v_axis: Axis,
                backend: str, device: torch.device | str) -> Tensor: ...
 
-    def check(self, body: bytes | memoryview, shape: Shape, k_axis: Axis, v_axis: Axis, where: str) -> None:
-        """Raise InvalidArgument unless `body` decodes (its scales are valid), without decoding it."""
+    def check(self, body: bytes | memoryview, shape: Shape, k_axis: Axis, v_axis: Axis, where: str,
+              dtype: torch.dtype | None = None) -> None:
+        """Raise InvalidArgument unless `body` decodes (its scales are valid; with `dtype`, to finite values in
+        it), without decoding it."""
         ...
 
     def matrix_nbytes(self, shape: tuple[int, int], dtype: torch.dtype) -> int:
@@ -59,8 +61,10 @@ class Codec(Protocol):
     def decode_matrix(self, body: bytes | memoryview, shape: tuple[int, int], dtype: torch.dtype, backend: str,
                       device: torch.device | str) -> Tensor: ...
 
-    def check_matrix(self, body: bytes | memoryview, shape: tuple[int, int], where: str) -> None:
-        """Raise InvalidArgument unless one matrix's payload decodes (its length, its scales), without decoding."""
+    def check_matrix(self, body: bytes | memoryview, shape: tuple[int, int], where: str,
+                     dtype: torch.dtype | None = None) -> None:
+        """Raise InvalidArgument unless one matrix's payload decodes (its length, its scales; with `dtype`, to
+        finite values in it), without decoding."""
         ...
 
 
@@ -85,7 +89,8 @@ class RawCodec:
         t = torch.frombuffer(bytearray(body), dtype=torch.uint8).view(dtype).reshape(shape)
         return t.to(device)
 
-    def check(self, body: bytes | memoryview, shape: Shape, k_axis: Axis, v_axis: Axis, where: str) -> None:
+    def check(self, body: bytes | memoryview, shape: Shape, k_axis: Axis, v_axis: Axis, where: str,
+              dtype: torch.dtype | None = None) -> None:
         return None  # any element bytes are a block
 
     def matrix_nbytes(self, shape: tuple[int, int], dtype: torch.dtype) -> int:
@@ -98,7 +103,8 @@ class RawCodec:
                       device: torch.device | str) -> Tensor:
         return torch.frombuffer(bytearray(body), dtype=torch.uint8).view(dtype).reshape(shape).to(device)
 
-    def check_matrix(self, body: bytes | memoryview, shape: tuple[int, int], where: str) -> None:
+    def check_matrix(self, body: bytes | memoryview, shape: tuple[int, int], where: str,
+                     dtype: torch.dtype | None = None) -> None:
         return None  # any element bytes are a matrix (its length is the block format's to check)
 
 
@@ -131,11 +137,12 @@ class QuantCodec:
                                v_axis=_axis_name(v_axis), device=on)
         return kvcodec.dequantize_kv_block(q, dtype, backend=backend).to(device)
 
-    def check(self, body: bytes | memoryview, shape: Shape, k_axis: Axis, v_axis: Axis, where: str) -> None:
+    def check(self, body: bytes | memoryview, shape: Shape, k_axis: Axis, v_axis: Axis, where: str,
+              dtype: torch.dtype | None = None) -> None:
         layers, _, tokens, heads, dim = shape
         try:  # parsing is what decoding fails on: NaN or negative scales, out-of-range tensor scales
             kvcodec.check_bytes(body, self.name, (layers, tokens, heads, dim), k_axis=_axis_name(k_axis),
-                                v_axis=_axis_name(v_axis))
+                                v_axis=_axis_name(v_axis), dtype=dtype)
         except ValueError as exc:
             raise InvalidArgument(f"{where}: the {self.name} body would not decode: {exc}") from None
 
@@ -157,9 +164,10 @@ class QuantCodec:
         _, dequantize = kvcodec._backend(backend).CODECS[self.name]
         return dequantize(q, dtype).to(device)  # type: ignore[no-any-return]
 
-    def check_matrix(self, body: bytes | memoryview, shape: tuple[int, int], where: str) -> None:
+    def check_matrix(self, body: bytes | memoryview, shape: tuple[int, int], where: str,
+                     dtype: torch.dtype | None = None) -> None:
         try:
-            kvcodec.FORMATS[self.name].check_bytes(body, shape)
+            kvcodec.FORMATS[self.name].check_bytes(body, shape, dtype)
         except ValueError as exc:
             raise InvalidArgument(f"{where}: the {self.name} payload would not decode: {exc}") from None
 

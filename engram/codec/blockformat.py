@@ -121,7 +121,7 @@ def check(blob: bytes | memoryview, where: str = "block") -> BlockFormat:
     """`parse`, and the body's scales too: what a block from outside (a worker's own encoding) must pass
     before it is stored, so that no stored block fails every later decode."""
     fmt = parse(blob, where)
-    fmt.codec.check(memoryview(blob)[HEADER_LEN:], fmt.shape, fmt.k_axis, fmt.v_axis, where)
+    fmt.codec.check(memoryview(blob)[HEADER_LEN:], fmt.shape, fmt.k_axis, fmt.v_axis, where, fmt.dtype.torch_dtype)
     return fmt
 
 

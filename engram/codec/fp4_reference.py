@@ -21,6 +21,7 @@ Not here: the KV-block layout and serialisation of a whole block (engram.codec),
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -109,6 +110,21 @@ def _check_scale_value(kind: str, value: Tensor | float, bounds: tuple[float, fl
         raise ValueError(f"corrupt {kind} payload: tensor scale {v!r} is outside [{bounds[0]!r}, {bounds[1]!r}]")
 
 
+# every E4M3 code's value (0x7F and 0xFF are NaN): a scale's largest code read in place gives its largest value
+_E4M3_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).double().tolist()
+
+
+def _check_finite_in(kind: str, largest: float, dtype: torch.dtype | None) -> None:
+    """Raise ValueError when a payload's largest decodable magnitude is Inf in the dtype it decodes to (a
+    float16 block whose tensor scale another encoder set): every hit would hand the model Inf. dtype None:
+    the dtype is not known here, nothing checked."""
+    if dtype is None:
+        return
+    if math.isinf(float(torch.tensor(largest, dtype=torch.float64).to(torch.float32).to(dtype))):
+        raise ValueError(f"corrupt {kind} payload: its scales decode to {largest:.4g}, Inf in {dtype} (no encoder "
+                         f"of {dtype} values writes them)")
+
+
 def _check_length(kind: str, buf: bytes | memoryview, nbytes: int) -> None:
     if len(buf) != nbytes:
         raise ValueError(f"corrupt {kind} payload: {len(buf)} bytes, the shape needs {nbytes}")
@@ -148,13 +164,18 @@ class NVFP4Tensor:
         return _f32(self.tensor_scale) + _u8(self.scales) + _u8(self.codes)
 
     @classmethod
-    def check_bytes(cls, buf: bytes | memoryview, shape: tuple[int, int]) -> None:
+    def check_bytes(cls, buf: bytes | memoryview, shape: tuple[int, int], dtype: torch.dtype | None = None) -> None:
         """Raise ValueError unless `buf` decodes: its length, its tensor scale's range, its group scales
-        (positive, never NaN). Reads the scales in place; the codes (any nibble is a value) are not read."""
+        (positive, never NaN), and with `dtype` to finite values in it. Reads the scales in place; the codes
+        (any nibble is a value) are not read."""
         _check_length("NVFP4", buf, cls.payload_nbytes(shape))
-        _check_scale_value("NVFP4", _f32_at(buf, 0), NVFP4_TENSOR_SCALE_RANGE)
-        if bool((_u8_at(buf, shape[0] * (padded(shape[1], cls.GROUP) // cls.GROUP), 4) >= _E4M3_NAN).any()):
+        ts = _f32_at(buf, 0)
+        _check_scale_value("NVFP4", ts, NVFP4_TENSOR_SCALE_RANGE)
+        scales = _u8_at(buf, shape[0] * (padded(shape[1], cls.GROUP) // cls.GROUP), 4)
+        if bool((scales >= _E4M3_NAN).any()):
             raise ValueError("corrupt NVFP4 payload: a group scale has its sign bit set or is NaN")
+        if scales.size:
+            _check_finite_in("NVFP4", ts * _E4M3_VALUES[int(scales.max())] * E2M1_MAX, dtype)
 
     @classmethod
     def from_bytes(cls, buf: bytes | memoryview, shape: tuple[int, int],
@@ -198,8 +219,9 @@ class MXFP4Tensor:
         return _u8(self.scales) + _u8(self.codes)
 
     @classmethod
-    def check_bytes(cls, buf: bytes | memoryview, shape: tuple[int, int]) -> None:
-        """Raise ValueError unless `buf` decodes: its length and its group scales (never the NaN code)."""
+    def check_bytes(cls, buf: bytes | memoryview, shape: tuple[int, int], dtype: torch.dtype | None = None) -> None:
+        """Raise ValueError unless `buf` decodes: its length and its group scales (never the NaN code), and
+        with `dtype` to finite values in it."""
         _check_length("MXFP4", buf, cls.payload_nbytes(shape))
         scales = _u8_at(buf, shape[0] * (padded(shape[1], cls.GROUP) // cls.GROUP), 0)
         if bool((scales == _E8M0_NAN).any()):
@@ -207,6 +229,8 @@ class MXFP4Tensor:
         if bool((scales > _E8M0_MAX_ENCODED).any()):
             raise ValueError(f"corrupt MXFP4 payload: a group scale code is above {_E8M0_MAX_ENCODED}, the largest "
                              "an encoder writes (its codes would decode to Inf)")
+        if scales.size:
+            _check_finite_in("MXFP4", 2.0 ** (int(scales.max()) - 127) * E2M1_MAX, dtype)
 
     @classmethod
     def from_bytes(cls, buf: bytes | memoryview, shape: tuple[int, int],
@@ -246,12 +270,17 @@ class FP8Tensor:
         return _f32(self.scale) + _u8(self.codes)
 
     @classmethod
-    def check_bytes(cls, buf: bytes | memoryview, shape: tuple[int, int]) -> None:
-        """Raise ValueError unless `buf` decodes: its length, its scale's range, and no NaN code."""
+    def check_bytes(cls, buf: bytes | memoryview, shape: tuple[int, int], dtype: torch.dtype | None = None) -> None:
+        """Raise ValueError unless `buf` decodes: its length, its scale's range, no NaN code, and with `dtype`
+        to finite values in it."""
         _check_length("FP8", buf, cls.payload_nbytes(shape))
-        _check_scale_value("FP8", _f32_at(buf, 0), FP8_SCALE_RANGE)
-        if bool(((_u8_at(buf, shape[0] * shape[1], 4) & 0x7F) == _E4M3_NAN).any()):
+        scale = _f32_at(buf, 0)
+        _check_scale_value("FP8", scale, FP8_SCALE_RANGE)
+        magnitudes = _u8_at(buf, shape[0] * shape[1], 4) & 0x7F
+        if bool((magnitudes == _E4M3_NAN).any()):
             raise ValueError("corrupt FP8 payload: a code is the E4M3 NaN pattern")
+        if dtype is not None and magnitudes.size:
+            _check_finite_in("FP8", scale * _E4M3_VALUES[int(magnitudes.max())], dtype)
 
     @classmethod
     def from_bytes(cls, buf: bytes | memoryview, shape: tuple[int, int],

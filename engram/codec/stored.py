@@ -154,7 +154,8 @@ def stored_streams(payload: bytes | memoryview, streams: Sequence[StreamSpec], s
                                   f"{need.dtype.name} axis {need.axis.name}")
         if got.codec == need.codec:
             if got.quantized and got.nbytes:  # a worker's own encoding must decode, or every later Get fails
-                got.codec.check_matrix(streamformat.payload(payload, got), got.matrix, f"{where}: stream {got.name}")
+                got.codec.check_matrix(streamformat.payload(payload, got), got.matrix, f"{where}: stream {got.name}",
+                                       got.dtype.torch_dtype)
             encoded.append(streamformat.payload(payload, got))
         elif not got.quantized:
             x = streamformat.decode_part(payload, got, where=where)

@@ -278,7 +278,7 @@ def check_scales(blob: bytes | memoryview, fmt: StreamsFormat, where: str = "blo
     without decoding: what a daemon asks of a block a worker encoded, at put time."""
     for p in fmt.parts:
         if p.quantized and p.nbytes:
-            p.codec.check_matrix(payload(blob, p), p.matrix, f"{where}: stream {p.name}")
+            p.codec.check_matrix(payload(blob, p), p.matrix, f"{where}: stream {p.name}", p.dtype.torch_dtype)
 
 
 def decode_part(blob: bytes | memoryview, part: Part, *, backend: str = "reference",

@@ -308,7 +308,7 @@ class InPlacePuts:
                 continue
             body = self.pool.region(r.slot).numpy().data[blockformat.HEADER_LEN :]
             codec_by_name(r.header.codec).check(body, tuple(r.header.shape), Axis.CHANNEL, Axis.TOKEN,  # type: ignore[arg-type]
-                                                f"block {i}")
+                                                f"block {i}", r.header.dtype.torch_dtype)
 
     def _seal_task(self, r: Reserved) -> SealTask:
         assert r.slot is not None
