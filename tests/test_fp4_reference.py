@@ -441,7 +441,7 @@ def test_scales_that_decode_past_the_dtypes_range_are_refused_for_that_dtype(fmt
         struct.pack_into("<f", raised, 0, struct.unpack_from("<f", raised, 0)[0] * 2.0**20)
     assert not bool(torch.isfinite(codec.dequantize_kv_block(codec.from_bytes(bytes(raised), fmt, shape),
                                                               torch.float16)).all())
-    with pytest.raises(ValueError, match="Inf in torch.float16"):
+    with pytest.raises(ValueError, match=r"Inf in torch\.float16"):
         codec.check_bytes(bytes(raised), fmt, shape, dtype=torch.float16)
     codec.check_bytes(bytes(raised), fmt, shape, dtype=torch.bfloat16)
     codec.check_bytes(bytes(raised), fmt, shape)  # the dtype unknown: the old checks only
