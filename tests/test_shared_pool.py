@@ -110,6 +110,35 @@ async def test_a_stale_segment_of_a_killed_daemon_is_removed_at_start(shm_dir: P
     await live.close()
 
 
+async def test_a_segment_another_daemon_cleans_between_its_create_and_lock_is_made_again(
+        shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two daemons starting at once on one shm_dir: the second's clean_stale can find the first's segment after
+    it was created and before it was locked (nobody holds it: a dead daemon's, it seems) and unlink it, and the
+    first would serve a pool no worker can map. The window is a few instructions wide, so the second daemon's
+    clean is run inside it: flock is wrapped to run the real clean_stale (its own open, flock and unlink) before
+    the creator's first lock."""
+    from engram.tiers import shm
+
+    real_flock = shm.fcntl.flock
+    cleaned: list[list[Path]] = []
+
+    def flock_after_another_daemons_clean(fd: int, op: int) -> None:
+        if not cleaned and op == shm.fcntl.LOCK_EX:
+            cleaned.append(clean_stale(shm_dir))  # the other daemon, between this one's create and its lock
+        real_flock(fd, op)
+
+    monkeypatch.setattr(shm.fcntl, "flock", flock_after_another_daemons_clean)
+    tier = shared_dram_tier(8192, shm_dir, pin=False)
+    monkeypatch.setattr(shm.fcntl, "flock", real_flock)
+    assert tier.segment is not None and cleaned[0] == [tier.segment.path]  # it was removed once...
+    assert tier.segment.path.exists()  # ...and is there again, the file this daemon maps
+    assert os.stat(tier.segment.path).st_ino == os.fstat(tier.segment._fd).st_ino
+    await put(tier, b"k" * 32, b"x" * 100)
+    SegmentReader(str(tier.segment.path), tier.segment.layout.segment_id).close()  # a worker can map it
+    assert clean_stale(shm_dir) == []
+    await tier.close()
+
+
 def test_config_refuses_bad_pool_settings() -> None:
     from engram.config import load_config
 

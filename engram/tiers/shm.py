@@ -105,8 +105,7 @@ class SharedSegment:
         clean_stale(directory)
         check_budget(self.layout.size, directory)
         self.path = directory / f"{PREFIX}{self.layout.segment_id.hex()}{SUFFIX}"
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        self._fd = self._create_locked()
         os.ftruncate(self._fd, self.layout.size)
         self._mm = mmap.mmap(self._fd, self.layout.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._mm[: HEADER.size] = self.layout.pack()
@@ -122,6 +121,23 @@ class SharedSegment:
             # A fresh tmpfs page is allocated and zeroed at its first write: done here in the background instead
             # of in the puts (engram/populate.py).
             self._populator = Populator(self._mm, write=True, what="the DRAM pool")
+
+    def _create_locked(self) -> int:
+        """Create the file and lock it. Between the two, another daemon starting on the same directory may take
+        it for a dead daemon's (nobody holds its lock) and unlink it: workers could then never map this pool.
+        So once locked, the path must still name this file; if not, it is created again."""
+        for _ in range(8):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    return fd
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+            log.warning("shared segment %s was removed as stale while it was created; creating it again", self.path)
+        raise InsufficientResources(f"could not create the shared segment {self.path}: another process kept "
+                                    "removing it (two daemons cleaning the same tiers.dram.shm_dir?)")
 
     def _register(self) -> None:
         cudart = torch.cuda.cudart()
