@@ -69,7 +69,7 @@ class ServerConfig:
     # Every gc_freeze_s what survived the young generations is frozen (engram/collector.py), so the collector's
     # full passes do not walk the whole index (pauses that grow with the stored blocks); every gc_full_s the
     # heap is collected whole once. 0: CPython's own schedule.
-    gc_freeze_s: float = 1.0  # survivors frozen this often (engram/collector.py); 0: CPython's own schedule
+    gc_freeze_s: float = 1.0
     gc_full_s: float = 3600.0  # the whole heap collected once this often (bounds cyclic garbage frozen alive)
     shutdown_grace_s: float = 5.0  # in-flight RPCs get this long to finish on SIGTERM
     lease_s: float = 30.0  # a zero-copy Get's descriptors keep their slots this long unless released sooner
@@ -129,7 +129,7 @@ class TiersConfig:
     # Write-back's loss window (docs/RELIABILITY.md): blocks held only in DRAM/HBM are copied to NVMe in the
     # background once older than write_back_window_s (0: only when evicted), and puts wait while more than
     # write_back_window_bytes are held so (0: no bound but the DRAM tier's). A crash loses at most that.
-    write_back_window_s: float = 5.0  # age past which a block held only in DRAM/HBM is copied to NVMe
+    write_back_window_s: float = 5.0
     write_back_window_bytes: ByteSize = ByteSize(2**30)  # bytes held only in DRAM/HBM before puts wait
     shutdown_flush_s: float = 30.0  # on SIGTERM, time to copy blocks held only in DRAM/HBM to NVMe (0: none)
     # Which block a full tier gives up (engram/eviction.py), after the held classes (no live session, one,
