@@ -996,6 +996,9 @@ class EngramClient(ControlClient):
         if header is None:
             raise errors.DataLoss("Resume stream carried no header")
         w = header.window
+        if w.prefix_len != header.position:
+            raise errors.DataLoss(f"Resume answered position {header.position} with the window of position "
+                                  f"{w.prefix_len}")
         tensor = _raw_tensor(parts, w.checksum, w.dtype, tuple(w.shape), "window", "the SWA window")
         blocks = tuple(convert.from_pb(BlockRef, b) for b in header.blocks)
         global_kv = None

@@ -383,7 +383,12 @@ class SessionManager:
                 break
             if s.expected.due and now - s.expected.due <= limit:
                 continue  # said it is back later: not abandoned yet
-            self.close(*key)
+            try:
+                self.close(*key)
+            except Exception:  # one session's failure must not stop the closer for every other namespace
+                log.exception("closing idle session %s of namespace %r failed", s.id, s.namespace)
+                self._sessions.move_to_end(key)
+                continue
             self._closed_idle[key] = (now - s.active_ms) / 1000.0
             while len(self._closed_idle) > 4096:
                 self._closed_idle.popitem(last=False)
@@ -527,10 +532,17 @@ class SessionManager:
                 "put it again, then Resume"
             )
         if s.window is not None and s.window.prefix_len == p:
+            # The window answered is the one found now: while the global KV is read below, a Suspend, an Append,
+            # another Resume or another session pushing this one out of the hot set may replace or drop s.window.
+            window, source = s.window, "persisted" if s.kept else "hot"
             if not s.kept:
                 self._mark_hot(s)
-            kv = await self._global_kv(match.blocks, p) if with_global_kv else None
-            return Resumed(p, match.blocks, s.window, "persisted" if s.kept else "hot", 0, 0, 0.0, kv)
+            kv = None
+            if with_global_kv:
+                kv = await self._global_kv(match.blocks, p)
+                if self._sessions.get((namespace, session_id)) is not s:
+                    raise NotFound(f"session {session_id} was closed during its Resume")
+            return Resumed(p, match.blocks, window, source, 0, 0, 0.0, kv)
         if s.mode == SessionMode.PERSIST:
             have = "none" if s.window is None else f"one for position {s.window.prefix_len}"
             raise FailedPrecondition(f"session {session_id} is in persist mode and holds no window for position {p} "
@@ -555,9 +567,12 @@ class SessionManager:
         c.token_layers += rec.token_layers
         c.seconds += seconds
         lay = spec.layout
-        s.window = Window.from_swa(rec.window, lay.dtype, lay.num_kv_heads, lay.head_dim)
-        self._mark_hot(s)
-        return Resumed(p, match.blocks, s.window, "replay", rec.replayed, rec.token_layers, seconds,
+        window = Window.from_swa(rec.window, lay.dtype, lay.num_kv_heads, lay.head_dim)
+        if s.kept:  # auto mode: a window kept while this replay ran (a Suspend): its bytes are given back first
+            self._release_window(s)
+        s.window = window
+        self._mark_hot(s)  # with max_hot_windows = 0 this drops it again at once: the answer still carries it
+        return Resumed(p, match.blocks, window, "replay", rec.replayed, rec.token_layers, seconds,
                        global_kv if with_global_kv else None)
 
     async def _global_kv(self, blocks: tuple[BlockMeta, ...], p: int) -> torch.Tensor:

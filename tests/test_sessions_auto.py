@@ -5,6 +5,8 @@ The calibrations here are synthetic (made-up timings and fidelities) so that eac
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -176,3 +178,40 @@ async def test_the_start_banner_says_which_models_are_calibrated(model: HybridDe
         assert line.startswith("replay cost models: 1 of 1 calibrated") and "top-1 >= 0.99" in line
     finally:
         await srv.stop(0)
+
+
+async def test_a_replay_that_ends_after_its_session_kept_a_window_gives_that_windows_bytes_back(  # type: ignore[no-untyped-def]
+        server_factory, model: HybridDecoder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two Resumes of one auto session at two positions: the short one ends first, a Suspend keeps its window
+    (counted against the persisted-window budget and the namespace), then the long replay ends and its window
+    replaces the kept one. The kept window's bytes are given back first, so the counts stay those of what is
+    held, and the session can still be closed. The long replay is held at a gate (the real rebuild, run once the
+    gate opens) so that it ends after the Suspend, as it did by timing in the audit that found this."""
+    cal = calibration(model, exact_s=0.010, approx_s=0.005, load_s=1e-5, top1=1.0, kl=0.0)
+    srv = await start(server_factory, model, tmp_path, cal)
+    sessions = srv.sessions
+    gate = threading.Event()
+    real_rebuild = sessions.runtime.rebuild
+
+    def rebuild_after_the_gate(model_, tokens, global_kv, mode):  # type: ignore[no-untyped-def]
+        if len(tokens) == P:
+            assert gate.wait(30)
+        return real_rebuild(model_, tokens, global_kv, mode)
+
+    monkeypatch.setattr(sessions.runtime, "rebuild", rebuild_after_the_gate)
+    async with EngramClient(srv.address) as client, EngramClient(srv.address) as other:
+        _, sid = await open_auto(client, model)
+        long = asyncio.create_task(client.resume(sid, position=P))
+        short = await other.resume(sid, position=3)
+        assert short.source == "replay"
+        await other.suspend_session(sid)  # the cost model keeps the short window
+        assert (await client.stats()).replay.persisted_window_bytes > 0
+        gate.set()
+        resumed = await long
+        assert resumed.source == "replay" and resumed.position == P
+        s = sessions._sessions[("default", sid)]
+        held = s.window.nbytes if s.window is not None and s.kept else 0
+        assert sessions._persisted_bytes == held
+        assert (await client.stats()).replay.persisted_window_bytes == held
+        await client.close_session(sid)  # raised INTERNAL (an assertion on the namespace's held bytes)
+        assert (await client.stats()).replay.persisted_window_bytes == 0

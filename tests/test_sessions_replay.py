@@ -4,6 +4,7 @@ uninterrupted run."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import numpy as np
@@ -292,3 +293,39 @@ async def test_another_tenant_cannot_resume_a_session_or_take_its_global_kv(serv
             await bob.resume(sid, namespace="alice", with_global_kv=True)
         r, kv = await alice.resume_kv(fp, sid)  # hers still answers, with her KV
         assert r.source == "replay" and torch.equal(kv, block_tensor(model, toks[:P]))
+
+
+async def test_a_hot_resume_answers_the_window_it_found_when_a_suspend_lands_meanwhile(daemon, model: HybridDecoder) -> None:  # type: ignore[no-untyped-def]
+    """A Resume with the global KV reads the stored blocks after finding the hot window; a Suspend landing during
+    that read drops the session's window. The answer is the window found, for its position (it was None: the
+    RPC failed INTERNAL; another position's Resume meanwhile made it that position's window)."""
+    toks = tokens_for(P + 1, seed=31)
+    async with EngramClient(daemon.address) as client:
+        fp, sid = await put_session(client, model, toks[:P])
+        first = await client.resume(sid)
+        assert first.source == "replay"
+        sessions = daemon.sessions
+        task = asyncio.create_task(sessions.resume("default", sid, with_global_kv=True))
+        await asyncio.sleep(0)  # the Resume runs to its first wait: reading the global KV
+        assert not task.done()
+        sessions.suspend("default", sid)  # the window goes
+        resumed = await task
+        assert resumed.source == "hot" and resumed.window is not None and resumed.window.prefix_len == P
+        assert resumed.global_kv is not None and resumed.global_kv.shape[2] == P
+        logits, _ = await next_logits(client, model, fp, sid, toks)  # replayed again: still the right logits
+        assert torch.equal(logits, reference_logits(model, toks, P))
+
+
+async def test_with_no_hot_windows_kept_every_resume_replays_and_answers(server_factory, model_file: Path,  # type: ignore[no-untyped-def]
+                                                                          model: HybridDecoder, tmp_path: Path) -> None:
+    """replay.max_hot_windows = 0: no rebuilt window is kept hot, so each Resume replays, and answers the window
+    it rebuilt (it answered INTERNAL: the window was dropped before the answer read it)."""
+    srv = await server_factory(**{"replay.models": str(model_file), "replay.max_hot_windows": 0,
+                                  "tiers.nvme.path": str(tmp_path / "nvme")})
+    toks = tokens_for(P + 1, seed=32)
+    async with EngramClient(srv.address) as client:
+        fp, sid = await put_session(client, model, toks[:P])
+        for _ in range(2):
+            logits, source = await next_logits(client, model, fp, sid, toks)
+            assert source == "replay" and torch.equal(logits, reference_logits(model, toks, P))
+        assert (await client.stats()).replay.hot_sessions == 0
