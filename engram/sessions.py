@@ -387,7 +387,6 @@ class SessionManager:
                 self.close(*key)
             except Exception:  # one session's failure must not stop the closer for every other namespace
                 log.exception("closing idle session %s of namespace %r failed", s.id, s.namespace)
-                self._sessions.move_to_end(key)
                 continue
             self._closed_idle[key] = (now - s.active_ms) / 1000.0
             while len(self._closed_idle) > 4096:
