@@ -83,6 +83,10 @@ class ContiguousKV:
 
     def write(self, stream: int, data: Tensor, start: int, n_tokens: int) -> None:
         blocks, layers, bt, heads, dim = data.shape
+        got = (self.kv.shape[0], *self.kv.shape[3:])
+        if got != (layers, heads, dim):  # a (.., D, H) tensor would take the bytes in another order, silently
+            raise InvalidArgument(f"the model's KV is (layers, 2, tokens, kv_heads, head_dim) = ({layers}, 2, T, {heads}, "
+                                  f"{dim}); the destination is {tuple(self.kv.shape)}")
         target = self.kv[:, stream, start : start + n_tokens]  # (L, n, H, D)
         if n_tokens == blocks * bt:
             # (L, blocks, bt, H, D) view of the target: one copy, whatever the source's strides.
@@ -114,6 +118,9 @@ class LayerKV:
         blocks, layers, bt, heads, dim = data.shape
         if layers != len(self.streams[stream]):
             raise InvalidArgument(f"the model stores {layers} layers; the destination has {len(self.streams[stream])}")
+        if tuple(self.streams[stream][0].shape[1:]) != (heads, dim):
+            raise InvalidArgument(f"the model's K and V are (tokens, kv_heads, head_dim) = (T, {heads}, {dim}) per layer; "
+                                  f"the destination's are {tuple(self.streams[stream][0].shape)}")
         for layer, target in enumerate(self.streams[stream]):
             part = target[start : start + n_tokens]  # (n, H, D)
             src = data[:, layer]  # (blocks, bt, H, D)

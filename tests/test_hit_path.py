@@ -284,3 +284,30 @@ async def test_hbm_blocks_load_through_cuda_ipc_into_the_worker(tmp_path: Path, 
             res = await c.load_prefix_into(fp, other, got)
             assert res.mapped_blocks == 3
             assert torch.equal(got.cpu(), await bytes_path(c, fp, other))
+
+
+@pytest.mark.parametrize("zero_copy", [True, False])
+async def test_a_destination_not_shaped_as_the_models_kv_is_refused(server_factory, zero_copy: bool) -> None:  # type: ignore[no-untyped-def]
+    """A destination with kv_heads and head_dim swapped holds as many elements, and was filled in another order
+    without a word; one with other layers failed in torch's reshape. Both are InvalidArgument naming the model's
+    shape, on the mapped path and the bytes path, for a tensor and for per-layer tensors; the right shape loads."""
+    from engram import errors
+
+    srv = await server_factory()
+    spec = tiny_model()
+    async with EngramClient(srv.address, namespace="t", zero_copy=zero_copy) as c:
+        fp = await c.register_model(spec)
+        toks = tokens(2 * BLOCK_TOKENS)
+        kv = random_kv(spec, len(toks))
+        await c.put(fp, toks, kv)
+        layers, _, n, heads, dim = kv.shape
+        assert heads != dim
+        for wrong in ((layers, 2, n, dim, heads), (layers + 1, 2, n, heads, dim)):
+            with pytest.raises(errors.InvalidArgument, match="kv_heads, head_dim"):
+                await c.load_prefix_into(fp, toks, torch.zeros(wrong, dtype=kv.dtype))
+        swapped = [torch.zeros(n, dim, heads, dtype=kv.dtype) for _ in range(layers)]
+        with pytest.raises(errors.InvalidArgument, match="kv_heads, head_dim"):
+            await c.load_prefix_into(fp, toks, LayerKV(swapped, [t.clone() for t in swapped]))
+        right = torch.zeros_like(kv)
+        assert (await c.load_prefix_into(fp, toks, right)).loaded_tokens == n
+        assert torch.equal(right, kv)
