@@ -465,16 +465,18 @@ class EngramClient(ControlClient):
             ), payload
 
         put = pb.PutHeader(namespace=ns, model_fingerprint=fingerprint, parent_key=parent_key, pin=pin)
+        # Every block is encoded (and so checked) before anything is sent: a block that cannot be raised its error
+        # inside gRPC's request iterator, which cancels the call (a bare CancelledError, earlier blocks stored).
+        items = [encoded(toks, kv) for toks, kv in blocks]
         data = await self._data_channel()
         if data is not None:
             with contextlib.suppress(wire.ChannelFull):  # its connections are all taken: gRPC may take the call
-                return await self._put_data(data, put, [encoded(toks, kv) for toks, kv in blocks])
+                return await self._put_data(data, put, items)
         step = self.chunk_bytes
 
         async def requests() -> AsyncIterator[bytes]:  # serialized PutRequests (chunk_frames: one copy each)
             yield pb.PutRequest(header=put).SerializeToString()
-            for toks, kv in blocks:
-                header, payload = encoded(toks, kv)
+            for header, payload in items:
                 for frame in chunk_frames(2, b"", header.SerializeToString(), payload, step):  # PutRequest.chunk
                     yield frame
 

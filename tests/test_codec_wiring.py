@@ -216,3 +216,19 @@ async def test_a_float16_block_whose_scales_decode_to_inf_is_refused(server, cli
                 assert (await pb_grpc.EngramStub(ch).Put(gen())).stored == 1
                 n, got = await client.get_prefix(fp, toks)
                 assert n == BLOCK_TOKENS and bool(torch.isfinite(got).all())
+
+
+@pytest.mark.parametrize("data_channel", [True, False])
+async def test_a_block_the_client_cannot_encode_fails_the_put_before_anything_is_sent(server, data_channel: bool) -> None:  # type: ignore[no-untyped-def]
+    """A NaN in the fourth block of a chain the client encodes itself: InvalidArgument naming it, and nothing
+    stored, over the data channel and over gRPC (where the error was raised inside the call's request iterator:
+    the caller got a bare CancelledError, and the three blocks before it were stored)."""
+    spec = tiny_model(codec="nvfp4")
+    async with EngramClient(server.address, namespace="tenant-a", zero_copy=False, data_channel=data_channel) as c:
+        fp = await c.register_model(spec)
+        toks = tokens(4 * BLOCK_TOKENS, seed=7)
+        kv = random_kv(spec, len(toks))
+        kv[:, :, 3 * BLOCK_TOKENS + 2] = float("nan")
+        with pytest.raises(errors.InvalidArgument, match="cannot encode"):
+            await c.put(fp, toks, kv, encode=True)
+        assert (await c.lookup(fp, toks, probe=True)).matched_tokens == 0
