@@ -842,17 +842,18 @@ class EngramClient(ControlClient):
         try:
             report = await asyncio.to_thread(self._loader.load, sources, dest, block_tokens=bt, n_tokens=n_tokens,
                                              stream=stream)
-        finally:  # every copy out of a pool has completed (or failed): the slots may be reused
+            again = sorted(set(unmapped) | set(report.stale))
+            again = [i for i in again if i * bt < n_tokens]
+            if again:  # slots reused during the copy, or a pool this process cannot map: those blocks as bytes
+                got = await self._fetch_bytes(fingerprint, [blocks[i].key for i in again], namespace)
+                refetch = [self._bytes_source(i, h, p, spec.streams) for i, (h, p) in zip(again, got, strict=True)]
+                await asyncio.to_thread(self._loader.load, refetch, dest, block_tokens=bt, n_tokens=n_tokens,
+                                        stream=stream)
+        finally:  # every copy out of a pool has completed (or failed), and the bytes came: the lease may end
             if header.lease_id and hold:
                 self._hold(ns, header.lease_id)
             elif header.lease_id:
                 self._release_later({header.lease_id}, ns)
-        again = sorted(set(unmapped) | set(report.stale))
-        again = [i for i in again if i * bt < n_tokens]
-        if again:  # slots reused during the copy, or a pool this process cannot map: those blocks as bytes
-            got = await self._fetch_bytes(fingerprint, [blocks[i].key for i in again], namespace)
-            refetch = [self._bytes_source(i, h, p, spec.streams) for i, (h, p) in zip(again, got, strict=True)]
-            await asyncio.to_thread(self._loader.load, refetch, dest, block_tokens=bt, n_tokens=n_tokens, stream=stream)
         t2 = time.perf_counter()
         mapped = sum(1 for s in sources if s.payload is None and s.index * bt < n_tokens)
         return LoadResult(header.matched_tokens, n_tokens, blocks, mapped - len(report.stale),

@@ -311,3 +311,35 @@ async def test_a_destination_not_shaped_as_the_models_kv_is_refused(server_facto
         right = torch.zeros_like(kv)
         assert (await c.load_prefix_into(fp, toks, right)).loaded_tokens == n
         assert torch.equal(right, kv)
+
+
+async def test_a_bytes_load_keeps_what_its_answer_named_until_the_bytes_came(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A worker off the daemon's host loads a prefix in two calls: GetPrefix names the blocks, a Get brings their
+    bytes. An eviction between the two (here another client's Evict, run at that moment by a stand-in for the
+    client's fetch that then calls the real one) skips the blocks the answer named, as being read, and the load
+    gets all of them (it failed NOT_FOUND); once the load's lease ends they may go."""
+    srv = await server_factory()
+    spec = tiny_model()
+    async with EngramClient(srv.address, namespace="e", zero_copy=False) as c, \
+            EngramClient(srv.address, namespace="e") as other:
+        fp = await c.register_model(spec)
+        await other.register_model(spec)
+        toks = tokens(4 * BLOCK_TOKENS)
+        kv = random_kv(spec, len(toks))
+        keys = (await c.put(fp, toks, kv)).keys
+        fetch = c._fetch_bytes
+        skipped: list[bytes] = []
+
+        async def evicted_first(fingerprint: bytes, ks: Any, namespace: Any) -> Any:
+            skipped.extend((await other.evict(key_prefixes=[keys[2].hex()])).skipped)
+            return await fetch(fingerprint, ks, namespace)
+
+        c._fetch_bytes = evicted_first  # type: ignore[method-assign]
+        dest = torch.zeros_like(kv)
+        loaded = await c.load_prefix_into(fp, toks, dest)
+        c._fetch_bytes = fetch  # type: ignore[method-assign]
+        assert loaded.loaded_tokens == len(toks) and loaded.bytes_blocks == 4
+        assert torch.equal(dest, kv)
+        assert set(skipped) == {keys[2], keys[3]}
+        await asyncio.sleep(0.5)  # the load's lease ends RELEASE_AFTER_S after it (no next load to end it)
+        assert set((await other.evict(key_prefixes=[keys[2].hex()])).evicted) == {keys[2], keys[3]}

@@ -282,10 +282,13 @@ class EngramService:
                     await self.store.copy_up(up, self.pool.name)
         in_pool = {m.key: p for m in metas if not m.moving
                    and (p := next((p for p in pools if p.name in m.locations), None)) is not None}
-        if in_pool:
-            lease = self.leases.grant(ns, [m for m in metas if m.key in in_pool])
+        if metas:
+            # Every block found is leased, described or not: those the caller fetches as bytes next (a Get) are
+            # not evicted in between, so a hit the answer promised still loads (it failed NOT_FOUND).
+            lease = self.leases.grant(ns, metas)
             header.lease_id = lease.id
             header.lease_expires_in_s = max(0.0, lease.expires - time.monotonic())
+        if in_pool:
             header.descriptors.extend(self._descriptor(m, codec, lease, in_pool[m.key], tokens=False)
                                       if m.key in in_pool else pb.BlockDescriptor() for m in metas)
         if req.cuda_ipc and self.ipc_pool is not None and self.pool is not None:
