@@ -730,6 +730,13 @@ class EngramClient(ControlClient):
             reader = self._segments[path] = SegmentReader(path, segment_id)
         return reader
 
+    def _end_unread(self, namespace: str, held: list[int], call: asyncio.Future[pb.PrefixHeader]) -> None:
+        """A GetPrefix whose caller was cancelled has ended: release what no one will."""
+        if call.cancelled() or call.exception() is not None:
+            self._release_later(set(held), namespace)
+        elif call.result().lease_id:
+            self._release_later({call.result().lease_id}, namespace)
+
     def _hold(self, namespace: str, lease_id: int) -> None:
         """Keep a finished load's lease to end with the next load (no extra round trip), or, if none comes
         within RELEASE_AFTER_S, with a ReleaseLeases of its own."""
@@ -820,8 +827,14 @@ class EngramClient(ControlClient):
                                   tokens=convert.tokens_to_pb(tokens), zero_copy=zero_copy,
                                   cuda_ipc=zero_copy and device.type == "cuda", release_lease_ids=held)
         t0 = time.perf_counter()
+        call = asyncio.ensure_future(self._call(self._stub.GetPrefix(req)))
         try:
-            header = await self._call(self._stub.GetPrefix(req))
+            header = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            # A caller's timeout: the daemon may answer still, with a lease on every block it names. The call
+            # runs on; its answer's lease (or, if it fails, the leases it was to end) is released when it comes.
+            call.add_done_callback(functools.partial(self._end_unread, ns, held))
+            raise
         except BaseException:  # the call that was to end them did not: released now, not at their expiry
             self._release_later(set(held), ns)
             raise

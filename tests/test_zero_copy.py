@@ -210,3 +210,33 @@ async def test_a_zero_copy_get_cancelled_midway_releases_the_leases_it_was_given
                          timeout=5.0)
         got = await c.get(fp, keys, zero_copy=True)  # the client is still usable
         assert len(got) == 3
+
+
+async def test_a_load_cancelled_while_its_answer_is_on_the_way_releases_the_answers_lease(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A serving engine's deadline cancels load_prefix_into after the daemon answered GetPrefix (a lease on every
+    block of the prefix) and before the client read the answer: the call runs on, and its lease is released
+    once the answer comes, not held to its expiry (lease_s, 30 s here) with the blocks it names. The answer is
+    delayed by a stand-in stub method that awaits the real call, then 0.2 s."""
+    srv = await server_factory()
+    spec = tiny_model()
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        toks = tokens(3 * BLOCK_TOKENS)
+        kv = random_kv(spec, len(toks))
+        keys = (await c.put(fp, toks, kv)).keys
+        real = c._stub.GetPrefix
+
+        async def answered_late(req: pb.GetPrefixRequest) -> pb.PrefixHeader:
+            header = await real(req)
+            await asyncio.sleep(0.2)
+            return header
+
+        c._stub.GetPrefix = answered_late
+        load = asyncio.create_task(c.load_prefix_into(fp, toks, torch.zeros_like(kv)))
+        await wait_until(lambda: len(srv.service.leases) == 1, "the daemon's answer", timeout=5.0)
+        load.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await load
+        c._stub.GetPrefix = real
+        await wait_until(lambda: len(srv.service.leases) == 0 and all(srv.store.index.get(k).leases == 0 for k in keys),
+                         "the unread answer's lease released", timeout=5.0)
