@@ -31,6 +31,7 @@ EXIT_DENIED = 6  # the daemon refused the caller's token (none, unknown, or not 
 EXIT_NO_RESOURCES = 7  # serve: the host has too little memory, /dev/shm or disk for the configuration
 EXIT_IN_USE = 8  # serve: another process holds the address, the unix socket or the NVMe directory
 EXIT_START_FAILED = 9  # serve: a file or directory it needs cannot be used (permissions, a read-only disk)
+EXIT_DAEMON_ERROR = 10  # the daemon answered and failed the call itself (INTERNAL: its log says more)
 
 T = TypeVar("T")
 
@@ -75,6 +76,18 @@ def address_of(config: EngramConfig, address: str | None) -> str:
     return f"{config.server.host}:{config.server.port}"
 
 
+def read_root_cert(ca: str) -> bytes:
+    """--tls-ca's PEM file, or a CLI error saying what is wrong with it."""
+    try:
+        root_cert = Path(ca).read_bytes()
+    except OSError as exc:
+        raise fail(f"--tls-ca {ca}: {exc.strerror}; give the PEM certificate that signed the daemon's",
+                   EXIT_BAD_INPUT) from None
+    if b"-----BEGIN CERTIFICATE-----" not in root_cert:
+        raise fail(f"--tls-ca {ca} is not a PEM certificate (no BEGIN CERTIFICATE line)", EXIT_BAD_INPUT)
+    return root_cert
+
+
 def target(config_path: str | None, address: str | None, token: str | None = None, tls_ca: str | None = None
            ) -> Target:
     """The daemon a command talks to: --address (else the config's own address), --token (else ENGRAM_TOKEN)
@@ -83,16 +96,17 @@ def target(config_path: str | None, address: str | None, token: str | None = Non
     cfg = load(config_path)
     addr = address_of(cfg, address)
     ca = tls_ca or (cfg.server.tls_cert if not address and not cfg.server.unix_socket else "") or None
-    root_cert = None
-    if ca:
-        try:
-            root_cert = Path(ca).read_bytes()
-        except OSError as exc:
-            raise fail(f"--tls-ca {ca}: {exc.strerror}; give the PEM certificate that signed the daemon's",
-                       EXIT_BAD_INPUT) from None
-        if b"-----BEGIN CERTIFICATE-----" not in root_cert:
-            raise fail(f"--tls-ca {ca} is not a PEM certificate (no BEGIN CERTIFICATE line)", EXIT_BAD_INPUT)
-    return Target(addr, token or "", root_cert)
+    root_cert = read_root_cert(ca) if ca else None
+    return Target(addr, check_token(token or ""), root_cert)
+
+
+def check_token(token: str) -> str:
+    """A bearer token travels in a gRPC header: printable ASCII without spaces (a token read from a file with a
+    CRLF ending, or pasted with a non-ASCII character, failed deep in gRPC with a traceback)."""
+    if token and not all("!" <= c <= "~" for c in token):
+        raise fail("the token (--token or ENGRAM_TOKEN) holds a space, a control or a non-ASCII character; a token is "
+                   "printable ASCII (a file's line ending copied with it?)", EXIT_BAD_INPUT)
+    return token
 
 
 def call(where: Target, fn: Callable[[ControlClient], Coroutine[Any, Any, T]], timeout_s: float = 10.0) -> T:
@@ -104,9 +118,13 @@ def call(where: Target, fn: Callable[[ControlClient], Coroutine[Any, Any, T]], t
 
     try:
         return asyncio.run(run())
-    except (errors.Unavailable, TimeoutError):
+    except errors.DaemonError as exc:
+        raise fail(f"the daemon at {where.address} failed the call: {exc} (its log says more)",
+                   EXIT_DAEMON_ERROR) from None
+    except (errors.Unavailable, TimeoutError) as exc:
         hint = "" if where.root_cert or where.address.startswith("unix") else " (if it serves TLS, pass --tls-ca)"
-        raise fail(f"no Engram daemon answers at {where.address}{hint}; start one with `engram serve`",
+        why = f" ({exc})" if isinstance(exc, errors.Unavailable) and str(exc) else ""
+        raise fail(f"no Engram daemon answers at {where.address}{why}{hint}; start one with `engram serve`",
                    EXIT_UNAVAILABLE) from None
     except errors.NotFound as exc:
         raise fail(str(exc), EXIT_NOT_FOUND) from None

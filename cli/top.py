@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from dataclasses import dataclass
 from typing import Annotated
@@ -17,7 +18,7 @@ from rich.table import Table
 from engram.api import SessionSummary, Stats
 from engram.control import ControlClient
 
-from .common import call, console, target
+from .common import EXIT_BAD_INPUT, call, console, fail, target
 from .format import dumps, to_dict
 from .ls import sessions_table
 from .options import AddressOpt, ConfigOpt, NamespaceOpt, TlsCaOpt, TokenOpt
@@ -120,6 +121,8 @@ def top(config: ConfigOpt = None, address: AddressOpt = None, namespace: Namespa
                          ] = False,
         token: TokenOpt = None, tls_ca: TlsCaOpt = None) -> None:
     """A live view of tiers, rates per second and sessions; Ctrl-C quits."""
+    if not math.isfinite(interval):
+        raise fail(f"--interval must be a finite number of seconds, got {interval}", EXIT_BAD_INPUT)
     where = target(config, address, token, tls_ca)
     once = once or json_
     limit = interval * 4 + 10 if once else 10.0**9

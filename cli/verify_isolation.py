@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -27,7 +26,16 @@ from engram import errors
 if TYPE_CHECKING:
     from engram.isolation import Report
 
-from .common import EXIT_BAD_INPUT, EXIT_UNAVAILABLE, console, err_console, fail
+from .common import (
+    EXIT_BAD_INPUT,
+    EXIT_UNAVAILABLE,
+    check_address,
+    check_token,
+    console,
+    err_console,
+    fail,
+    read_root_cert,
+)
 from .options import AddressOpt, JsonOpt
 
 EXIT_LEAK = 1
@@ -62,7 +70,10 @@ def verify_isolation(
             if not owner or not other:
                 raise fail("a live run needs two tenants' tokens: --token and --other-token (or ENGRAM_TOKEN and "
                            "ENGRAM_OTHER_TOKEN)", EXIT_BAD_INPUT)
-            cert = Path(root_cert).read_bytes() if root_cert else None
+            check_address(address)
+            check_token(owner)
+            check_token(other)
+            cert = read_root_cert(root_cert) if root_cert else None
             report = asyncio.run(run_live(address, owner, other, namespace, other_namespace, samples=samples,
                                           root_cert=cert, progress=say))
         else:

@@ -14,6 +14,7 @@ from typing import Any, Self, TypeVar
 
 import grpc
 
+from engram import errors
 from engram.api import (
     BlockDescription,
     CheckReport,
@@ -39,6 +40,9 @@ class ControlClient:
         """address: host:port or unix:/path. token: the tenant's bearer token (tenancy on); root_cert: PEM root
         certificate, for a daemon serving TLS. namespace: the default of every call; with a token, "" means
         the token's first."""
+        if token and not all("!" <= c <= "~" for c in token):  # it travels in a gRPC header
+            raise errors.InvalidArgument("the token holds a space, a control or a non-ASCII character; a bearer "
+                                         "token is printable ASCII")
         self.address = address
         self.namespace = namespace
         self._channel = open_channel(address, root_cert=root_cert, max_message_bytes=max_message_bytes)

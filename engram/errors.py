@@ -52,6 +52,11 @@ class Unavailable(EngramError):
     """The daemon (or a tier it needs) cannot serve right now; retrying later may succeed."""
 
 
+class DaemonError(Unavailable):
+    """The daemon failed the call itself (gRPC INTERNAL, UNKNOWN, UNIMPLEMENTED...): its message says why. An
+    Unavailable for code that retries, but not "no daemon answers"."""
+
+
 class StorageIOError(Unavailable):
     """An I/O error on one block's storage; that block fails, the tier and the daemon go on."""
 

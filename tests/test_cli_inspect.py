@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import typer
 from typer.testing import CliRunner, Result
 
 from engram import api
@@ -305,3 +306,44 @@ def test_piped_tables_keep_whole_keys(content: Content) -> None:
             assert long_id in out.stdout
         if args == ["show", "s1"]:
             assert all(k.hex()[:16] in out.stdout for k in content.s1)
+
+
+def test_tokens_a_grpc_header_cannot_carry_and_endless_intervals_are_bad_input(content: Content, tmp_path: Path) -> None:
+    """A token with a CRLF ending (read from a file) or a non-ASCII character failed deep in gRPC with a
+    traceback; `top --json -i inf` never ended; verify-isolation took a missing --tls-ca file for a traceback
+    (exit 1, its "leak found" code) and a bad address for an unreachable daemon. Each is exit 4 with a line."""
+    addr = content.address
+    for token in ("tok\r", "tök", "a b"):
+        out = cli("stats", "-a", addr, "--token", token)
+        assert out.exit_code == 4 and "printable ASCII" in out.stderr and "Traceback" not in out.stderr
+    endless = cli("top", "--json", "-i", "inf", "-a", addr)
+    assert endless.exit_code == 4 and "--interval" in endless.stderr
+    live = ["verify-isolation", "--token", "a", "--other-token", "b"]
+    missing = cli(*live, "-a", addr, "--tls-ca", str(tmp_path / "absent.pem"))
+    assert missing.exit_code == 4 and "--tls-ca" in missing.stderr
+    assert cli(*live, "-a", "notanaddress").exit_code == 4
+
+
+def test_a_call_the_daemon_fails_itself_is_not_reported_as_no_daemon(content: Content) -> None:
+    """INTERNAL (a daemon's bug) was Unavailable, and the CLI said "no Engram daemon answers ... start one" with
+    exit 2 while the daemon ran: it is a DaemonError, shown with the daemon's message, exit 10. A daemon that
+    does not answer is still exit 2, with the reason."""
+    import grpc
+
+    from engram import errors as engram_errors
+    from engram.cli.common import EXIT_DAEMON_ERROR, Target, call
+    from engram.wire.status import error_from_rpc
+
+    internal = error_from_rpc(grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(),
+                                                   grpc.aio.Metadata(), details="Is a directory"))
+    assert isinstance(internal, engram_errors.DaemonError) and isinstance(internal, engram_errors.Unavailable)
+    down = error_from_rpc(grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                               details="connection refused"))
+    assert type(down) is engram_errors.Unavailable
+
+    async def fails(_: object) -> None:
+        raise internal
+
+    with pytest.raises(typer.Exit) as info:
+        call(Target(content.address, "", None), fails)
+    assert info.value.exit_code == EXIT_DAEMON_ERROR

@@ -320,3 +320,9 @@ def test_sync_client_round_trip(server) -> None:  # type: ignore[no-untyped-def]
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+async def test_a_token_no_grpc_header_can_carry_is_refused_when_the_client_is_made(server) -> None:  # type: ignore[no-untyped-def]
+    """A token with a CRLF ending (read from a file) failed at the first call deep in gRPC (ExecuteBatchError)."""
+    with pytest.raises(errors.InvalidArgument, match="printable ASCII"):
+        EngramClient(server.address, token="secret\r")

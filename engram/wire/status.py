@@ -30,10 +30,17 @@ def status_of(exc: errors.EngramError) -> grpc.StatusCode:
     return grpc.StatusCode.UNKNOWN
 
 
+# what a daemon that answered can fail with beyond the domain errors: its own bug, a method it lacks
+_DAEMON_FAILED = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNIMPLEMENTED,
+                  grpc.StatusCode.ABORTED, grpc.StatusCode.OUT_OF_RANGE}
+
+
 def error_from_rpc(exc: grpc.aio.AioRpcError) -> errors.EngramError:
     """The domain error a failed call stands for, with the server's message; codes with no domain error
-    (a daemon that is down, a deadline) become Unavailable."""
+    become Unavailable: DaemonError where the daemon answered and failed the call (INTERNAL, UNKNOWN...),
+    plain Unavailable where it did not answer (down, unreachable, a deadline)."""
     cls = ERROR_OF.get(exc.code())
     if cls is None:
-        return errors.Unavailable(f"{exc.code().name}: {exc.details()}")
+        failed = errors.DaemonError if exc.code() in _DAEMON_FAILED else errors.Unavailable
+        return failed(f"{exc.code().name}: {exc.details()}")
     return cls(exc.details() or exc.code().name)
