@@ -591,3 +591,26 @@ async def test_daemon_with_nvme_over_grpc(server_factory, tmp_path: Path) -> Non
         assert names == ["dram", "nvme"] and stats.tiers[1].state == "ok" and stats.tiers[0].demotions > 0
         check = await client.check()
         assert check.scanned >= 8 and not check.findings
+
+
+@pytest.mark.parametrize("journal", [True, False])
+async def test_a_directory_named_as_a_block_file_is_reported_and_left_alone(tmp_path: Path, journal: bool) -> None:
+    """A directory where a block file of a valid name could be (an operator's copy, a mount): it was taken for a
+    block file, "unreadable", and its unlink raised: `check --fix` and the online Check died (INTERNAL), and a
+    start without the journal failed. It is a stray entry, reported, never removed, and the blocks load."""
+    seqs, kvs = await _store_on_disk(tmp_path, n_seqs=1)
+    store = await make_store(tmp_path)
+    odd = store.tiers[1].path_of(bytes(range(16)))  # type: ignore[attr-defined]
+    await store.close()
+    odd.parent.mkdir(parents=True, exist_ok=True)
+    odd.mkdir()
+    (odd / "inside").write_text("someone's file")
+    if not journal:
+        shutil.rmtree(tmp_path / "index")
+    store = await make_store(tmp_path, dram_blocks=64)
+    n, got = await get_seq(store, seqs[0])
+    assert n == len(seqs[0]) and got is not None and torch.equal(got, kvs[0])
+    report = await store.check(fix=True)
+    assert report.findings == [(str(odd), "stray entry (not a block file)", False)]
+    assert (odd / "inside").read_text() == "someone's file"
+    await store.close()

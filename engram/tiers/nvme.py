@@ -371,10 +371,10 @@ class NvmeTier:
                 continue
             sub_name = sub.name
             base = str(sub)
-            with os.scandir(sub) as it:
-                names = sorted(e.name for e in it)
-            for name in names:
-                key = _key_of(name, sub_name)
+            with os.scandir(sub) as it:  # a directory is never a block, whatever its name (its type costs no stat)
+                entries = sorted((e.name, e.is_dir(follow_symlinks=False)) for e in it)
+            for name, is_dir in entries:
+                key = None if is_dir else _key_of(name, sub_name)
                 if key is None:
                     path = sub / name
                     report.scanned += 1
@@ -420,7 +420,7 @@ class NvmeTier:
             if ino and os.stat(path).st_ino != ino:
                 return False
             os.unlink(path)
-        except FileNotFoundError:
+        except (FileNotFoundError, IsADirectoryError, PermissionError):  # gone, or not a file we may remove
             return False
         return True
 
