@@ -614,3 +614,28 @@ async def test_a_directory_named_as_a_block_file_is_reported_and_left_alone(tmp_
     assert report.findings == [(str(odd), "stray entry (not a block file)", False)]
     assert (odd / "inside").read_text() == "someone's file"
     await store.close()
+
+
+async def test_an_online_check_that_drops_a_block_drops_what_extends_it(tmp_path: Path) -> None:
+    """`check --fix` drops a middle block whose file is corrupt: the blocks that extend it can no longer be
+    reached (a lookup stops at the dropped one), so they go too, files and all, and are reported; before, they
+    stayed indexed (counted by ls and stats, `show` printing wrong start tokens) until a restart dropped them."""
+    store = await make_store(tmp_path, dram_blocks=64, write_policy="write-through")
+    toks = tokens(4 * BLOCK_TOKENS, seed=41)
+    kv = random_kv(SPEC, len(toks), seed=41)
+    await put_seq(store, toks, kv)
+    await store.close()
+    seqs, kvs = [toks], [kv]
+    store = await make_store(tmp_path, dram_blocks=1)
+    chain = [m.key for m in store.lookup(NS, SPEC.fingerprint, seqs[0]).blocks]
+    assert len(chain) == 4
+    _flip(store.tiers[1].path_of(chain[1]), -5)  # type: ignore[attr-defined]
+    report = await store.check(fix=True)
+    assert [k for k in chain if k in store.index] == chain[:1]
+    unreachable = {k for k, problem, fixed in report.findings if problem.startswith("unreachable") and fixed}
+    assert unreachable == {k.hex() for k in chain[2:]}
+    assert len(block_files(tmp_path)) == 1
+    assert (await store.check(fix=False)).ok
+    n, got = await get_seq(store, seqs[0])
+    assert n == BLOCK_TOKENS and got is not None and torch.equal(got, kvs[0][:, :, :BLOCK_TOKENS])
+    await store.close()

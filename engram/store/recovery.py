@@ -180,7 +180,7 @@ async def check(store: BlockStore, *, fix: bool) -> StoreReport:
                     tier.forget(meta.key)  # type: ignore[attr-defined]
                     meta.locations.remove(tier.name)
                     if not meta.locations:
-                        placement.unindex(meta)
+                        await _drop_lost(store, meta, report)
             continue
         for meta in list(store.index):
             if tier.name not in meta.locations:
@@ -199,5 +199,28 @@ async def check(store: BlockStore, *, fix: bool) -> StoreReport:
             if fix:
                 await placement.drop_copy(meta, tier.name)
                 if not meta.locations:
-                    placement.unindex(meta)
+                    await _drop_lost(store, meta, report)
     return report
+
+
+async def _drop_lost(store: BlockStore, meta: BlockMeta, report: StoreReport) -> None:
+    """A block with no copy left goes from the index, and every block that extends it with it: a lookup stops
+    at the lost one, so they could never be reached again (a restart's recovery drops them as orphans). A
+    descendant being read or moved stays until the restart, reported."""
+    below: list[BlockMeta] = []
+    stack = list(store.children(meta.key))
+    while stack:  # children before the index forgets their parent (children_of needs it)
+        m = stack.pop()
+        below.append(m)
+        stack.extend(store.children(m.key))
+    store.placement.unindex(meta)
+    for d in reversed(below):  # deepest first: each is a leaf when its turn comes
+        if store.index.get(d.key) is not d:
+            continue
+        if d.leases or d.moving or d.children:
+            report.findings.append((d.key.hex(), "unreachable: a block it extends was dropped (being read: left "
+                                    "until a restart)", False))
+            continue
+        d.pins = 0  # a pin on a block no lookup can reach holds nothing
+        await store.placement.delete_block(d)
+        report.findings.append((d.key.hex(), "unreachable: a block it extends was dropped", True))
