@@ -639,3 +639,21 @@ async def test_an_online_check_that_drops_a_block_drops_what_extends_it(tmp_path
     n, got = await get_seq(store, seqs[0])
     assert n == BLOCK_TOKENS and got is not None and torch.equal(got, kvs[0][:, :, :BLOCK_TOKENS])
     await store.close()
+
+
+async def test_a_read_that_finds_a_blocks_last_copy_corrupt_drops_what_extends_it(tmp_path: Path) -> None:
+    """A read drops a block whose every copy fails its checksum; the blocks that extend it go with it (no lookup
+    could reach them), unless a reader holds them: those are left to a restart."""
+    store = await make_store(tmp_path, dram_blocks=64, write_policy="write-through")
+    toks = tokens(4 * BLOCK_TOKENS, seed=43)
+    await put_seq(store, toks, random_kv(SPEC, len(toks), seed=43))
+    await store.close()
+    store = await make_store(tmp_path, dram_blocks=1)
+    chain = list(store.lookup(NS, SPEC.fingerprint, toks).blocks)
+    await settle(store)
+    _flip(store.tiers[1].path_of(chain[1].key), -5)  # type: ignore[attr-defined]
+    with pytest.raises(errors.DataLoss, match="no tier holds a valid copy"):
+        await store.read(chain[1])
+    assert [m.key in store.index for m in chain] == [True, False, False, False]
+    assert len(block_files(tmp_path)) == 1
+    await store.close()

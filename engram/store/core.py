@@ -616,7 +616,7 @@ class BlockStore:
                 continue
             return payload, name
         if not meta.locations:
-            placement.unindex(meta)
+            await recovery.drop_lost(self, meta)  # and what extends it: no lookup could reach those again
         raise DataLoss(f"block {meta.key.hex()}: no tier holds a valid copy any more ({'; '.join(reasons)}); "
                        "it was dropped")
 

@@ -105,9 +105,9 @@ async def _recover(store: BlockStore) -> StoreReport:
 
 async def _verify_trusted(store: BlockStore, tier: Tier) -> None:
     """Check, in the background, the files a tier trusted from its journal at start-up, and drop the copies
-    whose file is broken (as `check --fix` does: a block with no copy left leaves the index; its descendants
-    stay until the next start drops them as orphans). A read before the check got there verified the file
-    itself, so nothing broken is served meanwhile."""
+    whose file is broken (as `check --fix` does: a block with no copy left leaves the index, and so do the
+    blocks that extend it). A read before the check got there verified the file itself, so nothing broken
+    is served meanwhile."""
     bad = await tier.verify_trusted()  # type: ignore[attr-defined]
     for key, problem in bad:
         log.warning("recovery: %s block %s: %s (dropped)", tier.name, key.hex(), problem)
@@ -116,7 +116,7 @@ async def _verify_trusted(store: BlockStore, tier: Tier) -> None:
             continue
         meta.locations.remove(tier.name)
         if not meta.locations:
-            store.placement.unindex(meta)
+            await drop_lost(store, meta)
 
 
 def _reachable(store: BlockStore, records: dict[bytes, BlockRecord]) -> dict[bytes, int]:
@@ -180,7 +180,7 @@ async def check(store: BlockStore, *, fix: bool) -> StoreReport:
                     tier.forget(meta.key)  # type: ignore[attr-defined]
                     meta.locations.remove(tier.name)
                     if not meta.locations:
-                        await _drop_lost(store, meta, report)
+                        await drop_lost(store, meta, report)
             continue
         for meta in list(store.index):
             if tier.name not in meta.locations:
@@ -199,11 +199,11 @@ async def check(store: BlockStore, *, fix: bool) -> StoreReport:
             if fix:
                 await placement.drop_copy(meta, tier.name)
                 if not meta.locations:
-                    await _drop_lost(store, meta, report)
+                    await drop_lost(store, meta, report)
     return report
 
 
-async def _drop_lost(store: BlockStore, meta: BlockMeta, report: StoreReport) -> None:
+async def drop_lost(store: BlockStore, meta: BlockMeta, report: StoreReport | None = None) -> None:
     """A block with no copy left goes from the index, and every block that extends it with it: a lookup stops
     at the lost one, so they could never be reached again (a restart's recovery drops them as orphans). A
     descendant being read or moved stays until the restart, reported."""
@@ -218,9 +218,11 @@ async def _drop_lost(store: BlockStore, meta: BlockMeta, report: StoreReport) ->
         if store.index.get(d.key) is not d:
             continue
         if d.leases or d.moving or d.children:
-            report.findings.append((d.key.hex(), "unreachable: a block it extends was dropped (being read: left "
-                                    "until a restart)", False))
+            if report is not None:
+                report.findings.append((d.key.hex(), "unreachable: a block it extends was dropped (being read: "
+                                        "left until a restart)", False))
             continue
         d.pins = 0  # a pin on a block no lookup can reach holds nothing
         await store.placement.delete_block(d)
-        report.findings.append((d.key.hex(), "unreachable: a block it extends was dropped", True))
+        if report is not None:
+            report.findings.append((d.key.hex(), "unreachable: a block it extends was dropped", True))
