@@ -247,7 +247,7 @@ class EngramClient(ControlClient):
 
         spec = self._spec(fingerprint)
         ns = self._ns(namespace)
-        arr = np.asarray(tokens, dtype=np.int32)
+        arr = convert.tokens_array(tokens)
         bt = spec.layout.block_tokens
         if spec.layout.has_streams:
             _check_streams(spec, kv, len(arr))

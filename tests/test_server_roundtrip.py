@@ -326,3 +326,22 @@ async def test_a_token_no_grpc_header_can_carry_is_refused_when_the_client_is_ma
     """A token with a CRLF ending (read from a file) failed at the first call deep in gRPC (ExecuteBatchError)."""
     with pytest.raises(errors.InvalidArgument, match="printable ASCII"):
         EngramClient(server.address, token="secret\r")
+
+
+async def test_token_ids_the_wire_cannot_carry_are_invalid_not_changed(server) -> None:  # type: ignore[no-untyped-def]
+    """Token ids travel as int32: an int64 array past that range was cast with wrap-around, floats truncated (the
+    lookup and put were for other tokens, silently); a Python int past it raised numpy's OverflowError."""
+    spec = tiny_model()
+    async with EngramClient(server.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        good = tokens(BLOCK_TOKENS)
+        await c.put(fp, good, random_kv(spec, BLOCK_TOKENS))
+        wrapped = good.astype(np.int64)
+        wrapped[3] += 2**32  # the same int32 bits
+        for bad, what in ((wrapped, "32-bit"), (good.astype(np.float64), "integers"), ([2**31], "32-bit"),
+                          (good.reshape(2, -1), "flat")):
+            with pytest.raises(errors.InvalidArgument, match=what):
+                await c.lookup(fp, bad)
+        with pytest.raises(errors.InvalidArgument, match="32-bit"):
+            await c.put(fp, wrapped, random_kv(spec, BLOCK_TOKENS))
+        assert (await c.lookup(fp, good.astype(np.int64))).matched_tokens == BLOCK_TOKENS  # in range: fine

@@ -201,7 +201,26 @@ def tokens_from_pb(values: Any) -> np.ndarray:
     return np.asarray(values, dtype="<i4")
 
 
-def tokens_to_pb(tokens: Any) -> list[int]:
+def tokens_array(tokens: Any) -> Any:
+    """Token ids as the int32 array the wire carries (numpy). Anything else is InvalidArgument: an int64 array
+    was cast with wrap-around and floats truncated (other tokens' keys, silently), a Python int past int32
+    raised OverflowError."""
     import numpy as np
 
-    return np.asarray(tokens, dtype=np.int32).tolist()
+    arr = np.asarray(tokens)
+    if arr.dtype == np.int32 and arr.ndim == 1:
+        return arr
+    if arr.ndim != 1 and arr.size:
+        raise InvalidArgument(f"tokens are a flat sequence of token ids, got an array of shape {arr.shape}")
+    if not arr.size:
+        return np.zeros(0, dtype=np.int32)
+    if arr.dtype.kind not in "iu":
+        raise InvalidArgument(f"token ids are integers, got {arr.dtype}")
+    low, high = int(arr.min()), int(arr.max())
+    if low < -(2**31) or high >= 2**31:
+        raise InvalidArgument(f"token ids are 32-bit integers; got {low if low < -(2**31) else high}")
+    return arr.astype(np.int32)
+
+
+def tokens_to_pb(tokens: Any) -> list[int]:
+    return tokens_array(tokens).tolist()  # type: ignore[no-any-return]
