@@ -316,3 +316,28 @@ async def test_keys_depend_on_the_salt_secret(server_factory: Any) -> None:
             fp = await a.register_model(spec)
             keys.append((await a.put(fp, toks, kv)).keys)
     assert keys[0] == keys[1] and not set(keys[0]) & set(keys[2])
+
+
+async def test_a_tenants_stats_do_not_count_another_tenants_tokens_pins_or_lookups(daemon: RunningServer) -> None:
+    """Bob's Stats showed the tokens and pinned blocks of every namespace per tier, and the daemon's lookup token
+    counters: the difference of two of his Stats told him the exact length of Alice's prompt in between. The
+    tiers' tokens and pins now count his namespaces only, the lookup counters are the admin's; bytes and blocks
+    per tier (the daemon's load) stay."""
+    fp, toks, _, keys = await alice_prefix(daemon)
+    async with as_(daemon, ALICE) as a:
+        await a.pin(fp, keys[:2])
+    async with as_(daemon, BOB) as b, as_(daemon, ALICE) as a:
+        before = await b.stats()
+        await a.lookup(fp, np.concatenate([toks, tokens(37, seed=5)]))  # 37 tokens she misses
+        after = await b.stats()
+        assert sum(t.tokens for t in after.tiers) == 0 and sum(t.pinned_blocks for t in after.tiers) == 0
+        assert (after.lookups, after.lookup_hit_tokens, after.lookup_miss_tokens) == (0, 0, 0)
+        assert after.lookup_miss_tokens - before.lookup_miss_tokens == 0
+        assert sum(t.blocks for t in after.tiers) >= 4  # the load stays visible
+        mine = tokens(BLOCK_TOKENS, seed=98)
+        await b.register_model(tiny_model())
+        await b.put(fp, mine, random_kv(tiny_model(), BLOCK_TOKENS, seed=98))
+        assert sum(t.tokens for t in (await b.stats()).tiers) >= BLOCK_TOKENS  # his own blocks count
+    async with as_(daemon, ADMIN) as admin:  # positive control: the admin sees every namespace's
+        stats = await admin.stats()
+        assert sum(t.pinned_blocks for t in stats.tiers) >= 2 and stats.lookup_miss_tokens >= 37

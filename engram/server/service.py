@@ -466,11 +466,12 @@ class EngramService:
 
     async def stats(self, namespaces: list[str], *, scoped: bool = False) -> StatsReply:
         """The daemon's figures. Scoped (a tenant's call), everything that counts a namespace's content
-        (models, sessions, windows, namespaces) covers `namespaces` only, and a model none of them holds
-        is left out, so no tenant learns what another stores or which models it uses. The tier figures
-        and the daemon-wide counters stay: they show the daemon's load, and no call of one tenant can
-        make them depend on whether another holds a given prefix (its keys are salted, nothing dedupes
-        across namespaces)."""
+        (models, sessions, windows, namespaces, and the tiers' tokens and pinned blocks) covers `namespaces`
+        only, and a model none of them holds is left out, so no tenant learns what another stores or which
+        models it uses; the lookup counters (tokens hit and missed: the exact length of another tenant's
+        prompt, read as the difference of two Stats) are the admin's only, 0 for a tenant. The tiers' bytes,
+        blocks and counters stay: they show the daemon's load, and no call of one tenant can make them depend
+        on whether another holds a given prefix (its keys are salted, nothing dedupes across namespaces)."""
         store = self.store
         c = store.counters
         pending = store.write_back_pending()
@@ -484,9 +485,10 @@ class EngramService:
                 codec=m.codec, raw_bytes=m.raw_bytes, all_layers_bytes=m.tokens * spec.layout.all_layers_bytes_per_token(),
                 replayable=self.sessions.runtime.model_for(spec) is not None))
         cfg = self.config
+        lookups = (0, 0, 0) if scoped else (c.lookups, c.lookup_hit_tokens, c.lookup_miss_tokens)
         return StatsReply(
-            tiers=store.tier_stats(), models=tuple(models), lookups=c.lookups, lookup_hit_tokens=c.lookup_hit_tokens,
-            lookup_miss_tokens=c.lookup_miss_tokens, blocks_put=c.blocks_put,
+            tiers=store.tier_stats(namespaces=namespaces if scoped else None), models=tuple(models),
+            lookups=lookups[0], lookup_hit_tokens=lookups[1], lookup_miss_tokens=lookups[2], blocks_put=c.blocks_put,
             blocks_deduplicated=c.blocks_deduplicated, blocks_served=c.blocks_served, bytes_served=c.bytes_served,
             limits=Limits(max_message_bytes=int(cfg.max_message_bytes), chunk_bytes=int(cfg.chunk_bytes),
                           max_blocks_per_request=cfg.max_blocks_per_request,

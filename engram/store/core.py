@@ -735,10 +735,13 @@ class BlockStore:
 
     # ---- figures -------------------------------------------------------------------------------
 
-    def tier_stats(self, *, per_block: bool = True) -> tuple[TierStats, ...]:
+    def tier_stats(self, *, per_block: bool = True, namespaces: Sequence[str] | None = None) -> tuple[TierStats, ...]:
         """Every tier's figures; without per_block, tokens and pinned_blocks stay 0 and the index is not
-        walked (what a metrics scrape or the log reporter needs)."""
-        return tier_stats(self.placement, self.index if per_block else ())
+        walked (what a metrics scrape or the log reporter needs); with namespaces, they count those only."""
+        if not per_block:
+            return tier_stats(self.placement, ())
+        return tier_stats(self.placement, self.index if namespaces is None else
+                          (m for ns in namespaces for m in self.index.blocks_in(ns)))
 
     def model_usage(self, namespaces: Sequence[str] | None = None) -> list[ModelUsage]:
         """Blocks, bytes and tokens per registered model: of every namespace, or of `namespaces` only."""
