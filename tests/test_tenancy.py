@@ -341,3 +341,14 @@ async def test_a_tenants_stats_do_not_count_another_tenants_tokens_pins_or_looku
     async with as_(daemon, ADMIN) as admin:  # positive control: the admin sees every namespace's
         stats = await admin.stats()
         assert sum(t.pinned_blocks for t in stats.tiers) >= 2 and stats.lookup_miss_tokens >= 37
+
+
+async def test_the_admins_stats_list_a_namespace_that_holds_only_sessions(daemon: RunningServer) -> None:
+    """Alice's blocks evicted whole, her session stays: the admin's Stats left her namespace out (so `engram stats
+    -n alice` said it was unknown) while her own Stats and `engram ls` listed it."""
+    await alice_prefix(daemon)
+    async with as_(daemon, ADMIN) as admin:
+        await admin.evict(whole_namespace=True, force=True, namespace="alice")
+        assert "alice" in {n.namespace for n in (await admin.stats()).namespaces}
+    async with as_(daemon, ALICE) as a:
+        assert "alice" in {n.namespace for n in (await a.stats()).namespaces}

@@ -458,8 +458,9 @@ class EngramService:
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         decoded(request)
         scope = visible_namespaces(context)
-        if scope is None:
-            return convert.to_pb(await self.stats(self.store.namespaces_in_use()), pb.StatsResponse)
+        if scope is None:  # every namespace with blocks or sessions (evicted whole, its sessions may live on)
+            every = sorted({*self.store.namespaces_in_use(), *(s.namespace for s in self.sessions.sessions())})
+            return convert.to_pb(await self.stats(every), pb.StatsResponse)
         in_use = set(self.store.namespaces_in_use())
         mine = [ns for ns in scope if ns in in_use or self.sessions.count_in(ns)]
         return convert.to_pb(await self.stats(mine, scoped=True), pb.StatsResponse)
