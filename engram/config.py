@@ -166,6 +166,11 @@ class ReplayConfig:
     device: str = "auto"  # auto (cuda when present), cpu, cuda
     dtype: str = "auto"  # a checkpoint's: auto (bfloat16 on cuda, float32 on cpu), bfloat16, float16, float32, float64
     max_hot_windows: int = 64  # rebuilt SWA windows kept in memory; beyond, the least recent is dropped
+    # Replays run this many at once, on threads of their own (decodes and encodes keep theirs); more Resumes wait
+    # their turn. A Resume cancelled while it waits never runs; one cancelled while it runs holds its turn until
+    # it ends.
+    max_concurrent: int = 2
+    max_queued: int = 64  # Resumes waiting for a replay's turn; one more is refused (RESOURCE_EXHAUSTED: prefill)
     max_persisted_window_bytes: ByteSize = ByteSize(2**30)  # persisted windows (persist mode, auto's), all together
     # auto-mode sessions: calibrations written by `engram bench replay --calibrate DIR` (one per model and
     # machine; none: auto behaves as exact), and the fidelity floor an approximate replay must have measured
@@ -301,6 +306,9 @@ class EngramConfig:
             raise ConfigError(f"server.session_idle_s must be >= 0 (0: sessions never close idle), got {s.session_idle_s}")
         if self.replay.max_hot_windows < 0:
             raise ConfigError("replay.max_hot_windows must be >= 0")
+        if self.replay.max_concurrent < 1 or self.replay.max_queued < 0:
+            raise ConfigError(f"replay.max_concurrent must be >= 1 and replay.max_queued >= 0, got "
+                              f"{self.replay.max_concurrent} and {self.replay.max_queued}")
         for path in filter(None, (p.strip() for p in self.replay.models.split(","))):
             if Path(path).is_dir() and not (Path(path) / "config.json").is_file():
                 raise ConfigError(f"replay.models: {path} is a directory without config.json (an HF checkpoint "

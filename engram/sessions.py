@@ -31,6 +31,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,8 +46,8 @@ from engram.index import BlockMeta
 from engram.keys import block_key
 from engram.layout import DType, LayerKind, ModelSpec
 from engram.replay.costmodel import CostModel, FidelityFloor, NoAllowedOption
-from engram.replay.model import SwaWindow
-from engram.replay.reconstruct import ReplayMode
+from engram.replay.model import ReplayModel, SwaWindow
+from engram.replay.reconstruct import Reconstruction, ReplayMode
 from engram.replay.runtime import ReplayRuntime
 from engram.store import BlockStore
 
@@ -150,14 +151,20 @@ class SessionManager:
                  max_sessions_per_namespace: int = 4096, max_session_tokens: int = 1 << 21,
                  max_persisted_window_bytes: int = 2**30, cost_models: dict[str, CostModel] | None = None,
                  floor: FidelityFloor | None = None, persist_tier: str = "dram", prefetch_lead_ms: float = 1000.0,
-                 idle_close_s: float = 0.0) -> None:
+                 idle_close_s: float = 0.0, max_concurrent_replays: int = 2, max_queued_replays: int = 64) -> None:
         """cost_models: per weights_id, the calibrated cost model auto-mode sessions of that model decide by;
         floor: the fidelity an approximate replay must have measured; persist_tier: where a kept window lives
         (what its load is priced at); prefetch_lead_ms: how long before a session is due back (its client's
         expect_back_ms) its blocks below the top tier are copied up (`prefetch_due`; 0: never); idle_close_s:
-        a session no call touched for this long is closed (`close_idle`; 0: never)."""
+        a session no call touched for this long is closed (`close_idle`; 0: never); max_concurrent_replays,
+        max_queued_replays: replays run at once (on threads of their own), and Resumes waiting for a turn before
+        one more is refused (`_replay`)."""
         self.store = store
         self.runtime = runtime
+        self.max_queued_replays = max_queued_replays
+        self._replay_turns = asyncio.Semaphore(max_concurrent_replays)
+        self._replay_threads = ThreadPoolExecutor(max_concurrent_replays, thread_name_prefix="engram-replay")
+        self._replays_waiting = 0
         self.cost_models = dict(cost_models or {})
         self.floor = floor or FidelityFloor()
         self.persist_tier = persist_tier
@@ -556,7 +563,7 @@ class SessionManager:
             global_kv = await self._global_kv(match.blocks, p)
             t0 = time.perf_counter()
             tokens = torch.as_tensor(s.tokens[:p], dtype=torch.long)
-            rec = await asyncio.to_thread(self.runtime.rebuild, model, tokens, global_kv, mode)
+            rec = await self._replay(model, tokens, global_kv, mode)
         if self._sessions.get((namespace, session_id)) is not s:  # closed (by its client, or idle) meanwhile
             raise NotFound(f"session {session_id} was closed during its Resume")
         seconds = time.perf_counter() - t0
@@ -573,6 +580,33 @@ class SessionManager:
         self._mark_hot(s)  # with max_hot_windows = 0 this drops it again at once: the answer still carries it
         return Resumed(p, match.blocks, window, "replay", rec.replayed, rec.token_layers, seconds,
                        global_kv if with_global_kv else None)
+
+    async def _replay(self, model: ReplayModel, tokens: torch.Tensor, global_kv: torch.Tensor, mode: ReplayMode
+                      ) -> Reconstruction:
+        """runtime.rebuild on a replay thread, once a turn is free: replays are seconds of CPU or GPU each, and
+        one tenant's many Resumes (or cancelled ones, whose threads cannot be stopped) took the threads every
+        decode and encode of the daemon runs on. A Resume cancelled while it waits never runs; one cancelled
+        while it runs keeps its turn until its thread is done, so no more than the bound ever run."""
+        if self._replays_waiting >= self.max_queued_replays and self._replay_turns.locked():
+            raise ResourceExhausted(f"{self._replays_waiting} replays are waiting for a turn (replay.max_queued); "
+                                    "retry later, or prefill the prefix instead")
+        self._replays_waiting += 1
+        try:
+            await self._replay_turns.acquire()
+        finally:
+            self._replays_waiting -= 1
+        running = asyncio.get_running_loop().run_in_executor(self._replay_threads, self.runtime.rebuild, model,
+                                                             tokens, global_kv, mode)
+        try:
+            rec = await asyncio.shield(running)
+        except asyncio.CancelledError:
+            running.add_done_callback(lambda _: self._replay_turns.release())
+            raise
+        except BaseException:
+            self._replay_turns.release()
+            raise
+        self._replay_turns.release()
+        return rec
 
     async def _global_kv(self, blocks: tuple[BlockMeta, ...], p: int) -> torch.Tensor:
         """The stored global KV of [0, p) as one tensor (stored_layers, 2, p, H, D), read and verified."""

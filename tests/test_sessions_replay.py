@@ -5,6 +5,7 @@ uninterrupted run."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -329,3 +330,45 @@ async def test_with_no_hot_windows_kept_every_resume_replays_and_answers(server_
             logits, source = await next_logits(client, model, fp, sid, toks)
             assert source == "replay" and torch.equal(logits, reference_logits(model, toks, P))
         assert (await client.stats()).replay.hot_sessions == 0
+
+
+async def test_replays_run_a_bounded_number_at_once_and_a_cancelled_wait_never_runs(  # type: ignore[no-untyped-def]
+        server_factory, model_file: Path, model: HybridDecoder, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One replay at a time here (replay.max_concurrent = 1), one Resume waiting (max_queued = 1): a third is
+    refused RESOURCE_EXHAUSTED; the waiting one, cancelled, never runs; the daemon's own threads (decodes of the
+    global KV) are not the replays'. Replays were unbounded on the shared executor: twelve cancelled Resumes
+    kept running and slowed another tenant's Resume twenty-fold. The running replay is held at a gate (the real
+    rebuild, run once the gate opens) so the others find it running."""
+    srv = await server_factory(**{"replay.models": str(model_file), "replay.max_concurrent": 1,
+                                  "replay.max_queued": 1, "tiers.nvme.path": str(tmp_path / "nvme")})
+    sessions = srv.sessions
+    gate, started = threading.Event(), []
+    real_rebuild = sessions.runtime.rebuild
+
+    def rebuild_after_the_gate(model_, tokens, global_kv, mode):  # type: ignore[no-untyped-def]
+        started.append((len(tokens), threading.current_thread().name))
+        assert gate.wait(30)
+        return real_rebuild(model_, tokens, global_kv, mode)
+
+    monkeypatch.setattr(sessions.runtime, "rebuild", rebuild_after_the_gate)
+    toks = tokens_for(P + 1, seed=33)
+    async with EngramClient(srv.address) as client:
+        fp, sid = await put_session(client, model, toks[:P])
+        running = asyncio.create_task(client.resume(sid, position=P))
+        while not started:
+            await asyncio.sleep(0.01)
+        waiting = asyncio.create_task(client.resume(sid, position=P - 1))
+        while sessions._replays_waiting < 1:
+            await asyncio.sleep(0.01)
+        with pytest.raises(errors.ResourceExhausted, match="replay.max_queued"):
+            await client.resume(sid, position=P - 2)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        gate.set()
+        assert (await running).source == "replay"
+        logits, _ = await next_logits(client, model, fp, sid, toks)
+        assert torch.equal(logits, reference_logits(model, toks, P))
+    assert [n for n, _ in started] == [P]  # the cancelled one never ran
+    assert all(name.startswith("engram-replay") for _, name in started)
