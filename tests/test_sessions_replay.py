@@ -361,7 +361,7 @@ async def test_replays_run_a_bounded_number_at_once_and_a_cancelled_wait_never_r
         waiting = asyncio.create_task(client.resume(sid, position=P - 1))
         while sessions._replays_waiting < 1:
             await asyncio.sleep(0.01)
-        with pytest.raises(errors.ResourceExhausted, match="replay.max_queued"):
+        with pytest.raises(errors.ResourceExhausted, match=r"replay\.max_queued"):
             await client.resume(sid, position=P - 2)
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
