@@ -581,6 +581,10 @@ class SessionManager:
         return Resumed(p, match.blocks, window, "replay", rec.replayed, rec.token_layers, seconds,
                        global_kv if with_global_kv else None)
 
+    def close(self) -> None:
+        """The daemon stops: the replay threads end (a replay still running finishes first, in its thread)."""
+        self._replay_threads.shutdown(wait=False, cancel_futures=True)
+
     async def _replay(self, model: ReplayModel, tokens: torch.Tensor, global_kv: torch.Tensor, mode: ReplayMode
                       ) -> Reconstruction:
         """runtime.rebuild on a replay thread, once a turn is free: replays are seconds of CPU or GPU each, and
