@@ -581,7 +581,7 @@ class SessionManager:
         return Resumed(p, match.blocks, window, "replay", rec.replayed, rec.token_layers, seconds,
                        global_kv if with_global_kv else None)
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
         """The daemon stops: the replay threads end (a replay still running finishes first, in its thread)."""
         self._replay_threads.shutdown(wait=False, cancel_futures=True)
 

@@ -150,7 +150,7 @@ class RunningServer:
                         "(tiers.shutdown_flush_s = %g)", flushed.flushed, flushed.flushed_bytes, flushed.seconds,
                         flushed.left, self.flush_s, extra={"fields": {
                             "flushed": flushed.flushed, "left": flushed.left, "seconds": flushed.seconds}})
-        self.sessions.close()
+        self.sessions.shutdown()
         await self.store.close()
         if self.socket_lock is not None:
             self.socket_lock.release()
