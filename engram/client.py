@@ -144,6 +144,7 @@ class EngramClient(ControlClient):
                             else put)
         self._data_wanted = data_channel
         self.in_place_min_bytes = in_place_min_bytes
+        self._max_blocks = 1 << 62  # blocks one request may name: the daemon says when a model is registered
         self._data: DataChannel | None = None
         self._layouts: dict[bytes, ModelSpec] = {}
         self._segments: dict[str, SegmentReader] = {}  # shared DRAM segments mapped for zero-copy Gets
@@ -190,6 +191,8 @@ class EngramClient(ControlClient):
         req = pb.RegisterModelRequest(model=convert.model_to_pb(spec))
         resp = await self._call(self._stub.RegisterModel(req))
         self._layouts[resp.model_fingerprint] = dataclasses.replace(spec, codec=resp.codec)
+        if resp.max_blocks_per_request:  # requests naming more blocks go in parts (0: an older daemon's silence)
+            self._max_blocks = resp.max_blocks_per_request
         return resp.model_fingerprint
 
     def codec_of(self, fingerprint: bytes) -> str:
@@ -316,7 +319,8 @@ class EngramClient(ControlClient):
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         while len(keys) < len(headers):  # in rounds, when the chain is longer than the pool takes at once
             first = len(keys)
-            req = pb.ReservePutRequest(namespace=ns, model_fingerprint=fingerprint, pin=pin, blocks=headers[first:],
+            req = pb.ReservePutRequest(namespace=ns, model_fingerprint=fingerprint, pin=pin,
+                                       blocks=headers[first : first + self._max_blocks],
                                        parent_key=keys[-1] if keys else b"")
             t0 = time.perf_counter()
             try:
@@ -474,13 +478,27 @@ class EngramClient(ControlClient):
                 return await self._put_data(data, put, items)
         step = self.chunk_bytes
 
-        async def requests() -> AsyncIterator[bytes]:  # serialized PutRequests (chunk_frames: one copy each)
-            yield pb.PutRequest(header=put).SerializeToString()
-            for header, payload in items:
+        async def requests(head: pb.PutHeader, part: list[tuple[pb.BlockHeader, bytes | memoryview]]
+                           ) -> AsyncIterator[bytes]:  # serialized PutRequests (chunk_frames: one copy each)
+            yield pb.PutRequest(header=head).SerializeToString()
+            for header, payload in part:
                 for frame in chunk_frames(2, b"", header.SerializeToString(), payload, step):  # PutRequest.chunk
                     yield frame
 
-        return convert.from_pb(PutReply, await self._call(self._put_frames(requests())))
+        # A chain longer than the daemon's server.max_blocks_per_request goes in several Puts, each after the last
+        # key of the one before.
+        reply = pb.PutResponse()
+        for start in range(0, max(len(items), 1), self._max_blocks):
+            head = pb.PutHeader()
+            head.CopyFrom(put)
+            if reply.keys:
+                head.parent_key = reply.keys[-1]
+            got = await self._call(self._put_frames(requests(head, items[start : start + self._max_blocks])))
+            reply.keys.extend(got.keys)
+            reply.stored += got.stored
+            reply.deduplicated += got.deduplicated
+            reply.not_durable += got.not_durable
+        return convert.from_pb(PutReply, reply)
 
     # ---- the data channel (engram/wire/data.py) ----------------------------------------------
 
@@ -558,7 +576,8 @@ class EngramClient(ControlClient):
         start = 0
         while start < len(blocks) or (not keys and start == 0):
             end, size = start, 0
-            while end < len(blocks) and (end == start or size + blocks[end][0].payload_nbytes <= limit):
+            while end < len(blocks) and end - start < self._max_blocks and (
+                    end == start or size + blocks[end][0].payload_nbytes <= limit):
                 size += blocks[end][0].payload_nbytes
                 end += 1
             part = blocks[start:end]
@@ -627,6 +646,12 @@ class EngramClient(ControlClient):
         segment; a descriptor whose slot was reused meanwhile, or a segment this process cannot map, falls
         back to bytes for those blocks. Either way the tensors are the same.
         """
+        if len(keys) > self._max_blocks:  # more than one Get may name: in parts, in order
+            out: list[Any] = []
+            for start in range(0, len(keys), self._max_blocks):
+                out += await self.get(fingerprint, keys[start : start + self._max_blocks], namespace=namespace,
+                                      decode_on_server=decode_on_server, device=device, zero_copy=zero_copy)
+            return out
         if zero_copy is None:
             zero_copy = self._zero_copy_ok and same_host(self.address)
         cuda_ipc = zero_copy and torch.device(device).type == "cuda"
@@ -635,7 +660,7 @@ class EngramClient(ControlClient):
         if not zero_copy and (data := await self._data_channel()) is not None:
             with contextlib.suppress(wire.ChannelFull):  # its connections are all taken: gRPC may take the call
                 return [self._block(h, p, i, device) for i, (h, p) in enumerate(await self._get_data(data, req))]
-        out: list[Any] = []
+        out = []
         descriptors: list[tuple[int, pb.BlockDescriptor]] = []
         blocks: Reassembler[pb.BlockHeader] = client_reassembler(lambda h: h.payload_nbytes)
         try:
@@ -876,6 +901,11 @@ class EngramClient(ControlClient):
                            ) -> Sequence[tuple[pb.BlockHeader, bytes | torch.Tensor]]:
         """Blocks as stored, over the socket (the data channel when there is one): (header, payload) each, not
         decoded."""
+        if len(keys) > self._max_blocks:  # more than one Get may name: in parts, in order
+            parts: list[tuple[pb.BlockHeader, bytes | torch.Tensor]] = []
+            for start in range(0, len(keys), self._max_blocks):
+                parts += await self._fetch_bytes(fingerprint, keys[start : start + self._max_blocks], namespace)
+            return parts
         req = pb.GetRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint, keys=list(keys))
         if (data := await self._data_channel()) is not None:
             with contextlib.suppress(wire.ChannelFull):  # its connections are all taken: gRPC may take the call

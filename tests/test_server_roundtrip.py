@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -345,3 +346,27 @@ async def test_token_ids_the_wire_cannot_carry_are_invalid_not_changed(server) -
         with pytest.raises(errors.InvalidArgument, match="32-bit"):
             await c.put(fp, wrapped, random_kv(spec, BLOCK_TOKENS))
         assert (await c.lookup(fp, good.astype(np.int64))).matched_tokens == BLOCK_TOKENS  # in range: fine
+
+
+@pytest.mark.parametrize("path", ["data channel", "grpc", "in place"])
+async def test_a_chain_longer_than_one_request_may_name_goes_in_parts(server_factory, path: str) -> None:  # type: ignore[no-untyped-def]
+    """server.max_blocks_per_request bounds the blocks one Put, Get or ReservePut names (4 here, 4096 by
+    default: 64k tokens of 16-token blocks). A longer chain was refused after the daemon had stored the first
+    part, or not at all in place, and its hit could not be fetched as bytes; the client now splits each request
+    (the daemon says its bound when the model is registered) and every path round-trips 10 blocks."""
+    srv = await server_factory(**{"server.max_blocks_per_request": 4})
+    spec = tiny_model()
+    kw: dict[str, Any] = {"data channel": {"zero_copy": False}, "grpc": {"zero_copy": False, "data_channel": False},
+                          "in place": {"in_place_min_bytes": 0}}[path]
+    async with EngramClient(srv.address, namespace="t", **kw) as c:
+        fp = await c.register_model(spec)
+        toks = tokens(10 * BLOCK_TOKENS, seed=12)
+        kv = random_kv(spec, len(toks), seed=12)
+        put = await c.put(fp, toks, kv)
+        assert put.stored == 10 and len(put.keys) == 10
+        assert (await c.lookup(fp, toks, probe=True)).matched_tokens == len(toks)
+        for zero_copy in (False, True):
+            assert torch.equal(torch.cat(await c.get(fp, list(put.keys), zero_copy=zero_copy), dim=2), kv)
+        dest = torch.zeros_like(kv)
+        assert (await c.load_prefix_into(fp, toks, dest)).loaded_tokens == len(toks)
+        assert torch.equal(dest, kv)

@@ -168,7 +168,8 @@ class EngramService:
             raise ResourceExhausted(f"this daemon already knows {len(registry)} models (server.max_models); "
                                     "register one of those, or raise the limit")
         fp = registry.register(spec)
-        return pb.RegisterModelResponse(model_fingerprint=fp, codec=self.store.spec(fp).codec)
+        return pb.RegisterModelResponse(model_fingerprint=fp, codec=self.store.spec(fp).codec,
+                                        max_blocks_per_request=self.config.max_blocks_per_request)
 
     @unary
     async def Lookup(self, request: Any, context: grpc.aio.ServicerContext) -> pb.LookupResponse:

@@ -118,12 +118,14 @@ class RegisterModelRequest(_message.Message):
     def __init__(self, model: _Optional[_Union[ModelSpec, _Mapping]] = ...) -> None: ...
 
 class RegisterModelResponse(_message.Message):
-    __slots__ = ("model_fingerprint", "codec")
+    __slots__ = ("model_fingerprint", "codec", "max_blocks_per_request")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: bytes
     codec: str
-    def __init__(self, model_fingerprint: _Optional[bytes] = ..., codec: _Optional[str] = ...) -> None: ...
+    max_blocks_per_request: int
+    def __init__(self, model_fingerprint: _Optional[bytes] = ..., codec: _Optional[str] = ..., max_blocks_per_request: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("namespace", "model_fingerprint", "tokens", "probe")
