@@ -18,7 +18,30 @@ from engram.control import ControlClient
 from .common import EXIT_BAD_INPUT, call, console, fail, target
 from .format import dumps, to_dict
 from .options import AddressOpt, ConfigOpt, JsonOpt, NamespaceOpt, TlsCaOpt, TokenOpt
-from .show import session_namespace
+from .show import describe_keys, session_namespace
+
+
+async def evict_keys(client: ControlClient, keys: list[str], namespace: str | None, force: bool) -> EvictResult:
+    """By key (prefix): in the namespace named, else in every namespace the caller may see (an admin's in one
+    call; a tenant's, each found block in its own namespace)."""
+    try:
+        return await client.evict(key_prefixes=keys, force=force, namespace=namespace or "",
+                                  all_namespaces=namespace is None)
+    except errors.PermissionDenied:
+        if namespace is not None:
+            raise
+    by_ns: dict[str, list[str]] = {}
+    for b in (await describe_keys(client, keys, None)).blocks:
+        by_ns.setdefault(b.namespace, []).append(b.key.hex())
+    evicted: list[bytes] = []
+    skipped: list[bytes] = []
+    unpinned = 0
+    for ns, full in by_ns.items():
+        got = await client.evict(key_prefixes=full, force=force, namespace=ns)
+        evicted += got.evicted
+        skipped += got.skipped
+        unpinned += got.unpinned
+    return EvictResult(tuple(evicted), tuple(skipped), unpinned)
 
 
 async def evict_session(client: ControlClient, session: str, namespace: str | None, force: bool) -> EvictResult:
@@ -42,8 +65,7 @@ def evict(keys: Annotated[list[str] | None, typer.Argument(help="Block keys or u
         raise fail("--whole-namespace needs --namespace NS", EXIT_BAD_INPUT)
     addr = target(config, address, token, tls_ca)
     if keys:
-        resp = call(addr, lambda c: c.evict(key_prefixes=keys, force=force, namespace=namespace or "",
-                                            all_namespaces=namespace is None))
+        resp = call(addr, lambda c: evict_keys(c, keys, namespace, force))
     elif session is not None:
         resp = call(addr, lambda c: evict_session(c, session, namespace, force))
     else:

@@ -14,7 +14,7 @@ from engram.control import ControlClient
 from .common import EXIT_BAD_INPUT, Target, call, console, fail, target
 from .format import dumps
 from .options import AddressOpt, ConfigOpt, JsonOpt, NamespaceOpt, TlsCaOpt, TokenOpt
-from .show import session_namespace
+from .show import describe_keys, session_namespace
 
 KeysArg = Annotated[list[str] | None, typer.Argument(help="Block keys or unique hex key prefixes.")]
 SessionOpt = Annotated[str | None, typer.Option("--session", "-s", help="Every block of this session's chain.")]
@@ -28,7 +28,7 @@ async def _pin(client: ControlClient, keys: list[str], session: str | None, name
             raise errors.NotFound(f"no session {session!r} in any namespace you may see; `engram ls` lists sessions")
         resp = await client.describe_blocks(session_id=session, namespace=ns)
     else:
-        resp = await client.describe_blocks(key_prefixes=keys, namespace=namespace or "", all_namespaces=namespace is None)
+        resp = await describe_keys(client, keys, namespace)
     groups: dict[tuple[str, bytes], list[bytes]] = defaultdict(list)
     for b in resp.blocks:
         groups[(b.namespace, b.model_fingerprint)].append(b.key)

@@ -11,7 +11,7 @@ from rich.console import Group
 from rich.table import Table
 
 from engram import errors
-from engram.api import BlockDescription, SessionSummary
+from engram.api import BlockDescription, BlockDetail, SessionSummary
 from engram.control import ControlClient
 
 from .common import call, console, target
@@ -22,13 +22,48 @@ from .stats import human_bytes
 KEY_DIGITS = 16  # of 32: a unique prefix that every command accepts; --json prints whole keys
 
 
+async def my_namespaces(client: ControlClient) -> list[str]:
+    """A tenant's namespaces that hold blocks or sessions (its Stats lists exactly those)."""
+    return [n.namespace for n in (await client.stats()).namespaces]
+
+
 async def visible_sessions(client: ControlClient) -> tuple[SessionSummary, ...]:
-    """Every session the caller may see: all namespaces for an admin (or with tenancy off), the token's own
-    namespace for a tenant."""
+    """Every session the caller may see: all namespaces for an admin (or with tenancy off), every namespace of
+    its token for a tenant."""
     try:
         return await client.list_sessions(all_namespaces=True)
     except errors.PermissionDenied:
-        return await client.list_sessions(namespace="")
+        found: list[SessionSummary] = []
+        for ns in await my_namespaces(client):
+            found += await client.list_sessions(namespace=ns)
+        return tuple(found)
+
+
+async def describe_keys(client: ControlClient, prefixes: list[str], namespace: str | None) -> BlockDescription:
+    """Blocks by hex key (prefix): in the namespace named, else in every namespace the caller may see (all of
+    them for an admin; for a tenant, each of its token's; a prefix found in two is ambiguous)."""
+    if namespace is not None:
+        return await client.describe_blocks(key_prefixes=prefixes, namespace=namespace)
+    try:
+        return await client.describe_blocks(key_prefixes=prefixes, all_namespaces=True)
+    except errors.PermissionDenied:
+        pass
+    mine = await my_namespaces(client)
+    blocks = []
+    for p in prefixes:
+        hits: list[BlockDetail] = []
+        for ns in mine:
+            try:
+                hits += (await client.describe_blocks(key_prefixes=[p], namespace=ns)).blocks
+            except errors.NotFound:
+                continue
+        if not hits:
+            raise errors.NotFound(f"no stored block has a key starting with {p} in any namespace you may see")
+        if len(hits) > 1:
+            raise errors.InvalidArgument(f"key prefix {p} matches blocks in namespaces "
+                                         f"{', '.join(sorted(b.namespace for b in hits))}; name one with --namespace")
+        blocks += hits
+    return BlockDescription(tuple(blocks))
 
 
 async def session_namespace(client: ControlClient, session_id: str, namespace: str | None) -> str | None:
@@ -58,13 +93,7 @@ async def describe(client: ControlClient, name: str, namespace: str | None) -> B
         raise errors.NotFound(f"no session {name!r} {where}, and it is not a hex block key; `engram ls` lists "
                               "sessions") from None
     try:
-        try:
-            return await client.describe_blocks(key_prefixes=[name], namespace=namespace or "",
-                                                all_namespaces=namespace is None)
-        except errors.PermissionDenied:
-            if namespace is not None:
-                raise
-            return await client.describe_blocks(key_prefixes=[name], namespace="")  # a tenant: its namespace
+        return await describe_keys(client, [name], namespace)
     except errors.NotFound:
         raise errors.NotFound(f"no session and no block named {name!r}"
                               + (f" in namespace {namespace!r}" if namespace else "")

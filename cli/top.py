@@ -22,6 +22,7 @@ from .common import EXIT_BAD_INPUT, call, console, fail, target
 from .format import dumps, to_dict
 from .ls import sessions_table
 from .options import AddressOpt, ConfigOpt, NamespaceOpt, TlsCaOpt, TokenOpt
+from .show import visible_sessions
 from .stats import human_bytes
 
 
@@ -35,7 +36,7 @@ class Snapshot:
 async def snapshot(client: ControlClient, namespace: str | None) -> Snapshot:
     stats = await client.stats()
     if namespace is None:
-        sessions = await client.list_sessions(all_namespaces=True)
+        sessions = await visible_sessions(client)
     else:
         sessions = await client.list_sessions(namespace=namespace)
     return Snapshot(time.monotonic(), stats, sessions)

@@ -347,3 +347,32 @@ def test_a_call_the_daemon_fails_itself_is_not_reported_as_no_daemon(content: Co
     with pytest.raises(typer.Exit) as info:
         call(Target(content.address, "", None), fails)
     assert info.value.exit_code == EXIT_DAEMON_ERROR
+
+
+def test_a_tenant_without_namespace_finds_its_blocks_and_sessions_in_each_of_its_namespaces(tmp_path: Path) -> None:
+    """A token of two namespaces: `show`, `pin`, `evict` and `top` without -n looked only in its first one (or
+    were refused: all_namespaces is an admin's), so a session or block in the second was "not found" (exit 3)
+    or "denied" (exit 6). They now look in each of the token's namespaces; another tenant's stay out of reach."""
+    env = {"ENGRAM_AUTH__TENANTS__BOB__TOKEN": "bob-token", "ENGRAM_AUTH__TENANTS__BOB__NAMESPACES": "bob,bob-ci",
+           "ENGRAM_AUTH__TENANTS__EVE__TOKEN": "eve-token", "ENGRAM_AUTH__SALT_SECRET": "s"}
+    with engram_daemon(tmp_path, env=env) as (addr, _):
+        spec = tiny_model()
+        with SyncEngramClient(addr, token="bob-token", namespace="bob-ci") as c:
+            fp = c.register_model(spec)
+            toks = tokens(32, seed=4)
+            keys = list(c.put(fp, toks, random_kv(spec, 32)).keys)
+            c.open_session(fp, mode="persist", session_id="ci-run", tokens=toks)
+        with SyncEngramClient(addr, token="bob-token", namespace="bob") as c:
+            c.register_model(spec)
+            c.put(fp, tokens(16, seed=5), random_kv(spec, 16))  # his first namespace holds something too
+        bob = ("-a", addr, "--token", "bob-token")
+        shown = as_json(cli("show", "ci-run", "--json", *bob))
+        assert shown["session"]["info"]["namespace"] == "bob-ci"
+        assert as_json(cli("show", keys[1].hex(), "--json", *bob))["blocks"][0]["namespace"] == "bob-ci"
+        assert cli("pin", keys[1].hex(), *bob).exit_code == 0
+        top = as_json(cli("top", "--json", "-i", "0.1", *bob))
+        assert [s["info"]["session_id"] for s in top["sessions"]] == ["ci-run"]
+        evicted = as_json(cli("evict", keys[1].hex(), "--force", "--json", *bob))
+        assert {bytes.fromhex(k) for k in evicted["evicted"]} == {keys[1]}
+        eve = ("-a", addr, "--token", "eve-token")
+        assert cli("show", keys[0].hex(), *eve).exit_code == 3 and cli("evict", keys[0].hex(), *eve).exit_code == 3
