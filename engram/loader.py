@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -156,6 +157,9 @@ class PrefixLoader:
         self.chunk_bytes = chunk_bytes
         self._staging: dict[torch.device, list[Tensor]] = {}
         self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+        # Loads of one client run in threads of their own and share the staging buffers: one load's copy into a
+        # buffer could land before another's decode of it had run (that load's destination got this one's KV).
+        self._staging_lock = threading.Lock()
 
     def load(self, sources: Sequence[BlockSource], dest: KVDestination, *, block_tokens: int, n_tokens: int,
              stream: torch.cuda.Stream | None = None) -> LoadReport:
@@ -177,7 +181,7 @@ class PrefixLoader:
         todo = [s for s in todo if s.index not in report.stale]
         if dest.device.type == "cuda":
             stream = stream or torch.cuda.current_stream(dest.device)
-            with torch.cuda.device(dest.device), torch.cuda.stream(stream):
+            with self._staging_lock, torch.cuda.device(dest.device), torch.cuda.stream(stream):
                 self._load_cuda(todo, dest, block_tokens, n_tokens, stream, report)
         else:
             for run in self._runs(todo, block_tokens):

@@ -343,3 +343,28 @@ async def test_a_bytes_load_keeps_what_its_answer_named_until_the_bytes_came(ser
         assert set(skipped) == {keys[2], keys[3]}
         await asyncio.sleep(0.5)  # the load's lease ends RELEASE_AFTER_S after it (no next load to end it)
         assert set((await other.evict(key_prefixes=[keys[2].hex()])).evicted) == {keys[2], keys[3]}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("codec", ["raw", "nvfp4"])
+async def test_concurrent_loads_of_one_client_each_get_their_own_prefix(server_factory, device: str,  # type: ignore[no-untyped-def]
+                                                                       codec: str) -> None:
+    """Loads of one client run in threads of their own. On a GPU they shared the loader's staging buffers without
+    ordering between them: one load's copy into a buffer could land before another's decode of it had run, and
+    that load's destination got the other prefix's KV. Eight prefixes loaded at once, over and over, each into
+    its own destination, must each equal what the bytes path returns for it."""
+    srv = await server_factory()
+    spec = tiny_model(codec=codec)
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        prompts = [tokens(8 * BLOCK_TOKENS, seed=100 + i) for i in range(8)]
+        for i, toks in enumerate(prompts):
+            await c.put(fp, toks, random_kv(spec, len(toks), seed=100 + i))
+        want = [(await bytes_path(c, fp, toks)).to(device) for toks in prompts]
+        for _ in range(10):
+            dests = [torch.zeros_like(w) for w in want]
+            await asyncio.gather(*(c.load_prefix_into(fp, toks, d) for toks, d in zip(prompts, dests, strict=True)))
+            if device == "cuda":
+                torch.cuda.synchronize()
+            for i, (got, w) in enumerate(zip(dests, want, strict=True)):
+                assert torch.equal(got, w), f"prefix {i} got other KV"
