@@ -213,6 +213,10 @@ async def copy_blocks(store: BlockStore, metas: Sequence[BlockMeta], engine: Tra
         if done is not None:
             await done.wait()  # one stream: the last submission's event covers every earlier one
     except BaseException:
+        if done is not None:
+            # Cancelled or failed with copies submitted: they must land before their slots are freed (a put
+            # reusing a slot would get this copy's bytes over its own) and their sources may go. A few ms at most.
+            done.synchronize()
         for meta, _ in started:
             await upper.delete(meta.key)
             store.end_copy(meta, dst, ok=False)

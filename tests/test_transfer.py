@@ -180,3 +180,39 @@ async def test_a_block_whose_source_copy_goes_while_room_is_made_is_skipped_and_
         assert hbm.used_bytes == sum(hbm.space_for(m.record()) for m in store.index if "hbm" in m.locations)
     finally:
         await store.close()
+
+
+async def test_a_promotion_cancelled_mid_copy_waits_for_its_copies_before_freeing_their_slots(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A batched DRAM -> HBM promotion cancelled while its copies run (a reader's timeout): the HBM slots it
+    booked were freed at once, while the copy engine could still be writing into them (on a GPU a put reusing a
+    slot would then get this copy's bytes over its own). The copies are waited for first. The engine is the
+    real CPU copy whose completion the test holds; it records when the cancelled promotion waits for it."""
+    cfg = load_config(env={}, overrides={"tiers.hbm.capacity": 4 * BLOCK, "tiers.hbm.device": "cpu",
+                                         "tiers.dram.capacity": 16 * BLOCK, "tiers.dram.shm_dir": str(tmp_path),
+                                         "tiers.dram.pin": False})
+    store = await build_store(cfg)
+    try:
+        fp = store.registry.register(SPEC)
+        metas, _ = await _put_chain(store, fp, 8)
+        in_dram = [m for m in metas if m.locations == ["dram"]][:2]
+        engine = HeldEngine()
+        hbm = store.tiers[0]
+        held_when_waited: list[int] = []
+        real_copy = engine.copy
+
+        def copy_that_records(src, dst, moves, *, page_bytes=0):  # type: ignore[no-untyped-def]
+            done = real_copy(src, dst, moves, page_bytes=page_bytes)
+            done.synchronize = lambda: held_when_waited.append(hbm.usage().blocks)  # type: ignore[method-assign]
+            return done
+
+        engine.copy = copy_that_records  # type: ignore[method-assign]
+        task = asyncio.create_task(promote(store, in_dram, engine))
+        await engine.started.wait()
+        booked = hbm.usage().blocks  # the two copies' slots among them (room was made by demoting)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert held_when_waited == [booked]  # waited for, while its slots were still held
+        assert all(not m.moving and "hbm" not in m.locations for m in in_dram)
+    finally:
+        await store.close()
