@@ -44,7 +44,8 @@ HEADER = f"""# Python client API
 private event loop thread and offers every method blocking. `ControlClient` alone needs neither torch nor numpy
 (the CLI uses it). Replies are the frozen dataclasses of `engram/api.py` (`--json` prints the same,
 docs/JSON.md); failures raise the domain errors of `engram/errors.py` (NotFound, InvalidArgument,
-Unauthenticated, PermissionDenied, ResourceExhausted, Unavailable, ...) with the daemon's message.
+Unauthenticated, PermissionDenied, ResourceExhausted, Unavailable, ...) with the daemon's message; a call the
+daemon answered but failed itself (gRPC INTERNAL, UNKNOWN, UNIMPLEMENTED) is DaemonError, an Unavailable.
 
 How payloads travel: on the daemon's host, through its shared pools (hits copied out of the mapped pool, puts
 written into reserved slots: no KV on the socket). Everywhere else, on the daemon's **data channel**, a plain
