@@ -16,6 +16,7 @@ certifies is what it will serve.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -79,6 +80,9 @@ class PutWriter:
         self.gate: LoadGate | None = None  # loads this writer gives way to, before each run of blocks
         self._staging: dict[torch.device, list[Tensor]] = {}
         self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+        # Puts of one client run in threads of their own and share the staging buffers: one put's encode into a
+        # buffer could land before another's copy of it into the pool had run (that block stored the other's KV).
+        self._staging_lock = threading.Lock()
 
     def write(self, kv: Tensor | Mapping[str, Tensor], spec: ModelSpec, slots: Sequence[Slot],
               stream: torch.cuda.Stream | None = None, *, tokens: int = 0) -> int:
@@ -91,7 +95,7 @@ class PutWriter:
         bt = spec.layout.block_tokens
         if kv.is_cuda:
             stream = stream or torch.cuda.current_stream(kv.device)
-            with torch.cuda.device(kv.device), torch.cuda.stream(stream):
+            with self._staging_lock, torch.cuda.device(kv.device), torch.cuda.stream(stream):
                 return self._write_cuda(kv, codec, bt, slots, stream)
         written = 0
         for s in slots:
@@ -163,7 +167,7 @@ class PutWriter:
         device = next(iter(data.values())).device
         if device.type == "cuda":
             stream = stream or torch.cuda.current_stream(device)
-            with torch.cuda.device(device), torch.cuda.stream(stream):
+            with self._staging_lock, torch.cuda.device(device), torch.cuda.stream(stream):
                 return self._write_streams_cuda(data, tokens, spec, slots, stream)
         written = 0
         for s in slots:

@@ -333,3 +333,31 @@ async def test_under_tenancy_the_same_host_paths_are_off_unless_trusted(server_f
             res = await c.load_prefix_into(fp, toks, dest)
             assert (res.mapped_blocks, res.bytes_blocks) == ((3, 0) if trusted else (0, 3))
             assert torch.equal(dest, kv)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("codec", ["raw", "nvfp4"])
+async def test_concurrent_in_place_puts_of_one_client_each_store_their_own_kv(server_factory, device: str,  # type: ignore[no-untyped-def]
+                                                                             codec: str) -> None:
+    """Puts of one client run in threads of their own. On a GPU encoded puts shared the writer's staging buffers
+    without ordering between them: one put's encode into a buffer could land before another's copy of it into
+    the pool had run, and a block was stored (and sealed, checksum and all) with the other prompt's KV. Eight
+    prompts put at once, over and over in fresh namespaces, must each read back as the same KV put one at a
+    time over the bytes path."""
+    srv = await server_factory(**{"tiers.dram.capacity": "256MiB"})
+    spec = tiny_model(codec=codec)
+    prompts = [tokens(8 * BLOCK_TOKENS, seed=200 + i) for i in range(8)]
+    kvs = [random_kv(spec, len(t), seed=200 + i).to(device) for i, t in enumerate(prompts)]
+    async with EngramClient(srv.address, namespace="ref", zero_copy=False) as remote:
+        fp = await remote.register_model(spec)
+        want = []
+        for toks, kv in zip(prompts, kvs, strict=True):
+            keys = (await remote.put(fp, toks, kv.cpu())).keys
+            want.append(torch.cat(await remote.get(fp, list(keys)), dim=2))
+    for round_ in range(5):
+        async with EngramClient(srv.address, namespace=f"r{round_}", in_place_min_bytes=0) as local:
+            await local.register_model(spec)
+            puts = await asyncio.gather(*(local.put(fp, t, kv) for t, kv in zip(prompts, kvs, strict=True)))
+            for i, put in enumerate(puts):
+                got = torch.cat(await local.get(fp, list(put.keys), zero_copy=False), dim=2)
+                assert torch.equal(got, want[i]), f"round {round_}: prompt {i} was stored with other KV"
