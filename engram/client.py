@@ -877,36 +877,44 @@ class EngramClient(ControlClient):
         blocks = tuple(BlockRef(b.key, b.num_tokens, b.tier, b.nbytes) for b in header.blocks)
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         t1 = time.perf_counter()
+        ended = False  # the lease was ended by the daemon, with the Get that fetched the rest
         try:
             report = await asyncio.to_thread(self._loader.load, sources, dest, block_tokens=bt, n_tokens=n_tokens,
                                              stream=stream)
             again = sorted(set(unmapped) | set(report.stale))
             again = [i for i in again if i * bt < n_tokens]
             if again:  # slots reused during the copy, or a pool this process cannot map: those blocks as bytes
-                got = await self._fetch_bytes(fingerprint, [blocks[i].key for i in again], namespace)
+                # Held for a next load, the lease ends with it; else the Get ends it once answered (no round trip
+                # of its own, and before this call returns, as a store replaying the same requests would).
+                ends = [header.lease_id] if header.lease_id and not hold else []
+                got = await self._fetch_bytes(fingerprint, [blocks[i].key for i in again], namespace, release=ends)
+                ended = bool(ends)
                 refetch = [self._bytes_source(i, h, p, spec.streams) for i, (h, p) in zip(again, got, strict=True)]
                 await asyncio.to_thread(self._loader.load, refetch, dest, block_tokens=bt, n_tokens=n_tokens,
                                         stream=stream)
         finally:  # every copy out of a pool has completed (or failed), and the bytes came: the lease may end
             if header.lease_id and hold:
                 self._hold(ns, header.lease_id)
-            elif header.lease_id:
+            elif header.lease_id and not ended:
                 self._release_later({header.lease_id}, ns)
         t2 = time.perf_counter()
         mapped = sum(1 for s in sources if s.payload is None and s.index * bt < n_tokens)
         return LoadResult(header.matched_tokens, n_tokens, blocks, mapped - len(report.stale),
                           len(sources) - mapped + len(again), len(again), (t1 - t0) * 1e3, (t2 - t1) * 1e3)
 
-    async def _fetch_bytes(self, fingerprint: bytes, keys: Sequence[bytes], namespace: str | None
-                           ) -> Sequence[tuple[pb.BlockHeader, bytes | torch.Tensor]]:
+    async def _fetch_bytes(self, fingerprint: bytes, keys: Sequence[bytes], namespace: str | None,
+                           release: Sequence[int] = ()) -> Sequence[tuple[pb.BlockHeader, bytes | torch.Tensor]]:
         """Blocks as stored, over the socket (the data channel when there is one): (header, payload) each, not
-        decoded."""
-        if len(keys) > self._max_blocks:  # more than one Get may name: in parts, in order
+        decoded; the daemon ends the leases `release` names once it has answered."""
+        if len(keys) > self._max_blocks:  # more than one Get may name: in parts, in order (the last ends them)
             parts: list[tuple[pb.BlockHeader, bytes | torch.Tensor]] = []
             for start in range(0, len(keys), self._max_blocks):
-                parts += await self._fetch_bytes(fingerprint, keys[start : start + self._max_blocks], namespace)
+                last = start + self._max_blocks >= len(keys)
+                parts += await self._fetch_bytes(fingerprint, keys[start : start + self._max_blocks], namespace,
+                                                 release if last else ())
             return parts
-        req = pb.GetRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint, keys=list(keys))
+        req = pb.GetRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint, keys=list(keys),
+                            release_lease_ids=list(release))
         if (data := await self._data_channel()) is not None:
             with contextlib.suppress(wire.ChannelFull):  # its connections are all taken: gRPC may take the call
                 return await self._get_data(data, req)

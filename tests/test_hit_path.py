@@ -330,9 +330,9 @@ async def test_a_bytes_load_keeps_what_its_answer_named_until_the_bytes_came(ser
         fetch = c._fetch_bytes
         skipped: list[bytes] = []
 
-        async def evicted_first(fingerprint: bytes, ks: Any, namespace: Any) -> Any:
+        async def evicted_first(fingerprint: bytes, ks: Any, namespace: Any, release: Any = ()) -> Any:
             skipped.extend((await other.evict(key_prefixes=[keys[2].hex()])).skipped)
-            return await fetch(fingerprint, ks, namespace)
+            return await fetch(fingerprint, ks, namespace, release)
 
         c._fetch_bytes = evicted_first  # type: ignore[method-assign]
         dest = torch.zeros_like(kv)
@@ -368,3 +368,20 @@ async def test_concurrent_loads_of_one_client_each_get_their_own_prefix(server_f
                 torch.cuda.synchronize()
             for i, (got, w) in enumerate(zip(dests, want, strict=True)):
                 assert torch.equal(got, w), f"prefix {i} got other KV"
+
+
+async def test_a_bytes_get_prefix_has_its_lease_ended_by_the_get_that_fetched_its_blocks(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """get_prefix off the daemon's host: GetPrefix leases the blocks it names, the Get that brings their bytes
+    ends that lease as it is answered (GetRequest.release_lease_ids), so when get_prefix returns the daemon
+    holds none: no ReleaseLeases round trip, and no lease left to a background task while the worker's next
+    request (its put) makes room."""
+    srv = await server_factory()
+    spec = tiny_model()
+    async with EngramClient(srv.address, namespace="t", zero_copy=False) as c:
+        fp = await c.register_model(spec)
+        toks = tokens(3 * BLOCK_TOKENS, seed=17)
+        kv = random_kv(spec, len(toks), seed=17)
+        keys = (await c.put(fp, toks, kv)).keys
+        n, got = await c.get_prefix(fp, toks)
+        assert n == len(toks) and torch.equal(got, kv)
+        assert len(srv.service.leases) == 0 and all(srv.store.index.get(k).leases == 0 for k in keys)

@@ -280,12 +280,15 @@ class DataPort:
 
     async def _get(self, conn: wire.Conn, meta: bytearray) -> None:
         req = _parse(pb.GetRequest, meta, "a GET's metadata")
-        ns, metas = await self.service.blocks_to_get(req)
-        async for key, header, payload in self.service.serve_bytes(ns, req.model_fingerprint, metas,
-                                                                   decode=req.decode):
-            chunk = pb.BlockChunk(header=header, key=key, last=True)
-            await conn.send_frame(wire.BLOCK, chunk.SerializeToString(), payload)
-        await conn.send_frame(wire.END)
+        try:
+            ns, metas = await self.service.blocks_to_get(req)
+            async for key, header, payload in self.service.serve_bytes(ns, req.model_fingerprint, metas,
+                                                                       decode=req.decode):
+                chunk = pb.BlockChunk(header=header, key=key, last=True)
+                await conn.send_frame(wire.BLOCK, chunk.SerializeToString(), payload)
+            await conn.send_frame(wire.END)
+        finally:
+            self.service.release_after_get(req)
         self.served["get"] += 1
 
     async def stop(self) -> None:

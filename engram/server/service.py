@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncIterator
@@ -226,21 +227,31 @@ class EngramService:
     @streaming
     async def Get(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse | bytes]:
         req = decoded(request)
-        ns, metas = await self.blocks_to_get(req)
-        step = self.config.chunk_bytes
-        async for kind, item in self._serve(ns, req.model_fingerprint, metas, zero_copy=req.zero_copy,
-                                            cuda_ipc=req.cuda_ipc, decode=req.decode):
-            if kind == "descriptor":
-                yield pb.GetResponse(descriptor=item)
-                continue
-            key, header, payload = item
-            for frame in chunk_frames(1, key, header.SerializeToString(), payload, step):  # GetResponse.chunk
-                yield frame  # serialized already (one copy of the payload, not three)
+        try:
+            ns, metas = await self.blocks_to_get(req)
+            step = self.config.chunk_bytes
+            async for kind, item in self._serve(ns, req.model_fingerprint, metas, zero_copy=req.zero_copy,
+                                                cuda_ipc=req.cuda_ipc, decode=req.decode):
+                if kind == "descriptor":
+                    yield pb.GetResponse(descriptor=item)
+                    continue
+                key, header, payload = item
+                for frame in chunk_frames(1, key, header.SerializeToString(), payload, step):  # GetResponse.chunk
+                    yield frame  # serialized already (one copy of the payload, not three)
+        finally:
+            self.release_after_get(req)
+
+    def release_after_get(self, req: pb.GetRequest) -> None:
+        """End the leases a Get was asked to end once answered (or failed): no ReleaseLeases round trip."""
+        if req.release_lease_ids and len(req.release_lease_ids) <= self.config.max_blocks_per_request:
+            with contextlib.suppress(EngramError):  # a namespace the caller may not use: its leases stay theirs
+                self.leases.release_known(namespace_for(None, req.namespace), list(req.release_lease_ids))
 
     async def blocks_to_get(self, req: pb.GetRequest) -> tuple[str, list[BlockMeta]]:
         """A Get's namespace and blocks, whichever channel answers it; keys this daemon lacks are copied from
         the cluster's peers first."""
         check_limit("Get keys", len(req.keys), self.config.max_blocks_per_request)
+        check_limit("Get release_lease_ids", len(req.release_lease_ids), self.config.max_blocks_per_request)
         ns = namespace_for(None, req.namespace)
         try:
             return ns, self.store.find(ns, req.model_fingerprint, list(req.keys))

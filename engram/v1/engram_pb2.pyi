@@ -244,20 +244,22 @@ class PutResponse(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., stored: _Optional[int] = ..., deduplicated: _Optional[int] = ..., not_durable: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("namespace", "model_fingerprint", "keys", "decode", "zero_copy", "cuda_ipc")
+    __slots__ = ("namespace", "model_fingerprint", "keys", "decode", "zero_copy", "cuda_ipc", "release_lease_ids")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     ZERO_COPY_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     model_fingerprint: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     decode: bool
     zero_copy: bool
     cuda_ipc: bool
-    def __init__(self, namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., decode: _Optional[bool] = ..., zero_copy: _Optional[bool] = ..., cuda_ipc: _Optional[bool] = ...) -> None: ...
+    release_lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., decode: _Optional[bool] = ..., zero_copy: _Optional[bool] = ..., cuda_ipc: _Optional[bool] = ..., release_lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("chunk", "descriptor")
