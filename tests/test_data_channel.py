@@ -375,23 +375,27 @@ async def test_a_connection_that_sends_no_hello_is_closed_and_frees_its_slot(ser
 
 async def test_a_full_tls_data_channel_refuses_with_a_reason_and_the_client_uses_grpc(tmp_path: Path) -> None:
     """Over TLS the data channel's connections are asyncio streams (another accept path): the limit holds there
-    too, and a client refused there falls back to gRPC."""
+    too, and a client refused there falls back to gRPC. Two TLS connections opened by hand hold both slots."""
     cert, key = self_signed_cert(tmp_path)
     srv = await start_server(load_config(env={}, overrides={
         "server.port": 0, "tiers.dram.capacity": "64MiB", "server.tls_cert": str(cert), "server.tls_key": str(key),
-        "server.max_concurrent_rpcs": 1}))
+        "server.max_concurrent_rpcs": 2}))
     try:
+        port = srv.service.dataport
+        assert port is not None and port.tls
+        hand = wire.DataChannel(wire.Endpoint(host="127.0.0.1", port=port.tcp_port, tls=True), "", cert.read_bytes())
+        held = [await hand._open(), await hand._open()]
+        with pytest.raises(wire.ChannelFull, match="max_concurrent_rpcs = 2"):
+            await hand._open()
         spec = tiny_model()
-        async with EngramClient(srv.address, namespace=NS, root_cert=cert.read_bytes(), zero_copy=False) as a, \
-                EngramClient(srv.address, namespace=NS, root_cert=cert.read_bytes(), zero_copy=False) as b:
-            fp = await a.register_model(spec)
-            await b.register_model(spec)
-            await a.put(fp, tokens(16, seed=1), random_kv(spec, 16))  # a's connection stays open, idle: the one slot
-            assert served(srv)["put"] == 1
+        async with EngramClient(srv.address, namespace=NS, root_cert=cert.read_bytes(), zero_copy=False) as b:
+            fp = await b.register_model(spec)
             toks, kv = tokens(40), random_kv(spec, 40)
             await b.put(fp, toks, kv)
             n, got = await b.get_prefix(fp, toks)
             assert n == 40 and torch.equal(got, kv)
-            assert served(srv)["put"] == 1 and served(srv)["get"] == 0  # b went over gRPC
+            assert served(srv)["put"] == 0 and served(srv)["get"] == 0  # b went over gRPC
+        for conn in held:
+            await conn.aclose()
     finally:
         await srv.stop(0)
