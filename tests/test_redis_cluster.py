@@ -121,3 +121,43 @@ async def test_a_prefix_crosses_daemons_through_a_redis_cluster(redis_cluster: l
     finally:
         for srv in started:
             await srv.stop(0)
+
+
+async def test_a_redis_cluster_that_goes_away_degrades_the_tier_and_the_daemon_still_serves_and_stops(
+        redis_cluster: list[int], tmp_path: Path) -> None:
+    """redis-py's cluster client raises RedisClusterException (not a RedisError) when no node answers: the
+    heartbeat died with it, every Lookup past the local match failed INTERNAL, and stop() raised it, skipping the
+    write-back flush (blocks acknowledged, never written to NVMe). Now the tier degrades, local calls go on,
+    and stop flushes."""
+    srv = await start_server(load_config(env={}, overrides={
+        "server.port": 0, "tiers.dram.capacity": "64MiB", "tiers.nvme.path": str(tmp_path / "nvme"),
+        "tiers.write_back_window_s": 600.0,
+        "cluster.redis_url": f"redis://:{PASSWORD}@127.0.0.1:{redis_cluster[0]}/0", "cluster.redis_cluster": True,
+        "cluster.node_id": "a", "cluster.heartbeat_s": 0.2, "cluster.ttl_s": 2.0, "cluster.secret": "s"}))
+    stopped = False
+    try:
+        spec = tiny_model()
+        async with EngramClient(srv.address, namespace="ns") as c:
+            fp = await c.register_model(spec)
+            deadline = time.monotonic() + 20
+            while (await c.stats()).cluster.state != "ok":
+                assert time.monotonic() < deadline, (await c.stats()).cluster.reason
+                await asyncio.sleep(0.05)
+            for p in redis_cluster:  # every node goes away
+                subprocess.run(["redis-cli", "-a", PASSWORD, "--no-auth-warning", "-p", str(p), "shutdown", "nosave"],
+                               capture_output=True, timeout=30)
+            while (await c.stats()).cluster.state != "degraded":
+                assert time.monotonic() < deadline + 20, "the tier never noticed the cluster was gone"
+                await asyncio.sleep(0.05)
+            toks = tokens(4 * BLOCK_TOKENS, seed=3)
+            kv = random_kv(spec, len(toks), seed=3)
+            await c.put(fp, toks, kv)  # its Lookup goes past the local match: it asked the cluster
+            assert (await c.lookup(fp, tokens(4 * BLOCK_TOKENS, seed=4))).matched_tokens == 0
+            n, got = await c.get_prefix(fp, toks)
+            assert n == len(toks) and torch.equal(got, kv)
+        await srv.stop(0)
+        stopped = True
+        assert len(list((tmp_path / "nvme" / "blocks").rglob("*.blk"))) == 4  # flushed at stop
+    finally:
+        if not stopped:
+            await srv.stop(0)

@@ -136,8 +136,11 @@ class RunningServer:
             await self.service.dataport.stop()
         await self.server.stop(self.grace_s if grace_s is None else grace_s)
         if self.service is not None and self.service.cluster is not None:
-            await self.service.cluster.close()
-            await self.service.peers.close()  # type: ignore[union-attr]
+            try:
+                await self.service.cluster.close()
+                await self.service.peers.close()  # type: ignore[union-attr]
+            except Exception:  # the cluster is a cache of where blocks are: the flush and cleanup below matter more
+                log.exception("closing the cluster index failed; stopping the rest")
         if self.metrics is not None:
             self.metrics.stop()
         if self.service is not None and self.service.inplace is not None:
