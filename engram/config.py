@@ -394,6 +394,19 @@ def _validate_cluster(c: ClusterConfig, a: AuthConfig) -> None:
         return
     if not c.redis_url.startswith(("redis://", "rediss://", "unix://")):
         raise ConfigError(f"cluster.redis_url must start with redis://, rediss:// or unix://, got {c.redis_url!r}")
+    from urllib.parse import urlsplit
+
+    try:
+        url = urlsplit(c.redis_url)
+        url.port  # noqa: B018 (a port that is not a number raises here, not at the first connect)
+    except ValueError as exc:
+        raise ConfigError(f"cluster.redis_url {c.redis_url!r}: {exc}") from None
+    db = url.path.lstrip("/")
+    if url.scheme != "unix" and db and not db.isdigit():
+        raise ConfigError(f"cluster.redis_url {c.redis_url!r}: the database after the last / is a number, got {db!r}")
+    for key in ("heartbeat_s", "ttl_s", "fetch_timeout_s"):
+        if not math.isfinite(getattr(c, key)):
+            raise ConfigError(f"cluster.{key} must be a finite number of seconds, got {getattr(c, key)}")
     if c.heartbeat_s <= 0 or c.ttl_s <= c.heartbeat_s:
         raise ConfigError(f"cluster.ttl_s ({c.ttl_s}) must exceed cluster.heartbeat_s ({c.heartbeat_s}) > 0")
     if c.fetch_timeout_s <= 0:

@@ -47,6 +47,12 @@ def test_precedence_defaults_file_env_flags(tmp_path: Path) -> None:
         ({"overrides": {"server.max_message_bytes": "2GiB"}}, "int32"),
         ({"file": b"\xff\xfe not utf-8"}, "not valid TOML"),
         ({"file": None}, "cannot be read"),  # a directory given as the file
+        # a bad port or database in the Redis URL, or an endless TTL, failed with a traceback once serving
+        ({"overrides": {"cluster.redis_url": "redis://127.0.0.1:notaport/0", "cluster.secret": "s"}}, "notaport"),
+        ({"overrides": {"cluster.redis_url": "redis://127.0.0.1:6379/abc", "cluster.secret": "s"}}, "is a number"),
+        ({"overrides": {"cluster.redis_url": "redis://127.0.0.1:6379", "cluster.secret": "s", "cluster.ttl_s": "inf"}},
+         "finite"),
+        ({"overrides": {"replay.max_concurrent": 0}}, "max_concurrent must be >= 1"),
     ],
 )
 def test_bad_config_is_an_error(tmp_path: Path, source: dict, match: str) -> None:  # type: ignore[type-arg]
