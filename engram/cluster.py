@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,10 +100,16 @@ class ClusterIndex:
         self._queue: asyncio.Queue[tuple[str, BlockMeta]] = asyncio.Queue(maxsize=100_000)
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
+        # While the index is published whole, changes queue up (from before its snapshot on) and are published
+        # after it: a put or an eviction during a long republish was lost (never published, or a stale record).
+        self._resyncing = 0  # republishes under way
+        self._writes = asyncio.Lock()  # a republish and the publisher's batches, one at a time
+        self._record_ms = int(config.record_ttl_s * 1000)
+        self._synced_at = 0.0
         index.listeners.append(self._changed)
 
     def _changed(self, event: str, meta: BlockMeta) -> None:
-        if self.state == "ok":
+        if self.state == "ok" or self._resyncing:
             with contextlib.suppress(asyncio.QueueFull):  # full: the next resync republishes everything
                 self._queue.put_nowait((event, meta))
 
@@ -126,8 +133,21 @@ class ClusterIndex:
                 pass
             except Exception:  # a bug in a loop: said, but the daemon's shutdown goes on (its NVMe flush)
                 log.exception("a cluster task had failed")
+        with contextlib.suppress(*REDIS_FAULTS, TimeoutError):
+            # What this node held is no longer held by a live node: its entries go (a crashed node's go with
+            # their records' expiry, or as a reader finds the node dead).
+            if self.state == "ok":
+                await asyncio.wait_for(self._forget_own(), 5.0)
         with contextlib.suppress(*REDIS_FAULTS):
             await self._redis.aclose()
+
+    async def _forget_own(self) -> None:
+        pipe = self._redis.pipeline(transaction=False)
+        for meta in list(self.index):
+            pipe.hdel(block_record_key(meta.key), self.node_id)
+        pipe.delete(_NODE + self.node_id)
+        pipe.srem(_NODE_IDS, self.node_id)
+        await pipe.execute()
 
     def _degrade(self, exc: BaseException) -> None:
         if self.state == "ok":
@@ -151,6 +171,9 @@ class ClusterIndex:
                 # this process stalled and a peer then dropped our holder entries): publish the index again.
                 previous = await self._redis.set(_NODE + self.node_id, record, px=ttl_ms, get=True)
                 await self._redis.sadd(_NODE_IDS, self.node_id)
+                if self.state == "ok" and previous is not None and \
+                        time.monotonic() - self._synced_at > self.config.record_ttl_s / 3:
+                    await self._resync()  # every record this node holds written again before it expires
                 if self.state != "ok" or previous is None:
                     await self._resync()
                     self.state, self.reason = "ok", ""
@@ -171,11 +194,25 @@ class ClusterIndex:
         return self.trust.holder_record(meta.key, self.node_id, tier, meta.nbytes, meta.checksum)
 
     async def _resync(self) -> None:
-        pipe = self._redis.pipeline(transaction=False)
-        for meta in list(self.index):
-            pipe.hset(block_record_key(meta.key), self.node_id, self._entry(meta))
-        await pipe.execute()
-        self.counters.published += len(self.index)
+        """Publish the whole index (joining, after an outage, or to renew the records' expiry); changes made
+        meanwhile queue up and are published after it."""
+        self._resyncing += 1
+        try:
+            async with self._writes:
+                pipe = self._redis.pipeline(transaction=False)
+                metas = list(self.index)
+                for meta in metas:
+                    self._write(pipe, meta)
+                await pipe.execute()
+                self.counters.published += len(metas)
+                self._synced_at = time.monotonic()
+        finally:
+            self._resyncing -= 1
+
+    def _write(self, pipe: Any, meta: BlockMeta) -> None:
+        name = block_record_key(meta.key)
+        pipe.hset(name, self.node_id, self._entry(meta))
+        pipe.pexpire(name, self._record_ms)
 
     async def _publish(self) -> None:
         while not self._closing:
@@ -184,13 +221,14 @@ class ClusterIndex:
             while not self._queue.empty() and len(batch) < 512:
                 batch.append(self._queue.get_nowait())
             try:
-                pipe = self._redis.pipeline(transaction=False)
-                for ev, m in batch:
-                    if ev == "add":
-                        pipe.hset(block_record_key(m.key), self.node_id, self._entry(m))
-                    else:
-                        pipe.hdel(block_record_key(m.key), self.node_id)
-                await pipe.execute()
+                async with self._writes:
+                    pipe = self._redis.pipeline(transaction=False)
+                    for ev, m in batch:
+                        if ev == "add":
+                            self._write(pipe, m)
+                        else:
+                            pipe.hdel(block_record_key(m.key), self.node_id)
+                    await pipe.execute()
                 self.counters.published += len(batch)
             except REDIS_FAULTS as exc:
                 self._degrade(exc)

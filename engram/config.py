@@ -225,6 +225,9 @@ class ClusterConfig:
     peer_token: str = ""  # bearer token daemons present to each other (env:VAR / file:PATH); empty: from secret
     peer_root_cert: str = ""  # PEM root certificate to verify peers that serve TLS
     fetch_timeout_s: float = 5.0  # one peer fetch; past it the block counts as a miss
+    # A block's record of holders in Redis expires this long after a holder last wrote it; every node writes all
+    # of its own again each third of it, so only records no live node holds go (a crashed node's, a stopped one's)
+    record_ttl_s: float = 3600.0
 
 
 @dataclass
@@ -404,7 +407,9 @@ def _validate_cluster(c: ClusterConfig, a: AuthConfig) -> None:
     db = url.path.lstrip("/")
     if url.scheme != "unix" and db and not db.isdigit():
         raise ConfigError(f"cluster.redis_url {c.redis_url!r}: the database after the last / is a number, got {db!r}")
-    for key in ("heartbeat_s", "ttl_s", "fetch_timeout_s"):
+    if not c.record_ttl_s > 3 * c.ttl_s:
+        raise ConfigError(f"cluster.record_ttl_s ({c.record_ttl_s}) must exceed 3 x cluster.ttl_s ({c.ttl_s})")
+    for key in ("heartbeat_s", "ttl_s", "fetch_timeout_s", "record_ttl_s"):
         if not math.isfinite(getattr(c, key)):
             raise ConfigError(f"cluster.{key} must be a finite number of seconds, got {getattr(c, key)}")
     if c.heartbeat_s <= 0 or c.ttl_s <= c.heartbeat_s:

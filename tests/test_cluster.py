@@ -250,3 +250,87 @@ async def test_a_daemon_stops_even_when_redis_py_swallows_the_cancel_of_its_hear
     finally:
         proc.kill()
         proc.wait()
+
+
+async def _is(c: EngramClient, want: str) -> bool:
+    return await state(c) == want
+
+
+def _redis(port: int, *args: str) -> str:
+    return subprocess.run(["redis-cli", "-p", str(port), *args], capture_output=True, text=True, check=True).stdout
+
+
+async def test_blocks_put_while_the_index_is_published_again_are_published_too(
+        daemons: tuple[RunningServer, RunningServer], redis_port: int) -> None:
+    """After an outage a daemon publishes its whole index (seconds, for a large one), and only then is it "ok"
+    again; its puts and evictions meanwhile were dropped (never published, or a stale record left). Here the
+    republish runs as the heartbeat runs it after an outage (degraded until done), and blocks are put while
+    its pipeline is on the wire: they are in Redis once it is done."""
+    proc = start_redis(redis_port)
+    a_srv, _ = daemons
+    cluster = a_srv.service.cluster
+    assert cluster is not None
+    spec = tiny_model()
+    async with EngramClient(a_srv.address, namespace="ns") as a:
+        fp = await a.register_model(spec)
+        await until(lambda: _is(a, "ok"), "A joined")
+        await a.put(fp, tokens(4 * BLOCK_TOKENS, seed=30), random_kv(spec, 4 * BLOCK_TOKENS, seed=30))
+        # A republish of four blocks is on the wire for a fraction of a millisecond: its pipeline (the real one)
+        # is held at a gate until the put is done, as a large index's is by its size.
+        gate = asyncio.Event()
+        real_pipeline = cluster._redis.pipeline
+
+        def gated_pipeline(*args: Any, **kwargs: Any) -> Any:
+            pipe = real_pipeline(*args, **kwargs)
+            execute = pipe.execute
+
+            async def held(*eargs: Any, **ekwargs: Any) -> Any:
+                await gate.wait()
+                return await execute(*eargs, **ekwargs)
+
+            pipe.execute = held
+            return pipe
+
+        cluster._redis.pipeline = gated_pipeline
+        cluster.state = "degraded"  # as after an outage: the heartbeat republishes, then says "ok"
+        resync = asyncio.create_task(cluster._resync())
+        await asyncio.sleep(0)  # the republish has taken its snapshot and sends it
+        late = (await a.put(fp, tokens(3 * BLOCK_TOKENS, seed=31), random_kv(spec, 3 * BLOCK_TOKENS, seed=31))).keys
+        gate.set()
+        await resync
+        cluster.state = "ok"
+        cluster._redis.pipeline = real_pipeline
+
+        async def published() -> bool:
+            return all(_redis(redis_port, "hexists", f"engram:block:{{{k.hex()}}}", "a").strip() == "1" for k in late)
+
+        await until(published, "the blocks put during the republish are in Redis")
+    proc.kill()
+    proc.wait()
+
+
+async def test_a_stopped_daemon_takes_its_records_along_and_records_expire(redis_port: int) -> None:
+    """Records of blocks had no expiry, and a node that stopped (or crashed) left its entries in Redis for good
+    (only a reader of that exact block ever pruned one): a daemon that stops removes its entries and node record,
+    and every block's record expires cluster.record_ttl_s after its holders last wrote it."""
+    proc = start_redis(redis_port)
+    srv = await start_server(load_config(env={}, overrides={
+        "server.port": 0, "tiers.dram.capacity": "64MiB", "cluster.redis_url": f"redis://127.0.0.1:{redis_port}/0",
+        "cluster.node_id": "a", "cluster.heartbeat_s": 0.2, "cluster.ttl_s": 2.0, "cluster.record_ttl_s": 60.0,
+        "cluster.secret": "cluster-secret"}))
+    try:
+        spec = tiny_model()
+        async with EngramClient(srv.address, namespace="ns") as a:
+            fp = await a.register_model(spec)
+            await until(lambda: _is(a, "ok"), "A joined")
+            keys = (await a.put(fp, tokens(3 * BLOCK_TOKENS, seed=32), random_kv(spec, 3 * BLOCK_TOKENS, seed=32))).keys
+            await until(lambda: _has_holders(redis_port), "A published its blocks")
+            names = [f"engram:block:{{{k.hex()}}}" for k in keys]
+            for name in names:
+                assert 0 < int(_redis(redis_port, "pttl", name)) <= 60_000
+    finally:
+        await srv.stop(0)
+    assert not any(_redis(redis_port, "exists", name).strip() == "1" for name in names)
+    assert _redis(redis_port, "exists", "engram:{nodes}:node:a").strip() == "0"
+    proc.kill()
+    proc.wait()
