@@ -407,11 +407,11 @@ def _validate_cluster(c: ClusterConfig, a: AuthConfig) -> None:
     db = url.path.lstrip("/")
     if url.scheme != "unix" and db and not db.isdigit():
         raise ConfigError(f"cluster.redis_url {c.redis_url!r}: the database after the last / is a number, got {db!r}")
-    if not c.record_ttl_s > 3 * c.ttl_s:
-        raise ConfigError(f"cluster.record_ttl_s ({c.record_ttl_s}) must exceed 3 x cluster.ttl_s ({c.ttl_s})")
     for key in ("heartbeat_s", "ttl_s", "fetch_timeout_s", "record_ttl_s"):
         if not math.isfinite(getattr(c, key)):
             raise ConfigError(f"cluster.{key} must be a finite number of seconds, got {getattr(c, key)}")
+    if not c.record_ttl_s > 3 * c.ttl_s:
+        raise ConfigError(f"cluster.record_ttl_s ({c.record_ttl_s}) must exceed 3 x cluster.ttl_s ({c.ttl_s})")
     if c.heartbeat_s <= 0 or c.ttl_s <= c.heartbeat_s:
         raise ConfigError(f"cluster.ttl_s ({c.ttl_s}) must exceed cluster.heartbeat_s ({c.heartbeat_s}) > 0")
     if c.fetch_timeout_s <= 0:
