@@ -105,6 +105,7 @@ class ClusterIndex:
         self._resyncing = 0  # republishes under way
         self._writes = asyncio.Lock()  # a republish and the publisher's batches, one at a time
         self._record_ms = int(config.record_ttl_s * 1000)
+        self._last_record = ""  # the node record this process wrote last: another writer of it shares our id
         self._synced_at = 0.0
         index.listeners.append(self._changed)
 
@@ -171,6 +172,18 @@ class ClusterIndex:
                 # this process stalled and a peer then dropped our holder entries): publish the index again.
                 previous = await self._redis.set(_NODE + self.node_id, record, px=ttl_ms, get=True)
                 await self._redis.sadd(_NODE_IDS, self.node_id)
+                written, self._last_record = self._last_record, record
+                if written and previous is not None and previous.decode(errors="replace") != written:
+                    # Since our last heartbeat another process wrote our record: two daemons share this node id
+                    # (a fixed advertise address under scaling), and each would take the other's blocks for its own.
+                    if self.state == "ok":
+                        log.error("cluster: another daemon writes node %s's record; give each daemon its own "
+                                  "cluster.node_id (or advertise address)", self.node_id)
+                    self.state, self.reason = "degraded", (
+                        f"another daemon uses node id {self.node_id!r}: give each daemon its own cluster.node_id "
+                        "(or cluster.advertise address); sharing is off until then")
+                    await asyncio.sleep(self.config.heartbeat_s)
+                    continue
                 if self.state == "ok" and previous is not None and \
                         time.monotonic() - self._synced_at > self.config.record_ttl_s / 3:
                     await self._resync()  # every record this node holds written again before it expires

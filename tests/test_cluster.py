@@ -334,3 +334,33 @@ async def test_a_stopped_daemon_takes_its_records_along_and_records_expire(redis
     assert _redis(redis_port, "exists", "engram:{nodes}:node:a").strip() == "0"
     proc.kill()
     proc.wait()
+
+
+async def test_two_daemons_with_one_node_id_say_so_instead_of_sharing_nothing(redis_port: int) -> None:
+    """Two daemons given the same node id (a fixed advertise address under `docker compose --scale`) both said
+    "ok" while each took the other's blocks for its own and never fetched them: each now finds its node record
+    written by another between two heartbeats, and degrades saying what to change."""
+    proc = start_redis(redis_port)
+    started = []
+    try:
+        for _ in range(2):
+            started.append(await start_server(load_config(env={}, overrides={
+                "server.port": 0, "tiers.dram.capacity": "64MiB", "cluster.redis_url": f"redis://127.0.0.1:{redis_port}/0",
+                "cluster.node_id": "same", "cluster.heartbeat_s": 0.2, "cluster.ttl_s": 2.0,
+                "cluster.secret": "cluster-secret"})))
+        async with EngramClient(started[0].address) as a, EngramClient(started[1].address) as b:
+            async def both_say_so() -> bool:
+                reasons = [(await c.stats()).cluster.reason for c in (a, b)]
+                return all("another daemon uses node id 'same'" in r for r in reasons)
+
+            await until(both_say_so, "both daemons report the shared node id")
+            assert await _both(a, b, "degraded")
+        await started[1].stop(0)
+        started.pop()
+        async with EngramClient(started[0].address) as a:
+            await until(lambda: _is(a, "ok"), "the one left rejoins")
+    finally:
+        for srv in started:
+            await srv.stop(0)
+        proc.kill()
+        proc.wait()
