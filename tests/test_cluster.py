@@ -364,3 +364,18 @@ async def test_two_daemons_with_one_node_id_say_so_instead_of_sharing_nothing(re
             await srv.stop(0)
         proc.kill()
         proc.wait()
+
+
+async def test_a_peer_that_moves_keeps_one_channel(daemons: tuple[RunningServer, RunningServer]) -> None:
+    """Channels to peers were cached by address and never closed: each restart of a peer on a new port (or host)
+    added one for good. They are kept per node: a new address replaces (and closes) the old channel."""
+    peers = daemons[0].service.peers
+    assert peers is not None
+    first = peers._stub("b", "127.0.0.1:1")
+    assert peers._stub("b", "127.0.0.1:1") is first
+    old_channel = peers._peers["b"][1]
+    peers._stub("b", "127.0.0.1:2")
+    assert len(peers._peers) == 1 and peers._peers["b"][0] == "127.0.0.1:2"
+    assert not old_channel._channel.closed() or not peers._closing
+    await asyncio.gather(*peers._closing)
+    assert old_channel._channel.closed() and not peers._peers["b"][1]._channel.closed()

@@ -6,6 +6,7 @@ its tokens hash to. The peer token goes only to addresses from signed, fresh nod
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -35,15 +36,23 @@ class PeerFetcher:
         self.token = token
         self.root_cert = root_cert
         self.timeout_s = timeout_s
-        self._stubs: dict[str, Any] = {}
-        self._channels: list[grpc.aio.Channel] = []
+        # node id -> (address, channel, stub): one channel per peer, replaced when the peer moves (a restart on
+        # another port or host), so restarts do not pile up channels
+        self._peers: dict[str, tuple[str, grpc.aio.Channel, Any]] = {}
+        self._closing: set[asyncio.Task[None]] = set()
 
-    def _stub(self, address: str) -> Any:
-        if address not in self._stubs:
-            channel = open_channel(address, root_cert=self.root_cert)
-            self._channels.append(channel)
-            self._stubs[address] = stub_for(channel, self.token)
-        return self._stubs[address]
+    def _stub(self, node_id: str, address: str) -> Any:
+        known = self._peers.get(node_id)
+        if known is not None and known[0] == address:
+            return known[2]
+        if known is not None:
+            task = asyncio.get_running_loop().create_task(known[1].close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        channel = open_channel(address, root_cert=self.root_cert)
+        stub = stub_for(channel, self.token)
+        self._peers[node_id] = (address, channel, stub)
+        return stub
 
     async def fill(self, namespace: str, fingerprint: bytes, tokens: np.ndarray, have_tokens: int) -> int:
         """Copy the full blocks of `tokens` after the first `have_tokens` from peers, in chain order, until
@@ -110,7 +119,8 @@ class PeerFetcher:
                 blocks: Reassembler[pb.BlockHeader] = client_reassembler(lambda h: h.payload_nbytes)
                 mac = b""
                 request = pb.FetchBlocksRequest(keys=[key], namespace=namespace, model_fingerprint=fingerprint)
-                async for resp in self._stub(holder.address).FetchBlocks(request, timeout=self.timeout_s):
+                async for resp in self._stub(holder.node_id, holder.address).FetchBlocks(request,
+                                                                                          timeout=self.timeout_s):
                     c = resp.chunk
                     if c.HasField("header"):
                         sent_parent, mac = resp.parent_key, resp.mac
@@ -147,5 +157,8 @@ class PeerFetcher:
         return True
 
     async def close(self) -> None:
-        for channel in self._channels:
+        for _, channel, _ in self._peers.values():
             await channel.close()
+        self._peers.clear()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
