@@ -124,6 +124,8 @@ def main() -> None:
                          else "trace_bounds: --capacity takes positive block counts")
     trace = prefix_ids(trace)[0]  # ids stand for whole prefixes, in their hash scopes, as the replayer counts them
     accesses = sum(len(r.hash_ids) for r in trace)
+    if not accesses:
+        raise SystemExit(f"trace_bounds: {args.trace}'s requests name no blocks: nothing to count hits of")
     seconds = max(1e-3, (trace[-1].timestamp - trace[0].timestamp) / 1000)
     rate = accesses / seconds
     print(f"{args.trace}: {len(trace):,} requests ({moved} out of time order, sorted), {accesses:,} block accesses, "

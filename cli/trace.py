@@ -52,8 +52,10 @@ def synth(
                        f"; got {item!r}", EXIT_BAD_INPUT)
         changes[name] = _value(name, text.strip(), fields[name])
     params = dataclasses.replace(base, **changes)
-    if params.sessions <= 0 or params.block_tokens <= 0 or params.toolsets <= 0 or params.repos <= 0:
-        raise fail("sessions, block_tokens, toolsets and repos must be positive", EXIT_BAD_INPUT)
+    try:
+        params.check()
+    except ValueError as exc:
+        raise fail(str(exc), EXIT_BAD_INPUT) from None
     requests = agent_workload(params)
     try:
         write_trace(out, requests)

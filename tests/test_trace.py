@@ -515,6 +515,10 @@ def test_the_replayer_keeps_sessions_held_through_their_think_time(tmp_path: Pat
     (['{"timestamp": 0, "hash_ids": [1], "session": "a", "parent": "b"}',
       '{"timestamp": 1, "hash_ids": [1], "session": "b", "parent": "a"}'], 1, "form a cycle"),
     (['{"timestamp": 0, "hash_ids": [1], "session": "a", "parent": "a"}'], 1, "names itself as its parent"),
+    # tracebacks before (OverflowError, UnicodeDecodeError, RecursionError): now bad lines like any other
+    (['{"timestamp": Infinity, "hash_ids": [1]}'], 1, "timestamp must be a non-negative integer"),
+    (['{"timestamp": 0, "hash_ids": [1], "input_length": 1e400}'], 1, "input_length must be a non-negative integer"),
+    (['[' * 100_000 + ']' * 100_000], 1, "not a trace line"),
 ])
 def test_bad_session_lines_are_refused_with_file_and_line(tmp_path: Path, rows: list[str], line: int,
                                                           says: str) -> None:
@@ -525,6 +529,32 @@ def test_bad_session_lines_are_refused_with_file_and_line(tmp_path: Path, rows: 
     assert f"{path}:{line}:" in str(exc.value) and says in str(exc.value), str(exc.value)
     res = _bench(path, "--capacity", "4", "--block-bytes", "64")
     assert res.exit_code == 4 and f"{path}:{line}:" in res.output.replace("\n", "")
+
+
+def test_a_line_that_is_not_utf8_and_an_hbm_the_host_cannot_give_are_bad_input(tmp_path: Path) -> None:
+    """Bytes that are not UTF-8 raised UnicodeDecodeError out of the reader, and an --hbm larger than the host
+    can allocate a RuntimeError out of the replayer: tracebacks with exit 1. Both are exit 4 with a line."""
+    path = tmp_path / "latin.jsonl"
+    path.write_bytes(b'{"timestamp": 0, "hash_ids": [1]}\n{"timestamp": 1, "hash_ids": [2], "session": "\xff"}\n')
+    with pytest.raises(InvalidArgument, match=f"{re.escape(str(path))}:2: not a trace line"):
+        read_trace(path)
+    assert _bench(path, "--capacity", "4", "--block-bytes", "64").exit_code == 4
+    write_trace(tmp_path / "t.jsonl", [Request(0, (1, 2, 3), 1536), Request(1, (1, 2, 4), 1536)])
+    res = _bench(tmp_path / "t.jsonl", "--hbm", "100TiB", "--policy", "engram")
+    assert res.exit_code == 4 and "cannot be allocated" in " ".join(res.output.split()), res.output
+
+
+@pytest.mark.parametrize(("param", "says"), [
+    ("arrival_ms=0", "arrival_ms must be positive"), ("hint_noise=inf", "hint_noise must be finite"),
+    ("tool_ms=-5,10", "tool_ms must be LOW,HIGH"), ("user_p=1.5", "user_p is a probability"),
+    ("turns=0,3", "turns must be at least 1"),
+])
+def test_trace_synth_refuses_parameters_no_workload_can_have(tmp_path: Path, param: str, says: str) -> None:
+    """A zero arrival gap divided by zero, an endless hint noise overflowed (tracebacks), negative times wrote a
+    trace `bench trace` then refused: each is named at once, exit 4."""
+    res = CliRunner().invoke(app, ["trace", "synth", str(tmp_path / "t.jsonl"), "--sessions", "2", "--param", param])
+    assert res.exit_code == 4 and says in " ".join(res.output.split()), res.output
+    assert not (tmp_path / "t.jsonl").exists()
 
 
 # ---- the agent workload generator ---------------------------------------------------------------------------------

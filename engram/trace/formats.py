@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -60,7 +61,7 @@ def _int(d: dict[str, Any], name: str, default: int | None = None) -> int:
     v = d.get(name, default)
     if v is None:
         raise ValueError(f"{name} is missing")
-    if isinstance(v, bool) or not isinstance(v, int | float) or v != int(v) or v < 0:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v != int(v) or v < 0:
         raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
     return int(v)
 
@@ -106,13 +107,15 @@ def read_trace(path: str | Path) -> list[Request]:
     out: list[Request] = []
     lines: list[int] = []
     ids_seen: dict[int, int] = {}
-    with open(path) as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
+    n = 0
+    with open(path, "rb") as fh:
+        for n, raw in enumerate(fh, 1):
             try:
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
                 out.append(_line(json.loads(line), ids_seen))
-            except (ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
+            except (ValueError, TypeError, RecursionError) as exc:  # JSON and UTF-8 errors are ValueErrors
                 raise InvalidArgument(f"{path}:{n}: not a trace line: {exc}") from None
             lines.append(n)
     check_sessions(out, lines, str(path))
@@ -139,16 +142,18 @@ def check_sessions(requests: Sequence[Request], lines: Sequence[int] | None = No
                 raise InvalidArgument(f"{where}:{n}: session {r.session!r} names scope {r.scope!r}, but "
                                       f"{had[0]!r} at line {had[1]}")
     sessions = {r.session for r in requests if r.session}
+    rooted: set[str] = set()
     for child, (p, n) in parent.items():
         if p not in sessions:
             raise InvalidArgument(f"{where}:{n}: session {child!r} names parent {p!r}, which has no request in "
                                   "the trace")
         seen = {child}
-        while p in parent:  # walk up: a cycle never reaches a top-level session
+        while p in parent and p not in rooted:  # walk up: a cycle never reaches a top-level session
             if p in seen:
                 raise InvalidArgument(f"{where}:{n}: session {child!r}: its parents form a cycle through {p!r}")
             seen.add(p)
             p = parent[p][0]
+        rooted |= seen  # each reaches a top-level session: a later walk stops at any of them (linear, not square)
     closed: dict[str, int] = {}
     for i in sorted(range(len(requests)), key=lambda i: requests[i].timestamp):
         r, n = requests[i], at[i]

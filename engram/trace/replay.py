@@ -143,7 +143,11 @@ def _tiers(specs: Sequence[TierSpec], nvme_dir: Path | None) -> list[Tier]:
     out: list[Tier] = []
     for t in sorted(specs, key=lambda t: order[t.name]):  # each holds a block at least: replay_all checked
         if t.name == "hbm":
-            out.append(hbm_tier(t.capacity_bytes, device="cpu"))
+            try:  # the replay's HBM is host memory: a size the host cannot give is the caller's bad input
+                out.append(hbm_tier(t.capacity_bytes, device="cpu"))
+            except (RuntimeError, MemoryError) as exc:
+                raise InvalidArgument(f"an HBM tier of {t.capacity_bytes} bytes cannot be allocated here (the replay "
+                                      f"holds it in host memory): {str(exc).splitlines()[0]}") from None
         elif t.name == "dram":
             out.append(DramTier(t.capacity_bytes))
         elif nvme_dir is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import math
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -110,6 +111,29 @@ class AgentWorkload:
     # sub-agent, and a session's last request, are not hinted. Drawn from their own generator: the ids and
     # times do not depend on it. A negative sigma writes no hints.
 
+    def check(self) -> None:
+        """ValueError naming the first parameter no workload can have (a zero arrival gap divided by zero, an
+        endless noise overflowed, negative times wrote a trace no replay reads)."""
+        for name in ("sessions", "block_tokens", "toolsets", "repos", "max_depth", "arrival_ms"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("system_blocks", "tool_blocks", "repo_blocks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("turns", "subagent_turns", "user_blocks", "tool_result_blocks", "assistant_blocks", "task_blocks",
+                     "tool_ms", "user_ms"):
+            low, high = getattr(self, name)
+            if not 0 <= low <= high:
+                raise ValueError(f"{name} must be LOW,HIGH with 0 <= LOW <= HIGH, got {low},{high}")
+        for name in ("turns", "subagent_turns"):
+            if getattr(self, name)[0] < 1:
+                raise ValueError(f"{name} must be at least 1 request, got {getattr(self, name)}")
+        for name in ("user_p", "subagent_p", "fork_history_p"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} is a probability in [0, 1], got {getattr(self, name)}")
+        if not math.isfinite(self.hint_noise):
+            raise ValueError(f"hint_noise must be finite (negative: no hints), got {self.hint_noise}")
+
 
 @dataclass
 class _Agent:
@@ -132,6 +156,7 @@ def agent_workload(params: AgentWorkload | None = None, **overrides: Any) -> lis
     to max_depth. Requests come in timestamp order, in the session format with every id in the global scope
     (block ids chained: equal prefixes, equal ids)."""
     p = dataclasses.replace(params or AgentWorkload(), **overrides)
+    p.check()
     rng = random.Random(p.seed)
     hint_rng = random.Random(f"{p.seed}-hints")
 
