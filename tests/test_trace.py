@@ -711,3 +711,17 @@ async def test_a_trace_replayed_through_a_daemon_over_grpc_hits_what_the_replaye
         assert stats.tiers[0].evictions == want.tiers[0].evictions > 0
         assert stats.eviction.hint_weight == pytest.approx(want.eviction.hint_weight)  # > 0 with hints
         assert (stats.eviction.hint_weight > 0) == (kind == "hints")
+
+
+def test_an_hbm_tiers_capacity_in_blocks_is_what_its_pages_hold() -> None:
+    """The HBM pool gives each block whole pages: 2 GiB of 455,680-byte blocks hold 4,681 of them, not the 4,712
+    its bytes divided by the block's gave (the capacity shown, and what LRU and the optimum were given)."""
+    from engram.trace import replay as replay_module
+
+    bb = 512 * 890
+    nb = replay_module.layout_for(bb).block_nbytes(replay_module._BT)
+    trace = [Request(t, tuple(range(t * 100, t * 100 + 100))) for t in range(60)]  # 6,000 distinct blocks
+    for r in replay_all(trace, [], bb, policies=("engram", "lru"), tiers=[TierSpec("hbm", 2 * 2**30)]):
+        assert r.capacity_blocks == 4681 < 2 * 2**30 // nb
+        if r.policy == "engram":
+            assert r.tiers[0].blocks == 4681  # full, holding exactly that many

@@ -73,6 +73,7 @@ from engram.tiers.base import Tier
 from engram.tiers.dram import DramTier
 from engram.tiers.hbm import hbm_tier
 from engram.tiers.nvme import NvmeTier
+from engram.tiers.pool import auto_page_bytes
 from engram.trace.formats import Request, prefix_ids
 
 _BT = 16  # tokens per simulated block: block d of the trace carries d in each of its tokens
@@ -133,6 +134,15 @@ def layout_for(block_bytes: int) -> KVLayout:
     heads = -(-n // limits.MAX_HEAD_DIM)
     return KVLayout(layers=(LayerSpec(LayerKind.GLOBAL),), num_kv_heads=heads, head_dim=-(-n // heads),
                     dtype=DType.BF16, block_tokens=_BT)
+
+
+def _blocks_held(t: TierSpec, nbytes: int) -> int:
+    """Blocks of nbytes a tier of the replay holds (what LRU and the optimum get): the HBM pool gives each block
+    whole pages, so it holds fewer than its bytes divided by the block's."""
+    if t.name == "hbm":
+        page = auto_page_bytes(t.capacity_bytes)
+        return (-(-t.capacity_bytes // page)) // (-(-nbytes // page))
+    return t.capacity_bytes // nbytes
 
 
 def _tiers(specs: Sequence[TierSpec], nvme_dir: Path | None) -> list[Tier]:
@@ -436,7 +446,7 @@ def replay_all(trace: Sequence[Request], capacities: Sequence[int] = (), block_b
     if tiers:
         tiers = sorted(tiers, key=lambda t: TIER_NAMES.index(t.name) if t.name in TIER_NAMES else -1)  # fastest first
         label = " + ".join(f"{t.name} {fmt_bytes(t.capacity_bytes)}" for t in tiers)
-        configs.append((label, sum(t.capacity_bytes for t in tiers) // nbytes, list(tiers)))
+        configs.append((label, sum(_blocks_held(t, nbytes) for t in tiers), list(tiers)))
     dense, parent_of = prefix_ids(trace)
     requested = sum(len(r.hash_ids) for r in dense)
     key_cache: dict[bytes, Blocks] = {}
