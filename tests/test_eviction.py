@@ -231,3 +231,16 @@ def test_a_search_that_will_not_wait_gives_up_after_max_held_blocks() -> None:
     assert tier.lru.victim(leaf_only=False, max_held=4) is None
     found = tier.lru.victim(leaf_only=False)  # a search that waits finds the one evictable block
     assert found is not None and found.key == b"b500"
+
+
+def test_a_block_that_arrives_after_a_search_kept_candidates_is_ranked_with_them() -> None:
+    """A search keeps its next best candidates for the next searches (while the model is cold). An unheld block
+    put after it ranks ahead of held ones (no session holds it: it goes first), but the kept held candidates were
+    taken without it: a session's block went while one nobody held stayed."""
+    tier = Tier()
+    for name in ("h1", "h2", "h3", "h4", "h5"):
+        tier.add(block(name)).refs = 1  # each held by a live session
+    assert tier.take() == "h1"  # the search keeps h2 and h3 for the next ones
+    tier.add(block("u"))  # the newest block, held by no session
+    assert tier.take() == "u"
+    assert tier.take() == "h2"  # then the kept held ones, oldest first

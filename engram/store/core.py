@@ -471,6 +471,9 @@ class BlockStore:
         self.placement.busy += len(metas)
 
     def release(self, metas: Sequence[BlockMeta]) -> None:
+        if not metas:
+            return  # nothing freed: the victim searches keep what they found (a replay's miss, with or without a
+            # `reading` of no blocks, must decide alike)
         for meta in metas:
             meta.leases -= 1
             if meta.leases < 0:
