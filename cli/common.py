@@ -17,6 +17,7 @@ from rich.markup import escape
 from engram import errors
 from engram.config import EngramConfig, load_config
 from engram.control import ControlClient
+from engram.wire.channel import header_safe
 
 # Piped: as wide as the tables need, so no column is cut with "…" (grep sees whole keys and paths).
 console = Console(width=None if sys.stdout.isatty() else 4096)
@@ -103,7 +104,7 @@ def target(config_path: str | None, address: str | None, token: str | None = Non
 def check_token(token: str) -> str:
     """A bearer token travels in a gRPC header: printable ASCII without spaces (a token read from a file with a
     CRLF ending, or pasted with a non-ASCII character, failed deep in gRPC with a traceback)."""
-    if token and not all("!" <= c <= "~" for c in token):
+    if not header_safe(token):
         raise fail("the token (--token or ENGRAM_TOKEN) holds a space, a control or a non-ASCII character; a token is "
                    "printable ASCII (a file's line ending copied with it?)", EXIT_BAD_INPUT)
     return token

@@ -26,7 +26,7 @@ from engram.api import (
 )
 from engram.v1 import engram_pb2 as pb
 from engram.wire import convert
-from engram.wire.channel import DEFAULT_MAX_MESSAGE_BYTES, open_channel, stub_for
+from engram.wire.channel import DEFAULT_MAX_MESSAGE_BYTES, header_safe, open_channel, stub_for
 from engram.wire.status import error_from_rpc
 
 __all__ = ["ControlClient"]
@@ -40,7 +40,7 @@ class ControlClient:
         """address: host:port or unix:/path. token: the tenant's bearer token (tenancy on); root_cert: PEM root
         certificate, for a daemon serving TLS. namespace: the default of every call; with a token, "" means
         the token's first."""
-        if token and not all("!" <= c <= "~" for c in token):  # it travels in a gRPC header
+        if not header_safe(token):
             raise errors.InvalidArgument("the token holds a space, a control or a non-ASCII character; a bearer "
                                          "token is printable ASCII")
         self.address = address

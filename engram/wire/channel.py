@@ -39,6 +39,12 @@ class _Authorized:
         return functools.partial(getattr(self._stub, name), metadata=self._md)
 
 
+def header_safe(token: str) -> bool:
+    """Whether a bearer token can travel in a gRPC header: printable ASCII, no spaces (a token read from a file
+    with its CRLF, or pasted with a non-ASCII character, failed deep in gRPC)."""
+    return all("!" <= c <= "~" for c in token)
+
+
 def stub_for(channel: grpc.aio.Channel, token: str = "") -> Any:
     stub = pb_grpc.EngramStub(channel)
     return _Authorized(stub, token) if token else stub
