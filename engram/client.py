@@ -784,8 +784,9 @@ class EngramClient(ControlClient):
         if not lease_ids:
             return
         req = pb.ReleaseLeasesRequest(namespace=self._ns(namespace), lease_ids=sorted(lease_ids))
-        # Expired meanwhile (NotFound), or the daemon is gone: either way the leases end by expiry.
-        with contextlib.suppress(errors.NotFound, errors.Unavailable):
+        # Expired meanwhile (NotFound), the daemon is gone, or this client was closed before a background release
+        # ran (grpc's UsageError): either way the leases end by expiry.
+        with contextlib.suppress(errors.NotFound, errors.Unavailable, grpc.aio.UsageError):
             await self._call(self._stub.ReleaseLeases(req))
 
     async def release_leases(self, lease_ids: Sequence[int], *, namespace: str | None = None) -> int:
