@@ -414,29 +414,34 @@ class TierVictims:
     def __len__(self) -> int:
         return len(self._all)
 
-    def add(self, meta: BlockMeta) -> None:
+    def add(self, meta: BlockMeta, *, fill: bool = False) -> None:
         """A copy of the block arrived in this tier (it competes once a sample draws it). While the model is cold
         and a search kept candidates, it joins them if it ranks among them: kept candidates taken without it
         could put a block a session holds before it, one no session holds (the order says unheld first)."""
         self._all.add(meta)
         if not meta.children:
             self._leaves.add(meta)
-        queue = self._queue
-        if queue and (not self._queued_leaf_only or not meta.children):
-            entry = self._entry(meta)
-            if len(queue) < self.keep or entry[0] > queue[0][0]:
-                bisect.insort(queue, entry, key=_first)
-                if len(queue) > self.keep:
-                    del queue[0]
+        if self._queue and (not self._queued_leaf_only or not meta.children):
+            self._offer(meta, fill=fill)  # unless filling, only if it ranks ahead of a kept one
         if len(self._all) > 2 * self._live + 1024:
             self._compact()
+
+    def _offer(self, meta: BlockMeta, *, fill: bool) -> None:
+        """Rank a block among the kept candidates: in if it beats the worst of them (or, with fill, while
+        fewer than `keep` are kept)."""
+        queue = self._queue
+        entry = self._entry(meta)
+        if (fill and len(queue) < self.keep) or entry[0] > queue[0][0]:
+            bisect.insort(queue, entry, key=_first)
+            if len(queue) > self.keep:
+                del queue[0]
 
     def leaf_again(self, meta: BlockMeta) -> None:
         """The block's last child left the index: a candidate where eviction deletes. While the model is cold
         it joins the kept candidates at once (`add`), since it is least recently used order's next victim (as
         old as the child that went); once warm, it waits until a sample draws it: trimming the tails of several
         chains rather than eating one chain whole measured better."""
-        self.add(meta)
+        self.add(meta, fill=self._queued_leaf_only)
 
     def forget_queue(self) -> None:
         """Blocks may have become evictable (a lease or pin ended, a move landed) or changed class (a session
