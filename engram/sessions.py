@@ -116,6 +116,7 @@ class Session:
     parent: str = ""
     window: Window | None = None  # hot (rebuilt) or persisted
     kept: bool = False  # the window is persisted: its bytes count against the budget and it survives going cold
+    cooled: int = 0  # times it went cold: a replay that ends after one leaves the session cold
     decision: str = ""  # auto mode: the cost model's last choice, with its reason
     created: float = field(default_factory=time.time)
     held: dict[bytes, BlockMeta] = field(default_factory=dict)  # the stored blocks of its prefix it references
@@ -559,6 +560,7 @@ class SessionManager:
         mode = self._auto_replay_mode(s, spec, p) if s.mode == SessionMode.AUTO else s.replay_mode()
         # The blocks are leased until the answer naming them is built: an eviction during the replay (which
         # may take seconds) left blocks with no copy in the answer (INTERNAL, found by benchmarks/soak.py).
+        cooled = s.cooled
         with self.store.reading(match.blocks):
             global_kv = await self._global_kv(match.blocks, p)
             t0 = time.perf_counter()
@@ -574,10 +576,11 @@ class SessionManager:
         c.seconds += seconds
         lay = spec.layout
         window = Window.from_swa(rec.window, lay.dtype, lay.num_kv_heads, lay.head_dim)
-        if s.kept:  # auto mode: a window kept while this replay ran (a Suspend): its bytes are given back first
-            self._release_window(s)
-        s.window = window
-        self._mark_hot(s)  # with max_hot_windows = 0 this drops it again at once: the answer still carries it
+        if s.cooled == cooled:  # else it went cold while this replay ran (a Suspend): it stays so, the answer aside
+            if s.kept:  # a window kept for another position: its bytes are given back first
+                self._release_window(s)
+            s.window = window
+            self._mark_hot(s)  # with max_hot_windows = 0 this drops it again at once: the answer still carries it
         return Resumed(p, match.blocks, window, "replay", rec.replayed, rec.token_layers, seconds,
                        global_kv if with_global_kv else None)
 
@@ -641,6 +644,7 @@ class SessionManager:
         """The session goes cold (suspended, its blocks left memory, or pushed out of the hot set). A rebuilt
         window is dropped, unless the session is in auto mode and its cost model finds keeping it (loading
         it later) faster than any replay the fidelity floor allows, within the persisted-window budget."""
+        s.cooled += 1
         if s.mode == SessionMode.AUTO and s.window is not None and not s.kept:
             cm = self.cost_models.get(self.store.spec(s.fingerprint).weights_id)
             if cm is not None:

@@ -372,3 +372,36 @@ async def test_replays_run_a_bounded_number_at_once_and_a_cancelled_wait_never_r
         assert torch.equal(logits, reference_logits(model, toks, P))
     assert [n for n, _ in started] == [P]  # the cancelled one never ran
     assert all(name.startswith("engram-replay") for _, name in started)
+
+
+async def test_a_session_suspended_while_its_replay_runs_stays_cold(server_factory, model_file: Path,  # type: ignore[no-untyped-def]
+                                                                    model: HybridDecoder, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Suspend that lands while a Resume replays: the Resume still answers its window, but the session stays
+    cold (it was made hot again when the replay ended, holding a window in memory its client had let go). The
+    replay is held at a gate (the real rebuild, run once the gate opens) so the Suspend lands inside it."""
+    srv = await server_factory(**{"replay.models": str(model_file), "tiers.nvme.path": str(tmp_path / "nvme")})
+    gate, started = threading.Event(), threading.Event()
+    real_rebuild = srv.sessions.runtime.rebuild
+
+    def rebuild_after_the_gate(model_, tokens, global_kv, mode):  # type: ignore[no-untyped-def]
+        started.set()
+        assert gate.wait(30)
+        return real_rebuild(model_, tokens, global_kv, mode)
+
+    monkeypatch.setattr(srv.sessions.runtime, "rebuild", rebuild_after_the_gate)
+    toks = tokens_for(P + 1, seed=34)
+    async with EngramClient(srv.address) as client:
+        fp, sid = await put_session(client, model, toks[:P])
+        resume = asyncio.create_task(client.resume(sid))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        await client.suspend_session(sid)
+        gate.set()
+        resumed = await resume
+        assert resumed.source == "replay" and resumed.position == P
+        stats = await client.stats()
+        assert stats.replay.hot_sessions == 0 and stats.replay.hot_window_bytes == 0
+        monkeypatch.setattr(srv.sessions.runtime, "rebuild", real_rebuild)
+        logits, source = await next_logits(client, model, fp, sid, toks)
+        assert source == "replay" and torch.equal(logits, reference_logits(model, toks, P))
