@@ -37,6 +37,9 @@ from engram.trust import ClusterTrust
 
 # What a Redis (or Redis Cluster: its errors are not RedisErrors) that is down, unreachable or wrong can raise.
 REDIS_FAULTS = (RedisError, RedisClusterException, OSError)
+# Blocks per pipeline when the whole index is published: building one costs the event loop ~4 us a block (65k
+# blocks in one pipeline held every request for 284 ms)
+RESYNC_BATCH = 4096
 
 log = logging.getLogger("engram.cluster")
 _NODES = "engram:{nodes}:"
@@ -212,11 +215,12 @@ class ClusterIndex:
         self._resyncing += 1
         try:
             async with self._writes:
-                pipe = self._redis.pipeline(transaction=False)
                 metas = list(self.index)
-                for meta in metas:
-                    self._write(pipe, meta)
-                await pipe.execute()
+                for start in range(0, len(metas), RESYNC_BATCH):  # a batch at a time: the loop serves in between
+                    pipe = self._redis.pipeline(transaction=False)
+                    for meta in metas[start : start + RESYNC_BATCH]:
+                        self._write(pipe, meta)
+                    await pipe.execute()
                 self.counters.published += len(metas)
                 self._synced_at = time.monotonic()
         finally:
