@@ -216,3 +216,24 @@ async def test_a_promotion_cancelled_mid_copy_waits_for_its_copies_before_freein
         assert all(not m.moving and "hbm" not in m.locations for m in in_dram)
     finally:
         await store.close()
+
+
+async def test_a_copy_into_the_pool_from_hbm_is_not_counted_as_a_promotion(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """copy_up brings a hit's blocks into the shared DRAM pool before describing them; from NVMe that is a
+    promotion into DRAM, but from HBM (faster) it is a copy down, counted as the HBM tier's demotion (it was a
+    DRAM promotion, so `engram stats` showed blocks promoted that had come down)."""
+    cfg = load_config(env={}, overrides={"tiers.hbm.capacity": 8 * BLOCK, "tiers.hbm.device": "cpu",
+                                         "tiers.dram.capacity": 16 * BLOCK, "tiers.dram.shm_dir": str(tmp_path),
+                                         "tiers.dram.pin": False})
+    store = await build_store(cfg)
+    try:
+        fp = store.registry.register(SPEC)
+        metas, _ = await _put_chain(store, fp, 3)
+        assert all(m.locations == ["hbm"] for m in metas)
+        before = store.counters.tiers["dram"].promotions, store.counters.tiers["hbm"].demotions
+        assert await store.copy_up(metas, "dram") == 3
+        assert all(m.locations == ["hbm", "dram"] for m in metas)
+        assert store.counters.tiers["dram"].promotions == before[0]
+        assert store.counters.tiers["hbm"].demotions == before[1] + 3
+    finally:
+        await store.close()

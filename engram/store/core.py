@@ -574,7 +574,7 @@ class BlockStore:
 
         async def one(meta: BlockMeta) -> int:
             try:
-                payload, _ = await self._read_verified(meta)
+                payload, source = await self._read_verified(meta)
                 payload = typing.cast(bytes, payload)
                 await placement.place(meta, rank, payload, wait=False)
             except (ResourceExhausted, DataLoss):
@@ -583,9 +583,14 @@ class BlockStore:
                 meta.moving = False
                 placement.busy -= 1
                 placement.notify_freed()
-            tc = self.counters.tiers[tier_name]
-            tc.promotions += 1
-            tc.promoted_bytes += meta.nbytes
+            if placement.rank[source] > rank:  # up from a slower tier (NVMe): a promotion into tier_name
+                tc = self.counters.tiers[tier_name]
+                tc.promotions += 1
+                tc.promoted_bytes += meta.nbytes
+            else:  # down from a faster one (HBM into the shared DRAM pool): a copy out of it, counted there
+                tc = self.counters.tiers[source]
+                tc.demotions += 1
+                tc.demoted_bytes += meta.nbytes
             return 1
 
         return sum(await asyncio.gather(*(one(m) for m in todo)))
