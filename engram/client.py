@@ -851,7 +851,8 @@ class EngramClient(ControlClient):
         held = self._held.pop(ns, [])  # the last load's lease: ended by this call, before it starts
         req = pb.GetPrefixRequest(namespace=ns, model_fingerprint=fingerprint,
                                   tokens=convert.tokens_to_pb(tokens), zero_copy=zero_copy,
-                                  cuda_ipc=zero_copy and device.type == "cuda", release_lease_ids=held)
+                                  cuda_ipc=zero_copy and device.type == "cuda", release_lease_ids=held,
+                                  hold_for_get=True)
         t0 = time.perf_counter()
         call = asyncio.ensure_future(self._call(self._stub.GetPrefix(req)))
         try:

@@ -385,3 +385,32 @@ async def test_a_bytes_get_prefix_has_its_lease_ended_by_the_get_that_fetched_it
         n, got = await c.get_prefix(fp, toks)
         assert n == len(toks) and torch.equal(got, kv)
         assert len(srv.service.leases) == 0 and all(srv.store.index.get(k).leases == 0 for k in keys)
+
+
+async def test_getprefix_leases_undescribed_blocks_only_for_a_caller_that_will_get_them(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """GetPrefix leases the blocks it describes; the others only when the caller says it will Get them as bytes
+    (hold_for_get, which EngramClient sends): a client of another language that knows nothing of it is not left
+    holding every block it hit, unevictable, for lease_s."""
+    import grpc
+
+    from engram.v1 import engram_pb2 as pb
+    from engram.v1 import engram_pb2_grpc as pb_grpc
+    from engram.wire import convert
+
+    srv = await server_factory()
+    spec = tiny_model()
+    async with EngramClient(srv.address, namespace="t", zero_copy=False) as c:
+        fp = await c.register_model(spec)
+        toks = tokens(2 * BLOCK_TOKENS, seed=18)
+        keys = (await c.put(fp, toks, random_kv(spec, len(toks), seed=18))).keys
+    async with grpc.aio.insecure_channel(srv.address.removeprefix("tcp:")) as ch:
+        stub = pb_grpc.EngramStub(ch)
+        req = pb.GetPrefixRequest(namespace="t", model_fingerprint=fp, tokens=convert.tokens_to_pb(toks))
+        plain = await stub.GetPrefix(req)
+        assert plain.matched_tokens == len(toks) and plain.lease_id == 0
+        assert all(srv.store.index.get(k).leases == 0 for k in keys)
+        req.hold_for_get = True
+        held = await stub.GetPrefix(req)
+        assert held.lease_id and all(srv.store.index.get(k).leases == 1 for k in keys)
+        await stub.ReleaseLeases(pb.ReleaseLeasesRequest(namespace="t", lease_ids=[held.lease_id]))
+        assert all(srv.store.index.get(k).leases == 0 for k in keys)

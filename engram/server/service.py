@@ -294,10 +294,12 @@ class EngramService:
                     await self.store.copy_up(up, self.pool.name)
         in_pool = {m.key: p for m in metas if not m.moving
                    and (p := next((p for p in pools if p.name in m.locations), None)) is not None}
-        if metas:
-            # Every block found is leased, described or not: those the caller fetches as bytes next (a Get) are
-            # not evicted in between, so a hit the answer promised still loads (it failed NOT_FOUND).
-            lease = self.leases.grant(ns, metas)
+        # Described blocks are leased while the caller copies them; with hold_for_get the others too, which it
+        # fetches as bytes next (a Get), so that an eviction in between cannot fail a hit the answer promised.
+        # A caller that does not say so (another client) is not left holding blocks it never fetches.
+        leased = metas if req.hold_for_get else [m for m in metas if m.key in in_pool]
+        if leased:
+            lease = self.leases.grant(ns, leased)
             header.lease_id = lease.id
             header.lease_expires_in_s = max(0.0, lease.expires - time.monotonic())
         if in_pool:
