@@ -443,8 +443,16 @@ async def serve(config: EngramConfig, ready: asyncio.Event | None = None) -> Non
     running = await start_server(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if stop.is_set():  # a second signal: the shutdown is under way, say so (it was silently ignored)
+            print(f"engram: already stopping: in-flight calls get up to {config.server.shutdown_grace_s:g} s, then "
+                  f"blocks held only in memory are copied to NVMe (up to {config.tiers.shutdown_flush_s:g} s); "
+                  "SIGKILL now loses those", flush=True)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     print(f"engram: serving on {running.address}", flush=True)
     for line in banner(config, running):
         print(f"engram: {line}", flush=True)
