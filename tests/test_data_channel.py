@@ -399,3 +399,34 @@ async def test_a_full_tls_data_channel_refuses_with_a_reason_and_the_client_uses
             await conn.aclose()
     finally:
         await srv.stop(0)
+
+
+async def test_a_put_in_flight_when_the_daemon_stops_finishes_within_the_grace(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """SIGTERM's shutdown gives in-flight calls server.shutdown_grace_s; the data channel, which carries most
+    puts, cancelled its connections at once (a put half sent failed, BrokenPipe). Now a request being answered
+    finishes (stored, PUT_OK) while idle connections end at once and no new one is taken."""
+    srv = await server_factory()
+    spec = tiny_model()
+    toks = tokens(32, seed=21)
+    kv = random_kv(spec, 32, seed=21)
+    async with EngramClient(srv.address, namespace=NS, zero_copy=False) as c:
+        fp = await c.register_model(spec)
+    busy, idle = await raw_conn(srv), await raw_conn(srv)
+    payload = raw_payload(kv[:, :, :16]) + raw_payload(kv[:, :, 16:])  # the blocks' payloads, back to back
+    meta = pb.DataPut(header=pb.PutHeader(namespace=NS, model_fingerprint=fp),
+                      blocks=[block_header(spec, toks[:16], raw_payload(kv[:, :, :16])),
+                              block_header(spec, toks[16:], raw_payload(kv[:, :, 16:]))]).SerializeToString()
+    await busy.send(wire.FRAME.pack(wire.PUT, len(meta), len(payload)) + meta, payload[:100])  # half sent
+    await asyncio.sleep(0.1)
+    stopping = asyncio.create_task(srv.stop(5.0))
+    await asyncio.sleep(0.2)
+    with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+        await idle.read_frame()  # the idle connection ended at once
+    await busy.send(payload[100:])
+    kind, reply, _ = await busy.read_frame()
+    assert kind == wire.PUT_OK, wire.error_of(reply)
+    assert pb.PutResponse.FromString(bytes(reply)).stored == 2
+    await stopping
+    assert srv.store.lookup(NS, fp, toks).matched_tokens == 32
+    busy.close()
+    idle.close()

@@ -132,9 +132,10 @@ class RunningServer:
             if task is not None:
                 task.cancel()
         await self.health.enter_graceful_shutdown()
-        if self.service is not None and self.service.dataport is not None:
-            await self.service.dataport.stop()
-        await self.server.stop(self.grace_s if grace_s is None else grace_s)
+        grace = self.grace_s if grace_s is None else grace_s
+        data = self.service.dataport if self.service is not None else None
+        # The data channel's requests in flight get the same grace as gRPC's (they were cut at once), side by side
+        await asyncio.gather(self.server.stop(grace), *([data.stop(grace)] if data is not None else []))
         if self.service is not None and self.service.cluster is not None:
             try:
                 await self.service.cluster.close()

@@ -66,6 +66,8 @@ class DataPort:
         self._servers: list[asyncio.AbstractServer] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._refusing: set[asyncio.Task[None]] = set()  # connections over the limit, being told so
+        self._in_request: set[asyncio.Task[Any]] = set()  # connections answering a request right now
+        self._stopping = False
         self._accepting: list[asyncio.Task[None]] = []
         self.served = {"put": 0, "get": 0, "refused": 0}  # requests answered, by kind (tests, logs)
 
@@ -177,12 +179,15 @@ class DataPort:
         try:
             if not await self._hello(conn):
                 return
-            while True:
+            me = asyncio.current_task()
+            assert me is not None
+            while not self._stopping:
                 try:
                     kind, meta, body = await conn.read_frame()
                 except asyncio.IncompleteReadError:
                     return
                 t0, code = time.perf_counter(), "OK"
+                self._in_request.add(me)  # a stop lets it finish within the shutdown grace
                 try:
                     await self._request(conn, kind, meta, body)
                 except errors.EngramError as exc:
@@ -190,6 +195,7 @@ class DataPort:
                     code = status_of(exc).name
                     await conn.send_error(exc)
                 finally:
+                    self._in_request.discard(me)
                     if self.observe is not None:
                         self.observe(_OPS.get(kind, "other"), code, time.perf_counter() - t0)
         except (ConnectionError, asyncio.IncompleteReadError, _Desync, errors.InvalidArgument):
@@ -291,13 +297,23 @@ class DataPort:
             self.service.release_after_get(req)
         self.served["get"] += 1
 
-    async def stop(self) -> None:
+    async def stop(self, grace_s: float = 0.0) -> None:
+        """Take no new connection; end idle ones at once; give those answering a request up to grace_s to finish
+        it (server.shutdown_grace_s, as gRPC's in-flight calls get: the data channel carries most puts), then
+        end them too."""
+        self._stopping = True
         for task in self._accepting:
             task.cancel()
         for sock in self._listeners:
             sock.close()
         for server in self._servers:
             server.close()  # new connections; the open ones end with their tasks below
+        busy = set(self._in_request)
+        for task in list(self._tasks):
+            if task not in busy:
+                task.cancel()
+        if busy and grace_s > 0:
+            await asyncio.wait(busy, timeout=grace_s)
         for task in list(self._tasks):
             task.cancel()
         for task in [*self._accepting, *self._tasks, *self._refusing]:
