@@ -8,6 +8,7 @@ scrapes. Each daemon has its own CollectorRegistry, so two daemons in one proces
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -153,6 +154,10 @@ class RpcMetrics(grpc.aio.ServerInterceptor):
 
     def _done(self, method: str, context: Any, t0: float, failed: BaseException | None) -> None:
         code = context.code()
+        if code is None and (isinstance(failed, asyncio.CancelledError | GeneratorExit) or context.cancelled()):
+            # the client went (a stream it stopped reading is closed with GeneratorExit): not a server failure
+            # (UNKNOWN), nor a success (OK)
+            code = grpc.StatusCode.CANCELLED
         if code is None:
             code = grpc.StatusCode.UNKNOWN if failed is not None and not isinstance(failed, grpc.aio.AbortError) \
                 else grpc.StatusCode.OK

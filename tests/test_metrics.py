@@ -106,3 +106,34 @@ async def test_data_channel_requests_are_counted(server_factory) -> None:  # typ
     assert m[("engram_data_requests_total", (("code", "NOT_FOUND"), ("op", "get")))] == 1
     assert m[("engram_data_request_duration_seconds_count", (("code", "OK"), ("op", "put")))] == 1
     assert ("engram_rpcs_total", (("code", "OK"), ("method", "Put"))) not in m  # no payload went over gRPC
+
+
+async def test_a_stream_the_client_cancels_is_counted_as_cancelled(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A Get stream the client cancels after its first message was counted UNKNOWN (read as a server failure);
+    it is CANCELLED (grpc closes the abandoned stream's generator: GeneratorExit)."""
+    import grpc
+
+    from engram.v1 import engram_pb2 as pb
+
+    spec = tiny_model()
+    srv = await server_factory(**{"server.metrics_port": -1})
+    async with EngramClient(srv.address, namespace="m", zero_copy=False, data_channel=False) as c:
+        fp = await c.register_model(spec)
+        keys = (await c.put(fp, tokens(64), random_kv(spec, 64))).keys
+    async with grpc.aio.insecure_channel(srv.address.removeprefix("tcp:")) as ch:
+        get = ch.unary_stream("/engram.v1.Engram/Get", request_serializer=pb.GetRequest.SerializeToString,
+                              response_deserializer=pb.GetResponse.FromString)
+        for _ in range(3):
+            call = get(pb.GetRequest(namespace="m", model_fingerprint=fp, keys=list(keys)))
+            async for _resp in call:
+                break
+            call.cancel()
+    await asyncio.sleep(0.3)  # the handlers see the cancel
+
+    async def counts() -> tuple[float, float]:
+        m = await asyncio.to_thread(scrape, srv.metrics.port)
+        return (m.get(("engram_rpcs_total", (("code", "CANCELLED"), ("method", "Get"))), 0.0),
+                m.get(("engram_rpcs_total", (("code", "UNKNOWN"), ("method", "Get"))), 0.0))
+
+    cancelled, unknown = await counts()
+    assert unknown == 0 and cancelled >= 1  # a stream the daemon had sent whole before the cancel is OK
