@@ -92,6 +92,13 @@ class StoreCollector(Collector):
              self.sessions.closed_idle),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        pending = store.write_back_pending()  # write-back's loss window: what a crash now would lose
+        yield GaugeMetricFamily("engram_write_back_pending_blocks", "Blocks held only in DRAM/HBM (write-back).",
+                                value=pending.blocks)
+        yield GaugeMetricFamily("engram_write_back_pending_bytes", "Bytes held only in DRAM/HBM (write-back).",
+                                value=pending.bytes)
+        yield GaugeMetricFamily("engram_write_back_oldest_seconds", "Age of the oldest block held only in DRAM/HBM.",
+                                value=pending.oldest_s)
         yield from codec_error_metrics(store)
         rc = self.sessions.runtime.counters
         yield SummaryMetricFamily("engram_replay_seconds", "SWA window rebuilds and their time.",

@@ -137,3 +137,19 @@ async def test_a_stream_the_client_cancels_is_counted_as_cancelled(server_factor
 
     cancelled, unknown = await counts()
     assert unknown == 0 and cancelled >= 1  # a stream the daemon had sent whole before the cancel is OK
+
+
+async def test_write_backs_loss_window_is_exported(server_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """What a crash now would lose under write-back (blocks and bytes held only in memory, the oldest one's age)
+    was in Stats but not in /metrics, where an operator alerts on it."""
+    spec = tiny_model()
+    srv = await server_factory(**{"server.metrics_port": -1, "tiers.nvme.path": str(tmp_path / "nvme"),
+                                  "tiers.write_back_window_s": 600.0})
+    async with EngramClient(srv.address, namespace="m") as c:
+        fp = await c.register_model(spec)
+        await c.put(fp, tokens(48), random_kv(spec, 48))
+        stats = await c.stats()
+    m = await asyncio.to_thread(scrape, srv.metrics.port)
+    assert m[("engram_write_back_pending_blocks", ())] == stats.write_back_pending_blocks == 3
+    assert m[("engram_write_back_pending_bytes", ())] == stats.write_back_pending_bytes > 0
+    assert m[("engram_write_back_oldest_seconds", ())] >= 0
