@@ -407,3 +407,12 @@ def test_the_gil_is_released_in_every_c_call() -> None:
         thread.join()
         sys.setswitchinterval(old)
     assert all(n > 0 for n in progress.values()), progress  # a call that kept the GIL shows exactly 0
+
+
+def test_a_block_of_no_layers_is_the_references_error_on_the_c_backend() -> None:
+    """quantize_kv_block with L = 0 raised IndexError on the C backend (the reference's ValueError, which the
+    codec wrapper turns into InvalidArgument, came after an x[0] of nothing)."""
+    kv = torch.zeros(0, 2, 16, 2, 32)
+    for backend in ("reference", "cpu"):
+        with pytest.raises(ValueError, match="empty"):
+            codec.quantize_kv_block(kv, "nvfp4", backend=backend)

@@ -278,3 +278,18 @@ def test_engram_layouts_lists_every_preset_with_its_bytes_per_token() -> None:
     assert round(rows["csa2"]["bytes_per_token"]["nvfp4"]["persisted"]) == 901
     table = CliRunner().invoke(app, ["layouts"])
     assert table.exit_code == 0 and all(name in table.output for name in PRESETS)
+
+
+@pytest.mark.parametrize("shape", [(1,), (1, 1), (4, 1), (2, 3, 1), (4, 2)])
+def test_a_stream_whose_entries_end_in_width_one_decodes_to_raw_on_the_daemon(shape: tuple[int, ...]) -> None:
+    """as_raw (what a decode_on_server Get answers) of a quantized stream grouped along its channels whose entry
+    shape ends in 1: the decoded view counted as contiguous to torch but kept a stride other than 1 in that
+    dimension, and view(uint8) raised (INTERNAL on gRPC, the data channel closed). Its raw bytes now equal the
+    client-side decode's."""
+    streams = (StreamSpec("lat", shape, DType.BF16, "nvfp4", Axis.CHANNEL),)
+    data = {"lat": torch.randn(1, 16, *shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)}
+    blob = streamformat.encode(data, streams, 16)
+    raw = stored.as_raw(blob, stored.STREAMS, DType.BF16, (1, 1, 16))
+    decoded = stored.decode_block(blob, stored.STREAMS, DType.BF16, (1, 1, 16))["lat"]
+    again = stored.decode_block(raw, stored.STREAMS, DType.BF16, (1, 1, 16))["lat"]
+    assert torch.equal(again, decoded)

@@ -41,9 +41,9 @@ _NVFP4, _MXFP4 = 0, 1
 def _matrix(x: Tensor, name: str) -> tuple[int, int]:
     """(rows, cols) of x read as a matrix: x is (rows, cols), or (blocks, rows, cols) stacked along rows."""
     if x.dim() == 3:
-        ref.check_matrix(x[0], name)
-        if x.numel() == 0:
+        if x.numel() == 0:  # before x[0]: a stack of no blocks has none (IndexError, not the reference's error)
             raise ValueError(f"{name}: the tensor is empty (shape {tuple(x.shape)})")
+        ref.check_matrix(x[0], name)
     else:
         ref.check_matrix(x, name)
     if x.device.type != "cpu":

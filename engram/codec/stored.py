@@ -103,7 +103,9 @@ def as_raw(payload: bytes | memoryview, codec: str, dtype: DType, shape: tuple[i
         raw = streamformat._layout(fmt.tokens, [(p.name, codec_by_name(RAW), p.axis, p.dtype, p.layers, p.entries,
                                                  p.shape) for p in fmt.parts])
         payloads = [payload[p.at : p.at + p.nbytes] if not p.quantized else
-                    streamformat.decode_part(payload, p, backend=backend, where=where).contiguous().view(torch.uint8)
+                    # flattened first: a permuted view whose last dim has size 1 counts as contiguous to torch yet keeps
+                    # a stride other than 1 there, which view(uint8) refuses (an entry shape ending in 1)
+                    streamformat.decode_part(payload, p, backend=backend, where=where).reshape(-1).view(torch.uint8)
                     .numpy().tobytes() for p in fmt.parts]
         return streamformat.assemble(raw, payloads)
     return encode(decode(payload, codec, dtype, shape, backend=backend, where=where), RAW)
