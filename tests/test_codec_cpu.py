@@ -416,3 +416,20 @@ def test_a_block_of_no_layers_is_the_references_error_on_the_c_backend() -> None
     for backend in ("reference", "cpu"):
         with pytest.raises(ValueError, match="empty"):
             codec.quantize_kv_block(kv, "nvfp4", backend=backend)
+
+
+@pytest.mark.parametrize("case", ["encode_grouped", "decode_grouped"])
+def test_dimensions_whose_product_wraps_are_refused_by_the_c_glue(case: str) -> None:
+    """A view of 2^60 + 1 rows of stride 0 costs no memory; its groups' byte counts (rows x the padded width 16),
+    computed in Py_ssize_t, wrapped to a few bytes, passed the length checks, and the kernel walked 2^60 rows past
+    the buffers (a segfault). Such dims are a ValueError now. Only the private _cpu API takes such views; the codec
+    never builds them (FP8's products cannot wrap: numpy bounds them by the itemsize already)."""
+    from engram.codec import _cpu
+
+    rows = 2**60 + 1
+    view = np.lib.stride_tricks.as_strided(np.ones(1, np.float32), shape=(rows, 1), strides=(0, 0))
+    with pytest.raises(ValueError, match="multiply past"):
+        if case == "encode_grouped":
+            _cpu.encode_grouped(view, 0, 0, 1.0, False, bytearray(8), bytearray(1))
+        else:
+            _cpu.decode_grouped(bytearray(8), bytearray(1), 0, 1.0, view, 0)

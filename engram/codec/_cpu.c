@@ -120,6 +120,17 @@ PyDoc_STRVAR(encode_grouped_doc,
              "1-3 dim buffer read as the (d0*d1, d2) matrix, into contiguous uint8 buffers of (rows, cols_p/2)\n"
              "and (rows, cols_p/G) bytes. Returns whether x held NaN/Inf (the outputs are then not an encoding).");
 
+/* a * b * c in *out, or a ValueError: a buffer's dims come from the caller, and a view of stride 0 costs no
+   memory, so their product can wrap around and pass a length check it should fail. */
+static int product(Py_ssize_t a, Py_ssize_t b, Py_ssize_t c, Py_ssize_t *out) {
+    Py_ssize_t ab;
+    if (__builtin_mul_overflow(a, b, &ab) || __builtin_mul_overflow(ab, c, out)) {
+        PyErr_SetString(PyExc_ValueError, "the buffer's dimensions multiply past what an index can hold");
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *py_encode_grouped(PyObject *self, PyObject *args) {
     PyObject *xo, *co, *so;
     int kind, fmt, round_up;
@@ -130,9 +141,10 @@ static PyObject *py_encode_grouped(PyObject *self, PyObject *args) {
     Py_buffer xb, cb, sb;
     View v;
     if (get_in(xo, kind, &xb, &v) < 0) return NULL;
-    Py_ssize_t rows = v.n[0] * v.n[1], cp = padded(v.n[2], sp.group);
-    if (get_bytes(co, &cb, rows * cp / 2, 1, "codes") < 0) { PyBuffer_Release(&xb); return NULL; }
-    if (get_bytes(so, &sb, rows * cp / sp.group, 1, "scales") < 0) {
+    Py_ssize_t rows, cp = padded(v.n[2], sp.group), elems;
+    if (product(v.n[0], v.n[1], 1, &rows) < 0 || product(rows, cp, 1, &elems) < 0) { PyBuffer_Release(&xb); return NULL; }
+    if (get_bytes(co, &cb, elems / 2, 1, "codes") < 0) { PyBuffer_Release(&xb); return NULL; }
+    if (get_bytes(so, &sb, elems / sp.group, 1, "scales") < 0) {
         PyBuffer_Release(&xb), PyBuffer_Release(&cb);
         return NULL;
     }
@@ -156,7 +168,9 @@ static PyObject *py_encode_fp8(PyObject *self, PyObject *args) {
     Py_buffer xb, cb;
     View v;
     if (get_in(xo, kind, &xb, &v) < 0) return NULL;
-    if (get_bytes(co, &cb, v.n[0] * v.n[1] * v.n[2], 1, "codes") < 0) { PyBuffer_Release(&xb); return NULL; }
+    Py_ssize_t elems;
+    if (product(v.n[0], v.n[1], v.n[2], &elems) < 0) { PyBuffer_Release(&xb); return NULL; }
+    if (get_bytes(co, &cb, elems, 1, "codes") < 0) { PyBuffer_Release(&xb); return NULL; }
     uint32_t bad;
     Py_BEGIN_ALLOW_THREADS
     float inv = 1.0f / scale;  /* the reference's ones_like(s) / s */
@@ -180,9 +194,10 @@ static PyObject *py_decode_grouped(PyObject *self, PyObject *args) {
     Py_buffer ob, cb, sb;
     OutView v;
     if (get_out(oo, kind, &ob, &v) < 0) return NULL;
-    Py_ssize_t rows = v.n[0] * v.n[1], cp = padded(v.n[2], sp.group);
-    if (get_bytes(co, &cb, rows * cp / 2, 0, "codes") < 0) { PyBuffer_Release(&ob); return NULL; }
-    if (get_bytes(so, &sb, rows * cp / sp.group, 0, "scales") < 0) {
+    Py_ssize_t rows, cp = padded(v.n[2], sp.group), elems;
+    if (product(v.n[0], v.n[1], 1, &rows) < 0 || product(rows, cp, 1, &elems) < 0) { PyBuffer_Release(&ob); return NULL; }
+    if (get_bytes(co, &cb, elems / 2, 0, "codes") < 0) { PyBuffer_Release(&ob); return NULL; }
+    if (get_bytes(so, &sb, elems / sp.group, 0, "scales") < 0) {
         PyBuffer_Release(&ob), PyBuffer_Release(&cb);
         return NULL;
     }
@@ -204,7 +219,9 @@ static PyObject *py_decode_fp8(PyObject *self, PyObject *args) {
     Py_buffer ob, cb;
     OutView v;
     if (get_out(oo, kind, &ob, &v) < 0) return NULL;
-    if (get_bytes(co, &cb, v.n[0] * v.n[1] * v.n[2], 0, "codes") < 0) { PyBuffer_Release(&ob); return NULL; }
+    Py_ssize_t elems;
+    if (product(v.n[0], v.n[1], v.n[2], &elems) < 0) { PyBuffer_Release(&ob); return NULL; }
+    if (get_bytes(co, &cb, elems, 0, "codes") < 0) { PyBuffer_Release(&ob); return NULL; }
     Py_BEGIN_ALLOW_THREADS
     K->decode_fp8(cb.buf, scale, &v);
     Py_END_ALLOW_THREADS
