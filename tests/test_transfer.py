@@ -106,6 +106,14 @@ class HeldEngine(TransferEngine):
         return Held(None)
 
 
+async def _hbm_over_dram(tmp_path, hbm_blocks: int):  # type: ignore[no-untyped-def]
+    """A store of an HBM tier (on the CPU) of hbm_blocks blocks over a shared DRAM pool of 16 (a file in
+    tmp_path, which cannot be pinned)."""
+    return await build_store(load_config(env={}, overrides={
+        "tiers.hbm.capacity": hbm_blocks * BLOCK, "tiers.hbm.device": "cpu", "tiers.dram.capacity": 16 * BLOCK,
+        "tiers.dram.shm_dir": str(tmp_path), "tiers.dram.pin": False}))
+
+
 async def _put_chain(store, fp: bytes, n: int) -> tuple[list, list[bytes]]:  # type: ignore[no-untyped-def]
     """A chain of n full blocks put into `store` (namespace "ns"): their metas and payloads, in order."""
     parent, metas, payloads = root_key("ns", fp), [], []
@@ -121,10 +129,7 @@ async def _put_chain(store, fp: bytes, n: int) -> tuple[list, list[bytes]]:  # t
 
 
 async def test_batched_promotion_keeps_the_two_phase_protocol(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    cfg = load_config(env={}, overrides={"tiers.hbm.capacity": 4 * BLOCK, "tiers.hbm.device": "cpu",
-                                         "tiers.dram.capacity": 16 * BLOCK, "tiers.dram.shm_dir": str(tmp_path),
-                                         "tiers.dram.pin": False})  # a file on disk cannot be pinned
-    store = await build_store(cfg)
+    store = await _hbm_over_dram(tmp_path, 4)
     try:
         fp = store.registry.register(SPEC)
         metas, payloads = await _put_chain(store, fp, 8)  # 8 blocks into 4 of HBM: the first demoted to DRAM
@@ -187,10 +192,7 @@ async def test_a_promotion_cancelled_mid_copy_waits_for_its_copies_before_freein
     booked were freed at once, while the copy engine could still be writing into them (on a GPU a put reusing a
     slot would then get this copy's bytes over its own). The copies are waited for first. The engine is the
     real CPU copy whose completion the test holds; it records when the cancelled promotion waits for it."""
-    cfg = load_config(env={}, overrides={"tiers.hbm.capacity": 4 * BLOCK, "tiers.hbm.device": "cpu",
-                                         "tiers.dram.capacity": 16 * BLOCK, "tiers.dram.shm_dir": str(tmp_path),
-                                         "tiers.dram.pin": False})
-    store = await build_store(cfg)
+    store = await _hbm_over_dram(tmp_path, 4)
     try:
         fp = store.registry.register(SPEC)
         metas, _ = await _put_chain(store, fp, 8)
@@ -222,10 +224,7 @@ async def test_a_copy_into_the_pool_from_hbm_is_not_counted_as_a_promotion(tmp_p
     """copy_up brings a hit's blocks into the shared DRAM pool before describing them; from NVMe that is a
     promotion into DRAM, but from HBM (faster) it is a copy down, counted as the HBM tier's demotion (it was a
     DRAM promotion, so `engram stats` showed blocks promoted that had come down)."""
-    cfg = load_config(env={}, overrides={"tiers.hbm.capacity": 8 * BLOCK, "tiers.hbm.device": "cpu",
-                                         "tiers.dram.capacity": 16 * BLOCK, "tiers.dram.shm_dir": str(tmp_path),
-                                         "tiers.dram.pin": False})
-    store = await build_store(cfg)
+    store = await _hbm_over_dram(tmp_path, 8)
     try:
         fp = store.registry.register(SPEC)
         metas, _ = await _put_chain(store, fp, 3)
