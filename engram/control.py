@@ -118,7 +118,8 @@ class ControlClient:
     async def evict(self, *, key_prefixes: Sequence[str] = (), session_id: str = "", whole_namespace: bool = False,
                     force: bool = False, namespace: str | None = None, all_namespaces: bool = False) -> EvictResult:
         """Evict blocks by key (with every block extending them), the blocks only a session uses, or a whole
-        namespace. Pinned blocks refuse the request unless force; blocks being read are skipped and reported."""
+        namespace. Pinned blocks refuse the request unless force; blocks being read are skipped and reported.
+        NotFound when nothing matches (a key prefix, or a namespace holding no blocks)."""
         req = pb.EvictRequest(namespace=self._ns(namespace), all_namespaces=all_namespaces,
                               key_prefixes=list(key_prefixes), session_id=session_id,
                               whole_namespace=whole_namespace, force=force)

@@ -193,6 +193,8 @@ def test_bad_input_names_what_to_change(content: Content) -> None:
     none = cli("evict", "-a", addr)
     assert none.exit_code == 4 and "name what to evict" in none.stderr
     assert "--namespace" in cli("evict", "--whole-namespace", "-a", addr).stderr
+    typo = cli("evict", "--whole-namespace", "-n", "team-aa", "-a", addr)  # as a key prefix matching nothing
+    assert typo.exit_code == 3 and "'team-aa' holds no blocks" in typo.stderr
     bad = cli("evict", "xyz!", "-a", addr)
     assert bad.exit_code == 4 and "not a hex block key" in bad.stderr
     assert cli("pin", "-a", addr).exit_code == 4

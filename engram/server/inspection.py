@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 
 from engram.api import BlockDescription
-from engram.errors import InvalidArgument, PermissionDenied
+from engram.errors import InvalidArgument, NotFound, PermissionDenied
 from engram.inspection import Inspector
 from engram.server.auth import guard, is_admin, namespace_for
 from engram.server.errors import unary
@@ -80,7 +80,10 @@ class InspectionService:
         else:
             if req.all_namespaces:
                 raise InvalidArgument("whole_namespace evicts one namespace: name it, without all_namespaces")
-            metas = insp.namespace_blocks(namespace_for(context, req.namespace))
+            ns = namespace_for(context, req.namespace)
+            metas = insp.namespace_blocks(ns)
+            if not metas:  # as a key prefix that matches nothing: a typo must not look like success
+                raise NotFound(f"namespace {ns!r} holds no blocks: nothing to evict (`engram ls` lists namespaces)")
         return convert.to_pb(await insp.evict(metas, force=req.force), pb.EvictResponse)
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
