@@ -127,6 +127,7 @@ class ControlClient:
 
     async def pin(self, fingerprint: bytes, keys: Sequence[bytes], *, unpin: bool = False,
                   namespace: str | None = None) -> int:
-        """Pin blocks (never evicted) or, with unpin, remove one pin from each; returns how many changed."""
+        """Pin blocks (never evicted; moved down a tier only when nothing unpinned can be) or, with unpin, remove
+        one pin from each; returns how many changed."""
         req = pb.PinRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint, keys=list(keys), unpin=unpin)
         return (await self._call(self._stub.Pin(req))).changed

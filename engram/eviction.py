@@ -511,6 +511,20 @@ class TierVictims:
             bisect.insort(queue, fresh, key=_first)
         return None
 
+    def pinned_to_demote(self) -> BlockMeta | None:
+        """When every candidate is pinned, leased or moving: the least recently used pinned block that is neither
+        leased nor moving (of a sample, or of all when the sample meets none), for a tier that can demote. A pin
+        keeps a block stored, not in this tier: a tenant that pinned its blocks until DRAM was full failed every
+        other tenant's puts while NVMe had room."""
+        items = self._all.items
+        rand, n = self._rng.random, len(items)
+        drawn = [items[int(rand() * n)] for _ in range(min(n, 8 * self.sample))] if n > 2 * self.sample else items
+        for pool in (drawn, items):
+            found = [m for m in pool if m.pins and not m.leases and not m.moving and self._valid(m, False)]
+            if found:
+                return min(found, key=lambda m: m.tick)
+        return None
+
     def _candidates(self, leaf_only: bool, max_held: int | None) -> list[BlockMeta]:
         """Every evictable candidate when there are at most 2 x sample, else a sample of `sample` of them;
         entries no longer candidates are dropped on the way."""

@@ -593,6 +593,33 @@ async def test_daemon_with_nvme_over_grpc(server_factory, tmp_path: Path) -> Non
         assert check.scanned >= 8 and not check.findings
 
 
+async def test_pinned_blocks_that_fill_dram_move_down_keeping_their_pins(server_factory,  # type: ignore[no-untyped-def]
+                                                                         tmp_path: Path) -> None:
+    """One tenant pinned its blocks until DRAM was full, and every other tenant's put failed RESOURCE_EXHAUSTED
+    while NVMe had room (an audit): a pin keeps a block stored, not in DRAM. Unpinned blocks still go down first."""
+    srv = await server_factory(**{"tiers.dram.capacity": 4 * BLOCK, "tiers.nvme.path": str(tmp_path / "nvme")})
+    async with EngramClient(srv.address, namespace="pins") as a, EngramClient(srv.address, namespace="other") as b:
+        fp = await a.register_model(SPEC)
+        await b.register_model(SPEC)
+        plain = tokens(BLOCK_TOKENS, seed=9)
+        await a.put(fp, plain, random_kv(SPEC, len(plain), seed=9))  # unpinned: the first to move down
+        pinned = tokens(4 * BLOCK_TOKENS, seed=1)
+        kv = random_kv(SPEC, len(pinned), seed=1)
+        keys = list((await a.put(fp, pinned, kv, pin=True)).keys)
+        assert {x.tier for x in (await a.lookup(fp, plain)).blocks} == {"nvme"}
+        assert {x.tier for x in (await a.lookup(fp, pinned)).blocks} == {"dram"}  # DRAM holds pinned blocks only
+        for seed in (2, 3):  # another tenant's puts: before, "every block in it is pinned"
+            t = tokens(2 * BLOCK_TOKENS, seed=seed)
+            await b.put(fp, t, random_kv(SPEC, len(t), seed=seed))
+        tiers = [x.tier for x in (await a.lookup(fp, pinned)).blocks]
+        assert len(tiers) == 4 and tiers[0] == "nvme"  # the least recently used pinned block moved down first
+        assert [d.pins for d in (await a.describe_blocks(key_prefixes=[k.hex() for k in keys])).blocks] == [1] * 4
+        n, got = await a.get_prefix(fp, pinned)
+        assert n == len(pinned) and got is not None and torch.equal(got, kv)
+        with pytest.raises(errors.FailedPrecondition, match="pinned"):  # still pinned: refused without force
+            await a.evict(key_prefixes=[keys[0].hex()])
+
+
 @pytest.mark.parametrize("journal", [True, False])
 async def test_a_directory_named_as_a_block_file_is_reported_and_left_alone(tmp_path: Path, journal: bool) -> None:
     """A directory where a block file of a valid name could be (an operator's copy, a mount): it was taken for a
