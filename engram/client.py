@@ -781,13 +781,13 @@ class EngramClient(ControlClient):
         task.add_done_callback(self._releasing.discard)
 
     async def _release(self, lease_ids: set[int], namespace: str | None) -> None:
-        if not lease_ids:
-            return
-        req = pb.ReleaseLeasesRequest(namespace=self._ns(namespace), lease_ids=sorted(lease_ids))
-        # Expired meanwhile (NotFound), the daemon is gone, or this client was closed before a background release
-        # ran (grpc's UsageError): either way the leases end by expiry.
-        with contextlib.suppress(errors.NotFound, errors.Unavailable, grpc.aio.UsageError):
-            await self._call(self._stub.ReleaseLeases(req))
+        ids = sorted(lease_ids)
+        for start in range(0, len(ids), self._max_blocks):  # as many as one request may name, each
+            req = pb.ReleaseLeasesRequest(namespace=self._ns(namespace), lease_ids=ids[start : start + self._max_blocks])
+            # Expired meanwhile (NotFound), the daemon is gone, or this client was closed before a background
+            # release ran (grpc's UsageError): either way the leases end by expiry.
+            with contextlib.suppress(errors.NotFound, errors.Unavailable, grpc.aio.UsageError):
+                await self._call(self._stub.ReleaseLeases(req))
 
     async def release_leases(self, lease_ids: Sequence[int], *, namespace: str | None = None) -> int:
         """End zero-copy leases explicitly (get does this itself); NotFound when one is not held here."""
@@ -848,7 +848,10 @@ class EngramClient(ControlClient):
         bt = spec.layout.block_tokens
         zero_copy = self._zero_copy_ok and same_host(self.address)
         ns = self._ns(namespace)
-        held = self._held.pop(ns, [])  # the last load's lease: ended by this call, before it starts
+        held = self._held.pop(ns, [])  # the last loads' leases: ended by this call, before it starts
+        if len(held) > self._max_blocks:  # more than one request may name (many loads ended since the last)
+            held, rest = held[: self._max_blocks], held[self._max_blocks :]
+            self._release_later(set(rest), ns)
         req = pb.GetPrefixRequest(namespace=ns, model_fingerprint=fingerprint,
                                   tokens=convert.tokens_to_pb(tokens), zero_copy=zero_copy,
                                   cuda_ipc=zero_copy and device.type == "cuda", release_lease_ids=held,

@@ -370,3 +370,30 @@ async def test_a_chain_longer_than_one_request_may_name_goes_in_parts(server_fac
         dest = torch.zeros_like(kv)
         assert (await c.load_prefix_into(fp, toks, dest)).loaded_tokens == len(toks)
         assert torch.equal(dest, kv)
+
+
+async def test_more_finished_loads_than_one_request_may_name_end_their_leases_in_parts(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """Each finished load's lease waits for the next load's GetPrefix to end it; more of them than
+    server.max_blocks_per_request (8 concurrent loads, a bound of 4) made that next load fail RESOURCE_EXHAUSTED,
+    and the background release too: the leases stayed until they expired (an audit)."""
+    srv = await server_factory(**{"server.max_blocks_per_request": 4})
+    spec = tiny_model()
+    async with EngramClient(srv.address, namespace="t", zero_copy=False) as c:
+        fp = await c.register_model(spec)
+        toks = tokens(2 * BLOCK_TOKENS, seed=3)
+        kv = random_kv(spec, len(toks), seed=3)
+        await c.put(fp, toks, kv)
+        dests = [torch.zeros_like(kv) for _ in range(8)]
+        await asyncio.gather(*(c.load_prefix_into(fp, toks, d) for d in dests))
+        assert all(torch.equal(d, kv) for d in dests)
+        assert (await c.stats()).leases == 8  # held for the next load
+        dest = torch.zeros_like(kv)
+        assert (await c.load_prefix_into(fp, toks, dest)).loaded_tokens == len(toks) and torch.equal(dest, kv)
+        for _ in range(50):  # the four it could not name go in a ReleaseLeases of their own, at once
+            if (await c.stats()).leases == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert (await c.stats()).leases == 1  # the last load's own
+        await c.close()  # and the close ends that one, in parts too
+    async with EngramClient(srv.address, namespace="t") as c:
+        assert (await c.stats()).leases == 0
