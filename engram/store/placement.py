@@ -156,8 +156,10 @@ class Placement:
             # A caller that will not wait (a promotion, a transfer's copy) gives up after passing SKIP_HELD
             # blocks it may not evict: it skips the copy rather than scan the tier's leased blocks every time.
             victim = victims.victim(leaf_only=lower is None, max_held=None if wait else SKIP_HELD)
-            if victim is None and lower is not None:
-                victim = victims.pinned_to_demote()  # pinned blocks move down (keeping their pins) before anyone waits
+            if victim is None and lower is not None and wait:
+                # A put that must land moves a pinned block down (keeping its pin) rather than fail; a promotion
+                # (wait=False) is served from below instead: it does not push pinned blocks out.
+                victim = victims.pinned_to_demote()
             if victim is None and wait and self.busy and time.monotonic() < deadline:
                 # Every candidate is moving or being read: one of those ends soon and frees a victim.
                 async with self.freed:
