@@ -100,13 +100,20 @@ class Inspector:
             found.append(hits[0])
         return found
 
-    def describe(self, metas: Iterable[BlockMeta]) -> list[BlockDetail]:
+    def describe(self, metas: Iterable[BlockMeta], session: Session | None = None) -> list[BlockDetail]:
+        """Blocks as `engram show` prints them. `sessions` counts the live sessions holding each (the references
+        eviction reads), and `session` (when its chain is described) for every block of it: a block its tokens
+        reach without its holding it (a longer block stored over its partial tail) is still on its way."""
         now = time.time()
+
+        def refs(m: BlockMeta) -> int:
+            return m.refs + (session is not None and session.held.get(m.key) is not m)
+
         return [BlockDetail(
             key=m.key, parent=m.parent, namespace=m.namespace, model_fingerprint=m.model_fingerprint,
             num_tokens=m.num_tokens, full=m.full, tiers=tuple(m.locations), codec=self._codec(m),
-            checksum=m.checksum, nbytes=m.nbytes, pins=m.pins, children=m.children, sessions=m.refs,
-            refcount=m.children + m.refs + m.pins, leases=m.leases, hits=m.hits, age_s=now - m.created,
+            checksum=m.checksum, nbytes=m.nbytes, pins=m.pins, children=m.children, sessions=refs(m),
+            refcount=m.children + refs(m) + m.pins, leases=m.leases, hits=m.hits, age_s=now - m.created,
             start_token=self._start(m)) for m in metas]
 
     def _codec(self, meta: BlockMeta) -> str:

@@ -58,8 +58,9 @@ class InspectionService:
             raise InvalidArgument("DescribeBlocks takes a session_id or key_prefixes, exactly one of them")
         check_limit("DescribeBlocks keys", len(req.key_prefixes), self.max_blocks)
         if req.session_id:
-            chain = insp.chain(insp.sessions.get(namespace_for(context, req.namespace), req.session_id))
-            description = BlockDescription(tuple(insp.describe(chain.blocks)), chain.summary())
+            s = insp.sessions.get(namespace_for(context, req.namespace), req.session_id)
+            chain = insp.chain(s)
+            description = BlockDescription(tuple(insp.describe(chain.blocks, s)), chain.summary())
         else:
             ns = _scope(context, req.namespace, req.all_namespaces, "DescribeBlocks")
             description = BlockDescription(tuple(insp.describe(insp.resolve(ns, list(req.key_prefixes)))))
