@@ -254,10 +254,13 @@ class EngramClient(ControlClient):
         bt = spec.layout.block_tokens
         if spec.layout.has_streams:
             _check_streams(spec, kv, len(arr))
-        elif not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[2] != len(arr):
+        elif not isinstance(kv, torch.Tensor) or tuple(kv.shape) != spec.layout.block_shape(len(arr)):
+            # The whole shape, before a path is chosen: the in-place path lays bytes out by the layout, so a
+            # (.., head_dim, kv_heads) tensor was stored as the model's KV there while the bytes path refused it.
             got = tuple(kv.shape) if isinstance(kv, torch.Tensor) else f"streams {sorted(kv)}"
             raise errors.InvalidArgument(
-                f"kv must be (layers, 2, tokens, kv_heads, head_dim) with tokens={len(arr)}, got {got}"
+                f"kv must be (persisted layers, 2, tokens, kv_heads, head_dim) = {spec.layout.block_shape(len(arr))} "
+                f"for {len(arr)} tokens of {spec.name}, got {got}"
             )
         if self._gate is not None and self._gate.loads:
             await asyncio.to_thread(self._gate.give_way)

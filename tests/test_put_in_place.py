@@ -53,6 +53,28 @@ async def test_an_in_place_put_stores_what_a_put_stores(server_factory, codec: s
         assert (again.stored, again.skipped) == (0, 5)
 
 
+@pytest.mark.parametrize("codec", ["raw", "nvfp4"])
+async def test_kv_of_another_shape_is_refused_on_every_path(server_factory, codec: str) -> None:  # type: ignore[no-untyped-def]
+    """KV with kv_heads and head_dim swapped (or the other factors of their product, or another layer count) is
+    InvalidArgument in place as on the bytes path: in place it was stored as the model's KV (its bytes laid out
+    by the layout), or failed with a bare torch error after reserving slots (an audit)."""
+    srv = await server_factory()
+    spec = tiny_model(codec=codec)
+    toks = tokens(2 * BLOCK_TOKENS)
+    kv = random_kv(spec, len(toks))
+    layers, _, t, heads, dim = kv.shape
+    wrong = [kv.reshape(layers, 2, t, dim, heads), kv.reshape(layers, 2, t, heads * 2, dim // 2),
+             torch.cat([kv, kv[:1]]), kv[..., :-1]]
+    for ns, kw in (("in-place", {"in_place_min_bytes": 0}), ("bytes", {"zero_copy": False})):
+        async with EngramClient(srv.address, namespace=ns, **kw) as c:
+            fp = await c.register_model(spec)
+            for bad in wrong:
+                with pytest.raises(errors.InvalidArgument, match=r"kv must be \(persisted layers"):
+                    await c.put(fp, toks, bad)
+            assert (await c.lookup(fp, toks)).matched_tokens == 0  # nothing stored, no reservation left
+            assert (await c.put(fp, toks, kv)).stored == 2
+
+
 async def test_a_chain_longer_than_the_pool_goes_in_rounds(server_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
     spec = tiny_model()
     block = spec.layout.block_nbytes(BLOCK_TOKENS)
