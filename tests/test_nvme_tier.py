@@ -150,12 +150,14 @@ async def test_every_directory_a_durable_block_lies_in_is_itself_synced(tmp_path
     await store.close()
 
 
+@pytest.mark.parametrize("gone_by", ["eviction", "check --fix"])
 async def test_a_block_written_again_with_other_bytes_survives_losing_the_journals_unsynced_tail(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A block is deleted, then put again with other bytes under the same key (a recompute that is not
-    bit-identical). A power loss keeps the journal up to its last fsync, and any part of what follows: at
-    every such cut, recovery serves the new file (had the old add survived without the remove, it would trust
-    the old header for the new file and drop it at its first read)."""
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gone_by: str) -> None:
+    """A block is deleted (evicted, or its corrupt file removed by an online check --fix), then put again with
+    other bytes under the same key (a recompute that is not bit-identical). A power loss keeps the journal up to
+    its last fsync, and any part of what follows: at every such cut, recovery serves the new file (had the old
+    add survived without the remove, it would trust the old header for the new file and drop it at its first
+    read: the check's remove was not synced before the new file was published, an audit)."""
     synced: dict[Path, int] = {}
     fsync = os.fsync
 
@@ -172,7 +174,12 @@ async def test_a_block_written_again_with_other_bytes_survives_losing_the_journa
     [key] = await put_seq(store, t, random_kv(SPEC, len(t), seed=1))
     meta = store.index.get(key)
     assert meta is not None
-    await store.placement.delete_block(meta)
+    if gone_by == "eviction":
+        await store.placement.delete_block(meta)
+    else:
+        await store.placement.drop_copy(meta, "dram")  # on disk only, then corrupt there
+        _flip(store.tiers[1].path_of(key), -5)  # type: ignore[attr-defined]
+        assert not (await store.check(fix=True)).ok and key not in store.index
     new = random_kv(SPEC, len(t), seed=2)
     assert await put_seq(store, t, new) == [key]
     journal = max((root / "index").glob("journal.*"), key=lambda p: int(p.name.split(".")[1]))

@@ -576,6 +576,8 @@ class NvmeTier:
         self.unverified.discard(key)
         if self._journal_open:
             self._journal.remove(key)  # type: ignore[union-attr]
+            if self.fsync:  # as delete: a block put again under this key must not be published before this remove
+                self._removed.add(key)  # is on disk (recovery would trust the old header and drop the new file)
 
     def keys(self) -> Iterable[bytes]:
         return self._files.keys()
