@@ -107,3 +107,45 @@ async def test_describing_and_evicting_by_session_do_not_rematch_every_live_sess
         assert len(matched) == 1  # s0's own chain, once
     finally:
         del server.store.match
+
+
+async def test_describing_a_long_chain_walks_it_once_and_short_prefixes_sort_the_namespace_once(
+        server: RunningServer, client: EngramClient) -> None:
+    """Each block's start position walked its parents to the root (a 32k-block session's DescribeBlocks took a
+    minute with the daemon stalled), and each key prefix scanned the namespace's every block: now one walk of
+    the chain and one sort per call, with the same answers (start positions, unique and ambiguous prefixes)."""
+    spec = tiny_model()
+    fp = await client.register_model(spec)
+    toks = tokens(64 * 16)
+    keys = (await client.put(fp, toks, random_kv(spec, len(toks)))).keys
+    await client.open_session(fp, session_id="long", tokens=toks, mode="persist")
+    calls = {"block": 0, "blocks": 0}
+    store = server.store
+    real_block, real_blocks = store.block, store.blocks
+
+    def counted_block(key: bytes):  # type: ignore[no-untyped-def]
+        calls["block"] += 1
+        return real_block(key)
+
+    def counted_blocks(*a):  # type: ignore[no-untyped-def]
+        calls["blocks"] += 1
+        return real_blocks(*a)
+
+    store.block, store.blocks = counted_block, counted_blocks  # type: ignore[method-assign]
+    try:
+        details = (await client.describe_blocks(session_id="long")).blocks
+        assert [d.start_token for d in details] == [16 * i for i in range(64)]
+        assert calls["block"] <= 2 * 64  # not 64 * 63 / 2
+        short = [k.hex()[:10] for k in keys]
+        calls["blocks"] = 0
+        got = (await client.describe_blocks(key_prefixes=short)).blocks
+        assert [d.key for d in got] == list(keys) and calls["blocks"] == 1
+        assert [d.start_token for d in got] == [16 * i for i in range(64)]
+    finally:
+        del store.block, store.blocks
+    firsts = [k.hex()[0] for k in keys]
+    common = max(set(firsts), key=firsts.count)  # a first digit several of the 64 keys share
+    with pytest.raises(errors.InvalidArgument, match=f"matches {firsts.count(common)} blocks"):
+        await client.describe_blocks(key_prefixes=[common])
+    with pytest.raises(errors.NotFound):
+        await client.describe_blocks(key_prefixes=["0" * 32])
