@@ -57,6 +57,9 @@ class ServerConfig:
     max_message_bytes: ByteSize = ByteSize(64 * 2**20)  # gRPC send/receive limit per message
     chunk_bytes: ByteSize = ByteSize(8 * 2**20)  # payload bytes per streamed message (< max_message_bytes)
     max_concurrent_rpcs: int = 512  # beyond this, RPCs are refused with RESOURCE_EXHAUSTED
+    # With tenancy on, the calls one tenant's token may have in flight (admins: no bound); past it its calls are
+    # RESOURCE_EXHAUSTED, so one tenant (idle Put streams, say) cannot take every slot from the others. 0: no bound.
+    max_concurrent_rpcs_per_tenant: int = 128
     max_blocks_per_request: int = 4096  # blocks (or keys) one Put, Get, ReservePut, DescribeBlocks or Evict may name
     max_tokens_per_request: int = 1 << 21  # also the longest a session may grow
     max_block_bytes: ByteSize = ByteSize(256 * 2**20)  # a model whose raw block is larger is refused at register
@@ -289,6 +292,9 @@ class EngramConfig:
             raise ConfigError(f"codec.quality_sample must be >= 0 (0: off), got {self.codec.quality_sample}")
         if not self.codec.max_error >= 0:  # NaN too
             raise ConfigError(f"codec.max_error must be >= 0 (0: off), got {self.codec.max_error}")
+        if s.max_concurrent_rpcs_per_tenant < 0:
+            raise ConfigError("server.max_concurrent_rpcs_per_tenant must be >= 0 (0: no bound), got "
+                              f"{s.max_concurrent_rpcs_per_tenant}")
         if s.max_message_bytes > 2**31 - 1:
             raise ConfigError(f"server.max_message_bytes is at most 2 GiB - 1 (gRPC's int32), got {s.max_message_bytes}")
         for key, value in (("server.max_block_bytes", s.max_block_bytes), ("server.max_models", s.max_models),

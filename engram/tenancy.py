@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Protocol
 
 from engram.config import AuthConfig, ConfigError, _apply_tree
-from engram.errors import Unauthenticated
+from engram.errors import ResourceExhausted, Unauthenticated
 
 SALT_BYTES = 16
 
@@ -89,7 +89,9 @@ class Tenancy:
     principals: dict[bytes, Principal] = field(default_factory=dict)  # token digest -> principal
     quotas: dict[str, int] = field(default_factory=dict)  # namespace -> bytes
     session_limits: dict[str, int] = field(default_factory=dict)  # namespace -> live sessions
+    max_calls: int = 0  # calls one tenant may have in flight (server.max_concurrent_rpcs_per_tenant); 0: no bound
     _salts: dict[str, bytes] = field(default_factory=dict)
+    _calls: dict[str, int] = field(default_factory=dict)  # tenant -> calls in flight
 
     @classmethod
     def from_config(cls, auth: AuthConfig, peer_token: str = "") -> Tenancy | None:
@@ -125,6 +127,22 @@ class Tenancy:
             raise ConfigError(f"{principal.name} and {self.principals[digest].name} have the same token; give "
                               "every tenant its own")
         self.principals[digest] = principal
+
+    def enter(self, p: Principal) -> None:
+        """A call of `p` starts; RESOURCE_EXHAUSTED past its share of the daemon's concurrent calls (admins have
+        none: they act on the whole daemon). Each enter is paired with a `leave`."""
+        n = self._calls.get(p.name, 0)
+        if self.max_calls and not p.admin and n >= self.max_calls:
+            raise ResourceExhausted(f"this token has {n} calls in flight, its limit "
+                                    "(server.max_concurrent_rpcs_per_tenant); end idle streams or wait for answers")
+        self._calls[p.name] = n + 1
+
+    def leave(self, p: Principal) -> None:
+        n = self._calls[p.name] - 1
+        if n:
+            self._calls[p.name] = n
+        else:
+            del self._calls[p.name]
 
     def authenticate(self, metadata: object) -> Principal:
         """The principal of a call's `authorization: Bearer <token>` metadata."""

@@ -352,3 +352,40 @@ async def test_the_admins_stats_list_a_namespace_that_holds_only_sessions(daemon
         assert "alice" in {n.namespace for n in (await admin.stats()).namespaces}
     async with as_(daemon, ALICE) as a:
         assert "alice" in {n.namespace for n in (await a.stats()).namespaces}
+
+
+async def test_one_tenants_idle_streams_cannot_take_every_slot_from_the_others(server_factory: Any) -> None:
+    """Bob opened Put streams that send nothing until the daemon's max_concurrent_rpcs was reached: every other
+    caller was refused, health checks included (an audit). Now each token has a share of the calls in flight
+    (server.max_concurrent_rpcs_per_tenant): past it Bob's calls are RESOURCE_EXHAUSTED, Alice and the admin are
+    served, and Bob's share comes back when his streams end."""
+    import asyncio
+
+    import grpc
+
+    from engram.v1 import engram_pb2 as pb
+
+    srv = await server_factory(**AUTH, **{"server.max_concurrent_rpcs": 8,
+                                          "server.max_concurrent_rpcs_per_tenant": 3})
+    async with grpc.aio.insecure_channel(srv.address) as ch:
+        put = ch.stream_unary("/engram.v1.Engram/Put", request_serializer=pb.PutRequest.SerializeToString,
+                              response_deserializer=pb.PutResponse.FromString)
+        never = asyncio.Event()
+
+        async def silent() -> Any:
+            await never.wait()  # a stream that sends nothing
+            yield pb.PutRequest()
+
+        idle = [put(silent(), metadata=(("authorization", f"Bearer {BOB}"),)) for _ in range(8)]
+        await asyncio.sleep(0.3)  # all started on the daemon: three hold Bob's share, five were refused
+        async with as_(srv, BOB) as b:
+            with pytest.raises(errors.ResourceExhausted, match="max_concurrent_rpcs_per_tenant"):
+                await b.stats()
+        async with as_(srv, ALICE) as a, as_(srv, ADMIN) as admin:
+            assert (await a.stats()).version and (await admin.stats()).version
+            await a.register_model(tiny_model())
+        for call in idle:
+            call.cancel()
+        await asyncio.sleep(0.3)
+    async with as_(srv, BOB) as b:
+        assert (await b.stats()).version  # his share is back

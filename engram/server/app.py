@@ -229,6 +229,8 @@ async def start_server(config: EngramConfig, store: BlockStore | None = None,
     try:
         trust = ClusterTrust.from_config(config.cluster) if config.cluster.redis_url else None
         tenancy = Tenancy.from_config(config.auth, trust.peer_token if trust else config.cluster.peer_token)
+        if tenancy is not None:
+            tenancy.max_calls = config.server.max_concurrent_rpcs_per_tenant
         if store is None:
             store = built = await build_store(config, tenancy)
         return await _start(config, store, sessions, tenancy, trust, socket_lock)

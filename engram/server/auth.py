@@ -70,10 +70,13 @@ def guard(behavior: Callable[..., Any], tenancy: Tenancy | None) -> Callable[...
     """Wrap an RPC behaviour (coroutine or async generator): authenticate, then run as that principal."""
 
     async def principal_of(context: Any) -> Principal:
+        """The caller, its call counted against its share (`Tenancy.enter`): the caller must `leave`."""
         if tenancy is None:
             return OPEN
         try:
-            return tenancy.authenticate(context.invocation_metadata())
+            p = tenancy.authenticate(context.invocation_metadata())
+            tenancy.enter(p)
+            return p
         except Exception as exc:
             await abort_with(context, exc, behavior.__name__)
             raise
@@ -81,14 +84,24 @@ def guard(behavior: Callable[..., Any], tenancy: Tenancy | None) -> Callable[...
     if inspect.isasyncgenfunction(behavior):
 
         async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
-            _principal.set(await principal_of(context))
-            async for item in behavior(request, context):
-                yield item
+            p = await principal_of(context)
+            _principal.set(p)
+            try:
+                async for item in behavior(request, context):
+                    yield item
+            finally:
+                if tenancy is not None:
+                    tenancy.leave(p)
 
         return stream
 
     async def unary(request: Any, context: Any) -> Any:
-        _principal.set(await principal_of(context))
-        return await behavior(request, context)
+        p = await principal_of(context)
+        _principal.set(p)
+        try:
+            return await behavior(request, context)
+        finally:
+            if tenancy is not None:
+                tenancy.leave(p)
 
     return unary
