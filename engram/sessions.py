@@ -23,6 +23,7 @@ Sessions live in daemon memory; they do not survive a restart (their blocks do).
 from __future__ import annotations
 
 import asyncio
+import collections
 import heapq
 import itertools
 import logging
@@ -179,6 +180,7 @@ class SessionManager:
         self.max_persisted_window_bytes = max_persisted_window_bytes
         self._persisted_bytes = 0
         self._sessions: dict[tuple[str, str], Session] = {}
+        self._per_namespace: collections.Counter[str] = collections.Counter()  # live sessions: Stats asks per namespace
         self._hot: OrderedDict[tuple[str, str], None] = OrderedDict()  # rebuilt windows, LRU first
         self.windows_dropped_cold = 0  # rebuilt windows dropped because their session's blocks left memory
         self.prefetch_lead_ms = prefetch_lead_ms
@@ -215,6 +217,7 @@ class SessionManager:
         self._check_length(len(toks))
         s = Session(sid, namespace, fingerprint, toks, mode, approx_k)
         self._sessions[(namespace, sid)] = s
+        self._per_namespace[namespace] += 1
         self._closed_idle.pop((namespace, sid), None)
         self._touch(s)
         self.hold(s)
@@ -485,6 +488,9 @@ class SessionManager:
         self._hand_back(s, dropped)
         s.held = {}
         del self._sessions[(namespace, session_id)]
+        self._per_namespace[namespace] -= 1
+        if not self._per_namespace[namespace]:
+            del self._per_namespace[namespace]
         return s
 
     def _check_length(self, n: int) -> None:
@@ -706,7 +712,7 @@ class SessionManager:
         return list(self._sessions.values())
 
     def count_in(self, namespace: str) -> int:
-        return sum(1 for ns, _ in self._sessions if ns == namespace)
+        return self._per_namespace[namespace]  # a scan of every session per namespace made Stats quadratic
 
     def count(self, namespaces: list[str] | None = None) -> int:
         """Live sessions, of some namespaces only (a tenant's Stats) or of all."""

@@ -104,6 +104,21 @@ async def test_another_namespaces_session_is_reported_like_an_absent_one(model: 
     assert d.sessions.get("alice", "s1").namespace == "alice"
 
 
+async def test_sessions_per_namespace_count_opens_forks_and_closes(model: HybridDecoder) -> None:
+    """Stats asks every namespace for its live sessions: a count kept as sessions open and close (a scan of every
+    session per namespace took 2.4 s behind 10,000 namespaces, an audit), equal to the scan."""
+    d = Daemon(model)
+    for i in range(6):
+        d.sessions.open(f"ns{i % 3}", d.fp, PERSIST, session_id=f"s{i}", tokens=toks(8))
+    d.sessions.fork("ns0", "s0", "fork")
+    d.sessions.close("ns1", "s1")
+    d.sessions.close("ns1", "s4")
+    for ns in ("ns0", "ns1", "ns2", "never"):
+        assert d.sessions.count_in(ns) == sum(1 for s in d.sessions.sessions() if s.namespace == ns)
+    assert [d.sessions.count_in(ns) for ns in ("ns0", "ns1", "ns2")] == [3, 0, 2]
+    assert d.sessions.count(["ns0", "ns2"]) == 5
+
+
 # ---- references on prefix blocks ---------------------------------------------------------------------------
 
 
