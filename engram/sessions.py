@@ -568,10 +568,15 @@ class SessionManager:
         # may take seconds) left blocks with no copy in the answer (INTERNAL, found by benchmarks/soak.py).
         cooled = s.cooled
         with self.store.reading(match.blocks):
-            global_kv = await self._global_kv(match.blocks, p)
+            await self._take_turn()  # before the read: a Resume refused for the queue reads and decodes nothing
+            try:
+                global_kv = await self._global_kv(match.blocks, p)
+            except BaseException:
+                self._replay_turns.release()
+                raise
             t0 = time.perf_counter()
             tokens = torch.as_tensor(s.tokens[:p], dtype=torch.long)
-            rec = await self._replay(model, tokens, global_kv, mode)
+            rec = await self._replay(model, tokens, global_kv, mode)  # gives the turn back
         if self._sessions.get((namespace, session_id)) is not s:  # closed (by its client, or idle) meanwhile
             raise NotFound(f"session {session_id} was closed during its Resume")
         seconds = time.perf_counter() - t0
@@ -594,12 +599,12 @@ class SessionManager:
         """The daemon stops: the replay threads end (a replay still running finishes first, in its thread)."""
         self._replay_threads.shutdown(wait=False, cancel_futures=True)
 
-    async def _replay(self, model: ReplayModel, tokens: torch.Tensor, global_kv: torch.Tensor, mode: ReplayMode
-                      ) -> Reconstruction:
-        """runtime.rebuild on a replay thread, once a turn is free: replays are seconds of CPU or GPU each, and
-        one tenant's many Resumes (or cancelled ones, whose threads cannot be stopped) took the threads every
-        decode and encode of the daemon runs on. A Resume cancelled while it waits never runs; one cancelled
-        while it runs keeps its turn until its thread is done, so no more than the bound ever run."""
+    async def _take_turn(self) -> None:
+        """Wait for one of replay.max_concurrent turns: replays are seconds of CPU or GPU each, and one tenant's
+        many Resumes (or cancelled ones, whose threads cannot be stopped) took the threads every decode and encode
+        of the daemon runs on. ResourceExhausted past replay.max_queued waiting. Taken before the Resume reads its
+        prefix: every refused Resume had read and decoded its whole global KV first, and any number of them
+        decoded at once (an audit). A Resume cancelled while it waits never runs."""
         if self._replays_waiting >= self.max_queued_replays and self._replay_turns.locked():
             raise ResourceExhausted(f"{self._replays_waiting} replays are waiting for a turn (replay.max_queued); "
                                     "retry later, or prefill the prefix instead")
@@ -608,6 +613,11 @@ class SessionManager:
             await self._replay_turns.acquire()
         finally:
             self._replays_waiting -= 1
+
+    async def _replay(self, model: ReplayModel, tokens: torch.Tensor, global_kv: torch.Tensor, mode: ReplayMode
+                      ) -> Reconstruction:
+        """runtime.rebuild on a replay thread, in a turn the caller took (`_take_turn`), which this gives back. One
+        cancelled while it runs keeps its turn until its thread is done, so no more than the bound ever run."""
         running = asyncio.get_running_loop().run_in_executor(self._replay_threads, self.runtime.rebuild, model,
                                                              tokens, global_kv, mode)
         try:

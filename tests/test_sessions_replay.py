@@ -352,17 +352,28 @@ async def test_replays_run_a_bounded_number_at_once_and_a_cancelled_wait_never_r
         return real_rebuild(model_, tokens, global_kv, mode)
 
     monkeypatch.setattr(sessions.runtime, "rebuild", rebuild_after_the_gate)
+    reads = []
+    real_read = srv.store.read
+
+    async def counted_read(meta, *a, **k):  # type: ignore[no-untyped-def]
+        reads.append(meta.key)
+        return await real_read(meta, *a, **k)
+
+    monkeypatch.setattr(srv.store, "read", counted_read)
     toks = tokens_for(P + 1, seed=33)
     async with EngramClient(srv.address) as client:
         fp, sid = await put_session(client, model, toks[:P])
         running = asyncio.create_task(client.resume(sid, position=P))
         while not started:
             await asyncio.sleep(0.01)
+        read_by_the_running_one = len(reads)
         waiting = asyncio.create_task(client.resume(sid, position=P - 1))
         while sessions._replays_waiting < 1:
             await asyncio.sleep(0.01)
         with pytest.raises(errors.ResourceExhausted, match=r"replay\.max_queued"):
             await client.resume(sid, position=P - 2)
+        # Neither the waiting Resume nor the refused one read its prefix: each had read and decoded it all first
+        assert len(reads) == read_by_the_running_one
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
