@@ -172,9 +172,9 @@ class SessionManager:
         self.persist_tier = persist_tier
         self.max_hot_windows = max_hot_windows
         # Bounds on what sessions hold in daemon memory: their number per namespace (a tenant's own
-        # max_sessions overrides it), their length, and persisted windows, which also count against their
-        # namespace's quota (store.hold) so that a tenant cannot keep outside its quota what it could not
-        # keep inside.
+        # max_sessions overrides it), their length, and persisted windows, which with the sessions' tokens also
+        # count against their namespace's quota (store.hold) so that a tenant cannot keep outside its quota what
+        # it could not keep inside.
         self.max_sessions_per_namespace = max_sessions_per_namespace
         self.max_session_tokens = max_session_tokens
         self.max_persisted_window_bytes = max_persisted_window_bytes
@@ -215,6 +215,9 @@ class SessionManager:
                                     "it no longer needs (or raise the tenant's max_sessions)")
         toks = np.asarray(tokens if tokens is not None else [], dtype=np.int32)
         self._check_length(len(toks))
+        # The tokens count against the quota as a persisted window does: 4 bytes each, up to
+        # server.max_tokens_per_request per session, 4,096 sessions: 32 GiB a tenant kept outside its quota.
+        self.store.hold(namespace, toks.nbytes, "this session's tokens")
         s = Session(sid, namespace, fingerprint, toks, mode, approx_k)
         self._sessions[(namespace, sid)] = s
         self._per_namespace[namespace] += 1
@@ -437,8 +440,15 @@ class SessionManager:
                 raise InvalidArgument(f"the window serves position {window.prefix_len}, the session will have "
                                       f"{new_len} tokens")
             window.validate(self.store.spec(s.fingerprint))
-            self._keep_window(s, window)  # counted (or refused) before anything of the session changes
-        s.tokens = np.concatenate([s.tokens, np.asarray(tokens, dtype=np.int32)])
+        added = np.asarray(tokens, dtype=np.int32)
+        self.store.hold(s.namespace, added.nbytes, "these tokens")  # counted (or refused) before the session changes
+        if window is not None:
+            try:
+                self._keep_window(s, window)  # likewise
+            except BaseException:
+                self.store.release_held(s.namespace, added.nbytes)
+                raise
+        s.tokens = np.concatenate([s.tokens, added])
         self.hold(s)
         if window is None and s.mode != SessionMode.PERSIST:
             self._drop_hot(s)  # a window for the old length is stale
@@ -446,6 +456,16 @@ class SessionManager:
                 self._release_window(s)
         self._hint(s, expect_back_ms)  # checked above
         return s
+
+    def set_tokens(self, s: Session, tokens: np.ndarray) -> None:
+        """Replace the session's whole context (the trace replayer's way to a next turn), counted against the
+        quota as an append is; the caller re-resolves its blocks (`hold`)."""
+        delta = tokens.nbytes - s.tokens.nbytes
+        if delta > 0:
+            self.store.hold(s.namespace, delta, "these tokens")
+        elif delta < 0:
+            self.store.release_held(s.namespace, -delta)
+        s.tokens = tokens
 
     def fork(self, namespace: str, parent_id: str, session_id: str = "", position: int = 0) -> Session:
         """A sub-agent starting from its parent's prefix: tokens are copied, blocks are shared by content."""
@@ -487,6 +507,7 @@ class SessionManager:
         self.store.reference(dropped, -1, s.expected)
         self._hand_back(s, dropped)
         s.held = {}
+        self.store.release_held(namespace, s.tokens.nbytes)
         del self._sessions[(namespace, session_id)]
         self._per_namespace[namespace] -= 1
         if not self._per_namespace[namespace]:

@@ -190,7 +190,9 @@ async def test_persisted_windows_count_against_the_quota_and_a_daemon_budget(ser
     spec = tiny_model()
     win = window_for(spec, BLOCK_TOKENS)  # (2, 2, 7, 2, 16) bf16: 1,792 bytes
     nbytes = win.numel() * 2
-    srv = await server_factory(**{"auth.tenants.t.token": "tok", "auth.tenants.t.quota": 4 * 1024 + 2 * nbytes,
+    # a block, two windows, and the 4-byte tokens of three sessions' appends (sessions' tokens count too)
+    srv = await server_factory(**{"auth.tenants.t.token": "tok",
+                                  "auth.tenants.t.quota": 4 * 1024 + 2 * nbytes + 3 * 4 * BLOCK_TOKENS,
                                   "auth.tenants.u.token": "u", "auth.salt_secret": "s",
                                   "replay.max_persisted_window_bytes": 4 * nbytes})
     toks = tokens(BLOCK_TOKENS)
@@ -218,6 +220,28 @@ async def test_persisted_windows_count_against_the_quota_and_a_daemon_budget(ser
         with pytest.raises(errors.ResourceExhausted, match=r"replay\.max_persisted_window_bytes"):
             await u.append_session(ids[2], toks, window=win, window_start=BLOCK_TOKENS - win.shape[2])
         assert (await u.stats()).replay.persisted_window_bytes == 2 * nbytes  # its own: Stats is scoped
+
+
+async def test_sessions_tokens_count_against_the_quota(server_factory: Any) -> None:
+    """A session's tokens are daemon memory a tenant keeps outside the index (4 bytes each, up to 2^21 a
+    session): they count against the quota as persisted windows do, and closing gives them back (16 sessions of
+    2^21 tokens grew the daemon 188 MiB past a 64 MiB quota, an audit)."""
+    srv = await server_factory(**{"auth.tenants.t.token": "tok", "auth.tenants.t.quota": 4096,
+                                  "auth.salt_secret": "s"})
+    async with EngramClient(srv.address, token="tok", namespace="t") as c:
+        fp = await c.register_model(tiny_model())
+        a = await c.open_session(fp, mode="persist", tokens=tokens(600))  # 2,400 bytes
+        with pytest.raises(errors.ResourceExhausted, match="this session's tokens needs 2400 more"):
+            await c.open_session(fp, mode="persist", tokens=tokens(600))
+        b = await c.open_session(fp, mode="persist", tokens=tokens(400))
+        with pytest.raises(errors.ResourceExhausted, match="these tokens needs 120 more"):
+            await c.append_session(b.session_id, tokens(30))
+        assert (await c.list_sessions())[1].info.tokens == 400  # the refused append changed nothing
+        with pytest.raises(errors.ResourceExhausted, match="quota"):  # a fork copies its parent's tokens
+            await c.fork_session(a.session_id)
+        await c.close_session(a.session_id)
+        await c.append_session(b.session_id, tokens(30))
+        await c.open_session(fp, mode="persist", tokens=tokens(500))
 
 
 async def test_approx_k_must_be_finite(server: RunningServer) -> None:

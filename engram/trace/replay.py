@@ -328,7 +328,7 @@ async def _engram_verbs(trace: Sequence[Request], tiers: Sequence[TierSpec], lay
                 break  # the request alone outgrows the tier: its tail is not cached
         s = run.session(r, toks)
         if s is not None:
-            s.tokens = toks
+            run.sessions.set_tokens(s, toks)
             run.sessions.hold(s)
             run.hint(s, r, hints)
             run.closed(r)
