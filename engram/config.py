@@ -80,6 +80,10 @@ class ServerConfig:
     tls_key: str = ""  # PEM private key of tls_cert
     metrics_port: int = 0  # Prometheus /metrics over HTTP on this port; 0 = off, -1 = any free port (tests)
     metrics_host: str = "127.0.0.1"  # where /metrics listens (0.0.0.0 in a container)
+    # A bearer token /metrics requires (Prometheus: `authorization: {credentials: ...}`), a secret as tokens are
+    # (env:VAR, file:PATH). Without one and with tenancy on, /metrics leaves out the lookup counters: tokens hit
+    # and missed tell another tenant's prompt lengths to whoever can scrape (Stats hides them from tenants too).
+    metrics_token: str = ""
     # The data channel: Put/Get payloads as raw bytes on a socket beside gRPC's (docs/API.md), several times
     # faster than gRPC's bytes for workers that cannot map the shared pool; off: payloads over gRPC only.
     data_channel: bool = True
@@ -563,7 +567,8 @@ def _secret_fields(tree: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]
     auth, cluster = tree["auth"], tree["cluster"]
     out = [("auth.admin_tokens", auth, "admin_tokens"), ("auth.salt_secret", auth, "salt_secret"),
            ("cluster.secret", cluster, "secret"), ("cluster.peer_token", cluster, "peer_token"),
-           ("cluster.redis_password", cluster, "redis_password"), ("cluster.redis_url", cluster, "redis_url")]
+           ("cluster.redis_password", cluster, "redis_password"), ("cluster.redis_url", cluster, "redis_url"),
+           ("server.metrics_token", tree["server"], "metrics_token")]
     out += [(f"auth.tenants.{name}.token", t, "token") for name, t in auth["tenants"].items()]
     return out
 

@@ -9,13 +9,18 @@ scrapes. Each daemon has its own CollectorRegistry, so two daemons in one proces
 from __future__ import annotations
 
 import asyncio
+import hmac
+import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from engram import eviction
@@ -28,9 +33,10 @@ ANY_FREE_PORT = -1  # server.metrics_port = -1: bind any free port (tests); 0 tu
 class StoreCollector(Collector):
     """Tier occupancy, hits, misses, evictions, bytes moved, replays and corrupt blocks, at scrape time."""
 
-    def __init__(self, store: BlockStore, sessions: SessionManager) -> None:
+    def __init__(self, store: BlockStore, sessions: SessionManager, *, lookups: bool = True) -> None:
         self.store = store
         self.sessions = sessions
+        self.lookups = lookups  # the lookup counters: off when tenants share the daemon and anyone may scrape
 
     def collect(self) -> Iterator[Metric]:
         store = self.store
@@ -74,10 +80,13 @@ class StoreCollector(Collector):
                 fam.add_metric([t.name], values[name])
         yield from fams.values()
         c = store.counters
+        if self.lookups:
+            yield CounterMetricFamily("engram_lookups", "Lookup calls.", value=c.lookups)
+            yield CounterMetricFamily("engram_lookup_hit_tokens", "Tokens found cached by lookups.",
+                                      value=c.lookup_hit_tokens)
+            yield CounterMetricFamily("engram_lookup_miss_tokens", "Tokens not found by lookups.",
+                                      value=c.lookup_miss_tokens)
         for name, doc, value in (
-            ("engram_lookups", "Lookup calls.", c.lookups),
-            ("engram_lookup_hit_tokens", "Tokens found cached by lookups.", c.lookup_hit_tokens),
-            ("engram_lookup_miss_tokens", "Tokens not found by lookups.", c.lookup_miss_tokens),
             ("engram_blocks_put", "Blocks newly stored.", c.blocks_put),
             ("engram_blocks_deduplicated", "Blocks put that were already stored.", c.blocks_deduplicated),
             ("engram_blocks_served", "Blocks read out.", c.blocks_served),
@@ -219,12 +228,22 @@ class MetricsEndpoint:
         self.port = 0
         self._server: Any = None
 
-    def watch(self, store: BlockStore, sessions: SessionManager) -> None:
-        self.registry.register(StoreCollector(store, sessions))
+    def watch(self, store: BlockStore, sessions: SessionManager, *, lookups: bool = True) -> None:
+        self.registry.register(StoreCollector(store, sessions, lookups=lookups))
 
-    def start(self, host: str, port: int) -> int:
-        """Serve /metrics; returns the bound port (port -1: any free one)."""
-        self._server, _ = start_http_server(0 if port == ANY_FREE_PORT else port, addr=host, registry=self.registry)
+    def start(self, host: str, port: int, token: str = "") -> int:
+        """Serve /metrics, behind `Authorization: Bearer <token>` when a token is given (401 otherwise); returns
+        the bound port (port -1: any free one)."""
+        app = make_wsgi_app(self.registry)
+        if token:
+            app = _bearer(app, token)
+        family = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][0]
+
+        class Server(ThreadingWSGIServer):
+            address_family = family
+
+        self._server = make_server(host, 0 if port == ANY_FREE_PORT else port, app, Server, handler_class=_Quiet)
+        threading.Thread(target=self._server.serve_forever, name="engram-metrics", daemon=True).start()
         self.port = int(self._server.server_port)
         return self.port
 
@@ -233,3 +252,21 @@ class MetricsEndpoint:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def _bearer(app: Callable[..., Any], token: str) -> Callable[..., Any]:
+    """The WSGI app behind a bearer token (compared in constant time)."""
+    want = f"Bearer {token}".encode()
+
+    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        if hmac.compare_digest(environ.get("HTTP_AUTHORIZATION", "").encode(), want):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("WWW-Authenticate", "Bearer"), ("Content-Type", "text/plain")])
+        return [b"/metrics needs server.metrics_token as a bearer token\n"]
+
+    return guarded

@@ -159,3 +159,41 @@ async def test_write_backs_loss_window_is_exported(server_factory, tmp_path) -> 
     assert m[("engram_write_back_pending_blocks", ())] == stats.write_back_pending_blocks == 3
     assert m[("engram_write_back_pending_bytes", ())] == stats.write_back_pending_bytes > 0
     assert m[("engram_write_back_oldest_seconds", ())] >= 0
+
+
+async def test_with_tenancy_metrics_leave_out_the_lookup_counters_unless_scrapes_need_a_token(
+        server_factory, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """/metrics has no tenants: its lookup counters told anyone who could scrape another tenant's prompt lengths
+    (tokens hit and missed around its Lookup), which Stats hides from tenants (an audit). With tenancy on they are
+    left out, unless server.metrics_token makes every scrape show a bearer token (401 without it)."""
+    import urllib.error
+
+    auth = {"auth.tenants.a.token": "tok-a", "auth.salt_secret": "s", "server.metrics_port": -1}
+    spec = tiny_model()
+    toks = tokens(40)
+    srv = await server_factory(**auth)
+    async with EngramClient(srv.address, token="tok-a", namespace="a") as c:
+        fp = await c.register_model(spec)
+        await c.lookup(fp, toks)
+    assert srv.metrics is not None
+    got = scrape(srv.metrics.port)
+    assert not [k for k in got if k[0].startswith("engram_lookup")]
+    assert got[("engram_rpcs_total", (("code", "OK"), ("method", "Lookup")))] == 1  # the rest is there
+
+    monkeypatch.setenv("ENGRAM_TEST_METRICS_TOKEN", "scrape-secret")
+    srv = await server_factory(**auth, **{"server.metrics_token": "env:ENGRAM_TEST_METRICS_TOKEN"})
+    async with EngramClient(srv.address, token="tok-a", namespace="a") as c:
+        fp = await c.register_model(spec)
+        await c.lookup(fp, toks)
+    assert srv.metrics is not None
+    url = f"http://127.0.0.1:{srv.metrics.port}/metrics"
+    for header in ({}, {"Authorization": "Bearer wrong"}):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(url, headers=header), timeout=5)
+        assert refused.value.code == 401
+        refused.value.close()
+    req = urllib.request.Request(url, headers={"Authorization": "Bearer scrape-secret"})
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        text = resp.read().decode()
+    samples = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert samples["engram_lookup_miss_tokens_total"] == 40

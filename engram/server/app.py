@@ -41,7 +41,7 @@ from engram.server.service import SERVICE_NAME, EngramService
 from engram.sessions import SessionManager
 from engram.store import BlockStore, WritePolicy
 from engram.store.quality import QualityWatch
-from engram.tenancy import Tenancy
+from engram.tenancy import Tenancy, resolve_secret
 from engram.tiers.base import Tier
 from engram.tiers.dram import DramTier, shared_dram_tier
 from engram.tiers.hbm import hbm_tier
@@ -248,6 +248,7 @@ async def _start(config: EngramConfig, store: BlockStore, sessions: SessionManag
     sessions = sessions or build_sessions(config, store)
     options = [*message_options(int(s.max_message_bytes)), ("grpc.so_reuseport", 0)]
     metrics = MetricsEndpoint() if s.metrics_port else None
+    metrics_token = resolve_secret(s.metrics_token, "server.metrics_token") if metrics and s.metrics_token else ""
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=s.max_concurrent_rpcs,
                              interceptors=[metrics.interceptor] if metrics else None)
     service = EngramService(store, s, sessions, tenancy, same_host=config.auth.same_host_allowed)
@@ -289,9 +290,9 @@ async def _start(config: EngramConfig, store: BlockStore, sessions: SessionManag
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         if metrics is not None:
-            metrics.watch(store, sessions)
+            metrics.watch(store, sessions, lookups=bool(metrics_token) or tenancy is None)
             try:
-                metrics.start(s.metrics_host, s.metrics_port)
+                metrics.start(s.metrics_host, s.metrics_port, metrics_token)
             except OSError as exc:
                 raise AddressInUse(f"cannot serve /metrics on {s.metrics_host}:{s.metrics_port}: "
                                    f"{exc.strerror or exc}; set server.metrics_port (0: off)") from None
