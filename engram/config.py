@@ -89,6 +89,9 @@ class ServerConfig:
     data_channel: bool = True
     data_port: int = 0  # its TCP port on server.host (0: a free one, which clients learn from DataEndpoint); on a unix socket it is <unix_socket>.data
     data_max_request_bytes: ByteSize = ByteSize(64 * 2**30)  # payload bytes one data-channel Put may carry
+    # A data-channel frame begun (a request's header, metadata or payload) that sends nothing for this long has its
+    # connection closed, with what it had sent; a connection idle between requests stays open (clients pool them).
+    data_stall_s: float = 30.0
 
 
 @dataclass
@@ -262,6 +265,8 @@ class EngramConfig:
             raise ConfigError(f"server.data_port must be in 0..65535 (0: a free port), got {s.data_port}")
         if s.data_max_request_bytes <= 0:
             raise ConfigError("server.data_max_request_bytes must be positive")
+        if not s.data_stall_s > 0:  # NaN too
+            raise ConfigError(f"server.data_stall_s must be positive (seconds), got {s.data_stall_s}")
         if not -1 <= s.metrics_port <= 65535:
             raise ConfigError(f"server.metrics_port must be 0 (off), -1 (any free port) or 1..65535, got {s.metrics_port}")
         if s.chunk_bytes <= 0 or s.chunk_bytes + 4096 > s.max_message_bytes:

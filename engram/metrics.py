@@ -18,7 +18,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
@@ -230,6 +230,12 @@ class MetricsEndpoint:
 
     def watch(self, store: BlockStore, sessions: SessionManager, *, lookups: bool = True) -> None:
         self.registry.register(StoreCollector(store, sessions, lookups=lookups))
+
+    def watch_data(self, buffered_bytes: Callable[[], int]) -> None:
+        """The data channel's receive buffers (engram/server/dataport.py), read at scrape time."""
+        Gauge("engram_data_buffered_bytes", "Bytes the data channel holds in receive buffers: frames being "
+              "received and each connection's reused payload buffer.", registry=self.registry
+              ).set_function(buffered_bytes)
 
     def start(self, host: str, port: int, token: str = "") -> int:
         """Serve /metrics, behind `Authorization: Bearer <token>` when a token is given (401 otherwise); returns

@@ -430,3 +430,87 @@ async def test_a_put_in_flight_when_the_daemon_stops_finishes_within_the_grace(s
     assert srv.store.lookup(NS, fp, toks).matched_tokens == 32
     busy.close()
     idle.close()
+
+
+async def test_a_frame_that_stalls_midway_is_closed_and_an_idle_connection_is_not(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A connection that begins a frame and sends nothing more held its slot and what the frame announced
+    forever; now it is closed after server.data_stall_s (stalled in the frame header, the metadata or the body),
+    nothing of it stored. A connection idle between requests is not a stall: it stays open and serves on, as do
+    a client's pooled connections."""
+    srv = await server_factory(**{"server.data_stall_s": 0.3})
+    spec = tiny_model()
+    toks = tokens(32)
+    kv = random_kv(spec, 32)
+    async with EngramClient(srv.address, namespace=NS, zero_copy=False) as c:
+        fp = await c.register_model(spec)
+        payload = raw_payload(kv[:, :, :16])
+        meta = pb.DataPut(header=pb.PutHeader(namespace=NS, model_fingerprint=fp),
+                          blocks=[block_header(spec, toks[:16], payload)]).SerializeToString()
+        idle = await raw_conn(srv)
+        stalled = [await raw_conn(srv) for _ in range(3)]
+        head = wire.FRAME.pack(wire.PUT, len(meta), len(payload))
+        await stalled[0].send(head[:7])  # mid frame header
+        await stalled[1].send(head + meta[:10])  # mid metadata
+        await stalled[2].send(head + meta + payload[:100])  # mid body
+        for conn in stalled:
+            with pytest.raises(ConnectionError):
+                await asyncio.wait_for(conn.read_frame(), 5)  # closed by the daemon, not answered
+            conn.close()
+        assert len(srv.store) == 0
+        await asyncio.sleep(0.3)  # the idle connection has been idle past data_stall_s twice over
+        await idle.send_frame(wire.PUT, meta, payload)
+        kind, reply, _ = await idle.read_frame()
+        assert kind == wire.PUT_OK, wire.error_of(reply)
+        idle.close()
+        await c.put(fp, toks, kv)  # the client's pooled connection, idle meanwhile, still serves
+        await asyncio.sleep(0.7)
+        n, got = await c.get_prefix(fp, toks)
+        assert n == 32 and torch.equal(got, kv)
+
+
+async def test_an_announced_but_unsent_payload_or_metadata_is_not_buffered_whole(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A PUT announcing a 32 MiB block, or 64 MiB of metadata, made the daemon allocate all of it before a byte
+    of it came (230 such connections, 15 GB): buffers now grow as bytes arrive, GROW_BYTES ahead at most. The
+    block, once sent in full, is stored whole (the buffer grew into place)."""
+    import tracemalloc
+
+    from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
+
+    srv = await server_factory()
+    big = ModelSpec(name="big", weights_id="w", codec="raw", layout=KVLayout(
+        layers=(LayerSpec(LayerKind.GLOBAL),) * 2, num_kv_heads=8, head_dim=128, dtype=DType.BF16, block_tokens=4096))
+    toks = tokens(4096)
+    kv = random_kv(big, 4096)
+    payload = raw_payload(kv)
+    assert len(payload) == 32 * 2**20
+    async with EngramClient(srv.address, namespace=NS, zero_copy=False) as c:
+        fp = await c.register_model(big)
+    port = srv.service.dataport
+    meta = pb.DataPut(header=pb.PutHeader(namespace=NS, model_fingerprint=fp),
+                      blocks=[block_header(big, toks, payload)]).SerializeToString()
+    body, wild = await raw_conn(srv), await raw_conn(srv)
+    tracemalloc.start()
+    try:
+        await body.send(wire.FRAME.pack(wire.PUT, len(meta), len(payload)) + meta, payload[:1000])
+        await wild.send(wire.FRAME.pack(wire.PUT, wire.MAX_META_BYTES, 0), b"x" * 1000)
+        for _ in range(250):  # the PUT's metadata is read, its request begun
+            await asyncio.sleep(0.02)
+            if port._in_request:
+                break
+        await asyncio.sleep(0.1)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held < 8 * 2**20, f"the daemon allocated {held} bytes for 2000 received"
+    assert port.buffered_bytes() <= 2 * wire.GROW_BYTES
+    await body.send(payload[1000:])
+    kind, reply, _ = await body.read_frame()
+    assert kind == wire.PUT_OK and pb.PutResponse.FromString(bytes(reply)).stored == 1, wire.error_of(reply)
+    assert port.buffered_bytes() >= len(payload)  # its connection keeps the buffer for its next block
+    async with EngramClient(srv.address, namespace=NS, zero_copy=False, data_channel=False) as c:
+        await c.register_model(big)
+        n, got = await c.get_prefix(fp, toks)
+        assert n == 4096 and torch.equal(got, kv)
+    body.close()
+    wild.close()
+

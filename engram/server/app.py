@@ -326,6 +326,8 @@ async def _start_dataport(service: EngramService, s: ServerConfig, tenancy: Tena
     """The data channel beside the gRPC port: <unix_socket>.data (as private as the gRPC socket), or data_port on
     the same host, under TLS when the gRPC port is."""
     port = DataPort(service, s, tenancy, metrics.interceptor.data_done if metrics else None)
+    if metrics is not None:
+        metrics.watch_data(port.buffered_bytes)
     if s.unix_socket:
         path = os.path.abspath(s.unix_socket) + ".data"
         with socket_umask(s.unix_socket_group):

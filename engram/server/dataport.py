@@ -6,7 +6,8 @@ and then runs the same service code as the gRPC Put and Get (EngramService.chain
 serve_bytes) as that principal, so quotas, namespaces, limits and checksums hold exactly as on gRPC. A payload
 is received into its own buffer, which the store keeps (no join, no second copy), and sent from where it lies
 (a pool slot is written to the socket from the slot). Errors answer an ERROR frame with the gRPC status code;
-only a connection whose framing cannot be trusted any more is closed.
+only a connection whose framing cannot be trusted any more is closed, and one that stalls in the middle of a
+frame (server.data_stall_s): its buffers hold only what it sent, but its slot and those bytes are not kept.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class DataPort:
         self._tasks: set[asyncio.Task[None]] = set()
         self._refusing: set[asyncio.Task[None]] = set()  # connections over the limit, being told so
         self._in_request: set[asyncio.Task[Any]] = set()  # connections answering a request right now
+        self._conns: set[wire.Conn] = set()  # connections being served (their buffers: buffered_bytes)
         self._stopping = False
         self._accepting: list[asyncio.Task[None]] = []
         self.served = {"put": 0, "get": 0, "refused": 0}  # requests answered, by kind (tests, logs)
@@ -74,6 +76,10 @@ class DataPort:
     @property
     def max_request_bytes(self) -> int:
         return int(self.config.data_max_request_bytes)
+
+    def buffered_bytes(self) -> int:
+        """Bytes held in receive buffers: frames being received and each connection's reused payload buffer."""
+        return sum(len(c.scratch) + c.receiving for c in self._conns)
 
     def endpoint(self) -> pb.DataEndpointResponse:
         return pb.DataEndpointResponse(tcp_port=self.tcp_port, unix_path=self.unix_path, tls=self.tls,
@@ -125,12 +131,12 @@ class DataPort:
                 await asyncio.sleep(0.1)
                 continue
             wire.tune(sock)
-            self._spawn(wire.Conn(sock))
+            self._spawn(wire.Conn(sock, stall_s=self.config.data_stall_s))
 
     async def _serve_streams(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        conn = wire.Conn(reader=reader, writer=writer)
+        conn = wire.Conn(reader=reader, writer=writer, stall_s=self.config.data_stall_s)
         if self._full():
             await self._refuse(conn)
             return
@@ -175,7 +181,9 @@ class DataPort:
             conn.close()
 
     async def _serve(self, conn: wire.Conn) -> None:
-        """One connection: HELLO, then requests until the client leaves or the framing breaks."""
+        """One connection: HELLO, then requests until the client leaves, the framing breaks or a frame stalls.
+        Between requests it may stay idle (clients keep connections pooled; max_concurrent_rpcs bounds them)."""
+        self._conns.add(conn)
         try:
             if not await self._hello(conn):
                 return
@@ -183,8 +191,11 @@ class DataPort:
             assert me is not None
             while not self._stopping:
                 try:
-                    kind, meta, body = await conn.read_frame()
+                    kind, meta, body = await conn.read_frame(idle=True)
                 except asyncio.IncompleteReadError:
+                    return
+                except errors.InvalidArgument as exc:  # a wild metadata length: the stream cannot be framed
+                    await conn.send_error(exc)
                     return
                 t0, code = time.perf_counter(), "OK"
                 self._in_request.add(me)  # a stop lets it finish within the shutdown grace
@@ -198,6 +209,8 @@ class DataPort:
                     self._in_request.discard(me)
                     if self.observe is not None:
                         self.observe(_OPS.get(kind, "other"), code, time.perf_counter() - t0)
+        except wire.Stalled as exc:
+            log.warning("%s (server.data_stall_s); the connection was closed", exc)
         except (ConnectionError, asyncio.IncompleteReadError, _Desync, errors.InvalidArgument):
             pass  # a client gone, or a stream that cannot be framed: the connection ends, the daemon goes on
         except asyncio.CancelledError:
@@ -205,6 +218,7 @@ class DataPort:
         except Exception:
             log.exception("internal error on a data-channel connection; it was closed")
         finally:
+            self._conns.discard(conn)
             conn.close()
 
     async def _hello(self, conn: wire.Conn) -> bool:
@@ -262,8 +276,7 @@ class DataPort:
                 header = convert.header_from_pb(block, chain.index)
                 chain.check_not_after_tail()
                 chain.check(header)
-                payload = self._buffer(conn, header.payload_nbytes)
-                await conn.recv_into(payload)
+                payload = await self._receive(conn, header.payload_nbytes)
                 left -= header.payload_nbytes
                 # The store copies what it keeps (a pool slot, the private tier's bytes), so the buffer is
                 # reused for the next block; a partial tail is committed by finish() before any further read.
@@ -275,14 +288,20 @@ class DataPort:
         await conn.send_frame(wire.PUT_OK, reply.SerializeToString())
         self.served["put"] += 1
 
-    def _buffer(self, conn: wire.Conn, n: int) -> memoryview:
-        """A receive buffer of n bytes: the connection's own, reused from block to block, so that a put does not
-        allocate (and fault in) fresh memory for every payload; a block above REUSE_MAX gets one of its own."""
+    async def _receive(self, conn: wire.Conn, n: int) -> memoryview:
+        """A block's n payload bytes, received into the connection's own buffer, reused from block to block so
+        that a put does not allocate (and fault in) fresh memory for every payload. One too small is replaced by a
+        buffer grown as the bytes arrive (a block announced and not sent is not allocated whole); a block above
+        REUSE_MAX gets one of its own, not kept."""
+        if n <= len(conn.scratch):
+            payload = memoryview(conn.scratch)[:n]
+            await conn.recv_into(payload)
+            return payload
         if n > REUSE_MAX:
-            return memoryview(bytearray(n))
-        if len(conn.scratch) < n:
-            conn.scratch = bytearray(n)
-        return memoryview(conn.scratch)[:n]
+            return memoryview(await conn.recv(n))
+        conn.scratch = bytearray()  # the old one goes before the new one grows
+        conn.scratch = await conn.recv(n)
+        return memoryview(conn.scratch)
 
     async def _get(self, conn: wire.Conn, meta: bytearray) -> None:
         req = _parse(pb.GetRequest, meta, "a GET's metadata")

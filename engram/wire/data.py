@@ -16,6 +16,9 @@ HELLO_OK or ERROR. Then requests one at a time:
   usable.
 - GET: meta GetRequest, no body; answered by one BLOCK frame per block (meta a BlockChunk holding header and
   key, body the payload), then END; or ERROR at any point (the blocks before it were whole).
+A connection may stay idle between requests as long as the client likes (a client keeps its connections pooled);
+once a frame has begun, the daemon closes a connection that sends nothing for server.data_stall_s, and it grows
+its buffers as bytes arrive, so what a request announces and does not send costs the daemon next to nothing.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ HELLO_OK, PUT_OK, BLOCK, END, ERROR = 0x81, 0x82, 0x83, 0x84, 0xFF
 MAX_META_BYTES = 64 * 2**20  # a DataPut for thousands of blocks fits; a wild length is refused before reading
 MAX_HELLO_BYTES = 4096  # a bearer token: what a connection not yet authenticated may make the daemon buffer
 SOCKET_BUFFER_BYTES = 4 * 2**20  # kernel buffers large enough that one MiB moves in a few system calls
+GROW_BYTES = 2**20  # a receive buffer is grown at most this far ahead of the bytes that arrived
+_ZEROS = memoryview(bytes(GROW_BYTES))  # what a buffer grows by (its pages are only ever read)
 
 Buffer = bytes | bytearray | memoryview
 
@@ -54,42 +59,75 @@ def tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+class Stalled(ConnectionError):
+    """The peer sent nothing for the connection's stall_s in the middle of a frame."""
+
+
 class Conn:
     """One byte stream: a plain socket (the kernel copies straight into the caller's buffer) or, under TLS,
     asyncio streams (one copy more, from the TLS record buffer)."""
 
     def __init__(self, sock: socket.socket | None = None, *, reader: asyncio.StreamReader | None = None,
-                 writer: asyncio.StreamWriter | None = None) -> None:
+                 writer: asyncio.StreamWriter | None = None, stall_s: float | None = None) -> None:
+        """stall_s: the longest a frame begun may go without a byte (the daemon's server.data_stall_s); None:
+        no limit (a client waits for its answers as long as the daemon takes)."""
         self._sock, self._reader, self._writer = sock, reader, writer
         self._loop = asyncio.get_running_loop()
+        self.stall_s = stall_s
         self.scratch = bytearray()  # a receiver's buffer, reused from message to message (the daemon's puts)
+        self.receiving = 0  # bytes of the buffer `recv` is growing now (the daemon's engram_data_buffered_bytes)
 
-    async def recv_into(self, buf: memoryview) -> None:
-        """Fill `buf` exactly; ConnectionError if the peer closes first."""
-        if self._reader is not None:
+    async def recv_into(self, buf: memoryview, *, idle: bool = False) -> None:
+        """Fill `buf` exactly; ConnectionError if the peer closes first, Stalled if stall_s passes without a byte
+        (idle: the first byte may take any time, as the next frame of a connection kept open may)."""
+        if self.stall_s is None:
             while buf:
-                data = await self._reader.read(len(buf))
-                if not data:
-                    raise ConnectionError("the peer closed the data channel mid-message")
-                buf[: len(data)] = data
-                buf = buf[len(data):]
+                buf = buf[await self._recv_some(buf):]
             return
-        assert self._sock is not None
-        while buf:
-            n = await self._loop.sock_recv_into(self._sock, buf)
-            if n == 0:
-                raise ConnectionError("the peer closed the data channel mid-message")
-            buf = buf[n:]
+        limit = asyncio.timeout(None)
+        try:
+            async with limit:
+                while buf:
+                    if not idle:
+                        limit.reschedule(self._loop.time() + self.stall_s)
+                    buf = buf[await self._recv_some(buf):]
+                    idle = False
+        except TimeoutError:
+            if not limit.expired():
+                raise
+            raise Stalled(f"data channel: the peer sent nothing for {self.stall_s:g}s in the middle of a frame") \
+                from None
 
-    async def recv(self, n: int) -> bytearray:
-        out = bytearray(n)
-        if n:
-            await self.recv_into(memoryview(out))
+    async def _recv_some(self, buf: memoryview) -> int:
+        if self._reader is not None:
+            data = await self._reader.read(len(buf))
+            n = len(data)
+            buf[:n] = data
+        else:
+            assert self._sock is not None
+            n = await self._loop.sock_recv_into(self._sock, buf)
+        if n == 0:
+            raise ConnectionError("the peer closed the data channel mid-message")
+        return n
+
+    async def recv(self, n: int, *, idle: bool = False) -> bytearray:
+        """n bytes, in a buffer grown as they arrive (GROW_BYTES at a time): a peer that announces more than it
+        sends makes this side hold about what it sent, not what it announced."""
+        out = bytearray()
+        try:
+            while len(out) < n:
+                have = len(out)
+                out += _ZEROS[:min(n - have, GROW_BYTES)]  # a resize in place: no view of `out` is left
+                self.receiving = len(out)
+                with memoryview(out) as whole, whole[have:] as fresh:
+                    await self.recv_into(fresh, idle=idle and not have)
+        finally:
+            self.receiving = 0
         return out
 
     async def skip(self, n: int) -> None:
         """Read and drop n bytes (the rest of a refused request's body)."""
-        scratch = memoryview(bytearray(min(n, 4 * 2**20)))
+        scratch = memoryview(bytearray(min(n, GROW_BYTES)))
         while n > 0:
             step = min(n, len(scratch))
             await self.recv_into(scratch[:step])
@@ -106,10 +144,11 @@ class Conn:
             if len(p):
                 await self._loop.sock_sendall(self._sock, p)
 
-    async def read_frame(self, max_meta: int = MAX_META_BYTES) -> tuple[int, bytearray, int]:
+    async def read_frame(self, max_meta: int = MAX_META_BYTES, *, idle: bool = False) -> tuple[int, bytearray, int]:
         """(kind, meta, body length) of the next frame; its body is left for the caller to read. A frame
-        announcing more than max_meta bytes of metadata is refused before any of it is buffered."""
-        kind, meta_len, body_len = FRAME.unpack(await self.recv(FRAME.size))
+        announcing more than max_meta bytes of metadata is refused before any of it is buffered. idle: the
+        frame may take any time to begin (not to go on: stall_s)."""
+        kind, meta_len, body_len = FRAME.unpack(await self.recv(FRAME.size, idle=idle))
         if meta_len > max_meta:
             raise errors.InvalidArgument(f"data channel: a frame announces {meta_len} bytes of metadata, more "
                                          f"than the {max_meta} allowed")
