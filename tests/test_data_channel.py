@@ -514,3 +514,47 @@ async def test_an_announced_but_unsent_payload_or_metadata_is_not_buffered_whole
     body.close()
     wild.close()
 
+
+async def test_malformed_and_broken_requests_are_counted_with_their_status(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A request refused and its connection closed (an unknown kind, a GET with a body, a PUT over the size
+    limit) was counted OK in engram_data_requests; it is counted with the status it was answered, and one
+    that stalls mid-body DEADLINE_EXCEEDED. The buffered-bytes gauge is on /metrics."""
+    spec = tiny_model()
+    srv = await server_factory(**{"server.metrics_port": -1, "server.data_stall_s": 0.3,
+                                  "server.data_max_request_bytes": spec.layout.block_nbytes(16)})
+    toks = tokens(32)
+    kv = random_kv(spec, 32)
+    async with EngramClient(srv.address, namespace=NS, zero_copy=False) as c:
+        fp = await c.register_model(spec)
+    payload = raw_payload(kv)
+    meta = pb.DataPut(header=pb.PutHeader(namespace=NS, model_fingerprint=fp),
+                      blocks=[block_header(spec, toks, payload)]).SerializeToString()
+    conn = await raw_conn(srv)
+    await conn.send_frame(0x42)
+    await expect_error(conn, errors.InvalidArgument, "unknown request kind")
+    conn.close()
+    conn = await raw_conn(srv)
+    await conn.send_frame(wire.GET, pb.GetRequest(namespace=NS, model_fingerprint=fp).SerializeToString(), b"xx")
+    await expect_error(conn, errors.InvalidArgument, "a GET frame carries no body")
+    conn.close()
+    conn = await raw_conn(srv)
+    await conn.send(wire.FRAME.pack(wire.PUT, len(meta), len(payload)) + meta)
+    await expect_error(conn, errors.ResourceExhausted, "exceeds the server's limit")
+    conn.close()
+    conn = await raw_conn(srv)
+    half = payload[: len(payload) // 4]
+    small = pb.DataPut(header=pb.PutHeader(namespace=NS, model_fingerprint=fp),
+                       blocks=[block_header(spec, toks[:16], raw_payload(kv[:, :, :16]))]).SerializeToString()
+    await conn.send(wire.FRAME.pack(wire.PUT, len(small), len(half) * 2) + small, half)
+    with pytest.raises(ConnectionError):
+        await asyncio.wait_for(conn.read_frame(), 5)
+    conn.close()
+    await asyncio.sleep(0.05)
+    count = lambda op, code: srv.metrics.registry.get_sample_value(  # noqa: E731
+        "engram_data_requests_total", {"op": op, "code": code})
+    assert count("other", "INVALID_ARGUMENT") == 1
+    assert count("get", "INVALID_ARGUMENT") == 1
+    assert count("put", "RESOURCE_EXHAUSTED") == 1
+    assert count("put", "DEADLINE_EXCEEDED") == 1
+    assert count("other", "OK") is None and count("get", "OK") is None and count("put", "OK") is None
+    assert srv.metrics.registry.get_sample_value("engram_data_buffered_bytes") == 0

@@ -42,7 +42,23 @@ HELLO_TIMEOUT_S = 10.0  # a connection that sends no HELLO by then is closed (it
 
 
 class _Desync(Exception):
-    """The byte stream can no longer be framed (an impossible length, a body shorter than announced)."""
+    """The byte stream can no longer be framed (an unknown request, a body over the limit): `error` is answered,
+    then the connection is closed."""
+
+    def __init__(self, error: errors.EngramError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _ended_as(exc: BaseException) -> str:
+    """The status a request that ended its connection is counted under (the daemon's /metrics)."""
+    if isinstance(exc, _Desync):
+        return status_of(exc.error).name
+    if isinstance(exc, wire.Stalled):
+        return "DEADLINE_EXCEEDED"
+    if isinstance(exc, ConnectionError | asyncio.CancelledError):
+        return "CANCELLED"  # the client went mid-request, or the daemon stopped
+    return "INTERNAL"
 
 
 def _parse(message_cls: Any, meta: bytes | bytearray, what: str) -> Any:
@@ -205,6 +221,14 @@ class DataPort:
                     self.served["refused"] += 1
                     code = status_of(exc).name
                     await conn.send_error(exc)
+                except _Desync as exc:
+                    self.served["refused"] += 1
+                    code = _ended_as(exc)
+                    await conn.send_error(exc.error)
+                    raise
+                except BaseException as exc:
+                    code = _ended_as(exc)
+                    raise
                 finally:
                     self._in_request.discard(me)
                     if self.observe is not None:
@@ -250,20 +274,19 @@ class DataPort:
             await self._put(conn, meta, body)
         elif kind == wire.GET:
             if body:
-                raise _Desync("a GET frame carries no body")
+                raise _Desync(errors.InvalidArgument(f"data channel: a GET frame carries no body, this one "
+                                                     f"announces {body} bytes"))
             await self._get(conn, meta)
         else:
-            await conn.send_error(errors.InvalidArgument(f"data channel: unknown request kind {kind}"))
-            raise _Desync(f"unknown request kind {kind}")
+            raise _Desync(errors.InvalidArgument(f"data channel: unknown request kind {kind}"))
 
     async def _put(self, conn: wire.Conn, meta: bytearray, body: int) -> None:
         """Read each block's payload into a buffer of its own and store it as it completes; on a refusal the
         rest of the body is read and dropped, so the connection stays framed."""
         if body > self.max_request_bytes:
-            await conn.send_error(errors.ResourceExhausted(
+            raise _Desync(errors.ResourceExhausted(
                 f"data channel: a Put of {body} bytes exceeds the server's limit of {self.max_request_bytes}; "
                 "split the chain"))
-            raise _Desync("body over the limit")
         left = body
         try:
             req = _parse(pb.DataPut, meta, "a PUT's metadata")
