@@ -525,10 +525,12 @@ class SessionManager:
         old = s.window.nbytes if s.window is not None and s.kept else 0  # a hot window is not counted
         delta = window.nbytes - old
         if self._persisted_bytes + delta > self.max_persisted_window_bytes:
+            # Every tenant's windows count here: the message does not say how much they hold (a tenant just
+            # under the budget read the others' total from it, an audit).
             raise ResourceExhausted(
-                f"persisted windows hold {self._persisted_bytes} bytes and this one needs {delta} more, past "
-                f"replay.max_persisted_window_bytes = {self.max_persisted_window_bytes}; close persist-mode "
-                "sessions, or open sessions in exact mode (the daemon rebuilds their windows)")
+                f"this window of {delta} bytes does not fit the daemon's budget for persisted windows "
+                "(replay.max_persisted_window_bytes); close persist-mode sessions, or open sessions in exact mode "
+                "(the daemon rebuilds their windows)")
         if delta > 0:
             self.store.hold(s.namespace, delta, "this persisted window")
         elif delta < 0:

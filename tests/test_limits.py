@@ -217,8 +217,9 @@ async def test_persisted_windows_count_against_the_quota_and_a_daemon_budget(ser
         ids = [(await u.open_session(fp, mode="persist")).session_id for _ in range(3)]
         await u.append_session(ids[0], toks, window=win, window_start=BLOCK_TOKENS - win.shape[2])
         await u.append_session(ids[1], toks, window=win, window_start=BLOCK_TOKENS - win.shape[2])
-        with pytest.raises(errors.ResourceExhausted, match=r"replay\.max_persisted_window_bytes"):
+        with pytest.raises(errors.ResourceExhausted, match=r"replay\.max_persisted_window_bytes") as full:
             await u.append_session(ids[2], toks, window=win, window_start=BLOCK_TOKENS - win.shape[2])
+        assert str(4 * nbytes) not in str(full.value)  # t's windows and u's: not told to u
         assert (await u.stats()).replay.persisted_window_bytes == 2 * nbytes  # its own: Stats is scoped
 
 
