@@ -64,6 +64,9 @@ class ServerConfig:
     max_tokens_per_request: int = 1 << 21  # also the longest a session may grow
     max_block_bytes: ByteSize = ByteSize(256 * 2**20)  # a model whose raw block is larger is refused at register
     max_models: int = 1024  # registered models (each is a file and an entry in memory)
+    # With tenancy on, the models one tenant's token may add to the registry in a daemon's run (registering a model
+    # the daemon knows already is free): one tenant filled max_models in a second, refusing every other's.
+    max_models_per_tenant: int = 64
     max_sessions_per_namespace: int = 4096  # a tenant's max_sessions, when set, overrides it for its namespaces
     # A session no call has touched for this long is closed, its blocks' references dropped (an agent that crashed
     # or was abandoned never closes its sessions; they would hold blocks and count against max_sessions forever);
@@ -307,6 +310,7 @@ class EngramConfig:
         if s.max_message_bytes > 2**31 - 1:
             raise ConfigError(f"server.max_message_bytes is at most 2 GiB - 1 (gRPC's int32), got {s.max_message_bytes}")
         for key, value in (("server.max_block_bytes", s.max_block_bytes), ("server.max_models", s.max_models),
+                           ("server.max_models_per_tenant", s.max_models_per_tenant),
                            ("server.max_concurrent_rpcs", s.max_concurrent_rpcs),
                            ("server.max_blocks_per_request", s.max_blocks_per_request),
                            ("server.max_tokens_per_request", s.max_tokens_per_request),

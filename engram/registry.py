@@ -44,10 +44,15 @@ class ModelRegistry:
                 continue
             self._models[spec.fingerprint] = spec
 
+    def with_codec(self, spec: ModelSpec) -> ModelSpec:
+        """The spec as registered: its codec defaulted to the daemon's (the codec is part of the fingerprint)."""
+        if spec.codec:
+            return spec
+        return dataclasses.replace(spec, codec="raw" if spec.layout.dtype == DType.FP64 else self.default_codec)
+
     def register(self, spec: ModelSpec) -> bytes:
         """Register a model (its codec defaulted to the daemon's); returns its fingerprint."""
-        if not spec.codec:
-            spec = dataclasses.replace(spec, codec="raw" if spec.layout.dtype == DType.FP64 else self.default_codec)
+        spec = self.with_codec(spec)
         from engram.codec.base import codec_by_name
 
         codec_by_name(spec.codec)  # an unknown codec is InvalidArgument

@@ -389,3 +389,23 @@ async def test_one_tenants_idle_streams_cannot_take_every_slot_from_the_others(s
         await asyncio.sleep(0.3)
     async with as_(srv, BOB) as b:
         assert (await b.stats()).version  # his share is back
+
+
+async def test_one_tenant_cannot_fill_the_daemons_model_registry(server_factory: Any) -> None:
+    """Bob registered server.max_models models in a second and every other tenant's RegisterModel was refused
+    (an audit): each token may add server.max_models_per_tenant models; registering a known one is free."""
+    srv = await server_factory(**AUTH, **{"server.max_models": 8, "server.max_models_per_tenant": 3})
+    async with as_(srv, BOB) as b:
+        mine = [await b.register_model(tiny_model(weights_id=f"bob-{i}")) for i in range(3)]
+        with pytest.raises(errors.ResourceExhausted, match="max_models_per_tenant"):
+            await b.register_model(tiny_model(weights_id="bob-3"))
+        assert await b.register_model(tiny_model(weights_id="bob-1")) == mine[1]  # his own again: free
+    async with as_(srv, ALICE) as a:
+        await a.register_model(tiny_model(weights_id="bob-2"))  # one the daemon knows: free for her too
+        for i in range(3):
+            await a.register_model(tiny_model(weights_id=f"alice-{i}"))
+    async with as_(srv, ADMIN) as admin:  # the admin has no share; the daemon's bound still holds
+        await admin.register_model(tiny_model(weights_id="admin-0"))
+        await admin.register_model(tiny_model(weights_id="admin-1"))
+        with pytest.raises(errors.ResourceExhausted, match=r"server\.max_models\)"):
+            await admin.register_model(tiny_model(weights_id="admin-2"))

@@ -48,6 +48,11 @@ def namespace_for(context: Any, requested: str) -> str:
     return ns
 
 
+def caller(context: Any) -> Principal:
+    """Who the call acts as (OPEN with tenancy off): for per-tenant shares of the daemon's resources."""
+    return _current()
+
+
 def is_admin(context: Any) -> bool:
     """Whether the caller may act on the whole daemon (check, evict across namespaces, list them)."""
     return _current().admin

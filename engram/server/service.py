@@ -40,7 +40,7 @@ from engram.index import BlockMeta
 from engram.layout import DType
 from engram.leases import Lease, LeaseTable
 from engram.limits import check_namespace
-from engram.server.auth import guard, is_admin, is_peer, namespace_for, visible_namespaces
+from engram.server.auth import caller, guard, is_admin, is_peer, namespace_for, visible_namespaces
 from engram.server.errors import streaming, unary
 from engram.server.peers import PeerFetcher
 from engram.server.requests import check_limit, decoded, safe_decoder
@@ -140,6 +140,7 @@ class EngramService:
                  tenancy: Tenancy | None = None, *, same_host: bool = True) -> None:
         self.store = store
         self.tenancy = tenancy
+        self._models_added: dict[str, set[bytes]] = {}  # tenant -> models it added (server.max_models_per_tenant)
         self.same_host = same_host  # zero-copy descriptors and in-place puts allowed (auth.same_host_paths)
         self.cluster: ClusterIndex | None = None  # set by the app once the daemon's address is known
         self.trust: ClusterTrust | None = None  # the cluster secret's keys, with the cluster
@@ -165,10 +166,18 @@ class EngramService:
                                   f"server.max_block_bytes = {int(self.config.max_block_bytes)}: register it with "
                                   "fewer block_tokens")
         registry = self.store.registry
-        if spec.fingerprint not in registry and len(registry) >= self.config.max_models:
+        who = caller(context)
+        added = self._models_added.setdefault(who.name, set())
+        new = registry.with_codec(spec).fingerprint not in registry
+        if new and self.tenancy is not None and not who.admin and len(added) >= self.config.max_models_per_tenant:
+            raise ResourceExhausted(f"this token has added {len(added)} models to the daemon, its share "
+                                    "(server.max_models_per_tenant); register one of those")
+        if new and len(registry) >= self.config.max_models:
             raise ResourceExhausted(f"this daemon already knows {len(registry)} models (server.max_models); "
                                     "register one of those, or raise the limit")
         fp = registry.register(spec)
+        if new:
+            added.add(fp)
         return pb.RegisterModelResponse(model_fingerprint=fp, codec=self.store.spec(fp).codec,
                                         max_blocks_per_request=self.config.max_blocks_per_request)
 
