@@ -165,9 +165,9 @@ class CodecConfig:
     # is decoded again off the put path and compared with them, per layer (0: off). Blocks a worker encoded are not
     # measured: the daemon never sees their raw elements.
     quality_sample: int = 64
-    # Lossless fallback: once a lossy codec's mean relative error on a layer kind exceeds max_error, whole blocks the
-    # daemon would encode with it that hold such layers are stored bit-exact instead (a v1 block of the raw codec)
-    # until restart; 0: off. NVFP4 measures about 0.1 on Gaussian data, FP8 E4M3 a few hundredths.
+    # Lossless fallback: once a lossy codec's mean relative error on a layer kind exceeds max_error in a namespace
+    # (its own samples), whole blocks of that namespace the daemon would encode with it that hold such layers are
+    # stored bit-exact instead (a v1 block of the raw codec) until restart; 0: off. NVFP4 measures about 0.1 on Gaussian data, FP8 E4M3 a few hundredths.
     max_error: float = 0.0
 
 

@@ -175,6 +175,23 @@ async def test_fallback_stores_later_blocks_lossless(server_factory, caplog) -> 
     assert len(starts) == 1 and "nvfp4" in starts[0].getMessage()  # said once, when it started
 
 
+async def test_one_namespaces_fallback_leaves_another_namespaces_blocks_in_the_codec(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """The fallback is decided on a namespace's own samples: one tenant's KV crafted to a codec's worst case
+    switched every tenant's later blocks to raw, 2-3.5x their bytes against their quotas (an audit). Here
+    namespace q passes the limit; o's first block still goes in the codec (and its own samples decide for it)."""
+    srv = await server_factory(**{"codec.default": "nvfp4", "codec.quality_sample": 1, "codec.max_error": 0.01})
+    await put_chain(srv, 1, seed=5)  # q's first block: measured ~0.1, q falls back
+    async with EngramClient(srv.address, namespace="o") as c:
+        fp = await c.register_model(tiny_model(codec=""))
+        toks = tokens(BLOCK_TOKENS, seed=7)
+        keys = (await c.put(fp, toks, random_kv(tiny_model(), BLOCK_TOKENS, seed=7))).keys
+        (desc,) = (await c.describe_blocks(key_prefixes=[keys[0].hex()])).blocks
+    assert desc.codec == "nvfp4"  # not "raw (lossless fallback ...)"
+    await srv.store.quality.drain()
+    assert [f.blocks for f in srv.store.quality.codec_fallbacks(["q"])] == [0]
+    assert [f.samples for f in srv.store.quality.codec_fallbacks(["o"])] == [2 * GLOBAL_LAYERS]  # o's own, now
+
+
 def test_engram_stats_shows_codec_error_and_fallback(tmp_path: Path) -> None:
     env = {"ENGRAM_CODEC__DEFAULT": "nvfp4", "ENGRAM_CODEC__QUALITY_SAMPLE": "1", "ENGRAM_CODEC__MAX_ERROR": "0.01"}
     with engram_daemon(tmp_path, env=env) as (address, _):

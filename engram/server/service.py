@@ -527,7 +527,7 @@ class EngramService:
             default_codec=store.registry.default_codec, default_codec_reason=store.registry.default_reason,
             codec_backend=store.codec_backend, codec_errors=store.quality.codec_errors(),
             codec_error_blocks=store.quality.errors.blocks, codec_error_skipped=store.quality.skipped,
-            codec_fallbacks=store.quality.codec_fallbacks(), eviction=eviction.stats(store.placement.model),
+            codec_fallbacks=store.quality.codec_fallbacks(namespaces if scoped else None), eviction=eviction.stats(store.placement.model),
             blocks_prefetched=c.blocks_prefetched, sessions_closed_idle=self.sessions.closed_idle,
         )
 

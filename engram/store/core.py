@@ -266,7 +266,7 @@ class BlockStore:
         layout = spec.layout
         header.validate(layout, index=index, model_codec=spec.codec)
         header.verify_payload(payload, index=index)
-        header, payload, sample = await self._stored_form(spec, header, payload, index)
+        header, payload, sample = await self._stored_form(namespace, spec, header, payload, index)
         pmeta = None
         if parent != self.root(namespace, model_fingerprint):
             pmeta = self.index.get_in(namespace, parent)
@@ -400,7 +400,7 @@ class BlockStore:
         self._check_quota(namespace, nbytes, index)
         self._quota_pending[namespace] = self._quota_pending.get(namespace, 0) + nbytes
 
-    async def _stored_form(self, spec: ModelSpec, header: BlockHeader, payload: Payload, index: int
+    async def _stored_form(self, namespace: str, spec: ModelSpec, header: BlockHeader, payload: Payload, index: int
                            ) -> tuple[BlockHeader, Payload, Sample | None]:
         """The block as the model stores it: raw elements are encoded here when the model's codec is a
         quantizing one (or kept lossless, a v1 block of the raw codec, while the fallback holds for its layer
@@ -421,7 +421,7 @@ class BlockStore:
             sample = None
             if stored.is_raw(codec) and quality.sample(len(payload)):  # stored as sent: its error is measured as 0
                 kv = stored.decode(payload, stored.RAW, header.dtype, tuple(header.shape))
-                sample = Sample(kv, stored.RAW, persisted_kinds(spec.layout), codec, stored=bytes(payload))
+                sample = Sample(kv, stored.RAW, persisted_kinds(spec.layout), codec, namespace, stored=bytes(payload))
             return header, payload, sample
         if not stored.is_raw(header.codec):
             raise InvalidArgument(f"{where}: this model stores {codec} blocks; send raw elements (the daemon "
@@ -429,8 +429,8 @@ class BlockStore:
         kv = stored.decode(payload, stored.RAW, header.dtype, tuple(header.shape))
         sampled = quality.sample(len(payload))
         kinds = persisted_kinds(spec.layout) if sampled or quality.fallbacks else ()  # (most puts need neither)
-        sample = Sample(kv, codec, kinds, codec) if sampled else None
-        fallback = quality.lossless(codec, kinds)
+        sample = Sample(kv, codec, kinds, codec, namespace) if sampled else None
+        fallback = quality.lossless(namespace, codec, kinds)
         if fallback is not None:  # kept bit-exact: measured, when sampled, under the codec it is in (raw)
             blob = await asyncio.to_thread(stored.encode_lossless, kv)
             fallback.blocks += 1

@@ -22,6 +22,7 @@ of that codec and kind is sampled any more to say otherwise); the daemon logs it
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ class Sample:
     codec: str
     layer_kinds: tuple[str, ...]
     model_codec: str
+    namespace: str = ""  # whose block: the fallback is decided per namespace
     stored: bytes | None = None  # its stored form, copied where the put's buffer is reused (a raw block's is the
     # data channel's receive buffer); None: the one `measure_later` is given
 
@@ -77,7 +79,10 @@ class QualityWatch:
         self.pending_bytes = 0  # raw elements held by samples not measured yet
         self._one_at_a_time = asyncio.Lock()
         self.errors = ErrorAccumulator()
-        self.fallbacks: dict[tuple[str, str], Fallback] = {}
+        # The fallback, per (namespace, codec, layer kind), decided on that namespace's own samples: one tenant's
+        # crafted KV (a codec's worst case) switched every tenant's blocks to raw, 2-3.5x their bytes (an audit).
+        self.fallbacks: dict[tuple[str, str, str], Fallback] = {}
+        self._rel: dict[tuple[str, str, str], list[float]] = {}  # the same keys: [sum of rel errors, samples]
         self.seen = 0  # blocks the daemon stored from raw elements (the sampling counter)
         self.skipped = 0  # samples dropped because max_pending_bytes were waiting to be measured
         self._tasks: set[asyncio.Task[None]] = set()
@@ -93,12 +98,13 @@ class QualityWatch:
             return False
         return True
 
-    def lossless(self, codec: str, layer_kinds: Sequence[str]) -> Fallback | None:
-        """The fallback that makes a block of these layer kinds go lossless instead of into `codec`, if any."""
+    def lossless(self, namespace: str, codec: str, layer_kinds: Sequence[str]) -> Fallback | None:
+        """The fallback that makes the namespace's block of these layer kinds go lossless instead of into `codec`,
+        if any."""
         if not self.fallbacks:
             return None
         for kind in layer_kinds:
-            fb = self.fallbacks.get((codec, kind))
+            fb = self.fallbacks.get((namespace, codec, kind))
             if fb is not None:
                 return fb
         return None
@@ -126,24 +132,30 @@ class QualityWatch:
             log.exception("measuring a %s block's error failed", sample.codec)
             return
         self.errors.add(sample.codec, tier, errors)
-        self._check_limit(sample.codec, {e.layer_kind for e in errors})
+        for e in errors:
+            acc = self._rel.setdefault((sample.namespace, sample.codec, e.layer_kind), [0.0, 0])
+            acc[0] += e.rel
+            acc[1] += 1
+        self._check_limit(sample.namespace, sample.codec, {e.layer_kind for e in errors})
 
     def _errors(self, sample: Sample, blob: bytes, dtype: DType, shape: tuple[int, ...]) -> list[LayerError]:
         dq = stored.decode(blob, sample.model_codec, dtype, shape, backend=self.backend, where="sampled block")
         return kv_errors(sample.kv, dq, sample.layer_kinds)
 
-    def _check_limit(self, codec: str, kinds: set[str]) -> None:
+    def _check_limit(self, namespace: str, codec: str, kinds: set[str]) -> None:
         if not self.max_error or stored.is_raw(codec):
             return
         for kind in sorted(kinds):
-            if (codec, kind) in self.fallbacks:
+            key = (namespace, codec, kind)
+            if key in self.fallbacks or key not in self._rel:
                 continue
-            mean, n = self.errors.rel_mean(codec, kind)
+            total, n = self._rel[key]
+            mean = total / n
             if mean > self.max_error:
-                self.fallbacks[(codec, kind)] = Fallback(codec, kind, mean, n)
-                log.warning("codec fallback: %s on %s layers measured a mean relative error of %.4g over %d "
-                            "samples, above codec.max_error = %g; blocks with %s layers are stored lossless (raw) "
-                            "from now on", codec, kind, mean, n, self.max_error, kind)
+                self.fallbacks[key] = Fallback(codec, kind, mean, int(n))
+                log.warning("codec fallback: %s on %s layers of namespace %r measured a mean relative error of %.4g "
+                            "over %d samples, above codec.max_error = %g; its blocks with %s layers are stored "
+                            "lossless (raw) from now on", codec, kind, namespace, mean, n, self.max_error, kind)
 
     # ---- figures -------------------------------------------------------------------------------------
 
@@ -151,9 +163,18 @@ class QualityWatch:
         return tuple(CodecError(codec, tier, kind, part, e.samples, e.rel_mean, e.rel_max, e.max_abs_mean,
                                 e.max_abs_max) for (codec, tier, kind, part), e in self.errors.items())
 
-    def codec_fallbacks(self) -> tuple[CodecFallback, ...]:
-        return tuple(CodecFallback(f.codec, f.layer_kind, f.rel_mean, f.samples, self.max_error, f.blocks)
-                     for _, f in sorted(self.fallbacks.items()))
+    def codec_fallbacks(self, namespaces: Sequence[str] | None = None) -> tuple[CodecFallback, ...]:
+        """One line per (codec, layer kind) falling back in some namespace (of `namespaces`, when given): the
+        highest mean error that started one, the samples and blocks of all of them."""
+        merged: dict[tuple[str, str], CodecFallback] = {}
+        for (ns, codec, kind), f in sorted(self.fallbacks.items()):
+            if namespaces is not None and ns not in namespaces:
+                continue
+            was = merged.get((codec, kind))
+            merged[(codec, kind)] = CodecFallback(codec, kind, f.rel_mean, f.samples, self.max_error, f.blocks) \
+                if was is None else dataclasses.replace(was, rel_mean=max(was.rel_mean, f.rel_mean),
+                                                        samples=was.samples + f.samples, blocks=was.blocks + f.blocks)
+        return tuple(merged.values())
 
     async def drain(self) -> None:
         """Wait for the measurements running now (tests, and close)."""
