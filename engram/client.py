@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
@@ -105,6 +106,15 @@ def _check_streams(spec: ModelSpec, kv: torch.Tensor | Mapping[str, torch.Tensor
         if tuple(t.shape) != want or t.dtype != s.dtype.torch_dtype:
             raise errors.InvalidArgument(f"stream {s.name} is {tuple(t.shape)} {t.dtype}; {tokens} tokens need "
                                          f"(layers, tokens // {s.compress}, *shape) = {want} {s.dtype.torch_dtype}")
+
+
+def _in_chain(exc: errors.EngramError, start: int) -> errors.EngramError:
+    """A part's error of a Put sent in parts, its `block N` counted in the whole chain (each part's Put counts
+    from 0: a failure at block 5 of a chain said block 1)."""
+    if not start:
+        return exc
+    msg, n = re.subn(r"\bblock (\d+)\b", lambda m: f"block {int(m.group(1)) + start}", str(exc), count=1)
+    return type(exc)(msg if n else f"the part of the chain from block {start}: {exc}")
 
 
 class EngramClient(ControlClient):
@@ -496,7 +506,10 @@ class EngramClient(ControlClient):
             head.CopyFrom(put)
             if reply.keys:
                 head.parent_key = reply.keys[-1]
-            got = await self._call(self._put_frames(requests(head, items[start : start + self._max_blocks])))
+            try:
+                got = await self._call(self._put_frames(requests(head, items[start : start + self._max_blocks])))
+            except errors.EngramError as exc:
+                raise _in_chain(exc, start) from exc
             reply.keys.extend(got.keys)
             reply.stored += got.stored
             reply.deduplicated += got.deduplicated
@@ -598,7 +611,10 @@ class EngramClient(ControlClient):
                     raise errors.DataLoss(f"data channel: a Put answered with frame kind {kind:#x}")
                 return pb.PutResponse.FromString(bytes(meta))
 
-            reply = await self._exchange(data, wire.PUT, meta, [p for _, p in part], answer)
+            try:
+                reply = await self._exchange(data, wire.PUT, meta, [p for _, p in part], answer)
+            except errors.EngramError as exc:
+                raise _in_chain(exc, start) from exc
             keys += list(reply.keys)
             stored_n, dedup, not_durable = (stored_n + reply.stored, dedup + reply.deduplicated,
                                             not_durable + reply.not_durable)

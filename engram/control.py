@@ -111,9 +111,19 @@ class ControlClient:
                               namespace: str | None = None, all_namespaces: bool = False) -> BlockDescription:
         """A session's block chain (session_id), or the blocks named by hex keys or unique key prefixes: tiers,
         codec, checksum, refcount, pins. NotFound when nothing matches; InvalidArgument for an ambiguous prefix."""
-        req = pb.DescribeBlocksRequest(namespace=self._ns(namespace), all_namespaces=all_namespaces,
-                                       session_id=session_id, key_prefixes=list(key_prefixes))
-        return convert.from_pb(BlockDescription, await self._call(self._stub.DescribeBlocks(req)))
+        prefixes = list(key_prefixes)
+        step = self._request_bound(len(prefixes))
+        reply = pb.DescribeBlocksResponse()
+        for start in range(0, max(len(prefixes), 1), step):  # in parts, as puts and gets
+            req = pb.DescribeBlocksRequest(namespace=self._ns(namespace), all_namespaces=all_namespaces,
+                                           session_id=session_id, key_prefixes=prefixes[start : start + step])
+            reply.MergeFrom(await self._call(self._stub.DescribeBlocks(req)))
+        return convert.from_pb(BlockDescription, reply)
+
+    def _request_bound(self, n: int) -> int:
+        """How many keys one request may name: the daemon's bound once a data-path client has registered a
+        model (RegisterModelResponse says it), else all of them in one."""
+        return getattr(self, "_max_blocks", None) or n or 1
 
     async def evict(self, *, key_prefixes: Sequence[str] = (), session_id: str = "", whole_namespace: bool = False,
                     force: bool = False, namespace: str | None = None, all_namespaces: bool = False) -> EvictResult:
@@ -129,5 +139,10 @@ class ControlClient:
                   namespace: str | None = None) -> int:
         """Pin blocks (never evicted; moved down a tier only when nothing unpinned can be) or, with unpin, remove
         one pin from each; returns how many changed."""
-        req = pb.PinRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint, keys=list(keys), unpin=unpin)
-        return (await self._call(self._stub.Pin(req))).changed
+        changed, keys = 0, list(keys)
+        step = self._request_bound(len(keys))
+        for start in range(0, max(len(keys), 1), step):
+            req = pb.PinRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint,
+                                keys=keys[start : start + step], unpin=unpin)
+            changed += (await self._call(self._stub.Pin(req))).changed
+        return changed

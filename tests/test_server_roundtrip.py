@@ -397,3 +397,25 @@ async def test_more_finished_loads_than_one_request_may_name_end_their_leases_in
         await c.close()  # and the close ends that one, in parts too
     async with EngramClient(srv.address, namespace="t") as c:
         assert (await c.stats()).leases == 0
+
+
+@pytest.mark.parametrize("channel", ["data channel", "grpc"])
+async def test_a_put_in_parts_names_the_failing_block_in_the_chain_and_pins_go_in_parts(server_factory,  # type: ignore[no-untyped-def]
+                                                                                          channel: str) -> None:
+    """Each part of a chain sent in parts (server.max_blocks_per_request) counts its blocks from 0: a quota
+    refusal at block 5 of a chain said block 1 (an audit). And a Pin of more keys than one request may name
+    was refused, where puts and gets went in parts."""
+    spec = tiny_model()
+    block = spec.layout.block_nbytes(BLOCK_TOKENS)
+    srv = await server_factory(**{"server.max_blocks_per_request": 2, "auth.tenants.t.token": "tok",
+                                  "auth.tenants.t.quota": 5 * block, "auth.salt_secret": "s"})
+    kw: dict[str, Any] = {"data channel": {}, "grpc": {"data_channel": False}}[channel]
+    async with EngramClient(srv.address, token="tok", namespace="t", zero_copy=False, **kw) as c:
+        fp = await c.register_model(spec)
+        toks = tokens(7 * BLOCK_TOKENS, seed=21)
+        with pytest.raises(errors.ResourceExhausted, match=r"^block 5: namespace 't' holds"):
+            await c.put(fp, toks, random_kv(spec, len(toks), seed=21))
+        keys = [b.key for b in (await c.lookup(fp, toks)).blocks]
+        assert len(keys) == 5  # what was stored before it
+        assert await c.pin(fp, keys) == 5
+        assert sum(d.pins for d in (await c.describe_blocks(key_prefixes=[k.hex() for k in keys])).blocks) == 5
