@@ -185,3 +185,27 @@ async def test_an_ipv6_host_is_served(tmp_path: Path) -> None:
             assert (await c.stats()).tiers
     finally:
         await srv.stop(0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_lock_is_taken_on_a_full_filesystem(tmp_path: Path) -> None:
+    # A clean stop empties the lock file; writing the pid again needs space a full disk has not (the daemon
+    # could not start: ENOSPC). The pid only names the holder: the lock is taken without it.
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"this machine refuses a tmpfs mount: {mounted.stderr.decode().strip()}")
+    try:
+        DaemonLock(mnt / "engram.lock", "the directory", "stop it").acquire().release()
+        fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT)
+        with pytest.raises(OSError, match="No space left"):
+            while True:
+                os.write(fd, b"\0" * 4096)
+        os.close(fd)
+        lock = DaemonLock(mnt / "engram.lock", "the directory", "stop it").acquire()
+        with pytest.raises(AlreadyRunning):
+            DaemonLock(mnt / "engram.lock", "the directory", "stop it").acquire()
+        lock.release()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
