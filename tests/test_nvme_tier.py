@@ -492,6 +492,28 @@ async def test_disk_full_injected_at_the_io_boundary(tmp_path: Path) -> None:
     await store.close()
 
 
+async def test_a_stray_journal_of_a_generation_past_a_u64_is_reported_and_ignored(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # No journal can be numbered after it: it stopped every start (struct.error), each leaving another file.
+    seqs, kvs = await _store_on_disk(tmp_path, n_seqs=1)
+    stray = tmp_path / "index" / f"journal.{2**64 - 1}"
+    stray.write_bytes(b"")
+    for _ in range(2):
+        caplog.clear()
+        store = await make_store(tmp_path, dram_blocks=64)
+        assert [r.getMessage() for r in caplog.records if "generation" in r.getMessage()] == [
+            f"recovery: {stray}: journal generation out of range (not below 2^64-1): ignored"]
+        n, got = await get_seq(store, seqs[0])
+        assert n == len(seqs[0]) and got is not None and torch.equal(got, kvs[0])
+        await store.close()
+    journals = [int(p.name.split(".")[1]) for p in (tmp_path / "index").glob("journal.*")]
+    assert sorted(journals)[-1] == 2**64 - 1 and sorted(journals)[-2] < 100
+    offline = NvmeTier(tmp_path, 1 << 40)
+    report = await offline.check(fix=False)
+    await offline.close()
+    assert [(f.path, f.fixed) for f in report.findings] == [(str(stray), False)]
+
+
 async def test_io_error_on_one_block_fails_that_block_only(tmp_path: Path) -> None:
     seqs, kvs = await _store_on_disk(tmp_path, n_seqs=2)
     store = await make_store(tmp_path, dram_blocks=1)

@@ -32,6 +32,7 @@ entry that is short or fails its checksum (a torn append): what follows is recov
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import struct
 import threading
@@ -50,6 +51,7 @@ _FILE_HEAD = struct.Struct("<8sHHIQ")  # magic, version, flags, reserved, genera
 FILE_HEAD_LEN = _FILE_HEAD.size  # 24
 _ENTRY_HEAD = struct.Struct("<IB")  # body_len, kind
 ADD, REMOVE = 1, 2
+GENERATION_LIMIT = 2**64 - 1  # a journal's generation is below it, so the next one still fits the u64 field
 
 __all__ = ["ADD", "REMOVE", "IndexJournal", "Loaded", "encode_entry", "parse_entries"]
 
@@ -115,12 +117,19 @@ class IndexJournal:
         return gen, entries, end != len(data)
 
     def journals(self) -> list[tuple[int, Path]]:
+        return sorted((gen, p) for gen, p in self._named_journals() if gen < GENERATION_LIMIT)
+
+    def out_of_range(self) -> list[Path]:
+        """Files named as journals whose generation no journal of ours can have (none could follow it): ignored."""
+        return sorted(p for gen, p in self._named_journals() if gen >= GENERATION_LIMIT)
+
+    def _named_journals(self) -> list[tuple[int, Path]]:
         out = []
         for p in self.dir.glob("journal.*"):
             suffix = p.name.removeprefix("journal.")
             if suffix.isdigit():
                 out.append((int(suffix), p))
-        return sorted(out)
+        return out
 
     def load(self) -> Loaded | None:
         """The headers the snapshot and journals record, or None when there is no usable snapshot (a
@@ -163,6 +172,9 @@ class IndexJournal:
         self._switch(max(existing, default=0) + 1)
 
     def _switch(self, gen: int) -> None:
+        if gen >= GENERATION_LIMIT:  # only after a stray journal.<2^64-2>: no daemon rotates that often
+            raise OSError(errno.EOVERFLOW, f"journal generation {gen} does not fit its u64 field; remove the stray "
+                          f"journal files in {self.dir}")
         path = self.dir / f"journal.{gen}"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, FILE_MODE)
         if os.fstat(fd).st_size == 0:

@@ -428,6 +428,7 @@ class NvmeTier:
               *, online: bool = False) -> CheckReport:
         report = CheckReport()
         self._found: list[_File] = []
+        self._stray_journals(report)
         self._sweep_tmp(report, fix, online=online)
         listing = self._listing(report, fix)
         total = report.scanned + len(listing)
@@ -451,6 +452,13 @@ class NvmeTier:
             if fix and self._remove_if_same(path, got.ino):
                 report.findings[-1].fixed = True
         return report
+
+    def _stray_journals(self, report: CheckReport) -> None:
+        """Report files named as journals of a generation out of range (a copied-in or bit-rotted name): ignored,
+        left alone (ours or not, no journal could be numbered after them)."""
+        if self._journal is not None:
+            report.findings += [Finding(str(p), "journal generation out of range (not below 2^64-1): ignored")
+                                for p in self._journal.out_of_range()]
 
     def _sweep_tmp(self, report: CheckReport, fix: bool, *, online: bool) -> None:
         """Report (and with `fix` delete) temp files no write will finish. Online, a write registers its temp
@@ -476,6 +484,7 @@ class NvmeTier:
         report = CheckReport()
         files: list[_File] = []
         trusted: list[bytes] = []
+        self._stray_journals(report)
         self._sweep_tmp(report, fix=True, online=False)
         listing = self._listing(report, fix=True)
         # In journal order (the order blocks were written: parents before children), so the store can index
