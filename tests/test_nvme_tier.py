@@ -492,6 +492,128 @@ async def test_disk_full_injected_at_the_io_boundary(tmp_path: Path) -> None:
     await store.close()
 
 
+def _journal_writes_fail(monkeypatch: pytest.MonkeyPatch, full: dict[str, bool], *, short: bool = False) -> None:
+    """While full["on"], every write into an index journal file fails with ENOSPC, or with `short` writes half
+    its bytes (what the kernel returns when the disk fills mid-write); block files are written as usual."""
+    write = os.write
+
+    def failing(fd: int, data: bytes) -> int:
+        if full["on"] and Path(os.readlink(f"/proc/self/fd/{fd}")).name.startswith("journal."):
+            if short:
+                return write(fd, data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(fd, data)
+
+    monkeypatch.setattr(os, "write", failing)
+
+
+async def _exercise_a_full_disk_at_start(root: Path, start, free_space) -> None:  # type: ignore[no-untyped-def]
+    """A restart on a full disk: the tier cannot create its journal, so it serves its block files without one,
+    degraded (DRAM evicts leaves instead of demoting), leaves no journal file behind and removes the snapshot
+    (what happens from now on is recorded in the files only); once the disk has room, a write opens a journal
+    again, and the next start trusts it."""
+    seqs, kvs = await _store_on_disk(root)
+    index = root / "index"
+    before = sorted(p.name for p in index.iterdir())
+    store = await start()  # the disk is full now
+    health = store.health["nvme"]
+    assert health.state == "degraded" and "no space" in health.reason and "journal" in health.reason
+    assert sorted(p.name for p in index.iterdir()) == [n for n in before if n != "snapshot"]
+    for t, kv in zip(seqs, kvs, strict=True):
+        n, got = await get_seq(store, t)
+        assert n == len(t) and got is not None and torch.equal(got, kv)
+    free_space()
+    await asyncio.sleep(0.1)  # past retry_s
+    more = [tokens(2 * BLOCK_TOKENS, seed=s) for s in range(3, 8)]
+    more_kvs = [random_kv(SPEC, len(t), seed=s) for s, t in zip(range(3, 8), more, strict=True)]
+    for t, kv in zip(more, more_kvs, strict=True):
+        await put_seq(store, t, kv)  # DRAM holds 4 blocks: demotions to NVMe, which opens a journal first
+    assert health.state == "ok"
+    on_nvme = set(store.tiers[1].keys())  # type: ignore[attr-defined]
+    assert len(on_nvme) > 6
+    await store.close()
+    store = await make_store(root, dram_blocks=64)
+    nvme = store.tiers[1]
+    assert set(nvme.keys()) == on_nvme and nvme.unverified == on_nvme  # type: ignore[attr-defined]  # journaled
+    assert {m.key for m in store.index} == on_nvme  # (blocks only DRAM held at the stop are gone: write-back)
+    for t, kv in zip(seqs, kvs, strict=True):
+        n, got = await get_seq(store, t)
+        assert n == len(t) and got is not None and torch.equal(got, kv)
+    await store.close()
+
+
+async def test_a_restart_on_a_full_disk_serves_without_a_journal_degraded_and_journals_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # ENOSPC injected into the journal's writes (its file is created, its head is not written) and, through the
+    # fault hook, into block writes; the next test does it with a real full filesystem.
+    full = {"on": False}
+    _journal_writes_fail(monkeypatch, full)
+
+    def hook(op: str, path: Path) -> None:
+        if op == "write" and full["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    async def start() -> BlockStore:
+        full["on"] = True
+        store = await make_store(tmp_path, dram_blocks=4)
+        store.tiers[1].fault_hook = hook  # type: ignore[attr-defined]
+        return store
+
+    await _exercise_a_full_disk_at_start(tmp_path, start, lambda: full.update(on=False))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root; the injected-ENOSPC test covers the logic")
+async def test_a_restart_on_a_real_full_filesystem_serves_degraded_and_journals_again(tmp_path: Path) -> None:
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"this machine refuses a tmpfs mount: {mounted.stderr.decode().strip()}")
+    try:
+        filler: list[Path] = []
+
+        async def start() -> BlockStore:
+            filler.append(_fill_until_full(mnt))
+            return await make_store(mnt, dram_blocks=4, nvme_blocks=1000)
+
+        await _exercise_a_full_disk_at_start(mnt, start, lambda: filler[0].unlink())
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+async def test_a_journal_append_that_fails_loses_no_block_written_again_with_other_bytes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A journal append cut short by a full disk mid-run (a block's remove, torn: the entries after it are never
+    read): the tier goes on without its journal and removes the snapshot, so a crash recovers from the files,
+    never trusting the old header for a block written again under its key with other bytes (it dropped that
+    block at its first read); the next write opens a new journal."""
+    root = tmp_path / "nvme"
+    t = tokens(BLOCK_TOKENS, seed=9)
+    store = await make_store(root, dram_blocks=64, write_policy="write-through")
+    [key] = await put_seq(store, t, random_kv(SPEC, len(t), seed=1))
+    await store.close()  # the snapshot holds the block's first header
+    store = await make_store(root, dram_blocks=64, write_policy="write-through")
+    full = {"on": True}
+    _journal_writes_fail(monkeypatch, full, short=True)
+    meta = store.index.get(key)
+    assert meta is not None
+    await store.placement.delete_block(meta)  # evicted: its remove is torn (the unlink frees room)
+    full["on"] = False
+    new = random_kv(SPEC, len(t), seed=2)
+    assert await put_seq(store, t, new) == [key]
+    crash = tmp_path / "crash"  # the directory as a crash leaves it now
+    shutil.copytree(root, crash, ignore=shutil.ignore_patterns("engram.lock"))
+    recovered = await build_store(load_config(env={}, overrides={
+        "tiers.nvme.path": str(crash), "tiers.dram.capacity": 64 * BLOCK}))
+    n, got = await get_seq(recovered, t)
+    assert n == len(t) and got is not None and torch.equal(got, new)
+    await recovered.close()
+    await store.close()
+    assert len(parse_entries((root / "index" / "snapshot").read_bytes())[0]) == 1  # journaled again
+
+
 async def test_a_stray_journal_of_a_generation_past_a_u64_is_reported_and_ignored(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # No journal can be numbered after it: it stopped every start (struct.error), each leaving another file.

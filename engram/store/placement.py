@@ -348,15 +348,17 @@ class Placement:
 
     # ---- health ---------------------------------------------------------------------------------
 
-    def tier_failed(self, i: int, exc: BaseException) -> None:
+    def tier_failed(self, i: int, exc: BaseException, *, degrade: bool = False) -> None:
+        """Count a tier's failure; a full disk (or, with `degrade`, any failure) degrades it until a retry works."""
         name = self.tiers[i].name
         if isinstance(exc, StorageFull):
             self.counters.tiers[name].enospc += 1
+        elif isinstance(exc, Unavailable | OSError):
+            self.counters.tiers[name].io_errors += 1
+        if degrade or isinstance(exc, StorageFull):
             h = self.health[name]
             h.state, h.reason = "degraded", f"{exc}; retrying every {self.retry_s:g}s"
             h.retry_at = time.monotonic() + self.retry_s
-        elif isinstance(exc, Unavailable | OSError):
-            self.counters.tiers[name].io_errors += 1
 
     def tier_ok(self, i: int) -> None:
         h = self.health[self.tiers[i].name]

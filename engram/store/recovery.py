@@ -62,6 +62,9 @@ async def _recover(store: BlockStore) -> StoreReport:
         if tier_recover is None:
             continue
         tr = await tier_recover()
+        journal_error = getattr(tier, "journal_error", None)
+        if journal_error is not None:  # it serves its files without its journal; writes retry it (NvmeTier.write)
+            placement.tier_failed(placement.rank[tier.name], journal_error, degrade=True)
         report.scanned += tr.scanned
         report.findings += [(f.path, f.problem, f.fixed) for f in tr.findings]
         victims = placement.victims[tier.name]

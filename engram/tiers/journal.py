@@ -22,6 +22,11 @@ Ordering: an `add` is appended after the block file is durable and renamed into 
 the file is unlinked. A snapshot is written to a temp file, fsynced and renamed over the old one, and names
 the first journal generation it does not cover; journals of older generations are deleted after the rename.
 
+When the journal cannot be written (a full disk, an I/O error: creating a generation, an append, a sync),
+the tier goes on without it: `drop` closes it and removes the snapshot, so the next start reads every block
+file (nothing records the changes made meanwhile), until the tier opens a new generation (at its next write,
+or the next start) and a snapshot is written again. A snapshot taken before the loss is not published.
+
 Format (docs/FORMAT.md, all integers little-endian): a 24-byte file header (magic `ENGRMSNP` or
 `ENGRMJNL`, u16 version 1, u16 flags 0, u32 reserved 0, u64 generation), then entries
 `u32 body_len, u8 kind (1 add, 2 remove), body, u64 xxh3_64(kind byte + body)`. An add's body is the block
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import struct
 import threading
@@ -52,6 +58,8 @@ FILE_HEAD_LEN = _FILE_HEAD.size  # 24
 _ENTRY_HEAD = struct.Struct("<IB")  # body_len, kind
 ADD, REMOVE = 1, 2
 GENERATION_LIMIT = 2**64 - 1  # a journal's generation is below it, so the next one still fits the u64 field
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ADD", "REMOVE", "IndexJournal", "Loaded", "encode_entry", "parse_entries"]
 
@@ -92,12 +100,15 @@ class Loaded:
 class IndexJournal:
     """Appends (from the event loop, or a thread: a lock orders them) and compaction of the journal."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, fsync: bool = True) -> None:
         self.dir = private_dir(root / "index")  # headers carry token ids: a tenant's data
         self.snapshot_path = self.dir / "snapshot"
         self._lock = threading.Lock()
         self._fd: int | None = None
+        self._fsync = fsync
         self.generation = 0
+        self.lost_gen = 0  # the newest generation dropped (`drop`): a snapshot covering no later one is stale
+        self.error: OSError | None = None  # why the journal was dropped, until it is opened again
         self._dir_synced = 0  # the generation whose journal file's own entry in the directory was synced
         self.appended = 0  # entries appended since the last snapshot
 
@@ -166,10 +177,17 @@ class IndexJournal:
 
     # ---- writing -------------------------------------------------------------------------------
 
+    @property
+    def is_open(self) -> bool:
+        return self._fd is not None
+
     def open(self) -> None:
-        """Start appending to a journal newer than every existing one (a torn tail is never appended to)."""
+        """Start appending to a journal newer than every existing one (a torn tail is never appended to).
+        Raises OSError (nothing is left behind) when it cannot be created: a full disk, an I/O error."""
         existing = [g for g, _ in self.journals()]
-        self._switch(max(existing, default=0) + 1)
+        with self._lock:
+            self._switch(max([*existing, self.generation, self.lost_gen]) + 1)
+            self.error = None
 
     def _switch(self, gen: int) -> None:
         if gen >= GENERATION_LIMIT:  # only after a stray journal.<2^64-2>: no daemon rotates that often
@@ -177,11 +195,44 @@ class IndexJournal:
                           f"journal files in {self.dir}")
         path = self.dir / f"journal.{gen}"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, FILE_MODE)
-        if os.fstat(fd).st_size == 0:
-            os.write(fd, _FILE_HEAD.pack(JOURNAL_MAGIC, VERSION, 0, 0, gen))
+        try:
+            if os.fstat(fd).st_size == 0:
+                _write_all(fd, _FILE_HEAD.pack(JOURNAL_MAGIC, VERSION, 0, 0, gen))
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                path.unlink()  # a journal without its head would be read as damage at every start
+            raise
         old, self._fd, self.generation = self._fd, fd, gen
         if old is not None:
             os.close(old)
+
+    def drop(self, exc: OSError) -> None:
+        """Stop journaling after `exc` (the journal could not be created or written): see the module's doc."""
+        with self._lock:
+            self._drop(exc)
+
+    def _drop(self, exc: OSError) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+        self.error = exc
+        self.lost_gen = max(self.lost_gen, self.generation)
+        log.warning("index journal in %s: %s; the tier goes on without it (the next start reads every block "
+                    "file) until it is opened again", self.dir, exc.strerror or exc)
+        try:
+            self.snapshot_path.unlink(missing_ok=True)  # no longer true of the files: it must not be trusted
+        except OSError as unlink_exc:
+            log.error("could not remove %s: %s (the next start trusts it: a block written again with other bytes "
+                      "meanwhile would be dropped at its first read)", self.snapshot_path, unlink_exc)
+            return
+        if self._fsync:
+            try:
+                _sync_dir(self.dir)
+            except OSError as sync_exc:
+                log.warning("could not sync directory %s: %s (a power loss may bring the stale snapshot back)",
+                            self.dir, sync_exc)
 
     def add(self, header: bytes) -> None:
         self._append(encode_entry(ADD, header))
@@ -193,7 +244,12 @@ class IndexJournal:
         with self._lock:
             if self._fd is None:
                 return
-            os.write(self._fd, entry)  # one write: a crash leaves it whole or torn, and a torn one is skipped
+            try:
+                if os.write(self._fd, entry) != len(entry):  # one write: a crash leaves it whole or torn (skipped)
+                    raise OSError(errno.ENOSPC, "a short write (the disk is full)")
+            except OSError as exc:
+                self._drop(exc)  # entries after a torn one are never read: the journal is no use now
+                return
             self.appended += 1
 
     def sync(self) -> None:
@@ -203,53 +259,74 @@ class IndexJournal:
         with self._lock:
             if self._fd is None:
                 return
-            os.fsync(self._fd)
-            if self._dir_synced != self.generation:
-                fd = os.open(self.dir, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                self._dir_synced = self.generation
+            try:
+                os.fsync(self._fd)
+                if self._dir_synced != self.generation:
+                    _sync_dir(self.dir)
+                    self._dir_synced = self.generation
+            except OSError as exc:
+                self._drop(exc)  # without a snapshot, the next start trusts no entry: none needs to be on disk
 
-    def rotate(self) -> int:
-        """Start a new journal generation; returns it. What a snapshot taken now must cover is everything
-        appended before this call."""
+    def rotate(self) -> int | None:
+        """Start a new journal generation; returns it (None when the journal is dropped: no snapshot may be
+        taken). What a snapshot taken now must cover is everything appended before this call."""
         with self._lock:
+            if self._fd is None:
+                return None
             self._switch(self.generation + 1)
             self.appended = 0
             return self.generation
 
-    def write_snapshot(self, headers: Iterable[bytes], covers_before: int, *, fsync: bool = True) -> None:
+    def write_snapshot(self, headers: Iterable[bytes], covers_before: int, *, fsync: bool = True) -> bool:
         """Write a snapshot of `headers` (the state when journal `covers_before` was opened), then delete the
-        journals it makes redundant. Runs in a thread: it may take a second for 100k blocks."""
+        journals it makes redundant; False (nothing published) when the journal was dropped since. Runs in a
+        thread: it may take a second for 100k blocks."""
         tmp = self.dir / "snapshot.tmp"
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE), "wb") as fh:
-            fh.write(_FILE_HEAD.pack(SNAPSHOT_MAGIC, VERSION, 0, 0, covers_before))
-            buf: list[bytes] = []
-            for header in headers:
-                buf.append(encode_entry(ADD, header))
-                if len(buf) >= 1024:
-                    fh.write(b"".join(buf))
-                    buf.clear()
-            fh.write(b"".join(buf))
-            fh.flush()
-            if fsync:
-                os.fsync(fh.fileno())
-        os.replace(tmp, self.snapshot_path)
+        try:
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE), "wb") as fh:
+                fh.write(_FILE_HEAD.pack(SNAPSHOT_MAGIC, VERSION, 0, 0, covers_before))
+                buf: list[bytes] = []
+                for header in headers:
+                    buf.append(encode_entry(ADD, header))
+                    if len(buf) >= 1024:
+                        fh.write(b"".join(buf))
+                        buf.clear()
+                fh.write(b"".join(buf))
+                fh.flush()
+                if fsync:
+                    os.fsync(fh.fileno())
+            with self._lock:  # against `drop`: a snapshot of a generation lost meanwhile is not true of the files
+                if covers_before <= self.lost_gen:
+                    tmp.unlink()
+                    return False
+                os.replace(tmp, self.snapshot_path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()  # a full disk's half-written snapshot
+            raise
         if fsync:
-            fd = os.open(self.dir, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _sync_dir(self.dir)
         for gen, path in self.journals():
             if gen < covers_before:
                 with contextlib.suppress(OSError):
                     path.unlink()
+        return True
 
     def close(self) -> None:
         with self._lock:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    if os.write(fd, data) != len(data):
+        raise OSError(errno.ENOSPC, "a short write (the disk is full)")
+
+
+def _sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

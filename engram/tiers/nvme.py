@@ -124,14 +124,16 @@ class NvmeTier:
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="engram-nvme")
         self._committer = GroupCommitter(self._pool, sync=fsync, max_blocks=group_commit_blocks,
                                          on_error=self._io_error)
-        self._journal = IndexJournal(self.root) if journal else None
+        self._journal = IndexJournal(self.root, fsync=fsync) if journal else None
         if fsync:  # the directories' own entries, made above, survive a power loss (their files' do per write)
             for d in (self.root.parent, self.root):
                 try:
                     sync_directory(d)
                 except OSError as exc:
                     log.warning("could not sync directory %s: %s (a power loss may lose it)", d, exc)
-        self._journal_open = False
+        self._journal_wanted = False  # recovered with a journal: it is kept, and opened again after a failure
+        self._snapshot_due = False  # the journal was opened again: the next start trusts it once a snapshot is written
+        self.journal_error: Exception | None = None  # why the journal could not be opened at start (StorageFull...)
         self._compacting: asyncio.Task[None] | None = None
         self.unverified: set[bytes] = set()  # trusted from the journal at start-up, headers not read yet
         self.fault_hook: FaultHook | None = None
@@ -151,6 +153,10 @@ class NvmeTier:
 
     def unreserve(self, nbytes: int) -> None:
         self.budget.unreserve(nbytes)
+
+    @property
+    def _journal_open(self) -> bool:
+        return self._journal is not None and self._journal.is_open
 
     def __contains__(self, key: object) -> bool:
         return key in self._files
@@ -191,6 +197,12 @@ class NvmeTier:
         """Write a block durably (group commit); `reserved` is what the caller reserved (`space_for`). Returns
         once the file is durable under its final name; raises StorageFull / StorageIOError otherwise."""
         final = self.path_of(rec.key)
+        if self._journal_wanted and not self._journal_open:
+            try:  # first: a disk that has no room for it fails this write (the tier stays degraded)
+                self._open_journal()
+            except BaseException:
+                self.unreserve(reserved)
+                raise
         while (deleting := self._deleting.get(rec.key)) is not None:
             await deleting.wait()  # the key's old file is being unlinked: that unlink must not take the new one
         if rec.key in self._removed:  # its old header's remove must be on disk before a new file is
@@ -325,20 +337,39 @@ class NvmeTier:
         if self._compacting is not None:
             with contextlib.suppress(Exception):
                 await self._compacting
-        if self._journal_open:
-            if snapshot:
-                with contextlib.suppress(OSError):
-                    await self._compact()
-            self._journal.close()  # type: ignore[union-attr]
-            self._journal_open = False
+        if self._journal_open and snapshot:
+            with contextlib.suppress(OSError):
+                await self._compact()
+        if self._journal is not None:
+            self._journal.close()
+        self._journal_wanted = False
         self._pool.shutdown(wait=True)
         self._lock.release()
 
     # ---- the journal ---------------------------------------------------------------------------
 
+    def _open_journal(self) -> None:
+        """Open a new journal generation when the tier has none (it could not be created or written: the disk
+        was full, an I/O error): raises StorageFull / StorageIOError while it still cannot be. Until its snapshot
+        is written, the next start reads every block file (journal.py)."""
+        j = self._journal
+        assert j is not None
+        try:
+            j.open()
+        except OSError as exc:
+            j.drop(exc)
+            why = "the index journal cannot be created: the next start reads every block file"
+            self.journal_error = (StorageFull(f"no space left on the filesystem of {self.root} ({why})")
+                                  if exc.errno == errno.ENOSPC else StorageIOError(f"{why}: {exc.strerror or exc}"))
+            raise self.journal_error from exc
+        self.journal_error = None
+        self._snapshot_due = True  # compacted at the next change (the write that opened it)
+
     def _compact_if_due(self) -> None:
         j = self._journal
-        if j is None or self._compacting is not None or j.appended < max(8192, len(self._files)):
+        if j is None or self._compacting is not None or not j.is_open:
+            return
+        if j.appended < max(8192, len(self._files)) and not self._snapshot_due:
             return
         self._compacting = asyncio.get_running_loop().create_task(self._compact())
         self._compacting.add_done_callback(lambda _: setattr(self, "_compacting", None))
@@ -348,15 +379,25 @@ class NvmeTier:
         event loop (where every change is applied), the bytes are written on a thread."""
         j = self._journal
         assert j is not None
-        gen = j.rotate()
+        try:
+            gen = j.rotate()
+        except OSError as exc:
+            log.warning("index journal: could not start a new generation for a snapshot: %s", exc)
+            return
+        if gen is None:
+            return  # dropped: a snapshot would be trusted over changes no journal records
         files = list(self._files.values())
         fsync = self.fsync
 
-        def write() -> None:
+        def write() -> bool:
             headers = (header_bytes(f.rec, f.stored_len, compressed=f.compressed) for f in files)
-            j.write_snapshot(headers, gen, fsync=fsync)
+            return j.write_snapshot(headers, gen, fsync=fsync)
 
-        await self._run(write)
+        try:
+            if await self._run(write) and j.lost_gen < gen:  # (not lost since: then a new snapshot is due)
+                self._snapshot_due = False
+        except OSError as exc:  # the old snapshot and the journals since stay: still true of the files
+            log.warning("index journal: could not write a snapshot: %s", exc)
 
     # ---- recovery and check --------------------------------------------------------------------
 
@@ -532,11 +573,13 @@ class NvmeTier:
             self._add(f)
         self.unverified = set(trusted)
         if self._journal is not None:
-            self._journal.open()
-            self._journal_open = True
-            if report.trusted == 0 or entries > 2 * len(self._files) + 1024:
-                self._compacting = asyncio.get_running_loop().create_task(self._compact())
-                self._compacting.add_done_callback(lambda _: setattr(self, "_compacting", None))
+            self._journal_wanted = True
+            try:
+                self._open_journal()
+            except (StorageFull, StorageIOError):
+                return report  # serve the files without a journal; the store degrades the tier (journal_error)
+            self._snapshot_due = report.trusted == 0 or entries > 2 * len(self._files) + 1024
+            self._compact_if_due()
         return report
 
     async def verify_trusted(self, batch: int = 256) -> list[tuple[bytes, str]]:
@@ -569,7 +612,7 @@ class NvmeTier:
         """Verify every file, payloads included; with fix, remove what is broken (the caller drops those
         blocks from its index). Safe while the tier is in use: writes in flight and files deleted during the
         scan are not findings. `progress(done, total)` is called per file, from the I/O thread."""
-        online = self._journal_open or bool(self._files)
+        online = self._journal_wanted or bool(self._files)
         return await self._run(lambda: self._scan(fix=fix, verify_payloads=True, progress=progress, online=online))
 
     async def verify(self, key: bytes) -> str | None:
