@@ -201,3 +201,37 @@ async def test_beam_search_stores_the_prompt_not_a_beams_tokens_under_the_answer
     with torch.no_grad():
         want = model(out).logits[0, -1]
     assert float((logits - want).norm() / want.norm()) <= RAW_LOGIT_TOL
+
+
+async def test_generate_returns_the_answer_when_the_daemon_is_gone_counting_the_failed_load_and_store(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The daemon stops between two requests: the next `generate` loads nothing (a miss, not an error), computes
+    the answer, and its store fails. Both were raised (Unavailable) even after the answer was computed; now each
+    is logged and counted, as the vLLM connector does, and the answer is the model's own."""
+    from engram.config import load_config
+    from engram.server import start_server
+
+    srv = await start_server(load_config(env={}, overrides={"server.port": 0, "tiers.dram.capacity": "64MiB",
+                                                            "tiers.dram.prefault": False}))
+    model = tiny("llama")
+    prompt = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(6))
+    longer = torch.cat([prompt, torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(7))], dim=1)
+
+    def first_turn() -> tuple[SyncEngramClient, EngramPrefixCache]:
+        client = SyncEngramClient(srv.address, namespace="agents")
+        cache = EngramPrefixCache(model, client, codec="raw", block_tokens=16)
+        generate(model, prompt, cache, max_new_tokens=4, do_sample=False)
+        return client, cache
+
+    try:
+        client, cache = await asyncio.to_thread(first_turn)
+    finally:
+        await srv.stop(0)
+    try:
+        with caplog.at_level("WARNING", logger="engram.integrations"):
+            out = await asyncio.to_thread(generate, model, longer, cache, max_new_tokens=4, do_sample=False)
+    finally:
+        await asyncio.to_thread(client.close)
+    assert torch.equal(out, model.generate(longer, max_new_tokens=4, do_sample=False))
+    assert cache.last_loaded == 0 and (cache.load_failures, cache.store_failures) == (1, 1)  # the first turn's: none
+    assert "Engram load" in caplog.text and "Engram store" in caplog.text

@@ -13,6 +13,8 @@ into the daemon's pool in place). Only the model's global layers are stored per 
 a hybrid model (gpt-oss, Gemma 3: sliding-window layers beside global ones) the sliding layers' window for the
 cached prefix is rebuilt here by exact bounded replay (engram/replay: the last L_swa * (W - 1) tokens re-run
 through this model, reading the loaded global KV), so a prefix another session stored serves this one too.
+A daemon that fails a load or a store (down, or refusing) costs no answer: the load runs as a miss and the store
+is skipped, each logged and counted (`load_failures`, `store_failures`), as in the vLLM connector.
 
 The model's identity in its fingerprint: `weights_id` when given (a checkpoint revision or hash); otherwise a
 hash of the config and of every parameter's shape, dtype and first 4096 values, computed once here: a
@@ -31,6 +33,7 @@ linear), MLA models with sliding layers, and the indexer keys of DeepSeek-V3.2 (
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -38,11 +41,13 @@ import torch
 from torch import Tensor
 
 from engram.destinations import ContiguousKV, KVDestination, StreamsKV
-from engram.errors import InvalidArgument
+from engram.errors import EngramError, InvalidArgument
 from engram.integrations.identity import config_hash
 from engram.integrations.sessions import SessionLink
 from engram.layout import Axis, DType, KVLayout, LayerKind, LayerSpec, ModelSpec, StreamSpec
 from engram.replay.hf import cache_kwarg
+
+log = logging.getLogger("engram.integrations")
 
 _KINDS = {"full_attention": LayerKind.GLOBAL, "sliding_attention": LayerKind.SLIDING}
 
@@ -114,6 +119,8 @@ class EngramPrefixCache:
         self.mla = mla_widths(model)
         self._replay: Any = None
         self.last_loaded = 0  # tokens the last `load` found cached
+        self.load_failures = 0  # loads the daemon failed (each ran as a miss)
+        self.store_failures = 0  # stores the daemon failed (logged; the next request with that prefix misses)
         self.sessions = SessionLink(client, self.fingerprint, namespace=namespace)
 
     @property
@@ -133,8 +140,12 @@ class EngramPrefixCache:
         ks, vs, dest = self._buffers(limit)
         self.last_loaded = 0
         if limit > 0:
-            res = self.client.load_prefix_into(self.fingerprint, tokens, dest, namespace=self.namespace)
-            self.last_loaded = res.loaded_tokens
+            try:
+                res = self.client.load_prefix_into(self.fingerprint, tokens, dest, namespace=self.namespace)
+                self.last_loaded = res.loaded_tokens
+            except EngramError as exc:  # the daemon is down or refuses: the model prefills it all, as on a miss
+                self.load_failures += 1
+                log.warning("Engram load of %d tokens failed, prefilling them all: %s", len(tokens), exc)
         m = self.last_loaded
         if m == 0:
             return cache
@@ -188,10 +199,11 @@ class EngramPrefixCache:
     def store(self, tokens: Tensor | list[int], cache: Any, *, session_id: str = "", expect_back_ms: float = 0
               ) -> int:
         """Store the global layers' KV of `tokens` that `cache` holds (the blocks not cached yet); returns the
-        tokens stored. A cache holds KV for every token but the last one generated. With `session_id` (an agent's
-        conversation), the daemon's session of that id then holds what was stored, with the hint of when the
-        agent is back (`expect_back_ms`; engram/integrations/sessions.py): its blocks outlive those of finished
-        conversations under eviction."""
+        tokens stored (0 when the daemon failed the put: logged and counted in `store_failures`, never raised). A
+        cache holds KV for every token but the last one generated. With `session_id` (an agent's conversation),
+        the daemon's session of that id then holds what was stored, with the hint of when the agent is back
+        (`expect_back_ms`; engram/integrations/sessions.py): its blocks outlive those of finished conversations
+        under eviction."""
         if _rows(self, cache) != 1:
             raise InvalidArgument(f"store takes a cache of one sequence; this one holds {_rows(self, cache)} (beams "
                                   "or several returned sequences: generate stores their common prompt only)")
@@ -205,12 +217,18 @@ class EngramPrefixCache:
         if n == 0:
             return 0
         ids = np.asarray(toks[:n], dtype=np.int32)
-        if self.mla is not None:  # the latent c and k_pe side by side: (L, n, kv_lora_rank + rope)
-            latent = torch.stack([torch.cat((layer.keys[0, 0, :n], layer.values[0, 0, :n]), dim=-1) for layer in layers])
-            self.client.put(self.fingerprint, ids, {"latent": latent}, namespace=self.namespace)
-        else:
-            kv = torch.stack([torch.stack((layer.keys[0, :, :n], layer.values[0, :, :n])) for layer in layers])
-            self.client.put(self.fingerprint, ids, kv.transpose(2, 3), namespace=self.namespace)  # (L, 2, n, H, D)
+        try:
+            if self.mla is not None:  # the latent c and k_pe side by side: (L, n, kv_lora_rank + rope)
+                latent = torch.stack([torch.cat((layer.keys[0, 0, :n], layer.values[0, 0, :n]), dim=-1)
+                                      for layer in layers])
+                self.client.put(self.fingerprint, ids, {"latent": latent}, namespace=self.namespace)
+            else:
+                kv = torch.stack([torch.stack((layer.keys[0, :, :n], layer.values[0, :, :n])) for layer in layers])
+                self.client.put(self.fingerprint, ids, kv.transpose(2, 3), namespace=self.namespace)  # (L, 2, n, H, D)
+        except EngramError as exc:  # the answer is computed: the daemon going away must not cost the caller it
+            self.store_failures += 1
+            log.warning("Engram store of %d tokens failed; the next request with that prefix misses: %s", n, exc)
+            return 0
         if session_id:
             self.sessions.join(session_id, ids, expect_back_ms)
         return n
