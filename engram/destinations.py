@@ -19,6 +19,8 @@ few copies as its layout allows. Five layouts cover the serving stacks:
   returns for a stream layout, and a worker that keeps a stream in one buffer (the transformers integration's
   MLA latent). One strided copy per stream per run of blocks.
 
+A block table names each physical page once.
+
 Writes run on the caller's current CUDA stream, so the worker's own kernels that read the KV afterwards are
 ordered after them without a host synchronisation.
 """
@@ -191,6 +193,12 @@ def _page_table(block_table: Sequence[int] | Tensor, pages: Tensor) -> Tensor:
     table = torch.as_tensor(block_table, dtype=torch.int64)
     if table.dim() != 1 or (table.numel() and (int(table.min()) < 0 or int(table.max()) >= pages.shape[0])):
         raise InvalidArgument(f"block_table must name pages in [0, {pages.shape[0]}), got {table.tolist()[:8]}...")
+    ids, counts = table.unique(return_counts=True)
+    if bool((counts > 1).any()):  # two logical pages on one physical page: the later write wins, the other reads wrong
+        page = int(ids[counts > 1][0])
+        at = (table == page).nonzero().flatten().tolist()
+        raise InvalidArgument(f"block_table names page {page} more than once (logical pages {at}): each logical page "
+                              "needs a physical page of its own")
     return table.to(pages.device)
 
 

@@ -313,6 +313,17 @@ async def test_a_destination_not_shaped_as_the_models_kv_is_refused(server_facto
         assert torch.equal(right, kv)
 
 
+def test_a_block_table_naming_one_page_twice_is_refused() -> None:
+    """Two logical pages on one physical page: the later write won, the earlier page's tokens read back wrong
+    through the table, and all were reported loaded. The repeated id is named."""
+    from engram import errors
+
+    k = [torch.zeros(8, 4, 2, 16, dtype=torch.bfloat16) for _ in range(2)]
+    with pytest.raises(errors.InvalidArgument, match=r"page 4 more than once \(logical pages \[0, 1\]\)"):
+        PagedKV(k, [t.clone() for t in k], [4, 4, 1, 6, 2])
+    assert PagedKV(k, [t.clone() for t in k], [4, 3, 1, 6, 2]).capacity_tokens == 20
+
+
 async def test_a_bytes_load_keeps_what_its_answer_named_until_the_bytes_came(server_factory) -> None:  # type: ignore[no-untyped-def]
     """A worker off the daemon's host loads a prefix in two calls: GetPrefix names the blocks, a Get brings their
     bytes. An eviction between the two (here another client's Evict, run at that moment by a stand-in for the
