@@ -19,7 +19,8 @@ few copies as its layout allows. Five layouts cover the serving stacks:
   returns for a stream layout, and a worker that keeps a stream in one buffer (the transformers integration's
   MLA latent). One strided copy per stream per run of blocks.
 
-A block table names each physical page once.
+A destination holds the layout's dtype (a load does not convert: another dtype is refused), and a block table
+names each physical page once.
 
 Writes run on the caller's current CUDA stream, so the worker's own kernels that read the KV afterwards are
 ordered after them without a host synchronisation.
@@ -61,6 +62,14 @@ class KVDestination(Protocol):
         ...
 
 
+def _check_dtype(have: torch.dtype, data: Tensor) -> None:
+    """A load writes the layout's dtype as it is: a copy_ into another would cast it silently (an integer
+    destination truncates the KV) or fail in torch (index_copy_), so a destination of another dtype is refused."""
+    if have != data.dtype:
+        raise InvalidArgument(f"the model's KV is {data.dtype}; the destination is {have}: allocate it as {data.dtype} "
+                              "(a load does not convert)")
+
+
 def _tokens_major(data: Tensor, n_tokens: int) -> Tensor:
     """(blocks, L, bt, H, D) -> its first n_tokens tokens as (L, n_tokens, H, D) (a copy)."""
     blocks, layers, bt, heads, dim = data.shape
@@ -89,6 +98,7 @@ class ContiguousKV:
         if got != (layers, heads, dim):  # a (.., D, H) tensor would take the bytes in another order, silently
             raise InvalidArgument(f"the model's KV is (layers, 2, tokens, kv_heads, head_dim) = ({layers}, 2, T, {heads}, "
                                   f"{dim}); the destination is {tuple(self.kv.shape)}")
+        _check_dtype(self.kv.dtype, data)
         target = self.kv[:, stream, start : start + n_tokens]  # (L, n, H, D)
         if n_tokens == blocks * bt:
             # (L, blocks, bt, H, D) view of the target: one copy, whatever the source's strides.
@@ -123,6 +133,8 @@ class LayerKV:
         if tuple(self.streams[stream][0].shape[1:]) != (heads, dim):
             raise InvalidArgument(f"the model's K and V are (tokens, kv_heads, head_dim) = (T, {heads}, {dim}) per layer; "
                                   f"the destination's are {tuple(self.streams[stream][0].shape)}")
+        for target in self.streams[stream]:
+            _check_dtype(target.dtype, data)
         for layer, target in enumerate(self.streams[stream]):
             part = target[start : start + n_tokens]  # (n, H, D)
             src = data[:, layer]  # (blocks, bt, H, D)
@@ -150,6 +162,8 @@ class _Paged:
 
     def write(self, stream: int, data: Tensor, start: int, n_tokens: int) -> None:
         layers = self.streams[stream]
+        for pages in layers:
+            _check_dtype(pages.dtype, data)
         offsets = self._kernel_offsets(stream)
         if offsets is not None:
             from engram.kernels import paged

@@ -313,6 +313,33 @@ async def test_a_destination_not_shaped_as_the_models_kv_is_refused(server_facto
         assert torch.equal(right, kv)
 
 
+@pytest.mark.parametrize("zero_copy", [True, False])
+async def test_a_destination_of_another_dtype_than_the_models_kv_is_refused(server_factory, zero_copy: bool) -> None:  # type: ignore[no-untyped-def]
+    """A tensor or per-layer tensors of another dtype took the bfloat16 KV cast (int32: truncated to integers,
+    reported loaded), while pages of another dtype failed in torch's index_copy_ (a RuntimeError, not an
+    EngramError). All are InvalidArgument naming the dtype to allocate; the daemon serves the right one after."""
+    from engram import errors
+
+    srv = await server_factory()
+    spec = tiny_model()
+    async with EngramClient(srv.address, namespace="t", zero_copy=zero_copy) as c:
+        fp = await c.register_model(spec)
+        toks = tokens(2 * BLOCK_TOKENS)
+        kv = random_kv(spec, len(toks))
+        await c.put(fp, toks, kv)
+        layers, _, n, heads, dim = kv.shape
+        for dtype in (torch.int32, torch.float16, torch.float32):
+            per_layer = [torch.zeros(n, heads, dim, dtype=dtype) for _ in range(layers)]
+            pages = [torch.zeros(n // 4, 4, heads, dim, dtype=dtype) for _ in range(layers)]
+            for dest in (torch.zeros(kv.shape, dtype=dtype), LayerKV(per_layer, [t.clone() for t in per_layer]),
+                         PagedKV(pages, [t.clone() for t in pages], range(n // 4))):
+                with pytest.raises(errors.InvalidArgument, match=r"allocate it as torch\.bfloat16"):
+                    await c.load_prefix_into(fp, toks, dest)
+        right = torch.zeros_like(kv)
+        assert (await c.load_prefix_into(fp, toks, right)).loaded_tokens == n
+        assert torch.equal(right, kv)
+
+
 def test_a_block_table_naming_one_page_twice_is_refused() -> None:
     """Two logical pages on one physical page: the later write won, the earlier page's tokens read back wrong
     through the table, and all were reported loaded. The repeated id is named."""
