@@ -203,6 +203,25 @@ async def test_beam_search_stores_the_prompt_not_a_beams_tokens_under_the_answer
     assert float((logits - want).norm() / want.norm()) <= RAW_LOGIT_TOL
 
 
+@pytest.mark.parametrize("family", ["Mistral", "Mixtral", "Phi3", "Starcoder2"])
+def test_a_model_whose_every_layer_slides_is_refused_in_its_configs_terms(family: str) -> None:
+    """Mistral v0.1-style configs (sliding_window set, no layer_types) slide in every layer: no global KV to
+    store per block. The refusal was the wire API's ("mark at least one layer LAYER_KIND_GLOBAL"); it now says
+    that every layer of the model slides and names the config field."""
+    import transformers as tf
+
+    from engram.errors import InvalidArgument
+
+    cfg = getattr(tf, f"{family}Config")(num_hidden_layers=2, sliding_window=64, vocab_size=256, hidden_size=64,
+                                         intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=256, pad_token_id=0)
+    model = getattr(tf, f"{family}ForCausalLM")(cfg)
+    with pytest.raises(InvalidArgument, match=r"every layer of this \w+ model slides \(its config's sliding_window=64, "
+                                              r"with no layer_types, applies to all 2 layers\)"):
+        layout_of(model)
+    cfg.sliding_window = None  # no window: every layer full attention, stored as such
+    assert {layer.kind.name for layer in layout_of(model).layers} == {"GLOBAL"}
+
 async def test_generate_returns_the_answer_when_the_daemon_is_gone_counting_the_failed_load_and_store(
         caplog: pytest.LogCaptureFixture) -> None:
     """The daemon stops between two requests: the next `generate` loads nothing (a miss, not an error), computes

@@ -28,7 +28,8 @@ stream layout, engram/layout.py; 576 numbers a token and layer for DeepSeek-V3 i
 whose per-layer slices are the cache's keys and values.
 
 What it does not do: batches of more than one sequence, attention kinds other than full and sliding (chunked,
-linear), MLA models with sliding layers, and the indexer keys of DeepSeek-V3.2 (transformers has no such cache).
+linear), models whose every layer slides (Mistral v0.1, Phi-3, Starcoder2 with a sliding_window: no global KV to
+store), MLA models with sliding layers, and the indexer keys of DeepSeek-V3.2 (transformers has no such cache).
 """
 
 from __future__ import annotations
@@ -75,6 +76,14 @@ def layout_of(model: Any, *, block_tokens: int = 256) -> KVLayout:
     if unknown:
         raise InvalidArgument(f"layer types {unknown} are not supported; Engram stores full and sliding attention")
     layers = tuple(LayerSpec(_KINDS[t], int(window or 0) if _KINDS[t] == LayerKind.SLIDING else 0) for t in types)
+    if LayerKind.GLOBAL not in {layer.kind for layer in layers}:  # Mistral v0.1, Phi-3, Starcoder2 with a window
+        why = ("its config's layer_types are all sliding_attention" if getattr(cfg, "layer_types", None) else
+               f"its config's sliding_window={window}, with no layer_types, applies to all {n} layers")
+        raise InvalidArgument(f"every layer of this {getattr(cfg, 'model_type', '') or type(model).__name__} model "
+                              f"slides ({why}): it has no global (full-attention) KV to store per block, the only KV "
+                              "Engram stores (sliding windows are rebuilt from it). Models with at least one "
+                              "full_attention layer are supported, as is one whose config has no window "
+                              "(sliding_window=None: every layer full attention)")
     dtype = DType.from_torch(next(model.parameters()).dtype)
     mla = mla_widths(model)
     if mla is not None:
