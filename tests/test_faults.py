@@ -356,3 +356,53 @@ async def test_a_real_cuda_out_of_memory_during_replay_is_a_miss_and_the_daemon_
         r, _ = await client.resume_kv(fp, sid)  # with memory back, the next Resume replays
         assert r.source == "replay" and r.position == len(toks)
         assert (await client.stats()).replay.replays == 1
+
+
+async def test_blocks_received_and_not_stored_yet_count_against_the_quota(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """Put streams that announce a block and send half of it kept those buffers outside the quota (four half-sent
+    32 MiB blocks grew the daemon 160 MiB past a 40 MiB quota, an audit): a block being received holds its bytes
+    of the quota until it is stored, and a stream cut midway gives them back."""
+    srv = await server_factory(**{"auth.tenants.t.token": "tok", "auth.tenants.t.quota": 3 * BLOCK,
+                                  "auth.salt_secret": "s"})
+    async with EngramClient(srv.address, token="tok", namespace="t") as client:
+        fp = await client.register_model(SPEC)
+    meta = (("authorization", "Bearer tok"),)
+    holding = 0
+
+    def half_sent(seed: int) -> AsyncIterator[pb.PutRequest]:
+        toks = tokens(BLOCK_TOKENS, seed=seed)
+        payload = encode(random_kv(SPEC, BLOCK_TOKENS, seed=seed), RAW)
+
+        async def stream() -> AsyncIterator[pb.PutRequest]:
+            nonlocal holding
+            yield pb.PutRequest(header=pb.PutHeader(namespace="t", model_fingerprint=fp))
+            h = pb.BlockHeader(tokens=toks.tolist(), dtype=pb.DTYPE_BF16, payload_nbytes=len(payload),
+                               shape=list(SPEC.layout.block_shape(BLOCK_TOKENS)), checksum=checksum(payload))
+            yield pb.PutRequest(chunk=pb.BlockChunk(header=h, data=payload[: len(payload) // 2], last=False))
+            holding += 1
+            await asyncio.Event().wait()  # the rest never comes
+
+        return stream()
+
+    async with grpc.aio.insecure_channel(srv.address) as ch:
+        stub = pb_grpc.EngramStub(ch)
+        calls = [stub.Put(half_sent(seed), metadata=meta) for seed in range(3)]
+        for _ in range(500):
+            if holding == 3 and sum(srv.store._held.values()) >= 3 * BLOCK:
+                break
+            await asyncio.sleep(0.01)
+        fourth = stub.Put(half_sent(3), metadata=meta)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await asyncio.wait_for(fourth, 10)  # (it waited for the rest of its block, unrefused)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "quota" in (refused.value.details() or "")
+        for call in calls:
+            call.cancel()
+    for _ in range(200):  # the handlers notice the cancellations
+        if not srv.store._held:
+            break
+        await asyncio.sleep(0.01)
+    assert not srv.store._held
+    async with EngramClient(srv.address, token="tok", namespace="t") as client:  # the quota is whole again
+        await client.register_model(SPEC)
+        toks = tokens(3 * BLOCK_TOKENS, seed=9)
+        assert (await client.put(fp, toks, random_kv(SPEC, len(toks), seed=9))).stored == 3

@@ -295,16 +295,19 @@ class DataPort:
                 raise errors.InvalidArgument(f"data channel: the blocks announce {announced} payload bytes, the "
                                              f"frame carries {body}")
             chain = self.service.chain_put(req.header)
-            for block in req.blocks:
-                header = convert.header_from_pb(block, chain.index)
-                chain.check_not_after_tail()
-                chain.check(header)
-                payload = await self._receive(conn, header.payload_nbytes)
-                left -= header.payload_nbytes
-                # The store copies what it keeps (a pool slot, the private tier's bytes), so the buffer is
-                # reused for the next block; a partial tail is committed by finish() before any further read.
-                await chain.add(header, payload)
-            reply = await chain.finish()
+            try:
+                for block in req.blocks:
+                    header = convert.header_from_pb(block, chain.index)
+                    chain.check_not_after_tail()
+                    chain.check(header)
+                    payload = await self._receive(conn, header.payload_nbytes)
+                    left -= header.payload_nbytes
+                    # The store copies what it keeps (a pool slot, the private tier's bytes), so the buffer is
+                    # reused for the next block; a partial tail is committed by finish() before any further read.
+                    await chain.add(header, payload)
+                reply = await chain.finish()
+            finally:
+                chain.release()  # quota held for blocks received and never stored
         except errors.EngramError:
             await conn.skip(left)
             raise

@@ -91,6 +91,10 @@ class ChainPut:
         self.keys: list[bytes] = []
         self.stored = self.deduplicated = self.not_durable = 0
         self.tail: tuple[BlockHeader, Payload] | None = None  # a partial block, committed when the stream ends
+        # Quota held for blocks received but not stored yet (the one arriving, and a held tail): a stream that
+        # announces a block and sends most of it kept that buffer outside the quota (four half-sent 32 MiB blocks
+        # grew the daemon 160 MiB past a 40 MiB quota, an audit). Given back as each is stored, and by release().
+        self._held: list[int] = []
 
     @property
     def index(self) -> int:
@@ -101,7 +105,20 @@ class ChainPut:
         """A block's header, before any of its payload is buffered: its count, shape, and whether it could
         fit its namespace's quota and the top tier at all."""
         check_limit("Put blocks", self.index + 1, self.service.config.max_blocks_per_request)
-        self.service.store.admit(self.stream.namespace, self.stream.model_fingerprint, header, index=self.index)
+        store = self.service.store
+        nbytes = store.admit(self.stream.namespace, self.stream.model_fingerprint, header, index=self.index)
+        store.hold(self.stream.namespace, nbytes, f"block {self.index}")
+        self._held.append(nbytes)
+
+    def _unhold(self) -> None:
+        """The oldest block held is about to be stored (the store counts it from here) or dropped."""
+        if self._held:
+            self.service.store.release_held(self.stream.namespace, self._held.pop(0))
+
+    def release(self) -> None:
+        """The stream ended (stored, failed or cut): what it still holds goes back to the quota."""
+        while self._held:
+            self._unhold()
 
     def check_not_after_tail(self) -> None:
         if self.tail is not None:
@@ -116,6 +133,7 @@ class ChainPut:
             self.tail = (header, payload)  # a partial block must end the chain: held until the stream proves it
             self.keys.append(b"")
         else:
+            self._unhold()
             self.parent = await self._commit(header, payload, self.index)
             self.keys.append(self.parent)
 
@@ -130,6 +148,7 @@ class ChainPut:
 
     async def finish(self) -> pb.PutResponse:
         if self.tail is not None:
+            self._unhold()
             self.keys[-1] = await self._commit(*self.tail, self.index - 1)
         return pb.PutResponse(keys=self.keys, stored=self.stored, deduplicated=self.deduplicated,
                               not_durable=self.not_durable)
@@ -200,33 +219,37 @@ class EngramService:
     async def Put(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> pb.PutResponse:
         chain: ChainPut | None = None
         blocks: Reassembler[BlockHeader] | None = None
-        async for raw in request_iterator:
-            req = decoded(raw)
-            item = req.WhichOneof("item")
-            if chain is None:
-                if item != "header":
-                    raise InvalidArgument("the first message of a Put stream must be a PutHeader")
-                chain = self.chain_put(req.header)
-                blocks = Reassembler(lambda h: h.payload_nbytes, check=chain.check)
-                continue
-            if item != "chunk":
-                raise InvalidArgument("a Put stream carries one PutHeader, first; then only BlockChunks")
-            assert blocks is not None
-            chunk = req.chunk
-            chain.check_not_after_tail()
-            header = convert.header_from_pb(chunk.header, chain.index) if chunk.HasField("header") else None
-            done = blocks.add(header, chunk.data, chunk.last, chain.index)
-            if done is not None:
-                await chain.add(*done)
-        if chain is None or blocks is None:
-            raise InvalidArgument("empty Put stream: send a PutHeader, then the blocks")
-        if blocks.open:
-            assert blocks.header is not None
-            raise InvalidArgument(
-                f"Put stream ended inside block {chain.index} ({blocks.received} of {blocks.header.payload_nbytes} "
-                f"bytes, no chunk with last=true); the {chain.index} blocks before it were stored"
-            )
-        return await chain.finish()
+        try:
+            async for raw in request_iterator:
+                req = decoded(raw)
+                item = req.WhichOneof("item")
+                if chain is None:
+                    if item != "header":
+                        raise InvalidArgument("the first message of a Put stream must be a PutHeader")
+                    chain = self.chain_put(req.header)
+                    blocks = Reassembler(lambda h: h.payload_nbytes, check=chain.check)
+                    continue
+                if item != "chunk":
+                    raise InvalidArgument("a Put stream carries one PutHeader, first; then only BlockChunks")
+                assert blocks is not None
+                chunk = req.chunk
+                chain.check_not_after_tail()
+                header = convert.header_from_pb(chunk.header, chain.index) if chunk.HasField("header") else None
+                done = blocks.add(header, chunk.data, chunk.last, chain.index)
+                if done is not None:
+                    await chain.add(*done)
+            if chain is None or blocks is None:
+                raise InvalidArgument("empty Put stream: send a PutHeader, then the blocks")
+            if blocks.open:
+                assert blocks.header is not None
+                raise InvalidArgument(
+                    f"Put stream ended inside block {chain.index} ({blocks.received} of {blocks.header.payload_nbytes} "
+                    f"bytes, no chunk with last=true); the {chain.index} blocks before it were stored"
+                )
+            return await chain.finish()
+        finally:
+            if chain is not None:
+                chain.release()  # quota held for blocks received and never stored
 
     def chain_put(self, header: pb.PutHeader) -> ChainPut:
         """A Put of one chain, whichever channel its bytes come on (gRPC chunks, the data channel)."""

@@ -211,11 +211,12 @@ class BlockStore:
 
     # ---- writes --------------------------------------------------------------------------------
 
-    def admit(self, namespace: str, model_fingerprint: bytes, header: BlockHeader, *, index: int = 0) -> None:
+    def admit(self, namespace: str, model_fingerprint: bytes, header: BlockHeader, *, index: int = 0) -> int:
         """Refuse a block whose header announces more than its namespace's quota or the top tier can take,
         before its payload is buffered: a Put streams a block's bytes after its header, and buffering
         first let one put of a 4 GiB block grow the daemon by a GiB on a 64 MiB tier. (Room made by
-        eviction is the put's business; this asks only whether the block could ever fit.)"""
+        eviction is the put's business; this asks only whether the block could ever fit.) Returns the bytes
+        the block will be stored in."""
         spec = self.spec(model_fingerprint)
         header.validate(spec.layout, index=index, model_codec=spec.codec)
         nbytes = stored.stored_nbytes(spec.stored_codec, tuple(header.shape), header.dtype, spec.streams)
@@ -226,6 +227,7 @@ class BlockStore:
                 f"capacity of {top.capacity_bytes} bytes; raise tiers.{top.name}.capacity or register the model "
                 "with fewer block_tokens")
         self._check_quota(namespace, nbytes, index)
+        return nbytes
 
     def quota_used(self, namespace: str) -> int:
         """What counts against a namespace's quota: its stored blocks (every block once), its puts in
