@@ -79,6 +79,9 @@ class ServerConfig:
     gc_full_s: float = 3600.0  # the whole heap collected once this often (bounds cyclic garbage frozen alive)
     shutdown_grace_s: float = 5.0  # in-flight RPCs get this long to finish on SIGTERM
     lease_s: float = 30.0  # a zero-copy Get's descriptors keep their slots this long unless released sooner
+    # Blocks one namespace's live leases may name (a lease per load, ended by the next: about 18 bytes a block);
+    # past it a call that leases is RESOURCE_EXHAUSTED. 0: no bound.
+    max_leased_blocks_per_namespace: int = 1 << 20
     tls_cert: str = ""  # PEM certificate chain: with tls_key, TCP is served over TLS
     tls_key: str = ""  # PEM private key of tls_cert
     metrics_port: int = 0  # Prometheus /metrics over HTTP on this port; 0 = off, -1 = any free port (tests)
@@ -304,6 +307,9 @@ class EngramConfig:
             raise ConfigError(f"codec.quality_sample must be >= 0 (0: off), got {self.codec.quality_sample}")
         if not self.codec.max_error >= 0:  # NaN too
             raise ConfigError(f"codec.max_error must be >= 0 (0: off), got {self.codec.max_error}")
+        if s.max_leased_blocks_per_namespace < 0:
+            raise ConfigError("server.max_leased_blocks_per_namespace must be >= 0 (0: no bound), got "
+                              f"{s.max_leased_blocks_per_namespace}")
         if s.max_concurrent_rpcs_per_tenant < 0:
             raise ConfigError("server.max_concurrent_rpcs_per_tenant must be >= 0 (0: no bound), got "
                               f"{s.max_concurrent_rpcs_per_tenant}")

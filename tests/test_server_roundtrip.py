@@ -419,3 +419,37 @@ async def test_a_put_in_parts_names_the_failing_block_in_the_chain_and_pins_go_i
         assert len(keys) == 5  # what was stored before it
         assert await c.pin(fp, keys) == 5
         assert sum(d.pins for d in (await c.describe_blocks(key_prefixes=[k.hex() for k in keys])).blocks) == 5
+
+
+async def test_a_namespaces_live_leases_are_bounded_and_releasing_them_makes_room(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A client that asked GetPrefix to hold prefixes faster than it ended them grew the lease table without bound
+    (2,000 held 1,024-block prefixes: +37 MiB, an audit): a namespace's live leases may name
+    server.max_leased_blocks_per_namespace blocks; past it RESOURCE_EXHAUSTED, another namespace unaffected, and
+    a release (the next load's, here a GetPrefix's) makes room."""
+    import grpc
+
+    from engram.v1 import engram_pb2 as pb
+    from engram.v1 import engram_pb2_grpc as pb_grpc
+
+    srv = await server_factory(**{"server.max_leased_blocks_per_namespace": 8})
+    spec = tiny_model()
+    toks = tokens(4 * BLOCK_TOKENS, seed=31)
+    for ns in ("a", "b"):
+        async with EngramClient(srv.address, namespace=ns) as c:
+            fp = await c.register_model(spec)
+            await c.put(fp, toks, random_kv(spec, len(toks), seed=31))
+    async with grpc.aio.insecure_channel(srv.address) as ch:
+        stub = pb_grpc.EngramStub(ch)
+
+        def hold(ns: str, release: tuple[int, ...] = ()) -> Any:
+            return stub.GetPrefix(pb.GetPrefixRequest(namespace=ns, model_fingerprint=fp, tokens=toks.tolist(),
+                                                      hold_for_get=True, release_lease_ids=release))
+
+        first, second = await hold("a"), await hold("a")
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await hold("a")
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_leased_blocks_per_namespace" in (refused.value.details() or "")
+        assert (await hold("b")).lease_id  # its own share
+        assert (await hold("a", release=(first.lease_id,))).lease_id  # the last load's lease ended first
+        assert second.lease_id

@@ -167,7 +167,7 @@ class EngramService:
         self.dataport: DataPort | None = None  # the data channel, once started (engram/server/dataport.py)
         self.config = config
         self.sessions = sessions
-        self.leases = LeaseTable(store, config.lease_s)
+        self.leases = LeaseTable(store, config.lease_s, config.max_leased_blocks_per_namespace)
         self.pool = shared_pool(store.tiers)  # None: no shared DRAM pool, Gets answer with bytes only
         self.ipc_pool = ipc_pool(store.tiers)  # the HBM pool, when workers can open it by CUDA IPC
         self._engine: Any = None  # the DMA engine of HBM promotions, made on first use
