@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+import pytest
 import torch
 
 from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
@@ -191,3 +192,17 @@ def start_redis(port: int, *args: str, password: str = "", ping_port: int | None
         time.sleep(0.05)
     proc.kill()
     raise AssertionError("redis-server did not start")
+
+
+@contextlib.contextmanager
+def small_tmpfs(where: Path, size: str = "256k") -> Iterator[Path]:
+    """A real tmpfs of `size` mounted at `where` (a real full disk: ENOSPC from the kernel); root only, and the
+    test is skipped where the machine refuses the mount."""
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"this machine refuses a tmpfs mount: {mounted.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)

@@ -18,7 +18,7 @@ from engram.lockfile import DaemonLock, holder_pid
 from engram.server import start_server
 from engram.tiers.nvme import NvmeTier
 
-from helpers import ENGRAM, NEUTRAL_CWD, wait_for
+from helpers import ENGRAM, NEUTRAL_CWD, small_tmpfs, wait_for
 
 
 def serve(sock: Path, nvme: Path | None = None) -> subprocess.Popen[str]:
@@ -191,12 +191,7 @@ async def test_an_ipv6_host_is_served(tmp_path: Path) -> None:
 def test_a_lock_is_taken_on_a_full_filesystem(tmp_path: Path) -> None:
     # A clean stop empties the lock file; writing the pid again needs space a full disk has not (the daemon
     # could not start: ENOSPC). The pid only names the holder: the lock is taken without it.
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"this machine refuses a tmpfs mount: {mounted.stderr.decode().strip()}")
-    try:
+    with small_tmpfs(tmp_path / "small", "64k") as mnt:
         DaemonLock(mnt / "engram.lock", "the directory", "stop it").acquire().release()
         fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT)
         with pytest.raises(OSError, match="No space left"):
@@ -207,5 +202,3 @@ def test_a_lock_is_taken_on_a_full_filesystem(tmp_path: Path) -> None:
         with pytest.raises(AlreadyRunning):
             DaemonLock(mnt / "engram.lock", "the directory", "stop it").acquire()
         lock.release()
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)

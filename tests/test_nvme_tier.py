@@ -28,7 +28,7 @@ from engram.tiers.journal import FILE_HEAD_LEN as JOURNAL_HEAD_LEN
 from engram.tiers.journal import parse_entries
 from engram.tiers.nvme import NvmeTier
 
-from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
+from helpers import BLOCK_TOKENS, random_kv, small_tmpfs, tiny_model, tokens
 
 SPEC = tiny_model()
 BLOCK = SPEC.layout.block_nbytes(BLOCK_TOKENS)
@@ -462,20 +462,11 @@ async def _exercise_disk_full(store: BlockStore, free_space) -> None:  # type: i
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root; the injected-ENOSPC test covers the logic")
 async def test_disk_full_on_a_real_small_filesystem_degrades_and_recovers(tmp_path: Path) -> None:
-    import subprocess
-
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"this machine refuses a tmpfs mount: {mounted.stderr.decode().strip()}")
-    try:
+    with small_tmpfs(tmp_path / "small") as mnt:
         store = await make_store(mnt, dram_blocks=4, nvme_blocks=1000)  # the budget is not the limit: the disk is
         filler = _fill_until_full(mnt)
         await _exercise_disk_full(store, lambda: filler.unlink())
         await store.close()
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 async def test_disk_full_injected_at_the_io_boundary(tmp_path: Path) -> None:
@@ -564,14 +555,7 @@ async def test_a_restart_on_a_full_disk_serves_without_a_journal_degraded_and_jo
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root; the injected-ENOSPC test covers the logic")
 async def test_a_restart_on_a_real_full_filesystem_serves_degraded_and_journals_again(tmp_path: Path) -> None:
-    import subprocess
-
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"this machine refuses a tmpfs mount: {mounted.stderr.decode().strip()}")
-    try:
+    with small_tmpfs(tmp_path / "small") as mnt:
         filler: list[Path] = []
 
         async def start() -> BlockStore:
@@ -579,8 +563,6 @@ async def test_a_restart_on_a_real_full_filesystem_serves_degraded_and_journals_
             return await make_store(mnt, dram_blocks=4, nvme_blocks=1000)
 
         await _exercise_a_full_disk_at_start(mnt, start, lambda: filler[0].unlink())
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 async def test_a_journal_append_that_fails_loses_no_block_written_again_with_other_bytes(
