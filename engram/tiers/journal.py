@@ -49,6 +49,7 @@ from pathlib import Path
 import xxhash
 
 from engram.private import FILE_MODE, private_dir
+from engram.tiers.groupcommit import sync_directory
 
 SNAPSHOT_MAGIC = b"ENGRMSNP"
 JOURNAL_MAGIC = b"ENGRMJNL"
@@ -229,7 +230,7 @@ class IndexJournal:
             return
         if self._fsync:
             try:
-                _sync_dir(self.dir)
+                sync_directory(self.dir)
             except OSError as sync_exc:
                 log.warning("could not sync directory %s: %s (a power loss may bring the stale snapshot back)",
                             self.dir, sync_exc)
@@ -262,7 +263,7 @@ class IndexJournal:
             try:
                 os.fsync(self._fd)
                 if self._dir_synced != self.generation:
-                    _sync_dir(self.dir)
+                    sync_directory(self.dir)
                     self._dir_synced = self.generation
             except OSError as exc:
                 self._drop(exc)  # without a snapshot, the next start trusts no entry: none needs to be on disk
@@ -305,7 +306,7 @@ class IndexJournal:
                 tmp.unlink()  # a full disk's half-written snapshot
             raise
         if fsync:
-            _sync_dir(self.dir)
+            sync_directory(self.dir)
         for gen, path in self.journals():
             if gen < covers_before:
                 with contextlib.suppress(OSError):
@@ -322,11 +323,3 @@ class IndexJournal:
 def _write_all(fd: int, data: bytes) -> None:
     if os.write(fd, data) != len(data):
         raise OSError(errno.ENOSPC, "a short write (the disk is full)")
-
-
-def _sync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
