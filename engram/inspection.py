@@ -63,8 +63,13 @@ class Inspector:
 
     def session_list(self, namespace: str | None) -> list[SessionChain]:
         """Sessions of one namespace, or of every namespace when namespace is None."""
+        return [self.chain(s) for s in self.sessions_in(namespace)]
+
+    def sessions_in(self, namespace: str | None) -> list[Session]:
+        """The sessions `session_list` describes, in its order, not described yet (the caller may describe them
+        one by one, letting other calls run between: each is a match of the session's tokens)."""
         chosen = [s for s in self.sessions.sessions() if namespace is None or s.namespace == namespace]
-        return [self.chain(s) for s in sorted(chosen, key=lambda s: (s.namespace, s.created))]
+        return sorted(chosen, key=lambda s: (s.namespace, s.created))
 
     def chain(self, s: Session) -> SessionChain:
         blocks = self._chain(s)

@@ -149,3 +149,35 @@ async def test_describing_a_long_chain_walks_it_once_and_short_prefixes_sort_the
         await client.describe_blocks(key_prefixes=[common])
     with pytest.raises(errors.NotFound):
         await client.describe_blocks(key_prefixes=["0" * 32])
+
+
+async def test_listing_many_sessions_lets_other_calls_run_between_them(server: RunningServer, client: EngramClient,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each listed session's chain is a match of its tokens (up to 2^21 of them): a listing of many long sessions
+    held the event loop for all of them at once, every other tenant's call waiting. Here each chain is slowed
+    (a stand-in for a long session) and a Stats issued meanwhile is answered before the listing ends."""
+    from engram.inspection import Inspector
+
+    spec = tiny_model()
+    fp = await client.register_model(spec)
+    for i in range(40):
+        await client.open_session(fp, session_id=f"s{i}", tokens=tokens(32, seed=i), mode="persist")
+    real_chain, order = Inspector.chain, []
+
+    def slowed(self, s):  # type: ignore[no-untyped-def]
+        time.sleep(0.01)
+        return real_chain(self, s)
+
+    monkeypatch.setattr(Inspector, "chain", slowed)
+
+    async def listing() -> None:
+        assert len(await client.list_sessions()) == 40
+        order.append("listing")
+
+    async def stats() -> None:
+        await asyncio.sleep(0.05)  # the listing is under way
+        await client.stats()
+        order.append("stats")
+
+    await asyncio.gather(listing(), stats())
+    assert order == ["stats", "listing"]
