@@ -26,6 +26,9 @@ class ModelRegistry:
         self.default_codec = default_codec
         self.default_reason = default_reason  # why this default (codec.default, or what auto found)
         self._models: dict[bytes, ModelSpec] = {}
+        # Who added each model (a tenant's name; saved in its file, so a tenant's share of server.max_models_per_tenant
+        # outlives a restart: counted in memory only, one tenant filled the registry over a few restarts).
+        self._added_by: dict[bytes, str] = {}
         self._dir = Path(directory) if directory else None
         if self._dir is not None:
             private_dir(self._dir)
@@ -35,7 +38,8 @@ class ModelRegistry:
         assert self._dir is not None
         for path in sorted(self._dir.glob("*.json")):
             try:
-                spec = ModelSpec.from_dict(json.loads(path.read_text()))
+                data = json.loads(path.read_text())
+                spec = ModelSpec.from_dict(data)
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("ignoring unreadable model file %s: %s", path, exc)
                 continue
@@ -43,6 +47,8 @@ class ModelRegistry:
                 log.warning("ignoring model file %s: its content has fingerprint %s", path, spec.fingerprint.hex())
                 continue
             self._models[spec.fingerprint] = spec
+            if isinstance(added := data.get("added_by"), str) and added:
+                self._added_by[spec.fingerprint] = added
 
     def with_codec(self, spec: ModelSpec) -> ModelSpec:
         """The spec as registered: its codec defaulted to the daemon's (the codec is part of the fingerprint)."""
@@ -50,8 +56,13 @@ class ModelRegistry:
             return spec
         return dataclasses.replace(spec, codec="raw" if spec.layout.dtype == DType.FP64 else self.default_codec)
 
-    def register(self, spec: ModelSpec) -> bytes:
-        """Register a model (its codec defaulted to the daemon's); returns its fingerprint."""
+    def added_by(self, who: str) -> int:
+        """How many of the registered models `who` added (a tenant's share of the registry)."""
+        return sum(1 for name in self._added_by.values() if name == who)
+
+    def register(self, spec: ModelSpec, added_by: str = "") -> bytes:
+        """Register a model (its codec defaulted to the daemon's); returns its fingerprint. `added_by`: the tenant
+        that adds it, when it is new (kept with it)."""
         spec = self.with_codec(spec)
         from engram.codec.base import codec_by_name
 
@@ -68,16 +79,18 @@ class ModelRegistry:
         fp = spec.fingerprint
         if fp not in self._models:
             if self._dir is not None:
-                self._persist(fp, spec)
+                self._persist(fp, spec, added_by)
             self._models[fp] = spec
+            if added_by:
+                self._added_by[fp] = added_by
         return fp
 
-    def _persist(self, fp: bytes, spec: ModelSpec) -> None:
+    def _persist(self, fp: bytes, spec: ModelSpec, added_by: str) -> None:
         assert self._dir is not None
         final = self._dir / f"{fp.hex()}.json"
         tmp = final.with_suffix(".tmp")
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE), "w") as fh:
-            json.dump(spec.to_dict(), fh, sort_keys=True)
+            json.dump({**spec.to_dict(), **({"added_by": added_by} if added_by else {})}, fh, sort_keys=True)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, final)

@@ -391,13 +391,20 @@ async def test_one_tenants_idle_streams_cannot_take_every_slot_from_the_others(s
         assert (await b.stats()).version  # his share is back
 
 
-async def test_one_tenant_cannot_fill_the_daemons_model_registry(server_factory: Any) -> None:
+async def test_one_tenant_cannot_fill_the_daemons_model_registry(server_factory: Any, tmp_path: Path) -> None:
     """Bob registered server.max_models models in a second and every other tenant's RegisterModel was refused
-    (an audit): each token may add server.max_models_per_tenant models; registering a known one is free."""
-    srv = await server_factory(**AUTH, **{"server.max_models": 8, "server.max_models_per_tenant": 3})
+    (an audit): each token may add server.max_models_per_tenant models; registering a known one is free. The
+    share outlives a restart (kept in memory only, it let Bob fill the registry over a few restarts)."""
+    cfg = {**AUTH, "server.max_models": 8, "server.max_models_per_tenant": 3, "tiers.nvme.path": str(tmp_path / "n")}
+    first = await server_factory(**cfg)
+    async with as_(first, BOB) as b:
+        await b.register_model(tiny_model(weights_id="bob-0"))
+        await b.register_model(tiny_model(weights_id="bob-1"))
+    await first.stop(0)
+    srv = await server_factory(**cfg)  # the same registry on disk
     async with as_(srv, BOB) as b:
-        mine = [await b.register_model(tiny_model(weights_id=f"bob-{i}")) for i in range(3)]
-        with pytest.raises(errors.ResourceExhausted, match="max_models_per_tenant"):
+        mine = [await b.register_model(tiny_model(weights_id=f"bob-{i}")) for i in range(3)]  # one more is new
+        with pytest.raises(errors.ResourceExhausted, match="has added 3 models"):
             await b.register_model(tiny_model(weights_id="bob-3"))
         assert await b.register_model(tiny_model(weights_id="bob-1")) == mine[1]  # his own again: free
     async with as_(srv, ALICE) as a:

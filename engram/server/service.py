@@ -159,7 +159,6 @@ class EngramService:
                  tenancy: Tenancy | None = None, *, same_host: bool = True) -> None:
         self.store = store
         self.tenancy = tenancy
-        self._models_added: dict[str, set[bytes]] = {}  # tenant -> models it added (server.max_models_per_tenant)
         self.same_host = same_host  # zero-copy descriptors and in-place puts allowed (auth.same_host_paths)
         self.cluster: ClusterIndex | None = None  # set by the app once the daemon's address is known
         self.trust: ClusterTrust | None = None  # the cluster secret's keys, with the cluster
@@ -186,17 +185,15 @@ class EngramService:
                                   "fewer block_tokens")
         registry = self.store.registry
         who = caller(context)
-        added = self._models_added.setdefault(who.name, set())
+        shared = self.tenancy is None or who.admin  # a tenant's models count against its share, kept with them
         new = registry.with_codec(spec).fingerprint not in registry
-        if new and self.tenancy is not None and not who.admin and len(added) >= self.config.max_models_per_tenant:
-            raise ResourceExhausted(f"this token has added {len(added)} models to the daemon, its share "
+        if new and not shared and (added := registry.added_by(who.name)) >= self.config.max_models_per_tenant:
+            raise ResourceExhausted(f"this token has added {added} models to the daemon, its share "
                                     "(server.max_models_per_tenant); register one of those")
         if new and len(registry) >= self.config.max_models:
             raise ResourceExhausted(f"this daemon already knows {len(registry)} models (server.max_models); "
                                     "register one of those, or raise the limit")
-        fp = registry.register(spec)
-        if new:
-            added.add(fp)
+        fp = registry.register(spec, "" if shared else who.name)
         return pb.RegisterModelResponse(model_fingerprint=fp, codec=self.store.spec(fp).codec,
                                         max_blocks_per_request=self.config.max_blocks_per_request)
 
