@@ -91,7 +91,7 @@ class Tenancy:
     session_limits: dict[str, int] = field(default_factory=dict)  # namespace -> live sessions
     max_calls: int = 0  # calls one tenant may have in flight (server.max_concurrent_rpcs_per_tenant); 0: no bound
     _salts: dict[str, bytes] = field(default_factory=dict)
-    _calls: dict[str, int] = field(default_factory=dict)  # tenant -> calls in flight
+    _calls: dict[str, dict[str, int]] = field(default_factory=dict)  # "rpc" / "data" -> tenant -> in flight
 
     @classmethod
     def from_config(cls, auth: AuthConfig, peer_token: str = "") -> Tenancy | None:
@@ -128,21 +128,25 @@ class Tenancy:
                               "every tenant its own")
         self.principals[digest] = principal
 
-    def enter(self, p: Principal) -> None:
-        """A call of `p` starts; RESOURCE_EXHAUSTED past its share of the daemon's concurrent calls (admins have
-        none: they act on the whole daemon). Each enter is paired with a `leave`."""
-        n = self._calls.get(p.name, 0)
+    def enter(self, p: Principal, what: str = "rpc") -> None:
+        """A call of `p` starts ("rpc"), or a data-channel connection of it opens ("data": a share of its own, the
+        same size); RESOURCE_EXHAUSTED past its share of the daemon's (admins have none: they act on the whole
+        daemon). Each enter is paired with a `leave`."""
+        counts = self._calls.setdefault(what, {})
+        n = counts.get(p.name, 0)
         if self.max_calls and not p.admin and n >= self.max_calls:
-            raise ResourceExhausted(f"this token has {n} calls in flight, its limit "
-                                    "(server.max_concurrent_rpcs_per_tenant); end idle streams or wait for answers")
-        self._calls[p.name] = n + 1
+            held = "calls in flight" if what == "rpc" else "data-channel connections open"
+            raise ResourceExhausted(f"this token has {n} {held}, its limit (server.max_concurrent_rpcs_per_tenant); "
+                                    "end idle streams or wait for answers")
+        counts[p.name] = n + 1
 
-    def leave(self, p: Principal) -> None:
-        n = self._calls[p.name] - 1
+    def leave(self, p: Principal, what: str = "rpc") -> None:
+        counts = self._calls[what]
+        n = counts[p.name] - 1
         if n:
-            self._calls[p.name] = n
+            counts[p.name] = n
         else:
-            del self._calls[p.name]
+            del counts[p.name]
 
     def authenticate(self, metadata: object) -> Principal:
         """The principal of a call's `authorization: Bearer <token>` metadata."""

@@ -558,3 +558,37 @@ async def test_malformed_and_broken_requests_are_counted_with_their_status(serve
     assert count("put", "DEADLINE_EXCEEDED") == 1
     assert count("other", "OK") is None and count("get", "OK") is None and count("put", "OK") is None
     assert srv.metrics.registry.get_sample_value("engram_data_buffered_bytes") == 0
+
+
+async def test_one_tenants_data_connections_cannot_take_every_slot_from_the_others(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """Bob's idle data-channel connections took all server.max_concurrent_rpcs slots: every other tenant's
+    connection was refused and its puts and gets went to gRPC (an audit). Each token has a share of data
+    connections (server.max_concurrent_rpcs_per_tenant): past it Bob is refused RESOURCE_EXHAUSTED (his client
+    takes gRPC), Alice keeps the data channel, and Bob's share comes back when his connections close."""
+    srv = await server_factory(**{"auth.tenants.alice.token": "a-tok", "auth.tenants.bob.token": "b-tok",
+                                  "auth.salt_secret": "s", "server.max_concurrent_rpcs": 8,
+                                  "server.max_concurrent_rpcs_per_tenant": 2})
+    bobs = [await raw_conn(srv, "b-tok") for _ in range(2)]
+    third = await dial(srv)
+    await third.send_frame(wire.HELLO, b"b-tok")
+    kind, meta, _ = await third.read_frame()
+    assert kind == wire.ERROR and "max_concurrent_rpcs_per_tenant" in str(wire.error_of(meta))
+    third.close()
+    spec = tiny_model()
+    toks = tokens(32)
+    async with EngramClient(srv.address, token="a-tok", namespace="alice", zero_copy=False) as c:
+        fp = await c.register_model(spec)
+        before = srv.service.dataport.served["put"]
+        await c.put(fp, toks, random_kv(spec, 32))
+        assert srv.service.dataport.served["put"] == before + 1  # on the data channel, not gRPC
+    for conn in bobs:
+        conn.close()
+    for _ in range(200):  # the daemon notices the closes
+        again = await dial(srv)
+        await again.send_frame(wire.HELLO, b"b-tok")
+        kind, _, _ = await again.read_frame()
+        again.close()
+        if kind == wire.HELLO_OK:
+            break
+        await asyncio.sleep(0.01)
+    assert kind == wire.HELLO_OK  # Bob's share came back

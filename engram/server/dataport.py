@@ -27,7 +27,7 @@ from engram.config import ServerConfig
 from engram.private import remove_stale_socket
 from engram.server.auth import _principal
 from engram.server.service import EngramService
-from engram.tenancy import OPEN, Tenancy
+from engram.tenancy import OPEN, Principal, Tenancy
 from engram.v1 import engram_pb2 as pb
 from engram.wire import convert
 from engram.wire import data as wire
@@ -200,8 +200,10 @@ class DataPort:
         """One connection: HELLO, then requests until the client leaves, the framing breaks or a frame stalls.
         Between requests it may stay idle (clients keep connections pooled; max_concurrent_rpcs bounds them)."""
         self._conns.add(conn)
+        principal = None
         try:
-            if not await self._hello(conn):
+            principal = await self._hello(conn)
+            if principal is None:
                 return
             me = asyncio.current_task()
             assert me is not None
@@ -244,30 +246,40 @@ class DataPort:
         finally:
             self._conns.discard(conn)
             conn.close()
+            if principal is not None and self.tenancy is not None:
+                self.tenancy.leave(principal, "data")
 
-    async def _hello(self, conn: wire.Conn) -> bool:
+    async def _hello(self, conn: wire.Conn) -> Principal | None:
+        """The connection's principal once its HELLO is answered (its connection counted against its share of
+        data-channel connections: one tenant's idle connections took every slot, an audit); None: refused."""
         try:
             kind, meta, body = await asyncio.wait_for(conn.read_frame(wire.MAX_HELLO_BYTES), HELLO_TIMEOUT_S)
         except TimeoutError:
-            return False  # a socket that says nothing holds a connection slot (max_concurrent_rpcs): closed
+            return None  # a socket that says nothing holds a connection slot (max_concurrent_rpcs): closed
         except errors.InvalidArgument as exc:
             await conn.send_error(exc)
-            return False
+            return None
         if kind != wire.HELLO or body:
             await conn.send_error(errors.InvalidArgument("data channel: a connection starts with HELLO"))
-            return False
+            return None
         if self.tenancy is None:
             principal = OPEN
         else:
             token = bytes(meta).decode(errors="replace")
             try:
                 principal = self.tenancy.authenticate((("authorization", f"Bearer {token}"),) if token else ())
+                self.tenancy.enter(principal, "data")  # RESOURCE_EXHAUSTED: the client takes gRPC instead
             except errors.EngramError as exc:
                 await conn.send_error(exc)
-                return False
+                return None
         _principal.set(principal)  # this connection's task: the service's namespace checks read it
-        await conn.send_frame(wire.HELLO_OK)
-        return True
+        try:
+            await conn.send_frame(wire.HELLO_OK)
+        except BaseException:
+            if self.tenancy is not None:
+                self.tenancy.leave(principal, "data")
+            raise
+        return principal
 
     async def _request(self, conn: wire.Conn, kind: int, meta: bytearray, body: int) -> None:
         if kind == wire.PUT:
