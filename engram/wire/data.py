@@ -76,6 +76,12 @@ class Conn:
         self.stall_s = stall_s
         self.scratch = bytearray()  # a receiver's buffer, reused from message to message (the daemon's puts)
         self.receiving = 0  # bytes of the buffer `recv` is growing now (the daemon's engram_data_buffered_bytes)
+        # The stall watch: one timer a connection, due stall_s after the last byte, moved on when it finds bytes came
+        # meanwhile (a timer per read, or per wait, cost a sixth of the receive rate).
+        self._last = 0.0  # loop time of the last byte received
+        self._receiver: asyncio.Task[object] | None = None  # the task inside a frame's recv_into, watched
+        self._watch: asyncio.TimerHandle | None = None
+        self._stalled = False
 
     async def recv_into(self, buf: memoryview, *, idle: bool = False) -> None:
         """Fill `buf` exactly; ConnectionError if the peer closes first, Stalled if stall_s passes without a byte
@@ -84,19 +90,36 @@ class Conn:
             while buf:
                 buf = buf[await self._recv_some(buf):]
             return
-        limit = asyncio.timeout(None)
+        loop, task = self._loop, asyncio.current_task()
+        assert task is not None
         try:
-            async with limit:
-                while buf:
-                    if not idle:
-                        limit.reschedule(self._loop.time() + self.stall_s)
-                    buf = buf[await self._recv_some(buf):]
-                    idle = False
-        except TimeoutError:
-            if not limit.expired():
-                raise
-            raise Stalled(f"data channel: the peer sent nothing for {self.stall_s:g}s in the middle of a frame") \
-                from None
+            while buf:
+                if not idle and self._receiver is None:
+                    self._receiver, self._last = task, loop.time()
+                    if self._watch is None:
+                        self._watch = loop.call_at(self._last + self.stall_s, self._check_stall)
+                n = await self._recv_some(buf)
+                self._last = loop.time()
+                buf, idle = buf[n:], False
+        except asyncio.CancelledError:
+            if self._stalled and task.uncancel() == 0:  # the watch's cancel, no other
+                self._stalled = False
+                raise Stalled(f"data channel: the peer sent nothing for {self.stall_s:g}s in the middle of a "
+                              "frame") from None
+            raise
+        finally:
+            self._receiver = None
+
+    def _check_stall(self) -> None:
+        self._watch = None
+        if self._receiver is None or self.stall_s is None:
+            return  # between frames: the next frame arms it again
+        due = self._last + self.stall_s
+        if self._loop.time() >= due:
+            self._stalled = True
+            self._receiver.cancel()
+        else:
+            self._watch = self._loop.call_at(due, self._check_stall)
 
     async def _recv_some(self, buf: memoryview) -> int:
         if self._reader is not None:
@@ -162,6 +185,9 @@ class Conn:
         await self.send_frame(ERROR, CODE.pack(code) + str(exc).encode())
 
     def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
         if self._writer is not None:
             self._writer.close()
         elif self._sock is not None:
