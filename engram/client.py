@@ -543,8 +543,9 @@ class EngramClient(ControlClient):
 
     async def _exchange(self, data: DataChannel, kind: int, meta: bytes, body: Sequence[bytes | memoryview],
                         answer: Callable[[Conn], Coroutine[Any, Any, T]]) -> T:
-        """One request and its answer. The daemon's refusal (an ERROR frame, wire.Refused) leaves the
-        connection framed, so it is reused; anything else closes it. A connection that breaks before any
+        """One request and its answer. After the daemon's refusal (an ERROR frame, wire.Refused) the connection
+        is closed here too: after some refusals the daemon closes it, and a pooled dead one failed the next call
+        (over a unix socket as a broken pipe, and the request went twice). A connection that breaks before any
         answer (the daemon restarted since it was opened) is retried once on a new one, and a daemon not found
         at its announced address is asked for it again: Put and Get are both idempotent."""
         retried = refreshed = False
@@ -554,7 +555,7 @@ class EngramClient(ControlClient):
                 try:
                     result = await answer(conn)
                 except wire.Refused as refused:
-                    data.done(conn)
+                    conn.close()
                     refusal = refused.error
                     break
                 except BaseException:
@@ -587,6 +588,8 @@ class EngramClient(ControlClient):
         tensor is sent from its own memory). A chain over the daemon's request limit goes in several Puts,
         each after the last key of the one before."""
         limit = data.endpoint.max_request_bytes or 1 << 62
+        if any(h.payload_nbytes > limit for h, _ in blocks):  # one the data channel refuses whole: gRPC chunks it
+            raise wire.ChannelFull(f"a block exceeds the data channel's request limit of {limit} bytes")
         keys: list[bytes] = []
         stored_n = dedup = not_durable = 0
         start = 0

@@ -21,7 +21,7 @@ from engram.v1 import engram_pb2 as pb
 from engram.wire import convert
 from engram.wire import data as wire
 
-from helpers import random_kv, self_signed_cert, tiny_model, tokens
+from helpers import BLOCK_TOKENS, random_kv, self_signed_cert, tiny_model, tokens
 
 NS = "tenant-a"
 
@@ -592,3 +592,32 @@ async def test_one_tenants_data_connections_cannot_take_every_slot_from_the_othe
             break
         await asyncio.sleep(0.01)
     assert kind == wire.HELLO_OK  # Bob's share came back
+
+
+async def test_a_block_over_the_request_limit_goes_over_grpc_and_a_refused_connection_is_not_pooled(
+        server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A block larger than server.data_max_request_bytes was sent whole and refused, the daemon closing the
+    connection; the client pooled it, so the next call broke on it (over a unix socket the put itself failed as a
+    broken pipe, sent twice). Such a block now goes over gRPC (which chunks it), and a refused request's
+    connection is closed on the client's side too."""
+    spec = tiny_model()
+    block = spec.layout.block_nbytes(BLOCK_TOKENS)
+    srv = await server_factory(**{"server.data_max_request_bytes": block // 2, "auth.tenants.t.token": "tok",
+                                  "auth.tenants.t.quota": 3 * block, "auth.salt_secret": "s"})
+    async with EngramClient(srv.address, token="tok", namespace="t", zero_copy=False) as c:
+        fp = await c.register_model(spec)
+        toks = tokens(2 * BLOCK_TOKENS, seed=4)
+        kv = random_kv(spec, len(toks), seed=4)
+        before = served(srv)
+        put = await c.put(fp, toks, kv)
+        assert put.stored == 2 and served(srv) == before  # over gRPC: the data channel saw nothing
+        assert torch.equal(torch.cat(await c.get(fp, list(put.keys)), dim=2), kv)
+    srv = await server_factory(**{"auth.tenants.t.token": "tok", "auth.tenants.t.quota": 3 * block,
+                                  "auth.salt_secret": "s"})
+    async with EngramClient(srv.address, token="tok", namespace="t", zero_copy=False) as c:
+        fp = await c.register_model(spec)
+        toks = tokens(4 * BLOCK_TOKENS, seed=5)
+        with pytest.raises(errors.ResourceExhausted, match="quota"):  # refused on the data channel at block 3
+            await c.put(fp, toks, random_kv(spec, len(toks), seed=5))
+        assert c._data is not None and not c._data._idle  # closed, not pooled
+        assert (await c.lookup(fp, toks)).matched_tokens == 3 * BLOCK_TOKENS
