@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -254,3 +255,48 @@ async def test_generate_returns_the_answer_when_the_daemon_is_gone_counting_the_
     assert torch.equal(out, model.generate(longer, max_new_tokens=4, do_sample=False))
     assert cache.last_loaded == 0 and (cache.load_failures, cache.store_failures) == (1, 1)  # the first turn's: none
     assert "Engram load" in caplog.text and "Engram store" in caplog.text
+
+
+async def test_a_cache_built_before_its_daemon_starts_misses_then_hits_once_the_daemon_is_up(tmp_path: Path) -> None:
+    """A worker starts before its daemon: the cache is built with the daemon down (it raised Unavailable: the
+    model was registered at construction), the first request runs as a miss (a counted load failure, its store
+    skipped), and once the daemon is up the model is registered on the next call: that request stores, the
+    one after loads the prefix."""
+    from engram.config import load_config
+    from engram.server import start_server
+
+    sock = tmp_path / "engram.sock"
+    model = tiny("llama")
+    prompt = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(8))
+    client = await asyncio.to_thread(SyncEngramClient, f"unix:{sock}", namespace="agents")
+    try:
+        cache = EngramPrefixCache(model, client, codec="raw", block_tokens=16)  # no daemon yet
+        out = await asyncio.to_thread(generate, model, prompt, cache, max_new_tokens=4, do_sample=False)
+        assert torch.equal(out, model.generate(prompt, max_new_tokens=4, do_sample=False))
+        assert cache.last_loaded == 0 and (cache.load_failures, cache.store_failures) == (1, 1)
+        srv = await start_server(load_config(env={}, overrides={
+            "server.port": 0, "server.unix_socket": str(sock), "tiers.dram.capacity": "64MiB",
+            "tiers.dram.prefault": False}))
+        try:
+            await asyncio.to_thread(_reachable, client)
+            await asyncio.to_thread(generate, model, prompt, cache, max_new_tokens=4, do_sample=False)
+            assert cache.last_loaded == 0 and (cache.load_failures, cache.store_failures) == (1, 1)  # stored
+            await asyncio.to_thread(generate, model, prompt, cache, max_new_tokens=4, do_sample=False)
+            assert cache.last_loaded == 39  # all but the last token (the model computes its logits)
+        finally:
+            await srv.stop(0)
+    finally:
+        await asyncio.to_thread(client.close)
+
+
+def _reachable(client: SyncEngramClient) -> None:
+    """Wait for the client's channel to reach a daemon just started (its reconnect backs off up to 2 s)."""
+    from engram.errors import Unavailable
+
+    for _ in range(200):
+        try:
+            client.stats()
+            return
+        except Unavailable:
+            time.sleep(0.05)
+    raise AssertionError("the daemon did not answer within 10 s of starting")

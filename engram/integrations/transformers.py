@@ -14,7 +14,8 @@ a hybrid model (gpt-oss, Gemma 3: sliding-window layers beside global ones) the 
 cached prefix is rebuilt here by exact bounded replay (engram/replay: the last L_swa * (W - 1) tokens re-run
 through this model, reading the loaded global KV), so a prefix another session stored serves this one too.
 A daemon that fails a load or a store (down, or refusing) costs no answer: the load runs as a miss and the store
-is skipped, each logged and counted (`load_failures`, `store_failures`), as in the vLLM connector.
+is skipped, each logged and counted (`load_failures`, `store_failures`), as in the vLLM connector. A daemon
+not up yet when the cache is built is no error either: the model is registered with the first call it answers.
 
 The model's identity in its fingerprint: `weights_id` when given (a checkpoint revision or hash); otherwise a
 hash of the config and of every parameter's shape, dtype and first 4096 values, computed once here: a
@@ -42,7 +43,7 @@ import torch
 from torch import Tensor
 
 from engram.destinations import ContiguousKV, KVDestination, StreamsKV
-from engram.errors import EngramError, InvalidArgument
+from engram.errors import EngramError, InvalidArgument, Unavailable
 from engram.integrations.identity import config_hash
 from engram.integrations.sessions import SessionLink
 from engram.layout import Axis, DType, KVLayout, LayerKind, LayerSpec, ModelSpec, StreamSpec
@@ -121,7 +122,12 @@ class EngramPrefixCache:
         cfg = _text_config(model)
         self.spec = ModelSpec(name or getattr(cfg, "model_type", "") or type(model).__name__,
                               weights_id or weights_identity(model), self.layout, codec)
-        self.fingerprint: bytes = client.register_model(self.spec)
+        self._fingerprint = b""  # the daemon's name for the model (it resolves the default codec): `fingerprint`
+        self.sessions = SessionLink(client, b"", namespace=namespace)
+        try:
+            self._register()
+        except Unavailable as exc:  # a worker may start before its daemon: registered by the first call it answers
+            log.warning("Engram is not reachable yet; loads miss until it is: %s", exc)
         kinds = [layer.kind for layer in self.layout.layers]
         self.global_layers = [i for i, k in enumerate(kinds) if k == LayerKind.GLOBAL]
         self.sliding_layers = [i for i, k in enumerate(kinds) if k == LayerKind.SLIDING]
@@ -130,7 +136,16 @@ class EngramPrefixCache:
         self.last_loaded = 0  # tokens the last `load` found cached
         self.load_failures = 0  # loads the daemon failed (each ran as a miss)
         self.store_failures = 0  # stores the daemon failed (logged; the next request with that prefix misses)
-        self.sessions = SessionLink(client, self.fingerprint, namespace=namespace)
+
+    @property
+    def fingerprint(self) -> bytes:
+        """The model's fingerprint, registering it first if the daemon was down until now (raises as the
+        registration does)."""
+        return self._fingerprint or self._register()
+
+    def _register(self) -> bytes:
+        self._fingerprint = self.sessions.fingerprint = self.client.register_model(self.spec)
+        return self._fingerprint
 
     @property
     def device(self) -> torch.device:
