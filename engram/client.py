@@ -43,7 +43,7 @@ from engram.block import checksum
 from engram.codec import stored
 from engram.codec.streamformat import raw_streams
 from engram.control import ControlClient
-from engram.destinations import ContiguousKV, KVDestination, StreamsKV
+from engram.destinations import ContiguousKV, KVDestination, StreamsKV, check_fits
 from engram.layout import DType, ModelSpec, StreamSpec
 from engram.loader import BlockSource, MappedSegment, PrefixLoader
 from engram.loadgate import LoadGate
@@ -854,13 +854,16 @@ class EngramClient(ControlClient):
         copied straight out of them (DMA into a GPU, FP4 decoded there), the rest come as bytes. On a GPU the
         writes are queued on the current stream; the call returns once every copy out of the daemon's pools
         has completed. The blocks' lease ends with this client's next load (no extra round trip), or
-        RELEASE_AFTER_S after this one."""
+        RELEASE_AFTER_S after this one. A destination the model's KV does not fit (dtype, shape) is refused before
+        the request (InvalidArgument), on a miss as on a hit."""
+        layout = self._spec(fingerprint).layout
         if isinstance(dest, torch.Tensor):
             target: KVDestination = ContiguousKV(dest)
         elif isinstance(dest, Mapping):
-            target = StreamsKV(self._spec(fingerprint).layout.stream_specs, dest)
+            target = StreamsKV(layout.stream_specs, dest)
         else:
             target = dest
+        check_fits(target, layout)
         return await self._load_prefix(fingerprint, tokens, lambda n: target, target.device, namespace)
 
     async def _load_prefix(self, fingerprint: bytes, tokens: Sequence[int] | np.ndarray,

@@ -20,7 +20,9 @@ few copies as its layout allows. Five layouts cover the serving stacks:
   MLA latent). One strided copy per stream per run of blocks.
 
 A destination holds the layout's dtype (a load does not convert: another dtype is refused), and a block table
-names each physical page once.
+names each physical page once. `check_fits` refuses one the model's KV does not fit (dtype, per-token shape,
+layers, pages that do not tile a block) before a load asks the daemon, so that a misconfigured worker hears of
+it on a miss too, not only once something was cached; each write checks again (a loader used on its own).
 
 Writes run on the caller's current CUDA stream, so the worker's own kernels that read the KV afterwards are
 ordered after them without a host synchronisation.
@@ -37,7 +39,7 @@ from torch import Tensor
 
 from engram.errors import InvalidArgument
 from engram.kernels import triton_available
-from engram.layout import StreamSpec
+from engram.layout import KVLayout, StreamSpec
 
 # Paged caches on a GPU are written by the Triton kernel (engram/kernels/paged.py). ENGRAM_PAGED_KERNEL=0 keeps
 # them on the torch path: for comparisons (benchmarks/paged_write.py does it in-process), or as a way around the
@@ -62,12 +64,51 @@ class KVDestination(Protocol):
         ...
 
 
-def _check_dtype(have: torch.dtype, data: Tensor) -> None:
+def check_fits(dest: KVDestination, layout: KVLayout) -> None:
+    """Refuse a destination the layout's KV does not fit, before a load (InvalidArgument, as its write would
+    raise). A destination of the worker's own making, without a `fits` method, is left to its writes."""
+    fits = getattr(dest, "fits", None)
+    if fits is not None:
+        fits(layout)
+
+
+def _check_dtype(have: torch.dtype, data: Tensor | torch.dtype) -> None:
     """A load writes the layout's dtype as it is: a copy_ into another would cast it silently (an integer
     destination truncates the KV) or fail in torch (index_copy_), so a destination of another dtype is refused."""
-    if have != data.dtype:
-        raise InvalidArgument(f"the model's KV is {data.dtype}; the destination is {have}: allocate it as {data.dtype} "
+    want = data if isinstance(data, torch.dtype) else data.dtype
+    if have != want:
+        raise InvalidArgument(f"the model's KV is {want}; the destination is {have}: allocate it as {want} "
                               "(a load does not convert)")
+
+
+def _kv_of(layout: KVLayout) -> tuple[int, int, int, torch.dtype]:
+    """(persisted layers, kv_heads, head_dim, dtype) of the KV a K and V destination receives; a stream layout
+    other than K and V alike is refused (its streams go into StreamsKV or PagedStreamsKV)."""
+    specs = layout.stream_specs
+    if len(specs) != 2 or len({(s.shape, s.dtype, s.compress) for s in specs}) != 1 or len(specs[0].shape) != 2 \
+            or specs[0].compress != 1:
+        raise InvalidArgument(f"the model's blocks hold the streams {[s.name for s in specs]}, not K and V: load them "
+                              "into StreamsKV or PagedStreamsKV")
+    heads, dim = specs[0].shape
+    return layout.persisted_layers, heads, dim, specs[0].dtype.torch_dtype
+
+
+def _check_layers(want: int, have: int) -> None:
+    if want != have:
+        raise InvalidArgument(f"the model stores {want} layers; the destination has {have}")
+
+
+def _check_streams(have: Sequence[StreamSpec], layout: KVLayout) -> None:
+    """A stream destination's streams (what its tensors were checked against) are the model's, codecs aside."""
+    for s, want in zip(have, layout.stream_specs, strict=False):
+        if (s.name, s.shape, s.dtype, s.compress) != (want.name, want.shape, want.dtype, want.compress):
+            raise InvalidArgument(f"stream {want.name}: the model's is ({', '.join(map(str, want.shape))}) "
+                                  f"{want.dtype.torch_dtype} per entry, one entry per {want.compress} tokens; the "
+                                  f"destination's stream {s.name} is ({', '.join(map(str, s.shape))}) "
+                                  f"{s.dtype.torch_dtype}, one per {s.compress}: allocate it as the model's")
+    if len(have) != len(layout.stream_specs):
+        raise InvalidArgument(f"the model's blocks hold the streams {[s.name for s in layout.stream_specs]}; the "
+                              f"destination has {[s.name for s in have]}")
 
 
 def _tokens_major(data: Tensor, n_tokens: int) -> Tensor:
@@ -92,12 +133,19 @@ class ContiguousKV:
     def capacity_tokens(self) -> int:
         return int(self.kv.shape[2])
 
+    def fits(self, layout: KVLayout) -> None:
+        layers, heads, dim, dtype = _kv_of(layout)
+        self._check_shape(layers, heads, dim)
+        _check_dtype(self.kv.dtype, dtype)
+
+    def _check_shape(self, layers: int, heads: int, dim: int) -> None:
+        if (self.kv.shape[0], *self.kv.shape[3:]) != (layers, heads, dim):  # (.., D, H): the bytes in another order
+            raise InvalidArgument(f"the model's KV is (layers, 2, tokens, kv_heads, head_dim) = ({layers}, 2, T, "
+                                  f"{heads}, {dim}); the destination is {tuple(self.kv.shape)}")
+
     def write(self, stream: int, data: Tensor, start: int, n_tokens: int) -> None:
         blocks, layers, bt, heads, dim = data.shape
-        got = (self.kv.shape[0], *self.kv.shape[3:])
-        if got != (layers, heads, dim):  # a (.., D, H) tensor would take the bytes in another order, silently
-            raise InvalidArgument(f"the model's KV is (layers, 2, tokens, kv_heads, head_dim) = ({layers}, 2, T, {heads}, "
-                                  f"{dim}); the destination is {tuple(self.kv.shape)}")
+        self._check_shape(layers, heads, dim)
         _check_dtype(self.kv.dtype, data)
         target = self.kv[:, stream, start : start + n_tokens]  # (L, n, H, D)
         if n_tokens == blocks * bt:
@@ -126,15 +174,21 @@ class LayerKV:
     def capacity_tokens(self) -> int:
         return int(self.streams[0][0].shape[0])
 
+    def fits(self, layout: KVLayout) -> None:
+        layers, heads, dim, dtype = _kv_of(layout)
+        self._check(layers, heads, dim, dtype)
+
+    def _check(self, layers: int, heads: int, dim: int, dtype: torch.dtype) -> None:
+        _check_layers(layers, len(self.streams[0]))
+        if tuple(self.streams[0][0].shape[1:]) != (heads, dim):  # every tensor has one shape (the constructor)
+            raise InvalidArgument(f"the model's K and V are (tokens, kv_heads, head_dim) = (T, {heads}, {dim}) per layer; "
+                                  f"the destination's are {tuple(self.streams[0][0].shape)}")
+        for target in (*self.streams[0], *self.streams[1]):
+            _check_dtype(target.dtype, dtype)
+
     def write(self, stream: int, data: Tensor, start: int, n_tokens: int) -> None:
         blocks, layers, bt, heads, dim = data.shape
-        if layers != len(self.streams[stream]):
-            raise InvalidArgument(f"the model stores {layers} layers; the destination has {len(self.streams[stream])}")
-        if tuple(self.streams[stream][0].shape[1:]) != (heads, dim):
-            raise InvalidArgument(f"the model's K and V are (tokens, kv_heads, head_dim) = (T, {heads}, {dim}) per layer; "
-                                  f"the destination's are {tuple(self.streams[stream][0].shape)}")
-        for target in self.streams[stream]:
-            _check_dtype(target.dtype, data)
+        self._check(layers, heads, dim, data.dtype)
         for layer, target in enumerate(self.streams[stream]):
             part = target[start : start + n_tokens]  # (n, H, D)
             src = data[:, layer]  # (blocks, bt, H, D)
@@ -159,6 +213,20 @@ class _Paged:
     @property
     def capacity_tokens(self) -> int:
         return int(self.table.numel()) * self.page_tokens
+
+    def _fits_pages(self, layout: KVLayout, entries: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> None:
+        """Each stream's per-layer pages against the model's (entry shape, dtype) of that stream, and pages that
+        tile a block (a run of blocks starts on a page)."""
+        _check_layers(layout.persisted_layers, len(self.streams[0]))
+        for layers, (shape, dtype) in zip(self.streams, entries, strict=True):
+            for pages in layers:
+                if tuple(pages.shape[2:]) != shape:
+                    raise InvalidArgument(f"the model's pages are (pages, page_tokens, {', '.join(map(str, shape))}) "
+                                          f"per layer; the destination's are {tuple(pages.shape)}")
+                _check_dtype(pages.dtype, dtype)
+        if layout.block_tokens % self.page_tokens:
+            raise InvalidArgument(f"page_tokens={self.page_tokens} must divide the model's block_tokens "
+                                  f"({layout.block_tokens})")
 
     def write(self, stream: int, data: Tensor, start: int, n_tokens: int) -> None:
         layers = self.streams[stream]
@@ -201,6 +269,10 @@ class PagedKV(_Paged):
         self.page_tokens = int(k[0].shape[1])
         self.table = _page_table(block_table, k[0])
         self._offsets = {}
+
+    def fits(self, layout: KVLayout) -> None:
+        _, heads, dim, dtype = _kv_of(layout)
+        self._fits_pages(layout, [((heads, dim), dtype)] * 2)
 
 
 def _page_table(block_table: Sequence[int] | Tensor, pages: Tensor) -> Tensor:
@@ -261,6 +333,11 @@ class StreamsKV:
         # tokens whose entries fit: T tokens make T // compress entries of a compressed stream
         return min((int(t.shape[1]) + 1) * s.compress - 1 for s, t in zip(self.streams, self.tensors, strict=True))
 
+    def fits(self, layout: KVLayout) -> None:
+        _check_streams(self.streams, layout)
+        for t in self.tensors:
+            _check_layers(layout.persisted_layers, int(t.shape[0]))
+
     def write(self, stream: int, data: Tensor, start: int, n_tokens: int) -> None:
         blocks, layers, per_block = data.shape[:3]
         target = self.tensors[stream][:, start : start + n_tokens]  # (L, n, *shape)
@@ -282,6 +359,7 @@ class PagedStreamsKV(_Paged):
         names = [s.name for s in streams]
         if set(pages) != set(names):
             raise InvalidArgument(f"PagedStreamsKV needs pages for every stream {names}, got {sorted(pages)}")
+        self.specs = tuple(streams)
         self.streams = [list(pages[s.name]) for s in streams]
         first = self.streams[0][0] if self.streams[0] else None
         if first is None or first.dim() < 3:
@@ -300,3 +378,7 @@ class PagedStreamsKV(_Paged):
                 raise InvalidArgument(f"stream {s.name}: every stream's pages must be on one device")
         self.table = _page_table(block_table, first)
         self._offsets = {}
+
+    def fits(self, layout: KVLayout) -> None:
+        _check_streams(self.specs, layout)
+        self._fits_pages(layout, [(s.shape, s.dtype.torch_dtype) for s in self.specs])

@@ -340,6 +340,40 @@ async def test_a_destination_of_another_dtype_than_the_models_kv_is_refused(serv
         assert torch.equal(right, kv)
 
 
+async def test_a_destination_the_models_kv_does_not_fit_is_refused_on_a_miss_too(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A destination of another dtype or shape was refused only when a block was written: on a miss (a worker's
+    first requests, a cold daemon) the load answered 0 tokens without a word, so a misconfigured worker never got
+    a hit and never saw why. It is checked against the model's layout before the request: the same
+    InvalidArgument on a miss as on a hit; a destination that fits misses quietly."""
+    from engram import errors
+
+    srv = await server_factory()
+    spec = tiny_model()
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        toks = tokens(2 * BLOCK_TOKENS)
+        layers, _, n, heads, dim = spec.layout.block_shape(len(toks))
+        for dtype in (torch.int32, torch.float32):
+            per_layer = [torch.zeros(n, heads, dim, dtype=dtype) for _ in range(layers)]
+            pages = [torch.zeros(n // 4, 4, heads, dim, dtype=dtype) for _ in range(layers)]
+            for dest in (torch.zeros(layers, 2, n, heads, dim, dtype=dtype),
+                         LayerKV(per_layer, [t.clone() for t in per_layer]),
+                         PagedKV(pages, [t.clone() for t in pages], range(n // 4))):
+                with pytest.raises(errors.InvalidArgument, match=r"allocate it as torch\.bfloat16"):
+                    await c.load_prefix_into(fp, toks, dest)
+        swapped = [torch.zeros(n, dim, heads, dtype=torch.bfloat16) for _ in range(layers)]
+        more = [torch.zeros(n // 4, 4, heads, dim, dtype=torch.bfloat16) for _ in range(layers + 1)]
+        odd = [torch.zeros(n // 3, 3, heads, dim, dtype=torch.bfloat16) for _ in range(layers)]
+        for dest, match in ((torch.zeros(layers, 2, n, dim, heads, dtype=torch.bfloat16), "kv_heads, head_dim"),
+                            (LayerKV(swapped, [t.clone() for t in swapped]), "kv_heads, head_dim"),
+                            (PagedKV(more, [t.clone() for t in more], range(n // 4)), "stores 2 layers"),
+                            (PagedKV(odd, [t.clone() for t in odd], range(n // 3)), "page_tokens=3 must divide")):
+            with pytest.raises(errors.InvalidArgument, match=match):
+                await c.load_prefix_into(fp, toks, dest)
+        right = torch.zeros(layers, 2, n, heads, dim, dtype=torch.bfloat16)
+        assert (await c.load_prefix_into(fp, toks, right)).loaded_tokens == 0  # a miss, no error
+
+
 def test_a_block_table_naming_one_page_twice_is_refused() -> None:
     """Two logical pages on one physical page: the later write won, the earlier page's tokens read back wrong
     through the table, and all were reported loaded. The repeated id is named."""

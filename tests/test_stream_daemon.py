@@ -302,6 +302,32 @@ async def test_stream_blocks_survive_a_restart_on_nvme(server_factory, tmp_path)
         assert n == len(toks) and all(torch.equal(after[k], before[k]) for k in before)
 
 
+async def test_a_stream_destination_made_for_other_streams_is_refused_before_the_request(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """StreamsKV and PagedStreamsKV check their tensors against the streams they are given, not the model's: a
+    latent of float32 took the model's bfloat16 cast without a word, and on a miss nothing at all was said. Both
+    are checked against the model's layout before the request; the model's own streams miss quietly."""
+    srv = await server_factory()
+    spec = mla_spec()
+    lay = spec.layout
+    wide = tuple(dataclasses.replace(s, dtype=DType.FP32) if s.name == "latent" else s for s in lay.stream_specs)
+    toks = tokens(2 * BLOCK_TOKENS)
+    async with EngramClient(srv.address, namespace="a") as c:
+        fp = await c.register_model(spec)
+        for put in (False, True):  # a miss, then a hit
+            if put:
+                await c.put(fp, toks, streams_for(spec, len(toks)))
+            dense = {s.name: torch.zeros(lay.stream_shape(s, len(toks)), dtype=s.dtype.torch_dtype) for s in wide}
+            with pytest.raises(errors.InvalidArgument, match=r"stream latent.*torch\.bfloat16"):
+                await c.load_prefix_into(fp, toks, StreamsKV(wide, dense))
+            paged = {s.name: [torch.zeros(8, 4, *s.shape, dtype=s.dtype.torch_dtype) for _ in range(3)] for s in
+                     lay.stream_specs}
+            with pytest.raises(errors.InvalidArgument, match="stores 2 layers"):
+                await c.load_prefix_into(fp, toks, PagedStreamsKV(lay.stream_specs, paged, range(8)))
+        fresh = tokens(2 * BLOCK_TOKENS, seed=5)
+        dest = {s.name: torch.zeros(lay.stream_shape(s, len(fresh)), dtype=s.dtype.torch_dtype) for s in lay.stream_specs}
+        assert (await c.load_prefix_into(fp, fresh, StreamsKV(lay.stream_specs, dest))).loaded_tokens == 0
+
+
 def test_streams_destination_checks_its_tensors() -> None:
     spec = csa_spec()
     streams = spec.layout.stream_specs

@@ -22,9 +22,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from engram.destinations import KVDestination, PagedKV, PagedStreamsKV
+from engram.destinations import KVDestination, PagedKV, PagedStreamsKV, check_fits
 from engram.errors import InvalidArgument
-from engram.layout import StreamSpec
+from engram.layout import KVLayout, StreamSpec
 
 Split = Callable[[Tensor, int], tuple[Tensor, Tensor]]
 
@@ -91,6 +91,9 @@ class FromToken:
     @property
     def capacity_tokens(self) -> int:
         return self.inner.capacity_tokens
+
+    def fits(self, layout: KVLayout) -> None:
+        check_fits(self.inner, layout)
 
     def write(self, stream: int, data: Tensor, start: int, n_tokens: int) -> None:
         if start + n_tokens <= self.first:
