@@ -177,7 +177,9 @@ class CodecConfig:
 @dataclass
 class ReplayConfig:
     # comma-separated models the daemon can replay with: HF checkpoint directories (config.json + safetensors
-    # shards: gpt-oss, Gemma 2/3, Mistral/Ministral and Qwen2/3 with sliding layers) or decoder files (save_decoder)
+    # shards: gpt-oss, Gemma 2/3, Ministral and Qwen2/3 with sliding layers beside full-attention ones) or decoder
+    # files (save_decoder). A model whose every layer slides (Mistral v0.1: sliding_window, no layer_types) has no
+    # global KV to replay from: refused at start-up
     models: str = ""
     device: str = "auto"  # auto (cuda when present), cpu, cuda
     dtype: str = "auto"  # a checkpoint's: auto (bfloat16 on cuda, float32 on cpu), bfloat16, float16, float32, float64

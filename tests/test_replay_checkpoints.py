@@ -157,6 +157,26 @@ def test_checkpoints_replay_cannot_serve_are_refused_at_load(tmp_path: Path) -> 
         load_config(env={}, overrides={"replay.dtype": "fp64"})
 
 
+async def test_a_daemon_given_a_model_whose_every_layer_slides_refuses_it_in_its_configs_terms(tmp_path: Path
+                                                                                               ) -> None:
+    """Mistral v0.1 (sliding_window set, no layer_types) slides in every layer: no global KV to store and replay
+    from. replay.models' comment named Mistral; the daemon loaded every shard before it refused it (a 7B model's
+    14 GB read for nothing), without saying which config field made it so. It is refused from config.json alone,
+    naming sliding_window, before any shard is read (this one's shard is not even a safetensors file)."""
+    from transformers import MistralConfig
+
+    from engram.server import start_server
+
+    MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, sliding_window=6).save_pretrained(tmp_path / "mistral")
+    (tmp_path / "mistral" / "model.safetensors").write_bytes(b"not read")
+    cfg = load_config(env={}, overrides={"server.port": 0, "tiers.dram.capacity": "64MiB",
+                                         "tiers.dram.prefault": False, "replay.models": str(tmp_path / "mistral")})
+    with pytest.raises(ConfigError, match=r"every layer of this model slides \(its config's sliding_window=6, with "
+                                          r"no layer_types, applies to all 2 layers of this mistral model\)"):
+        await start_server(cfg)
+
+
 async def test_a_float64_model_is_stored_raw_only(server_factory) -> None:  # type: ignore[no-untyped-def]
     model = tiny_gpt_oss(window=6, dtype=torch.float64)
     srv = await server_factory()

@@ -13,7 +13,8 @@ Checked against transformers 5.24: forward takes `cache=` (`past_key_values=` be
 engram.replay works without it.
 
 `load_checkpoint` loads a checkpoint directory (config.json and safetensors shards, as save_pretrained writes
-them) for the daemon's `replay.models`; its layer pattern is checked from config.json before any weight is read.
+them) for the daemon's `replay.models`; its layer pattern is checked from config.json before any weight is read:
+a model whose every layer slides (Mistral v0.1) is refused there, the daemon having no global KV to replay from.
 
 What it does not do: cone replay (the HF forward runs every layer over the same rows), batching, or models
 whose layer types are not full/sliding attention (linear attention, chunked attention, KV-sharing layers).
@@ -307,7 +308,16 @@ def checkpoint_spec(path: str | Path) -> ReplaySpec:
         config = AutoConfig.from_pretrained(str(root))
     except (ValueError, KeyError, OSError) as exc:
         raise ReplayError(f"{root}/config.json: {exc}") from exc
-    return replay_spec_from_config(config, torch.float32)
+    spec = replay_spec_from_config(config, torch.float32)
+    if AttentionKind.GLOBAL not in spec.kinds:  # Mistral v0.1: replayable in-process, but a daemon has no KV to read
+        cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        why = ("its config's layer_types are all sliding_attention" if getattr(cfg, "layer_types", None) else
+               f"its config's sliding_window={cfg.sliding_window}, with no layer_types, applies to all "
+               f"{len(spec.kinds)} layers of this {config.model_type} model")
+        raise ReplayError(f"every layer of this model slides ({why}): it has no global (full-attention) KV to store "
+                          "and replay from, so the daemon cannot serve it; its sessions keep their windows in persist "
+                          "mode (or in the worker). Models with at least one full_attention layer are served")
+    return spec
 
 
 def load_checkpoint(path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
