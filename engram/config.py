@@ -189,7 +189,13 @@ class ReplayConfig:
     # it ends.
     max_concurrent: int = 2
     max_queued: int = 64  # Resumes waiting for a replay's turn; one more is refused (RESOURCE_EXHAUSTED: prefill)
+    # With tenancy on, the Resumes of one tenant's token that may wait for a turn (admins: no bound); past it its
+    # Resumes are RESOURCE_EXHAUSTED, so one tenant's burst cannot fill max_queued for every other. 0: no bound.
+    max_queued_per_tenant: int = 16
     max_persisted_window_bytes: ByteSize = ByteSize(2**30)  # persisted windows (persist mode, auto's), all together
+    # With tenancy on, the bytes of persisted windows of the sessions one tenant's token opened (admins: no bound),
+    # so one tenant cannot take max_persisted_window_bytes from the others. 0: no bound.
+    max_persisted_window_bytes_per_tenant: ByteSize = ByteSize(256 * 2**20)
     # auto-mode sessions: calibrations written by `engram bench replay --calibrate DIR` (one per model and
     # machine; none: auto behaves as exact), and the fidelity floor an approximate replay must have measured
     calibrations: str = ""
@@ -339,6 +345,11 @@ class EngramConfig:
         if self.replay.max_concurrent < 1 or self.replay.max_queued < 0:
             raise ConfigError(f"replay.max_concurrent must be >= 1 and replay.max_queued >= 0, got "
                               f"{self.replay.max_concurrent} and {self.replay.max_queued}")
+        for key, value in (("replay.max_queued_per_tenant", self.replay.max_queued_per_tenant),
+                           ("replay.max_persisted_window_bytes_per_tenant",
+                            self.replay.max_persisted_window_bytes_per_tenant)):
+            if value < 0:
+                raise ConfigError(f"{key} must be >= 0 (0: no bound), got {value}")
         for path in filter(None, (p.strip() for p in self.replay.models.split(","))):
             if Path(path).is_dir() and not (Path(path) / "config.json").is_file():
                 raise ConfigError(f"replay.models: {path} is a directory without config.json (an HF checkpoint "

@@ -115,6 +115,7 @@ class Session:
     mode: SessionMode
     approx_k: float
     parent: str = ""
+    tenant: str = ""  # the token that opened it (its persisted windows count against its share); "": no share
     window: Window | None = None  # hot (rebuilt) or persisted
     kept: bool = False  # the window is persisted: its bytes count against the budget and it survives going cold
     cooled: int = 0  # times it went cold: a replay that ends after one leaves the session cold
@@ -153,20 +154,24 @@ class SessionManager:
                  max_sessions_per_namespace: int = 4096, max_session_tokens: int = 1 << 21,
                  max_persisted_window_bytes: int = 2**30, cost_models: dict[str, CostModel] | None = None,
                  floor: FidelityFloor | None = None, persist_tier: str = "dram", prefetch_lead_ms: float = 1000.0,
-                 idle_close_s: float = 0.0, max_concurrent_replays: int = 2, max_queued_replays: int = 64) -> None:
+                 idle_close_s: float = 0.0, max_concurrent_replays: int = 2, max_queued_replays: int = 64,
+                 max_queued_replays_per_tenant: int = 0, max_persisted_window_bytes_per_tenant: int = 0) -> None:
         """cost_models: per weights_id, the calibrated cost model auto-mode sessions of that model decide by;
         floor: the fidelity an approximate replay must have measured; persist_tier: where a kept window lives
         (what its load is priced at); prefetch_lead_ms: how long before a session is due back (its client's
         expect_back_ms) its blocks below the top tier are copied up (`prefetch_due`; 0: never); idle_close_s:
         a session no call touched for this long is closed (`close_idle`; 0: never); max_concurrent_replays,
         max_queued_replays: replays run at once (on threads of their own), and Resumes waiting for a turn before
-        one more is refused (`_replay`)."""
+        one more is refused (`_replay`); the _per_tenant bounds: a tenant's share of those Resumes and of the
+        persisted windows (0: none; a call's `tenant` is "" where no share applies: tenancy off, an admin)."""
         self.store = store
         self.runtime = runtime
         self.max_queued_replays = max_queued_replays
         self._replay_turns = asyncio.Semaphore(max_concurrent_replays)
         self._replay_threads = ThreadPoolExecutor(max_concurrent_replays, thread_name_prefix="engram-replay")
         self._replays_waiting = 0
+        self.max_queued_replays_per_tenant = max_queued_replays_per_tenant
+        self._waiting_of: collections.Counter[str] = collections.Counter()  # tenant -> its Resumes waiting
         self.cost_models = dict(cost_models or {})
         self.floor = floor or FidelityFloor()
         self.persist_tier = persist_tier
@@ -179,6 +184,8 @@ class SessionManager:
         self.max_session_tokens = max_session_tokens
         self.max_persisted_window_bytes = max_persisted_window_bytes
         self._persisted_bytes = 0
+        self.max_persisted_window_bytes_per_tenant = max_persisted_window_bytes_per_tenant
+        self._persisted_of: collections.Counter[str] = collections.Counter()  # tenant -> its sessions' window bytes
         self._sessions: dict[tuple[str, str], Session] = {}
         self._per_namespace: collections.Counter[str] = collections.Counter()  # live sessions: Stats asks per namespace
         self._hot: OrderedDict[tuple[str, str], None] = OrderedDict()  # rebuilt windows, LRU first
@@ -198,7 +205,7 @@ class SessionManager:
     # ---- lifecycle -------------------------------------------------------------------------------
 
     def open(self, namespace: str, fingerprint: bytes, mode: SessionMode, approx_k: float = 0.0, session_id: str = "",
-             tokens: np.ndarray | None = None) -> Session:
+             tokens: np.ndarray | None = None, *, tenant: str = "") -> Session:
         spec = self.store.spec(fingerprint)
         limits.check_session_id(session_id)
         limits.check_approx_k(approx_k)
@@ -218,7 +225,7 @@ class SessionManager:
         # The tokens count against the quota as a persisted window does: 4 bytes each, up to
         # server.max_tokens_per_request per session, 4,096 sessions: 32 GiB a tenant kept outside its quota.
         self.store.hold(namespace, toks.nbytes, "this session's tokens")
-        s = Session(sid, namespace, fingerprint, toks, mode, approx_k)
+        s = Session(sid, namespace, fingerprint, toks, mode, approx_k, tenant=tenant)
         self._sessions[(namespace, sid)] = s
         self._per_namespace[namespace] += 1
         self._closed_idle.pop((namespace, sid), None)
@@ -467,14 +474,17 @@ class SessionManager:
             self.store.release_held(s.namespace, -delta)
         s.tokens = tokens
 
-    def fork(self, namespace: str, parent_id: str, session_id: str = "", position: int = 0) -> Session:
-        """A sub-agent starting from its parent's prefix: tokens are copied, blocks are shared by content."""
+    def fork(self, namespace: str, parent_id: str, session_id: str = "", position: int = 0, *, tenant: str = ""
+             ) -> Session:
+        """A sub-agent starting from its parent's prefix: tokens are copied, blocks are shared by content. The
+        child is `tenant`'s (the forking token's), as if it had opened it."""
         parent = self.get(namespace, parent_id)
         self._touch(parent)
         p = position or len(parent.tokens)
         if p > len(parent.tokens):
             raise InvalidArgument(f"fork position {p} is past the parent's {len(parent.tokens)} tokens")
-        child = self.open(namespace, parent.fingerprint, parent.mode, parent.approx_k, session_id, parent.tokens[:p])
+        child = self.open(namespace, parent.fingerprint, parent.mode, parent.approx_k, session_id, parent.tokens[:p],
+                          tenant=tenant)
         child.parent = parent.id
         if parent.window is not None and parent.window.prefix_len == p:
             if child.mode == SessionMode.PERSIST:
@@ -521,9 +531,18 @@ class SessionManager:
 
     def _keep_window(self, s: Session, window: Window) -> None:
         """Make `window` the persisted window of `s`, counting its bytes against the daemon's budget for
-        persisted windows and its namespace's quota (the previous window's bytes are given back)."""
+        persisted windows, its tenant's share of it and its namespace's quota (the previous window's bytes are
+        given back)."""
         old = s.window.nbytes if s.window is not None and s.kept else 0  # a hot window is not counted
         delta = window.nbytes - old
+        share = self.max_persisted_window_bytes_per_tenant
+        if s.tenant and share and self._persisted_of[s.tenant] + delta > share:
+            # One tenant filled the daemon's budget and every other's windows were refused (or dropped: auto).
+            # Not how much it holds: in a namespace tenants share, the caller need not be the session's tenant.
+            raise ResourceExhausted(
+                f"this window of {delta} bytes does not fit the share of persisted windows of the token that "
+                f"opened session {s.id} (replay.max_persisted_window_bytes_per_tenant); close its persist-mode "
+                "sessions, or open sessions in exact mode (the daemon rebuilds their windows)")
         if self._persisted_bytes + delta > self.max_persisted_window_bytes:
             # Every tenant's windows count here: the message does not say how much they hold (a tenant just
             # under the budget read the others' total from it, an audit).
@@ -536,6 +555,8 @@ class SessionManager:
         elif delta < 0:
             self.store.release_held(s.namespace, -delta)
         self._persisted_bytes += delta
+        if s.tenant:
+            self._count_window(s.tenant, delta)
         s.window = window
         s.kept = True
 
@@ -543,15 +564,25 @@ class SessionManager:
         assert s.window is not None and s.kept
         self.store.release_held(s.namespace, s.window.nbytes)
         self._persisted_bytes -= s.window.nbytes
+        if s.tenant:
+            self._count_window(s.tenant, -s.window.nbytes)
         s.window = None
         s.kept = False
 
+    def _count_window(self, tenant: str, delta: int) -> None:
+        n = self._persisted_of[tenant] + delta
+        if n:
+            self._persisted_of[tenant] = n
+        else:
+            del self._persisted_of[tenant]  # none left: the table holds only tenants with windows
+
     # ---- resume ---------------------------------------------------------------------------------
 
-    async def resume(self, namespace: str, session_id: str, position: int = 0, *, with_global_kv: bool = False
-                     ) -> Resumed:
+    async def resume(self, namespace: str, session_id: str, position: int = 0, *, with_global_kv: bool = False,
+                     tenant: str = "") -> Resumed:
         """The window for a query at `position`, and with `with_global_kv` the global KV of [0, position) too,
-        decoded: a replay has read and decoded those blocks already, so the worker need not Get them again."""
+        decoded: a replay has read and decoded those blocks already, so the worker need not Get them again.
+        A replay waits for its turn within `tenant`'s share of the queue (`_take_turn`)."""
         s = self.get(namespace, session_id)
         self._touch(s)
         p = position or len(s.tokens)
@@ -591,7 +622,7 @@ class SessionManager:
         # may take seconds) left blocks with no copy in the answer (INTERNAL, found by benchmarks/soak.py).
         cooled = s.cooled
         with self.store.reading(match.blocks):
-            await self._take_turn()  # before the read: a Resume refused for the queue reads and decodes nothing
+            await self._take_turn(tenant)  # before the read: a Resume refused for the queue reads and decodes nothing
             try:
                 global_kv = await self._global_kv(match.blocks, p)
             except BaseException:
@@ -622,20 +653,33 @@ class SessionManager:
         """The daemon stops: the replay threads end (a replay still running finishes first, in its thread)."""
         self._replay_threads.shutdown(wait=False, cancel_futures=True)
 
-    async def _take_turn(self) -> None:
+    async def _take_turn(self, tenant: str = "") -> None:
         """Wait for one of replay.max_concurrent turns: replays are seconds of CPU or GPU each, and one tenant's
         many Resumes (or cancelled ones, whose threads cannot be stopped) took the threads every decode and encode
         of the daemon runs on. ResourceExhausted past replay.max_queued waiting. Taken before the Resume reads its
         prefix: every refused Resume had read and decoded its whole global KV first, and any number of them
-        decoded at once (an audit). A Resume cancelled while it waits never runs."""
-        if self._replays_waiting >= self.max_queued_replays and self._replay_turns.locked():
-            raise ResourceExhausted(f"{self._replays_waiting} replays are waiting for a turn (replay.max_queued); "
-                                    "retry later, or prefill the prefix instead")
+        decoded at once (an audit). A Resume cancelled while it waits never runs. A tenant's Resumes wait within
+        a share of the queue (replay.max_queued_per_tenant): one tenant's burst filled it, and every other
+        tenant's Resume was refused."""
+        share = self.max_queued_replays_per_tenant
+        if self._replay_turns.locked():
+            if tenant and share and (mine := self._waiting_of[tenant]) >= share:
+                raise ResourceExhausted(f"this token has {mine} Resumes waiting for a replay's turn, its share "
+                                        "(replay.max_queued_per_tenant); retry later, or prefill the prefix instead")
+            if self._replays_waiting >= self.max_queued_replays:
+                raise ResourceExhausted(f"{self._replays_waiting} replays are waiting for a turn (replay.max_queued); "
+                                        "retry later, or prefill the prefix instead")
         self._replays_waiting += 1
+        if tenant:
+            self._waiting_of[tenant] += 1
         try:
             await self._replay_turns.acquire()
         finally:
             self._replays_waiting -= 1
+            if tenant:
+                self._waiting_of[tenant] -= 1
+                if not self._waiting_of[tenant]:
+                    del self._waiting_of[tenant]
 
     async def _replay(self, model: ReplayModel, tokens: torch.Tensor, global_kv: torch.Tensor, mode: ReplayMode
                       ) -> Reconstruction:
@@ -688,6 +732,8 @@ class SessionManager:
             cm = self.cost_models.get(self.store.spec(s.fingerprint).weights_id)
             if cm is not None:
                 budget = self.max_persisted_window_bytes - self._persisted_bytes
+                if s.tenant and self.max_persisted_window_bytes_per_tenant:  # and what its tenant's share has left
+                    budget = min(budget, self.max_persisted_window_bytes_per_tenant - self._persisted_of[s.tenant])
                 try:
                     choice = cm.choose(s.window.prefix_len, budget_bytes=budget, floor=self.floor,
                                        tier=self.persist_tier, window_bytes=s.window.nbytes)
@@ -701,7 +747,7 @@ class SessionManager:
                     try:
                         self._keep_window(s, s.window)
                         return
-                    except ResourceExhausted as exc:  # the namespace's quota: replay it after all
+                    except ResourceExhausted as exc:  # the namespace's quota, the tenant's share: replay it after all
                         s.decision = f"dropped the window: keeping it was chosen, but {exc}"
         self._drop_hot(s)
 

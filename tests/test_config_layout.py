@@ -53,6 +53,9 @@ def test_precedence_defaults_file_env_flags(tmp_path: Path) -> None:
         ({"overrides": {"cluster.redis_url": "redis://127.0.0.1:6379", "cluster.secret": "s", "cluster.ttl_s": "inf"}},
          "finite"),
         ({"overrides": {"replay.max_concurrent": 0}}, "max_concurrent must be >= 1"),
+        ({"overrides": {"replay.max_queued_per_tenant": -1}}, r"replay\.max_queued_per_tenant must be >= 0"),
+        ({"overrides": {"replay.max_persisted_window_bytes_per_tenant": -1}},
+         r"replay\.max_persisted_window_bytes_per_tenant must be >= 0"),
     ],
 )
 def test_bad_config_is_an_error(tmp_path: Path, source: dict, match: str) -> None:  # type: ignore[type-arg]

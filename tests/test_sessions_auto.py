@@ -122,6 +122,33 @@ async def test_a_cold_session_replays_when_the_budget_has_no_room(server_factory
         assert (await client.resume(sid)).source == "replay"
 
 
+async def test_a_cold_session_replays_when_its_tenants_share_of_the_budget_has_no_room(  # type: ignore[no-untyped-def]
+        server_factory, model: HybridDecoder, tmp_path: Path) -> None:
+    """With tenancy, what is left of a token's replay.max_persisted_window_bytes_per_tenant bounds what its
+    auto-mode sessions keep: Alice's second cold window is dropped (her first fills her share), Bob's is kept.
+    One tenant's sessions kept windows until the daemon's budget was full, and every other's were dropped."""
+    cal = calibration(model, exact_s=0.010, approx_s=0.005, load_s=1e-5, top1=1.0, kl=0.0)
+    srv = await start(server_factory, model, tmp_path, cal, **{
+        "auth.tenants.alice.token": "a", "auth.tenants.bob.token": "b", "auth.salt_secret": "s",
+        "replay.max_persisted_window_bytes_per_tenant": window_bytes(model)})
+    async with EngramClient(srv.address, token="a", namespace="alice") as a, \
+            EngramClient(srv.address, token="b", namespace="bob") as b:
+        held = {}
+        for client, seeds in ((a, (0, 1)), (b, (2,))):
+            for seed in seeds:
+                _, sid = await open_auto(client, model, seed)
+                assert (await client.resume(sid)).source == "replay"
+                await client.suspend_session(sid)
+                held[sid] = next(s.info for s in await client.list_sessions() if s.info.session_id == sid), client
+        (first, _), (second, _), (bobs, _) = held.values()
+        assert first.persisted and bobs.persisted
+        assert not second.persisted and second.state == "cold" and "budget left" in second.decision
+        assert srv.sessions._persisted_of == {"alice": window_bytes(model), "bob": window_bytes(model)}
+        for sid, (_, client) in held.items():
+            await client.close_session(sid)
+    assert srv.sessions._persisted_bytes == 0 and not srv.sessions._persisted_of
+
+
 @pytest.mark.parametrize(("top1", "kl", "approx"), [(1.0, 0.001, True), (0.5, 0.001, False), (1.0, 0.5, False)])
 async def test_resume_replays_approximately_only_above_the_fidelity_floor(  # type: ignore[no-untyped-def]
         server_factory, model: HybridDecoder, tmp_path: Path, top1: float, kl: float, approx: bool) -> None:

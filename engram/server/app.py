@@ -171,7 +171,8 @@ def build_sessions(config: EngramConfig, store: BlockStore) -> SessionManager:
     except Exception as exc:  # not a checkpoint: safetensors', transformers' and torch's errors, whatever they are
         raise ConfigError(f"replay.models: cannot load {', '.join(paths)}: {exc}") from exc
     return SessionManager(store, runtime, max_hot_windows=rc.max_hot_windows, max_concurrent_replays=rc.max_concurrent,
-                          max_queued_replays=rc.max_queued,
+                          max_queued_replays=rc.max_queued, max_queued_replays_per_tenant=rc.max_queued_per_tenant,
+                          max_persisted_window_bytes_per_tenant=rc.max_persisted_window_bytes_per_tenant,
                           max_sessions_per_namespace=config.server.max_sessions_per_namespace,
                           max_session_tokens=config.server.max_tokens_per_request,
                           max_persisted_window_bytes=rc.max_persisted_window_bytes,

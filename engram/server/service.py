@@ -593,13 +593,19 @@ class EngramService:
 
     # ---- sessions ----------------------------------------------------------------------------------
 
+    def _tenant(self, context: grpc.aio.ServicerContext) -> str:
+        """Whose share of the replay queue and of the persisted windows a call counts against: its token's
+        (""; none, with tenancy off or for an admin, who acts on the whole daemon)."""
+        who = caller(context)
+        return "" if self.tenancy is None or who.admin else who.name
+
     @unary
     async def OpenSession(self, request: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
         req = decoded(request)
         mode = convert.enum_from_pb(SessionMode, req.mode, "mode")
         check_limit("OpenSession tokens", len(req.tokens), self.config.max_tokens_per_request)
         s = self.sessions.open(namespace_for(context, req.namespace), req.model_fingerprint, mode, req.approx_k,
-                               req.session_id, convert.tokens_from_pb(req.tokens))
+                               req.session_id, convert.tokens_from_pb(req.tokens), tenant=self._tenant(context))
         return convert.to_pb(s.info(), pb.SessionInfo)
 
     @unary
@@ -615,7 +621,7 @@ class EngramService:
     async def ForkSession(self, request: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
         req = decoded(request)
         s = self.sessions.fork(namespace_for(context, req.parent.namespace), req.parent.session_id, req.session_id,
-                               req.position)
+                               req.position, tenant=self._tenant(context))
         return convert.to_pb(s.info(), pb.SessionInfo)
 
     @unary
@@ -634,7 +640,7 @@ class EngramService:
     async def Resume(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ResumeResponse]:
         req = decoded(request)
         r = await self.sessions.resume(namespace_for(context, req.session.namespace), req.session.session_id,
-                                       req.position, with_global_kv=req.with_global_kv)
+                                       req.position, with_global_kv=req.with_global_kv, tenant=self._tenant(context))
         w = r.window
         kv_bytes: memoryview | None = None
         kv_header = None

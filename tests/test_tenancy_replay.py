@@ -1,0 +1,184 @@
+"""Tenants' shares of the daemon's replay resources, through a real daemon with tokens: the queue of Resumes
+waiting for a replay's turn (replay.max_queued_per_tenant) and the persisted windows
+(replay.max_persisted_window_bytes_per_tenant). Both were daemon-wide only: one tenant's burst filled them and
+every other tenant was refused. Each test pairs the refusal of the tenant over its share with the other tenant
+being served, and ends with the shares' counters back where they started."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_limits import window_for
+from test_sessions_replay import P, put_session, tokens_for
+
+from engram import errors
+from engram.client import EngramClient
+from engram.replay import HybridConfig, HybridDecoder, gpt_oss_pattern, save_decoder
+from engram.sessions import SessionManager
+
+from helpers import BLOCK_TOKENS, tiny_model, tokens
+
+ALICE, BOB, ADMIN = "alice-token", "bob-token", "admin-token"
+AUTH = {"auth.tenants.alice.token": ALICE, "auth.tenants.bob.token": BOB, "auth.admin_tokens": ADMIN,
+        "auth.salt_secret": "test-secret"}
+
+
+@pytest.fixture(scope="module")
+def model() -> HybridDecoder:
+    return HybridDecoder(HybridConfig(layers=gpt_oss_pattern(4), window=8, dtype=torch.float32, seed=3))
+
+
+@pytest.fixture
+def model_file(model: HybridDecoder, tmp_path: Path) -> Path:
+    path = tmp_path / "replay-model.safetensors"
+    save_decoder(model, path)
+    return path
+
+
+def as_(srv: Any, token: str, namespace: str) -> EngramClient:
+    return EngramClient(srv.address, token=token, namespace=namespace)
+
+
+async def queued_or_refused(sessions: SessionManager, call: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+    """Start a Resume and return once it waits for a turn or has ended (refused)."""
+    before = sessions._replays_waiting
+    task = asyncio.create_task(call)
+    while not task.done() and sessions._replays_waiting == before:
+        await asyncio.sleep(0.01)
+    return task
+
+
+async def test_a_tenant_past_its_share_of_the_replay_queue_is_refused_and_another_still_waits_its_turn(
+        server_factory: Any, model_file: Path, model: HybridDecoder, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One replay at a time, two Resumes waiting in all, one a tenant: Alice's replay runs (held at a gate), one
+    of hers waits, her next is refused naming replay.max_queued_per_tenant; Bob's still waits its turn (it was
+    refused: Alice's burst had filled replay.max_queued) and is answered once the gate opens."""
+    srv = await server_factory(**{**AUTH, "replay.models": str(model_file), "replay.max_concurrent": 1,
+                                  "replay.max_queued": 2, "replay.max_queued_per_tenant": 1,
+                                  "tiers.nvme.path": str(tmp_path / "nvme")})
+    sessions = srv.sessions
+    gate, started = threading.Event(), threading.Event()
+    real_rebuild = sessions.runtime.rebuild
+
+    def rebuild_after_the_gate(model_, tokens, global_kv, mode):  # type: ignore[no-untyped-def]
+        started.set()
+        assert gate.wait(30)
+        return real_rebuild(model_, tokens, global_kv, mode)
+
+    monkeypatch.setattr(sessions.runtime, "rebuild", rebuild_after_the_gate)
+    toks = tokens_for(P, seed=40)
+    async with as_(srv, ALICE, "alice") as a, as_(srv, BOB, "bob") as b:
+        _, alice_sid = await put_session(a, model, toks)
+        _, bob_sid = await put_session(b, model, toks)
+        running = asyncio.create_task(a.resume(alice_sid, position=P))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        waiting = await queued_or_refused(sessions, a.resume(alice_sid, position=P - 1))
+        assert not waiting.done()
+        over = await queued_or_refused(sessions, a.resume(alice_sid, position=P - 2))
+        assert over.done(), "Alice's Resume past her share waits in the queue"
+        with pytest.raises(errors.ResourceExhausted, match=r"replay\.max_queued_per_tenant"):
+            over.result()
+        bobs = await queued_or_refused(sessions, b.resume(bob_sid, position=P))
+        assert not bobs.done(), f"Bob's Resume was not queued: {bobs.exception() if bobs.done() else ''}"
+        gate.set()
+        results = await asyncio.gather(running, waiting, bobs)
+        assert [r.source for r in results] == ["replay"] * 3
+        assert results[2].position == P
+    assert sessions._replays_waiting == 0 and not sessions._waiting_of  # every share given back
+
+
+async def test_an_admins_resumes_wait_outside_the_tenants_shares(
+        server_factory: Any, model_file: Path, model: HybridDecoder, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An admin acts on the whole daemon: its Resumes count against replay.max_queued only."""
+    srv = await server_factory(**{**AUTH, "replay.models": str(model_file), "replay.max_concurrent": 1,
+                                  "replay.max_queued": 2, "replay.max_queued_per_tenant": 1,
+                                  "tiers.nvme.path": str(tmp_path / "nvme")})
+    sessions = srv.sessions
+    gate, started = threading.Event(), threading.Event()
+    real_rebuild = sessions.runtime.rebuild
+
+    def rebuild_after_the_gate(model_, tokens, global_kv, mode):  # type: ignore[no-untyped-def]
+        started.set()
+        assert gate.wait(30)
+        return real_rebuild(model_, tokens, global_kv, mode)
+
+    monkeypatch.setattr(sessions.runtime, "rebuild", rebuild_after_the_gate)
+    toks = tokens_for(P, seed=41)
+    async with EngramClient(srv.address, token=ADMIN, namespace="ops") as admin:
+        _, sid = await put_session(admin, model, toks)
+        running = asyncio.create_task(admin.resume(sid, position=P))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        waiting = [await queued_or_refused(sessions, admin.resume(sid, position=P - i)) for i in (1, 2)]
+        assert not any(t.done() for t in waiting)
+        with pytest.raises(errors.ResourceExhausted, match=r"replay\.max_queued\)"):  # the daemon's bound
+            await admin.resume(sid, position=P - 3)
+        gate.set()
+        assert [r.source for r in await asyncio.gather(running, *waiting)] == ["replay"] * 3
+    assert sessions._replays_waiting == 0 and not sessions._waiting_of
+
+
+async def test_a_tenant_past_its_share_of_persisted_windows_is_refused_and_another_still_keeps_its_own(
+        server_factory: Any) -> None:
+    """The daemon keeps four windows, a tenant two: Alice's third is refused naming
+    replay.max_persisted_window_bytes_per_tenant, and saying nothing of what anyone holds; Bob keeps his two
+    (Alice's four had filled replay.max_persisted_window_bytes, refusing every one of his). Closing the sessions
+    gives every byte back."""
+    spec = tiny_model()
+    win = window_for(spec, BLOCK_TOKENS)  # 1,792 bytes
+    nbytes = win.numel() * win.element_size()
+    srv = await server_factory(**{**AUTH, "replay.max_persisted_window_bytes": 4 * nbytes,
+                                  "replay.max_persisted_window_bytes_per_tenant": 2 * nbytes})
+    toks = tokens(BLOCK_TOKENS)
+    start = BLOCK_TOKENS - win.shape[2]
+    async with as_(srv, ALICE, "alice") as a, as_(srv, BOB, "bob") as b:
+        fp = await a.register_model(spec)
+        await b.register_model(spec)
+        alice = [(await a.open_session(fp, mode="persist")).session_id for _ in range(4)]
+        bob = [(await b.open_session(fp, mode="persist")).session_id for _ in range(2)]
+        for sid in alice[:2]:
+            await a.append_session(sid, toks, window=win, window_start=start)
+        for sid in alice[2:]:
+            with pytest.raises(errors.ResourceExhausted, match=r"replay\.max_persisted_window_bytes_per_tenant") as e:
+                await a.append_session(sid, toks, window=win, window_start=start)
+            assert str(nbytes * 2) not in str(e.value) and str(nbytes * 4) not in str(e.value)
+        for sid in bob:
+            await b.append_session(sid, toks, window=win, window_start=start)
+        assert (await b.stats()).replay.persisted_window_bytes == 2 * nbytes
+        assert (await a.stats()).replay.persisted_window_bytes == 2 * nbytes
+        assert srv.sessions._persisted_of == {"alice": 2 * nbytes, "bob": 2 * nbytes}
+        # A fork is its forker's: Bob forking his own session would hold a third window, past his share.
+        with pytest.raises(errors.ResourceExhausted, match=r"replay\.max_persisted_window_bytes_per_tenant"):
+            await b.fork_session(bob[0])
+        await a.close_session(alice[0])  # gives its window's bytes back to Alice's share
+        await a.append_session(alice[2], toks, window=win, window_start=start)
+        for sid in alice[1:]:
+            await a.close_session(sid)
+        for sid in bob:
+            await b.close_session(sid)
+    assert srv.sessions._persisted_bytes == 0 and not srv.sessions._persisted_of  # every byte given back
+
+
+async def test_an_admins_windows_count_against_the_daemons_budget_only(server_factory: Any) -> None:
+    """An admin acts on the whole daemon: its sessions' windows have no tenant's share."""
+    spec = tiny_model()
+    win = window_for(spec, BLOCK_TOKENS)
+    nbytes = win.numel() * win.element_size()
+    srv = await server_factory(**{**AUTH, "replay.max_persisted_window_bytes": 4 * nbytes,
+                                  "replay.max_persisted_window_bytes_per_tenant": nbytes})
+    toks = tokens(BLOCK_TOKENS)
+    async with EngramClient(srv.address, token=ADMIN, namespace="ops") as admin:
+        fp = await admin.register_model(spec)
+        for _ in range(3):
+            sid = (await admin.open_session(fp, mode="persist")).session_id
+            await admin.append_session(sid, toks, window=win, window_start=BLOCK_TOKENS - win.shape[2])
+    assert srv.sessions._persisted_bytes == 3 * nbytes and not srv.sessions._persisted_of
