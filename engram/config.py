@@ -57,8 +57,9 @@ class ServerConfig:
     max_message_bytes: ByteSize = ByteSize(64 * 2**20)  # gRPC send/receive limit per message
     chunk_bytes: ByteSize = ByteSize(8 * 2**20)  # payload bytes per streamed message (< max_message_bytes)
     max_concurrent_rpcs: int = 512  # beyond this, RPCs are refused with RESOURCE_EXHAUSTED
-    # With tenancy on, the calls one tenant's token may have in flight (admins: no bound); past it its calls are
-    # RESOURCE_EXHAUSTED, so one tenant (idle Put streams, say) cannot take every slot from the others. 0: no bound.
+    # With tenancy on, the calls one tenant's token may have in flight (admins: no bound; each cluster peer has its
+    # own); past it its calls are RESOURCE_EXHAUSTED, so one tenant (idle Put streams, say) cannot take every slot
+    # from the others. 0: no bound.
     max_concurrent_rpcs_per_tenant: int = 128
     max_blocks_per_request: int = 4096  # blocks (or keys) one Put, Get, ReservePut, DescribeBlocks or Evict may name
     max_tokens_per_request: int = 1 << 21  # also the longest a session may grow

@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import os
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -90,6 +91,8 @@ class Tenancy:
     quotas: dict[str, int] = field(default_factory=dict)  # namespace -> bytes
     session_limits: dict[str, int] = field(default_factory=dict)  # namespace -> live sessions
     max_calls: int = 0  # calls one tenant may have in flight (server.max_concurrent_rpcs_per_tenant); 0: no bound
+    # In a cluster: the node id a peer's call proves (ClusterTrust.peer_node), "" for none
+    peer_node: Callable[[object], str] | None = None
     _salts: dict[str, bytes] = field(default_factory=dict)
     _calls: dict[str, dict[str, int]] = field(default_factory=dict)  # "rpc" / "data" -> tenant -> in flight
 
@@ -162,6 +165,9 @@ class Tenancy:
         principal = self.principals.get(_token_digest(token))
         if principal is None:
             raise Unauthenticated("unknown token: use one the daemon's [auth] config lists")
+        if principal.peer and self.peer_node is not None and (node := self.peer_node(metadata)):
+            # Each daemon its own share of calls: under the one "peer" principal, one peer's calls starved the rest.
+            return Principal(f"peer:{node}", peer=True)
         return principal
 
     def salt(self, namespace: str) -> bytes:

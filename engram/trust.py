@@ -15,6 +15,10 @@ fetched from a peer is believed unless the peer proves it knows the cluster secr
   a copied old record stops working once it is stale.
 - Holder record (`tier|size|checksum|sig`): that node holds block `key`; signed with the key and node id,
   so a record cannot be moved to another block or node.
+- Node proof: beside the peer token a daemon sends its node id and a MAC of it (`peer_metadata`), so the daemon
+  it calls counts the call against that node's own share of calls (principal `peer:<node id>`), not one share
+  every peer has together: one peer's many calls starved the others. The cluster secret never travels, so a
+  peer token seen on the wire cannot make up node ids (and shares) of its own.
 - Block MAC: the serving daemon sends HMAC(key, parent, namespace, model, codec, BLAKE2b(payload)) with
   each block; the fetching daemon computes the same MAC itself over what it received and drops the block
   unless they match. The key is recomputed from parent and tokens by the store as for every put, so a block
@@ -36,9 +40,11 @@ from dataclasses import dataclass
 
 from engram.config import ClusterConfig
 from engram.errors import ConfigError
+from engram.wire.channel import header_safe
 
 CLOCK_SKEW_S = 30.0  # how far nodes' clocks may disagree before a fresh node record looks stale
 MAC_BYTES = 32
+NODE_HEADER, PROOF_HEADER = "engram-peer-node", "engram-peer-proof"  # a peer's node id and its proof (`peer_node`)
 
 
 def _field(value: bytes) -> bytes:
@@ -60,6 +66,7 @@ class ClusterTrust:
         self._node_key = self._derive(secret, b"node-record")
         self._holder_key = self._derive(secret, b"holder-record")
         self._block_key = self._derive(secret, b"block-mac")
+        self._peer_node_key = self._derive(secret, b"peer-node")
         self.peer_token = peer_token or self._derive(secret, b"peer-token").hex()
         self.max_age_ms = int((ttl_s + CLOCK_SKEW_S) * 1000)
 
@@ -90,6 +97,26 @@ class ClusterTrust:
                 if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.peer_token.encode()):
                     return True
         return False
+
+    def node_proof(self, node_id: str) -> str:
+        return self._mac(self._peer_node_key, (node_id.encode(),)).hex()
+
+    def peer_metadata(self, node_id: str) -> tuple[tuple[str, str], ...]:
+        """What this daemon sends with its peer token so that the daemons it calls know it by its node id
+        (a node id that cannot travel in a header goes without: the call counts as "peer", as before)."""
+        return ((NODE_HEADER, node_id), (PROOF_HEADER, self.node_proof(node_id))) if header_safe(node_id) else ()
+
+    def peer_node(self, metadata: object) -> str:
+        """The node id a call proves (`peer_metadata`), or "" when it proves none."""
+        node = proof = ""
+        for key, value in metadata or ():  # type: ignore[attr-defined]
+            if key == NODE_HEADER:
+                node = str(value)
+            elif key == PROOF_HEADER:
+                proof = str(value)
+        if node and hmac.compare_digest(proof.encode(), self.node_proof(node).encode()):
+            return node
+        return ""
 
     # ---- node records -------------------------------------------------------------------------------
 

@@ -217,6 +217,80 @@ async def test_with_tenancy_a_tenants_prefix_crosses_daemons_and_no_other_tenant
         proc.wait()
 
 
+async def test_each_peer_has_its_own_share_of_calls_so_one_cannot_starve_the_others(redis_port: int) -> None:
+    """Every daemon of the cluster called as one "peer" principal, so one peer's calls in flight
+    (server.max_concurrent_rpcs_per_tenant) refused every other peer's fetches. Now a peer proves its node id
+    (ClusterTrust.peer_metadata) and counts as peer:<node id>: peer X (a caller with the cluster secret, its
+    proof made as a daemon makes its own) holds its whole share on A with Put streams that send nothing and is
+    refused past it; daemon B still fetches Alice's prefix from A; X's share comes back when its streams end."""
+    import grpc
+
+    from engram.trust import ClusterTrust
+    from engram.v1 import engram_pb2 as pb
+
+    proc = start_redis(redis_port)
+    auth = {"auth.tenants.alice.token": "alice-token", "auth.salt_secret": "shared-secret",
+            "cluster.peer_token": "peer-token", "cluster.secret": "cluster-secret",
+            "server.max_concurrent_rpcs_per_tenant": 2}
+    started = []
+    try:
+        for name in ("a", "b"):
+            cfg = load_config(env={}, overrides={
+                "server.port": 0, "tiers.dram.capacity": "64MiB",
+                "cluster.redis_url": f"redis://127.0.0.1:{redis_port}/0", "cluster.node_id": name,
+                "cluster.heartbeat_s": 0.2, "cluster.ttl_s": 2.0, **auth})
+            started.append(await start_server(cfg))
+        a_srv, b_srv = started
+        assert a_srv.service is not None and a_srv.service.tenancy is not None
+        calls = a_srv.service.tenancy._calls
+        x = (("authorization", "Bearer peer-token"), *ClusterTrust(b"cluster-secret", "peer-token").peer_metadata("x"))
+        spec = tiny_model()
+        toks = tokens(2 * BLOCK_TOKENS, seed=23)
+        kv = random_kv(spec, len(toks), seed=23)
+        async with EngramClient(a_srv.address, token="alice-token", namespace="alice") as a, \
+                EngramClient(b_srv.address, token="alice-token", namespace="alice") as b, \
+                grpc.aio.insecure_channel(a_srv.address) as ch:
+            fp = await a.register_model(spec)
+            assert await b.register_model(spec) == fp
+            await until(lambda: _both(a, b, "ok"), "both daemons joined")
+            await a.put(fp, toks, kv)
+            put = ch.stream_unary("/engram.v1.Engram/Put", request_serializer=pb.PutRequest.SerializeToString,
+                                  response_deserializer=pb.PutResponse.FromString)
+            never = asyncio.Event()
+
+            async def silent() -> Any:
+                await never.wait()  # a stream that sends nothing
+                yield pb.PutRequest()
+
+            idle = [put(silent(), metadata=x) for _ in range(2)]
+
+            async def x_holds_its_share() -> bool:
+                return calls.get("rpc", {}).get("peer:x") == 2
+
+            await until(x_holds_its_share, "peer X's two streams are in flight on A, as peer:x")
+            stats = ch.unary_unary("/engram.v1.Engram/Stats", request_serializer=pb.StatsRequest.SerializeToString,
+                                   response_deserializer=pb.StatsResponse.FromString)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stats(pb.StatsRequest(), metadata=x)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_concurrent_rpcs_per_tenant" in str(refused.value.details())
+            await until(lambda: _b_hits(b, fp, toks), "daemon B fetches Alice's prefix from A beside peer X")
+            n, got = await b.get_prefix(fp, toks)
+            assert n == len(toks) and got is not None and torch.equal(got, kv)
+            for call in idle:
+                call.cancel()
+
+            async def x_gave_its_share_back() -> bool:
+                return "peer:x" not in calls.get("rpc", {})
+
+            await until(x_gave_its_share_back, "peer X's share is back")
+    finally:
+        for srv in started:
+            await srv.stop(0)
+        proc.kill()
+        proc.wait()
+
+
 async def test_a_daemon_stops_even_when_redis_py_swallows_the_cancel_of_its_heartbeat(redis_port: int) -> None:
     """redis-py can swallow a cancellation that lands inside a command (redis/redis-py#2028, #2551): the
     heartbeat then went on sleeping and stop() never returned (a CI run hung 300 s in verify-isolation's rig).

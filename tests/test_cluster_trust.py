@@ -64,6 +64,20 @@ def test_holder_records_are_bound_to_their_block_and_node() -> None:
     assert ClusterTrust(b"other").holder_entry(b"k" * 16, "a", rec) is None
 
 
+def test_a_peer_proves_only_its_own_node_id_and_only_under_the_secret() -> None:
+    """The node id a peer's call is counted as (its own share of calls) is believed only with a proof made under
+    the cluster secret: the peer token alone (seen on the wire) cannot make up node ids and shares."""
+    t = ClusterTrust(SECRET.encode())
+    token = ("authorization", f"Bearer {t.peer_token}")
+    assert t.peer_node((token, *t.peer_metadata("node-a"))) == "node-a"
+    assert t.peer_node((token,)) == ""  # no node id: the one "peer" share, as an older daemon calls
+    (node_header, _), (proof_header, proof) = t.peer_metadata("node-a")
+    assert t.peer_node((token, (node_header, "node-b"), (proof_header, proof))) == ""  # another node's proof
+    assert t.peer_node((token, *ClusterTrust(b"another-secret").peer_metadata("node-a"))) == ""
+    assert t.peer_node((token, (node_header, "node-a"))) == ""  # no proof
+    assert t.peer_metadata("node a\n") == ()  # a node id no header can carry goes without
+
+
 def test_the_block_mac_binds_every_field_and_every_payload_byte() -> None:
     trust = ClusterTrust(b"s")
     args = (b"k" * 16, b"p" * 16, "alice", b"f" * 16, "nvfp4", b"payload bytes")

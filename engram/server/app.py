@@ -232,6 +232,7 @@ async def start_server(config: EngramConfig, store: BlockStore | None = None,
         tenancy = Tenancy.from_config(config.auth, trust.peer_token if trust else config.cluster.peer_token)
         if tenancy is not None:
             tenancy.max_calls = config.server.max_concurrent_rpcs_per_tenant
+            tenancy.peer_node = trust.peer_node if trust else None
         if store is None:
             store = built = await build_store(config, tenancy)
         return await _start(config, store, sessions, tenancy, trust, socket_lock)
@@ -385,7 +386,7 @@ async def _join_cluster(config: EngramConfig, service: EngramService, address: s
     service.cluster = ClusterIndex(c, service.store.index, c.node_id or advertised, advertised, trust)
     root = Path(c.peer_root_cert).read_bytes() if c.peer_root_cert else None
     service.peers = PeerFetcher(service.cluster, service.store, token=trust.peer_token, root_cert=root,
-                                timeout_s=c.fetch_timeout_s)
+                                timeout_s=c.fetch_timeout_s, metadata=trust.peer_metadata(service.cluster.node_id))
     await service.cluster.start()
 
 

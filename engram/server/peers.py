@@ -30,10 +30,12 @@ MAX_CHAIN = 256  # ancestors a Get-triggered fetch follows before it gives up (t
 
 class PeerFetcher:
     def __init__(self, cluster: ClusterIndex, store: BlockStore, *, token: str = "", root_cert: bytes | None = None,
-                 timeout_s: float = 5.0) -> None:
+                 timeout_s: float = 5.0, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        """metadata: sent with the token on every call (ClusterTrust.peer_metadata: this daemon's node id)."""
         self.cluster = cluster
         self.store = store
         self.token = token
+        self.metadata = metadata
         self.root_cert = root_cert
         self.timeout_s = timeout_s
         # node id -> (address, channel, stub): one channel per peer, replaced when the peer moves (a restart on
@@ -50,7 +52,7 @@ class PeerFetcher:
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
         channel = open_channel(address, root_cert=self.root_cert)
-        stub = stub_for(channel, self.token)
+        stub = stub_for(channel, self.token, self.metadata)
         self._peers[node_id] = (address, channel, stub)
         return stub
 

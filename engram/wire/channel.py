@@ -29,11 +29,11 @@ def same_host(address: str) -> bool:
 
 
 class _Authorized:
-    """A stub whose every call carries `authorization: Bearer <token>` metadata."""
+    """A stub whose every call carries `authorization: Bearer <token>` metadata (and `extra`)."""
 
-    def __init__(self, stub: Any, token: str) -> None:
+    def __init__(self, stub: Any, token: str, extra: tuple[tuple[str, str], ...] = ()) -> None:
         self._stub = stub
-        self._md = (("authorization", f"Bearer {token}"),)
+        self._md = (("authorization", f"Bearer {token}"), *extra)
 
     def __getattr__(self, name: str) -> Any:
         return functools.partial(getattr(self._stub, name), metadata=self._md)
@@ -45,9 +45,9 @@ def header_safe(token: str) -> bool:
     return all("!" <= c <= "~" for c in token)
 
 
-def stub_for(channel: grpc.aio.Channel, token: str = "") -> Any:
+def stub_for(channel: grpc.aio.Channel, token: str = "", extra: tuple[tuple[str, str], ...] = ()) -> Any:
     stub = pb_grpc.EngramStub(channel)
-    return _Authorized(stub, token) if token else stub
+    return _Authorized(stub, token, extra) if token else stub
 
 
 # A daemon that restarts (an upgrade, a crash) is back within seconds: reconnect attempts back off from 0.1 s
