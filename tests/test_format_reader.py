@@ -119,8 +119,10 @@ def read_v2_block(blob: bytes) -> dict[str, dict[str, object]]:
 def read_journal_file(path: Path, magic: bytes) -> tuple[int, list[tuple[int, bytes]]]:
     data = path.read_bytes()
     got, version, flags, reserved, generation = struct.unpack_from("<8sHHIQ", data, 0)
-    assert got == magic and version == 1 and flags == 0 and reserved == 0
-    entries, off = [], 24
+    assert got == magic and version in (1, 2) and flags == 0 and reserved == 0
+    if version == 2:  # the head's own checksum follows it
+        assert struct.unpack_from("<Q", data, 24)[0] == xxhash.xxh3_64_intdigest(data[:24])
+    entries, off = [], 24 if version == 1 else 32
     while off + 5 <= len(data):
         body_len, kind = struct.unpack_from("<IB", data, off)
         end = off + 5 + body_len + 8

@@ -9,6 +9,7 @@ import errno
 import os
 import random
 import shutil
+import struct
 import threading
 from pathlib import Path
 
@@ -616,6 +617,75 @@ async def test_a_stray_journal_of_a_generation_past_a_u64_is_reported_and_ignore
     report = await offline.check(fix=False)
     await offline.close()
     assert [(f.path, f.fixed) for f in report.findings] == [(str(stray), False)]
+
+
+async def _a_block_written_again_at_a_crash(tmp_path: Path) -> tuple[Path, np.ndarray, torch.Tensor]:
+    """A directory as a crash leaves it: blocks in the snapshot, and one of them deleted and written again with
+    other bytes since (its remove and new add in the newest journal). Trusting the snapshot without that
+    journal would trust the old header for the new file, and drop the block at its first read."""
+    root = tmp_path / "nvme"
+    await _store_on_disk(root)
+    t = tokens(BLOCK_TOKENS, seed=9)
+    store = await make_store(root, dram_blocks=64, write_policy="write-through")
+    [key] = await put_seq(store, t, random_kv(SPEC, len(t), seed=1))
+    await store.close()  # the snapshot holds the block's first header
+    store = await make_store(root, dram_blocks=64, write_policy="write-through")
+    meta = store.index.get(key)
+    assert meta is not None
+    await store.placement.delete_block(meta)
+    new = random_kv(SPEC, len(t), seed=2)
+    assert await put_seq(store, t, new) == [key]
+    crash = tmp_path / "crash"
+    shutil.copytree(root, crash, ignore=shutil.ignore_patterns("engram.lock"))
+    await store.close()
+    return crash, t, new
+
+
+@pytest.mark.parametrize(("name", "offset"), [("snapshot", 16), ("snapshot", 23), ("journal", 0), ("journal", 16)],
+                         ids=["snapshot-generation-low-byte", "snapshot-generation-high-byte", "journal-magic",
+                              "journal-generation"])
+async def test_a_flipped_byte_in_an_index_file_head_keeps_every_acknowledged_block_and_serves_none_wrong(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, name: str, offset: int) -> None:
+    """A head that fails its checksum (or its magic) is not trusted: with a wrong snapshot generation, recovery
+    skipped the journal since (every journal looked older), trusted the rewritten block's old header and
+    dropped the block at its first read. Now it reads every block file, and says so."""
+    crash, t, new = await _a_block_written_again_at_a_crash(tmp_path)
+    index = crash / "index"
+    path = index / "snapshot" if name == "snapshot" else max(
+        index.glob("journal.*"), key=lambda p: int(p.name.split(".")[1]))
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+    store = await make_store(crash, dram_blocks=64)
+    n, got = await get_seq(store, t)
+    assert n == len(t) and got is not None and torch.equal(got, new)
+    for s in range(3):  # the blocks of _store_on_disk
+        seq = tokens(2 * BLOCK_TOKENS, seed=s)
+        n, got = await get_seq(store, seq)
+        assert n == len(seq) and got is not None and torch.equal(got, random_kv(SPEC, len(seq), seed=s))
+    assert (await store.check(fix=False)).ok
+    assert any(f"{path} is not trusted" in r.getMessage() and "reads every block file" in r.getMessage()
+               for r in caplog.records)
+    assert not store.tiers[1].unverified  # type: ignore[attr-defined]  # every file read, none trusted
+    await store.close()
+    assert struct.unpack_from("<H", (index / "snapshot").read_bytes(), 8) == (2,)  # a new snapshot, trusted again
+
+
+async def test_a_snapshot_and_journals_with_the_version_1_head_of_earlier_releases_still_load(tmp_path: Path) -> None:
+    # Version 1: the same head without its checksum (24 bytes).
+    crash, t, new = await _a_block_written_again_at_a_crash(tmp_path)
+    for path in (crash / "index").iterdir():
+        data = path.read_bytes()
+        if struct.unpack_from("<H", data, 8) == (2,):
+            path.write_bytes(data[:8] + struct.pack("<H", 1) + data[10:24] + data[32:])
+    store = await make_store(crash, dram_blocks=64)
+    nvme = store.tiers[1]
+    assert nvme.unverified == set(nvme.keys()) and len(nvme) == 7  # type: ignore[attr-defined]  # all trusted
+    n, got = await get_seq(store, t)  # its header from the version 1 journal, not the version 1 snapshot
+    assert n == len(t) and got is not None and torch.equal(got, new)
+    await settle(store)
+    assert (await store.check(fix=False)).ok
+    await store.close()
 
 
 async def test_io_error_on_one_block_fails_that_block_only(tmp_path: Path) -> None:

@@ -27,11 +27,19 @@ the tier goes on without it: `drop` closes it and removes the snapshot, so the n
 file (nothing records the changes made meanwhile), until the tier opens a new generation (at its next write,
 or the next start) and a snapshot is written again. A snapshot taken before the loss is not published.
 
-Format (docs/FORMAT.md, all integers little-endian): a 24-byte file header (magic `ENGRMSNP` or
-`ENGRMJNL`, u16 version 1, u16 flags 0, u32 reserved 0, u64 generation), then entries
-`u32 body_len, u8 kind (1 add, 2 remove), body, u64 xxh3_64(kind byte + body)`. An add's body is the block
+Format (docs/FORMAT.md, all integers little-endian): a 32-byte file header (magic `ENGRMSNP` or
+`ENGRMJNL`, u16 version 2, u16 flags 0, u32 reserved 0, u64 generation, u64 xxh3_64 of the 24 bytes before
+it), then entries `u32 body_len, u8 kind (1 add, 2 remove), body, u64 xxh3_64(kind byte + body)`. Version 1
+(earlier releases) is the same header without its checksum, 24 bytes; it is still read. An add's body is the block
 file's header (its first 48 + meta_len bytes); a remove's body is the 16-byte key. Reading stops at the first
 entry that is short or fails its checksum (a torn append): what follows is recovered from the files.
+
+Damage: a snapshot that fails any check (its head: magic, version, checksum; an entry), or a journal it
+would be read with whose head is whole but fails its checks, is not trusted: a wrong generation would apply
+the wrong journals (a block's remove skipped, and its old header trusted for a file written again), and a
+journal's entries are unknown. The start then reads every block file (what the files prove), and says so in
+the log. A journal shorter than its head was torn while it was created (before any entry): it is skipped.
+
 """
 
 from __future__ import annotations
@@ -53,9 +61,10 @@ from engram.tiers.groupcommit import sync_directory
 
 SNAPSHOT_MAGIC = b"ENGRMSNP"
 JOURNAL_MAGIC = b"ENGRMJNL"
-VERSION = 1
-_FILE_HEAD = struct.Struct("<8sHHIQ")  # magic, version, flags, reserved, generation
-FILE_HEAD_LEN = _FILE_HEAD.size  # 24
+VERSION = 2  # written; version 1 (no head checksum, earlier releases) is still read
+_HEAD_V1 = struct.Struct("<8sHHIQ")  # magic, version, flags, reserved, generation
+_FILE_HEAD = struct.Struct("<8sHHIQQ")  # the same, then xxh3_64 of the 24 bytes before it
+FILE_HEAD_LEN = _FILE_HEAD.size  # 32
 _ENTRY_HEAD = struct.Struct("<IB")  # body_len, kind
 ADD, REMOVE = 1, 2
 GENERATION_LIMIT = 2**64 - 1  # a journal's generation is below it, so the next one still fits the u64 field
@@ -63,6 +72,37 @@ GENERATION_LIMIT = 2**64 - 1  # a journal's generation is below it, so the next 
 log = logging.getLogger(__name__)
 
 __all__ = ["ADD", "REMOVE", "IndexJournal", "Loaded", "encode_entry", "parse_entries"]
+
+
+def encode_head(magic: bytes, generation: int) -> bytes:
+    head = _HEAD_V1.pack(magic, VERSION, 0, 0, generation)
+    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
+
+
+class _Damaged(Exception):
+    """A file's head is whole but wrong: what it says (its generation, its entries) cannot be trusted."""
+
+
+class _Short(Exception):
+    """A file shorter than its head: torn while it was created, before any entry was appended."""
+
+
+def parse_head(data: bytes, magic: bytes) -> tuple[int, int]:
+    """(generation, head length) of a snapshot's or journal's head, version 1 or 2; raises _Short, _Damaged."""
+    if len(data) < 10:
+        raise _Short
+    got, version = struct.unpack_from("<8sH", data)
+    if got != magic:
+        raise _Damaged(f"magic {got!r}, not {magic!r}")
+    if version not in (1, VERSION):
+        raise _Damaged(f"version {version}; this daemon reads versions 1 and {VERSION}")
+    head_len = _HEAD_V1.size if version == 1 else FILE_HEAD_LEN
+    if len(data) < head_len:
+        raise _Short
+    gen = _HEAD_V1.unpack_from(data)[4]
+    if version > 1 and xxhash.xxh3_64_intdigest(data[: _HEAD_V1.size]) != struct.unpack_from("<Q", data, 24)[0]:
+        raise _Damaged("its head fails its checksum")
+    return gen, head_len
 
 
 def encode_entry(kind: int, body: bytes) -> bytes:
@@ -115,17 +155,11 @@ class IndexJournal:
 
     # ---- reading -------------------------------------------------------------------------------
 
-    def _read(self, path: Path, magic: bytes) -> tuple[int, list[tuple[int, bytes]], bool] | None:
-        try:
-            data = path.read_bytes()
-        except OSError:
-            return None
-        if len(data) < FILE_HEAD_LEN:
-            return None
-        got, version, _, _, gen = _FILE_HEAD.unpack_from(data)
-        if got != magic or version != VERSION:
-            return None
-        entries, end = parse_entries(data)
+    @staticmethod
+    def _read(data: bytes, magic: bytes) -> tuple[int, list[tuple[int, bytes]], bool]:
+        """(generation, entries, whether a torn or corrupt entry ended them); raises _Short, _Damaged."""
+        gen, head_len = parse_head(data, magic)
+        entries, end = parse_entries(data, head_len)
         return gen, entries, end != len(data)
 
     def journals(self) -> list[tuple[int, Path]]:
@@ -145,13 +179,23 @@ class IndexJournal:
 
     def load(self) -> Loaded | None:
         """The headers the snapshot and journals record, or None when there is no usable snapshot (a
-        directory from before the journal, or a damaged snapshot): then the caller scans every file."""
-        snap = self._read(self.snapshot_path, SNAPSHOT_MAGIC)
-        if snap is None:
+        directory from before the journal, one dropped) or it cannot be trusted (damage: logged): then the
+        caller scans every file."""
+        try:
+            data = self.snapshot_path.read_bytes()
+        except FileNotFoundError:
             return None
-        gen, entries, torn = snap
+        except OSError as exc:
+            self._untrusted(self.snapshot_path, f"unreadable: {exc.strerror or exc}")
+            return None
+        try:
+            gen, entries, torn = self._read(data, SNAPSHOT_MAGIC)
+        except (_Short, _Damaged) as exc:  # renamed into place whole: a short one is damage too
+            self._untrusted(self.snapshot_path, str(exc) or "shorter than its head")
+            return None
         if torn:
-            return None  # a snapshot is renamed into place whole: a bad one means damage, not a crash
+            self._untrusted(self.snapshot_path, "an entry is short or fails its checksum")
+            return None
         headers: dict[bytes, bytes] = {}
         count = 0
         for kind, body in entries:
@@ -162,11 +206,15 @@ class IndexJournal:
         for jgen, path in self.journals():
             if jgen < gen:
                 continue
-            got = self._read(path, JOURNAL_MAGIC)
-            if got is None:
+            try:
+                _, jentries, torn = self._read(path.read_bytes(), JOURNAL_MAGIC)
+            except (FileNotFoundError, _Short):  # gone, or torn at its creation: no entry in it
                 torn_tail = True
                 continue
-            _, jentries, torn = got
+            except (OSError, _Damaged) as exc:  # its removes unknown: an older header may be stale
+                why = exc.strerror if isinstance(exc, OSError) else str(exc)
+                self._untrusted(path, f"{why}; the snapshot is not used without it")
+                return None
             torn_tail |= torn
             count += len(jentries)
             for kind, body in jentries:
@@ -175,6 +223,9 @@ class IndexJournal:
                 else:
                     headers.pop(body, None)
         return Loaded(headers, count, torn_tail)
+
+    def _untrusted(self, path: Path, why: str) -> None:
+        log.warning("index journal: %s is not trusted (%s): this start reads every block file", path, why)
 
     # ---- writing -------------------------------------------------------------------------------
 
@@ -198,7 +249,7 @@ class IndexJournal:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, FILE_MODE)
         try:
             if os.fstat(fd).st_size == 0:
-                _write_all(fd, _FILE_HEAD.pack(JOURNAL_MAGIC, VERSION, 0, 0, gen))
+                _write_all(fd, encode_head(JOURNAL_MAGIC, gen))
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):
@@ -285,7 +336,7 @@ class IndexJournal:
         tmp = self.dir / "snapshot.tmp"
         try:
             with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE), "wb") as fh:
-                fh.write(_FILE_HEAD.pack(SNAPSHOT_MAGIC, VERSION, 0, 0, covers_before))
+                fh.write(encode_head(SNAPSHOT_MAGIC, covers_before))
                 buf: list[bytes] = []
                 for header in headers:
                     buf.append(encode_entry(ADD, header))
