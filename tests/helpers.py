@@ -195,11 +195,13 @@ def start_redis(port: int, *args: str, password: str = "", ping_port: int | None
 
 
 @contextlib.contextmanager
-def small_tmpfs(where: Path, size: str = "256k") -> Iterator[Path]:
+def small_tmpfs(where: Path, size: str = "256k", inodes: int | None = None) -> Iterator[Path]:
     """A real tmpfs of `size` mounted at `where` (a real full disk: ENOSPC from the kernel); root only, and the
-    test is skipped where the machine refuses the mount."""
+    test is skipped where the machine refuses the mount. A full tmpfs still makes directories (they take no
+    pages); `inodes` bounds its files and directories, so that filling them makes mkdir fail as well."""
     where.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+    options = f"size={size}" + (f",nr_inodes={inodes}" if inodes is not None else "")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True)
     if mounted.returncode != 0:
         pytest.skip(f"this machine refuses a tmpfs mount: {mounted.stderr.decode().strip()}")
     try:

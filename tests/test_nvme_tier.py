@@ -499,18 +499,26 @@ def _journal_writes_fail(monkeypatch: pytest.MonkeyPatch, full: dict[str, bool],
     monkeypatch.setattr(os, "write", failing)
 
 
-async def _exercise_a_full_disk_at_start(root: Path, start, free_space) -> None:  # type: ignore[no-untyped-def]
+async def _exercise_a_full_disk_at_start(root: Path, start, free_space, *,  # type: ignore[no-untyped-def]
+                                        with_index: bool = True) -> None:
     """A restart on a full disk: the tier cannot create its journal, so it serves its block files without one,
     degraded (DRAM evicts leaves instead of demoting), leaves no journal file behind and removes the snapshot
     (what happens from now on is recorded in the files only); once the disk has room, a write opens a journal
-    again, and the next start trusts it."""
+    again, and the next start trusts it. Without `with_index`, the directory has no index/ (a release before
+    the journal wrote it): this start would be the journal's first, and cannot even make its directory."""
     seqs, kvs = await _store_on_disk(root)
     index = root / "index"
-    before = sorted(p.name for p in index.iterdir())
+    if not with_index:
+        shutil.rmtree(index)
+
+    def listing() -> list[str] | None:
+        return sorted(p.name for p in index.iterdir()) if index.exists() else None
+
+    before = listing()
     store = await start()  # the disk is full now
     health = store.health["nvme"]
     assert health.state == "degraded" and "no space" in health.reason and "journal" in health.reason
-    assert sorted(p.name for p in index.iterdir()) == [n for n in before if n != "snapshot"]
+    assert listing() == (None if before is None else [n for n in before if n != "snapshot"])
     for t, kv in zip(seqs, kvs, strict=True):
         n, got = await get_seq(store, t)
         assert n == len(t) and got is not None and torch.equal(got, kv)
@@ -564,6 +572,32 @@ async def test_a_restart_on_a_real_full_filesystem_serves_degraded_and_journals_
             return await make_store(mnt, dram_blocks=4, nvme_blocks=1000)
 
         await _exercise_a_full_disk_at_start(mnt, start, lambda: filler[0].unlink())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+async def test_a_first_start_on_a_real_full_filesystem_without_an_index_directory_serves_degraded_and_journals_again(
+        tmp_path: Path) -> None:
+    # Directories take no pages on tmpfs: its inodes are filled too, so that making index/ fails (ENOSPC), as
+    # it does on a full ext4. It stopped the start (the tier made index/ before anything else).
+    with small_tmpfs(tmp_path / "small", inodes=256) as mnt:
+        fillers: list[Path] = []
+
+        async def start() -> BlockStore:
+            fillers.append(_fill_until_full(mnt))
+            fillers.append(mnt / "inodes")
+            fillers[-1].mkdir()
+            with contextlib.suppress(OSError):
+                for n in range(10_000):
+                    (fillers[-1] / str(n)).touch()
+            with pytest.raises(OSError):
+                (mnt / "index").mkdir()
+            return await make_store(mnt, dram_blocks=4, nvme_blocks=1000)
+
+        def free_space() -> None:
+            fillers[0].unlink()
+            shutil.rmtree(fillers[1])
+
+        await _exercise_a_full_disk_at_start(mnt, start, free_space, with_index=False)
 
 
 async def test_a_journal_append_that_fails_loses_no_block_written_again_with_other_bytes(

@@ -142,7 +142,9 @@ class IndexJournal:
     """Appends (from the event loop, or a thread: a lock orders them) and compaction of the journal."""
 
     def __init__(self, root: Path, *, fsync: bool = True) -> None:
-        self.dir = private_dir(root / "index")  # headers carry token ids: a tenant's data
+        self.dir = root / "index"
+        with contextlib.suppress(OSError):  # a full disk: made by `open`, which fails (and is retried) meanwhile
+            private_dir(self.dir)  # headers carry token ids: a tenant's data
         self.snapshot_path = self.dir / "snapshot"
         self._lock = threading.Lock()
         self._fd: int | None = None
@@ -234,11 +236,15 @@ class IndexJournal:
         return self._fd is not None
 
     def open(self) -> None:
-        """Start appending to a journal newer than every existing one (a torn tail is never appended to).
-        Raises OSError (nothing is left behind) when it cannot be created: a full disk, an I/O error."""
-        existing = [g for g, _ in self.journals()]
+        """Start appending to a journal newer than every existing one (a torn tail is never appended to),
+        making the index directory first if needed. Raises OSError (nothing is left behind) when it cannot
+        be created: a full disk, an I/O error."""
         with self._lock:
-            self._switch(max([*existing, self.generation, self.lost_gen]) + 1)
+            if not self.dir.is_dir():  # a first start on a full disk could not make it
+                private_dir(self.dir)
+                if self._fsync:
+                    sync_directory(self.dir.parent)
+            self._switch(max([*(g for g, _ in self.journals()), self.generation, self.lost_gen]) + 1)
             self.error = None
 
     def _switch(self, gen: int) -> None:
@@ -274,7 +280,9 @@ class IndexJournal:
         log.warning("index journal in %s: %s; the tier goes on without it (the next start reads every block "
                     "file) until it is opened again", self.dir, exc.strerror or exc)
         try:
-            self.snapshot_path.unlink(missing_ok=True)  # no longer true of the files: it must not be trusted
+            self.snapshot_path.unlink()  # no longer true of the files: it must not be trusted
+        except FileNotFoundError:
+            return  # none (or no index directory yet): nothing to make durable
         except OSError as unlink_exc:
             log.error("could not remove %s: %s (the next start trusts it: a block written again with other bytes "
                       "meanwhile would be dropped at its first read)", self.snapshot_path, unlink_exc)
