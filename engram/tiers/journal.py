@@ -40,6 +40,10 @@ the wrong journals (a block's remove skipped, and its old header trusted for a f
 journal's entries are unknown. The start then reads every block file (what the files prove), and says so in
 the log. A journal shorter than its head was torn while it was created (before any entry): it is skipped.
 
+Generations count up from 1 and never come near the u64 limit by themselves; a stray journal file numbered
+in the upper half of the range (2^63 and up) would leave no room after it, so opening a journal then
+renumbers: the snapshot is removed (the next start reads every file until a new one is written), then every
+journal, and numbering starts again from the tier's own count.
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ FILE_HEAD_LEN = _FILE_HEAD.size  # 32
 _ENTRY_HEAD = struct.Struct("<IB")  # body_len, kind
 ADD, REMOVE = 1, 2
 GENERATION_LIMIT = 2**64 - 1  # a journal's generation is below it, so the next one still fits the u64 field
+RENUMBER_AT = 2**63  # a generation no daemon reaches (one a nanosecond for 292 years): only after a stray file
 
 log = logging.getLogger(__name__)
 
@@ -244,11 +249,28 @@ class IndexJournal:
                 private_dir(self.dir)
                 if self._fsync:
                     sync_directory(self.dir.parent)
-            self._switch(max([*(g for g, _ in self.journals()), self.generation, self.lost_gen]) + 1)
+            gen = max([*(g for g, _ in self.journals()), self.generation, self.lost_gen]) + 1
+            if gen >= RENUMBER_AT:
+                self._renumber(gen)
+                gen = max(self.generation, self.lost_gen) + 1
+            self._switch(gen)
             self.error = None
 
+    def _renumber(self, gen: int) -> None:
+        """Make room after a stray journal numbered near the u64 limit (the module's doc): the snapshot goes
+        first, so a crash part-way leaves no snapshot trusted over journals that are gone."""
+        start = max(self.generation, self.lost_gen) + 1
+        log.warning("index journal in %s: the next generation, %d, is past 2^63 (a stray journal file?): the "
+                    "journals are renumbered from %d and removed with the snapshot (a start reads every block "
+                    "file until a new snapshot is written)", self.dir, gen, start)
+        self.snapshot_path.unlink(missing_ok=True)
+        if self._fsync:
+            sync_directory(self.dir)
+        for _, path in self.journals():
+            path.unlink(missing_ok=True)
+
     def _switch(self, gen: int) -> None:
-        if gen >= GENERATION_LIMIT:  # only after a stray journal.<2^64-2>: no daemon rotates that often
+        if gen >= GENERATION_LIMIT:  # never: `open` renumbers past 2^63, and no daemon rotates 2^63 times
             raise OSError(errno.EOVERFLOW, f"journal generation {gen} does not fit its u64 field; remove the stray "
                           f"journal files in {self.dir}")
         path = self.dir / f"journal.{gen}"

@@ -578,7 +578,10 @@ class NvmeTier:
                 self._open_journal()
             except (StorageFull, StorageIOError):
                 return report  # serve the files without a journal; the store degrades the tier (journal_error)
-            self._snapshot_due = report.trusted == 0 or entries > 2 * len(self._files) + 1024
+            # None to trust, a long journal, or none on disk (the journals were renumbered): the next start would
+            # read every file
+            self._snapshot_due = (report.trusted == 0 or entries > 2 * len(self._files) + 1024
+                                  or not self._journal.snapshot_path.exists())
             self._compact_if_due()
         return report
 
