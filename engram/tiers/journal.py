@@ -234,6 +234,31 @@ class IndexJournal:
     def _untrusted(self, path: Path, why: str) -> None:
         log.warning("index journal: %s is not trusted (%s): this start reads every block file", path, why)
 
+    def retire_version_1_snapshot(self) -> bool:
+        """Remove a snapshot with an earlier release's head (version 1), once read, before this daemon appends to
+        a version-2 journal: that release reads such a snapshot but skips the journals since as unreadable, so
+        after a roll-back it would miss their removes and trust a block's old header for a file written again
+        (the acknowledged block dropped at its first read). Without a snapshot it reads every block file. True
+        when one was removed (a new snapshot is then due)."""
+        try:
+            with open(self.snapshot_path, "rb") as fh:
+                head = fh.read(10)
+        except OSError:
+            return False
+        if len(head) < 10 or struct.unpack_from("<8sH", head) != (SNAPSHOT_MAGIC, 1):
+            return False
+        try:
+            self.snapshot_path.unlink()
+            if self._fsync:
+                sync_directory(self.dir)
+        except OSError as exc:  # this daemon has read it already; only a roll-back is at risk
+            log.error("could not remove the version-1 snapshot %s: %s (a roll-back to an earlier release would "
+                      "trust it over the journals since)", self.snapshot_path, exc)
+            return False
+        log.info("index journal in %s: the version-1 snapshot of an earlier release was read and removed; a "
+                 "version-2 one is written next", self.dir)
+        return True
+
     # ---- writing -------------------------------------------------------------------------------
 
     @property

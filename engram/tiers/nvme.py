@@ -519,6 +519,8 @@ class NvmeTier:
         loaded = None
         if self._journal is not None and not self.verify_on_start:
             loaded = self._journal.load()
+        if self._journal is not None:
+            self._journal.retire_version_1_snapshot()  # before a version-2 entry: an earlier release would trust it
         if loaded is None:  # no usable journal (a directory from before it, or damage): read every file
             report = self._scan(fix=True, verify_payloads=self.verify_on_start)
             return report, self._found, [], 0
