@@ -126,12 +126,17 @@ def read_journal_file(path: Path, magic: bytes) -> tuple[int, list[tuple[int, by
     while off + 5 <= len(data):
         body_len, kind = struct.unpack_from("<IB", data, off)
         end = off + 5 + body_len + 8
+        meta_len = struct.unpack_from("<I", data, off + 17)[0] if off + 21 <= len(data) else None
+        if not ((kind == 2 and body_len == 16) or (kind == 1 and body_len >= 64 and meta_len in (None, body_len - 48))):
+            assert not any(data[off:]), "damage: an impossible entry with bytes after it"
+            break  # zeros: a file grown at a crash
         if end > len(data):
             break  # a torn append
         body = data[off + 5 : off + 5 + body_len]
         (ck,) = struct.unpack_from("<Q", data, end - 8)
         if xxhash.xxh3_64_intdigest(bytes([kind]) + body) != ck:
-            break
+            assert not any(data[end:]), "damage: an entry that fails its checksum with bytes after it"
+            break  # a torn append
         entries.append((kind, body))
         off = end
     return generation, entries

@@ -26,7 +26,7 @@ from engram.keys import root_key
 from engram.server.app import build_store
 from engram.store import BlockStore
 from engram.tiers.journal import FILE_HEAD_LEN as JOURNAL_HEAD_LEN
-from engram.tiers.journal import parse_entries
+from engram.tiers.journal import JOURNAL_MAGIC, encode_head, parse_entries
 from engram.tiers.nvme import NvmeTier
 
 from helpers import BLOCK_TOKENS, random_kv, small_tmpfs, tiny_model, tokens
@@ -676,10 +676,15 @@ async def test_a_stray_journal_numbered_just_below_the_u64_limit_is_renumbered_a
     await store.close()
 
 
-async def _a_block_written_again_at_a_crash(tmp_path: Path) -> tuple[Path, np.ndarray, torch.Tensor]:
+OTHER = tokens(BLOCK_TOKENS, seed=10)
+
+
+async def _a_block_written_again_at_a_crash(tmp_path: Path, *, another_first: bool = False,
+                                            ) -> tuple[Path, np.ndarray, torch.Tensor]:
     """A directory as a crash leaves it: blocks in the snapshot, and one of them deleted and written again with
-    other bytes since (its remove and new add in the newest journal). Trusting the snapshot without that
-    journal would trust the old header for the new file, and drop the block at its first read."""
+    other bytes since (its remove and new add in the newest journal; with `another_first`, after the add of
+    another block, OTHER). Trusting the snapshot without that journal would trust the old header for the new
+    file, and drop the block at its first read."""
     root = tmp_path / "nvme"
     await _store_on_disk(root)
     t = tokens(BLOCK_TOKENS, seed=9)
@@ -687,6 +692,8 @@ async def _a_block_written_again_at_a_crash(tmp_path: Path) -> tuple[Path, np.nd
     [key] = await put_seq(store, t, random_kv(SPEC, len(t), seed=1))
     await store.close()  # the snapshot holds the block's first header
     store = await make_store(root, dram_blocks=64, write_policy="write-through")
+    if another_first:
+        await put_seq(store, OTHER, random_kv(SPEC, len(OTHER), seed=10))
     meta = store.index.get(key)
     assert meta is not None
     await store.placement.delete_block(meta)
@@ -726,6 +733,80 @@ async def test_a_flipped_byte_in_an_index_file_head_keeps_every_acknowledged_blo
     assert not store.tiers[1].unverified  # type: ignore[attr-defined]  # every file read, none trusted
     await store.close()
     assert struct.unpack_from("<H", (index / "snapshot").read_bytes(), 8) == (2,)  # a new snapshot, trusted again
+
+
+def _newest_journal(index: Path) -> Path:
+    return max(index.glob("journal.*"), key=lambda p: int(p.name.split(".")[1]))
+
+
+def _a_later_journal_opened(index: Path) -> None:
+    """What a start that opened the next journal and crashed leaves: the newest journal is the last no more."""
+    gen = int(_newest_journal(index).name.split(".")[1]) + 1
+    (index / f"journal.{gen}").write_bytes(encode_head(JOURNAL_MAGIC, gen))
+
+
+async def _every_block_served_right(store: BlockStore, t: np.ndarray, new: torch.Tensor) -> None:
+    n, got = await get_seq(store, t)
+    assert n == len(t) and got is not None and torch.equal(got, new)
+    n, got = await get_seq(store, OTHER)
+    assert n == len(OTHER) and got is not None and torch.equal(got, random_kv(SPEC, len(OTHER), seed=10))
+    for s in range(3):  # the blocks of _store_on_disk
+        seq = tokens(2 * BLOCK_TOKENS, seed=s)
+        n, got = await get_seq(store, seq)
+        assert n == len(seq) and got is not None and torch.equal(got, random_kv(SPEC, len(seq), seed=s))
+    await settle(store)
+    assert (await store.check(fix=False)).ok
+
+
+@pytest.mark.parametrize(("field", "offset"), [("body", 5 + 60), ("length", 3), ("kind", 4)])
+async def test_a_corrupt_entry_inside_a_journal_keeps_every_acknowledged_block_and_serves_none_wrong(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, field: str, offset: int) -> None:
+    """Bit rot in an entry with entries after it (a block's remove, and its add with other bytes), in a journal
+    that is not the last: reading stopped there as at a crash's torn tail, so recovery trusted the block's old
+    header for the file written again and dropped the acknowledged block at its first read. A whole entry that
+    fails its checksum, or an impossible head (a length past the end that its block header contradicts, a kind),
+    with bytes after it is damage: the start reads every block file, and says so."""
+    crash, t, new = await _a_block_written_again_at_a_crash(tmp_path, another_first=True)
+    path = _newest_journal(crash / "index")
+    data = bytearray(path.read_bytes())
+    assert [kind for kind, _ in parse_entries(data)[0]] == [1, 2, 1]  # OTHER's add, the remove, the new add
+    data[JOURNAL_HEAD_LEN + offset] ^= 0x40  # in OTHER's add
+    path.write_bytes(bytes(data))
+    _a_later_journal_opened(crash / "index")
+    store = await make_store(crash, dram_blocks=64)
+    n, got = await get_seq(store, t)  # its old header trusted, it was dropped here: DataLoss
+    assert n == len(t) and got is not None and torch.equal(got, new)
+    assert not store.tiers[1].unverified  # type: ignore[attr-defined]  # every file read, none trusted
+    assert any(f"{path} is not trusted" in r.getMessage() and "reads every block file" in r.getMessage()
+               for r in caplog.records)
+    await _every_block_served_right(store, t, new)
+    await store.close()
+
+
+@pytest.mark.parametrize("tear", ["in-its-head", "in-its-body", "checksum-at-the-end", "zeros"])
+async def test_a_journal_whose_last_entry_a_crash_tore_is_still_trusted(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, tear: str) -> None:
+    """A crash tears at most a journal's last entry (fewer bytes left than its head, its length past the end,
+    a checksum that fails with nothing after it, or zeros where the file grew before its bytes landed): no
+    damage, so the start still trusts the snapshot and journals, even when a later journal follows; the block
+    whose add was torn is read from its file."""
+    crash, t, new = await _a_block_written_again_at_a_crash(tmp_path, another_first=True)
+    path = _newest_journal(crash / "index")
+    data = path.read_bytes()
+    entries = parse_entries(data)[0]
+    last = JOURNAL_HEAD_LEN + sum(13 + len(body) for _, body in entries[:-1])  # the new add
+    torn = {"in-its-head": data[: last + 3], "in-its-body": data[: last + 40],
+            "checksum-at-the-end": data[:-1] + bytes([data[-1] ^ 0x40]),
+            "zeros": data[:last] + bytes(len(data) - last + 100)}[tear]
+    path.write_bytes(torn)
+    _a_later_journal_opened(crash / "index")
+    store = await make_store(crash, dram_blocks=64)
+    nvme = store.tiers[1]
+    key = store.lookup(NS, SPEC.fingerprint, t).blocks[0].key
+    assert nvme.unverified == set(nvme.keys()) - {key} and len(nvme) == 8  # type: ignore[attr-defined]
+    assert not any("is not trusted" in r.getMessage() for r in caplog.records)
+    await _every_block_served_right(store, t, new)
+    await store.close()
 
 
 async def test_a_snapshot_and_journals_with_the_version_1_head_of_earlier_releases_still_load(tmp_path: Path) -> None:

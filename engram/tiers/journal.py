@@ -31,14 +31,23 @@ Format (docs/FORMAT.md, all integers little-endian): a 32-byte file header (magi
 `ENGRMJNL`, u16 version 2, u16 flags 0, u32 reserved 0, u64 generation, u64 xxh3_64 of the 24 bytes before
 it), then entries `u32 body_len, u8 kind (1 add, 2 remove), body, u64 xxh3_64(kind byte + body)`. Version 1
 (earlier releases) is the same header without its checksum, 24 bytes; it is still read. An add's body is the block
-file's header (its first 48 + meta_len bytes); a remove's body is the 16-byte key. Reading stops at the first
-entry that is short or fails its checksum (a torn append): what follows is recovered from the files.
+file's header (its first 48 + meta_len bytes); a remove's body is the 16-byte key.
 
-Damage: a snapshot that fails any check (its head: magic, version, checksum; an entry), or a journal it
-would be read with whose head is whole but fails its checks, is not trusted: a wrong generation would apply
-the wrong journals (a block's remove skipped, and its old header trusted for a file written again), and a
-journal's entries are unknown. The start then reads every block file (what the files prove), and says so in
-the log. A journal shorter than its head was torn while it was created (before any entry): it is skipped.
+A crash loses a journal's tail and tears at most its last entry (one write each): fewer bytes left than an
+entry head, an entry whose length runs past the end of the file, or (a file grown before its bytes were
+written) one that fails its checksum or is impossible with nothing but zeros after it. Reading stops there;
+the lost entries are recovered from the files. Anything else that fails, with other bytes after it, is
+damage (bit rot, a bad sector), not a crash: an entry that is whole but fails its checksum, or whose head is
+impossible (a kind other than add or remove, a remove not 16 bytes long, an add whose length is not its
+block header's 48 + meta_len).
+
+Damage: a snapshot that fails any check (its head: magic, version, checksum; an entry, torn or not: it is
+renamed into place whole), or a journal it would be read with whose head is whole but fails its checks or
+that has a damaged entry, is not trusted: a wrong generation would apply the wrong journals (a block's
+remove skipped, and its old header trusted for a file written again), and the entries of a damaged journal
+after its damage (a remove among them) are unknown. The start then reads every block file (what the files
+prove), and says so in the log. A journal shorter than its head was torn while it was created (before any
+entry): it is skipped.
 
 Generations count up from 1 and never come near the u64 limit by themselves; a stray journal file numbered
 in the upper half of the range (2^63 and up) would leave no room after it, so opening a journal then
@@ -71,6 +80,8 @@ _FILE_HEAD = struct.Struct("<8sHHIQQ")  # the same, then xxh3_64 of the 24 bytes
 FILE_HEAD_LEN = _FILE_HEAD.size  # 32
 _ENTRY_HEAD = struct.Struct("<IB")  # body_len, kind
 ADD, REMOVE = 1, 2
+KEY_LEN = 16  # a remove's body
+BLOCK_HEAD_LEN = 48  # the fixed part of a block file's header (an add's body; then its meta, key first)
 GENERATION_LIMIT = 2**64 - 1  # a journal's generation is below it, so the next one still fits the u64 field
 RENUMBER_AT = 2**63  # a generation no daemon reaches (one a nanosecond for 292 years): only after a stray file
 
@@ -85,7 +96,8 @@ def encode_head(magic: bytes, generation: int) -> bytes:
 
 
 class _Damaged(Exception):
-    """A file's head is whole but wrong: what it says (its generation, its entries) cannot be trusted."""
+    """A file's head, or an entry with bytes after it, is whole but wrong: what it says (its generation, its
+    entries) cannot be trusted."""
 
 
 class _Short(Exception):
@@ -116,22 +128,53 @@ def encode_entry(kind: int, body: bytes) -> bytes:
 
 
 def parse_entries(data: bytes | memoryview, offset: int = FILE_HEAD_LEN) -> tuple[list[tuple[int, bytes]], int]:
-    """Entries from `offset` on, and the offset after the last valid one (a torn tail is left out)."""
+    """Entries from `offset` on, and the offset after the last valid one: a torn tail is left out. Raises
+    _Damaged for an entry that is whole but fails its checksum, or whose head is impossible, with bytes after it
+    (the module's doc): what follows it, a remove among them, is unknown."""
     out: list[tuple[int, bytes]] = []
     view = memoryview(data)
     end = len(view)
-    while offset + 5 <= end:
+    while offset + _ENTRY_HEAD.size <= end:  # fewer bytes left than an entry head: a torn tail
         body_len, kind = _ENTRY_HEAD.unpack_from(view, offset)
-        stop = offset + 5 + body_len + 8
-        if stop > end or kind not in (ADD, REMOVE):
-            break
+        stop = offset + _ENTRY_HEAD.size + body_len + 8
+        impossible = _impossible(view, offset, body_len, kind)
+        if impossible is not None:
+            if _zeros(view[offset:]):
+                break  # the file grew at a crash, its bytes never written
+            raise _Damaged(f"the entry at offset {offset} is impossible ({impossible}), {end - offset} bytes "
+                           "from the end")
+        if stop > end:
+            break  # the last entry, short: its append was torn by a crash
         body = bytes(view[offset + 5 : offset + 5 + body_len])
         (ck,) = struct.unpack_from("<Q", view, stop - 8)
         if xxhash.xxh3_64_intdigest(bytes(view[offset + 4 : offset + 5]) + body) != ck:
-            break
+            if _zeros(view[stop:]):
+                break  # the last entry (zeros after it at most): torn by a crash
+            raise _Damaged(f"the entry at offset {offset} fails its checksum, with {end - stop} bytes after it")
         out.append((kind, body))
         offset = stop
     return out, offset
+
+
+def _impossible(view: memoryview, offset: int, body_len: int, kind: int) -> str | None:
+    """What no entry we write has in its head (a torn append leaves a prefix of a true one): a remove's body is a
+    key, an add's a block file's header, as long as its meta_len field (when it is there) says."""
+    if kind == REMOVE:
+        return None if body_len == KEY_LEN else f"a remove of {body_len} bytes, not {KEY_LEN}"
+    if kind != ADD:
+        return f"kind {kind}"
+    if body_len < BLOCK_HEAD_LEN + KEY_LEN:
+        return f"an add of {body_len} bytes"
+    meta_len_at = offset + _ENTRY_HEAD.size + 12
+    if meta_len_at + 4 <= len(view):
+        want = BLOCK_HEAD_LEN + struct.unpack_from("<I", view, meta_len_at)[0]
+        if body_len != want:
+            return f"an add of {body_len} bytes, its block header {want}"
+    return None
+
+
+def _zeros(view: memoryview) -> bool:
+    return view.tobytes().count(0) == len(view)
 
 
 @dataclass
@@ -140,7 +183,7 @@ class Loaded:
 
     headers: dict[bytes, bytes]
     entries: int  # entries read (snapshot and journals): how far compaction is due
-    torn_tail: bool  # a journal ended in a torn or corrupt entry (a crash mid-append)
+    torn_tail: bool  # a journal ended in a torn entry (a crash mid-append)
 
 
 class IndexJournal:
@@ -164,7 +207,7 @@ class IndexJournal:
 
     @staticmethod
     def _read(data: bytes, magic: bytes) -> tuple[int, list[tuple[int, bytes]], bool]:
-        """(generation, entries, whether a torn or corrupt entry ended them); raises _Short, _Damaged."""
+        """(generation, entries, whether a torn entry ended them); raises _Short, _Damaged."""
         gen, head_len = parse_head(data, magic)
         entries, end = parse_entries(data, head_len)
         return gen, entries, end != len(data)
