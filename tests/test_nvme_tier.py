@@ -809,13 +809,17 @@ async def test_a_journal_whose_last_entry_a_crash_tore_is_still_trusted(
     await store.close()
 
 
-async def test_a_snapshot_and_journals_with_the_version_1_head_of_earlier_releases_still_load(tmp_path: Path) -> None:
-    # Version 1: the same head without its checksum (24 bytes).
-    crash, t, new = await _a_block_written_again_at_a_crash(tmp_path)
-    for path in (crash / "index").iterdir():
+def _to_version_1(index: Path) -> None:
+    """Version 1 (earlier releases): the same head without its checksum (24 bytes)."""
+    for path in index.iterdir():
         data = path.read_bytes()
         if struct.unpack_from("<H", data, 8) == (2,):
             path.write_bytes(data[:8] + struct.pack("<H", 1) + data[10:24] + data[32:])
+
+
+async def test_a_snapshot_and_journals_with_the_version_1_head_of_earlier_releases_still_load(tmp_path: Path) -> None:
+    crash, t, new = await _a_block_written_again_at_a_crash(tmp_path)
+    _to_version_1(crash / "index")
     store = await make_store(crash, dram_blocks=64)
     nvme = store.tiers[1]
     assert nvme.unverified == set(nvme.keys()) and len(nvme) == 7  # type: ignore[attr-defined]  # all trusted
@@ -853,6 +857,49 @@ async def test_a_version_1_snapshot_read_at_start_is_removed_before_a_version_2_
     store = await make_store(root, dram_blocks=64)
     n, got = await get_seq(store, t)
     assert n == len(t) and got is not None and torch.equal(got, new)
+    await store.close()
+
+
+@pytest.mark.parametrize("offset", [16, 23], ids=["generation-low-byte", "generation-high-byte"])
+async def test_a_version_1_snapshot_whose_generation_names_no_journal_is_not_trusted(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, offset: int) -> None:
+    """A version 1 snapshot (earlier releases: no head checksum) with a flipped generation was trusted: the
+    journal since looked older and was skipped, the rewritten block's old header trusted, and the block dropped
+    at its first read. A snapshot is written just after the journal of its generation is created, which outlives
+    it (journal.py): one whose generation names no journal file is not trusted, and the start reads every file."""
+    crash, t, new = await _a_block_written_again_at_a_crash(tmp_path)
+    _to_version_1(crash / "index")
+    snapshot = crash / "index" / "snapshot"
+    data = bytearray(snapshot.read_bytes())
+    data[offset] ^= 0xFF
+    snapshot.write_bytes(bytes(data))
+    store = await make_store(crash, dram_blocks=64)
+    n, got = await get_seq(store, t)
+    assert n == len(t) and got is not None and torch.equal(got, new)
+    assert not store.tiers[1].unverified  # type: ignore[attr-defined]  # every file read, none trusted
+    assert any(f"{snapshot} is not trusted" in r.getMessage() and "names no journal" in r.getMessage()
+               for r in caplog.records)
+    assert (await store.check(fix=False)).ok
+    await store.close()
+
+
+@pytest.mark.parametrize("version", [1, 2])
+async def test_a_snapshot_whose_journal_a_power_loss_left_empty_is_still_trusted(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, version: int) -> None:
+    # The journal a snapshot names is created just before it, its head not synced: still a true snapshot.
+    crash, t, new = await _a_block_written_again_at_a_crash(tmp_path)
+    if version == 1:
+        _to_version_1(crash / "index")
+    gen = struct.unpack_from("<Q", (crash / "index" / "snapshot").read_bytes(), 16)[0]
+    (crash / "index" / f"journal.{gen}").write_bytes(b"")
+    store = await make_store(crash, dram_blocks=64)
+    nvme = store.tiers[1]
+    assert nvme.unverified == set(nvme.keys()) and len(nvme) == 7  # type: ignore[attr-defined]  # all trusted
+    assert not any("is not trusted" in r.getMessage() for r in caplog.records)
+    n, got = await get_seq(store, t)
+    assert n == len(t) and got is not None and torch.equal(got, new)
+    await settle(store)
+    assert (await store.check(fix=False)).ok
     await store.close()
 
 

@@ -47,7 +47,13 @@ that has a damaged entry, is not trusted: a wrong generation would apply the wro
 remove skipped, and its old header trusted for a file written again), and the entries of a damaged journal
 after its damage (a remove among them) are unknown. The start then reads every block file (what the files
 prove), and says so in the log. A journal shorter than its head was torn while it was created (before any
-entry): it is skipped.
+entry): it is skipped. A snapshot is not trusted either when no journal file is named with its generation:
+it is written just after that journal is created (`rotate`, then `write_snapshot`), which is deleted only
+after a newer snapshot replaced it, or after the snapshot itself (renumbering; `drop` deletes no journal).
+So the journal is there whenever the snapshot is true, if only torn at its creation; without it, the
+generation is damaged (a version 1 head has no checksum: a flipped generation would skip the journals since)
+or the journal's entries are lost. A flip that names another journal present (a few numbers at most) is not
+caught.
 
 Generations count up from 1 and never come near the u64 limit by themselves; a stray journal file numbered
 in the upper half of the range (2^63 and up) would leave no room after it, so opening a journal then
@@ -246,6 +252,11 @@ class IndexJournal:
         if torn:
             self._untrusted(self.snapshot_path, "an entry is short or fails its checksum")
             return None
+        journals = self.journals()
+        if gen not in {g for g, _ in journals}:  # (the module's doc: what a snapshot's generation must name)
+            self._untrusted(self.snapshot_path, f"its generation, {gen}, names no journal file: damaged (a version "
+                            "1 head has no checksum) or its journal lost")
+            return None
         headers: dict[bytes, bytes] = {}
         count = 0
         for kind, body in entries:
@@ -253,7 +264,7 @@ class IndexJournal:
                 headers[body[48:64]] = body  # the key is the meta's first 16 bytes
         count += len(entries)
         torn_tail = False
-        for jgen, path in self.journals():
+        for jgen, path in journals:
             if jgen < gen:
                 continue
             try:
