@@ -216,7 +216,8 @@ class TenantConfig:
 class AuthConfig:
     """Tenancy is on as soon as a tenant or an admin token is configured (engram/tenancy.py)."""
 
-    tenants: dict[str, TenantConfig] = field(default_factory=dict)  # [auth.tenants.NAME] tables
+    # [auth.tenants.NAME] tables; peer, peer:<anything> and admin-<number> are reserved (the daemon's own callers)
+    tenants: dict[str, TenantConfig] = field(default_factory=dict)
     tenants_file: str = ""  # a TOML file of [tenants.NAME] tables and admin_tokens: secrets out of the config
     admin_tokens: str = ""  # comma-separated; each may be env:VAR or file:PATH
     salt_secret: str = ""  # derives every namespace's key salt (env:VAR / file:PATH); the same on every node
@@ -414,8 +415,20 @@ def _validate_tls(s: ServerConfig) -> None:
         raise ConfigError("server.tls_cert: TLS is for TCP; a unix socket is protected by its file permissions")
 
 
+RESERVED_TENANT_NAMES = 'peer, peer:<anything> and admin-<number>'
+
+
+def check_tenant_name(name: str, where: str) -> None:
+    """Refuse the names the daemon gives its own callers (engram/tenancy.py: the peer daemons of a cluster, the
+    admin tokens): a tenant so named would share their count of calls in flight, and their models added."""
+    if name == "peer" or name.startswith("peer:") or re.fullmatch(r"admin-[0-9]+", name):
+        raise ConfigError(f"{where}: the tenant name {name!r} is reserved ({RESERVED_TENANT_NAMES} are the "
+                          "daemon's names for its peers and admin tokens); give the tenant another name")
+
+
 def _validate_auth(a: AuthConfig) -> None:
     for name, t in a.tenants.items():
+        check_tenant_name(name, f"auth.tenants.{name}")
         if not t.token:
             raise ConfigError(f"auth.tenants.{name}.token is empty: give the tenant a bearer token (or env:VAR)")
         if t.quota < 0:

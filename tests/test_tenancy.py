@@ -195,6 +195,32 @@ async def test_tokens_from_a_tenants_file_and_the_environment(server_factory: An
             await literal.stats()
 
 
+@pytest.mark.parametrize("name", ["peer", "peer:node-a", "admin-0", "admin-12"])
+def test_a_tenant_named_as_one_of_the_daemons_own_callers_is_refused_at_config_load(tmp_path: Path,
+                                                                                    name: str) -> None:
+    """The daemon counts its cluster peers as "peer" (or "peer:<node id>") and admin tokens as "admin-<n>": a
+    tenant so named shared their count of calls in flight (its calls refused a peer's fetches). Such names are
+    refused, in the config and in the tenants file, with the names that are reserved; others are not."""
+    from engram.config import load_config
+    from engram.errors import ConfigError
+    from engram.tenancy import Tenancy
+
+    reserved = f"tenant name '{name}' is reserved \\(peer, peer:<anything> and admin-<number>"
+    with pytest.raises(ConfigError, match=f"auth.tenants.{name}: the {reserved}"):
+        load_config(env={}, overrides={f"auth.tenants.{name}.token": "t", "auth.salt_secret": "s"})
+    secrets = tmp_path / "tenants.toml"
+    secrets.write_text(f'[tenants."{name}"]\ntoken = "t"\n')
+    auth = load_config(env={}, overrides={"auth.tenants_file": str(secrets), "auth.salt_secret": "s"}).auth
+    with pytest.raises(ConfigError, match=f"auth.tenants_file {secrets}: tenants.{name}: the {reserved}"):
+        Tenancy.from_config(auth, peer_token="peer-token")
+    secrets.write_text('[tenants.peers]\ntoken = "t1"\n[tenants."admin-team"]\ntoken = "t2"\n')
+    config = load_config(env={}, overrides={"auth.tenants_file": str(secrets), "auth.salt_secret": "s",
+                                            "auth.tenants.admin.token": "t3", "auth.tenants.Peer.token": "t4"})
+    tenancy = Tenancy.from_config(config.auth, peer_token="peer-token")
+    assert tenancy is not None
+    assert sorted(p.name for p in tenancy.principals.values()) == ["Peer", "admin", "admin-team", "peer", "peers"]
+
+
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make a self-signed cert")
 async def test_tls_over_tcp_with_a_self_signed_certificate(tmp_path: Path) -> None:
     from engram.config import load_config
