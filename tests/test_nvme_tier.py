@@ -200,6 +200,46 @@ async def test_a_block_written_again_with_other_bytes_survives_losing_the_journa
     await store.close()
 
 
+async def test_a_journaled_block_whose_file_is_gone_at_start_survives_being_written_again_and_a_power_loss(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block the snapshot records whose file is gone at start (an offline check --fix removed it, or a power
+    loss kept its unlink but not its remove) was dropped without a remove in the journal: put again with other
+    bytes, its add not synced yet, a power loss made the next start trust the old header for the new file and
+    drop the acknowledged block at its first read. Now the start journals the remove, synced before a file of
+    the key is published."""
+    synced: dict[Path, int] = {}
+    fsync = os.fsync
+
+    def recording(fd: int) -> None:
+        fsync(fd)
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        if path.name.startswith("journal."):
+            synced[path] = os.fstat(fd).st_size
+
+    root = tmp_path / "nvme"
+    await _store_on_disk(root)  # blocks the next starts trust (none to trust writes a snapshot at once)
+    t = tokens(BLOCK_TOKENS, seed=9)
+    store = await make_store(root, dram_blocks=64, write_policy="write-through")
+    [key] = await put_seq(store, t, random_kv(SPEC, len(t), seed=1))
+    path = store.tiers[1].path_of(key)  # type: ignore[attr-defined]
+    await store.close()  # the snapshot holds the block's first header
+    path.unlink()
+    monkeypatch.setattr(os, "fsync", recording)
+    store = await make_store(root, dram_blocks=64, write_policy="write-through")
+    assert key not in store.index
+    new = random_kv(SPEC, len(t), seed=2)
+    assert await put_seq(store, t, new) == [key]
+    journal = _newest_journal(root / "index")
+    image = tmp_path / "power-loss"
+    shutil.copytree(root, image, ignore=shutil.ignore_patterns("engram.lock"))
+    await store.close()
+    os.truncate(image / "index" / journal.name, synced.get(journal, 0))  # what was appended since, lost
+    recovered = await make_store(image, dram_blocks=64)
+    n, got = await get_seq(recovered, t)
+    assert n == len(t) and got is not None and torch.equal(got, new)
+    await recovered.close()
+
+
 async def test_check_reports_progress_per_file(tmp_path: Path) -> None:
     store = await make_store(tmp_path, dram_blocks=64, write_policy="write-through")
     t = tokens(4 * BLOCK_TOKENS + 3)

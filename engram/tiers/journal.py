@@ -16,7 +16,9 @@ journal may lag or lose its tail (entries are appended without fsync) without lo
 with one exception the tier closes itself: a key removed and written again with other bytes (a recompute
 that is not bit-identical). Were the remove lost and the old add kept, recovery would trust the old header
 for the new file, and its first read would drop an acknowledged block; so the tier syncs the journal
-(`sync`) before it publishes a file under a key whose remove is not yet synced.
+(`sync`) before it publishes a file under a key whose remove is not yet synced. A journaled block whose file
+is gone at start-up (its remove lost, or an offline check removed it) gets its remove appended then, as a
+delete does.
 
 Ordering: an `add` is appended after the block file is durable and renamed into place; a `remove` after
 the file is unlinked. A snapshot is written to a temp file, fsynced and renamed over the old one, and names

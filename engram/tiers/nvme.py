@@ -515,7 +515,7 @@ class NvmeTier:
                 tmp.unlink(missing_ok=True)
                 report.findings[-1].fixed = True
 
-    def _recover_sync(self) -> tuple[CheckReport, list[_File], list[bytes], int]:
+    def _recover_sync(self) -> tuple[CheckReport, list[_File], list[bytes], int, list[bytes]]:
         loaded = None
         if self._journal is not None and not self.verify_on_start:
             loaded = self._journal.load()
@@ -523,10 +523,11 @@ class NvmeTier:
             self._journal.retire_version_1_snapshot()  # before a version-2 entry: an earlier release would trust it
         if loaded is None:  # no usable journal (a directory from before it, or damage): read every file
             report = self._scan(fix=True, verify_payloads=self.verify_on_start)
-            return report, self._found, [], 0
+            return report, self._found, [], 0, []
         report = CheckReport()
         files: list[_File] = []
         trusted: list[bytes] = []
+        gone: list[bytes] = []  # journaled, their files gone
         self._stray_journals(report)
         self._sweep_tmp(report, fix=True, online=False)
         listing = self._listing(report, fix=True)
@@ -534,8 +535,9 @@ class NvmeTier:
         # them in one pass; files the journal does not know come after.
         for key, header in loaded.headers.items():
             path = listing.pop(key, None)
-            if path is None:
-                continue  # unlinked after its last add (the remove entry was lost with a crash)
+            if path is None:  # unlinked after its last add (the remove entry lost with a crash, or an offline fix)
+                gone.append(key)
+                continue
             report.scanned += 1
             try:
                 rec, lay = decode_header(header, path.name, verify=False)  # its journal entry's checksum held
@@ -562,13 +564,13 @@ class NvmeTier:
             report.findings.append(Finding(str(path), got.problem))
             if self._remove_if_same(path, got.ino):
                 report.findings[-1].fixed = True
-        return report, files, trusted, loaded.entries
+        return report, files, trusted, loaded.entries, gone
 
     async def recover(self) -> CheckReport:
         """Rebuild the tier's accounting at start-up, removing torn, corrupt and stray files. With a journal,
         files it records are trusted (their headers are checked by `verify_trusted`, and every read verifies
         its file); without one (or with tiers.nvme.verify_on_start) every file is read."""
-        report, files, trusted, entries = await self._run(self._recover_sync)
+        report, files, trusted, entries, gone = await self._run(self._recover_sync)
         self._files.clear()
         self.budget.stored = 0
         for f in files:
@@ -580,6 +582,12 @@ class NvmeTier:
                 self._open_journal()
             except (StorageFull, StorageIOError):
                 return report  # serve the files without a journal; the store degrades the tier (journal_error)
+            for key in gone:  # as a delete does: else a later start trusts their old headers for files written again
+                self._journal.remove(key)
+            if self.fsync:
+                self._removed.update(gone)  # synced before a file of the key is published (journal.py)
+                if len(self._removed) > 65536:
+                    await self._sync_journal()
             # None to trust, a long journal, or none on disk (the journals were renumbered): the next start would
             # read every file
             self._snapshot_due = (report.trusted == 0 or entries > 2 * len(self._files) + 1024
