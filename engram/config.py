@@ -97,7 +97,9 @@ class ServerConfig:
     data_port: int = 0  # its TCP port on server.host (0: a free one, which clients learn from DataEndpoint); on a unix socket it is <unix_socket>.data
     data_max_request_bytes: ByteSize = ByteSize(64 * 2**30)  # payload bytes one data-channel Put may carry
     # A data-channel frame begun (a request's header, metadata or payload) that sends nothing for this long has its
-    # connection closed, with what it had sent; a connection idle between requests stays open (clients pool them).
+    # connection closed, with what it had sent, and so has one whose client takes nothing of an answer for this long
+    # (as the kernel's send queue tells: a client reading slowly is not cut); a connection idle between requests
+    # stays open (clients pool them).
     data_stall_s: float = 30.0
 
 

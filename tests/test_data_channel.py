@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from pathlib import Path
 
 import numpy as np
@@ -621,3 +622,122 @@ async def test_a_block_over_the_request_limit_goes_over_grpc_and_a_refused_conne
             await c.put(fp, toks, random_kv(spec, len(toks), seed=5))
         assert c._data is not None and not c._data._idle  # closed, not pooled
         assert (await c.lookup(fp, toks)).matched_tokens == 3 * BLOCK_TOKENS
+
+
+async def put_mib_blocks(srv, n: int, **client) -> tuple[bytes, list[bytes], list[bytes]]:  # type: ignore[no-untyped-def]
+    """n blocks of 1 MiB stored: (fingerprint, keys, the payloads a GET answers)."""
+    from engram.layout import KVLayout, LayerKind, LayerSpec, ModelSpec
+
+    layout = KVLayout(layers=(LayerSpec(LayerKind.GLOBAL),) * 2, num_kv_heads=8, head_dim=128, block_tokens=128)
+    spec = ModelSpec(name="mib", weights_id="w", layout=layout, codec="raw")
+    kv = random_kv(spec, n * 128)
+    async with EngramClient(srv.address, namespace=NS, zero_copy=False, **client) as c:
+        fp = await c.register_model(spec)
+        keys = list((await c.put(fp, tokens(n * 128), kv)).keys)
+    return fp, keys, [raw_payload(kv[:, :, i * 128:(i + 1) * 128]) for i in range(n)]
+
+
+def blocking_conn(srv, root_cert: bytes | None = None) -> socket.socket:  # type: ignore[no-untyped-def]
+    """A blocking socket to the daemon's data channel, past HELLO (TLS where the daemon speaks it): a client of a
+    thread of its own, which reads on while the event loop (the daemon's and this test's) is busy."""
+    port = srv.service.dataport
+    if port.unix_path:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(port.unix_path)
+    else:
+        sock = socket.create_connection(("127.0.0.1", port.tcp_port))
+    if root_cert is not None:
+        import ssl
+
+        sock = ssl.create_default_context(cadata=root_cert.decode()).wrap_socket(sock, server_hostname="localhost")
+    sock.sendall(wire.FRAME.pack(wire.HELLO, 0, 0))
+    kind, _, _ = wire.FRAME.unpack(recv_exact(sock, wire.FRAME.size))
+    assert kind == wire.HELLO_OK
+    return sock
+
+
+def recv_exact(sock: socket.socket, n: int, step: int = 2**20, pause: float = 0.0) -> bytes:
+    """n bytes, pausing `pause` seconds a `step` bytes read (a TLS socket hands over one 16 KiB record a read)."""
+    out = bytearray()
+    while len(out) < n:
+        got = sock.recv(min(step, n - len(out)))
+        if not got:
+            raise ConnectionError(f"the daemon closed the connection after {len(out)} of {n} bytes")
+        out += got
+        if pause:
+            time.sleep(pause * len(got) / step)
+    return bytes(out)
+
+
+def send_get(sock: socket.socket, fp: bytes, keys: list[bytes]) -> None:
+    meta = pb.GetRequest(namespace=NS, model_fingerprint=fp, keys=keys).SerializeToString()
+    sock.sendall(wire.FRAME.pack(wire.GET, len(meta), 0) + meta)
+
+
+def read_answer(sock: socket.socket, step: int = 2**20, pause: float = 0.0) -> list[bytes]:
+    """A GET's payloads, read `step` bytes at a time with `pause` seconds after each read, up to its END."""
+    payloads = []
+    while True:
+        kind, meta_len, body_len = wire.FRAME.unpack(recv_exact(sock, wire.FRAME.size, step, pause))
+        meta = recv_exact(sock, meta_len, step, pause)
+        body = recv_exact(sock, body_len, step, pause)
+        if kind == wire.END:
+            return payloads
+        assert kind == wire.BLOCK, wire.error_of(meta)
+        payloads.append(body)
+
+
+async def until(cond, what: str, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+async def a_get_never_read_is_closed_and_one_read_slowly_is_not(srv, root_cert: bytes | None = None) -> None:  # type: ignore[no-untyped-def]
+    port = srv.service.dataport
+    fp, keys, payloads = await put_mib_blocks(srv, 16, **({"root_cert": root_cert} if root_cert else {}))
+    count = lambda code: srv.metrics.registry.get_sample_value(  # noqa: E731
+        "engram_data_requests_total", {"op": "get", "code": code}) or 0
+    leases = lambda: sum(srv.store.index.get(k).leases for k in keys)  # noqa: E731
+    deaf = await asyncio.to_thread(blocking_conn, srv, root_cert)
+    send_get(deaf, fp, keys)  # 16 MiB: more than the kernel's buffers hold, and it reads none of it
+    await until(lambda: port._in_request and leases(), "the daemon sending the answer")
+    await until(lambda: count("DEADLINE_EXCEEDED") == 1, "the daemon giving up on a client that does not read")
+    await until(lambda: not port._tasks and leases() == 0, "the connection's close and its blocks' release")
+    with pytest.raises(OSError):  # ConnectionError, or under TLS an SSL EOF: what came, and then no END
+        await asyncio.to_thread(read_answer, deaf)
+    deaf.close()
+    # A client reading 128 KiB every 20 ms (under 6.5 MB/s: the daemon waits on a full socket most of the time,
+    # seconds in all, many times data_stall_s) is never cut and gets every byte.
+    slow = await asyncio.to_thread(blocking_conn, srv, root_cert)
+    send_get(slow, fp, keys)
+    got = await asyncio.to_thread(read_answer, slow, 2**17, 0.02)
+    assert got == payloads
+    assert count("OK") == 1 and count("DEADLINE_EXCEEDED") == 1
+    send_get(slow, fp, keys[:1])  # its connection serves on
+    assert await asyncio.to_thread(read_answer, slow) == payloads[:1]
+    slow.close()
+
+
+async def test_a_get_never_read_is_closed_after_the_stall_and_a_slow_reader_gets_every_byte(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A client that sent a GET and never read its answer blocked the daemon's send for ever, holding its
+    connection and the blocks being sent (their read holds). The daemon now closes a connection whose peer takes
+    none of what it sends for server.data_stall_s (counted DEADLINE_EXCEEDED, like a receive stall) and lets go
+    of the blocks. Taking is what the kernel says (bytes it accepted, its unsent queue shrinking), not the
+    daemon's writes: a client reading slowly but steadily is never cut (over TCP and a unix socket)."""
+    srv = await server_factory(**{"server.data_stall_s": 0.3, "server.metrics_port": -1})
+    await a_get_never_read_is_closed_and_one_read_slowly_is_not(srv)
+
+
+async def test_a_get_never_read_over_tls_is_closed_and_a_slow_reader_is_not(tmp_path: Path) -> None:
+    """The same under TLS, where the daemon writes through asyncio's buffers (which refill the kernel's unseen):
+    the peer's progress is what TCP says it acknowledged."""
+    cert, key = self_signed_cert(tmp_path)
+    srv = await start_server(load_config(env={}, overrides={
+        "server.port": 0, "tiers.dram.capacity": "128MiB", "server.tls_cert": str(cert), "server.tls_key": str(key),
+        "server.data_stall_s": 0.3, "server.metrics_port": -1}))
+    try:
+        await a_get_never_read_is_closed_and_one_read_slowly_is_not(srv, cert.read_bytes())
+    finally:
+        await srv.stop(0)

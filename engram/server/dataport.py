@@ -7,7 +7,9 @@ serve_bytes) as that principal, so quotas, namespaces, limits and checksums hold
 is received into its own buffer, which the store keeps (no join, no second copy), and sent from where it lies
 (a pool slot is written to the socket from the slot). Errors answer an ERROR frame with the gRPC status code;
 only a connection whose framing cannot be trusted any more is closed, and one that stalls in the middle of a
-frame (server.data_stall_s): its buffers hold only what it sent, but its slot and those bytes are not kept.
+frame (server.data_stall_s): its buffers hold only what it sent, but its slot and those bytes are not kept. So is
+one whose client takes nothing of an answer for as long (a GET never read held its slot and the block being
+sent, with the blocks' read hold, for ever).
 """
 
 from __future__ import annotations
@@ -345,10 +347,12 @@ class DataPort:
         req = _parse(pb.GetRequest, meta, "a GET's metadata")
         try:
             ns, metas = await self.service.blocks_to_get(req)
-            async for key, header, payload in self.service.serve_bytes(ns, req.model_fingerprint, metas,
-                                                                       decode=req.decode):
-                chunk = pb.BlockChunk(header=header, key=key, last=True)
-                await conn.send_frame(wire.BLOCK, chunk.SerializeToString(), payload)
+            # Closed here, not when collected, if a send fails or stalls: the blocks it holds go with the request.
+            async with contextlib.aclosing(self.service.serve_bytes(ns, req.model_fingerprint, metas,
+                                                                    decode=req.decode)) as blocks:
+                async for key, header, payload in blocks:
+                    chunk = pb.BlockChunk(header=header, key=key, last=True)
+                    await conn.send_frame(wire.BLOCK, chunk.SerializeToString(), payload)
             await conn.send_frame(wire.END)
         finally:
             self.service.release_after_get(req)

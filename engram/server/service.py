@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -291,12 +291,13 @@ class EngramService:
             return ns, self.store.find(ns, req.model_fingerprint, list(req.keys))
 
     async def serve_bytes(self, ns: str, fingerprint: bytes, metas: list[BlockMeta], *, decode: bool
-                          ) -> AsyncIterator[tuple[bytes, pb.BlockHeader, bytes | memoryview]]:
+                          ) -> AsyncGenerator[tuple[bytes, pb.BlockHeader, bytes | memoryview], None]:
         """The blocks as (key, header, payload), in order, each held while it is being sent: the data
         channel's Get. A payload may be a view of its pool slot, valid until the next item is asked for."""
-        async for _, item in self._serve(ns, fingerprint, metas, zero_copy=False, cuda_ipc=False, decode=decode,
-                                         views=True):
-            yield item
+        async with contextlib.aclosing(self._serve(ns, fingerprint, metas, zero_copy=False, cuda_ipc=False,
+                                                   decode=decode, views=True)) as blocks:
+            async for _, item in blocks:
+                yield item
 
     @unary
     async def GetPrefix(self, request: Any, context: grpc.aio.ServicerContext) -> pb.PrefixHeader:
@@ -361,7 +362,7 @@ class EngramService:
         self._promoting = asyncio.get_running_loop().create_task(run())
 
     async def _serve(self, ns: str, fingerprint: bytes, metas: list[BlockMeta], *, zero_copy: bool, cuda_ipc: bool,
-                     decode: bool, views: bool = False) -> AsyncIterator[tuple[str, Any]]:
+                     decode: bool, views: bool = False) -> AsyncGenerator[tuple[str, Any], None]:
         """The blocks, in order, as ("descriptor", BlockDescriptor) under one lease for those in a pool the
         caller may map, and ("block", (key, header, payload)) for the rest (with `views`, a payload in a pool
         is a view of its slot, not a copy). Every block is held (not evicted) while the stream is open."""

@@ -19,17 +19,23 @@ HELLO_OK or ERROR. Then requests one at a time:
 A connection may stay idle between requests as long as the client likes (a client keeps its connections pooled);
 once a frame has begun, the daemon closes a connection that sends nothing for server.data_stall_s, and it grows
 its buffers as bytes arrive, so what a request announces and does not send costs the daemon next to nothing.
+The same bound holds for what the daemon sends: a connection whose peer takes none of it for data_stall_s (a GET
+never read) is closed. Taking is judged by the kernel, not by the daemon's writes: those wait while the socket's
+buffer (megabytes) is full, so a peer reading slowly but steadily looks stalled to the writer alone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import socket
 import ssl
 import struct
+import termios
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from engram import errors
 from engram.wire import status
@@ -59,8 +65,34 @@ def tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+_OUTQ = getattr(termios, "TIOCOUTQ", 0x5411)  # Linux's SIOCOUTQ
+_TCPI_BYTES_ACKED = 120  # offset of tcpi_bytes_acked (u64, Linux 4.1+) in struct tcp_info
+
+
+def unsent_bytes(sock: Any) -> int | None:
+    """What the kernel still holds of what was written to the socket (SIOCOUTQ): on TCP the bytes the peer has
+    not acknowledged, on a unix socket those its peer has not read. None where the kernel does not say."""
+    try:
+        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), _OUTQ, b"\0\0\0\0"))[0])
+    except OSError:
+        return None
+
+
+def acked_bytes(sock: Any) -> int | None:
+    """Bytes a TCP peer has acknowledged since the connection opened (TCP_INFO); None elsewhere. Under TLS the
+    daemon's writes go through asyncio's buffers, which refill the kernel's unseen: this count still moves."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6) or not hasattr(socket, "TCP_INFO"):
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    except OSError:
+        return None
+    return int(struct.unpack_from("<Q", info, _TCPI_BYTES_ACKED)[0]) if len(info) >= _TCPI_BYTES_ACKED + 8 else None
+
+
 class Stalled(ConnectionError):
-    """The peer sent nothing for the connection's stall_s in the middle of a frame."""
+    """The peer sent nothing for the connection's stall_s in the middle of a frame, or took nothing of what this
+    side was sending for that long."""
 
 
 class Conn:
@@ -77,11 +109,16 @@ class Conn:
         self.scratch = bytearray()  # a receiver's buffer, reused from message to message (the daemon's puts)
         self.receiving = 0  # bytes of the buffer `recv` is growing now (the daemon's engram_data_buffered_bytes)
         # The stall watch: one timer a connection, due stall_s after the last byte, moved on when it finds bytes came
-        # meanwhile (a timer per read, or per wait, cost a sixth of the receive rate).
-        self._last = 0.0  # loop time of the last byte received
-        self._receiver: asyncio.Task[object] | None = None  # the task inside a frame's recv_into, watched
+        # meanwhile (a timer per read, or per wait, cost a sixth of the receive rate). A send is watched by the same
+        # timer: each time it fires it asks the kernel whether the peer took bytes since it last looked.
+        self._last = 0.0  # loop time of the last byte received, of a send begun, or of the last look that saw one taken
+        self._busy: asyncio.Task[object] | None = None  # the task inside a frame's recv_into or a send, watched
+        self._sending = False  # _busy is sending
         self._watch: asyncio.TimerHandle | None = None
         self._stalled = False
+        self._socket = sock if sock is not None else writer.get_extra_info("socket") if writer is not None else None
+        self._sent = 0  # bytes the kernel (or, under TLS, asyncio's transport) took from send
+        self._mark: tuple[int, int | None, int | None] | None = None  # (_sent, unsent, acked) at the last look
 
     async def recv_into(self, buf: memoryview, *, idle: bool = False) -> None:
         """Fill `buf` exactly; ConnectionError if the peer closes first, Stalled if stall_s passes without a byte
@@ -94,32 +131,57 @@ class Conn:
         assert task is not None
         try:
             while buf:
-                if not idle and self._receiver is None:
-                    self._receiver, self._last = task, loop.time()
-                    if self._watch is None:
-                        self._watch = loop.call_at(self._last + self.stall_s, self._check_stall)
+                if not idle and self._busy is None:
+                    self._arm(task, sending=False)
                 n = await self._recv_some(buf)
                 self._last = loop.time()
                 buf, idle = buf[n:], False
         except asyncio.CancelledError:
-            if self._stalled and task.uncancel() == 0:  # the watch's cancel, no other
-                self._stalled = False
-                raise Stalled(f"data channel: the peer sent nothing for {self.stall_s:g}s in the middle of a "
-                              "frame") from None
+            self._raise_if_stalled(task, "sent nothing for {}s in the middle of a frame")
             raise
         finally:
-            self._receiver = None
+            self._busy = None
+
+    def _arm(self, task: asyncio.Task[object], *, sending: bool) -> None:
+        self._busy, self._sending, self._last = task, sending, self._loop.time()
+        if self._watch is None:
+            assert self.stall_s is not None
+            self._watch = self._loop.call_at(self._last + self.stall_s, self._check_stall)
+
+    def _raise_if_stalled(self, task: asyncio.Task[object], what: str) -> None:
+        if self._stalled and task.uncancel() == 0:  # the watch's cancel, no other
+            self._stalled = False
+            raise Stalled(f"data channel: the peer {what.format(f'{self.stall_s:g}')}") from None
 
     def _check_stall(self) -> None:
         self._watch = None
-        if self._receiver is None or self.stall_s is None:
+        if self._busy is None or self.stall_s is None:
             return  # between frames: the next frame arms it again
+        now = self._loop.time()
+        if self._sending and self._taken_since_last_look():
+            self._last = now
         due = self._last + self.stall_s
-        if self._loop.time() >= due:
+        if now >= due:
             self._stalled = True
-            self._receiver.cancel()
+            self._busy.cancel()
         else:
             self._watch = self._loop.call_at(due, self._check_stall)
+
+    def _taken_since_last_look(self) -> bool:
+        """Whether the peer took bytes since the watch last looked: the kernel accepted more of a send (it had
+        room: the peer read), or what it holds unsent shrank, or a TCP peer acknowledged more. With no write in
+        between the kernel's queue only shrinks as the peer takes it, so a look that sees none of these means
+        nothing was taken since the one before. The first look has nothing to compare with: taken."""
+        if self._socket is None:
+            return True
+        mark = (self._sent, unsent_bytes(self._socket), acked_bytes(self._socket))
+        last, self._mark = self._mark, mark
+        if last is None or mark[0] != last[0]:
+            return True
+        if mark[1] is None and mark[2] is None:
+            return True  # the kernel does not say: a send is never judged stalled
+        return ((mark[1] is not None and last[1] is not None and mark[1] < last[1])
+                or (mark[2] is not None and last[2] is not None and mark[2] > last[2]))
 
     async def _recv_some(self, buf: memoryview) -> int:
         if self._reader is not None:
@@ -157,15 +219,54 @@ class Conn:
             n -= step
 
     async def send(self, *parts: Buffer) -> None:
+        """Write parts whole; with stall_s, Stalled if the peer takes none of them for stall_s."""
+        if self.stall_s is None:
+            await self._send(parts)
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        self._arm(task, sending=True)
+        try:
+            await self._send(parts)
+        except asyncio.CancelledError:
+            self._raise_if_stalled(task, "took nothing the daemon sent for {}s")
+            raise
+        finally:
+            self._busy, self._sending = None, False
+
+    async def _send(self, parts: Sequence[Buffer]) -> None:
         if self._writer is not None:
             for p in parts:
                 self._writer.write(p)
             await self._writer.drain()
+            self._sent += sum(len(p) for p in parts)
             return
         assert self._sock is not None
         for p in parts:
-            if len(p):
+            if not len(p):
+                continue
+            if self.stall_s is None:
                 await self._loop.sock_sendall(self._sock, p)
+                continue
+            with memoryview(p) as whole:  # as loop.sock_sendall, counting what the kernel takes
+                view = whole
+                while view:
+                    try:
+                        n = self._sock.send(view)
+                    except (BlockingIOError, InterruptedError):
+                        await self._writable()
+                        continue
+                    self._sent += n
+                    view = view[n:]
+
+    async def _writable(self) -> None:
+        assert self._sock is not None
+        fd, ready = self._sock.fileno(), self._loop.create_future()
+        self._loop.add_writer(fd, _wake, ready)
+        try:
+            await ready
+        finally:
+            self._loop.remove_writer(fd)
 
     async def read_frame(self, max_meta: int = MAX_META_BYTES, *, idle: bool = False) -> tuple[int, bytearray, int]:
         """(kind, meta, body length) of the next frame; its body is left for the caller to read. A frame
@@ -198,6 +299,11 @@ class Conn:
         if self._writer is not None:
             with contextlib.suppress(Exception):
                 await self._writer.wait_closed()
+
+
+def _wake(ready: asyncio.Future[None]) -> None:
+    if not ready.done():
+        ready.set_result(None)
 
 
 class Refused(Exception):
