@@ -101,6 +101,11 @@ class ServerConfig:
     # (as the kernel's send queue tells: a client reading slowly is not cut); a connection idle between requests
     # stays open (clients pool them).
     data_stall_s: float = 30.0
+    # A gRPC stream (Get, Resume, FetchBlocks) whose client takes none of its messages for this long is ended
+    # DEADLINE_EXCEEDED and what it held (the block being sent, the blocks' read holds, the tenant's call share) is
+    # let go. HTTP/2's flow control shows only whole messages taken, each once the client has read about a window
+    # (a few MiB) ahead of it: a client must read that much within this time.
+    stream_stall_s: float = 30.0
 
 
 @dataclass
@@ -285,6 +290,8 @@ class EngramConfig:
             raise ConfigError("server.data_max_request_bytes must be positive")
         if not s.data_stall_s > 0:  # NaN too
             raise ConfigError(f"server.data_stall_s must be positive (seconds), got {s.data_stall_s}")
+        if not s.stream_stall_s > 0:  # NaN too
+            raise ConfigError(f"server.stream_stall_s must be positive (seconds), got {s.stream_stall_s}")
         if not -1 <= s.metrics_port <= 65535:
             raise ConfigError(f"server.metrics_port must be 0 (off), -1 (any free port) or 1..65535, got {s.metrics_port}")
         if s.chunk_bytes <= 0 or s.chunk_bytes + 4096 > s.max_message_bytes:

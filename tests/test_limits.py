@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 import struct
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -382,3 +383,50 @@ async def test_a_stopped_daemon_leaves_its_pool_unmapped() -> None:
     del pool
     gc.collect()
     assert not mapped()
+
+
+
+
+async def test_a_get_stream_never_read_is_ended_and_lets_go_and_one_read_slowly_is_not(server_factory: Any) -> None:
+    """A client that opened a Get stream and never read it held, for as long as it stayed, the daemon's handler
+    with the block it was sending, every block's read hold and the tenant's call share. The daemon now ends a
+    stream whose client takes no message for server.stream_stall_s: DEADLINE_EXCEEDED (what the client reads
+    after the messages already sent), naming the setting; holds and share come back at once. HTTP/2 shows only
+    whole messages taken, each once the client has read about a flow-control window ahead of it (0.2-0.3 s at a
+    message every 50 ms here): a client reading steadily that fast is served whole, for longer than the stall.
+    48 blocks of 1 MiB: more than flow control lets the daemon send before the client reads."""
+    srv = await server_factory(**{"server.stream_stall_s": 1.0, "server.metrics_port": -1,
+                                  "auth.tenants.alice.token": "a-tok", "auth.salt_secret": "s"})
+    layout = KVLayout(layers=(LayerSpec(LayerKind.GLOBAL),) * 2, num_kv_heads=8, head_dim=128, block_tokens=128)
+    spec = ModelSpec(name="mib", weights_id="w", layout=layout, codec="raw")
+    kv = random_kv(spec, 48 * 128)
+    async with EngramClient(srv.address, token="a-tok", namespace="alice", zero_copy=False,
+                            data_channel=False) as c:
+        fp = await c.register_model(spec)
+        keys = list((await c.put(fp, tokens(48 * 128), kv)).keys)
+    assert srv.service is not None and srv.service.tenancy is not None and srv.metrics is not None
+    calls = srv.service.tenancy._calls
+    holds = lambda: sum(srv.store.index.get(k).leases for k in keys)  # noqa: E731
+    ended = lambda: srv.metrics.registry.get_sample_value(  # type: ignore[union-attr]  # noqa: E731
+        "engram_rpcs_total", {"method": "Get", "code": "DEADLINE_EXCEEDED"}) or 0
+    channel, s = stub(srv, "a-tok")
+    try:
+        deaf = s.Get(pb.GetRequest(namespace="alice", model_fingerprint=fp, keys=keys))
+        deadline = time.monotonic() + 20
+        while not (ended() == 1 and holds() == 0 and not calls.get("rpc")):
+            assert time.monotonic() < deadline, (ended(), holds(), calls)
+            await asyncio.sleep(0.02)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in deaf:
+                pass
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "server.stream_stall_s" in (info.value.details() or "")
+        slow, got = s.Get(pb.GetRequest(namespace="alice", model_fingerprint=fp, keys=keys)), []
+        async for resp in slow:
+            got.append(resp.chunk.data)  # a block a message (server.chunk_bytes is larger)
+            await asyncio.sleep(0.05)
+        assert got == [kv[:, :, i * 128:(i + 1) * 128].contiguous().view(torch.uint8).numpy().tobytes()
+                       for i in range(48)]
+        assert ended() == 1 and holds() == 0
+    finally:
+        await channel.close()

@@ -3,10 +3,12 @@ anything else is a bug, logged and answered INTERNAL, and the daemon keeps servi
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar, cast
 
 import grpc
 
@@ -44,16 +46,36 @@ def unary(fn: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
 
 
 def streaming(fn: Callable[..., AsyncIterator[R]]) -> Callable[..., AsyncIterator[R]]:
-    """The same for server-streaming handlers (async generators)."""
+    """The same for server-streaming handlers (async generators) of a service with a `config` (ServerConfig).
+    The wrapper writes the messages itself, each within server.stream_stall_s: a client that reads none for that
+    long (HTTP/2's flow control holds the write) had the handler, the block it was sending and the blocks' holds
+    kept for as long as it stayed; now the stream ends DEADLINE_EXCEEDED and the handler is closed at once. (grpc
+    sends that status after the message it holds, whenever the client reads; the call stays open in grpc until
+    then: grpc.aio gives a server no way to reset a stream.)"""
 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[R]:
+        stall_s = self.config.stream_stall_s
         try:
-            async for item in fn(self, request, context):
-                yield item
+            async with contextlib.aclosing(cast(AsyncGenerator[R, None], fn(self, request, context))) as items:
+                async for item in items:
+                    try:
+                        async with asyncio.timeout(stall_s):
+                            await context.write(item)
+                    except TimeoutError:
+                        break
+                else:
+                    return
+            details = (f"the client read nothing of this {fn.__name__} stream for {stall_s:g}s "
+                       "(server.stream_stall_s); the daemon ended it")
+            log.warning("%s", details)
+            context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
+            context.set_details(details)
         except (grpc.aio.AbortError, KeyboardInterrupt):
             raise
         except Exception as exc:
             await abort_with(context, exc, fn.__name__)
+        return
+        yield  # an async generator for grpc, which finds nothing left to write
 
     return wrapper
