@@ -741,3 +741,25 @@ async def test_a_get_never_read_over_tls_is_closed_and_a_slow_reader_is_not(tmp_
         await a_get_never_read_is_closed_and_one_read_slowly_is_not(srv, cert.read_bytes())
     finally:
         await srv.stop(0)
+
+
+async def test_a_request_whose_metadata_stalls_is_cut_short_or_is_over_long_is_counted(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A request whose metadata stalled, whose client went in the middle of it, or which announced more metadata
+    than allowed was closed without a count in engram_data_requests (only requests past their metadata were
+    counted): they are counted from the frame header on, DEADLINE_EXCEEDED, CANCELLED and INVALID_ARGUMENT."""
+    srv = await server_factory(**{"server.metrics_port": -1, "server.data_stall_s": 0.3})
+    count = lambda op, code: srv.metrics.registry.get_sample_value(  # noqa: E731
+        "engram_data_requests_total", {"op": op, "code": code}) or 0
+    stalled, gone, wild = await raw_conn(srv), await raw_conn(srv), await raw_conn(srv)
+    await stalled.send(wire.FRAME.pack(wire.PUT, 100, 0) + bytes(10))
+    await gone.send(wire.FRAME.pack(wire.GET, 100, 0) + bytes(10))
+    gone.close()
+    await wild.send(wire.FRAME.pack(wire.PUT, wire.MAX_META_BYTES + 1, 0))
+    await expect_error(wild, errors.InvalidArgument, "bytes of metadata")
+    wild.close()
+    await until(lambda: count("put", "DEADLINE_EXCEEDED") and count("get", "CANCELLED")
+                and count("put", "INVALID_ARGUMENT"), "the three requests counted")
+    with pytest.raises(ConnectionError):
+        await stalled.read_frame()
+    stalled.close()
+    assert (count("put", "DEADLINE_EXCEEDED"), count("get", "CANCELLED"), count("put", "INVALID_ARGUMENT")) == (1, 1, 1)

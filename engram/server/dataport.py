@@ -211,15 +211,17 @@ class DataPort:
             assert me is not None
             while not self._stopping:
                 try:
-                    kind, meta, body = await conn.read_frame(idle=True)
+                    kind, meta_len, body = await conn.read_head(idle=True)
                 except asyncio.IncompleteReadError:
                     return
-                except errors.InvalidArgument as exc:  # a wild metadata length: the stream cannot be framed
-                    await conn.send_error(exc)
-                    return
+                # A request from its header on: its metadata stalled, cut or over-long is counted too.
                 t0, code = time.perf_counter(), "OK"
                 self._in_request.add(me)  # a stop lets it finish within the shutdown grace
                 try:
+                    try:
+                        meta = await conn.read_meta(meta_len)
+                    except errors.InvalidArgument as exc:  # a wild metadata length: the stream cannot be framed
+                        raise _Desync(exc) from None
                     await self._request(conn, kind, meta, body)
                 except errors.EngramError as exc:
                     self.served["refused"] += 1

@@ -272,11 +272,21 @@ class Conn:
         """(kind, meta, body length) of the next frame; its body is left for the caller to read. A frame
         announcing more than max_meta bytes of metadata is refused before any of it is buffered. idle: the
         frame may take any time to begin (not to go on: stall_s)."""
+        kind, meta_len, body_len = await self.read_head(idle=idle)
+        return kind, await self.read_meta(meta_len, max_meta), body_len
+
+    async def read_head(self, *, idle: bool = False) -> tuple[int, int, int]:
+        """(kind, meta length, body length) of the next frame's header."""
         kind, meta_len, body_len = FRAME.unpack(await self.recv(FRAME.size, idle=idle))
+        return kind, meta_len, body_len
+
+    async def read_meta(self, meta_len: int, max_meta: int = MAX_META_BYTES) -> bytearray:
+        """A frame's metadata, read_head's meta length; InvalidArgument, before any of it is buffered, if it is
+        over max_meta."""
         if meta_len > max_meta:
             raise errors.InvalidArgument(f"data channel: a frame announces {meta_len} bytes of metadata, more "
                                          f"than the {max_meta} allowed")
-        return kind, await self.recv(meta_len), body_len
+        return await self.recv(meta_len)
 
     async def send_frame(self, kind: int, meta: bytes = b"", *body: Buffer) -> None:
         await self.send(FRAME.pack(kind, len(meta), sum(len(b) for b in body)) + meta, *body)
