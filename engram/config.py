@@ -193,8 +193,8 @@ class ReplayConfig:
     dtype: str = "auto"  # a checkpoint's: auto (bfloat16 on cuda, float32 on cpu), bfloat16, float16, float32, float64
     max_hot_windows: int = 64  # rebuilt SWA windows kept in memory; beyond, the least recent is dropped
     # Replays run this many at once, on threads of their own (decodes and encodes keep theirs); more Resumes wait
-    # their turn. A Resume cancelled while it waits never runs; one cancelled while it runs holds its turn until
-    # it ends.
+    # their turn, round-robin between tenants (each tenant's in order). A Resume cancelled while it waits never
+    # runs; one cancelled while it runs holds its turn until it ends.
     max_concurrent: int = 2
     max_queued: int = 64  # Resumes waiting for a replay's turn; one more is refused (RESOURCE_EXHAUSTED: prefill)
     # With tenancy on, the Resumes of one tenant's token that may wait for a turn (admins: no bound); past it its

@@ -149,6 +149,78 @@ class Resumed:
     global_kv: torch.Tensor | None = None  # [0, position) decoded, when asked for: (stored layers, 2, P, H, D)
 
 
+class FairTurns:
+    """A fixed number of turns (replays at once) handed to waiters round-robin between tenants, each tenant's
+    waiters first come, first served: with one FIFO queue a tenant within its share queued its 16 Resumes and
+    another tenant's single Resume waited behind all of them. A tenant waits for at most one turn per other
+    waiting tenant ahead of it; with one tenant (tenancy off: "") the order is FIFO. A turn given back goes
+    straight to the next waiter (a free turn means nobody waits), so a later caller cannot take it first; a
+    waiter cancelled as it is handed a turn hands it on, and a cancelled waiter leaves its queue and the counts."""
+
+    def __init__(self, turns: int) -> None:
+        self._free = turns
+        # tenant -> its waiters, oldest first; the tenants in their round's order (served: moved to the end)
+        self._queues: OrderedDict[str, collections.deque[asyncio.Future[None]]] = OrderedDict()
+        self.waiting = 0  # waiters of every tenant
+
+    def busy(self) -> bool:
+        """No turn is free: a caller now would wait."""
+        return not self._free
+
+    def waiting_of(self, tenant: str) -> int:
+        """The tenant's waiters (its share of the queue is checked against this)."""
+        q = self._queues.get(tenant)
+        return len(q) if q else 0
+
+    @property
+    def tenants_waiting(self) -> list[str]:
+        """The tenants with waiters, in the order the round serves them next."""
+        return list(self._queues)
+
+    async def take(self, tenant: str = "") -> None:
+        """Return holding a turn, after the waiters ahead of it in the round; the caller gives it back
+        (`give_back`). Nothing is awaited before the caller is queued: a bound its caller checked just before
+        still holds."""
+        if self._free:
+            self._free -= 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queues.setdefault(tenant, collections.deque()).append(fut)
+        self.waiting += 1
+        try:
+            await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():  # handed a turn as it was cancelled: the next waiter's
+                self.give_back()
+            else:
+                self._forget(tenant, fut)
+            raise
+
+    def give_back(self) -> None:
+        """A turn ends: the next tenant in the round gets it for its oldest waiter, and moves to the round's end."""
+        while self._queues:
+            tenant, q = next(iter(self._queues.items()))
+            fut = q.popleft()
+            self.waiting -= 1
+            if q:
+                self._queues.move_to_end(tenant)
+            else:
+                del self._queues[tenant]
+            if not fut.done():  # one cancelled but not yet out of its queue is passed over
+                fut.set_result(None)
+                return
+        self._free += 1
+
+    def _forget(self, tenant: str, fut: asyncio.Future[None]) -> None:
+        q = self._queues.get(tenant)
+        if q is None or fut not in q:  # passed over by give_back already
+            return
+        q.remove(fut)
+        self.waiting -= 1
+        if not q:
+            del self._queues[tenant]
+
+
 class SessionManager:
     def __init__(self, store: BlockStore, runtime: ReplayRuntime, *, max_hot_windows: int = 64,
                  max_sessions_per_namespace: int = 4096, max_session_tokens: int = 1 << 21,
@@ -167,11 +239,9 @@ class SessionManager:
         self.store = store
         self.runtime = runtime
         self.max_queued_replays = max_queued_replays
-        self._replay_turns = asyncio.Semaphore(max_concurrent_replays)
+        self._replay_turns = FairTurns(max_concurrent_replays)  # waiting Resumes served round-robin by tenant
         self._replay_threads = ThreadPoolExecutor(max_concurrent_replays, thread_name_prefix="engram-replay")
-        self._replays_waiting = 0
         self.max_queued_replays_per_tenant = max_queued_replays_per_tenant
-        self._waiting_of: collections.Counter[str] = collections.Counter()  # tenant -> its Resumes waiting
         self.cost_models = dict(cost_models or {})
         self.floor = floor or FidelityFloor()
         self.persist_tier = persist_tier
@@ -626,7 +696,7 @@ class SessionManager:
             try:
                 global_kv = await self._global_kv(match.blocks, p)
             except BaseException:
-                self._replay_turns.release()
+                self._replay_turns.give_back()
                 raise
             t0 = time.perf_counter()
             tokens = torch.as_tensor(s.tokens[:p], dtype=torch.long)
@@ -660,26 +730,18 @@ class SessionManager:
         prefix: every refused Resume had read and decoded its whole global KV first, and any number of them
         decoded at once (an audit). A Resume cancelled while it waits never runs. A tenant's Resumes wait within
         a share of the queue (replay.max_queued_per_tenant): one tenant's burst filled it, and every other
-        tenant's Resume was refused."""
+        tenant's Resume was refused. Waiting Resumes get their turns round-robin between tenants (`FairTurns`):
+        first come, first served, a tenant's single Resume waited behind another's whole share."""
         share = self.max_queued_replays_per_tenant
-        if self._replay_turns.locked():
-            if tenant and share and (mine := self._waiting_of[tenant]) >= share:
+        turns = self._replay_turns
+        if turns.busy():
+            if tenant and share and (mine := turns.waiting_of(tenant)) >= share:
                 raise ResourceExhausted(f"this token has {mine} Resumes waiting for a replay's turn, its share "
                                         "(replay.max_queued_per_tenant); retry later, or prefill the prefix instead")
-            if self._replays_waiting >= self.max_queued_replays:
-                raise ResourceExhausted(f"{self._replays_waiting} replays are waiting for a turn (replay.max_queued); "
+            if turns.waiting >= self.max_queued_replays:
+                raise ResourceExhausted(f"{turns.waiting} replays are waiting for a turn (replay.max_queued); "
                                         "retry later, or prefill the prefix instead")
-        self._replays_waiting += 1
-        if tenant:
-            self._waiting_of[tenant] += 1
-        try:
-            await self._replay_turns.acquire()
-        finally:
-            self._replays_waiting -= 1
-            if tenant:
-                self._waiting_of[tenant] -= 1
-                if not self._waiting_of[tenant]:
-                    del self._waiting_of[tenant]
+        await turns.take(tenant)
 
     async def _replay(self, model: ReplayModel, tokens: torch.Tensor, global_kv: torch.Tensor, mode: ReplayMode
                       ) -> Reconstruction:
@@ -690,12 +752,12 @@ class SessionManager:
         try:
             rec = await asyncio.shield(running)
         except asyncio.CancelledError:
-            running.add_done_callback(lambda _: self._replay_turns.release())
+            running.add_done_callback(lambda _: self._replay_turns.give_back())
             raise
         except BaseException:
-            self._replay_turns.release()
+            self._replay_turns.give_back()
             raise
-        self._replay_turns.release()
+        self._replay_turns.give_back()
         return rec
 
     async def _global_kv(self, blocks: tuple[BlockMeta, ...], p: int) -> torch.Tensor:

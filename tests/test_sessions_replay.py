@@ -368,7 +368,7 @@ async def test_replays_run_a_bounded_number_at_once_and_a_cancelled_wait_never_r
             await asyncio.sleep(0.01)
         read_by_the_running_one = len(reads)
         waiting = asyncio.create_task(client.resume(sid, position=P - 1))
-        while sessions._replays_waiting < 1:
+        while sessions._replay_turns.waiting < 1:
             await asyncio.sleep(0.01)
         with pytest.raises(errors.ResourceExhausted, match=r"replay\.max_queued"):
             await client.resume(sid, position=P - 2)

@@ -47,9 +47,9 @@ def as_(srv: Any, token: str, namespace: str) -> EngramClient:
 
 async def queued_or_refused(sessions: SessionManager, call: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
     """Start a Resume and return once it waits for a turn or has ended (refused)."""
-    before = sessions._replays_waiting
+    before = sessions._replay_turns.waiting
     task = asyncio.create_task(call)
-    while not task.done() and sessions._replays_waiting == before:
+    while not task.done() and sessions._replay_turns.waiting == before:
         await asyncio.sleep(0.01)
     return task
 
@@ -92,7 +92,8 @@ async def test_a_tenant_past_its_share_of_the_replay_queue_is_refused_and_anothe
         results = await asyncio.gather(running, waiting, bobs)
         assert [r.source for r in results] == ["replay"] * 3
         assert results[2].position == P
-    assert sessions._replays_waiting == 0 and not sessions._waiting_of  # every share given back
+    turns = sessions._replay_turns
+    assert turns.waiting == 0 and not turns.tenants_waiting  # every share given back
 
 
 async def test_an_admins_resumes_wait_outside_the_tenants_shares(
@@ -124,7 +125,124 @@ async def test_an_admins_resumes_wait_outside_the_tenants_shares(
             await admin.resume(sid, position=P - 3)
         gate.set()
         assert [r.source for r in await asyncio.gather(running, *waiting)] == ["replay"] * 3
-    assert sessions._replays_waiting == 0 and not sessions._waiting_of
+    assert sessions._replay_turns.waiting == 0 and not sessions._replay_turns.tenants_waiting
+
+
+def hold_replays(sessions: SessionManager, monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, list[int]]:
+    """Each replay waits at a gate (then runs the real rebuild); the positions replayed, in the order they ran."""
+    gate, ran = threading.Event(), []
+    real_rebuild = sessions.runtime.rebuild
+
+    def rebuild_after_the_gate(model_, tokens, global_kv, mode):  # type: ignore[no-untyped-def]
+        ran.append(len(tokens))
+        assert gate.wait(30)
+        return real_rebuild(model_, tokens, global_kv, mode)
+
+    monkeypatch.setattr(sessions.runtime, "rebuild", rebuild_after_the_gate)
+    return gate, ran
+
+
+async def test_a_tenants_single_resume_waits_one_turn_per_other_tenant_not_for_its_whole_backlog(
+        server_factory: Any, model_file: Path, model: HybridDecoder, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One replay at a time: Alice's replay runs (held at a gate) and four more of hers wait, then Bob's one
+    Resume: it runs after Alice's next, before her other three (first come, first served, it waited for all
+    four of hers, seconds each). Every Resume is answered, and the queue's counts end where they started."""
+    srv = await server_factory(**{**AUTH, "replay.models": str(model_file), "replay.max_concurrent": 1,
+                                  "tiers.nvme.path": str(tmp_path / "nvme")})
+    sessions = srv.sessions
+    gate, ran = hold_replays(sessions, monkeypatch)
+    async with as_(srv, ALICE, "alice") as a, as_(srv, BOB, "bob") as b:
+        _, alice_sid = await put_session(a, model, tokens_for(P, seed=42))
+        _, bob_sid = await put_session(b, model, tokens_for(P, seed=43))
+        running = asyncio.create_task(a.resume(alice_sid, position=P))
+        while not ran:
+            await asyncio.sleep(0.01)
+        alices = [await queued_or_refused(sessions, a.resume(alice_sid, position=P - i)) for i in (1, 2, 3, 4)]
+        bobs = await queued_or_refused(sessions, b.resume(bob_sid, position=P - 10))
+        assert not any(t.done() for t in (*alices, bobs))
+        assert sessions._replay_turns.waiting_of("alice") == 4 and sessions._replay_turns.waiting_of("bob") == 1
+        gate.set()
+        results = await asyncio.gather(running, *alices, bobs)
+        assert [r.source for r in results] == ["replay"] * 6
+    assert ran == [P, P - 1, P - 10, P - 2, P - 3, P - 4]
+    assert sessions._replay_turns.waiting == 0 and not sessions._replay_turns.tenants_waiting
+
+
+async def test_resumes_cancelled_while_waiting_or_as_their_turn_comes_leave_the_queue_as_it_was(
+        server_factory: Any, model_file: Path, model: HybridDecoder, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Alice's replay runs (held at a gate), two of hers and two of Bob's wait. One of Alice's is cancelled by its
+    client while it waits; the other is cancelled just as the running replay hands it its turn, before it runs
+    (that one calls the daemon's session manager itself: a gRPC call cannot be cancelled at that instant, and
+    its handler's task cancelled by hand never answers its client): that turn goes on to Bob's, and both of his
+    run. No turn is lost and no count is left over: the queue is empty, the one turn free, and a later Resume
+    of Alice's is served."""
+    srv = await server_factory(**{**AUTH, "replay.models": str(model_file), "replay.max_concurrent": 1,
+                                  "replay.max_queued_per_tenant": 2, "tiers.nvme.path": str(tmp_path / "nvme")})
+    sessions = srv.sessions
+    turns = sessions._replay_turns
+    gate, ran = hold_replays(sessions, monkeypatch)
+    real_give_back = turns.give_back
+    handover: list[asyncio.Task[Any]] = []  # the Resume to cancel as the next turn is handed to it
+
+    def give_back_then_cancel() -> None:
+        real_give_back()
+        if handover:
+            handover.pop().cancel()  # its turn is handed over (its future done) but it has not run yet
+
+    monkeypatch.setattr(turns, "give_back", give_back_then_cancel)
+    async with as_(srv, ALICE, "alice") as a, as_(srv, BOB, "bob") as b:
+        _, alice_sid = await put_session(a, model, tokens_for(P, seed=44))
+        _, bob_sid = await put_session(b, model, tokens_for(P, seed=45))
+        running = asyncio.create_task(a.resume(alice_sid, position=P))
+        while not ran:
+            await asyncio.sleep(0.01)
+        alices = [await queued_or_refused(sessions, sessions.resume("alice", alice_sid, P - 1, tenant="alice")),
+                  await queued_or_refused(sessions, a.resume(alice_sid, position=P - 2))]
+        bobs = [await queued_or_refused(sessions, b.resume(bob_sid, position=P - i)) for i in (10, 11)]
+        assert not any(t.done() for t in (*alices, *bobs))
+        assert turns.waiting == 4 and turns.waiting_of("alice") == 2
+        alices[1].cancel()  # while it waits
+        with pytest.raises(asyncio.CancelledError):
+            await alices[1]
+        while turns.waiting_of("alice") != 1:
+            await asyncio.sleep(0.01)
+        assert turns.waiting == 3
+        handover.append(alices[0])  # the next turn is hers
+        gate.set()
+        assert (await running).source == "replay"
+        with pytest.raises(asyncio.CancelledError):
+            await alices[0]
+        assert not handover
+        assert [r.source for r in await asyncio.gather(*bobs)] == ["replay"] * 2
+        assert turns.waiting == 0 and not turns.tenants_waiting and not turns.busy()
+        assert (await a.resume(alice_sid, position=P - 3)).source == "replay"
+    assert ran == [P, P - 10, P - 11, P - 3]  # the cancelled two never ran
+    assert turns.waiting == 0 and not turns.tenants_waiting and not turns.busy()
+
+
+async def test_without_tenancy_waiting_resumes_are_served_first_come_first_served(
+        server_factory: Any, model_file: Path, model: HybridDecoder, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No tokens: every caller is one principal, whatever its namespace, and the queue is FIFO."""
+    srv = await server_factory(**{"replay.models": str(model_file), "replay.max_concurrent": 1,
+                                  "tiers.nvme.path": str(tmp_path / "nvme")})
+    sessions = srv.sessions
+    gate, ran = hold_replays(sessions, monkeypatch)
+    async with EngramClient(srv.address, namespace="one") as a, EngramClient(srv.address, namespace="two") as b:
+        _, a_sid = await put_session(a, model, tokens_for(P, seed=46))
+        _, b_sid = await put_session(b, model, tokens_for(P, seed=47))
+        running = asyncio.create_task(a.resume(a_sid, position=P))
+        while not ran:
+            await asyncio.sleep(0.01)
+        waiting = [await queued_or_refused(sessions, a.resume(a_sid, position=P - i)) for i in (1, 2, 3)]
+        waiting.append(await queued_or_refused(sessions, b.resume(b_sid, position=P - 10)))
+        assert not any(t.done() for t in waiting)
+        gate.set()
+        assert [r.source for r in await asyncio.gather(running, *waiting)] == ["replay"] * 5
+    assert ran == [P, P - 1, P - 2, P - 3, P - 10]
+    assert sessions._replay_turns.waiting == 0 and not sessions._replay_turns.tenants_waiting
 
 
 async def test_a_tenant_past_its_share_of_persisted_windows_is_refused_and_another_still_keeps_its_own(
