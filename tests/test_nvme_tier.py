@@ -943,6 +943,32 @@ async def test_a_snapshot_whose_journal_a_power_loss_left_empty_is_still_trusted
     await store.close()
 
 
+async def test_journals_left_by_restarts_after_crashes_are_compacted_at_a_start(tmp_path: Path) -> None:
+    """Every start opens a journal generation, and a start that trusts the journal wrote no snapshot: after
+    each crash (a copy of the directory as a SIGKILL leaves it) one more journal file stayed, without bound (an
+    audit counted 13 after 14 kill-restarts). A start finding more than MAX_JOURNALS writes a snapshot."""
+    from engram.tiers.nvme import MAX_JOURNALS
+
+    root = tmp_path / "run0"
+    seqs = []
+    for i in range(MAX_JOURNALS + 6):
+        store = await make_store(root, dram_blocks=64, write_policy="write-through")
+        seqs.append(tokens(BLOCK_TOKENS, seed=100 + i))
+        await put_seq(store, seqs[-1], random_kv(SPEC, BLOCK_TOKENS, seed=i))
+        await settle(store)
+        crash = tmp_path / f"run{i + 1}"
+        shutil.copytree(root, crash, ignore=shutil.ignore_patterns("engram.lock"))
+        await store.close()
+        root = crash
+    store = await make_store(root, dram_blocks=64)
+    await settle(store)
+    assert len(list((root / "index").glob("journal.*"))) <= MAX_JOURNALS + 1
+    for i, t in enumerate(seqs):  # and nothing acknowledged lost on the way
+        n, got = await get_seq(store, t)
+        assert n == len(t) and got is not None and torch.equal(got, random_kv(SPEC, BLOCK_TOKENS, seed=i))
+    await store.close()
+
+
 async def test_io_error_on_one_block_fails_that_block_only(tmp_path: Path) -> None:
     seqs, kvs = await _store_on_disk(tmp_path, n_seqs=2)
     store = await make_store(tmp_path, dram_blocks=1)

@@ -52,6 +52,7 @@ from engram.tiers.groupcommit import GroupCommitter, WriteJob, sync_directory
 from engram.tiers.journal import IndexJournal
 
 log = logging.getLogger(__name__)
+MAX_JOURNALS = 16  # journal files since the snapshot before a start writes a new one (crash restarts add one each)
 SUFFIX = ".blk"
 T = TypeVar("T")
 
@@ -589,9 +590,10 @@ class NvmeTier:
                 if len(self._removed) > 65536:
                     await self._sync_journal()
             # None to trust, a long journal, or none on disk (the journals were renumbered): the next start would
-            # read every file
+            # read every file. Many journals: every start after a crash opens one more, and only a snapshot ends them
             self._snapshot_due = (report.trusted == 0 or entries > 2 * len(self._files) + 1024
-                                  or not self._journal.snapshot_path.exists())
+                                  or not self._journal.snapshot_path.exists()
+                                  or len(self._journal.journals()) > MAX_JOURNALS)
             self._compact_if_due()
         return report
 
