@@ -98,7 +98,8 @@ class ServerConfig:
     data_max_request_bytes: ByteSize = ByteSize(64 * 2**30)  # payload bytes one data-channel Put may carry
     # A data-channel frame begun (a request's header, metadata or payload) that sends nothing for this long has its
     # connection closed, with what it had sent, and so has one whose client takes nothing of an answer for this long
-    # (as the kernel's send queue tells: a client reading slowly is not cut); a connection idle between requests
+    # (as the kernel's send queue tells, which moves in steps of a window or a socket buffer's segment, up to about
+    # 64 KiB: a client reading at least that much per data_stall_s is not cut); a connection idle between requests
     # stays open (clients pool them).
     data_stall_s: float = 30.0
     # A gRPC stream (Get, Resume, FetchBlocks) whose client takes none of its messages for this long is ended
