@@ -430,3 +430,49 @@ async def test_a_get_stream_never_read_is_ended_and_lets_go_and_one_read_slowly_
         assert ended() == 1 and holds() == 0
     finally:
         await channel.close()
+
+
+
+async def test_a_get_stream_that_fails_part_way_unread_gives_back_the_tenants_share_and_ends_in_its_status(
+        server_factory: Any) -> None:
+    """A Get that meets a corrupt block part-way (DATA_LOSS) while its client reads nothing: the handler ends
+    and the tenant's call share (server.max_concurrent_rpcs_per_tenant, 1 here) and the blocks' holds come back
+    at once, long before server.stream_stall_s, not when grpc delivers the status; the client that reads at last
+    gets the blocks before the corrupt one, then DATA_LOSS."""
+    srv = await server_factory(**{"server.stream_stall_s": 600.0, "tiers.dram.pool": "private",
+                                  "server.max_concurrent_rpcs_per_tenant": 1,
+                                  "auth.tenants.alice.token": "a-tok", "auth.salt_secret": "s"})
+    layout = KVLayout(layers=(LayerSpec(LayerKind.GLOBAL),), num_kv_heads=1, head_dim=64, block_tokens=64)
+    spec = ModelSpec(name="small", weights_id="w", layout=layout, codec="raw")  # 16 KiB blocks
+    kv = random_kv(spec, 8 * 64)
+    async with EngramClient(srv.address, token="a-tok", namespace="alice", zero_copy=False,
+                            data_channel=False) as c:
+        fp = await c.register_model(spec)
+        keys = list((await c.put(fp, tokens(8 * 64), kv)).keys)
+    dram = srv.store.placement.tier("dram")
+    blob = bytearray(dram._blocks[keys[2]])  # type: ignore[attr-defined]
+    blob[-1] ^= 0xFF
+    dram._blocks[keys[2]] = bytes(blob)  # type: ignore[attr-defined]
+    assert srv.service is not None and srv.service.tenancy is not None
+    calls = srv.service.tenancy._calls
+    holds = lambda: sum(m.leases for k in keys if (m := srv.store.index.get(k)) is not None)  # noqa: E731
+    # No BDP probing: the stream's window stays HTTP/2's 64 KiB, so the two blocks before the corrupt one are
+    # sent (their writes end) and whatever follows them waits on the client
+    channel = grpc.aio.insecure_channel(srv.address, options=[("grpc.http2.bdp_probe", 0)])
+    other, s2 = stub(srv, "a-tok")
+    try:
+        deaf = stub_for(channel, "a-tok").Get(pb.GetRequest(namespace="alice", model_fingerprint=fp, keys=keys))
+        deadline = time.monotonic() + 20
+        while not (srv.store.counters.corrupt_blocks == 1 and holds() == 0 and not calls.get("rpc")):
+            assert time.monotonic() < deadline, (srv.store.counters.corrupt_blocks, holds(), calls)
+            await asyncio.sleep(0.02)
+        await s2.Lookup(pb.LookupRequest(namespace="alice", model_fingerprint=fp, tokens=[1]))  # the share is free
+        got = []
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for resp in deaf:
+                got.append(resp.chunk.data)
+        assert info.value.code() == grpc.StatusCode.DATA_LOSS, info.value
+        assert got == [kv[:, :, i * 64:(i + 1) * 64].contiguous().view(torch.uint8).numpy().tobytes() for i in range(2)]
+    finally:
+        await channel.close()
+        await other.close()

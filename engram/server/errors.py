@@ -20,12 +20,17 @@ log = logging.getLogger("engram.server")
 R = TypeVar("R")
 
 
+def status_for(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
+    """The status of a domain error, or INTERNAL (logged) for anything else."""
+    if isinstance(exc, errors.EngramError):
+        return status_of(exc), str(exc)
+    log.exception("internal error in %s", method)
+    return grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}"
+
+
 async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
     """Abort the call with the status of a domain error, or INTERNAL (logged) for anything else."""
-    if isinstance(exc, errors.EngramError):
-        await context.abort(status_of(exc), str(exc))
-    log.exception("internal error in %s", method)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
+    await context.abort(*status_for(exc, method))
 
 
 def unary(fn: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
@@ -74,7 +79,11 @@ def streaming(fn: Callable[..., AsyncIterator[R]]) -> Callable[..., AsyncIterato
         except (grpc.aio.AbortError, KeyboardInterrupt):
             raise
         except Exception as exc:
-            await abort_with(context, exc, fn.__name__)
+            # Not context.abort, which returns once the status is sent: after every message the client has not
+            # taken. The handler ends now and grpc sends the status when it can (the guard's tenant share is back).
+            code, details = status_for(exc, fn.__name__)
+            context.set_code(code)
+            context.set_details(details)
         return
         yield  # an async generator for grpc, which finds nothing left to write
 
