@@ -763,3 +763,17 @@ async def test_a_request_whose_metadata_stalls_is_cut_short_or_is_over_long_is_c
         await stalled.read_frame()
     stalled.close()
     assert (count("put", "DEADLINE_EXCEEDED"), count("get", "CANCELLED"), count("put", "INVALID_ARGUMENT")) == (1, 1, 1)
+
+
+async def test_a_request_whose_frame_header_stalls_is_counted(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A request that stalled inside its 16-byte frame header (its kind not known yet) closed its connection
+    uncounted in engram_data_requests; it is counted as op "other" (an unknown kind's), DEADLINE_EXCEEDED."""
+    srv = await server_factory(**{"server.metrics_port": -1, "server.data_stall_s": 0.3})
+    count = lambda: srv.metrics.registry.get_sample_value(  # noqa: E731
+        "engram_data_requests_total", {"op": "other", "code": "DEADLINE_EXCEEDED"}) or 0
+    stalled = await raw_conn(srv)
+    await stalled.send(wire.FRAME.pack(wire.GET, 100, 0)[:5])
+    await until(lambda: count() == 1, "the stalled request counted")
+    with pytest.raises(ConnectionError):
+        await stalled.read_frame()
+    stalled.close()

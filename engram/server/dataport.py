@@ -214,6 +214,12 @@ class DataPort:
                     kind, meta_len, body = await conn.read_head(idle=True)
                 except asyncio.IncompleteReadError:
                     return
+                except wire.Stalled:
+                    # A request begun (a byte of its frame header came) whose kind is not known yet: counted too,
+                    # as "other" (what an unknown kind is counted as), for the stall it waited
+                    if self.observe is not None:
+                        self.observe("other", "DEADLINE_EXCEEDED", self.config.data_stall_s)
+                    raise
                 # A request from its header on: its metadata stalled, cut or over-long is counted too.
                 t0, code = time.perf_counter(), "OK"
                 self._in_request.add(me)  # a stop lets it finish within the shutdown grace
