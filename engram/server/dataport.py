@@ -247,6 +247,7 @@ class DataPort:
                         self.observe(_OPS.get(kind, "other"), code, time.perf_counter() - t0)
         except wire.Stalled as exc:
             log.warning("%s (server.data_stall_s); the connection was closed", exc)
+            conn.reset()
         except (ConnectionError, asyncio.IncompleteReadError, _Desync, errors.InvalidArgument):
             pass  # a client gone, or a stream that cannot be framed: the connection ends, the daemon goes on
         except asyncio.CancelledError:

@@ -304,6 +304,16 @@ class Conn:
         elif self._sock is not None:
             self._sock.close()
 
+    def reset(self) -> None:
+        """Close at once, dropping what the kernel (and, under TLS, asyncio) holds unsent: on TCP an RST (SO_LINGER
+        0), where a close kept those bytes, up to megabytes, for a peer that takes none until the kernel gave up."""
+        if self._socket is not None and self._socket.family in (socket.AF_INET, socket.AF_INET6):
+            with contextlib.suppress(OSError):
+                self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        if self._writer is not None:
+            self._writer.transport.abort()
+        self.close()
+
     async def aclose(self) -> None:
         self.close()
         if self._writer is not None:
