@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import time
 from pathlib import Path
@@ -794,3 +795,25 @@ async def test_a_request_whose_frame_header_stalls_is_counted(server_factory) ->
     with pytest.raises(ConnectionError):
         await stalled.read_frame()
     stalled.close()
+
+
+async def test_stopping_a_daemon_with_an_idle_tls_connection_logs_no_error(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A TLS data-channel connection is served in asyncio's streams task; the stop cancels it, and Python 3.11's
+    streams asked that cancelled task for its exception and logged "Exception in callback
+    StreamReaderProtocol.connection_made ... CancelledError" at every stop with a client connected. The task
+    now ends quietly when the daemon stops it."""
+    cert, key = self_signed_cert(tmp_path)
+    srv = await start_server(load_config(env={}, overrides={
+        "server.port": 0, "tiers.dram.capacity": "64MiB", "server.tls_cert": str(cert), "server.tls_key": str(key)}))
+    spec = tiny_model()
+    c = EngramClient(srv.address, namespace=NS, zero_copy=False, root_cert=cert.read_bytes())
+    try:
+        fp = await c.register_model(spec)
+        await c.put(fp, tokens(32), random_kv(spec, 32))
+        assert c._data is not None and len(c._data._idle) == 1  # its connection stays open, idle
+        await srv.stop(0)
+        await asyncio.sleep(0.1)  # the streams task's done callback runs
+    finally:
+        await c.close()
+    errors_logged = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors_logged, [r.getMessage() for r in errors_logged]

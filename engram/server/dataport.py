@@ -162,6 +162,11 @@ class DataPort:
         try:
             wire.tune(writer.get_extra_info("socket"))
             await self._serve(conn)
+        except asyncio.CancelledError:
+            if not self._stopping:
+                raise
+            # stop() ended it: returned, not cancelled, since Python 3.11's streams ask the finished task for its
+            # exception, which a cancelled task raises, logged as an error at every stop with a client connected
         finally:
             self._tasks.discard(task)
             with contextlib.suppress(Exception):
