@@ -340,7 +340,14 @@ class StreamsKV:
 
     def write(self, stream: int, data: Tensor, start: int, n_tokens: int) -> None:
         blocks, layers, per_block = data.shape[:3]
-        target = self.tensors[stream][:, start : start + n_tokens]  # (L, n, *shape)
+        dest = self.tensors[stream]
+        # As the other destinations' writes: a loader used without check_fits cast or broadcast into it silently
+        if (int(dest.shape[0]), *dest.shape[2:]) != (layers, *data.shape[3:]):
+            raise InvalidArgument(f"stream {self.streams[stream].name}: the model's is (layers, entries, "
+                                  f"{', '.join(map(str, data.shape[3:]))}) with {layers} layers; the destination "
+                                  f"is {tuple(dest.shape)}")
+        _check_dtype(dest.dtype, data)
+        target = dest[:, start : start + n_tokens]  # (L, n, *shape)
         if n_tokens == blocks * per_block:
             # (L, blocks, per_block, *shape) view of the target: one copy, whatever the source's strides.
             target.view(layers, blocks, per_block, *data.shape[3:]).copy_(data.transpose(0, 1))

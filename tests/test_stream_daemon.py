@@ -328,6 +328,32 @@ async def test_a_stream_destination_made_for_other_streams_is_refused_before_the
         assert (await c.load_prefix_into(fp, fresh, StreamsKV(lay.stream_specs, dest))).loaded_tokens == 0
 
 
+def test_streams_destination_write_refuses_data_of_another_dtype_or_shape() -> None:
+    """StreamsKV.write, the loader's own path (a PrefixLoader used without the client's check_fits first), cast
+    a bfloat16 latent into a float32 destination built for other streams without a word; it now refuses it, as
+    the other destinations' writes do, and data of another entry shape or layer count too."""
+    spec = mla_spec()
+    lay = spec.layout
+    wide = tuple(dataclasses.replace(s, dtype=DType.FP32) if s.name == "latent" else s for s in lay.stream_specs)
+    dest = {s.name: torch.zeros(lay.stream_shape(s, 2 * BLOCK_TOKENS), dtype=s.dtype.torch_dtype) for s in wide}
+    i = [s.name for s in wide].index("latent")
+    st = lay.stream_specs[i]
+    layers = int(dest["latent"].shape[0])
+    data = torch.ones(2, layers, BLOCK_TOKENS, *st.shape, dtype=st.dtype.torch_dtype)  # (blocks, L, bt, *shape)
+    with pytest.raises(errors.InvalidArgument, match=r"the model's KV is torch\.bfloat16; the destination is "
+                                                      r"torch\.float32"):
+        StreamsKV(wide, dest).write(i, data, 0, 2 * BLOCK_TOKENS)
+    assert not dest["latent"].any()
+    good = StreamsKV(lay.stream_specs, {s.name: torch.zeros_like(dest[s.name], dtype=s.dtype.torch_dtype)
+                                        for s in lay.stream_specs})
+    with pytest.raises(errors.InvalidArgument, match="stream latent"):
+        good.write(i, data[..., :1], 0, 2 * BLOCK_TOKENS)  # an entry of another width would broadcast
+    with pytest.raises(errors.InvalidArgument, match="stream latent"):
+        good.write(i, data[:, :1], 0, 2 * BLOCK_TOKENS)
+    good.write(i, data, 0, 2 * BLOCK_TOKENS - 3)
+    assert good.tensors[i][:, :2 * BLOCK_TOKENS - 3].eq(1).all() and not good.tensors[i][:, 2 * BLOCK_TOKENS - 3:].any()
+
+
 def test_streams_destination_checks_its_tensors() -> None:
     spec = csa_spec()
     streams = spec.layout.stream_specs
