@@ -4,13 +4,17 @@ that succeeds prints a banner naming what runs, and warns about an open address 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from engram.tiers.shm import mem_available
 
-from helpers import ENGRAM, NEUTRAL_CWD
+from helpers import ENGRAM, NEUTRAL_CWD, small_tmpfs
 
 
 def serve(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], Path]:
@@ -127,3 +131,31 @@ def test_banner_warns_when_the_disk_cannot_hold_the_nvme_capacity(tmp_path: Path
     assert f"engram: tiers: dram 64 MiB (shared pool in {shm}), nvme 1024000.0 GiB at {nvme}; write-back, loss " \
            "window 5 s" in lines, lines
     assert any("warning: tiers.nvme.capacity" in line and "lower the capacity" in line for line in lines), lines
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+@pytest.mark.parametrize("made", [(), ("models",), ("models", "blocks", "tmp")])
+def test_a_first_nvme_start_on_a_full_disk_is_one_line_naming_the_directory(tmp_path: Path,
+                                                                            made: tuple[str, ...]) -> None:
+    """A fresh NVMe directory on a full disk (no page and no inode left: mkdir fails too, as on a full ext4):
+    the models/, blocks/ or tmp/ directory or the lock file cannot be made. That was `cannot start: [Errno 28]`
+    (exit 9, as for a permission) and left the DRAM segment behind; it is now the disk that is too small (exit 7),
+    naming the directory and what to change, and the segment is removed."""
+    with small_tmpfs(tmp_path / "small", inodes=64) as mnt:
+        nvme = mnt / "engram"
+        nvme.mkdir()
+        for name in made:
+            (nvme / name).mkdir()
+        with contextlib.suppress(OSError), open(mnt / "fill", "wb") as fh:
+            while True:
+                fh.write(bytes(4096))
+                fh.flush()
+        (mnt / "inodes").mkdir()
+        with contextlib.suppress(OSError):
+            for n in range(1000):
+                (mnt / "inodes" / str(n)).touch()
+        out, shm = serve(tmp_path, "--port", "0", "--dram-capacity", "64MiB", "--set", f"tiers.nvme.path={nvme}")
+    assert out.returncode == 7, out.stderr
+    line = one_line(out)
+    assert f"tiers.nvme.path {nvme}" in line and "disk is full" in line and "free space" in line, line
+    assert list(shm.iterdir()) == []

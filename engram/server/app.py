@@ -4,6 +4,7 @@ address) and the long-running `engram serve` loop with graceful shutdown on SIGT
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import gc
 import logging
@@ -55,9 +56,20 @@ log = logging.getLogger("engram.server")
 
 
 async def build_store(config: EngramConfig, tenancy: Tenancy | None = None) -> BlockStore:
-    """The tiers the config names, and the index recovered from the NVMe tier when there is one."""
-    t = config.tiers
+    """The tiers the config names, and the index recovered from the NVMe tier when there is one. A failure
+    closes what was built (the shared DRAM segment was left behind, for the next start to remove)."""
     tiers: list[Tier] = []
+    try:
+        return await _build_store(config, tenancy, tiers)
+    except BaseException:
+        for tier in tiers:
+            with contextlib.suppress(Exception):
+                await tier.close()
+        raise
+
+
+async def _build_store(config: EngramConfig, tenancy: Tenancy | None, tiers: list[Tier]) -> BlockStore:
+    t = config.tiers
     d = t.dram
     if t.hbm.capacity:
         tiers.append(hbm_tier(t.hbm.capacity, t.hbm.device, t.hbm.page_bytes,
@@ -77,9 +89,17 @@ async def build_store(config: EngramConfig, tenancy: Tenancy | None = None) -> B
     registry = ModelRegistry(default_codec=codec, default_reason=why)
     if t.nvme.path:
         root = Path(t.nvme.path)
-        registry = ModelRegistry(root / "models", default_codec=codec, default_reason=why)
-        tiers.append(NvmeTier(root, t.nvme.capacity, compression=t.nvme.compression, io_threads=t.nvme.io_threads,
-                              fsync=t.nvme.fsync, verify_on_start=t.nvme.verify_on_start))
+        try:
+            registry = ModelRegistry(root / "models", default_codec=codec, default_reason=why)
+            tiers.append(NvmeTier(root, t.nvme.capacity, compression=t.nvme.compression,
+                                  io_threads=t.nvme.io_threads, fsync=t.nvme.fsync,
+                                  verify_on_start=t.nvme.verify_on_start))
+        except OSError as exc:  # a first start makes models/, blocks/, tmp/ and the lock file
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise InsufficientResources(f"tiers.nvme.path {root}: the disk is full, {exc.filename} cannot be "
+                                        f"created ({exc.strerror}); free space on it or set another "
+                                        "tiers.nvme.path") from None
     store = BlockStore(tiers, registry, write_policy=WritePolicy(t.write_policy), retry_s=t.retry_s,
                        codec_backend=backend, namespaces=tenancy, on_nvme_failure=t.on_nvme_failure,
                        write_back_window_s=t.write_back_window_s, write_back_window_bytes=t.write_back_window_bytes,
