@@ -69,10 +69,16 @@ def streaming(fn: Callable[..., AsyncIterator[R]]) -> Callable[..., AsyncIterato
                             await context.write(item)
                     except TimeoutError:
                         break
+                    except grpc.aio.InternalError:  # the client went (its process killed) as the write began
+                        log.debug("%s: the client went mid-stream", fn.__name__)
+                        context.set_code(grpc.StatusCode.CANCELLED)
+                        context.set_details("the client went mid-stream")
+                        return
                 else:
                     return
-            details = (f"the client read nothing of this {fn.__name__} stream for {stall_s:g}s "
-                       "(server.stream_stall_s); the daemon ended it")
+            details = (f"the client took no message of this {fn.__name__} stream within {stall_s:g}s "
+                       "(server.stream_stall_s: a write ends once the client has read about an HTTP/2 window, a "
+                       "few MiB, ahead of it); the daemon ended it")
             log.warning("%s", details)
             context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
             context.set_details(details)
