@@ -13,7 +13,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -208,3 +208,20 @@ def small_tmpfs(where: Path, size: str = "256k", inodes: int | None = None) -> I
         yield where
     finally:
         subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def silent_puts(channel: Any, n: int, metadata: tuple[tuple[str, str], ...]) -> list[Any]:
+    """n Put streams that send nothing (each holds a call slot of its caller until cancelled)."""
+    import asyncio
+
+    from engram.v1 import engram_pb2 as pb
+
+    put = channel.stream_unary("/engram.v1.Engram/Put", request_serializer=pb.PutRequest.SerializeToString,
+                               response_deserializer=pb.PutResponse.FromString)
+    never = asyncio.Event()
+
+    async def silent() -> Any:
+        await never.wait()
+        yield pb.PutRequest()
+
+    return [put(silent(), metadata=metadata) for _ in range(n)]

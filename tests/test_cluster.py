@@ -25,7 +25,7 @@ from engram.client import EngramClient
 from engram.config import load_config
 from engram.server import RunningServer, start_server
 
-from helpers import BLOCK_TOKENS, free_port, random_kv, start_redis, tiny_model, tokens
+from helpers import BLOCK_TOKENS, free_port, random_kv, silent_puts, start_redis, tiny_model, tokens
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 
@@ -156,22 +156,33 @@ async def _both(a: EngramClient, b: EngramClient, want: str) -> bool:
     return await state(a) == want and await state(b) == want
 
 
-async def test_with_tenancy_a_tenants_prefix_crosses_daemons_and_no_other_tenant_gets_it(redis_port: int) -> None:
-    """Both daemons share the salt secret and a peer token: Alice's prefix written through A is a hit for
-    Alice through B (fetched with the peer token), and Bob, on B, gets nothing of it."""
+@contextlib.asynccontextmanager
+async def two_daemons(redis_port: int, **overrides: Any) -> AsyncIterator[tuple[RunningServer, RunningServer]]:
+    """Daemons a and b joined through a real redis-server started here on redis_port, each with `overrides`."""
     proc = start_redis(redis_port)
-    auth = {"auth.tenants.alice.token": "alice-token", "auth.tenants.bob.token": "bob-token",
-            "auth.salt_secret": "shared-secret", "cluster.peer_token": "peer-token",
-            "cluster.secret": "cluster-secret"}
     started = []
     try:
         for name in ("a", "b"):
             cfg = load_config(env={}, overrides={
                 "server.port": 0, "tiers.dram.capacity": "64MiB",
                 "cluster.redis_url": f"redis://127.0.0.1:{redis_port}/0", "cluster.node_id": name,
-                "cluster.heartbeat_s": 0.2, "cluster.ttl_s": 2.0, **auth})
+                "cluster.heartbeat_s": 0.2, "cluster.ttl_s": 2.0, **overrides})
             started.append(await start_server(cfg))
-        a_srv, b_srv = started
+        yield started[0], started[1]
+    finally:
+        for srv in started:
+            await srv.stop(0)
+        proc.kill()
+        proc.wait()
+
+
+async def test_with_tenancy_a_tenants_prefix_crosses_daemons_and_no_other_tenant_gets_it(redis_port: int) -> None:
+    """Both daemons share the salt secret and a peer token: Alice's prefix written through A is a hit for
+    Alice through B (fetched with the peer token), and Bob, on B, gets nothing of it."""
+    auth = {"auth.tenants.alice.token": "alice-token", "auth.tenants.bob.token": "bob-token",
+            "auth.salt_secret": "shared-secret", "cluster.peer_token": "peer-token",
+            "cluster.secret": "cluster-secret"}
+    async with two_daemons(redis_port, **auth) as (a_srv, b_srv):
         spec = tiny_model()
         toks = tokens(4 * BLOCK_TOKENS, seed=21)
         kv = random_kv(spec, len(toks), seed=21)
@@ -210,11 +221,6 @@ async def test_with_tenancy_a_tenants_prefix_crosses_daemons_and_no_other_tenant
             assert (await b.stats()).cluster.remote_hits == 4 + 3
             with pytest.raises(errors.NotFound):  # and Bob still gets none of it, by key
                 await bob.get(fp, keys)
-    finally:
-        for srv in started:
-            await srv.stop(0)
-        proc.kill()
-        proc.wait()
 
 
 async def test_each_peer_has_its_own_share_of_calls_so_one_cannot_starve_the_others(redis_port: int) -> None:
@@ -228,19 +234,10 @@ async def test_each_peer_has_its_own_share_of_calls_so_one_cannot_starve_the_oth
     from engram.trust import ClusterTrust
     from engram.v1 import engram_pb2 as pb
 
-    proc = start_redis(redis_port)
     auth = {"auth.tenants.alice.token": "alice-token", "auth.salt_secret": "shared-secret",
             "cluster.peer_token": "peer-token", "cluster.secret": "cluster-secret",
             "server.max_concurrent_rpcs_per_tenant": 2}
-    started = []
-    try:
-        for name in ("a", "b"):
-            cfg = load_config(env={}, overrides={
-                "server.port": 0, "tiers.dram.capacity": "64MiB",
-                "cluster.redis_url": f"redis://127.0.0.1:{redis_port}/0", "cluster.node_id": name,
-                "cluster.heartbeat_s": 0.2, "cluster.ttl_s": 2.0, **auth})
-            started.append(await start_server(cfg))
-        a_srv, b_srv = started
+    async with two_daemons(redis_port, **auth) as (a_srv, b_srv):
         assert a_srv.service is not None and a_srv.service.tenancy is not None
         calls = a_srv.service.tenancy._calls
         x = (("authorization", "Bearer peer-token"), *ClusterTrust(b"cluster-secret", "peer-token").peer_metadata("x"))
@@ -254,15 +251,7 @@ async def test_each_peer_has_its_own_share_of_calls_so_one_cannot_starve_the_oth
             assert await b.register_model(spec) == fp
             await until(lambda: _both(a, b, "ok"), "both daemons joined")
             await a.put(fp, toks, kv)
-            put = ch.stream_unary("/engram.v1.Engram/Put", request_serializer=pb.PutRequest.SerializeToString,
-                                  response_deserializer=pb.PutResponse.FromString)
-            never = asyncio.Event()
-
-            async def silent() -> Any:
-                await never.wait()  # a stream that sends nothing
-                yield pb.PutRequest()
-
-            idle = [put(silent(), metadata=x) for _ in range(2)]
+            idle = silent_puts(ch, 2, x)
 
             async def x_holds_its_share() -> bool:
                 return calls.get("rpc", {}).get("peer:x") == 2
@@ -284,11 +273,6 @@ async def test_each_peer_has_its_own_share_of_calls_so_one_cannot_starve_the_oth
                 return "peer:x" not in calls.get("rpc", {})
 
             await until(x_gave_its_share_back, "peer X's share is back")
-    finally:
-        for srv in started:
-            await srv.stop(0)
-        proc.kill()
-        proc.wait()
 
 
 async def test_a_daemon_stops_even_when_redis_py_swallows_the_cancel_of_its_heartbeat(redis_port: int) -> None:

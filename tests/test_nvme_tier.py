@@ -151,14 +151,8 @@ async def test_every_directory_a_durable_block_lies_in_is_itself_synced(tmp_path
     await store.close()
 
 
-@pytest.mark.parametrize("gone_by", ["eviction", "check --fix"])
-async def test_a_block_written_again_with_other_bytes_survives_losing_the_journals_unsynced_tail(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gone_by: str) -> None:
-    """A block is deleted (evicted, or its corrupt file removed by an online check --fix), then put again with
-    other bytes under the same key (a recompute that is not bit-identical). A power loss keeps the journal up to
-    its last fsync, and any part of what follows: at every such cut, recovery serves the new file (had the old
-    add survived without the remove, it would trust the old header for the new file and drop it at its first
-    read: the check's remove was not synced before the new file was published, an audit)."""
+def _record_journal_syncs(monkeypatch: pytest.MonkeyPatch) -> dict[Path, int]:
+    """From now on, each journal file's size at its last fsync: what a power loss keeps of it."""
     synced: dict[Path, int] = {}
     fsync = os.fsync
 
@@ -169,6 +163,18 @@ async def test_a_block_written_again_with_other_bytes_survives_losing_the_journa
             synced[path] = os.fstat(fd).st_size
 
     monkeypatch.setattr(os, "fsync", recording)
+    return synced
+
+
+@pytest.mark.parametrize("gone_by", ["eviction", "check --fix"])
+async def test_a_block_written_again_with_other_bytes_survives_losing_the_journals_unsynced_tail(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gone_by: str) -> None:
+    """A block is deleted (evicted, or its corrupt file removed by an online check --fix), then put again with
+    other bytes under the same key (a recompute that is not bit-identical). A power loss keeps the journal up to
+    its last fsync, and any part of what follows: at every such cut, recovery serves the new file (had the old
+    add survived without the remove, it would trust the old header for the new file and drop it at its first
+    read: the check's remove was not synced before the new file was published, an audit)."""
+    synced = _record_journal_syncs(monkeypatch)
     root = tmp_path / "nvme"
     store = await make_store(root, dram_blocks=64, write_policy="write-through")
     t = tokens(BLOCK_TOKENS, seed=9)
@@ -207,15 +213,6 @@ async def test_a_journaled_block_whose_file_is_gone_at_start_survives_being_writ
     bytes, its add not synced yet, a power loss made the next start trust the old header for the new file and
     drop the acknowledged block at its first read. Now the start journals the remove, synced before a file of
     the key is published."""
-    synced: dict[Path, int] = {}
-    fsync = os.fsync
-
-    def recording(fd: int) -> None:
-        fsync(fd)
-        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
-        if path.name.startswith("journal."):
-            synced[path] = os.fstat(fd).st_size
-
     root = tmp_path / "nvme"
     await _store_on_disk(root)  # blocks the next starts trust (none to trust writes a snapshot at once)
     t = tokens(BLOCK_TOKENS, seed=9)
@@ -224,7 +221,7 @@ async def test_a_journaled_block_whose_file_is_gone_at_start_survives_being_writ
     path = store.tiers[1].path_of(key)  # type: ignore[attr-defined]
     await store.close()  # the snapshot holds the block's first header
     path.unlink()
-    monkeypatch.setattr(os, "fsync", recording)
+    synced = _record_journal_syncs(monkeypatch)
     store = await make_store(root, dram_blocks=64, write_policy="write-through")
     assert key not in store.index
     new = random_kv(SPEC, len(t), seed=2)

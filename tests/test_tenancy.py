@@ -19,7 +19,7 @@ from engram.client import EngramClient
 from engram.keys import chain_keys
 from engram.server import RunningServer
 
-from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
+from helpers import BLOCK_TOKENS, random_kv, silent_puts, tiny_model, tokens
 
 ALICE, BOB, ADMIN = "alice-token", "bob-token", "admin-token"
 AUTH = {"auth.tenants.alice.token": ALICE, "auth.tenants.alice.quota": "128KiB",
@@ -389,20 +389,11 @@ async def test_one_tenants_idle_streams_cannot_take_every_slot_from_the_others(s
 
     import grpc
 
-    from engram.v1 import engram_pb2 as pb
 
     srv = await server_factory(**AUTH, **{"server.max_concurrent_rpcs": 8,
                                           "server.max_concurrent_rpcs_per_tenant": 3})
     async with grpc.aio.insecure_channel(srv.address) as ch:
-        put = ch.stream_unary("/engram.v1.Engram/Put", request_serializer=pb.PutRequest.SerializeToString,
-                              response_deserializer=pb.PutResponse.FromString)
-        never = asyncio.Event()
-
-        async def silent() -> Any:
-            await never.wait()  # a stream that sends nothing
-            yield pb.PutRequest()
-
-        idle = [put(silent(), metadata=(("authorization", f"Bearer {BOB}"),)) for _ in range(8)]
+        idle = silent_puts(ch, 8, (("authorization", f"Bearer {BOB}"),))
         await asyncio.sleep(0.3)  # all started on the daemon: three hold Bob's share, five were refused
         async with as_(srv, BOB) as b:
             with pytest.raises(errors.ResourceExhausted, match="max_concurrent_rpcs_per_tenant"):

@@ -64,21 +64,13 @@ async def test_a_tenant_past_its_share_of_the_replay_queue_is_refused_and_anothe
                                   "replay.max_queued": 2, "replay.max_queued_per_tenant": 1,
                                   "tiers.nvme.path": str(tmp_path / "nvme")})
     sessions = srv.sessions
-    gate, started = threading.Event(), threading.Event()
-    real_rebuild = sessions.runtime.rebuild
-
-    def rebuild_after_the_gate(model_, tokens, global_kv, mode):  # type: ignore[no-untyped-def]
-        started.set()
-        assert gate.wait(30)
-        return real_rebuild(model_, tokens, global_kv, mode)
-
-    monkeypatch.setattr(sessions.runtime, "rebuild", rebuild_after_the_gate)
+    gate, ran = hold_replays(sessions, monkeypatch)
     toks = tokens_for(P, seed=40)
     async with as_(srv, ALICE, "alice") as a, as_(srv, BOB, "bob") as b:
         _, alice_sid = await put_session(a, model, toks)
         _, bob_sid = await put_session(b, model, toks)
         running = asyncio.create_task(a.resume(alice_sid, position=P))
-        while not started.is_set():
+        while not ran:
             await asyncio.sleep(0.01)
         waiting = await queued_or_refused(sessions, a.resume(alice_sid, position=P - 1))
         assert not waiting.done()
@@ -104,20 +96,12 @@ async def test_an_admins_resumes_wait_outside_the_tenants_shares(
                                   "replay.max_queued": 2, "replay.max_queued_per_tenant": 1,
                                   "tiers.nvme.path": str(tmp_path / "nvme")})
     sessions = srv.sessions
-    gate, started = threading.Event(), threading.Event()
-    real_rebuild = sessions.runtime.rebuild
-
-    def rebuild_after_the_gate(model_, tokens, global_kv, mode):  # type: ignore[no-untyped-def]
-        started.set()
-        assert gate.wait(30)
-        return real_rebuild(model_, tokens, global_kv, mode)
-
-    monkeypatch.setattr(sessions.runtime, "rebuild", rebuild_after_the_gate)
+    gate, ran = hold_replays(sessions, monkeypatch)
     toks = tokens_for(P, seed=41)
     async with EngramClient(srv.address, token=ADMIN, namespace="ops") as admin:
         _, sid = await put_session(admin, model, toks)
         running = asyncio.create_task(admin.resume(sid, position=P))
-        while not started.is_set():
+        while not ran:
             await asyncio.sleep(0.01)
         waiting = [await queued_or_refused(sessions, admin.resume(sid, position=P - i)) for i in (1, 2)]
         assert not any(t.done() for t in waiting)
