@@ -319,7 +319,8 @@ async def test_an_unauthenticated_connection_cannot_make_the_daemon_buffer_much(
 async def test_connections_beyond_the_concurrency_limit_are_refused(server_factory) -> None:  # type: ignore[no-untyped-def]
     srv = await server_factory(**{"server.max_concurrent_rpcs": 2})
     held = [await raw_conn(srv), await raw_conn(srv)]
-    extra = await dial(srv)  # accepted by the kernel, told why and closed by the daemon at once
+    extra = await dial(srv)  # accepted, told why in answer to its HELLO, and closed
+    await extra.send_frame(wire.HELLO)
     await expect_error(extra, errors.ResourceExhausted, "max_concurrent_rpcs = 2 connections open")
     extra.close()
     for c in held:
@@ -374,6 +375,44 @@ async def test_a_connection_that_sends_no_hello_is_closed_and_frees_its_slot(ser
         assert (await c.put(fp, toks, kv)).stored == 2
         n, got = await c.get_prefix(fp, toks)
         assert n == 32 and torch.equal(got, kv)
+
+
+async def test_sockets_that_never_say_hello_cannot_take_the_data_channel_from_tenants(server_factory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Connections that had not said HELLO (no token needed) counted against server.max_concurrent_rpcs for
+    HELLO_TIMEOUT_S: a loop keeping that many sockets open held every slot, and every tenant's client went over
+    gRPC (an audit). Now they wait apart, at most GREETING_MAX, the oldest closed for a newer one, and the
+    slots are for connections past HELLO: a tenant's client still puts and gets over the data channel."""
+    from engram.server import dataport
+
+    monkeypatch.setattr(dataport, "GREETING_MAX", 4)
+    srv = await server_factory(**{"server.max_concurrent_rpcs": 2, "auth.tenants.bob.token": "b-tok",
+                                  "auth.salt_secret": "s"})
+    silent = [await dial(srv) for _ in range(6)]  # more than every slot, and not a byte sent
+    await asyncio.sleep(0.1)
+    port = srv.service.dataport
+    assert len(port._greeting) == 4 and port._greeted == 0
+    for conn in silent[:2]:  # the oldest two made room for the last two
+        with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+            await asyncio.wait_for(conn.read_frame(), 5)
+    spec = tiny_model()
+    async with EngramClient(srv.address, token="b-tok", namespace="bob", zero_copy=False) as c:
+        fp = await c.register_model(spec)
+        toks, kv = tokens(32), random_kv(spec, 32)
+        assert (await c.put(fp, toks, kv)).stored == 2
+        n, got = await c.get_prefix(fp, toks)
+        assert n == 32 and torch.equal(got, kv)
+        assert served(srv)["put"] == 1 and served(srv)["get"] >= 1  # over the data channel, not gRPC
+    for conn in silent:
+        conn.close()
+    held = [await raw_conn(srv, "b-tok"), await raw_conn(srv, "b-tok")]  # past HELLO: these take the slots
+    third = await dial(srv)
+    await third.send_frame(wire.HELLO, b"b-tok")
+    kind, meta, _ = await third.read_frame()
+    assert kind == wire.ERROR and "max_concurrent_rpcs = 2" in str(wire.error_of(meta))
+    for conn in (*held, third):
+        conn.close()
+    await asyncio.sleep(0.1)
+    assert port._greeted == 0 and not port._greeting
 
 
 async def test_a_full_tls_data_channel_refuses_with_a_reason_and_the_client_uses_grpc(tmp_path: Path) -> None:

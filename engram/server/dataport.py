@@ -40,7 +40,11 @@ log = logging.getLogger("engram.server")
 
 _OPS = {wire.PUT: "put", wire.GET: "get"}
 REUSE_MAX = 64 * 2**20  # the largest receive buffer a connection keeps between blocks
-HELLO_TIMEOUT_S = 10.0  # a connection that sends no HELLO by then is closed (it holds one of the slots)
+HELLO_TIMEOUT_S = 10.0  # a connection that sends no HELLO by then is closed
+# Connections that have not said HELLO yet (no token known): one more closes the oldest of them. They do not count
+# against server.max_concurrent_rpcs, which bounds connections past HELLO: sockets that never spoke (no token
+# needed) held every slot, and every tenant's client fell back to gRPC (an audit).
+GREETING_MAX = 64
 
 
 class _Desync(Exception):
@@ -84,9 +88,11 @@ class DataPort:
         self._listeners: list[socket.socket] = []
         self._servers: list[asyncio.AbstractServer] = []
         self._tasks: set[asyncio.Task[None]] = set()
-        self._refusing: set[asyncio.Task[None]] = set()  # connections over the limit, being told so
         self._in_request: set[asyncio.Task[Any]] = set()  # connections answering a request right now
         self._conns: set[wire.Conn] = set()  # connections being served (their buffers: buffered_bytes)
+        self._greeting: dict[asyncio.Task[Any], None] = {}  # connections waiting for their HELLO, oldest first
+        self._evicted: set[asyncio.Task[Any]] = set()  # of those, closed to make room for a newer one
+        self._greeted = 0  # connections past HELLO (server.max_concurrent_rpcs bounds them)
         self._stopping = False
         self._accepting: list[asyncio.Task[None]] = []
         self.served = {"put": 0, "get": 0, "refused": 0}  # requests answered, by kind (tests, logs)
@@ -155,9 +161,6 @@ class DataPort:
         task = asyncio.current_task()
         assert task is not None
         conn = wire.Conn(reader=reader, writer=writer, stall_s=self.config.data_stall_s)
-        if self._full():
-            await self._refuse(conn)
-            return
         self._tasks.add(task)  # asyncio's server runs this in a task of its own: stop() must end it too
         try:
             wire.tune(writer.get_extra_info("socket"))
@@ -174,34 +177,35 @@ class DataPort:
 
     def _spawn(self, conn: wire.Conn) -> None:
         loop = asyncio.get_running_loop()
-        if self._full():
-            refusing = loop.create_task(self._refuse(conn))
-            self._refusing.add(refusing)
-            refusing.add_done_callback(self._refusing.discard)
-            return
         task = loop.create_task(self._serve(conn))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     def _full(self) -> bool:
-        if len(self._tasks) < self.config.max_concurrent_rpcs:  # the same bound as gRPC's concurrent calls
+        if self._greeted < self.config.max_concurrent_rpcs:  # the same bound as gRPC's concurrent calls
             return False
         log.warning("data channel: %d connections open (server.max_concurrent_rpcs); one more was refused",
-                    len(self._tasks))
+                    self._greeted)
         return True
 
     async def _refuse(self, conn: wire.Conn) -> None:
-        """Say why before closing (RESOURCE_EXHAUSTED, which the client takes as its cue to use gRPC instead),
-        within a second: a peer that reads nothing is not waited for."""
-        try:
-            busy = errors.ResourceExhausted(
-                f"the daemon's data channel has server.max_concurrent_rpcs = {self.config.max_concurrent_rpcs} "
-                "connections open")
+        """Say why, as the answer to its HELLO (RESOURCE_EXHAUSTED, which the client takes as its cue to use gRPC
+        instead), within a second: a peer that reads nothing is not waited for. The caller closes it."""
+        busy = errors.ResourceExhausted(
+            f"the daemon's data channel has server.max_concurrent_rpcs = {self.config.max_concurrent_rpcs} "
+            "connections open")
+        with contextlib.suppress(OSError, TimeoutError):
             await asyncio.wait_for(conn.send_error(busy), 1.0)
-        except (OSError, TimeoutError):
-            pass
-        finally:
-            conn.close()
+
+    def _greet(self, task: asyncio.Task[Any]) -> None:
+        """Room for one more connection waiting for its HELLO: past GREETING_MAX the oldest is closed (it had
+        its chance: a client's HELLO follows its connect at once)."""
+        if len(self._greeting) >= GREETING_MAX:
+            oldest = next(iter(self._greeting))
+            del self._greeting[oldest]
+            self._evicted.add(oldest)
+            oldest.cancel()
+        self._greeting[task] = None
 
     async def _serve(self, conn: wire.Conn) -> None:
         """One connection: HELLO, then requests until the client leaves, the framing breaks or a frame stalls.
@@ -262,22 +266,50 @@ class DataPort:
         finally:
             self._conns.discard(conn)
             conn.close()
-            if principal is not None and self.tenancy is not None:
-                self.tenancy.leave(principal, "data")
+            if principal is not None:
+                self._greeted -= 1
+                if self.tenancy is not None:
+                    self.tenancy.leave(principal, "data")
 
     async def _hello(self, conn: wire.Conn) -> Principal | None:
-        """The connection's principal once its HELLO is answered (its connection counted against its share of
-        data-channel connections: one tenant's idle connections took every slot, an audit); None: refused."""
+        """The connection's principal once its HELLO is answered (its connection counted against
+        server.max_concurrent_rpcs and its tenant's share of data-channel connections: one tenant's idle
+        connections took every slot, an audit); None: refused."""
+        me = asyncio.current_task()
+        assert me is not None
+        self._greet(me)
         try:
             kind, meta, body = await asyncio.wait_for(conn.read_frame(wire.MAX_HELLO_BYTES), HELLO_TIMEOUT_S)
         except TimeoutError:
-            return None  # a socket that says nothing holds a connection slot (max_concurrent_rpcs): closed
+            return None  # a socket that says nothing: closed
         except errors.InvalidArgument as exc:
             await conn.send_error(exc)
             return None
+        except asyncio.CancelledError:
+            if me in self._evicted and me.uncancel() == 0:  # closed for a newer connection (`_greet`), no other
+                return None
+            raise
+        finally:
+            self._greeting.pop(me, None)
+            self._evicted.discard(me)
         if kind != wire.HELLO or body:
             await conn.send_error(errors.InvalidArgument("data channel: a connection starts with HELLO"))
             return None
+        if self._full():
+            await self._refuse(conn)
+            return None
+        self._greeted += 1  # taken before any await: connections saying HELLO at once cannot pass the bound together
+        try:
+            principal = await self._admit(conn, meta)
+        except BaseException:
+            self._greeted -= 1
+            raise
+        if principal is None:
+            self._greeted -= 1
+        return principal
+
+    async def _admit(self, conn: wire.Conn, meta: bytearray) -> Principal | None:
+        """A HELLO's token checked and answered (HELLO_OK, or the error); None: refused."""
         if self.tenancy is None:
             principal = OPEN
         else:
@@ -391,7 +423,7 @@ class DataPort:
             await asyncio.wait(busy, timeout=grace_s)
         for task in list(self._tasks):
             task.cancel()
-        for task in [*self._accepting, *self._tasks, *self._refusing]:
+        for task in [*self._accepting, *self._tasks]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         for server in self._servers:
