@@ -115,8 +115,11 @@ class Session:
     mode: SessionMode
     approx_k: float
     parent: str = ""
-    tenant: str = ""  # the token that opened it (its persisted windows count against its share); "": no share
+    tenant: str = ""  # the token that opened (or forked) it; "": tenancy off, or an admin
     window: Window | None = None  # hot (rebuilt) or persisted
+    # Kept: the tenant whose share of persisted windows it counts against, the caller that made it kept (in a
+    # namespace tenants share, not always the session's opener); hot: the caller whose Resume rebuilt it
+    window_tenant: str = ""
     kept: bool = False  # the window is persisted: its bytes count against the budget and it survives going cold
     cooled: int = 0  # times it went cold: a replay that ends after one leaves the session cold
     decision: str = ""  # auto mode: the cost model's last choice, with its reason
@@ -500,10 +503,10 @@ class SessionManager:
             await asyncio.sleep(period)
 
     def append(self, namespace: str, session_id: str, tokens: np.ndarray, window: Window | None = None,
-               expect_back_ms: float = 0.0) -> Session:
-        """A turn: the session's tokens grow (and, in persist mode, its window is replaced). expect_back_ms:
-        when the client expects the session's next turn (`expect_back`); each turn says it again, or the
-        hint lapses."""
+               expect_back_ms: float = 0.0, *, tenant: str = "") -> Session:
+        """A turn: the session's tokens grow (and, in persist mode, its window is replaced, counted against
+        `tenant`'s share). expect_back_ms: when the client expects the session's next turn (`expect_back`);
+        each turn says it again, or the hint lapses."""
         s = self.get(namespace, session_id)
         limits.check_expect_back_ms(expect_back_ms)  # before anything of the session changes
         self._touch(s)
@@ -521,7 +524,7 @@ class SessionManager:
         self.store.hold(s.namespace, added.nbytes, "these tokens")  # counted (or refused) before the session changes
         if window is not None:
             try:
-                self._keep_window(s, window)  # likewise
+                self._keep_window(s, window, tenant)  # likewise
             except BaseException:
                 self.store.release_held(s.namespace, added.nbytes)
                 raise
@@ -559,22 +562,22 @@ class SessionManager:
         if parent.window is not None and parent.window.prefix_len == p:
             if child.mode == SessionMode.PERSIST:
                 try:
-                    self._keep_window(child, parent.window)  # the child holds it too: counted once more
+                    self._keep_window(child, parent.window, tenant)  # the child holds it too: counted once more
                 except ResourceExhausted:
                     self.close(namespace, child.id)
                     raise
             else:
-                child.window = parent.window
+                child.window, child.window_tenant = parent.window, tenant
                 self._mark_hot(child)
         return child
 
-    def suspend(self, namespace: str, session_id: str) -> Session:
-        """The session goes cold: a rebuilt window is dropped (auto mode: or kept, as its cost model
-        decides); a persisted one stays."""
+    def suspend(self, namespace: str, session_id: str, *, tenant: str = "") -> Session:
+        """The session goes cold: a rebuilt window is dropped (auto mode: or kept within `tenant`'s share, as
+        its cost model decides); a persisted one stays."""
         s = self.get(namespace, session_id)
         self._touch(s)
         if s.mode != SessionMode.PERSIST:
-            self._cool(s)
+            self._cool(s, tenant)
         return s
 
     def close(self, namespace: str, session_id: str) -> Session:
@@ -599,20 +602,22 @@ class SessionManager:
             raise InvalidArgument(f"a session may hold at most {self.max_session_tokens} tokens "
                                   f"(server.max_tokens_per_request), this one would hold {n}; open a new session")
 
-    def _keep_window(self, s: Session, window: Window) -> None:
+    def _keep_window(self, s: Session, window: Window, tenant: str) -> None:
         """Make `window` the persisted window of `s`, counting its bytes against the daemon's budget for
-        persisted windows, its tenant's share of it and its namespace's quota (the previous window's bytes are
-        given back)."""
+        persisted windows, `tenant`'s share of it (the caller that keeps it: in a namespace tenants share, one
+        tenant's windows on another's sessions counted against the opener's share) and its namespace's quota
+        (the previous window's bytes are given back, to the share they counted against)."""
         old = s.window.nbytes if s.window is not None and s.kept else 0  # a hot window is not counted
         delta = window.nbytes - old
         share = self.max_persisted_window_bytes_per_tenant
-        if s.tenant and share and self._persisted_of[s.tenant] + delta > share:
+        mine = old if s.window_tenant == tenant else 0  # what the share gets back: the window replaced, if its own
+        if tenant and share and self._persisted_of[tenant] + window.nbytes - mine > share:
             # One tenant filled the daemon's budget and every other's windows were refused (or dropped: auto).
-            # Not how much it holds: in a namespace tenants share, the caller need not be the session's tenant.
+            # Not how much it holds (nor what others' windows on the same sessions hold): what to change only.
             raise ResourceExhausted(
-                f"this window of {delta} bytes does not fit the share of persisted windows of the token that "
-                f"opened session {s.id} (replay.max_persisted_window_bytes_per_tenant); close its persist-mode "
-                "sessions, or open sessions in exact mode (the daemon rebuilds their windows)")
+                f"this window of {window.nbytes} bytes does not fit your token's share of persisted windows "
+                "(replay.max_persisted_window_bytes_per_tenant); close persist-mode sessions whose windows you "
+                "sent, or open sessions in exact mode (the daemon rebuilds their windows)")
         if self._persisted_bytes + delta > self.max_persisted_window_bytes:
             # Every tenant's windows count here: the message does not say how much they hold (a tenant just
             # under the budget read the others' total from it, an audit).
@@ -625,18 +630,20 @@ class SessionManager:
         elif delta < 0:
             self.store.release_held(s.namespace, -delta)
         self._persisted_bytes += delta
-        if s.tenant:
-            self._count_window(s.tenant, delta)
-        s.window = window
+        if old and s.window_tenant:
+            self._count_window(s.window_tenant, -old)
+        if tenant:
+            self._count_window(tenant, window.nbytes)
+        s.window, s.window_tenant = window, tenant
         s.kept = True
 
     def _release_window(self, s: Session) -> None:
         assert s.window is not None and s.kept
         self.store.release_held(s.namespace, s.window.nbytes)
         self._persisted_bytes -= s.window.nbytes
-        if s.tenant:
-            self._count_window(s.tenant, -s.window.nbytes)
-        s.window = None
+        if s.window_tenant:
+            self._count_window(s.window_tenant, -s.window.nbytes)  # the share it counted against
+        s.window, s.window_tenant = None, ""
         s.kept = False
 
     def _count_window(self, tenant: str, delta: int) -> None:
@@ -714,7 +721,7 @@ class SessionManager:
         if s.cooled == cooled:  # else it went cold while this replay ran (a Suspend): it stays so, the answer aside
             if s.kept:  # a window kept for another position: its bytes are given back first
                 self._release_window(s)
-            s.window = window
+            s.window, s.window_tenant = window, tenant
             self._mark_hot(s)  # with max_hot_windows = 0 this drops it again at once: the answer still carries it
         return Resumed(p, match.blocks, window, "replay", rec.replayed, rec.token_layers, seconds,
                        global_kv if with_global_kv else None)
@@ -785,17 +792,19 @@ class SessionManager:
         s.decision = choice.reason
         return ReplayMode.approx(choice.approx_k) if choice.mode == SessionMode.APPROX else ReplayMode.exact()
 
-    def _cool(self, s: Session) -> None:
+    def _cool(self, s: Session, tenant: str | None = None) -> None:
         """The session goes cold (suspended, its blocks left memory, or pushed out of the hot set). A rebuilt
         window is dropped, unless the session is in auto mode and its cost model finds keeping it (loading
-        it later) faster than any replay the fidelity floor allows, within the persisted-window budget."""
+        it later) faster than any replay the fidelity floor allows, within the persisted-window budget and the
+        share of `tenant` (the Suspend's caller), else of the tenant whose Resume rebuilt it."""
         s.cooled += 1
         if s.mode == SessionMode.AUTO and s.window is not None and not s.kept:
             cm = self.cost_models.get(self.store.spec(s.fingerprint).weights_id)
             if cm is not None:
+                keeper = s.window_tenant if tenant is None else tenant
                 budget = self.max_persisted_window_bytes - self._persisted_bytes
-                if s.tenant and self.max_persisted_window_bytes_per_tenant:  # and what its tenant's share has left
-                    budget = min(budget, self.max_persisted_window_bytes_per_tenant - self._persisted_of[s.tenant])
+                if keeper and self.max_persisted_window_bytes_per_tenant:  # and what the keeper's share has left
+                    budget = min(budget, self.max_persisted_window_bytes_per_tenant - self._persisted_of[keeper])
                 try:
                     choice = cm.choose(s.window.prefix_len, budget_bytes=budget, floor=self.floor,
                                        tier=self.persist_tier, window_bytes=s.window.nbytes)
@@ -807,7 +816,7 @@ class SessionManager:
                 if choice is not None and choice.mode == SessionMode.PERSIST:
                     self._hot.pop((s.namespace, s.id), None)
                     try:
-                        self._keep_window(s, s.window)
+                        self._keep_window(s, s.window, keeper)
                         return
                     except ResourceExhausted as exc:  # the namespace's quota, the tenant's share: replay it after all
                         s.decision = f"dropped the window: keeping it was chosen, but {exc}"
@@ -842,7 +851,7 @@ class SessionManager:
     def _drop_hot(self, s: Session) -> None:
         self._hot.pop((s.namespace, s.id), None)
         if not s.kept:
-            s.window = None
+            s.window, s.window_tenant = None, ""
 
     # ---- stats -----------------------------------------------------------------------------------
 

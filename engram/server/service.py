@@ -615,7 +615,8 @@ class EngramService:
         check_limit("AppendSession tokens", len(req.tokens), self.config.max_tokens_per_request)
         window = _window_from_pb(req.window) if req.HasField("window") else None
         s = self.sessions.append(namespace_for(context, req.session.namespace), req.session.session_id,
-                                 convert.tokens_from_pb(req.tokens), window, req.expect_back_ms)
+                                 convert.tokens_from_pb(req.tokens), window, req.expect_back_ms,
+                                 tenant=self._tenant(context))
         return convert.to_pb(s.info(), pb.SessionInfo)
 
     @unary
@@ -628,7 +629,7 @@ class EngramService:
     @unary
     async def SuspendSession(self, request: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
         req = decoded(request)
-        s = self.sessions.suspend(namespace_for(context, req.namespace), req.session_id)
+        s = self.sessions.suspend(namespace_for(context, req.namespace), req.session_id, tenant=self._tenant(context))
         return convert.to_pb(s.info(), pb.SessionInfo)
 
     @unary
