@@ -1124,6 +1124,31 @@ async def test_a_directory_named_as_a_block_file_is_reported_and_left_alone(tmp_
     await store.close()
 
 
+async def test_a_block_left_unreachable_while_it_was_read_is_dropped_by_the_next_check(tmp_path: Path) -> None:
+    """A block that extends a dropped one but was being read at the drop stays indexed (reported, "left until a
+    restart"); no later `check --fix` dropped it either, since nothing it extended was found broken again (CI
+    saw it too: the background check of trusted files and `check --fix` dropped one block at once, one of
+    them while the other read a descendant). A check with fix now drops every block a lookup cannot reach."""
+    store = await make_store(tmp_path, dram_blocks=64, write_policy="write-through")
+    toks = tokens(4 * BLOCK_TOKENS, seed=42)
+    await put_seq(store, toks, random_kv(SPEC, len(toks), seed=42))
+    chain = store.lookup(NS, SPEC.fingerprint, toks).blocks
+    await store.placement.drop_copy(chain[1], "dram")  # its only copy now the file, then corrupt there
+    _flip(store.tiers[1].path_of(chain[1].key), -5)  # type: ignore[attr-defined]
+    store.acquire([chain[3]])  # being read
+    report = await store.check(fix=True)
+    assert [m.key for m in chain if m.key in store.index] == [chain[0].key, chain[2].key, chain[3].key]
+    assert (chain[3].key.hex(), "unreachable: a block it extends was dropped (being read: left until a restart)",
+            False) in report.findings
+    store.release([chain[3]])
+    report = await store.check(fix=True)
+    assert [m.key for m in chain if m.key in store.index] == [chain[0].key]
+    assert report.findings == [(m.key.hex(), "unreachable: a block it extends was dropped", True)
+                               for m in (chain[3], chain[2])]
+    assert len(block_files(tmp_path)) == 1
+    await store.close()
+
+
 async def test_an_online_check_that_drops_a_block_drops_what_extends_it(tmp_path: Path) -> None:
     """`check --fix` drops a middle block whose file is corrupt: the blocks that extend it can no longer be
     reached (a lookup stops at the dropped one), so they go too, files and all, and are reported; before, they

@@ -203,7 +203,40 @@ async def check(store: BlockStore, *, fix: bool) -> StoreReport:
                 await placement.drop_copy(meta, tier.name)
                 if not meta.locations:
                     await drop_lost(store, meta, report)
+    if fix:
+        await _drop_unreachable(store, report)
     return report
+
+
+async def _drop_unreachable(store: BlockStore, report: StoreReport) -> None:
+    """Blocks still indexed whose parent is not, and what extends them (a drop found them being read, by this
+    check or another, or two drops of one block ran at once: the background check of trusted files beside
+    `check --fix`), go now, deepest first, unless still busy (reported): a lookup can never reach them."""
+    roots: dict[tuple[str, bytes], bytes] = {}
+    tops = []
+    for meta in store.index:
+        root = roots.get((meta.namespace, meta.model_fingerprint))
+        if root is None:
+            root = roots[meta.namespace, meta.model_fingerprint] = store.root(meta.namespace, meta.model_fingerprint)
+        if meta.parent != root and meta.parent not in store.index:
+            tops.append(meta)
+    for top in tops:
+        below = [top]
+        stack = list(store.children(top.key))
+        while stack:
+            m = stack.pop()
+            below.append(m)
+            stack.extend(store.children(m.key))
+        for d in reversed(below):  # each after everything that extends it
+            if store.index.get(d.key) is not d:
+                continue
+            if d.leases or d.moving or d.children:
+                report.findings.append((d.key.hex(), "unreachable: a block it extends was dropped (being read: "
+                                        "left until a restart)", False))
+                continue
+            d.pins = 0
+            await store.placement.delete_block(d)
+            report.findings.append((d.key.hex(), "unreachable: a block it extends was dropped", True))
 
 
 async def drop_lost(store: BlockStore, meta: BlockMeta, report: StoreReport | None = None) -> None:
