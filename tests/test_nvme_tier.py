@@ -1160,6 +1160,7 @@ async def test_an_online_check_that_drops_a_block_drops_what_extends_it(tmp_path
     await store.close()
     seqs, kvs = [toks], [kv]
     store = await make_store(tmp_path, dram_blocks=1)
+    await settle(store)  # the background check of trusted files is done: the report is the check's alone
     chain = [m.key for m in store.lookup(NS, SPEC.fingerprint, seqs[0]).blocks]
     assert len(chain) == 4
     _flip(store.tiers[1].path_of(chain[1]), -5)  # type: ignore[attr-defined]
