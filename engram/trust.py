@@ -18,7 +18,9 @@ fetched from a peer is believed unless the peer proves it knows the cluster secr
 - Node proof: beside the peer token a daemon sends its node id and a MAC of it (`peer_metadata`), so the daemon
   it calls counts the call against that node's own share of calls (principal `peer:<node id>`), not one share
   every peer has together: one peer's many calls starved the others. The cluster secret never travels, so a
-  peer token seen on the wire cannot make up node ids (and shares) of its own.
+  peer token seen on the wire cannot make up node ids (and shares) of its own; but a proof is the same on
+  every call (no nonce, no time), so one seen with it can be replayed to use that node's share (TLS between
+  daemons keeps both off the wire; the peer token alone already reads every namespace by FetchBlocks).
 - Block MAC: the serving daemon sends HMAC(key, parent, namespace, model, codec, BLAKE2b(payload)) with
   each block; the fetching daemon computes the same MAC itself over what it received and drops the block
   unless they match. The key is recomputed from parent and tokens by the store as for every put, so a block
