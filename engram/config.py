@@ -437,15 +437,20 @@ def check_tenant_name(name: str, where: str) -> None:
                           "daemon's names for its peers and admin tokens); give the tenant another name")
 
 
+def check_tenant(name: str, t: TenantConfig, where: str) -> None:
+    """A tenant's table, from the config or from auth.tenants_file (`where` names it)."""
+    check_tenant_name(name, where)
+    if not t.token:
+        raise ConfigError(f"{where}.token is empty: give the tenant a bearer token (or env:VAR)")
+    if t.quota < 0:
+        raise ConfigError(f"{where}.quota must be >= 0 (0: unlimited)")
+    if t.max_sessions < 0:
+        raise ConfigError(f"{where}.max_sessions must be >= 0 (0: server.max_sessions_per_namespace)")
+
+
 def _validate_auth(a: AuthConfig) -> None:
     for name, t in a.tenants.items():
-        check_tenant_name(name, f"auth.tenants.{name}")
-        if not t.token:
-            raise ConfigError(f"auth.tenants.{name}.token is empty: give the tenant a bearer token (or env:VAR)")
-        if t.quota < 0:
-            raise ConfigError(f"auth.tenants.{name}.quota must be >= 0 (0: unlimited)")
-        if t.max_sessions < 0:
-            raise ConfigError(f"auth.tenants.{name}.max_sessions must be >= 0 (0: server.max_sessions_per_namespace)")
+        check_tenant(name, t, f"auth.tenants.{name}")
     if a.tenants_file and not Path(a.tenants_file).is_file():
         raise ConfigError(f"auth.tenants_file: {a.tenants_file} is not a file")
     if a.same_host_paths not in ("auto", "on", "off"):

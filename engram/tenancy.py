@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from engram.config import AuthConfig, ConfigError, _apply_tree, check_tenant_name
+from engram.config import AuthConfig, ConfigError, _apply_tree, check_tenant
 from engram.errors import ResourceExhausted, Unauthenticated
 
 SALT_BYTES = 16
@@ -102,14 +102,16 @@ class Tenancy:
             return None
         merged = AuthConfig(tenants=dict(auth.tenants), admin_tokens=auth.admin_tokens)
         if auth.tenants_file:
-            with open(auth.tenants_file, "rb") as fh:
-                try:
+            try:
+                with open(auth.tenants_file, "rb") as fh:
                     _apply_tree(merged, tomllib.load(fh))  # type: ignore[arg-type]
-                except tomllib.TOMLDecodeError as exc:
-                    raise ConfigError(f"auth.tenants_file {auth.tenants_file}: not valid TOML: {exc}") from None
+            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"auth.tenants_file {auth.tenants_file}: not valid TOML: {exc}") from None
+            except OSError as exc:
+                raise ConfigError(f"auth.tenants_file {auth.tenants_file}: {exc.strerror or exc}") from None
         t = cls(resolve_secret(auth.salt_secret, "auth.salt_secret").encode())
         for name in merged.tenants.keys() - auth.tenants.keys():  # the config's own were checked as it loaded
-            check_tenant_name(name, f"auth.tenants_file {auth.tenants_file}: tenants.{name}")
+            check_tenant(name, merged.tenants[name], f"auth.tenants_file {auth.tenants_file}: tenants.{name}")
         for name, tc in merged.tenants.items():
             spaces = tuple(n.strip() for n in tc.namespaces.split(",") if n.strip()) or (name,)
             t._add(resolve_secret(tc.token, f"auth.tenants.{name}.token"), Principal(name, spaces))

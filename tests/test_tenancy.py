@@ -221,6 +221,27 @@ def test_a_tenant_named_as_one_of_the_daemons_own_callers_is_refused_at_config_l
     assert sorted(p.name for p in tenancy.principals.values()) == ["Peer", "admin", "admin-team", "peer", "peers"]
 
 
+@pytest.mark.parametrize(("content", "says"), [
+    (b'[tenants.bob]\ntoken = "t"\nquota = -5\n', "tenants.bob.quota must be >= 0"),
+    (b'[tenants.bob]\ntoken = "t"\nmax_sessions = -2\n', "tenants.bob.max_sessions must be >= 0"),
+    (b'[tenants.bob]\ntoken = ""\n', "tenants.bob.token is empty"),
+    (b"\xff\xfe[tenants.bob]\n", "not valid TOML"),
+], ids=["negative-quota", "negative-max-sessions", "empty-token", "not-utf-8"])
+def test_a_tenants_file_is_checked_as_the_config_is(tmp_path: Path, content: bytes, says: str) -> None:
+    """A tenants file's tables skipped the config's checks: a negative quota started the daemon and failed every
+    call of that tenant INTERNAL (ValueError); a file not in UTF-8 stopped the start with a traceback (an audit).
+    Each is a ConfigError naming the file and the field now (`engram serve`: exit 4)."""
+    from engram.config import load_config
+    from engram.errors import ConfigError
+    from engram.tenancy import Tenancy
+
+    secrets = tmp_path / "tenants.toml"
+    secrets.write_bytes(content)
+    auth = load_config(env={}, overrides={"auth.tenants_file": str(secrets), "auth.salt_secret": "s"}).auth
+    with pytest.raises(ConfigError, match=f"auth.tenants_file {secrets}: .*{says}"):
+        Tenancy.from_config(auth)
+
+
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make a self-signed cert")
 async def test_tls_over_tcp_with_a_self_signed_certificate(tmp_path: Path) -> None:
     from engram.config import load_config
