@@ -6,14 +6,16 @@ rename), so that after a restart the blocks on disk can be matched to their mode
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from engram.errors import InvalidArgument, NotFound
+from engram.errors import InvalidArgument, NotFound, StorageFull, StorageIOError
 from engram.layout import DType, ModelSpec
 from engram.private import FILE_MODE, private_dir
 
@@ -86,14 +88,24 @@ class ModelRegistry:
         return fp
 
     def _persist(self, fp: bytes, spec: ModelSpec, added_by: str) -> None:
+        """The model's file, written before it is registered (so a restart knows it); a full disk is
+        StorageFull, another failure StorageIOError (each a status the caller can act on, not INTERNAL)."""
         assert self._dir is not None
         final = self._dir / f"{fp.hex()}.json"
         tmp = final.with_suffix(".tmp")
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE), "w") as fh:
-            json.dump({**spec.to_dict(), **({"added_by": added_by} if added_by else {})}, fh, sort_keys=True)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
+        try:
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE), "w") as fh:
+                json.dump({**spec.to_dict(), **({"added_by": added_by} if added_by else {})}, fh, sort_keys=True)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, final)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            why = f"the model registry in {self._dir} cannot be written ({exc.strerror or exc})"
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StorageFull(f"{why}: the disk is full; free space on it, then register the model again") from None
+            raise StorageIOError(f"{why}; register the model again once the directory is writable") from None
 
     def get(self, fingerprint: bytes) -> ModelSpec:
         try:

@@ -966,6 +966,23 @@ async def test_journals_left_by_restarts_after_crashes_are_compacted_at_a_start(
     await store.close()
 
 
+def test_registering_a_model_on_a_full_disk_is_storage_full_and_leaves_nothing(tmp_path: Path) -> None:
+    """RegisterModel writes the model's file first: on a full disk (a real tmpfs) that failed INTERNAL with a
+    traceback in the log, its temp file left behind (an audit). Now StorageFull (RESOURCE_EXHAUSTED), nothing
+    left, and the same call works once there is room."""
+    from engram.registry import ModelRegistry
+
+    with small_tmpfs(tmp_path / "small", "64k") as mnt:
+        registry = ModelRegistry(mnt / "models")
+        filler = _fill_until_full(mnt)
+        with pytest.raises(errors.StorageFull, match="the disk is full"):
+            registry.register(SPEC)
+        assert list((mnt / "models").iterdir()) == []
+        filler.unlink()
+        fp = registry.register(SPEC)
+        assert ModelRegistry(mnt / "models").get(fp) == registry.get(fp)  # persisted
+
+
 async def test_io_error_on_one_block_fails_that_block_only(tmp_path: Path) -> None:
     seqs, kvs = await _store_on_disk(tmp_path, n_seqs=2)
     store = await make_store(tmp_path, dram_blocks=1)
