@@ -33,6 +33,9 @@ def offline(directory: str, fix: bool, progress: Callable[[int, int], None] | No
             tier = NvmeTier(root, 1 << 62, fsync=False)
         except AlreadyRunning as exc:  # a daemon serves this directory: check it through the daemon instead
             raise fail(f"{exc}; or run `engram check` against the running daemon", EXIT_BAD_INPUT) from None
+        except OSError as exc:  # its lock cannot be taken: a read-only remount after errors, permissions
+            raise fail(f"{directory}: cannot open the tier ({exc.strerror or exc}: {exc.filename or directory}); "
+                       "check it where it can be written, or through the daemon serving it", EXIT_BAD_INPUT) from None
         try:
             report = await tier.check(fix=fix, progress=progress)
         finally:

@@ -20,8 +20,8 @@ from engram.control import ControlClient
 from engram.wire.channel import header_safe
 
 # Piped: as wide as the tables need, so no column is cut with "…" (grep sees whole keys and paths).
-console = Console(width=None if sys.stdout.isatty() else 4096)
-err_console = Console(stderr=True, soft_wrap=True)  # messages stay on one line for grep
+console = Console(width=None if sys.stdout.isatty() else 4096, emoji=False)  # ":x:" in a name stays as typed
+err_console = Console(stderr=True, soft_wrap=True, emoji=False)  # one line for grep; no ":x:" emoji
 
 # Exit codes, the same for every command (README). 1 is a command's own "problems found" (check, demo) and 5
 # verify-isolation's "no positive control".

@@ -18,7 +18,7 @@ from engram.cli.main import app
 from engram.client import SyncEngramClient
 from engram.codec.base import default_backend, resolve_default_codec
 
-from helpers import ENGRAM, NEUTRAL_CWD, engram_daemon, random_kv, tiny_model, tokens
+from helpers import ENGRAM, NEUTRAL_CWD, engram_daemon, random_kv, small_tmpfs, tiny_model, tokens
 
 
 @pytest.fixture
@@ -208,6 +208,25 @@ def test_check_offline_reports_then_fixes(tmp_path: Path) -> None:
     assert bad.returncode == 4 and "not an Engram NVMe tier directory" in bad.stderr
     empty = run_cli("check", "--dir", "")  # refused: not taken for "no --dir" (a check of the default daemon)
     assert empty.returncode == 4 and "--dir needs the NVMe tier's directory" in empty.stderr
+
+
+def test_check_dir_on_a_read_only_filesystem_says_so_in_one_line(tmp_path: Path) -> None:
+    """A tier remounted read-only after disk errors, when an offline check is most wanted: its lock file could not
+    be made and the check died in a traceback with exit 1, the code for "problems found" (an audit)."""
+    with small_tmpfs(tmp_path / "small", "1m") as mnt:
+        (mnt / "blocks").mkdir()
+        if subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True).returncode:
+            pytest.skip("this machine refuses to remount a tmpfs read-only")
+        got = run_cli("check", "--dir", str(mnt))
+        assert got.returncode == 4, got.stderr
+        assert "cannot open the tier (Read-only file system" in got.stderr and "Traceback" not in got.stderr
+        assert len(got.stderr.strip().splitlines()) == 1
+
+
+def test_cli_messages_keep_colons_as_typed(tmp_path: Path) -> None:
+    """rich turned ":x:" in a name into an emoji in every CLI message (`engram show :x:` said no session '❌')."""
+    got = run_cli("check", "--dir", str(tmp_path / ":x:"))
+    assert got.returncode == 4 and ":x:" in got.stderr and "\u274c" not in got.stderr
 
 
 def test_check_online(daemon) -> None:  # type: ignore[no-untyped-def]
