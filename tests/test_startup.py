@@ -133,6 +133,22 @@ def test_banner_warns_when_the_disk_cannot_hold_the_nvme_capacity(tmp_path: Path
     assert any("warning: tiers.nvme.capacity" in line and "lower the capacity" in line for line in lines), lines
 
 
+def test_an_nvme_directory_whose_index_cannot_be_made_fails_the_start_in_one_line(tmp_path: Path) -> None:
+    """index/ a regular file (or read-only, not this daemon's): the tier started degraded and refused every
+    write-through put for good, retrying the journal every 5 s (an audit). Only a full disk starts degraded (it
+    frees up); this is a directory the daemon cannot use: exit 9, one line naming it, nothing left behind."""
+    nvme = tmp_path / "engram"
+    nvme.mkdir()
+    (nvme / "index").write_text("not a directory")
+    out, shm = serve(tmp_path, "--port", "0", "--dram-capacity", "64MiB", "--set", f"tiers.nvme.path={nvme}",
+                     "--set", "tiers.write_policy=write-through")
+    assert out.returncode == 9, out.stderr
+    line = out.stderr.strip().splitlines()[-1]  # after the journal's own warnings, logged as it found it
+    assert line.startswith(f"error: cannot start: tiers.nvme.path {nvme}: its index journal cannot be created in "
+                           f"{nvme / 'index'} (File exists)"), line
+    assert "Traceback" not in out.stderr and list(shm.iterdir()) == []
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 @pytest.mark.parametrize("made", [(), ("models",), ("models", "blocks", "tmp")])
 def test_a_first_nvme_start_on_a_full_disk_is_one_line_naming_the_directory(tmp_path: Path,

@@ -361,7 +361,8 @@ class NvmeTier:
             j.drop(exc)
             why = "the index journal cannot be created: the next start reads every block file"
             self.journal_error = (StorageFull(f"no space left on the filesystem of {self.root} ({why})")
-                                  if exc.errno == errno.ENOSPC else StorageIOError(f"{why}: {exc.strerror or exc}"))
+                                  if exc.errno in (errno.ENOSPC, errno.EDQUOT) else
+                                  StorageIOError(f"{why}: {exc.strerror or exc}"))
             raise self.journal_error from exc
         self.journal_error = None
         self._snapshot_due = True  # compacted at the next change (the write that opened it)
@@ -581,8 +582,15 @@ class NvmeTier:
             self._journal_wanted = True
             try:
                 self._open_journal()
-            except (StorageFull, StorageIOError):
+            except StorageFull:
                 return report  # serve the files without a journal; the store degrades the tier (journal_error)
+            except StorageIOError as exc:
+                # Not a full disk, which frees up: index/ is a file, read-only, not ours. Started degraded, every
+                # write-through put was refused for good (an audit): the start fails instead (`engram serve`: 9).
+                cause = exc.__cause__
+                raise OSError(f"tiers.nvme.path {self.root}: its index journal cannot be created in "
+                              f"{self.root / 'index'} ({getattr(cause, 'strerror', None) or cause or exc}); make it a "
+                              "directory this daemon can write") from None
             for key in gone:  # as a delete does: else a later start trusts their old headers for files written again
                 self._journal.remove(key)
             if self.fsync:
