@@ -133,7 +133,7 @@ def test_banner_warns_when_the_disk_cannot_hold_the_nvme_capacity(tmp_path: Path
     assert any("warning: tiers.nvme.capacity" in line and "lower the capacity" in line for line in lines), lines
 
 
-def test_an_nvme_directory_whose_index_cannot_be_made_fails_the_start_in_one_line(tmp_path: Path) -> None:
+def test_an_nvme_directory_whose_index_cannot_be_made_fails_the_start_naming_it(tmp_path: Path) -> None:
     """index/ a regular file (or read-only, not this daemon's): the tier started degraded and refused every
     write-through put for good, retrying the journal every 5 s (an audit). Only a full disk starts degraded (it
     frees up); this is a directory the daemon cannot use: exit 9, one line naming it, nothing left behind."""
