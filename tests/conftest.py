@@ -52,3 +52,23 @@ async def server(server_factory: ServerFactory) -> RunningServer:
 async def client(server: RunningServer) -> AsyncIterator[EngramClient]:
     async with EngramClient(server.address, namespace="tenant-a") as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    """The tiny seeded hybrid model (gpt-oss's layer pattern, a window of 8) the replay tests' daemons run."""
+    import torch
+
+    from engram.replay import HybridConfig, HybridDecoder, gpt_oss_pattern
+
+    return HybridDecoder(HybridConfig(layers=gpt_oss_pattern(4), window=8, dtype=torch.float32, seed=3))
+
+
+@pytest.fixture
+def model_file(model: Any, tmp_path: Path) -> Path:
+    """`model` saved as a decoder file, for replay.models."""
+    from engram.replay import save_decoder
+
+    path = tmp_path / "replay-model.safetensors"
+    save_decoder(model, path)
+    return path

@@ -286,6 +286,16 @@ async def test_hbm_blocks_load_through_cuda_ipc_into_the_worker(tmp_path: Path, 
             assert torch.equal(got.cpu(), await bytes_path(c, fp, other))
 
 
+async def _two_blocks_stored(c: EngramClient) -> tuple[bytes, Any, torch.Tensor]:
+    """The tiny model registered and a two-block prefix of its KV put: (fingerprint, tokens, KV)."""
+    spec = tiny_model()
+    fp = await c.register_model(spec)
+    toks = tokens(2 * BLOCK_TOKENS)
+    kv = random_kv(spec, len(toks))
+    await c.put(fp, toks, kv)
+    return fp, toks, kv
+
+
 @pytest.mark.parametrize("zero_copy", [True, False])
 async def test_a_destination_not_shaped_as_the_models_kv_is_refused(server_factory, zero_copy: bool) -> None:  # type: ignore[no-untyped-def]
     """A destination with kv_heads and head_dim swapped holds as many elements, and was filled in another order
@@ -294,12 +304,8 @@ async def test_a_destination_not_shaped_as_the_models_kv_is_refused(server_facto
     from engram import errors
 
     srv = await server_factory()
-    spec = tiny_model()
     async with EngramClient(srv.address, namespace="t", zero_copy=zero_copy) as c:
-        fp = await c.register_model(spec)
-        toks = tokens(2 * BLOCK_TOKENS)
-        kv = random_kv(spec, len(toks))
-        await c.put(fp, toks, kv)
+        fp, toks, kv = await _two_blocks_stored(c)
         layers, _, n, heads, dim = kv.shape
         assert heads != dim
         for wrong in ((layers, 2, n, dim, heads), (layers + 1, 2, n, heads, dim)):
@@ -321,12 +327,8 @@ async def test_a_destination_of_another_dtype_than_the_models_kv_is_refused(serv
     from engram import errors
 
     srv = await server_factory()
-    spec = tiny_model()
     async with EngramClient(srv.address, namespace="t", zero_copy=zero_copy) as c:
-        fp = await c.register_model(spec)
-        toks = tokens(2 * BLOCK_TOKENS)
-        kv = random_kv(spec, len(toks))
-        await c.put(fp, toks, kv)
+        fp, toks, kv = await _two_blocks_stored(c)
         layers, _, n, heads, dim = kv.shape
         for dtype in (torch.int32, torch.float16, torch.float32):
             per_layer = [torch.zeros(n, heads, dim, dtype=dtype) for _ in range(layers)]

@@ -288,9 +288,9 @@ async def test_model_file_lost_keeps_blocks_until_registered(tmp_path: Path) -> 
     await store2.close()
 
 
-def _flip(path: Path, offset: int) -> None:
+def _flip(path: Path, offset: int, mask: int = 0x40) -> None:
     data = bytearray(path.read_bytes())
-    data[offset] ^= 0x40
+    data[offset] ^= mask
     path.write_bytes(bytes(data))
 
 
@@ -754,9 +754,7 @@ async def test_a_flipped_byte_in_an_index_file_head_keeps_every_acknowledged_blo
     index = crash / "index"
     path = index / "snapshot" if name == "snapshot" else max(
         index.glob("journal.*"), key=lambda p: int(p.name.split(".")[1]))
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0xFF
-    path.write_bytes(bytes(data))
+    _flip(path, offset, 0xFF)
     store = await make_store(crash, dram_blocks=64)
     n, got = await get_seq(store, t)
     assert n == len(t) and got is not None and torch.equal(got, new)
@@ -907,9 +905,7 @@ async def test_a_version_1_snapshot_whose_generation_names_no_journal_is_not_tru
     crash, t, new = await _a_block_written_again_at_a_crash(tmp_path)
     _to_version_1(crash / "index")
     snapshot = crash / "index" / "snapshot"
-    data = bytearray(snapshot.read_bytes())
-    data[offset] ^= 0xFF
-    snapshot.write_bytes(bytes(data))
+    _flip(snapshot, offset, 0xFF)
     store = await make_store(crash, dram_blocks=64)
     n, got = await get_seq(store, t)
     assert n == len(t) and got is not None and torch.equal(got, new)

@@ -17,7 +17,7 @@ import torch
 from engram.api import SessionMode
 from engram.client import EngramClient
 from engram.config import ConfigError, load_config
-from engram.replay import HybridConfig, HybridDecoder, exact_bound, gpt_oss_pattern, save_decoder
+from engram.replay import HybridDecoder, exact_bound, save_decoder
 from engram.replay.costmodel import Calibration, machine_id
 from engram.replay.runtime import model_spec_for
 from engram.server.app import start_server
@@ -25,11 +25,6 @@ from engram.server.app import start_server
 BT = 16
 P = 53
 W = 8
-
-
-@pytest.fixture(scope="module")
-def model() -> HybridDecoder:
-    return HybridDecoder(HybridConfig(layers=gpt_oss_pattern(4), window=W, dtype=torch.float32, seed=3))
 
 
 def window_bytes(model: HybridDecoder) -> int:

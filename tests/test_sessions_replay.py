@@ -22,24 +22,11 @@ from engram.replay import (
     decode_next,
     exact_bound,
     gpt_oss_pattern,
-    save_decoder,
 )
 from engram.replay.runtime import model_spec_for
 
 BT = 16  # block tokens
 P = 53  # a prefix that ends inside a block
-
-
-@pytest.fixture(scope="module")
-def model() -> HybridDecoder:
-    return HybridDecoder(HybridConfig(layers=gpt_oss_pattern(4), window=8, dtype=torch.float32, seed=3))
-
-
-@pytest.fixture
-def model_file(model: HybridDecoder, tmp_path: Path) -> Path:
-    path = tmp_path / "replay-model.safetensors"
-    save_decoder(model, path)
-    return path
 
 
 @pytest.fixture

@@ -13,13 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from test_limits import window_for
 from test_sessions_replay import P, put_session, tokens_for
 
 from engram import errors
 from engram.client import EngramClient
-from engram.replay import HybridConfig, HybridDecoder, gpt_oss_pattern, save_decoder
+from engram.replay import HybridDecoder
 from engram.sessions import SessionManager
 
 from helpers import BLOCK_TOKENS, tiny_model, tokens
@@ -27,18 +26,6 @@ from helpers import BLOCK_TOKENS, tiny_model, tokens
 ALICE, BOB, ADMIN = "alice-token", "bob-token", "admin-token"
 AUTH = {"auth.tenants.alice.token": ALICE, "auth.tenants.bob.token": BOB, "auth.admin_tokens": ADMIN,
         "auth.salt_secret": "test-secret"}
-
-
-@pytest.fixture(scope="module")
-def model() -> HybridDecoder:
-    return HybridDecoder(HybridConfig(layers=gpt_oss_pattern(4), window=8, dtype=torch.float32, seed=3))
-
-
-@pytest.fixture
-def model_file(model: HybridDecoder, tmp_path: Path) -> Path:
-    path = tmp_path / "replay-model.safetensors"
-    save_decoder(model, path)
-    return path
 
 
 def as_(srv: Any, token: str, namespace: str) -> EngramClient:
@@ -60,11 +47,8 @@ async def test_a_tenant_past_its_share_of_the_replay_queue_is_refused_and_anothe
     """One replay at a time, two Resumes waiting in all, one a tenant: Alice's replay runs (held at a gate), one
     of hers waits, her next is refused naming replay.max_queued_per_tenant; Bob's still waits its turn (it was
     refused: Alice's burst had filled replay.max_queued) and is answered once the gate opens."""
-    srv = await server_factory(**{**AUTH, "replay.models": str(model_file), "replay.max_concurrent": 1,
-                                  "replay.max_queued": 2, "replay.max_queued_per_tenant": 1,
-                                  "tiers.nvme.path": str(tmp_path / "nvme")})
+    srv, gate, ran = await _one_replay_at_a_time(server_factory, model_file, tmp_path, monkeypatch)
     sessions = srv.sessions
-    gate, ran = hold_replays(sessions, monkeypatch)
     toks = tokens_for(P, seed=40)
     async with as_(srv, ALICE, "alice") as a, as_(srv, BOB, "bob") as b:
         _, alice_sid = await put_session(a, model, toks)
@@ -92,11 +76,8 @@ async def test_an_admins_resumes_wait_outside_the_tenants_shares(
         server_factory: Any, model_file: Path, model: HybridDecoder, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """An admin acts on the whole daemon: its Resumes count against replay.max_queued only."""
-    srv = await server_factory(**{**AUTH, "replay.models": str(model_file), "replay.max_concurrent": 1,
-                                  "replay.max_queued": 2, "replay.max_queued_per_tenant": 1,
-                                  "tiers.nvme.path": str(tmp_path / "nvme")})
+    srv, gate, ran = await _one_replay_at_a_time(server_factory, model_file, tmp_path, monkeypatch)
     sessions = srv.sessions
-    gate, ran = hold_replays(sessions, monkeypatch)
     toks = tokens_for(P, seed=41)
     async with EngramClient(srv.address, token=ADMIN, namespace="ops") as admin:
         _, sid = await put_session(admin, model, toks)
@@ -110,6 +91,17 @@ async def test_an_admins_resumes_wait_outside_the_tenants_shares(
         gate.set()
         assert [r.source for r in await asyncio.gather(running, *waiting)] == ["replay"] * 3
     assert sessions._replay_turns.waiting == 0 and not sessions._replay_turns.tenants_waiting
+
+
+async def _one_replay_at_a_time(server_factory: Any, model_file: Path, tmp_path: Path,
+                                monkeypatch: pytest.MonkeyPatch) -> tuple[Any, threading.Event, list[int]]:
+    """A daemon with tenancy running one replay at a time, two Resumes waiting at most (each tenant's share 1),
+    its replays held at a gate (`hold_replays`)."""
+    srv = await server_factory(**{**AUTH, "replay.models": str(model_file), "replay.max_concurrent": 1,
+                                  "replay.max_queued": 2, "replay.max_queued_per_tenant": 1,
+                                  "tiers.nvme.path": str(tmp_path / "nvme")})
+    gate, ran = hold_replays(srv.sessions, monkeypatch)
+    return srv, gate, ran
 
 
 def hold_replays(sessions: SessionManager, monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, list[int]]:
