@@ -962,6 +962,54 @@ async def test_journals_left_by_restarts_after_crashes_are_compacted_at_a_start(
     await store.close()
 
 
+async def test_a_snapshot_that_cannot_be_written_piles_up_no_journals_and_is_written_once_it_can(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A snapshot the tier cannot publish (a directory at index/snapshot): every change rotated a new journal
+    for another failed try and logged it (an audit counted 106 journal files after 33 puts and gets). A failed
+    snapshot is tried again after a back-off, in the generation it opened; once the obstacle is gone it is
+    written, the journals before it go, and a crash at any point loses no acknowledged block."""
+    seqs, kvs = await _store_on_disk(tmp_path, n_seqs=1)
+    index = tmp_path / "index"
+    (index / "snapshot").unlink()
+    (index / "snapshot").mkdir()
+    store = await make_store(tmp_path, dram_blocks=128, nvme_blocks=128, write_policy="write-through")
+
+    async def put_one() -> None:
+        seqs.append(tokens(BLOCK_TOKENS, seed=300 + len(seqs)))
+        kvs.append(random_kv(SPEC, BLOCK_TOKENS, seed=len(seqs)))
+        await put_seq(store, seqs[-1], kvs[-1])
+
+    async def every_block_after_a_crash(crash: Path) -> set[bytes]:
+        shutil.copytree(tmp_path, crash, ignore=shutil.ignore_patterns("engram.lock"))
+        recovered = await make_store(crash, dram_blocks=128, nvme_blocks=128)
+        trusted = set(recovered.tiers[1].unverified)  # type: ignore[attr-defined]  # (before reads verify them)
+        for t, kv in zip(seqs, kvs, strict=True):
+            n, got = await get_seq(recovered, t)
+            assert n == len(t) and got is not None and torch.equal(got, kv)
+        await recovered.close()
+        return trusted
+
+    for _ in range(50):
+        await put_one()
+        assert len(list(index.glob("journal.*"))) <= 3
+    failures = [r for r in caplog.records if "could not write a snapshot" in r.getMessage()]
+    assert 1 <= len(failures) <= 8  # once per back-off (1 s, doubling), not once per write
+    assert await every_block_after_a_crash(tmp_path / "crash1") == set()  # no snapshot: every file read
+    (index / "snapshot").rmdir()
+    for _ in range(600):  # the next change past the back-off writes it
+        await asyncio.sleep(0.1)
+        await put_one()
+        if (index / "snapshot").is_file():
+            break
+    assert (index / "snapshot").is_file()
+    await asyncio.sleep(0.2)  # its journals removed just after it was published
+    snapshot_gen = struct.unpack_from("<Q", (index / "snapshot").read_bytes(), 16)[0]
+    assert sorted(int(p.name.split(".")[1]) for p in index.glob("journal.*")) == [snapshot_gen]
+    nvme_keys = set(store.tiers[1].keys())  # type: ignore[attr-defined]
+    assert await every_block_after_a_crash(tmp_path / "crash2") == nvme_keys  # trusted from the journal
+    await store.close()
+
+
 def test_registering_a_model_on_a_full_disk_is_storage_full_and_leaves_nothing(tmp_path: Path) -> None:
     """RegisterModel writes the model's file first: on a full disk (a real tmpfs) that failed INTERNAL with a
     traceback in the log, its temp file left behind (an audit). Now StorageFull (RESOURCE_EXHAUSTED), nothing

@@ -23,6 +23,10 @@ delete does.
 Ordering: an `add` is appended after the block file is durable and renamed into place; a `remove` after
 the file is unlinked. A snapshot is written to a temp file, fsynced and renamed over the old one, and names
 the first journal generation it does not cover; journals of older generations are deleted after the rename.
+A snapshot that cannot be written (a directory at `snapshot` or `snapshot.tmp`) is tried again after a back-off
+(the tier's, nvme.py) for the generation the failed try opened, while the journal is still in it: no journal
+file is opened per try. That later snapshot holds the changes the journal recorded since it was opened;
+replaying them over it changes nothing, as each entry sets or removes one key's header.
 
 When the journal cannot be written (a full disk, an I/O error: creating a generation, an append, a sync),
 the tier goes on without it: `drop` closes it and removes the snapshot, so the next start reads every block
@@ -50,8 +54,8 @@ remove skipped, and its old header trusted for a file written again), and the en
 after its damage (a remove among them) are unknown. The start then reads every block file (what the files
 prove), and says so in the log. A journal shorter than its head was torn while it was created (before any
 entry): it is skipped. A snapshot is not trusted either when no journal file is named with its generation:
-it is written just after that journal is created (`rotate`, then `write_snapshot`), which is deleted only
-after a newer snapshot replaced it, or after the snapshot itself (renumbering; `drop` deletes no journal).
+it is written after that journal is created (`rotate`, then `write_snapshot`, at once or at a retry), which
+is deleted only after a newer snapshot replaced it, or after the snapshot itself (renumbering; `drop` deletes no journal).
 So the journal is there whenever the snapshot is true, if only torn at its creation; without it, the
 generation is damaged (a version 1 head has no checksum: a flipped generation would skip the journals since)
 or the journal's entries are lost. A flip that names another journal present (a few numbers at most) is not

@@ -27,6 +27,7 @@ import contextlib
 import errno
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +54,7 @@ from engram.tiers.journal import IndexJournal
 
 log = logging.getLogger(__name__)
 MAX_JOURNALS = 16  # journal files since the snapshot before a start writes a new one (crash restarts add one each)
+SNAPSHOT_RETRY_S = (1.0, 60.0)  # a failed snapshot is tried again after the first, doubling up to the second
 SUFFIX = ".blk"
 T = TypeVar("T")
 
@@ -134,6 +136,9 @@ class NvmeTier:
                     log.warning("could not sync directory %s: %s (a power loss may lose it)", d, exc)
         self._journal_wanted = False  # recovered with a journal: it is kept, and opened again after a failure
         self._snapshot_due = False  # the journal was opened again: the next start trusts it once a snapshot is written
+        self._snapshot_failures = 0  # failed snapshot tries in a row: the next waits out a back-off
+        self._snapshot_retry_at = 0.0  # time.monotonic() before which no snapshot is tried after a failure
+        self._failed_gen = 0  # the generation a failed snapshot opened: its next try covers it, opening none
         self.journal_error: Exception | None = None  # why the journal could not be opened at start (StorageFull...)
         self._compacting: asyncio.Task[None] | None = None
         self.unverified: set[bytes] = set()  # trusted from the journal at start-up, headers not read yet
@@ -373,19 +378,29 @@ class NvmeTier:
             return
         if j.appended < max(8192, len(self._files)) and not self._snapshot_due:
             return
+        if self._snapshot_failures and time.monotonic() < self._snapshot_retry_at:
+            return  # the last try failed: another at every change would fail alike (and log it) per write
         self._compacting = asyncio.get_running_loop().create_task(self._compact())
         self._compacting.add_done_callback(lambda _: setattr(self, "_compacting", None))
 
     async def _compact(self) -> None:
         """Snapshot every file the tier holds and drop the journals before it. The state is taken in the
-        event loop (where every change is applied), the bytes are written on a thread."""
+        event loop (where every change is applied), the bytes are written on a thread.
+
+        After a failed try, the next covers the generation that try opened, if the journal is still in it,
+        rather than open another: a snapshot that cannot be written (a directory at its path) opened a journal
+        file per try, without bound. Its state already holds the changes that journal recorded before it;
+        replaying them over it changes nothing (each entry sets or removes one key's header)."""
         j = self._journal
         assert j is not None
-        try:
-            gen = j.rotate()
-        except OSError as exc:
-            log.warning("index journal: could not start a new generation for a snapshot: %s", exc)
-            return
+        if self._failed_gen and self._failed_gen == j.generation and j.is_open:
+            gen: int | None = j.generation
+        else:
+            try:
+                gen = j.rotate()
+            except OSError as exc:
+                self._snapshot_failed(f"could not start a new generation for a snapshot: {exc}")
+                return
         if gen is None:
             return  # dropped: a snapshot would be trusted over changes no journal records
         files = list(self._files.values())
@@ -396,10 +411,23 @@ class NvmeTier:
             return j.write_snapshot(headers, gen, fsync=fsync)
 
         try:
-            if await self._run(write) and j.lost_gen < gen:  # (not lost since: then a new snapshot is due)
-                self._snapshot_due = False
+            published = await self._run(write)
         except OSError as exc:  # the old snapshot and the journals since stay: still true of the files
-            log.warning("index journal: could not write a snapshot: %s", exc)
+            self._failed_gen = gen
+            self._snapshot_failed(f"could not write a snapshot: {exc}")
+            return
+        self._failed_gen = self._snapshot_failures = 0
+        if published and j.lost_gen < gen:  # (not lost since: then a new snapshot is due)
+            self._snapshot_due = False
+
+    def _snapshot_failed(self, why: str) -> None:
+        """Log a failed snapshot and hold the next try back (SNAPSHOT_RETRY_S): one line per back-off."""
+        first, most = SNAPSHOT_RETRY_S
+        wait = min(most, first * 2 ** min(self._snapshot_failures, 16))
+        self._snapshot_failures += 1
+        self._snapshot_retry_at = time.monotonic() + wait
+        log.warning("index journal: %s; tried again in %.0f s at the next change, or at the stop (the journals "
+                    "since the last snapshot are kept meanwhile)", why, wait)
 
     # ---- recovery and check --------------------------------------------------------------------
 
