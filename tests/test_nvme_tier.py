@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import json
 import os
 import random
 import shutil
 import struct
+import subprocess
 import threading
 from pathlib import Path
 
@@ -29,7 +31,7 @@ from engram.tiers.journal import FILE_HEAD_LEN as JOURNAL_HEAD_LEN
 from engram.tiers.journal import JOURNAL_MAGIC, encode_head, parse_entries
 from engram.tiers.nvme import NvmeTier
 
-from helpers import BLOCK_TOKENS, random_kv, small_tmpfs, tiny_model, tokens
+from helpers import BLOCK_TOKENS, ENGRAM, NEUTRAL_CWD, random_kv, small_tmpfs, tiny_model, tokens
 
 SPEC = tiny_model()
 BLOCK = SPEC.layout.block_nbytes(BLOCK_TOKENS)
@@ -688,6 +690,40 @@ async def test_a_stray_journal_of_a_generation_past_a_u64_is_reported_and_ignore
     report = await offline.check(fix=False)
     await offline.close()
     assert [(f.path, f.fixed) for f in report.findings] == [(str(stray), False)]
+
+
+async def test_check_fix_removes_stray_journals_past_a_u64_and_a_second_check_is_clean(tmp_path: Path) -> None:
+    """`engram check --fix` reported a journal file numbered past the u64 range and could not clear it: every
+    check after it still found it (exit 1). The fix removes such files (no daemon reads them); a directory so
+    named is reported and left, as in blocks/. The journal itself and every block stay."""
+    seqs, kvs = await _store_on_disk(tmp_path, n_seqs=2)
+    index = tmp_path / "index"
+    strays = [index / f"journal.{2**64 - 1}", index / f"journal.{2**70}"]
+    for stray in strays:
+        stray.write_bytes(encode_head(JOURNAL_MAGIC, 7))
+
+    def check(*args: str) -> tuple[int, list[tuple[str, bool]]]:
+        got = subprocess.run([*ENGRAM, "check", "--dir", str(tmp_path), "--json", *args], capture_output=True,
+                             text=True, timeout=120, cwd=NEUTRAL_CWD)
+        return got.returncode, sorted((f["path"], f["fixed"]) for f in json.loads(got.stdout)["findings"])
+
+    assert check() == (1, sorted((str(p), False) for p in strays))
+    assert check("--fix") == (1, sorted((str(p), True) for p in strays))
+    assert not any(p.exists() for p in strays)
+    assert check() == (0, [])
+    store = await make_store(tmp_path, dram_blocks=64)
+    nvme = store.tiers[1]
+    assert nvme.unverified == set(nvme.keys()) and len(nvme) == 4  # type: ignore[attr-defined]  # journal kept
+    for t, kv in zip(seqs, kvs, strict=True):
+        n, got = await get_seq(store, t)
+        assert n == len(t) and got is not None and torch.equal(got, kv)
+    strays[0].write_bytes(b"")  # and through a running daemon's check
+    (index / f"journal.{2**65}").mkdir()
+    report = await store.check(fix=True)
+    assert sorted((Path(p).name, fixed) for p, _, fixed in report.findings) == [
+        (f"journal.{2**64 - 1}", True), (f"journal.{2**65}", False)]
+    assert not strays[0].exists() and (index / f"journal.{2**65}").is_dir()
+    await store.close()
 
 
 async def test_a_stray_journal_numbered_just_below_the_u64_limit_is_renumbered_away(

@@ -496,10 +496,10 @@ class NvmeTier:
         return True
 
     def _scan(self, fix: bool, verify_payloads: bool, progress: Callable[[int, int], None] | None = None,
-              *, online: bool = False) -> CheckReport:
+              *, online: bool = False, start: bool = False) -> CheckReport:
         report = CheckReport()
         self._found: list[_File] = []
-        self._stray_journals(report)
+        self._stray_journals(report, fix=fix and not start)
         self._sweep_tmp(report, fix, online=online)
         listing = self._listing(report, fix)
         total = report.scanned + len(listing)
@@ -524,12 +524,13 @@ class NvmeTier:
                 report.findings[-1].fixed = True
         return report
 
-    def _stray_journals(self, report: CheckReport) -> None:
-        """Report files named as journals of a generation out of range (a copied-in or bit-rotted name): ignored,
-        left alone (ours or not, no journal could be numbered after them)."""
+    def _stray_journals(self, report: CheckReport, fix: bool) -> None:
+        """Report files named as journals of a generation out of range (a copied-in or bit-rotted name): no
+        journal of ours has one (none could be numbered after it), so none is ever read. A start leaves them;
+        `check --fix` removes them (its findings were never cleared), a directory so named reported only."""
         if self._journal is not None:
-            report.findings += [Finding(str(p), "journal generation out of range (not below 2^64-1): ignored")
-                                for p in self._journal.out_of_range()]
+            for path in self._journal.out_of_range():
+                self._stray(report, path, "journal generation out of range (not below 2^64-1): ignored", fix)
 
     def _sweep_tmp(self, report: CheckReport, fix: bool, *, online: bool) -> None:
         """Report (and with `fix` delete) temp files no write will finish. Online, a write registers its temp
@@ -552,13 +553,13 @@ class NvmeTier:
         if self._journal is not None:
             self._journal.retire_version_1_snapshot()  # before a version-2 entry: an earlier release would trust it
         if loaded is None:  # no usable journal (a directory from before it, or damage): read every file
-            report = self._scan(fix=True, verify_payloads=self.verify_on_start)
+            report = self._scan(fix=True, verify_payloads=self.verify_on_start, start=True)
             return report, self._found, [], 0, []
         report = CheckReport()
         files: list[_File] = []
         trusted: list[bytes] = []
         gone: list[bytes] = []  # journaled, their files gone
-        self._stray_journals(report)
+        self._stray_journals(report, fix=False)
         self._sweep_tmp(report, fix=True, online=False)
         listing = self._listing(report, fix=True)
         # In journal order (the order blocks were written: parents before children), so the store can index
