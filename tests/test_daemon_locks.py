@@ -202,3 +202,15 @@ def test_a_lock_is_taken_on_a_full_filesystem(tmp_path: Path) -> None:
         with pytest.raises(AlreadyRunning):
             DaemonLock(mnt / "engram.lock", "the directory", "stop it").acquire()
         lock.release()
+
+
+async def test_a_tier_whose_construction_fails_after_taking_its_lock_releases_it(tmp_path: Path) -> None:
+    """NvmeTier failing once it held the directory's lock (here its I/O pool: io_threads=0) kept the lock's
+    descriptor open: a second tier on the directory in the same process was refused as locked, by a tier that
+    never came to be."""
+    with pytest.raises(ValueError, match="max_workers"):
+        NvmeTier(tmp_path / "n", 1 << 20, io_threads=0)
+    tier = NvmeTier(tmp_path / "n", 1 << 20)
+    with pytest.raises(AlreadyRunning):  # the lock is still one holder's
+        NvmeTier(tmp_path / "n", 1 << 20)
+    await tier.close()

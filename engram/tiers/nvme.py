@@ -124,16 +124,22 @@ class NvmeTier:
         self.compression = compression
         self.fsync = fsync
         self.verify_on_start = verify_on_start
-        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="engram-nvme")
-        self._committer = GroupCommitter(self._pool, sync=fsync, max_blocks=group_commit_blocks,
-                                         on_error=self._io_error)
-        self._journal = IndexJournal(self.root, fsync=fsync) if journal else None
-        if fsync:  # the directories' own entries, made above, survive a power loss (their files' do per write)
-            for d in (self.root.parent, self.root):
-                try:
-                    sync_directory(d)
-                except OSError as exc:
-                    log.warning("could not sync directory %s: %s (a power loss may lose it)", d, exc)
+        try:  # failing now, the lock goes too: else its descriptor kept the directory from this whole process
+            self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="engram-nvme")
+            self._committer = GroupCommitter(self._pool, sync=fsync, max_blocks=group_commit_blocks,
+                                             on_error=self._io_error)
+            self._journal = IndexJournal(self.root, fsync=fsync) if journal else None
+            if fsync:  # the directories' own entries, made above, survive a power loss (their files' do per write)
+                for d in (self.root.parent, self.root):
+                    try:
+                        sync_directory(d)
+                    except OSError as exc:
+                        log.warning("could not sync directory %s: %s (a power loss may lose it)", d, exc)
+        except BaseException:
+            if hasattr(self, "_pool"):
+                self._pool.shutdown(wait=False)
+            self._lock.release()
+            raise
         self._journal_wanted = False  # recovered with a journal: it is kept, and opened again after a failure
         self._snapshot_due = False  # the journal was opened again: the next start trusts it once a snapshot is written
         self._snapshot_failures = 0  # failed snapshot tries in a row: the next waits out a back-off
