@@ -15,7 +15,7 @@ import hmac
 import os
 import tomllib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -79,6 +79,32 @@ def resolve_secret(value: str, where: str) -> str:
     return value
 
 
+TENANTS_FILE_KEYS = ("tenants", "admin_tokens")  # what auth.tenants_file may hold; the rest of [auth] is the config's
+
+
+def _apply_tenants_file(auth: AuthConfig, path: str) -> list[str]:
+    """Merge auth.tenants_file into `auth`; the names of the tenants it gives a table. Unknown keys are errors
+    naming the file, as they are in the config: a typo (quota_byts) or a key of [auth] the file cannot set
+    (salt_secret) was read as nothing, and the daemon started without it."""
+    where = f"auth.tenants_file {path}"
+    try:
+        with open(path, "rb") as fh:
+            tree = tomllib.load(fh)
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{where}: not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"{where}: {exc.strerror or exc}") from None
+    for key in tree:
+        if key not in TENANTS_FILE_KEYS:
+            raise ConfigError(f"{where}: unknown key {key!r}: a tenants file holds [tenants.NAME] tables and "
+                              "admin_tokens; the other keys of [auth] belong in the config")
+    try:
+        _apply_tree(auth, tree)  # type: ignore[arg-type]
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    return list(tree.get("tenants", {}))  # a table of tables: _apply_tree refused anything else
+
+
 def _token_digest(token: str) -> bytes:
     # Tokens are looked up by digest, so the table never holds (or compares) the secrets themselves.
     return hashlib.sha256(token.encode()).digest()
@@ -100,18 +126,13 @@ class Tenancy:
     def from_config(cls, auth: AuthConfig, peer_token: str = "") -> Tenancy | None:
         if not auth.enabled:
             return None
-        merged = AuthConfig(tenants=dict(auth.tenants), admin_tokens=auth.admin_tokens)
+        # Copies: a table the file gives a tenant of the config's is merged over it, not into the config itself
+        merged = AuthConfig(tenants={name: replace(tc) for name, tc in auth.tenants.items()},
+                            admin_tokens=auth.admin_tokens)
         if auth.tenants_file:
-            try:
-                with open(auth.tenants_file, "rb") as fh:
-                    _apply_tree(merged, tomllib.load(fh))  # type: ignore[arg-type]
-            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-                raise ConfigError(f"auth.tenants_file {auth.tenants_file}: not valid TOML: {exc}") from None
-            except OSError as exc:
-                raise ConfigError(f"auth.tenants_file {auth.tenants_file}: {exc.strerror or exc}") from None
+            for name in _apply_tenants_file(merged, auth.tenants_file):  # the config's own were checked as it loaded
+                check_tenant(name, merged.tenants[name], f"auth.tenants_file {auth.tenants_file}: tenants.{name}")
         t = cls(resolve_secret(auth.salt_secret, "auth.salt_secret").encode())
-        for name in merged.tenants.keys() - auth.tenants.keys():  # the config's own were checked as it loaded
-            check_tenant(name, merged.tenants[name], f"auth.tenants_file {auth.tenants_file}: tenants.{name}")
         for name, tc in merged.tenants.items():
             spaces = tuple(n.strip() for n in tc.namespaces.split(",") if n.strip()) or (name,)
             t._add(resolve_secret(tc.token, f"auth.tenants.{name}.token"), Principal(name, spaces))

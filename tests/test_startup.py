@@ -17,11 +17,11 @@ from engram.tiers.shm import mem_available
 from helpers import ENGRAM, NEUTRAL_CWD, small_tmpfs
 
 
-def serve(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+def serve(tmp_path: Path, *args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess[str], Path]:
     shm = tmp_path / "shm"
     shm.mkdir(exist_ok=True)
     out = subprocess.run([*ENGRAM, "serve", "--set", f"tiers.dram.shm_dir={shm}", *args], capture_output=True,
-                         text=True, timeout=60, cwd=NEUTRAL_CWD)
+                         text=True, timeout=timeout, cwd=NEUTRAL_CWD)
     return out, shm
 
 
@@ -174,4 +174,21 @@ def test_a_first_nvme_start_on_a_full_disk_is_one_line_naming_the_directory(tmp_
     assert out.returncode == 7, out.stderr
     line = one_line(out)
     assert f"tiers.nvme.path {nvme}" in line and "disk is full" in line and "free space" in line, line
+    assert list(shm.iterdir()) == []
+
+
+@pytest.mark.parametrize(("table", "key"), [('[tenants.bob]\ntoken = "t"\nquota_byts = "1GiB"\n', "tenants.bob.quota_byts"),
+                                            ('salt_secret = "s2"\n[tenants.bob]\ntoken = "t"\n', "salt_secret")],
+                         ids=["typo-in-a-tenants-table", "auth-key-beside-the-tables"])
+def test_an_unknown_key_in_the_tenants_file_fails_the_start_naming_the_file_and_the_key(tmp_path: Path, table: str,
+                                                                                         key: str) -> None:
+    """The config refuses unknown keys; the tenants file named a typo without saying which file held it, and a key
+    of [auth] written beside its tables (salt_secret) was read as nothing: the daemon started without it."""
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(table)
+    out, shm = serve(tmp_path, "--port", "0", "--dram-capacity", "64MiB", "--set", f"auth.tenants_file={tenants}",
+                     "--set", "auth.salt_secret=s", timeout=30)
+    assert out.returncode == 4, out.stderr
+    line = one_line(out)
+    assert f"auth.tenants_file {tenants}" in line and f"'{key}'" in line, line
     assert list(shm.iterdir()) == []

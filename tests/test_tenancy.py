@@ -226,18 +226,26 @@ def test_a_tenant_named_as_one_of_the_daemons_own_callers_is_refused_at_config_l
     (b'[tenants.bob]\ntoken = "t"\nmax_sessions = -2\n', "tenants.bob.max_sessions must be >= 0"),
     (b'[tenants.bob]\ntoken = ""\n', "tenants.bob.token is empty"),
     (b"\xff\xfe[tenants.bob]\n", "not valid TOML"),
-], ids=["negative-quota", "negative-max-sessions", "empty-token", "not-utf-8"])
+    (b'[tenants.bob]\ntoken = "t"\nquota_byts = 5\n', "unknown config key 'tenants.bob.quota_byts'"),
+    (b'tenant = "x"\n[tenants.bob]\ntoken = "t"\n', "unknown key 'tenant'"),
+    (b'salt_secret = "x"\n[tenants.bob]\ntoken = "t"\n', "unknown key 'salt_secret'.*belong in the config"),
+    (b'[tenants.carol]\nquota = -5\n', "tenants.carol.quota must be >= 0"),  # a tenant of the config's
+], ids=["negative-quota", "negative-max-sessions", "empty-token", "not-utf-8", "typo-in-a-table",
+        "unknown-top-level-key", "auth-key-the-file-cannot-set", "bad-value-for-a-config-tenant"])
 def test_a_tenants_file_is_checked_as_the_config_is(tmp_path: Path, content: bytes, says: str) -> None:
     """A tenants file's tables skipped the config's checks: a negative quota started the daemon and failed every
     call of that tenant INTERNAL (ValueError); a file not in UTF-8 stopped the start with a traceback (an audit).
-    Each is a ConfigError naming the file and the field now (`engram serve`: exit 4)."""
+    Unknown keys were either errors that did not name the file (a typo in a table) or read as nothing (a key
+    beside the tables, salt_secret among them), and a table for a tenant the config has was not checked at all.
+    Each is a ConfigError naming the file and the key now (`engram serve`: exit 4)."""
     from engram.config import load_config
     from engram.errors import ConfigError
     from engram.tenancy import Tenancy
 
     secrets = tmp_path / "tenants.toml"
     secrets.write_bytes(content)
-    auth = load_config(env={}, overrides={"auth.tenants_file": str(secrets), "auth.salt_secret": "s"}).auth
+    auth = load_config(env={}, overrides={"auth.tenants_file": str(secrets), "auth.salt_secret": "s",
+                                          "auth.tenants.carol.token": "c"}).auth
     with pytest.raises(ConfigError, match=f"auth.tenants_file {secrets}: .*{says}"):
         Tenancy.from_config(auth)
 
