@@ -5,7 +5,8 @@ never silently falls back to a default.
 Environment variables name a key with double underscores between levels:
 ENGRAM_SERVER__PORT=7000 sets server.port; ENGRAM_TIERS__DRAM__CAPACITY=8GiB sets tiers.dram.capacity.
 Only names with a double underscore are config variables (every key lives in a section), and an unknown one
-is an error. Other ENGRAM_* names are not read here: ENGRAM_CONFIG names the TOML file, ENGRAM_TOKEN and
+is an error; an error about a value a variable set leads with NAME=value (secrets redacted), since no config
+file shows it. Other ENGRAM_* names are not read here: ENGRAM_CONFIG names the TOML file, ENGRAM_TOKEN and
 ENGRAM_TLS_CA are the CLI's, and secrets referenced as env:VAR (env:ENGRAM_SALT) may use the prefix too. Byte sizes accept plain integers or units (KiB, MiB, GiB, TiB, KB, MB, GB).
 """
 
@@ -463,18 +464,19 @@ def _validate_auth(a: AuthConfig) -> None:
 def _validate_cluster(c: ClusterConfig, a: AuthConfig) -> None:
     if not c.redis_url:
         return
+    shown = _redact("cluster.redis_url", c.redis_url)  # a password in the URL stays out of the error
     if not c.redis_url.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError(f"cluster.redis_url must start with redis://, rediss:// or unix://, got {c.redis_url!r}")
+        raise ConfigError(f"cluster.redis_url must start with redis://, rediss:// or unix://, got {shown!r}")
     from urllib.parse import urlsplit
 
     try:
         url = urlsplit(c.redis_url)
         url.port  # noqa: B018 (a port that is not a number raises here, not at the first connect)
     except ValueError as exc:
-        raise ConfigError(f"cluster.redis_url {c.redis_url!r}: {exc}") from None
+        raise ConfigError(f"cluster.redis_url {shown!r}: {exc}") from None
     db = url.path.lstrip("/")
     if url.scheme != "unix" and db and not db.isdigit():
-        raise ConfigError(f"cluster.redis_url {c.redis_url!r}: the database after the last / is a number, got {db!r}")
+        raise ConfigError(f"cluster.redis_url {shown!r}: the database after the last / is a number, got {db!r}")
     for key in ("heartbeat_s", "ttl_s", "fetch_timeout_s", "record_ttl_s"):
         if not math.isfinite(getattr(c, key)):
             raise ConfigError(f"cluster.{key} must be a finite number of seconds, got {getattr(c, key)}")
@@ -495,7 +497,7 @@ def _validate_cluster(c: ClusterConfig, a: AuthConfig) -> None:
         if path and not Path(path).is_file():
             raise ConfigError(f"cluster.{key}: {path} is not a file")
     if (c.redis_ca_cert or c.redis_client_cert) and not c.redis_url.startswith("rediss://"):
-        raise ConfigError("cluster.redis_ca_cert / redis_client_cert are for TLS: write the URL as rediss://")
+        raise ConfigError("cluster.redis_ca_cert / cluster.redis_client_cert are for TLS: write the URL as rediss://")
 
 
 def _coerce(value: object, typ: Any, where: str) -> object:
@@ -590,17 +592,30 @@ def load_config(
         except OSError as exc:  # a directory, no permission
             raise ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
         _apply_tree(cfg, tree)
+    from_env: dict[str, str] = {}  # dotted key -> the variable that set it, as an error names it
     for name, value in sorted(env.items()):
         if not is_config_variable(name):
             continue
         dotted = name[len(ENV_PREFIX):].lower().replace("__", ".")
+        from_env[dotted] = f"{name}={_shown(dotted, value)}"
         try:
             _set(cfg, dotted.split("."), value, dotted)
         except ConfigError as exc:
-            raise ConfigError(f"environment variable {name}: {exc}") from None
+            raise ConfigError(f"{from_env[dotted]}: {exc}") from None
     for key, override in (overrides or {}).items():
         _set(cfg, key.split("."), override, key)
-    return cfg.validate()
+        from_env.pop(key, None)  # the flag's value is the one in force
+    try:
+        return cfg.validate()
+    except ConfigError as exc:
+        raise _naming_variables(exc, from_env) from None
+
+
+def _naming_variables(exc: ConfigError, from_env: Mapping[str, str]) -> ConfigError:
+    """`exc` led by the ENGRAM_* variables that set a key it names: a value out of range from the environment
+    said which key, and the key is nowhere in the config file to look for. Messages name keys in full."""
+    named = [source for key, source in from_env.items() if re.search(rf"(?<![\w.]){re.escape(key)}(?!\w)", str(exc))]
+    return type(exc)(f"{', '.join(named)}: {exc}") if named else exc
 
 
 def config_keys(node: object | None = None, prefix: str = "") -> list[str]:
@@ -622,13 +637,19 @@ REDACTED = "redacted:"  # what `engram config` prints for a literal secret; refu
 def _secret_fields(tree: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any], str]]:
     """(dotted key, its table, field) of every secret in a config tree: tokens, salts, signing secrets,
     passwords (paths to key files are not secrets themselves)."""
-    auth, cluster = tree["auth"], tree["cluster"]
-    out = [("auth.admin_tokens", auth, "admin_tokens"), ("auth.salt_secret", auth, "salt_secret"),
-           ("cluster.secret", cluster, "secret"), ("cluster.peer_token", cluster, "peer_token"),
-           ("cluster.redis_password", cluster, "redis_password"), ("cluster.redis_url", cluster, "redis_url"),
-           ("server.metrics_token", tree["server"], "metrics_token")]
-    out += [(f"auth.tenants.{name}.token", t, "token") for name, t in auth["tenants"].items()]
+    out = [(key, tree[section], name) for key in _SECRET_KEYS for section, name in [key.split(".")]]
+    out += [(f"auth.tenants.{name}.token", t, "token") for name, t in tree["auth"]["tenants"].items()]
     return out
+
+
+_SECRET_KEYS = ("auth.admin_tokens", "auth.salt_secret", "cluster.secret", "cluster.peer_token",
+                "cluster.redis_password", "cluster.redis_url", "server.metrics_token")  # and each tenant's token
+
+
+def _shown(key: str, value: str) -> str:
+    """A value as an error shows it: a secret as `engram config` prints it, anything else as it is."""
+    secret = key in _SECRET_KEYS or re.fullmatch(r"auth\.tenants\.[^.]+\.token", key)
+    return _redact(key, value) if secret else value
 
 
 def _redact(key: str, value: str) -> str:

@@ -72,6 +72,30 @@ def test_bad_config_is_an_error(tmp_path: Path, source: dict, match: str) -> Non
         load_config(path, env=source.get("env", {}), overrides=source.get("overrides"))
 
 
+def test_a_bad_value_from_the_environment_names_its_variable(tmp_path: Path) -> None:
+    """A range error named the key (server.stream_stall_s) but not that its value came from ENGRAM_*, where no
+    config file shows it; type and range errors alike now lead with NAME=value, a secret's value redacted. A
+    value from the file, or a variable a flag overrides, is not blamed on the environment."""
+    def error(env: dict[str, str], overrides: dict[str, object] | None = None, path: Path | None = None) -> str:
+        with pytest.raises(ConfigError) as caught:
+            load_config(path, env=env, overrides=overrides)
+        return str(caught.value)
+
+    assert error({"ENGRAM_SERVER__STREAM_STALL_S": "-1"}).startswith(
+        "ENGRAM_SERVER__STREAM_STALL_S=-1: server.stream_stall_s must be")
+    assert error({"ENGRAM_SERVER__PORT": "eighty"}).startswith("ENGRAM_SERVER__PORT=eighty: server.port: expected int")
+    assert error({"ENGRAM_CLUSTER__TTL_S": "1"}, {"cluster.redis_url": "redis://h:6379", "cluster.secret": "s"}
+                 ).startswith("ENGRAM_CLUSTER__TTL_S=1: cluster.ttl_s (1.0) must exceed")
+    url = error({"ENGRAM_CLUSTER__REDIS_URL": "redis://u:pw-s3cr3t@h:nope/0", "ENGRAM_CLUSTER__SECRET": "s"})
+    assert url.startswith("ENGRAM_CLUSTER__REDIS_URL=redis://u:redacted:@h:nope/0: ") and "s3cr3t" not in url
+    f = tmp_path / "c.toml"
+    f.write_text("[server]\nstream_stall_s = -1\n")
+    assert error({"ENGRAM_SERVER__PORT": "7000"}, path=f).startswith("server.stream_stall_s must be")
+    assert error({"ENGRAM_SERVER__STREAM_STALL_S": "5"}, {"server.stream_stall_s": -1}).startswith(
+        "server.stream_stall_s must be")
+    assert load_config(env={"ENGRAM_SERVER__PORT": "99999"}, overrides={"server.port": 7000}).server.port == 7000
+
+
 def test_missing_config_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "none.toml", env={})

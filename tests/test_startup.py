@@ -192,3 +192,13 @@ def test_an_unknown_key_in_the_tenants_file_fails_the_start_naming_the_file_and_
     line = one_line(out)
     assert f"auth.tenants_file {tenants}" in line and f"'{key}'" in line, line
     assert list(shm.iterdir()) == []
+
+
+def test_a_bad_value_from_the_environment_fails_the_start_naming_the_variable(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    out = subprocess.run([*ENGRAM, "serve", "--port", "0", "--dram-capacity", "64MiB", "--set",
+                          f"tiers.dram.shm_dir={shm}"], capture_output=True, text=True, timeout=30, cwd=NEUTRAL_CWD,
+                         env={**os.environ, "ENGRAM_SERVER__STREAM_STALL_S": "-1"})
+    assert out.returncode == 4, out.stderr
+    assert one_line(out).startswith("error: ENGRAM_SERVER__STREAM_STALL_S=-1: server.stream_stall_s must be "), out.stderr
