@@ -291,10 +291,8 @@ class EngramConfig:
             raise ConfigError(f"server.data_port must be in 0..65535 (0: a free port), got {s.data_port}")
         if s.data_max_request_bytes <= 0:
             raise ConfigError("server.data_max_request_bytes must be positive")
-        if not s.data_stall_s > 0:  # NaN too
-            raise ConfigError(f"server.data_stall_s must be positive (seconds), got {s.data_stall_s}")
-        if not s.stream_stall_s > 0:  # NaN too
-            raise ConfigError(f"server.stream_stall_s must be positive (seconds), got {s.stream_stall_s}")
+        for key, zero in DURATIONS:
+            _check_duration(key, _get(self, key), zero)
         if not -1 <= s.metrics_port <= 65535:
             raise ConfigError(f"server.metrics_port must be 0 (off), -1 (any free port) or 1..65535, got {s.metrics_port}")
         if s.chunk_bytes <= 0 or s.chunk_bytes + 4096 > s.max_message_bytes:
@@ -316,9 +314,8 @@ class EngramConfig:
             raise ConfigError(f"tiers.prefetch_lead_ms must be between 0 and an hour, got {t.prefetch_lead_ms}")
         if t.on_nvme_failure not in {"fail", "degrade"}:
             raise ConfigError(f"tiers.on_nvme_failure must be fail or degrade, got {t.on_nvme_failure!r}")
-        if t.write_back_window_s < 0 or t.write_back_window_bytes < 0 or t.shutdown_flush_s < 0:
-            raise ConfigError("tiers.write_back_window_s, tiers.write_back_window_bytes and tiers.shutdown_flush_s "
-                              "must be >= 0 (0: off)")
+        if t.write_back_window_bytes < 0:
+            raise ConfigError("tiers.write_back_window_bytes must be >= 0 (0: no bound but the DRAM tier's)")
         if self.tiers.nvme.path and (self.tiers.nvme.capacity <= 0 or self.tiers.nvme.io_threads < 1):
             raise ConfigError("tiers.nvme.capacity must be positive and tiers.nvme.io_threads >= 1")
         if self.codec.default not in {"auto", "raw", "fp8_e4m3", "nvfp4", "mxfp4"}:
@@ -346,14 +343,9 @@ class EngramConfig:
                            ("replay.max_persisted_window_bytes", self.replay.max_persisted_window_bytes)):
             if value <= 0:
                 raise ConfigError(f"{key} must be positive, got {value}")
-        if not (s.gc_freeze_s >= 0 and s.gc_full_s >= s.gc_freeze_s):  # NaN too
-            raise ConfigError(f"server.gc_freeze_s must be >= 0 (0: CPython's schedule) and server.gc_full_s at least "
-                              f"as long, got {s.gc_freeze_s} and {s.gc_full_s}")
-        if s.shutdown_grace_s < 0 or self.tiers.retry_s < 0:
-            raise ConfigError(f"server.shutdown_grace_s and tiers.retry_s must be >= 0, got {s.shutdown_grace_s} and "
-                              f"{self.tiers.retry_s}")
-        if not s.session_idle_s >= 0:  # NaN too
-            raise ConfigError(f"server.session_idle_s must be >= 0 (0: sessions never close idle), got {s.session_idle_s}")
+        if not s.gc_full_s >= s.gc_freeze_s:
+            raise ConfigError(f"server.gc_full_s must be at least as long as server.gc_freeze_s, got {s.gc_full_s} and "
+                              f"{s.gc_freeze_s}")
         if self.replay.max_hot_windows < 0:
             raise ConfigError("replay.max_hot_windows must be >= 0")
         if self.replay.max_concurrent < 1 or self.replay.max_queued < 0:
@@ -383,8 +375,6 @@ class EngramConfig:
         _refuse_redacted(self)
         _validate_auth(self.auth)
         _validate_cluster(self.cluster, self.auth)
-        if self.logging.summary_s <= 0:
-            raise ConfigError(f"logging.summary_s must be positive, got {self.logging.summary_s}")
         if self.logging.level.lower() not in {"debug", "info", "warning", "error"}:
             raise ConfigError(f"logging.level must be debug, info, warning or error, got {self.logging.level!r}")
         return self
@@ -393,8 +383,6 @@ class EngramConfig:
         d, h = self.tiers.dram, self.tiers.hbm
         if d.pool not in {"shared", "private"}:
             raise ConfigError(f"tiers.dram.pool must be shared or private, got {d.pool!r}")
-        if self.server.lease_s <= 0:
-            raise ConfigError(f"server.lease_s must be positive, got {self.server.lease_s}")
         for key, page in (("tiers.dram.page_bytes", d.page_bytes), ("tiers.hbm.page_bytes", h.page_bytes)):
             if page < 0 or (page and page & (page - 1)):
                 raise ConfigError(f"{key} must be 0 (auto) or a power of two, got {page}")
@@ -410,6 +398,34 @@ class EngramConfig:
             if dev.type == "cuda" and not torch.cuda.is_available():
                 raise ConfigError("tiers.hbm.capacity is set but no CUDA device is present; set tiers.hbm.capacity "
                                   "= 0 (or tiers.hbm.device = cpu to exercise the tier without a GPU)")
+
+
+# Every time setting, with what 0 means where 0 is allowed (None: it must be positive). Each must be finite: inf
+# passed every bound (`> 0`, `>= 0`) and meant a stall cut, lease or flush that never comes, or a wait threading
+# refuses (OverflowError); a key with an "off" says so with 0. (NaN is refused as it is read: _coerce.)
+DURATIONS: tuple[tuple[str, str | None], ...] = (
+    ("server.session_idle_s", "sessions never close idle"), ("server.gc_freeze_s", "CPython's schedule"),
+    ("server.gc_full_s", "CPython's schedule"), ("server.shutdown_grace_s", "in-flight calls are cut at once"),
+    ("server.lease_s", None), ("server.data_stall_s", None), ("server.stream_stall_s", None),
+    ("tiers.retry_s", "tried again at once"), ("tiers.write_back_window_s", "only when evicted"),
+    ("tiers.shutdown_flush_s", "none copied"), ("tiers.prefetch_lead_ms", "never"),
+    ("cluster.heartbeat_s", None), ("cluster.ttl_s", None), ("cluster.fetch_timeout_s", None),
+    ("cluster.record_ttl_s", None), ("logging.summary_s", None),
+)
+
+
+def _get(node: object, key: str) -> Any:
+    """The value of a dotted key."""
+    for name in key.split("."):
+        node = getattr(node, name)
+    return node
+
+
+def _check_duration(key: str, value: float, zero: str | None) -> None:
+    unit = "milliseconds" if key.endswith("_ms") else "seconds"
+    if not math.isfinite(value) or value < 0 or (zero is None and value == 0):
+        bound = f">= 0 (0: {zero})" if zero is not None else "> 0"
+        raise ConfigError(f"{key} must be a finite number of {unit} {bound}, got {value}")
 
 
 def _validate_tls(s: ServerConfig) -> None:
@@ -477,15 +493,10 @@ def _validate_cluster(c: ClusterConfig, a: AuthConfig) -> None:
     db = url.path.lstrip("/")
     if url.scheme != "unix" and db and not db.isdigit():
         raise ConfigError(f"cluster.redis_url {shown!r}: the database after the last / is a number, got {db!r}")
-    for key in ("heartbeat_s", "ttl_s", "fetch_timeout_s", "record_ttl_s"):
-        if not math.isfinite(getattr(c, key)):
-            raise ConfigError(f"cluster.{key} must be a finite number of seconds, got {getattr(c, key)}")
     if not c.record_ttl_s > 3 * c.ttl_s:
         raise ConfigError(f"cluster.record_ttl_s ({c.record_ttl_s}) must exceed 3 x cluster.ttl_s ({c.ttl_s})")
-    if c.heartbeat_s <= 0 or c.ttl_s <= c.heartbeat_s:
-        raise ConfigError(f"cluster.ttl_s ({c.ttl_s}) must exceed cluster.heartbeat_s ({c.heartbeat_s}) > 0")
-    if c.fetch_timeout_s <= 0:
-        raise ConfigError("cluster.fetch_timeout_s must be positive")
+    if c.ttl_s <= c.heartbeat_s:
+        raise ConfigError(f"cluster.ttl_s ({c.ttl_s}) must exceed cluster.heartbeat_s ({c.heartbeat_s})")
     if not c.secret:
         raise ConfigError("cluster.secret is empty: Redis is not trusted, so daemons sign what they publish there "
                           "and MAC the blocks they send each other with a secret; set the same one on every node "

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,20 @@ def test_a_bad_value_from_the_environment_names_its_variable(tmp_path: Path) -> 
     assert error({"ENGRAM_SERVER__STREAM_STALL_S": "5"}, {"server.stream_stall_s": -1}).startswith(
         "server.stream_stall_s must be")
     assert load_config(env={"ENGRAM_SERVER__PORT": "99999"}, overrides={"server.port": 7000}).server.port == 7000
+
+
+def test_every_time_setting_refuses_an_endless_value() -> None:
+    """inf passed every `> 0` and `>= 0` check: server.stream_stall_s = inf started a daemon that never cut a
+    stalled stream, the cluster's timings were checked only with a Redis URL. Every key in seconds or
+    milliseconds (a new one too) refuses it now, and 0 keeps its meaning where it has one."""
+    times = [key for key in config_keys() if key.endswith(("_s", "_ms"))]
+    assert len(times) >= 16, times
+    for key in times:
+        with pytest.raises(ConfigError, match=rf"^{re.escape(key)} must be a finite number of"):
+            load_config(env={}, overrides={key: "inf"})
+    for key in ("server.session_idle_s", "server.shutdown_grace_s", "tiers.retry_s", "tiers.write_back_window_s",
+                "tiers.shutdown_flush_s", "tiers.prefetch_lead_ms"):
+        assert load_config(env={}, overrides={key: 0}) is not None
 
 
 def test_missing_config_file(tmp_path: Path) -> None:

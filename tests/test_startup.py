@@ -202,3 +202,10 @@ def test_a_bad_value_from_the_environment_fails_the_start_naming_the_variable(tm
                          env={**os.environ, "ENGRAM_SERVER__STREAM_STALL_S": "-1"})
     assert out.returncode == 4, out.stderr
     assert one_line(out).startswith("error: ENGRAM_SERVER__STREAM_STALL_S=-1: server.stream_stall_s must be "), out.stderr
+
+
+def test_an_endless_stall_time_fails_the_start(tmp_path: Path) -> None:
+    out, _ = serve(tmp_path, "--port", "0", "--dram-capacity", "64MiB", "--set", "server.stream_stall_s=inf",
+                   timeout=30)
+    assert out.returncode == 4, out.stderr
+    assert "server.stream_stall_s must be a finite number of seconds > 0, got inf" in one_line(out)
