@@ -10,6 +10,11 @@ Why flock: the kernel drops the lock when the holder dies, SIGKILL included, so 
 crashed daemon never blocks a restart (no stale-pid guessing). The holder writes its pid into the file, only
 so that the refusal can say which process to look at; the lock, not the pid, decides.
 
+The file stays when a daemon stops: removing it would let a daemon that had just opened it lock a file no
+longer at the path while a third locks a new one. Only a start that fails removes the file it created
+(`abandon`), so a failed start leaves nothing beside the socket; it unlinks the file while it still holds the
+lock, and `acquire` checks, once locked, that the path still names the file it locked, else starts over.
+
 What it does not do: protect against a process that ignores the lock (an older engram, `rm`), or locks on
 NFS, where flock may be local to one client.
 """
@@ -45,29 +50,50 @@ class DaemonLock:
         self.what = what
         self.fix = fix
         self._fd: int | None = None
+        self.created = False  # this lock made the file (so `abandon` may remove it)
 
     def acquire(self) -> DaemonLock:
         """Take the lock or raise AlreadyRunning naming the holder's pid; never waits."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            pid = holder_pid(self.path)
-            who = f"process {pid}" if pid is not None else "another process"
-            raise AlreadyRunning(
-                f"{who} holds {self.what} (lock file {self.path}); is another engram daemon running? "
-                f"Stop it (kill {pid if pid is not None else '<pid>'}) or {self.fix}"
-            ) from None
-        except BaseException:
-            os.close(fd)
-            raise
+        while True:
+            fd, created = self._open()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                pid = holder_pid(self.path)
+                who = f"process {pid}" if pid is not None else "another process"
+                raise AlreadyRunning(
+                    f"{who} holds {self.what} (lock file {self.path}); is another engram daemon running? "
+                    f"Stop it (kill {pid if pid is not None else '<pid>'}) or {self.fix}"
+                ) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            if self._still_at_path(fd):
+                break
+            os.close(fd)  # a failed start removed it between our open and our lock: lock the file there now
         with contextlib.suppress(OSError):  # the pid only names the holder: a full disk must not stop a start
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._fd = fd
+        self._fd, self.created = fd, created
         return self
+
+    def _open(self) -> tuple[int, bool]:
+        """The lock file's descriptor, and whether this call created the file."""
+        while True:
+            with contextlib.suppress(FileExistsError):
+                return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), True
+            with contextlib.suppress(FileNotFoundError):  # removed since: create it
+                return os.open(self.path, os.O_RDWR), False
+
+    def _still_at_path(self, fd: int) -> bool:
+        try:
+            at_path = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(fd)
+        return (at_path.st_dev, at_path.st_ino) == (mine.st_dev, mine.st_ino)
 
     @property
     def held(self) -> bool:
@@ -81,6 +107,14 @@ class DaemonLock:
             os.ftruncate(self._fd, 0)
         os.close(self._fd)  # closing the last descriptor drops the flock
         self._fd = None
+
+    def abandon(self) -> None:
+        """Release after a failed start, removing the file if this lock created it (one an earlier daemon left
+        stays: it was there before). Unlinked while still held: see the module's docstring."""
+        if self._fd is not None and self.created:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+        self.release()
 
     def __enter__(self) -> DaemonLock:
         return self.acquire()

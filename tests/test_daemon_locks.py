@@ -93,6 +93,29 @@ def test_locks_of_a_daemon_killed_with_sigkill_do_not_block_a_restart(tmp_path: 
     assert again.returncode == 0, out
 
 
+def test_a_start_that_fails_after_taking_the_socket_lock_removes_the_lock_file_it_made(tmp_path: Path) -> None:
+    """An NVMe directory whose index/ is a file fails the start (exit 9) after the socket's lock was taken: the
+    lock file it had made was left beside the socket (harmless to the next start, a flock, but litter that looks
+    like a daemon's). It goes now; one a daemon that served left stays, it is not the failed start's."""
+    sock, lock = tmp_path / "engram.sock", tmp_path / "engram.sock.lock"
+    bad = tmp_path / "nvme"
+    bad.mkdir()
+    (bad / "index").write_text("not a directory")
+    failed = serve(sock, bad)
+    out = refused(failed)
+    assert failed.returncode == 9, out
+    assert not lock.exists() and not sock.exists(), sorted(p.name for p in tmp_path.iterdir())
+    served = serve(sock)  # the next start on the socket works
+    try:
+        wait_for(f"unix:{sock}", served)
+    finally:
+        stop(served)
+    assert served.returncode == 0 and lock.exists()
+    again = serve(sock, bad)
+    assert "index" in refused(again) and again.returncode == 9
+    assert lock.exists()  # it was there before this start
+
+
 async def test_in_process_the_second_start_fails_before_touching_the_socket(tmp_path: Path) -> None:
     sock = tmp_path / "engram.sock"
     cfg = load_config(env={}, overrides={"server.unix_socket": str(sock), "tiers.nvme.path": str(tmp_path / "n"),

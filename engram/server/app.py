@@ -260,7 +260,7 @@ async def start_server(config: EngramConfig, store: BlockStore | None = None,
         if built is not None:
             await built.close()  # its NVMe directory lock too
         if socket_lock is not None:
-            socket_lock.release()
+            socket_lock.abandon()  # a start that never served leaves no <socket>.lock it made
         raise
 
 
