@@ -209,3 +209,41 @@ def test_an_endless_stall_time_fails_the_start(tmp_path: Path) -> None:
                    timeout=30)
     assert out.returncode == 4, out.stderr
     assert "server.stream_stall_s must be a finite number of seconds > 0, got inf" in one_line(out)
+
+
+@pytest.mark.parametrize("case", ["socket-lock-is-a-directory", "nvme-models-is-a-file", "nvme-lock-is-a-directory"])
+def test_a_file_the_daemon_cannot_make_fails_the_start_naming_the_setting_and_the_path(tmp_path: Path,
+                                                                                       case: str) -> None:
+    """Something else in the place of a file or directory the daemon makes (which fails as root too): that was
+    `cannot start: [Errno 21] Is a directory: '...'`, saying neither which setting nor what was being done."""
+    nvme, sock = tmp_path / "nvme", tmp_path / "e.sock"
+    args = ["--unix-socket", str(sock)]
+    if case == "socket-lock-is-a-directory":
+        (tmp_path / "e.sock.lock").mkdir()
+        key, path, reason = f"server.unix_socket {sock}", f"its lock file {sock}.lock", "Is a directory"
+    else:
+        nvme.mkdir()
+        args += ["--set", f"tiers.nvme.path={nvme}"]
+        made, path, reason = ((nvme / "models").touch, nvme / "models", "File exists") if case.endswith("file") \
+            else ((nvme / "engram.lock").mkdir, nvme / "engram.lock", "Is a directory")
+        made()
+        key = f"tiers.nvme.path {nvme}"
+    out, shm = serve(tmp_path, "--dram-capacity", "64MiB", *args)
+    assert out.returncode == 9, out.stderr
+    line = one_line(out)
+    assert line.startswith(f"error: cannot start: {key}: {path} cannot be created or opened ({reason}); "), line
+    assert "set another" in line and "Errno" not in line, line
+    assert list(shm.iterdir()) == [] and not (tmp_path / "e.sock").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_read_only_shm_dir_fails_the_start_naming_the_setting_and_the_segment(tmp_path: Path) -> None:
+    """A read-only filesystem stops root too: the shared segment cannot be made (a bare [Errno 30] before)."""
+    with small_tmpfs(tmp_path / "ro", "64m") as mnt:
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        out = subprocess.run([*ENGRAM, "serve", "--port", "0", "--dram-capacity", "8MiB", "--set",
+                              f"tiers.dram.shm_dir={mnt}"], capture_output=True, text=True, timeout=60, cwd=NEUTRAL_CWD)
+    assert out.returncode == 9, out.stderr
+    line = one_line(out)
+    assert line.startswith(f"error: cannot start: tiers.dram.shm_dir {mnt}: its shared segment {mnt}/engram-seg-"), line
+    assert "cannot be created or opened (Read-only file system)" in line and "tiers.dram.pool = private" in line, line

@@ -13,7 +13,7 @@ import signal
 import socket
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,9 +71,11 @@ async def build_store(config: EngramConfig, tenancy: Tenancy | None = None) -> B
 async def _build_store(config: EngramConfig, tenancy: Tenancy | None, tiers: list[Tier]) -> BlockStore:
     t = config.tiers
     d = t.dram
+    shm_files = ("tiers.dram.shm_dir", d.shm_dir, "its shared segment", _SHM_FIX)
     if t.hbm.capacity:
-        tiers.append(hbm_tier(t.hbm.capacity, t.hbm.device, t.hbm.page_bytes,
-                              shm_dir=d.shm_dir if d.pool == "shared" else None))
+        with _files_of(*shm_files):  # its generation table is a segment there
+            tiers.append(hbm_tier(t.hbm.capacity, t.hbm.device, t.hbm.page_bytes,
+                                  shm_dir=d.shm_dir if d.pool == "shared" else None))
     if d.pool == "private":  # the shared pool checks its own budget (engram/tiers/shm.py)
         avail = mem_available()
         if d.capacity > avail:
@@ -82,24 +84,21 @@ async def _build_store(config: EngramConfig, tenancy: Tenancy | None, tiers: lis
                                         "tiers.dram.capacity")
     if t.nvme.path:
         _check_nvme_dir(Path(t.nvme.path))
-    tiers.append(shared_dram_tier(d.capacity, d.shm_dir, d.page_bytes, pin=d.pin, prefault=d.prefault) if d.pool == "shared"
-                 else DramTier(d.capacity))
+    with _files_of(*shm_files):
+        tiers.append(shared_dram_tier(d.capacity, d.shm_dir, d.page_bytes, pin=d.pin, prefault=d.prefault)
+                     if d.pool == "shared" else DramTier(d.capacity))
     backend = default_backend() if config.codec.backend == "auto" else config.codec.backend
     codec, why = resolve_default_codec(config.codec.default, backend)
     registry = ModelRegistry(default_codec=codec, default_reason=why)
     if t.nvme.path:
         root = Path(t.nvme.path)
-        try:
+        # A first start makes models/, blocks/, tmp/ and the lock file; every start reads the model files
+        with _files_of("tiers.nvme.path", t.nvme.path, "", "let this daemon read and write it and what it holds "
+                       "(models/, blocks/, tmp/ are directories), or set another tiers.nvme.path"):
             registry = ModelRegistry(root / "models", default_codec=codec, default_reason=why)
             tiers.append(NvmeTier(root, t.nvme.capacity, compression=t.nvme.compression,
                                   io_threads=t.nvme.io_threads, fsync=t.nvme.fsync,
                                   verify_on_start=t.nvme.verify_on_start))
-        except OSError as exc:  # a first start makes models/, blocks/, tmp/ and the lock file
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            raise InsufficientResources(f"tiers.nvme.path {root}: the disk is full, {exc.filename} cannot be "
-                                        f"created ({exc.strerror}); free space on it or set another "
-                                        "tiers.nvme.path") from None
     store = BlockStore(tiers, registry, write_policy=WritePolicy(t.write_policy), retry_s=t.retry_s,
                        codec_backend=backend, namespaces=tenancy, on_nvme_failure=t.on_nvme_failure,
                        write_back_window_s=t.write_back_window_s, write_back_window_bytes=t.write_back_window_bytes,
@@ -123,6 +122,27 @@ def _check_nvme_dir(root: Path) -> None:
     if not root.exists() and not root.parent.is_dir():
         raise ConfigError(f"tiers.nvme.path {root}: neither it nor its parent {root.parent} exists; create the "
                           f"directory on the NVMe drive (mkdir -p {root}) or correct the path")
+
+
+_SHM_FIX = "give a tmpfs directory this daemon can write (e.g. /dev/shm), or set tiers.dram.pool = private"
+
+
+@contextlib.contextmanager
+def _files_of(key: str, value: str, what: str, fix: str) -> Iterator[None]:
+    """An OSError of a file or directory the setting `key` (= `value`) names, as one line saying the setting, the
+    path that could not be created or opened, why, and what to change (`engram serve`: exit 9); a full disk as
+    too little disk (exit 7). `[Errno 13] Permission denied: '...'` alone said neither which setting nor what
+    the daemon was doing. `what` names the file where the error's own path would not say it."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno is None:  # a message already (the NVMe tier's index journal)
+            raise
+        path = f"{what} {exc.filename}".strip() if exc.filename else what or value
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise InsufficientResources(f"{key} {value}: the disk is full, {path} cannot be created "
+                                        f"({exc.strerror}); free space on it or set another {key}") from None
+        raise OSError(f"{key} {value}: {path} cannot be created or opened ({exc.strerror}); {fix}") from None
 
 
 def _tls(s: ServerConfig) -> grpc.ServerCredentials:
@@ -237,7 +257,9 @@ def _lock_socket(unix_socket: str) -> DaemonLock:
     if len(os.fsencode(path + ".data")) > MAX_SOCKET_PATH:  # the data channel's socket beside it, the longer
         raise ConfigError(f"server.unix_socket {path}: {len(os.fsencode(path))} bytes, and {path}.data must fit a "
                           f"unix socket's {MAX_SOCKET_PATH} bytes; choose a shorter path")
-    return DaemonLock(f"{path}.lock", f"the unix socket {path}", "set another server.unix_socket").acquire()
+    with _files_of("server.unix_socket", path, "its lock file", "remove what is in its place or let this daemon "
+                   "write the directory, or set another server.unix_socket"):
+        return DaemonLock(f"{path}.lock", f"the unix socket {path}", "set another server.unix_socket").acquire()
 
 
 async def start_server(config: EngramConfig, store: BlockStore | None = None,
