@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from engram import errors
@@ -88,3 +89,63 @@ def test_sigkill_mid_write_loses_no_acknowledged_block(tmp_path: Path) -> None:
         if proc.stdout:
             proc.stdout.close()
     assert list((nvme / "tmp").iterdir()) == []
+
+
+def _settled(client: SyncEngramClient) -> None:
+    """Wait until nothing is held only in DRAM (write-back's flusher caught up; at once under write-through)."""
+    deadline = time.monotonic() + 30
+    while client.stats().write_back_pending_blocks and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.stats().write_back_pending_blocks == 0
+
+
+@pytest.mark.parametrize("policy", ["write-through", "write-back"])
+def test_a_block_evicted_from_nvme_while_dram_holds_it_costs_no_acknowledged_block_at_a_sigkill(
+        tmp_path: Path, policy: str) -> None:
+    """An audit's sequence (session 43): a chain [X1, X2] on DRAM and NVMe; other chains fill NVMe, whose eviction
+    takes the leaf X2; then X1 X2 X3 is put. NVMe used to drop only its copy of X2, leaving it in DRAM alone:
+    the put's Lookup skipped X1 and X2, X3 was acknowledged durable (nothing pending), and after a SIGKILL X2
+    was gone and X3 dropped as an orphan. Every block the daemon held before the kill, all acknowledged
+    durable (or flushed), must be found after the restart."""
+    sock, nvme = tmp_path / "e.sock", tmp_path / "nvme"
+    sets = ("--dram-capacity", "1MiB", "--set", f"tiers.nvme.path={nvme}", "--set", "tiers.nvme.capacity=48KiB",
+            "--set", f"tiers.write_policy={policy}", "--set", "tiers.write_back_window_s=0.05")
+    cmd = [sys.executable, "-m", "engram", "serve", "--unix-socket", str(sock), "--log-level", "warning", *sets]
+    chain = tokens(3 * BLOCK_TOKENS, seed=7)
+    kv = random_kv(SPEC, len(chain), seed=7)
+    others = [(tokens(BLOCK_TOKENS, seed=100 + i), random_kv(SPEC, BLOCK_TOKENS, seed=100 + i)) for i in range(20)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=sock.parent)
+    try:
+        wait_for(f"unix:{sock}", proc)
+        with SyncEngramClient(f"unix:{sock}", namespace="crash") as client:
+            fp = client.register_model(SPEC)
+            client.put(fp, chain[: 2 * BLOCK_TOKENS], kv[:, :, : 2 * BLOCK_TOKENS])
+            _settled(client)
+            for toks, other in others:  # more than NVMe holds: it evicts leaves, X2 among the first
+                client.put(fp, toks, other)
+                _settled(client)
+            result = client.put(fp, chain, kv)
+            assert result.not_durable == 0
+            _settled(client)
+            assert client.stats().blocks_not_durable == 0
+            held = [client.lookup(fp, toks).matched_tokens for toks, _ in [(chain, kv), *others]]
+            assert held[0] == len(chain)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        if proc.stdout:
+            proc.stdout.close()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=sock.parent)
+    try:
+        wait_for(f"unix:{sock}", proc)
+        with SyncEngramClient(f"unix:{sock}", namespace="crash") as client:
+            fp = client.register_model(SPEC)
+            back = [client.lookup(fp, toks).matched_tokens for toks, _ in [(chain, kv), *others]]
+            assert back == held, "a block held (and acknowledged durable) before the SIGKILL is gone"
+            n, got = client.get_prefix(fp, chain)
+            assert n == len(chain) and torch.equal(got, kv)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(15)
+        if proc.stdout:
+            proc.stdout.close()

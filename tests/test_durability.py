@@ -313,6 +313,50 @@ async def test_a_block_being_copied_by_keep_only_in_is_not_removed_under_it(tmp_
         await store.close()
 
 
+async def test_a_put_on_a_parent_without_a_durable_copy_gives_the_parent_one_first(tmp_path: Path) -> None:
+    """A block on NVMe whose parent is not is an orphan to the next start's recovery, which drops it. So X3,
+    put on X2 when X2 has lost its NVMe copy (`check --fix` found the file corrupt; DRAM keeps a good copy) but
+    not its DRAM copy (a client's Lookup skips X2 and sends X3 alone), is acknowledged durable only once X2 is
+    on NVMe again: a crash-like restart finds the whole chain."""
+    import shutil
+
+    from engram.block import BlockHeader, checksum
+    from engram.codec.stored import RAW, encode
+    from engram.config import load_config
+    from engram.server.app import build_store
+
+    from helpers import put_raw_chain
+
+    store, fp = await _write_through_store(tmp_path)
+    try:
+        keys = await put_raw_chain(store, "a", SPEC, seed=11, n_blocks=2)
+        x2 = store.block(keys[1])
+        assert x2 is not None
+        file = store.tiers[-1].path_of(x2.key)  # type: ignore[attr-defined]
+        data = bytearray(file.read_bytes())
+        data[-1] ^= 0x40  # a payload byte: the NVMe copy is corrupt, the DRAM copy is not
+        file.write_bytes(bytes(data))
+        await store.check(fix=True)
+        assert x2.locations == ["dram"]
+        toks = tokens(3 * BLOCK_TOKENS, seed=11)  # put_raw_chain's chain, one block longer
+        block = random_kv(SPEC, len(toks), seed=11)[:, :, 2 * BLOCK_TOKENS :]
+        payload = encode(block, RAW)
+        header = BlockHeader(toks[2 * BLOCK_TOKENS :], SPEC.layout.dtype, tuple(block.shape), len(payload),
+                             checksum(payload))
+        x3 = await store.put("a", fp, x2.key, header, payload, index=0)
+        assert x3.durable and x2.locations == ["dram", "nvme"]
+        crash = tmp_path / "crash"  # the NVMe directory as a SIGKILL now would leave it
+        shutil.copytree(tmp_path / "nvme", crash, ignore=shutil.ignore_patterns("engram.lock"))
+        recovered = await build_store(load_config(env={}, overrides={
+            "tiers.nvme.path": str(crash), "tiers.dram.capacity": 64 * BLOCK}))
+        try:
+            assert [recovered.block(k) is not None for k in [*keys, x3.key]] == [True] * 3
+        finally:
+            await recovered.close()
+    finally:
+        await store.close()
+
+
 async def _write_through_store(tmp_path: Path):  # type: ignore[no-untyped-def]
     """A store on its own (no daemon): a 4-block private DRAM over NVMe, write-through; and the model's fingerprint."""
     from engram.config import load_config

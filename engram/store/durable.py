@@ -1,6 +1,7 @@
 """Write-through's promise: a put is acknowledged only once each of its blocks has a copy in a durable tier
 (NVMe: `tier.durable`), whatever tiers sit above it (with an HBM tier the second copy goes to NVMe, not to
-DRAM).
+DRAM), and so has every stored block it extends: a restart's recovery drops a block whose parent is not on
+disk, so a parent that lost its NVMe copy is copied there again, from memory, before its child is acknowledged.
 
 When that copy cannot be made (the tier is degraded after ENOSPC, a write fails with EIO, no room can be
 made) the store's `on_nvme_failure` decides:
@@ -18,8 +19,8 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-from engram.block import Payload
-from engram.errors import NotDurable
+from engram.block import Payload, checksum
+from engram.errors import DataLoss, NotDurable, NotFound, Unavailable
 from engram.index import BlockMeta
 from engram.store.placement import TIER_FAULTS, Placement
 
@@ -60,36 +61,18 @@ async def make_durable_again(store: BlockStore, meta: BlockMeta, payload: Payloa
 
 async def make_durable(store: BlockStore, meta: BlockMeta, payload: Payload, *, index: int = 0) -> bool:
     """Give `meta` a copy in the durable tier, if it has none: True once it has one; False when it could not
-    and the policy is degrade; NotDurable when it could not and the policy is fail."""
+    and the policy is degrade; NotDurable when it could not and the policy is fail. Its stored ancestors that
+    lack a durable copy get one first (`_ancestors_durable`)."""
     placement = store.placement
     d = durable_tier(placement)
     if d is None:
         return True
     name = placement.tiers[d].name
-    indexed = store.index.get(meta.key) is meta  # a stored block made durable again (not a put's new block)
-    deadline = time.monotonic() + placement.wait_for_room_s
-    while meta.moving and time.monotonic() < deadline:
-        await asyncio.sleep(0.005)  # a demotion (or the flusher) is writing that copy right now: wait for it
-    if name in meta.locations:
+    reason = await _ancestors_durable(store, meta, d)
+    if reason is None:
+        reason = await _write_durable(store, meta, payload, d, index)
+    if reason is None:
         return True
-    if indexed and store.index.get(meta.key) is not meta:  # evicted while it waited: a copy would belong to nothing
-        raise NotDurable(f"block {index} was evicted while its durable copy waited on a move; put it again")
-    if not placement.available(d):
-        reason = placement.health[name].reason or f"the {name} tier is degraded"
-    elif meta.moving:
-        reason = f"another move of the block to the {name} tier did not finish within {placement.wait_for_room_s:g}s"
-    else:
-        meta.moving = True  # not a victim while its durable copy is written
-        placement.busy += 1
-        try:
-            await placement.place(meta, d, payload)
-            return True
-        except TIER_FAULTS as exc:
-            reason = str(exc)
-        finally:
-            meta.moving = False
-            placement.busy -= 1
-            placement.notify_freed()
     if store.on_nvme_failure == OnNvmeFailure.FAIL:
         raise NotDurable(
             f"block {index} was not stored: write-through acknowledges a block only once it is on {name}, and "
@@ -97,3 +80,74 @@ async def make_durable(store: BlockStore, meta: BlockMeta, payload: Payload, *, 
             f"its state), or set tiers.on_nvme_failure = degrade to accept blocks that are not durable")
     store.counters.blocks_not_durable += 1
     return False
+
+
+async def _ancestors_durable(store: BlockStore, meta: BlockMeta, d: int) -> str | None:
+    """Copy to the durable tier, parents first, the stored blocks above `meta` that have no copy there, up to
+    the first that has one: a block on NVMe whose parent is not is an orphan to the next start's recovery,
+    which drops it. (A stored block loses its durable copy when `check --fix` or a read finds that copy
+    broken while a copy in memory is sound, or was acknowledged without one under degrade; a client's Lookup
+    then skips it, and sends only the blocks after it.) None once they have one; else why not."""
+    placement = store.placement
+    name = placement.tiers[d].name
+    if not placement.available(d):
+        return None  # `meta`'s own copy fails for the same reason, without walking the chain
+    todo: list[BlockMeta] = []
+    parent = store.index.get(meta.parent)
+    while parent is not None and name not in parent.locations:
+        todo.append(parent)
+        parent = store.index.get(parent.parent)
+    for above in reversed(todo):
+        await _settle(above, placement.wait_for_room_s)
+        if name in above.locations:
+            continue
+        what = f"its parent block {above.key.hex()} had no {name} copy"
+        try:
+            if above.moving or not above.locations:
+                raise Unavailable("it is being moved")
+            payload = await placement.tier(above.locations[0]).read(above.key)  # no await inside: a memory tier's
+            if checksum(payload) != above.checksum:
+                raise DataLoss(f"its {above.locations[0]} copy fails its checksum")
+        except (*TIER_FAULTS, NotFound) as exc:
+            return f"{what}, and it could not be read ({exc})"
+        reason = await _write_durable(store, above, payload, d, 0)
+        if reason is not None:
+            if store.flusher is not None:
+                store.flusher.note(above, now=True)  # it goes to NVMe once the tier takes writes
+            return f"{what}, and writing one failed ({reason})"
+    return None
+
+
+async def _settle(meta: BlockMeta, wait_s: float) -> None:
+    """Wait, up to `wait_s`, for a move of the block (a demotion, the flusher) that may be writing its durable copy."""
+    deadline = time.monotonic() + wait_s
+    while meta.moving and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+
+
+async def _write_durable(store: BlockStore, meta: BlockMeta, payload: Payload, d: int, index: int) -> str | None:
+    """Write `meta`'s copy in tier d unless it has one: None once it has; else why not. NotDurable when an
+    indexed block was evicted while it waited (a copy would belong to nothing)."""
+    placement = store.placement
+    name = placement.tiers[d].name
+    indexed = store.index.get(meta.key) is meta  # a stored block made durable again (not a put's new block)
+    await _settle(meta, placement.wait_for_room_s)  # a demotion (or the flusher) may be writing that copy now
+    if name in meta.locations:
+        return None
+    if indexed and store.index.get(meta.key) is not meta:  # evicted while it waited: a copy would belong to nothing
+        raise NotDurable(f"block {index} was evicted while its durable copy waited on a move; put it again")
+    if not placement.available(d):
+        return placement.health[name].reason or f"the {name} tier is degraded"
+    if meta.moving:
+        return f"another move of the block to the {name} tier did not finish within {placement.wait_for_room_s:g}s"
+    meta.moving = True  # not a victim while its durable copy is written
+    placement.busy += 1
+    try:
+        await placement.place(meta, d, payload)
+        return None
+    except TIER_FAULTS as exc:
+        return str(exc)
+    finally:
+        meta.moving = False
+        placement.busy -= 1
+        placement.notify_freed()

@@ -4,8 +4,11 @@ copy protocol for moves others perform (engram/transfer.py), and each tier's hea
 The rules kept here:
 - A copy counts (joins the block's `locations`) only once its write completed; a block that is moving is
   never a victim, and neither is a pinned or leased one.
-- Eviction from a tier that has a lower tier demotes (write-back); from the last tier it deletes, and then
-  only leaves (engram/eviction.py), so every stored block stays reachable from its root.
+- A copy is dropped alone only while a copy in a lower tier remains. A block's lowest copy is demoted when a
+  tier below can take it (write-back); from the last tier (or with none below available) the block leaves
+  the store with every copy, and then only leaves go (engram/eviction.py), so every stored block stays
+  reachable from its root. Never is the durable copy dropped while a volatile one stays: that block would
+  look stored, be built on by later puts, and vanish at a crash with them.
 - A tier whose filesystem is full (ENOSPC) is degraded: the tier above becomes the last, and the tier is
   tried again after `retry_s`; an I/O error fails that block, not the tier.
 Backpressure is structural: a write that needs room waits for the demotions that make it (and, when every
@@ -171,8 +174,8 @@ class Placement:
                     f"the {tier.name} tier is full ({tier.used_bytes} of {tier.capacity_bytes} bytes) and every "
                     "block in it is pinned, being read or moving; unpin blocks or raise its capacity"
                 )
-            if len(victim.locations) > 1:
-                await self.drop_copy(victim, tier.name)  # a lower tier already holds it
+            if self.rank[victim.locations[-1]] > i:
+                await self.drop_copy(victim, tier.name)  # a lower tier holds it too
             elif lower is not None:
                 try:
                     if not await self._demote(victim, i, lower, wait=wait):
@@ -192,6 +195,10 @@ class Placement:
                     demote = False
                     victims.add(victim)
                     continue
+            # Its lowest copy, with no tier below to take it: the block (a leaf) leaves the store, every copy of
+            # it. Dropping this copy alone left the copies above it: from NVMe, an acknowledged block held only
+            # in DRAM, which a crash loses, and under which later puts were acknowledged (orphans at the next
+            # start). The victim is evictable (no lease, pin or move) on every tier: those are the block's.
             elif not self.delete_block_now(victim):
                 await self.delete_block(victim)
             self.counters.tiers[tier.name].evictions += 1
