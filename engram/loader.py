@@ -19,6 +19,11 @@ Integrity: the daemon verified each block's checksum when it was stored and leas
 against reuse; the loader checks each pool slot's page generations before it copies and again once the DMA of
 its run has completed, and returns the blocks whose slot was reused meanwhile (the caller fetches those as
 bytes and writes them again). Checksums are not recomputed here: that would read every byte back to the host.
+A pool block whose bytes do not decode (a v1 header or body that fails its checksum, or an FP4 group scale
+that is negative or NaN, where the codec checks them: on the host) is returned the same way: fetched as bytes,
+the daemon verifies it, drops the damaged copy and serves another, or DATA_LOSS. It raised the codec's
+ValueError out of every load of the prefix, the daemon never told (an audit, session 43). The GPU's batched
+kernels check no scales, so there a damaged pool copy is decoded as it is (docs/RELIABILITY.md).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from torch import Tensor
 from engram import codec as kvcodec
 from engram.codec import batched, stored
 from engram.destinations import KVDestination
+from engram.errors import DataLoss, InvalidArgument
 from engram.layout import DType, StreamSpec
 from engram.segment import SegmentReader
 
@@ -43,6 +49,9 @@ log = logging.getLogger("engram.loader")
 DEFAULT_CHUNK_BYTES = 64 * 2**20  # stored bytes staged per run: large enough for few launches, small on the GPU
 _STAGES = 2  # staging buffers in the ring: one filling while the other is decoded
 _ALIGN = 256
+# What decoding bytes that are not a valid block raises: the codecs' checks (ValueError) and a v1 or v2 header's
+# (InvalidArgument: bad magic, a checksum mismatch).
+UNDECODABLE = (ValueError, InvalidArgument)
 
 
 @dataclass(frozen=True)
@@ -102,7 +111,8 @@ class MappedSegment:
 class LoadReport:
     blocks: int = 0
     tokens: int = 0
-    stale: list[int] = field(default_factory=list)  # prefix positions of blocks whose pool slot was reused
+    # prefix positions of pool blocks to fetch as bytes: their slot was reused, or their bytes do not decode
+    stale: list[int] = field(default_factory=list)
     staged_bytes: int = 0  # stored bytes moved host -> device
 
 
@@ -185,10 +195,12 @@ class PrefixLoader:
                 self._load_cuda(todo, dest, block_tokens, n_tokens, stream, report)
         else:
             for run in self._runs(todo, block_tokens):
-                self._write(run, [_host_view(s) for s in run], dest, block_tokens, n_tokens,
-                            backend=kvcodec.host_backend())
+                self._write_each(run, [_host_view(s) for s in run], dest, block_tokens, n_tokens, report,
+                                 backend=kvcodec.host_backend())
+        undecodable = set(report.stale)
         for s in todo:  # generations after: a slot reused while we copied is fetched again
-            if s.segment is not None and not s.segment.current(s.offset, s.nbytes, s.generation):
+            if (s.segment is not None and s.index not in undecodable
+                    and not s.segment.current(s.offset, s.nbytes, s.generation)):
                 report.stale.append(s.index)
         report.stale.sort()
         return report
@@ -209,6 +221,29 @@ class PrefixLoader:
             else:
                 runs.append([s])
         return runs
+
+    def _write_each(self, run: list[BlockSource], bufs: list[Tensor] | None, dest: KVDestination,
+                    block_tokens: int, n_tokens: int, report: LoadReport, *, backend: str,
+                    staged: Tensor | None = None, offsets: list[int] | None = None) -> None:
+        """`_write`; a run that does not decode is written block by block (a run is decoded whole before any of
+        it is written), and a block of it that does not decode is, when it lies in a pool, reported stale (the
+        caller fetches it as bytes, which the daemon verifies); one that came as bytes verified on arrival
+        and still does not decode is DataLoss."""
+        try:
+            self._write(run, bufs, dest, block_tokens, n_tokens, backend=backend, staged=staged, offsets=offsets)
+            return
+        except UNDECODABLE as exc:
+            if len(run) == 1:
+                src = run[0]
+                if src.segment is None:
+                    raise DataLoss(f"block {src.index} arrived intact but does not decode ({exc})") from exc
+                log.warning("block %d of the prefix does not decode where it lies in the daemon's pool (%s); "
+                            "fetching it as bytes", src.index, exc)
+                report.stale.append(src.index)
+                return
+        for i, src in enumerate(run):
+            self._write_each([src], None if bufs is None else [bufs[i]], dest, block_tokens, n_tokens, report,
+                             backend=backend, staged=staged, offsets=None if offsets is None else [offsets[i]])
 
     def _write(self, run: list[BlockSource], bufs: list[Tensor] | None, dest: KVDestination, block_tokens: int,
                n_tokens: int, *, backend: str, staged: Tensor | None = None, offsets: list[int] | None = None
@@ -308,8 +343,8 @@ class PrefixLoader:
             if run[0].device_pool is not None:  # the daemon's HBM pool: decode where it lies
                 pool = run[0].device_pool
                 for chunk in self._chunks(run):
-                    self._write(chunk, None, dest, block_tokens, n_tokens, backend=backend, staged=pool,
-                                offsets=[s.offset for s in chunk])
+                    self._write_each(chunk, None, dest, block_tokens, n_tokens, report, backend=backend,
+                                     staged=pool, offsets=[s.offset for s in chunk])
                 last_read = torch.cuda.Event()
                 last_read.record(compute)
                 continue
@@ -327,7 +362,8 @@ class PrefixLoader:
                     ready = torch.cuda.Event()
                     ready.record(copy)
                 compute.wait_event(ready)
-                self._write(chunk, None, dest, block_tokens, n_tokens, backend=backend, staged=buf, offsets=offsets)
+                self._write_each(chunk, None, dest, block_tokens, n_tokens, report, backend=backend, staged=buf,
+                                 offsets=offsets)
                 buf.record_stream(compute)
                 free[stage].record(compute)
                 report.staged_bytes += at

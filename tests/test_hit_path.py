@@ -210,6 +210,73 @@ async def test_a_slot_reused_while_it_is_copied_is_detected_and_fetched_again(se
     assert torch.equal(dest.cpu(), kv)
 
 
+async def _damage_in_pool(address: str, fp: bytes, toks: Any) -> int:
+    """Damage the pool copies of a prefix's blocks 1 and 2 in the daemon's /dev/shm segment, as a stray writer
+    would: block 1's first K group scale set to the NVFP4 NaN code (0x7F), a byte of block 2's (a partial
+    block's) body flipped. Returns how many blocks the prefix has."""
+    import mmap
+    import os
+
+    import grpc
+
+    from engram.codec.blockformat import HEADER_LEN
+    from engram.segment import HEADER, SegmentLayout
+    from engram.v1 import engram_pb2 as pb
+    from engram.v1 import engram_pb2_grpc as pb_grpc
+
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = pb_grpc.EngramStub(ch)
+        h = await stub.GetPrefix(pb.GetPrefixRequest(namespace="t", model_fingerprint=fp, tokens=toks.tolist(),
+                                                     zero_copy=True))
+        await stub.ReleaseLeases(pb.ReleaseLeasesRequest(namespace="t", lease_ids=[h.lease_id]))
+    one, two = h.descriptors[1], h.descriptors[2]
+    fd = os.open(one.segment_path, os.O_RDWR)
+    try:
+        with mmap.mmap(fd, 0) as mm:
+            base = SegmentLayout.unpack(mm[: HEADER.size], one.segment_path).data_offset
+            mm[base + one.offset + HEADER_LEN + 4] = 0x7F  # after K's tensor scale (4 bytes): its first group scale
+            mm[base + two.offset + two.header.payload_nbytes - 1] ^= 0x40
+    finally:
+        os.close(fd)
+    return len(h.descriptors)
+
+
+@pytest.mark.parametrize("nvme", [False, True], ids=["dram-only", "dram-and-nvme"])
+async def test_pool_blocks_that_do_not_decode_are_fetched_as_bytes_and_their_copies_dropped(  # type: ignore[no-untyped-def]
+        server_factory, tmp_path: Path, nvme: bool) -> None:
+    """Blocks damaged in the shared pool so that they do not decode (an FP4 scale that is NaN, a v1 body that
+    fails its checksum) made every load of the prefix raise the codec's bare ValueError (or InvalidArgument),
+    the daemon never told (an audit, session 43). The loader fetches them as bytes instead: the daemon verifies
+    them, drops the damaged copies (counted corrupt) and serves their NVMe copies; without one, DATA_LOSS, and the
+    damaged blocks are gone (a Get with zero_copy did so already)."""
+    from engram import errors
+
+    spec = tiny_model(codec="nvfp4")
+    srv = await server_factory(**({"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.write_back_window_s": 0.05}
+                                  if nvme else {}))
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        toks = tokens(2 * BLOCK_TOKENS + 5)
+        await c.put(fp, toks, random_kv(spec, len(toks)))
+        while nvme and (await c.stats()).write_back_pending_blocks:
+            await asyncio.sleep(0.02)
+        want = await bytes_path(c, fp, toks)
+        assert await _damage_in_pool(srv.address, fp, toks) == 3
+        if nvme:
+            n, got = await c.get_prefix(fp, toks)
+            assert n == len(toks) and torch.equal(got, want)
+            dest = torch.zeros_like(want)
+            res = await c.load_prefix_into(fp, toks, dest)  # the pool holds good copies again (from NVMe)
+            assert res.matched_tokens == len(toks) and torch.equal(dest, want)
+        else:
+            with pytest.raises(errors.DataLoss):
+                await c.get_prefix(fp, toks)
+            assert (await c.lookup(fp, toks)).matched_tokens == BLOCK_TOKENS  # block 0 stays, sound
+            n, got = await c.get_prefix(fp, toks)
+            assert n == BLOCK_TOKENS and torch.equal(got, want[:, :, :BLOCK_TOKENS])
+        assert (await c.stats()).corrupt_blocks == (2 if nvme else 1)
+
+
 WORKER = """
 import asyncio, sys, torch
 sys.path.insert(0, {tests!r})
