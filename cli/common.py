@@ -4,8 +4,9 @@ with a message and exit code instead of a traceback."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -40,6 +41,23 @@ T = TypeVar("T")
 def fail(message: str, code: int) -> typer.Exit:
     err_console.print(f"[bold red]error:[/] {escape(message)}")  # messages hold [brackets]: not markup
     return typer.Exit(code)
+
+
+@contextlib.contextmanager
+def start_failures() -> Iterator[None]:
+    """Starting a daemon (serve, and the demo's embedded one): one line and a code per class of start-up failure
+    (README, "Running the daemon") instead of a traceback; whatever was built before the failure (the DRAM
+    segment, locks) is released by start_server on the way out."""
+    try:
+        yield
+    except errors.InsufficientResources as exc:  # memory, /dev/shm or disk smaller than the config asks
+        raise fail(str(exc), EXIT_NO_RESOURCES) from None
+    except errors.ConfigError as exc:
+        raise fail(str(exc), EXIT_BAD_INPUT) from None
+    except (errors.AddressInUse, errors.AlreadyRunning) as exc:  # a port, socket path or NVMe directory held
+        raise fail(str(exc), EXIT_IN_USE) from None
+    except OSError as exc:  # a file or directory the daemon needs: permissions, a read-only disk
+        raise fail(f"cannot start: {exc}", EXIT_START_FAILED) from None
 
 
 def load(config_path: str | None, overrides: dict[str, Any] | None = None) -> EngramConfig:

@@ -24,6 +24,7 @@ from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
 from engram.server import start_server
 from engram.workload import agent_sessions, synthetic_kv
 
+from .common import start_failures
 from .stats import human_bytes, stats_renderable
 
 # A gpt-oss-20b-like layout: 24 layers alternating sliding (W=128) and global, 8 KV heads of 64.
@@ -80,8 +81,9 @@ async def run_demo(console: Console, socket_dir: Path) -> list[SessionReport]:
     if not shm.is_dir() or shutil.disk_usage(shm).free < 2 * DEMO_DRAM:
         # A small /dev/shm (docker's 64 MiB default): the pool's segment goes in the demo's own directory.
         overrides |= {"tiers.dram.shm_dir": str(socket_dir), "tiers.dram.pin": False}
-    cfg = load_config(env={}, overrides=overrides)
-    server = await start_server(cfg)
+    with start_failures():  # a start that fails (a socket path too long in $TMPDIR): serve's line and code
+        cfg = load_config(env={}, overrides=overrides)
+        server = await start_server(cfg)
     console.print(f"[bold]engram demo[/]: embedded daemon on [cyan]{server.address}[/] "
                   f"(DRAM tier {human_bytes(cfg.tiers.dram.capacity)}, blocks stored as "
                   f"{server.store.registry.default_codec}, "

@@ -14,22 +14,19 @@ from typer.core import TyperGroup
 
 from engram import __version__
 from engram.config import config_keys
-from engram.errors import AddressInUse, AlreadyRunning, ConfigError, InsufficientResources
 
 from .bench import bench_app
 from .check import offline as check_offline
 from .check import show as show_check
 from .common import (
     EXIT_BAD_INPUT,
-    EXIT_IN_USE,
-    EXIT_NO_RESOURCES,
     EXIT_NOT_FOUND,
-    EXIT_START_FAILED,
     call,
     console,
     err_console,
     fail,
     load,
+    start_failures,
     target,
 )
 from .evict import evict
@@ -116,18 +113,8 @@ def serve(
 
     cfg = load(config, overrides)
     setup_logging(cfg.logging)
-    # One line and a code per class of start-up failure (README, "Running the daemon"); whatever was built
-    # before the failure (the DRAM segment, locks) is released by start_server on the way out.
-    try:
+    with start_failures():
         asyncio.run(serve_daemon(cfg))
-    except InsufficientResources as exc:  # memory, /dev/shm or disk smaller than the config asks
-        raise fail(str(exc), EXIT_NO_RESOURCES) from None
-    except ConfigError as exc:
-        raise fail(str(exc), EXIT_BAD_INPUT) from None
-    except (AddressInUse, AlreadyRunning) as exc:  # a port, socket path or NVMe directory another process holds
-        raise fail(str(exc), EXIT_IN_USE) from None
-    except OSError as exc:  # a file or directory the daemon needs: permissions, a read-only disk
-        raise fail(f"cannot start: {exc}", EXIT_START_FAILED) from None
 
 
 @app.command()
@@ -187,7 +174,8 @@ def check(
 
 @app.command()
 def demo() -> None:
-    """Start an embedded daemon and run two agent sessions that share a long prefix."""
+    """Start an embedded daemon and run two agent sessions that share a long prefix; exit 1 if the second did
+    not get it back intact, and a daemon that cannot start exits as `engram serve` does (4: configuration)."""
     from .demo import demo as run_demo
     reports = run_demo(console)
     if not all(r.verified for r in reports) or reports[-1].cached_tokens == 0:

@@ -167,6 +167,17 @@ def test_demo_puts_its_pool_in_its_own_directory_when_dev_shm_is_small(monkeypat
     assert made and all(d != "/dev/shm" and "engram-demo-" in d for d in made)
 
 
+def test_demo_whose_daemon_cannot_start_says_so_in_one_line_with_serves_exit_code(tmp_path: Path) -> None:
+    # A $TMPDIR so long that the demo's socket path cannot fit a unix socket's 107 bytes: a ConfigError at start.
+    deep = tmp_path / ("d" * 120)
+    deep.mkdir()
+    out = subprocess.run([*ENGRAM, "demo"], capture_output=True, text=True, timeout=120, cwd=NEUTRAL_CWD,
+                         env={**os.environ, "TMPDIR": str(deep)})
+    assert out.returncode == 4, out.stderr  # serve's code for a configuration error, not the demo's own 1
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("error: server.unix_socket") and "choose a shorter path" in out.stderr
+
+
 def test_check_offline_reports_then_fixes(tmp_path: Path) -> None:
     import asyncio
 
