@@ -205,7 +205,8 @@ def show_config(config: ConfigOpt = None, keys: Annotated[bool, typer.Option(hel
 
 for _command in (ls, show, evict, pin, unpin, top, layouts):  # one module each
     app.command()(_command)
-app.command("verify-isolation")(verify_isolation)
+app.command("verify-isolation", short_help="Check that one namespace's blocks are out of another's reach on every "
+            "tier and path; exit 1 on a leak.")(verify_isolation)
 
 
 def main() -> None:

@@ -8,7 +8,9 @@ ENGRAM_TOKEN / ENGRAM_OTHER_TOKEN); blocks then stay where that daemon puts them
 
 Exit status: 0 when every check is isolated (or not checked here, with the reason), 1 on any leak, 5 when
 no leak was seen but some check had no positive control (the owner could not reach its own data, so the
-denial proves nothing).
+denial proves nothing), 4 for bad input, which includes a live run's two tokens not resolving to two
+namespaces (both act in one, or one acts in none: an admin token, or a daemon with tenancy off), checked
+before anything is written (isolation_rig.check_two_tenants).
 """
 
 from __future__ import annotations
@@ -58,7 +60,10 @@ def verify_isolation(
     = False,
     json_: JsonOpt = False,
 ) -> None:
-    """Check that one namespace's blocks are out of another's reach on every tier and path; exit 1 on a leak."""
+    """Check that one namespace's blocks are out of another's reach on every tier and path. Exit 0: isolated;
+    1: a leak; 5: no leak seen, but some check had no positive control; 4: bad input, and a live run whose two
+    tokens do not act in two namespaces (both in one, or one in none: an admin token or a daemon with tenancy
+    off), refused before anything is written."""
     from engram.isolation_rig import run_builtin, run_live  # the daemon and torch: not for `engram -h`
     if samples < 20:
         raise fail("--samples must be at least 20 (the timing comparison needs them)", EXIT_BAD_INPUT)

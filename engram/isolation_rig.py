@@ -32,6 +32,7 @@ from typing import Any
 from engram.client import EngramClient
 from engram.cluster import block_record_key
 from engram.config import load_config
+from engram.errors import InvalidArgument
 from engram.isolation import NOT_CHECKED, Check, Prober, Report, verdict
 from engram.server import RunningServer, start_server
 
@@ -237,6 +238,21 @@ async def _refused_not_found(call: Callable[[], Any]) -> bool:
     return await refused(call, errors.NotFound)
 
 
+def check_two_tenants(owner_ns: str, other_ns: str) -> None:
+    """A live run compares two namespaces: refuse tokens that do not resolve to two. In one namespace the prober
+    reaches the owner's blocks by right (it failed on a session "not in this namespace"); an admin token (or
+    any token with tenancy off) acts in "" when it names none, and "" named by the prober's calls is its own
+    namespace, so the owner's blocks were "found" there: false leaks."""
+    for who, flag, ns in (("owner", "--namespace", owner_ns), ("prober", "--other-namespace", other_ns)):
+        if not ns:
+            raise InvalidArgument(f"the {who}'s token acts in no namespace of its own (an admin token, or a daemon "
+                                  f"with tenancy off): give a tenant's token, or name its namespace with {flag}")
+    if owner_ns == other_ns:
+        raise InvalidArgument(f"both tokens act in namespace {owner_ns!r}: nothing to verify; give the prober "
+                              "(--other-token) another tenant's token, or name another namespace with "
+                              "--other-namespace")
+
+
 async def run_live(address: str, owner_token: str, other_token: str, owner_ns: str, other_ns: str, *,
                    samples: int = 300, root_cert: bytes | None = None, progress: Progress | None = None) -> Report:
     """The checks a running daemon allows, with two tenants' tokens (the owner's blocks stay where the
@@ -247,6 +263,7 @@ async def run_live(address: str, owner_token: str, other_token: str, owner_ns: s
             EngramClient(address, token=other_token, namespace=other_ns, root_cert=root_cert) as other:
         owner_ns = owner_ns or (await owner.describe_namespace()).namespace
         other_ns = other_ns or (await other.describe_namespace()).namespace
+        check_two_tenants(owner_ns, other_ns)
         p = Prober(owner, other, owner_ns, other_ns)
         fp = await p.register()
         say("blocks where the daemon put them")

@@ -94,3 +94,38 @@ async def test_a_live_daemon_with_two_tokens(server_factory: Any) -> None:
     for path in ("blocks on each tier", "redis index", "peer fetch", "zero-copy memory", "CUDA IPC",
                  "key salt: depends on auth.salt_secret"):
         assert statuses[path] == NOT_CHECKED, path
+
+
+async def test_a_live_run_refuses_two_tokens_that_act_in_one_namespace(server_factory: Any) -> None:
+    # Tenants a and a2 share namespace "a"; with tenancy off every token acts in "".
+    srv = await server_factory(**{"auth.tenants.a.token": "ta", "auth.tenants.a2.token": "ta2",
+                                  "auth.tenants.a2.namespaces": "a", "auth.salt_secret": "s"})
+    import asyncio
+
+    for owner, other in (("ta", "ta"), ("ta", "ta2")):
+        res = await asyncio.to_thread(CliRunner().invoke, app, ["verify-isolation", "--address", srv.address,
+                                                                "--token", owner, "--other-token", other])
+        assert res.exit_code == 4, res.output  # refused up front, not a session "not in this namespace"
+        assert "both tokens act in namespace 'a': nothing to verify" in res.stderr, res.stderr
+        assert "no session" not in res.stderr and res.stdout == ""
+
+
+async def test_a_live_run_refuses_a_token_that_acts_in_no_namespace(server_factory: Any) -> None:
+    # An admin token (and any token with tenancy off) acts in "", which the prober's own calls also name:
+    # the owner's blocks were "found" by the prober, two false leaks.
+    srv = await server_factory(**{"auth.tenants.a.token": "ta", "auth.tenants.b.token": "tb",
+                                  "auth.admin_tokens": "adm", "auth.salt_secret": "s"})
+    open_srv = await server_factory()
+    import asyncio
+
+    for address, owner, other, who in ((srv.address, "adm", "tb", "owner"), (srv.address, "ta", "adm", "prober"),
+                                       (open_srv.address, "x", "y", "owner")):
+        res = await asyncio.to_thread(CliRunner().invoke, app, ["verify-isolation", "--address", address,
+                                                                "--token", owner, "--other-token", other])
+        assert res.exit_code == 4, res.output
+        assert f"the {who}'s token acts in no namespace of its own" in " ".join(res.stderr.split()), res.stderr
+        assert res.stdout == ""
+    # An admin token acting in a namespace named for it is a fine owner: the tenant's probes are denied.
+    code, out = await asyncio.to_thread(run_cli, "--address", srv.address, "--token", "adm", "--namespace", "a",
+                                        "--other-token", "tb", "--samples", "20")
+    assert all(c["status"] != LEAK for c in out["checks"]), out  # (20 timed samples: the timing verdict is noise)
