@@ -24,6 +24,7 @@ POLICIES = ("engram", "lru", "belady")
 bench_app = typer.Typer(help="Benchmarks: the cache policy (trace), bounded replay against loading (replay).", no_args_is_help=True)
 
 FP4_GLOBAL_BYTES_PER_TOKEN = 890  # an FP4 global KV's bytes per token: what a missed block would weigh
+MAX_PREFETCH_LEAD_MS = 3_600_000.0  # the daemon's bound on tiers.prefetch_lead_ms (engram/config.py): an hour
 
 
 def _tier_size(flag: str, value: str | None) -> int | None:
@@ -36,6 +37,17 @@ def _tier_size(flag: str, value: str | None) -> int | None:
     if n <= 0:
         raise fail(f"{flag} must be positive, got {value!r}", EXIT_BAD_INPUT)
     return n
+
+
+def _block_size_source(block_bytes: int | None, block_tokens: int | None, bt: int | None, bytes_per_token: int
+                       ) -> str:
+    """Where a block's weight came from, named as the user gave it: an option, or the trace's own fields."""
+    if block_bytes is not None:
+        return "--block-bytes"
+    if block_tokens is not None:
+        return f"--block-tokens {block_tokens:,} x --bytes-per-token {bytes_per_token:,}"
+    return (f"the trace's blocks of {bt or 0:,} tokens, from its input_length over its hash_ids, x --bytes-per-token "
+            f"{bytes_per_token:,}; a mistaken input_length? --block-tokens or --block-bytes overrides it")
 
 
 def _gb(n: int) -> str:
@@ -67,7 +79,8 @@ def trace(
     bytes_per_token: Annotated[int, typer.Option(help="KV bytes per token, for the block size.")]
     = FP4_GLOBAL_BYTES_PER_TOKEN,
     block_bytes: Annotated[int | None, typer.Option(help="Bytes of one block (default: block tokens x bytes per "
-                                                         "token): what the store's blocks weigh, and a miss.")]
+                                                         "token; at most 256 MiB): what the store's blocks weigh, "
+                                                         "and a miss.")]
     = None,
     hints: Annotated[bool, typer.Option(help="Pass the trace's back_ms hints to the store's sessions (as a "
                                              "client's AppendSession expect_back_ms); --no-hints ignores them.")]
@@ -86,6 +99,7 @@ def trace(
 
     # numpy and the policies: loaded only when run
     from engram.trace import TierSpec, block_tokens_of, in_time_order, read_trace, replay_all
+    from engram.trace.replay import MAX_BLOCK_BYTES
     tiers = [TierSpec(name, n) for name, n in (("hbm", _tier_size("--hbm", hbm)), ("dram", _tier_size("--dram", dram)),
                                                 ("nvme", _tier_size("--nvme", nvme))) if n is not None]
     if capacity is None:
@@ -100,12 +114,15 @@ def trace(
     policies = [p.strip() for p in policy.split(",") if p.strip()]
     if not policies or set(policies) - set(POLICIES):
         raise fail(f"--policy takes some of {', '.join(POLICIES)}, got {policy!r}", EXIT_BAD_INPUT)
-    if prefetch_lead_ms < 0:
-        raise fail(f"--prefetch-lead-ms must be >= 0, got {prefetch_lead_ms}", EXIT_BAD_INPUT)
+    if not 0 <= prefetch_lead_ms <= MAX_PREFETCH_LEAD_MS:  # NaN too
+        raise fail(f"--prefetch-lead-ms must be between 0 and an hour ({MAX_PREFETCH_LEAD_MS:,.0f}), as the daemon's "
+                   f"tiers.prefetch_lead_ms, got {prefetch_lead_ms}", EXIT_BAD_INPUT)
     if jobs < 0:
         raise fail(f"--jobs takes 0 (one per core) or a positive count, got {jobs}", EXIT_BAD_INPUT)
     if (block_tokens is not None and block_tokens <= 0) or (block_bytes is not None and block_bytes <= 0):
         raise fail("--block-tokens and --block-bytes must be positive", EXIT_BAD_INPUT)
+    if bytes_per_token <= 0:
+        raise fail(f"--bytes-per-token must be positive, got {bytes_per_token}", EXIT_BAD_INPUT)
     try:
         requests = read_trace(file)
     except (OSError, InvalidArgument) as exc:
@@ -121,6 +138,9 @@ def trace(
         raise fail("cannot tell the block size from the trace (no input lengths over several blocks): pass "
                    "--block-tokens or --block-bytes", EXIT_BAD_INPUT)
     nbytes = block_bytes if block_bytes is not None else (bt or 0) * bytes_per_token
+    if nbytes > MAX_BLOCK_BYTES:
+        raise fail(f"blocks of {nbytes:,} bytes: the replay's blocks weigh at most {MAX_BLOCK_BYTES:,} (256 MiB) "
+                   f"({_block_size_source(block_bytes, block_tokens, bt, bytes_per_token)})", EXIT_BAD_INPUT)
     start = time.perf_counter()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
                TimeElapsedColumn())

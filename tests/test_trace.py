@@ -289,6 +289,30 @@ def test_bench_trace_refuses_a_tier_smaller_than_one_block_and_runs_a_repeated_c
     assert [r["capacity_blocks"] for r in json.loads(res.stdout)] == [10, 4]
 
 
+def test_bench_trace_refuses_block_sizes_and_leads_by_the_option_or_trace_field_that_gave_them(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    write_trace(path, [Request(0, (1, 2, 3), 1536), Request(1, (1, 2, 4), 1536)])
+
+    def refused(trace: Path, *args: str) -> str:
+        res = _bench(trace, "--capacity", "4", "--policy", "lru", *args)
+        assert res.exit_code == 4, res.output
+        assert "num_kv_heads" not in res.output  # the replay's layout: a field the user never gave
+        return " ".join(res.stderr.split())
+
+    assert "(--block-bytes)" in refused(path, "--block-bytes", "999999999999999999999")
+    assert "(--block-tokens 99,999,999,999,999,999,999 x --bytes-per-token 890)" in refused(
+        path, "--block-tokens", "99999999999999999999")
+    assert "at most 268,435,456" in refused(path, "--block-bytes", str(256 * 2**20 + 1))
+    huge = _lines(tmp_path / "huge.jsonl", {"timestamp": 1, "input_length": 10**23, "hash_ids": [1, 2]})
+    assert "from its input_length over its hash_ids" in refused(huge)
+    for n in ("-3", "0"):  # "blocks of 16 tokens = -48 bytes" and 0-byte blocks, with -0.00 GB missed
+        assert f"--bytes-per-token must be positive, got {n}" in refused(path, "--bytes-per-token", n)
+    for lead in ("nan", "inf", "3600001"):
+        assert "--prefetch-lead-ms must be between 0 and an hour" in refused(path, "--prefetch-lead-ms", lead)
+    with pytest.raises(InvalidArgument, match="block_bytes must be in"):
+        layout_for(10**21)
+
+
 def test_block_tokens_are_the_power_of_two_every_request_allows() -> None:
     assert block_tokens_of([Request(0, (1, 2), 1024), Request(1, (1, 2, 3), 1100)]) == 512
     assert block_tokens_of([Request(0, (1, 2), 600), Request(1, (1, 2, 3), 1100)]) == 512  # 300-599 and 367-599

@@ -127,8 +127,16 @@ class PolicyResult:
         return self.requested_blocks / self.seconds if self.seconds else 0.0
 
 
+# The heaviest block a layout_for layout stands in for: its heads and head size at the daemon's own bounds.
+MAX_BLOCK_BYTES = 2 * _BT * DType.BF16.itemsize * limits.MAX_KV_HEADS * limits.MAX_HEAD_DIM  # 256 MiB
+
+
 def layout_for(block_bytes: int) -> KVLayout:
-    """A raw BF16 layout of _BT-token blocks weighing at least `block_bytes` (in steps of 64 bytes)."""
+    """A raw BF16 layout of _BT-token blocks weighing at least `block_bytes` (in steps of 64 bytes). A weight
+    past MAX_BLOCK_BYTES is refused by name: it failed as the layout's "num_kv_heads", a field no caller gave."""
+    if not 0 < block_bytes <= MAX_BLOCK_BYTES:
+        raise InvalidArgument(f"block_bytes must be in [1, {MAX_BLOCK_BYTES:,}] (256 MiB: the replay's largest "
+                              f"block), got {block_bytes:,}")
     unit = 2 * _BT * DType.BF16.itemsize
     n = max(1, -(-block_bytes // unit))
     heads = -(-n // limits.MAX_HEAD_DIM)
