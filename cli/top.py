@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 from dataclasses import dataclass
 from typing import Annotated
@@ -24,6 +23,9 @@ from .ls import sessions_table
 from .options import AddressOpt, ConfigOpt, NamespaceOpt, TlsCaOpt, TokenOpt
 from .show import visible_sessions
 from .stats import human_bytes
+
+# A day: 1e308 s was taken and waited for ever (--once's call timeout is 4 intervals), where inf was refused.
+MAX_INTERVAL_S = 86_400.0
 
 
 @dataclass(frozen=True)
@@ -116,14 +118,16 @@ async def watch(client: ControlClient, out: Console, address: str, namespace: st
 
 
 def top(config: ConfigOpt = None, address: AddressOpt = None, namespace: NamespaceOpt = None,
-        interval: Annotated[float, typer.Option("--interval", "-i", min=0.05, help="Seconds between refreshes.")] = 1.0,
+        interval: Annotated[float, typer.Option("--interval", "-i", min=0.05,
+                                                help="Seconds between refreshes (at most a day).")] = 1.0,
         once: Annotated[bool, typer.Option("--once", help="Print one frame and exit.")] = False,
         json_: Annotated[bool, typer.Option("--json", help="Print one frame as JSON (rates per second) and exit.")
                          ] = False,
         token: TokenOpt = None, tls_ca: TlsCaOpt = None) -> None:
     """A live view of tiers, rates per second and sessions; Ctrl-C quits."""
-    if not math.isfinite(interval):
-        raise fail(f"--interval must be a finite number of seconds, got {interval}", EXIT_BAD_INPUT)
+    if not interval <= MAX_INTERVAL_S:  # inf and NaN too
+        raise fail(f"--interval must be a finite number of seconds, at most a day ({MAX_INTERVAL_S:.0f}), got "
+                   f"{interval}", EXIT_BAD_INPUT)
     where = target(config, address, token, tls_ca)
     once = once or json_
     limit = interval * 4 + 10 if once else 10.0**9

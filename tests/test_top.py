@@ -3,6 +3,7 @@ shows the rates of the traffic between them, and `--once` prints one frame and e
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 from rich.console import Console
@@ -12,7 +13,7 @@ from engram.cli.main import app
 from engram.cli.top import frame, snapshot
 from engram.client import EngramClient, SyncEngramClient
 
-from helpers import engram_daemon, random_kv, tiny_model, tokens
+from helpers import ENGRAM, NEUTRAL_CWD, engram_daemon, random_kv, tiny_model, tokens
 
 
 async def test_frame_shows_rates_between_snapshots(server_factory) -> None:  # type: ignore[no-untyped-def]
@@ -51,3 +52,13 @@ def test_top_once_against_daemon_subprocess(tmp_path: Path) -> None:
         assert "engram top" in result.stdout and "dram" in result.stdout and "lookups/s" in result.stdout
         gone = CliRunner().invoke(app, ["top", "--once", "-a", f"unix:{tmp_path / 'none.sock'}"])
         assert gone.exit_code == 2 and "no Engram daemon answers" in gone.stderr
+
+
+def test_top_refuses_an_interval_past_a_day_instead_of_waiting_for_ever(tmp_path: Path) -> None:
+    # inf was refused, but 1e308 was taken: --once slept that long under a call timeout of 4 intervals.
+    with engram_daemon(tmp_path) as (address, _):
+        for interval in ("1e308", "86401"):
+            out = subprocess.run([*ENGRAM, "top", "--once", "-i", interval, "-a", address], capture_output=True,
+                                 text=True, timeout=60, cwd=NEUTRAL_CWD)
+            assert out.returncode == 4, out.stderr
+            assert "--interval must be a finite number of seconds, at most a day (86400)" in out.stderr
