@@ -171,6 +171,43 @@ async def test_nvfp4_logits_stay_within_the_stated_tolerance(server_factory, tmp
     assert 0 < err <= NVFP4_LOGIT_TOL, err  # not bit-exact (FP4), but close
 
 
+async def test_a_rope_override_of_the_same_checkpoint_is_another_model_though_the_weights_id_is_the_same(
+        server_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """One checkpoint loaded as it is and with a config override (rope_theta 500, linear RoPE scaling x4), each
+    given the same weights_id: the overrides compute other K for the same tokens, so they get other fingerprints
+    and miss the KV the first one stored. A given weights_id replaced the config hash: they shared a fingerprint
+    and loaded KV computed under the other RoPE (greedy tokens changed in 2 of 8 prompts, an audit). The same
+    checkpoint and config loaded again with that weights_id is the same model, and hits."""
+    import transformers as tf
+
+    srv = await server_factory()
+    tiny("llama").save_pretrained(tmp_path / "ckpt")
+
+    def load(**rope: Any) -> Any:
+        """The checkpoint with its RoPE parameters overridden, as vLLM's --hf-overrides or a config= does."""
+        cfg = tf.AutoConfig.from_pretrained(tmp_path / "ckpt")
+        cfg.rope_parameters = {**cfg.rope_parameters, **rope}
+        return tf.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", config=cfg, dtype=torch.float32,
+                                                       attn_implementation="eager").eval()
+
+    prompt = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(3))
+
+    def sessions() -> dict[str, tuple[bool, int]]:
+        with SyncEngramClient(srv.address, namespace="agents") as client:
+            first = EngramPrefixCache(load(), client, codec="raw", block_tokens=16, weights_id="ckpt@rev1")
+            generate(first.model, prompt, first, max_new_tokens=4, do_sample=False)
+            out = {}
+            for label, model in (("theta", load(rope_theta=500.0)), ("linear", load(rope_type="linear", factor=4.0)),
+                                 ("same", load())):
+                cache = EngramPrefixCache(model, client, codec="raw", block_tokens=16, weights_id="ckpt@rev1")
+                cache.load(prompt)
+                out[label] = (cache.fingerprint == first.fingerprint, cache.last_loaded)
+            return out
+
+    got = await asyncio.to_thread(sessions)
+    assert got == {"theta": (False, 0), "linear": (False, 0), "same": (True, 63)}
+
+
 async def test_beam_search_stores_the_prompt_not_a_beams_tokens_under_the_answers_name(server_factory) -> None:  # type: ignore[no-untyped-def]
     """With beams the cache holds one row per beam, reordered every step: which row is out[0]'s is not known, so
     `generate` stores only the prompt every row shares (it once filed row 0 under out[0]: another beam's KV),

@@ -654,41 +654,67 @@ def test_the_model_spec_stores_every_attention_layer_in_model_order() -> None:
     assert (named.name, named.weights_id) == ("mine", "rev-3")
 
 
+def engine(**hf: Any) -> Any:
+    """vLLM's ModelConfig as the connector reads it: the checkpoint, its revision and quantization, and its HF config
+    as the engine runs it (--hf-overrides applied)."""
+    from types import SimpleNamespace
+
+    config = {"model_type": "llama", "rope_theta": 500000.0, "_name_or_path": "/models/llama", **hf}
+    return SimpleNamespace(model="/models/llama", revision=None, quantization=None,
+                           hf_config=SimpleNamespace(model_type="llama", to_dict=lambda: dict(config)))
+
+
 def test_the_default_identity_tells_apart_engines_whose_config_overrides_change_the_kv() -> None:
     """Without a weights_id, the same checkpoint run with another RoPE theta (vLLM's --hf-overrides) is another
     Engram model: its K differs for the same tokens. How the config was saved (its path entry) is not."""
+    cfg = ConnectorConfig(address="unix:/x", codec="raw", block_tokens=BT)
+    base = cfg.engine_model_spec(layers(), engine())
+    assert base.name == "llama" and base.weights_id.startswith("vllm:/models/llama@")
+    assert cfg.engine_model_spec(layers(), engine(_name_or_path="/elsewhere")).fingerprint == base.fingerprint
+    assert cfg.engine_model_spec(layers(), engine(rope_theta=1000000.0)).fingerprint != base.fingerprint
+    assert cfg.engine_model_spec(layers(), engine(rope_scaling={"rope_type": "yarn", "factor": 4.0})).fingerprint \
+        != base.fingerprint
+    unknown = cfg.engine_model_spec(layers(), None)
+    assert (unknown.name, unknown.weights_id) == ("vllm-model", "vllm:unknown")
+
+
+def test_a_given_weights_id_still_tells_apart_engines_whose_config_overrides_change_the_kv() -> None:
+    """A weights_id names the checkpoint, not how it runs: the same checkpoint with another RoPE theta or scaling
+    (--hf-overrides) is another Engram model with it too. The weights_id replaced the config hash, so those
+    engines shared a fingerprint and loaded KV computed under the other RoPE (an audit)."""
+    cfg = ConnectorConfig(address="unix:/x", codec="raw", block_tokens=BT, weights_id="llama-3.1-8b@rev")
+    base = cfg.engine_model_spec(layers(), engine())
+    for override in ({"rope_theta": 1000000.0}, {"rope_theta": 50.0},
+                     {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}):
+        assert cfg.engine_model_spec(layers(), engine(**override)).fingerprint != base.fingerprint, override
+    assert cfg.engine_model_spec(layers(), engine(_name_or_path="/elsewhere")).fingerprint == base.fingerprint
+    assert base.weights_id.startswith("llama-3.1-8b@rev#")  # the checkpoint's id, then the config's hash
+
+
+def test_a_full_attention_model_is_the_same_engram_model_to_vllm_and_transformers(daemon: str) -> None:
+    """Blocks a vLLM engine stores serve a transformers worker of the same model, and back: the same name,
+    weights_id, HF config, codec and block_tokens give the same layout and fingerprint in both integrations
+    (docs/INTEGRATIONS.md); another RoPE theta does not."""
     from types import SimpleNamespace
 
-    from engram.integrations.vllm.config import model_defaults
-
-    def engine(**hf: Any) -> Any:
-        config = {"model_type": "llama", "rope_theta": 500000.0, "_name_or_path": "/models/llama", **hf}
-        return SimpleNamespace(model="/models/llama", revision=None, quantization=None,
-                               hf_config=SimpleNamespace(model_type="llama", to_dict=lambda: dict(config)))
-
-    name, base = model_defaults(engine())
-    assert name == "llama" and base.startswith("vllm:/models/llama@")
-    assert model_defaults(engine(_name_or_path="/elsewhere"))[1] == base
-    assert model_defaults(engine(rope_theta=1000000.0))[1] != base
-    assert model_defaults(engine(rope_scaling={"rope_type": "yarn", "factor": 4.0}))[1] != base
-    assert model_defaults(None) == ("vllm-model", "vllm:unknown")
-
-
-def test_a_full_attention_model_is_the_same_engram_model_to_vllm_and_transformers() -> None:
-    """Blocks a vLLM engine stores serve a transformers worker of the same model, and back: same name,
-    weights_id, codec and block_tokens give the same layout and fingerprint (docs/INTEGRATIONS.md)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engram.integrations.transformers import layout_of
-    from engram.layout import ModelSpec
+    from engram.integrations.transformers import EngramPrefixCache
 
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
-                      num_key_value_heads=HEADS, head_dim=DIM, vocab_size=1000)
-    hf = ModelSpec(cfg.model_type, "rev-1", layout_of(LlamaForCausalLM(cfg).to(torch.bfloat16), block_tokens=BT),
-                   "raw")
-    ours = ConnectorConfig(address="unix:/x", codec="raw", block_tokens=BT, weights_id="rev-1").model_spec(
-        layers(), name=cfg.model_type, weights_id="vllm:default")
-    assert ours.fingerprint == hf.fingerprint
+    def both(**rope: Any) -> tuple[bytes, bytes]:
+        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+                          num_key_value_heads=HEADS, head_dim=DIM, vocab_size=1000)
+        cfg.rope_parameters = {**cfg.rope_parameters, **rope}
+        with SyncEngramClient(daemon) as client:
+            hf = EngramPrefixCache(LlamaForCausalLM(cfg).to(torch.bfloat16), client, codec="raw", block_tokens=BT,
+                                   weights_id="rev-1").spec
+        vllm_engine = SimpleNamespace(model="/models/llama", revision=None, quantization=None, hf_config=cfg)
+        ours = ConnectorConfig(address="unix:/x", codec="raw", block_tokens=BT, weights_id="rev-1").engine_model_spec(
+            layers(), vllm_engine)
+        return ours.fingerprint, hf.fingerprint
+
+    same, other = both(), both(rope_theta=50.0)
+    assert same[0] == same[1] and other[0] == other[1] and other[0] != same[0]
 
 
 @pytest.mark.parametrize(("caches", "match"), [
@@ -890,28 +916,24 @@ def test_mla_nvfp4_loads_are_the_daemons_decoded_latents_within_the_codecs_error
     assert 0.0 < rel < 0.12  # nvfp4's error on Gaussian data (docs/FP4_NOTES.md); 0 would mean it stored raw
 
 
-def test_an_mla_model_is_the_same_engram_model_to_vllm_and_transformers() -> None:
+def test_an_mla_model_is_the_same_engram_model_to_vllm_and_transformers(daemon: str) -> None:
     """vLLM's MLA cache entry and transformers' DeepseekV3 cache (c then k_pe per layer) give the same layout: the
-    same name, weights_id, codec and block_tokens make the same fingerprint."""
-    from transformers import DeepseekV3Config
+    same name, weights_id, HF config, codec and block_tokens make the same fingerprint."""
+    from types import SimpleNamespace
 
-    from engram.integrations.transformers import layout_of
-    from engram.layout import ModelSpec
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from engram.integrations.transformers import EngramPrefixCache
 
     cfg = DeepseekV3Config(num_hidden_layers=LAYERS, first_k_dense_replace=LAYERS, hidden_size=64,
                            intermediate_size=64, num_attention_heads=2, kv_lora_rank=512, qk_rope_head_dim=64,
                            q_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16, vocab_size=1000)
-
-    class Config:  # what layout_of reads of a model: its config and its parameters' dtype
-        config = cfg
-
-        @staticmethod
-        def parameters() -> Iterator[torch.Tensor]:
-            yield torch.zeros(1, dtype=torch.bfloat16)
-
-    hf = ModelSpec(cfg.model_type, "rev-1", layout_of(Config(), block_tokens=BT), "raw")
-    ours = ConnectorConfig(address="unix:/x", codec="raw", block_tokens=BT, weights_id="rev-1").model_spec(
-        mla_layers(), name=cfg.model_type, weights_id="vllm:default")
+    with SyncEngramClient(daemon) as client:
+        hf = EngramPrefixCache(DeepseekV3ForCausalLM(cfg).to(torch.bfloat16), client, codec="raw", block_tokens=BT,
+                               weights_id="rev-1").spec
+    vllm_engine = SimpleNamespace(model="/models/deepseek", revision=None, quantization=None, hf_config=cfg)
+    ours = ConnectorConfig(address="unix:/x", codec="raw", block_tokens=BT, weights_id="rev-1").engine_model_spec(
+        mla_layers(), vllm_engine)
     assert ours.fingerprint == hf.fingerprint and ours.layout.bytes_per_token() == LAYERS * LATENT_W * 2
 
 

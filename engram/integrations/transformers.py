@@ -17,9 +17,11 @@ A daemon that fails a load or a store (down, or refusing) costs no answer: the l
 is skipped, each logged and counted (`load_failures`, `store_failures`), as in the vLLM connector. A daemon
 not up yet when the cache is built is no error either: the model is registered with the first call it answers.
 
-The model's identity in its fingerprint: `weights_id` when given (a checkpoint revision or hash); otherwise a
-hash of the config and of every parameter's shape, dtype and first 4096 values, computed once here: a
-weights change that keeps all of those is not seen (pass weights_id to be sure).
+The model's identity in its fingerprint: `weights_id` when given (a checkpoint revision or hash) with a hash of
+the config (the same checkpoint run with another RoPE theta or scaling is another model; the vLLM connector
+joins the two the same way); otherwise a hash of the config and of every parameter's shape, dtype and first
+4096 values, computed once here: a weights change that keeps all of those is not seen (pass weights_id to be
+sure).
 
 MLA models (DeepSeek-V2/V3: `kv_lora_rank` in the config): transformers' DeepseekV3 cache keeps, per layer, the
 compressed latent, not per-head K/V: its DynamicLayer's keys are the normalized latent c (1, 1, T,
@@ -44,7 +46,7 @@ from torch import Tensor
 
 from engram.destinations import ContiguousKV, KVDestination, StreamsKV
 from engram.errors import EngramError, InvalidArgument, Unavailable
-from engram.integrations.identity import config_hash
+from engram.integrations.identity import config_hash, with_config
 from engram.integrations.sessions import SessionLink
 from engram.layout import Axis, DType, KVLayout, LayerKind, LayerSpec, ModelSpec, StreamSpec
 from engram.replay.hf import cache_kwarg
@@ -120,8 +122,9 @@ class EngramPrefixCache:
         self.namespace = namespace
         self.layout = layout_of(model, block_tokens=block_tokens)
         cfg = _text_config(model)
-        self.spec = ModelSpec(name or getattr(cfg, "model_type", "") or type(model).__name__,
-                              weights_id or weights_identity(model), self.layout, codec)
+        weights = with_config(weights_id, model.config.to_dict()) if weights_id else weights_identity(model)
+        self.spec = ModelSpec(name or getattr(cfg, "model_type", "") or type(model).__name__, weights, self.layout,
+                              codec)
         self._fingerprint = b""  # the daemon's name for the model (it resolves the default codec): `fingerprint`
         self.sessions = SessionLink(client, b"", namespace=namespace)
         try:

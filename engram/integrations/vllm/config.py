@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from engram.errors import ConfigError, InvalidArgument
-from engram.integrations.identity import config_hash
+from engram.integrations.identity import with_config
 from engram.layout import Axis, DType, KVLayout, LayerKind, LayerSpec, ModelSpec, StreamSpec
 
 LATENT = "latent"  # the stream an MLA model's cache entries are stored as
@@ -61,6 +61,7 @@ class ConnectorConfig:
     block_tokens: int = 256  # Engram's block: a multiple of vLLM's block_size
     name: str = ""  # the model's name in Engram; "" = its Hugging Face model_type
     weights_id: str = ""  # the checkpoint's identity; "" = vLLM's model path or id, revision and quantization
+    # (either way joined to the hash of the HF config the engine runs: model_spec)
     async_saves: bool = True  # puts run in a background thread on a second client; false: within the step
     max_pending_bytes: int = 2 << 30  # async saves' buffers (each its prompt's KV, on the GPU) queued or running
 
@@ -101,9 +102,18 @@ class ConnectorConfig:
         client.register_model(spec)
         return client
 
-    def model_spec(self, layers: VllmLayers, *, name: str, weights_id: str) -> ModelSpec:
-        """The model as Engram registers it. `name` and `weights_id` are the defaults from vLLM's model config; the
-        connector config's own win."""
+    def engine_model_spec(self, layers: VllmLayers, model_config: Any) -> ModelSpec:
+        """The model as the connector registers it for an engine: `model_spec` of vLLM's ModelConfig
+        (`model_defaults`)."""
+        name, weights_id, hf_config = model_defaults(model_config)
+        return self.model_spec(layers, name=name, weights_id=weights_id, hf_config=hf_config)
+
+    def model_spec(self, layers: VllmLayers, *, name: str, weights_id: str,
+                   hf_config: Mapping[str, Any] | None = None) -> ModelSpec:
+        """The model as Engram registers it. `name` and `weights_id` are the defaults from vLLM's model config
+        (`model_defaults`); the connector config's own win. hf_config: the HF config as the engine runs it, whose
+        hash joins the weights id, a given one too (identity.with_config): a weights id names the checkpoint, and
+        the same checkpoint run with another RoPE theta or scaling (--hf-overrides) computes other K."""
         try:
             dtype = DType.from_torch(layers.dtype)
         except InvalidArgument:
@@ -118,7 +128,10 @@ class ConnectorConfig:
         else:
             layout = KVLayout(layers=every, num_kv_heads=layers.num_kv_heads, head_dim=layers.head_dim, dtype=dtype,
                               block_tokens=self.block_tokens)
-        return ModelSpec(self.name or name, self.weights_id or weights_id, layout, self.codec)
+        weights = self.weights_id or weights_id
+        if hf_config is not None:
+            weights = with_config(weights, hf_config)
+        return ModelSpec(self.name or name, weights, layout, self.codec)
 
 
 @dataclass(frozen=True)
@@ -191,15 +204,15 @@ class VllmLayers:
         return (StreamSpec(LATENT, (self.head_dim,), DType.from_torch(self.dtype), "", Axis.TOKEN),)
 
 
-def model_defaults(model_config: Any) -> tuple[str, str]:
-    """The model's name and weights identity in Engram when the connector config names none, from vLLM's
-    ModelConfig: the checkpoint, its revision and quantization, and a hash of its HF config as the engine runs it
-    (with --hf-overrides applied: a RoPE scaling or theta changes every K)."""
+def model_defaults(model_config: Any) -> tuple[str, str, dict[str, Any] | None]:
+    """From vLLM's ModelConfig: the model's name and weights identity in Engram when the connector config names
+    none (the checkpoint, its revision and quantization), and its HF config as the engine runs it (with
+    --hf-overrides applied: a RoPE scaling or theta changes every K), for `ConnectorConfig.model_spec` to hash."""
     if model_config is None:
-        return "vllm-model", "vllm:unknown"
+        return "vllm-model", "vllm:unknown", None
     hf = model_config.hf_config
     name = getattr(hf, "model_type", "") or "vllm-model"
     weights = f"vllm:{model_config.model}@{model_config.revision or ''}"
     if model_config.quantization:
         weights += f"+{model_config.quantization}"
-    return name, f"{weights}#{config_hash(hf.to_dict()).hexdigest()}"
+    return name, weights, hf.to_dict()

@@ -25,7 +25,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from engram.errors import InvalidArgument
-from engram.integrations.vllm.config import ConnectorConfig, LayerCache, VllmLayers, model_defaults
+from engram.integrations.vllm.config import ConnectorConfig, LayerCache, VllmLayers
 from engram.integrations.vllm.scheduler import EngramMetadata, EngramScheduler
 from engram.integrations.vllm.worker import EngramWorker
 
@@ -109,8 +109,7 @@ class EngramConnector(KVConnectorBase_V1):
         _check_supported(vllm_config)
         config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self.layers = VllmLayers.from_caches(layer_caches(kv_cache_config))
-        name, weights_id = model_defaults(vllm_config.model_config)
-        self.spec = config.model_spec(self.layers, name=name, weights_id=weights_id)
+        self.spec = config.engine_model_spec(self.layers, vllm_config.model_config)
         self.client = config.client()
         self.fingerprint: bytes = self.client.register_model(self.spec)
         self.scheduler: EngramScheduler | None = None
