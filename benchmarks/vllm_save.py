@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from benchmarks._harness import engram_daemon, machine, write_rows
+from engram.integrations.registration import Registration
 from engram.integrations.vllm import ConnectorConfig, EngramWorker, LayerCache, VllmLayers
 from engram.integrations.vllm.scheduler import EngramMetadata, LoadSpec, SaveSpec
 
@@ -53,9 +54,9 @@ class Bench:
                                           "async_saves": async_saves})
         spec = cfg.model_spec(self.layers, name="llama-8b-shaped", weights_id="random")
         self.client = cfg.client()
-        fp = self.client.register_model(spec)
-        self.worker = EngramWorker(self.client, fp, self.layers, namespace=cfg.namespace,
-                                   save_client=cfg.save_client(spec))
+        model = Registration(self.client, spec)
+        model.register()
+        self.worker = EngramWorker(model, self.layers, namespace=cfg.namespace, save_client=cfg.save_client(spec))
         gen = torch.Generator(device=device).manual_seed(0)
         self.caches = {n: torch.randn((blocks, shape["heads"], self.bs, 2 * shape["dim"]), generator=gen,
                                       dtype=torch.bfloat16, device=device) for n in self.names}

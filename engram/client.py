@@ -213,7 +213,7 @@ class EngramClient(ControlClient):
         try:
             return self._layouts[fingerprint]
         except KeyError:
-            raise errors.NotFound("register the model through this client first (register_model)") from None
+            raise errors.UnknownModel("register the model through this client first (register_model)") from None
 
     # ---- lookup / put / get --------------------------------------------------------------------
 

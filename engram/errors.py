@@ -16,6 +16,14 @@ class NotFound(EngramError):
     """A named thing (model fingerprint, block key, session) does not exist in this namespace."""
 
 
+UNKNOWN_MODEL = "unknown model fingerprint"  # how the daemon's message starts: the client knows the error by it
+
+
+class UnknownModel(NotFound):
+    """A model fingerprint the daemon does not know (never registered, or forgotten by a daemon that restarted
+    without a model registry), or this client never registered: register the model, then call again."""
+
+
 class AlreadyExists(EngramError):
     """A thing that must be new already exists."""
 

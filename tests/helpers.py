@@ -161,6 +161,53 @@ def engram_daemon(tmp_path: Path, *args: str, env: dict[str, str] | None = None
             proc.stdout.close()
 
 
+class RestartingDaemon:
+    """A real `engram serve` subprocess on one socket in tmp_path that `restart` stops (SIGKILL) and starts again
+    there: DRAM only, it comes back holding no block and knowing no model."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self._running: contextlib.ExitStack | None = None
+        self.address = self._start()
+
+    def _start(self) -> str:
+        self._running = contextlib.ExitStack()
+        address, _ = self._running.enter_context(engram_daemon(self.tmp_path))
+        return address
+
+    def restart(self, *clients: Any) -> None:
+        """Stop the daemon and start another on its socket; return once each of `clients` (sync clients) reaches
+        it (a channel that lost its daemon reconnects with a back-off of up to a few seconds)."""
+        self.close()
+        assert self._start() == self.address
+        for client in clients:
+            wait_reachable(client)
+
+    def close(self) -> None:
+        if self._running is not None:
+            self._running.close()
+            self._running = None
+
+    def __enter__(self) -> RestartingDaemon:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def wait_reachable(client: Any) -> None:
+    """Wait for a sync client's channel to reach a daemon just started (its reconnect backs off up to 2 s)."""
+    from engram.errors import Unavailable
+
+    for _ in range(200):
+        try:
+            client.stats()
+            return
+        except Unavailable:
+            time.sleep(0.05)
+    raise AssertionError("the daemon did not answer within 10 s of starting")
+
+
 def self_signed_cert(directory: Path) -> tuple[Path, Path]:
     """(cert, key): a throwaway certificate for localhost and 127.0.0.1, made by the openssl CLI."""
     key, cert = directory / "key.pem", directory / "cert.pem"

@@ -197,7 +197,7 @@ async def test_bad_frames_get_clear_errors_and_store_nothing(server_factory) -> 
     await put([good], payload + b"xx")
     await expect_error(conn, errors.InvalidArgument, "the frame carries")
     await put([good], payload, model_fingerprint=b"\x01" * 16)
-    await expect_error(conn, errors.NotFound, "")
+    await expect_error(conn, errors.UnknownModel, "unknown model fingerprint")  # a NotFound a worker recovers from
     await conn.send_frame(wire.GET, pb.GetRequest(namespace=NS, model_fingerprint=fp, keys=[b"\x00" * 16])
                           .SerializeToString())
     await expect_error(conn, errors.NotFound, "")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ pytest.importorskip("transformers", reason="the transformers integration needs t
 from engram.client import SyncEngramClient
 from engram.integrations.transformers import EngramPrefixCache, generate, layout_of
 
-from helpers import NEUTRAL_CWD
+from helpers import NEUTRAL_CWD, RestartingDaemon, wait_reachable
 
 RAW_LOGIT_TOL = 1e-5  # float32 rounding of a different prefill split; damage to any stream is orders above
 NVFP4_LOGIT_TOL = 0.1  # relative L2 error of the first step's logits; measured 0.018 (Llama), 0.046 (Gemma 3)
@@ -315,7 +314,7 @@ async def test_a_cache_built_before_its_daemon_starts_misses_then_hits_once_the_
             "server.port": 0, "server.unix_socket": str(sock), "tiers.dram.capacity": "64MiB",
             "tiers.dram.prefault": False}))
         try:
-            await asyncio.to_thread(_reachable, client)
+            await asyncio.to_thread(wait_reachable, client)
             await asyncio.to_thread(generate, model, prompt, cache, max_new_tokens=4, do_sample=False)
             assert cache.last_loaded == 0 and (cache.load_failures, cache.store_failures) == (1, 1)  # stored
             await asyncio.to_thread(generate, model, prompt, cache, max_new_tokens=4, do_sample=False)
@@ -326,14 +325,21 @@ async def test_a_cache_built_before_its_daemon_starts_misses_then_hits_once_the_
         await asyncio.to_thread(client.close)
 
 
-def _reachable(client: SyncEngramClient) -> None:
-    """Wait for the client's channel to reach a daemon just started (its reconnect backs off up to 2 s)."""
-    from engram.errors import Unavailable
-
-    for _ in range(200):
-        try:
-            client.stats()
-            return
-        except Unavailable:
-            time.sleep(0.05)
-    raise AssertionError("the daemon did not answer within 10 s of starting")
+def test_after_a_daemon_restart_the_cache_registers_its_model_again_then_stores_and_hits(tmp_path: Path) -> None:
+    """The daemon (DRAM only: no model registry survives it) restarts on the same socket under a worker that had
+    hits. The next request's load finds the model unknown: the cache registers it again and loads (a miss: the
+    daemon is empty), and its store lands; the request after it hits. Every load and store failed "unknown model
+    fingerprint" for as long as the worker ran: the cache registered its model once (an audit)."""
+    model = tiny("llama")
+    prompt = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(9))
+    with RestartingDaemon(tmp_path) as daemon, SyncEngramClient(daemon.address, namespace="agents") as client:
+        cache = EngramPrefixCache(model, client, codec="raw", block_tokens=16)
+        for _ in range(2):
+            generate(model, prompt, cache, max_new_tokens=3, do_sample=False)
+        assert cache.last_loaded == 39
+        daemon.restart(client)
+        out = generate(model, prompt, cache, max_new_tokens=3, do_sample=False)
+        assert cache.last_loaded == 0 and (cache.load_failures, cache.store_failures) == (0, 0)
+        assert torch.equal(out, model.generate(prompt, max_new_tokens=3, do_sample=False))
+        generate(model, prompt, cache, max_new_tokens=3, do_sample=False)
+        assert cache.last_loaded == 39 and (cache.load_failures, cache.store_failures) == (0, 0)

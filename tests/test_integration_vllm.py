@@ -31,6 +31,7 @@ import torch
 
 from engram.client import SyncEngramClient
 from engram.errors import InvalidArgument
+from engram.integrations.registration import Registration
 from engram.integrations.vllm import (
     ConnectorConfig,
     EngramScheduler,
@@ -41,7 +42,7 @@ from engram.integrations.vllm import (
     latent_pages,
 )
 
-from helpers import engram_daemon
+from helpers import RestartingDaemon, engram_daemon
 
 BS = 16  # vLLM's block size
 BT = 32  # Engram's block_tokens: two vLLM blocks
@@ -137,10 +138,10 @@ class MiniVllm:
         self.layers = layers()
         self.spec = cfg.model_spec(self.layers, name="tiny-llama", weights_id="seed-0")
         self.client = cfg.client()
-        fp = self.client.register_model(self.spec)
-        self.scheduler = EngramScheduler(self.client, fp, BS, namespace=namespace)
-        self.worker = EngramWorker(self.client, fp, self.layers, namespace=namespace,  # as the connector makes it
-                                   save_client=cfg.save_client(self.spec),
+        model = Registration(self.client, self.spec)  # as the connector makes them
+        fp = model.register()
+        self.scheduler = EngramScheduler(model, BS, namespace=namespace)
+        self.worker = EngramWorker(model, self.layers, namespace=namespace, save_client=cfg.save_client(self.spec),
                                    max_pending_bytes=cfg.max_pending_bytes)
         self.caches = {n: torch.full((NUM_BLOCKS, HEADS, BS, 2 * DIM), float("nan"), dtype=torch.bfloat16,
                                      device=device) for n in NAMES}
@@ -439,11 +440,98 @@ def test_a_load_that_finds_less_than_planned_reports_the_blocks_it_did_not_fill_
 def test_a_daemon_that_is_down_gives_misses_not_errors(tmp_path: Path) -> None:
     client = SyncEngramClient(f"unix:{tmp_path}/none.sock")
     try:
-        sched = EngramScheduler(client, b"\0" * 16, BS)
+        spec = config(f"unix:{tmp_path}/none.sock", "default").model_spec(layers(), name="m", weights_id="w")
+        sched = EngramScheduler(Registration(client, spec, b"\0" * 16), BS)
         assert sched.num_new_matched_tokens(Request("a", prompt(40)), 0) == (0, False)
         assert sched.lookup_failures == 1
     finally:
         client.close()
+
+
+# ---- a daemon restarted under the engine (DRAM only: it comes back knowing no model) ---------------------------
+# The connector registered its model once, at vLLM's start: after such a restart every lookup, load, save and
+# session open failed "unknown model fingerprint" for as long as the engine ran (an audit). Each now registers the
+# model again (engram/integrations/registration.py) and is made once more.
+
+
+@pytest.fixture
+def restarting(tmp_path: Path) -> Iterator[tuple[RestartingDaemon, MiniVllm]]:
+    with RestartingDaemon(tmp_path) as daemon:
+        e = MiniVllm(daemon.address, "restart")
+        try:
+            yield daemon, e
+        finally:
+            e.close()
+
+
+def plan(e: MiniVllm, req: Request) -> tuple[int, list[int], Any]:
+    """The scheduler's side of a step that runs a request's whole prompt: its Engram hit, its blocks, the metadata."""
+    tokens = req.prompt_token_ids
+    ext, _ = e.scheduler.num_new_matched_tokens(req, 0)
+    ids = [e.free.pop() for _ in range(-(-len(tokens) // BS))]
+    e.scheduler.update_state_after_alloc(req, Blocks(ids), ext)
+    out = SchedulerOutput([NewRequestData(req.request_id, tokens, (ids,), ext)], CachedRequestData(),
+                          {req.request_id: len(tokens) - ext})
+    return ext, ids, e.scheduler.build_meta(out)
+
+
+def test_after_a_daemon_restart_a_lookup_registers_the_model_again_and_the_prompt_is_saved_then_hit(
+        restarting: tuple[RestartingDaemon, MiniVllm]) -> None:
+    """The engine had hits; after the restart the scheduler's lookup registers the model again (a miss: the daemon
+    is empty), the prompt is saved, and the next request loads it."""
+    daemon, e = restarting
+    tokens = prompt(4 * BS + 5)
+    e.run("a", tokens)
+    assert e.run("b", tokens)[0] == 4 * BS
+    daemon.restart(e.client, e.worker.save_client)
+    assert e.run("c", tokens)[0] == 0
+    assert (e.scheduler.lookup_failures, e.worker.save_failures) == (0, 0)
+    ext, _, _ = e.run("d", tokens)
+    assert ext == 4 * BS and torch.equal(e.loaded_now, reference_kv(tokens)[:, :, :ext])
+
+
+def test_a_save_planned_before_a_daemon_restart_registers_the_model_again_through_the_save_client(
+        restarting: tuple[RestartingDaemon, MiniVllm]) -> None:
+    """The step runs after the restart with nothing said to the daemon since: the background put finds the model
+    unknown, registers it on its own client and stores the prompt, which the next request loads."""
+    daemon, e = restarting
+    tokens = prompt(3 * BS + 2, seed=1)
+    _, ids, meta = plan(e, Request("a", tokens))
+    daemon.restart(e.client, e.worker.save_client)
+    e.worker.start_load(meta)
+    e.forward(ids, tokens, 0, meta)
+    e.worker.wait_for_save(meta)
+    e.worker.flush()
+    assert (e.worker.saved_tokens, e.worker.save_failures) == (len(tokens), 0)
+    ext, _, _ = e.run("b", tokens)
+    assert ext == 3 * BS and torch.equal(e.loaded_now, reference_kv(tokens)[:, :, :ext])
+
+
+def test_a_load_planned_before_a_daemon_restart_registers_the_model_again_and_reports_its_blocks(
+        restarting: tuple[RestartingDaemon, MiniVllm]) -> None:
+    """The hit planned before the restart is gone with the daemon's DRAM: the load registers the model again and
+    finds nothing, and every block it was to fill is reported to vLLM (recomputed, never read as loaded)."""
+    daemon, e = restarting
+    tokens = prompt(4 * BS + 5, seed=2)
+    e.run("a", tokens)
+    ext, ids, meta = plan(e, Request("b", tokens))
+    assert ext == 4 * BS
+    daemon.restart(e.client, e.worker.save_client)
+    e.worker.start_load(meta)
+    assert e.worker.take_load_errors() == set(ids[:4])
+    assert [m.name for m in e.client.stats().models] == ["tiny-llama"]  # registered again by the load
+
+
+def test_a_session_joined_after_a_daemon_restart_registers_the_model_again_and_is_opened(
+        restarting: tuple[RestartingDaemon, MiniVllm]) -> None:
+    """A request of an agent session finishes after the restart with nothing said to the daemon since: the
+    session's open finds the model unknown, registers it again and opens the session on the prompt."""
+    daemon, e = restarting
+    tokens = prompt(2 * BS, seed=3)
+    daemon.restart(e.client, e.worker.save_client)
+    e.scheduler.request_finished(Request("a", tokens, kv_transfer_params={"engram_session_id": "agent-1"}), [])
+    assert e.scheduler.sessions.failures == 0
+    assert e.client.describe_blocks(session_id="agent-1").session.info.tokens == len(tokens)
 
 
 # ---- saves in the background (async_saves) -------------------------------------------------------------------
@@ -812,9 +900,10 @@ class MiniMlaVllm(MiniVllm):
         self.layers = mla_layers()
         self.spec = cfg.model_spec(self.layers, name="tiny-deepseek", weights_id="seed-0")
         self.client = cfg.client()
-        fp = self.client.register_model(self.spec)
-        self.scheduler = EngramScheduler(self.client, fp, BS, namespace=namespace)
-        self.worker = EngramWorker(self.client, fp, self.layers, namespace=namespace)
+        model = Registration(self.client, self.spec)
+        fp = model.register()
+        self.scheduler = EngramScheduler(model, BS, namespace=namespace)
+        self.worker = EngramWorker(model, self.layers, namespace=namespace)
         shape = (NUM_BLOCKS, BS, LATENT_W) if squeezed else (NUM_BLOCKS, 1, BS, LATENT_W)
         self.caches = {n: torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device) for n in NAMES}
         self.worker.register_kv_caches(self.caches)

@@ -223,6 +223,18 @@ async def test_unknown_block(seeded, client) -> None:  # type: ignore[no-untyped
     await assert_content_intact(client, fp, toks, kv)
 
 
+async def test_an_unknown_model_reaches_the_client_as_unknown_model_and_an_unknown_block_as_plain_not_found(
+        seeded, client) -> None:  # type: ignore[no-untyped-def]
+    """Both are NOT_FOUND on the wire; the client tells the model's apart by the daemon's message, because a worker
+    recovers from that one alone, by registering the model again (a daemon restarted without a model registry)."""
+    spec, fp, toks, kv, stub, _ = seeded
+    with pytest.raises(errors.UnknownModel, match="unknown model fingerprint 0101"):
+        await client.lookup(b"\x01" * 16, toks)
+    with pytest.raises(errors.NotFound) as info:
+        await client.get(fp, [b"\x00" * 16])
+    assert type(info.value) is errors.NotFound
+
+
 async def test_bad_layout_is_invalid_argument(seeded, client) -> None:  # type: ignore[no-untyped-def]
     spec, fp, toks, kv, stub, _ = seeded
     bad = pb.ModelSpec(name="m", weights_id="w", layout=pb.KVLayout(

@@ -24,6 +24,7 @@ import xxhash
 from engram import limits
 from engram.api import SessionMode
 from engram.errors import EngramError, InvalidArgument, NotFound
+from engram.integrations.registration import Registration
 
 log = logging.getLogger("engram.integrations")
 
@@ -51,10 +52,10 @@ def wait_ms(value: Any, what: str = "expect_back_ms") -> int:
 class SessionLink:
     """The daemon's sessions of one model and namespace, kept in step through a (sync) client."""
 
-    def __init__(self, client: Any, fingerprint: bytes, *, namespace: str | None = None,
-                 hint_name: str = "expect_back_ms") -> None:
-        self.client = client
-        self.fingerprint = fingerprint
+    def __init__(self, model: Registration, *, namespace: str | None = None, hint_name: str = "expect_back_ms"
+                 ) -> None:
+        self.model = model  # its client makes the calls; a session is opened on its fingerprint
+        self.client = model.client
         self.namespace = namespace
         self.hint_name = hint_name  # how the caller spells the hint, for its error messages
         self._known: OrderedDict[str, _Known] = OrderedDict()
@@ -91,8 +92,8 @@ class SessionLink:
 
     def _open(self, session_id: str, toks: np.ndarray, back: int) -> None:
         def open_() -> None:
-            self.client.open_session(self.fingerprint, mode=SessionMode.PERSIST, session_id=session_id, tokens=toks,
-                                     namespace=self.namespace)
+            self.model.call(lambda fp: self.client.open_session(fp, mode=SessionMode.PERSIST, session_id=session_id,
+                                                                tokens=toks, namespace=self.namespace))
         try:
             open_()
         except InvalidArgument as exc:

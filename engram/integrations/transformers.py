@@ -15,7 +15,9 @@ cached prefix is rebuilt here by exact bounded replay (engram/replay: the last L
 through this model, reading the loaded global KV), so a prefix another session stored serves this one too.
 A daemon that fails a load or a store (down, or refusing) costs no answer: the load runs as a miss and the store
 is skipped, each logged and counted (`load_failures`, `store_failures`), as in the vLLM connector. A daemon
-not up yet when the cache is built is no error either: the model is registered with the first call it answers.
+not up yet when the cache is built is no error either: the model is registered with the first call it answers;
+and one that restarted without a model registry (DRAM only) has it registered again by the first call it refuses
+for not knowing it, called once more (engram/integrations/registration.py).
 
 The model's identity in its fingerprint: `weights_id` when given (a checkpoint revision or hash) with a hash of
 the config (the same checkpoint run with another RoPE theta or scaling is another model; the vLLM connector
@@ -47,6 +49,7 @@ from torch import Tensor
 from engram.destinations import ContiguousKV, KVDestination, StreamsKV
 from engram.errors import EngramError, InvalidArgument, Unavailable
 from engram.integrations.identity import config_hash, with_config
+from engram.integrations.registration import Registration
 from engram.integrations.sessions import SessionLink
 from engram.layout import Axis, DType, KVLayout, LayerKind, LayerSpec, ModelSpec, StreamSpec
 from engram.replay.hf import cache_kwarg
@@ -125,10 +128,10 @@ class EngramPrefixCache:
         weights = with_config(weights_id, model.config.to_dict()) if weights_id else weights_identity(model)
         self.spec = ModelSpec(name or getattr(cfg, "model_type", "") or type(model).__name__, weights, self.layout,
                               codec)
-        self._fingerprint = b""  # the daemon's name for the model (it resolves the default codec): `fingerprint`
-        self.sessions = SessionLink(client, b"", namespace=namespace)
+        self.registration = Registration(client, self.spec)  # registered again if the daemon forgets it
+        self.sessions = SessionLink(self.registration, namespace=namespace)
         try:
-            self._register()
+            self.registration.register()
         except Unavailable as exc:  # a worker may start before its daemon: registered by the first call it answers
             log.warning("Engram is not reachable yet; loads miss until it is: %s", exc)
         kinds = [layer.kind for layer in self.layout.layers]
@@ -142,13 +145,9 @@ class EngramPrefixCache:
 
     @property
     def fingerprint(self) -> bytes:
-        """The model's fingerprint, registering it first if the daemon was down until now (raises as the
-        registration does)."""
-        return self._fingerprint or self._register()
-
-    def _register(self) -> bytes:
-        self._fingerprint = self.sessions.fingerprint = self.client.register_model(self.spec)
-        return self._fingerprint
+        """The daemon's name for the model (it resolves the default codec), registering it first if the daemon was
+        down until now (raises as the registration does)."""
+        return self.registration.fingerprint
 
     @property
     def device(self) -> torch.device:
@@ -168,7 +167,8 @@ class EngramPrefixCache:
         self.last_loaded = 0
         if limit > 0:
             try:
-                res = self.client.load_prefix_into(self.fingerprint, tokens, dest, namespace=self.namespace)
+                res = self.registration.call(
+                    lambda fp: self.client.load_prefix_into(fp, tokens, dest, namespace=self.namespace))
                 self.last_loaded = res.loaded_tokens
             except EngramError as exc:  # the daemon is down or refuses: the model prefills it all, as on a miss
                 self.load_failures += 1
@@ -244,14 +244,15 @@ class EngramPrefixCache:
         if n == 0:
             return 0
         ids = np.asarray(toks[:n], dtype=np.int32)
+        kv: Tensor | dict[str, Tensor]
+        if self.mla is not None:  # the latent c and k_pe side by side: (L, n, kv_lora_rank + rope)
+            kv = {"latent": torch.stack([torch.cat((layer.keys[0, 0, :n], layer.values[0, 0, :n]), dim=-1)
+                                         for layer in layers])}
+        else:  # (L, 2, n, H, D)
+            kv = torch.stack([torch.stack((layer.keys[0, :, :n], layer.values[0, :, :n])) for layer in layers])
+            kv = kv.transpose(2, 3)
         try:
-            if self.mla is not None:  # the latent c and k_pe side by side: (L, n, kv_lora_rank + rope)
-                latent = torch.stack([torch.cat((layer.keys[0, 0, :n], layer.values[0, 0, :n]), dim=-1)
-                                      for layer in layers])
-                self.client.put(self.fingerprint, ids, {"latent": latent}, namespace=self.namespace)
-            else:
-                kv = torch.stack([torch.stack((layer.keys[0, :, :n], layer.values[0, :, :n])) for layer in layers])
-                self.client.put(self.fingerprint, ids, kv.transpose(2, 3), namespace=self.namespace)  # (L, 2, n, H, D)
+            self.registration.call(lambda fp: self.client.put(fp, ids, kv, namespace=self.namespace))
         except EngramError as exc:  # the answer is computed: the daemon going away must not cost the caller it
             self.store_failures += 1
             log.warning("Engram store of %d tokens failed; the next request with that prefix misses: %s", n, exc)

@@ -342,7 +342,7 @@ def error_of(meta: bytes | bytearray) -> errors.EngramError:
     message = bytes(meta[CODE.size:]).decode(errors="replace")
     by_code = {c.value[0]: c for c in status.ERROR_OF}
     cls = status.ERROR_OF.get(by_code[code]) if code in by_code else None
-    return (cls or errors.Unavailable)(message or f"status {code}")
+    return status.domain_error(cls or errors.Unavailable, message or f"status {code}")
 
 
 class ChannelFull(errors.ResourceExhausted):

@@ -43,4 +43,12 @@ def error_from_rpc(exc: grpc.aio.AioRpcError) -> errors.EngramError:
     if cls is None:
         failed = errors.DaemonError if exc.code() in _DAEMON_FAILED else errors.Unavailable
         return failed(f"{exc.code().name}: {exc.details()}")
-    return cls(exc.details() or exc.code().name)
+    return domain_error(cls, exc.details() or exc.code().name)
+
+
+def domain_error(cls: type[errors.EngramError], message: str) -> errors.EngramError:
+    """cls(message), a NotFound of a model as UnknownModel: its status is NOT_FOUND like any other, and a worker
+    recovers from it alone, by registering the model again (engram/integrations/registration.py)."""
+    if cls is errors.NotFound and message.startswith(errors.UNKNOWN_MODEL):
+        return errors.UnknownModel(message)
+    return cls(message)

@@ -25,6 +25,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from engram.errors import InvalidArgument
+from engram.integrations.registration import Registration
 from engram.integrations.vllm.config import ConnectorConfig, LayerCache, VllmLayers
 from engram.integrations.vllm.scheduler import EngramMetadata, EngramScheduler
 from engram.integrations.vllm.worker import EngramWorker
@@ -111,14 +112,14 @@ class EngramConnector(KVConnectorBase_V1):
         self.layers = VllmLayers.from_caches(layer_caches(kv_cache_config))
         self.spec = config.engine_model_spec(self.layers, vllm_config.model_config)
         self.client = config.client()
-        self.fingerprint: bytes = self.client.register_model(self.spec)
+        self.model = Registration(self.client, self.spec)  # registered again if the daemon forgets it
+        self.fingerprint: bytes = self.model.register()  # now: an unreachable daemon fails vLLM's start
         self.scheduler: EngramScheduler | None = None
         self.worker: EngramWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = EngramScheduler(self.client, self.fingerprint, self.layers.block_size,
-                                             namespace=config.namespace)
+            self.scheduler = EngramScheduler(self.model, self.layers.block_size, namespace=config.namespace)
         else:
-            self.worker = EngramWorker(self.client, self.fingerprint, self.layers, namespace=config.namespace,
+            self.worker = EngramWorker(self.model, self.layers, namespace=config.namespace,
                                        save_client=config.save_client(self.spec),
                                        max_pending_bytes=config.max_pending_bytes)
 

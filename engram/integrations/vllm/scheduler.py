@@ -30,6 +30,7 @@ from typing import Any
 
 from engram.api import BlockRef
 from engram.errors import EngramError
+from engram.integrations.registration import Registration
 from engram.integrations.sessions import SessionLink
 
 log = logging.getLogger("engram.integrations.vllm")
@@ -110,17 +111,22 @@ def _resumed(cached: Any) -> set[str]:
 class EngramScheduler:
     """Scheduler-side state: one instance in vLLM's scheduler process."""
 
-    def __init__(self, client: Any, fingerprint: bytes, block_size: int, *, namespace: str | None = None) -> None:
-        """client: a SyncEngramClient; block_size: vLLM's (tokens per block id)."""
-        self.client = client
-        self.fingerprint = fingerprint
+    def __init__(self, model: Registration, block_size: int, *, namespace: str | None = None) -> None:
+        """model: the model, registered through a SyncEngramClient (registered again if the daemon forgets it);
+        block_size: vLLM's (tokens per block id)."""
+        self.model = model
+        self.client = model.client
         self.block_size = block_size
         self.namespace = namespace
         self._hits: dict[str, _Hit] = {}  # the last lookup of each waiting request
         self._loads: dict[str, LoadSpec] = {}  # for the next step's metadata
         self._running: dict[str, _Running] = {}
-        self.sessions = SessionLink(client, fingerprint, namespace=namespace, hint_name=EXPECT_BACK_MS)
+        self.sessions = SessionLink(model, namespace=namespace, hint_name=EXPECT_BACK_MS)
         self.lookup_failures = 0
+
+    @property
+    def fingerprint(self) -> bytes:
+        return self.model.fingerprint
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens Engram can supply beyond vLLM's own num_computed_tokens: whole vLLM blocks of the cached prefix,
@@ -132,7 +138,7 @@ class EngramScheduler:
         prompt = list(request.prompt_token_ids)
         try:
             # A probe: vLLM asks again each step a request waits; the worker's load (GetPrefix) is the one use.
-            res = self.client.lookup(self.fingerprint, prompt, namespace=self.namespace, probe=True)
+            res = self.model.call(lambda fp: self.client.lookup(fp, prompt, namespace=self.namespace, probe=True))
         except EngramError as exc:  # the daemon is down or refuses: the request runs as a miss
             self.lookup_failures += 1
             log.warning("Engram lookup for request %s failed, computing it in full: %s", req_id, exc)

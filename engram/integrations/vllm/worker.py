@@ -17,7 +17,9 @@ profile) are bounded by `max_pending_bytes`: a save waits for the oldest until i
 What a failure does: a load that finds fewer tokens than the scheduler planned (evicted in between, daemon
 down) reports the blocks it did not fill (`take_load_errors`, vLLM's get_block_ids_with_load_errors) so vLLM
 recomputes them (kv_load_failure_policy="recompute") or fails the request ("fail"), never reads them as they
-are. A failed save is logged and counted: the next request with that prefix misses.
+are. A failed save is logged and counted: the next request with that prefix misses. A daemon that restarted
+without a model registry has the model registered again by the first load or save it refuses for not knowing it
+(engram/integrations/registration.py), as the scheduler's lookups do.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 from torch import Tensor
 
 from engram.errors import EngramError, InvalidArgument
+from engram.integrations.registration import Registration
 from engram.integrations.vllm.config import LATENT, VllmLayers
 from engram.integrations.vllm.paged import as_destination, gather, kv_pages, latent_pages, page_table
 from engram.integrations.vllm.scheduler import EngramMetadata, LoadSpec, SaveSpec
@@ -44,11 +47,14 @@ log = logging.getLogger("engram.integrations.vllm")
 class EngramWorker:
     """Worker-side state: one instance per vLLM worker process."""
 
-    def __init__(self, client: Any, fingerprint: bytes, layers: VllmLayers, *, namespace: str | None = None,
+    def __init__(self, model: Registration, layers: VllmLayers, *, namespace: str | None = None,
                  save_client: Any = None, max_pending_bytes: int = 2 << 30) -> None:
-        """save_client: a second client the puts run on, in a background thread (its own event loop, so a put
-        in flight never holds up the next step's loads); None: puts run within the step on `client`."""
-        self.client = client
+        """model: the model, registered through the SyncEngramClient loads run on (registered again, through the
+        client whose call the daemon refused, if the daemon forgets it). save_client: a second client the puts
+        run on, in a background thread (its own event loop, so a put in flight never holds up the next step's
+        loads); None: puts run within the step on the model's client."""
+        self.model = model
+        self.client = model.client
         self.save_client = save_client
         self.max_pending_bytes = max_pending_bytes
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="engram-save") if save_client is not None else None
@@ -59,7 +65,6 @@ class EngramWorker:
             save_client.give_way_to(self.gate)
         self._pending: deque[tuple[Future[None], int]] = deque()  # puts queued or running and their buffers' bytes
         self._pending_bytes = 0
-        self.fingerprint = fingerprint
         self.layers = layers
         self.namespace = namespace
         self._index = {name: i for i, name in enumerate(layers.names)}
@@ -74,6 +79,10 @@ class EngramWorker:
         self.loaded_tokens = 0  # written into vLLM's blocks since start (the tests and logs read these)
         self.saved_tokens = 0
         self.save_failures = 0
+
+    @property
+    def fingerprint(self) -> bytes:
+        return self.model.fingerprint
 
     def register_kv_caches(self, kv_caches: Mapping[str, Tensor]) -> None:
         lay = self.layers
@@ -114,7 +123,8 @@ class EngramWorker:
         dest = as_destination(self.pages, table, spec.first_token, self.streams)
         want = len(spec.token_ids)
         try:
-            res = self.client.load_prefix_into(self.fingerprint, spec.token_ids, dest, namespace=self.namespace)
+            res = self.model.call(
+                lambda fp: self.client.load_prefix_into(fp, spec.token_ids, dest, namespace=self.namespace))
             got = res.loaded_tokens
         except EngramError as exc:
             log.warning("Engram load for request %s failed: %s", spec.req_id, exc)
@@ -190,9 +200,10 @@ class EngramWorker:
     def _put(self, client: Any, spec: SaveSpec, buf: Tensor, gathered: torch.cuda.Event | None) -> None:
         if gathered is not None:
             gathered.synchronize()  # the gathers vLLM's stream queued have run
+        tokens = np.asarray(spec.token_ids, dtype=np.int32)
+        kv = {LATENT: buf} if self.layers.mla else buf
         try:
-            client.put(self.fingerprint, np.asarray(spec.token_ids, dtype=np.int32),
-                       {LATENT: buf} if self.layers.mla else buf, namespace=self.namespace)
+            self.model.call(lambda fp: client.put(fp, tokens, kv, namespace=self.namespace), client)
             self.saved_tokens += len(spec.token_ids)
         except EngramError as exc:
             self.save_failures += 1
