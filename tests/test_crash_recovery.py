@@ -149,3 +149,52 @@ def test_a_block_evicted_from_nvme_while_dram_holds_it_costs_no_acknowledged_blo
         proc.wait(15)
         if proc.stdout:
             proc.stdout.close()
+
+
+@pytest.mark.parametrize("policy", ["write-through", "write-back"])
+def test_a_block_whose_nvme_file_check_fix_drops_survives_a_sigkill(tmp_path: Path, policy: str) -> None:
+    """A chain on DRAM and NVMe; its middle block's file is damaged on disk, and `check --fix` (the daemon's
+    Check) drops that copy while DRAM keeps a sound one. The block stayed acknowledged in DRAM alone, nothing
+    pending in Stats, and a SIGKILL lost it and the block after it. Now it is written to NVMe again (under
+    write-back it is pending meanwhile, and Stats says so): after the SIGKILL the whole chain is back."""
+    sock, nvme = tmp_path / "e.sock", tmp_path / "nvme"
+    sets = ("--dram-capacity", "1MiB", "--set", f"tiers.nvme.path={nvme}", "--set", f"tiers.write_policy={policy}",
+            "--set", "tiers.write_back_window_s=2")
+    cmd = [sys.executable, "-m", "engram", "serve", "--unix-socket", str(sock), "--log-level", "error", *sets]
+    chain = tokens(3 * BLOCK_TOKENS, seed=8)
+    kv = random_kv(SPEC, len(chain), seed=8)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=sock.parent)
+    try:
+        wait_for(f"unix:{sock}", proc)
+        with SyncEngramClient(f"unix:{sock}", namespace="crash") as client:
+            fp = client.register_model(SPEC)
+            middle = client.put(fp, chain, kv).keys[1]
+            _settled(client)
+            [file] = (nvme / "blocks").rglob(f"{middle.hex()}.*")
+            data = bytearray(file.read_bytes())
+            data[-1] ^= 0x40  # a payload byte
+            file.write_bytes(bytes(data))
+            report = client.check(fix=True)
+            assert [f.fixed for f in report.findings] == [True]
+            pending = client.stats().write_back_pending_blocks
+            assert pending == (1 if policy == "write-back" else 0)  # write-through: written again already
+            _settled(client)
+            assert client.check(fix=False).findings == ()
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        if proc.stdout:
+            proc.stdout.close()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=sock.parent)
+    try:
+        wait_for(f"unix:{sock}", proc)
+        with SyncEngramClient(f"unix:{sock}", namespace="crash") as client:
+            fp = client.register_model(SPEC)
+            n, got = client.get_prefix(fp, chain)
+            assert n == len(chain), "an acknowledged block is gone after the SIGKILL"
+            assert torch.equal(got, kv)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(15)
+        if proc.stdout:
+            proc.stdout.close()

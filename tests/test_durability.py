@@ -315,9 +315,10 @@ async def test_a_block_being_copied_by_keep_only_in_is_not_removed_under_it(tmp_
 
 async def test_a_put_on_a_parent_without_a_durable_copy_gives_the_parent_one_first(tmp_path: Path) -> None:
     """A block on NVMe whose parent is not is an orphan to the next start's recovery, which drops it. So X3,
-    put on X2 when X2 has lost its NVMe copy (`check --fix` found the file corrupt; DRAM keeps a good copy) but
-    not its DRAM copy (a client's Lookup skips X2 and sends X3 alone), is acknowledged durable only once X2 is
-    on NVMe again: a crash-like restart finds the whole chain."""
+    put on X2 when X2 has lost its NVMe copy (`check --fix` found the file corrupt; DRAM keeps a good copy, and
+    writing it to NVMe again failed: the disk failed writes then) but not its DRAM copy (a client's Lookup skips
+    X2 and sends X3 alone), is acknowledged durable only once X2 is on NVMe again: a crash-like restart finds
+    the whole chain."""
     import shutil
 
     from engram.block import BlockHeader, checksum
@@ -336,8 +337,15 @@ async def test_a_put_on_a_parent_without_a_durable_copy_gives_the_parent_one_fir
         data = bytearray(file.read_bytes())
         data[-1] ^= 0x40  # a payload byte: the NVMe copy is corrupt, the DRAM copy is not
         file.write_bytes(bytes(data))
+        nvme = store.tiers[-1]
+        hook, state = fault(errno.EIO)
+        nvme.fault_hook = hook  # type: ignore[attr-defined]  # the copy `check --fix` writes again fails
         await store.check(fix=True)
-        assert x2.locations == ["dram"]
+        assert x2.locations == ["dram"] and state["hits"] >= 1
+        assert store.write_back_pending().blocks == 1  # held only in DRAM: Stats shows it
+        assert store.flusher is not None
+        await store.flusher.close()  # stopped: the put below is the only writer of X2's NVMe copy
+        state["on"] = False  # the disk is back
         toks = tokens(3 * BLOCK_TOKENS, seed=11)  # put_raw_chain's chain, one block longer
         block = random_kv(SPEC, len(toks), seed=11)[:, :, 2 * BLOCK_TOKENS :]
         payload = encode(block, RAW)
@@ -355,6 +363,151 @@ async def test_a_put_on_a_parent_without_a_durable_copy_gives_the_parent_one_fir
             await recovered.close()
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize("policy", ["write-through", "write-back"])
+async def test_a_block_whose_nvme_file_check_fix_drops_is_written_to_nvme_again_from_memory(tmp_path: Path,
+                                                                                          policy: str) -> None:
+    """`check --fix` finds X2's NVMe file corrupt and drops that copy while DRAM holds a sound one. X2 stayed
+    acknowledged and indexed but held only in DRAM, with nothing pending in Stats: a crash lost it and X3 (an
+    orphan then). Now it is written to NVMe again: under write-through before the check returns; under
+    write-back it is pending (Stats counts it) until the flusher writes it. A crash after that keeps every block."""
+    from helpers import put_raw_chain
+
+    store, _ = await _store_over_nvme(tmp_path, policy)
+    try:
+        keys = await put_raw_chain(store, "a", SPEC, seed=21, n_blocks=3)
+        await store.flush(30)  # write-back: on NVMe too, nothing pending (write-through: already)
+        want = await _payloads(store, keys)
+        x2 = store.block(keys[1])
+        assert x2 is not None and x2.locations == ["dram", "nvme"]
+        await asyncio.sleep(1.1)  # older than the window: Stats' oldest pending age counts from the drop, not the put
+        _flip_last_byte(store.tiers[-1].path_of(x2.key))  # type: ignore[attr-defined]  # a payload byte
+        report = await store.check(fix=True)
+        assert [fixed for path, _, fixed in report.findings if x2.key.hex() in path] == [True]
+        await _written_again(store, x2, policy)
+        assert (await store.check(fix=False)).ok
+        assert await _after_a_crash(tmp_path) == want
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("policy", ["write-through", "write-back"])
+async def test_a_block_whose_nvme_file_a_read_finds_corrupt_is_written_to_nvme_again_from_memory(tmp_path: Path,
+                                                                                               policy: str) -> None:
+    """Two readers of X2, held on NVMe only: the first is slow to open the file; the second reads it sound and
+    brings it up into DRAM; then the disk damages the file, and the first finds it corrupt. It drops the NVMe
+    copy and serves the DRAM one; X2 must go to NVMe again from DRAM, as after `check --fix`."""
+    from helpers import put_raw_chain
+
+    store, _ = await _store_over_nvme(tmp_path, policy)
+    try:
+        keys = await put_raw_chain(store, "a", SPEC, seed=22, n_blocks=3)
+        await store.flush(30)
+        want = await _payloads(store, keys)
+        x2 = store.block(keys[1])
+        assert x2 is not None
+        await store.drop_copy(x2, "dram")  # on NVMe only
+        nvme = store.tiers[-1]
+        path = nvme.path_of(x2.key)  # type: ignore[attr-defined]
+        entered, go_on = threading.Event(), threading.Event()
+
+        def slow_first_read(op: str, p: Path) -> None:
+            if op == "read" and p == path and not entered.is_set():
+                entered.set()
+                go_on.wait(10)
+
+        nvme.fault_hook = slow_first_read  # type: ignore[attr-defined]
+        first = asyncio.create_task(store.read(x2))
+        assert await asyncio.to_thread(entered.wait, 10)
+        assert await store.read(x2) == want[x2.key]  # the second reader, promoting it
+        assert x2.locations == ["dram", "nvme"]
+        _flip_last_byte(path)
+        go_on.set()
+        assert await first == want[x2.key]  # served from DRAM
+        assert store.counters.tiers["nvme"].corrupt_blocks == 1
+        await _written_again(store, x2, policy)
+        assert await _after_a_crash(tmp_path) == want
+    finally:
+        await store.close()
+
+
+async def test_the_flusher_never_writes_a_damaged_dram_copy_to_nvme(tmp_path: Path) -> None:
+    """A write-back block whose shared-pool copy a stray writer damaged before it was flushed: the flusher
+    verifies the copy, finds it corrupt and drops the block (and what extends it, unreachable), as a read would.
+    It wrote the damaged bytes under the block's checksum: an NVMe file that fails every read, `check` reporting
+    it, the block still indexed."""
+    from helpers import put_raw_chain
+
+    store, _ = await _store_over_nvme(tmp_path, "write-back")
+    try:
+        keys = await put_raw_chain(store, "a", SPEC, seed=23, n_blocks=3)
+        want = await _payloads(store, keys[:1])
+        view = store.tiers[0].view(keys[1])  # type: ignore[attr-defined]  # its slot in the shared pool
+        view[-1] ^= 0x40
+        await store.flush(30)
+        assert [store.block(k) is not None for k in keys] == [True, False, False]
+        assert store.counters.corrupt_blocks == 1
+        assert (await store.check(fix=False)).ok
+        assert await _after_a_crash(tmp_path) == want
+    finally:
+        await store.close()
+
+
+async def _store_over_nvme(tmp_path: Path, policy: str):  # type: ignore[no-untyped-def]
+    """A store on its own: a 64-block shared DRAM pool over NVMe, the write policy given (write-back: a one-second
+    window); and the model's fingerprint."""
+    from engram.config import load_config
+    from engram.server.app import build_store
+
+    store = await build_store(load_config(env={}, overrides={
+        "tiers.dram.capacity": 64 * BLOCK, "tiers.nvme.path": str(tmp_path / "nvme"), "tiers.write_policy": policy,
+        "tiers.write_back_window_s": 1.0}))
+    return store, store.registry.register(SPEC)
+
+
+async def _payloads(store, keys: list[bytes]) -> dict[bytes, bytes]:  # type: ignore[no-untyped-def]
+    return {k: await store.read(store.block(k), promote=False) for k in keys}
+
+
+def _flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+async def _written_again(store, meta, policy: str) -> None:  # type: ignore[no-untyped-def]
+    """`meta` lost its NVMe copy as damaged: under write-through it has one again already; under write-back it is
+    pending (Stats counts it) until the flusher writes it, within the window."""
+    if policy == "write-through":
+        assert meta.locations == ["dram", "nvme"] and store.write_back_pending().blocks == 0
+        return
+    assert meta.locations == ["dram"]
+    pending = store.write_back_pending()
+    assert (pending.blocks, pending.bytes) == (1, meta.nbytes) and pending.oldest_s < 1.0
+    for _ in range(200):
+        if not store.write_back_pending().blocks:
+            break
+        await asyncio.sleep(0.05)
+    assert meta.locations == ["dram", "nvme"] and store.write_back_pending().blocks == 0
+
+
+async def _after_a_crash(tmp_path: Path) -> dict[bytes, bytes]:
+    """What a SIGKILL now would leave: the NVMe directory copied as it is, opened by a new store; every block it
+    recovers, with its verified bytes."""
+    import shutil
+
+    from engram.config import load_config
+    from engram.server.app import build_store
+
+    crash = tmp_path / "crash"
+    shutil.copytree(tmp_path / "nvme", crash, ignore=shutil.ignore_patterns("engram.lock"))
+    recovered = await build_store(load_config(env={}, overrides={
+        "tiers.nvme.path": str(crash), "tiers.dram.pool": "private", "tiers.dram.capacity": 64 * BLOCK}))
+    try:
+        return await _payloads(recovered, [m.key for m in recovered.blocks()])
+    finally:
+        await recovered.close()
 
 
 async def _write_through_store(tmp_path: Path):  # type: ignore[no-untyped-def]

@@ -9,6 +9,8 @@ The rules kept here:
 - A pinned block, a leased block (one a reader holds) and a moving block are never evicted.
 - Every payload is verified against its checksum when read; a corrupt copy is dropped and the next copy
   (or DATA_LOSS) is served, never the corrupt bytes.
+- A block whose durable (NVMe) copy is dropped as damaged while memory holds a copy is written to NVMe again
+  (`drop_damaged_copy`, the one place every damage path drops a copy through).
 - Every block served is counted in one place (`served`), whichever path served it.
 """
 
@@ -18,6 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
+import logging
 import time
 import typing
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -59,6 +62,8 @@ from engram.tenancy import NamespacePolicy, OpenNamespaces
 from engram.tiers.base import Tier
 from engram.tiers.dram import DramTier
 from engram.tiers.pool import PoolTier
+
+log = logging.getLogger("engram.store")
 
 
 class WritePolicy(enum.StrEnum):
@@ -622,7 +627,7 @@ class BlockStore:
                 else:
                     tc.io_errors += 1
                 reasons.append(str(exc))
-                await placement.drop_copy(meta, name)
+                await self.drop_damaged_copy(meta, name)
                 continue
             return payload, name
         if not meta.locations:
@@ -716,6 +721,30 @@ class BlockStore:
 
     async def drop_copy(self, meta: BlockMeta, tier_name: str) -> None:
         await self.placement.drop_spare_copy(meta, tier_name)
+
+    async def drop_damaged_copy(self, meta: BlockMeta, tier_name: str) -> None:
+        """Drop a copy found damaged or unreadable (a read, `check --fix`, the start's check of journal-trusted
+        files all drop it here). A block that loses its durable (NVMe) copy so while memory holds one would stay
+        acknowledged and indexed in memory alone, nothing pending, lost at a crash: it is written to NVMe again
+        from its fastest copy that verifies (the flusher's copy). Under write-through before this returns (the
+        policy promises acknowledged = durable; a write that fails leaves it pending, due at once); under
+        write-back it is pending again, as a block just put. Evictions and `keep_only_in` drop copies on
+        purpose, not through here."""
+        placement, flusher = self.placement, self.flusher
+        await placement.drop_copy(meta, tier_name)
+        d = durable.durable_tier(placement)
+        if (flusher is None or d is None or placement.tiers[d].name != tier_name or not meta.locations
+                or self.index.get(meta.key) is not meta):
+            return
+        what = f"block {meta.key.hex()}: its {tier_name} copy was damaged or unreadable"
+        through = self.write_policy == WritePolicy.WRITE_THROUGH
+        if through and await flusher.flush_now(meta):
+            log.warning("%s; written again from memory", what)
+            return
+        if self.index.get(meta.key) is not meta:
+            return  # no copy in memory verified either: the block was dropped, as a read drops it
+        flusher.note(meta, now=through)
+        log.warning("%s; held in %s alone until it is written again (pending)", what, ", ".join(meta.locations))
 
     async def keep_only_in(self, meta: BlockMeta, tier_name: str) -> None:
         """Leave a block's one copy in `tier_name`, copying it there first: how `engram verify-isolation`

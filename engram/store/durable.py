@@ -85,9 +85,9 @@ async def make_durable(store: BlockStore, meta: BlockMeta, payload: Payload, *, 
 async def _ancestors_durable(store: BlockStore, meta: BlockMeta, d: int) -> str | None:
     """Copy to the durable tier, parents first, the stored blocks above `meta` that have no copy there, up to
     the first that has one: a block on NVMe whose parent is not is an orphan to the next start's recovery,
-    which drops it. (A stored block loses its durable copy when `check --fix` or a read finds that copy
-    broken while a copy in memory is sound, or was acknowledged without one under degrade; a client's Lookup
-    then skips it, and sends only the blocks after it.) None once they have one; else why not."""
+    which drops it. (A stored block lacks a durable copy when it was acknowledged without one under degrade, or
+    lost it as damaged (`check --fix`, a read) and writing it again from memory failed; a client's Lookup then
+    skips it, and sends only the blocks after it.) None once they have one; else why not."""
     placement = store.placement
     name = placement.tiers[d].name
     if not placement.available(d):

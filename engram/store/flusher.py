@@ -10,7 +10,12 @@ than `window_bytes`: a put waits while that many bytes are held only in volatile
 disk's speed). `flush_all` copies every such block at shutdown, within a deadline.
 
 It also takes the blocks write-through acknowledged as not durable (tiers.on_nvme_failure = degrade): they
-are due at once, and go to NVMe as soon as the tier takes writes again.
+are due at once, and go to NVMe as soon as the tier takes writes again. And blocks whose NVMe copy was found
+damaged while memory holds a sound one (BlockStore.drop_damaged_copy): pending again, from the moment it was
+found.
+
+Every copy it writes is read from the block's fastest volatile copy that verifies (xxh3): a damaged copy is
+dropped as a read drops it, never made durable (a file under the block's checksum that fails every read).
 
 Order: oldest first (a dict in insertion order), so parents go before their children (a child is put after
 its parent); recovery drops blocks whose parent is not on disk. Complexity: O(1) per put and per flush; a
@@ -26,6 +31,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -62,7 +68,8 @@ class Flusher:
         self.store = store
         self.window_s = window_s  # 0: no flush by age (only by the byte bound, eviction, shutdown)
         self.window_bytes = window_bytes  # 0: no byte bound
-        self._pending: dict[bytes, tuple[BlockMeta, float]] = {}  # key -> (block, due), oldest first
+        # key -> (block, due, since: the wall time it became pending), oldest first
+        self._pending: dict[bytes, tuple[BlockMeta, float, float]] = {}
         self._bytes = 0
         self._wake = asyncio.Event()
         self._flushed = asyncio.Condition()  # notified after each flush: puts waiting on the byte bound
@@ -72,7 +79,8 @@ class Flusher:
     # ---- what the store tells it ---------------------------------------------------------------
 
     def note(self, meta: BlockMeta, *, now: bool = False) -> None:
-        """A block was published without a durable copy; `now`: due at once (write-through, degraded)."""
+        """A block was published without a durable copy, or lost it (found damaged); `now`: due at once
+        (write-through, degraded)."""
         old = self._pending.get(meta.key)
         if old is not None:
             if old[0] is meta:
@@ -81,7 +89,7 @@ class Flusher:
         due = time.monotonic() + (0.0 if now or not self.window_s else self.window_s)
         if not now and not self.window_s:
             due = float("inf")  # no age bound: flushed only by the byte bound, eviction or shutdown
-        self._pending[meta.key] = (meta, due)
+        self._pending[meta.key] = (meta, due, time.time())
         self._bytes += meta.nbytes
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
@@ -119,8 +127,8 @@ class Flusher:
         self._prune()
         if not self._pending:
             return Pending(0, 0, 0.0)
-        oldest = next(iter(self._pending.values()))[0]
-        return Pending(len(self._pending), self._bytes, max(0.0, time.time() - oldest.created))
+        since = next(iter(self._pending.values()))[2]  # not the block's age: one put long ago may be pending again
+        return Pending(len(self._pending), self._bytes, max(0.0, time.time() - since))
 
     # ---- the loop --------------------------------------------------------------------------------
 
@@ -129,14 +137,14 @@ class Flusher:
         return self.store.index.get(meta.key) is not meta or self.store.placement.tiers[d].name in meta.locations
 
     def _drop(self, key: bytes) -> None:
-        meta, _ = self._pending.pop(key)
+        meta = self._pending.pop(key)[0]
         self._bytes -= meta.nbytes
 
     def _prune(self) -> None:
         d = durable_tier(self.store.placement)
         if d is None:
             return
-        for key, (meta, _) in list(self._pending.items()):
+        for key, (meta, *_) in list(self._pending.items()):
             if self._stale(meta, d):
                 self._drop(key)
 
@@ -146,7 +154,7 @@ class Flusher:
         assert d is not None
         backoff = 0.05
         while self._pending:
-            key, (meta, due) = next(iter(self._pending.items()))
+            key, (meta, due, _) = next(iter(self._pending.items()))
             if self._stale(meta, d):
                 self._drop(key)
                 await self._notify()
@@ -167,7 +175,7 @@ class Flusher:
                 log.exception("flusher: copying block %s to NVMe failed; it stays only in memory", key.hex())
                 self._drop(key)
                 continue
-            if flushed:
+            if flushed or self._stale(meta, d):  # written; or dropped: no copy of it verified
                 self._drop(key)
                 backoff = 0.05
                 await self._notify()
@@ -179,14 +187,26 @@ class Flusher:
         async with self._flushed:
             self._flushed.notify_all()
 
+    async def flush_now(self, meta: BlockMeta) -> bool:
+        """Copy a block to the durable tier now, outside the loop's order (write-through: a block whose durable
+        copy was found damaged): True once it has a durable copy (or is gone); False when it could not be
+        written now (the tier is degraded, the write failed, another move holds the block)."""
+        d = durable_tier(self.store.placement)
+        if d is None or self._stale(meta, d):
+            return True
+        if meta.moving or not self.store.placement.available(d):
+            return False
+        return await self._flush(meta, d)
+
     async def _flush(self, meta: BlockMeta, d: int) -> bool:
-        """Copy one block to the durable tier, keeping its volatile copy; False when the write failed."""
+        """Copy one block to the durable tier from its fastest volatile copy that verifies, keeping that copy;
+        False when the write failed, or no copy verified (the block is dropped then, as a read drops it)."""
         placement = self.store.placement
         meta.moving = True  # not a victim while it is copied
         placement.busy += 1
         try:
-            payload = await placement.tier(meta.locations[0]).read(meta.key)
-            await placement.place(meta, d, payload)
+            payload, _ = await self.store._read_verified(meta)  # DataLoss: no copy was sound, the block is gone
+            await placement.place(meta, d, typing.cast(bytes, payload))
         except TIER_FAULTS:
             return False
         finally:

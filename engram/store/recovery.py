@@ -117,8 +117,8 @@ async def _verify_trusted(store: BlockStore, tier: Tier) -> None:
         meta = store.index.get(key)
         if meta is None or tier.name not in meta.locations:
             continue
-        meta.locations.remove(tier.name)
-        if not meta.locations:
+        await store.drop_damaged_copy(meta, tier.name)  # the tier forgot its file: only the index's copy goes
+        if not meta.locations and store.index.get(key) is meta:
             await drop_lost(store, meta)
 
 
@@ -181,8 +181,8 @@ async def check(store: BlockStore, *, fix: bool) -> StoreReport:
                     report.findings.append((meta.key.hex(), f"indexed in {tier.name} but its file is {problem}", fix))
                 if fix:
                     tier.forget(meta.key)  # type: ignore[attr-defined]
-                    meta.locations.remove(tier.name)
-                    if not meta.locations:
+                    await store.drop_damaged_copy(meta, tier.name)  # (the tier holds no file of it now)
+                    if not meta.locations and store.index.get(meta.key) is meta:
                         await drop_lost(store, meta, report)
             continue
         for meta in list(store.index):
@@ -200,8 +200,8 @@ async def check(store: BlockStore, *, fix: bool) -> StoreReport:
                 continue
             report.findings.append((f"{tier.name}:{meta.key.hex()}", "payload checksum mismatch", fix))
             if fix:
-                await placement.drop_copy(meta, tier.name)
-                if not meta.locations:
+                await store.drop_damaged_copy(meta, tier.name)
+                if not meta.locations and store.index.get(meta.key) is meta:
                     await drop_lost(store, meta, report)
     if fix:
         await _drop_unreachable(store, report)
