@@ -3,6 +3,7 @@ same NVMe directory: every acknowledged block is there and verifies, and nothing
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +33,24 @@ def start_daemon(sock: Path, nvme: Path) -> subprocess.Popen[str]:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=sock.parent)
     wait_for(f"unix:{sock}", proc)
     return proc
+
+
+@contextlib.contextmanager
+def serving(cmd: list[str], sock: Path, *, crash: bool) -> Iterator[None]:
+    """A daemon of `cmd` on `sock` while the block runs; then SIGKILLed (crash) or stopped with SIGTERM."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=sock.parent)
+    try:
+        wait_for(f"unix:{sock}", proc)
+        yield
+    finally:
+        if crash:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        else:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(15)
+        if proc.stdout:
+            proc.stdout.close()
 
 
 def writer(address: str, acked: list[tuple[np.ndarray, torch.Tensor]], stop: threading.Event, seed: int) -> None:
@@ -114,41 +134,25 @@ def test_a_block_evicted_from_nvme_while_dram_holds_it_costs_no_acknowledged_blo
     chain = tokens(3 * BLOCK_TOKENS, seed=7)
     kv = random_kv(SPEC, len(chain), seed=7)
     others = [(tokens(BLOCK_TOKENS, seed=100 + i), random_kv(SPEC, BLOCK_TOKENS, seed=100 + i)) for i in range(20)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=sock.parent)
-    try:
-        wait_for(f"unix:{sock}", proc)
-        with SyncEngramClient(f"unix:{sock}", namespace="crash") as client:
-            fp = client.register_model(SPEC)
-            client.put(fp, chain[: 2 * BLOCK_TOKENS], kv[:, :, : 2 * BLOCK_TOKENS])
+    with serving(cmd, sock, crash=True), SyncEngramClient(f"unix:{sock}", namespace="crash") as client:
+        fp = client.register_model(SPEC)
+        client.put(fp, chain[: 2 * BLOCK_TOKENS], kv[:, :, : 2 * BLOCK_TOKENS])
+        _settled(client)
+        for toks, other in others:  # more than NVMe holds: it evicts leaves, X2 among the first
+            client.put(fp, toks, other)
             _settled(client)
-            for toks, other in others:  # more than NVMe holds: it evicts leaves, X2 among the first
-                client.put(fp, toks, other)
-                _settled(client)
-            result = client.put(fp, chain, kv)
-            assert result.not_durable == 0
-            _settled(client)
-            assert client.stats().blocks_not_durable == 0
-            held = [client.lookup(fp, toks).matched_tokens for toks, _ in [(chain, kv), *others]]
-            assert held[0] == len(chain)
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-        if proc.stdout:
-            proc.stdout.close()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=sock.parent)
-    try:
-        wait_for(f"unix:{sock}", proc)
-        with SyncEngramClient(f"unix:{sock}", namespace="crash") as client:
-            fp = client.register_model(SPEC)
-            back = [client.lookup(fp, toks).matched_tokens for toks, _ in [(chain, kv), *others]]
-            assert back == held, "a block held (and acknowledged durable) before the SIGKILL is gone"
-            n, got = client.get_prefix(fp, chain)
-            assert n == len(chain) and torch.equal(got, kv)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(15)
-        if proc.stdout:
-            proc.stdout.close()
+        result = client.put(fp, chain, kv)
+        assert result.not_durable == 0
+        _settled(client)
+        assert client.stats().blocks_not_durable == 0
+        held = [client.lookup(fp, toks).matched_tokens for toks, _ in [(chain, kv), *others]]
+        assert held[0] == len(chain)
+    with serving(cmd, sock, crash=False), SyncEngramClient(f"unix:{sock}", namespace="crash") as client:
+        fp = client.register_model(SPEC)
+        back = [client.lookup(fp, toks).matched_tokens for toks, _ in [(chain, kv), *others]]
+        assert back == held, "a block held (and acknowledged durable) before the SIGKILL is gone"
+        n, got = client.get_prefix(fp, chain)
+        assert n == len(chain) and torch.equal(got, kv)
 
 
 @pytest.mark.parametrize("policy", ["write-through", "write-back"])
@@ -163,38 +167,22 @@ def test_a_block_whose_nvme_file_check_fix_drops_survives_a_sigkill(tmp_path: Pa
     cmd = [sys.executable, "-m", "engram", "serve", "--unix-socket", str(sock), "--log-level", "error", *sets]
     chain = tokens(3 * BLOCK_TOKENS, seed=8)
     kv = random_kv(SPEC, len(chain), seed=8)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=sock.parent)
-    try:
-        wait_for(f"unix:{sock}", proc)
-        with SyncEngramClient(f"unix:{sock}", namespace="crash") as client:
-            fp = client.register_model(SPEC)
-            middle = client.put(fp, chain, kv).keys[1]
-            _settled(client)
-            [file] = (nvme / "blocks").rglob(f"{middle.hex()}.*")
-            data = bytearray(file.read_bytes())
-            data[-1] ^= 0x40  # a payload byte
-            file.write_bytes(bytes(data))
-            report = client.check(fix=True)
-            assert [f.fixed for f in report.findings] == [True]
-            pending = client.stats().write_back_pending_blocks
-            assert pending == (1 if policy == "write-back" else 0)  # write-through: written again already
-            _settled(client)
-            assert client.check(fix=False).findings == ()
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-        if proc.stdout:
-            proc.stdout.close()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=sock.parent)
-    try:
-        wait_for(f"unix:{sock}", proc)
-        with SyncEngramClient(f"unix:{sock}", namespace="crash") as client:
-            fp = client.register_model(SPEC)
-            n, got = client.get_prefix(fp, chain)
-            assert n == len(chain), "an acknowledged block is gone after the SIGKILL"
-            assert torch.equal(got, kv)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(15)
-        if proc.stdout:
-            proc.stdout.close()
+    with serving(cmd, sock, crash=True), SyncEngramClient(f"unix:{sock}", namespace="crash") as client:
+        fp = client.register_model(SPEC)
+        middle = client.put(fp, chain, kv).keys[1]
+        _settled(client)
+        [file] = (nvme / "blocks").rglob(f"{middle.hex()}.*")
+        data = bytearray(file.read_bytes())
+        data[-1] ^= 0x40  # a payload byte
+        file.write_bytes(bytes(data))
+        report = client.check(fix=True)
+        assert [f.fixed for f in report.findings] == [True]
+        pending = client.stats().write_back_pending_blocks
+        assert pending == (1 if policy == "write-back" else 0)  # write-through: written again already
+        _settled(client)
+        assert client.check(fix=False).findings == ()
+    with serving(cmd, sock, crash=False), SyncEngramClient(f"unix:{sock}", namespace="crash") as client:
+        fp = client.register_model(SPEC)
+        n, got = client.get_prefix(fp, chain)
+        assert n == len(chain), "an acknowledged block is gone after the SIGKILL"
+        assert torch.equal(got, kv)

@@ -123,6 +123,21 @@ def layers(block_size: int = BS) -> VllmLayers:
     return VllmLayers.from_caches([LayerCache(n, "full", HEADS, DIM, DIM, torch.bfloat16, block_size) for n in NAMES])
 
 
+def both_stacks(daemon: str, model: torch.nn.Module, path: str, engine_layers: VllmLayers) -> tuple[bytes, bytes]:
+    """The fingerprints the vLLM connector (an engine serving `path` with the model's HF config) and the
+    transformers integration give one model, both with the weights id "rev-1"."""
+    from types import SimpleNamespace
+
+    from engram.integrations.transformers import EngramPrefixCache
+
+    with SyncEngramClient(daemon) as client:
+        hf = EngramPrefixCache(model.to(torch.bfloat16), client, codec="raw", block_tokens=BT, weights_id="rev-1").spec
+    engine = SimpleNamespace(model=path, revision=None, quantization=None, hf_config=model.config)
+    ours = ConnectorConfig(address="unix:/x", codec="raw", block_tokens=BT, weights_id="rev-1").engine_model_spec(
+        engine_layers, engine)
+    return ours.fingerprint, hf.fingerprint
+
+
 def config(address: str, namespace: str, **kw: Any) -> ConnectorConfig:
     return ConnectorConfig.from_extra({"address": address, "namespace": namespace, "codec": "raw",
                                        "block_tokens": BT, **kw})
@@ -783,23 +798,13 @@ def test_a_full_attention_model_is_the_same_engram_model_to_vllm_and_transformer
     """Blocks a vLLM engine stores serve a transformers worker of the same model, and back: the same name,
     weights_id, HF config, codec and block_tokens give the same layout and fingerprint in both integrations
     (docs/INTEGRATIONS.md); another RoPE theta does not."""
-    from types import SimpleNamespace
-
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from engram.integrations.transformers import EngramPrefixCache
 
     def both(**rope: Any) -> tuple[bytes, bytes]:
         cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
                           num_key_value_heads=HEADS, head_dim=DIM, vocab_size=1000)
         cfg.rope_parameters = {**cfg.rope_parameters, **rope}
-        with SyncEngramClient(daemon) as client:
-            hf = EngramPrefixCache(LlamaForCausalLM(cfg).to(torch.bfloat16), client, codec="raw", block_tokens=BT,
-                                   weights_id="rev-1").spec
-        vllm_engine = SimpleNamespace(model="/models/llama", revision=None, quantization=None, hf_config=cfg)
-        ours = ConnectorConfig(address="unix:/x", codec="raw", block_tokens=BT, weights_id="rev-1").engine_model_spec(
-            layers(), vllm_engine)
-        return ours.fingerprint, hf.fingerprint
+        return both_stacks(daemon, LlamaForCausalLM(cfg), "/models/llama", layers())
 
     same, other = both(), both(rope_theta=50.0)
     assert same[0] == same[1] and other[0] == other[1] and other[0] != same[0]
@@ -1008,22 +1013,16 @@ def test_mla_nvfp4_loads_are_the_daemons_decoded_latents_within_the_codecs_error
 def test_an_mla_model_is_the_same_engram_model_to_vllm_and_transformers(daemon: str) -> None:
     """vLLM's MLA cache entry and transformers' DeepseekV3 cache (c then k_pe per layer) give the same layout: the
     same name, weights_id, HF config, codec and block_tokens make the same fingerprint."""
-    from types import SimpleNamespace
-
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    from engram.integrations.transformers import EngramPrefixCache
 
     cfg = DeepseekV3Config(num_hidden_layers=LAYERS, first_k_dense_replace=LAYERS, hidden_size=64,
                            intermediate_size=64, num_attention_heads=2, kv_lora_rank=512, qk_rope_head_dim=64,
                            q_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16, vocab_size=1000)
-    with SyncEngramClient(daemon) as client:
-        hf = EngramPrefixCache(DeepseekV3ForCausalLM(cfg).to(torch.bfloat16), client, codec="raw", block_tokens=BT,
-                               weights_id="rev-1").spec
-    vllm_engine = SimpleNamespace(model="/models/deepseek", revision=None, quantization=None, hf_config=cfg)
-    ours = ConnectorConfig(address="unix:/x", codec="raw", block_tokens=BT, weights_id="rev-1").engine_model_spec(
-        mla_layers(), vllm_engine)
-    assert ours.fingerprint == hf.fingerprint and ours.layout.bytes_per_token() == LAYERS * LATENT_W * 2
+    ours, theirs = both_stacks(daemon, DeepseekV3ForCausalLM(cfg), "/models/deepseek", mla_layers())
+    assert ours == theirs
+    spec = ConnectorConfig(address="unix:/x", codec="raw", block_tokens=BT).model_spec(mla_layers(), name="m",
+                                                                                        weights_id="w")
+    assert spec.layout.bytes_per_token() == LAYERS * LATENT_W * 2
 
 
 def test_mla_pages_of_unknown_shapes_are_refused() -> None:
