@@ -9,7 +9,7 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
-from engram.errors import InvalidArgument
+from engram.errors import InvalidArgument, brief
 from engram.layout import DType, KVLayout
 
 # A block's bytes as a put hands them over: bytes (or gRPC's chunks joined in a bytearray), or a view of the data
@@ -59,7 +59,7 @@ class BlockHeader:
         if layout.has_streams:
             if not stored.is_streams(self.codec):
                 raise InvalidArgument(f"{where}: a stream layout's blocks are v2 blocks with codec "
-                                      f"{stored.STREAMS!r}, not {self.codec!r}")
+                                      f"{stored.STREAMS!r}, not {brief(self.codec)!r}")
             from engram.codec.streamformat import raw_streams
 
             streams = layout.resolved_streams(model_codec)
@@ -70,14 +70,14 @@ class BlockHeader:
                                       f"nor with every stream raw ({sorted(sizes)} bytes for {n} tokens)")
             return
         if stored.is_streams(self.codec):
-            raise InvalidArgument(f"{where}: codec {self.codec!r} is a stream layout's; this model has the K/V layout")
+            raise InvalidArgument(f"{where}: codec {brief(self.codec)!r} is a stream layout's; this model has the K/V layout")
         expected = stored.stored_nbytes(self.codec, want, layout.dtype)
         # a quantizing model's block may also be kept lossless, a v1 block of the raw codec (the fallback of
         # engram/store/quality.py): a peer serves it so, and it is sent so on Get
         if self.payload_nbytes != expected and (stored.is_raw(self.codec)
                                                 or self.payload_nbytes != stored.lossless_nbytes(want, layout.dtype)):
             raise InvalidArgument(
-                f"{where}: payload_nbytes {self.payload_nbytes} != {expected} for shape {want} in codec {self.codec}"
+                f"{where}: payload_nbytes {self.payload_nbytes} != {expected} for shape {want} in codec {brief(self.codec)}"
             )
 
     def verify_payload(self, payload: bytes | memoryview, *, index: int) -> None:

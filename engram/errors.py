@@ -83,3 +83,19 @@ class InsufficientResources(ConfigError):
 
 class AddressInUse(EngramError):
     """The daemon cannot listen where it was told (the port is taken, or the address is not this host's)."""
+
+
+BRIEF_CHARS = 64  # a 32-byte value in hex: every real key (16 bytes) and fingerprint (16 bytes) is shown whole
+
+
+def brief(value: bytes | str) -> str:
+    """A key, fingerprint or prefix from a request as an error message repeats it: whole up to BRIEF_CHARS,
+    else its start and its length. Repeated whole, a long one pushed the status details past gRPC's 16 KiB
+    metadata limit, and the client got RESOURCE_EXHAUSTED "Stream removed" instead of NOT_FOUND (an audit)."""
+    text = value.hex() if isinstance(value, bytes | bytearray) else value
+    if not text:
+        return "<empty>"
+    if len(text) <= BRIEF_CHARS:
+        return text
+    unit = "bytes" if isinstance(value, bytes | bytearray) else "characters"
+    return f"{text[:32]}... ({len(value)} {unit})"

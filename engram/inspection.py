@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from engram.api import BlockDetail, EvictResult, NamespaceSummary, SessionSummary
 from engram.codec import stored
-from engram.errors import FailedPrecondition, InvalidArgument, NotFound
+from engram.errors import FailedPrecondition, InvalidArgument, NotFound, brief
 from engram.index import BlockMeta
 from engram.sessions import Session, SessionManager
 from engram.store import BlockStore
@@ -93,7 +93,7 @@ class Inspector:
         for p in prefixes:
             p = p.strip().lower()
             if not p or any(c not in string.hexdigits for c in p):
-                raise InvalidArgument(f"{p!r} is not a hex block key or key prefix (as `engram show` prints)")
+                raise InvalidArgument(f"{brief(p)!r} is not a hex block key or key prefix (as `engram show` prints)")
             wanted.append(p)
         found: list[BlockMeta] = []
         hexes: list[str] = []  # every key of the namespace, sorted once, for short prefixes (a scan of them all
@@ -109,10 +109,10 @@ class Inspector:
             # keys starting with p sort between p and p + "g" (after every hex digit)
             hits = metas[bisect.bisect_left(hexes, p) : bisect.bisect_left(hexes, p + "g")]
             if not hits:
-                raise NotFound(f"no stored block has a key starting with {p}" +
+                raise NotFound(f"no stored block has a key starting with {brief(p)}" +
                                ("" if namespace is None else f" in namespace {namespace!r}"))
             if len(hits) > 1:
-                raise InvalidArgument(f"key prefix {p} matches {len(hits)} blocks; give more hex digits")
+                raise InvalidArgument(f"key prefix {brief(p)} matches {len(hits)} blocks; give more hex digits")
             found.append(hits[0])
         return found
 

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     import torch
 
 from engram import limits
-from engram.errors import InvalidArgument
+from engram.errors import InvalidArgument, brief
 
 FINGERPRINT_BYTES = 16
 MAX_STREAMS = 16  # block format v2 counts streams in one byte; a real model has 1-3
@@ -135,7 +135,7 @@ class StreamSpec:
         object.__setattr__(self, "axis", Axis(self.axis))
         object.__setattr__(self, "dtype", DType(self.dtype))
         if not STREAM_NAME.fullmatch(self.name):
-            raise InvalidArgument(f"stream name {self.name!r}: use 1-8 characters a-z, 0-9, _ starting with a letter")
+            raise InvalidArgument(f"stream name {brief(self.name)!r}: use 1-8 characters a-z, 0-9, _ starting with a letter")
         if not 1 <= len(self.shape) <= 3 or any(d < 1 for d in self.shape):
             raise InvalidArgument(f"stream {self.name}: shape {self.shape} must have 1-3 dimensions, each >= 1")
         # the K/V layout's bound per token (MAX_KV_HEADS heads of MAX_HEAD_DIM), per stream

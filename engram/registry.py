@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from engram.errors import UNKNOWN_MODEL, InvalidArgument, StorageFull, StorageIOError, UnknownModel
+from engram.errors import UNKNOWN_MODEL, InvalidArgument, StorageFull, StorageIOError, UnknownModel, brief
 from engram.layout import DType, ModelSpec
 from engram.private import FILE_MODE, private_dir
 
@@ -111,7 +111,7 @@ class ModelRegistry:
         try:
             return self._models[fingerprint]
         except KeyError:
-            shown = fingerprint.hex() or "<empty>"
+            shown = brief(fingerprint)
             raise UnknownModel(f"{UNKNOWN_MODEL} {shown}; call RegisterModel with the model's layout first") from None
 
     def __contains__(self, fingerprint: object) -> bool:

@@ -40,6 +40,7 @@ from engram.errors import (
     NotFound,
     ResourceExhausted,
     Unavailable,
+    brief,
 )
 from engram.eviction import CLOCK, Expected
 from engram.index import BlockMeta, ChainIndex, PrefixMatch
@@ -190,7 +191,7 @@ class BlockStore:
             meta = self.index.get_in(namespace, key)
             # A block of another namespace is reported exactly like an absent one (and never even looked at).
             if meta is None or meta.model_fingerprint != model_fingerprint:
-                raise NotFound(f"block {i} ({key.hex() or '<empty>'}) is not stored in this namespace and model")
+                raise NotFound(f"block {i} ({brief(key)}) is not stored in this namespace and model")
             metas.append(meta)
         return metas
 
@@ -279,7 +280,7 @@ class BlockStore:
             pmeta = self.index.get_in(namespace, parent)
             if pmeta is None or pmeta.model_fingerprint != model_fingerprint:
                 raise FailedPrecondition(
-                    f"block {index}: parent block {parent.hex() or '<empty>'} is not stored (it may have been "
+                    f"block {index}: parent block {brief(parent)} is not stored (it may have been "
                     "evicted); Lookup again and put the chain from its first missing block"
                 )
             if not pmeta.full:
@@ -313,7 +314,7 @@ class BlockStore:
         if parent != self.root(namespace, model_fingerprint):
             pmeta = self.index.get_in(namespace, parent)
             if pmeta is None or pmeta.model_fingerprint != model_fingerprint or not pmeta.full:
-                raise FailedPrecondition(f"parent block {parent.hex()} is not a stored full block")
+                raise FailedPrecondition(f"parent block {brief(parent)} is not a stored full block")
         shape = layout.block_shape(bt)
         done: list[BlockMeta] = []
         for i, (key, tokens) in enumerate(blocks):
