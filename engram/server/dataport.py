@@ -28,6 +28,14 @@ from engram import errors
 from engram.config import ServerConfig
 from engram.private import remove_stale_socket
 from engram.server.auth import _principal
+from engram.server.requests import (
+    CONTROL_BYTES,
+    TOP_LEVEL_SLACK,
+    block_request_bytes,
+    check_limit,
+    key_request_bytes,
+    top_level_fields,
+)
 from engram.server.service import EngramService
 from engram.tenancy import OPEN, Principal, Tenancy
 from engram.v1 import engram_pb2 as pb
@@ -234,6 +242,11 @@ class DataPort:
                 self._in_request.add(me)  # a stop lets it finish within the shutdown grace
                 try:
                     try:
+                        if (most := self._max_meta(kind)) < meta_len <= wire.MAX_META_BYTES:
+                            raise _Desync(errors.ResourceExhausted(
+                                f"data channel: a {_OPS.get(kind, 'request')}'s metadata of {meta_len} bytes exceeds "
+                                f"the {most} it may take (server.max_blocks_per_request, "
+                                "server.max_tokens_per_request); split the request"))
                         meta = await conn.read_meta(meta_len)
                     except errors.InvalidArgument as exc:  # a wild metadata length: the stream cannot be framed
                         raise _Desync(exc) from None
@@ -340,6 +353,19 @@ class DataPort:
         else:
             raise _Desync(errors.InvalidArgument(f"data channel: unknown request kind {kind}"))
 
+    def _max_meta(self, kind: int) -> int:
+        """The metadata a request of this kind may carry: a PUT's block headers with their tokens, a GET's
+        keys (server/requests.py), under wire.MAX_META_BYTES. A 60 MB PUT of 30 M empty headers took the
+        daemon 2.4 GB up and held the event loop 6 s parsing and summing them (an audit)."""
+        cfg = self.config
+        if kind == wire.PUT:
+            most = block_request_bytes(cfg.max_tokens_per_request, cfg.max_blocks_per_request)
+        elif kind == wire.GET:
+            most = key_request_bytes(cfg.max_blocks_per_request)
+        else:
+            most = CONTROL_BYTES
+        return min(most, wire.MAX_META_BYTES)
+
     async def _put(self, conn: wire.Conn, meta: bytearray, body: int) -> None:
         """Read each block's payload into a buffer of its own and store it as it completes; on a refusal the
         rest of the body is read and dropped, so the connection stays framed."""
@@ -349,7 +375,13 @@ class DataPort:
                 "split the chain"))
         left = body
         try:
+            most = self.config.max_blocks_per_request + TOP_LEVEL_SLACK  # headers counted before they are parsed
+            if top_level_fields(meta, most) > most:
+                raise errors.ResourceExhausted(f"data channel: a PUT's metadata holds more than {most} entries; "
+                                               "a Put takes at most server.max_blocks_per_request = "
+                                               f"{self.config.max_blocks_per_request} blocks: split the chain")
             req = _parse(pb.DataPut, meta, "a PUT's metadata")
+            check_limit("Put blocks", len(req.blocks), self.config.max_blocks_per_request)
             announced = sum(b.payload_nbytes for b in req.blocks)
             if announced != body:
                 raise errors.InvalidArgument(f"data channel: the blocks announce {announced} payload bytes, the "

@@ -14,7 +14,7 @@ from engram.errors import InvalidArgument, NotFound, PermissionDenied
 from engram.inspection import Inspector
 from engram.server.auth import guard, is_admin, namespace_for
 from engram.server.errors import unary
-from engram.server.requests import check_limit, decoded, safe_decoder
+from engram.server.requests import check_limit, decoded, key_request_bytes, safe_decoder
 from engram.server.service import SERVICE_NAME
 from engram.tenancy import Tenancy
 from engram.v1 import engram_pb2 as pb
@@ -98,8 +98,9 @@ class InspectionService:
         def ser(msg: Any) -> bytes:
             return msg.SerializeToString()
 
-        def h(fn: Any, cls: Any) -> grpc.RpcMethodHandler:
-            return grpc.unary_unary_rpc_method_handler(guard(fn, self.tenancy), safe_decoder(cls), ser)
+        def h(fn: Any, cls: Any) -> grpc.RpcMethodHandler:  # key prefixes at most: no call here needs more
+            decoder = safe_decoder(cls, key_request_bytes(self.max_blocks))
+            return grpc.unary_unary_rpc_method_handler(guard(fn, self.tenancy), decoder, ser)
 
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {
             "ListNamespaces": h(self.ListNamespaces, pb.ListNamespacesRequest),

@@ -43,7 +43,16 @@ from engram.limits import check_namespace
 from engram.server.auth import caller, guard, is_admin, is_peer, namespace_for, visible_namespaces
 from engram.server.errors import streaming, unary
 from engram.server.peers import PeerFetcher
-from engram.server.requests import check_limit, decoded, safe_decoder
+from engram.server.requests import (
+    CONTROL_BYTES,
+    TOP_LEVEL_SLACK,
+    block_request_bytes,
+    check_limit,
+    decoded,
+    key_request_bytes,
+    safe_decoder,
+    token_request_bytes,
+)
 from engram.sessions import SessionManager, Window
 from engram.store import BlockStore
 from engram.store.inplace import InPlacePuts
@@ -76,7 +85,8 @@ def _header_of(meta: BlockMeta, codec: str) -> BlockHeader:
 
 
 def _window_from_pb(msg: pb.SwaWindowData) -> Window:
-    return Window(msg.prefix_len, msg.start, convert.dtype_from_pb(msg.dtype, "window"), tuple(msg.shape),
+    return Window(msg.prefix_len, msg.start, convert.dtype_from_pb(msg.dtype, "window"),
+                  convert.shape_from_pb(msg.shape, "window"),
                   msg.data, msg.checksum)
 
 
@@ -671,44 +681,50 @@ class EngramService:
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         """Method handlers built by hand (rather than add_EngramServicer_to_server) so that undecodable
-        request bytes reach the handler and get INVALID_ARGUMENT."""
+        request bytes reach the handler and get INVALID_ARGUMENT, and so that each method's decoder takes
+        only as many bytes as its kind of request can need (server/requests.py): Put's chunks and
+        AppendSession's window the whole server.max_message_bytes, a control call CONTROL_BYTES."""
+        cfg = self.config
+        big = int(cfg.max_message_bytes)
+        tokens = token_request_bytes(cfg.max_tokens_per_request, cfg.max_blocks_per_request)
+        keys = key_request_bytes(cfg.max_blocks_per_request)
+        blocks = block_request_bytes(cfg.max_tokens_per_request, cfg.max_blocks_per_request)
+        per_block = f" (server.max_blocks_per_request = {cfg.max_blocks_per_request})"
 
         def ser(msg: Any) -> bytes:
             return msg if isinstance(msg, bytes) else msg.SerializeToString()  # Get yields serialized frames
 
+        def dec(cls: Any, max_bytes: int = CONTROL_BYTES, max_fields: int | None = None) -> Any:
+            return safe_decoder(cls, min(max_bytes, big), max_fields, per_block if max_fields else "")
+
+        def unary_unary(fn: Any, decoder: Any) -> grpc.RpcMethodHandler:
+            return grpc.unary_unary_rpc_method_handler(guard(fn, self.tenancy), decoder, ser)
+
+        def unary_stream(fn: Any, decoder: Any) -> grpc.RpcMethodHandler:
+            return grpc.unary_stream_rpc_method_handler(guard(fn, self.tenancy), decoder, ser)
+
         handlers = {
-            "RegisterModel": grpc.unary_unary_rpc_method_handler(
-                guard(self.RegisterModel, self.tenancy), safe_decoder(pb.RegisterModelRequest), ser),
-            "Lookup": grpc.unary_unary_rpc_method_handler(guard(self.Lookup, self.tenancy), safe_decoder(pb.LookupRequest), ser),
-            "Put": grpc.stream_unary_rpc_method_handler(guard(self.Put, self.tenancy), safe_decoder(pb.PutRequest), ser),
-            "Get": grpc.unary_stream_rpc_method_handler(guard(self.Get, self.tenancy), safe_decoder(pb.GetRequest), ser),
-            "GetPrefix": grpc.unary_unary_rpc_method_handler(
-                guard(self.GetPrefix, self.tenancy), safe_decoder(pb.GetPrefixRequest), ser),
-            "ReservePut": grpc.unary_unary_rpc_method_handler(
-                guard(self.ReservePut, self.tenancy), safe_decoder(pb.ReservePutRequest), ser),
-            "CommitPut": grpc.unary_unary_rpc_method_handler(
-                guard(self.CommitPut, self.tenancy), safe_decoder(pb.CommitPutRequest), ser),
-            "Pin": grpc.unary_unary_rpc_method_handler(guard(self.Pin, self.tenancy), safe_decoder(pb.PinRequest), ser),
-            "Stats": grpc.unary_unary_rpc_method_handler(guard(self.Stats, self.tenancy), safe_decoder(pb.StatsRequest), ser),
-            "Check": grpc.unary_unary_rpc_method_handler(guard(self.Check, self.tenancy), safe_decoder(pb.CheckRequest), ser),
-            "OpenSession": grpc.unary_unary_rpc_method_handler(
-                guard(self.OpenSession, self.tenancy), safe_decoder(pb.OpenSessionRequest), ser),
-            "AppendSession": grpc.unary_unary_rpc_method_handler(
-                guard(self.AppendSession, self.tenancy), safe_decoder(pb.AppendSessionRequest), ser),
-            "ForkSession": grpc.unary_unary_rpc_method_handler(
-                guard(self.ForkSession, self.tenancy), safe_decoder(pb.ForkSessionRequest), ser),
-            "SuspendSession": grpc.unary_unary_rpc_method_handler(
-                guard(self.SuspendSession, self.tenancy), safe_decoder(pb.SessionRef), ser),
-            "CloseSession": grpc.unary_unary_rpc_method_handler(
-                guard(self.CloseSession, self.tenancy), safe_decoder(pb.SessionRef), ser),
-            "Resume": grpc.unary_stream_rpc_method_handler(guard(self.Resume, self.tenancy), safe_decoder(pb.ResumeRequest), ser),
-            "ReleaseLeases": grpc.unary_unary_rpc_method_handler(
-                guard(self.ReleaseLeases, self.tenancy), safe_decoder(pb.ReleaseLeasesRequest), ser),
-            "FetchBlocks": grpc.unary_stream_rpc_method_handler(
-                guard(self.FetchBlocks, self.tenancy), safe_decoder(pb.FetchBlocksRequest), ser),
-            "DataEndpoint": grpc.unary_unary_rpc_method_handler(
-                guard(self.DataEndpoint, self.tenancy), safe_decoder(pb.DataEndpointRequest), ser),
-            "DescribeNamespace": grpc.unary_unary_rpc_method_handler(
-                guard(self.DescribeNamespace, self.tenancy), safe_decoder(pb.DescribeNamespaceRequest), ser),
+            "RegisterModel": unary_unary(self.RegisterModel, dec(pb.RegisterModelRequest)),
+            "Lookup": unary_unary(self.Lookup, dec(pb.LookupRequest, tokens)),
+            "Put": grpc.stream_unary_rpc_method_handler(guard(self.Put, self.tenancy),
+                                                        dec(pb.PutRequest, big), ser),
+            "Get": unary_stream(self.Get, dec(pb.GetRequest, keys)),
+            "GetPrefix": unary_unary(self.GetPrefix, dec(pb.GetPrefixRequest, tokens)),
+            "ReservePut": unary_unary(self.ReservePut, dec(pb.ReservePutRequest, blocks,
+                                                           cfg.max_blocks_per_request + TOP_LEVEL_SLACK)),
+            "CommitPut": unary_unary(self.CommitPut, dec(pb.CommitPutRequest)),
+            "Pin": unary_unary(self.Pin, dec(pb.PinRequest, keys)),
+            "Stats": unary_unary(self.Stats, dec(pb.StatsRequest)),
+            "Check": unary_unary(self.Check, dec(pb.CheckRequest)),
+            "OpenSession": unary_unary(self.OpenSession, dec(pb.OpenSessionRequest, tokens)),
+            "AppendSession": unary_unary(self.AppendSession, dec(pb.AppendSessionRequest, big)),
+            "ForkSession": unary_unary(self.ForkSession, dec(pb.ForkSessionRequest)),
+            "SuspendSession": unary_unary(self.SuspendSession, dec(pb.SessionRef)),
+            "CloseSession": unary_unary(self.CloseSession, dec(pb.SessionRef)),
+            "Resume": unary_stream(self.Resume, dec(pb.ResumeRequest)),
+            "ReleaseLeases": unary_unary(self.ReleaseLeases, dec(pb.ReleaseLeasesRequest, keys)),
+            "FetchBlocks": unary_stream(self.FetchBlocks, dec(pb.FetchBlocksRequest, keys)),
+            "DataEndpoint": unary_unary(self.DataEndpoint, dec(pb.DataEndpointRequest)),
+            "DescribeNamespace": unary_unary(self.DescribeNamespace, dec(pb.DescribeNamespaceRequest)),
         }
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

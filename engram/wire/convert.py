@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from google.protobuf import message_factory
 from google.protobuf.message import Message
 
+from engram import limits
 from engram.api import SessionMode
-from engram.errors import InvalidArgument
-from engram.layout import Axis, DType, KVLayout, LayerKind, LayerSpec, ModelSpec, StreamSpec
+from engram.errors import InvalidArgument, brief
+from engram.layout import MAX_STREAMS, Axis, DType, KVLayout, LayerKind, LayerSpec, ModelSpec, StreamSpec
 from engram.v1 import engram_pb2 as pb
 
 if TYPE_CHECKING:  # numpy (and the block module) load on first use: the CLI's inspection path needs neither
@@ -136,6 +137,10 @@ _AXES = {pb.GROUP_AXIS_UNSPECIFIED: Axis.TOKEN, pb.GROUP_AXIS_TOKEN: Axis.TOKEN,
 
 
 def layout_from_pb(msg: pb.KVLayout) -> KVLayout:
+    if msg.layers:  # counted before any is converted; none at all: KVLayout says a layout needs one
+        limits.check_dimension("a layout's number of layers", len(msg.layers), 1, limits.MAX_LAYERS)
+    limits.check_count("a layout's streams", len(msg.streams), MAX_STREAMS)
+    limits.check_count("a layout's window streams", len(msg.window_streams), MAX_STREAMS)
     layers = []
     for i, layer in enumerate(msg.layers):
         try:
@@ -149,10 +154,17 @@ def layout_from_pb(msg: pb.KVLayout) -> KVLayout:
                     window_streams=tuple(stream_from_pb(s, "layout window stream") for s in msg.window_streams))
 
 
+def shape_from_pb(values: Any, where: str) -> tuple[int, ...]:
+    """A shape's dimensions, refused before they are copied when there are more than any layout has."""
+    limits.check_count(f"{where}: shape dimensions", len(values), limits.MAX_SHAPE_DIMS)
+    return tuple(values)
+
+
 def stream_from_pb(msg: pb.StreamSpec, where: str) -> StreamSpec:
     if msg.axis not in _AXES:
-        raise InvalidArgument(f"{where} {msg.name}: axis must be GROUP_AXIS_CHANNEL or GROUP_AXIS_TOKEN, got {msg.axis}")
-    return StreamSpec(msg.name, tuple(msg.shape), dtype_from_pb(msg.dtype, f"{where} {msg.name}"), msg.codec,
+        raise InvalidArgument(f"{where} {brief(msg.name)}: axis must be GROUP_AXIS_CHANNEL or GROUP_AXIS_TOKEN, got {msg.axis}")
+    return StreamSpec(msg.name, shape_from_pb(msg.shape, f"{where} {brief(msg.name)}"),
+                      dtype_from_pb(msg.dtype, f"{where} {brief(msg.name)}"), msg.codec,
                       _AXES[msg.axis], msg.compress or 1)
 
 
@@ -185,7 +197,7 @@ def header_from_pb(msg: pb.BlockHeader, index: int) -> BlockHeader:
     from engram.block import BlockHeader
 
     return BlockHeader(tokens=np.asarray(msg.tokens, dtype="<i4"), dtype=dtype_from_pb(msg.dtype, f"block {index}"),
-                       shape=tuple(msg.shape), payload_nbytes=msg.payload_nbytes, checksum=msg.checksum,
+                       shape=shape_from_pb(msg.shape, f"block {index}"), payload_nbytes=msg.payload_nbytes, checksum=msg.checksum,
                        codec=msg.codec or "raw")
 
 
