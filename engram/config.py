@@ -62,6 +62,9 @@ class ServerConfig:
     # own); past it its calls are RESOURCE_EXHAUSTED, so one tenant (idle Put streams, say) cannot take every slot
     # from the others. 0: no bound.
     max_concurrent_rpcs_per_tenant: int = 128
+    # Calls to the health and reflection services (anyone's, no token) in flight at once; past it they are
+    # RESOURCE_EXHAUSTED, so open Health/Watch streams cannot take the slots of max_concurrent_rpcs from tenants.
+    max_concurrent_open_rpcs: int = 32
     max_blocks_per_request: int = 4096  # blocks (or keys) one Put, Get, ReservePut, DescribeBlocks or Evict may name
     max_tokens_per_request: int = 1 << 21  # also the longest a session may grow
     max_block_bytes: ByteSize = ByteSize(256 * 2**20)  # a model whose raw block is larger is refused at register
@@ -337,6 +340,7 @@ class EngramConfig:
         for key, value in (("server.max_block_bytes", s.max_block_bytes), ("server.max_models", s.max_models),
                            ("server.max_models_per_tenant", s.max_models_per_tenant),
                            ("server.max_concurrent_rpcs", s.max_concurrent_rpcs),
+                           ("server.max_concurrent_open_rpcs", s.max_concurrent_open_rpcs),
                            ("server.max_blocks_per_request", s.max_blocks_per_request),
                            ("server.max_tokens_per_request", s.max_tokens_per_request),
                            ("server.max_sessions_per_namespace", s.max_sessions_per_namespace),

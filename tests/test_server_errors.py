@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import numpy as np
 import pytest
@@ -267,3 +269,49 @@ async def test_health_and_reflection_are_served(server) -> None:  # type: ignore
         async for r in refl.ServerReflectionInfo(ask()):
             names = [s.name for s in r.list_services_response.service]
         assert "engram.v1.Engram" in names and "grpc.health.v1.Health" in names
+
+
+async def test_open_health_watches_without_a_token_cannot_take_the_tenants_call_slots(server_factory, caplog
+                                                                                       ) -> None:  # type: ignore[no-untyped-def]
+    """Health and reflection need no token; Watch streams never end. With 8 call slots and 3 for them, 8 Watches
+    opened by a caller with no token: 3 are served, the rest refused RESOURCE_EXHAUSTED at once, and a
+    tenant's calls still find slots (they took all of server.max_concurrent_rpcs, so every tenant's call was
+    RESOURCE_EXHAUSTED). Bytes the health service cannot decode are INVALID_ARGUMENT, not UNKNOWN with a
+    traceback in the log."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    srv = await server_factory(**{"server.max_concurrent_rpcs": 8, "server.max_concurrent_open_rpcs": 3,
+                                  "auth.tenants.alice.token": "alice-token", "auth.salt_secret": "s"})
+    async with grpc.aio.insecure_channel(srv.address) as channel:
+        watches = [health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""))
+                   for _ in range(8)]
+        served, refused = 0, 0
+        for watch in watches:
+            try:
+                first = await asyncio.wait_for(watch.read(), 10)
+                assert first.status == health_pb2.HealthCheckResponse.SERVING
+                served += 1
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_concurrent_open_rpcs" in exc.details()
+                refused += 1
+        assert (served, refused) == (3, 5)
+        async with EngramClient(srv.address, token="alice-token", namespace="alice") as alice:
+            fp = await alice.register_model(tiny_model())
+            await alice.stats()
+            assert (await alice.lookup(fp, tokens(BLOCK_TOKENS))).matched_tokens == 0
+        for watch in watches:
+            watch.cancel()
+        health = health_pb2_grpc.HealthStub(channel)
+        for _ in range(100):  # the cancelled watches end on the daemon's side soon after
+            try:
+                await health.Check(health_pb2.HealthCheckRequest(service=""))
+                break
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                await asyncio.sleep(0.05)
+        check = channel.unary_unary("/grpc.health.v1.Health/Check")
+        caplog.clear()
+        with pytest.raises(grpc.aio.AioRpcError) as bad:
+            await check(b"\xff\xff\xff")
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert not [r for r in caplog.records if r.exc_info], "a traceback in the log for a request anyone may send"

@@ -37,6 +37,7 @@ from engram.replay.costmodel import Calibration, CostModel, FidelityFloor, machi
 from engram.replay.runtime import ReplayRuntime
 from engram.server.dataport import DataPort
 from engram.server.inspection import InspectionService
+from engram.server.openrpcs import OpenServiceGuard
 from engram.server.peers import PeerFetcher
 from engram.server.service import SERVICE_NAME, EngramService
 from engram.sessions import SessionManager
@@ -293,8 +294,9 @@ async def _start(config: EngramConfig, store: BlockStore, sessions: SessionManag
     options = [*message_options(int(s.max_message_bytes)), ("grpc.so_reuseport", 0)]
     metrics = MetricsEndpoint() if s.metrics_port else None
     metrics_token = resolve_secret(s.metrics_token, "server.metrics_token") if metrics and s.metrics_token else ""
+    open_rpcs = OpenServiceGuard(s.max_concurrent_open_rpcs)  # health and reflection: no token, a share of their own
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=s.max_concurrent_rpcs,
-                             interceptors=[metrics.interceptor] if metrics else None)
+                             interceptors=[metrics.interceptor, open_rpcs] if metrics else [open_rpcs])
     service = EngramService(store, s, sessions, tenancy, same_host=config.auth.same_host_allowed)
     if not config.auth.same_host_allowed and service.pool is not None:
         log.warning("same-host zero-copy hits and in-place puts are off (%s): the shared DRAM pool holds every "

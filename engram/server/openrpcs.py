@@ -1,0 +1,92 @@
+"""The gRPC services anyone may call, without a token: health checking and reflection, kept to a share of their own.
+
+They are served beside Engram's own service (engram/server/app.py) on the one server whose only bound is
+`server.max_concurrent_rpcs`, and the tenants' shares (engram/server/auth.py) count only the calls a token
+admits. A peer with no token that opened that many Health/Watch streams (or reflection streams it never wrote
+to), which never end on their own, held every slot: every tenant's call was refused RESOURCE_EXHAUSTED "Concurrent
+RPC limit exceeded!" for as long as it liked (an audit, session 43). `OpenServiceGuard` lets at most
+`server.max_concurrent_open_rpcs` of them run at once and refuses the next at once (which frees its slot).
+
+It also answers bytes those services cannot decode with INVALID_ARGUMENT: grpcio's own handlers let the
+parse error out as UNKNOWN, with a traceback in the daemon's log for every such request, anyone's to send.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
+                 "/grpc.reflection.v1.ServerReflection/")
+
+
+class _Undecodable:
+    """A request the service's deserializer refused (the handler answers INVALID_ARGUMENT)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class OpenServiceGuard(grpc.aio.ServerInterceptor):
+    """At most `limit` calls to the open services in flight; their requests decoded without a traceback."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_flight = 0
+
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
+                                handler_call_details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or not method.startswith(OPEN_SERVICES):
+            return handler
+        decode = handler.request_deserializer
+
+        def safe(data: bytes) -> Any:
+            try:
+                return decode(data) if decode is not None else data
+            except Exception as exc:  # protobuf's DecodeError, or anything a parser raises
+                return _Undecodable(exc)
+
+        kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+                    if getattr(handler, k) is not None)
+        inner = getattr(handler, kind)
+        streams_in = kind.startswith("stream")
+
+        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if self.in_flight >= self.limit:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"{self.limit} calls to the health and reflection services are in flight, "
+                                    "as many as server.max_concurrent_open_rpcs allows; try again later")
+            self.in_flight += 1
+            try:
+                if streams_in:
+                    request = _checked(request, context, method)
+                elif isinstance(request, _Undecodable):
+                    await _refuse(context, method, request)
+                result = inner(request, context)
+                if inspect.isasyncgen(result):  # a generator's items, written here: the wrapper is one coroutine
+                    async for item in result:
+                        await context.write(item)
+                    return None
+                return await result
+            finally:
+                self.in_flight -= 1
+
+        return handler._replace(request_deserializer=safe, **{kind: guarded})
+
+
+async def _refuse(context: grpc.aio.ServicerContext, method: str, request: _Undecodable) -> None:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{method}: the request is not a valid message ({str(request.error)[:200]})")
+
+
+async def _checked(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext, method: str
+                   ) -> AsyncIterator[Any]:
+    async for request in requests:
+        if isinstance(request, _Undecodable):
+            await _refuse(context, method, request)
+        yield request
