@@ -343,6 +343,10 @@ class EngramClient(ControlClient):
                     raise
                 self._in_place_ok = False  # no shared pool there
                 return None
+            except errors.ResourceExhausted:
+                # The reservations open now hold their share of the pool (or it is full of what may not go): this
+                # put travels as bytes, which the daemon places as any put (the rounds stored so far are skipped)
+                return None
             slots: list[Slot] = []
             try:
                 for i, (d, cached) in enumerate(zip(res.slots, res.cached, strict=True)):

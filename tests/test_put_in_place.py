@@ -383,3 +383,41 @@ async def test_concurrent_in_place_puts_of_one_client_each_store_their_own_kv(se
             for i, put in enumerate(puts):
                 got = torch.cat(await local.get(fp, list(put.keys), zero_copy=False), dim=2)
                 assert torch.equal(got, want[i]), f"round {round_}: prompt {i} was stored with other KV"
+
+
+async def test_reservations_no_one_commits_cannot_fill_the_pool_from_other_puts(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A caller opening ReservePuts it never commits held the whole shared pool (each reservation was bounded to
+    half of it, not their number), and every other put was refused "every block in it is pinned" for a
+    reservation's time and a term more (an audit, session 43). A namespace's open reservations hold at most half
+    the pool, everyone's three quarters: past that a ReservePut is RESOURCE_EXHAUSTED naming the reservations,
+    and another namespace's put (in place: it falls back to bytes) and the client's own next put are stored."""
+    spec = tiny_model()
+    block = spec.layout.block_nbytes(BLOCK_TOKENS)
+    srv = await server_factory(**{"tiers.dram.capacity": 16 * block, "tiers.dram.page_bytes": 256,
+                                  "server.lease_s": 30})
+    async with EngramClient(srv.address, namespace="hog", in_place_min_bytes=0) as c:
+        fp = await c.register_model(spec)
+    async with grpc.aio.insecure_channel(srv.address) as ch:
+        stub = pb_grpc.EngramStub(ch)
+
+        async def reserve(ns: str, seed: int, blocks: int) -> pb.ReservePutResponse:
+            toks = tokens(blocks * BLOCK_TOKENS, seed=seed)
+            return await stub.ReservePut(pb.ReservePutRequest(namespace=ns, model_fingerprint=fp,
+                                                              blocks=_raw_headers(spec, toks)))
+
+        held = [await reserve("hog", 1, 6)]  # 6 of 16 blocks: under half
+        held.append(await reserve("hog", 2, 6))  # 2 more fit the namespace's half, then it stops short
+        assert len(held[1].slots) == 2 and "open reservations hold" in held[1].refused
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await reserve("hog", 3, 1)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "reservations" in info.value.details()
+        held.append(await reserve("hog2", 4, 6))  # another namespace: up to three quarters of the pool in all
+        assert len(held[2].slots) == 4 and "together" in held[2].refused
+    for ns in ("other", "hog"):
+        async with EngramClient(srv.address, namespace=ns, in_place_min_bytes=0) as c:
+            await c.register_model(spec)
+            toks = tokens(2 * BLOCK_TOKENS, seed=9)
+            kv = random_kv(spec, len(toks))
+            assert (await c.put(fp, toks, kv)).stored == 2
+            n, got = await c.get_prefix(fp, toks)
+            assert n == len(toks) and torch.equal(got, kv)

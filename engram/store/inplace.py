@@ -41,6 +41,9 @@ from engram.tiers.pool import PoolTier, Slot
 if TYPE_CHECKING:
     from engram.store.core import BlockStore, PutOutcome
 
+NAMESPACE_SHARE = 0.5  # of the shared pool, that one namespace's open reservations may hold unpublished
+RESERVED_SHARE = 0.75  # that every reservation together may: the rest stays for other puts
+
 
 @dataclass
 class Reserved:
@@ -95,6 +98,7 @@ class InPlacePuts:
                                          "and put the chain from its first missing block")
         res = Reservation(secrets.randbits(63) or 1, namespace, fingerprint, [], pmeta, self.pool,
                           time.monotonic() + self.reserve_s, pin)
+        held = self._held(namespace)  # [this namespace's, everyone's] slots reserved and not yet published
         if pmeta is not None:
             pmeta.children += 1
         rank = store.tier_rank(self.pool.name)
@@ -117,6 +121,12 @@ class InPlacePuts:
                 slot = None
                 if res.blocks and not self._fits(res, h.payload_nbytes):
                     break
+                why = self._over_share(namespace, held, h.payload_nbytes)
+                if why:
+                    if not res.blocks:
+                        raise ResourceExhausted(why)
+                    res.refused = why  # the blocks before it are reserved: commit those
+                    break
                 existing = store.index.get_in(namespace, key)
                 if existing is not None:  # stored already: hold it instead (the chain's deepest stored block)
                     existing.children += 1
@@ -134,6 +144,8 @@ class InPlacePuts:
                     try:
                         await store.placement.make_room(rank, need, wait=not res.blocks)
                         slot = self.pool.place(key + res.id.to_bytes(8, "little"), need, h.payload_nbytes)
+                        held[0] += h.payload_nbytes
+                        held[1] += h.payload_nbytes
                     except ResourceExhausted as exc:
                         store._quota_pending[namespace] -= h.payload_nbytes
                         if not res.blocks:
@@ -162,6 +174,33 @@ class InPlacePuts:
             res.refused = "the reservation holds half of the shared pool: commit it, then reserve the rest"
             return False
         return True
+
+    def _held(self, namespace: str) -> list[int]:
+        """Bytes of pool slots that open (and lapsed, whose slots are still held) reservations hold unpublished:
+        [those of `namespace`, everyone's]."""
+        mine = total = 0
+        for res in (*self._open.values(), *self._lapsed.values()):
+            n = sum(r.meta.nbytes for r in res.blocks[res.committed:] if r.slot is not None)
+            total += n
+            if res.namespace == namespace:
+                mine += n
+        return [mine, total]
+
+    def _over_share(self, namespace: str, held: list[int], nbytes: int) -> str:
+        """Why one more slot of `nbytes` may not be reserved, or "": a namespace's reservations together hold at
+        most NAMESPACE_SHARE of the pool unpublished, everyone's RESERVED_SHARE. One reservation's bound
+        (`_fits`) alone let a caller open reservations until the pool was full of slots no one would commit,
+        and every other put was refused for a reservation's time and a term more (an audit, session 43)."""
+        cap = self.pool.capacity_bytes
+        if held[0] + nbytes > cap * NAMESPACE_SHARE:
+            return (f"namespace {namespace!r}'s open reservations hold {held[0]} bytes of the shared pool unpublished, "
+                    f"as much as one namespace may ({NAMESPACE_SHARE:.0%} of {cap}): commit them, or let them expire "
+                    f"({self.reserve_s:g}s after each was made), then reserve the rest")
+        if held[1] + nbytes > cap * RESERVED_SHARE:
+            return (f"open reservations hold {held[1]} bytes of the shared pool unpublished, as much as all may "
+                    f"together ({RESERVED_SHARE:.0%} of {cap}, the rest kept for other puts); try again once some "
+                    "are committed or expire, or put as bytes")
+        return ""
 
     def get(self, namespace: str, reservation_id: int) -> Reservation:
         res = self._open.get(reservation_id)
