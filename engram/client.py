@@ -1063,20 +1063,24 @@ class EngramClient(ControlClient):
     async def resume(self, session_id: str, *, position: int = 0, namespace: str | None = None,
                      with_global_kv: bool = False) -> ResumeResult:
         """The session's state at `position` (0: its end): the global KV blocks to fetch, and the sliding-window
-        KV, replayed by the daemon, held hot, or persisted. With `with_global_kv` the daemon sends the global KV
-        of [0, position) decoded (`ResumeResult.global_kv`): a replay has read and decoded it already."""
+        KV, replayed by the daemon, held hot, or persisted. With `with_global_kv` the daemon also sends the global
+        KV of [0, position), decoded block by block as it sends them (`ResumeResult.global_kv`)."""
         req = pb.ResumeRequest(session=self._ref(session_id, namespace), position=position,
-                               with_global_kv=with_global_kv)
+                               with_global_kv=with_global_kv, global_kv_by_block=with_global_kv)
         header: pb.ResumeHeader | None = None
         parts: list[bytes] = []
-        kv_parts: list[bytes] = []
+        kv: _GlobalKV | None = None
         try:
             async for resp in self._stub.Resume(req):
                 item = resp.WhichOneof("item")
                 if item == "header":
                     header = resp.header
-                elif item == "global_kv_chunk":
-                    kv_parts.append(resp.global_kv_chunk)
+                    if header.HasField("global_kv"):
+                        kv = _GlobalKV(header.global_kv)
+                elif item in ("global_kv_block", "global_kv_chunk"):
+                    if kv is None:
+                        raise errors.DataLoss("Resume sent global KV before a header announcing it")
+                    kv.add(resp)
                 else:
                     parts.append(resp.window_chunk)
         except grpc.aio.AioRpcError as exc:
@@ -1090,9 +1094,8 @@ class EngramClient(ControlClient):
         tensor = _raw_tensor(parts, w.checksum, w.dtype, tuple(w.shape), "window", "the SWA window")
         blocks = tuple(convert.from_pb(BlockRef, b) for b in header.blocks)
         global_kv = None
-        if header.HasField("global_kv"):
-            g = header.global_kv
-            global_kv = _raw_tensor(kv_parts, g.checksum, g.dtype, tuple(g.shape), "global KV", "the global KV")
+        if kv is not None:
+            global_kv = kv.tensor()
         elif with_global_kv:
             raise errors.DataLoss("Resume was asked for the global KV and sent none")
         return ResumeResult(header.position, blocks, tensor, w.start, header.source, header.replayed_tokens,
@@ -1102,10 +1105,11 @@ class EngramClient(ControlClient):
                         namespace: str | None = None, device: torch.device | str = "cpu"
                         ) -> tuple[ResumeResult, torch.Tensor]:
         """Resume with the global KV: (stored_layers, 2, position, kv heads, head dim). The daemon sends it
-        decoded in the Resume (each stored block is read and decoded once, by the replay that needed it), over
-        gRPC in the layout's dtype. A worker on the daemon's host with FP4 blocks and a long prefix may do
-        better with resume() then get() into its GPU (zero-copy, FP4 decoded there): `fingerprint` is for that
-        caller's symmetry; this call does not need it."""
+        decoded in the Resume, block by block over gRPC in the layout's dtype (after a replay, which read them
+        too, it decodes them again as it sends them rather than hold the prefix decoded for a slow reader). A
+        worker on the daemon's host with FP4 blocks and a long prefix may do better with resume() then get() into
+        its GPU (zero-copy, FP4 decoded there): `fingerprint` is for that caller's symmetry; this call does not
+        need it."""
         r = await self.resume(session_id, position=position, namespace=namespace, with_global_kv=True)
         assert r.global_kv is not None
         return r, r.global_kv.to(device)
@@ -1117,6 +1121,60 @@ class EngramClient(ControlClient):
             info = await self.describe_namespace(namespace)
             self._salts[namespace] = (info.namespace, info.key_salt)
         return self._salts[namespace]
+
+
+class _GlobalKV:
+    """A Resume's global KV as it arrives: each GlobalKVBlock, then its chunks, checked and copied into its place
+    in the tensor the header announced (stored layers, 2, position, kv heads, head dim). A daemon from before
+    ResumeRequest.global_kv_by_block sends chunks alone: the whole tensor, under the header's checksum."""
+
+    def __init__(self, g: pb.GlobalKVData) -> None:
+        self.header = g
+        self.dtype = convert.dtype_from_pb(g.dtype, "global KV")
+        self.shape = tuple(g.shape)
+        if len(self.shape) != 5:
+            raise errors.DataLoss(f"Resume announced global KV of shape {self.shape}, not (layers, 2, tokens, "
+                                  "kv heads, head dim)")
+        self.out = torch.empty(self.shape, dtype=self.dtype.torch_dtype)
+        self.filled = 0  # tokens placed
+        self.block: pb.GlobalKVBlock | None = None  # the block whose chunks arrive
+        self.parts: list[bytes] = []
+        self.whole = False  # an older daemon's one tensor
+
+    def add(self, resp: pb.ResumeResponse) -> None:
+        if resp.WhichOneof("item") == "global_kv_block":
+            if self.whole:
+                raise errors.DataLoss("Resume sent a global KV block after the global KV's bytes")
+            self._place()
+            self.block = resp.global_kv_block
+            return
+        if self.block is None:  # bytes before any block: the whole tensor
+            self.whole = True
+        self.parts.append(resp.global_kv_chunk)
+
+    def _place(self) -> None:
+        if self.block is None:
+            return
+        layers, _, tokens, heads, dim = self.shape
+        t = self.block.tokens
+        if self.filled + t > tokens:
+            raise errors.DataLoss(f"Resume sent global KV blocks past its {tokens} tokens")
+        where = f"block at token {self.filled}"
+        kv = _raw_tensor(self.parts, self.block.checksum, self.header.dtype, (layers, 2, t, heads, dim),
+                         "global KV", f"the global KV's {where}")
+        self.out[:, :, self.filled : self.filled + t] = kv
+        self.filled += t
+        self.block, self.parts = None, []
+
+    def tensor(self) -> torch.Tensor:
+        if self.whole:
+            return _raw_tensor(self.parts, self.header.checksum, self.header.dtype, self.shape, "global KV",
+                               "the global KV")
+        self._place()
+        if self.filled != self.shape[2]:
+            raise errors.DataLoss(f"Resume sent {self.filled} of the global KV's {self.shape[2]} tokens")
+        return self.out
+
 
 def _raw_tensor(parts: list[bytes], expected: int, dtype_pb: int, shape: tuple[int, ...], where: str,
                 what: str) -> torch.Tensor:

@@ -31,7 +31,7 @@ import operator
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -149,7 +149,6 @@ class Resumed:
     replayed: int
     token_layers: int
     seconds: float
-    global_kv: torch.Tensor | None = None  # [0, position) decoded, when asked for: (stored layers, 2, P, H, D)
 
 
 class FairTurns:
@@ -655,11 +654,10 @@ class SessionManager:
 
     # ---- resume ---------------------------------------------------------------------------------
 
-    async def resume(self, namespace: str, session_id: str, position: int = 0, *, with_global_kv: bool = False,
-                     tenant: str = "") -> Resumed:
-        """The window for a query at `position`, and with `with_global_kv` the global KV of [0, position) too,
-        decoded: a replay has read and decoded those blocks already, so the worker need not Get them again.
-        A replay waits for its turn within `tenant`'s share of the queue (`_take_turn`)."""
+    async def resume(self, namespace: str, session_id: str, position: int = 0, *, tenant: str = "") -> Resumed:
+        """The window for a query at `position`, and the blocks of [0, position) (a caller sending their global KV
+        leases them at once, then decodes them one at a time: `global_kv_blocks`). A replay waits for its turn
+        within `tenant`'s share of the queue (`_take_turn`)."""
         s = self.get(namespace, session_id)
         self._touch(s)
         p = position or len(s.tokens)
@@ -676,17 +674,12 @@ class SessionManager:
                 "put it again, then Resume"
             )
         if s.window is not None and s.window.prefix_len == p:
-            # The window answered is the one found now: while the global KV is read below, a Suspend, an Append,
+            # The window answered is the one found now: while the global KV is sent, a Suspend, an Append,
             # another Resume or another session pushing this one out of the hot set may replace or drop s.window.
             window, source = s.window, "persisted" if s.kept else "hot"
             if not s.kept:
                 self._mark_hot(s)
-            kv = None
-            if with_global_kv:
-                kv = await self._global_kv(match.blocks, p)
-                if self._sessions.get((namespace, session_id)) is not s:
-                    raise NotFound(f"session {session_id} was closed during its Resume")
-            return Resumed(p, match.blocks, window, source, 0, 0, 0.0, kv)
+            return Resumed(p, match.blocks, window, source, 0, 0, 0.0)
         if s.mode == SessionMode.PERSIST:
             have = "none" if s.window is None else f"one for position {s.window.prefix_len}"
             raise FailedPrecondition(f"session {session_id} is in persist mode and holds no window for position {p} "
@@ -723,8 +716,7 @@ class SessionManager:
                 self._release_window(s)
             s.window, s.window_tenant = window, tenant
             self._mark_hot(s)  # with max_hot_windows = 0 this drops it again at once: the answer still carries it
-        return Resumed(p, match.blocks, window, "replay", rec.replayed, rec.token_layers, seconds,
-                       global_kv if with_global_kv else None)
+        return Resumed(p, match.blocks, window, "replay", rec.replayed, rec.token_layers, seconds)
 
     def shutdown(self) -> None:
         """The daemon stops: the replay threads end (a replay still running finishes first, in its thread)."""
@@ -768,13 +760,33 @@ class SessionManager:
         return rec
 
     async def _global_kv(self, blocks: tuple[BlockMeta, ...], p: int) -> torch.Tensor:
-        """The stored global KV of [0, p) as one tensor (stored_layers, 2, p, H, D), read and verified."""
-        parts = []
+        """The stored global KV of [0, p) as one tensor (stored_layers, 2, p, H, D), read and verified: what a
+        replay reads, in its turn (which bounds how many are decoded at once). Each block is copied into place as
+        it is decoded: the prefix and one block at once, not the blocks and their concatenation."""
+        first = blocks[0]
+        out = torch.empty((*first.shape[:2], p, *first.shape[3:]), dtype=first.dtype.torch_dtype)
+        done = 0
         with self.store.reading(blocks):
-            for meta in blocks:
-                payload = await self.store.read(meta)
-                parts.append(await asyncio.to_thread(self.store.decode, payload, meta))
-        return torch.cat(parts, dim=2)[:, :, :p]
+            async for kv in self.global_kv_blocks(blocks, p):
+                out[:, :, done : done + kv.shape[2]] = kv
+                done += kv.shape[2]
+        return out
+
+    async def global_kv_blocks(self, blocks: Sequence[BlockMeta], p: int) -> AsyncIterator[torch.Tensor]:
+        """The stored global KV of [0, p) block by block, (stored_layers, 2, tokens, H, D) each, every block read,
+        verified and decoded only when the one before has been taken. A Resume sends each before decoding the
+        next, so a client that stops reading holds the daemon to one block's decoded bytes: decoded whole, the
+        prefix was held until the stream ended, outside any bound (an audit: 12 stalled Resumes of a 64 MiB
+        prefix grew the daemon by 1.7 GB). The caller leases the blocks (`store.reading`)."""
+        done = 0
+        for meta in blocks:
+            if done >= p:
+                return
+            payload = await self.store.read(meta)
+            kv = await asyncio.to_thread(self.store.decode, payload, meta)
+            del payload
+            yield kv[:, :, : p - done]
+            done += meta.num_tokens
 
     # ---- auto mode: the cost model decides ------------------------------------------------------------
 

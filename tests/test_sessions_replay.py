@@ -8,6 +8,7 @@ import asyncio
 import threading
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -24,6 +25,8 @@ from engram.replay import (
     gpt_oss_pattern,
 )
 from engram.replay.runtime import model_spec_for
+from engram.v1 import engram_pb2 as pb
+from engram.v1 import engram_pb2_grpc
 
 BT = 16  # block tokens
 P = 53  # a prefix that ends inside a block
@@ -185,11 +188,12 @@ async def test_bad_session_requests(daemon, model: HybridDecoder) -> None:  # ty
         assert (await client.resume(sid)).source == "replay"
 
 
-async def test_resume_reads_and_decodes_each_stored_block_once(daemon, model: HybridDecoder,  # type: ignore[no-untyped-def]
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """The replay reads and decodes the session's blocks; the global KV the worker gets comes from that same
-    decode, sent in the Resume, not from a second read and a second decode on the worker (a spy on the daemon's
-    real store counts reads, by gRPC or the data channel, and decodes; the calls go through)."""
+async def test_resume_sends_the_global_kv_decoded_reading_each_block_as_it_sends_it(daemon, model: HybridDecoder,  # type: ignore[no-untyped-def]
+                                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replay reads and decodes the session's blocks; the global KV the worker gets is sent decoded in the
+    Resume, each block read and decoded once more as it is sent (keeping the replay's decode for the stream held
+    the whole prefix for a slow reader: tests/test_resume_memory.py), and none by a Get on the worker (a spy on
+    the daemon's real store counts reads, by gRPC or the data channel, and decodes; the calls go through)."""
     toks = tokens_for(P + 1, seed=11)
     reads: list[bytes] = []
     decodes: list[bytes] = []
@@ -216,7 +220,7 @@ async def test_resume_reads_and_decodes_each_stored_block_once(daemon, model: Hy
         r, global_kv = await client.resume_kv(fp, sid)
         assert r.source == "replay"
         keys = [b.key for b in r.blocks]
-        assert len(keys) == -(-P // BT) and sorted(reads) == sorted(keys) and sorted(decodes) == sorted(keys)
+        assert len(keys) == -(-P // BT) and sorted(reads) == sorted(keys * 2) and sorted(decodes) == sorted(keys * 2)
         assert torch.equal(global_kv, block_tensor(model, toks[:P]))
         # A hot window was not replayed: asked for the KV, the daemon reads and decodes it, once.
         reads.clear(), decodes.clear()
@@ -283,23 +287,54 @@ async def test_another_tenant_cannot_resume_a_session_or_take_its_global_kv(serv
         assert r.source == "replay" and torch.equal(kv, block_tensor(model, toks[:P]))
 
 
-async def test_a_hot_resume_answers_the_window_it_found_when_a_suspend_lands_meanwhile(daemon, model: HybridDecoder) -> None:  # type: ignore[no-untyped-def]
+async def test_a_resume_asking_for_the_global_kv_as_one_tensor_is_refused_before_any_replay(daemon, model: HybridDecoder) -> None:  # type: ignore[no-untyped-def]
+    """A client from before ResumeRequest.global_kv_by_block asks for the global KV as one tensor under one
+    checksum, which the daemon could only send by decoding the whole prefix first and holding it for the stream:
+    FAILED_PRECONDITION saying what to do, before any replay, and the same session still resumes."""
+    toks = tokens_for(P + 1, seed=41)
+    async with EngramClient(daemon.address) as client:
+        fp, sid = await put_session(client, model, toks[:P])
+        async with grpc.aio.insecure_channel(daemon.address) as channel:
+            req = pb.ResumeRequest(session=pb.SessionRef(namespace="default", session_id=sid), with_global_kv=True)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in engram_pb2_grpc.EngramStub(channel).Resume(req):
+                    pass
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "block by block" in (refused.value.details() or "") and "upgrade the client" in (refused.value.details() or "")
+        assert (await client.stats()).replay.replays == 0
+        r, global_kv = await client.resume_kv(fp, sid)
+        assert r.source == "replay" and torch.equal(global_kv, block_tensor(model, toks[:P]))
+
+
+async def test_a_hot_resume_answers_the_window_it_found_when_a_suspend_lands_meanwhile(daemon, model: HybridDecoder,  # type: ignore[no-untyped-def]
+                                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A Resume with the global KV reads the stored blocks after finding the hot window; a Suspend landing during
-    that read drops the session's window. The answer is the window found, for its position (it was None: the
-    RPC failed INTERNAL; another position's Resume meanwhile made it that position's window)."""
+    that read (the first block's, through the daemon's real store) drops the session's window. The answer is the
+    window found, for its position, with the whole global KV (it was None: the RPC failed INTERNAL; another
+    position's Resume meanwhile made it that position's window)."""
     toks = tokens_for(P + 1, seed=31)
     async with EngramClient(daemon.address) as client:
         fp, sid = await put_session(client, model, toks[:P])
         first = await client.resume(sid)
         assert first.source == "replay"
-        sessions = daemon.sessions
-        task = asyncio.create_task(sessions.resume("default", sid, with_global_kv=True))
-        await asyncio.sleep(0)  # the Resume runs to its first wait: reading the global KV
-        assert not task.done()
-        sessions.suspend("default", sid)  # the window goes
-        resumed = await task
-        assert resumed.source == "hot" and resumed.window is not None and resumed.window.prefix_len == P
-        assert resumed.global_kv is not None and resumed.global_kv.shape[2] == P
+        sessions, store = daemon.sessions, daemon.store
+        real_read = store.read
+        suspended: list[str] = []
+
+        async def read_suspending(meta, **kw):  # type: ignore[no-untyped-def]
+            if not suspended:
+                suspended.append(sessions.suspend("default", sid).id)  # the window goes
+            return await real_read(meta, **kw)
+
+        monkeypatch.setattr(store, "read", read_suspending)
+        resumed, global_kv = await client.resume_kv(fp, sid)
+        monkeypatch.setattr(store, "read", real_read)
+        assert suspended and not sessions.get("default", sid).info().hot
+        assert resumed.source == "hot" and resumed.position == P and resumed.window_start == P - (model.config.window - 1)
+        assert torch.equal(global_kv, block_tensor(model, toks[:P]))
+        logits = decode_next(model, int(toks[P]), global_kv, SwaWindow(
+            resumed.position, resumed.window_start, tuple((la[0], la[1]) for la in resumed.window))).logits
+        assert torch.equal(logits, reference_logits(model, toks, P))
         logits, _ = await next_logits(client, model, fp, sid, toks)  # replayed again: still the right logits
         assert torch.equal(logits, reference_logits(model, toks, P))
 

@@ -1,5 +1,5 @@
-"""The Get stream's hand-built GetResponse frames (engram/wire/stream.py) parse to exactly the messages protobuf
-would build, for every size around the chunk boundaries."""
+"""The Get stream's hand-built GetResponse frames, the Put's and the Resume's (engram/wire/stream.py) parse to
+exactly the messages protobuf would build, for every size around the chunk boundaries."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engram.v1 import engram_pb2 as pb
-from engram.wire.stream import chunk_frames, pieces
+from engram.wire.stream import bytes_frames, chunk_frames, pieces
 
 
 def built(key: bytes, header: pb.BlockHeader, payload: bytes, step: int) -> list[pb.GetResponse]:
@@ -39,3 +39,14 @@ def test_put_frames_parse_to_the_put_requests_protobuf_builds(n: int, step: int)
     want = [pb.PutRequest(chunk=pb.BlockChunk(header=header, data=piece, last=last) if i == 0 else
                           pb.BlockChunk(data=piece, last=last)) for i, (piece, last) in enumerate(pieces(payload, step))]
     assert [pb.PutRequest.FromString(f) for f in frames] == want
+
+
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(0, 3000), step=st.integers(1, 1100))
+def test_resume_frames_parse_to_the_resume_responses_protobuf_builds(n: int, step: int) -> None:
+    payload = os.urandom(n)
+    for field, item in ((2, "window_chunk"), (3, "global_kv_chunk")):
+        frames = list(bytes_frames(field, memoryview(payload), step))
+        want = [pb.ResumeResponse(**{item: piece}) for piece, _ in pieces(payload, step)]
+        assert [pb.ResumeResponse.FromString(f) for f in frames] == want
+        assert all(pb.ResumeResponse.FromString(f).WhichOneof("item") == item for f in frames)

@@ -37,7 +37,6 @@ from engram.errors import (
     ResourceExhausted,
 )
 from engram.index import BlockMeta
-from engram.layout import DType
 from engram.leases import Lease, LeaseTable
 from engram.limits import check_namespace
 from engram.server.auth import caller, guard, is_admin, is_peer, namespace_for, visible_namespaces
@@ -61,7 +60,7 @@ from engram.tiers.pool import PoolTier, ipc_pool, shared_pool
 from engram.trust import ClusterTrust
 from engram.v1 import engram_pb2 as pb
 from engram.wire import convert
-from engram.wire.stream import Reassembler, chunk_frames, pieces
+from engram.wire.stream import Reassembler, bytes_frames, chunk_frames, pieces
 
 if TYPE_CHECKING:
     from engram.server.dataport import DataPort
@@ -649,30 +648,40 @@ class EngramService:
         return convert.to_pb(s.info(), pb.SessionInfo)
 
     @streaming
-    async def Resume(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ResumeResponse]:
+    async def Resume(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ResumeResponse | bytes]:
         req = decoded(request)
+        if req.with_global_kv and not req.global_kv_by_block:
+            raise FailedPrecondition(
+                "this Resume asks for the global KV as one tensor (a client from before ResumeRequest."
+                "global_kv_by_block); the daemon sends it block by block, decoding each as it goes: upgrade the "
+                "client, or Resume without the global KV and Get its blocks")
         r = await self.sessions.resume(namespace_for(context, req.session.namespace), req.session.session_id,
-                                       req.position, with_global_kv=req.with_global_kv, tenant=self._tenant(context))
-        w = r.window
-        kv_bytes: memoryview | None = None
-        kv_header = None
-        if r.global_kv is not None:
-            kv = r.global_kv.to("cpu").contiguous()
-            kv_bytes = memoryview(kv.view(torch.uint8).numpy().data).cast("B")
-            kv_header = pb.GlobalKVData(dtype=int(DType.from_torch(kv.dtype)), shape=list(kv.shape),  # type: ignore[arg-type]
-                                        checksum=checksum(kv_bytes))
-        yield pb.ResumeResponse(header=pb.ResumeHeader(
-            position=r.position, source=r.source, replayed_tokens=r.replayed, token_layers=r.token_layers,
-            replay_s=r.seconds, blocks=_refs(r.blocks),
-            window=pb.SwaWindowData(prefix_len=w.prefix_len, start=w.start, dtype=int(w.dtype),  # type: ignore[arg-type]
-                                    shape=list(w.shape), checksum=w.checksum),
-            global_kv=kv_header,
-        ))
-        for piece, _ in pieces(w.data, self.config.chunk_bytes):
-            yield pb.ResumeResponse(window_chunk=piece)
-        if kv_bytes is not None:
-            for piece, _ in pieces(kv_bytes, self.config.chunk_bytes):
-                yield pb.ResumeResponse(global_kv_chunk=piece)
+                                       req.position, tenant=self._tenant(context))
+        # Held from here (no wait since the blocks were found) until the stream ends, as a Get holds its blocks.
+        with self.store.reading(r.blocks if req.with_global_kv else ()):
+            w = r.window
+            kv_header = None
+            if req.with_global_kv:
+                first = r.blocks[0]  # a Resume's prefix is not empty, and its blocks are all of one layout
+                kv_header = pb.GlobalKVData(dtype=int(first.dtype),  # type: ignore[arg-type]
+                                            shape=[*first.shape[:2], r.position, *first.shape[3:]])
+            yield pb.ResumeResponse(header=pb.ResumeHeader(
+                position=r.position, source=r.source, replayed_tokens=r.replayed, token_layers=r.token_layers,
+                replay_s=r.seconds, blocks=_refs(r.blocks),
+                window=pb.SwaWindowData(prefix_len=w.prefix_len, start=w.start, dtype=int(w.dtype),  # type: ignore[arg-type]
+                                        shape=list(w.shape), checksum=w.checksum),
+                global_kv=kv_header,
+            ))
+            step = self.config.chunk_bytes
+            for frame in bytes_frames(2, w.data, step):  # ResumeResponse.window_chunk, serialized
+                yield frame
+            if not req.with_global_kv:
+                return
+            async for kv in self.sessions.global_kv_blocks(r.blocks, r.position):
+                data = memoryview(kv.contiguous().view(torch.uint8).numpy().data).cast("B")
+                yield pb.ResumeResponse(global_kv_block=pb.GlobalKVBlock(tokens=kv.shape[2], checksum=checksum(data)))
+                for frame in bytes_frames(3, data, step):  # ResumeResponse.global_kv_chunk
+                    yield frame
 
     @unary
     async def DataEndpoint(self, request: Any, context: grpc.aio.ServicerContext) -> pb.DataEndpointResponse:

@@ -676,14 +676,16 @@ class SessionInfo(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., tokens: _Optional[int] = ..., mode: _Optional[_Union[ReplayModeKind, str]] = ..., approx_k: _Optional[float] = ..., hot: _Optional[bool] = ..., window_prefix_len: _Optional[int] = ..., parent: _Optional[str] = ..., created_s: _Optional[float] = ..., persisted: _Optional[bool] = ..., decision: _Optional[str] = ..., expect_back_ms: _Optional[int] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
-    __slots__ = ("session", "position", "with_global_kv")
+    __slots__ = ("session", "position", "with_global_kv", "global_kv_by_block")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     WITH_GLOBAL_KV_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_KV_BY_BLOCK_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     position: int
     with_global_kv: bool
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., position: _Optional[int] = ..., with_global_kv: _Optional[bool] = ...) -> None: ...
+    global_kv_by_block: bool
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., position: _Optional[int] = ..., with_global_kv: _Optional[bool] = ..., global_kv_by_block: _Optional[bool] = ...) -> None: ...
 
 class GlobalKVData(_message.Message):
     __slots__ = ("dtype", "shape", "checksum")
@@ -694,6 +696,14 @@ class GlobalKVData(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     checksum: int
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class GlobalKVBlock(_message.Message):
+    __slots__ = ("tokens", "checksum")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    checksum: int
+    def __init__(self, tokens: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class ResumeHeader(_message.Message):
     __slots__ = ("position", "blocks", "source", "replayed_tokens", "token_layers", "replay_s", "window", "global_kv")
@@ -716,14 +726,16 @@ class ResumeHeader(_message.Message):
     def __init__(self, position: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., source: _Optional[str] = ..., replayed_tokens: _Optional[int] = ..., token_layers: _Optional[int] = ..., replay_s: _Optional[float] = ..., window: _Optional[_Union[SwaWindowData, _Mapping]] = ..., global_kv: _Optional[_Union[GlobalKVData, _Mapping]] = ...) -> None: ...
 
 class ResumeResponse(_message.Message):
-    __slots__ = ("header", "window_chunk", "global_kv_chunk")
+    __slots__ = ("header", "window_chunk", "global_kv_chunk", "global_kv_block")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     WINDOW_CHUNK_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_KV_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_KV_BLOCK_FIELD_NUMBER: _ClassVar[int]
     header: ResumeHeader
     window_chunk: bytes
     global_kv_chunk: bytes
-    def __init__(self, header: _Optional[_Union[ResumeHeader, _Mapping]] = ..., window_chunk: _Optional[bytes] = ..., global_kv_chunk: _Optional[bytes] = ...) -> None: ...
+    global_kv_block: GlobalKVBlock
+    def __init__(self, header: _Optional[_Union[ResumeHeader, _Mapping]] = ..., window_chunk: _Optional[bytes] = ..., global_kv_chunk: _Optional[bytes] = ..., global_kv_block: _Optional[_Union[GlobalKVBlock, _Mapping]] = ...) -> None: ...
 
 class CheckRequest(_message.Message):
     __slots__ = ("fix",)

@@ -111,3 +111,15 @@ def chunk_frames(field: int, key: bytes, header: bytes, payload: bytes | memoryv
             chunk.append(b"\x18\x01")  # field 3 (last), varint 1
         size = sum(len(p) for p in chunk)
         yield b"".join([_varint(field << 3 | 2), _varint(size), *chunk])
+
+
+def bytes_frames(field: int, payload: bytes | memoryview, step: int) -> Iterator[bytes]:
+    """`payload` in pieces of at most `step` bytes, as serialized messages whose bytes field `field` holds a piece
+    (ResumeResponse's window_chunk is field 2, its global_kv_chunk field 3), each with one copy of its piece: a
+    message built and serialized copied it three times. An empty payload is one message of an empty piece, as
+    `pieces` gives."""
+    view = memoryview(payload)
+    n = len(view)
+    for off in range(0, n, step) if n else range(1):
+        piece = view[off : off + step]
+        yield b"".join([_varint(field << 3 | 2), _varint(len(piece)), piece])
