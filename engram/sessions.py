@@ -41,6 +41,7 @@ import torch
 from engram import limits
 from engram.api import SessionInfo, SessionMode
 from engram.block import checksum
+from engram.codec import stored
 from engram.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from engram.eviction import Expected
 from engram.index import BlockMeta
@@ -81,7 +82,7 @@ class Window:
         return cls(w.prefix_len, w.start, dtype, tuple(t.shape), data, checksum(data))
 
     def tensor(self) -> torch.Tensor:
-        return torch.frombuffer(bytearray(self.data), dtype=torch.uint8).view(self.dtype.torch_dtype).reshape(self.shape)
+        return stored.byte_tensor(self.data).view(self.dtype.torch_dtype).reshape(self.shape)
 
     def to_swa(self, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> SwaWindow:
         t = self.tensor().to(device=device, dtype=dtype or self.dtype.torch_dtype)

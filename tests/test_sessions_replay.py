@@ -23,6 +23,7 @@ from engram.replay import (
     decode_next,
     exact_bound,
     gpt_oss_pattern,
+    save_decoder,
 )
 from engram.replay.runtime import model_spec_for
 from engram.v1 import engram_pb2 as pb
@@ -285,6 +286,30 @@ async def test_another_tenant_cannot_resume_a_session_or_take_its_global_kv(serv
             await bob.resume(sid, namespace="alice", with_global_kv=True)
         r, kv = await alice.resume_kv(fp, sid)  # hers still answers, with her KV
         assert r.source == "replay" and torch.equal(kv, block_tensor(model, toks[:P]))
+
+
+@pytest.mark.parametrize("layers,window", [(gpt_oss_pattern(4), 1), (("global",) * 3, 8)],
+                         ids=["sliding-window-1", "no-sliding-layer"])
+async def test_a_model_with_nothing_to_rebuild_resumes_with_an_empty_window(server_factory, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                                            layers: tuple[str, ...], window: int) -> None:
+    """A sliding window of 1 (a query sees only itself) or no sliding layer leaves no row to rebuild: Resume
+    answers the global KV and a window of 0 rows, replayed and hot, and the next token's logits are the
+    uninterrupted run's (every Resume failed in the client with frombuffer's bare ValueError on the empty window)."""
+    model = HybridDecoder(HybridConfig(layers=layers, window=window, dtype=torch.float32, seed=5))
+    save_decoder(model, tmp_path / "model.safetensors")
+    srv = await server_factory(**{"replay.models": str(tmp_path / "model.safetensors")})
+    toks = tokens_for(P + 1, seed=51)
+    sliding = sum(1 for kind in layers if kind == "sliding")
+    async with EngramClient(srv.address) as client:
+        fp, sid = await put_session(client, model, toks[:P])
+        for source in ("replay", "hot"):
+            r, global_kv = await client.resume_kv(fp, sid)
+            assert r.source == source and r.replayed_tokens == 0 and r.position == P and r.window_start == P
+            assert tuple(r.window.shape) == (sliding, 2, 0, model.config.n_kv_heads, model.config.head_dim)
+            assert torch.equal(global_kv, block_tensor(model, toks[:P]))
+            logits = decode_next(model, int(toks[P]), global_kv, SwaWindow(
+                r.position, r.window_start, tuple((la[0], la[1]) for la in r.window))).logits
+            assert torch.equal(logits, reference_logits(model, toks, P))
 
 
 async def test_a_resume_asking_for_the_global_kv_as_one_tensor_is_refused_before_any_replay(daemon, model: HybridDecoder) -> None:  # type: ignore[no-untyped-def]

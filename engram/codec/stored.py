@@ -79,12 +79,16 @@ def decode(payload: bytes | memoryview | Tensor, codec: str, dtype: DType, shape
     if is_streams(codec):
         raise InvalidArgument(f"{where} is a stream layout's block; decode it with decode_block")
     if is_raw(codec):
-        if isinstance(payload, Tensor):
-            buf = payload
-        else:
-            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        buf = payload if isinstance(payload, Tensor) else byte_tensor(payload)
         return buf.view(dtype.torch_dtype).reshape(tuple(shape)).to(device)
     return blockformat.decode(_host_bytes(payload), backend=backend, device=device, where=where)
+
+
+def byte_tensor(data: bytes | memoryview) -> Tensor:
+    """Bytes as a writable uint8 tensor (one copy). No bytes is an empty tensor, which torch.frombuffer refuses
+    to make: a window of 0 rows (a model whose sliding window is 1, or with no sliding layer) failed every Resume
+    in the client with frombuffer's bare ValueError."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
 
 
 def decode_block(payload: bytes | memoryview | Tensor, codec: str, dtype: DType, shape: tuple[int, ...], *,
