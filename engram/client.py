@@ -1022,7 +1022,8 @@ class EngramClient(ControlClient):
     async def open_session(self, fingerprint: bytes, *, mode: str | SessionMode = SessionMode.EXACT,
                            approx_k: float = 0.0, session_id: str = "", tokens: Sequence[int] | np.ndarray = (),
                            namespace: str | None = None) -> SessionInfo:
-        """Open a session (docs/REPLAY.md): mode exact (the daemon replays the sliding-window KV bit-exactly),
+        """Open a session (docs/REPLAY.md): mode exact (the daemon replays the sliding-window KV bit-exactly from
+        the stored global KV: the uninterrupted run's with the raw codec, not with a quantizing one),
         approx (replays approx_k windows) or persist (the worker uploads windows); tokens it already has."""
         req = pb.OpenSessionRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint,
                                     session_id=session_id, mode=convert.scalar_to_pb(SessionMode.parse(mode)),

@@ -19,11 +19,14 @@ from engram.client import EngramClient
 from engram.replay import (
     HybridConfig,
     HybridDecoder,
+    ReplayMode,
     SwaWindow,
     decode_next,
     exact_bound,
     gpt_oss_pattern,
+    reconstruct_swa,
     save_decoder,
+    window_error,
 )
 from engram.replay.runtime import model_spec_for
 from engram.v1 import engram_pb2 as pb
@@ -310,6 +313,32 @@ async def test_a_model_with_nothing_to_rebuild_resumes_with_an_empty_window(serv
             logits = decode_next(model, int(toks[P]), global_kv, SwaWindow(
                 r.position, r.window_start, tuple((la[0], la[1]) for la in r.window))).logits
             assert torch.equal(logits, reference_logits(model, toks, P))
+
+
+async def test_exact_replay_of_a_quantized_model_is_exact_to_the_stored_kv_not_to_the_uninterrupted_run(  # type: ignore[no-untyped-def]
+        daemon, model: HybridDecoder) -> None:
+    """docs/REPLAY.md "Lossy codecs": with nvfp4 blocks, the daemon's exact replay rebuilds, bit for bit and on
+    every replay, the window a replay over the stored KV as decoded gives (here, in process, at the bound and past
+    it), and its logits are those of a decode over that KV; it is not the uninterrupted prefill's window (off by
+    about 3%), which no worker computing per layer could match."""
+    toks = tokens_for(P + 1, seed=61)
+    async with EngramClient(daemon.address) as client:
+        fp = await client.register_model(model_spec_for(model, block_tokens=BT, codec="nvfp4"))
+        await client.put(fp, toks[:P], block_tensor(model, toks[:P]))
+        sid = (await client.open_session(fp, mode="exact", tokens=toks[:P])).session_id
+        r, stored_kv = await client.resume_kv(fp, sid)
+        await client.suspend_session(sid)
+        again, _ = await client.resume_kv(fp, sid)
+    assert r.source == again.source == "replay" and torch.equal(r.window, again.window)
+    window = SwaWindow(r.position, r.window_start, tuple((la[0], la[1]) for la in r.window))
+    tokens = torch.as_tensor(toks[:P], dtype=torch.long)
+    for extra in (0, 5):
+        local = reconstruct_swa(model, tokens, stored_kv, ReplayMode.fixed(exact_bound(model.replay_spec) + extra))
+        assert window_error(local.window, window) == 0.0
+    uninterrupted = model.prefill(tokens, logits=False).swa_window(P)
+    assert window_error(window, uninterrupted) > 1e-3
+    assert torch.equal(decode_next(model, int(toks[P]), stored_kv, window).logits,
+                       decode_next(model, int(toks[P]), stored_kv, local.window).logits)
 
 
 async def test_a_resume_asking_for_the_global_kv_as_one_tensor_is_refused_before_any_replay(daemon, model: HybridDecoder) -> None:  # type: ignore[no-untyped-def]
