@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import socket
 import threading
 import time
@@ -187,8 +188,12 @@ class RpcMetrics(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method.rsplit("/", 1)[-1]
-        if handler.unary_unary or handler.stream_unary:
-            kind = "unary_unary" if handler.unary_unary else "stream_unary"
+        kind = next(k for k in ("unary_unary", "stream_unary", "unary_stream", "stream_stream")
+                    if getattr(handler, k) is not None)
+        if not inspect.isasyncgenfunction(getattr(handler, kind)):
+            # one response returned, or a stream written with context.write (health's Watch, the open services'
+            # share in server/openrpcs.py): `async for` over its coroutine failed every Watch UNKNOWN, with a
+            # traceback logged, whenever metrics were on
             inner = getattr(handler, kind)
 
             async def unary(request: Any, context: Any) -> Any:
@@ -202,7 +207,6 @@ class RpcMetrics(grpc.aio.ServerInterceptor):
                     self._done(method, context, t0, failed)
 
             return handler._replace(**{kind: unary})
-        kind = "unary_stream" if handler.unary_stream else "stream_stream"
         inner_stream = getattr(handler, kind)
 
         async def streaming(request: Any, context: Any) -> AsyncIterator[Any]:

@@ -197,3 +197,36 @@ async def test_with_tenancy_metrics_leave_out_the_lookup_counters_unless_scrapes
         text = resp.read().decode()
     samples = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
     assert samples["engram_lookup_miss_tokens_total"] == 40
+
+
+async def test_with_metrics_on_health_watch_and_reflection_are_served_and_counted(server_factory, caplog
+                                                                                  ) -> None:  # type: ignore[no-untyped-def]
+    """The metrics interceptor ran `async for` over every streaming handler; health's Watch writes its stream with
+    context.write from a coroutine (as do the open services' wrappers), so with metrics on each Watch was UNKNOWN
+    "'async for' requires an object with __aiter__" with a traceback in the log. Now a Watch sees SERVING, a
+    reflection stream lists the services, and both are counted."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    srv = await server_factory(**{"server.metrics_port": -1})
+    async with grpc.aio.insecure_channel(srv.address) as ch:
+        watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""))
+        assert (await asyncio.wait_for(watch.read(), 10)).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
+        ask = reflection_pb2.ServerReflectionRequest(list_services="")
+        names = [s.name async for r in reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(iter([ask]))
+                 for s in r.list_services_response.service]
+        assert "engram.v1.Engram" in names
+    assert not [r for r in caplog.records if r.exc_info], caplog.text
+
+    async def counts() -> tuple[float, float]:
+        m = await asyncio.to_thread(scrape, srv.metrics.port)
+        return (m.get(("engram_rpcs_total", (("code", "CANCELLED"), ("method", "Watch"))), 0.0),
+                m.get(("engram_rpcs_total", (("code", "OK"), ("method", "ServerReflectionInfo"))), 0.0))
+
+    for _ in range(100):  # the handler sees the cancel
+        if await counts() == (1.0, 1.0):
+            break
+        await asyncio.sleep(0.05)
+    assert await counts() == (1.0, 1.0)
