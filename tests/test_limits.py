@@ -524,3 +524,25 @@ async def test_a_get_stream_that_fails_part_way_unread_gives_back_the_tenants_sh
     finally:
         await channel.close()
         await other.close()
+
+
+@pytest.mark.parametrize("method", ["/grpc.health.v1.Health/Watch",
+                                    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"])
+async def test_unparsable_health_and_reflection_requests_are_invalid_argument_with_no_traceback_logged(
+        server_factory: Any, caplog: pytest.LogCaptureFixture, method: str) -> None:
+    """Bytes that are not a message, sent with no token to a streaming service that needs none (Check's case is in
+    tests/test_server_errors.py): INVALID_ARGUMENT, and no traceback in the daemon's log (grpcio's handlers answered
+    UNKNOWN "Unexpected DecodeError" and logged an ERROR traceback for each, so anyone could fill the log)."""
+    srv = await server_factory(**{"auth.tenants.alice.token": "a-tok", "auth.salt_secret": "s"})
+    caplog.set_level(logging.INFO)
+    async with grpc.aio.insecure_channel(srv.address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            if method.endswith("Watch"):
+                async for _ in channel.unary_stream(method)(b"\xff\xff\xff"):
+                    pass
+            else:
+                async for _ in channel.stream_stream(method)(iter([b"\xff\xff\xff"])):
+                    pass
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+    assert "not a valid message" in (info.value.details() or "")
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR], caplog.text
