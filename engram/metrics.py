@@ -199,7 +199,12 @@ class RpcMetrics(grpc.aio.ServerInterceptor):
             async def unary(request: Any, context: Any) -> Any:
                 t0, failed = time.perf_counter(), None
                 try:
-                    return await inner(request, context)
+                    result = inner(request, context)
+                    if inspect.isasyncgen(result):  # a generator behind a callable that is not one (a partial)
+                        async for item in result:
+                            await context.write(item)
+                        return None
+                    return await result
                 except BaseException as exc:
                     failed = exc
                     raise
