@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 from engram import eviction
 from engram.sessions import SessionManager
 from engram.store import BlockStore
+from engram.wire.stream import answered
 
 ANY_FREE_PORT = -1  # server.metrics_port = -1: bind any free port (tests); 0 turns metrics off
 
@@ -199,12 +200,7 @@ class RpcMetrics(grpc.aio.ServerInterceptor):
             async def unary(request: Any, context: Any) -> Any:
                 t0, failed = time.perf_counter(), None
                 try:
-                    result = inner(request, context)
-                    if inspect.isasyncgen(result):  # a generator behind a callable that is not one (a partial)
-                        async for item in result:
-                            await context.write(item)
-                        return None
-                    return await result
+                    return await answered(inner(request, context), context)  # a generator too (behind a partial)
                 except BaseException as exc:
                     failed = exc
                     raise

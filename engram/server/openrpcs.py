@@ -13,11 +13,12 @@ parse error out as UNKNOWN, with a traceback in the daemon's log for every such 
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+
+from engram.wire.stream import answered
 
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
                  "/grpc.reflection.v1.ServerReflection/")
@@ -67,12 +68,7 @@ class OpenServiceGuard(grpc.aio.ServerInterceptor):
                     request = _checked(request, context, method)
                 elif isinstance(request, _Undecodable):
                     await _refuse(context, method, request)
-                result = inner(request, context)
-                if inspect.isasyncgen(result):  # a generator's items, written here: the wrapper is one coroutine
-                    async for item in result:
-                        await context.write(item)
-                    return None
-                return await result
+                return await answered(inner(request, context), context)  # the wrapper is one coroutine
             finally:
                 self.in_flight -= 1
 

@@ -3,8 +3,9 @@ reassembler that Put, Get, Resume and FetchBlocks streams use on both sides."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from engram.errors import DataLoss, InvalidArgument
 
@@ -123,3 +124,13 @@ def bytes_frames(field: int, payload: bytes | memoryview, step: int) -> Iterator
     for off in range(0, n, step) if n else range(1):
         piece = view[off : off + step]
         yield b"".join([_varint(field << 3 | 2), _varint(len(piece)), piece])
+
+
+async def answered(result: Any, context: Any) -> Any:
+    """What a gRPC handler's call returned, as grpc.aio takes it from a coroutine: awaited, or, for a generator
+    (a streaming handler behind a wrapper that is a coroutine), its items written with context.write."""
+    if inspect.isasyncgen(result):
+        async for item in result:
+            await context.write(item)
+        return None
+    return await result
