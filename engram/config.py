@@ -109,7 +109,9 @@ class ServerConfig:
     # A gRPC stream (Get, Resume, FetchBlocks) whose client takes none of its messages for this long is ended
     # DEADLINE_EXCEEDED and what it held (the block being sent, the blocks' read holds, the tenant's call share) is
     # let go. HTTP/2's flow control shows only whole messages taken, each once the client has read about a window
-    # (a few MiB) ahead of it: a client must read that much within this time.
+    # (a few MiB) ahead of it: a client must read that much within this time. The same bound holds for what a
+    # client sends: a call's request message (a Put stream's next message) must arrive within it of the call's
+    # headers (of the message before), or the call ends DEADLINE_EXCEEDED and frees its slot.
     stream_stall_s: float = 30.0
 
 

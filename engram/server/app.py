@@ -294,7 +294,7 @@ async def _start(config: EngramConfig, store: BlockStore, sessions: SessionManag
     options = [*message_options(int(s.max_message_bytes)), ("grpc.so_reuseport", 0)]
     metrics = MetricsEndpoint() if s.metrics_port else None
     metrics_token = resolve_secret(s.metrics_token, "server.metrics_token") if metrics and s.metrics_token else ""
-    open_rpcs = OpenServiceGuard(s.max_concurrent_open_rpcs)  # health and reflection: no token, a share of their own
+    open_rpcs = OpenServiceGuard(s.max_concurrent_open_rpcs, s.stream_stall_s)  # health and reflection: no token, a share of their own
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=s.max_concurrent_rpcs,
                              interceptors=[metrics.interceptor, open_rpcs] if metrics else [open_rpcs])
     service = EngramService(store, s, sessions, tenancy, same_host=config.auth.same_host_allowed)
@@ -303,7 +303,7 @@ async def _start(config: EngramConfig, store: BlockStore, sessions: SessionManag
                     "tenant's blocks; hits and puts travel as bytes. Set auth.same_host_paths = on to trust this "
                     "host's workers with all of them", "tenancy is on" if config.auth.enabled else
                     "auth.same_host_paths = off")
-    inspection = InspectionService(Inspector(store, sessions), s.max_blocks_per_request, tenancy)
+    inspection = InspectionService(Inspector(store, sessions), s.max_blocks_per_request, tenancy, s.stream_stall_s)
     server.add_generic_rpc_handlers((service.generic_handler(), inspection.generic_handler()))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

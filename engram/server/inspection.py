@@ -12,6 +12,7 @@ import grpc
 from engram.api import BlockDescription
 from engram.errors import InvalidArgument, NotFound, PermissionDenied
 from engram.inspection import Inspector
+from engram.server.arrival import one_request
 from engram.server.auth import guard, is_admin, namespace_for
 from engram.server.errors import unary
 from engram.server.requests import check_limit, decoded, key_request_bytes, safe_decoder
@@ -31,10 +32,12 @@ def _scope(context: grpc.aio.ServicerContext, namespace: str, all_namespaces: bo
 
 
 class InspectionService:
-    def __init__(self, inspector: Inspector, max_blocks_per_request: int, tenancy: Tenancy | None = None) -> None:
+    def __init__(self, inspector: Inspector, max_blocks_per_request: int, tenancy: Tenancy | None = None,
+                 stream_stall_s: float = 30.0) -> None:
         self.inspector = inspector
         self.tenancy = tenancy  # every handler authenticates through engram.server.auth.guard
         self.max_blocks = max_blocks_per_request
+        self.stall_s = stream_stall_s  # a request that does not arrive within it ends the call (server/arrival.py)
 
     @unary
     async def ListNamespaces(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ListNamespacesResponse:
@@ -100,7 +103,8 @@ class InspectionService:
 
         def h(fn: Any, cls: Any) -> grpc.RpcMethodHandler:  # key prefixes at most: no call here needs more
             decoder = safe_decoder(cls, key_request_bytes(self.max_blocks))
-            return grpc.unary_unary_rpc_method_handler(guard(fn, self.tenancy), decoder, ser)
+            return grpc.stream_unary_rpc_method_handler(guard(one_request(fn, self.stall_s), self.tenancy), decoder,
+                                                        ser)
 
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {
             "ListNamespaces": h(self.ListNamespaces, pb.ListNamespacesRequest),

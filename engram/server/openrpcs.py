@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 
+from engram.server.arrival import first_request
 from engram.wire.stream import answered
 
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
@@ -34,8 +35,9 @@ class _Undecodable:
 class OpenServiceGuard(grpc.aio.ServerInterceptor):
     """At most `limit` calls to the open services in flight; their requests decoded without a traceback."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, stall_s: float = 30.0) -> None:
         self.limit = limit
+        self.stall_s = stall_s  # a unary request that does not arrive within it ends the call (server/arrival.py)
         self.in_flight = 0
 
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
@@ -56,8 +58,11 @@ class OpenServiceGuard(grpc.aio.ServerInterceptor):
                     if getattr(handler, k) is not None)
         inner = getattr(handler, kind)
         streams_in = kind.startswith("stream")
+        # A unary request is taken as a stream (engram/server/arrival.py): the call counts against the share from
+        # its headers on, not once its message arrives, and a message that does not come ends the call.
+        as_stream = "stream_" + kind.split("_", 1)[1]
 
-        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def guarded(requests: Any, context: grpc.aio.ServicerContext) -> Any:
             if self.in_flight >= self.limit:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                     f"{self.limit} calls to the health and reflection services are in flight, "
@@ -65,14 +70,17 @@ class OpenServiceGuard(grpc.aio.ServerInterceptor):
             self.in_flight += 1
             try:
                 if streams_in:
-                    request = _checked(request, context, method)
-                elif isinstance(request, _Undecodable):
-                    await _refuse(context, method, request)
+                    request = _checked(requests, context, method)
+                else:
+                    request = await first_request(requests, context, self.stall_s, method)
+                    if isinstance(request, _Undecodable):
+                        await _refuse(context, method, request)
                 return await answered(inner(request, context), context)  # the wrapper is one coroutine
             finally:
                 self.in_flight -= 1
 
-        return handler._replace(request_deserializer=safe, **{kind: guarded})
+        return handler._replace(request_deserializer=safe, request_streaming=True,
+                                **{kind: None, as_stream: guarded})
 
 
 async def _refuse(context: grpc.aio.ServicerContext, method: str, request: _Undecodable) -> None:

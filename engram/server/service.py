@@ -39,6 +39,7 @@ from engram.errors import (
 from engram.index import BlockMeta
 from engram.leases import Lease, LeaseTable
 from engram.limits import check_namespace
+from engram.server.arrival import each_request, one_request
 from engram.server.auth import caller, guard, is_admin, is_peer, namespace_for, visible_namespaces
 from engram.server.errors import streaming, unary
 from engram.server.peers import PeerFetcher
@@ -706,16 +707,20 @@ class EngramService:
         def dec(cls: Any, max_bytes: int = CONTROL_BYTES, max_fields: int | None = None) -> Any:
             return safe_decoder(cls, min(max_bytes, big), max_fields, per_block if max_fields else "")
 
+        # Every request is taken as a stream (engram/server/arrival.py): the guard runs at the headers, and a
+        # request that does not arrive within server.stream_stall_s ends the call.
+        stall_s = cfg.stream_stall_s
+
         def unary_unary(fn: Any, decoder: Any) -> grpc.RpcMethodHandler:
-            return grpc.unary_unary_rpc_method_handler(guard(fn, self.tenancy), decoder, ser)
+            return grpc.stream_unary_rpc_method_handler(guard(one_request(fn, stall_s), self.tenancy), decoder, ser)
 
         def unary_stream(fn: Any, decoder: Any) -> grpc.RpcMethodHandler:
-            return grpc.unary_stream_rpc_method_handler(guard(fn, self.tenancy), decoder, ser)
+            return grpc.stream_stream_rpc_method_handler(guard(one_request(fn, stall_s), self.tenancy), decoder, ser)
 
         handlers = {
             "RegisterModel": unary_unary(self.RegisterModel, dec(pb.RegisterModelRequest)),
             "Lookup": unary_unary(self.Lookup, dec(pb.LookupRequest, tokens)),
-            "Put": grpc.stream_unary_rpc_method_handler(guard(self.Put, self.tenancy),
+            "Put": grpc.stream_unary_rpc_method_handler(guard(each_request(self.Put, stall_s), self.tenancy),
                                                         dec(pb.PutRequest, big), ser),
             "Get": unary_stream(self.Get, dec(pb.GetRequest, keys)),
             "GetPrefix": unary_unary(self.GetPrefix, dec(pb.GetPrefixRequest, tokens)),
