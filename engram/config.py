@@ -87,6 +87,15 @@ class ServerConfig:
     # Blocks one namespace's live leases may name (a lease per load, ended by the next: about 18 bytes a block);
     # past it a call that leases is RESOURCE_EXHAUSTED. 0: no bound.
     max_leased_blocks_per_namespace: int = 1 << 20
+    # In-place puts' slots reserved and not yet committed (ReservePut) are not blocks, and no eviction frees them
+    # (one never committed is held up to two lease_s terms): all reservations together hold at most this fraction
+    # of the shared DRAM pool, the rest kept for other puts. A ReservePut past it reserves what fits (the client
+    # commits that and goes on in rounds) or, with nothing reserved, is RESOURCE_EXHAUSTED (the client then puts
+    # as bytes).
+    max_reserved_pool_fraction: float = 0.75
+    # With tenancy on, the fraction of the shared pool one tenant's reservations (all its namespaces') may hold, at
+    # most max_reserved_pool_fraction; an admin's count in the total only, as everyone's do with tenancy off.
+    max_reserved_pool_fraction_per_tenant: float = 0.5
     tls_cert: str = ""  # PEM certificate chain: with tls_key, TCP is served over TLS
     tls_key: str = ""  # PEM private key of tls_cert
     metrics_port: int = 0  # Prometheus /metrics over HTTP on this port; 0 = off, -1 = any free port (tests)
@@ -334,6 +343,14 @@ class EngramConfig:
         if s.max_leased_blocks_per_namespace < 0:
             raise ConfigError("server.max_leased_blocks_per_namespace must be >= 0 (0: no bound), got "
                               f"{s.max_leased_blocks_per_namespace}")
+        for key, fraction in (("server.max_reserved_pool_fraction", s.max_reserved_pool_fraction),
+                              ("server.max_reserved_pool_fraction_per_tenant", s.max_reserved_pool_fraction_per_tenant)):
+            if not 0 < fraction <= 1:  # NaN too
+                raise ConfigError(f"{key} must be a fraction of the shared pool in (0, 1], got {fraction}")
+        if s.max_reserved_pool_fraction_per_tenant > s.max_reserved_pool_fraction:
+            raise ConfigError("server.max_reserved_pool_fraction_per_tenant must be at most "
+                              f"server.max_reserved_pool_fraction ({s.max_reserved_pool_fraction}), got "
+                              f"{s.max_reserved_pool_fraction_per_tenant}")
         if s.max_concurrent_rpcs_per_tenant < 0:
             raise ConfigError("server.max_concurrent_rpcs_per_tenant must be >= 0 (0: no bound), got "
                               f"{s.max_concurrent_rpcs_per_tenant}")

@@ -57,6 +57,13 @@ def test_precedence_defaults_file_env_flags(tmp_path: Path) -> None:
         ({"overrides": {"replay.max_queued_per_tenant": -1}}, r"replay\.max_queued_per_tenant must be >= 0"),
         ({"overrides": {"replay.max_persisted_window_bytes_per_tenant": -1}},
          r"replay\.max_persisted_window_bytes_per_tenant must be >= 0"),
+        # in-place reservations' share of the shared pool: a fraction of it, one tenant's no more than all's
+        ({"overrides": {"server.max_reserved_pool_fraction": 0}}, r"max_reserved_pool_fraction must be a fraction .* \(0, 1\]"),
+        ({"overrides": {"server.max_reserved_pool_fraction": 1.5}}, r"max_reserved_pool_fraction must be a fraction"),
+        ({"overrides": {"server.max_reserved_pool_fraction_per_tenant": -0.1}},
+         r"max_reserved_pool_fraction_per_tenant must be a fraction"),
+        ({"overrides": {"server.max_reserved_pool_fraction": 0.4}},  # under the per-tenant default, 0.5
+         r"max_reserved_pool_fraction_per_tenant must be at most server\.max_reserved_pool_fraction \(0\.4\)"),
     ],
 )
 def test_bad_config_is_an_error(tmp_path: Path, source: dict, match: str) -> None:  # type: ignore[type-arg]

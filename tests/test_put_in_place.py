@@ -385,12 +385,36 @@ async def test_concurrent_in_place_puts_of_one_client_each_store_their_own_kv(se
                 assert torch.equal(got, want[i]), f"round {round_}: prompt {i} was stored with other KV"
 
 
+async def _reserve_chain(stub, ns: str, fp: bytes, toks, spec, token: str = "") -> pb.ReservePutResponse:  # type: ignore[no-untyped-def]
+    """A ReservePut of `toks` in full raw blocks, never written nor committed."""
+    md = (("authorization", f"Bearer {token}"),) if token else ()
+    return await stub.ReservePut(pb.ReservePutRequest(namespace=ns, model_fingerprint=fp,
+                                                      blocks=_raw_headers(spec, toks)), metadata=md)
+
+
+async def _refusal(stub, ns: str, fp: bytes, toks, spec, token: str = "") -> str:  # type: ignore[no-untyped-def]
+    """The details of a ReservePut refused RESOURCE_EXHAUSTED."""
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _reserve_chain(stub, ns, fp, toks, spec, token)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value
+    return str(info.value.details())
+
+
+async def _put_and_read_back(c: EngramClient, fp: bytes, spec, seed: int, blocks: int = 2) -> None:  # type: ignore[no-untyped-def]
+    toks = tokens(blocks * BLOCK_TOKENS, seed=seed)
+    kv = random_kv(spec, len(toks), seed=seed)
+    assert (await c.put(fp, toks, kv)).stored == blocks
+    n, got = await c.get_prefix(fp, toks)
+    assert n == len(toks) and torch.equal(got, kv)
+
+
 async def test_reservations_no_one_commits_cannot_fill_the_pool_from_other_puts(server_factory) -> None:  # type: ignore[no-untyped-def]
     """A caller opening ReservePuts it never commits held the whole shared pool (each reservation was bounded to
     half of it, not their number), and every other put was refused "every block in it is pinned" for a
-    reservation's time and a term more (an audit, session 43). A namespace's open reservations hold at most half
-    the pool, everyone's three quarters: past that a ReservePut is RESOURCE_EXHAUSTED naming the reservations,
-    and another namespace's put (in place: it falls back to bytes) and the client's own next put are stored."""
+    reservation's time and a term more (an audit, session 43). With tenancy off there is no tenant to bound: all
+    reservations together hold at most server.max_reserved_pool_fraction (3/4) of the pool; past that a
+    ReservePut is RESOURCE_EXHAUSTED naming them, and another namespace's put (in place: it falls back to bytes)
+    and the client's own next put are stored."""
     spec = tiny_model()
     block = spec.layout.block_nbytes(BLOCK_TOKENS)
     srv = await server_factory(**{"tiers.dram.capacity": 16 * block, "tiers.dram.page_bytes": 256,
@@ -399,25 +423,103 @@ async def test_reservations_no_one_commits_cannot_fill_the_pool_from_other_puts(
         fp = await c.register_model(spec)
     async with grpc.aio.insecure_channel(srv.address) as ch:
         stub = pb_grpc.EngramStub(ch)
-
-        async def reserve(ns: str, seed: int, blocks: int) -> pb.ReservePutResponse:
-            toks = tokens(blocks * BLOCK_TOKENS, seed=seed)
-            return await stub.ReservePut(pb.ReservePutRequest(namespace=ns, model_fingerprint=fp,
-                                                              blocks=_raw_headers(spec, toks)))
-
-        held = [await reserve("hog", 1, 6)]  # 6 of 16 blocks: under half
-        held.append(await reserve("hog", 2, 6))  # 2 more fit the namespace's half, then it stops short
-        assert len(held[1].slots) == 2 and "open reservations hold" in held[1].refused
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await reserve("hog", 3, 1)
-        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "reservations" in info.value.details()
-        held.append(await reserve("hog2", 4, 6))  # another namespace: up to three quarters of the pool in all
-        assert len(held[2].slots) == 4 and "together" in held[2].refused
+        held = [await _reserve_chain(stub, "hog", fp, tokens(6 * BLOCK_TOKENS, seed=1), spec)]  # 6 of 16 blocks
+        held.append(await _reserve_chain(stub, "hog", fp, tokens(8 * BLOCK_TOKENS, seed=2), spec))
+        assert len(held[1].slots) == 6 and "max_reserved_pool_fraction" in held[1].refused  # 12 of 16: 3/4
+        for ns, seed in (("hog", 3), ("hog2", 4)):  # a namespace holding nothing too: the total is reached
+            said = await _refusal(stub, ns, fp, tokens(BLOCK_TOKENS, seed=seed), spec)
+            assert all(f"reservation {r.reservation_id} (namespace 'hog'" in said for r in held), said
     for ns in ("other", "hog"):
         async with EngramClient(srv.address, namespace=ns, in_place_min_bytes=0) as c:
             await c.register_model(spec)
-            toks = tokens(2 * BLOCK_TOKENS, seed=9)
-            kv = random_kv(spec, len(toks))
-            assert (await c.put(fp, toks, kv)).stored == 2
-            n, got = await c.get_prefix(fp, toks)
-            assert n == len(toks) and torch.equal(got, kv)
+            await _put_and_read_back(c, fp, spec, seed=9)
+
+
+def _tenants(**namespaces: str) -> dict[str, str]:
+    """server_factory overrides for tenants (token NAME-token) trusted with the shared pool."""
+    auth = {"auth.same_host_paths": "on", "auth.salt_secret": "s"}
+    for name, ns in namespaces.items():
+        auth |= {f"auth.tenants.{name}.token": f"{name}-token", f"auth.tenants.{name}.namespaces": ns}
+    return auth
+
+
+async def test_a_tenant_with_two_namespaces_reserves_at_most_its_share_of_the_pool(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A share per namespace let a tenant with two namespaces hold three quarters of the pool in reservations it
+    never committed. One tenant's reservations, every namespace of its, stop at
+    server.max_reserved_pool_fraction_per_tenant (half); its refusal names its own reservations only, and
+    another tenant's put still lands."""
+    spec = tiny_model()
+    block = spec.layout.block_nbytes(BLOCK_TOKENS)
+    srv = await server_factory(**{"tiers.dram.capacity": 16 * block, "tiers.dram.page_bytes": 256},
+                               **_tenants(evil="e1,e2", good="good"))
+    async with EngramClient(srv.address, namespace="good", token="good-token", in_place_min_bytes=0) as good:
+        fp = await good.register_model(spec)
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.EngramStub(ch)
+            theirs = await _reserve_chain(stub, "good", fp, tokens(2 * BLOCK_TOKENS, seed=5), spec, "good-token")
+            first = await _reserve_chain(stub, "e1", fp, tokens(6 * BLOCK_TOKENS, seed=1), spec, "evil-token")
+            second = await _reserve_chain(stub, "e2", fp, tokens(6 * BLOCK_TOKENS, seed=2), spec, "evil-token")
+            assert (len(first.slots), len(second.slots)) == (6, 2)  # 8 of 16 blocks: the tenant's half
+            assert "tenant 'evil'" in second.refused and "per_tenant" in second.refused, second.refused
+            said = await _refusal(stub, "e2", fp, tokens(BLOCK_TOKENS, seed=3), spec, "evil-token")
+            assert "max_reserved_pool_fraction_per_tenant" in said, said
+            assert f"reservation {first.reservation_id} (namespace 'e1'" in said, said
+            assert f"reservation {second.reservation_id} (namespace 'e2'" in said, said
+            assert str(theirs.reservation_id) not in said and "good" not in said, said
+        await _put_and_read_back(good, fp, spec, seed=9)  # in place: 12 of 16 blocks are reserved, then as bytes
+
+
+async def test_reservations_of_every_tenant_together_stop_at_their_fraction_naming_only_the_callers_own(  # type: ignore[no-untyped-def]
+        server_factory) -> None:
+    """All tenants' reservations together hold at most server.max_reserved_pool_fraction of the pool. A tenant
+    refused by that bound is told its own reservations (id, namespace, when they expire) and the others' only
+    as bytes and by when they are let go: another tenant's reservation ids, namespaces or name would tell it
+    what that tenant is putting. A tenant holding nothing is refused too, and its put lands as bytes."""
+    spec = tiny_model()
+    block = spec.layout.block_nbytes(BLOCK_TOKENS)
+    srv = await server_factory(**{"tiers.dram.capacity": 16 * block, "tiers.dram.page_bytes": 256,
+                                  "server.max_reserved_pool_fraction": 0.5,  # 8 blocks
+                                  "server.max_reserved_pool_fraction_per_tenant": 0.375},  # 6 blocks
+                               **_tenants(alice="alice-ns", bob="bob-ns", carol="carol-ns"))
+    async with EngramClient(srv.address, namespace="carol-ns", token="carol-token", in_place_min_bytes=0) as carol:
+        fp = await carol.register_model(spec)
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.EngramStub(ch)
+            a = await _reserve_chain(stub, "alice-ns", fp, tokens(8 * BLOCK_TOKENS, seed=1), spec, "alice-token")
+            assert len(a.slots) == 6 and "per_tenant" in a.refused  # alice's own share: 6 of 16 blocks
+            b = await _reserve_chain(stub, "bob-ns", fp, tokens(6 * BLOCK_TOKENS, seed=2), spec, "bob-token")
+            assert len(b.slots) == 2, b.refused  # the total: 8 of 16 blocks
+            said = await _refusal(stub, "bob-ns", fp, tokens(BLOCK_TOKENS, seed=3), spec, "bob-token")
+            assert "server.max_reserved_pool_fraction = 0.5" in said, said
+            assert f"reservation {b.reservation_id} (namespace 'bob-ns'" in said and "expires in" in said, said
+            assert f"{6 * block} bytes are other callers'" in said, said
+            for secret in (str(a.reservation_id), "alice"):
+                assert secret not in said and secret not in b.refused, (secret, said, b.refused)
+            said = await _refusal(stub, "carol-ns", fp, tokens(BLOCK_TOKENS, seed=4), spec, "carol-token")
+            assert "reservation " not in said and f"{8 * block} bytes are other callers'" in said, said
+            assert not any(s in said for s in ("alice", "bob", str(a.reservation_id), str(b.reservation_id))), said
+        await _put_and_read_back(carol, fp, spec, seed=9)
+
+
+async def test_a_put_refused_for_room_while_reservations_hold_the_tier_says_so(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A tier full of pinned blocks and of reservations not yet committed refused a put blaming pinned blocks
+    alone ("unpin blocks or raise its capacity"), though most of its room was slots no eviction frees and that
+    are let go when committed or expired: the error says so, and by when."""
+    spec = tiny_model()
+    block = spec.layout.block_nbytes(BLOCK_TOKENS)
+    srv = await server_factory(**{"tiers.dram.capacity": 8 * block, "tiers.dram.page_bytes": 256})
+    async with EngramClient(srv.address, namespace="t", zero_copy=False) as c:
+        fp = await c.register_model(spec)
+        pinned = tokens(2 * BLOCK_TOKENS, seed=8)
+        await c.put(fp, pinned, random_kv(spec, len(pinned)), pin=True)  # 2 of 8 blocks
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.EngramStub(ch)
+            got = [await _reserve_chain(stub, ns, fp, tokens(4 * BLOCK_TOKENS, seed=seed), spec)
+                   for ns, seed in (("a", 1), ("b", 2))]
+            assert [len(r.slots) for r in got] == [4, 2]  # 6 of 8 blocks: 3/4, the tier full
+        toks = tokens(BLOCK_TOKENS, seed=9)
+        with pytest.raises(errors.ResourceExhausted) as info:
+            await c.put(fp, toks, random_kv(spec, len(toks)))
+        said = str(info.value)
+        assert f"{6 * block} bytes of it are slots of in-place reservations (ReservePut) not yet committed" in said
+        assert "let go when committed, or within" in said and "unpin blocks" not in said, said

@@ -182,7 +182,9 @@ class EngramService:
         self._engine: Any = None  # the DMA engine of HBM promotions, made on first use
         self._promoting: asyncio.Task[None] | None = None  # one batch of HBM promotions at a time
         # Puts written in place into the shared pool (ReservePut / CommitPut), when there is one.
-        self.inplace = InPlacePuts(store, self.pool, config.lease_s) if self.pool is not None else None
+        self.inplace = InPlacePuts(store, self.pool, config.lease_s, max_fraction=config.max_reserved_pool_fraction,
+                                   max_fraction_per_tenant=config.max_reserved_pool_fraction_per_tenant
+                                   ) if self.pool is not None else None
 
     @unary
     async def RegisterModel(self, request: Any, context: grpc.aio.ServicerContext) -> pb.RegisterModelResponse:
@@ -441,7 +443,8 @@ class EngramService:
                                      "refuses them under tenancy): put blocks as bytes (Put)")
         parent = req.parent_key or self.store.root(ns, req.model_fingerprint)
         headers = [convert.header_from_pb(h, i) for i, h in enumerate(req.blocks)]
-        res = await self.inplace.reserve(ns, req.model_fingerprint, parent, headers, pin=req.pin)
+        res = await self.inplace.reserve(ns, req.model_fingerprint, parent, headers, pin=req.pin,
+                                         owner=self._tenant(context))  # its share of the pool's reserved room
         seg = self.inplace.pool.segment
         assert seg is not None
         slots = [pb.BlockDescriptor(key=r.meta.key, segment_path=str(seg.path), segment_id=seg.layout.segment_id,

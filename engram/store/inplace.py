@@ -12,6 +12,11 @@ written (another put of the block meanwhile waits on it, as on a Put's), so noth
 block that might yet be dropped. Commits of one reservation go one at a time, and its expiry waits for them.
 A reservation not committed within its time is closed, and its slots freed one term later (a late writer's
 bytes land in slots no block holds).
+Bounds: reserved slots are not blocks, so no eviction frees them, and one never committed is held for up to two
+terms. What all reservations hold unpublished (being made, open or lapsed) is at most a fraction of the pool,
+and what one tenant's hold (every namespace of its) a smaller one; without them, a caller that reserved and never
+committed held the whole pool, and every other put failed for two terms. A refusal names the caller's own
+reservations, and others' only as bytes and when they are let go: nothing of another tenant's ids or namespaces.
 
 What it does not do: protect a slot from a worker that writes outside its reservation. A same-host worker
 that may write the pool is trusted with it, as one that may read it is (docs/ARCHITECTURE.md).
@@ -41,9 +46,6 @@ from engram.tiers.pool import PoolTier, Slot
 if TYPE_CHECKING:
     from engram.store.core import BlockStore, PutOutcome
 
-NAMESPACE_SHARE = 0.5  # of the shared pool, that one namespace's open reservations may hold unpublished
-RESERVED_SHARE = 0.75  # that every reservation together may: the rest stays for other puts
-
 
 @dataclass
 class Reserved:
@@ -56,6 +58,7 @@ class Reserved:
 class Reservation:
     id: int
     namespace: str
+    owner: str  # the tenant whose share of the pool it counts against; "": none (an admin, or tenancy off)
     fingerprint: bytes
     blocks: list[Reserved]
     parent: BlockMeta | None  # the deepest stored block of the chain: holding a coming child, so not deleted
@@ -67,15 +70,29 @@ class Reservation:
     timer: asyncio.TimerHandle | None = None
     done: bool = field(default=False)
     committing: bool = False  # a commit is sealing or publishing: another one waits its turn (refused)
+    held: int = 0  # payload bytes of its slots not yet published nor freed (and of one being placed)
+
+    def frees_by(self, reserve_s: float) -> float:
+        """When its slots are let go at the latest (monotonic): a term after it expires, unless committed."""
+        return self.expires + reserve_s
 
 
 class InPlacePuts:
-    def __init__(self, store: BlockStore, pool: PoolTier, reserve_s: float, *, sealers: int | None = None) -> None:
+    def __init__(self, store: BlockStore, pool: PoolTier, reserve_s: float, *, sealers: int | None = None,
+                 max_fraction: float = 0.75, max_fraction_per_tenant: float = 0.5) -> None:
         self.store = store
         self.pool = pool
         self.reserve_s = reserve_s
+        self.max_fraction = max_fraction  # server.max_reserved_pool_fraction
+        self.max_fraction_per_tenant = max_fraction_per_tenant  # server.max_reserved_pool_fraction_per_tenant
+        self.max_held = int(pool.capacity_bytes * max_fraction)
+        self.max_held_per_tenant = int(pool.capacity_bytes * max_fraction_per_tenant)
+        self._making: dict[int, Reservation] = {}  # being reserved (ReservePut has not answered yet)
         self._open: dict[int, Reservation] = {}
         self._lapsed: dict[int, Reservation] = {}  # expired, slots still held for a term: a late writer's landing
+        self._held = 0  # payload bytes every reservation's unpublished slots hold (Reservation.held, summed)
+        self._held_by: dict[str, int] = {}  # the same per owner
+        store.placement.unevictable[pool.name] = self._unevictable
         assert pool.segment is not None
         self.sealer = Sealer(str(pool.segment.path), pool.segment.layout.data_offset,
                              memoryview(pool.buffer.numpy()), sealers)  # type: ignore[arg-type]
@@ -85,7 +102,10 @@ class InPlacePuts:
         return len(self._open)
 
     async def reserve(self, namespace: str, fingerprint: bytes, parent: bytes, headers: Sequence[BlockHeader],
-                      *, pin: bool) -> Reservation:
+                      *, pin: bool, owner: str = "") -> Reservation:
+        """Reserve slots for the chain's blocks not stored yet, up to the bounds (one reservation's half of the pool,
+        the caller's and everyone's share of it, the namespace's quota); `owner` is the tenant whose share the slots
+        count against ("": the total's only)."""
         store = self.store
         spec = store.spec(fingerprint)
         layout = spec.layout
@@ -96,12 +116,12 @@ class InPlacePuts:
             if pmeta is None or pmeta.model_fingerprint != fingerprint or not pmeta.full:
                 raise FailedPrecondition("the parent block is not stored (or is a partial block); Lookup again "
                                          "and put the chain from its first missing block")
-        res = Reservation(secrets.randbits(63) or 1, namespace, fingerprint, [], pmeta, self.pool,
+        res = Reservation(secrets.randbits(63) or 1, namespace, owner, fingerprint, [], pmeta, self.pool,
                           time.monotonic() + self.reserve_s, pin)
-        held = self._held(namespace)  # [this namespace's, everyone's] slots reserved and not yet published
         if pmeta is not None:
             pmeta.children += 1
         rank = store.tier_rank(self.pool.name)
+        self._making[res.id] = res
         try:
             for i, h in enumerate(headers):
                 h.validate(layout, index=i, model_codec=spec.codec)
@@ -121,18 +141,17 @@ class InPlacePuts:
                 slot = None
                 if res.blocks and not self._fits(res, h.payload_nbytes):
                     break
-                why = self._over_share(namespace, held, h.payload_nbytes)
-                if why:
-                    if not res.blocks:
-                        raise ResourceExhausted(why)
-                    res.refused = why  # the blocks before it are reserved: commit those
-                    break
                 existing = store.index.get_in(namespace, key)
                 if existing is not None:  # stored already: hold it instead (the chain's deepest stored block)
                     existing.children += 1
                     self._release_parent(res)
                     res.parent, res.done = existing, False
                 else:
+                    if over := self._over_bound(res, h.payload_nbytes):
+                        if not res.blocks:
+                            raise ResourceExhausted(over)
+                        res.refused = over  # the blocks before it are reserved: commit those
+                        break
                     try:
                         store._charge_quota(namespace, h.payload_nbytes, i)
                     except ResourceExhausted as exc:
@@ -141,13 +160,15 @@ class InPlacePuts:
                         res.refused = str(exc)  # the blocks before it are reserved: commit those
                         break
                     need = self.pool.space_for(meta.record())
+                    # Held from before the room is made: a ReservePut running beside this one (make_room may wait)
+                    # sees it, so the bounds hold however many run at once.
+                    self._hold(res, h.payload_nbytes)
                     try:
                         await store.placement.make_room(rank, need, wait=not res.blocks)
                         slot = self.pool.place(key + res.id.to_bytes(8, "little"), need, h.payload_nbytes)
-                        held[0] += h.payload_nbytes
-                        held[1] += h.payload_nbytes
                     except ResourceExhausted as exc:
                         store._quota_pending[namespace] -= h.payload_nbytes
+                        self._hold(res, -h.payload_nbytes)
                         if not res.blocks:
                             raise
                         # The pool is full of this reservation's own unpublished slots: commit them first.
@@ -155,12 +176,15 @@ class InPlacePuts:
                         break
                     except BaseException:
                         store._quota_pending[namespace] -= h.payload_nbytes
+                        self._hold(res, -h.payload_nbytes)
                         raise
                 res.blocks.append(Reserved(meta, slot, h))
                 parent = key
         except BaseException:
             await self._drop(res)
             raise
+        finally:
+            del self._making[res.id]
         self._open[res.id] = res
         res.timer = asyncio.get_running_loop().call_later(self.reserve_s, self._expire, res.id)
         return res
@@ -169,38 +193,77 @@ class InPlacePuts:
         """Whether one more slot may go into this reservation: at most half the pool is held unpublished by
         one reservation, so a chain longer than the pool goes in rounds (reserve, write, commit) and the
         pool can demote published blocks to make room for the next round."""
-        held = sum(r.meta.nbytes for r in res.blocks if r.slot is not None)
-        if held and held + nbytes > self.pool.capacity_bytes // 2:
+        if res.held and res.held + nbytes > self.pool.capacity_bytes // 2:
             res.refused = "the reservation holds half of the shared pool: commit it, then reserve the rest"
             return False
         return True
 
-    def _held(self, namespace: str) -> list[int]:
-        """Bytes of pool slots that open (and lapsed, whose slots are still held) reservations hold unpublished:
-        [those of `namespace`, everyone's]."""
-        mine = total = 0
-        for res in (*self._open.values(), *self._lapsed.values()):
-            n = sum(r.meta.nbytes for r in res.blocks[res.committed:] if r.slot is not None)
-            total += n
-            if res.namespace == namespace:
-                mine += n
-        return [mine, total]
+    def _hold(self, res: Reservation, nbytes: int) -> None:
+        """Count (negative: let go of) unpublished slot bytes against the reservation, its owner and the pool."""
+        res.held += nbytes
+        self._held += nbytes
+        if held := self._held_by.get(res.owner, 0) + nbytes:
+            self._held_by[res.owner] = held
+        else:
+            del self._held_by[res.owner]
 
-    def _over_share(self, namespace: str, held: list[int], nbytes: int) -> str:
-        """Why one more slot of `nbytes` may not be reserved, or "": a namespace's reservations together hold at
-        most NAMESPACE_SHARE of the pool unpublished, everyone's RESERVED_SHARE. One reservation's bound
-        (`_fits`) alone let a caller open reservations until the pool was full of slots no one would commit,
-        and every other put was refused for a reservation's time and a term more (an audit, session 43)."""
+    def _over_bound(self, res: Reservation, nbytes: int) -> str:
+        """Why one more slot of `nbytes` may not be reserved for res's owner ("" when it may): its tenant's
+        reservations hold their share of the pool, or everyone's do theirs. One reservation's bound (`_fits`)
+        alone let a caller open reservations until the pool was full of slots no one would commit, and every other
+        put failed for a reservation's time and a term more (an audit, session 43). A tenant holding nothing may
+        reserve one block past its share (a pool too small for a share of one), and the first of all one past the
+        total."""
+        mine = self._held_by.get(res.owner, 0)
         cap = self.pool.capacity_bytes
-        if held[0] + nbytes > cap * NAMESPACE_SHARE:
-            return (f"namespace {namespace!r}'s open reservations hold {held[0]} bytes of the shared pool unpublished, "
-                    f"as much as one namespace may ({NAMESPACE_SHARE:.0%} of {cap}): commit them, or let them expire "
-                    f"({self.reserve_s:g}s after each was made), then reserve the rest")
-        if held[1] + nbytes > cap * RESERVED_SHARE:
-            return (f"open reservations hold {held[1]} bytes of the shared pool unpublished, as much as all may "
-                    f"together ({RESERVED_SHARE:.0%} of {cap}, the rest kept for other puts); try again once some "
-                    "are committed or expire, or put as bytes")
+        if res.owner and mine and mine + nbytes > self.max_held_per_tenant:
+            return (f"tenant {res.owner!r}'s in-place reservations not yet committed hold {mine} bytes of the shared "
+                    f"pool, as much as one tenant may (server.max_reserved_pool_fraction_per_tenant = "
+                    f"{self.max_fraction_per_tenant:g} of {cap} bytes); {self._describe(res.owner)}; commit them, "
+                    "or let them expire, then reserve the rest (or put as bytes)")
+        if self._held and self._held + nbytes > self.max_held:
+            others = self._held - mine
+            return (f"in-place reservations not yet committed hold {self._held} bytes of the shared pool, as much as "
+                    f"all together may (server.max_reserved_pool_fraction = {self.max_fraction:g} of {cap} bytes; "
+                    "the rest is kept for other puts)" + (f"; {self._describe(res.owner)}" if mine else "")
+                    + (f"; {self._others(res.owner, others)}" if others else "")
+                    + "; reserve again once some are committed or let go, or put as bytes")
         return ""
+
+    def _holding(self, owner: str | None) -> list[Reservation]:
+        """The reservations holding unpublished slots (being made, open or lapsed): of `owner`, or (None) anyone's."""
+        return [r for table in (self._making, self._open, self._lapsed) for r in table.values()
+                if r.held and (owner is None or r.owner == owner)]
+
+    def _describe(self, owner: str) -> str:
+        """The owner's reservations holding slots, told to that owner only: id, namespace, bytes, when each
+        expires or has its slots let go. With tenancy off (and for admins) every caller is owner ""."""
+        now = time.monotonic()
+        held = sorted(self._holding(owner), key=lambda r: r.expires)
+        parts = [f"reservation {r.id} (namespace {r.namespace!r}, {r.held} bytes) "
+                 + (f"expired, its slots let go in {max(0.0, r.frees_by(self.reserve_s) - now):.0f}s"
+                    if r.id in self._lapsed else f"expires in {max(0.0, r.expires - now):.0f}s")
+                 for r in held[:4]]
+        more = f" and {len(held) - 4} more" if len(held) > 4 else ""
+        return f"{'yours' if owner else 'held'}: {', '.join(parts)}{more}"
+
+    def _others(self, owner: str, nbytes: int) -> str:
+        """Other owners' reservations, told only as bytes and by when they are let go at the latest: nothing of
+        another tenant's ids or namespaces."""
+        now = time.monotonic()
+        by = max((r.frees_by(self.reserve_s) for r in self._holding(None) if r.owner != owner), default=now)
+        return (f"{nbytes} bytes are other callers', let go when committed or within {max(0.0, by - now):.0f}s "
+                "at the latest")
+
+    def _unevictable(self) -> str:
+        """The pool's room that reservations hold, for a full tier's error ("" when none do): told as bytes and
+        when let go, to whichever caller's put found no room."""
+        if not self._held:
+            return ""
+        now = time.monotonic()
+        by = max((r.frees_by(self.reserve_s) for r in self._holding(None)), default=now)
+        return (f"{self._held} bytes of it are slots of in-place reservations (ReservePut) not yet committed, which "
+                f"no eviction frees; they are let go when committed, or within {max(0.0, by - now):.0f}s at the latest")
 
     def get(self, namespace: str, reservation_id: int) -> Reservation:
         res = self._open.get(reservation_id)
@@ -286,6 +349,7 @@ class InPlacePuts:
         placement = store.placement
         self.pool.rename(self._slot_key(res, meta), meta.key)
         r.slot = None
+        self._hold(res, -meta.nbytes)
         store._quota_pending[res.namespace] -= meta.nbytes  # the block's bytes now count as its own
         placement.model.arrive(meta)
         meta.locations.append(self.pool.name)
@@ -364,6 +428,7 @@ class InPlacePuts:
         await self.pool.delete(self._slot_key(res, r.meta))
         self.store._quota_pending[res.namespace] -= r.meta.nbytes
         r.slot = None
+        self._hold(res, -r.meta.nbytes)
 
     async def _abandon(self, res: Reservation) -> None:
         """A commit failed: the reservation closes, and its slots not yet published are freed."""

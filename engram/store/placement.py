@@ -67,6 +67,10 @@ class Placement:
         self.busy = 0  # moves in progress plus leases held: what may free a victim soon
         self.freed = asyncio.Condition()  # notified when a move ends or a lease is released
         self.went_cold: list[Callable[[BlockMeta], None]] = []  # called when a block's last hot copy is dropped
+        # Per tier: what else holds room there that no eviction frees (a shared pool's in-place reservations not
+        # yet committed, engram/store/inplace.py), as a sentence ("" when nothing does): a full tier says so
+        # rather than blame pinned blocks alone.
+        self.unevictable: dict[str, Callable[[], str]] = {}
 
     def tier(self, name: str) -> Tier:
         return self.tiers[self.rank[name]]
@@ -170,9 +174,11 @@ class Placement:
                         await asyncio.wait_for(self.freed.wait(), max(0.0, deadline - time.monotonic()))
                 continue
             if victim is None:
+                held = self.unevictable[tier.name]() if tier.name in self.unevictable else ""
                 raise ResourceExhausted(
-                    f"the {tier.name} tier is full ({tier.used_bytes} of {tier.capacity_bytes} bytes) and every "
-                    "block in it is pinned, being read or moving; unpin blocks or raise its capacity"
+                    f"the {tier.name} tier is full ({tier.used_bytes} of {tier.capacity_bytes} bytes): "
+                    + (f"{held}; every block in the rest is pinned, being read or moving" if held else
+                       "every block in it is pinned, being read or moving; unpin blocks or raise its capacity")
                 )
             if self.rank[victim.locations[-1]] > i:
                 await self.drop_copy(victim, tier.name)  # a lower tier holds it too
