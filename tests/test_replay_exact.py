@@ -248,6 +248,27 @@ def test_window_of_one_needs_no_replay() -> None:
     assert full is not None and torch.equal(out.logits, full[10])
 
 
+def test_a_model_without_sliding_layers_has_its_empty_window_at_p_in_prefill_replay_and_decode() -> None:
+    """No sliding layer: no window whatever W the config names, so it starts at P (0 rows), as the daemon's
+    Resume answers. The prefill's reference window started at P-W+1, so no replay or Resume ever equalled it, and
+    a decode step from the window at P put the next one at P, not P + 1."""
+    p = 10
+    model, tokens, pre = _setup(("global",) * 3, 4, {}, p)
+    assert pre.swa_window(p).start == p
+    rec = reconstruct_swa(model, tokens, pre.stored_global_kv(p), prefix_len=p)
+    _assert_windows_equal(rec.window, pre.swa_window(p))
+    stored, window_kv = pre.stored_global_kv(p), rec.window
+    for step in range(3):
+        out = decode_next(model, tokens[p + step], stored, window_kv)
+        full = model.prefill(tokens[: p + step + 1])
+        assert full.logits is not None and torch.equal(out.logits, full.logits[p + step])
+        _assert_windows_equal(out.window, full.swa_window(p + step + 1))
+        assert out.window.start == p + step + 1
+        stored = tuple((torch.cat((k, nk)), torch.cat((v, nv))) for (k, v), (nk, nv) in
+                       zip(stored, out.global_kv, strict=True))
+        window_kv = out.window
+
+
 class _FlatOnly:
     """A test double: any object with replay_spec and forward_span is a ReplayModel (no base class)."""
 

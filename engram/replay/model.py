@@ -102,10 +102,18 @@ class SpanOutput:
     token_layers: int  # (token, layer) pairs run: sum over layers of the rows entering the layer
 
 
+def window_start(window: int, sliding_layers: int, prefix_len: int) -> int:
+    """Where the SWA window of a query at `prefix_len` starts: it sees keys prefix_len-W+1 .. prefix_len and
+    computes its own, so [max(0, P-W+1), P), W-1 rows. A model with no sliding layer has no window whatever its
+    W: it starts at P (0 rows), as with W = 1. The daemon's Resume, a replay, a decode step and a prefill's
+    reference all say so; a prefill's said P-W+1 for such a model, which no Resume ever answers."""
+    return max(0, prefix_len - window + 1) if sliding_layers else prefix_len
+
+
 @dataclass(frozen=True)
 class SwaWindow:
     """The sliding layers' KV a query at position `prefix_len` needs: positions [start, prefix_len), where
-    start = max(0, prefix_len - W + 1) (its own key, at prefix_len, it computes itself)."""
+    start = window_start(W, sliding layers, prefix_len) (its own key, at prefix_len, it computes itself)."""
 
     prefix_len: int
     start: int
@@ -125,7 +133,7 @@ class PrefillResult:
 
     def swa_window(self, prefix_len: int) -> SwaWindow:
         """The SWA KV a replay of the first `prefix_len` tokens must rebuild (the reference it is judged by)."""
-        start = max(0, prefix_len - self.window + 1)
+        start = window_start(self.window, len(self.swa_kv), prefix_len)
         return SwaWindow(prefix_len, start, tuple((k[start:prefix_len], v[start:prefix_len]) for k, v in self.swa_kv))
 
 

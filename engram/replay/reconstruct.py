@@ -22,7 +22,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engram.replay.model import KV, AttentionKind, ReplayError, ReplayModel, ReplayPast, ReplaySpec, SwaWindow
+from engram.replay.model import (
+    KV,
+    AttentionKind,
+    ReplayError,
+    ReplayModel,
+    ReplayPast,
+    ReplaySpec,
+    SwaWindow,
+    window_start,
+)
 
 
 class ReplayKind(enum.StrEnum):
@@ -188,7 +197,7 @@ def reconstruct_swa(model: ReplayModel, tokens: Tensor | Sequence[int], global_k
     n_layers = len(spec.kinds)
     # Rows [P-W+1, P) when R >= W-1; a shorter replay (approx with k < 1) yields a shorter window [P-R, P),
     # which decode_next attends to as it is: fewer keys, not made-up ones.
-    w_start = max(0, p - spec.window + 1, p - r)
+    w_start = max(window_start(spec.window, len(spec.sliding_layers), p), p - r)
     if r == 0 or not spec.sliding_layers:  # W = 1, R = 0 or no sliding layer: nothing to rebuild
         window = SwaWindow(p, p, tuple((_empty(spec, model), _empty(spec, model)) for _ in spec.sliding_layers))
         return Reconstruction(window, mode, 0, starts, 0, 0)
@@ -228,7 +237,8 @@ def decode_next(model: ReplayModel, token: int | Tensor, global_kv: Sequence[KV]
     tok = torch.as_tensor(token, dtype=torch.long).reshape(1)
     out = model.forward_span(tok, ReplayPast(p, stored, window.kv), logits=True)
     assert out.logits is not None
-    keep = min(p + 1 - window.start, spec.window - 1)  # rows the query at P + 1 reads
+    # rows the query at P + 1 reads: at most W - 1, none without a sliding layer
+    keep = p + 1 - max(window.start, window_start(spec.window, len(spec.sliding_layers), p + 1))
     kv = tuple((torch.cat((wk, k), 0)[len(wk) + 1 - keep:], torch.cat((wv, v), 0)[len(wv) + 1 - keep:])
                for (wk, wv), (k, v) in zip(window.kv, out.swa_kv, strict=True))
     return DecodeStep(out.logits[-1], out.global_kv, SwaWindow(p + 1, p + 1 - keep, kv))
