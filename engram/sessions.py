@@ -49,7 +49,7 @@ from engram.keys import block_key
 from engram.layout import DType, LayerKind, ModelSpec
 from engram.replay.costmodel import CostModel, FidelityFloor, NoAllowedOption
 from engram.replay.model import ReplayModel, SwaWindow
-from engram.replay.reconstruct import Reconstruction, ReplayMode
+from engram.replay.reconstruct import Reconstruction, ReplayMode, empty_window, nothing_to_rebuild
 from engram.replay.runtime import ReplayRuntime
 from engram.store import BlockStore
 
@@ -686,6 +686,13 @@ class SessionManager:
             raise FailedPrecondition(f"session {session_id} is in persist mode and holds no window for position {p} "
                                      f"({have}); append with the window, or open it in exact mode")
         model = self.runtime.require(spec)
+        lay = spec.layout
+        if nothing_to_rebuild(model.replay_spec):
+            # W = 1 or no sliding layer: the window has no row, so no turn is waited for (behind replays that
+            # take seconds), no block is read and nothing runs; the caller's global KV streams as it would.
+            window = Window.from_swa(empty_window(model, p), lay.dtype, lay.num_kv_heads, lay.head_dim)
+            self._hold_window(s, window, tenant)
+            return Resumed(p, match.blocks, window, "replay", 0, 0, 0.0)
         if s.kept:  # an auto-mode window kept for another position: replaced by this replay's
             self._release_window(s)
         mode = self._auto_replay_mode(s, spec, p) if s.mode == SessionMode.AUTO else s.replay_mode()
@@ -710,14 +717,18 @@ class SessionManager:
         c.replayed_tokens += rec.replayed
         c.token_layers += rec.token_layers
         c.seconds += seconds
-        lay = spec.layout
         window = Window.from_swa(rec.window, lay.dtype, lay.num_kv_heads, lay.head_dim)
         if s.cooled == cooled:  # else it went cold while this replay ran (a Suspend): it stays so, the answer aside
-            if s.kept:  # a window kept for another position: its bytes are given back first
-                self._release_window(s)
-            s.window, s.window_tenant = window, tenant
-            self._mark_hot(s)  # with max_hot_windows = 0 this drops it again at once: the answer still carries it
+            self._hold_window(s, window, tenant)
         return Resumed(p, match.blocks, window, "replay", rec.replayed, rec.token_layers, seconds)
+
+    def _hold_window(self, s: Session, window: Window, tenant: str) -> None:
+        """A Resume's window becomes the session's, hot (a window kept for another position: its bytes are given
+        back first). With max_hot_windows = 0 it is dropped again at once: the answer still carries it."""
+        if s.kept:
+            self._release_window(s)
+        s.window, s.window_tenant = window, tenant
+        self._mark_hot(s)
 
     def shutdown(self) -> None:
         """The daemon stops: the replay threads end (a replay still running finishes first, in its thread)."""

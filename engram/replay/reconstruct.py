@@ -199,14 +199,26 @@ def reconstruct_swa(model: ReplayModel, tokens: Tensor | Sequence[int], global_k
     # which decode_next attends to as it is: fewer keys, not made-up ones.
     w_start = max(window_start(spec.window, len(spec.sliding_layers), p), p - r)
     if r == 0 or not spec.sliding_layers:  # W = 1, R = 0 or no sliding layer: nothing to rebuild
-        window = SwaWindow(p, p, tuple((_empty(spec, model), _empty(spec, model)) for _ in spec.sliding_layers))
-        return Reconstruction(window, mode, 0, starts, 0, 0)
+        return Reconstruction(empty_window(model, p), mode, 0, starts, 0, 0)
     past = ReplayPast(p - r, stored, tuple((_empty(spec, model), _empty(spec, model)) for _ in spec.sliding_layers))
     out = model.forward_span(tokens[p - r:], past, starts=starts, logits=False)
     # every sliding layer's first computed row is <= w_start (the last one's is exactly P-W+1 in a cone)
     kv = tuple((k[w_start - first:], v[w_start - first:])
                for (k, v), first in zip(out.swa_kv, out.swa_start, strict=True))
     return Reconstruction(SwaWindow(p, w_start, kv), mode, r, starts, out.token_layers, n_layers * r)
+
+
+def nothing_to_rebuild(spec: ReplaySpec) -> bool:
+    """W = 1 or no sliding layer: a query's window holds no row, so any replay runs no token (the exact bound
+    is 0) and the window is `empty_window`, with no need of the prefix's tokens or stored KV."""
+    return exact_bound(spec) == 0
+
+
+def empty_window(model: ReplayModel, prefix_len: int) -> SwaWindow:
+    """A window of 0 rows at prefix_len, one (K, V) pair per sliding layer: a replay of R = 0."""
+    spec = model.replay_spec
+    return SwaWindow(prefix_len, prefix_len,
+                     tuple((_empty(spec, model), _empty(spec, model)) for _ in spec.sliding_layers))
 
 
 def _empty(spec: ReplaySpec, model: ReplayModel) -> Tensor:
