@@ -52,10 +52,12 @@ def stub_for(channel: grpc.aio.Channel, token: str = "", extra: tuple[tuple[str,
 
 # A daemon that restarts (an upgrade, a crash) is back within seconds: reconnect attempts back off from 0.1 s
 # to at most 2 s (gRPC's default grows to 120 s, so a worker could fail for two minutes after a restart), and
-# each channel keeps its own connections, so a new client does not inherit another one's backoff.
+# each channel keeps its own connections, so a new client does not inherit another one's backoff. Not
+# grpc.min_reconnect_backoff_ms: grpc also takes it as each connection attempt's minimum time (20 s by default),
+# and at 100 ms a daemon that paused that long before answering a new connection failed the call UNAVAILABLE.
 RECONNECT_OPTIONS: list[tuple[str, Any]] = [
-    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 2000), ("grpc.use_local_subchannel_pool", 1)]
+    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.use_local_subchannel_pool", 1)]
 
 
 def open_channel(address: str, *, root_cert: bytes | None = None,
