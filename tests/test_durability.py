@@ -454,15 +454,98 @@ async def test_the_flusher_never_writes_a_damaged_dram_copy_to_nvme(tmp_path: Pa
         await store.close()
 
 
-async def _store_over_nvme(tmp_path: Path, policy: str):  # type: ignore[no-untyped-def]
-    """A store on its own: a 64-block shared DRAM pool over NVMe, the write policy given (write-back: a one-second
-    window); and the model's fingerprint."""
+async def test_a_demotion_never_writes_a_damaged_dram_copy_to_nvme(tmp_path: Path) -> None:
+    """A write-back chain fills a 4-block shared pool, held there only (no flush by age); a stray writer damages
+    its last block's copy; the next chain's puts demote all four to NVMe. The three sound ones land on NVMe and
+    read back as put; the damaged one is dropped, counted, as a read drops it. It was written down under the
+    block's checksum: an NVMe file that fails every read, the block still indexed, found only when read."""
+    from helpers import put_raw_chain
+
+    store, _ = await _store_over_nvme(tmp_path, "write-back", dram_blocks=4, window_s=0)
+    try:
+        keys = await put_raw_chain(store, "a", SPEC, seed=24, n_blocks=4)
+        want = await _payloads(store, keys[:3])
+        store.tiers[0].view(keys[3])[-1] ^= 0x40  # type: ignore[attr-defined]  # its only copy, in the pool
+        await put_raw_chain(store, "b", SPEC, seed=25, n_blocks=4)  # room for them: every block of "a" goes down
+        nvme = store.tiers[-1]
+        assert [store.block(k) is not None for k in keys] == [True, True, True, False]
+        assert keys[3] not in nvme and not nvme.path_of(keys[3]).exists()  # type: ignore[attr-defined]
+        assert all(store.block(k).locations == ["nvme"] for k in keys[:3])  # type: ignore[union-attr]
+        assert await _payloads(store, keys[:3]) == want
+        assert (store.counters.corrupt_blocks, store.counters.tiers["dram"].corrupt_blocks) == (1, 1)
+        assert store.counters.tiers["dram"].demotions == 3
+        assert (await store.check(fix=False)).ok
+    finally:
+        await store.close()
+
+
+async def test_a_deduplicated_put_never_makes_a_damaged_dram_copy_durable(tmp_path: Path) -> None:
+    """Write-through: a block held only in DRAM (its NVMe copy gone) whose pool copy a stray writer damaged is
+    put again with other bytes for the same tokens. Making it durable again needs the block's own bytes: its
+    one copy fails its checksum, so it is dropped (counted) and the put stores its own bytes, durable. It was
+    written to NVMe as it lay, under the block's checksum, and the put acknowledged as a durable dedupe."""
+    store, fp = await _store_over_nvme(tmp_path, "write-through")
+    try:
+        header, payload = _one_block(seed=26)
+        meta = store.block((await store.put("a", fp, store.root("a", fp), header, payload)).key)
+        assert meta is not None
+        await store.drop_copy(meta, "nvme")  # in DRAM only now
+        store.tiers[0].view(meta.key)[-1] ^= 0x40  # type: ignore[attr-defined]
+        other_header, other = _one_block(seed=26, kv_seed=27)
+        assert other_header.checksum != header.checksum
+        again = await store.put("a", fp, store.root("a", fp), other_header, other)
+        assert (again.stored, again.durable) == (True, True)
+        stored = store.block(meta.key)
+        assert stored is not None and stored is not meta and stored.locations == ["dram", "nvme"]
+        assert await store.tiers[-1].read(meta.key) == other
+        assert await store.read(stored) == other
+        assert store.counters.tiers["dram"].corrupt_blocks == 1
+        assert (await store.check(fix=False)).ok
+    finally:
+        await store.close()
+
+
+async def test_keep_only_in_never_copies_a_damaged_dram_copy_to_nvme(tmp_path: Path) -> None:
+    """`keep_only_in` (verify-isolation's way of putting a block in the tier it probes) copies a block down to
+    NVMe from its memory copy: a sound copy lands there and reads back; a damaged one is dropped as a read drops
+    it (DataLoss, counted) and the block with it. It was written down as it lay and the pool's copy dropped:
+    the block held on NVMe alone in a file that fails every read."""
+    from engram.errors import DataLoss
+
+    from helpers import put_raw_chain
+
+    store, _ = await _store_over_nvme(tmp_path, "write-back")
+    try:
+        assert store.flusher is not None
+        await store.flusher.close()  # no flush: the blocks are held in the pool only
+        keys = await put_raw_chain(store, "a", SPEC, seed=28, n_blocks=2)
+        want = await _payloads(store, keys[:1])
+        sound, damaged = store.block(keys[0]), store.block(keys[1])
+        assert sound is not None and damaged is not None
+        store.tiers[0].view(damaged.key)[-1] ^= 0x40  # type: ignore[attr-defined]
+        with pytest.raises(DataLoss):
+            await store.keep_only_in(damaged, "nvme")
+        nvme = store.tiers[-1]
+        assert store.block(damaged.key) is None and damaged.key not in nvme
+        assert not nvme.path_of(damaged.key).exists()  # type: ignore[attr-defined]
+        assert store.counters.tiers["dram"].corrupt_blocks == 1
+        await store.keep_only_in(sound, "nvme")
+        assert sound.locations == ["nvme"] and await _payloads(store, keys[:1]) == want
+        assert (await store.check(fix=False)).ok
+    finally:
+        await store.close()
+
+
+async def _store_over_nvme(tmp_path: Path, policy: str, *, dram_blocks: int = 64,  # type: ignore[no-untyped-def]
+                           window_s: float = 1.0):
+    """A store on its own: a shared DRAM pool of `dram_blocks` blocks over NVMe, the write policy given (write-back:
+    a one-second window unless told; 0, no flush by age), least recently used order; and the model's fingerprint."""
     from engram.config import load_config
     from engram.server.app import build_store
 
     store = await build_store(load_config(env={}, overrides={
-        "tiers.dram.capacity": 64 * BLOCK, "tiers.nvme.path": str(tmp_path / "nvme"), "tiers.write_policy": policy,
-        "tiers.write_back_window_s": 1.0}))
+        "tiers.dram.capacity": dram_blocks * BLOCK, "tiers.nvme.path": str(tmp_path / "nvme"),
+        "tiers.write_policy": policy, "tiers.write_back_window_s": window_s, "tiers.eviction": "lru"}))
     return store, store.registry.register(SPEC)
 
 
@@ -521,11 +604,11 @@ async def _write_through_store(tmp_path: Path):  # type: ignore[no-untyped-def]
     return store, store.registry.register(SPEC)
 
 
-def _one_block(seed: int):  # type: ignore[no-untyped-def]
-    """A first block's header and raw payload, as a Put sends them."""
+def _one_block(seed: int, kv_seed: int | None = None):  # type: ignore[no-untyped-def]
+    """A first block's header and raw payload, as a Put sends them (`kv_seed`: other KV for the same tokens)."""
     from engram.block import BlockHeader, checksum
 
     toks = tokens(BLOCK_TOKENS, seed=seed)
-    payload = random_kv(SPEC, BLOCK_TOKENS, seed=seed).view(torch.uint8).numpy().tobytes()
+    payload = random_kv(SPEC, BLOCK_TOKENS, seed=seed if kv_seed is None else kv_seed).view(torch.uint8).numpy().tobytes()
     return BlockHeader(toks, SPEC.layout.dtype, SPEC.layout.block_shape(BLOCK_TOKENS), len(payload),
                        checksum(payload)), payload

@@ -99,7 +99,7 @@ class BlockStore:
         self.index = ChainIndex()
         self.namespaces = namespaces or OpenNamespaces()  # key salts and quotas (engram/tenancy.py)
         self.counters = StoreCounters(tiers={t.name: TierCounters() for t in tiers})
-        self.placement = Placement(list(tiers), self.index, self.counters, retry_s=retry_s)
+        self.placement = Placement(list(tiers), self.index, self.counters, self._damaged_in_a_move, retry_s=retry_s)
         if eviction not in ("learned", "lru"):
             raise ValueError(f"eviction is learned or lru, got {eviction!r}")
         if eviction == "lru":  # the model still counts (Stats shows what it would learn) but never ranks
@@ -340,21 +340,26 @@ class BlockStore:
         sampled from, is measured once stored (engram/store/quality.py)."""
         if self.flusher is not None and self.write_policy == WritePolicy.WRITE_BACK:
             await self.flusher.admit(len(payload))  # the loss window's byte bound: wait for the disk
-        while (waiting := self._pending.get(key)) is not None:
-            done = asyncio.Event()  # the same block is being stored by another put: dedupe against it
-            waiting.append(done)
-            await done.wait()
-        existing = self.index.get_in(namespace, key)
-        if existing is not None:
+        while True:
+            while (waiting := self._pending.get(key)) is not None:
+                done = asyncio.Event()  # the same block is being stored by another put: dedupe against it
+                waiting.append(done)
+                await done.wait()
+            existing = self.index.get_in(namespace, key)
+            if existing is None:
+                break
             if existing.tokens != tokens:
                 raise FailedPrecondition(f"block {index}: key {key.hex()} is stored with other tokens (hash collision)")
-            self.counters.blocks_deduplicated += 1
             if pin:
                 existing.pins += 1
             self.placement.use(existing)
             ok = True
             if self.write_policy == WritePolicy.WRITE_THROUGH:  # acknowledged again: durable again, too
-                ok = await durable.make_durable_again(self, existing, payload, payload_checksum, index=index)
+                try:
+                    ok = await durable.make_durable_again(self, existing, payload, payload_checksum, index=index)
+                except DataLoss:
+                    continue  # no copy of it verified and it was dropped: this put stores its own bytes anew
+            self.counters.blocks_deduplicated += 1
             return PutOutcome(key, stored=False, durable=ok)
 
         meta = BlockMeta(
@@ -614,7 +619,6 @@ class BlockStore:
         # promotion), and a block is unindexed only when no copy is left untried.
         while (name := next((n for n in meta.locations if n not in tried), None)) is not None:
             tried.add(name)
-            tc = self.counters.tiers[name]
             try:
                 tier = placement.tier(name)
                 in_place = tier.view(meta.key) if view and isinstance(tier, PoolTier) else None
@@ -622,19 +626,35 @@ class BlockStore:
                 if verify and checksum(payload) != meta.checksum:
                     raise DataLoss(f"block {meta.key.hex()} failed its checksum in tier {name}")
             except (DataLoss, Unavailable, OSError) as exc:
-                if isinstance(exc, DataLoss):
-                    tc.corrupt_blocks += 1
-                    self.counters.corrupt_blocks += 1
-                else:
-                    tc.io_errors += 1
                 reasons.append(str(exc))
-                await self.drop_damaged_copy(meta, name)
+                await self._copy_failed(meta, name, exc)
                 continue
             return payload, name
         if not meta.locations:
             await recovery.drop_lost(self, meta)  # and what extends it: no lookup could reach those again
         raise DataLoss(f"block {meta.key.hex()}: no tier holds a valid copy any more ({'; '.join(reasons)}); "
                        "it was dropped")
+
+    async def _copy_failed(self, meta: BlockMeta, name: str, exc: Exception) -> None:
+        """A copy that failed its checksum (DataLoss) or its read: counted in its tier, and dropped."""
+        tc = self.counters.tiers[name]
+        if isinstance(exc, DataLoss):
+            tc.corrupt_blocks += 1
+            self.counters.corrupt_blocks += 1
+        else:
+            tc.io_errors += 1
+        await self.drop_damaged_copy(meta, name)
+
+    async def _damaged_in_a_move(self, meta: BlockMeta, name: str) -> None:
+        """A copy a demotion found damaged (Placement.damaged): dropped and counted as a read drops it, the block
+        with it (and what extends it) when no copy is left. No caller hears of it: the log says so."""
+        await self._copy_failed(meta, name, DataLoss(f"block {meta.key.hex()} failed its checksum in tier {name}"))
+        gone = not meta.locations
+        if gone:
+            await recovery.drop_lost(self, meta)
+        log.warning("block %s: its %s copy failed its checksum when it was to be demoted; dropped, not written "
+                    "down%s", meta.key.hex(), name,
+                    "; no copy was left: the block left the store" if gone else "")
 
     async def prefetch(self, metas: Iterable[BlockMeta]) -> int:
         """Copy blocks held below the top tier up into it before they are asked for (a session due back soon,
@@ -750,13 +770,15 @@ class BlockStore:
     async def keep_only_in(self, meta: BlockMeta, tier_name: str) -> None:
         """Leave a block's one copy in `tier_name`, copying it there first: how `engram verify-isolation`
         (engram/isolation_rig.py) puts a block in the tier it probes. Not for serving paths: it ignores
-        the write policy, and reads the copy without counting a hit."""
+        the write policy, and reads the copy without counting a hit. A copy that fails its checksum is dropped
+        as a read drops it, never copied; DataLoss when none verifies (the block was dropped)."""
         placement = self.placement
         if tier_name not in meta.locations:
             meta.moving = True  # not a victim (nor removed) while it is read and copied
             try:
-                payload = await placement.tier(meta.tier).read(meta.key)
-                await placement.place(meta, placement.rank[tier_name], payload)
+                # its fastest copy that verifies (DataLoss: none did, the block is gone), as the flusher copies
+                payload, _ = await self._read_verified(meta)
+                await placement.place(meta, placement.rank[tier_name], typing.cast(bytes, payload))
             finally:
                 meta.moving = False
         for name in list(meta.locations):

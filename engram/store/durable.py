@@ -51,11 +51,14 @@ async def make_durable_again(store: BlockStore, meta: BlockMeta, payload: Payloa
     """`make_durable` for a stored block that a put just deduplicated against: its durable copy is written
     from the put's payload only if that is the block's own bytes (two workers' KV for the same tokens may
     differ in the last bit), else from the block's own copy, so that the file never pairs one payload with
-    the other's header and checksum."""
+    the other's header and checksum. That copy is the fastest one that verifies, as the flusher's: a copy
+    that fails its checksum is dropped as a read drops it, never written to NVMe (a file that fails every
+    read); DataLoss when none verified: the block was dropped (a Put stream then stores its own bytes anew; an
+    in-place put's block fails with it)."""
     if is_durable(store.placement, meta):
         return True
     if payload is None or payload_checksum != meta.checksum or len(payload) != meta.nbytes:
-        payload = await store.placement.tier(meta.locations[0]).read(meta.key)
+        payload, _ = await store._read_verified(meta)
     return await make_durable(store, meta, payload, index=index)
 
 

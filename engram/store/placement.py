@@ -11,6 +11,8 @@ The rules kept here:
   look stored, be built on by later puts, and vanish at a crash with them.
 - A tier whose filesystem is full (ENOSPC) is degraded: the tier above becomes the last, and the tier is
   tried again after `retry_s`; an I/O error fails that block, not the tier.
+- A demotion writes a copy down only if it verifies against the block's checksum; a damaged one is dropped
+  as a read drops it (the store's `damaged`), never made into a lower tier's copy (an NVMe file).
 Backpressure is structural: a write that needs room waits for the demotions that make it (and, when every
 candidate is moving or leased, for one of those to end, up to `wait_for_room_s`).
 """
@@ -22,10 +24,10 @@ import contextlib
 import logging
 import time
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from engram.block import Payload
+from engram.block import Payload, checksum
 from engram.errors import DataLoss, FailedPrecondition, ResourceExhausted, StorageFull, Unavailable
 from engram.eviction import ReturnModel, TierVictims
 from engram.index import BlockMeta, ChainIndex
@@ -55,6 +57,9 @@ class Placement:
     tiers: list[Tier]
     index: ChainIndex
     counters: StoreCounters
+    # A copy a demotion found damaged (it failed its checksum): the store drops it as a read would, counted
+    # (BlockStore.drop_damaged_copy; with it the block, when no copy is left), instead of writing it down.
+    damaged: Callable[[BlockMeta, str], Awaitable[None]]
     retry_s: float = 5.0
     wait_for_room_s: float = 10.0
 
@@ -185,7 +190,7 @@ class Placement:
             elif lower is not None:
                 try:
                     if not await self._demote(victim, i, lower, wait=wait):
-                        continue  # read meanwhile: it keeps this copy too, and another victim makes the room
+                        continue  # read meanwhile: it keeps this copy, another victim makes the room; or damaged: gone
                 except ResourceExhausted:
                     if wait:
                         demote = False  # the tier below is full of what it may not evict: delete leaves here
@@ -212,18 +217,26 @@ class Placement:
             victims.rebuild(self.index)
 
     async def _demote(self, meta: BlockMeta, i: int, j: int, *, wait: bool = True) -> bool:
-        """Copy a victim down to tier j, then drop its copy in tier i; False when a reader leased the block
-        while it was copied: a read may be serving that copy's bytes in place (a view of its pool slot), so
-        the copy stays (and is the first to go once the read ends: it has a copy below)."""
+        """Copy a victim down to tier j, then drop its copy in tier i; False when it did not move: a reader
+        leased the block while it was copied (a read may be serving that copy's bytes in place, a view of its
+        pool slot, so the copy stays, and is the first to go once the read ends: it has a copy below), or the
+        copy failed its checksum (a bit flipped in the pool): that is never written down, where it became a
+        file under the block's checksum that fails every read, but dropped as damaged (`damaged`), which makes
+        the room as well."""
         meta.moving = True
         self.busy += 1
         try:
             payload = await self.tiers[i].read(meta.key)
-            await self.place(meta, j, payload, wait=wait)  # a promotion's room below waits on no lease either
+            sound = checksum(payload) == meta.checksum  # the flusher's check (BlockStore._read_verified)
+            if sound:
+                await self.place(meta, j, payload, wait=wait)  # a promotion's room below waits on no lease either
         finally:
             meta.moving = False
             self.busy -= 1
             self.notify_freed()
+        if not sound:
+            await self.damaged(meta, self.tiers[i].name)
+            return False
         tc = self.counters.tiers[self.tiers[i].name]
         tc.demotions += 1
         tc.demoted_bytes += len(payload)
