@@ -315,3 +315,70 @@ async def test_open_health_watches_without_a_token_cannot_take_the_tenants_call_
             await check(b"\xff\xff\xff")
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert not [r for r in caplog.records if r.exc_info], "a traceback in the log for a request anyone may send"
+
+
+async def test_every_method_the_daemon_serves_checks_a_token_or_is_one_of_the_open_methods(server_factory,  # type: ignore[no-untyped-def]
+                                                                                           monkeypatch) -> None:
+    """The open services (no token, a share of their own) are an exact set of methods (server/openrpcs.py), not
+    name prefixes. Every method the daemon registers, whatever registers it, is either refused
+    UNAUTHENTICATED without a token, or one of that set and counted in its share (with the one slot of
+    server.max_concurrent_open_rpcs held by a Health/Watch, refused RESOURCE_EXHAUSTED); and every method of
+    the set is served. A service added later fails here until it is classified."""
+    from grpc.aio import _server
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from engram.server.openrpcs import OPEN_METHODS
+
+    registered: dict[str, grpc.RpcMethodHandler] = {}
+    add_generic, add_registered = _server.Server.add_generic_rpc_handlers, _server.Server.add_registered_method_handlers
+
+    def generic(self, handlers):  # type: ignore[no-untyped-def]
+        for h in handlers:
+            table = getattr(h, "_method_handlers", None)  # grpc.method_handlers_generic_handler's table
+            assert table is not None, f"a generic handler whose methods this test cannot list: {h!r}"
+            registered.update(table)
+        return add_generic(self, handlers)
+
+    def by_service(self, service, handlers):  # type: ignore[no-untyped-def]
+        registered.update({f"/{service}/{name}": h for name, h in handlers.items()})
+        return add_registered(self, service, handlers)
+
+    monkeypatch.setattr(_server.Server, "add_generic_rpc_handlers", generic)
+    monkeypatch.setattr(_server.Server, "add_registered_method_handlers", by_service)
+    srv = await server_factory(**{"server.max_concurrent_open_rpcs": 1, "auth.tenants.alice.token": "alice-token",
+                                  "auth.salt_secret": "s"})
+    open_methods = {m for m in registered if m in OPEN_METHODS}
+    assert open_methods == OPEN_METHODS
+    token_checked = sorted(set(registered) - OPEN_METHODS)
+    strays = [m for m in token_checked if not m.startswith("/engram.v1.")]
+    assert len(token_checked) > 10 and not strays, f"neither Engram's methods nor open ones: {strays}"
+    async with grpc.aio.insecure_channel(srv.address) as channel:
+        for method in token_checked:
+            assert await _status_without_a_token(channel, method, registered[method]) == \
+                grpc.StatusCode.UNAUTHENTICATED, method
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""))
+        assert (await asyncio.wait_for(watch.read(), 10)).status == health_pb2.HealthCheckResponse.SERVING
+        for method in sorted(OPEN_METHODS):
+            assert await _status_without_a_token(channel, method, registered[method]) == \
+                grpc.StatusCode.RESOURCE_EXHAUSTED, method
+        watch.cancel()
+
+
+async def _status_without_a_token(channel: grpc.aio.Channel, method: str, handler: grpc.RpcMethodHandler
+                                  ) -> grpc.StatusCode:
+    """Call `method` with an empty request (a stream of none), as its handler's kind takes it: its status."""
+    async def nothing():  # type: ignore[no-untyped-def]
+        return
+        yield
+
+    kind = f"{'stream' if handler.request_streaming else 'unary'}_{'stream' if handler.response_streaming else 'unary'}"
+    call = getattr(channel, kind)(method)(nothing() if handler.request_streaming else b"")
+    try:
+        if handler.response_streaming:
+            async for _ in call:
+                pass
+        else:
+            await call
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK

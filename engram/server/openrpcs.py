@@ -17,12 +17,25 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.descriptor import ServiceDescriptor
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2
 
 from engram.server.arrival import first_request
 from engram.wire.stream import answered
 
-OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
-                 "/grpc.reflection.v1.ServerReflection/")
+
+def _methods(*services: ServiceDescriptor) -> frozenset[str]:
+    """Each service's methods as gRPC names them on the wire ("/package.Service/Method")."""
+    return frozenset(f"/{service.full_name}/{method.name}" for service in services for method in service.methods)
+
+
+# The open services' methods, exactly, from the modules that register them (engram/server/app.py): not name
+# prefixes, under which a service added later beside them would have been taken as open, and one of another name
+# (another reflection version) would have escaped their share. tests/test_server_errors.py checks that every
+# method the daemon registers is one of these or checks a token.
+OPEN_METHODS = _methods(health_pb2.DESCRIPTOR.services_by_name["Health"],
+                        reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"])
 
 
 class _Undecodable:
@@ -44,7 +57,7 @@ class OpenServiceGuard(grpc.aio.ServerInterceptor):
                                 handler_call_details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
-        if handler is None or not method.startswith(OPEN_SERVICES):
+        if handler is None or method not in OPEN_METHODS:
             return handler
         decode = handler.request_deserializer
 
