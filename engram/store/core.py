@@ -744,13 +744,13 @@ class BlockStore:
         await self.placement.drop_spare_copy(meta, tier_name)
 
     async def drop_damaged_copy(self, meta: BlockMeta, tier_name: str) -> None:
-        """Drop a copy found damaged or unreadable (a read, `check --fix`, the start's check of journal-trusted
-        files all drop it here). A block that loses its durable (NVMe) copy so while memory holds one would stay
-        acknowledged and indexed in memory alone, nothing pending, lost at a crash: it is written to NVMe again
-        from its fastest copy that verifies (the flusher's copy). Under write-through before this returns (the
-        policy promises acknowledged = durable; a write that fails leaves it pending, due at once); under
-        write-back it is pending again, as a block just put. Evictions and `keep_only_in` drop copies on
-        purpose, not through here."""
+        """Drop a copy found damaged or unreadable (a read, a demotion, `check --fix`, the start's check of
+        journal-trusted files all drop it here). A block that loses its durable (NVMe) copy so while memory holds
+        one would stay acknowledged and indexed in memory alone, nothing pending, lost at a crash: it is written
+        to NVMe again from its fastest copy that verifies (the flusher's copy). Under write-through before this
+        returns (the policy promises acknowledged = durable; a write that fails leaves it pending, due at once);
+        under write-back it is pending again, as a block just put. Evictions and `keep_only_in` drop sound
+        copies on purpose, not through here."""
         placement, flusher = self.placement, self.flusher
         await placement.drop_copy(meta, tier_name)
         d = durable.durable_tier(placement)
