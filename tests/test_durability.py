@@ -479,6 +479,32 @@ async def test_a_demotion_never_writes_a_damaged_dram_copy_to_nvme(tmp_path: Pat
         await store.close()
 
 
+async def test_a_put_whose_parent_is_dropped_while_it_makes_room_is_refused_not_stored_as_an_orphan(
+        tmp_path: Path) -> None:
+    """A block's put makes room in a full pool by demoting its own parent (the least recently used block), whose
+    pool copy a stray writer damaged: the parent is dropped as damaged, and the child, put under a parent that is
+    no longer stored, is refused (Lookup again) instead of published as an orphan that no Lookup reaches and a
+    restart drops."""
+    from engram.keys import block_key
+
+    from helpers import put_raw_chain
+
+    store, fp = await _store_over_nvme(tmp_path, "write-back", dram_blocks=4, window_s=0)
+    try:
+        parent = (await put_raw_chain(store, "a", SPEC, seed=30, n_blocks=1))[0]
+        await put_raw_chain(store, "a", SPEC, seed=31, n_blocks=3)  # the pool is full; the parent is its oldest
+        store.tiers[0].view(parent)[-1] ^= 0x40  # type: ignore[attr-defined]
+        header, payload = _one_block(seed=32)
+        with pytest.raises(errors.FailedPrecondition, match="left the store while this put"):
+            await store.put("a", fp, parent, header, payload)
+        assert store.block(parent) is None
+        assert store.block(block_key(parent, header.tokens)) is None
+        assert store.counters.tiers["dram"].corrupt_blocks == 1
+        assert (await store.check(fix=False)).ok
+    finally:
+        await store.close()
+
+
 async def test_a_deduplicated_put_never_makes_a_damaged_dram_copy_durable(tmp_path: Path) -> None:
     """Write-through: a block held only in DRAM (its NVMe copy gone) whose pool copy a stray writer damaged is
     put again with other bytes for the same tokens. Making it durable again needs the block's own bytes: its

@@ -362,6 +362,7 @@ class BlockStore:
             self.counters.blocks_deduplicated += 1
             return PutOutcome(key, stored=False, durable=ok)
 
+        self._check_parent_stayed(namespace, parent, pmeta, index)  # the awaits above let it be evicted
         meta = BlockMeta(
             key=key, parent=parent, namespace=namespace, model_fingerprint=model_fingerprint, tokens=tokens,
             num_tokens=num_tokens, dtype=dtype, shape=shape, nbytes=len(payload),
@@ -382,6 +383,8 @@ class BlockStore:
             await placement.place(meta, 0, payload)
             if self.write_policy == WritePolicy.WRITE_THROUGH:
                 ok = await durable.make_durable(self, meta, payload, index=index)  # NotDurable: not acknowledged
+            # Making room may have demoted the parent and found its copy damaged (dropped): no orphan is published.
+            self._check_parent_stayed(namespace, parent, pmeta, index)
             self.index.add(meta)  # published only now that the bytes are in their tiers
             placement.compete(meta)
         except BaseException:
@@ -407,6 +410,15 @@ class BlockStore:
         if meta.full and self.index.has_partial_children(namespace, parent):
             await self._drop_superseded_partials(meta)
         return PutOutcome(key, stored=True, durable=ok)
+
+    def _check_parent_stayed(self, namespace: str, parent: bytes, pmeta: BlockMeta | None, index: int) -> None:
+        """The parent checked before a put's awaits is still the stored one: a child published under a parent
+        that left meanwhile (evicted while the put waited for the write-back window or another put of its key,
+        or dropped as damaged when making room demoted it) is an orphan no Lookup reaches and a restart drops."""
+        if pmeta is not None and self.index.get_in(namespace, parent) is not pmeta:
+            raise FailedPrecondition(f"block {index}: parent block {brief(parent)} left the store while this put "
+                                     "waited (evicted, or dropped as damaged); Lookup again and put the chain from "
+                                     "its first missing block")
 
     def _charge_quota(self, namespace: str, nbytes: int, index: int) -> None:
         """Count a new block against its namespace's quota (physical bytes: a deduplicated block is free)."""
