@@ -133,21 +133,22 @@ async def test_a_put_stream_that_stops_sending_ends_and_a_call_without_its_messa
         yield pb.PutRequest(header=pb.PutHeader(model_fingerprint=fp, namespace="ns")).SerializeToString()
         await asyncio.Event().wait()
 
+    async def nothing() -> AsyncIterator[bytes]:
+        return
+        yield b""  # pragma: no cover
+
     async with grpc.aio.insecure_channel(srv.address) as channel:
-        put = channel.stream_unary("/engram.v1.Engram/Put", request_serializer=lambda b: b,
-                                   response_deserializer=lambda b: b)
-        with pytest.raises(grpc.aio.AioRpcError) as stalled:
-            await asyncio.wait_for(put(header_then_nothing()), 20)
-        assert stalled.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert "next message of this Put stream" in (stalled.value.details() or "")
+        stalled = await _ended(channel, "/engram.v1.Engram/Put", header_then_nothing())
+        assert stalled.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "next message of this Put stream" in (stalled.details() or "")
+        empty = await _ended(channel, "/engram.v1.Engram/Stats", nothing())
+        assert empty.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "without its request message" in (empty.details() or "")
 
-        async def nothing() -> AsyncIterator[bytes]:
-            return
-            yield b""  # pragma: no cover
 
-        stats = channel.stream_unary("/engram.v1.Engram/Stats", request_serializer=lambda b: b,
-                                     response_deserializer=lambda b: b)
-        with pytest.raises(grpc.aio.AioRpcError) as empty:
-            await asyncio.wait_for(stats(nothing()), 20)
-        assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "without its request message" in (empty.value.details() or "")
+async def _ended(channel: grpc.aio.Channel, method: str, requests: AsyncIterator[bytes]) -> grpc.aio.AioRpcError:
+    """The error a call of `method` sending `requests` ends with (within 20 s)."""
+    call = channel.stream_unary(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    with pytest.raises(grpc.aio.AioRpcError) as ended:
+        await asyncio.wait_for(call(requests), 20)
+    return ended.value
