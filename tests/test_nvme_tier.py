@@ -208,6 +208,46 @@ async def test_a_block_written_again_with_other_bytes_survives_losing_the_journa
     await store.close()
 
 
+async def test_a_write_cancelled_while_it_waits_for_the_journal_gives_its_room_back(tmp_path: Path) -> None:
+    """Write-through: a block is evicted (its remove not yet synced to the journal) and put again; the client
+    cancels the put while the NVMe write waits for that sync. The room the write had set aside is given back:
+    it was not (the wait ran outside the write's give-back), so each such cancel lost a block's room until a
+    restart, and a tier of 0 blocks came to refuse every put as full (an audit, session 44)."""
+    store = await make_store(tmp_path / "nvme", dram_blocks=64, write_policy="write-through")
+    nvme = store.tiers[1]
+    t = tokens(BLOCK_TOKENS, seed=40)
+    kv = random_kv(SPEC, len(t), seed=40)
+    [key] = await put_seq(store, t, kv)
+    meta = store.index.get(key)
+    assert meta is not None
+    await store.placement.delete_block(meta)
+    assert nvme.used_bytes == 0 and key in nvme._removed  # type: ignore[attr-defined]
+    gate = threading.Event()
+    journal = nvme._journal  # type: ignore[attr-defined]
+    sync = journal.sync
+
+    def held_sync() -> None:
+        gate.wait(30)
+        sync()
+
+    journal.sync = held_sync
+    put = asyncio.create_task(put_seq(store, t, kv))
+    for _ in range(1000):
+        if nvme.used_bytes:
+            break
+        await asyncio.sleep(0.001)
+    assert nvme.used_bytes > 0  # room set aside, the write waiting for the remove's sync
+    put.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await put
+    gate.set()
+    journal.sync = sync
+    assert nvme.used_bytes == 0 and not block_files(tmp_path / "nvme")
+    assert await put_seq(store, t, kv) == [key]  # and the tier takes it again
+    assert nvme.used_bytes == sum(p.stat().st_size for p in block_files(tmp_path / "nvme"))
+    await store.close()
+
+
 async def test_a_journaled_block_whose_file_is_gone_at_start_survives_being_written_again_and_a_power_loss(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A block the snapshot records whose file is gone at start (an offline check --fix removed it, or a power

@@ -215,10 +215,14 @@ class NvmeTier:
             except BaseException:
                 self.unreserve(reserved)
                 raise
-        while (deleting := self._deleting.get(rec.key)) is not None:
-            await deleting.wait()  # the key's old file is being unlinked: that unlink must not take the new one
-        if rec.key in self._removed:  # its old header's remove must be on disk before a new file is
-            await self._sync_journal()
+        try:  # a cancel or a failed sync here gave the room back to no one: the tier lost it until a restart
+            while (deleting := self._deleting.get(rec.key)) is not None:
+                await deleting.wait()  # the key's old file is being unlinked: that unlink must not take the new one
+            if rec.key in self._removed:  # its old header's remove must be on disk before a new file is
+                await self._sync_journal()
+        except BaseException:
+            self.unreserve(reserved)
+            raise
         tmp = self.tmp_dir / f"{rec.key.hex()}.{uuid.uuid4().hex[:8]}.tmp"
         out: dict[str, object] = {}
 
