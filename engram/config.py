@@ -275,6 +275,9 @@ class ClusterConfig:
     peer_token: str = ""  # bearer token daemons present to each other (env:VAR / file:PATH); empty: from secret
     peer_root_cert: str = ""  # PEM root certificate to verify peers that serve TLS
     fetch_timeout_s: float = 5.0  # one peer fetch; past it the block counts as a miss
+    # The most blocks one Get or Lookup copies from peers (a Get's keys with the ancestors this daemon lacks): a
+    # Get of keys deeper than this below anything held here is NOT_FOUND at once, nothing copied
+    max_fetch_blocks: int = 4096
     # A block's record of holders in Redis expires this long after a holder last wrote it; every node writes all
     # of its own again each third of it, so only records no live node holds go (a crashed node's, a stopped one's)
     record_ttl_s: float = 3600.0
@@ -363,7 +366,8 @@ class EngramConfig:
                            ("server.max_blocks_per_request", s.max_blocks_per_request),
                            ("server.max_tokens_per_request", s.max_tokens_per_request),
                            ("server.max_sessions_per_namespace", s.max_sessions_per_namespace),
-                           ("replay.max_persisted_window_bytes", self.replay.max_persisted_window_bytes)):
+                           ("replay.max_persisted_window_bytes", self.replay.max_persisted_window_bytes),
+                           ("cluster.max_fetch_blocks", self.cluster.max_fetch_blocks)):
             if value <= 0:
                 raise ConfigError(f"{key} must be positive, got {value}")
         if not s.gc_full_s >= s.gc_freeze_s:

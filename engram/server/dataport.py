@@ -424,7 +424,7 @@ class DataPort:
     async def _get(self, conn: wire.Conn, meta: bytearray) -> None:
         req = _parse(pb.GetRequest, meta, "a GET's metadata")
         try:
-            ns, metas = await self.service.blocks_to_get(req)
+            ns, metas = await self.service.blocks_to_get(req, client_gone=conn.closed_by_peer)
             # Closed here, not when collected, if a send fails or stalls: the blocks it holds go with the request.
             async with contextlib.aclosing(self.service.serve_bytes(ns, req.model_fingerprint, metas,
                                                                     decode=req.decode)) as blocks:

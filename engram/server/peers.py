@@ -7,15 +7,17 @@ its tokens hash to. The peer token goes only to addresses from signed, fresh nod
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import grpc
 import numpy as np
 
 from engram.block import BlockHeader
-from engram.cluster import ClusterIndex
-from engram.errors import EngramError
+from engram.cluster import ClusterIndex, Holder
+from engram.errors import EngramError, FailedPrecondition, NotFound, ResourceExhausted, brief
 from engram.keys import block_key, chain_keys
 from engram.store import BlockStore
 from engram.v1 import engram_pb2 as pb
@@ -25,19 +27,31 @@ from engram.wire.stream import Reassembler, client_reassembler
 
 log = logging.getLogger("engram.server.peers")
 
-MAX_CHAIN = 256  # ancestors a Get-triggered fetch follows before it gives up (the payloads wait in memory)
+FETCH_BATCH = 128  # blocks one FetchBlocks asks for when a chain is copied (under any peer's max_blocks_per_request)
+
+
+class _PeerFailed(EngramError):
+    """This holder could not supply the block (gone, evicted it, sent something that does not verify): the next
+    holder is tried."""
+
+
+class _Unstorable(EngramError):
+    """A block that verified could not be stored here (the tier full, a quota, its parent evicted meanwhile):
+    copying more of the chain would be for nothing."""
 
 
 class PeerFetcher:
     def __init__(self, cluster: ClusterIndex, store: BlockStore, *, token: str = "", root_cert: bytes | None = None,
-                 timeout_s: float = 5.0, metadata: tuple[tuple[str, str], ...] = ()) -> None:
-        """metadata: sent with the token on every call (ClusterTrust.peer_metadata: this daemon's node id)."""
+                 timeout_s: float = 5.0, max_blocks: int = 4096, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        """max_blocks: the most blocks one call copies (cluster.max_fetch_blocks). metadata: sent with the token
+        on every call (ClusterTrust.peer_metadata: this daemon's node id)."""
         self.cluster = cluster
         self.store = store
         self.token = token
         self.metadata = metadata
         self.root_cert = root_cert
         self.timeout_s = timeout_s
+        self.max_blocks = max_blocks
         # node id -> (address, channel, stub): one channel per peer, replaced when the peer moves (a restart on
         # another port or host), so restarts do not pile up channels
         self._peers: dict[str, tuple[str, grpc.aio.Channel, Any]] = {}
@@ -58,105 +72,184 @@ class PeerFetcher:
 
     async def fill(self, namespace: str, fingerprint: bytes, tokens: np.ndarray, have_tokens: int) -> int:
         """Copy the full blocks of `tokens` after the first `have_tokens` from peers, in chain order, until
-        one is not found; returns how many were stored."""
+        one is not found or cluster.max_fetch_blocks are copied; returns how many were stored."""
         bt = self.store.spec(fingerprint).layout.block_tokens
         salt = self.store.namespaces.salt(namespace)
         parent = self.store.root(namespace, fingerprint)
         stored = 0
         for key, start, end in chain_keys(namespace, fingerprint, tokens, bt, salt):
-            if end - start < bt:
+            if end - start < bt or stored >= self.max_blocks:
                 break
             if end <= have_tokens:
                 parent = key
                 continue
-            if not await self._fetch_one(namespace, fingerprint, parent, key):
+            try:
+                if not await self._copy_from_any(namespace, fingerprint, parent, [key]):
+                    break
+            except _Unstorable:
                 break
             parent = key
             stored += 1
         return stored
 
-    async def fetch_keys(self, namespace: str, fingerprint: bytes, keys: list[bytes]) -> int:
-        """Copy blocks named by key from peers, with whatever of their chains this daemon lacks (a Get of
-        keys the worker learnt from another daemon); returns how many blocks were stored."""
-        stored = 0
-        for key in keys:
-            if not self.store.holds(namespace, key):
-                stored += await self._fetch_chain(namespace, fingerprint, key)
-        return stored
+    async def fetch_keys(self, namespace: str, fingerprint: bytes, keys: list[bytes]) -> None:
+        """Copy the blocks named by key that this daemon lacks from peers, with the ancestors it lacks (a Get of
+        keys the worker learnt from another daemon), parents first, each stored as it arrives. A Get needs every
+        key: the first one that cannot be had within cluster.max_fetch_blocks blocks in all ends the copying,
+        NotFound saying why (nothing downloaded only to be dropped, no chain asked for again per key)."""
+        left = self.max_blocks
+        # Last key first: a Get names a chain root-most first, so its last key's ancestors are most of the others.
+        for i in reversed(range(len(keys))):
+            if not self.store.holds(namespace, keys[i]):
+                left -= await self._fetch_chain(namespace, fingerprint, keys[i], i, left)
 
-    async def _fetch_chain(self, namespace: str, fingerprint: bytes, key: bytes) -> int:
-        """Download `key` and its missing ancestors (up to MAX_CHAIN), then store them parents first."""
+    async def _fetch_chain(self, namespace: str, fingerprint: bytes, key: bytes, index: int, left: int) -> int:
+        """Copy `key` and the ancestors this daemon lacks from a holder, within `left` blocks; returns how many
+        were stored. The holder first lists the ancestors (FetchBlocks with `ancestors`), so a chain too long is
+        refused before any of it is copied."""
+        what = f"block {index} ({brief(key)})"
+        holders = await self.cluster.holders(key)
+        if not holders:
+            raise NotFound(f"{what} is not stored here, nor by a live peer of the cluster")
         root = self.store.root(namespace, fingerprint)
-        chain: list[tuple[bytes, bytes, BlockHeader, bytes]] = []  # (key, parent, header, payload), child first
-        while len(chain) < MAX_CHAIN:
-            got = await self._download(namespace, fingerprint, key, parent=None)
-            if got is None:
-                return 0
-            parent, header, payload = got
-            chain.append((key, parent, header, payload))
-            if parent == root or self.store.holds(namespace, parent):
-                break
-            key = parent
-        else:
-            return 0
         stored = 0
-        for key, parent, header, payload in reversed(chain):
-            if not await self._store(namespace, fingerprint, key, parent, header, payload):
-                break
-            stored += 1
+        for holder in holders:
+            room = left - stored
+            if room < 1:
+                raise NotFound(f"{what} is not stored here, and this Get has copied cluster.max_fetch_blocks "
+                               f"({self.max_blocks}) blocks from peers already")
+            try:
+                ancestors = await self._ancestors(holder, namespace, fingerprint, key, room)
+                chain = [key]
+                for ancestor in ancestors:
+                    if self.store.holds(namespace, ancestor):
+                        parent = ancestor
+                        break
+                    chain.append(ancestor)
+                else:
+                    if len(chain) > room:
+                        raise NotFound(f"{what} is not stored here, and a peer holds it more than {room} blocks "
+                                       "below anything this daemon holds, more than this Get may copy "
+                                       f"(cluster.max_fetch_blocks = {self.max_blocks}): none of them was copied")
+                    parent = root
+                chain.reverse()
+                stored += await self._copy(holder, namespace, fingerprint, parent, chain)
+                return stored
+            except _PeerFailed as exc:
+                self._peer_failed(key, holder.node_id, exc)
+            except _Unstorable as exc:
+                raise NotFound(f"{what} is not stored here, and its chain from a peer could not be stored: "
+                               f"{exc}") from None
+        raise NotFound(f"{what} is not stored here, and no peer holding it could supply it (see the log)")
+
+    async def _ancestors(self, holder: Holder, namespace: str, fingerprint: bytes, key: bytes,
+                         most: int) -> list[bytes]:
+        request = pb.FetchBlocksRequest(keys=[key], namespace=namespace, model_fingerprint=fingerprint,
+                                        ancestors=most)
+        try:
+            call = self._stub(holder.node_id, holder.address).FetchBlocks(request, timeout=self.timeout_s)
+            resp = await call.read()
+            call.cancel()
+        except grpc.aio.AioRpcError as exc:
+            raise _PeerFailed(str(exc)) from None
+        if resp is grpc.aio.EOF or resp.HasField("chunk") or len(resp.ancestors) > most:
+            raise _PeerFailed("the peer does not list a block's ancestors (a daemon older than this one)")
+        return list(resp.ancestors)
+
+    async def _copy_from_any(self, namespace: str, fingerprint: bytes, parent: bytes, keys: list[bytes]) -> bool:
+        """Copy one block under a stored `parent` from the first live holder that supplies it."""
+        for holder in await self.cluster.holders(keys[-1]):
+            try:
+                await self._copy(holder, namespace, fingerprint, parent, keys)
+                return True
+            except _PeerFailed as exc:
+                self._peer_failed(keys[-1], holder.node_id, exc)
+        return False
+
+    def _peer_failed(self, key: bytes, node: str, exc: Exception) -> None:
+        self.cluster.counters.remote_failures += 1
+        log.warning("peer fetch of %s from %s failed: %s", key.hex(), node, exc)
+
+    async def _copy(self, holder: Holder, namespace: str, fingerprint: bytes, parent: bytes,
+                    chain: list[bytes]) -> int:
+        """Copy `chain` (keys root-most first, the first a child of `parent`, the last the key `holder`'s record
+        names) from `holder`, storing each block as it arrives: no more than one block's bytes wait here.
+        Returns how many were stored; _PeerFailed or _Unstorable when one was not."""
+        stored = 0
+        for start in range(0, len(chain), FETCH_BATCH):
+            batch = chain[start : start + FETCH_BATCH]
+            blocks = self._blocks(holder, namespace, fingerprint, parent, batch, last=start + len(batch) == len(chain))
+            async with contextlib.aclosing(blocks):  # a block not stored ends the call to the peer at once
+                async for key, header, payload in blocks:
+                    await self._store(namespace, fingerprint, key, parent, header, payload)
+                    parent = key
+                    stored += 1
         return stored
 
-    async def _fetch_one(self, namespace: str, fingerprint: bytes, parent: bytes, key: bytes) -> bool:
-        got = await self._download(namespace, fingerprint, key, parent=parent)
-        return got is not None and await self._store(namespace, fingerprint, key, parent, got[1], got[2])
-
-    async def _download(self, namespace: str, fingerprint: bytes, key: bytes, *,
-                        parent: bytes | None) -> tuple[bytes, BlockHeader, bytes] | None:
-        """One block from the first live holder whose copy verifies against the advertised checksum:
-        (its parent key, header, payload); None when no holder has it. `parent`, when known, must match."""
-        for holder in await self.cluster.holders(key):
-            try:
-                got = None
-                sent_parent = b""
-                blocks: Reassembler[pb.BlockHeader] = client_reassembler(lambda h: h.payload_nbytes)
-                mac = b""
-                request = pb.FetchBlocksRequest(keys=[key], namespace=namespace, model_fingerprint=fingerprint)
-                async for resp in self._stub(holder.node_id, holder.address).FetchBlocks(request,
-                                                                                          timeout=self.timeout_s):
-                    c = resp.chunk
-                    if c.HasField("header"):
-                        sent_parent, mac = resp.parent_key, resp.mac
-                        if c.key != key or resp.namespace != namespace or \
-                                resp.model_fingerprint != fingerprint or parent not in (None, sent_parent):
-                            raise EngramError("the peer sent another block than the one asked for")
-                    got = blocks.add(c.header if c.HasField("header") else None, c.data, c.last, 0) or got
+    async def _blocks(self, holder: Holder, namespace: str, fingerprint: bytes, parent: bytes, keys: list[bytes],
+                      *, last: bool) -> AsyncGenerator[tuple[bytes, BlockHeader, bytes], None]:
+        """The blocks `keys` (a chain under `parent`) from `holder`, in order, each verified: against the MAC this
+        daemon computes with the cluster secret, the key its tokens hash to under the expected parent, and (the
+        `last` batch's last block) the checksum the holder's signed record advertises. Each block has
+        fetch_timeout_s to arrive."""
+        request = pb.FetchBlocksRequest(keys=keys, namespace=namespace, model_fingerprint=fingerprint)
+        call = self._stub(holder.node_id, holder.address).FetchBlocks(request)
+        blocks: Reassembler[pb.BlockHeader] = client_reassembler(lambda h: h.payload_nbytes)
+        loop = asyncio.get_running_loop()
+        n, mac = 0, b""
+        try:
+            deadline = loop.time() + self.timeout_s
+            while n < len(keys):
+                async with asyncio.timeout_at(deadline):  # not around the yield: storing is not the peer's time
+                    resp = await call.read()
+                if resp is grpc.aio.EOF:
+                    raise _PeerFailed(f"the peer sent {n} of the {len(keys)} blocks asked for (evicted meanwhile)")
+                c = resp.chunk
+                if c.HasField("header"):
+                    mac = resp.mac
+                    if c.key != keys[n] or resp.namespace != namespace or \
+                            resp.model_fingerprint != fingerprint or resp.parent_key != parent:
+                        raise _PeerFailed("the peer sent another block than the one asked for")
+                got = blocks.add(c.header if c.HasField("header") else None, c.data, c.last, 0)
                 if got is None:
-                    continue  # the peer evicted it meanwhile
+                    continue
+                key = keys[n]
                 header = convert.header_from_pb(got[0], 0)
-                if not self.cluster.trust.block_verifies(mac, key, sent_parent, namespace, fingerprint, header.codec,
+                if not self.cluster.trust.block_verifies(mac, key, parent, namespace, fingerprint, header.codec,
                                                          got[1]):
-                    raise EngramError("the block's MAC does not verify under the cluster secret: forged or damaged")
-                if block_key(sent_parent, header.tokens) != key:  # the MAC binds key and parent; the key, its tokens
-                    raise EngramError("the block's tokens do not hash to its key: altered on the way")
-                if header.checksum != holder.checksum:
-                    raise EngramError("the block's checksum differs from the one its holder record advertised")
-                return sent_parent, header, got[1]
-            except (grpc.aio.AioRpcError, EngramError) as exc:
-                self.cluster.counters.remote_failures += 1
-                log.warning("peer fetch of %s from %s failed: %s", key.hex(), holder.node_id, exc)
-        return None
+                    raise _PeerFailed("the block's MAC does not verify under the cluster secret: forged or damaged")
+                if block_key(parent, header.tokens) != key:  # the MAC binds key and parent; the key, its tokens
+                    raise _PeerFailed("the block's tokens do not hash to its key: altered on the way")
+                if last and n == len(keys) - 1 and header.checksum != holder.checksum:
+                    raise _PeerFailed("the block's checksum differs from the one its holder record advertised")
+                yield key, header, got[1]
+                parent, n = key, n + 1
+                deadline = loop.time() + self.timeout_s
+        except grpc.aio.AioRpcError as exc:
+            raise _PeerFailed(str(exc)) from None
+        except TimeoutError:
+            raise _PeerFailed(f"no block within cluster.fetch_timeout_s ({self.timeout_s:g} s)") from None
+        except EngramError as exc:
+            if isinstance(exc, _PeerFailed):
+                raise
+            raise _PeerFailed(str(exc)) from None
+        finally:
+            call.cancel()
 
     async def _store(self, namespace: str, fingerprint: bytes, key: bytes, parent: bytes, header: BlockHeader,
-                     payload: bytes) -> bool:
+                     payload: bytes) -> None:
         try:
             await self.store.put(namespace, fingerprint, parent, header, payload)  # verifies it again
+        except (ResourceExhausted, FailedPrecondition) as exc:
+            # Not the peer's doing: no remote failure (a full pool was counted and logged as one, "did not verify")
+            log.info("a peer's block %s was not stored: %s", key.hex(), exc)
+            raise _Unstorable(str(exc)) from None
         except EngramError as exc:
             self.cluster.counters.remote_failures += 1
             log.warning("a peer's block %s did not verify: %s", key.hex(), exc)
-            return False
+            raise _PeerFailed(f"its block {brief(key)} did not verify here: {exc}") from None
         self.cluster.counters.remote_hits += 1
         self.cluster.counters.remote_bytes += len(payload)
-        return True
 
     async def close(self) -> None:
         for _, channel, _ in self._peers.values():

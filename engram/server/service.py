@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -82,6 +82,22 @@ def _refs(metas: tuple[BlockMeta, ...] | list[BlockMeta]) -> list[pb.BlockRef]:
 
 def _header_of(meta: BlockMeta, codec: str) -> BlockHeader:
     return BlockHeader(meta.token_array(), meta.dtype, meta.shape, meta.nbytes, meta.checksum, codec)
+
+
+async def _unless_gone(work: Coroutine[Any, Any, None], gone: Awaitable[None]) -> None:
+    """Await `work` unless `gone` returns first: then `work` is cancelled (a peer fetch does not go on for a
+    client that has left) and ConnectionError is raised."""
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(gone)
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    if task.cancelled():  # here only by the watch: cancelled from outside, this call raised already
+        raise ConnectionError("the client closed its connection while its Get waited on the cluster's peers")
+    task.result()
 
 
 def _window_from_pb(msg: pb.SwaWindowData) -> Window:
@@ -288,9 +304,11 @@ class EngramService:
             with contextlib.suppress(EngramError):  # a namespace the caller may not use: its leases stay theirs
                 self.leases.release_known(namespace_for(None, req.namespace), list(req.release_lease_ids))
 
-    async def blocks_to_get(self, req: pb.GetRequest) -> tuple[str, list[BlockMeta]]:
+    async def blocks_to_get(self, req: pb.GetRequest, client_gone: Callable[[], Awaitable[None]] | None = None
+                            ) -> tuple[str, list[BlockMeta]]:
         """A Get's namespace and blocks, whichever channel answers it; keys this daemon lacks are copied from
-        the cluster's peers first."""
+        the cluster's peers first. client_gone: returns when the caller has gone (the data channel's client
+        closed its connection; gRPC cancels the call itself), which ends the copying: ConnectionError."""
         check_limit("Get keys", len(req.keys), self.config.max_blocks_per_request)
         check_limit("Get release_lease_ids", len(req.release_lease_ids), self.config.max_blocks_per_request)
         ns = namespace_for(None, req.namespace)
@@ -299,7 +317,8 @@ class EngramService:
         except NotFound:
             if self.peers is None:
                 raise
-            await self.peers.fetch_keys(ns, req.model_fingerprint, list(req.keys))
+            fetch = self.peers.fetch_keys(ns, req.model_fingerprint, list(req.keys))
+            await (fetch if client_gone is None else _unless_gone(fetch, client_gone()))
             return ns, self.store.find(ns, req.model_fingerprint, list(req.keys))
 
     async def serve_bytes(self, ns: str, fingerprint: bytes, metas: list[BlockMeta], *, decode: bool
@@ -479,6 +498,10 @@ class EngramService:
             raise PermissionDenied("FetchBlocks serves the cluster's daemons: call it with the cluster's peer token")
         check_limit("FetchBlocks keys", len(req.keys), self.config.max_blocks_per_request)
         ns = check_namespace(req.namespace)
+        if req.ancestors:
+            yield pb.FetchBlocksResponse(ancestors=self._ancestors(ns, req.model_fingerprint, req.keys[:1],
+                                                                   min(req.ancestors, self.config.max_blocks_per_request)))
+            return
         # Only the namespace and model asked for: a peer names both, and a key of another namespace is absent.
         metas = [m for k in req.keys
                  if (m := self.store.index.get_in(ns, k)) is not None and m.model_fingerprint == req.model_fingerprint]
@@ -495,6 +518,18 @@ class EngramService:
                         meta.key, meta.parent, meta.namespace, meta.model_fingerprint, codec, payload)
                     yield pb.FetchBlocksResponse(chunk=msg, parent_key=meta.parent, namespace=meta.namespace,
                                                  model_fingerprint=meta.model_fingerprint, mac=mac)
+
+    def _ancestors(self, ns: str, fingerprint: bytes, keys: list[bytes], most: int) -> list[bytes]:
+        """Up to `most` ancestors of a block held here, nearest first, the chain's root not included (FetchBlocks
+        with `ancestors`): a peer asked for a key deep in a chain learns what it lacks before copying any."""
+        meta = self.store.index.get_in(ns, keys[0]) if keys else None
+        if meta is None or meta.model_fingerprint != fingerprint:
+            return []
+        root, out = self.store.root(ns, fingerprint), list[bytes]()
+        while meta is not None and meta.parent != root and len(out) < most:
+            out.append(meta.parent)
+            meta = self.store.index.get_in(ns, meta.parent)
+        return out
 
     def _is_peer_call(self, context: grpc.aio.ServicerContext) -> bool:
         """A peer (or, with tenancy, an admin). With tenancy off every caller is trusted, except here when the

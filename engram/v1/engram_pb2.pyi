@@ -846,28 +846,32 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., key_salt: _Optional[bytes] = ..., quota_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., physical_bytes: _Optional[int] = ..., logical_bytes: _Optional[int] = ..., referenced_blocks: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
 
 class FetchBlocksRequest(_message.Message):
-    __slots__ = ("keys", "namespace", "model_fingerprint")
+    __slots__ = ("keys", "namespace", "model_fingerprint", "ancestors")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    ANCESTORS_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     namespace: str
     model_fingerprint: bytes
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ...) -> None: ...
+    ancestors: int
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., ancestors: _Optional[int] = ...) -> None: ...
 
 class FetchBlocksResponse(_message.Message):
-    __slots__ = ("chunk", "parent_key", "namespace", "model_fingerprint", "mac")
+    __slots__ = ("chunk", "parent_key", "namespace", "model_fingerprint", "mac", "ancestors")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAC_FIELD_NUMBER: _ClassVar[int]
+    ANCESTORS_FIELD_NUMBER: _ClassVar[int]
     chunk: BlockChunk
     parent_key: bytes
     namespace: str
     model_fingerprint: bytes
     mac: bytes
-    def __init__(self, chunk: _Optional[_Union[BlockChunk, _Mapping]] = ..., parent_key: _Optional[bytes] = ..., namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., mac: _Optional[bytes] = ...) -> None: ...
+    ancestors: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, chunk: _Optional[_Union[BlockChunk, _Mapping]] = ..., parent_key: _Optional[bytes] = ..., namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., mac: _Optional[bytes] = ..., ancestors: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ClusterStats(_message.Message):
     __slots__ = ("state", "reason", "node_id", "live_nodes", "remote_hits", "remote_bytes", "remote_failures", "published", "reconnects", "untrusted_records")

@@ -49,6 +49,7 @@ HELLO_OK, PUT_OK, BLOCK, END, ERROR = 0x81, 0x82, 0x83, 0x84, 0xFF
 MAX_META_BYTES = 64 * 2**20  # a DataPut for thousands of blocks fits; a wild length is refused before reading
 MAX_HELLO_BYTES = 4096  # a bearer token: what a connection not yet authenticated may make the daemon buffer
 SOCKET_BUFFER_BYTES = 4 * 2**20  # kernel buffers large enough that one MiB moves in a few system calls
+CLOSED_POLL_S = 0.2  # how often closed_by_peer looks under TLS (asyncio's streams have no wait for the end)
 GROW_BYTES = 2**20  # a receive buffer is grown at most this far ahead of the bytes that arrived
 _ZEROS = memoryview(bytes(GROW_BYTES))  # what a buffer grows by (its pages are only ever read)
 
@@ -267,6 +268,32 @@ class Conn:
             await ready
         finally:
             self._loop.remove_writer(fd)
+
+    async def closed_by_peer(self) -> None:
+        """Return once the peer has closed (or reset) its end; for a side that waits on something else between
+        frames (the daemon copying a Get's blocks from peers). One request at a time: a client sends nothing
+        more before its answer, so nothing is read here, only an end is seen."""
+        if self._reader is not None:  # TLS: asyncio's transport reads the socket and says when it ended
+            while not self._reader.at_eof() and self._reader.exception() is None:
+                await asyncio.sleep(CLOSED_POLL_S)
+            return
+        assert self._sock is not None
+        fd = self._sock.fileno()
+        while True:
+            ready = self._loop.create_future()
+            self._loop.add_reader(fd, _wake, ready)
+            try:
+                await ready
+            finally:
+                self._loop.remove_reader(fd)
+            try:
+                if not self._sock.recv(1, socket.MSG_PEEK):
+                    return
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                return  # reset
+            await asyncio.Future()  # bytes came before the answer: left for the next read; no end to see until then
 
     async def read_frame(self, max_meta: int = MAX_META_BYTES, *, idle: bool = False) -> tuple[int, bytearray, int]:
         """(kind, meta, body length) of the next frame; its body is left for the caller to read. A frame

@@ -1,0 +1,259 @@
+"""What a Get of keys another daemon holds costs, with a real redis-server and real daemons: daemon B copies a
+chain it lacks from daemon A in a few FetchBlocks calls, parents first, each block stored as it arrives (its
+memory does not grow with the chain), within cluster.max_fetch_blocks (past it: NOT_FOUND at once, nothing
+copied), and stops when the data-channel client that asked has gone."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from engram import errors
+from engram.client import EngramClient
+from engram.config import load_config
+from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
+from engram.server import RunningServer, start_server
+
+from helpers import (
+    BLOCK_TOKENS,
+    ENGRAM,
+    NEUTRAL_CWD,
+    free_port,
+    random_kv,
+    start_redis,
+    tiny_model,
+    tokens,
+    wait_for,
+)
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+
+CLUSTER = {"cluster.heartbeat_s": 0.2, "cluster.ttl_s": 10.0, "cluster.secret": "cluster-secret"}
+
+
+@pytest.fixture
+def redis_port() -> Iterator[int]:
+    port = free_port()
+    proc = start_redis(port)
+    yield port
+    proc.kill()
+    proc.wait()
+
+
+async def daemon(redis_port: int, name: str, **overrides: Any) -> RunningServer:
+    cfg = load_config(env={}, overrides={"server.port": 0, "tiers.dram.capacity": "64MiB", "server.metrics_port": -1,
+                                         "cluster.redis_url": f"redis://127.0.0.1:{redis_port}/0",
+                                         "cluster.node_id": name, **CLUSTER, **overrides})
+    return await start_server(cfg)
+
+
+@contextlib.asynccontextmanager
+async def daemons(redis_port: int, **b_overrides: Any) -> AsyncIterator[tuple[RunningServer, RunningServer]]:
+    a = await daemon(redis_port, "a")
+    try:
+        b = await daemon(redis_port, "b", **b_overrides)
+        try:
+            yield a, b
+        finally:
+            await b.stop(0)
+    finally:
+        await a.stop(0)
+
+
+@contextlib.contextmanager
+def daemon_process(redis_port: int, name: str, **sets: Any) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """A real `engram serve` subprocess in the cluster (its memory is its own to measure, its process to stop)."""
+    port = free_port()
+    settings = {"server.host": "127.0.0.1", "server.port": port, "tiers.dram.prefault": "false",
+                "tiers.dram.pin": "false", "cluster.redis_url": f"redis://127.0.0.1:{redis_port}/0",
+                "cluster.node_id": name, **CLUSTER, **sets}
+    args = [arg for k, v in settings.items() for arg in ("--set", f"{k}={v}")]
+    proc = subprocess.Popen([*ENGRAM, "serve", "--log-level", "warning", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=NEUTRAL_CWD)
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_for(address, proc, timeout=60)
+        yield address, proc
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def served(srv: RunningServer, method: str) -> float:
+    """Calls of `method` the daemon answered, whatever their status (its /metrics registry)."""
+    assert srv.metrics is not None
+    return sum(s.value for m in srv.metrics.registry.collect() if m.name == "engram_rpcs" for s in m.samples
+               if s.name == "engram_rpcs_total" and s.labels["method"] == method)
+
+
+def data_gets(srv: RunningServer, code: str) -> float:
+    assert srv.metrics is not None
+    return srv.metrics.registry.get_sample_value("engram_data_requests_total", {"op": "get", "code": code}) or 0.0
+
+
+async def until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 20.0) -> None:
+    """Wait for a state the daemons reach by themselves (a bound on waiting, not a timing assertion)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await check():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"never reached: {what}")
+
+
+async def joined(*clients: EngramClient) -> None:
+    async def ok() -> bool:
+        return all([(await c.stats()).cluster.live_nodes == len(clients) for c in clients])
+
+    await until(ok, "the daemons joined the cluster")
+
+
+async def test_a_get_of_keys_deep_in_a_peers_chain_copies_the_chain_once_in_a_few_calls(redis_port: int) -> None:
+    """Main fetched every key's ancestors one FetchBlocks at a time, up to 256, then dropped them all when the
+    chain was deeper: a Get of 4 keys 300 blocks deep made ~1,024 calls and answered NOT_FOUND."""
+    async with daemons(redis_port) as (a_srv, b_srv):
+        spec = tiny_model()
+        async with EngramClient(a_srv.address, namespace="ns") as a, \
+                EngramClient(b_srv.address, namespace="ns", data_channel=False) as b:
+            fp = await a.register_model(spec)
+            await b.register_model(spec)
+            await joined(a, b)
+            toks = tokens(300 * BLOCK_TOKENS, seed=1)
+            kv = random_kv(spec, len(toks), seed=1)
+            keys = list((await a.put(fp, toks, kv)).keys)
+            await until(lambda: _held_in_redis(redis_port, keys[-1]), "A's last block published")
+            before = served(a_srv, "FetchBlocks")
+            got = await b.get(fp, keys[-4:])
+            calls = served(a_srv, "FetchBlocks") - before
+            assert all(torch.equal(x, y) for x, y in zip(got, await a.get(fp, keys[-4:]), strict=True))
+            # One call lists the ancestors B lacks, then ceil(300 / 128) calls copy them: not one per block.
+            assert calls <= 6, calls
+            assert (await b.stats()).cluster.remote_hits == 300
+            assert len(await b.get(fp, keys)) == 300  # the whole chain is B's now: no more calls
+            assert served(a_srv, "FetchBlocks") - before == calls
+            n, prefix = await b.get_prefix(fp, toks)
+            assert n == len(toks) and prefix is not None and torch.equal(prefix, kv)
+
+
+async def test_a_get_deeper_than_max_fetch_blocks_is_a_quick_not_found_that_copies_nothing(redis_port: int) -> None:
+    async with daemons(redis_port, **{"cluster.max_fetch_blocks": 64}) as (a_srv, b_srv):
+        spec = tiny_model()
+        async with EngramClient(a_srv.address, namespace="ns") as a, \
+                EngramClient(b_srv.address, namespace="ns", data_channel=False) as b:
+            fp = await a.register_model(spec)
+            await b.register_model(spec)
+            await joined(a, b)
+            toks = tokens(300 * BLOCK_TOKENS, seed=2)
+            keys = list((await a.put(fp, toks, random_kv(spec, len(toks), seed=2))).keys)
+            await until(lambda: _held_in_redis(redis_port, keys[-1]), "A's last block published")
+            before = served(a_srv, "FetchBlocks")
+            with pytest.raises(errors.NotFound, match=r"cluster\.max_fetch_blocks = 64"):
+                await b.get(fp, keys[-16:])
+            assert served(a_srv, "FetchBlocks") - before <= 1  # only the list of ancestors
+            assert (await b.stats()).cluster.remote_hits == 0
+            await b.get(fp, keys[40:50])  # 50 blocks from the root: within the bound, served
+            assert (await b.stats()).cluster.remote_hits == 50
+
+
+def _peak_rss_mib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) // 1024 for line in f if line.startswith("VmHWM"))
+
+
+def mib_model() -> ModelSpec:
+    """4 global layers of 8 heads x 128, 64 tokens a block, bf16: 1 MiB a block."""
+    layout = KVLayout(layers=(LayerSpec(LayerKind.GLOBAL),) * 4, num_kv_heads=8, head_dim=128, dtype=DType.BF16,
+                      block_tokens=64)
+    return ModelSpec(name="mib", weights_id="w", layout=layout, codec="raw")
+
+
+async def test_a_get_of_a_long_chain_does_not_hold_the_chain_in_memory(redis_port: int) -> None:
+    """Main downloaded the whole chain (up to 256 blocks) into memory before storing any of it: 3 Gets of a
+    150-block chain of 1 MiB blocks took a daemon with a 32 MiB pool from ~265 to ~751 MiB."""
+    a_srv = await daemon(redis_port, "a", **{"tiers.dram.capacity": "200MiB"})
+    try:
+        with daemon_process(redis_port, "b", **{"tiers.dram.capacity": "32MiB"}) as (b_address, b_proc):
+            spec = mib_model()
+            async with EngramClient(a_srv.address, namespace="ns", data_channel=False) as a, \
+                    EngramClient(b_address, namespace="ns", data_channel=False) as b:
+                fp = await a.register_model(spec)
+                await b.register_model(spec)
+                await joined(a, b)
+                toks = tokens(150 * 64, seed=3)
+                keys = list((await a.put(fp, toks, random_kv(spec, len(toks), seed=3))).keys)
+                await until(lambda: _held_in_redis(redis_port, keys[-1]), "A's last block published")
+                rss = _peak_rss_mib(b_proc.pid)
+
+                async def get(key: bytes) -> str:
+                    try:
+                        await b.get(fp, [key])
+                    except errors.EngramError as exc:
+                        return type(exc).__name__
+                    return "ok"
+
+                outcomes = await asyncio.gather(*(get(keys[-1 - i]) for i in range(3)))
+                grown = _peak_rss_mib(b_proc.pid) - rss
+                # The chain cannot fit B's pool: NOT_FOUND, with at most a few blocks in flight at a time
+                # (gRPC's buffers included), not 3 x 150 MiB.
+                assert outcomes == ["NotFound"] * 3, outcomes
+                assert grown < 200, f"B's peak RSS grew {grown} MiB"
+                # A full pool is not the peer's failure (main counted each such block as one, "did not verify")
+                assert (await b.stats()).cluster.remote_failures == 0
+    finally:
+        await a_srv.stop(0)
+
+
+async def test_a_peer_fetch_stops_when_the_data_channel_client_goes(redis_port: int) -> None:
+    """A (a real process) is stopped (SIGSTOP), so B's copy from it waits out cluster.fetch_timeout_s (60 s); the
+    client gives up after a second and closes its connection: B's Get ends then (CANCELLED), not a minute later
+    (main went on fetching for the client that had gone)."""
+    b_srv = await daemon(redis_port, "b", **{"server.data_channel": True, "cluster.fetch_timeout_s": 60.0})
+    try:
+        with daemon_process(redis_port, "a") as (a_address, a_proc):
+            spec = tiny_model()
+            async with EngramClient(a_address, namespace="ns", data_channel=False) as a:
+                fp = await a.register_model(spec)
+                b = EngramClient(b_srv.address, namespace="ns", data_channel=True, zero_copy=False)
+                await b.register_model(spec)
+                await joined(a, b)
+                toks = tokens(8 * BLOCK_TOKENS, seed=4)
+                keys = list((await a.put(fp, toks, random_kv(spec, len(toks), seed=4))).keys)
+                await until(lambda: _held_in_redis(redis_port, keys[-1]), "A's last block published")
+                await b.get(fp, keys[:1])  # B's channel to A is open (a new one would fail to connect at once)
+                os.kill(a_proc.pid, signal.SIGSTOP)
+                get = asyncio.create_task(b.get(fp, keys))
+                await asyncio.sleep(1.0)
+                assert not get.done()
+                get.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await get
+                await b.close()
+
+                async def ended() -> bool:
+                    return data_gets(b_srv, "CANCELLED") == 1
+
+                await until(ended, "B's Get ended when its client went", timeout=10.0)
+                os.kill(a_proc.pid, signal.SIGCONT)
+    finally:
+        await b_srv.stop(0)
+
+
+async def _held_in_redis(port: int, key: bytes) -> bool:
+    proc = await asyncio.create_subprocess_exec("redis-cli", "-p", str(port), "hlen", "engram:block:{" + key.hex() + "}",
+                                                stdout=subprocess.PIPE)
+    out, _ = await proc.communicate()
+    return out.strip() == b"1"
