@@ -33,13 +33,14 @@ from redis.exceptions import AuthenticationError, RedisClusterException, RedisEr
 
 from engram.config import ClusterConfig
 from engram.index import BlockMeta, ChainIndex
-from engram.trust import ClusterTrust
+from engram.trust import CLOCK_SKEW_S, ClusterTrust
 
 # What a Redis (or Redis Cluster: its errors are not RedisErrors) that is down, unreachable or wrong can raise.
 REDIS_FAULTS = (RedisError, RedisClusterException, OSError)
 # Blocks per pipeline when the whole index is published: building one costs the event loop ~4 us a block (65k
 # blocks in one pipeline held every request for 284 ms)
 RESYNC_BATCH = 4096
+WARN_EVERY_S = 60.0  # an ignored record is said at most this often per node and reason (it is met at every lookup)
 
 log = logging.getLogger("engram.cluster")
 _NODES = "engram:{nodes}:"
@@ -110,6 +111,7 @@ class ClusterIndex:
         self._record_ms = int(config.record_ttl_s * 1000)
         self._last_record = ""  # the node record this process wrote last: another writer of it shares our id
         self._synced_at = 0.0
+        self._warned: dict[tuple[str, str, bool], float] = {}  # (record, node, bad signature) -> last said
         index.listeners.append(self._changed)
 
     def _changed(self, event: str, meta: BlockMeta) -> None:
@@ -250,10 +252,24 @@ class ClusterIndex:
             except REDIS_FAULTS as exc:
                 self._degrade(exc)
 
-    def _untrusted(self, what: str, node: str) -> None:
+    def _untrusted(self, what: str, node: str, record: str = "") -> None:
+        """Count a record ignored and say why: a bad signature, or (a node record) a signed one dated too far
+        from this daemon's clock. Said once a minute per node and reason, not at every lookup."""
         self.counters.untrusted_records += 1
-        log.warning("cluster: ignoring a %s for node %r whose signature does not verify (written without the "
-                    "cluster secret, or stale)", what, node)
+        age = self.trust.node_record_age_s(node, record) if record else None
+        if age is None:
+            reason = "whose signature does not verify (written without the cluster secret, or altered)"
+        else:
+            reason = (f"signed but dated {abs(age):.0f} s {'behind' if age > 0 else 'ahead of'} this daemon's clock, "
+                      f"more than cluster.ttl_s + {CLOCK_SKEW_S:g} s: the two daemons' clocks differ (sync them, "
+                      "NTP), or the record was replayed; the node's blocks are not fetched until they agree")
+        now, said = time.monotonic(), (what, node, age is None)
+        if now - self._warned.get(said, -WARN_EVERY_S) < WARN_EVERY_S:
+            return
+        if len(self._warned) >= 1024:  # node ids come from Redis: anyone who can write it names as many
+            self._warned.clear()
+        self._warned[said] = now
+        log.warning("cluster: ignoring a %s for node %r %s", what, node, reason)
 
     async def holders(self, key: bytes) -> list[Holder]:
         """Live peers holding a block, as their signed records say; [] when degraded (no waiting on a
@@ -283,7 +299,7 @@ class ClusterIndex:
             if entry is None:
                 self._untrusted("holder record", node)
             elif address is None:
-                self._untrusted("node record", node)
+                self._untrusted("node record", node, record.decode(errors="replace"))
             else:
                 out.append(Holder(node, address, entry.tier, entry.size, entry.checksum))
         return out

@@ -139,6 +139,18 @@ class ClusterTrust:
             return None
         return address
 
+    def node_record_age_s(self, node_id: str, record: str, now_ms: int | None = None) -> float | None:
+        """How old a node record whose signature verifies is by this daemon's clock (negative: dated ahead of
+        it); None when it does not verify. Why node_address refused a signed record: the two clocks differ by
+        more than ttl_s + CLOCK_SKEW_S (Redis expires a record ttl_s after its write), or it was replayed."""
+        try:
+            address, ts, sig = record.rsplit("|", 2)
+            age = (int(time.time() * 1000) if now_ms is None else now_ms) - int(ts)
+        except ValueError:
+            return None
+        want = self._mac(self._node_key, (node_id.encode(), address.encode(), ts.encode())).hex()
+        return age / 1000 if hmac.compare_digest(want, sig) else None
+
     # ---- holder records -----------------------------------------------------------------------------
 
     def holder_record(self, key: bytes, node_id: str, tier: str, size: int, checksum: int) -> str:

@@ -7,9 +7,11 @@ the cluster secret. Each attack is paired with the honest path working in the sa
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -29,7 +31,17 @@ from engram.trust import CLOCK_SKEW_S, ClusterTrust
 from engram.v1 import engram_pb2 as pb
 from engram.wire.channel import open_channel, stub_for
 
-from helpers import BLOCK_TOKENS, free_port, random_kv, redis_cli, start_redis, tiny_model, tokens
+from helpers import (
+    BLOCK_TOKENS,
+    NEUTRAL_CWD,
+    free_port,
+    random_kv,
+    redis_cli,
+    start_redis,
+    tiny_model,
+    tokens,
+    wait_for,
+)
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 
@@ -443,5 +455,56 @@ async def test_fetch_blocks_needs_the_peer_token_even_without_tenancy(redis_port
         await channel.close()
         assert [r.chunk.key for r in got] == keys and len(got[0].mac) == 32
     finally:
+        proc.kill()
+        proc.wait()
+
+
+SKEWED_ENGRAM = """import sys, time
+real = time.time
+time.time = lambda: real() + 120.0  # this node's wall clock: two minutes ahead
+from engram.cli.main import app
+sys.argv[0] = "engram"
+sys.exit(app())
+"""
+
+
+async def test_a_node_whose_clock_is_off_is_said_to_be_so_once_not_a_bad_signature_at_every_lookup(
+        redis_port: int, daemon_factory: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A real daemon whose clock runs 120 s ahead (past ttl_s + 30 s of skew): its records are refused, as
+    before, but the log says the clocks differ, once (main: "signature does not verify (written without the
+    cluster secret, or stale)" at every lookup)."""
+    proc = start_redis(redis_port)
+    port = free_port()
+    sets = {"server.host": "127.0.0.1", "server.port": port, "tiers.dram.capacity": "64MiB",
+            "tiers.dram.prefault": "false", "tiers.dram.pin": "false", "cluster.node_id": "skewed",
+            "cluster.redis_url": f"redis://127.0.0.1:{redis_port}/0", "cluster.heartbeat_s": 0.2, "cluster.ttl_s": 2.0,
+            "cluster.secret": SECRET}
+    skewed = subprocess.Popen([sys.executable, "-c", SKEWED_ENGRAM, "serve", "--log-level", "warning",
+                               *[arg for k, v in sets.items() for arg in ("--set", f"{k}={v}")]],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=NEUTRAL_CWD)
+    try:
+        wait_for(f"127.0.0.1:{port}", skewed, timeout=60)  # type: ignore[arg-type]
+        b = await daemon_factory("b", **{"cluster.redis_url": f"redis://127.0.0.1:{redis_port}/0"})
+        spec = tiny_model()
+        toks = tokens(2 * BLOCK_TOKENS, seed=7)
+        async with EngramClient(f"127.0.0.1:{port}", namespace="ns") as ca, \
+                EngramClient(b.address, namespace="ns") as cb:
+            fp = await ca.register_model(spec)
+            await cb.register_model(spec)
+            await until(lambda: _ok(b), "B joined")
+            await ca.put(fp, toks, random_kv(spec, len(toks), seed=7))
+            await until(lambda: asyncio.to_thread(lambda: redis_cli(redis_port, "keys", "engram:block:*") != ""),
+                        "the skewed node's blocks published")
+            caplog.set_level(logging.WARNING, logger="engram.cluster")
+            for _ in range(20):
+                assert (await cb.lookup(fp, toks)).matched_tokens == 0  # its records are still not believed
+            assert (await cb.stats()).cluster.untrusted_records >= 20
+        said = [r.getMessage() for r in caplog.records if r.name == "engram.cluster" and "'skewed'" in r.getMessage()]
+        assert len(said) == 1, said
+        assert "ahead of this daemon's clock" in said[0] and "clocks differ" in said[0], said
+        assert "signature does not verify" not in said[0]
+    finally:
+        skewed.kill()
+        skewed.wait()
         proc.kill()
         proc.wait()
