@@ -101,8 +101,8 @@ class ServerConfig:
     metrics_port: int = 0  # Prometheus /metrics over HTTP on this port; 0 = off, -1 = any free port (tests)
     metrics_host: str = "127.0.0.1"  # where /metrics listens (0.0.0.0 in a container)
     # A bearer token /metrics requires (Prometheus: `authorization: {credentials: ...}`), a secret as tokens are
-    # (env:VAR, file:PATH). Without one and with tenancy on, /metrics leaves out the lookup counters: tokens hit
-    # and missed tell another tenant's prompt lengths to whoever can scrape (Stats hides them from tenants too).
+    # (env:VAR, file:PATH). Required with tenancy on: /metrics shows every tenant's activity (the tiers' used
+    # bytes, bytes served and lookup tokens after a call tell its prompt length), which a tenant's Stats does not.
     metrics_token: str = ""
     # The data channel: Put/Get payloads as raw bytes on a socket beside gRPC's (docs/API.md), several times
     # faster than gRPC's bytes for workers that cannot map the shared pool; off: payloads over gRPC only.
@@ -312,6 +312,12 @@ class EngramConfig:
             _check_duration(key, _get(self, key), zero)
         if not -1 <= s.metrics_port <= 65535:
             raise ConfigError(f"server.metrics_port must be 0 (off), -1 (any free port) or 1..65535, got {s.metrics_port}")
+        if s.metrics_port and not s.metrics_token and self.auth.enabled:
+            raise ConfigError(
+                "server.metrics_port is set with tenancy on but server.metrics_token is not: /metrics shows every "
+                "tenant's activity (tier bytes, bytes served, lookup tokens: another tenant's prompt lengths) to "
+                "whoever can reach it. Set server.metrics_token (a secret: env:VAR or file:PATH) and send it from "
+                "Prometheus (authorization: credentials_file), or set server.metrics_port = 0")
         if s.chunk_bytes <= 0 or s.chunk_bytes + 4096 > s.max_message_bytes:
             raise ConfigError(
                 f"server.chunk_bytes ({s.chunk_bytes}) must be positive and leave room for headers "

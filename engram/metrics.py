@@ -35,10 +35,9 @@ ANY_FREE_PORT = -1  # server.metrics_port = -1: bind any free port (tests); 0 tu
 class StoreCollector(Collector):
     """Tier occupancy, hits, misses, evictions, bytes moved, replays and corrupt blocks, at scrape time."""
 
-    def __init__(self, store: BlockStore, sessions: SessionManager, *, lookups: bool = True) -> None:
+    def __init__(self, store: BlockStore, sessions: SessionManager) -> None:
         self.store = store
         self.sessions = sessions
-        self.lookups = lookups  # the lookup counters: off when tenants share the daemon and anyone may scrape
 
     def collect(self) -> Iterator[Metric]:
         store = self.store
@@ -82,12 +81,11 @@ class StoreCollector(Collector):
                 fam.add_metric([t.name], values[name])
         yield from fams.values()
         c = store.counters
-        if self.lookups:
-            yield CounterMetricFamily("engram_lookups", "Lookup calls.", value=c.lookups)
-            yield CounterMetricFamily("engram_lookup_hit_tokens", "Tokens found cached by lookups.",
-                                      value=c.lookup_hit_tokens)
-            yield CounterMetricFamily("engram_lookup_miss_tokens", "Tokens not found by lookups.",
-                                      value=c.lookup_miss_tokens)
+        yield CounterMetricFamily("engram_lookups", "Lookup calls.", value=c.lookups)
+        yield CounterMetricFamily("engram_lookup_hit_tokens", "Tokens found cached by lookups.",
+                                  value=c.lookup_hit_tokens)
+        yield CounterMetricFamily("engram_lookup_miss_tokens", "Tokens not found by lookups.",
+                                  value=c.lookup_miss_tokens)
         for name, doc, value in (
             ("engram_blocks_put", "Blocks newly stored.", c.blocks_put),
             ("engram_blocks_deduplicated", "Blocks put that were already stored.", c.blocks_deduplicated),
@@ -233,8 +231,9 @@ class MetricsEndpoint:
         self.port = 0
         self._server: Any = None
 
-    def watch(self, store: BlockStore, sessions: SessionManager, *, lookups: bool = True) -> None:
-        self.registry.register(StoreCollector(store, sessions, lookups=lookups))
+    def watch(self, store: BlockStore, sessions: SessionManager) -> None:
+        """The store's figures, every tenant's (config refuses /metrics without a token when tenants share)."""
+        self.registry.register(StoreCollector(store, sessions))
 
     def watch_data(self, buffered_bytes: Callable[[], int]) -> None:
         """The data channel's receive buffers (engram/server/dataport.py), read at scrape time."""

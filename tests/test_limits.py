@@ -396,7 +396,8 @@ async def test_a_get_stream_never_read_is_ended_and_lets_go_and_one_read_slowly_
     message every 50 ms here): a client reading steadily that fast is served whole, for longer than the stall.
     48 blocks of 1 MiB: more than flow control lets the daemon send before the client reads."""
     srv = await server_factory(**{"server.stream_stall_s": 1.0, "server.metrics_port": -1,
-                                  "auth.tenants.alice.token": "a-tok", "auth.salt_secret": "s"})
+                                  "server.metrics_token": "scrape-tok", "auth.tenants.alice.token": "a-tok",
+                                  "auth.salt_secret": "s"})
     layout = KVLayout(layers=(LayerSpec(LayerKind.GLOBAL),) * 2, num_kv_heads=8, head_dim=128, block_tokens=128)
     spec = ModelSpec(name="mib", weights_id="w", layout=layout, codec="raw")
     kv = random_kv(spec, 48 * 128)

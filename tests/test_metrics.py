@@ -161,24 +161,20 @@ async def test_write_backs_loss_window_is_exported(server_factory, tmp_path) -> 
     assert m[("engram_write_back_oldest_seconds", ())] >= 0
 
 
-async def test_with_tenancy_metrics_leave_out_the_lookup_counters_unless_scrapes_need_a_token(
+async def test_with_tenancy_metrics_are_refused_without_a_token_and_scrapes_need_it(
         server_factory, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    """/metrics has no tenants: its lookup counters told anyone who could scrape another tenant's prompt lengths
-    (tokens hit and missed around its Lookup), which Stats hides from tenants (an audit). With tenancy on they are
-    left out, unless server.metrics_token makes every scrape show a bearer token (401 without it)."""
+    """/metrics has no tenants: its lookup counters, tier used bytes and bytes served told anyone who could scrape
+    another tenant's prompt lengths (their change around its call), which a tenant's Stats does not (audits). With
+    tenancy on, server.metrics_port without server.metrics_token is a config error; with it every scrape must
+    show the token (401 without it) and sees every figure."""
     import urllib.error
 
     auth = {"auth.tenants.a.token": "tok-a", "auth.salt_secret": "s", "server.metrics_port": -1}
     spec = tiny_model()
     toks = tokens(40)
-    srv = await server_factory(**auth)
-    async with EngramClient(srv.address, token="tok-a", namespace="a") as c:
-        fp = await c.register_model(spec)
-        await c.lookup(fp, toks)
-    assert srv.metrics is not None
-    got = scrape(srv.metrics.port)
-    assert not [k for k in got if k[0].startswith("engram_lookup")]
-    assert got[("engram_rpcs_total", (("code", "OK"), ("method", "Lookup")))] == 1  # the rest is there
+    with pytest.raises(errors.ConfigError, match=r"server\.metrics_token"):
+        load_config(env={}, overrides=auth)
+    load_config(env={}, overrides={"server.metrics_port": -1})  # tenancy off: every caller sees everything anyway
 
     monkeypatch.setenv("ENGRAM_TEST_METRICS_TOKEN", "scrape-secret")
     srv = await server_factory(**auth, **{"server.metrics_token": "env:ENGRAM_TEST_METRICS_TOKEN"})

@@ -336,7 +336,7 @@ async def _start(config: EngramConfig, store: BlockStore, sessions: SessionManag
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         if metrics is not None:
-            metrics.watch(store, sessions, lookups=bool(metrics_token) or tenancy is None)
+            metrics.watch(store, sessions)
             try:
                 metrics.start(s.metrics_host, s.metrics_port, metrics_token)
             except OSError as exc:
