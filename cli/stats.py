@@ -30,20 +30,34 @@ def stats_json(resp: Stats) -> str:
     return json.dumps(stats_dict(resp), indent=2, sort_keys=True)
 
 
+ADMIN_ONLY = "admin only"
+
+
+def admin(resp: Stats, text: str) -> str:
+    """`text`, or "admin only" in a tenant's Stats, which leaves out (as 0) the daemon-wide activity figures."""
+    return ADMIN_ONLY if resp.scoped else text
+
+
 def stats_renderable(resp: Stats) -> Group:
-    tiers = Table(title="tiers", title_justify="left")
-    for col in ("tier", "state", "used", "capacity", "blocks", "tokens", "bytes/token", "pinned", "hits", "misses",
-                "hit ratio", "evictions", "demoted", "promoted"):
+    mine = resp.scoped  # a tenant: tiers hold its own copies, their counters are the admin's
+    tiers = Table(title="tiers (your namespaces' copies; hits, evictions and moves: admin only)" if mine else "tiers",
+                  title_justify="left")
+    columns = ["tier", "state", "used", "capacity", "blocks", "tokens", "bytes/token", "pinned"]
+    if not mine:
+        columns += ["hits", "misses", "hit ratio", "evictions", "demoted", "promoted"]
+    for col in columns:
         tiers.add_column(col, justify="left" if col in ("tier", "state") else "right")
     for t in resp.tiers:
         pct = 100.0 * t.used_bytes / t.capacity_bytes if t.capacity_bytes else 0.0
         reads = t.hits + t.misses
-        tiers.add_row(t.name, t.state + (f" ({t.state_reason})" if t.state_reason else ""),
-                      f"{human_bytes(t.used_bytes)} ({pct:.0f}%)", human_bytes(t.capacity_bytes), str(t.blocks),
-                      str(t.tokens), f"{t.used_bytes / t.tokens:.0f}" if t.tokens else "-", str(t.pinned_blocks),
-                      str(t.hits), str(t.misses), f"{100.0 * t.hits / reads:.1f}%" if reads else "-", str(t.evictions),
-                      f"{t.demotions} ({human_bytes(t.demoted_bytes)})",
-                      f"{t.promotions} ({human_bytes(t.promoted_bytes)})")
+        row = [t.name, t.state + (f" ({t.state_reason})" if t.state_reason else ""),
+               f"{human_bytes(t.used_bytes)} ({pct:.0f}%)", human_bytes(t.capacity_bytes), str(t.blocks),
+               str(t.tokens), f"{t.used_bytes / t.tokens:.0f}" if t.tokens else "-", str(t.pinned_blocks)]
+        if not mine:
+            row += [str(t.hits), str(t.misses), f"{100.0 * t.hits / reads:.1f}%" if reads else "-", str(t.evictions),
+                    f"{t.demotions} ({human_bytes(t.demoted_bytes)})",
+                    f"{t.promotions} ({human_bytes(t.promoted_bytes)})"]
+        tiers.add_row(*row)
     models = Table(title="models", title_justify="left")
     for col in ("model", "fingerprint", "codec", "blocks", "tokens", "stored", "bytes/token", "raw bytes/token"):
         models.add_column(col, justify="left" if col in ("model", "fingerprint", "codec") else "right")
@@ -62,29 +76,30 @@ def stats_renderable(resp: Stats) -> Group:
         ("sessions (hot)", f"{rp.sessions} ({rp.hot_sessions})"),
         ("persisted bytes, with replay", f"{human_bytes(stored + rp.persisted_window_bytes)}"),
         ("persisted bytes, every layer kept (raw)", human_bytes(every)),
-        ("replays", f"{rp.replays} ({rp.replayed_tokens} tokens, {rp.replay_seconds * 1000:.0f} ms)"),
-        ("windows dropped as their blocks left memory", str(rp.windows_dropped_cold)),
+        ("replays", admin(resp, f"{rp.replays} ({rp.replayed_tokens} tokens, {rp.replay_seconds * 1000:.0f} ms)")),
+        ("windows dropped as their blocks left memory", admin(resp, str(rp.windows_dropped_cold))),
     ):
         replay.add_row(name, value)
     looked = resp.lookup_hit_tokens + resp.lookup_miss_tokens
     hit_pct = 100.0 * resp.lookup_hit_tokens / looked if looked else 0.0
+    yours = " (your namespaces')" if mine else ""
     counters = Table(title="counters", title_justify="left", show_header=False)
     counters.add_column("name")
     counters.add_column("value", justify="right")
     for name, value in (
-        ("lookups", str(resp.lookups)),
-        ("token hit ratio", f"{hit_pct:.1f}% ({resp.lookup_hit_tokens} of {looked})"),
-        ("blocks put", str(resp.blocks_put)),
-        ("blocks deduplicated", str(resp.blocks_deduplicated)),
-        ("blocks served", str(resp.blocks_served)),
-        ("blocks prefetched", str(resp.blocks_prefetched)),
-        ("sessions closed idle", str(resp.sessions_closed_idle)),
-        ("blocks evicted on request", str(resp.blocks_evicted_on_request)),
-        ("blocks acknowledged not durable", str(resp.blocks_not_durable)),
-        ("corrupt blocks found", str(resp.corrupt_blocks)),
-        ("bytes served", human_bytes(resp.bytes_served)),
+        ("lookups", admin(resp, str(resp.lookups))),
+        ("token hit ratio", admin(resp, f"{hit_pct:.1f}% ({resp.lookup_hit_tokens} of {looked})")),
+        ("blocks put" + yours, str(resp.blocks_put)),
+        ("blocks deduplicated" + yours, str(resp.blocks_deduplicated)),
+        ("blocks served" + yours, str(resp.blocks_served)),
+        ("blocks prefetched", admin(resp, str(resp.blocks_prefetched))),
+        ("sessions closed idle", admin(resp, str(resp.sessions_closed_idle))),
+        ("blocks evicted on request", admin(resp, str(resp.blocks_evicted_on_request))),
+        ("blocks acknowledged not durable", admin(resp, str(resp.blocks_not_durable))),
+        ("corrupt blocks found", admin(resp, str(resp.corrupt_blocks))),
+        ("bytes served" + yours, human_bytes(resp.bytes_served)),
         ("default codec", f"{resp.default_codec} ({resp.default_codec_reason}); encoded here by {resp.codec_backend}"),
-        ("eviction order", eviction_line(resp)),
+        ("eviction order", admin(resp, eviction_line(resp))),
         ("uptime", f"{resp.uptime_s:.1f} s"),
         ("version", resp.version),
     ):
@@ -101,11 +116,11 @@ def stats_renderable(resp: Stats) -> Group:
             ("state", c.state + (f" ({c.reason})" if c.reason else "")),
             ("node", c.node_id),
             ("live nodes", str(c.live_nodes)),
-            ("blocks fetched from peers", f"{c.remote_hits} ({human_bytes(c.remote_bytes)})"),
-            ("peer fetches failed", str(c.remote_failures)),
-            ("blocks published", str(c.published)),
-            ("rejoins", str(max(0, c.reconnects - 1))),
-            ("untrusted records ignored", str(c.untrusted_records)),
+            ("blocks fetched from peers", admin(resp, f"{c.remote_hits} ({human_bytes(c.remote_bytes)})")),
+            ("peer fetches failed", admin(resp, str(c.remote_failures))),
+            ("blocks published", admin(resp, str(c.published))),
+            ("rejoins", admin(resp, str(max(0, c.reconnects - 1)))),
+            ("untrusted records ignored", admin(resp, str(c.untrusted_records))),
         ):
             cluster.add_row(name, value)
         parts.append(cluster)
@@ -124,8 +139,9 @@ def eviction_line(resp: Stats) -> str:
 def codec_error_table(resp: Stats) -> Table:
     """The sampled error of blocks the daemon encoded, per codec, tier (first written), layer kind and part, and
     the (codec, layer kind) pairs stored lossless since they passed codec.max_error."""
-    table = Table(title=f"codec error (sampled: {resp.codec_error_blocks} blocks, {resp.codec_error_skipped} "
-                        "skipped; rel = ||x - dq|| / ||x||, max abs = max|x - dq| / max|x|, per layer)",
+    sampled = admin(resp, f"{resp.codec_error_blocks} blocks, {resp.codec_error_skipped} skipped")
+    table = Table(title=f"codec error (sampled: {sampled}; rel = ||x - dq|| / ||x||, max abs = max|x - dq| / "
+                        "max|x|, per layer)",
                   title_justify="left")
     for col in ("codec", "tier", "layer kind", "part", "layers", "rel mean", "rel max", "max abs mean",
                 "max abs max", "fallback"):

@@ -22,7 +22,7 @@ from .format import dumps, to_dict
 from .ls import sessions_table
 from .options import AddressOpt, ConfigOpt, NamespaceOpt, TlsCaOpt, TokenOpt
 from .show import visible_sessions
-from .stats import human_bytes
+from .stats import admin, human_bytes
 
 # A day: 1e308 s was taken and waited for ever (--once's call timeout is 4 intervals), where inf was refused.
 MAX_INTERVAL_S = 86_400.0
@@ -48,29 +48,36 @@ def frame(prev: Snapshot, cur: Snapshot, address: str) -> Group:
     dt = max(cur.at - prev.at, 1e-9)
     tiers = Table(title=f"engram top: {address}, up {cur.stats.uptime_s:.0f} s, rates over {dt:.1f} s",
                   title_justify="left")
-    for col in ("tier", "state", "used", "capacity", "blocks", "hits/s", "misses/s", "evictions/s", "demoted/s",
-                "promoted/s"):
+    mine = cur.stats.scoped  # a tenant: its own copies and counts; the tiers' activity is the admin's
+    if mine:
+        tiers.title = f"{tiers.title}; your namespaces' copies (tier hits and moves: admin only)"
+    columns = ["tier", "state", "used", "capacity", "blocks"]
+    if not mine:
+        columns += ["hits/s", "misses/s", "evictions/s", "demoted/s", "promoted/s"]
+    for col in columns:
         tiers.add_column(col, justify="left" if col in ("tier", "state") else "right")
     before = {t.name: t for t in prev.stats.tiers}
     for t in cur.stats.tiers:
         p = before.get(t.name, t)
-        tiers.add_row(t.name, t.state, human_bytes(t.used_bytes), human_bytes(t.capacity_bytes), str(t.blocks),
-                      f"{(t.hits - p.hits) / dt:.1f}", f"{(t.misses - p.misses) / dt:.1f}",
-                      f"{(t.evictions - p.evictions) / dt:.1f}",
-                      f"{human_bytes((t.demoted_bytes - p.demoted_bytes) / dt)}/s",
-                      f"{human_bytes((t.promoted_bytes - p.promoted_bytes) / dt)}/s")
+        row = [t.name, t.state, human_bytes(t.used_bytes), human_bytes(t.capacity_bytes), str(t.blocks)]
+        if not mine:
+            row += [f"{(t.hits - p.hits) / dt:.1f}", f"{(t.misses - p.misses) / dt:.1f}",
+                    f"{(t.evictions - p.evictions) / dt:.1f}",
+                    f"{human_bytes((t.demoted_bytes - p.demoted_bytes) / dt)}/s",
+                    f"{human_bytes((t.promoted_bytes - p.promoted_bytes) / dt)}/s"]
+        tiers.add_row(*row)
     a, b = prev.stats, cur.stats
     rates = Table(title="rates", title_justify="left", show_header=False)
     rates.add_column("name")
     rates.add_column("per second", justify="right")
     hit, miss = b.lookup_hit_tokens - a.lookup_hit_tokens, b.lookup_miss_tokens - a.lookup_miss_tokens
     for name, value in (
-        ("lookups/s", f"{(b.lookups - a.lookups) / dt:.1f}"),
-        ("token hit ratio (interval)", f"{100.0 * hit / (hit + miss):.1f}%" if hit + miss else "-"),
+        ("lookups/s", admin(b, f"{(b.lookups - a.lookups) / dt:.1f}")),
+        ("token hit ratio (interval)", admin(b, f"{100.0 * hit / (hit + miss):.1f}%" if hit + miss else "-")),
         ("blocks put/s", f"{(b.blocks_put - a.blocks_put) / dt:.1f}"),
         ("blocks served/s", f"{(b.blocks_served - a.blocks_served) / dt:.1f}"),
         ("bytes served/s", f"{human_bytes((b.bytes_served - a.bytes_served) / dt)}/s"),
-        ("replays/s", f"{(b.replay.replays - a.replay.replays) / dt:.2f}"),
+        ("replays/s", admin(b, f"{(b.replay.replays - a.replay.replays) / dt:.2f}")),
     ):
         rates.add_row(name, value)
     return Group(tiers, rates, sessions_table(cur.sessions))
@@ -85,17 +92,21 @@ def frame_dict(prev: Snapshot, cur: Snapshot, address: str) -> dict[str, object]
     def rate(now: float, then: float) -> float:
         return (now - then) / dt
 
-    tiers = {t.name: {"hits": rate(t.hits, before.get(t.name, t).hits),
-                      "misses": rate(t.misses, before.get(t.name, t).misses),
-                      "evictions": rate(t.evictions, before.get(t.name, t).evictions),
-                      "demoted_bytes": rate(t.demoted_bytes, before.get(t.name, t).demoted_bytes),
-                      "promoted_bytes": rate(t.promoted_bytes, before.get(t.name, t).promoted_bytes)}
+    def daemon_rate(now: float, then: float) -> float | None:  # None in a tenant's frame: the admin's figure
+        return None if b.scoped else rate(now, then)
+
+    tiers = {t.name: {"hits": daemon_rate(t.hits, before.get(t.name, t).hits),
+                      "misses": daemon_rate(t.misses, before.get(t.name, t).misses),
+                      "evictions": daemon_rate(t.evictions, before.get(t.name, t).evictions),
+                      "demoted_bytes": daemon_rate(t.demoted_bytes, before.get(t.name, t).demoted_bytes),
+                      "promoted_bytes": daemon_rate(t.promoted_bytes, before.get(t.name, t).promoted_bytes)}
              for t in b.tiers}
     return {"address": address, "interval_s": dt, "stats": to_dict(b), "sessions": to_dict(cur.sessions),
-            "rates_per_s": {"lookups": rate(b.lookups, a.lookups), "blocks_put": rate(b.blocks_put, a.blocks_put),
+            "rates_per_s": {"lookups": daemon_rate(b.lookups, a.lookups),
+                            "blocks_put": rate(b.blocks_put, a.blocks_put),
                             "blocks_served": rate(b.blocks_served, a.blocks_served),
                             "bytes_served": rate(b.bytes_served, a.bytes_served),
-                            "replays": rate(b.replay.replays, a.replay.replays), "tiers": tiers}}
+                            "replays": daemon_rate(b.replay.replays, a.replay.replays), "tiers": tiers}}
 
 
 async def watch(client: ControlClient, out: Console, address: str, namespace: str | None, interval: float,

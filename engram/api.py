@@ -289,6 +289,9 @@ class Stats:
     eviction: EvictionStats = field(default_factory=EvictionStats)
     blocks_prefetched: int = 0  # copied up before their session was due back (a client's expect_back_ms)
     sessions_closed_idle: int = 0  # closed by the daemon after server.session_idle_s without a call
+    # A tenant's view: content and activity of its own namespaces only; the daemon-wide activity figures (which
+    # move with other tenants' calls) are the admin's, 0 here (proto StatsResponse.scoped lists them)
+    scoped: bool = False
 
     def tier(self, name: str) -> TierStats:
         return next(t for t in self.tiers if t.name == name)

@@ -126,6 +126,24 @@ def test_tenants_and_tls_from_the_cli(deployment: Deployment) -> None:
     assert bad_ca.exit_code == 4 and "not a PEM certificate" in bad_ca.stderr
 
 
+def test_a_tenants_stats_and_top_say_admin_only_where_the_daemons_figures_are_left_out(deployment: Deployment
+                                                                                        ) -> None:
+    """A tenant's Stats carry its namespaces' figures only and leave the daemon-wide activity out as 0
+    (tests/test_stats_scope.py): `engram stats` and `engram top` say "admin only" there instead of a 0 that looks
+    measured, and JSON rates are null; the admin's output is unchanged."""
+    addr, cert = deployment.address, deployment.cert
+    for args in (("stats",), ("top", "--once", "-i", "0.1")):
+        mine = cli(*args, "-a", addr, token=TEAM_A, ca=cert)
+        assert mine.exit_code == 0, mine.output
+        assert "admin only" in mine.stdout
+        every = cli(*args, "-a", addr, ca=cert)
+        assert every.exit_code == 0 and "admin only" not in every.stdout, every.output
+    stats = json.loads(cli("stats", "--json", "-a", addr, token=TEAM_A, ca=cert).stdout)
+    assert stats["scoped"] and stats["blocks_put"] == 2 and stats["tiers"][0]["blocks"] == 2
+    rates = json.loads(cli("top", "--json", "-i", "0.1", "-a", addr, token=TEAM_A, ca=cert).stdout)["rates_per_s"]
+    assert rates["lookups"] is None and rates["tiers"]["dram"]["hits"] is None and rates["blocks_put"] == 0.0
+
+
 def test_engram_token_in_the_environment_of_a_real_cli(deployment: Deployment) -> None:
     """What README says to do, as a user's shell would: ENGRAM_TOKEN (and the daemon's own secrets) exported."""
     out = subprocess.run([*ENGRAM, "ls", "-n", "team-a", "-a", deployment.address, "--tls-ca", str(deployment.cert)],

@@ -555,39 +555,21 @@ class EngramService:
             return convert.to_pb(await self.stats(every), pb.StatsResponse)
         in_use = set(self.store.namespaces_in_use())
         mine = [ns for ns in scope if ns in in_use or self.sessions.count_in(ns)]
-        return convert.to_pb(await self.stats(mine, scoped=True), pb.StatsResponse)
+        return convert.to_pb(await self.tenant_stats(mine, scope), pb.StatsResponse)
 
-    async def stats(self, namespaces: list[str], *, scoped: bool = False) -> StatsReply:
-        """The daemon's figures. Scoped (a tenant's call), everything that counts a namespace's content
-        (models, sessions, windows, namespaces, and the tiers' tokens and pinned blocks) covers `namespaces`
-        only, and a model none of them holds is left out, so no tenant learns what another stores or which
-        models it uses; the lookup counters (tokens hit and missed: the exact length of another tenant's
-        prompt, read as the difference of two Stats) are the admin's only, 0 for a tenant. The tiers' bytes,
-        blocks and counters stay: they show the daemon's load, and no call of one tenant can make them depend
-        on whether another holds a given prefix (its keys are salted, nothing dedupes across namespaces)."""
+    async def stats(self, namespaces: list[str]) -> StatsReply:
+        """The daemon's figures, every namespace's: an admin's Stats, or anyone's with tenancy off."""
         store = self.store
         c = store.counters
         pending = store.write_back_pending()
-        models = []
-        for m in store.model_usage(namespaces if scoped else None):
-            if scoped and not m.blocks:
-                continue
-            spec = store.spec(m.fingerprint)
-            models.append(ModelStats(
-                model_fingerprint=m.fingerprint, name=m.name, blocks=m.blocks, stored_bytes=m.bytes, tokens=m.tokens,
-                codec=m.codec, raw_bytes=m.raw_bytes, all_layers_bytes=m.tokens * spec.layout.all_layers_bytes_per_token(),
-                replayable=self.sessions.runtime.model_for(spec) is not None))
-        cfg = self.config
-        lookups = (0, 0, 0) if scoped else (c.lookups, c.lookup_hit_tokens, c.lookup_miss_tokens)
         return StatsReply(
-            tiers=store.tier_stats(namespaces=namespaces if scoped else None), models=tuple(models),
-            lookups=lookups[0], lookup_hit_tokens=lookups[1], lookup_miss_tokens=lookups[2], blocks_put=c.blocks_put,
+            tiers=store.tier_stats(), models=self._model_stats(None),
+            lookups=c.lookups, lookup_hit_tokens=c.lookup_hit_tokens, lookup_miss_tokens=c.lookup_miss_tokens,
+            blocks_put=c.blocks_put,
             blocks_deduplicated=c.blocks_deduplicated, blocks_served=c.blocks_served, bytes_served=c.bytes_served,
-            limits=Limits(max_message_bytes=int(cfg.max_message_bytes), chunk_bytes=int(cfg.chunk_bytes),
-                          max_blocks_per_request=cfg.max_blocks_per_request,
-                          max_tokens_per_request=cfg.max_tokens_per_request),
+            limits=self._limits(),
             version=__version__, uptime_s=time.time() - store.started, write_policy=str(store.write_policy),
-            corrupt_blocks=c.corrupt_blocks, replay=self._replay_stats(namespaces if scoped else None),
+            corrupt_blocks=c.corrupt_blocks, replay=self._replay_stats(),
             namespaces=tuple(self._namespace_stats(ns) for ns in namespaces),
             cluster=await self._cluster_stats(),
             blocks_evicted_on_request=c.blocks_evicted_on_request, blocks_not_durable=c.blocks_not_durable,
@@ -596,9 +578,57 @@ class EngramService:
             default_codec=store.registry.default_codec, default_codec_reason=store.registry.default_reason,
             codec_backend=store.codec_backend, codec_errors=store.quality.codec_errors(),
             codec_error_blocks=store.quality.errors.blocks, codec_error_skipped=store.quality.skipped,
-            codec_fallbacks=store.quality.codec_fallbacks(namespaces if scoped else None), eviction=eviction.stats(store.placement.model),
+            codec_fallbacks=store.quality.codec_fallbacks(None), eviction=eviction.stats(store.placement.model),
             blocks_prefetched=c.blocks_prefetched, sessions_closed_idle=self.sessions.closed_idle,
         )
+
+    async def tenant_stats(self, namespaces: list[str], scope: list[str]) -> StatsReply:
+        """A tenant's Stats: figures of its namespaces (`namespaces`: those of `scope`, its own, holding blocks or
+        sessions) and the daemon's fixed ones (capacities, limits, codec, version), nothing else. A daemon-wide
+        figure that moves with another tenant's calls tells what it does: the tiers' used bytes after its put, or
+        bytes served after its hit, divided by the model's public bytes per token (its last block is partial) is
+        the exact length of its prompt, and so are the lookup counters. Built field by field, so a figure added
+        to Stats later is the admin's until someone decides it may be a tenant's (StatsResponse.scoped lists
+        which are 0 here). A model none of the namespaces holds is left out: which models others use is theirs."""
+        store = self.store
+        own = store.counters.of_namespaces(scope)  # a namespace evicted whole keeps its counts
+        cl = self.cluster
+        cluster = ClusterStats(state="off") if cl is None else ClusterStats(
+            state=cl.state, reason=cl.reason, node_id=cl.node_id, live_nodes=await cl.live_nodes())
+        sm = self.sessions
+        return StatsReply(
+            tiers=store.own_tier_stats(namespaces), models=self._model_stats(namespaces),
+            blocks_put=own.blocks_put, blocks_deduplicated=own.blocks_deduplicated,
+            blocks_served=own.blocks_served, bytes_served=own.bytes_served, limits=self._limits(),
+            version=__version__, uptime_s=time.time() - store.started, write_policy=str(store.write_policy),
+            replay=ReplayStats(sessions=sm.count(namespaces), hot_sessions=sm.hot_count(namespaces),
+                               persisted_window_bytes=sm.window_bytes(persisted=True, namespaces=namespaces),
+                               hot_window_bytes=sm.window_bytes(persisted=False, namespaces=namespaces)),
+            namespaces=tuple(self._namespace_stats(ns) for ns in namespaces), cluster=cluster,
+            default_codec=store.registry.default_codec, default_codec_reason=store.registry.default_reason,
+            codec_backend=store.codec_backend, codec_fallbacks=store.quality.codec_fallbacks(namespaces),
+            scoped=True,
+        )
+
+    def _model_stats(self, namespaces: list[str] | None) -> tuple[ModelStats, ...]:
+        """Every registered model's usage, or of `namespaces` only and then only the models they hold."""
+        store = self.store
+        models = []
+        for m in store.model_usage(namespaces):
+            if namespaces is not None and not m.blocks:
+                continue
+            spec = store.spec(m.fingerprint)
+            models.append(ModelStats(
+                model_fingerprint=m.fingerprint, name=m.name, blocks=m.blocks, stored_bytes=m.bytes, tokens=m.tokens,
+                codec=m.codec, raw_bytes=m.raw_bytes, all_layers_bytes=m.tokens * spec.layout.all_layers_bytes_per_token(),
+                replayable=self.sessions.runtime.model_for(spec) is not None))
+        return tuple(models)
+
+    def _limits(self) -> Limits:
+        cfg = self.config
+        return Limits(max_message_bytes=int(cfg.max_message_bytes), chunk_bytes=int(cfg.chunk_bytes),
+                      max_blocks_per_request=cfg.max_blocks_per_request,
+                      max_tokens_per_request=cfg.max_tokens_per_request)
 
     async def _cluster_stats(self) -> ClusterStats:
         cl = self.cluster
@@ -622,12 +652,12 @@ class EngramService:
         ns = namespace_for(context, decoded(request).namespace)
         return convert.to_pb(self._namespace_stats(ns, with_salt=True), pb.NamespaceStats)
 
-    def _replay_stats(self, namespaces: list[str] | None) -> ReplayStats:
+    def _replay_stats(self) -> ReplayStats:
         sm = self.sessions
         rc = sm.runtime.counters
-        return ReplayStats(sessions=sm.count(namespaces), hot_sessions=sm.hot_count(namespaces),
-                           persisted_window_bytes=sm.window_bytes(persisted=True, namespaces=namespaces),
-                           hot_window_bytes=sm.window_bytes(persisted=False, namespaces=namespaces),
+        return ReplayStats(sessions=sm.count(), hot_sessions=sm.hot_count(),
+                           persisted_window_bytes=sm.window_bytes(persisted=True),
+                           hot_window_bytes=sm.window_bytes(persisted=False),
                            replays=rc.replays, replayed_tokens=rc.replayed_tokens, replay_seconds=rc.seconds,
                            windows_dropped_cold=sm.windows_dropped_cold)
 

@@ -54,6 +54,7 @@ from engram.store.counters import (
     StoreCounters,
     TierCounters,
     TierHealth,
+    own_tier_stats,
     tier_stats,
 )
 from engram.store.flusher import Flusher, FlushResult, Pending
@@ -360,6 +361,7 @@ class BlockStore:
                 except DataLoss:
                     continue  # no copy of it verified and it was dropped: this put stores its own bytes anew
             self.counters.blocks_deduplicated += 1
+            self.counters.of(namespace).blocks_deduplicated += 1
             return PutOutcome(key, stored=False, durable=ok)
 
         self._check_parent_stayed(namespace, parent, pmeta, index)  # the awaits above let it be evicted
@@ -402,6 +404,7 @@ class BlockStore:
             for w in waiters:
                 w.set()
         self.counters.blocks_put += 1
+        self.counters.of(namespace).blocks_put += 1
         if sample is not None:  # measured off the loop; this put does not wait (engram/store/quality.py)
             self.quality.measure_later(sample, payload, dtype, shape,
                                        meta.locations[0] if meta.locations else placement.tiers[0].name)
@@ -527,6 +530,9 @@ class BlockStore:
         meta.hits += 1
         c.blocks_served += 1
         c.bytes_served += meta.nbytes
+        own = c.of(meta.namespace)
+        own.blocks_served += 1
+        own.bytes_served += meta.nbytes
 
     async def read(self, meta: BlockMeta, *, promote: bool = True, verify: bool = True) -> bytes:
         """The block's payload from its fastest verified copy; a corrupt or unreadable copy is dropped and
@@ -570,6 +576,9 @@ class BlockStore:
             n_top += 1
             bytes_top += meta.nbytes
             meta.hits += 1
+            own = self.counters.of(meta.namespace)
+            own.blocks_served += 1
+            own.bytes_served += meta.nbytes
             out.append(payload)
         c = self.counters
         c.tiers[top_name].hits += n_top  # `served`, once for the batch: the top tier misses nothing
@@ -809,13 +818,14 @@ class BlockStore:
 
     # ---- figures -------------------------------------------------------------------------------
 
-    def tier_stats(self, *, per_block: bool = True, namespaces: Sequence[str] | None = None) -> tuple[TierStats, ...]:
+    def tier_stats(self, *, per_block: bool = True) -> tuple[TierStats, ...]:
         """Every tier's figures; without per_block, tokens and pinned_blocks stay 0 and the index is not
-        walked (what a metrics scrape or the log reporter needs); with namespaces, they count those only."""
-        if not per_block:
-            return tier_stats(self.placement, ())
-        return tier_stats(self.placement, self.index if namespaces is None else
-                          (m for ns in namespaces for m in self.index.blocks_in(ns)))
+        walked (what a metrics scrape or the log reporter needs)."""
+        return tier_stats(self.placement, self.index if per_block else ())
+
+    def own_tier_stats(self, namespaces: Sequence[str]) -> tuple[TierStats, ...]:
+        """Every tier as a tenant of `namespaces` sees it (counters.own_tier_stats): its copies, not the tier's."""
+        return own_tier_stats(self.placement, (m for ns in namespaces for m in self.index.blocks_in(ns)))
 
     def model_usage(self, namespaces: Sequence[str] | None = None) -> list[ModelUsage]:
         """Blocks, bytes and tokens per registered model: of every namespace, or of `namespaces` only."""

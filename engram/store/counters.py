@@ -38,6 +38,22 @@ class TierHealth:
 
 
 @dataclass
+class NamespaceCounters:
+    """One namespace's part of the store's activity counters: what a tenant's Stats shows of them, since the
+    daemon-wide counts move with every other tenant's calls (bytes served / bytes per token: its prompt lengths)."""
+
+    blocks_put: int = 0
+    blocks_deduplicated: int = 0
+    blocks_served: int = 0
+    bytes_served: int = 0
+
+    def add(self, other: NamespaceCounters) -> NamespaceCounters:
+        return NamespaceCounters(self.blocks_put + other.blocks_put,
+                                 self.blocks_deduplicated + other.blocks_deduplicated,
+                                 self.blocks_served + other.blocks_served, self.bytes_served + other.bytes_served)
+
+
+@dataclass
 class StoreCounters:
     lookups: int = 0
     lookup_hit_tokens: int = 0
@@ -52,6 +68,23 @@ class StoreCounters:
     blocks_flushed: int = 0  # copied to the durable tier by the background flusher (engram/store/flusher.py)
     blocks_prefetched: int = 0  # copied up into the top tier before their session was due back (`prefetch`)
     tiers: dict[str, TierCounters] = field(default_factory=dict)
+    # blocks put, deduplicated and served per namespace (a few ints each, per namespace ever written or read)
+    namespaces: dict[str, NamespaceCounters] = field(default_factory=dict)
+
+    def of(self, namespace: str) -> NamespaceCounters:
+        """`namespace`'s counters, to bump beside the daemon-wide ones."""
+        c = self.namespaces.get(namespace)
+        if c is None:
+            c = self.namespaces[namespace] = NamespaceCounters()
+        return c
+
+    def of_namespaces(self, namespaces: Iterable[str]) -> NamespaceCounters:
+        """The sum of some namespaces' counters (a tenant's Stats)."""
+        total = NamespaceCounters()
+        for ns in set(namespaces):
+            if ns in self.namespaces:
+                total = total.add(self.namespaces[ns])
+        return total
 
 
 @dataclass(frozen=True)
@@ -95,4 +128,29 @@ def tier_stats(placement: Placement, blocks: Iterable[BlockMeta] = ()) -> tuple[
             io_errors=tc.io_errors, corrupt_blocks=tc.corrupt_blocks, enospc=tc.enospc,
             tokens=tokens.get(tier.name, 0), demoted_bytes=tc.demoted_bytes, promoted_bytes=tc.promoted_bytes,
         ))
+    return tuple(out)
+
+
+def own_tier_stats(placement: Placement, blocks: Iterable[BlockMeta]) -> tuple[TierStats, ...]:
+    """Every tier as a tenant sees it: its capacity and health, and of `blocks` (its namespaces') the copies
+    there (blocks, stored bytes, tokens, pinned). The tier's own used bytes, blocks and counters move with every
+    other tenant's puts and hits (their growth / bytes per token: another's prompt length): the admin's only."""
+    used: dict[str, int] = {}
+    count: dict[str, int] = {}
+    tokens: dict[str, int] = {}
+    pinned: dict[str, int] = {}
+    for meta in blocks:
+        for name in meta.locations:
+            used[name] = used.get(name, 0) + meta.nbytes
+            count[name] = count.get(name, 0) + 1
+            tokens[name] = tokens.get(name, 0) + meta.num_tokens
+            if meta.pins:
+                pinned[name] = pinned.get(name, 0) + 1
+    out = []
+    for tier in placement.tiers:
+        health = placement.health[tier.name]
+        out.append(TierStats(name=tier.name, capacity_bytes=tier.usage().capacity_bytes,
+                             used_bytes=used.get(tier.name, 0), blocks=count.get(tier.name, 0),
+                             tokens=tokens.get(tier.name, 0), pinned_blocks=pinned.get(tier.name, 0),
+                             state=health.state, state_reason=health.reason))
     return tuple(out)

@@ -345,6 +345,7 @@ class InPlacePuts:
                 if store.write_policy == WritePolicy.WRITE_THROUGH:
                     ok = await durable.make_durable_again(store, existing, None, 0, index=index)
             store.counters.blocks_deduplicated += 1
+            store.counters.of(meta.namespace).blocks_deduplicated += 1
             return PutOutcome(meta.key, stored=False, durable=ok)
         placement = store.placement
         self.pool.rename(self._slot_key(res, meta), meta.key)
@@ -370,6 +371,7 @@ class InPlacePuts:
         store.index.add(meta)
         placement.compete(meta)  # the pool's copy, and the durable copy placed before it was indexed
         store.counters.blocks_put += 1
+        store.counters.of(meta.namespace).blocks_put += 1
         return PutOutcome(meta.key, stored=True, durable=ok)
 
     async def _seal(self, batch: Sequence[Reserved]) -> None:

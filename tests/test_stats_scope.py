@@ -1,0 +1,73 @@
+"""A tenant's Stats through a real daemon tell nothing of another tenant's calls (an audit, session 44): Bob read
+the exact length of Alice's prompt from two of his own Stats around her put (the tiers' used bytes grew by her
+stored bytes, and her last block is partial, so its size grows with its token count: divided by the model's public
+bytes per token, or inverted through the codec's public stored size, it is her token count) or around her hit
+(bytes served); blocks put, served and deduplicated, tier hits, write-back pending and the codec error samples moved
+with her calls too. Now every figure of his Stats is his namespaces' or fixed; the admin still sees the daemon's."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engram.api import Stats
+from engram.client import EngramClient
+from engram.server import RunningServer
+
+from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
+
+ALICE, BOB, ADMIN = "alice-token", "bob-token", "admin-token"
+AUTH = {"auth.tenants.alice.token": ALICE, "auth.tenants.bob.token": BOB, "auth.admin_tokens": ADMIN,
+        "auth.salt_secret": "test-secret"}
+
+
+def figures(stats: Stats) -> dict[str, Any]:
+    """Every field of a Stats but the clock."""
+    d = dataclasses.asdict(stats)
+    d.pop("uptime_s")
+    return d
+
+
+@pytest.mark.parametrize("codec", ["raw", "nvfp4"])
+async def test_bobs_stats_do_not_move_with_alices_put_hit_or_dedupe(server_factory: Any, tmp_path: Path,
+                                                                    codec: str) -> None:
+    srv: RunningServer = await server_factory(**AUTH, **{
+        "tiers.nvme.path": str(tmp_path / "nvme"), "tiers.nvme.fsync": False, "codec.default": codec,
+        "codec.quality_sample": 1})
+    spec = tiny_model(codec="")  # the daemon's default codec: public, as is the layout
+    secret = 3 * BLOCK_TOKENS + 5  # Alice's prompt length: its last block is partial
+    async with EngramClient(srv.address, token=BOB, namespace="bob") as b, \
+            EngramClient(srv.address, token=ALICE, namespace="alice") as a:
+        fp = await b.register_model(spec)
+        mine = tokens(2 * BLOCK_TOKENS + 3, seed=1)
+        assert (await b.put(fp, mine, random_kv(spec, len(mine), seed=1))).stored == 3
+        await srv.store.quality.drain()
+        before = await b.stats()
+        assert before.scoped and before.blocks_put == 3
+
+        await a.register_model(spec)
+        theirs, kv = tokens(secret, seed=2), random_kv(spec, secret, seed=2)
+        assert (await a.put(fp, theirs, kv)).stored == 4
+        assert (await a.lookup(fp, theirs)).matched_tokens == secret
+        assert (await a.get_prefix(fp, theirs))[0] == secret  # her hit
+        assert (await a.put(fp, theirs, kv)).stored == 0  # deduplicated
+        await srv.store.quality.drain()
+        after = await b.stats()
+        assert figures(after) == figures(before)
+
+        # His own figures are his: his hit counts, his tiers hold his copies.
+        assert (await b.get_prefix(fp, mine))[0] == len(mine)
+        own = await b.stats()
+        stored = sum(m.stored_bytes for m in own.models)
+        assert (own.blocks_served, own.bytes_served) == (3, stored)
+        assert own.tier("dram").used_bytes == stored and own.tier("dram").blocks == 3
+
+    async with EngramClient(srv.address, token=ADMIN) as admin:  # the daemon's figures stay the admin's
+        every = await admin.stats()
+    assert not every.scoped
+    assert every.blocks_put == 7 and every.blocks_deduplicated >= 1 and every.blocks_served == 7
+    assert every.tier("dram").used_bytes > stored and every.tier("dram").hits >= 7
+    assert every.lookups >= 1 and every.codec_error_blocks + every.codec_error_skipped >= (codec != "raw")
