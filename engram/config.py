@@ -96,6 +96,11 @@ class ServerConfig:
     # With tenancy on, the fraction of the shared pool one tenant's reservations (all its namespaces') may hold, at
     # most max_reserved_pool_fraction; an admin's count in the total only, as everyone's do with tenancy off.
     max_reserved_pool_fraction_per_tenant: float = 0.5
+    # With tenancy on, the bytes one tenant's namespaces may hold pinned together (each pinned block and the blocks it
+    # extends, which a pin keeps too), as a fraction of the store's largest tier: below 1, that tier keeps room for
+    # the others' puts however much one tenant pins. Past it a Pin, or a put with pin, is RESOURCE_EXHAUSTED. Admins,
+    # and every caller with tenancy off, have no bound (docs/ARCHITECTURE.md: tenants' shares).
+    max_pinned_fraction_per_tenant: float = 0.5
     tls_cert: str = ""  # PEM certificate chain: with tls_key, TCP is served over TLS
     tls_key: str = ""  # PEM private key of tls_cert
     metrics_port: int = 0  # Prometheus /metrics over HTTP on this port; 0 = off, -1 = any free port (tests)
@@ -356,6 +361,9 @@ class EngramConfig:
                               ("server.max_reserved_pool_fraction_per_tenant", s.max_reserved_pool_fraction_per_tenant)):
             if not 0 < fraction <= 1:  # NaN too
                 raise ConfigError(f"{key} must be a fraction of the shared pool in (0, 1], got {fraction}")
+        if not 0 < s.max_pinned_fraction_per_tenant <= 1:  # NaN too
+            raise ConfigError("server.max_pinned_fraction_per_tenant must be a fraction of the largest tier in (0, 1], "
+                              f"got {s.max_pinned_fraction_per_tenant}")
         if s.max_reserved_pool_fraction_per_tenant > s.max_reserved_pool_fraction:
             raise ConfigError("server.max_reserved_pool_fraction_per_tenant must be at most "
                               f"server.max_reserved_pool_fraction ({s.max_reserved_pool_fraction}), got "

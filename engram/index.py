@@ -50,7 +50,8 @@ class BlockMeta:
     checksum: int
     locations: list[str]  # tiers holding a complete copy, fastest first
     full: bool  # num_tokens == block_tokens
-    pins: int = 0
+    pins: int = 0  # set through ChainIndex.set_pins once indexed: the namespace's pinned bytes follow it
+    pin_held_children: int = 0  # indexed children kept by a pin (pinned, or extended by a pinned block)
     leases: int = 0
     children: int = 0  # indexed blocks whose parent this is; only leaves (0) may be evicted
     tick: int = 0  # the clock's reading at its last use (engram/eviction.py); 0: never used
@@ -66,6 +67,12 @@ class BlockMeta:
     @property
     def evictable(self) -> bool:
         return self.pins == 0 and self.leases == 0 and not self.moving
+
+    @property
+    def pin_held(self) -> bool:
+        """Kept by a pin: pinned itself, or extended by a pinned block (only leaves leave the last tier, so a
+        pin keeps every block its chain runs through)."""
+        return self.pins > 0 or self.pin_held_children > 0
 
     @property
     def tier(self) -> str:
@@ -222,6 +229,7 @@ class _Space:
     entries: dict[bytes, BlockMeta] = field(default_factory=dict)
     children: dict[bytes, _Children] = field(default_factory=dict)  # parent key -> the blocks extending it
     nbytes: int = 0  # physical bytes: each stored block once
+    pinned: int = 0  # bytes of its blocks a pin keeps (BlockMeta.pin_held): what a tenant's pin share counts
 
 
 IndexListener = Callable[[str, BlockMeta], None]  # ("add" | "remove", block): the cluster index follows
@@ -263,6 +271,51 @@ class ChainIndex:
         space = self._spaces.get(namespace)
         return 0 if space is None else space.nbytes
 
+    def pinned_bytes(self, namespace: str) -> int:
+        """Bytes of the namespace's blocks kept by pins: each pinned block and every block it extends, once."""
+        space = self._spaces.get(namespace)
+        return 0 if space is None else space.pinned
+
+    def pin_growth(self, metas: Sequence[BlockMeta | None]) -> int:
+        """How many bytes pinning `metas` would add to their namespaces' pinned bytes: each one not kept by a pin
+        yet, with the blocks it extends that are not. A block not indexed yet (a put's, about to be published under
+        its parent) counts as not kept, whatever its pins."""
+        seen: set[bytes] = set()
+        grow = 0
+        entries = self._entries
+        for meta in metas:
+            space = None if meta is None else self._spaces.get(meta.namespace)
+            m = meta
+            while m is not None and m.key not in seen and not (m.pin_held and entries.get(m.key) is m):
+                seen.add(m.key)
+                grow += m.nbytes
+                m = None if space is None else space.entries.get(m.parent)
+        return grow
+
+    def set_pins(self, meta: BlockMeta, pins: int) -> None:
+        """Change a block's pin count; for an indexed block, its namespace's pinned bytes follow."""
+        if pins < 0:
+            raise AssertionError(f"block {meta.key.hex()} unpinned more often than pinned")
+        was = meta.pin_held
+        meta.pins = pins
+        if was != meta.pin_held and self._entries.get(meta.key) is meta:
+            self._pin_held_changed(self._spaces[meta.namespace], meta, meta.pin_held)
+
+    @staticmethod
+    def _pin_held_changed(space: _Space, meta: BlockMeta, held: bool) -> None:
+        """`meta` became kept by a pin (or stopped being): counted, and so are the ancestors that change with it,
+        up to the first one another pin keeps anyway."""
+        m = meta
+        while True:
+            space.pinned += m.nbytes if held else -m.nbytes
+            parent = space.entries.get(m.parent)
+            if parent is None:
+                return
+            parent.pin_held_children += 1 if held else -1
+            if parent.pins or parent.pin_held_children != (1 if held else 0):
+                return  # held before, and still: nothing above changes
+            m = parent
+
     def add(self, meta: BlockMeta) -> None:
         if meta.key in self._entries:
             raise AssertionError(f"block {meta.key.hex()} is already indexed")
@@ -279,6 +332,10 @@ class ChainIndex:
         if siblings is None:
             siblings = space.children[meta.parent] = _Children()
         siblings.add(meta)
+        kids = space.children.get(meta.key)  # (none, but for one whose parent left while it was read)
+        meta.pin_held_children = 0 if kids is None else sum(1 for k in kids.by_key.values() if k.pin_held)
+        if meta.pin_held:
+            self._pin_held_changed(space, meta, True)
         for listener in self.listeners:
             listener("add", meta)
 
@@ -288,6 +345,8 @@ class ChainIndex:
         if meta is None:
             return None, None
         space = self._spaces[meta.namespace]
+        if meta.pin_held:  # a pinned block deleted on request, or lost: its pin (and what it kept) ends with it
+            self._pin_held_changed(space, meta, False)
         del space.entries[key]
         space.nbytes -= meta.nbytes
         siblings = space.children.get(meta.parent)

@@ -191,7 +191,7 @@ class Inspector:
                 self._hold(meta, inside, held)
                 continue
             if meta.pins:  # no await between here and the removal's own check: a pin is lifted only if it goes
-                meta.pins = 0
+                self.store.lift_pins(meta)
                 unpinned += 1
             await self.store.remove(meta)
             evicted.append(meta.key)

@@ -64,6 +64,10 @@ def test_precedence_defaults_file_env_flags(tmp_path: Path) -> None:
          r"max_reserved_pool_fraction_per_tenant must be a fraction"),
         ({"overrides": {"server.max_reserved_pool_fraction": 0.4}},  # under the per-tenant default, 0.5
          r"max_reserved_pool_fraction_per_tenant must be at most server\.max_reserved_pool_fraction \(0\.4\)"),
+        # a tenant's share of pinned bytes: a fraction of the largest tier
+        ({"overrides": {"server.max_pinned_fraction_per_tenant": 0}},
+         r"max_pinned_fraction_per_tenant must be a fraction of the largest tier in \(0, 1\]"),
+        ({"overrides": {"server.max_pinned_fraction_per_tenant": 1.01}}, r"max_pinned_fraction_per_tenant must be"),
     ],
 )
 def test_bad_config_is_an_error(tmp_path: Path, source: dict, match: str) -> None:  # type: ignore[type-arg]

@@ -387,3 +387,36 @@ def _shared(a: np.ndarray, b: np.ndarray) -> int:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
+
+
+def test_pinned_bytes_count_each_pinned_block_and_what_it_extends_once_through_any_removal() -> None:
+    """The namespace's pinned bytes (a tenant's pin share counts them, engram/store/pins.py): a pin on a block
+    keeps the chain it extends, counted once however many pins and pinned descendants. A lost block is unindexed
+    before its descendants (recovery.drop_lost), pins and all: nothing it counted stays counted, and a block put
+    again under the same key counts the pinned children it finds."""
+    index = ChainIndex()
+    blocks = chain("a", toks(5 * BT))  # 100 bytes each
+    for m in blocks:
+        index.add(m)
+    assert index.pin_growth([blocks[3]]) == 400 and index.pin_growth([blocks[3], blocks[1]]) == 400
+    index.set_pins(blocks[3], 1)
+    index.set_pins(blocks[1], 2)
+    assert index.pinned_bytes("a") == 400 and index.pin_growth([blocks[4]]) == 100
+    index.set_pins(blocks[3], 0)
+    assert index.pinned_bytes("a") == 200  # blocks[1] is still pinned, and keeps blocks[0]
+    index.set_pins(blocks[3], 1)
+    index.remove(blocks[2].key)  # lost: unindexed while a pinned block extends it
+    assert index.pinned_bytes("a") == 300  # blocks[0], [1] (pinned) and [3] (pinned)
+    index.set_pins(blocks[1], 0)
+    assert index.pinned_bytes("a") == 100  # blocks[3]: what blocks[2] kept above it went with it
+    index.set_pins(blocks[3], 0)  # its parent is gone: nothing above it changes
+    assert index.pinned_bytes("a") == 0
+    index.set_pins(blocks[3], 1)
+    index.add(blocks[2])  # put again: it finds its pinned child, and keeps the chain above it
+    assert index.pinned_bytes("a") == 400 and blocks[2].pin_held_children == 1
+    index.set_pins(blocks[3], 0)
+    assert index.pinned_bytes("a") == 0
+    index.set_pins(blocks[4], 1)
+    index.remove(blocks[4].key)  # an evict that overrode its pin
+    assert index.pinned_bytes("a") == 0
+    assert [m.pin_held_children for m in blocks[:4]] == [0, 0, 0, 0]

@@ -56,6 +56,7 @@ from engram.server.requests import (
 from engram.sessions import SessionManager, Window
 from engram.store import BlockStore
 from engram.store.inplace import InPlacePuts
+from engram.store.pins import PinShare
 from engram.tenancy import Tenancy
 from engram.tiers.pool import PoolTier, ipc_pool, shared_pool
 from engram.trust import ClusterTrust
@@ -121,6 +122,7 @@ class ChainPut:
         # announces a block and sends most of it kept that buffer outside the quota (four half-sent 32 MiB blocks
         # grew the daemon 160 MiB past a 40 MiB quota, an audit). Given back as each is stored, and by release().
         self._held: list[int] = []
+        self.pin_share = service.pin_share() if stream.pin else None
 
     @property
     def index(self) -> int:
@@ -166,7 +168,7 @@ class ChainPut:
     async def _commit(self, header: BlockHeader, payload: Payload, index: int) -> bytes:
         s = self.stream
         outcome = await self.service.store.put(s.namespace, s.model_fingerprint, self.parent, header,
-                                               payload, pin=s.pin, index=index)
+                                               payload, pin=s.pin, index=index, pin_share=self.pin_share)
         self.stored += outcome.stored
         self.deduplicated += not outcome.stored
         self.not_durable += not outcome.durable
@@ -463,7 +465,8 @@ class EngramService:
         parent = req.parent_key or self.store.root(ns, req.model_fingerprint)
         headers = [convert.header_from_pb(h, i) for i, h in enumerate(req.blocks)]
         res = await self.inplace.reserve(ns, req.model_fingerprint, parent, headers, pin=req.pin,
-                                         owner=self._tenant(context))  # its share of the pool's reserved room
+                                         owner=self._tenant(context),  # its share of the pool's reserved room
+                                         pin_share=self.pin_share() if req.pin else None)
         seg = self.inplace.pool.segment
         assert seg is not None
         slots = [pb.BlockDescriptor(key=r.meta.key, segment_path=str(seg.path), segment_id=seg.layout.segment_id,
@@ -543,8 +546,16 @@ class EngramService:
         req = decoded(request)
         check_limit("Pin keys", len(req.keys), self.config.max_blocks_per_request)
         changed = self.store.pin(namespace_for(context, req.namespace), req.model_fingerprint, list(req.keys),
-                                 unpin=req.unpin)
+                                 unpin=req.unpin, share=None if req.unpin else self.pin_share())
         return pb.PinResponse(changed=changed)
+
+    def pin_share(self) -> PinShare | None:
+        """The current caller's share of pinned bytes, over all its namespaces (engram/store/pins.py); None for an
+        admin, and with tenancy off: they act on the whole daemon."""
+        who = caller(None)
+        if self.tenancy is None or who.admin:
+            return None
+        return PinShare.of(who.namespaces, self.config.max_pinned_fraction_per_tenant, self.store.tiers)
 
     @unary
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> pb.StatsResponse:

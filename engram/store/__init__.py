@@ -4,6 +4,7 @@
 - placement.py: copies in tiers: making room, demotion, promotion, the two-phase copy protocol, tier health.
 - recovery.py: rebuilding the index from NVMe at start-up, and `check`.
 - counters.py: what the store counts, and the per-tier figures every reader of them shares.
+- pins.py: a tenant's share of pinned bytes (server.max_pinned_fraction_per_tenant).
 """
 
 from engram.store.core import BlockStore, PutOutcome, WritePolicy

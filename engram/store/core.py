@@ -58,6 +58,7 @@ from engram.store.counters import (
     tier_stats,
 )
 from engram.store.flusher import Flusher, FlushResult, Pending
+from engram.store.pins import PinShare
 from engram.store.placement import Placement
 from engram.store.quality import QualityWatch, Sample, persisted_kinds
 from engram.tenancy import NamespacePolicy, OpenNamespaces
@@ -268,8 +269,11 @@ class BlockStore:
             self._held.pop(namespace, None)
 
     async def put(self, namespace: str, model_fingerprint: bytes, parent: bytes, header: BlockHeader,
-                  payload: Payload, *, pin: bool = False, index: int = 0) -> PutOutcome:
-        """Validate, dedupe and store one block under the key its parent and tokens hash to."""
+                  payload: Payload, *, pin: bool = False, index: int = 0, pin_share: PinShare | None = None
+                  ) -> PutOutcome:
+        """Validate, dedupe and store one block under the key its parent and tokens hash to. With pin and a
+        `pin_share` (the caller's, engram/store/pins.py), a block whose pin would pass the share is refused, whole
+        (RESOURCE_EXHAUSTED, as past a quota): stored unpinned, it would be evicted while its caller counts on it."""
         limits.check_namespace(namespace)  # also for blocks that did not come through a Put (peers)
         spec = self.spec(model_fingerprint)
         layout = spec.layout
@@ -292,7 +296,7 @@ class BlockStore:
         key = block_key(parent, header.tokens)
         return await self._store(namespace, model_fingerprint, parent, pmeta, key, tokens_to_bytes(header.tokens),
                                  header.num_tokens, layout.block_tokens, header.dtype, tuple(header.shape),
-                                 header.checksum, payload, pin=pin, index=index, sample=sample)
+                                 header.checksum, payload, pin=pin, index=index, sample=sample, pin_share=pin_share)
 
     async def put_chain(self, namespace: str, model_fingerprint: bytes, parent: bytes,
                         blocks: Sequence[tuple[bytes, bytes]], payload: bytes, payload_checksum: int
@@ -335,7 +339,7 @@ class BlockStore:
     async def _store(self, namespace: str, model_fingerprint: bytes, parent: bytes, pmeta: BlockMeta | None,
                      key: bytes, tokens: bytes, num_tokens: int, block_tokens: int, dtype: DType,
                      shape: tuple[int, ...], payload_checksum: int, payload: Payload, *, pin: bool = False,
-                     index: int = 0, sample: Sample | None = None) -> PutOutcome:
+                     index: int = 0, sample: Sample | None = None, pin_share: PinShare | None = None) -> PutOutcome:
         """Dedupe and store one block whose header and payload were checked (put) or are the caller's own
         (put_chain): placed, then published in the index; `sample`, the raw elements a lossy encoding was
         sampled from, is measured once stored (engram/store/quality.py)."""
@@ -352,7 +356,9 @@ class BlockStore:
             if existing.tokens != tokens:
                 raise FailedPrecondition(f"block {index}: key {key.hex()} is stored with other tokens (hash collision)")
             if pin:
-                existing.pins += 1
+                if pin_share is not None:
+                    pin_share.check(self.index, self.index.pin_growth([existing]), f"block {index}")
+                self.index.set_pins(existing, existing.pins + 1)
             self.placement.use(existing)
             ok = True
             if self.write_policy == WritePolicy.WRITE_THROUGH:  # acknowledged again: durable again, too
@@ -371,6 +377,8 @@ class BlockStore:
             checksum=payload_checksum, locations=[], full=num_tokens == block_tokens,
             pins=1 if pin else 0,
         )
+        if pin_share is not None and pin:  # here, before its bytes are written; and as it is published, exactly
+            pin_share.check(self.index, self.index.pin_growth([meta]), f"block {index}")
         self.placement.model.arrive(meta)
         self._charge_quota(namespace, len(payload), index)
         waiters: list[asyncio.Event] = []
@@ -387,6 +395,8 @@ class BlockStore:
                 ok = await durable.make_durable(self, meta, payload, index=index)  # NotDurable: not acknowledged
             # Making room may have demoted the parent and found its copy damaged (dropped): no orphan is published.
             self._check_parent_stayed(namespace, parent, pmeta, index)
+            if pin_share is not None and pin:  # other pins may have come while the bytes were written
+                pin_share.check(self.index, self.index.pin_growth([meta]), f"block {index}")
             self.index.add(meta)  # published only now that the bytes are in their tiers
             placement.compete(meta)
         except BaseException:
@@ -712,20 +722,28 @@ class BlockStore:
 
     # ---- pins, references, removal -------------------------------------------------------------
 
-    def pin(self, namespace: str, model_fingerprint: bytes, keys: Sequence[bytes], *, unpin: bool = False) -> int:
-        """Pin (or unpin) blocks; returns how many changed. Pins count, so two pinners need two unpins."""
+    def pin(self, namespace: str, model_fingerprint: bytes, keys: Sequence[bytes], *, unpin: bool = False,
+            share: PinShare | None = None) -> int:
+        """Pin (or unpin) blocks; returns how many changed. Pins count, so two pinners need two unpins. With a
+        `share` (the caller's, engram/store/pins.py), pins that would pass it are refused, none of them taken."""
         metas = self.find(namespace, model_fingerprint, keys)
+        if share is not None and not unpin:
+            share.check(self.index, self.index.pin_growth(metas), f"pinning {len(metas)} blocks")
         changed = 0
         for meta in metas:
             if unpin:
                 if meta.pins > 0:
-                    meta.pins -= 1
+                    self.index.set_pins(meta, meta.pins - 1)
                     changed += 1
                     self.placement.reordered()
             else:
-                meta.pins += 1
+                self.index.set_pins(meta, meta.pins + 1)
                 changed += 1
         return changed
+
+    def lift_pins(self, meta: BlockMeta) -> None:
+        """Drop every pin of a block about to be removed (an evict that overrides pins, a lost block's chain)."""
+        self.index.set_pins(meta, 0)
 
     def reference(self, metas: Sequence[BlockMeta], delta: int, holder: Expected | None = None) -> None:
         """Add (+1) or drop (-1) one session's reference to blocks; eviction prefers unreferenced blocks, then

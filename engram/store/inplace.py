@@ -45,6 +45,7 @@ from engram.tiers.pool import PoolTier, Slot
 
 if TYPE_CHECKING:
     from engram.store.core import BlockStore, PutOutcome
+    from engram.store.pins import PinShare
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Reservation:
     pool: PoolTier
     expires: float
     pin: bool = False
+    pin_share: PinShare | None = None  # the caller's share of pinned bytes (engram/store/pins.py); None: unbounded
     committed: int = 0  # blocks committed so far (a prefix of `blocks`)
     refused: str = ""  # why the reservation stopped before the chain's end (the blocks after it were not reserved)
     timer: asyncio.TimerHandle | None = None
@@ -102,10 +104,10 @@ class InPlacePuts:
         return len(self._open)
 
     async def reserve(self, namespace: str, fingerprint: bytes, parent: bytes, headers: Sequence[BlockHeader],
-                      *, pin: bool, owner: str = "") -> Reservation:
+                      *, pin: bool, owner: str = "", pin_share: PinShare | None = None) -> Reservation:
         """Reserve slots for the chain's blocks not stored yet, up to the bounds (one reservation's half of the pool,
-        the caller's and everyone's share of it, the namespace's quota); `owner` is the tenant whose share the slots
-        count against ("": the total's only)."""
+        the caller's and everyone's share of it, the namespace's quota, with pin the caller's `pin_share`); `owner`
+        is the tenant whose share the slots count against ("": the total's only)."""
         store = self.store
         spec = store.spec(fingerprint)
         layout = spec.layout
@@ -117,7 +119,10 @@ class InPlacePuts:
                 raise FailedPrecondition("the parent block is not stored (or is a partial block); Lookup again "
                                          "and put the chain from its first missing block")
         res = Reservation(secrets.randbits(63) or 1, namespace, owner, fingerprint, [], pmeta, self.pool,
-                          time.monotonic() + self.reserve_s, pin)
+                          time.monotonic() + self.reserve_s, pin, pin_share if pin else None)
+        # What pinning the chain down to the block at hand would add to the caller's pinned bytes: the stored
+        # blocks it extends that no pin keeps yet, then each block of the chain not kept (a chain: no walk per block)
+        pin_growth = store.index.pin_growth([pmeta]) if res.pin_share is not None else 0
         if pmeta is not None:
             pmeta.children += 1
         rank = store.tier_rank(self.pool.name)
@@ -142,6 +147,16 @@ class InPlacePuts:
                 if res.blocks and not self._fits(res, h.payload_nbytes):
                     break
                 existing = store.index.get_in(namespace, key)
+                if res.pin_share is not None:
+                    kept = existing is not None and existing.pin_held
+                    pin_growth = 0 if kept else pin_growth + (h.payload_nbytes if existing is None else existing.nbytes)
+                    try:
+                        res.pin_share.check(store.index, pin_growth, f"block {i}")
+                    except ResourceExhausted as exc:
+                        if not res.blocks:
+                            raise
+                        res.refused = str(exc)  # the blocks before it are reserved: commit those
+                        break
                 if existing is not None:  # stored already: hold it instead (the chain's deepest stored block)
                     existing.children += 1
                     self._release_parent(res)
@@ -341,13 +356,17 @@ class InPlacePuts:
             ok = True
             if existing is not None:
                 if res.pin:
-                    existing.pins += 1
+                    if res.pin_share is not None:
+                        res.pin_share.check(store.index, store.index.pin_growth([existing]), f"block {index}")
+                    store.index.set_pins(existing, existing.pins + 1)
                 if store.write_policy == WritePolicy.WRITE_THROUGH:
                     ok = await durable.make_durable_again(store, existing, None, 0, index=index)
             store.counters.blocks_deduplicated += 1
             store.counters.of(meta.namespace).blocks_deduplicated += 1
             return PutOutcome(meta.key, stored=False, durable=ok)
         placement = store.placement
+        if res.pin_share is not None:  # pins taken since it was reserved; nothing awaited from here to the index
+            res.pin_share.check(store.index, store.index.pin_growth([meta]), f"block {index}")
         self.pool.rename(self._slot_key(res, meta), meta.key)
         r.slot = None
         self._hold(res, -meta.nbytes)
@@ -360,6 +379,8 @@ class InPlacePuts:
             store._pending[meta.key] = waiters
             try:
                 ok = await durable.make_durable(store, meta, await self.pool.read(meta.key), index=index)
+                if res.pin_share is not None:  # (but for write-through's durable copy)
+                    res.pin_share.check(store.index, store.index.pin_growth([meta]), f"block {index}")
             except BaseException:
                 for name in list(meta.locations):
                     await placement.drop_copy(meta, name)

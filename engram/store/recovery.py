@@ -234,7 +234,7 @@ async def _drop_unreachable(store: BlockStore, report: StoreReport) -> None:
                 report.findings.append((d.key.hex(), "unreachable: a block it extends was dropped (being read: "
                                         "left until a restart)", False))
                 continue
-            d.pins = 0
+            store.lift_pins(d)
             await store.placement.delete_block(d)
             report.findings.append((d.key.hex(), "unreachable: a block it extends was dropped", True))
 
@@ -258,7 +258,7 @@ async def drop_lost(store: BlockStore, meta: BlockMeta, report: StoreReport | No
                 report.findings.append((d.key.hex(), "unreachable: a block it extends was dropped (being read: "
                                         "left until a restart)", False))
             continue
-        d.pins = 0  # a pin on a block no lookup can reach holds nothing
+        store.lift_pins(d)  # a pin on a block no lookup can reach holds nothing
         await store.placement.delete_block(d)
         if report is not None:
             report.findings.append((d.key.hex(), "unreachable: a block it extends was dropped", True))
