@@ -1117,10 +1117,18 @@ class EngramClient(ControlClient):
 
     async def _keying(self, namespace: str) -> tuple[str, bytes]:
         """What the daemon computes this namespace's keys with: the namespace it resolves the name to (a
-        token's first when empty) and its salt."""
+        token's first when empty) and its salt. A daemon from before tenancy has no DescribeNamespace (it answers
+        UNIMPLEMENTED): it keys the namespace as named, with no salt, and so does the client."""
         if namespace not in self._salts:
-            info = await self.describe_namespace(namespace)
-            self._salts[namespace] = (info.namespace, info.key_salt)
+            req = pb.DescribeNamespaceRequest(namespace=namespace)
+            try:
+                info = await self._stub.DescribeNamespace(req)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise error_from_rpc(exc) from exc
+                self._salts[namespace] = (namespace, b"")
+            else:
+                self._salts[namespace] = (info.namespace, info.key_salt)
         return self._salts[namespace]
 
 
