@@ -32,7 +32,7 @@ EXIT_BAD_INPUT = 4  # bad input or configuration, and every usage error (an unkn
 EXIT_DENIED = 6  # the daemon refused the caller's token (none, unknown, or not allowed there)
 EXIT_NO_RESOURCES = 7  # serve: the host has too little memory, /dev/shm or disk for the configuration
 EXIT_IN_USE = 8  # serve: another process holds the address, the unix socket or the NVMe directory
-EXIT_START_FAILED = 9  # serve: a file or directory it needs cannot be used (permissions, a read-only disk)
+EXIT_START_FAILED = 9  # serve: a file or directory it needs cannot be used (permissions, a read-only disk, newer)
 EXIT_DAEMON_ERROR = 10  # the daemon answered and failed the call itself (INTERNAL: its log says more)
 
 T = TypeVar("T")
@@ -56,6 +56,8 @@ def start_failures() -> Iterator[None]:
         raise fail(str(exc), EXIT_BAD_INPUT) from None
     except (errors.AddressInUse, errors.AlreadyRunning) as exc:  # a port, socket path or NVMe directory held
         raise fail(str(exc), EXIT_IN_USE) from None
+    except errors.NewerFormat as exc:  # a newer Engram's NVMe directory: left as it is (docs/FORMAT.md)
+        raise fail(f"cannot start: {exc}", EXIT_START_FAILED) from None
     except OSError as exc:  # a file or directory the daemon needs: permissions, a read-only disk
         raise fail(f"cannot start: {exc}", EXIT_START_FAILED) from None
 

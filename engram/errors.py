@@ -44,6 +44,18 @@ class AlreadyRunning(FailedPrecondition):
     """Another daemon holds what this one needs for itself (its unix socket path, its NVMe directory)."""
 
 
+class NewerFormat(FailedPrecondition):
+    """A file of a tier's directory (a block file, the index snapshot or a journal) is of a format version newer
+    than this build reads: a newer Engram wrote it. It is never deleted nor changed (a roll-back must not lose
+    what the newer build stored): a start refuses the directory, `engram check --fix` leaves it (docs/FORMAT.md,
+    "Version skew")."""
+
+    def __init__(self, path: str, what: str, version: int, reads: int, advice: str = "") -> None:
+        self.path, self.what, self.version, self.reads = path, what, version, reads
+        super().__init__(f"{path}: {what} format version {version}, this Engram reads version {reads} at most: "
+                         f"written by a newer Engram{'; ' + advice if advice else ''}")
+
+
 class Unauthenticated(EngramError):
     """The call carries no valid credentials (a missing or unknown bearer token)."""
 

@@ -339,6 +339,12 @@ class ChainIndex:
         for listener in self.listeners:
             listener("add", meta)
 
+    def changed(self, meta: BlockMeta) -> None:
+        """A block's record changed in place (its checksum, re-indexed from its NVMe file): listeners hear it as
+        an add again, which republishes it (the cluster's holder record carries the checksum)."""
+        for listener in self.listeners:
+            listener("add", meta)
+
     def remove(self, key: bytes) -> tuple[BlockMeta | None, BlockMeta | None]:
         """Drop a block; returns it and its parent if that parent just became a leaf."""
         meta = self._entries.pop(key, None)

@@ -28,7 +28,7 @@ from engram.keys import root_key
 from engram.server.app import build_store
 from engram.store import BlockStore
 from engram.tiers.journal import FILE_HEAD_LEN as JOURNAL_HEAD_LEN
-from engram.tiers.journal import JOURNAL_MAGIC, encode_head, parse_entries
+from engram.tiers.journal import JOURNAL_MAGIC, encode_entry, encode_head, parse_entries
 from engram.tiers.nvme import NvmeTier
 
 from helpers import BLOCK_TOKENS, ENGRAM, NEUTRAL_CWD, random_kv, small_tmpfs, tiny_model, tokens
@@ -1327,4 +1327,226 @@ async def test_a_read_that_finds_a_blocks_last_copy_corrupt_drops_what_extends_i
         await store.read(chain[1])
     assert [m.key in store.index for m in chain] == [True, False, False, False]
     assert len(block_files(tmp_path)) == 1
+    await store.close()
+
+
+# ---- version skew: files of a newer Engram, and block files an earlier one wrote again (docs/FORMAT.md) ----
+
+
+def _as_a_newer_engram_wrote_it(path: Path, version: int = 2) -> bytes:
+    """A block file of a later format version, otherwise the same bytes with a valid meta checksum (no such
+    release exists yet: /work/scratch/s44/upgrade/future_version.py simulated it so too). Returns its header."""
+    import xxhash
+
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<H", data, 8, version)
+    (meta_len,) = struct.unpack_from("<I", data, 12)
+    struct.pack_into("<Q", data, 40, xxhash.xxh3_64_intdigest(bytes(data[:40]) + bytes(data[48 : 48 + meta_len])))
+    path.write_bytes(bytes(data))
+    return bytes(data[: 48 + meta_len])
+
+
+def _index_file_of_version(path: Path, version: int) -> None:
+    import xxhash
+
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<H", data, 8, version)
+    struct.pack_into("<Q", data, 24, xxhash.xxh3_64_intdigest(bytes(data[:24])))
+    path.write_bytes(bytes(data))
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    """Every file under the directory and its bytes (the lock file aside: each opener writes its pid)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != "engram.lock"}
+
+
+async def _a_directory_a_newer_engram_wrote_in(root: Path, where: str) -> Path:
+    """Blocks on disk, one of them (seq 0's second) then written by a newer Engram, recorded as `where` says; a
+    torn temp file and a stray file beside it, which a start of this build would remove."""
+    seqs, _ = await _store_on_disk(root)
+    store = await make_store(root, dram_blocks=64)
+    path: Path = store.tiers[1].path_of(store.lookup(NS, SPEC.fingerprint, seqs[0]).blocks[1].key)  # type: ignore[attr-defined]
+    await store.close()
+    if where != "snapshot version" and where != "journal version":
+        header = _as_a_newer_engram_wrote_it(path)
+    if where == "no journal":
+        shutil.rmtree(root / "index")
+    elif where == "journal entry":  # the newer build's journal records the header it wrote
+        with open(_newest_journal(root / "index"), "ab") as fh:
+            fh.write(encode_entry(1, header))
+    elif where == "snapshot version":
+        _index_file_of_version(root / "index" / "snapshot", 3)
+    elif where == "journal version":
+        _index_file_of_version(_newest_journal(root / "index"), 3)
+    (root / "tmp" / "abc.1234.tmp").write_bytes(b"half a block")
+    (root / "blocks" / "notes.txt").write_text("stray")
+    return path
+
+
+@pytest.mark.parametrize("where", ["no journal", "journal entry", "snapshot version", "journal version"])
+async def test_a_directory_holding_a_newer_engrams_files_is_refused_at_start_and_left_as_it_is(
+        tmp_path: Path, where: str) -> None:
+    """A block file (or index snapshot, or journal) of a later format version is a newer Engram's, not damage:
+    a start deleted such block files as broken, one WARNING each ('N problems fixed'), and a user who tried a
+    newer build and rolled back lost every block it wrote (an audit, session 44). Now the start refuses the
+    directory, naming the file and both versions, and changes nothing in it: not even the torn temp file and
+    stray file a start would otherwise remove."""
+    root = tmp_path / "nvme"
+    await _a_directory_a_newer_engram_wrote_in(root, where)
+    before = _tree(root)
+    with pytest.raises(errors.NewerFormat, match=r"written by a newer Engram; .*start that version, or move the "
+                                                 r"directory away"):
+        await make_store(root, dram_blocks=64)
+    assert _tree(root) == before
+    offline = NvmeTier(root, 1 << 40)  # the refused start let the directory go
+    report = await offline.check(fix=True)  # an offline check --fix reports, and fixes nothing
+    await offline.close()
+    assert _tree(root) == before
+    assert not any(f.fixed for f in report.findings)
+    assert any("written by a newer Engram; left as it is" in f.problem for f in report.findings), report.findings
+
+
+def test_engram_serve_on_a_newer_engrams_directory_exits_9_naming_the_file(tmp_path: Path) -> None:
+    """`engram serve` on it: one line, exit 9 (a file it cannot use), the file, both versions and what to do."""
+    root = tmp_path / "nvme"
+    path = asyncio.run(_a_directory_a_newer_engram_wrote_in(root, "no journal"))
+    before = _tree(root)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    out = subprocess.run([*ENGRAM, "serve", "--port", "0", "--dram-capacity", "64MiB", "--set",
+                          f"tiers.dram.shm_dir={shm}", "--set", f"tiers.nvme.path={root}"],
+                         capture_output=True, text=True, timeout=120, cwd=NEUTRAL_CWD)
+    assert out.returncode == 9, out.stderr
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: cannot start: {path.name}: block file format version 2, this Engram reads "
+                           "version 1 at most: written by a newer Engram; start that version, or move the directory "
+                           f"away (tiers.nvme.path {root}; nothing in it was changed)"), out.stderr
+    assert "Traceback" not in out.stderr and list(shm.iterdir()) == []
+    assert _tree(root) == before
+
+
+@pytest.mark.parametrize("found_by", ["a read", "the check of trusted files", "check --fix"])
+async def test_a_newer_engrams_block_file_behind_a_stale_journal_record_is_never_served_nor_deleted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, found_by: str) -> None:
+    """The journal still records the block's old header, so the start trusts the file without reading it; a read
+    or the background check of trusted files then finds a newer Engram's file. It was deleted as damaged; now it
+    is left on disk (never served, nor written over) and counted in the tier's bytes, an online check --fix
+    leaves it too, and the next start, which reads it (the snapshot no longer records it), refuses the
+    directory."""
+    root = tmp_path / "nvme"
+    seqs, kvs = await _store_on_disk(root)
+    store = await make_store(root, dram_blocks=64)
+    victim = store.lookup(NS, SPEC.fingerprint, seqs[0]).blocks[1].key
+    path: Path = store.tiers[1].path_of(victim)  # type: ignore[attr-defined]
+    await store.close()
+    _as_a_newer_engram_wrote_it(path)
+    newer = path.read_bytes()
+    read_first = asyncio.Event()
+    if found_by != "the check of trusted files":  # the background check waits: the read or check --fix comes first
+        verify_trusted = NvmeTier.verify_trusted
+
+        async def after_the_read(tier: NvmeTier) -> list[tuple[bytes, str | errors.DataLoss]]:
+            await read_first.wait()
+            return await verify_trusted(tier)
+
+        monkeypatch.setattr(NvmeTier, "verify_trusted", after_the_read)
+    store = await make_store(root, dram_blocks=64, write_policy="write-through")
+    if found_by == "a read":
+        with pytest.raises(errors.DataLoss, match="written by a newer Engram"):
+            await get_seq(store, seqs[0])
+    elif found_by == "check --fix":
+        assert [f[2] for f in (await store.check(fix=True)).findings if f[0] == str(path)] == [False]
+    read_first.set()
+    await settle(store)
+    n, got = await get_seq(store, seqs[0])
+    assert n == BLOCK_TOKENS and got is not None and torch.equal(got, kvs[0][:, :, :BLOCK_TOKENS])
+    for t, kv in zip(seqs[1:], kvs[1:], strict=True):
+        n, got = await get_seq(store, t)
+        assert n == len(t) and got is not None and torch.equal(got, kv)
+    report = await store.check(fix=True)
+    assert [(f[1], f[2]) for f in report.findings if f[0] == str(path)] == [
+        ("block file format version 2, this Engram reads version 1 at most: written by a newer Engram; left as it "
+         "is", False)]
+    assert store.tiers[1].used_bytes == sum(p.stat().st_size for p in block_files(root))  # its bytes counted
+    with pytest.raises(errors.Unavailable, match="written by a newer Engram"):  # never renamed over
+        await put_seq(store, seqs[0], kvs[0])
+    await store.close()
+    assert path.read_bytes() == newer
+    before = _tree(root)
+    with pytest.raises(errors.NewerFormat, match=path.name):
+        await make_store(root, dram_blocks=64)
+    assert _tree(root) == before
+
+
+def _written_again_by_an_earlier_build(path: Path, kv: torch.Tensor) -> None:
+    """What a build from before the journal did when it stored a block again under its key (another prefill of
+    the same tokens): a whole, valid file of other bytes, renamed over the old one, its journal not told."""
+    from engram.tiers.blockfile import decode_header
+    from engram.tiers.blockfile import encode as encode_file
+
+    rec, _ = decode_header(path.read_bytes(), path.name)
+    payload = encode(kv, RAW)
+    header, stored = encode_file(rec._replace(checksum=checksum(payload)), payload, compress=False)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(header + bytes(stored))
+    tmp.replace(path)
+
+
+@pytest.mark.parametrize("found_by", ["a read", "the check of trusted files"])
+async def test_a_block_file_an_earlier_build_wrote_again_under_a_stale_journal_record_is_served_from_the_file(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, found_by: str) -> None:
+    """A block written again by an earlier build (one from before the journal: /work/scratch/s44/upgrade/
+    rewrite.py) under its key with other bytes: the journal's record of it is stale. The first read dropped the
+    block and its chain (DATA_LOSS, nothing logged). The file names the same block (key, parent, tokens,
+    model) and verifies against its own header: another prefill of the same prefix, which that build
+    acknowledged. It is now re-indexed from the file, served, logged, and journaled, so the next start trusts
+    the file's header."""
+    root = tmp_path / "nvme"
+    seqs, kvs = await _store_on_disk(root)
+    store = await make_store(root, dram_blocks=64)
+    victim = store.lookup(NS, SPEC.fingerprint, seqs[0]).blocks[1].key
+    path: Path = store.tiers[1].path_of(victim)  # type: ignore[attr-defined]
+    await store.close()
+    other = random_kv(SPEC, len(seqs[0]), seed=77)
+    _written_again_by_an_earlier_build(path, other[:, :, BLOCK_TOKENS:])
+    want = torch.cat([kvs[0][:, :, :BLOCK_TOKENS], other[:, :, BLOCK_TOKENS:]], dim=2)
+    store = await make_store(root, dram_blocks=64)
+    if found_by == "the check of trusted files":
+        await settle(store)
+    n, got = await get_seq(store, seqs[0])
+    assert n == len(seqs[0]) and got is not None and torch.equal(got, want)
+    await settle(store)
+    assert (await store.check(fix=False)).ok
+    assert store.counters.corrupt_blocks == 0
+    stale = [r for r in caplog.records if r.levelname == "WARNING" and victim.hex() in r.getMessage()]
+    assert len(stale) == 1 and "stale" in stale[0].getMessage() and "nvme" in stale[0].getMessage(), stale
+    await store.close()
+    caplog.clear()
+    store = await make_store(root, dram_blocks=64)  # the file's header is the journal's record now
+    await settle(store)
+    n, got = await get_seq(store, seqs[0])
+    assert n == len(seqs[0]) and got is not None and torch.equal(got, want)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    await store.close()
+
+
+async def test_a_copy_dropped_as_damaged_on_a_read_is_logged_with_its_key_tier_and_why(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A read that finds a block's last copy corrupt drops it and the blocks that extend it, and answers
+    DATA_LOSS; the daemon's log said nothing of it (an audit, session 44). Now one WARNING names the block, the
+    tier, why, and that the block left the store."""
+    seqs, _ = await _store_on_disk(tmp_path)
+    store = await make_store(tmp_path, dram_blocks=64)
+    victim = store.lookup(NS, SPEC.fingerprint, seqs[0]).blocks[1].key
+    path: Path = store.tiers[1].path_of(victim)  # type: ignore[attr-defined]
+    await store.close()
+    _flip(path, path.stat().st_size - 100)
+    store = await make_store(tmp_path, dram_blocks=64)
+    with pytest.raises(errors.DataLoss):
+        await get_seq(store, seqs[0])
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and victim.hex() in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "its nvme copy was dropped on a read" in lines[0] and "checksum" in lines[0], lines
+    assert "the block left the store" in lines[0], lines
     await store.close()

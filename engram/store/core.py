@@ -31,7 +31,7 @@ import torch
 
 from engram import limits
 from engram.api import TierStats
-from engram.block import BlockHeader, Payload, checksum
+from engram.block import BlockHeader, BlockRecord, Payload, checksum
 from engram.codec import stored
 from engram.errors import (
     DataLoss,
@@ -46,6 +46,7 @@ from engram.eviction import CLOCK, Expected
 from engram.index import BlockMeta, ChainIndex, PrefixMatch
 from engram.keys import block_key, root_key, tokens_to_bytes
 from engram.layout import DType, ModelSpec
+from engram.logbudget import LogBudget
 from engram.registry import ModelRegistry
 from engram.store import durable, recovery
 from engram.store.counters import (
@@ -62,7 +63,7 @@ from engram.store.pins import PinShare
 from engram.store.placement import Placement
 from engram.store.quality import QualityWatch, Sample, persisted_kinds
 from engram.tenancy import NamespacePolicy, OpenNamespaces
-from engram.tiers.base import Tier
+from engram.tiers.base import StaleRecord, Tier
 from engram.tiers.dram import DramTier
 from engram.tiers.pool import PoolTier
 
@@ -116,6 +117,7 @@ class BlockStore:
         self.flusher = Flusher(self, window_s=write_back_window_s, window_bytes=write_back_window_bytes) \
             if durable.durable_tier(self.placement) is not None else None
         self.started = time.time()
+        self.drop_log = LogBudget()  # copies dropped as damaged: one line each, a burst bounded (note_dropped)
 
     def on_cold(self, listener: Callable[[BlockMeta], None]) -> None:
         """Call `listener(meta)` whenever a block's last copy in a memory tier (HBM, DRAM) is dropped: demoted
@@ -656,15 +658,56 @@ class BlockStore:
                 payload = in_place if in_place is not None else await tier.read(meta.key)
                 if verify and checksum(payload) != meta.checksum:
                     raise DataLoss(f"block {meta.key.hex()} failed its checksum in tier {name}")
+            except StaleRecord as exc:
+                if self.adopt(meta, name, exc.found):
+                    return exc.payload, name  # verified against its file's header, now the index's checksum too
+                reasons.append(str(exc))
+                await self._copy_failed(meta, name, exc)
+                self.note_dropped(meta, name, str(exc), "a read")
+                continue
             except (DataLoss, Unavailable, OSError) as exc:
                 reasons.append(str(exc))
                 await self._copy_failed(meta, name, exc)
+                self.note_dropped(meta, name, str(exc), "a read")
                 continue
             return payload, name
         if not meta.locations:
             await recovery.drop_lost(self, meta)  # and what extends it: no lookup could reach those again
         raise DataLoss(f"block {meta.key.hex()}: no tier holds a valid copy any more ({'; '.join(reasons)}); "
                        "it was dropped")
+
+    def adopt(self, meta: BlockMeta, tier_name: str, found: BlockRecord) -> bool:
+        """Re-index a block under its NVMe file's own checksum after a read (or the start's check of trusted
+        files) found the file sound, naming the same block (key, parent, model, namespace, tokens, shape,
+        size), with other bytes than the journal's record said (StaleRecord: an earlier build wrote the block
+        again under its key, after the record). Same key, same tokens under the same parent: the file's bytes
+        are another prefill of the same prefix, which that build acknowledged, as a start without the journal
+        would index them. Only when that file is the block's one copy (memory holds none with the record's
+        bytes) and the index's checksum is the record's; False otherwise (the caller drops the copy)."""
+        if self.index.get(meta.key) is not meta or found.nbytes != meta.nbytes:
+            return False
+        if meta.checksum == found.checksum:
+            return True  # a concurrent read adopted it
+        adopt = getattr(self.placement.tier(tier_name), "adopt", None)
+        if adopt is None or meta.locations != [tier_name] or not adopt(meta.key, found, meta.checksum):
+            return False
+        log.warning("block %s: its %s file holds it under checksum %016x, the index journal's record %016x: the "
+                    "record was stale (an earlier Engram wrote the block again under its key); re-indexed from the "
+                    "file, whose bytes verify against its own header", meta.key.hex(), tier_name, found.checksum,
+                    meta.checksum)
+        meta.checksum = found.checksum
+        self.index.changed(meta)
+        return True
+
+    def note_dropped(self, meta: BlockMeta, tier_name: str, why: str, during: str) -> None:
+        """Log a copy dropped as damaged or unreadable: one WARNING each, with the key, tier and why; a burst
+        beyond `drop_log` is counted and named by the next line let through."""
+        held = self.drop_log.take()
+        if held is None:
+            return
+        log.warning("block %s: its %s copy was dropped on %s: %s%s%s", meta.key.hex(), tier_name, during, why,
+                    "" if meta.locations else "; no copy was left: the block left the store, with the blocks that "
+                    "extend it", f" ({held} more copies dropped before this one, not logged)" if held else "")
 
     async def _copy_failed(self, meta: BlockMeta, name: str, exc: Exception) -> None:
         """A copy that failed its checksum (DataLoss) or its read: counted in its tier, and dropped."""
@@ -680,12 +723,10 @@ class BlockStore:
         """A copy a demotion found damaged (Placement.damaged): dropped and counted as a read drops it, the block
         with it (and what extends it) when no copy is left. No caller hears of it: the log says so."""
         await self._copy_failed(meta, name, DataLoss(f"block {meta.key.hex()} failed its checksum in tier {name}"))
-        gone = not meta.locations
-        if gone:
+        if not meta.locations:
             await recovery.drop_lost(self, meta)
-        log.warning("block %s: its %s copy failed its checksum when it was to be demoted; dropped, not written "
-                    "down%s", meta.key.hex(), name,
-                    "; no copy was left: the block left the store" if gone else "")
+        self.note_dropped(meta, name, "it failed its checksum when it was to be demoted (not written down)",
+                          "a demotion")
 
     async def prefetch(self, metas: Iterable[BlockMeta]) -> int:
         """Copy blocks held below the top tier up into it before they are asked for (a session due back soon,

@@ -19,7 +19,7 @@ from engram.block import BlockRecord, checksum
 from engram.errors import NotFound
 from engram.eviction import TierVictims, tick
 from engram.index import BlockMeta, ChainIndex
-from engram.tiers.base import Tier
+from engram.tiers.base import StaleRecord, Tier
 
 if TYPE_CHECKING:
     from engram.store.core import BlockStore
@@ -112,14 +112,18 @@ async def _verify_trusted(store: BlockStore, tier: Tier) -> None:
     blocks that extend it). A read before the check got there verified the file itself, so nothing broken
     is served meanwhile."""
     bad = await tier.verify_trusted()  # type: ignore[attr-defined]
-    for key, problem in bad:
-        log.warning("recovery: %s block %s: %s (dropped)", tier.name, key.hex(), problem)
+    for key, what in bad:
         meta = store.index.get(key)
+        if isinstance(what, StaleRecord) and meta is not None and store.adopt(meta, tier.name, what.found):
+            continue  # re-indexed under its file's checksum (adopt logs it)
         if meta is None or tier.name not in meta.locations:
+            log.warning("recovery: %s block %s: %s (no longer indexed)", tier.name, key.hex(), what)
             continue
-        await store.drop_damaged_copy(meta, tier.name)  # the tier forgot its file: only the index's copy goes
+        # a str: the tier forgot its file, only the index's copy goes; a DataLoss: the tier deletes the file here
+        await store.drop_damaged_copy(meta, tier.name)
         if not meta.locations and store.index.get(key) is meta:
             await drop_lost(store, meta)
+        store.note_dropped(meta, tier.name, str(what), "the start's check of journal-trusted files")
 
 
 def _reachable(store: BlockStore, records: dict[bytes, BlockRecord]) -> dict[bytes, int]:
@@ -180,7 +184,11 @@ async def check(store: BlockStore, *, fix: bool) -> StoreReport:
                         continue  # valid now, or gone meanwhile
                     report.findings.append((meta.key.hex(), f"indexed in {tier.name} but its file is {problem}", fix))
                 if fix:
-                    tier.forget(meta.key)  # type: ignore[attr-defined]
+                    newer = tr.newer_blocks.get(meta.key)
+                    if newer is not None:  # a newer Engram's file: left on disk, and counted
+                        tier.set_aside(meta.key, newer)  # type: ignore[attr-defined]
+                    else:
+                        tier.forget(meta.key)  # type: ignore[attr-defined]
                     await store.drop_damaged_copy(meta, tier.name)  # (the tier holds no file of it now)
                     if not meta.locations and store.index.get(meta.key) is meta:
                         await drop_lost(store, meta, report)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from engram.block import BlockRecord, Payload
+from engram.errors import DataLoss
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,26 @@ class TierUsage:
     capacity_bytes: int
     used_bytes: int
     blocks: int
+
+
+class StaleRecord(DataLoss):
+    """A read found the block's file sound (it verifies against its own header) and naming the block the tier's
+    record names (key, parent, model, namespace, tokens, shape, dtype, size) but holding other bytes: the record,
+    which the tier trusted from its index journal, is stale (a build from before the journal wrote the block
+    again under its key). `payload` is the file's, `found` its record. The store re-indexes the block under the
+    file's checksum where that is safe (NvmeTier.adopt), else drops the copy as damaged, as any DataLoss."""
+
+    def __init__(self, message: str, payload: bytes, found: BlockRecord) -> None:
+        super().__init__(message)
+        self.payload = payload
+        self.found = found
+
+
+def same_block(a: BlockRecord, b: BlockRecord) -> bool:
+    """Whether two records describe the same block, whatever its bytes (the checksum is left out)."""
+    return (a.key == b.key and a.parent == b.parent and a.model_fingerprint == b.model_fingerprint
+            and a.namespace == b.namespace and a.dtype == b.dtype and a.full == b.full
+            and tuple(a.shape) == tuple(b.shape) and bytes(a.tokens) == bytes(b.tokens) and a.nbytes == b.nbytes)
 
 
 @runtime_checkable

@@ -16,7 +16,8 @@ rebuilt from the files alone after a crash.
 
 A file is valid only if both checksums match and its size is exactly 48 + meta_len + stored_len: a torn
 write (a crash between write and rename leaves only a temp file, but a truncated or bit-flipped file can
-still appear through disk faults) is detected, never served.
+still appear through disk faults) is detected, never served. A file of a later format version is not damage
+but a newer Engram's (NewerFormat): never served, never deleted.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import lz4.block
 import xxhash
 
 from engram.block import BlockRecord, Payload
-from engram.errors import DataLoss
+from engram.errors import DataLoss, NewerFormat
 from engram.layout import DType
 
 MAGIC = b"ENGRMBLK"
@@ -119,6 +120,8 @@ def decode_header(head: bytes, where: str, *, verify: bool = True) -> tuple[Bloc
     magic, version, flags, meta_len, stored_len, raw_len, checksum, meta_ck = _FIXED.unpack_from(head)
     if magic != MAGIC:
         raise DataLoss(f"{where}: bad magic {magic!r}, not an Engram block file")
+    if version > VERSION:  # a newer Engram's: never taken for damage (docs/FORMAT.md, "Version skew")
+        raise NewerFormat(where, "block file", version, VERSION)
     if version != VERSION:
         raise DataLoss(f"{where}: block file version {version}, this daemon reads version {VERSION}")
     if len(head) < FIXED_LEN + meta_len:

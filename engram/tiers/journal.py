@@ -81,6 +81,7 @@ from pathlib import Path
 
 import xxhash
 
+from engram.errors import NewerFormat
 from engram.private import FILE_MODE, private_dir
 from engram.tiers.groupcommit import sync_directory
 
@@ -116,13 +117,16 @@ class _Short(Exception):
     """A file shorter than its head: torn while it was created, before any entry was appended."""
 
 
-def parse_head(data: bytes, magic: bytes) -> tuple[int, int]:
-    """(generation, head length) of a snapshot's or journal's head, version 1 or 2; raises _Short, _Damaged."""
+def parse_head(data: bytes, magic: bytes, path: Path | None = None) -> tuple[int, int]:
+    """(generation, head length) of a snapshot's or journal's head, version 1 or 2; raises _Short, _Damaged, and
+    NewerFormat for a later version."""
     if len(data) < 10:
         raise _Short
     got, version = struct.unpack_from("<8sH", data)
     if got != magic:
         raise _Damaged(f"magic {got!r}, not {magic!r}")
+    if version > VERSION:  # a newer Engram's (docs/FORMAT.md, "Version skew"): not damage, never replaced
+        raise NewerFormat(str(path) if path else magic.decode(), "index file", version, VERSION)
     if version not in (1, VERSION):
         raise _Damaged(f"version {version}; this daemon reads versions 1 and {VERSION}")
     head_len = _HEAD_V1.size if version == 1 else FILE_HEAD_LEN
@@ -218,9 +222,9 @@ class IndexJournal:
     # ---- reading -------------------------------------------------------------------------------
 
     @staticmethod
-    def _read(data: bytes, magic: bytes) -> tuple[int, list[tuple[int, bytes]], bool]:
-        """(generation, entries, whether a torn entry ended them); raises _Short, _Damaged."""
-        gen, head_len = parse_head(data, magic)
+    def _read(data: bytes, magic: bytes, path: Path) -> tuple[int, list[tuple[int, bytes]], bool]:
+        """(generation, entries, whether a torn entry ended them); raises _Short, _Damaged, NewerFormat."""
+        gen, head_len = parse_head(data, magic, path)
         entries, end = parse_entries(data, head_len)
         return gen, entries, end != len(data)
 
@@ -251,7 +255,7 @@ class IndexJournal:
             self._untrusted(self.snapshot_path, f"unreadable: {exc.strerror or exc}")
             return None
         try:
-            gen, entries, torn = self._read(data, SNAPSHOT_MAGIC)
+            gen, entries, torn = self._read(data, SNAPSHOT_MAGIC, self.snapshot_path)
         except (_Short, _Damaged) as exc:  # renamed into place whole: a short one is damage too
             self._untrusted(self.snapshot_path, str(exc) or "shorter than its head")
             return None
@@ -274,7 +278,7 @@ class IndexJournal:
             if jgen < gen:
                 continue
             try:
-                _, jentries, torn = self._read(path.read_bytes(), JOURNAL_MAGIC)
+                _, jentries, torn = self._read(path.read_bytes(), JOURNAL_MAGIC, path)
             except (FileNotFoundError, _Short):  # gone, or torn at its creation: no entry in it
                 torn_tail = True
                 continue
@@ -290,6 +294,23 @@ class IndexJournal:
                 else:
                     headers.pop(body, None)
         return Loaded(headers, count, torn_tail)
+
+    def newer(self) -> list[NewerFormat]:
+        """The snapshot and journals a newer Engram wrote (a later version in their head): a start refuses the
+        directory rather than replace them (its snapshot would delete their journals), a check reports them.
+        Reads each file's first 10 bytes."""
+        found = []
+        for path, magic in [(self.snapshot_path, SNAPSHOT_MAGIC), *((p, JOURNAL_MAGIC) for _, p in self.journals())]:
+            try:
+                with open(path, "rb") as fh:
+                    head = fh.read(10)
+            except OSError:
+                continue  # absent, or unreadable: load() says so
+            if len(head) == 10:
+                got, version = struct.unpack_from("<8sH", head)
+                if got == magic and version > VERSION:
+                    found.append(NewerFormat(str(path), "index file", version, VERSION))
+        return found
 
     def _untrusted(self, path: Path, why: str) -> None:
         log.warning("index journal: %s is not trusted (%s): this start reads every block file", path, why)

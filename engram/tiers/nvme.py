@@ -18,6 +18,11 @@ At start-up `recover()` trusts the journal for files that are listed on disk and
 files the journal does not know; `verify_trusted()` then checks the trusted files' headers and sizes in the
 background. `check(fix)` verifies everything, and is safe while puts, gets and evictions run: writes in
 flight are left alone, and a file is removed only if it is still the one found broken.
+
+Version skew (docs/FORMAT.md): a file of a later format version is a newer Engram's. A scan makes the removals
+it decided only once it has seen every file, so a start refuses such a directory (NewerFormat) having changed
+nothing, and an offline check fixes nothing in it; one found after the start is set aside (`set_aside`). A
+sound file whose checksum is not its journal record's raises StaleRecord on a read: the store may `adopt` it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import os
 import time
@@ -36,11 +42,12 @@ from pathlib import Path
 from typing import TypeVar
 
 from engram.block import BlockRecord, Payload
-from engram.errors import DataLoss, NotFound, StorageFull, StorageIOError
+from engram.errors import DataLoss, NewerFormat, NotFound, StorageFull, StorageIOError
 from engram.lockfile import DaemonLock
 from engram.private import FILE_MODE, private_dir
-from engram.tiers.base import TierUsage
+from engram.tiers.base import StaleRecord, TierUsage, same_block
 from engram.tiers.blockfile import (
+    FileLayout,
     decode_header,
     decode_payload,
     encode,
@@ -73,6 +80,10 @@ class CheckReport:
     records: list[tuple[BlockRecord, int]] = field(default_factory=list)  # valid blocks and file sizes
     findings: list[Finding] = field(default_factory=list)
     trusted: int = 0  # recovery: blocks taken from the journal (their files listed, headers checked later)
+    newer: list[NewerFormat] = field(default_factory=list)  # files a newer Engram wrote: never removed
+    newer_blocks: dict[bytes, NewerFormat] = field(default_factory=dict)  # those named as block files, by key
+    # Removals decided by a scan, made once it has seen every file: none in a directory a newer Engram wrote
+    pending: list[tuple[Finding, Callable[[], object]]] = field(default_factory=list, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -94,6 +105,7 @@ class _Checked:
     problem: str | None  # None: valid
     file: _File | None = None
     ino: int = 0  # the inode found broken: removed only if the path still names it
+    newer: NewerFormat | None = None  # a newer Engram's file: not broken, never removed
 
 
 # The I/O boundary, replaceable by tests to inject faults (ENOSPC, EIO, a slow disk): fn(operation, path)
@@ -148,6 +160,10 @@ class NvmeTier:
         self.journal_error: Exception | None = None  # why the journal could not be opened at start (StorageFull...)
         self._compacting: asyncio.Task[None] | None = None
         self.unverified: set[bytes] = set()  # trusted from the journal at start-up, headers not read yet
+        # Files a newer Engram wrote, found after the start (journal-trusted, read or checked later): not served,
+        # never written over nor deleted; their bytes stay counted (they take the disk's room)
+        self.newer_files: dict[bytes, int] = {}
+        self._found_files: dict[bytes, _File] = {}  # a file found holding a stale record's block: `adopt` takes it
         self.fault_hook: FaultHook | None = None
 
     # ---- accounting ------------------------------------------------------------------------------
@@ -209,6 +225,10 @@ class NvmeTier:
         """Write a block durably (group commit); `reserved` is what the caller reserved (`space_for`). Returns
         once the file is durable under its final name; raises StorageFull / StorageIOError otherwise."""
         final = self.path_of(rec.key)
+        if rec.key in self.newer_files:  # a newer Engram's file is there: a rename would replace it
+            self.unreserve(reserved)
+            raise StorageIOError(f"{final} was written by a newer Engram and is left as it is: block "
+                                 f"{rec.key.hex()} is not stored on NVMe by this one")
         if self._journal_wanted and not self._journal_open:
             try:  # first: a disk that has no room for it fails this write (the tier stays degraded)
                 self._open_journal()
@@ -288,7 +308,7 @@ class NvmeTier:
             await job.future
             await self._run(lambda: job.final.unlink(missing_ok=True))
 
-    def _read_file(self, key: bytes) -> bytes:
+    def _read_file(self, key: bytes) -> tuple[bytes, BlockRecord, FileLayout]:
         path = self.path_of(key)
         where = f"NVMe block file {path.name}"
         try:
@@ -311,16 +331,71 @@ class NvmeTier:
             raise StorageIOError(f"reading {path.name}: {exc.strerror or exc}") from exc
         finally:
             os.close(fd)
-        return decode_payload(rec, lay, stored, where)
+        return decode_payload(rec, lay, stored, where), rec, lay
 
     async def read(self, key: bytes) -> bytes:
-        if key not in self._files:
+        """The block's payload, verified against its file's own header. A file holding other bytes than the
+        tier's record says (a stale journal record: `StaleRecord`) is left to the caller to adopt or drop."""
+        f = self._files.get(key)
+        if f is None:
             raise NotFound(f"block {key.hex()} is not in the NVMe tier")
-        payload = await self._run(lambda: self._read_file(key))
+        try:
+            payload, found, lay = await self._run(lambda: self._read_file(key))
+        except NewerFormat as exc:
+            self.set_aside(key, exc)
+            raise DataLoss(f"{exc}: left on disk, not served") from None
+        if found.checksum != f.rec.checksum and self._files.get(key) is f:
+            raise self._stale(f, _File(found, lay.file_len, lay.stored_len, lay.compressed), payload)
         self.unverified.discard(key)  # its header and payload just verified
         return payload
 
+    def _stale(self, f: _File, file: _File, payload: bytes = b"") -> DataLoss:
+        """What a sound file whose checksum is not the record's is: a stale record of the same block
+        (StaleRecord), or a file that does not hold the block the tier recorded (damage)."""
+        where = f"NVMe block file {self.path_of(f.rec.key).name}"
+        found = file.rec
+        if not same_block(found, f.rec):
+            return DataLoss(f"{where} holds another block than the tier's record of {f.rec.key.hex()} (parent, "
+                            "model, namespace, tokens, shape or size differ)")
+        self._found_files[f.rec.key] = file
+        return StaleRecord(f"{where} holds block {found.key.hex()} under checksum {found.checksum:016x}, its index "
+                           f"journal's record {f.rec.checksum:016x} (a stale record: an earlier build wrote the "
+                           "block again)", payload, found)
+
+    def adopt(self, key: bytes, found: BlockRecord, recorded: int) -> bool:
+        """Take the file's own record (after StaleRecord) for the tier's record of checksum `recorded`, and
+        journal it, so a restart trusts the file's header; False when the file or the record changed since the
+        file was read (the caller drops the copy instead)."""
+        f = self._found_files.pop(key, None)
+        held = self._files.get(key)
+        if f is None or f.rec != found or held is None or held.rec.checksum != recorded:
+            return False
+        self._add(f)
+        self.unverified.discard(key)
+        if self._journal_open:
+            self._journal.add(header_bytes(f.rec, f.stored_len, compressed=f.compressed))  # type: ignore[union-attr]
+            self._compact_if_due()
+        return True
+
+    def set_aside(self, key: bytes, why: NewerFormat) -> None:
+        """A file trusted from the journal that a newer Engram wrote: out of the index (never served), left on
+        disk and still counted (its bytes are there); the next start refuses the directory."""
+        f = self._files.pop(key, None)
+        if f is None:
+            return
+        size = f.size
+        with contextlib.suppress(OSError):
+            size = os.stat(self.path_of(key)).st_size  # the newer file's own size, which its record may not say
+        self.budget.stored += size - f.size
+        self.newer_files[key] = size
+        self.unverified.discard(key)
+        if len(self.newer_files) == 1 or len(self.newer_files) % 1000 == 0:
+            log.error("%s: left on disk, not served (%d such files so far); the next start refuses %s: stop this "
+                      "daemon and start that version, or move the directory away", why, len(self.newer_files),
+                      self.root)
+
     async def delete(self, key: bytes) -> int:
+        self._found_files.pop(key, None)
         f = self._files.pop(key, None)
         if f is None:
             return 0
@@ -469,8 +544,32 @@ class NvmeTier:
     def _stray(self, report: CheckReport, path: Path, problem: str, fix: bool) -> None:
         report.findings.append(Finding(str(path), problem))
         if fix and not path.is_dir():  # never delete a directory we did not make; report it only
-            path.unlink(missing_ok=True)
-            report.findings[-1].fixed = True
+            report.pending.append((report.findings[-1], functools.partial(path.unlink, missing_ok=True)))
+
+    def _found_newer(self, report: CheckReport, path: Path | _LazyPath, got: _Checked) -> None:
+        assert got.newer is not None and got.problem is not None
+        report.findings.append(Finding(str(path), got.problem))
+        report.newer.append(got.newer)
+
+    def _apply(self, report: CheckReport, *, online: bool = False, start: bool = False) -> None:
+        """Make the removals a scan decided, unless a newer Engram wrote a file here: the directory is then not
+        this build's to change (a start refuses it; an offline `check --fix` fixes nothing). Online, the daemon
+        owns the directory already: everything but the newer files is fixed."""
+        pending, report.pending = report.pending, []
+        if report.newer and not online:
+            first = report.newer[0]
+            advice = (f"{len(report.newer)} such files in {self.root}" if len(report.newer) > 1 else "")
+            advice += ("; " if advice else "") + "start that version, or move the directory away"
+            if start:
+                raise NewerFormat(first.path, first.what, first.version, first.reads,
+                                  advice + f" (tiers.nvme.path {self.root}; nothing in it was changed)")
+            if pending:
+                report.findings.append(Finding(str(self.root), f"holds files a newer Engram wrote: nothing was "
+                                               f"fixed ({advice})"))
+            return
+        for finding, remove in pending:
+            if remove() is not False:
+                finding.fixed = True
 
     def _check_file(self, path: Path | _LazyPath, key: bytes, verify_payload: bool) -> _Checked:
         """One block file checked: its header (whatever its length), name, size and, with verify_payload,
@@ -489,6 +588,8 @@ class NvmeTier:
                     decode_payload(rec, lay, os.pread(fh.fileno(), lay.stored_len, lay.payload_offset), name)
         except FileNotFoundError:
             return _Checked("missing")
+        except NewerFormat as exc:
+            return _Checked(f"{str(exc).removeprefix(f'{name}: ')}; left as it is", ino=st.st_ino, newer=exc)
         except DataLoss as exc:
             return _Checked(str(exc).removeprefix(f"{name}: "))
         except OSError as exc:
@@ -509,6 +610,10 @@ class NvmeTier:
               *, online: bool = False, start: bool = False) -> CheckReport:
         report = CheckReport()
         self._found: list[_File] = []
+        if self._journal is not None:
+            report.newer += self._journal.newer()
+            report.findings += [Finding(e.path, f"{str(e).removeprefix(f'{e.path}: ')}; left as it is")
+                                for e in report.newer]
         self._stray_journals(report, fix=fix and not start)
         self._sweep_tmp(report, fix, online=online)
         listing = self._listing(report, fix)
@@ -529,9 +634,14 @@ class NvmeTier:
                 continue
             if online and got.problem == "missing":
                 continue  # deleted (evicted) while the check ran: not a problem
+            if got.newer is not None:
+                self._found_newer(report, path, got)
+                report.newer_blocks[key] = got.newer
+                continue
             report.findings.append(Finding(str(path), got.problem))
-            if fix and self._remove_if_same(path, got.ino):
-                report.findings[-1].fixed = True
+            if fix:
+                report.pending.append((report.findings[-1], functools.partial(self._remove_if_same, path, got.ino)))
+        self._apply(report, online=online, start=start)
         return report
 
     def _stray_journals(self, report: CheckReport, fix: bool) -> None:
@@ -553,10 +663,12 @@ class NvmeTier:
                 continue  # a write in flight, or one published since the listing
             report.findings.append(Finding(str(tmp), "leftover temp file (a write torn by a crash)"))
             if fix:
-                tmp.unlink(missing_ok=True)
-                report.findings[-1].fixed = True
+                report.pending.append((report.findings[-1], functools.partial(tmp.unlink, missing_ok=True)))
 
     def _recover_sync(self) -> tuple[CheckReport, list[_File], list[bytes], int, list[bytes]]:
+        if self._journal is not None and (newer := self._journal.newer()):  # before anything is changed
+            report = CheckReport(newer=newer)
+            self._apply(report, start=True)
         loaded = None
         if self._journal is not None and not self.verify_on_start:
             loaded = self._journal.load()
@@ -582,7 +694,7 @@ class NvmeTier:
             report.scanned += 1
             try:
                 rec, lay = decode_header(header, path.name, verify=False)  # its journal entry's checksum held
-            except DataLoss:
+            except (DataLoss, NewerFormat):  # (a newer Engram's: its file says so, below)
                 rec = None
             if rec is not None and rec.key == key:
                 report.valid += 1
@@ -602,9 +714,12 @@ class NvmeTier:
                 report.records.append((got.file.rec, got.file.size))
                 files.append(got.file)
                 continue
+            if got.newer is not None:
+                self._found_newer(report, path, got)
+                continue
             report.findings.append(Finding(str(path), got.problem))
-            if self._remove_if_same(path, got.ino):
-                report.findings[-1].fixed = True
+            report.pending.append((report.findings[-1], functools.partial(self._remove_if_same, path, got.ino)))
+        self._apply(report, start=True)
         return report, files, trusted, loaded.entries, gone
 
     async def recover(self) -> CheckReport:
@@ -644,26 +759,42 @@ class NvmeTier:
             self._compact_if_due()
         return report
 
-    async def verify_trusted(self, batch: int = 256) -> list[tuple[bytes, str]]:
+    async def verify_trusted(self, batch: int = 256) -> list[tuple[bytes, str | DataLoss]]:
         """Check the headers and sizes of the files trusted from the journal at start-up, a batch at a time on
-        the I/O threads; broken files are removed and forgotten. Returns (key, problem) of each, for the store
-        to drop from its index."""
-        bad: list[tuple[bytes, str]] = []
+        the I/O threads, and that each holds the block its journal record names. Returns (key, what) for the
+        store: a problem (str) for a file removed and forgotten (broken) or set aside (a newer Engram's), a
+        DataLoss for a sound file whose checksum is not the record's, still held: a StaleRecord the store may
+        adopt, or another block under the key, which it drops as damaged."""
+        bad: list[tuple[bytes, str | DataLoss]] = []
         while self.unverified:
             keys = [self.unverified.pop() for _ in range(min(batch, len(self.unverified)))]
             keys = [k for k in keys if k in self._files]
 
-            def check(keys: list[bytes] = keys) -> list[tuple[bytes, str, int]]:
+            def check(keys: list[bytes] = keys) -> list[tuple[bytes, _Checked]]:
                 out = []
                 for key in keys:
                     got = self._check_file(self.path_of(key), key, verify_payload=False)
-                    if got.problem is not None:
-                        out.append((key, got.problem, got.ino))
+                    f = self._files.get(key)
+                    if got.problem is not None or (f is not None and got.file is not None
+                                                   and got.file.rec.checksum != f.rec.checksum):
+                        out.append((key, got))
                 return out
 
-            for key, problem, ino in await self._run(check):
-                if key not in self._files:
+            for key, got in await self._run(check):
+                f = self._files.get(key)
+                if f is None:
                     continue  # deleted meanwhile
+                if got.problem is None:  # sound, but not the bytes its journal record names
+                    assert got.file is not None
+                    if got.file.rec.checksum != f.rec.checksum:
+                        bad.append((key, self._stale(f, got.file)))
+                    continue
+                problem, ino = got.problem, got.ino
+                assert problem is not None
+                if got.newer is not None:  # never removed: set aside, as a read does
+                    self.set_aside(key, got.newer)
+                    bad.append((key, f"{problem} on disk, not served"))
+                    continue
                 path = self.path_of(key)
                 await self._run(lambda path=path, ino=ino: self._remove_if_same(path, ino))  # type: ignore[misc]
                 self.forget(key)
@@ -684,6 +815,7 @@ class NvmeTier:
 
     def forget(self, key: bytes) -> None:
         """Drop a block from the accounting after its file was removed by a check."""
+        self._found_files.pop(key, None)
         f = self._files.pop(key, None)
         if f is not None:
             self.budget.stored -= f.size
