@@ -129,27 +129,27 @@ class ClusterTrust:
 
     def node_address(self, node_id: str, record: str, now_ms: int | None = None) -> str | None:
         """The address a signed, fresh node record holds; None for a forged, altered or stale one."""
-        try:
-            address, ts, sig = record.rsplit("|", 2)
-            age = (int(time.time() * 1000) if now_ms is None else now_ms) - int(ts)
-        except ValueError:
+        signed = self._signed_node_record(node_id, record, now_ms)
+        if signed is None or not -self.max_age_ms <= signed[1] <= self.max_age_ms:
             return None
-        want = self._mac(self._node_key, (node_id.encode(), address.encode(), ts.encode())).hex()
-        if not hmac.compare_digest(want, sig) or not -self.max_age_ms <= age <= self.max_age_ms:
-            return None
-        return address
+        return signed[0]
 
     def node_record_age_s(self, node_id: str, record: str, now_ms: int | None = None) -> float | None:
         """How old a node record whose signature verifies is by this daemon's clock (negative: dated ahead of
         it); None when it does not verify. Why node_address refused a signed record: the two clocks differ by
         more than ttl_s + CLOCK_SKEW_S (Redis expires a record ttl_s after its write), or it was replayed."""
+        signed = self._signed_node_record(node_id, record, now_ms)
+        return None if signed is None else signed[1] / 1000
+
+    def _signed_node_record(self, node_id: str, record: str, now_ms: int | None) -> tuple[str, int] | None:
+        """(address, age in ms by this daemon's clock) of a node record whose signature verifies, else None."""
         try:
             address, ts, sig = record.rsplit("|", 2)
             age = (int(time.time() * 1000) if now_ms is None else now_ms) - int(ts)
         except ValueError:
             return None
         want = self._mac(self._node_key, (node_id.encode(), address.encode(), ts.encode())).hex()
-        return age / 1000 if hmac.compare_digest(want, sig) else None
+        return (address, age) if hmac.compare_digest(want, sig) else None
 
     # ---- holder records -----------------------------------------------------------------------------
 

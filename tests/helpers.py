@@ -272,3 +272,16 @@ def silent_puts(channel: Any, n: int, metadata: tuple[tuple[str, str], ...]) -> 
         yield pb.PutRequest()
 
     return [put(silent(), metadata=metadata) for _ in range(n)]
+
+
+async def until(check: Any, what: str, timeout: float = 20.0) -> None:
+    """Wait for a state daemons reach by themselves (`check`: an async callable answering whether it holds): a
+    bound on waiting, not a timing assertion."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await check():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"never reached: {what}")

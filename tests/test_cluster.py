@@ -11,8 +11,7 @@ import logging
 import re
 import shutil
 import subprocess
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -25,7 +24,7 @@ from engram.client import EngramClient
 from engram.config import load_config
 from engram.server import RunningServer, start_server
 
-from helpers import BLOCK_TOKENS, free_port, random_kv, silent_puts, start_redis, tiny_model, tokens
+from helpers import BLOCK_TOKENS, free_port, random_kv, silent_puts, start_redis, tiny_model, tokens, until
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 
@@ -51,14 +50,6 @@ async def daemons(redis_port: int) -> AsyncIterator[tuple[RunningServer, Running
         await srv.stop(0)
 
 
-async def until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 20.0) -> None:
-    """Wait for a state the daemons reach by themselves (a bound on waiting, not a timing assertion)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if await check():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"never reached: {what}")
 
 
 async def state(c: EngramClient) -> str:

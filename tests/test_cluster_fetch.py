@@ -11,8 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -33,6 +32,7 @@ from helpers import (
     start_redis,
     tiny_model,
     tokens,
+    until,
     wait_for,
 )
 
@@ -105,14 +105,6 @@ def data_gets(srv: RunningServer, code: str) -> float:
     return srv.metrics.registry.get_sample_value("engram_data_requests_total", {"op": "get", "code": code}) or 0.0
 
 
-async def until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 20.0) -> None:
-    """Wait for a state the daemons reach by themselves (a bound on waiting, not a timing assertion)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if await check():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"never reached: {what}")
 
 
 async def joined(*clients: EngramClient) -> None:
@@ -122,6 +114,20 @@ async def joined(*clients: EngramClient) -> None:
     await until(ok, "the daemons joined the cluster")
 
 
+async def _a_chain_b_lacks(redis_port: int, a: EngramClient, b: EngramClient, spec: Any, *, seed: int,
+                           n_blocks: int = 300) -> tuple[bytes, Any, Any, list[bytes]]:
+    """Both daemons joined and knowing the model; a chain of n_blocks put through A and published:
+    (fingerprint, tokens, KV, keys)."""
+    fp = await a.register_model(spec)
+    await b.register_model(spec)
+    await joined(a, b)
+    toks = tokens(n_blocks * BLOCK_TOKENS, seed=seed)
+    kv = random_kv(spec, len(toks), seed=seed)
+    keys = list((await a.put(fp, toks, kv)).keys)
+    await until(lambda: _held_in_redis(redis_port, keys[-1]), "A's last block published")
+    return fp, toks, kv, keys
+
+
 async def test_a_get_of_keys_deep_in_a_peers_chain_copies_the_chain_once_in_a_few_calls(redis_port: int) -> None:
     """Main fetched every key's ancestors one FetchBlocks at a time, up to 256, then dropped them all when the
     chain was deeper: a Get of 4 keys 300 blocks deep made ~1,024 calls and answered NOT_FOUND."""
@@ -129,13 +135,7 @@ async def test_a_get_of_keys_deep_in_a_peers_chain_copies_the_chain_once_in_a_fe
         spec = tiny_model()
         async with EngramClient(a_srv.address, namespace="ns") as a, \
                 EngramClient(b_srv.address, namespace="ns", data_channel=False) as b:
-            fp = await a.register_model(spec)
-            await b.register_model(spec)
-            await joined(a, b)
-            toks = tokens(300 * BLOCK_TOKENS, seed=1)
-            kv = random_kv(spec, len(toks), seed=1)
-            keys = list((await a.put(fp, toks, kv)).keys)
-            await until(lambda: _held_in_redis(redis_port, keys[-1]), "A's last block published")
+            fp, toks, kv, keys = await _a_chain_b_lacks(redis_port, a, b, spec, seed=1)
             before = served(a_srv, "FetchBlocks")
             got = await b.get(fp, keys[-4:])
             calls = served(a_srv, "FetchBlocks") - before
@@ -154,12 +154,7 @@ async def test_a_get_deeper_than_max_fetch_blocks_is_a_quick_not_found_that_copi
         spec = tiny_model()
         async with EngramClient(a_srv.address, namespace="ns") as a, \
                 EngramClient(b_srv.address, namespace="ns", data_channel=False) as b:
-            fp = await a.register_model(spec)
-            await b.register_model(spec)
-            await joined(a, b)
-            toks = tokens(300 * BLOCK_TOKENS, seed=2)
-            keys = list((await a.put(fp, toks, random_kv(spec, len(toks), seed=2))).keys)
-            await until(lambda: _held_in_redis(redis_port, keys[-1]), "A's last block published")
+            fp, _, _, keys = await _a_chain_b_lacks(redis_port, a, b, spec, seed=2)
             before = served(a_srv, "FetchBlocks")
             with pytest.raises(errors.NotFound, match=r"cluster\.max_fetch_blocks = 64"):
                 await b.get(fp, keys[-16:])

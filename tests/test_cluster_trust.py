@@ -40,6 +40,7 @@ from helpers import (
     start_redis,
     tiny_model,
     tokens,
+    until,
     wait_for,
 )
 
@@ -119,13 +120,6 @@ def redis_port() -> Iterator[int]:
     redis_cli(port, "shutdown", "nosave")
 
 
-async def until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if await check():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"never reached: {what}")
 
 
 @pytest.fixture

@@ -336,6 +336,17 @@ def _flip(path: Path, offset: int, mask: int = 0x40) -> None:
     path.write_bytes(bytes(data))
 
 
+async def _second_block_on_disk(root: Path) -> tuple[list[np.ndarray], list[torch.Tensor], bytes, Path]:
+    """`_store_on_disk`'s blocks, the daemon stopped: (sequences, KV, the first sequence's second block's key,
+    its file)."""
+    seqs, kvs = await _store_on_disk(root)
+    store = await make_store(root, dram_blocks=64)
+    victim = store.lookup(NS, SPEC.fingerprint, seqs[0]).blocks[1].key
+    path: Path = store.tiers[1].path_of(victim)  # type: ignore[attr-defined]
+    await store.close()
+    return seqs, kvs, victim, path
+
+
 async def _store_on_disk(root: Path, n_seqs: int = 3) -> tuple[list[np.ndarray], list[torch.Tensor]]:
     store = await make_store(root, dram_blocks=64, write_policy="write-through")
     seqs = [tokens(2 * BLOCK_TOKENS, seed=s) for s in range(n_seqs)]
@@ -1435,11 +1446,7 @@ async def test_a_newer_engrams_block_file_behind_a_stale_journal_record_is_never
     leaves it too, and the next start, which reads it (the snapshot no longer records it), refuses the
     directory."""
     root = tmp_path / "nvme"
-    seqs, kvs = await _store_on_disk(root)
-    store = await make_store(root, dram_blocks=64)
-    victim = store.lookup(NS, SPEC.fingerprint, seqs[0]).blocks[1].key
-    path: Path = store.tiers[1].path_of(victim)  # type: ignore[attr-defined]
-    await store.close()
+    seqs, kvs, victim, path = await _second_block_on_disk(root)
     _as_a_newer_engram_wrote_it(path)
     newer = path.read_bytes()
     read_first = asyncio.Event()
@@ -1503,11 +1510,7 @@ async def test_a_block_file_an_earlier_build_wrote_again_under_a_stale_journal_r
     acknowledged. It is now re-indexed from the file, served, logged, and journaled, so the next start trusts
     the file's header."""
     root = tmp_path / "nvme"
-    seqs, kvs = await _store_on_disk(root)
-    store = await make_store(root, dram_blocks=64)
-    victim = store.lookup(NS, SPEC.fingerprint, seqs[0]).blocks[1].key
-    path: Path = store.tiers[1].path_of(victim)  # type: ignore[attr-defined]
-    await store.close()
+    seqs, kvs, victim, path = await _second_block_on_disk(root)
     other = random_kv(SPEC, len(seqs[0]), seed=77)
     _written_again_by_an_earlier_build(path, other[:, :, BLOCK_TOKENS:])
     want = torch.cat([kvs[0][:, :, :BLOCK_TOKENS], other[:, :, BLOCK_TOKENS:]], dim=2)
@@ -1536,11 +1539,7 @@ async def test_a_copy_dropped_as_damaged_on_a_read_is_logged_with_its_key_tier_a
     """A read that finds a block's last copy corrupt drops it and the blocks that extend it, and answers
     DATA_LOSS; the daemon's log said nothing of it (an audit, session 44). Now one WARNING names the block, the
     tier, why, and that the block left the store."""
-    seqs, _ = await _store_on_disk(tmp_path)
-    store = await make_store(tmp_path, dram_blocks=64)
-    victim = store.lookup(NS, SPEC.fingerprint, seqs[0]).blocks[1].key
-    path: Path = store.tiers[1].path_of(victim)  # type: ignore[attr-defined]
-    await store.close()
+    seqs, _, victim, path = await _second_block_on_disk(tmp_path)
     _flip(path, path.stat().st_size - 100)
     store = await make_store(tmp_path, dram_blocks=64)
     with pytest.raises(errors.DataLoss):
