@@ -473,8 +473,8 @@ async def test_reservations_of_every_tenant_together_stop_at_their_fraction_nami
         server_factory) -> None:
     """All tenants' reservations together hold at most server.max_reserved_pool_fraction of the pool. A tenant
     refused by that bound is told its own reservations (id, namespace, when they expire) and the others' only
-    as bytes and by when they are let go: another tenant's reservation ids, namespaces or name would tell it
-    what that tenant is putting. A tenant holding nothing is refused too, and its put lands as bytes."""
+    by when they are let go: another tenant's reservation ids, namespaces, name or bytes would tell it what that
+    tenant is putting (bytes: its prompt's length). A tenant holding nothing is refused too, and its put lands as bytes."""
     spec = tiny_model()
     block = spec.layout.block_nbytes(BLOCK_TOKENS)
     srv = await server_factory(**{"tiers.dram.capacity": 16 * block, "tiers.dram.page_bytes": 256,
@@ -492,11 +492,13 @@ async def test_reservations_of_every_tenant_together_stop_at_their_fraction_nami
             said = await _refusal(stub, "bob-ns", fp, tokens(BLOCK_TOKENS, seed=3), spec, "bob-token")
             assert "server.max_reserved_pool_fraction = 0.5" in said, said
             assert f"reservation {b.reservation_id} (namespace 'bob-ns'" in said and "expires in" in said, said
-            assert f"{6 * block} bytes are other callers'" in said, said
+            assert "other callers' are let go when committed or within" in said, said
+            assert str(6 * block) not in said and str(8 * block) not in said, said  # no bytes of others
             for secret in (str(a.reservation_id), "alice"):
                 assert secret not in said and secret not in b.refused, (secret, said, b.refused)
             said = await _refusal(stub, "carol-ns", fp, tokens(BLOCK_TOKENS, seed=4), spec, "carol-token")
-            assert "reservation " not in said and f"{8 * block} bytes are other callers'" in said, said
+            assert "reservation " not in said and "other callers' are let go" in said, said
+            assert str(6 * block) not in said and str(8 * block) not in said and str(2 * block) not in said, said
             assert not any(s in said for s in ("alice", "bob", str(a.reservation_id), str(b.reservation_id))), said
         await _put_and_read_back(carol, fp, spec, seed=9)
 
@@ -521,5 +523,6 @@ async def test_a_put_refused_for_room_while_reservations_hold_the_tier_says_so(s
         with pytest.raises(errors.ResourceExhausted) as info:
             await c.put(fp, toks, random_kv(spec, len(toks)))
         said = str(info.value)
-        assert f"{6 * block} bytes of it are slots of in-place reservations (ReservePut) not yet committed" in said
+        assert "part of it is slots of in-place reservations (ReservePut) not yet committed" in said
+        assert str(6 * block) not in said, said  # no bytes: whoever's put it is reads it
         assert "let go when committed, or within" in said and "unpin blocks" not in said, said

@@ -16,7 +16,7 @@ Bounds: reserved slots are not blocks, so no eviction frees them, and one never 
 terms. What all reservations hold unpublished (being made, open or lapsed) is at most a fraction of the pool,
 and what one tenant's hold (every namespace of its) a smaller one; without them, a caller that reserved and never
 committed held the whole pool, and every other put failed for two terms. A refusal names the caller's own
-reservations, and others' only as bytes and when they are let go: nothing of another tenant's ids or namespaces.
+reservations, and others' only by when they are let go: nothing of another tenant's ids, namespaces or bytes.
 
 What it does not do: protect a slot from a worker that writes outside its reservation. A same-host worker
 that may write the pool is trusted with it, as one that may read it is (docs/ARCHITECTURE.md).
@@ -237,11 +237,12 @@ class InPlacePuts:
                     f"{self.max_fraction_per_tenant:g} of {cap} bytes); {self._describe(res.owner)}; commit them, "
                     "or let them expire, then reserve the rest (or put as bytes)")
         if self._held and self._held + nbytes > self.max_held:
-            others = self._held - mine
-            return (f"in-place reservations not yet committed hold {self._held} bytes of the shared pool, as much as "
-                    f"all together may (server.max_reserved_pool_fraction = {self.max_fraction:g} of {cap} bytes; "
-                    "the rest is kept for other puts)" + (f"; {self._describe(res.owner)}" if mine else "")
-                    + (f"; {self._others(res.owner, others)}" if others else "")
+            # Not the total's bytes: less the caller's own, they are the others', whose growth told another tenant's
+            # prompt length (its last block is partial), as Stats' used bytes did (an audit, session 44).
+            return ("in-place reservations not yet committed hold as much of the shared pool as all together may "
+                    f"(server.max_reserved_pool_fraction = {self.max_fraction:g} of {cap} bytes; the rest is kept "
+                    "for other puts)" + (f"; {self._describe(res.owner)}" if mine else "")
+                    + (f"; {self._others(res.owner)}" if self._held > mine else "")
                     + "; reserve again once some are committed or let go, or put as bytes")
         return ""
 
@@ -262,23 +263,23 @@ class InPlacePuts:
         more = f" and {len(held) - 4} more" if len(held) > 4 else ""
         return f"{'yours' if owner else 'held'}: {', '.join(parts)}{more}"
 
-    def _others(self, owner: str, nbytes: int) -> str:
-        """Other owners' reservations, told only as bytes and by when they are let go at the latest: nothing of
-        another tenant's ids or namespaces."""
+    def _others(self, owner: str) -> str:
+        """Other owners' reservations, told only by when they are let go at the latest: nothing of another
+        tenant's ids, namespaces or bytes (their bytes told its prompt lengths)."""
         now = time.monotonic()
         by = max((r.frees_by(self.reserve_s) for r in self._holding(None) if r.owner != owner), default=now)
-        return (f"{nbytes} bytes are other callers', let go when committed or within {max(0.0, by - now):.0f}s "
-                "at the latest")
+        return f"other callers' are let go when committed or within {max(0.0, by - now):.0f}s at the latest"
 
     def _unevictable(self) -> str:
-        """The pool's room that reservations hold, for a full tier's error ("" when none do): told as bytes and
-        when let go, to whichever caller's put found no room."""
+        """That reservations hold part of the pool, for a full tier's error ("" when none do), and by when they
+        are let go: not how many bytes (whichever caller's put found no room reads it; another tenant's bytes
+        tell its prompt lengths)."""
         if not self._held:
             return ""
         now = time.monotonic()
         by = max((r.frees_by(self.reserve_s) for r in self._holding(None)), default=now)
-        return (f"{self._held} bytes of it are slots of in-place reservations (ReservePut) not yet committed, which "
-                f"no eviction frees; they are let go when committed, or within {max(0.0, by - now):.0f}s at the latest")
+        return ("part of it is slots of in-place reservations (ReservePut) not yet committed, which no eviction "
+                f"frees; they are let go when committed, or within {max(0.0, by - now):.0f}s at the latest")
 
     def get(self, namespace: str, reservation_id: int) -> Reservation:
         res = self._open.get(reservation_id)
