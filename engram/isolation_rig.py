@@ -188,7 +188,10 @@ async def _cluster(rig: Rig, p: Prober, fp: bytes) -> list[Check]:
     r = aioredis.Redis(port=rig.redis_port, password=rig.redis_password)
     checks = []
     try:
-        async with rig.client("b", "owner", OWNER_NS) as owner_b, rig.client("b", "prober", PROBER_NS) as other_b:
+        # The cluster's counters are the admin's to read (a tenant's Stats leaves them 0: they move with every
+        # tenant's fetches), so daemon B's are read with the admin token.
+        async with rig.client("b", "owner", OWNER_NS) as owner_b, rig.client("b", "prober", PROBER_NS) as other_b, \
+                rig.client("b", "admin", OWNER_NS) as admin_b:
             await owner_b.register_model(p.spec)
             await other_b.register_model(p.spec)
 
@@ -212,14 +215,14 @@ async def _cluster(rig: Rig, p: Prober, fp: bytes) -> list[Check]:
                 named += [name for v in values if v and OWNER_NS.encode() in v]
             checks.append(verdict("redis index: records name no namespace", "cluster", control, not named))
 
-            hits = (await other_b.stats()).cluster.remote_hits
+            hits = (await admin_b.stats()).cluster.remote_hits
             missed = (await other_b.lookup(fp, w.tokens)).matched_tokens == 0
             by_key = await _refused_not_found(lambda: other_b.get(fp, w.keys, zero_copy=False))
-            fetched_nothing = (await other_b.stats()).cluster.remote_hits == hits
+            fetched_nothing = (await admin_b.stats()).cluster.remote_hits == hits
 
             async def owner_hits() -> bool:
                 return (await owner_b.lookup(fp, w.tokens)).matched_tokens == len(w.tokens)
-            owner_ok = await _until(owner_hits) and (await owner_b.stats()).cluster.remote_hits > hits
+            owner_ok = await _until(owner_hits) and (await admin_b.stats()).cluster.remote_hits > hits
             checks.append(verdict("peer fetch: lookup by content", "cluster", owner_ok, missed and fetched_nothing))
             checks.append(verdict("peer fetch: get by key", "cluster", owner_ok, by_key))
             # Now the blocks are on B too: still nothing for the prober there.
