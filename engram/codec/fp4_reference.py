@@ -172,10 +172,15 @@ class NVFP4Tensor:
         ts = _f32_at(buf, 0)
         _check_scale_value("NVFP4", ts, NVFP4_TENSOR_SCALE_RANGE)
         scales = _u8_at(buf, shape[0] * (padded(shape[1], cls.GROUP) // cls.GROUP), 4)
-        if bool((scales >= _E4M3_NAN).any()):
+        if not scales.size:
+            return
+        # One pass over the scales, no temporary: the largest code is NaN or signed iff any is (codes at or above
+        # 0x7F are), and gives the largest value. A comparison, .any() and a max were three passes and a bool array
+        # as large as the scales (128 MiB at 32K tokens of an 8B model: 35 ms of each in-place put's commit).
+        top = int(scales.max())
+        if top >= _E4M3_NAN:
             raise ValueError("corrupt NVFP4 payload: a group scale has its sign bit set or is NaN")
-        if scales.size:
-            _check_finite_in("NVFP4", ts * _E4M3_VALUES[int(scales.max())] * E2M1_MAX, dtype)
+        _check_finite_in("NVFP4", ts * _E4M3_VALUES[top] * E2M1_MAX, dtype)
 
     @classmethod
     def from_bytes(cls, buf: bytes | memoryview, shape: tuple[int, int],
@@ -224,13 +229,15 @@ class MXFP4Tensor:
         with `dtype` to finite values in it."""
         _check_length("MXFP4", buf, cls.payload_nbytes(shape))
         scales = _u8_at(buf, shape[0] * (padded(shape[1], cls.GROUP) // cls.GROUP), 0)
-        if bool((scales == _E8M0_NAN).any()):
+        if not scales.size:
+            return
+        top = int(scales.max())  # one pass (NVFP4's check says why): 0xFF, the largest code, is there iff it is the max
+        if top == _E8M0_NAN:
             raise ValueError("corrupt MXFP4 payload: a group scale is the E8M0 NaN code 0xFF")
-        if bool((scales > _E8M0_MAX_ENCODED).any()):
+        if top > _E8M0_MAX_ENCODED:
             raise ValueError(f"corrupt MXFP4 payload: a group scale code is above {_E8M0_MAX_ENCODED}, the largest "
                              "an encoder writes (its codes would decode to Inf)")
-        if scales.size:
-            _check_finite_in("MXFP4", 2.0 ** (int(scales.max()) - 127) * E2M1_MAX, dtype)
+        _check_finite_in("MXFP4", 2.0 ** (top - 127) * E2M1_MAX, dtype)
 
     @classmethod
     def from_bytes(cls, buf: bytes | memoryview, shape: tuple[int, int],
@@ -277,10 +284,12 @@ class FP8Tensor:
         scale = _f32_at(buf, 0)
         _check_scale_value("FP8", scale, FP8_SCALE_RANGE)
         magnitudes = _u8_at(buf, shape[0] * shape[1], 4) & 0x7F
-        if bool((magnitudes == _E4M3_NAN).any()):
+        if not magnitudes.size:
+            return
+        top = int(magnitudes.max())  # the NaN pattern 0x7F is the largest magnitude: there iff it is the max
+        if top == _E4M3_NAN:
             raise ValueError("corrupt FP8 payload: a code is the E4M3 NaN pattern")
-        if dtype is not None and magnitudes.size:
-            _check_finite_in("FP8", scale * _E4M3_VALUES[int(magnitudes.max())], dtype)
+        _check_finite_in("FP8", scale * _E4M3_VALUES[top], dtype)
 
     @classmethod
     def from_bytes(cls, buf: bytes | memoryview, shape: tuple[int, int],
