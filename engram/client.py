@@ -253,7 +253,8 @@ class EngramClient(ControlClient):
         straight into pool slots the daemon reserved (ReservePut, CommitPut): no KV crosses the socket, and
         blocks already stored are skipped; from host memory only for 16 MiB or more (below, one message on
         the data channel is faster than two RPCs). Elsewhere they travel as bytes (the data channel): with skip_cached (the
-        default) a Lookup first finds the cached prefix and only the blocks after it are sent; with encode
+        default) a Lookup first finds the cached prefix and only the blocks after it are sent (not with pin: the
+        cached blocks would stay unpinned; every block is sent, and the daemon pins those it holds); with encode
         they are encoded here and travel 3.5-4x smaller, otherwise the daemon encodes them.
         """
         from engram.keys import chain_keys
@@ -281,7 +282,7 @@ class EngramClient(ControlClient):
         key_ns, salt = await self._keying(ns)
         all_keys = [k for k, _, _ in chain_keys(key_ns, fingerprint, arr, bt, salt)]
         first = 0
-        if skip_cached:
+        if skip_cached and not pin:  # with pin every block is sent: the daemon pins the ones it holds as it dedupes
             hit = await self.lookup(fingerprint, arr, namespace=ns, probe=True)  # not a read: counts no use
             # Only whole cached blocks can be skipped: a cached partial tail is superseded by what we send.
             first = sum(1 for b in hit.blocks if b.num_tokens == bt and b.key in all_keys)

@@ -183,6 +183,29 @@ async def test_pinned_blocks_survive_eviction(server_factory) -> None:  # type: 
         assert (await client.lookup(fp, system)).matched_tokens == 0
 
 
+@pytest.mark.parametrize("path", ["bytes", "in place"])
+async def test_a_pinned_put_of_a_cached_prefix_pins_the_cached_blocks_too(server_factory, path: str) -> None:  # type: ignore[no-untyped-def]
+    """A prefix put unpinned, then put again with pin: every block of it is pinned. The bytes path skipped the
+    cached blocks (skip_cached, the default) without pinning them, so the caller's 'pinned' prefix was evicted like
+    any other (found by session 44's pin-share fixer)."""
+    spec = tiny_model()
+    block_bytes = spec.layout.block_nbytes(BLOCK_TOKENS)
+    srv = await server_factory(**{"tiers.dram.capacity": 6 * block_bytes})
+    opts = {"zero_copy": False} if path == "bytes" else {"in_place_min_bytes": 0}
+    async with EngramClient(srv.address, **opts) as client:
+        fp = await client.register_model(spec)
+        system = tokens(2 * BLOCK_TOKENS, seed=98)
+        kv_sys = random_kv(spec, len(system), seed=98)
+        await client.put(fp, system, kv_sys)
+        await client.put(fp, system, kv_sys, pin=True)
+        assert (await client.stats()).tiers[0].pinned_blocks == 2
+        for s in range(6):
+            t = tokens(3 * BLOCK_TOKENS, seed=s)
+            await client.put(fp, t, random_kv(spec, len(t), seed=s))
+        n, got = await client.get_prefix(fp, system)
+        assert n == len(system) and got is not None and torch.equal(got, kv_sys)
+
+
 async def test_full_of_pinned_blocks_is_resource_exhausted_and_keeps_them(server_factory) -> None:  # type: ignore[no-untyped-def]
     spec = tiny_model()
     block_bytes = spec.layout.block_nbytes(BLOCK_TOKENS)
