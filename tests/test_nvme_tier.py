@@ -1486,6 +1486,50 @@ async def test_a_newer_engrams_block_file_behind_a_stale_journal_record_is_never
     assert _tree(root) == before
 
 
+async def test_a_key_whose_newer_file_was_set_aside_does_not_hold_up_the_write_back_flusher(tmp_path: Path,
+                                                                                         monkeypatch: pytest.MonkeyPatch
+                                                                                         ) -> None:
+    """Write-back: a newer Engram's file is set aside at its first read, and its key put again: that block cannot be
+    written to NVMe (never renamed over the newer file), so it stays pending. It headed the flusher's queue, which
+    retried it for ever: every block put after it, by anyone, stayed in memory only, past the loss window, until
+    the window's byte bound refused every put (an audit of session 44's changes). The others are flushed now."""
+    root = tmp_path / "nvme"
+    seqs, kvs, victim, path = await _second_block_on_disk(root)
+    _as_a_newer_engram_wrote_it(path)
+    read_first = asyncio.Event()
+    verify_trusted = NvmeTier.verify_trusted
+
+    async def after_the_read(tier: NvmeTier) -> list[tuple[bytes, str | errors.DataLoss]]:
+        await read_first.wait()
+        return await verify_trusted(tier)
+
+    monkeypatch.setattr(NvmeTier, "verify_trusted", after_the_read)
+    store = await make_store(root, dram_blocks=64, write_policy="write-back", write_back_window_s=0.1)
+    try:
+        with pytest.raises(errors.DataLoss, match="written by a newer Engram"):
+            await get_seq(store, seqs[0])
+        read_first.set()
+        await put_seq(store, seqs[0], kvs[0])  # the set-aside key again: in DRAM, pending
+        meta = store.index.get(victim)
+        assert meta is not None and "nvme" not in meta.locations
+        later = [tokens(2 * BLOCK_TOKENS, seed=50 + i) for i in range(3)]
+        keys = [k for t in later for k in await put_seq(store, t, random_kv(SPEC, len(t), seed=50))]
+        for _ in range(200):
+            if all("nvme" in store.index.get(k).locations for k in keys):  # type: ignore[union-attr]
+                break
+            await asyncio.sleep(0.05)
+        assert [store.index.get(k).locations for k in keys] == [["dram", "nvme"]] * len(keys)  # type: ignore[union-attr]
+        assert "nvme" not in meta.locations and store.write_back_pending().blocks == 1
+        # A crash now (the directory as it is, no final snapshot): the next start refuses it, as the log says,
+        # where it trusted the set-aside file's old journal record and served on.
+        image = tmp_path / "crashed"
+        shutil.copytree(root, image, ignore=shutil.ignore_patterns("engram.lock"))
+        with pytest.raises(errors.NewerFormat, match=path.name):
+            await make_store(image, dram_blocks=64)
+    finally:
+        await store.close()
+
+
 def _written_again_by_an_earlier_build(path: Path, kv: torch.Tensor) -> None:
     """What a build from before the journal did when it stored a block again under its key (another prefill of
     the same tokens): a whole, valid file of other bytes, renamed over the old one, its journal not told."""

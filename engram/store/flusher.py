@@ -127,7 +127,9 @@ class Flusher:
         self._prune()
         if not self._pending:
             return Pending(0, 0, 0.0)
-        since = next(iter(self._pending.values()))[2]  # not the block's age: one put long ago may be pending again
+        # Not the block's age (one put long ago may be pending again), nor the queue's head: a block the disk
+        # failed goes to the back of it.
+        since = min(entry[2] for entry in self._pending.values())
         return Pending(len(self._pending), self._bytes, max(0.0, time.time() - since))
 
     # ---- the loop --------------------------------------------------------------------------------
@@ -180,7 +182,11 @@ class Flusher:
                 backoff = 0.05
                 await self._notify()
             else:
-                await asyncio.sleep(backoff)  # the disk failed it: back off, the tier's health decides
+                # The disk failed it: back off (the tier's health decides), and let the blocks behind it go first. A
+                # key the tier refuses for good (a newer Engram's file set aside under it) stayed at the head and
+                # held every later block in memory only, past the loss window (an audit, session 44).
+                self._pending[key] = self._pending.pop(key)
+                await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
 
     async def _notify(self) -> None:

@@ -389,6 +389,8 @@ class NvmeTier:
         self.budget.stored += size - f.size
         self.newer_files[key] = size
         self.unverified.discard(key)
+        if self._journal_open:  # else a start after a crash trusted the old record again and served on (an audit)
+            self._journal.remove(key)  # type: ignore[union-attr]  # the next start reads the file, and refuses
         if len(self.newer_files) == 1 or len(self.newer_files) % 1000 == 0:
             log.error("%s: left on disk, not served (%d such files so far); the next start refuses %s: stop this "
                       "daemon and start that version, or move the directory away", why, len(self.newer_files),
