@@ -3,7 +3,9 @@ turns the store's counters into one line per notable change instead of one line 
 
 The reporter wakes every `logging.summary_s` seconds and compares counters with its last look: eviction
 and demotion bursts become one summary line per tier, corrupt blocks found and I/O errors one warning,
-and a tier going degraded or recovering one line each. Nothing is logged from the put/get path itself.
+and a tier going degraded or recovering one line each. Nothing else is logged from the put/get path, but for
+a copy dropped as damaged (BlockStore.note_dropped: its key, tier and why, which these counts cannot say,
+at most 20 lines a minute through engram/logbudget.py).
 """
 
 from __future__ import annotations
