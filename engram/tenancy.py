@@ -34,6 +34,8 @@ class NamespacePolicy(Protocol):
 
     def max_sessions(self, namespace: str) -> int: ...  # 0: the daemon's default
 
+    def counted(self, namespace: str) -> bool: ...  # its activity is counted apart (a tenant's Stats reads it)
+
 
 class OpenNamespaces:
     """Tenancy off: no salt (keys as before tenancy existed), no quota."""
@@ -46,6 +48,9 @@ class OpenNamespaces:
 
     def max_sessions(self, namespace: str) -> int:
         return 0
+
+    def counted(self, namespace: str) -> bool:
+        return False  # no tenant's Stats to scope: counting every namespace ever used apart only grows
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,7 @@ class Tenancy:
     # In a cluster: the node id a peer's call proves (ClusterTrust.peer_node), "" for none
     peer_node: Callable[[object], str] | None = None
     _salts: dict[str, bytes] = field(default_factory=dict)
+    _tenant_namespaces: set[str] = field(default_factory=set)  # every namespace some tenant is given
     _calls: dict[str, dict[str, int]] = field(default_factory=dict)  # "rpc" / "data" -> tenant -> in flight
 
     @classmethod
@@ -136,6 +142,7 @@ class Tenancy:
         for name, tc in merged.tenants.items():
             spaces = tuple(n.strip() for n in tc.namespaces.split(",") if n.strip()) or (name,)
             t._add(resolve_secret(tc.token, f"auth.tenants.{name}.token"), Principal(name, spaces))
+            t._tenant_namespaces.update(spaces)
             for ns in spaces:
                 if tc.quota:  # a namespace shared by tenants gets the smallest of their quotas
                     t.quotas[ns] = min(t.quotas.get(ns, tc.quota), tc.quota)
@@ -207,3 +214,7 @@ class Tenancy:
 
     def max_sessions(self, namespace: str) -> int:
         return self.session_limits.get(namespace, 0)
+
+    def counted(self, namespace: str) -> bool:
+        """Only a tenant's namespaces: the config bounds them, where an admin may name any number."""
+        return namespace in self._tenant_namespaces

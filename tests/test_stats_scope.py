@@ -71,3 +71,30 @@ async def test_bobs_stats_do_not_move_with_alices_put_hit_or_dedupe(server_facto
     assert every.blocks_put == 7 and every.blocks_deduplicated >= 1 and every.blocks_served == 7
     assert every.tier("dram").used_bytes > stored and every.tier("dram").hits >= 7
     assert every.lookups >= 1 and every.codec_error_blocks + every.codec_error_skipped >= (codec != "raw")
+
+
+@pytest.mark.parametrize("tenancy", [False, True])
+async def test_per_namespace_counters_are_kept_only_for_namespaces_a_tenant_is_given(
+        server_factory: Any, tenancy: bool) -> None:
+    """They exist for a tenant's Stats. Namespaces are the callers' to make up (tenancy off: anyone's; on: the
+    admin's), and one counter entry a namespace that was ever written or read, kept for good, grew the daemon with
+    every namespace a caller invented (a namespace per session: without bound)."""
+    srv: RunningServer = await server_factory(**(AUTH if tenancy else {}))
+    spec = tiny_model()
+    async with EngramClient(srv.address, token=ADMIN if tenancy else "") as c:
+        fp = await c.register_model(spec)
+        for i in range(20):
+            t = tokens(BLOCK_TOKENS, seed=i)
+            ns = f"session-{i}"
+            assert (await c.put(fp, t, random_kv(spec, len(t), seed=i), namespace=ns)).stored == 1
+            assert (await c.get_prefix(fp, t, namespace=ns))[0] == len(t)
+        every = await c.stats()
+    assert every.blocks_put == 20 and every.blocks_served == 20  # the daemon's own counts still count
+    assert set(srv.store.counters.namespaces) == set()
+    if tenancy:
+        async with EngramClient(srv.address, token=ALICE, namespace="alice") as a:
+            t = tokens(BLOCK_TOKENS, seed=99)
+            await a.register_model(spec)
+            assert (await a.put(fp, t, random_kv(spec, len(t), seed=99))).stored == 1
+            assert (await a.stats()).blocks_put == 1
+        assert set(srv.store.counters.namespaces) == {"alice"}

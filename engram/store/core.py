@@ -101,7 +101,7 @@ class BlockStore:
         self.quality = quality or QualityWatch(0, backend=codec_backend)
         self.index = ChainIndex()
         self.namespaces = namespaces or OpenNamespaces()  # key salts and quotas (engram/tenancy.py)
-        self.counters = StoreCounters(tiers={t.name: TierCounters() for t in tiers})
+        self.counters = StoreCounters(tiers={t.name: TierCounters() for t in tiers}, counted=self.namespaces.counted)
         self.placement = Placement(list(tiers), self.index, self.counters, self._damaged_in_a_move, retry_s=retry_s)
         if eviction not in ("learned", "lru"):
             raise ValueError(f"eviction is learned or lru, got {eviction!r}")

@@ -3,7 +3,7 @@ Stats, the Prometheus collector and the log reporter all read."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -68,13 +68,19 @@ class StoreCounters:
     blocks_flushed: int = 0  # copied to the durable tier by the background flusher (engram/store/flusher.py)
     blocks_prefetched: int = 0  # copied up into the top tier before their session was due back (`prefetch`)
     tiers: dict[str, TierCounters] = field(default_factory=dict)
-    # blocks put, deduplicated and served per namespace (a few ints each, per namespace ever written or read)
+    # blocks put, deduplicated and served per namespace a tenant's Stats reads (NamespacePolicy.counted: those the
+    # tenancy config names, so the dict is bounded; with tenancy off, none: nothing reads them, and namespaces are
+    # the callers' to make up, one entry each for good)
     namespaces: dict[str, NamespaceCounters] = field(default_factory=dict)
+    counted: Callable[[str], bool] = field(default=lambda namespace: True)
+    _uncounted: NamespaceCounters = field(default_factory=NamespaceCounters)  # bumped, never read
 
     def of(self, namespace: str) -> NamespaceCounters:
         """`namespace`'s counters, to bump beside the daemon-wide ones."""
         c = self.namespaces.get(namespace)
         if c is None:
+            if not self.counted(namespace):
+                return self._uncounted
             c = self.namespaces[namespace] = NamespaceCounters()
         return c
 
