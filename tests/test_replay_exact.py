@@ -269,6 +269,25 @@ def test_a_model_without_sliding_layers_has_its_empty_window_at_p_in_prefill_rep
         window_kv = out.window
 
 
+def test_decode_next_takes_a_window_of_a_model_without_sliding_layers_only_where_it_starts_at_p() -> None:
+    """The start of a window with no layer is checked by the same rule as any other: at P. Unchecked, a window
+    at P-W+1 (a prefill's before c0776cf, a worker's from W alone) was taken, and one past P too, whose next
+    step's window then started past its own end (a window of negative rows)."""
+    p = 10
+    model, tokens, pre = _setup(("global",) * 3, 4, {}, p)
+    stored = pre.stored_global_kv(p)
+    for start in (p - 4 + 1, 0, p + 1, p + 5):
+        with pytest.raises(ValueError, match=rf"starts at {p} \(no sliding layer, or W = 1: it holds no row\); "
+                                             rf"not at {start}"):
+            decode_next(model, tokens[p], stored, SwaWindow(p, start, ()))
+    out = decode_next(model, tokens[p], stored, SwaWindow(p, p, ()))
+    assert out.window == SwaWindow(p + 1, p + 1, ())
+    sliding, _, sliding_pre = _setup(gpt_oss_pattern(4), 4, {}, p)  # the same words for a window past P
+    with pytest.raises(ValueError, match=rf"starts at {p - 3} \(W=4\), or up to {p}"):
+        decode_next(sliding, tokens[p], sliding_pre.stored_global_kv(p),
+                    SwaWindow(p, p + 1, tuple((k[:0], v[:0]) for k, v in sliding_pre.swa_kv)))
+
+
 class _FlatOnly:
     """A test double: any object with replay_spec and forward_span is a ReplayModel (no base class)."""
 
@@ -330,7 +349,7 @@ def test_mismatched_config_is_rejected() -> None:
     with pytest.raises(ValueError, match="window holds 5 sliding layers"):
         decode_next(model, tokens[30], pre.stored_global_kv(30), other_pre.swa_window(30))
     wide, _, wide_pre = _setup(gpt_oss_pattern(6), 8, {}, 30)  # W = 8: a window of 7 rows
-    with pytest.raises(ValueError, match="at most the 3 positions"):
+    with pytest.raises(ValueError, match=r"starts at 27 \(W=4\), or up to 30 after a shorter replay; not at 23"):
         decode_next(model, tokens[30], pre.stored_global_kv(30), wide_pre.swa_window(30))
     longer = model.prefill(tokens[:31])
     with pytest.raises(ValueError, match=r"need \(30, n_kv_heads"):  # stored KV one token ahead of the window

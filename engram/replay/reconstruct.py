@@ -239,11 +239,18 @@ def decode_next(model: ReplayModel, token: int | Tensor, global_kv: Sequence[KV]
     p = window.prefix_len
     if len(window.kv) != len(spec.sliding_layers):
         raise ReplayError(f"the window holds {len(window.kv)} sliding layers; the model has {len(spec.sliding_layers)}")
-    most = min(p, spec.window - 1)
+    # The one rule (window_start), whatever the layers hold: without a sliding layer the window starts at P, and
+    # a start before it (P-W+1, the old prefill's) or past it (a window of negative rows, handed on to the next
+    # step) was taken, as no layer's rows were there to be counted against it.
+    first = window_start(spec.window, len(spec.sliding_layers), p)
+    if not first <= window.start <= p:
+        rule = (f"at {p} (no sliding layer, or W = 1: it holds no row)" if nothing_to_rebuild(spec) else
+                f"at {first} (W={spec.window}), or up to {p} after a shorter replay")
+        raise ReplayError(f"the window of a query at {p} starts {rule}; not at {window.start}")
     for i, (k, v) in enumerate(window.kv):
-        if k.shape != v.shape or k.shape[0] != p - window.start or k.shape[0] > most:
-            raise ReplayError(f"sliding layer {i}: window holds {k.shape[0]} rows for [{window.start}, {p}); a query "
-                              f"at {p} reads at most the {most} positions before it (W={spec.window})")
+        if k.shape != v.shape or k.shape[0] != p - window.start:
+            raise ReplayError(f"sliding layer {i}: K {tuple(k.shape)} and V {tuple(v.shape)} must be alike and hold "
+                              f"{p - window.start} rows, for [{window.start}, {p})")
     # exactly [0, P): more rows would mean the window is stale (or the new token's KV is already appended)
     stored = as_layer_kv(global_kv, spec, p, _model_device(model), exact_rows=True)
     tok = torch.as_tensor(token, dtype=torch.long).reshape(1)
