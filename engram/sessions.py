@@ -12,6 +12,8 @@ last W-1 positions, which a query needs to continue:
   (engram/replay/costmodel.py, `engram bench replay --calibrate`): when the session goes cold, keep its rebuilt
   window (persisted, within replay.max_persisted_window_bytes) or drop it; on Resume, replay exact or approx,
   whichever is fastest above the operator's fidelity floor. Without a calibration it behaves as exact mode.
+- a model whose window holds no row (no sliding layer, or W = 1: `holds_no_window`) needs no replay model in
+  any mode: every Resume answers the empty window at P.
 The mode is recorded in the session, so a user can choose per session and per model (BRIEF section 3).
 
 A live session holds a reference to every stored block of its prefix (re-resolved on Open, Append, Fork
@@ -46,10 +48,10 @@ from engram.errors import FailedPrecondition, InvalidArgument, NotFound, Resourc
 from engram.eviction import Expected
 from engram.index import BlockMeta
 from engram.keys import block_key
-from engram.layout import DType, LayerKind, ModelSpec
+from engram.layout import DType, KVLayout, LayerKind, ModelSpec
 from engram.replay.costmodel import CostModel, FidelityFloor, NoAllowedOption
 from engram.replay.model import ReplayModel, SwaWindow
-from engram.replay.reconstruct import Reconstruction, ReplayMode, empty_window, nothing_to_rebuild
+from engram.replay.reconstruct import Reconstruction, ReplayMode
 from engram.replay.runtime import ReplayRuntime
 from engram.store import BlockStore
 
@@ -81,6 +83,14 @@ class Window:
         data = t.view(torch.uint8).numpy().tobytes()
         return cls(w.prefix_len, w.start, dtype, tuple(t.shape), data, checksum(data))
 
+    @classmethod
+    def empty(cls, layout: KVLayout, prefix_len: int) -> Window:
+        """The window of 0 rows at prefix_len of a layout that `holds_no_window`: built from the layout alone,
+        as a replay of R = 0 (`reconstruct.empty_window` through `from_swa`) gives it."""
+        sliding = sum(1 for layer in layout.layers if layer.kind == LayerKind.SLIDING)
+        return cls(prefix_len, prefix_len, layout.dtype, (sliding, 2, 0, layout.num_kv_heads, layout.head_dim), b"",
+                   checksum(b""))
+
     def tensor(self) -> torch.Tensor:
         return stored.byte_tensor(self.data).view(self.dtype.torch_dtype).reshape(self.shape)
 
@@ -105,6 +115,15 @@ class Window:
         n = len(self.data)
         if n != int(np.prod(self.shape)) * self.dtype.itemsize or checksum(self.data) != self.checksum:
             raise InvalidArgument(f"{where}: {n} bytes do not match its shape and checksum")
+
+
+def holds_no_window(layout: KVLayout) -> bool:
+    """No sliding layer, or W = 1: a query's window has no row (reconstruct.nothing_to_rebuild, read from the
+    registered layout, which any replay model serving it implies). Its sessions need no replay model in any mode:
+    a Resume answers `Window.empty`. Opening one in exact mode on a daemon without the weights was refused. A
+    stream layout's windows are not answered by the daemon yet (`Window.validate`): not for them."""
+    return not layout.has_streams and all(layer.window <= 1 for layer in layout.layers
+                                          if layer.kind == LayerKind.SLIDING)
 
 
 @dataclass
@@ -284,7 +303,7 @@ class SessionManager:
         limits.check_approx_k(approx_k)
         if mode == SessionMode.APPROX and approx_k <= 0:
             raise InvalidArgument("approx mode needs approx_k > 0 (R = approx_k * W tokens are replayed)")
-        if mode != SessionMode.PERSIST:
+        if mode != SessionMode.PERSIST and not holds_no_window(spec.layout):
             self.runtime.require(spec)  # refuse now, not at the first Resume
         sid = session_id or uuid.uuid4().hex[:16]
         if (namespace, sid) in self._sessions:
@@ -685,14 +704,15 @@ class SessionManager:
             have = "none" if s.window is None else f"one for position {s.window.prefix_len}"
             raise FailedPrecondition(f"session {session_id} is in persist mode and holds no window for position {p} "
                                      f"({have}); append with the window, or open it in exact mode")
-        model = self.runtime.require(spec)
         lay = spec.layout
-        if nothing_to_rebuild(model.replay_spec):
-            # W = 1 or no sliding layer: the window has no row, so no turn is waited for (behind replays that
-            # take seconds), no block is read and nothing runs; the caller's global KV streams as it would.
-            window = Window.from_swa(empty_window(model, p), lay.dtype, lay.num_kv_heads, lay.head_dim)
+        if holds_no_window(lay):
+            # W = 1 or no sliding layer: the window has no row, so no replay model is needed, no turn is waited
+            # for (behind replays that take seconds), no block is read and nothing runs; the caller's global KV
+            # streams as it would.
+            window = Window.empty(lay, p)
             self._hold_window(s, window, tenant)
             return Resumed(p, match.blocks, window, "replay", 0, 0, 0.0)
+        model = self.runtime.require(spec)
         if s.kept:  # an auto-mode window kept for another position: replaced by this replay's
             self._release_window(s)
         mode = self._auto_replay_mode(s, spec, p) if s.mode == SessionMode.AUTO else s.replay_mode()
