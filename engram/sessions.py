@@ -13,7 +13,7 @@ last W-1 positions, which a query needs to continue:
   window (persisted, within replay.max_persisted_window_bytes) or drop it; on Resume, replay exact or approx,
   whichever is fastest above the operator's fidelity floor. Without a calibration it behaves as exact mode.
 - a model whose window holds no row (no sliding layer, or W = 1: `holds_no_window`) needs no replay model in
-  any mode: every Resume answers the empty window at P.
+  any mode, nor an uploaded window in persist mode: every Resume answers the empty window at P.
 The mode is recorded in the session, so a user can choose per session and per model (BRIEF section 3).
 
 A live session holds a reference to every stored block of its prefix (re-resolved on Open, Append, Fork
@@ -119,9 +119,10 @@ class Window:
 
 def holds_no_window(layout: KVLayout) -> bool:
     """No sliding layer, or W = 1: a query's window has no row (reconstruct.nothing_to_rebuild, read from the
-    registered layout, which any replay model serving it implies). Its sessions need no replay model in any mode:
-    a Resume answers `Window.empty`. Opening one in exact mode on a daemon without the weights was refused. A
-    stream layout's windows are not answered by the daemon yet (`Window.validate`): not for them."""
+    registered layout, which any replay model serving it implies). Its sessions need no replay model in any mode,
+    nor an uploaded window in persist mode: every Resume answers `Window.empty`. Opening one in exact mode on a
+    daemon without the weights was refused, and a persist-mode Resume with no upload was. A stream layout's
+    windows are not answered by the daemon yet (`Window.validate`): not for them."""
     return not layout.has_streams and all(layer.window <= 1 for layer in layout.layers
                                           if layer.kind == LayerKind.SLIDING)
 
@@ -700,18 +701,19 @@ class SessionManager:
             if not s.kept:
                 self._mark_hot(s)
             return Resumed(p, match.blocks, window, source, 0, 0, 0.0)
-        if s.mode == SessionMode.PERSIST:
-            have = "none" if s.window is None else f"one for position {s.window.prefix_len}"
-            raise FailedPrecondition(f"session {session_id} is in persist mode and holds no window for position {p} "
-                                     f"({have}); append with the window, or open it in exact mode")
         lay = spec.layout
         if holds_no_window(lay):
             # W = 1 or no sliding layer: the window has no row, so no replay model is needed, no turn is waited
             # for (behind replays that take seconds), no block is read and nothing runs; the caller's global KV
-            # streams as it would.
+            # streams as it would. A persist-mode session's is not held: it keeps only what its worker uploads.
             window = Window.empty(lay, p)
-            self._hold_window(s, window, tenant)
+            if s.mode != SessionMode.PERSIST:
+                self._hold_window(s, window, tenant)
             return Resumed(p, match.blocks, window, "replay", 0, 0, 0.0)
+        if s.mode == SessionMode.PERSIST:
+            have = "none" if s.window is None else f"one for position {s.window.prefix_len}"
+            raise FailedPrecondition(f"session {session_id} is in persist mode and holds no window for position {p} "
+                                     f"({have}); append with the window, or open it in exact mode")
         model = self.runtime.require(spec)
         if s.kept:  # an auto-mode window kept for another position: replaced by this replay's
             self._release_window(s)

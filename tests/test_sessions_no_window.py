@@ -1,8 +1,9 @@
 """Sessions of a model with nothing to rebuild (a sliding window of 1, or no sliding layer) on a real daemon that
-has no replay model at all: its window has no row, so no mode needs the daemon's own model instance. Every
-replaying mode opens (OpenSession, ForkSession) and resumes to the empty window at P, whose next-token logits
-are the uninterrupted run's. Exact and approx sessions were refused at open ("no replay model"). A model with a
-window to rebuild is still refused."""
+has no replay model at all: its window has no row, so no mode needs the daemon's own model instance, and a
+persist-mode session needs no uploaded window. Every mode opens (OpenSession, ForkSession) and resumes to the
+empty window at P, whose next-token logits are the uninterrupted run's. Exact and approx sessions were refused
+at open ("no replay model"), and a persist-mode Resume with no upload was refused FAILED_PRECONDITION. A model
+with a window to rebuild is still refused both."""
 
 from __future__ import annotations
 
@@ -63,4 +64,29 @@ async def test_exact_approx_and_auto_sessions_of_a_model_with_nothing_to_rebuild
 
         with pytest.raises(errors.FailedPrecondition, match="no replay model"):  # rows to rebuild: refused, as ever
             await put_session(client, model, toks[:P])
+
+
+@NOTHING_TO_REBUILD
+async def test_a_persist_session_of_a_model_with_nothing_to_rebuild_resumes_without_an_uploaded_window(
+        server_factory: Any, model: HybridDecoder, layers: tuple[str, ...], window: int) -> None:
+    """No window was ever appended: each Resume answers the empty window at P, after an append of tokens too;
+    none is kept or held (a persist-mode session holds only what its worker uploads). One with rows to rebuild is
+    still refused."""
+    empty = _model(layers, window)
+    srv = await server_factory()
+    toks = tokens_for(P + 9, seed=82)
+    async with EngramClient(srv.address) as client:
+        fp, sid = await put_session(client, empty, toks[:P], mode="persist")
+        assert (await _assert_resumes_empty(client, empty, fp, sid, toks, P)).source == "replay"
+        await client.put(fp, toks[:P + 8], block_tensor(empty, toks[:P + 8]))
+        await client.append_session(sid, toks[P:P + 8])
+        await client.suspend_session(sid)
+        assert (await _assert_resumes_empty(client, empty, fp, sid, toks, P + 8)).source == "replay"
+        stats = await client.stats()
+        assert stats.replay.hot_sessions == 0 and stats.replay.persisted_window_bytes == 0
+        assert stats.replay.replays == 0
+
+        _, sliding_sid = await put_session(client, model, toks[:P], mode="persist")
+        with pytest.raises(errors.FailedPrecondition, match=r"holds no window for position 53 \(none\)"):
+            await client.resume(sliding_sid)
 
