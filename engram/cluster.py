@@ -1,11 +1,16 @@
 """The cluster tier: a shared index in Redis of which daemon holds which block, and fetches from peers.
 
 Records in Redis (every one signed with the cluster secret, engram/trust.py; Redis is not trusted):
-- `engram:block:{<key hex>}`: a hash of node id -> "tier|size|checksum|sig", the nodes holding a block.
+- `engram:block:{<key hex>}`: a hash of node id -> "tier@boot|size|checksum|sig", the nodes holding a block.
   The braces are a Redis Cluster hash tag: every record of one block lives on one shard.
-- `engram:{nodes}:node:<id>` = "address|ts|sig", refreshed every heartbeat_s and expiring after ttl_s (a
-  dead node's entries are ignored, and removed when met), and the set `engram:{nodes}:ids` of node ids.
-  The `{nodes}` tag keeps them on one shard, so one MGET reads the addresses of many holders.
+- `engram:{nodes}:node:<id>` = "address|ts|sig" and `engram:{nodes}:boot:<id>` = "boot|sig" (when the node's
+  process started, ms), refreshed every heartbeat_s and expiring after ttl_s (a dead node's entries are
+  ignored, and removed when met), and the set `engram:{nodes}:ids` of node ids. The `{nodes}` tag keeps them
+  on one shard, so one MGET reads the addresses and boots of many holders.
+A node restarted under its id (DRAM only, its blocks gone) cannot know which entries its earlier process left,
+and another holder's writes keep a block's hash from expiring: so readers skip, and remove, an entry whose boot
+is not its node's current one. An entry without a boot (a daemon from before boots) is read as before while its
+node publishes no boot record (it still runs that version); once it does, the entry is its earlier process's.
 A record whose signature does not verify is ignored and counted (`untrusted_records` in Stats): it was
 written by someone without the secret. Each daemon publishes its own index changes (ChainIndex listeners
 feed a queue, a task drains it). Keys are salted per namespace (engram/keys.py), so the shared index names
@@ -29,7 +34,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import AuthenticationError, RedisClusterException, RedisError
+from redis.exceptions import AuthenticationError, RedisClusterException, RedisError, ResponseError
 
 from engram.config import ClusterConfig
 from engram.index import BlockMeta, ChainIndex
@@ -46,6 +51,10 @@ log = logging.getLogger("engram.cluster")
 _NODES = "engram:{nodes}:"
 _NODE = _NODES + "node:"
 _NODE_IDS = _NODES + "ids"
+_BOOT = _NODES + "boot:"
+# Removes a hash field only if it still holds what a reader saw: the node may have written it again meanwhile.
+_PRUNE = ("if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) "
+          "end return 0")
 
 
 def block_record_key(key: bytes) -> str:
@@ -60,6 +69,7 @@ class Holder:
     tier: str
     size: int
     checksum: int
+    boot: int | None = None  # when the node's process started (its boot record); None: an older daemon
 
 
 @dataclass
@@ -98,6 +108,7 @@ class ClusterIndex:
         self.node_id = node_id
         self.address = address
         self.trust = trust
+        self.boot = int(time.time() * 1000)  # this process's start: its holder entries carry it
         self.state, self.reason = "degraded", "not connected yet"
         self.counters = ClusterCounters()
         self._redis = connect(config)
@@ -151,7 +162,7 @@ class ClusterIndex:
         pipe = self._redis.pipeline(transaction=False)
         for meta in list(self.index):
             pipe.hdel(block_record_key(meta.key), self.node_id)
-        pipe.delete(_NODE + self.node_id)
+        pipe.delete(_NODE + self.node_id, _BOOT + self.node_id)
         pipe.srem(_NODE_IDS, self.node_id)
         await pipe.execute()
 
@@ -176,7 +187,12 @@ class ClusterIndex:
                 # GET: our previous record; none means Redis lost it (restarted empty, flushed, or it expired while
                 # this process stalled and a peer then dropped our holder entries): publish the index again.
                 previous = await self._redis.set(_NODE + self.node_id, record, px=ttl_ms, get=True)
-                await self._redis.sadd(_NODE_IDS, self.node_id)
+                # The boot record before any entry of this process: a reader takes an entry with another boot
+                # for an earlier process's.
+                pipe = self._redis.pipeline(transaction=False)
+                pipe.set(_BOOT + self.node_id, self.trust.boot_record(self.node_id, self.boot), px=ttl_ms)
+                pipe.sadd(_NODE_IDS, self.node_id)
+                await pipe.execute()
                 written, self._last_record = self._last_record, record
                 if written and previous is not None and previous.decode(errors="replace") != written:
                     # Since our last heartbeat another process wrote our record: two daemons share this node id
@@ -209,7 +225,7 @@ class ClusterIndex:
 
     def _entry(self, meta: BlockMeta) -> str:
         tier = meta.tier if meta.locations else "dram"
-        return self.trust.holder_record(meta.key, self.node_id, tier, meta.nbytes, meta.checksum)
+        return self.trust.holder_record(meta.key, self.node_id, tier, meta.nbytes, meta.checksum, self.boot)
 
     async def _resync(self) -> None:
         """Publish the whole index (joining, after an outage, or to renew the records' expiry); changes made
@@ -283,26 +299,47 @@ class ClusterIndex:
             if not entries:
                 return []
             nodes = list(entries)
-            records = await self._redis.mget([_NODE + n for n in nodes])
+            found = await self._redis.mget([_NODE + n for n in nodes] + [_BOOT + n for n in nodes])
         except (*REDIS_FAULTS, UnicodeDecodeError) as exc:
             if not isinstance(exc, UnicodeDecodeError):
                 self._degrade(exc)
             return []
         out = []
-        for node, record in zip(nodes, records, strict=True):
+        for node, record, boot_record in zip(nodes, found[: len(nodes)], found[len(nodes) :], strict=True):
             if record is None:  # its heartbeat expired: the node is gone
-                with contextlib.suppress(*REDIS_FAULTS):
-                    await self._redis.hdel(name, node)
+                await self._prune(name, node, entries[node])
                 continue
             entry = self.trust.holder_entry(key, node, entries[node])
             address = self.trust.node_address(node, record.decode(errors="replace"))
+            boot = self._boot(node, boot_record)
             if entry is None:
                 self._untrusted("holder record", node)
             elif address is None:
                 self._untrusted("node record", node, record.decode(errors="replace"))
+            elif boot is not None and entry.boot != boot:
+                # Left by an earlier process of the node (restarted under its id since): what it held is gone.
+                await self._prune(name, node, entries[node])
             else:
-                out.append(Holder(node, address, entry.tier, entry.size, entry.checksum))
+                out.append(Holder(node, address, entry.tier, entry.size, entry.checksum, boot))
         return out
+
+    def _boot(self, node: str, record: bytes | None) -> int | None:
+        """When a node's process started, as its signed boot record says; None when it publishes none (an older
+        daemon) or one that does not verify (ignored and counted, as any record Redis may have made up)."""
+        if record is None:
+            return None
+        boot = self.trust.node_boot(node, record.decode(errors="replace"))
+        if boot is None:
+            self._untrusted("boot record", node)
+        return boot
+
+    async def _prune(self, name: str, node: str, entry: str) -> None:
+        """Remove a node's entry that is no longer true, unless the node wrote it again since it was read."""
+        with contextlib.suppress(*REDIS_FAULTS):
+            try:
+                await self._redis.eval(_PRUNE, 1, name, node, entry)
+            except ResponseError:  # scripting refused (an ACL, a managed Redis): removed as before, at the small
+                await self._redis.hdel(name, node)  # risk of an entry written again meanwhile (back at a republish)
 
     async def live_nodes(self) -> int:
         """Nodes with a fresh, signed heartbeat record, this one included."""

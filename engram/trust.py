@@ -13,8 +13,12 @@ fetched from a peer is believed unless the peer proves it knows the cluster secr
   was written. A daemon dials only addresses whose record verifies and is fresh (written within
   `ttl_s + CLOCK_SKEW_S`), so the peer token goes only to an address a daemon of the cluster published, and
   a copied old record stops working once it is stale.
-- Holder record (`tier|size|checksum|sig`): that node holds block `key`; signed with the key and node id,
-  so a record cannot be moved to another block or node.
+- Holder record (`tier@boot|size|checksum|sig`): that node holds block `key`; signed with the key and node id,
+  so a record cannot be moved to another block or node. `boot` is the writing process's start (its boot
+  record's): a node restarted under its id (DRAM only: its blocks gone) cannot know which records its earlier
+  process left, so readers tell them by it. It rides in the tier field, which an older daemon reads whole and
+  uses for nothing: its reads of these records go on; a record without it (an older daemon's) still reads.
+- Boot record (`boot|sig`): when the node's current process started (ms), signed with its node id.
 - Node proof: beside the peer token a daemon sends its node id and a MAC of it (`peer_metadata`), so the daemon
   it calls counts the call against that node's own share of calls (principal `peer:<node id>`), not one share
   every peer has together: one peer's many calls starved the others. The cluster secret never travels, so a
@@ -58,6 +62,7 @@ class HolderEntry:
     tier: str
     size: int
     checksum: int
+    boot: int | None = None  # the writing process's start (ms); None in an older daemon's record
 
 
 class ClusterTrust:
@@ -67,6 +72,7 @@ class ClusterTrust:
                               "blocks they send each other with it; set the same secret on every node")
         self._node_key = self._derive(secret, b"node-record")
         self._holder_key = self._derive(secret, b"holder-record")
+        self._boot_key = self._derive(secret, b"boot-record")
         self._block_key = self._derive(secret, b"block-mac")
         self._peer_node_key = self._derive(secret, b"peer-node")
         self.peer_token = peer_token or self._derive(secret, b"peer-token").hex()
@@ -151,10 +157,25 @@ class ClusterTrust:
         want = self._mac(self._node_key, (node_id.encode(), address.encode(), ts.encode())).hex()
         return (address, age) if hmac.compare_digest(want, sig) else None
 
+    def boot_record(self, node_id: str, boot: int) -> str:
+        return f"{boot}|{self._mac(self._boot_key, (node_id.encode(), str(boot).encode())).hex()}"
+
+    def node_boot(self, node_id: str, record: str) -> int | None:
+        """The start time a signed boot record holds; None for a forged or altered one."""
+        boot, _, sig = record.rpartition("|")
+        want = self._mac(self._boot_key, (node_id.encode(), boot.encode())).hex()
+        if not hmac.compare_digest(want, sig):
+            return None
+        try:
+            return int(boot)
+        except ValueError:
+            return None
+
     # ---- holder records -----------------------------------------------------------------------------
 
-    def holder_record(self, key: bytes, node_id: str, tier: str, size: int, checksum: int) -> str:
-        fields = f"{tier}|{size}|{checksum}"
+    def holder_record(self, key: bytes, node_id: str, tier: str, size: int, checksum: int,
+                      boot: int | None = None) -> str:
+        fields = f"{tier if boot is None else f'{tier}@{boot}'}|{size}|{checksum}"
         return f"{fields}|{self._mac(self._holder_key, (key, node_id.encode(), fields.encode())).hex()}"
 
     def holder_entry(self, key: bytes, node_id: str, record: str) -> HolderEntry | None:
@@ -164,8 +185,9 @@ class ClusterTrust:
         if not hmac.compare_digest(want, sig):
             return None
         try:
-            tier, size, checksum = fields.split("|")
-            return HolderEntry(tier, int(size), int(checksum))
+            tier_boot, size, checksum = fields.split("|")
+            tier, at, boot = tier_boot.partition("@")
+            return HolderEntry(tier, int(size), int(checksum), int(boot) if at else None)
         except ValueError:
             return None
 

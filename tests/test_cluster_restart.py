@@ -1,0 +1,176 @@
+"""A cluster node restarted under its node id, with a real redis-server and real daemons: node A is an `engram serve`
+process killed (SIGKILL: no goodbye to Redis) and started again on its port, DRAM only, so it comes back holding
+nothing. Its earlier process's holder entries are skipped and removed by the daemons that meet them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from engram.client import EngramClient
+from engram.config import load_config
+from engram.server import RunningServer, start_server
+from engram.trust import ClusterTrust
+
+from helpers import (
+    BLOCK_TOKENS,
+    ENGRAM,
+    NEUTRAL_CWD,
+    free_port,
+    random_kv,
+    start_redis,
+    tiny_model,
+    tokens,
+    until,
+    wait_for,
+)
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+
+CLUSTER = {"cluster.heartbeat_s": 0.2, "cluster.ttl_s": 10.0, "cluster.secret": "cluster-secret"}
+
+
+@pytest.fixture
+def redis_port() -> Iterator[int]:
+    port = free_port()
+    proc = start_redis(port)
+    yield port
+    proc.kill()
+    proc.wait()
+
+
+class NodeProcess:
+    """`engram serve` as node `name`, DRAM only, on a port of its own that a restart keeps."""
+
+    def __init__(self, redis_port: int, name: str) -> None:
+        self.address = f"127.0.0.1:{free_port()}"
+        host, port = self.address.rsplit(":", 1)
+        settings = {"server.host": host, "server.port": port, "tiers.dram.capacity": "64MiB",
+                    "tiers.dram.prefault": "false", "tiers.dram.pin": "false", "server.metrics_port": -1,
+                    "cluster.redis_url": f"redis://127.0.0.1:{redis_port}/0", "cluster.node_id": name, **CLUSTER}
+        self.args = [arg for k, v in settings.items() for arg in ("--set", f"{k}={v}")]
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([*ENGRAM, "serve", "--log-level", "warning", *self.args],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, text=True, cwd=NEUTRAL_CWD)
+        wait_for(self.address, self.proc, timeout=60)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+@pytest.fixture
+async def node_a(redis_port: int) -> AsyncIterator[NodeProcess]:
+    a = NodeProcess(redis_port, "a")
+    a.start()
+    yield a
+    a.kill()
+
+
+async def daemon(redis_port: int, name: str) -> RunningServer:
+    return await start_server(load_config(env={}, overrides={
+        "server.port": 0, "tiers.dram.capacity": "64MiB", "server.metrics_port": -1,
+        "cluster.redis_url": f"redis://127.0.0.1:{redis_port}/0", "cluster.node_id": name, **CLUSTER}))
+
+
+@pytest.fixture
+async def b_and_c(redis_port: int) -> AsyncIterator[tuple[RunningServer, RunningServer]]:
+    b = await daemon(redis_port, "b")
+    c = await daemon(redis_port, "c")
+    yield b, c
+    await c.stop(0)
+    await b.stop(0)
+
+
+def holder_fields(port: int, key: bytes) -> list[str]:
+    return subprocess.run(["redis-cli", "-p", str(port), "hkeys", "engram:block:{" + key.hex() + "}"],
+                          capture_output=True, text=True, check=True).stdout.split()
+
+
+async def published(port: int, keys: list[bytes]) -> bool:
+    return all(holder_fields(port, k) for k in keys)
+
+
+async def joined(c: EngramClient) -> None:
+    async def ok() -> bool:
+        return str((await c.stats()).cluster.state) == "ok"
+
+    await until(ok, "the daemon joined the cluster")
+
+
+async def hits(c: EngramClient, fp: bytes, toks: Any) -> bool:
+    return (await c.lookup(fp, toks)).matched_tokens == len(toks)
+
+
+async def test_a_restarted_nodes_earlier_entries_are_skipped_and_removed_while_another_holder_keeps_the_block(
+        redis_port: int, node_a: NodeProcess, b_and_c: tuple[RunningServer, RunningServer]) -> None:
+    """A's entries outlived its crash for good: C holding the same blocks renews each block's hash, and A's restart
+    republished only what it holds (nothing). Every daemon that fetched a block tried A first, got nothing and went
+    on to C. Now each entry carries its process's boot: B skips A's earlier ones and removes them from Redis."""
+    b_srv, c_srv = b_and_c
+    assert b_srv.service is not None and b_srv.service.cluster is not None
+    spec = tiny_model()
+    toks = tokens(3 * BLOCK_TOKENS, seed=1)
+    kv = random_kv(spec, len(toks), seed=1)
+    async with EngramClient(node_a.address, namespace="ns") as a, EngramClient(b_srv.address, namespace="ns") as b, \
+            EngramClient(c_srv.address, namespace="ns") as c:
+        fp = await a.register_model(spec)
+        await b.register_model(spec)
+        await c.register_model(spec)
+        await joined(b)
+        await joined(c)
+        keys = list((await a.put(fp, toks, kv)).keys)
+        await until(lambda: hits(c, fp, toks), "C fetched A's blocks")
+
+        async def both_hold() -> bool:
+            return all(sorted(holder_fields(redis_port, k)) == ["a", "c"] for k in keys)
+
+        await until(both_hold, "C published the blocks beside A")
+
+        node_a.kill()
+        node_a.start()  # same node id, same port, nothing held
+        async with EngramClient(node_a.address, namespace="ns") as a2:
+            await joined(a2)
+        holders = [await b_srv.service.cluster.holders(k) for k in keys]
+        assert [[h.node_id for h in hs] for hs in holders] == [["c"]] * len(keys)
+        assert all(holder_fields(redis_port, k) == ["c"] for k in keys)  # A's earlier entries are gone
+        n, got = await b.get_prefix(fp, toks)
+        assert n == len(toks) and got is not None and torch.equal(got, kv)
+        assert (await b.stats()).cluster.remote_failures == 0
+
+
+async def test_an_older_daemons_entries_are_read_until_its_node_publishes_a_boot(
+        redis_port: int, b_and_c: tuple[RunningServer, RunningServer]) -> None:
+    """A rolling upgrade: a daemon from before boots writes entries without one and no boot record; B reads them
+    as before. Once that node runs this version (a boot record of its own), such an entry is its earlier
+    process's: skipped and removed."""
+    import redis
+
+    b_srv, _ = b_and_c
+    assert b_srv.service is not None and b_srv.service.cluster is not None
+    cluster = b_srv.service.cluster
+    trust = ClusterTrust(b"cluster-secret", ttl_s=10.0)
+    key = bytes(range(16))
+    r = redis.Redis(port=redis_port)
+    r.set("engram:{nodes}:node:old", trust.node_record("old", "127.0.0.1:1"), px=60_000)
+    r.hset("engram:block:{" + key.hex() + "}", "old", trust.holder_record(key, "old", "dram", 4096, 7))
+
+    async def b_joined() -> bool:
+        return cluster.state == "ok"
+
+    await until(b_joined, "B joined")
+    assert [(h.node_id, h.checksum, h.boot) for h in await cluster.holders(key)] == [("old", 7, None)]
+    r.set("engram:{nodes}:boot:old", trust.boot_record("old", 1234), px=60_000)  # "old" restarted, upgraded
+    assert await cluster.holders(key) == []
+    assert holder_fields(redis_port, key) == []
+    r.close()
