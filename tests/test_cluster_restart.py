@@ -1,9 +1,12 @@
 """A cluster node restarted under its node id, with a real redis-server and real daemons: node A is an `engram serve`
 process killed (SIGKILL: no goodbye to Redis) and started again on its port, DRAM only, so it comes back holding
-nothing. Its earlier process's holder entries are skipped and removed by the daemons that meet them."""
+nothing and knowing no model. Its earlier process's holder entries are skipped and removed by the daemons that meet
+them, a Get of a model it no longer knows says so (the worker registers it again), and a holder that fails a fetch
+is one log line within a budget."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -14,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from engram import errors
 from engram.client import EngramClient
 from engram.config import load_config
 from engram.server import RunningServer, start_server
@@ -174,3 +178,59 @@ async def test_an_older_daemons_entries_are_read_until_its_node_publishes_a_boot
     assert await cluster.holders(key) == []
     assert holder_fields(redis_port, key) == []
     r.close()
+
+
+async def test_a_get_of_a_model_a_restarted_daemon_no_longer_knows_is_unknown_model_and_no_peer_failure(
+        redis_port: int, node_a: NodeProcess, b_and_c: tuple[RunningServer, RunningServer]) -> None:
+    """A worker's Get of keys (learnt before A restarted) on A, which knows no model now: A copied the chain from
+    a peer, refused each block as of an unknown model, logged two warnings and counted two remote failures per
+    holder, and answered NOT_FOUND "no peer could supply it", on which the worker integrations do not register
+    the model again. Now: UnknownModel, no fetch, nothing counted; once the model is registered the Get copies
+    the chain from B."""
+    b_srv, _ = b_and_c
+    spec = tiny_model()
+    toks = tokens(3 * BLOCK_TOKENS, seed=2)
+    kv = random_kv(spec, len(toks), seed=2)
+    async with EngramClient(b_srv.address, namespace="ns") as b, \
+            EngramClient(node_a.address, namespace="ns", data_channel=False) as a:
+        fp = await b.register_model(spec)
+        assert await a.register_model(spec) == fp  # the worker on A, before A's restart
+        await joined(b)
+        keys = list((await b.put(fp, toks, kv)).keys)
+        await until(lambda: published(redis_port, keys), "B published its blocks")
+        node_a.kill()
+        node_a.start()
+        await joined(a)
+        with pytest.raises(errors.UnknownModel):
+            await a.get(fp, keys)
+        assert (await a.stats()).cluster.remote_failures == 0
+        assert await a.register_model(spec) == fp
+        got = torch.cat(await a.get(fp, keys), dim=2)
+        assert torch.equal(got, kv)
+        stats = (await a.stats()).cluster
+        assert (stats.remote_hits, stats.remote_failures) == (3, 0)
+
+
+async def test_a_dead_holders_failures_are_one_line_each_within_a_budget(
+        redis_port: int, node_a: NodeProcess, b_and_c: tuple[RunningServer, RunningServer],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A killed, its node record still fresh: every lookup on B dials it and fails. Each failure was logged with
+    grpc's four-line rendering of the error, every time. Now one line each, at most the budget's 20 a minute, each
+    counted in remote_failures."""
+    caplog.set_level(logging.WARNING, logger="engram.server.peers")
+    b_srv, _ = b_and_c
+    spec = tiny_model()
+    toks = tokens(2 * BLOCK_TOKENS, seed=3)
+    async with EngramClient(node_a.address, namespace="ns") as a, EngramClient(b_srv.address, namespace="ns") as b:
+        fp = await a.register_model(spec)
+        await b.register_model(spec)
+        await joined(b)
+        keys = list((await a.put(fp, toks, random_kv(spec, len(toks), seed=3))).keys)
+        await until(lambda: published(redis_port, keys), "A published its blocks")
+        node_a.kill()
+        for _ in range(25):
+            assert (await b.lookup(fp, toks)).matched_tokens == 0
+        said = [r.getMessage() for r in caplog.records if r.name == "engram.server.peers"]
+        assert said and all("\n" not in m and m.startswith("peer fetch of ") and "UNAVAILABLE" in m for m in said), said
+        assert len(said) == 20, len(said)
+        assert (await b.stats()).cluster.remote_failures == 25

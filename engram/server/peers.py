@@ -19,6 +19,7 @@ from engram.block import BlockHeader
 from engram.cluster import ClusterIndex, Holder
 from engram.errors import EngramError, FailedPrecondition, NotFound, ResourceExhausted, brief
 from engram.keys import block_key, chain_keys
+from engram.logbudget import LogBudget
 from engram.store import BlockStore
 from engram.v1 import engram_pb2 as pb
 from engram.wire import convert
@@ -56,6 +57,7 @@ class PeerFetcher:
         # another port or host), so restarts do not pile up channels
         self._peers: dict[str, tuple[str, grpc.aio.Channel, Any]] = {}
         self._closing: set[asyncio.Task[None]] = set()
+        self._failures_said = LogBudget()  # a dead or restarted holder fails every fetch that meets it
 
     def _stub(self, node_id: str, address: str) -> Any:
         known = self._peers.get(node_id)
@@ -96,7 +98,10 @@ class PeerFetcher:
         """Copy the blocks named by key that this daemon lacks from peers, with the ancestors it lacks (a Get of
         keys the worker learnt from another daemon), parents first, each stored as it arrives. A Get needs every
         key: the first one that cannot be had within cluster.max_fetch_blocks blocks in all ends the copying,
-        NotFound saying why (nothing downloaded only to be dropped, no chain asked for again per key)."""
+        NotFound saying why (nothing downloaded only to be dropped, no chain asked for again per key). A model not
+        registered here is UnknownModel at once (a daemon restarted DRAM-only): nothing copied could be stored,
+        and the worker integrations register the model again on that error, not on a NotFound."""
+        self.store.spec(fingerprint)
         left = self.max_blocks
         # Last key first: a Get names a chain root-most first, so its last key's ancestors are most of the others.
         for i in reversed(range(len(keys))):
@@ -151,7 +156,7 @@ class PeerFetcher:
             resp = await call.read()
             call.cancel()
         except grpc.aio.AioRpcError as exc:
-            raise _PeerFailed(str(exc)) from None
+            raise _PeerFailed(_rpc_failure(exc)) from None
         if resp is grpc.aio.EOF or resp.HasField("chunk") or len(resp.ancestors) > most:
             raise _PeerFailed("the peer does not list a block's ancestors (a daemon older than this one)")
         return list(resp.ancestors)
@@ -167,8 +172,13 @@ class PeerFetcher:
         return False
 
     def _peer_failed(self, key: bytes, node: str, exc: Exception) -> None:
+        """Count a holder that did not supply a block, and say why: one line each, a burst (a dead or restarted
+        holder met by every lookup) bounded by `_failures_said`, the rest counted in the next line."""
         self.cluster.counters.remote_failures += 1
-        log.warning("peer fetch of %s from %s failed: %s", key.hex(), node, exc)
+        held = self._failures_said.take()
+        if held is not None:
+            log.warning("peer fetch of %s from %s failed: %s%s", key.hex(), node, exc,
+                        f" ({held} more failed before this one, not logged)" if held else "")
 
     async def _copy(self, holder: Holder, namespace: str, fingerprint: bytes, parent: bytes,
                     chain: list[bytes]) -> int:
@@ -226,7 +236,7 @@ class PeerFetcher:
                 parent, n = key, n + 1
                 deadline = loop.time() + self.timeout_s
         except grpc.aio.AioRpcError as exc:
-            raise _PeerFailed(str(exc)) from None
+            raise _PeerFailed(_rpc_failure(exc)) from None
         except TimeoutError:
             raise _PeerFailed(f"no block within cluster.fetch_timeout_s ({self.timeout_s:g} s)") from None
         except EngramError as exc:
@@ -244,9 +254,7 @@ class PeerFetcher:
             # Not the peer's doing: no remote failure (a full pool was counted and logged as one, "did not verify")
             log.info("a peer's block %s was not stored: %s", key.hex(), exc)
             raise _Unstorable(str(exc)) from None
-        except EngramError as exc:
-            self.cluster.counters.remote_failures += 1
-            log.warning("a peer's block %s did not verify: %s", key.hex(), exc)
+        except EngramError as exc:  # counted and said once, as the holder's failure (_peer_failed)
             raise _PeerFailed(f"its block {brief(key)} did not verify here: {exc}") from None
         self.cluster.counters.remote_hits += 1
         self.cluster.counters.remote_bytes += len(payload)
@@ -257,3 +265,8 @@ class PeerFetcher:
         self._peers.clear()
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
+
+
+def _rpc_failure(exc: grpc.aio.AioRpcError) -> str:
+    """A failed call in one line: its str() spans four, with grpc's debug string."""
+    return f"{exc.code().name}: {' '.join(str(exc.details()).split())}"
