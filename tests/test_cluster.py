@@ -428,12 +428,12 @@ async def test_a_peer_that_moves_keeps_one_channel(daemons: tuple[RunningServer,
     assert peers is not None
     first = peers._stub("b", "127.0.0.1:1")
     assert peers._stub("b", "127.0.0.1:1") is first
-    old_channel = peers._peers["b"][1]
+    old_channel = peers._peers["b"].channel
     peers._stub("b", "127.0.0.1:2")
-    assert len(peers._peers) == 1 and peers._peers["b"][0] == "127.0.0.1:2"
+    assert len(peers._peers) == 1 and peers._peers["b"].address == "127.0.0.1:2"
     assert not old_channel._channel.closed() or not peers._closing
     await asyncio.gather(*peers._closing)
-    assert old_channel._channel.closed() and not peers._peers["b"][1]._channel.closed()
+    assert old_channel._channel.closed() and not peers._peers["b"].channel._channel.closed()
 
 
 async def test_an_index_larger_than_one_batch_is_published_whole(daemons: tuple[RunningServer, RunningServer],

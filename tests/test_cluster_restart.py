@@ -1,8 +1,8 @@
 """A cluster node restarted under its node id, with a real redis-server and real daemons: node A is an `engram serve`
 process killed (SIGKILL: no goodbye to Redis) and started again on its port, DRAM only, so it comes back holding
 nothing and knowing no model. Its earlier process's holder entries are skipped and removed by the daemons that meet
-them, a Get of a model it no longer knows says so (the worker registers it again), and a holder that fails a fetch
-is one log line within a budget."""
+them, a Get of a model it no longer knows says so (the worker registers it again), a holder that fails a fetch is
+one log line within a budget, and the first fetch after its restart reaches it."""
 
 from __future__ import annotations
 
@@ -234,3 +234,39 @@ async def test_a_dead_holders_failures_are_one_line_each_within_a_budget(
         assert said and all("\n" not in m and m.startswith("peer fetch of ") and "UNAVAILABLE" in m for m in said), said
         assert len(said) == 20, len(said)
         assert (await b.stats()).cluster.remote_failures == 25
+
+
+async def test_the_first_fetch_after_a_peer_restarts_reaches_it(
+        redis_port: int, node_a: NodeProcess, b_and_c: tuple[RunningServer, RunningServer]) -> None:
+    """B's channel to A, refused while A was down, waited out gRPC's reconnect backoff (up to 2 s), failing every
+    call at once, after A was back: B's fetches from the restarted A missed for ~2.8 s. A's boot record is new
+    after its restart: B opens a new channel to it, and its first fetch is served."""
+    b_srv, _ = b_and_c
+    assert b_srv.service is not None and b_srv.service.peers is not None
+    peers = b_srv.service.peers
+    spec = tiny_model()
+    async with EngramClient(b_srv.address, namespace="ns") as b:
+        await b.register_model(spec)
+        await joined(b)
+        async with EngramClient(node_a.address, namespace="ns") as a:
+            fp = await a.register_model(spec)
+            first, lost = tokens(BLOCK_TOKENS, seed=4), tokens(BLOCK_TOKENS, seed=5)
+            keys = list((await a.put(fp, first, random_kv(spec, len(first), seed=4))).keys)
+            keys += (await a.put(fp, lost, random_kv(spec, len(lost), seed=5))).keys
+            await until(lambda: published(redis_port, keys), "A published its blocks")
+            await until(lambda: hits(b, fp, first), "B fetched A's first block")
+        before = peers._peers["a"].channel
+        node_a.kill()
+        for _ in range(10):  # B dials the dead A (its record still fresh) for the other, and backs off
+            assert not await hits(b, fp, lost)
+        node_a.start()
+        async with EngramClient(node_a.address, namespace="ns") as a:
+            assert await a.register_model(spec) == fp
+            new = tokens(BLOCK_TOKENS, seed=6)
+            kv = random_kv(spec, len(new), seed=6)
+            keys = list((await a.put(fp, new, kv)).keys)
+            await until(lambda: published(redis_port, keys), "the restarted A published its block")
+            failures = (await b.stats()).cluster.remote_failures
+            assert await hits(b, fp, new)  # the first try
+            assert (await b.stats()).cluster.remote_failures == failures
+            assert peers._peers["a"].channel is not before

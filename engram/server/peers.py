@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import numpy as np
@@ -41,6 +41,13 @@ class _Unstorable(EngramError):
     copying more of the chain would be for nothing."""
 
 
+class _Peer(NamedTuple):
+    address: str
+    boot: int | None  # the peer's process the channel was opened for (its boot record)
+    channel: grpc.aio.Channel
+    stub: Any
+
+
 class PeerFetcher:
     def __init__(self, cluster: ClusterIndex, store: BlockStore, *, token: str = "", root_cert: bytes | None = None,
                  timeout_s: float = 5.0, max_blocks: int = 4096, metadata: tuple[tuple[str, str], ...] = ()) -> None:
@@ -53,23 +60,24 @@ class PeerFetcher:
         self.root_cert = root_cert
         self.timeout_s = timeout_s
         self.max_blocks = max_blocks
-        # node id -> (address, channel, stub): one channel per peer, replaced when the peer moves (a restart on
-        # another port or host), so restarts do not pile up channels
-        self._peers: dict[str, tuple[str, grpc.aio.Channel, Any]] = {}
+        # One channel per peer, replaced when the peer moves (a restart on another port or host), so restarts do
+        # not pile up channels, or restarts in place (a new boot): the old channel, refused while the peer was
+        # down, waits out its reconnect backoff (up to 2 s) failing every call at once, where a new one connects now
+        self._peers: dict[str, _Peer] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self._failures_said = LogBudget()  # a dead or restarted holder fails every fetch that meets it
 
-    def _stub(self, node_id: str, address: str) -> Any:
+    def _stub(self, node_id: str, address: str, boot: int | None = None) -> Any:
         known = self._peers.get(node_id)
-        if known is not None and known[0] == address:
-            return known[2]
+        if known is not None and (known.address, known.boot) == (address, boot):
+            return known.stub
         if known is not None:
-            task = asyncio.get_running_loop().create_task(known[1].close())
+            task = asyncio.get_running_loop().create_task(known.channel.close())
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
         channel = open_channel(address, root_cert=self.root_cert)
         stub = stub_for(channel, self.token, self.metadata)
-        self._peers[node_id] = (address, channel, stub)
+        self._peers[node_id] = _Peer(address, boot, channel, stub)
         return stub
 
     async def fill(self, namespace: str, fingerprint: bytes, tokens: np.ndarray, have_tokens: int) -> int:
@@ -152,7 +160,7 @@ class PeerFetcher:
         request = pb.FetchBlocksRequest(keys=[key], namespace=namespace, model_fingerprint=fingerprint,
                                         ancestors=most)
         try:
-            call = self._stub(holder.node_id, holder.address).FetchBlocks(request, timeout=self.timeout_s)
+            call = self._stub(holder.node_id, holder.address, holder.boot).FetchBlocks(request, timeout=self.timeout_s)
             resp = await call.read()
             call.cancel()
         except grpc.aio.AioRpcError as exc:
@@ -203,7 +211,7 @@ class PeerFetcher:
         `last` batch's last block) the checksum the holder's signed record advertises. Each block has
         fetch_timeout_s to arrive."""
         request = pb.FetchBlocksRequest(keys=keys, namespace=namespace, model_fingerprint=fingerprint)
-        call = self._stub(holder.node_id, holder.address).FetchBlocks(request)
+        call = self._stub(holder.node_id, holder.address, holder.boot).FetchBlocks(request)
         blocks: Reassembler[pb.BlockHeader] = client_reassembler(lambda h: h.payload_nbytes)
         loop = asyncio.get_running_loop()
         n, mac = 0, b""
@@ -260,8 +268,8 @@ class PeerFetcher:
         self.cluster.counters.remote_bytes += len(payload)
 
     async def close(self) -> None:
-        for _, channel, _ in self._peers.values():
-            await channel.close()
+        for peer in self._peers.values():
+            await peer.channel.close()
         self._peers.clear()
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
