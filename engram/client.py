@@ -47,6 +47,7 @@ from engram.destinations import ContiguousKV, KVDestination, StreamsKV, check_fi
 from engram.layout import DType, ModelSpec, StreamSpec
 from engram.loader import BlockSource, MappedSegment, PrefixLoader
 from engram.loadgate import LoadGate
+from engram.mapped_pools import MappedPools
 from engram.segment import SegmentReader
 from engram.v1 import engram_pb2 as pb
 from engram.wire import convert
@@ -157,39 +158,30 @@ class EngramClient(ControlClient):
         self._max_blocks = 1 << 62  # blocks one request may name: the daemon says when a model is registered
         self._data: DataChannel | None = None
         self._layouts: dict[bytes, ModelSpec] = {}
-        self._segments: dict[str, SegmentReader] = {}  # shared DRAM segments mapped for zero-copy Gets
+        # The daemon's pools this process maps, for zero-copy Gets, loads, in-place puts and CUDA IPC (each let go
+        # once a daemon restart removed it)
+        self._pools = MappedPools()
         self._zero_copy_ok = zero_copy is not False and same_host(address)
         self._releasing: set[asyncio.Task[None]] = set()  # lease releases in flight
-        self._ipc_pools: dict[bytes, torch.Tensor] = {}  # the daemon's HBM pool, opened by CUDA IPC
         self._salts: dict[str, tuple[str, bytes]] = {}  # name -> (namespace, key salt), from DescribeNamespace
         self._loader = PrefixLoader()  # the hit path (engram/loader.py)
         self._writer = PutWriter()  # the put path on the daemon's host (engram/writer.py)
         self._gate: LoadGate | None = None  # loads this client's puts give way to (give_way_to)
-        self._writable_pools: dict[str, MappedSegment] = {}
         self._in_place_ok = True
         self._held: dict[str, list[int]] = {}  # finished loads' leases, by namespace: ended with the next load
         self._flush: asyncio.TimerHandle | None = None
-        self._mapped: dict[str, MappedSegment] = {}  # pools mapped (and registered with CUDA) for the hit path
 
     async def close(self) -> None:
-        """End held leases, unmap the daemon's pools and close the channel (the context manager does it)."""
+        """End held leases, let go of the daemon's pools (each unmapped once no load or put holds it) and close
+        the channel (the context manager does it)."""
         if self._flush is not None:
             self._flush.cancel()
         self._flush_held()
         if self._releasing:
             await asyncio.gather(*self._releasing, return_exceptions=True)
-        for reader in self._segments.values():
-            reader.close()
-        self._segments.clear()
         self._loader.close()
         self._writer.close()
-        for seg in self._writable_pools.values():
-            seg.close()
-        self._writable_pools.clear()
-        for seg in self._mapped.values():
-            seg.close()
-        self._mapped.clear()
-        self._ipc_pools.clear()
+        self._pools.clear()
         if self._data is not None:
             await self._data.aclose()
         await super().close()
@@ -432,10 +424,8 @@ class EngramClient(ControlClient):
             namespace=ns, reservation_id=reservation_id, blocks=blocks)))
 
     def _writable(self, path: str, segment_id: bytes, register: bool) -> MappedSegment:
-        seg = self._writable_pools.get(path)
-        if seg is None or seg.segment_id != segment_id:
-            seg = self._writable_pools[path] = MappedSegment(path, segment_id, register=register, writable=True)
-        return seg
+        return self._pools.get("write", path, segment_id,
+                               lambda: MappedSegment(path, segment_id, register=register, writable=True))
 
     async def _put_from(self, fingerprint: bytes, arr: np.ndarray, kv: torch.Tensor | Mapping[str, torch.Tensor],
                         all_keys: list[bytes], first: int, bt: int, ns: str, pin: bool, encode: bool) -> PutReply:
@@ -767,7 +757,7 @@ class EngramClient(ControlClient):
         n = d.header.payload_nbytes
         if not reader.current(d.offset, n, d.generation):
             return None
-        pool = self._ipc_pool(d.cuda)
+        pool = self._ipc_pool(d)
         if d.offset + n > pool.numel():
             return None
         out = pool[d.offset : d.offset + n].clone()
@@ -775,12 +765,7 @@ class EngramClient(ControlClient):
         return out if reader.current(d.offset, n, d.generation) else None
 
     def _segment(self, path: str, segment_id: bytes) -> SegmentReader:
-        reader = self._segments.get(path)
-        if reader is None or reader.layout.segment_id != segment_id:
-            if reader is not None:
-                reader.close()
-            reader = self._segments[path] = SegmentReader(path, segment_id)
-        return reader
+        return self._pools.get("read", path, segment_id, lambda: SegmentReader(path, segment_id))
 
     def _end_unread(self, namespace: str, held: list[int], call: asyncio.Future[pb.PrefixHeader]) -> None:
         """A GetPrefix whose caller was cancelled has ended: release what no one will."""
@@ -974,13 +959,9 @@ class EngramClient(ControlClient):
         h = d.header
         dtype = convert.dtype_from_pb(h.dtype, f"block {index}")
         try:
-            seg = self._mapped.get(d.segment_path)
-            if seg is None or seg.segment_id != d.segment_id:
-                if seg is not None:
-                    seg.close()
-                seg = self._mapped[d.segment_path] = MappedSegment(
-                    d.segment_path, d.segment_id, register=device.type == "cuda")
-            pool = self._ipc_pool(d.cuda) if d.HasField("cuda") else None
+            seg = self._pools.get("load", d.segment_path, d.segment_id, lambda: MappedSegment(
+                d.segment_path, d.segment_id, register=device.type == "cuda"))
+            pool = self._ipc_pool(d) if d.HasField("cuda") else None
         except (OSError, RuntimeError, errors.FailedPrecondition):
             self._zero_copy_ok = False  # bytes from now on
             return None
@@ -997,10 +978,12 @@ class EngramClient(ControlClient):
         return BlockSource(index, h.codec or stored.RAW, dtype, tuple(h.shape), len(payload), payload=payload,
                            streams=streams if stored.is_streams(h.codec) else ())
 
-    def _ipc_pool(self, c: pb.CudaIpcHandle) -> torch.Tensor:
-        """The daemon's HBM pool, opened by CUDA IPC once per process."""
-        pool = self._ipc_pools.get(c.handle)
-        if pool is None:
+    def _ipc_pool(self, d: pb.BlockDescriptor) -> torch.Tensor:
+        """The daemon's HBM pool, opened by CUDA IPC once per process (and daemon: its generation table's file,
+        which the descriptor names, goes with the daemon)."""
+        c = d.cuda
+
+        def open_pool() -> torch.Tensor:
             # CUDA must be initialised first: in a process that has not touched the GPU yet, opening the
             # handle dereferences the caching allocator's unbuilt per-device state (a segfault, torch 2.11).
             torch.cuda.init()
@@ -1009,8 +992,9 @@ class EngramClient(ControlClient):
                 c.ref_counter_offset, c.event_handle or None, c.event_sync_required)
             pool = torch.empty(0, dtype=torch.uint8, device=storage.device)
             pool.set_(storage, 0, (storage.nbytes(),), (1,))
-            self._ipc_pools[c.handle] = pool
-        return pool
+            return pool
+
+        return self._pools.get("hbm", d.segment_path, c.handle, open_pool)
 
     # ---- sessions ----------------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -78,7 +79,9 @@ class BlockSource:
 class MappedSegment:
     """A daemon's shared segment mapped in this process, its data area registered with CUDA (when there is a
     GPU) so that copies from it are DMAs. Registration pins nothing new (the daemon's pages are pinned
-    already) but costs time once per process, like mapping."""
+    already) but costs time once per process, like mapping. It lasts as long as the object: unregistered when
+    the last holder (a cache, a load or put in flight) lets go, then unmapped with the last tensor viewing it
+    (unregistering or unmapping under a copy in flight would fail it, or turn a read into a segfault)."""
 
     def __init__(self, path: str, segment_id: bytes, *, register: bool, writable: bool = False) -> None:
         self.reader = SegmentReader(path, segment_id, writable=writable)
@@ -91,6 +94,9 @@ class MappedSegment:
             self.registered = int(err) == 0
             if not self.registered:
                 log.warning("could not register %s with CUDA (%s): hits from it are staged copies", path, err)
+            else:
+                # Called as this object goes, before its attributes (the mapping) do; not at interpreter exit.
+                weakref.finalize(self, _unregister, self.data.data_ptr()).atexit = False
 
     @property
     def segment_id(self) -> bytes:
@@ -99,12 +105,9 @@ class MappedSegment:
     def current(self, offset: int, length: int, generation: int) -> bool:
         return self.reader.current(offset, length, generation)
 
-    def close(self) -> None:
-        """Unregister and let go. The mapping itself goes when the last tensor viewing it does (unmapping
-        under a live view would turn a later read into a segfault)."""
-        if self.registered:
-            torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
-            self.registered = False
+
+def _unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 @dataclass

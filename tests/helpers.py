@@ -165,14 +165,15 @@ class RestartingDaemon:
     """A real `engram serve` subprocess on one socket in tmp_path that `restart` stops (SIGKILL) and starts again
     there: DRAM only, it comes back holding no block and knowing no model."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, env: dict[str, str] | None = None) -> None:
         self.tmp_path = tmp_path
+        self.env = env
         self._running: contextlib.ExitStack | None = None
         self.address = self._start()
 
     def _start(self) -> str:
         self._running = contextlib.ExitStack()
-        address, _ = self._running.enter_context(engram_daemon(self.tmp_path))
+        address, _ = self._running.enter_context(engram_daemon(self.tmp_path, env=self.env))
         return address
 
     def restart(self, *clients: Any) -> None:
