@@ -526,3 +526,114 @@ async def test_a_put_refused_for_room_while_reservations_hold_the_tier_says_so(s
         assert "part of it is slots of in-place reservations (ReservePut) not yet committed" in said
         assert str(6 * block) not in said, said  # no bytes: whoever's put it is reads it
         assert "let go when committed, or within" in said and "unpin blocks" not in said, said
+
+
+async def _write_through_daemon(server_factory, tmp_path):  # type: ignore[no-untyped-def]
+    """A daemon whose shared pool sits over NVMe under write-through, the flusher stopped (nothing but the puts
+    below writes a block's NVMe copy); the daemon and the model's fingerprint."""
+    srv = await server_factory(**{"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.write_policy": "write-through"})
+    await srv.store.flusher.close()
+    return srv, srv.store.registry.register(tiny_model())
+
+
+async def _damaged_in_memory_only(store, key: bytes) -> None:  # type: ignore[no-untyped-def]
+    """The block's NVMe copy lost (dropped) and a byte of its pool copy flipped, as a stray writer would."""
+    meta = store.block(key)
+    await store.drop_copy(meta, "nvme")
+    store.tiers[0].view(key)[-1] ^= 0x40
+
+
+async def test_an_in_place_put_of_a_block_held_damaged_in_memory_alone_stores_the_callers_bytes(  # type: ignore[no-untyped-def]
+        server_factory, tmp_path) -> None:
+    """Write-through: a chain put in place, its first block then held in the pool alone (its NVMe copy lost) and
+    damaged there. The same KV put in place again stores the caller's bytes, both blocks durable: the reservation
+    checks the copy the commit would make durable, drops it as damaged (counted) and reserves a slot for it. The
+    put failed DATA_LOSS: ReservePut skipped the block as stored, so the daemon had none of the caller's bytes for
+    it when the commit found no copy of it that verified."""
+    srv, fp = await _write_through_daemon(server_factory, tmp_path)
+    spec = tiny_model()
+    toks = tokens(2 * BLOCK_TOKENS, seed=31)
+    kv = random_kv(spec, len(toks), seed=31)
+    async with EngramClient(srv.address, namespace="t", in_place_min_bytes=0) as c:
+        await c.register_model(spec)
+        first = await c.put(fp, toks, kv)
+        assert first.stored == 2
+        await _damaged_in_memory_only(srv.store, first.keys[0])
+        again = await c.put(fp, toks, kv)
+        assert (again.stored, again.skipped, again.not_durable) == (2, 0, 0)
+        assert all(srv.store.block(k).locations == ["dram", "nvme"] for k in first.keys)
+        assert (await c.stats()).corrupt_blocks == 1
+        n, got = await c.get_prefix(fp, toks)
+        assert n == len(toks) and torch.equal(got, kv)
+    assert (await srv.store.check(fix=False)).ok
+
+
+@pytest.mark.parametrize("theirs", ["same", "other"], ids=["same-bytes", "other-bytes"])
+async def test_a_commit_whose_block_was_stored_meanwhile_and_damaged_stores_the_callers_bytes(  # type: ignore[no-untyped-def]
+        server_factory, tmp_path, theirs: str) -> None:
+    """Write-through: a block is reserved and written in place; before the commit a Put stores the same block
+    (the same bytes, or another worker's for the same tokens), which then loses its NVMe copy and is damaged in
+    the pool. The commit makes the block durable from the caller's sealed bytes when they are the block's own
+    (deduplicated); when they are not, no copy of the block verifies: it is dropped (counted) and the caller's
+    bytes are stored. Both answered DATA_LOSS: the commit freed the caller's slot and read the damaged copy."""
+    from engram.block import BlockHeader, checksum
+
+    srv, fp = await _write_through_daemon(server_factory, tmp_path)
+    spec = tiny_model()
+    toks = tokens(BLOCK_TOKENS, seed=32)
+    mine = random_kv(spec, len(toks), seed=32)
+    other = mine if theirs == "same" else random_kv(spec, len(toks), seed=33)
+    payload = other.contiguous().view(torch.uint8).numpy().tobytes()
+    header = BlockHeader(toks, spec.layout.dtype, spec.layout.block_shape(len(toks)), len(payload), checksum(payload))
+    store = srv.store
+    async with grpc.aio.insecure_channel(srv.address) as ch:
+        stub = pb_grpc.EngramStub(ch)
+        res = await stub.ReservePut(pb.ReservePutRequest(namespace="t", model_fingerprint=fp,
+                                                         blocks=_raw_headers(spec, toks)))
+        _write_slots(srv.service.inplace, res.slots, mine)
+        [key] = res.keys
+        assert (await store.put("t", fp, store.root("t", fp), header, payload)).stored
+        await _damaged_in_memory_only(store, key)
+        done = await stub.CommitPut(pb.CommitPutRequest(namespace="t", reservation_id=res.reservation_id))
+    assert (done.stored, done.deduplicated, done.not_durable) == ((0, 1, 0) if theirs == "same" else (1, 0, 0))
+    meta = store.block(key)
+    assert meta is not None and "nvme" in meta.locations
+    assert await store.tiers[-1].read(key) == mine.contiguous().view(torch.uint8).numpy().tobytes()
+    async with EngramClient(srv.address, namespace="t", zero_copy=False) as c:
+        await c.register_model(spec)
+        [got] = await c.get(fp, [key])
+        assert torch.equal(got, mine)
+        assert (await c.stats()).corrupt_blocks == 1  # the damaged pool copy: at the commit, or at this read
+    assert (await store.check(fix=False)).ok
+
+
+async def test_a_block_stored_at_reserve_and_dropped_as_damaged_before_the_commit_is_put_again(  # type: ignore[no-untyped-def]
+        server_factory, tmp_path) -> None:
+    """Write-through: ReservePut skips a block stored (sound) and held in the pool alone; before the commit its
+    copy is damaged. The commit, which has none of the caller's bytes for it, finds no copy that verifies: the
+    block is dropped (counted) and the commit refused FAILED_PRECONDITION, put the chain again (as for a block
+    evicted meanwhile), which stores it. It answered DATA_LOSS, as if the caller's data were lost."""
+    srv, fp = await _write_through_daemon(server_factory, tmp_path)
+    spec = tiny_model()
+    toks = tokens(2 * BLOCK_TOKENS, seed=34)
+    kv = random_kv(spec, len(toks), seed=34)
+    async with EngramClient(srv.address, namespace="t", in_place_min_bytes=0) as c:
+        await c.register_model(spec)
+        [first] = (await c.put(fp, toks[:BLOCK_TOKENS], kv[:, :, :BLOCK_TOKENS])).keys
+        await srv.store.drop_copy(srv.store.block(first), "nvme")  # in the pool alone, sound
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.EngramStub(ch)
+            res = await stub.ReservePut(pb.ReservePutRequest(namespace="t", model_fingerprint=fp,
+                                                             blocks=_raw_headers(spec, toks)))
+            assert list(res.cached) == [True, False]
+            _write_slots(srv.service.inplace, res.slots, kv, only=[1])
+            srv.store.tiers[0].view(first)[-1] ^= 0x40
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.CommitPut(pb.CommitPutRequest(namespace="t", reservation_id=res.reservation_id))
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, info.value.details()
+            assert "put the chain again" in info.value.details()
+        assert srv.store.block(first) is None and (await c.stats()).corrupt_blocks == 1
+        assert len(srv.service.inplace.pool._slots) == 0  # nothing left reserved
+        assert (await c.put(fp, toks, kv)).stored == 2
+        n, got = await c.get_prefix(fp, toks)
+        assert n == len(toks) and torch.equal(got, kv)

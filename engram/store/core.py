@@ -641,10 +641,11 @@ class BlockStore:
 
         return sum(await asyncio.gather(*(one(m) for m in todo)))
 
-    async def _read_verified(self, meta: BlockMeta, *, view: bool = False, verify: bool = True
-                             ) -> tuple[bytes | memoryview, str]:
+    async def _read_verified(self, meta: BlockMeta, *, view: bool = False, verify: bool = True,
+                             during: str = "a read") -> tuple[bytes | memoryview, str]:
         """The payload of the block's fastest copy that reads and verifies, and that tier's name; copies
-        that fail are dropped (counted); with none left the block is unindexed and DataLoss raised."""
+        that fail are dropped (counted, logged as dropped on `during`); with none left the block is unindexed
+        (with the blocks that extend it) and DataLoss raised."""
         placement = self.placement
         reasons = []
         tried: set[str] = set()
@@ -663,12 +664,12 @@ class BlockStore:
                     return exc.payload, name  # verified against its file's header, now the index's checksum too
                 reasons.append(str(exc))
                 await self._copy_failed(meta, name, exc)
-                self.note_dropped(meta, name, str(exc), "a read")
+                self.note_dropped(meta, name, str(exc), during)
                 continue
             except (DataLoss, Unavailable, OSError) as exc:
                 reasons.append(str(exc))
                 await self._copy_failed(meta, name, exc)
-                self.note_dropped(meta, name, str(exc), "a read")
+                self.note_dropped(meta, name, str(exc), during)
                 continue
             return payload, name
         if not meta.locations:

@@ -58,7 +58,7 @@ async def make_durable_again(store: BlockStore, meta: BlockMeta, payload: Payloa
     if is_durable(store.placement, meta):
         return True
     if payload is None or payload_checksum != meta.checksum or len(payload) != meta.nbytes:
-        payload, _ = await store._read_verified(meta)
+        payload, _ = await store._read_verified(meta, during="a put of it (its copy to NVMe)")
     return await make_durable(store, meta, payload, index=index)
 
 

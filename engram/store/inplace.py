@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from engram.block import BlockHeader
 from engram.codec import blockformat, stored, streamformat
 from engram.codec.base import Axis, codec_by_name
-from engram.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from engram.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from engram.index import BlockMeta
 from engram.keys import block_key, tokens_to_bytes
 from engram.layout import ModelSpec
@@ -146,7 +146,7 @@ class InPlacePuts:
                 slot = None
                 if res.blocks and not self._fits(res, h.payload_nbytes):
                     break
-                existing = store.index.get_in(namespace, key)
+                existing = await self._sound(store.index.get_in(namespace, key))
                 if res.pin_share is not None:
                     kept = existing is not None and existing.pin_held
                     pin_growth = 0 if kept else pin_growth + (h.payload_nbytes if existing is None else existing.nbytes)
@@ -203,6 +203,26 @@ class InPlacePuts:
         self._open[res.id] = res
         res.timer = asyncio.get_running_loop().call_later(self.reserve_s, self._expire, res.id)
         return res
+
+    async def _sound(self, existing: BlockMeta | None) -> BlockMeta | None:
+        """`existing` as the reservation may skip it, or None when it is not stored (any more). Under write-through
+        the commit makes a skipped block that has no NVMe copy durable from its memory copy, and the caller writes
+        nothing for it: that copy is checked here first. One that fails is dropped as a read drops it (counted,
+        logged), the block with it when none is left, and the reservation gives it a slot for the caller's own
+        bytes (skipped, the commit failed DATA_LOSS, and so did every put of it again). A read of memory the
+        commit makes anyway, and rare: write-through keeps every block on NVMe but a degraded put's, or one whose
+        file was lost."""
+        from engram.store.core import WritePolicy
+
+        store = self.store
+        if (existing is None or store.write_policy != WritePolicy.WRITE_THROUGH
+                or durable.is_durable(store.placement, existing)):
+            return existing
+        try:
+            await store._read_verified(existing, view=True, during="an in-place put's reservation")
+        except DataLoss:
+            return None  # dropped, with the blocks that extend it
+        return store.index.get_in(existing.namespace, existing.key)
 
     def _fits(self, res: Reservation, nbytes: int) -> bool:
         """Whether one more slot may go into this reservation: at most half the pool is held unpublished by
@@ -343,28 +363,26 @@ class InPlacePuts:
         from engram.store.core import PutOutcome, WritePolicy
 
         store, meta = self.store, r.meta
-        while (waiting := store._pending.get(meta.key)) is not None:  # another put is storing it: dedupe after
-            done = asyncio.Event()
-            waiting.append(done)
-            await done.wait()
-        existing = store.index.get_in(res.namespace, meta.key)
-        if r.slot is None and existing is None:  # stored at reserve time and gone since: not acknowledged
+        while True:
+            while (waiting := store._pending.get(meta.key)) is not None:  # another put is storing it: dedupe after
+                done = asyncio.Event()
+                waiting.append(done)
+                await done.wait()
+            existing = store.index.get_in(res.namespace, meta.key)
+            if existing is None:
+                break
+            try:
+                return await self._deduplicate(res, r, existing, index)
+            except DataLoss:  # no copy of it verified: it was dropped
+                if r.slot is None:
+                    raise FailedPrecondition(
+                        f"block {index} was stored when it was reserved, and no copy of it verified since: it was "
+                        "dropped as damaged, with the blocks that extend it; put the chain again from its first "
+                        "missing block (Lookup)") from None
+                # the caller's bytes, in its slot and sealed, are stored anew (as a Put stream stores its own)
+        if r.slot is None:  # stored at reserve time and gone since: not acknowledged
             raise FailedPrecondition(f"block {index} was stored when it was reserved and has been evicted since; "
                                      "Lookup again and put the chain from its first missing block")
-        if r.slot is None or existing is not None:
-            if r.slot is not None:
-                await self._free_slot(res, r)
-            ok = True
-            if existing is not None:
-                if res.pin:
-                    if res.pin_share is not None:
-                        res.pin_share.check(store.index, store.index.pin_growth([existing]), f"block {index}")
-                    store.index.set_pins(existing, existing.pins + 1)
-                if store.write_policy == WritePolicy.WRITE_THROUGH:
-                    ok = await durable.make_durable_again(store, existing, None, 0, index=index)
-            store.counters.blocks_deduplicated += 1
-            store.counters.of(meta.namespace).blocks_deduplicated += 1
-            return PutOutcome(meta.key, stored=False, durable=ok)
         placement = store.placement
         if res.pin_share is not None:  # pins taken since it was reserved; nothing awaited from here to the index
             res.pin_share.check(store.index, store.index.pin_growth([meta]), f"block {index}")
@@ -395,6 +413,29 @@ class InPlacePuts:
         store.counters.blocks_put += 1
         store.counters.of(meta.namespace).blocks_put += 1
         return PutOutcome(meta.key, stored=True, durable=ok)
+
+    async def _deduplicate(self, res: Reservation, r: Reserved, existing: BlockMeta, index: int) -> PutOutcome:
+        """A reserved block stored already (skipped at reserve, or stored meanwhile by another put): pinned with
+        the reservation's pin, made durable again under write-through, any slot of it freed. The durable copy is
+        made from the caller's sealed bytes when they are the block's own (the same checksum), else from its own
+        copy that verifies; DataLoss when none did: the block was dropped (the slot, if any, kept for the caller's
+        bytes to be stored)."""
+        from engram.store.core import PutOutcome, WritePolicy
+
+        store = self.store
+        if res.pin:
+            if res.pin_share is not None:
+                res.pin_share.check(store.index, store.index.pin_growth([existing]), f"block {index}")
+            store.index.set_pins(existing, existing.pins + 1)
+        ok = True
+        if store.write_policy == WritePolicy.WRITE_THROUGH:
+            own = self.pool.view(self._slot_key(res, r.meta)) if r.slot is not None else None
+            ok = await durable.make_durable_again(store, existing, own, r.meta.checksum, index=index)
+        if r.slot is not None:
+            await self._free_slot(res, r)
+        store.counters.blocks_deduplicated += 1
+        store.counters.of(r.meta.namespace).blocks_deduplicated += 1
+        return PutOutcome(r.meta.key, stored=False, durable=ok)
 
     async def _seal(self, batch: Sequence[Reserved]) -> None:
         """Verify each slot holds what was reserved, fill in a v1 block's body and header checksums, and take
