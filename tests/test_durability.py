@@ -562,6 +562,46 @@ async def test_keep_only_in_never_copies_a_damaged_dram_copy_to_nvme(tmp_path: P
         await store.close()
 
 
+async def test_a_put_on_a_parent_held_damaged_in_memory_alone_drops_the_parent_instead_of_keeping_it(
+        tmp_path: Path) -> None:
+    """Write-through: X2 is held in the pool alone (its NVMe copy lost) and a stray writer damages it there; X3 is
+    put on it. Making X3 durable first gives X2 its NVMe copy, from a copy that verifies: none does, so X2 is
+    dropped (counted corrupt) and the put refused FAILED_PRECONDITION, its parent gone (Lookup again and put from
+    the first missing block), which stores the chain again, durable. X2 stayed indexed, uncounted, with its one
+    copy failing every read, and the put answered UNAVAILABLE as if the disk had failed."""
+    from engram.block import BlockHeader, checksum
+    from engram.codec.stored import RAW, encode
+    from engram.errors import FailedPrecondition
+
+    from helpers import put_raw_chain
+
+    store, fp = await _store_over_nvme(tmp_path, "write-through")
+    try:
+        assert store.flusher is not None
+        await store.flusher.close()  # stopped: only the put below writes X2's NVMe copy
+        keys = await put_raw_chain(store, "a", SPEC, seed=29, n_blocks=2)
+        x2 = store.block(keys[1])
+        assert x2 is not None
+        await store.drop_copy(x2, "nvme")
+        store.tiers[0].view(x2.key)[-1] ^= 0x40  # type: ignore[attr-defined]
+        toks = tokens(3 * BLOCK_TOKENS, seed=29)  # put_raw_chain's chain, one block longer
+        block = random_kv(SPEC, len(toks), seed=29)[:, :, 2 * BLOCK_TOKENS :]
+        payload = encode(block, RAW)
+        header = BlockHeader(toks[2 * BLOCK_TOKENS :], SPEC.layout.dtype, tuple(block.shape), len(payload),
+                             checksum(payload))
+        with pytest.raises(FailedPrecondition, match="put the chain from its first missing block"):
+            await store.put("a", fp, x2.key, header, payload, index=2)
+        assert store.block(x2.key) is None and store.block(keys[0]) is not None
+        assert (store.counters.corrupt_blocks, store.counters.tiers["dram"].corrupt_blocks) == (1, 1)
+        assert (await store.check(fix=False)).ok
+        assert await put_raw_chain(store, "a", SPEC, seed=29, n_blocks=2) == keys
+        x3 = await store.put("a", fp, keys[1], header, payload, index=2)
+        assert x3.stored and x3.durable
+        assert all(store.block(k).locations == ["dram", "nvme"] for k in [*keys, x3.key])  # type: ignore[union-attr]
+    finally:
+        await store.close()
+
+
 async def _store_over_nvme(tmp_path: Path, policy: str, *, dram_blocks: int = 64,  # type: ignore[no-untyped-def]
                            window_s: float = 1.0):
     """A store on its own: a shared DRAM pool of `dram_blocks` blocks over NVMe, the write policy given (write-back:

@@ -19,8 +19,8 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-from engram.block import Payload, checksum
-from engram.errors import DataLoss, NotDurable, NotFound, Unavailable
+from engram.block import Payload
+from engram.errors import DataLoss, FailedPrecondition, NotDurable, NotFound, Unavailable
 from engram.index import BlockMeta
 from engram.store.placement import TIER_FAULTS, Placement
 
@@ -71,7 +71,7 @@ async def make_durable(store: BlockStore, meta: BlockMeta, payload: Payload, *, 
     if d is None:
         return True
     name = placement.tiers[d].name
-    reason = await _ancestors_durable(store, meta, d)
+    reason = await _ancestors_durable(store, meta, d, index)
     if reason is None:
         reason = await _write_durable(store, meta, payload, d, index)
     if reason is None:
@@ -85,12 +85,16 @@ async def make_durable(store: BlockStore, meta: BlockMeta, payload: Payload, *, 
     return False
 
 
-async def _ancestors_durable(store: BlockStore, meta: BlockMeta, d: int) -> str | None:
+async def _ancestors_durable(store: BlockStore, meta: BlockMeta, d: int, index: int) -> str | None:
     """Copy to the durable tier, parents first, the stored blocks above `meta` that have no copy there, up to
     the first that has one: a block on NVMe whose parent is not is an orphan to the next start's recovery,
     which drops it. (A stored block lacks a durable copy when it was acknowledged without one under degrade, or
     lost it as damaged (`check --fix`, a read) and writing it again from memory failed; a client's Lookup then
-    skips it, and sends only the blocks after it.) None once they have one; else why not."""
+    skips it, and sends only the blocks after it.) Each is copied from its fastest copy that verifies, as the
+    flusher copies: one that fails is dropped as a read drops it (counted, logged), and an ancestor with none
+    left leaves the store with what extends it, `meta`'s parent among them: FailedPrecondition, as for a parent
+    evicted under a put (it was refused as not durable, the ancestor kept with a copy that fails every read).
+    None once they have one; else why not."""
     placement = store.placement
     name = placement.tiers[d].name
     if not placement.available(d):
@@ -108,9 +112,11 @@ async def _ancestors_durable(store: BlockStore, meta: BlockMeta, d: int) -> str 
         try:
             if above.moving or not above.locations:
                 raise Unavailable("it is being moved")
-            payload = await placement.tier(above.locations[0]).read(above.key)  # no await inside: a memory tier's
-            if checksum(payload) != above.checksum:
-                raise DataLoss(f"its {above.locations[0]} copy fails its checksum")
+            payload, _ = await store._read_verified(above, during=f"a copy to {name} for a put that extends it")
+        except DataLoss as exc:
+            raise FailedPrecondition(
+                f"block {index}: {what}, and no copy of it verified: it was dropped as damaged, with the blocks that "
+                "extend it; Lookup again and put the chain from its first missing block") from exc
         except (*TIER_FAULTS, NotFound) as exc:
             return f"{what}, and it could not be read ({exc})"
         reason = await _write_durable(store, above, payload, d, 0)
