@@ -10,7 +10,9 @@ CUDA stream, completion signalled by an event, so copies overlap the caller's co
   destination page); `scatter(pages, pairs, pool)` the reverse, into slots reserved for new blocks.
 - `promote(store, metas, engine)` (and `copy_blocks`, either direction): DRAM pool -> HBM pool for many blocks, keeping the store's two-phase
   move protocol (begin_copy: moving + room; the copy; end_copy: the HBM copy counts only once the event
-  completed), so a block is never served from a copy still in flight.
+  completed), so a block is never served from a copy still in flight. Each copy counts only if it verifies
+  against the block's checksum, as every copy the store makes does: a damaged source copy is dropped as a read
+  drops it, never made into a copy (in HBM, one a CUDA IPC hit copies device to device without a checksum).
 
 This module does not decide *what* to move (the store's policy does), and does not share memory across
 processes (engram/tiers/shm.py and CUDA IPC do).
@@ -19,11 +21,13 @@ processes (engram/tiers/shm.py and CUDA IPC do).
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from engram.block import checksum
 from engram.errors import InvalidArgument, NotFound, ResourceExhausted
 from engram.index import BlockMeta
 from engram.store import BlockStore
@@ -175,12 +179,14 @@ async def promote(store: BlockStore, metas: Sequence[BlockMeta], engine: Transfe
 async def copy_blocks(store: BlockStore, metas: Sequence[BlockMeta], engine: TransferEngine, *, src: str,
                       dst: str) -> int:
     """Copy blocks from one pool tier to another in one batch; returns how many landed. Blocks already
-    there, moving, or for which no room can be made without waiting are skipped (served from where they are)."""
+    there, moving, or for which no room can be made without waiting are skipped (served from where they are).
+    A copy lands only if it verifies (`_verify`); one whose source copy fails its checksum is not made, and that
+    copy is dropped as damaged."""
     tiers = {t.name: t for t in store.tiers}
     lower, upper = tiers[src], tiers[dst]
     if not isinstance(lower, PoolTier) or not isinstance(upper, PoolTier):
         raise InvalidArgument(f"promote moves between pool tiers; {src} or {dst} is not one")
-    started: list[tuple[BlockMeta, int]] = []
+    started: list[tuple[BlockMeta, Move]] = []
     moves: list[Move] = []
     done: Done | None = None
     try:
@@ -202,16 +208,16 @@ async def copy_blocks(store: BlockStore, metas: Sequence[BlockMeta], engine: Tra
                 if isinstance(exc, NotFound):
                     continue  # served from where it is now
                 raise
-            started.append((meta, need))
-            moves.append(Move(slot.offset, placed.offset, slot.length))
+            move = Move(slot.offset, placed.offset, slot.length)
+            started.append((meta, move))
+            moves.append(move)
             if len(moves) == SUBMIT_EVERY:
                 # Submit while the rest is still being booked, so the copy engine runs during the bookkeeping.
                 done = engine.copy(lower.buffer, upper.buffer, moves, page_bytes=0)
                 moves = []
         if moves:
             done = engine.copy(lower.buffer, upper.buffer, moves, page_bytes=0)
-        if done is not None:
-            await done.wait()  # one stream: the last submission's event covers every earlier one
+        sound = await _verify(lower, upper, started, done)
     except BaseException:
         if done is not None:
             # Cancelled or failed with copies submitted: they must land before their slots are freed (a put
@@ -221,6 +227,50 @@ async def copy_blocks(store: BlockStore, metas: Sequence[BlockMeta], engine: Tra
             await upper.delete(meta.key)
             store.end_copy(meta, dst, ok=False)
         raise
-    for meta, _ in started:
-        store.end_copy(meta, dst, ok=True)
-    return len(started)
+    damaged = []
+    for (meta, _), ok in zip(started, sound, strict=True):
+        if ok:
+            store.end_copy(meta, dst, ok=True)
+        else:
+            await upper.delete(meta.key)
+            store.end_copy(meta, dst, ok=False)
+            damaged.append(meta)
+    for meta in damaged:  # its source copy read again (a rare path): dropped as damaged if it fails, as a read
+        # drops it (a copy that failed from a sound source was damaged on the way: it is only not made)
+        if store.block(meta.key) is meta and src in meta.locations and not meta.moving:
+            try:
+                bad = checksum(await lower.read(meta.key)) != meta.checksum
+            except NotFound:
+                continue  # gone meanwhile
+            if bad:
+                await store.damaged_in_a_move(meta, src, f"a batched copy to {dst}")
+    return len(started) - len(damaged)
+
+
+async def _verify(lower: PoolTier, upper: PoolTier, copies: Sequence[tuple[BlockMeta, Move]], done: Done | None
+                  ) -> list[bool]:
+    """Waits for the copies; then whether each copy's bytes verify against its block's checksum, checked on
+    the host side, where a CPU reads them: a source in host memory (a promotion from the DRAM pool) is hashed
+    while the copies run (the DMA reads the same bytes: what it finds damaged is damage already there), else
+    the copies landed in host memory (HBM -> DRAM) once they have. In a thread per core: xxh3 lets go of the
+    GIL, and the event loop goes on."""
+    source_on_host = lower.buffer.device.type == "cpu"
+    if done is not None and not source_on_host:
+        await done.wait()
+    pool = lower if source_on_host else upper
+    regions = [pool.buffer[start : start + m.length] for _, m in copies
+               for start in [m.src if source_on_host else m.dst]]
+    want = [meta.checksum for meta, _ in copies]
+    got = [0] * len(copies)
+
+    def hash_some(indices: range) -> None:
+        for i in indices:
+            region = regions[i] if regions[i].device.type == "cpu" else regions[i].cpu()  # (no pool pair lacks one)
+            got[i] = checksum(memoryview(region.numpy()))  # type: ignore[arg-type]
+
+    n = min(len(copies), os.cpu_count() or 1)
+    await asyncio.gather(*(asyncio.to_thread(hash_some, range(j, len(copies), n)) for j in range(n)))
+    if done is not None:
+        await done.wait()  # one stream: the last submission's event covers every earlier one
+    return [g == w for g, w in zip(got, want, strict=True)]
+

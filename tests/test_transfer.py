@@ -18,7 +18,7 @@ from engram.layout import DType
 from engram.server.app import build_store
 from engram.tiers.hbm import hbm_tier
 from engram.tiers.pool import PoolTier
-from engram.transfer import Done, Move, TransferEngine, coalesce, gather, promote, scatter
+from engram.transfer import Done, Move, TransferEngine, coalesce, copy_blocks, gather, promote, scatter
 
 from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
 
@@ -106,11 +106,11 @@ class HeldEngine(TransferEngine):
         return Held(None)
 
 
-async def _hbm_over_dram(tmp_path, hbm_blocks: int):  # type: ignore[no-untyped-def]
-    """A store of an HBM tier (on the CPU) of hbm_blocks blocks over a shared DRAM pool of 16 (a file in
+async def _hbm_over_dram(tmp_path, hbm_blocks: int, device: str = "cpu"):  # type: ignore[no-untyped-def]
+    """A store of an HBM tier (on the CPU unless told) of hbm_blocks blocks over a shared DRAM pool of 16 (a file in
     tmp_path, which cannot be pinned)."""
     return await build_store(load_config(env={}, overrides={
-        "tiers.hbm.capacity": hbm_blocks * BLOCK, "tiers.hbm.device": "cpu", "tiers.dram.capacity": 16 * BLOCK,
+        "tiers.hbm.capacity": hbm_blocks * BLOCK, "tiers.hbm.device": device, "tiers.dram.capacity": 16 * BLOCK,
         "tiers.dram.shm_dir": str(tmp_path), "tiers.dram.pin": False}))
 
 
@@ -234,5 +234,36 @@ async def test_a_copy_into_the_pool_from_hbm_is_not_counted_as_a_promotion(tmp_p
         assert all(m.locations == ["hbm", "dram"] for m in metas)
         assert store.counters.tiers["dram"].promotions == before[0]
         assert store.counters.tiers["hbm"].demotions == before[1] + 3
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize("direction", ["up", "down"])
+async def test_a_batched_copy_never_copies_a_damaged_source_copy(tmp_path, direction: str, device: str) -> None:  # type: ignore[no-untyped-def]
+    """A batched copy between the pools (promote: DRAM -> HBM, a hit's blocks; or HBM -> DRAM) of two blocks whose
+    second one's source copy a stray writer damaged: the sound one lands; the damaged one is not copied but
+    dropped, counted corrupt in its tier, as a read drops it (the block with it: it had no other copy). It was
+    copied under the block's checksum and listed as an HBM copy, which a CUDA IPC hit copies device to device
+    without a checksum. On a GPU the check reads the host side: the DRAM source going up, the DRAM copy going
+    down."""
+    store = await _hbm_over_dram(tmp_path, 8 if direction == "down" else 4, device=device)
+    try:
+        fp = store.registry.register(SPEC)
+        metas, payloads = await _put_chain(store, fp, 8 if direction == "up" else 3)
+        src, dst = ("dram", "hbm") if direction == "up" else ("hbm", "dram")
+        pair = [m for m in metas if m.locations == [src]][-2:]
+        assert len(pair) == 2
+        source = store.tiers[store.tier_rank(src)]
+        source.buffer[source.slot(pair[1].key).offset + 5] ^= 0x40  # its only copy goes bad
+        engine = TransferEngine(device if device == "cuda" else None)
+        assert await copy_blocks(store, pair, engine, src=src, dst=dst) == 1
+        assert sorted(pair[0].locations) == sorted([src, dst]) and not pair[0].moving
+        assert await store.tiers[store.tier_rank(dst)].read(pair[0].key) == payloads[metas.index(pair[0])]
+        assert store.block(pair[1].key) is None
+        assert pair[1].key not in store.tiers[store.tier_rank(dst)] and pair[1].key not in source
+        assert store.counters.tiers[src].corrupt_blocks == 1
+        assert (await store.check(fix=False)).ok
     finally:
         await store.close()

@@ -102,7 +102,7 @@ class BlockStore:
         self.index = ChainIndex()
         self.namespaces = namespaces or OpenNamespaces()  # key salts and quotas (engram/tenancy.py)
         self.counters = StoreCounters(tiers={t.name: TierCounters() for t in tiers}, counted=self.namespaces.counted)
-        self.placement = Placement(list(tiers), self.index, self.counters, self._damaged_in_a_move, retry_s=retry_s)
+        self.placement = Placement(list(tiers), self.index, self.counters, self.damaged_in_a_move, retry_s=retry_s)
         if eviction not in ("learned", "lru"):
             raise ValueError(f"eviction is learned or lru, got {eviction!r}")
         if eviction == "lru":  # the model still counts (Stats shows what it would learn) but never ranks
@@ -720,14 +720,14 @@ class BlockStore:
             tc.io_errors += 1
         await self.drop_damaged_copy(meta, name)
 
-    async def _damaged_in_a_move(self, meta: BlockMeta, name: str) -> None:
-        """A copy a demotion found damaged (Placement.damaged): dropped and counted as a read drops it, the block
-        with it (and what extends it) when no copy is left. No caller hears of it: the log says so."""
+    async def damaged_in_a_move(self, meta: BlockMeta, name: str, move: str = "a demotion") -> None:
+        """A copy that a move found damaged, instead of copying it (a demotion: Placement.damaged; a batched copy
+        between pools: engram/transfer.py): dropped and counted as a read drops it, the block with it (and what
+        extends it) when no copy is left. No caller hears of it: the log says so."""
         await self._copy_failed(meta, name, DataLoss(f"block {meta.key.hex()} failed its checksum in tier {name}"))
         if not meta.locations:
             await recovery.drop_lost(self, meta)
-        self.note_dropped(meta, name, "it failed its checksum when it was to be demoted (not written down)",
-                          "a demotion")
+        self.note_dropped(meta, name, "it failed its checksum (not copied)", move)
 
     async def prefetch(self, metas: Iterable[BlockMeta]) -> int:
         """Copy blocks held below the top tier up into it before they are asked for (a session due back soon,
