@@ -68,9 +68,12 @@ class ServerConfig:
     max_blocks_per_request: int = 4096  # blocks (or keys) one Put, Get, ReservePut, DescribeBlocks or Evict may name
     max_tokens_per_request: int = 1 << 21  # also the longest a session may grow
     max_block_bytes: ByteSize = ByteSize(256 * 2**20)  # a model whose raw block is larger is refused at register
-    max_models: int = 1024  # registered models (each is a file and an entry in memory)
-    # With tenancy on, the models one tenant's token may add to the registry in a daemon's run (registering a model
-    # the daemon knows already is free): one tenant filled max_models in a second, refusing every other's.
+    # Registered models (each is a file and an entry in memory). With tenancy on, a full registry refuses a tenant
+    # every model it has not registered itself, whether or not another tenant has (so it tells no one which).
+    max_models: int = 1024
+    # With tenancy on, the models one tenant's token may register, kept across restarts: registering one of its own
+    # again is free, one only another tenant registered counts too (a tenant sees only the models it registered).
+    # One tenant filled max_models in a second, refusing every other's.
     max_models_per_tenant: int = 64
     max_sessions_per_namespace: int = 4096  # a tenant's max_sessions, when set, overrides it for its namespaces
     # A session no call has touched for this long is closed, its blocks' references dropped (an agent that crashed

@@ -21,7 +21,8 @@ UNKNOWN_MODEL = "unknown model fingerprint"  # how the daemon's message starts: 
 
 class UnknownModel(NotFound):
     """A model fingerprint the daemon does not know (never registered, or forgotten by a daemon that restarted
-    without a model registry), or this client never registered: register the model, then call again."""
+    without a model registry; with tenancy on, one the caller's tenant has not registered, whoever else has), or
+    this client never registered: register the model, then call again."""
 
 
 class AlreadyExists(EngramError):

@@ -116,10 +116,12 @@ class Inspector:
             found.append(hits[0])
         return found
 
-    def describe(self, metas: Iterable[BlockMeta], session: Session | None = None) -> list[BlockDetail]:
+    def describe(self, metas: Iterable[BlockMeta], session: Session | None = None, *, tenant: str = ""
+                 ) -> list[BlockDetail]:
         """Blocks as `engram show` prints them. `sessions` counts the live sessions holding each (the references
         eviction reads), and `session` (when its chain is described) for every block of it: a block its tokens
-        reach without its holding it (a longer block stored over its partial tail) is still on its way."""
+        reach without its holding it (a longer block stored over its partial tail) is still on its way. `tenant`:
+        whose call it is; a model it has not registered is shown as one nobody registered (engram/registry.py)."""
         now = time.time()
         starts: dict[bytes, int] = {}
 
@@ -128,14 +130,14 @@ class Inspector:
 
         return [BlockDetail(
             key=m.key, parent=m.parent, namespace=m.namespace, model_fingerprint=m.model_fingerprint,
-            num_tokens=m.num_tokens, full=m.full, tiers=tuple(m.locations), codec=self._codec(m),
+            num_tokens=m.num_tokens, full=m.full, tiers=tuple(m.locations), codec=self._codec(m, tenant),
             checksum=m.checksum, nbytes=m.nbytes, pins=m.pins, children=m.children, sessions=refs(m),
             refcount=m.children + refs(m) + m.pins, leases=m.leases, hits=m.hits, age_s=now - m.created,
             start_token=self._start(m, starts)) for m in metas]
 
-    def _codec(self, meta: BlockMeta) -> str:
+    def _codec(self, meta: BlockMeta, tenant: str = "") -> str:
         # A recovered block whose model file was lost keeps its bytes but has no known codec until registered.
-        if meta.model_fingerprint not in self.store.registry:
+        if not self.store.registry.knows(meta.model_fingerprint, tenant):
             return "unknown (model not registered)"
         spec = self.store.spec(meta.model_fingerprint)
         codec = spec.stored_codec

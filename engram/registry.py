@@ -2,6 +2,10 @@
 
 With a directory (the NVMe tier's), every registered model is also written there (temp file, fsync,
 rename), so that after a restart the blocks on disk can be matched to their models again.
+
+With tenancy on, each model keeps the tenants that registered it, and a tenant sees only those models: one it
+has not registered is, to it, exactly an unknown fingerprint (`get`), else its calls told which models other
+tenants run. The model itself is stored once, whoever registers it (its fingerprint hashes the spec alone).
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ class ModelRegistry:
         self.default_codec = default_codec
         self.default_reason = default_reason  # why this default (codec.default, or what auto found)
         self._models: dict[bytes, ModelSpec] = {}
-        # Who added each model (a tenant's name; saved in its file, so a tenant's share of server.max_models_per_tenant
-        # outlives a restart: counted in memory only, one tenant filled the registry over a few restarts).
-        self._added_by: dict[bytes, str] = {}
+        # The tenants (names) that registered each model: who sees it, and whose share of
+        # server.max_models_per_tenant it counts against. Saved in its file, so both outlive a restart (a share
+        # counted in memory only let one tenant fill the registry over a few restarts).
+        self._tenants: dict[bytes, set[str]] = {}
         self._dir = Path(directory) if directory else None
         if self._dir is not None:
             private_dir(self._dir)
@@ -49,8 +54,7 @@ class ModelRegistry:
                 log.warning("ignoring model file %s: its content has fingerprint %s", path, spec.fingerprint.hex())
                 continue
             self._models[spec.fingerprint] = spec
-            if isinstance(added := data.get("added_by"), str) and added:
-                self._added_by[spec.fingerprint] = added
+            self._tenants[spec.fingerprint] = _tenants_of(data)
 
     def with_codec(self, spec: ModelSpec) -> ModelSpec:
         """The spec as registered: its codec defaulted to the daemon's (the codec is part of the fingerprint)."""
@@ -58,13 +62,18 @@ class ModelRegistry:
             return spec
         return dataclasses.replace(spec, codec="raw" if spec.layout.dtype == DType.FP64 else self.default_codec)
 
-    def added_by(self, who: str) -> int:
-        """How many of the registered models `who` added (a tenant's share of the registry)."""
-        return sum(1 for name in self._added_by.values() if name == who)
+    def registered_by(self, tenant: str) -> int:
+        """How many models `tenant` registered (its share of the registry)."""
+        return sum(1 for names in self._tenants.values() if tenant in names)
 
-    def register(self, spec: ModelSpec, added_by: str = "") -> bytes:
-        """Register a model (its codec defaulted to the daemon's); returns its fingerprint. `added_by`: the tenant
-        that adds it, when it is new (kept with it)."""
+    def knows(self, fingerprint: bytes, tenant: str = "") -> bool:
+        """Whether the model is registered, and registered by `tenant` ("": no tenant, which sees every model)."""
+        names = self._tenants.get(fingerprint)
+        return names is not None and (not tenant or tenant in names)
+
+    def register(self, spec: ModelSpec, tenant: str = "") -> bytes:
+        """Register a model (its codec defaulted to the daemon's); returns its fingerprint. `tenant`: who registers
+        it ("": no tenant: tenancy off, or an admin), kept with the model, new or not."""
         spec = self.with_codec(spec)
         from engram.codec.base import codec_by_name
 
@@ -79,15 +88,17 @@ class ModelRegistry:
                 except InvalidArgument as exc:
                     raise InvalidArgument(f"stream {stream.name}: {exc}") from None
         fp = spec.fingerprint
-        if fp not in self._models:
-            if self._dir is not None:
-                self._persist(fp, spec, added_by)
+        names = self._tenants.get(fp)
+        if names is None or (tenant and tenant not in names):
+            spec = self._models.get(fp, spec)
+            grown = (names or set()) | ({tenant} if tenant else set())
+            if self._dir is not None:  # a tenant added to a known model is written too (and takes as long)
+                self._persist(fp, spec, grown)
             self._models[fp] = spec
-            if added_by:
-                self._added_by[fp] = added_by
+            self._tenants[fp] = grown
         return fp
 
-    def _persist(self, fp: bytes, spec: ModelSpec, added_by: str) -> None:
+    def _persist(self, fp: bytes, spec: ModelSpec, tenants: set[str]) -> None:
         """The model's file, written before it is registered (so a restart knows it); a full disk is
         StorageFull, another failure StorageIOError (each a status the caller can act on, not INTERNAL)."""
         assert self._dir is not None
@@ -95,7 +106,7 @@ class ModelRegistry:
         tmp = final.with_suffix(".tmp")
         try:
             with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE), "w") as fh:
-                json.dump({**spec.to_dict(), **({"added_by": added_by} if added_by else {})}, fh, sort_keys=True)
+                json.dump({**spec.to_dict(), "tenants": sorted(tenants)}, fh, sort_keys=True)
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, final)
@@ -107,12 +118,13 @@ class ModelRegistry:
                 raise StorageFull(f"{why}: the disk is full; free space on it, then register the model again") from None
             raise StorageIOError(f"{why}; register the model again once the directory is writable") from None
 
-    def get(self, fingerprint: bytes) -> ModelSpec:
-        try:
-            return self._models[fingerprint]
-        except KeyError:
+    def get(self, fingerprint: bytes, tenant: str = "") -> ModelSpec:
+        """The model, as `tenant` sees it: one it has not registered is UnknownModel, word for word the answer to a
+        fingerprint nobody registered ("": no tenant, which sees every model)."""
+        if not self.knows(fingerprint, tenant):
             shown = brief(fingerprint)
-            raise UnknownModel(f"{UNKNOWN_MODEL} {shown}; call RegisterModel with the model's layout first") from None
+            raise UnknownModel(f"{UNKNOWN_MODEL} {shown}; call RegisterModel with the model's layout first")
+        return self._models[fingerprint]
 
     def __contains__(self, fingerprint: object) -> bool:
         return fingerprint in self._models
@@ -122,3 +134,15 @@ class ModelRegistry:
 
     def __len__(self) -> int:
         return len(self._models)
+
+
+def _tenants_of(record: dict[str, object]) -> set[str]:
+    """The tenants a model file names. A file from before `tenants` (docs/FORMAT.md) names at most the tenant that
+    added the model (`added_by`), the one registration it recorded: others' were never written down, and counting
+    them as every tenant would show the model to tenants that never used it. Those register it again (the worker
+    integrations do so by themselves on UnknownModel, as after a restart without a registry)."""
+    names = record.get("tenants")
+    if isinstance(names, list):
+        return {n for n in names if isinstance(n, str) and n}
+    added = record.get("added_by")
+    return {added} if isinstance(added, str) and added else set()

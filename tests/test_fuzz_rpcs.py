@@ -112,11 +112,12 @@ def target(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     try:
         wait_for(address, proc)
         spec = tiny_model()
-        fp = channel.unary_unary(f"/{SERVICE.full_name}/RegisterModel",
-                                 request_serializer=pb.RegisterModelRequest.SerializeToString,
-                                 response_deserializer=pb.RegisterModelResponse.FromString)(
-            pb.RegisterModelRequest(model=convert.model_to_pb(spec)), metadata=(("authorization", f"Bearer {GOOD}"),)
-        ).model_fingerprint
+        register = channel.unary_unary(f"/{SERVICE.full_name}/RegisterModel",
+                                       request_serializer=pb.RegisterModelRequest.SerializeToString,
+                                       response_deserializer=pb.RegisterModelResponse.FromString)
+        for token in (EVIL, GOOD):  # each its own registration: a tenant sees only the models it registered
+            fp = register(pb.RegisterModelRequest(model=convert.model_to_pb(spec)),
+                          metadata=(("authorization", f"Bearer {token}"),)).model_fingerprint
         toks = tokens(6 * BLOCK_TOKENS, seed=1)
         kv = random_kv(spec, len(toks), seed=1)
         payloads = [stored.encode(kv[:, :, i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS], stored.RAW) for i in range(6)]

@@ -443,6 +443,13 @@ def _tenants(**namespaces: str) -> dict[str, str]:
     return auth
 
 
+async def _register(srv, spec, *names: str) -> None:  # type: ignore[no-untyped-def]
+    """Each tenant registers the model itself: a tenant sees only the models it registered."""
+    for name in names:
+        async with EngramClient(srv.address, namespace="", token=f"{name}-token") as c:
+            await c.register_model(spec)
+
+
 async def test_a_tenant_with_two_namespaces_reserves_at_most_its_share_of_the_pool(server_factory) -> None:  # type: ignore[no-untyped-def]
     """A share per namespace let a tenant with two namespaces hold three quarters of the pool in reservations it
     never committed. One tenant's reservations, every namespace of its, stop at
@@ -454,6 +461,7 @@ async def test_a_tenant_with_two_namespaces_reserves_at_most_its_share_of_the_po
                                **_tenants(evil="e1,e2", good="good"))
     async with EngramClient(srv.address, namespace="good", token="good-token", in_place_min_bytes=0) as good:
         fp = await good.register_model(spec)
+        await _register(srv, spec, "evil")
         async with grpc.aio.insecure_channel(srv.address) as ch:
             stub = pb_grpc.EngramStub(ch)
             theirs = await _reserve_chain(stub, "good", fp, tokens(2 * BLOCK_TOKENS, seed=5), spec, "good-token")
@@ -483,6 +491,7 @@ async def test_reservations_of_every_tenant_together_stop_at_their_fraction_nami
                                **_tenants(alice="alice-ns", bob="bob-ns", carol="carol-ns"))
     async with EngramClient(srv.address, namespace="carol-ns", token="carol-token", in_place_min_bytes=0) as carol:
         fp = await carol.register_model(spec)
+        await _register(srv, spec, "alice", "bob")
         async with grpc.aio.insecure_channel(srv.address) as ch:
             stub = pb_grpc.EngramStub(ch)
             a = await _reserve_chain(stub, "alice-ns", fp, tokens(8 * BLOCK_TOKENS, seed=1), spec, "alice-token")

@@ -439,8 +439,9 @@ async def test_one_tenants_idle_streams_cannot_take_every_slot_from_the_others(s
 
 async def test_one_tenant_cannot_fill_the_daemons_model_registry(server_factory: Any, tmp_path: Path) -> None:
     """Bob registered server.max_models models in a second and every other tenant's RegisterModel was refused
-    (an audit): each token may add server.max_models_per_tenant models; registering a known one is free. The
-    share outlives a restart (kept in memory only, it let Bob fill the registry over a few restarts)."""
+    (an audit): each token may register server.max_models_per_tenant models; registering one of its own again is
+    free, one another tenant registered is not (tests/test_model_visibility.py). The share outlives a restart
+    (kept in memory only, it let Bob fill the registry over a few restarts)."""
     cfg = {**AUTH, "server.max_models": 8, "server.max_models_per_tenant": 3, "tiers.nvme.path": str(tmp_path / "n")}
     first = await server_factory(**cfg)
     async with as_(first, BOB) as b:
@@ -450,15 +451,17 @@ async def test_one_tenant_cannot_fill_the_daemons_model_registry(server_factory:
     srv = await server_factory(**cfg)  # the same registry on disk
     async with as_(srv, BOB) as b:
         mine = [await b.register_model(tiny_model(weights_id=f"bob-{i}")) for i in range(3)]  # one more is new
-        with pytest.raises(errors.ResourceExhausted, match="has added 3 models"):
+        with pytest.raises(errors.ResourceExhausted, match="has registered 3 models"):
             await b.register_model(tiny_model(weights_id="bob-3"))
         assert await b.register_model(tiny_model(weights_id="bob-1")) == mine[1]  # his own again: free
     async with as_(srv, ALICE) as a:
-        await a.register_model(tiny_model(weights_id="bob-2"))  # one the daemon knows: free for her too
-        for i in range(3):
+        await a.register_model(tiny_model(weights_id="bob-2"))  # one the daemon knows: one of her share too
+        for i in range(2):
             await a.register_model(tiny_model(weights_id=f"alice-{i}"))
+        with pytest.raises(errors.ResourceExhausted, match="has registered 3 models"):
+            await a.register_model(tiny_model(weights_id="alice-2"))
     async with as_(srv, ADMIN) as admin:  # the admin has no share; the daemon's bound still holds
-        await admin.register_model(tiny_model(weights_id="admin-0"))
-        await admin.register_model(tiny_model(weights_id="admin-1"))
+        for i in range(3):  # 5 models known (bob-0..2, alice-0..1): 3 more fill server.max_models
+            await admin.register_model(tiny_model(weights_id=f"admin-{i}"))
         with pytest.raises(errors.ResourceExhausted, match=r"server\.max_models\)"):
-            await admin.register_model(tiny_model(weights_id="admin-2"))
+            await admin.register_model(tiny_model(weights_id="admin-3"))

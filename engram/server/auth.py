@@ -53,6 +53,13 @@ def caller(context: Any) -> Principal:
     return _current()
 
 
+def tenant_of(context: Any) -> str:
+    """The tenant whose shares the call counts against and whose models it sees: its token's name; "" for an
+    admin, and with tenancy off (OPEN): they act on the whole daemon."""
+    p = _current()
+    return "" if p.admin else p.name
+
+
 def is_admin(context: Any) -> bool:
     """Whether the caller may act on the whole daemon (check, evict across namespaces, list them)."""
     return _current().admin

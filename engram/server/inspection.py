@@ -13,7 +13,7 @@ from engram.api import BlockDescription
 from engram.errors import InvalidArgument, NotFound, PermissionDenied
 from engram.inspection import Inspector
 from engram.server.arrival import one_request
-from engram.server.auth import guard, is_admin, namespace_for
+from engram.server.auth import guard, is_admin, namespace_for, tenant_of
 from engram.server.errors import unary
 from engram.server.requests import check_limit, decoded, key_request_bytes, safe_decoder
 from engram.server.service import SERVICE_NAME
@@ -68,10 +68,12 @@ class InspectionService:
         if req.session_id:
             s = insp.sessions.get(namespace_for(context, req.namespace), req.session_id)
             chain = insp.chain(s)
-            description = BlockDescription(tuple(insp.describe(chain.blocks, s)), chain.summary())
+            description = BlockDescription(tuple(insp.describe(chain.blocks, s, tenant=tenant_of(context))),
+                                           chain.summary())
         else:
             ns = _scope(context, req.namespace, req.all_namespaces, "DescribeBlocks")
-            description = BlockDescription(tuple(insp.describe(insp.resolve(ns, list(req.key_prefixes)))))
+            description = BlockDescription(tuple(insp.describe(insp.resolve(ns, list(req.key_prefixes)),
+                                                            tenant=tenant_of(context))))
         return convert.to_pb(description, pb.DescribeBlocksResponse)
 
     @unary

@@ -40,7 +40,7 @@ from engram.index import BlockMeta
 from engram.leases import Lease, LeaseTable
 from engram.limits import check_namespace
 from engram.server.arrival import each_request, one_request
-from engram.server.auth import caller, guard, is_admin, is_peer, namespace_for, visible_namespaces
+from engram.server.auth import caller, guard, is_admin, is_peer, namespace_for, tenant_of, visible_namespaces
 from engram.server.errors import streaming, unary
 from engram.server.peers import PeerFetcher
 from engram.server.requests import (
@@ -214,16 +214,21 @@ class EngramService:
                                   f"server.max_block_bytes = {int(self.config.max_block_bytes)}: register it with "
                                   "fewer block_tokens")
         registry = self.store.registry
-        who = caller(context)
-        shared = self.tenancy is None or who.admin  # a tenant's models count against its share, kept with them
-        new = registry.with_codec(spec).fingerprint not in registry
-        if new and not shared and (added := registry.added_by(who.name)) >= self.config.max_models_per_tenant:
-            raise ResourceExhausted(f"this token has added {added} models to the daemon, its share "
-                                    "(server.max_models_per_tenant); register one of those")
-        if new and len(registry) >= self.config.max_models:
+        tenant = self._tenant(context)  # a tenant's models count against its share, kept with them
+        fp = registry.with_codec(spec).fingerprint
+        if tenant and not registry.knows(fp, tenant):
+            # Whether or not another tenant registered the model: a registration past a bound that passed only for
+            # a model the daemon knew told which models other tenants run (and the full registry's count, how many).
+            if (mine := registry.registered_by(tenant)) >= self.config.max_models_per_tenant:
+                raise ResourceExhausted(f"this token has registered {mine} models, its share "
+                                        "(server.max_models_per_tenant); register one of those")
+            if len(registry) >= self.config.max_models:
+                raise ResourceExhausted("this daemon's model registry is full (server.max_models); register one of "
+                                        "the models this token registered, or ask the operator to raise the limit")
+        elif fp not in registry and len(registry) >= self.config.max_models:
             raise ResourceExhausted(f"this daemon already knows {len(registry)} models (server.max_models); "
                                     "register one of those, or raise the limit")
-        fp = registry.register(spec, "" if shared else who.name)
+        fp = registry.register(spec, tenant)
         return pb.RegisterModelResponse(model_fingerprint=fp, codec=self.store.spec(fp).codec,
                                         max_blocks_per_request=self.config.max_blocks_per_request)
 
@@ -235,6 +240,7 @@ class EngramService:
         tokens = convert.tokens_from_pb(req.tokens)
         # A probe asks without using: the eviction order counts the read that follows, once (LookupRequest.probe).
         use = not req.probe
+        self.check_model(req.model_fingerprint)
         match = self.store.lookup(ns, req.model_fingerprint, tokens, use=use)
         if self.peers is not None:  # the cluster tier: fetch the missing full blocks from peers
             have = sum(m.num_tokens for m in match.blocks if m.full)
@@ -281,7 +287,14 @@ class EngramService:
     def chain_put(self, header: pb.PutHeader) -> ChainPut:
         """A Put of one chain, whichever channel its bytes come on (gRPC chunks, the data channel)."""
         header.namespace = namespace_for(None, header.namespace)
+        self.check_model(header.model_fingerprint)
         return ChainPut(self, header)
+
+    def check_model(self, fingerprint: bytes) -> None:
+        """UnknownModel when the caller's tenant has not registered the model, word for word what a fingerprint
+        nobody registered gets (engram/registry.py): a tenant sees only its own models. Called just before the
+        store first looks the model up, so that the two answers come at the same point of the call too."""
+        self.store.registry.get(fingerprint, self._tenant(None))
 
     @streaming
     async def Get(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse | bytes]:
@@ -314,6 +327,7 @@ class EngramService:
         check_limit("Get keys", len(req.keys), self.config.max_blocks_per_request)
         check_limit("Get release_lease_ids", len(req.release_lease_ids), self.config.max_blocks_per_request)
         ns = namespace_for(None, req.namespace)
+        self.check_model(req.model_fingerprint)  # and an unknown model asks no peer for its blocks
         try:
             return ns, self.store.find(ns, req.model_fingerprint, list(req.keys))
         except NotFound:
@@ -340,6 +354,7 @@ class EngramService:
         ns = namespace_for(context, req.namespace)
         self.leases.release_known(ns, list(req.release_lease_ids))  # expired ones ended by themselves
         tokens = convert.tokens_from_pb(req.tokens)
+        self.check_model(req.model_fingerprint)
         match = self.store.lookup(ns, req.model_fingerprint, tokens)
         if self.peers is not None:
             have = sum(m.num_tokens for m in match.blocks if m.full)
@@ -464,6 +479,7 @@ class EngramService:
                                      "refuses them under tenancy): put blocks as bytes (Put)")
         parent = req.parent_key or self.store.root(ns, req.model_fingerprint)
         headers = [convert.header_from_pb(h, i) for i, h in enumerate(req.blocks)]
+        self.check_model(req.model_fingerprint)
         res = await self.inplace.reserve(ns, req.model_fingerprint, parent, headers, pin=req.pin,
                                          owner=self._tenant(context),  # its share of the pool's reserved room
                                          pin_share=self.pin_share() if req.pin else None)
@@ -545,8 +561,10 @@ class EngramService:
     async def Pin(self, request: Any, context: grpc.aio.ServicerContext) -> pb.PinResponse:
         req = decoded(request)
         check_limit("Pin keys", len(req.keys), self.config.max_blocks_per_request)
-        changed = self.store.pin(namespace_for(context, req.namespace), req.model_fingerprint, list(req.keys),
-                                 unpin=req.unpin, share=None if req.unpin else self.pin_share())
+        ns = namespace_for(context, req.namespace)
+        self.check_model(req.model_fingerprint)
+        changed = self.store.pin(ns, req.model_fingerprint, list(req.keys), unpin=req.unpin,
+                                 share=None if req.unpin else self.pin_share())
         return pb.PinResponse(changed=changed)
 
     def pin_share(self) -> PinShare | None:
@@ -600,7 +618,8 @@ class EngramService:
         bytes served after its hit, divided by the model's public bytes per token (its last block is partial) is
         the exact length of its prompt, and so are the lookup counters. Built field by field, so a figure added
         to Stats later is the admin's until someone decides it may be a tenant's (StatsResponse.scoped lists
-        which are 0 here). A model none of the namespaces holds is left out: which models others use is theirs."""
+        which are 0 here). A model none of the namespaces holds, or that the tenant has not registered (another
+        tenant's blocks in a namespace they share), is left out: which models others use is theirs."""
         store = self.store
         own = store.counters.of_namespaces(scope)  # a namespace evicted whole keeps its counts
         cl = self.cluster
@@ -608,7 +627,7 @@ class EngramService:
             state=cl.state, reason=cl.reason, node_id=cl.node_id, live_nodes=await cl.live_nodes())
         sm = self.sessions
         return StatsReply(
-            tiers=store.own_tier_stats(namespaces), models=self._model_stats(namespaces),
+            tiers=store.own_tier_stats(namespaces), models=self._model_stats(namespaces, self._tenant(None)),
             blocks_put=own.blocks_put, blocks_deduplicated=own.blocks_deduplicated,
             blocks_served=own.blocks_served, bytes_served=own.bytes_served, limits=self._limits(),
             version=__version__, uptime_s=time.time() - store.started, write_policy=str(store.write_policy),
@@ -621,12 +640,13 @@ class EngramService:
             scoped=True,
         )
 
-    def _model_stats(self, namespaces: list[str] | None) -> tuple[ModelStats, ...]:
-        """Every registered model's usage, or of `namespaces` only and then only the models they hold."""
+    def _model_stats(self, namespaces: list[str] | None, tenant: str = "") -> tuple[ModelStats, ...]:
+        """Every registered model's usage, or of `namespaces` only and then only the models they hold that `tenant`
+        registered."""
         store = self.store
         models = []
         for m in store.model_usage(namespaces):
-            if namespaces is not None and not m.blocks:
+            if namespaces is not None and (not m.blocks or not store.registry.knows(m.fingerprint, tenant)):
                 continue
             spec = store.spec(m.fingerprint)
             models.append(ModelStats(
@@ -684,18 +704,20 @@ class EngramService:
     # ---- sessions ----------------------------------------------------------------------------------
 
     def _tenant(self, context: grpc.aio.ServicerContext) -> str:
-        """Whose share of the replay queue and of the persisted windows a call counts against: its token's
-        (""; none, with tenancy off or for an admin, who acts on the whole daemon)."""
-        who = caller(context)
-        return "" if self.tenancy is None or who.admin else who.name
+        """Whose share of the replay queue, of the persisted windows and of the model registry a call counts
+        against, and whose models it sees: its token's (""; none, with tenancy off or for an admin, who acts on the
+        whole daemon)."""
+        return tenant_of(context)
 
     @unary
     async def OpenSession(self, request: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
         req = decoded(request)
         mode = convert.enum_from_pb(SessionMode, req.mode, "mode")
         check_limit("OpenSession tokens", len(req.tokens), self.config.max_tokens_per_request)
-        s = self.sessions.open(namespace_for(context, req.namespace), req.model_fingerprint, mode, req.approx_k,
-                               req.session_id, convert.tokens_from_pb(req.tokens), tenant=self._tenant(context))
+        ns, tokens = namespace_for(context, req.namespace), convert.tokens_from_pb(req.tokens)
+        self.check_model(req.model_fingerprint)
+        s = self.sessions.open(ns, req.model_fingerprint, mode, req.approx_k, req.session_id, tokens,
+                               tenant=self._tenant(context))
         return convert.to_pb(s.info(), pb.SessionInfo)
 
     @unary
