@@ -8,8 +8,8 @@ the reason).
 
 Paths: Lookup by content; Get, Pin, DescribeBlocks and Evict by the owner's keys; naming the owner's
 namespace; Get asking for zero-copy descriptors (the request only: whether the shared memory itself is
-isolated is the hit path's business, reported "not checked"); sessions by id; inspection and Stats; the
-key salt (per namespace, secret, dependent on `auth.salt_secret`); and, with a cluster, the Redis index
+isolated is the hit path's business, reported "not checked"); sessions by id; inspection and Stats; a model
+only the owner registered (the model registry); the key salt (per namespace, secret, dependent on `auth.salt_secret`); and, with a cluster, the Redis index
 (keys an attacker with Redis access could compute) and peer fetch through a second daemon. Timing: the
 prober's Lookup answer times for prefixes the owner holds against absent ones (ROC AUC; 0.5 = no
 signal), beside the same measure inside the owner's namespace, which must show a signal (else the probe
@@ -24,7 +24,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -235,6 +235,30 @@ class Prober:
             verdict("list namespaces", "-", control, await refused(p.list_namespaces, errors.PermissionDenied)),
             verdict("check (admin only)", "-", control, await refused(p.check, errors.PermissionDenied)),
         ]
+
+    # ---- the model registry -----------------------------------------------------------------------
+
+    async def models(self) -> Check:
+        """A model the owner registered and the prober did not: the prober's Lookup naming it must answer as one
+        naming a fingerprint nobody registered (an answer that differed told it which models the owner runs).
+        The model is the probe model under a name of the owner's namespace, so a run against a live daemon adds
+        one model per owner, whichever tokens a later run swaps."""
+        spec = replace(self.spec, weights_id=f"owner-only/{self.owner_ns}")
+        nobody = replace(self.spec, weights_id=f"nobody/{random.getrandbits(64):016x}").fingerprint
+        fp = await self.owner.register_model(spec)
+        toks, _ = prefix(spec, 1, seed=0)
+        control = await succeeds(lambda: self.owner.lookup(fp, toks, namespace=self.owner_ns))
+
+        async def answer(fingerprint: bytes) -> str:
+            try:
+                await self.other.lookup(fingerprint, toks, namespace=self.other_ns)
+            except errors.EngramError as exc:
+                return f"{type(exc).__name__}: {str(exc).replace(fingerprint.hex(), '<fp>')}"
+            return "OK"
+
+        theirs, unknown = await answer(fp), await answer(nobody)
+        return verdict("a model only the owner registered", "-", control, theirs == unknown,
+                       "" if theirs == unknown else f"the prober got {theirs!r}, for an unknown model {unknown!r}")
 
     # ---- the key salt -----------------------------------------------------------------------------
 

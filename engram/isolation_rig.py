@@ -155,6 +155,7 @@ async def _run(rig: Rig, samples: int, say: Progress) -> Report:
         say("sessions, inspection, Stats")
         report.checks += await p.sessions(last)
         report.checks += await p.figures(last)
+        report.checks.append(await p.models())
         say("the key salt")
         async with rig.client("c", "owner", OWNER_NS) as elsewhere:
             other_secret_salt = (await elsewhere.describe_namespace()).key_salt
@@ -275,6 +276,7 @@ async def run_live(address: str, owner_token: str, other_token: str, owner_ns: s
         say("sessions, inspection, Stats")
         report.checks += await p.sessions(w)
         report.checks += await p.figures(w)
+        report.checks.append(await p.models())
         report.checks += await p.salts(w, None)
         for path, note in (("blocks on each tier", "needs the built-in run (it moves blocks between tiers)"),
                            ("redis index", "needs the built-in run (it reads Redis with its password)"),

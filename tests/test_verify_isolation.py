@@ -37,7 +37,8 @@ def test_the_built_in_run_probes_every_tier_and_path_and_finds_them_isolated() -
                      "describe blocks by key", "evict by key", "naming the owner's namespace"):
             assert statuses[(path, tier)] == ISOLATED, (path, tier)
     for path in ("session resume by id", "stats: per-model blocks", "key salt: per namespace", "key salt: keys need it",
-                 "key salt: another tenant's salt", "key salt: depends on auth.salt_secret"):
+                 "key salt: another tenant's salt", "key salt: depends on auth.salt_secret",
+                 "a model only the owner registered"):
         assert statuses[(path, "-")] == ISOLATED, path
     cluster = [c for c in checks if c["tier"] == "cluster"]
     want = ISOLATED if HAS_REDIS else NOT_CHECKED  # without redis-server they are reported, not passed
@@ -91,6 +92,7 @@ async def test_a_live_daemon_with_two_tokens(server_factory: Any) -> None:
     statuses = {c["path"]: c["status"] for c in out["checks"]}
     assert code == 0 and out["leaks"] == [], out
     assert statuses["lookup by content"] == statuses["get by key"] == statuses["session resume by id"] == ISOLATED
+    assert statuses["a model only the owner registered"] == ISOLATED
     for path in ("blocks on each tier", "redis index", "peer fetch", "zero-copy memory", "CUDA IPC",
                  "key salt: depends on auth.salt_secret"):
         assert statuses[path] == NOT_CHECKED, path
