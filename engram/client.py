@@ -249,8 +249,6 @@ class EngramClient(ControlClient):
         cached blocks would stay unpinned; every block is sent, and the daemon pins those it holds); with encode
         they are encoded here and travel 3.5-4x smaller, otherwise the daemon encodes them.
         """
-        from engram.keys import chain_keys
-
         spec = self._spec(fingerprint)
         ns = self._ns(namespace)
         arr = convert.tokens_array(tokens)
@@ -271,11 +269,12 @@ class EngramClient(ControlClient):
             done = await self._put_in_place(fingerprint, spec, arr, kv, ns, pin)
             if done is not None:
                 return done
-        key_ns, salt = await self._keying(ns)
-        all_keys = [k for k, _, _ in chain_keys(key_ns, fingerprint, arr, bt, salt)]
+        all_keys = await self._chain_keys(ns, fingerprint, arr, bt)
         first = 0
         if skip_cached and not pin:  # with pin every block is sent: the daemon pins the ones it holds as it dedupes
             hit = await self.lookup(fingerprint, arr, namespace=ns, probe=True)  # not a read: counts no use
+            if any(b.num_tokens == bt and b.key != k for b, k in zip(hit.blocks, all_keys, strict=False)):
+                all_keys = await self._chain_keys(ns, fingerprint, arr, bt, again=True)
             # Only whole cached blocks can be skipped: a cached partial tail is superseded by what we send.
             first = sum(1 for b in hit.blocks if b.num_tokens == bt and b.key in all_keys)
         if first == len(all_keys):
@@ -289,7 +288,11 @@ class EngramClient(ControlClient):
             first = 0
             reply = await self._put_from(fingerprint, arr, kv, all_keys, first, bt, ns, pin, encode)
         if list(reply.keys) != all_keys[first:]:
-            raise errors.DataLoss("the daemon computed other block keys than this client; key versions differ?")
+            all_keys = await self._chain_keys(ns, fingerprint, arr, bt, again=True)
+        if list(reply.keys) != all_keys[first:]:
+            raise errors.DataLoss("the daemon stored the blocks under other keys than this client computes with the "
+                                  "namespace's salt and name it gives (asked again): the two key chains differently "
+                                  "(versions differ?)")
         return PutResult(tuple(all_keys), reply.stored, reply.deduplicated, skipped=first,
                          not_durable=reply.not_durable)
 
@@ -1099,6 +1102,18 @@ class EngramClient(ControlClient):
         r = await self.resume(session_id, position=position, namespace=namespace, with_global_kv=True)
         assert r.global_kv is not None
         return r, r.global_kv.to(device)
+
+    async def _chain_keys(self, namespace: str, fingerprint: bytes, arr: np.ndarray, block_tokens: int, *,
+                          again: bool = False) -> list[bytes]:
+        """The keys of a chain's blocks as the daemon computes them. again: with the namespace's salt asked for
+        anew, when the daemon's keys differed from those made with the salt it gave before (it restarted with
+        another auth.salt_secret: every later put failed DataLoss and no cached block was ever skipped)."""
+        from engram.keys import chain_keys
+
+        if again:
+            self._salts.pop(namespace, None)
+        key_ns, salt = await self._keying(namespace)
+        return [k for k, _, _ in chain_keys(key_ns, fingerprint, arr, block_tokens, salt)]
 
     async def _keying(self, namespace: str) -> tuple[str, bytes]:
         """What the daemon computes this namespace's keys with: the namespace it resolves the name to (a

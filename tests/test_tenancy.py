@@ -4,6 +4,7 @@ gets the hit), so the tests fail if caching is simply off rather than isolated."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -16,10 +17,11 @@ import torch
 
 from engram import errors
 from engram.client import EngramClient
+from engram.config import load_config
 from engram.keys import chain_keys
-from engram.server import RunningServer
+from engram.server import RunningServer, start_server
 
-from helpers import BLOCK_TOKENS, random_kv, silent_puts, tiny_model, tokens
+from helpers import BLOCK_TOKENS, random_kv, silent_puts, tiny_model, tokens, until
 
 ALICE, BOB, ADMIN = "alice-token", "bob-token", "admin-token"
 AUTH = {"auth.tenants.alice.token": ALICE, "auth.tenants.alice.quota": "128KiB",
@@ -465,3 +467,48 @@ async def test_one_tenant_cannot_fill_the_daemons_model_registry(server_factory:
             await admin.register_model(tiny_model(weights_id=f"admin-{i}"))
         with pytest.raises(errors.ResourceExhausted, match=r"server\.max_models\)"):
             await admin.register_model(tiny_model(weights_id="admin-3"))
+
+
+async def test_a_client_keeps_putting_after_the_daemon_restarts_with_another_salt_secret(tmp_path: Path) -> None:
+    """The client keys a put's chain itself, with the namespace's salt asked once. A daemon restarted with
+    another auth.salt_secret (a rotation) computes other keys: every later put of a running worker failed
+    DataLoss "key versions differ?" though the daemon had stored its blocks, and its skip of the cached prefix
+    never matched (every put sent every block; an audit, session 45). The client now asks for the salt again
+    when the daemon's keys differ from its own: puts, skips of what is cached, lookups and loads all work."""
+    spec = tiny_model()
+    toks = tokens(3 * BLOCK_TOKENS + 5, seed=21)
+    kv = random_kv(spec, len(toks), seed=21)
+    config = {"server.unix_socket": str(tmp_path / "engram.sock"), "tiers.dram.capacity": "64MiB",
+              "tiers.dram.prefault": False, **AUTH}
+    srv = await start_server(load_config(env={}, overrides=config))
+    async with as_(srv, ALICE) as a:
+        try:
+            fp = await a.register_model(spec)
+            assert (await a.put(fp, toks, kv)).stored == 4
+        finally:
+            await srv.stop(0)
+        srv = await start_server(load_config(env={}, overrides={**config, "auth.salt_secret": "rotated-secret"}))
+        try:
+            async def reached() -> bool:
+                with contextlib.suppress(errors.Unavailable):
+                    return bool(await a.stats())
+                return False
+
+            await until(reached, "the client reaches the restarted daemon")
+            fp = await a.register_model(spec)  # DRAM only: it came back knowing no model and holding no block
+            put = await a.put(fp, toks, kv)
+            assert (put.stored, put.skipped) == (4, 0)
+            hit = await a.lookup(fp, toks)
+            assert hit.matched_tokens == len(toks) and [b.key for b in hit.blocks] == list(put.keys)
+            again = await a.put(fp, toks, kv)  # the cached full blocks are recognised: only the partial tail goes
+            assert (again.stored, again.deduplicated, again.skipped, again.keys) == (0, 1, 3, put.keys)
+            longer = np.concatenate([toks[: 3 * BLOCK_TOKENS], tokens(2 * BLOCK_TOKENS, seed=22)])
+            more = random_kv(spec, len(longer), seed=22)
+            more[:, :, : 3 * BLOCK_TOKENS] = kv[:, :, : 3 * BLOCK_TOKENS]
+            extended = await a.put(fp, longer, more)  # only the blocks after the cached prefix go
+            assert (extended.stored, extended.skipped) == (2, 3)
+            n, got = await a.get_prefix(fp, longer)
+            assert n == len(longer) and torch.equal(got, more)
+            assert torch.equal(torch.cat(await a.get(fp, list(put.keys)), dim=2), kv)
+        finally:
+            await srv.stop(0)
