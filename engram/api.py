@@ -81,7 +81,7 @@ class PutResult:
     keys: tuple[bytes, ...]  # every block of the sequence, cached ones included
     stored: int
     deduplicated: int
-    skipped: int  # blocks not sent because a Lookup showed them cached
+    skipped: int  # blocks not sent because a Lookup (in place: ReservePut) showed them cached; never deduplicated
     # An in-place put's time: reserving slots, encoding and writing them, the daemon's sealing and publishing.
     reserve_ms: float = 0.0
     write_ms: float = 0.0

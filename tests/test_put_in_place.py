@@ -49,8 +49,13 @@ async def test_an_in_place_put_stores_what_a_put_stores(server_factory, codec: s
         assert [b.nbytes for b in mine.blocks] == [b.nbytes for b in theirs.blocks]
         a = torch.cat(await local.get(fp, list(put.keys), zero_copy=False), dim=2)
         assert torch.equal(a, torch.cat(await remote.get(fp, their_keys), dim=2))
-        again = await local.put(fp, toks, kv)  # everything cached: nothing written
-        assert (again.stored, again.skipped) == (0, 5)
+        deduplicated = (await local.stats()).blocks_deduplicated
+        again = await local.put(fp, toks, kv)  # everything cached: nothing written, nothing deduplicated
+        # As on the bytes path, a block skipped as cached is neither stored nor deduplicated, in the PutResult and
+        # in Stats: it counted in both skipped and deduplicated (10 of 5 blocks), and the daemon's dedupe counter
+        # grew by blocks never sent (an audit, session 45).
+        assert (again.stored, again.deduplicated, again.skipped) == (0, 0, 5)
+        assert (await local.stats()).blocks_deduplicated == deduplicated
 
 
 @pytest.mark.parametrize("codec", ["raw", "nvfp4"])

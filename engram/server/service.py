@@ -500,7 +500,7 @@ class EngramService:
             raise FailedPrecondition("this daemon has no shared DRAM pool: nothing was reserved")
         outcomes = await self.inplace.commit(self.inplace.get(ns, req.reservation_id), req.blocks)
         return pb.PutResponse(keys=[o.key for o in outcomes], stored=sum(o.stored for o in outcomes),
-                              deduplicated=sum(not o.stored for o in outcomes),
+                              deduplicated=sum(not o.stored and not o.skipped for o in outcomes),
                               not_durable=sum(not o.durable for o in outcomes))
 
     @unary

@@ -80,8 +80,9 @@ class PutOutcome(NamedTuple):
     frozen dataclass costs three times as much to build."""
 
     key: bytes
-    stored: bool  # False: the block was already present (deduplicated)
+    stored: bool  # False: the block was already present (deduplicated, unless skipped)
     durable: bool = True  # False: write-through acknowledged it without a durable copy (engram/store/durable.py)
+    skipped: bool = False  # an in-place put's block stored when reserved: never written, so not deduplicated either
 
 
 class BlockStore:

@@ -357,9 +357,11 @@ class InPlacePuts:
         return out
 
     async def _publish(self, res: Reservation, r: Reserved, index: int) -> PutOutcome:
-        """One sealed block: deduplicated against a copy stored meanwhile (made durable again under
-        write-through, as any put's), or renamed to its key, given its durable copy under write-through, and
-        only then indexed, so that no other put is acknowledged against a block that might yet be dropped."""
+        """One sealed block: skipped if it was stored when reserved (pinned, made durable again under
+        write-through, but not deduplicated: nothing of it was written, as the bytes path skips a cached block);
+        deduplicated against a copy stored meanwhile (made durable again under write-through, as any put's); or
+        renamed to its key, given its durable copy under write-through, and only then indexed, so that no other
+        put is acknowledged against a block that might yet be dropped."""
         from engram.store.core import PutOutcome, WritePolicy
 
         store, meta = self.store, r.meta
@@ -415,8 +417,9 @@ class InPlacePuts:
         return PutOutcome(meta.key, stored=True, durable=ok)
 
     async def _deduplicate(self, res: Reservation, r: Reserved, existing: BlockMeta, index: int) -> PutOutcome:
-        """A reserved block stored already (skipped at reserve, or stored meanwhile by another put): pinned with
-        the reservation's pin, made durable again under write-through, any slot of it freed. The durable copy is
+        """A reserved block stored already (skipped at reserve: counted skipped, as the bytes path skips a cached
+        block; or stored meanwhile by another put: deduplicated, its slot freed): pinned with the reservation's
+        pin, made durable again under write-through. The durable copy is
         made from the caller's sealed bytes when they are the block's own (the same checksum), else from its own
         copy that verifies; DataLoss when none did: the block was dropped (the slot, if any, kept for the caller's
         bytes to be stored)."""
@@ -431,11 +434,12 @@ class InPlacePuts:
         if store.write_policy == WritePolicy.WRITE_THROUGH:
             own = self.pool.view(self._slot_key(res, r.meta)) if r.slot is not None else None
             ok = await durable.make_durable_again(store, existing, own, r.meta.checksum, index=index)
-        if r.slot is not None:
+        skipped = r.slot is None  # stored when reserved, so never written: skipped, as the bytes path skips it
+        if not skipped:  # its bytes were written and dropped: deduplicated
             await self._free_slot(res, r)
-        store.counters.blocks_deduplicated += 1
-        store.counters.of(r.meta.namespace).blocks_deduplicated += 1
-        return PutOutcome(r.meta.key, stored=False, durable=ok)
+            store.counters.blocks_deduplicated += 1
+            store.counters.of(r.meta.namespace).blocks_deduplicated += 1
+        return PutOutcome(r.meta.key, stored=False, durable=ok, skipped=skipped)
 
     async def _seal(self, batch: Sequence[Reserved]) -> None:
         """Verify each slot holds what was reserved, fill in a v1 block's body and header checksums, and take
