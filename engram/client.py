@@ -66,6 +66,7 @@ __all__ = ["EngramClient", "SyncEngramClient", "same_host"]
 
 RELEASE_AFTER_S = 0.25  # a finished load's lease ends with the next load, or this long after it
 IN_PLACE_MIN_BYTES = 16 * 2**20  # host-memory puts smaller than this take the data channel (_in_place_pays)
+FRAME_BYTES = 64  # a Put chunk's message less its payload and block header: tags, lengths, the last flag
 
 T = TypeVar("T")
 
@@ -155,7 +156,10 @@ class EngramClient(ControlClient):
                             else put)
         self._data_wanted = data_channel
         self.in_place_min_bytes = in_place_min_bytes
-        self._max_blocks = 1 << 62  # blocks one request may name: the daemon says when a model is registered
+        # What one request may carry, as the daemon says when a model is registered (until then: no bound but ours):
+        self._max_blocks = 1 << 62  # blocks (or keys) it may name
+        self._max_tokens = 1 << 62  # tokens a Lookup may name
+        self._max_message = max_message_bytes  # bytes of one gRPC message sent: ours, or the daemon's if less
         self._data: DataChannel | None = None
         self._layouts: dict[bytes, ModelSpec] = {}
         # The daemon's pools this process maps, for zero-copy Gets, loads, in-place puts and CUDA IPC (each let go
@@ -193,8 +197,13 @@ class EngramClient(ControlClient):
         req = pb.RegisterModelRequest(model=convert.model_to_pb(spec))
         resp = await self._call(self._stub.RegisterModel(req))
         self._layouts[resp.model_fingerprint] = dataclasses.replace(spec, codec=resp.codec)
-        if resp.max_blocks_per_request:  # requests naming more blocks go in parts (0: an older daemon's silence)
+        # 0: an older daemon's silence
+        if resp.max_blocks_per_request:  # requests naming more blocks go in parts
             self._max_blocks = resp.max_blocks_per_request
+        if resp.max_tokens_per_request:
+            self._max_tokens = resp.max_tokens_per_request
+        if resp.max_message_bytes:  # a Put's chunks stay under it (it refused a larger one as INTERNAL, unlogged)
+            self._max_message = min(self._max_message, resp.max_message_bytes)
         return resp.model_fingerprint
 
     def codec_of(self, fingerprint: bytes) -> str:
@@ -487,13 +496,14 @@ class EngramClient(ControlClient):
         if data is not None:
             with contextlib.suppress(wire.ChannelFull):  # its connections are all taken: gRPC may take the call
                 return await self._put_data(data, put, items)
-        step = self.chunk_bytes
-
         async def requests(head: pb.PutHeader, part: list[tuple[pb.BlockHeader, bytes | memoryview]]
                            ) -> AsyncIterator[bytes]:  # serialized PutRequests (chunk_frames: one copy each)
             yield pb.PutRequest(header=head).SerializeToString()
             for header, payload in part:
-                for frame in chunk_frames(2, b"", header.SerializeToString(), payload, step):  # PutRequest.chunk
+                serialized = header.SerializeToString()
+                # Each message under the smaller of the two limits, its block's header (first chunk) included
+                step = max(1, min(self.chunk_bytes, self._max_message - len(serialized) - FRAME_BYTES))
+                for frame in chunk_frames(2, b"", serialized, payload, step):  # PutRequest.chunk
                     yield frame
 
         # A chain longer than the daemon's server.max_blocks_per_request goes in several Puts, each after the last

@@ -305,6 +305,27 @@ async def test_large_blocks_are_chunked_under_the_message_limit(server_factory) 
     assert srv.service.dataport is not None and srv.service.dataport.served["put"] == 0
 
 
+async def test_a_clients_put_chunks_stay_under_the_daemons_message_limit(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A client at its defaults (8 MiB chunks, 64 MiB messages) putting over gRPC to a daemon whose
+    server.max_message_bytes is 4 MiB: its 4 MiB blocks went as one message each, which the daemon refused as
+    "INTERNAL: Internal error from Core", logging nothing and naming neither setting (an audit, session 45). The
+    daemon says its limit when the model is registered, and the client's chunks, block header included, stay
+    under it."""
+    from engram.layout import KVLayout, LayerKind, LayerSpec, ModelSpec
+
+    layout = KVLayout(layers=(LayerSpec(LayerKind.GLOBAL),) * 4, num_kv_heads=8, head_dim=128,
+                      dtype=DType.BF16, block_tokens=256)
+    spec = ModelSpec("big", "w", layout, codec="raw")  # 4 MiB blocks: with a header, over the limit whole
+    srv = await server_factory(**{"server.max_message_bytes": 4 * 2**20, "server.chunk_bytes": 2**20})
+    async with EngramClient(srv.address, zero_copy=False, data_channel=False) as client:
+        fp = await client.register_model(spec)
+        toks = tokens(2 * 256, seed=3)
+        kv = torch.randn(layout.block_shape(len(toks))).to(torch.bfloat16)
+        assert (await client.put(fp, toks, kv)).stored == 2
+        n, got = await client.get_prefix(fp, toks)
+        assert n == len(toks) and got is not None and torch.equal(got, kv)
+
+
 def test_sync_client_round_trip(server) -> None:  # type: ignore[no-untyped-def]
     from engram.client import SyncEngramClient
 

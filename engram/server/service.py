@@ -230,7 +230,9 @@ class EngramService:
                                     "register one of those, or raise the limit")
         fp = registry.register(spec, tenant)
         return pb.RegisterModelResponse(model_fingerprint=fp, codec=self.store.spec(fp).codec,
-                                        max_blocks_per_request=self.config.max_blocks_per_request)
+                                        max_blocks_per_request=self.config.max_blocks_per_request,
+                                        max_message_bytes=int(self.config.max_message_bytes),
+                                        max_tokens_per_request=self.config.max_tokens_per_request)
 
     @unary
     async def Lookup(self, request: Any, context: grpc.aio.ServicerContext) -> pb.LookupResponse:

@@ -118,14 +118,18 @@ class RegisterModelRequest(_message.Message):
     def __init__(self, model: _Optional[_Union[ModelSpec, _Mapping]] = ...) -> None: ...
 
 class RegisterModelResponse(_message.Message):
-    __slots__ = ("model_fingerprint", "codec", "max_blocks_per_request")
+    __slots__ = ("model_fingerprint", "codec", "max_blocks_per_request", "max_message_bytes", "max_tokens_per_request")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCKS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: bytes
     codec: str
     max_blocks_per_request: int
-    def __init__(self, model_fingerprint: _Optional[bytes] = ..., codec: _Optional[str] = ..., max_blocks_per_request: _Optional[int] = ...) -> None: ...
+    max_message_bytes: int
+    max_tokens_per_request: int
+    def __init__(self, model_fingerprint: _Optional[bytes] = ..., codec: _Optional[str] = ..., max_blocks_per_request: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("namespace", "model_fingerprint", "tokens", "probe")
