@@ -142,7 +142,9 @@ class EngramClient(ControlClient):
         data_channel: payloads that travel as bytes take the daemon's data channel (raw bytes on a socket
         beside gRPC, engram/wire/data.py) when it announces one; False: gRPC streams only.
         in_place_min_bytes: on the daemon's host, a put from host memory smaller than this goes over the data
-        channel instead of in place (0: always in place)."""
+        channel instead of in place (0: always in place). chunk_bytes: a gRPC Put's payload bytes per message, less
+        where max_message_bytes or the daemon's own limit (said at register_model) leaves less room; this client
+        receives messages of any size the daemon sends."""
         if chunk_bytes + 4096 > max_message_bytes:
             raise ValueError("chunk_bytes must leave room for headers under max_message_bytes")
         super().__init__(address, namespace=namespace, token=token, root_cert=root_cert,

@@ -39,13 +39,16 @@ class ControlClient:
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         """address: host:port or unix:/path. token: the tenant's bearer token (tenancy on); root_cert: PEM root
         certificate, for a daemon serving TLS. namespace: the default of every call; with a token, "" means
-        the token's first."""
+        the token's first. max_message_bytes: the largest message this client sends; it takes any the daemon
+        sends (which its own server.max_message_bytes bounds, and a Get's chunks its server.chunk_bytes: a
+        client whose limit was below those could fetch no block over gRPC)."""
         if not header_safe(token):
             raise errors.InvalidArgument("the token holds a space, a control or a non-ASCII character; a bearer "
                                          "token is printable ASCII")
         self.address = address
         self.namespace = namespace
-        self._channel = open_channel(address, root_cert=root_cert, max_message_bytes=max_message_bytes)
+        self._channel = open_channel(address, root_cert=root_cert, max_message_bytes=max_message_bytes,
+                                     max_receive_bytes=-1)
         self._stub = stub_for(self._channel, token)
 
     async def __aenter__(self) -> Self:

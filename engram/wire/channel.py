@@ -13,10 +13,12 @@ DEFAULT_CHUNK_BYTES = 8 * 2**20
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20
 
 
-def message_options(max_message_bytes: int) -> list[tuple[str, Any]]:
-    """The send and receive limits, the same on channels and servers."""
+def message_options(max_message_bytes: int, max_receive_bytes: int | None = None) -> list[tuple[str, Any]]:
+    """The send and receive limits, the same on channels and servers unless max_receive_bytes is given (-1:
+    any size)."""
+    receive = max_message_bytes if max_receive_bytes is None else max_receive_bytes
     return [("grpc.max_send_message_length", int(max_message_bytes)),
-            ("grpc.max_receive_message_length", int(max_message_bytes))]
+            ("grpc.max_receive_message_length", int(receive))]
 
 
 def same_host(address: str) -> bool:
@@ -61,9 +63,11 @@ RECONNECT_OPTIONS: list[tuple[str, Any]] = [
 
 
 def open_channel(address: str, *, root_cert: bytes | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, server_name: str = "") -> grpc.aio.Channel:
-    """A channel to a daemon: TLS when root_cert (PEM) is given."""
-    options = message_options(max_message_bytes) + RECONNECT_OPTIONS
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_receive_bytes: int | None = None,
+                 server_name: str = "") -> grpc.aio.Channel:
+    """A channel to a daemon: TLS when root_cert (PEM) is given. max_receive_bytes: None, max_message_bytes;
+    -1, any size."""
+    options = message_options(max_message_bytes, max_receive_bytes) + RECONNECT_OPTIONS
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
     if root_cert is not None:
