@@ -255,10 +255,11 @@ class EngramClient(ControlClient):
         model's codec (the Triton kernels when kv is on a GPU, a few launches for all blocks) and written
         straight into pool slots the daemon reserved (ReservePut, CommitPut): no KV crosses the socket, and
         blocks already stored are skipped; from host memory only for 16 MiB or more (below, one message on
-        the data channel is faster than two RPCs). Elsewhere they travel as bytes (the data channel): with skip_cached (the
-        default) a Lookup first finds the cached prefix and only the blocks after it are sent (not with pin: the
-        cached blocks would stay unpinned; every block is sent, and the daemon pins those it holds); with encode
-        they are encoded here and travel 3.5-4x smaller, otherwise the daemon encodes them.
+        the data channel is faster than two RPCs). Elsewhere they travel as bytes (the data channel): with
+        skip_cached (the default) a Lookup first finds the cached prefix (within the first
+        server.max_tokens_per_request tokens) and only the blocks after it are sent (not with pin: the cached
+        blocks would stay unpinned; every block is sent, and the daemon pins those it holds); with encode they
+        are encoded here and travel 3.5-4x smaller, otherwise the daemon encodes them.
         """
         spec = self._spec(fingerprint)
         ns = self._ns(namespace)
@@ -283,7 +284,9 @@ class EngramClient(ControlClient):
         all_keys = await self._chain_keys(ns, fingerprint, arr, bt)
         first = 0
         if skip_cached and not pin:  # with pin every block is sent: the daemon pins the ones it holds as it dedupes
-            hit = await self.lookup(fingerprint, arr, namespace=ns, probe=True)  # not a read: counts no use
+            # Not a read: counts no use. Of at most the tokens one Lookup may name: the cached blocks among them are
+            # skipped and any after them sent (a longer prompt's whole Lookup was refused, and it was never put).
+            hit = await self.lookup(fingerprint, arr[: self._max_tokens], namespace=ns, probe=True)
             if any(b.num_tokens == bt and b.key != k for b, k in zip(hit.blocks, all_keys, strict=False)):
                 all_keys = await self._chain_keys(ns, fingerprint, arr, bt, again=True)
             # Only whole cached blocks can be skipped: a cached partial tail is superseded by what we send.

@@ -438,6 +438,28 @@ async def test_a_chain_longer_than_one_request_may_name_goes_in_parts(server_fac
         assert torch.equal(dest, kv)
 
 
+@pytest.mark.parametrize("path", ["data channel", "grpc"])
+async def test_a_prompt_longer_than_one_lookup_may_name_is_put_and_its_cached_blocks_skipped(server_factory, path: str) -> None:  # type: ignore[no-untyped-def]
+    """server.max_tokens_per_request bounds a Lookup's tokens (64 here). A put split its blocks to fit a request
+    but sent its skip-cached Lookup whole: a 100-token prompt could never be put, "Lookup tokens: 100 exceeds the
+    server's limit of 64; split the request" (an audit, session 45). The put now looks up at most the limit's
+    tokens: the cached blocks among them are skipped, the rest sent (and deduplicated where cached)."""
+    srv = await server_factory(**{"server.max_tokens_per_request": 64})
+    spec = tiny_model()
+    kw: dict[str, Any] = {"data channel": {"zero_copy": False}, "grpc": {"zero_copy": False, "data_channel": False}}[path]
+    async with EngramClient(srv.address, namespace="t", **kw) as c:
+        fp = await c.register_model(spec)
+        toks = tokens(100, seed=13)  # 6 full blocks of 16 and a tail of 4
+        kv = random_kv(spec, len(toks), seed=13)
+        put = await c.put(fp, toks, kv)
+        assert (put.stored, put.deduplicated, put.skipped) == (7, 0, 0)
+        again = await c.put(fp, toks, kv)
+        assert (again.stored, again.deduplicated, again.skipped, again.keys) == (0, 3, 4, put.keys)
+        assert torch.equal(torch.cat(await c.get(fp, list(put.keys)), dim=2), kv)
+        n, got = await c.get_prefix(fp, toks[:64])
+        assert n == 64 and torch.equal(got, kv[:, :, :64])
+
+
 async def test_more_finished_loads_than_one_request_may_name_end_their_leases_in_parts(server_factory) -> None:  # type: ignore[no-untyped-def]
     """Each finished load's lease waits for the next load's GetPrefix to end it; more of them than
     server.max_blocks_per_request (8 concurrent loads, a bound of 4) made that next load fail RESOURCE_EXHAUSTED,
