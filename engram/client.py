@@ -222,12 +222,12 @@ class EngramClient(ControlClient):
 
     async def lookup(self, fingerprint: bytes, tokens: Sequence[int] | np.ndarray, *, namespace: str | None = None,
                      probe: bool = False) -> LookupResult:
-        """How many leading tokens are cached, and the blocks holding them (no KV moves). A lookup is a use
-        of each block, which the daemon's eviction order learns from; probe: only the answer (no use counted,
-        no age restarted), for a caller whose read of the blocks follows (GetPrefix counts it) or who only
-        checks what it need not send."""
+        """How many leading tokens are cached, and the blocks holding them (no KV moves), among the first
+        server.max_tokens_per_request (the most one request may name). A lookup is a use of each block, which
+        the daemon's eviction order learns from; probe: only the answer (no use counted, no age restarted), for
+        a caller whose read of the blocks follows (GetPrefix counts it) or who only checks what it need not send."""
         req = pb.LookupRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint,
-                               tokens=convert.tokens_to_pb(tokens), probe=probe)
+                               tokens=convert.tokens_to_pb(tokens[: self._max_tokens]), probe=probe)
         return convert.from_pb(LookupResult, await self._call(self._stub.Lookup(req)))
 
     def give_way_to(self, gate: LoadGate | None) -> None:
@@ -284,9 +284,9 @@ class EngramClient(ControlClient):
         all_keys = await self._chain_keys(ns, fingerprint, arr, bt)
         first = 0
         if skip_cached and not pin:  # with pin every block is sent: the daemon pins the ones it holds as it dedupes
-            # Not a read: counts no use. Of at most the tokens one Lookup may name: the cached blocks among them are
-            # skipped and any after them sent (a longer prompt's whole Lookup was refused, and it was never put).
-            hit = await self.lookup(fingerprint, arr[: self._max_tokens], namespace=ns, probe=True)
+            # Not a read: counts no use. Of the first server.max_tokens_per_request tokens (lookup): the cached blocks
+            # among them are skipped and any after them sent (a longer prompt's whole Lookup was refused: never put).
+            hit = await self.lookup(fingerprint, arr, namespace=ns, probe=True)
             if any(b.num_tokens == bt and b.key != k for b, k in zip(hit.blocks, all_keys, strict=False)):
                 all_keys = await self._chain_keys(ns, fingerprint, arr, bt, again=True)
             # Only whole cached blocks can be skipped: a cached partial tail is superseded by what we send.
@@ -827,10 +827,10 @@ class EngramClient(ControlClient):
     async def get_prefix(self, fingerprint: bytes, tokens: Sequence[int] | np.ndarray, *,
                          namespace: str | None = None, device: torch.device | str = "cpu"
                          ) -> tuple[int, Any]:
-        """The longest cached prefix of `tokens` and its KV, (persisted_layers, 2, matched, kv_heads, head_dim)
-        on `device` (matched = 0 on a miss: an empty tensor of that shape); a stream layout's: a dict of its
-        streams, name -> (persisted_layers, matched // compress, *shape). One round trip; on a GPU the blocks
-        are decoded there (load_prefix_into into new tensors)."""
+        """The longest cached prefix of `tokens` (as load_prefix_into finds it) and its KV, (persisted_layers, 2,
+        matched, kv_heads, head_dim) on `device` (matched = 0 on a miss: an empty tensor of that shape); a stream
+        layout's: a dict of its streams, name -> (persisted_layers, matched // compress, *shape). One round trip;
+        on a GPU the blocks are decoded there (load_prefix_into into new tensors)."""
         spec = self._spec(fingerprint)
         lay = spec.layout
 
@@ -855,7 +855,8 @@ class EngramClient(ControlClient):
     async def load_prefix_into(self, fingerprint: bytes, tokens: Sequence[int] | np.ndarray,
                                dest: KVDestination | torch.Tensor | Mapping[str, torch.Tensor], *,
                                namespace: str | None = None) -> LoadResult:
-        """The hit path: write the KV of the longest cached prefix of `tokens` into the worker's own KV memory
+        """The hit path: write the KV of the longest cached prefix of `tokens` (among its first
+        server.max_tokens_per_request, the most one request may name) into the worker's own KV memory
         `dest` (engram/destinations.py: ContiguousKV, LayerKV, PagedKV, and for a stream layout StreamsKV or
         PagedStreamsKV; a (L, 2, T, H, D) tensor is taken as ContiguousKV, a mapping of stream name to tensor as
         StreamsKV), up to its capacity. One round trip (GetPrefix): blocks in the daemon's shared pools are
@@ -885,8 +886,8 @@ class EngramClient(ControlClient):
         if len(held) > self._max_blocks:  # more than one request may name (many loads ended since the last)
             held, rest = held[: self._max_blocks], held[self._max_blocks :]
             self._release_later(set(rest), ns)
-        req = pb.GetPrefixRequest(namespace=ns, model_fingerprint=fingerprint,
-                                  tokens=convert.tokens_to_pb(tokens), zero_copy=zero_copy,
+        req = pb.GetPrefixRequest(namespace=ns, model_fingerprint=fingerprint,  # as many tokens as a request may name
+                                  tokens=convert.tokens_to_pb(tokens[: self._max_tokens]), zero_copy=zero_copy,
                                   cuda_ipc=zero_copy and device.type == "cuda", release_lease_ids=held,
                                   hold_for_get=True)
         t0 = time.perf_counter()

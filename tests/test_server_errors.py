@@ -186,9 +186,10 @@ async def test_request_limits(server_factory) -> None:  # type: ignore[no-untype
     spec = tiny_model()
     async with EngramClient(srv.address) as client:
         fp = await client.register_model(spec)
+        # As a client that does not cap or split its requests (an older one, or another)
+        client._max_tokens = client._max_blocks = 1 << 62
         with pytest.raises(errors.ResourceExhausted, match="limit of 100"):
             await client.lookup(fp, tokens(101))
-        client._max_blocks = 1 << 62  # as a client that does not split its requests (an older one, or another)
         with pytest.raises(errors.ResourceExhausted, match="limit of 2"):
             await client.put(fp, tokens(3 * BLOCK_TOKENS), random_kv(spec, 3 * BLOCK_TOKENS), skip_cached=False)
         with pytest.raises(errors.ResourceExhausted, match="limit of 2"):

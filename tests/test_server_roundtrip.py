@@ -460,6 +460,26 @@ async def test_a_prompt_longer_than_one_lookup_may_name_is_put_and_its_cached_bl
         assert n == 64 and torch.equal(got, kv[:, :, :64])
 
 
+async def test_a_prompt_longer_than_one_lookup_may_name_hits_the_cached_prefix_of_its_first_that_many_tokens(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A Lookup or load of a prompt longer than server.max_tokens_per_request (64 here) was refused "split the
+    request", which a worker cannot: the vLLM connector counted a lookup failure and computed every such prompt
+    in full, the transformers store a load failure (an audit, session 45). The client asks about the first
+    max_tokens_per_request tokens (RegisterModel says it): the hit is the cached prefix among them."""
+    srv = await server_factory(**{"server.max_tokens_per_request": 64})
+    spec = tiny_model()
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        toks = tokens(100, seed=14)
+        kv = random_kv(spec, len(toks), seed=14)
+        await c.put(fp, toks, kv)
+        assert (await c.lookup(fp, toks, probe=True)).matched_tokens == 64
+        dest = torch.zeros_like(kv)
+        assert (await c.load_prefix_into(fp, toks, dest)).loaded_tokens == 64
+        assert torch.equal(dest[:, :, :64], kv[:, :, :64]) and not dest[:, :, 64:].any()
+        n, got = await c.get_prefix(fp, toks)
+        assert n == 64 and torch.equal(got, kv[:, :, :64])
+
+
 async def test_more_finished_loads_than_one_request_may_name_end_their_leases_in_parts(server_factory) -> None:  # type: ignore[no-untyped-def]
     """Each finished load's lease waits for the next load's GetPrefix to end it; more of them than
     server.max_blocks_per_request (8 concurrent loads, a bound of 4) made that next load fail RESOURCE_EXHAUSTED,
