@@ -68,12 +68,17 @@ class ServerConfig:
     max_blocks_per_request: int = 4096  # blocks (or keys) one Put, Get, ReservePut, DescribeBlocks or Evict may name
     max_tokens_per_request: int = 1 << 21  # also the longest a session may grow
     max_block_bytes: ByteSize = ByteSize(256 * 2**20)  # a model whose raw block is larger is refused at register
-    # Registered models (each is a file and an entry in memory). With tenancy on, a full registry refuses a tenant
-    # every model it has not registered itself, whether or not another tenant has (so it tells no one which).
+    # Registered models (each is a file and an entry in memory), kept across restarts. A registration of a new model
+    # at the bound first forgets models no tenant registered (any model, with tenancy off) that hold no block,
+    # session, reservation or put in flight, least recently used first; refused only when too few do. With
+    # tenancy on, a full registry refuses a tenant every model it has not registered itself, whether or not another
+    # tenant has (so it tells no one which).
     max_models: int = 1024
-    # With tenancy on, the models one tenant's token may register, kept across restarts: registering one of its own
-    # again is free, one only another tenant registered counts too (a tenant sees only the models it registered).
-    # One tenant filled max_models in a second, refusing every other's.
+    # With tenancy on, the models one tenant's token has registered at once, kept across restarts: registering one of
+    # its own again is free, one only another tenant registered counts too (a tenant sees only the models it
+    # registered). Past it, its registrations that hold nothing in its namespaces (no block, session, reservation
+    # or put in flight) are dropped, least recently registered or used first; a worker whose model was dropped
+    # registers it again on the UnknownModel. One tenant filled max_models in a second, refusing every other's.
     max_models_per_tenant: int = 64
     max_sessions_per_namespace: int = 4096  # a tenant's max_sessions, when set, overrides it for its namespaces
     # A session no call has touched for this long is closed, its blocks' references dropped (an agent that crashed

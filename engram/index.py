@@ -22,7 +22,7 @@ own bookkeeping (eviction, recovery), never a tenant's query.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -230,6 +230,15 @@ class _Space:
     children: dict[bytes, _Children] = field(default_factory=dict)  # parent key -> the blocks extending it
     nbytes: int = 0  # physical bytes: each stored block once
     pinned: int = 0  # bytes of its blocks a pin keeps (BlockMeta.pin_held): what a tenant's pin share counts
+    models: dict[bytes, int] = field(default_factory=dict)  # its blocks per model: a model holding none may go
+
+
+def _count_down(counts: dict[bytes, int], key: bytes) -> None:
+    left = counts[key] - 1
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]
 
 
 IndexListener = Callable[[str, BlockMeta], None]  # ("add" | "remove", block): the cluster index follows
@@ -240,6 +249,7 @@ class ChainIndex:
         self._entries: dict[bytes, BlockMeta] = {}
         self.get_entry = self._entries.get  # `get` without a Python frame, for the eviction search's checks
         self._spaces: dict[str, _Space] = {}
+        self._models: dict[bytes, int] = {}  # blocks per model, every namespace's (models_held)
         self.listeners: list[IndexListener] = []
         self.probes = 0  # the work of every match so far: key probes, children compared, trie steps
 
@@ -266,6 +276,13 @@ class ChainIndex:
     def blocks_in(self, namespace: str) -> list[BlockMeta]:
         space = self._spaces.get(namespace)
         return [] if space is None else list(space.entries.values())
+
+    def holds_model(self, model_fingerprint: bytes, namespaces: Collection[str] | None = None) -> bool:
+        """Whether any block of the model is stored in one of `namespaces` (None: in any namespace)."""
+        if namespaces is None:
+            return model_fingerprint in self._models
+        return any(model_fingerprint in space.models
+                   for space in (self._spaces.get(ns) for ns in namespaces) if space is not None)
 
     def physical_bytes(self, namespace: str) -> int:
         space = self._spaces.get(namespace)
@@ -325,6 +342,9 @@ class ChainIndex:
             space = self._spaces[meta.namespace] = _Space()
         space.entries[meta.key] = meta
         space.nbytes += meta.nbytes
+        fp = meta.model_fingerprint
+        space.models[fp] = space.models.get(fp, 0) + 1
+        self._models[fp] = self._models.get(fp, 0) + 1
         parent = space.entries.get(meta.parent)
         if parent is not None:
             parent.children += 1
@@ -355,6 +375,8 @@ class ChainIndex:
             self._pin_held_changed(space, meta, False)
         del space.entries[key]
         space.nbytes -= meta.nbytes
+        _count_down(space.models, meta.model_fingerprint)
+        _count_down(self._models, meta.model_fingerprint)
         siblings = space.children.get(meta.parent)
         if siblings is not None:
             siblings.remove(key)

@@ -36,6 +36,10 @@ class ModelRegistry:
         # server.max_models_per_tenant it counts against. Saved in its file, so both outlive a restart (a share
         # counted in memory only let one tenant fill the registry over a few restarts).
         self._tenants: dict[bytes, set[str]] = {}
+        # When each registration was last registered or used (a tick; "": no tenant): which one gives its place
+        # up first when it holds nothing (engram/server/modelroom.py). In memory: after a restart none was.
+        self._used: dict[tuple[bytes, str], int] = {}
+        self._tick = 0
         self._dir = Path(directory) if directory else None
         if self._dir is not None:
             private_dir(self._dir)
@@ -66,6 +70,22 @@ class ModelRegistry:
         """How many models `tenant` registered (its share of the registry)."""
         return sum(1 for names in self._tenants.values() if tenant in names)
 
+    def registrations(self, tenant: str) -> list[bytes]:
+        """The models `tenant` registered, the least recently registered or used first."""
+        mine = [fp for fp, names in self._tenants.items() if tenant in names]
+        return sorted(mine, key=lambda fp: self._used.get((fp, tenant), 0))
+
+    def unowned(self) -> list[bytes]:
+        """The models no tenant registered (tenancy off, admins, or every tenant's registration dropped), the least
+        recently registered or used first."""
+        last: dict[bytes, int] = {}
+        for (fp, _), tick in self._used.items():
+            last[fp] = max(last.get(fp, 0), tick)
+        return sorted((fp for fp, names in self._tenants.items() if not names), key=lambda fp: last.get(fp, 0))
+
+    def registrants(self, fingerprint: bytes) -> frozenset[str]:
+        return frozenset(self._tenants.get(fingerprint, ()))
+
     def knows(self, fingerprint: bytes, tenant: str = "") -> bool:
         """Whether the model is registered, and registered by `tenant` ("": no tenant, which sees every model)."""
         names = self._tenants.get(fingerprint)
@@ -74,6 +94,21 @@ class ModelRegistry:
     def register(self, spec: ModelSpec, tenant: str = "") -> bytes:
         """Register a model (its codec defaulted to the daemon's); returns its fingerprint. `tenant`: who registers
         it ("": no tenant: tenancy off, or an admin), kept with the model, new or not."""
+        spec = self.checked(spec)
+        fp = spec.fingerprint
+        names = self._tenants.get(fp)
+        if names is None or (tenant and tenant not in names):
+            spec = self._models.get(fp, spec)
+            grown = (names or set()) | ({tenant} if tenant else set())
+            if self._dir is not None:  # a tenant added to a known model is written too (and takes as long)
+                self._persist(fp, spec, grown)
+            self._models[fp] = spec
+            self._tenants[fp] = grown
+        self._touch(fp, tenant)
+        return fp
+
+    def checked(self, spec: ModelSpec) -> ModelSpec:
+        """The spec as it would be registered (`with_codec`); InvalidArgument for a codec the daemon lacks."""
         spec = self.with_codec(spec)
         from engram.codec.base import codec_by_name
 
@@ -87,16 +122,39 @@ class ModelRegistry:
                     codec_by_name(stream.codec)
                 except InvalidArgument as exc:
                     raise InvalidArgument(f"stream {stream.name}: {exc}") from None
-        fp = spec.fingerprint
-        names = self._tenants.get(fp)
-        if names is None or (tenant and tenant not in names):
-            spec = self._models.get(fp, spec)
-            grown = (names or set()) | ({tenant} if tenant else set())
-            if self._dir is not None:  # a tenant added to a known model is written too (and takes as long)
-                self._persist(fp, spec, grown)
-            self._models[fp] = spec
-            self._tenants[fp] = grown
-        return fp
+        return spec
+
+    def drop(self, fingerprint: bytes, tenant: str) -> None:
+        """Drop `tenant`'s registration of the model (its file written without it first, so a restart agrees); the
+        model stays, for its other tenants and its blocks. The caller checked that it holds nothing."""
+        names = self._tenants.get(fingerprint)
+        if names is None or tenant not in names:
+            return
+        left = names - {tenant}
+        if self._dir is not None:
+            self._persist(fingerprint, self._models[fingerprint], left)
+        self._tenants[fingerprint] = left
+        self._used.pop((fingerprint, tenant), None)
+
+    def forget(self, fingerprint: bytes) -> None:
+        """Remove the model and its file. The caller checked that no tenant registered it and nothing holds it
+        (no block: a block needs its model to be read, and to be matched to it at a restart)."""
+        if fingerprint not in self._models:
+            return
+        if self._dir is not None:
+            path = self._dir / f"{fingerprint.hex()}.json"
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:
+                raise StorageIOError(f"the model registry in {self._dir} cannot be written ({exc.strerror or exc}); "
+                                     "register the model again once the directory is writable") from None
+        del self._models[fingerprint], self._tenants[fingerprint]
+        for key in [k for k in self._used if k[0] == fingerprint]:
+            del self._used[key]
+
+    def _touch(self, fingerprint: bytes, tenant: str) -> None:
+        self._tick += 1
+        self._used[(fingerprint, tenant)] = self._tick
 
     def _persist(self, fp: bytes, spec: ModelSpec, tenants: set[str]) -> None:
         """The model's file, written before it is registered (so a restart knows it); a full disk is
@@ -125,6 +183,12 @@ class ModelRegistry:
             shown = brief(fingerprint)
             raise UnknownModel(f"{UNKNOWN_MODEL} {shown}; call RegisterModel with the model's layout first")
         return self._models[fingerprint]
+
+    def use(self, fingerprint: bytes, tenant: str = "") -> ModelSpec:
+        """`get` for a call that uses the model: its registration is the most recently used now."""
+        spec = self.get(fingerprint, tenant)
+        self._touch(fingerprint, tenant)
+        return spec
 
     def __contains__(self, fingerprint: object) -> bool:
         return fingerprint in self._models

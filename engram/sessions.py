@@ -907,6 +907,11 @@ class SessionManager:
     def sessions(self) -> list[Session]:
         return list(self._sessions.values())
 
+    def models_in_use(self) -> set[tuple[str, bytes]]:
+        """(namespace, model) of every live session: a session reads its model's layout at each call, so the model
+        may not be forgotten (engram/server/modelroom.py)."""
+        return {(s.namespace, s.fingerprint) for s in self._sessions.values()}
+
     def count_in(self, namespace: str) -> int:
         return self._per_namespace[namespace]  # a scan of every session per namespace made Stats quadratic
 

@@ -49,6 +49,14 @@ def tokens(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 32_000, n, dtype=np.int32)
 
 
+async def register_holding(client: Any, spec: ModelSpec, seed: int = 0) -> bytes:
+    """Register a model and store a block of it: a registration that holds a block keeps its place against the
+    registry's bounds (engram/server/modelroom.py); one that holds nothing gives it up to a new model."""
+    fp: bytes = await client.register_model(spec)
+    await client.put(fp, tokens(BLOCK_TOKENS, seed), random_kv(spec, BLOCK_TOKENS, seed))
+    return fp
+
+
 def dram_store(capacity_blocks: int = 64, spec: ModelSpec | None = None) -> tuple[BlockStore, bytes]:
     """A real BlockStore over one real DRAM tier that holds `capacity_blocks` full blocks of `spec` (tiny_model
     by default), with the model registered; returns the store and the model's fingerprint."""

@@ -31,7 +31,7 @@ from engram.v1 import engram_pb2 as pb
 from engram.wire import convert
 from engram.wire.channel import open_channel, stub_for
 
-from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
+from helpers import BLOCK_TOKENS, random_kv, register_holding, tiny_model, tokens
 
 
 async def expect(coro: Any, code: grpc.StatusCode, match: str) -> None:
@@ -79,9 +79,9 @@ async def test_layouts_out_of_bounds_are_invalid_argument(server: RunningServer)
 
 async def test_the_number_of_models_is_bounded(server_factory: Any) -> None:
     srv = await server_factory(**{"server.max_models": 2})
-    async with EngramClient(srv.address) as c:
-        await c.register_model(tiny_model(weights_id="a"))
-        await c.register_model(tiny_model(weights_id="b"))
+    async with EngramClient(srv.address) as c:  # each holds a block: it keeps its place (an idle one gives it up)
+        await register_holding(c, tiny_model(weights_id="a"))
+        await register_holding(c, tiny_model(weights_id="b"))
         await c.register_model(tiny_model(weights_id="a"))  # a known model is no new one
         with pytest.raises(errors.ResourceExhausted, match=r"server\.max_models"):
             await c.register_model(tiny_model(weights_id="c"))

@@ -26,7 +26,7 @@ from engram.v1 import engram_pb2 as pb
 from engram.v1 import engram_pb2_grpc as pb_grpc
 from engram.wire import convert
 
-from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
+from helpers import BLOCK_TOKENS, random_kv, register_holding, tiny_model, tokens
 
 ALICE, BOB, CAROL, DAVE, ADMIN = "alice-token", "bob-token", "carol-token", "dave-token", "admin-token"
 AUTH = {"auth.tenants.alice.token": ALICE, "auth.tenants.bob.token": BOB,
@@ -133,9 +133,9 @@ async def test_a_model_only_another_tenant_registered_answers_every_call_as_an_u
 async def test_registering_a_model_another_tenant_registered_counts_against_the_share(server_factory: Any) -> None:
     srv = await server_factory(**{**AUTH, "server.max_models_per_tenant": 2})
     _, fp, _ = await alice_model(srv)
-    async with as_(srv, BOB) as b:
-        await b.register_model(tiny_model(weights_id="bob-0"))
-        await b.register_model(tiny_model(weights_id="bob-1"))
+    async with as_(srv, BOB) as b:  # each holds a block: it keeps its place (an idle one gives it up)
+        await register_holding(b, tiny_model(weights_id="bob-0"))
+        await register_holding(b, tiny_model(weights_id="bob-1"))
         refused = [await answer(lambda s=spec: b.register_model(s), fp)  # type: ignore[misc]
                    for spec in (tiny_model(weights_id="alice-model"), tiny_model(weights_id="never-seen"))]
         assert refused[0] == refused[1] and refused[0][0] == "ResourceExhausted", refused
@@ -148,9 +148,9 @@ async def test_registering_a_model_another_tenant_registered_counts_against_the_
 async def test_a_full_registry_refuses_a_tenant_alike_whether_or_not_the_model_is_known(server_factory: Any) -> None:
     srv = await server_factory(**{**AUTH, "server.max_models": 3})
     await alice_model(srv, "alice-0")
-    async with as_(srv, ALICE) as a:
-        await a.register_model(tiny_model(weights_id="alice-1"))
-        await a.register_model(tiny_model(weights_id="alice-2"))
+    async with as_(srv, ALICE) as a:  # each holds a block: it keeps its place (an idle one gives it up)
+        await register_holding(a, tiny_model(weights_id="alice-1"))
+        await register_holding(a, tiny_model(weights_id="alice-2"))
         assert await a.register_model(tiny_model(weights_id="alice-2"))  # control: hers, known to her, is free
     async with as_(srv, BOB) as b:
         known = await answer(lambda: b.register_model(tiny_model(weights_id="alice-0")), b"")

@@ -21,7 +21,7 @@ from engram.config import load_config
 from engram.keys import chain_keys
 from engram.server import RunningServer, start_server
 
-from helpers import BLOCK_TOKENS, random_kv, silent_puts, tiny_model, tokens, until
+from helpers import BLOCK_TOKENS, random_kv, register_holding, silent_puts, tiny_model, tokens, until
 
 ALICE, BOB, ADMIN = "alice-token", "bob-token", "admin-token"
 AUTH = {"auth.tenants.alice.token": ALICE, "auth.tenants.alice.quota": "128KiB",
@@ -451,20 +451,20 @@ async def test_one_tenant_cannot_fill_the_daemons_model_registry(server_factory:
         await b.register_model(tiny_model(weights_id="bob-1"))
     await first.stop(0)
     srv = await server_factory(**cfg)  # the same registry on disk
-    async with as_(srv, BOB) as b:
-        mine = [await b.register_model(tiny_model(weights_id=f"bob-{i}")) for i in range(3)]  # one more is new
+    async with as_(srv, BOB) as b:  # each holds a block: it keeps its place (an idle one gives it up)
+        mine = [await register_holding(b, tiny_model(weights_id=f"bob-{i}"), i) for i in range(3)]  # one more is new
         with pytest.raises(errors.ResourceExhausted, match="has registered 3 models"):
             await b.register_model(tiny_model(weights_id="bob-3"))
         assert await b.register_model(tiny_model(weights_id="bob-1")) == mine[1]  # his own again: free
     async with as_(srv, ALICE) as a:
-        await a.register_model(tiny_model(weights_id="bob-2"))  # one the daemon knows: one of her share too
+        await register_holding(a, tiny_model(weights_id="bob-2"))  # one the daemon knows: one of her share too
         for i in range(2):
-            await a.register_model(tiny_model(weights_id=f"alice-{i}"))
+            await register_holding(a, tiny_model(weights_id=f"alice-{i}"), i)
         with pytest.raises(errors.ResourceExhausted, match="has registered 3 models"):
             await a.register_model(tiny_model(weights_id="alice-2"))
-    async with as_(srv, ADMIN) as admin:  # the admin has no share; the daemon's bound still holds
+    async with as_(srv, ADMIN, "admin") as admin:  # the admin has no share; the daemon's bound still holds
         for i in range(3):  # 5 models known (bob-0..2, alice-0..1): 3 more fill server.max_models
-            await admin.register_model(tiny_model(weights_id=f"admin-{i}"))
+            await register_holding(admin, tiny_model(weights_id=f"admin-{i}"), i)
         with pytest.raises(errors.ResourceExhausted, match=r"server\.max_models\)"):
             await admin.register_model(tiny_model(weights_id="admin-3"))
 

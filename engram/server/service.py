@@ -34,7 +34,6 @@ from engram.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
-    ResourceExhausted,
 )
 from engram.index import BlockMeta
 from engram.leases import Lease, LeaseTable
@@ -42,6 +41,7 @@ from engram.limits import check_namespace
 from engram.server.arrival import each_request, one_request
 from engram.server.auth import caller, guard, is_admin, is_peer, namespace_for, tenant_of, visible_namespaces
 from engram.server.errors import streaming, unary
+from engram.server.modelroom import Holds, make_room
 from engram.server.peers import PeerFetcher
 from engram.server.requests import (
     CONTROL_BYTES,
@@ -123,6 +123,9 @@ class ChainPut:
         # grew the daemon 160 MiB past a 40 MiB quota, an audit). Given back as each is stored, and by release().
         self._held: list[int] = []
         self.pin_share = service.pin_share() if stream.pin else None
+        # The model is in use from here to release(), between blocks too: it may not be forgotten meanwhile.
+        service.store.begin_put(stream.namespace, stream.model_fingerprint)
+        self._putting = True
 
     @property
     def index(self) -> int:
@@ -147,6 +150,9 @@ class ChainPut:
         """The stream ended (stored, failed or cut): what it still holds goes back to the quota."""
         while self._held:
             self._unhold()
+        if self._putting:
+            self._putting = False
+            self.service.store.end_put(self.stream.namespace, self.stream.model_fingerprint)
 
     def check_not_after_tail(self) -> None:
         if self.tail is not None:
@@ -215,19 +221,11 @@ class EngramService:
                                   "fewer block_tokens")
         registry = self.store.registry
         tenant = self._tenant(context)  # a tenant's models count against its share, kept with them
-        fp = registry.with_codec(spec).fingerprint
-        if tenant and not registry.knows(fp, tenant):
-            # Whether or not another tenant registered the model: a registration past a bound that passed only for
-            # a model the daemon knew told which models other tenants run (and the full registry's count, how many).
-            if (mine := registry.registered_by(tenant)) >= self.config.max_models_per_tenant:
-                raise ResourceExhausted(f"this token has registered {mine} models, its share "
-                                        "(server.max_models_per_tenant); register one of those")
-            if len(registry) >= self.config.max_models:
-                raise ResourceExhausted("this daemon's model registry is full (server.max_models); register one of "
-                                        "the models this token registered, or ask the operator to raise the limit")
-        elif fp not in registry and len(registry) >= self.config.max_models:
-            raise ResourceExhausted(f"this daemon already knows {len(registry)} models (server.max_models); "
-                                    "register one of those, or raise the limit")
+        # Past a bound, registrations that hold nothing give their place up (engram/server/modelroom.py); a spec
+        # refused anyway drops none.
+        make_room(registry, Holds(self.store, self.sessions, self.inplace), registry.checked(spec).fingerprint,
+                  tenant=tenant, namespaces=visible_namespaces(context) or (),
+                  max_per_tenant=self.config.max_models_per_tenant, max_models=self.config.max_models)
         fp = registry.register(spec, tenant)
         return pb.RegisterModelResponse(model_fingerprint=fp, codec=self.store.spec(fp).codec,
                                         max_blocks_per_request=self.config.max_blocks_per_request,
@@ -296,7 +294,7 @@ class EngramService:
         """UnknownModel when the caller's tenant has not registered the model, word for word what a fingerprint
         nobody registered gets (engram/registry.py): a tenant sees only its own models. Called just before the
         store first looks the model up, so that the two answers come at the same point of the call too."""
-        self.store.registry.get(fingerprint, self._tenant(None))
+        self.store.registry.use(fingerprint, self._tenant(None))
 
     @streaming
     async def Get(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse | bytes]:

@@ -113,6 +113,9 @@ class BlockStore:
         # Puts in flight, by key, each with the events of the puts of the same block waiting for it (made only
         # when one waits: most puts have none, and an asyncio.Event per put cost a microsecond each)
         self._pending: dict[bytes, list[asyncio.Event]] = {}
+        # Puts in flight (and open Put streams) per (namespace, model): a put looks its model up first and
+        # publishes its block after awaits, so the model may not be forgotten meanwhile (engram/server/modelroom.py)
+        self._putting: dict[tuple[str, bytes], int] = {}
         self.background: set[asyncio.Task[None]] = set()  # work started by recovery; cancelled by close
         # Blocks held only in volatile tiers go to NVMe in the background (the loss window; engram/store/flusher.py).
         self.flusher = Flusher(self, window_s=write_back_window_s, window_bytes=write_back_window_bytes) \
@@ -271,12 +274,38 @@ class BlockStore:
         else:
             self._held.pop(namespace, None)
 
+    def begin_put(self, namespace: str, model_fingerprint: bytes) -> None:
+        """A put of the model's blocks into the namespace starts: the model is in use until `end_put`."""
+        key = (namespace, model_fingerprint)
+        self._putting[key] = self._putting.get(key, 0) + 1
+
+    def end_put(self, namespace: str, model_fingerprint: bytes) -> None:
+        key = (namespace, model_fingerprint)
+        left = self._putting[key] - 1
+        if left:
+            self._putting[key] = left
+        else:
+            del self._putting[key]
+
+    def models_being_put(self) -> set[tuple[str, bytes]]:
+        """(namespace, model) of every put in flight."""
+        return set(self._putting)
+
     async def put(self, namespace: str, model_fingerprint: bytes, parent: bytes, header: BlockHeader,
                   payload: Payload, *, pin: bool = False, index: int = 0, pin_share: PinShare | None = None
                   ) -> PutOutcome:
         """Validate, dedupe and store one block under the key its parent and tokens hash to. With pin and a
         `pin_share` (the caller's, engram/store/pins.py), a block whose pin would pass the share is refused, whole
         (RESOURCE_EXHAUSTED, as past a quota): stored unpinned, it would be evicted while its caller counts on it."""
+        self.begin_put(namespace, model_fingerprint)
+        try:
+            return await self._put(namespace, model_fingerprint, parent, header, payload, pin=pin, index=index,
+                                   pin_share=pin_share)
+        finally:
+            self.end_put(namespace, model_fingerprint)
+
+    async def _put(self, namespace: str, model_fingerprint: bytes, parent: bytes, header: BlockHeader,
+                   payload: Payload, *, pin: bool, index: int, pin_share: PinShare | None) -> PutOutcome:
         limits.check_namespace(namespace)  # also for blocks that did not come through a Put (peers)
         spec = self.spec(model_fingerprint)
         layout = spec.layout
@@ -311,6 +340,15 @@ class BlockStore:
         right by construction); what decides where blocks go is the same code as `put`'s (dedupe, quota,
         room made by each tier's eviction order with demotion, publishing in the index). Stops at the first
         block that no tier can take; returns the blocks stored (put, or found already stored), in order."""
+        self.begin_put(namespace, model_fingerprint)
+        try:
+            return await self._put_chain(namespace, model_fingerprint, parent, blocks, payload, payload_checksum)
+        finally:
+            self.end_put(namespace, model_fingerprint)
+
+    async def _put_chain(self, namespace: str, model_fingerprint: bytes, parent: bytes,
+                         blocks: Sequence[tuple[bytes, bytes]], payload: bytes, payload_checksum: int
+                         ) -> list[BlockMeta]:
         limits.check_namespace(namespace)
         spec = self.spec(model_fingerprint)
         layout = spec.layout

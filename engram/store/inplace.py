@@ -316,10 +316,18 @@ class InPlacePuts:
             raise FailedPrecondition(f"reservation {res.id} is being committed by another CommitPut; commit its "
                                      "runs one after the other, in chain order")
         res.committing = True
+        self.store.begin_put(res.namespace, res.fingerprint)  # out of _open while its last blocks are published
         try:
             return await self._commit(res, count)
         finally:
+            self.store.end_put(res.namespace, res.fingerprint)
             res.committing = False
+
+    def models_in_use(self) -> set[tuple[str, bytes]]:
+        """(namespace, model) of every reservation being made, open, or lapsed with its slots held: its commit looks
+        the model up again, so the model may not be forgotten (engram/server/modelroom.py)."""
+        return {(res.namespace, res.fingerprint) for table in (self._making, self._open, self._lapsed)
+                for res in table.values()}
 
     async def _commit(self, res: Reservation, count: int) -> list[PutOutcome]:
         end = len(res.blocks) if count <= 0 else min(len(res.blocks), res.committed + count)
