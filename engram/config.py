@@ -81,6 +81,15 @@ class ServerConfig:
     # registers it again on the UnknownModel. One tenant filled max_models in a second, refusing every other's.
     max_models_per_tenant: int = 64
     max_sessions_per_namespace: int = 4096  # a tenant's max_sessions, when set, overrides it for its namespaces
+    # The tokens every live session holds together, in daemon memory (4 bytes each) until the session is closed or
+    # idle past session_idle_s; a fork sharing its parent's counts once. Past it OpenSession, ForkSession and
+    # AppendSession are RESOURCE_EXHAUSTED. The default (4 GiB) holds 10,000 agents of 100k-token contexts. 0: no
+    # bound (a tenant's quota, 0 by default, still counts them).
+    max_live_session_tokens: int = 1 << 30
+    # With tenancy on, the share of max_live_session_tokens one tenant's token may hold (the sessions it opened or
+    # forked, and what its appends added; admins: no bound), so one tenant's abandoned sessions cannot take the
+    # bound from the others (the default, 1 GiB: 2,500 agents of 100k-token contexts). 0: no bound.
+    max_live_session_tokens_per_tenant: int = 1 << 28
     # A session no call has touched for this long is closed, its blocks' references dropped (an agent that crashed
     # or was abandoned never closes its sessions; they would hold blocks and count against max_sessions forever);
     # a session whose client said it is back later (expect_back_ms) is kept until then. 0: never.
@@ -400,7 +409,9 @@ class EngramConfig:
         if self.replay.max_concurrent < 1 or self.replay.max_queued < 0:
             raise ConfigError(f"replay.max_concurrent must be >= 1 and replay.max_queued >= 0, got "
                               f"{self.replay.max_concurrent} and {self.replay.max_queued}")
-        for key, value in (("replay.max_queued_per_tenant", self.replay.max_queued_per_tenant),
+        for key, value in (("server.max_live_session_tokens", s.max_live_session_tokens),
+                           ("server.max_live_session_tokens_per_tenant", s.max_live_session_tokens_per_tenant),
+                           ("replay.max_queued_per_tenant", self.replay.max_queued_per_tenant),
                            ("replay.max_persisted_window_bytes_per_tenant",
                             self.replay.max_persisted_window_bytes_per_tenant)):
             if value < 0:

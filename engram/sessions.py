@@ -53,6 +53,7 @@ from engram.replay.costmodel import CostModel, FidelityFloor, NoAllowedOption
 from engram.replay.model import ReplayModel, SwaWindow
 from engram.replay.reconstruct import Reconstruction, ReplayMode
 from engram.replay.runtime import ReplayRuntime
+from engram.sessiontokens import SessionTokens
 from engram.store import BlockStore
 
 log = logging.getLogger(__name__)
@@ -250,15 +251,18 @@ class SessionManager:
                  max_persisted_window_bytes: int = 2**30, cost_models: dict[str, CostModel] | None = None,
                  floor: FidelityFloor | None = None, persist_tier: str = "dram", prefetch_lead_ms: float = 1000.0,
                  idle_close_s: float = 0.0, max_concurrent_replays: int = 2, max_queued_replays: int = 64,
-                 max_queued_replays_per_tenant: int = 0, max_persisted_window_bytes_per_tenant: int = 0) -> None:
+                 max_queued_replays_per_tenant: int = 0, max_persisted_window_bytes_per_tenant: int = 0,
+                 max_live_session_tokens: int = 0, max_live_session_tokens_per_tenant: int = 0) -> None:
         """cost_models: per weights_id, the calibrated cost model auto-mode sessions of that model decide by;
         floor: the fidelity an approximate replay must have measured; persist_tier: where a kept window lives
         (what its load is priced at); prefetch_lead_ms: how long before a session is due back (its client's
         expect_back_ms) its blocks below the top tier are copied up (`prefetch_due`; 0: never); idle_close_s:
         a session no call touched for this long is closed (`close_idle`; 0: never); max_concurrent_replays,
         max_queued_replays: replays run at once (on threads of their own), and Resumes waiting for a turn before
-        one more is refused (`_replay`); the _per_tenant bounds: a tenant's share of those Resumes and of the
-        persisted windows (0: none; a call's `tenant` is "" where no share applies: tenancy off, an admin)."""
+        one more is refused (`_replay`); max_live_session_tokens: the tokens every live session holds together
+        (`SessionTokens`; 0: no bound); the _per_tenant bounds: a tenant's share of those Resumes, of the persisted
+        windows and of the sessions' tokens (0: none; a call's `tenant` is "" where no share applies: tenancy off,
+        an admin)."""
         self.store = store
         self.runtime = runtime
         self.max_queued_replays = max_queued_replays
@@ -270,11 +274,12 @@ class SessionManager:
         self.persist_tier = persist_tier
         self.max_hot_windows = max_hot_windows
         # Bounds on what sessions hold in daemon memory: their number per namespace (a tenant's own
-        # max_sessions overrides it), their length, and persisted windows, which with the sessions' tokens also
-        # count against their namespace's quota (store.hold) so that a tenant cannot keep outside its quota what
-        # it could not keep inside.
+        # max_sessions overrides it), their length, their tokens all together (and each tenant's share), and
+        # persisted windows, which with the sessions' tokens also count against their namespace's quota
+        # (store.hold) so that a tenant cannot keep outside its quota what it could not keep inside.
         self.max_sessions_per_namespace = max_sessions_per_namespace
         self.max_session_tokens = max_session_tokens
+        self.live_tokens = SessionTokens(store, max_live_session_tokens, max_live_session_tokens_per_tenant)
         self.max_persisted_window_bytes = max_persisted_window_bytes
         self._persisted_bytes = 0
         self.max_persisted_window_bytes_per_tenant = max_persisted_window_bytes_per_tenant
@@ -315,9 +320,10 @@ class SessionManager:
                                     "it no longer needs (or raise the tenant's max_sessions)")
         toks = np.asarray(tokens if tokens is not None else [], dtype=np.int32)
         self._check_length(len(toks))
-        # The tokens count against the quota as a persisted window does: 4 bytes each, up to
-        # server.max_tokens_per_request per session, 4,096 sessions: 32 GiB a tenant kept outside its quota.
-        self.store.hold(namespace, toks.nbytes, "this session's tokens")
+        # The tokens count against the daemon's bound, the tenant's share of it and the quota, as a persisted
+        # window does: 4 bytes each, up to server.max_tokens_per_request per session, 4,096 sessions a namespace:
+        # 32 GiB a tenant kept outside any bound. A fork's, a view of its parent's, are counted once.
+        toks = self.live_tokens.take(toks, namespace, tenant, "this session's tokens")
         s = Session(sid, namespace, fingerprint, toks, mode, approx_k, tenant=tenant)
         self._sessions[(namespace, sid)] = s
         self._per_namespace[namespace] += 1
@@ -540,15 +546,20 @@ class SessionManager:
                 raise InvalidArgument(f"the window serves position {window.prefix_len}, the session will have "
                                       f"{new_len} tokens")
             window.validate(self.store.spec(s.fingerprint))
-        added = np.asarray(tokens, dtype=np.int32)
-        self.store.hold(s.namespace, added.nbytes, "these tokens")  # counted (or refused) before the session changes
+        added, was = np.asarray(tokens, dtype=np.int32), self.live_tokens.tenant_of(s.tokens)
+        # Counted (or refused) before the session changes, to `tenant`, whose call makes the new array; an append of
+        # no tokens (a keep-alive) keeps the array it has
+        grown = s.tokens if not added.size else self.live_tokens.take(
+            np.concatenate([s.tokens, added]), s.namespace, tenant, "these tokens", replacing=s.tokens)
         if window is not None:
             try:
                 self._keep_window(s, window, tenant)  # likewise
             except BaseException:
-                self.store.release_held(s.namespace, added.nbytes)
+                if grown is not s.tokens:  # the tokens before are counted again as they were (this frees more
+                    # than it takes, so cannot fail)
+                    s.tokens = self.live_tokens.take(s.tokens, s.namespace, was, "these tokens", replacing=grown)
                 raise
-        s.tokens = np.concatenate([s.tokens, added])
+        s.tokens = grown
         self.hold(s)
         if window is None and s.mode != SessionMode.PERSIST:
             self._drop_hot(s)  # a window for the old length is stale
@@ -558,14 +569,9 @@ class SessionManager:
         return s
 
     def set_tokens(self, s: Session, tokens: np.ndarray) -> None:
-        """Replace the session's whole context (the trace replayer's way to a next turn), counted against the
-        quota as an append is; the caller re-resolves its blocks (`hold`)."""
-        delta = tokens.nbytes - s.tokens.nbytes
-        if delta > 0:
-            self.store.hold(s.namespace, delta, "these tokens")
-        elif delta < 0:
-            self.store.release_held(s.namespace, -delta)
-        s.tokens = tokens
+        """Replace the session's whole context (the trace replayer's way to a next turn), counted as an append
+        is, to the session's opener; the caller re-resolves its blocks (`hold`)."""
+        s.tokens = self.live_tokens.take(tokens, s.namespace, s.tenant, "these tokens", replacing=s.tokens)
 
     def fork(self, namespace: str, parent_id: str, session_id: str = "", position: int = 0, *, tenant: str = ""
              ) -> Session:
@@ -610,7 +616,7 @@ class SessionManager:
         self.store.reference(dropped, -1, s.expected)
         self._hand_back(s, dropped)
         s.held = {}
-        self.store.release_held(namespace, s.tokens.nbytes)
+        self.live_tokens.give_back(s.tokens)
         del self._sessions[(namespace, session_id)]
         self._per_namespace[namespace] -= 1
         if not self._per_namespace[namespace]:

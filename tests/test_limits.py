@@ -241,9 +241,11 @@ async def test_sessions_tokens_count_against_the_quota(server_factory: Any) -> N
         with pytest.raises(errors.ResourceExhausted, match="these tokens needs 120 more"):
             await c.append_session(b.session_id, tokens(30))
         assert (await c.list_sessions())[1].info.tokens == 400  # the refused append changed nothing
-        with pytest.raises(errors.ResourceExhausted, match="quota"):  # a fork copies its parent's tokens
-            await c.fork_session(a.session_id)
+        fork = await c.fork_session(a.session_id)  # shares its parent's tokens: nothing more is held
         await c.close_session(a.session_id)
+        with pytest.raises(errors.ResourceExhausted, match="quota"):  # the fork holds a's tokens still
+            await c.append_session(b.session_id, tokens(30))
+        await c.close_session(fork.session_id)
         await c.append_session(b.session_id, tokens(30))
         await c.open_session(fp, mode="persist", tokens=tokens(500))
 

@@ -216,6 +216,8 @@ def build_sessions(config: EngramConfig, store: BlockStore) -> SessionManager:
                           max_persisted_window_bytes_per_tenant=rc.max_persisted_window_bytes_per_tenant,
                           max_sessions_per_namespace=config.server.max_sessions_per_namespace,
                           max_session_tokens=config.server.max_tokens_per_request,
+                          max_live_session_tokens=config.server.max_live_session_tokens,
+                          max_live_session_tokens_per_tenant=config.server.max_live_session_tokens_per_tenant,
                           max_persisted_window_bytes=rc.max_persisted_window_bytes,
                           cost_models=load_cost_models(runtime, rc.calibrations, rc.device),
                           floor=FidelityFloor(min_top1=rc.min_top1, max_kl=rc.max_kl or None),

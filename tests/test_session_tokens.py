@@ -1,0 +1,87 @@
+"""The tokens live sessions hold are daemon memory (4 bytes each, up to server.max_tokens_per_request a session,
+until closed or idle a day): bounded for the daemon (server.max_live_session_tokens) and per tenant (its
+_per_tenant share), where a tenant with no quota (the default) held any number (an audit, session 45: 13 MiB a
+session of 2M tokens, 4,096 sessions a namespace). Real daemons over gRPC, tenancy on."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from engram import errors
+from engram.client import EngramClient
+from engram.server import RunningServer
+
+from helpers import tiny_model, tokens
+
+ALICE, BOB, ADMIN = "alice-token", "bob-token", "admin-token"
+AUTH = {"auth.tenants.alice.token": ALICE, "auth.tenants.alice.namespaces": "alice,team",
+        "auth.tenants.bob.token": BOB, "auth.tenants.bob.namespaces": "bob,team",
+        "auth.admin_tokens": ADMIN, "auth.salt_secret": "test-secret"}
+
+
+def as_(srv: RunningServer, token: str, namespace: str) -> EngramClient:
+    return EngramClient(srv.address, token=token, namespace=namespace)
+
+
+async def test_a_tenant_past_its_share_of_live_session_tokens_is_refused_while_another_opens(
+        server_factory: Any) -> None:
+    """No quota anywhere: alice's sessions past her 1,000 tokens are RESOURCE_EXHAUSTED, saying what her own hold
+    (not bob's); bob's still open; a fork sharing its parent's tokens counts once; a refused append changes nothing;
+    closing gives the room back; the daemon's bound refuses an admin too, without telling anyone's usage."""
+    srv = await server_factory(**AUTH, **{"server.max_live_session_tokens": 2000,
+                                          "server.max_live_session_tokens_per_tenant": 1000})
+    spec = tiny_model()
+    async with as_(srv, ALICE, "alice") as a, as_(srv, BOB, "bob") as b, as_(srv, ADMIN, "ops") as admin:
+        fp = await a.register_model(spec)
+        await b.register_model(spec)
+        await admin.register_model(spec)
+        first = await a.open_session(fp, mode="persist", tokens=tokens(400, seed=1))
+        second = await a.open_session(fp, mode="persist", tokens=tokens(400, seed=2))
+        with pytest.raises(errors.ResourceExhausted, match=r"server\.max_live_session_tokens_per_tenant") as full:
+            await a.open_session(fp, mode="persist", tokens=tokens(400, seed=3))
+        assert "hold 800 of its 1000" in str(full.value)  # her own sessions' tokens, her share
+        child = await a.fork_session(first.session_id)  # shares its parent's 400 tokens: nothing more held
+        assert child.tokens == 400
+        with pytest.raises(errors.ResourceExhausted, match="hold 800 of its 1000"):  # 800 - 400 + 700
+            await a.append_session(second.session_id, tokens(300, seed=4))
+        assert (await a.append_session(second.session_id, tokens(0))).tokens == 400  # the refusal changed nothing
+        # bob's share is his own: alice's full one refuses him nothing
+        bobs = [await b.open_session(fp, mode="persist", tokens=tokens(400, seed=5 + i)) for i in range(2)]
+        with pytest.raises(errors.ResourceExhausted, match="hold 800 of its 1000") as bob_full:
+            await b.open_session(fp, mode="persist", tokens=tokens(400, seed=7))
+        assert "alice" not in str(bob_full.value)
+        # the daemon's bound (1,600 held): an admin has no share, but the daemon's bound holds
+        await admin.open_session(fp, mode="persist", tokens=tokens(300, seed=8))
+        with pytest.raises(errors.ResourceExhausted, match=r"server\.max_live_session_tokens\)") as daemon_full:
+            await admin.open_session(fp, mode="persist", tokens=tokens(200, seed=9))
+        assert not re.search(r"\b(1900|1600|800)\b", str(daemon_full.value))  # nobody's usage
+        # closing gives the room back: the parent's tokens stay held while its fork lives
+        await a.close_session(first.session_id)
+        with pytest.raises(errors.ResourceExhausted, match="hold 800 of its 1000"):
+            await a.open_session(fp, mode="persist", tokens=tokens(400, seed=3))
+        await a.close_session(child.session_id)
+        await a.open_session(fp, mode="persist", tokens=tokens(400, seed=3))
+        await b.close_session(bobs[0].session_id)
+        await admin.open_session(fp, mode="persist", tokens=tokens(200, seed=9))
+
+
+async def test_a_fork_by_another_tenant_counts_against_its_own_share(server_factory: Any) -> None:
+    """In a namespace two tenants share, bob's fork of alice's session copies its tokens into his share: shared,
+    alice's would stay counted to her for as long as his fork lived."""
+    srv = await server_factory(**AUTH, **{"server.max_live_session_tokens_per_tenant": 1000})
+    spec = tiny_model()
+    async with as_(srv, ALICE, "team") as a, as_(srv, BOB, "team") as b:
+        fp = await a.register_model(spec)
+        await b.register_model(spec)
+        hers = await a.open_session(fp, mode="persist", tokens=tokens(600, seed=1))
+        await b.open_session(fp, mode="persist", tokens=tokens(600, seed=2))
+        with pytest.raises(errors.ResourceExhausted, match="hold 600 of its 1000"):  # his 600, not hers
+            await b.fork_session(hers.session_id)
+        theirs = await a.fork_session(hers.session_id)  # hers shares
+        await a.close_session(hers.session_id)
+        await a.close_session(theirs.session_id)  # her share is whole again
+        await a.open_session(fp, mode="persist", tokens=tokens(1000, seed=3))
+
