@@ -1,10 +1,13 @@
 """The tokens live sessions hold are daemon memory (4 bytes each, up to server.max_tokens_per_request a session,
 until closed or idle a day): bounded for the daemon (server.max_live_session_tokens) and per tenant (its
 _per_tenant share), where a tenant with no quota (the default) held any number (an audit, session 45: 13 MiB a
-session of 2M tokens, 4,096 sessions a namespace). Real daemons over gRPC, tenancy on."""
+session of 2M tokens, 4,096 sessions a namespace). And the sessions the daemon closes idle are logged within a
+budget. Real daemons over gRPC, tenancy on."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
 from typing import Any
 
@@ -85,3 +88,25 @@ async def test_a_fork_by_another_tenant_counts_against_its_own_share(server_fact
         await a.close_session(theirs.session_id)  # her share is whole again
         await a.open_session(fp, mode="persist", tokens=tokens(1000, seed=3))
 
+
+async def test_sessions_closed_idle_are_logged_within_a_budget(server_factory: Any,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """300 sessions abandoned at once: at most 20 lines name one each, the rest are counted in a line a pass
+    (each closed session was a line: 4,002 lines for 4,000 sessions, an audit)."""
+    caplog.set_level(logging.INFO, logger="engram.sessions")
+    srv = await server_factory(**{"server.session_idle_s": 0.3})
+    n = 300
+    async with EngramClient(srv.address, namespace="n") as c:
+        fp = await c.register_model(tiny_model())
+        await asyncio.gather(*(c.open_session(fp, mode="persist", tokens=tokens(8, seed=i)) for i in range(n)))
+        for _ in range(100):
+            if (await c.stats()).sessions_closed_idle == n:
+                break
+            await asyncio.sleep(0.05)
+        assert (await c.stats()).sessions_closed_idle == n
+    lines = [r.getMessage() for r in caplog.records if r.name == "engram.sessions" and "closed" in r.getMessage()]
+    named = [m for m in lines if m.startswith("closed session ")]
+    counted = [int(re.match(r"closed (\d+) more sessions", m).group(1))  # type: ignore[union-attr]
+               for m in lines if re.match(r"closed \d+ more sessions", m)]
+    assert len(named) <= 20 and len(named) + sum(counted) == n, lines
+    assert len(lines) < 60, lines  # a line a pass for the rest, not a line a session
