@@ -130,11 +130,14 @@ def check_token(token: str) -> str:
     return token
 
 
-def call(where: Target, fn: Callable[[ControlClient], Coroutine[Any, Any, T]], timeout_s: float = 10.0) -> T:
-    """Run one client coroutine against the daemon; map failures to CLI exit codes."""
+def call(where: Target, fn: Callable[[ControlClient], Coroutine[Any, Any, T]], timeout_s: float = 10.0,
+         call_timeout_s: float | None = None) -> T:
+    """Run one client coroutine against the daemon within timeout_s, each of its calls within call_timeout_s
+    (default: timeout_s); map failures to CLI exit codes."""
 
     async def run() -> T:
-        async with ControlClient(where.address, token=where.token, root_cert=where.root_cert) as client:
+        async with ControlClient(where.address, token=where.token, root_cert=where.root_cert,
+                                 timeout_s=call_timeout_s or timeout_s) as client:
             return await asyncio.wait_for(fn(client), timeout_s)
 
     try:
@@ -142,6 +145,9 @@ def call(where: Target, fn: Callable[[ControlClient], Coroutine[Any, Any, T]], t
     except errors.DaemonError as exc:
         raise fail(f"the daemon at {where.address} failed the call: {exc} (its log says more)",
                    EXIT_DAEMON_ERROR) from None
+    except errors.DeadlineExceeded:
+        raise fail(f"the daemon at {where.address} did not answer within {call_timeout_s or timeout_s:g} s: it is hung, "
+                   "stopped or overloaded, or its host is unreachable", EXIT_UNAVAILABLE) from None
     except (errors.Unavailable, TimeoutError) as exc:
         hint = "" if where.root_cert or where.address.startswith("unix") else " (if it serves TLS, pass --tls-ca)"
         why = f" ({exc})" if isinstance(exc, errors.Unavailable) and str(exc) else ""

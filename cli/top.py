@@ -143,4 +143,5 @@ def top(config: ConfigOpt = None, address: AddressOpt = None, namespace: Namespa
     once = once or json_
     limit = interval * 4 + 10 if once else 10.0**9
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a live view ends
-        call(where, lambda c: watch(c, console, where.address, namespace, interval, once, json_), timeout_s=limit)
+        call(where, lambda c: watch(c, console, where.address, namespace, interval, once, json_), timeout_s=limit,
+             call_timeout_s=10.0)

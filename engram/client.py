@@ -50,7 +50,7 @@ from engram.loadgate import LoadGate
 from engram.mapped_pools import MappedPools
 from engram.segment import SegmentReader
 from engram.v1 import engram_pb2 as pb
-from engram.wire import convert
+from engram.wire import convert, deadline
 from engram.wire import data as wire
 from engram.wire.channel import (
     DEFAULT_CHUNK_BYTES,
@@ -58,6 +58,7 @@ from engram.wire.channel import (
     same_host,
 )
 from engram.wire.data import Conn, DataChannel, Endpoint
+from engram.wire.deadline import DEFAULT_TIMEOUT_S
 from engram.wire.status import error_from_rpc
 from engram.wire.stream import Reassembler, chunk_frames, client_reassembler
 from engram.writer import PutWriter, Slot, stream_block
@@ -134,6 +135,7 @@ class EngramClient(ControlClient):
         zero_copy: bool | None = None,
         data_channel: bool = True,
         in_place_min_bytes: int = IN_PLACE_MIN_BYTES,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         """token: the tenant's bearer token (tenancy on); root_cert: PEM root certificate, for a daemon
         serving TLS. namespace: the default of every call; with a token, "" means the token's first.
@@ -144,11 +146,14 @@ class EngramClient(ControlClient):
         in_place_min_bytes: on the daemon's host, a put from host memory smaller than this goes over the data
         channel instead of in place (0: always in place). chunk_bytes: a gRPC Put's payload bytes per message, less
         where max_message_bytes or the daemon's own limit (said at register_model) leaves less room; this client
-        receives messages of any size the daemon sends."""
+        receives messages of any size the daemon sends.
+        timeout_s: the longest any call waits on the daemon (30 s): a unary call's deadline, and for a stream
+        (Get, Put, Resume, the data channel) the longest wait for its next message or bytes, however long it
+        runs; past it the call fails DeadlineExceeded, an Unavailable (engram/wire/deadline.py)."""
         if chunk_bytes + 4096 > max_message_bytes:
             raise ValueError("chunk_bytes must leave room for headers under max_message_bytes")
         super().__init__(address, namespace=namespace, token=token, root_cert=root_cert,
-                         max_message_bytes=max_message_bytes)
+                         max_message_bytes=max_message_bytes, timeout_s=timeout_s)
         self.chunk_bytes = chunk_bytes
         self._token, self._root_cert = token, root_cert
         # Put over gRPC with requests serialized by chunk_frames (bytes pass through a None serializer)
@@ -501,15 +506,19 @@ class EngramClient(ControlClient):
         if data is not None:
             with contextlib.suppress(wire.ChannelFull):  # its connections are all taken: gRPC may take the call
                 return await self._put_data(data, put, items)
-        async def requests(head: pb.PutHeader, part: list[tuple[pb.BlockHeader, bytes | memoryview]]
-                           ) -> AsyncIterator[bytes]:  # serialized PutRequests (chunk_frames: one copy each)
+
+        async def requests(head: pb.PutHeader, part: list[tuple[pb.BlockHeader, bytes | memoryview]],
+                           progress: deadline.Progress) -> AsyncIterator[bytes]:
+            """Serialized PutRequests (chunk_frames: one copy each); gRPC asks for each once it sent the last."""
             yield pb.PutRequest(header=head).SerializeToString()
             for header, payload in part:
                 serialized = header.SerializeToString()
                 # Each message under the smaller of the two limits, its block's header (first chunk) included
                 step = max(1, min(self.chunk_bytes, self._max_message - len(serialized) - FRAME_BYTES))
                 for frame in chunk_frames(2, b"", serialized, payload, step):  # PutRequest.chunk
+                    progress.moved()
                     yield frame
+            progress.moved()  # the last one sent: the answer is due within timeout_s
 
         # A chain longer than the daemon's server.max_blocks_per_request goes in several Puts, each after the last
         # key of the one before.
@@ -519,8 +528,12 @@ class EngramClient(ControlClient):
             head.CopyFrom(put)
             if reply.keys:
                 head.parent_key = reply.keys[-1]
+            progress = deadline.Progress(self.timeout_s)  # a stall bound: a long Put is not cut while it moves
             try:
-                got = await self._call(self._put_frames(requests(head, items[start : start + self._max_blocks])))
+                call = self._put_frames(requests(head, items[start : start + self._max_blocks], progress))
+                got = await progress.wait(call, self.address, "a Put stream")
+            except grpc.aio.AioRpcError as exc:
+                raise _in_chain(error_from_rpc(exc), start) from exc
             except errors.EngramError as exc:
                 raise _in_chain(exc, start) from exc
             reply.keys.extend(got.keys)
@@ -538,7 +551,8 @@ class EngramClient(ControlClient):
             return None
         if self._data is None:
             try:
-                ep = await self._stub.DataEndpoint(pb.DataEndpointRequest())
+                ep = await deadline.answer(self._stub.DataEndpoint(pb.DataEndpointRequest()), self.timeout_s,
+                                           self.address)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                     self._data_wanted = False
@@ -551,7 +565,7 @@ class EngramClient(ControlClient):
             host = "" if unix else self.address.rsplit(":", 1)[0].strip("[]")
             endpoint = Endpoint(unix_path=ep.unix_path if unix else "", host=host, port=ep.tcp_port, tls=ep.tls,
                                 max_request_bytes=ep.max_request_bytes)
-            self._data = DataChannel(endpoint, self._token, self._root_cert)
+            self._data = DataChannel(endpoint, self._token, self._root_cert, stall_s=self.timeout_s)
         return self._data
 
     async def _exchange(self, data: DataChannel, kind: int, meta: bytes, body: Sequence[bytes | memoryview],
@@ -560,7 +574,8 @@ class EngramClient(ControlClient):
         is closed here too: after some refusals the daemon closes it, and a pooled dead one failed the next call
         (over a unix socket as a broken pipe, and the request went twice). A connection that breaks before any
         answer (the daemon restarted since it was opened) is retried once on a new one, and a daemon not found
-        at its announced address is asked for it again: Put and Get are both idempotent."""
+        at its announced address is asked for it again: Put and Get are both idempotent. A daemon that stops
+        taking or sending bytes for timeout_s (wire.Stalled) is not tried again: DeadlineExceeded."""
         retried = refreshed = False
         while True:
             try:
@@ -574,14 +589,17 @@ class EngramClient(ControlClient):
                 except BaseException:
                     conn.close()
                     raise
+            except wire.Stalled:
+                raise deadline.expired(self.address, "go on with the data channel's bytes (a connection, a request "
+                                       "or its answer)", self.timeout_s) from None
             except ConnectionError as exc:  # an idle connection the daemon closed meanwhile
                 if retried:
                     raise errors.Unavailable(f"the data channel to {self.address} broke: {exc}") from exc
                 retried = True
                 data.close()  # its other idle connections went the same way
                 continue
-            except errors.Unavailable:
-                if refreshed or self._data is not data:
+            except errors.Unavailable as exc:
+                if refreshed or self._data is not data or isinstance(exc, errors.DeadlineExceeded):
                     raise
                 refreshed = True  # a restarted daemon may listen elsewhere (data_port 0): ask again
                 data.close()
@@ -699,7 +717,7 @@ class EngramClient(ControlClient):
         descriptors: list[tuple[int, pb.BlockDescriptor]] = []
         blocks: Reassembler[pb.BlockHeader] = client_reassembler(lambda h: h.payload_nbytes)
         try:
-            async for resp in self._stub.Get(req):
+            async for resp in deadline.messages(self._stub.Get(req), self.timeout_s, self.address, "a Get"):
                 if resp.HasField("descriptor"):
                     descriptors.append((len(out), resp.descriptor))
                     out.append(None)
@@ -960,7 +978,7 @@ class EngramClient(ControlClient):
         out: list[tuple[pb.BlockHeader, bytes | torch.Tensor]] = []
         blocks: Reassembler[pb.BlockHeader] = client_reassembler(lambda h: h.payload_nbytes)
         try:
-            async for resp in self._stub.Get(req):
+            async for resp in deadline.messages(self._stub.Get(req), self.timeout_s, self.address, "a Get"):
                 c = resp.chunk
                 done = blocks.add(c.header if c.HasField("header") else None, c.data, c.last, len(out))
                 if done is not None:
@@ -1076,7 +1094,7 @@ class EngramClient(ControlClient):
         parts: list[bytes] = []
         kv: _GlobalKV | None = None
         try:
-            async for resp in self._stub.Resume(req):
+            async for resp in deadline.messages(self._stub.Resume(req), self.timeout_s, self.address, "a Resume"):
                 item = resp.WhichOneof("item")
                 if item == "header":
                     header = resp.header
@@ -1138,7 +1156,7 @@ class EngramClient(ControlClient):
         if namespace not in self._salts:
             req = pb.DescribeNamespaceRequest(namespace=namespace)
             try:
-                info = await self._stub.DescribeNamespace(req)
+                info = await deadline.answer(self._stub.DescribeNamespace(req), self.timeout_s, self.address)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise error_from_rpc(exc) from exc
@@ -1214,7 +1232,10 @@ def _raw_tensor(parts: list[bytes], expected: int, dtype_pb: int, shape: tuple[i
 
 
 class SyncEngramClient:
-    """Blocking facade over EngramClient, for workers that are not asyncio programs."""
+    """Blocking facade over EngramClient, for workers that are not asyncio programs. Takes EngramClient's keywords
+    (timeout_s among them). Each method waits for the asyncio call, whose every wait on the daemon is bounded by
+    timeout_s, and so returns within those bounds whatever the daemon does; close too (its lease releases are
+    calls)."""
 
     def __init__(self, address: str, **kwargs: Any) -> None:
         self._loop = asyncio.new_event_loop()

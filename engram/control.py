@@ -9,8 +9,8 @@ engram.errors, with the server's message.
 from __future__ import annotations
 
 import time
-from collections.abc import Coroutine, Sequence
-from typing import Any, Self, TypeVar
+from collections.abc import Awaitable, Sequence
+from typing import Self, TypeVar
 
 import grpc
 
@@ -25,8 +25,9 @@ from engram.api import (
     Stats,
 )
 from engram.v1 import engram_pb2 as pb
-from engram.wire import convert
+from engram.wire import convert, deadline
 from engram.wire.channel import DEFAULT_MAX_MESSAGE_BYTES, header_safe, open_channel, stub_for
+from engram.wire.deadline import DEFAULT_TIMEOUT_S
 from engram.wire.status import error_from_rpc
 
 __all__ = ["ControlClient"]
@@ -36,15 +37,19 @@ T = TypeVar("T")
 
 class ControlClient:
     def __init__(self, address: str, *, namespace: str = "default", token: str = "", root_cert: bytes | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         """address: host:port or unix:/path. token: the tenant's bearer token (tenancy on); root_cert: PEM root
         certificate, for a daemon serving TLS. namespace: the default of every call; with a token, "" means
         the token's first. max_message_bytes: the largest message this client sends; it takes any the daemon
         sends (which its own server.max_message_bytes bounds, and a Get's chunks its server.chunk_bytes: a
-        client whose limit was below those could fetch no block over gRPC)."""
+        client whose limit was below those could fetch no block over gRPC). timeout_s: the longest any call
+        waits on the daemon: a unary call's deadline, and a stream's (Get, Put, Resume, the data channel) longest
+        wait for its next message or bytes, however long the stream; past it the call fails DeadlineExceeded (an
+        Unavailable) and the client goes on (engram/wire/deadline.py)."""
         if not header_safe(token):
             raise errors.InvalidArgument("the token holds a space, a control or a non-ASCII character; a bearer "
                                          "token is printable ASCII")
+        self.timeout_s = deadline.checked(timeout_s)
         self.address = address
         self.namespace = namespace
         self._channel = open_channel(address, root_cert=root_cert, max_message_bytes=max_message_bytes,
@@ -61,9 +66,10 @@ class ControlClient:
         """Close the channel (the context manager does it)."""
         await self._channel.close()
 
-    async def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+    async def _call(self, call: Awaitable[T]) -> T:
+        """A unary call's answer (within timeout_s), its gRPC failure as the domain error."""
         try:
-            return await coro
+            return await deadline.answer(call, self.timeout_s, self.address)  # type: ignore[no-any-return]
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from exc
 
@@ -72,7 +78,7 @@ class ControlClient:
 
     async def ping(self) -> float:
         """Seconds for one round trip of the standard health check (which needs no token); Unavailable when the
-        daemon does not answer or is not serving."""
+        daemon does not answer (within timeout_s: DeadlineExceeded) or is not serving."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         t0 = time.perf_counter()
@@ -88,7 +94,9 @@ class ControlClient:
         return convert.from_pb(Stats, await self._call(self._stub.Stats(pb.StatsRequest())))
 
     async def check(self, *, fix: bool = False) -> CheckReport:
-        """Verify every stored copy (payload checksums, block files); with fix, drop the broken ones. Admin only."""
+        """Verify every stored copy (payload checksums, block files); with fix, drop the broken ones. Admin only.
+        It reads the whole store before it answers, within the client's timeout_s like any call: give a large
+        store's check a client with a longer one (`engram check` waits 600 s)."""
         return convert.from_pb(CheckReport, await self._call(self._stub.Check(pb.CheckRequest(fix=fix))))
 
     async def describe_namespace(self, namespace: str | None = None) -> NamespaceStats:

@@ -73,6 +73,12 @@ class Unavailable(EngramError):
     """The daemon (or a tier it needs) cannot serve right now; retrying later may succeed."""
 
 
+class DeadlineExceeded(Unavailable):
+    """The daemon did not answer within the client's timeout_s (a unary call's answer; a stream's next message or
+    bytes): hung, stopped, overloaded, or a host gone without a reset. The call was given up and the client goes
+    on; an Unavailable, for code that retries."""
+
+
 class DaemonError(Unavailable):
     """The daemon failed the call itself (gRPC INTERNAL, UNKNOWN, UNIMPLEMENTED...): its message says why. An
     Unavailable for code that retries, but not "no daemon answers"."""

@@ -45,7 +45,10 @@ private event loop thread and offers every method blocking. `ControlClient` alon
 (the CLI uses it). Replies are the frozen dataclasses of `engram/api.py` (`--json` prints the same,
 docs/JSON.md); failures raise the domain errors of `engram/errors.py` (NotFound, InvalidArgument,
 Unauthenticated, PermissionDenied, ResourceExhausted, Unavailable, ...) with the daemon's message; a call the
-daemon answered but failed itself (gRPC INTERNAL, UNKNOWN, UNIMPLEMENTED) is DaemonError, an Unavailable.
+daemon answered but failed itself (gRPC INTERNAL, UNKNOWN, UNIMPLEMENTED) is DaemonError, an Unavailable. No call
+waits on the daemon longer than the client's `timeout_s` (30 s) for an answer, or for a stream's next message or
+bytes (a long transfer that moves is never cut): past it the call fails DeadlineExceeded, an Unavailable, and the
+client goes on (docs/ARCHITECTURE.md, "How long a client waits").
 
 How payloads travel: on the daemon's host, through its shared pools (hits copied out of the mapped pool, puts
 written into reserved slots: no KV on the socket). Everywhere else, on the daemon's **data channel**, a plain

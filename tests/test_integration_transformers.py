@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,7 @@ pytest.importorskip("transformers", reason="the transformers integration needs t
 from engram.client import SyncEngramClient
 from engram.integrations.transformers import EngramPrefixCache, generate, layout_of
 
-from helpers import NEUTRAL_CWD, RestartingDaemon, wait_reachable
+from helpers import NEUTRAL_CWD, RestartingDaemon, engram_daemon, wait_reachable
 
 RAW_LOGIT_TOL = 1e-5  # float32 rounding of a different prefill split; damage to any stream is orders above
 NVFP4_LOGIT_TOL = 0.1  # relative L2 error of the first step's logits; measured 0.018 (Llama), 0.046 (Gemma 3)
@@ -291,6 +294,35 @@ async def test_generate_returns_the_answer_when_the_daemon_is_gone_counting_the_
     assert torch.equal(out, model.generate(longer, max_new_tokens=4, do_sample=False))
     assert cache.last_loaded == 0 and (cache.load_failures, cache.store_failures) == (1, 1)  # the first turn's: none
     assert "Engram load" in caplog.text and "Engram store" in caplog.text
+
+
+def test_a_stopped_daemon_costs_generate_its_clients_timeout_a_counted_miss_and_a_counted_store_failure(
+        tmp_path: Path) -> None:
+    """The daemon stops (SIGSTOP: hung, or its host frozen) between two requests of a worker whose client has
+    timeout_s = 1: the load gives up within it (a miss) and so does the store, each counted, and `generate` returns
+    the model's answer; both waited for as long as the daemon stalled. Once it continues the prompt hits again."""
+    model = tiny("llama")
+    prompt = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(10))
+    with engram_daemon(tmp_path) as (address, proc), \
+            SyncEngramClient(address, namespace="agents", timeout_s=1.0) as client:
+        cache = EngramPrefixCache(model, client, codec="raw", block_tokens=16)
+        for _ in range(2):
+            generate(model, prompt, cache, max_new_tokens=3, do_sample=False)
+        assert cache.last_loaded == 39
+        answers: list[torch.Tensor] = []
+        turn = threading.Thread(target=lambda: answers.append(
+            generate(model, prompt, cache, max_new_tokens=3, do_sample=False)), daemon=True)
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            turn.start()
+            turn.join(2 * 1.0 + 5.0)  # the load and the store given up, a loaded machine's slack
+            assert not turn.is_alive(), "generate was still blocked on the stopped daemon"
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        assert torch.equal(answers[0], model.generate(prompt, max_new_tokens=3, do_sample=False))
+        assert cache.last_loaded == 0 and (cache.load_failures, cache.store_failures) == (1, 1)
+        generate(model, prompt, cache, max_new_tokens=3, do_sample=False)
+        assert cache.last_loaded == 39 and (cache.load_failures, cache.store_failures) == (1, 1)
 
 
 async def test_a_cache_built_before_its_daemon_starts_misses_then_hits_once_the_daemon_is_up(tmp_path: Path) -> None:

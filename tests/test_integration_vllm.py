@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import os
 import pickle
 import random
 import re
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -463,6 +465,47 @@ def test_a_daemon_that_is_down_gives_misses_not_errors(tmp_path: Path) -> None:
         client.close()
 
 
+def test_a_stopped_daemon_costs_a_step_the_timeout_a_miss_a_reported_load_and_a_counted_save_failure(
+        tmp_path: Path) -> None:
+    """The daemon stops (SIGSTOP: hung, or its host frozen) under a running engine with timeout_s = 1 in
+    kv_connector_extra_config. The scheduler's lookup, the worker's load and a background save each give up
+    within it: a miss, the planned hit's blocks reported to vLLM, a counted save failure; none raises. Each
+    held vLLM's scheduler loop or step for as long as the daemon stalled (an audit: still blocked after 21 s).
+    Once the daemon continues the engine hits again."""
+    with engram_daemon(tmp_path) as (address, proc):
+        e = MiniVllm(address, "stopped", timeout_s="1")  # as a command line's JSON may give it
+        try:
+            tokens, other = prompt(4 * BS + 5, seed=30), prompt(3 * BS + 1, seed=31)
+            e.run("a", tokens)
+            ext, ids, hit = plan(e, Request("b", tokens))  # planned before the daemon stops: a hit, and a save
+            _, other_ids, save = plan(e, Request("c", other))
+            assert ext == 4 * BS
+
+            def step() -> None:
+                assert e.scheduler.num_new_matched_tokens(Request("d", tokens), 0) == (0, False)
+                e.worker.start_load(hit)
+                e.forward(other_ids, other, 0, save)
+                e.worker.wait_for_save(save)
+                e.worker.flush()
+
+            done = threading.Thread(target=step, daemon=True)
+            t0 = time.monotonic()
+            os.kill(proc.pid, signal.SIGSTOP)
+            try:
+                done.start()
+                done.join(3 * 1.0 + 4.0)  # three calls given up, a loaded machine's slack
+                assert not done.is_alive(), f"the step was still blocked {time.monotonic() - t0:.1f} s on"
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            assert e.scheduler.lookup_failures == 1
+            assert e.worker.take_load_errors() == set(ids[:4])
+            assert (e.worker.save_failures, e.worker.saved_tokens) == (1, len(tokens))  # the first run's only
+            ext, _, _ = e.run("e", tokens)
+            assert ext == 4 * BS and torch.equal(e.loaded_now, reference_kv(tokens)[:, :, :ext])
+        finally:
+            e.close()
+
+
 # ---- a daemon restarted under the engine (DRAM only: it comes back knowing no model) ---------------------------
 # The connector registered its model once, at vLLM's start: after such a restart every lookup, load, save and
 # session open failed "unknown model fingerprint" for as long as the engine ran (an audit). Each now registers the
@@ -741,7 +784,11 @@ def test_the_connector_config_refuses_unknown_keys_and_a_missing_address() -> No
     with pytest.raises(InvalidArgument, match=r"block_tokens.*must be int"):
         ConnectorConfig.from_extra({"address": "unix:/x", "block_tokens": "many"})
     cfg = ConnectorConfig.from_extra({"address": "unix:/x", "block_tokens": "128", "codec": "nvfp4"})
-    assert (cfg.block_tokens, cfg.codec, cfg.namespace) == (128, "nvfp4", "default")
+    assert (cfg.block_tokens, cfg.codec, cfg.namespace, cfg.timeout_s) == (128, "nvfp4", "default", 30.0)
+    for bad in (0, -1, "inf", "nan", "soon", True):
+        with pytest.raises(InvalidArgument, match="timeout_s"):
+            ConnectorConfig.from_extra({"address": "unix:/x", "timeout_s": bad})
+    assert ConnectorConfig.from_extra({"address": "unix:/x", "timeout_s": "2.5"}).timeout_s == 2.5
 
 
 def test_the_model_spec_stores_every_attention_layer_in_model_order() -> None:

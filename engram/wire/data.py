@@ -21,7 +21,10 @@ once a frame has begun, the daemon closes a connection that sends nothing for se
 its buffers as bytes arrive, so what a request announces and does not send costs the daemon next to nothing.
 The same bound holds for what the daemon sends: a connection whose peer takes none of it for data_stall_s (a GET
 never read) is closed. Taking is judged by the kernel, not by the daemon's writes: those wait while the socket's
-buffer (megabytes) is full, so a peer reading slowly but steadily looks stalled to the writer alone.
+buffer (megabytes) is full, so a peer reading slowly but steadily looks stalled to the writer alone. A client
+bounds its side the same way with its timeout_s (engram/wire/deadline.py): a connection and its HELLO, a request
+the daemon takes nothing of, an answer that does not begin or go on, where the daemon still reading the request
+is progress too.
 """
 
 from __future__ import annotations
@@ -101,12 +104,17 @@ class Conn:
     asyncio streams (one copy more, from the TLS record buffer)."""
 
     def __init__(self, sock: socket.socket | None = None, *, reader: asyncio.StreamReader | None = None,
-                 writer: asyncio.StreamWriter | None = None, stall_s: float | None = None) -> None:
-        """stall_s: the longest a frame begun may go without a byte (the daemon's server.data_stall_s); None:
-        no limit (a client waits for its answers as long as the daemon takes)."""
+                 writer: asyncio.StreamWriter | None = None, stall_s: float | None = None,
+                 reading_counts: bool = False) -> None:
+        """stall_s: the longest a frame begun may go without a byte, or a send without the peer taking any (the
+        daemon's server.data_stall_s, a client's timeout_s: an answer must begin within it too); None: no limit.
+        reading_counts: while this side waits for bytes, the peer taking more of what this side sent is progress
+        too (a client awaiting the answer to a Put whose blocks the daemon reads and stores one by one, all of
+        them already in the kernel's buffers)."""
         self._sock, self._reader, self._writer = sock, reader, writer
         self._loop = asyncio.get_running_loop()
         self.stall_s = stall_s
+        self.reading_counts = reading_counts
         self.scratch = bytearray()  # a receiver's buffer, reused from message to message (the daemon's puts)
         self.receiving = 0  # bytes of the buffer `recv` is growing now (the daemon's engram_data_buffered_bytes)
         # The stall watch: one timer a connection, due stall_s after the last byte, moved on when it finds bytes came
@@ -145,6 +153,8 @@ class Conn:
 
     def _arm(self, task: asyncio.Task[object], *, sending: bool) -> None:
         self._busy, self._sending, self._last = task, sending, self._loop.time()
+        if not sending and self.reading_counts and self._socket is not None:
+            self._mark = self._look()  # what the peer has taken so far: the first look compares with it
         if self._watch is None:
             assert self.stall_s is not None
             self._watch = self._loop.call_at(self._last + self.stall_s, self._check_stall)
@@ -159,7 +169,9 @@ class Conn:
         if self._busy is None or self.stall_s is None:
             return  # between frames: the next frame arms it again
         now = self._loop.time()
-        if self._sending and self._taken_since_last_look():
+        # a send's progress is the peer taking its bytes; a receive's, with reading_counts, also the peer reading on
+        watched = self._sending or self.reading_counts
+        if watched and self._taken_since_last_look(first=self._sending):
             self._last = now
         due = self._last + self.stall_s
         if now >= due:
@@ -168,19 +180,25 @@ class Conn:
         else:
             self._watch = self._loop.call_at(due, self._check_stall)
 
-    def _taken_since_last_look(self) -> bool:
+    def _look(self) -> tuple[int, int | None, int | None]:
+        return self._sent, unsent_bytes(self._socket), acked_bytes(self._socket)
+
+    def _taken_since_last_look(self, *, first: bool = True) -> bool:
         """Whether the peer took bytes since the watch last looked: the kernel accepted more of a send (it had
         room: the peer read), or what it holds unsent shrank, or a TCP peer acknowledged more. With no write in
         between the kernel's queue only shrinks as the peer takes it, so a look that sees none of these means
-        nothing was taken since the one before. The first look has nothing to compare with: taken."""
+        nothing was taken since the one before. The first look has nothing to compare with, nor a look where the
+        kernel does not say: `first` (taken, for a send; not, for a receive: reading_counts)."""
         if self._socket is None:
-            return True
-        mark = (self._sent, unsent_bytes(self._socket), acked_bytes(self._socket))
+            return first
+        mark = self._look()
         last, self._mark = self._mark, mark
-        if last is None or mark[0] != last[0]:
+        if last is None:
+            return first
+        if mark[0] != last[0]:
             return True
         if mark[1] is None and mark[2] is None:
-            return True  # the kernel does not say: a send is never judged stalled
+            return first  # the kernel does not say: a send is never judged stalled
         return ((mark[1] is not None and last[1] is not None and mark[1] < last[1])
                 or (mark[2] is not None and last[2] is not None and mark[2] > last[2]))
 
@@ -394,8 +412,11 @@ class DataChannel:
     closed, never reused."""
 
     def __init__(self, endpoint: Endpoint, token: str = "", root_cert: bytes | None = None,
-                 server_name: str = "") -> None:
+                 server_name: str = "", *, stall_s: float | None = None) -> None:
+        """stall_s: the longest a connection waits for the daemon to connect, to begin an answer or go on with
+        it, or to take more of a request (Conn's stall_s); Stalled past it. None: as long as the daemon takes."""
         self.endpoint = endpoint
+        self.stall_s = stall_s
         self._token = token.encode()
         self._ssl: ssl.SSLContext | None = None
         if endpoint.tls:
@@ -404,10 +425,18 @@ class DataChannel:
         self._idle: list[Conn] = []
 
     async def _dial(self) -> Conn:
+        where = self.endpoint.unix_path or f"{self.endpoint.host}:{self.endpoint.port}"
+        bound = asyncio.timeout(self.stall_s)
         try:
-            return await self._open()
+            async with bound:  # a connect a stopped daemon's full backlog holds, a TLS handshake it never answers
+                return await self._open()
+        except TimeoutError:
+            if not bound.expired():
+                raise
+            raise Stalled(f"data channel: no connection to {where} within {self.stall_s:g}s") from None
+        except Stalled:
+            raise
         except OSError as exc:
-            where = self.endpoint.unix_path or f"{self.endpoint.host}:{self.endpoint.port}"
             raise errors.Unavailable(f"cannot reach the daemon's data channel at {where}: {exc}") from exc
 
     async def _open(self) -> Conn:
@@ -417,7 +446,7 @@ class DataChannel:
             reader, writer = await asyncio.open_connection(ep.host, ep.port, ssl=self._ssl,
                                                            server_hostname=self._server_name)
             tune(writer.get_extra_info("socket"))
-            conn = Conn(reader=reader, writer=writer)
+            conn = Conn(reader=reader, writer=writer, stall_s=self.stall_s, reading_counts=True)
         else:
             if ep.unix_path:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -432,7 +461,7 @@ class DataChannel:
             except BaseException:
                 sock.close()
                 raise
-            conn = Conn(sock)
+            conn = Conn(sock, stall_s=self.stall_s, reading_counts=True)
         try:
             await conn.send_frame(HELLO, self._token)
             kind, meta, body = await conn.read_frame()
@@ -466,7 +495,10 @@ class DataChannel:
         self._idle.clear()
 
     async def aclose(self) -> None:
-        """close, then wait for TLS connections to finish closing (so none is left to the garbage collector)."""
+        """close, then wait for TLS connections to finish closing (so none is left to the garbage collector), each
+        at most stall_s (a TLS close waits for a daemon that may not answer)."""
         conns, self._idle = self._idle, []
         for conn in conns:
-            await conn.aclose()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.stall_s):
+                    await conn.aclose()

@@ -17,6 +17,7 @@ STATUS_OF: dict[type[errors.EngramError], grpc.StatusCode] = {
     errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
 }
 ERROR_OF: dict[grpc.StatusCode, type[errors.EngramError]] = {code: exc for exc, code in STATUS_OF.items()}
@@ -38,7 +39,8 @@ _DAEMON_FAILED = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.Status
 def error_from_rpc(exc: grpc.aio.AioRpcError) -> errors.EngramError:
     """The domain error a failed call stands for, with the server's message; codes with no domain error
     become Unavailable: DaemonError where the daemon answered and failed the call (INTERNAL, UNKNOWN...),
-    plain Unavailable where it did not answer (down, unreachable, a deadline)."""
+    plain Unavailable where it did not answer (down, unreachable). DEADLINE_EXCEEDED (the daemon cut a stream
+    that stalled: server.stream_stall_s) is DeadlineExceeded, as the client's own timeout is."""
     cls = ERROR_OF.get(exc.code())
     if cls is None:
         failed = errors.DaemonError if exc.code() in _DAEMON_FAILED else errors.Unavailable

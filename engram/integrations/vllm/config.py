@@ -25,6 +25,7 @@ import torch
 from engram.errors import ConfigError, InvalidArgument
 from engram.integrations.identity import with_config
 from engram.layout import Axis, DType, KVLayout, LayerKind, LayerSpec, ModelSpec, StreamSpec
+from engram.wire.deadline import DEFAULT_TIMEOUT_S, checked
 
 LATENT = "latent"  # the stream an MLA model's cache entries are stored as
 
@@ -41,6 +42,10 @@ def _parse(value: Any, kind: str) -> Any:
         from engram.config import parse_bytes
 
         return int(parse_bytes(value))
+    if kind == "float":
+        if isinstance(value, bool):
+            raise ValueError(value)
+        return float(value)
     if kind == "int":
         if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
             raise ValueError(value)
@@ -64,6 +69,9 @@ class ConnectorConfig:
     # (either way joined to the hash of the HF config the engine runs: model_spec)
     async_saves: bool = True  # puts run in a background thread on a second client; false: within the step
     max_pending_bytes: int = 2 << 30  # async saves' buffers (each its prompt's KV, on the GPU) queued or running
+    # the longest a client call waits on the daemon (engram/wire/deadline.py): past it a lookup or load is a miss,
+    # a save a counted failure, where a hung daemon held vLLM's scheduler loop or step for as long as it hung
+    timeout_s: float = DEFAULT_TIMEOUT_S
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -85,6 +93,11 @@ class ConnectorConfig:
                 raise InvalidArgument(f"kv_connector_extra_config[{key!r}] must be {kind}, got {value!r}") from None
         if values.get("max_pending_bytes", 1) < 1:
             raise InvalidArgument("kv_connector_extra_config['max_pending_bytes'] must be positive")
+        if "timeout_s" in values:
+            try:
+                values["timeout_s"] = checked(values["timeout_s"])
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"kv_connector_extra_config['timeout_s']: {exc}") from None
         return cls(**values)
 
     def client(self) -> Any:
@@ -92,7 +105,8 @@ class ConnectorConfig:
         from engram.client import SyncEngramClient
 
         cert = Path(self.root_cert).read_bytes() if self.root_cert else None
-        return SyncEngramClient(self.address, namespace=self.namespace, token=self.token, root_cert=cert)
+        return SyncEngramClient(self.address, namespace=self.namespace, token=self.token, root_cert=cert,
+                                timeout_s=self.timeout_s)
 
     def save_client(self, spec: ModelSpec) -> Any:
         """The second client async saves put on, with the model registered; None when async_saves is off."""

@@ -1,0 +1,117 @@
+"""How long a client waits for its daemon: every wait on the daemon is bounded by the client's `timeout_s`.
+
+Why: a daemon that stops answering (a hung or stopped process, a frozen host, a peer gone without a reset) held
+a worker's call for as long as it stalled: vLLM's scheduler loop behind one lookup, a load before the forward,
+an engine's start behind its model's registration (an audit, session 45: still blocked after 20 s, and nothing
+could be set). The bound takes two shapes:
+
+- A unary call (Lookup, GetPrefix, RegisterModel, ReservePut, CommitPut, the control calls) has a deadline of
+  timeout_s. Its answer is small; what the daemon does before it is bounded too: a GetPrefix bringing a 4 GiB
+  (32K-token raw) prefix up from NVMe takes seconds.
+- A stream that moves KV (a Get's or a Resume's messages, a Put's, the data channel's bytes either way) is
+  never cut for being long, only for making no progress: timeout_s without a message taken or received (a
+  byte, on the data channel, where the daemon reading more of a request counts too: wire/data.py Conn's
+  reading_counts). Its first message and, after a Put's last, its answer are waits of that kind, and so they
+  hold the daemon's work before it answers (a Resume's replay, blocks copied from peers, the last blocks' stores;
+  over gRPC, whose flow-control window lets a Put's messages run a few MiB ahead of the daemon, those of a
+  window). A deadline scaled by the bytes was the other choice: it needs a floor rate, which either cuts a
+  healthy transfer on a loaded host or waits far too long on a stopped one.
+
+A wait that runs out cancels the call and raises DeadlineExceeded (an Unavailable) naming the timeout and where
+it is set; the client is usable at once, and its calls succeed again once the daemon answers. The CLI's commands
+give their own bounds (10 s; `engram check` 600 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engram import errors
+
+# A healthy daemon answers a unary call in milliseconds and a hit's GetPrefix within seconds (a long prefix
+# brought up from NVMe, a first pool mapping); a stream keeps moving. 30 s leaves a loaded daemon ten times that
+# and still ends a hang in tens of seconds, as the daemon's own stall bounds do (server.stream_stall_s).
+DEFAULT_TIMEOUT_S = 30.0
+
+WHERE = ("EngramClient(timeout_s=...), or 'timeout_s' in the vLLM connector's kv_connector_extra_config")
+
+
+def checked(timeout_s: float) -> float:
+    """timeout_s as a client takes it: positive and finite (a bound that never ends is the hang this prevents)."""
+    try:
+        value = float(timeout_s)
+    except (TypeError, ValueError):
+        raise errors.InvalidArgument(f"timeout_s must be a number of seconds, got {timeout_s!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise errors.InvalidArgument(f"timeout_s must be a positive, finite number of seconds, got {timeout_s!r}")
+    return value
+
+
+def expired(address: str, what: str, timeout_s: float) -> errors.DeadlineExceeded:
+    """The error of a wait that ran out: what the daemon did not do, the bound, and where it is set."""
+    return errors.DeadlineExceeded(f"the daemon at {address} did not {what} within {timeout_s:g} s (the client's "
+                                   f"timeout_s: {WHERE}); it is hung, stopped or overloaded, or its host is "
+                                   "unreachable")
+
+
+async def answer(call: Any, timeout_s: float, address: str) -> Any:
+    """A unary call's answer, awaited at most timeout_s; the call is cancelled when it does not come."""
+    bound = asyncio.timeout(timeout_s)
+    try:
+        async with bound:
+            return await call
+    except TimeoutError:
+        if not bound.expired():
+            raise
+        call.cancel()
+        raise expired(address, "answer", timeout_s) from None
+
+
+async def messages(call: Any, timeout_s: float, address: str, what: str) -> AsyncIterator[Any]:
+    """A server stream's messages, each awaited at most timeout_s: the time between messages is bounded, not
+    the stream's length, nor what the caller does with a message (the bound is not held across the yield)."""
+    stream = call.__aiter__()
+    while True:
+        bound = asyncio.timeout(timeout_s)
+        try:
+            async with bound:
+                message = await anext(stream)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            if not bound.expired():
+                raise
+            call.cancel()
+            raise expired(address, f"send the next message of {what}", timeout_s) from None
+        yield message
+
+
+class Progress:
+    """A stall bound for a call whose progress this task does not see itself (a client stream's requests are
+    taken by gRPC's own task): `moved`, at each request taken, puts the end timeout_s later."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._bound: asyncio.Timeout | None = None
+
+    def moved(self) -> None:
+        if self._bound is not None and not self._bound.expired():
+            self._bound.reschedule(asyncio.get_running_loop().time() + self.timeout_s)
+
+    async def wait(self, call: Any, address: str, what: str) -> Any:
+        """The call's answer, once it comes; DeadlineExceeded (the call cancelled) once timeout_s passes without
+        a request taken, or after the last without the answer."""
+        bound = self._bound = asyncio.timeout(self.timeout_s)
+        try:
+            async with bound:
+                return await call
+        except TimeoutError:
+            if not bound.expired():
+                raise
+            call.cancel()
+            raise expired(address, f"take the next part of {what}, nor answer it", self.timeout_s) from None
+        finally:
+            self._bound = None

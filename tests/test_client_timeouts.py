@@ -1,0 +1,193 @@
+"""A daemon that stops answering costs a worker's call the client's timeout_s, not as long as the daemon stalls;
+a daemon that is slow but moves is waited for, however long the transfer.
+
+The stopped daemon is a real `engram serve` subprocess sent SIGSTOP (a hung daemon, a frozen host), continued
+in a finally. Before the client had a timeout, every call to it (a lookup, a load, a put, ping, a new client's
+register_model) was still blocked 20 s later (an audit, session 45). Each call here runs in a thread given a
+hard limit, so a call that hangs fails the test instead of holding it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engram import errors
+from engram.client import EngramClient, SyncEngramClient
+from engram.config import load_config
+from engram.layout import KVLayout, LayerKind, LayerSpec, ModelSpec
+from engram.server import start_server
+
+from helpers import engram_daemon, random_kv, tiny_model, tokens
+
+TIMEOUT_S = 1.0
+SLACK_S = 3.0  # a loaded 2-core machine's scheduling, and a data-channel send cut at its second look
+SPEC = tiny_model()
+BIG = ModelSpec("big-blocks", "seed-0", KVLayout(layers=(LayerSpec(LayerKind.GLOBAL),) * 2, num_kv_heads=8,
+                                                 head_dim=128, block_tokens=256), codec="raw")
+
+
+@contextlib.contextmanager
+def stopped(proc: subprocess.Popen[str]) -> Iterator[None]:
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+
+
+def failures(calls: dict[str, Callable[[], Any]], limit_s: float) -> dict[str, tuple[float, BaseException | None]]:
+    """Each call in a thread of its own, all at once: (seconds, what it raised) by name. A call still blocked
+    after limit_s fails the test (its thread ends once the daemon continues)."""
+    out: dict[str, tuple[float, BaseException | None]] = {}
+
+    def run(name: str, fn: Callable[[], Any]) -> None:
+        t0 = time.monotonic()
+        try:
+            fn()
+            out[name] = (time.monotonic() - t0, None)
+        except BaseException as exc:  # what it raised is the result
+            out[name] = (time.monotonic() - t0, exc)
+
+    threads = [threading.Thread(target=run, args=item, daemon=True) for item in calls.items()]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + limit_s
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+    blocked = sorted(set(calls) - set(out))
+    assert not blocked, f"still blocked after {limit_s} s on a stopped daemon: {blocked}"
+    return out
+
+
+def assert_timed_out(results: dict[str, tuple[float, BaseException | None]]) -> None:
+    for name, (seconds, exc) in results.items():
+        assert isinstance(exc, errors.DeadlineExceeded), f"{name}: {exc!r}"
+        assert "timeout_s" in str(exc) and f"{TIMEOUT_S:g} s" in str(exc), f"{name}: {exc}"
+        assert seconds >= TIMEOUT_S * 0.9, f"{name} gave up after {seconds:.2f} s, before the timeout"
+
+
+def test_unary_calls_and_a_load_to_a_stopped_daemon_fail_within_the_timeout_and_work_once_it_continues(
+        tmp_path: Path) -> None:
+    """ping, a lookup, a load (GetPrefix) and a new client's register_model (what an engine's start does) each
+    fail DeadlineExceeded within the timeout; once the daemon continues the same client looks up and loads."""
+    toks = tokens(48, seed=1)
+    kv = random_kv(SPEC, len(toks), seed=1)
+    with engram_daemon(tmp_path) as (address, proc), \
+            SyncEngramClient(address, namespace="t", timeout_s=TIMEOUT_S) as client:
+        fp = client.register_model(SPEC)
+        client.put(fp, toks, kv)
+        dest = torch.empty_like(kv)
+        assert client.load_prefix_into(fp, toks, dest).loaded_tokens == len(toks)  # the pool mapped already
+        late: list[SyncEngramClient] = []
+
+        def start_an_engine() -> None:
+            late.append(SyncEngramClient(address, namespace="t", timeout_s=TIMEOUT_S))
+            late[-1].register_model(SPEC)
+
+        with stopped(proc):
+            results = failures({"ping": client.ping, "lookup": lambda: client.lookup(fp, toks),
+                                "load": lambda: client.load_prefix_into(fp, toks, torch.empty_like(kv)),
+                                "register_model on a new client": start_an_engine},
+                               TIMEOUT_S + SLACK_S)
+        assert_timed_out(results)
+        assert client.ping() > 0
+        assert client.lookup(fp, toks).matched_tokens == len(toks)
+        dest = torch.empty_like(kv)
+        assert client.load_prefix_into(fp, toks, dest).loaded_tokens == len(toks) and torch.equal(dest, kv)
+        assert late[0].register_model(SPEC) == fp
+        late[0].close()
+
+
+def test_puts_and_gets_to_a_stopped_daemon_fail_within_the_timeout_on_the_data_channel_and_grpc(
+        tmp_path: Path) -> None:
+    """The byte paths: a put and a get over the data channel and over gRPC streams (clients that do not map the
+    daemon's pool) each fail DeadlineExceeded, not retried on another connection; once the daemon continues
+    they store and fetch again."""
+    toks = tokens(64, seed=2)
+    kv = random_kv(SPEC, len(toks), seed=2)
+    with engram_daemon(tmp_path) as (address, proc), \
+            SyncEngramClient(address, namespace="t", timeout_s=TIMEOUT_S, zero_copy=False) as data, \
+            SyncEngramClient(address, namespace="t", timeout_s=TIMEOUT_S, zero_copy=False,
+                             data_channel=False) as streams:
+        fp = data.register_model(SPEC)
+        streams.register_model(SPEC)
+        keys = list(data.put(fp, toks, kv).keys)
+        assert len(data.get(fp, keys)) == len(keys) and len(streams.get(fp, keys)) == len(keys)
+        with stopped(proc):
+            results = failures({
+                "data channel put": lambda: data.put(fp, toks, kv, skip_cached=False),
+                "data channel get": lambda: data.get(fp, keys),
+                "gRPC put": lambda: streams.put(fp, toks, kv, skip_cached=False),
+                "gRPC get": lambda: streams.get(fp, keys),
+            }, 2 * TIMEOUT_S + SLACK_S)
+        assert_timed_out(results)
+        for client in (data, streams):
+            assert client.put(fp, toks, kv, skip_cached=False).deduplicated == len(keys)
+            got = client.get(fp, keys)
+            assert torch.equal(torch.cat(got, dim=2), kv)
+
+
+def test_a_client_holding_leases_closes_within_the_timeout_when_its_daemon_is_stopped(tmp_path: Path) -> None:
+    """A load's lease is ended by the client's next load or a ReleaseLeases a moment later; close ends it. With
+    the daemon stopped that release waited for it, and so did close()."""
+    toks = tokens(32, seed=3)
+    kv = random_kv(SPEC, len(toks), seed=3)
+    with engram_daemon(tmp_path) as (address, proc):
+        client = SyncEngramClient(address, namespace="t", timeout_s=TIMEOUT_S)
+        fp = client.register_model(SPEC)
+        client.put(fp, toks, kv)
+        assert client.load_prefix_into(fp, toks, torch.empty_like(kv)).mapped_blocks > 0  # a lease is held
+        with stopped(proc):
+            results = failures({"close": client.close}, TIMEOUT_S + SLACK_S)
+        assert results["close"][1] is None
+
+
+async def test_a_slow_daemon_that_keeps_sending_and_taking_is_waited_for_past_the_timeout(tmp_path: Path) -> None:
+    """A daemon whose disk takes 0.3 s a block: a Get of 8 blocks from NVMe runs 2.4 s, a write-through Put of 8
+    blocks as long, each well past a 1 s timeout, over gRPC and the data channel. Each moves every 0.3 s, and none
+    is cut: the timeout bounds a stream's wait for its next message or bytes, not its length (a total deadline cut
+    the Get; a client counting only its own sends and receives cut the data channel's Put, its blocks all sent)."""
+    nvme = tmp_path / "nvme"
+    base = {"server.port": 0, "tiers.dram.capacity": "128MiB", "tiers.dram.prefault": False,
+            "tiers.nvme.path": str(nvme), "tiers.write_policy": "write-through", "tiers.dram.pool": "private"}
+    chains = [(tokens(8 * 16, seed=seed), random_kv(SPEC, 8 * 16, seed=seed)) for seed in (4, 5)]
+    first = await start_server(load_config(env={}, overrides={**base, "server.unix_socket": str(tmp_path / "a.sock")}))
+    try:
+        async with EngramClient(first.address, namespace="t") as client:
+            fp = await client.register_model(SPEC)
+            keys = [list((await client.put(fp, toks, kv)).keys) for toks, kv in chains]
+    finally:
+        await first.stop(0)
+    srv = await start_server(load_config(env={}, overrides={**base, "server.unix_socket": str(tmp_path / "b.sock")}))
+    try:
+        nvme_tier = srv.store.tiers[-1]
+        nvme_tier.fault_hook = lambda op, path: time.sleep(0.3) if op in ("read", "write") else None
+        for i, data_channel in enumerate((True, False)):  # a chain each: a block read once is in DRAM after
+            async with EngramClient(srv.address, namespace="t", timeout_s=TIMEOUT_S, zero_copy=False,
+                                    data_channel=data_channel) as client:
+                await client.register_model(SPEC)
+                t0 = time.monotonic()
+                got = await client.get(fp, keys[i])  # each block read from NVMe as it is sent
+                assert time.monotonic() - t0 > 2 * TIMEOUT_S
+                assert torch.equal(torch.cat(got, dim=2), chains[i][1])
+                # Over the data channel 8 tiny blocks lie in the kernel's buffers at once: the daemon reading them is
+                # the only progress. gRPC's flow-control window (MiBs) would hold them all too, and the client sees
+                # no more of the daemon's reading than that: 2 MiB blocks, one or two in the window at a time.
+                spec = SPEC if data_channel else BIG
+                model = await client.register_model(spec)
+                other = tokens(8 * spec.layout.block_tokens, seed=6 + i)
+                t0 = time.monotonic()
+                put = await client.put(model, other, random_kv(spec, len(other), seed=6))  # each block stored as it comes
+                assert time.monotonic() - t0 > 2 * TIMEOUT_S and put.stored == 8
+    finally:
+        await srv.stop(0)
