@@ -9,6 +9,7 @@ hard limit, so a call that hangs fails the test instead of holding it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -19,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import torch
 
 from engram import errors
@@ -26,6 +28,7 @@ from engram.client import EngramClient, SyncEngramClient
 from engram.config import load_config
 from engram.layout import KVLayout, LayerKind, LayerSpec, ModelSpec
 from engram.server import start_server
+from engram.wire import channel
 
 from helpers import engram_daemon, random_kv, tiny_model, tokens
 
@@ -191,3 +194,48 @@ async def test_a_slow_daemon_that_keeps_sending_and_taking_is_waited_for_past_th
                 assert time.monotonic() - t0 > 2 * TIMEOUT_S and put.stored == 8
     finally:
         await srv.stop(0)
+
+
+async def test_an_idle_channel_pinging_at_the_daemons_allowed_rate_is_not_sent_away(monkeypatch: Any,
+                                                                                    tmp_path: Path) -> None:
+    """A client pings an idle connection every channel.KEEPALIVE_S; the daemon accepts pings that often, with or
+    without calls (grpc's default policy answered the third early one with GOAWAY too_many_pings and closed the
+    connection). The interval is shortened here, on both sides, to 0.2 s (grpc sends one a second at most):
+    six pings in 6 s, one connection throughout, where the third early one was sent away."""
+    monkeypatch.setattr(channel, "KEEPALIVE_S", 0.2)
+    srv = await start_server(load_config(env={}, overrides={
+        "server.port": 0, "server.unix_socket": str(tmp_path / "e.sock"), "tiers.dram.capacity": "64MiB",
+        "tiers.dram.prefault": False}))
+    try:
+        async with EngramClient(srv.address, timeout_s=TIMEOUT_S) as client:
+            await client.ping()
+            states = set()
+            for _ in range(60):
+                await asyncio.sleep(0.1)
+                states.add(client._channel.get_state())
+            assert states == {grpc.ChannelConnectivity.READY}
+            await client.ping()
+    finally:
+        await srv.stop(0)
+
+
+def test_an_idle_client_notices_a_daemon_that_stopped_answering_by_its_keepalive(monkeypatch: Any,
+                                                                                  tmp_path: Path) -> None:
+    """A daemon gone without a reset (a host powered off) left an idle client's connection open: its next call
+    went out on it and waited. Keepalive closes a connection whose ping is not answered within KEEPALIVE_S / 2
+    (0.2 s and 0.1 s here, on the client's side only; grpc pings once a second at most): the stopped daemon's is
+    closed while no call is made."""
+    monkeypatch.setattr(channel, "KEEPALIVE_S", 0.2)
+    states: set[grpc.ChannelConnectivity] = set()
+
+    async def idle_through_a_stop(address: str, proc: subprocess.Popen[str]) -> None:
+        async with EngramClient(address, timeout_s=TIMEOUT_S) as client:
+            await client.ping()
+            with stopped(proc):
+                for _ in range(30):
+                    await asyncio.sleep(0.1)
+                    states.add(client._channel.get_state())
+
+    with engram_daemon(tmp_path) as (address, proc):
+        asyncio.run(idle_through_a_stop(address, proc))
+    assert states - {grpc.ChannelConnectivity.READY}, "the connection to the stopped daemon stayed open"

@@ -1,4 +1,4 @@
-"""Channels to a daemon (or, for the cluster tier, to a peer): message limits, TLS, bearer tokens."""
+"""Channels to a daemon (or, for the cluster tier, to a peer): message limits, TLS, bearer tokens, keepalive."""
 
 from __future__ import annotations
 
@@ -62,12 +62,38 @@ RECONNECT_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.use_local_subchannel_pool", 1)]
 
 
+# Keepalive: a connection that has carried nothing for KEEPALIVE_S is pinged, and closed when the ping is not
+# answered within KEEPALIVE_S / 2, with or without calls on it. A peer gone without a reset (a host powered off,
+# a network partition) is then noticed in seconds, where TCP took its retransmission timeout (about 15 min):
+# a call's deadline alone ends that call, and the next one went out on the same dead connection. Idle workers
+# ping too, so their next call does not find a dead connection first. A daemon answers such pings at any rate
+# down to half that interval (server_keepalive_options); grpc's defaults on a server (one ping in 5 min while a
+# call is open, 2 h without) answered the third early one with GOAWAY too_many_pings, closing the connection.
+KEEPALIVE_S = 20.0
+
+
+def keepalive_options() -> list[tuple[str, Any]]:
+    """A channel's keepalive (clients, and a daemon's channels to its cluster peers)."""
+    return [("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
+            ("grpc.keepalive_timeout_ms", int(KEEPALIVE_S * 500)),
+            # what grpc 1.85 waits for a ping's answer, the keepalive's too (its own timeout is not armed): 60 s
+            ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_S * 500)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0)]  # 0: no cap (grpc's 2 stopped an idle channel's pings)
+
+
+def server_keepalive_options() -> list[tuple[str, Any]]:
+    """What a daemon accepts of clients' keepalive: pings without calls, as often as every KEEPALIVE_S / 2."""
+    return [("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", int(KEEPALIVE_S * 500))]
+
+
 def open_channel(address: str, *, root_cert: bytes | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_receive_bytes: int | None = None,
                  server_name: str = "") -> grpc.aio.Channel:
     """A channel to a daemon: TLS when root_cert (PEM) is given. max_receive_bytes: None, max_message_bytes;
     -1, any size."""
-    options = message_options(max_message_bytes, max_receive_bytes) + RECONNECT_OPTIONS
+    options = message_options(max_message_bytes, max_receive_bytes) + RECONNECT_OPTIONS + keepalive_options()
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
     if root_cert is not None:
