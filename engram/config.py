@@ -135,8 +135,12 @@ class ServerConfig:
     # connection closed, with what it had sent, and so has one whose client takes nothing of an answer for this long
     # (as the kernel's send queue tells, which moves in steps of a window or a socket buffer's segment, up to about
     # 64 KiB: a client reading at least that much per data_stall_s is not cut); a connection idle between requests
-    # stays open (clients pool them).
+    # is not a stall (clients pool them): data_idle_s bounds it.
     data_stall_s: float = 30.0
+    # A data-channel connection that sends no request for this long is closed (a client dials anew, unnoticed by its
+    # calls): one tenant's abandoned connections held its share of them, and their buffers, for as long as the
+    # client kept them; 0: idle connections stay open. A peer gone without a FIN is found sooner, by TCP keepalive (in about 90 s).
+    data_idle_s: float = 300.0
     # A gRPC stream (Get, Resume, FetchBlocks) whose client takes none of its messages for this long is ended
     # DEADLINE_EXCEEDED and what it held (the block being sent, the blocks' read holds, the tenant's call share) is
     # let go. HTTP/2's flow control shows only whole messages taken, each once the client has read about a window
@@ -466,7 +470,8 @@ class EngramConfig:
 DURATIONS: tuple[tuple[str, str | None], ...] = (
     ("server.session_idle_s", "sessions never close idle"), ("server.gc_freeze_s", "CPython's schedule"),
     ("server.gc_full_s", "CPython's schedule"), ("server.shutdown_grace_s", "in-flight calls are cut at once"),
-    ("server.lease_s", None), ("server.data_stall_s", None), ("server.stream_stall_s", None),
+    ("server.lease_s", None), ("server.data_stall_s", None),
+    ("server.data_idle_s", "idle data-channel connections stay open"), ("server.stream_stall_s", None),
     ("tiers.retry_s", "tried again at once"), ("tiers.write_back_window_s", "only when evicted"),
     ("tiers.shutdown_flush_s", "none copied"), ("tiers.prefetch_lead_ms", "never"),
     ("cluster.heartbeat_s", None), ("cluster.ttl_s", None), ("cluster.fetch_timeout_s", None),

@@ -856,3 +856,117 @@ async def test_stopping_a_daemon_with_an_idle_tls_connection_logs_no_error(tmp_p
         await c.close()
     errors_logged = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors_logged, [r.getMessage() for r in errors_logged]
+
+
+def four_mib_model():  # type: ignore[no-untyped-def]
+    """A model whose 512-token block is 4 MiB raw: a payload a connection's receive buffer keeps."""
+    from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
+
+    return ModelSpec(name="four", weights_id="w", codec="raw", layout=KVLayout(
+        layers=(LayerSpec(LayerKind.GLOBAL),) * 2, num_kv_heads=8, head_dim=128, dtype=DType.BF16, block_tokens=512))
+
+
+async def test_an_idle_connection_gives_its_receive_buffer_back_and_serves_on(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """Each connection kept its receive buffer (up to 64 MiB) for as long as it stayed open, idle or not: a
+    client's 24 pooled connections that had each put a 32 MiB block held 800 MiB of the daemon for good (an
+    audit, session 45). Back-to-back puts still reuse it; a connection idle for REUSE_IDLE_S gives it back
+    (engram_data_buffered_bytes falls to 0), and serves its next put."""
+    from engram.server.dataport import REUSE_IDLE_S, SWEEP_S
+
+    srv = await server_factory(**{"server.metrics_port": -1})
+    spec = four_mib_model()
+    async with EngramClient(srv.address, namespace=NS, zero_copy=False) as c:
+        fp = await c.register_model(spec)
+    port = srv.service.dataport
+    gauge = lambda: srv.metrics.registry.get_sample_value("engram_data_buffered_bytes")  # noqa: E731
+    conns = [await raw_conn(srv) for _ in range(3)]
+    for i, conn in enumerate(conns):
+        toks = tokens(512, seed=40 + i)
+        payload = raw_payload(random_kv(spec, 512, seed=40 + i))
+        meta = pb.DataPut(header=pb.PutHeader(namespace=NS, model_fingerprint=fp),
+                          blocks=[block_header(spec, toks, payload)]).SerializeToString()
+        await conn.send_frame(wire.PUT, meta, payload)
+        kind, reply, _ = await conn.read_frame()
+        assert kind == wire.PUT_OK, wire.error_of(reply)
+    assert gauge() >= 3 * len(payload)  # kept for the connections' next puts
+    idle_from = time.monotonic()
+    header_buffers = len(conns) * wire.FRAME.size  # what each holds now: the next frame header's 16 bytes
+    await until(lambda: gauge() <= header_buffers, "the idle connections' buffers to go back", timeout=10)
+    assert time.monotonic() - idle_from <= REUSE_IDLE_S + SWEEP_S + 1.0
+    assert port.buffered_bytes() <= header_buffers
+    toks = tokens(512, seed=50)
+    payload = raw_payload(random_kv(spec, 512, seed=50))
+    meta = pb.DataPut(header=pb.PutHeader(namespace=NS, model_fingerprint=fp),
+                      blocks=[block_header(spec, toks, payload)]).SerializeToString()
+    await conns[0].send_frame(wire.PUT, meta, payload)
+    kind, reply, _ = await conns[0].read_frame()
+    assert kind == wire.PUT_OK and pb.PutResponse.FromString(bytes(reply)).stored == 1, wire.error_of(reply)
+    for conn in conns:
+        conn.close()
+
+
+async def idle_connections_are_closed_and_the_client_carries_on(srv, root_cert: bytes | None = None) -> None:  # type: ignore[no-untyped-def]
+    spec = tiny_model()
+    toks, kv = tokens(32), random_kv(spec, 32)
+    port = srv.service.dataport
+    async with EngramClient(srv.address, namespace=NS, zero_copy=False, root_cert=root_cert) as c:
+        fp = await c.register_model(spec)
+        await c.put(fp, toks, kv)
+        assert c._data is not None and len(c._data._idle) == 1
+        pooled = c._data._idle[0]
+        greeted = port._greeted
+        await until(lambda: port._greeted == greeted - 1, "the daemon to close the idle connection", timeout=10)
+        await until(pooled.ended, "the client to see its pooled connection closed", timeout=5)
+        put_before = port.served["put"]
+        more, more_kv = tokens(32, seed=9), random_kv(spec, 32, seed=9)
+        await c.put(fp, more, more_kv)  # on a new connection: the closed one is not taken
+        assert port.served["put"] == put_before + 1  # over the data channel, not gRPC
+        assert c._data._idle and c._data._idle[0] is not pooled
+        n, got = await c.get_prefix(fp, more)
+        assert n == 32 and torch.equal(got, more_kv)
+    if root_cert is None:  # a hand-driven connection too: closed by the daemon, not answered
+        idle = await raw_conn(srv)
+        with pytest.raises(ConnectionError):
+            await asyncio.wait_for(idle.read_frame(), 10)
+        idle.close()
+
+
+async def test_a_connection_idle_past_data_idle_s_is_closed_and_the_clients_next_call_succeeds(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """An idle data-channel connection was never closed: a client's pooled connections (or those of a client
+    gone without a FIN) held the tenant's share of data connections and their buffers for ever (an audit,
+    session 45). Idle past server.data_idle_s the daemon closes it; the client sees it closed and dials anew,
+    its next call served on the data channel as if nothing happened."""
+    srv = await server_factory(**{"server.data_idle_s": 0.5})
+    await idle_connections_are_closed_and_the_client_carries_on(srv)
+
+
+async def test_an_idle_tls_connection_is_closed_and_the_clients_next_call_succeeds(tmp_path: Path) -> None:
+    cert, key = self_signed_cert(tmp_path)
+    srv = await start_server(load_config(env={}, overrides={
+        "server.port": 0, "tiers.dram.capacity": "64MiB", "server.tls_cert": str(cert), "server.tls_key": str(key),
+        "server.data_idle_s": 0.5}))
+    try:
+        await idle_connections_are_closed_and_the_client_carries_on(srv, cert.read_bytes())
+    finally:
+        await srv.stop(0)
+
+
+async def test_tcp_data_connections_have_keepalive_on_both_ends(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """No keepalive: a client that vanished without a FIN (its host down, the link cut) kept its data-channel
+    connections ESTABLISHED for ever, and its tenant's share of them (an audit, session 45: new HELLOs refused
+    RESOURCE_EXHAUSTED). Both ends of a TCP connection now probe a silent peer (wire.KEEPALIVE_*)."""
+    srv = await server_factory(**{"server.unix_socket": ""})
+    port = srv.service.dataport
+    assert port.tcp_port and not port.unix_path
+    async with EngramClient(srv.address, namespace=NS, zero_copy=False) as c:
+        fp = await c.register_model(tiny_model())
+        await c.put(fp, tokens(32), random_kv(tiny_model(), 32))
+        assert c._data is not None
+        (client_end,) = c._data._idle
+        (daemon_end,) = port._conns
+        for sock in (client_end._socket, daemon_end._socket):
+            assert sock is not None and sock.family == socket.AF_INET
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == wire.KEEPALIVE_IDLE_S
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == wire.KEEPALIVE_INTERVAL_S
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == wire.KEEPALIVE_PROBES

@@ -16,8 +16,10 @@ HELLO_OK or ERROR. Then requests one at a time:
   usable.
 - GET: meta GetRequest, no body; answered by one BLOCK frame per block (meta a BlockChunk holding header and
   key, body the payload), then END; or ERROR at any point (the blocks before it were whole).
-A connection may stay idle between requests as long as the client likes (a client keeps its connections pooled);
-once a frame has begun, the daemon closes a connection that sends nothing for server.data_stall_s, and it grows
+A connection may stay idle between requests (a client keeps its connections pooled) up to the daemon's
+server.data_idle_s, after which the daemon closes it and the client dials anew; TCP keepalive (`tune`) ends one
+whose peer vanished without a word (a host down, a link cut) within a minute and a half of silence. Once a frame
+has begun, the daemon closes a connection that sends nothing for server.data_stall_s, and it grows
 its buffers as bytes arrive, so what a request announces and does not send costs the daemon next to nothing.
 The same bound holds for what the daemon sends: a connection whose peer takes none of it for data_stall_s (a GET
 never read) is closed. Taking is judged by the kernel, not by the daemon's writes: those wait while the socket's
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import socket
 import ssl
@@ -55,18 +58,32 @@ SOCKET_BUFFER_BYTES = 4 * 2**20  # kernel buffers large enough that one MiB move
 CLOSED_POLL_S = 0.2  # how often closed_by_peer looks under TLS (asyncio's streams have no wait for the end)
 GROW_BYTES = 2**20  # a receive buffer is grown at most this far ahead of the bytes that arrived
 _ZEROS = memoryview(bytes(GROW_BYTES))  # what a buffer grows by (its pages are only ever read)
+# TCP keepalive: a connection silent this long is probed, every interval, and reset after that many go unanswered.
+# A peer that vanished without a FIN (its host down, the link cut) held its connection, and with it a slot of its
+# tenant's share of data connections, for ever (an audit, session 45): now about 90 s.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 60, 10, 3
+# Errors a receive gets from a peer gone without a word (keepalive's probes unanswered, its network unreachable):
+# the peer left, as a reset says, so they end the connection as ConnectionError does, not as an internal error.
+_GONE = frozenset({errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN})
 
 Buffer = bytes | bytearray | memoryview
 
 
 def tune(sock: socket.socket) -> None:
-    """Non-blocking, large kernel buffers, and no Nagle delay on TCP (a frame header waits for nothing)."""
+    """Non-blocking, large kernel buffers, and on TCP no Nagle delay (a frame header waits for nothing) and
+    keepalive (KEEPALIVE_*: a peer gone without a FIN is found; a unix socket's peer is on this host, its end
+    seen by the kernel)."""
     sock.setblocking(False)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         with contextlib.suppress(OSError):  # the kernel's limit applies; buffers only tune speed
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                            ("TCP_KEEPCNT", KEEPALIVE_PROBES)):
+            if hasattr(socket, name):  # Linux and macOS have them; elsewhere the system's keepalive timing
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 _OUTQ = getattr(termios, "TIOCOUTQ", 0x5411)  # Linux's SIOCOUTQ
@@ -117,6 +134,7 @@ class Conn:
         self.reading_counts = reading_counts
         self.scratch = bytearray()  # a receiver's buffer, reused from message to message (the daemon's puts)
         self.receiving = 0  # bytes of the buffer `recv` is growing now (the daemon's engram_data_buffered_bytes)
+        self.received = 0  # bytes received so far: whether a frame has begun since the daemon last looked (idle)
         # The stall watch: one timer a connection, due stall_s after the last byte, moved on when it finds bytes came
         # meanwhile (a timer per read, or per wait, cost a sixth of the receive rate). A send is watched by the same
         # timer: each time it fires it asks the kernel whether the peer took bytes since it last looked.
@@ -203,15 +221,21 @@ class Conn:
                 or (mark[2] is not None and last[2] is not None and mark[2] > last[2]))
 
     async def _recv_some(self, buf: memoryview) -> int:
-        if self._reader is not None:
-            data = await self._reader.read(len(buf))
-            n = len(data)
-            buf[:n] = data
-        else:
-            assert self._sock is not None
-            n = await self._loop.sock_recv_into(self._sock, buf)
+        try:
+            if self._reader is not None:
+                data = await self._reader.read(len(buf))
+                n = len(data)
+                buf[:n] = data
+            else:
+                assert self._sock is not None
+                n = await self._loop.sock_recv_into(self._sock, buf)
+        except OSError as exc:
+            if isinstance(exc, ConnectionError) or exc.errno not in _GONE:
+                raise
+            raise ConnectionError(f"the data channel's peer is gone: {exc.strerror}") from exc
         if n == 0:
             raise ConnectionError("the peer closed the data channel mid-message")
+        self.received += n
         return n
 
     async def recv(self, n: int, *, idle: bool = False) -> bytearray:
@@ -286,6 +310,21 @@ class Conn:
             await ready
         finally:
             self._loop.remove_writer(fd)
+
+    def ended(self) -> bool:
+        """Whether a connection between requests can carry no more: its peer closed or reset it (the daemon
+        closes one idle past server.data_idle_s), or sent bytes nobody asked for. A look, no wait: a client
+        takes a pooled connection only if it has not ended (a request sent on one the daemon closed fails)."""
+        if self._reader is not None:
+            return self._reader.at_eof() or self._reader.exception() is not None
+        assert self._sock is not None
+        try:
+            self._sock.recv(1, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            return False  # nothing to read: open
+        except OSError:
+            return True  # reset
+        return True  # its end, or bytes between requests: the stream is not where a request starts
 
     async def closed_by_peer(self) -> None:
         """Return once the peer has closed (or reset) its end; for a side that waits on something else between
@@ -475,10 +514,20 @@ class DataChannel:
             raise
         return conn
 
+    def _pooled(self) -> Conn | None:
+        """The newest idle connection still open; those the daemon closed meanwhile (idle too long, or it
+        restarted) are closed here too."""
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.ended():
+                return conn
+            conn.close()
+        return None
+
     async def call(self, kind: int, meta: bytes, body: Sequence[Buffer] = ()) -> Conn:
         """Send one request on an idle (or new) connection; returns the connection, which the caller reads
         the answer from and hands back with `done` (or `close`s on failure)."""
-        conn = self._idle.pop() if self._idle else await self._dial()
+        conn = self._pooled() or await self._dial()
         try:
             await conn.send_frame(kind, meta, *body)
         except BaseException:
