@@ -168,14 +168,17 @@ class RpcMetrics(grpc.aio.ServerInterceptor):
         self.data_calls.labels(op, code).inc()
         self.data_latency.labels(op, code).observe(seconds)
 
-    def _done(self, method: str, context: Any, t0: float, failed: BaseException | None) -> None:
+    def _done(self, method: str, context: Any, t0: float, failed: type[BaseException] | None) -> None:
+        """`failed`: the class of what the handler raised. Not the exception: kept in a local of the wrapper's
+        frame, which its traceback holds, it made a reference cycle of every failed call (engram/collector.py)."""
         code = context.code()
-        if code is None and (isinstance(failed, asyncio.CancelledError | GeneratorExit) or context.cancelled()):
+        went = failed is not None and issubclass(failed, asyncio.CancelledError | GeneratorExit)
+        if code is None and (went or context.cancelled()):
             # the client went (a stream it stopped reading is closed with GeneratorExit): not a server failure
             # (UNKNOWN), nor a success (OK)
             code = grpc.StatusCode.CANCELLED
         if code is None:
-            code = grpc.StatusCode.UNKNOWN if failed is not None and not isinstance(failed, grpc.aio.AbortError) \
+            code = grpc.StatusCode.UNKNOWN if failed is not None and not issubclass(failed, grpc.aio.AbortError) \
                 else grpc.StatusCode.OK
         name = code.name if isinstance(code, grpc.StatusCode) else str(code)
         self.calls.labels(method, name).inc()
@@ -200,7 +203,7 @@ class RpcMetrics(grpc.aio.ServerInterceptor):
                 try:
                     return await answered(inner(request, context), context)  # a generator too (behind a partial)
                 except BaseException as exc:
-                    failed = exc
+                    failed = type(exc)
                     raise
                 finally:
                     self._done(method, context, t0, failed)
@@ -214,7 +217,7 @@ class RpcMetrics(grpc.aio.ServerInterceptor):
                 async for item in inner_stream(request, context):
                     yield item
             except BaseException as exc:
-                failed = exc
+                failed = type(exc)
                 raise
             finally:
                 self._done(method, context, t0, failed)

@@ -19,9 +19,11 @@ import inspect
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import grpc
+
 from engram.errors import PermissionDenied
 from engram.limits import check_namespace
-from engram.server.errors import abort_with
+from engram.server.errors import abort_with, forget_abort
 from engram.tenancy import OPEN, Principal, Tenancy
 
 # Set by `guard` in each RPC's own task (grpc.aio runs every RPC in a task of its own), read below.
@@ -93,27 +95,36 @@ def guard(behavior: Callable[..., Any], tenancy: Tenancy | None) -> Callable[...
             await abort_with(context, exc, behavior.__name__)
             raise
 
+    # A call aborted (refused here, or its request late: engram/server/arrival.py) ends here, its AbortError
+    # cut from the frames (engram/server/errors.py says why): grpc raises it again once the wrapper returns.
     if inspect.isasyncgenfunction(behavior):
 
         async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
-            p = await principal_of(context)
-            _principal.set(p)
             try:
-                async for item in behavior(request, context):
-                    yield item
-            finally:
-                if tenancy is not None:
-                    tenancy.leave(p)
+                p = await principal_of(context)
+                _principal.set(p)
+                try:
+                    async for item in behavior(request, context):
+                        yield item
+                finally:
+                    if tenancy is not None:
+                        tenancy.leave(p)
+            except grpc.aio.AbortError as exc:
+                forget_abort(exc)
 
         return stream
 
     async def unary(request: Any, context: Any) -> Any:
-        p = await principal_of(context)
-        _principal.set(p)
         try:
-            return await behavior(request, context)
-        finally:
-            if tenancy is not None:
-                tenancy.leave(p)
+            p = await principal_of(context)
+            _principal.set(p)
+            try:
+                return await behavior(request, context)
+            finally:
+                if tenancy is not None:
+                    tenancy.leave(p)
+        except grpc.aio.AbortError as exc:
+            forget_abort(exc)
+            return None
 
     return unary

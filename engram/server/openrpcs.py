@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
 from engram.server.arrival import first_request
+from engram.server.errors import forget_abort
 from engram.wire.stream import answered
 
 
@@ -39,10 +40,11 @@ OPEN_METHODS = _methods(health_pb2.DESCRIPTOR.services_by_name["Health"],
 
 
 class _Undecodable:
-    """A request the service's deserializer refused (the handler answers INVALID_ARGUMENT)."""
+    """A request the service's deserializer refused (the handler answers INVALID_ARGUMENT). The parser's message,
+    not its error, whose traceback's frames hold the request, this: a reference cycle (server/errors.py)."""
 
-    def __init__(self, error: Exception) -> None:
-        self.error = error
+    def __init__(self, message: str) -> None:
+        self.message = message
 
 
 class OpenServiceGuard(grpc.aio.ServerInterceptor):
@@ -65,7 +67,7 @@ class OpenServiceGuard(grpc.aio.ServerInterceptor):
             try:
                 return decode(data) if decode is not None else data
             except Exception as exc:  # protobuf's DecodeError, or anything a parser raises
-                return _Undecodable(exc)
+                return _Undecodable(str(exc))
 
         kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
                     if getattr(handler, k) is not None)
@@ -76,21 +78,25 @@ class OpenServiceGuard(grpc.aio.ServerInterceptor):
         as_stream = "stream_" + kind.split("_", 1)[1]
 
         async def guarded(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-            if self.in_flight >= self.limit:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"{self.limit} calls to the health and reflection services are in flight, "
-                                    "as many as server.max_concurrent_open_rpcs allows; try again later")
-            self.in_flight += 1
             try:
-                if streams_in:
-                    request = _checked(requests, context, method)
-                else:
-                    request = await first_request(requests, context, self.stall_s, method)
-                    if isinstance(request, _Undecodable):
-                        await _refuse(context, method, request)
-                return await answered(inner(request, context), context)  # the wrapper is one coroutine
-            finally:
-                self.in_flight -= 1
+                if self.in_flight >= self.limit:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        f"{self.limit} calls to the health and reflection services are in flight, "
+                                        "as many as server.max_concurrent_open_rpcs allows; try again later")
+                self.in_flight += 1
+                try:
+                    if streams_in:
+                        request = _checked(requests, context, method)
+                    else:
+                        request = await first_request(requests, context, self.stall_s, method)
+                        if isinstance(request, _Undecodable):
+                            await _refuse(context, method, request)
+                    return await answered(inner(request, context), context)  # the wrapper is one coroutine
+                finally:
+                    self.in_flight -= 1
+            except grpc.aio.AbortError as exc:  # cut from the frames, which hold the call's state (server/errors.py)
+                forget_abort(exc)
+                return None
 
         return handler._replace(request_deserializer=safe, request_streaming=True,
                                 **{kind: None, as_stream: guarded})
@@ -98,7 +104,7 @@ class OpenServiceGuard(grpc.aio.ServerInterceptor):
 
 async def _refuse(context: grpc.aio.ServicerContext, method: str, request: _Undecodable) -> None:
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"{method}: the request is not a valid message ({str(request.error)[:200]})")
+                        f"{method}: the request is not a valid message ({request.message[:200]})")
 
 
 async def _checked(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext, method: str

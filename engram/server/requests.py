@@ -40,10 +40,14 @@ def block_request_bytes(max_tokens: int, max_blocks: int) -> int:
 
 class _Refused:
     """What a request deserializer returns for bytes it will not decode (too many, or not a valid message),
-    so the handler answers with the error's status instead of gRPC's generic INTERNAL."""
+    so the handler answers with the error's status instead of gRPC's generic INTERNAL. It keeps the error's
+    class and message, not an error: one raised holds its traceback, whose frames hold the handler's request,
+    this, so a kept one made a reference cycle of every refused request (engram/server/errors.py says why that
+    mattered)."""
 
-    def __init__(self, error: EngramError) -> None:
-        self.error = error
+    def __init__(self, kind: type[EngramError], message: str) -> None:
+        self.kind = kind
+        self.message = message
 
 
 def _varint(data: bytes | bytearray, pos: int) -> tuple[int, int]:
@@ -91,22 +95,22 @@ def safe_decoder(message_cls: Any, max_bytes: int | None = None, max_fields: int
 
     def decode(data: bytes) -> Any:
         if max_bytes is not None and len(data) > max_bytes:
-            return _Refused(ResourceExhausted(
-                f"a {name} of {len(data)} bytes exceeds the {max_bytes} this method takes{what}; split the request"))
+            return _Refused(ResourceExhausted, f"a {name} of {len(data)} bytes exceeds the {max_bytes} this method "
+                                               f"takes{what}; split the request")
         if max_fields is not None and top_level_fields(data, max_fields) > max_fields:
-            return _Refused(ResourceExhausted(
-                f"a {name} with more than {max_fields} entries exceeds this method's limit{what}; split the request"))
+            return _Refused(ResourceExhausted, f"a {name} with more than {max_fields} entries exceeds this method's "
+                                               f"limit{what}; split the request")
         try:
             return message_cls.FromString(data)
         except Exception as exc:
-            return _Refused(InvalidArgument(f"request is not a valid {name} message: {exc}"))
+            return _Refused(InvalidArgument, f"request is not a valid {name} message: {exc}")
 
     return decode
 
 
 def decoded(request: Any) -> Any:
     if isinstance(request, _Refused):
-        raise request.error
+        raise request.kind(request.message)
     return request
 
 
