@@ -3,7 +3,7 @@ over loopback TCP or a unix socket."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +12,8 @@ import pytest
 from engram.client import EngramClient
 from engram.config import load_config
 from engram.server import RunningServer, start_server
+
+from helpers import free_port, start_redis
 
 ServerFactory = Callable[..., Any]
 
@@ -72,3 +74,13 @@ def model_file(model: Any, tmp_path: Path) -> Path:
     path = tmp_path / "replay-model.safetensors"
     save_decoder(model, path)
     return path
+
+
+@pytest.fixture
+def redis_port() -> Iterator[int]:
+    """A real redis-server of the test's own on a free port (the cluster tier's tests; some start theirs so)."""
+    port = free_port()
+    proc = start_redis(port)
+    yield port
+    proc.kill()
+    proc.wait()

@@ -11,7 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -29,7 +29,6 @@ from helpers import (
     NEUTRAL_CWD,
     free_port,
     random_kv,
-    start_redis,
     tiny_model,
     tokens,
     until,
@@ -39,15 +38,6 @@ from helpers import (
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 
 CLUSTER = {"cluster.heartbeat_s": 0.2, "cluster.ttl_s": 10.0, "cluster.secret": "cluster-secret"}
-
-
-@pytest.fixture
-def redis_port() -> Iterator[int]:
-    port = free_port()
-    proc = start_redis(port)
-    yield port
-    proc.kill()
-    proc.wait()
 
 
 class NodeProcess:

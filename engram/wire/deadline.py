@@ -59,7 +59,12 @@ def expired(address: str, what: str, timeout_s: float) -> errors.DeadlineExceede
 
 async def answer(call: Any, timeout_s: float, address: str) -> Any:
     """A unary call's answer, awaited at most timeout_s; the call is cancelled when it does not come."""
-    bound = asyncio.timeout(timeout_s)
+    return await _within(call, asyncio.timeout(timeout_s), timeout_s, address, "answer")
+
+
+async def _within(call: Any, bound: asyncio.Timeout, timeout_s: float, address: str, what: str) -> Any:
+    """The call's answer within `bound`; past it the call is cancelled and DeadlineExceeded says `what` was not
+    done (a TimeoutError not of this bound goes on as it is)."""
     try:
         async with bound:
             return await call
@@ -67,7 +72,7 @@ async def answer(call: Any, timeout_s: float, address: str) -> Any:
         if not bound.expired():
             raise
         call.cancel()
-        raise expired(address, "answer", timeout_s) from None
+        raise expired(address, what, timeout_s) from None
 
 
 async def messages(call: Any, timeout_s: float, address: str, what: str) -> AsyncIterator[Any]:
@@ -106,12 +111,6 @@ class Progress:
         a request taken, or after the last without the answer."""
         bound = self._bound = asyncio.timeout(self.timeout_s)
         try:
-            async with bound:
-                return await call
-        except TimeoutError:
-            if not bound.expired():
-                raise
-            call.cancel()
-            raise expired(address, f"take the next part of {what}, nor answer it", self.timeout_s) from None
+            return await _within(call, bound, self.timeout_s, address, f"take the next part of {what}, nor answer it")
         finally:
             self._bound = None
