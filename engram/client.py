@@ -386,7 +386,8 @@ class EngramClient(ControlClient):
                     break
                 await asyncio.to_thread(functools.partial(self._writer.write, kv, spec, run, stream, tokens=len(arr)))
                 commits.append(asyncio.ensure_future(self._commit_after(
-                    commits[-1] if commits else None, ns, res.reservation_id, first_block)))
+                    commits[-1] if commits else None, ns, res.reservation_id, first_block,
+                    sum(s.nbytes for s in run))))
             t2 = time.perf_counter()
             if not commits and not late:  # every block was cached: the commit closes the reservation
                 commits.append(asyncio.ensure_future(self._commit_after(None, ns, res.reservation_id, 0)))
@@ -438,12 +439,13 @@ class EngramClient(ControlClient):
             runs[-1] = (0, runs[-1][1])
         return runs
 
-    async def _commit_after(self, previous: asyncio.Task[Any] | None, ns: str, reservation_id: int, blocks: int
-                            ) -> pb.PutResponse:
+    async def _commit_after(self, previous: asyncio.Task[Any] | None, ns: str, reservation_id: int, blocks: int,
+                            nbytes: int = 0) -> pb.PutResponse:
         if previous is not None:
             await previous  # commits go in chain order
+        # Bounded by its bytes too: under write-through the daemon writes them to NVMe before it answers
         return await self._call(self._stub.CommitPut(pb.CommitPutRequest(
-            namespace=ns, reservation_id=reservation_id, blocks=blocks)))
+            namespace=ns, reservation_id=reservation_id, blocks=blocks)), work_bytes=nbytes)
 
     def _writable(self, path: str, segment_id: bytes, register: bool) -> MappedSegment:
         return self._pools.get("write", path, segment_id,
@@ -909,7 +911,9 @@ class EngramClient(ControlClient):
                                   cuda_ipc=zero_copy and device.type == "cuda", release_lease_ids=held,
                                   hold_for_get=True)
         t0 = time.perf_counter()
-        call = asyncio.ensure_future(self._call(self._stub.GetPrefix(req)))
+        # Bounded by the bytes it may bring up from NVMe into the pool before it answers, too (at most the raw KV)
+        work = len(req.tokens) * spec.layout.bytes_per_token()
+        call = asyncio.ensure_future(self._call(self._stub.GetPrefix(req), work_bytes=work))
         try:
             header = await asyncio.shield(call)
         except asyncio.CancelledError:

@@ -66,10 +66,11 @@ class ControlClient:
         """Close the channel (the context manager does it)."""
         await self._channel.close()
 
-    async def _call(self, call: Awaitable[T]) -> T:
-        """A unary call's answer (within timeout_s), its gRPC failure as the domain error."""
+    async def _call(self, call: Awaitable[T], *, work_bytes: int = 0) -> T:
+        """A unary call's answer (within timeout_s, and the time `work_bytes` of KV the daemon moves before it
+        answers take at deadline.WORK_BYTES_PER_S), its gRPC failure as the domain error."""
         try:
-            return await deadline.answer(call, self.timeout_s, self.address)  # type: ignore[no-any-return]
+            return await deadline.answer(call, self.timeout_s, self.address, work_bytes)  # type: ignore[no-any-return]
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from exc
 

@@ -196,6 +196,48 @@ async def test_a_slow_daemon_that_keeps_sending_and_taking_is_waited_for_past_th
         await srv.stop(0)
 
 
+async def test_a_load_and_an_in_place_put_whose_daemon_moves_kv_on_a_slow_disk_are_waited_for(
+        monkeypatch: Any, tmp_path: Path) -> None:
+    """GetPrefix brings a prefix up from NVMe into the pool before it answers, and a write-through CommitPut writes
+    its blocks to NVMe before it answers: one answer, after seconds of healthy work on a slow disk (0.3 s a block
+    here). Bounded by timeout_s alone, a 2.4 s load failed DeadlineExceeded at a 1 s timeout every time it was
+    tried, and an in-place put after 3 of its 8 blocks (an audit, session 45). Such a call's bound adds its bytes at
+    deadline.WORK_BYTES_PER_S, lowered here to a block per 0.5 s so these small blocks count as a big prefix."""
+    from engram.wire import deadline
+
+    monkeypatch.setattr(deadline, "WORK_BYTES_PER_S", SPEC.layout.block_nbytes(16) / 0.5)
+    nvme = tmp_path / "nvme"
+    base = {"server.port": 0, "tiers.dram.capacity": "128MiB", "tiers.dram.prefault": False,
+            "tiers.nvme.path": str(nvme), "tiers.write_policy": "write-through",
+            "server.unix_socket": str(tmp_path / "a.sock")}
+    n = 40  # blocks: the daemon reads about four at a time, 3 s in all
+    toks, kv = tokens(n * 16, seed=8), random_kv(SPEC, n * 16, seed=8)
+    first = await start_server(load_config(env={}, overrides=base))
+    try:
+        async with EngramClient(first.address, namespace="t") as client:
+            fp = await client.register_model(SPEC)
+            assert (await client.put(fp, toks, kv)).stored == n
+    finally:
+        await first.stop(0)
+    srv = await start_server(load_config(env={}, overrides={**base, "server.unix_socket": str(tmp_path / "b.sock")}))
+    try:
+        srv.store.tiers[-1].fault_hook = lambda op, path: time.sleep(0.3) if op in ("read", "write") else None
+        async with EngramClient(srv.address, namespace="t", timeout_s=TIMEOUT_S, in_place_min_bytes=0) as client:
+            await client.register_model(SPEC)
+            dest = torch.zeros_like(kv)
+            t0 = time.monotonic()
+            loaded = await client.load_prefix_into(fp, toks, dest)  # the blocks come up from NVMe first
+            assert time.monotonic() - t0 > 2 * TIMEOUT_S
+            assert loaded.matched_tokens == len(toks) and torch.equal(dest, kv)
+            other, more = tokens(n * 16, seed=9), random_kv(SPEC, n * 16, seed=9)
+            t0 = time.monotonic()
+            put = await client.put(fp, other, more)  # in place: CommitPut writes each block through to NVMe
+            assert time.monotonic() - t0 > 2 * TIMEOUT_S and put.stored == n
+            assert srv.store.counters.blocks_put == n
+    finally:
+        await srv.stop(0)
+
+
 async def test_an_idle_channel_pinging_at_the_daemons_allowed_rate_is_not_sent_away(monkeypatch: Any,
                                                                                     tmp_path: Path) -> None:
     """A client pings an idle connection every channel.KEEPALIVE_S; the daemon accepts pings that often, with or

@@ -6,8 +6,9 @@ an engine's start behind its model's registration (an audit, session 45: still b
 could be set). The bound takes two shapes:
 
 - A unary call (Lookup, GetPrefix, RegisterModel, ReservePut, CommitPut, the control calls) has a deadline of
-  timeout_s. Its answer is small; what the daemon does before it is bounded too: a GetPrefix bringing a 4 GiB
-  (32K-token raw) prefix up from NVMe takes seconds.
+  timeout_s. Its answer is small; what the daemon does before it is bounded too, and the two calls that move KV
+  first (a GetPrefix bringing a 4 GiB, 32K-token raw prefix up from NVMe; a write-through CommitPut) get their
+  bytes' time at WORK_BYTES_PER_S more.
 - A stream that moves KV (a Get's or a Resume's messages, a Put's, the data channel's bytes either way) is
   never cut for being long, only for making no progress: timeout_s without a message taken or received (a
   byte, on the data channel, where the daemon reading more of a request counts too: wire/data.py Conn's
@@ -36,6 +37,13 @@ from engram import errors
 # and still ends a hang in tens of seconds, as the daemon's own stall bounds do (server.stream_stall_s).
 DEFAULT_TIMEOUT_S = 30.0
 
+# A unary call that moves KV inside the daemon before it answers (GetPrefix bringing a prefix up from NVMe into
+# the pool; CommitPut writing its blocks through to NVMe) gets timeout_s plus its bytes at this rate: a healthy
+# daemon on a slow disk (a 4 GiB, 32K-token raw prefix at 128 MiB/s: 32 s) is waited for, and a hang of such a
+# call still ends (an audit, session 45: a 2.4 s load from a slow NVMe failed every time at timeout_s = 1 s).
+WORK_BYTES_PER_S = 128 * 2**20
+
+
 WHERE = ("EngramClient(timeout_s=...), or 'timeout_s' in the vLLM connector's kv_connector_extra_config")
 
 
@@ -57,9 +65,12 @@ def expired(address: str, what: str, timeout_s: float) -> errors.DeadlineExceede
                                    "unreachable")
 
 
-async def answer(call: Any, timeout_s: float, address: str) -> Any:
-    """A unary call's answer, awaited at most timeout_s; the call is cancelled when it does not come."""
-    return await _within(call, asyncio.timeout(timeout_s), timeout_s, address, "answer")
+async def answer(call: Any, timeout_s: float, address: str, work_bytes: int = 0) -> Any:
+    """A unary call's answer, awaited at most timeout_s, and the time `work_bytes` of KV the daemon moves before
+    it answers take at WORK_BYTES_PER_S; the call is cancelled when it does not come."""
+    more = max(0, work_bytes) / WORK_BYTES_PER_S
+    what = f"answer (given {more:.2g} s more for the {work_bytes} bytes of KV it moves first)" if more else "answer"
+    return await _within(call, asyncio.timeout(timeout_s + more), timeout_s, address, what)
 
 
 async def _within(call: Any, bound: asyncio.Timeout, timeout_s: float, address: str, what: str) -> Any:
