@@ -587,9 +587,10 @@ async def test_a_commit_whose_block_was_stored_meanwhile_and_damaged_stores_the_
         server_factory, tmp_path, theirs: str) -> None:
     """Write-through: a block is reserved and written in place; before the commit a Put stores the same block
     (the same bytes, or another worker's for the same tokens), which then loses its NVMe copy and is damaged in
-    the pool. The commit makes the block durable from the caller's sealed bytes when they are the block's own
-    (deduplicated); when they are not, no copy of the block verifies: it is dropped (counted) and the caller's
-    bytes are stored. Both answered DATA_LOSS: the commit freed the caller's slot and read the damaged copy."""
+    the pool. The commit checks the copy it would drop the caller's bytes for: none verifies, so the block is
+    dropped (counted) and the caller's bytes are stored, whether or not they are the block's own. Both answered
+    DATA_LOSS: the commit freed the caller's slot and read the damaged copy. (Session 45 then deduplicated the
+    same bytes, making the NVMe copy from them and leaving the damaged pool copy indexed; now it is stored.)"""
     from engram.block import BlockHeader, checksum
 
     srv, fp = await _write_through_daemon(server_factory, tmp_path)
@@ -609,7 +610,7 @@ async def test_a_commit_whose_block_was_stored_meanwhile_and_damaged_stores_the_
         assert (await store.put("t", fp, store.root("t", fp), header, payload)).stored
         await _damaged_in_memory_only(store, key)
         done = await stub.CommitPut(pb.CommitPutRequest(namespace="t", reservation_id=res.reservation_id))
-    assert (done.stored, done.deduplicated, done.not_durable) == ((0, 1, 0) if theirs == "same" else (1, 0, 0))
+    assert (done.stored, done.deduplicated, done.not_durable) == (1, 0, 0)
     meta = store.block(key)
     assert meta is not None and "nvme" in meta.locations
     assert await store.tiers[-1].read(key) == mine.contiguous().view(torch.uint8).numpy().tobytes()
@@ -651,3 +652,78 @@ async def test_a_block_stored_at_reserve_and_dropped_as_damaged_before_the_commi
         assert (await c.put(fp, toks, kv)).stored == 2
         n, got = await c.get_prefix(fp, toks)
         assert n == len(toks) and torch.equal(got, kv)
+
+
+@pytest.mark.parametrize("where", ["pool", "nvme-corrupt", "nvme-missing"])
+async def test_an_in_place_put_of_a_block_whose_only_copy_is_damaged_stores_the_callers_bytes(  # type: ignore[no-untyped-def]
+        server_factory, tmp_path, where: str) -> None:
+    """Write-back: a chain of two blocks put in place; the second's only copy is then damaged, a byte flipped in
+    the pool (no NVMe tier) or its NVMe file (the block moved there alone) corrupt or gone. The same tokens put in
+    place again with another worker's KV: ReservePut skips the first block (intact) and, the second's copy failing
+    its check (dropped, counted), gives it a slot; the commit stores the caller's bytes, which a Get serves. Both
+    were skipped: the commit acknowledged a block stored nowhere (session 45 checked write-through's copy in memory
+    alone only)."""
+    over = {"tiers.nvme.path": str(tmp_path / "nvme")} if where != "pool" else {}
+    srv = await server_factory(**over)
+    if srv.store.flusher is not None:
+        await srv.store.flusher.close()  # nothing moves the blocks but the test
+    spec = tiny_model()
+    toks = tokens(2 * BLOCK_TOKENS, seed=35)
+    first, again = random_kv(spec, len(toks), seed=35), random_kv(spec, len(toks), seed=36)
+    store = srv.store
+    async with EngramClient(srv.address, namespace="t", in_place_min_bytes=0) as c:
+        fp = await c.register_model(spec)
+        put = await c.put(fp, toks, first)
+        assert put.stored == 2
+        damaged = put.keys[1]
+        if where == "pool":
+            store.tiers[0].view(damaged)[-1] ^= 0x40
+        else:
+            await store.keep_only_in(store.block(damaged), "nvme")
+            path = store.tiers[-1].path_of(damaged)
+            if where == "nvme-missing":
+                path.unlink()
+            else:
+                data = bytearray(path.read_bytes())
+                data[-1] ^= 0x40
+                path.write_bytes(bytes(data))
+        result = await c.put(fp, toks, again)
+        assert (result.stored, result.deduplicated, result.skipped) == (1, 0, 1)
+        assert (await c.stats()).corrupt_blocks == 1
+        got = await c.get(fp, list(put.keys), zero_copy=False)
+        assert torch.equal(got[0], first[:, :, :BLOCK_TOKENS]) and torch.equal(got[1], again[:, :, BLOCK_TOKENS:])
+    assert (await store.check(fix=False)).ok
+
+
+async def test_a_commit_whose_block_was_stored_meanwhile_damaged_under_write_back_stores_the_callers_bytes(  # type: ignore[no-untyped-def]
+        server_factory) -> None:
+    """Write-back: a block is reserved and written in place; before the commit a Put stores the same tokens with
+    other bytes, and a stray writer damages that copy in the pool. The commit checks the copy it would drop the
+    caller's bytes for: it fails (dropped, counted), and the caller's bytes are stored, which a Get serves. It was
+    deduplicated against the damaged copy, the caller's slot freed, and every hit of the block failed."""
+    from engram.block import BlockHeader, checksum
+
+    srv = await server_factory()
+    spec = tiny_model()
+    fp = srv.store.registry.register(spec)
+    toks = tokens(BLOCK_TOKENS, seed=37)
+    mine, other = random_kv(spec, len(toks), seed=37), random_kv(spec, len(toks), seed=38)
+    payload = other.contiguous().view(torch.uint8).numpy().tobytes()
+    header = BlockHeader(toks, spec.layout.dtype, spec.layout.block_shape(len(toks)), len(payload), checksum(payload))
+    store = srv.store
+    async with grpc.aio.insecure_channel(srv.address) as ch:
+        stub = pb_grpc.EngramStub(ch)
+        res = await stub.ReservePut(pb.ReservePutRequest(namespace="t", model_fingerprint=fp,
+                                                         blocks=_raw_headers(spec, toks)))
+        _write_slots(srv.service.inplace, res.slots, mine)
+        [key] = res.keys
+        assert (await store.put("t", fp, store.root("t", fp), header, payload)).stored
+        store.tiers[0].view(key)[-1] ^= 0x40
+        done = await stub.CommitPut(pb.CommitPutRequest(namespace="t", reservation_id=res.reservation_id))
+    assert (done.stored, done.deduplicated) == (1, 0)
+    async with EngramClient(srv.address, namespace="t", zero_copy=False) as c:
+        await c.register_model(spec)
+        [got] = await c.get(fp, [key])
+        assert torch.equal(got, mine)
+        assert (await c.stats()).corrupt_blocks == 1
+    assert (await store.check(fix=False)).ok

@@ -396,17 +396,23 @@ class BlockStore:
                 break
             if existing.tokens != tokens:
                 raise FailedPrecondition(f"block {index}: key {key.hex()} is stored with other tokens (hash collision)")
+            self.placement.use(existing)
+            try:  # this put's bytes are dropped on the strength of the stored copy: it must verify
+                await self.verify_stored(existing, during="a put of it (deduplicated)")
+            except DataLoss:
+                continue  # no copy of it verified and it was dropped: this put stores its own bytes anew
+            if self.index.get_in(namespace, key) is not existing:
+                continue  # it left while its NVMe copy was read
             if pin:
                 if pin_share is not None:
                     pin_share.check(self.index, self.index.pin_growth([existing]), f"block {index}")
                 self.index.set_pins(existing, existing.pins + 1)
-            self.placement.use(existing)
             ok = True
             if self.write_policy == WritePolicy.WRITE_THROUGH:  # acknowledged again: durable again, too
                 try:
                     ok = await durable.make_durable_again(self, existing, payload, payload_checksum, index=index)
                 except DataLoss:
-                    continue  # no copy of it verified and it was dropped: this put stores its own bytes anew
+                    continue  # damaged since it was verified, and dropped: this put stores its own bytes anew
             self.counters.blocks_deduplicated += 1
             self.counters.of(namespace).blocks_deduplicated += 1
             return PutOutcome(key, stored=False, durable=ok)
@@ -679,6 +685,29 @@ class BlockStore:
             return 1
 
         return sum(await asyncio.gather(*(one(m) for m in todo)))
+
+    async def verify_stored(self, meta: BlockMeta, *, during: str) -> None:
+        """Check that a stored block still has a copy that verifies, before a put drops its caller's bytes on the
+        strength of it (deduplicated against it, or skipped by an in-place reservation). The put is acknowledged
+        as stored: a block whose only copy was damaged (a byte flipped in the pool, an NVMe file corrupt or gone)
+        was acknowledged stored nowhere, its hits failed, and each put of it again was deduplicated away. The
+        fastest copy is read and verified as a read does (`_read_verified`: one that fails is dropped, counted
+        and logged, and the next tried), under a lease (not evicted while an NVMe copy is read) that leaves its
+        age as it is. A memory copy costs one xxh3 over its bytes, in place, as a demotion's check (an HBM copy
+        is copied to the host first, as a demotion copies it). A block held on NVMe alone is read back: nothing
+        short of its bytes says a file is sound (the tier's record and the caller's checksum are what the file
+        should hold, not what it does; a stat finds a file missing or cut short, not a byte flipped), and such a
+        dedupe is rare: a client's put sends only the blocks after its Lookup's cached prefix, so a put finds a
+        block stored when two puts race (the block then just stored, in memory) or one sends every block (pin,
+        skip_cached=False); the read is a hit's, in the tier's threads, off the loop (benchmarks/RESULTS.md,
+        put_cost: a deduplicated put). DataLoss when no copy verified: the block was dropped, with the blocks
+        that extend it, and the caller stores its own bytes."""
+        meta.leases += 1  # `acquire` without restarting its age: the put counted its use, a reservation counts none
+        self.placement.busy += 1
+        try:
+            await self._read_verified(meta, view=True, during=during)
+        finally:
+            self.release([meta])
 
     async def _read_verified(self, meta: BlockMeta, *, view: bool = False, verify: bool = True,
                              during: str = "a read") -> tuple[bytes | memoryview, str]:

@@ -1,7 +1,8 @@
 """Puts written in place: a worker on the daemon's host writes encoded blocks straight into slots of the shared
 DRAM pool, so a put's bytes never cross the socket (ReservePut, then CommitPut).
 
-Reserve: the chain's keys are computed as for any put; blocks already stored are skipped; for the rest a
+Reserve: the chain's keys are computed as for any put; blocks already stored are skipped (once a copy of each
+verifies: the caller writes nothing for them, `_sound`); for the rest a
 slot is allocated in the pool (room made by the ordinary eviction) and held by the tier, but nothing is
 indexed, so no reader can see a block whose bytes are still being written, and an unindexed slot is never an
 eviction victim. The chain's parent counts the coming children, so it cannot be deleted under the put.
@@ -146,7 +147,7 @@ class InPlacePuts:
                 slot = None
                 if res.blocks and not self._fits(res, h.payload_nbytes):
                     break
-                existing = await self._sound(store.index.get_in(namespace, key))
+                existing = await self._sound(store.index.get_in(namespace, key), "reservation")
                 if res.pin_share is not None:
                     kept = existing is not None and existing.pin_held
                     pin_growth = 0 if kept else pin_growth + (h.payload_nbytes if existing is None else existing.nbytes)
@@ -204,25 +205,22 @@ class InPlacePuts:
         res.timer = asyncio.get_running_loop().call_later(self.reserve_s, self._expire, res.id)
         return res
 
-    async def _sound(self, existing: BlockMeta | None) -> BlockMeta | None:
-        """`existing` as the reservation may skip it, or None when it is not stored (any more). Under write-through
-        the commit makes a skipped block that has no NVMe copy durable from its memory copy, and the caller writes
-        nothing for it: that copy is checked here first. One that fails is dropped as a read drops it (counted,
-        logged), the block with it when none is left, and the reservation gives it a slot for the caller's own
-        bytes (skipped, the commit failed DATA_LOSS, and so did every put of it again). A read of memory the
-        commit makes anyway, and rare: write-through keeps every block on NVMe but a degraded put's, or one whose
-        file was lost."""
-        from engram.store.core import WritePolicy
-
-        store = self.store
-        if (existing is None or store.write_policy != WritePolicy.WRITE_THROUGH
-                or durable.is_durable(store.placement, existing)):
-            return existing
+    async def _sound(self, existing: BlockMeta | None, at: str) -> BlockMeta | None:
+        """`existing` as a put in place may drop its caller's bytes for it, or None when it is not stored (any
+        more): a copy of it must verify (`BlockStore.verify_stored`; one xxh3 over a memory copy). At the
+        reservation (`at`), which skips it: the caller writes nothing for it, and its commit acknowledges it; at
+        the commit, for a block another put stored meanwhile: the caller's slot is freed. One that fails is
+        dropped as a read drops it (counted, logged), the block with it when none is left, and the caller's bytes
+        are stored: the reservation gives it a slot, the commit keeps its slot. Before, the reservation checked
+        only a block it would make durable from memory (write-through, no NVMe copy) and the commit none: a
+        block whose only copy was damaged was acknowledged, stored nowhere, and every put of it again skipped."""
+        if existing is None:
+            return None
         try:
-            await store._read_verified(existing, view=True, during="an in-place put's reservation")
+            await self.store.verify_stored(existing, during=f"an in-place put's {at}")
         except DataLoss:
             return None  # dropped, with the blocks that extend it
-        return store.index.get_in(existing.namespace, existing.key)
+        return self.store.index.get_in(existing.namespace, existing.key)
 
     def _fits(self, res: Reservation, nbytes: int) -> bool:
         """Whether one more slot may go into this reservation: at most half the pool is held unpublished by
@@ -379,6 +377,8 @@ class InPlacePuts:
                 waiting.append(done)
                 await done.wait()
             existing = store.index.get_in(res.namespace, meta.key)
+            if existing is not None and r.slot is not None and await self._sound(existing, "commit") is not existing:
+                continue  # stored meanwhile, and dropped as damaged (or gone while verified): looked up again
             if existing is None:
                 break
             try:
