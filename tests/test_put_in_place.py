@@ -655,14 +655,13 @@ async def test_a_block_stored_at_reserve_and_dropped_as_damaged_before_the_commi
 
 
 @pytest.mark.parametrize("where", ["pool", "nvme-corrupt", "nvme-missing"])
-async def test_an_in_place_put_of_a_block_whose_only_copy_is_damaged_stores_the_callers_bytes(  # type: ignore[no-untyped-def]
+async def test_an_in_place_put_skips_a_damaged_block_which_a_read_drops_and_the_next_put_stores(  # type: ignore[no-untyped-def]
         server_factory, tmp_path, where: str) -> None:
     """Write-back: a chain of two blocks put in place; the second's only copy is then damaged, a byte flipped in
     the pool (no NVMe tier) or its NVMe file (the block moved there alone) corrupt or gone. The same tokens put in
-    place again with another worker's KV: ReservePut skips the first block (intact) and, the second's copy failing
-    its check (dropped, counted), gives it a slot; the commit stores the caller's bytes, which a Get serves. Both
-    were skipped: the commit acknowledged a block stored nowhere (session 45 checked write-through's copy in memory
-    alone only)."""
+    place again are skipped on the index's word (a worker saves its whole prompt: its cached prefix is not hashed
+    or read back on every save); the next read that verifies (a Get as bytes) finds the damaged copy and drops it (counted, never served), and
+    the put after that stores the caller's bytes, which a Get serves."""
     over = {"tiers.nvme.path": str(tmp_path / "nvme")} if where != "pool" else {}
     srv = await server_factory(**over)
     if srv.store.flusher is not None:
@@ -687,9 +686,13 @@ async def test_an_in_place_put_of_a_block_whose_only_copy_is_damaged_stores_the_
                 data = bytearray(path.read_bytes())
                 data[-1] ^= 0x40
                 path.write_bytes(bytes(data))
+        skipped = await c.put(fp, toks, again)
+        assert (skipped.stored, skipped.deduplicated, skipped.skipped) == (0, 0, 2)
+        with pytest.raises(errors.DataLoss):  # a read that verifies (not the hit path's in place): never served
+            await c.get(fp, [put.keys[1]], zero_copy=False)
+        assert (await c.stats()).corrupt_blocks == 1
         result = await c.put(fp, toks, again)
         assert (result.stored, result.deduplicated, result.skipped) == (1, 0, 1)
-        assert (await c.stats()).corrupt_blocks == 1
         got = await c.get(fp, list(put.keys), zero_copy=False)
         assert torch.equal(got[0], first[:, :, :BLOCK_TOKENS]) and torch.equal(got[1], again[:, :, BLOCK_TOKENS:])
     assert (await store.check(fix=False)).ok

@@ -1,8 +1,8 @@
 """Puts written in place: a worker on the daemon's host writes encoded blocks straight into slots of the shared
 DRAM pool, so a put's bytes never cross the socket (ReservePut, then CommitPut).
 
-Reserve: the chain's keys are computed as for any put; blocks already stored are skipped (once a copy of each
-verifies: the caller writes nothing for them, `_sound`); for the rest a
+Reserve: the chain's keys are computed as for any put; blocks already stored are skipped (on the index's word,
+as a bytes put skips its Lookup's cached prefix: `_skippable`); for the rest a
 slot is allocated in the pool (room made by the ordinary eviction) and held by the tier, but nothing is
 indexed, so no reader can see a block whose bytes are still being written, and an unindexed slot is never an
 eviction victim. The chain's parent counts the coming children, so it cannot be deleted under the put.
@@ -147,7 +147,7 @@ class InPlacePuts:
                 slot = None
                 if res.blocks and not self._fits(res, h.payload_nbytes):
                     break
-                existing = await self._sound(store.index.get_in(namespace, key), "reservation")
+                existing = await self._skippable(store.index.get_in(namespace, key))
                 if res.pin_share is not None:
                     kept = existing is not None and existing.pin_held
                     pin_growth = 0 if kept else pin_growth + (h.payload_nbytes if existing is None else existing.nbytes)
@@ -205,15 +205,29 @@ class InPlacePuts:
         res.timer = asyncio.get_running_loop().call_later(self.reserve_s, self._expire, res.id)
         return res
 
+    async def _skippable(self, existing: BlockMeta | None) -> BlockMeta | None:
+        """`existing` as the reservation may skip it (the caller writes nothing for it), or None when it is not
+        stored (any more). Skipped on the index's word, as a bytes put skips the cached prefix its Lookup found:
+        a worker saves a whole prompt in place, its cached prefix with it, so checking each stored block here
+        would hash (memory) or read back (NVMe) the whole cached prefix on every save, on the daemon's loop. A
+        damaged copy is found and dropped by the next read of it, and the next put stores it. One exception: under
+        write-through the commit makes a skipped block that has no NVMe copy durable from its memory copy, and
+        acknowledges it durable: that copy is checked first (`_sound`)."""
+        from engram.store.core import WritePolicy
+
+        store = self.store
+        if (existing is None or store.write_policy != WritePolicy.WRITE_THROUGH
+                or durable.is_durable(store.placement, existing)):
+            return existing
+        return await self._sound(existing, "reservation")
+
     async def _sound(self, existing: BlockMeta | None, at: str) -> BlockMeta | None:
         """`existing` as a put in place may drop its caller's bytes for it, or None when it is not stored (any
-        more): a copy of it must verify (`BlockStore.verify_stored`; one xxh3 over a memory copy). At the
-        reservation (`at`), which skips it: the caller writes nothing for it, and its commit acknowledges it; at
-        the commit, for a block another put stored meanwhile: the caller's slot is freed. One that fails is
-        dropped as a read drops it (counted, logged), the block with it when none is left, and the caller's bytes
-        are stored: the reservation gives it a slot, the commit keeps its slot. Before, the reservation checked
-        only a block it would make durable from memory (write-through, no NVMe copy) and the commit none: a
-        block whose only copy was damaged was acknowledged, stored nowhere, and every put of it again skipped."""
+        more): a copy of it must verify (`BlockStore.verify_stored`; one xxh3 over a memory copy). At the commit,
+        for a block another put stored meanwhile (the caller's slot is freed), and at a write-through reservation
+        for a block it would make durable from memory (`_skippable`). One that fails is dropped as a read drops
+        it (counted, logged), the block with it when none is left, and the caller's bytes are stored: the
+        reservation gives it a slot, the commit keeps its slot."""
         if existing is None:
             return None
         try:
