@@ -375,7 +375,7 @@ async def _start_dataport(service: EngramService, s: ServerConfig, tenancy: Tena
     the same host, under TLS when the gRPC port is."""
     port = DataPort(service, s, tenancy, metrics.interceptor.data_done if metrics else None)
     if metrics is not None:
-        metrics.watch_data(port.buffered_bytes)
+        metrics.watch_data(port.buffered_bytes, lambda: port.budget.used)
     if s.unix_socket:
         path = os.path.abspath(s.unix_socket) + ".data"
         with socket_umask(s.unix_socket_group):

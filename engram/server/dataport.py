@@ -11,6 +11,9 @@ frame (server.data_stall_s): its buffers hold only what it sent, but its slot an
 one whose client takes nothing of an answer for as long (a GET never read held its slot and the block being
 sent, with the blocks' read hold, for ever), and one that sends no request for server.data_idle_s. An idle
 connection keeps its receive buffer for REUSE_IDLE_S only (a pool of idle connections held up to 64 MiB each).
+Every connection's buffers together stay under server.data_buffer_bytes (server/recvbudget.py): a request's
+metadata and a block's buffer are taken from that budget before they are read, waiting (the socket not read) while
+it is spent.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from engram import errors
 from engram.config import ServerConfig
 from engram.private import remove_stale_socket
 from engram.server.auth import _principal
+from engram.server.recvbudget import Holding, ReceiveBudget
 from engram.server.requests import (
     CONTROL_BYTES,
     TOP_LEVEL_SLACK,
@@ -122,6 +126,9 @@ class DataPort:
         self._stopping = False
         self._accepting: list[asyncio.Task[None]] = []
         self.served = {"put": 0, "get": 0, "refused": 0}  # requests answered, by kind (tests, logs)
+        share = int(config.data_buffer_bytes * config.data_buffer_fraction_per_tenant) if tenancy is not None else 0
+        self.budget = ReceiveBudget(int(config.data_buffer_bytes), share, config.data_buffer_wait_s, self._reclaim)
+        self._holding: dict[wire.Conn, Holding] = {}  # what each connection past HELLO holds of the budget
 
     @property
     def max_request_bytes(self) -> int:
@@ -188,10 +195,17 @@ class DataPort:
                 if conn.received != idle.received:
                     continue  # a frame has begun: not idle
                 if conn.scratch and now - idle.since >= REUSE_IDLE_S:
-                    conn.scratch = bytearray()  # its task waits for a frame header: no view of it is in use
+                    self._let_go(conn)  # its task waits for a frame header: no view of it is in use
                 if idle_s and now - idle.since >= idle_s and conn not in self._idled_out:
                     self._idled_out.add(conn)
                     idle.task.cancel()
+
+    def _reclaim(self) -> None:
+        """A request waits for buffer room: every connection idle between requests gives its kept buffer back now,
+        not REUSE_IDLE_S after its last request."""
+        for conn, idle in list(self._idle.items()):
+            if conn.scratch and conn.received == idle.received:  # no frame begun: its task waits for a header
+                self._let_go(conn)
 
     async def _accept(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -267,6 +281,8 @@ class DataPort:
             principal = await self._hello(conn)
             if principal is None:
                 return
+            tenant = principal.name if self.tenancy is not None and not principal.admin else None
+            held = self._holding[conn] = self.budget.holding(tenant)
             me = asyncio.current_task()
             assert me is not None
             while not self._stopping:
@@ -295,10 +311,16 @@ class DataPort:
                                 f"data channel: a {_OPS.get(kind, 'request')}'s metadata of {meta_len} bytes exceeds "
                                 f"the {most} it may take (server.max_blocks_per_request, "
                                 "server.max_tokens_per_request); split the request"))
-                        meta = await conn.read_meta(meta_len)
+                        wire.check_meta_len(meta_len)
                     except errors.InvalidArgument as exc:  # a wild metadata length: the stream cannot be framed
                         raise _Desync(exc) from None
-                    await self._request(conn, kind, meta, body)
+                    await self._take_meta(conn, held, meta_len, body)
+                    try:
+                        await self._request(conn, kind, await conn.read_meta(meta_len), body)
+                    finally:  # the request's metadata is dropped with it: its bytes go back
+                        self.budget.give(held, held.meta, meta=True)
+                        if len(conn.scratch) > REUSE_MAX:
+                            self._let_go(conn)  # a block too large to keep: its buffer goes with its request
                 except errors.EngramError as exc:
                     self.served["refused"] += 1
                     code = status_of(exc).name
@@ -326,6 +348,8 @@ class DataPort:
             log.exception("internal error on a data-channel connection; it was closed")
         finally:
             self._conns.discard(conn)
+            if (holding := self._holding.pop(conn, None)) is not None:
+                self.budget.give_all(holding)
             conn.close()
             if principal is not None:
                 self._greeted -= 1
@@ -471,17 +495,41 @@ class DataPort:
     async def _receive(self, conn: wire.Conn, n: int) -> memoryview:
         """A block's n payload bytes, received into the connection's own buffer, reused from block to block so
         that a put does not allocate (and fault in) fresh memory for every payload. One too small is replaced by a
-        buffer grown as the bytes arrive (a block announced and not sent is not allocated whole); a block above
-        REUSE_MAX gets one of its own, not kept."""
+        buffer grown as the bytes arrive (a block announced and not sent is not allocated whole), once its n bytes
+        are taken from the budget (the old one given back first: a connection waits holding no buffer); one above
+        REUSE_MAX goes when its request ends."""
         if n <= len(conn.scratch):
             payload = memoryview(conn.scratch)[:n]
             await conn.recv_into(payload)
             return payload
-        if n > REUSE_MAX:
-            return memoryview(await conn.recv(n))
-        conn.scratch = bytearray()  # the old one goes before the new one grows
-        conn.scratch = await conn.recv(n)
+        held = self._holding[conn]
+        self._let_go(conn)  # the old one goes before the new one grows
+        await self.budget.take(held, n, meta=False)
+        try:
+            conn.scratch = await conn.recv(n)
+        except BaseException:
+            self.budget.give(held, n, meta=False)
+            raise
         return memoryview(conn.scratch)
+
+    def _let_go(self, conn: wire.Conn) -> None:
+        """Drop the connection's payload buffer and give its bytes back to the budget."""
+        conn.scratch = bytearray()
+        if (held := self._holding.get(conn)) is not None:
+            self.budget.give(held, held.payload, meta=False)
+
+    async def _take_meta(self, conn: wire.Conn, held: Holding, meta_len: int, body: int) -> None:
+        """Take a request's metadata bytes from the budget before they are read. A connection that must wait gives
+        its payload buffer back first (nothing is waited for while holding one). Refused after
+        server.data_buffer_wait_s: the request is read and dropped, so the connection stays framed."""
+        if self.budget.try_take(held, meta_len, meta=True):
+            return
+        self._let_go(conn)
+        try:
+            await self.budget.take(held, meta_len, meta=True)
+        except errors.ResourceExhausted:
+            await conn.skip(meta_len + body)
+            raise
 
     async def _get(self, conn: wire.Conn, meta: bytearray) -> None:
         req = _parse(pb.GetRequest, meta, "a GET's metadata")

@@ -57,6 +57,7 @@ MAX_HELLO_BYTES = 4096  # a bearer token: what a connection not yet authenticate
 SOCKET_BUFFER_BYTES = 4 * 2**20  # kernel buffers large enough that one MiB moves in a few system calls
 CLOSED_POLL_S = 0.2  # how often closed_by_peer looks under TLS (asyncio's streams have no wait for the end)
 GROW_BYTES = 2**20  # a receive buffer is grown at most this far ahead of the bytes that arrived
+SKIP_BYTES = 64 * 2**10  # the buffer a refused request's bytes are read into and dropped
 _ZEROS = memoryview(bytes(GROW_BYTES))  # what a buffer grows by (its pages are only ever read)
 # TCP keepalive: a connection silent this long is probed, every interval, and reset after that many go unanswered.
 # A peer that vanished without a FIN (its host down, the link cut) held its connection, and with it a slot of its
@@ -109,6 +110,14 @@ def acked_bytes(sock: Any) -> int | None:
     except OSError:
         return None
     return int(struct.unpack_from("<Q", info, _TCPI_BYTES_ACKED)[0]) if len(info) >= _TCPI_BYTES_ACKED + 8 else None
+
+
+def check_meta_len(meta_len: int, max_meta: int = MAX_META_BYTES) -> None:
+    """InvalidArgument for a frame announcing more than max_meta bytes of metadata (a wild length: the stream cannot
+    be framed)."""
+    if meta_len > max_meta:
+        raise errors.InvalidArgument(f"data channel: a frame announces {meta_len} bytes of metadata, more "
+                                     f"than the {max_meta} allowed")
 
 
 class Stalled(ConnectionError):
@@ -254,8 +263,9 @@ class Conn:
         return out
 
     async def skip(self, n: int) -> None:
-        """Read and drop n bytes (the rest of a refused request's body)."""
-        scratch = memoryview(bytearray(min(n, GROW_BYTES)))
+        """Read and drop n bytes (the rest of a refused request's body), through a small buffer: a refusal for want
+        of buffer room (the daemon's server.data_buffer_bytes) must not take much more."""
+        scratch = memoryview(bytearray(min(n, SKIP_BYTES)))
         while n > 0:
             step = min(n, len(scratch))
             await self.recv_into(scratch[:step])
@@ -367,9 +377,7 @@ class Conn:
     async def read_meta(self, meta_len: int, max_meta: int = MAX_META_BYTES) -> bytearray:
         """A frame's metadata, read_head's meta length; InvalidArgument, before any of it is buffered, if it is
         over max_meta."""
-        if meta_len > max_meta:
-            raise errors.InvalidArgument(f"data channel: a frame announces {meta_len} bytes of metadata, more "
-                                         f"than the {max_meta} allowed")
+        check_meta_len(meta_len, max_meta)
         return await self.recv(meta_len)
 
     async def send_frame(self, kind: int, meta: bytes = b"", *body: Buffer) -> None:
