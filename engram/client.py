@@ -60,14 +60,13 @@ from engram.wire.channel import (
 from engram.wire.data import Conn, DataChannel, Endpoint
 from engram.wire.deadline import DEFAULT_TIMEOUT_S
 from engram.wire.status import error_from_rpc
-from engram.wire.stream import Reassembler, chunk_frames, client_reassembler
+from engram.wire.stream import Reassembler, chunk_frames, client_reassembler, payload_step
 from engram.writer import PutWriter, Slot, stream_block
 
 __all__ = ["EngramClient", "SyncEngramClient", "same_host"]
 
 RELEASE_AFTER_S = 0.25  # a finished load's lease ends with the next load, or this long after it
 IN_PLACE_MIN_BYTES = 16 * 2**20  # host-memory puts smaller than this take the data channel (_in_place_pays)
-FRAME_BYTES = 64  # a Put chunk's message less its payload and block header: tags, lengths, the last flag
 
 T = TypeVar("T")
 
@@ -516,7 +515,7 @@ class EngramClient(ControlClient):
             for header, payload in part:
                 serialized = header.SerializeToString()
                 # Each message under the smaller of the two limits, its block's header (first chunk) included
-                step = max(1, min(self.chunk_bytes, self._max_message - len(serialized) - FRAME_BYTES))
+                step = payload_step(self.chunk_bytes, self._max_message, len(serialized))
                 for frame in chunk_frames(2, b"", serialized, payload, step):  # PutRequest.chunk
                     progress.moved()
                     yield frame

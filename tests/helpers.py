@@ -39,6 +39,16 @@ def tiny_model(dtype: DType = DType.BF16, weights_id: str = "seed-0", codec: str
     return ModelSpec(name="tiny-hybrid", weights_id=weights_id, layout=tiny_layout(dtype), codec=codec)
 
 
+def long_block_model() -> ModelSpec:
+    """A model of 4096-token blocks of 2 MiB: a BlockHeader of about 10 KB (its tokens), past the 4 KiB that
+    server.chunk_bytes must leave under server.max_message_bytes (LEAST_ROOM)."""
+    return ModelSpec("long", "w", KVLayout(layers=(LayerSpec(LayerKind.GLOBAL),), num_kv_heads=1, head_dim=128,
+                                           dtype=DType.BF16, block_tokens=4096), codec="raw")
+
+
+LEAST_ROOM = {"server.chunk_bytes": 2**20, "server.max_message_bytes": 2**20 + 4096}  # the least config allows
+
+
 def random_kv(spec: ModelSpec, n_tokens: int, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     shape = spec.layout.block_shape(n_tokens)

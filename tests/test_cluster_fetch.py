@@ -26,8 +26,10 @@ from engram.server import RunningServer, start_server
 from helpers import (
     BLOCK_TOKENS,
     ENGRAM,
+    LEAST_ROOM,
     NEUTRAL_CWD,
     free_port,
+    long_block_model,
     random_kv,
     tiny_model,
     tokens,
@@ -111,7 +113,7 @@ async def _a_chain_b_lacks(redis_port: int, a: EngramClient, b: EngramClient, sp
     fp = await a.register_model(spec)
     await b.register_model(spec)
     await joined(a, b)
-    toks = tokens(n_blocks * BLOCK_TOKENS, seed=seed)
+    toks = tokens(n_blocks * spec.layout.block_tokens, seed=seed)
     kv = random_kv(spec, len(toks), seed=seed)
     keys = list((await a.put(fp, toks, kv)).keys)
     await until(lambda: _held_in_redis(redis_port, keys[-1]), "A's last block published")
@@ -137,6 +139,30 @@ async def test_a_get_of_keys_deep_in_a_peers_chain_copies_the_chain_once_in_a_fe
             assert served(a_srv, "FetchBlocks") - before == calls
             n, prefix = await b.get_prefix(fp, toks)
             assert n == len(toks) and prefix is not None and torch.equal(prefix, kv)
+
+
+async def test_a_peers_fetch_of_blocks_whose_header_passes_the_slack_stays_under_the_message_limit(
+        redis_port: int) -> None:
+    """Two daemons whose server.max_message_bytes is server.chunk_bytes + 4 KiB (as config allows), B getting a
+    chain of A's whose BlockHeaders (4096 tokens) are larger than that 4 KiB: A's first FetchBlocks message of each
+    block, chunk_bytes of payload beside the header and the peer's fields, was over its send limit and B's Get
+    failed. Each message now stays under the limit and B gets the blocks whole."""
+    a_srv = await daemon(redis_port, "a", **LEAST_ROOM)
+    try:
+        b_srv = await daemon(redis_port, "b", **LEAST_ROOM)
+        try:
+            spec = long_block_model()
+            async with EngramClient(a_srv.address, namespace="ns") as a, \
+                    EngramClient(b_srv.address, namespace="ns", data_channel=False) as b:
+                fp, toks, kv, keys = await _a_chain_b_lacks(redis_port, a, b, spec, seed=7, n_blocks=2)
+                before = served(a_srv, "FetchBlocks")
+                got = await b.get(fp, keys)
+                assert served(a_srv, "FetchBlocks") > before  # copied from A, not found at B
+                assert torch.equal(torch.cat(got, dim=2), kv)
+        finally:
+            await b_srv.stop(0)
+    finally:
+        await a_srv.stop(0)
 
 
 async def test_a_get_deeper_than_max_fetch_blocks_is_a_quick_not_found_that_copies_nothing(redis_port: int) -> None:

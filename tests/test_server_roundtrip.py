@@ -14,7 +14,7 @@ from engram import errors
 from engram.client import EngramClient
 from engram.layout import DType
 
-from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
+from helpers import BLOCK_TOKENS, LEAST_ROOM, long_block_model, random_kv, tiny_model, tokens
 
 
 @pytest.mark.parametrize("dtype", [DType.BF16, DType.FP16, DType.FP32])
@@ -561,3 +561,22 @@ async def test_a_namespaces_live_leases_are_bounded_and_releasing_them_makes_roo
         assert (await hold("b")).lease_id  # its own share
         assert (await hold("a", release=(first.lease_id,))).lease_id  # the last load's lease ended first
         assert second.lease_id
+
+
+async def test_a_get_of_a_block_whose_header_passes_the_slack_stays_under_the_daemons_message_limit(
+        server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A daemon whose server.max_message_bytes is server.chunk_bytes + 4 KiB (as config allows) serving, over gRPC,
+    blocks whose BlockHeader (4096 tokens) is larger than that 4 KiB: the first chunk of each, chunk_bytes of
+    payload beside the header, was over the daemon's own send limit and the Get failed. Each message, its header
+    included, now stays under the limit, and the blocks come back whole."""
+    spec = long_block_model()
+    srv = await server_factory(**LEAST_ROOM)
+    async with EngramClient(srv.address, zero_copy=False, data_channel=False) as client:
+        fp = await client.register_model(spec)
+        toks = tokens(2 * 4096, seed=5)
+        kv = torch.randn(spec.layout.block_shape(len(toks))).to(torch.bfloat16)
+        put = await client.put(fp, toks, kv)
+        assert put.stored == 2
+        assert torch.equal(torch.cat(await client.get(fp, list(put.keys)), dim=2), kv)
+        n, got = await client.get_prefix(fp, toks)
+        assert n == len(toks) and got is not None and torch.equal(got, kv)

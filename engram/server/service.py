@@ -62,7 +62,7 @@ from engram.tiers.pool import PoolTier, ipc_pool, shared_pool
 from engram.trust import ClusterTrust
 from engram.v1 import engram_pb2 as pb
 from engram.wire import convert
-from engram.wire.stream import Reassembler, bytes_frames, chunk_frames, pieces
+from engram.wire.stream import Reassembler, bytes_frames, chunk_frames, payload_step, pieces
 
 if TYPE_CHECKING:
     from engram.server.dataport import DataPort
@@ -301,17 +301,24 @@ class EngramService:
         req = decoded(request)
         try:
             ns, metas = await self.blocks_to_get(req)
-            step = self.config.chunk_bytes
             async for kind, item in self._serve(ns, req.model_fingerprint, metas, zero_copy=req.zero_copy,
                                                 cuda_ipc=req.cuda_ipc, decode=req.decode):
                 if kind == "descriptor":
                     yield pb.GetResponse(descriptor=item)
                     continue
                 key, header, payload = item
-                for frame in chunk_frames(1, key, header.SerializeToString(), payload, step):  # GetResponse.chunk
+                serialized = header.SerializeToString()
+                step = self._step(len(serialized) + len(key))
+                for frame in chunk_frames(1, key, serialized, payload, step):  # GetResponse.chunk
                     yield frame  # serialized already (one copy of the payload, not three)
         finally:
             self.release_after_get(req)
+
+    def _step(self, fixed: int) -> int:
+        """Payload bytes a chunk of a block this daemon streams may carry: server.chunk_bytes, or less where the
+        block's first message carries more beside its payload (`fixed` bytes) than the 4 KiB config leaves, so that
+        no message passes server.max_message_bytes (the daemon's own send limit, and a peer's receive limit)."""
+        return payload_step(self.config.chunk_bytes, self.config.max_message_bytes, fixed)
 
     def release_after_get(self, req: pb.GetRequest) -> None:
         """End the leases a Get was asked to end once answered (or failed): no ReleaseLeases round trip."""
@@ -528,15 +535,18 @@ class EngramService:
             for meta in metas:
                 payload = await self.store.read(meta, promote=False)
                 codec = self.store.spec(meta.model_fingerprint).stored_codec  # the header's: what a peer's MAC covers
-                block = _header_of(meta, codec)
-                for i, msg in enumerate(_chunks(meta.key, convert.header_to_pb(block), payload, self.config.chunk_bytes)):
+                header = convert.header_to_pb(_header_of(meta, codec))
+                mac = b"" if self.trust is None else self.trust.block_mac(
+                    meta.key, meta.parent, meta.namespace, meta.model_fingerprint, codec, payload)
+                first = pb.FetchBlocksResponse(chunk=pb.BlockChunk(header=header, key=meta.key),
+                                               parent_key=meta.parent, namespace=meta.namespace,
+                                               model_fingerprint=meta.model_fingerprint, mac=mac)
+                for i, msg in enumerate(_chunks(meta.key, header, payload, self._step(first.ByteSize()))):
                     if i:
                         yield pb.FetchBlocksResponse(chunk=msg)
                         continue
-                    mac = b"" if self.trust is None else self.trust.block_mac(
-                        meta.key, meta.parent, meta.namespace, meta.model_fingerprint, codec, payload)
-                    yield pb.FetchBlocksResponse(chunk=msg, parent_key=meta.parent, namespace=meta.namespace,
-                                                 model_fingerprint=meta.model_fingerprint, mac=mac)
+                    first.chunk.CopyFrom(msg)
+                    yield first
 
     def _ancestors(self, ns: str, fingerprint: bytes, keys: list[bytes], most: int) -> list[bytes]:
         """Up to `most` ancestors of a block held here, nearest first, the chain's root not included (FetchBlocks

@@ -11,6 +11,15 @@ from engram.errors import DataLoss, InvalidArgument
 
 H = TypeVar("H")
 
+FRAME_BYTES = 64  # a chunk's message less its payload and its other fields' bytes: tags, lengths, the last flag
+
+
+def payload_step(chunk_bytes: int, max_message_bytes: int, fixed: int) -> int:
+    """Payload bytes each of a block's chunks may carry so that every message stays under max_message_bytes, the
+    first's other fields (`fixed` bytes: the block's header with its tokens, its key, a peer's MAC...) included: a
+    header of a few thousand tokens passes the 4 KiB that chunk_bytes leaves under the limit. At least 1."""
+    return max(1, min(chunk_bytes, max_message_bytes - fixed - FRAME_BYTES))
+
 
 def pieces(payload: bytes | memoryview, step: int) -> Iterator[tuple[bytes, bool]]:
     """(piece, last) for consecutive pieces of at most `step` bytes; an empty payload is one empty piece,
