@@ -1091,14 +1091,20 @@ class EngramClient(ControlClient):
         """The session's state at `position` (0: its end): the global KV blocks to fetch, and the sliding-window
         KV, replayed by the daemon, held hot, or persisted. With `with_global_kv` the daemon also sends the global
         KV of [0, position), decoded block by block as it sends them (`ResumeResult.global_kv`)."""
+        # Progress messages while the daemon waits for a turn, reads and replays: a replay longer than timeout_s
+        # is not cut, since each message is progress (the daemon sends none to a client that does not ask).
+        every_ms = min(max(1, int(self.timeout_s * 1000 / 3)), 2**32 - 1)
         req = pb.ResumeRequest(session=self._ref(session_id, namespace), position=position,
-                               with_global_kv=with_global_kv, global_kv_by_block=with_global_kv)
+                               with_global_kv=with_global_kv, global_kv_by_block=with_global_kv,
+                               progress_every_ms=every_ms)
         header: pb.ResumeHeader | None = None
         parts: list[bytes] = []
         kv: _GlobalKV | None = None
         try:
             async for resp in deadline.messages(self._stub.Resume(req), self.timeout_s, self.address, "a Resume"):
                 item = resp.WhichOneof("item")
+                if item == "progress":
+                    continue
                 if item == "header":
                     header = resp.header
                     if header.HasField("global_kv"):

@@ -174,6 +174,13 @@ class Resumed:
     seconds: float
 
 
+@dataclass
+class ResumeStage:
+    """What a Resume is doing before it answers: its progress messages say it (ResumeProgress, server/service.py)."""
+
+    name: str = "waiting"  # for a replay's turn; then "reading" the stored global KV, then "replaying"
+
+
 class FairTurns:
     """A fixed number of turns (replays at once) handed to waiters round-robin between tenants, each tenant's
     waiters first come, first served: with one FIFO queue a tenant within its share queued its 16 Resumes and
@@ -690,10 +697,12 @@ class SessionManager:
 
     # ---- resume ---------------------------------------------------------------------------------
 
-    async def resume(self, namespace: str, session_id: str, position: int = 0, *, tenant: str = "") -> Resumed:
+    async def resume(self, namespace: str, session_id: str, position: int = 0, *, tenant: str = "",
+                     stage: ResumeStage | None = None) -> Resumed:
         """The window for a query at `position`, and the blocks of [0, position) (a caller sending their global KV
         leases them at once, then decodes them one at a time: `global_kv_blocks`). A replay waits for its turn
-        within `tenant`'s share of the queue (`_take_turn`)."""
+        within `tenant`'s share of the queue (`_take_turn`). `stage` is kept telling what it is doing."""
+        stage = stage or ResumeStage()
         s = self.get(namespace, session_id)
         self._touch(s)
         p = position or len(s.tokens)
@@ -738,6 +747,7 @@ class SessionManager:
         cooled = s.cooled
         with self.store.reading(match.blocks):
             await self._take_turn(tenant)  # before the read: a Resume refused for the queue reads and decodes nothing
+            stage.name = "reading"
             try:
                 global_kv = await self._global_kv(match.blocks, p)
             except BaseException:
@@ -745,6 +755,7 @@ class SessionManager:
                 raise
             t0 = time.perf_counter()
             tokens = torch.as_tensor(s.tokens[:p], dtype=torch.long)
+            stage.name = "replaying"
             rec = await self._replay(model, tokens, global_kv, mode)  # gives the turn back
         if self._sessions.get((namespace, session_id)) is not s:  # closed (by its client, or idle) meanwhile
             raise NotFound(f"session {session_id} was closed during its Resume")

@@ -53,7 +53,7 @@ from engram.server.requests import (
     safe_decoder,
     token_request_bytes,
 )
-from engram.sessions import SessionManager, Window
+from engram.sessions import ResumeStage, SessionManager, Window
 from engram.store import BlockStore
 from engram.store.inplace import InPlacePuts
 from engram.store.pins import PinShare
@@ -68,6 +68,9 @@ if TYPE_CHECKING:
     from engram.server.dataport import DataPort
 
 SERVICE_NAME = "engram.v1.Engram"
+
+# The most often a Resume sends progress messages, whatever its client asks (ResumeRequest.progress_every_ms).
+RESUME_PROGRESS_MIN_S = 0.01
 
 
 def _chunks(key: bytes, header: pb.BlockHeader, payload: bytes | memoryview, step: int) -> list[pb.BlockChunk]:
@@ -767,8 +770,20 @@ class EngramService:
                 "this Resume asks for the global KV as one tensor (a client from before ResumeRequest."
                 "global_kv_by_block); the daemon sends it block by block, decoding each as it goes: upgrade the "
                 "client, or Resume without the global KV and Get its blocks")
-        r = await self.sessions.resume(namespace_for(context, req.session.namespace), req.session.session_id,
-                                       req.position, tenant=self._tenant(context))
+        stage, t0 = ResumeStage(), time.monotonic()
+        resuming = asyncio.ensure_future(self.sessions.resume(
+            namespace_for(context, req.session.namespace), req.session.session_id, req.position,
+            tenant=self._tenant(context), stage=stage))
+        resuming.add_done_callback(lambda done: done.cancelled() or done.exception())  # one the client left is seen
+        try:
+            # Until the answer, a message each progress_every_ms: the client's bound on the wait for each message
+            # (its timeout_s) cut a replay that outlasted it, though the daemon was working (a gap of session 45).
+            every = max(req.progress_every_ms / 1000, RESUME_PROGRESS_MIN_S)
+            while req.progress_every_ms and not (await asyncio.wait({resuming}, timeout=every))[0]:
+                yield pb.ResumeResponse(progress=pb.ResumeProgress(stage=stage.name, seconds=time.monotonic() - t0))
+            r = await resuming
+        finally:
+            resuming.cancel()  # the client went: a wait for a turn ends, a running replay keeps its turn till done
         # Held from here (no wait since the blocks were found) until the stream ends, as a Get holds its blocks.
         with self.store.reading(r.blocks if req.with_global_kv else ()):
             w = r.window

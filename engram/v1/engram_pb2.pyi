@@ -682,16 +682,18 @@ class SessionInfo(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., tokens: _Optional[int] = ..., mode: _Optional[_Union[ReplayModeKind, str]] = ..., approx_k: _Optional[float] = ..., hot: _Optional[bool] = ..., window_prefix_len: _Optional[int] = ..., parent: _Optional[str] = ..., created_s: _Optional[float] = ..., persisted: _Optional[bool] = ..., decision: _Optional[str] = ..., expect_back_ms: _Optional[int] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
-    __slots__ = ("session", "position", "with_global_kv", "global_kv_by_block")
+    __slots__ = ("session", "position", "with_global_kv", "global_kv_by_block", "progress_every_ms")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     WITH_GLOBAL_KV_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_KV_BY_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_EVERY_MS_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     position: int
     with_global_kv: bool
     global_kv_by_block: bool
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., position: _Optional[int] = ..., with_global_kv: _Optional[bool] = ..., global_kv_by_block: _Optional[bool] = ...) -> None: ...
+    progress_every_ms: int
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., position: _Optional[int] = ..., with_global_kv: _Optional[bool] = ..., global_kv_by_block: _Optional[bool] = ..., progress_every_ms: _Optional[int] = ...) -> None: ...
 
 class GlobalKVData(_message.Message):
     __slots__ = ("dtype", "shape", "checksum")
@@ -731,17 +733,27 @@ class ResumeHeader(_message.Message):
     global_kv: GlobalKVData
     def __init__(self, position: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., source: _Optional[str] = ..., replayed_tokens: _Optional[int] = ..., token_layers: _Optional[int] = ..., replay_s: _Optional[float] = ..., window: _Optional[_Union[SwaWindowData, _Mapping]] = ..., global_kv: _Optional[_Union[GlobalKVData, _Mapping]] = ...) -> None: ...
 
+class ResumeProgress(_message.Message):
+    __slots__ = ("stage", "seconds")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    seconds: float
+    def __init__(self, stage: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class ResumeResponse(_message.Message):
-    __slots__ = ("header", "window_chunk", "global_kv_chunk", "global_kv_block")
+    __slots__ = ("header", "window_chunk", "global_kv_chunk", "global_kv_block", "progress")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     WINDOW_CHUNK_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_KV_CHUNK_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_KV_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     header: ResumeHeader
     window_chunk: bytes
     global_kv_chunk: bytes
     global_kv_block: GlobalKVBlock
-    def __init__(self, header: _Optional[_Union[ResumeHeader, _Mapping]] = ..., window_chunk: _Optional[bytes] = ..., global_kv_chunk: _Optional[bytes] = ..., global_kv_block: _Optional[_Union[GlobalKVBlock, _Mapping]] = ...) -> None: ...
+    progress: ResumeProgress
+    def __init__(self, header: _Optional[_Union[ResumeHeader, _Mapping]] = ..., window_chunk: _Optional[bytes] = ..., global_kv_chunk: _Optional[bytes] = ..., global_kv_block: _Optional[_Union[GlobalKVBlock, _Mapping]] = ..., progress: _Optional[_Union[ResumeProgress, _Mapping]] = ...) -> None: ...
 
 class CheckRequest(_message.Message):
     __slots__ = ("fix",)

@@ -13,9 +13,10 @@ could be set). The bound takes two shapes:
   never cut for being long, only for making no progress: timeout_s without a message taken or received (a
   byte, on the data channel, where the daemon reading more of a request counts too: wire/data.py Conn's
   reading_counts). Its first message and, after a Put's last, its answer are waits of that kind, and so they
-  hold the daemon's work before it answers (a Resume's replay, blocks copied from peers, the last blocks' stores;
-  over gRPC, whose flow-control window lets a Put's messages run a few MiB ahead of the daemon, those of a
-  window). A deadline scaled by the bytes was the other choice: it needs a floor rate, which either cuts a
+  hold the daemon's work before it answers (blocks copied from peers, the last blocks' stores; over gRPC,
+  whose flow-control window lets a Put's messages run a few MiB ahead of the daemon, those of a window). A
+  Resume's replay may outlast timeout_s, so its client asks for a progress message every third of it
+  (ResumeRequest.progress_every_ms), each a message like any other. A deadline scaled by the bytes was the other choice: it needs a floor rate, which either cuts a
   healthy transfer on a loaded host or waits far too long on a stopped one.
 
 A wait that runs out cancels the call and raises DeadlineExceeded (an Unavailable) naming the timeout and where
