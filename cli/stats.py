@@ -8,7 +8,7 @@ from typing import Any
 from rich.console import Group
 from rich.table import Table
 
-from engram.api import Stats
+from engram.api import ReplayStats, Stats
 
 from .format import to_dict
 
@@ -36,6 +36,14 @@ ADMIN_ONLY = "admin only"
 def admin(resp: Stats, text: str) -> str:
     """`text`, or "admin only" in a tenant's Stats, which leaves out (as 0) the daemon-wide activity figures."""
     return ADMIN_ONLY if resp.scoped else text
+
+
+def session_tokens_line(rp: ReplayStats, mine: bool) -> str:
+    """The tokens live sessions hold against the bound on them (a tenant's: its share)."""
+    bound = rp.session_tokens_bound
+    if not bound:
+        return f"{rp.session_tokens} ({'no share' if mine else 'no bound'})"
+    return f"{rp.session_tokens} of {bound} ({100.0 * rp.session_tokens / bound:.0f}%)"
 
 
 def stats_renderable(resp: Stats) -> Group:
@@ -74,6 +82,7 @@ def stats_renderable(resp: Stats) -> Group:
     replay.add_column("value", justify="right")
     for name, value in (
         ("sessions (hot)", f"{rp.sessions} ({rp.hot_sessions})"),
+        ("session tokens held" + (" (your token's)" if mine else ""), session_tokens_line(rp, mine)),
         ("persisted bytes, with replay", f"{human_bytes(stored + rp.persisted_window_bytes)}"),
         ("persisted bytes, every layer kept (raw)", human_bytes(every)),
         ("replays", admin(resp, f"{rp.replays} ({rp.replayed_tokens} tokens, {rp.replay_seconds * 1000:.0f} ms)")),

@@ -194,6 +194,10 @@ class ReplayStats:
     replayed_tokens: int = 0
     replay_seconds: float = 0.0
     windows_dropped_cold: int = 0
+    # Tokens live sessions hold: a tenant's own against its share, or every session's against the daemon's bound
+    # (an admin's); a bound of 0: none (engram/sessiontokens.py).
+    session_tokens: int = 0
+    session_tokens_bound: int = 0
 
 
 @dataclass(frozen=True)

@@ -118,6 +118,8 @@ class StoreCollector(Collector):
         yield GaugeMetricFamily("engram_sessions", "Open sessions.", value=len(self.sessions))
         yield GaugeMetricFamily("engram_hot_sessions", "Sessions holding a rebuilt window.",
                                 value=self.sessions.hot_count())
+        yield GaugeMetricFamily("engram_session_tokens", "Tokens live sessions hold (4 bytes each; bounded by "
+                                "server.max_live_session_tokens).", value=self.sessions.live_tokens.held)
 
 
 def codec_error_metrics(store: BlockStore) -> Iterator[Metric]:

@@ -7,13 +7,19 @@ budget. Real daemons over gRPC, tenancy on."""
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import re
+import urllib.request
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
 
 from engram import errors
+from engram.api import Stats
+from engram.cli.stats import stats_renderable
 from engram.client import EngramClient
 from engram.server import RunningServer
 
@@ -69,6 +75,48 @@ async def test_a_tenant_past_its_share_of_live_session_tokens_is_refused_while_a
         await a.open_session(fp, mode="persist", tokens=tokens(400, seed=3))
         await b.close_session(bobs[0].session_id)
         await admin.open_session(fp, mode="persist", tokens=tokens(200, seed=9))
+
+
+def rendered(stats: Stats) -> str:
+    out = Console(width=200, record=True, file=io.StringIO())
+    out.print(stats_renderable(stats))
+    return out.export_text()
+
+
+async def test_stats_the_cli_and_metrics_show_the_live_session_tokens_against_their_bound(
+        server_factory: Any) -> None:
+    """How close a caller is to the bound on live sessions' tokens: a tenant's Stats and `engram stats` show its
+    own tokens against its share (not another tenant's, nor the daemon's total), an admin's every session's against
+    the daemon's bound, and /metrics the daemon's; a fork sharing its parent's tokens counts once, a close gives
+    them back. Before, Stats had no such figure (a gap left by session 45)."""
+    srv = await server_factory(**AUTH, **{"server.max_live_session_tokens": 5000,
+                                          "server.max_live_session_tokens_per_tenant": 1000,
+                                          "server.metrics_port": -1, "server.metrics_token": "scrape-tok"})
+    spec = tiny_model()
+    async with as_(srv, ALICE, "alice") as a, as_(srv, BOB, "bob") as b, as_(srv, ADMIN, "ops") as admin:
+        fp = await a.register_model(spec)
+        await b.register_model(spec)
+        first = await a.open_session(fp, mode="persist", tokens=tokens(400, seed=1))
+        await a.open_session(fp, mode="persist", tokens=tokens(300, seed=2))
+        await a.fork_session(first.session_id)  # a view of its parent's tokens: nothing more held
+        bobs_session = await b.open_session(fp, mode="persist", tokens=tokens(200, seed=3))
+        mine, bobs, every = await a.stats(), await b.stats(), await admin.stats()
+        assert (mine.replay.session_tokens, mine.replay.session_tokens_bound) == (700, 1000)
+        assert (bobs.replay.session_tokens, bobs.replay.session_tokens_bound) == (200, 1000)
+        assert (every.replay.session_tokens, every.replay.session_tokens_bound) == (900, 5000)
+        assert re.search(r"session tokens held \(your token's\)\s+│\s+700 of 1000 \(70%\)", rendered(mine))
+        assert re.search(r"session tokens held\s+│\s+900 of 5000 \(18%\)", rendered(every))
+        assert srv.metrics is not None
+        req = urllib.request.Request(f"http://127.0.0.1:{srv.metrics.port}/metrics",
+                                     headers={"Authorization": "Bearer scrape-tok"})
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            metrics = {s.name: s.value for f in text_string_to_metric_families(resp.read().decode()) for s in f.samples}
+        assert metrics["engram_session_tokens"] == 900
+        await a.close_session(first.session_id)  # its fork still holds the 400
+        assert (await a.stats()).replay.session_tokens == 700
+        await b.close_session(bobs_session.session_id)
+        assert (await admin.stats()).replay.session_tokens == 700
+        assert (await b.stats()).replay.session_tokens == 0
 
 
 async def test_a_fork_by_another_tenant_counts_against_its_own_share(server_factory: Any) -> None:

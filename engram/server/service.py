@@ -646,7 +646,9 @@ class EngramService:
             version=__version__, uptime_s=time.time() - store.started, write_policy=str(store.write_policy),
             replay=ReplayStats(sessions=sm.count(namespaces), hot_sessions=sm.hot_count(namespaces),
                                persisted_window_bytes=sm.window_bytes(persisted=True, namespaces=namespaces),
-                               hot_window_bytes=sm.window_bytes(persisted=False, namespaces=namespaces)),
+                               hot_window_bytes=sm.window_bytes(persisted=False, namespaces=namespaces),
+                               session_tokens=sm.live_tokens.held_by(self._tenant(None)),
+                               session_tokens_bound=sm.live_tokens.max_tokens_per_tenant),
             namespaces=tuple(self._namespace_stats(ns) for ns in namespaces), cluster=cluster,
             default_codec=store.registry.default_codec, default_codec_reason=store.registry.default_reason,
             codec_backend=store.codec_backend, codec_fallbacks=store.quality.codec_fallbacks(namespaces),
@@ -703,7 +705,8 @@ class EngramService:
                            persisted_window_bytes=sm.window_bytes(persisted=True),
                            hot_window_bytes=sm.window_bytes(persisted=False),
                            replays=rc.replays, replayed_tokens=rc.replayed_tokens, replay_seconds=rc.seconds,
-                           windows_dropped_cold=sm.windows_dropped_cold)
+                           windows_dropped_cold=sm.windows_dropped_cold, session_tokens=sm.live_tokens.held,
+                           session_tokens_bound=sm.live_tokens.max_tokens)
 
     @unary
     async def Check(self, request: Any, context: grpc.aio.ServicerContext) -> pb.CheckResponse:

@@ -570,7 +570,7 @@ class EvictionStats(_message.Message):
     def __init__(self, learned: _Optional[bool] = ..., recency_weight: _Optional[float] = ..., comebacks: _Optional[int] = ..., ghosts: _Optional[int] = ..., recomputations: _Optional[int] = ..., hint_weight: _Optional[float] = ...) -> None: ...
 
 class ReplayStats(_message.Message):
-    __slots__ = ("sessions", "hot_sessions", "persisted_window_bytes", "hot_window_bytes", "replays", "replayed_tokens", "replay_seconds", "windows_dropped_cold")
+    __slots__ = ("sessions", "hot_sessions", "persisted_window_bytes", "hot_window_bytes", "replays", "replayed_tokens", "replay_seconds", "windows_dropped_cold", "session_tokens", "session_tokens_bound")
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     HOT_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     PERSISTED_WINDOW_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -579,6 +579,8 @@ class ReplayStats(_message.Message):
     REPLAYED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REPLAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WINDOWS_DROPPED_COLD_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKENS_BOUND_FIELD_NUMBER: _ClassVar[int]
     sessions: int
     hot_sessions: int
     persisted_window_bytes: int
@@ -587,7 +589,9 @@ class ReplayStats(_message.Message):
     replayed_tokens: int
     replay_seconds: float
     windows_dropped_cold: int
-    def __init__(self, sessions: _Optional[int] = ..., hot_sessions: _Optional[int] = ..., persisted_window_bytes: _Optional[int] = ..., hot_window_bytes: _Optional[int] = ..., replays: _Optional[int] = ..., replayed_tokens: _Optional[int] = ..., replay_seconds: _Optional[float] = ..., windows_dropped_cold: _Optional[int] = ...) -> None: ...
+    session_tokens: int
+    session_tokens_bound: int
+    def __init__(self, sessions: _Optional[int] = ..., hot_sessions: _Optional[int] = ..., persisted_window_bytes: _Optional[int] = ..., hot_window_bytes: _Optional[int] = ..., replays: _Optional[int] = ..., replayed_tokens: _Optional[int] = ..., replay_seconds: _Optional[float] = ..., windows_dropped_cold: _Optional[int] = ..., session_tokens: _Optional[int] = ..., session_tokens_bound: _Optional[int] = ...) -> None: ...
 
 class SessionRef(_message.Message):
     __slots__ = ("namespace", "session_id")
