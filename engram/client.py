@@ -281,12 +281,15 @@ class EngramClient(ControlClient):
             )
         if self._gate is not None and self._gate.loads:
             await asyncio.to_thread(self._gate.give_way)
+        in_place = None  # the blocks put in place before the put went on as bytes (if it did), and what it did
         if self._in_place_ok and self._zero_copy_ok and same_host(self.address) and await self._in_place_pays(kv):
-            done = await self._put_in_place(fingerprint, spec, arr, kv, ns, pin)
-            if done is not None:
-                return done
+            in_place = await self._put_in_place(fingerprint, spec, arr, kv, ns, pin)
+            if in_place is not None and len(in_place.keys) * bt >= len(arr):
+                return in_place
+        # The rounds put in place are stored (with pin, pinned): sent again, they would be pinned twice
+        placed = 0 if in_place is None else len(in_place.keys)
         all_keys = await self._chain_keys(ns, fingerprint, arr, bt)
-        first = 0
+        first = placed
         if skip_cached and not pin:  # with pin every block is sent: the daemon pins the ones it holds as it dedupes
             # Not a read: counts no use. Of the first server.max_tokens_per_request tokens (lookup): the cached blocks
             # among them are skipped and any after them sent (a longer prompt's whole Lookup was refused: never put).
@@ -294,16 +297,20 @@ class EngramClient(ControlClient):
             if any(b.num_tokens == bt and b.key != k for b, k in zip(hit.blocks, all_keys, strict=False)):
                 all_keys = await self._chain_keys(ns, fingerprint, arr, bt, again=True)
             # Only whole cached blocks can be skipped: a cached partial tail is superseded by what we send.
-            first = sum(1 for b in hit.blocks if b.num_tokens == bt and b.key in all_keys)
+            first = max(placed, sum(1 for b in hit.blocks if b.num_tokens == bt and b.key in all_keys))
+        if in_place is not None and list(in_place.keys) != all_keys[:placed]:
+            raise errors.DataLoss("the daemon stored the blocks put in place under other keys than this client "
+                                  "computes (versions differ?)")
+        before = in_place or PutResult((), 0, 0, 0)
         if first == len(all_keys):
-            return PutResult(tuple(all_keys), 0, 0, skipped=first)
+            return dataclasses.replace(before, keys=tuple(all_keys), skipped=before.skipped + first - placed)
         try:
             reply = await self._put_from(fingerprint, arr, kv, all_keys, first, bt, ns, pin, encode)
         except errors.FailedPrecondition:
-            if first == 0:
+            if first == placed:
                 raise
-            # The cached prefix was evicted between our Lookup and the Put: send the whole chain.
-            first = 0
+            # The cached prefix was evicted between our Lookup and the Put: send the chain after what went in place.
+            first = placed
             reply = await self._put_from(fingerprint, arr, kv, all_keys, first, bt, ns, pin, encode)
         if list(reply.keys) != all_keys[first:]:
             all_keys = await self._chain_keys(ns, fingerprint, arr, bt, again=True)
@@ -311,8 +318,10 @@ class EngramClient(ControlClient):
             raise errors.DataLoss("the daemon stored the blocks under other keys than this client computes with the "
                                   "namespace's salt and name it gives (asked again): the two key chains differently "
                                   "(versions differ?)")
-        return PutResult(tuple(all_keys), reply.stored, reply.deduplicated, skipped=first,
-                         not_durable=reply.not_durable)
+        return dataclasses.replace(before, keys=tuple(all_keys), stored=before.stored + reply.stored,
+                                   deduplicated=before.deduplicated + reply.deduplicated,
+                                   skipped=before.skipped + first - placed,
+                                   not_durable=before.not_durable + reply.not_durable)
 
     async def _in_place_pays(self, kv: torch.Tensor | Mapping[str, torch.Tensor]) -> bool:
         """Whether a put on the daemon's host goes in place: always from a GPU (encoded there, DMA'd into the
@@ -329,7 +338,8 @@ class EngramClient(ControlClient):
     async def _put_in_place(self, fingerprint: bytes, spec: ModelSpec, arr: np.ndarray,
                             kv: torch.Tensor | Mapping[str, torch.Tensor], ns: str, pin: bool) -> PutResult | None:
         """The put path on the daemon's host; None when this daemon or process cannot take it (the caller
-        puts as bytes, and so do later puts of this client)."""
+        puts as bytes, and so do later puts of this client). A round refused for room after others were put
+        returns what those did, fewer keys than blocks: the caller puts the rest as bytes."""
         bt = spec.layout.block_tokens
         codec = spec.stored_codec
         dtype = spec.layout.dtype if isinstance(kv, Mapping) else DType.from_torch(kv.dtype)
@@ -358,9 +368,12 @@ class EngramClient(ControlClient):
                 self._in_place_ok = False  # no shared pool there
                 return None
             except errors.ResourceExhausted:
-                # The reservations open now hold their share of the pool (or it is full of what may not go): this
-                # put travels as bytes, which the daemon places as any put (the rounds stored so far are skipped)
-                return None
+                # The reservations open now hold their share of the pool (or it is full of what may not go): the rest
+                # of this put travels as bytes, which the daemon places as any put. Not the rounds stored so far:
+                # with pin they were pinned, and sent again they were pinned twice (an unpin left them pinned)
+                if not keys:
+                    return None
+                break
             slots: list[Slot] = []
             try:
                 for i, (d, cached) in enumerate(zip(res.slots, res.cached, strict=True)):

@@ -144,3 +144,24 @@ async def test_an_in_place_put_with_pin_stops_at_the_tenants_share(server_factor
         toks = tokens(BLOCK_TOKENS, seed=3)
         with pytest.raises(errors.ResourceExhausted, match="max_pinned_fraction_per_tenant"):
             await a.put(fp, toks, random_kv(tiny_model(), len(toks), seed=3), pin=True)
+
+
+async def test_an_in_place_put_with_pin_that_goes_on_as_bytes_pins_each_block_once(
+        server_factory: Any, tmp_path: Path) -> None:
+    """An in-place put stopped by the share after a round goes on as bytes from the block it stopped at: it sent
+    the whole chain again, so the daemon pinned the blocks of the first round a second time, and Alice's unpin of
+    the chain left them pinned (and in her share)."""
+    srv = await start(server_factory, tmp_path, **{"auth.same_host_paths": "on"})
+    async with as_(srv, ALICE, in_place_min_bytes=0) as a:
+        fp = await a.register_model(tiny_model())
+        toks = tokens(56 * BLOCK_TOKENS, seed=1)
+        await a.put(fp, toks, random_kv(tiny_model(), len(toks), seed=1), pin=True)
+        toks = tokens(16 * BLOCK_TOKENS, seed=2)
+        with pytest.raises(errors.ResourceExhausted, match="max_pinned_fraction_per_tenant"):
+            await a.put(fp, toks, random_kv(tiny_model(), len(toks), seed=2), pin=True)
+        stored = [b.key for b in (await a.lookup(fp, toks)).blocks]
+        assert len(stored) == 8 and pinned(srv) == SHARE  # the round within the share went in place
+        assert [m.pins for m in srv.store.find("alice", fp, stored)] == [1] * 8
+        assert await a.pin(fp, stored, unpin=True) == 8
+        assert pinned(srv) == 56 * BLOCK and not any(m.pins for m in srv.store.find("alice", fp, stored))
+
