@@ -50,8 +50,9 @@ class BlockMeta:
     checksum: int
     locations: list[str]  # tiers holding a complete copy, fastest first
     full: bool  # num_tokens == block_tokens
-    pins: int = 0  # set through ChainIndex.set_pins once indexed: the namespace's pinned bytes follow it
-    pin_held_children: int = 0  # indexed children kept by a pin (pinned, or extended by a pinned block)
+    pins: int = 0  # every pin, a tenant's or the operator's; set through ChainIndex.set_pins once indexed
+    operator_pins: int = 0  # of them, taken by an admin (or with tenancy off): no tenant's pin share counts them
+    pin_held_children: int = 0  # indexed children kept by a tenant's pin (pinned, or extended by a pinned block)
     leases: int = 0
     children: int = 0  # indexed blocks whose parent this is; only leaves (0) may be evicted
     tick: int = 0  # the clock's reading at its last use (engram/eviction.py); 0: never used
@@ -69,10 +70,16 @@ class BlockMeta:
         return self.pins == 0 and self.leases == 0 and not self.moving
 
     @property
+    def tenant_pins(self) -> int:
+        """The pins a tenant's share counts (engram/store/pins.py): all but the operator's."""
+        return self.pins - self.operator_pins
+
+    @property
     def pin_held(self) -> bool:
-        """Kept by a pin: pinned itself, or extended by a pinned block (only leaves leave the last tier, so a
-        pin keeps every block its chain runs through)."""
-        return self.pins > 0 or self.pin_held_children > 0
+        """Kept by a tenant's pin: pinned itself, or extended by a pinned block (only leaves leave the last tier,
+        so a pin keeps every block its chain runs through). What the namespace's pinned bytes count; an operator's
+        pin keeps a block from eviction just the same (`evictable`), outside every share."""
+        return self.pins > self.operator_pins or self.pin_held_children > 0
 
     @property
     def tier(self) -> str:
@@ -229,7 +236,7 @@ class _Space:
     entries: dict[bytes, BlockMeta] = field(default_factory=dict)
     children: dict[bytes, _Children] = field(default_factory=dict)  # parent key -> the blocks extending it
     nbytes: int = 0  # physical bytes: each stored block once
-    pinned: int = 0  # bytes of its blocks a pin keeps (BlockMeta.pin_held): what a tenant's pin share counts
+    pinned: int = 0  # bytes of its blocks a tenant's pin keeps (BlockMeta.pin_held): what a pin share counts
     models: dict[bytes, int] = field(default_factory=dict)  # its blocks per model: a model holding none may go
 
 
@@ -242,6 +249,9 @@ def _count_down(counts: dict[bytes, int], key: bytes) -> None:
 
 
 IndexListener = Callable[[str, BlockMeta], None]  # ("add" | "remove", block): the cluster index follows
+# (key, tenant pins, operator pins) of an indexed block whose pins changed, (key, 0, 0) of a pinned block that
+# left the index: the NVMe tier's journal records them, so a restart pins the blocks that come back
+PinsListener = Callable[[bytes, int, int], None]
 
 
 class ChainIndex:
@@ -251,6 +261,7 @@ class ChainIndex:
         self._spaces: dict[str, _Space] = {}
         self._models: dict[bytes, int] = {}  # blocks per model, every namespace's (models_held)
         self.listeners: list[IndexListener] = []
+        self.pins_listener: PinsListener | None = None
         self.probes = 0  # the work of every match so far: key probes, children compared, trie steps
 
     def __len__(self) -> int:
@@ -309,14 +320,23 @@ class ChainIndex:
                 m = None if space is None else space.entries.get(m.parent)
         return grow
 
-    def set_pins(self, meta: BlockMeta, pins: int) -> None:
-        """Change a block's pin count; for an indexed block, its namespace's pinned bytes follow."""
-        if pins < 0:
+    def set_pins(self, meta: BlockMeta, pins: int, operator_pins: int = -1) -> None:
+        """Change a block's pin count (and of them the operator's; -1: as many as before); for an indexed block,
+        its namespace's pinned bytes follow, and so does the pins listener."""
+        if operator_pins < 0:
+            operator_pins = meta.operator_pins
+        if pins < operator_pins:
             raise AssertionError(f"block {meta.key.hex()} unpinned more often than pinned")
+        if (pins, operator_pins) == (meta.pins, meta.operator_pins):
+            return
         was = meta.pin_held
-        meta.pins = pins
-        if was != meta.pin_held and self._entries.get(meta.key) is meta:
+        meta.pins, meta.operator_pins = pins, operator_pins
+        if self._entries.get(meta.key) is not meta:
+            return
+        if was != meta.pin_held:
             self._pin_held_changed(self._spaces[meta.namespace], meta, meta.pin_held)
+        if self.pins_listener is not None:
+            self.pins_listener(meta.key, pins - operator_pins, operator_pins)
 
     @staticmethod
     def _pin_held_changed(space: _Space, meta: BlockMeta, held: bool) -> None:
@@ -329,7 +349,7 @@ class ChainIndex:
             if parent is None:
                 return
             parent.pin_held_children += 1 if held else -1
-            if parent.pins or parent.pin_held_children != (1 if held else 0):
+            if parent.pins > parent.operator_pins or parent.pin_held_children != (1 if held else 0):
                 return  # held before, and still: nothing above changes
             m = parent
 
@@ -356,6 +376,8 @@ class ChainIndex:
         meta.pin_held_children = 0 if kids is None else sum(1 for k in kids.by_key.values() if k.pin_held)
         if meta.pin_held:
             self._pin_held_changed(space, meta, True)
+        if meta.pins and self.pins_listener is not None:
+            self.pins_listener(meta.key, meta.pins - meta.operator_pins, meta.operator_pins)
         for listener in self.listeners:
             listener("add", meta)
 
@@ -373,6 +395,8 @@ class ChainIndex:
         space = self._spaces[meta.namespace]
         if meta.pin_held:  # a pinned block deleted on request, or lost: its pin (and what it kept) ends with it
             self._pin_held_changed(space, meta, False)
+        if meta.pins and self.pins_listener is not None:
+            self.pins_listener(key, 0, 0)
         del space.entries[key]
         space.nbytes -= meta.nbytes
         _count_down(space.models, meta.model_fingerprint)

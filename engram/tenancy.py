@@ -215,6 +215,10 @@ class Tenancy:
     def max_sessions(self, namespace: str) -> int:
         return self.session_limits.get(namespace, 0)
 
+    def tenants(self) -> list[Principal]:
+        """Every tenant (not the admins, not the peers)."""
+        return [p for p in self.principals.values() if not (p.admin or p.peer)]
+
     def counted(self, namespace: str) -> bool:
         """Only a tenant's namespaces: the config bounds them, where an admin may name any number."""
         return namespace in self._tenant_namespaces

@@ -127,7 +127,8 @@ def read_journal_file(path: Path, magic: bytes) -> tuple[int, list[tuple[int, by
         body_len, kind = struct.unpack_from("<IB", data, off)
         end = off + 5 + body_len + 8
         meta_len = struct.unpack_from("<I", data, off + 17)[0] if off + 21 <= len(data) else None
-        if not ((kind == 2 and body_len == 16) or (kind == 1 and body_len >= 64 and meta_len in (None, body_len - 48))):
+        if not ((kind == 2 and body_len == 16) or (kind == 3 and body_len == 24)
+                or (kind == 1 and body_len >= 64 and meta_len in (None, body_len - 48))):
             assert not any(data[off:]), "damage: an impossible entry with bytes after it"
             break  # zeros: a file grown at a crash
         if end > len(data):
@@ -142,19 +143,22 @@ def read_journal_file(path: Path, magic: bytes) -> tuple[int, list[tuple[int, by
     return generation, entries
 
 
-def journaled_headers(root: Path) -> dict[bytes, bytes]:
+def journaled(root: Path) -> tuple[dict[bytes, bytes], dict[bytes, tuple[int, int]]]:
+    """The blocks (key -> file header) and their pins (key -> tenant pins, operator pins) the journal records."""
     gen, entries = read_journal_file(root / "index" / "snapshot", b"ENGRMSNP")
-    blocks = {body[48:64]: body for kind, body in entries if kind == 1}
+    blocks: dict[bytes, bytes] = {}
+    pins: dict[bytes, tuple[int, int]] = {}
     journals = sorted((int(p.name.split(".")[1]), p) for p in (root / "index").glob("journal.*"))
-    for jgen, path in journals:
-        if jgen < gen:
-            continue
-        for kind, body in read_journal_file(path, b"ENGRMJNL")[1]:
-            if kind == 1:
-                blocks[body[48:64]] = body
-            else:
-                blocks.pop(body, None)
-    return blocks
+    for kind, body in entries + [e for jgen, path in journals if jgen >= gen
+                                 for e in read_journal_file(path, b"ENGRMJNL")[1]]:
+        if kind == 1:
+            blocks[body[48:64]] = body
+        elif kind == 2:
+            blocks.pop(body, None)
+        else:
+            key, tenant, operator = struct.unpack("<16sII", body)
+            pins[key] = (tenant, operator)
+    return blocks, {k: p for k, p in pins.items() if p != (0, 0) and k in blocks}
 
 
 # ---- the store that writes them ---------------------------------------------------------------------------
@@ -201,6 +205,9 @@ async def test_a_reader_written_from_format_md_reads_what_the_store_wrote(tmp_pa
     t_large = tokens(16384, seed=2)
     kv_large = random_kv(large, len(t_large), seed=2)
     keys = await put_chain(store, small, t_small, kv_small) + await put_chain(store, large, t_large, kv_large)
+    store.pin(NS, small.fingerprint, keys[1:2])
+    store.pin(NS, small.fingerprint, keys[1:3])
+    store.pin(NS, small.fingerprint, keys[2:3], unpin=True)
     await store.close()
 
     files = sorted((tmp_path / "blocks").rglob("*.blk"))
@@ -219,9 +226,11 @@ async def test_a_reader_written_from_format_md_reads_what_the_store_wrote(tmp_pa
             parent = key
     assert len(read[keys[4]]["header"]) > 64 * 1024  # type: ignore[arg-type]  # the 16K-token block's header
 
-    # The journal (its snapshot, written at close) records exactly these blocks, with their files' headers.
-    journaled = journaled_headers(tmp_path)
-    assert journaled == {k: r["header"] for k, r in read.items()}
+    # The journal (its snapshot, written at close) records exactly these blocks, with their files' headers, and
+    # their pins (no tenancy: the operator's).
+    headers, pins = journaled(tmp_path)
+    assert headers == {k: r["header"] for k, r in read.items()}
+    assert pins == {keys[1]: (0, 2)}
 
 
 @pytest.mark.parametrize("journal", [True, False], ids=["journal", "full-scan"])

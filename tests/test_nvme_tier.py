@@ -28,7 +28,7 @@ from engram.keys import root_key
 from engram.server.app import build_store
 from engram.store import BlockStore
 from engram.tiers.journal import FILE_HEAD_LEN as JOURNAL_HEAD_LEN
-from engram.tiers.journal import JOURNAL_MAGIC, encode_entry, encode_head, parse_entries
+from engram.tiers.journal import JOURNAL_MAGIC, PINS, encode_entry, encode_head, parse_entries
 from engram.tiers.nvme import NvmeTier
 
 from helpers import BLOCK_TOKENS, ENGRAM, NEUTRAL_CWD, random_kv, small_tmpfs, tiny_model, tokens
@@ -1592,4 +1592,46 @@ async def test_a_copy_dropped_as_damaged_on_a_read_is_logged_with_its_key_tier_a
     assert len(lines) == 1, lines
     assert "its nvme copy was dropped on a read" in lines[0] and "checksum" in lines[0], lines
     assert "the block left the store" in lines[0], lines
+    await store.close()
+
+
+def _without_pins(index_dir: Path) -> None:
+    """The index files as a build from before pins were journaled wrote them: the same, less the pins entries."""
+    for path in index_dir.iterdir():
+        data = path.read_bytes()
+        entries, end = parse_entries(data)
+        assert end == len(data)
+        path.write_bytes(data[:JOURNAL_HEAD_LEN] + b"".join(encode_entry(k, b) for k, b in entries if k != PINS))
+
+
+async def test_pins_come_back_from_the_journal_and_the_snapshot_and_index_files_without_pins_still_load(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    root, crash = tmp_path / "nvme", tmp_path / "crash"
+    store = await make_store(root, dram_blocks=64, write_policy="write-through")
+    fp = SPEC.fingerprint
+    chains = [tokens(3 * BLOCK_TOKENS, seed=s) for s in range(4)]
+    pinned = await put_seq(store, chains[0], random_kv(SPEC, len(chains[0])), pin=True)
+    held = await put_seq(store, chains[1], random_kv(SPEC, len(chains[1])))
+    store.pin(NS, fp, held[-1:])
+    store.pin(NS, fp, held[-1:])
+    lifted = await put_seq(store, chains[2], random_kv(SPEC, len(chains[2])), pin=True)
+    store.pin(NS, fp, lifted, unpin=True)
+    evicted = await put_seq(store, chains[3], random_kv(SPEC, len(chains[3])), pin=True)
+    for meta in reversed(store.find(NS, fp, evicted)):  # a forced evict: the blocks leave with their pins
+        store.lift_pins(meta)
+        await store.remove(meta)
+    want = {**dict.fromkeys(pinned, 1), **dict.fromkeys(held, 0), held[-1]: 2, **dict.fromkeys(lifted, 0)}
+    shutil.copytree(root, crash, ignore=shutil.ignore_patterns("engram.lock"))  # a SIGKILL's: journal, no snapshot
+    await store.close()
+    for where in (crash, root):  # the journal replayed; the snapshot of the stop read
+        store = await make_store(where, dram_blocks=64)
+        assert {m.key: m.pins for m in store.blocks(NS)} == want, where
+        assert all(m.operator_pins == m.pins for m in store.blocks(NS))  # tenancy off: the operator's
+        await store.close()
+    _without_pins(crash / "index")
+    caplog.clear()
+    store = await make_store(crash, dram_blocks=64)
+    assert {m.key: m.pins for m in store.blocks(NS)} == dict.fromkeys(want, 0)  # every block, none pinned
+    assert store.tiers[1].unverified == set(want)  # type: ignore[attr-defined]  # trusted: the journal was read
+    assert "not trusted" not in caplog.text
     await store.close()

@@ -37,10 +37,11 @@ def as_(srv: RunningServer, token: str, namespace: str = "", **kw: Any) -> Engra
 
 
 def recounted(store: BlockStore, ns: str) -> int:
-    """The namespace's pinned bytes from scratch: each pinned block and every block it extends, once."""
+    """The namespace's pinned bytes from scratch: each block a tenant pinned and every block it extends, once (an
+    admin's pins are the operator's, outside every share)."""
     held: dict[bytes, int] = {}
     for meta in store.blocks(ns):
-        m = meta if meta.pins else None
+        m = meta if meta.tenant_pins else None
         while m is not None and m.key not in held:
             held[m.key] = m.nbytes
             m = store.index.get_in(ns, m.parent)
@@ -79,19 +80,19 @@ async def test_a_tenant_pins_up_to_its_share_then_is_refused_while_other_tenants
             await put(b, fp, 4, 1000 + seed, pin=False)
         await put(b, fp, 8, 2000, pin=True)
         assert pinned(srv, "bob") == 8 * BLOCK and pinned(srv) == SHARE
-        # Alice unpins her blocks: her share is hers again; the admin's pins have no share.
+        # Alice unpins her blocks: her share is hers again; the admin's pins have no share, and count in none.
         for keys in chains:
             await a.pin(fp, keys, unpin=True)
         assert pinned(srv) == 0
         await admin.register_model(tiny_model())
-        await put(admin, fp, SHARE // BLOCK + 8, 3000, pin=True)
-        assert pinned(srv, "ops") == SHARE + 8 * BLOCK
+        keys = await put(admin, fp, SHARE // BLOCK + 8, 3000, pin=True)
+        assert [m.pins for m in srv.store.find("ops", fp, keys)] == [1] * len(keys) and pinned(srv, "ops") == 0
 
 
 async def test_pinned_bytes_stay_exact_through_unpin_evict_and_restart(server_factory: Any, tmp_path: Path) -> None:
     """A pin on a chain's last block keeps the chain (only leaves leave the last tier): counted whole. The count
-    follows unpins (of a block pinned twice too), a forced evict and a restart (pins are not persisted), so Alice
-    can always pin up to her share again."""
+    follows unpins (of a block pinned twice too), a forced evict and a restart (the pins come back, and so does
+    their count), so Alice can always pin up to her share again, and never past it."""
     srv = await start(server_factory, tmp_path)
     async with as_(srv, ALICE) as a, as_(srv, ADMIN) as admin:
         fp = await a.register_model(tiny_model())
@@ -121,13 +122,15 @@ async def test_pinned_bytes_stay_exact_through_unpin_evict_and_restart(server_fa
         assert pinned(srv) == SHARE
     await srv.stop(0)
     srv = await start(server_factory, tmp_path)
-    assert len(srv.store.blocks("alice")) == 64 and pinned(srv) == 0  # the blocks came back; pins do not persist
+    assert len(srv.store.blocks("alice")) == 64 and pinned(srv) == SHARE  # the blocks came back pinned
     async with as_(srv, ALICE) as a:
         fp = await a.register_model(tiny_model())
-        await a.pin(fp, keys)
-        assert pinned(srv) == SHARE
         with pytest.raises(errors.ResourceExhausted, match="max_pinned_fraction_per_tenant"):
             await put(a, fp, 1, 4, pin=True)
+        await a.pin(fp, keys, unpin=True)
+        assert pinned(srv) == 0
+        await a.pin(fp, keys)
+        assert pinned(srv) == SHARE
 
 
 async def test_an_in_place_put_with_pin_stops_at_the_tenants_share(server_factory: Any, tmp_path: Path) -> None:
@@ -165,3 +168,53 @@ async def test_an_in_place_put_with_pin_that_goes_on_as_bytes_pins_each_block_on
         assert await a.pin(fp, stored, unpin=True) == 8
         assert pinned(srv) == 56 * BLOCK and not any(m.pins for m in srv.store.find("alice", fp, stored))
 
+
+async def test_an_admins_pins_in_a_tenants_namespace_take_nothing_of_its_share(
+        server_factory: Any, tmp_path: Path) -> None:
+    """An admin pinning a shared prefix in Alice's namespace used up her share: she could pin nothing of her own.
+    The operator's pins now count in no share; a block both pin counts once, in hers; her unpin lifts her pins,
+    never the admin's, and the admin's lifts its own first."""
+    srv = await start(server_factory, tmp_path)
+    async with as_(srv, ALICE) as a, as_(srv, ADMIN, "alice") as admin:
+        fp = await a.register_model(tiny_model())
+        await admin.register_model(tiny_model())
+        theirs = await put(admin, fp, SHARE // BLOCK, 1, pin=True)  # her whole share's worth
+        assert pinned(srv) == 0
+        mine = await put(a, fp, SHARE // BLOCK, 2, pin=True)  # refused before: her share was the admin's
+        assert pinned(srv) == SHARE
+        with pytest.raises(errors.ResourceExhausted, match="max_pinned_fraction_per_tenant"):
+            await a.pin(fp, theirs[:1])  # hers too, it would count in her share
+        assert await a.pin(fp, theirs, unpin=True) == 0  # not hers to lift
+        assert [m.pins for m in srv.store.find("alice", fp, theirs)] == [1] * len(theirs)
+        assert await admin.pin(fp, mine[-1:]) == 1  # the operator's pin beside hers
+        assert pinned(srv) == SHARE
+        assert await admin.pin(fp, mine[-1:], unpin=True) == 1  # lifts its own: hers stays
+        assert srv.store.find("alice", fp, mine[-1:])[0].pins == 1 and pinned(srv) == SHARE
+        assert await admin.pin(fp, theirs, unpin=True) == len(theirs)
+        assert await a.pin(fp, mine, unpin=True) == len(mine)
+        assert pinned(srv) == 0 and not any(m.pins for m in srv.store.blocks("alice"))
+
+
+async def test_a_restart_pins_a_tenants_blocks_again_within_its_share_as_it_is_now(
+        server_factory: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Pins are kept with the NVMe tier's journal: a restart pins the blocks that come back. A tenant's come back
+    within its share as configured now (first recorded first), the rest stored unpinned and logged; the
+    operator's come back whole."""
+    srv = await start(server_factory, tmp_path)
+    async with as_(srv, ALICE) as a, as_(srv, ADMIN, "alice") as admin:
+        fp = await a.register_model(tiny_model())
+        await admin.register_model(tiny_model())
+        first = await put(a, fp, 32, 1, pin=True)
+        second = await put(a, fp, 32, 2, pin=True)
+        operators = await put(admin, fp, 16, 3, pin=True)
+        assert pinned(srv) == SHARE
+    await srv.stop(0)
+    srv = await start(server_factory, tmp_path, **{"server.max_pinned_fraction_per_tenant": 0.25})  # 32 blocks
+    pins = {m.key: m.pins for m in srv.store.blocks("alice")}
+    assert [pins[k] for k in first] == [1] * 32 and [pins[k] for k in second] == [0] * 32
+    assert [pins[k] for k in operators] == [1] * 16 and pinned(srv) == SHARE // 2
+    said = [r.getMessage() for r in caplog.records if "were not pinned again" in r.getMessage()]
+    assert len(said) == 1 and "32 pinned blocks" in said[0] and "namespaces alice" in said[0], said
+    await srv.stop(0)
+    srv = await start(server_factory, tmp_path)  # what was dropped stays dropped: recorded as cleared
+    assert pinned(srv) == SHARE // 2 and sum(m.pins for m in srv.store.blocks("alice")) == 48

@@ -41,7 +41,7 @@ from engram.server.openrpcs import OpenServiceGuard
 from engram.server.peers import PeerFetcher
 from engram.server.service import SERVICE_NAME, EngramService
 from engram.sessions import SessionManager
-from engram.store import BlockStore, WritePolicy
+from engram.store import BlockStore, WritePolicy, pins
 from engram.store.quality import QualityWatch
 from engram.tenancy import Tenancy, resolve_secret
 from engram.tiers.base import Tier
@@ -107,7 +107,9 @@ async def _build_store(config: EngramConfig, tenancy: Tenancy | None, tiers: lis
                        eviction=t.eviction)
     if t.nvme.path:
         t0 = time.perf_counter()
-        report = await store.recover()
+        shares = None if tenancy is None else pins.shares_of(  # a tenant's pins come back within its share
+            [p.namespaces for p in tenancy.tenants()], config.server.max_pinned_fraction_per_tenant, tiers)
+        report = await store.recover(shares)
         log.info("recovered %d blocks from %s in %.2fs (%d problems fixed)", report.recovered_blocks, t.nvme.path,
                  time.perf_counter() - t0, len(report.findings))
         for path, problem, _ in report.findings:

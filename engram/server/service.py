@@ -576,13 +576,12 @@ class EngramService:
         check_limit("Pin keys", len(req.keys), self.config.max_blocks_per_request)
         ns = namespace_for(context, req.namespace)
         self.check_model(req.model_fingerprint)
-        changed = self.store.pin(ns, req.model_fingerprint, list(req.keys), unpin=req.unpin,
-                                 share=None if req.unpin else self.pin_share())
+        changed = self.store.pin(ns, req.model_fingerprint, list(req.keys), unpin=req.unpin, share=self.pin_share())
         return pb.PinResponse(changed=changed)
 
     def pin_share(self) -> PinShare | None:
         """The current caller's share of pinned bytes, over all its namespaces (engram/store/pins.py); None for an
-        admin, and with tenancy off: they act on the whole daemon."""
+        admin, and with tenancy off: they act on the whole daemon, and their pins are the operator's."""
         who = caller(None)
         if self.tenancy is None or who.admin:
             return None

@@ -59,7 +59,7 @@ from engram.store.counters import (
     tier_stats,
 )
 from engram.store.flusher import Flusher, FlushResult, Pending
-from engram.store.pins import PinShare
+from engram.store.pins import PinShare, SharesOf
 from engram.store.placement import Placement
 from engram.store.quality import QualityWatch, Sample, persisted_kinds
 from engram.tenancy import NamespacePolicy, OpenNamespaces
@@ -120,6 +120,9 @@ class BlockStore:
         # Blocks held only in volatile tiers go to NVMe in the background (the loss window; engram/store/flusher.py).
         self.flusher = Flusher(self, window_s=write_back_window_s, window_bytes=write_back_window_bytes) \
             if durable.durable_tier(self.placement) is not None else None
+        # The durable tier records pins beside its blocks, so a restart pins those that come back (store/pins.py)
+        rank = durable.durable_tier(self.placement)
+        self.index.pins_listener = None if rank is None else getattr(self.placement.tiers[rank], "note_pins", None)
         self.started = time.time()
         self.drop_log = LogBudget()  # copies dropped as damaged: one line each, a burst bounded (note_dropped)
 
@@ -406,7 +409,7 @@ class BlockStore:
             if pin:
                 if pin_share is not None:
                     pin_share.check(self.index, self.index.pin_growth([existing]), f"block {index}")
-                self.index.set_pins(existing, existing.pins + 1)
+                self.add_pin(existing, operator=pin_share is None)
             ok = True
             if self.write_policy == WritePolicy.WRITE_THROUGH:  # acknowledged again: durable again, too
                 try:
@@ -422,7 +425,7 @@ class BlockStore:
             key=key, parent=parent, namespace=namespace, model_fingerprint=model_fingerprint, tokens=tokens,
             num_tokens=num_tokens, dtype=dtype, shape=shape, nbytes=len(payload),
             checksum=payload_checksum, locations=[], full=num_tokens == block_tokens,
-            pins=1 if pin else 0,
+            pins=1 if pin else 0, operator_pins=1 if pin and pin_share is None else 0,
         )
         if pin_share is not None and pin:  # here, before its bytes are written; and as it is published, exactly
             pin_share.check(self.index, self.index.pin_growth([meta]), f"block {index}")
@@ -834,26 +837,36 @@ class BlockStore:
 
     def pin(self, namespace: str, model_fingerprint: bytes, keys: Sequence[bytes], *, unpin: bool = False,
             share: PinShare | None = None) -> int:
-        """Pin (or unpin) blocks; returns how many changed. Pins count, so two pinners need two unpins. With a
-        `share` (the caller's, engram/store/pins.py), pins that would pass it are refused, none of them taken."""
+        """Pin (or unpin) blocks; returns how many changed. Pins count, so two pinners need two unpins. `share`:
+        the caller's (a tenant's, engram/store/pins.py), whose pins it counts and that pins passing it are refused
+        against, none of them taken; None for an admin or with tenancy off, whose pins are the operator's, outside
+        every share. A tenant's unpin lifts a tenant's pin, never the operator's; the operator's lifts its own
+        first, then a tenant's (an admin acts on the whole daemon)."""
         metas = self.find(namespace, model_fingerprint, keys)
         if share is not None and not unpin:
             share.check(self.index, self.index.pin_growth(metas), f"pinning {len(metas)} blocks")
         changed = 0
         for meta in metas:
             if unpin:
+                if share is not None and meta.tenant_pins == 0:
+                    continue  # only the operator's pins hold it: not a tenant's to lift
                 if meta.pins > 0:
-                    self.index.set_pins(meta, meta.pins - 1)
+                    operator = meta.operator_pins - (share is None and meta.operator_pins > 0)
+                    self.index.set_pins(meta, meta.pins - 1, operator)
                     changed += 1
                     self.placement.reordered()
             else:
-                self.index.set_pins(meta, meta.pins + 1)
+                self.add_pin(meta, operator=share is None)
                 changed += 1
         return changed
 
+    def add_pin(self, meta: BlockMeta, *, operator: bool) -> None:
+        """One more pin on a block: a tenant's (its share checked by the caller) or the operator's."""
+        self.index.set_pins(meta, meta.pins + 1, meta.operator_pins + operator)
+
     def lift_pins(self, meta: BlockMeta) -> None:
         """Drop every pin of a block about to be removed (an evict that overrides pins, a lost block's chain)."""
-        self.index.set_pins(meta, 0)
+        self.index.set_pins(meta, 0, 0)
 
     def reference(self, metas: Sequence[BlockMeta], delta: int, holder: Expected | None = None) -> None:
         """Add (+1) or drop (-1) one session's reference to blocks; eviction prefers unreferenced blocks, then
@@ -936,9 +949,10 @@ class BlockStore:
 
     # ---- recovery and check --------------------------------------------------------------------
 
-    async def recover(self) -> recovery.StoreReport:
-        """Rebuild the index from the tiers that outlive the process (engram/store/recovery.py)."""
-        return await recovery.recover(self)
+    async def recover(self, pin_shares: SharesOf | None = None) -> recovery.StoreReport:
+        """Rebuild the index from the tiers that outlive the process (engram/store/recovery.py), and pin the
+        blocks that come back as they were pinned, within `pin_shares` (store/pins.py `restore`)."""
+        return await recovery.recover(self, pin_shares)
 
     async def check(self, *, fix: bool) -> recovery.StoreReport:
         """Verify every stored copy (DRAM payloads, NVMe files); with fix, drop what is broken."""

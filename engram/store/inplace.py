@@ -143,7 +143,8 @@ class InPlacePuts:
                 meta = BlockMeta(key=key, parent=parent, namespace=namespace, model_fingerprint=fingerprint,
                                  tokens=tokens_to_bytes(h.tokens), num_tokens=h.num_tokens, dtype=h.dtype,
                                  shape=tuple(h.shape), nbytes=h.payload_nbytes, checksum=0, locations=[],
-                                 full=h.num_tokens == layout.block_tokens, pins=1 if pin else 0)
+                                 full=h.num_tokens == layout.block_tokens, pins=1 if pin else 0,
+                                 operator_pins=1 if pin and pin_share is None else 0)
                 slot = None
                 if res.blocks and not self._fits(res, h.payload_nbytes):
                     break
@@ -451,7 +452,7 @@ class InPlacePuts:
         if res.pin:
             if res.pin_share is not None:
                 res.pin_share.check(store.index, store.index.pin_growth([existing]), f"block {index}")
-            store.index.set_pins(existing, existing.pins + 1)
+            store.add_pin(existing, operator=res.pin_share is None)
         ok = True
         if store.write_policy == WritePolicy.WRITE_THROUGH:
             own = self.pool.view(self._slot_key(res, r.meta)) if r.slot is not None else None

@@ -18,17 +18,34 @@ itself for the others; of the total, half would fill both tiers of a DRAM and an
 is against any one tenant: k tenants pinning together need a fraction below 1/k (or quotas).
 
 Admins act on the whole daemon and have no share (as with max_concurrent_rpcs_per_tenant); with tenancy off
-every caller is the one party of the daemon, with no other tenant to keep room for: no share either.
+every caller is the one party of the daemon, with no other tenant to keep room for: no share either. Their pins
+are the operator's (BlockMeta.operator_pins) and no tenant's share counts them: an admin pinning a shared system
+prompt in a tenant's namespace took that tenant's share, and the tenant could then pin nothing of its own. A
+block both pin counts once, in the tenant's share (its own pin holds it). A tenant's unpin lifts a tenant's pin
+only; an admin's lifts the operator's first, then a tenant's.
+
+Across a restart (`restore`): the NVMe tier's journal records each block's pins (engram/tiers/journal.py says
+why there), and the blocks that come back are pinned again; blocks held in memory alone do not come back, nor
+their pins. The operator's pins come back whole. A tenant's come back within the tenant's share as it is now,
+in the order they were first recorded, and those that would pass it are dropped (logged, naming the tenant's
+namespaces): the share may have shrunk since (a lower fraction, a smaller tier, a namespace given to another
+tenant), and it is the promise to the other tenants that their puts find room, which pins restored past it
+would break from the first put on; the tenant pins again, and is refused as it would be now.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from engram.errors import ResourceExhausted
 from engram.index import ChainIndex
 from engram.tiers.base import Tier
+
+log = logging.getLogger("engram.store")
+
+SharesOf = Callable[[str], Sequence["PinShare"]]  # a namespace -> the shares of the tenants it belongs to
 
 
 @dataclass(frozen=True)
@@ -59,3 +76,44 @@ class PinShare:
                 f"keeps too), but this tenant's namespaces ({', '.join(self.namespaces)}) hold {held} bytes pinned, "
                 f"of its share of {self.limit} (server.max_pinned_fraction_per_tenant = {self.fraction:g} of the "
                 f"largest tier, {self.largest}'s {self.largest_bytes} bytes); unpin blocks, or put without pin")
+
+
+def shares_of(tenants: Sequence[Sequence[str]], fraction: float, tiers: Sequence[Tier]) -> SharesOf:
+    """Each namespace's tenants' shares, `tenants` giving each tenant's namespaces (a restart's `restore`)."""
+    by_namespace: dict[str, list[PinShare]] = {}
+    for namespaces in tenants:
+        share = PinShare.of(namespaces, fraction, tiers)
+        for ns in share.namespaces:
+            by_namespace.setdefault(ns, []).append(share)
+    return lambda namespace: by_namespace.get(namespace, ())
+
+
+def restore(index: ChainIndex, recorded: Mapping[bytes, tuple[int, int]], shares: SharesOf | None,
+            note: Callable[[bytes, int, int], None]) -> None:
+    """Pin the blocks that came back as `recorded` (key -> tenant pins, operator pins), a tenant's within the
+    shares of the tenants its namespace belongs to (None: no shares, tenancy off); `note` (the durable tier's)
+    records what was not restored as cleared, so a block of the key put again later is not pinned by an old entry."""
+    dropped: dict[PinShare, list[int]] = {}  # the share that refused -> [blocks, bytes] not pinned again
+    for key, (tenant, operator) in recorded.items():
+        meta = index.get(key)
+        if meta is None:  # not back (held in memory alone, or its file lost)
+            note(key, 0, 0)
+            continue
+        if tenant and shares is not None:
+            growth = index.pin_growth([meta])
+            for share in shares(meta.namespace):
+                try:
+                    share.check(index, growth, "restoring pins")
+                except ResourceExhausted:
+                    row = dropped.setdefault(share, [0, 0])
+                    row[0] += 1
+                    row[1] += growth
+                    tenant = 0
+                    break
+        index.set_pins(meta, tenant + operator, operator)
+        note(key, tenant, operator)  # (set_pins noted pins that changed; this records pins dropped as cleared)
+    for share, (blocks, nbytes) in dropped.items():
+        log.warning("restart: %d pinned blocks (%d bytes) of the tenant of namespaces %s were not pinned again: "
+                    "they would pass its share of %d bytes (server.max_pinned_fraction_per_tenant = %g of the "
+                    "largest tier, %s's %d bytes); they are stored unpinned", blocks, nbytes,
+                    ", ".join(share.namespaces), share.limit, share.fraction, share.largest, share.largest_bytes)

@@ -19,6 +19,8 @@ from engram.block import BlockRecord, checksum
 from engram.errors import NotFound
 from engram.eviction import TierVictims, tick
 from engram.index import BlockMeta, ChainIndex
+from engram.store import pins
+from engram.store.pins import SharesOf
 from engram.tiers.base import StaleRecord, Tier
 
 if TYPE_CHECKING:
@@ -41,20 +43,20 @@ class StoreReport:
         return not self.findings
 
 
-async def recover(store: BlockStore) -> StoreReport:
+async def recover(store: BlockStore, pin_shares: SharesOf | None = None) -> StoreReport:
     # A restart creates a few objects per block (100k blocks: ~1M); with the cyclic GC on, its full
     # collections rescan all of them again and again and took most of the time. Nothing made here is cyclic
     # garbage, so the collector waits until the index is built.
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return await _recover(store)
+        return await _recover(store, pin_shares)
     finally:
         if enabled:
             gc.enable()
 
 
-async def _recover(store: BlockStore) -> StoreReport:
+async def _recover(store: BlockStore, pin_shares: SharesOf | None) -> StoreReport:
     report = StoreReport()
     placement = store.placement
     for tier in placement.tiers:
@@ -101,6 +103,9 @@ async def _recover(store: BlockStore) -> StoreReport:
                 await tier.delete(rec.key)
                 report.findings.append((f"{tier.name}:{rec.key.hex()}", "its parent block is gone (orphan)", True))
         report.valid += report.recovered_blocks
+        recorded = getattr(tier, "recorded_pins", None)
+        if recorded:
+            pins.restore(store.index, recorded, pin_shares, tier.note_pins)  # type: ignore[attr-defined]
         if getattr(tier, "unverified", None):
             store.background.add(asyncio.get_running_loop().create_task(_verify_trusted(store, tier)))
     return report

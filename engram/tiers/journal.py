@@ -6,7 +6,8 @@ Why: recovery used to read the header of every block file (an open, a read and a
 sequentially at start-up:
 
     ROOT/index/snapshot       every block on disk when it was written (a compaction of the journal)
-    ROOT/index/journal.<gen>  changes since: a block added (its file's header) or removed (its key)
+    ROOT/index/journal.<gen>  changes since: a block added (its file's header) or removed (its key), a
+                              block's pins (its key and pin counts)
 
 The block files stay the truth; the journal is a hint checked against them. At start-up the tier lists the
 block directories (names only, no opens): a journaled block whose file is gone is dropped, a file the
@@ -35,17 +36,30 @@ or the next start) and a snapshot is written again. A snapshot taken before the 
 
 Format (docs/FORMAT.md, all integers little-endian): a 32-byte file header (magic `ENGRMSNP` or
 `ENGRMJNL`, u16 version 2, u16 flags 0, u32 reserved 0, u64 generation, u64 xxh3_64 of the 24 bytes before
-it), then entries `u32 body_len, u8 kind (1 add, 2 remove), body, u64 xxh3_64(kind byte + body)`. Version 1
-(earlier releases) is the same header without its checksum, 24 bytes; it is still read. An add's body is the block
-file's header (its first 48 + meta_len bytes); a remove's body is the 16-byte key.
+it), then entries `u32 body_len, u8 kind (1 add, 2 remove, 3 pins), body, u64 xxh3_64(kind byte + body)`.
+Version 1 (earlier releases) is the same header without its checksum, 24 bytes; it is still read. An add's body
+is the block file's header (its first 48 + meta_len bytes); a remove's body is the 16-byte key; a pins entry's
+the key, then u32 tenant pins and u32 operator pins (both 0: unpinned).
+
+Why pins are here (a block's pins change after its file is written, and the file is never rewritten): the
+journal is the tier's record of its blocks, replayed in order, so a crash loses a suffix of the changes (a
+SIGKILL none: appends are in the page cache; a power loss the unsynced tail) and a restart sees each block's
+pins as they were at some moment, never a mix; an entry costs an append (no fsync, as an add), where a file of
+pins rewritten at each change costs a write, a sync and a rename, and holding it back loses pins at a crash.
+A pins entry is kept apart from the add and remove of the block's file: a file removed as damaged and written
+again from memory keeps its block's pins; the store records (0, 0) when the block itself leaves. The pins of a
+block held in memory alone are recorded too (its file comes with the write-back flush); at start-up only those
+of blocks that come back apply, and the others are recorded cleared. A journal that is not trusted loses them:
+the blocks come back unpinned (their files do not hold pins).
 
 A crash loses a journal's tail and tears at most its last entry (one write each): fewer bytes left than an
 entry head, an entry whose length runs past the end of the file, or (a file grown before its bytes were
 written) one that fails its checksum or is impossible with nothing but zeros after it. Reading stops there;
 the lost entries are recovered from the files. Anything else that fails, with other bytes after it, is
 damage (bit rot, a bad sector), not a crash: an entry that is whole but fails its checksum, or whose head is
-impossible (a kind other than add or remove, a remove not 16 bytes long, an add whose length is not its
-block header's 48 + meta_len).
+impossible (a kind other than add, remove or pins, a remove not 16 bytes long, a pins entry not 24, an add whose
+length is not its block header's 48 + meta_len). A build from before pins were journaled reads a pins entry as
+such damage: it reads every block file (its blocks come back, unpinned, as it never kept pins).
 
 Damage: a snapshot that fails any check (its head: magic, version, checksum; an entry, torn or not: it is
 renamed into place whole), or a journal it would be read with whose head is whole but fails its checks or
@@ -92,15 +106,18 @@ _HEAD_V1 = struct.Struct("<8sHHIQ")  # magic, version, flags, reserved, generati
 _FILE_HEAD = struct.Struct("<8sHHIQQ")  # the same, then xxh3_64 of the 24 bytes before it
 FILE_HEAD_LEN = _FILE_HEAD.size  # 32
 _ENTRY_HEAD = struct.Struct("<IB")  # body_len, kind
-ADD, REMOVE = 1, 2
+ADD, REMOVE, PINS = 1, 2, 3
 KEY_LEN = 16  # a remove's body
+_PINS = struct.Struct("<16sII")  # a pins entry's body: key, tenant pins, operator pins
 BLOCK_HEAD_LEN = 48  # the fixed part of a block file's header (an add's body; then its meta, key first)
 GENERATION_LIMIT = 2**64 - 1  # a journal's generation is below it, so the next one still fits the u64 field
 RENUMBER_AT = 2**63  # a generation no daemon reaches (one a nanosecond for 292 years): only after a stray file
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ADD", "REMOVE", "IndexJournal", "Loaded", "encode_entry", "parse_entries"]
+__all__ = ["ADD", "PINS", "REMOVE", "IndexJournal", "Loaded", "encode_entry", "encode_pins", "parse_entries"]
+
+Pins = tuple[int, int]  # (tenant pins, operator pins) of a block (engram/index.py BlockMeta)
 
 
 def encode_head(magic: bytes, generation: int) -> bytes:
@@ -143,6 +160,10 @@ def encode_entry(kind: int, body: bytes) -> bytes:
     return head + body + struct.pack("<Q", xxhash.xxh3_64_intdigest(head[4:] + body))
 
 
+def encode_pins(key: bytes, pins: Pins) -> bytes:
+    return encode_entry(PINS, _PINS.pack(key, *pins))
+
+
 def parse_entries(data: bytes | memoryview, offset: int = FILE_HEAD_LEN) -> tuple[list[tuple[int, bytes]], int]:
     """Entries from `offset` on, and the offset after the last valid one: a torn tail is left out. Raises
     _Damaged for an entry that is whole but fails its checksum, or whose head is impossible, with bytes after it
@@ -177,6 +198,8 @@ def _impossible(view: memoryview, offset: int, body_len: int, kind: int) -> str 
     key, an add's a block file's header, as long as its meta_len field (when it is there) says."""
     if kind == REMOVE:
         return None if body_len == KEY_LEN else f"a remove of {body_len} bytes, not {KEY_LEN}"
+    if kind == PINS:
+        return None if body_len == _PINS.size else f"a pins entry of {body_len} bytes, not {_PINS.size}"
     if kind != ADD:
         return f"kind {kind}"
     if body_len < BLOCK_HEAD_LEN + KEY_LEN:
@@ -195,9 +218,11 @@ def _zeros(view: memoryview) -> bool:
 
 @dataclass
 class Loaded:
-    """What the journal says is on disk: key -> the block file's header bytes."""
+    """What the journal says is on disk: key -> the block file's header bytes; and key -> pins, in the order they
+    were first recorded."""
 
     headers: dict[bytes, bytes]
+    pins: dict[bytes, Pins]
     entries: int  # entries read (snapshot and journals): how far compaction is due
     torn_tail: bool  # a journal ended in a torn entry (a crash mid-append)
 
@@ -268,10 +293,13 @@ class IndexJournal:
                             "1 head has no checksum) or its journal lost")
             return None
         headers: dict[bytes, bytes] = {}
+        pins: dict[bytes, Pins] = {}
         count = 0
         for kind, body in entries:
             if kind == ADD:
                 headers[body[48:64]] = body  # the key is the meta's first 16 bytes
+            elif kind == PINS:
+                _set_pins(pins, body)
         count += len(entries)
         torn_tail = False
         for jgen, path in journals:
@@ -291,9 +319,11 @@ class IndexJournal:
             for kind, body in jentries:
                 if kind == ADD:
                     headers[body[48:64]] = body
+                elif kind == REMOVE:
+                    headers.pop(body, None)  # not its pins: a file written again keeps its block's
                 else:
-                    headers.pop(body, None)
-        return Loaded(headers, count, torn_tail)
+                    _set_pins(pins, body)
+        return Loaded(headers, pins, count, torn_tail)
 
     def newer(self) -> list[NewerFormat]:
         """The snapshot and journals a newer Engram wrote (a later version in their head): a start refuses the
@@ -428,6 +458,9 @@ class IndexJournal:
     def remove(self, key: bytes) -> None:
         self._append(encode_entry(REMOVE, key))
 
+    def pins(self, key: bytes, pins: Pins) -> None:
+        self._append(encode_pins(key, pins))
+
     def _append(self, entry: bytes) -> None:
         with self._lock:
             if self._fd is None:
@@ -465,10 +498,11 @@ class IndexJournal:
             self.appended = 0
             return self.generation
 
-    def write_snapshot(self, headers: Iterable[bytes], covers_before: int, *, fsync: bool = True) -> bool:
-        """Write a snapshot of `headers` (the state when journal `covers_before` was opened), then delete the
-        journals it makes redundant; False (nothing published) when the journal was dropped since. Runs in a
-        thread: it may take a second for 100k blocks."""
+    def write_snapshot(self, headers: Iterable[bytes], covers_before: int, *, fsync: bool = True,
+                       pins: Iterable[tuple[bytes, Pins]] = ()) -> bool:
+        """Write a snapshot of `headers` and `pins` (the state when journal `covers_before` was opened), then
+        delete the journals it makes redundant; False (nothing published) when the journal was dropped since.
+        Runs in a thread: it may take a second for 100k blocks."""
         tmp = self.dir / "snapshot.tmp"
         try:
             with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE), "wb") as fh:
@@ -480,6 +514,7 @@ class IndexJournal:
                         fh.write(b"".join(buf))
                         buf.clear()
                 fh.write(b"".join(buf))
+                fh.write(b"".join(encode_pins(key, p) for key, p in pins))  # after the adds: as a replay applies them
                 fh.flush()
                 if fsync:
                     os.fsync(fh.fileno())
@@ -505,6 +540,14 @@ class IndexJournal:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+
+def _set_pins(pins: dict[bytes, Pins], body: bytes) -> None:
+    key, tenant, operator = _PINS.unpack(body)
+    if tenant or operator:
+        pins[key] = (tenant, operator)
+    else:
+        pins.pop(key, None)
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -14,6 +14,8 @@ Layout:  ROOT/blocks/ab/abcdef....blk   (two hex characters of fan-out keep dire
 
 A write is acknowledged (its `write` returns) only once its file is durable under its final name. Every
 read verifies the header (any length) and the payload checksum, so a torn or corrupt file is never served.
+The journal also records the pins the store has on blocks (`note_pins`; journal.py says why there): after
+`recover()`, `recorded_pins` holds what it recorded, for the store to pin the blocks that came back.
 At start-up `recover()` trusts the journal for files that are listed on disk and reads only the headers of
 files the journal does not know; `verify_trusted()` then checks the trusted files' headers and sizes in the
 background. `check(fix)` verifies everything, and is safe while puts, gets and evictions run: writes in
@@ -57,7 +59,7 @@ from engram.tiers.blockfile import (
 )
 from engram.tiers.budget import ByteBudget
 from engram.tiers.groupcommit import GroupCommitter, WriteJob, sync_directory
-from engram.tiers.journal import IndexJournal
+from engram.tiers.journal import IndexJournal, Pins
 
 log = logging.getLogger(__name__)
 MAX_JOURNALS = 16  # journal files since the snapshot before a start writes a new one (crash restarts add one each)
@@ -164,6 +166,8 @@ class NvmeTier:
         # never written over nor deleted; their bytes stay counted (they take the disk's room)
         self.newer_files: dict[bytes, int] = {}
         self._found_files: dict[bytes, _File] = {}  # a file found holding a stale record's block: `adopt` takes it
+        # key -> (tenant pins, operator pins) as the journal records them: a start's record, then the store's notes
+        self._pins: dict[bytes, Pins] = {}
         self.fault_hook: FaultHook | None = None
 
     # ---- accounting ------------------------------------------------------------------------------
@@ -289,6 +293,25 @@ class NvmeTier:
         if self._journal_open:
             self._journal.add(header)  # type: ignore[union-attr]
             self._compact_if_due()
+
+    def note_pins(self, key: bytes, tenant_pins: int, operator_pins: int) -> None:
+        """The store's pins on a block (engram/index.py's pins listener; (0, 0): unpinned, or gone), whether or not
+        this tier holds its file yet: journaled when they differ from the record, and in every snapshot."""
+        pins = (tenant_pins, operator_pins)
+        if self._pins.get(key, (0, 0)) == pins:
+            return
+        if pins == (0, 0):
+            del self._pins[key]
+        else:
+            self._pins[key] = pins
+        if self._journal_open:
+            self._journal.pins(key, pins)  # type: ignore[union-attr]
+
+    @property
+    def recorded_pins(self) -> dict[bytes, Pins]:
+        """The pins the journal recorded, in the order first recorded: after `recover()`, of the last run (empty
+        when the journal was not trusted); the store pins the blocks that came back and notes the rest cleared."""
+        return dict(self._pins)
 
     async def _sync_journal(self) -> None:
         covered = set(self._removed)  # appended before the sync starts; a write of one of them meanwhile syncs too
@@ -491,11 +514,12 @@ class NvmeTier:
         if gen is None:
             return  # dropped: a snapshot would be trusted over changes no journal records
         files = list(self._files.values())
+        pins = list(self._pins.items())
         fsync = self.fsync
 
         def write() -> bool:
             headers = (header_bytes(f.rec, f.stored_len, compressed=f.compressed) for f in files)
-            return j.write_snapshot(headers, gen, fsync=fsync)
+            return j.write_snapshot(headers, gen, fsync=fsync, pins=pins)
 
         try:
             published = await self._run(write)
@@ -667,18 +691,18 @@ class NvmeTier:
             if fix:
                 report.pending.append((report.findings[-1], functools.partial(tmp.unlink, missing_ok=True)))
 
-    def _recover_sync(self) -> tuple[CheckReport, list[_File], list[bytes], int, list[bytes]]:
+    def _recover_sync(self) -> tuple[CheckReport, list[_File], list[bytes], int, list[bytes], dict[bytes, Pins]]:
         if self._journal is not None and (newer := self._journal.newer()):  # before anything is changed
             report = CheckReport(newer=newer)
             self._apply(report, start=True)
         loaded = None
-        if self._journal is not None and not self.verify_on_start:
+        if self._journal is not None:  # with verify_on_start, for its pins alone
             loaded = self._journal.load()
         if self._journal is not None:
             self._journal.retire_version_1_snapshot()  # before a version-2 entry: an earlier release would trust it
-        if loaded is None:  # no usable journal (a directory from before it, or damage): read every file
+        if loaded is None or self.verify_on_start:  # no usable journal (from before it, or damage): read every file
             report = self._scan(fix=True, verify_payloads=self.verify_on_start, start=True)
-            return report, self._found, [], 0, []
+            return report, self._found, [], 0, [], {} if loaded is None else loaded.pins
         report = CheckReport()
         files: list[_File] = []
         trusted: list[bytes] = []
@@ -722,13 +746,13 @@ class NvmeTier:
             report.findings.append(Finding(str(path), got.problem))
             report.pending.append((report.findings[-1], functools.partial(self._remove_if_same, path, got.ino)))
         self._apply(report, start=True)
-        return report, files, trusted, loaded.entries, gone
+        return report, files, trusted, loaded.entries, gone, loaded.pins
 
     async def recover(self) -> CheckReport:
         """Rebuild the tier's accounting at start-up, removing torn, corrupt and stray files. With a journal,
         files it records are trusted (their headers are checked by `verify_trusted`, and every read verifies
         its file); without one (or with tiers.nvme.verify_on_start) every file is read."""
-        report, files, trusted, entries, gone = await self._run(self._recover_sync)
+        report, files, trusted, entries, gone, self._pins = await self._run(self._recover_sync)
         self._files.clear()
         self.budget.stored = 0
         for f in files:
