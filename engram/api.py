@@ -173,7 +173,7 @@ class ModelStats:
     codec: str
     raw_bytes: int  # the same blocks as raw elements
     all_layers_bytes: int  # keeping every layer's KV (sliding ones too), raw
-    replayable: bool  # this daemon has a replay model for it
+    replayable: bool  # its sessions' windows can be rebuilt here: a replay model, or nothing to rebuild
 
 
 @dataclass(frozen=True)

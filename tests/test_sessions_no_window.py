@@ -12,11 +12,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_sessions_replay import P, block_tensor, put_session, reference_logits, tokens_for
+from test_sessions_replay import BT, P, block_tensor, put_session, reference_logits, tokens_for
 
 from engram import errors
 from engram.client import EngramClient, ResumeResult
 from engram.replay import HybridConfig, HybridDecoder, SwaWindow, decode_next, gpt_oss_pattern
+from engram.replay.runtime import model_spec_for
 
 NOTHING_TO_REBUILD = pytest.mark.parametrize("layers,window", [(gpt_oss_pattern(4), 1), (("global",) * 3, 8)],
                                              ids=["sliding-window-1", "no-sliding-layer"])
@@ -44,7 +45,8 @@ async def _assert_resumes_empty(client: EngramClient, model: HybridDecoder, fp: 
 async def test_exact_approx_and_auto_sessions_of_a_model_with_nothing_to_rebuild_work_on_a_daemon_without_models(
         server_factory: Any, model: HybridDecoder, layers: tuple[str, ...], window: int) -> None:
     """OpenSession and ForkSession in every replaying mode on a daemon with no replay.models, and each Resume
-    answers the empty window at P; Stats still says the daemon has no replay model for it, and counts no replay."""
+    answers the empty window at P; Stats counts no replay, and says its sessions can be resumed here (replayable: it
+    needs no replay model; it said false, as if its sessions were refused) while a model with rows to rebuild is not."""
     empty = _model(layers, window)
     srv = await server_factory()
     assert srv.sessions.runtime.models == ()
@@ -60,10 +62,12 @@ async def test_exact_approx_and_auto_sessions_of_a_model_with_nothing_to_rebuild
             assert r.position == r.window_start == P - 5 and r.window.shape[2] == 0
         stats = await client.stats()
         assert stats.replay.replays == 0
-        assert not next(m for m in stats.models if m.model_fingerprint == fp).replayable
+        assert next(m for m in stats.models if m.model_fingerprint == fp).replayable
 
         with pytest.raises(errors.FailedPrecondition, match="no replay model"):  # rows to rebuild: refused, as ever
             await put_session(client, model, toks[:P])
+        rows = model_spec_for(model, block_tokens=BT, codec="raw").fingerprint  # registered by put_session
+        assert not next(m for m in (await client.stats()).models if m.model_fingerprint == rows).replayable
 
 
 @NOTHING_TO_REBUILD

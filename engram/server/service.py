@@ -53,7 +53,7 @@ from engram.server.requests import (
     safe_decoder,
     token_request_bytes,
 )
-from engram.sessions import ResumeStage, SessionManager, Window
+from engram.sessions import ResumeStage, SessionManager, Window, holds_no_window
 from engram.store import BlockStore
 from engram.store.inplace import InPlacePuts
 from engram.store.pins import PinShare
@@ -666,7 +666,7 @@ class EngramService:
             models.append(ModelStats(
                 model_fingerprint=m.fingerprint, name=m.name, blocks=m.blocks, stored_bytes=m.bytes, tokens=m.tokens,
                 codec=m.codec, raw_bytes=m.raw_bytes, all_layers_bytes=m.tokens * spec.layout.all_layers_bytes_per_token(),
-                replayable=self.sessions.runtime.model_for(spec) is not None))
+                replayable=holds_no_window(spec.layout) or self.sessions.runtime.model_for(spec) is not None))
         return tuple(models)
 
     def _limits(self) -> Limits:
