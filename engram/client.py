@@ -48,6 +48,7 @@ from engram.layout import DType, ModelSpec, StreamSpec
 from engram.loader import BlockSource, MappedSegment, PrefixLoader
 from engram.loadgate import LoadGate
 from engram.mapped_pools import MappedPools
+from engram.reregister import registering_again, say_registering_again
 from engram.segment import SegmentReader
 from engram.v1 import engram_pb2 as pb
 from engram.wire import convert, deadline
@@ -199,7 +200,11 @@ class EngramClient(ControlClient):
     # ---- models --------------------------------------------------------------------------------
 
     async def register_model(self, spec: ModelSpec) -> bytes:
-        """Register a model; returns its fingerprint. Its codec, if left empty, is the daemon's default."""
+        """Register a model; returns its fingerprint. Its codec, if left empty, is the daemon's default. The client
+        remembers it: a call naming the fingerprint that the daemon answers UnknownModel (it restarted without a
+        model registry, dropped the registration for room, an admin forgot the model) registers it again and is
+        made once more, whole (lookup, put, put_blocks, get, get_prefix, load_prefix_into, open_session, pin:
+        calls that can be repeated); a second UnknownModel is raised (engram/reregister.py)."""
         req = pb.RegisterModelRequest(model=convert.model_to_pb(spec))
         resp = await self._call(self._stub.RegisterModel(req))
         self._layouts[resp.model_fingerprint] = dataclasses.replace(spec, codec=resp.codec)
@@ -211,6 +216,21 @@ class EngramClient(ControlClient):
         if resp.max_message_bytes:  # a Put's chunks stay under it (it refused a larger one as INTERNAL, unlogged)
             self._max_message = min(self._max_message, resp.max_message_bytes)
         return resp.model_fingerprint
+
+    def knows_model(self, fingerprint: bytes) -> bool:
+        """Whether this client registered the model (and so registers it again when the daemon forgets it)."""
+        return fingerprint in self._layouts
+
+    async def register_again(self, fingerprint: bytes, cause: errors.UnknownModel) -> bool:
+        """Register again a model this client registered and the daemon answered `cause` for (reregister.py);
+        False when this client never registered it."""
+        spec = self._layouts.get(fingerprint)  # its codec the one resolved then: the same fingerprint
+        if spec is None:
+            return False
+        say_registering_again(spec.name, cause)
+        if await self.register_model(spec) != fingerprint:
+            raise cause
+        return True
 
     def codec_of(self, fingerprint: bytes) -> str:
         """The codec the daemon stores this model's blocks in (register_model through this client first)."""
@@ -224,6 +244,7 @@ class EngramClient(ControlClient):
 
     # ---- lookup / put / get --------------------------------------------------------------------
 
+    @registering_again
     async def lookup(self, fingerprint: bytes, tokens: Sequence[int] | np.ndarray, *, namespace: str | None = None,
                      probe: bool = False) -> LookupResult:
         """How many leading tokens are cached, and the blocks holding them (no KV moves), among the first
@@ -241,6 +262,7 @@ class EngramClient(ControlClient):
         self._gate = gate
         self._writer.gate = gate
 
+    @registering_again
     async def put(
         self,
         fingerprint: bytes,
@@ -476,6 +498,7 @@ class EngramClient(ControlClient):
         codec = self.codec_of(fingerprint) if encode else stored.RAW
         return await self.put_blocks(fingerprint, blocks, parent_key=parent, namespace=ns, pin=pin, codec=codec)
 
+    @registering_again
     async def put_blocks(
         self,
         fingerprint: bytes,
@@ -700,6 +723,7 @@ class EngramClient(ControlClient):
             raise errors.DataLoss(f"Get returned {len(got)} of {len(req.keys)} blocks")
         return got
 
+    @registering_again
     async def get(self, fingerprint: bytes, keys: Sequence[bytes], *, namespace: str | None = None,
                   decode_on_server: bool = False, device: torch.device | str = "cpu",
                   zero_copy: bool | None = None) -> list[Any]:
@@ -856,6 +880,7 @@ class EngramClient(ControlClient):
         req = pb.ReleaseLeasesRequest(namespace=self._ns(namespace), lease_ids=list(lease_ids))
         return (await self._call(self._stub.ReleaseLeases(req))).released
 
+    @registering_again
     async def get_prefix(self, fingerprint: bytes, tokens: Sequence[int] | np.ndarray, *,
                          namespace: str | None = None, device: torch.device | str = "cpu"
                          ) -> tuple[int, Any]:
@@ -884,6 +909,7 @@ class EngramClient(ControlClient):
         assert isinstance(dest, ContiguousKV)
         return result.matched_tokens, dest.kv
 
+    @registering_again
     async def load_prefix_into(self, fingerprint: bytes, tokens: Sequence[int] | np.ndarray,
                                dest: KVDestination | torch.Tensor | Mapping[str, torch.Tensor], *,
                                namespace: str | None = None) -> LoadResult:
@@ -1049,6 +1075,13 @@ class EngramClient(ControlClient):
 
         return self._pools.get("hbm", d.segment_path, c.handle, open_pool)
 
+    @registering_again
+    async def pin(self, fingerprint: bytes, keys: Sequence[bytes], *, unpin: bool = False,
+                  namespace: str | None = None) -> int:
+        """ControlClient.pin, the model registered again and the call made once more when the daemon has
+        forgotten it (register_model)."""
+        return await super().pin(fingerprint, keys, unpin=unpin, namespace=namespace)
+
     # ---- sessions ----------------------------------------------------------------------------------
 
     def _ref(self, session_id: str, namespace: str | None) -> pb.SessionRef:
@@ -1057,6 +1090,7 @@ class EngramClient(ControlClient):
     async def _session_call(self, coro: Coroutine[Any, Any, pb.SessionInfo]) -> SessionInfo:
         return convert.from_pb(SessionInfo, await self._call(coro))
 
+    @registering_again
     async def open_session(self, fingerprint: bytes, *, mode: str | SessionMode = SessionMode.EXACT,
                            approx_k: float = 0.0, session_id: str = "", tokens: Sequence[int] | np.ndarray = (),
                            namespace: str | None = None) -> SessionInfo:

@@ -36,11 +36,13 @@ def as_(srv: RunningServer, token: str) -> EngramClient:
 
 
 async def knows(client: EngramClient, fp: bytes) -> bool:
-    """Whether the client's tenant sees the model (a Lookup naming one it has not registered: UnknownModel)."""
-    try:
-        await client.lookup(fp, tokens(BLOCK_TOKENS))
-    except errors.UnknownModel:
-        return False
+    """Whether the client's tenant sees the model (a Lookup naming one it has not registered: UnknownModel), asked
+    by a client of its token that registered nothing: `client` registers its own models again on that error."""
+    async with EngramClient(client.address, token=client._token, namespace=client.namespace) as asker:
+        try:
+            await asker.lookup(fp, tokens(BLOCK_TOKENS))
+        except errors.UnknownModel:
+            return False
     return True
 
 

@@ -1,23 +1,19 @@
-"""A worker integration's model as registered with its daemon, registered again when the daemon has forgotten it.
+"""A worker integration's model as registered with its daemon, through each client its calls go on.
 
-A daemon that restarts without a model registry (DRAM only: the registry is kept on the NVMe tier) knows no
-model, and every call naming the fingerprint a worker registered before fails UnknownModel; nothing registered it
-again, so a worker's loads and stores failed for as long as it ran. The transformers integration and the vLLM
-connector make their calls through `Registration.call`, which on that error registers the model again and calls
-once more: the fingerprint is a hash of the spec, the same one unless the daemon's default codec changed. A call
-that fails again raises, for the integration to count as it did (a load as a miss, a store as a failure).
+A daemon that forgets a model (restarted without a model registry, a registration dropped for room, an admin's
+ForgetModel) answers every call naming it UnknownModel. The client that registered the model registers it again
+and makes the call once more by itself (engram/reregister.py); so the transformers integration and the vLLM
+connector make their calls through `Registration.call`, which makes sure the client a call goes on has
+registered the model (registering it through that client first if not). A call that fails again raises, for
+the integration to count as it did (a load as a miss, a store as a failure).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from engram.errors import UnknownModel
 from engram.layout import ModelSpec
-
-log = logging.getLogger("engram.integrations")
 
 T = TypeVar("T")
 
@@ -42,12 +38,10 @@ class Registration:
         return self._fingerprint
 
     def call(self, fn: Callable[[bytes], T], client: Any = None) -> T:
-        """fn(fingerprint), for a call fn makes on `client` (default: this one's); when the daemon or that client
-        does not know the model, registered again through it and called once more."""
-        fingerprint = self.fingerprint
-        try:
-            return fn(fingerprint)
-        except UnknownModel as exc:
-            log.warning("Engram does not know model %s (%s): registering it again (the daemon restarted?)",
-                        self.spec.name, exc)
-            return fn(self.register(client))
+        """fn(fingerprint), for a call fn makes on `client` (default: this one's), which has registered the model
+        (through it first if not): when the daemon has forgotten the model, the client registers it again and
+        makes its call once more."""
+        through = client or self.client
+        if not self._fingerprint or not through.knows_model(self._fingerprint):
+            self.register(through)
+        return fn(self._fingerprint)

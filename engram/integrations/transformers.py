@@ -17,7 +17,7 @@ A daemon that fails a load or a store (down, or refusing) costs no answer: the l
 is skipped, each logged and counted (`load_failures`, `store_failures`), as in the vLLM connector. A daemon
 not up yet when the cache is built is no error either: the model is registered with the first call it answers;
 and one that restarted without a model registry (DRAM only) has it registered again by the first call it refuses
-for not knowing it, called once more (engram/integrations/registration.py).
+for not knowing it, called once more (the client does so: engram/reregister.py).
 
 The model's identity in its fingerprint: `weights_id` when given (a checkpoint revision or hash) with a hash of
 the config (the same checkpoint run with another RoPE theta or scaling is another model; the vLLM connector

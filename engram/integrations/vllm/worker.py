@@ -19,7 +19,7 @@ down) reports the blocks it did not fill (`take_load_errors`, vLLM's get_block_i
 recomputes them (kv_load_failure_policy="recompute") or fails the request ("fail"), never reads them as they
 are. A failed save is logged and counted: the next request with that prefix misses. A daemon that restarted
 without a model registry has the model registered again by the first load or save it refuses for not knowing it
-(engram/integrations/registration.py), as the scheduler's lookups do.
+(the client does so: engram/reregister.py), as for the scheduler's lookups.
 """
 
 from __future__ import annotations
