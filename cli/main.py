@@ -1,5 +1,5 @@
-"""The `engram` command: serve, stats, check, demo, config, layouts, verify-isolation, and the inspection
-commands (ls, show, evict, pin, unpin, top)."""
+"""The `engram` command: serve, stats, check, demo, config, layouts, verify-isolation, the inspection
+commands (ls, show, evict, pin, unpin, top) and `models forget`."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from .evict import evict
 from .format import dumps
 from .layouts import layouts
 from .ls import ls
+from .models import models_app
 from .options import AddressOpt, ConfigOpt, JsonOpt, NamespaceOpt, TlsCaOpt, TokenOpt
 from .pin import pin, unpin
 from .show import show
@@ -80,6 +81,7 @@ def _root(version: Annotated[bool | None, typer.Option(
 
 app.add_typer(bench_app, name="bench")
 app.add_typer(trace_app, name="trace")
+app.add_typer(models_app, name="models")
 
 
 def _parse_sets(sets: list[str]) -> dict[str, Any]:

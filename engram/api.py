@@ -366,6 +366,15 @@ class BlockDescription:
 
 
 @dataclass(frozen=True)
+class ForgetResult:
+    model_fingerprint: bytes
+    evicted: int  # blocks removed, every namespace's
+    unpinned: int  # pinned blocks among them (force)
+    sessions_closed: int  # live sessions of the model closed (force)
+    tenants: tuple[str, ...]  # whose registrations went with it
+
+
+@dataclass(frozen=True)
 class EvictResult:
     evicted: tuple[bytes, ...]  # descendants of the named blocks included
     skipped: tuple[bytes, ...]  # being read or moving right now (and their ancestors)

@@ -19,6 +19,7 @@ from engram.api import (
     BlockDescription,
     CheckReport,
     EvictResult,
+    ForgetResult,
     NamespaceStats,
     NamespaceSummary,
     SessionSummary,
@@ -146,6 +147,17 @@ class ControlClient:
                               key_prefixes=list(key_prefixes), session_id=session_id,
                               whole_namespace=whole_namespace, force=force)
         return convert.from_pb(EvictResult, await self._call(self._stub.Evict(req)))
+
+    async def forget_model(self, fingerprint: bytes, *, force: bool = False) -> ForgetResult:
+        """Forget a model (admin only): evict every block of it in every namespace and tier, then remove it from the
+        registry, every tenant's registration and its file. FailedPrecondition, with nothing changed, while a live
+        session, an in-place reservation or a put in flight uses it or one of its blocks is pinned, unless force
+        (closes its sessions and evicts pinned blocks; puts and reservations still refuse it); also when a block
+        stays busy being read, the model then still registered (run it again). UnknownModel when the daemon
+        neither knows the model nor holds a block of it. A worker still running registers it again at its next
+        call: stop the workers of a retired model first."""
+        req = pb.ForgetModelRequest(model_fingerprint=fingerprint, force=force)
+        return convert.from_pb(ForgetResult, await self._call(self._stub.ForgetModel(req)))
 
     async def pin(self, fingerprint: bytes, keys: Sequence[bytes], *, unpin: bool = False,
                   namespace: str | None = None) -> int:

@@ -137,8 +137,9 @@ class ModelRegistry:
         self._used.pop((fingerprint, tenant), None)
 
     def forget(self, fingerprint: bytes) -> None:
-        """Remove the model and its file. The caller checked that no tenant registered it and nothing holds it
-        (no block: a block needs its model to be read, and to be matched to it at a restart)."""
+        """Remove the model, every tenant's registration of it and its file. The caller checked that nothing holds
+        it (no block: a block needs its model to be read, and to be matched to it at a restart) and that no tenant
+        registered it (modelroom.py) or an admin asked for it (forgetmodel.py)."""
         if fingerprint not in self._models:
             return
         if self._dir is not None:

@@ -292,6 +292,8 @@ def test_json_output_follows_the_api_dataclasses(content: Content) -> None:
     conforms(as_json(cli("evict", content.b[2].hex(), "--json", "-a", addr)), api.EvictResult, "evict")
     pinned = as_json(cli("pin", content.s1[0].hex(), "--json", "-a", addr))
     assert pinned == {"changed": 1, "keys": [content.s1[0].hex()]}
+    forgot = as_json(cli("models", "forget", content.fp.hex(), "--force", "--json", "-a", addr))  # the last one
+    conforms(forgot, api.ForgetResult, "models forget")
 
 
 def test_piped_tables_keep_whole_keys(content: Content) -> None:

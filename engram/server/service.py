@@ -36,11 +36,13 @@ from engram.errors import (
     PermissionDenied,
 )
 from engram.index import BlockMeta
+from engram.inspection import Inspector
 from engram.leases import Lease, LeaseTable
 from engram.limits import check_namespace
 from engram.server.arrival import each_request, one_request
 from engram.server.auth import caller, guard, is_admin, is_peer, namespace_for, tenant_of, visible_namespaces
 from engram.server.errors import streaming, unary
+from engram.server.forgetmodel import forget_model
 from engram.server.modelroom import Holds, make_room
 from engram.server.peers import PeerFetcher
 from engram.server.requests import (
@@ -716,6 +718,16 @@ class EngramService:
         findings = tuple(CheckFinding(path, problem, fixed) for path, problem, fixed in report.findings)
         return convert.to_pb(CheckReport(report.scanned, report.valid, findings), pb.CheckResponse)
 
+    @unary
+    async def ForgetModel(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ForgetModelResponse:
+        req = decoded(request)
+        if not is_admin(context):
+            raise PermissionDenied("ForgetModel removes a model every tenant may use, with its blocks in every "
+                                   "namespace: call it with an admin token")
+        done = await forget_model(req.model_fingerprint, Inspector(self.store, self.sessions), self.inplace,
+                                  force=req.force)
+        return convert.to_pb(done, pb.ForgetModelResponse)
+
     # ---- sessions ----------------------------------------------------------------------------------
 
     def _tenant(self, context: grpc.aio.ServicerContext) -> str:
@@ -858,6 +870,7 @@ class EngramService:
             "Pin": unary_unary(self.Pin, dec(pb.PinRequest, keys)),
             "Stats": unary_unary(self.Stats, dec(pb.StatsRequest)),
             "Check": unary_unary(self.Check, dec(pb.CheckRequest)),
+            "ForgetModel": unary_unary(self.ForgetModel, dec(pb.ForgetModelRequest)),
             "OpenSession": unary_unary(self.OpenSession, dec(pb.OpenSessionRequest, tokens)),
             "AppendSession": unary_unary(self.AppendSession, dec(pb.AppendSessionRequest, big)),
             "ForkSession": unary_unary(self.ForkSession, dec(pb.ForkSessionRequest)),

@@ -1060,3 +1060,25 @@ class EvictResponse(_message.Message):
     skipped: _containers.RepeatedScalarFieldContainer[bytes]
     unpinned: int
     def __init__(self, evicted: _Optional[_Iterable[bytes]] = ..., skipped: _Optional[_Iterable[bytes]] = ..., unpinned: _Optional[int] = ...) -> None: ...
+
+class ForgetModelRequest(_message.Message):
+    __slots__ = ("model_fingerprint", "force")
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: bytes
+    force: bool
+    def __init__(self, model_fingerprint: _Optional[bytes] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class ForgetModelResponse(_message.Message):
+    __slots__ = ("model_fingerprint", "evicted", "unpinned", "sessions_closed", "tenants")
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    UNPINNED_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_CLOSED_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: bytes
+    evicted: int
+    unpinned: int
+    sessions_closed: int
+    tenants: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_fingerprint: _Optional[bytes] = ..., evicted: _Optional[int] = ..., unpinned: _Optional[int] = ..., sessions_closed: _Optional[int] = ..., tenants: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -154,6 +154,11 @@ class EngramStub:
                 request_serializer=engram_dot_v1_dot_engram__pb2.EvictRequest.SerializeToString,
                 response_deserializer=engram_dot_v1_dot_engram__pb2.EvictResponse.FromString,
                 _registered_method=True)
+        self.ForgetModel = channel.unary_unary(
+                '/engram.v1.Engram/ForgetModel',
+                request_serializer=engram_dot_v1_dot_engram__pb2.ForgetModelRequest.SerializeToString,
+                response_deserializer=engram_dot_v1_dot_engram__pb2.ForgetModelResponse.FromString,
+                _registered_method=True)
 
 
 class EngramServicer:
@@ -338,6 +343,22 @@ class EngramServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForgetModel(self, request, context):
+        """---- models (engram models) ----
+        Forget a model (admin): evict every block of it, in every namespace and tier, then remove its registration,
+        every tenant's, and its file in the registry. Refused FAILED_PRECONDITION, with nothing changed, while a
+        live session, an in-place reservation or a put in flight uses it, or one of its blocks is pinned, unless
+        `force` (then its sessions are closed and pinned blocks evicted; reservations and puts in flight still
+        refuse it: they end within seconds, or server.lease_s). A block being read or moved right now is retried
+        briefly; one still busy leaves the model registered, FAILED_PRECONDITION (run it again). NOT_FOUND when the
+        daemon neither knows the model nor holds a block of it. A worker still running registers the model again
+        at its next call (the client does so by itself): stop the workers of a retired model first. This daemon's
+        blocks only: in a cluster, forget it on each daemon.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngramServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -460,6 +481,11 @@ def add_EngramServicer_to_server(servicer, server):
                     servicer.Evict,
                     request_deserializer=engram_dot_v1_dot_engram__pb2.EvictRequest.FromString,
                     response_serializer=engram_dot_v1_dot_engram__pb2.EvictResponse.SerializeToString,
+            ),
+            'ForgetModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForgetModel,
+                    request_deserializer=engram_dot_v1_dot_engram__pb2.ForgetModelRequest.FromString,
+                    response_serializer=engram_dot_v1_dot_engram__pb2.ForgetModelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1110,6 +1136,33 @@ class Engram:
             '/engram.v1.Engram/Evict',
             engram_dot_v1_dot_engram__pb2.EvictRequest.SerializeToString,
             engram_dot_v1_dot_engram__pb2.EvictResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForgetModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engram.v1.Engram/ForgetModel',
+            engram_dot_v1_dot_engram__pb2.ForgetModelRequest.SerializeToString,
+            engram_dot_v1_dot_engram__pb2.ForgetModelResponse.FromString,
             options,
             channel_credentials,
             insecure,
