@@ -721,6 +721,31 @@ async def test_a_journal_append_that_fails_loses_no_block_written_again_with_oth
     assert len(parse_entries((root / "index" / "snapshot").read_bytes())[0]) == 1  # journaled again
 
 
+def test_a_journal_append_cut_short_by_the_file_size_limit_is_reported_as_that_not_a_full_disk(tmp_path: Path) -> None:
+    """A process whose file size limit (RLIMIT_FSIZE, `ulimit -f`) a journal append reaches: the kernel writes
+    what fits and the rest fails EFBIG; the journal is dropped naming that cause, "File too large". Every
+    short write was reported as "a short write (the disk is full)" (an audit, session 46: a daemon under
+    `ulimit -f` on a disk with room). In a process of its own: the limit is the process's."""
+    script = (
+        "import logging, resource, sys\n"
+        "from pathlib import Path\n"
+        "from engram.tiers.journal import IndexJournal\n"
+        "logging.basicConfig(level=logging.WARNING, format='%(message)s', stream=sys.stdout)\n"
+        "journal = IndexJournal(Path(sys.argv[1]), fsync=False)\n"
+        "journal.open()\n"
+        "[(_, path)] = journal.journals()\n"
+        "hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (path.stat().st_size + 10, hard))  # 10 bytes of an entry fit\n"
+        "journal.remove(bytes(32))\n"
+        "print('errno', journal.error.errno if journal.error else None)\n"
+    )
+    out = subprocess.run([*ENGRAM[:1], "-c", script, str(tmp_path)], capture_output=True, text=True,
+                         cwd=NEUTRAL_CWD, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"errno {errno.EFBIG}" in out.stdout
+    assert "File too large; the tier goes on without it" in out.stdout and "disk is full" not in out.stdout
+
+
 async def test_a_stray_journal_of_a_generation_past_a_u64_is_reported_and_ignored(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # No journal can be numbered after it: it stopped every start (struct.error), each leaving another file.

@@ -466,8 +466,7 @@ class IndexJournal:
             if self._fd is None:
                 return
             try:
-                if os.write(self._fd, entry) != len(entry):  # one write: a crash leaves it whole or torn (skipped)
-                    raise OSError(errno.ENOSPC, "a short write (the disk is full)")
+                _write_all(self._fd, entry)  # a crash leaves it whole or torn (skipped)
             except OSError as exc:
                 self._drop(exc)  # entries after a torn one are never read: the journal is no use now
                 return
@@ -551,5 +550,13 @@ def _set_pins(pins: dict[bytes, Pins], body: bytes) -> None:
 
 
 def _write_all(fd: int, data: bytes) -> None:
-    if os.write(fd, data) != len(data):
-        raise OSError(errno.ENOSPC, "a short write (the disk is full)")
+    """Write all of `data`, or raise the OSError that stopped it. A write cut short (the disk filled, or the
+    file reached the process's size limit, RLIMIT_FSIZE) says nothing of why: the rest is written again, and
+    that write fails with the cause's own errno (ENOSPC, EFBIG, EDQUOT), which the log then names; every
+    short write was reported as "the disk is full", a file size limit too."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        if n == 0:
+            raise OSError(errno.EIO, "a write wrote nothing")
+        view = view[n:]
