@@ -42,6 +42,8 @@ class BlockRef:
     num_tokens: int
     tier: str  # the fastest tier holding a copy now
     nbytes: int
+    # Under write-through, it has no durable (NVMe) copy yet: a put sends it again, not skipped (BlockRef.not_durable)
+    not_durable: bool = False
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,21 @@ def _in_chain(exc: errors.EngramError, start: int) -> errors.EngramError:
     return type(exc)(msg if n else f"the part of the chain from block {start}: {exc}")
 
 
+def _skippable(cached: Sequence[BlockRef], keys: Sequence[bytes], block_tokens: int) -> int:
+    """How many leading blocks of a put its skip-cached Lookup lets it leave out: the whole cached blocks of its
+    chain (a cached partial tail is superseded by what is sent) up to the first the daemon marks not_durable
+    (write-through, no NVMe copy yet). That one and those after it are sent: the daemon's dedupe makes it durable
+    again, or counts it not durable (degrade) or refuses the put (fail), and copies the ones before it to NVMe
+    first if they lost their copy meanwhile. Skipped, it was acknowledged durable, and a SIGKILL lost it (an
+    audit, session 46). A daemon from before marks none: every cached block is skipped, as then."""
+    n = 0
+    for ref, key in zip(cached, keys, strict=False):
+        if ref.num_tokens != block_tokens or ref.key != key or ref.not_durable:
+            break
+        n += 1
+    return n
+
+
 class EngramClient(ControlClient):
     """The worker's client: the control calls of ControlClient (stats, listings, pin, ...) and the data path."""
 
@@ -283,9 +298,10 @@ class EngramClient(ControlClient):
         blocks already stored are skipped; from host memory only for 16 MiB or more (below, one message on
         the data channel is faster than two RPCs). Elsewhere they travel as bytes (the data channel): with
         skip_cached (the default) a Lookup first finds the cached prefix (within the first
-        server.max_tokens_per_request tokens) and only the blocks after it are sent (not with pin: the cached
-        blocks would stay unpinned; every block is sent, and the daemon pins those it holds); with encode they
-        are encoded here and travel 3.5-4x smaller, otherwise the daemon encodes them.
+        server.max_tokens_per_request tokens; under write-through, up to its first block with no NVMe copy
+        yet, which the put then makes durable or reports) and only the blocks after it are sent (not with
+        pin: the cached blocks would stay unpinned; every block is sent, and the daemon pins those it holds);
+        with encode they are encoded here and travel 3.5-4x smaller, otherwise the daemon encodes them.
         """
         spec = self._spec(fingerprint)
         ns = self._ns(namespace)
@@ -318,8 +334,7 @@ class EngramClient(ControlClient):
             hit = await self.lookup(fingerprint, arr, namespace=ns, probe=True)
             if any(b.num_tokens == bt and b.key != k for b, k in zip(hit.blocks, all_keys, strict=False)):
                 all_keys = await self._chain_keys(ns, fingerprint, arr, bt, again=True)
-            # Only whole cached blocks can be skipped: a cached partial tail is superseded by what we send.
-            first = max(placed, sum(1 for b in hit.blocks if b.num_tokens == bt and b.key in all_keys))
+            first = max(placed, _skippable(hit.blocks, all_keys, bt))
         if in_place is not None and list(in_place.keys) != all_keys[:placed]:
             raise errors.DataLoss("the daemon stored the blocks put in place under other keys than this client "
                                   "computes (versions differ?)")
@@ -973,7 +988,7 @@ class EngramClient(ControlClient):
                 sources.append(src)
         dest = make_dest(header.matched_tokens)
         n_tokens = min(header.matched_tokens, dest.capacity_tokens)
-        blocks = tuple(BlockRef(b.key, b.num_tokens, b.tier, b.nbytes) for b in header.blocks)
+        blocks = tuple(BlockRef(b.key, b.num_tokens, b.tier, b.nbytes, b.not_durable) for b in header.blocks)
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         t1 = time.perf_counter()
         ended = False  # the lease was ended by the daemon, with the Get that fetched the rest

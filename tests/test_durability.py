@@ -102,6 +102,93 @@ async def test_degrade_acknowledges_puts_as_not_durable_counts_and_warns(server_
         assert "4 write-through blocks acknowledged without a durable copy" in caplog.text
 
 
+# A put's two bytes paths; neither goes in place (zero_copy off), so every put below is a skip-cached Lookup and a Put.
+BYTES_PATHS = {"data channel": {"zero_copy": False}, "grpc": {"data_channel": False, "zero_copy": False}}
+
+
+def _put_counters(srv) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    """The daemon's count of blocks put and deduplicated: unchanged when a put sent it nothing."""
+    return srv.store.counters.blocks_put, srv.store.counters.blocks_deduplicated
+
+
+async def _all_on_nvme(srv) -> None:  # type: ignore[no-untyped-def]
+    """Wait until every block has an NVMe copy (the flusher, or a put that deduplicated it)."""
+    for _ in range(200):
+        if all("nvme" in m.locations for m in srv.store.blocks()):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"blocks without an NVMe copy: {[m.locations for m in srv.store.blocks()]}")
+
+
+@pytest.mark.parametrize("path", list(BYTES_PATHS))
+async def test_a_put_of_cached_blocks_without_a_durable_copy_reports_them_not_durable(  # type: ignore[no-untyped-def]
+        server_factory, tmp_path: Path, path: str) -> None:
+    """Under degrade, a second client's put of a chain another put left without NVMe copies is not acknowledged
+    durable: its skip-cached Lookup finds the blocks cached but marked not_durable, so it sends them, and the
+    daemon's dedupe counts them not durable (it returned at once, skipped = 2, not_durable = 0, and a SIGKILL
+    lost them: an audit, session 46). Once they are on NVMe, a put of them sends nothing, as before."""
+    srv = await server_factory(**{"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.write_policy": "write-through",
+                                  "tiers.on_nvme_failure": "degrade", "tiers.dram.capacity": 64 * BLOCK,
+                                  "tiers.retry_s": 0.05})
+    hook, state = fault(errno.ENOSPC)
+    srv.store.tiers[-1].fault_hook = hook
+    toks = tokens(2 * BLOCK_TOKENS, seed=31)
+    kv = random_kv(SPEC, len(toks), seed=31)
+    async with EngramClient(srv.address, namespace=NS, **BYTES_PATHS[path]) as a:
+        fp = await a.register_model(SPEC)
+        first = await a.put(fp, toks, kv)
+        assert (first.stored, first.not_durable) == (2, 2)
+    async with EngramClient(srv.address, namespace=NS, **BYTES_PATHS[path]) as b:
+        fp = await b.register_model(SPEC)
+        assert (await b._data_channel() is not None) == (path == "data channel")
+        assert [r.not_durable for r in (await b.lookup(fp, toks)).blocks] == [True, True]
+        again = await b.put(fp, toks, kv)
+        assert (again.skipped, again.deduplicated, again.not_durable) == (0, 2, 2)
+        assert (await b.stats()).blocks_not_durable == 4
+        state["on"] = False  # the disk is back: the flusher copies them
+        await _all_on_nvme(srv)
+        assert [r.not_durable for r in (await b.lookup(fp, toks)).blocks] == [False, False]
+        counted = _put_counters(srv)
+        durable = await b.put(fp, toks, kv)
+        assert (durable.skipped, durable.stored, durable.deduplicated, durable.not_durable) == (2, 0, 0, 0)
+        assert _put_counters(srv) == counted  # nothing was sent
+
+
+@pytest.mark.parametrize("path", list(BYTES_PATHS))
+async def test_a_put_of_a_cached_block_whose_nvme_copy_was_dropped_is_refused_until_the_disk_is_back(  # type: ignore[no-untyped-def]
+        server_factory, tmp_path: Path, path: str) -> None:
+    """Under fail (the default), a cached block whose NVMe copy `check --fix` dropped as damaged (written again
+    from memory, which failed: the disk failed writes) is not acknowledged by a later put of the same tokens: the
+    put sends it and the blocks after it, and is refused UNAVAILABLE; once the disk is back a put is acknowledged
+    with the block on NVMe again. It was skipped as cached and acknowledged durable (an audit, session 46)."""
+    srv = await server_factory(**{"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.write_policy": "write-through",
+                                  "tiers.dram.capacity": 64 * BLOCK, "tiers.retry_s": 0.05})
+    nvme = srv.store.tiers[-1]
+    toks = tokens(2 * BLOCK_TOKENS, seed=32)
+    kv = random_kv(SPEC, len(toks), seed=32)
+    async with EngramClient(srv.address, namespace=NS, **BYTES_PATHS[path]) as client:
+        fp = await client.register_model(SPEC)
+        assert (await client._data_channel() is not None) == (path == "data channel")
+        keys = (await client.put(fp, toks, kv)).keys
+        _flip_last_byte(nvme.path_of(keys[0]))  # the first block's NVMe copy is damaged, its DRAM copy is not
+        hook, state = fault(errno.EIO)
+        nvme.fault_hook = hook  # writing it again fails
+        await client.check(fix=True)
+        first = srv.store.block(keys[0])
+        assert first is not None and first.locations == ["dram"] and state["hits"] >= 1
+        assert [r.not_durable for r in (await client.lookup(fp, toks)).blocks] == [True, False]
+        counted = _put_counters(srv)
+        with pytest.raises(errors.Unavailable, match="write-through"):
+            await client.put(fp, toks, kv)
+        assert _put_counters(srv) == counted  # not acknowledged: neither counted
+        state["on"] = False  # the disk is back
+        await asyncio.sleep(0.1)  # past tiers.retry_s
+        put = await client.put(fp, toks, kv)
+        assert put.not_durable == 0 and put.stored == 0
+        await _all_on_nvme(srv)
+        assert [r.not_durable for r in (await client.lookup(fp, toks)).blocks] == [False, False]
+
+
 async def test_with_an_hbm_tier_the_write_through_copy_goes_to_nvme(server_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     srv = await server_factory(**{"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.write_policy": "write-through",
                                   "tiers.hbm.capacity": 64 * BLOCK, "tiers.hbm.device": "cpu",

@@ -56,7 +56,8 @@ from engram.server.requests import (
     token_request_bytes,
 )
 from engram.sessions import ResumeStage, SessionManager, Window, holds_no_window
-from engram.store import BlockStore
+from engram.store import BlockStore, WritePolicy
+from engram.store.durable import durable_tier
 from engram.store.inplace import InPlacePuts
 from engram.store.pins import PinShare
 from engram.tenancy import Tenancy
@@ -81,9 +82,23 @@ def _chunks(key: bytes, header: pb.BlockHeader, payload: bytes | memoryview, ste
             pb.BlockChunk(data=piece, last=last) for i, (piece, last) in enumerate(pieces(payload, step))]
 
 
-def _refs(metas: tuple[BlockMeta, ...] | list[BlockMeta]) -> list[pb.BlockRef]:
-    """engram.api.BlockRef's message for each block (built directly: a hit of a long prefix has hundreds)."""
-    return [pb.BlockRef(key=m.key, num_tokens=m.num_tokens, tier=m.tier, nbytes=m.nbytes) for m in metas]
+def _refs(metas: tuple[BlockMeta, ...] | list[BlockMeta], promised: str | None = None) -> list[pb.BlockRef]:
+    """engram.api.BlockRef's message for each block (built directly: a hit of a long prefix has hundreds).
+    promised: the tier write-through acknowledges on (`_promised_tier`): a block without a copy there is
+    marked not_durable, so that a client's put sends it rather than skip it as cached."""
+    if promised is None:
+        return [pb.BlockRef(key=m.key, num_tokens=m.num_tokens, tier=m.tier, nbytes=m.nbytes) for m in metas]
+    return [pb.BlockRef(key=m.key, num_tokens=m.num_tokens, tier=m.tier, nbytes=m.nbytes,
+                        not_durable=promised not in m.locations) for m in metas]
+
+
+def _promised_tier(store: BlockStore) -> str | None:
+    """Under write-through, the durable tier's name (a block is acknowledged once it has a copy there); None
+    under write-back or without a durable tier, where no block is told apart."""
+    if store.write_policy != WritePolicy.WRITE_THROUGH:
+        return None
+    d = durable_tier(store.placement)
+    return None if d is None else store.placement.tiers[d].name
 
 
 def _header_of(meta: BlockMeta, codec: str) -> BlockHeader:
@@ -251,7 +266,8 @@ class EngramService:
             have = sum(m.num_tokens for m in match.blocks if m.full)
             if await self.peers.fill(ns, req.model_fingerprint, tokens, have):
                 match = self.store.lookup(ns, req.model_fingerprint, tokens, use=use)
-        return pb.LookupResponse(matched_tokens=match.matched_tokens, blocks=_refs(match.blocks))
+        return pb.LookupResponse(matched_tokens=match.matched_tokens,
+                                 blocks=_refs(match.blocks, _promised_tier(self.store)))
 
     @unary
     async def Put(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> pb.PutResponse:
@@ -373,7 +389,7 @@ class EngramService:
             if await self.peers.fill(ns, req.model_fingerprint, tokens, have):
                 match = self.store.lookup(ns, req.model_fingerprint, tokens)
         metas = list(match.blocks)
-        header = pb.PrefixHeader(matched_tokens=match.matched_tokens, blocks=_refs(metas))
+        header = pb.PrefixHeader(matched_tokens=match.matched_tokens, blocks=_refs(metas, _promised_tier(self.store)))
         codec = self.store.spec(req.model_fingerprint).stored_codec
         pools = self._zero_copy_pools(req.zero_copy, req.cuda_ipc, False, codec)
         if self.pool is not None and self.pool in pools:

@@ -144,16 +144,18 @@ class LookupRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., tokens: _Optional[_Iterable[int]] = ..., probe: _Optional[bool] = ...) -> None: ...
 
 class BlockRef(_message.Message):
-    __slots__ = ("key", "num_tokens", "tier", "nbytes")
+    __slots__ = ("key", "num_tokens", "tier", "nbytes", "not_durable")
     KEY_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    NOT_DURABLE_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     num_tokens: int
     tier: str
     nbytes: int
-    def __init__(self, key: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., tier: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    not_durable: bool
+    def __init__(self, key: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., tier: _Optional[str] = ..., nbytes: _Optional[int] = ..., not_durable: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("matched_tokens", "blocks")
