@@ -141,21 +141,22 @@ class ServerConfig:
     # calls): one tenant's abandoned connections held its share of them, and their buffers, for as long as the
     # client kept them; 0: idle connections stay open. A peer gone without a FIN is found sooner, by TCP keepalive (in about 90 s).
     data_idle_s: float = 300.0
-    # The bytes every data-channel connection's receive buffers may hold together (a request's metadata, a block's
-    # payload buffer, kept between blocks), taken before they are buffered: 512 connections sending large puts held
-    # up to 64 MiB each (32 GiB). A connection that finds it spent reads nothing more (TCP's flow control slows its
-    # sender) until room comes, for data_buffer_wait_s at most. A fixed size, not a share of the host's memory:
-    # what a fast put needs is a few block buffers per busy connection, not more on a larger host (1 GiB: 16
-    # connections each receiving 64 MiB blocks at once). At least twice max_block_bytes (a connection may buffer
-    # half of it); 0: no bound.
-    data_buffer_bytes: ByteSize = ByteSize(2**30)
-    # With tenancy on, the share of data_buffer_bytes one tenant's connections may hold (admins: the total only), so
-    # one tenant's slow senders cannot take every byte from the others.
-    data_buffer_fraction_per_tenant: float = 0.5
-    # How long a data-channel request waits for room in data_buffer_bytes before it is refused RESOURCE_EXHAUSTED
-    # (its body drained, the connection kept): below a client's timeout_s (30 s by default), which would otherwise
-    # cut the connection it sees taking nothing.
-    data_buffer_wait_s: float = 10.0
+    # The bytes every put's receive buffers may hold together, on the data channel and in gRPC Put streams (a
+    # request's metadata, a block's payload buffer kept between blocks, a block's chunks being reassembled), taken
+    # before they are buffered: 512 data connections sending large puts held up to 64 MiB each (32 GiB), 512 Put
+    # streams up to a block of max_block_bytes each. A connection or stream that finds it spent reads nothing more
+    # (TCP's, HTTP/2's flow control slows its sender) until room comes, for receive_buffer_wait_s at most. A fixed
+    # size, not a share of the host's memory: what a fast put needs is a few block buffers per busy connection, not
+    # more on a larger host (1 GiB: 16 connections each receiving 64 MiB blocks at once). At least twice
+    # max_block_bytes (a connection may buffer half of it); 0: no bound.
+    receive_buffer_bytes: ByteSize = ByteSize(2**30)
+    # With tenancy on, the share of receive_buffer_bytes one tenant's puts may hold (admins: the total only), so one
+    # tenant's slow senders cannot take every byte from the others.
+    receive_buffer_fraction_per_tenant: float = 0.5
+    # How long a put (a data-channel request, a Put stream's block) waits for room in receive_buffer_bytes before it
+    # is refused RESOURCE_EXHAUSTED (on the data channel its body drained, the connection kept): below a client's
+    # timeout_s (30 s by default), which would otherwise cut the connection it sees taking nothing.
+    receive_buffer_wait_s: float = 10.0
     # A gRPC stream (Get, Resume, FetchBlocks) whose client takes none of its messages for this long is ended
     # DEADLINE_EXCEEDED and what it held (the block being sent, the blocks' read holds, the tenant's call share) is
     # let go. HTTP/2's flow control shows only whole messages taken, each once the client has read about a window
@@ -349,17 +350,17 @@ class EngramConfig:
             raise ConfigError(f"server.data_port must be in 0..65535 (0: a free port), got {s.data_port}")
         if s.data_max_request_bytes <= 0:
             raise ConfigError("server.data_max_request_bytes must be positive")
-        if not 0 < s.data_buffer_fraction_per_tenant <= 1:  # NaN too
-            raise ConfigError("server.data_buffer_fraction_per_tenant must be a fraction of server.data_buffer_bytes "
-                              f"in (0, 1], got {s.data_buffer_fraction_per_tenant}")
-        if s.data_buffer_bytes < 0:
-            raise ConfigError(f"server.data_buffer_bytes must be >= 0 (0: no bound), got {s.data_buffer_bytes}")
-        share = s.data_buffer_fraction_per_tenant if self.auth.enabled else 1.0
-        if s.data_buffer_bytes and s.data_buffer_bytes * share < 2 * s.max_block_bytes:
+        if not 0 < s.receive_buffer_fraction_per_tenant <= 1:  # NaN too
+            raise ConfigError("server.receive_buffer_fraction_per_tenant must be a fraction of "
+                              f"server.receive_buffer_bytes in (0, 1], got {s.receive_buffer_fraction_per_tenant}")
+        if s.receive_buffer_bytes < 0:
+            raise ConfigError(f"server.receive_buffer_bytes must be >= 0 (0: no bound), got {s.receive_buffer_bytes}")
+        share = s.receive_buffer_fraction_per_tenant if self.auth.enabled else 1.0
+        if s.receive_buffer_bytes and s.receive_buffer_bytes * share < 2 * s.max_block_bytes:
             raise ConfigError(
-                f"server.data_buffer_bytes ({s.data_buffer_bytes}"
-                f"{' x server.data_buffer_fraction_per_tenant' if self.auth.enabled else ''}) must be at least twice "
-                f"server.max_block_bytes ({s.max_block_bytes}): a connection buffers at most half of it, and a block "
+                f"server.receive_buffer_bytes ({s.receive_buffer_bytes}"
+                f"{' x server.receive_buffer_fraction_per_tenant' if self.auth.enabled else ''}) must be at least twice "
+                f"server.max_block_bytes ({s.max_block_bytes}): a put buffers at most half of it, and a block "
                 "of the largest model must fit (0: no bound)")
         for key, zero in DURATIONS:
             _check_duration(key, _get(self, key), zero)
@@ -499,7 +500,7 @@ DURATIONS: tuple[tuple[str, str | None], ...] = (
     ("server.gc_full_s", "CPython's schedule"), ("server.shutdown_grace_s", "in-flight calls are cut at once"),
     ("server.lease_s", None), ("server.data_stall_s", None),
     ("server.data_idle_s", "idle data-channel connections stay open"), ("server.stream_stall_s", None),
-    ("server.data_buffer_wait_s", "refused at once when the buffers are full"),
+    ("server.receive_buffer_wait_s", "refused at once when the buffers are full"),
     ("tiers.retry_s", "tried again at once"), ("tiers.write_back_window_s", "only when evicted"),
     ("tiers.shutdown_flush_s", "none copied"), ("tiers.prefetch_lead_ms", "never"),
     ("cluster.heartbeat_s", None), ("cluster.ttl_s", None), ("cluster.fetch_timeout_s", None),

@@ -240,15 +240,18 @@ class MetricsEndpoint:
         """The store's figures, every tenant's (config refuses /metrics without a token when tenants share)."""
         self.registry.register(StoreCollector(store, sessions))
 
-    def watch_data(self, buffered_bytes: Callable[[], int], budget_held: Callable[[], int]) -> None:
-        """The data channel's receive buffers (engram/server/dataport.py) and what they hold of
-        server.data_buffer_bytes (engram/server/recvbudget.py), read at scrape time."""
+    def watch_data(self, buffered_bytes: Callable[[], int]) -> None:
+        """The data channel's receive buffers (engram/server/dataport.py), read at scrape time."""
         Gauge("engram_data_buffered_bytes", "Bytes the data channel holds in receive buffers: frames being "
               "received and each connection's reused payload buffer.", registry=self.registry
               ).set_function(buffered_bytes)
-        Gauge("engram_data_buffer_budget_held_bytes", "Bytes of server.data_buffer_bytes the data channel's "
-              "connections hold: their requests' metadata and their payload buffers, taken before they are read.",
-              registry=self.registry).set_function(budget_held)
+
+    def watch_receive_budget(self, budget_held: Callable[[], int]) -> None:
+        """What puts' receive buffers hold of server.receive_buffer_bytes (engram/server/recvbudget.py), read at
+        scrape time."""
+        Gauge("engram_receive_buffer_budget_held_bytes", "Bytes of server.receive_buffer_bytes puts hold: data "
+              "connections' requests' metadata and payload buffers, Put streams' blocks being reassembled, taken "
+              "before they are read.", registry=self.registry).set_function(budget_held)
 
     def start(self, host: str, port: int, token: str = "") -> int:
         """Serve /metrics, behind `Authorization: Bearer <token>` when a token is given (401 otherwise); returns

@@ -1,8 +1,8 @@
-"""The data channel's receive buffers under one daemon-wide budget (server.data_buffer_bytes,
+"""The data channel's receive buffers under one daemon-wide budget (server.receive_buffer_bytes,
 engram/server/recvbudget.py), against a real daemon over TCP and a unix socket: many connections sending large
 puts slowly held up to 64 MiB each (512 of them: 32 GiB); now they hold at most the budget, the rest wait (their
 sockets not read) and are served once room comes, or are refused RESOURCE_EXHAUSTED past
-server.data_buffer_wait_s, their connection still framed; one tenant holds at most its share."""
+server.receive_buffer_wait_s, their connection still framed; one tenant holds at most its share."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from helpers import random_kv, tokens
 
 BLOCK = 4 * 2**20  # four_mib_model's raw block
 BUDGET = 16 * 2**20
-SMALL = {"server.max_block_bytes": "4MiB", "server.data_buffer_bytes": BUDGET}
+SMALL = {"server.max_block_bytes": "4MiB", "server.receive_buffer_bytes": BUDGET}
 
 
 class SlowPut:
@@ -62,18 +62,18 @@ async def peak_while(srv, seconds: float) -> int:  # type: ignore[no-untyped-def
     return peak
 
 
-async def test_busy_connections_hold_at_most_data_buffer_bytes_and_the_rest_wait_and_are_served(
+async def test_busy_connections_hold_at_most_receive_buffer_bytes_and_the_rest_wait_and_are_served(
         server_factory) -> None:  # type: ignore[no-untyped-def]
     """Ten connections each sending a 4 MiB put slowly to a daemon with a 16 MiB budget: the daemon's buffers never
     pass 16 MiB (it held 40 MiB, every connection its whole block), the connections past it wait unread, and every
     put is stored once the ones before finish: backpressure, not failure."""
-    srv = await server_factory(**SMALL, **{"server.data_buffer_wait_s": 60, "server.metrics_port": -1})
+    srv = await server_factory(**SMALL, **{"server.receive_buffer_wait_s": 60, "server.metrics_port": -1})
     puts = await slow_puts(srv, 10)
     peak = await peak_while(srv, 1.5)
     port = srv.service.dataport
     assert peak <= BUDGET, f"the data channel held {peak} bytes in receive buffers, over its budget of {BUDGET}"
     assert port.budget.used <= BUDGET and port.budget.waits >= 1
-    held = srv.metrics.registry.get_sample_value("engram_data_buffer_budget_held_bytes")
+    held = srv.metrics.registry.get_sample_value("engram_receive_buffer_budget_held_bytes")
     assert 2 * BLOCK <= held <= BUDGET
     replies = await asyncio.wait_for(asyncio.gather(*(p.finish() for p in puts)), 60)
     assert all(r.stored == 1 for r in replies)
@@ -88,12 +88,12 @@ async def test_busy_connections_hold_at_most_data_buffer_bytes_and_the_rest_wait
     assert port.budget.used == 0 and port.buffered_bytes() == 0
 
 
-async def test_a_put_that_finds_the_buffers_full_past_data_buffer_wait_s_is_refused_and_its_connection_serves_on(
+async def test_a_put_that_finds_the_buffers_full_past_receive_buffer_wait_s_is_refused_and_its_connection_serves_on(
         server_factory) -> None:  # type: ignore[no-untyped-def]
-    """While three slow puts hold the 16 MiB budget, a client's put waits server.data_buffer_wait_s and is told
+    """While three slow puts hold the 16 MiB budget, a client's put waits server.receive_buffer_wait_s and is told
     RESOURCE_EXHAUSTED naming the setting (not cut by its own timeout_s, nor stored past the budget); a raw
     connection refused so is still framed and its next put, once room came, is stored."""
-    srv = await server_factory(**SMALL, **{"server.data_buffer_wait_s": 0.5})
+    srv = await server_factory(**SMALL, **{"server.receive_buffer_wait_s": 0.5})
     port = srv.service.dataport
     holders = await slow_puts(srv, 3)
     for _ in range(500):
@@ -105,13 +105,13 @@ async def test_a_put_that_finds_the_buffers_full_past_data_buffer_wait_s_is_refu
     async with EngramClient(srv.address, namespace="tenant-a", zero_copy=False, timeout_s=10) as c:
         fp = await c.register_model(spec)
         t0 = time.monotonic()
-        with pytest.raises(errors.ResourceExhausted, match=r"server\.data_buffer_bytes"):
+        with pytest.raises(errors.ResourceExhausted, match=r"server\.receive_buffer_bytes"):
             await c.put(fp, tokens(512, seed=90), random_kv(spec, 512, seed=90))
         assert 0.5 <= time.monotonic() - t0 < 8
     victim = SlowPut(await raw_conn(srv), "tenant-a", fp, seed=91, tail=1)
     await victim.sending
     await victim.conn.send(victim.tail)
-    await expect_error(victim.conn, errors.ResourceExhausted, "server.data_buffer_wait_s")
+    await expect_error(victim.conn, errors.ResourceExhausted, "server.receive_buffer_wait_s")
     assert port.budget.refusals == 2
     assert all(r.stored == 1 for r in await asyncio.gather(*(h.finish() for h in holders)))
     again = SlowPut(victim.conn, "tenant-a", fp, seed=92)
@@ -125,8 +125,8 @@ async def test_one_tenants_slow_puts_hold_at_most_its_share_and_another_tenant_i
     """Bob's five slow 4 MiB puts against a 32 MiB budget of which a tenant may hold half: his connections hold at
     most 16 MiB, the rest of his wait, and Alice's put is stored at once meanwhile; Bob's are all stored once he
     finishes sending."""
-    srv = await server_factory(**{"server.max_block_bytes": "4MiB", "server.data_buffer_bytes": 2 * BUDGET,
-                                  "server.data_buffer_wait_s": 60, "auth.tenants.alice.token": "a-tok",
+    srv = await server_factory(**{"server.max_block_bytes": "4MiB", "server.receive_buffer_bytes": 2 * BUDGET,
+                                  "server.receive_buffer_wait_s": 60, "auth.tenants.alice.token": "a-tok",
                                   "auth.tenants.bob.token": "b-tok", "auth.salt_secret": "s"})
     port = srv.service.dataport
     bobs = await slow_puts(srv, 5, ns="bob", token="b-tok")

@@ -302,6 +302,8 @@ async def _start(config: EngramConfig, store: BlockStore, sessions: SessionManag
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=s.max_concurrent_rpcs,
                              interceptors=[metrics.interceptor, open_rpcs] if metrics else [open_rpcs])
     service = EngramService(store, s, sessions, tenancy, same_host=config.auth.same_host_allowed)
+    if metrics is not None:
+        metrics.watch_receive_budget(lambda: service.receive_budget.used)
     if not config.auth.same_host_allowed and service.pool is not None:
         log.warning("same-host zero-copy hits and in-place puts are off (%s): the shared DRAM pool holds every "
                     "tenant's blocks; hits and puts travel as bytes. Set auth.same_host_paths = on to trust this "
@@ -377,7 +379,7 @@ async def _start_dataport(service: EngramService, s: ServerConfig, tenancy: Tena
     the same host, under TLS when the gRPC port is."""
     port = DataPort(service, s, tenancy, metrics.interceptor.data_done if metrics else None)
     if metrics is not None:
-        metrics.watch_data(port.buffered_bytes, lambda: port.budget.used)
+        metrics.watch_data(port.buffered_bytes)
     if s.unix_socket:
         path = os.path.abspath(s.unix_socket) + ".data"
         with socket_umask(s.unix_socket_group):

@@ -11,9 +11,9 @@ frame (server.data_stall_s): its buffers hold only what it sent, but its slot an
 one whose client takes nothing of an answer for as long (a GET never read held its slot and the block being
 sent, with the blocks' read hold, for ever), and one that sends no request for server.data_idle_s. An idle
 connection keeps its receive buffer for REUSE_IDLE_S only (a pool of idle connections held up to 64 MiB each).
-Every connection's buffers together stay under server.data_buffer_bytes (server/recvbudget.py): a request's
-metadata and a block's buffer are taken from that budget before they are read, waiting (the socket not read) while
-it is spent.
+Every connection's buffers together stay under server.receive_buffer_bytes (server/recvbudget.py, the daemon's one
+budget, gRPC Put streams' too): a request's metadata and a block's buffer are taken from it before they are read,
+waiting (the socket not read) while it is spent.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from engram import errors
 from engram.config import ServerConfig
 from engram.private import remove_stale_socket
 from engram.server.auth import _principal
-from engram.server.recvbudget import Holding, ReceiveBudget
+from engram.server.recvbudget import Holding
 from engram.server.requests import (
     CONTROL_BYTES,
     TOP_LEVEL_SLACK,
@@ -126,8 +126,8 @@ class DataPort:
         self._stopping = False
         self._accepting: list[asyncio.Task[None]] = []
         self.served = {"put": 0, "get": 0, "refused": 0}  # requests answered, by kind (tests, logs)
-        share = int(config.data_buffer_bytes * config.data_buffer_fraction_per_tenant) if tenancy is not None else 0
-        self.budget = ReceiveBudget(int(config.data_buffer_bytes), share, config.data_buffer_wait_s, self._reclaim)
+        self.budget = service.receive_budget  # one for the daemon: Put streams take from it too
+        self.budget.reclaim = self._reclaim
         self._holding: dict[wire.Conn, Holding] = {}  # what each connection past HELLO holds of the budget
 
     @property
@@ -521,7 +521,7 @@ class DataPort:
     async def _take_meta(self, conn: wire.Conn, held: Holding, meta_len: int, body: int) -> None:
         """Take a request's metadata bytes from the budget before they are read. A connection that must wait gives
         its payload buffer back first (nothing is waited for while holding one). Refused after
-        server.data_buffer_wait_s: the request is read and dropped, so the connection stays framed."""
+        server.receive_buffer_wait_s: the request is read and dropped, so the connection stays framed."""
         if self.budget.try_take(held, meta_len, meta=True):
             return
         self._let_go(conn)

@@ -1,24 +1,28 @@
-"""The daemon-wide budget of the data channel's receive buffers (server.data_buffer_bytes): bytes a connection
-takes before it buffers a request's metadata or a block's payload, and gives back when it lets the buffer go.
+"""The daemon-wide budget of puts' receive buffers (server.receive_buffer_bytes), one for both ways a put's bytes
+come in: bytes a data-channel connection takes before it buffers a request's metadata or a block's payload, and a
+gRPC Put stream before it reassembles a block from its chunks; given back when the buffer is let go.
 
-Why: each connection may buffer up to a block (REUSE_MAX kept between blocks, a larger block whole) and a PUT's
-metadata (~21 MiB at the default limits), so server.max_concurrent_rpcs connections sending large puts could make
-the daemon hold tens of GiB (512 x 64 MiB, an audit, session 45). A connection that finds the budget spent waits,
-reading nothing, so TCP's flow control slows its sender; past server.data_buffer_wait_s it is refused
-RESOURCE_EXHAUSTED (the request's body drained, the connection kept).
+Why: each data connection may buffer up to a block (REUSE_MAX kept between blocks, a larger block whole) and a
+PUT's metadata (~21 MiB at the default limits), and each Put stream a block of up to server.max_block_bytes (256
+MiB), so server.max_concurrent_rpcs connections or streams sending large puts could make the daemon hold tens of
+GiB (512 x 64 MiB, an audit, session 45; 32 Put streams each sending 28 of a 32 MiB block grew it by 1.3 GiB). One
+that finds the budget spent waits, reading nothing, so TCP's (HTTP/2's) flow control slows its sender; past
+server.receive_buffer_wait_s it is refused RESOURCE_EXHAUSTED (a data connection's request body drained, the
+connection kept).
 
-Why it cannot deadlock: a connection holds two kinds of bytes, `meta` (its request's metadata, held for the
-request) and `payload` (its block buffer). Only a holder of metadata waits for more (a payload); payload holders
-only wait for their sockets and the store, and a connection lets its buffer go before it waits for a larger one
-or for its next request's metadata. Metadata may hold at most half the budget (half of a tenant's share), and no
-single take may be larger than that half, so once the payload holders finish, every waiter's take fits.
-Waiters are served first come first served for the daemon-wide bound, so a large payload is not starved by
-small ones; a waiter held back by its own tenant's share is passed over, not waited behind.
+Why it cannot deadlock: a holder holds two kinds of bytes, `meta` (a data request's metadata, held for the request)
+and `payload` (its block buffer). Only a holder of metadata waits for more (a payload); payload holders only wait
+for their sockets and the store, and a connection or stream lets its buffer go before it waits for a larger one or
+for its next request's metadata (a Put stream waits for a block's take holding none of the budget). Metadata may
+hold at most half the budget (half of a tenant's share), and no single take may be larger than that half, so once
+the payload holders finish, every waiter's take fits. Waiters are served first come first served for the
+daemon-wide bound, so a large payload is not starved by small ones; a waiter held back by its own tenant's share is
+passed over, not waited behind.
 
 Per-tenant share (tenancy on; admins, and every caller with tenancy off, count in the total only): a tenant's
-connections together hold at most server.data_buffer_fraction_per_tenant of the budget, so one tenant's slow
-(or trickling) senders cannot take every byte from the others. With tenancy off one client can hold the whole
-budget, as it can hold every connection.
+connections and streams together hold at most server.receive_buffer_fraction_per_tenant of the budget, so one
+tenant's slow (or trickling) senders cannot take every byte from the others. With tenancy off one client can hold
+the whole budget, as it can hold every connection.
 """
 
 from __future__ import annotations
@@ -34,9 +38,11 @@ from engram import errors
 
 @dataclass(eq=False)
 class Holding:
-    """What one connection holds of the budget: its request's metadata and its payload buffer, in bytes."""
+    """What one data connection or Put stream holds of the budget: its request's metadata and its payload buffer,
+    in bytes."""
 
     tenant: str | None  # whose share it counts against; None: the total only
+    path: str = "data channel"  # where its bytes come in, for refusals: "data channel", "Put stream"
     meta: int = 0
     payload: int = 0
 
@@ -61,11 +67,11 @@ class ReceiveBudget:
         self._tenant_used: dict[str, int] = {}
         self._tenant_meta: dict[str, int] = {}
         self._waiters: deque[_Waiter] = deque()
-        self.waits = self.refusals = 0  # takes that had to wait, and those refused after data_buffer_wait_s
+        self.waits = self.refusals = 0  # takes that had to wait, and those refused after receive_buffer_wait_s
 
-    def holding(self, tenant: str | None) -> Holding:
-        """A connection's account (tenant: its principal's name, or None: no share of its own)."""
-        return Holding(tenant if self.tenant_share else None)
+    def holding(self, tenant: str | None, path: str = "data channel") -> Holding:
+        """A connection's or stream's account (tenant: its principal's name, or None: no share of its own)."""
+        return Holding(tenant if self.tenant_share else None, path)
 
     def most(self, h: Holding) -> int:
         """The largest take that can always be granted in time: half of the budget, or of its tenant's share."""
@@ -87,9 +93,9 @@ class ReceiveBudget:
         what = "request's metadata" if meta else "block"
         if n > self.most(h):
             raise errors.ResourceExhausted(
-                f"data channel: a {what} of {n} bytes exceeds the {self.most(h)} bytes one connection may buffer (half "
-                f"of server.data_buffer_bytes = {self.total}{', or of its tenant share' if h.tenant else ''}); raise "
-                "server.data_buffer_bytes or send smaller requests")
+                f"{h.path}: a {what} of {n} bytes exceeds the {self.most(h)} bytes one put may buffer (half "
+                f"of server.receive_buffer_bytes = {self.total}{', or of its tenant share' if h.tenant else ''}); raise "
+                "server.receive_buffer_bytes or send smaller requests")
         waiter = _Waiter(h, n, meta)
         self._waiters.append(waiter)
         self._wake()
@@ -109,10 +115,10 @@ class ReceiveBudget:
             if not isinstance(exc, TimeoutError):
                 raise
             self.refusals += 1
-            share = " (its tenant's share: server.data_buffer_fraction_per_tenant)" if h.tenant else ""
+            share = " (its tenant's share: server.receive_buffer_fraction_per_tenant)" if h.tenant else ""
             raise errors.ResourceExhausted(
-                f"data channel: the daemon's receive buffers (server.data_buffer_bytes = {self.total}){share} stayed "
-                f"full for server.data_buffer_wait_s = {self.wait_s:g}s; this {what} of {n} bytes was not received: "
+                f"{h.path}: the daemon's receive buffers (server.receive_buffer_bytes = {self.total}){share} stayed "
+                f"full for server.receive_buffer_wait_s = {self.wait_s:g}s; this {what} of {n} bytes was not received: "
                 "try again later") from None
 
     def give(self, h: Holding, n: int, *, meta: bool) -> None:

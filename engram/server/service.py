@@ -45,6 +45,7 @@ from engram.server.errors import streaming, unary
 from engram.server.forgetmodel import forget_model
 from engram.server.modelroom import Holds, make_room
 from engram.server.peers import PeerFetcher
+from engram.server.recvbudget import ReceiveBudget
 from engram.server.requests import (
     CONTROL_BYTES,
     TOP_LEVEL_SLACK,
@@ -219,6 +220,9 @@ class EngramService:
         self.peers: PeerFetcher | None = None
         self.dataport: DataPort | None = None  # the data channel, once started (engram/server/dataport.py)
         self.config = config
+        # Every put's receive buffers, the data channel's and Put streams' reassembly (server.receive_buffer_bytes).
+        share = int(config.receive_buffer_bytes * config.receive_buffer_fraction_per_tenant) if tenancy is not None else 0
+        self.receive_budget = ReceiveBudget(int(config.receive_buffer_bytes), share, config.receive_buffer_wait_s)
         self.sessions = sessions
         self.leases = LeaseTable(store, config.lease_s, config.max_leased_blocks_per_namespace)
         self.pool = shared_pool(store.tiers)  # None: no shared DRAM pool, Gets answer with bytes only
@@ -271,8 +275,14 @@ class EngramService:
 
     @unary
     async def Put(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> pb.PutResponse:
+        """A chain's blocks, each reassembled from its chunks once its announced size is taken from the daemon's
+        receive budget (server.receive_buffer_bytes): the take waits reading nothing more of the stream (HTTP/2's
+        flow control slows the sender) while the budget is spent, holding none of it; given back once the block is
+        stored (a partial block's when the stream ends) and on every exit."""
         chain: ChainPut | None = None
         blocks: Reassembler[BlockHeader] | None = None
+        budget = self.receive_budget
+        held = budget.holding(tenant_of(context) or None, "Put stream")
         try:
             async for raw in request_iterator:
                 req = decoded(raw)
@@ -290,8 +300,12 @@ class EngramService:
                 chain.check_not_after_tail()
                 header = convert.header_from_pb(chunk.header, chain.index) if chunk.HasField("header") else None
                 done = blocks.add(header, chunk.data, chunk.last, chain.index)
+                if header is not None:  # checked by add: now the block's bytes, before more of them are read
+                    await budget.take(held, header.payload_nbytes, meta=False)
                 if done is not None:
                     await chain.add(*done)
+                    if chain.tail is None:  # stored (a partial tail is held until the stream ends)
+                        budget.give(held, held.payload, meta=False)
             if chain is None or blocks is None:
                 raise InvalidArgument("empty Put stream: send a PutHeader, then the blocks")
             if blocks.open:
@@ -302,6 +316,7 @@ class EngramService:
                 )
             return await chain.finish()
         finally:
+            budget.give_all(held)
             if chain is not None:
                 chain.release()  # quota held for blocks received and never stored
 

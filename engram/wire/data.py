@@ -264,7 +264,7 @@ class Conn:
 
     async def skip(self, n: int) -> None:
         """Read and drop n bytes (the rest of a refused request's body), through a small buffer: a refusal for want
-        of buffer room (the daemon's server.data_buffer_bytes) must not take much more."""
+        of buffer room (the daemon's server.receive_buffer_bytes) must not take much more."""
         scratch = memoryview(bytearray(min(n, SKIP_BYTES)))
         while n > 0:
             step = min(n, len(scratch))

@@ -1,0 +1,164 @@
+"""gRPC Put streams' reassembly under the daemon's one receive budget (server.receive_buffer_bytes,
+engram/server/recvbudget.py), the data channel's too, against a real daemon over TCP and a unix socket: each Put
+stream reassembled a block of up to server.max_block_bytes from its chunks with no bound across streams (32
+streams each sending 28 of a 32 MiB block grew an `engram serve` by 1.3 GiB); now a block's announced bytes are
+taken before more of it is read, the streams past the budget wait unread and are stored once room comes, or are
+refused RESOURCE_EXHAUSTED past server.receive_buffer_wait_s; what a stream holds goes back on every exit; one
+tenant holds at most its share."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from test_data_channel import block_header, four_mib_model, raw_payload
+
+from engram import errors
+from engram.client import EngramClient
+from engram.v1 import engram_pb2 as pb
+from engram.v1 import engram_pb2_grpc as pb_grpc
+
+from helpers import random_kv, tokens
+
+BLOCK = 4 * 2**20  # four_mib_model's raw block
+CHUNK = 2**20
+BUDGET = 16 * 2**20
+SMALL = {"server.max_block_bytes": "4MiB", "server.receive_buffer_bytes": BUDGET, "server.data_channel": False}
+
+
+class StalledPut:
+    """A gRPC Put stream of one 4 MiB block sending all its chunks but the last, then waiting for `finish` (a
+    sender that has almost finished), on a channel of its own."""
+
+    def __init__(self, srv, ns: str, fp: bytes, seed: int, token: str = "") -> None:  # type: ignore[no-untyped-def]
+        spec = four_mib_model()
+        payload = raw_payload(random_kv(spec, 512, seed=seed))
+        self.header = block_header(spec, tokens(512, seed=seed), payload)
+        self.ns, self.fp, self.payload = ns, fp, payload
+        self.go_on = asyncio.Event()
+        self.channel = grpc.aio.insecure_channel(srv.address, options=[("grpc.max_send_message_length", 2**26)])
+        metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self.call = pb_grpc.EngramStub(self.channel).Put(self._messages(), metadata=metadata)
+
+    async def _messages(self) -> AsyncIterator[pb.PutRequest]:
+        yield pb.PutRequest(header=pb.PutHeader(namespace=self.ns, model_fingerprint=self.fp))
+        for off in range(0, BLOCK, CHUNK):
+            last = off + CHUNK >= BLOCK
+            if last:
+                await self.go_on.wait()
+            yield pb.PutRequest(chunk=pb.BlockChunk(header=self.header if off == 0 else None,
+                                                    data=self.payload[off:off + CHUNK], last=last))
+
+    async def finish(self) -> pb.PutResponse:
+        self.go_on.set()
+        return await self.call
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+async def stalled_puts(srv, n: int, *, ns: str = "tenant-a", token: str = "", seed: int = 0) -> list[StalledPut]:  # type: ignore[no-untyped-def]
+    async with EngramClient(srv.address, namespace=ns, token=token, zero_copy=False) as c:
+        fp = await c.register_model(four_mib_model())
+    return [StalledPut(srv, ns, fp, seed + i, token) for i in range(n)]
+
+
+async def peak_held(srv, seconds: float) -> int:  # type: ignore[no-untyped-def]
+    """The most of the receive budget taken, sampled over `seconds`."""
+    budget, peak, end = srv.service.receive_budget, 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        peak = max(peak, budget.used)
+        await asyncio.sleep(0.005)
+    return peak
+
+
+async def settles_to_zero(srv) -> bool:  # type: ignore[no-untyped-def]
+    for _ in range(500):
+        if srv.service.receive_budget.used == 0:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+async def test_put_streams_past_receive_buffer_bytes_wait_unread_and_are_all_stored(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """Ten Put streams each sending 3 of a 4 MiB block's 4 chunks to a daemon with a 16 MiB budget: four hold
+    their blocks' bytes, the other six wait for room unread (each had reassembled its block's chunks with no bound
+    at all), and every block is stored once the senders finish: backpressure, not failure; the budget is all
+    given back (engram_receive_buffer_budget_held_bytes 0)."""
+    srv = await server_factory(**SMALL, **{"server.receive_buffer_wait_s": 60, "server.metrics_port": -1})
+    budget = srv.service.receive_budget
+    puts = await stalled_puts(srv, 10)
+    peak = await peak_held(srv, 1.5)
+    assert budget.waits >= 6, f"only {budget.waits} Put streams waited for room in a 16 MiB budget"
+    assert 4 * BLOCK == peak <= BUDGET
+    assert srv.metrics.registry.get_sample_value("engram_receive_buffer_budget_held_bytes") == 4 * BLOCK
+    replies = await asyncio.wait_for(asyncio.gather(*(p.finish() for p in puts)), 60)
+    assert all(r.stored == 1 for r in replies)
+    assert len(srv.store) == 10 and budget.refusals == 0
+    assert await settles_to_zero(srv)
+    assert srv.metrics.registry.get_sample_value("engram_receive_buffer_budget_held_bytes") == 0
+    for p in puts:
+        await p.close()
+
+
+async def test_a_put_stream_past_receive_buffer_wait_s_is_refused_and_a_cancelled_or_gone_one_gives_its_bytes_back(
+        server_factory) -> None:  # type: ignore[no-untyped-def]
+    """While four stalled Put streams hold the 16 MiB budget, a client's put waits server.receive_buffer_wait_s and
+    is told RESOURCE_EXHAUSTED naming the setting (before, it was stored past the budget); a holder cancelled, and
+    one whose client went (its channel closed), give their bytes back, and the next put is stored."""
+    srv = await server_factory(**SMALL, **{"server.receive_buffer_wait_s": 0.5})
+    budget = srv.service.receive_budget
+    holders = await stalled_puts(srv, 4)
+    for _ in range(500):
+        if budget.used == 4 * BLOCK:
+            break
+        await asyncio.sleep(0.01)
+    assert budget.used == 4 * BLOCK, "the four stalled puts never took their blocks"
+    spec = four_mib_model()
+    async with EngramClient(srv.address, namespace="tenant-a", zero_copy=False, timeout_s=10) as c:
+        fp = await c.register_model(spec)
+        t0 = time.monotonic()
+        with pytest.raises(errors.ResourceExhausted, match=r"server\.receive_buffer_bytes.*receive_buffer_wait_s"):
+            await c.put(fp, tokens(512, seed=90), random_kv(spec, 512, seed=90))
+        assert 0.5 <= time.monotonic() - t0 < 8
+        assert budget.refusals == 1 and budget.used == 4 * BLOCK
+        holders[0].call.cancel()
+        await holders[1].close()  # the client gone
+        for _ in range(500):
+            if budget.used == 2 * BLOCK:
+                break
+            await asyncio.sleep(0.01)
+        assert budget.used == 2 * BLOCK, "a cancelled or abandoned Put stream kept its block's bytes"
+        assert (await c.put(fp, tokens(512, seed=91), random_kv(spec, 512, seed=91))).stored == 1
+    assert all(r.stored == 1 for r in await asyncio.gather(*(h.finish() for h in holders[2:])))
+    assert await settles_to_zero(srv)
+    for h in holders:
+        await h.close()
+
+
+async def test_one_tenants_stalled_put_streams_hold_at_most_its_share_and_another_tenant_is_served(
+        server_factory) -> None:  # type: ignore[no-untyped-def]
+    """Bob's six stalled Put streams against a 32 MiB budget of which a tenant may hold half: they hold at most 16
+    MiB, the rest of his wait, and Alice's put is stored at once meanwhile; Bob's are all stored once he finishes
+    sending."""
+    srv = await server_factory(**{**SMALL, "server.receive_buffer_bytes": 2 * BUDGET,
+                                  "server.receive_buffer_wait_s": 60, "auth.tenants.alice.token": "a-tok",
+                                  "auth.tenants.bob.token": "b-tok", "auth.salt_secret": "s"})
+    budget = srv.service.receive_budget
+    bobs = await stalled_puts(srv, 6, ns="bob", token="b-tok")
+    peak = await peak_held(srv, 1.5)
+    assert peak == BUDGET, f"Bob's Put streams held {peak} bytes; his share is {BUDGET}"
+    assert budget.waits >= 2
+    spec = four_mib_model()
+    async with EngramClient(srv.address, token="a-tok", namespace="alice", zero_copy=False, timeout_s=10) as c:
+        fp = await c.register_model(spec)
+        t0 = time.monotonic()
+        assert (await c.put(fp, tokens(512, seed=80), random_kv(spec, 512, seed=80))).stored == 1
+        assert time.monotonic() - t0 < 5, "Alice waited behind Bob's share"
+    assert all(r.stored == 1 for r in await asyncio.wait_for(asyncio.gather(*(b.finish() for b in bobs)), 60))
+    assert await settles_to_zero(srv)
+    for b in bobs:
+        await b.close()
