@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -582,6 +585,28 @@ async def test_an_in_place_put_of_a_block_held_damaged_in_memory_alone_stores_th
     assert (await srv.store.check(fix=False)).ok
 
 
+async def _commit_after_another_put_of_the_block(srv: Any, fp: bytes, toks: np.ndarray, mine: torch.Tensor,
+                                                 other: torch.Tensor, damage: Callable[[bytes], Awaitable[None]]
+                                                 ) -> tuple[pb.PutResponse, bytes]:
+    """Reserve a block and write `mine` into its slot; before the commit a Put stores the same tokens with `other`
+    bytes, and `damage(key)` harms that copy; then commit. The commit's answer and the block's key."""
+    from engram.block import BlockHeader, checksum
+
+    spec, store = tiny_model(), srv.store
+    payload = other.contiguous().view(torch.uint8).numpy().tobytes()
+    header = BlockHeader(toks, spec.layout.dtype, spec.layout.block_shape(len(toks)), len(payload), checksum(payload))
+    async with grpc.aio.insecure_channel(srv.address) as ch:
+        stub = pb_grpc.EngramStub(ch)
+        res = await stub.ReservePut(pb.ReservePutRequest(namespace="t", model_fingerprint=fp,
+                                                         blocks=_raw_headers(spec, toks)))
+        _write_slots(srv.service.inplace, res.slots, mine)
+        [key] = res.keys
+        assert (await store.put("t", fp, store.root("t", fp), header, payload)).stored
+        await damage(key)
+        done = await stub.CommitPut(pb.CommitPutRequest(namespace="t", reservation_id=res.reservation_id))
+    return done, key
+
+
 @pytest.mark.parametrize("theirs", ["same", "other"], ids=["same-bytes", "other-bytes"])
 async def test_a_commit_whose_block_was_stored_meanwhile_and_damaged_stores_the_callers_bytes(  # type: ignore[no-untyped-def]
         server_factory, tmp_path, theirs: str) -> None:
@@ -591,25 +616,13 @@ async def test_a_commit_whose_block_was_stored_meanwhile_and_damaged_stores_the_
     dropped (counted) and the caller's bytes are stored, whether or not they are the block's own. Both answered
     DATA_LOSS: the commit freed the caller's slot and read the damaged copy. (Session 45 then deduplicated the
     same bytes, making the NVMe copy from them and leaving the damaged pool copy indexed; now it is stored.)"""
-    from engram.block import BlockHeader, checksum
-
     srv, fp = await _write_through_daemon(server_factory, tmp_path)
     spec = tiny_model()
-    toks = tokens(BLOCK_TOKENS, seed=32)
-    mine = random_kv(spec, len(toks), seed=32)
-    other = mine if theirs == "same" else random_kv(spec, len(toks), seed=33)
-    payload = other.contiguous().view(torch.uint8).numpy().tobytes()
-    header = BlockHeader(toks, spec.layout.dtype, spec.layout.block_shape(len(toks)), len(payload), checksum(payload))
     store = srv.store
-    async with grpc.aio.insecure_channel(srv.address) as ch:
-        stub = pb_grpc.EngramStub(ch)
-        res = await stub.ReservePut(pb.ReservePutRequest(namespace="t", model_fingerprint=fp,
-                                                         blocks=_raw_headers(spec, toks)))
-        _write_slots(srv.service.inplace, res.slots, mine)
-        [key] = res.keys
-        assert (await store.put("t", fp, store.root("t", fp), header, payload)).stored
-        await _damaged_in_memory_only(store, key)
-        done = await stub.CommitPut(pb.CommitPutRequest(namespace="t", reservation_id=res.reservation_id))
+    mine = random_kv(spec, BLOCK_TOKENS, seed=32)
+    other = mine if theirs == "same" else random_kv(spec, BLOCK_TOKENS, seed=33)
+    done, key = await _commit_after_another_put_of_the_block(srv, fp, tokens(BLOCK_TOKENS, seed=32), mine, other,
+                                                             lambda key: _damaged_in_memory_only(store, key))
     assert (done.stored, done.deduplicated, done.not_durable) == (1, 0, 0)
     meta = store.block(key)
     assert meta is not None and "nvme" in meta.locations
@@ -704,25 +717,17 @@ async def test_a_commit_whose_block_was_stored_meanwhile_damaged_under_write_bac
     other bytes, and a stray writer damages that copy in the pool. The commit checks the copy it would drop the
     caller's bytes for: it fails (dropped, counted), and the caller's bytes are stored, which a Get serves. It was
     deduplicated against the damaged copy, the caller's slot freed, and every hit of the block failed."""
-    from engram.block import BlockHeader, checksum
-
     srv = await server_factory()
     spec = tiny_model()
     fp = srv.store.registry.register(spec)
-    toks = tokens(BLOCK_TOKENS, seed=37)
-    mine, other = random_kv(spec, len(toks), seed=37), random_kv(spec, len(toks), seed=38)
-    payload = other.contiguous().view(torch.uint8).numpy().tobytes()
-    header = BlockHeader(toks, spec.layout.dtype, spec.layout.block_shape(len(toks)), len(payload), checksum(payload))
     store = srv.store
-    async with grpc.aio.insecure_channel(srv.address) as ch:
-        stub = pb_grpc.EngramStub(ch)
-        res = await stub.ReservePut(pb.ReservePutRequest(namespace="t", model_fingerprint=fp,
-                                                         blocks=_raw_headers(spec, toks)))
-        _write_slots(srv.service.inplace, res.slots, mine)
-        [key] = res.keys
-        assert (await store.put("t", fp, store.root("t", fp), header, payload)).stored
+    mine = random_kv(spec, BLOCK_TOKENS, seed=37)
+
+    async def damage(key: bytes) -> None:
         store.tiers[0].view(key)[-1] ^= 0x40
-        done = await stub.CommitPut(pb.CommitPutRequest(namespace="t", reservation_id=res.reservation_id))
+
+    done, key = await _commit_after_another_put_of_the_block(srv, fp, tokens(BLOCK_TOKENS, seed=37), mine,
+                                                             random_kv(spec, BLOCK_TOKENS, seed=38), damage)
     assert (done.stored, done.deduplicated) == (1, 0)
     async with EngramClient(srv.address, namespace="t", zero_copy=False) as c:
         await c.register_model(spec)
