@@ -103,3 +103,37 @@ async def test_a_put_of_a_block_stored_intact_is_deduplicated_and_its_bytes_drop
         assert stats.blocks_deduplicated == before + 2 and stats.corrupt_blocks == 0
         got = await c.get(fp, list(put.keys))
         assert all(torch.equal(g, w) for g, w in zip(got, _blocks(first), strict=True))
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "missing"])
+@pytest.mark.parametrize("channel", CHANNELS)
+async def test_a_write_through_dedupe_checks_the_durable_copy_beside_a_sound_memory_copy(  # type: ignore[no-untyped-def]
+        server_factory, tmp_path: Path, channel: str, damage: str) -> None:
+    """Write-through: a chain of two blocks in the shared pool and on NVMe; the second one's file is then corrupt
+    or gone (a failing disk), its pool copy sound. The same tokens put again, every block sent: the dedupe
+    acknowledges them durable, so the second's NVMe copy is read back, fails, is dropped (counted) and written
+    again; the file then holds the block's bytes. It was acknowledged durable on the index's word, the memory copy
+    alone verified, and a crash lost the block (a review, session 46)."""
+    srv = await server_factory(**{"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.write_policy": "write-through"})
+    store, nvme = srv.store, srv.store.tiers[-1]
+    toks = tokens(2 * BLOCK_TOKENS, seed=45)
+    kv = random_kv(SPEC, len(toks), seed=45)
+    async with EngramClient(srv.address, namespace="d", zero_copy=False, data_channel=channel == "data") as c:
+        fp = await c.register_model(SPEC)
+        put = await c.put(fp, toks, kv)
+        assert put.stored == 2 and put.not_durable == 0
+        key = put.keys[1]
+        assert store.block(key).locations == [store.tiers[0].name, nvme.name]
+        path = nvme.path_of(key)
+        if damage == "missing":
+            path.unlink()
+        else:
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 0x40
+            path.write_bytes(bytes(data))
+        again = await c.put(fp, toks, kv, skip_cached=False)
+        assert (again.stored, again.deduplicated, again.not_durable) == (0, 2, 0)
+        assert (await c.stats()).corrupt_blocks + (await c.stats()).tiers[-1].io_errors >= 1
+    assert nvme.name in store.block(key).locations
+    assert await nvme.read(key) == _blocks(kv)[1].contiguous().view(torch.uint8).numpy().tobytes()
+    assert (await store.check(fix=False)).ok

@@ -401,7 +401,7 @@ class BlockStore:
                 raise FailedPrecondition(f"block {index}: key {key.hex()} is stored with other tokens (hash collision)")
             self.placement.use(existing)
             try:  # this put's bytes are dropped on the strength of the stored copy: it must verify
-                await self.verify_stored(existing, during="a put of it (deduplicated)")
+                verified = await self.verify_stored(existing, during="a put of it (deduplicated)")
             except DataLoss:
                 continue  # no copy of it verified and it was dropped: this put stores its own bytes anew
             if self.index.get_in(namespace, key) is not existing:
@@ -413,7 +413,8 @@ class BlockStore:
             ok = True
             if self.write_policy == WritePolicy.WRITE_THROUGH:  # acknowledged again: durable again, too
                 try:
-                    ok = await durable.make_durable_again(self, existing, payload, payload_checksum, index=index)
+                    ok = await durable.make_durable_again(self, existing, payload, payload_checksum, index=index,
+                                                          verified=verified)
                 except DataLoss:
                     continue  # damaged since it was verified, and dropped: this put stores its own bytes anew
             self.counters.blocks_deduplicated += 1
@@ -689,7 +690,7 @@ class BlockStore:
 
         return sum(await asyncio.gather(*(one(m) for m in todo)))
 
-    async def verify_stored(self, meta: BlockMeta, *, during: str) -> None:
+    async def verify_stored(self, meta: BlockMeta, *, during: str) -> str:
         """Check that a stored block still has a copy that verifies, before a put drops its caller's bytes on the
         strength of it (deduplicated against it, or skipped by an in-place reservation). The put is acknowledged
         as stored: a block whose only copy was damaged (a byte flipped in the pool, an NVMe file corrupt or gone)
@@ -704,25 +705,26 @@ class BlockStore:
         block stored when two puts race (the block then just stored, in memory) or one sends every block (pin,
         skip_cached=False); the read is a hit's, in the tier's threads, off the loop (benchmarks/RESULTS.md,
         put_cost: a deduplicated put). DataLoss when no copy verified: the block was dropped, with the blocks
-        that extend it, and the caller stores its own bytes."""
+        that extend it, and the caller stores its own bytes. Returns the tier whose copy verified."""
         meta.leases += 1  # `acquire` without restarting its age: the put counted its use, a reservation counts none
         self.placement.busy += 1
         try:
-            await self._read_verified(meta, view=True, during=during)
+            return (await self._read_verified(meta, view=True, during=during))[1]
         finally:
             self.release([meta])
 
     async def _read_verified(self, meta: BlockMeta, *, view: bool = False, verify: bool = True,
-                             during: str = "a read") -> tuple[bytes | memoryview, str]:
+                             during: str = "a read", only: str | None = None) -> tuple[bytes | memoryview, str]:
         """The payload of the block's fastest copy that reads and verifies, and that tier's name; copies
         that fail are dropped (counted, logged as dropped on `during`); with none left the block is unindexed
-        (with the blocks that extend it) and DataLoss raised."""
+        (with the blocks that extend it) and DataLoss raised. `only`: that tier's copy alone is tried (DataLoss
+        when it fails or is not there; the others are kept)."""
         placement = self.placement
         reasons = []
         tried: set[str] = set()
         # The copies as they are now, at each step: one may arrive while another is read (a concurrent reader's
         # promotion), and a block is unindexed only when no copy is left untried.
-        while (name := next((n for n in meta.locations if n not in tried), None)) is not None:
+        while (name := next((n for n in meta.locations if n not in tried and only in (None, n)), None)) is not None:
             tried.add(name)
             try:
                 tier = placement.tier(name)
@@ -745,6 +747,9 @@ class BlockStore:
             return payload, name
         if not meta.locations:
             await recovery.drop_lost(self, meta)  # and what extends it: no lookup could reach those again
+        elif only is not None:
+            raise DataLoss(f"block {meta.key.hex()}: its {only} copy is missing or failed ({'; '.join(reasons)}); "
+                           "that copy was dropped, the others kept")
         raise DataLoss(f"block {meta.key.hex()}: no tier holds a valid copy any more ({'; '.join(reasons)}); "
                        "it was dropped")
 

@@ -47,16 +47,33 @@ def is_durable(placement: Placement, meta: BlockMeta) -> bool:
 
 
 async def make_durable_again(store: BlockStore, meta: BlockMeta, payload: Payload | None, payload_checksum: int,
-                             *, index: int = 0) -> bool:
+                             *, index: int = 0, verified: str | None = None) -> bool:
     """`make_durable` for a stored block that a put just deduplicated against: its durable copy is written
     from the put's payload only if that is the block's own bytes (two workers' KV for the same tokens may
     differ in the last bit), else from the block's own copy, so that the file never pairs one payload with
     the other's header and checksum. That copy is the fastest one that verifies, as the flusher's: a copy
     that fails its checksum is dropped as a read drops it, never written to NVMe (a file that fails every
     read); DataLoss when none verified: the block was dropped (a Put stream then stores its own bytes anew; an
-    in-place put's block fails with it)."""
+    in-place put's block fails with it).
+
+    `verified`: the tier whose copy a dedupe just verified (`BlockStore.verify_stored`), given only by a dedupe
+    (a put's bytes dropped for the stored block). Its durable copy is then read and verified too unless that was
+    the one verified: the dedupe acknowledges the block durable, and a damaged or vanished NVMe file beside a
+    sound memory copy was acknowledged on the index's word, and lost at the next crash (a review, session 46).
+    One that fails is dropped (counted, logged) and written again as any missing durable copy. A disk read, on
+    a dedupe only (rare: a race, a put with pin or skip_cached off); a skipped block (an in-place reservation's,
+    a Lookup's) is not read back, or a worker's save would read its whole cached prefix from NVMe."""
     if is_durable(store.placement, meta):
-        return True
+        d = durable_tier(store.placement)
+        if verified is None or d is None or store.placement.tiers[d].name == verified:
+            return True
+        name = store.placement.tiers[d].name
+        try:
+            await store._read_verified(meta, during="a put of it (deduplicated: its durable copy)", only=name)
+            return True
+        except DataLoss:  # the durable copy failed (or could not be read): dropped, counted, logged
+            if not meta.locations:
+                raise  # it was the last copy: the block was dropped
     if payload is None or payload_checksum != meta.checksum or len(payload) != meta.nbytes:
         payload, _ = await store._read_verified(meta, during="a put of it (its copy to NVMe)")
     return await make_durable(store, meta, payload, index=index)

@@ -456,7 +456,11 @@ class InPlacePuts:
         ok = True
         if store.write_policy == WritePolicy.WRITE_THROUGH:
             own = self.pool.view(self._slot_key(res, r.meta)) if r.slot is not None else None
-            ok = await durable.make_durable_again(store, existing, own, r.meta.checksum, index=index)
+            # A block stored meanwhile was verified at the commit (`_sound`; in memory: just put), and its bytes
+            # replace the caller's: its durable copy is checked too. A skipped block is not (`_skippable`).
+            verified = None if r.slot is None else store.placement.tiers[0].name
+            ok = await durable.make_durable_again(store, existing, own, r.meta.checksum, index=index,
+                                                  verified=verified)
         skipped = r.slot is None  # stored when reserved, so never written: skipped, as the bytes path skips it
         if not skipped:  # its bytes were written and dropped: deduplicated
             await self._free_slot(res, r)
