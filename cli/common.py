@@ -130,14 +130,20 @@ def check_token(token: str) -> str:
     return token
 
 
-def call(where: Target, fn: Callable[[ControlClient], Coroutine[Any, Any, T]], timeout_s: float = 10.0,
+STORE_WIDE = None  # call's timeout_s for check, evict and forget: each call bounded by itself, by its store's part
+
+
+def call(where: Target, fn: Callable[[ControlClient], Coroutine[Any, Any, T]], timeout_s: float | None = 10.0,
          call_timeout_s: float | None = None) -> T:
     """Run one client coroutine against the daemon within timeout_s, each of its calls within call_timeout_s
-    (default: timeout_s); map failures to CLI exit codes."""
+    (default: timeout_s, else 10 s); map failures to CLI exit codes. timeout_s None (STORE_WIDE): no bound on
+    the whole, for the calls whose work is a part of the store (check, evict, forget): the client gives each
+    that part's time at its floor rates (engram/wire/deadline.py), which no fixed bound fits."""
+    per_call = call_timeout_s or timeout_s or 10.0
 
     async def run() -> T:
         async with ControlClient(where.address, token=where.token, root_cert=where.root_cert,
-                                 timeout_s=call_timeout_s or timeout_s) as client:
+                                 timeout_s=per_call) as client:
             return await asyncio.wait_for(fn(client), timeout_s)
 
     try:
@@ -146,7 +152,8 @@ def call(where: Target, fn: Callable[[ControlClient], Coroutine[Any, Any, T]], t
         raise fail(f"the daemon at {where.address} failed the call: {exc} (its log says more)",
                    EXIT_DAEMON_ERROR) from None
     except errors.DeadlineExceeded:
-        raise fail(f"the daemon at {where.address} did not answer within {call_timeout_s or timeout_s:g} s: it is hung, "
+        more = "" if timeout_s is not None else " and the time its work on the store takes at the floor rates"
+        raise fail(f"the daemon at {where.address} did not answer within {per_call:g} s{more}: it is hung, "
                    "stopped or overloaded, or its host is unreachable", EXIT_UNAVAILABLE) from None
     except (errors.Unavailable, TimeoutError) as exc:
         hint = "" if where.root_cert or where.address.startswith("unix") else " (if it serves TLS, pass --tls-ca)"

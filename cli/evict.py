@@ -15,7 +15,7 @@ from engram import errors
 from engram.api import EvictResult
 from engram.control import ControlClient
 
-from .common import EXIT_BAD_INPUT, call, console, fail, target
+from .common import EXIT_BAD_INPUT, STORE_WIDE, call, console, fail, target
 from .format import dumps, to_dict
 from .options import AddressOpt, ConfigOpt, JsonOpt, NamespaceOpt, TlsCaOpt, TokenOpt
 from .show import describe_keys, session_namespace
@@ -65,11 +65,12 @@ def evict(keys: Annotated[list[str] | None, typer.Argument(help="Block keys or u
         raise fail("--whole-namespace needs --namespace NS", EXIT_BAD_INPUT)
     addr = target(config, address, token, tls_ca)
     if keys:
-        resp = call(addr, lambda c: evict_keys(c, keys, namespace, force))
+        resp = call(addr, lambda c: evict_keys(c, keys, namespace, force), timeout_s=STORE_WIDE)
     elif session is not None:
-        resp = call(addr, lambda c: evict_session(c, session, namespace, force))
+        resp = call(addr, lambda c: evict_session(c, session, namespace, force), timeout_s=STORE_WIDE)
     else:
-        resp = call(addr, lambda c: c.evict(whole_namespace=True, force=force, namespace=namespace))
+        resp = call(addr, lambda c: c.evict(whole_namespace=True, force=force, namespace=namespace),
+                    timeout_s=STORE_WIDE)
     if json_:
         typer.echo(dumps(to_dict(resp)))
         return

@@ -21,6 +21,7 @@ from .check import show as show_check
 from .common import (
     EXIT_BAD_INPUT,
     EXIT_NOT_FOUND,
+    STORE_WIDE,
     call,
     console,
     err_console,
@@ -170,7 +171,7 @@ def check(
             resp = check_offline(directory, fix, lambda done, total: bar.update(task, completed=done, total=total))
     else:
         with err_console.status("checking every stored copy (payload checksums, block files)..."):
-            resp = call(target(config, address, token, tls_ca), lambda c: c.check(fix=fix), timeout_s=600)
+            resp = call(target(config, address, token, tls_ca), lambda c: c.check(fix=fix), timeout_s=STORE_WIDE)
     show_check(resp, json_)
 
 

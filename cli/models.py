@@ -19,7 +19,7 @@ from engram.api import ForgetResult
 from engram.control import ControlClient
 from engram.layout import FINGERPRINT_BYTES
 
-from .common import EXIT_BAD_INPUT, call, console, fail, target
+from .common import EXIT_BAD_INPUT, STORE_WIDE, call, console, fail, target
 from .format import dumps, to_dict
 from .options import AddressOpt, ConfigOpt, JsonOpt, TlsCaOpt, TokenOpt
 
@@ -56,8 +56,8 @@ def forget(fingerprint: Annotated[str, typer.Argument(help="The model's fingerpr
     if not re.fullmatch(f"[0-9a-f]{{1,{2 * FINGERPRINT_BYTES}}}", prefix):
         raise fail(f"{fingerprint!r} is not a model fingerprint: {2 * FINGERPRINT_BYTES} hex digits, or a prefix of "
                    "them", EXIT_BAD_INPUT)
-    # Its blocks are evicted one by one (NVMe files removed), busy ones retried for about a second: more time
-    done = call(target(config, address, token, tls_ca), lambda c: forget_model(c, prefix, force), timeout_s=120)
+    # Its blocks are evicted one by one (NVMe files removed): the client waits their time (ControlClient.forget_model)
+    done = call(target(config, address, token, tls_ca), lambda c: forget_model(c, prefix, force), timeout_s=STORE_WIDE)
     if json_:
         typer.echo(dumps(to_dict(done)))
         return

@@ -9,7 +9,7 @@ engram.errors, with the server's message.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Self, TypeVar
 
 import grpc
@@ -67,13 +67,26 @@ class ControlClient:
         """Close the channel (the context manager does it)."""
         await self._channel.close()
 
-    async def _call(self, call: Awaitable[T], *, work_bytes: int = 0) -> T:
-        """A unary call's answer (within timeout_s, and the time `work_bytes` of KV the daemon moves before it
-        answers take at deadline.WORK_BYTES_PER_S), its gRPC failure as the domain error."""
+    async def _call(self, call: Awaitable[T], *, work_bytes: int = 0, work_blocks: int = 0,
+                    timeout_s: float | None = None) -> T:
+        """A unary call's answer (within timeout_s, or the caller's own, and the time the daemon's work before it
+        answers takes: deadline.work_s), its gRPC failure as the domain error."""
         try:
-            return await deadline.answer(call, self.timeout_s, self.address, work_bytes)  # type: ignore[no-any-return]
+            return await deadline.answer(call, self.timeout_s if timeout_s is None else timeout_s,  # type: ignore[no-any-return]
+                                         self.address, work_bytes, work_blocks)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from exc
+
+    async def _store_wide(self, make: Callable[[], Awaitable[T]], timeout_s: float | None,
+                          work: Callable[[Stats], tuple[int, int]]) -> T:
+        """A call whose work goes through a part of the store before it answers (Check, Evict, ForgetModel):
+        minutes on a large store. Bounded by the caller's timeout_s when given; else by the client's timeout_s
+        and the time of that part, (bytes, blocks) = work(Stats), at deadline's floor rates. The Stats call first
+        costs a round trip and finds a hung daemon within timeout_s."""
+        if timeout_s is not None:
+            return await self._call(make(), timeout_s=deadline.checked(timeout_s))
+        nbytes, blocks = work(await self.stats())
+        return await self._call(make(), work_bytes=nbytes, work_blocks=blocks)
 
     def _ns(self, namespace: str | None) -> str:
         return self.namespace if namespace is None else namespace
@@ -95,11 +108,16 @@ class ControlClient:
         """Tiers, models, counters, replay, cluster and the namespaces this caller may see (all, for an admin)."""
         return convert.from_pb(Stats, await self._call(self._stub.Stats(pb.StatsRequest())))
 
-    async def check(self, *, fix: bool = False) -> CheckReport:
+    async def check(self, *, fix: bool = False, timeout_s: float | None = None) -> CheckReport:
         """Verify every stored copy (payload checksums, block files); with fix, drop the broken ones. Admin only.
-        It reads the whole store before it answers, within the client's timeout_s like any call: give a large
-        store's check a client with a longer one (`engram check` waits 600 s)."""
-        return convert.from_pb(CheckReport, await self._call(self._stub.Check(pb.CheckRequest(fix=fix))))
+        The daemon reads every copy before it answers, minutes on a store of tens of GiB: the call waits the
+        client's timeout_s and every tier's bytes and blocks at deadline's floor rates (learned from Stats
+        first), or `timeout_s` seconds when given."""
+        def work(st: Stats) -> tuple[int, int]:
+            return sum(t.used_bytes for t in st.tiers), sum(t.blocks for t in st.tiers)
+
+        resp = await self._store_wide(lambda: self._stub.Check(pb.CheckRequest(fix=fix)), timeout_s, work)
+        return convert.from_pb(CheckReport, resp)
 
     async def describe_namespace(self, namespace: str | None = None) -> NamespaceStats:
         """The namespace's key salt, quota, and physical against logical bytes."""
@@ -139,25 +157,42 @@ class ControlClient:
         return getattr(self, "_max_blocks", None) or n or 1
 
     async def evict(self, *, key_prefixes: Sequence[str] = (), session_id: str = "", whole_namespace: bool = False,
-                    force: bool = False, namespace: str | None = None, all_namespaces: bool = False) -> EvictResult:
+                    force: bool = False, namespace: str | None = None, all_namespaces: bool = False,
+                    timeout_s: float | None = None) -> EvictResult:
         """Evict blocks by key (with every block extending them), the blocks only a session uses, or a whole
         namespace. Pinned blocks refuse the request unless force; blocks being read are skipped and reported.
-        NotFound when nothing matches (a key prefix, or a namespace holding no blocks)."""
-        req = pb.EvictRequest(namespace=self._ns(namespace), all_namespaces=all_namespaces,
-                              key_prefixes=list(key_prefixes), session_id=session_id,
-                              whole_namespace=whole_namespace, force=force)
-        return convert.from_pb(EvictResult, await self._call(self._stub.Evict(req)))
+        NotFound when nothing matches (a key prefix, or a namespace holding no blocks). The daemon removes one
+        block after another before it answers, minutes for a large namespace: the call waits the client's
+        timeout_s and the namespace's blocks (every visible one's, when it is not listed) at
+        deadline.WORK_BLOCKS_PER_S (learned from Stats first), or `timeout_s` seconds when given."""
+        ns = self._ns(namespace)
+        req = pb.EvictRequest(namespace=ns, all_namespaces=all_namespaces, key_prefixes=list(key_prefixes),
+                              session_id=session_id, whole_namespace=whole_namespace, force=force)
 
-    async def forget_model(self, fingerprint: bytes, *, force: bool = False) -> ForgetResult:
+        def work(st: Stats) -> tuple[int, int]:
+            mine = [n.blocks for n in st.namespaces if n.namespace == ns and not all_namespaces]
+            return 0, sum(mine) if mine else sum(n.blocks for n in st.namespaces)
+
+        return convert.from_pb(EvictResult, await self._store_wide(lambda: self._stub.Evict(req), timeout_s, work))
+
+    async def forget_model(self, fingerprint: bytes, *, force: bool = False, timeout_s: float | None = None
+                           ) -> ForgetResult:
         """Forget a model (admin only): evict every block of it in every namespace and tier, then remove it from the
         registry, every tenant's registration and its file. FailedPrecondition, with nothing changed, while a live
         session, an in-place reservation or a put in flight uses it or one of its blocks is pinned, unless force
         (closes its sessions and evicts pinned blocks; puts and reservations still refuse it); also when a block
         stays busy being read, the model then still registered (run it again). UnknownModel when the daemon
         neither knows the model nor holds a block of it. A worker still running registers it again at its next
-        call: stop the workers of a retired model first."""
+        call: stop the workers of a retired model first. The daemon evicts every block of the model before it
+        answers: the call waits as evict's does, for the model's blocks, or `timeout_s` seconds when given."""
         req = pb.ForgetModelRequest(model_fingerprint=fingerprint, force=force)
-        return convert.from_pb(ForgetResult, await self._call(self._stub.ForgetModel(req)))
+
+        def work(st: Stats) -> tuple[int, int]:  # a model no longer registered may still hold blocks: all, then
+            mine = [m.blocks for m in st.models if m.model_fingerprint == fingerprint]
+            return 0, sum(mine) if mine else sum(n.blocks for n in st.namespaces)
+
+        return convert.from_pb(ForgetResult,
+                               await self._store_wide(lambda: self._stub.ForgetModel(req), timeout_s, work))
 
     async def pin(self, fingerprint: bytes, keys: Sequence[bytes], *, unpin: bool = False,
                   namespace: str | None = None) -> int:
