@@ -26,6 +26,7 @@ from contextvars import ContextVar
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from engram.errors import UnknownModel
+from engram.logbudget import LogBudget
 
 log = logging.getLogger("engram.client")
 
@@ -69,6 +70,10 @@ def registering_again(method: Callable[Concatenate[C, bytes, P], Coroutine[Any, 
     return call
 
 
+_said = LogBudget()  # a daemon forgetting a model every few moments would otherwise fill the worker's log
+
+
 def say_registering_again(name: str, cause: Any) -> None:
-    log.warning("Engram does not know model %s (%s): registering it again (the daemon restarted, dropped the "
-                "registration or forgot the model?)", name, cause)
+    if (held := _said.take()) is not None:
+        log.warning("Engram does not know model %s (%s): registering it again (the daemon restarted, dropped the "
+                    "registration or forgot the model?)%s", name, cause, f"; {held} such lines held back" if held else "")
