@@ -230,6 +230,7 @@ class ClusterStats:
     published: int = 0
     reconnects: int = 0
     untrusted_records: int = 0  # records in Redis whose signature did not verify (ignored)
+    stale_entries_removed: int = 0  # holder entries removed as no longer true (dead node, restarted, evicted)
 
 
 @dataclass(frozen=True)

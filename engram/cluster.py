@@ -11,6 +11,13 @@ A node restarted under its id (DRAM only, its blocks gone) cannot know which ent
 and another holder's writes keep a block's hash from expiring: so readers skip, and remove, an entry whose boot
 is not its node's current one. An entry without a boot (a daemon from before boots) is read as before while its
 node publishes no boot record (it still runs that version); once it does, the entry is its earlier process's.
+Redis restored with older data (a lagging replica promoted, a restore from an RDB) brings back entries of the
+current boot for blocks their node has evicted since, which a republish (HSETs) does not remove: a reader
+removes such an entry when the live holder answers that it lacks the block (`forget_unheld`). Every removal is
+a compare-and-delete, so an entry its node wrote again since it was read stays, and is counted
+(`stale_entries_removed` in Stats). The node itself tells such a restore by its own record coming back older
+(one it wrote within ttl_s) and publishes its index again, where a record it never wrote means another daemon
+shares its node id.
 A record whose signature does not verify is ignored and counted (`untrusted_records` in Stats): it was
 written by someone without the secret. Each daemon publishes its own index changes (ChainIndex listeners
 feed a queue, a task drains it). Keys are salted per namespace (engram/keys.py), so the shared index names
@@ -29,6 +36,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +78,7 @@ class Holder:
     size: int
     checksum: int
     boot: int | None = None  # when the node's process started (its boot record); None: an older daemon
+    record: str = ""  # the signed entry as read: what forget_unheld removes, if it is still there
 
 
 @dataclass
@@ -80,6 +89,7 @@ class ClusterCounters:
     published: int = 0
     reconnects: int = 0
     untrusted_records: int = 0  # records in Redis whose signature did not verify: ignored
+    stale_entries_removed: int = 0  # holder entries no longer true (a dead node's, an earlier boot's, evicted)
 
 
 def connect(config: ClusterConfig) -> Any:
@@ -121,6 +131,9 @@ class ClusterIndex:
         self._writes = asyncio.Lock()  # a republish and the publisher's batches, one at a time
         self._record_ms = int(config.record_ttl_s * 1000)
         self._last_record = ""  # the node record this process wrote last: another writer of it shares our id
+        # The node records this process wrote within ttl_s (+ skew), with when: Redis restored older data (a
+        # snapshot, a lagging replica) can bring back only one of these, as the records expire after ttl_s.
+        self._recent_records: deque[tuple[float, str]] = deque()
         self._synced_at = 0.0
         self._warned: dict[tuple[str, str, bool], float] = {}  # (record, node, bad signature) -> last said
         index.listeners.append(self._changed)
@@ -194,7 +207,14 @@ class ClusterIndex:
                 pipe.sadd(_NODE_IDS, self.node_id)
                 await pipe.execute()
                 written, self._last_record = self._last_record, record
-                if written and previous is not None and previous.decode(errors="replace") != written:
+                seen = "" if previous is None else previous.decode(errors="replace")
+                restored = bool(written) and seen != written and self._wrote_earlier(seen)
+                self._recent_records.append((time.monotonic(), record))
+                if restored:
+                    log.warning("cluster: Redis holds an older copy of node %s's record (restored from a snapshot, "
+                                "or a lagging replica took over): publishing this node's index again; entries of "
+                                "blocks evicted since are removed as peers find them missing", self.node_id)
+                elif written and previous is not None and seen != written:
                     # Since our last heartbeat another process wrote our record: two daemons share this node id
                     # (a fixed advertise address under scaling), and each would take the other's blocks for its own.
                     if self.state == "ok":
@@ -206,8 +226,9 @@ class ClusterIndex:
                     await asyncio.sleep(self.config.heartbeat_s)
                     continue
                 if self.state == "ok" and previous is not None and \
-                        time.monotonic() - self._synced_at > self.config.record_ttl_s / 3:
-                    await self._resync()  # every record this node holds written again before it expires
+                        (restored or time.monotonic() - self._synced_at > self.config.record_ttl_s / 3):
+                    # Every record this node holds written again: before it expires, or what the restore lost
+                    await self._resync()
                 if self.state != "ok" or previous is None:
                     await self._resync()
                     self.state, self.reason = "ok", ""
@@ -222,6 +243,13 @@ class ClusterIndex:
                 self._degrade(exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
+
+    def _wrote_earlier(self, record: str) -> bool:
+        """Whether `record` is one this process wrote within the time a copy of it can live (ttl_s, + skew)."""
+        horizon = time.monotonic() - self.config.ttl_s - CLOCK_SKEW_S
+        while self._recent_records and self._recent_records[0][0] < horizon:
+            self._recent_records.popleft()
+        return any(record == r for _, r in self._recent_records)
 
     def _entry(self, meta: BlockMeta) -> str:
         tier = meta.tier if meta.locations else "dram"
@@ -320,7 +348,7 @@ class ClusterIndex:
                 # Left by an earlier process of the node (restarted under its id since): what it held is gone.
                 await self._prune(name, node, entries[node])
             else:
-                out.append(Holder(node, address, entry.tier, entry.size, entry.checksum, boot))
+                out.append(Holder(node, address, entry.tier, entry.size, entry.checksum, boot, entries[node]))
         return out
 
     def _boot(self, node: str, record: bytes | None) -> int | None:
@@ -333,13 +361,27 @@ class ClusterIndex:
             self._untrusted("boot record", node)
         return boot
 
-    async def _prune(self, name: str, node: str, entry: str) -> None:
+    async def forget_unheld(self, key: bytes, holder: Holder) -> bool:
+        """Remove `holder`'s entry for `key`, read by `holders`, after the holder answered that it lacks the block:
+        Redis restored with older data brought it back (the holder's republish only writes what it holds), and
+        each reader would otherwise ask for it, and fail, until record_ttl_s. Only a live holder's (its current
+        boot: an older daemon's entry has none), and only if it is still the entry read: one the holder wrote
+        again meanwhile stays. (One written again identical, the block stored again in the same tier within the
+        round trip, goes too: its holder publishes it again at its next republish.) Whether it was removed."""
+        if holder.boot is None or not holder.record or self.state != "ok":
+            return False
+        return await self._prune(block_record_key(key), holder.node_id, holder.record)
+
+    async def _prune(self, name: str, node: str, entry: str) -> bool:
         """Remove a node's entry that is no longer true, unless the node wrote it again since it was read."""
+        removed = 0
         with contextlib.suppress(*REDIS_FAULTS):
             try:
-                await self._redis.eval(_PRUNE, 1, name, node, entry)
+                removed = await self._redis.eval(_PRUNE, 1, name, node, entry)
             except ResponseError:  # scripting refused (an ACL, a managed Redis): removed as before, at the small
-                await self._redis.hdel(name, node)  # risk of an entry written again meanwhile (back at a republish)
+                removed = await self._redis.hdel(name, node)  # risk of an entry written again meanwhile
+        self.counters.stale_entries_removed += int(bool(removed))
+        return bool(removed)
 
     async def live_nodes(self) -> int:
         """Nodes with a fresh, signed heartbeat record, this one included."""

@@ -36,6 +36,11 @@ class _PeerFailed(EngramError):
     holder is tried."""
 
 
+class _NotHeld(_PeerFailed):
+    """The holder answered without the block its entry names: evicted meanwhile, or an entry Redis brought back
+    from older data (a restore, a lagging replica): the reader removes the entry (ClusterIndex.forget_unheld)."""
+
+
 class _Unstorable(EngramError):
     """A block that verified could not be stored here (the tier full, a quota, its parent evicted meanwhile):
     copying more of the chain would be for nothing."""
@@ -149,7 +154,7 @@ class PeerFetcher:
                 stored += await self._copy(holder, namespace, fingerprint, parent, chain)
                 return stored
             except _PeerFailed as exc:
-                self._peer_failed(key, holder.node_id, exc)
+                await self._peer_failed(key, holder, exc)
             except _Unstorable as exc:
                 raise NotFound(f"{what} is not stored here, and its chain from a peer could not be stored: "
                                f"{exc}") from None
@@ -176,16 +181,19 @@ class PeerFetcher:
                 await self._copy(holder, namespace, fingerprint, parent, keys)
                 return True
             except _PeerFailed as exc:
-                self._peer_failed(keys[-1], holder.node_id, exc)
+                await self._peer_failed(keys[-1], holder, exc)
         return False
 
-    def _peer_failed(self, key: bytes, node: str, exc: Exception) -> None:
+    async def _peer_failed(self, key: bytes, holder: Holder, exc: Exception) -> None:
         """Count a holder that did not supply a block, and say why: one line each, a burst (a dead or restarted
-        holder met by every lookup) bounded by `_failures_said`, the rest counted in the next line."""
+        holder met by every lookup) bounded by `_failures_said`, the rest counted in the next line. A live holder
+        that lacks the block its entry names has the entry removed, so the next lookup does not ask it again."""
         self.cluster.counters.remote_failures += 1
+        removed = isinstance(exc, _NotHeld) and await self.cluster.forget_unheld(key, holder)
         held = self._failures_said.take()
         if held is not None:
-            log.warning("peer fetch of %s from %s failed: %s%s", key.hex(), node, exc,
+            log.warning("peer fetch of %s from %s failed: %s%s%s", key.hex(), holder.node_id, exc,
+                        "; its holder entry is removed from the index" if removed else "",
                         f" ({held} more failed before this one, not logged)" if held else "")
 
     async def _copy(self, holder: Holder, namespace: str, fingerprint: bytes, parent: bytes,
@@ -221,7 +229,10 @@ class PeerFetcher:
                 async with asyncio.timeout_at(deadline):  # not around the yield: storing is not the peer's time
                     resp = await call.read()
                 if resp is grpc.aio.EOF:
-                    raise _PeerFailed(f"the peer sent {n} of the {len(keys)} blocks asked for (evicted meanwhile)")
+                    # It sends those of `keys` it holds, in order: after keys[:n], none of the rest (the last batch:
+                    # the block the holder's entry names among them)
+                    failed = _NotHeld if last else _PeerFailed
+                    raise failed(f"the peer sent {n} of the {len(keys)} blocks asked for (evicted meanwhile)")
                 c = resp.chunk
                 if c.HasField("header"):
                     mac = resp.mac

@@ -716,7 +716,7 @@ class EngramService:
         return ClusterStats(state=cl.state, reason=cl.reason, node_id=cl.node_id, live_nodes=await cl.live_nodes(),
                             remote_hits=c.remote_hits, remote_bytes=c.remote_bytes,
                             remote_failures=c.remote_failures, published=c.published, reconnects=c.reconnects,
-                            untrusted_records=c.untrusted_records)
+                            untrusted_records=c.untrusted_records, stale_entries_removed=c.stale_entries_removed)
 
     def _namespace_stats(self, ns: str, *, with_salt: bool = False) -> NamespaceStats:
         u = self.store.namespace_usage(ns)

@@ -898,7 +898,7 @@ class FetchBlocksResponse(_message.Message):
     def __init__(self, chunk: _Optional[_Union[BlockChunk, _Mapping]] = ..., parent_key: _Optional[bytes] = ..., namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., mac: _Optional[bytes] = ..., ancestors: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ClusterStats(_message.Message):
-    __slots__ = ("state", "reason", "node_id", "live_nodes", "remote_hits", "remote_bytes", "remote_failures", "published", "reconnects", "untrusted_records")
+    __slots__ = ("state", "reason", "node_id", "live_nodes", "remote_hits", "remote_bytes", "remote_failures", "published", "reconnects", "untrusted_records", "stale_entries_removed")
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -909,6 +909,7 @@ class ClusterStats(_message.Message):
     PUBLISHED_FIELD_NUMBER: _ClassVar[int]
     RECONNECTS_FIELD_NUMBER: _ClassVar[int]
     UNTRUSTED_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    STALE_ENTRIES_REMOVED_FIELD_NUMBER: _ClassVar[int]
     state: str
     reason: str
     node_id: str
@@ -919,7 +920,8 @@ class ClusterStats(_message.Message):
     published: int
     reconnects: int
     untrusted_records: int
-    def __init__(self, state: _Optional[str] = ..., reason: _Optional[str] = ..., node_id: _Optional[str] = ..., live_nodes: _Optional[int] = ..., remote_hits: _Optional[int] = ..., remote_bytes: _Optional[int] = ..., remote_failures: _Optional[int] = ..., published: _Optional[int] = ..., reconnects: _Optional[int] = ..., untrusted_records: _Optional[int] = ...) -> None: ...
+    stale_entries_removed: int
+    def __init__(self, state: _Optional[str] = ..., reason: _Optional[str] = ..., node_id: _Optional[str] = ..., live_nodes: _Optional[int] = ..., remote_hits: _Optional[int] = ..., remote_bytes: _Optional[int] = ..., remote_failures: _Optional[int] = ..., published: _Optional[int] = ..., reconnects: _Optional[int] = ..., untrusted_records: _Optional[int] = ..., stale_entries_removed: _Optional[int] = ...) -> None: ...
 
 class ListNamespacesRequest(_message.Message):
     __slots__ = ()
