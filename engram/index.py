@@ -17,14 +17,20 @@ same prefix (a shared system prompt can have thousands). `ChainIndex.probes` cou
 The index is partitioned by namespace: a match walks only its own namespace's tables, so a lookup by one
 tenant never reads (and so cannot time) another tenant's entries. A flat table by key serves the store's
 own bookkeeping (eviction, recovery), never a tenant's query.
+
+The index also keeps what Stats reports of its blocks (`Tally`: per model and per tier, each namespace's and the
+daemon's; a namespace's logical bytes and referenced blocks), up to date as blocks are added and removed, gain or
+lose a copy in a tier (`add_copy`, `drop_copy`), a pin (`set_pins`) or a session's reference (`add_refs`): Stats
+runs on the daemon's event loop, and walking every block for it (three walks; seconds at a million blocks)
+stalled every request in flight for as long, each time `engram top` or a client's check() asked.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -34,6 +40,8 @@ from engram.layout import DType
 
 if TYPE_CHECKING:
     from engram.eviction import Expected
+
+K = TypeVar("K")  # a tally's key: a tier's name or a model's fingerprint
 
 
 @dataclass(slots=True)
@@ -229,6 +237,33 @@ class _Children:
         return node.ends[0], d
 
 
+@dataclass(slots=True)
+class Tally:
+    """Blocks, stored bytes, tokens and pinned blocks (any pin) of a group of indexed blocks: a model's, or the
+    copies one tier holds."""
+
+    blocks: int = 0
+    nbytes: int = 0
+    tokens: int = 0
+    pinned: int = 0
+
+    def count(self, meta: BlockMeta, sign: int) -> None:
+        self.blocks += sign
+        self.nbytes += sign * meta.nbytes
+        self.tokens += sign * meta.num_tokens
+        if meta.pins:
+            self.pinned += sign
+
+    def copy(self) -> Tally:
+        return Tally(self.blocks, self.nbytes, self.tokens, self.pinned)
+
+    def add(self, other: Tally) -> None:
+        self.blocks += other.blocks
+        self.nbytes += other.nbytes
+        self.tokens += other.tokens
+        self.pinned += other.pinned
+
+
 @dataclass
 class _Space:
     """One namespace's part of the index."""
@@ -237,15 +272,40 @@ class _Space:
     children: dict[bytes, _Children] = field(default_factory=dict)  # parent key -> the blocks extending it
     nbytes: int = 0  # physical bytes: each stored block once
     pinned: int = 0  # bytes of its blocks a tenant's pin keeps (BlockMeta.pin_held): what a pin share counts
-    models: dict[bytes, int] = field(default_factory=dict)  # its blocks per model: a model holding none may go
+    models: dict[bytes, Tally] = field(default_factory=dict)  # its blocks per model: a model holding none may go
+    tiers: dict[str, Tally] = field(default_factory=dict)  # its blocks' copies per tier
+    logical: int = 0  # each block's bytes once per session referencing it (once if none does)
+    referenced: int = 0  # blocks some live session references
 
 
-def _count_down(counts: dict[bytes, int], key: bytes) -> None:
-    left = counts[key] - 1
-    if left:
-        counts[key] = left
-    else:
-        del counts[key]
+def _count_model(models: dict[bytes, Tally], meta: BlockMeta, sign: int) -> None:
+    fp = meta.model_fingerprint
+    t = models.get(fp)
+    if t is None:
+        t = models[fp] = Tally()
+    t.count(meta, sign)
+    if not t.blocks:  # a model holding no block is not listed (holds_model)
+        del models[fp]
+
+
+def _count_copy(tiers: dict[str, Tally], meta: BlockMeta, name: str, sign: int) -> None:
+    t = tiers.get(name)
+    if t is None:
+        t = tiers[name] = Tally()
+    t.count(meta, sign)
+
+
+def _summed(groups: Iterable[dict[K, Tally]]) -> dict[K, Tally]:
+    """The tallies of several groups added up by key (several namespaces' tiers or models), as copies."""
+    out: dict[K, Tally] = {}
+    for group in groups:
+        for name, t in group.items():
+            mine = out.get(name)
+            if mine is None:
+                out[name] = t.copy()
+            else:
+                mine.add(t)
+    return out
 
 
 IndexListener = Callable[[str, BlockMeta], None]  # ("add" | "remove", block): the cluster index follows
@@ -259,7 +319,8 @@ class ChainIndex:
         self._entries: dict[bytes, BlockMeta] = {}
         self.get_entry = self._entries.get  # `get` without a Python frame, for the eviction search's checks
         self._spaces: dict[str, _Space] = {}
-        self._models: dict[bytes, int] = {}  # blocks per model, every namespace's (models_held)
+        self._models: dict[bytes, Tally] = {}  # blocks per model, every namespace's (holds_model, Stats)
+        self._tiers: dict[str, Tally] = {}  # copies per tier, every namespace's (Stats)
         self.listeners: list[IndexListener] = []
         self.pins_listener: PinsListener | None = None
         self.probes = 0  # the work of every match so far: key probes, children compared, trie steps
@@ -329,14 +390,103 @@ class ChainIndex:
             raise AssertionError(f"block {meta.key.hex()} unpinned more often than pinned")
         if (pins, operator_pins) == (meta.pins, meta.operator_pins):
             return
-        was = meta.pin_held
+        was, was_pinned = meta.pin_held, meta.pins > 0
         meta.pins, meta.operator_pins = pins, operator_pins
         if self._entries.get(meta.key) is not meta:
             return
+        if was_pinned != (pins > 0):
+            self._count_pinned(meta, 1 if pins else -1)
         if was != meta.pin_held:
             self._pin_held_changed(self._spaces[meta.namespace], meta, meta.pin_held)
         if self.pins_listener is not None:
             self.pins_listener(meta.key, pins - operator_pins, operator_pins)
+
+    def _count_pinned(self, meta: BlockMeta, sign: int) -> None:
+        space = self._spaces[meta.namespace]
+        fp = meta.model_fingerprint
+        space.models[fp].pinned += sign
+        self._models[fp].pinned += sign
+        for name in meta.locations:
+            space.tiers[name].pinned += sign
+            self._tiers[name].pinned += sign
+
+    def add_copy(self, meta: BlockMeta, tier: str) -> None:
+        """A complete copy of the block in `tier` counts now (joins its locations; the caller keeps them in
+        tier order); an indexed block's figures follow."""
+        meta.locations.append(tier)
+        if self._entries.get(meta.key) is meta:
+            _count_copy(self._spaces[meta.namespace].tiers, meta, tier, 1)
+            _count_copy(self._tiers, meta, tier, 1)
+
+    def drop_copy(self, meta: BlockMeta, tier: str) -> bool:
+        """The block's copy in `tier` no longer counts (leaves its locations); False if it held none there."""
+        if tier not in meta.locations:
+            return False
+        meta.locations.remove(tier)
+        if self._entries.get(meta.key) is meta:
+            _count_copy(self._spaces[meta.namespace].tiers, meta, tier, -1)
+            _count_copy(self._tiers, meta, tier, -1)
+        return True
+
+    def add_refs(self, meta: BlockMeta, delta: int) -> None:
+        """One session's reference more (+1) or fewer (-1) on the block; an indexed block's namespace's logical
+        bytes and referenced blocks follow."""
+        was = meta.refs
+        now = was + delta
+        if now < 0:
+            raise AssertionError(f"block {meta.key.hex()} unreferenced more often than referenced")
+        meta.refs = now
+        if self._entries.get(meta.key) is meta:
+            space = self._spaces[meta.namespace]
+            space.logical += meta.nbytes * (max(1, now) - max(1, was))
+            space.referenced += (now > 0) - (was > 0)
+
+    def _tally(self, space: _Space, meta: BlockMeta, sign: int) -> None:
+        """Count a block in (+1) or out of (-1) its namespace's and the daemon's figures, as it is now."""
+        _count_model(space.models, meta, sign)
+        _count_model(self._models, meta, sign)
+        for name in meta.locations:
+            _count_copy(space.tiers, meta, name, sign)
+            _count_copy(self._tiers, meta, name, sign)
+        space.logical += sign * meta.nbytes * max(1, meta.refs)
+        if meta.refs:
+            space.referenced += sign
+
+    def tier_tallies(self, namespaces: Collection[str] | None = None) -> dict[str, Tally]:
+        """The copies each tier holds: of every namespace, or of `namespaces` only."""
+        if namespaces is None:
+            return _summed((self._tiers,))
+        return _summed(space.tiers for space in (self._spaces.get(ns) for ns in set(namespaces))
+                       if space is not None)
+
+    def model_tallies(self, namespaces: Collection[str] | None = None) -> dict[bytes, Tally]:
+        """Each model's blocks: of every namespace, or of `namespaces` only; a model holding none is left out."""
+        if namespaces is None:
+            return _summed((self._models,))
+        return _summed(space.models for space in (self._spaces.get(ns) for ns in set(namespaces))
+                       if space is not None)
+
+    def namespace_tally(self, namespace: str) -> Tally:
+        """The namespace's blocks, stored bytes, tokens and pinned blocks (its models' tallies added up)."""
+        space = self._spaces.get(namespace)
+        total = Tally()
+        if space is not None:
+            for t in space.models.values():
+                total.add(t)
+        return total
+
+    def block_count(self, namespace: str) -> int:
+        space = self._spaces.get(namespace)
+        return 0 if space is None else len(space.entries)
+
+    def logical_bytes(self, namespace: str) -> int:
+        """Each of the namespace's blocks' bytes once per live session referencing it, once if none does."""
+        space = self._spaces.get(namespace)
+        return 0 if space is None else space.logical
+
+    def referenced_blocks(self, namespace: str) -> int:
+        space = self._spaces.get(namespace)
+        return 0 if space is None else space.referenced
 
     @staticmethod
     def _pin_held_changed(space: _Space, meta: BlockMeta, held: bool) -> None:
@@ -362,9 +512,7 @@ class ChainIndex:
             space = self._spaces[meta.namespace] = _Space()
         space.entries[meta.key] = meta
         space.nbytes += meta.nbytes
-        fp = meta.model_fingerprint
-        space.models[fp] = space.models.get(fp, 0) + 1
-        self._models[fp] = self._models.get(fp, 0) + 1
+        self._tally(space, meta, 1)
         parent = space.entries.get(meta.parent)
         if parent is not None:
             parent.children += 1
@@ -399,8 +547,7 @@ class ChainIndex:
             self.pins_listener(key, 0, 0)
         del space.entries[key]
         space.nbytes -= meta.nbytes
-        _count_down(space.models, meta.model_fingerprint)
-        _count_down(self._models, meta.model_fingerprint)
+        self._tally(space, meta, -1)
         siblings = space.children.get(meta.parent)
         if siblings is not None:
             siblings.remove(key)

@@ -51,12 +51,9 @@ class Inspector:
 
     def namespaces(self) -> list[NamespaceSummary]:
         acc: dict[str, list[int]] = {}
-        for meta in self.store.blocks():
-            row = acc.setdefault(meta.namespace, [0, 0, 0, 0, 0])
-            row[0] += 1
-            row[1] += meta.nbytes
-            row[2] += meta.num_tokens
-            row[3] += meta.pins > 0
+        for ns in self.store.namespaces_in_use():  # the index's tallies: no walk over every block
+            t = self.store.stored_in(ns)
+            acc[ns] = [t.blocks, t.nbytes, t.tokens, t.pinned, 0]
         for s in self.sessions.sessions():
             acc.setdefault(s.namespace, [0, 0, 0, 0, 0])[4] += 1
         return [NamespaceSummary(ns, *row) for ns, row in sorted(acc.items())]

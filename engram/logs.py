@@ -51,7 +51,7 @@ def setup_logging(cfg: LoggingConfig) -> None:
 
 async def report_activity(store: BlockStore, interval_s: float) -> None:
     """Run until cancelled: one line per notable change in the store's counters and tier health."""
-    last = {t.name: t for t in store.tier_stats(per_block=False)}
+    last = {t.name: t for t in store.tier_stats()}
     not_durable = store.counters.blocks_not_durable
     while True:
         await asyncio.sleep(interval_s)
@@ -61,7 +61,7 @@ async def report_activity(store: BlockStore, interval_s: float) -> None:
             log.warning(f"{n} write-through blocks acknowledged without a durable copy in the last {interval_s:g}s "
                         "(tiers.on_nvme_failure = degrade); they are copied to NVMe once it takes writes again",
                         extra={"fields": {"blocks_not_durable": n, "interval_s": interval_s}})
-        for t in store.tier_stats(per_block=False):
+        for t in store.tier_stats():
             old = last[t.name]
             _report_tier(old, t, interval_s)
             if t.state != old.state:

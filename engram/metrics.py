@@ -72,7 +72,7 @@ class StoreCollector(Collector):
                                   value=e.comebacks)
         yield GaugeMetricFamily("engram_eviction_ghosts", "Deleted blocks the eviction model remembers.",
                                 value=e.ghosts)
-        for t in store.tier_stats(per_block=False):
+        for t in store.tier_stats():
             values = {"capacity": t.capacity_bytes, "used": t.used_bytes, "blocks": t.blocks,
                       "degraded": int(t.state != "ok"), "hits": t.hits, "misses": t.misses, "evictions": t.evictions,
                       "demoted": t.demoted_bytes, "promoted": t.promoted_bytes, "corrupt": t.corrupt_blocks,

@@ -43,7 +43,7 @@ from engram.errors import (
     brief,
 )
 from engram.eviction import CLOCK, Expected
-from engram.index import BlockMeta, ChainIndex, PrefixMatch
+from engram.index import BlockMeta, ChainIndex, PrefixMatch, Tally
 from engram.keys import block_key, root_key, tokens_to_bytes
 from engram.layout import DType, ModelSpec
 from engram.logbudget import LogBudget
@@ -877,10 +877,9 @@ class BlockStore:
         """Add (+1) or drop (-1) one session's reference to blocks; eviction prefers unreferenced blocks, then
         those one session holds (engram/eviction.py: read at each victim search). `holder`: the session's
         Expected (when its client said it is back): a block taken points at it, a block dropped forgets it."""
+        add_refs = self.index.add_refs
         for meta in metas:
-            meta.refs += delta
-            if meta.refs < 0:
-                raise AssertionError(f"block {meta.key.hex()} unreferenced more often than referenced")
+            add_refs(meta, delta)
             if delta > 0:
                 meta.holder = holder
             elif meta.holder is holder:
@@ -965,35 +964,33 @@ class BlockStore:
 
     # ---- figures -------------------------------------------------------------------------------
 
-    def tier_stats(self, *, per_block: bool = True) -> tuple[TierStats, ...]:
-        """Every tier's figures; without per_block, tokens and pinned_blocks stay 0 and the index is not
-        walked (what a metrics scrape or the log reporter needs)."""
-        return tier_stats(self.placement, self.index if per_block else ())
+    def tier_stats(self) -> tuple[TierStats, ...]:
+        """Every tier's figures (its blocks' tokens and pins as the index keeps them: no walk over blocks)."""
+        return tier_stats(self.placement, self.index.tier_tallies())
 
     def own_tier_stats(self, namespaces: Sequence[str]) -> tuple[TierStats, ...]:
         """Every tier as a tenant of `namespaces` sees it (counters.own_tier_stats): its copies, not the tier's."""
-        return own_tier_stats(self.placement, (m for ns in namespaces for m in self.index.blocks_in(ns)))
+        return own_tier_stats(self.placement, self.index.tier_tallies(namespaces))
 
     def model_usage(self, namespaces: Sequence[str] | None = None) -> list[ModelUsage]:
         """Blocks, bytes and tokens per registered model: of every namespace, or of `namespaces` only."""
-        acc: dict[bytes, list[int]] = {}
-        metas = self.index if namespaces is None else (m for ns in namespaces for m in self.index.blocks_in(ns))
-        for meta in metas:
-            row = acc.setdefault(meta.model_fingerprint, [0, 0, 0])
-            row[0] += 1
-            row[1] += meta.nbytes
-            row[2] += meta.num_tokens
+        held = self.index.model_tallies(namespaces)
         out = []
         for spec in self.registry:
-            blocks, nbytes, tokens = acc.get(spec.fingerprint, [0, 0, 0])
+            t = held.get(spec.fingerprint)
+            blocks, nbytes, tokens = (0, 0, 0) if t is None else (t.blocks, t.nbytes, t.tokens)
             out.append(ModelUsage(spec.fingerprint, spec.name, spec.codec, blocks, nbytes, tokens,
                                   tokens * spec.layout.bytes_per_token()))
         return out
 
+    def stored_in(self, namespace: str) -> Tally:
+        """A namespace's blocks, stored bytes, tokens and pinned blocks (`engram ls`)."""
+        return self.index.namespace_tally(namespace)
+
     def namespace_usage(self, namespace: str) -> NamespaceUsage:
-        blocks = self.index.blocks_in(namespace)
-        return NamespaceUsage(len(blocks), self.index.physical_bytes(namespace),
-                              sum(m.nbytes * max(1, m.refs) for m in blocks), sum(1 for m in blocks if m.refs))
+        index = self.index
+        return NamespaceUsage(index.block_count(namespace), index.physical_bytes(namespace),
+                              index.logical_bytes(namespace), index.referenced_blocks(namespace))
 
     def decode(self, payload: bytes, meta: BlockMeta, *, device: torch.device | str = "cpu") -> torch.Tensor:
         """A stored payload of `meta` (a K/V layout's block) as its KV tensor, decoded with the daemon's codec

@@ -3,14 +3,14 @@ Stats, the Prometheus collector and the log reporter all read."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engram.api import TierStats
+from engram.index import Tally
 
 if TYPE_CHECKING:
-    from engram.index import BlockMeta
     from engram.store.placement import Placement
 
 
@@ -112,51 +112,36 @@ class NamespaceUsage:
     referenced_blocks: int
 
 
-def tier_stats(placement: Placement, blocks: Iterable[BlockMeta] = ()) -> tuple[TierStats, ...]:
-    """Usage, counters and health of every tier, fastest first; pinned blocks and tokens per tier from one
-    pass over `blocks` (the index; readers that need neither, like the metrics scrape, pass none)."""
-    tokens: dict[str, int] = {}
-    pinned: dict[str, int] = {}
-    for meta in blocks:
-        for name in meta.locations:
-            tokens[name] = tokens.get(name, 0) + meta.num_tokens
-            if meta.pins:
-                pinned[name] = pinned.get(name, 0) + 1
+def tier_stats(placement: Placement, copies: Mapping[str, Tally]) -> tuple[TierStats, ...]:
+    """Usage, counters and health of every tier, fastest first; tokens and pinned blocks from `copies`, the
+    index's tallies of the copies each tier holds."""
     out = []
     for tier in placement.tiers:
         usage = tier.usage()
         tc = placement.counters.tiers[tier.name]
         health = placement.health[tier.name]
+        held = copies.get(tier.name)
         out.append(TierStats(
             name=usage.name, capacity_bytes=usage.capacity_bytes, used_bytes=usage.used_bytes, blocks=usage.blocks,
-            hits=tc.hits, misses=tc.misses, evictions=tc.evictions, pinned_blocks=pinned.get(tier.name, 0),
+            hits=tc.hits, misses=tc.misses, evictions=tc.evictions, pinned_blocks=0 if held is None else held.pinned,
             state=health.state, state_reason=health.reason, demotions=tc.demotions, promotions=tc.promotions,
             io_errors=tc.io_errors, corrupt_blocks=tc.corrupt_blocks, enospc=tc.enospc,
-            tokens=tokens.get(tier.name, 0), demoted_bytes=tc.demoted_bytes, promoted_bytes=tc.promoted_bytes,
+            tokens=0 if held is None else held.tokens, demoted_bytes=tc.demoted_bytes,
+            promoted_bytes=tc.promoted_bytes,
         ))
     return tuple(out)
 
 
-def own_tier_stats(placement: Placement, blocks: Iterable[BlockMeta]) -> tuple[TierStats, ...]:
-    """Every tier as a tenant sees it: its capacity and health, and of `blocks` (its namespaces') the copies
-    there (blocks, stored bytes, tokens, pinned). The tier's own used bytes, blocks and counters move with every
-    other tenant's puts and hits (their growth / bytes per token: another's prompt length): the admin's only."""
-    used: dict[str, int] = {}
-    count: dict[str, int] = {}
-    tokens: dict[str, int] = {}
-    pinned: dict[str, int] = {}
-    for meta in blocks:
-        for name in meta.locations:
-            used[name] = used.get(name, 0) + meta.nbytes
-            count[name] = count.get(name, 0) + 1
-            tokens[name] = tokens.get(name, 0) + meta.num_tokens
-            if meta.pins:
-                pinned[name] = pinned.get(name, 0) + 1
+def own_tier_stats(placement: Placement, copies: Mapping[str, Tally]) -> tuple[TierStats, ...]:
+    """Every tier as a tenant sees it: its capacity and health, and of `copies` (the index's tallies of its
+    namespaces' copies per tier) blocks, stored bytes, tokens and pinned blocks. The tier's own used bytes, blocks
+    and counters move with every other tenant's puts and hits (their growth / bytes per token: another's prompt
+    length): the admin's only."""
     out = []
     for tier in placement.tiers:
         health = placement.health[tier.name]
-        out.append(TierStats(name=tier.name, capacity_bytes=tier.usage().capacity_bytes,
-                             used_bytes=used.get(tier.name, 0), blocks=count.get(tier.name, 0),
-                             tokens=tokens.get(tier.name, 0), pinned_blocks=pinned.get(tier.name, 0),
+        held = copies.get(tier.name) or Tally()
+        out.append(TierStats(name=tier.name, capacity_bytes=tier.usage().capacity_bytes, used_bytes=held.nbytes,
+                             blocks=held.blocks, tokens=held.tokens, pinned_blocks=held.pinned,
                              state=health.state, state_reason=health.reason))
     return tuple(out)

@@ -416,7 +416,7 @@ class InPlacePuts:
         self._hold(res, -meta.nbytes)
         store._quota_pending[res.namespace] -= meta.nbytes  # the block's bytes now count as its own
         placement.model.arrive(meta)
-        meta.locations.append(self.pool.name)
+        store.index.add_copy(meta, self.pool.name)
         ok = True
         if store.write_policy == WritePolicy.WRITE_THROUGH:
             waiters: list[asyncio.Event] = []

@@ -139,7 +139,7 @@ class Placement:
         if moved and self.index.get(meta.key) is not meta:  # deleted while copied (a failed read dropped it):
             await self._discard(i, meta.key)  # the copy would be held by no block, never evicted
             return
-        meta.locations.append(tier.name)
+        self.index.add_copy(meta, tier.name)
         meta.locations.sort(key=self.rank.__getitem__)
         self.victims[tier.name].add(meta)
 
@@ -278,14 +278,12 @@ class Placement:
 
     def _leave(self, meta: BlockMeta, name: str) -> int:
         """The block's copy in tier `name` no longer counts (before the tier deletes it); the tier's index."""
-        if name in meta.locations:
-            meta.locations.remove(name)
-            if name in HOT_TIERS and HOT_TIERS.isdisjoint(meta.locations):
-                for listener in self.went_cold:
-                    try:
-                        listener(meta)
-                    except Exception:  # a listener's bug must not stop the move halfway (a copy no one frees)
-                        log.exception("a went-cold listener failed on block %s", meta.key.hex())
+        if self.index.drop_copy(meta, name) and name in HOT_TIERS and HOT_TIERS.isdisjoint(meta.locations):
+            for listener in self.went_cold:
+                try:
+                    listener(meta)
+                except Exception:  # a listener's bug must not stop the move halfway (a copy no one frees)
+                    log.exception("a went-cold listener failed on block %s", meta.key.hex())
         return self.rank[name]
 
     async def delete_block(self, meta: BlockMeta) -> None:
@@ -356,7 +354,7 @@ class Placement:
             ok = False
         if ok:
             upward = self.rank[tier_name] < min(map(self.rank.__getitem__, meta.locations), default=0)
-            meta.locations.append(tier_name)
+            self.index.add_copy(meta, tier_name)
             meta.locations.sort(key=self.rank.__getitem__)
             self.victims[tier_name].add(meta)
             if upward:
