@@ -153,8 +153,8 @@ class PeerFetcher:
                 chain.reverse()
                 stored += await self._copy(holder, namespace, fingerprint, parent, chain)
                 return stored
-            except _PeerFailed as exc:
-                await self._peer_failed(key, holder, exc)
+            except _PeerFailed as exc:  # a Get names keys, maybe of another namespace: the entry is not judged
+                await self._peer_failed(key, holder, exc, prune=False)
             except _Unstorable as exc:
                 raise NotFound(f"{what} is not stored here, and its chain from a peer could not be stored: "
                                f"{exc}") from None
@@ -184,12 +184,16 @@ class PeerFetcher:
                 await self._peer_failed(keys[-1], holder, exc)
         return False
 
-    async def _peer_failed(self, key: bytes, holder: Holder, exc: Exception) -> None:
+    async def _peer_failed(self, key: bytes, holder: Holder, exc: Exception, *, prune: bool = True) -> None:
         """Count a holder that did not supply a block, and say why: one line each, a burst (a dead or restarted
         holder met by every lookup) bounded by `_failures_said`, the rest counted in the next line. A live holder
-        that lacks the block its entry names has the entry removed, so the next lookup does not ask it again."""
+        that lacks the block its entry names has the entry removed, so the next lookup does not ask it again: only
+        for a lookup's fill (`prune`), whose keys this daemon computed under the caller's namespace's salt, so the
+        holder would hold the block in that namespace. A Get names keys itself: a tenant naming another
+        namespace's keys in its own gets "not held" from a holder that holds them there, and pruning on that
+        let any tenant remove another's entries (the isolation probe's peer fetch, session 46)."""
         self.cluster.counters.remote_failures += 1
-        removed = isinstance(exc, _NotHeld) and await self.cluster.forget_unheld(key, holder)
+        removed = prune and isinstance(exc, _NotHeld) and await self.cluster.forget_unheld(key, holder)
         held = self._failures_said.take()
         if held is not None:
             log.warning("peer fetch of %s from %s failed: %s%s%s", key.hex(), holder.node_id, exc,
