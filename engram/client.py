@@ -665,6 +665,12 @@ class EngramClient(ControlClient):
             return result
         raise refusal
 
+    @property
+    def _progress_every_ms(self) -> int:
+        """How often the daemon is asked to say it is still at work before it answers (a Resume, a data-channel
+        Put): three times within timeout_s, so that one message late does not cut the call."""
+        return min(max(1, int(self.timeout_s * 1000 / 3)), 2**32 - 1)
+
     async def _put_data(self, data: DataChannel, put: pb.PutHeader,
                         blocks: list[tuple[pb.BlockHeader, bytes | memoryview]]) -> PutReply:
         """A chain as data-channel Puts: the blocks' headers, then their payloads as they lie (a raw CPU
@@ -687,10 +693,15 @@ class EngramClient(ControlClient):
             head.CopyFrom(put)
             if keys:
                 head.parent_key = keys[-1]
-            meta = pb.DataPut(header=head, blocks=[h for h, _ in part]).SerializeToString()
+            # PROGRESS frames while the daemon stores the blocks: each is bytes moving, so a put the daemon is
+            # storing from its kernel buffers (a slow disk under write-through) is not cut at timeout_s.
+            meta = pb.DataPut(header=head, blocks=[h for h, _ in part], progress_every_ms=self._progress_every_ms
+                              ).SerializeToString()
 
             async def answer(conn: Conn) -> pb.PutResponse:
                 kind, meta, body = await conn.read_frame()
+                while kind == wire.PROGRESS and not body:
+                    kind, meta, body = await conn.read_frame()
                 if kind == wire.ERROR and not body:
                     raise wire.Refused(wire.error_of(meta))
                 if kind != wire.PUT_OK or body:
@@ -1155,10 +1166,9 @@ class EngramClient(ControlClient):
         KV of [0, position), decoded block by block as it sends them (`ResumeResult.global_kv`)."""
         # Progress messages while the daemon waits for a turn, reads and replays: a replay longer than timeout_s
         # is not cut, since each message is progress (the daemon sends none to a client that does not ask).
-        every_ms = min(max(1, int(self.timeout_s * 1000 / 3)), 2**32 - 1)
         req = pb.ResumeRequest(session=self._ref(session_id, namespace), position=position,
                                with_global_kv=with_global_kv, global_kv_by_block=with_global_kv,
-                               progress_every_ms=every_ms)
+                               progress_every_ms=self._progress_every_ms)
         header: pb.ResumeHeader | None = None
         parts: list[bytes] = []
         kv: _GlobalKV | None = None

@@ -196,6 +196,33 @@ async def test_a_slow_daemon_that_keeps_sending_and_taking_is_waited_for_past_th
         await srv.stop(0)
 
 
+async def test_a_tcp_data_channel_put_the_daemon_stores_from_its_buffers_on_a_slow_disk_is_waited_for(
+        tmp_path: Path) -> None:
+    """Over TCP the kernel acknowledges a Put of small blocks into the daemon's receive buffer at once, and the
+    client's counters stop moving while the daemon stores them one by one (0.3 s a block, write-through): before the
+    daemon sent PROGRESS frames (DataPut.progress_every_ms) such a put was cut at timeout_s every time (a review,
+    session 45: 8 blocks, a 1 s timeout; a unix socket passed, its queue seen shrinking)."""
+    base = {"server.host": "127.0.0.1", "server.port": 0, "tiers.dram.capacity": "128MiB",
+            "tiers.dram.prefault": False, "tiers.nvme.path": str(tmp_path / "nvme"),
+            "tiers.write_policy": "write-through", "tiers.dram.pool": "private"}
+    srv = await start_server(load_config(env={}, overrides=base))
+    try:
+        assert not srv.address.startswith("unix:")
+        srv.store.tiers[-1].fault_hook = lambda op, path: time.sleep(0.3) if op == "write" else None
+        async with EngramClient(srv.address, namespace="t", timeout_s=TIMEOUT_S, zero_copy=False) as client:
+            fp = await client.register_model(SPEC)
+            toks = tokens(8 * 16, seed=10)
+            kv = random_kv(SPEC, len(toks), seed=10)
+            t0 = time.monotonic()
+            put = await client.put(fp, toks, kv)
+            assert time.monotonic() - t0 > 2 * TIMEOUT_S and put.stored == 8
+            assert srv.service.dataport is not None and srv.service.dataport.served["put"] == 1  # not gRPC's Put
+            n, got = await client.get_prefix(fp, toks)
+            assert n == len(toks) and torch.equal(got, kv)
+    finally:
+        await srv.stop(0)
+
+
 async def test_a_load_and_an_in_place_put_whose_daemon_moves_kv_on_a_slow_disk_are_waited_for(
         monkeypatch: Any, tmp_path: Path) -> None:
     """GetPrefix brings a prefix up from NVMe into the pool before it answers, and a write-through CommitPut writes

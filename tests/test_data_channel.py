@@ -970,3 +970,37 @@ async def test_tcp_data_connections_have_keepalive_on_both_ends(server_factory) 
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == wire.KEEPALIVE_IDLE_S
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == wire.KEEPALIVE_INTERVAL_S
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == wire.KEEPALIVE_PROBES
+
+
+async def test_a_put_asking_for_progress_gets_progress_frames_while_the_daemon_stores_and_one_that_does_not_none(
+        server_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """DataPut.progress_every_ms: PROGRESS frames (empty) while the daemon stores the blocks (here a disk taking
+    0.1 s a write-through block), then PUT_OK; a put that does not ask (a client from before, which would take
+    the frame for a wrong answer) gets PUT_OK alone, however long the daemon takes."""
+    srv = await server_factory(**{"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.dram.pool": "private",
+                                  "tiers.write_policy": "write-through"})
+    spec = tiny_model()
+    async with EngramClient(srv.address, namespace=NS, zero_copy=False) as c:
+        fp = await c.register_model(spec)
+    srv.store.tiers[-1].fault_hook = lambda op, path: time.sleep(0.1) if op == "write" else None
+    conn = await raw_conn(srv)
+    for seed, every_ms in ((1, 30), (2, 0)):
+        toks = tokens(4 * 16, seed=seed)
+        kv = random_kv(spec, len(toks), seed=seed)
+        payloads = [raw_payload(kv[:, :, i:i + 16]) for i in range(0, len(toks), 16)]
+        meta = pb.DataPut(header=pb.PutHeader(namespace=NS, model_fingerprint=fp), progress_every_ms=every_ms,
+                          blocks=[block_header(spec, toks[i * 16:(i + 1) * 16], p) for i, p in enumerate(payloads)])
+        await conn.send_frame(wire.PUT, meta.SerializeToString(), *payloads)
+        kinds = []
+        while True:
+            kind, answer, body = await conn.read_frame()
+            assert body == 0 and (kind != wire.PROGRESS or not answer)  # a progress frame is empty
+            kinds.append(kind)
+            if kind != wire.PROGRESS:
+                break
+        assert kinds[-1] == wire.PUT_OK and pb.PutResponse.FromString(bytes(answer)).stored == 4
+        if every_ms:
+            assert len(kinds) >= 5  # 0.4 s of stores at least: a frame each 30 ms
+        else:
+            assert kinds == [wire.PUT_OK]
+    conn.close()

@@ -210,12 +210,14 @@ class DataEndpointResponse(_message.Message):
     def __init__(self, tcp_port: _Optional[int] = ..., unix_path: _Optional[str] = ..., tls: _Optional[bool] = ..., max_request_bytes: _Optional[int] = ...) -> None: ...
 
 class DataPut(_message.Message):
-    __slots__ = ("header", "blocks")
+    __slots__ = ("header", "blocks", "progress_every_ms")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_EVERY_MS_FIELD_NUMBER: _ClassVar[int]
     header: PutHeader
     blocks: _containers.RepeatedCompositeFieldContainer[BlockHeader]
-    def __init__(self, header: _Optional[_Union[PutHeader, _Mapping]] = ..., blocks: _Optional[_Iterable[_Union[BlockHeader, _Mapping]]] = ...) -> None: ...
+    progress_every_ms: int
+    def __init__(self, header: _Optional[_Union[PutHeader, _Mapping]] = ..., blocks: _Optional[_Iterable[_Union[BlockHeader, _Mapping]]] = ..., progress_every_ms: _Optional[int] = ...) -> None: ...
 
 class PutHeader(_message.Message):
     __slots__ = ("namespace", "model_fingerprint", "parent_key", "pin")

@@ -7,13 +7,16 @@ buffer, the daemon's pool slot) and read into where it will live (a fresh block 
 tensor): the kernel's copy is the only one. The control RPCs, and every client in another language, stay on
 gRPC; a Python client uses this channel when the daemon announces one (DataEndpoint) and gRPC otherwise.
 
-Framing (docs/API.md, "Data channel"): every message is a 16-byte frame header `<B3xIQ` (kind, meta length,
+Framing: every message is a 16-byte frame header `<B3xIQ` (kind, meta length,
 body length), then `meta` (a protobuf message, or for an error a 4-byte status code and a UTF-8 message), then
 `body` (payload bytes). A connection opens with HELLO (meta: the bearer token, possibly empty), answered
 HELLO_OK or ERROR. Then requests one at a time:
 - PUT: meta DataPut (PutHeader + the blocks' BlockHeaders), body the payloads back to back; answered PUT_OK
   (meta PutResponse) or ERROR. The daemon reads the whole body even when it refuses, so the connection stays
-  usable.
+  usable. With DataPut.progress_every_ms the daemon sends empty PROGRESS frames before the answer, one whenever
+  that long passed without a frame while it stores the blocks: over TCP a request lies acknowledged in the
+  daemon's kernel buffers long before the daemon has stored it (a write-through put of small blocks to a slow
+  disk), and the client, seeing no bytes move, would cut it at its timeout_s (a gap of session 45).
 - GET: meta GetRequest, no body; answered by one BLOCK frame per block (meta a BlockChunk holding header and
   key, body the payload), then END; or ERROR at any point (the blocks before it were whole).
 A connection may stay idle between requests (a client keeps its connections pooled) up to the daemon's
@@ -50,7 +53,7 @@ FRAME = struct.Struct("<B3xIQ")
 CODE = struct.Struct("<I")
 
 HELLO, PUT, GET = 1, 2, 3
-HELLO_OK, PUT_OK, BLOCK, END, ERROR = 0x81, 0x82, 0x83, 0x84, 0xFF
+HELLO_OK, PUT_OK, BLOCK, END, PROGRESS, ERROR = 0x81, 0x82, 0x83, 0x84, 0x85, 0xFF
 
 MAX_META_BYTES = 64 * 2**20  # a DataPut for thousands of blocks fits; a wild length is refused before reading
 MAX_HELLO_BYTES = 4096  # a bearer token: what a connection not yet authenticated may make the daemon buffer
