@@ -131,25 +131,36 @@ async def test_bytes_that_are_not_what_was_reserved_are_refused_and_nothing_is_p
 
 
 async def test_an_uncommitted_reservation_expires_and_ids_are_per_namespace(server_factory) -> None:  # type: ignore[no-untyped-def]
-    srv = await server_factory(**{"server.lease_s": 0.3})
+    """Each step waits for the reservation's own timer (its expiry, then its slots' release a term later), so its
+    slot is seen held within a full term however loaded the host (fixed sleeps left 0.15 s of it)."""
+    lease_s = 1.0
+    srv = await server_factory(**{"server.lease_s": lease_s})
     spec = tiny_model()
+    loop = asyncio.get_running_loop()
     async with EngramClient(srv.address, namespace="t") as c:
         fp = await c.register_model(spec)
         used = (await c.stats()).tier("dram").used_bytes
         res = await _reserve(srv.address, "t", fp, tokens(BLOCK_TOKENS), spec)
+        reservation = srv.service.inplace.get("t", res.reservation_id)
         assert (await c.stats()).tier("dram").used_bytes > used
         async with grpc.aio.insecure_channel(srv.address) as ch:
             stub = pb_grpc.EngramStub(ch)
             with pytest.raises(grpc.aio.AioRpcError) as info:  # another namespace cannot commit it
                 await stub.CommitPut(pb.CommitPutRequest(namespace="u", reservation_id=res.reservation_id))
             assert info.value.code() == grpc.StatusCode.NOT_FOUND
-            await asyncio.sleep(0.45)
+            expiry = reservation.timer.when()
+            await asyncio.sleep(max(0.0, expiry - loop.time()) + 0.05)
             with pytest.raises(grpc.aio.AioRpcError) as info:  # expired: closed
                 await stub.CommitPut(pb.CommitPutRequest(namespace="t", reservation_id=res.reservation_id))
             assert info.value.code() == grpc.StatusCode.NOT_FOUND and "expired" in info.value.details()
             assert (await c.stats()).tier("dram").used_bytes > used  # its slot held a term more: a late writer's
-            await asyncio.sleep(0.45)
-            assert (await c.stats()).tier("dram").used_bytes == used  # then free again
+            release = reservation.timer.when()
+            assert release >= expiry + lease_s
+            await asyncio.sleep(max(0.0, release - loop.time()) + 0.05)
+            deadline = time.monotonic() + 10
+            while (await c.stats()).tier("dram").used_bytes != used:  # then free again (a task the timer starts)
+                assert time.monotonic() < deadline, "the lapsed reservation's slot was not let go"
+                await asyncio.sleep(0.01)
 
 
 def _raw_headers(spec, toks) -> list[pb.BlockHeader]:  # type: ignore[no-untyped-def]
@@ -172,31 +183,42 @@ def _write_slots(inplace, slots, kv, only=None) -> None:  # type: ignore[no-unty
 async def test_a_reservation_does_not_expire_under_a_commit_of_part_of_it(server_factory) -> None:  # type: ignore[no-untyped-def]
     """A CommitPut of the first block of two takes longer to seal than the reservation has left: the expiry
     waits for it (it once freed the slots being sealed and answered the block as deduplicated, stored
-    nowhere), and the rest gets a full term after it."""
-    srv = await server_factory(**{"server.lease_s": 0.4})
+    nowhere), and the rest gets a full term after it. The seal is held until the first term is over, its
+    expiry's timer due before the seal goes on (it runs first, were it still armed), however long the set-up
+    took; the term only has to outlast the set-up (a 0.4 s term and a 0.6 s seal failed once on a loaded CI)."""
+    lease_s = 1.5
+    srv = await server_factory(**{"server.lease_s": lease_s})
     spec = tiny_model()
     inplace = srv.service.inplace
     toks = tokens(2 * BLOCK_TOKENS, seed=8)
     kv = random_kv(spec, len(toks), seed=8)
+    loop = asyncio.get_running_loop()
     async with EngramClient(srv.address, namespace="t") as c:
         fp = await c.register_model(spec)
         headers = _raw_headers(spec, toks)
         async with grpc.aio.insecure_channel(srv.address) as ch:
             stub = pb_grpc.EngramStub(ch)
             res = await stub.ReservePut(pb.ReservePutRequest(namespace="t", model_fingerprint=fp, blocks=headers))
+            reservation = inplace.get("t", res.reservation_id)
+            assert reservation.timer is not None
+            first_term_ends = reservation.timer.when()  # the loop's time its expiry is due
             _write_slots(inplace, res.slots, kv)  # the worker writes the blocks (in process: into the pool)
             seal = inplace.sealer.seal
+            sealed_from: list[float] = []
 
-            async def slow_seal(tasks):  # type: ignore[no-untyped-def]
-                await asyncio.sleep(0.6)  # a seal of GiBs on a busy host
+            async def seal_after_the_first_term(tasks):  # type: ignore[no-untyped-def]
+                await asyncio.sleep(max(0.0, first_term_ends - loop.time()) + 0.05)  # a seal of GiBs on a busy host
+                sealed_from.append(loop.time())
                 return await seal(tasks)
 
-            inplace.sealer.seal = slow_seal
+            inplace.sealer.seal = seal_after_the_first_term
             first = await stub.CommitPut(pb.CommitPutRequest(namespace="t", reservation_id=res.reservation_id,
                                                              blocks=1))
             inplace.sealer.seal = seal
             assert (first.stored, first.deduplicated) == (1, 0)
-            await asyncio.sleep(0.2)  # within the rest's new term
+            # Still open, due a full term after the seal (not at the first term's end, long past, nor never).
+            assert inplace.get("t", res.reservation_id) is reservation and reservation.timer is not None
+            assert reservation.timer.when() >= sealed_from[0] + lease_s
             rest = await stub.CommitPut(pb.CommitPutRequest(namespace="t", reservation_id=res.reservation_id))
             assert (rest.stored, rest.deduplicated) == (1, 0)
         n, got = await c.get_prefix(fp, toks)

@@ -2,8 +2,9 @@
 replays, and the client's stall bound (no message within timeout_s) cut it DeadlineExceeded though the daemon was
 working (a gap left by session 45: a long window's replay on a CPU, or a real model's, passes 30 s). The client asks
 for progress messages (ResumeRequest.progress_every_ms) and the daemon sends them while it works; a client from
-before asks for none and sees none. A real daemon replaying with a seeded model of a long window (1024: 2,046
-tokens replayed, over a second on a CPU) over a unix socket."""
+before asks for none and sees none. A real daemon over a unix socket replays with a seeded model, held on its replay
+thread for twice the client's timeout first (a real long replay's CPU time made the test's length, and the stalls of
+an event loop sharing a loaded 2-core CI machine with it: 6-20 s a replay, gaps of 0.5 s between messages)."""
 
 from __future__ import annotations
 
@@ -23,23 +24,33 @@ from engram.v1 import engram_pb2_grpc
 from engram.wire.channel import open_channel
 
 BT = 64
-WINDOW = 1024
-TIMEOUT_S = 0.75  # progress every 1/4 s: slack for an event loop sharing a loaded CPU with the replay (0.3 failed once at load 10)
+WINDOW = 64
+# Progress every 1/2 s: a second of slack for an event loop on a loaded CPU (0.3 s failed once at load 10, 0.75 s on
+# CI's 2-core machine). The replay is held twice as long, so it outlasts the timeout on any machine, idle or loaded.
+TIMEOUT_S = 1.5
+REPLAY_S = 2 * TIMEOUT_S
 
 
 @pytest.fixture
-def long_window_model(tmp_path: Path) -> tuple[HybridDecoder, Path]:
+def replay_model(tmp_path: Path) -> tuple[HybridDecoder, Path]:
     model = HybridDecoder(HybridConfig(layers=gpt_oss_pattern(4), window=WINDOW, dtype=torch.float32, seed=3))
-    path = tmp_path / "long-window.safetensors"
+    path = tmp_path / "replay-model.safetensors"
     save_decoder(model, path)
     return model, path
 
 
 @pytest.mark.parametrize("transport", ["unix"])
 async def test_a_resume_whose_replay_outlasts_the_timeout_is_waited_for_and_an_old_client_sees_no_progress(
-        server_factory: Any, long_window_model: tuple[HybridDecoder, Path]) -> None:
-    model, path = long_window_model
+        server_factory: Any, replay_model: tuple[HybridDecoder, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    model, path = replay_model
     srv = await server_factory(**{"replay.models": str(path)})
+    real_rebuild = srv.sessions.runtime.rebuild
+
+    def long_rebuild(*args: Any) -> Any:  # a long replay: the real one, on the replay thread after REPLAY_S
+        time.sleep(REPLAY_S)
+        return real_rebuild(*args)
+
+    monkeypatch.setattr(srv.sessions.runtime, "rebuild", long_rebuild)
     n = exact_bound(model.replay_spec) + BT  # past the exact bound: the whole cone is replayed
     toks = np.random.default_rng(0).integers(0, 256, n, dtype=np.int32)
     # Stored global KV of the right shape; what it holds does not change the replay's work.
