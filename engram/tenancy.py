@@ -140,7 +140,9 @@ class Tenancy:
                 check_tenant(name, merged.tenants[name], f"auth.tenants_file {auth.tenants_file}: tenants.{name}")
         t = cls(resolve_secret(auth.salt_secret, "auth.salt_secret").encode())
         for name, tc in merged.tenants.items():
-            spaces = tuple(n.strip() for n in tc.namespaces.split(",") if n.strip()) or (name,)
+            # Each once, in the order given: one named twice was listed twice in the tenant's Stats, and its
+            # blocks, bytes and pinned bytes (against its pin share) counted twice
+            spaces = tuple(dict.fromkeys(n.strip() for n in tc.namespaces.split(",") if n.strip())) or (name,)
             t._add(resolve_secret(tc.token, f"auth.tenants.{name}.token"), Principal(name, spaces))
             t._tenant_namespaces.update(spaces)
             for ns in spaces:

@@ -20,6 +20,7 @@ from engram.client import EngramClient
 from engram.config import load_config
 from engram.keys import chain_keys
 from engram.server import RunningServer, start_server
+from engram.tenancy import Tenancy
 
 from helpers import BLOCK_TOKENS, random_kv, register_holding, silent_puts, tiny_model, tokens, until
 
@@ -357,6 +358,25 @@ async def test_stats_counts_only_the_callers_namespaces(daemon: RunningServer) -
         stats = await admin.stats()
         assert [(m.blocks, m.tokens) for m in stats.models] == [(5, len(toks) + BLOCK_TOKENS)]
         assert {n.namespace for n in stats.namespaces} == {"alice", "bob"} and stats.replay.sessions == 1
+
+
+async def test_a_namespace_named_twice_in_a_tenants_scope_is_its_once(server_factory: Any) -> None:
+    """auth.tenants.<name>.namespaces naming one twice gave the tenant it twice: its Stats listed the namespace
+    twice, and its pinned bytes counted twice against its pin share (summed over its namespaces). Kept once, in
+    the order given."""
+    config = {**AUTH, "auth.tenants.bob.namespaces": "bob, bob-scratch,bob , bob-scratch"}
+    tenancy = Tenancy.from_config(load_config(env={}, overrides=config).auth)
+    assert tenancy is not None
+    assert {p.name: p.namespaces for p in tenancy.tenants()}["bob"] == ("bob", "bob-scratch")
+    srv = await server_factory(**config)
+    async with as_(srv, BOB) as b:
+        fp = await b.register_model(tiny_model())
+        await b.put(fp, tokens(BLOCK_TOKENS, seed=5), random_kv(tiny_model(), BLOCK_TOKENS, seed=5))
+        assert [n.namespace for n in (await b.stats()).namespaces] == ["bob"]
+    async with as_(srv, BOB, "bob-scratch") as b:  # the second namespace, still in its scope
+        await b.register_model(tiny_model())
+        await b.put(fp, tokens(BLOCK_TOKENS, seed=6), random_kv(tiny_model(), BLOCK_TOKENS, seed=6))
+        assert [n.namespace for n in (await b.stats()).namespaces] == ["bob", "bob-scratch"]
 
 
 async def test_keys_depend_on_the_salt_secret(server_factory: Any) -> None:
