@@ -130,6 +130,7 @@ def stats_renderable(resp: Stats) -> Group:
             ("blocks published", admin(resp, str(c.published))),
             ("rejoins", admin(resp, str(max(0, c.reconnects - 1)))),
             ("untrusted records ignored", admin(resp, str(c.untrusted_records))),
+            ("stale holder entries removed", admin(resp, str(c.stale_entries_removed))),
         ):
             cluster.add_row(name, value)
         parts.append(cluster)

@@ -107,6 +107,7 @@ async def test_a_prefix_written_through_a_is_a_hit_through_b_across_a_redis_rest
         out.print(stats_renderable(await b.stats()))
         text = out.export_text()
         assert "cluster" in text and re.search(r"node\s+│\s+b", text) and re.search(r"rejoins\s+│\s+1", text), text
+        assert re.search(r"stale holder entries removed\s+│\s+0", text), text  # every ClusterStats figure has a row
     proc.kill()
     proc.wait()
 

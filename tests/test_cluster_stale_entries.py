@@ -8,14 +8,19 @@ the evicted block's holder field, SET of the node record), not by restarting Red
 
 from __future__ import annotations
 
+import io
+import json
 import logging
+import re
 import shutil
 from collections.abc import AsyncIterator
 
 import pytest
 import redis
+from rich.console import Console
 
 from engram import errors
+from engram.cli.stats import stats_json, stats_renderable
 from engram.client import EngramClient
 from engram.config import load_config
 from engram.server import RunningServer, start_server
@@ -112,6 +117,10 @@ async def test_a_live_holders_entry_for_a_block_it_evicted_is_removed_by_the_fir
             assert len(said) == 1 and "holder entry is removed" not in said[0], said
         else:
             assert (stats.remote_failures, stats.stale_entries_removed) == (1, 1)
+            shown = Console(width=200, record=True, file=io.StringIO())
+            shown.print(stats_renderable(await b.stats()))  # engram stats says so too, and its --json
+            assert re.search(r"stale holder entries removed\s+│\s+1", shown.export_text()), shown.export_text()
+            assert json.loads(stats_json(await b.stats()))["cluster"]["stale_entries_removed"] == 1
             assert r.hget(record_key(key), "a") is None
             assert len(said) == 1 and "evicted meanwhile" in said[0] and "holder entry is removed" in said[0], said
             await ask()
