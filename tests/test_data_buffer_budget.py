@@ -105,9 +105,10 @@ async def test_a_put_that_finds_the_buffers_full_past_receive_buffer_wait_s_is_r
     async with EngramClient(srv.address, namespace="tenant-a", zero_copy=False, timeout_s=10) as c:
         fp = await c.register_model(spec)
         t0 = time.monotonic()
+        # The daemon's refusal (the message names the budget), not the client's own cut at timeout_s
         with pytest.raises(errors.ResourceExhausted, match=r"server\.receive_buffer_bytes"):
             await c.put(fp, tokens(512, seed=90), random_kv(spec, 512, seed=90))
-        assert 0.5 <= time.monotonic() - t0 < 8
+        assert time.monotonic() - t0 >= 0.5  # after receive_buffer_wait_s
     victim = SlowPut(await raw_conn(srv), "tenant-a", fp, seed=91, tail=1)
     await victim.sending
     await victim.conn.send(victim.tail)
@@ -136,9 +137,9 @@ async def test_one_tenants_slow_puts_hold_at_most_its_share_and_another_tenant_i
     spec = four_mib_model()
     async with EngramClient(srv.address, token="a-tok", namespace="alice", zero_copy=False, timeout_s=10) as c:
         fp = await c.register_model(spec)
-        t0 = time.monotonic()
+        # Bob's puts send nothing more until finish() below, so a put of Alice's waiting behind his share would
+        # wait out her timeout_s and fail DeadlineExceeded: stored means she was not queued behind him.
         assert (await c.put(fp, tokens(512, seed=80), random_kv(spec, 512, seed=80))).stored == 1
-        assert time.monotonic() - t0 < 5, "Alice waited behind Bob's share"
     assert all(r.stored == 1 for r in await asyncio.wait_for(asyncio.gather(*(b.finish() for b in bobs)), 60))
     for b in bobs:
         b.conn.close()

