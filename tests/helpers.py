@@ -304,3 +304,11 @@ async def until(check: Any, what: str, timeout: float = 20.0) -> None:
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"never reached: {what}")
+
+
+def rpcs_answered(srv: Any, method: str, code: str = "OK") -> float:
+    """Calls of `method` the daemon answered with `code`, from its /metrics registry (start it with
+    server.metrics_port -1): what a test counts to know a put went in place (ReservePut) and in how many rounds,
+    which a client falling back to bytes would never show."""
+    assert srv.metrics is not None, "start the daemon with server.metrics_port -1"
+    return srv.metrics.registry.get_sample_value("engram_rpcs_total", {"method": method, "code": code}) or 0.0

@@ -25,7 +25,7 @@ import torch
 from engram import errors
 from engram.client import EngramClient
 
-from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
+from helpers import BLOCK_TOKENS, random_kv, rpcs_answered, tiny_model, tokens
 
 SPEC = tiny_model()
 BLOCK = SPEC.layout.block_nbytes(BLOCK_TOKENS)
@@ -217,7 +217,7 @@ async def test_a_put_of_a_block_whose_durable_copy_is_being_written_waits_for_it
     written: another put of it meanwhile waits, and when that copy fails it is not acknowledged either."""
     srv = await server_factory(**{"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.write_policy": "write-through",
                                   "tiers.dram.pool": "shared", "tiers.dram.capacity": 64 * BLOCK,
-                                  "tiers.retry_s": 0.05})
+                                  "tiers.retry_s": 0.05, "server.metrics_port": -1})
     nvme = srv.store.tiers[-1]
     gate, stuck = threading.Event(), threading.Event()
     state = {"on": True}
@@ -248,12 +248,14 @@ async def test_a_put_of_a_block_whose_durable_copy_is_being_written_waits_for_it
             await first
         with pytest.raises(errors.Unavailable):  # it stored the block itself, and its own copy failed too
             await again
+        # the first put reserved its slot (in place), and so did the second when in place
+        assert rpcs_answered(srv, "ReservePut") == (2 if second == "in place" else 1)
         assert (await other.lookup(fp, toks)).matched_tokens == 0
         _nothing_leaked(srv)
         state["on"] = False
         await asyncio.sleep(0.1)  # past tiers.retry_s
         put = await other.put(fp, toks, kv)
-        assert (put.stored, put.not_durable) == (1, 0)
+        assert (put.stored, put.not_durable) == (1, 0) and (put.reserve_ms > 0) == (second == "in place")
         assert all("nvme" in m.locations for m in srv.store.blocks())
         _nothing_leaked(srv)
 
@@ -287,7 +289,7 @@ async def test_an_in_place_put_of_a_block_a_put_stream_is_storing_is_deduplicate
             put = await in_place.put(fp, toks, kv)
         finally:
             gate.set()
-        assert (put.stored, put.deduplicated, put.not_durable) == (0, 1, 0)
+        assert (put.stored, put.deduplicated, put.not_durable) == (0, 1, 0) and put.reserve_ms > 0  # in place
         assert (await streamed).stored == 1
         _nothing_leaked(srv)
         n, got = await in_place.get_prefix(fp, toks)

@@ -16,7 +16,7 @@ from engram.client import EngramClient
 from engram.server import RunningServer
 from engram.store import BlockStore
 
-from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
+from helpers import BLOCK_TOKENS, random_kv, rpcs_answered, tiny_model, tokens
 
 ALICE, BOB, ADMIN = "alice-token", "bob-token", "admin-token"
 AUTH = {"auth.tenants.alice.token": ALICE, "auth.tenants.bob.token": BOB, "auth.admin_tokens": ADMIN,
@@ -154,14 +154,19 @@ async def test_an_in_place_put_with_pin_that_goes_on_as_bytes_pins_each_block_on
     """An in-place put stopped by the share after a round goes on as bytes from the block it stopped at: it sent
     the whole chain again, so the daemon pinned the blocks of the first round a second time, and Alice's unpin of
     the chain left them pinned (and in her share)."""
-    srv = await start(server_factory, tmp_path, **{"auth.same_host_paths": "on"})
+    srv = await start(server_factory, tmp_path, **{"auth.same_host_paths": "on", "server.metrics_port": -1,
+                                                   "server.metrics_token": "metrics-token"})
     async with as_(srv, ALICE, in_place_min_bytes=0) as a:
         fp = await a.register_model(tiny_model())
         toks = tokens(56 * BLOCK_TOKENS, seed=1)
-        await a.put(fp, toks, random_kv(tiny_model(), len(toks), seed=1), pin=True)
+        assert (await a.put(fp, toks, random_kv(tiny_model(), len(toks), seed=1), pin=True)).reserve_ms > 0
+        reserved = rpcs_answered(srv, "ReservePut")
         toks = tokens(16 * BLOCK_TOKENS, seed=2)
         with pytest.raises(errors.ResourceExhausted, match="max_pinned_fraction_per_tenant"):
             await a.put(fp, toks, random_kv(tiny_model(), len(toks), seed=2), pin=True)
+        # a round reserved in place, the next refused for the share: the rest went on as bytes
+        assert rpcs_answered(srv, "ReservePut") == reserved + 1
+        assert rpcs_answered(srv, "ReservePut", "RESOURCE_EXHAUSTED") == 1
         stored = [b.key for b in (await a.lookup(fp, toks)).blocks]
         assert len(stored) == 8 and pinned(srv) == SHARE  # the round within the share went in place
         assert [m.pins for m in srv.store.find("alice", fp, stored)] == [1] * 8

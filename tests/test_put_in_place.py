@@ -21,7 +21,7 @@ from engram.v1 import engram_pb2 as pb
 from engram.v1 import engram_pb2_grpc as pb_grpc
 from engram.wire import convert
 
-from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
+from helpers import BLOCK_TOKENS, random_kv, rpcs_answered, tiny_model, tokens
 
 CODECS = ["raw", "nvfp4", "mxfp4", "fp8_e4m3"]
 # On a GPU the worker encodes every block of a run in a few launches and copies them device -> pinned pool.
@@ -80,20 +80,23 @@ async def test_kv_of_another_shape_is_refused_on_every_path(server_factory, code
                 with pytest.raises(errors.InvalidArgument, match=r"kv must be \(persisted layers"):
                     await c.put(fp, toks, bad)
             assert (await c.lookup(fp, toks)).matched_tokens == 0  # nothing stored, no reservation left
-            assert (await c.put(fp, toks, kv)).stored == 2
+            put = await c.put(fp, toks, kv)
+            assert put.stored == 2 and (put.reserve_ms > 0) == (ns == "in-place")  # each on its own path
 
 
 async def test_a_chain_longer_than_the_pool_goes_in_rounds(server_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
     spec = tiny_model()
     block = spec.layout.block_nbytes(BLOCK_TOKENS)
     srv = await server_factory(**{"tiers.dram.capacity": 4 * block, "tiers.dram.page_bytes": 256,
-                                  "tiers.nvme.path": str(tmp_path / "nvme")})
+                                  "tiers.nvme.path": str(tmp_path / "nvme"), "server.metrics_port": -1})
     async with EngramClient(srv.address, namespace="t", in_place_min_bytes=0) as c:
         fp = await c.register_model(spec)
         toks = tokens(11 * BLOCK_TOKENS)
         kv = random_kv(spec, len(toks))
         put = await c.put(fp, toks, kv)
         assert put.stored == 11
+        # in place, a round a reservation of at most the 4 blocks the pool holds: 3 rounds or more, none refused
+        assert rpcs_answered(srv, "ReservePut") >= 3 and rpcs_answered(srv, "ReservePut", "RESOURCE_EXHAUSTED") == 0
         n, got = await c.get_prefix(fp, toks)
         assert n == len(toks) and torch.equal(got, kv)
         assert (await c.stats()).tier("nvme").blocks >= 7  # demoted between rounds
@@ -410,6 +413,7 @@ async def test_concurrent_in_place_puts_of_one_client_each_store_their_own_kv(se
         async with EngramClient(srv.address, namespace=f"r{round_}", in_place_min_bytes=0) as local:
             await local.register_model(spec)
             puts = await asyncio.gather(*(local.put(fp, t, kv) for t, kv in zip(prompts, kvs, strict=True)))
+            assert all(put.reserve_ms > 0 for put in puts), f"round {round_}: a put fell back to bytes"
             for i, put in enumerate(puts):
                 got = torch.cat(await local.get(fp, list(put.keys), zero_copy=False), dim=2)
                 assert torch.equal(got, want[i]), f"round {round_}: prompt {i} was stored with other KV"
@@ -596,10 +600,10 @@ async def test_an_in_place_put_of_a_block_held_damaged_in_memory_alone_stores_th
     async with EngramClient(srv.address, namespace="t", in_place_min_bytes=0) as c:
         await c.register_model(spec)
         first = await c.put(fp, toks, kv)
-        assert first.stored == 2
+        assert first.stored == 2 and first.reserve_ms > 0  # in place
         await _damaged_in_memory_only(srv.store, first.keys[0])
         again = await c.put(fp, toks, kv)
-        assert (again.stored, again.skipped, again.not_durable) == (2, 0, 0)
+        assert (again.stored, again.skipped, again.not_durable) == (2, 0, 0) and again.reserve_ms > 0
         assert all(srv.store.block(k).locations == ["dram", "nvme"] for k in first.keys)
         assert (await c.stats()).corrupt_blocks == 1
         n, got = await c.get_prefix(fp, toks)
@@ -669,7 +673,9 @@ async def test_a_block_stored_at_reserve_and_dropped_as_damaged_before_the_commi
     kv = random_kv(spec, len(toks), seed=34)
     async with EngramClient(srv.address, namespace="t", in_place_min_bytes=0) as c:
         await c.register_model(spec)
-        [first] = (await c.put(fp, toks[:BLOCK_TOKENS], kv[:, :, :BLOCK_TOKENS])).keys
+        put = await c.put(fp, toks[:BLOCK_TOKENS], kv[:, :, :BLOCK_TOKENS])
+        assert put.reserve_ms > 0  # in place
+        [first] = put.keys
         await srv.store.drop_copy(srv.store.block(first), "nvme")  # in the pool alone, sound
         async with grpc.aio.insecure_channel(srv.address) as ch:
             stub = pb_grpc.EngramStub(ch)
@@ -684,7 +690,8 @@ async def test_a_block_stored_at_reserve_and_dropped_as_damaged_before_the_commi
             assert "put the chain again" in info.value.details()
         assert srv.store.block(first) is None and (await c.stats()).corrupt_blocks == 1
         assert len(srv.service.inplace.pool._slots) == 0  # nothing left reserved
-        assert (await c.put(fp, toks, kv)).stored == 2
+        again = await c.put(fp, toks, kv)
+        assert again.stored == 2 and again.reserve_ms > 0  # put again in place
         n, got = await c.get_prefix(fp, toks)
         assert n == len(toks) and torch.equal(got, kv)
 
@@ -708,7 +715,7 @@ async def test_an_in_place_put_skips_a_damaged_block_which_a_read_drops_and_the_
     async with EngramClient(srv.address, namespace="t", in_place_min_bytes=0) as c:
         fp = await c.register_model(spec)
         put = await c.put(fp, toks, first)
-        assert put.stored == 2
+        assert put.stored == 2 and put.reserve_ms > 0  # in place
         damaged = put.keys[1]
         if where == "pool":
             store.tiers[0].view(damaged)[-1] ^= 0x40
@@ -722,12 +729,12 @@ async def test_an_in_place_put_skips_a_damaged_block_which_a_read_drops_and_the_
                 data[-1] ^= 0x40
                 path.write_bytes(bytes(data))
         skipped = await c.put(fp, toks, again)
-        assert (skipped.stored, skipped.deduplicated, skipped.skipped) == (0, 0, 2)
+        assert (skipped.stored, skipped.deduplicated, skipped.skipped) == (0, 0, 2) and skipped.reserve_ms > 0
         with pytest.raises(errors.DataLoss):  # a read that verifies (not the hit path's in place): never served
             await c.get(fp, [put.keys[1]], zero_copy=False)
         assert (await c.stats()).corrupt_blocks == 1
         result = await c.put(fp, toks, again)
-        assert (result.stored, result.deduplicated, result.skipped) == (1, 0, 1)
+        assert (result.stored, result.deduplicated, result.skipped) == (1, 0, 1) and result.reserve_ms > 0
         got = await c.get(fp, list(put.keys), zero_copy=False)
         assert torch.equal(got[0], first[:, :, :BLOCK_TOKENS]) and torch.equal(got[1], again[:, :, BLOCK_TOKENS:])
     assert (await store.check(fix=False)).ok

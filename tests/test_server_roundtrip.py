@@ -14,7 +14,7 @@ from engram import errors
 from engram.client import EngramClient
 from engram.layout import DType
 
-from helpers import BLOCK_TOKENS, LEAST_ROOM, long_block_model, random_kv, tiny_model, tokens
+from helpers import BLOCK_TOKENS, LEAST_ROOM, long_block_model, random_kv, rpcs_answered, tiny_model, tokens
 
 
 @pytest.mark.parametrize("dtype", [DType.BF16, DType.FP16, DType.FP32])
@@ -197,7 +197,8 @@ async def test_a_pinned_put_of_a_cached_prefix_pins_the_cached_blocks_too(server
         system = tokens(2 * BLOCK_TOKENS, seed=98)
         kv_sys = random_kv(spec, len(system), seed=98)
         await client.put(fp, system, kv_sys)
-        await client.put(fp, system, kv_sys, pin=True)
+        again = await client.put(fp, system, kv_sys, pin=True)
+        assert (again.reserve_ms > 0) == (path == "in place")  # each put on its own path
         assert (await client.stats()).tiers[0].pinned_blocks == 2
         for s in range(6):
             t = tokens(3 * BLOCK_TOKENS, seed=s)
@@ -420,7 +421,7 @@ async def test_a_chain_longer_than_one_request_may_name_goes_in_parts(server_fac
     default: 64k tokens of 16-token blocks). A longer chain was refused after the daemon had stored the first
     part, or not at all in place, and its hit could not be fetched as bytes; the client now splits each request
     (the daemon says its bound when the model is registered) and every path round-trips 10 blocks."""
-    srv = await server_factory(**{"server.max_blocks_per_request": 4})
+    srv = await server_factory(**{"server.max_blocks_per_request": 4, "server.metrics_port": -1})
     spec = tiny_model()
     kw: dict[str, Any] = {"data channel": {"zero_copy": False}, "grpc": {"zero_copy": False, "data_channel": False},
                           "in place": {"in_place_min_bytes": 0}}[path]
@@ -430,6 +431,7 @@ async def test_a_chain_longer_than_one_request_may_name_goes_in_parts(server_fac
         kv = random_kv(spec, len(toks), seed=12)
         put = await c.put(fp, toks, kv)
         assert put.stored == 10 and len(put.keys) == 10
+        assert rpcs_answered(srv, "ReservePut") == (3 if path == "in place" else 0)  # 4 + 4 + 2 blocks in place
         assert (await c.lookup(fp, toks, probe=True)).matched_tokens == len(toks)
         for zero_copy in (False, True):
             assert torch.equal(torch.cat(await c.get(fp, list(put.keys), zero_copy=zero_copy), dim=2), kv)
