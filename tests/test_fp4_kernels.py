@@ -133,7 +133,7 @@ def check(fmt: str, x: torch.Tensor, config: fp4.KernelConfig | None = None,
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_config_matches_reference(fmt: str, config: fp4.KernelConfig) -> None:
     # 200 columns: NVFP4 pads to 208, MXFP4 to 224; 40 rows leave the last tile part-empty for every config.
-    check(fmt, matrix("mixed", 40, 200, torch.bfloat16, SEED + 1))
+    check(fmt, matrix("mixed", 40, 200, torch.bfloat16, SEED + 1), config)
 
 
 @cpu
