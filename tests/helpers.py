@@ -13,7 +13,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import pytest
@@ -26,6 +26,23 @@ if TYPE_CHECKING:  # the store stays unimported for tests that only need a layou
     from engram.store import BlockStore
 
 BLOCK_TOKENS = 16
+
+# Modules a test file needs that this machine is known to lack, comma-separated (e.g. "triton,transformers"):
+# their files skip, saying so. Unset (as in CI), a missing one fails: see missing().
+TESTS_WITHOUT = "ENGRAM_TESTS_WITHOUT"
+
+
+def missing(module: str, why: str) -> NoReturn:
+    """What a test or test file does when `module` is not installed (its caller checked with find_spec, before
+    importing anything that needs it): fail. It is part of the build (the C codec engram.codec._cpu, compiled by
+    every install) or of the dev extra `make test` installs (triton, transformers), so a skip would only hide a
+    broken install behind a green run. A machine that lacks it on purpose names it in ENGRAM_TESTS_WITHOUT, and
+    the file skips instead."""
+    if module in {name.strip() for name in os.environ.get(TESTS_WITHOUT, "").split(",")}:
+        pytest.skip(f"{module} is not installed: {why} ({TESTS_WITHOUT} names it)", allow_module_level=True)
+    pytest.fail(f"{module} is not installed: {why}. It is a declared dependency of the tests (pyproject.toml, "
+                f"`make test`); on a machine meant to lack it, set {TESTS_WITHOUT}={module} to skip these tests",
+                pytrace=False)
 
 
 def tiny_layout(dtype: DType = DType.BF16, block_tokens: int = BLOCK_TOKENS) -> KVLayout:

@@ -9,6 +9,7 @@ tolerance docs/INTEGRATIONS.md states."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import signal
@@ -20,7 +21,10 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="the transformers integration needs transformers")
+from helpers import missing
+
+if importlib.util.find_spec("transformers") is None:  # a declared test dependency: fails, unless ENGRAM_TESTS_WITHOUT names it
+    missing("transformers", "the transformers integration needs it (pip install -e '.[dev]')")
 
 from engram.client import SyncEngramClient
 from engram.integrations.transformers import EngramPrefixCache, generate, layout_of

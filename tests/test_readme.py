@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import re
 import shlex
 import subprocess
@@ -27,7 +28,7 @@ from engram.cli.main import app
 from engram.client import SyncEngramClient
 from engram.config import config_keys, load_config
 
-from helpers import NEUTRAL_CWD, engram_daemon, random_kv, tiny_model, tokens
+from helpers import NEUTRAL_CWD, engram_daemon, missing, random_kv, tiny_model, tokens
 
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()
@@ -149,7 +150,8 @@ async def _default_codec(address: str) -> str:
 
 def test_transformers_snippet_runs(tmp_path: Path) -> None:
     """README's two-line transformers change, as a script, with a tiny random Llama for `model`."""
-    pytest.importorskip("transformers", reason="the transformers integration needs transformers")
+    if importlib.util.find_spec("transformers") is None:  # a declared test dependency (ENGRAM_TESTS_WITHOUT)
+        missing("transformers", "the transformers integration needs it (pip install -e '.[dev]')")
     block = next(b for b in blocks("python") if "EngramPrefixCache(" in b)
     with engram_daemon(tmp_path) as (address, _):
         script = "\n".join([

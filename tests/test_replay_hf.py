@@ -8,10 +8,15 @@ full forward by ~1e-8 in float64; our decode after a replay is held to HF's incr
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="the HF adapter tests need transformers (pip install transformers)")
+from helpers import missing
+
+if importlib.util.find_spec("transformers") is None:  # a declared test dependency: fails, unless ENGRAM_TESTS_WITHOUT names it
+    missing("transformers", "the HF adapter tests need it (pip install -e '.[dev]')")
 
 from transformers import DynamicCache
 
