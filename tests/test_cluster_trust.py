@@ -243,7 +243,7 @@ def _certs(d: Path) -> dict[str, Path]:
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make certificates")
-async def test_redis_over_tls_with_client_certificates(redis_port: int, daemon_factory: Any, tmp_path: Path) -> None:
+async def test_redis_over_tls_with_client_certificates(daemon_factory: Any, tmp_path: Path) -> None:
     """rediss://: the daemon checks Redis's certificate against cluster.redis_ca_cert and shows its own (Redis
     requires client certificates by default); plaintext to the TLS port, or TLS without a client
     certificate, is refused."""

@@ -230,8 +230,10 @@ async def test_sixteen_concurrent_clients_stay_consistent(server) -> None:  # ty
     kvs = [random_kv(spec, len(t), seed=s) for s, t in enumerate(seqs)]
 
     async def worker(w: int) -> dict[str, int]:
+        """100 random operations; what the daemon told this client it stored and deduplicated, and the blocks it
+        served it."""
         rng = random.Random(w)
-        counts = {"put": 0, "get": 0, "lookup": 0, "stats": 0}
+        told = {"stored": 0, "deduplicated": 0, "served": 0}
         async with EngramClient(server.address, namespace="shared") as c:
             fp = await c.register_model(spec)
             for _ in range(100):
@@ -240,22 +242,29 @@ async def test_sixteen_concurrent_clients_stay_consistent(server) -> None:  # ty
                 if op == "put":
                     res = await c.put(fp, seqs[i], kvs[i])
                     assert len(res.keys) == -(-len(seqs[i]) // BLOCK_TOKENS)
+                    told["stored"] += res.stored
+                    told["deduplicated"] += res.deduplicated
                 elif op == "get":
                     n, got = await c.get_prefix(fp, seqs[i])
                     if got is not None:  # whatever is cached must be exactly what was put
                         assert torch.equal(got, kvs[i][:, :, :n])
+                    told["served"] += -(-n // BLOCK_TOKENS)
                 elif op == "lookup":
                     hit = await c.lookup(fp, seqs[i])
                     assert hit.matched_tokens in (0, *range(BLOCK_TOKENS, len(seqs[i]) + 1))
                 else:
                     await c.stats()
-                counts[op] += 1
-        return counts
+        return told
 
     results = await asyncio.gather(*(worker(w) for w in range(16)))
-    assert sum(sum(r.values()) for r in results) == 1600
     async with EngramClient(server.address, namespace="shared") as c:
         fp = await c.register_model(spec)
+        # The daemon's counters agree with what its 16 concurrent clients were answered, and each block a put
+        # was told stored is one block in the store (no eviction here): none counted twice, none lost.
+        during = await c.stats()
+        assert during.blocks_put == sum(r["stored"] for r in results) == len(list(server.store.blocks("shared")))
+        assert during.blocks_deduplicated == sum(r["deduplicated"] for r in results)
+        assert during.blocks_served == sum(r["served"] for r in results)
         for t, kv in zip(seqs, kvs, strict=True):
             await c.put(fp, t, kv)
             n, got = await c.get_prefix(fp, t)
@@ -349,45 +358,25 @@ async def test_a_client_whose_message_limit_is_below_the_daemons_chunks_still_ge
         assert n == len(toks) and got is not None and torch.equal(got, kv)
 
 
-def test_sync_client_round_trip(server) -> None:  # type: ignore[no-untyped-def]
+async def test_sync_client_round_trip(server) -> None:  # type: ignore[no-untyped-def]
+    """The blocking client against the fixture's daemon, over TCP and the unix socket: it blocks a thread of its
+    own while this test's event loop serves the daemon (it used to start a TCP daemon of its own, so its [unix]
+    id was a second TCP run)."""
     from engram.client import SyncEngramClient
 
-    # The fixture's server runs on this test's event loop, which is not running in a sync test:
-    # start a separate daemon in a subprocess-free way by running the loop in a thread is overkill;
-    # instead the sync client is exercised against its own in-thread daemon.
-    del server
-    import threading
+    spec = tiny_model()
+    toks = tokens(40)
+    kv = random_kv(spec, 40)
 
-    from engram.config import load_config
-    from engram.server import start_server
-
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-    holder: dict[str, object] = {}
-
-    async def boot() -> None:
-        holder["srv"] = await start_server(load_config(env={}, overrides={"server.port": 0,
-                                                                          "tiers.dram.capacity": "64MiB"}))
-        ready.set()
-
-    thread = threading.Thread(target=lambda: (loop.run_until_complete(boot()), loop.run_forever()), daemon=True)
-    thread.start()
-    assert ready.wait(10)
-    srv = holder["srv"]
-    try:
-        spec = tiny_model()
-        with SyncEngramClient(srv.address) as c:  # type: ignore[attr-defined]
+    def round_trip() -> tuple[int, torch.Tensor | None]:
+        with SyncEngramClient(server.address) as c:
             fp = c.register_model(spec)
-            toks = tokens(40)
-            kv = random_kv(spec, 40)
             c.put(fp, toks, kv)
-            n, got = c.get_prefix(fp, toks)
-            assert n == 40 and torch.equal(got, kv)
-    finally:
-        asyncio.run_coroutine_threadsafe(srv.stop(0), loop).result(10)  # type: ignore[attr-defined]
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+            return c.get_prefix(fp, toks)
+
+    n, got = await asyncio.to_thread(round_trip)
+    assert n == 40 and got is not None and torch.equal(got, kv)
+    assert len(list(server.store.blocks())) == 3  # stored by the fixture's daemon
 
 
 async def test_a_token_no_grpc_header_can_carry_is_refused_when_the_client_is_made(server) -> None:  # type: ignore[no-untyped-def]
