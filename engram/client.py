@@ -183,6 +183,7 @@ class EngramClient(ControlClient):
         self._max_tokens = 1 << 62  # tokens a Lookup may name
         self._max_message = max_message_bytes  # bytes of one gRPC message sent: ours, or the daemon's if less
         self._data: DataChannel | None = None
+        self._data_asked: asyncio.Task[DataChannel | None] | None = None  # the DataEndpoint call in flight, shared
         self._layouts: dict[bytes, ModelSpec] = {}
         # The daemon's pools this process maps, for zero-copy Gets, loads, in-place puts and CUDA IPC (each let go
         # once a daemon restart removed it)
@@ -208,6 +209,8 @@ class EngramClient(ControlClient):
         self._loader.close()
         self._writer.close()
         self._pools.clear()
+        if self._data_asked is not None:
+            self._data_asked.cancel()  # a channel it made now would outlive the client
         if self._data is not None:
             await self._data.aclose()
         await super().close()
@@ -598,26 +601,43 @@ class EngramClient(ControlClient):
 
     async def _data_channel(self) -> DataChannel | None:
         """The daemon's data channel, asked for once; None when this client or the daemon has none (an
-        older daemon answers UNIMPLEMENTED), and the call goes over gRPC."""
+        older daemon answers UNIMPLEMENTED), and the call goes over gRPC. Calls that come while it is being
+        asked for wait for that answer: concurrent first calls each asked DataEndpoint and made a channel of
+        their own, and those left behind kept their connections open, counted against the tenant's data
+        connections until server.data_idle_s (an audit, session 47)."""
         if not self._data_wanted:
             return None
-        if self._data is None:
-            try:
-                ep = await deadline.answer(self._stub.DataEndpoint(pb.DataEndpointRequest()), self.timeout_s,
-                                           self.address)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    self._data_wanted = False
-                    return None
-                raise error_from_rpc(exc) from exc
-            unix = self.address.startswith("unix:") and ep.unix_path
-            if not unix and not ep.tcp_port:
+        if self._data is not None:
+            return self._data
+        if self._data_asked is None:
+            self._data_asked = asyncio.ensure_future(self._ask_data_channel())
+            self._data_asked.add_done_callback(self._data_answered)
+        # shielded: a caller cancelled (its own timeout) does not cancel the others' answer
+        return await asyncio.shield(self._data_asked)
+
+    def _data_answered(self, task: asyncio.Task[DataChannel | None]) -> None:
+        """The ask is over: a later call asks again if it failed (or reuses the channel it made)."""
+        self._data_asked = None
+        if not task.cancelled():
+            task.exception()  # retrieved: every waiter may have gone (cancelled) before it failed
+
+    async def _ask_data_channel(self) -> DataChannel | None:
+        try:
+            ep = await deadline.answer(self._stub.DataEndpoint(pb.DataEndpointRequest()), self.timeout_s,
+                                       self.address)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self._data_wanted = False
                 return None
-            host = "" if unix else self.address.rsplit(":", 1)[0].strip("[]")
-            endpoint = Endpoint(unix_path=ep.unix_path if unix else "", host=host, port=ep.tcp_port, tls=ep.tls,
-                                max_request_bytes=ep.max_request_bytes)
-            self._data = DataChannel(endpoint, self._token, self._root_cert, stall_s=self.timeout_s)
+            raise error_from_rpc(exc) from exc
+        unix = self.address.startswith("unix:") and ep.unix_path
+        if not unix and not ep.tcp_port:
+            self._data_wanted = False
+            return None
+        host = "" if unix else self.address.rsplit(":", 1)[0].strip("[]")
+        endpoint = Endpoint(unix_path=ep.unix_path if unix else "", host=host, port=ep.tcp_port, tls=ep.tls,
+                            max_request_bytes=ep.max_request_bytes)
+        self._data = DataChannel(endpoint, self._token, self._root_cert, stall_s=self.timeout_s)
         return self._data
 
     async def _exchange(self, data: DataChannel, kind: int, meta: bytes, body: Sequence[bytes | memoryview],

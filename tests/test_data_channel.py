@@ -24,7 +24,7 @@ from engram.v1 import engram_pb2 as pb
 from engram.wire import convert
 from engram.wire import data as wire
 
-from helpers import BLOCK_TOKENS, random_kv, self_signed_cert, tiny_model, tokens
+from helpers import BLOCK_TOKENS, random_kv, rpcs_answered, self_signed_cert, tiny_model, tokens
 
 NS = "tenant-a"
 
@@ -1005,3 +1005,20 @@ async def test_a_put_asking_for_progress_gets_progress_frames_while_the_daemon_s
         else:
             assert kinds == [wire.PUT_OK]
     conn.close()
+
+
+async def test_concurrent_first_calls_of_one_client_share_one_data_channel(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """Eight puts of a new client at once: each found no data channel yet and asked DataEndpoint for one of its
+    own; the channels left behind kept their connections open after the client closed, counted against the
+    tenant's data connections until server.data_idle_s (300 s). The first call's ask is now shared: one
+    DataEndpoint, and every connection ends when the client closes."""
+    srv = await server_factory(**{"server.metrics_port": -1})
+    spec = tiny_model()
+    prompts = [tokens(8 * BLOCK_TOKENS, seed=200 + i) for i in range(8)]
+    async with EngramClient(srv.address, namespace=NS, zero_copy=False) as c:
+        fp = await c.register_model(spec)
+        puts = await asyncio.gather(*(c.put(fp, t, random_kv(spec, len(t), seed=i)) for i, t in enumerate(prompts)))
+        assert [p.stored for p in puts] == [8] * 8 and served(srv)["put"] == 8  # each over the data channel
+    assert rpcs_answered(srv, "DataEndpoint") == 1
+    port = srv.service.dataport
+    await until(lambda: not port._conns, "the daemon seeing every data connection of the closed client end")
