@@ -157,6 +157,14 @@ class ServerConfig:
     # is refused RESOURCE_EXHAUSTED (on the data channel its body drained, the connection kept): below a client's
     # timeout_s (30 s by default), which would otherwise cut the connection it sees taking nothing.
     receive_buffer_wait_s: float = 10.0
+    # The HTTP/2 receive window of each gRPC stream to the daemon: what a client may send on a call ahead of what the
+    # daemon has read, held in grpc's own buffers, outside receive_buffer_bytes. Fixed, so a Put stream waiting for
+    # room in that budget holds at most this much unread (plus the message it had read): all streams together about
+    # max_concurrent_rpcs times it (2 GiB), where grpc's BDP probing grew each stalled stream's window to a whole
+    # block (96 stalled streams grew a daemon by up to 3 GiB). 4 MiB is the window grpc itself picks on a link whose
+    # bandwidth-delay product is up to 2 MiB (10 Gbit/s at 1.6 ms); a client sending over a longer, faster link
+    # may need more. 0: grpc's BDP probing sizes it (up to 1 GiB a stream).
+    grpc_stream_window_bytes: ByteSize = ByteSize(4 * 2**20)
     # A gRPC stream (Get, Resume, FetchBlocks) whose client takes none of its messages for this long is ended
     # DEADLINE_EXCEEDED and what it held (the block being sent, the blocks' read holds, the tenant's call share) is
     # let go. HTTP/2's flow control shows only whole messages taken, each once the client has read about a window
@@ -422,6 +430,9 @@ class EngramConfig:
                               f"{s.max_concurrent_rpcs_per_tenant}")
         if s.max_message_bytes > 2**31 - 1:
             raise ConfigError(f"server.max_message_bytes is at most 2 GiB - 1 (gRPC's int32), got {s.max_message_bytes}")
+        if s.grpc_stream_window_bytes and not 2**16 <= s.grpc_stream_window_bytes <= 2**30:
+            raise ConfigError("server.grpc_stream_window_bytes must be 0 (grpc's BDP probing) or from 64 KiB to 1 GiB "
+                              f"(grpc's largest), got {s.grpc_stream_window_bytes}")
         for key, value in (("server.max_block_bytes", s.max_block_bytes), ("server.max_models", s.max_models),
                            ("server.max_models_per_tenant", s.max_models_per_tenant),
                            ("server.max_concurrent_rpcs", s.max_concurrent_rpcs),

@@ -9,6 +9,7 @@ tenant holds at most its share."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -162,3 +163,142 @@ async def test_one_tenants_stalled_put_streams_hold_at_most_its_share_and_anothe
     assert await settles_to_zero(srv)
     for b in bobs:
         await b.close()
+
+
+def thirty_two_mib_model():  # type: ignore[no-untyped-def]
+    """four_mib_model's layout with 4096-token blocks: 32 MiB raw."""
+    from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
+
+    return ModelSpec(name="thirty-two", weights_id="w", codec="raw", layout=KVLayout(
+        layers=(LayerSpec(LayerKind.GLOBAL),) * 2, num_kv_heads=8, head_dim=128, dtype=DType.BF16,
+        block_tokens=4096))
+
+
+class CountedPut:
+    """A gRPC Put stream of one 32 MiB block that sends up to `upto` of its bytes in 1 MiB chunks and then waits,
+    counting the bytes whose message grpc has written (the generator is asked for the next message only once the
+    one before was sent): what the daemon's HTTP/2 window let it push."""
+
+    def __init__(self, channel: grpc.aio.Channel, ns: str, fp: bytes, seed: int, upto: int) -> None:
+        spec = thirty_two_mib_model()
+        self.payload = bytes(spec.layout.block_nbytes(4096))
+        self.header = block_header(spec, tokens(4096, seed=seed), self.payload)
+        self.ns, self.fp, self.upto, self.pushed = ns, fp, upto, 0
+        self.call = pb_grpc.EngramStub(channel).Put(self._messages())
+
+    async def _messages(self) -> AsyncIterator[pb.PutRequest]:
+        yield pb.PutRequest(header=pb.PutHeader(namespace=self.ns, model_fingerprint=self.fp))
+        for off in range(0, self.upto, CHUNK):
+            last = off + CHUNK >= len(self.payload)
+            yield pb.PutRequest(chunk=pb.BlockChunk(header=self.header if off == 0 else None,
+                                                    data=self.payload[off:off + CHUNK], last=last))
+            self.pushed += CHUNK
+        if self.upto < len(self.payload):
+            await asyncio.Event().wait()  # stalled: never the last chunk
+
+
+class SlowLink:
+    """A TCP relay to a daemon that delays every byte `delay_s` each way: a link of a longer round trip than
+    loopback's, over which grpc's BDP probing grows a connection's windows with its traffic (over loopback they
+    stayed near grpc's 4 MiB floor unless the machine was loaded, when they grew to whole blocks)."""
+
+    def __init__(self, target: str, delay_s: float) -> None:
+        self.host, port = target.rsplit(":", 1)
+        self.target_port, self.delay_s = int(port), delay_s
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(self.host, self.target_port)
+        self.writers += [writer, up_writer]
+        for src, dst in ((reader, up_writer), (up_reader, writer)):
+            task = asyncio.create_task(self._pipe(src, dst))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+        async def deliver() -> None:
+            while (item := await queue.get())[1]:
+                await asyncio.sleep(item[0] - time.monotonic())
+                dst.write(item[1])
+                await dst.drain()
+
+        delivering = asyncio.create_task(deliver())
+        try:
+            while data := await src.read(2**20):
+                queue.put_nowait((time.monotonic() + self.delay_s, data))
+            queue.put_nowait((0.0, b""))
+            await delivering
+        except ConnectionError:
+            pass
+        finally:
+            delivering.cancel()
+            dst.close()
+
+    async def close(self) -> None:
+        """Both ends of every relayed connection closed: the daemon sees its client gone."""
+        self.server.close()
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for writer in self.writers:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+        await self.server.wait_closed()
+
+
+async def pushed_when_settled(put: CountedPut, quiet_s: float = 1.5, most_s: float = 20.0) -> int:
+    """The bytes `put` had pushed once it pushed nothing more for quiet_s."""
+    last, since, end = -1, time.monotonic(), time.monotonic() + most_s
+    while time.monotonic() < end and time.monotonic() - since < quiet_s:
+        if put.pushed != last:
+            last, since = put.pushed, time.monotonic()
+        await asyncio.sleep(0.05)
+    return put.pushed
+
+
+@pytest.mark.parametrize("transport", ["tcp"])
+async def test_a_put_stream_waiting_for_the_budget_lets_its_sender_push_at_most_its_stream_window(
+        server_factory) -> None:  # type: ignore[no-untyped-def]
+    """Two stalled Put streams hold a 64 MiB budget; a third, whose 32 MiB block waits for room, has its sender
+    push at most server.grpc_stream_window_bytes (4 MiB) past the chunk it was read to, plus the message grpc was
+    asked for while reading it: what it holds in grpc's buffers, outside the budget. grpc's BDP probing grew that
+    window with the traffic, and the waiting stream's sender pushed the block's whole 31 MiB into the daemon
+    unread (96 such streams under a 256 MiB budget grew an `engram serve` by 3 GiB)."""
+    srv = await server_factory(**{"server.max_block_bytes": "32MiB", "server.receive_buffer_bytes": "64MiB",
+                                  "server.receive_buffer_wait_s": 60, "server.data_channel": False})
+    window = srv.service.config.grpc_stream_window_bytes
+    assert window == 4 * 2**20
+    budget = srv.service.receive_budget
+    async with EngramClient(srv.address, namespace="tenant-a", zero_copy=False) as c:
+        fp = await c.register_model(thirty_two_mib_model())
+    link = SlowLink(srv.address, delay_s=0.05)
+    channel = grpc.aio.insecure_channel(await link.start(), options=[("grpc.max_send_message_length", 2**26)])
+    for seed in range(20, 22):  # traffic on the connection, from which grpc's BDP probing grew its window
+        assert (await CountedPut(channel, "tenant-a", fp, seed, upto=32 * CHUNK).call).stored == 1
+    holders = [CountedPut(channel, "tenant-a", fp, seed, upto=CHUNK) for seed in range(2)]
+    for _ in range(500):
+        if budget.used == 64 * 2**20:
+            break
+        await asyncio.sleep(0.01)
+    assert budget.used == 64 * 2**20, "the two stalled puts never took their blocks"
+    waiting = CountedPut(channel, "tenant-a", fp, 9, upto=31 * CHUNK)
+    try:
+        pushed = await pushed_when_settled(waiting)
+        assert budget.waits >= 1 and budget.used == 64 * 2**20
+        assert pushed <= CHUNK + window + 2 * CHUNK, (
+            f"a Put stream waiting for the receive budget let its sender push {pushed >> 20} MiB into the daemon; "
+            f"its stream window is {window >> 20} MiB")
+    finally:
+        for p in (*holders, waiting):
+            p.call.cancel()
+        await channel.close()
+        await link.close()
+    assert await settles_to_zero(srv)

@@ -51,7 +51,7 @@ from engram.tiers.nvme import NvmeTier
 from engram.tiers.shm import mem_available
 from engram.trust import ClusterTrust
 from engram.v1 import engram_pb2
-from engram.wire.channel import message_options, server_keepalive_options
+from engram.wire.channel import message_options, server_keepalive_options, server_receive_window_options
 
 log = logging.getLogger("engram.server")
 
@@ -295,7 +295,8 @@ async def _start(config: EngramConfig, store: BlockStore, sessions: SessionManag
                  trust: ClusterTrust | None, socket_lock: DaemonLock | None) -> RunningServer:
     s = config.server
     sessions = sessions or build_sessions(config, store)
-    options = [*message_options(int(s.max_message_bytes)), *server_keepalive_options(), ("grpc.so_reuseport", 0)]
+    options = [*message_options(int(s.max_message_bytes)), *server_keepalive_options(),
+               *server_receive_window_options(s.grpc_stream_window_bytes), ("grpc.so_reuseport", 0)]
     metrics = MetricsEndpoint() if s.metrics_port else None
     metrics_token = resolve_secret(s.metrics_token, "server.metrics_token") if metrics and s.metrics_token else ""
     open_rpcs = OpenServiceGuard(s.max_concurrent_open_rpcs, s.stream_stall_s)  # health and reflection: no token, a share of their own

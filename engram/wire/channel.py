@@ -88,6 +88,19 @@ def server_keepalive_options() -> list[tuple[str, Any]]:
             ("grpc.http2.min_ping_interval_without_data_ms", int(KEEPALIVE_S * 500))]
 
 
+def server_receive_window_options(window_bytes: int) -> list[tuple[str, Any]]:
+    """A daemon's HTTP/2 receive window per stream, fixed at window_bytes (0: grpc's default, BDP probing). grpc
+    grows a stream's window from its estimate of the link's bandwidth-delay product whether or not the handler
+    reads, so a stalled Put stream's sender could push a whole block into grpc unread (the estimate reached tens of
+    MiB over loopback on a loaded machine); with probing off the window stays grpc.http2.lookahead_bytes. The
+    largest frame a client may send is raised with it, as probing would (to its window; HTTP/2's least is 16 KiB).
+    Only what clients send the daemon: what it sends them follows their windows."""
+    if not window_bytes:
+        return []
+    return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", int(window_bytes)),
+            ("grpc.http2.max_frame_size", min(int(window_bytes), 2**24 - 1))]
+
+
 def open_channel(address: str, *, root_cert: bytes | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_receive_bytes: int | None = None,
                  server_name: str = "") -> grpc.aio.Channel:
