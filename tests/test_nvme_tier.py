@@ -592,9 +592,9 @@ def _journal_writes_fail(monkeypatch: pytest.MonkeyPatch, full: dict[str, bool],
 async def _exercise_a_full_disk_at_start(root: Path, start, free_space, *,  # type: ignore[no-untyped-def]
                                         with_index: bool = True) -> None:
     """A restart on a full disk: the tier cannot create its journal, so it serves its block files without one,
-    degraded (DRAM evicts leaves instead of demoting), leaves no journal file behind and removes the snapshot
-    (what happens from now on is recorded in the files only); once the disk has room, a write opens a journal
-    again, and the next start trusts it. Without `with_index`, the directory has no index/ (a release before
+    degraded (DRAM evicts leaves instead of demoting), leaves no journal file behind and keeps the snapshot (the
+    record of the pins: deleting it lost them); once the disk has room, a write opens a journal again, and the
+    next start trusts it. Without `with_index`, the directory has no index/ (a release before
     the journal wrote it): this start would be the journal's first, and cannot even make its directory."""
     seqs, kvs = await _store_on_disk(root)
     index = root / "index"
@@ -608,7 +608,7 @@ async def _exercise_a_full_disk_at_start(root: Path, start, free_space, *,  # ty
     store = await start()  # the disk is full now
     health = store.health["nvme"]
     assert health.state == "degraded" and "no space" in health.reason and "journal" in health.reason
-    assert listing() == (None if before is None else [n for n in before if n != "snapshot"])
+    assert listing() == before
     for t, kv in zip(seqs, kvs, strict=True):
         n, got = await get_seq(store, t)
         assert n == len(t) and got is not None and torch.equal(got, kv)
@@ -693,9 +693,9 @@ async def test_a_first_start_on_a_real_full_filesystem_without_an_index_director
 async def test_a_journal_append_that_fails_loses_no_block_written_again_with_other_bytes(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A journal append cut short by a full disk mid-run (a block's remove, torn: the entries after it are never
-    read): the tier goes on without its journal and removes the snapshot, so a crash recovers from the files,
-    never trusting the old header for a block written again under its key with other bytes (it dropped that
-    block at its first read); the next write opens a new journal."""
+    read): the tier goes on without its journal, and the next write opens a new one, appending the remove again
+    (and syncing it) before a file of the key is published, so a crash never trusts the old header for a block
+    written again under its key with other bytes (it dropped that block at its first read)."""
     root = tmp_path / "nvme"
     t = tokens(BLOCK_TOKENS, seed=9)
     store = await make_store(root, dram_blocks=64, write_policy="write-through")
@@ -719,6 +719,66 @@ async def test_a_journal_append_that_fails_loses_no_block_written_again_with_oth
     await recovered.close()
     await store.close()
     assert len(parse_entries((root / "index" / "snapshot").read_bytes())[0]) == 1  # journaled again
+
+
+async def test_a_dropped_journals_kept_snapshot_recovers_what_changed_since_after_a_crash_meanwhile_or_after(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A journal dropped by a full disk keeps its snapshot and journals (deleting the snapshot lost every pin at
+    the next start), and stays correct for what changed since: a crash while it is dropped finds a block removed
+    meanwhile gone (its file unlinked, its remove not journaled), the others and their pins as recorded; once it
+    opens again, the removes and pin changes made meanwhile are journaled first, and a crash then recovers a block
+    written again under a removed key with other bytes, a new block the snapshot does not list, and the pins as
+    they are, trusting no stale record."""
+    root = tmp_path / "nvme"
+    seqs = [tokens(2 * BLOCK_TOKENS, seed=s) for s in range(4)]
+    store = await make_store(root, dram_blocks=64, write_policy="write-through")
+    keys = [await put_seq(store, t, random_kv(SPEC, len(t), seed=s), pin=s == 1) for s, t in enumerate(seqs[:3])]
+    await store.close()  # the snapshot: chains 0-2, chain 1 pinned
+    store = await make_store(root, dram_blocks=64, write_policy="write-through")
+    nvme = store.tiers[1]
+    full = {"on": True}
+
+    def hook(op: str, path: Path) -> None:
+        if full["on"] and op in ("journal", "snapshot"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    nvme.fault_hook = hook  # type: ignore[attr-defined]
+    fp = SPEC.fingerprint
+    store.pin(NS, fp, keys[2])  # its entry fails: the journal is dropped
+    for meta in reversed(store.find(NS, fp, keys[0])):
+        await store.placement.delete_block(meta)  # removed meanwhile: files unlinked, no remove journaled
+    assert nvme.trouble is not None and (root / "index" / "snapshot").exists()  # type: ignore[attr-defined]
+
+    def crash_copy(name: str) -> Path:
+        where = tmp_path / name
+        shutil.copytree(root, where, ignore=shutil.ignore_patterns("engram.lock"))
+        return where
+
+    meanwhile = crash_copy("meanwhile")
+    full["on"] = False
+    again = random_kv(SPEC, len(seqs[0]), seed=10)
+    assert await put_seq(store, seqs[0], again) == keys[0]  # opens a journal: what changed is recorded first
+    new = await put_seq(store, seqs[3], random_kv(SPEC, len(seqs[3]), seed=3))
+    assert nvme.trouble is None  # type: ignore[attr-defined]
+    after = crash_copy("after")
+    await store.close()
+    caplog.clear()
+    for where, want_pins in ((meanwhile, {1: 1, 2: 0}), (after, {1: 1, 2: 1}), (root, {1: 1, 2: 1})):
+        recovered = await make_store(where, dram_blocks=64)
+        pins = {m.key: m.pins for m in recovered.blocks(NS)}
+        assert {k: pins[k] for i in want_pins for k in keys[i]} == {
+            k: n for i, n in want_pins.items() for k in keys[i]}, where
+        for s in (1, 2):
+            n, got = await get_seq(recovered, seqs[s])
+            assert n == len(seqs[s]) and got is not None and torch.equal(got, random_kv(SPEC, len(seqs[s]), seed=s))
+        n, got = await get_seq(recovered, seqs[0])
+        if where == meanwhile:
+            assert n == 0 and not any(k in pins for k in keys[0])
+        else:
+            assert n == len(seqs[0]) and got is not None and torch.equal(got, again)
+            assert all(k in pins for k in new)
+        await recovered.close()
+    assert "record was stale" not in caplog.text and "not trusted" not in caplog.text
 
 
 def test_a_journal_append_cut_short_by_the_file_size_limit_is_reported_as_that_not_a_full_disk(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from engram.index import Tally
 
 if TYPE_CHECKING:
     from engram.store.placement import Placement
+    from engram.tiers.base import Tier
 
 
 @dataclass
@@ -119,12 +120,12 @@ def tier_stats(placement: Placement, copies: Mapping[str, Tally]) -> tuple[TierS
     for tier in placement.tiers:
         usage = tier.usage()
         tc = placement.counters.tiers[tier.name]
-        health = placement.health[tier.name]
+        state, reason = tier_state(placement, tier)
         held = copies.get(tier.name)
         out.append(TierStats(
             name=usage.name, capacity_bytes=usage.capacity_bytes, used_bytes=usage.used_bytes, blocks=usage.blocks,
             hits=tc.hits, misses=tc.misses, evictions=tc.evictions, pinned_blocks=0 if held is None else held.pinned,
-            state=health.state, state_reason=health.reason, demotions=tc.demotions, promotions=tc.promotions,
+            state=state, state_reason=reason, demotions=tc.demotions, promotions=tc.promotions,
             io_errors=tc.io_errors, corrupt_blocks=tc.corrupt_blocks, enospc=tc.enospc,
             tokens=0 if held is None else held.tokens, demoted_bytes=tc.demoted_bytes,
             promoted_bytes=tc.promoted_bytes,
@@ -139,9 +140,19 @@ def own_tier_stats(placement: Placement, copies: Mapping[str, Tally]) -> tuple[T
     length): the admin's only."""
     out = []
     for tier in placement.tiers:
-        health = placement.health[tier.name]
+        state, reason = tier_state(placement, tier)
         held = copies.get(tier.name) or Tally()
         out.append(TierStats(name=tier.name, capacity_bytes=tier.usage().capacity_bytes, used_bytes=held.nbytes,
                              blocks=held.blocks, tokens=held.tokens, pinned_blocks=held.pinned,
-                             state=health.state, state_reason=health.reason))
+                             state=state, state_reason=reason))
     return tuple(out)
+
+
+def tier_state(placement: Placement, tier: Tier) -> tuple[str, str]:
+    """A tier's state and why, for Stats: its placement health, and what the tier says is wrong beside it (an
+    NVMe tier whose index journal is dropped takes writes, and shows "ok" by its health alone)."""
+    health = placement.health[tier.name]
+    trouble = getattr(tier, "trouble", None)
+    if not trouble:
+        return health.state, health.reason
+    return "degraded", f"{health.reason}; {trouble}" if health.reason else trouble

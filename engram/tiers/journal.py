@@ -30,9 +30,13 @@ file is opened per try. That later snapshot holds the changes the journal record
 replaying them over it changes nothing, as each entry sets or removes one key's header.
 
 When the journal cannot be written (a full disk, an I/O error: creating a generation, an append, a sync),
-the tier goes on without it: `drop` closes it and removes the snapshot, so the next start reads every block
-file (nothing records the changes made meanwhile), until the tier opens a new generation (at its next write,
-or the next start) and a snapshot is written again. A snapshot taken before the loss is not published.
+the tier goes on without it: `drop` closes it and keeps the snapshot and the journals, the last record of the
+blocks' pins (deleting the snapshot lost every pin at the next start, and then the blocks they had kept).
+They stay true of the files but for what changed since, and a start is right about that too: no block file is
+written while the journal is dropped (the tier opens a new generation before it writes one), so what changed
+is files removed (a start finds them gone, as after a lost remove) and pins; the tier keeps those changes in
+memory and appends them to the new generation it opens (at its next write, a change, or the stop), before
+anything else, with every remove not yet synced. A snapshot taken before the loss is not published.
 
 Format (docs/FORMAT.md, all integers little-endian): a 32-byte file header (magic `ENGRMSNP` or
 `ENGRMJNL`, u16 version 2, u16 flags 0, u32 reserved 0, u64 generation, u64 xxh3_64 of the 24 bytes before
@@ -89,7 +93,7 @@ import logging
 import os
 import struct
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -243,6 +247,9 @@ class IndexJournal:
         self.error: OSError | None = None  # why the journal was dropped, until it is opened again
         self._dir_synced = 0  # the generation whose journal file's own entry in the directory was synced
         self.appended = 0  # entries appended since the last snapshot
+        # The I/O boundary, as the tier's (nvme.py FaultHook): fault(operation, path) may raise. Operations:
+        # "journal" (creating a generation, an append, a sync), "snapshot" (writing one)
+        self.fault: Callable[[str, Path], None] | None = None
 
     # ---- reading -------------------------------------------------------------------------------
 
@@ -342,6 +349,10 @@ class IndexJournal:
                     found.append(NewerFormat(str(path), "index file", version, VERSION))
         return found
 
+    def _fault(self, op: str, path: Path) -> None:
+        if self.fault is not None:
+            self.fault(op, path)
+
     def _untrusted(self, path: Path, why: str) -> None:
         log.warning("index journal: %s is not trusted (%s): this start reads every block file", path, why)
 
@@ -410,6 +421,7 @@ class IndexJournal:
             raise OSError(errno.EOVERFLOW, f"journal generation {gen} does not fit its u64 field; remove the stray "
                           f"journal files in {self.dir}")
         path = self.dir / f"journal.{gen}"
+        self._fault("journal", path)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, FILE_MODE)
         try:
             if os.fstat(fd).st_size == 0:
@@ -429,28 +441,15 @@ class IndexJournal:
             self._drop(exc)
 
     def _drop(self, exc: OSError) -> None:
+        """Close the journal; the snapshot and journals stay (the module's doc: what keeps them true enough)."""
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
         self.error = exc
         self.lost_gen = max(self.lost_gen, self.generation)
-        log.warning("index journal in %s: %s; the tier goes on without it (the next start reads every block "
-                    "file) until it is opened again", self.dir, exc.strerror or exc)
-        try:
-            self.snapshot_path.unlink()  # no longer true of the files: it must not be trusted
-        except FileNotFoundError:
-            return  # none (or no index directory yet): nothing to make durable
-        except OSError as unlink_exc:
-            log.error("could not remove %s: %s (the next start trusts it: a block written again with other bytes "
-                      "meanwhile would be dropped at its first read)", self.snapshot_path, unlink_exc)
-            return
-        if self._fsync:
-            try:
-                sync_directory(self.dir)
-            except OSError as sync_exc:
-                log.warning("could not sync directory %s: %s (a power loss may bring the stale snapshot back)",
-                            self.dir, sync_exc)
+        log.warning("index journal in %s: %s; the tier goes on without it until it can be opened again (its "
+                    "changes meanwhile are held in memory and journaled then)", self.dir, exc.strerror or exc)
 
     def add(self, header: bytes) -> None:
         self._append(encode_entry(ADD, header))
@@ -466,6 +465,7 @@ class IndexJournal:
             if self._fd is None:
                 return
             try:
+                self._fault("journal", self.dir / f"journal.{self.generation}")
                 _write_all(self._fd, entry)  # a crash leaves it whole or torn (skipped)
             except OSError as exc:
                 self._drop(exc)  # entries after a torn one are never read: the journal is no use now
@@ -480,12 +480,13 @@ class IndexJournal:
             if self._fd is None:
                 return
             try:
+                self._fault("journal", self.dir / f"journal.{self.generation}")
                 os.fsync(self._fd)
                 if self._dir_synced != self.generation:
                     sync_directory(self.dir)
                     self._dir_synced = self.generation
             except OSError as exc:
-                self._drop(exc)  # without a snapshot, the next start trusts no entry: none needs to be on disk
+                self._drop(exc)  # the tier keeps its unsynced removes, appended again to the next generation
 
     def rotate(self) -> int | None:
         """Start a new journal generation; returns it (None when the journal is dropped: no snapshot may be
@@ -504,6 +505,7 @@ class IndexJournal:
         Runs in a thread: it may take a second for 100k blocks."""
         tmp = self.dir / "snapshot.tmp"
         try:
+            self._fault("snapshot", tmp)
             with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE), "wb") as fh:
                 fh.write(encode_head(SNAPSHOT_MAGIC, covers_before))
                 buf: list[bytes] = []

@@ -64,6 +64,7 @@ from engram.tiers.journal import IndexJournal, Pins
 log = logging.getLogger(__name__)
 MAX_JOURNALS = 16  # journal files since the snapshot before a start writes a new one (crash restarts add one each)
 SNAPSHOT_RETRY_S = (1.0, 60.0)  # a failed snapshot is tried again after the first, doubling up to the second
+JOURNAL_RETRY_S = (1.0, 60.0)  # a dropped journal is opened again after the first, doubling up to the second
 SUFFIX = ".blk"
 T = TypeVar("T")
 
@@ -111,7 +112,8 @@ class _Checked:
 
 
 # The I/O boundary, replaceable by tests to inject faults (ENOSPC, EIO, a slow disk): fn(operation, path)
-# may raise or sleep. Operations: "write" (a block's temp file), "read", "delete".
+# may raise or sleep. Operations: "write" (a block's temp file), "read", "delete"; the index journal's
+# "journal" (creating a generation, an append, a sync) and "snapshot".
 FaultHook = Callable[[str, Path], None]
 
 
@@ -143,6 +145,8 @@ class NvmeTier:
             self._committer = GroupCommitter(self._pool, sync=fsync, max_blocks=group_commit_blocks,
                                              on_error=self._io_error)
             self._journal = IndexJournal(self.root, fsync=fsync) if journal else None
+            if self._journal is not None:
+                self._journal.fault = self._fault
             if fsync:  # the directories' own entries, made above, survive a power loss (their files' do per write)
                 for d in (self.root.parent, self.root):
                     try:
@@ -160,6 +164,11 @@ class NvmeTier:
         self._snapshot_retry_at = 0.0  # time.monotonic() before which no snapshot is tried after a failure
         self._failed_gen = 0  # the generation a failed snapshot opened: its next try covers it, opening none
         self.journal_error: Exception | None = None  # why the journal could not be opened at start (StorageFull...)
+        # Keys whose record (file, pins) changed while the journal was dropped: the generation opened next records
+        # their state first (journal.py); tried again on a timer, at a write, and at the stop
+        self._unjournaled: set[bytes] = set()
+        self._reopen_failures = 0
+        self._reopen_timer: asyncio.TimerHandle | None = None
         self._compacting: asyncio.Task[None] | None = None
         self.unverified: set[bytes] = set()  # trusted from the journal at start-up, headers not read yet
         # Files a newer Engram wrote, found after the start (journal-trusted, read or checked later): not served,
@@ -244,6 +253,8 @@ class NvmeTier:
                 await deleting.wait()  # the key's old file is being unlinked: that unlink must not take the new one
             if rec.key in self._removed:  # its old header's remove must be on disk before a new file is
                 await self._sync_journal()
+                if rec.key in self._removed:  # the sync failed, dropping the journal: the file waits for a new one
+                    raise self._journal_failure()
         except BaseException:
             self.unreserve(reserved)
             raise
@@ -290,9 +301,8 @@ class NvmeTier:
         stored_len, compressed = out["stored_len"], out["compressed"]
         assert isinstance(stored_len, int) and isinstance(compressed, bool)
         self._add(_File(rec, len(header) + stored_len, stored_len, compressed))
-        if self._journal_open:
-            self._journal.add(header)  # type: ignore[union-attr]
-            self._compact_if_due()
+        self._journaled(rec.key, lambda j: j.add(header))
+        self._compact_if_due()
 
     def note_pins(self, key: bytes, tenant_pins: int, operator_pins: int) -> None:
         """The store's pins on a block (engram/index.py's pins listener; (0, 0): unpinned, or gone), whether or not
@@ -304,8 +314,7 @@ class NvmeTier:
             del self._pins[key]
         else:
             self._pins[key] = pins
-        if self._journal_open:
-            self._journal.pins(key, pins)  # type: ignore[union-attr]
+        self._journaled(key, lambda j: j.pins(key, pins))
 
     @property
     def recorded_pins(self) -> dict[bytes, Pins]:
@@ -317,7 +326,8 @@ class NvmeTier:
         covered = set(self._removed)  # appended before the sync starts; a write of one of them meanwhile syncs too
         if self._journal_open:
             await self._run(self._journal.sync)  # type: ignore[union-attr]
-        self._removed -= covered
+        if self._journal_open:  # a failed sync dropped it: they are appended again to the next generation
+            self._removed -= covered
 
     def _add(self, f: _File) -> None:
         old = self._files.get(f.rec.key)
@@ -395,9 +405,8 @@ class NvmeTier:
             return False
         self._add(f)
         self.unverified.discard(key)
-        if self._journal_open:
-            self._journal.add(header_bytes(f.rec, f.stored_len, compressed=f.compressed))  # type: ignore[union-attr]
-            self._compact_if_due()
+        self._journaled(key, lambda j: j.add(header_bytes(f.rec, f.stored_len, compressed=f.compressed)))
+        self._compact_if_due()
         return True
 
     def set_aside(self, key: bytes, why: NewerFormat) -> None:
@@ -412,8 +421,9 @@ class NvmeTier:
         self.budget.stored += size - f.size
         self.newer_files[key] = size
         self.unverified.discard(key)
-        if self._journal_open:  # else a start after a crash trusted the old record again and served on (an audit)
-            self._journal.remove(key)  # type: ignore[union-attr]  # the next start reads the file, and refuses
+        # Else a start after a crash trusted the old record again and served on (an audit); with its remove, the
+        # next start reads the file, and refuses
+        self._journaled(key, lambda j: j.remove(key))
         if len(self.newer_files) == 1 or len(self.newer_files) % 1000 == 0:
             log.error("%s: left on disk, not served (%d such files so far); the next start refuses %s: stop this "
                       "daemon and start that version, or move the directory away", why, len(self.newer_files),
@@ -435,13 +445,12 @@ class NvmeTier:
         done = self._deleting[key] = asyncio.Event()
         try:
             await self._run(unlink)
-            if self._journal_open:
-                self._journal.remove(key)  # type: ignore[union-attr]  # after the unlink: see journal.py
-                if self.fsync:
-                    self._removed.add(key)
-                    if len(self._removed) > 65536:  # bounded: a sync now and then covers every remove before it
-                        await self._sync_journal()
-                self._compact_if_due()
+            self._journaled(key, lambda j: j.remove(key))  # after the unlink: see journal.py
+            if self.fsync and self._journal_wanted:
+                self._removed.add(key)
+                if len(self._removed) > 65536 and self._journal_open:  # bounded: a sync covers every remove before it
+                    await self._sync_journal()
+            self._compact_if_due()
         finally:
             del self._deleting[key]
             done.set()
@@ -449,10 +458,23 @@ class NvmeTier:
 
     async def close(self, *, snapshot: bool = True) -> None:
         """Wait for writes in flight, write a final journal snapshot (the next start reads only it; without
-        `snapshot`, it replays the journal as after a crash), release the directory."""
+        `snapshot`, it replays the journal as after a crash), release the directory. A journal dropped is opened
+        again first, when the disk lets it: what changed since is recorded then (pins a stop lost otherwise)."""
         if self._compacting is not None:
             with contextlib.suppress(Exception):
                 await self._compacting
+        if snapshot and self._journal_wanted and not self._journal_open:
+            try:
+                self._open_journal()
+            except (StorageFull, StorageIOError) as exc:
+                if self._unjournaled:
+                    log.warning("index journal: still cannot be written at the stop (%s): what changed for %d "
+                                "blocks since it was dropped is not recorded; the next start finds the removed "
+                                "files gone, and restores the pins the journal recorded before (changes since "
+                                "are lost)", exc, len(self._unjournaled))
+        if self._reopen_timer is not None:
+            self._reopen_timer.cancel()
+            self._reopen_timer = None
         if self._journal_open and snapshot:
             with contextlib.suppress(OSError):
                 await self._compact()
@@ -466,21 +488,106 @@ class NvmeTier:
 
     def _open_journal(self) -> None:
         """Open a new journal generation when the tier has none (it could not be created or written: the disk
-        was full, an I/O error): raises StorageFull / StorageIOError while it still cannot be. Until its snapshot
-        is written, the next start reads every block file (journal.py)."""
+        was full, an I/O error) and record in it first what changed meanwhile: raises StorageFull /
+        StorageIOError while it still cannot be (tried again later: `_reopen_soon`)."""
         j = self._journal
         assert j is not None
         try:
             j.open()
         except OSError as exc:
             j.drop(exc)
-            why = "the index journal cannot be created: the next start reads every block file"
-            self.journal_error = (StorageFull(f"no space left on the filesystem of {self.root} ({why})")
-                                  if exc.errno in (errno.ENOSPC, errno.EDQUOT) else
-                                  StorageIOError(f"{why}: {exc.strerror or exc}"))
+            self.journal_error = self._journal_failure()
+            self._reopen_failures += 1
+            self._reopen_soon()
             raise self.journal_error from exc
+        self._record_unjournaled()
+        if not j.is_open:  # an append failed: dropped again
+            self.journal_error = self._journal_failure()
+            self._reopen_failures += 1
+            self._reopen_soon()
+            raise self.journal_error
         self.journal_error = None
+        self._reopen_failures = 0
         self._snapshot_due = True  # compacted at the next change (the write that opened it)
+
+    def _journal_failure(self) -> StorageFull | StorageIOError:
+        """Why the tier has no journal now, as the error a write that needs one fails with."""
+        j = self._journal
+        exc = j.error if j is not None else None
+        why = "its index journal cannot be written"
+        if exc is not None and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return StorageFull(f"no space left on the filesystem of {self.root} ({why})")
+        return StorageIOError(f"{why}: {getattr(exc, 'strerror', None) or exc}")
+
+    def _journaled(self, key: bytes, append: Callable[[IndexJournal], None]) -> None:
+        """Append one key's change to the journal; while it is dropped (or when this append drops it), remember
+        the key: the next generation records its state first (`_record_unjournaled`)."""
+        j = self._journal
+        if j is None:
+            return
+        if j.is_open:
+            append(j)
+            if j.is_open:
+                return
+        if self._journal_wanted:
+            self._unjournaled.add(key)
+            self._reopen_soon()
+
+    def _record_unjournaled(self) -> None:
+        """Append, to a generation just opened, the state of every key that changed while the journal was dropped
+        (its file's header, or a remove; its pins), and again every remove not synced before the drop (a file
+        of the key waits for that sync: journal.py). The snapshot and journals kept through the drop plus these
+        say what the tier holds again."""
+        j = self._journal
+        assert j is not None
+        gone = {k for k in self._removed | self._unjournaled if k not in self._files}
+        for key in gone:
+            j.remove(key)
+        for key in self._unjournaled:
+            f = self._files.get(key)
+            if f is not None:
+                j.add(header_bytes(f.rec, f.stored_len, compressed=f.compressed))
+            j.pins(key, self._pins.get(key, (0, 0)))
+        if j.is_open:
+            if self.fsync:
+                self._removed |= gone
+            self._unjournaled.clear()
+
+    def _reopen_soon(self) -> None:
+        """Try the dropped journal again after a back-off (JOURNAL_RETRY_S), from the event loop, until it opens:
+        pins changed meanwhile would otherwise wait for a write or the stop."""
+        if self._reopen_timer is not None or not self._journal_wanted:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        first, most = JOURNAL_RETRY_S
+        wait = min(most, first * 2 ** min(max(self._reopen_failures - 1, 0), 16))
+        self._reopen_timer = loop.call_later(wait, self._reopen)
+
+    def _reopen(self) -> None:
+        self._reopen_timer = None
+        if not self._journal_wanted or self._journal_open:
+            return
+        try:
+            self._open_journal()
+        except (StorageFull, StorageIOError):
+            return  # (`_open_journal` set the next try)
+        self._compact_if_due()
+
+    @property
+    def trouble(self) -> str | None:
+        """What is wrong with the tier by its own account, beside its placement health (Stats shows it): its
+        index journal dropped. None when nothing is."""
+        j = self._journal
+        if j is None or not self._journal_wanted or j.is_open:
+            return None
+        why = getattr(j.error, "strerror", None) or j.error or "unknown"
+        return (f"its index journal cannot be written ({why}): what changes meanwhile ({len(self._unjournaled)} "
+                "blocks so far) is held in memory and journaled once it can be, tried again at a write, every "
+                f"{JOURNAL_RETRY_S[0]:g}-{JOURNAL_RETRY_S[1]:g} s and at the stop; a crash meanwhile loses the "
+                "pin changes among them")
 
     def _compact_if_due(self) -> None:
         j = self._journal
@@ -762,8 +869,12 @@ class NvmeTier:
             self._journal_wanted = True
             try:
                 self._open_journal()
-            except StorageFull:
-                return report  # serve the files without a journal; the store degrades the tier (journal_error)
+            except StorageFull:  # serve the files without a journal; the store degrades the tier (journal_error)
+                for key in gone:  # recorded once the journal opens (`_record_unjournaled`)
+                    self._journaled(key, functools.partial(_append_remove, key=key))
+                if self.fsync:
+                    self._removed.update(gone)
+                return report
             except StorageIOError as exc:
                 # Not a full disk, which frees up: index/ is a file, read-only, not ours. Started degraded, every
                 # write-through put was refused for good (an audit): the start fails instead (`engram serve`: 9).
@@ -846,10 +957,9 @@ class NvmeTier:
         if f is not None:
             self.budget.stored -= f.size
         self.unverified.discard(key)
-        if self._journal_open:
-            self._journal.remove(key)  # type: ignore[union-attr]
-            if self.fsync:  # as delete: a block put again under this key must not be published before this remove
-                self._removed.add(key)  # is on disk (recovery would trust the old header and drop the new file)
+        self._journaled(key, lambda j: j.remove(key))
+        if self.fsync and self._journal_wanted:  # as delete: a block put again under this key must not be published
+            self._removed.add(key)  # before this remove is on disk (recovery would trust the old header)
 
     def keys(self) -> Iterable[bytes]:
         return self._files.keys()
@@ -873,6 +983,10 @@ class _LazyPath:
     @property
     def path(self) -> Path:
         return Path(self.__fspath__())
+
+
+def _append_remove(journal: IndexJournal, key: bytes) -> None:
+    journal.remove(key)
 
 
 def _key_of(name: str, sub: str) -> bytes | None:
