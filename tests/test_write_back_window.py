@@ -192,3 +192,53 @@ def test_sigterm_flushes_what_only_dram_holds_and_sigkill_after_the_window_loses
     finally:
         finish(proc, signal.SIGTERM)
     _ = EngramClient  # the async client is the same path; the sync one drives a subprocess here
+
+
+async def test_a_stop_just_after_the_disk_has_room_again_flushes_what_only_dram_holds(server_factory,  # type: ignore[no-untyped-def]
+                                                                                       tmp_path: Path) -> None:
+    """A full disk marks the NVMe tier degraded for tiers.retry_s; a stop within that time of the disk having room
+    again copied nothing (the shutdown flush stopped at the mark) and every block held only in DRAM was lost (an
+    audit, session 47). The shutdown flush tries the disk whatever the mark, and stops only at a failure of its
+    own: with the disk still full it gives up at the first block, not after tiers.shutdown_flush_s."""
+    config = {"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.dram.pool": "private",
+              "tiers.write_back_window_s": 0.05, "tiers.retry_s": 60}
+    seqs = {seed: tokens(3 * BLOCK_TOKENS, seed=seed) for seed in range(4)}
+    kvs = {seed: random_kv(SPEC, len(t), seed=seed) for seed, t in seqs.items()}
+
+    async def put_while_full(full: dict[str, bool]):  # type: ignore[no-untyped-def]
+        srv = await server_factory(**config)
+
+        def hook(op: str, path: Path) -> None:
+            if full["on"] and op == "write":
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+        srv.store.tiers[-1].fault_hook = hook
+        async with EngramClient(srv.address, namespace=NS) as client:
+            fp = await client.register_model(SPEC)
+            for seed, toks in seqs.items():
+                await client.put(fp, toks, kvs[seed])
+            for _ in range(500):  # the flusher tries a block and finds the disk full
+                if srv.store.health["nvme"].state == "degraded":
+                    break
+                await asyncio.sleep(0.01)
+            stats = await client.stats()
+            assert stats.tier("nvme").state == "degraded" and stats.write_back_pending_blocks == 12
+        return srv
+
+    full = {"on": True}
+    srv = await put_while_full(full)
+    full["on"] = False  # room again, well within tiers.retry_s
+    await srv.stop(0)
+    srv = await server_factory(**config)
+    async with EngramClient(srv.address, namespace=NS) as client:
+        fp = await client.register_model(SPEC)
+        for seed, toks in seqs.items():
+            n, got = await client.get_prefix(fp, toks)
+            assert n == len(toks) and got is not None and torch.equal(got, kvs[seed])
+    await srv.stop(0)
+
+    config["tiers.nvme.path"] = str(tmp_path / "still-full")
+    srv = await put_while_full({"on": True})
+    t0 = time.monotonic()
+    flushed = await srv.store.flush(30.0)  # what the stop runs first
+    assert (flushed.flushed, flushed.left) == (0, 12) and time.monotonic() - t0 < 5

@@ -36,6 +36,7 @@ class TierHealth:
     state: str = "ok"  # "ok" or "degraded"
     reason: str = ""
     retry_at: float = 0.0
+    failed_at: float = 0.0  # time.monotonic() of the failure that degraded it last
 
 
 @dataclass

@@ -223,8 +223,10 @@ class Flusher:
         return True
 
     async def flush_all(self, deadline_s: float) -> FlushResult:
-        """Copy every block held only in volatile tiers to the durable tier, oldest first, until done or
-        `deadline_s` has passed (shutdown: the DRAM pool is about to be unlinked)."""
+        """Copy every block held only in volatile tiers to the durable tier, oldest first, until done,
+        `deadline_s` has passed, or the tier fails anew (shutdown: the DRAM pool is about to be unlinked). A
+        tier marked degraded by an earlier failure is tried all the same: the disk may have room again within
+        tiers.retry_s of the mark, and a stop then copied nothing, every block held only in memory lost."""
         t0 = time.monotonic()
         placement = self.store.placement
         d = durable_tier(placement)
@@ -241,11 +243,12 @@ class Flusher:
                 await asyncio.sleep(0.005)
             if meta.moving or self._stale(meta, d):
                 continue
-            if not placement.available(d):
-                break
+            tried = time.monotonic()
             if await self._flush(meta, d):
                 flushed += 1
                 nbytes += meta.nbytes
+            elif placement.failed_since(d, tried):  # full (or failing) now: the rest would fail alike
+                break
         left = sum(1 for m in todo if d is not None and not self._stale(m, d))
         self._prune()
         return FlushResult(flushed, nbytes, left, time.monotonic() - t0)

@@ -382,7 +382,13 @@ class Placement:
         if degrade or isinstance(exc, StorageFull):
             h = self.health[name]
             h.state, h.reason = "degraded", f"{exc}; retrying every {self.retry_s:g}s"
-            h.retry_at = time.monotonic() + self.retry_s
+            h.failed_at = time.monotonic()
+            h.retry_at = h.failed_at + self.retry_s
+
+    def failed_since(self, i: int, since: float) -> bool:
+        """Whether tier i was degraded by a failure at or after `since` (time.monotonic())."""
+        h = self.health[self.tiers[i].name]
+        return h.state != "ok" and h.failed_at >= since
 
     def tier_ok(self, i: int) -> None:
         h = self.health[self.tiers[i].name]
