@@ -74,6 +74,30 @@ async def test_write_through_refuses_a_put_it_cannot_make_durable(server_factory
     assert len(nvme) == 5  # type: ignore[arg-type]
 
 
+async def test_a_put_refused_while_the_tier_waits_for_its_retry_says_so_not_that_the_disk_is_full(
+        server_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """After a full disk, puts are refused until tiers.retry_s has passed, without a try: that refusal said "no
+    space left on the filesystem" though the disk may have room again by then (an audit, session 47). It says
+    the tier is marked unavailable after a failure and is tried again at most every tiers.retry_s."""
+    srv = await server_factory(**{"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.write_policy": "write-through",
+                                  "tiers.dram.pool": "private", "tiers.dram.capacity": 64 * BLOCK,
+                                  "tiers.retry_s": 60})
+    hook, state = fault(errno.ENOSPC)
+    srv.store.tiers[-1].fault_hook = hook
+    async with EngramClient(srv.address, namespace=NS) as client:
+        fp = await client.register_model(SPEC)
+        toks = tokens(2 * BLOCK_TOKENS, seed=4)
+        with pytest.raises(errors.Unavailable, match="no space left on the filesystem") as first:
+            await client.put(fp, toks, random_kv(SPEC, len(toks), seed=4))
+        assert "marked unavailable" not in str(first.value)  # the failure itself
+        state["on"] = False  # room again, within tiers.retry_s
+        with pytest.raises(errors.Unavailable) as waiting:
+            await client.put(fp, toks, random_kv(SPEC, len(toks), seed=4))
+        why = str(waiting.value)
+        assert "marked unavailable after a failure" in why and "tiers.retry_s (60 s)" in why, why
+        assert state["hits"] == 1  # not tried
+
+
 @pytest.mark.parametrize("pool", ["private", "shared"])
 async def test_degrade_acknowledges_puts_as_not_durable_counts_and_warns(server_factory, tmp_path: Path,  # type: ignore[no-untyped-def]
                                                                         pool: str, caplog: pytest.LogCaptureFixture

@@ -37,6 +37,7 @@ class TierHealth:
     reason: str = ""
     retry_at: float = 0.0
     failed_at: float = 0.0  # time.monotonic() of the failure that degraded it last
+    cause: str = ""  # that failure
 
 
 @dataclass

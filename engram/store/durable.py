@@ -163,7 +163,7 @@ async def _write_durable(store: BlockStore, meta: BlockMeta, payload: Payload, d
     if indexed and store.index.get(meta.key) is not meta:  # evicted while it waited: a copy would belong to nothing
         raise NotDurable(f"block {index} was evicted while its durable copy waited on a move; put it again")
     if not placement.available(d):
-        return placement.health[name].reason or f"the {name} tier is degraded"
+        return placement.unavailable_why(d)
     if meta.moving:
         return f"another move of the block to the {name} tier did not finish within {placement.wait_for_room_s:g}s"
     meta.moving = True  # not a victim while its durable copy is written

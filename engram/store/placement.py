@@ -381,9 +381,20 @@ class Placement:
             self.counters.tiers[name].io_errors += 1
         if degrade or isinstance(exc, StorageFull):
             h = self.health[name]
-            h.state, h.reason = "degraded", f"{exc}; retrying every {self.retry_s:g}s"
+            h.state, h.cause = "degraded", str(exc)
+            h.reason = f"{exc}; tried again at most every tiers.retry_s ({self.retry_s:g} s)"
             h.failed_at = time.monotonic()
             h.retry_at = h.failed_at + self.retry_s
+
+    def unavailable_why(self, i: int) -> str:
+        """Why tier i takes no write now (not `available`), for a refusal: the failure that marked it and when it
+        is tried again, not a claim that it still stands (a disk full then may have room by now)."""
+        name = self.tiers[i].name
+        h = self.health[name]
+        now = time.monotonic()
+        return (f"the {name} tier is marked unavailable after a failure {now - h.failed_at:.1f} s ago ({h.cause}), "
+                f"and is tried again at most every tiers.retry_s ({self.retry_s:g} s), next in "
+                f"{max(0.0, h.retry_at - now):.1f} s")
 
     def failed_since(self, i: int, since: float) -> bool:
         """Whether tier i was degraded by a failure at or after `since` (time.monotonic())."""
