@@ -699,9 +699,12 @@ class SessionManager:
 
     async def resume(self, namespace: str, session_id: str, position: int = 0, *, tenant: str = "",
                      stage: ResumeStage | None = None) -> Resumed:
-        """The window for a query at `position`, and the blocks of [0, position) (a caller sending their global KV
-        leases them at once, then decodes them one at a time: `global_kv_blocks`). A replay waits for its turn
-        within `tenant`'s share of the queue (`_take_turn`). `stage` is kept telling what it is doing."""
+        """The window for a query at `position`, and the blocks of [0, position), leased (`store.acquire`) from the
+        lookup that finds them: the caller releases them (`store.release(r.blocks)`) once the answer naming them is
+        built, or the global KV it sends from them (`global_kv_blocks`) is sent. Leased only while a replay ran (and
+        not at all for a hot window), a put's eviction between this return and the caller's lease left a block with
+        no copy in the answer: INTERNAL (an audit, session 47). A replay waits for its turn within `tenant`'s share
+        of the queue (`_take_turn`). `stage` is kept telling what it is doing."""
         stage = stage or ResumeStage()
         s = self.get(namespace, session_id)
         self._touch(s)
@@ -710,7 +713,6 @@ class SessionManager:
             raise InvalidArgument(f"session {session_id} has no tokens to resume from; append some first")
         if p > len(s.tokens):
             raise InvalidArgument(f"position {p} is past the session's end ({len(s.tokens)} tokens)")
-        spec = self.store.spec(s.fingerprint)
         match = self.store.lookup(namespace, s.fingerprint, s.tokens[:p])
         self.hold(s)
         if match.matched_tokens < p:
@@ -718,13 +720,24 @@ class SessionManager:
                 f"the global KV of positions [{match.matched_tokens}, {p}) is not stored (never put, or evicted); "
                 "put it again, then Resume"
             )
+        self.store.acquire(match.blocks)  # no await since the lookup: every block has its copies
+        try:
+            return await self._resume_leased(s, p, match.blocks, tenant, stage)
+        except BaseException:
+            self.store.release(match.blocks)
+            raise
+
+    async def _resume_leased(self, s: Session, p: int, blocks: tuple[BlockMeta, ...], tenant: str,
+                             stage: ResumeStage) -> Resumed:
+        """`resume` past its lookup, with the prefix's `blocks` leased."""
+        spec = self.store.spec(s.fingerprint)
         if s.window is not None and s.window.prefix_len == p:
             # The window answered is the one found now: while the global KV is sent, a Suspend, an Append,
             # another Resume or another session pushing this one out of the hot set may replace or drop s.window.
             window, source = s.window, "persisted" if s.kept else "hot"
             if not s.kept:
                 self._mark_hot(s)
-            return Resumed(p, match.blocks, window, source, 0, 0, 0.0)
+            return Resumed(p, blocks, window, source, 0, 0, 0.0)
         lay = spec.layout
         if holds_no_window(lay):
             # W = 1 or no sliding layer: the window has no row, so no replay model is needed, no turn is waited
@@ -733,32 +746,31 @@ class SessionManager:
             window = Window.empty(lay, p)
             if s.mode != SessionMode.PERSIST:
                 self._hold_window(s, window, tenant)
-            return Resumed(p, match.blocks, window, "replay", 0, 0, 0.0)
+            return Resumed(p, blocks, window, "replay", 0, 0, 0.0)
         if s.mode == SessionMode.PERSIST:
             have = "none" if s.window is None else f"one for position {s.window.prefix_len}"
-            raise FailedPrecondition(f"session {session_id} is in persist mode and holds no window for position {p} "
+            raise FailedPrecondition(f"session {s.id} is in persist mode and holds no window for position {p} "
                                      f"({have}); append with the window, or open it in exact mode")
         model = self.runtime.require(spec)
         if s.kept:  # an auto-mode window kept for another position: replaced by this replay's
             self._release_window(s)
         mode = self._auto_replay_mode(s, spec, p) if s.mode == SessionMode.AUTO else s.replay_mode()
-        # The blocks are leased until the answer naming them is built: an eviction during the replay (which
-        # may take seconds) left blocks with no copy in the answer (INTERNAL, found by benchmarks/soak.py).
+        # The blocks stay leased (`resume`) through the replay, which may take seconds: an eviction during it left
+        # blocks with no copy in the answer (INTERNAL, found by benchmarks/soak.py).
         cooled = s.cooled
-        with self.store.reading(match.blocks):
-            await self._take_turn(tenant)  # before the read: a Resume refused for the queue reads and decodes nothing
-            stage.name = "reading"
-            try:
-                global_kv = await self._global_kv(match.blocks, p)
-            except BaseException:
-                self._replay_turns.give_back()
-                raise
-            t0 = time.perf_counter()
-            tokens = torch.as_tensor(s.tokens[:p], dtype=torch.long)
-            stage.name = "replaying"
-            rec = await self._replay(model, tokens, global_kv, mode)  # gives the turn back
-        if self._sessions.get((namespace, session_id)) is not s:  # closed (by its client, or idle) meanwhile
-            raise NotFound(f"session {session_id} was closed during its Resume")
+        await self._take_turn(tenant)  # before the read: a Resume refused for the queue reads and decodes nothing
+        stage.name = "reading"
+        try:
+            global_kv = await self._global_kv(blocks, p)
+        except BaseException:
+            self._replay_turns.give_back()
+            raise
+        t0 = time.perf_counter()
+        tokens = torch.as_tensor(s.tokens[:p], dtype=torch.long)
+        stage.name = "replaying"
+        rec = await self._replay(model, tokens, global_kv, mode)  # gives the turn back
+        if self._sessions.get((s.namespace, s.id)) is not s:  # closed (by its client, or idle) meanwhile
+            raise NotFound(f"session {s.id} was closed during its Resume")
         seconds = time.perf_counter() - t0
         c = self.runtime.counters
         c.replays += 1
@@ -768,7 +780,7 @@ class SessionManager:
         window = Window.from_swa(rec.window, lay.dtype, lay.num_kv_heads, lay.head_dim)
         if s.cooled == cooled:  # else it went cold while this replay ran (a Suspend): it stays so, the answer aside
             self._hold_window(s, window, tenant)
-        return Resumed(p, match.blocks, window, "replay", rec.replayed, rec.token_layers, seconds)
+        return Resumed(p, blocks, window, "replay", rec.replayed, rec.token_layers, seconds)
 
     def _hold_window(self, s: Session, window: Window, tenant: str) -> None:
         """A Resume's window becomes the session's, hot (a window kept for another position: its bytes are given

@@ -56,7 +56,7 @@ from engram.server.requests import (
     safe_decoder,
     token_request_bytes,
 )
-from engram.sessions import ResumeStage, SessionManager, Window, holds_no_window
+from engram.sessions import Resumed, ResumeStage, SessionManager, Window, holds_no_window
 from engram.store import BlockStore, WritePolicy
 from engram.store.durable import durable_tier
 from engram.store.inplace import InPlacePuts
@@ -91,6 +91,31 @@ def _refs(metas: tuple[BlockMeta, ...] | list[BlockMeta], promised: str | None =
         return [pb.BlockRef(key=m.key, num_tokens=m.num_tokens, tier=m.tier, nbytes=m.nbytes) for m in metas]
     return [pb.BlockRef(key=m.key, num_tokens=m.num_tokens, tier=m.tier, nbytes=m.nbytes,
                         not_durable=promised not in m.locations) for m in metas]
+
+
+def _resume_header(r: Resumed, with_global_kv: bool) -> pb.ResumeResponse:
+    """A Resume's header: where it resumes, its window's shape, its blocks (and its global KV's shape). A block
+    lost since the lookup, leased though it is (another reader found its only copy damaged), is FAILED_PRECONDITION,
+    as one never put: read as it is, its tier was an IndexError, INTERNAL."""
+    end = 0
+    for meta in r.blocks:
+        if not meta.locations:
+            raise FailedPrecondition(f"the global KV of positions [{end}, {r.position}) is not stored (a block of it "
+                                     "was lost: evicted, or its copy damaged); put it again, then Resume")
+        end += meta.num_tokens
+    w = r.window
+    kv_header = None
+    if with_global_kv:
+        first = r.blocks[0]  # a Resume's prefix is not empty, and its blocks are all of one layout
+        kv_header = pb.GlobalKVData(dtype=int(first.dtype),  # type: ignore[arg-type]
+                                    shape=[*first.shape[:2], r.position, *first.shape[3:]])
+    return pb.ResumeResponse(header=pb.ResumeHeader(
+        position=r.position, source=r.source, replayed_tokens=r.replayed, token_layers=r.token_layers,
+        replay_s=r.seconds, blocks=_refs(r.blocks),
+        window=pb.SwaWindowData(prefix_len=w.prefix_len, start=w.start, dtype=int(w.dtype),  # type: ignore[arg-type]
+                                shape=list(w.shape), checksum=w.checksum),
+        global_kv=kv_header,
+    ))
 
 
 def _promised_tier(store: BlockStore) -> str | None:
@@ -820,6 +845,7 @@ class EngramService:
             namespace_for(context, req.session.namespace), req.session.session_id, req.position,
             tenant=self._tenant(context), stage=stage))
         resuming.add_done_callback(lambda done: done.cancelled() or done.exception())  # one the client left is seen
+        r: Resumed | None = None
         try:
             # Until the answer, a message each progress_every_ms: the client's bound on the wait for each message
             # (its timeout_s) cut a replay that outlasted it, though the daemon was working (a gap of session 45).
@@ -829,21 +855,18 @@ class EngramService:
             r = await resuming
         finally:
             resuming.cancel()  # the client went: a wait for a turn ends, a running replay keeps its turn till done
-        # Held from here (no wait since the blocks were found) until the stream ends, as a Get holds its blocks.
-        with self.store.reading(r.blocks if req.with_global_kv else ()):
+            if r is None:  # nobody takes its answer: one that comes all the same gives its blocks' leases back
+                resuming.add_done_callback(self._release_unanswered)
+        # The blocks come leased (SessionManager.resume) and stay so until the header naming them is built, and with
+        # the global KV until the stream ends, as a Get holds its blocks.
+        leased = r.blocks
+        try:
+            header = _resume_header(r, req.with_global_kv)
+            if not req.with_global_kv:  # the rest is the window's bytes: a slow reader holds no block for them
+                self.store.release(leased)
+                leased = ()
+            yield header
             w = r.window
-            kv_header = None
-            if req.with_global_kv:
-                first = r.blocks[0]  # a Resume's prefix is not empty, and its blocks are all of one layout
-                kv_header = pb.GlobalKVData(dtype=int(first.dtype),  # type: ignore[arg-type]
-                                            shape=[*first.shape[:2], r.position, *first.shape[3:]])
-            yield pb.ResumeResponse(header=pb.ResumeHeader(
-                position=r.position, source=r.source, replayed_tokens=r.replayed, token_layers=r.token_layers,
-                replay_s=r.seconds, blocks=_refs(r.blocks),
-                window=pb.SwaWindowData(prefix_len=w.prefix_len, start=w.start, dtype=int(w.dtype),  # type: ignore[arg-type]
-                                        shape=list(w.shape), checksum=w.checksum),
-                global_kv=kv_header,
-            ))
             step = self.config.chunk_bytes
             for frame in bytes_frames(2, w.data, step):  # ResumeResponse.window_chunk, serialized
                 yield frame
@@ -854,6 +877,12 @@ class EngramService:
                 yield pb.ResumeResponse(global_kv_block=pb.GlobalKVBlock(tokens=kv.shape[2], checksum=checksum(data)))
                 for frame in bytes_frames(3, data, step):  # ResumeResponse.global_kv_chunk
                     yield frame
+        finally:
+            self.store.release(leased)
+
+    def _release_unanswered(self, done: asyncio.Future[Resumed]) -> None:
+        if not done.cancelled() and done.exception() is None:
+            self.store.release(done.result().blocks)
 
     @unary
     async def DataEndpoint(self, request: Any, context: grpc.aio.ServicerContext) -> pb.DataEndpointResponse:
