@@ -10,6 +10,7 @@ before the service sees the answer, a second client's put needs the memory the s
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
@@ -110,3 +111,37 @@ async def test_a_block_lost_between_the_resumes_answer_and_its_stream_is_failed_
         with pytest.raises(errors.FailedPrecondition, match=r"positions \[48, 53\) is not stored.*put it again"):
             await client.resume(sid)
         assert "internal error" not in caplog.text
+
+
+async def test_a_resume_whose_client_went_before_its_answer_gives_its_leases_back(
+        server_factory: Any, model_file: Path, model: HybridDecoder) -> None:
+    """The lease SessionManager.resume hands over is given back when nobody takes the answer: the client cancelled
+    while the answer was on its way (a block leased for ever is never evicted). Guards the lease above: with none
+    handed over, the tree before it passes this too."""
+    srv = await server_factory(**{"replay.models": str(model_file), "tiers.dram.capacity": CAPACITY})
+    toks = tokens_for(P, seed=64)
+    gate, answered = asyncio.Event(), asyncio.Event()
+    async with EngramClient(srv.address, namespace="a") as client:
+        fp, sid = await _session(client, model, toks)
+        blocks = srv.store.lookup("a", fp, toks).blocks
+
+        async def hold_the_answer() -> None:
+            answered.set()
+            try:
+                await gate.wait()
+            except asyncio.CancelledError:  # the handler's cancel came too late for this task: it answers anyway
+                await gate.wait()
+
+        _after_answer(srv, hold_the_answer)
+        call = asyncio.ensure_future(client.resume_kv(fp, sid))
+        await answered.wait()
+        assert all(b.leases == 1 for b in blocks)
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        for _ in range(200):  # the daemon sees the cancellation, then the task answers nobody
+            await asyncio.sleep(0.01)
+            gate.set()
+            if all(b.leases == 0 for b in blocks):
+                break
+        assert [b.leases for b in blocks] == [0] * len(blocks)
