@@ -15,6 +15,7 @@ Llama-class ones (126 layers, 8 KV heads of 128) and 64K-token blocks fit with r
 from __future__ import annotations
 
 import math
+import unicodedata
 
 from engram.errors import InvalidArgument
 
@@ -42,8 +43,22 @@ def check_namespace(namespace: str) -> str:
     return namespace
 
 
+# Control characters (C0, DEL, C1: a newline, a carriage return, a terminal's escape) and the line and paragraph
+# separators: what ends or rewrites a line of a log or a terminal
+LINE_BREAKING = frozenset({"Cc", "Zl", "Zp"})
+
+
 def check_session_id(session_id: str) -> str:
+    """Within MAX_SESSION_ID_BYTES, and no control character nor line separator: the daemon names ids in its log
+    and its answers, and an id with a newline wrote a line of its client's choosing into the log (an audit, session
+    47). Refused at OpenSession (and ForkSession) rather than escaped everywhere an id is shown: no client needs one,
+    and sessions do not outlive a restart, so no stored id is refused later. (Namespaces are not checked so: they
+    are in stored blocks' keys, and logged quoted.)"""
     check_length("the session id", session_id, MAX_SESSION_ID_BYTES)
+    bad = next((i for i, c in enumerate(session_id) if unicodedata.category(c) in LINE_BREAKING), None)
+    if bad is not None:
+        raise InvalidArgument(f"the session id holds a control character ({session_id[bad]!r}, character {bad}); "
+                              "use printable characters")
     return session_id
 
 

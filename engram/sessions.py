@@ -517,14 +517,14 @@ class SessionManager:
             try:
                 self.close(*key)
             except Exception:  # one session's failure must not stop the closer for every other namespace
-                log.exception("closing idle session %s of namespace %r failed", s.id, s.namespace)
+                log.exception("closing idle session %r of namespace %r failed", s.id, s.namespace)
                 continue
             self._closed_idle[key] = (now - s.active_ms) / 1000.0
             while len(self._closed_idle) > 4096:
                 self._closed_idle.popitem(last=False)
             closed.append(s)
             if self._idle_said.take() is not None:  # the rest of the pass: counted, in one line below
-                log.info("closed session %s of namespace %r: no call for %.0f s (server.session_idle_s)", s.id,
+                log.info("closed session %r of namespace %r: no call for %.0f s (server.session_idle_s)", s.id,
                          s.namespace, (now - s.active_ms) / 1000.0)
         if self._idle_said.held:  # one line for the rest, each pass, however many were abandoned at once
             log.info("closed %d more sessions with no call for %g s (server.session_idle_s), not named one by one "

@@ -5,6 +5,8 @@ back later is kept until then, and any call keeps a session open. Real store, re
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import time
 from typing import Any
 
@@ -137,3 +139,34 @@ async def test_the_daemon_closes_idle_sessions_and_says_so(server_factory: Any) 
         assert (await c.append_session(busy.session_id, tokens(0))).tokens == 2 * bt
     await srv.stop(0)
     assert srv.closer is not None and srv.closer.done()  # the closer stops with the daemon
+
+
+FORGED = "s1\n2026-01-01 00:00:00 ERROR engram.store: FORGED disk failure, all data lost"
+
+
+async def test_a_session_id_cannot_forge_a_line_of_the_daemons_log(server_factory: Any,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A session id is the client's to choose and the daemon names it in its log (the idle-close line): one with a
+    newline wrote a line of its own choosing there, an ERROR of engram.store, say (an audit, session 47). Ids with a
+    control character or a line separator are refused at OpenSession and ForkSession (INVALID_ARGUMENT), and the
+    line quotes the id as it quotes the namespace."""
+    srv = await server_factory(**{"server.session_idle_s": 0.2})
+    spec = tiny_model()
+    caplog.set_level(logging.INFO, logger="engram")
+    async with EngramClient(srv.address, namespace="a") as c:
+        fp = await c.register_model(spec)
+        for bad in (FORGED, "s1\r", "s1\x1b[2K", "s1\x85", "s1\u2028"):
+            with pytest.raises(errors.InvalidArgument, match="the session id holds a control character"):
+                await c.open_session(fp, mode="persist", session_id=bad)
+        parent = await c.open_session(fp, mode="persist", session_id="agent 7")
+        with pytest.raises(errors.InvalidArgument, match="the session id holds a control character"):
+            await c.fork_session(parent.session_id, session_id=FORGED)
+        for _ in range(40):  # the closer runs every 50 ms
+            await asyncio.sleep(0.05)
+            if (await c.stats()).sessions_closed_idle:
+                break
+    lines = [r.getMessage() for r in caplog.records if "closed session" in r.getMessage()]
+    assert len(lines) == 1
+    assert re.fullmatch(r"closed session 'agent 7' of namespace 'a': no call for \d+ s \(server.session_idle_s\)",
+                        lines[0])
+    assert "FORGED" not in caplog.text

@@ -87,7 +87,7 @@ class SessionLink:
 
     def _failed(self, session_id: str, exc: EngramError) -> bool:
         self.failures += 1
-        log.warning("Engram session %s was not updated (the KV is stored all the same): %s", session_id, exc)
+        log.warning("Engram session %r was not updated (the KV is stored all the same): %s", session_id, exc)
         return False
 
     def _open(self, session_id: str, toks: np.ndarray, back: int) -> None:

@@ -141,7 +141,7 @@ class EngramScheduler:
             res = self.model.call(lambda fp: self.client.lookup(fp, prompt, namespace=self.namespace, probe=True))
         except EngramError as exc:  # the daemon is down or refuses: the request runs as a miss
             self.lookup_failures += 1
-            log.warning("Engram lookup for request %s failed, computing it in full: %s", req_id, exc)
+            log.warning("Engram lookup for request %r failed, computing it in full: %s", req_id, exc)
             self._hits[req_id] = _Hit(num_computed_tokens, 0, ())
             return 0, False
         usable = min(res.matched_tokens, len(prompt) - 1)

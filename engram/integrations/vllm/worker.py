@@ -127,7 +127,7 @@ class EngramWorker:
                 lambda fp: self.client.load_prefix_into(fp, spec.token_ids, dest, namespace=self.namespace))
             got = res.loaded_tokens
         except EngramError as exc:
-            log.warning("Engram load for request %s failed: %s", spec.req_id, exc)
+            log.warning("Engram load for request %r failed: %s", spec.req_id, exc)
             got = 0
         if got < want:  # the blocks not (wholly) written: vLLM must not read them as computed
             first_bad = max(got, spec.first_token) // bs
@@ -135,7 +135,7 @@ class EngramWorker:
             # This step's forward ran over those blocks as they were (another request's KV): vLLM recomputes
             # the request, but a save planned for this step would store them as the prompt's.
             self._short.add(spec.req_id)
-            log.warning("Engram held %d of the %d tokens planned for request %s; %d blocks reported to vLLM",
+            log.warning("Engram held %d of the %d tokens planned for request %r; %d blocks reported to vLLM",
                         got, want, spec.req_id, len(spec.block_ids) - first_bad)
         self.loaded_tokens += max(0, min(got, want) - spec.first_token)
 
@@ -163,7 +163,7 @@ class EngramWorker:
         """Gather what save_layer did not (every layer has run by now), then put each prompt's KV."""
         for spec in meta.saves:
             if spec.req_id in self._short:
-                log.warning("Engram save of request %s skipped: its load this step came up short", spec.req_id)
+                log.warning("Engram save of request %r skipped: its load this step came up short", spec.req_id)
                 continue
             buf, done = self._buffer(spec)
             for i in range(len(self.layers.names)):
@@ -195,7 +195,7 @@ class EngramWorker:
             self._put(self.save_client, spec, buf, gathered)
         except Exception:  # raised in a later step it would fail vLLM's step for an earlier request's save
             self.save_failures += 1
-            log.exception("Engram save of request %s (%d tokens) failed", spec.req_id, len(spec.token_ids))
+            log.exception("Engram save of request %r (%d tokens) failed", spec.req_id, len(spec.token_ids))
 
     def _put(self, client: Any, spec: SaveSpec, buf: Tensor, gathered: torch.cuda.Event | None) -> None:
         if gathered is not None:
@@ -207,7 +207,7 @@ class EngramWorker:
             self.saved_tokens += len(spec.token_ids)
         except EngramError as exc:
             self.save_failures += 1
-            log.warning("Engram save of request %s (%d tokens) failed: %s", spec.req_id, len(spec.token_ids), exc)
+            log.warning("Engram save of request %r (%d tokens) failed: %s", spec.req_id, len(spec.token_ids), exc)
 
     def flush(self) -> None:
         """Wait until every save handed to the background thread is stored (or has failed)."""
