@@ -328,7 +328,7 @@ class SessionManager:
             raise ResourceExhausted(f"namespace {namespace!r} has {limit} live sessions, its limit; close sessions "
                                     "it no longer needs (or raise the tenant's max_sessions)")
         toks = np.asarray(tokens if tokens is not None else [], dtype=np.int32)
-        self._check_length(len(toks))
+        self.check_length(len(toks))
         # The tokens count against the daemon's bound, the tenant's share of it and the quota, as a persisted
         # window does: 4 bytes each, up to server.max_tokens_per_request per session, 4,096 sessions a namespace:
         # 32 GiB a tenant kept outside any bound. A fork's, a view of its parent's, are counted once.
@@ -556,7 +556,7 @@ class SessionManager:
             raise InvalidArgument(f"session {session_id} is in {s.mode.value} mode: the daemon rebuilds its "
                                   "window; send windows only for persist-mode sessions")
         new_len = len(s.tokens) + len(tokens)
-        self._check_length(new_len)
+        self.check_length(new_len)
         if window is not None:
             if window.prefix_len != new_len:
                 raise InvalidArgument(f"the window serves position {window.prefix_len}, the session will have "
@@ -639,10 +639,14 @@ class SessionManager:
             del self._per_namespace[namespace]
         return s
 
-    def _check_length(self, n: int) -> None:
+    def check_length(self, n: int) -> None:
+        """A session's length bound, server.max_tokens_per_request (the same number as a request's): a request past
+        it is answered as a session past it, INVALID_ARGUMENT naming the bound (an OpenSession past it was
+        RESOURCE_EXHAUSTED 'split the request', and the split's Append this, an audit of session 47)."""
         if n > self.max_session_tokens:
             raise InvalidArgument(f"a session may hold at most {self.max_session_tokens} tokens "
-                                  f"(server.max_tokens_per_request), this one would hold {n}; open a new session")
+                                  f"(server.max_tokens_per_request), this one would hold {n}; keep sessions within it "
+                                  "(open a new one for what follows) or raise the setting")
 
     def _keep_window(self, s: Session, window: Window, tenant: str) -> None:
         """Make `window` the persisted window of `s`, counting its bytes against the daemon's budget for

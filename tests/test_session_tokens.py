@@ -158,3 +158,24 @@ async def test_sessions_closed_idle_are_logged_within_a_budget(server_factory: A
                for m in lines if re.match(r"closed \d+ more sessions", m)]
     assert len(named) <= 20 and len(named) + sum(counted) == n, lines
     assert len(lines) < 60, lines  # a line a pass for the rest, not a line a session
+
+
+SESSION_BOUND = r"a session may hold at most 64 tokens \(server.max_tokens_per_request\), this one would hold {}"
+
+
+async def test_a_session_past_its_length_bound_is_one_answer_at_open_and_at_append(server_factory: Any) -> None:
+    """A session's length bound is server.max_tokens_per_request, the same number as a request's: an OpenSession
+    past it was RESOURCE_EXHAUSTED "split the request", and the split (an Open, then an Append) was INVALID_ARGUMENT
+    "a session may hold at most N tokens" (an audit, session 47). Open and Append past it now get that one answer,
+    naming the bound, the setting and the length the session would have; nothing of the session changes."""
+    srv = await server_factory(**{"server.max_tokens_per_request": 64})
+    async with EngramClient(srv.address, namespace="n") as c:
+        fp = await c.register_model(tiny_model())
+        with pytest.raises(errors.InvalidArgument, match=SESSION_BOUND.format(65)):
+            await c.open_session(fp, mode="persist", tokens=tokens(65))
+        s = await c.open_session(fp, mode="persist", tokens=tokens(60))
+        with pytest.raises(errors.InvalidArgument, match=SESSION_BOUND.format(65)):  # the split's second half
+            await c.append_session(s.session_id, tokens(5))
+        with pytest.raises(errors.InvalidArgument, match=SESSION_BOUND.format(125)):  # one request past it too
+            await c.append_session(s.session_id, tokens(65))
+        assert (await c.append_session(s.session_id, tokens(4))).tokens == 64

@@ -796,6 +796,7 @@ class EngramService:
     async def OpenSession(self, request: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
         req = decoded(request)
         mode = convert.enum_from_pb(SessionMode, req.mode, "mode")
+        self.sessions.check_length(len(req.tokens))  # the session's bound: splitting the request would not pass it
         check_limit("OpenSession tokens", len(req.tokens), self.config.max_tokens_per_request)
         ns, tokens = namespace_for(context, req.namespace), convert.tokens_from_pb(req.tokens)
         self.check_model(req.model_fingerprint)
@@ -806,11 +807,13 @@ class EngramService:
     @unary
     async def AppendSession(self, request: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
         req = decoded(request)
-        check_limit("AppendSession tokens", len(req.tokens), self.config.max_tokens_per_request)
+        ns, n = namespace_for(context, req.session.namespace), len(req.tokens)
+        if n > self.sessions.max_session_tokens:  # the session's bound, before the tokens are converted
+            self.sessions.check_length(len(self.sessions.get(ns, req.session.session_id).tokens) + n)
+        check_limit("AppendSession tokens", n, self.config.max_tokens_per_request)
         window = _window_from_pb(req.window) if req.HasField("window") else None
-        s = self.sessions.append(namespace_for(context, req.session.namespace), req.session.session_id,
-                                 convert.tokens_from_pb(req.tokens), window, req.expect_back_ms,
-                                 tenant=self._tenant(context))
+        s = self.sessions.append(ns, req.session.session_id, convert.tokens_from_pb(req.tokens), window,
+                                 req.expect_back_ms, tenant=self._tenant(context))
         return convert.to_pb(s.info(), pb.SessionInfo)
 
     @unary
