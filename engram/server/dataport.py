@@ -83,7 +83,10 @@ class Progress:
 
     def _tick(self) -> None:
         self._timer = self._loop.call_later(self.every, self._tick)
-        if self._storing and self._sending is None:
+        sent = self._sending
+        # a frame each tick for as long as one block's store lasts (one a block let a long store be cut); none
+        # while the last is still being sent, nor after one failed (`during` raises it)
+        if self._storing and (sent is None or (sent.done() and not sent.cancelled() and sent.exception() is None)):
             self._sending = asyncio.ensure_future(self.conn.send_frame(wire.PROGRESS))
 
     async def during(self, work: Coroutine[Any, Any, T]) -> T:
