@@ -584,8 +584,9 @@ class NvmeTier:
         if j is None or not self._journal_wanted or j.is_open:
             return None
         why = getattr(j.error, "strerror", None) or j.error or "unknown"
-        return (f"its index journal cannot be written ({why}): what changes meanwhile ({len(self._unjournaled)} "
-                "blocks so far) is held in memory and journaled once it can be, tried again at a write, every "
+        # No count of what changed: every tenant's Stats shows a tier's state, and the count is every tenant's
+        return (f"its index journal cannot be written ({why}): what changes meanwhile is held in memory and "
+                "journaled once it can be, tried again at a write, every "
                 f"{JOURNAL_RETRY_S[0]:g}-{JOURNAL_RETRY_S[1]:g} s and at the stop; a crash meanwhile loses the "
                 "pin changes among them")
 
