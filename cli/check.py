@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 
 from engram.api import CheckFinding, CheckReport
-from engram.errors import AlreadyRunning
+from engram.errors import AlreadyRunning, ConfigError, NewerFormat
 
 from .common import EXIT_BAD_INPUT, console, fail
 
@@ -21,16 +21,19 @@ EXIT_PROBLEMS = 1
 
 def offline(directory: str, fix: bool, progress: Callable[[int, int], None] | None = None) -> CheckReport:
     from engram.tiers.nvme import NvmeTier  # the tier's code only for an offline check
+    from engram.tiers.nvmedir import claim
 
     if not directory.strip():
         raise fail("--dir needs the NVMe tier's directory (tiers.nvme.path)", EXIT_BAD_INPUT)
     root = Path(directory)
-    if not (root / "blocks").is_dir():
-        raise fail(f"{directory} is not an Engram NVMe tier directory (no blocks/ inside)", EXIT_BAD_INPUT)
+    try:  # only a directory Engram wrote: a check (--fix above all) of another program's would delete its files
+        claim(root, create=False, mark=False, setting="--dir")
+    except (ConfigError, NewerFormat) as exc:
+        raise fail(str(exc), EXIT_BAD_INPUT) from None
 
     async def run() -> CheckReport:
-        try:
-            tier = NvmeTier(root, 1 << 62, fsync=False)
+        try:  # without --fix, nothing in the directory is made, tightened or written
+            tier = NvmeTier(root, 1 << 62, fsync=False, create=False, read_only=not fix)
         except AlreadyRunning as exc:  # a daemon serves this directory: check it through the daemon instead
             raise fail(f"{exc}; or run `engram check` against the running daemon", EXIT_BAD_INPUT) from None
         except OSError as exc:  # its lock cannot be taken: a read-only remount after errors, permissions

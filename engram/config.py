@@ -197,7 +197,7 @@ class HbmConfig:
 
 @dataclass
 class NvmeConfig:
-    path: str = ""  # a directory; empty: no NVMe tier
+    path: str = ""  # a directory, new or empty or Engram's (any other is refused); empty: no NVMe tier
     capacity: ByteSize = ByteSize(64 * 2**30)  # bytes of block files kept; beyond, the coldest are evicted
     compression: bool = False  # lz4 per block, kept only where it saves >= 10% (rarely, on FP4 payloads)
     io_threads: int = 4  # concurrent file operations

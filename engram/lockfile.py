@@ -50,10 +50,15 @@ class DaemonLock:
         self.what = what
         self.fix = fix
         self._fd: int | None = None
+        self._read_only = False  # locked by a read-only check: its file is not written
         self.created = False  # this lock made the file (so `abandon` may remove it)
 
-    def acquire(self) -> DaemonLock:
-        """Take the lock or raise AlreadyRunning naming the holder's pid; never waits."""
+    def acquire(self, *, create: bool = True) -> DaemonLock:
+        """Take the lock or raise AlreadyRunning naming the holder's pid; never waits. Without `create` (a
+        read-only check), only a lock file already there is locked, opened read-only, nothing written in it; with
+        none there no daemon holds the path (one would have made it), and nothing is locked."""
+        if not create:
+            return self._acquire_existing()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         while True:
             fd, created = self._open()
@@ -61,12 +66,7 @@ class DaemonLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
-                pid = holder_pid(self.path)
-                who = f"process {pid}" if pid is not None else "another process"
-                raise AlreadyRunning(
-                    f"{who} holds {self.what} (lock file {self.path}); is another engram daemon running? "
-                    f"Stop it (kill {pid if pid is not None else '<pid>'}) or {self.fix}"
-                ) from None
+                raise self._held_elsewhere() from None
             except BaseException:
                 os.close(fd)
                 raise
@@ -78,6 +78,28 @@ class DaemonLock:
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd, self.created = fd, created
         return self
+
+    def _acquire_existing(self) -> DaemonLock:
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return self
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise self._held_elsewhere() from None
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd, self._read_only = fd, True
+        return self
+
+    def _held_elsewhere(self) -> AlreadyRunning:
+        pid = holder_pid(self.path)
+        who = f"process {pid}" if pid is not None else "another process"
+        return AlreadyRunning(f"{who} holds {self.what} (lock file {self.path}); is another engram daemon running? "
+                              f"Stop it (kill {pid if pid is not None else '<pid>'}) or {self.fix}")
 
     def _open(self) -> tuple[int, bool]:
         """The lock file's descriptor, and whether this call created the file."""
@@ -103,10 +125,11 @@ class DaemonLock:
         """Drop the lock. The file stays (removing it would race a daemon that just opened it)."""
         if self._fd is None:
             return
-        with contextlib.suppress(OSError):
-            os.ftruncate(self._fd, 0)
+        if not self._read_only:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, 0)
         os.close(self._fd)  # closing the last descriptor drops the flock
-        self._fd = None
+        self._fd, self._read_only = None, False
 
     def abandon(self) -> None:
         """Release after a failed start, removing the file if this lock created it (one an earlier daemon left

@@ -223,12 +223,18 @@ def test_check_offline_reports_then_fixes(tmp_path: Path) -> None:
 
 def test_check_dir_on_a_read_only_filesystem_says_so_in_one_line(tmp_path: Path) -> None:
     """A tier remounted read-only after disk errors, when an offline check is most wanted: its lock file could not
-    be made and the check died in a traceback with exit 1, the code for "problems found" (an audit)."""
+    be made and the check died in a traceback with exit 1, the code for "problems found" (an audit). A plain check
+    makes nothing, so it runs; --fix cannot, and says so."""
+    from engram.tiers.nvmedir import write_marker
+
     with small_tmpfs(tmp_path / "small", "1m") as mnt:
         (mnt / "blocks").mkdir()
+        write_marker(mnt)
         if subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True).returncode:
             pytest.skip("this machine refuses to remount a tmpfs read-only")
-        got = run_cli("check", "--dir", str(mnt))
+        plain = run_cli("check", "--dir", str(mnt))
+        assert plain.returncode == 0 and "scanned 0 stored copies" in plain.stdout, plain.stderr
+        got = run_cli("check", "--dir", str(mnt), "--fix")
         assert got.returncode == 4, got.stderr
         assert "cannot open the tier (Read-only file system" in got.stderr and "Traceback" not in got.stderr
         assert len(got.stderr.strip().splitlines()) == 1

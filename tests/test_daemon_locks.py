@@ -17,6 +17,7 @@ from engram.errors import AddressInUse, AlreadyRunning, ConfigError
 from engram.lockfile import DaemonLock, holder_pid
 from engram.server import start_server
 from engram.tiers.nvme import NvmeTier
+from engram.tiers.nvmedir import write_marker
 
 from helpers import ENGRAM, NEUTRAL_CWD, small_tmpfs, wait_for
 
@@ -100,6 +101,7 @@ def test_a_start_that_fails_after_taking_the_socket_lock_removes_the_lock_file_i
     sock, lock = tmp_path / "engram.sock", tmp_path / "engram.sock.lock"
     bad = tmp_path / "nvme"
     bad.mkdir()
+    write_marker(bad)  # Engram's directory (another program's is refused before the socket lock is taken)
     (bad / "index").write_text("not a directory")
     failed = serve(sock, bad)
     out = refused(failed)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from engram.tiers.nvmedir import write_marker
 from engram.tiers.shm import mem_available
 
 from helpers import ENGRAM, NEUTRAL_CWD, small_tmpfs
@@ -139,6 +140,7 @@ def test_an_nvme_directory_whose_index_cannot_be_made_fails_the_start_naming_it(
     frees up); this is a directory the daemon cannot use: exit 9, one line naming it, nothing left behind."""
     nvme = tmp_path / "engram"
     nvme.mkdir()
+    write_marker(nvme)  # Engram's directory (another program's is refused before: tests/test_nvme_directory.py)
     (nvme / "index").write_text("not a directory")
     out, shm = serve(tmp_path, "--port", "0", "--dram-capacity", "64MiB", "--set", f"tiers.nvme.path={nvme}",
                      "--set", "tiers.write_policy=write-through")
@@ -160,6 +162,8 @@ def test_a_first_nvme_start_on_a_full_disk_is_one_line_naming_the_directory(tmp_
     with small_tmpfs(tmp_path / "small", inodes=64) as mnt:
         nvme = mnt / "engram"
         nvme.mkdir()
+        if made:  # a first start that stopped part way had marked the directory first
+            write_marker(nvme)
         for name in made:
             (nvme / name).mkdir()
         with contextlib.suppress(OSError), open(mnt / "fill", "wb") as fh:
@@ -223,6 +227,7 @@ def test_a_file_the_daemon_cannot_make_fails_the_start_naming_the_setting_and_th
         key, path, reason = f"server.unix_socket {sock}", f"its lock file {sock}.lock", "Is a directory"
     else:
         nvme.mkdir()
+        write_marker(nvme)  # Engram's directory, something else in the place of one of its files
         args += ["--set", f"tiers.nvme.path={nvme}"]
         made, path, reason = ((nvme / "models").touch, nvme / "models", "File exists") if case.endswith("file") \
             else ((nvme / "engram.lock").mkdir, nvme / "engram.lock", "Is a directory")

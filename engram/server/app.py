@@ -44,6 +44,7 @@ from engram.sessions import SessionManager
 from engram.store import BlockStore, WritePolicy, pins
 from engram.store.quality import QualityWatch
 from engram.tenancy import Tenancy, resolve_secret
+from engram.tiers import nvmedir
 from engram.tiers.base import Tier
 from engram.tiers.dram import DramTier, shared_dram_tier
 from engram.tiers.hbm import hbm_tier
@@ -96,6 +97,7 @@ async def _build_store(config: EngramConfig, tenancy: Tenancy | None, tiers: lis
         # A first start makes models/, blocks/, tmp/ and the lock file; every start reads the model files
         with _files_of("tiers.nvme.path", t.nvme.path, "", "let this daemon read and write it and what it holds "
                        "(models/, blocks/, tmp/ are directories), or set another tiers.nvme.path"):
+            nvmedir.claim(root, create=True, fsync=t.nvme.fsync)  # marked before models/ is made in it
             registry = ModelRegistry(root / "models", default_codec=codec, default_reason=why)
             tiers.append(NvmeTier(root, t.nvme.capacity, compression=t.nvme.compression,
                                   io_threads=t.nvme.io_threads, fsync=t.nvme.fsync,
@@ -119,12 +121,14 @@ async def _build_store(config: EngramConfig, tenancy: Tenancy | None, tiers: lis
 
 def _check_nvme_dir(root: Path) -> None:
     """The NVMe tier's directory, or its parent, must exist: a typo must not create a tree under / (or on the
-    root filesystem instead of the drive)."""
+    root filesystem instead of the drive). And it must be empty or Engram's (engram/tiers/nvmedir.py), refused
+    before anything is made (the DRAM segment included)."""
     if root.exists() and not root.is_dir():
         raise ConfigError(f"tiers.nvme.path {root} is not a directory; name a directory on the NVMe drive")
     if not root.exists() and not root.parent.is_dir():
         raise ConfigError(f"tiers.nvme.path {root}: neither it nor its parent {root.parent} exists; create the "
                           f"directory on the NVMe drive (mkdir -p {root}) or correct the path")
+    nvmedir.inspect(root)
 
 
 _SHM_FIX = "give a tmpfs directory this daemon can write (e.g. /dev/shm), or set tiers.dram.pool = private"

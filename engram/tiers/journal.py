@@ -234,10 +234,12 @@ class Loaded:
 class IndexJournal:
     """Appends (from the event loop, or a thread: a lock orders them) and compaction of the journal."""
 
-    def __init__(self, root: Path, *, fsync: bool = True) -> None:
+    def __init__(self, root: Path, *, fsync: bool = True, create: bool = True) -> None:
+        """`create`: make index/ now (without it, a read-only check's: nothing is made)."""
         self.dir = root / "index"
-        with contextlib.suppress(OSError):  # a full disk: made by `open`, which fails (and is retried) meanwhile
-            private_dir(self.dir)  # headers carry token ids: a tenant's data
+        if create:
+            with contextlib.suppress(OSError):  # a full disk: made by `open`, which fails (and is retried) meanwhile
+                private_dir(self.dir)  # headers carry token ids: a tenant's data
         self.snapshot_path = self.dir / "snapshot"
         self._lock = threading.Lock()
         self._fd: int | None = None

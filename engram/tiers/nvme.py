@@ -7,7 +7,8 @@ pass and no write amplification; and crash safety is the plain temp-file / fsync
 sequence, with no segment index to keep consistent. Group commit shares the directory syncs of the blocks
 written together. Segments would win for many small blocks.
 
-Layout:  ROOT/blocks/ab/abcdef....blk   (two hex characters of fan-out keep directories small)
+Layout:  ROOT/engram-nvme-tier           the marker: only a directory holding it is taken (nvmedir.py says why)
+         ROOT/blocks/ab/abcdef....blk   (two hex characters of fan-out keep directories small)
          ROOT/tmp/                       writes in progress; anything here at start-up is a torn write
          ROOT/index/                     the journal: snapshot + journal.<gen> (docs/FORMAT.md)
          ROOT/engram.lock                held by the one daemon (or offline check) using the directory
@@ -60,6 +61,7 @@ from engram.tiers.blockfile import (
 from engram.tiers.budget import ByteBudget
 from engram.tiers.groupcommit import GroupCommitter, WriteJob, sync_directory
 from engram.tiers.journal import IndexJournal, Pins
+from engram.tiers.nvmedir import claim
 
 log = logging.getLogger(__name__)
 MAX_JOURNALS = 16  # journal files since the snapshot before a start writes a new one (crash restarts add one each)
@@ -123,16 +125,22 @@ class NvmeTier:
 
     def __init__(self, root: str | Path, capacity_bytes: int, *, compression: bool = False, io_threads: int = 4,
                  fsync: bool = True, journal: bool = True, verify_on_start: bool = False,
-                 group_commit_blocks: int = 64) -> None:
+                 group_commit_blocks: int = 64, create: bool = True, read_only: bool = False) -> None:
+        """`create`: a missing or empty directory is made the tier's (a daemon); else only one Engram wrote is
+        taken (nvmedir.py: any other is refused, untouched). `read_only` (a check without --fix): nothing in the
+        directory is made, marked, tightened or written; only `check(fix=False)` may be called."""
         self.budget = ByteBudget(capacity_bytes, "NVMe")  # held, not inherited: ByteBudget runs compiled
         self.root = Path(root)
         self.blocks_dir = self.root / "blocks"
         self.tmp_dir = self.root / "tmp"
-        for d in (self.root, self.blocks_dir, self.tmp_dir):  # a tenant's KV: 0700 directories, 0600 files
-            private_dir(d)
+        self.read_only = read_only
+        claim(self.root, create=create and not read_only, mark=not read_only, fsync=fsync)
+        if not read_only:
+            for d in (self.root, self.blocks_dir, self.tmp_dir):  # a tenant's KV: 0700 directories, 0600 files
+                private_dir(d)
         # One daemon (or offline check) per directory: two would delete each other's files as strays.
         self._lock = DaemonLock(self.root / "engram.lock", f"the NVMe directory {self.root}",
-                                "set another tiers.nvme.path").acquire()
+                                "set another tiers.nvme.path").acquire(create=not read_only)
         self._files: dict[bytes, _File] = {}
         self._writing: set[str] = set()  # temp file names of writes in flight: an online check leaves them be
         self._deleting: dict[bytes, asyncio.Event] = {}  # keys whose file is being unlinked: a new write waits
@@ -144,10 +152,11 @@ class NvmeTier:
             self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="engram-nvme")
             self._committer = GroupCommitter(self._pool, sync=fsync, max_blocks=group_commit_blocks,
                                              on_error=self._io_error)
-            self._journal = IndexJournal(self.root, fsync=fsync) if journal else None
+            self._journal = IndexJournal(self.root, fsync=fsync, create=not read_only) if journal else None
             if self._journal is not None:
                 self._journal.fault = self._fault
-            if fsync:  # the directories' own entries, made above, survive a power loss (their files' do per write)
+            if fsync and not read_only:  # the directories' own entries, made above, survive a power loss (their
+                # files' do per write)
                 for d in (self.root.parent, self.root):
                     try:
                         sync_directory(d)
@@ -654,6 +663,8 @@ class NvmeTier:
         """Block files by key, names only (no opens, no stat); stray entries are reported (and removed with
         fix). 100k names take about 0.1 s."""
         found: dict[bytes, _LazyPath] = {}
+        if self.read_only and not self.blocks_dir.is_dir():
+            return found  # (as tmp/ in `_sweep_tmp`)
         for sub in sorted(self.blocks_dir.iterdir()):
             if not sub.is_dir():
                 report.scanned += 1
@@ -792,6 +803,8 @@ class NvmeTier:
         whose name is not registered *now* (the live set, read after the listing, not a copy taken before it:
         a write starting in between would be taken for a torn one and deleted under it) and that still exists
         is a torn write."""
+        if self.read_only and not self.tmp_dir.is_dir():
+            return  # a read-only check makes nothing: a marked directory a start did not fill yet has none
         for tmp in sorted(self.tmp_dir.iterdir()):
             if online and (tmp.name in self._writing or not tmp.exists()):
                 continue  # a write in flight, or one published since the listing
@@ -943,6 +956,8 @@ class NvmeTier:
         """Verify every file, payloads included; with fix, remove what is broken (the caller drops those
         blocks from its index). Safe while the tier is in use: writes in flight and files deleted during the
         scan are not findings. `progress(done, total)` is called per file, from the I/O thread."""
+        if fix and self.read_only:
+            raise AssertionError("check --fix on a tier opened read-only")
         online = self._journal_wanted or bool(self._files)
         return await self._run(lambda: self._scan(fix=fix, verify_payloads=True, progress=progress, online=online))
 
