@@ -892,8 +892,10 @@ class BlockStore:
         removes descendants first (prefix closure) and lifts pins it was told to override."""
         if meta.children or not meta.evictable:
             raise FailedPrecondition(f"block {meta.key.hex()} has children, is pinned, or is being read or moved")
-        await self.placement.delete_block(meta)
-        self.counters.blocks_evicted_on_request += 1
+        try:
+            await self.placement.delete_block(meta)
+        finally:  # out of the index as the call began: counted even when the caller went before its copies did
+            self.counters.blocks_evicted_on_request += 1
 
     # ---- moves that others perform (engram/transfer.py): the two-phase protocol ---------------------
 

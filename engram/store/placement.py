@@ -287,11 +287,19 @@ class Placement:
         return self.rank[name]
 
     async def delete_block(self, meta: BlockMeta) -> None:
+        """Out of the index at once, then every copy deleted, even if the caller is cancelled meanwhile (it gets
+        the cancel once they are): a copy left behind would be one no index knows, its room lost."""
         if not meta.evictable:
             raise AssertionError("deleting a pinned, leased or moving block")
         self.unindex(meta)
+        cancelled: asyncio.CancelledError | None = None
         for name in list(meta.locations):
-            await self.drop_copy(meta, name)
+            try:
+                await self.drop_copy(meta, name)  # (a tier's delete, once begun, completes on its own: nvme.py)
+            except asyncio.CancelledError as exc:
+                cancelled = exc
+        if cancelled is not None:
+            raise cancelled
 
     def delete_block_now(self, meta: BlockMeta) -> bool:
         """`delete_block` without a coroutine when every copy is in an ImmediateTier (an eviction from memory);

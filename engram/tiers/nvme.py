@@ -144,6 +144,7 @@ class NvmeTier:
         self._files: dict[bytes, _File] = {}
         self._writing: set[str] = set()  # temp file names of writes in flight: an online check leaves them be
         self._deleting: dict[bytes, asyncio.Event] = {}  # keys whose file is being unlinked: a new write waits
+        self._removals: set[asyncio.Task[None]] = set()  # those unlinks: `delete` sees them through, cancelled or not
         self._removed: set[bytes] = set()  # keys whose journal remove is not synced yet (journal.py says why)
         self.compression = compression
         self.fsync = fsync
@@ -439,19 +440,29 @@ class NvmeTier:
                       self.root)
 
     async def delete(self, key: bytes) -> int:
+        """Remove a block's file and journal its remove. Once begun (out of the accounting), it completes even if
+        the caller is cancelled: an evict cut off mid-call cancelled the unlink while it waited for an I/O thread
+        (the file stayed, known to no index) or skipped its journal remove."""
         self._found_files.pop(key, None)
         f = self._files.pop(key, None)
         if f is None:
             return 0
         self.budget.stored -= f.size
         self.unverified.discard(key)
+        done = self._deleting[key] = asyncio.Event()
+        removal = asyncio.ensure_future(self._remove_file(key, done))
+        self._removals.add(removal)
+        removal.add_done_callback(self._removal_done)
+        await asyncio.shield(removal)
+        return f.size
+
+    async def _remove_file(self, key: bytes, done: asyncio.Event) -> None:
         path = self.path_of(key)
 
         def unlink() -> None:
             self._fault("delete", path)
             path.unlink(missing_ok=True)
 
-        done = self._deleting[key] = asyncio.Event()
         try:
             await self._run(unlink)
             self._journaled(key, lambda j: j.remove(key))  # after the unlink: see journal.py
@@ -463,12 +474,18 @@ class NvmeTier:
         finally:
             del self._deleting[key]
             done.set()
-        return f.size
+
+    def _removal_done(self, removal: asyncio.Task[None]) -> None:
+        self._removals.discard(removal)
+        if not removal.cancelled():
+            removal.exception()  # retrieved: its caller, if still there, has it (StorageIOError...) through the shield
 
     async def close(self, *, snapshot: bool = True) -> None:
         """Wait for writes in flight, write a final journal snapshot (the next start reads only it; without
         `snapshot`, it replays the journal as after a crash), release the directory. A journal dropped is opened
         again first, when the disk lets it: what changed since is recorded then (pins a stop lost otherwise)."""
+        if self._removals:  # deletes whose callers went: their journal removes go before the snapshot
+            await asyncio.gather(*self._removals, return_exceptions=True)
         if self._compacting is not None:
             with contextlib.suppress(Exception):
                 await self._compacting
