@@ -34,6 +34,7 @@ EXIT_NO_RESOURCES = 7  # serve: the host has too little memory, /dev/shm or disk
 EXIT_IN_USE = 8  # serve: another process holds the address, the unix socket or the NVMe directory
 EXIT_START_FAILED = 9  # serve: a file or directory it needs cannot be used (permissions, a read-only disk, newer)
 EXIT_DAEMON_ERROR = 10  # the daemon answered and failed the call itself (INTERNAL: its log says more)
+EXIT_PARTLY_DONE = 11  # evict/pin over several namespaces failed after changing some: the output says what
 
 T = TypeVar("T")
 
@@ -148,23 +149,48 @@ def call(where: Target, fn: Callable[[ControlClient], Coroutine[Any, Any, T]], t
 
     try:
         return asyncio.run(run())
-    except errors.DaemonError as exc:
-        raise fail(f"the daemon at {where.address} failed the call: {exc} (its log says more)",
-                   EXIT_DAEMON_ERROR) from None
-    except errors.DeadlineExceeded:
+    except (errors.EngramError, TimeoutError) as exc:
+        message, code = failure(where, exc, timeout_s, per_call)
+        raise fail(message, code) from None
+
+
+def failure(where: Target, exc: errors.EngramError | TimeoutError, timeout_s: float | None = 10.0,
+            per_call: float = 10.0) -> tuple[str, int]:
+    """What the CLI says of a failed call, and its exit code."""
+    if isinstance(exc, errors.DaemonError):
+        return f"the daemon at {where.address} failed the call: {exc} (its log says more)", EXIT_DAEMON_ERROR
+    if isinstance(exc, errors.DeadlineExceeded):
         more = "" if timeout_s is not None else " and the time its work on the store takes at the floor rates"
-        raise fail(f"the daemon at {where.address} did not answer within {per_call:g} s{more}: it is hung, "
-                   "stopped or overloaded, or its host is unreachable", EXIT_UNAVAILABLE) from None
-    except (errors.Unavailable, TimeoutError) as exc:
+        return (f"the daemon at {where.address} did not answer within {per_call:g} s{more}: it is hung, stopped or "
+                "overloaded, or its host is unreachable", EXIT_UNAVAILABLE)
+    if isinstance(exc, errors.Unavailable | TimeoutError):
         hint = "" if where.root_cert or where.address.startswith("unix") else " (if it serves TLS, pass --tls-ca)"
         why = f" ({exc})" if isinstance(exc, errors.Unavailable) and str(exc) else ""
-        raise fail(f"no Engram daemon answers at {where.address}{why}{hint}; start one with `engram serve`",
-                   EXIT_UNAVAILABLE) from None
-    except errors.NotFound as exc:
-        raise fail(str(exc), EXIT_NOT_FOUND) from None
-    except errors.Unauthenticated as exc:
-        raise fail(f"{exc}; give the daemon's token with --token or ENGRAM_TOKEN", EXIT_DENIED) from None
-    except errors.PermissionDenied as exc:
-        raise fail(f"{exc}; use a token allowed there (an admin token for every namespace)", EXIT_DENIED) from None
-    except errors.EngramError as exc:
-        raise fail(str(exc), EXIT_BAD_INPUT) from None
+        return f"no Engram daemon answers at {where.address}{why}{hint}; start one with `engram serve`", EXIT_UNAVAILABLE
+    if isinstance(exc, errors.NotFound):
+        return str(exc), EXIT_NOT_FOUND
+    if isinstance(exc, errors.Unauthenticated):
+        return f"{exc}; give the daemon's token with --token or ENGRAM_TOKEN", EXIT_DENIED
+    if isinstance(exc, errors.PermissionDenied):
+        return f"{exc}; use a token allowed there (an admin token for every namespace)", EXIT_DENIED
+    return str(exc), EXIT_BAD_INPUT
+
+
+class PartlyDone(Exception):
+    """A command of one daemon call per namespace (a tenant's evict or pin of keys in several of its namespaces)
+    whose later call failed after earlier ones had changed the store, which could not be undone: `done` is what
+    they did (the command's own result type), in `namespaces`."""
+
+    def __init__(self, cause: errors.EngramError, done: Any, namespaces: list[str]) -> None:
+        super().__init__(str(cause))
+        self.cause, self.done, self.namespaces = cause, done, namespaces
+
+
+def namespaces(names: list[str]) -> str:
+    return ("namespace " if len(names) == 1 else "namespaces ") + ", ".join(repr(n) for n in names)
+
+
+def partly_done(where: Target, partly: PartlyDone, what: str) -> typer.Exit:
+    """The failure's line with what had been done before it (`what`), exit EXIT_PARTLY_DONE whatever the cause."""
+    message, _ = failure(where, partly.cause)
+    return fail(f"{message}; refused part-way: {what}", EXIT_PARTLY_DONE)

@@ -12,10 +12,20 @@ from typing import Annotated
 import typer
 
 from engram import errors
-from engram.api import EvictResult
+from engram.api import BlockDetail, EvictResult
 from engram.control import ControlClient
 
-from .common import EXIT_BAD_INPUT, STORE_WIDE, call, console, fail, target
+from .common import (
+    EXIT_BAD_INPUT,
+    STORE_WIDE,
+    PartlyDone,
+    call,
+    console,
+    fail,
+    namespaces,
+    partly_done,
+    target,
+)
 from .format import dumps, to_dict
 from .options import AddressOpt, ConfigOpt, JsonOpt, NamespaceOpt, TlsCaOpt, TokenOpt
 from .show import describe_keys, session_namespace
@@ -23,25 +33,44 @@ from .show import describe_keys, session_namespace
 
 async def evict_keys(client: ControlClient, keys: list[str], namespace: str | None, force: bool) -> EvictResult:
     """By key (prefix): in the namespace named, else in every namespace the caller may see (an admin's in one
-    call; a tenant's, each found block in its own namespace)."""
+    call; a tenant's, each found block in its own namespace, one call per namespace: see `_refusals_first`).
+    PartlyDone when a call after the first is refused: what the earlier ones evicted stays evicted."""
     try:
         return await client.evict(key_prefixes=keys, force=force, namespace=namespace or "",
                                   all_namespaces=namespace is None)
     except errors.PermissionDenied:
         if namespace is not None:
             raise
-    by_ns: dict[str, list[str]] = {}
+    by_ns: dict[str, list[BlockDetail]] = {}
     for b in (await describe_keys(client, keys, None)).blocks:
-        by_ns.setdefault(b.namespace, []).append(b.key.hex())
-    evicted: list[bytes] = []
-    skipped: list[bytes] = []
-    unpinned = 0
-    for ns, full in by_ns.items():
-        got = await client.evict(key_prefixes=full, force=force, namespace=ns)
-        evicted += got.evicted
-        skipped += got.skipped
-        unpinned += got.unpinned
-    return EvictResult(tuple(evicted), tuple(skipped), unpinned)
+        by_ns.setdefault(b.namespace, []).append(b)
+    done, acted = EvictResult((), (), 0), list[str]()
+    for ns in _refusals_first(by_ns, force):
+        try:
+            got = await client.evict(key_prefixes=[b.key.hex() for b in by_ns[ns]], force=force, namespace=ns)
+        except errors.EngramError as exc:
+            if not done.evicted:
+                raise
+            raise PartlyDone(exc, done, acted) from None
+        done = EvictResult(done.evicted + got.evicted, done.skipped + got.skipped, done.unpinned + got.unpinned)
+        acted += [ns] if got.evicted else []
+    return done
+
+
+def _refusals_first(by_ns: dict[str, list[BlockDetail]], force: bool) -> list[str]:
+    """The namespaces in the order their calls go: one call cannot evict in two (all_namespaces is an admin's),
+    and the daemon has no dry run, so a refusal (a pinned block in the closure, without --force) after the first
+    call would leave the earlier calls done. First the namespaces whose call is refused for sure (a named block is
+    pinned), then those where it may be (a named block has descendants, which the caller cannot list), last
+    those where it cannot be (unpinned leaves alone): only two namespaces of the second kind can half-apply."""
+    def risk(ns: str) -> int:
+        if force:
+            return 0
+        if any(b.pins for b in by_ns[ns]):
+            return 0
+        return 1 if any(b.children for b in by_ns[ns]) else 2
+
+    return sorted(by_ns, key=risk)
 
 
 async def evict_session(client: ControlClient, session: str, namespace: str | None, force: bool) -> EvictResult:
@@ -65,12 +94,22 @@ def evict(keys: Annotated[list[str] | None, typer.Argument(help="Block keys or u
         raise fail("--whole-namespace needs --namespace NS", EXIT_BAD_INPUT)
     addr = target(config, address, token, tls_ca)
     if keys:
-        resp = call(addr, lambda c: evict_keys(c, keys, namespace, force), timeout_s=STORE_WIDE)
+        try:
+            resp = call(addr, lambda c: evict_keys(c, keys, namespace, force), timeout_s=STORE_WIDE)
+        except PartlyDone as partly:
+            assert isinstance(partly.done, EvictResult)
+            _print(partly.done, json_)
+            raise partly_done(addr, partly, f"the {len(partly.done.evicted)} blocks listed were evicted before it, "
+                              f"in {namespaces(partly.namespaces)}") from None
     elif session is not None:
         resp = call(addr, lambda c: evict_session(c, session, namespace, force), timeout_s=STORE_WIDE)
     else:
         resp = call(addr, lambda c: c.evict(whole_namespace=True, force=force, namespace=namespace),
                     timeout_s=STORE_WIDE)
+    _print(resp, json_)
+
+
+def _print(resp: EvictResult, json_: bool) -> None:
     if json_:
         typer.echo(dumps(to_dict(resp)))
         return

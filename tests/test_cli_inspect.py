@@ -380,3 +380,75 @@ def test_a_tenant_without_namespace_finds_its_blocks_and_sessions_in_each_of_its
         assert {bytes.fromhex(k) for k in evicted["evicted"]} == {keys[1]}
         eve = ("-a", addr, "--token", "eve-token")
         assert cli("show", keys[0].hex(), *eve).exit_code == 3 and cli("evict", keys[0].hex(), *eve).exit_code == 3
+
+
+@dataclass
+class TwoNamespaces:
+    """A tenant whose token covers alice and alice-ci, each holding 32-token puts (2 blocks: a root and its leaf),
+    and a share of pinned bytes of three of those blocks (13,421 bytes)."""
+
+    tenant: tuple[str, ...]  # the CLI's -a and --token
+    a: list[bytes]  # in alice
+    c: list[bytes]  # in alice-ci
+    d: list[bytes]  # in alice-ci
+
+
+@pytest.fixture
+def two_namespaces(tmp_path: Path) -> Iterator[TwoNamespaces]:
+    env = {"ENGRAM_AUTH__TENANTS__ALICE__TOKEN": "alice-token", "ENGRAM_AUTH__SALT_SECRET": "s",
+           "ENGRAM_AUTH__TENANTS__ALICE__NAMESPACES": "alice,alice-ci",
+           "ENGRAM_SERVER__MAX_PINNED_FRACTION_PER_TENANT": "0.0002"}  # of 64 MiB: 13,421 bytes
+    with engram_daemon(tmp_path, env=env) as (addr, _):
+        spec = tiny_model()
+        with SyncEngramClient(addr, token="alice-token", namespace="alice") as client:
+            fp = client.register_model(spec)
+
+            def put(seed: int, namespace: str) -> list[bytes]:
+                return list(client.put(fp, tokens(32, seed=seed), random_kv(spec, 32, seed=seed),
+                                       namespace=namespace).keys)
+
+            yield TwoNamespaces(("-a", addr, "--token", "alice-token"), put(1, "alice"), put(2, "alice-ci"),
+                                put(3, "alice-ci"))
+
+
+def test_a_refused_evict_over_two_namespaces_evicts_nothing_where_a_pin_is_seen(two_namespaces: TwoNamespaces
+                                                                                ) -> None:
+    """A tenant's evict of keys in two namespaces is one call per namespace; alice's went first and was done
+    when alice-ci's was refused (a pinned block), and the command said only "refused" (exit 4). The namespace
+    whose call a named block's pin (or descendants) may refuse now goes first: refused, nothing evicted."""
+    t, shown = two_namespaces, lambda key: cli("show", key.hex(), *two_namespaces.tenant)
+    assert cli("pin", t.c[1].hex(), *t.tenant).exit_code == 0
+    for named in ([t.a[1], t.c[1]], [t.a[1], t.c[0]]):  # the pinned block itself; its parent, pinned below
+        refused = cli("evict", *(k.hex() for k in named), *t.tenant)
+        assert refused.exit_code == 4 and "pinned" in refused.stderr, refused.output
+        assert shown(t.a[1]).exit_code == 0  # alice's block is still there
+    forced = as_json(cli("evict", t.a[1].hex(), t.c[1].hex(), "--force", "--json", *t.tenant))
+    assert set(forced["evicted"]) == {t.a[1].hex(), t.c[1].hex()} and forced["unpinned"] == 1
+
+
+def test_an_evict_refused_part_way_says_what_it_evicted_with_its_own_exit_code(two_namespaces: TwoNamespaces
+                                                                               ) -> None:
+    """Both namespaces' named blocks have descendants, which a tenant cannot list: the first call evicts, the
+    second is refused (a pinned descendant). Exit 11, the evicted blocks listed, and the refusal saying so."""
+    t = two_namespaces
+    assert cli("pin", t.c[1].hex(), *t.tenant).exit_code == 0
+    out = cli("evict", t.a[0].hex(), t.c[0].hex(), *t.tenant)
+    assert out.exit_code == 11, out.output
+    assert "evicted 2 blocks" in out.stdout and t.a[0].hex() in out.stdout and t.a[1].hex() in out.stdout
+    assert "pinned" in out.stderr and "refused part-way" in out.stderr and "namespace 'alice'" in out.stderr
+    assert cli("show", t.a[0].hex(), *t.tenant).exit_code == 3 and cli("show", t.c[0].hex(), *t.tenant).exit_code == 0
+
+
+def test_a_pin_over_two_namespaces_refused_by_the_share_pins_nothing(two_namespaces: TwoNamespaces) -> None:
+    """Pin checks the tenant's share per call: alice's root (4 KiB) fitted and was pinned, alice-ci's then passed
+    the share and the command was refused (exit 4) with alice's pin left. The earlier calls' pins are lifted."""
+    t = two_namespaces
+
+    def pins(key: bytes) -> int:
+        return int(as_json(cli("show", key.hex(), "--json", *t.tenant))["blocks"][0]["pins"])
+
+    assert cli("pin", t.c[1].hex(), *t.tenant).exit_code == 0  # 8 KiB of 13,421 bytes: c[1] and its parent
+    assert cli("pin", t.a[0].hex(), *t.tenant).exit_code == 0  # pinned once already: a pin counts
+    refused = cli("pin", t.a[0].hex(), t.d[0].hex(), *t.tenant)
+    assert refused.exit_code == 4 and "share" in refused.stderr, refused.output
+    assert pins(t.a[0]) == 1 and pins(t.d[0]) == 0
