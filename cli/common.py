@@ -163,6 +163,8 @@ def failure(where: Target, exc: errors.EngramError | TimeoutError, timeout_s: fl
         more = "" if timeout_s is not None else " and the time its work on the store takes at the floor rates"
         return (f"the daemon at {where.address} did not answer within {per_call:g} s{more}: it is hung, stopped or "
                 "overloaded, or its host is unreachable", EXIT_UNAVAILABLE)
+    if isinstance(exc, errors.Unavailable) and "handshake failed" in str(exc).lower():
+        return tls_mismatch(where, str(exc)), EXIT_BAD_INPUT
     if isinstance(exc, errors.Unavailable | TimeoutError):
         hint = "" if where.root_cert or where.address.startswith("unix") else " (if it serves TLS, pass --tls-ca)"
         why = f" ({exc})" if isinstance(exc, errors.Unavailable) and str(exc) else ""
@@ -174,6 +176,18 @@ def failure(where: Target, exc: errors.EngramError | TimeoutError, timeout_s: fl
     if isinstance(exc, errors.PermissionDenied):
         return f"{exc}; use a token allowed there (an admin token for every namespace)", EXIT_DENIED
     return str(exc), EXIT_BAD_INPUT
+
+
+def tls_mismatch(where: Target, why: str) -> str:
+    """A TLS handshake that failed: something answers at the address, and the caller's TLS does not fit it (it was
+    reported as "no Engram daemon answers ... start one with `engram serve`")."""
+    if "CERTIFICATE_VERIFY_FAILED" in why:
+        return (f"the daemon at {where.address} serves TLS with a certificate that --tls-ca (or ENGRAM_TLS_CA) did "
+                f"not sign: give the PEM certificate that signed the daemon's ({why})")
+    if "WRONG_VERSION_NUMBER" in why:
+        return (f"the daemon at {where.address} does not serve TLS (a unix socket never does): leave out --tls-ca "
+                f"and ENGRAM_TLS_CA for it ({why})")
+    return f"the TLS handshake with the daemon at {where.address} failed: check --tls-ca and the address ({why})"
 
 
 class PartlyDone(Exception):

@@ -25,7 +25,17 @@ from engram.cli.main import app
 from engram.client import SyncEngramClient
 from engram.config import load_config
 
-from helpers import ENGRAM, NEUTRAL_CWD, free_port, random_kv, self_signed_cert, tiny_model, tokens, wait_for
+from helpers import (
+    ENGRAM,
+    NEUTRAL_CWD,
+    engram_daemon,
+    free_port,
+    random_kv,
+    self_signed_cert,
+    tiny_model,
+    tokens,
+    wait_for,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 ADMIN, TEAM_A = "admin-token-1", "team-a-token-1"
@@ -180,3 +190,28 @@ def test_readme_tenant_client_line_runs(deployment: Deployment, tmp_path: Path) 
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=NEUTRAL_CWD)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "team-a"
+
+
+def test_a_certificate_that_does_not_fit_the_daemon_is_named_not_no_daemon(deployment: Deployment, tmp_path: Path
+                                                                          ) -> None:
+    """A failed TLS handshake was "no Engram daemon answers ... start one with `engram serve`" (exit 2), after a
+    raw line of gRPC's core log on stderr: --tls-ca of another certificate against the TLS daemon, and --tls-ca
+    against a plaintext unix socket. Each now names the mismatch (exit 4, bad input), with nothing else on
+    stderr: a real `engram` process, as gRPC logs only before its first import in a process."""
+    (tmp_path / "other").mkdir()
+    other, _ = self_signed_cert(tmp_path / "other")
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+
+    def ping(address: str, ca: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*ENGRAM, "ping", "-a", address, "--tls-ca", str(ca)], capture_output=True, text=True,
+                              timeout=60, cwd=NEUTRAL_CWD, env=env)
+
+    wrong = ping(deployment.address, other)
+    assert wrong.returncode == 4, wrong.stderr
+    assert wrong.stderr.startswith("error: ") and wrong.stderr.count("\n") == 1, wrong.stderr
+    assert "serves TLS with a certificate that --tls-ca" in wrong.stderr and "start one" not in wrong.stderr
+    with engram_daemon(tmp_path) as (plain, _):
+        mismatch = ping(plain, deployment.cert)
+    assert mismatch.returncode == 4, mismatch.stderr
+    assert mismatch.stderr.startswith("error: ") and mismatch.stderr.count("\n") == 1, mismatch.stderr
+    assert "does not serve TLS" in mismatch.stderr and "leave out --tls-ca" in mismatch.stderr
