@@ -52,11 +52,10 @@ def synth(
                        f"; got {item!r}", EXIT_BAD_INPUT)
         changes[name] = _value(name, text.strip(), fields[name])
     params = dataclasses.replace(base, **changes)
-    try:
-        params.check()
+    try:  # the sizes' bounds too (engram/trace/synth.py): the trace is built whole in memory
+        requests = agent_workload(params)
     except ValueError as exc:
         raise fail(str(exc), EXIT_BAD_INPUT) from None
-    requests = agent_workload(params)
     try:
         write_trace(out, requests)
     except OSError as exc:

@@ -584,6 +584,33 @@ def test_trace_synth_refuses_parameters_no_workload_can_have(tmp_path: Path, par
     assert not (tmp_path / "t.jsonl").exists()
 
 
+@pytest.mark.parametrize(("args", "says"), [
+    (["--sessions", "99999999999999999999"], "sessions must be at most 1,000,000"),
+    (["--param", "system_blocks=999999999"], "system_blocks must be at most 50,000,000"),
+    (["--param", "tool_result_blocks=1,99999999999"], "tool_result_blocks's HIGH must be at most 50,000,000"),
+    (["--sessions", "100000"], "more than the 50,000,000 `trace synth` builds in memory"),
+])
+def test_trace_synth_refuses_sizes_past_its_bounds_before_building(tmp_path: Path, args: list[str], says: str
+                                                                   ) -> None:
+    """No size had an upper bound: each of these built the trace in memory until the machine ran out of it. Each
+    is refused at once (synth.MAX_SESSIONS, MAX_BLOCK_ACCESSES), exit 4."""
+    res = CliRunner().invoke(app, ["trace", "synth", str(tmp_path / "t.jsonl"), *args])
+    assert res.exit_code == 4 and says in " ".join(res.output.split()), res.output
+    assert not (tmp_path / "t.jsonl").exists()
+
+
+def test_a_trace_that_passes_the_bound_while_built_stops_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sub-agents (left out of the estimate) can take a trace past the bound: the generator stops at it."""
+    from engram.trace import synth
+
+    p = AgentWorkload(sessions=4, system_blocks=20, toolsets=1, tool_blocks=0, repo_blocks=0, turns=(4, 4),
+                      subagent_turns=(4, 4), subagent_p=1.0, max_depth=4, fork_history_p=1.0)
+    assert p.expected_accesses() < 1000 < sum(len(r.hash_ids) for r in agent_workload(p))
+    monkeypatch.setattr(synth, "MAX_BLOCK_ACCESSES", 1000)
+    with pytest.raises(ValueError, match="passed 1,000 block accesses"):
+        agent_workload(p)
+
+
 # ---- the agent workload generator ---------------------------------------------------------------------------------
 
 

@@ -76,6 +76,13 @@ def agent_trace(sessions: int = 24, turns: int = 6, seed: int = 0, *, system_blo
 
 # ---- agent workloads ------------------------------------------------------------------------------------
 
+# A trace is built whole in memory before it is written (and `engram bench trace` reads it whole): about 30 bytes
+# a block access while built (16.6 M accesses took 0.5 GB), 5.5 in the file. Past these bounds a typo'd size
+# (--sessions 99999999999999999999) ran until the machine was out of memory.
+MAX_BLOCK_ACCESSES = 50_000_000  # block ids over every request: ~1.5 GB built, ~275 MB written, a minute
+MAX_REQUESTS = 10_000_000  # requests (each a Request, even one of no blocks)
+MAX_SESSIONS = 1_000_000  # top-level sessions, each made up front
+
 
 @dataclass(frozen=True)
 class AgentWorkload:
@@ -133,6 +140,38 @@ class AgentWorkload:
                 raise ValueError(f"{name} is a probability in [0, 1], got {getattr(self, name)}")
         if not math.isfinite(self.hint_noise):
             raise ValueError(f"hint_noise must be finite (negative: no hints), got {self.hint_noise}")
+        self._check_size()
+
+    def _check_size(self) -> None:
+        """ValueError when the trace would not fit the bounds above: each size alone (a single request's blocks
+        are made at once), then the accesses the whole trace is expected to hold."""
+        if self.sessions > MAX_SESSIONS:
+            raise ValueError(f"sessions must be at most {MAX_SESSIONS:,}, got {self.sessions:,}")
+        for name in ("toolsets", "repos", "system_blocks", "tool_blocks", "repo_blocks"):
+            if getattr(self, name) > MAX_BLOCK_ACCESSES:
+                raise ValueError(f"{name} must be at most {MAX_BLOCK_ACCESSES:,}, got {getattr(self, name):,}")
+        for name in ("turns", "subagent_turns", "user_blocks", "tool_result_blocks", "assistant_blocks", "task_blocks"):
+            if getattr(self, name)[1] > MAX_BLOCK_ACCESSES:
+                raise ValueError(f"{name}'s HIGH must be at most {MAX_BLOCK_ACCESSES:,}, got {getattr(self, name)[1]:,}")
+        expected = self.expected_accesses()
+        if expected > MAX_BLOCK_ACCESSES:
+            raise ValueError(f"these parameters make a trace of about {expected:,.0f} block accesses (each request "
+                             f"re-sends its session's prefix), more than the {MAX_BLOCK_ACCESSES:,} `trace synth` "
+                             "builds in memory: fewer sessions or turns, or shorter prefixes")
+
+    def expected_accesses(self) -> float:
+        """The block ids a trace of these parameters holds, about: each top-level session's requests at their mean
+        count, each its head and what the turns before it added, at the mean sizes, and the toolsets' prefixes
+        (made up front). Sub-agents are left out, so a trace holds more (the default: 0.87 M expected, 1.45 M)."""
+        def mean(r: tuple[int, int]) -> float:
+            return (r[0] + r[1]) / 2
+
+        turns = mean(self.turns)
+        head = self.system_blocks + self.tool_blocks + self.repo_blocks + mean(self.user_blocks)
+        growth = (mean(self.assistant_blocks) + (1 - self.user_p) * mean(self.tool_result_blocks)
+                  + self.user_p * mean(self.user_blocks))
+        per_session = turns * head + growth * turns * (turns - 1) / 2
+        return self.sessions * per_session + self.toolsets * (self.system_blocks + self.tool_blocks)
 
 
 @dataclass
@@ -192,8 +231,14 @@ def agent_workload(params: AgentWorkload | None = None, **overrides: Any) -> lis
         grow(a, "user", span(p.user_blocks))
         heapq.heappush(events, (int(t), next(seq), a))
     out: list[Request] = []
+    accesses = 0
     while events:
         now, _, a = heapq.heappop(events)
+        accesses += len(a.ids)
+        if accesses > MAX_BLOCK_ACCESSES or len(out) >= MAX_REQUESTS:
+            raise ValueError(f"the trace passed {MAX_BLOCK_ACCESSES:,} block accesses or {MAX_REQUESTS:,} requests "
+                             f"at request {len(out) + 1:,} (sub-agents and long turns add to the expected "
+                             f"{p.expected_accesses():,.0f}): fewer sessions or turns, or shorter prefixes")
         a.turns_left -= 1
         done = a.turns_left <= 0
         out_blocks = span(p.assistant_blocks)
