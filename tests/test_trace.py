@@ -808,3 +808,22 @@ def test_fast_path_and_verbs_path_agree_on_random_small_traces_of_sessions_that_
         assert [r.hit_blocks for r in fast] == [r.hit_blocks for r in verbs]
         compared += len(fast)
     assert compared == 120
+
+
+def test_a_back_ms_past_a_day_is_named_with_its_file_and_line(tmp_path: Path) -> None:
+    """A back_ms past the daemon's bound (a day) was read, and refused by the replay's sessions without FILE:LINE,
+    unlike every other bad value of a trace. The reader names it; synth clamps its hints there (a user_ms past a
+    day wrote hints no replay could read)."""
+    from engram.limits import MAX_EXPECT_BACK_MS
+
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 0, "hash_ids": [1, 2], "session": "a"}\n'
+                    '{"timestamp": 1, "hash_ids": [1, 2, 3], "session": "a", "back_ms": 1000000000000000000000}\n')
+    res = _bench(path, "--capacity", "4", "--block-bytes", "64")
+    said = " ".join(res.output.split())
+    assert res.exit_code == 4 and f"{path}:2:" in said and "back_ms must be at most 86400000" in said, res.output
+    out = tmp_path / "w.jsonl"
+    res = CliRunner().invoke(app, ["trace", "synth", str(out), "--sessions", "2", "--param", "user_p=1",
+                                   "--param", "user_ms=100000000,200000000"])
+    assert res.exit_code == 0, res.output
+    assert max(r.back_ms for r in read_trace(out)) == MAX_EXPECT_BACK_MS

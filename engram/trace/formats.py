@@ -12,7 +12,7 @@ Engram's session format (agent traces) is the same lines with optional fields mo
 | parent  | string | the session that started this one (a sub-agent); on its first request, and if repeated the same |
 | close   | bool   | the session ends after this request: no later request of it, its references are dropped |
 | scope   | string | the hash scope of the request's ids (below); absent or null: the session's default |
-| back_ms | int    | the client's hint, after this request, of when the session's next one comes (ms; absent or 0: none): what a worker sends as AppendSession's expect_back_ms (an agent knows which tool it called) |
+| back_ms | int    | the client's hint, after this request, of when the session's next one comes (ms; absent or 0: none): what a worker sends as AppendSession's expect_back_ms (an agent knows which tool it called); at most 86400000 (a day), the daemon's bound |
 
 Hash scope: a request's hash_ids are ids within a scope, and the same id in two scopes is two different
 blocks. A session's scope is the `scope` named on its requests if any ("" is the global scope every Mooncake
@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from engram.errors import InvalidArgument
+from engram.limits import MAX_EXPECT_BACK_MS
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,9 @@ def _line(d: Any, ids_seen: dict[int, int]) -> Request:
     back_ms = _int(d, "back_ms", 0)
     if back_ms and not session:
         raise ValueError("back_ms without session: the hint is of a session's next request")
+    if back_ms > MAX_EXPECT_BACK_MS:  # else refused by the replay's sessions, after the read, without FILE:LINE
+        raise ValueError(f"back_ms must be at most {MAX_EXPECT_BACK_MS} (a day, the daemon's bound on "
+                         f"expect_back_ms), got {back_ms}")
     seen = ids_seen.setdefault
     return Request(_int(d, "timestamp"), tuple([seen(h, h) for h in ids]), _int(d, "input_length", 0), _int(d, "output_length", 0),
                    session, parent, close, scope, back_ms)

@@ -24,6 +24,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from engram.limits import MAX_EXPECT_BACK_MS
 from engram.trace.formats import Request
 
 
@@ -202,7 +203,7 @@ def agent_workload(params: AgentWorkload | None = None, **overrides: Any) -> lis
     def hinted(gap: int, user: bool) -> None:
         if p.hint_noise >= 0:
             back = (p.user_ms[0] + p.user_ms[1]) / 2 if user else gap * hint_rng.lognormvariate(0.0, p.hint_noise)
-            out[-1] = dataclasses.replace(out[-1], back_ms=max(1, round(back)))
+            out[-1] = dataclasses.replace(out[-1], back_ms=min(MAX_EXPECT_BACK_MS, max(1, round(back))))
     chain = _Chain()
     bt = p.block_tokens
     system = chain.extend([], [f"system{i}" for i in range(p.system_blocks)])
