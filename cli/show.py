@@ -14,7 +14,7 @@ from engram import errors
 from engram.api import BlockDescription, BlockDetail, SessionSummary
 from engram.control import ControlClient
 
-from .common import call, console, target
+from .common import EXIT_BAD_INPUT, call, console, fail, target
 from .format import age, dumps, to_dict
 from .options import AddressOpt, ConfigOpt, JsonOpt, NamespaceOpt, TlsCaOpt, TokenOpt
 from .stats import human_bytes
@@ -132,6 +132,8 @@ def show(name: Annotated[str, typer.Argument(metavar="SESSION|BLOCK",
          config: ConfigOpt = None, address: AddressOpt = None, namespace: NamespaceOpt = None,
          json_: JsonOpt = False, token: TokenOpt = None, tls_ca: TlsCaOpt = None) -> None:
     """A session's block chain, or one block: where it lives, codec, checksum, refcount."""
+    if not name.strip():  # names nothing: bad input, not an unknown session (exit 3)
+        raise fail("name a session id or a block key (prefix); got an empty name", EXIT_BAD_INPUT)
     resp = call(target(config, address, token, tls_ca), lambda c: describe(c, name, namespace))
     if json_:
         typer.echo(dumps(to_dict(resp)))

@@ -452,3 +452,10 @@ def test_a_pin_over_two_namespaces_refused_by_the_share_pins_nothing(two_namespa
     refused = cli("pin", t.a[0].hex(), t.d[0].hex(), *t.tenant)
     assert refused.exit_code == 4 and "share" in refused.stderr, refused.output
     assert pins(t.a[0]) == 1 and pins(t.d[0]) == 0
+
+
+def test_show_of_an_empty_name_is_bad_input(content: Content) -> None:
+    """`engram show ""` was "no session ''" (exit 3, not found): an empty name names nothing, exit 4."""
+    for name in ("", " "):
+        out = cli("show", name, "-a", content.address)
+        assert out.exit_code == 4 and "empty name" in out.stderr, out.output
