@@ -190,6 +190,13 @@ def tls_mismatch(where: Target, why: str) -> str:
     return f"the TLS handshake with the daemon at {where.address} failed: check --tls-ca and the address ({why})"
 
 
+def nothing_in(namespace: str) -> errors.NotFound:
+    """`-n NS` of a namespace holding no block and no session the caller may see (exit 3, `ls` and `stats` alike).
+    Said alike of a namespace nobody used and of another tenant's: which one it is stays another tenant's."""
+    return errors.NotFound(f"namespace {namespace!r} holds nothing this caller may see; `engram stats` lists the "
+                           "namespaces it may")
+
+
 class PartlyDone(Exception):
     """A command of one daemon call per namespace (a tenant's evict or pin of keys in several of its namespaces)
     whose later call failed after earlier ones had changed the store, which could not be undone: `done` is what

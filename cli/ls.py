@@ -12,7 +12,7 @@ from rich.table import Table
 from engram.api import NamespaceSummary, SessionSummary
 from engram.control import ControlClient
 
-from .common import call, console, target
+from .common import call, console, nothing_in, target
 from .format import age, dumps, to_dict
 from .options import AddressOpt, ConfigOpt, JsonOpt, NamespaceOpt, TlsCaOpt, TokenOpt
 from .stats import human_bytes
@@ -25,8 +25,13 @@ class Listing:
 
 
 async def fetch(client: ControlClient, namespace: str | None) -> Listing:
+    """With -n, NotFound (exit 3, as `stats -n`) when the namespace holds no session and no block either: an empty
+    table said nothing of a typo. A namespace of blocks alone lists no sessions."""
     if namespace is not None:
-        return Listing(None, await client.list_sessions(namespace=namespace))
+        sessions = await client.list_sessions(namespace=namespace)
+        if not sessions and namespace not in {n.namespace for n in (await client.stats()).namespaces}:
+            raise nothing_in(namespace)
+        return Listing(None, sessions)
     return Listing(await client.list_namespaces(), await client.list_sessions(all_namespaces=True))
 
 

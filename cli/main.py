@@ -27,6 +27,7 @@ from .common import (
     err_console,
     fail,
     load,
+    nothing_in,
     start_failures,
     target,
 )
@@ -140,8 +141,7 @@ def stats(config: ConfigOpt = None, address: AddressOpt = None, namespace: Names
     if namespace is not None:
         mine = tuple(n for n in resp.namespaces if n.namespace == namespace)
         if not mine:
-            raise fail(f"namespace {namespace!r} holds nothing this caller may see; `engram ls` lists namespaces",
-                       EXIT_NOT_FOUND)
+            raise fail(str(nothing_in(namespace)), EXIT_NOT_FOUND)
         resp = dataclasses.replace(resp, namespaces=mine)
     if json_:
         typer.echo(stats_json(resp))

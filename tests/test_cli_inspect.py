@@ -459,3 +459,13 @@ def test_show_of_an_empty_name_is_bad_input(content: Content) -> None:
     for name in ("", " "):
         out = cli("show", name, "-a", content.address)
         assert out.exit_code == 4 and "empty name" in out.stderr, out.output
+
+
+def test_ls_and_stats_of_a_namespace_holding_nothing_agree(content: Content) -> None:
+    """`ls -n nosuch` printed an empty table (exit 0) where `stats -n nosuch` said not found (exit 3): a typo
+    looked like a namespace without sessions. Both exit 3 with one message; a namespace of blocks alone (team-b)
+    still lists its (no) sessions."""
+    listed, stated = (cli(command, "-n", "nosuch", "-a", content.address) for command in ("ls", "stats"))
+    assert listed.exit_code == stated.exit_code == 3, listed.output
+    assert listed.stderr == stated.stderr and "holds nothing this caller may see" in listed.stderr
+    assert as_json(cli("ls", "--json", "-n", "team-b", "-a", content.address)) == {"sessions": []}
