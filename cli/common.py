@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sys
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
@@ -36,7 +37,26 @@ EXIT_START_FAILED = 9  # serve: a file or directory it needs cannot be used (per
 EXIT_DAEMON_ERROR = 10  # the daemon answered and failed the call itself (INTERNAL: its log says more)
 EXIT_PARTLY_DONE = 11  # evict/pin over several namespaces failed after changing some: the output says what
 
+EXIT_CLOSED_STDOUT = 141  # stdout closed before the output was written (`| head`): 128 + SIGPIPE, as a shell
+# reports a command that signal ended (cat, grep); click and rich exited 1, check's and demo's "problems found"
+
 T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def closed_stdout_exits() -> Iterator[None]:
+    """A write to a closed stdout exits EXIT_CLOSED_STDOUT: click's echo raises BrokenPipeError (click's main then
+    exits 1), and rich's consoles (the commands' and typer's help) raise SystemExit(1) while handling one. Stdout
+    is pointed at /dev/null first: Python's flush at exit would hit the closed pipe again and print an error. (Not
+    SIGPIPE's default action, which would also end `serve` at a client's closed socket.)"""
+    try:
+        yield
+    except (BrokenPipeError, SystemExit) as exc:
+        if not isinstance(exc, BrokenPipeError) and not isinstance(exc.__context__, BrokenPipeError):
+            raise
+        with contextlib.suppress(OSError, ValueError):  # ValueError, io.UnsupportedOperation: no file (a test's)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise typer.Exit(EXIT_CLOSED_STDOUT) from None
 
 
 def fail(message: str, code: int) -> typer.Exit:

@@ -23,6 +23,7 @@ from .common import (
     EXIT_NOT_FOUND,
     STORE_WIDE,
     call,
+    closed_stdout_exits,
     console,
     err_console,
     fail,
@@ -47,18 +48,21 @@ from .verify_isolation import verify_isolation
 
 class _Group(TyperGroup):
     """Usage errors (an unknown option, a missing argument, a bad value) exit EXIT_BAD_INPUT, not click's 2,
-    which is the CLI's code for "no daemon answers"."""
+    which is the CLI's code for "no daemon answers"; a closed stdout (--help, a command's output) exits
+    EXIT_CLOSED_STDOUT, not click's 1."""
 
     def make_context(self, *args: Any, **kwargs: Any) -> Context:
         try:
-            return super().make_context(*args, **kwargs)
+            with closed_stdout_exits():  # --help, --version
+                return super().make_context(*args, **kwargs)
         except UsageError as exc:
             exc.exit_code = EXIT_BAD_INPUT  # type: ignore[misc]  # this instance's code, not the class's
             raise
 
     def invoke(self, ctx: Context) -> Any:
         try:
-            return super().invoke(ctx)
+            with closed_stdout_exits():  # a command's output, its --help
+                return super().invoke(ctx)
         except UsageError as exc:
             exc.exit_code = EXIT_BAD_INPUT  # type: ignore[misc]
             raise

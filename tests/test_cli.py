@@ -290,3 +290,18 @@ def test_version_help_and_ping(daemon) -> None:  # type: ignore[no-untyped-def]
     assert ping.exit_code == 0 and json.loads(ping.stdout)["serving"] is True
     gone = CliRunner().invoke(app, ["ping", "-a", address + ".gone"])
     assert gone.exit_code == 2 and "no Engram daemon answers" in gone.stderr
+
+
+@pytest.mark.parametrize("args", [["layouts"], ["--help"], ["config", "--keys"], ["ls", "-h"]])
+def test_a_closed_stdout_exits_141_quietly(args: list[str]) -> None:
+    """`engram layouts | head` and the like: stdout closed before the output is written exited 1, the code of
+    check's "problems found", through click's and rich's handling of the broken pipe. It exits 141 (128 + SIGPIPE,
+    as a shell reports cat or grep ended by the pipe), with nothing on stderr."""
+    read, write = os.pipe()
+    os.close(read)  # every write fails: no race with a reader that has not gone yet
+    try:
+        out = subprocess.run([*ENGRAM, *args], stdout=write, stderr=subprocess.PIPE, text=True, timeout=60,
+                             cwd=NEUTRAL_CWD)
+    finally:
+        os.close(write)
+    assert out.returncode == 141 and out.stderr == "", out.stderr
