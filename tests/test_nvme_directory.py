@@ -5,17 +5,19 @@ earlier Engram wrote (no marker) is taken, marked, and its blocks served. Real d
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 
 from engram.client import SyncEngramClient
 from engram.tiers.nvmedir import MARKER
 
-from helpers import ENGRAM, NEUTRAL_CWD, engram_daemon, random_kv, tiny_model, tokens
+from helpers import ENGRAM, NEUTRAL_CWD, engram_daemon, random_kv, small_tmpfs, tiny_model, tokens
 
 
 def tree(root: Path) -> dict[str, tuple[int, bytes | None]]:
@@ -132,3 +134,43 @@ def test_a_missing_or_empty_directory_is_taken_and_marked(tmp_path: Path) -> Non
         with engram_daemon(tmp_path, "--set", f"tiers.nvme.path={nvme}") as (address, _):
             put_blocks(address)
         assert (nvme / MARKER).read_text().startswith("engram NVMe tier directory, format 1\n")
+
+
+def fill(mnt: Path) -> None:
+    """Every page of the tmpfs at `mnt` taken by one file, mnt/fill (files can still be created, not written)."""
+    with contextlib.suppress(OSError), open(mnt / "fill", "wb") as fh:
+        while True:
+            fh.write(bytes(4096))
+            fh.flush()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_first_start_that_could_not_write_the_marker_leaves_the_directory_empty(tmp_path: Path) -> None:
+    """A first start on a full disk fails (exit 7) writing the marker: it left engram-nvme-tier.tmp behind, and
+    every later start (space freed) refused the directory as another program's. A real full tmpfs."""
+    with small_tmpfs(tmp_path / "small", "1m") as mnt:
+        nvme = mnt / "nvme"
+        nvme.mkdir()
+        fill(mnt)
+        shm = tmp_path / "shm"
+        shm.mkdir()
+        out = run("serve", "--port", "0", "--dram-capacity", "64MiB", "--set", f"tiers.dram.shm_dir={shm}",
+                  "--set", f"tiers.nvme.path={nvme}")
+        assert out.returncode == 7, out.stderr
+        assert os.listdir(nvme) == []
+        (mnt / "fill").unlink()
+        with engram_daemon(tmp_path, "--set", f"tiers.nvme.path={nvme}") as (address, _):
+            put_blocks(address)
+        assert (nvme / MARKER).is_file()
+
+
+def test_a_directory_holding_only_the_markers_temp_file_is_taken(tmp_path: Path) -> None:
+    """A first start that died writing the marker (a crash, or a build that kept the temp file at a failure)
+    left engram-nvme-tier.tmp alone in the directory: still an empty directory, taken and marked."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    (nvme / f"{MARKER}.tmp").write_bytes(b"engram NVMe tier dir")
+    with engram_daemon(tmp_path, "--set", f"tiers.nvme.path={nvme}") as (address, _):
+        put_blocks(address)
+    assert (nvme / MARKER).read_text().startswith("engram NVMe tier directory, format 1\n")
+    assert not (nvme / f"{MARKER}.tmp").exists()

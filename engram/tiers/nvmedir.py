@@ -11,6 +11,7 @@ changed: no chmod, no lock file, no directory made.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -29,7 +30,9 @@ VERSION = 1
 _FIRST_LINE = re.compile(r"engram NVMe tier directory, format (\d+)")
 _TEXT = ("engram NVMe tier directory, format {}\n"
          "Written by Engram (docs/FORMAT.md, \"NVMe tier directory\"); it deletes stray files in blocks/ and tmp/.\n")
-_EMPTY_TOO = {"lost+found"}  # a fresh filesystem's root holds it: still an empty directory to take
+# Still an empty directory to take: a fresh filesystem's root holds lost+found, and a first start that could not
+# write the marker (a full disk, a crash mid-write) may have left the marker's temp file and nothing else
+_EMPTY_TOO = {"lost+found", f"{MARKER}.tmp"}
 _HEX = re.compile(r"[0-9a-f]+")
 
 State = Literal["missing", "empty", "marked", "earlier"]
@@ -85,16 +88,22 @@ def claim(root: Path, *, create: bool, mark: bool = True, fsync: bool = True,
 
 
 def write_marker(root: Path, *, fsync: bool = True) -> None:
-    """The marker, written whole or not at all (temp file, fsync, rename, directory fsync)."""
+    """The marker, written whole or not at all (temp file, fsync, rename, directory fsync); a failed write
+    removes its temp file, so the directory is as it was."""
     tmp = root / f"{MARKER}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
     try:
-        os.write(fd, _TEXT.format(VERSION).encode())
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, root / MARKER)
+        try:
+            os.write(fd, _TEXT.format(VERSION).encode())
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, root / MARKER)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     if fsync:
         sync_directory(root)
 
