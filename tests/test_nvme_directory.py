@@ -174,3 +174,27 @@ def test_a_directory_holding_only_the_markers_temp_file_is_taken(tmp_path: Path)
         put_blocks(address)
     assert (nvme / MARKER).read_text().startswith("engram NVMe tier directory, format 1\n")
     assert not (nvme / f"{MARKER}.tmp").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_an_earlier_engram_directory_on_a_full_disk_is_taken_unmarked(tmp_path: Path) -> None:
+    """Upgrading a deployment whose NVMe filesystem is full: the build before the marker started (degraded) and
+    served its blocks; this one failed to start (exit 7) writing the marker. Now it warns, takes the directory
+    unmarked (recognised again by its files) and serves the blocks. A real full tmpfs."""
+    with small_tmpfs(tmp_path / "small", "4m") as mnt:
+        nvme = mnt / "nvme"
+        with engram_daemon(tmp_path, "--set", f"tiers.nvme.path={nvme}", "--set",
+                           "tiers.write_policy=write-through") as (address, _):
+            fp, keys, kv = put_blocks(address)
+        (nvme / MARKER).unlink()  # as the build before the marker left it
+        fill(mnt)
+        with engram_daemon(tmp_path, "--set", f"tiers.nvme.path={nvme}") as (address, proc), \
+                SyncEngramClient(address, namespace="ns") as c:
+            c.register_model(tiny_model())
+            got = c.get(fp, keys)
+            proc.kill()
+            assert proc.stdout is not None
+            logged = proc.stdout.read()
+        assert torch.equal(torch.cat(got, dim=2), kv)
+        assert f"{nvme}: the disk is full, so its {MARKER} marker file cannot be written" in logged, logged
+        assert not (nvme / MARKER).exists() and not (nvme / f"{MARKER}.tmp").exists()

@@ -12,7 +12,9 @@ changed: no chmod, no lock file, no directory made.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -34,6 +36,8 @@ _TEXT = ("engram NVMe tier directory, format {}\n"
 # write the marker (a full disk, a crash mid-write) may have left the marker's temp file and nothing else
 _EMPTY_TOO = {"lost+found", f"{MARKER}.tmp"}
 _HEX = re.compile(r"[0-9a-f]+")
+
+log = logging.getLogger(__name__)
 
 State = Literal["missing", "empty", "marked", "earlier"]
 
@@ -83,7 +87,17 @@ def claim(root: Path, *, create: bool, mark: bool = True, fsync: bool = True,
         raise ForeignDirectory(f"{setting} {root} {what}: not an Engram NVMe tier directory")
     if mark and state != "marked":
         private_dir(root)
-        write_marker(root, fsync=fsync)
+        try:
+            write_marker(root, fsync=fsync)
+        except OSError as exc:
+            # An earlier Engram's directory is recognised again by its files: a full disk must not stop a start
+            # that the build before the marker made (degraded). A new one fails: unmarked, what this start made
+            # in it would not say whose it is.
+            if state != "earlier" or exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            log.warning("%s %s: the disk is full, so its %s marker file cannot be written (%s); the directory "
+                        "is taken unmarked, as an earlier Engram's, and marked at a start with free space",
+                        setting, root, MARKER, exc.strerror)
     return state
 
 
