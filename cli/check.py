@@ -30,6 +30,9 @@ def offline(directory: str, fix: bool, progress: Callable[[int, int], None] | No
         claim(root, create=False, mark=False, setting="--dir")
     except (ConfigError, NewerFormat) as exc:
         raise fail(str(exc), EXIT_BAD_INPUT) from None
+    except OSError as exc:  # it (or its index/, blocks/, models/) cannot be listed: another user's, a permission
+        raise fail(f"--dir {directory}: {exc.filename or directory} cannot be read ({exc.strerror or exc}); run the "
+                   "check as the user the daemon runs as, or one who may read the directory", EXIT_BAD_INPUT) from None
 
     async def run() -> CheckReport:
         try:  # without --fix, nothing in the directory is made, tightened or written

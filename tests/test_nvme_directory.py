@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import stat
 import subprocess
 from pathlib import Path
@@ -198,3 +199,36 @@ def test_an_earlier_engram_directory_on_a_full_disk_is_taken_unmarked(tmp_path: 
         assert torch.equal(torch.cat(got, dim=2), kv)
         assert f"{nvme}: the disk is full, so its {MARKER} marker file cannot be written" in logged, logged
         assert not (nvme / MARKER).exists() and not (nvme / f"{MARKER}.tmp").exists()
+
+
+# root reads any directory: the daemon's user, as an operator runs it, is one without these capabilities
+_UNPRIVILEGED = (["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner", "--inh-caps",
+                  "-dac_override,-dac_read_search,-fowner"] if os.geteuid() == 0 else [])
+
+
+@pytest.mark.skipif(os.geteuid() == 0 and shutil.which("setpriv") is None, reason="root without setpriv reads all")
+@pytest.mark.parametrize("command", ["serve", "check"])
+def test_a_directory_the_user_cannot_read_is_one_line_naming_it(tmp_path: Path, command: str) -> None:
+    """tiers.nvme.path (or --dir) naming a directory of another user: `serve` said only `cannot start: [Errno 13]
+    Permission denied: '...'` and `check --dir` printed a PermissionError traceback. Now one line each naming the
+    setting, the path and what to change (serve: exit 9, as any file it cannot open; check: exit 4)."""
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o000)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    args = (["serve", "--port", "0", "--dram-capacity", "64MiB", "--set", f"tiers.dram.shm_dir={shm}", "--set",
+             f"tiers.nvme.path={closed}"] if command == "serve" else ["check", "--dir", str(closed)])
+    out = subprocess.run([*_UNPRIVILEGED, *ENGRAM, *args], capture_output=True, text=True, timeout=60,
+                         cwd=NEUTRAL_CWD)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr and "Errno" not in out.stderr, out.stderr
+    if command == "serve":
+        assert out.returncode == 9, out.stderr
+        assert lines[0] == (f"error: cannot start: tiers.nvme.path {closed}: {closed} cannot be created or opened "
+                            "(Permission denied); let this daemon read and write it and what it holds (models/, "
+                            "blocks/, tmp/ are directories), or set another tiers.nvme.path"), lines[0]
+        assert list(shm.iterdir()) == []
+    else:
+        assert out.returncode == 4, out.stderr
+        assert lines[0] == (f"error: --dir {closed}: {closed} cannot be read (Permission denied); run the check as "
+                            "the user the daemon runs as, or one who may read the directory"), lines[0]

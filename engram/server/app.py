@@ -95,8 +95,7 @@ async def _build_store(config: EngramConfig, tenancy: Tenancy | None, tiers: lis
     if t.nvme.path:
         root = Path(t.nvme.path)
         # A first start makes models/, blocks/, tmp/ and the lock file; every start reads the model files
-        with _files_of("tiers.nvme.path", t.nvme.path, "", "let this daemon read and write it and what it holds "
-                       "(models/, blocks/, tmp/ are directories), or set another tiers.nvme.path"):
+        with _files_of("tiers.nvme.path", t.nvme.path, "", _NVME_FIX):
             nvmedir.claim(root, create=True, fsync=t.nvme.fsync)  # marked before models/ is made in it
             registry = ModelRegistry(root / "models", default_codec=codec, default_reason=why)
             tiers.append(NvmeTier(root, t.nvme.capacity, compression=t.nvme.compression,
@@ -128,9 +127,12 @@ def _check_nvme_dir(root: Path) -> None:
     if not root.exists() and not root.parent.is_dir():
         raise ConfigError(f"tiers.nvme.path {root}: neither it nor its parent {root.parent} exists; create the "
                           f"directory on the NVMe drive (mkdir -p {root}) or correct the path")
-    nvmedir.inspect(root)
+    with _files_of("tiers.nvme.path", str(root), "", _NVME_FIX):  # one it cannot list: say which setting
+        nvmedir.inspect(root)
 
 
+_NVME_FIX = ("let this daemon read and write it and what it holds (models/, blocks/, tmp/ are directories), or set "
+             "another tiers.nvme.path")
 _SHM_FIX = "give a tmpfs directory this daemon can write (e.g. /dev/shm), or set tiers.dram.pool = private"
 
 
