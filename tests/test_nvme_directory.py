@@ -232,3 +232,22 @@ def test_a_directory_the_user_cannot_read_is_one_line_naming_it(tmp_path: Path, 
         assert out.returncode == 4, out.stderr
         assert lines[0] == (f"error: --dir {closed}: {closed} cannot be read (Permission denied); run the check as "
                             "the user the daemon runs as, or one who may read the directory"), lines[0]
+
+
+@pytest.mark.parametrize("marked", [True, False], ids=["this-builds-daemon", "an-earlier-builds-daemon"])
+def test_check_fix_beside_the_daemon_serving_the_directory_changes_nothing(tmp_path: Path, marked: bool) -> None:
+    """`check --dir --fix` on a directory a running daemon holds is refused by its lock (exit 4): it first made
+    the directory 0700 and, beside a daemon of the build before the marker (its directory unmarked), wrote the
+    marker. Now the lock comes before either."""
+    nvme = tmp_path / "nvme"
+    with engram_daemon(tmp_path, "--set", f"tiers.nvme.path={nvme}", "--set", "tiers.write_policy=write-through"
+                       ) as (address, _):
+        put_blocks(address)
+        if not marked:
+            (nvme / MARKER).unlink()  # as an earlier build serves it
+        os.chmod(nvme, 0o755)  # as an earlier build or an operator left it
+        before = sorted(os.listdir(nvme)), os.lstat(nvme).st_mode
+        out = run("check", "--dir", str(nvme), "--fix")
+        assert out.returncode == 4, out.stderr
+        assert "holds the NVMe directory" in out.stderr and "Traceback" not in out.stderr, out.stderr
+        assert (sorted(os.listdir(nvme)), os.lstat(nvme).st_mode) == before

@@ -61,7 +61,7 @@ from engram.tiers.blockfile import (
 from engram.tiers.budget import ByteBudget
 from engram.tiers.groupcommit import GroupCommitter, WriteJob, sync_directory
 from engram.tiers.journal import IndexJournal, Pins
-from engram.tiers.nvmedir import claim
+from engram.tiers.nvmedir import adopt, claim
 
 log = logging.getLogger(__name__)
 MAX_JOURNALS = 16  # journal files since the snapshot before a start writes a new one (crash restarts add one each)
@@ -134,13 +134,21 @@ class NvmeTier:
         self.blocks_dir = self.root / "blocks"
         self.tmp_dir = self.root / "tmp"
         self.read_only = read_only
-        claim(self.root, create=create and not read_only, mark=not read_only, fsync=fsync)
-        if not read_only:
-            for d in (self.root, self.blocks_dir, self.tmp_dir):  # a tenant's KV: 0700 directories, 0600 files
-                private_dir(d)
-        # One daemon (or offline check) per directory: two would delete each other's files as strays.
+        # Refused before anything in it changes (another program's); a new one is made and marked
+        state = claim(self.root, create=create and not read_only, mark=not read_only, fsync=fsync)
+        # One daemon (or offline check) per directory: two would delete each other's files as strays. Taken before
+        # anything in a directory a daemon may hold is marked or tightened (a check --fix beside it did both)
         self._lock = DaemonLock(self.root / "engram.lock", f"the NVMe directory {self.root}",
                                 "set another tiers.nvme.path").acquire(create=not read_only)
+        if not read_only:
+            try:
+                if state == "earlier":
+                    adopt(self.root, fsync=fsync)
+                for d in (self.root, self.blocks_dir, self.tmp_dir):  # a tenant's KV: 0700 directories, 0600 files
+                    private_dir(d)
+            except BaseException:
+                self._lock.release()
+                raise
         self._files: dict[bytes, _File] = {}
         self._writing: set[str] = set()  # temp file names of writes in flight: an online check leaves them be
         self._deleting: dict[bytes, asyncio.Event] = {}  # keys whose file is being unlinked: a new write waits

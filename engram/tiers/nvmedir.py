@@ -80,25 +80,32 @@ def inspect(root: Path, setting: str = "tiers.nvme.path") -> State:
 def claim(root: Path, *, create: bool, mark: bool = True, fsync: bool = True,
           setting: str = "tiers.nvme.path") -> State:
     """Take `root` for the tier: refused (ForeignDirectory) unless it is the tier's, or `create` and it is
-    missing or empty; with `mark`, made (0700) and marked when it is not marked yet. Returns what it was."""
+    missing or empty; with `mark`, a missing or empty one is made (0700) and marked. Returns what it was. An
+    earlier Engram's is left as it is: a daemon may hold it, so it is marked (`adopt`) once its lock is held."""
     state = inspect(root, setting)
     if state in ("missing", "empty") and not create:
         what = "does not exist" if state == "missing" else "is empty"
         raise ForeignDirectory(f"{setting} {root} {what}: not an Engram NVMe tier directory")
-    if mark and state != "marked":
+    if mark and state in ("missing", "empty"):  # nobody's yet: marked before anything (the lock file) is made
         private_dir(root)
-        try:
-            write_marker(root, fsync=fsync)
-        except OSError as exc:
-            # An earlier Engram's directory is recognised again by its files: a full disk must not stop a start
-            # that the build before the marker made (degraded). A new one fails: unmarked, what this start made
-            # in it would not say whose it is.
-            if state != "earlier" or exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            log.warning("%s %s: the disk is full, so its %s marker file cannot be written (%s); the directory "
-                        "is taken unmarked, as an earlier Engram's, and marked at a start with free space",
-                        setting, root, MARKER, exc.strerror)
+        write_marker(root, fsync=fsync)
     return state
+
+
+def adopt(root: Path, *, fsync: bool = True, setting: str = "tiers.nvme.path") -> None:
+    """Mark an earlier Engram's directory (made 0700), its lock held: a check --fix beside the daemon serving it
+    tightened and marked it before the lock refused the check."""
+    private_dir(root)
+    try:
+        write_marker(root, fsync=fsync)
+    except OSError as exc:
+        # Recognised again by its files: a full disk must not stop a start that the build before the marker made
+        # (degraded). A new directory fails in `claim`: unmarked, what a start made in it would not say whose it is.
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        log.warning("%s %s: the disk is full, so its %s marker file cannot be written (%s); the directory is taken "
+                    "unmarked, as an earlier Engram's, and marked at a start with free space", setting, root, MARKER,
+                    exc.strerror)
 
 
 def write_marker(root: Path, *, fsync: bool = True) -> None:
@@ -175,4 +182,4 @@ def _is_model_file(path: Path) -> bool:
     return spec.fingerprint.hex() == path.stem
 
 
-__all__ = ["MARKER", "VERSION", "ForeignDirectory", "State", "claim", "inspect", "write_marker"]
+__all__ = ["MARKER", "VERSION", "ForeignDirectory", "State", "adopt", "claim", "inspect", "write_marker"]
