@@ -589,11 +589,15 @@ def test_trace_synth_refuses_parameters_no_workload_can_have(tmp_path: Path, par
     (["--param", "system_blocks=999999999"], "system_blocks must be at most 50,000,000"),
     (["--param", "tool_result_blocks=1,99999999999"], "tool_result_blocks's HIGH must be at most 50,000,000"),
     (["--sessions", "100000"], "more than the 50,000,000 `trace synth` builds in memory"),
+    (["--param", "repos=50000000"], "repos must be at most 1,000,000"),
+    (["--param", "toolsets=50000000", "--param", "system_blocks=0", "--param", "tool_blocks=0"],
+     "toolsets must be at most 1,000,000"),
 ])
 def test_trace_synth_refuses_sizes_past_its_bounds_before_building(tmp_path: Path, args: list[str], says: str
                                                                    ) -> None:
     """No size had an upper bound: each of these built the trace in memory until the machine ran out of it. Each
-    is refused at once (synth.MAX_SESSIONS, MAX_BLOCK_ACCESSES), exit 4."""
+    is refused at once (synth.MAX_SESSIONS, MAX_PREFIXES, MAX_BLOCK_ACCESSES), exit 4. 50 M repos or toolsets
+    passed the accesses' bound and ended in a MemoryError traceback (a list of each made up front)."""
     res = CliRunner().invoke(app, ["trace", "synth", str(tmp_path / "t.jsonl"), *args])
     assert res.exit_code == 4 and says in " ".join(res.output.split()), res.output
     assert not (tmp_path / "t.jsonl").exists()

@@ -83,6 +83,7 @@ def agent_trace(sessions: int = 24, turns: int = 6, seed: int = 0, *, system_blo
 MAX_BLOCK_ACCESSES = 50_000_000  # block ids over every request: ~1.5 GB built, ~275 MB written, a minute
 MAX_REQUESTS = 10_000_000  # requests (each a Request, even one of no blocks)
 MAX_SESSIONS = 1_000_000  # top-level sessions, each made up front
+MAX_PREFIXES = 1_000_000  # toolsets and repos: each a list (and a repo its weight) made up front, whatever its blocks
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,10 @@ class AgentWorkload:
         are made at once), then the accesses the whole trace is expected to hold."""
         if self.sessions > MAX_SESSIONS:
             raise ValueError(f"sessions must be at most {MAX_SESSIONS:,}, got {self.sessions:,}")
-        for name in ("toolsets", "repos", "system_blocks", "tool_blocks", "repo_blocks"):
+        for name in ("toolsets", "repos"):  # 50 M of them took GBs before a block was made (MemoryError)
+            if getattr(self, name) > MAX_PREFIXES:
+                raise ValueError(f"{name} must be at most {MAX_PREFIXES:,}, got {getattr(self, name):,}")
+        for name in ("system_blocks", "tool_blocks", "repo_blocks"):
             if getattr(self, name) > MAX_BLOCK_ACCESSES:
                 raise ValueError(f"{name} must be at most {MAX_BLOCK_ACCESSES:,}, got {getattr(self, name):,}")
         for name in ("turns", "subagent_turns", "user_blocks", "tool_result_blocks", "assistant_blocks", "task_blocks"):
@@ -209,7 +213,8 @@ def agent_workload(params: AgentWorkload | None = None, **overrides: Any) -> lis
     system = chain.extend([], [f"system{i}" for i in range(p.system_blocks)])
     tools = [chain.extend(system, [f"tools{k}-{i}" for i in range(p.tool_blocks)]) for k in range(p.toolsets)]
     heads: dict[tuple[int, int], list[int]] = {}
-    weights = [1 / (k + 1) for k in range(p.repos)]
+    # summed once (choices(weights=) sums them at every call: a session cost O(repos)); the same draws
+    repo_weights = list(itertools.accumulate(1 / (k + 1) for k in range(p.repos)))
 
     def span(r: tuple[int, int]) -> int:
         return rng.randint(*r)
@@ -223,7 +228,7 @@ def agent_workload(params: AgentWorkload | None = None, **overrides: Any) -> lis
     t = 0.0
     for k in range(p.sessions):
         t += rng.expovariate(1 / p.arrival_ms) if k else 0.0
-        toolset, repo = rng.randrange(p.toolsets), rng.choices(range(p.repos), weights)[0]
+        toolset, repo = rng.randrange(p.toolsets), rng.choices(range(p.repos), cum_weights=repo_weights)[0]
         head = heads.get((toolset, repo))
         if head is None:
             head = heads[(toolset, repo)] = chain.extend(tools[toolset], [f"repo{repo}-{i}"
