@@ -62,14 +62,7 @@ class DaemonLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         while True:
             fd, created = self._open()
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise self._held_elsewhere() from None
-            except BaseException:
-                os.close(fd)
-                raise
+            self._lock(fd)
             if self._still_at_path(fd):
                 break
             os.close(fd)  # a failed start removed it between our open and our lock: lock the file there now
@@ -84,6 +77,12 @@ class DaemonLock:
             fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:
             return self
+        self._lock(fd)
+        self._fd, self._read_only = fd, True
+        return self
+
+    def _lock(self, fd: int) -> None:
+        """flock `fd` without waiting; closed, and AlreadyRunning raised, when another process holds it."""
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -92,8 +91,6 @@ class DaemonLock:
         except BaseException:
             os.close(fd)
             raise
-        self._fd, self._read_only = fd, True
-        return self
 
     def _held_elsewhere(self) -> AlreadyRunning:
         pid = holder_pid(self.path)
