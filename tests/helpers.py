@@ -323,6 +323,28 @@ async def until(check: Any, what: str, timeout: float = 20.0) -> None:
     raise AssertionError(f"never reached: {what}")
 
 
+# A signed cluster that notices joins and deaths quickly: the cluster tests' daemons
+CLUSTER = {"cluster.heartbeat_s": 0.2, "cluster.ttl_s": 10.0, "cluster.secret": "cluster-secret"}
+
+
+async def cluster_daemon(redis_port: int, node_id: str) -> Any:
+    """An in-process daemon (a RunningServer) on a free TCP port in the cluster of the redis-server on redis_port."""
+    from engram.config import load_config
+    from engram.server import start_server
+
+    return await start_server(load_config(env={}, overrides={
+        "server.port": 0, "tiers.dram.capacity": "64MiB", "server.metrics_port": -1,
+        "cluster.redis_url": f"redis://127.0.0.1:{redis_port}/0", "cluster.node_id": node_id, **CLUSTER}))
+
+
+async def cluster_joined(client: Any) -> None:
+    """Wait until the client's daemon says it is in the cluster."""
+    async def ok() -> bool:
+        return str((await client.stats()).cluster.state) == "ok"
+
+    await until(ok, "the daemon joined the cluster")
+
+
 def rpcs_answered(srv: Any, method: str, code: str = "OK") -> float:
     """Calls of `method` the daemon answered with `code`, from its /metrics registry (start it with
     server.metrics_port -1): what a test counts to know a put went in place (ReservePut) and in how many rounds,

@@ -19,14 +19,16 @@ import torch
 
 from engram import errors
 from engram.client import EngramClient
-from engram.config import load_config
-from engram.server import RunningServer, start_server
+from engram.server import RunningServer
 from engram.trust import ClusterTrust
 
 from helpers import (
     BLOCK_TOKENS,
+    CLUSTER,
     ENGRAM,
     NEUTRAL_CWD,
+    cluster_daemon,
+    cluster_joined,
     free_port,
     random_kv,
     tiny_model,
@@ -36,8 +38,6 @@ from helpers import (
 )
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
-
-CLUSTER = {"cluster.heartbeat_s": 0.2, "cluster.ttl_s": 10.0, "cluster.secret": "cluster-secret"}
 
 
 class NodeProcess:
@@ -71,16 +71,10 @@ async def node_a(redis_port: int) -> AsyncIterator[NodeProcess]:
     a.kill()
 
 
-async def daemon(redis_port: int, name: str) -> RunningServer:
-    return await start_server(load_config(env={}, overrides={
-        "server.port": 0, "tiers.dram.capacity": "64MiB", "server.metrics_port": -1,
-        "cluster.redis_url": f"redis://127.0.0.1:{redis_port}/0", "cluster.node_id": name, **CLUSTER}))
-
-
 @pytest.fixture
 async def b_and_c(redis_port: int) -> AsyncIterator[tuple[RunningServer, RunningServer]]:
-    b = await daemon(redis_port, "b")
-    c = await daemon(redis_port, "c")
+    b = await cluster_daemon(redis_port, "b")
+    c = await cluster_daemon(redis_port, "c")
     yield b, c
     await c.stop(0)
     await b.stop(0)
@@ -93,13 +87,6 @@ def holder_fields(port: int, key: bytes) -> list[str]:
 
 async def published(port: int, keys: list[bytes]) -> bool:
     return all(holder_fields(port, k) for k in keys)
-
-
-async def joined(c: EngramClient) -> None:
-    async def ok() -> bool:
-        return str((await c.stats()).cluster.state) == "ok"
-
-    await until(ok, "the daemon joined the cluster")
 
 
 async def hits(c: EngramClient, fp: bytes, toks: Any) -> bool:
@@ -121,8 +108,8 @@ async def test_a_restarted_nodes_earlier_entries_are_skipped_and_removed_while_a
         fp = await a.register_model(spec)
         await b.register_model(spec)
         await c.register_model(spec)
-        await joined(b)
-        await joined(c)
+        await cluster_joined(b)
+        await cluster_joined(c)
         keys = list((await a.put(fp, toks, kv)).keys)
         await until(lambda: hits(c, fp, toks), "C fetched A's blocks")
 
@@ -134,7 +121,7 @@ async def test_a_restarted_nodes_earlier_entries_are_skipped_and_removed_while_a
         node_a.kill()
         node_a.start()  # same node id, same port, nothing held
         async with EngramClient(node_a.address, namespace="ns") as a2:
-            await joined(a2)
+            await cluster_joined(a2)
         holders = [await b_srv.service.cluster.holders(k) for k in keys]
         assert [[h.node_id for h in hs] for hs in holders] == [["c"]] * len(keys)
         assert all(holder_fields(redis_port, k) == ["c"] for k in keys)  # A's earlier entries are gone
@@ -185,12 +172,12 @@ async def test_a_get_of_a_model_a_restarted_daemon_no_longer_knows_is_unknown_mo
             EngramClient(node_a.address, namespace="ns", data_channel=False) as a:
         fp = await b.register_model(spec)
         assert await a.register_model(spec) == fp  # the worker on A, before A's restart
-        await joined(b)
+        await cluster_joined(b)
         keys = list((await b.put(fp, toks, kv)).keys)
         await until(lambda: published(redis_port, keys), "B published its blocks")
         node_a.kill()
         node_a.start()
-        await joined(a)
+        await cluster_joined(a)
         async with EngramClient(node_a.address, namespace="ns", data_channel=False) as stranger:
             with pytest.raises(errors.UnknownModel):
                 await stranger.get(fp, keys)
@@ -214,7 +201,7 @@ async def test_a_dead_holders_failures_are_one_line_each_within_a_budget(
     async with EngramClient(node_a.address, namespace="ns") as a, EngramClient(b_srv.address, namespace="ns") as b:
         fp = await a.register_model(spec)
         await b.register_model(spec)
-        await joined(b)
+        await cluster_joined(b)
         keys = list((await a.put(fp, toks, random_kv(spec, len(toks), seed=3))).keys)
         await until(lambda: published(redis_port, keys), "A published its blocks")
         node_a.kill()
@@ -237,7 +224,7 @@ async def test_the_first_fetch_after_a_peer_restarts_reaches_it(
     spec = tiny_model()
     async with EngramClient(b_srv.address, namespace="ns") as b:
         await b.register_model(spec)
-        await joined(b)
+        await cluster_joined(b)
         async with EngramClient(node_a.address, namespace="ns") as a:
             fp = await a.register_model(spec)
             first, lost = tokens(BLOCK_TOKENS, seed=4), tokens(BLOCK_TOKENS, seed=5)

@@ -22,27 +22,18 @@ from rich.console import Console
 from engram import errors
 from engram.cli.stats import stats_json, stats_renderable
 from engram.client import EngramClient
-from engram.config import load_config
-from engram.server import RunningServer, start_server
+from engram.server import RunningServer
 from engram.trust import ClusterTrust
 
-from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens, until
+from helpers import BLOCK_TOKENS, cluster_daemon, cluster_joined, random_kv, tiny_model, tokens, until
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
-
-CLUSTER = {"cluster.heartbeat_s": 0.2, "cluster.ttl_s": 10.0, "cluster.secret": "cluster-secret"}
-
-
-async def daemon(redis_port: int, name: str) -> RunningServer:
-    return await start_server(load_config(env={}, overrides={
-        "server.port": 0, "tiers.dram.capacity": "64MiB", "server.metrics_port": -1,
-        "cluster.redis_url": f"redis://127.0.0.1:{redis_port}/0", "cluster.node_id": name, **CLUSTER}))
 
 
 @pytest.fixture
 async def a_and_b(redis_port: int) -> AsyncIterator[tuple[RunningServer, RunningServer]]:
-    a = await daemon(redis_port, "a")
-    b = await daemon(redis_port, "b")
+    a = await cluster_daemon(redis_port, "a")
+    b = await cluster_daemon(redis_port, "b")
     yield a, b
     await b.stop(0)
     await a.stop(0)
@@ -52,13 +43,6 @@ def record_key(key: bytes) -> str:
     return "engram:block:{" + key.hex() + "}"
 
 
-async def joined(c: EngramClient) -> None:
-    async def ok() -> bool:
-        return str((await c.stats()).cluster.state) == "ok"
-
-    await until(ok, "the daemon joined the cluster")
-
-
 async def evicted_entry_restored(r: redis.Redis, a: EngramClient, b: EngramClient, seed: int) -> tuple[bytes, bytes, str]:
     """A puts one block and publishes it; A evicts it (its entry goes); the entry is written back as a restore would.
     Returns the model, the block's key and the entry."""
@@ -66,8 +50,8 @@ async def evicted_entry_restored(r: redis.Redis, a: EngramClient, b: EngramClien
     toks = tokens(BLOCK_TOKENS, seed=seed)
     fp = await a.register_model(spec)
     await b.register_model(spec)
-    await joined(a)
-    await joined(b)
+    await cluster_joined(a)
+    await cluster_joined(b)
     key = bytes((await a.put(fp, toks, random_kv(spec, len(toks), seed=seed))).keys[0])
 
     async def published() -> bool:
@@ -165,7 +149,7 @@ async def test_an_older_copy_of_its_own_node_record_is_a_restore_not_another_dae
         spec = tiny_model()
         toks = tokens(BLOCK_TOKENS, seed=3)
         fp = await a.register_model(spec)
-        await joined(a)
+        await cluster_joined(a)
         key = bytes((await a.put(fp, toks, random_kv(spec, len(toks), seed=3))).keys[0])
 
         async def published() -> bool:
