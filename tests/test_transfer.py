@@ -18,7 +18,17 @@ from engram.layout import DType
 from engram.server.app import build_store
 from engram.tiers.hbm import hbm_tier
 from engram.tiers.pool import PoolTier
-from engram.transfer import Done, Move, TransferEngine, coalesce, copy_blocks, gather, promote, scatter
+from engram.transfer import (
+    SUBMIT_EVERY,
+    Done,
+    Move,
+    TransferEngine,
+    coalesce,
+    copy_blocks,
+    gather,
+    promote,
+    scatter,
+)
 
 from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
 
@@ -265,5 +275,47 @@ async def test_a_batched_copy_never_copies_a_damaged_source_copy(tmp_path, direc
         assert pair[1].key not in store.tiers[store.tier_rank(dst)] and pair[1].key not in source
         assert store.counters.tiers[src].corrupt_blocks == 1
         assert (await store.check(fix=False)).ok
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("direction", ["up", "down"])
+async def test_a_batched_copy_of_several_submissions_drops_exactly_its_damaged_source_copies(  # type: ignore[no-untyped-def]
+        tmp_path, direction: str) -> None:
+    """A copy of more blocks than one submission holds (SUBMIT_EVERY): two damaged source copies, in the first and
+    the last submission, are the two not made (dropped, counted corrupt); every other copy lands and reads back
+    as put, each checked against its own block's checksum."""
+    n = SUBMIT_EVERY + 4
+    store = await build_store(load_config(env={}, overrides={
+        "tiers.hbm.capacity": (n + 2) * BLOCK, "tiers.hbm.device": "cpu", "tiers.dram.capacity": (n + 2) * BLOCK,
+        "tiers.dram.shm_dir": str(tmp_path), "tiers.dram.pin": False}))
+    try:
+        fp = store.registry.register(SPEC)
+        metas, payloads = [], []
+        for s in range(n):  # one-block chains: dropping a damaged block drops no other
+            payload = random_kv(SPEC, BLOCK_TOKENS, seed=s).view(torch.uint8).numpy().tobytes()
+            header = BlockHeader(tokens(BLOCK_TOKENS, seed=s), SPEC.layout.dtype,
+                                 SPEC.layout.block_shape(BLOCK_TOKENS), len(payload), checksum(payload))
+            metas.append(store.index.get((await store.put("ns", fp, root_key("ns", fp), header, payload)).key))
+            payloads.append(payload)
+        engine = TransferEngine(None)
+        if direction == "up":  # every block in DRAM alone first
+            assert await copy_blocks(store, metas, engine, src="hbm", dst="dram") == n
+            for m in metas:
+                await store.drop_copy(m, "hbm")
+        src, dst = ("dram", "hbm") if direction == "up" else ("hbm", "dram")
+        assert all(m.locations == [src] for m in metas)
+        source = store.tiers[store.tier_rank(src)]
+        bad = {1, n - 2}
+        for i in bad:
+            source.buffer[source.slot(metas[i].key).offset + 3] ^= 0x10
+        assert await copy_blocks(store, metas, engine, src=src, dst=dst) == n - len(bad)
+        for i, m in enumerate(metas):
+            if i in bad:
+                assert store.block(m.key) is None
+            else:
+                assert sorted(m.locations) == sorted([src, dst]) and not m.moving
+                assert await store.tiers[store.tier_rank(dst)].read(m.key) == payloads[i]
+        assert store.counters.tiers[src].corrupt_blocks == len(bad)
     finally:
         await store.close()
