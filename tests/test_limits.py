@@ -141,6 +141,26 @@ async def test_a_put_that_cannot_fit_the_top_tier_is_refused_before_its_payload(
     await channel.close()
 
 
+async def test_a_chain_longer_than_a_tier_without_one_below_says_why_no_room_is_made(server_factory: Any) -> None:
+    """A DRAM pool of 16 pages of 4 KiB and no tier below, and a chain of 20 blocks of 64 bytes: the 17th finds no
+    room, since with no tier below only a chain's last block is evicted and each block takes a whole page. The
+    refusal said "full (1024 of 65536 bytes): every block in it is pinned, being read or moving" (an audit, with
+    a 2M-token chain: nothing was pinned); it counts the pages allocated and names both reasons."""
+    srv = await server_factory(**{"tiers.dram.capacity": "64KiB", "tiers.dram.page_bytes": "4KiB"})
+    layout = KVLayout((LayerSpec(LayerKind.GLOBAL),), num_kv_heads=1, head_dim=1, block_tokens=16)
+    spec = ModelSpec("tiny-blocks", "w", layout, codec="raw")
+    assert layout.block_nbytes(16) == 64
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn((1, 2, 20 * 16, 1, 1), generator=gen).to(torch.bfloat16)
+    async with EngramClient(srv.address) as c:
+        fp = await c.register_model(spec)
+        with pytest.raises(errors.ResourceExhausted) as info:
+            await c.put(fp, np.arange(20 * 16, dtype=np.int32), kv)
+    msg = str(info.value)
+    assert "65536 of 65536 bytes in pages of 4096 bytes" in msg, msg
+    assert "the parent of a block held here" in msg, msg
+
+
 async def test_a_put_past_the_namespace_quota_is_refused_before_its_payload(server_factory: Any) -> None:
     srv = await server_factory(**{"auth.tenants.t.token": "tok", "auth.tenants.t.quota": "6KiB",
                                   "auth.salt_secret": "s"})

@@ -143,6 +143,22 @@ class Placement:
         meta.locations.sort(key=self.rank.__getitem__)
         self.victims[tier.name].add(meta)
 
+    def _full(self, tier: Tier, lower: int | None) -> str:
+        """Why no room can be made in a full tier. A pool counts whole pages (a block smaller than a page takes
+        one: 64-byte blocks filled a 256 MiB pool of 4 KiB pages at 4 MiB of payload); with no tier below only
+        leaves are evicted, so a chain's inner blocks are no candidates (a put of a chain longer than the tier
+        holds ends here though nothing is pinned)."""
+        used = getattr(tier, "allocated_bytes", tier.used_bytes)
+        page = getattr(tier, "page_bytes", 0)
+        where = f" in pages of {page} bytes" if page > 1 else ""
+        held = self.unevictable[tier.name]() if tier.name in self.unevictable else ""
+        why = "pinned, being read or moving" + ("" if lower is not None else
+                                                 ", or the parent of a block held here (with no tier below with room, "
+                                                 "only the last block of a chain is evicted)")
+        return (f"the {tier.name} tier is full ({used} of {tier.capacity_bytes} bytes{where}): "
+                + (f"{held}; every block in the rest is {why}" if held else
+                   f"every block in it is {why}; unpin blocks, raise its capacity or add a tier below"))
+
     def compete(self, meta: BlockMeta) -> None:
         """A block just published in the index: each of its copies is an eviction candidate of its tier again.
         Copies placed before it was indexed were candidates already, but a victim search meanwhile (a put's
@@ -179,12 +195,7 @@ class Placement:
                         await asyncio.wait_for(self.freed.wait(), max(0.0, deadline - time.monotonic()))
                 continue
             if victim is None:
-                held = self.unevictable[tier.name]() if tier.name in self.unevictable else ""
-                raise ResourceExhausted(
-                    f"the {tier.name} tier is full ({tier.used_bytes} of {tier.capacity_bytes} bytes): "
-                    + (f"{held}; every block in the rest is pinned, being read or moving" if held else
-                       "every block in it is pinned, being read or moving; unpin blocks or raise its capacity")
-                )
+                raise ResourceExhausted(self._full(tier, lower))
             if self.rank[victim.locations[-1]] > i:
                 await self.drop_copy(victim, tier.name)  # a lower tier holds it too
             elif lower is not None:
