@@ -1,3 +1,3 @@
-from engram.cli.main import main
+from engram.command import main
 
 main()

@@ -292,6 +292,25 @@ def test_version_help_and_ping(daemon) -> None:  # type: ignore[no-untyped-def]
     assert gone.exit_code == 2 and "no Engram daemon answers" in gone.stderr
 
 
+def test_a_ctrl_c_while_the_command_loads_exits_130_without_a_traceback() -> None:
+    """Loading the CLI imports torch and grpc (seconds on a small host); a Ctrl-C then printed the traceback of
+    whichever import it stopped. The entry point (engram.command, the console script's and `python -m engram`'s)
+    ends it with 130, as a shell's interrupted command. The interrupt is raised by the CLI's own import here (a
+    real SIGINT would have to land inside that window, which no test can time)."""
+    code = ("import builtins\n"
+            "real = builtins.__import__\n"
+            "def interrupted(name, *args, **kwargs):\n"
+            "    if name == 'engram.cli.main':\n"
+            "        raise KeyboardInterrupt\n"
+            "    return real(name, *args, **kwargs)\n"
+            "builtins.__import__ = interrupted\n"
+            "import runpy\n"
+            "runpy.run_module('engram', run_name='__main__')\n")
+    out = subprocess.run([sys.executable, "-c", code, "--help"], capture_output=True, text=True, timeout=120,
+                         cwd=NEUTRAL_CWD)
+    assert out.returncode == 130 and "Traceback" not in out.stderr, out.stderr
+
+
 @pytest.mark.parametrize("args", [["layouts"], ["--help"], ["config", "--keys"], ["ls", "-h"]])
 def test_a_closed_stdout_exits_141_quietly(args: list[str]) -> None:
     """`engram layouts | head` and the like: stdout closed before the output is written exited 1, the code of

@@ -28,4 +28,4 @@ def test_every_package_is_listed_in_pyproject() -> None:
 
 def test_console_script_points_at_the_cli() -> None:
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts == {"engram": "engram.cli.main:app"}
+    assert scripts == {"engram": "engram.command:main"}
