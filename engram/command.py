@@ -1,5 +1,5 @@
-"""The `engram` command's entry point (the console script and `python -m engram`). Loading the CLI imports torch
-and grpc, seconds on a small host: a Ctrl-C meanwhile now ends quietly with 130, as a shell's interrupted command
+"""The `engram` command's entry point (the console script and `python -m engram`). Loading the CLI imports grpc
+and typer (0.3 s here, more on a loaded host): a Ctrl-C meanwhile ends quietly with 130, as a shell's interrupted command
 does, where Python printed the traceback of whichever import it stopped."""
 
 from __future__ import annotations

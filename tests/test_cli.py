@@ -293,7 +293,7 @@ def test_version_help_and_ping(daemon) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_a_ctrl_c_while_the_command_loads_exits_130_without_a_traceback() -> None:
-    """Loading the CLI imports torch and grpc (seconds on a small host); a Ctrl-C then printed the traceback of
+    """Loading the CLI imports grpc and typer (0.3 s, more on a loaded host); a Ctrl-C then printed the traceback of
     whichever import it stopped. The entry point (engram.command, the console script's and `python -m engram`'s)
     ends it with 130, as a shell's interrupted command. The interrupt is raised by the CLI's own import here (a
     real SIGINT would have to land inside that window, which no test can time)."""
