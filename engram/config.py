@@ -55,7 +55,13 @@ class ServerConfig:
     port: int = 50051  # 0 picks a free port (tests)
     unix_socket: str = ""  # when set, listen on this unix socket path instead of TCP
     unix_socket_group: str = ""  # the socket is 0600 (the daemon's user); a group here makes it 0660 for it
-    max_message_bytes: ByteSize = ByteSize(64 * 2**20)  # gRPC send/receive limit per message
+    # gRPC's send and receive limit per message, for every method (a Put's chunk, its block's header included; an
+    # AppendSession's whole SWA window; a Lookup's tokens). grpc reads a message whole before the handler sees it,
+    # growing the stream's window to fit, so each gRPC Put stream takes this much of receive_buffer_bytes (as
+    # metadata, at most half of it or of a tenant's share) for the life of the call: at 64 MiB, outside the
+    # budget, one tenant's 128 streams made the daemon hold 8 GiB. Twice the default chunk_bytes, which a
+    # client's chunks (the daemon's own too) stay under.
+    max_message_bytes: ByteSize = ByteSize(16 * 2**20)
     chunk_bytes: ByteSize = ByteSize(8 * 2**20)  # payload bytes per streamed message (< max_message_bytes)
     max_concurrent_rpcs: int = 512  # beyond this, RPCs are refused with RESOURCE_EXHAUSTED
     # With tenancy on, the calls one tenant's token may have in flight (admins: no bound; each cluster peer has its
@@ -363,8 +369,8 @@ class EngramConfig:
                               f"server.receive_buffer_bytes in (0, 1], got {s.receive_buffer_fraction_per_tenant}")
         if s.receive_buffer_bytes < 0:
             raise ConfigError(f"server.receive_buffer_bytes must be >= 0 (0: no bound), got {s.receive_buffer_bytes}")
-        share = s.receive_buffer_fraction_per_tenant if self.auth.enabled else 1.0
-        if s.receive_buffer_bytes and s.receive_buffer_bytes * share < 2 * s.max_block_bytes:
+        receive_share = s.receive_buffer_fraction_per_tenant if self.auth.enabled else 1.0
+        if s.receive_buffer_bytes and s.receive_buffer_bytes * receive_share < 2 * s.max_block_bytes:
             raise ConfigError(
                 f"server.receive_buffer_bytes ({s.receive_buffer_bytes}"
                 f"{' x server.receive_buffer_fraction_per_tenant' if self.auth.enabled else ''}) must be at least twice "
@@ -430,6 +436,12 @@ class EngramConfig:
                               f"{s.max_concurrent_rpcs_per_tenant}")
         if s.max_message_bytes > 2**31 - 1:
             raise ConfigError(f"server.max_message_bytes is at most 2 GiB - 1 (gRPC's int32), got {s.max_message_bytes}")
+        if s.receive_buffer_bytes and s.receive_buffer_bytes * receive_share < 2 * s.max_message_bytes:
+            raise ConfigError(
+                f"server.receive_buffer_bytes ({s.receive_buffer_bytes}"
+                f"{' x server.receive_buffer_fraction_per_tenant' if self.auth.enabled else ''}) must be at least twice "
+                f"server.max_message_bytes ({s.max_message_bytes}): each gRPC Put stream holds that much of it as "
+                "metadata, which may take at most half (0: no bound)")
         if s.grpc_stream_window_bytes and not 2**16 <= s.grpc_stream_window_bytes <= 2**30:
             raise ConfigError("server.grpc_stream_window_bytes must be 0 (grpc's BDP probing) or from 64 KiB to 1 GiB "
                               f"(grpc's largest), got {s.grpc_stream_window_bytes}")

@@ -21,7 +21,9 @@ from helpers import random_kv, tokens
 
 BLOCK = 4 * 2**20  # four_mib_model's raw block
 BUDGET = 16 * 2**20
-SMALL = {"server.max_block_bytes": "4MiB", "server.receive_buffer_bytes": BUDGET}
+# gRPC Put streams each hold server.max_message_bytes of the budget, which must fit half of it (config.py).
+SMALL = {"server.max_block_bytes": "4MiB", "server.receive_buffer_bytes": BUDGET, "server.max_message_bytes": "2MiB",
+         "server.chunk_bytes": "1MiB"}
 
 
 class SlowPut:
@@ -126,7 +128,7 @@ async def test_one_tenants_slow_puts_hold_at_most_its_share_and_another_tenant_i
     """Bob's five slow 4 MiB puts against a 32 MiB budget of which a tenant may hold half: his connections hold at
     most 16 MiB, the rest of his wait, and Alice's put is stored at once meanwhile; Bob's are all stored once he
     finishes sending."""
-    srv = await server_factory(**{"server.max_block_bytes": "4MiB", "server.receive_buffer_bytes": 2 * BUDGET,
+    srv = await server_factory(**{**SMALL, "server.receive_buffer_bytes": 2 * BUDGET,
                                   "server.receive_buffer_wait_s": 60, "auth.tenants.alice.token": "a-tok",
                                   "auth.tenants.bob.token": "b-tok", "auth.salt_secret": "s"})
     port = srv.service.dataport

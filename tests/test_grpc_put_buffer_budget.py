@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+from rawgrpc import RawCall
 from test_data_channel import block_header, four_mib_model, raw_payload
 
 from engram import errors
@@ -26,26 +27,35 @@ from helpers import random_kv, tokens
 
 BLOCK = 4 * 2**20  # four_mib_model's raw block
 CHUNK = 2**20
-BUDGET = 16 * 2**20
-SMALL = {"server.max_block_bytes": "4MiB", "server.receive_buffer_bytes": BUDGET, "server.data_channel": False}
+# server.max_message_bytes: a chunk and its block's header. Each Put stream holds that much of the budget for its
+# message, beside the blocks' bytes.
+ROOM = CHUNK + 2**16
+BUDGET = 16 * 2**20  # for blocks
+SMALL = {"server.max_block_bytes": "4MiB", "server.receive_buffer_bytes": BUDGET + 12 * 2**20,
+         "server.max_message_bytes": ROOM, "server.chunk_bytes": CHUNK, "server.data_channel": False}
 
 
 class StalledPut:
     """A gRPC Put stream of one 4 MiB block sending all its chunks but the last, then waiting for `finish` (a
-    sender that has almost finished), on a channel of its own."""
+    sender that has almost finished), on a channel of its own; its chunks wait for `gate`, when given, after the
+    stream's PutHeader."""
 
-    def __init__(self, srv, ns: str, fp: bytes, seed: int, token: str = "") -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, srv, ns: str, fp: bytes, seed: int, token: str = "",  # type: ignore[no-untyped-def]
+                 gate: asyncio.Event | None = None) -> None:
         spec = four_mib_model()
         payload = raw_payload(random_kv(spec, 512, seed=seed))
         self.header = block_header(spec, tokens(512, seed=seed), payload)
         self.ns, self.fp, self.payload = ns, fp, payload
         self.go_on = asyncio.Event()
+        self.gate = gate
         self.channel = grpc.aio.insecure_channel(srv.address, options=[("grpc.max_send_message_length", 2**26)])
         metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.call = pb_grpc.EngramStub(self.channel).Put(self._messages(), metadata=metadata)
 
     async def _messages(self) -> AsyncIterator[pb.PutRequest]:
         yield pb.PutRequest(header=pb.PutHeader(namespace=self.ns, model_fingerprint=self.fp))
+        if self.gate is not None:
+            await self.gate.wait()
         for off in range(0, BLOCK, CHUNK):
             last = off + CHUNK >= BLOCK
             if last:
@@ -61,19 +71,26 @@ class StalledPut:
         await self.channel.close()
 
 
-async def stalled_puts(srv, n: int, *, ns: str = "tenant-a", token: str = "", seed: int = 0) -> list[StalledPut]:  # type: ignore[no-untyped-def]
+async def stalled_puts(srv, n: int, *, ns: str = "tenant-a", token: str = "", seed: int = 0,  # type: ignore[no-untyped-def]
+                       gate: asyncio.Event | None = None) -> list[StalledPut]:
     async with EngramClient(srv.address, namespace=ns, token=token, zero_copy=False) as c:
         fp = await c.register_model(four_mib_model())
-    return [StalledPut(srv, ns, fp, seed + i, token) for i in range(n)]
+    return [StalledPut(srv, ns, fp, seed + i, token, gate) for i in range(n)]
 
 
-async def peak_held(srv, seconds: float) -> int:  # type: ignore[no-untyped-def]
-    """The most of the receive budget taken, sampled over `seconds`."""
-    budget, peak, end = srv.service.receive_budget, 0, time.monotonic() + seconds
+def blocks_held(srv) -> int:  # type: ignore[no-untyped-def]
+    """The receive budget taken for blocks' bytes (the rest is the streams' message room)."""
+    budget = srv.service.receive_budget
+    return int(budget.used - budget.meta_used)
+
+
+async def peak_held(srv, seconds: float) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    """The most of the receive budget taken for blocks, and in all, sampled over `seconds`."""
+    budget, peak, peak_all, end = srv.service.receive_budget, 0, 0, time.monotonic() + seconds
     while time.monotonic() < end:
-        peak = max(peak, budget.used)
+        peak, peak_all = max(peak, blocks_held(srv)), max(peak_all, budget.used)
         await asyncio.sleep(0.005)
-    return peak
+    return peak, peak_all
 
 
 async def settles_to_zero(srv) -> bool:  # type: ignore[no-untyped-def]
@@ -85,17 +102,24 @@ async def settles_to_zero(srv) -> bool:  # type: ignore[no-untyped-def]
 
 
 async def test_put_streams_past_receive_buffer_bytes_wait_unread_and_are_all_stored(server_factory) -> None:  # type: ignore[no-untyped-def]
-    """Ten Put streams each sending 3 of a 4 MiB block's 4 chunks to a daemon with a 16 MiB budget: four hold
-    their blocks' bytes, the other six wait for room unread (each had reassembled its block's chunks with no bound
+    """Ten Put streams each sending 3 of a 4 MiB block's 4 chunks to a daemon with a budget of 16 MiB for blocks
+    (beside their messages' room): four hold their blocks' bytes, the other six wait for room unread (each had reassembled its block's chunks with no bound
     at all), and every block is stored once the senders finish: backpressure, not failure; the budget is all
     given back (engram_receive_buffer_budget_held_bytes 0)."""
     srv = await server_factory(**SMALL, **{"server.receive_buffer_wait_s": 60, "server.metrics_port": -1})
     budget = srv.service.receive_budget
-    puts = await stalled_puts(srv, 10)
-    peak = await peak_held(srv, 1.5)
-    assert budget.waits >= 6, f"only {budget.waits} Put streams waited for room in a 16 MiB budget"
-    assert 4 * BLOCK == peak <= BUDGET
-    assert srv.metrics.registry.get_sample_value("engram_receive_buffer_budget_held_bytes") == 4 * BLOCK
+    gate = asyncio.Event()  # the blocks once every stream holds its message room: four fit, whatever the order
+    puts = await stalled_puts(srv, 10, gate=gate)
+    for _ in range(500):
+        if budget.meta_used == 10 * ROOM:
+            break
+        await asyncio.sleep(0.01)
+    assert budget.meta_used == 10 * ROOM, "the ten Put streams never took their messages' room"
+    gate.set()
+    peak, peak_all = await peak_held(srv, 1.5)
+    assert budget.waits >= 6, f"only {budget.waits} Put streams waited for room for 16 MiB of blocks"
+    assert peak == 4 * BLOCK and peak_all <= budget.total
+    assert srv.metrics.registry.get_sample_value("engram_receive_buffer_budget_held_bytes") == budget.used
     replies = await asyncio.wait_for(asyncio.gather(*(p.finish() for p in puts)), 60)
     assert all(r.stored == 1 for r in replies)
     assert len(srv.store) == 10 and budget.refusals == 0
@@ -107,17 +131,19 @@ async def test_put_streams_past_receive_buffer_bytes_wait_unread_and_are_all_sto
 
 async def test_a_put_stream_past_receive_buffer_wait_s_is_refused_and_a_cancelled_or_gone_one_gives_its_bytes_back(
         server_factory) -> None:  # type: ignore[no-untyped-def]
-    """While four stalled Put streams hold the 16 MiB budget, a client's put waits server.receive_buffer_wait_s and
+    """While four stalled Put streams hold the budget (their blocks and their messages' room), a client's put waits server.receive_buffer_wait_s and
     is told RESOURCE_EXHAUSTED naming the setting (before, it was stored past the budget); a holder cancelled, and
     one whose client went (its channel closed), give their bytes back, and the next put is stored."""
-    srv = await server_factory(**SMALL, **{"server.receive_buffer_wait_s": 0.5})
+    # Room for four blocks and five streams' messages: the client's stream reads, its block waits.
+    srv = await server_factory(**{**SMALL, "server.receive_buffer_bytes": BUDGET + 6 * 2**20,
+                                  "server.receive_buffer_wait_s": 0.5})
     budget = srv.service.receive_budget
     holders = await stalled_puts(srv, 4)
     for _ in range(500):
-        if budget.used == 4 * BLOCK:
+        if blocks_held(srv) == 4 * BLOCK:
             break
         await asyncio.sleep(0.01)
-    assert budget.used == 4 * BLOCK, "the four stalled puts never took their blocks"
+    assert blocks_held(srv) == 4 * BLOCK, "the four stalled puts never took their blocks"
     spec = four_mib_model()
     async with EngramClient(srv.address, namespace="tenant-a", zero_copy=False, timeout_s=10) as c:
         fp = await c.register_model(spec)
@@ -125,14 +151,14 @@ async def test_a_put_stream_past_receive_buffer_wait_s_is_refused_and_a_cancelle
         with pytest.raises(errors.ResourceExhausted, match=r"server\.receive_buffer_bytes.*receive_buffer_wait_s"):
             await c.put(fp, tokens(512, seed=90), random_kv(spec, 512, seed=90))
         assert 0.5 <= time.monotonic() - t0 < 8
-        assert budget.refusals == 1 and budget.used == 4 * BLOCK
+        assert budget.refusals == 1 and blocks_held(srv) == 4 * BLOCK
         holders[0].call.cancel()
         await holders[1].close()  # the client gone
         for _ in range(500):
-            if budget.used == 2 * BLOCK:
+            if blocks_held(srv) == 2 * BLOCK and budget.meta_used == 2 * ROOM:
                 break
             await asyncio.sleep(0.01)
-        assert budget.used == 2 * BLOCK, "a cancelled or abandoned Put stream kept its block's bytes"
+        assert blocks_held(srv) == 2 * BLOCK and budget.meta_used == 2 * ROOM, "a cancelled or abandoned Put stream kept its block's bytes"
         assert (await c.put(fp, tokens(512, seed=91), random_kv(spec, 512, seed=91))).stored == 1
     assert all(r.stored == 1 for r in await asyncio.gather(*(h.finish() for h in holders[2:])))
     assert await settles_to_zero(srv)
@@ -142,16 +168,17 @@ async def test_a_put_stream_past_receive_buffer_wait_s_is_refused_and_a_cancelle
 
 async def test_one_tenants_stalled_put_streams_hold_at_most_its_share_and_another_tenant_is_served(
         server_factory) -> None:  # type: ignore[no-untyped-def]
-    """Bob's six stalled Put streams against a 32 MiB budget of which a tenant may hold half: they hold at most 16
-    MiB, the rest of his wait, and Alice's put is stored at once meanwhile; Bob's are all stored once he finishes
+    """Bob's six stalled Put streams against a 48 MiB budget of which a tenant may hold half: they hold at most 24
+    MiB (four blocks and their messages' room), the rest of his wait, and Alice's put is stored at once meanwhile; Bob's are all stored once he finishes
     sending."""
-    srv = await server_factory(**{**SMALL, "server.receive_buffer_bytes": 2 * BUDGET,
+    srv = await server_factory(**{**SMALL, "server.receive_buffer_bytes": 2 * (BUDGET + 8 * 2**20),
                                   "server.receive_buffer_wait_s": 60, "auth.tenants.alice.token": "a-tok",
                                   "auth.tenants.bob.token": "b-tok", "auth.salt_secret": "s"})
     budget = srv.service.receive_budget
     bobs = await stalled_puts(srv, 6, ns="bob", token="b-tok")
-    peak = await peak_held(srv, 1.5)
-    assert peak == BUDGET, f"Bob's Put streams held {peak} bytes; his share is {BUDGET}"
+    peak, peak_all = await peak_held(srv, 1.5)
+    assert peak == 4 * BLOCK and peak_all <= budget.tenant_share, (
+        f"Bob's Put streams held {peak_all} bytes, {peak} for blocks; his share is {budget.tenant_share}")
     assert budget.waits >= 2
     spec = four_mib_model()
     async with EngramClient(srv.address, token="a-tok", namespace="alice", zero_copy=False, timeout_s=10) as c:
@@ -267,12 +294,13 @@ async def pushed_when_settled(put: CountedPut, quiet_s: float = 1.5, most_s: flo
 @pytest.mark.parametrize("transport", ["tcp"])
 async def test_a_put_stream_waiting_for_the_budget_lets_its_sender_push_at_most_its_stream_window(
         server_factory) -> None:  # type: ignore[no-untyped-def]
-    """Two stalled Put streams hold a 64 MiB budget; a third, whose 32 MiB block waits for room, has its sender
+    """Two stalled Put streams hold a 68 MiB budget (64 MiB of blocks); a third, whose 32 MiB block waits for room, has its sender
     push at most server.grpc_stream_window_bytes (4 MiB) past the chunk it was read to, plus the message grpc was
     asked for while reading it: what it holds in grpc's buffers, outside the budget. grpc's BDP probing grew that
     window with the traffic, and the waiting stream's sender pushed the block's whole 31 MiB into the daemon
     unread (96 such streams under a 256 MiB budget grew an `engram serve` by 3 GiB)."""
-    srv = await server_factory(**{"server.max_block_bytes": "32MiB", "server.receive_buffer_bytes": "64MiB",
+    srv = await server_factory(**{"server.max_block_bytes": "32MiB", "server.receive_buffer_bytes": "68MiB",
+                                  "server.max_message_bytes": ROOM, "server.chunk_bytes": CHUNK,
                                   "server.receive_buffer_wait_s": 60, "server.data_channel": False})
     window = srv.service.config.grpc_stream_window_bytes
     assert window == 4 * 2**20
@@ -285,14 +313,14 @@ async def test_a_put_stream_waiting_for_the_budget_lets_its_sender_push_at_most_
         assert (await CountedPut(channel, "tenant-a", fp, seed, upto=32 * CHUNK).call).stored == 1
     holders = [CountedPut(channel, "tenant-a", fp, seed, upto=CHUNK) for seed in range(2)]
     for _ in range(500):
-        if budget.used == 64 * 2**20:
+        if blocks_held(srv) == 64 * 2**20:
             break
         await asyncio.sleep(0.01)
-    assert budget.used == 64 * 2**20, "the two stalled puts never took their blocks"
+    assert blocks_held(srv) == 64 * 2**20, "the two stalled puts never took their blocks"
     waiting = CountedPut(channel, "tenant-a", fp, 9, upto=31 * CHUNK)
     try:
         pushed = await pushed_when_settled(waiting)
-        assert budget.waits >= 1 and budget.used == 64 * 2**20
+        assert budget.waits >= 1 and blocks_held(srv) == 64 * 2**20
         assert pushed <= CHUNK + window + 2 * CHUNK, (
             f"a Put stream waiting for the receive budget let its sender push {pushed >> 20} MiB into the daemon; "
             f"its stream window is {window >> 20} MiB")
@@ -301,4 +329,45 @@ async def test_a_put_stream_waiting_for_the_budget_lets_its_sender_push_at_most_
             p.call.cancel()
         await channel.close()
         await link.close()
+    assert await settles_to_zero(srv)
+
+
+MESSAGE = 8 * 2**20  # server.max_message_bytes of test_a_put_streams_unfinished_messages_...
+WINDOW = 2**20  # its server.grpc_stream_window_bytes
+
+
+@pytest.mark.parametrize("transport", ["tcp"])
+async def test_a_put_streams_unfinished_message_is_held_within_the_receive_budget_and_given_back_when_cut(
+        server_factory) -> None:  # type: ignore[no-untyped-def]
+    """Eight raw Put streams each announce a first message of almost server.max_message_bytes (8 MiB) and send all
+    but its last byte: grpc grows a stream's window to fit a message the handler has asked for, so whatever the
+    senders pushed beyond each stream's window (1 MiB) must be room the budget has given them; with a 64 MiB
+    budget (32 MiB for metadata) four streams have it and read, four wait for it unread. Before, every stream
+    pushed its whole 8 MiB into grpc with nothing taken (128 streams of 64 MiB messages: 8 GiB). Cut, they give
+    it all back, and a client's put is stored."""
+    srv = await server_factory(**{"server.max_block_bytes": "4MiB", "server.receive_buffer_bytes": "64MiB",
+                                  "server.max_message_bytes": MESSAGE, "server.chunk_bytes": "1MiB",
+                                  "server.grpc_stream_window_bytes": WINDOW, "server.receive_buffer_wait_s": 60,
+                                  "server.data_channel": False})
+    budget = srv.service.receive_budget
+    calls = [RawCall(srv.address, "/engram.v1.Engram/Put") for _ in range(8)]
+    try:
+        for call in calls:
+            await call.open()
+        size = MESSAGE - 1024
+        pushed = await asyncio.gather(*(call.push_message(size, size - 1) for call in calls))
+        assert not any(call.ended for call in calls), "the daemon ended a stream whose message was under its limit"
+        outside = sum(pushed) - budget.used  # what the senders pushed into the daemon that the budget does not hold
+        assert outside <= len(calls) * (WINDOW + 64 * 2**10), (
+            f"Put streams pushed {sum(pushed) >> 20} MiB of unfinished messages into the daemon, {outside >> 20} MiB "
+            f"of it past the {budget.used >> 20} MiB its receive budget holds and their {WINDOW >> 20} MiB windows")
+        assert budget.used == budget.meta_used == 4 * MESSAGE and budget.waits >= 4
+    finally:
+        for call in calls:
+            await call.close()
+    assert await settles_to_zero(srv), "a cut Put stream kept its message's room"
+    spec = four_mib_model()
+    async with EngramClient(srv.address, namespace="tenant-a", zero_copy=False, timeout_s=10) as c:
+        fp = await c.register_model(spec)
+        assert (await c.put(fp, tokens(512, seed=70), random_kv(spec, 512, seed=70))).stored == 1
     assert await settles_to_zero(srv)

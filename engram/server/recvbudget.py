@@ -10,10 +10,16 @@ that finds the budget spent waits, reading nothing, so TCP's (HTTP/2's) flow con
 server.receive_buffer_wait_s it is refused RESOURCE_EXHAUSTED (a data connection's request body drained, the
 connection kept).
 
-Why it cannot deadlock: a holder holds two kinds of bytes, `meta` (a data request's metadata, held for the request)
-and `payload` (its block buffer). Only a holder of metadata waits for more (a payload); payload holders only wait
-for their sockets and the store, and a connection or stream lets its buffer go before it waits for a larger one or
-for its next request's metadata (a Put stream waits for a block's take holding none of the budget). Metadata may
+A Put stream also takes server.max_message_bytes as metadata, before its first message and for the whole call: the
+room for the message grpc reads for it whole, growing the stream's HTTP/2 window to fit, before the handler sees a
+byte of it (a block's first chunk, before the block's size is known); one that cannot have it reads nothing, so its
+sender may push at most the stream's window (server.grpc_stream_window_bytes) into grpc meanwhile.
+
+Why it cannot deadlock: a holder holds two kinds of bytes, `meta` (a data request's metadata, held for the request;
+a Put stream's message room, held for the call) and `payload` (its block buffer). Only a holder of metadata waits
+for more (a payload); payload holders only wait for their sockets and the store, and a connection or stream lets
+its buffer go before it waits for a larger one or for its next request's metadata (a Put stream waits for a block's
+take holding only its message room). Metadata may
 hold at most half the budget (half of a tenant's share), and no single take may be larger than that half, so once
 the payload holders finish, every waiter's take fits. Waiters are served first come first served for the
 daemon-wide bound, so a large payload is not starved by small ones; a waiter held back by its own tenant's share is
@@ -85,12 +91,12 @@ class ReceiveBudget:
         self._add(h, n, meta)
         return True
 
-    async def take(self, h: Holding, n: int, *, meta: bool) -> None:
+    async def take(self, h: Holding, n: int, *, meta: bool, what: str = "") -> None:
         """Take n bytes for `h`'s metadata (meta) or payload buffer, waiting up to wait_s for room; ResourceExhausted
-        when none came, or when n can never be granted."""
+        when none came, or when n can never be granted. what: the bytes' name in a refusal."""
         if self.try_take(h, n, meta=meta):
             return
-        what = "request's metadata" if meta else "block"
+        what = what or ("request's metadata" if meta else "block")
         if n > self.most(h):
             raise errors.ResourceExhausted(
                 f"{h.path}: a {what} of {n} bytes exceeds the {self.most(h)} bytes one put may buffer (half "

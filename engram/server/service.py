@@ -302,13 +302,18 @@ class EngramService:
     async def Put(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> pb.PutResponse:
         """A chain's blocks, each reassembled from its chunks once its announced size is taken from the daemon's
         receive budget (server.receive_buffer_bytes): the take waits reading nothing more of the stream (HTTP/2's
-        flow control slows the sender) while the budget is spent, holding none of it; given back once the block is
-        stored (a partial block's when the stream ends) and on every exit."""
+        flow control slows the sender) while the budget is spent; given back once the block is stored (a partial
+        block's when the stream ends) and on every exit. Before its first message the stream takes
+        server.max_message_bytes for the life of the call, as metadata: grpc reads each message whole for the
+        handler, growing the stream's HTTP/2 window to fit it, before the handler sees a byte of it (a block's
+        first chunk before its size is known), so 32 streams each announcing a 60 MiB message and sending all but
+        its last byte held 1.9 GiB outside the budget (docs/RELIABILITY.md)."""
         chain: ChainPut | None = None
         blocks: Reassembler[BlockHeader] | None = None
         budget = self.receive_budget
         held = budget.holding(tenant_of(context) or None, "Put stream")
         try:
+            await budget.take(held, int(self.config.max_message_bytes), meta=True, what="message (up to server.max_message_bytes)")
             async for raw in request_iterator:
                 req = decoded(raw)
                 item = req.WhichOneof("item")
