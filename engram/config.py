@@ -70,6 +70,7 @@ class ServerConfig:
     max_concurrent_rpcs_per_tenant: int = 128
     # Calls to the health and reflection services (anyone's, no token) in flight at once; past it they are
     # RESOURCE_EXHAUSTED, so open Health/Watch streams cannot take the slots of max_concurrent_rpcs from tenants.
+    # Their requests are at most 4 KiB each (longer: RESOURCE_EXHAUSTED, unparsed).
     max_concurrent_open_rpcs: int = 32
     max_blocks_per_request: int = 4096  # blocks (or keys) one Put, Get, ReservePut, DescribeBlocks or Evict may name
     max_tokens_per_request: int = 1 << 21  # also the longest a session may grow

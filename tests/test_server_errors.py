@@ -318,6 +318,47 @@ async def test_open_health_watches_without_a_token_cannot_take_the_tenants_call_
         assert not [r for r in caplog.records if r.exc_info], "a traceback in the log for a request anyone may send"
 
 
+async def test_an_open_service_request_of_more_than_a_few_kib_is_refused_and_not_kept(server_factory
+                                                                                     ) -> None:  # type: ignore[no-untyped-def]
+    """Health and reflection need no token, and took requests as long as server.max_message_bytes (64 MiB):
+    grpcio's health servicer keeps a Watch's service name for the stream's life, so 8 Watches naming 32 MiB
+    services held 825 MiB of a tenancy-on daemon for as long as the peer liked (an audit, session 48). A request
+    past OPEN_REQUEST_MAX_BYTES is refused RESOURCE_EXHAUSTED, for Check, Watch and reflection alike, and the
+    servicer keeps no such name; a long but plausible name is still answered."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    srv = await server_factory(**{"auth.tenants.alice.token": "alice-token", "auth.salt_secret": "s"})
+    huge = "x" * (64 * 2**10)
+    async with grpc.aio.insecure_channel(srv.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=huge))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await asyncio.wait_for(watch.read(), 10)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "services take at most 4096" in (refused.value.details() or "")
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await health.Check(health_pb2.HealthCheckRequest(service=huge))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        async def ask(symbol: str):  # type: ignore[no-untyped-def]
+            yield reflection_pb2.ServerReflectionRequest(file_containing_symbol=symbol)
+
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in reflect(ask(huge)):
+                pass
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        found = [r async for r in reflect(ask("engram.v1.Engram"))]
+        assert found and found[0].file_descriptor_response.file_descriptor_proto
+        plausible = health.Watch(health_pb2.HealthCheckRequest(service="y" * 1000))
+        first = await asyncio.wait_for(plausible.read(), 10)
+        assert first.status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+        watched = srv.health._watcher_count_by_service  # grpcio's aio servicer: service name -> its Watches
+        assert "y" * 1000 in watched and huge not in watched
+        plausible.cancel()
+
+
 async def test_every_method_the_daemon_serves_checks_a_token_or_is_one_of_the_open_methods(server_factory,  # type: ignore[no-untyped-def]
                                                                                            monkeypatch) -> None:
     """The open services (no token, a share of their own) are an exact set of methods (server/openrpcs.py), not

@@ -9,6 +9,12 @@ RPC limit exceeded!" for as long as it liked (an audit, session 43). `OpenServic
 
 It also answers bytes those services cannot decode with INVALID_ARGUMENT: grpcio's own handlers let the
 parse error out as UNKNOWN, with a traceback in the daemon's log for every such request, anyone's to send.
+
+And a request longer than OPEN_REQUEST_MAX_BYTES is refused RESOURCE_EXHAUSTED before it is parsed. Their
+requests name a service, a file or a symbol; the server's message bound (server.max_message_bytes, 64 MiB) is for
+blocks. grpcio's health servicer keeps a Watch's service name as a key for as long as the stream lives: 8 Watches
+naming 32 MiB services took a tenancy-on daemon from 265 to 1090 MiB, for as long as the peer liked, and 819 MiB
+stayed after it left (an audit, session 48).
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ def _methods(*services: ServiceDescriptor) -> frozenset[str]:
 # method the daemon registers is one of these or checks a token.
 OPEN_METHODS = _methods(health_pb2.DESCRIPTOR.services_by_name["Health"],
                         reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"])
+# The longest request message they take, in bytes: a health check names a service ("engram.v1.Engram"), a
+# reflection request a file, a symbol or an extension (a few hundred bytes at most).
+OPEN_REQUEST_MAX_BYTES = 4096
 
 
 class _Undecodable:
@@ -45,6 +54,13 @@ class _Undecodable:
 
     def __init__(self, message: str) -> None:
         self.message = message
+
+
+class _TooLong:
+    """A request past OPEN_REQUEST_MAX_BYTES, left unparsed (the handler answers RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
 
 
 class OpenServiceGuard(grpc.aio.ServerInterceptor):
@@ -64,6 +80,8 @@ class OpenServiceGuard(grpc.aio.ServerInterceptor):
         decode = handler.request_deserializer
 
         def safe(data: bytes) -> Any:
+            if len(data) > OPEN_REQUEST_MAX_BYTES:
+                return _TooLong(len(data))
             try:
                 return decode(data) if decode is not None else data
             except Exception as exc:  # protobuf's DecodeError, or anything a parser raises
@@ -89,7 +107,7 @@ class OpenServiceGuard(grpc.aio.ServerInterceptor):
                         request = _checked(requests, context, method)
                     else:
                         request = await first_request(requests, context, self.stall_s, method)
-                        if isinstance(request, _Undecodable):
+                        if isinstance(request, _Undecodable | _TooLong):
                             await _refuse(context, method, request)
                     return await answered(inner(request, context), context)  # the wrapper is one coroutine
                 finally:
@@ -102,14 +120,19 @@ class OpenServiceGuard(grpc.aio.ServerInterceptor):
                                 **{kind: None, as_stream: guarded})
 
 
-async def _refuse(context: grpc.aio.ServicerContext, method: str, request: _Undecodable) -> None:
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"{method}: the request is not a valid message ({request.message[:200]})")
+async def _refuse(context: grpc.aio.ServicerContext, method: str, request: _Undecodable | _TooLong) -> None:
+    if isinstance(request, _TooLong):
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"{method}: a request of {request.nbytes} bytes; the health and reflection services take "
+                            f"at most {OPEN_REQUEST_MAX_BYTES}")
+    else:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"{method}: the request is not a valid message ({request.message[:200]})")
 
 
 async def _checked(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext, method: str
                    ) -> AsyncIterator[Any]:
     async for request in requests:
-        if isinstance(request, _Undecodable):
+        if isinstance(request, _Undecodable | _TooLong):
             await _refuse(context, method, request)
         yield request
