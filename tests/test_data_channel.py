@@ -330,6 +330,43 @@ async def test_connections_beyond_the_concurrency_limit_are_refused(server_facto
     conn.close()
 
 
+async def test_a_full_data_channel_tells_a_peer_without_a_token_nothing_and_logs_a_bounded_number_of_lines(
+        server_factory, caplog) -> None:  # type: ignore[no-untyped-def]
+    """The connection bound was checked before the token: with every slot held, 500 HELLOs without a token wrote 500
+    warnings and told each peer how many connections were open (an audit, session 48). Now a peer without a token
+    (or with a wrong one) is refused UNAUTHENTICATED, learns nothing of the connections and logs nothing; a tenant
+    retrying a full channel is still told why (its client takes gRPC), and the warnings stay within a budget."""
+    from engram.logbudget import LogBudget
+
+    srv = await server_factory(**{"server.max_concurrent_rpcs": 2, "auth.tenants.bob.token": "b-tok",
+                                  "auth.salt_secret": "s"})
+    held = [await raw_conn(srv, "b-tok"), await raw_conn(srv, "b-tok")]
+    caplog.set_level(logging.WARNING, logger="engram.server")
+
+    async def hello(token: bytes) -> errors.EngramError:
+        conn = await dial(srv)
+        try:
+            await conn.send_frame(wire.HELLO, token)
+            kind, meta, _ = await conn.read_frame()
+        finally:
+            conn.close()
+        assert kind == wire.ERROR
+        return wire.error_of(meta)
+
+    for token in (b"", b"wrong-token") * 30:
+        err = await hello(token)
+        assert type(err) is errors.Unauthenticated and "connections open" not in str(err), repr(err)
+    assert not [r for r in caplog.records if "one more was refused" in r.getMessage()]
+    retries = 3 * LogBudget().lines
+    for _ in range(retries):
+        err = await hello(b"b-tok")
+        assert type(err) is errors.ResourceExhausted and "max_concurrent_rpcs = 2 connections open" in str(err)
+    said = [r for r in caplog.records if "one more was refused" in r.getMessage()]
+    assert 1 <= len(said) <= LogBudget().lines < retries
+    for conn in held:
+        conn.close()
+
+
 async def test_a_client_whose_data_channel_is_full_puts_and_gets_over_grpc(server_factory) -> None:  # type: ignore[no-untyped-def]
     """Other clients' connections hold every data-channel slot: the daemon refuses one more with
     RESOURCE_EXHAUSTED, and the client makes the same put, get and prefix load over gRPC (which has slots of

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from engram import errors
 from engram.config import ServerConfig
+from engram.logbudget import LogBudget
 from engram.private import remove_stale_socket
 from engram.server.auth import _principal
 from engram.server.recvbudget import Holding
@@ -172,6 +173,7 @@ class DataPort:
         self._greeting: dict[asyncio.Task[Any], None] = {}  # connections waiting for their HELLO, oldest first
         self._evicted: set[asyncio.Task[Any]] = set()  # of those, closed to make room for a newer one
         self._greeted = 0  # connections past HELLO (server.max_concurrent_rpcs bounds them)
+        self._full_said = LogBudget()  # a client retrying a full channel refused at every connect: lines bounded
         self._idle: dict[wire.Conn, _Idle] = {}  # connections between requests (the sweep looks at them)
         self._idled_out: set[wire.Conn] = set()  # of those, closed for server.data_idle_s
         self._sweeper: asyncio.Task[None] | None = None
@@ -300,8 +302,9 @@ class DataPort:
     def _full(self) -> bool:
         if self._greeted < self.config.max_concurrent_rpcs:  # the same bound as gRPC's concurrent calls
             return False
-        log.warning("data channel: %d connections open (server.max_concurrent_rpcs); one more was refused",
-                    self._greeted)
+        if (held := self._full_said.take()) is not None:
+            log.warning("data channel: %d connections open (server.max_concurrent_rpcs); one more was refused%s",
+                        self._greeted, f" ({held} more since the last such line)" if held else "")
         return True
 
     async def _refuse(self, conn: wire.Conn) -> None:
@@ -446,35 +449,38 @@ class DataPort:
         if kind != wire.HELLO or body:
             await conn.send_error(errors.InvalidArgument("data channel: a connection starts with HELLO"))
             return None
-        if self._full():
-            await self._refuse(conn)
-            return None
-        self._greeted += 1  # taken before any await: connections saying HELLO at once cannot pass the bound together
-        try:
-            principal = await self._admit(conn, meta)
-        except BaseException:
-            self._greeted -= 1
-            raise
-        if principal is None:
-            self._greeted -= 1
-        return principal
+        return await self._admit(conn, meta)
 
     async def _admit(self, conn: wire.Conn, meta: bytearray) -> Principal | None:
-        """A HELLO's token checked and answered (HELLO_OK, or the error); None: refused."""
+        """A HELLO's token checked, then the bounds, and answered (HELLO_OK, or the error); None: refused. The
+        token first: the connection bound was checked before it, so a peer without one was told how many
+        connections were open, and logged a warning at each connect (500 HELLOs, 500 lines: an audit, session 48)."""
         if self.tenancy is None:
             principal = OPEN
         else:
             token = bytes(meta).decode(errors="replace")
             try:
                 principal = self.tenancy.authenticate((("authorization", f"Bearer {token}"),) if token else ())
-                self.tenancy.enter(principal, "data")  # RESOURCE_EXHAUSTED: the client takes gRPC instead
             except errors.EngramError as exc:
                 await conn.send_error(exc)
                 return None
+        if self._full():
+            await self._refuse(conn)
+            return None
+        # Taken before any await: connections saying HELLO at once cannot pass the bound together
+        self._greeted += 1
+        try:
+            if self.tenancy is not None:
+                self.tenancy.enter(principal, "data")  # RESOURCE_EXHAUSTED: the client takes gRPC instead
+        except errors.EngramError as exc:
+            self._greeted -= 1
+            await conn.send_error(exc)
+            return None
         _principal.set(principal)  # this connection's task: the service's namespace checks read it
         try:
             await conn.send_frame(wire.HELLO_OK)
         except BaseException:
+            self._greeted -= 1
             if self.tenancy is not None:
                 self.tenancy.leave(principal, "data")
             raise
