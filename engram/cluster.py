@@ -27,7 +27,10 @@ Redis may be one server (`redis://`, `rediss://` for TLS, with a password in the
 `cluster.redis_password`) or a Redis Cluster (`cluster.redis_cluster`, redis-py's cluster client). When it
 is unreachable the daemon keeps serving its own tiers: the state turns "degraded" (with the reason, in
 Stats), queued changes are dropped, and a task reconnects with exponential backoff; once back it
-re-registers the node and republishes its whole index (Redis may have restarted empty).
+re-registers the node and republishes its whole index (Redis may have restarted empty). A WARNING says the
+first failure to join and each loss after a join (not every retry), and an INFO line each join; /metrics has
+`engram_cluster_degraded`. A daemon whose Redis refused its password, or was never reachable, logged nothing
+about it and answered health SERVING: only Stats said why (an audit, session 48).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
@@ -110,6 +114,15 @@ def connect(config: ClusterConfig) -> Any:
     return aioredis.from_url(config.redis_url, **kwargs)
 
 
+def _passwords(config: ClusterConfig) -> tuple[str, ...]:
+    """The Redis passwords the config names: in cluster.redis_url, and cluster.redis_password resolved."""
+    from engram.tenancy import resolve_secret
+
+    url = urlsplit(config.redis_url).password or ""
+    given = resolve_secret(config.redis_password, "cluster.redis_password") if config.redis_password else ""
+    return tuple(p for p in {url, given} if p)
+
+
 class ClusterIndex:
     def __init__(self, config: ClusterConfig, index: ChainIndex, node_id: str, address: str,
                  trust: ClusterTrust) -> None:
@@ -120,6 +133,8 @@ class ClusterIndex:
         self.trust = trust
         self.boot = int(time.time() * 1000)  # this process's start: its holder entries carry it
         self.state, self.reason = "degraded", "not connected yet"
+        self._said_unjoined = False  # the first failure to join is logged, not every retry
+        self._secrets = _passwords(config)  # never in a reason or a log line (redis-py's errors could name them)
         self.counters = ClusterCounters()
         self._redis = connect(config)
         self._queue: asyncio.Queue[tuple[str, BlockMeta]] = asyncio.Queue(maxsize=100_000)
@@ -180,14 +195,20 @@ class ClusterIndex:
         await pipe.execute()
 
     def _degrade(self, exc: BaseException) -> None:
-        if self.state == "ok":
-            log.warning("cluster: Redis unreachable (%s); serving local tiers only", exc)
+        was = self.state
         text = str(exc)
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
         if isinstance(exc, AuthenticationError) or "NOAUTH" in text or "WRONGPASS" in text or "authenticated" in text:
             self.state, self.reason = "degraded", (f"Redis refused authentication ({text}): set cluster.redis_password "
                                                    "(or the password in cluster.redis_url); reconnecting")
         else:
             self.state, self.reason = "degraded", f"Redis unreachable: {text}; reconnecting"
+        if was == "ok":
+            log.warning("cluster: Redis unreachable (%s); serving local tiers only", text)
+        elif not self.counters.reconnects and not self._said_unjoined:
+            self._said_unjoined = True
+            log.warning("cluster: cannot join (%s); serving local tiers only until it does", self.reason)
         while not self._queue.empty():
             self._queue.get_nowait()
 

@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
@@ -28,6 +28,9 @@ from engram import eviction
 from engram.sessions import SessionManager
 from engram.store import BlockStore
 from engram.wire.stream import answered
+
+if TYPE_CHECKING:
+    from engram.cluster import ClusterIndex
 
 ANY_FREE_PORT = -1  # server.metrics_port = -1: bind any free port (tests); 0 turns metrics off
 
@@ -120,6 +123,34 @@ class StoreCollector(Collector):
                                 value=self.sessions.hot_count())
         yield GaugeMetricFamily("engram_session_tokens", "Tokens live sessions hold (4 bytes each; bounded by "
                                 "server.max_live_session_tokens).", value=self.sessions.live_tokens.held)
+
+
+class ClusterCollector(Collector):
+    """The cluster tier's state and counters (what Stats' ClusterStats says), at scrape time: a daemon that never
+    reached Redis, or whose Redis refused its password, showed nothing here (an audit, session 48)."""
+
+    def __init__(self, cluster: ClusterIndex) -> None:
+        self.cluster = cluster
+
+    def collect(self) -> Iterator[Metric]:
+        cl = self.cluster
+        yield GaugeMetricFamily("engram_cluster_degraded", "1 while the cluster tier is not in the cluster (Redis "
+                                "unreachable or refusing the password, not joined yet, a shared node id; Stats "
+                                "says why): the daemon serves its own tiers only.", value=int(cl.state != "ok"))
+        c = cl.counters
+        for name, doc, value in (
+            ("engram_cluster_remote_hits", "Blocks fetched from peers.", c.remote_hits),
+            ("engram_cluster_remote_bytes", "Payload bytes fetched from peers.", c.remote_bytes),
+            ("engram_cluster_remote_failures", "Fetches from peers that failed.", c.remote_failures),
+            ("engram_cluster_published", "Index entries written to Redis.", c.published),
+            ("engram_cluster_joins", "Times the daemon joined the cluster (the first, and after each outage).",
+             c.reconnects),
+            ("engram_cluster_untrusted_records", "Records in Redis ignored: their signature did not verify.",
+             c.untrusted_records),
+            ("engram_cluster_stale_entries_removed", "Holder entries removed as no longer true.",
+             c.stale_entries_removed),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
 
 
 def codec_error_metrics(store: BlockStore) -> Iterator[Metric]:
@@ -239,6 +270,10 @@ class MetricsEndpoint:
     def watch(self, store: BlockStore, sessions: SessionManager) -> None:
         """The store's figures, every tenant's (config refuses /metrics without a token when tenants share)."""
         self.registry.register(StoreCollector(store, sessions))
+
+    def watch_cluster(self, cluster: ClusterIndex) -> None:
+        """The cluster tier's state and counters (server.cluster set)."""
+        self.registry.register(ClusterCollector(cluster))
 
     def watch_data(self, buffered_bytes: Callable[[], int]) -> None:
         """The data channel's receive buffers (engram/server/dataport.py), read at scrape time."""

@@ -185,6 +185,46 @@ async def test_redis_with_a_password(redis_port: int, daemon_factory: Any, monke
         proc.wait()
 
 
+async def test_a_cluster_that_cannot_join_says_so_once_in_the_log_and_in_metrics_and_says_when_it_joins(
+        redis_port: int, daemon_factory: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A daemon whose Redis refused its password, or was not there, logged nothing about Redis and /metrics had
+    no cluster figure: only Stats said "degraded" (an audit, session 48; the state starts degraded, and only a
+    change from ok was logged). Now the first failure is one WARNING with the reason (the password not in it),
+    not one per retry; engram_cluster_degraded is 1; and once Redis takes the password the join is logged and
+    the gauge is 0."""
+    wrong = "wrong-pw-0123456789"
+    proc = start_redis(redis_port, "--requirepass", PASSWORD, password=PASSWORD)
+    caplog.set_level(logging.INFO, logger="engram.cluster")
+    try:
+        refused = await daemon_factory("refused", **{"cluster.redis_url": f"redis://:{wrong}@127.0.0.1:{redis_port}/0",
+                                                     "server.metrics_port": -1})
+        nowhere = await daemon_factory("nowhere", **{"cluster.redis_url": f"redis://127.0.0.1:{free_port()}/0",
+                                                     "server.metrics_port": -1})
+        await asyncio.sleep(1.6)  # backoff 0.1, 0.2, 0.4, 0.8 s: five tries each
+
+        def degraded(srv: RunningServer) -> float | None:
+            assert srv.metrics is not None
+            return srv.metrics.registry.get_sample_value("engram_cluster_degraded")
+
+        warnings = [r.getMessage() for r in caplog.records if r.name == "engram.cluster" and r.levelno >= logging.WARNING]
+        assert len([w for w in warnings if "refused authentication" in w]) == 1, warnings
+        assert len([w for w in warnings if "Redis unreachable" in w]) == 1, warnings
+        assert len(warnings) == 2 and not any(wrong in w for w in warnings), warnings
+        assert degraded(refused) == degraded(nowhere) == 1
+        assert not any(wrong in line for line in caplog.text.splitlines())
+        redis_cli(redis_port, "config", "set", "requirepass", wrong, password=PASSWORD)
+
+        async def joined() -> bool:
+            return degraded(refused) == 0
+
+        await until(joined, "the daemon joined once Redis took its password")
+        assert any(r.getMessage().startswith("cluster: joined as node refused") for r in caplog.records)
+        assert degraded(nowhere) == 1
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 async def test_a_stream_layouts_blocks_cross_daemons_under_the_mac(redis_port: int, daemon_factory: Any) -> None:
     """A stream layout's v2 blocks (an MLA latent in nvfp4, indexer keys in fp8) fetched from a peer: the MAC
     covers the codec their header names ("streams"), and B serves what A stored, bit for bit."""

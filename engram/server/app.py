@@ -364,6 +364,8 @@ async def _start(config: EngramConfig, store: BlockStore, sessions: SessionManag
             log.warning("the store's modules: %s", compiled.summary(states))
         if trust is not None:
             await _join_cluster(config, service, address, trust)
+            if metrics is not None and service.cluster is not None:
+                metrics.watch_cluster(service.cluster)
     except BaseException:  # a taken metrics port, an unreachable cluster: nothing is left listening
         if service.dataport is not None:
             await service.dataport.stop()
