@@ -65,8 +65,11 @@ async def report_activity(store: BlockStore, interval_s: float) -> None:
             old = last[t.name]
             _report_tier(old, t, interval_s)
             if t.state != old.state:
+                # The reason in the line itself: plain-text logs drop the fields, and "tier nvme is degraded" said
+                # neither the disk full nor the path (an audit, session 48)
                 level = logging.WARNING if t.state != "ok" else logging.INFO
-                log.log(level, f"tier {t.name} is {t.state}", extra={"fields": {
+                why = f": {t.state_reason}" if t.state_reason else ""
+                log.log(level, f"tier {t.name} is {t.state}{why}", extra={"fields": {
                     "tier": t.name, "state": t.state, "reason": t.state_reason}})
             last[t.name] = t
 

@@ -450,8 +450,14 @@ async def _join_cluster(config: EngramConfig, service: EngramService, address: s
     await service.cluster.start()
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+def _size(n: int) -> str:
+    """Bytes in the largest unit they fill one of: a 64 KiB tier read "dram 0 MiB" (an audit, session 48)."""
+    if n >= 2**30:
+        return f"{n / 2**30:.1f} GiB"
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if n >= 2**shift:
+            return f"{n / 2**shift:.1f}".removesuffix(".0") + f" {unit}"
+    return f"{n} bytes"
 
 
 def banner(config: EngramConfig, running: RunningServer) -> list[str]:
@@ -459,7 +465,7 @@ def banner(config: EngramConfig, running: RunningServer) -> list[str]:
     t, a = config.tiers, config.auth
     where = {"hbm": f" on {t.hbm.device}", "dram": f" ({t.dram.pool} pool" +
              (f" in {t.dram.shm_dir})" if t.dram.pool == "shared" else ")"), "nvme": f" at {t.nvme.path}"}
-    tiers = ", ".join(f"{tier.name} {_gib(tier.usage().capacity_bytes)}{where.get(tier.name, '')}"
+    tiers = ", ".join(f"{tier.name} {_size(tier.usage().capacity_bytes)}{where.get(tier.name, '')}"
                       for tier in running.store.tiers)
     policy = t.write_policy + (f", loss window {t.write_back_window_s:g} s" if t.write_policy == "write-back"
                                and t.nvme.path else "")
@@ -501,8 +507,8 @@ def startup_warnings(config: EngramConfig, running: RunningServer) -> list[str]:
         st = os.statvfs(config.tiers.nvme.path)
         free = st.f_bavail * st.f_frsize + running.store.tiers[-1].usage().used_bytes
         if config.tiers.nvme.capacity > free:
-            out.append(f"tiers.nvme.capacity is {_gib(config.tiers.nvme.capacity)} but {config.tiers.nvme.path} "
-                       f"has {_gib(free)} free: the tier degrades (ENOSPC) before it is full; lower the capacity")
+            out.append(f"tiers.nvme.capacity is {_size(config.tiers.nvme.capacity)} but {config.tiers.nvme.path} "
+                       f"has {_size(free)} free: the tier degrades (ENOSPC) before it is full; lower the capacity")
     return out
 
 
