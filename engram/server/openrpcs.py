@@ -11,7 +11,7 @@ It also answers bytes those services cannot decode with INVALID_ARGUMENT: grpcio
 parse error out as UNKNOWN, with a traceback in the daemon's log for every such request, anyone's to send.
 
 And a request longer than OPEN_REQUEST_MAX_BYTES is refused RESOURCE_EXHAUSTED before it is parsed. Their
-requests name a service, a file or a symbol; the server's message bound (server.max_message_bytes, 64 MiB) is for
+requests name a service, a file or a symbol; the server's message bound (server.max_message_bytes, 16 MiB) is for
 blocks. grpcio's health servicer keeps a Watch's service name as a key for as long as the stream lives: 8 Watches
 naming 32 MiB services took a tenancy-on daemon from 265 to 1090 MiB, for as long as the peer liked, and 819 MiB
 stayed after it left (an audit, session 48).
