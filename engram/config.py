@@ -274,9 +274,9 @@ class ReplayConfig:
     # Resumes are RESOURCE_EXHAUSTED, so one tenant's burst cannot fill max_queued for every other. 0: no bound.
     max_queued_per_tenant: int = 16
     max_persisted_window_bytes: ByteSize = ByteSize(2**30)  # persisted windows (persist mode, auto's), all together
-    # With tenancy on, the bytes of persisted windows one tenant's token kept (sent, forked or, auto mode, had kept;
-    # on any session, another tenant's in a shared namespace too; admins: no bound), so one tenant cannot take
-    # max_persisted_window_bytes from the others. 0: no bound.
+    # With tenancy on, the bytes of persisted windows one tenant's token kept (sent, forked or, auto mode, had kept,
+    # on its own sessions; admins: no bound), so one tenant cannot take max_persisted_window_bytes from the others.
+    # 0: no bound.
     max_persisted_window_bytes_per_tenant: ByteSize = ByteSize(256 * 2**20)
     # auto-mode sessions: calibrations written by `engram bench replay --calibrate DIR` (one per model and
     # machine; none: auto behaves as exact), and the fidelity floor an approximate replay must have measured

@@ -37,9 +37,10 @@ class SessionChain:
     stored_bytes: int
     age_s: float
 
-    def summary(self) -> SessionSummary:
-        return SessionSummary(info=self.session.info(), cached_tokens=self.cached_tokens, blocks=len(self.blocks),
-                              tiers=self.tiers, stored_bytes=self.stored_bytes, age_s=self.age_s)
+    def summary(self, *, model_seen: bool = True) -> SessionSummary:
+        return SessionSummary(info=self.session.info(model_seen=model_seen), cached_tokens=self.cached_tokens,
+                              blocks=len(self.blocks), tiers=self.tiers, stored_bytes=self.stored_bytes,
+                              age_s=self.age_s)
 
 
 class Inspector:
@@ -58,14 +59,16 @@ class Inspector:
             acc.setdefault(s.namespace, [0, 0, 0, 0, 0])[4] += 1
         return [NamespaceSummary(ns, *row) for ns, row in sorted(acc.items())]
 
-    def session_list(self, namespace: str | None) -> list[SessionChain]:
-        """Sessions of one namespace, or of every namespace when namespace is None."""
-        return [self.chain(s) for s in self.sessions_in(namespace)]
+    def session_list(self, namespace: str | None, tenant: str = "") -> list[SessionChain]:
+        """Sessions of one namespace, or of every namespace when namespace is None; `tenant`'s own only ("": every
+        one's), as `sessions_in`."""
+        return [self.chain(s) for s in self.sessions_in(namespace, tenant)]
 
-    def sessions_in(self, namespace: str | None) -> list[Session]:
+    def sessions_in(self, namespace: str | None, tenant: str = "") -> list[Session]:
         """The sessions `session_list` describes, in its order, not described yet (the caller may describe them
-        one by one, letting other calls run between: each is a match of the session's tokens)."""
-        chosen = [s for s in self.sessions.sessions() if namespace is None or s.namespace == namespace]
+        one by one, letting other calls run between: each is a match of the session's tokens). A tenant's listing
+        holds its own sessions only (`Session.seen_by`): in a namespace tenants share it listed every tenant's."""
+        chosen = [s for s in self.sessions.sessions_of(tenant) if namespace is None or s.namespace == namespace]
         return sorted(chosen, key=lambda s: (s.namespace, s.created))
 
     def chain(self, s: Session) -> SessionChain:
@@ -118,23 +121,32 @@ class Inspector:
         """Blocks as `engram show` prints them. `sessions` counts the live sessions holding each (the references
         eviction reads), and `session` (when its chain is described) for every block of it: a block its tokens
         reach without its holding it (a longer block stored over its partial tail) is still on its way. `tenant`:
-        whose call it is; a model it has not registered is shown as one nobody registered (engram/registry.py)."""
+        whose call it is; a model it has not registered is shown as one nobody registered (engram/registry.py): no
+        codec, and no fingerprint (b""). In a namespace tenants share, another tenant's blocks told their model's
+        exact fingerprint (an audit, session 48)."""
         now = time.time()
         starts: dict[bytes, int] = {}
 
         def refs(m: BlockMeta) -> int:
             return m.refs + (session is not None and session.held.get(m.key) is not m)
 
+        def model(m: BlockMeta) -> bytes:
+            return m.model_fingerprint if self.sees_model(m.model_fingerprint, tenant) else b""
+
         return [BlockDetail(
-            key=m.key, parent=m.parent, namespace=m.namespace, model_fingerprint=m.model_fingerprint,
+            key=m.key, parent=m.parent, namespace=m.namespace, model_fingerprint=model(m),
             num_tokens=m.num_tokens, full=m.full, tiers=tuple(m.locations), codec=self._codec(m, tenant),
             checksum=m.checksum, nbytes=m.nbytes, pins=m.pins, children=m.children, sessions=refs(m),
             refcount=m.children + refs(m) + m.pins, leases=m.leases, hits=m.hits, age_s=now - m.created,
             start_token=self._start(m, starts)) for m in metas]
 
+    def sees_model(self, fingerprint: bytes, tenant: str = "") -> bool:
+        """Whether `tenant` ("": an admin, tenancy off) may see the model: it registered it (engram/registry.py)."""
+        return self.store.registry.knows(fingerprint, tenant)
+
     def _codec(self, meta: BlockMeta, tenant: str = "") -> str:
         # A recovered block whose model file was lost keeps its bytes but has no known codec until registered.
-        if not self.store.registry.knows(meta.model_fingerprint, tenant):
+        if not self.sees_model(meta.model_fingerprint, tenant):
             return "unknown (model not registered)"
         spec = self.store.spec(meta.model_fingerprint)
         codec = spec.stored_codec

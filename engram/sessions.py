@@ -138,7 +138,7 @@ class Session:
     mode: SessionMode
     approx_k: float
     parent: str = ""
-    tenant: str = ""  # the token that opened (or forked) it; "": tenancy off, or an admin
+    tenant: str = ""  # the token that opened (or forked) it, its owner; "": tenancy off, or an admin
     window: Window | None = None  # hot (rebuilt) or persisted
     # Kept: the tenant whose share of persisted windows it counts against, the caller that made it kept (in a
     # namespace tenants share, not always the session's opener); hot: the caller whose Resume rebuilt it
@@ -152,12 +152,21 @@ class Session:
     active_ms: float = 0.0  # the eviction model's clock at its last call: idle past idle_close_s, it is closed
     awaiting: bytes = b""  # the key of its prefix's next block, not stored yet: referenced when it is put
 
+    def seen_by(self, tenant: str) -> bool:
+        """Whether a call of `tenant` may name this session: its owner's, an admin's or any with tenancy off ("").
+        In a namespace tenants share, another tenant appended to a session it never opened (its owner's next
+        Resume rebuilt KV for tokens the owner never sent), resumed, forked and closed it (an audit, session 48)."""
+        return not tenant or self.tenant == tenant
+
     def replay_mode(self) -> ReplayMode:
         return ReplayMode.approx(self.approx_k) if self.mode == SessionMode.APPROX else ReplayMode.exact()
 
-    def info(self) -> SessionInfo:
+    def info(self, *, model_seen: bool = True) -> SessionInfo:
+        """What the session answers; `model_seen`: whether the caller may see its model's fingerprint (b"" when
+        not: a caller sees only the models it registered, engram/registry.py)."""
         w = self.window
-        return SessionInfo(session_id=self.id, namespace=self.namespace, model_fingerprint=self.fingerprint,
+        return SessionInfo(session_id=self.id, namespace=self.namespace,
+                           model_fingerprint=self.fingerprint if model_seen else b"",
                            tokens=len(self.tokens), mode=self.mode, approx_k=self.approx_k, hot=w is not None,
                            window_prefix_len=w.prefix_len if w else 0, parent=self.parent, created_s=self.created,
                            persisted=self.kept, decision=self.decision, expect_back_ms=int(self.expected.wait))
@@ -302,8 +311,9 @@ class SessionManager:
         self.idle_close_s = idle_close_s
         self.closed_idle = 0  # sessions `close_idle` closed
         self._idle_said = LogBudget()  # each closed one is a line within it; the rest, a line a pass (`close_idle`)
-        # (namespace, id) -> idle seconds, of the last sessions closed idle: a later call on one says why it is gone
-        self._closed_idle: OrderedDict[tuple[str, str], float] = OrderedDict()
+        # (namespace, id) -> (idle seconds, owner), of the last sessions closed idle: a later call of the owner on
+        # one says why it is gone
+        self._closed_idle: OrderedDict[tuple[str, str], tuple[float, str]] = OrderedDict()
         # key of a block not stored yet -> the sessions whose prefix continues with it (`_await_next`)
         self._awaiting: dict[bytes, dict[tuple[str, str], Session]] = {}
         store.on_cold(self._block_went_cold)
@@ -481,15 +491,22 @@ class SessionManager:
                 log.exception("prefetch failed")
             await asyncio.sleep(period_s)
 
-    def get(self, namespace: str, session_id: str) -> Session:
+    def get(self, namespace: str, session_id: str, tenant: str = "") -> Session:
+        """The session, for a call of `tenant` ("": an admin's, any with tenancy off, the daemon's own). Another
+        namespace's session, and another tenant's in a namespace they share (`Session.seen_by`), are reported
+        exactly like an absent one."""
         s = self._sessions.get((namespace, session_id))
-        if s is None:  # another namespace's session is reported exactly like an absent one
-            idle = self._closed_idle.get((namespace, session_id))
-            if idle is not None:
-                raise NotFound(f"session {session_id!r} was closed after {idle:.0f} s without a call "
+        if s is None or not s.seen_by(tenant):
+            closed = self._closed_idle.get((namespace, session_id)) if s is None else None
+            if closed is not None and (not tenant or closed[1] == tenant):
+                raise NotFound(f"session {session_id!r} was closed after {closed[0]:.0f} s without a call "
                                "(server.session_idle_s); open a new one (its blocks are still stored)")
             raise NotFound(f"no session {session_id!r} in this namespace")
         return s
+
+    def sessions_of(self, tenant: str) -> list[Session]:
+        """The sessions a call of `tenant` may see: its own ("": every one)."""
+        return [s for s in self._sessions.values() if s.seen_by(tenant)]
 
     def _touch(self, s: Session) -> None:
         """A call on the session: it is not idle. Sessions stay in order of their last call, so `close_idle`
@@ -519,7 +536,7 @@ class SessionManager:
             except Exception:  # one session's failure must not stop the closer for every other namespace
                 log.exception("closing idle session %r of namespace %r failed", s.id, s.namespace)
                 continue
-            self._closed_idle[key] = (now - s.active_ms) / 1000.0
+            self._closed_idle[key] = ((now - s.active_ms) / 1000.0, s.tenant)
             while len(self._closed_idle) > 4096:
                 self._closed_idle.popitem(last=False)
             closed.append(s)
@@ -549,7 +566,7 @@ class SessionManager:
         """A turn: the session's tokens grow (and, in persist mode, its window is replaced, counted against
         `tenant`'s share). expect_back_ms: when the client expects the session's next turn (`expect_back`);
         each turn says it again, or the hint lapses."""
-        s = self.get(namespace, session_id)
+        s = self.get(namespace, session_id, tenant)
         limits.check_expect_back_ms(expect_back_ms)  # before anything of the session changes
         self._touch(s)
         if window is not None and s.mode != SessionMode.PERSIST:
@@ -593,7 +610,7 @@ class SessionManager:
              ) -> Session:
         """A sub-agent starting from its parent's prefix: tokens are copied, blocks are shared by content. The
         child is `tenant`'s (the forking token's), as if it had opened it."""
-        parent = self.get(namespace, parent_id)
+        parent = self.get(namespace, parent_id, tenant)
         self._touch(parent)
         p = position or len(parent.tokens)
         if p > len(parent.tokens):
@@ -616,14 +633,14 @@ class SessionManager:
     def suspend(self, namespace: str, session_id: str, *, tenant: str = "") -> Session:
         """The session goes cold: a rebuilt window is dropped (auto mode: or kept within `tenant`'s share, as
         its cost model decides); a persisted one stays."""
-        s = self.get(namespace, session_id)
+        s = self.get(namespace, session_id, tenant)
         self._touch(s)
         if s.mode != SessionMode.PERSIST:
             self._cool(s, tenant)
         return s
 
-    def close(self, namespace: str, session_id: str) -> Session:
-        s = self.get(namespace, session_id)
+    def close(self, namespace: str, session_id: str, *, tenant: str = "") -> Session:
+        s = self.get(namespace, session_id, tenant)
         self._drop_hot(s)
         if s.kept:
             self._release_window(s)
@@ -710,7 +727,7 @@ class SessionManager:
         no copy in the answer: INTERNAL (an audit, session 47). A replay waits for its turn within `tenant`'s share
         of the queue (`_take_turn`). `stage` is kept telling what it is doing."""
         stage = stage or ResumeStage()
-        s = self.get(namespace, session_id)
+        s = self.get(namespace, session_id, tenant)
         self._touch(s)
         p = position or len(s.tokens)
         if p <= 0:

@@ -51,11 +51,13 @@ class InspectionService:
     async def ListSessions(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ListSessionsResponse:
         req = decoded(request)
         ns = _scope(context, req.namespace, req.all_namespaces, "ListSessions")
+        insp, tenant = self.inspector, tenant_of(context)
         out = pb.ListSessionsResponse()
-        for i, s in enumerate(self.inspector.sessions_in(ns)):
+        for i, s in enumerate(insp.sessions_in(ns, tenant)):
             if i:  # each session's chain is a match of its tokens (up to 2^21): other calls run between them, so
                 await asyncio.sleep(0)  # one tenant's listing of many long sessions does not stall every other
-            out.sessions.append(convert.to_pb(self.inspector.chain(s).summary(), pb.SessionSummary))
+            summary = insp.chain(s).summary(model_seen=insp.sees_model(s.fingerprint, tenant))
+            out.sessions.append(convert.to_pb(summary, pb.SessionSummary))
         return out
 
     @unary
@@ -65,15 +67,16 @@ class InspectionService:
         if bool(req.session_id) == bool(req.key_prefixes):
             raise InvalidArgument("DescribeBlocks takes a session_id or key_prefixes, exactly one of them")
         check_limit("DescribeBlocks keys", len(req.key_prefixes), self.max_blocks)
+        tenant = tenant_of(context)
         if req.session_id:
-            s = insp.sessions.get(namespace_for(context, req.namespace), req.session_id)
+            s = insp.sessions.get(namespace_for(context, req.namespace), req.session_id, tenant)
             chain = insp.chain(s)
-            description = BlockDescription(tuple(insp.describe(chain.blocks, s, tenant=tenant_of(context))),
-                                           chain.summary())
+            description = BlockDescription(tuple(insp.describe(chain.blocks, s, tenant=tenant)),
+                                           chain.summary(model_seen=insp.sees_model(s.fingerprint, tenant)))
         else:
             ns = _scope(context, req.namespace, req.all_namespaces, "DescribeBlocks")
             description = BlockDescription(tuple(insp.describe(insp.resolve(ns, list(req.key_prefixes)),
-                                                            tenant=tenant_of(context))))
+                                                            tenant=tenant)))
         return convert.to_pb(description, pb.DescribeBlocksResponse)
 
     @unary
@@ -87,7 +90,7 @@ class InspectionService:
             metas = insp.resolve(_scope(context, req.namespace, req.all_namespaces, "Evict"), list(req.key_prefixes))
         elif req.session_id:
             metas = insp.session_blocks_to_evict(insp.sessions.get(namespace_for(context, req.namespace),
-                                                                   req.session_id))
+                                                                   req.session_id, tenant_of(context)))
         else:
             if req.all_namespaces:
                 raise InvalidArgument("whole_namespace evicts one namespace: name it, without all_namespaces")

@@ -56,7 +56,7 @@ from engram.server.requests import (
     safe_decoder,
     token_request_bytes,
 )
-from engram.sessions import Resumed, ResumeStage, SessionManager, Window, holds_no_window
+from engram.sessions import Resumed, ResumeStage, Session, SessionManager, Window, holds_no_window
 from engram.store import BlockStore, WritePolicy
 from engram.store.durable import durable_tier
 from engram.store.inplace import InPlacePuts
@@ -797,6 +797,12 @@ class EngramService:
         whole daemon)."""
         return tenant_of(context)
 
+    def _session_info(self, s: Session) -> pb.SessionInfo:
+        """A session call's answer, as its caller may see it: the model's fingerprint only where the caller's tenant
+        registered the model (a tenant sees only its models, engram/registry.py)."""
+        seen = self.store.registry.knows(s.fingerprint, self._tenant(None))
+        return convert.to_pb(s.info(model_seen=seen), pb.SessionInfo)
+
     @unary
     async def OpenSession(self, request: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
         req = decoded(request)
@@ -807,38 +813,39 @@ class EngramService:
         self.check_model(req.model_fingerprint)
         s = self.sessions.open(ns, req.model_fingerprint, mode, req.approx_k, req.session_id, tokens,
                                tenant=self._tenant(context))
-        return convert.to_pb(s.info(), pb.SessionInfo)
+        return self._session_info(s)
 
     @unary
     async def AppendSession(self, request: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
         req = decoded(request)
         ns, n = namespace_for(context, req.session.namespace), len(req.tokens)
         if n > self.sessions.max_session_tokens:  # the session's bound, before the tokens are converted
-            self.sessions.check_length(len(self.sessions.get(ns, req.session.session_id).tokens) + n)
+            self.sessions.check_length(len(self.sessions.get(ns, req.session.session_id, self._tenant(context)).tokens)
+                                       + n)
         check_limit("AppendSession tokens", n, self.config.max_tokens_per_request)
         window = _window_from_pb(req.window) if req.HasField("window") else None
         s = self.sessions.append(ns, req.session.session_id, convert.tokens_from_pb(req.tokens), window,
                                  req.expect_back_ms, tenant=self._tenant(context))
-        return convert.to_pb(s.info(), pb.SessionInfo)
+        return self._session_info(s)
 
     @unary
     async def ForkSession(self, request: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
         req = decoded(request)
         s = self.sessions.fork(namespace_for(context, req.parent.namespace), req.parent.session_id, req.session_id,
                                req.position, tenant=self._tenant(context))
-        return convert.to_pb(s.info(), pb.SessionInfo)
+        return self._session_info(s)
 
     @unary
     async def SuspendSession(self, request: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
         req = decoded(request)
         s = self.sessions.suspend(namespace_for(context, req.namespace), req.session_id, tenant=self._tenant(context))
-        return convert.to_pb(s.info(), pb.SessionInfo)
+        return self._session_info(s)
 
     @unary
     async def CloseSession(self, request: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
         req = decoded(request)
-        s = self.sessions.close(namespace_for(context, req.namespace), req.session_id)
-        return convert.to_pb(s.info(), pb.SessionInfo)
+        s = self.sessions.close(namespace_for(context, req.namespace), req.session_id, tenant=self._tenant(context))
+        return self._session_info(s)
 
     @streaming
     async def Resume(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ResumeResponse | bytes]:

@@ -1,0 +1,135 @@
+"""Two tenants in one namespace, through a real daemon and a real tenants file: bob and carol share `shared`,
+alice has her own, an admin acts on the whole daemon (the isolation audit of session 48 found each case below).
+
+A session belongs to the tenant that opened it: another tenant's call naming it answers exactly as for an absent
+session, and its listings leave it out. A model is a tenant's own even where its blocks are shared: another
+tenant's inspection shows no fingerprint of it. Each probe is paired with a control that sees the difference."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from engram.client import EngramClient
+from engram.server import RunningServer
+from engram.v1 import engram_pb2 as pb
+from engram.v1 import engram_pb2_grpc as pb_grpc
+
+from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
+
+ALICE, BOB, CAROL, ADMIN = "alice-tok-1", "bob-tok-2", "carol-tok-3", "admin-tok-9"
+TENANTS = f'''admin_tokens = "{ADMIN}"
+[tenants.alice]
+token = "{ALICE}"
+namespaces = "alice"
+[tenants.bob]
+token = "{BOB}"
+namespaces = "bob,shared"
+[tenants.carol]
+token = "{CAROL}"
+namespaces = "carol,shared"
+'''
+
+
+@pytest.fixture
+async def daemon(server_factory: Any, tmp_path: Path) -> RunningServer:
+    path = tmp_path / "tenants.toml"
+    path.write_text(TENANTS)
+    srv: RunningServer = await server_factory(**{"auth.tenants_file": str(path), "auth.salt_secret": "s3cret-salt"})
+    return srv
+
+
+def as_(srv: RunningServer, token: str, namespace: str = "") -> EngramClient:
+    return EngramClient(srv.address, token=token, namespace=namespace)
+
+
+def md(token: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),)
+
+
+async def answer(call: Callable[[], Awaitable[Any]], session_id: str) -> tuple[str, str]:
+    """What a call answers on the wire: its status and message (the session id written as <id>), or OK."""
+    try:
+        result = call()
+        if hasattr(result, "__aiter__"):  # Resume: a stream, read to its end
+            async for _ in result:
+                pass
+        else:
+            await result
+    except grpc.aio.AioRpcError as exc:
+        return exc.code().name, (exc.details() or "").replace(session_id, "<id>")
+    return "OK", ""
+
+
+async def test_another_tenants_session_in_a_shared_namespace_answers_as_an_absent_one(daemon: RunningServer) -> None:
+    """Carol's session in `shared`: Bob's Append, Resume, Fork, Suspend, Close, DescribeBlocks and Evict of it
+    answer word for word what they answer for an id nobody opened (Bob appended to it, and his Resume reached
+    its replay), his ListSessions leaves it out, and it is as Carol left it. Controls: Carol's own calls on it
+    pass, and the admin lists it."""
+    spec = tiny_model(weights_id="carol-ckpt")
+    toks = tokens(4 * BLOCK_TOKENS, seed=5)
+    async with as_(daemon, CAROL, "shared") as c, as_(daemon, BOB, "shared") as b:
+        fp = await c.register_model(spec)
+        await c.put(fp, toks, random_kv(spec, len(toks), seed=5))
+        await c.open_session(fp, mode="persist", session_id="carol-s", tokens=toks)
+        await b.register_model(spec)  # a model Bob has too: only the session's owner tells the calls apart
+    async with grpc.aio.insecure_channel(daemon.address) as channel:
+        st = pb_grpc.EngramStub(channel)
+
+        def calls(sid: str) -> dict[str, Callable[[], Any]]:
+            ref = pb.SessionRef(namespace="shared", session_id=sid)
+            return {
+                "AppendSession": lambda: st.AppendSession(pb.AppendSessionRequest(session=ref, tokens=[1, 2, 3]),
+                                                          metadata=md(BOB)),
+                "Resume": lambda: st.Resume(pb.ResumeRequest(session=ref, position=0), metadata=md(BOB)),
+                "ForkSession": lambda: st.ForkSession(pb.ForkSessionRequest(parent=ref), metadata=md(BOB)),
+                "SuspendSession": lambda: st.SuspendSession(ref, metadata=md(BOB)),
+                "DescribeBlocks": lambda: st.DescribeBlocks(pb.DescribeBlocksRequest(namespace="shared",
+                                                                                     session_id=sid),
+                                                            metadata=md(BOB)),
+                "Evict": lambda: st.Evict(pb.EvictRequest(namespace="shared", session_id=sid), metadata=md(BOB)),
+                "CloseSession": lambda: st.CloseSession(ref, metadata=md(BOB)),
+            }
+
+        hers, absent = calls("carol-s"), calls("nobody-s")
+        for rpc in hers:
+            got, want = await answer(hers[rpc], "carol-s"), await answer(absent[rpc], "nobody-s")
+            assert got == want, f"Bob's {rpc} of Carol's session: {got}, of an absent one: {want}"
+            assert got[0] == "NOT_FOUND", f"Bob's {rpc} of an absent session: {got}"
+        listed = await st.ListSessions(pb.ListSessionsRequest(namespace="shared"), metadata=md(BOB))
+        assert [s.info.session_id for s in listed.sessions] == []
+    async with as_(daemon, CAROL, "shared") as c:
+        mine = await c.list_sessions()
+        assert [(s.info.session_id, s.info.tokens) for s in mine] == [("carol-s", len(toks))]  # nothing of Bob's
+        info = await c.append_session("carol-s", tokens(BLOCK_TOKENS, seed=6))
+        assert info.tokens == len(toks) + BLOCK_TOKENS
+    async with as_(daemon, ADMIN, "shared") as admin:
+        assert [s.info.session_id for s in await admin.list_sessions(all_namespaces=True)] == ["carol-s"]
+        await admin.describe_blocks(session_id="carol-s", namespace="shared")
+
+
+async def test_a_shared_namespaces_blocks_show_no_fingerprint_of_a_model_the_caller_did_not_register(
+        daemon: RunningServer) -> None:
+    """Bob describes Carol's blocks in `shared` by key: no codec (as before) and no fingerprint of her model,
+    which he never registered (he read it whole). Controls: Carol, the admin, and Bob once he registers the
+    model see the fingerprint."""
+    spec = tiny_model(weights_id="carol-secret-ckpt")
+    toks = tokens(2 * BLOCK_TOKENS, seed=7)
+    async with as_(daemon, CAROL, "shared") as c:
+        fp = await c.register_model(spec)
+        keys = [k.hex() for k in (await c.put(fp, toks, random_kv(spec, len(toks), seed=7))).keys]
+        assert {b.model_fingerprint for b in (await c.describe_blocks(key_prefixes=keys)).blocks} == {fp}
+    async with as_(daemon, BOB, "shared") as b:
+        await b.register_model(tiny_model(weights_id="bobs-own"))
+        seen = (await b.describe_blocks(key_prefixes=keys)).blocks
+        assert [(d.model_fingerprint, d.codec) for d in seen] == [(b"", "unknown (model not registered)")] * 2
+        assert await b.register_model(spec) == fp
+        assert {d.model_fingerprint for d in (await b.describe_blocks(key_prefixes=keys)).blocks} == {fp}
+    async with as_(daemon, ADMIN) as admin:
+        assert {d.model_fingerprint for d in (await admin.describe_blocks(key_prefixes=keys,
+                                                                          namespace="shared")).blocks} == {fp}
+
