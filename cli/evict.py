@@ -52,7 +52,8 @@ async def evict_keys(client: ControlClient, keys: list[str], namespace: str | No
             if not done.evicted:
                 raise
             raise PartlyDone(exc, done, acted) from None
-        done = EvictResult(done.evicted + got.evicted, done.skipped + got.skipped, done.unpinned + got.unpinned)
+        done = EvictResult(done.evicted + got.evicted, done.skipped + got.skipped, done.unpinned + got.unpinned,
+                           done.operator_pinned + got.operator_pinned)
         acted += [ns] if got.evicted else []
     return done
 
@@ -118,3 +119,6 @@ def _print(resp: EvictResult, json_: bool) -> None:
         console.print(f"  {key.hex()}")
     if resp.skipped:
         console.print(f"skipped {len(resp.skipped)} blocks being read or moved right now; run it again")
+    if resp.operator_pinned:
+        console.print(f"kept {len(resp.operator_pinned)} blocks an operator pinned (an admin's pin holds them or a "
+                      "block extending them): only an admin's --force evicts them")

@@ -183,7 +183,11 @@ class Inspector:
     def namespace_blocks(self, namespace: str) -> list[BlockMeta]:
         return self.store.blocks(namespace)
 
-    async def evict(self, metas: Sequence[BlockMeta], *, force: bool) -> EvictResult:
+    async def evict(self, metas: Sequence[BlockMeta], *, force: bool, tenant: str = "") -> EvictResult:
+        """Evict the blocks and their descendants. `tenant`: whose call it is ("": an admin, tenancy off). Its
+        force lifts a tenant's pins, never the operator's (an admin's): a block the operator pinned stays, with its
+        ancestors, reported in `operator_pinned`, as a tenant's unpin leaves it (store.pin). A tenant's forced
+        evict removed the blocks an operator had pinned in its namespace (an audit, session 48)."""
         closure = self._closure(metas)
         pinned = [m for m in closure if m.pins]
         if pinned and not force:
@@ -192,9 +196,13 @@ class Inspector:
                 f"{pinned[0].key.hex()}; unpin them (engram unpin) or pass --force")
         inside = {m.key: m for m in closure}
         held: dict[bytes, None] = {}
+        operators: dict[bytes, None] = {}  # kept for an operator's pin (a tenant's force), with their ancestors
         evicted, unpinned = [], 0
         for meta in closure:  # deepest first, so every block is a leaf when its turn comes
-            if meta.key in held or self.store.block(meta.key) is not meta:
+            if meta.key in held or meta.key in operators or self.store.block(meta.key) is not meta:
+                continue
+            if tenant and meta.operator_pins:
+                self._hold(meta, inside, operators)
                 continue
             # Read or moving (now: a reader may come while earlier removals wait on the disk), or above a block
             # that stays: held, with its ancestors.
@@ -206,7 +214,7 @@ class Inspector:
                 unpinned += 1
             await self.store.remove(meta)
             evicted.append(meta.key)
-        return EvictResult(tuple(evicted), tuple(k for k in held), unpinned)
+        return EvictResult(tuple(evicted), tuple(held), unpinned, tuple(k for k in operators if k not in held))
 
     def _closure(self, metas: Sequence[BlockMeta]) -> list[BlockMeta]:
         """The blocks and all their descendants, deepest first."""

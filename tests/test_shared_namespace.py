@@ -3,7 +3,8 @@ alice has her own, an admin acts on the whole daemon (the isolation audit of ses
 
 A session belongs to the tenant that opened it: another tenant's call naming it answers exactly as for an absent
 session, and its listings leave it out. A model is a tenant's own even where its blocks are shared: another
-tenant's inspection shows no fingerprint of it. Each probe is paired with a control that sees the difference."""
+tenant's inspection shows no fingerprint of it. An operator's (admin's) pin outlives a tenant's forced evict,
+as it outlives the tenant's unpin. Each probe is paired with a control that sees the difference."""
 
 from __future__ import annotations
 
@@ -133,3 +134,29 @@ async def test_a_shared_namespaces_blocks_show_no_fingerprint_of_a_model_the_cal
         assert {d.model_fingerprint for d in (await admin.describe_blocks(key_prefixes=keys,
                                                                           namespace="shared")).blocks} == {fp}
 
+
+async def test_a_tenants_forced_evict_keeps_the_blocks_an_operator_pinned(daemon: RunningServer) -> None:
+    """In Bob's namespace the admin pins chain A's last block and Bob pins chain B's. Bob's Evict(force) of both
+    chains evicts B (lifting his own pin) and keeps A whole, reported as the operator's (it lifted the admin's
+    pin and removed A, where Bob's unpin leaves that pin alone). Control: the admin's forced evict removes A."""
+    spec = tiny_model()
+    a_toks, b_toks = tokens(2 * BLOCK_TOKENS, seed=9), tokens(2 * BLOCK_TOKENS, seed=10)
+    async with as_(daemon, BOB, "bob") as b, as_(daemon, ADMIN, "bob") as admin:
+        fp = await b.register_model(spec)
+        await admin.register_model(spec)
+        chain_a = list((await b.put(fp, a_toks, random_kv(spec, len(a_toks), seed=9))).keys)
+        chain_b = list((await b.put(fp, b_toks, random_kv(spec, len(b_toks), seed=10))).keys)
+        assert await admin.pin(fp, chain_a[-1:], namespace="bob") == 1
+        assert await b.pin(fp, chain_b[-1:]) == 1
+        assert await b.pin(fp, chain_a[-1:], unpin=True) == 0  # his unpin leaves the operator's pin
+
+        done = await b.evict(key_prefixes=[chain_a[0].hex(), chain_b[0].hex()], force=True)
+        assert sorted(done.evicted) == sorted(chain_b) and done.unpinned == 1
+        assert sorted(done.operator_pinned) == sorted(chain_a) and not done.skipped
+        kept = (await admin.describe_blocks(key_prefixes=[k.hex() for k in chain_a], namespace="bob")).blocks
+        assert [d.pins for d in kept] == [0, 1]
+        assert (await b.lookup(fp, a_toks)).matched_tokens == len(a_toks)
+
+        done = await admin.evict(key_prefixes=[chain_a[0].hex()], force=True, namespace="bob")
+        assert sorted(done.evicted) == sorted(chain_a) and done.unpinned == 1 and not done.operator_pinned
+        assert (await b.lookup(fp, a_toks)).matched_tokens == 0

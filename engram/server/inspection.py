@@ -98,7 +98,7 @@ class InspectionService:
             metas = insp.namespace_blocks(ns)
             if not metas:  # as a key prefix that matches nothing: a typo must not look like success
                 raise NotFound(f"namespace {ns!r} holds no blocks: nothing to evict (`engram ls` lists namespaces)")
-        return convert.to_pb(await insp.evict(metas, force=req.force), pb.EvictResponse)
+        return convert.to_pb(await insp.evict(metas, force=req.force, tenant=tenant_of(context)), pb.EvictResponse)
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         """Served under the Engram service name beside EngramService's own handler (gRPC asks each)."""

@@ -1058,14 +1058,16 @@ class EvictRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., all_namespaces: _Optional[bool] = ..., key_prefixes: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., whole_namespace: _Optional[bool] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class EvictResponse(_message.Message):
-    __slots__ = ("evicted", "skipped", "unpinned")
+    __slots__ = ("evicted", "skipped", "unpinned", "operator_pinned")
     EVICTED_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     UNPINNED_FIELD_NUMBER: _ClassVar[int]
+    OPERATOR_PINNED_FIELD_NUMBER: _ClassVar[int]
     evicted: _containers.RepeatedScalarFieldContainer[bytes]
     skipped: _containers.RepeatedScalarFieldContainer[bytes]
     unpinned: int
-    def __init__(self, evicted: _Optional[_Iterable[bytes]] = ..., skipped: _Optional[_Iterable[bytes]] = ..., unpinned: _Optional[int] = ...) -> None: ...
+    operator_pinned: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, evicted: _Optional[_Iterable[bytes]] = ..., skipped: _Optional[_Iterable[bytes]] = ..., unpinned: _Optional[int] = ..., operator_pinned: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ForgetModelRequest(_message.Message):
     __slots__ = ("model_fingerprint", "force")
