@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -219,6 +220,41 @@ async def test_with_tenancy_a_tenants_prefix_crosses_daemons_and_no_other_tenant
             assert await remote_hits(b_srv) == 4 + 3
             with pytest.raises(errors.NotFound):  # and Bob still gets none of it, by key
                 await bob.get(fp, keys)
+
+
+async def test_a_tenants_get_of_another_namespaces_key_answers_as_a_key_nobody_holds(redis_port: int,
+                                                                                     tmp_path: Path) -> None:
+    """Tenants from a tenants file on both daemons. Alice's blocks put through A are listed in the cluster index,
+    which names no namespace. Bob, on B, Gets one of her keys in his own namespace: the answer is word for word a
+    random key's (it said "no peer holding it could supply it (see the log)" after asking A, and a random key "nor
+    by a live peer of the cluster": any tenant could tell which keys exist elsewhere in the cluster). Control:
+    Alice's Get of the key on B is served from A."""
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('admin_tokens = "admin-token"\n[tenants.alice]\ntoken = "alice-token"\nnamespaces = "alice"\n'
+                       '[tenants.bob]\ntoken = "bob-token"\nnamespaces = "bob,shared"\n')
+    auth = {"auth.tenants_file": str(tenants), "auth.salt_secret": "shared-secret",
+            "cluster.peer_token": "peer-token", "cluster.secret": "cluster-secret"}
+    async with two_daemons(redis_port, **auth) as (a_srv, b_srv):
+        spec = tiny_model()
+        toks = tokens(2 * BLOCK_TOKENS, seed=23)
+        async with EngramClient(a_srv.address, token="alice-token", namespace="") as a, \
+                EngramClient(b_srv.address, token="alice-token", namespace="") as b, \
+                EngramClient(b_srv.address, token="bob-token", namespace="") as bob:
+            fp = await a.register_model(spec)
+            assert await b.register_model(spec) == fp and await bob.register_model(spec) == fp
+            await until(lambda: _both(a, b, "ok"), "both daemons joined")
+            key = list((await a.put(fp, toks, random_kv(spec, len(toks), seed=23))).keys)[-1]
+            await until(lambda: _has_holders(redis_port), "A published Alice's blocks")
+
+            async def answer(k: bytes) -> str:
+                with pytest.raises(errors.NotFound) as caught:
+                    await bob.get(fp, [k])
+                return str(caught.value).replace(k.hex(), "<key>")
+
+            hers, nobodys = await answer(key), await answer(bytes(range(16)))
+            assert hers == nobodys
+            got = await b.get(fp, [key])  # her own namespace: fetched from A with its ancestor
+            assert len(got) == 1
 
 
 async def test_each_peer_has_its_own_share_of_calls_so_one_cannot_starve_the_others(redis_port: int) -> None:

@@ -124,20 +124,25 @@ class PeerFetcher:
     async def _fetch_chain(self, namespace: str, fingerprint: bytes, key: bytes, index: int, left: int) -> int:
         """Copy `key` and the ancestors this daemon lacks from a holder, within `left` blocks; returns how many
         were stored. The holder first lists the ancestors (FetchBlocks with `ancestors`), so a chain too long is
-        refused before any of it is copied."""
+        refused before any of it is copied.
+
+        The caller names the key, maybe another namespace's, whose entries the cluster index lists under no
+        namespace: a key no peer could supply gets one answer whether some peer holds it (in another namespace,
+        which the holder does not serve here) or none does, the reasons in the log. The answers differed, and told
+        any tenant which keys exist elsewhere in the cluster (an audit, session 48). A budget spent is checked
+        before the index is read, so it does not depend on the holders either."""
         what = f"block {index} ({brief(key)})"
+        if left < 1:
+            raise NotFound(f"{what} is not stored here, and this Get has copied cluster.max_fetch_blocks "
+                           f"({self.max_blocks}) blocks from peers already")
+        unsupplied = NotFound(f"{what} is not stored here, and no live peer of the cluster supplied it")
         holders = await self.cluster.holders(key)
         if not holders:
-            raise NotFound(f"{what} is not stored here, nor by a live peer of the cluster")
+            raise unsupplied
         root = self.store.root(namespace, fingerprint)
-        stored = 0
         for holder in holders:
-            room = left - stored
-            if room < 1:
-                raise NotFound(f"{what} is not stored here, and this Get has copied cluster.max_fetch_blocks "
-                               f"({self.max_blocks}) blocks from peers already")
             try:
-                ancestors = await self._ancestors(holder, namespace, fingerprint, key, room)
+                ancestors = await self._ancestors(holder, namespace, fingerprint, key, left)
                 chain = [key]
                 for ancestor in ancestors:
                     if self.store.holds(namespace, ancestor):
@@ -145,20 +150,19 @@ class PeerFetcher:
                         break
                     chain.append(ancestor)
                 else:
-                    if len(chain) > room:
-                        raise NotFound(f"{what} is not stored here, and a peer holds it more than {room} blocks "
+                    if len(chain) > left:
+                        raise NotFound(f"{what} is not stored here, and a peer holds it more than {left} blocks "
                                        "below anything this daemon holds, more than this Get may copy "
                                        f"(cluster.max_fetch_blocks = {self.max_blocks}): none of them was copied")
                     parent = root
                 chain.reverse()
-                stored += await self._copy(holder, namespace, fingerprint, parent, chain)
-                return stored
+                return await self._copy(holder, namespace, fingerprint, parent, chain)
             except _PeerFailed as exc:  # a Get names keys, maybe of another namespace: the entry is not judged
                 await self._peer_failed(key, holder, exc, prune=False)
             except _Unstorable as exc:
                 raise NotFound(f"{what} is not stored here, and its chain from a peer could not be stored: "
                                f"{exc}") from None
-        raise NotFound(f"{what} is not stored here, and no peer holding it could supply it (see the log)")
+        raise unsupplied
 
     async def _ancestors(self, holder: Holder, namespace: str, fingerprint: bytes, key: bytes,
                          most: int) -> list[bytes]:
