@@ -20,15 +20,15 @@ import re
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 import torch
 
+from engram import clientuse, errors
 from engram import codec as kvcodec
-from engram import errors
 from engram.api import (
     BlockRef,
     LoadResult,
@@ -200,7 +200,7 @@ class EngramClient(ControlClient):
 
     async def close(self) -> None:
         """End held leases, let go of the daemon's pools (each unmapped once no load or put holds it) and close
-        the channel (the context manager does it)."""
+        the channel (the context manager does it). A later call raises ClientClosed."""
         if self._flush is not None:
             self._flush.cancel()
         self._flush_held()
@@ -605,6 +605,7 @@ class EngramClient(ControlClient):
         asked for wait for that answer: concurrent first calls each asked DataEndpoint and made a channel of
         their own, and those left behind kept their connections open, counted against the tenant's data
         connections until server.data_idle_s (an audit, session 47)."""
+        self._check_open()
         if not self._data_wanted:
             return None
         if self._data is not None:
@@ -1336,9 +1337,14 @@ class SyncEngramClient:
     """Blocking facade over EngramClient, for workers that are not asyncio programs. Takes EngramClient's keywords
     (timeout_s among them). Each method waits for the asyncio call, whose every wait on the daemon is bounded by
     timeout_s, and so returns within those bounds whatever the daemon does; close too (its lease releases are
-    calls)."""
+    calls). Threads may share one client. close() ends the calls other threads have in flight: each raises
+    ClientClosed (an EngramError and a RuntimeError), as does any call after it."""
 
     def __init__(self, address: str, **kwargs: Any) -> None:
+        self._closed = False
+        self._lock = threading.Lock()  # a call is submitted before close() begins, or sees it closed
+        self._calls: set[asyncio.Task[Any]] = set()  # in flight on the loop: close() cancels them
+        self._waiting: set[Future[Any]] = set()  # what callers wait on: close() ends any left once the loop stops
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="engram-client", daemon=True)
         self._thread.start()
@@ -1349,8 +1355,38 @@ class SyncEngramClient:
         return EngramClient(address, **kwargs)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        fut: Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        return fut.result()
+        with self._lock:
+            if self._closed:
+                coro.close()  # never started: no "coroutine was never awaited" warning
+                raise clientuse.closed()
+            fut: Future[T] = asyncio.run_coroutine_threadsafe(self._tracked(coro), self._loop)
+            self._waiting.add(fut)
+        try:
+            return fut.result()
+        except CancelledError:
+            if self._closed:
+                raise clientuse.closed_while_running() from None
+            raise
+        finally:
+            with self._lock:
+                self._waiting.discard(fut)
+
+    async def _tracked(self, coro: Coroutine[Any, Any, T]) -> T:
+        """The call, known to close() while it runs; cancelled by close(), it raises ClientClosed."""
+        if self._closed:  # close() began after this call was submitted, before it started
+            coro.close()
+            raise clientuse.closed()
+        task = asyncio.current_task()
+        assert task is not None
+        self._calls.add(task)
+        try:
+            return await coro
+        except asyncio.CancelledError:
+            if self._closed:
+                raise clientuse.closed_while_running() from None
+            raise
+        finally:
+            self._calls.discard(task)
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._client, name)
@@ -1359,12 +1395,34 @@ class SyncEngramClient:
         return lambda *a, **kw: self._run(attr(*a, **kw))
 
     def close(self) -> None:
-        """Close the client and stop its event loop thread (the context manager does it)."""
-        if self._loop.is_running():
-            self._run(self._client.close())
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5)
-        self._loop.close()
+        """Close the client and stop its event loop thread (the context manager does it). Calls other threads
+        have in flight are given up first, each raising ClientClosed; so does every later call. Again: nothing."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            if self._loop.is_running():
+                asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result()
+        finally:
+            if self._loop.is_running():
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(timeout=5)
+            with self._lock:
+                left = list(self._waiting)
+            for fut in left:  # a call that did not end when cancelled (its loop is gone now): its caller goes on
+                fut.cancel()
+            if not self._thread.is_alive():
+                self._loop.close()
+
+    async def _shutdown(self) -> None:
+        """Cancel the calls in flight, wait (at most timeout_s) for them to end, then close the client."""
+        calls = list(self._calls)
+        for task in calls:
+            task.cancel()
+        if calls:
+            await asyncio.wait(calls, timeout=self._client.timeout_s)
+        await self._client.close()
 
     def __enter__(self) -> SyncEngramClient:
         return self

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Self, TypeVar
+from typing import Any, Self, TypeVar
 
 import grpc
 
-from engram import errors
+from engram import clientuse, errors
 from engram.api import (
     BlockDescription,
     CheckReport,
@@ -53,9 +53,21 @@ class ControlClient:
         self.timeout_s = deadline.checked(timeout_s)
         self.address = address
         self.namespace = namespace
+        self._closed = False
         self._channel = open_channel(address, root_cert=root_cert, max_message_bytes=max_message_bytes,
                                      max_receive_bytes=-1)
-        self._stub = stub_for(self._channel, token)
+        self._live_stub = stub_for(self._channel, token)
+
+    @property
+    def _stub(self) -> Any:
+        """The daemon's stub while the client is open: after close(), ClientClosed (grpc said UsageError "Channel
+        is closed", engram/clientuse.py). Every call the client makes starts here."""
+        self._check_open()
+        return self._live_stub
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise clientuse.closed()
 
     async def __aenter__(self) -> Self:
         return self
@@ -64,7 +76,8 @@ class ControlClient:
         await self.close()
 
     async def close(self) -> None:
-        """Close the channel (the context manager does it)."""
+        """Close the channel (the context manager does it). A later call raises ClientClosed."""
+        self._closed = True
         await self._channel.close()
 
     async def _call(self, call: Awaitable[T], *, work_bytes: int = 0, work_blocks: int = 0,
@@ -88,6 +101,11 @@ class ControlClient:
         nbytes, blocks = work(await self.stats())
         return await self._call(make(), work_bytes=nbytes, work_blocks=blocks)
 
+    @property
+    def _open_channel(self) -> grpc.aio.Channel:
+        self._check_open()
+        return self._channel
+
     def _ns(self, namespace: str | None) -> str:
         return self.namespace if namespace is None else namespace
 
@@ -97,7 +115,7 @@ class ControlClient:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         t0 = time.perf_counter()
-        resp = await self._call(health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest()))
+        resp = await self._call(health_pb2_grpc.HealthStub(self._open_channel).Check(health_pb2.HealthCheckRequest()))
         if resp.status != health_pb2.HealthCheckResponse.SERVING:
             from engram.errors import Unavailable
 

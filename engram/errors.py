@@ -92,6 +92,16 @@ class NotDurable(Unavailable):
     """A write-through put whose durable (NVMe) copy could not be made: it is not acknowledged."""
 
 
+class ClientClosed(EngramError, RuntimeError):
+    """A call on a client that close() ended, or that close() ended while the call ran (it was given up): make a
+    new client. Not an Unavailable: calling the same client again cannot succeed."""
+
+
+class ClientForked(ClientClosed):
+    """A client used in a process forked from the one that made it, or a new client made in a fork of a process
+    that had made one: gRPC and the client's event-loop thread do not survive fork() (engram/clientuse.py)."""
+
+
 class ConfigError(EngramError):
     """The configuration is invalid: unknown key, wrong type, impossible value."""
 
