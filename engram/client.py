@@ -60,6 +60,7 @@ from engram.wire.channel import (
 )
 from engram.wire.data import Conn, DataChannel, Endpoint
 from engram.wire.deadline import DEFAULT_TIMEOUT_S
+from engram.wire.putstatus import DaemonStatus
 from engram.wire.status import error_from_rpc
 from engram.wire.stream import Reassembler, chunk_frames, client_reassembler, payload_step
 from engram.writer import PutWriter, Slot, stream_block
@@ -584,11 +585,12 @@ class EngramClient(ControlClient):
             if reply.keys:
                 head.parent_key = reply.keys[-1]
             progress = deadline.Progress(self.timeout_s)  # a stall bound: a long Put is not cut while it moves
+            call = self._put_frames(requests(head, items[start : start + self._max_blocks], progress))
+            status = DaemonStatus(call)  # the daemon's refusal, where grpc.aio's failed send replaced it
             try:
-                call = self._put_frames(requests(head, items[start : start + self._max_blocks], progress))
                 got = await progress.wait(call, self.address, "a Put stream")
             except grpc.aio.AioRpcError as exc:
-                raise _in_chain(error_from_rpc(exc), start) from exc
+                raise _in_chain(error_from_rpc(status.error(exc)), start) from exc
             except errors.EngramError as exc:
                 raise _in_chain(exc, start) from exc
             reply.keys.extend(got.keys)
