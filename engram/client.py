@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import os
 import re
 import threading
 import time
@@ -1340,9 +1341,12 @@ class SyncEngramClient:
     (timeout_s among them). Each method waits for the asyncio call, whose every wait on the daemon is bounded by
     timeout_s, and so returns within those bounds whatever the daemon does; close too (its lease releases are
     calls). Threads may share one client. close() ends the calls other threads have in flight: each raises
-    ClientClosed (an EngramError and a RuntimeError), as does any call after it."""
+    ClientClosed (an EngramError and a RuntimeError), as does any call after it. A forked child cannot use it
+    (nor make a client of its own): ClientForked; make clients after the fork, or use the spawn start method."""
 
     def __init__(self, address: str, **kwargs: Any) -> None:
+        clientuse.starting()  # before the loop thread: a forked child's ClientForked, not a thread left running
+        self._made_in = os.getpid()
         self._closed = False
         self._lock = threading.Lock()  # a call is submitted before close() begins, or sees it closed
         self._calls: set[asyncio.Task[Any]] = set()  # in flight on the loop: close() cancels them
@@ -1357,6 +1361,11 @@ class SyncEngramClient:
         return EngramClient(address, **kwargs)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        try:
+            clientuse.check_process(self._made_in)  # a fork's copy of the lock may be held: checked before it
+        except errors.ClientForked:
+            coro.close()
+            raise
         with self._lock:
             if self._closed:
                 coro.close()  # never started: no "coroutine was never awaited" warning
@@ -1398,7 +1407,10 @@ class SyncEngramClient:
 
     def close(self) -> None:
         """Close the client and stop its event loop thread (the context manager does it). Calls other threads
-        have in flight are given up first, each raising ClientClosed; so does every later call. Again: nothing."""
+        have in flight are given up first, each raising ClientClosed; so does every later call. Again: nothing.
+        In a forked child: nothing (the client is its parent's, whose loop thread the child does not have)."""
+        if os.getpid() != self._made_in:
+            return
         with self._lock:
             if self._closed:
                 return

@@ -1,13 +1,22 @@
-"""When a client may still make calls: until close(), which ends the calls then in flight too.
+"""When a client may still make calls: in the process that made it, until close(), which ends the calls then in
+flight too.
 
 Why: `SyncEngramClient.close()` stopped the client's event loop and left the calls other threads had in flight on
 it unresolved: those threads blocked forever on a data-channel or in-place put, and a gRPC call got a bare
 CancelledError (an audit, session 48), though every call of the client is bounded by timeout_s. A call after
 close failed RuntimeError "Event loop is closed" (and Python warned of a coroutine never awaited), or on the
 async client grpc's UsageError "Channel is closed". Each now raises ClientClosed, saying which it was.
+
+gRPC's core and the client's event-loop thread do not survive fork(): a forked child (multiprocessing's default
+start method on Linux) calling its parent's SyncEngramClient waited forever, and one making a client of its own
+after its parent had made one crashed (SIGSEGV) or failed DeadlineExceeded blaming a healthy daemon (the same
+audit). gRPC is not made fork-safe here: both are refused at once with ClientForked, which says to make clients
+after the fork or start workers with the spawn (or forkserver) start method.
 """
 
 from __future__ import annotations
+
+import os
 
 from engram import errors
 
@@ -23,3 +32,31 @@ def closed() -> errors.ClientClosed:
 
 def closed_while_running() -> errors.ClientClosed:
     return errors.ClientClosed(WHILE_RUNNING)
+
+
+_started_in: int | None = None  # the process whose gRPC the first client of this one started (a fork copies it)
+
+HOW = ("make each client in the process that uses it, after the fork, or start worker processes with the 'spawn' "
+       "(or 'forkserver') start method: multiprocessing.get_context('spawn'), or in vLLM "
+       "VLLM_WORKER_MULTIPROC_METHOD=spawn")
+
+
+def starting() -> None:
+    """A client is being made: ClientForked in a fork of a process that had made one (its gRPC is unusable here)."""
+    global _started_in
+    pid = os.getpid()
+    if _started_in is None:
+        _started_in = pid
+    elif _started_in != pid:
+        raise errors.ClientForked(f"this process ({pid}) was forked from process {_started_in}, which had made an "
+                                  "Engram client: gRPC does not survive fork(), and a client made here hangs or "
+                                  f"crashes; {HOW}")
+
+
+def check_process(made_in: int) -> None:
+    """ClientForked when this is not the process the client was made in."""
+    pid = os.getpid()
+    if pid != made_in:
+        raise errors.ClientForked(f"this client was made in process {made_in}, and this process ({pid}) is a fork "
+                                  "of it: the client's gRPC channel and event-loop thread do not survive fork(); "
+                                  f"{HOW}")

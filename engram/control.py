@@ -8,6 +8,7 @@ engram.errors, with the server's message.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Self, TypeVar
@@ -53,6 +54,8 @@ class ControlClient:
         self.timeout_s = deadline.checked(timeout_s)
         self.address = address
         self.namespace = namespace
+        clientuse.starting()
+        self._made_in = os.getpid()
         self._closed = False
         self._channel = open_channel(address, root_cert=root_cert, max_message_bytes=max_message_bytes,
                                      max_receive_bytes=-1)
@@ -61,11 +64,13 @@ class ControlClient:
     @property
     def _stub(self) -> Any:
         """The daemon's stub while the client is open: after close(), ClientClosed (grpc said UsageError "Channel
-        is closed", engram/clientuse.py). Every call the client makes starts here."""
+        is closed"), and in a forked child ClientForked (engram/clientuse.py). Every call the client makes starts
+        here."""
         self._check_open()
         return self._live_stub
 
     def _check_open(self) -> None:
+        clientuse.check_process(self._made_in)
         if self._closed:
             raise clientuse.closed()
 

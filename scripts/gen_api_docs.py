@@ -50,6 +50,14 @@ waits on the daemon longer than the client's `timeout_s` (30 s) for an answer, o
 bytes (a long transfer that moves is never cut): past it the call fails DeadlineExceeded, an Unavailable, and the
 client goes on (docs/ARCHITECTURE.md, "How long a client waits").
 
+A client belongs to the process that made it, until `close()`. gRPC and the client's event-loop thread do not
+survive `fork()`: a forked child (multiprocessing's default start method on Linux) that calls its parent's client,
+or makes a client of its own after its parent had made one, gets `ClientForked` at once. Make each client in the
+process that uses it, after the fork, or start worker processes with the `spawn` (or `forkserver`) start method
+(`multiprocessing.get_context("spawn")`; vLLM: `VLLM_WORKER_MULTIPROC_METHOD=spawn`). A `SyncEngramClient` may be
+shared by threads; its `close()` ends the calls other threads have in flight, and every call after it, with
+`ClientClosed` (an `EngramError` and a `RuntimeError`; `ClientForked` is one too).
+
 How payloads travel: on the daemon's host, through its shared pools (hits copied out of the mapped pool, puts
 written into reserved slots: no KV on the socket). Everywhere else, on the daemon's **data channel**, a plain
 socket beside the gRPC port (`<unix_socket>.data`, or `server.data_port` on TCP, under TLS when gRPC is) that
