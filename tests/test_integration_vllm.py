@@ -828,6 +828,22 @@ def test_the_default_identity_tells_apart_engines_whose_config_overrides_change_
     assert (unknown.name, unknown.weights_id) == ("vllm-model", "vllm:unknown")
 
 
+def test_a_json_null_in_the_connector_config_is_the_keys_default_not_the_string_none() -> None:
+    """kv_connector_extra_config is JSON: a null is the key left unset. It became the string "None": with
+    "weights_id": null the model was stored as weights "None" (plus the config hash) instead of vLLM's checkpoint,
+    revision and quantization, and "namespace": null put every block in a namespace named "None" (an audit,
+    session 48)."""
+    nulls = {key: None for key in ("namespace", "token", "root_cert", "codec", "name", "weights_id", "block_tokens",
+                                   "async_saves", "max_pending_bytes", "timeout_s")}
+    cfg = ConnectorConfig.from_extra({"address": "unix:/x", **nulls})
+    assert cfg == ConnectorConfig(address="unix:/x")
+    spec = cfg.engine_model_spec(layers(), engine())
+    assert spec.name == "llama" and spec.weights_id.startswith("vllm:/models/llama@"), spec
+    assert spec.fingerprint == ConnectorConfig(address="unix:/x").engine_model_spec(layers(), engine()).fingerprint
+    with pytest.raises(InvalidArgument, match="needs 'address'"):
+        ConnectorConfig.from_extra({"address": None})
+
+
 def test_a_given_weights_id_still_tells_apart_engines_whose_config_overrides_change_the_kv() -> None:
     """A weights_id names the checkpoint, not how it runs: the same checkpoint with another RoPE theta or scaling
     (--hf-overrides) is another Engram model with it too. The weights_id replaced the config hash, so those

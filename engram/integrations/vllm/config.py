@@ -56,7 +56,8 @@ def _parse(value: Any, kind: str) -> Any:
 @dataclass(frozen=True)
 class ConnectorConfig:
     """kv_connector_extra_config, checked: an unknown key is refused (a misspelt one would silently fall back to
-    its default)."""
+    its default). A key given as null (JSON's) is unset: its default, or what is derived from vLLM's config (it
+    became the string "None": a weights id "None" in place of vLLM's checkpoint identity, a namespace "None")."""
 
     address: str  # the daemon: unix:/path/engram.sock (same host: the zero-copy paths) or host:port
     namespace: str = "default"
@@ -81,6 +82,7 @@ class ConnectorConfig:
         if unknown:
             raise InvalidArgument(f"kv_connector_extra_config has unknown keys {unknown}; Engram's connector takes "
                                   f"{sorted(known)}")
+        extra = {key: value for key, value in extra.items() if value is not None}
         if not extra.get("address"):
             raise InvalidArgument("kv_connector_extra_config needs 'address', the Engram daemon "
                                   "(unix:/path/engram.sock or host:port)")
