@@ -441,7 +441,7 @@ class EngramClient(ControlClient):
                 await asyncio.to_thread(functools.partial(self._writer.write, kv, spec, run, stream, tokens=len(arr)))
                 commits.append(asyncio.ensure_future(self._commit_after(
                     commits[-1] if commits else None, ns, res.reservation_id, first_block,
-                    sum(s.nbytes for s in run))))
+                    sum(s.nbytes for s in run), len(run))))
             t2 = time.perf_counter()
             if not commits and not late:  # every block was cached: the commit closes the reservation
                 commits.append(asyncio.ensure_future(self._commit_after(None, ns, res.reservation_id, 0)))
@@ -494,12 +494,13 @@ class EngramClient(ControlClient):
         return runs
 
     async def _commit_after(self, previous: asyncio.Task[Any] | None, ns: str, reservation_id: int, blocks: int,
-                            nbytes: int = 0) -> pb.PutResponse:
+                            nbytes: int = 0, written: int = 0) -> pb.PutResponse:
         if previous is not None:
             await previous  # commits go in chain order
-        # Bounded by its bytes too: under write-through the daemon writes them to NVMe before it answers
+        # Bounded by its bytes and its `written` blocks too: under write-through the daemon writes each to NVMe
+        # before it answers (4,000 blocks of 4 KiB failed DeadlineExceeded at timeout_s = 5 s, the daemon at work)
         return await self._call(self._stub.CommitPut(pb.CommitPutRequest(
-            namespace=ns, reservation_id=reservation_id, blocks=blocks)), work_bytes=nbytes)
+            namespace=ns, reservation_id=reservation_id, blocks=blocks)), work_bytes=nbytes, work_blocks=written)
 
     def _writable(self, path: str, segment_id: bytes, register: bool) -> MappedSegment:
         return self._pools.get("write", path, segment_id,

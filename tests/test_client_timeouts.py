@@ -265,6 +265,31 @@ async def test_a_load_and_an_in_place_put_whose_daemon_moves_kv_on_a_slow_disk_a
         await srv.stop(0)
 
 
+async def test_an_in_place_put_of_many_small_blocks_on_a_slow_disk_is_waited_for_by_its_blocks(
+        monkeypatch: Any, tmp_path: Path) -> None:
+    """A write-through CommitPut writes each block to NVMe before it answers: with small blocks the time is the
+    blocks', not the bytes'. Bounded by timeout_s and its bytes alone, 4,000 blocks of 4 KiB failed
+    DeadlineExceeded at timeout_s = 5 s while the daemon went on committing (an audit, session 48). The bound adds
+    its blocks at deadline.WORK_BLOCKS_PER_S, lowered here to 10 a second against a disk taking 0.05 s a block."""
+    from engram.wire import deadline
+
+    monkeypatch.setattr(deadline, "WORK_BLOCKS_PER_S", 10)
+    base = {"server.port": 0, "tiers.dram.capacity": "128MiB", "tiers.dram.prefault": False,
+            "tiers.nvme.path": str(tmp_path / "nvme"), "tiers.write_policy": "write-through",
+            "server.unix_socket": str(tmp_path / "a.sock")}
+    n = 40  # blocks of 4 KiB: 2 s of writes, their bytes' allowance a few ms
+    srv = await start_server(load_config(env={}, overrides=base))
+    try:
+        srv.store.tiers[-1].fault_hook = lambda op, path: time.sleep(0.05) if op == "write" else None
+        async with EngramClient(srv.address, namespace="t", timeout_s=TIMEOUT_S, in_place_min_bytes=0) as client:
+            fp = await client.register_model(SPEC)
+            t0 = time.monotonic()
+            put = await client.put(fp, tokens(n * 16, seed=3), random_kv(SPEC, n * 16, seed=3))
+            assert time.monotonic() - t0 > 1.5 * TIMEOUT_S and put.stored == n and put.write_ms > 0
+    finally:
+        await srv.stop(0)
+
+
 async def test_an_idle_channel_pinging_at_the_daemons_allowed_rate_is_not_sent_away(monkeypatch: Any,
                                                                                     tmp_path: Path) -> None:
     """A client pings an idle connection every channel.KEEPALIVE_S; the daemon accepts pings that often, with or

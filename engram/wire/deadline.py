@@ -8,7 +8,7 @@ could be set). The bound takes two shapes:
 - A unary call (Lookup, GetPrefix, RegisterModel, ReservePut, CommitPut, the control calls) has a deadline of
   timeout_s. Its answer is small; what the daemon does before it is bounded too, and the two calls that move KV
   first (a GetPrefix bringing a 4 GiB, 32K-token raw prefix up from NVMe; a write-through CommitPut) get their
-  bytes' time at WORK_BYTES_PER_S more.
+  bytes' time at WORK_BYTES_PER_S more, and a CommitPut its blocks' at WORK_BLOCKS_PER_S (many small ones).
 - The admin calls whose work is the store's (Check reads every stored copy; Evict and ForgetModel remove one
   file after another) take minutes on a large store, and answer only then. Their client asks Stats first (which
   also finds a hung daemon within timeout_s) and gives them the time of the part of the store they go through:
