@@ -317,6 +317,9 @@ class EngramClient(ControlClient):
         elif not isinstance(kv, torch.Tensor) or tuple(kv.shape) != spec.layout.block_shape(len(arr)):
             # The whole shape, before a path is chosen: the in-place path lays bytes out by the layout, so a
             # (.., head_dim, kv_heads) tensor was stored as the model's KV there while the bytes path refused it.
+            if not isinstance(kv, torch.Tensor | Mapping):  # sorted() of a numpy array raised "truth value ... ambiguous"
+                raise errors.InvalidArgument(f"kv is a {type(kv).__module__}.{type(kv).__qualname__}, not a "
+                                             "torch.Tensor: torch.from_numpy(kv) makes one of a numpy array")
             got = tuple(kv.shape) if isinstance(kv, torch.Tensor) else f"streams {sorted(kv)}"
             raise errors.InvalidArgument(
                 f"kv must be (persisted layers, 2, tokens, kv_heads, head_dim) = {spec.layout.block_shape(len(arr))} "
@@ -1355,7 +1358,13 @@ class SyncEngramClient:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="engram-client", daemon=True)
         self._thread.start()
-        self._client: EngramClient = self._run(self._make(address, kwargs))
+        try:
+            self._client: EngramClient = self._run(self._make(address, kwargs))
+        except BaseException:  # a refused argument: no loop thread is left running
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+            self._loop.close()
+            raise
 
     @staticmethod
     async def _make(address: str, kwargs: dict[str, Any]) -> EngramClient:

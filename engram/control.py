@@ -48,6 +48,8 @@ class ControlClient:
         waits on the daemon: a unary call's deadline, and a stream's (Get, Put, Resume, the data channel) longest
         wait for its next message or bytes, however long the stream; past it the call fails DeadlineExceeded (an
         Unavailable) and the client goes on (engram/wire/deadline.py)."""
+        if not address.strip():  # grpc took it and every call failed UNAVAILABLE/INTERNAL, the daemon blamed
+            raise errors.InvalidArgument("the daemon's address is empty: give host:port or unix:/path/engram.sock")
         if not header_safe(token):
             raise errors.InvalidArgument("the token holds a space, a control or a non-ASCII character; a bearer "
                                          "token is printable ASCII")
