@@ -218,7 +218,7 @@ async def test_garbage_bytes_get_invalid_argument(seeded, client) -> None:  # ty
 
 async def test_unknown_block(seeded, client) -> None:  # type: ignore[no-untyped-def]
     spec, fp, toks, kv, stub, _ = seeded
-    with pytest.raises(errors.NotFound, match="block 1"):
+    with pytest.raises(errors.NotFound, match=f"^block {'00' * 16} is not stored .*key 1 of the 2 this request"):
         hit = await client.lookup(fp, toks)
         await client.get(fp, [hit.blocks[0].key, b"\x00" * 16])
     with pytest.raises(errors.NotFound):

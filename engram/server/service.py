@@ -118,6 +118,15 @@ def _resume_header(r: Resumed, with_global_kv: bool) -> pb.ResumeResponse:
     ))
 
 
+def _still_stored(store: BlockStore, metas: list[BlockMeta]) -> list[BlockMeta]:
+    """The leading blocks of a looked-up prefix that are still stored after an await: a read that found a block's
+    only copy damaged (copy_up's, another caller's) dropped it and every block that extends it."""
+    for i, meta in enumerate(metas):
+        if store.block(meta.key) is not meta:
+            return metas[:i]
+    return metas
+
+
 def _promised_tier(store: BlockStore) -> str | None:
     """Under write-through, the durable tier's name (a block is acknowledged once it has a copy there); None
     under write-back or without a durable tier, where no block is told apart."""
@@ -443,6 +452,13 @@ class EngramService:
             if up:
                 with self.store.reading(metas):
                     await self.store.copy_up(up, self.pool.name)
+                # A copy that failed its checksum dropped its block with the blocks that extend it: the answer is
+                # the sound prefix before it, never a block the caller would then ask for and not find.
+                kept = _still_stored(self.store, metas)
+                if len(kept) < len(metas):
+                    metas = kept
+                    del header.blocks[len(kept):]
+                    header.matched_tokens = sum(m.num_tokens for m in kept)
         in_pool = {m.key: p for m in metas if not m.moving
                    and (p := next((p for p in pools if p.name in m.locations), None)) is not None}
         # Described blocks are leased while the caller copies them; with hold_for_get the others too, which it

@@ -195,14 +195,16 @@ class BlockStore:
         return match
 
     def find(self, namespace: str, model_fingerprint: bytes, keys: Sequence[bytes]) -> list[BlockMeta]:
-        """Metadata for keys in this namespace and model; NotFound names the first missing key."""
+        """Metadata for keys in this namespace and model; NotFound names the first missing key (and its place
+        among `keys`: a client's Get in parts counts from 0 in each part, so the key is what a caller can use)."""
         self.spec(model_fingerprint)
         metas = []
         for i, key in enumerate(keys):
             meta = self.index.get_in(namespace, key)
             # A block of another namespace is reported exactly like an absent one (and never even looked at).
             if meta is None or meta.model_fingerprint != model_fingerprint:
-                raise NotFound(f"block {i} ({brief(key)}) is not stored in this namespace and model")
+                raise NotFound(f"block {brief(key)} is not stored in this namespace and model "
+                               f"(key {i} of the {len(keys)} this request named)")
             metas.append(meta)
         return metas
 
