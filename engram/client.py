@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import logging
 import os
 import re
 import threading
@@ -72,6 +73,7 @@ RELEASE_AFTER_S = 0.25  # a finished load's lease ends with the next load, or th
 IN_PLACE_MIN_BYTES = 16 * 2**20  # host-memory puts smaller than this take the data channel (_in_place_pays)
 
 T = TypeVar("T")
+log = logging.getLogger("engram.client")
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
@@ -197,6 +199,7 @@ class EngramClient(ControlClient):
         self._writer = PutWriter()  # the put path on the daemon's host (engram/writer.py)
         self._gate: LoadGate | None = None  # loads this client's puts give way to (give_way_to)
         self._in_place_ok = True
+        self._said_unmapped: set[str] = set()  # "hits", "puts": the fallbacks to bytes already logged
         self._held: dict[str, list[int]] = {}  # finished loads' leases, by namespace: ended with the next load
         self._flush: asyncio.TimerHandle | None = None
 
@@ -425,10 +428,11 @@ class EngramClient(ControlClient):
                     if not cached:
                         seg = self._writable(d.segment_path, d.segment_id, device.type == "cuda")
                         slots.append(Slot(first + i, seg, d.offset, headers[first + i].payload_nbytes))
-            except (OSError, RuntimeError, errors.FailedPrecondition):
+            except (OSError, RuntimeError, errors.FailedPrecondition) as exc:
                 if keys:
                     raise
                 self._in_place_ok = False  # this process cannot map the pool: the reservation expires unused
+                self._cannot_map("puts", res.slots[0].segment_path if res.slots else "", exc)
                 return None
             t1 = time.perf_counter()
             # A run is written only while the reservation has time left (a margin for the write itself): the
@@ -504,6 +508,17 @@ class EngramClient(ControlClient):
         # before it answers (4,000 blocks of 4 KiB failed DeadlineExceeded at timeout_s = 5 s, the daemon at work)
         return await self._call(self._stub.CommitPut(pb.CommitPutRequest(
             namespace=ns, reservation_id=reservation_id, blocks=blocks)), work_bytes=nbytes, work_blocks=written)
+
+    def _cannot_map(self, what: str, path: str, exc: BaseException) -> None:
+        """Say once (a WARNING per kind) that this process cannot map a pool of the daemon's and that its hits or
+        puts travel as bytes from now on: slower, and nothing else said so (a worker outside the segment's group,
+        a container without the daemon's /dev/shm)."""
+        if what in self._said_unmapped:
+            return
+        self._said_unmapped.add(what)
+        log.warning("cannot map the daemon's shared pool %s (%s): %s travel as bytes from now on. A worker maps it "
+                    "from the daemon's host as the daemon's user or a member of its server.unix_socket_group, seeing "
+                    "its tiers.dram.shm_dir (a container: the host's /dev/shm)", path or "(no path)", exc, what)
 
     def _writable(self, path: str, segment_id: bytes, register: bool) -> MappedSegment:
         return self._pools.get("write", path, segment_id,
@@ -863,8 +878,9 @@ class EngramClient(ControlClient):
                     data = self._ipc_copy(reader, d)
                 else:
                     data = reader.copy(d.offset, d.header.payload_nbytes, d.generation)
-            except (OSError, RuntimeError, errors.FailedPrecondition):
+            except (OSError, RuntimeError, errors.FailedPrecondition) as exc:
                 self._zero_copy_ok = False  # another host, container or GPU: bytes from now on
+                self._cannot_map("hits", d.segment_path, exc)
             try:
                 if data is None:
                     raise errors.DataLoss("the slot was reused")
@@ -1095,8 +1111,9 @@ class EngramClient(ControlClient):
             seg = self._pools.get("load", d.segment_path, d.segment_id, lambda: MappedSegment(
                 d.segment_path, d.segment_id, register=device.type == "cuda"))
             pool = self._ipc_pool(d) if d.HasField("cuda") else None
-        except (OSError, RuntimeError, errors.FailedPrecondition):
+        except (OSError, RuntimeError, errors.FailedPrecondition) as exc:
             self._zero_copy_ok = False  # bytes from now on
+            self._cannot_map("hits", d.segment_path, exc)
             return None
         return BlockSource(index, h.codec or stored.RAW, dtype, tuple(h.shape), h.payload_nbytes, segment=seg,
                            offset=d.offset, generation=d.generation, device_pool=pool,

@@ -54,7 +54,7 @@ class ServerConfig:
     host: str = "127.0.0.1"  # TCP address; loopback by default: expose it on purpose, not by accident
     port: int = 50051  # 0 picks a free port (tests)
     unix_socket: str = ""  # when set, listen on this unix socket path instead of TCP
-    unix_socket_group: str = ""  # the socket is 0600 (the daemon's user); a group here makes it 0660 for it
+    unix_socket_group: str = ""  # the socket is 0600 (the daemon's user); a group here makes it 0660 for it, and, where the same-host paths are on (auth.same_host_paths), the shared pool's segment too, so its workers map it
     # gRPC's send and receive limit per message, for every method (a Put's chunk, its block's header included; an
     # AppendSession's whole SWA window; a Lookup's tokens). grpc reads a message whole before the handler sees it,
     # growing the stream's window to fit, so each gRPC Put stream takes this much of receive_buffer_bytes (as

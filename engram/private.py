@@ -7,8 +7,11 @@ members run the workers. Modes are set at creation (a umask around the bind, exp
 mkdir), never widened afterwards, so there is no window in which another local user could open them; a
 directory an older version created with a wider mode is tightened when the daemon starts.
 
-What this module does not do: the shared DRAM segment and CUDA IPC exports are the hit path's
-(engram/tiers/shm.py); their isolation is not decided here.
+The shared DRAM segment (engram/tiers/shm.py) is 0600 too, or, where that group's members run the workers and
+the same-host paths are on (`auth.same_host_paths`), opened to the group as the socket is (`share_with_group`):
+a worker that may connect but not map the pool silently lost zero-copy hits and in-place puts. What this module
+does not do: CUDA IPC exports are the hit path's, and whom the same-host paths trust is decided in config
+(docs/ARCHITECTURE.md, "Trust").
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ FILE_MODE = 0o600
 DIR_MODE = 0o700
 SOCKET_MODE = 0o600
 GROUP_SOCKET_MODE = 0o660
+GROUP_SEGMENT_MODE = 0o660  # the DRAM pool: a worker reads its hits there and writes its in-place puts
+GROUP_READ_SEGMENT_MODE = 0o640  # the HBM pool's generation table: a worker only reads it
 
 
 def private_dir(path: Path) -> Path:
@@ -86,3 +91,10 @@ def secure_socket(path: str, group: str) -> None:
         os.chmod(path, GROUP_SOCKET_MODE)
     else:
         os.chmod(path, SOCKET_MODE)
+
+
+def share_with_group(fd: int, group: str, *, writes: bool) -> None:
+    """Open a shared segment's file, created 0600 and not yet written, to `group` (server.unix_socket_group):
+    0660 where its workers write (in-place puts into the DRAM pool), 0640 where they only read."""
+    os.fchown(fd, -1, group_id(group))
+    os.fchmod(fd, GROUP_SEGMENT_MODE if writes else GROUP_READ_SEGMENT_MODE)

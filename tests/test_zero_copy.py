@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 from typing import Any
 
@@ -241,3 +242,39 @@ async def test_a_load_cancelled_while_its_answer_is_on_the_way_releases_the_answ
         c._stub.GetPrefix = real
         await wait_until(lambda: len(srv.service.leases) == 0 and all(srv.store.index.get(k).leases == 0 for k in keys),
                          "the unread answer's lease released", timeout=5.0)
+
+
+async def test_a_client_that_cannot_map_the_pool_says_so_once_and_goes_on_in_bytes(server_factory, tmp_path,  # type: ignore[no-untyped-def]
+                                                                                   caplog) -> None:
+    """A same-host worker that cannot map the daemon's pool (another container without its /dev/shm: here the
+    segment's name removed, the daemon keeping its mapping; a user outside the segment's group) got every hit and
+    in-place put as bytes with not a word (the docs audit, session 48). Its client logs it once for hits and once
+    for puts, and serves them as bytes."""
+    import logging
+
+    from engram.tiers.pool import shared_pool
+
+    (tmp_path / "shm").mkdir()
+    srv = await server_factory(**{"tiers.dram.shm_dir": str(tmp_path / "shm")})
+    toks = tokens(3 * BLOCK_TOKENS, seed=61)
+    kv = random_kv(SPEC, len(toks), seed=61)
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(SPEC)
+        await c.put(fp, toks, kv)
+    pool = shared_pool(srv.store.tiers)
+    assert pool is not None and pool.segment is not None
+    pool.segment.path.unlink()
+    with caplog.at_level(logging.WARNING, logger="engram.client"):
+        async with EngramClient(srv.address, namespace="t", in_place_min_bytes=0) as c:
+            fp = await c.register_model(SPEC)
+            for seed in (62, 63):  # in place first: a failed hit stops this client trying the pool for puts too
+                more = tokens(2 * BLOCK_TOKENS, seed=seed)
+                assert (await c.put(fp, more, random_kv(SPEC, len(more), seed=seed))).stored == 2
+            for _ in range(2):
+                dest = torch.zeros_like(kv)
+                res = await c.load_prefix_into(fp, toks, dest)
+                assert (res.mapped_blocks, res.bytes_blocks) == (0, 3) and torch.equal(dest, kv)
+            assert torch.equal(torch.cat(await c.get(fp, [b.key for b in (await c.lookup(fp, toks)).blocks]), dim=2), kv)
+    kinds = [m.group(1) for r in caplog.records if (m := re.search(r"shared pool .*\): (hits|puts) travel as bytes",
+                                                                   r.getMessage()))]
+    assert kinds == ["puts", "hits"], caplog.text

@@ -74,10 +74,12 @@ async def _build_store(config: EngramConfig, tenancy: Tenancy | None, tiers: lis
     t = config.tiers
     d = t.dram
     shm_files = ("tiers.dram.shm_dir", d.shm_dir, "its shared segment", _SHM_FIX)
+    # The workers' group may connect to the socket; where the same-host paths are on, it maps the pools too.
+    group = config.server.unix_socket_group if config.auth.same_host_allowed else ""
     if t.hbm.capacity:
         with _files_of(*shm_files):  # its generation table is a segment there
             tiers.append(hbm_tier(t.hbm.capacity, t.hbm.device, t.hbm.page_bytes,
-                                  shm_dir=d.shm_dir if d.pool == "shared" else None))
+                                  shm_dir=d.shm_dir if d.pool == "shared" else None, group=group))
     if d.pool == "private":  # the shared pool checks its own budget (engram/tiers/shm.py)
         avail = mem_available()
         if d.capacity > avail:
@@ -87,7 +89,7 @@ async def _build_store(config: EngramConfig, tenancy: Tenancy | None, tiers: lis
     if t.nvme.path:
         _check_nvme_dir(Path(t.nvme.path))
     with _files_of(*shm_files):
-        tiers.append(shared_dram_tier(d.capacity, d.shm_dir, d.page_bytes, pin=d.pin, prefault=d.prefault)
+        tiers.append(shared_dram_tier(d.capacity, d.shm_dir, d.page_bytes, pin=d.pin, prefault=d.prefault, group=group)
                      if d.pool == "shared" else DramTier(d.capacity))
     backend = default_backend() if config.codec.backend == "auto" else config.codec.backend
     codec, why = resolve_default_codec(config.codec.default, backend)

@@ -18,12 +18,13 @@ from engram.tiers.slots import SlotAllocator
 
 
 def shared_dram_tier(capacity: int, shm_dir: str | Path = "/dev/shm", page_bytes: int = 0, *,
-                     pin: bool = True, prefault: bool = False) -> PoolTier:
+                     pin: bool = True, prefault: bool = False, group: str = "") -> PoolTier:
     """The DRAM pool: a shared segment of `capacity` bytes carved by the slot allocator, whose generation
-    table lives in the segment so a worker can check its descriptors."""
+    table lives in the segment so a worker can check its descriptors. group: the workers' group the segment
+    is opened to (SharedSegment)."""
     page = page_bytes or auto_page_bytes(capacity)
     pages = -(-capacity // page)  # round up: a capacity below a page still holds one block
-    seg = SharedSegment(shm_dir, pages * page, page, pin=pin, prefault=prefault)
+    seg = SharedSegment(shm_dir, pages * page, page, pin=pin, prefault=prefault, group=group)
     return PoolTier("dram", seg.data, page, SlotAllocator(seg.layout.pages, seg.generations), on_close=seg.close,
                     segment=seg)
 

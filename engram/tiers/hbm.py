@@ -17,9 +17,10 @@ from engram.tiers.slots import SlotAllocator
 
 
 def hbm_tier(capacity: int, device: str | torch.device = "cuda", page_bytes: int = 0, *,
-             shm_dir: str | None = None) -> PoolTier:
+             shm_dir: str | None = None, group: str = "") -> PoolTier:
     """With shm_dir (and a CUDA device), the allocator's generation table lives in a small shared segment
-    there, so a worker that reads HBM blocks through CUDA IPC can check its descriptors."""
+    there, so a worker that reads HBM blocks through CUDA IPC can check its descriptors (group: the workers'
+    group it is readable by, SharedSegment)."""
     dev = torch.device(device)
     page = page_bytes or auto_page_bytes(capacity)
     pages = -(-capacity // page)
@@ -29,7 +30,7 @@ def hbm_tier(capacity: int, device: str | torch.device = "cuda", page_bytes: int
             raise ConfigError(f"tiers.hbm.capacity ({pages * page} bytes) exceeds the {free} bytes free on {dev}; "
                               "lower tiers.hbm.capacity")
     buffer = torch.empty(pages * page, dtype=torch.uint8, device=dev)
-    table = SharedSegment(shm_dir, pages * page, page, pin=False, with_data=False) \
+    table = SharedSegment(shm_dir, pages * page, page, pin=False, with_data=False, group=group) \
         if shm_dir and dev.type == "cuda" else None
 
     def release() -> None:

@@ -25,6 +25,7 @@ import torch
 
 from engram.errors import ConfigError, InsufficientResources
 from engram.populate import Populator
+from engram.private import share_with_group
 from engram.segment import HEADER, SegmentLayout
 
 log = logging.getLogger("engram.tiers")
@@ -94,7 +95,10 @@ class SharedSegment:
     """The daemon's side: creates, locks, maps (and pins) the segment; `data` and `generations` view it."""
 
     def __init__(self, directory: str | Path, capacity: int, page_bytes: int, *, pin: bool = True,
-                 with_data: bool = True, prefault: bool = False) -> None:
+                 with_data: bool = True, prefault: bool = False, group: str = "") -> None:
+        """group: the workers' group (server.unix_socket_group, where the same-host paths are on) the file is
+        opened to, read-write with a data area (the DRAM pool), read-only without (the HBM generation table);
+        empty: 0600, the daemon's user only."""
         directory = Path(directory)
         if not directory.is_dir():
             raise ConfigError(f"tiers.dram.shm_dir {directory} is not a directory")
@@ -106,6 +110,8 @@ class SharedSegment:
         check_budget(self.layout.size, directory)
         self.path = directory / f"{PREFIX}{self.layout.segment_id.hex()}{SUFFIX}"
         self._fd = self._create_locked()
+        if group:
+            share_with_group(self._fd, group, writes=with_data)
         os.ftruncate(self._fd, self.layout.size)
         self._mm = mmap.mmap(self._fd, self.layout.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._mm[: HEADER.size] = self.layout.pack()
