@@ -18,7 +18,16 @@ from engram.cli.main import app
 from engram.client import SyncEngramClient
 from engram.codec.base import default_backend, resolve_default_codec
 
-from helpers import ENGRAM, NEUTRAL_CWD, engram_daemon, random_kv, small_tmpfs, tiny_model, tokens
+from helpers import (
+    BLOCK_TOKENS,
+    ENGRAM,
+    NEUTRAL_CWD,
+    engram_daemon,
+    random_kv,
+    small_tmpfs,
+    tiny_model,
+    tokens,
+)
 
 
 @pytest.fixture
@@ -219,6 +228,44 @@ def test_check_offline_reports_then_fixes(tmp_path: Path) -> None:
     assert bad.returncode == 4 and "not an Engram NVMe tier directory" in bad.stderr
     empty = run_cli("check", "--dir", "")  # refused: not taken for "no --dir" (a check of the default daemon)
     assert empty.returncode == 4 and "--dir needs the NVMe tier's directory" in empty.stderr
+
+
+async def test_check_offline_fix_drops_the_blocks_that_extend_a_dropped_one(server_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """`engram check --dir D --fix` removed a damaged block's file but left the files of the blocks extending it,
+    which no lookup could reach (the next start removed them as orphans; the daemon's own check drops them at
+    once, as RELIABILITY says a check's drop does; docs audit, session 48). Now they go with it, each a finding;
+    another chain stays, and a restarted daemon serves it."""
+    from engram.client import EngramClient
+
+    nvme = tmp_path / "nvme"
+    settings = {"tiers.nvme.path": str(nvme), "tiers.write_policy": "write-through"}
+    spec = tiny_model()
+    chain, other = tokens(3 * BLOCK_TOKENS, seed=71), tokens(2 * BLOCK_TOKENS, seed=72)
+    srv = await server_factory(**settings)
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        keys = (await c.put(fp, chain, random_kv(spec, len(chain), seed=71))).keys
+        await c.put(fp, other, random_kv(spec, len(other), seed=72))
+    tier = srv.store.tiers[-1]
+    paths = [tier.path_of(k) for k in keys]
+    await srv.stop(0)
+    data = bytearray(paths[0].read_bytes())
+    data[-1] ^= 1
+    paths[0].write_bytes(bytes(data))
+    fixed = run_cli("check", "--dir", str(nvme), "--fix", "--json")
+    assert fixed.returncode == 1, fixed.stderr
+    report = json.loads(fixed.stdout)
+    assert [f["fixed"] for f in report["findings"]] == [True] * 3
+    unreachable = sorted(f["path"] for f in report["findings"] if f["problem"].startswith("unreachable"))
+    assert unreachable == sorted(str(p) for p in paths[1:])
+    assert not any(p.exists() for p in paths) and report["valid"] == 2
+    assert run_cli("check", "--dir", str(nvme)).returncode == 0
+    srv = await server_factory(**settings)
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        assert (await c.lookup(fp, chain)).matched_tokens == 0
+        assert (await c.lookup(fp, other)).matched_tokens == len(other)
+
 
 
 def test_check_dir_on_a_read_only_filesystem_says_so_in_one_line(tmp_path: Path) -> None:

@@ -791,6 +791,7 @@ class NvmeTier:
         if progress is not None:
             for done in range(1, report.scanned + 1):  # the stray entries, already looked at
                 progress(done, total)
+        broken: list[tuple[Finding, bytes]] = []  # block files to remove, by key
         for key, path in listing.items():
             report.scanned += 1
             if progress is not None:
@@ -811,8 +812,33 @@ class NvmeTier:
             report.findings.append(Finding(str(path), got.problem))
             if fix:
                 report.pending.append((report.findings[-1], functools.partial(self._remove_if_same, path, got.ino)))
+                broken.append((report.findings[-1], key))
         self._apply(report, online=online, start=start)
+        if fix and not online and not start:
+            self._drop_extending(report, [key for finding, key in broken if finding.fixed])
         return report
+
+    def _drop_extending(self, report: CheckReport, dropped: list[bytes]) -> None:
+        """An offline `check --fix` (no daemon, no index): the files of the blocks that extend one it removed go
+        too, each a finding, as a daemon's check drops them; no lookup could reach them (the next start removed
+        them as orphans). A block whose parent is missing for another reason is left to the start, which knows
+        each namespace's root key (salted: a chain's first block names no parent file)."""
+        children: dict[bytes, list[_File]] = {}
+        for f in self._found:
+            children.setdefault(f.rec.parent, []).append(f)
+        gone: set[bytes] = set()
+        stack = list(dropped)
+        while stack:
+            for f in children.get(stack.pop(), ()):
+                path = self.path_of(f.rec.key)
+                report.findings.append(Finding(str(path), "unreachable: a block it extends was dropped",
+                                               fixed=self._remove_if_same(path, 0)))
+                gone.add(f.rec.key)
+                stack.append(f.rec.key)
+        if gone:
+            report.valid -= len(gone)
+            report.records = [(rec, size) for rec, size in report.records if rec.key not in gone]
+            self._found = [f for f in self._found if f.rec.key not in gone]
 
     def _stray_journals(self, report: CheckReport, fix: bool) -> None:
         """Report files named as journals of a generation out of range (a copied-in or bit-rotted name): no
