@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from engram.block import BlockRecord
-from engram.keys import chain_keys, root_key, tokens_to_bytes
+from engram.keys import block_key_of_bytes, root_key
 from engram.layout import DType
 
 if TYPE_CHECKING:
@@ -314,6 +314,7 @@ class ChainIndex:
         self.listeners: list[IndexListener] = []
         self.pins_listener: PinsListener | None = None
         self.probes = 0  # the work of every match so far: key probes, children compared, trie steps
+        self._walks: dict[str, list[PrefixWalk]] = {}  # open walks that have given the loop a turn, by namespace
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -563,6 +564,10 @@ class ChainIndex:
                 del space.children[meta.parent]
         if not space.entries:
             del self._spaces[meta.namespace]
+        walks = self._walks.get(meta.namespace)
+        if walks:
+            for walk in walks:
+                walk.removed(meta)
         for listener in self.listeners:
             listener("remove", meta)
         parent = space.entries.get(meta.parent)
@@ -592,31 +597,25 @@ class ChainIndex:
     def match(self, namespace: str, model_fingerprint: bytes, tokens: np.ndarray, block_tokens: int,
               salt: bytes = b"") -> PrefixMatch:
         """Longest stored prefix of `tokens`: consecutive full blocks, then at most one partial block."""
-        found: list[BlockMeta] = []
-        matched = 0
-        space = self._spaces.get(namespace)
-        if space is None:
-            return PrefixMatch((), 0)
-        parent = root_key(namespace, model_fingerprint, salt)
-        for key, start, end in chain_keys(namespace, model_fingerprint, tokens, block_tokens, salt):
-            if end - start < block_tokens:
-                break  # the query's own tail is partial: handled with the stored partials below
-            self.probes += 1
-            meta = space.entries.get(key)
-            if meta is None or not self._same(meta, namespace, model_fingerprint, tokens[start:end]):
-                break
-            found.append(meta)
-            matched = end
-            parent = key
-        tail = np.asarray(tokens[matched : matched + block_tokens], dtype="<i4")
-        kids = space.children.get(parent) if len(tail) else None
-        if kids is None:
-            return PrefixMatch(tuple(found), matched)
-        best, best_m = kids.best(tail, self._count)
-        if best is not None and best.namespace == namespace and best.model_fingerprint == model_fingerprint:
-            found.append(best)
-            matched += best_m
-        return PrefixMatch(tuple(found), matched)
+        walk = PrefixWalk(self, namespace, model_fingerprint, tokens, block_tokens, salt)
+        walk.step(len(tokens))
+        return walk.result()
+
+    def walk(self, namespace: str, model_fingerprint: bytes, tokens: np.ndarray, block_tokens: int,
+             salt: bytes = b"") -> PrefixWalk:
+        """`match` a slice at a time (PrefixWalk); the caller closes it."""
+        return PrefixWalk(self, namespace, model_fingerprint, tokens, block_tokens, salt)
+
+    def _watch(self, walk: PrefixWalk, on: bool) -> None:
+        walks = self._walks.get(walk.namespace)
+        if on:
+            if walks is None:
+                walks = self._walks[walk.namespace] = []
+            walks.append(walk)
+        elif walks is not None and walk in walks:
+            walks.remove(walk)
+            if not walks:
+                del self._walks[walk.namespace]
 
     def match_keys(self, namespace: str, model_fingerprint: bytes, keys: Sequence[bytes]) -> PrefixMatch:
         """The longest run of stored full blocks under `keys`, a chain's keys the caller derived itself (the
@@ -639,13 +638,137 @@ class ChainIndex:
     def _count(self, n: int) -> None:
         self.probes += n
 
-    @staticmethod
-    def _same(meta: BlockMeta, namespace: str, model_fingerprint: bytes, tokens: np.ndarray) -> bool:
-        # Namespace and model are already inside the key; comparing them again costs nothing and keeps
-        # isolation true even if a key ever collided.
-        return (
-            meta.full
-            and meta.namespace == namespace
-            and meta.model_fingerprint == model_fingerprint
-            and meta.tokens == tokens_to_bytes(tokens)
-        )
+
+class PrefixWalk:
+    """`ChainIndex.match` done a slice of blocks at a time, so that a caller on the daemon's event loop can give
+    other calls a turn between slices: a million-token prefix of 16-token blocks is 65,536 blocks, a third of a
+    second of hashing and probing, and one tenant's calls of such prefixes held every tenant's calls for seconds
+    (an audit, session 48). Each full block of the query is hashed into its chain key, probed in its namespace
+    and its stored tokens compared; once they stop matching, the stored child sharing the longest prefix with
+    the query's next tokens ends the match (module docstring).
+
+    Between slices the index may change: a block found may be evicted, deleted or lost. Once `watch`ed (before
+    the caller first awaits anything), the walk hears of every block of its namespace the index removes, and
+    `cut` is the first found block removed since: the answer (`result`, `found`) ends before it. A shorter match,
+    never one naming a block that is gone; what the caller builds from the blocks it keeps checking `cut` until
+    it answers (a lease taken in the same step as the last check covers exactly the blocks answered)."""
+
+    __slots__ = (
+        "_index",
+        "_parent",
+        "_pos",
+        "block_tokens",
+        "blocks",
+        "cut",
+        "done",
+        "matched",
+        "model_fingerprint",
+        "namespace",
+        "tokens",
+    )
+
+    def __init__(self, index: ChainIndex, namespace: str, model_fingerprint: bytes, tokens: np.ndarray,
+                 block_tokens: int, salt: bytes = b"") -> None:
+        self._index = index
+        self.namespace, self.model_fingerprint = namespace, model_fingerprint
+        self.tokens = np.ascontiguousarray(tokens, dtype="<i4")
+        self.block_tokens = block_tokens
+        self._parent = root_key(namespace, model_fingerprint, salt)
+        self.blocks: list[BlockMeta] = []
+        self.matched = 0  # tokens matched by `blocks`
+        self.done = False
+        self.cut = -1  # the first of `blocks` removed from the index since found; -1: none
+        self._pos: dict[bytes, int] | None = None  # each found block's place, once watched
+
+    def step(self, max_blocks: int) -> bool:
+        """Walk up to `max_blocks` more full blocks (then the partial tail, once they stop); True when done."""
+        if self.done:
+            return True
+        index = self._index
+        space = index._spaces.get(self.namespace)
+        if space is None:
+            self.done = True
+            return True
+        entries = space.entries
+        namespace, fp, bt = self.namespace, self.model_fingerprint, self.block_tokens
+        blocks, pos, parent = self.blocks, self._pos, self._parent
+        width = 4 * bt
+        start = self.matched
+        end = len(self.tokens) // bt * width  # the query's full blocks, in bytes
+        last = min(end, (start // bt + max_blocks) * width)
+        at = 4 * start
+        # This slice's tokens as bytes (what keys hash and blocks hold), each block's cut from them: not the whole
+        # query's, which every long call in flight would hold twice
+        data = self.tokens[start : last // 4].tobytes()
+        base = at
+        probes = 0
+        while at < last:
+            chunk = data[at - base : at - base + width]
+            key = block_key_of_bytes(parent, chunk)
+            probes += 1
+            meta = entries.get(key)
+            # Namespace and model are already inside the key; comparing them again costs nothing and keeps
+            # isolation true even if a key ever collided.
+            if (meta is None or not meta.full or meta.tokens != chunk or meta.namespace != namespace
+                    or meta.model_fingerprint != fp):
+                last = -1
+                break
+            if pos is not None:
+                pos[key] = len(blocks)
+            blocks.append(meta)
+            parent = key
+            at += width
+        index.probes += probes
+        self._parent = parent
+        self.matched = at // 4
+        if last == at < end:
+            return False  # the slice ended, the query's full blocks did not
+        self.done = True
+        tail = self.tokens[self.matched : self.matched + bt]
+        kids = space.children.get(parent) if len(tail) else None
+        if kids is None:
+            return True
+        best, best_m = kids.best(tail, index._count)
+        if best is not None and best.namespace == namespace and best.model_fingerprint == fp:
+            if pos is not None:
+                pos[best.key] = len(blocks)
+            blocks.append(best)
+            self.matched += best_m
+        return True
+
+    def watch(self) -> None:
+        """From here on, a found block the index removes cuts the answer: before the caller first awaits."""
+        if self._pos is None:
+            self._pos = {m.key: i for i, m in enumerate(self.blocks)}
+            self._index._watch(self, True)
+
+    def removed(self, meta: BlockMeta) -> None:
+        """The index removed a block of this walk's namespace (ChainIndex.remove)."""
+        assert self._pos is not None
+        i = self._pos.get(meta.key, -1)
+        if i >= 0 and self.blocks[i] is meta and (self.cut < 0 or i < self.cut):
+            self.cut = i
+
+    def close(self) -> None:
+        """Hear no more removals; the blocks found stay as they are."""
+        if self._pos is not None:
+            self._index._watch(self, False)
+
+    def kept(self) -> int:
+        """How many of the found blocks the answer keeps: those before `cut`."""
+        return len(self.blocks) if self.cut < 0 else self.cut
+
+    def found(self) -> list[BlockMeta]:
+        return self.blocks if self.cut < 0 else self.blocks[: self.cut]
+
+    def matched_tokens(self) -> int:
+        """Tokens the kept blocks match: all before a cut are full (only the last block may match part)."""
+        return self.matched if self.cut < 0 else self.cut * self.block_tokens
+
+    def full_tokens(self) -> int:
+        """Tokens of the kept full blocks (a full last block that diverges part-way counts whole)."""
+        n = self.kept()
+        return (n - (n > 0 and not self.blocks[n - 1].full)) * self.block_tokens
+
+    def result(self) -> PrefixMatch:
+        return PrefixMatch(tuple(self.found()), self.matched_tokens())

@@ -35,10 +35,11 @@ from engram.errors import (
     NotFound,
     PermissionDenied,
 )
-from engram.index import BlockMeta
+from engram.index import BlockMeta, PrefixWalk
 from engram.inspection import Inspector
 from engram.leases import Lease, LeaseTable
 from engram.limits import check_namespace
+from engram.loopturns import SLICE_BLOCKS, LoopTurns, pause
 from engram.server.arrival import each_request, one_request
 from engram.server.auth import caller, guard, is_admin, is_peer, namespace_for, tenant_of, visible_namespaces
 from engram.server.errors import streaming, unary
@@ -93,6 +94,19 @@ def _refs(metas: tuple[BlockMeta, ...] | list[BlockMeta], promised: str | None =
                         not_durable=promised not in m.locations) for m in metas]
 
 
+async def _walked_refs(walk: PrefixWalk, promised: str | None) -> list[pb.BlockRef]:
+    """`_refs` of the blocks a walk keeps, `SLICE_BLOCKS` at a time with a turn of the event loop between slices
+    (a long prefix's are a third of a second of Python); they end before a block removed meanwhile."""
+    refs: list[pb.BlockRef] = []
+    while len(refs) < walk.kept():
+        if refs:
+            walk.watch()
+            await pause()
+        refs += _refs(walk.blocks[len(refs) : min(walk.kept(), len(refs) + SLICE_BLOCKS)], promised)
+    del refs[walk.kept() :]
+    return refs
+
+
 def _resume_header(r: Resumed, with_global_kv: bool) -> pb.ResumeResponse:
     """A Resume's header: where it resumes, its window's shape, its blocks (and its global KV's shape). A block
     lost since the lookup, leased though it is (another reader found its only copy damaged), is FAILED_PRECONDITION,
@@ -116,15 +130,6 @@ def _resume_header(r: Resumed, with_global_kv: bool) -> pb.ResumeResponse:
                                 shape=list(w.shape), checksum=w.checksum),
         global_kv=kv_header,
     ))
-
-
-def _still_stored(store: BlockStore, metas: list[BlockMeta]) -> list[BlockMeta]:
-    """The leading blocks of a looked-up prefix that are still stored after an await: a read that found a block's
-    only copy damaged (copy_up's, another caller's) dropped it and every block that extends it."""
-    for i, meta in enumerate(metas):
-        if store.block(meta.key) is not meta:
-            return metas[:i]
-    return metas
 
 
 def _promised_tier(store: BlockStore) -> str | None:
@@ -259,6 +264,7 @@ class EngramService:
         self.receive_budget = ReceiveBudget(int(config.receive_buffer_bytes), share, config.receive_buffer_wait_s)
         self.sessions = sessions
         self.leases = LeaseTable(store, config.lease_s, config.max_leased_blocks_per_namespace)
+        self.turns = LoopTurns()  # a tenant's long matches, one at a time (engram/loopturns.py)
         self.pool = shared_pool(store.tiers)  # None: no shared DRAM pool, Gets answer with bytes only
         self.ipc_pool = ipc_pool(store.tiers)  # the HBM pool, when workers can open it by CUDA IPC
         self._engine: Any = None  # the DMA engine of HBM promotions, made on first use
@@ -299,13 +305,36 @@ class EngramService:
         # A probe asks without using: the eviction order counts the read that follows, once (LookupRequest.probe).
         use = not req.probe
         self.check_model(req.model_fingerprint)
-        match = self.store.lookup(ns, req.model_fingerprint, tokens, use=use)
-        if self.peers is not None:  # the cluster tier: fetch the missing full blocks from peers
-            have = sum(m.num_tokens for m in match.blocks if m.full)
-            if await self.peers.fill(ns, req.model_fingerprint, tokens, have):
-                match = self.store.lookup(ns, req.model_fingerprint, tokens, use=use)
-        return pb.LookupResponse(matched_tokens=match.matched_tokens,
-                                 blocks=_refs(match.blocks, _promised_tier(self.store)))
+        async with self._turn(req.model_fingerprint, tokens):
+            walk = await self._walk(ns, req.model_fingerprint, tokens, use=use)
+            try:
+                refs = await _walked_refs(walk, _promised_tier(self.store))
+                return pb.LookupResponse(matched_tokens=walk.matched_tokens(), blocks=refs)
+            finally:
+                walk.close()
+
+    def _turn(self, fingerprint: bytes, tokens: Any) -> contextlib.AbstractAsyncContextManager[None]:
+        """The caller's tenant's turn for a prefix longer than a slice (engram/loopturns.py); none for the rest."""
+        if len(tokens) <= SLICE_BLOCKS * self.store.spec(fingerprint).layout.block_tokens:
+            return contextlib.nullcontext()
+        return self.turns.turn(tenant_of(None))
+
+    async def _walk(self, ns: str, fingerprint: bytes, tokens: Any, *, use: bool = True) -> PrefixWalk:
+        """The stored prefix of `tokens`, walked a slice at a time (BlockStore.lookup_walk); with the cluster tier,
+        the missing full blocks are fetched from peers first, and the prefix walked again. The caller closes it."""
+        walk = self.store.walk(ns, fingerprint, tokens)
+        try:
+            await self.store.lookup_walk(walk, use=use)
+            if self.peers is not None:
+                walk.watch()
+                if await self.peers.fill(ns, fingerprint, tokens, walk.full_tokens()):
+                    walk.close()
+                    walk = self.store.walk(ns, fingerprint, tokens)
+                    await self.store.lookup_walk(walk, use=use)
+            return walk
+        except BaseException:
+            walk.close()
+            raise
 
     @unary
     async def Put(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> pb.PutResponse:
@@ -437,34 +466,41 @@ class EngramService:
         self.leases.release_known(ns, list(req.release_lease_ids))  # expired ones ended by themselves
         tokens = convert.tokens_from_pb(req.tokens)
         self.check_model(req.model_fingerprint)
-        match = self.store.lookup(ns, req.model_fingerprint, tokens)
-        if self.peers is not None:
-            have = sum(m.num_tokens for m in match.blocks if m.full)
-            if await self.peers.fill(ns, req.model_fingerprint, tokens, have):
-                match = self.store.lookup(ns, req.model_fingerprint, tokens)
-        metas = list(match.blocks)
-        header = pb.PrefixHeader(matched_tokens=match.matched_tokens, blocks=_refs(metas, _promised_tier(self.store)))
+        async with self._turn(req.model_fingerprint, tokens):
+            walk = await self._walk(ns, req.model_fingerprint, tokens)
+            try:
+                refs = await _walked_refs(walk, _promised_tier(self.store))
+            except BaseException:
+                walk.close()
+                raise
+        try:
+            return await self._prefix_header(req, ns, walk, refs)
+        finally:
+            walk.close()
+
+    async def _prefix_header(self, req: pb.GetPrefixRequest, ns: str, walk: PrefixWalk, refs: list[pb.BlockRef]
+                             ) -> pb.PrefixHeader:
+        """GetPrefix's answer for the prefix walked, cut where a block left while its blocks were copied up: what
+        it leases is what it names, both taken in one step after its last await."""
+        metas = walk.found()
         codec = self.store.spec(req.model_fingerprint).stored_codec
         pools = self._zero_copy_pools(req.zero_copy, req.cuda_ipc, False, codec)
         if self.pool is not None and self.pool in pools:
             # Blocks on NVMe (or a pool the caller cannot map) come up into the shared pool first, as one batch.
             up = [m for m in metas if not any(p.name in m.locations for p in pools)]
             if up:
+                walk.watch()
                 with self.store.reading(metas):
                     await self.store.copy_up(up, self.pool.name)
-                # A copy that failed its checksum dropped its block with the blocks that extend it: the answer is
-                # the sound prefix before it, never a block the caller would then ask for and not find.
-                kept = _still_stored(self.store, metas)
-                if len(kept) < len(metas):
-                    metas = kept
-                    del header.blocks[len(kept):]
-                    header.matched_tokens = sum(m.num_tokens for m in kept)
+                metas = walk.found()
+        del refs[len(metas) :]
+        header = pb.PrefixHeader(matched_tokens=walk.matched_tokens(), blocks=refs)
         in_pool = {m.key: p for m in metas if not m.moving
-                   and (p := next((p for p in pools if p.name in m.locations), None)) is not None}
+                   and (p := next((p for p in pools if p.name in m.locations), None)) is not None} if pools else {}
         # Described blocks are leased while the caller copies them; with hold_for_get the others too, which it
         # fetches as bytes next (a Get), so that an eviction in between cannot fail a hit the answer promised.
         # A caller that does not say so (another client) is not left holding blocks it never fetches.
-        leased = metas if req.hold_for_get else [m for m in metas if m.key in in_pool]
+        leased = metas if req.hold_for_get else [m for m in metas if m.key in in_pool] if in_pool else []
         if leased:
             lease = self.leases.grant(ns, leased)
             header.lease_id = lease.id

@@ -43,10 +43,11 @@ from engram.errors import (
     brief,
 )
 from engram.eviction import CLOCK, Expected
-from engram.index import BlockMeta, ChainIndex, PrefixMatch, Tally
+from engram.index import BlockMeta, ChainIndex, PrefixMatch, PrefixWalk, Tally
 from engram.keys import block_key, root_key, tokens_to_bytes
 from engram.layout import DType, ModelSpec
 from engram.logbudget import LogBudget
+from engram.loopturns import SLICE_BLOCKS, pause
 from engram.registry import ModelRegistry
 from engram.store import durable, recovery
 from engram.store.counters import (
@@ -180,6 +181,29 @@ class BlockStore:
         if use:
             self.placement.use_all(match.blocks)
         return match
+
+    def walk(self, namespace: str, model_fingerprint: bytes, tokens: np.ndarray) -> PrefixWalk:
+        """A `match` to be walked a slice at a time (`lookup_walk`); the caller closes it."""
+        spec = self.spec(model_fingerprint)
+        return self.index.walk(namespace, model_fingerprint, tokens, spec.layout.block_tokens,
+                               self.namespaces.salt(namespace))
+
+    async def lookup_walk(self, walk: PrefixWalk, *, use: bool = True) -> None:
+        """`lookup` of a walk, `SLICE_BLOCKS` at a time with a turn of the event loop between slices (a long
+        prefix); a walk done in one slice never awaits. Each slice's blocks are used as it finds them (all are
+        indexed then); watched from its first turn, so the answer ends before a block removed meanwhile."""
+        used = 0
+        while not walk.step(SLICE_BLOCKS):
+            if use:
+                self.placement.use_all(walk.blocks[used:])
+                used = len(walk.blocks)
+            walk.watch()
+            await pause()
+        if use:
+            self.placement.use_all(walk.blocks[used:] if used else walk.blocks)
+        self.counters.lookups += 1
+        self.counters.lookup_hit_tokens += walk.matched_tokens()
+        self.counters.lookup_miss_tokens += len(walk.tokens) - walk.matched_tokens()
 
     def lookup_keys(self, namespace: str, model_fingerprint: bytes, keys: Sequence[bytes]) -> PrefixMatch:
         """`lookup` for a caller that derived the chain's keys itself (the trace replayer hashes each distinct
