@@ -263,6 +263,41 @@ async def test_a_peer_fetch_stops_when_the_data_channel_client_goes(redis_port: 
         await b_srv.stop(0)
 
 
+async def test_long_lookups_waiting_on_a_frozen_peer_wait_together_not_in_turn(redis_port: int) -> None:
+    """B's Lookups of two long prefixes (300 blocks: past a slice, so each takes its tenant's turn for its walk,
+    engram/loopturns.py) whose blocks only A holds, A stopped (SIGSTOP): each waits cluster.fetch_timeout_s (4 s)
+    for A. They wait together: the turn is for the walk's Python work, not the peer's answer. Holding it across
+    the fetch (a review, session 48) ended them one timeout apart (4 calls: 5, 10, 15, 15 s); with tenancy off
+    every caller's long calls share one turn."""
+    b_srv = await daemon(redis_port, "b", **{"cluster.fetch_timeout_s": 4.0})
+    try:
+        with daemon_process(redis_port, "a") as (a_address, a_proc):
+            spec = tiny_model()
+            async with EngramClient(a_address, namespace="ns", data_channel=False) as a, \
+                    EngramClient(b_srv.address, namespace="ns", data_channel=False) as b:
+                fp = await a.register_model(spec)
+                await b.register_model(spec)
+                await joined(a, b)
+                chains = [tokens(300 * BLOCK_TOKENS, seed=20 + i) for i in range(2)]
+                keys = [list((await a.put(fp, t, random_kv(spec, len(t), seed=20 + i))).keys)
+                        for i, t in enumerate(chains)]
+                for k in keys:
+                    await until(lambda k=k: _held_in_redis(redis_port, k[-1]), "A's last block published")
+                await b.get(fp, keys[0][:1])  # B's channel to A is open (a new one would fail to connect at once)
+                os.kill(a_proc.pid, signal.SIGSTOP)
+                loop = asyncio.get_running_loop()
+
+                async def lookup(t: Any) -> float:
+                    await b.lookup(fp, t)
+                    return loop.time()
+
+                ended = sorted(await asyncio.gather(*(lookup(t) for t in chains)))
+                os.kill(a_proc.pid, signal.SIGCONT)
+                assert ended[1] - ended[0] < 2.0, f"the second ended {ended[1] - ended[0]:.1f} s after the first"
+    finally:
+        await b_srv.stop(0)
+
+
 async def _held_in_redis(port: int, key: bytes) -> bool:
     proc = await asyncio.create_subprocess_exec("redis-cli", "-p", str(port), "hlen", "engram:block:{" + key.hex() + "}",
                                                 stdout=subprocess.PIPE)

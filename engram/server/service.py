@@ -305,13 +305,11 @@ class EngramService:
         # A probe asks without using: the eviction order counts the read that follows, once (LookupRequest.probe).
         use = not req.probe
         self.check_model(req.model_fingerprint)
-        async with self._turn(req.model_fingerprint, tokens):
-            walk = await self._walk(ns, req.model_fingerprint, tokens, use=use)
-            try:
-                refs = await _walked_refs(walk, _promised_tier(self.store))
-                return pb.LookupResponse(matched_tokens=walk.matched_tokens(), blocks=refs)
-            finally:
-                walk.close()
+        walk, refs = await self._walk(ns, req.model_fingerprint, tokens, use=use)
+        try:
+            return pb.LookupResponse(matched_tokens=walk.matched_tokens(), blocks=refs)
+        finally:
+            walk.close()
 
     def _turn(self, fingerprint: bytes, tokens: Any) -> contextlib.AbstractAsyncContextManager[None]:
         """The caller's tenant's turn for a prefix longer than a slice (engram/loopturns.py); none for the rest."""
@@ -319,19 +317,29 @@ class EngramService:
             return contextlib.nullcontext()
         return self.turns.turn(tenant_of(None))
 
-    async def _walk(self, ns: str, fingerprint: bytes, tokens: Any, *, use: bool = True) -> PrefixWalk:
-        """The stored prefix of `tokens`, walked a slice at a time (BlockStore.lookup_walk); with the cluster tier,
-        the missing full blocks are fetched from peers first, and the prefix walked again. The caller closes it."""
+    async def _walk(self, ns: str, fingerprint: bytes, tokens: Any, *, use: bool = True
+                    ) -> tuple[PrefixWalk, list[pb.BlockRef]]:
+        """The stored prefix of `tokens`, walked and answered a slice at a time (BlockStore.lookup_walk,
+        `_walked_refs`) in the caller's tenant's turn; with the cluster tier, the missing full blocks are fetched
+        from peers first, and the prefix walked again. The fetch waits outside the turn: a peer may take
+        cluster.fetch_timeout_s per block, and the turn is for Python work on the loop (holding it there made a
+        tenant's long calls, every caller's with tenancy off, wait for each other's peers: 4 calls on a frozen peer
+        ended at 5, 10, 15, 15 s, a review, session 48). The caller closes the walk."""
         walk = self.store.walk(ns, fingerprint, tokens)
         try:
-            await self.store.lookup_walk(walk, use=use)
-            if self.peers is not None:
-                walk.watch()
-                if await self.peers.fill(ns, fingerprint, tokens, walk.full_tokens()):
-                    walk.close()
-                    walk = self.store.walk(ns, fingerprint, tokens)
+            async with self._turn(fingerprint, tokens):
+                await self.store.lookup_walk(walk, use=use)
+                if self.peers is None:
+                    return walk, await _walked_refs(walk, _promised_tier(self.store))
+                walk.watch()  # before the fetch's awaits: a block removed meanwhile cuts the answer
+            refill = await self.peers.fill(ns, fingerprint, tokens, walk.full_tokens())
+            if refill:
+                walk.close()
+                walk = self.store.walk(ns, fingerprint, tokens)
+            async with self._turn(fingerprint, tokens):
+                if refill:
                     await self.store.lookup_walk(walk, use=use)
-            return walk
+                return walk, await _walked_refs(walk, _promised_tier(self.store))
         except BaseException:
             walk.close()
             raise
@@ -466,13 +474,7 @@ class EngramService:
         self.leases.release_known(ns, list(req.release_lease_ids))  # expired ones ended by themselves
         tokens = convert.tokens_from_pb(req.tokens)
         self.check_model(req.model_fingerprint)
-        async with self._turn(req.model_fingerprint, tokens):
-            walk = await self._walk(ns, req.model_fingerprint, tokens)
-            try:
-                refs = await _walked_refs(walk, _promised_tier(self.store))
-            except BaseException:
-                walk.close()
-                raise
+        walk, refs = await self._walk(ns, req.model_fingerprint, tokens)
         try:
             return await self._prefix_header(req, ns, walk, refs)
         finally:
