@@ -371,12 +371,8 @@ class EngramConfig:
         if s.receive_buffer_bytes < 0:
             raise ConfigError(f"server.receive_buffer_bytes must be >= 0 (0: no bound), got {s.receive_buffer_bytes}")
         receive_share = s.receive_buffer_fraction_per_tenant if self.auth.enabled else 1.0
-        if s.receive_buffer_bytes and s.receive_buffer_bytes * receive_share < 2 * s.max_block_bytes:
-            raise ConfigError(
-                f"server.receive_buffer_bytes ({s.receive_buffer_bytes}"
-                f"{' x server.receive_buffer_fraction_per_tenant' if self.auth.enabled else ''}) must be at least twice "
-                f"server.max_block_bytes ({s.max_block_bytes}): a put buffers at most half of it, and a block "
-                "of the largest model must fit (0: no bound)")
+        self._receive_room(receive_share, "max_block_bytes", int(s.max_block_bytes),
+                           "a put buffers at most half of it, and a block of the largest model must fit")
         for key, zero in DURATIONS:
             _check_duration(key, _get(self, key), zero)
         if not -1 <= s.metrics_port <= 65535:
@@ -437,12 +433,8 @@ class EngramConfig:
                               f"{s.max_concurrent_rpcs_per_tenant}")
         if s.max_message_bytes > 2**31 - 1:
             raise ConfigError(f"server.max_message_bytes is at most 2 GiB - 1 (gRPC's int32), got {s.max_message_bytes}")
-        if s.receive_buffer_bytes and s.receive_buffer_bytes * receive_share < 2 * s.max_message_bytes:
-            raise ConfigError(
-                f"server.receive_buffer_bytes ({s.receive_buffer_bytes}"
-                f"{' x server.receive_buffer_fraction_per_tenant' if self.auth.enabled else ''}) must be at least twice "
-                f"server.max_message_bytes ({s.max_message_bytes}): each gRPC Put stream holds that much of it as "
-                "metadata, which may take at most half (0: no bound)")
+        self._receive_room(receive_share, "max_message_bytes", int(s.max_message_bytes),
+                           "each gRPC Put stream holds that much of it as metadata, which may take at most half")
         if s.grpc_stream_window_bytes and not 2**16 <= s.grpc_stream_window_bytes <= 2**30:
             raise ConfigError("server.grpc_stream_window_bytes must be 0 (grpc's BDP probing) or from 64 KiB to 1 GiB "
                               f"(grpc's largest), got {s.grpc_stream_window_bytes}")
@@ -494,6 +486,15 @@ class EngramConfig:
         if self.logging.level.lower() not in {"debug", "info", "warning", "error"}:
             raise ConfigError(f"logging.level must be debug, info, warning or error, got {self.logging.level!r}")
         return self
+
+    def _receive_room(self, share: float, key: str, n: int, why: str) -> None:
+        """server.receive_buffer_bytes (times a tenant's share) must hold twice `n`, server.<key> (0: no bound)."""
+        total = int(self.server.receive_buffer_bytes)
+        if total and total * share < 2 * n:
+            raise ConfigError(
+                f"server.receive_buffer_bytes ({total}"
+                f"{' x server.receive_buffer_fraction_per_tenant' if self.auth.enabled else ''}) must be at least twice "
+                f"server.{key} ({n}): {why} (0: no bound)")
 
     def _validate_pools(self) -> None:
         d, h = self.tiers.dram, self.tiers.hbm

@@ -169,6 +169,20 @@ async def two_daemons(redis_port: int, **overrides: Any) -> AsyncIterator[tuple[
         proc.wait()
 
 
+@contextlib.asynccontextmanager
+async def alice_and_bob(a_srv: RunningServer, b_srv: RunningServer, spec: Any, alice_ns: str, bob_ns: str
+                        ) -> AsyncIterator[tuple[EngramClient, EngramClient, EngramClient, bytes]]:
+    """Alice's clients on daemons A and B, Bob's on B, each with the model registered, both daemons joined:
+    (a, b, bob, fingerprint)."""
+    async with EngramClient(a_srv.address, token="alice-token", namespace=alice_ns) as a, \
+            EngramClient(b_srv.address, token="alice-token", namespace=alice_ns) as b, \
+            EngramClient(b_srv.address, token="bob-token", namespace=bob_ns) as bob:
+        fp = await a.register_model(spec)
+        assert await b.register_model(spec) == fp and await bob.register_model(spec) == fp
+        await until(lambda: _both(a, b, "ok"), "both daemons joined")
+        yield a, b, bob, fp
+
+
 async def test_with_tenancy_a_tenants_prefix_crosses_daemons_and_no_other_tenant_gets_it(redis_port: int) -> None:
     """Both daemons share the salt secret and a peer token: Alice's prefix written through A is a hit for
     Alice through B (fetched with the peer token), and Bob, on B, gets nothing of it. The cluster's counters are
@@ -185,12 +199,7 @@ async def test_with_tenancy_a_tenants_prefix_crosses_daemons_and_no_other_tenant
         spec = tiny_model()
         toks = tokens(4 * BLOCK_TOKENS, seed=21)
         kv = random_kv(spec, len(toks), seed=21)
-        async with EngramClient(a_srv.address, token="alice-token", namespace="alice") as a, \
-                EngramClient(b_srv.address, token="alice-token", namespace="alice") as b, \
-                EngramClient(b_srv.address, token="bob-token", namespace="bob") as bob:
-            fp = await a.register_model(spec)
-            assert await b.register_model(spec) == fp and await bob.register_model(spec) == fp
-            await until(lambda: _both(a, b, "ok"), "both daemons joined")
+        async with alice_and_bob(a_srv, b_srv, spec, "alice", "bob") as (a, b, bob, fp):
             await a.put(fp, toks, kv)
             await until(lambda: _b_hits(b, fp, toks), "daemon B serves Alice the prefix daemon A stored")
             n, got = await b.get_prefix(fp, toks)
@@ -237,12 +246,7 @@ async def test_a_tenants_get_of_another_namespaces_key_answers_as_a_key_nobody_h
     async with two_daemons(redis_port, **auth) as (a_srv, b_srv):
         spec = tiny_model()
         toks = tokens(2 * BLOCK_TOKENS, seed=23)
-        async with EngramClient(a_srv.address, token="alice-token", namespace="") as a, \
-                EngramClient(b_srv.address, token="alice-token", namespace="") as b, \
-                EngramClient(b_srv.address, token="bob-token", namespace="") as bob:
-            fp = await a.register_model(spec)
-            assert await b.register_model(spec) == fp and await bob.register_model(spec) == fp
-            await until(lambda: _both(a, b, "ok"), "both daemons joined")
+        async with alice_and_bob(a_srv, b_srv, spec, "", "") as (a, b, bob, fp):
             key = list((await a.put(fp, toks, random_kv(spec, len(toks), seed=23))).keys)[-1]
             await until(lambda: _has_holders(redis_port), "A published Alice's blocks")
 
