@@ -66,15 +66,15 @@ async def test_the_probe_sees_a_lookup_that_walks_another_namespace(daemon: Runn
     """Break isolation the way a shared index would: every lookup also walks the other namespaces' chains
     for the same tokens. The answer is still a miss (the result is right), but its time now depends on what
     the owner holds, and the probe must say so."""
-    match = BlockStore.match
+    lookup_walk = BlockStore.lookup_walk  # what Lookup and GetPrefix walk their prefix with
 
-    def shared_walk(self: BlockStore, namespace: str, fp: bytes, tokens: Any) -> Any:
+    async def shared_walk(self: BlockStore, walk: Any, *, use: bool = True) -> None:
         for ns in self.namespaces_in_use():
-            if ns != namespace:
-                match(self, ns, fp, tokens)
-        return match(self, namespace, fp, tokens)
+            if ns != walk.namespace:
+                self.match(ns, walk.model_fingerprint, walk.tokens)
+        await lookup_walk(self, walk, use=use)
 
-    monkeypatch.setattr(BlockStore, "match", shared_walk)
+    monkeypatch.setattr(BlockStore, "lookup_walk", shared_walk)
     runs = await three_runs(daemon)
     # Either way round is a leak: here an absent prefix costs more (the owner's walk then compares the
     # query against every chain under the root), so the AUC falls below 0.5.
