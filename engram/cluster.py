@@ -1,16 +1,23 @@
 """The cluster tier: a shared index in Redis of which daemon holds which block, and fetches from peers.
 
 Records in Redis (every one signed with the cluster secret, engram/trust.py; Redis is not trusted):
-- `engram:block:{<key hex>}`: a hash of node id -> "tier@boot|size|checksum|sig", the nodes holding a block.
-  The braces are a Redis Cluster hash tag: every record of one block lives on one shard.
+- `engram:block:{<key hex>}`: a hash of node id -> "tier#tag@boot|size|checksum|sig", the nodes holding a block.
+  The braces are a Redis Cluster hash tag: every record of one block lives on one shard. `tag` is the block's
+  namespace's, keyed with the cluster secret (ClusterTrust.namespace_tag): a reader skips another namespace's
+  entries before it asks anything more, so a tenant's Get of another namespace's key takes the time of one
+  nobody holds (it asked the holder, and the time told the key exists: an audit, session 48).
 - `engram:{nodes}:node:<id>` = "address|ts|sig" and `engram:{nodes}:boot:<id>` = "boot|sig" (when the node's
   process started, ms), refreshed every heartbeat_s and expiring after ttl_s (a dead node's entries are
-  ignored, and removed when met), and the set `engram:{nodes}:ids` of node ids. The `{nodes}` tag keeps them
-  on one shard, so one MGET reads the addresses and boots of many holders.
+  ignored, and removed when a reader of their namespace meets them), and the set `engram:{nodes}:ids` of node
+  ids. The `{nodes}` tag keeps them on one shard, so one MGET reads the addresses and boots of many holders.
 A node restarted under its id (DRAM only, its blocks gone) cannot know which entries its earlier process left,
 and another holder's writes keep a block's hash from expiring: so readers skip, and remove, an entry whose boot
 is not its node's current one. An entry without a boot (a daemon from before boots) is read as before while its
 node publishes no boot record (it still runs that version); once it does, the entry is its earlier process's.
+An entry without a tag (a daemon from before tags: its current process's entries are all untagged) is read for a
+lookup's fill, whose key the reader computed in its caller's namespace, and skipped for a Get, whose caller
+names the key: so a rolling upgrade goes on sharing prefixes both ways, and no Get's time tells another
+namespace's keys; Gets by key of blocks only older daemons hold miss until they are upgraded.
 Redis restored with older data (a lagging replica promoted, a restore from an RDB) brings back entries of the
 current boot for blocks their node has evicted since, which a republish (HSETs) does not remove: a reader
 removes such an entry when the live holder answers that it lacks the block (`forget_unheld`). Every removal is
@@ -274,7 +281,8 @@ class ClusterIndex:
 
     def _entry(self, meta: BlockMeta) -> str:
         tier = meta.tier if meta.locations else "dram"
-        return self.trust.holder_record(meta.key, self.node_id, tier, meta.nbytes, meta.checksum, self.boot)
+        return self.trust.holder_record(meta.key, self.node_id, tier, meta.nbytes, meta.checksum, self.boot,
+                                        meta.namespace)
 
     async def _resync(self) -> None:
         """Publish the whole index (joining, after an outage, or to renew the records' expiry); changes made
@@ -336,34 +344,49 @@ class ClusterIndex:
         self._warned[said] = now
         log.warning("cluster: ignoring a %s for node %r %s", what, node, reason)
 
-    async def holders(self, key: bytes) -> list[Holder]:
-        """Live peers holding a block, as their signed records say; [] when degraded (no waiting on a
-        Redis that is down)."""
+    async def holders(self, key: bytes, namespace: str, *, untagged: bool) -> list[Holder]:
+        """Live peers holding a block in `namespace`, as their signed records say; [] when degraded (no waiting on a
+        Redis that is down). Another namespace's entries are skipped before anything more is asked (the node
+        records, then the peer): a Get naming another namespace's key took the time of those round trips, so a
+        tenant told a key held elsewhere in the cluster from one nobody holds by the time alone. `untagged`: whether
+        an entry without a namespace tag (an older daemon's) is read as before or skipped: read where the caller
+        computed the key under its own namespace (a lookup's fill: it is of that namespace), skipped where the
+        caller named it (a Get: it may be another's, and asking its holder tells so by the time)."""
         if self.state != "ok":
             return []
         name = block_record_key(key)
         try:
             entries = {n.decode(): v.decode() for n, v in (await self._redis.hgetall(name)).items()}
-            entries.pop(self.node_id, None)
-            if not entries:
-                return []
-            nodes = list(entries)
-            found = await self._redis.mget([_NODE + n for n in nodes] + [_BOOT + n for n in nodes])
         except (*REDIS_FAULTS, UnicodeDecodeError) as exc:
             if not isinstance(exc, UnicodeDecodeError):
                 self._degrade(exc)
+            return []
+        entries.pop(self.node_id, None)
+        tag = self.trust.namespace_tag(key, namespace)
+        signed = {}
+        for node, raw in entries.items():
+            entry = self.trust.holder_entry(key, node, raw)
+            if entry is None:
+                self._untrusted("holder record", node)
+            elif entry.tag == tag or (entry.tag is None and untagged):
+                signed[node] = entry
+        if not signed:
+            return []
+        nodes = list(signed)
+        try:
+            found = await self._redis.mget([_NODE + n for n in nodes] + [_BOOT + n for n in nodes])
+        except REDIS_FAULTS as exc:
+            self._degrade(exc)
             return []
         out = []
         for node, record, boot_record in zip(nodes, found[: len(nodes)], found[len(nodes) :], strict=True):
             if record is None:  # its heartbeat expired: the node is gone
                 await self._prune(name, node, entries[node])
                 continue
-            entry = self.trust.holder_entry(key, node, entries[node])
+            entry = signed[node]
             address = self.trust.node_address(node, record.decode(errors="replace"))
             boot = self._boot(node, boot_record)
-            if entry is None:
-                self._untrusted("holder record", node)
-            elif address is None:
+            if address is None:
                 self._untrusted("node record", node, record.decode(errors="replace"))
             elif boot is not None and entry.boot != boot:
                 # Left by an earlier process of the node (restarted under its id since): what it held is gone.

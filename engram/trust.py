@@ -13,11 +13,16 @@ fetched from a peer is believed unless the peer proves it knows the cluster secr
   was written. A daemon dials only addresses whose record verifies and is fresh (written within
   `ttl_s + CLOCK_SKEW_S`), so the peer token goes only to an address a daemon of the cluster published, and
   a copied old record stops working once it is stale.
-- Holder record (`tier@boot|size|checksum|sig`): that node holds block `key`; signed with the key and node id,
-  so a record cannot be moved to another block or node. `boot` is the writing process's start (its boot
+- Holder record (`tier#tag@boot|size|checksum|sig`): that node holds block `key`; signed with the key and node
+  id, so a record cannot be moved to another block or node. `boot` is the writing process's start (its boot
   record's): a node restarted under its id (DRAM only: its blocks gone) cannot know which records its earlier
-  process left, so readers tell them by it. It rides in the tier field, which an older daemon reads whole and
-  uses for nothing: its reads of these records go on; a record without it (an older daemon's) still reads.
+  process left, so readers tell them by it. `tag` names the block's namespace (`namespace_tag`): a keyed digest
+  of the namespace and the key, so a reader skips another namespace's holders without asking them (asking told
+  a tenant, by the time its Get took, which keys exist in other namespaces), while Redis, without the secret,
+  learns neither a namespace's name nor which blocks share one. Both ride in the tier field, which an older
+  daemon reads whole (before boots) or up to its `@` (before tags) and uses for nothing: its reads of these
+  records go on; a record without them (an older daemon's) still reads, its `tag` None. Being among the signed
+  fields, a tag altered or made up is refused like any forged record.
 - Boot record (`boot|sig`): when the node's current process started (ms), signed with its node id.
 - Node proof: beside the peer token a daemon sends its node id and a MAC of it (`peer_metadata`), so the daemon
   it calls counts the call against that node's own share of calls (principal `peer:<node id>`), not one share
@@ -63,6 +68,7 @@ class HolderEntry:
     size: int
     checksum: int
     boot: int | None = None  # the writing process's start (ms); None in an older daemon's record
+    tag: str | None = None  # the block's namespace's tag (ClusterTrust.namespace_tag); None in an older daemon's
 
 
 class ClusterTrust:
@@ -75,6 +81,7 @@ class ClusterTrust:
         self._boot_key = self._derive(secret, b"boot-record")
         self._block_key = self._derive(secret, b"block-mac")
         self._peer_node_key = self._derive(secret, b"peer-node")
+        self._tag_key = self._derive(secret, b"namespace-tag")
         self.peer_token = peer_token or self._derive(secret, b"peer-token").hex()
         self.max_age_ms = int((ttl_s + CLOCK_SKEW_S) * 1000)
 
@@ -173,9 +180,18 @@ class ClusterTrust:
 
     # ---- holder records -----------------------------------------------------------------------------
 
+    def namespace_tag(self, key: bytes, namespace: str) -> str:
+        """What a holder record of block `key` says its namespace is: a digest keyed with the cluster secret, of
+        the key too, so that Redis can neither name the namespace nor group the blocks of one (8 bytes: a reader
+        compares it with its caller's namespace's, and a collision would only cost it a refused fetch)."""
+        return hashlib.blake2b(_field(key) + namespace.encode(), key=self._tag_key, digest_size=8).hexdigest()
+
     def holder_record(self, key: bytes, node_id: str, tier: str, size: int, checksum: int,
-                      boot: int | None = None) -> str:
-        fields = f"{tier if boot is None else f'{tier}@{boot}'}|{size}|{checksum}"
+                      boot: int | None = None, namespace: str | None = None) -> str:
+        """The signed entry a node publishes for a block it holds (namespace None, boot None: as an older
+        daemon wrote it, for tests of a rolling upgrade)."""
+        tagged = tier if namespace is None else f"{tier}#{self.namespace_tag(key, namespace)}"
+        fields = f"{tagged if boot is None else f'{tagged}@{boot}'}|{size}|{checksum}"
         return f"{fields}|{self._mac(self._holder_key, (key, node_id.encode(), fields.encode())).hex()}"
 
     def holder_entry(self, key: bytes, node_id: str, record: str) -> HolderEntry | None:
@@ -186,8 +202,9 @@ class ClusterTrust:
             return None
         try:
             tier_boot, size, checksum = fields.split("|")
-            tier, at, boot = tier_boot.partition("@")
-            return HolderEntry(tier, int(size), int(checksum), int(boot) if at else None)
+            tier_tag, at, boot = tier_boot.partition("@")
+            tier, hashed, tag = tier_tag.partition("#")
+            return HolderEntry(tier, int(size), int(checksum), int(boot) if at else None, tag if hashed else None)
         except ValueError:
             return None
 

@@ -351,3 +351,11 @@ def rpcs_answered(srv: Any, method: str, code: str = "OK") -> float:
     which a client falling back to bytes would never show."""
     assert srv.metrics is not None, "start the daemon with server.metrics_port -1"
     return srv.metrics.registry.get_sample_value("engram_rpcs_total", {"method": method, "code": code}) or 0.0
+
+
+def rpcs_served(srv: Any, method: str) -> float:
+    """Calls of `method` the daemon answered, whatever their status (its /metrics registry; server.metrics_port
+    -1): what a test counts to know whether a daemon asked a peer at all."""
+    assert srv.metrics is not None, "start the daemon with server.metrics_port -1"
+    return sum(s.value for m in srv.metrics.registry.collect() if m.name == "engram_rpcs" for s in m.samples
+               if s.name == "engram_rpcs_total" and s.labels["method"] == method)

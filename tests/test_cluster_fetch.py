@@ -31,6 +31,7 @@ from helpers import (
     free_port,
     long_block_model,
     random_kv,
+    rpcs_served,
     tiny_model,
     tokens,
     until,
@@ -85,13 +86,6 @@ def daemon_process(redis_port: int, name: str, **sets: Any) -> Iterator[tuple[st
             proc.stdout.close()
 
 
-def served(srv: RunningServer, method: str) -> float:
-    """Calls of `method` the daemon answered, whatever their status (its /metrics registry)."""
-    assert srv.metrics is not None
-    return sum(s.value for m in srv.metrics.registry.collect() if m.name == "engram_rpcs" for s in m.samples
-               if s.name == "engram_rpcs_total" and s.labels["method"] == method)
-
-
 def data_gets(srv: RunningServer, code: str) -> float:
     assert srv.metrics is not None
     return srv.metrics.registry.get_sample_value("engram_data_requests_total", {"op": "get", "code": code}) or 0.0
@@ -128,15 +122,15 @@ async def test_a_get_of_keys_deep_in_a_peers_chain_copies_the_chain_once_in_a_fe
         async with EngramClient(a_srv.address, namespace="ns") as a, \
                 EngramClient(b_srv.address, namespace="ns", data_channel=False) as b:
             fp, toks, kv, keys = await _a_chain_b_lacks(redis_port, a, b, spec, seed=1)
-            before = served(a_srv, "FetchBlocks")
+            before = rpcs_served(a_srv, "FetchBlocks")
             got = await b.get(fp, keys[-4:])
-            calls = served(a_srv, "FetchBlocks") - before
+            calls = rpcs_served(a_srv, "FetchBlocks") - before
             assert all(torch.equal(x, y) for x, y in zip(got, await a.get(fp, keys[-4:]), strict=True))
             # One call lists the ancestors B lacks, then ceil(300 / 128) calls copy them: not one per block.
             assert calls <= 6, calls
             assert (await b.stats()).cluster.remote_hits == 300
             assert len(await b.get(fp, keys)) == 300  # the whole chain is B's now: no more calls
-            assert served(a_srv, "FetchBlocks") - before == calls
+            assert rpcs_served(a_srv, "FetchBlocks") - before == calls
             n, prefix = await b.get_prefix(fp, toks)
             assert n == len(toks) and prefix is not None and torch.equal(prefix, kv)
 
@@ -155,9 +149,9 @@ async def test_a_peers_fetch_of_blocks_whose_header_passes_the_slack_stays_under
             async with EngramClient(a_srv.address, namespace="ns") as a, \
                     EngramClient(b_srv.address, namespace="ns", data_channel=False) as b:
                 fp, toks, kv, keys = await _a_chain_b_lacks(redis_port, a, b, spec, seed=7, n_blocks=2)
-                before = served(a_srv, "FetchBlocks")
+                before = rpcs_served(a_srv, "FetchBlocks")
                 got = await b.get(fp, keys)
-                assert served(a_srv, "FetchBlocks") > before  # copied from A, not found at B
+                assert rpcs_served(a_srv, "FetchBlocks") > before  # copied from A, not found at B
                 assert torch.equal(torch.cat(got, dim=2), kv)
         finally:
             await b_srv.stop(0)
@@ -171,10 +165,10 @@ async def test_a_get_deeper_than_max_fetch_blocks_is_a_quick_not_found_that_copi
         async with EngramClient(a_srv.address, namespace="ns") as a, \
                 EngramClient(b_srv.address, namespace="ns", data_channel=False) as b:
             fp, _, _, keys = await _a_chain_b_lacks(redis_port, a, b, spec, seed=2)
-            before = served(a_srv, "FetchBlocks")
+            before = rpcs_served(a_srv, "FetchBlocks")
             with pytest.raises(errors.NotFound, match=r"cluster\.max_fetch_blocks = 64"):
                 await b.get(fp, keys[-16:])
-            assert served(a_srv, "FetchBlocks") - before <= 1  # only the list of ancestors
+            assert rpcs_served(a_srv, "FetchBlocks") - before <= 1  # only the list of ancestors
             assert (await b.stats()).cluster.remote_hits == 0
             await b.get(fp, keys[40:50])  # 50 blocks from the root: within the bound, served
             assert (await b.stats()).cluster.remote_hits == 50

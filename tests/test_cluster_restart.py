@@ -122,7 +122,7 @@ async def test_a_restarted_nodes_earlier_entries_are_skipped_and_removed_while_a
         node_a.start()  # same node id, same port, nothing held
         async with EngramClient(node_a.address, namespace="ns") as a2:
             await cluster_joined(a2)
-        holders = [await b_srv.service.cluster.holders(k) for k in keys]
+        holders = [await b_srv.service.cluster.holders(k, "ns", untagged=False) for k in keys]
         assert [[h.node_id for h in hs] for hs in holders] == [["c"]] * len(keys)
         assert all(holder_fields(redis_port, k) == ["c"] for k in keys)  # A's earlier entries are gone
         n, got = await b.get_prefix(fp, toks)
@@ -133,8 +133,10 @@ async def test_a_restarted_nodes_earlier_entries_are_skipped_and_removed_while_a
 async def test_an_older_daemons_entries_are_read_until_its_node_publishes_a_boot(
         redis_port: int, b_and_c: tuple[RunningServer, RunningServer]) -> None:
     """A rolling upgrade: a daemon from before boots writes entries without one and no boot record; B reads them
-    as before. Once that node runs this version (a boot record of its own), such an entry is its earlier
-    process's: skipped and removed."""
+    as before for a lookup's fill, whose key it computed in its caller's namespace, and skips them for a Get,
+    whose caller names the key (the entry has no namespace tag: it may be another namespace's, and asking its
+    holder tells so by the time). Once that node runs this version (a boot record of its own), such an entry is
+    its earlier process's: skipped and removed."""
     import redis
 
     b_srv, _ = b_and_c
@@ -150,9 +152,11 @@ async def test_an_older_daemons_entries_are_read_until_its_node_publishes_a_boot
         return cluster.state == "ok"
 
     await until(b_joined, "B joined")
-    assert [(h.node_id, h.checksum, h.boot) for h in await cluster.holders(key)] == [("old", 7, None)]
+    assert [(h.node_id, h.checksum, h.boot) for h in await cluster.holders(key, "ns", untagged=True)] == \
+        [("old", 7, None)]
+    assert await cluster.holders(key, "ns", untagged=False) == []
     r.set("engram:{nodes}:boot:old", trust.boot_record("old", 1234), px=60_000)  # "old" restarted, upgraded
-    assert await cluster.holders(key) == []
+    assert await cluster.holders(key, "ns", untagged=True) == []
     assert holder_fields(redis_port, key) == []
     r.close()
 

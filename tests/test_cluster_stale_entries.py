@@ -122,15 +122,15 @@ async def test_a_holder_entry_written_again_since_it_was_read_is_kept(
     r = redis.Redis(port=redis_port)
     async with EngramClient(a_srv.address, namespace="ns") as a, EngramClient(b_srv.address, namespace="ns") as b:
         _, key, entry = await evicted_entry_restored(r, a, b, seed=2)
-        [stale] = await cluster.holders(key)
+        [stale] = await cluster.holders(key, "ns", untagged=False)
         assert (stale.node_id, stale.record) == ("a", entry)
         trust = ClusterTrust(b"cluster-secret", ttl_s=10.0)
-        rewritten = trust.holder_record(key, "a", "nvme", stale.size, stale.checksum, stale.boot)
+        rewritten = trust.holder_record(key, "a", "nvme", stale.size, stale.checksum, stale.boot, "ns")
         assert rewritten != entry
         r.hset(record_key(key), "a", rewritten)
         assert not await cluster.forget_unheld(key, stale)
         assert r.hget(record_key(key), "a") == rewritten.encode()
-        assert [h.record for h in await cluster.holders(key)] == [rewritten]
+        assert [h.record for h in await cluster.holders(key, "ns", untagged=False)] == [rewritten]
         r.hset(record_key(key), "a", entry)  # the control: the entry as read goes
         assert await cluster.forget_unheld(key, stale)
         assert r.hget(record_key(key), "a") is None

@@ -77,6 +77,25 @@ def test_holder_records_are_bound_to_their_block_and_node() -> None:
     assert ClusterTrust(b"other").holder_entry(b"k" * 16, "a", rec) is None
 
 
+def test_a_holder_records_namespace_tag_is_signed_per_block_and_names_no_namespace() -> None:
+    """The tag a holder record carries (so that readers skip another namespace's holders) is keyed with the
+    cluster secret and the block: Redis neither reads the namespace nor groups one namespace's blocks by it, and
+    a tag altered to another namespace's does not verify. An older daemon reads the tier field up to its `@`
+    (before tags) or whole (before boots): the boot after it is still its number."""
+    trust, key = ClusterTrust(b"s"), b"k" * 16
+    rec = trust.holder_record(key, "a", "dram", 4096, 1234, 99, "alice")
+    entry = trust.holder_entry(key, "a", rec)
+    assert entry is not None and (entry.tier, entry.boot) == ("dram", 99)
+    assert entry.tag == trust.namespace_tag(key, "alice") != trust.namespace_tag(key, "bob")
+    assert "alice" not in rec
+    assert trust.namespace_tag(b"j" * 16, "alice") != entry.tag  # per block
+    assert ClusterTrust(b"other").namespace_tag(key, "alice") != entry.tag  # keyed
+    assert trust.holder_entry(key, "a", rec.replace(entry.tag, trust.namespace_tag(key, "bob"))) is None
+    assert int(rec.split("|")[0].partition("@")[2]) == 99
+    older = trust.holder_entry(key, "a", trust.holder_record(key, "a", "dram", 4096, 1234, 99))
+    assert older is not None and older.tag is None
+
+
 def test_a_peer_proves_only_its_own_node_id_and_only_under_the_secret() -> None:
     """The node id a peer's call is counted as (its own share of calls) is believed only with a proof made under
     the cluster secret: the peer token alone (seen on the wire) cannot make up node ids and shares."""
