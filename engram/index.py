@@ -657,6 +657,8 @@ class PrefixWalk:
         "_index",
         "_parent",
         "_pos",
+        "_root",
+        "_whole",
         "block_tokens",
         "blocks",
         "cut",
@@ -673,8 +675,9 @@ class PrefixWalk:
         self.namespace, self.model_fingerprint = namespace, model_fingerprint
         self.tokens = np.ascontiguousarray(tokens, dtype="<i4")
         self.block_tokens = block_tokens
-        self._parent = root_key(namespace, model_fingerprint, salt)
+        self._root = self._parent = root_key(namespace, model_fingerprint, salt)
         self.blocks: list[BlockMeta] = []
+        self._whole = 0  # of `blocks`, those that match whole blocks of the query (the rest: the tail's)
         self.matched = 0  # tokens matched by `blocks`
         self.done = False
         self.cut = -1  # the first of `blocks` removed from the index since found; -1: none
@@ -720,6 +723,7 @@ class PrefixWalk:
             at += width
         index.probes += probes
         self._parent = parent
+        self._whole = len(blocks)
         self.matched = at // 4
         if last == at < end:
             return False  # the slice ended, the query's full blocks did not
@@ -765,10 +769,14 @@ class PrefixWalk:
         """Tokens the kept blocks match: all before a cut are full (only the last block may match part)."""
         return self.matched if self.cut < 0 else self.cut * self.block_tokens
 
-    def full_tokens(self) -> int:
-        """Tokens of the kept full blocks (a full last block that diverges part-way counts whole)."""
-        n = self.kept()
-        return (n - (n > 0 and not self.blocks[n - 1].full)) * self.block_tokens
+    def whole(self) -> tuple[int, bytes]:
+        """The kept blocks that match whole blocks of the query: (their tokens, the query's chain key after them,
+        the last one's or the root's): where a fill from peers goes on (PeerFetcher.fill), hashing no key the walk
+        hashed. A full block that matches the query only in part, kept at the end, is not one: its key is not the
+        query's (counted whole, it had the fill skip the query's own block there, and ask for the next under a
+        parent not stored here)."""
+        n = min(self.kept(), self._whole)
+        return n * self.block_tokens, self.blocks[n - 1].key if n else self._root
 
     def result(self) -> PrefixMatch:
         return PrefixMatch(tuple(self.found()), self.matched_tokens())

@@ -297,3 +297,67 @@ async def _held_in_redis(port: int, key: bytes) -> bool:
                                                 stdout=subprocess.PIPE)
     out, _ = await proc.communicate()
     return out.strip() == b"1"
+
+
+async def test_a_lookups_fill_hashes_only_the_blocks_after_its_local_walk(redis_port: int,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """B holds the first 600 blocks of a prefix (three slices of its walk), A all 604. B's Lookup walks the 600
+    here, then fills the other 4 from A. The fill hashed the whole prefix again, in one go on the event loop
+    (~140 ms at a million tokens, every other call held meanwhile); it goes on from the walk's last key, hashing
+    only the blocks it asks peers for (each, and each block checked as it arrives: 8 keys here, where the whole
+    prefix was 608). The answer is the same: the whole prefix, the bytes A and B stored."""
+    import engram.keys
+    import engram.server.peers
+
+    hashed = 0
+    real = engram.keys.block_key
+
+    def counted(parent: bytes, toks: Any) -> bytes:
+        nonlocal hashed
+        hashed += 1
+        return real(parent, toks)
+
+    async with daemons(redis_port) as (a_srv, b_srv):
+        spec = tiny_model()
+        toks = tokens(604 * BLOCK_TOKENS, seed=30)
+        kv = random_kv(spec, len(toks), seed=30)
+        local = 600 * BLOCK_TOKENS
+        async with EngramClient(a_srv.address, namespace="ns") as a, EngramClient(b_srv.address, namespace="ns") as b:
+            fp = await a.register_model(spec)
+            await b.register_model(spec)
+            await joined(a, b)
+            await b.put(fp, toks[:local], kv[:, :, :local].contiguous())  # first: its put would fill from A
+            keys = list((await a.put(fp, toks, kv)).keys)
+            await until(lambda: _held_in_redis(redis_port, keys[-1]), "A's last block published")
+            monkeypatch.setattr(engram.keys, "block_key", counted)  # what chain_keys calls
+            monkeypatch.setattr(engram.server.peers, "block_key", counted)
+            assert (await b.lookup(fp, toks)).matched_tokens == len(toks)
+            monkeypatch.undo()
+            assert hashed <= 8
+            n, got = await b.get_prefix(fp, toks)
+            assert n == len(toks) and got is not None and torch.equal(got, kv)
+            assert (await b.stats()).cluster.remote_hits == 4
+
+
+async def test_a_lookup_whose_local_match_ends_in_a_sibling_fills_the_querys_own_block(redis_port: int) -> None:
+    """B holds blocks 0-3 of A's prefix and, as block 4, a sibling sharing its first half with the query's (a full
+    block that matches in part: the walk keeps it at the end of its answer). B's Lookup fills the query's own block
+    4, and the rest, from A. The fill counted the sibling as a block held: it skipped block 4 and asked A for
+    block 5, whose parent B does not hold (copied, then dropped), and the Lookup matched 4.5 blocks."""
+    async with daemons(redis_port) as (a_srv, b_srv):
+        spec = tiny_model()
+        toks = tokens(8 * BLOCK_TOKENS, seed=31)
+        kv = random_kv(spec, len(toks), seed=31)
+        sibling = toks[: 5 * BLOCK_TOKENS].copy()
+        sibling[-BLOCK_TOKENS // 2 :] += 1
+        async with EngramClient(a_srv.address, namespace="ns") as a, EngramClient(b_srv.address, namespace="ns") as b:
+            fp = await a.register_model(spec)
+            await b.register_model(spec)
+            await joined(a, b)
+            await b.put(fp, sibling, kv[:, :, : len(sibling)].contiguous())  # first: its put would fill from A
+            keys = list((await a.put(fp, toks, kv)).keys)
+            await until(lambda: _held_in_redis(redis_port, keys[-1]), "A's last block published")
+            assert (await b.lookup(fp, toks)).matched_tokens == len(toks)
+            n, got = await b.get_prefix(fp, toks)
+            assert n == len(toks) and got is not None and torch.equal(got, kv)
+            assert (await b.stats()).cluster.remote_hits == 4

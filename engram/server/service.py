@@ -332,7 +332,7 @@ class EngramService:
                 if self.peers is None:
                     return walk, await _walked_refs(walk, _promised_tier(self.store))
                 walk.watch()  # before the fetch's awaits: a block removed meanwhile cuts the answer
-            refill = await self.peers.fill(ns, fingerprint, tokens, walk.full_tokens())
+            refill = await self.peers.fill(ns, fingerprint, tokens, *walk.whole())
             if refill:
                 walk.close()
                 walk = self.store.walk(ns, fingerprint, tokens)
