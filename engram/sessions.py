@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import heapq
 import itertools
 import logging
@@ -50,6 +51,7 @@ from engram.index import BlockMeta
 from engram.keys import block_key
 from engram.layout import DType, KVLayout, LayerKind, ModelSpec
 from engram.logbudget import LogBudget
+from engram.loopturns import SLICE_BLOCKS, LoopTurns, pause
 from engram.replay.costmodel import CostModel, FidelityFloor, NoAllowedOption
 from engram.replay.model import ReplayModel, SwaWindow
 from engram.replay.reconstruct import Reconstruction, ReplayMode
@@ -151,6 +153,7 @@ class Session:
     expected: Expected = field(default_factory=Expected)  # when its client said it is back (its blocks point here)
     active_ms: float = 0.0  # the eviction model's clock at its last call: idle past idle_close_s, it is closed
     awaiting: bytes = b""  # the key of its prefix's next block, not stored yet: referenced when it is put
+    holds: int = 0  # holds of its prefix begun: a hold in slices stops once a later one began (`hold_in_slices`)
 
     def seen_by(self, tenant: str) -> bool:
         """Whether a call of `tenant` may name this session: its owner's, an admin's or any with tenancy off ("").
@@ -316,13 +319,16 @@ class SessionManager:
         self._closed_idle: OrderedDict[tuple[str, str], tuple[float, str]] = OrderedDict()
         # key of a block not stored yet -> the sessions whose prefix continues with it (`_await_next`)
         self._awaiting: dict[bytes, dict[tuple[str, str], Session]] = {}
+        # A tenant's long walks of a prefix, one at a time: shared with Lookup and GetPrefix (engram/loopturns.py)
+        self.turns = LoopTurns()
         store.on_cold(self._block_went_cold)
         store.index.listeners.append(self._indexed)
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
     def open(self, namespace: str, fingerprint: bytes, mode: SessionMode, approx_k: float = 0.0, session_id: str = "",
-             tokens: np.ndarray | None = None, *, tenant: str = "") -> Session:
+             tokens: np.ndarray | None = None, *, tenant: str = "", hold: bool = True) -> Session:
+        """hold=False: the caller holds its prefix's blocks next (`hold_in_slices`)."""
         spec = self.store.spec(fingerprint)
         limits.check_session_id(session_id)
         limits.check_approx_k(approx_k)
@@ -348,15 +354,62 @@ class SessionManager:
         self._per_namespace[namespace] += 1
         self._closed_idle.pop((namespace, sid), None)
         self._touch(s)
-        self.hold(s)
+        if hold:
+            self.hold(s)
         return s
 
     def hold(self, s: Session) -> None:
         """Re-resolve the blocks of the session's prefix and move its references to them; the next block of
         the prefix that is not stored yet is awaited, so a put that lands after the append is held too."""
+        s.holds += 1
         match = self.store.match(s.namespace, s.fingerprint, s.tokens)
         self.hold_blocks(s, match.blocks)
         self._await_next(s, match.blocks[-1] if match.blocks else None, match.matched_tokens)
+
+    def turn(self, s: Session, n_tokens: int, tenant: str) -> contextlib.AbstractAsyncContextManager[None]:
+        """`tenant`'s turn for a walk of more than a slice of the session's blocks (engram/loopturns.py); none for
+        a shorter one."""
+        if n_tokens <= SLICE_BLOCKS * self.store.spec(s.fingerprint).layout.block_tokens:
+            return contextlib.nullcontext()
+        return self.turns.turn(tenant)
+
+    async def hold_in_slices(self, s: Session, tenant: str) -> None:
+        """`hold`, its prefix walked (BlockStore.lookup_walk) and its new references taken `SLICE_BLOCKS` at a time
+        with a turn of the event loop between slices, in `tenant`'s turn: a session of a million tokens is tens of
+        thousands of blocks, and in one go its Open, Append, Fork or Resume held every tenant's calls for up to
+        ~200 ms (session 49). A hold begun later (another call on the session), or the session's close, stops it
+        between slices: each slice leaves the references and `held` agreeing, and the later call holds the rest."""
+        s.holds += 1
+        mine, tokens = s.holds, s.tokens
+        async with self.turn(s, len(tokens), tenant):
+            walk = self.store.walk(s.namespace, s.fingerprint, tokens)
+            try:
+                await self.store.lookup_walk(walk)
+                blocks, matched = walk.found(), walk.matched_tokens()
+            finally:
+                walk.close()
+            if not self._holding(s, mine):
+                return
+            held = s.held
+            same = list(map(operator.is_, blocks, held.values()))
+            k = same.index(False) if False in same else len(same)
+            if k < len(held):  # the prefix changed inside (a block evicted and put again): rare, in one go
+                self.hold_blocks(s, blocks)
+            else:  # the common case: it grew (Append), or is new (Open, Fork); a Resume's is the same
+                self._stop_awaiting(s)  # no block is added behind this hold's back: `_indexed` extends the held tail
+                for start in range(k, len(blocks), SLICE_BLOCKS):
+                    if start > k:
+                        await pause()
+                        if not self._holding(s, mine):
+                            return
+                    part = blocks[start : start + SLICE_BLOCKS]
+                    self.store.reference(part, +1, s.expected)
+                    s.held.update((m.key, m) for m in part)
+            self._await_next(s, blocks[-1] if blocks else None, matched)
+
+    def _holding(self, s: Session, hold: int) -> bool:
+        """Whether a hold in slices (`hold`, its number) may go on: the session is live and no later hold began."""
+        return s.holds == hold and self._sessions.get((s.namespace, s.id)) is s
 
     def _await_next(self, s: Session, last: BlockMeta | None, matched: int) -> None:
         """Register the key of the block after `last` (the end of the session's stored prefix, `matched`
@@ -562,10 +615,11 @@ class SessionManager:
             await asyncio.sleep(period)
 
     def append(self, namespace: str, session_id: str, tokens: np.ndarray, window: Window | None = None,
-               expect_back_ms: float = 0.0, *, tenant: str = "") -> Session:
+               expect_back_ms: float = 0.0, *, tenant: str = "", hold: bool = True) -> Session:
         """A turn: the session's tokens grow (and, in persist mode, its window is replaced, counted against
         `tenant`'s share). expect_back_ms: when the client expects the session's next turn (`expect_back`);
-        each turn says it again, or the hint lapses."""
+        each turn says it again, or the hint lapses. hold=False: the caller holds its prefix's blocks next
+        (`hold_in_slices`)."""
         s = self.get(namespace, session_id, tenant)
         limits.check_expect_back_ms(expect_back_ms)  # before anything of the session changes
         self._touch(s)
@@ -593,7 +647,8 @@ class SessionManager:
                     s.tokens = self.live_tokens.take(s.tokens, s.namespace, was, "these tokens", replacing=grown)
                 raise
         s.tokens = grown
-        self.hold(s)
+        if hold:
+            self.hold(s)
         if window is None and s.mode != SessionMode.PERSIST:
             self._drop_hot(s)  # a window for the old length is stale
             if s.kept:
@@ -606,17 +661,18 @@ class SessionManager:
         is, to the session's opener; the caller re-resolves its blocks (`hold`)."""
         s.tokens = self.live_tokens.take(tokens, s.namespace, s.tenant, "these tokens", replacing=s.tokens)
 
-    def fork(self, namespace: str, parent_id: str, session_id: str = "", position: int = 0, *, tenant: str = ""
-             ) -> Session:
+    def fork(self, namespace: str, parent_id: str, session_id: str = "", position: int = 0, *, tenant: str = "",
+             hold: bool = True) -> Session:
         """A sub-agent starting from its parent's prefix: tokens are copied, blocks are shared by content. The
-        child is `tenant`'s (the forking token's), as if it had opened it."""
+        child is `tenant`'s (the forking token's), as if it had opened it. hold=False: the caller holds its
+        prefix's blocks next (`hold_in_slices`)."""
         parent = self.get(namespace, parent_id, tenant)
         self._touch(parent)
         p = position or len(parent.tokens)
         if p > len(parent.tokens):
             raise InvalidArgument(f"fork position {p} is past the parent's {len(parent.tokens)} tokens")
         child = self.open(namespace, parent.fingerprint, parent.mode, parent.approx_k, session_id, parent.tokens[:p],
-                          tenant=tenant)
+                          tenant=tenant, hold=hold)
         child.parent = parent.id
         if parent.window is not None and parent.window.prefix_len == p:
             if child.mode == SessionMode.PERSIST:
@@ -640,21 +696,40 @@ class SessionManager:
         return s
 
     def close(self, namespace: str, session_id: str, *, tenant: str = "") -> Session:
+        s, dropped = self._closing(namespace, session_id, tenant)
+        self.store.reference(dropped, -1, s.expected)
+        self._hand_back(s, dropped)
+        return s
+
+    async def close_in_slices(self, namespace: str, session_id: str, *, tenant: str = "") -> Session:
+        """`close`, whose references are dropped `SLICE_BLOCKS` at a time with a turn of the event loop between
+        slices, in `tenant`'s turn (`hold_in_slices`): the session is gone at once, its blocks unreferenced soon
+        after."""
+        s, dropped = self._closing(namespace, session_id, tenant)
+        async with self.turn(s, len(dropped) * self.store.spec(s.fingerprint).layout.block_tokens, tenant):
+            for start in range(0, len(dropped), SLICE_BLOCKS):
+                if start:
+                    await pause()
+                part = dropped[start : start + SLICE_BLOCKS]
+                self.store.reference(part, -1, s.expected)
+                self._hand_back(s, part)
+        return s
+
+    def _closing(self, namespace: str, session_id: str, tenant: str) -> tuple[Session, list[BlockMeta]]:
+        """Close the session but for its references: the blocks it held, which the caller lets go of."""
         s = self.get(namespace, session_id, tenant)
         self._drop_hot(s)
         if s.kept:
             self._release_window(s)
         self._stop_awaiting(s)
         dropped = list(s.held.values())
-        self.store.reference(dropped, -1, s.expected)
-        self._hand_back(s, dropped)
         s.held = {}
         self.live_tokens.give_back(s.tokens)
         del self._sessions[(namespace, session_id)]
         self._per_namespace[namespace] -= 1
         if not self._per_namespace[namespace]:
             del self._per_namespace[namespace]
-        return s
+        return s, dropped
 
     def check_length(self, n: int) -> None:
         """A session's length bound, server.max_tokens_per_request (the same number as a request's): a request past
@@ -734,18 +809,33 @@ class SessionManager:
             raise InvalidArgument(f"session {session_id} has no tokens to resume from; append some first")
         if p > len(s.tokens):
             raise InvalidArgument(f"position {p} is past the session's end ({len(s.tokens)} tokens)")
-        match = self.store.lookup(namespace, s.fingerprint, s.tokens[:p])
-        self.hold(s)
-        if match.matched_tokens < p:
+        tokens = s.tokens[:p]
+        async with self.turn(s, p, tenant):  # walked a slice at a time (`hold_in_slices`)
+            walk = self.store.walk(namespace, s.fingerprint, tokens)
+            try:
+                await self.store.lookup_walk(walk)
+                blocks, matched = tuple(walk.found()), walk.matched_tokens()  # none removed since: each has its copies
+            finally:
+                walk.close()
+            if matched == p:
+                self.store.acquire(blocks)
+            try:
+                await self.store.count_lookup(p, blocks, matched)
+            except BaseException:
+                if matched == p:
+                    self.store.release(blocks)
+                raise
+        if matched < p:
+            await self.hold_in_slices(s, tenant)
             raise FailedPrecondition(
-                f"the global KV of positions [{match.matched_tokens}, {p}) is not stored (never put, or evicted); "
+                f"the global KV of positions [{matched}, {p}) is not stored (never put, or evicted); "
                 "put it again, then Resume"
             )
-        self.store.acquire(match.blocks)  # no await since the lookup: every block has its copies
         try:
-            return await self._resume_leased(s, p, match.blocks, tenant, stage)
+            await self.hold_in_slices(s, tenant)
+            return await self._resume_leased(s, p, blocks, tenant, stage)
         except BaseException:
-            self.store.release(match.blocks)
+            self.store.release(blocks)
             raise
 
     async def _resume_leased(self, s: Session, p: int, blocks: tuple[BlockMeta, ...], tenant: str,

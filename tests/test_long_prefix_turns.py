@@ -13,9 +13,12 @@ from typing import Any
 import grpc
 import pytest
 
+from engram.api import SessionMode
 from engram.client import EngramClient
 from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
-from engram.loopturns import SLICE_BLOCKS
+from engram.loopturns import SLICE_BLOCKS, pause
+from engram.replay.runtime import ReplayRuntime
+from engram.sessions import SessionManager
 from engram.v1 import engram_pb2 as pb
 
 from helpers import dram_store, put_raw_chain, random_kv, tiny_model, tokens
@@ -110,3 +113,128 @@ async def test_a_walk_ends_before_a_block_removed_between_its_slices() -> None:
     finally:
         walk.close()
     assert not store.index._walks  # closed: it hears of no more removals
+
+
+@pytest.mark.parametrize("transport", ["unix"])
+@pytest.mark.parametrize("method", ["OpenSession", "AppendSession", "ForkSession", "Resume"])
+async def test_another_tenants_lookup_finishes_while_one_tenants_long_sessions_are_held(server_factory: Any,
+                                                                                        method: str) -> None:
+    """A session call re-matches its whole prefix and references its blocks (a Resume looks it up too): bob keeps 12
+    such calls of 8,192-block sessions in flight, and each of alice's short Lookups finishes while at most a couple
+    of bob's do (counted, not timed). Main held each in one go on the loop (~200 ms for a million tokens, session
+    49), so each of alice's waited for all of those queued ahead of it."""
+    srv = await server_factory(**AUTH)
+    spec, n_blocks, workers = minimal(), 8192, 12
+    big = tokens(n_blocks * 16, seed=7)
+    md = (("authorization", f"Bearer {BOB}"),)
+    async with EngramClient(srv.address, token=BOB, namespace="bob") as b, \
+            EngramClient(srv.address, token=ALICE, namespace="alice") as a:
+        fpb = await b.register_model(spec)
+        assert (await b.put(fpb, big, random_kv(spec, len(big), seed=1))).stored == n_blocks
+        fpa = await a.register_model(tiny_model())
+        small = tokens(64, seed=2)
+        await a.put(fpa, small, random_kv(tiny_model(), 64))
+        open_raw = pb.OpenSessionRequest(namespace="bob", model_fingerprint=fpb, mode=pb.REPLAY_MODE_PERSIST,
+                                         tokens=big.tolist()).SerializeToString()
+        done, stop = [0], asyncio.Event()
+        async with grpc.aio.insecure_channel(srv.address, options=[("grpc.max_receive_message_length", -1)]) as ch:
+            def unary(name: str) -> Any:
+                return ch.unary_unary(f"/engram.v1.Engram/{name}", request_serializer=None,
+                                      response_deserializer=None)
+
+            open_session, close = unary("OpenSession"), unary("CloseSession")
+            resume = ch.unary_stream("/engram.v1.Engram/Resume", request_serializer=None, response_deserializer=None)
+            call = unary(method) if method != "Resume" else None
+
+            async def bob() -> None:
+                own = pb.SessionInfo.FromString(await open_session(open_raw, metadata=md))
+                ref = pb.SessionRef(namespace="bob", session_id=own.session_id)
+                raw = {"AppendSession": pb.AppendSessionRequest(session=ref), "ForkSession": pb.ForkSessionRequest(
+                    parent=ref), "Resume": pb.ResumeRequest(session=ref)}.get(method, pb.OpenSessionRequest())
+                while not stop.is_set():
+                    if method == "Resume":
+                        async for _ in resume(raw.SerializeToString(), metadata=md):
+                            pass
+                    else:
+                        answer = pb.SessionInfo.FromString(await call(raw.SerializeToString() if method !=
+                                                                      "OpenSession" else open_raw, metadata=md))
+                        assert answer.tokens == len(big)
+                        if method in ("OpenSession", "ForkSession"):
+                            await close(pb.SessionRef(namespace="bob", session_id=answer.session_id)
+                                        .SerializeToString(), metadata=md)
+                    done[0] += 1
+
+            hammer = [asyncio.create_task(bob()) for _ in range(workers)]
+            try:
+                while done[0] < workers:  # every worker's first call answered: the next ones queue behind others
+                    assert not any(t.done() for t in hammer)
+                    await asyncio.sleep(0.01)
+                during = []
+                for _ in range(5):
+                    before = done[0]
+                    assert (await a.lookup(fpa, small)).matched_tokens == 64
+                    during.append(done[0] - before)
+                    await asyncio.sleep(0.01)
+            finally:
+                stop.set()
+                await asyncio.gather(*hammer)
+        assert statistics.median(during) <= 2, during
+
+
+@pytest.mark.parametrize("transport", ["unix"])
+async def test_a_lookup_cut_by_a_removal_between_its_slices_counts_only_what_it_answers(server_factory: Any) -> None:
+    """Bob's Lookup of a 4,096-block prefix: once its walk is done and its answer is being built a slice at a time,
+    the chain's last 300 blocks are removed (leaves first, as `engram evict` does). The answer ends before them,
+    and the lookup counts what it answered: its hit tokens, and a use (a recency bump) of the blocks it named only.
+    Main counted the whole walk's hits and used every block it found."""
+    srv = await server_factory()
+    spec, n_blocks = minimal(), 4096
+    big = tokens(n_blocks * 16, seed=7)
+    store = srv.store
+    async with EngramClient(srv.address, namespace="bob") as b:
+        fp = await b.register_model(spec)
+        assert (await b.put(fp, big, random_kv(spec, len(big), seed=1))).stored == n_blocks
+        chain = store.match("bob", fp, big).blocks
+        ticks = [m.tick for m in chain]
+
+        async def remove_the_tail_once_walked() -> None:
+            while not (walks := store.index._walks.get("bob")) or not walks[0].done:
+                await asyncio.sleep(0)
+            for meta in reversed(chain[-300:]):
+                await store.remove(meta)
+
+        before = (store.counters.lookups, store.counters.lookup_hit_tokens, store.counters.lookup_miss_tokens)
+        remover = asyncio.create_task(remove_the_tail_once_walked())
+        answer = await b.lookup(fp, big)
+        await remover
+    n = len(answer.blocks)
+    assert n < n_blocks and answer.matched_tokens == 16 * n  # cut: the removal landed while it was answered
+    after = (store.counters.lookups, store.counters.lookup_hit_tokens, store.counters.lookup_miss_tokens)
+    assert after == (before[0] + 1, before[1] + answer.matched_tokens, before[2] + len(big) - answer.matched_tokens)
+    assert all(m.tick != t for m, t in zip(chain[:n], ticks[:n], strict=True))  # the answered blocks were used
+    assert all(m.tick == t for m, t in zip(chain[n:], ticks[n:], strict=True)), "blocks past the answer were used"
+
+
+async def test_a_session_held_in_slices_references_its_whole_prefix_and_a_close_midway_leaves_none() -> None:
+    """A session's prefix of 3 slices held a slice at a time (as OpenSession does) references every block once; one
+    closed while its hold is between slices leaves no reference behind (each slice's references are in the session's
+    `held`, which the close lets go of, and the hold stops there)."""
+    spec = tiny_model()
+    n = 3 * SLICE_BLOCKS
+    store, fp = dram_store(capacity_blocks=n + 8)
+    keys = await put_raw_chain(store, "ns", spec, seed=3, n_blocks=n)
+    toks = tokens(n * spec.layout.block_tokens, seed=3)
+    sm = SessionManager(store, ReplayRuntime([]))
+    whole = sm.open("ns", fp, SessionMode.PERSIST, session_id="whole", tokens=toks, hold=False)
+    await sm.hold_in_slices(whole, "")
+    assert list(whole.held) == keys and all(store.block(k).refs == 1 for k in keys)  # type: ignore[union-attr]
+    sm.close("ns", "whole")
+
+    halfway = sm.open("ns", fp, SessionMode.PERSIST, session_id="halfway", tokens=toks, hold=False)
+    holding = asyncio.create_task(sm.hold_in_slices(halfway, ""))
+    while not halfway.held:  # its first slice of references is taken
+        await pause()
+    assert len(halfway.held) < n
+    await sm.close_in_slices("ns", "halfway")
+    await holding
+    assert not halfway.held and all(store.block(k).refs == 0 for k in keys)  # type: ignore[union-attr]

@@ -68,11 +68,11 @@ async def test_the_probe_sees_a_lookup_that_walks_another_namespace(daemon: Runn
     the owner holds, and the probe must say so."""
     lookup_walk = BlockStore.lookup_walk  # what Lookup and GetPrefix walk their prefix with
 
-    async def shared_walk(self: BlockStore, walk: Any, *, use: bool = True) -> None:
+    async def shared_walk(self: BlockStore, walk: Any) -> None:
         for ns in self.namespaces_in_use():
             if ns != walk.namespace:
                 self.match(ns, walk.model_fingerprint, walk.tokens)
-        await lookup_walk(self, walk, use=use)
+        await lookup_walk(self, walk)
 
     monkeypatch.setattr(BlockStore, "lookup_walk", shared_walk)
     runs = await three_runs(daemon)

@@ -39,7 +39,7 @@ from engram.index import BlockMeta, PrefixWalk
 from engram.inspection import Inspector
 from engram.leases import Lease, LeaseTable
 from engram.limits import check_namespace
-from engram.loopturns import SLICE_BLOCKS, LoopTurns, pause
+from engram.loopturns import SLICE_BLOCKS, pause
 from engram.server.arrival import each_request, one_request
 from engram.server.auth import caller, guard, is_admin, is_peer, namespace_for, tenant_of, visible_namespaces
 from engram.server.errors import streaming, unary
@@ -264,7 +264,7 @@ class EngramService:
         self.receive_budget = ReceiveBudget(int(config.receive_buffer_bytes), share, config.receive_buffer_wait_s)
         self.sessions = sessions
         self.leases = LeaseTable(store, config.lease_s, config.max_leased_blocks_per_namespace)
-        self.turns = LoopTurns()  # a tenant's long matches, one at a time (engram/loopturns.py)
+        self.turns = sessions.turns  # a tenant's long walks, one at a time, its sessions' too (engram/loopturns.py)
         self.pool = shared_pool(store.tiers)  # None: no shared DRAM pool, Gets answer with bytes only
         self.ipc_pool = ipc_pool(store.tiers)  # the HBM pool, when workers can open it by CUDA IPC
         self._engine: Any = None  # the DMA engine of HBM promotions, made on first use
@@ -305,9 +305,9 @@ class EngramService:
         # A probe asks without using: the eviction order counts the read that follows, once (LookupRequest.probe).
         use = not req.probe
         self.check_model(req.model_fingerprint)
-        walk, refs = await self._walk(ns, req.model_fingerprint, tokens, use=use)
+        walk, refs, matched = await self._walk(ns, req.model_fingerprint, tokens, use=use)
         try:
-            return pb.LookupResponse(matched_tokens=walk.matched_tokens(), blocks=refs)
+            return pb.LookupResponse(matched_tokens=matched, blocks=refs)
         finally:
             walk.close()
 
@@ -317,20 +317,22 @@ class EngramService:
             return contextlib.nullcontext()
         return self.turns.turn(tenant_of(None))
 
-    async def _walk(self, ns: str, fingerprint: bytes, tokens: Any, *, use: bool = True
-                    ) -> tuple[PrefixWalk, list[pb.BlockRef]]:
+    async def _walk(self, ns: str, fingerprint: bytes, tokens: Any, *, use: bool | None = True
+                    ) -> tuple[PrefixWalk, list[pb.BlockRef], int]:
         """The stored prefix of `tokens`, walked and answered a slice at a time (BlockStore.lookup_walk,
-        `_walked_refs`) in the caller's tenant's turn; with the cluster tier, the missing full blocks are fetched
-        from peers first, and the prefix walked again. The fetch waits outside the turn: a peer may take
-        cluster.fetch_timeout_s per block, and the turn is for Python work on the loop (holding it there made a
-        tenant's long calls, every caller's with tenancy off, wait for each other's peers: 4 calls on a frozen peer
-        ended at 5, 10, 15, 15 s, a review, session 48). The caller closes the walk."""
+        `_walked_refs`) in the caller's tenant's turn, and counted as a lookup of what it answers (`use`: whether
+        its blocks count as used; None: the caller counts, its answer may be cut later); with the cluster tier, the
+        missing full blocks are fetched from peers first, and the prefix walked again. The fetch waits outside the
+        turn: a peer may take cluster.fetch_timeout_s per block, and the turn is for Python work on the loop (holding
+        it there made a tenant's long calls, every caller's with tenancy off, wait for each other's peers: 4 calls on
+        a frozen peer ended at 5, 10, 15, 15 s, a review, session 48). Returns the walk (the caller closes it), its
+        answer's refs and matched tokens."""
         walk = self.store.walk(ns, fingerprint, tokens)
         try:
             async with self._turn(fingerprint, tokens):
-                await self.store.lookup_walk(walk, use=use)
+                await self.store.lookup_walk(walk)
                 if self.peers is None:
-                    return walk, await _walked_refs(walk, _promised_tier(self.store))
+                    return await self._answered(walk, use)
                 walk.watch()  # before the fetch's awaits: a block removed meanwhile cuts the answer
             refill = await self.peers.fill(ns, fingerprint, tokens, *walk.whole())
             if refill:
@@ -338,11 +340,20 @@ class EngramService:
                 walk = self.store.walk(ns, fingerprint, tokens)
             async with self._turn(fingerprint, tokens):
                 if refill:
-                    await self.store.lookup_walk(walk, use=use)
-                return walk, await _walked_refs(walk, _promised_tier(self.store))
+                    await self.store.lookup_walk(walk)
+                return await self._answered(walk, use)
         except BaseException:
             walk.close()
             raise
+
+    async def _answered(self, walk: PrefixWalk, use: bool | None) -> tuple[PrefixWalk, list[pb.BlockRef], int]:
+        """The walk's answer (`_walked_refs`) and its matched tokens, counted as a lookup of it unless `use` is None
+        (taken in one step: a block removed during the uses that follow no longer changes the answer)."""
+        refs = await _walked_refs(walk, _promised_tier(self.store))
+        matched = walk.matched_tokens()
+        if use is not None:
+            await self.store.count_lookup(len(walk.tokens), walk.found(), matched, use=use)
+        return walk, refs, matched
 
     @unary
     async def Put(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> pb.PutResponse:
@@ -474,9 +485,14 @@ class EngramService:
         self.leases.release_known(ns, list(req.release_lease_ids))  # expired ones ended by themselves
         tokens = convert.tokens_from_pb(req.tokens)
         self.check_model(req.model_fingerprint)
-        walk, refs = await self._walk(ns, req.model_fingerprint, tokens)
+        walk, refs, _ = await self._walk(ns, req.model_fingerprint, tokens, use=None)
         try:
-            return await self._prefix_header(req, ns, walk, refs)
+            header = await self._prefix_header(req, ns, walk, refs)
+            # Counted as answered: a block that left during its copy-up cut the answer
+            answered, matched = walk.found(), walk.matched_tokens()
+            async with self._turn(req.model_fingerprint, tokens):
+                await self.store.count_lookup(len(tokens), answered, matched)
+            return header
         finally:
             walk.close()
 
@@ -865,8 +881,10 @@ class EngramService:
         check_limit("OpenSession tokens", len(req.tokens), self.config.max_tokens_per_request)
         ns, tokens = namespace_for(context, req.namespace), convert.tokens_from_pb(req.tokens)
         self.check_model(req.model_fingerprint)
-        s = self.sessions.open(ns, req.model_fingerprint, mode, req.approx_k, req.session_id, tokens,
-                               tenant=self._tenant(context))
+        tenant = self._tenant(context)
+        s = self.sessions.open(ns, req.model_fingerprint, mode, req.approx_k, req.session_id, tokens, tenant=tenant,
+                               hold=False)
+        await self.sessions.hold_in_slices(s, tenant)  # a long prefix a slice at a time, in the tenant's turn
         return self._session_info(s)
 
     @unary
@@ -878,15 +896,19 @@ class EngramService:
                                        + n)
         check_limit("AppendSession tokens", n, self.config.max_tokens_per_request)
         window = _window_from_pb(req.window) if req.HasField("window") else None
+        tenant = self._tenant(context)
         s = self.sessions.append(ns, req.session.session_id, convert.tokens_from_pb(req.tokens), window,
-                                 req.expect_back_ms, tenant=self._tenant(context))
+                                 req.expect_back_ms, tenant=tenant, hold=False)
+        await self.sessions.hold_in_slices(s, tenant)
         return self._session_info(s)
 
     @unary
     async def ForkSession(self, request: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
         req = decoded(request)
+        tenant = self._tenant(context)
         s = self.sessions.fork(namespace_for(context, req.parent.namespace), req.parent.session_id, req.session_id,
-                               req.position, tenant=self._tenant(context))
+                               req.position, tenant=tenant, hold=False)
+        await self.sessions.hold_in_slices(s, tenant)
         return self._session_info(s)
 
     @unary
@@ -898,7 +920,8 @@ class EngramService:
     @unary
     async def CloseSession(self, request: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
         req = decoded(request)
-        s = self.sessions.close(namespace_for(context, req.namespace), req.session_id, tenant=self._tenant(context))
+        s = await self.sessions.close_in_slices(namespace_for(context, req.namespace), req.session_id,
+                                                tenant=self._tenant(context))
         return self._session_info(s)
 
     @streaming

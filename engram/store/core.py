@@ -188,22 +188,29 @@ class BlockStore:
         return self.index.walk(namespace, model_fingerprint, tokens, spec.layout.block_tokens,
                                self.namespaces.salt(namespace))
 
-    async def lookup_walk(self, walk: PrefixWalk, *, use: bool = True) -> None:
-        """`lookup` of a walk, `SLICE_BLOCKS` at a time with a turn of the event loop between slices (a long
-        prefix); a walk done in one slice never awaits. Each slice's blocks are used as it finds them (all are
-        indexed then); watched from its first turn, so the answer ends before a block removed meanwhile."""
-        used = 0
+    async def lookup_walk(self, walk: PrefixWalk) -> None:
+        """Walk to its end, `SLICE_BLOCKS` at a time with a turn of the event loop between slices (a long prefix);
+        a walk done in one slice never awaits. Watched from its first turn, so the answer ends before a block
+        removed meanwhile. Nothing is counted: the caller counts what it answers (`count_lookup`)."""
         while not walk.step(SLICE_BLOCKS):
-            if use:
-                self.placement.use_all(walk.blocks[used:])
-                used = len(walk.blocks)
             walk.watch()
             await pause()
-        if use:
-            self.placement.use_all(walk.blocks[used:] if used else walk.blocks)
+
+    async def count_lookup(self, asked: int, answered: Sequence[BlockMeta], matched: int, *, use: bool = True
+                           ) -> None:
+        """Count a lookup of `asked` tokens by its answer: the blocks and tokens the caller answered, which a block
+        removed between a walk's slices cut (the blocks past the cut were neither hits nor uses). use=False: a
+        client's probe, counted as a lookup but not as a use (`lookup`). The uses go `SLICE_BLOCKS` at a time with a
+        turn of the event loop between slices (a long prefix's are tens of milliseconds)."""
         self.counters.lookups += 1
-        self.counters.lookup_hit_tokens += walk.matched_tokens()
-        self.counters.lookup_miss_tokens += len(walk.tokens) - walk.matched_tokens()
+        self.counters.lookup_hit_tokens += matched
+        self.counters.lookup_miss_tokens += asked - matched
+        if not use:
+            return
+        for start in range(0, len(answered), SLICE_BLOCKS):
+            if start:
+                await pause()
+            self.placement.use_all(answered[start : start + SLICE_BLOCKS])
 
     def lookup_keys(self, namespace: str, model_fingerprint: bytes, keys: Sequence[bytes]) -> PrefixMatch:
         """`lookup` for a caller that derived the chain's keys itself (the trace replayer hashes each distinct
