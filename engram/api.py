@@ -106,6 +106,7 @@ class SessionInfo:
     persisted: bool = False  # its window is kept through going cold (persist mode, or auto's choice)
     decision: str = ""  # auto mode: the cost model's last choice and why
     expect_back_ms: int = 0  # what its last append said of its next turn (0: nothing)
+    owner: str = ""  # the tenant that opened (or forked) it; "": an admin's, or tenancy off
 
     @property
     def state(self) -> str:

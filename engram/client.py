@@ -1155,8 +1155,8 @@ class EngramClient(ControlClient):
 
     # ---- sessions ----------------------------------------------------------------------------------
 
-    def _ref(self, session_id: str, namespace: str | None) -> pb.SessionRef:
-        return pb.SessionRef(namespace=self._ns(namespace), session_id=session_id)
+    def _ref(self, session_id: str, namespace: str | None, owner: str = "") -> pb.SessionRef:
+        return pb.SessionRef(namespace=self._ns(namespace), session_id=session_id, owner=owner)
 
     async def _session_call(self, coro: Coroutine[Any, Any, pb.SessionInfo]) -> SessionInfo:
         return convert.from_pb(SessionInfo, await self._call(coro))
@@ -1200,9 +1200,10 @@ class EngramClient(ControlClient):
         """The session goes cold: a rebuilt window is dropped; a persisted one stays."""
         return await self._session_call(self._stub.SuspendSession(self._ref(session_id, namespace)))
 
-    async def close_session(self, session_id: str, *, namespace: str | None = None) -> SessionInfo:
-        """End the session: its window goes and its blocks lose the session's reference."""
-        return await self._session_call(self._stub.CloseSession(self._ref(session_id, namespace)))
+    async def close_session(self, session_id: str, *, namespace: str | None = None, owner: str = "") -> SessionInfo:
+        """End the session: its window goes and its blocks lose the session's reference. `owner`: an admin's, the
+        tenant whose session it is (ids are per tenant; needed when two tenants of the namespace hold the id)."""
+        return await self._session_call(self._stub.CloseSession(self._ref(session_id, namespace, owner)))
 
     async def resume(self, session_id: str, *, position: int = 0, namespace: str | None = None,
                      with_global_kv: bool = False) -> ResumeResult:

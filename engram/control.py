@@ -164,15 +164,18 @@ class ControlClient:
         return tuple(convert.from_pb(SessionSummary, s) for s in resp.sessions)
 
     async def describe_blocks(self, *, session_id: str = "", key_prefixes: Sequence[str] = (),
-                              namespace: str | None = None, all_namespaces: bool = False) -> BlockDescription:
+                              namespace: str | None = None, all_namespaces: bool = False, session_owner: str = ""
+                              ) -> BlockDescription:
         """A session's block chain (session_id), or the blocks named by hex keys or unique key prefixes: tiers,
-        codec, checksum, refcount, pins. NotFound when nothing matches; InvalidArgument for an ambiguous prefix."""
+        codec, checksum, refcount, pins. NotFound when nothing matches; InvalidArgument for an ambiguous prefix.
+        `session_owner`: an admin's, the tenant whose session_id it is (ids are per tenant)."""
         prefixes = list(key_prefixes)
         step = self._request_bound(len(prefixes))
         reply = pb.DescribeBlocksResponse()
         for start in range(0, max(len(prefixes), 1), step):  # in parts, as puts and gets
             req = pb.DescribeBlocksRequest(namespace=self._ns(namespace), all_namespaces=all_namespaces,
-                                           session_id=session_id, key_prefixes=prefixes[start : start + step])
+                                           session_id=session_id, key_prefixes=prefixes[start : start + step],
+                                           session_owner=session_owner)
             reply.MergeFrom(await self._call(self._stub.DescribeBlocks(req)))
         return convert.from_pb(BlockDescription, reply)
 
@@ -183,16 +186,18 @@ class ControlClient:
 
     async def evict(self, *, key_prefixes: Sequence[str] = (), session_id: str = "", whole_namespace: bool = False,
                     force: bool = False, namespace: str | None = None, all_namespaces: bool = False,
-                    timeout_s: float | None = None) -> EvictResult:
+                    timeout_s: float | None = None, session_owner: str = "") -> EvictResult:
         """Evict blocks by key (with every block extending them), the blocks only a session uses, or a whole
         namespace. Pinned blocks refuse the request unless force; blocks being read are skipped and reported.
         NotFound when nothing matches (a key prefix, or a namespace holding no blocks). The daemon removes one
         block after another before it answers, minutes for a large namespace: the call waits the client's
         timeout_s and the namespace's blocks (every visible one's, when it is not listed) at
-        deadline.WORK_BLOCKS_PER_S (learned from Stats first), or `timeout_s` seconds when given."""
+        deadline.WORK_BLOCKS_PER_S (learned from Stats first), or `timeout_s` seconds when given. `session_owner`:
+        an admin's, the tenant whose session_id it is (ids are per tenant)."""
         ns = self._ns(namespace)
         req = pb.EvictRequest(namespace=ns, all_namespaces=all_namespaces, key_prefixes=list(key_prefixes),
-                              session_id=session_id, whole_namespace=whole_namespace, force=force)
+                              session_id=session_id, whole_namespace=whole_namespace, force=force,
+                              session_owner=session_owner)
 
         def work(st: Stats) -> tuple[int, int]:
             mine = [n.blocks for n in st.namespaces if n.namespace == ns and not all_namespaces]

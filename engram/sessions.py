@@ -20,6 +20,12 @@ A live session holds a reference to every stored block of its prefix (re-resolve
 and Resume, so blocks put since are picked up), and a forked sub-agent holds the same blocks, not copies.
 Eviction takes unreferenced blocks first (engram/eviction.py); CloseSession drops the references.
 Sessions live in daemon memory; they do not survive a restart (their blocks do).
+
+Session ids are per owner (`SessionKey`): in a namespace tenants share, each tenant's ids are its own, so a
+tenant opening an id another already holds gets a session of its own, as for a free id: "already exists" there
+told a tenant which ids the others use, and let it take the ids they would use next (an audit, session 48). An
+admin (and every caller with tenancy off) is one more owner, "", and sees every owner's sessions
+(`SessionManager.get`).
 """
 
 from __future__ import annotations
@@ -131,6 +137,9 @@ def holds_no_window(layout: KVLayout) -> bool:
                                           if layer.kind == LayerKind.SLIDING)
 
 
+SessionKey = tuple[str, str, str]  # (namespace, owner, session id): ids are per owner
+
+
 @dataclass
 class Session:
     id: str
@@ -141,6 +150,7 @@ class Session:
     approx_k: float
     parent: str = ""
     tenant: str = ""  # the token that opened (or forked) it, its owner; "": tenancy off, or an admin
+    parent_key: SessionKey | None = None  # the parent's key (a fork's parent may be another owner's: an admin's fork)
     window: Window | None = None  # hot (rebuilt) or persisted
     # Kept: the tenant whose share of persisted windows it counts against, the caller that made it kept (in a
     # namespace tenants share, not always the session's opener); hot: the caller whose Resume rebuilt it
@@ -154,6 +164,10 @@ class Session:
     active_ms: float = 0.0  # the eviction model's clock at its last call: idle past idle_close_s, it is closed
     awaiting: bytes = b""  # the key of its prefix's next block, not stored yet: referenced when it is put
     holds: int = 0  # holds of its prefix begun: a hold in slices stops once a later one began (`hold_in_slices`)
+
+    @property
+    def key(self) -> SessionKey:
+        return self.namespace, self.tenant, self.id
 
     def seen_by(self, tenant: str) -> bool:
         """Whether a call of `tenant` may name this session: its owner's, an admin's or any with tenancy off ("").
@@ -172,7 +186,8 @@ class Session:
                            model_fingerprint=self.fingerprint if model_seen else b"",
                            tokens=len(self.tokens), mode=self.mode, approx_k=self.approx_k, hot=w is not None,
                            window_prefix_len=w.prefix_len if w else 0, parent=self.parent, created_s=self.created,
-                           persisted=self.kept, decision=self.decision, expect_back_ms=int(self.expected.wait))
+                           persisted=self.kept, decision=self.decision, expect_back_ms=int(self.expected.wait),
+                           owner=self.tenant)
 
 
 @dataclass(frozen=True)
@@ -304,9 +319,11 @@ class SessionManager:
         self._persisted_bytes = 0
         self.max_persisted_window_bytes_per_tenant = max_persisted_window_bytes_per_tenant
         self._persisted_of: collections.Counter[str] = collections.Counter()  # tenant -> its sessions' window bytes
-        self._sessions: dict[tuple[str, str], Session] = {}
+        self._sessions: dict[SessionKey, Session] = {}
         self._per_namespace: collections.Counter[str] = collections.Counter()  # live sessions: Stats asks per namespace
-        self._hot: OrderedDict[tuple[str, str], None] = OrderedDict()  # rebuilt windows, LRU first
+        self._per_owner: collections.Counter[tuple[str, str]] = collections.Counter()  # (namespace, owner) -> live
+        self._owners: dict[tuple[str, str], list[str]] = {}  # (namespace, id) -> its owners: an admin's `get`
+        self._hot: OrderedDict[SessionKey, None] = OrderedDict()  # rebuilt windows, LRU first
         self.windows_dropped_cold = 0  # rebuilt windows dropped because their session's blocks left memory
         self.prefetch_lead_ms = prefetch_lead_ms
         self._due: list[tuple[float, int, Session, float]] = []  # (when to prefetch, seq, session, its due then)
@@ -314,11 +331,10 @@ class SessionManager:
         self.idle_close_s = idle_close_s
         self.closed_idle = 0  # sessions `close_idle` closed
         self._idle_said = LogBudget()  # each closed one is a line within it; the rest, a line a pass (`close_idle`)
-        # (namespace, id) -> (idle seconds, owner), of the last sessions closed idle: a later call of the owner on
-        # one says why it is gone
-        self._closed_idle: OrderedDict[tuple[str, str], tuple[float, str]] = OrderedDict()
+        # key -> idle seconds, of the last sessions closed idle: a later call of the owner on one says why it is gone
+        self._closed_idle: OrderedDict[SessionKey, float] = OrderedDict()
         # key of a block not stored yet -> the sessions whose prefix continues with it (`_await_next`)
-        self._awaiting: dict[bytes, dict[tuple[str, str], Session]] = {}
+        self._awaiting: dict[bytes, dict[SessionKey, Session]] = {}
         # A tenant's long walks of a prefix, one at a time: shared with Lookup and GetPrefix (engram/loopturns.py)
         self.turns = LoopTurns()
         store.on_cold(self._block_went_cold)
@@ -337,7 +353,7 @@ class SessionManager:
         if mode != SessionMode.PERSIST and not holds_no_window(spec.layout):
             self.runtime.require(spec)  # refuse now, not at the first Resume
         sid = session_id or uuid.uuid4().hex[:16]
-        if (namespace, sid) in self._sessions:
+        if (namespace, tenant, sid) in self._sessions:  # the caller's own id space (`SessionKey`)
             raise InvalidArgument(f"session {sid} already exists in this namespace; pick another id or omit it")
         limit = self.store.namespaces.max_sessions(namespace) or self.max_sessions_per_namespace
         if self.count_in(namespace) >= limit:
@@ -350,9 +366,11 @@ class SessionManager:
         # 32 GiB a tenant kept outside any bound. A fork's, a view of its parent's, are counted once.
         toks = self.live_tokens.take(toks, namespace, tenant, "this session's tokens")
         s = Session(sid, namespace, fingerprint, toks, mode, approx_k, tenant=tenant)
-        self._sessions[(namespace, sid)] = s
+        self._sessions[s.key] = s
         self._per_namespace[namespace] += 1
-        self._closed_idle.pop((namespace, sid), None)
+        self._per_owner[namespace, tenant] += 1
+        self._owners.setdefault((namespace, sid), []).append(tenant)
+        self._closed_idle.pop(s.key, None)
         self._touch(s)
         if hold:
             self.hold(s)
@@ -409,7 +427,7 @@ class SessionManager:
 
     def _holding(self, s: Session, hold: int) -> bool:
         """Whether a hold in slices (`hold`, its number) may go on: the session is live and no later hold began."""
-        return s.holds == hold and self._sessions.get((s.namespace, s.id)) is s
+        return s.holds == hold and self._sessions.get(s.key) is s
 
     def _await_next(self, s: Session, last: BlockMeta | None, matched: int) -> None:
         """Register the key of the block after `last` (the end of the session's stored prefix, `matched`
@@ -425,12 +443,12 @@ class SessionManager:
             last = self.store.index.get_in(s.namespace, last.parent)
         parent = last.key if last is not None else self.store.root(s.namespace, s.fingerprint)
         s.awaiting = block_key(parent, s.tokens[matched : matched + bt])
-        self._awaiting.setdefault(s.awaiting, {})[(s.namespace, s.id)] = s
+        self._awaiting.setdefault(s.awaiting, {})[s.key] = s
 
     def _stop_awaiting(self, s: Session) -> None:
         waiting = self._awaiting.get(s.awaiting) if s.awaiting else None
         if waiting is not None:
-            waiting.pop((s.namespace, s.id), None)
+            waiting.pop(s.key, None)
             if not waiting:
                 del self._awaiting[s.awaiting]
         s.awaiting = b""
@@ -442,7 +460,7 @@ class SessionManager:
         if not waiting:
             return
         for s in list(waiting.values()):
-            if s.namespace != meta.namespace or self._sessions.get((s.namespace, s.id)) is not s:
+            if s.namespace != meta.namespace or self._sessions.get(s.key) is not s:
                 continue
             # The awaited key extends the whole blocks it holds (each hold registers it anew): one more
             # reference, in place of the block it held there if any (a partial one, or one that diverges).
@@ -488,7 +506,7 @@ class SessionManager:
     def _hand_back(self, s: Session, dropped: Sequence[BlockMeta]) -> None:
         """Blocks the session let go of that its parent still holds point at the parent's hint again (a
         sub-agent that forked its parent's history ends: the history is the parent's, due back when it said)."""
-        parent = self._sessions.get((s.namespace, s.parent)) if s.parent else None
+        parent = self._sessions.get(s.parent_key) if s.parent_key else None
         if parent is None:
             return
         held, hint = parent.held, parent.expected
@@ -520,7 +538,7 @@ class SessionManager:
 
     def _current(self, s: Session, due: float) -> bool:
         """Whether a prefetch planned for `due` still stands: the session is open and has not re-hinted."""
-        return self._sessions.get((s.namespace, s.id)) is s and s.expected.due == due
+        return self._sessions.get(s.key) is s and s.expected.due == due
 
     async def prefetch_due(self) -> int:
         """Sessions due back within prefetch_lead_ms (by their clients' word) get their blocks below the top
@@ -544,15 +562,32 @@ class SessionManager:
                 log.exception("prefetch failed")
             await asyncio.sleep(period_s)
 
-    def get(self, namespace: str, session_id: str, tenant: str = "") -> Session:
-        """The session, for a call of `tenant` ("": an admin's, any with tenancy off, the daemon's own). Another
-        namespace's session, and another tenant's in a namespace they share (`Session.seen_by`), are reported
-        exactly like an absent one."""
-        s = self._sessions.get((namespace, session_id))
-        if s is None or not s.seen_by(tenant):
-            closed = self._closed_idle.get((namespace, session_id)) if s is None else None
-            if closed is not None and (not tenant or closed[1] == tenant):
-                raise NotFound(f"session {session_id!r} was closed after {closed[0]:.0f} s without a call "
+    def get(self, namespace: str, session_id: str, tenant: str = "", owner: str = "") -> Session:
+        """The session, for a call of `tenant` ("": an admin's, any with tenancy off, the daemon's own): a tenant's
+        own of that id; another namespace's session, and another tenant's in a namespace they share, are reported
+        exactly like an absent one (ids are per owner, `SessionKey`). An admin names any owner's: `owner` when
+        given ("" alone cannot say "the admins'": an admin's own id of that name is found first anyway), else its
+        own (owner "") if it holds the id, else the one tenant's that does; two tenants' of that id are ambiguous,
+        FAILED_PRECONDITION naming them, so an admin never acts on a session it did not mean."""
+        if tenant:
+            key: SessionKey = (namespace, tenant, session_id)
+        elif owner:
+            key = (namespace, owner, session_id)
+        else:
+            owners = self._owners.get((namespace, session_id), ())
+            if "" in owners or not owners:
+                key = (namespace, "", session_id)
+            elif len(owners) == 1:
+                key = (namespace, owners[0], session_id)
+            else:
+                raise FailedPrecondition(
+                    f"tenants {', '.join(sorted(owners))} each hold a session {session_id!r} in namespace "
+                    f"{namespace!r} (ids are per tenant): name the one you mean by its owner (SessionRef.owner)")
+        s = self._sessions.get(key)
+        if s is None:
+            closed = self._closed_idle.get(key)
+            if closed is not None:
+                raise NotFound(f"session {session_id!r} was closed after {closed:.0f} s without a call "
                                "(server.session_idle_s); open a new one (its blocks are still stored)")
             raise NotFound(f"no session {session_id!r} in this namespace")
         return s
@@ -565,7 +600,7 @@ class SessionManager:
         """A call on the session: it is not idle. Sessions stay in order of their last call, so `close_idle`
         looks at the idle ones only."""
         s.active_ms = self.store.placement.model.clock_ms()
-        key = (s.namespace, s.id)
+        key = s.key
         self._sessions[key] = self._sessions.pop(key)
 
     def close_idle(self) -> list[Session]:
@@ -585,11 +620,11 @@ class SessionManager:
             if s.expected.due and now - s.expected.due <= limit:
                 continue  # said it is back later: not abandoned yet
             try:
-                self.close(*key)
+                self.end(s)
             except Exception:  # one session's failure must not stop the closer for every other namespace
                 log.exception("closing idle session %r of namespace %r failed", s.id, s.namespace)
                 continue
-            self._closed_idle[key] = ((now - s.active_ms) / 1000.0, s.tenant)
+            self._closed_idle[key] = (now - s.active_ms) / 1000.0
             while len(self._closed_idle) > 4096:
                 self._closed_idle.popitem(last=False)
             closed.append(s)
@@ -615,12 +650,12 @@ class SessionManager:
             await asyncio.sleep(period)
 
     def append(self, namespace: str, session_id: str, tokens: np.ndarray, window: Window | None = None,
-               expect_back_ms: float = 0.0, *, tenant: str = "", hold: bool = True) -> Session:
+               expect_back_ms: float = 0.0, *, tenant: str = "", owner: str = "", hold: bool = True) -> Session:
         """A turn: the session's tokens grow (and, in persist mode, its window is replaced, counted against
         `tenant`'s share). expect_back_ms: when the client expects the session's next turn (`expect_back`);
         each turn says it again, or the hint lapses. hold=False: the caller holds its prefix's blocks next
         (`hold_in_slices`)."""
-        s = self.get(namespace, session_id, tenant)
+        s = self.get(namespace, session_id, tenant, owner)
         limits.check_expect_back_ms(expect_back_ms)  # before anything of the session changes
         self._touch(s)
         if window is not None and s.mode != SessionMode.PERSIST:
@@ -662,50 +697,56 @@ class SessionManager:
         s.tokens = self.live_tokens.take(tokens, s.namespace, s.tenant, "these tokens", replacing=s.tokens)
 
     def fork(self, namespace: str, parent_id: str, session_id: str = "", position: int = 0, *, tenant: str = "",
-             hold: bool = True) -> Session:
+             owner: str = "", hold: bool = True) -> Session:
         """A sub-agent starting from its parent's prefix: tokens are copied, blocks are shared by content. The
         child is `tenant`'s (the forking token's), as if it had opened it. hold=False: the caller holds its
         prefix's blocks next (`hold_in_slices`)."""
-        parent = self.get(namespace, parent_id, tenant)
+        parent = self.get(namespace, parent_id, tenant, owner)
         self._touch(parent)
         p = position or len(parent.tokens)
         if p > len(parent.tokens):
             raise InvalidArgument(f"fork position {p} is past the parent's {len(parent.tokens)} tokens")
         child = self.open(namespace, parent.fingerprint, parent.mode, parent.approx_k, session_id, parent.tokens[:p],
                           tenant=tenant, hold=hold)
-        child.parent = parent.id
+        child.parent, child.parent_key = parent.id, parent.key
         if parent.window is not None and parent.window.prefix_len == p:
             if child.mode == SessionMode.PERSIST:
                 try:
                     self._keep_window(child, parent.window, tenant)  # the child holds it too: counted once more
                 except ResourceExhausted:
-                    self.close(namespace, child.id)
+                    self.end(child)
                     raise
             else:
                 child.window, child.window_tenant = parent.window, tenant
                 self._mark_hot(child)
         return child
 
-    def suspend(self, namespace: str, session_id: str, *, tenant: str = "") -> Session:
+    def suspend(self, namespace: str, session_id: str, *, tenant: str = "", owner: str = "") -> Session:
         """The session goes cold: a rebuilt window is dropped (auto mode: or kept within `tenant`'s share, as
         its cost model decides); a persisted one stays."""
-        s = self.get(namespace, session_id, tenant)
+        s = self.get(namespace, session_id, tenant, owner)
         self._touch(s)
         if s.mode != SessionMode.PERSIST:
             self._cool(s, tenant)
         return s
 
-    def close(self, namespace: str, session_id: str, *, tenant: str = "") -> Session:
-        s, dropped = self._closing(namespace, session_id, tenant)
+    def close(self, namespace: str, session_id: str, *, tenant: str = "", owner: str = "") -> Session:
+        """CloseSession: the session `get` finds for the caller ends (`end`)."""
+        return self.end(self.get(namespace, session_id, tenant, owner))
+
+    def end(self, s: Session) -> Session:
+        """The session ends: its window goes, its blocks lose its references, its tokens are given back."""
+        dropped = self._ending(s)
         self.store.reference(dropped, -1, s.expected)
         self._hand_back(s, dropped)
         return s
 
-    async def close_in_slices(self, namespace: str, session_id: str, *, tenant: str = "") -> Session:
+    async def close_in_slices(self, namespace: str, session_id: str, *, tenant: str = "", owner: str = "") -> Session:
         """`close`, whose references are dropped `SLICE_BLOCKS` at a time with a turn of the event loop between
         slices, in `tenant`'s turn (`hold_in_slices`): the session is gone at once, its blocks unreferenced soon
         after."""
-        s, dropped = self._closing(namespace, session_id, tenant)
+        s = self.get(namespace, session_id, tenant, owner)
+        dropped = self._ending(s)
         async with self.turn(s, len(dropped) * self.store.spec(s.fingerprint).layout.block_tokens, tenant):
             for start in range(0, len(dropped), SLICE_BLOCKS):
                 if start:
@@ -715,9 +756,8 @@ class SessionManager:
                 self._hand_back(s, part)
         return s
 
-    def _closing(self, namespace: str, session_id: str, tenant: str) -> tuple[Session, list[BlockMeta]]:
-        """Close the session but for its references: the blocks it held, which the caller lets go of."""
-        s = self.get(namespace, session_id, tenant)
+    def _ending(self, s: Session) -> list[BlockMeta]:
+        """`end` but for the references: the blocks the session held, which the caller lets go of."""
         self._drop_hot(s)
         if s.kept:
             self._release_window(s)
@@ -725,11 +765,19 @@ class SessionManager:
         dropped = list(s.held.values())
         s.held = {}
         self.live_tokens.give_back(s.tokens)
-        del self._sessions[(namespace, session_id)]
+        del self._sessions[s.key]
+        namespace = s.namespace
         self._per_namespace[namespace] -= 1
         if not self._per_namespace[namespace]:
             del self._per_namespace[namespace]
-        return s, dropped
+        self._per_owner[namespace, s.tenant] -= 1
+        if not self._per_owner[namespace, s.tenant]:
+            del self._per_owner[namespace, s.tenant]
+        owners = self._owners[namespace, s.id]
+        owners.remove(s.tenant)
+        if not owners:
+            del self._owners[namespace, s.id]
+        return dropped
 
     def check_length(self, n: int) -> None:
         """A session's length bound, server.max_tokens_per_request (the same number as a request's): a request past
@@ -793,7 +841,7 @@ class SessionManager:
 
     # ---- resume ---------------------------------------------------------------------------------
 
-    async def resume(self, namespace: str, session_id: str, position: int = 0, *, tenant: str = "",
+    async def resume(self, namespace: str, session_id: str, position: int = 0, *, tenant: str = "", owner: str = "",
                      stage: ResumeStage | None = None) -> Resumed:
         """The window for a query at `position`, and the blocks of [0, position), leased (`store.acquire`) from the
         lookup that finds them: the caller releases them (`store.release(r.blocks)`) once the answer naming them is
@@ -802,7 +850,7 @@ class SessionManager:
         no copy in the answer: INTERNAL (an audit, session 47). A replay waits for its turn within `tenant`'s share
         of the queue (`_take_turn`). `stage` is kept telling what it is doing."""
         stage = stage or ResumeStage()
-        s = self.get(namespace, session_id, tenant)
+        s = self.get(namespace, session_id, tenant, owner)
         self._touch(s)
         p = position or len(s.tokens)
         if p <= 0:
@@ -880,7 +928,7 @@ class SessionManager:
         tokens = torch.as_tensor(s.tokens[:p], dtype=torch.long)
         stage.name = "replaying"
         rec = await self._replay(model, tokens, global_kv, mode)  # gives the turn back
-        if self._sessions.get((s.namespace, s.id)) is not s:  # closed (by its client, or idle) meanwhile
+        if self._sessions.get(s.key) is not s:  # closed (by its client, or idle) meanwhile
             raise NotFound(f"session {s.id} was closed during its Resume")
         seconds = time.perf_counter() - t0
         c = self.runtime.counters
@@ -1009,7 +1057,7 @@ class SessionManager:
                 if choice is not None:
                     s.decision = choice.reason
                 if choice is not None and choice.mode == SessionMode.PERSIST:
-                    self._hot.pop((s.namespace, s.id), None)
+                    self._hot.pop(s.key, None)
                     try:
                         self._keep_window(s, s.window, keeper)
                         return
@@ -1020,7 +1068,7 @@ class SessionManager:
     # ---- hot windows ------------------------------------------------------------------------------
 
     def _mark_hot(self, s: Session) -> None:
-        key = (s.namespace, s.id)
+        key = s.key
         self._hot[key] = None
         self._hot.move_to_end(key)
         while len(self._hot) > self.max_hot_windows:
@@ -1044,7 +1092,7 @@ class SessionManager:
                 self.windows_dropped_cold += not s.kept
 
     def _drop_hot(self, s: Session) -> None:
-        self._hot.pop((s.namespace, s.id), None)
+        self._hot.pop(s.key, None)
         if not s.kept:
             s.window, s.window_tenant = None, ""
 
@@ -1061,19 +1109,25 @@ class SessionManager:
         may not be forgotten (engram/server/modelroom.py)."""
         return {(s.namespace, s.fingerprint) for s in self._sessions.values()}
 
-    def count_in(self, namespace: str) -> int:
-        return self._per_namespace[namespace]  # a scan of every session per namespace made Stats quadratic
+    def count_in(self, namespace: str, owner: str | None = None) -> int:
+        """Live sessions of the namespace, every owner's (None) or one owner's: a tenant's Stats counts its own,
+        in a namespace tenants share it counted every tenant's."""
+        if owner is None:
+            return self._per_namespace[namespace]  # a scan of every session per namespace made Stats quadratic
+        return self._per_owner[namespace, owner]
 
-    def count(self, namespaces: list[str] | None = None) -> int:
-        """Live sessions, of some namespaces only (a tenant's Stats) or of all."""
+    def count(self, namespaces: list[str] | None = None, owner: str | None = None) -> int:
+        """Live sessions, of some namespaces only (a tenant's Stats: `owner`'s own there) or of all."""
         if namespaces is None:
             return len(self._sessions)
-        return sum(self.count_in(ns) for ns in namespaces)
+        return sum(self.count_in(ns, owner) for ns in namespaces)
 
-    def hot_count(self, namespaces: list[str] | None = None) -> int:
-        return len(self._hot) if namespaces is None else sum(1 for ns, _ in self._hot if ns in namespaces)
+    def hot_count(self, namespaces: list[str] | None = None, owner: str | None = None) -> int:
+        if namespaces is None:
+            return len(self._hot)
+        return sum(1 for ns, who, _ in self._hot if ns in namespaces and (owner is None or who == owner))
 
-    def window_bytes(self, *, persisted: bool, namespaces: list[str] | None = None) -> int:
+    def window_bytes(self, *, persisted: bool, namespaces: list[str] | None = None, owner: str | None = None) -> int:
         return sum(s.window.nbytes for s in self._sessions.values()
                    if s.window is not None and s.kept == persisted
-                   and (namespaces is None or s.namespace in namespaces))
+                   and (namespaces is None or s.namespace in namespaces) and (owner is None or s.tenant == owner))

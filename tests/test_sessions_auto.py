@@ -231,7 +231,7 @@ async def test_a_replay_that_ends_after_its_session_kept_a_window_gives_that_win
         gate.set()
         resumed = await long
         assert resumed.source == "replay" and resumed.position == P
-        s = sessions._sessions[("default", sid)]
+        s = sessions.get("default", sid)
         held = s.window.nbytes if s.window is not None and s.kept else 0
         assert sessions._persisted_bytes == held
         assert (await client.stats()).replay.persisted_window_bytes == held

@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
+from engram import errors
 from engram.client import EngramClient
 from engram.server import RunningServer
 from engram.v1 import engram_pb2 as pb
@@ -160,3 +161,65 @@ async def test_a_tenants_forced_evict_keeps_the_blocks_an_operator_pinned(daemon
         done = await admin.evict(key_prefixes=[chain_a[0].hex()], force=True, namespace="bob")
         assert sorted(done.evicted) == sorted(chain_a) and done.unpinned == 1 and not done.operator_pinned
         assert (await b.lookup(fp, a_toks)).matched_tokens == 0
+
+
+async def test_a_session_id_another_tenant_holds_opens_as_a_free_one(daemon: RunningServer) -> None:
+    """Carol holds `s1` in `shared`. Bob's OpenSession of `s1` answers as his OpenSession of an id nobody holds:
+    a session of his own (it answered "already exists": Bob read which ids Carol uses, and took the ones she
+    would use next). Carol's session is untouched. Controls: Bob's second OpenSession of `s1` is "already exists"
+    (ids are unique per owner); the admin lists both, with their owners, and naming `s1` without an owner is
+    FAILED_PRECONDITION naming both tenants, with one it reaches that one's session."""
+    spec = tiny_model()
+    toks = tokens(2 * BLOCK_TOKENS, seed=5)
+    async with as_(daemon, CAROL, "shared") as c, as_(daemon, BOB, "shared") as b, \
+            as_(daemon, ADMIN, "shared") as admin:
+        fp = await c.register_model(spec)
+        await b.register_model(spec)
+        await c.put(fp, toks, random_kv(spec, len(toks), seed=5))
+        await c.open_session(fp, mode="persist", session_id="s1", tokens=toks)
+        taken = await b.open_session(fp, mode="persist", session_id="s1", tokens=toks[:BLOCK_TOKENS])
+        free = await b.open_session(fp, mode="persist", session_id="free", tokens=toks[:BLOCK_TOKENS])
+        assert (taken.tokens, taken.owner, taken.mode) == (free.tokens, free.owner, free.mode) == (
+            BLOCK_TOKENS, "bob", free.mode)
+        with pytest.raises(errors.InvalidArgument, match="already exists"):  # his own id, held
+            await b.open_session(fp, mode="persist", session_id="s1")
+        assert [(s.info.session_id, s.info.tokens) for s in await c.list_sessions()] == [("s1", len(toks))]
+        assert sorted((s.info.session_id, s.info.tokens) for s in await b.list_sessions()) == [
+            ("free", BLOCK_TOKENS), ("s1", BLOCK_TOKENS)]
+        await b.append_session("s1", toks[BLOCK_TOKENS:])  # his own, not hers
+        assert [s.info.tokens for s in await c.list_sessions()] == [len(toks)]
+
+        listed = await admin.list_sessions(namespace="shared")
+        assert sorted((s.info.session_id, s.info.owner) for s in listed) == [
+            ("free", "bob"), ("s1", "bob"), ("s1", "carol")]
+        with pytest.raises(errors.FailedPrecondition, match="bob, carol"):
+            await admin.describe_blocks(session_id="s1", namespace="shared")
+        hers = await admin.describe_blocks(session_id="s1", namespace="shared", session_owner="carol")
+        assert hers.session is not None and hers.session.info.owner == "carol"
+        assert (await admin.describe_blocks(session_id="free", namespace="shared")).session.info.owner == "bob"
+        closed = await admin.close_session("s1", namespace="shared", owner="bob")
+        assert closed.owner == "bob"
+        assert [s.info.session_id for s in await c.list_sessions()] == ["s1"]
+        with pytest.raises(errors.PermissionDenied, match="only an admin"):  # a tenant names no other owner
+            await b.close_session("s1", owner="carol")
+
+
+async def test_a_tenants_stats_count_its_own_sessions_in_a_shared_namespace(daemon: RunningServer) -> None:
+    """Carol opens three sessions in `shared`, Bob one: Bob's Stats (replay.sessions, the namespace's sessions)
+    and DescribeNamespace count his one (they counted all four: Bob read how many sessions Carol has open).
+    Control: the admin's Stats counts all four."""
+    spec = tiny_model()
+    async with as_(daemon, CAROL, "shared") as c, as_(daemon, BOB, "shared") as b, \
+            as_(daemon, ADMIN, "shared") as admin:
+        fp = await c.register_model(spec)
+        await b.register_model(spec)
+        for _ in range(3):
+            await c.open_session(fp, mode="persist")
+        await b.open_session(fp, mode="persist")
+        st = await b.stats()
+        assert st.replay.sessions == 1
+        assert [(n.namespace, n.sessions) for n in st.namespaces] == [("shared", 1)]
+        assert (await b.describe_namespace("shared")).sessions == 1
+        assert (await c.stats()).replay.sessions == 3
+        st = await admin.stats()
+        assert st.replay.sessions == 4 and {n.namespace: n.sessions for n in st.namespaces}["shared"] == 4

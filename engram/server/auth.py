@@ -62,6 +62,17 @@ def tenant_of(context: Any) -> str:
     return "" if p.admin else p.name
 
 
+def session_owner(context: Any, owner: str) -> str:
+    """The owner a session call names (SessionRef.owner): an admin's, as given ("": found by id alone,
+    SessionManager.get); a tenant's calls reach its own sessions only, so it names none (or itself): another's is
+    PERMISSION_DENIED whatever sessions exist, and tells nothing of them."""
+    p = _current()
+    if p.admin or owner in ("", p.name):
+        return owner if p.admin else ""
+    raise PermissionDenied("only an admin names a session's owner (SessionRef.owner); a tenant's calls reach its own "
+                           "sessions: leave it empty")
+
+
 def is_admin(context: Any) -> bool:
     """Whether the caller may act on the whole daemon (check, evict across namespaces, list them)."""
     return _current().admin

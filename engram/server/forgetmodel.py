@@ -73,7 +73,7 @@ async def forget_model(fingerprint: bytes, inspector: Inspector, inplace: InPlac
         raise FailedPrecondition(f"{pinned} block(s) of model {shown} are pinned: nothing was changed; unpin them "
                                  "(engram unpin), or pass force to evict them with it")
     for s in live:
-        sessions.close(s.namespace, s.id)
+        sessions.end(s)
     evicted = unpinned = 0
     for tries_left in range(TRIES, 0, -1):
         if metas := blocks_of(store, fingerprint):

@@ -13,7 +13,7 @@ from engram.api import BlockDescription
 from engram.errors import InvalidArgument, NotFound, PermissionDenied
 from engram.inspection import Inspector
 from engram.server.arrival import one_request
-from engram.server.auth import guard, is_admin, namespace_for, tenant_of
+from engram.server.auth import guard, is_admin, namespace_for, session_owner, tenant_of
 from engram.server.errors import unary
 from engram.server.requests import check_limit, decoded, key_request_bytes, safe_decoder
 from engram.server.service import SERVICE_NAME
@@ -69,7 +69,8 @@ class InspectionService:
         check_limit("DescribeBlocks keys", len(req.key_prefixes), self.max_blocks)
         tenant = tenant_of(context)
         if req.session_id:
-            s = insp.sessions.get(namespace_for(context, req.namespace), req.session_id, tenant)
+            s = insp.sessions.get(namespace_for(context, req.namespace), req.session_id, tenant,
+                                  session_owner(context, req.session_owner))
             chain = insp.chain(s)
             description = BlockDescription(tuple(insp.describe(chain.blocks, s, tenant=tenant)),
                                            chain.summary(model_seen=insp.sees_model(s.fingerprint, tenant)))
@@ -90,7 +91,8 @@ class InspectionService:
             metas = insp.resolve(_scope(context, req.namespace, req.all_namespaces, "Evict"), list(req.key_prefixes))
         elif req.session_id:
             metas = insp.session_blocks_to_evict(insp.sessions.get(namespace_for(context, req.namespace),
-                                                                   req.session_id, tenant_of(context)))
+                                                                   req.session_id, tenant_of(context),
+                                                                   session_owner(context, req.session_owner)))
         else:
             if req.all_namespaces:
                 raise InvalidArgument("whole_namespace evicts one namespace: name it, without all_namespaces")

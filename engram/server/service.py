@@ -41,7 +41,16 @@ from engram.leases import Lease, LeaseTable
 from engram.limits import check_namespace
 from engram.loopturns import SLICE_BLOCKS, pause
 from engram.server.arrival import each_request, one_request
-from engram.server.auth import caller, guard, is_admin, is_peer, namespace_for, tenant_of, visible_namespaces
+from engram.server.auth import (
+    caller,
+    guard,
+    is_admin,
+    is_peer,
+    namespace_for,
+    session_owner,
+    tenant_of,
+    visible_namespaces,
+)
 from engram.server.errors import streaming, unary
 from engram.server.forgetmodel import forget_model
 from engram.server.modelroom import Holds, make_room
@@ -728,7 +737,8 @@ class EngramService:
             every = sorted({*self.store.namespaces_in_use(), *(s.namespace for s in self.sessions.sessions())})
             return convert.to_pb(await self.stats(every), pb.StatsResponse)
         in_use = set(self.store.namespaces_in_use())
-        mine = [ns for ns in scope if ns in in_use or self.sessions.count_in(ns)]
+        tenant = self._tenant(context)
+        mine = [ns for ns in scope if ns in in_use or self.sessions.count_in(ns, tenant)]
         return convert.to_pb(await self.tenant_stats(mine, scope), pb.StatsResponse)
 
     async def stats(self, namespaces: list[str]) -> StatsReply:
@@ -770,18 +780,20 @@ class EngramService:
         cl = self.cluster
         cluster = ClusterStats(state="off") if cl is None else ClusterStats(
             state=cl.state, reason=cl.reason, node_id=cl.node_id, live_nodes=await cl.live_nodes())
-        sm = self.sessions
+        sm, tenant = self.sessions, self._tenant(None)
+        # Its own sessions, also in a namespace it shares with other tenants (there, every tenant's were counted)
         return StatsReply(
-            tiers=store.own_tier_stats(namespaces), models=self._model_stats(namespaces, self._tenant(None)),
+            tiers=store.own_tier_stats(namespaces), models=self._model_stats(namespaces, tenant),
             blocks_put=own.blocks_put, blocks_deduplicated=own.blocks_deduplicated,
             blocks_served=own.blocks_served, bytes_served=own.bytes_served, limits=self._limits(),
             version=__version__, uptime_s=time.time() - store.started, write_policy=str(store.write_policy),
-            replay=ReplayStats(sessions=sm.count(namespaces), hot_sessions=sm.hot_count(namespaces),
-                               persisted_window_bytes=sm.window_bytes(persisted=True, namespaces=namespaces),
-                               hot_window_bytes=sm.window_bytes(persisted=False, namespaces=namespaces),
-                               session_tokens=sm.live_tokens.held_by(self._tenant(None)),
+            replay=ReplayStats(sessions=sm.count(namespaces, tenant), hot_sessions=sm.hot_count(namespaces, tenant),
+                               persisted_window_bytes=sm.window_bytes(persisted=True, namespaces=namespaces,
+                                                                      owner=tenant),
+                               hot_window_bytes=sm.window_bytes(persisted=False, namespaces=namespaces, owner=tenant),
+                               session_tokens=sm.live_tokens.held_by(tenant),
                                session_tokens_bound=sm.live_tokens.max_tokens_per_tenant),
-            namespaces=tuple(self._namespace_stats(ns) for ns in namespaces), cluster=cluster,
+            namespaces=tuple(self._namespace_stats(ns, owner=tenant) for ns in namespaces), cluster=cluster,
             default_codec=store.registry.default_codec, default_codec_reason=store.registry.default_reason,
             codec_backend=store.codec_backend, codec_fallbacks=store.quality.codec_fallbacks(namespaces),
             scoped=True,
@@ -818,17 +830,19 @@ class EngramService:
                             remote_failures=c.remote_failures, published=c.published, reconnects=c.reconnects,
                             untrusted_records=c.untrusted_records, stale_entries_removed=c.stale_entries_removed)
 
-    def _namespace_stats(self, ns: str, *, with_salt: bool = False) -> NamespaceStats:
+    def _namespace_stats(self, ns: str, *, with_salt: bool = False, owner: str | None = None) -> NamespaceStats:
+        """`owner`: the tenant asking, whose own sessions it counts (None: every owner's, an admin's view)."""
         u = self.store.namespace_usage(ns)
         return NamespaceStats(namespace=ns, key_salt=self.store.namespaces.salt(ns) if with_salt else b"",
                               quota_bytes=self.store.namespaces.quota(ns), blocks=u.blocks,
                               physical_bytes=u.physical_bytes, logical_bytes=u.logical_bytes,
-                              referenced_blocks=u.referenced_blocks, sessions=self.sessions.count_in(ns))
+                              referenced_blocks=u.referenced_blocks, sessions=self.sessions.count_in(ns, owner))
 
     @unary
     async def DescribeNamespace(self, request: Any, context: grpc.aio.ServicerContext) -> pb.NamespaceStats:
         ns = namespace_for(context, decoded(request).namespace)
-        return convert.to_pb(self._namespace_stats(ns, with_salt=True), pb.NamespaceStats)
+        owner = None if is_admin(context) else self._tenant(context)
+        return convert.to_pb(self._namespace_stats(ns, with_salt=True, owner=owner), pb.NamespaceStats)
 
     def _replay_stats(self) -> ReplayStats:
         sm = self.sessions
@@ -891,14 +905,15 @@ class EngramService:
     async def AppendSession(self, request: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
         req = decoded(request)
         ns, n = namespace_for(context, req.session.namespace), len(req.tokens)
+        owner = session_owner(context, req.session.owner)
         if n > self.sessions.max_session_tokens:  # the session's bound, before the tokens are converted
-            self.sessions.check_length(len(self.sessions.get(ns, req.session.session_id, self._tenant(context)).tokens)
-                                       + n)
+            s = self.sessions.get(ns, req.session.session_id, self._tenant(context), owner)
+            self.sessions.check_length(len(s.tokens) + n)
         check_limit("AppendSession tokens", n, self.config.max_tokens_per_request)
         window = _window_from_pb(req.window) if req.HasField("window") else None
         tenant = self._tenant(context)
         s = self.sessions.append(ns, req.session.session_id, convert.tokens_from_pb(req.tokens), window,
-                                 req.expect_back_ms, tenant=tenant, hold=False)
+                                 req.expect_back_ms, tenant=tenant, owner=owner, hold=False)
         await self.sessions.hold_in_slices(s, tenant)
         return self._session_info(s)
 
@@ -907,21 +922,23 @@ class EngramService:
         req = decoded(request)
         tenant = self._tenant(context)
         s = self.sessions.fork(namespace_for(context, req.parent.namespace), req.parent.session_id, req.session_id,
-                               req.position, tenant=tenant, hold=False)
+                               req.position, tenant=tenant, owner=session_owner(context, req.parent.owner),
+                               hold=False)
         await self.sessions.hold_in_slices(s, tenant)
         return self._session_info(s)
 
     @unary
     async def SuspendSession(self, request: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
         req = decoded(request)
-        s = self.sessions.suspend(namespace_for(context, req.namespace), req.session_id, tenant=self._tenant(context))
+        s = self.sessions.suspend(namespace_for(context, req.namespace), req.session_id, tenant=self._tenant(context),
+                                  owner=session_owner(context, req.owner))
         return self._session_info(s)
 
     @unary
     async def CloseSession(self, request: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
         req = decoded(request)
         s = await self.sessions.close_in_slices(namespace_for(context, req.namespace), req.session_id,
-                                                tenant=self._tenant(context))
+                                                tenant=self._tenant(context), owner=session_owner(context, req.owner))
         return self._session_info(s)
 
     @streaming
@@ -935,7 +952,7 @@ class EngramService:
         stage, t0 = ResumeStage(), time.monotonic()
         resuming = asyncio.ensure_future(self.sessions.resume(
             namespace_for(context, req.session.namespace), req.session.session_id, req.position,
-            tenant=self._tenant(context), stage=stage))
+            tenant=self._tenant(context), owner=session_owner(context, req.session.owner), stage=stage))
         resuming.add_done_callback(lambda done: done.cancelled() or done.exception())  # one the client left is seen
         r: Resumed | None = None
         try:

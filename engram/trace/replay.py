@@ -210,6 +210,7 @@ class _Run:
             s = self.live[r.session] = self.sessions.open(_NS, self.fp, SessionMode.PERSIST, session_id=r.session,
                                                           tokens=tokens)
             s.parent = r.parent  # a sub-agent, as a fork is: its parent's blocks keep the parent's hint after it
+            s.parent_key = (_NS, "", r.parent) if r.parent else None
         return s
 
     def hint(self, s: Session, r: Request, hints: bool) -> None:

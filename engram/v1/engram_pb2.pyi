@@ -598,12 +598,14 @@ class ReplayStats(_message.Message):
     def __init__(self, sessions: _Optional[int] = ..., hot_sessions: _Optional[int] = ..., persisted_window_bytes: _Optional[int] = ..., hot_window_bytes: _Optional[int] = ..., replays: _Optional[int] = ..., replayed_tokens: _Optional[int] = ..., replay_seconds: _Optional[float] = ..., windows_dropped_cold: _Optional[int] = ..., session_tokens: _Optional[int] = ..., session_tokens_bound: _Optional[int] = ...) -> None: ...
 
 class SessionRef(_message.Message):
-    __slots__ = ("namespace", "session_id")
+    __slots__ = ("namespace", "session_id", "owner")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     session_id: str
-    def __init__(self, namespace: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+    owner: str
+    def __init__(self, namespace: _Optional[str] = ..., session_id: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("namespace", "model_fingerprint", "session_id", "mode", "approx_k", "tokens")
@@ -660,7 +662,7 @@ class ForkSessionRequest(_message.Message):
     def __init__(self, parent: _Optional[_Union[SessionRef, _Mapping]] = ..., session_id: _Optional[str] = ..., position: _Optional[int] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "namespace", "model_fingerprint", "tokens", "mode", "approx_k", "hot", "window_prefix_len", "parent", "created_s", "persisted", "decision", "expect_back_ms")
+    __slots__ = ("session_id", "namespace", "model_fingerprint", "tokens", "mode", "approx_k", "hot", "window_prefix_len", "parent", "created_s", "persisted", "decision", "expect_back_ms", "owner")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -674,6 +676,7 @@ class SessionInfo(_message.Message):
     PERSISTED_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
     EXPECT_BACK_MS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     namespace: str
     model_fingerprint: bytes
@@ -687,7 +690,8 @@ class SessionInfo(_message.Message):
     persisted: bool
     decision: str
     expect_back_ms: int
-    def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., tokens: _Optional[int] = ..., mode: _Optional[_Union[ReplayModeKind, str]] = ..., approx_k: _Optional[float] = ..., hot: _Optional[bool] = ..., window_prefix_len: _Optional[int] = ..., parent: _Optional[str] = ..., created_s: _Optional[float] = ..., persisted: _Optional[bool] = ..., decision: _Optional[str] = ..., expect_back_ms: _Optional[int] = ...) -> None: ...
+    owner: str
+    def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., tokens: _Optional[int] = ..., mode: _Optional[_Union[ReplayModeKind, str]] = ..., approx_k: _Optional[float] = ..., hot: _Optional[bool] = ..., window_prefix_len: _Optional[int] = ..., parent: _Optional[str] = ..., created_s: _Optional[float] = ..., persisted: _Optional[bool] = ..., decision: _Optional[str] = ..., expect_back_ms: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
     __slots__ = ("session", "position", "with_global_kv", "global_kv_by_block", "progress_every_ms")
@@ -982,16 +986,18 @@ class ListSessionsResponse(_message.Message):
     def __init__(self, sessions: _Optional[_Iterable[_Union[SessionSummary, _Mapping]]] = ...) -> None: ...
 
 class DescribeBlocksRequest(_message.Message):
-    __slots__ = ("namespace", "all_namespaces", "session_id", "key_prefixes")
+    __slots__ = ("namespace", "all_namespaces", "session_id", "key_prefixes", "session_owner")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     ALL_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEY_PREFIXES_FIELD_NUMBER: _ClassVar[int]
+    SESSION_OWNER_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     all_namespaces: bool
     session_id: str
     key_prefixes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, namespace: _Optional[str] = ..., all_namespaces: _Optional[bool] = ..., session_id: _Optional[str] = ..., key_prefixes: _Optional[_Iterable[str]] = ...) -> None: ...
+    session_owner: str
+    def __init__(self, namespace: _Optional[str] = ..., all_namespaces: _Optional[bool] = ..., session_id: _Optional[str] = ..., key_prefixes: _Optional[_Iterable[str]] = ..., session_owner: _Optional[str] = ...) -> None: ...
 
 class BlockDetail(_message.Message):
     __slots__ = ("key", "parent", "namespace", "model_fingerprint", "num_tokens", "full", "tiers", "codec", "checksum", "nbytes", "pins", "children", "sessions", "refcount", "leases", "hits", "age_s", "start_token")
@@ -1042,20 +1048,22 @@ class DescribeBlocksResponse(_message.Message):
     def __init__(self, blocks: _Optional[_Iterable[_Union[BlockDetail, _Mapping]]] = ..., session: _Optional[_Union[SessionSummary, _Mapping]] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
-    __slots__ = ("namespace", "all_namespaces", "key_prefixes", "session_id", "whole_namespace", "force")
+    __slots__ = ("namespace", "all_namespaces", "key_prefixes", "session_id", "whole_namespace", "force", "session_owner")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     ALL_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     KEY_PREFIXES_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     WHOLE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     FORCE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_OWNER_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     all_namespaces: bool
     key_prefixes: _containers.RepeatedScalarFieldContainer[str]
     session_id: str
     whole_namespace: bool
     force: bool
-    def __init__(self, namespace: _Optional[str] = ..., all_namespaces: _Optional[bool] = ..., key_prefixes: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., whole_namespace: _Optional[bool] = ..., force: _Optional[bool] = ...) -> None: ...
+    session_owner: str
+    def __init__(self, namespace: _Optional[str] = ..., all_namespaces: _Optional[bool] = ..., key_prefixes: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., whole_namespace: _Optional[bool] = ..., force: _Optional[bool] = ..., session_owner: _Optional[str] = ...) -> None: ...
 
 class EvictResponse(_message.Message):
     __slots__ = ("evicted", "skipped", "unpinned", "operator_pinned")
