@@ -120,5 +120,5 @@ def _print(resp: EvictResult, json_: bool) -> None:
     if resp.skipped:
         console.print(f"skipped {len(resp.skipped)} blocks being read or moved right now; run it again")
     if resp.operator_pinned:
-        console.print(f"kept {len(resp.operator_pinned)} blocks an operator pinned (an admin's pin holds them or a "
-                      "block extending them): only an admin's --force evicts them")
+        console.print(f"kept {len(resp.operator_pinned)} blocks pinned by an operator or another tenant (a pin not "
+                      "yours holds them or a block extending them): only an admin's --force evicts them")

@@ -383,5 +383,5 @@ class EvictResult:
     evicted: tuple[bytes, ...]  # descendants of the named blocks included
     skipped: tuple[bytes, ...]  # being read or moving right now (and their ancestors)
     unpinned: int  # pinned blocks evicted with force
-    # kept by a tenant's force: an operator's (admin's) pin holds them or a block extending them
+    # kept by a tenant's force: a pin not its own (an admin's, another tenant's) holds them or a block extending them
     operator_pinned: tuple[bytes, ...] = ()

@@ -61,6 +61,10 @@ class BlockMeta:
     pins: int = 0  # every pin, a tenant's or the operator's; set through ChainIndex.set_pins once indexed
     operator_pins: int = 0  # of them, taken by an admin (or with tenancy off): no tenant's pin share counts them
     pin_held_children: int = 0  # indexed children kept by a tenant's pin (pinned, or extended by a pinned block)
+    # Of the tenant pins, each tenant's (its pins are its own to lift, and count in its share alone); those no owner
+    # is recorded for are the owner "" (`owner_pins`): a restart's, whose journal keeps counts only
+    pin_owners: dict[str, int] | None = None
+    held_for: dict[str, int] | None = None  # per pin owner: the indexed children that owner's pins keep
     leases: int = 0
     children: int = 0  # indexed blocks whose parent this is; only leaves (0) may be evicted
     tick: int = 0  # the clock's reading at its last use (engram/eviction.py); 0: never used
@@ -88,6 +92,27 @@ class BlockMeta:
         so a pin keeps every block its chain runs through). What the namespace's pinned bytes count; an operator's
         pin keeps a block from eviction just the same (`evictable`), outside every share."""
         return self.pins > self.operator_pins or self.pin_held_children > 0
+
+    def owner_pins(self, owner: str) -> int:
+        """The tenant pins of `owner` ("": those of no recorded owner)."""
+        owners = self.pin_owners or {}
+        return owners.get(owner, 0) if owner else self.tenant_pins - sum(owners.values())
+
+    def held_by(self, owner: str) -> bool:
+        """Kept by `owner`'s pins: pinned by it, or extended by a block it pinned (`pin_held`, one owner's)."""
+        return self.owner_pins(owner) > 0 or bool(self.held_for and self.held_for.get(owner))
+
+    def holders(self) -> set[str]:
+        """The pin owners keeping it (`held_by`)."""
+        out = {o for o in (self.pin_owners or ()) if self.pin_owners and self.pin_owners[o]}
+        if self.owner_pins(""):
+            out.add("")
+        out.update(self.held_for or ())
+        return out
+
+    def pinned_by_another(self, tenant: str) -> bool:
+        """Another tenant's pin (a recorded owner's) holds it: not `tenant`'s to lift."""
+        return any(n and o != tenant for o, n in (self.pin_owners or {}).items())
 
     @property
     def tier(self) -> str:
@@ -271,7 +296,8 @@ class _Space:
     entries: dict[bytes, BlockMeta] = field(default_factory=dict)
     children: dict[bytes, _Children] = field(default_factory=dict)  # parent key -> the blocks extending it
     nbytes: int = 0  # physical bytes: each stored block once
-    pinned: int = 0  # bytes of its blocks a tenant's pin keeps (BlockMeta.pin_held): what a pin share counts
+    pinned: int = 0  # bytes of its blocks a tenant's pin keeps (BlockMeta.pin_held)
+    pinned_by: dict[str, int] = field(default_factory=dict)  # the same per pin owner (held_by): what a share counts
     models: dict[bytes, Tally] = field(default_factory=dict)  # its blocks per model: a model holding none may go
     tiers: dict[str, Tally] = field(default_factory=dict)  # its blocks' copies per tier
     logical: int = 0  # each block's bytes once per session referencing it (once if none does)
@@ -351,44 +377,63 @@ class ChainIndex:
         space = self._spaces.get(namespace)
         return 0 if space is None else space.nbytes
 
-    def pinned_bytes(self, namespace: str) -> int:
-        """Bytes of the namespace's blocks kept by pins: each pinned block and every block it extends, once."""
+    def pinned_bytes(self, namespace: str, owner: str | None = None) -> int:
+        """Bytes of the namespace's blocks kept by a tenant's pins (`owner`'s alone, when given): each pinned block
+        and every block it extends, once."""
         space = self._spaces.get(namespace)
-        return 0 if space is None else space.pinned
+        if space is None:
+            return 0
+        return space.pinned if owner is None else space.pinned_by.get(owner, 0)
 
-    def pin_growth(self, metas: Sequence[BlockMeta | None]) -> int:
-        """How many bytes pinning `metas` would add to their namespaces' pinned bytes: each one not kept by a pin
-        yet, with the blocks it extends that are not. A block not indexed yet (a put's, about to be published under
-        its parent) counts as not kept, whatever its pins."""
+    def pin_growth(self, metas: Sequence[BlockMeta | None], owner: str | None = None) -> int:
+        """How many bytes pinning `metas` would add to their namespaces' pinned bytes (`owner`'s, when given): each
+        one not kept by a pin (of `owner`) yet, with the blocks it extends that are not. A block not indexed yet (a
+        put's, about to be published under its parent) counts as not kept, whatever its pins."""
         seen: set[bytes] = set()
         grow = 0
         entries = self._entries
         for meta in metas:
             space = None if meta is None else self._spaces.get(meta.namespace)
             m = meta
-            while m is not None and m.key not in seen and not (m.pin_held and entries.get(m.key) is m):
+            while m is not None and m.key not in seen and not (
+                    (m.pin_held if owner is None else m.held_by(owner)) and entries.get(m.key) is m):
                 seen.add(m.key)
                 grow += m.nbytes
                 m = None if space is None else space.entries.get(m.parent)
         return grow
 
-    def set_pins(self, meta: BlockMeta, pins: int, operator_pins: int = -1) -> None:
-        """Change a block's pin count (and of them the operator's; -1: as many as before); for an indexed block,
-        its namespace's pinned bytes follow, and so does the pins listener."""
+    def set_pins(self, meta: BlockMeta, pins: int, operator_pins: int = -1, owner: str = "") -> None:
+        """Change a block's pin count (and of them the operator's; -1: as many as before); the tenant pins that
+        change are `owner`'s ("": of no recorded owner; none left: every owner's go). For an indexed block, its
+        namespace's pinned bytes (each owner's too) follow, and so does the pins listener."""
         if operator_pins < 0:
             operator_pins = meta.operator_pins
         if pins < operator_pins:
             raise AssertionError(f"block {meta.key.hex()} unpinned more often than pinned")
         if (pins, operator_pins) == (meta.pins, meta.operator_pins):
             return
+        owners = dict(meta.pin_owners or {}) if pins > operator_pins else {}
+        if owner and pins > operator_pins:  # ("": the pins of no recorded owner, what the owners' leave)
+            n = owners.get(owner, 0) + (pins - operator_pins) - meta.tenant_pins
+            if n:
+                owners[owner] = n
+            else:
+                owners.pop(owner, None)
+        if (owner and owners.get(owner, 0) < 0) or sum(owners.values()) > pins - operator_pins:
+            raise AssertionError(f"block {meta.key.hex()}: more of {owner!r}'s pins lifted than it took")
+        before = meta.holders()
         was, was_pinned = meta.pin_held, meta.pins > 0
-        meta.pins, meta.operator_pins = pins, operator_pins
+        meta.pins, meta.operator_pins, meta.pin_owners = pins, operator_pins, owners or None
         if self._entries.get(meta.key) is not meta:
             return
+        space = self._spaces[meta.namespace]
         if was_pinned != (pins > 0):
             self._count_pinned(meta, 1 if pins else -1)
         if was != meta.pin_held:
-            self._pin_held_changed(self._spaces[meta.namespace], meta, meta.pin_held)
+            self._pin_held_changed(space, meta, meta.pin_held)
+        after = meta.holders()
+        for o in before ^ after:
+            self._owner_held_changed(space, meta, o, o in after)
         if self.pins_listener is not None:
             self.pins_listener(meta.key, pins - operator_pins, operator_pins)
 
@@ -512,6 +557,30 @@ class ChainIndex:
                 return  # held before, and still: nothing above changes
             m = parent
 
+    @staticmethod
+    def _owner_held_changed(space: _Space, meta: BlockMeta, owner: str, held: bool) -> None:
+        """`_pin_held_changed` of one pin owner's: what its share counts (engram/store/pins.py)."""
+        m = meta
+        while True:
+            n = space.pinned_by.get(owner, 0) + (m.nbytes if held else -m.nbytes)
+            if n:
+                space.pinned_by[owner] = n
+            else:
+                del space.pinned_by[owner]
+            parent = space.entries.get(m.parent)
+            if parent is None:
+                return
+            kept = parent.held_for if parent.held_for is not None else {}
+            k = kept.get(owner, 0) + (1 if held else -1)
+            if k:
+                kept[owner] = k
+            else:
+                del kept[owner]
+            parent.held_for = kept or None
+            if parent.owner_pins(owner) or k != (1 if held else 0):
+                return  # held by the owner before, and still: nothing above changes
+            m = parent
+
     def add(self, meta: BlockMeta) -> None:
         if meta.key in self._entries:
             raise AssertionError(f"block {meta.key.hex()} is already indexed")
@@ -531,8 +600,15 @@ class ChainIndex:
         siblings.add(meta)
         kids = space.children.get(meta.key)  # (none, but for one whose parent left while it was read)
         meta.pin_held_children = 0 if kids is None else sum(1 for k in kids.by_key.values() if k.pin_held)
+        kept: dict[str, int] = {}
+        for k in kids.by_key.values() if kids is not None and meta.pin_held_children else ():
+            for o in k.holders():
+                kept[o] = kept.get(o, 0) + 1
+        meta.held_for = kept or None
         if meta.pin_held:
             self._pin_held_changed(space, meta, True)
+            for o in meta.holders():
+                self._owner_held_changed(space, meta, o, True)
         if meta.pins and self.pins_listener is not None:
             self.pins_listener(meta.key, meta.pins - meta.operator_pins, meta.operator_pins)
         for listener in self.listeners:
@@ -552,6 +628,8 @@ class ChainIndex:
         space = self._spaces[meta.namespace]
         if meta.pin_held:  # a pinned block deleted on request, or lost: its pin (and what it kept) ends with it
             self._pin_held_changed(space, meta, False)
+            for o in meta.holders():
+                self._owner_held_changed(space, meta, o, False)
         if meta.pins and self.pins_listener is not None:
             self.pins_listener(key, 0, 0)
         del space.entries[key]

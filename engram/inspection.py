@@ -185,9 +185,10 @@ class Inspector:
 
     async def evict(self, metas: Sequence[BlockMeta], *, force: bool, tenant: str = "") -> EvictResult:
         """Evict the blocks and their descendants. `tenant`: whose call it is ("": an admin, tenancy off). Its
-        force lifts a tenant's pins, never the operator's (an admin's): a block the operator pinned stays, with its
-        ancestors, reported in `operator_pinned`, as a tenant's unpin leaves it (store.pin). A tenant's forced
-        evict removed the blocks an operator had pinned in its namespace (an audit, session 48)."""
+        force lifts its own pins (and those of no recorded owner), never the operator's (an admin's) nor another
+        tenant's in a namespace they share: such a block stays, with its ancestors, reported in `operator_pinned`,
+        as the tenant's unpin leaves it (store.pin). A tenant's forced evict removed the blocks an operator, or
+        another tenant of the namespace, had pinned (an audit, session 48)."""
         closure = self._closure(metas)
         pinned = [m for m in closure if m.pins]
         if pinned and not force:
@@ -196,12 +197,13 @@ class Inspector:
                 f"{pinned[0].key.hex()}; unpin them (engram unpin) or pass --force")
         inside = {m.key: m for m in closure}
         held: dict[bytes, None] = {}
-        operators: dict[bytes, None] = {}  # kept for an operator's pin (a tenant's force), with their ancestors
+        # kept for a pin not the caller's (a tenant's force: the operator's or another tenant's), with their ancestors
+        operators: dict[bytes, None] = {}
         evicted, unpinned = [], 0
         for meta in closure:  # deepest first, so every block is a leaf when its turn comes
             if meta.key in held or meta.key in operators or self.store.block(meta.key) is not meta:
                 continue
-            if tenant and meta.operator_pins:
+            if tenant and (meta.operator_pins or meta.pinned_by_another(tenant)):
                 self._hold(meta, inside, operators)
                 continue
             # Read or moving (now: a reader may come while earlier removals wait on the disk), or above a block

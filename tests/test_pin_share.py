@@ -223,3 +223,75 @@ async def test_a_restart_pins_a_tenants_blocks_again_within_its_share_as_it_is_n
     await srv.stop(0)
     srv = await start(server_factory, tmp_path)  # what was dropped stays dropped: recorded as cleared
     assert pinned(srv) == SHARE // 2 and sum(m.pins for m in srv.store.blocks("alice")) == 48
+
+
+SHARED_AUTH = {"auth.tenants.alice.namespaces": "alice,shared", "auth.tenants.bob.namespaces": "bob,shared"}
+
+
+def pinned_by(srv: RunningServer, ns: str, tenant: str) -> int:
+    """What `tenant`'s own pins keep in `ns`, as the daemon counts it, checked against a recount from the blocks."""
+    store = srv.store
+    held: dict[bytes, int] = {}
+    for meta in store.blocks(ns):
+        m = meta if (meta.pin_owners or {}).get(tenant) else None
+        while m is not None and m.key not in held:
+            held[m.key] = m.nbytes
+            m = store.index.get_in(ns, m.parent)
+    counted = store.index.pinned_bytes(ns, tenant)
+    assert counted == sum(held.values())
+    return counted
+
+
+async def test_a_tenants_pin_in_a_shared_namespace_is_lifted_by_it_or_an_admin_only(
+        server_factory: Any, tmp_path: Path) -> None:
+    """Alice pins a chain's last block in `shared`, which Bob shares: Bob's unpin lifts nothing and his forced
+    evict keeps the chain, reporting it (both lifted her pin, and the evict removed her chain: an audit, session
+    48). His own pin on the block is his to lift; hers is hers, and the admin's unpin lifts a tenant's pin."""
+    srv = await start(server_factory, tmp_path, **SHARED_AUTH)
+    async with as_(srv, ALICE, "shared") as a, as_(srv, BOB, "shared") as b, as_(srv, ADMIN, "shared") as admin:
+        fp = await a.register_model(tiny_model())
+        await b.register_model(tiny_model())
+        await admin.register_model(tiny_model())
+        chain = await put(a, fp, 2, 1, pin=False)
+        last = list(chain[-1:])
+
+        async def pins() -> list[int]:
+            return [d.pins for d in (await admin.describe_blocks(key_prefixes=[k.hex() for k in chain])).blocks]
+
+        assert await a.pin(fp, last) == 1
+        assert await b.pin(fp, last, unpin=True) == 0
+        assert await pins() == [0, 1]
+        done = await b.evict(key_prefixes=[chain[0].hex()], force=True)
+        assert not done.evicted and done.unpinned == 0 and sorted(done.operator_pinned) == sorted(chain)
+        assert await pins() == [0, 1] and pinned_by(srv, "shared", "alice") == 2 * BLOCK
+        assert await b.pin(fp, last) == 1 and await pins() == [0, 2]  # his own pin, beside hers
+        assert pinned_by(srv, "shared", "bob") == 2 * BLOCK
+        assert await b.pin(fp, last, unpin=True) == 1 and await b.pin(fp, last, unpin=True) == 0
+        assert await pins() == [0, 1] and pinned_by(srv, "shared", "bob") == 0
+        assert await a.pin(fp, last, unpin=True) == 1 and await pins() == [0, 0]
+        assert pinned_by(srv, "shared", "alice") == 0
+        assert await a.pin(fp, last) == 1
+        assert await admin.pin(fp, last, unpin=True, namespace="shared") == 1 and await pins() == [0, 0]
+        assert pinned_by(srv, "shared", "alice") == 0 and pinned(srv, "shared") == 0
+
+
+async def test_pins_in_a_shared_namespace_count_in_the_pinning_tenants_share_alone(
+        server_factory: Any, tmp_path: Path) -> None:
+    """Shares of 32 blocks (0.25 of NVMe's 512 KiB). Alice pins her whole share in `shared`: Bob still pins his
+    whole share there (every pin in a namespace two tenants share counted in both tenants' totals: Alice's pins
+    used up Bob's share, and he could pin nothing), and then his next pin is refused for his own."""
+    srv = await start(server_factory, tmp_path, **SHARED_AUTH, **{"server.max_pinned_fraction_per_tenant": 0.25})
+    share = 128 * 1024
+    async with as_(srv, ALICE, "shared") as a, as_(srv, BOB, "shared") as b:
+        fp = await a.register_model(tiny_model())
+        await b.register_model(tiny_model())
+        for seed in range(share // BLOCK // 8):
+            await put(a, fp, 8, seed, pin=True)
+        for seed in range(share // BLOCK // 8):
+            await put(b, fp, 8, 100 + seed, pin=True)
+        assert pinned(srv, "shared") == 2 * share
+        assert pinned_by(srv, "shared", "alice") == pinned_by(srv, "shared", "bob") == share
+        with pytest.raises(errors.ResourceExhausted, match="max_pinned_fraction_per_tenant"):
+            await put(b, fp, 1, 200, pin=True)
+        with pytest.raises(errors.ResourceExhausted, match="max_pinned_fraction_per_tenant"):
+            await put(a, fp, 1, 201, pin=True)

@@ -727,7 +727,7 @@ class EngramService:
         who = caller(None)
         if self.tenancy is None or who.admin:
             return None
-        return PinShare.of(who.namespaces, self.config.max_pinned_fraction_per_tenant, self.store.tiers)
+        return PinShare.of(who.namespaces, self.config.max_pinned_fraction_per_tenant, self.store.tiers, who.name)
 
     @unary
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> pb.StatsResponse:

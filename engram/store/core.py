@@ -441,8 +441,8 @@ class BlockStore:
                 continue  # it left while its NVMe copy was read
             if pin:
                 if pin_share is not None:
-                    pin_share.check(self.index, self.index.pin_growth([existing]), f"block {index}")
-                self.add_pin(existing, operator=pin_share is None)
+                    pin_share.check(self.index, pin_share.growth(self.index, [existing]), f"block {index}")
+                self.add_pin(existing, share=pin_share)
             ok = True
             if self.write_policy == WritePolicy.WRITE_THROUGH:  # acknowledged again: durable again, too
                 try:
@@ -460,9 +460,10 @@ class BlockStore:
             num_tokens=num_tokens, dtype=dtype, shape=shape, nbytes=len(payload),
             checksum=payload_checksum, locations=[], full=num_tokens == block_tokens,
             pins=1 if pin else 0, operator_pins=1 if pin and pin_share is None else 0,
+            pin_owners={pin_share.tenant: 1} if pin and pin_share is not None else None,
         )
         if pin_share is not None and pin:  # here, before its bytes are written; and as it is published, exactly
-            pin_share.check(self.index, self.index.pin_growth([meta]), f"block {index}")
+            pin_share.check(self.index, pin_share.growth(self.index, [meta]), f"block {index}")
         self.placement.model.arrive(meta)
         self._charge_quota(namespace, len(payload), index)
         waiters: list[asyncio.Event] = []
@@ -480,7 +481,7 @@ class BlockStore:
             # Making room may have demoted the parent and found its copy damaged (dropped): no orphan is published.
             self._check_parent_stayed(namespace, parent, pmeta, index)
             if pin_share is not None and pin:  # other pins may have come while the bytes were written
-                pin_share.check(self.index, self.index.pin_growth([meta]), f"block {index}")
+                pin_share.check(self.index, pin_share.growth(self.index, [meta]), f"block {index}")
             self.index.add(meta)  # published only now that the bytes are in their tiers
             placement.compete(meta)
         except BaseException:
@@ -878,29 +879,50 @@ class BlockStore:
         """Pin (or unpin) blocks; returns how many changed. Pins count, so two pinners need two unpins. `share`:
         the caller's (a tenant's, engram/store/pins.py), whose pins it counts and that pins passing it are refused
         against, none of them taken; None for an admin or with tenancy off, whose pins are the operator's, outside
-        every share. A tenant's unpin lifts a tenant's pin, never the operator's; the operator's lifts its own
-        first, then a tenant's (an admin acts on the whole daemon)."""
+        every share. A tenant's pin is its own (BlockMeta.pin_owners): its unpin lifts its own, never the operator's
+        nor another tenant's in a namespace they share (any tenant of it lifted any other's, an audit, session 48),
+        and a pin of no recorded owner (a restart's) as before; the operator's lifts its own first, then one of no
+        recorded owner, then any tenant's (an admin acts on the whole daemon)."""
         metas = self.find(namespace, model_fingerprint, keys)
         if share is not None and not unpin:
-            share.check(self.index, self.index.pin_growth(metas), f"pinning {len(metas)} blocks")
+            share.check(self.index, share.growth(self.index, metas), f"pinning {len(metas)} blocks")
         changed = 0
         for meta in metas:
             if unpin:
-                if share is not None and meta.tenant_pins == 0:
-                    continue  # only the operator's pins hold it: not a tenant's to lift
-                if meta.pins > 0:
-                    operator = meta.operator_pins - (share is None and meta.operator_pins > 0)
-                    self.index.set_pins(meta, meta.pins - 1, operator)
-                    changed += 1
-                    self.placement.reordered()
+                if not meta.pins:
+                    continue
+                if share is None and meta.operator_pins:
+                    self.index.set_pins(meta, meta.pins - 1, meta.operator_pins - 1)
+                else:
+                    owner = self._pin_to_lift(meta, share)
+                    if owner is None:
+                        continue  # the operator's or another tenant's pins hold it: not this tenant's to lift
+                    self.index.set_pins(meta, meta.pins - 1, owner=owner)
+                changed += 1
+                self.placement.reordered()
             else:
-                self.add_pin(meta, operator=share is None)
+                self.add_pin(meta, share=share)
                 changed += 1
         return changed
 
-    def add_pin(self, meta: BlockMeta, *, operator: bool) -> None:
-        """One more pin on a block: a tenant's (its share checked by the caller) or the operator's."""
-        self.index.set_pins(meta, meta.pins + 1, meta.operator_pins + operator)
+    @staticmethod
+    def _pin_to_lift(meta: BlockMeta, share: PinShare | None) -> str | None:
+        """Whose tenant pin an unpin lifts: the caller's own (a tenant's `share`), else one of no recorded owner;
+        an admin's (None), any tenant's once those are gone. None: no pin the caller may lift."""
+        if share is not None and meta.owner_pins(share.tenant):
+            return share.tenant
+        if meta.owner_pins(""):
+            return ""
+        if share is None and meta.pin_owners:
+            return min(meta.pin_owners)
+        return None
+
+    def add_pin(self, meta: BlockMeta, *, share: PinShare | None) -> None:
+        """One more pin on a block: the tenant's whose `share` it is (checked by the caller), or the operator's."""
+        if share is None:
+            self.index.set_pins(meta, meta.pins + 1, meta.operator_pins + 1)
+        else:
+            self.index.set_pins(meta, meta.pins + 1, owner=share.tenant)
 
     def lift_pins(self, meta: BlockMeta) -> None:
         """Drop every pin of a block about to be removed (an evict that overrides pins, a lost block's chain)."""

@@ -123,7 +123,7 @@ class InPlacePuts:
                           time.monotonic() + self.reserve_s, pin, pin_share if pin else None)
         # What pinning the chain down to the block at hand would add to the caller's pinned bytes: the stored
         # blocks it extends that no pin keeps yet, then each block of the chain not kept (a chain: no walk per block)
-        pin_growth = store.index.pin_growth([pmeta]) if res.pin_share is not None else 0
+        pin_growth = res.pin_share.growth(store.index, [pmeta]) if res.pin_share is not None else 0
         if pmeta is not None:
             pmeta.children += 1
         rank = store.tier_rank(self.pool.name)
@@ -144,13 +144,14 @@ class InPlacePuts:
                                  tokens=tokens_to_bytes(h.tokens), num_tokens=h.num_tokens, dtype=h.dtype,
                                  shape=tuple(h.shape), nbytes=h.payload_nbytes, checksum=0, locations=[],
                                  full=h.num_tokens == layout.block_tokens, pins=1 if pin else 0,
-                                 operator_pins=1 if pin and pin_share is None else 0)
+                                 operator_pins=1 if pin and pin_share is None else 0,
+                                 pin_owners={pin_share.tenant: 1} if pin and pin_share is not None else None)
                 slot = None
                 if res.blocks and not self._fits(res, h.payload_nbytes):
                     break
                 existing = await self._skippable(store.index.get_in(namespace, key))
                 if res.pin_share is not None:
-                    kept = existing is not None and existing.pin_held
+                    kept = existing is not None and existing.held_by(res.pin_share.tenant)
                     pin_growth = 0 if kept else pin_growth + (h.payload_nbytes if existing is None else existing.nbytes)
                     try:
                         res.pin_share.check(store.index, pin_growth, f"block {i}")
@@ -410,7 +411,7 @@ class InPlacePuts:
                                      "Lookup again and put the chain from its first missing block")
         placement = store.placement
         if res.pin_share is not None:  # pins taken since it was reserved; nothing awaited from here to the index
-            res.pin_share.check(store.index, store.index.pin_growth([meta]), f"block {index}")
+            res.pin_share.check(store.index, res.pin_share.growth(store.index, [meta]), f"block {index}")
         self.pool.rename(self._slot_key(res, meta), meta.key)
         r.slot = None
         self._hold(res, -meta.nbytes)
@@ -424,7 +425,7 @@ class InPlacePuts:
             try:
                 ok = await durable.make_durable(store, meta, await self.pool.read(meta.key), index=index)
                 if res.pin_share is not None:  # (but for write-through's durable copy)
-                    res.pin_share.check(store.index, store.index.pin_growth([meta]), f"block {index}")
+                    res.pin_share.check(store.index, res.pin_share.growth(store.index, [meta]), f"block {index}")
             except BaseException:
                 for name in list(meta.locations):
                     await placement.drop_copy(meta, name)
@@ -451,8 +452,8 @@ class InPlacePuts:
         store = self.store
         if res.pin:
             if res.pin_share is not None:
-                res.pin_share.check(store.index, store.index.pin_growth([existing]), f"block {index}")
-            store.add_pin(existing, operator=res.pin_share is None)
+                res.pin_share.check(store.index, res.pin_share.growth(store.index, [existing]), f"block {index}")
+            store.add_pin(existing, share=res.pin_share)
         ok = True
         if store.write_policy == WritePolicy.WRITE_THROUGH:
             own = self.pool.view(self._slot_key(res, r.meta)) if r.slot is not None else None

@@ -7,8 +7,10 @@ last tier is pinned too. So with tenancy on, what one tenant's namespaces hold p
 
 What counts (ChainIndex.pinned_bytes): each pinned block and every block it extends, once however many pins
 hold it. Only leaves leave the last tier, so pinning a chain's last block keeps the whole chain; counting the
-pinned blocks alone let a tenant keep a chain 64 times its share. A namespace two tenants share counts in both
-tenants' totals (either may unpin there).
+pinned blocks alone let a tenant keep a chain 64 times its share. A tenant's pins are its own (BlockMeta.pin_owners),
+counted per owner (ChainIndex.pinned_bytes(ns, owner)): in a namespace two tenants share, each tenant's pins count
+in its share alone, and only it (or an admin) lifts them. They counted in both tenants' totals, and either lifted
+the other's (an audit, session 48): one tenant pinning its share there left the other none.
 
 Why a fraction of the largest tier, not of all tiers together: a pinned block may hold a copy in every tier at
 once (write-back keeps the DRAM copy once its NVMe copy is written), so one tenant's pins can fill any tier no
@@ -30,7 +32,9 @@ their pins. The operator's pins come back whole. A tenant's come back within the
 in the order they were first recorded, and those that would pass it are dropped (logged, naming the tenant's
 namespaces): the share may have shrunk since (a lower fraction, a smaller tier, a namespace given to another
 tenant), and it is the promise to the other tenants that their puts find room, which pins restored past it
-would break from the first put on; the tenant pins again, and is refused as it would be now.
+would break from the first put on; the tenant pins again, and is refused as it would be now. The journal records
+counts, not owners: a tenant's pins come back of no recorded owner (owner "", BlockMeta.owner_pins), which any
+tenant of the namespace may lift and which count in the share of every tenant of it, as before pins had owners.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from engram.errors import ResourceExhausted
-from engram.index import ChainIndex
+from engram.index import BlockMeta, ChainIndex
 from engram.tiers.base import Tier
 
 log = logging.getLogger("engram.store")
@@ -57,19 +61,27 @@ class PinShare:
     fraction: float  # server.max_pinned_fraction_per_tenant, for the message
     largest: str  # the largest tier's name, and its capacity: what the fraction is of
     largest_bytes: int
+    tenant: str = ""  # whose pins it counts (BlockMeta.pin_owners); "": a restart's, of no recorded owner
 
     @classmethod
-    def of(cls, namespaces: Sequence[str], fraction: float, tiers: Sequence[Tier]) -> PinShare:
+    def of(cls, namespaces: Sequence[str], fraction: float, tiers: Sequence[Tier], tenant: str = "") -> PinShare:
         largest = max(tiers, key=lambda t: t.capacity_bytes)
         return cls(tuple(namespaces), int(largest.capacity_bytes * fraction), fraction, largest.name,
-                   largest.capacity_bytes)
+                   largest.capacity_bytes, tenant)
+
+    def growth(self, index: ChainIndex, metas: Sequence[BlockMeta | None]) -> int:
+        """What pinning `metas` adds to the tenant's pinned bytes (ChainIndex.pin_growth, its own pins')."""
+        return index.pin_growth(metas, self.tenant)
 
     def check(self, index: ChainIndex, growth: int, what: str) -> None:
         """RESOURCE_EXHAUSTED when pinning what adds `growth` bytes to the tenant's pinned bytes passes the share;
-        it names the tenant's own namespaces and figures only."""
+        it names the tenant's own namespaces and figures only. What counts: what its own pins keep, and what pins
+        of no recorded owner keep (a restart's) in its namespaces; another tenant's pins in a namespace they share
+        count in that tenant's share alone."""
         if growth <= 0:
             return
-        held = sum(index.pinned_bytes(ns) for ns in self.namespaces)
+        held = sum(index.pinned_bytes(ns, self.tenant) + (index.pinned_bytes(ns, "") if self.tenant else 0)
+                   for ns in self.namespaces)
         if held + growth > self.limit:
             raise ResourceExhausted(
                 f"{what} would pin {growth} more bytes (the blocks, and the unpinned blocks they extend, which a pin "
@@ -100,7 +112,7 @@ def restore(index: ChainIndex, recorded: Mapping[bytes, tuple[int, int]], shares
             note(key, 0, 0)
             continue
         if tenant and shares is not None:
-            growth = index.pin_growth([meta])
+            growth = index.pin_growth([meta], "")
             for share in shares(meta.namespace):
                 try:
                     share.check(index, growth, "restoring pins")
