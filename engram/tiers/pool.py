@@ -60,6 +60,12 @@ class PoolTier:
             raise ValueError("the allocator's pages overrun the buffer")
         self.name = name
         self.buffer = buffer
+        # A host pool's bytes as a memoryview, which write_now copies into with one memcpy on the event loop's
+        # thread; torch's copy_ splits a copy over an OpenMP team of torch.get_num_threads() threads and returns
+        # when the last of them is done, so beside any other busy process (a worker, a client on a 2-core host)
+        # each put's copy waited for the scheduler: a 1 MiB copy 5 ms at the median instead of 0.1 (16 MiB 13
+        # against 1.6), stalling every connection (benchmarks/RESULTS.md, put_get, session 49).
+        self._host = memoryview(buffer.numpy()) if buffer.device.type == "cpu" else None  # type: ignore[arg-type]
         self.page_bytes = page_bytes
         self.allocator = allocator
         self._on_close = on_close
@@ -133,7 +139,11 @@ class PoolTier:
         if slot.length > run.pages * self.page_bytes:
             self.allocator.free(run)
             raise AssertionError(f"a {slot.length}-byte payload does not fit the {reserved} bytes reserved")
-        self.region(slot).copy_(bytes_tensor(payload))
+        if self._host is not None:
+            src = memoryview(payload)
+            self._host[slot.offset : slot.offset + slot.length] = src if src.format == "B" and src.ndim == 1 else src.cast("B")
+        else:
+            self.region(slot).copy_(bytes_tensor(payload))
         self._slots[rec.key] = slot
         self._stored += slot.length
 
@@ -202,6 +212,9 @@ class PoolTier:
         self._reserved.clear()
         self._stored = self._reserved_bytes = 0
         self.buffer = torch.empty(0, dtype=torch.uint8)
+        if self._host is not None:
+            self._host.release()
+            self._host = None
         if self._on_close is not None:
             self._on_close()
             self._on_close = None
