@@ -135,6 +135,26 @@ async def test_lossless_codec_reports_zero_error(server_factory) -> None:  # typ
     assert all(e.samples == 2 * GLOBAL_LAYERS and e.rel_max == 0 and e.max_abs_max == 0 for e in got.values())
 
 
+async def test_a_raw_models_samples_are_counted_at_once_without_a_measurement(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A raw model's block is stored as sent, so its error is 0 by construction: counted when it is stored, with
+    no copy of the block and no measurement in a thread (which took both cores of a small host for 100 ms per
+    16 MiB sample and stalled every connection, benchmarks/RESULTS.md put_get session 49). Measurements are held
+    back here (their one-at-a-time lock taken): a sample that waited for one would not be counted yet."""
+    srv = await server_factory(**{"codec.default": "raw", "codec.quality_sample": 1})
+    quality = srv.store.quality
+    async with quality._one_at_a_time:
+        async with EngramClient(srv.address, namespace="q") as c:
+            spec = tiny_model(codec="")
+            fp = await c.register_model(spec)
+            toks = tokens(3 * BLOCK_TOKENS, seed=5)
+            await c.put(fp, toks, random_kv(spec, len(toks), seed=5))
+        assert not quality._tasks and quality.pending_bytes == 0
+        stats = await srv.service.stats(srv.store.namespaces_in_use())
+    assert stats.codec_error_blocks == 3
+    assert all(e.samples == 3 * GLOBAL_LAYERS and e.rel_max == 0 and e.max_abs_max == 0
+               for e in rows(stats, "raw").values())
+
+
 async def test_fallback_stores_later_blocks_lossless(server_factory, caplog) -> None:  # type: ignore[no-untyped-def]
     caplog.set_level(logging.WARNING, logger="engram.store.quality")
     # NVFP4 measures ~0.1 (above): a limit of 0.01 must start the fallback after the first sampled block

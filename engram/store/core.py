@@ -542,9 +542,8 @@ class BlockStore:
         if header.codec == codec:  # raw models, and blocks a worker encoded (no raw elements here to measure)
             stored.check_encoded(payload, codec, header.dtype, tuple(header.shape), where)
             sample = None
-            if stored.is_raw(codec) and quality.sample(len(payload)):  # stored as sent: its error is measured as 0
-                kv = stored.decode(payload, stored.RAW, header.dtype, tuple(header.shape))
-                sample = Sample(kv, stored.RAW, persisted_kinds(spec.layout), codec, namespace, stored=bytes(payload))
+            if stored.is_raw(codec) and quality.sample(len(payload)):  # stored as sent: counted with error 0
+                sample = Sample(None, stored.RAW, persisted_kinds(spec.layout), codec, namespace)
             return header, payload, sample
         if not stored.is_raw(header.codec):
             raise InvalidArgument(f"{where}: this model stores {codec} blocks; send raw elements (the daemon "

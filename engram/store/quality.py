@@ -8,7 +8,10 @@ describe the daemon's own encodes only.
 
 What it costs the put: one counter per block. Every `every`-th block is sampled; its raw elements and its
 stored form are kept and compared after the block is stored, in a worker thread (asyncio.to_thread), by a
-task the put does not wait for. One measurement runs at a time (one core at most, beside the encodes); the
+task the put does not wait for. A raw model's block, stored as sent, is counted with error 0 at once: its
+decode is its raw elements bit for bit, so comparing them (a copy of the block on the event loop, and
+float32 passes over twice its bytes in a thread that took both cores of a small host for 100 ms at 16 MiB)
+could only say 0. One measurement runs at a time (one core at most, beside the encodes); the
 samples waiting for it hold at most `max_pending_bytes` of raw elements (always one), and a sample past
 that is skipped (counted), so a burst of puts never queues unbounded work or memory behind itself.
 
@@ -32,7 +35,7 @@ import torch
 from engram.api import CodecError, CodecFallback
 from engram.block import Payload
 from engram.codec import stored
-from engram.codec.quality import ErrorAccumulator, LayerError, kv_errors
+from engram.codec.quality import PARTS, ErrorAccumulator, LayerError, kv_errors
 from engram.layout import DType, KVLayout, LayerKind
 
 log = logging.getLogger("engram.store.quality")
@@ -55,13 +58,11 @@ class Sample:
     model's stored codec (what its stored form decodes as: a block kept lossless is a v1 block of the raw codec
     under a quantizing model's codec)."""
 
-    kv: torch.Tensor
+    kv: torch.Tensor | None  # None: stored as sent (a raw model's block), its error 0 without measuring
     codec: str
     layer_kinds: tuple[str, ...]
     model_codec: str
     namespace: str = ""  # whose block: the fallback is decided per namespace
-    stored: bytes | None = None  # its stored form, copied where the put's buffer is reused (a raw block's is the
-    # data channel's receive buffer); None: the one `measure_later` is given
 
 
 def persisted_kinds(layout: KVLayout) -> tuple[str, ...]:
@@ -112,9 +113,13 @@ class QualityWatch:
     def measure_later(self, sample: Sample, blob: Payload, dtype: DType, shape: tuple[int, ...], tier: str) -> None:
         """Compare `blob` (the block as stored) with the sample's raw elements, off the event loop; the put
         that stored it does not wait (so a view of a buffer the put's caller reuses is copied first)."""
+        if sample.kv is None:
+            self._record(sample, tier, [LayerError(kind, part, 0.0, 0.0) for kind in sample.layer_kinds
+                                        for part in PARTS])
+            return
         nbytes = sample.kv.numel() * sample.kv.element_size()
         self.pending_bytes += nbytes
-        blob = sample.stored if sample.stored is not None else bytes(blob)
+        blob = bytes(blob)
         task = asyncio.get_running_loop().create_task(self._measure(sample, blob, dtype, shape, tier))
         self._tasks.add(task)
 
@@ -131,6 +136,9 @@ class QualityWatch:
         except Exception:  # telemetry never fails a put; a decode that fails here fails the Get loudly anyway
             log.exception("measuring a %s block's error failed", sample.codec)
             return
+        self._record(sample, tier, errors)
+
+    def _record(self, sample: Sample, tier: str, errors: list[LayerError]) -> None:
         self.errors.add(sample.codec, tier, errors)
         for e in errors:
             acc = self._rel.setdefault((sample.namespace, sample.codec, e.layer_kind), [0.0, 0])
@@ -139,6 +147,7 @@ class QualityWatch:
         self._check_limit(sample.namespace, sample.codec, {e.layer_kind for e in errors})
 
     def _errors(self, sample: Sample, blob: bytes, dtype: DType, shape: tuple[int, ...]) -> list[LayerError]:
+        assert sample.kv is not None
         dq = stored.decode(blob, sample.model_codec, dtype, shape, backend=self.backend, where="sampled block")
         return kv_errors(sample.kv, dq, sample.layer_kinds)
 
