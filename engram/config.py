@@ -246,8 +246,9 @@ class CodecConfig:
     default: str = "auto"
     backend: str = "auto"  # where the daemon encodes and decodes: auto (triton on CUDA, else cpu), cpu, reference, triton
     # Error telemetry (Stats, /metrics): every quality_sample-th block the daemon stores from raw elements (a raw put)
-    # is decoded again off the put path and compared with them, per layer (0: off). Blocks a worker encoded are not
-    # measured: the daemon never sees their raw elements.
+    # is decoded again off the put path and compared with them, per layer (0: off); a raw model's, stored as sent, is
+    # counted with error 0 without a measurement. Blocks a worker encoded are not measured: the daemon never sees
+    # their raw elements.
     quality_sample: int = 64
     # Lossless fallback: once a lossy codec's mean relative error on a layer kind exceeds max_error in a namespace
     # (its own samples), whole blocks of that namespace the daemon would encode with it that hold such layers are
