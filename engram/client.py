@@ -139,6 +139,7 @@ def _skippable(cached: Sequence[BlockRef], keys: Sequence[bytes], block_tokens: 
     return n
 
 
+@clientuse.given_up_on_close
 class EngramClient(ControlClient):
     """The worker's client: the control calls of ControlClient (stats, listings, pin, ...) and the data path."""
 
@@ -205,7 +206,9 @@ class EngramClient(ControlClient):
 
     async def close(self) -> None:
         """End held leases, let go of the daemon's pools (each unmapped once no load or put holds it) and close
-        the channel (the context manager does it). A later call raises ClientClosed."""
+        the channel (the context manager does it). A later call raises ClientClosed, and so do the calls other
+        tasks have in flight, given up (engram/clientuse.py)."""
+        self._closing = True
         if self._flush is not None:
             self._flush.cancel()
         self._flush_held()
@@ -941,8 +944,8 @@ class EngramClient(ControlClient):
         for start in range(0, len(ids), self._max_blocks):  # as many as one request may name, each
             req = pb.ReleaseLeasesRequest(namespace=self._ns(namespace), lease_ids=ids[start : start + self._max_blocks])
             # Expired meanwhile (NotFound), the daemon is gone, or this client was closed before a background
-            # release ran (grpc's UsageError): either way the leases end by expiry.
-            with contextlib.suppress(errors.NotFound, errors.Unavailable, grpc.aio.UsageError):
+            # release ran (ClientClosed, or grpc's UsageError in a race with it): either way the leases end by expiry.
+            with contextlib.suppress(errors.NotFound, errors.Unavailable, errors.ClientClosed, grpc.aio.UsageError):
                 await self._call(self._stub.ReleaseLeases(req))
 
     async def release_leases(self, lease_ids: Sequence[int], *, namespace: str | None = None) -> int:

@@ -16,9 +16,18 @@ after the fork or start workers with the spawn (or forkserver) start method.
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import inspect
 import os
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+import grpc
 
 from engram import errors
+
+C = TypeVar("C", bound=type)
 
 AFTER_CLOSE = "the client is closed (close() was called): make a new client to go on"
 WHILE_RUNNING = ("the client was closed (close(), from another thread or task) while this call ran: the call was "
@@ -32,6 +41,43 @@ def closed() -> errors.ClientClosed:
 
 def closed_while_running() -> errors.ClientClosed:
     return errors.ClientClosed(WHILE_RUNNING)
+
+
+def given_up_on_close(cls: C) -> C:
+    """The async client's calls, each raising ClientClosed (WHILE_RUNNING) when close() ends it from another task.
+
+    Why: close() closes the channels under the calls other tasks await, which then failed however the cut reached
+    them: a bare asyncio.CancelledError (gRPC and in-place puts), which the task reads as its own cancellation,
+    grpc's UsageError "Channel is closed", or the closed client of the call's next step (an audit, session 48).
+    Wraps each public coroutine method `cls` defines (close aside); the client sets `_closing` when close() begins.
+    A caller cancelling its own task still gets CancelledError."""
+    for name, method in list(vars(cls).items()):
+        if not name.startswith("_") and name != "close" and inspect.iscoroutinefunction(method):
+            setattr(cls, name, _given_up_on_close(method))
+    return cls
+
+
+def _given_up_on_close(method: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., Coroutine[Any, Any, Any]]:
+    @functools.wraps(method)
+    async def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._closing:  # called after close() began: its own ClientClosed (AFTER_CLOSE) says so
+            return await method(self, *args, **kwargs)
+        try:
+            return await method(self, *args, **kwargs)
+        except (asyncio.CancelledError, Exception) as exc:
+            if self._closing and _cut_by_close(exc):
+                raise closed_while_running() from None
+            raise
+
+    return call
+
+
+def _cut_by_close(exc: BaseException) -> bool:
+    """Whether `exc` is how a closed channel ends a call: not the caller's own cancellation, nor an answer."""
+    if isinstance(exc, asyncio.CancelledError):
+        task = asyncio.current_task()
+        return task is None or task.cancelling() == 0
+    return isinstance(exc, (grpc.aio.UsageError, errors.ClientClosed, errors.Unavailable, OSError))
 
 
 _started_in: int | None = None  # the process whose gRPC the first client of this one started (a fork copies it)

@@ -37,6 +37,7 @@ __all__ = ["ControlClient"]
 T = TypeVar("T")
 
 
+@clientuse.given_up_on_close
 class ControlClient:
     def __init__(self, address: str, *, namespace: str = "default", token: str = "", root_cert: bytes | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -59,6 +60,7 @@ class ControlClient:
         clientuse.starting()
         self._made_in = os.getpid()
         self._closed = False
+        self._closing = False  # close() has begun: the calls it cuts raise ClientClosed (clientuse.given_up_on_close)
         self._channel = open_channel(address, root_cert=root_cert, max_message_bytes=max_message_bytes,
                                      max_receive_bytes=-1)
         self._live_stub = stub_for(self._channel, token)
@@ -83,7 +85,9 @@ class ControlClient:
         await self.close()
 
     async def close(self) -> None:
-        """Close the channel (the context manager does it). A later call raises ClientClosed."""
+        """Close the channel (the context manager does it). A later call raises ClientClosed, and so do the calls
+        other tasks have in flight, given up."""
+        self._closing = True
         self._closed = True
         await self._channel.close()
 

@@ -56,7 +56,8 @@ or makes a client of its own after its parent had made one, gets `ClientForked` 
 process that uses it, after the fork, or start worker processes with the `spawn` (or `forkserver`) start method
 (`multiprocessing.get_context("spawn")`; vLLM: `VLLM_WORKER_MULTIPROC_METHOD=spawn`). A `SyncEngramClient` may be
 shared by threads; its `close()` ends the calls other threads have in flight, and every call after it, with
-`ClientClosed` (an `EngramError` and a `RuntimeError`; `ClientForked` is one too).
+`ClientClosed` (an `EngramError` and a `RuntimeError`; `ClientForked` is one too). So does an `EngramClient`'s
+`close()` for the calls other tasks await on it; a task cancelled by its caller still raises `CancelledError`.
 
 How payloads travel: on the daemon's host, through its shared pools (hits copied out of the mapped pool, puts
 written into reserved slots: no KV on the socket). Everywhere else, on the daemon's **data channel**, a plain

@@ -8,6 +8,7 @@ loop is closed", and the async client's grpc UsageError "Channel is closed" (an 
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from pathlib import Path
@@ -81,3 +82,40 @@ async def test_a_call_on_a_closed_async_client_raises_client_closed(tmp_path: Pa
                      client.put(fp, tokens(16), random_kv(spec, 16))):
             with pytest.raises(errors.ClientClosed, match="the client is closed"):
                 await call
+
+
+@pytest.mark.parametrize("path", PATHS)
+async def test_async_close_ends_the_calls_other_tasks_have_in_flight_with_client_closed(tmp_path: Path,
+                                                                                         path: str) -> None:
+    """The async client's close() closes its channels under the calls other tasks await: each of them raises
+    ClientClosed ('while this call ran'), as the sync client's do. They got a bare asyncio.CancelledError (in-place
+    and gRPC puts), which a task reads as its own cancellation, or grpc's UsageError (an audit, session 48)."""
+    n = 8192
+    kv = random_kv(SPEC, n)
+    with engram_daemon(tmp_path, env={"ENGRAM_TIERS__DRAM__CAPACITY": "256MiB"}) as (address, _):
+        client = EngramClient(address, timeout_s=3, **PATHS[path])
+        fp = await client.register_model(SPEC)
+        calls = [0] * THREADS
+
+        async def work(i: int) -> None:
+            for rep in range(10**6):  # until close() ends it
+                toks = tokens(n, seed=1 + i * 10**6 + rep)
+                await client.put(fp, toks, kv)
+                calls[i] += 1
+                await client.get_prefix(fp, toks)
+                calls[i] += 1
+
+        tasks = [asyncio.create_task(work(i)) for i in range(THREADS)]
+        deadline = time.monotonic() + 30
+        while sum(calls) < THREADS and time.monotonic() < deadline:  # all of them at work
+            await asyncio.sleep(0.05)
+        await client.close()
+        done, pending = await asyncio.wait(tasks, timeout=ENDS_WITHIN_S)
+        for task in pending:
+            task.cancel()
+        assert not pending, f"{len(pending)} tasks still waiting {ENDS_WITHIN_S} s after close() ({path})"
+        ended = [task.exception() if not task.cancelled() else asyncio.CancelledError("the task ended cancelled")
+                 for task in tasks]
+        for i, exc in enumerate(ended):
+            assert isinstance(exc, errors.ClientClosed), f"task {i}: {exc!r}"
+        assert any("while this call ran" in str(exc) for exc in ended), ended
