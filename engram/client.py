@@ -96,6 +96,15 @@ def _device_of(kv: torch.Tensor | Mapping[str, torch.Tensor]) -> torch.device:
     return kv.device if isinstance(kv, torch.Tensor) else next(iter(kv.values())).device
 
 
+def _refuse_meta(device: torch.device | str, what: str) -> None:
+    """InvalidArgument for KV on the meta device, which has shapes and no data: a put of it raised torch's
+    NotImplementedError "Cannot copy out of meta tensor", a load into it answered its tokens loaded having
+    written nothing (an audit, session 48)."""
+    if torch.device(device).type == "meta":
+        raise errors.InvalidArgument(f"{what} is on the meta device, which holds shapes and no data: use a tensor "
+                                     "on the CPU or a GPU")
+
+
 def _check_streams(spec: ModelSpec, kv: torch.Tensor | Mapping[str, torch.Tensor], tokens: int) -> None:
     """A stream layout's KV for `tokens` tokens: every stream, (layers, tokens // compress, *shape), its dtype."""
     lay = spec.layout
@@ -331,6 +340,7 @@ class EngramClient(ControlClient):
                 f"kv must be (persisted layers, 2, tokens, kv_heads, head_dim) = {spec.layout.block_shape(len(arr))} "
                 f"for {len(arr)} tokens of {spec.name}, got {got}"
             )
+        _refuse_meta(_device_of(kv), "kv")
         if self._gate is not None and self._gate.loads:
             await asyncio.to_thread(self._gate.give_way)
         in_place = None  # the blocks put in place before the put went on as bytes (if it did), and what it did
@@ -560,6 +570,7 @@ class EngramClient(ControlClient):
 
         def encoded(toks: np.ndarray | Sequence[int], kv: torch.Tensor | Mapping[str, torch.Tensor]
                     ) -> tuple[pb.BlockHeader, bytes | memoryview]:
+            _refuse_meta(_device_of(kv), "a block's kv")
             if isinstance(kv, Mapping):
                 if spec is None or not spec.layout.has_streams:
                     raise errors.InvalidArgument("streams are a stream layout's block: register the model "
@@ -809,6 +820,7 @@ class EngramClient(ControlClient):
         segment; a descriptor whose slot was reused meanwhile, or a segment this process cannot map, falls
         back to bytes for those blocks. Either way the tensors are the same.
         """
+        _refuse_meta(device, "device")
         if len(keys) > self._max_blocks:  # more than one Get may name: in parts, in order
             out: list[Any] = []
             for start in range(0, len(keys), self._max_blocks):
@@ -961,6 +973,7 @@ class EngramClient(ControlClient):
         matched, kv_heads, head_dim) on `device` (matched = 0 on a miss: an empty tensor of that shape); a stream
         layout's: a dict of its streams, name -> (persisted_layers, matched // compress, *shape). One round trip;
         on a GPU the blocks are decoded there (load_prefix_into into new tensors)."""
+        _refuse_meta(device, "device")
         spec = self._spec(fingerprint)
         lay = spec.layout
 
@@ -994,8 +1007,8 @@ class EngramClient(ControlClient):
         copied straight out of them (DMA into a GPU, FP4 decoded there), the rest come as bytes. On a GPU the
         writes are queued on the current stream; the call returns once every copy out of the daemon's pools
         has completed. The blocks' lease ends with this client's next load (no extra round trip), or
-        RELEASE_AFTER_S after this one. A destination the model's KV does not fit (dtype, shape) is refused before
-        the request (InvalidArgument), on a miss as on a hit."""
+        RELEASE_AFTER_S after this one. A destination the model's KV does not fit (dtype, shape), or one on the
+        meta device, is refused before the request (InvalidArgument), on a miss as on a hit."""
         layout = self._spec(fingerprint).layout
         if isinstance(dest, torch.Tensor):
             target: KVDestination = ContiguousKV(dest)
@@ -1004,6 +1017,7 @@ class EngramClient(ControlClient):
         else:
             target = dest
         check_fits(target, layout)
+        _refuse_meta(target.device, "the destination")
         return await self._load_prefix(fingerprint, tokens, lambda n: target, target.device, namespace)
 
     async def _load_prefix(self, fingerprint: bytes, tokens: Sequence[int] | np.ndarray,
@@ -1263,6 +1277,7 @@ class EngramClient(ControlClient):
         worker on the daemon's host with FP4 blocks and a long prefix may do better with resume() then get() into
         its GPU (zero-copy, FP4 decoded there): `fingerprint` is for that caller's symmetry; this call does not
         need it."""
+        _refuse_meta(device, "device")
         r = await self.resume(session_id, position=position, namespace=namespace, with_global_kv=True)
         assert r.global_kv is not None
         return r, r.global_kv.to(device)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from engram import errors
 from engram.client import EngramClient, SyncEngramClient
@@ -33,3 +34,26 @@ async def test_an_empty_address_is_refused_invalid_argument(make: Any, address: 
     """An empty address failed at the first call as DaemonError, the daemon blamed for the caller's mistake."""
     with pytest.raises(errors.InvalidArgument, match="address"):
         make(address)
+
+
+async def test_kv_on_the_meta_device_is_refused_invalid_argument(server_factory: Any) -> None:
+    """A meta tensor has a shape and no data: put(kv on meta) raised torch's NotImplementedError "Cannot copy out
+    of meta tensor", and load_prefix_into a meta destination answered loaded_tokens=40 having written nothing."""
+    srv = await server_factory()
+    spec = tiny_model()
+    async with EngramClient(srv.address) as client:
+        fp = await client.register_model(spec)
+        toks = tokens(48)
+        meta = torch.empty(spec.layout.block_shape(48), dtype=spec.layout.dtype.torch_dtype, device="meta")
+        with pytest.raises(errors.InvalidArgument, match="meta device"):
+            await client.put(fp, toks, meta)
+        with pytest.raises(errors.InvalidArgument, match="meta device"):
+            await client.put_blocks(fp, [(toks[:16], meta[:, :, :16])])
+        await client.put(fp, toks, random_kv(spec, 48))
+        with pytest.raises(errors.InvalidArgument, match="meta device"):
+            await client.load_prefix_into(fp, toks, meta)
+        with pytest.raises(errors.InvalidArgument, match="meta device"):
+            await client.get_prefix(fp, toks, device="meta")
+        keys = (await client.lookup(fp, toks)).blocks
+        with pytest.raises(errors.InvalidArgument, match="meta device"):
+            await client.get(fp, [b.key for b in keys], device="meta")
