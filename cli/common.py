@@ -19,6 +19,7 @@ from rich.markup import escape
 from engram import errors
 from engram.config import EngramConfig, load_config
 from engram.control import ControlClient
+from engram.wire import tlshint
 from engram.wire.channel import header_safe
 
 # Piped: as wide as the tables need, so no column is cut with "…" (grep sees whole keys and paths).
@@ -183,7 +184,7 @@ def failure(where: Target, exc: errors.EngramError | TimeoutError, timeout_s: fl
         more = "" if timeout_s is not None else " and the time its work on the store takes at the floor rates"
         return (f"the daemon at {where.address} did not answer within {per_call:g} s{more}: it is hung, stopped or "
                 "overloaded, or its host is unreachable", EXIT_UNAVAILABLE)
-    if isinstance(exc, errors.Unavailable) and "handshake failed" in str(exc).lower():
+    if isinstance(exc, errors.Unavailable) and ("handshake failed" in str(exc).lower() or tlshint.SERVES_TLS in str(exc)):
         return tls_mismatch(where, str(exc)), EXIT_BAD_INPUT
     if isinstance(exc, errors.Unavailable | TimeoutError):
         hint = "" if where.root_cert or where.address.startswith("unix") else " (if it serves TLS, pass --tls-ca)"
@@ -200,7 +201,11 @@ def failure(where: Target, exc: errors.EngramError | TimeoutError, timeout_s: fl
 
 def tls_mismatch(where: Target, why: str) -> str:
     """A TLS handshake that failed: something answers at the address, and the caller's TLS does not fit it (it was
-    reported as "no Engram daemon answers ... start one with `engram serve`")."""
+    reported as "no Engram daemon answers ... start one with `engram serve`"), or a daemon serving TLS that closed
+    this plain-text connection (the client found it serves TLS: engram/wire/tlshint.py)."""
+    if tlshint.SERVES_TLS in why:
+        return (f"the daemon at {where.address} serves TLS: give the PEM certificate that signed the daemon's with "
+                "--tls-ca (or ENGRAM_TLS_CA)")
     if "CERTIFICATE_VERIFY_FAILED" in why:
         return (f"the daemon at {where.address} serves TLS with a certificate that --tls-ca (or ENGRAM_TLS_CA) did "
                 f"not sign: give the PEM certificate that signed the daemon's ({why})")

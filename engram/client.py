@@ -63,7 +63,6 @@ from engram.wire.channel import (
 from engram.wire.data import Conn, DataChannel, Endpoint
 from engram.wire.deadline import DEFAULT_TIMEOUT_S
 from engram.wire.putstatus import DaemonStatus
-from engram.wire.status import error_from_rpc
 from engram.wire.stream import Reassembler, chunk_frames, client_reassembler, payload_step
 from engram.writer import PutWriter, Slot, stream_block
 
@@ -624,7 +623,7 @@ class EngramClient(ControlClient):
             try:
                 got = await progress.wait(call, self.address, "a Put stream")
             except grpc.aio.AioRpcError as exc:
-                raise _in_chain(error_from_rpc(status.error(exc)), start) from exc
+                raise _in_chain(await self._failed(status.error(exc)), start) from exc
             except errors.EngramError as exc:
                 raise _in_chain(exc, start) from exc
             reply.keys.extend(got.keys)
@@ -666,7 +665,7 @@ class EngramClient(ControlClient):
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self._data_wanted = False
                 return None
-            raise error_from_rpc(exc) from exc
+            raise await self._failed(exc) from exc
         unix = self.address.startswith("unix:") and ep.unix_path
         if not unix and not ep.tcp_port:
             self._data_wanted = False
@@ -850,7 +849,7 @@ class EngramClient(ControlClient):
                     out.append(self._block(done[0], done[1], len(out), device))
         except grpc.aio.AioRpcError as exc:
             await self._release({d.lease_id for _, d in descriptors}, namespace)
-            raise error_from_rpc(exc) from exc
+            raise await self._failed(exc) from exc
         except BaseException:
             # Cancelled (a caller's timeout) or failed after some descriptors came: their leases would hold
             # those blocks from eviction until they expire. End them without waiting (a cancelled task may not).
@@ -1113,7 +1112,7 @@ class EngramClient(ControlClient):
                 if done is not None:
                     out.append(done)
         except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from exc
+            raise await self._failed(exc) from exc
         if len(out) != len(keys):
             raise errors.DataLoss(f"Get returned {len(out)} of {len(keys)} blocks")
         return out
@@ -1251,7 +1250,7 @@ class EngramClient(ControlClient):
                 else:
                     parts.append(resp.window_chunk)
         except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from exc
+            raise await self._failed(exc) from exc
         if header is None:
             raise errors.DataLoss("Resume stream carried no header")
         w = header.window
@@ -1304,7 +1303,7 @@ class EngramClient(ControlClient):
                 info = await deadline.answer(self._stub.DescribeNamespace(req), self.timeout_s, self.address)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                    raise error_from_rpc(exc) from exc
+                    raise await self._failed(exc) from exc
                 self._salts[namespace] = (namespace, b"")
             else:
                 self._salts[namespace] = (info.namespace, info.key_salt)

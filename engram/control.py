@@ -27,7 +27,7 @@ from engram.api import (
     Stats,
 )
 from engram.v1 import engram_pb2 as pb
-from engram.wire import convert, deadline
+from engram.wire import convert, deadline, tlshint
 from engram.wire.channel import DEFAULT_MAX_MESSAGE_BYTES, header_safe, open_channel, stub_for
 from engram.wire.deadline import DEFAULT_TIMEOUT_S
 from engram.wire.status import error_from_rpc
@@ -61,6 +61,7 @@ class ControlClient:
         self._made_in = os.getpid()
         self._closed = False
         self._closing = False  # close() has begun: the calls it cuts raise ClientClosed (clientuse.given_up_on_close)
+        self._tls = root_cert is not None
         self._channel = open_channel(address, root_cert=root_cert, max_message_bytes=max_message_bytes,
                                      max_receive_bytes=-1)
         self._live_stub = stub_for(self._channel, token)
@@ -99,7 +100,12 @@ class ControlClient:
             return await deadline.answer(call, self.timeout_s if timeout_s is None else timeout_s,  # type: ignore[no-any-return]
                                          self.address, work_bytes, work_blocks)
         except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from exc
+            raise await self._failed(exc) from exc
+
+    async def _failed(self, exc: grpc.aio.AioRpcError) -> errors.EngramError:
+        """The domain error of a failed call (error_from_rpc); where the daemon closed this plain-text client's
+        connection because it serves TLS, an Unavailable saying so (engram/wire/tlshint.py)."""
+        return await tlshint.explained(error_from_rpc(exc), exc, self.address, self._tls, self.timeout_s)
 
     async def _store_wide(self, make: Callable[[], Awaitable[T]], timeout_s: float | None,
                           work: Callable[[Stats], tuple[int, int]]) -> T:

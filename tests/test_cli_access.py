@@ -8,12 +8,16 @@ would set (ENGRAM_TOKEN, ENGRAM_TLS_CA), and once as a real `engram` subprocess.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +25,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner, Result
 
+from engram import errors
 from engram.cli.main import app
-from engram.client import SyncEngramClient
+from engram.client import EngramClient, SyncEngramClient
 from engram.config import load_config
 
 from helpers import (
@@ -131,7 +136,7 @@ def test_tenants_and_tls_from_the_cli(deployment: Deployment) -> None:
     anonymous = cli("stats", "-a", addr, token=None, ca=cert)
     assert anonymous.exit_code == 6 and "ENGRAM_TOKEN" in anonymous.stderr
     plaintext = cli("stats", "-a", addr)
-    assert plaintext.exit_code == 2 and "--tls-ca" in plaintext.stderr
+    assert plaintext.exit_code == 4 and "serves TLS" in plaintext.stderr and "--tls-ca" in plaintext.stderr
     bad_ca = cli("stats", "-a", addr, "--tls-ca", str(deployment.cert.parent / "key.pem"))
     assert bad_ca.exit_code == 4 and "not a PEM certificate" in bad_ca.stderr
 
@@ -215,3 +220,38 @@ def test_a_certificate_that_does_not_fit_the_daemon_is_named_not_no_daemon(deplo
     assert mismatch.returncode == 4, mismatch.stderr
     assert mismatch.stderr.startswith("error: ") and mismatch.stderr.count("\n") == 1, mismatch.stderr
     assert "does not serve TLS" in mismatch.stderr and "leave out --tls-ca" in mismatch.stderr
+
+
+def test_a_client_without_root_cert_is_told_the_daemon_serves_tls(deployment: Deployment) -> None:
+    """A client with no root_cert against a daemon serving TLS failed Unavailable "... Socket closed", and the CLI
+    said "no Engram daemon answers" (exit 2). The client now finds that a TLS handshake completes there and says
+    the daemon serves TLS and to pass root_cert (the CLI: --tls-ca, exit 4 as the other TLS mismatches). A peer
+    that closes connections at once without serving TLS is not said to (the same gRPC words: no guess)."""
+
+    async def stats(address: str) -> str:
+        async with EngramClient(address, timeout_s=5) as client:
+            with pytest.raises(errors.Unavailable) as failed:
+                await client.stats()
+            return str(failed.value)
+
+    said = asyncio.run(stats(deployment.address))
+    assert "serves TLS" in said and "root_cert" in said, said
+    env = {k: v for k, v in os.environ.items() if k not in ("GRPC_VERBOSITY", "ENGRAM_TLS_CA")}
+    ping = subprocess.run([*ENGRAM, "ping", "-a", deployment.address], capture_output=True, text=True, timeout=60,
+                          cwd=NEUTRAL_CWD, env=env)
+    assert ping.returncode == 4, ping.stderr
+    assert ping.stderr.startswith("error: ") and ping.stderr.count("\n") == 1, ping.stderr
+    assert "serves TLS" in ping.stderr and "--tls-ca" in ping.stderr and "start one" not in ping.stderr
+
+    with socket.socket() as closer:  # accepts and closes each connection at once, speaking no TLS
+        closer.bind(("127.0.0.1", 0))
+        closer.listen()
+
+        def close_each() -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    closer.accept()[0].close()
+
+        threading.Thread(target=close_each, daemon=True).start()
+        other = asyncio.run(stats(f"127.0.0.1:{closer.getsockname()[1]}"))
+    assert "serves TLS" not in other, other  # gRPC's "Socket closed", or a reset
