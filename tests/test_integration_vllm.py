@@ -1327,3 +1327,17 @@ def test_real_vllm_configs_engram_cannot_serve_are_refused(vllm_model: Path, dae
     base.config.parallel_config.tensor_parallel_size = 2
     with pytest.raises(InvalidArgument, match="tensor_parallel_size=2"):
         EngramConnector(base.config, KVConnectorRole.SCHEDULER, base.kv_cache_config)
+
+
+def test_a_root_cert_that_cannot_be_read_is_a_config_error_naming_the_key_and_path(tmp_path: Path) -> None:
+    """kv_connector_extra_config's root_cert naming no file raised a bare FileNotFoundError when the connector
+    made its client (an audit, session 48); a directory IsADirectoryError. Refused at parse as the other keys are,
+    naming the key and the path; a file that is not a PEM certificate too."""
+    not_pem = tmp_path / "key.txt"
+    not_pem.write_text("not a certificate")
+    for path, why in ((tmp_path / "missing.pem", "No such file"), (tmp_path, "directory"),
+                      (not_pem, "not a PEM certificate")):
+        with pytest.raises(InvalidArgument, match=rf"kv_connector_extra_config\['root_cert'\].*{path}.*{why}"):
+            ConnectorConfig.from_extra({"address": "localhost:50051", "root_cert": str(path)})
+        with pytest.raises(InvalidArgument, match=rf"kv_connector_extra_config\['root_cert'\].*{path}.*{why}"):
+            ConnectorConfig(address="localhost:50051", root_cert=str(path)).client()

@@ -30,6 +30,19 @@ from engram.wire.deadline import DEFAULT_TIMEOUT_S, checked
 LATENT = "latent"  # the stream an MLA model's cache entries are stored as
 
 
+def _read_root_cert(path: str) -> bytes:
+    """The PEM root certificate at `path`; a path that cannot be read, or a file that is no certificate, refused
+    naming the key and the path (it raised a bare FileNotFoundError when the connector made its client)."""
+    where = f"kv_connector_extra_config['root_cert'] = {path!r}"
+    try:
+        pem = Path(path).read_bytes()
+    except OSError as exc:
+        raise InvalidArgument(f"{where}: cannot read it ({exc.strerror or exc})") from None
+    if b"-----BEGIN CERTIFICATE-----" not in pem:
+        raise InvalidArgument(f"{where} is not a PEM certificate: give the certificate that signed the daemon's")
+    return pem
+
+
 def _parse(value: Any, kind: str) -> Any:
     """A kv_connector_extra_config value (JSON, or a string from a command line) as its field's type."""
     if kind == "bool":
@@ -100,13 +113,15 @@ class ConnectorConfig:
                 values["timeout_s"] = checked(values["timeout_s"])
             except InvalidArgument as exc:
                 raise InvalidArgument(f"kv_connector_extra_config['timeout_s']: {exc}") from None
+        if values.get("root_cert"):
+            _read_root_cert(values["root_cert"])  # refused now, not when the first client is made
         return cls(**values)
 
     def client(self) -> Any:
         """A SyncEngramClient for this daemon: vLLM's connector hooks are synchronous."""
         from engram.client import SyncEngramClient
 
-        cert = Path(self.root_cert).read_bytes() if self.root_cert else None
+        cert = _read_root_cert(self.root_cert) if self.root_cert else None
         return SyncEngramClient(self.address, namespace=self.namespace, token=self.token, root_cert=cert,
                                 timeout_s=self.timeout_s)
 
