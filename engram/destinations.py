@@ -93,6 +93,21 @@ def _kv_of(layout: KVLayout) -> tuple[int, int, int, torch.dtype]:
     return layout.persisted_layers, heads, dim, specs[0].dtype.torch_dtype
 
 
+def _check_distinct(places: Sequence[tuple[str, Tensor]]) -> None:
+    """Each place a load writes is a tensor of its own: one tensor given for two (PagedKV(k, k, table): K and V)
+    was accepted, and a load wrote one over the other (V read back as K). Views of one buffer that share no
+    element (vLLM's K and V, cache[0] and cache[1]) are two places; only the same view given twice is refused."""
+    seen: dict[tuple[object, ...], str] = {}
+    for name, t in places:
+        if t.device.type == "meta" or not t.numel():  # no memory to share (meta: refused at the load)
+            continue
+        key = (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+        if key in seen:
+            raise InvalidArgument(f"{seen[key]} and {name} are one tensor: a load would write one over the other; "
+                                  "give each its own")
+        seen[key] = name
+
+
 def _check_layers(want: int, have: int) -> None:
     if want != have:
         raise InvalidArgument(f"the model stores {want} layers; the destination has {have}")
@@ -165,6 +180,7 @@ class LayerKV:
         if len(shapes) != 1 or len(next(iter(shapes))) != 3:
             raise InvalidArgument(f"every layer's K and V must be (tokens, kv_heads, head_dim) of one shape, got {shapes}")
         self.streams = (list(k), list(v))
+        _check_distinct(_places(("K", "V"), self.streams))
 
     @property
     def device(self) -> torch.device:
@@ -266,6 +282,7 @@ class PagedKV(_Paged):
             raise InvalidArgument(f"every layer's pages must be (pages, page_tokens, kv_heads, head_dim) of one shape, "
                                   f"got {shapes}")
         self.streams = (list(k), list(v))
+        _check_distinct(_places(("K", "V"), self.streams))
         self.page_tokens = int(k[0].shape[1])
         self.table = _page_table(block_table, k[0])
         self._offsets = {}
@@ -273,6 +290,12 @@ class PagedKV(_Paged):
     def fits(self, layout: KVLayout) -> None:
         _, heads, dim, dtype = _kv_of(layout)
         self._fits_pages(layout, [((heads, dim), dtype)] * 2)
+
+
+def _places(names: Sequence[str], streams: Sequence[Sequence[Tensor]]) -> list[tuple[str, Tensor]]:
+    """("K of layer 0", tensor), ...: each stream's per-layer tensors, named for _check_distinct."""
+    return [(f"{name} of layer {i}", t) for name, layers in zip(names, streams, strict=True)
+            for i, t in enumerate(layers)]
 
 
 def _page_table(block_table: Sequence[int] | Tensor, pages: Tensor) -> Tensor:
@@ -323,6 +346,7 @@ class StreamsKV:
         devices = {t.device for t in self.tensors}
         if len(devices) != 1:
             raise InvalidArgument(f"every stream's tensor must be on one device, got {sorted(map(str, devices))}")
+        _check_distinct([(f"stream {s.name}", t) for s, t in zip(self.streams, self.tensors, strict=True)])
 
     @property
     def device(self) -> torch.device:
@@ -383,6 +407,7 @@ class PagedStreamsKV(_Paged):
                                       f"as many layers as the other streams; got {bad or len(layers)}")
             if {t.device for t in layers} != {first.device}:
                 raise InvalidArgument(f"stream {s.name}: every stream's pages must be on one device")
+        _check_distinct(_places([f"stream {s.name}" for s in streams], self.streams))
         self.table = _page_table(block_table, first)
         self._offsets = {}
 

@@ -489,6 +489,43 @@ def test_a_block_table_naming_one_page_twice_is_refused() -> None:
     assert PagedKV(k, [t.clone() for t in k], [4, 3, 1, 6, 2]).capacity_tokens == 20
 
 
+async def test_one_tensor_given_for_two_of_a_destinations_places_is_refused(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """PagedKV(k, k, table) was accepted, and a load wrote V over K: both read back V. The same tensor given for K
+    and V, or for two layers, is refused naming both places. K and V as views of one buffer that do not share an
+    element (vLLM's (2, pages, ...) cache and FlashInfer's (pages, 2, ...)) are two places, and load as such."""
+    from engram import errors
+
+    spec = tiny_model()
+    lay = spec.layout
+    L, H, D = lay.persisted_layers, lay.num_kv_heads, lay.head_dim
+    k = [torch.zeros(8, 4, H, D, dtype=torch.bfloat16) for _ in range(L)]
+    with pytest.raises(errors.InvalidArgument, match=r"K of layer 0 and V of layer 0 are one tensor"):
+        PagedKV(k, k, range(4))
+    with pytest.raises(errors.InvalidArgument, match=r"K of layer 0 and K of layer 1 are one tensor"):
+        PagedKV([k[0], k[0]], [t.clone() for t in k], range(4))
+    t = [torch.zeros(16, H, D, dtype=torch.bfloat16) for _ in range(L)]
+    with pytest.raises(errors.InvalidArgument, match=r"K of layer 1 and V of layer 1 are one tensor"):
+        LayerKV([t[0], t[1]], [t[0].clone(), t[1]])
+
+    srv = await server_factory()
+    async with EngramClient(srv.address) as c:
+        fp = await c.register_model(spec)
+        toks = tokens(2 * BLOCK_TOKENS)
+        n = len(toks)
+        want = random_kv(spec, n)
+        await c.put(fp, toks, want)
+        vllm = [torch.full((2, n // 4, 4, H, D), float("nan"), dtype=torch.bfloat16) for _ in range(L)]
+        flashinfer = [torch.full((n // 4, 2, 4, H, D), float("nan"), dtype=torch.bfloat16) for _ in range(L)]
+        for dest, k_of, v_of in ((vllm, lambda x: x[0], lambda x: x[1]),
+                                 (flashinfer, lambda x: x[:, 0], lambda x: x[:, 1])):
+            got = await c.load_prefix_into(fp, toks, PagedKV([k_of(x) for x in dest], [v_of(x) for x in dest],
+                                                             range(n // 4)))
+            assert got.loaded_tokens == n
+            for layer, x in enumerate(dest):
+                assert torch.equal(k_of(x).reshape(n, H, D), want[layer, 0])
+                assert torch.equal(v_of(x).reshape(n, H, D), want[layer, 1])
+
+
 async def test_a_bytes_load_keeps_what_its_answer_named_until_the_bytes_came(server_factory) -> None:  # type: ignore[no-untyped-def]
     """A worker off the daemon's host loads a prefix in two calls: GetPrefix names the blocks, a Get brings their
     bytes. An eviction between the two (here another client's Evict, run at that moment by a stand-in for the
