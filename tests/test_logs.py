@@ -73,3 +73,23 @@ def test_plain_logs_say_why_a_tier_is_degraded_and_the_banner_gives_a_small_tier
     said = [line for line in lines if "tier nvme is degraded" in line]
     assert len(said) == 1 and "no space left" in said[0] and str(nvme) in said[0], said
     assert any(line.startswith("engram: tiers: dram 64 KiB") for line in lines), lines[:8]
+
+
+@pytest.mark.parametrize("json_logs", [False, True], ids=["plain", "json"])
+def test_the_serving_line_lists_the_tiers_and_their_capacities(tmp_path: Path, json_logs: bool) -> None:
+    """The log's "engram serving on ..." named no tier (only stdout's banner did; JSON mode's fields held the
+    names without capacities), so a log alone did not say what the daemon ran with (an audit, session 48)."""
+    env = {"ENGRAM_TIERS__DRAM__CAPACITY": "64MiB", "ENGRAM_TIERS__NVME__PATH": str(tmp_path / "nvme"),
+           "ENGRAM_TIERS__NVME__CAPACITY": "2GiB", "ENGRAM_LOGGING__JSON": str(json_logs).lower()}
+    with engram_daemon(tmp_path, "--log-level", "info", env=env) as (_, proc):
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+        assert proc.stdout is not None
+        lines = proc.stdout.read().splitlines()
+    said = [line for line in lines if "engram serving on unix:" in line]
+    assert len(said) == 1, lines
+    assert "tiers: dram 64 MiB, nvme 2.0 GiB" in said[0], said
+    if json_logs:
+        fields = json.loads(said[0])["fields"]
+        assert fields["tiers"] == ["dram", "nvme"]
+        assert fields["tier_capacity_bytes"] == {"dram": 64 * 2**20, "nvme": 2 * 2**30}

@@ -359,8 +359,11 @@ async def _start(config: EngramConfig, store: BlockStore, sessions: SessionManag
                                    f"{exc.strerror or exc}; set server.metrics_port (0: off)") from None
             log.info("engram metrics on http://%s:%d/metrics", s.metrics_host, metrics.port)
         states = compiled.status()
-        log.info("engram serving on %s", address, extra={"fields": {
-            "address": address, "tiers": [t.name for t in store.tiers], "blocks": len(store),
+        # The tiers in the line itself, as stdout's banner has them: the log alone said what ran (an audit, session 48)
+        capacities = {t.name: t.usage().capacity_bytes for t in store.tiers}
+        log.info("engram serving on %s (tiers: %s)", address,
+                 ", ".join(f"{name} {_size(n)}" for name, n in capacities.items()), extra={"fields": {
+            "address": address, "tiers": list(capacities), "tier_capacity_bytes": capacities, "blocks": len(store),
             "metrics_port": metrics.port if metrics else 0, "compiled": sorted(set(states.values()))}})
         if compiled.STALE in states.values():
             log.warning("the store's modules: %s", compiled.summary(states))
