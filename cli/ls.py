@@ -9,6 +9,7 @@ import typer
 from rich.console import Group
 from rich.table import Table
 
+from engram import errors
 from engram.api import NamespaceSummary, SessionSummary
 from engram.control import ControlClient
 
@@ -32,7 +33,23 @@ async def fetch(client: ControlClient, namespace: str | None) -> Listing:
         if not sessions and namespace not in {n.namespace for n in (await client.stats()).namespaces}:
             raise nothing_in(namespace)
         return Listing(None, sessions)
-    return Listing(await client.list_namespaces(), await client.list_sessions(all_namespaces=True))
+    try:
+        namespaces = await client.list_namespaces()
+    except errors.PermissionDenied as exc:
+        raise await _name_your_own(client, exc) from None
+    return Listing(namespaces, await client.list_sessions(all_namespaces=True))
+
+
+async def _name_your_own(client: ControlClient, refused: errors.PermissionDenied) -> errors.PermissionDenied:
+    """A tenant's `ls` without -n (every tenant's namespaces: an admin's call), told that -n lists its own and
+    which those are: the daemon's refusal alone said only to call it with an admin token (an audit, session 48)."""
+    try:
+        mine = [n.namespace for n in (await client.stats()).namespaces]
+    except errors.EngramError:
+        mine = []
+    which = " or ".join(f"-n {ns}" for ns in mine[:5]) + (" ..." if len(mine) > 5 else "") or "-n NAMESPACE"
+    return errors.PermissionDenied(f"{refused}; without -n, `engram ls` lists every tenant's namespaces: a tenant "
+                                   f"lists its own with {which}")
 
 
 def sessions_table(sessions: tuple[SessionSummary, ...], title: str = "sessions") -> Table:

@@ -255,3 +255,13 @@ def test_a_client_without_root_cert_is_told_the_daemon_serves_tls(deployment: De
         threading.Thread(target=close_each, daemon=True).start()
         other = asyncio.run(stats(f"127.0.0.1:{closer.getsockname()[1]}"))
     assert "serves TLS" not in other, other  # gRPC's "Socket closed", or a reset
+
+
+def test_a_tenants_ls_without_a_namespace_is_told_to_name_its_own(deployment: Deployment) -> None:
+    """`engram ls` without -n lists every tenant's namespaces, an admin's call: a tenant got exit 6 with "call it with
+    an admin token", not that `-n NAMESPACE` lists its own (an audit, session 48). It now names the tenant's."""
+    denied = cli("ls", "-a", deployment.address, token=TEAM_A, ca=deployment.cert)
+    assert denied.exit_code == 6, denied.output
+    assert "admin token" in denied.stderr and "-n team-a" in denied.stderr, denied.stderr
+    mine = cli("ls", "-n", "team-a", "-a", deployment.address, token=TEAM_A, ca=deployment.cert)
+    assert mine.exit_code == 0 and "chat-1" in mine.stdout, mine.output
