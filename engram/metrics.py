@@ -61,6 +61,13 @@ class StoreCollector(Collector):
             "corrupt": CounterMetricFamily("engram_tier_corrupt_blocks", "Copies that failed their checksum.",
                                            labels=label),
             "io_errors": CounterMetricFamily("engram_tier_io_errors", "I/O errors on the tier.", labels=label),
+            # the blocks beside the bytes, and a full disk's refusals: only Stats had them (an audit, session 48)
+            "demotions": CounterMetricFamily("engram_tier_demotions", "Blocks copied down out of the tier.",
+                                             labels=label),
+            "promotions": CounterMetricFamily("engram_tier_promotions", "Blocks copied up into the tier.",
+                                              labels=label),
+            "enospc": CounterMetricFamily("engram_tier_enospc", "Writes the tier failed for a full disk (ENOSPC).",
+                                          labels=label),
         }
         e = eviction.stats(store.placement.model)
         yield GaugeMetricFamily("engram_eviction_learned", "1 once eviction ranks by learned hit density too.",
@@ -79,7 +86,8 @@ class StoreCollector(Collector):
             values = {"capacity": t.capacity_bytes, "used": t.used_bytes, "blocks": t.blocks,
                       "degraded": int(t.state != "ok"), "hits": t.hits, "misses": t.misses, "evictions": t.evictions,
                       "demoted": t.demoted_bytes, "promoted": t.promoted_bytes, "corrupt": t.corrupt_blocks,
-                      "io_errors": t.io_errors}
+                      "io_errors": t.io_errors, "demotions": t.demotions, "promotions": t.promotions,
+                      "enospc": t.enospc}
             for name, fam in fams.items():
                 fam.add_metric([t.name], values[name])
         yield from fams.values()

@@ -85,6 +85,58 @@ async def test_metrics_count_promotions_and_bytes_moved(server_factory, tmp_path
     assert m[("engram_tier_hits_total", nvme)] == 1 and m[("engram_tier_misses_total", dram)] == 1
 
 
+async def test_metrics_count_each_tiers_demotions_promotions_and_full_disk_refusals(server_factory,  # type: ignore[no-untyped-def]
+                                                                                    tmp_path) -> None:
+    """/metrics had the bytes moved between tiers but not the blocks, nor how often a tier refused a write for a
+    full disk (ENOSPC): Stats alone had them (an audit, session 48). A scripted workload on a real daemon: 4 blocks
+    into a DRAM tier of 2 (2 demoted to NVMe), then a Get of an NVMe-only block (promoted, demoting another); then
+    write-through puts onto a 256 KiB tmpfs until the full disk refuses one. Labelled by tier name only."""
+    import os
+
+    from helpers import small_tmpfs
+
+    spec = tiny_model()
+    block = spec.layout.block_nbytes(16)
+    srv = await server_factory(**{"server.metrics_port": -1, "tiers.dram.capacity": 2 * block,
+                                  "tiers.nvme.path": str(tmp_path / "nvme"), "tiers.nvme.fsync": False})
+    async with EngramClient(srv.address, namespace="m") as c:
+        fp = await c.register_model(spec)
+        toks = tokens(64)
+        keys = (await c.put(fp, toks, random_kv(spec, 64))).keys
+        await c.get(fp, [keys[0]])
+        dram = (await c.stats()).tier("dram")
+    m = await asyncio.to_thread(scrape, srv.metrics.port)
+    assert (dram.demotions, dram.promotions) == (3, 1)
+    assert m[("engram_tier_demotions_total", (("tier", "dram"),))] == 3
+    assert m[("engram_tier_promotions_total", (("tier", "dram"),))] == 1
+    assert m[("engram_tier_enospc_total", (("tier", "nvme"),))] == 0
+    tiers = {labels for name, labels in m if name.startswith(("engram_tier_demotions", "engram_tier_promotions",
+                                                              "engram_tier_enospc"))}
+    assert tiers == {(("tier", "dram"),), (("tier", "nvme"),)}
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    with small_tmpfs(tmp_path / "small") as small:
+        full = await server_factory(**{"server.metrics_port": -1, "tiers.dram.capacity": "1MiB",
+                                       "tiers.nvme.path": str(small), "tiers.nvme.capacity": "64MiB",
+                                       "tiers.nvme.fsync": False, "tiers.write_policy": "write-through",
+                                       "tiers.on_nvme_failure": "fail", "tiers.retry_s": 30})
+        async with EngramClient(full.address, namespace="m", zero_copy=False) as c:
+            fp = await c.register_model(spec)
+            refused = 0
+            for seed in range(1000):
+                try:
+                    await c.put(fp, tokens(64, seed=seed), random_kv(spec, 64, seed=seed))
+                except errors.Unavailable:
+                    refused += 1
+                    if refused == 3:
+                        break
+            enospc = (await c.stats()).tier("nvme").enospc
+        m = await asyncio.to_thread(scrape, full.metrics.port)
+    assert refused == 3 and enospc >= 1
+    assert m[("engram_tier_enospc_total", (("tier", "nvme"),))] == enospc
+
+
 def test_metrics_port_is_validated() -> None:
     with pytest.raises(errors.ConfigError, match="metrics_port"):
         load_config(env={}, overrides={"server.metrics_port": -2})
