@@ -89,7 +89,8 @@ async def test_async_close_ends_the_calls_other_tasks_have_in_flight_with_client
                                                                                          path: str) -> None:
     """The async client's close() closes its channels under the calls other tasks await: each of them raises
     ClientClosed ('while this call ran'), as the sync client's do. They got a bare asyncio.CancelledError (in-place
-    and gRPC puts), which a task reads as its own cancellation, or grpc's UsageError (an audit, session 48)."""
+    and gRPC puts), which a task reads as its own cancellation, or grpc's UsageError (an audit, session 48). The
+    data channel's calls ended ClientClosed before too (their next call's, after close)."""
     n = 8192
     kv = random_kv(SPEC, n)
     with engram_daemon(tmp_path, env={"ENGRAM_TIERS__DRAM__CAPACITY": "256MiB"}) as (address, _):
@@ -116,6 +117,7 @@ async def test_async_close_ends_the_calls_other_tasks_have_in_flight_with_client
         assert not pending, f"{len(pending)} tasks still waiting {ENDS_WITHIN_S} s after close() ({path})"
         ended = [task.exception() if not task.cancelled() else asyncio.CancelledError("the task ended cancelled")
                  for task in tasks]
-        for i, exc in enumerate(ended):
+        for i, exc in enumerate(ended):  # cut mid-call ("while this call ran"), or its next call after close
             assert isinstance(exc, errors.ClientClosed), f"task {i}: {exc!r}"
-        assert any("while this call ran" in str(exc) for exc in ended), ended
+        if path == "grpc":  # close() cuts gRPC calls at once; the others' calls may end first, while close awaits
+            assert any("while this call ran" in str(exc) for exc in ended), ended
