@@ -102,6 +102,13 @@ class BlockMeta:
         """Kept by `owner`'s pins: pinned by it, or extended by a block it pinned (`pin_held`, one owner's)."""
         return self.owner_pins(owner) > 0 or bool(self.held_for and self.held_for.get(owner))
 
+    def counted_for(self, owner: str) -> bool:
+        """Kept by pins that `owner`'s share counts as held (PinShare.check): its own, and those of no recorded
+        owner (a restart's, counted in every tenant's held bytes of the namespace), so pinning it adds nothing to
+        that share. (Counting only its own, a tenant's pins restored owner-less were counted twice after a restart,
+        and pinning its own chain again was refused: a review, session 49.)"""
+        return self.held_by(owner) or (owner != "" and self.held_by(""))
+
     def holders(self) -> set[str]:
         """The pin owners keeping it (`held_by`)."""
         out = {o for o in (self.pin_owners or ()) if self.pin_owners and self.pin_owners[o]}
@@ -386,9 +393,10 @@ class ChainIndex:
         return space.pinned if owner is None else space.pinned_by.get(owner, 0)
 
     def pin_growth(self, metas: Sequence[BlockMeta | None], owner: str | None = None) -> int:
-        """How many bytes pinning `metas` would add to their namespaces' pinned bytes (`owner`'s, when given): each
-        one not kept by a pin (of `owner`) yet, with the blocks it extends that are not. A block not indexed yet (a
-        put's, about to be published under its parent) counts as not kept, whatever its pins."""
+        """How many bytes pinning `metas` would add to their namespaces' pinned bytes (`owner`'s share's, when given):
+        each one not kept by a pin (that share counts, `BlockMeta.counted_for`) yet, with the blocks it extends that
+        are not. A block not indexed yet (a put's, about to be published under its parent) counts as not kept,
+        whatever its pins."""
         seen: set[bytes] = set()
         grow = 0
         entries = self._entries
@@ -396,7 +404,7 @@ class ChainIndex:
             space = None if meta is None else self._spaces.get(meta.namespace)
             m = meta
             while m is not None and m.key not in seen and not (
-                    (m.pin_held if owner is None else m.held_by(owner)) and entries.get(m.key) is m):
+                    (m.pin_held if owner is None else m.counted_for(owner)) and entries.get(m.key) is m):
                 seen.add(m.key)
                 grow += m.nbytes
                 m = None if space is None else space.entries.get(m.parent)

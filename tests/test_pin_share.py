@@ -295,3 +295,24 @@ async def test_pins_in_a_shared_namespace_count_in_the_pinning_tenants_share_alo
             await put(b, fp, 1, 200, pin=True)
         with pytest.raises(errors.ResourceExhausted, match="max_pinned_fraction_per_tenant"):
             await put(a, fp, 1, 201, pin=True)
+
+
+async def test_a_tenants_pins_restored_by_a_restart_count_once_when_it_pins_them_again(
+        server_factory: Any, tmp_path: Path) -> None:
+    """A restart restores a tenant's pins with no recorded owner, which its share counts as held; pinning the same
+    chain again (by key, or by a put with pin) adds nothing. Counting only its own pins as held, the daemon counted
+    the chain twice: its re-pin was refused past the share, and the put stopped part-way (a review, session 49)."""
+    srv = await start(server_factory, tmp_path)
+    async with as_(srv, ALICE) as a:
+        fp = await a.register_model(tiny_model())
+        keys = await put(a, fp, 40, 1, pin=True)  # 40 of the share's 64 blocks: twice would not fit
+    await srv.stop(0)
+    srv = await start(server_factory, tmp_path)
+    assert [m.pins for m in srv.store.blocks("alice")] == [1] * 40 and pinned(srv) == 40 * BLOCK
+    async with as_(srv, ALICE) as a:
+        fp = await a.register_model(tiny_model())
+        assert await a.pin(fp, list(keys)) == 40  # each block pinned twice now; refused RESOURCE_EXHAUSTED before
+        toks = tokens(40 * BLOCK_TOKENS, seed=1)
+        again = await a.put(fp, toks, random_kv(tiny_model(), len(toks), seed=1), pin=True)
+        assert again.keys == keys  # the whole chain (it stopped part-way before)
+    assert pinned(srv) == 40 * BLOCK

@@ -151,7 +151,7 @@ class InPlacePuts:
                     break
                 existing = await self._skippable(store.index.get_in(namespace, key))
                 if res.pin_share is not None:
-                    kept = existing is not None and existing.held_by(res.pin_share.tenant)
+                    kept = existing is not None and existing.counted_for(res.pin_share.tenant)
                     pin_growth = 0 if kept else pin_growth + (h.payload_nbytes if existing is None else existing.nbytes)
                     try:
                         res.pin_share.check(store.index, pin_growth, f"block {i}")
