@@ -396,9 +396,20 @@ class SessionManager:
         with a turn of the event loop between slices, in `tenant`'s turn: a session of a million tokens is tens of
         thousands of blocks, and in one go its Open, Append, Fork or Resume held every tenant's calls for up to
         ~200 ms (session 49). A hold begun later (another call on the session), or the session's close, stops it
-        between slices: each slice leaves the references and `held` agreeing, and the later call holds the rest."""
+        between slices: each slice leaves the references and `held` agreeing, and the later call holds the rest.
+        A hold cut (its call's deadline, its client gone) holds the rest in one go: cut while it waited for the turn,
+        an OpenSession left its session open holding none of its blocks (a review, session 49)."""
         s.holds += 1
-        mine, tokens = s.holds, s.tokens
+        mine = s.holds
+        try:
+            await self._hold_slices(s, tenant, mine)
+        except BaseException:
+            if self._holding(s, mine):
+                self.hold(s)
+            raise
+
+    async def _hold_slices(self, s: Session, tenant: str, mine: int) -> None:
+        tokens = s.tokens
         async with self.turn(s, len(tokens), tenant):
             walk = self.store.walk(s.namespace, s.fingerprint, tokens)
             try:
@@ -744,16 +755,24 @@ class SessionManager:
     async def close_in_slices(self, namespace: str, session_id: str, *, tenant: str = "", owner: str = "") -> Session:
         """`close`, whose references are dropped `SLICE_BLOCKS` at a time with a turn of the event loop between
         slices, in `tenant`'s turn (`hold_in_slices`): the session is gone at once, its blocks unreferenced soon
-        after."""
+        after (at once if the close is cut)."""
         s = self.get(namespace, session_id, tenant, owner)
         dropped = self._ending(s)
-        async with self.turn(s, len(dropped) * self.store.spec(s.fingerprint).layout.block_tokens, tenant):
-            for start in range(0, len(dropped), SLICE_BLOCKS):
-                if start:
-                    await pause()
-                part = dropped[start : start + SLICE_BLOCKS]
-                self.store.reference(part, -1, s.expected)
-                self._hand_back(s, part)
+        done = 0
+        try:
+            async with self.turn(s, len(dropped) * self.store.spec(s.fingerprint).layout.block_tokens, tenant):
+                for start in range(0, len(dropped), SLICE_BLOCKS):
+                    if start:
+                        await pause()
+                    part = dropped[start : start + SLICE_BLOCKS]
+                    self.store.reference(part, -1, s.expected)
+                    self._hand_back(s, part)
+                    done = start + len(part)
+        finally:  # a close cut (its deadline, its client gone) drops the rest in one go: the session is gone
+            if done < len(dropped):  # (they stayed referenced for good: a review, session 49)
+                rest = dropped[done:]
+                self.store.reference(rest, -1, s.expected)
+                self._hand_back(s, rest)
         return s
 
     def _ending(self, s: Session) -> list[BlockMeta]:

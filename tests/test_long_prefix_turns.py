@@ -238,3 +238,42 @@ async def test_a_session_held_in_slices_references_its_whole_prefix_and_a_close_
     await sm.close_in_slices("ns", "halfway")
     await holding
     assert not halfway.held and all(store.block(k).refs == 0 for k in keys)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("transport", ["unix"])
+async def test_a_session_call_cut_while_it_waits_for_its_turn_leaves_references_matching_the_sessions(
+        server_factory: Any) -> None:
+    """An OpenSession and a CloseSession of a long prefix, each cut by its deadline while it waits for its
+    tenant's turn (held here, as bob's other long calls would), leave every block referenced by exactly the live
+    sessions: the open session holds its whole prefix, the closed one none. Cut so, an OpenSession left its session
+    open holding no block, and a CloseSession left the closed session's references for good (a review, session
+    49)."""
+    srv = await server_factory(**AUTH)
+    spec, n_blocks = minimal(), 4 * SLICE_BLOCKS
+    big = tokens(n_blocks * 16, seed=7)
+    sessions = srv.sessions
+    async with EngramClient(srv.address, token=BOB, namespace="bob") as b:
+        fp = await b.register_model(spec)
+        assert (await b.put(fp, big, random_kv(spec, len(big), seed=1))).stored == n_blocks
+        md = (("authorization", f"Bearer {BOB}"),)
+        async with grpc.aio.insecure_channel(srv.address, options=[("grpc.max_receive_message_length", -1)]) as ch:
+            def call(method: str) -> Any:
+                return ch.unary_unary(f"/engram.v1.Engram/{method}", request_serializer=None,
+                                      response_deserializer=None)
+
+            opening = pb.OpenSessionRequest(namespace="bob", model_fingerprint=fp, mode=pb.REPLAY_MODE_PERSIST,
+                                            session_id="cut-open", tokens=big.tolist()).SerializeToString()
+            async with sessions.turns.turn("bob"):
+                with pytest.raises(grpc.aio.AioRpcError) as cut:
+                    await call("OpenSession")(opening, metadata=md, timeout=0.3)
+                assert cut.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                await asyncio.sleep(0.2)  # the handler's cancellation lands
+            assert [m.refs for m in srv.store.blocks("bob")] == [1] * n_blocks  # none before: the session held nothing
+            closing = pb.SessionRef(namespace="bob", session_id="cut-open").SerializeToString()
+            async with sessions.turns.turn("bob"):
+                with pytest.raises(grpc.aio.AioRpcError) as cut:
+                    await call("CloseSession")(closing, metadata=md, timeout=0.3)
+                assert cut.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                await asyncio.sleep(0.2)
+            assert [s.info.session_id for s in await b.list_sessions()] == []
+            assert [m.refs for m in srv.store.blocks("bob")] == [0] * n_blocks  # 1 each before, for good
