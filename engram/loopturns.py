@@ -1,8 +1,9 @@
 """Long work on the daemon's event loop, done in slices and taken in turns per tenant.
 
 A Lookup or GetPrefix of a million-token prefix walks, and answers, tens of thousands of blocks in Python on the
-event loop; so does a session call re-resolving (and referencing) a session's prefix (engram/sessions.py). Done in one go it held every call of every tenant for a third of a second, and with a tenant's 32
-such calls in flight for 12 s (an audit, session 48). Done in slices (`SLICE_BLOCKS`, a millisecond or two each)
+event loop; so does a session call re-resolving (and referencing) a session's prefix (engram/sessions.py). Done
+in one go it held every call of every tenant for a third of a second, and with a tenant's 32 such calls in flight
+for 12 s (an audit, session 48). Done in slices (`SLICE_BLOCKS`, a millisecond or two each)
 with a turn of the loop between them, each call lets others in; but 32 calls in flight still put 32 slices
 between every two steps of another tenant's call. So a tenant's long calls also take turns: one at a time does
 its slices, the rest wait for it holding nothing but their request, and another tenant's call waits at most

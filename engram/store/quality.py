@@ -112,7 +112,8 @@ class QualityWatch:
 
     def measure_later(self, sample: Sample, blob: Payload, dtype: DType, shape: tuple[int, ...], tier: str) -> None:
         """Compare `blob` (the block as stored) with the sample's raw elements, off the event loop; the put
-        that stored it does not wait (so a view of a buffer the put's caller reuses is copied first)."""
+        that stored it does not wait (so a view of a buffer the put's caller reuses is copied first). A block
+        stored as sent (no raw elements kept) is recorded at once with error 0."""
         if sample.kv is None:
             self._record(sample, tier, [LayerError(kind, part, 0.0, 0.0) for kind in sample.layer_kinds
                                         for part in PARTS])

@@ -141,7 +141,8 @@ class PoolTier:
             raise AssertionError(f"a {slot.length}-byte payload does not fit the {reserved} bytes reserved")
         if self._host is not None:
             src = memoryview(payload)
-            self._host[slot.offset : slot.offset + slot.length] = src if src.format == "B" and src.ndim == 1 else src.cast("B")
+            flat = src if src.format == "B" and src.ndim == 1 else src.cast("B")
+            self._host[slot.offset : slot.offset + slot.length] = flat
         else:
             self.region(slot).copy_(bytes_tensor(payload))
         self._slots[rec.key] = slot
