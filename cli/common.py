@@ -20,7 +20,7 @@ from engram import errors
 from engram.config import EngramConfig, load_config
 from engram.control import ControlClient
 from engram.wire import tlshint
-from engram.wire.channel import header_safe
+from engram.wire.channel import check_socket_path, header_safe
 
 # Piped: as wide as the tables need, so no column is cut with "…" (grep sees whole keys and paths).
 console = Console(width=None if sys.stdout.isatty() else 4096, emoji=False)  # ":x:" in a name stays as typed
@@ -102,8 +102,13 @@ class Target:
 
 
 def check_address(address: str) -> str:
-    """host:port, [v6]:port or unix:/path; anything else is bad input (not "unreachable")."""
+    """host:port, [v6]:port or unix:/path (one a unix socket can hold); anything else is bad input (not
+    "unreachable", nor the daemon failing the call)."""
     if address.startswith(("unix:", "unix-abstract:")) and len(address.split(":", 1)[1]) > 0:
+        try:
+            check_socket_path(address)
+        except errors.InvalidArgument as exc:
+            raise fail(str(exc), EXIT_BAD_INPUT) from None
         return address
     host, sep, port = address.rpartition(":")
     if sep and host and port.isdigit() and 0 < int(port) < 65536 and not any(c.isspace() for c in host):

@@ -28,7 +28,13 @@ from engram.api import (
 )
 from engram.v1 import engram_pb2 as pb
 from engram.wire import convert, deadline, tlshint
-from engram.wire.channel import DEFAULT_MAX_MESSAGE_BYTES, header_safe, open_channel, stub_for
+from engram.wire.channel import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    check_socket_path,
+    header_safe,
+    open_channel,
+    stub_for,
+)
 from engram.wire.deadline import DEFAULT_TIMEOUT_S
 from engram.wire.status import error_from_rpc
 
@@ -51,6 +57,7 @@ class ControlClient:
         Unavailable) and the client goes on (engram/wire/deadline.py)."""
         if not address.strip():  # grpc took it and every call failed UNAVAILABLE/INTERNAL, the daemon blamed
             raise errors.InvalidArgument("the daemon's address is empty: give host:port or unix:/path/engram.sock")
+        check_socket_path(address)
         if not header_safe(token):
             raise errors.InvalidArgument("the token holds a space, a control or a non-ASCII character; a bearer "
                                          "token is printable ASCII")

@@ -47,9 +47,6 @@ def private_dir(path: Path) -> Path:
     return path
 
 
-MAX_SOCKET_PATH = 107  # bytes of a unix socket's path (sun_path is 108 with its NUL)
-
-
 def remove_stale_socket(path: str, key: str) -> None:
     """Remove a socket an earlier run left at `path` (the bind would fail on it); anything else there is not
     ours to delete: ConfigError naming the setting."""

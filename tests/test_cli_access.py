@@ -181,6 +181,21 @@ def test_garbage_address_is_named(tmp_path: Path) -> None:
     assert out.exit_code == 4 and "--address 'garbage' is not host:port, [v6addr]:port or unix:" in out.stderr
 
 
+@pytest.mark.parametrize("command", [["ping"], ["stats"], ["ls"], ["show", "ab12"], ["evict", "ab12"], ["check"]],
+                         ids=lambda c: c[0])
+def test_a_unix_socket_path_too_long_is_bad_input_not_the_daemons_failure(command: list[str]) -> None:
+    """-a unix:<a path past a unix socket's 107 bytes> was "the daemon at ... failed the call: UNKNOWN: Failed to
+    create channel ... (its log says more)", exit 10, after gRPC core's error lines (a fuzz audit, session 49):
+    `engram serve` refused the same path. Now bad input (exit 4) naming the bound, and nothing from gRPC."""
+    address = "unix:/tmp/" + "a" * 120
+    out = subprocess.run([*ENGRAM, *command, "-a", address], capture_output=True, text=True, timeout=60,
+                         cwd=NEUTRAL_CWD)
+    assert out.returncode == 4, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"error: the address {address!r} names a path of 125 bytes, which does not fit a unix socket's 107; use a "
+        "shorter path"], out.stderr
+
+
 def test_readme_tenant_client_line_runs(deployment: Deployment, tmp_path: Path) -> None:
     """README's one-line tenant client (token, namespace, root_cert) against the daemon its TOML configures."""
     blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)

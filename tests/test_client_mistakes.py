@@ -57,3 +57,37 @@ async def test_kv_on_the_meta_device_is_refused_invalid_argument(server_factory:
         keys = (await client.lookup(fp, toks)).blocks
         with pytest.raises(errors.InvalidArgument, match="meta device"):
             await client.get(fp, [b.key for b in keys], device="meta")
+
+
+LONG_SOCKET = "/tmp/" + "s" * 120  # 125 bytes: past a unix socket's 107 (sun_path is 108 with its NUL)
+
+
+@pytest.mark.parametrize("make", [ControlClient, EngramClient, SyncEngramClient],
+                         ids=["control", "async", "sync"])
+@pytest.mark.parametrize("address", [f"unix:{LONG_SOCKET}", f"unix://{LONG_SOCKET}", "unix-abstract:" + "s" * 108],
+                         ids=["unix", "unix-uri", "abstract"])
+async def test_a_unix_socket_path_too_long_is_refused_invalid_argument(make: Any, address: str) -> None:
+    """A path no unix socket can hold made a client whose every call failed UNKNOWN "Failed to create channel":
+    DaemonError, the daemon blamed (a fuzz audit, session 49). Refused at construction, naming the bound."""
+    with pytest.raises(errors.InvalidArgument, match=r"bytes, which does not fit a unix socket's 107"):
+        make(address)
+
+
+async def test_a_unix_socket_path_of_107_bytes_is_taken(tmp_path: Any) -> None:
+    """The bound is gRPC's own: 107 bytes of path (counted in bytes, a two-byte character as two) still make a
+    channel; no daemon there is Unavailable, not a refused address."""
+    path = "/tmp/é" + "s" * (107 - len("/tmp/é".encode()))
+    assert len(path.encode()) == 107
+    async with ControlClient(f"unix:{path}", timeout_s=2) as client:
+        with pytest.raises(errors.Unavailable) as raised:
+            await client.stats()
+    assert not isinstance(raised.value, errors.DaemonError)
+
+
+async def test_an_address_grpc_cannot_open_a_channel_to_is_invalid_argument_not_the_daemons_failure() -> None:
+    """gRPC fails every call on a channel it could not make (here an ipv4: target whose address is not one)
+    UNKNOWN "Failed to create channel", which was DaemonError: no daemon was reached, the address is the caller's."""
+    async with ControlClient("ipv4:1.2.3:4", timeout_s=5) as client:
+        with pytest.raises(errors.InvalidArgument, match="Failed to create channel") as raised:
+            await client.stats()
+    assert not isinstance(raised.value, errors.Unavailable)

@@ -31,7 +31,7 @@ from engram.inspection import Inspector
 from engram.lockfile import DaemonLock
 from engram.logs import report_activity
 from engram.metrics import MetricsEndpoint
-from engram.private import MAX_SOCKET_PATH, remove_stale_socket, secure_socket, socket_umask
+from engram.private import remove_stale_socket, secure_socket, socket_umask
 from engram.registry import ModelRegistry
 from engram.replay.costmodel import Calibration, CostModel, FidelityFloor, machine_id
 from engram.replay.runtime import ReplayRuntime
@@ -52,7 +52,12 @@ from engram.tiers.nvme import NvmeTier
 from engram.tiers.shm import mem_available
 from engram.trust import ClusterTrust
 from engram.v1 import engram_pb2
-from engram.wire.channel import message_options, server_keepalive_options, server_receive_window_options
+from engram.wire.channel import (
+    MAX_SOCKET_PATH,
+    message_options,
+    server_keepalive_options,
+    server_receive_window_options,
+)
 
 log = logging.getLogger("engram.server")
 

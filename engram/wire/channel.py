@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import grpc
 
+from engram.errors import InvalidArgument
 from engram.v1 import engram_pb2_grpc as pb_grpc
 
 DEFAULT_CHUNK_BYTES = 8 * 2**20
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20
+MAX_SOCKET_PATH = 107  # bytes of a unix socket's path (sun_path is 108 with its NUL), an abstract name's too
 
 
 def message_options(max_message_bytes: int, max_receive_bytes: int | None = None) -> list[tuple[str, Any]]:
@@ -28,6 +31,21 @@ def same_host(address: str) -> bool:
         return True
     host = address.rsplit(":", 1)[0].strip("[]")
     return host in {"localhost", "::1"} or host.startswith("127.")
+
+
+def check_socket_path(address: str) -> None:
+    """InvalidArgument where a unix: or unix-abstract: address names a path longer than a unix socket holds: gRPC
+    fails every call on such a channel UNKNOWN "Failed to create channel", which was blamed on the daemon
+    (DaemonError; the CLI's exit 10, "its log says more"). Counted in bytes, as gRPC does; unix:///path is /path."""
+    scheme, _, path = address.partition(":")
+    if scheme not in ("unix", "unix-abstract"):
+        return
+    if scheme == "unix" and path.startswith("//"):
+        path = path[2:]
+    size = len(os.fsencode(path))
+    if size > MAX_SOCKET_PATH:
+        raise InvalidArgument(f"the address {address!r} names a path of {size} bytes, which does not fit a unix "
+                              f"socket's {MAX_SOCKET_PATH}; use a shorter path")
 
 
 class _Authorized:

@@ -36,12 +36,20 @@ _DAEMON_FAILED = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.Status
                   grpc.StatusCode.ABORTED, grpc.StatusCode.OUT_OF_RANGE}
 
 
+# How gRPC's client fails every call on a channel it could not make (a target it cannot parse, a unix socket path
+# too long): UNKNOWN, as a daemon's own failure is, though no daemon was reached
+_NO_CHANNEL = "Failed to create channel"
+
+
 def error_from_rpc(exc: grpc.aio.AioRpcError) -> errors.EngramError:
     """The domain error a failed call stands for, with the server's message; codes with no domain error
     become Unavailable: DaemonError where the daemon answered and failed the call (INTERNAL, UNKNOWN...),
     plain Unavailable where it did not answer (down, unreachable). DEADLINE_EXCEEDED (the daemon cut a stream
-    that stalled: server.stream_stall_s) is DeadlineExceeded, as the client's own timeout is."""
+    that stalled: server.stream_stall_s) is DeadlineExceeded, as the client's own timeout is. A channel gRPC
+    could not make is the caller's address: InvalidArgument."""
     cls = ERROR_OF.get(exc.code())
+    if exc.code() == grpc.StatusCode.UNKNOWN and (exc.details() or "").startswith(_NO_CHANNEL):
+        return errors.InvalidArgument(f"the address is not one gRPC can open a channel to: {exc.details()}")
     if cls is None:
         failed = errors.DaemonError if exc.code() in _DAEMON_FAILED else errors.Unavailable
         return failed(f"{exc.code().name}: {exc.details()}")
