@@ -18,7 +18,6 @@ import json
 import math
 import os
 import re
-import tomllib
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from engram.errors import ConfigError
+from engram.tomlfile import read_toml
 
 ENV_PREFIX = "ENGRAM_"
 ENV_CONFIG_FILE = "ENGRAM_CONFIG"
@@ -713,16 +713,7 @@ def load_config(
     cfg = EngramConfig()
     path = path or env.get(ENV_CONFIG_FILE) or None
     if path is not None:
-        try:
-            with open(path, "rb") as fh:
-                tree = tomllib.load(fh)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-        except OSError as exc:  # a directory, no permission
-            raise ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
-        _apply_tree(cfg, tree)
+        _apply_tree(cfg, read_toml(path, f"config file {path}"))
     from_env: dict[str, str] = {}  # dotted key -> the variable that set it, as an error names it
     for name, value in sorted(env.items()):
         if not is_config_variable(name):

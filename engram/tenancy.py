@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Protocol
 
 from engram.config import AuthConfig, ConfigError, _apply_tree, check_tenant
 from engram.errors import ResourceExhausted, Unauthenticated
+from engram.tomlfile import read_toml
 
 SALT_BYTES = 16
 
@@ -92,13 +92,7 @@ def _apply_tenants_file(auth: AuthConfig, path: str) -> list[str]:
     naming the file, as they are in the config: a typo (quota_byts) or a key of [auth] the file cannot set
     (salt_secret) was read as nothing, and the daemon started without it."""
     where = f"auth.tenants_file {path}"
-    try:
-        with open(path, "rb") as fh:
-            tree = tomllib.load(fh)
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{where}: not valid TOML: {exc}") from None
-    except OSError as exc:
-        raise ConfigError(f"{where}: {exc.strerror or exc}") from None
+    tree = read_toml(path, where)
     for key in tree:
         if key not in TENANTS_FILE_KEYS:
             raise ConfigError(f"{where}: unknown key {key!r}: a tenants file holds [tenants.NAME] tables and "
