@@ -113,7 +113,8 @@ def config_md(found: list[Key]) -> str:
            "< command-line flags (`--set key=value` sets any key). Unknown keys are errors. An environment "
            "variable names a key with double underscores between levels (`ENGRAM_TIERS__DRAM__CAPACITY=8GiB`); "
            "only `ENGRAM_` names with a double underscore are read as keys. Secrets (tokens, salts, passwords) "
-           "may be written `env:VAR` or `file:PATH`, read when the daemon starts.", "",
+           "may be written `env:VAR` or `file:PATH`, read when the daemon starts (a `file:` secret: UTF-8 text "
+           "of at most 64 KiB, whitespace stripped).", "",
            "The config file may be any file that ends, a pipe included (`--config <(...)`); it is read as at "
            f"most {MAX_TOML_BYTES // 2**20} MiB, as `auth.tenants_file` (a regular file) is, and one holding more "
            "(`/dev/zero`) is refused unparsed, as a file that is not valid TOML is (arrays or inline tables nested "

@@ -105,3 +105,19 @@ def test_a_tenants_file_past_the_bound_fails_the_start(tmp_path: Path) -> None:
     tenants.write_bytes(b"#" * MAX_TOML_BYTES + b'\nbogus = 1\n')
     out = serve_with_tenants_file(tmp_path, tenants)
     assert TOO_LONG in one_error(out) and f"auth.tenants_file {tenants} " in out.stderr
+
+
+@pytest.mark.parametrize("secret", ["endless", "binary"])
+def test_a_file_secret_that_is_no_secret_is_a_config_error(tmp_path: Path, secret: str) -> None:
+    """auth.salt_secret = "file:PATH" (tokens take file: too): /dev/zero was read until MemoryError, a binary
+    file raised UnicodeDecodeError (tracebacks, exit 1); both are the config's error now, exit 4."""
+    path = "/dev/zero"
+    if secret == "binary":
+        path = str(tmp_path / "secret.bin")
+        Path(path).write_bytes(bytes(range(128, 256)))
+    config = tmp_path / "engram.toml"
+    config.write_text(f'[auth]\nsalt_secret = "file:{path}"\n[auth.tenants.a]\ntoken = "token-a"\n')
+    out = engram("serve", "-c", str(config), "--unix-socket", str(tmp_path / "s.sock"),
+                 "--set", "tiers.dram.pool=private", "--dram-capacity", "64MiB")
+    said = "holds more than 64 KiB, read no further" if secret == "endless" else "is not UTF-8 text"
+    assert one_error(out).startswith(f"error: auth.salt_secret: {path} {said}"), out.stderr
