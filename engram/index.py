@@ -62,7 +62,8 @@ class BlockMeta:
     operator_pins: int = 0  # of them, taken by an admin (or with tenancy off): no tenant's pin share counts them
     pin_held_children: int = 0  # indexed children kept by a tenant's pin (pinned, or extended by a pinned block)
     # Of the tenant pins, each tenant's (its pins are its own to lift, and count in its share alone); those no owner
-    # is recorded for are the owner "" (`owner_pins`): a restart's, whose journal keeps counts only
+    # is recorded for are the owner "" (`owner_pins`): restored from an earlier build's journal, which kept counts
+    # only, or of a tenant no longer given the namespace (engram/store/pins.py `restore`)
     pin_owners: dict[str, int] | None = None
     held_for: dict[str, int] | None = None  # per pin owner: the indexed children that owner's pins keep
     leases: int = 0
@@ -104,7 +105,7 @@ class BlockMeta:
 
     def counted_for(self, owner: str) -> bool:
         """Kept by pins that `owner`'s share counts as held (PinShare.check): its own, and those of no recorded
-        owner (a restart's, counted in every tenant's held bytes of the namespace), so pinning it adds nothing to
+        owner (`pin_owners`: counted in every tenant's held bytes of the namespace), so pinning it adds nothing to
         that share. (Counting only its own, a tenant's pins restored owner-less were counted twice after a restart,
         and pinning its own chain again was refused: a review, session 49.)"""
         return self.held_by(owner) or (owner != "" and self.held_by(""))
@@ -332,9 +333,10 @@ def _summed(groups: Iterable[dict[K, Tally]]) -> dict[K, Tally]:
 
 
 IndexListener = Callable[[str, BlockMeta], None]  # ("add" | "remove", block): the cluster index follows
-# (key, tenant pins, operator pins) of an indexed block whose pins changed, (key, 0, 0) of a pinned block that
-# left the index: the NVMe tier's journal records them, so a restart pins the blocks that come back
-PinsListener = Callable[[bytes, int, int], None]
+# (key, tenant pins, operator pins, each owner's tenant pins) of an indexed block whose pins changed, (key, 0, 0,
+# None) of a pinned block that left the index: the NVMe tier's journal records them, so a restart pins the blocks
+# that come back, each tenant's pins its own again
+PinsListener = Callable[[bytes, int, int, dict[str, int] | None], None]
 
 
 class ChainIndex:
@@ -443,7 +445,7 @@ class ChainIndex:
         for o in before ^ after:
             self._owner_held_changed(space, meta, o, o in after)
         if self.pins_listener is not None:
-            self.pins_listener(meta.key, pins - operator_pins, operator_pins)
+            self.pins_listener(meta.key, pins - operator_pins, operator_pins, meta.pin_owners)
 
     def _count_pinned(self, meta: BlockMeta, sign: int) -> None:
         space = self._spaces[meta.namespace]
@@ -618,7 +620,7 @@ class ChainIndex:
             for o in meta.holders():
                 self._owner_held_changed(space, meta, o, True)
         if meta.pins and self.pins_listener is not None:
-            self.pins_listener(meta.key, meta.pins - meta.operator_pins, meta.operator_pins)
+            self.pins_listener(meta.key, meta.pins - meta.operator_pins, meta.operator_pins, meta.pin_owners)
         for listener in self.listeners:
             listener("add", meta)
 
@@ -639,7 +641,7 @@ class ChainIndex:
             for o in meta.holders():
                 self._owner_held_changed(space, meta, o, False)
         if meta.pins and self.pins_listener is not None:
-            self.pins_listener(key, 0, 0)
+            self.pins_listener(key, 0, 0, None)
         del space.entries[key]
         space.nbytes -= meta.nbytes
         self._tally(space, meta, -1)

@@ -26,6 +26,7 @@ from engram.keys import root_key
 from engram.layout import Axis, DType, KVLayout, LayerKind, LayerSpec, ModelSpec, StreamSpec
 from engram.server.app import build_store
 from engram.store import BlockStore
+from engram.store.pins import PinShare
 
 from helpers import random_kv, tokens
 
@@ -127,7 +128,9 @@ def read_journal_file(path: Path, magic: bytes) -> tuple[int, list[tuple[int, by
         body_len, kind = struct.unpack_from("<IB", data, off)
         end = off + 5 + body_len + 8
         meta_len = struct.unpack_from("<I", data, off + 17)[0] if off + 21 <= len(data) else None
+        owners = struct.unpack_from("<H", data, off + 29)[0] if off + 31 <= len(data) else 1
         if not ((kind == 2 and body_len == 16) or (kind == 3 and body_len == 24)
+                or (kind == 4 and body_len >= 26 + 7 * max(1, owners))
                 or (kind == 1 and body_len >= 64 and meta_len in (None, body_len - 48))):
             assert not any(data[off:]), "damage: an impossible entry with bytes after it"
             break  # zeros: a file grown at a crash
@@ -143,11 +146,28 @@ def read_journal_file(path: Path, magic: bytes) -> tuple[int, list[tuple[int, by
     return generation, entries
 
 
-def journaled(root: Path) -> tuple[dict[bytes, bytes], dict[bytes, tuple[int, int]]]:
-    """The blocks (key -> file header) and their pins (key -> tenant pins, operator pins) the journal records."""
+Pins = tuple[int, int, dict[str, int]]  # tenant pins, operator pins, each owner's tenant pins
+
+
+def owned_pins(body: bytes) -> tuple[bytes, Pins]:
+    """An owned pins entry (kind 4): a pins entry's 24 bytes, then its owners."""
+    key, tenant, operator, count = struct.unpack_from("<16sIIH", body)
+    owners, at = {}, 26
+    for _ in range(count):
+        (name_len,) = struct.unpack_from("<H", body, at)
+        name = body[at + 2 : at + 2 + name_len].decode()
+        (owners[name],) = struct.unpack_from("<I", body, at + 2 + name_len)
+        at += 2 + name_len + 4
+    assert at == len(body) and 0 < sum(owners.values()) <= tenant and all(owners.values())
+    return key, (tenant, operator, owners)
+
+
+def journaled(root: Path) -> tuple[dict[bytes, bytes], dict[bytes, Pins]]:
+    """The blocks (key -> file header) and their pins (key -> tenant pins, operator pins, owners) the journal
+    records."""
     gen, entries = read_journal_file(root / "index" / "snapshot", b"ENGRMSNP")
     blocks: dict[bytes, bytes] = {}
-    pins: dict[bytes, tuple[int, int]] = {}
+    pins: dict[bytes, Pins] = {}
     journals = sorted((int(p.name.split(".")[1]), p) for p in (root / "index").glob("journal.*"))
     for kind, body in entries + [e for jgen, path in journals if jgen >= gen
                                  for e in read_journal_file(path, b"ENGRMJNL")[1]]:
@@ -155,10 +175,12 @@ def journaled(root: Path) -> tuple[dict[bytes, bytes], dict[bytes, tuple[int, in
             blocks[body[48:64]] = body
         elif kind == 2:
             blocks.pop(body, None)
-        else:
+        elif kind == 3:
             key, tenant, operator = struct.unpack("<16sII", body)
-            pins[key] = (tenant, operator)
-    return blocks, {k: p for k, p in pins.items() if p != (0, 0) and k in blocks}
+            pins[key] = (tenant, operator, {})
+        else:
+            key, pins[key] = owned_pins(body)
+    return blocks, {k: p for k, p in pins.items() if p[:2] != (0, 0) and k in blocks}
 
 
 # ---- the store that writes them ---------------------------------------------------------------------------
@@ -208,6 +230,9 @@ async def test_a_reader_written_from_format_md_reads_what_the_store_wrote(tmp_pa
     store.pin(NS, small.fingerprint, keys[1:2])
     store.pin(NS, small.fingerprint, keys[1:3])
     store.pin(NS, small.fingerprint, keys[2:3], unpin=True)
+    alice, bob = (PinShare.of((NS,), 0.5, store.tiers, name) for name in ("alice", "bøb"))  # tenants' pins
+    store.pin(NS, small.fingerprint, keys[3:4] * 2, share=alice)
+    store.pin(NS, small.fingerprint, keys[3:4], share=bob)
     await store.close()
 
     files = sorted((tmp_path / "blocks").rglob("*.blk"))
@@ -227,10 +252,10 @@ async def test_a_reader_written_from_format_md_reads_what_the_store_wrote(tmp_pa
     assert len(read[keys[4]]["header"]) > 64 * 1024  # type: ignore[arg-type]  # the 16K-token block's header
 
     # The journal (its snapshot, written at close) records exactly these blocks, with their files' headers, and
-    # their pins (no tenancy: the operator's).
+    # their pins: the operator's (a caller of no share), and the tenants' with their owners.
     headers, pins = journaled(tmp_path)
     assert headers == {k: r["header"] for k, r in read.items()}
-    assert pins == {keys[1]: (0, 2)}
+    assert pins == {keys[1]: (0, 2, {}), keys[3]: (3, 0, {"alice": 2, "bøb": 1})}
 
 
 @pytest.mark.parametrize("journal", [True, False], ids=["journal", "full-scan"])

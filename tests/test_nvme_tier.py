@@ -28,7 +28,17 @@ from engram.keys import root_key
 from engram.server.app import build_store
 from engram.store import BlockStore
 from engram.tiers.journal import FILE_HEAD_LEN as JOURNAL_HEAD_LEN
-from engram.tiers.journal import JOURNAL_MAGIC, PINS, encode_entry, encode_head, parse_entries
+from engram.tiers.journal import (
+    JOURNAL_MAGIC,
+    OWNED_PINS,
+    PINS,
+    IndexJournal,
+    Pins,
+    encode_entry,
+    encode_head,
+    encode_pins,
+    parse_entries,
+)
 from engram.tiers.nvme import NvmeTier
 
 from helpers import BLOCK_TOKENS, ENGRAM, NEUTRAL_CWD, random_kv, small_tmpfs, tiny_model, tokens
@@ -1720,3 +1730,38 @@ async def test_pins_come_back_from_the_journal_and_the_snapshot_and_index_files_
     assert store.tiers[1].unverified == set(want)  # type: ignore[attr-defined]  # trusted: the journal was read
     assert "not trusted" not in caplog.text
     await store.close()
+
+
+def test_owned_pins_entries_load_torn_by_a_crash_they_are_a_torn_tail_and_whole_but_inconsistent_damage(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Each tenant pin's owner is journaled (an owned pins entry, kind 4) and in the snapshot, and comes back as
+    recorded; a block of no owned pin keeps the pins entry of earlier builds. The last entry torn by a crash is
+    left out (the journal still trusted); one whole, its checksum right, that says more owners' pins than tenant
+    pins, with an entry after it, is damage: the start reads every block file."""
+    snap, alice_bob, operators, torn = bytes([1]) * 16, bytes([2]) * 16, bytes([3]) * 16, bytes([4]) * 16
+    journal = IndexJournal(tmp_path, fsync=False)
+    journal.open()
+    journal.pins(snap, Pins(1, 0, (("alice", 1),)))
+    gen = journal.rotate()
+    assert gen is not None
+    assert journal.write_snapshot([], gen, fsync=False, pins=[(snap, Pins(2, 1, (("alice", 1), ("bob", 1))))])
+    journal.pins(alice_bob, Pins(4, 1, (("alice", 1), ("bøb", 2))))  # the rest: of no recorded owner
+    journal.pins(operators, Pins(0, 2))
+    journal.close()
+    path = tmp_path / "index" / f"journal.{gen}"
+    kinds = [kind for kind, _ in parse_entries(path.read_bytes())[0]]
+    assert kinds == [OWNED_PINS, PINS]  # a block of no owned pin: byte for byte what an earlier build wrote
+    want = {snap: Pins(2, 1, (("alice", 1), ("bob", 1))), alice_bob: Pins(4, 1, (("alice", 1), ("bøb", 2))),
+            operators: Pins(0, 2)}
+    loaded = IndexJournal(tmp_path, create=False).load()
+    assert loaded is not None and loaded.pins == want and not loaded.torn_tail
+    with open(path, "ab") as fh:  # a crash mid-append: the entry's first bytes only
+        fh.write(encode_pins(torn, Pins(1, 0, (("carol", 1),)))[:20])
+    loaded = IndexJournal(tmp_path, create=False).load()
+    assert loaded is not None and loaded.pins == want and loaded.torn_tail
+    data = path.read_bytes()
+    inconsistent = encode_pins(torn, Pins(1, 0, (("carol", 2),)))  # 2 of carol's in 1 tenant pin
+    path.write_bytes(data[: len(data) - 20] + inconsistent + encode_pins(operators, Pins(0, 0)))
+    caplog.clear()
+    assert IndexJournal(tmp_path, create=False).load() is None
+    assert "is not trusted" in caplog.text and "pass its tenant pins" in caplog.text

@@ -6,6 +6,7 @@ holds) shows."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,8 @@ from engram import errors
 from engram.client import EngramClient
 from engram.server import RunningServer
 from engram.store import BlockStore
+from engram.tiers.journal import FILE_HEAD_LEN as JOURNAL_HEAD_LEN
+from engram.tiers.journal import OWNED_PINS, PINS, encode_entry, parse_entries
 
 from helpers import BLOCK_TOKENS, random_kv, rpcs_answered, tiny_model, tokens
 
@@ -226,6 +229,8 @@ async def test_a_restart_pins_a_tenants_blocks_again_within_its_share_as_it_is_n
 
 
 SHARED_AUTH = {"auth.tenants.alice.namespaces": "alice,shared", "auth.tenants.bob.namespaces": "bob,shared"}
+# Every block on NVMe before its put returns: a copy of the directory taken while the daemon runs (a SIGKILL's) has it
+RESTARTED = {**SHARED_AUTH, "tiers.write_policy": "write-through"}
 
 
 def pinned_by(srv: RunningServer, ns: str, tenant: str) -> int:
@@ -233,7 +238,7 @@ def pinned_by(srv: RunningServer, ns: str, tenant: str) -> int:
     store = srv.store
     held: dict[bytes, int] = {}
     for meta in store.blocks(ns):
-        m = meta if (meta.pin_owners or {}).get(tenant) else None
+        m = meta if meta.owner_pins(tenant) else None  # ("": the pins of no recorded owner)
         while m is not None and m.key not in held:
             held[m.key] = m.nbytes
             m = store.index.get_in(ns, m.parent)
@@ -316,3 +321,133 @@ async def test_a_tenants_pins_restored_by_a_restart_count_once_when_it_pins_them
         again = await a.put(fp, toks, random_kv(tiny_model(), len(toks), seed=1), pin=True)
         assert again.keys == keys  # the whole chain (it stopped part-way before)
     assert pinned(srv) == 40 * BLOCK
+
+
+async def restarted(server_factory: Any, tmp_path: Path, srv: RunningServer, how: str, **extra: Any) -> RunningServer:
+    """A daemon on the NVMe directory `srv` left: its journal replayed (a copy taken while it ran, as a SIGKILL
+    leaves it: no snapshot since), or the snapshot its stop wrote."""
+    where = tmp_path
+    if how == "journal":
+        where = tmp_path / "crash"
+        shutil.copytree(tmp_path / "nvme", where / "nvme", ignore=shutil.ignore_patterns("engram.lock"))
+    await srv.stop(0)
+    return await start(server_factory, where, **extra)
+
+
+@pytest.mark.parametrize("how", ["journal", "snapshot"])
+async def test_after_a_restart_only_the_pinning_tenant_or_an_admin_lifts_its_pin_in_a_shared_namespace(
+        server_factory: Any, tmp_path: Path, how: str) -> None:
+    """The journal records whose each tenant pin is: after a restart Bob's unpin of Alice's pin in `shared` lifts
+    nothing and his forced evict keeps her chain, his own pin beside hers is his to lift, and the admin's unpin
+    lifts hers. The journal kept counts only: her pin came back of no recorded owner, and Bob lifted it (a review,
+    session 49)."""
+    srv = await start(server_factory, tmp_path, **RESTARTED)
+    async with as_(srv, ALICE, "shared") as a, as_(srv, BOB, "shared") as b:
+        fp = await a.register_model(tiny_model())
+        await b.register_model(tiny_model())
+        chain = await put(a, fp, 2, 1, pin=False)
+        mine = await put(a, fp, 2, 2, pin=True)
+        assert await a.pin(fp, chain[-1:]) == 1 and await b.pin(fp, chain[-1:]) == 1
+    srv = await restarted(server_factory, tmp_path, srv, how, **RESTARTED)
+    last = list(chain[-1:])
+    async with as_(srv, ALICE, "shared") as a, as_(srv, BOB, "shared") as b, as_(srv, ADMIN, "shared") as admin:
+        fp = await a.register_model(tiny_model())
+        await b.register_model(tiny_model())
+        await admin.register_model(tiny_model())
+
+        async def pins(keys: tuple[bytes, ...]) -> list[int]:
+            return [d.pins for d in (await admin.describe_blocks(key_prefixes=[k.hex() for k in keys])).blocks]
+
+        assert await pins(chain) == [0, 2] and await pins(mine) == [1, 1]
+        assert pinned_by(srv, "shared", "alice") == 4 * BLOCK and pinned_by(srv, "shared", "bob") == 2 * BLOCK
+        assert await b.pin(fp, list(mine), unpin=True) == 0  # hers: lifted before
+        assert await b.pin(fp, last, unpin=True) == 1 and await b.pin(fp, last, unpin=True) == 0  # his own, once
+        done = await b.evict(key_prefixes=[chain[0].hex(), mine[0].hex()], force=True)
+        assert not done.evicted and sorted(done.operator_pinned) == sorted(chain + mine)
+        assert await pins(chain) == [0, 1] and await pins(mine) == [1, 1]
+        assert await admin.pin(fp, last, unpin=True, namespace="shared") == 1
+        assert await a.pin(fp, list(mine), unpin=True) == 2
+        assert await pins(chain) == [0, 0] and await pins(mine) == [0, 0] and pinned(srv, "shared") == 0
+
+
+@pytest.mark.parametrize("how", ["journal", "snapshot"])
+async def test_after_a_restart_a_tenants_pins_in_a_shared_namespace_count_in_its_share_alone(
+        server_factory: Any, tmp_path: Path, how: str) -> None:
+    """Shares of 32 blocks. Alice pins her whole share in `shared`; after a restart Bob still pins his whole share
+    there, then is refused for his own, and so is Alice. Her pins came back of no recorded owner and counted in
+    Bob's share too: he could pin nothing (a review, session 49)."""
+    config = {**RESTARTED, "server.max_pinned_fraction_per_tenant": 0.25}
+    share = 128 * 1024
+    srv = await start(server_factory, tmp_path, **config)
+    async with as_(srv, ALICE, "shared") as a:
+        fp = await a.register_model(tiny_model())
+        for seed in range(share // BLOCK // 8):
+            await put(a, fp, 8, seed, pin=True)
+    srv = await restarted(server_factory, tmp_path, srv, how, **config)
+    assert pinned_by(srv, "shared", "alice") == share and pinned_by(srv, "shared", "bob") == 0
+    async with as_(srv, ALICE, "shared") as a, as_(srv, BOB, "shared") as b:
+        fp = await a.register_model(tiny_model())
+        await b.register_model(tiny_model())
+        for seed in range(share // BLOCK // 8):
+            await put(b, fp, 8, 100 + seed, pin=True)
+        assert pinned_by(srv, "shared", "bob") == share and pinned(srv, "shared") == 2 * share
+        with pytest.raises(errors.ResourceExhausted, match="max_pinned_fraction_per_tenant"):
+            await put(b, fp, 1, 200, pin=True)
+        with pytest.raises(errors.ResourceExhausted, match="max_pinned_fraction_per_tenant"):
+            await put(a, fp, 1, 201, pin=True)
+
+
+def _as_an_earlier_build_wrote(index_dir: Path) -> None:
+    """The index files as a build from before owners were journaled wrote them: each owned pins entry a pins entry
+    of the same counts."""
+    for path in index_dir.iterdir():
+        data = path.read_bytes()
+        entries, end = parse_entries(data)
+        assert end == len(data)
+        old = [(PINS, body[:24]) if kind == OWNED_PINS else (kind, body) for kind, body in entries]
+        path.write_bytes(data[:JOURNAL_HEAD_LEN] + b"".join(encode_entry(k, b) for k, b in old))
+
+
+@pytest.mark.parametrize("how", ["journal", "snapshot"])
+async def test_an_index_journal_an_earlier_build_wrote_still_loads_its_tenant_pins_of_no_recorded_owner(
+        server_factory: Any, tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Backward compatibility: a journal and snapshot without owners (a build from before them) are trusted, and
+    the tenant pins they record come back of no recorded owner, as that build restored them: counted in the share
+    of every tenant of the namespace, lifted by any."""
+    srv = await start(server_factory, tmp_path, **RESTARTED)
+    async with as_(srv, ALICE, "shared") as a:
+        fp = await a.register_model(tiny_model())
+        keys = await put(a, fp, 4, 1, pin=True)
+    where = tmp_path / "crash" if how == "journal" else tmp_path
+    if how == "journal":
+        shutil.copytree(tmp_path / "nvme", where / "nvme", ignore=shutil.ignore_patterns("engram.lock"))
+    await srv.stop(0)
+    _as_an_earlier_build_wrote(where / "nvme" / "index")
+    caplog.clear()
+    srv = await start(server_factory, where, **RESTARTED)
+    assert "not trusted" not in caplog.text
+    assert [(m.pins, m.pin_owners) for m in srv.store.find("shared", fp, keys)] == [(1, None)] * 4
+    assert pinned_by(srv, "shared", "") == 4 * BLOCK and pinned_by(srv, "shared", "alice") == 0
+    async with as_(srv, BOB, "shared") as b:
+        await b.register_model(tiny_model())
+        assert await b.pin(fp, list(keys), unpin=True) == 4
+    assert pinned(srv, "shared") == 0
+
+
+async def test_a_restart_gives_the_pins_of_a_tenant_no_longer_given_the_namespace_no_recorded_owner(
+        server_factory: Any, tmp_path: Path) -> None:
+    """Alice's pins in `shared`, and the config then takes `shared` from her: no share of hers counts them there, so
+    they come back of no recorded owner, counted in Bob's share and his to lift (as every restored tenant pin was
+    before owners were journaled), not a start that fails on an owner it has no share for."""
+    srv = await start(server_factory, tmp_path, **RESTARTED)
+    async with as_(srv, ALICE, "shared") as a:
+        fp = await a.register_model(tiny_model())
+        keys = await put(a, fp, 2, 1, pin=True)
+    await srv.stop(0)
+    srv = await start(server_factory, tmp_path, **{**RESTARTED, "auth.tenants.alice.namespaces": "alice"})
+    assert [(m.pins, m.pin_owners) for m in srv.store.find("shared", fp, keys)] == [(1, None)] * 2
+    assert pinned_by(srv, "shared", "") == 2 * BLOCK and pinned_by(srv, "shared", "alice") == 0
+    async with as_(srv, BOB, "shared") as b:
+        await b.register_model(tiny_model())
+        assert await b.pin(fp, list(keys), unpin=True) == 2
+    assert pinned(srv, "shared") == 0

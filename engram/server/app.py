@@ -116,7 +116,7 @@ async def _build_store(config: EngramConfig, tenancy: Tenancy | None, tiers: lis
     if t.nvme.path:
         t0 = time.perf_counter()
         shares = None if tenancy is None else pins.shares_of(  # a tenant's pins come back within its share
-            [p.namespaces for p in tenancy.tenants()], config.server.max_pinned_fraction_per_tenant, tiers)
+            [(p.name, p.namespaces) for p in tenancy.tenants()], config.server.max_pinned_fraction_per_tenant, tiers)
         report = await store.recover(shares)
         log.info("recovered %d blocks from %s in %.2fs (%d problems fixed)", report.recovered_blocks, t.nvme.path,
                  time.perf_counter() - t0, len(report.findings))

@@ -880,7 +880,7 @@ class BlockStore:
         against, none of them taken; None for an admin or with tenancy off, whose pins are the operator's, outside
         every share. A tenant's pin is its own (BlockMeta.pin_owners): its unpin lifts its own, never the operator's
         nor another tenant's in a namespace they share (any tenant of it lifted any other's, an audit, session 48),
-        and a pin of no recorded owner (a restart's) as before; the operator's lifts its own first, then one of no
+        and a pin of no recorded owner (pins.restore) as before; the operator's lifts its own first, then one of no
         recorded owner, then any tenant's (an admin acts on the whole daemon)."""
         metas = self.find(namespace, model_fingerprint, keys)
         if share is not None and not unpin:

@@ -26,15 +26,18 @@ prompt in a tenant's namespace took that tenant's share, and the tenant could th
 block both pin counts once, in the tenant's share (its own pin holds it). A tenant's unpin lifts a tenant's pin
 only; an admin's lifts the operator's first, then a tenant's.
 
-Across a restart (`restore`): the NVMe tier's journal records each block's pins (engram/tiers/journal.py says
-why there), and the blocks that come back are pinned again; blocks held in memory alone do not come back, nor
-their pins. The operator's pins come back whole. A tenant's come back within the tenant's share as it is now,
-in the order they were first recorded, and those that would pass it are dropped (logged, naming the tenant's
-namespaces): the share may have shrunk since (a lower fraction, a smaller tier, a namespace given to another
-tenant), and it is the promise to the other tenants that their puts find room, which pins restored past it
-would break from the first put on; the tenant pins again, and is refused as it would be now. The journal records
-counts, not owners: a tenant's pins come back of no recorded owner (owner "", BlockMeta.owner_pins), which any
-tenant of the namespace may lift and which count in the share of every tenant of it, as before pins had owners.
+Across a restart (`restore`): the NVMe tier's journal records each block's pins and whose they are
+(engram/tiers/journal.py says why there), and the blocks that come back are pinned again; blocks held in memory
+alone do not come back, nor their pins. The operator's pins come back whole. A tenant's come back its own, as
+they were (only it or an admin lifts them, and they count in its share alone), within its share as it is now, in
+the order they were first recorded, and those that would pass it are dropped (logged, naming the tenant and its
+namespaces): the share may have shrunk since (a lower fraction, a smaller tier), and it is the promise to the
+other tenants that their puts find room, which pins restored past it would break from the first put on; the
+tenant pins again, and is refused as it would be now. (Restored owner-less, a session 49 review found, any tenant
+sharing the namespace lifted them, and they counted in every sharing tenant's share.) Pins of no recorded owner
+(owner "", BlockMeta.owner_pins) come back so, within the share of every tenant of the namespace, which each
+counts them in: a journal an earlier build wrote records counts only, and a tenant no longer given the namespace
+(or no longer configured) has no share there to count its pins, which then come back of no recorded owner.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from dataclasses import dataclass
 from engram.errors import ResourceExhausted
 from engram.index import BlockMeta, ChainIndex
 from engram.tiers.base import Tier
+from engram.tiers.journal import Pins
 
 log = logging.getLogger("engram.store")
 
@@ -61,7 +65,7 @@ class PinShare:
     fraction: float  # server.max_pinned_fraction_per_tenant, for the message
     largest: str  # the largest tier's name, and its capacity: what the fraction is of
     largest_bytes: int
-    tenant: str = ""  # whose pins it counts (BlockMeta.pin_owners); "": a restart's, of no recorded owner
+    tenant: str = ""  # whose pins it counts (BlockMeta.pin_owners); "": those of no recorded owner alone
 
     @classmethod
     def of(cls, namespaces: Sequence[str], fraction: float, tiers: Sequence[Tier], tenant: str = "") -> PinShare:
@@ -76,7 +80,7 @@ class PinShare:
     def check(self, index: ChainIndex, growth: int, what: str) -> None:
         """RESOURCE_EXHAUSTED when pinning what adds `growth` bytes to the tenant's pinned bytes passes the share;
         it names the tenant's own namespaces and figures only. What counts: what its own pins keep, and what pins
-        of no recorded owner keep (a restart's) in its namespaces; another tenant's pins in a namespace they share
+        of no recorded owner keep (`restore`) in its namespaces; another tenant's pins in a namespace they share
         count in that tenant's share alone."""
         if growth <= 0:
             return
@@ -90,42 +94,57 @@ class PinShare:
                 f"largest tier, {self.largest}'s {self.largest_bytes} bytes); unpin blocks, or put without pin")
 
 
-def shares_of(tenants: Sequence[Sequence[str]], fraction: float, tiers: Sequence[Tier]) -> SharesOf:
-    """Each namespace's tenants' shares, `tenants` giving each tenant's namespaces (a restart's `restore`)."""
+def shares_of(tenants: Sequence[tuple[str, Sequence[str]]], fraction: float, tiers: Sequence[Tier]) -> SharesOf:
+    """Each namespace's tenants' shares, `tenants` giving each tenant's name and namespaces (a restart's
+    `restore`)."""
     by_namespace: dict[str, list[PinShare]] = {}
-    for namespaces in tenants:
-        share = PinShare.of(namespaces, fraction, tiers)
+    for name, namespaces in tenants:
+        share = PinShare.of(namespaces, fraction, tiers, name)
         for ns in share.namespaces:
             by_namespace.setdefault(ns, []).append(share)
     return lambda namespace: by_namespace.get(namespace, ())
 
 
-def restore(index: ChainIndex, recorded: Mapping[bytes, tuple[int, int]], shares: SharesOf | None,
-            note: Callable[[bytes, int, int], None]) -> None:
-    """Pin the blocks that came back as `recorded` (key -> tenant pins, operator pins), a tenant's within the
-    shares of the tenants its namespace belongs to (None: no shares, tenancy off); `note` (the durable tier's)
-    records what was not restored as cleared, so a block of the key put again later is not pinned by an old entry."""
+def restore(index: ChainIndex, recorded: Mapping[bytes, Pins], shares: SharesOf | None,
+            note: Callable[[bytes, int, int, dict[str, int] | None], None]) -> None:
+    """Pin the blocks that came back as `recorded` (key -> its pins, engram/tiers/journal.py): the operator's whole,
+    each owner's its own again within its share, those of no recorded owner within the shares of every tenant of the
+    namespace (`shares` None: no shares, tenancy off); `note` (the durable tier's) records what was not restored as
+    cleared, so a block of the key put again later is not pinned by an old entry."""
     dropped: dict[PinShare, list[int]] = {}  # the share that refused -> [blocks, bytes] not pinned again
-    for key, (tenant, operator) in recorded.items():
+    for key, pins in recorded.items():
         meta = index.get(key)
         if meta is None:  # not back (held in memory alone, or its file lost)
-            note(key, 0, 0)
+            note(key, 0, 0, None)
             continue
-        if tenant and shares is not None:
-            growth = index.pin_growth([meta], "")
-            for share in shares(meta.namespace):
-                try:
-                    share.check(index, growth, "restoring pins")
-                except ResourceExhausted:
-                    row = dropped.setdefault(share, [0, 0])
-                    row[0] += 1
-                    row[1] += growth
-                    tenant = 0
-                    break
-        index.set_pins(meta, tenant + operator, operator)
-        note(key, tenant, operator)  # (set_pins noted pins that changed; this records pins dropped as cleared)
+        index.set_pins(meta, meta.pins + pins.operator, meta.operator_pins + pins.operator)
+        sharing = None if shares is None else {s.tenant: s for s in shares(meta.namespace)}
+        ownerless = pins.tenant - sum(n for _, n in pins.owners)
+        for owner, n in pins.owners:
+            if sharing is not None and owner not in sharing:  # no share of the namespace counts its pins now
+                ownerless += n
+            elif sharing is None or _within(index, meta, [sharing[owner]], dropped):
+                index.set_pins(meta, meta.pins + n, owner=owner)
+        if ownerless and (sharing is None or _within(index, meta, list(sharing.values()), dropped)):
+            index.set_pins(meta, meta.pins + ownerless)
+        # (set_pins noted the pins that changed; this records those dropped as cleared)
+        note(key, meta.pins - meta.operator_pins, meta.operator_pins, meta.pin_owners)
     for share, (blocks, nbytes) in dropped.items():
-        log.warning("restart: %d pinned blocks (%d bytes) of the tenant of namespaces %s were not pinned again: "
-                    "they would pass its share of %d bytes (server.max_pinned_fraction_per_tenant = %g of the "
-                    "largest tier, %s's %d bytes); they are stored unpinned", blocks, nbytes,
+        log.warning("restart: %d pinned blocks (%d bytes) were not pinned again: they would pass the share of "
+                    "tenant %s (namespaces %s) of %d bytes (server.max_pinned_fraction_per_tenant = %g of the "
+                    "largest tier, %s's %d bytes); they are stored unpinned", blocks, nbytes, share.tenant,
                     ", ".join(share.namespaces), share.limit, share.fraction, share.largest, share.largest_bytes)
+
+
+def _within(index: ChainIndex, meta: BlockMeta, shares: Sequence[PinShare], dropped: dict[PinShare, list[int]]) -> bool:
+    """Whether pinning `meta` again keeps within every one of `shares`; the first it would pass counts it dropped."""
+    for share in shares:
+        growth = share.growth(index, [meta])
+        try:
+            share.check(index, growth, "restoring pins")
+        except ResourceExhausted:
+            row = dropped.setdefault(share, [0, 0])
+            row[0] += 1
+            row[1] += growth
+            return False
+    return True

@@ -7,7 +7,7 @@ sequentially at start-up:
 
     ROOT/index/snapshot       every block on disk when it was written (a compaction of the journal)
     ROOT/index/journal.<gen>  changes since: a block added (its file's header) or removed (its key), a
-                              block's pins (its key and pin counts)
+                              block's pins (its key, pin counts, and each tenant pin's owner)
 
 The block files stay the truth; the journal is a hint checked against them. At start-up the tier lists the
 block directories (names only, no opens): a journaled block whose file is gone is dropped, a file the
@@ -40,10 +40,12 @@ anything else, with every remove not yet synced. A snapshot taken before the los
 
 Format (docs/FORMAT.md, all integers little-endian): a 32-byte file header (magic `ENGRMSNP` or
 `ENGRMJNL`, u16 version 2, u16 flags 0, u32 reserved 0, u64 generation, u64 xxh3_64 of the 24 bytes before
-it), then entries `u32 body_len, u8 kind (1 add, 2 remove, 3 pins), body, u64 xxh3_64(kind byte + body)`.
-Version 1 (earlier releases) is the same header without its checksum, 24 bytes; it is still read. An add's body
-is the block file's header (its first 48 + meta_len bytes); a remove's body is the 16-byte key; a pins entry's
-the key, then u32 tenant pins and u32 operator pins (both 0: unpinned).
+it), then entries `u32 body_len, u8 kind (1 add, 2 remove, 3 pins, 4 owned pins), body, u64 xxh3_64(kind byte +
+body)`. Version 1 (earlier releases) is the same header without its checksum, 24 bytes; it is still read. An
+add's body is the block file's header (its first 48 + meta_len bytes); a remove's body is the 16-byte key; a pins
+entry's the key, then u32 tenant pins and u32 operator pins (both 0: unpinned); an owned pins entry's the same 24
+bytes, then u16 owner count and per owner u16 name length, its UTF-8 name and u32 pins (names distinct, sorted;
+their pins > 0 and together at most the tenant pins, the rest of no recorded owner).
 
 Why pins are here (a block's pins change after its file is written, and the file is never rewritten): the
 journal is the tier's record of its blocks, replayed in order, so a crash loses a suffix of the changes (a
@@ -56,14 +58,28 @@ block held in memory alone are recorded too (its file comes with the write-back 
 of blocks that come back apply, and the others are recorded cleared. A journal that is not trusted loses them:
 the blocks come back unpinned (their files do not hold pins).
 
+Why owners are here too (engram/store/pins.py): in a namespace tenants share, a tenant's pin is its own to lift
+and counts in its share alone, so the record of a block's pins names whose they are, or a restart gives them
+back to no one (any tenant of the namespace could lift them, and every one's share counted them). A block's
+pins with no recorded owner (the operator's alone, tenancy off, or pins an earlier build restored) are written as
+a pins entry (kind 3), as before owners; only those with an owner take an owned pins entry (kind 4), one entry
+setting the block's whole record, so a crash still leaves each block's pins as they were at some moment. Kind 4
+came without a version change, as kind 3 did (docs/FORMAT.md, "Version skew"): an earlier build reads it as
+damage, so it reads every block file and its blocks come back unpinned, where a later head version would make it
+refuse the whole directory. Journals of earlier builds hold no kind 4 and load as before: their tenant pins
+come back of no recorded owner.
+
 A crash loses a journal's tail and tears at most its last entry (one write each): fewer bytes left than an
 entry head, an entry whose length runs past the end of the file, or (a file grown before its bytes were
 written) one that fails its checksum or is impossible with nothing but zeros after it. Reading stops there;
 the lost entries are recovered from the files. Anything else that fails, with other bytes after it, is
 damage (bit rot, a bad sector), not a crash: an entry that is whole but fails its checksum, or whose head is
-impossible (a kind other than add, remove or pins, a remove not 16 bytes long, a pins entry not 24, an add whose
-length is not its block header's 48 + meta_len). A build from before pins were journaled reads a pins entry as
-such damage: it reads every block file (its blocks come back, unpinned, as it never kept pins).
+impossible (a kind other than add, remove, pins or owned pins, a remove not 16 bytes long, a pins entry not 24,
+an owned pins entry shorter than its owner count needs, an add whose length is not its block header's 48 +
+meta_len), or an owned pins entry whole but inconsistent (its names running past it or short of it, an empty,
+repeated or unordered name, an owner of no pins, the owners' pins past the tenant pins). A build from before pins
+were journaled reads a pins entry as such damage, and one from before owners an owned pins entry: it reads every
+block file (its blocks come back, unpinned).
 
 Damage: a snapshot that fails any check (its head: magic, version, checksum; an entry, torn or not: it is
 renamed into place whole), or a journal it would be read with whose head is whole but fails its checks or
@@ -96,6 +112,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import xxhash
 
@@ -110,18 +127,34 @@ _HEAD_V1 = struct.Struct("<8sHHIQ")  # magic, version, flags, reserved, generati
 _FILE_HEAD = struct.Struct("<8sHHIQQ")  # the same, then xxh3_64 of the 24 bytes before it
 FILE_HEAD_LEN = _FILE_HEAD.size  # 32
 _ENTRY_HEAD = struct.Struct("<IB")  # body_len, kind
-ADD, REMOVE, PINS = 1, 2, 3
+ADD, REMOVE, PINS, OWNED_PINS = 1, 2, 3, 4
 KEY_LEN = 16  # a remove's body
 _PINS = struct.Struct("<16sII")  # a pins entry's body: key, tenant pins, operator pins
+_OWNER_COUNT = struct.Struct("<H")  # an owned pins entry's, after those 24 bytes; then each owner:
+_NAME_LEN = struct.Struct("<H")  # its name's length, the name (UTF-8), then
+_OWNER_PINS = struct.Struct("<I")  # its pins
+_OWNER_MIN = _NAME_LEN.size + 1 + _OWNER_PINS.size  # an owner's bytes, at the least (a name of one byte)
+NAME_LIMIT = 0xFFFF  # bytes of an owner's name the u16 length holds (a longer one is recorded as no owner)
 BLOCK_HEAD_LEN = 48  # the fixed part of a block file's header (an add's body; then its meta, key first)
 GENERATION_LIMIT = 2**64 - 1  # a journal's generation is below it, so the next one still fits the u64 field
 RENUMBER_AT = 2**63  # a generation no daemon reaches (one a nanosecond for 292 years): only after a stray file
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ADD", "PINS", "REMOVE", "IndexJournal", "Loaded", "encode_entry", "encode_pins", "parse_entries"]
+__all__ = ["ADD", "NO_PINS", "OWNED_PINS", "PINS", "REMOVE", "IndexJournal", "Loaded", "Pins", "decode_pins",
+           "encode_entry", "encode_pins", "parse_entries"]
 
-Pins = tuple[int, int]  # (tenant pins, operator pins) of a block (engram/index.py BlockMeta)
+
+class Pins(NamedTuple):
+    """A block's pins as the journal records them (engram/index.py BlockMeta): every tenant pin, the operator's,
+    and of the tenant pins each recorded owner's, by name (sorted); the rest are of no recorded owner."""
+
+    tenant: int
+    operator: int
+    owners: tuple[tuple[str, int], ...] = ()
+
+
+NO_PINS = Pins(0, 0)  # unpinned
 
 
 def encode_head(magic: bytes, generation: int) -> bytes:
@@ -165,7 +198,47 @@ def encode_entry(kind: int, body: bytes) -> bytes:
 
 
 def encode_pins(key: bytes, pins: Pins) -> bytes:
-    return encode_entry(PINS, _PINS.pack(key, *pins))
+    """A pins entry (kind 3) when no owner is recorded, byte for byte what a build from before owners wrote; an
+    owned pins entry (kind 4) otherwise. An owner whose name passes NAME_LIMIT bytes is recorded as none."""
+    head = _PINS.pack(key, pins.tenant, pins.operator)
+    named = [(name.encode(), n) for name, n in pins.owners]
+    named = [(name, n) for name, n in named if len(name) <= NAME_LIMIT]
+    if not named:
+        return encode_entry(PINS, head)
+    body = [head, _OWNER_COUNT.pack(len(named))]
+    for name, n in named:
+        body += [_NAME_LEN.pack(len(name)), name, _OWNER_PINS.pack(n)]
+    return encode_entry(OWNED_PINS, b"".join(body))
+
+
+def decode_pins(kind: int, body: bytes) -> tuple[bytes, Pins]:
+    """A pins or owned pins entry's key and pins; raises _Damaged for an owned pins entry that is inconsistent
+    (the module's doc)."""
+    key, tenant, operator = _PINS.unpack_from(body)
+    if kind == PINS:
+        return key, Pins(tenant, operator)
+    (count,) = _OWNER_COUNT.unpack_from(body, _PINS.size)
+    at = _PINS.size + _OWNER_COUNT.size
+    owners: list[tuple[str, int]] = []
+    for _ in range(count):
+        if at + _NAME_LEN.size > len(body):
+            raise _Damaged("an owned pins entry's names run past it")
+        (name_len,) = _NAME_LEN.unpack_from(body, at)
+        at += _NAME_LEN.size
+        if not name_len or at + name_len + _OWNER_PINS.size > len(body):
+            raise _Damaged("an owned pins entry has an empty name, or its names run past it")
+        try:
+            name = body[at : at + name_len].decode()
+        except UnicodeDecodeError:
+            raise _Damaged("an owned pins entry's name is not UTF-8") from None
+        (n,) = _OWNER_PINS.unpack_from(body, at + name_len)
+        at += name_len + _OWNER_PINS.size
+        if not n or (owners and owners[-1][0] >= name):
+            raise _Damaged("an owned pins entry names an owner of no pins, or its names are repeated or unordered")
+        owners.append((name, n))
+    if at != len(body) or sum(n for _, n in owners) > tenant:
+        raise _Damaged("an owned pins entry is longer than its owners, or their pins pass its tenant pins")
+    return key, Pins(tenant, operator, tuple(owners))
 
 
 def parse_entries(data: bytes | memoryview, offset: int = FILE_HEAD_LEN) -> tuple[list[tuple[int, bytes]], int]:
@@ -192,6 +265,8 @@ def parse_entries(data: bytes | memoryview, offset: int = FILE_HEAD_LEN) -> tupl
             if _zeros(view[stop:]):
                 break  # the last entry (zeros after it at most): torn by a crash
             raise _Damaged(f"the entry at offset {offset} fails its checksum, with {end - stop} bytes after it")
+        if kind == OWNED_PINS:
+            decode_pins(kind, body)  # whole (its checksum held) and inconsistent: damage, wherever it is
         out.append((kind, body))
         offset = stop
     return out, offset
@@ -204,6 +279,12 @@ def _impossible(view: memoryview, offset: int, body_len: int, kind: int) -> str 
         return None if body_len == KEY_LEN else f"a remove of {body_len} bytes, not {KEY_LEN}"
     if kind == PINS:
         return None if body_len == _PINS.size else f"a pins entry of {body_len} bytes, not {_PINS.size}"
+    if kind == OWNED_PINS:
+        need = _PINS.size + _OWNER_COUNT.size + _OWNER_MIN
+        count_at = offset + _ENTRY_HEAD.size + _PINS.size
+        if count_at + _OWNER_COUNT.size <= len(view):
+            need = _PINS.size + _OWNER_COUNT.size + _OWNER_MIN * max(1, _OWNER_COUNT.unpack_from(view, count_at)[0])
+        return None if body_len >= need else f"an owned pins entry of {body_len} bytes, below its owners' {need}"
     if kind != ADD:
         return f"kind {kind}"
     if body_len < BLOCK_HEAD_LEN + KEY_LEN:
@@ -307,8 +388,8 @@ class IndexJournal:
         for kind, body in entries:
             if kind == ADD:
                 headers[body[48:64]] = body  # the key is the meta's first 16 bytes
-            elif kind == PINS:
-                _set_pins(pins, body)
+            elif kind in (PINS, OWNED_PINS):
+                _set_pins(pins, kind, body)
         count += len(entries)
         torn_tail = False
         for jgen, path in journals:
@@ -331,7 +412,7 @@ class IndexJournal:
                 elif kind == REMOVE:
                     headers.pop(body, None)  # not its pins: a file written again keeps its block's
                 else:
-                    _set_pins(pins, body)
+                    _set_pins(pins, kind, body)
         return Loaded(headers, pins, count, torn_tail)
 
     def newer(self) -> list[NewerFormat]:
@@ -545,10 +626,10 @@ class IndexJournal:
                 self._fd = None
 
 
-def _set_pins(pins: dict[bytes, Pins], body: bytes) -> None:
-    key, tenant, operator = _PINS.unpack(body)
-    if tenant or operator:
-        pins[key] = (tenant, operator)
+def _set_pins(pins: dict[bytes, Pins], kind: int, body: bytes) -> None:
+    key, record = decode_pins(kind, body)
+    if record.tenant or record.operator:
+        pins[key] = record
     else:
         pins.pop(key, None)
 

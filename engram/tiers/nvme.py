@@ -15,8 +15,8 @@ Layout:  ROOT/engram-nvme-tier           the marker: only a directory holding it
 
 A write is acknowledged (its `write` returns) only once its file is durable under its final name. Every
 read verifies the header (any length) and the payload checksum, so a torn or corrupt file is never served.
-The journal also records the pins the store has on blocks (`note_pins`; journal.py says why there): after
-`recover()`, `recorded_pins` holds what it recorded, for the store to pin the blocks that came back.
+The journal also records the pins the store has on blocks, and whose they are (`note_pins`; journal.py says why
+there): after `recover()`, `recorded_pins` holds what it recorded, for the store to pin the blocks that came back.
 At start-up `recover()` trusts the journal for files that are listed on disk and reads only the headers of
 files the journal does not know; `verify_trusted()` then checks the trusted files' headers and sizes in the
 background. `check(fix)` verifies everything, and is safe while puts, gets and evictions run: writes in
@@ -38,7 +38,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,7 +60,7 @@ from engram.tiers.blockfile import (
 )
 from engram.tiers.budget import ByteBudget
 from engram.tiers.groupcommit import GroupCommitter, WriteJob, sync_directory
-from engram.tiers.journal import IndexJournal, Pins
+from engram.tiers.journal import NO_PINS, IndexJournal, Pins
 from engram.tiers.nvmedir import adopt, claim
 
 log = logging.getLogger(__name__)
@@ -193,7 +193,7 @@ class NvmeTier:
         # never written over nor deleted; their bytes stay counted (they take the disk's room)
         self.newer_files: dict[bytes, int] = {}
         self._found_files: dict[bytes, _File] = {}  # a file found holding a stale record's block: `adopt` takes it
-        # key -> (tenant pins, operator pins) as the journal records them: a start's record, then the store's notes
+        # key -> its pins (journal.Pins: with owners) as the journal records them: a start's record, then the store's notes
         self._pins: dict[bytes, Pins] = {}
         self.fault_hook: FaultHook | None = None
 
@@ -322,13 +322,15 @@ class NvmeTier:
         self._journaled(rec.key, lambda j: j.add(header))
         self._compact_if_due()
 
-    def note_pins(self, key: bytes, tenant_pins: int, operator_pins: int) -> None:
-        """The store's pins on a block (engram/index.py's pins listener; (0, 0): unpinned, or gone), whether or not
-        this tier holds its file yet: journaled when they differ from the record, and in every snapshot."""
-        pins = (tenant_pins, operator_pins)
-        if self._pins.get(key, (0, 0)) == pins:
+    def note_pins(self, key: bytes, tenant_pins: int, operator_pins: int,
+                  owners: Mapping[str, int] | None = None) -> None:
+        """The store's pins on a block (engram/index.py's pins listener; (0, 0): unpinned, or gone), and of the
+        tenant pins each owner's (BlockMeta.pin_owners), whether or not this tier holds its file yet: journaled
+        when they differ from the record, and in every snapshot."""
+        pins = Pins(tenant_pins, operator_pins, tuple(sorted((o, n) for o, n in (owners or {}).items() if n)))
+        if self._pins.get(key, NO_PINS) == pins:
             return
-        if pins == (0, 0):
+        if pins == NO_PINS:
             del self._pins[key]
         else:
             self._pins[key] = pins
@@ -581,7 +583,7 @@ class NvmeTier:
             f = self._files.get(key)
             if f is not None:
                 j.add(header_bytes(f.rec, f.stored_len, compressed=f.compressed))
-            j.pins(key, self._pins.get(key, (0, 0)))
+            j.pins(key, self._pins.get(key, NO_PINS))
         if j.is_open:
             if self.fsync:
                 self._removed |= gone
