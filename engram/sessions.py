@@ -908,6 +908,9 @@ class SessionManager:
     async def _resume_leased(self, s: Session, p: int, blocks: tuple[BlockMeta, ...], tenant: str,
                              stage: ResumeStage) -> Resumed:
         """`resume` past its lookup, with the prefix's `blocks` leased."""
+        if self._sessions.get(s.key) is not s:  # closed (by its client, or idle) while the Resume waited for its turn
+            # (answered OK, it marked the closed session hot, holding a hot slot: an audit, session 49)
+            raise NotFound(f"session {s.id} was closed during its Resume")
         spec = self.store.spec(s.fingerprint)
         if s.window is not None and s.window.prefix_len == p:
             # The window answered is the one found now: while the global KV is sent, a Suspend, an Append,

@@ -277,3 +277,39 @@ async def test_a_session_call_cut_while_it_waits_for_its_turn_leaves_references_
                 await asyncio.sleep(0.2)
             assert [s.info.session_id for s in await b.list_sessions()] == []
             assert [m.refs for m in srv.store.blocks("bob")] == [0] * n_blocks  # 1 each before, for good
+
+
+@pytest.mark.parametrize("transport", ["unix"])
+async def test_a_resume_whose_session_closes_while_it_waits_for_its_turn_is_not_found(server_factory: Any) -> None:
+    """A Resume waits for its tenant's turn (held here, as the tenant's other long calls would) while its session
+    is closed: it answers NOT_FOUND, and the closed session takes no hot slot. On the no-window path (a model with
+    nothing to rebuild) it answered OK and marked the closed session hot (an audit, session 49)."""
+    srv = await server_factory(**AUTH)
+    spec, n_blocks = minimal(), 4 * SLICE_BLOCKS
+    big = tokens(n_blocks * 16, seed=7)
+    sessions = srv.sessions
+    async with EngramClient(srv.address, token=BOB, namespace="bob") as b:
+        fp = await b.register_model(spec)
+        assert (await b.put(fp, big, random_kv(spec, len(big), seed=1))).stored == n_blocks
+        await b.open_session(fp, mode=SessionMode.EXACT, session_id="closing", tokens=big)
+        md = (("authorization", f"Bearer {BOB}"),)
+        ref = pb.SessionRef(namespace="bob", session_id="closing")
+        async with grpc.aio.insecure_channel(srv.address, options=[("grpc.max_receive_message_length", -1)]) as ch:
+            resume = ch.unary_stream("/engram.v1.Engram/Resume", request_serializer=None, response_deserializer=None)
+
+            async def answers() -> list[bytes]:
+                return [raw async for raw in resume(pb.ResumeRequest(session=ref).SerializeToString(), metadata=md,
+                                                    timeout=30)]
+
+            async with sessions.turns.turn("bob"):
+                resuming = asyncio.create_task(answers())
+                await asyncio.sleep(0.2)  # the Resume waits for bob's turn
+                closing = asyncio.create_task(b.close_session("closing"))  # gone at once; its references wait too
+                await asyncio.sleep(0.2)
+                assert len(sessions) == 0 and not resuming.done()
+            await closing
+            with pytest.raises(grpc.aio.AioRpcError) as gone:
+                await resuming
+            assert gone.value.code() == grpc.StatusCode.NOT_FOUND, gone.value.details()
+            assert "closed during its Resume" in (gone.value.details() or "")
+    assert len(sessions) == 0 and not sessions._hot  # the closed session held a hot slot before
