@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engram.errors import InvalidArgument, NotFound, ResourceExhausted
+from engram.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from engram.index import BlockMeta
 from engram.store import BlockStore
 
@@ -47,12 +47,7 @@ class LeaseTable:
         return len(self._leases)
 
     def grant(self, namespace: str, metas: Sequence[BlockMeta]) -> Lease:
-        held = self._blocks.get(namespace, 0)
-        if self.max_blocks_per_namespace and held + len(metas) > self.max_blocks_per_namespace:
-            raise ResourceExhausted(f"this namespace's live leases name {held} blocks and this one {len(metas)} "
-                                    "more, past server.max_leased_blocks_per_namespace; release leases (a client's "
-                                    "next load ends its last) or let them expire")
-        self._blocks[namespace] = held + len(metas)
+        self._count(namespace, len(metas))
         lease_id = secrets.randbits(63) or 1
         while lease_id in self._leases:
             lease_id = secrets.randbits(63) or 1
@@ -61,6 +56,42 @@ class LeaseTable:
         lease.timer = asyncio.get_running_loop().call_later(self.lease_s, self._expire, lease_id)
         self._leases[lease_id] = lease
         return lease
+
+    def grow(self, lease: Lease, metas: Sequence[BlockMeta]) -> None:
+        """Lease more blocks under a live lease, bounded as a grant is, and restart its term (`renew`): an answer
+        built a slice at a time (engram/server/prefixheader.py) leases each slice's blocks in the step that
+        describes them."""
+        if self._leases.get(lease.id) is not lease:
+            raise Unavailable("a lease ended while its answer was built (it expired: the daemon is overloaded); "
+                              "ask again")
+        self._count(lease.namespace, len(metas))
+        self.store.acquire(metas)
+        lease.metas.extend(metas)
+        self.renew(lease)
+
+    def shorten(self, lease: Lease, keep: int) -> None:
+        """Release all but a live lease's first `keep` blocks (an answer cut short after they were leased)."""
+        gone = lease.metas[keep:]
+        if gone:
+            del lease.metas[keep:]
+            self._blocks[lease.namespace] -= len(gone)
+            self.store.release(gone)
+
+    def renew(self, lease: Lease) -> None:
+        """Restart a live lease's term from now."""
+        if lease.timer is not None:
+            lease.timer.cancel()
+        lease.expires = time.monotonic() + self.lease_s
+        lease.timer = asyncio.get_running_loop().call_later(self.lease_s, self._expire, lease.id)
+
+    def _count(self, namespace: str, more: int) -> None:
+        """Count `more` blocks leased in the namespace, within server.max_leased_blocks_per_namespace."""
+        held = self._blocks.get(namespace, 0)
+        if self.max_blocks_per_namespace and held + more > self.max_blocks_per_namespace:
+            raise ResourceExhausted(f"this namespace's live leases name {held} blocks and this one {more} "
+                                    "more, past server.max_leased_blocks_per_namespace; release leases (a client's "
+                                    "next load ends its last) or let them expire")
+        self._blocks[namespace] = held + more
 
     def release(self, namespace: str, lease_ids: Sequence[int]) -> int:
         """End leases of this namespace; every id must name a live one (NotFound names the first that does

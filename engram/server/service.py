@@ -55,6 +55,7 @@ from engram.server.errors import streaming, unary
 from engram.server.forgetmodel import forget_model
 from engram.server.modelroom import Holds, make_room
 from engram.server.peers import PeerFetcher
+from engram.server.prefixheader import cuda_handle, not_in_pools, prefix_header
 from engram.server.recvbudget import ReceiveBudget
 from engram.server.requests import (
     CONTROL_BYTES,
@@ -496,48 +497,40 @@ class EngramService:
         self.check_model(req.model_fingerprint)
         walk, refs, _ = await self._walk(ns, req.model_fingerprint, tokens, use=None)
         try:
-            header = await self._prefix_header(req, ns, walk, refs)
-            # Counted as answered: a block that left during its copy-up cut the answer
-            answered, matched = walk.found(), walk.matched_tokens()
-            async with self._turn(req.model_fingerprint, tokens):
-                await self.store.count_lookup(len(tokens), answered, matched)
-            return header
+            return await self._prefix_answer(req, ns, tokens, walk, refs)
         finally:
             walk.close()
 
-    async def _prefix_header(self, req: pb.GetPrefixRequest, ns: str, walk: PrefixWalk, refs: list[pb.BlockRef]
-                             ) -> pb.PrefixHeader:
-        """GetPrefix's answer for the prefix walked, cut where a block left while its blocks were copied up: what
-        it leases is what it names, both taken in one step after its last await."""
-        metas = walk.found()
-        codec = self.store.spec(req.model_fingerprint).stored_codec
+    async def _prefix_answer(self, req: pb.GetPrefixRequest, ns: str, tokens: Any, walk: PrefixWalk,
+                             refs: list[pb.BlockRef]) -> pb.PrefixHeader:
+        """GetPrefix's answer for the prefix walked (engram/server/prefixheader.py), and the lookup counted by it,
+        in one turn of the tenant's; blocks that a pool the caller maps lacks are copied up into the shared pool
+        first, outside it (a batch of NVMe reads: the turn is for Python work on the loop, as for a peer fetch)."""
+        fp = req.model_fingerprint
+        codec = self.store.spec(fp).stored_codec
         pools = self._zero_copy_pools(req.zero_copy, req.cuda_ipc, False, codec)
-        if self.pool is not None and self.pool in pools:
-            # Blocks on NVMe (or a pool the caller cannot map) come up into the shared pool first, as one batch.
-            up = [m for m in metas if not any(p.name in m.locations for p in pools)]
-            if up:
-                walk.watch()
-                with self.store.reading(metas):
-                    await self.store.copy_up(up, self.pool.name)
-                metas = walk.found()
-        del refs[len(metas) :]
-        header = pb.PrefixHeader(matched_tokens=walk.matched_tokens(), blocks=refs)
-        in_pool = {m.key: p for m in metas if not m.moving
-                   and (p := next((p for p in pools if p.name in m.locations), None)) is not None} if pools else {}
-        # Described blocks are leased while the caller copies them; with hold_for_get the others too, which it
-        # fetches as bytes next (a Get), so that an eviction in between cannot fail a hit the answer promised.
-        # A caller that does not say so (another client) is not left holding blocks it never fetches.
-        leased = metas if req.hold_for_get else [m for m in metas if m.key in in_pool] if in_pool else []
-        if leased:
-            lease = self.leases.grant(ns, leased)
-            header.lease_id = lease.id
-            header.lease_expires_in_s = max(0.0, lease.expires - time.monotonic())
-        if in_pool:
-            header.descriptors.extend(self._descriptor(m, codec, lease, in_pool[m.key], tokens=False)
-                                      if m.key in in_pool else pb.BlockDescriptor() for m in metas)
-        if req.cuda_ipc and self.ipc_pool is not None and self.pool is not None:
-            self._promote_later([m for m in metas if self.pool.name in m.locations
-                                 and self.ipc_pool.name not in m.locations])
+        shared = self.pool if self.pool is not None and self.pool in pools else None
+        async with self._turn(fp, tokens):
+            up = await not_in_pools(walk, pools) if shared is not None else []
+            if not up:
+                return await self._prefix_header(req, ns, walk, refs, pools, codec)
+        walk.watch()
+        assert shared is not None
+        with self.store.reading(walk.found()):
+            await self.store.copy_up(up, shared.name)  # one batch; a block that left meanwhile cuts the answer
+        async with self._turn(fp, tokens):
+            return await self._prefix_header(req, ns, walk, refs, pools, codec)
+
+    async def _prefix_header(self, req: pb.GetPrefixRequest, ns: str, walk: PrefixWalk, refs: list[pb.BlockRef],
+                             pools: list[PoolTier], codec: str) -> pb.PrefixHeader:
+        """The answer built a slice at a time, counted as a lookup of what it answers (a block removed between
+        slices cuts it), in the caller's turn."""
+        promote = ((self.pool, self.ipc_pool) if req.cuda_ipc and self.ipc_pool is not None and self.pool is not None
+                   else None)
+        header, dram_only = await prefix_header(self.store, self.leases, ns, walk, refs, pools, codec,
+                                                hold_for_get=req.hold_for_get, promote=promote)
+        self._promote_later(dram_only)  # before the count's turns of the loop: none of them has left since
+        await self.store.count_lookup(len(walk.tokens), walk.blocks[: len(header.blocks)], header.matched_tokens)
         return header
 
     def _promote_later(self, metas: list[BlockMeta]) -> None:
@@ -599,26 +592,17 @@ class EngramService:
         pools = [self.ipc_pool] if cuda_ipc and self.ipc_pool is not None else []
         return pools + ([self.pool] if self.pool is not None else [])
 
-    def _descriptor(self, meta: BlockMeta, codec: str, lease: Lease, pool: PoolTier, *, tokens: bool = True
-                    ) -> pb.BlockDescriptor:
+    def _descriptor(self, meta: BlockMeta, codec: str, lease: Lease, pool: PoolTier) -> pb.BlockDescriptor:
+        """A Get's descriptor of a block in a pool the caller maps (GetPrefix's: engram/server/prefixheader.py)."""
         assert pool.segment is not None
         slot = pool.slot(meta.key)
         self.store.served(meta, pool.name)  # counted like every other hit: the worker copies it in place
-        if tokens:
-            header = convert.header_to_pb(_header_of(meta, codec))
-        else:  # GetPrefix: the caller sent them
-            header = pb.BlockHeader(dtype=int(meta.dtype), shape=meta.shape, payload_nbytes=meta.nbytes,  # type: ignore[arg-type]
-                                    checksum=meta.checksum, codec=codec)
         desc = pb.BlockDescriptor(
-            key=meta.key, header=header, segment_path=str(pool.segment.path),
+            key=meta.key, header=convert.header_to_pb(_header_of(meta, codec)), segment_path=str(pool.segment.path),
             segment_id=pool.segment.layout.segment_id, offset=slot.offset, generation=slot.generation,
             lease_id=lease.id, lease_expires_in_s=max(0.0, lease.expires - time.monotonic()))
         if pool is self.ipc_pool:
-            dev, handle, size, offset, ref, ref_off, event, sync = pool.cuda_ipc()
-            desc.cuda.CopyFrom(pb.CudaIpcHandle(
-                device=dev, handle=handle, storage_bytes=size, storage_offset=offset,  # type: ignore[arg-type]
-                ref_counter_handle=ref, ref_counter_offset=ref_off, event_handle=event or b"",  # type: ignore[arg-type]
-                event_sync_required=sync))  # type: ignore[arg-type]
+            desc.cuda.CopyFrom(cuda_handle(pool))
         return desc
 
     @unary
