@@ -73,7 +73,10 @@ async def prefix_header(store: BlockStore, leases: LeaseTable, namespace: str, w
     up: list[BlockMeta] = []
     up_at: list[int] = []
     paths = {p.name: str(p.segment.path) for p in pools if p.segment is not None}
-    ipc: pb.CudaIpcHandle | None = None
+    segments = {p.name: p.segment.layout.segment_id for p in pools if p.segment is not None}
+    ipc = {p.name: cuda_handle(p) for p in pools if p.device.type == "cuda"}
+    described: dict[str, list[BlockMeta]] = {p.name: [] for p in pools}  # each pool's in this slice
+    dtypes: dict[object, int] = {}
     done = 0
     try:
         while done < walk.kept():
@@ -100,20 +103,25 @@ async def prefix_header(store: BlockStore, leases: LeaseTable, namespace: str, w
                 if pool is None:
                     descs.add()
                     continue
-                assert lease is not None and pool.segment is not None
+                assert lease is not None
                 if first_described < 0:
                     first_described = len(descs)
                 slot = pool.slot(meta.key)
-                store.served(meta, pool.name)  # counted like every other hit: the worker copies it in place
+                dtype = dtypes.get(meta.dtype)
+                if dtype is None:
+                    dtype = dtypes[meta.dtype] = int(meta.dtype)
                 d = descs.add(key=meta.key, header=pb.BlockHeader(
-                    dtype=int(meta.dtype), shape=meta.shape, payload_nbytes=meta.nbytes,  # type: ignore[arg-type]
+                    dtype=dtype, shape=meta.shape, payload_nbytes=meta.nbytes,  # type: ignore[arg-type]
                     checksum=meta.checksum, codec=codec), segment_path=paths[pool.name],
-                    segment_id=pool.segment.layout.segment_id, offset=slot.offset, generation=slot.generation,
+                    segment_id=segments[pool.name], offset=slot.offset, generation=slot.generation,
                     lease_id=lease.id, lease_expires_in_s=leases.lease_s)
-                if pool.device.type == "cuda":
-                    if ipc is None:
-                        ipc = cuda_handle(pool)
-                    d.cuda.CopyFrom(ipc)
+                if pool.name in ipc:
+                    d.cuda.CopyFrom(ipc[pool.name])
+                described[pool.name].append(meta)
+            for pool in pools:  # counted like every other hit: the worker copies it in place
+                if described[pool.name]:
+                    store.served_all(described[pool.name], pool.name, namespace)
+                    described[pool.name].clear()
             done = end
         # No await since the loop's last check: what stands is the walk's kept blocks. Anything described or
         # leased past a block removed between slices goes.

@@ -628,6 +628,24 @@ class BlockStore:
         own.blocks_served += 1
         own.bytes_served += meta.nbytes
 
+    def served_all(self, metas: Sequence[BlockMeta], tier_name: str, namespace: str) -> None:
+        """`served` of many blocks of one namespace from one tier (a slice of GetPrefix's descriptors), counted
+        at once: per block, `served` was a third of the answer's Python."""
+        n, nbytes = len(metas), 0
+        for meta in metas:
+            meta.hits += 1
+            nbytes += meta.nbytes
+        c = self.counters
+        c.tiers[tier_name].hits += n
+        c.tiers[tier_name].served_bytes += nbytes
+        for upper in self.placement.tiers[: self.placement.rank[tier_name]]:
+            c.tiers[upper.name].misses += n
+        c.blocks_served += n
+        c.bytes_served += nbytes
+        own = c.of(namespace)
+        own.blocks_served += n
+        own.bytes_served += nbytes
+
     async def read(self, meta: BlockMeta, *, promote: bool = True, verify: bool = True) -> bytes:
         """The block's payload from its fastest verified copy; a corrupt or unreadable copy is dropped and
         the next tried. A hit below the top tier is copied up (promotion) unless promote is False. verify=False
