@@ -417,3 +417,38 @@ async def test_a_get_prefix_cut_between_its_answers_slices_describes_and_leases_
         assert (d.offset, d.generation, d.lease_id) == (slot.offset, slot.generation, answer.lease_id)
     leases.release("bob", [answer.lease_id])
     assert all(m.leases == 0 for m in chain)
+
+
+@pytest.mark.parametrize("transport", ["unix"])
+async def test_a_get_prefix_cut_after_its_lease_was_granted_leaves_no_lease(server_factory: Any,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GetPrefix with hold_for_get cut by its deadline while it counts its lookup (the answer built, its lease
+    granted: counting a long prefix takes turns of the loop) drops the lease: its caller never hears of it. It held
+    every block of the prefix for server.lease_s (a cancel audit, session 49). The count is made slow here by a
+    wrapper around the store's own, so the deadline lands there."""
+    srv = await server_factory(**AUTH)
+    spec, n_blocks = minimal(), 2 * SLICE_BLOCKS
+    big = tokens(n_blocks * 16, seed=7)
+    count = srv.store.count_lookup
+
+    async def slow_count(*args: Any, **kw: Any) -> None:
+        await asyncio.sleep(1.0)
+        await count(*args, **kw)
+
+    async with EngramClient(srv.address, token=BOB, namespace="bob") as b:
+        fp = await b.register_model(spec)
+        assert (await b.put(fp, big, random_kv(spec, len(big), seed=1))).stored == n_blocks
+        leases = srv.service.leases
+        monkeypatch.setattr(srv.store, "count_lookup", slow_count)
+        raw = pb.GetPrefixRequest(namespace="bob", model_fingerprint=fp, tokens=big.tolist(),
+                                  hold_for_get=True).SerializeToString()
+        async with grpc.aio.insecure_channel(srv.address, options=[("grpc.max_receive_message_length", -1)]) as ch:
+            call = ch.unary_unary("/engram.v1.Engram/GetPrefix", request_serializer=None, response_deserializer=None)
+            with pytest.raises(grpc.aio.AioRpcError) as cut:
+                await call(raw, metadata=(("authorization", f"Bearer {BOB}"),), timeout=0.5)
+            assert cut.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        for _ in range(50):  # the handler's cancellation lands
+            if len(leases) == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert len(leases) == 0 and all(m.leases == 0 for m in srv.store.blocks("bob"))

@@ -530,7 +530,12 @@ class EngramService:
         header, dram_only = await prefix_header(self.store, self.leases, ns, walk, refs, pools, codec,
                                                 hold_for_get=req.hold_for_get, promote=promote)
         self._promote_later(dram_only)  # before the count's turns of the loop: none of them has left since
-        await self.store.count_lookup(len(walk.tokens), walk.blocks[: len(header.blocks)], header.matched_tokens)
+        try:
+            await self.store.count_lookup(len(walk.tokens), walk.blocks[: len(header.blocks)], header.matched_tokens)
+        except BaseException:  # cut (its deadline, its client gone): a lease no caller will hear of is dropped
+            if header.lease_id:  # (it held every block of the prefix for lease_s: a cancel audit, session 49)
+                self.leases.release(ns, [header.lease_id])
+            raise
         return header
 
     def _promote_later(self, metas: list[BlockMeta]) -> None:
