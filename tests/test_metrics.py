@@ -67,16 +67,23 @@ async def test_metrics_after_known_traffic(server_factory) -> None:  # type: ign
     assert m[("engram_rpc_duration_seconds_sum", ok("Put"))] > 0
 
 
-async def test_metrics_count_promotions_and_bytes_moved(server_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+async def four_blocks_into_two(server_factory, tmp_path):  # type: ignore[no-untyped-def]
+    """A daemon whose DRAM tier holds 2 of a tiny model's blocks, over an NVMe tier: 4 blocks put (2 demoted to
+    NVMe), then a Get of the first (served by NVMe, promoted to DRAM, demoting another). Returns the daemon, a
+    block's bytes and the DRAM tier's Stats after."""
     spec = tiny_model()
     block = spec.layout.block_nbytes(16)
     srv = await server_factory(**{"server.metrics_port": -1, "tiers.dram.capacity": 2 * block,
                                   "tiers.nvme.path": str(tmp_path / "nvme"), "tiers.nvme.fsync": False})
     async with EngramClient(srv.address, namespace="m") as c:
         fp = await c.register_model(spec)
-        toks = tokens(64)
-        keys = (await c.put(fp, toks, random_kv(spec, 64))).keys  # 4 blocks: 2 demoted to NVMe
-        await c.get(fp, [keys[0]])  # served by NVMe, promoted to DRAM (demoting another)
+        keys = (await c.put(fp, tokens(64), random_kv(spec, 64))).keys
+        await c.get(fp, [keys[0]])
+        return srv, block, (await c.stats()).tier("dram")
+
+
+async def test_metrics_count_promotions_and_bytes_moved(server_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    srv, block, _ = await four_blocks_into_two(server_factory, tmp_path)
     m = await asyncio.to_thread(scrape, srv.metrics.port)
     dram, nvme = (("tier", "dram"),), (("tier", "nvme"),)
     demoted = m[("engram_tier_demoted_bytes_total", dram)]
@@ -95,16 +102,8 @@ async def test_metrics_count_each_tiers_demotions_promotions_and_full_disk_refus
 
     from helpers import small_tmpfs
 
+    srv, _, dram = await four_blocks_into_two(server_factory, tmp_path)
     spec = tiny_model()
-    block = spec.layout.block_nbytes(16)
-    srv = await server_factory(**{"server.metrics_port": -1, "tiers.dram.capacity": 2 * block,
-                                  "tiers.nvme.path": str(tmp_path / "nvme"), "tiers.nvme.fsync": False})
-    async with EngramClient(srv.address, namespace="m") as c:
-        fp = await c.register_model(spec)
-        toks = tokens(64)
-        keys = (await c.put(fp, toks, random_kv(spec, 64))).keys
-        await c.get(fp, [keys[0]])
-        dram = (await c.stats()).tier("dram")
     m = await asyncio.to_thread(scrape, srv.metrics.port)
     assert (dram.demotions, dram.promotions) == (3, 1)
     assert m[("engram_tier_demotions_total", (("tier", "dram"),))] == 3
