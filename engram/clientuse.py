@@ -60,8 +60,8 @@ def given_up_on_close(cls: C) -> C:
 def _given_up_on_close(method: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., Coroutine[Any, Any, Any]]:
     @functools.wraps(method)
     async def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if self._closing:  # called after close() began: its own ClientClosed (AFTER_CLOSE) says so
-            return await method(self, *args, **kwargs)
+        if self._closing:  # called after close() began (it may still be releasing leases): refused at once; run,
+            raise closed()  # close cut it to a bare CancelledError (a review, session 49)
         try:
             return await method(self, *args, **kwargs)
         except (asyncio.CancelledError, Exception) as exc:

@@ -121,3 +121,21 @@ async def test_async_close_ends_the_calls_other_tasks_have_in_flight_with_client
             assert isinstance(exc, errors.ClientClosed), f"task {i}: {exc!r}"
         if path == "grpc":  # close() cuts gRPC calls at once; the others' calls may end first, while close awaits
             assert any("while this call ran" in str(exc) for exc in ended), ended
+
+
+async def test_an_async_call_begun_while_close_runs_is_refused_client_closed(tmp_path: Path) -> None:
+    """close() releases the client's held leases before it closes the channel; a call another task begins in
+    between is refused ClientClosed at once. It ran, and close then cut it: a bare CancelledError, its task ended
+    cancelled (a review, session 49)."""
+    with engram_daemon(tmp_path, env={"ENGRAM_TIERS__DRAM__CAPACITY": "256MiB"}) as (address, _):
+        client = EngramClient(address, timeout_s=5, data_channel=False, in_place_min_bytes=2**40)
+        fp = await client.register_model(SPEC)
+        toks = tokens(64, seed=1)
+        await client.put(fp, toks, random_kv(SPEC, 64))
+        await client.get_prefix(fp, toks)  # zero-copy: a lease held until the next load, or close
+        closing = asyncio.create_task(client.close())
+        await asyncio.sleep(0)  # close() began, and awaits the lease's release
+        put = asyncio.create_task(client.put(fp, tokens(16384, seed=2), random_kv(SPEC, 16384)))
+        await closing
+        with pytest.raises(errors.ClientClosed, match="the client is closed"):
+            await put
