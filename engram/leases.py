@@ -61,16 +61,23 @@ class LeaseTable:
         """Lease more blocks under a live lease, bounded as a grant is, and restart its term (`renew`): an answer
         built a slice at a time (engram/server/prefixheader.py) leases each slice's blocks in the step that
         describes them."""
-        if self._leases.get(lease.id) is not lease:
-            raise Unavailable("a lease ended while its answer was built (it expired: the daemon is overloaded); "
-                              "ask again")
+        self._check_live(lease)
         self._count(lease.namespace, len(metas))
         self.store.acquire(metas)
         lease.metas.extend(metas)
         self.renew(lease)
 
+    def _check_live(self, lease: Lease) -> None:
+        """Unavailable where `lease` ended (expired) while its answer was built a slice at a time: an answer under
+        it would name a lease already gone, and a shortened one released its blocks a second time (dropping
+        another lease's hold on them; a review, session 49)."""
+        if self._leases.get(lease.id) is not lease:
+            raise Unavailable("a lease ended while its answer was built (it expired: the daemon is overloaded); "
+                              "ask again")
+
     def shorten(self, lease: Lease, keep: int) -> None:
         """Release all but a live lease's first `keep` blocks (an answer cut short after they were leased)."""
+        self._check_live(lease)
         gone = lease.metas[keep:]
         if gone:
             del lease.metas[keep:]
@@ -79,6 +86,7 @@ class LeaseTable:
 
     def renew(self, lease: Lease) -> None:
         """Restart a live lease's term from now."""
+        self._check_live(lease)
         if lease.timer is not None:
             lease.timer.cancel()
         lease.expires = time.monotonic() + self.lease_s

@@ -84,6 +84,17 @@ async def test_a_unix_socket_path_of_107_bytes_is_taken(tmp_path: Any) -> None:
     assert not isinstance(raised.value, errors.DaemonError)
 
 
+async def test_a_unix_socket_path_written_with_percent_escapes_is_counted_as_grpc_reads_it() -> None:
+    """gRPC percent-decodes a unix: address's path: 107 bytes of path written as 123 characters are taken (the
+    check counted the escapes and refused a path that fits, a review, session 49); 108 bytes, escaped, are not."""
+    path = "/tmp/" + "%41" * 8 + "s" * (107 - len("/tmp/") - 8)
+    assert len(path) == 123
+    async with ControlClient(f"unix:{path}", timeout_s=2) as client:
+        with pytest.raises(errors.Unavailable):  # no daemon there: the channel was made
+            await client.stats()
+    with pytest.raises(errors.InvalidArgument, match="108 bytes"):
+        ControlClient(f"unix:{path}s")
+
 async def test_an_address_grpc_cannot_open_a_channel_to_is_invalid_argument_not_the_daemons_failure() -> None:
     """gRPC fails every call on a channel it could not make (here an ipv4: target whose address is not one)
     UNKNOWN "Failed to create channel", which was DaemonError: no daemon was reached, the address is the caller's."""
@@ -91,3 +102,40 @@ async def test_an_address_grpc_cannot_open_a_channel_to_is_invalid_argument_not_
         with pytest.raises(errors.InvalidArgument, match="Failed to create channel") as raised:
             await client.stats()
     assert not isinstance(raised.value, errors.Unavailable)
+
+
+async def test_the_tls_probe_does_not_wait_for_a_peer_that_never_closes(tmp_path: Any) -> None:
+    """The client's probe of whether a daemon serves TLS (engram/wire/tlshint.py) ends once its handshake completes:
+    it waited for the peer's close too, and a peer that completes a handshake and then neither reads nor closes
+    held every failed call the probe's whole 5 s more (a review, session 49). Bounded at half that, against a local
+    handshake's milliseconds. The peer: a thread's blocking TLS socket, left as the handshake leaves it."""
+    import socket
+    import ssl
+    import threading
+    import time
+
+    from engram.wire.tlshint import serves_tls
+
+    from helpers import self_signed_cert
+
+    cert, key = self_signed_cert(tmp_path)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        held.append(context.wrap_socket(conn, server_side=True))  # the handshake completes; then nothing
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        start = time.monotonic()
+        assert await serves_tls(f"127.0.0.1:{listener.getsockname()[1]}", 5.0)
+        assert time.monotonic() - start < 2.5
+    finally:
+        thread.join(5)
+        for sock in held:
+            sock.close()
+        listener.close()

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from engram.errors import InvalidArgument, NotFound
+from engram.errors import InvalidArgument, NotFound, Unavailable
 from engram.leases import LeaseTable
 
 from helpers import BLOCK_TOKENS, dram_store, put_tokens, tokens
@@ -158,3 +158,22 @@ async def test_close_ends_every_lease() -> None:
     assert a[0].leases == b[0].leases == 0
     await asyncio.sleep(LEASE_S * 4)  # nothing expires after close
     assert table.expired == 0
+
+
+async def test_a_lease_that_expired_while_its_answer_was_built_is_neither_shortened_nor_renewed() -> None:
+    """GetPrefix builds its answer a slice at a time under one lease (engram/server/prefixheader.py); one that
+    expired meanwhile is Unavailable ('ask again') when the answer is cut or renewed. Shortened, it released its
+    blocks a second time (another lease's hold on them gone); renewed, the answer named a lease already ended and
+    claimed a full term (a review, session 49)."""
+    store, fp = dram_store()
+    blocks = await put_tokens(store, "ns", fp, tokens(4 * BLOCK_TOKENS))
+    table = LeaseTable(store, 0.01)
+    lease = table.grant("ns", blocks[2:])
+    other = LeaseTable(store, 60).grant("ns", blocks[2:])  # another caller's hold on the same blocks
+    await asyncio.sleep(0.05)
+    assert table.expired == 1 and [m.leases for m in blocks] == [0, 0, 1, 1]
+    with pytest.raises(Unavailable, match="ask again"):
+        table.shorten(lease, 0)
+    with pytest.raises(Unavailable, match="ask again"):
+        table.renew(lease)
+    assert [m.leases for m in blocks] == [0, 0, 1, 1] and len(table) == 0 and other.metas == blocks[2:]

@@ -534,7 +534,7 @@ class EngramService:
             await self.store.count_lookup(len(walk.tokens), walk.blocks[: len(header.blocks)], header.matched_tokens)
         except BaseException:  # cut (its deadline, its client gone): a lease no caller will hear of is dropped
             if header.lease_id:  # (it held every block of the prefix for lease_s: a cancel audit, session 49)
-                self.leases.release(ns, [header.lease_id])
+                self.leases.release_known(ns, [header.lease_id])  # (expired meanwhile: nothing to end)
             raise
         return header
 

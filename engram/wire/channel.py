@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import urllib.parse
 from typing import Any
 
 import grpc
@@ -42,6 +43,8 @@ def check_socket_path(address: str) -> None:
         return
     if scheme == "unix" and path.startswith("//"):
         path = path[2:]
+    if scheme == "unix":  # gRPC percent-decodes a unix: path (counted escaped, a path that fits was refused)
+        path = urllib.parse.unquote(path)
     size = len(os.fsencode(path))
     if size > MAX_SOCKET_PATH:
         raise InvalidArgument(f"the address {address!r} names a path of {size} bytes, which does not fit a unix "
