@@ -884,10 +884,13 @@ class SessionManager:
                 blocks, matched = tuple(walk.found()), walk.matched_tokens()  # none removed since: each has its copies
             finally:
                 walk.close()
+            # Used before leased (a lease restarts a block's age: a use after it counted no comeback), in one go
+            # with no await since the walk: every block still has its copies when it is leased
+            self.store.placement.use_all(blocks)
             if matched == p:
                 self.store.acquire(blocks)
             try:
-                await self.store.count_lookup(p, blocks, matched)
+                await self.store.count_lookup(p, blocks, matched, use=False)
             except BaseException:
                 if matched == p:
                     self.store.release(blocks)

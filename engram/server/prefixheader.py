@@ -86,6 +86,10 @@ async def prefix_header(store: BlockStore, leases: LeaseTable, namespace: str, w
             header.blocks.extend(refs[done:end])
             part = walk.blocks[done:end]
             where = [pool_of(m, pools) if pools and not m.moving else None for m in part]
+            # Used (the lookup's recency bump) before leased: a lease restarts a block's age, and a use after it
+            # saw age 0 (no comeback counted), so the eviction order, and a daemon's hits against the replayer's,
+            # differed (tests/test_trace.py; a regression of session 49 found by CI). The caller counts the rest.
+            store.placement.use_all(part)
             held = [m for m, pool in zip(part, where, strict=True) if pool is not None or hold_for_get]
             if held:  # leased in the step that describes them: none is evicted before the caller copies it
                 leased_at += [i for i, pool in enumerate(where, done) if pool is not None or hold_for_get]

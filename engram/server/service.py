@@ -531,7 +531,8 @@ class EngramService:
                                                 hold_for_get=req.hold_for_get, promote=promote)
         self._promote_later(dram_only)  # before the count's turns of the loop: none of them has left since
         try:
-            await self.store.count_lookup(len(walk.tokens), walk.blocks[: len(header.blocks)], header.matched_tokens)
+            await self.store.count_lookup(len(walk.tokens), walk.blocks[: len(header.blocks)], header.matched_tokens,
+                                          use=False)  # each slice was used as it was answered (prefix_header)
         except BaseException:  # cut (its deadline, its client gone): a lease no caller will hear of is dropped
             if header.lease_id:  # (it held every block of the prefix for lease_s: a cancel audit, session 49)
                 self.leases.release_known(ns, [header.lease_id])  # (expired meanwhile: nothing to end)
