@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -153,6 +154,7 @@ class ClusterIndex:
         self._writes = asyncio.Lock()  # a republish and the publisher's batches, one at a time
         self._record_ms = int(config.record_ttl_s * 1000)
         self._last_record = ""  # the node record this process wrote last: another writer of it shares our id
+        self._shared_id_at = -math.inf  # when another writer of our node record was last seen (`_heartbeat`)
         # The node records this process wrote within ttl_s (+ skew), with when: Redis restored older data (a
         # snapshot, a lagging replica) can bring back only one of these, as the records expire after ttl_s.
         self._recent_records: deque[tuple[float, str]] = deque()
@@ -248,6 +250,7 @@ class ClusterIndex:
                     if self.state == "ok":
                         log.error("cluster: another daemon writes node %s's record; give each daemon its own "
                                   "cluster.node_id (or advertise address)", self.node_id)
+                    self._shared_id_at = time.monotonic()
                     self.state, self.reason = "degraded", (
                         f"another daemon uses node id {self.node_id!r}: give each daemon its own cluster.node_id "
                         "(or cluster.advertise address); sharing is off until then")
@@ -257,6 +260,12 @@ class ClusterIndex:
                         (restored or time.monotonic() - self._synced_at > self.config.record_ttl_s / 3):
                     # Every record this node holds written again: before it expires, or what the restore lost
                     await self._resync()
+                if self.state != "ok" and time.monotonic() - self._shared_id_at < self.config.ttl_s:
+                    # Another writer of our record was seen within ttl_s: it may only have missed a heartbeat (a busy
+                    # host). Rejoined at once, each daemon flapped between degraded and a rejoin that published its
+                    # whole index again whenever their heartbeats interleaved so (a CI run, session 49).
+                    await asyncio.sleep(self.config.heartbeat_s)
+                    continue
                 if self.state != "ok" or previous is None:
                     await self._resync()
                     self.state, self.reason = "ok", ""

@@ -521,6 +521,32 @@ async def test_two_daemons_with_one_node_id_say_so_instead_of_sharing_nothing(re
         proc.wait()
 
 
+async def test_a_daemon_that_saw_another_writer_of_its_node_record_stays_degraded_for_ttl_s(redis_port: int) -> None:
+    """Another writer of this daemon's node record (here the test, once, as a second daemon with its id would)
+    degrades it; it stays degraded until no such write was seen for cluster.ttl_s. It rejoined at its next
+    heartbeat that found its own record, so two daemons sharing an id flapped between degraded and a rejoin that
+    published the whole index again whenever their heartbeats interleaved so (a CI run, session 49)."""
+    from engram.cluster import _NODE
+
+    proc = start_redis(redis_port)
+    srv = await start_server(load_config(env={}, overrides={
+        "server.port": 0, "tiers.dram.capacity": "64MiB", "cluster.redis_url": f"redis://127.0.0.1:{redis_port}/0",
+        "cluster.node_id": "solo", "cluster.heartbeat_s": 0.1, "cluster.ttl_s": 3.0,
+        "cluster.secret": "cluster-secret"}))
+    try:
+        async with EngramClient(srv.address) as c:
+            await until(lambda: _is(c, "ok"), "the daemon joins")
+            _redis(redis_port, "SET", _NODE + "solo", "another daemon's record")
+            await until(lambda: _is(c, "degraded"), "the daemon sees another writer of its record")
+            for _ in range(10):  # ten heartbeats that find its own record: it rejoined at the first before
+                await asyncio.sleep(0.1)
+                assert await _is(c, "degraded")
+            await until(lambda: _is(c, "ok"), "the daemon rejoins once no other writer was seen for ttl_s")
+    finally:
+        await srv.stop(0)
+        proc.kill()
+        proc.wait()
+
 async def test_a_peer_that_moves_keeps_one_channel(daemons: tuple[RunningServer, RunningServer]) -> None:
     """Channels to peers were cached by address and never closed: each restart of a peer on a new port (or host)
     added one for good. They are kept per node: a new address replaces (and closes) the old channel."""
