@@ -507,8 +507,7 @@ class SessionManager:
         new = {m.key: m for m in blocks[k:]}
         dropped = [m for m in old if new.get(m.key) is not m]
         taken = [m for m in new.values() if held.get(m.key) is not m]
-        self.store.reference(dropped, -1, s.expected)
-        self._hand_back(s, dropped)
+        self._let_go(s, dropped)
         self.store.reference(taken, +1, s.expected)
         for m in old:
             del held[m.key]
@@ -747,10 +746,16 @@ class SessionManager:
 
     def end(self, s: Session) -> Session:
         """The session ends: its window goes, its blocks lose its references, its tokens are given back."""
-        dropped = self._ending(s)
-        self.store.reference(dropped, -1, s.expected)
-        self._hand_back(s, dropped)
+        self._let_go(s, self._ending(s))
         return s
+
+    def _let_go(self, s: Session, blocks: Sequence[BlockMeta]) -> None:
+        """The session's references on `blocks` go (each block once, even past one whose count fails:
+        BlockStore.reference), and those its parent holds point at the parent's hint again."""
+        try:
+            self.store.reference(blocks, -1, s.expected)
+        finally:
+            self._hand_back(s, blocks)
 
     async def close_in_slices(self, namespace: str, session_id: str, *, tenant: str = "", owner: str = "") -> Session:
         """`close`, whose references are dropped `SLICE_BLOCKS` at a time with a turn of the event loop between
@@ -765,14 +770,14 @@ class SessionManager:
                     if start:
                         await pause()
                     part = dropped[start : start + SLICE_BLOCKS]
-                    self.store.reference(part, -1, s.expected)
-                    self._hand_back(s, part)
+                    # Done once begun: `_let_go` changes every block of it once, even one it raises for, so the
+                    # cleanup below goes on from the next slice (it let go of this one again: a block dropped twice
+                    # lost another session's reference, or raised and kept the rest referenced for good)
                     done = start + len(part)
+                    self._let_go(s, part)
         finally:  # a close cut (its deadline, its client gone) drops the rest in one go: the session is gone
             if done < len(dropped):  # (they stayed referenced for good: a review, session 49)
-                rest = dropped[done:]
-                self.store.reference(rest, -1, s.expected)
-                self._hand_back(s, rest)
+                self._let_go(s, dropped[done:])
         return s
 
     def _ending(self, s: Session) -> list[BlockMeta]:

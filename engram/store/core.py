@@ -948,16 +948,26 @@ class BlockStore:
     def reference(self, metas: Sequence[BlockMeta], delta: int, holder: Expected | None = None) -> None:
         """Add (+1) or drop (-1) one session's reference to blocks; eviction prefers unreferenced blocks, then
         those one session holds (engram/eviction.py: read at each victim search). `holder`: the session's
-        Expected (when its client said it is back): a block taken points at it, a block dropped forgets it."""
+        Expected (when its client said it is back): a block taken points at it, a block dropped forgets it.
+        A block whose count cannot change (dropped more often than taken: a bookkeeping error) does not stop the
+        others: every other block changes once, then the first such error is raised. So a caller that goes on past
+        a failed call (a cut close letting go of the rest) never changes a block twice, nor leaves one unchanged."""
         add_refs = self.index.add_refs
+        failed: AssertionError | None = None
         for meta in metas:
-            add_refs(meta, delta)
+            try:
+                add_refs(meta, delta)
+            except AssertionError as exc:
+                failed = failed or exc
+                continue
             if delta > 0:
                 meta.holder = holder
             elif meta.holder is holder:
                 meta.holder = None
         if metas:
             self.placement.reordered()
+        if failed is not None:
+            raise failed
 
     async def remove(self, meta: BlockMeta) -> None:
         """Delete a block on request (engram evict). Only a leaf that no reader or move holds: the caller
