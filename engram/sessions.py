@@ -391,18 +391,25 @@ class SessionManager:
             return contextlib.nullcontext()
         return self.turns.turn(tenant)
 
-    async def hold_in_slices(self, s: Session, tenant: str) -> None:
+    async def hold_in_slices(self, s: Session, tenant: str, found: tuple[Sequence[BlockMeta], int] | None = None
+                             ) -> None:
         """`hold`, its prefix walked (BlockStore.lookup_walk) and its new references taken `SLICE_BLOCKS` at a time
         with a turn of the event loop between slices, in `tenant`'s turn: a session of a million tokens is tens of
         thousands of blocks, and in one go its Open, Append, Fork or Resume held every tenant's calls for up to
         ~200 ms (session 49). A hold begun later (another call on the session), or the session's close, stops it
         between slices: each slice leaves the references and `held` agreeing, and the later call holds the rest.
         A hold cut (its call's deadline, its client gone) holds the rest in one go: cut while it waited for the turn,
-        an OpenSession left its session open holding none of its blocks (a review, session 49)."""
+        an OpenSession left its session open holding none of its blocks (a review, session 49). `found`: the
+        session's whole prefix as the caller's own walk of its tokens just found it (blocks, matched tokens), in
+        the caller's turn with no await since (a Resume at the session's end): held from it, in that turn, not
+        walked again."""
         s.holds += 1
         mine = s.holds
         try:
-            await self._hold_slices(s, tenant, mine)
+            if found is None:
+                await self._hold_slices(s, tenant, mine)
+            else:
+                await self._reference_slices(s, mine, *found)
         except BaseException:
             if self._holding(s, mine):
                 self.hold(s)
@@ -417,24 +424,29 @@ class SessionManager:
                 blocks, matched = walk.found(), walk.matched_tokens()
             finally:
                 walk.close()
-            if not self._holding(s, mine):
-                return
-            held = s.held
-            same = list(map(operator.is_, blocks, held.values()))
-            k = same.index(False) if False in same else len(same)
-            if k < len(held):  # the prefix changed inside (a block evicted and put again): rare, in one go
-                self.hold_blocks(s, blocks)
-            else:  # the common case: it grew (Append), or is new (Open, Fork); a Resume's is the same
-                self._stop_awaiting(s)  # no block is added behind this hold's back: `_indexed` extends the held tail
-                for start in range(k, len(blocks), SLICE_BLOCKS):
-                    if start > k:
-                        await pause()
-                        if not self._holding(s, mine):
-                            return
-                    part = blocks[start : start + SLICE_BLOCKS]
-                    self.store.reference(part, +1, s.expected)
-                    s.held.update((m.key, m) for m in part)
-            self._await_next(s, blocks[-1] if blocks else None, matched)
+            await self._reference_slices(s, mine, blocks, matched)
+
+    async def _reference_slices(self, s: Session, mine: int, blocks: Sequence[BlockMeta], matched: int) -> None:
+        """The references of a hold in slices (`hold_in_slices`), to the prefix's `blocks` (`matched` tokens) as a
+        walk found them just now."""
+        if not self._holding(s, mine):
+            return
+        held = s.held
+        same = list(map(operator.is_, blocks, held.values()))
+        k = same.index(False) if False in same else len(same)
+        if k < len(held):  # the prefix changed inside (a block evicted and put again): rare, in one go
+            self.hold_blocks(s, blocks)
+        else:  # the common case: it grew (Append), or is new (Open, Fork); a Resume's is the same
+            self._stop_awaiting(s)  # no block is added behind this hold's back: `_indexed` extends the held tail
+            for start in range(k, len(blocks), SLICE_BLOCKS):
+                if start > k:
+                    await pause()
+                    if not self._holding(s, mine):
+                        return
+                part = blocks[start : start + SLICE_BLOCKS]
+                self.store.reference(part, +1, s.expected)
+                s.held.update((m.key, m) for m in part)
+        self._await_next(s, blocks[-1] if blocks else None, matched)
 
     def _holding(self, s: Session, hold: int) -> bool:
         """Whether a hold in slices (`hold`, its number) may go on: the session is live and no later hold began."""
@@ -881,7 +893,8 @@ class SessionManager:
             raise InvalidArgument(f"session {session_id} has no tokens to resume from; append some first")
         if p > len(s.tokens):
             raise InvalidArgument(f"position {p} is past the session's end ({len(s.tokens)} tokens)")
-        tokens = s.tokens[:p]
+        whole = s.tokens
+        tokens = whole[:p]
         async with self.turn(s, p, tenant):  # walked a slice at a time (`hold_in_slices`)
             walk = self.store.walk(namespace, s.fingerprint, tokens)
             try:
@@ -889,6 +902,10 @@ class SessionManager:
                 blocks, matched = tuple(walk.found()), walk.matched_tokens()  # none removed since: each has its copies
             finally:
                 walk.close()
+            # At the session's end (its tokens still those walked: an Append makes a new array), the walk is the
+            # hold's too: the session's references are taken from it in this turn, where the hold walked the same
+            # prefix again (both in slices) once the lookup was counted
+            at_end = s.tokens is whole and p == len(whole)
             # Used before leased (a lease restarts a block's age: a use after it counted no comeback), in one go
             # with no await since the walk: every block still has its copies when it is leased
             self.store.placement.use_all(blocks)
@@ -896,18 +913,22 @@ class SessionManager:
                 self.store.acquire(blocks)
             try:
                 await self.store.count_lookup(p, blocks, matched, use=False)
+                if at_end:  # no await since the walk (count_lookup's of a probe has none)
+                    await self.hold_in_slices(s, tenant, (blocks, matched))
             except BaseException:
                 if matched == p:
                     self.store.release(blocks)
                 raise
         if matched < p:
-            await self.hold_in_slices(s, tenant)
+            if not at_end:
+                await self.hold_in_slices(s, tenant)
             raise FailedPrecondition(
                 f"the global KV of positions [{matched}, {p}) is not stored (never put, or evicted); "
                 "put it again, then Resume"
             )
         try:
-            await self.hold_in_slices(s, tenant)
+            if not at_end:
+                await self.hold_in_slices(s, tenant)
             return await self._resume_leased(s, p, blocks, tenant, stage)
         except BaseException:
             self.store.release(blocks)

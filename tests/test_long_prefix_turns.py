@@ -459,6 +459,34 @@ async def test_a_get_prefix_cut_after_its_lease_was_granted_leaves_no_lease(serv
         assert len(leases) == 0 and all(m.leases == 0 for m in srv.store.blocks("bob"))
 
 
+@pytest.mark.parametrize("transport", ["unix"])
+async def test_a_resume_at_a_sessions_end_walks_its_prefix_once(server_factory: Any) -> None:
+    """Bob's Resume of a 4-slice session at its end: its lookup's walk of the prefix is the hold's too (the index's
+    probes count one walk: a key probe a block, and the tail's), and the answer is as before: every block once
+    referenced by the session, the global KV's blocks named. Main walked the prefix again, in slices, to hold it
+    (twice the probes). Control: a Resume short of the end walks [0, P) for the lookup and the whole session for the
+    hold."""
+    srv = await server_factory(**AUTH)
+    spec, n_blocks = minimal(), 4 * SLICE_BLOCKS
+    big = tokens(n_blocks * 16, seed=7)
+    index = srv.store.index
+    async with EngramClient(srv.address, token=BOB, namespace="bob") as b:
+        fp = await b.register_model(spec)
+        assert (await b.put(fp, big, random_kv(spec, len(big), seed=1))).stored == n_blocks
+        await b.open_session(fp, mode=SessionMode.EXACT, session_id="s", tokens=big)
+        before = index.probes
+        answer = await b.resume("s")
+        at_end = index.probes - before
+        assert answer.position == len(big) and len(answer.blocks) == n_blocks
+        assert [m.refs for m in srv.store.blocks("bob")] == [1] * n_blocks
+        before = index.probes
+        await b.resume("s", position=len(big) - 16)
+        short = index.probes - before
+    assert at_end == n_blocks, at_end  # main: 2 * n_blocks
+    assert short == 2 * n_blocks - 1, short
+    assert [m.refs for m in srv.store.blocks("bob")] == [1] * n_blocks
+
+
 async def test_a_close_in_slices_whose_reference_drop_fails_mid_slice_drops_every_other_block_once() -> None:
     """A session of 3 slices closed in slices, where dropping its reference fails on a block in the middle of the
     second slice (its count is already 0: a bookkeeping error, made here by dropping that block's references by
