@@ -487,6 +487,41 @@ async def test_a_resume_at_a_sessions_end_walks_its_prefix_once(server_factory: 
     assert [m.refs for m in srv.store.blocks("bob")] == [1] * n_blocks
 
 
+@pytest.mark.parametrize("transport", ["unix"])
+async def test_a_get_prefix_cut_between_its_slices_counts_as_served_only_the_blocks_it_answers(
+        server_factory: Any) -> None:
+    """A zero-copy GetPrefix of a 4,096-block prefix whose block 100 is lost (its only copy found damaged) once its
+    first slice (256 blocks) is described and leased: the answer ends before block 100, and Stats' blocks and bytes
+    served, and the pool's hits, grow by the 100 blocks answered. Main counted each slice as it was described: the
+    first slice's 256 blocks stayed counted, 156 of them never answered."""
+    srv = await server_factory()
+    spec, n_blocks = minimal(), 4096
+    big = tokens(n_blocks * 16, seed=7)
+    store, leases, pool = srv.store, srv.service.leases, srv.service.pool
+    async with EngramClient(srv.address, namespace="bob") as b:
+        fp = await b.register_model(spec)
+        assert (await b.put(fp, big, random_kv(spec, len(big), seed=1))).stored == n_blocks
+        chain = store.match("bob", fp, big).blocks
+
+        async def lose_block_100_once_a_slice_is_leased() -> None:
+            while not any(0 < len(lease.metas) < n_blocks for lease in leases._leases.values()):
+                await asyncio.sleep(0)
+            await store.damaged_in_a_move(chain[100], pool.name)
+
+        before = await b.stats()
+        losing = asyncio.create_task(lose_block_100_once_a_slice_is_leased())
+        async with grpc.aio.insecure_channel(srv.address, options=[("grpc.max_receive_message_length", -1)]) as ch:
+            call = ch.unary_unary("/engram.v1.Engram/GetPrefix", request_serializer=None, response_deserializer=None)
+            answer = pb.PrefixHeader.FromString(await call(pb.GetPrefixRequest(
+                namespace="bob", model_fingerprint=fp, tokens=big.tolist(), zero_copy=True).SerializeToString()))
+        await losing
+        after = await b.stats()
+    assert len(answer.descriptors) == 100 and answer.matched_tokens == 16 * 100
+    hits = {t.name: t.hits for t in after.tiers}[pool.name] - {t.name: t.hits for t in before.tiers}[pool.name]
+    assert (after.blocks_served - before.blocks_served, hits) == (100, 100)  # main: 256 each
+    assert after.bytes_served - before.bytes_served == sum(m.nbytes for m in chain[:100])
+
+
 async def test_a_close_in_slices_whose_reference_drop_fails_mid_slice_drops_every_other_block_once() -> None:
     """A session of 3 slices closed in slices, where dropping its reference fails on a block in the middle of the
     second slice (its count is already 0: a bookkeeping error, made here by dropping that block's references by

@@ -12,7 +12,8 @@ what one go would have said at its last slice:
   even leased) ends the answer before it: its refs, descriptors and lease are cut there, so the lease holds
   exactly the blocks the answer describes (or, with hold_for_get, names);
 - the lease's term restarts once the answer stands: no descriptor's lease_expires_in_s, written earlier,
-  overstates it.
+  overstates it;
+- the blocks described are counted as served (hits, bytes served) once the answer stands, those it keeps alone.
 """
 
 from __future__ import annotations
@@ -75,7 +76,11 @@ async def prefix_header(store: BlockStore, leases: LeaseTable, namespace: str, w
     paths = {p.name: str(p.segment.path) for p in pools if p.segment is not None}
     segments = {p.name: p.segment.layout.segment_id for p in pools if p.segment is not None}
     ipc = {p.name: cuda_handle(p) for p in pools if p.device.type == "cuda"}
-    described: dict[str, list[BlockMeta]] = {p.name: [] for p in pools}  # each pool's in this slice
+    # Each pool's blocks described, and their places in the walk: counted as served once the answer stands, those
+    # before a cut alone (counted a slice at a time, the blocks a later slice's cut took from the answer stayed
+    # counted as served: Stats' and /metrics' hits and bytes served, a review of session 49)
+    described: dict[str, list[BlockMeta]] = {p.name: [] for p in pools}
+    described_at: dict[str, list[int]] = {p.name: [] for p in pools}
     dtypes: dict[object, int] = {}
     done = 0
     try:
@@ -103,7 +108,7 @@ async def prefix_header(store: BlockStore, leases: LeaseTable, namespace: str, w
                     if dram.name in m.locations and hbm.name not in m.locations:
                         up.append(m)
                         up_at.append(i)
-            for meta, pool in zip(part, where, strict=True) if pools else ():
+            for i, meta, pool in zip(range(done, end), part, where, strict=True) if pools else ():
                 if pool is None:
                     descs.add()
                     continue
@@ -122,10 +127,7 @@ async def prefix_header(store: BlockStore, leases: LeaseTable, namespace: str, w
                 if pool.name in ipc:
                     d.cuda.CopyFrom(ipc[pool.name])
                 described[pool.name].append(meta)
-            for pool in pools:  # counted like every other hit: the worker copies it in place
-                if described[pool.name]:
-                    store.served_all(described[pool.name], pool.name, namespace)
-                    described[pool.name].clear()
+                described_at[pool.name].append(i)
             done = end
         # No await since the loop's last check: what stands is the walk's kept blocks. Anything described or
         # leased past a block removed between slices goes.
@@ -144,6 +146,9 @@ async def prefix_header(store: BlockStore, leases: LeaseTable, namespace: str, w
             else:
                 leases.drop(lease)
         header.matched_tokens = walk.matched_tokens()
+        for pool in pools:  # counted like every other hit (the worker copies it in place), as answered
+            if answered := described[pool.name][: bisect.bisect_left(described_at[pool.name], kept)]:
+                store.served_all(answered, pool.name, namespace)
         return header, up[: bisect.bisect_left(up_at, kept)]
     except BaseException:
         if lease is not None:
