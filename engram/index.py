@@ -75,6 +75,9 @@ class BlockMeta:
     moving: bool = False  # a copy to another tier is being written: not a victim until it lands
     hits: int = 0
     refs: int = 0  # live sessions whose prefix holds this block (engram/sessions.py); eviction prefers 0
+    # Of them, each tenant's sessions' (a tenant's Stats and DescribeBlocks count its own: in a namespace tenants
+    # share, they told it what the others' sessions hold); the rest are of the owner "" (admins, tenancy off)
+    owner_refs: dict[str, int] | None = None
     holder: Expected | None = None  # eviction.Expected of the last session that took a reference: when it said it is back
     created: float = field(default_factory=time.time)
 
@@ -310,6 +313,10 @@ class _Space:
     tiers: dict[str, Tally] = field(default_factory=dict)  # its blocks' copies per tier
     logical: int = 0  # each block's bytes once per session referencing it (once if none does)
     referenced: int = 0  # blocks some live session references
+    # The same per tenant, of its own sessions' references alone (`BlockMeta.owner_refs`): the blocks they hold,
+    # and the bytes their second and later references add to the namespace's physical bytes
+    referenced_by: dict[str, int] = field(default_factory=dict)
+    extra_by: dict[str, int] = field(default_factory=dict)
 
 
 def _count_copy(tiers: dict[str, Tally], meta: BlockMeta, name: str, sign: int) -> None:
@@ -317,6 +324,19 @@ def _count_copy(tiers: dict[str, Tally], meta: BlockMeta, name: str, sign: int) 
     if t is None:
         t = tiers[name] = Tally()
     t.count(meta, sign)
+
+
+def _count_owner_refs(space: _Space, owner: str, nbytes: int, was: int, now: int) -> None:
+    """A block of `nbytes` went from `was` to `now` references of `owner`'s sessions (or in or out of the index
+    with them): the owner's referenced blocks and extra logical bytes follow, an owner at zero left out."""
+    for table, delta in ((space.referenced_by, (now > 0) - (was > 0)),
+                         (space.extra_by, nbytes * (max(1, now) - max(1, was)))):
+        if delta:
+            left = table.get(owner, 0) + delta
+            if left:
+                table[owner] = left
+            else:
+                del table[owner]
 
 
 def _summed(groups: Iterable[dict[K, Tally]]) -> dict[K, Tally]:
@@ -474,18 +494,34 @@ class ChainIndex:
             _count_copy(self._tiers, meta, tier, -1)
         return True
 
-    def add_refs(self, meta: BlockMeta, delta: int) -> None:
-        """One session's reference more (+1) or fewer (-1) on the block; an indexed block's namespace's logical
-        bytes and referenced blocks follow."""
+    def add_refs(self, meta: BlockMeta, delta: int, owner: str = "") -> None:
+        """One session's reference more (+1) or fewer (-1) on the block, of a session of `owner` (a tenant; "":
+        an admin's, or any with tenancy off); an indexed block's namespace's logical bytes and referenced blocks
+        follow, and so do the owner's own. Nothing changes when it raises."""
         was = meta.refs
         now = was + delta
         if now < 0:
             raise AssertionError(f"block {meta.key.hex()} unreferenced more often than referenced")
+        owners = meta.owner_refs
+        mine = owners.get(owner, 0) if owner and owners else 0
+        if owner and mine + delta < 0:
+            raise AssertionError(f"block {meta.key.hex()} unreferenced by {owner!r} more often than referenced")
         meta.refs = now
+        if owner:
+            if owners is None:
+                owners = meta.owner_refs = {}
+            if mine + delta:
+                owners[owner] = mine + delta
+            else:
+                del owners[owner]
+                if not owners:
+                    meta.owner_refs = None
         if self._entries.get(meta.key) is meta:
             space = self._spaces[meta.namespace]
             space.logical += meta.nbytes * (max(1, now) - max(1, was))
             space.referenced += (now > 0) - (was > 0)
+            if owner:
+                _count_owner_refs(space, owner, meta.nbytes, mine, mine + delta)
 
     def _tally(self, space: _Space, meta: BlockMeta, sign: int) -> None:
         """Count a block in (+1) or out of (-1) its namespace's and the daemon's figures, as it is now. (Inline,
@@ -515,6 +551,8 @@ class ChainIndex:
         space.logical += sign * meta.nbytes * max(1, meta.refs)
         if meta.refs:
             space.referenced += sign
+        for owner, n in (meta.owner_refs or {}).items():
+            _count_owner_refs(space, owner, meta.nbytes, *((0, n) if sign > 0 else (n, 0)))
 
     def tier_tallies(self, namespaces: Collection[str] | None = None) -> dict[str, Tally]:
         """The copies each tier holds: of every namespace, or of `namespaces` only."""
@@ -543,14 +581,20 @@ class ChainIndex:
         space = self._spaces.get(namespace)
         return 0 if space is None else len(space.entries)
 
-    def logical_bytes(self, namespace: str) -> int:
-        """Each of the namespace's blocks' bytes once per live session referencing it, once if none does."""
+    def logical_bytes(self, namespace: str, owner: str | None = None) -> int:
+        """Each of the namespace's blocks' bytes once per live session referencing it, once if none does; of
+        `owner`'s sessions alone, a tenant's (None: every session's)."""
         space = self._spaces.get(namespace)
-        return 0 if space is None else space.logical
+        if space is None:
+            return 0
+        return space.logical if owner is None else space.nbytes + space.extra_by.get(owner, 0)
 
-    def referenced_blocks(self, namespace: str) -> int:
+    def referenced_blocks(self, namespace: str, owner: str | None = None) -> int:
+        """The namespace's blocks some live session references; of `owner`'s sessions alone (None: any session)."""
         space = self._spaces.get(namespace)
-        return 0 if space is None else space.referenced
+        if space is None:
+            return 0
+        return space.referenced if owner is None else space.referenced_by.get(owner, 0)
 
     @staticmethod
     def _pin_held_changed(space: _Space, meta: BlockMeta, held: bool) -> None:

@@ -121,14 +121,21 @@ class Inspector:
         """Blocks as `engram show` prints them. `sessions` counts the live sessions holding each (the references
         eviction reads), and `session` (when its chain is described) for every block of it: a block its tokens
         reach without its holding it (a longer block stored over its partial tail) is still on its way. `tenant`:
-        whose call it is; a model it has not registered is shown as one nobody registered (engram/registry.py): no
-        codec, and no fingerprint (b""). In a namespace tenants share, another tenant's blocks told their model's
-        exact fingerprint (an audit, session 48)."""
+        whose call it is ("": an admin's, tenancy off: everyone's figures). A tenant sees its own: the sessions are
+        its sessions, the pins those it may lift (its own, and those of no recorded owner a restart gave back), as
+        its Stats counts them; in a namespace tenants share it saw every tenant's sessions and pins on the blocks
+        (a review, session 49). A model it has not registered is shown as one nobody registered
+        (engram/registry.py): no codec, and no fingerprint (b""). In a namespace tenants share, another tenant's
+        blocks told their model's exact fingerprint (an audit, session 48)."""
         now = time.time()
         starts: dict[bytes, int] = {}
 
         def refs(m: BlockMeta) -> int:
-            return m.refs + (session is not None and session.held.get(m.key) is not m)
+            held = m.refs if not tenant else (m.owner_refs or {}).get(tenant, 0)
+            return held + (session is not None and session.held.get(m.key) is not m)
+
+        def pins(m: BlockMeta) -> int:
+            return m.pins if not tenant else m.owner_pins(tenant) + m.owner_pins("")
 
         def model(m: BlockMeta) -> bytes:
             return m.model_fingerprint if self.sees_model(m.model_fingerprint, tenant) else b""
@@ -136,8 +143,8 @@ class Inspector:
         return [BlockDetail(
             key=m.key, parent=m.parent, namespace=m.namespace, model_fingerprint=model(m),
             num_tokens=m.num_tokens, full=m.full, tiers=tuple(m.locations), codec=self._codec(m, tenant),
-            checksum=m.checksum, nbytes=m.nbytes, pins=m.pins, children=m.children, sessions=refs(m),
-            refcount=m.children + refs(m) + m.pins, leases=m.leases, hits=m.hits, age_s=now - m.created,
+            checksum=m.checksum, nbytes=m.nbytes, pins=pins(m), children=m.children, sessions=refs(m),
+            refcount=m.children + refs(m) + pins(m), leases=m.leases, hits=m.hits, age_s=now - m.created,
             start_token=self._start(m, starts)) for m in metas]
 
     def sees_model(self, fingerprint: bytes, tenant: str = "") -> bool:

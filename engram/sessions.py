@@ -444,7 +444,7 @@ class SessionManager:
                     if not self._holding(s, mine):
                         return
                 part = blocks[start : start + SLICE_BLOCKS]
-                self.store.reference(part, +1, s.expected)
+                self.store.reference(part, +1, s.expected, s.tenant)
                 s.held.update((m.key, m) for m in part)
         self._await_next(s, blocks[-1] if blocks else None, matched)
 
@@ -493,7 +493,7 @@ class SessionManager:
                 keep = next((i + 1 for i, m in enumerate(blocks) if m.key == meta.parent), 0)
                 self.hold_blocks(s, [*blocks[:keep], meta])
             else:
-                self.store.reference([meta], +1, s.expected)
+                self.store.reference([meta], +1, s.expected, s.tenant)
                 s.held[meta.key] = meta
             if meta.full:
                 self._await_next(s, meta, len(s.held) * meta.num_tokens)
@@ -511,7 +511,7 @@ class SessionManager:
         if k == len(held):
             # The common case, a session's next turn: its prefix grew. Only the new blocks take a reference.
             tail = blocks[k:]
-            self.store.reference(tail, +1, s.expected)
+            self.store.reference(tail, +1, s.expected, s.tenant)
             for m in tail:
                 held[m.key] = m
             return
@@ -520,7 +520,7 @@ class SessionManager:
         dropped = [m for m in old if new.get(m.key) is not m]
         taken = [m for m in new.values() if held.get(m.key) is not m]
         self._let_go(s, dropped)
-        self.store.reference(taken, +1, s.expected)
+        self.store.reference(taken, +1, s.expected, s.tenant)
         for m in old:
             del held[m.key]
         held.update(new)
@@ -765,7 +765,7 @@ class SessionManager:
         """The session's references on `blocks` go (each block once, even past one whose count fails:
         BlockStore.reference), and those its parent holds point at the parent's hint again."""
         try:
-            self.store.reference(blocks, -1, s.expected)
+            self.store.reference(blocks, -1, s.expected, s.tenant)
         finally:
             self._hand_back(s, blocks)
 

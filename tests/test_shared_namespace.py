@@ -223,3 +223,41 @@ async def test_a_tenants_stats_count_its_own_sessions_in_a_shared_namespace(daem
         assert (await c.stats()).replay.sessions == 3
         st = await admin.stats()
         assert st.replay.sessions == 4 and {n.namespace: n.sessions for n in st.namespaces}["shared"] == 4
+
+
+async def test_a_tenants_stats_and_block_descriptions_count_its_own_references_and_pins_in_a_shared_namespace(
+        daemon: RunningServer) -> None:
+    """In `shared`, Carol's session holds a 4-block chain and her pin its last block; Bob's two sessions hold its
+    first 2 blocks and his pin block 1. Bob's Stats count the blocks his sessions reference (2) and the bytes his
+    second session's references add (2 blocks); his DescribeBlocks shows his sessions and pins on each block. Main
+    showed him the namespace's: 4 blocks referenced, Carol's session and pin on the blocks (he read what her
+    sessions hold and what she pinned). Controls: Carol sees hers alone, the admin everyone's."""
+    spec = tiny_model()
+    toks = tokens(4 * BLOCK_TOKENS, seed=11)
+    async with as_(daemon, CAROL, "shared") as c, as_(daemon, BOB, "shared") as b, \
+            as_(daemon, ADMIN, "shared") as admin:
+        fp = await c.register_model(spec)
+        await b.register_model(spec)
+        keys = list((await c.put(fp, toks, random_kv(spec, len(toks), seed=11))).keys)
+        block = daemon.store.block(keys[0]).nbytes  # type: ignore[union-attr]
+        await c.open_session(fp, mode="persist", tokens=toks)
+        assert await c.pin(fp, keys[3:]) == 1
+        for _ in range(2):
+            await b.open_session(fp, mode="persist", tokens=toks[: 2 * BLOCK_TOKENS])
+        assert await b.pin(fp, keys[1:2]) == 1
+        hexes = [k.hex() for k in keys]
+
+        async def seen(client: EngramClient) -> tuple[int, int, list[tuple[int, int, int]]]:
+            ns = {n.namespace: n for n in (await client.stats()).namespaces}["shared"]
+            assert ns.physical_bytes == 4 * block
+            described = (await client.describe_blocks(key_prefixes=hexes, namespace="shared")).blocks
+            assert all(d.refcount == d.children + d.sessions + d.pins for d in described)
+            return ns.referenced_blocks, ns.logical_bytes - ns.physical_bytes, [(d.sessions, d.pins, d.refcount)
+                                                                               for d in described]
+
+        assert await seen(b) == (2, 2 * block, [(2, 0, 3), (2, 1, 4), (0, 0, 1), (0, 0, 0)])
+        assert await seen(c) == (4, 0, [(1, 0, 2), (1, 0, 2), (1, 0, 2), (1, 1, 2)])
+        assert await seen(admin) == (4, 4 * block, [(3, 0, 4), (3, 1, 5), (1, 0, 2), (1, 1, 2)])
+        shared = await b.describe_namespace("shared")
+        assert (shared.referenced_blocks, shared.logical_bytes) == (2, 6 * block)
+

@@ -821,8 +821,9 @@ class EngramService:
                             untrusted_records=c.untrusted_records, stale_entries_removed=c.stale_entries_removed)
 
     def _namespace_stats(self, ns: str, *, with_salt: bool = False, owner: str | None = None) -> NamespaceStats:
-        """`owner`: the tenant asking, whose own sessions it counts (None: every owner's, an admin's view)."""
-        u = self.store.namespace_usage(ns)
+        """`owner`: the tenant asking, whose own sessions it counts, with the blocks they reference and the bytes
+        their references add (None: every owner's, an admin's view)."""
+        u = self.store.namespace_usage(ns, owner)
         return NamespaceStats(namespace=ns, key_salt=self.store.namespaces.salt(ns) if with_salt else b"",
                               quota_bytes=self.store.namespaces.quota(ns), blocks=u.blocks,
                               physical_bytes=u.physical_bytes, logical_bytes=u.logical_bytes,

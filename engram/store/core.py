@@ -945,10 +945,12 @@ class BlockStore:
         """Drop every pin of a block about to be removed (an evict that overrides pins, a lost block's chain)."""
         self.index.set_pins(meta, 0, 0)
 
-    def reference(self, metas: Sequence[BlockMeta], delta: int, holder: Expected | None = None) -> None:
+    def reference(self, metas: Sequence[BlockMeta], delta: int, holder: Expected | None = None, owner: str = ""
+                  ) -> None:
         """Add (+1) or drop (-1) one session's reference to blocks; eviction prefers unreferenced blocks, then
         those one session holds (engram/eviction.py: read at each victim search). `holder`: the session's
         Expected (when its client said it is back): a block taken points at it, a block dropped forgets it.
+        `owner`: the session's tenant ("": an admin's, or tenancy off), whose own figures follow (ChainIndex.add_refs).
         A block whose count cannot change (dropped more often than taken: a bookkeeping error) does not stop the
         others: every other block changes once, then the first such error is raised. So a caller that goes on past
         a failed call (a cut close letting go of the rest) never changes a block twice, nor leaves one unchanged."""
@@ -956,7 +958,7 @@ class BlockStore:
         failed: AssertionError | None = None
         for meta in metas:
             try:
-                add_refs(meta, delta)
+                add_refs(meta, delta, owner)
             except AssertionError as exc:
                 failed = failed or exc
                 continue
@@ -1071,10 +1073,12 @@ class BlockStore:
         """A namespace's blocks, stored bytes, tokens and pinned blocks (`engram ls`)."""
         return self.index.namespace_tally(namespace)
 
-    def namespace_usage(self, namespace: str) -> NamespaceUsage:
+    def namespace_usage(self, namespace: str, owner: str | None = None) -> NamespaceUsage:
+        """The namespace's blocks and bytes; its logical bytes and referenced blocks of every session's references,
+        or (`owner`, a tenant's view) of that tenant's own sessions alone."""
         index = self.index
         return NamespaceUsage(index.block_count(namespace), index.physical_bytes(namespace),
-                              index.logical_bytes(namespace), index.referenced_blocks(namespace))
+                              index.logical_bytes(namespace, owner), index.referenced_blocks(namespace, owner))
 
     def decode(self, payload: bytes, meta: BlockMeta, *, device: torch.device | str = "cpu") -> torch.Tensor:
         """A stored payload of `meta` (a K/V layout's block) as its KV tensor, decoded with the daemon's codec
