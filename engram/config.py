@@ -87,7 +87,9 @@ class ServerConfig:
     # or put in flight) are dropped, least recently registered or used first; a worker whose model was dropped
     # registers it again on the UnknownModel. One tenant filled max_models in a second, refusing every other's.
     max_models_per_tenant: int = 64
-    max_sessions_per_namespace: int = 4096  # a tenant's max_sessions, when set, overrides it for its namespaces
+    # Live sessions one owner may hold in a namespace: each tenant its own (its max_sessions, when set, overrides
+    # it), in a namespace tenants share too; the admins' together (a namespace's tenants' smallest max_sessions)
+    max_sessions_per_namespace: int = 4096
     # The tokens every live session holds together, in daemon memory (4 bytes each) until the session is closed or
     # idle past session_idle_s; a fork sharing its parent's counts once. Past it OpenSession, ForkSession and
     # AppendSession are RESOURCE_EXHAUSTED. The default (4 GiB) holds 10,000 agents of 100k-token contexts. 0: no
@@ -291,7 +293,7 @@ class TenantConfig:
     token: str = ""  # its bearer token; or env:VAR / file:PATH, read when the daemon starts
     namespaces: str = ""  # comma-separated namespaces it may act in; empty: the tenant's own name
     quota: ByteSize = ByteSize(0)  # bytes each of its namespaces may hold (blocks, persisted windows); 0: unlimited
-    max_sessions: int = 0  # live sessions per namespace; 0: server.max_sessions_per_namespace
+    max_sessions: int = 0  # its own live sessions in each of its namespaces; 0: server.max_sessions_per_namespace
 
 
 @dataclass

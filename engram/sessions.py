@@ -355,10 +355,18 @@ class SessionManager:
         sid = session_id or uuid.uuid4().hex[:16]
         if (namespace, tenant, sid) in self._sessions:  # the caller's own id space (`SessionKey`)
             raise InvalidArgument(f"session {sid} already exists in this namespace; pick another id or omit it")
-        limit = self.store.namespaces.max_sessions(namespace) or self.max_sessions_per_namespace
-        if self.count_in(namespace) >= limit:
+        # Each owner's sessions count against its own limit: in a namespace tenants share, one tenant's sessions
+        # filled the namespace's and every other's OpenSession there was refused, told how many sessions it held
+        limit = self.store.namespaces.max_sessions(namespace, tenant) or self.max_sessions_per_namespace
+        if self.count_in(namespace, tenant) >= limit:
+            if tenant:
+                raise ResourceExhausted(
+                    f"you have {limit} live sessions in namespace {namespace!r}, as many as your token may hold "
+                    f"there (auth.tenants.{tenant}.max_sessions, else server.max_sessions_per_namespace); close "
+                    "sessions of yours it no longer needs (engram ls -n lists them), or ask the operator to raise it")
             raise ResourceExhausted(f"namespace {namespace!r} has {limit} live sessions, its limit; close sessions "
-                                    "it no longer needs (or raise the tenant's max_sessions)")
+                                    "it no longer needs (or raise server.max_sessions_per_namespace, or the "
+                                    "tenants' max_sessions)")
         toks = np.asarray(tokens if tokens is not None else [], dtype=np.int32)
         self.check_length(len(toks))
         # The tokens count against the daemon's bound, the tenant's share of it and the quota, as a persisted

@@ -31,7 +31,8 @@ class NamespacePolicy(Protocol):
 
     def quota(self, namespace: str) -> int: ...
 
-    def max_sessions(self, namespace: str) -> int: ...  # 0: the daemon's default
+    # The live sessions `tenant` may hold in the namespace ("": admins, tenancy off); 0: the daemon's default
+    def max_sessions(self, namespace: str, tenant: str = "") -> int: ...
 
     def counted(self, namespace: str) -> bool: ...  # its activity is counted apart (a tenant's Stats reads it)
 
@@ -45,7 +46,7 @@ class OpenNamespaces:
     def quota(self, namespace: str) -> int:
         return 0
 
-    def max_sessions(self, namespace: str) -> int:
+    def max_sessions(self, namespace: str, tenant: str = "") -> int:
         return 0
 
     def counted(self, namespace: str) -> bool:
@@ -127,7 +128,8 @@ class Tenancy:
     secret: bytes
     principals: dict[bytes, Principal] = field(default_factory=dict)  # token digest -> principal
     quotas: dict[str, int] = field(default_factory=dict)  # namespace -> bytes
-    session_limits: dict[str, int] = field(default_factory=dict)  # namespace -> live sessions
+    session_limits: dict[str, int] = field(default_factory=dict)  # namespace -> the admins' live sessions
+    tenant_session_limits: dict[str, int] = field(default_factory=dict)  # tenant -> its live sessions a namespace
     max_calls: int = 0  # calls one tenant may have in flight (server.max_concurrent_rpcs_per_tenant); 0: no bound
     # In a cluster: the node id a peer's call proves (ClusterTrust.peer_node), "" for none
     peer_node: Callable[[object], str] | None = None
@@ -152,10 +154,12 @@ class Tenancy:
             spaces = tuple(dict.fromkeys(n.strip() for n in tc.namespaces.split(",") if n.strip())) or (name,)
             t._add(resolve_secret(tc.token, f"auth.tenants.{name}.token"), Principal(name, spaces))
             t._tenant_namespaces.update(spaces)
+            if tc.max_sessions:
+                t.tenant_session_limits[name] = tc.max_sessions
             for ns in spaces:
                 if tc.quota:  # a namespace shared by tenants gets the smallest of their quotas
                     t.quotas[ns] = min(t.quotas.get(ns, tc.quota), tc.quota)
-                if tc.max_sessions:  # and the smallest of their session limits
+                if tc.max_sessions:  # and the smallest of their session limits (the admins' there)
                     t.session_limits[ns] = min(t.session_limits.get(ns, tc.max_sessions), tc.max_sessions)
         for i, tok in enumerate(filter(None, (x.strip() for x in merged.admin_tokens.split(",")))):
             t._add(resolve_secret(tok, "auth.admin_tokens"), Principal(f"admin-{i}", admin=True))
@@ -221,7 +225,13 @@ class Tenancy:
     def quota(self, namespace: str) -> int:
         return self.quotas.get(namespace, 0)
 
-    def max_sessions(self, namespace: str) -> int:
+    def max_sessions(self, namespace: str, tenant: str = "") -> int:
+        """A tenant's own (`auth.tenants.NAME.max_sessions`), in each of its namespaces: in a namespace tenants
+        share, each tenant's sessions count against its own limit alone (one tenant filling a shared limit refused
+        every other's sessions there, and its refusal told how many sessions they held). The admins' (""): the
+        smallest of the namespace's tenants' limits."""
+        if tenant:
+            return self.tenant_session_limits.get(tenant, 0)
         return self.session_limits.get(namespace, 0)
 
     def tenants(self) -> list[Principal]:

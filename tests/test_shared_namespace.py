@@ -261,3 +261,35 @@ async def test_a_tenants_stats_and_block_descriptions_count_its_own_references_a
         shared = await b.describe_namespace("shared")
         assert (shared.referenced_blocks, shared.logical_bytes) == (2, 6 * block)
 
+
+async def test_each_tenants_sessions_count_against_its_own_limit_in_a_shared_namespace(server_factory: Any,
+                                                                                      tmp_path: Path) -> None:
+    """Bob may hold 2 live sessions a namespace, Carol 3; they share `shared`. Carol's 3 sessions there leave Bob
+    his 2, and his third is refused naming his own limit and what he may do, nothing of Carol's. Main bounded the
+    namespace's sessions together by the smaller limit: Carol's 2 refused Bob any ("namespace 'shared' has 2 live
+    sessions": he read how many she held). Control: Carol's fourth is refused at her 3; the admin's own sessions
+    there count against the namespace's limit (the smaller) alone."""
+    path = tmp_path / "tenants.toml"
+    path.write_text(TENANTS.replace('namespaces = "bob,shared"', 'namespaces = "bob,shared"\nmax_sessions = 2')
+                    .replace('namespaces = "carol,shared"', 'namespaces = "carol,shared"\nmax_sessions = 3'))
+    srv = await server_factory(**{"auth.tenants_file": str(path), "auth.salt_secret": "s3cret-salt"})
+    spec = tiny_model()
+    async with as_(srv, CAROL, "shared") as c, as_(srv, BOB, "shared") as b, as_(srv, ADMIN, "shared") as admin:
+        fp = await c.register_model(spec)
+        await b.register_model(spec)
+        await admin.register_model(spec)
+        for _ in range(3):
+            await c.open_session(fp, mode="persist")
+        for _ in range(2):
+            await b.open_session(fp, mode="persist")
+        with pytest.raises(errors.ResourceExhausted) as refused:
+            await b.open_session(fp, mode="persist")
+        said = str(refused.value)
+        assert "you have 2 live sessions in namespace 'shared'" in said and "auth.tenants.bob.max_sessions" in said
+        assert "close sessions of yours" in said and "3" not in said and "5" not in said
+        with pytest.raises(errors.ResourceExhausted, match="you have 3 live sessions"):
+            await c.open_session(fp, mode="persist")
+        for _ in range(2):
+            await admin.open_session(fp, mode="persist")
+        with pytest.raises(errors.ResourceExhausted, match="namespace 'shared' has 2 live sessions"):
+            await admin.open_session(fp, mode="persist")
