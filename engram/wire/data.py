@@ -60,6 +60,10 @@ MAX_HELLO_BYTES = 4096  # a bearer token: what a connection not yet authenticate
 SOCKET_BUFFER_BYTES = 4 * 2**20  # kernel buffers large enough that one MiB moves in a few system calls
 CLOSED_POLL_S = 0.2  # how often closed_by_peer looks under TLS (asyncio's streams have no wait for the end)
 GROW_BYTES = 2**20  # a receive buffer is grown at most this far ahead of the bytes that arrived
+# The most a connection sends or receives before its task gives the event loop a turn: a peer on another core keeps
+# the socket ready, so a 16 MiB payload went in one step of the daemon's loop (20-60 ms under load, session 49),
+# every other client's small call waiting behind it. Each system call moves at most this much, too.
+STEP_BYTES = 2**20
 SKIP_BYTES = 64 * 2**10  # the buffer a refused request's bytes are read into and dropped
 _ZEROS = memoryview(bytes(GROW_BYTES))  # what a buffer grows by (its pages are only ever read)
 # TCP keepalive: a connection silent this long is probed, every interval, and reset after that many go unanswered.
@@ -157,6 +161,7 @@ class Conn:
         self._stalled = False
         self._socket = sock if sock is not None else writer.get_extra_info("socket") if writer is not None else None
         self._sent = 0  # bytes the kernel (or, under TLS, asyncio's transport) took from send
+        self._unyielded = 0  # bytes moved since this connection's task last gave the loop a turn (STEP_BYTES)
         self._mark: tuple[int, int | None, int | None] | None = None  # (_sent, unsent, acked) at the last look
 
     async def recv_into(self, buf: memoryview, *, idle: bool = False) -> None:
@@ -233,14 +238,16 @@ class Conn:
                 or (mark[2] is not None and last[2] is not None and mark[2] > last[2]))
 
     async def _recv_some(self, buf: memoryview) -> int:
+        """Some of buf's bytes (STEP_BYTES at most), received; a turn of the loop given every STEP_BYTES."""
+        step = buf[:STEP_BYTES]
         try:
             if self._reader is not None:
-                data = await self._reader.read(len(buf))
+                data = await self._reader.read(len(step))
                 n = len(data)
-                buf[:n] = data
+                step[:n] = data
             else:
                 assert self._sock is not None
-                n = await self._loop.sock_recv_into(self._sock, buf)
+                n = await self._loop.sock_recv_into(self._sock, step)
         except OSError as exc:
             if isinstance(exc, ConnectionError) or exc.errno not in _GONE:
                 raise
@@ -248,7 +255,16 @@ class Conn:
         if n == 0:
             raise ConnectionError("the peer closed the data channel mid-message")
         self.received += n
+        await self._moved(n)
         return n
+
+    async def _moved(self, n: int) -> None:
+        """n more bytes sent or received: past STEP_BYTES since the last turn, the loop gets one. The socket calls
+        return at once while the peer keeps up, so nothing else would give it one before the whole payload moved."""
+        self._unyielded += n
+        if self._unyielded >= STEP_BYTES:
+            self._unyielded = 0
+            await asyncio.sleep(0)
 
     async def recv(self, n: int, *, idle: bool = False) -> bytearray:
         """n bytes, in a buffer grown as they arrive (GROW_BYTES at a time): a peer that announces more than it
@@ -291,29 +307,39 @@ class Conn:
             self._busy, self._sending = None, False
 
     async def _send(self, parts: Sequence[Buffer]) -> None:
+        """Each part written whole, STEP_BYTES at most a step (`_moved`)."""
         if self._writer is not None:
-            for p in parts:
-                self._writer.write(p)
-            await self._writer.drain()
-            self._sent += sum(len(p) for p in parts)
+            await self._send_streamed(parts)
             return
         assert self._sock is not None
         for p in parts:
             if not len(p):
                 continue
-            if self.stall_s is None:
-                await self._loop.sock_sendall(self._sock, p)
-                continue
             with memoryview(p) as whole:  # as loop.sock_sendall, counting what the kernel takes
                 view = whole
                 while view:
                     try:
-                        n = self._sock.send(view)
+                        n = self._sock.send(view[:STEP_BYTES])
                     except (BlockingIOError, InterruptedError):
                         await self._writable()
+                        self._unyielded = 0  # the loop had its turn
                         continue
                     self._sent += n
                     view = view[n:]
+                    await self._moved(n)
+
+    async def _send_streamed(self, parts: Sequence[Buffer]) -> None:
+        """Under TLS: written to asyncio's transport STEP_BYTES at a time, each drained (a write encrypts all it is
+        given at once)."""
+        assert self._writer is not None
+        for p in parts:
+            with memoryview(p) as whole:
+                for start in range(0, len(whole), STEP_BYTES):
+                    piece = whole[start:start + STEP_BYTES]
+                    self._writer.write(piece)
+                    await self._writer.drain()
+                    self._sent += len(piece)
+                    await self._moved(len(piece))
 
     async def _writable(self) -> None:
         assert self._sock is not None
