@@ -687,16 +687,10 @@ class EngramClient(ControlClient):
         retried = refreshed = False
         while True:
             try:
-                conn = await data.call(kind, meta, body)
-                try:
-                    result = await answer(conn)
-                except wire.Refused as refused:
-                    conn.close()
-                    refusal = refused.error
-                    break
-                except BaseException:
-                    conn.close()
-                    raise
+                return await data.exchange(kind, meta, body, answer)
+            except wire.Refused as refused:
+                refusal = refused.error
+                break
             except wire.Stalled:
                 raise deadline.expired(self.address, "go on with the data channel's bytes (a connection, a request "
                                        "or its answer)", self.timeout_s) from None
@@ -704,21 +698,19 @@ class EngramClient(ControlClient):
                 if retried:
                     raise errors.Unavailable(f"the data channel to {self.address} broke: {exc}") from exc
                 retried = True
-                data.close()  # its other idle connections went the same way
+                data.drop_idle()  # its other idle connections went the same way
                 continue
             except errors.Unavailable as exc:
                 if refreshed or self._data is not data or isinstance(exc, errors.DeadlineExceeded):
                     raise
                 refreshed = True  # a restarted daemon may listen elsewhere (data_port 0): ask again
-                data.close()
+                data.drop_idle()
                 self._data = None
                 fresh = await self._data_channel()
                 if fresh is None:
                     raise
                 data = fresh
                 continue
-            data.done(conn)
-            return result
         raise refusal
 
     @property

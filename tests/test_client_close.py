@@ -9,6 +9,7 @@ loop is closed", and the async client's grpc UsageError "Channel is closed" (an 
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 import time
 from pathlib import Path
@@ -121,6 +122,35 @@ async def test_async_close_ends_the_calls_other_tasks_have_in_flight_with_client
             assert isinstance(exc, errors.ClientClosed), f"task {i}: {exc!r}"
         if path == "grpc":  # close() cuts gRPC calls at once; the others' calls may end first, while close awaits
             assert any("while this call ran" in str(exc) for exc in ended), ended
+
+
+async def test_async_close_cuts_the_data_channel_requests_in_flight_at_once(tmp_path: Path) -> None:
+    """Gets and puts in flight on the data channel of a daemon that stopped answering (SIGSTOP): one on the pooled
+    connection, the others dialling theirs. close() cuts them: each raises ClientClosed ('while this call ran')
+    at once. They ran on until timeout_s (30 s here; a 3.3 s close in session 49's cancel audit) while close() cut
+    the gRPC calls at once, and each then put its connection back into the closed channel's pool, left open."""
+    with engram_daemon(tmp_path) as (address, proc):
+        client = EngramClient(address, timeout_s=30, zero_copy=False)  # the bytes path: the data channel
+        fp = await client.register_model(SPEC)
+        keys = (await client.put_blocks(fp, [(tokens(16, seed=1), random_kv(SPEC, 16, seed=1))])).keys
+        await client.get(fp, keys)  # the channel is open, one connection idle in its pool
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            calls = [asyncio.create_task(client.get(fp, keys)) for _ in range(2)]
+            calls += [asyncio.create_task(client.put_blocks(fp, [(tokens(16, seed=2 + i), random_kv(SPEC, 16))]))
+                      for i in range(2)]
+            await asyncio.sleep(0.5)
+            assert not any(call.done() for call in calls)
+            await client.close()
+            done, pending = await asyncio.wait(calls, timeout=ENDS_WITHIN_S / 2)
+            for call in pending:
+                call.cancel()
+            assert not pending, f"{len(pending)} calls still waiting {ENDS_WITHIN_S / 2} s after close()"
+            for call in calls:
+                with pytest.raises(errors.ClientClosed, match="while this call ran"):
+                    await call
+        finally:
+            proc.send_signal(signal.SIGCONT)
 
 
 async def test_an_async_call_begun_while_close_runs_is_refused_client_closed(tmp_path: Path) -> None:

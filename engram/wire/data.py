@@ -42,9 +42,9 @@ import socket
 import ssl
 import struct
 import termios
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from engram import errors
 from engram.wire import status
@@ -75,6 +75,7 @@ KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 60, 10, 3
 _GONE = frozenset({errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN})
 
 Buffer = bytes | bytearray | memoryview
+T = TypeVar("T")
 
 
 def tune(sock: socket.socket) -> None:
@@ -485,7 +486,10 @@ class Endpoint:
 class DataChannel:
     """A client's connections to one daemon's data channel: idle ones are reused, one request per connection
     at a time, so concurrent calls of one client each get their own. A connection that fails mid-request is
-    closed, never reused."""
+    closed, never reused. Closing the channel cuts the requests in flight too (their tasks raise ClientClosed):
+    they ran on to their end, up to timeout_s on a daemon that had stopped answering, while the client's other
+    calls were cut at once (an audit, session 49), and each put its connection back into the closed channel's
+    pool, left open."""
 
     def __init__(self, endpoint: Endpoint, token: str = "", root_cert: bytes | None = None,
                  server_name: str = "", *, stall_s: float | None = None) -> None:
@@ -499,6 +503,9 @@ class DataChannel:
             self._ssl = ssl.create_default_context(cadata=root_cert.decode() if root_cert else None)
         self._server_name = server_name or endpoint.host
         self._idle: list[Conn] = []
+        self._busy: set[asyncio.Task[Any]] = set()  # the tasks of the requests in flight
+        self._cut: set[asyncio.Task[Any]] = set()  # of those, cancelled by aclose
+        self._closed = False
 
     async def _dial(self) -> Conn:
         where = self.endpoint.unix_path or f"{self.endpoint.host}:{self.endpoint.port}"
@@ -561,28 +568,49 @@ class DataChannel:
             conn.close()
         return None
 
-    async def call(self, kind: int, meta: bytes, body: Sequence[Buffer] = ()) -> Conn:
-        """Send one request on an idle (or new) connection; returns the connection, which the caller reads
-        the answer from and hands back with `done` (or `close`s on failure)."""
-        conn = self._pooled() or await self._dial()
+    async def exchange(self, kind: int, meta: bytes, body: Sequence[Buffer],
+                       answer: Callable[[Conn], Awaitable[T]]) -> T:
+        """Send one request on an idle (or new) connection and read its answer with `answer(conn)`; the connection
+        goes back to the pool once answered, and is closed on any failure (Refused too). ClientClosed if the
+        channel is closed before or while it runs (aclose, from another task)."""
+        if self._closed:
+            raise errors.ClientClosed("the data channel is closed")
+        task = asyncio.current_task()
+        assert task is not None
+        self._busy.add(task)
+        conn: Conn | None = None
         try:
+            conn = self._pooled() or await self._dial()
             await conn.send_frame(kind, meta, *body)
-        except BaseException:
-            conn.close()
+            result = await answer(conn)
+        except BaseException as exc:
+            if conn is not None:
+                conn.close()
+            if isinstance(exc, asyncio.CancelledError) and task in self._cut and task.uncancel() == 0:
+                raise errors.ClientClosed("the data channel was closed while this request ran") from None
             raise
-        return conn
-
-    def done(self, conn: Conn) -> None:
+        finally:
+            self._busy.discard(task)
+            self._cut.discard(task)
         self._idle.append(conn)
+        return result
 
-    def close(self) -> None:
+    def drop_idle(self) -> None:
+        """Close the idle connections (the daemon closed them, or went away)."""
         for conn in self._idle:
             conn.close()
         self._idle.clear()
 
     async def aclose(self) -> None:
-        """close, then wait for TLS connections to finish closing (so none is left to the garbage collector), each
-        at most stall_s (a TLS close waits for a daemon that may not answer)."""
+        """Close the channel: the requests in flight are cut (cancelled: each raises ClientClosed), the idle
+        connections closed, TLS ones waited for to finish closing (so none is left to the garbage collector), each
+        at most stall_s (a TLS close waits for a daemon that may not answer). Again: nothing."""
+        self._closed = True
+        me = asyncio.current_task()
+        for task in self._busy - self._cut:
+            if task is not me:
+                self._cut.add(task)
+                task.cancel()
         conns, self._idle = self._idle, []
         for conn in conns:
             with contextlib.suppress(TimeoutError):
