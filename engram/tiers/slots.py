@@ -17,6 +17,7 @@ may be a view into shared memory (engram/tiers/shm.py) so another process can ch
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,6 +81,33 @@ class SlotAllocator:
         run = Run(start, pages, self._stamp(start, pages))
         self._allocated[start] = run
         return run
+
+    def alloc_many(self, pages: Sequence[int]) -> list[Run | None]:
+        """A run for each count in `pages`, as `alloc` gives them (None where none is long enough), for a batch
+        booked at once (engram/transfer.py): carved one after another out of the shortest free run that holds
+        them all, with one change to the free lists instead of one per run; one by one when no free run does."""
+        if any(p <= 0 for p in pages):
+            raise ValueError(f"allocate at least one page per run, got {min(pages)}")
+        total = sum(pages)
+        i = self._by_size.bisect_left((total, -1))
+        if not pages or i == len(self._by_size):
+            return [self.alloc(p) for p in pages]
+        size, start = self._by_size[i]
+        self._remove_free(start, size)
+        if size > total:
+            self._add_free(start + total, size - total)
+        first, clock = start, self._clock
+        runs: list[Run | None] = []
+        for p in pages:
+            clock += 1
+            run = Run(start, p, clock)
+            self._allocated[start] = run
+            runs.append(run)
+            start += p
+        self.generations[first : first + total] = np.repeat(
+            np.arange(self._clock + 1, clock + 1, dtype=np.uint64), pages)
+        self._clock = clock
+        return runs
 
     def free(self, run: Run) -> None:
         if self._allocated.get(run.start) != run:
