@@ -319,3 +319,39 @@ async def test_a_batched_copy_of_several_submissions_drops_exactly_its_damaged_s
         assert store.counters.tiers[src].corrupt_blocks == len(bad)
     finally:
         await store.close()
+
+
+async def _one_block_chains(store, fp: bytes, n: int) -> tuple[list, list[bytes]]:  # type: ignore[no-untyped-def]
+    """n one-block chains (dropping one drops no other): their metas and payloads."""
+    metas, payloads = [], []
+    for s in range(n):
+        payload = random_kv(SPEC, BLOCK_TOKENS, seed=s).view(torch.uint8).numpy().tobytes()
+        header = BlockHeader(tokens(BLOCK_TOKENS, seed=s), SPEC.layout.dtype, SPEC.layout.block_shape(BLOCK_TOKENS),
+                             len(payload), checksum(payload))
+        metas.append(store.index.get((await store.put("ns", fp, root_key("ns", fp), header, payload)).key))
+        payloads.append(payload)
+    return metas, payloads
+
+
+async def test_a_batch_booked_on_a_tier_without_batched_reservations_is_booked_block_by_block(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """begin_copies_now on a tier that is not a pool (NVMe: no reserve_payloads) reserves block by block, marks
+    each booked block moving, and end_copies(ok=False) ends every move with nothing listed there."""
+    store = await build_store(load_config(env={}, overrides={
+        "tiers.hbm.capacity": 0, "tiers.dram.capacity": 8 * BLOCK, "tiers.dram.shm_dir": str(tmp_path),
+        "tiers.dram.pin": False, "tiers.nvme.path": str(tmp_path / "nvme"), "tiers.write_back_window_s": 3600}))
+    try:
+        fp = store.registry.register(SPEC)
+        metas, _ = await _one_block_chains(store, fp, 3)
+        assert all(m.locations == ["dram"] for m in metas)
+        nvme = store.tiers[-1]
+        before = nvme.used_bytes
+        needs = store.begin_copies_now(metas, "nvme")
+        assert needs == [nvme.space_for(m.record()) for m in metas]
+        assert all(m.moving for m in metas) and nvme.used_bytes == before + sum(n for n in needs if n)
+        for need in needs:
+            assert need is not None
+            nvme.unreserve(need)
+        store.end_copies(metas, "nvme", [False] * 3)
+        assert all(not m.moving and m.locations == ["dram"] for m in metas) and store.placement.busy == 0
+    finally:
+        await store.close()

@@ -989,8 +989,14 @@ class BlockStore:
     def begin_copy_now(self, meta: BlockMeta, tier_name: str) -> int | None:
         return self.placement.begin_copy_now(meta, tier_name)
 
+    def begin_copies_now(self, metas: Sequence[BlockMeta], tier_name: str) -> list[int | None]:
+        return self.placement.begin_copies_now(metas, tier_name)
+
     def end_copy(self, meta: BlockMeta, tier_name: str, *, ok: bool) -> None:
         self.placement.end_copy(meta, tier_name, ok=ok)
+
+    def end_copies(self, metas: Sequence[BlockMeta], tier_name: str, oks: Sequence[bool]) -> None:
+        self.placement.end_copies(metas, tier_name, oks)
 
     async def drop_copy(self, meta: BlockMeta, tier_name: str) -> None:
         await self.placement.drop_spare_copy(meta, tier_name)

@@ -364,23 +364,48 @@ class Placement:
         self.busy += 1
         return need
 
+    def begin_copies_now(self, metas: Sequence[BlockMeta], tier_name: str) -> list[int | None]:
+        """begin_copy_now of a batch in one pass, the room reserved at once where the tier can (a pool's
+        `reserve_payloads`): a batched promotion booked every block on its own, and the copy engine waited for that
+        Python (benchmarks/RESULTS.md, gpu_transfer). Per block the bytes reserved, or None where room must be
+        made first (that block is not moving: call begin_copy for it). The caller passes each block once."""
+        tier = self.tier(tier_name)
+        reserve_payloads = getattr(tier, "reserve_payloads", None)  # a pool's: no record built per block either
+        if reserve_payloads is not None:
+            out: list[int | None] = reserve_payloads([m.nbytes for m in metas])
+        else:
+            out = [need if tier.reserve(need) else None for need in (tier.space_for(m.record()) for m in metas)]
+        for meta, need in zip(metas, out, strict=True):
+            if need is not None:
+                meta.moving = True
+                self.busy += 1
+        return out
+
     def end_copy(self, meta: BlockMeta, tier_name: str, *, ok: bool) -> None:
         """Phase two: the new copy joins the block's locations only if its bytes landed (ok)."""
-        if ok and self.index.get(meta.key) is not meta:  # deleted while copied: the new copy belongs to nothing
-            now = self.immediate[self.rank[tier_name]]
-            if now is not None:
-                now.delete_now(meta.key)
-            ok = False
-        if ok:
-            upward = self.rank[tier_name] < min(map(self.rank.__getitem__, meta.locations), default=0)
-            self.index.add_copy(meta, tier_name)
-            meta.locations.sort(key=self.rank.__getitem__)
-            self.victims[tier_name].add(meta)
-            if upward:
-                self.counters.tiers[tier_name].promotions += 1
-        meta.moving = False
-        self.busy -= 1
-        self.notify_freed()
+        self.end_copies([meta], tier_name, [ok])
+
+    def end_copies(self, metas: Sequence[BlockMeta], tier_name: str, oks: Sequence[bool]) -> None:
+        """end_copy of a batch, with one wake-up of the room makers waiting (instead of one per block)."""
+        i = self.rank[tier_name]
+        now, victims, rank = self.immediate[i], self.victims[tier_name], self.rank
+        try:
+            for meta, ok in zip(metas, oks, strict=True):
+                if ok and self.index.get(meta.key) is not meta:  # deleted while copied: the copy belongs to nothing
+                    if now is not None:
+                        now.delete_now(meta.key)
+                    ok = False
+                if ok:
+                    upward = i < min(map(rank.__getitem__, meta.locations), default=0)
+                    self.index.add_copy(meta, tier_name)
+                    meta.locations.sort(key=rank.__getitem__)
+                    victims.add(meta)
+                    if upward:
+                        self.counters.tiers[tier_name].promotions += 1
+                meta.moving = False
+                self.busy -= 1
+        finally:
+            self.notify_freed()
 
     async def drop_spare_copy(self, meta: BlockMeta, tier_name: str) -> None:
         """Drop one copy of a block that another tier also holds (a caller's own demotion policy)."""

@@ -79,6 +79,12 @@ class PoolTier:
         self._stored = 0
 
     @property
+    def host(self) -> memoryview | None:
+        """The whole pool's bytes as one memoryview, for a host pool (None for one in HBM): slicing it costs far
+        less than slicing the tensor (a hash of hundreds of blocks' regions, engram/transfer.py)."""
+        return self._host
+
+    @property
     def device(self) -> torch.device:
         return self.buffer.device
 
@@ -115,6 +121,23 @@ class PoolTier:
         self._reserved.setdefault(nbytes, []).append(run)
         self._reserved_bytes += nbytes
         return True
+
+    def reserve_payloads(self, lengths: Sequence[int]) -> list[int | None]:
+        """Room for payloads of these lengths in one pass (a batch of copies booked at once, engram/transfer.py):
+        runs carved from one free run where one holds them all (SlotAllocator.alloc_many). Per payload the bytes
+        reserved (`space_for` its block: a pool's depends on the length alone), or None where none was."""
+        page = self.page_bytes
+        sizes = [max(1, -(-n // page)) * page for n in lengths]
+        runs = self.allocator.alloc_many([n // page for n in sizes])
+        out: list[int | None] = []
+        for nbytes, run in zip(sizes, runs, strict=True):
+            if run is None:
+                out.append(None)
+                continue
+            self._reserved.setdefault(nbytes, []).append(run)
+            self._reserved_bytes += nbytes
+            out.append(nbytes)
+        return out
 
     def unreserve(self, nbytes: int) -> None:
         self.allocator.free(self._take_reserved(nbytes))
