@@ -3,6 +3,7 @@ must pass before the store accepts it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -22,6 +23,13 @@ def checksum(payload: bytes | memoryview) -> int:
     """xxh3_64 of a payload: an integrity check against torn writes and bit flips, not an adversary
     (block keys, which an adversary could target, use BLAKE2b: engram/keys.py)."""
     return xxhash.xxh3_64_intdigest(payload)
+
+
+def checksums(payloads: Iterable[bytes | memoryview]) -> list[int]:
+    """`checksum` of each payload, with no Python run between two of them: xxh3 lets go of the GIL while it
+    hashes, so a thread hashing many blocks takes the GIL back only to start the next, never to run bytecode
+    that other threads (the event loop, a batch's booking) would wait for."""
+    return list(map(xxhash.xxh3_64_intdigest, payloads))
 
 
 @dataclass(frozen=True)

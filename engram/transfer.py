@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engram.block import checksum
+from engram.block import checksum, checksums
 from engram.errors import InvalidArgument, NotFound, ResourceExhausted
 from engram.index import BlockMeta
 from engram.store import BlockStore
@@ -168,7 +168,7 @@ def scatter(engine: TransferEngine, pages: torch.Tensor, pairs: Sequence[tuple[b
     return engine.copy(pages.view(-1), pool.buffer, moves)
 
 
-SUBMIT_EVERY = 16  # blocks per submission in copy_blocks: early submissions overlap the DMA with the bookkeeping
+SUBMIT_EVERY = 16  # blocks booked and submitted at a time in copy_blocks: the DMA of one runs while the next is booked
 
 
 async def promote(store: BlockStore, metas: Sequence[BlockMeta], engine: TransferEngine) -> int:
@@ -181,42 +181,33 @@ async def copy_blocks(store: BlockStore, metas: Sequence[BlockMeta], engine: Tra
     """Copy blocks from one pool tier to another in one batch; returns how many landed. Blocks already
     there, moving, or for which no room can be made without waiting are skipped (served from where they are).
     A copy lands only if it verifies (`_verify`); one whose source copy fails its checksum is not made, and that
-    copy is dropped as damaged."""
+    copy is dropped as damaged.
+
+    Booked SUBMIT_EVERY blocks at a time, each group in one store call (`begin_copies_now`: one reservation
+    for the group where the pool has room) and submitted before the next is booked; the copies that landed end
+    in one `end_copies`. Per-block booking in Python held promotion to 26-40% of a pinned copy_ on an H100."""
     tiers = {t.name: t for t in store.tiers}
     lower, upper = tiers[src], tiers[dst]
     if not isinstance(lower, PoolTier) or not isinstance(upper, PoolTier):
         raise InvalidArgument(f"promote moves between pool tiers; {src} or {dst} is not one")
     started: list[tuple[BlockMeta, Move]] = []
-    moves: list[Move] = []
     done: Done | None = None
     try:
-        for meta in metas:
-            if meta.moving or src not in meta.locations or dst in meta.locations:
-                continue
-            need = store.begin_copy_now(meta, dst)
-            if need is None:
+        for at in range(0, len(metas), SUBMIT_EVERY):
+            # Each block once, by id (a BlockMeta compares by value, slowly), with no await before it is booked.
+            group = list({id(m): m for m in metas[at : at + SUBMIT_EVERY]
+                          if not (m.moving or src not in m.locations or dst in m.locations)}.values())
+            moves = _book(store, lower, upper, dst, group, store.begin_copies_now(group, dst), started)
+            for meta in group:
+                if meta.moving or src not in meta.locations or dst in meta.locations:
+                    continue  # booked above (or moved or gone meanwhile)
                 try:
-                    need = await store.begin_copy(meta, dst)
+                    need = await store.begin_copy(meta, dst)  # room made first (no waiting for it)
                 except ResourceExhausted:
                     continue  # no room up there right now: served from where it is
-            try:
-                slot = lower.slot(meta.key)
-                placed = upper.place(meta.key, need, slot.length)
-            except BaseException as exc:  # its source copy went while room was made: nothing was placed up there
-                upper.unreserve(need)
-                store.end_copy(meta, dst, ok=False)
-                if isinstance(exc, NotFound):
-                    continue  # served from where it is now
-                raise
-            move = Move(slot.offset, placed.offset, slot.length)
-            started.append((meta, move))
-            moves.append(move)
-            if len(moves) == SUBMIT_EVERY:
-                # Submit while the rest is still being booked, so the copy engine runs during the bookkeeping.
+                moves += _book(store, lower, upper, dst, [meta], [need], started)
+            if moves:
                 done = engine.copy(lower.buffer, upper.buffer, moves, page_bytes=0)
-                moves = []
-        if moves:
-            done = engine.copy(lower.buffer, upper.buffer, moves, page_bytes=0)
         sound = await _verify(lower, upper, started, done)
     except BaseException:
         if done is not None:
@@ -224,17 +215,13 @@ async def copy_blocks(store: BlockStore, metas: Sequence[BlockMeta], engine: Tra
             # reusing a slot would get this copy's bytes over its own) and their sources may go. A few ms at most.
             done.synchronize()
         for meta, _ in started:
-            await upper.delete(meta.key)
-            store.end_copy(meta, dst, ok=False)
+            upper.delete_now(meta.key)
+        store.end_copies([meta for meta, _ in started], dst, [False] * len(started))
         raise
-    damaged = []
-    for (meta, _), ok in zip(started, sound, strict=True):
-        if ok:
-            store.end_copy(meta, dst, ok=True)
-        else:
-            await upper.delete(meta.key)
-            store.end_copy(meta, dst, ok=False)
-            damaged.append(meta)
+    damaged = [meta for (meta, _), ok in zip(started, sound, strict=True) if not ok]
+    for meta in damaged:
+        upper.delete_now(meta.key)
+    store.end_copies([meta for meta, _ in started], dst, sound)
     for meta in damaged:  # its source copy read again (a rare path): dropped as damaged if it fails, as a read
         # drops it (a copy that failed from a sound source was damaged on the way: it is only not made)
         if store.block(meta.key) is meta and src in meta.locations and not meta.moving:
@@ -247,30 +234,61 @@ async def copy_blocks(store: BlockStore, metas: Sequence[BlockMeta], engine: Tra
     return len(started) - len(damaged)
 
 
+def _book(store: BlockStore, lower: PoolTier, upper: PoolTier, dst: str, metas: Sequence[BlockMeta],
+          needs: Sequence[int | None], started: list[tuple[BlockMeta, Move]]) -> list[Move]:
+    """Place each block whose room was reserved (a need; None: not booked, left alone) in the upper pool and
+    add it to `started`; the moves to submit. A block whose source copy went (while room was made for it) gets
+    its room back and ends its move, as does every booked block not placed yet when this raises."""
+    moves: list[Move] = []
+    k = 0
+    try:
+        for k, (meta, need) in enumerate(zip(metas, needs, strict=True)):  # noqa: B007 (k: for the cleanup)
+            if need is None:
+                continue
+            try:
+                slot = lower.slot(meta.key)
+                placed = upper.place(meta.key, need, slot.length)
+            except BaseException as exc:  # nothing was placed up there
+                upper.unreserve(need)
+                store.end_copy(meta, dst, ok=False)
+                if isinstance(exc, NotFound):
+                    continue  # served from where it is now
+                raise
+            move = Move(slot.offset, placed.offset, slot.length)
+            started.append((meta, move))
+            moves.append(move)
+    except BaseException:
+        rest = [(m, n) for m, n in zip(metas[k + 1 :], needs[k + 1 :], strict=True) if n is not None]
+        for _, need in rest:
+            upper.unreserve(need)
+        store.end_copies([m for m, _ in rest], dst, [False] * len(rest))
+        raise
+    return moves
+
+
 async def _verify(lower: PoolTier, upper: PoolTier, copies: Sequence[tuple[BlockMeta, Move]], done: Done | None
                   ) -> list[bool]:
     """Waits for the copies; then whether each copy's bytes verify against its block's checksum, checked on
     the host side, where a CPU reads them: a source in host memory (a promotion from the DRAM pool) is hashed
     while the copies run (the DMA reads the same bytes: what it finds damaged is damage already there), else
-    the copies landed in host memory (HBM -> DRAM) once they have. In a thread per core: xxh3 lets go of the
-    GIL, and the event loop goes on."""
-    source_on_host = lower.buffer.device.type == "cpu"
+    the copies landed in host memory (HBM -> DRAM) once they have. One job per core, each hashing its share of
+    the blocks in one call (`checksums`: xxh3 lets go of the GIL, and no Python runs between two blocks), so the
+    event loop goes on and the threads hand the GIL over once per block at most."""
+    source_on_host = lower.host is not None
     if done is not None and not source_on_host:
         await done.wait()
     pool = lower if source_on_host else upper
-    regions = [pool.buffer[start : start + m.length] for _, m in copies
-               for start in [m.src if source_on_host else m.dst]]
-    want = [meta.checksum for meta, _ in copies]
-    got = [0] * len(copies)
-
-    def hash_some(indices: range) -> None:
-        for i in indices:
-            region = regions[i] if regions[i].device.type == "cpu" else regions[i].cpu()  # (no pool pair lacks one)
-            got[i] = checksum(memoryview(region.numpy()))  # type: ignore[arg-type]
-
+    starts = [m.src if source_on_host else m.dst for _, m in copies]
+    host = pool.host
+    if host is not None:
+        views = [host[start : start + m.length] for start, (_, m) in zip(starts, copies, strict=True)]
+    else:  # (no pool pair lacks a host pool: two device pools' copies are brought over)
+        views = [memoryview(pool.buffer[start : start + m.length].cpu().numpy())  # type: ignore[arg-type]
+                 for start, (_, m) in zip(starts, copies, strict=True)]
     n = min(len(copies), os.cpu_count() or 1)
-    await asyncio.gather(*(asyncio.to_thread(hash_some, range(j, len(copies), n)) for j in range(n)))
+    got = [0] * len(copies)
+    for j, part in enumerate(await asyncio.gather(*(asyncio.to_thread(checksums, views[j::n]) for j in range(n)))):
+        got[j::n] = part
     if done is not None:
         await done.wait()  # one stream: the last submission's event covers every earlier one
-    return [g == w for g, w in zip(got, want, strict=True)]
-
+    return [g == meta.checksum for g, (meta, _) in zip(got, copies, strict=True)]

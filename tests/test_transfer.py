@@ -333,6 +333,90 @@ async def _one_block_chains(store, fp: bytes, n: int) -> tuple[list, list[bytes]
     return metas, payloads
 
 
+def _hbm_books_what_it_lists(store) -> None:  # type: ignore[no-untyped-def]
+    """No reservation is left in the HBM pool, and what it holds is exactly the copies blocks list there."""
+    hbm = store.tiers[0]
+    listed = [m for m in store.index if "hbm" in m.locations]
+    assert hbm._reserved_bytes == 0
+    assert hbm.used_bytes == sum(hbm.space_for(m.record()) for m in listed) and len(hbm) == len(listed)
+    assert store.placement.busy == 0
+
+
+async def test_a_group_of_which_only_some_blocks_fit_books_those_at_once_makes_room_for_the_rest_and_lands_all(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A promotion's group is booked in one store call (begin_copies_now), which reserves room for the blocks
+    that fit; the others get room made one by one (HBM's own blocks demoted). While the copies are held none of
+    them is listed in HBM and reads are served from DRAM; then every one lands, reads back as put, and the
+    pool books nothing beyond the copies listed."""
+    store = await _hbm_over_dram(tmp_path, 4)
+    try:
+        fp = store.registry.register(SPEC)
+        metas, payloads = await _one_block_chains(store, fp, 8)  # the first 4 demoted to DRAM when HBM filled
+        in_dram = [m for m in metas if m.locations == ["dram"]]
+        in_hbm = [m for m in metas if m.locations == ["hbm"]]
+        assert len(in_dram) == 4 and len(in_hbm) == 4
+        assert await copy_blocks(store, in_hbm[:2], TransferEngine(), src="hbm", dst="dram") == 2
+        for m in in_hbm[:2]:
+            await store.drop_copy(m, "hbm")  # room for two in HBM; the other two need room made
+        engine = HeldEngine()
+        task = asyncio.create_task(promote(store, in_dram, engine))
+        await engine.started.wait()
+        assert all(m.moving and "hbm" not in m.locations for m in in_dram)
+        assert await store.read(in_dram[3], promote=False) == payloads[metas.index(in_dram[3])]
+        engine.release.set()
+        assert await task == 4
+        for m in in_dram:
+            assert not m.moving and m.locations == ["hbm", "dram"]
+            assert await store.tiers[0].read(m.key) == payloads[metas.index(m)]
+        _hbm_books_what_it_lists(store)
+    finally:
+        await store.close()
+
+
+async def test_a_promotion_of_several_groups_cancelled_mid_copy_gives_back_every_booking(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Cancelled while the copies of more than one group (SUBMIT_EVERY blocks each) are held: no block stays
+    moving or is listed in HBM, and every HBM slot and reservation booked for them is given back."""
+    n = SUBMIT_EVERY + 4
+    store = await build_store(load_config(env={}, overrides={
+        "tiers.hbm.capacity": (n + 2) * BLOCK, "tiers.hbm.device": "cpu", "tiers.dram.capacity": (n + 2) * BLOCK,
+        "tiers.dram.shm_dir": str(tmp_path), "tiers.dram.pin": False}))
+    try:
+        fp = store.registry.register(SPEC)
+        metas, _ = await _one_block_chains(store, fp, n)
+        assert await copy_blocks(store, metas, TransferEngine(), src="hbm", dst="dram") == n
+        for m in metas:
+            await store.drop_copy(m, "hbm")
+        engine = HeldEngine()
+        task = asyncio.create_task(promote(store, metas, engine))
+        await engine.started.wait()
+        assert len(store.tiers[0]) == n  # every group booked and placed
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert all(not m.moving and m.locations == ["dram"] for m in metas)
+        _hbm_books_what_it_lists(store)
+        assert len(store.tiers[0]) == 0
+    finally:
+        await store.close()
+
+
+async def test_a_block_named_twice_in_one_batch_is_copied_once(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A group books each block once: booked twice, one HBM slot would be lost to a key placed over itself."""
+    store = await _hbm_over_dram(tmp_path, 4)
+    try:
+        fp = store.registry.register(SPEC)
+        metas, payloads = await _one_block_chains(store, fp, 2)
+        assert await copy_blocks(store, metas, TransferEngine(), src="hbm", dst="dram") == 2
+        for m in metas:
+            await store.drop_copy(m, "hbm")  # HBM has room for both: the group is booked at once
+        in_dram = metas
+        assert await promote(store, [in_dram[0], in_dram[1], in_dram[0]], TransferEngine()) == 2
+        for m in in_dram:
+            assert m.locations == ["hbm", "dram"] and await store.tiers[0].read(m.key) == payloads[metas.index(m)]
+        _hbm_books_what_it_lists(store)
+    finally:
+        await store.close()
+
+
 async def test_a_batch_booked_on_a_tier_without_batched_reservations_is_booked_block_by_block(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """begin_copies_now on a tier that is not a pool (NVMe: no reserve_payloads) reserves block by block, marks
     each booked block moving, and end_copies(ok=False) ends every move with nothing listed there."""
