@@ -3,6 +3,7 @@ must pass before the store accepts it."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -30,6 +31,20 @@ def checksums(payloads: Iterable[bytes | memoryview]) -> list[int]:
     hashes, so a thread hashing many blocks takes the GIL back only to start the next, never to run bytecode
     that other threads (the event loop, a batch's booking) would wait for."""
     return list(map(xxhash.xxh3_64_intdigest, payloads))
+
+
+# A payload at least this big is hashed in a worker thread (xxhash lets go of the GIL while it hashes), not on the
+# event loop: below it the thread's round trip (~0.05-0.3 ms on a 2-core host) costs the call more than the loop
+# would wait. Measured: benchmarks/RESULTS.md, put_get, session 50.
+CHECKSUM_OFF_LOOP_BYTES = 4 * 2**20
+
+
+async def checksum_off_loop(payload: bytes | memoryview) -> int:
+    """checksum() of a payload, in a worker thread when it is large, so that the event loop's other calls (a
+    worker's other requests, the other clients sharing its loop) do not wait for it: 16 MiB is 2-3 ms of hashing."""
+    if (payload.nbytes if isinstance(payload, memoryview) else len(payload)) < CHECKSUM_OFF_LOOP_BYTES:
+        return checksum(payload)
+    return await asyncio.to_thread(checksum, payload)
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from engram.api import (
     SessionInfo,
     SessionMode,
 )
-from engram.block import checksum
+from engram.block import checksum, checksum_off_loop
 from engram.codec import stored
 from engram.codec.streamformat import raw_streams
 from engram.control import ControlClient
@@ -584,13 +584,15 @@ class EngramClient(ControlClient):
                 dtype, shape, block_codec = DType.from_torch(kv.dtype), tuple(kv.shape), codec
             return pb.BlockHeader(
                 tokens=convert.tokens_to_pb(toks), dtype=int(dtype),  # type: ignore[arg-type]
-                shape=list(shape), payload_nbytes=len(payload), checksum=checksum(payload), codec=block_codec,
+                shape=list(shape), payload_nbytes=len(payload), codec=block_codec,
             ), payload
 
         put = pb.PutHeader(namespace=ns, model_fingerprint=fingerprint, parent_key=parent_key, pin=pin)
         # Every block is encoded (and so checked) before anything is sent: a block that cannot be raised its error
         # inside gRPC's request iterator, which cancels the call (a bare CancelledError, earlier blocks stored).
         items = [encoded(toks, kv) for toks, kv in blocks]
+        for header, payload in items:
+            header.checksum = await checksum_off_loop(payload)
         data = await self._data_channel()
         if data is not None:
             with contextlib.suppress(wire.ChannelFull):  # its connections are all taken: gRPC may take the call
@@ -825,7 +827,7 @@ class EngramClient(ControlClient):
                             decode=decode_on_server, zero_copy=zero_copy, cuda_ipc=cuda_ipc)
         if not zero_copy and (data := await self._data_channel()) is not None:
             with contextlib.suppress(wire.ChannelFull):  # its connections are all taken: gRPC may take the call
-                return [self._block(h, p, i, device) for i, (h, p) in enumerate(await self._get_data(data, req))]
+                return [await self._block(h, p, i, device) for i, (h, p) in enumerate(await self._get_data(data, req))]
         out = []
         descriptors: list[tuple[int, pb.BlockDescriptor]] = []
         blocks: Reassembler[pb.BlockHeader] = client_reassembler(lambda h: h.payload_nbytes)
@@ -838,7 +840,7 @@ class EngramClient(ControlClient):
                 c = resp.chunk
                 done = blocks.add(c.header if c.HasField("header") else None, c.data, c.last, len(out))
                 if done is not None:
-                    out.append(self._block(done[0], done[1], len(out), device))
+                    out.append(await self._block(done[0], done[1], len(out), device))
         except grpc.aio.AioRpcError as exc:
             await self._release({d.lease_id for _, d in descriptors}, namespace)
             raise await self._failed(exc) from exc
@@ -849,7 +851,7 @@ class EngramClient(ControlClient):
             raise
         if descriptors:
             try:
-                stale = self._copy_out(descriptors, out, device)
+                stale = await self._copy_out(descriptors, out, device)
             finally:
                 # The copies are done (or failed): end the leases in the background (no round trip to wait).
                 self._release_later({d.lease_id for _, d in descriptors}, namespace)
@@ -862,17 +864,17 @@ class EngramClient(ControlClient):
             raise errors.DataLoss(f"Get returned {len(out)} of {len(keys)} blocks")
         return out  # type: ignore[return-value]
 
-    def _block(self, header: pb.BlockHeader, data: bytes | torch.Tensor, i: int, device: torch.device | str
-               ) -> stored.BlockKV:
+    async def _block(self, header: pb.BlockHeader, data: bytes | torch.Tensor, i: int, device: torch.device | str
+                     ) -> stored.BlockKV:
         view = memoryview(data.numpy()) if isinstance(data, torch.Tensor) else memoryview(data)  # type: ignore[arg-type]
-        if view.nbytes != header.payload_nbytes or checksum(view) != header.checksum:
+        if view.nbytes != header.payload_nbytes or await checksum_off_loop(view) != header.checksum:
             raise errors.DataLoss(f"block {i} arrived damaged (size or checksum mismatch)")
         where = f"block {i}"
         return stored.decode_block(data, header.codec, convert.dtype_from_pb(header.dtype, where),
                                    tuple(header.shape), backend=_backend_for(device), device=device, where=where)
 
-    def _copy_out(self, descriptors: list[tuple[int, pb.BlockDescriptor]], out: list[Any],
-                  device: torch.device | str) -> list[int]:
+    async def _copy_out(self, descriptors: list[tuple[int, pb.BlockDescriptor]], out: list[Any],
+                        device: torch.device | str) -> list[int]:
         """Copy described blocks out of the mapped segment into `out`; returns the indices that must be
         fetched as bytes (a reused slot, a damaged copy, or a segment this process cannot map)."""
         stale = []
@@ -896,7 +898,7 @@ class EngramClient(ControlClient):
                     dtype = convert.dtype_from_pb(d.header.dtype, f"block {i}")
                     out[i] = stored.decode(data, stored.RAW, dtype, tuple(d.header.shape), device=device)
                 else:
-                    out[i] = self._block(d.header, data.cpu(), i, device)  # checks size and checksum
+                    out[i] = await self._block(d.header, data.cpu(), i, device)  # checks size and checksum
             except errors.DataLoss:
                 stale.append(i)
         return stale
@@ -1066,7 +1068,8 @@ class EngramClient(ControlClient):
                 ends = [header.lease_id] if header.lease_id and not hold else []
                 got = await self._fetch_bytes(fingerprint, [blocks[i].key for i in again], namespace, release=ends)
                 ended = bool(ends)
-                refetch = [self._bytes_source(i, h, p, spec.streams) for i, (h, p) in zip(again, got, strict=True)]
+                refetch = [await self._bytes_source(i, h, p, spec.streams)
+                           for i, (h, p) in zip(again, got, strict=True)]
                 await asyncio.to_thread(self._loader.load, refetch, dest, block_tokens=bt, n_tokens=n_tokens,
                                         stream=stream)
         finally:  # every copy out of a pool has completed (or failed), and the bytes came: the lease may end
@@ -1127,10 +1130,10 @@ class EngramClient(ControlClient):
                            offset=d.offset, generation=d.generation, device_pool=pool,
                            streams=streams if stored.is_streams(h.codec) else ())
 
-    def _bytes_source(self, index: int, h: pb.BlockHeader, payload: bytes | torch.Tensor,
-                      streams: tuple[StreamSpec, ...]) -> BlockSource:
+    async def _bytes_source(self, index: int, h: pb.BlockHeader, payload: bytes | torch.Tensor,
+                            streams: tuple[StreamSpec, ...]) -> BlockSource:
         view = memoryview(payload.numpy()) if isinstance(payload, torch.Tensor) else payload  # type: ignore[arg-type]
-        if len(payload) != h.payload_nbytes or checksum(view) != h.checksum:
+        if len(payload) != h.payload_nbytes or await checksum_off_loop(view) != h.checksum:
             raise errors.DataLoss(f"block {index} arrived damaged (size or checksum mismatch)")
         dtype = convert.dtype_from_pb(h.dtype, f"block {index}")
         return BlockSource(index, h.codec or stored.RAW, dtype, tuple(h.shape), len(payload), payload=payload,

@@ -627,3 +627,75 @@ async def test_getprefix_leases_undescribed_blocks_only_for_a_caller_that_will_g
         assert held.lease_id and all(srv.store.index.get(k).leases == 1 for k in keys)
         await stub.ReleaseLeases(pb.ReleaseLeasesRequest(namespace="t", lease_ids=[held.lease_id]))
         assert all(srv.store.index.get(k).leases == 0 for k in keys)
+
+
+async def test_a_large_hit_is_verified_off_the_event_loop_and_a_damaged_one_still_raises_data_loss(  # type: ignore[no-untyped-def]
+        tmp_path: Path) -> None:
+    """A hit of CHECKSUM_OFF_LOOP_BYTES or more is hashed in a worker thread, not on the event loop (whose other
+    calls waited 2-3 ms per 16 MiB hit: benchmarks/RESULTS.md put_get session 50), and that check still catches a
+    damaged copy: a byte flipped in the daemon's shared pool, copied out by a zero-copy Get, fails it, so the
+    block is fetched as bytes, which the daemon finds damaged too: DataLoss, never the damaged elements. Watched
+    with a profile hook on the loop's thread (the daemon is another process: its own hashing is not seen)."""
+    import mmap
+    import os
+
+    import xxhash
+
+    from engram import errors
+    from engram.block import CHECKSUM_OFF_LOOP_BYTES
+    from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
+    from engram.segment import HEADER, SegmentLayout
+
+    layout = KVLayout(layers=(LayerSpec(LayerKind.GLOBAL),), num_kv_heads=8, head_dim=128, dtype=DType.BF16,
+                      block_tokens=1024)
+    spec = ModelSpec("big-blocks", "w", layout, codec="raw")
+    assert layout.block_nbytes(1024) == CHECKSUM_OFF_LOOP_BYTES  # the smallest block hashed off the loop
+    on_loop: list[str] = []
+
+    def watch(frame: Any, event: str, arg: Any) -> None:
+        if event == "c_call" and arg is xxhash.xxh3_64_intdigest:
+            on_loop.append(frame.f_code.co_name)
+
+    with engram_daemon(tmp_path) as (address, _):
+        async with EngramClient(address, namespace="t") as c:
+            fp = await c.register_model(spec)
+            toks = tokens(1024)
+            kv = random_kv(spec, 1024)
+            sys.setprofile(watch)
+            try:
+                (key,) = (await c.put(fp, toks, kv)).keys
+                (got,) = await c.get(fp, [key], zero_copy=False)
+                assert torch.equal(got, kv)
+            finally:
+                sys.setprofile(None)
+            assert on_loop == []  # neither the put's checksum nor the hit's check ran on the loop
+            (d,) = await _descriptors(address, fp, toks)
+            fd = os.open(d.segment_path, os.O_RDWR)
+            try:
+                with mmap.mmap(fd, 0) as mm:
+                    base = SegmentLayout.unpack(mm[: HEADER.size], d.segment_path).data_offset
+                    mm[base + d.offset + 12345] ^= 0x40
+            finally:
+                os.close(fd)
+            sys.setprofile(watch)
+            try:
+                with pytest.raises(errors.DataLoss):
+                    await c.get(fp, [key], zero_copy=True)  # the copy fails its check: fetched as bytes, refused
+            finally:
+                sys.setprofile(None)
+            assert on_loop == []
+
+
+async def _descriptors(address: str, fp: bytes, toks: Any) -> list[Any]:
+    """The pool descriptors of a prefix's blocks (their leases ended at once)."""
+    import grpc
+
+    from engram.v1 import engram_pb2 as pb
+    from engram.v1 import engram_pb2_grpc as pb_grpc
+
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = pb_grpc.EngramStub(ch)
+        h = await stub.GetPrefix(pb.GetPrefixRequest(namespace="t", model_fingerprint=fp, tokens=toks.tolist(),
+                                                     zero_copy=True))
+        await stub.ReleaseLeases(pb.ReleaseLeasesRequest(namespace="t", lease_ids=[h.lease_id]))
+    return list(h.descriptors)
