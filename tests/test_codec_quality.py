@@ -261,3 +261,46 @@ async def test_lossless_blocks_read_back_exactly_after_a_restart(tmp_path: Path)
         assert (await srv.store.check(fix=False)).ok
     finally:
         await srv.stop(0)
+
+
+@pytest.mark.parametrize("layers", [1, 4])
+async def test_a_sample_is_measured_on_one_thread_with_the_figures_of_torchs_thread_team(layers: int) -> None:
+    """A sample's torch ops run on the watch's own thread alone, not on torch's OpenMP team: a team takes every
+    core of a small host while it runs (the event loop's included), and beside busy processes each parallel op
+    waits for its slowest thread (benchmarks/RESULTS.md put_get, session 49). The process's thread count stays
+    as it was. The figures are the team's bit for bit: blocks big enough that torch splits every op (256K
+    elements per layer and part), one layer (two outputs per reduction) and four."""
+    import asyncio
+    import threading
+
+    from engram.codec.base import default_backend
+    from engram.codec.quality import ErrorAccumulator
+    from engram.layout import DType
+    from engram.store.quality import QualityWatch, Sample
+
+    threads = torch.get_num_threads()
+    if threads < 2 or "OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("torch runs its CPU ops on one thread here, or without OpenMP")
+    backend = default_backend()
+    kv = torch.randn(layers, 2, 256, 8, 128, generator=torch.Generator().manual_seed(layers)).to(torch.bfloat16)
+    blob = stored.encode(kv, "nvfp4", backend=backend)
+    kinds = ("global",) * layers
+    team = ErrorAccumulator()  # measured here, on torch's team
+    team.add("nvfp4", "dram", kv_errors(kv, stored.decode(blob, "nvfp4", DType.BF16, tuple(kv.shape),
+                                                          backend=backend), kinds))
+    watch = QualityWatch(1, backend=backend)
+    try:
+        assert watch.sample(len(blob))
+        watch.measure_later(Sample(kv, "nvfp4", kinds, "nvfp4", "q"), blob, DType.BF16, tuple(kv.shape), "dram")
+        await watch.drain()
+        assert watch.errors.blocks == 1 and watch.errors.summaries == team.summaries
+        loop = asyncio.get_running_loop()
+        assert await loop.run_in_executor(watch._thread, torch.get_num_threads) == 1
+        assert torch.get_num_threads() == threads  # this thread's count, and the process's, as they were
+        seen: list[int] = []
+        fresh = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        fresh.start()
+        fresh.join()
+        assert seen == [threads]
+    finally:
+        await watch.close()

@@ -7,8 +7,10 @@ reaches the daemon without its raw elements, so its error cannot be measured her
 describe the daemon's own encodes only.
 
 What it costs the put: one counter per block. Every `every`-th block is sampled; its raw elements and its
-stored form are kept and compared after the block is stored, in a worker thread (asyncio.to_thread), by a
-task the put does not wait for. A raw model's block, stored as sent, is counted with error 0 at once: its
+stored form are kept and compared after the block is stored, in the watch's own worker thread, by a task the
+put does not wait for. That thread's torch ops run on it alone (engram/onethread.py), not on torch's OpenMP
+team: a team takes every core of a small host while it runs, the event loop's included, and each of its ops
+waits for its slowest thread when other processes are busy. A raw model's block, stored as sent, is counted with error 0 at once: its
 decode is its raw elements bit for bit, so comparing them (a copy of the block on the event loop, and
 float32 passes over twice its bytes in a thread that took both cores of a small host for 100 ms at 16 MiB)
 could only say 0. One measurement runs at a time (one core at most, beside the encodes); the
@@ -37,6 +39,7 @@ from engram.block import Payload
 from engram.codec import stored
 from engram.codec.quality import PARTS, ErrorAccumulator, LayerError, kv_errors
 from engram.layout import DType, KVLayout, LayerKind
+from engram.onethread import executor
 
 log = logging.getLogger("engram.store.quality")
 
@@ -87,6 +90,7 @@ class QualityWatch:
         self.seen = 0  # blocks the daemon stored from raw elements (the sampling counter)
         self.skipped = 0  # samples dropped because max_pending_bytes were waiting to be measured
         self._tasks: set[asyncio.Task[None]] = set()
+        self._thread = executor("engram-quality")  # started by the first measurement
 
     def sample(self, nbytes: int) -> bool:
         """Whether the block about to be stored from its `nbytes` of raw elements is measured (called once per
@@ -133,7 +137,8 @@ class QualityWatch:
     async def _measure(self, sample: Sample, blob: bytes, dtype: DType, shape: tuple[int, ...], tier: str) -> None:
         try:
             async with self._one_at_a_time:
-                errors = await asyncio.to_thread(self._errors, sample, blob, dtype, shape)
+                errors = await asyncio.get_running_loop().run_in_executor(self._thread, self._errors, sample, blob,
+                                                                           dtype, shape)
         except Exception:  # telemetry never fails a put; a decode that fails here fails the Get loudly anyway
             log.exception("measuring a %s block's error failed", sample.codec)
             return
@@ -195,3 +200,4 @@ class QualityWatch:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        self._thread.shutdown(wait=False, cancel_futures=True)
