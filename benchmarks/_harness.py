@@ -52,6 +52,23 @@ def machine() -> str:
     return f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB, Python {platform.python_version()}"
 
 
+def give_back_freed_memory() -> None:
+    """Return the memory this process freed to the kernel now, before a clock starts (glibc's malloc_trim; a no-op
+    elsewhere). glibc gives back what earlier cells freed (gigabytes, after the 16 MiB cells) lazily, inside
+    some later free(): in put_get that was one 1 MiB put, holding the GIL 200-700 ms, 241-245 puts into the
+    first cell after Redis's 16 MiB cells (benchmarks/RESULTS.md put_get, session 50)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is not None:
+        trim(0)
+
+
 def percentiles(samples_s: list[float]) -> tuple[float, float]:
     arr = np.asarray(samples_s) * 1e3
     return float(np.percentile(arr, 50)), float(np.percentile(arr, 99))
