@@ -34,9 +34,10 @@ def checksums(payloads: Iterable[bytes | memoryview]) -> list[int]:
 
 
 # A payload at least this big is hashed in a worker thread (xxhash lets go of the GIL while it hashes), not on the
-# event loop: below it the thread's round trip (~0.05-0.3 ms on a 2-core host) costs the call more than the loop
-# would wait. Measured: benchmarks/RESULTS.md, put_get, session 50.
-CHECKSUM_OFF_LOOP_BYTES = 4 * 2**20
+# event loop. Below it the thread's round trip (0.1-0.25 ms on a 2-core host) costs the call more than it spares the
+# loop: a freshly received 4 MiB hashes in 0.09 ms, 8 MiB 0.15, 16 MiB 0.6 (2-3 ms under load), against 0.04-0.1
+# of the loop's time to hand it over. Measured: benchmarks/RESULTS.md, put_get, session 50.
+CHECKSUM_OFF_LOOP_BYTES = 8 * 2**20
 
 
 async def checksum_off_loop(payload: bytes | memoryview) -> int:

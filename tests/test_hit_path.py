@@ -647,9 +647,9 @@ async def test_a_large_hit_is_verified_off_the_event_loop_and_a_damaged_one_stil
     from engram.segment import HEADER, SegmentLayout
 
     layout = KVLayout(layers=(LayerSpec(LayerKind.GLOBAL),), num_kv_heads=8, head_dim=128, dtype=DType.BF16,
-                      block_tokens=1024)
+                      block_tokens=2048)
     spec = ModelSpec("big-blocks", "w", layout, codec="raw")
-    assert layout.block_nbytes(1024) == CHECKSUM_OFF_LOOP_BYTES  # the smallest block hashed off the loop
+    assert layout.block_nbytes(2048) == CHECKSUM_OFF_LOOP_BYTES  # the smallest block hashed off the loop
     on_loop: list[str] = []
 
     def watch(frame: Any, event: str, arg: Any) -> None:
@@ -659,8 +659,8 @@ async def test_a_large_hit_is_verified_off_the_event_loop_and_a_damaged_one_stil
     with engram_daemon(tmp_path) as (address, _):
         async with EngramClient(address, namespace="t") as c:
             fp = await c.register_model(spec)
-            toks = tokens(1024)
-            kv = random_kv(spec, 1024)
+            toks = tokens(2048)
+            kv = random_kv(spec, 2048)
             sys.setprofile(watch)
             try:
                 (key,) = (await c.put(fp, toks, kv)).keys
