@@ -53,10 +53,12 @@ def machine() -> str:
 
 
 def give_back_freed_memory() -> None:
-    """Return the memory this process freed to the kernel now, before a clock starts (glibc's malloc_trim; a no-op
-    elsewhere). glibc gives back what earlier cells freed (gigabytes, after the 16 MiB cells) lazily, inside
-    some later free(): in put_get that was one 1 MiB put, holding the GIL 200-700 ms, 241-245 puts into the
-    first cell after Redis's 16 MiB cells (benchmarks/RESULTS.md put_get, session 50)."""
+    """Return the memory this process freed to the kernel now (glibc's malloc_trim; a no-op elsewhere), at the start
+    of a cell, before it makes its payloads. Otherwise what earlier cells freed (gigabytes, after the 16 MiB cells)
+    went back lazily inside a later free(): in put_get one 1 MiB put held the GIL 200-700 ms, 241-245 puts into
+    the first cell after Redis's 16 MiB cells, while 2 GiB left the process's RSS (benchmarks/RESULTS.md put_get,
+    session 50). Not just before a clock: the cell's own allocations would then fault in fresh pages on it
+    (Redis's gets ran at 0.65x)."""
     import ctypes
     import ctypes.util
 

@@ -95,6 +95,7 @@ async def bench_engram(address: str, transport: str, layout: KVLayout, clients: 
     """into: each hit is written into a KV tensor the client allocated once (load_prefix_into, the worker's own
     KV memory, as LMCache's retrieve writes into its registered KV cache); else get() returns new tensors."""
     system = f"engram-{codec}" + ("-into" if into else "")  # -into: hits written into a tensor allocated once
+    give_back_freed_memory()  # what earlier cells freed: given back now, not inside one of this cell's timed ops
     spec = ModelSpec(f"bench-{len(layout.layers)}-{layout.num_kv_heads}-{codec}", "w", layout, codec=codec)
     data = payloads(layout, clients, per_client, seed=len(layout.layers) * 100 + clients)
     nbytes = layout.block_nbytes(256)
@@ -150,11 +151,9 @@ async def bench_engram(address: str, transport: str, layout: KVLayout, clients: 
                 wrong.append(j)
 
     total = clients * per_client * nbytes
-    give_back_freed_memory()  # off the clock: what earlier cells freed, given back here, not inside a timed op
     t0 = time.perf_counter()
     await asyncio.gather(*(putter(i) for i in range(clients)))
     put_s = time.perf_counter() - t0
-    give_back_freed_memory()
     t0 = time.perf_counter()
     await asyncio.gather(*(getter(i) for i in range(clients)))
     get_s = time.perf_counter() - t0
@@ -173,6 +172,7 @@ async def bench_redis(kwargs: dict[str, object], transport: str, layout: KVLayou
                       per_client: int) -> list[Row]:
     import redis.asyncio as aioredis
 
+    give_back_freed_memory()  # as bench_engram: before this cell's payloads are made
     data = payloads(layout, clients, per_client, seed=len(layout.layers) * 100 + clients)
     blobs = [[kv.view(torch.uint8).numpy().tobytes() for _, kv in blocks] for blocks in data]
     conns = [aioredis.Redis(**kwargs) for _ in range(clients)]  # type: ignore[arg-type]
@@ -196,11 +196,9 @@ async def bench_redis(kwargs: dict[str, object], transport: str, layout: KVLayou
 
     nbytes = layout.block_nbytes(256)
     total = clients * per_client * nbytes
-    give_back_freed_memory()  # off the clock: what earlier cells freed, given back here, not inside a timed op
     t0 = time.perf_counter()
     await asyncio.gather(*(putter(i) for i in range(clients)))
     put_s = time.perf_counter() - t0
-    give_back_freed_memory()
     t0 = time.perf_counter()
     await asyncio.gather(*(getter(i) for i in range(clients)))
     get_s = time.perf_counter() - t0
