@@ -124,7 +124,9 @@ class Inspector:
         whose call it is ("": an admin's, tenancy off: everyone's figures). A tenant sees its own: the sessions are
         its sessions, the pins those it may lift (its own, and those of no recorded owner a restart gave back), as
         its Stats counts them; in a namespace tenants share it saw every tenant's sessions and pins on the blocks
-        (a review, session 49). A model it has not registered is shown as one nobody registered
+        (a review, session 49). Hits and leases are not kept per tenant: in a namespace other tenants share too, a
+        tenant is shown 0 for both (they moved with the others' reads: a review, session 50). A model it has not
+        registered is shown as one nobody registered
         (engram/registry.py): no codec, and no fingerprint (b""). In a namespace tenants share, another tenant's
         blocks told their model's exact fingerprint (an audit, session 48)."""
         now = time.time()
@@ -140,11 +142,17 @@ class Inspector:
         def model(m: BlockMeta) -> bytes:
             return m.model_fingerprint if self.sees_model(m.model_fingerprint, tenant) else b""
 
+        shared = self.store.namespaces.shared
+
+        def others_read(m: BlockMeta) -> bool:  # (hits and leases are every tenant's)
+            return bool(tenant) and shared(m.namespace)
+
         return [BlockDetail(
             key=m.key, parent=m.parent, namespace=m.namespace, model_fingerprint=model(m),
             num_tokens=m.num_tokens, full=m.full, tiers=tuple(m.locations), codec=self._codec(m, tenant),
             checksum=m.checksum, nbytes=m.nbytes, pins=pins(m), children=m.children, sessions=refs(m),
-            refcount=m.children + refs(m) + pins(m), leases=m.leases, hits=m.hits, age_s=now - m.created,
+            refcount=m.children + refs(m) + pins(m), leases=0 if others_read(m) else m.leases,
+            hits=0 if others_read(m) else m.hits, age_s=now - m.created,
             start_token=self._start(m, starts)) for m in metas]
 
     def sees_model(self, fingerprint: bytes, tenant: str = "") -> bool:

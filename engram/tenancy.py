@@ -36,6 +36,8 @@ class NamespacePolicy(Protocol):
 
     def counted(self, namespace: str) -> bool: ...  # its activity is counted apart (a tenant's Stats reads it)
 
+    def shared(self, namespace: str) -> bool: ...  # more than one tenant may act in it
+
 
 class OpenNamespaces:
     """Tenancy off: no salt (keys as before tenancy existed), no quota."""
@@ -51,6 +53,9 @@ class OpenNamespaces:
 
     def counted(self, namespace: str) -> bool:
         return False  # no tenant's Stats to scope: counting every namespace ever used apart only grows
+
+    def shared(self, namespace: str) -> bool:
+        return False
 
 
 @dataclass(frozen=True)
@@ -135,6 +140,7 @@ class Tenancy:
     peer_node: Callable[[object], str] | None = None
     _salts: dict[str, bytes] = field(default_factory=dict)
     _tenant_namespaces: set[str] = field(default_factory=set)  # every namespace some tenant is given
+    _shared: set[str] = field(default_factory=set)  # those given to more than one tenant
     _calls: dict[str, dict[str, int]] = field(default_factory=dict)  # "rpc" / "data" -> tenant -> in flight
 
     @classmethod
@@ -153,6 +159,7 @@ class Tenancy:
             # blocks, bytes and pinned bytes (against its pin share) counted twice
             spaces = tuple(dict.fromkeys(n.strip() for n in tc.namespaces.split(",") if n.strip())) or (name,)
             t._add(resolve_secret(tc.token, f"auth.tenants.{name}.token"), Principal(name, spaces))
+            t._shared.update(t._tenant_namespaces.intersection(spaces))
             t._tenant_namespaces.update(spaces)
             if tc.max_sessions:
                 t.tenant_session_limits[name] = tc.max_sessions
@@ -241,3 +248,8 @@ class Tenancy:
     def counted(self, namespace: str) -> bool:
         """Only a tenant's namespaces: the config bounds them, where an admin may name any number."""
         return namespace in self._tenant_namespaces
+
+    def shared(self, namespace: str) -> bool:
+        """Whether several tenants may act in the namespace: a figure that moves with any tenant's reads there
+        (a block's hits and leases) would tell each what the others do."""
+        return namespace in self._shared

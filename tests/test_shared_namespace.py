@@ -20,6 +20,7 @@ from engram.client import EngramClient
 from engram.server import RunningServer
 from engram.v1 import engram_pb2 as pb
 from engram.v1 import engram_pb2_grpc as pb_grpc
+from engram.wire import convert
 
 from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
 
@@ -293,3 +294,41 @@ async def test_each_tenants_sessions_count_against_its_own_limit_in_a_shared_nam
             await admin.open_session(fp, mode="persist")
         with pytest.raises(errors.ResourceExhausted, match="namespace 'shared' has 2 live sessions"):
             await admin.open_session(fp, mode="persist")
+
+
+async def test_a_tenant_is_not_shown_the_hits_and_leases_other_tenants_reads_leave_on_shared_blocks(
+        daemon: RunningServer) -> None:
+    """Carol stores a chain in `shared`; Bob reads it (a Get) and holds a GetPrefix lease on it. Carol's (and
+    Bob's) DescribeBlocks there show 0 hits and 0 leases: the figures are every tenant's, not kept per tenant, and
+    Carol read Bob's activity on her prefix from them (a review, session 50). Controls: the admin sees them; in
+    Alice's own namespace Alice sees her own hits."""
+    spec = tiny_model()
+    toks = tokens(2 * BLOCK_TOKENS, seed=13)
+    async with as_(daemon, CAROL, "shared") as c, as_(daemon, BOB, "shared") as b, \
+            as_(daemon, ADMIN, "shared") as admin, as_(daemon, ALICE, "alice") as a:
+        fp = await c.register_model(spec)
+        await b.register_model(spec)
+        keys = list((await c.put(fp, toks, random_kv(spec, len(toks), seed=13))).keys)
+        hexes = [k.hex() for k in keys]
+        await b.get(fp, keys)
+        channel = grpc.aio.insecure_channel(daemon.address)
+        try:
+            held = await pb_grpc.EngramStub(channel).GetPrefix(
+                pb.GetPrefixRequest(namespace="shared", model_fingerprint=fp, tokens=convert.tokens_to_pb(toks),
+                                    hold_for_get=True), metadata=md(BOB))
+            assert held.lease_id
+
+            async def seen(client: EngramClient) -> list[tuple[int, int]]:
+                return [(d.hits, d.leases) for d in (await client.describe_blocks(key_prefixes=hexes,
+                                                                                  namespace="shared")).blocks]
+
+            assert await seen(c) == [(0, 0), (0, 0)]
+            assert await seen(b) == [(0, 0), (0, 0)]
+            assert all(h >= 1 and n == 1 for h, n in await seen(admin))
+        finally:
+            await channel.close()
+        afp = await a.register_model(spec)
+        own = list((await a.put(afp, toks, random_kv(spec, len(toks), seed=13))).keys)
+        await a.get(afp, own)
+        mine = (await a.describe_blocks(key_prefixes=[k.hex() for k in own], namespace="alice")).blocks
+        assert [d.hits for d in mine] == [1, 1]
