@@ -21,7 +21,7 @@ from engram.v1 import engram_pb2 as pb
 from engram.v1 import engram_pb2_grpc as pb_grpc
 from engram.wire import convert
 
-from helpers import BLOCK_TOKENS, random_kv, rpcs_answered, tiny_model, tokens
+from helpers import BLOCK_TOKENS, random_kv, rpcs_answered, tiny_model, tokens, until
 
 CODECS = ["raw", "nvfp4", "mxfp4", "fp8_e4m3"]
 # On a GPU the worker encodes every block of a run in a few launches and copies them device -> pinned pool.
@@ -467,6 +467,44 @@ async def test_reservations_no_one_commits_cannot_fill_the_pool_from_other_puts(
         async with EngramClient(srv.address, namespace=ns, in_place_min_bytes=0) as c:
             await c.register_model(spec)
             await _put_and_read_back(c, fp, spec, seed=9)
+
+
+async def test_a_reserveput_cancelled_while_it_reserves_frees_its_slots_as_the_call_ends(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A ReservePut cancelled while the daemon reserves its slots (many small blocks, the pool with room: the
+    reservation runs to its end without awaiting, so the cancel reaches the handler only after) answered into a
+    call already gone, and its reservation, named to nobody, held its slots two terms (2 x server.lease_s) before
+    the lapse freed them (session 49's cancel audit: DEADLINE_EXCEEDED, the reservation open). Now they are freed as
+    the call ends, and the next in-place put goes in place."""
+    srv = await server_factory(**{"server.lease_s": 60.0, "server.metrics_port": -1})
+    inplace = srv.service.inplace
+    spec = tiny_model()
+    async with EngramClient(srv.address, namespace="t", in_place_min_bytes=0) as c:
+        fp = await c.register_model(spec)
+        used = (await c.stats()).tier("dram").used_bytes
+        req = pb.ReservePutRequest(namespace="t", model_fingerprint=fp,
+                                   blocks=_raw_headers(spec, tokens(4096 * BLOCK_TOKENS)))
+
+        def cancel_once_reserving() -> bool:
+            """A client in a thread of its own (the daemon's loop is busy reserving): its call, cancelled once the
+            daemon has begun to reserve; whether the cancel came before the answer."""
+            with grpc.insecure_channel(srv.address) as ch:
+                call = pb_grpc.EngramStub(ch).ReservePut.future(req)
+                deadline = time.monotonic() + 30
+                while not (inplace._making or inplace._open):  # the daemon's state, read from this thread
+                    assert time.monotonic() < deadline, "the daemon did not begin to reserve"
+                    time.sleep(0.0001)
+                return bool(call.cancel())
+
+        assert await asyncio.to_thread(cancel_once_reserving), "the answer came before the cancel"
+
+        async def slots_freed() -> bool:
+            return not (inplace._making or inplace._open or inplace._lapsed) and \
+                (await c.stats()).tier("dram").used_bytes == used
+
+        await until(slots_freed, "the cancelled reservation's slots freed, well before its lapse", timeout=10)
+        answered = rpcs_answered(srv, "ReservePut")
+        await _put_and_read_back(c, fp, spec, seed=5)
+        assert rpcs_answered(srv, "ReservePut") == answered + 1  # in place
 
 
 def _tenants(**namespaces: str) -> dict[str, str]:

@@ -87,6 +87,10 @@ SERVICE_NAME = "engram.v1.Engram"
 # The most often a Resume sends progress messages, whatever its client asks (ResumeRequest.progress_every_ms).
 RESUME_PROGRESS_MIN_S = 0.01
 
+# Turns of the loop a handler gives a cancel that came while it ran without awaiting to reach it (_cancel_lands):
+# three in grpc 1.85, one more for slack.
+CANCEL_TURNS = 4
+
 
 def _chunks(key: bytes, header: pb.BlockHeader, payload: bytes | memoryview, step: int) -> list[pb.BlockChunk]:
     """A block as chunks under the message limit: the first carries its header and key."""
@@ -169,6 +173,14 @@ async def _unless_gone(work: Coroutine[Any, Any, None], gone: Awaitable[None]) -
     if task.cancelled():  # here only by the watch: cancelled from outside, this call raised already
         raise ConnectionError("the client closed its connection while its Get waited on the cluster's peers")
     task.result()
+
+
+async def _cancel_lands() -> None:
+    """Turns of the loop for a cancel that came while this handler ran without awaiting: grpc hears of its client's
+    cancel (or deadline) in a task of its own, which cancels the handler's task from there, three turns after
+    (grpc 1.85). A unary answer returned before then is dropped, and the handler never knows."""
+    for _ in range(CANCEL_TURNS):
+        await asyncio.sleep(0)
 
 
 def _window_from_pb(msg: pb.SwaWindowData) -> Window:
@@ -625,6 +637,15 @@ class EngramService:
         res = await self.inplace.reserve(ns, req.model_fingerprint, parent, headers, pin=req.pin,
                                          owner=self._tenant(context),  # its share of the pool's reserved room
                                          pin_share=self.pin_share() if req.pin else None)
+        # An answer that cannot reach its caller leaves slots nobody writes or commits, held two terms (the lapse):
+        # they are freed now. `reserve` may run to its end without awaiting (the pool has room), so a cancel or
+        # deadline come meanwhile had not reached this handler: its answer was dropped, the reservation kept
+        # (session 49's cancel audit).
+        try:
+            await _cancel_lands()
+        except asyncio.CancelledError:
+            self.inplace.release_unanswered(res)
+            raise
         seg = self.inplace.pool.segment
         assert seg is not None
         slots = [pb.BlockDescriptor(key=r.meta.key, segment_path=str(seg.path), segment_id=seg.layout.segment_id,

@@ -95,6 +95,7 @@ class InPlacePuts:
         self._lapsed: dict[int, Reservation] = {}  # expired, slots still held for a term: a late writer's landing
         self._held = 0  # payload bytes every reservation's unpublished slots hold (Reservation.held, summed)
         self._held_by: dict[str, int] = {}  # the same per owner
+        self._dropping: set[asyncio.Task[None]] = set()  # reservations being freed by a task (_drop_later)
         store.placement.unevictable[pool.name] = self._unevictable
         assert pool.segment is not None
         self.sealer = Sealer(str(pool.segment.path), pool.segment.layout.data_offset,
@@ -551,6 +552,17 @@ class InPlacePuts:
             for name in p.locations:
                 self.store.placement.victims[name].leaf_again(p)
 
+    def release_unanswered(self, res: Reservation) -> None:
+        """Free at once a reservation whose ReservePut answer was not delivered (the call ended cancelled): no
+        worker learnt its id or slots, so none writes them late, and none commits it (ids are 63 random bits)."""
+        if self._open.get(res.id) is not res or res.committing or res.committed:
+            return
+        del self._open[res.id]
+        if res.timer is not None:
+            res.timer.cancel()
+            res.timer = None
+        self._drop_later(res)
+
     def _expire(self, reservation_id: int) -> None:
         """A reservation not committed in time closes (a commit is refused), but its slots are freed one term
         later: its worker may still be writing them (paused, or slow), and a block stored in a freed slot would
@@ -563,7 +575,14 @@ class InPlacePuts:
     def _free_lapsed(self, reservation_id: int) -> None:
         res = self._lapsed.pop(reservation_id, None)
         if res is not None:
-            asyncio.get_running_loop().create_task(self._drop(res))
+            self._drop_later(res)
+
+    def _drop_later(self, res: Reservation) -> None:
+        """`_drop` where none may await (a timer, a handler being cancelled): a task, kept until done (a task only
+        the loop refers to may be collected mid-way); `close` waits for it."""
+        task = asyncio.get_running_loop().create_task(self._drop(res))
+        self._dropping.add(task)
+        task.add_done_callback(self._dropping.discard)
 
     async def close(self) -> None:
         await self.sealer.close()
@@ -573,6 +592,8 @@ class InPlacePuts:
                 if res.timer is not None:
                     res.timer.cancel()
                 await self._drop(res)
+        if self._dropping:
+            await asyncio.gather(*self._dropping, return_exceptions=True)
 
 
 def _v2_plan(spec: ModelSpec, header: BlockHeader) -> streamformat.StreamsFormat:
