@@ -15,9 +15,10 @@ and another holder's writes keep a block's hash from expiring: so readers skip, 
 is not its node's current one. An entry without a boot (a daemon from before boots) is read as before while its
 node publishes no boot record (it still runs that version); once it does, the entry is its earlier process's.
 An entry without a tag (a daemon from before tags: its current process's entries are all untagged) is read for a
-lookup's fill, whose key the reader computed in its caller's namespace, and skipped for a Get, whose caller
-names the key: so a rolling upgrade goes on sharing prefixes both ways, and no Get's time tells another
-namespace's keys; Gets by key of blocks only older daemons hold miss until they are upgraded.
+lookup's fill, whose key the reader computed in its caller's namespace, and for a Get, whose caller names the
+key, only without tenancy (every caller may name any namespace there): so a rolling upgrade goes on sharing
+prefixes both ways, and no Get's time tells a tenant another namespace's keys; with tenancy, Gets by key of
+blocks only older daemons hold miss until they are upgraded.
 Redis restored with older data (a lagging replica promoted, a restore from an RDB) brings back entries of the
 current boot for blocks their node has evicted since, which a republish (HSETs) does not remove: a reader
 removes such an entry when the live holder answers that it lacks the block (`forget_unheld`). Every removal is
@@ -359,8 +360,8 @@ class ClusterIndex:
         records, then the peer): a Get naming another namespace's key took the time of those round trips, so a
         tenant told a key held elsewhere in the cluster from one nobody holds by the time alone. `untagged`: whether
         an entry without a namespace tag (an older daemon's) is read as before or skipped: read where the caller
-        computed the key under its own namespace (a lookup's fill: it is of that namespace), skipped where the
-        caller named it (a Get: it may be another's, and asking its holder tells so by the time)."""
+        computed the key under its own namespace (a lookup's fill: it is of that namespace), skipped where a tenant
+        named it (a Get with tenancy: it may be another's, and asking its holder tells so by the time)."""
         if self.state != "ok":
             return []
         name = block_record_key(key)

@@ -282,7 +282,9 @@ async def test_a_tenants_get_of_another_namespaces_key_asks_no_peer_and_a_forged
     namespaces, asks A nothing: B asked A (the key's ancestors, then the block) before it refused, and the time
     that took (4.4 ms against 1.6 ms for a key nobody holds, session 48) told Bob the key exists elsewhere in the
     cluster. An entry whose tag was altered to Bob's namespace's (by someone writing Redis without the secret)
-    does not verify: counted untrusted, and A still not asked. Control: Alice's Get of the key on B asks A."""
+    does not verify: counted untrusted, and A still not asked. An untagged entry (a daemon from before tags, in a
+    rolling upgrade) may be any namespace's: with tenancy a Get skips it, Alice's too (without tenancy it is read:
+    test_cluster_fetch.py). Control: Alice's Get of the key on B asks A."""
     import redis
 
     observed = {"server.metrics_port": -1, "server.metrics_token": "metrics-token"}
@@ -313,6 +315,14 @@ async def test_a_tenants_get_of_another_namespaces_key_asks_no_peer_and_a_forged
                 await bob.get(fp, [key])
             assert rpcs_served(a_srv, "FetchBlocks") == 0
             assert (await admin.stats()).cluster.untrusted_records == untrusted + 1
+
+            held = trust.holder_entry(key, "a", entry)
+            assert held is not None
+            r.hset(name, "a", trust.holder_record(key, "a", held.tier, held.size, held.checksum, held.boot))
+            for caller in (bob, b):  # untagged, as an older daemon writes it: may be anyone's, so a Get skips it
+                with pytest.raises(errors.NotFound):
+                    await caller.get(fp, [key])
+            assert rpcs_served(a_srv, "FetchBlocks") == 0
 
             r.hset(name, "a", entry)
             r.close()

@@ -22,6 +22,7 @@ from engram.client import EngramClient
 from engram.config import load_config
 from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
 from engram.server import RunningServer, start_server
+from engram.trust import ClusterTrust
 
 from helpers import (
     BLOCK_TOKENS,
@@ -297,6 +298,43 @@ async def _held_in_redis(port: int, key: bytes) -> bool:
                                                 stdout=subprocess.PIPE)
     out, _ = await proc.communicate()
     return out.strip() == b"1"
+
+
+def _as_an_older_daemon_wrote_them(port: int, node: str, keys: list[bytes]) -> None:
+    """Rewrite `node`'s holder entries of `keys` as a daemon from before namespace tags writes them (`tier@boot`,
+    signed, no tag): a rolling upgrade's not yet upgraded holder."""
+    import redis
+
+    trust = ClusterTrust(CLUSTER["cluster.secret"].encode())
+    r = redis.Redis(port=port)
+    try:
+        for key in keys:
+            name = "engram:block:{" + key.hex() + "}"
+            entry = trust.holder_entry(key, node, r.hget(name, node).decode())
+            assert entry is not None and entry.tag is not None
+            r.hset(name, node, trust.holder_record(key, node, entry.tier, entry.size, entry.checksum, entry.boot))
+    finally:
+        r.close()
+
+
+async def test_without_tenancy_a_get_copies_blocks_only_an_older_daemon_holds(redis_port: int) -> None:
+    """A rolling upgrade: A's entries as a daemon from before namespace tags writes them. A Get through B skipped
+    untagged entries and missed (NOT_FOUND) until A was upgraded: such an entry may be another namespace's, and
+    asking its holder tells a tenant by the time that the key exists there. Without tenancy every caller may name
+    any namespace and Get the key there itself, so B reads them; A's FetchBlocks serves only the namespace asked
+    for (another's key is absent, and the MAC binds the namespace). With tenancy a Get still skips them
+    (test_cluster_trust.py, ARCHITECTURE.md)."""
+    async with daemons(redis_port) as (a_srv, b_srv):
+        spec = tiny_model()
+        async with EngramClient(a_srv.address, namespace="ns") as a, \
+                EngramClient(b_srv.address, namespace="ns", data_channel=False) as b:
+            fp, _, _, keys = await _a_chain_b_lacks(redis_port, a, b, spec, seed=11, n_blocks=4)
+            _as_an_older_daemon_wrote_them(redis_port, "a", keys)
+            with pytest.raises(errors.NotFound):  # another namespace's Get of them: A has none there
+                await b.get(fp, keys[-2:], namespace="other")
+            got = await b.get(fp, keys[-2:])
+            assert all(torch.equal(x, y) for x, y in zip(got, await a.get(fp, keys[-2:]), strict=True))
+            assert (await b.stats()).cluster.remote_hits == 4  # the chain, parents first
 
 
 async def test_a_lookups_fill_hashes_only_the_blocks_after_its_local_walk(redis_port: int,

@@ -133,8 +133,8 @@ async def test_a_restarted_nodes_earlier_entries_are_skipped_and_removed_while_a
 async def test_an_older_daemons_entries_are_read_until_its_node_publishes_a_boot(
         redis_port: int, b_and_c: tuple[RunningServer, RunningServer]) -> None:
     """A rolling upgrade: a daemon from before boots writes entries without one and no boot record; B reads them
-    as before for a lookup's fill, whose key it computed in its caller's namespace, and skips them for a Get,
-    whose caller names the key (the entry has no namespace tag: it may be another namespace's, and asking its
+    as before for a lookup's fill, whose key it computed in its caller's namespace, and skips them for a tenant's
+    Get, whose caller names the key (the entry has no namespace tag: it may be another namespace's, and asking its
     holder tells so by the time). Once that node runs this version (a boot record of its own), such an entry is
     its earlier process's: skipped and removed."""
     import redis

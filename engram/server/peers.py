@@ -55,9 +55,11 @@ class _Peer(NamedTuple):
 
 class PeerFetcher:
     def __init__(self, cluster: ClusterIndex, store: BlockStore, *, token: str = "", root_cert: bytes | None = None,
-                 timeout_s: float = 5.0, max_blocks: int = 4096, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+                 timeout_s: float = 5.0, max_blocks: int = 4096, metadata: tuple[tuple[str, str], ...] = (),
+                 untagged_gets: bool = False) -> None:
         """max_blocks: the most blocks one call copies (cluster.max_fetch_blocks). metadata: sent with the token
-        on every call (ClusterTrust.peer_metadata: this daemon's node id)."""
+        on every call (ClusterTrust.peer_metadata: this daemon's node id). untagged_gets: whether a Get reads an
+        older daemon's untagged holder entries (tenancy off: `_fetch_chain`)."""
         self.cluster = cluster
         self.store = store
         self.token = token
@@ -65,6 +67,7 @@ class PeerFetcher:
         self.root_cert = root_cert
         self.timeout_s = timeout_s
         self.max_blocks = max_blocks
+        self.untagged_gets = untagged_gets
         # One channel per peer, replaced when the peer moves (a restart on another port or host), so restarts do
         # not pile up channels, or restarts in place (a new boot): the old channel, refused while the peer was
         # down, waits out its reconnect backoff (up to 2 s) failing every call at once, where a new one connects now
@@ -128,18 +131,21 @@ class PeerFetcher:
         refused before any of it is copied.
 
         The caller names the key, maybe another namespace's: only holders whose entry is tagged with the caller's
-        namespace are asked (ClusterIndex.holders; an older daemon's untagged entry is not), so a key another
-        namespace holds is answered as one nobody holds, in the same words and about the same time. The answers
-        differed, and told any tenant which keys exist elsewhere in the cluster (an audit, session 48); then the
-        time did, the holder asked before the refusal (4.4 ms against 1.6 ms). A holder that does not supply the
-        key still gets the same answer, the reasons in the log. A budget spent is checked before the index is
-        read, so it does not depend on the holders either."""
+        namespace are asked (ClusterIndex.holders), so a key another namespace holds is answered as one nobody
+        holds, in the same words and about the same time. The answers differed, and told any tenant which keys
+        exist elsewhere in the cluster (an audit, session 48); then the time did, the holder asked before the
+        refusal (4.4 ms against 1.6 ms). An older daemon's untagged entry may be any namespace's: asking its holder
+        serves nothing of another (FetchBlocks answers only the namespace named, and the MAC binds it) but tells
+        by the time, so with tenancy it is skipped (a Get by key of a block only older daemons hold misses until
+        they are upgraded); without (`untagged_gets`), every caller may name any namespace and ask itself, and it
+        is read. A holder that does not supply the key still gets the same answer, the reasons in the log. A
+        budget spent is checked before the index is read, so it does not depend on the holders either."""
         what = f"block {index} ({brief(key)})"
         if left < 1:
             raise NotFound(f"{what} is not stored here, and this Get has copied cluster.max_fetch_blocks "
                            f"({self.max_blocks}) blocks from peers already")
         unsupplied = NotFound(f"{what} is not stored here, and no live peer of the cluster supplied it")
-        holders = await self.cluster.holders(key, namespace, untagged=False)
+        holders = await self.cluster.holders(key, namespace, untagged=self.untagged_gets)
         if not holders:
             raise unsupplied
         root = self.store.root(namespace, fingerprint)
