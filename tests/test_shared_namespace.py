@@ -332,3 +332,24 @@ async def test_a_tenant_is_not_shown_the_hits_and_leases_other_tenants_reads_lea
         await a.get(afp, own)
         mine = (await a.describe_blocks(key_prefixes=[k.hex() for k in own], namespace="alice")).blocks
         assert [d.hits for d in mine] == [1, 1]
+
+
+async def test_a_tenants_stats_counters_leave_out_namespaces_other_tenants_share(daemon: RunningServer) -> None:
+    """Carol's Stats count blocks put, deduplicated and served per namespace, not per tenant: in `shared`, Bob's
+    Get of her chain moved her blocks_served and bytes_served by his read's bytes (a review, session 50). A
+    namespace other tenants share is left out of her counters. Control: Alice's own Get in her own namespace
+    counts in hers."""
+    spec = tiny_model()
+    toks = tokens(3 * BLOCK_TOKENS, seed=17)
+    async with as_(daemon, CAROL, "shared") as c, as_(daemon, BOB, "shared") as b, as_(daemon, ALICE, "alice") as a:
+        fp = await c.register_model(spec)
+        await b.register_model(spec)
+        keys = list((await c.put(fp, toks, random_kv(spec, len(toks), seed=17))).keys)
+        before = await c.stats()
+        await b.get(fp, keys)
+        after = await c.stats()
+        assert (after.blocks_served, after.bytes_served) == (before.blocks_served, before.bytes_served)
+        afp = await a.register_model(spec)
+        own = list((await a.put(afp, toks, random_kv(spec, len(toks), seed=17))).keys)
+        await a.get(afp, own)
+        assert (await a.stats()).blocks_served == 3

@@ -787,7 +787,10 @@ class EngramService:
         which are 0 here). A model none of the namespaces holds, or that the tenant has not registered (another
         tenant's blocks in a namespace they share), is left out: which models others use is theirs."""
         store = self.store
-        own = store.counters.of_namespaces(scope)  # a namespace evicted whole keeps its counts
+        # A namespace evicted whole keeps its counts. Those of a namespace other tenants share too are left out: kept
+        # per namespace, not per tenant, they counted every tenant's puts and reads there (Bob's Get moved Carol's
+        # bytes_served by his prompt's bytes: a review, session 50)
+        own = store.counters.of_namespaces([ns for ns in scope if not store.namespaces.shared(ns)])
         cl = self.cluster
         cluster = ClusterStats(state="off") if cl is None else ClusterStats(
             state=cl.state, reason=cl.reason, node_id=cl.node_id, live_nodes=await cl.live_nodes())
