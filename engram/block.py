@@ -3,7 +3,6 @@ must pass before the store accepts it."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -11,6 +10,7 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
+from engram.borrowed import in_thread
 from engram.errors import InvalidArgument, brief
 from engram.layout import DType, KVLayout
 
@@ -42,10 +42,12 @@ CHECKSUM_OFF_LOOP_BYTES = 8 * 2**20
 
 async def checksum_off_loop(payload: bytes | memoryview) -> int:
     """checksum() of a payload, in a worker thread when it is large, so that the event loop's other calls (a
-    worker's other requests, the other clients sharing its loop) do not wait for it: 16 MiB is 2-3 ms of hashing."""
+    worker's other requests, the other clients sharing its loop, the daemon's other connections) do not wait for
+    it: 16 MiB is 2-3 ms of hashing. The hash has ended when this returns, cancelled or not (engram/borrowed.py):
+    the payload may be a buffer its caller reuses next (the data channel's receive buffer)."""
     if (payload.nbytes if isinstance(payload, memoryview) else len(payload)) < CHECKSUM_OFF_LOOP_BYTES:
         return checksum(payload)
-    return await asyncio.to_thread(checksum, payload)
+    return await in_thread(checksum, payload)
 
 
 @dataclass(frozen=True)
@@ -104,12 +106,14 @@ class BlockHeader:
                 f"{where}: payload_nbytes {self.payload_nbytes} != {expected} for shape {want} in codec {brief(self.codec)}"
             )
 
-    def verify_payload(self, payload: bytes | memoryview, *, index: int) -> None:
+    async def verify_payload(self, payload: bytes | memoryview, *, index: int) -> None:
+        """The payload is the one the header describes: its size, and its checksum (a large one hashed off the
+        event loop: checksum_off_loop)."""
         if len(payload) != self.payload_nbytes:
             raise InvalidArgument(
                 f"block {index}: received {len(payload)} payload bytes, header announced {self.payload_nbytes}"
             )
-        got = checksum(payload)
+        got = await checksum_off_loop(payload)
         if got != self.checksum:
             raise InvalidArgument(
                 f"block {index}: payload checksum {got:#018x} != header checksum {self.checksum:#018x} "

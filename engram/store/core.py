@@ -31,7 +31,8 @@ import torch
 
 from engram import limits
 from engram.api import TierStats
-from engram.block import BlockHeader, BlockRecord, Payload, checksum
+from engram.block import BlockHeader, BlockRecord, Payload, checksum, checksum_off_loop
+from engram.borrowed import in_thread
 from engram.codec import stored
 from engram.errors import (
     DataLoss,
@@ -45,7 +46,7 @@ from engram.errors import (
 from engram.eviction import CLOCK, Expected
 from engram.index import BlockMeta, ChainIndex, PrefixMatch, PrefixWalk, Tally
 from engram.keys import block_key, root_key, tokens_to_bytes
-from engram.layout import DType, ModelSpec
+from engram.layout import DType, ModelSpec, StreamSpec
 from engram.logbudget import LogBudget
 from engram.loopturns import SLICE_BLOCKS, pause
 from engram.registry import ModelRegistry
@@ -84,6 +85,27 @@ class PutOutcome(NamedTuple):
     stored: bool  # False: the block was already present (deduplicated, unless skipped)
     durable: bool = True  # False: write-through acknowledged it without a durable copy (engram/store/durable.py)
     skipped: bool = False  # an in-place put's block stored when reserved: never written, so not deduplicated either
+
+
+def _encoded(payload: Payload, dtype: DType, shape: tuple[int, ...], codec: str, lossless: bool, backend: str
+             ) -> tuple[torch.Tensor, bytes, int]:
+    """A raw put's elements in a quantizing model's stored form (a v1 block of the raw codec when `lossless`), with
+    its checksum, as one worker thread's work (engram/borrowed.py): the elements are copied out of the payload
+    there (a sample keeps them past the put, and the data channel's buffer is reused after it), where that 16 MiB
+    copy held the event loop (benchmarks/RESULTS.md put_get, session 50). Returns the elements too."""
+    kv = stored.decode(payload, stored.RAW, dtype, shape)
+    blob = stored.encode_lossless(kv) if lossless else stored.encode(kv, codec, backend=backend)
+    return kv, blob, checksum(blob)
+
+
+def _streams_stored(payload: Payload, streams: Sequence[StreamSpec], shape: tuple[int, ...], backend: str,
+                    where: str) -> tuple[Payload, int | None]:
+    """A stream layout's block in its stored form and that form's checksum, or the payload itself and None when
+    it was sent so: encoded, compared and hashed in one worker thread (a 16 MiB compare held the loop too)."""
+    blob = stored.stored_streams(payload, streams, shape, backend=backend, where=where)
+    if blob is payload or blob == payload:
+        return payload, None
+    return blob, checksum(blob)
 
 
 class BlockStore:
@@ -346,7 +368,7 @@ class BlockStore:
         spec = self.spec(model_fingerprint)
         layout = spec.layout
         header.validate(layout, index=index, model_codec=spec.codec)
-        header.verify_payload(payload, index=index)
+        await header.verify_payload(payload, index=index)  # hashed off the loop when large; ended before it returns
         header, payload, sample = await self._stored_form(namespace, spec, header, payload, index)
         pmeta = None
         if parent != self.root(namespace, model_fingerprint):
@@ -533,11 +555,11 @@ class BlockStore:
         where = f"block {index}"
         codec = spec.stored_codec
         if stored.is_streams(codec):
-            blob = await asyncio.to_thread(stored.stored_streams, payload, spec.streams, tuple(header.shape),
-                                           backend=self.codec_backend, where=where)
-            if blob is payload or blob == payload:
+            blob, blob_checksum = await in_thread(_streams_stored, payload, spec.streams, tuple(header.shape),
+                                                  self.codec_backend, where)
+            if blob_checksum is None:
                 return header, payload, None
-            return dataclasses.replace(header, payload_nbytes=len(blob), checksum=checksum(blob)), blob, None
+            return dataclasses.replace(header, payload_nbytes=len(blob), checksum=blob_checksum), blob, None
         quality = self.quality
         if header.codec == codec:  # raw models, and blocks a worker encoded (no raw elements here to measure)
             stored.check_encoded(payload, codec, header.dtype, tuple(header.shape), where)
@@ -548,20 +570,18 @@ class BlockStore:
         if not stored.is_raw(header.codec):
             raise InvalidArgument(f"{where}: this model stores {codec} blocks; send raw elements (the daemon "
                                   f"encodes them) or {codec} blocks, not {header.codec}")
-        kv = stored.decode(payload, stored.RAW, header.dtype, tuple(header.shape))
         sampled = quality.sample(len(payload))
         kinds = persisted_kinds(spec.layout) if sampled or quality.fallbacks else ()  # (most puts need neither)
-        sample = Sample(kv, codec, kinds, codec, namespace) if sampled else None
         fallback = quality.lossless(namespace, codec, kinds)
+        kv, encoded, encoded_checksum = await in_thread(_encoded, payload, header.dtype, tuple(header.shape), codec,
+                                                        fallback is not None, self.codec_backend)
+        sample = Sample(kv, codec, kinds, codec, namespace) if sampled else None
         if fallback is not None:  # kept bit-exact: measured, when sampled, under the codec it is in (raw)
-            blob = await asyncio.to_thread(stored.encode_lossless, kv)
             fallback.blocks += 1
             if sample is not None:
                 sample = dataclasses.replace(sample, codec=stored.RAW)
-        else:
-            blob = await asyncio.to_thread(stored.encode, kv, codec, backend=self.codec_backend)
-        header = dataclasses.replace(header, codec=codec, payload_nbytes=len(blob), checksum=checksum(blob))
-        return header, blob, sample
+        header = dataclasses.replace(header, codec=codec, payload_nbytes=len(encoded), checksum=encoded_checksum)
+        return header, encoded, sample
 
     async def after_put(self, metas: Sequence[BlockMeta], not_durable: set[bytes]) -> None:
         """What follows publishing blocks that were written into a pool in place (engram/store/inplace.py, which
@@ -667,7 +687,8 @@ class BlockStore:
         """`read_view` of every block, as one call: a block whose copy in the top tier answers without an
         await (a host pool's slot, a private DRAM tier's bytes) and verifies is served in the loop, counted
         once for the batch; any other (a copy below the top tier, which may be promoted, or one that fails
-        its checksum) goes through `read_view`. The blocks must be held (`reading`)."""
+        its checksum) goes through `read_view`. The blocks must be held (`reading`): a large copy is hashed in a
+        worker thread (checksum_off_loop), its slot kept by the hold."""
         out: list[bytes | memoryview] = []
         placement = self.placement
         top = placement.tiers[0]
@@ -680,7 +701,7 @@ class BlockStore:
             payload: bytes | memoryview | None = None
             if now is not None and locations and locations[0] == top_name:
                 payload = now(meta.key)
-                if payload is not None and verify and checksum(payload) != meta.checksum:
+                if payload is not None and verify and await checksum_off_loop(payload) != meta.checksum:
                     payload = None  # read_view drops the copy, counts it and tries the next
             if payload is None:
                 out.append(await self.read_view(meta, promote=promote, verify=verify))
@@ -781,7 +802,7 @@ class BlockStore:
                 tier = placement.tier(name)
                 in_place = tier.view(meta.key) if view and isinstance(tier, PoolTier) else None
                 payload = in_place if in_place is not None else await tier.read(meta.key)
-                if verify and checksum(payload) != meta.checksum:
+                if verify and await checksum_off_loop(payload) != meta.checksum:  # a view: the block is held
                     raise DataLoss(f"block {meta.key.hex()} failed its checksum in tier {name}")
             except StaleRecord as exc:
                 if self.adopt(meta, name, exc.found):

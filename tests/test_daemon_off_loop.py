@@ -1,0 +1,114 @@
+"""The daemon's large per-block work runs off its event loop (whose other connections waited 2-3 ms per 16 MiB
+under load: benchmarks/RESULTS.md put_get, session 50), with what it checks unchanged: a put's checksum, a hit's
+check of the stored copy, a raw put's copy into a quantizing model's codec. Watched with a profile hook on the
+loop's thread (a daemon in this process; the client hashes blocks of this size in threads too)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import grpc
+import pytest
+import torch
+import xxhash
+
+from engram.block import CHECKSUM_OFF_LOOP_BYTES, checksum, checksum_off_loop
+from engram.client import EngramClient
+from engram.codec import stored
+from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
+from engram.v1 import engram_pb2 as pb
+from engram.v1 import engram_pb2_grpc as pb_grpc
+
+from helpers import random_kv, tokens
+
+BIG = KVLayout(layers=(LayerSpec(LayerKind.GLOBAL),), num_kv_heads=8, head_dim=128, dtype=DType.BF16,
+               block_tokens=2048)  # 8 MiB raw: the smallest block hashed off the loop
+
+
+@contextmanager
+def on_the_loop(*watched: Any) -> Iterator[list[str]]:
+    """The names of the watched C functions (xxh3) and Python functions called on this thread meanwhile."""
+    codes = {f.__code__ for f in watched if hasattr(f, "__code__")}
+    seen: list[str] = []
+
+    def watch(frame: Any, event: str, arg: Any) -> None:
+        if (event == "c_call" and arg in watched) or (event == "call" and frame.f_code in codes):
+            seen.append(getattr(arg, "__name__", "") if event == "c_call" else frame.f_code.co_name)
+
+    sys.setprofile(watch)
+    try:
+        yield seen
+    finally:
+        sys.setprofile(None)
+
+
+async def test_a_large_put_and_hit_are_hashed_off_the_daemons_loop_and_a_damaged_put_is_still_refused(  # type: ignore[no-untyped-def]
+        server_factory) -> None:
+    srv = await server_factory()
+    spec = ModelSpec("big-blocks", "w", BIG, codec="raw")
+    assert BIG.block_nbytes(2048) == CHECKSUM_OFF_LOOP_BYTES
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        toks, kv = tokens(2048, seed=3), random_kv(spec, 2048, seed=3)
+        with on_the_loop(xxhash.xxh3_64_intdigest) as seen:
+            (key,) = (await c.put(fp, toks, kv)).keys
+            (got,) = await c.get(fp, [key], zero_copy=False)  # served from the pool: its copy checked first
+        assert seen == [] and torch.equal(got, kv)
+        payload = bytearray(stored.encode(random_kv(spec, 2048, seed=4), stored.RAW))
+        good = checksum(payload)
+        payload[12345] ^= 0x40  # damaged on the way
+
+        async def requests():  # type: ignore[no-untyped-def]
+            yield pb.PutRequest(header=pb.PutHeader(namespace="t", model_fingerprint=fp))
+            header = pb.BlockHeader(tokens=tokens(2048, seed=4).tolist(), dtype=int(DType.BF16),
+                                    shape=list(BIG.block_shape(2048)), payload_nbytes=len(payload), checksum=good)
+            step = 2**20
+            for at in range(0, len(payload), step):
+                yield pb.PutRequest(chunk=pb.BlockChunk(header=header if at == 0 else None,
+                                                        data=bytes(payload[at:at + step]),
+                                                        last=at + step >= len(payload)))
+
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            with on_the_loop(xxhash.xxh3_64_intdigest) as seen, pytest.raises(grpc.aio.AioRpcError) as info:
+                await pb_grpc.EngramStub(ch).Put(requests())
+        assert seen == []
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "checksum" in (info.value.details() or "")
+        assert len(srv.store.index) == 1  # the damaged block stored nowhere
+
+
+async def test_a_raw_put_to_an_nvfp4_model_is_copied_and_encoded_off_the_loop_and_stores_the_same_bytes(  # type: ignore[no-untyped-def]
+        server_factory) -> None:
+    """The raw elements are copied out of the put's buffer (stored.decode) in the encoding's thread, not on the
+    loop, and the block stored is the codec's encoding of them, sampled as before."""
+    srv = await server_factory(**{"codec.quality_sample": 1})
+    spec = ModelSpec("big-blocks", "w", BIG, codec="nvfp4")
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        toks, kv = tokens(2048, seed=5), random_kv(spec, 2048, seed=5)
+        with on_the_loop(stored.decode, xxhash.xxh3_64_intdigest) as seen:
+            (key,) = (await c.put(fp, toks, kv)).keys
+        assert seen == []
+    meta = srv.store.index.get(key)
+    want = stored.encode(kv, "nvfp4", backend=srv.store.codec_backend)
+    assert await srv.store.read(meta) == want and meta.checksum == checksum(want)
+    await srv.store.quality.drain()
+    assert srv.store.quality.errors.blocks == 1  # the sample kept the elements the thread copied
+
+
+async def test_a_cancelled_off_loop_checksum_returns_only_once_its_thread_let_go_of_the_buffer() -> None:
+    """The data channel reuses its receive buffer once a put ends, cancelled or not: a hash still running in its
+    thread would read the next block's bytes, and hold an export of the buffer (a release or resize raises
+    BufferError). Cancelled, the call waits for its thread."""
+    buf = bytearray(512 * 2**20)  # hashed in tens of ms
+    view = memoryview(buf)
+    task = asyncio.create_task(checksum_off_loop(view))
+    await asyncio.sleep(0.01)  # the thread is hashing
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    view.release()  # BufferError if the thread still held it
+    buf.extend(b"x")
