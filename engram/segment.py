@@ -117,16 +117,20 @@ class SegmentReader:
 
     def copy(self, offset: int, length: int, generation: int) -> torch.Tensor | None:
         """The bytes at data offset [offset, offset + length) as a new uint8 tensor, or None when the slot
-        was reused (before or while copying): the generation is checked before and after the copy."""
+        was reused (before or while copying): the generation is checked before and after the copy.
+
+        One memcpy on the calling thread (a memoryview's), as the daemon's pool copies (engram/tiers/pool.py), not
+        torch's copy_: that splits a large copy over torch's OpenMP team and returns when its slowest thread is
+        done, which beside busy processes held the client's event loop for the scheduler (benchmarks/RESULTS.md
+        put_get, sessions 49 and 50)."""
         if offset + length > self.layout.data_bytes:
             return None
         if not self.current(offset, length, generation):
             return None
         start = self.layout.data_offset + offset
         out = torch.empty(length, dtype=torch.uint8)
-        with warnings.catch_warnings():  # a read-only mapping: torch warns, and we only read it
-            warnings.simplefilter("ignore", UserWarning)
-            out.copy_(torch.frombuffer(self._mm, dtype=torch.uint8, offset=start, count=length))
+        with memoryview(self._mm) as mapped:  # released at once: close() unmaps only a mapping nothing views
+            memoryview(out.numpy())[:] = mapped[start : start + length]  # type: ignore[arg-type]
         return out if self.current(offset, length, generation) else None
 
     def close(self) -> None:

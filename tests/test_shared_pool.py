@@ -76,6 +76,42 @@ async def test_a_worker_maps_the_segment_and_reads_blocks_in_place(shm_dir: Path
     assert not seg.path.exists(), "the segment was not unlinked on close"
 
 
+async def test_a_worker_copies_a_block_out_on_its_own_thread_not_on_torchs_thread_team(shm_dir: Path) -> None:
+    """A zero-copy Get's copy out of the pool is one memcpy on the calling thread (the client's event loop): torch's
+    copy_ split it over its OpenMP team and waited for the slowest thread, which beside busy processes held the
+    loop for the scheduler (benchmarks/RESULTS.md put_get, session 50). A fresh process copies 16 MiB, and no
+    thread was started for it; the bytes are the block's, and a reused slot still gives None."""
+    tier = shared_dram_tier(64 * 2**20, shm_dir, pin=False)
+    payload = os.urandom(16 * 2**20)
+    await put(tier, b"big-key!", payload)
+    seg, slot = tier.segment, tier.slot(b"big-key!")
+    assert seg is not None
+    script = f"""
+import hashlib, os, sys, torch
+from engram.segment import SegmentReader
+if torch.get_num_threads() < 2 or "OpenMP" not in torch.__config__.parallel_info():
+    print("skip"); sys.exit()
+reader = SegmentReader({str(seg.path)!r}, {seg.layout.segment_id!r})
+before = len(os.listdir("/proc/self/task"))
+out = reader.copy({slot.offset}, {slot.length}, {slot.generation})
+print(len(os.listdir("/proc/self/task")) - before, hashlib.sha256(out.numpy()).hexdigest())
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    if done.stdout.strip() == "skip":
+        pytest.skip("torch runs its CPU ops on one thread here, or without OpenMP")
+    import hashlib
+
+    assert done.stdout.split() == ["0", hashlib.sha256(payload).hexdigest()]
+    reader = SegmentReader(seg.path, seg.layout.segment_id)
+    await tier.delete(b"big-key!")
+    await put(tier, b"new-key!", os.urandom(slot.length))
+    assert tier.slot(b"new-key!").offset == slot.offset
+    assert reader.copy(slot.offset, slot.length, slot.generation) is None
+    reader.close()
+    await tier.close()
+
+
 async def test_a_reader_refuses_a_segment_that_is_not_the_one_named(shm_dir: Path) -> None:
     tier = shared_dram_tier(16 * 1024, shm_dir, pin=False)
     assert tier.segment is not None
