@@ -764,6 +764,10 @@ class SessionManager:
         """CloseSession: the session `get` finds for the caller ends (`end`)."""
         return self.end(self.get(namespace, session_id, tenant, owner))
 
+    def is_open(self, s: Session) -> bool:
+        """Whether `s` is still a live session (not closed, by its client or idle)."""
+        return self._sessions.get(s.key) is s
+
     def end(self, s: Session) -> Session:
         """The session ends: its window goes, its blocks lose its references, its tokens are given back."""
         self._let_go(s, self._ending(s))

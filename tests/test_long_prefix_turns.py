@@ -24,7 +24,7 @@ from engram.replay.runtime import ReplayRuntime
 from engram.sessions import SessionManager
 from engram.v1 import engram_pb2 as pb
 
-from helpers import dram_store, put_raw_chain, random_kv, tiny_model, tokens
+from helpers import dram_store, put_raw_chain, random_kv, tiny_model, tokens, until
 
 ALICE, BOB = "alice-token", "bob-token"
 AUTH = {"auth.tenants.alice.token": ALICE, "auth.tenants.bob.token": BOB, "auth.salt_secret": "test-secret"}
@@ -279,6 +279,45 @@ async def test_a_session_call_cut_while_it_waits_for_its_turn_leaves_references_
 
 
 @pytest.mark.parametrize("transport", ["unix"])
+@pytest.mark.parametrize("method", ["OpenSession", "ForkSession"])
+async def test_a_session_call_cut_before_it_names_the_session_the_daemon_picked_leaves_no_session(
+        server_factory: Any, method: str) -> None:
+    """An OpenSession or ForkSession that leaves the session's id to the daemon, cut by its deadline while it
+    holds the prefix (waiting for its tenant's turn, held here as bob's other long calls would): its answer, the
+    only place the id is named, never comes, so the session ends with the call. It stayed open, named to nobody,
+    holding its blocks and counted among bob's live sessions until server.session_idle_s (a day by default). A
+    session whose id the caller chose stays (test_a_session_call_cut_while_it_waits_for_its_turn_...)."""
+    srv = await server_factory(**AUTH)
+    spec, n_blocks = minimal(), 4 * SLICE_BLOCKS
+    big = tokens(n_blocks * 16, seed=7)
+    sessions = srv.sessions
+    async with EngramClient(srv.address, token=BOB, namespace="bob") as b:
+        fp = await b.register_model(spec)
+        assert (await b.put(fp, big, random_kv(spec, len(big), seed=1))).stored == n_blocks
+        before: list[Any] = [n_blocks * [0], []]  # each block's session references, and bob's sessions
+        if method == "ForkSession":
+            await b.open_session(fp, mode="persist", session_id="parent", tokens=big)
+            before = [n_blocks * [1], ["parent"]]
+        request = (pb.OpenSessionRequest(namespace="bob", model_fingerprint=fp, mode=pb.REPLAY_MODE_PERSIST,
+                                         tokens=big.tolist()) if method == "OpenSession" else
+                   pb.ForkSessionRequest(parent=pb.SessionRef(namespace="bob", session_id="parent")))
+        async with grpc.aio.insecure_channel(srv.address, options=[("grpc.max_receive_message_length", -1)]) as ch:
+            call = ch.unary_unary(f"/engram.v1.Engram/{method}", request_serializer=None, response_deserializer=None)
+            async with sessions.turns.turn("bob"):
+                with pytest.raises(grpc.aio.AioRpcError) as cut:
+                    await call(request.SerializeToString(), metadata=(("authorization", f"Bearer {BOB}"),),
+                               timeout=0.3)
+                assert cut.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                await asyncio.sleep(0.2)  # the handler's cancellation lands
+
+        async def as_before() -> bool:
+            return [[m.refs for m in srv.store.blocks("bob")],
+                    sorted(s.info.session_id for s in await b.list_sessions())] == before
+
+        await until(as_before, "no session left of the cut call", timeout=5)
+
+
+@pytest.mark.parametrize("transport", ["unix"])
 async def test_a_resume_whose_session_closes_while_it_waits_for_its_turn_is_not_found(server_factory: Any) -> None:
     """A Resume waits for its tenant's turn (held here, as the tenant's other long calls would) while its session
     is closed: it answers NOT_FOUND, and the closed session takes no hot slot. On the no-window path (a model with
@@ -457,6 +496,39 @@ async def test_a_get_prefix_cut_after_its_lease_was_granted_leaves_no_lease(serv
                 break
             await asyncio.sleep(0.05)
         assert len(leases) == 0 and all(m.leases == 0 for m in srv.store.blocks("bob"))
+
+
+@pytest.mark.parametrize("transport", ["unix"])
+async def test_a_get_prefix_cancelled_in_its_last_stretch_leaves_no_lease(server_factory: Any) -> None:
+    """A GetPrefix with hold_for_get cancelled by its client once its lease was granted, while the daemon builds
+    the answer's last slice (no await from there to the answer): grpc passes the cancel on to the handler a few
+    turns of the loop after it hears of it, so the handler had answered into the gone call, and the lease, named to
+    nobody, held every block of the prefix for server.lease_s (60 s here; the loose end 03c1429 closed for
+    ReservePut). Now the lease ends as the call does."""
+    srv = await server_factory(**AUTH, **{"server.lease_s": 60.0})
+    spec, n_blocks = minimal(), 2 * SLICE_BLOCKS  # leased in the first slice, answered after the second
+    big = tokens(n_blocks * 16, seed=7)
+    async with EngramClient(srv.address, token=BOB, namespace="bob") as b:
+        fp = await b.register_model(spec)
+        assert (await b.put(fp, big, random_kv(spec, len(big), seed=1))).stored == n_blocks
+        leases = srv.service.leases
+        raw = pb.GetPrefixRequest(namespace="bob", model_fingerprint=fp, tokens=big.tolist(),
+                                  hold_for_get=True).SerializeToString()
+        with grpc.insecure_channel(srv.address, options=[("grpc.max_receive_message_length", -1)]) as ch:
+            # A blocking client's call, started and cancelled from the daemon's loop without awaiting it
+            call = ch.unary_unary("/engram.v1.Engram/GetPrefix", request_serializer=None,
+                                  response_deserializer=None).future(
+                raw, metadata=(("authorization", f"Bearer {BOB}"),))
+            deadline = time.monotonic() + 30
+            while len(leases) == 0:  # a turn a slice: seen at the turn between the two
+                assert time.monotonic() < deadline and not call.done(), "the lease was never seen"
+                await asyncio.sleep(0)
+            assert call.cancel(), "the answer came before the cancel"
+
+        async def lease_ended() -> bool:
+            return len(leases) == 0 and all(m.leases == 0 for m in srv.store.blocks("bob"))
+
+        await until(lease_ended, "the cancelled GetPrefix's lease ended, well before server.lease_s", timeout=5)
 
 
 @pytest.mark.parametrize("transport", ["unix"])

@@ -545,6 +545,8 @@ class EngramService:
         try:
             await self.store.count_lookup(len(walk.tokens), walk.blocks[: len(header.blocks)], header.matched_tokens,
                                           use=False)  # each slice was used as it was answered (prefix_header)
+            if header.lease_id:  # a cancel come during the last slice, which awaits nothing, lands (as ReservePut's)
+                await _cancel_lands()
         except BaseException:  # cut (its deadline, its client gone): a lease no caller will hear of is dropped
             if header.lease_id:  # (it held every block of the prefix for lease_s: a cancel audit, session 49)
                 self.leases.release_known(ns, [header.lease_id])  # (expired meanwhile: nothing to end)
@@ -913,8 +915,24 @@ class EngramService:
         tenant = self._tenant(context)
         s = self.sessions.open(ns, req.model_fingerprint, mode, req.approx_k, req.session_id, tokens, tenant=tenant,
                                hold=False)
-        await self.sessions.hold_in_slices(s, tenant)  # a long prefix a slice at a time, in the tenant's turn
+        await self._hold_new(s, tenant, picked=not req.session_id)  # a long prefix a slice at a time, in its turn
         return self._session_info(s)
+
+    async def _hold_new(self, s: Session, tenant: str, *, picked: bool) -> None:
+        """A new session's prefix held (SessionManager.hold_in_slices) before it is answered. One whose id the
+        daemon `picked` is named to its caller by the answer alone: a call that ends without it (cut: its client's
+        cancel or deadline; or failed) ends the session, which stayed open, named to nobody, holding its blocks and
+        counted among its tenant's sessions until server.session_idle_s (a day by default). A cancel come while it
+        ran without awaiting (a short prefix) lands first (`_cancel_lands`). One whose id the caller chose stays
+        (the caller may use or close it)."""
+        try:
+            await self.sessions.hold_in_slices(s, tenant)
+            if picked:
+                await _cancel_lands()
+        except BaseException:
+            if picked and self.sessions.is_open(s):
+                self.sessions.end(s)
+            raise
 
     @unary
     async def AppendSession(self, request: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
@@ -939,7 +957,7 @@ class EngramService:
         s = self.sessions.fork(namespace_for(context, req.parent.namespace), req.parent.session_id, req.session_id,
                                req.position, tenant=tenant, owner=session_owner(context, req.parent.owner),
                                hold=False)
-        await self.sessions.hold_in_slices(s, tenant)
+        await self._hold_new(s, tenant, picked=not req.session_id)
         return self._session_info(s)
 
     @unary
