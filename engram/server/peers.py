@@ -177,12 +177,13 @@ class PeerFetcher:
                          most: int) -> list[bytes]:
         request = pb.FetchBlocksRequest(keys=[key], namespace=namespace, model_fingerprint=fingerprint,
                                         ancestors=most)
+        call = self._stub(holder.node_id, holder.address, holder.boot).FetchBlocks(request, timeout=self.timeout_s)
         try:
-            call = self._stub(holder.node_id, holder.address, holder.boot).FetchBlocks(request, timeout=self.timeout_s)
             resp = await call.read()
-            call.cancel()
         except grpc.aio.AioRpcError as exc:
             raise _PeerFailed(_rpc_failure(exc)) from None
+        finally:  # its one answer read, or this Get cut: not left to the garbage collector (as `_blocks`)
+            call.cancel()
         if resp is grpc.aio.EOF or resp.HasField("chunk") or len(resp.ancestors) > most:
             raise _PeerFailed("the peer does not list a block's ancestors (a daemon older than this one)")
         return list(resp.ancestors)
