@@ -197,6 +197,7 @@ class EngramClient(ControlClient):
         self._max_message = max_message_bytes  # bytes of one gRPC message sent: ours, or the daemon's if less
         self._data: DataChannel | None = None
         self._data_asked: asyncio.Task[DataChannel | None] | None = None  # the DataEndpoint call in flight, shared
+        self._data_replaced: set[DataChannel] = set()  # channels replaced with requests still in flight (_exchange)
         self._layouts: dict[bytes, ModelSpec] = {}
         # The daemon's pools this process maps, for zero-copy Gets, loads, in-place puts and CUDA IPC (each let go
         # once a daemon restart removed it)
@@ -227,8 +228,9 @@ class EngramClient(ControlClient):
         self._pools.clear()
         if self._data_asked is not None:
             self._data_asked.cancel()  # a channel it made now would outlive the client
-        if self._data is not None:
-            await self._data.aclose()
+        for data in [*self._data_replaced, *([self._data] if self._data is not None else [])]:
+            await data.aclose()
+        self._data_replaced.clear()
         await super().close()
 
     # ---- models --------------------------------------------------------------------------------
@@ -706,14 +708,22 @@ class EngramClient(ControlClient):
                 if refreshed or self._data is not data or isinstance(exc, errors.DeadlineExceeded):
                     raise
                 refreshed = True  # a restarted daemon may listen elsewhere (data_port 0): ask again
-                data.drop_idle()
-                self._data = None
+                self._replace(data)
                 fresh = await self._data_channel()
                 if fresh is None:
                     raise
                 data = fresh
                 continue
         raise refusal
+
+    def _replace(self, data: DataChannel) -> None:
+        """The data channel is asked for again: the old one retires (its requests in flight finish, their
+        connections closed, not pooled) and is kept until they end, so that close() still cuts them."""
+        self._data = None
+        data.retire()
+        self._data_replaced = {d for d in self._data_replaced if d.busy()}
+        if data.busy():
+            self._data_replaced.add(data)
 
     @property
     def _progress_every_ms(self) -> int:

@@ -19,6 +19,7 @@ from engram import errors
 from engram.block import checksum
 from engram.client import EngramClient
 from engram.config import load_config
+from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
 from engram.server import start_server
 from engram.v1 import engram_pb2 as pb
 from engram.wire import convert
@@ -1059,4 +1060,47 @@ async def test_concurrent_first_calls_of_one_client_share_one_data_channel(serve
         assert [p.stored for p in puts] == [8] * 8 and served(srv)["put"] == 8  # each over the data channel
     assert rpcs_answered(srv, "DataEndpoint") == 1
     port = srv.service.dataport
+    await until(lambda: not port._conns, "the daemon seeing every data connection of the closed client end")
+
+
+@pytest.mark.parametrize("transport", ["tcp"])
+@pytest.mark.parametrize("then", ["finish", "close"])
+async def test_a_data_channel_replaced_after_the_daemon_moved_ends_with_the_client(server_factory, then: str) -> None:  # type: ignore[no-untyped-def]
+    """The daemon's data channel moves to another port (as a daemon restarted with data_port 0 does; here the
+    daemon listens on a new port and stops listening on the old one) while a 64 MiB Get runs on a connection to
+    the old one: the client's next call finds the old port closed, asks for the endpoint again and goes on on a
+    new channel. The old channel was dropped as it was: the Get still running on it went on, and its connection
+    went back into the dropped channel's pool, open; the client's close() did not cut that Get (it ran to its end
+    after the close). Now the Get ends as it would (`finish`), its connection closed, or close() cuts it
+    (ClientClosed); every connection ends with the client."""
+    srv = await server_factory()
+    spec = ModelSpec("wide", "w", KVLayout(layers=tuple(LayerSpec(LayerKind.GLOBAL) for _ in range(8)),
+                                           num_kv_heads=8, head_dim=128, dtype=DType.BF16, block_tokens=16),
+                     codec="raw")  # 512 KiB blocks
+    big, small = tokens(128 * 16, seed=1), tokens(16, seed=2)
+    port = srv.service.dataport
+    c = EngramClient(srv.address, namespace=NS, zero_copy=False)
+    try:
+        fp = await c.register_model(spec)
+        big_keys = list((await c.put(fp, big, random_kv(spec, len(big), seed=1))).keys)
+        small_keys = list((await c.put(fp, small, random_kv(spec, len(small), seed=2))).keys)
+        old = c._data
+        assert old is not None and served(srv)["put"] == 2  # one idle connection, to the old port
+        moved_from = port._listeners[0]
+        await port.start_tcp("127.0.0.1", 0, None)  # announced from now on
+        port._accepting[0].cancel()
+        moved_from.close()
+        running = asyncio.create_task(c.get(fp, big_keys))  # on the old channel's idle connection
+        await until(lambda: port._in_request, "the daemon answering the 64 MiB Get")
+        await c.get(fp, small_keys)  # the old port refuses: a new channel
+        assert c._data is not old and not running.done()
+        if then == "finish":
+            assert len(await running) == 128
+            assert not old._idle  # its connection closed, not pooled
+            await until(lambda: len(port._conns) == 1, "the daemon seeing the old channel's connection end")
+    finally:
+        await c.close()
+    if then == "close":
+        with pytest.raises(errors.ClientClosed):
+            await running
     await until(lambda: not port._conns, "the daemon seeing every data connection of the closed client end")

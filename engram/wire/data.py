@@ -506,6 +506,7 @@ class DataChannel:
         self._busy: set[asyncio.Task[Any]] = set()  # the tasks of the requests in flight
         self._cut: set[asyncio.Task[Any]] = set()  # of those, cancelled by aclose
         self._closed = False
+        self._retired = False  # replaced (`retire`): no connection goes back to the pool
 
     async def _dial(self) -> Conn:
         where = self.endpoint.unix_path or f"{self.endpoint.host}:{self.endpoint.port}"
@@ -592,8 +593,23 @@ class DataChannel:
         finally:
             self._busy.discard(task)
             self._cut.discard(task)
-        self._idle.append(conn)
+        if self._retired:
+            conn.close()
+        else:
+            self._idle.append(conn)
         return result
+
+    def retire(self) -> None:
+        """The channel is replaced (the daemon moved: another channel reaches it now): its idle connections are
+        closed, and each request in flight closes its connection as it ends, however it ends; none is cut (aclose
+        still cuts them). A replaced channel dropped as it was took back the connections of the requests still
+        running on it, left open, and its owner's close no longer reached them."""
+        self._retired = True
+        self.drop_idle()
+
+    def busy(self) -> bool:
+        """Whether a request is in flight on the channel."""
+        return bool(self._busy)
 
     def drop_idle(self) -> None:
         """Close the idle connections (the daemon closed them, or went away)."""
