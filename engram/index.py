@@ -317,6 +317,11 @@ class _Space:
     # and the bytes their second and later references add to the namespace's physical bytes
     referenced_by: dict[str, int] = field(default_factory=dict)
     extra_by: dict[str, int] = field(default_factory=dict)
+    # Per tier, the blocks a tenant's pins keep pinned there, as a tenant sees them (the pins it may lift: its own,
+    # and those of no recorded owner, the owner ""): a block with pins of no recorded owner is counted under ""
+    # alone, any other under each tenant pinning it, so a tenant's figure, its own and ""'s added, counts each
+    # block once (`_lifters`)
+    pinned_tiers_by: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 def _count_copy(tiers: dict[str, Tally], meta: BlockMeta, name: str, sign: int) -> None:
@@ -324,6 +329,29 @@ def _count_copy(tiers: dict[str, Tally], meta: BlockMeta, name: str, sign: int) 
     if t is None:
         t = tiers[name] = Tally()
     t.count(meta, sign)
+
+
+def _lifters(meta: BlockMeta) -> list[str]:
+    """The pin owners `_Space.pinned_tiers_by` counts the block under: "" where pins of no recorded owner are among
+    its tenant pins (every tenant of the namespace may lift them), else each tenant pinning it."""
+    if meta.pins <= meta.operator_pins:
+        return []
+    if meta.owner_pins("") > 0:
+        return [""]
+    return [o for o, n in (meta.pin_owners or {}).items() if n > 0]
+
+
+def _count_lifters(space: _Space, owners: list[str], tiers: Sequence[str], sign: int) -> None:
+    for owner in owners:
+        counts = space.pinned_tiers_by.setdefault(owner, {})
+        for name in tiers:
+            n = counts.get(name, 0) + sign
+            if n:
+                counts[name] = n
+            else:
+                del counts[name]
+        if not counts:
+            del space.pinned_tiers_by[owner]
 
 
 def _count_owner_refs(space: _Space, owner: str, nbytes: int, was: int, now: int) -> None:
@@ -451,12 +479,15 @@ class ChainIndex:
                 owners.pop(owner, None)
         if (owner and owners.get(owner, 0) < 0) or sum(owners.values()) > pins - operator_pins:
             raise AssertionError(f"block {meta.key.hex()}: more of {owner!r}'s pins lifted than it took")
-        before = meta.holders()
+        before, lifters = meta.holders(), _lifters(meta)
         was, was_pinned = meta.pin_held, meta.pins > 0
         meta.pins, meta.operator_pins, meta.pin_owners = pins, operator_pins, owners or None
         if self._entries.get(meta.key) is not meta:
             return
         space = self._spaces[meta.namespace]
+        if (now := _lifters(meta)) != lifters:
+            _count_lifters(space, lifters, meta.locations, -1)
+            _count_lifters(space, now, meta.locations, 1)
         if was_pinned != (pins > 0):
             self._count_pinned(meta, 1 if pins else -1)
         if was != meta.pin_held:
@@ -483,6 +514,8 @@ class ChainIndex:
         if self._entries.get(meta.key) is meta:
             _count_copy(self._spaces[meta.namespace].tiers, meta, tier, 1)
             _count_copy(self._tiers, meta, tier, 1)
+            if meta.pins > meta.operator_pins:
+                _count_lifters(self._spaces[meta.namespace], _lifters(meta), (tier,), 1)
 
     def drop_copy(self, meta: BlockMeta, tier: str) -> bool:
         """The block's copy in `tier` no longer counts (leaves its locations); False if it held none there."""
@@ -492,6 +525,8 @@ class ChainIndex:
         if self._entries.get(meta.key) is meta:
             _count_copy(self._spaces[meta.namespace].tiers, meta, tier, -1)
             _count_copy(self._tiers, meta, tier, -1)
+            if meta.pins > meta.operator_pins:
+                _count_lifters(self._spaces[meta.namespace], _lifters(meta), (tier,), -1)
         return True
 
     def add_refs(self, meta: BlockMeta, delta: int, owner: str = "") -> None:
@@ -548,6 +583,8 @@ class ChainIndex:
                 t.nbytes += nbytes
                 t.tokens += tokens
                 t.pinned += pinned
+        if meta.pins > meta.operator_pins:
+            _count_lifters(space, _lifters(meta), meta.locations, sign)
         space.logical += sign * meta.nbytes * max(1, meta.refs)
         if meta.refs:
             space.referenced += sign
@@ -560,6 +597,18 @@ class ChainIndex:
             return _summed((self._tiers,))
         return _summed(space.tiers for space in (self._spaces.get(ns) for ns in set(namespaces))
                        if space is not None)
+
+    def pinned_tiers(self, namespaces: Collection[str], owner: str) -> dict[str, int]:
+        """Per tier, the blocks of `namespaces` held pinned there by pins tenant `owner` may lift (its own, and
+        those of no recorded owner), each block once: its Stats' figure, as its DescribeBlocks counts pins."""
+        out: dict[str, int] = {}
+        for space in (self._spaces.get(ns) for ns in set(namespaces)):
+            if space is None:
+                continue
+            for who in {owner, ""}:
+                for name, n in space.pinned_tiers_by.get(who, {}).items():
+                    out[name] = out.get(name, 0) + n
+        return out
 
     def model_tallies(self, namespaces: Collection[str] | None = None) -> dict[bytes, Tally]:
         """Each model's blocks: of every namespace, or of `namespaces` only; a model holding none is left out."""

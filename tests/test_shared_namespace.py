@@ -263,6 +263,43 @@ async def test_a_tenants_stats_and_block_descriptions_count_its_own_references_a
         assert (shared.referenced_blocks, shared.logical_bytes) == (2, 6 * block)
 
 
+async def test_a_tenants_stats_count_per_tier_the_pins_it_may_lift_in_a_shared_namespace(
+        daemon: RunningServer) -> None:
+    """In `shared`, Carol pins blocks 0-2 of a 4-block chain, Bob blocks 2 and 3, and the admin block 1; Bob pins a
+    block in his own namespace too. Each tenant's Stats count per tier the blocks it holds pinned there, the pins it
+    may lift as its DescribeBlocks counts them (Bob: his 2 in `shared` and 1 in `bob`; Carol: her 3), the admin's
+    every pinned block; an unpin moves the pinner's figure alone. Main counted every pinned block of the tenant's
+    namespaces: Bob read from his Stats that other tenants (or an admin) pinned 2 more of the shared blocks, and
+    when Carol unpinned."""
+    spec = tiny_model()
+    toks, own = tokens(4 * BLOCK_TOKENS, seed=12), tokens(BLOCK_TOKENS, seed=13)
+    async with as_(daemon, CAROL, "shared") as c, as_(daemon, BOB, "shared") as b, \
+            as_(daemon, ADMIN, "shared") as admin:
+        fp = await c.register_model(spec)
+        await b.register_model(spec)
+        await admin.register_model(spec)
+        keys = list((await c.put(fp, toks, random_kv(spec, len(toks), seed=12))).keys)
+        own_keys = list((await b.put(fp, own, random_kv(spec, len(own), seed=13), namespace="bob")).keys)
+        assert await c.pin(fp, keys[:3]) == 3
+        assert await b.pin(fp, keys[2:]) == 2
+        assert await admin.pin(fp, keys[1:2]) == 1
+        assert await b.pin(fp, own_keys, namespace="bob") == 1
+
+        async def pinned(client: EngramClient) -> int:
+            return (await client.stats()).tier("dram").pinned_blocks
+
+        async def described(client: EngramClient) -> int:
+            blocks = (await client.describe_blocks(key_prefixes=[k.hex() for k in keys], namespace="shared")).blocks
+            return sum(1 for d in blocks if d.pins)
+
+        assert (await pinned(b), await pinned(c), await pinned(admin)) == (3, 3, 5)
+        assert (await described(b), await described(c), await described(admin)) == (2, 3, 4)
+        assert await c.pin(fp, keys[:1], unpin=True) == 1
+        assert (await pinned(b), await pinned(c), await pinned(admin)) == (3, 2, 4)
+        assert await b.pin(fp, keys[2:3], unpin=True) == 1
+        assert (await pinned(b), await pinned(c), await pinned(admin)) == (2, 2, 4)  # Carol's pin keeps block 2
+
+
 async def test_each_tenants_sessions_count_against_its_own_limit_in_a_shared_namespace(server_factory: Any,
                                                                                       tmp_path: Path) -> None:
     """Bob may hold 2 live sessions a namespace, Carol 3; they share `shared`. Carol's 3 sessions there leave Bob

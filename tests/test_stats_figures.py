@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import random
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -30,19 +31,23 @@ from engram.server import RunningServer, start_server
 from engram.sessions import SessionManager
 from engram.store import BlockStore
 from engram.store.counters import ModelUsage, NamespaceUsage
+from engram.store.pins import PinShare
 
 from helpers import BLOCK_TOKENS, put_tokens, tiny_model, tokens
 
 SPECS = (tiny_model(), tiny_model(weights_id="seed-1"))
 BLOCK = SPECS[0].layout.block_nbytes(BLOCK_TOKENS)
 NAMESPACES = ("a", "b", "c")
+TENANTS = ("t1", "t2")  # pinning tenants, each of every namespace: a tenant sees the pins it may lift
 
 
 # ---- the oracle: the walks Stats made before the index kept its figures ------------------------------------------
 
 
-def walked_tier_figures(store: BlockStore, blocks: Iterable[BlockMeta]) -> dict[str, tuple[int, int, int, int]]:
-    """Per tier, of `blocks`: (copies, stored bytes, tokens, pinned copies)."""
+def walked_tier_figures(store: BlockStore, blocks: Iterable[BlockMeta], tenant: str = ""
+                        ) -> dict[str, tuple[int, int, int, int]]:
+    """Per tier, of `blocks`: (copies, stored bytes, tokens, pinned copies); a `tenant`'s pinned copies are those
+    held by pins it may lift, as its DescribeBlocks counts them (its own, and those of no recorded owner)."""
     out: dict[str, list[int]] = {t.name: [0, 0, 0, 0] for t in store.tiers}
     for meta in blocks:
         for name in meta.locations:
@@ -50,7 +55,7 @@ def walked_tier_figures(store: BlockStore, blocks: Iterable[BlockMeta]) -> dict[
             row[0] += 1
             row[1] += meta.nbytes
             row[2] += meta.num_tokens
-            row[3] += bool(meta.pins)
+            row[3] += bool(meta.owner_pins(tenant) + meta.owner_pins("") if tenant else meta.pins)
     return {name: (row[0], row[1], row[2], row[3]) for name, row in out.items()}
 
 
@@ -96,14 +101,14 @@ def assert_figures_match_the_walk(store: BlockStore, sessions: SessionManager, w
     walk = walked_tier_figures(store, store.index)
     assert {n: (t.tokens, t.pinned_blocks) for n, t in admin.items()} == \
         {n: (w[2], w[3]) for n, w in walk.items()}, when
-    for scope in ([], ["a"], ["b", "c"], list(NAMESPACES), ["a", "a", "nobody"]):
-        own = store.own_tier_stats(scope)
-        walk = walked_tier_figures(store, blocks_of(store, sorted(set(scope))))
+    for scope, tenant in itertools.product(([], ["a"], ["b", "c"], list(NAMESPACES), ["a", "a", "nobody"]), TENANTS):
+        own = store.own_tier_stats(scope, tenant)
+        walk = walked_tier_figures(store, blocks_of(store, sorted(set(scope))), tenant)
         assert own == tuple(TierStats(name=t.name, capacity_bytes=t.usage().capacity_bytes, used_bytes=walk[t.name][1],
                                       blocks=walk[t.name][0], tokens=walk[t.name][2], pinned_blocks=walk[t.name][3],
                                       state=store.placement.health[t.name].state,
                                       state_reason=store.placement.health[t.name].reason)
-                            for t in store.tiers), f"{when}: a tenant of {scope}"
+                            for t in store.tiers), f"{when}: tenant {tenant} of {scope}"
         assert store.model_usage(scope) == walked_model_usage(store, blocks_of(store, sorted(set(scope)))), when
     assert store.model_usage() == walked_model_usage(store, store.index), when
     for ns in (*NAMESPACES, "nobody"):
@@ -152,7 +157,14 @@ async def random_steps(srv: RunningServer, rng: random.Random, steps: int) -> No
             metas = [m for m in store.index if m.pins or op == "pin"]
             if metas:
                 m = rng.choice(metas)
-                store.pin(m.namespace, m.model_fingerprint, [m.key], unpin=op == "unpin")
+                # the operator, a tenant (every namespace shared by both), or a pin of no recorded owner (as a
+                # restart gives back one an earlier build journaled: engram/store/pins.py restore)
+                pinner = rng.choice(("", "restored", *TENANTS))
+                if pinner == "restored" and op == "pin":
+                    store.index.set_pins(m, m.pins + 1)
+                else:
+                    share = PinShare.of(NAMESPACES, 1.0, store.tiers, pinner) if pinner in TENANTS else None
+                    store.pin(m.namespace, m.model_fingerprint, [m.key], unpin=op == "unpin", share=share)
         elif op == "open":
             ns, fp, toks = rng.choice(prompts)
             s = sessions.open(ns, fp, SessionMode.PERSIST, tokens=toks[: rng.randrange(1, len(toks) + 1)])

@@ -799,7 +799,7 @@ class EngramService:
         sm, tenant = self.sessions, self._tenant(None)
         # Its own sessions, also in a namespace it shares with other tenants (there, every tenant's were counted)
         return StatsReply(
-            tiers=store.own_tier_stats(namespaces), models=self._model_stats(namespaces, tenant),
+            tiers=store.own_tier_stats(namespaces, tenant), models=self._model_stats(namespaces, tenant),
             blocks_put=own.blocks_put, blocks_deduplicated=own.blocks_deduplicated,
             blocks_served=own.blocks_served, bytes_served=own.bytes_served, limits=self._limits(),
             version=__version__, uptime_s=time.time() - store.started, write_policy=str(store.write_policy),

@@ -1081,9 +1081,11 @@ class BlockStore:
         """Every tier's figures (its blocks' tokens and pins as the index keeps them: no walk over blocks)."""
         return tier_stats(self.placement, self.index.tier_tallies())
 
-    def own_tier_stats(self, namespaces: Sequence[str]) -> tuple[TierStats, ...]:
-        """Every tier as a tenant of `namespaces` sees it (counters.own_tier_stats): its copies, not the tier's."""
-        return own_tier_stats(self.placement, self.index.tier_tallies(namespaces))
+    def own_tier_stats(self, namespaces: Sequence[str], tenant: str) -> tuple[TierStats, ...]:
+        """Every tier as `tenant`, of `namespaces`, sees it (counters.own_tier_stats): its copies, not the tier's,
+        and of them those pinned by pins it may lift (`ChainIndex.pinned_tiers`)."""
+        return own_tier_stats(self.placement, self.index.tier_tallies(namespaces),
+                              self.index.pinned_tiers(namespaces, tenant))
 
     def model_usage(self, namespaces: Sequence[str] | None = None) -> list[ModelUsage]:
         """Blocks, bytes and tokens per registered model: of every namespace, or of `namespaces` only."""

@@ -135,17 +135,19 @@ def tier_stats(placement: Placement, copies: Mapping[str, Tally]) -> tuple[TierS
     return tuple(out)
 
 
-def own_tier_stats(placement: Placement, copies: Mapping[str, Tally]) -> tuple[TierStats, ...]:
+def own_tier_stats(placement: Placement, copies: Mapping[str, Tally], pinned: Mapping[str, int]
+                   ) -> tuple[TierStats, ...]:
     """Every tier as a tenant sees it: its capacity and health, and of `copies` (the index's tallies of its
-    namespaces' copies per tier) blocks, stored bytes, tokens and pinned blocks. The tier's own used bytes, blocks
-    and counters move with every other tenant's puts and hits (their growth / bytes per token: another's prompt
-    length): the admin's only."""
+    namespaces' copies per tier) blocks, stored bytes and tokens, and `pinned`'s blocks (those held by pins it may
+    lift: in a namespace tenants share, the tallies' counted every tenant's pins, and an admin's). The tier's own
+    used bytes, blocks and counters move with every other tenant's puts and hits (their growth / bytes per token:
+    another's prompt length): the admin's only."""
     out = []
     for tier in placement.tiers:
         state, reason = tier_state(placement, tier)
         held = copies.get(tier.name) or Tally()
         out.append(TierStats(name=tier.name, capacity_bytes=tier.usage().capacity_bytes, used_bytes=held.nbytes,
-                             blocks=held.blocks, tokens=held.tokens, pinned_blocks=held.pinned,
+                             blocks=held.blocks, tokens=held.tokens, pinned_blocks=pinned.get(tier.name, 0),
                              state=state, state_reason=reason))
     return tuple(out)
 
