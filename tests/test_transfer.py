@@ -116,11 +116,11 @@ class HeldEngine(TransferEngine):
         return Held(None)
 
 
-async def _hbm_over_dram(tmp_path, hbm_blocks: int, device: str = "cpu"):  # type: ignore[no-untyped-def]
-    """A store of an HBM tier (on the CPU unless told) of hbm_blocks blocks over a shared DRAM pool of 16 (a file in
-    tmp_path, which cannot be pinned)."""
+async def _hbm_over_dram(tmp_path, hbm_blocks: int, device: str = "cpu", dram_blocks: int = 16):  # type: ignore[no-untyped-def]
+    """A store of an HBM tier (on the CPU unless told) of hbm_blocks blocks over a shared DRAM pool of dram_blocks (a
+    file in tmp_path, which cannot be pinned)."""
     return await build_store(load_config(env={}, overrides={
-        "tiers.hbm.capacity": hbm_blocks * BLOCK, "tiers.hbm.device": device, "tiers.dram.capacity": 16 * BLOCK,
+        "tiers.hbm.capacity": hbm_blocks * BLOCK, "tiers.hbm.device": device, "tiers.dram.capacity": dram_blocks * BLOCK,
         "tiers.dram.shm_dir": str(tmp_path), "tiers.dram.pin": False}))
 
 
@@ -286,9 +286,7 @@ async def test_a_batched_copy_of_several_submissions_drops_exactly_its_damaged_s
     the last submission, are the two not made (dropped, counted corrupt); every other copy lands and reads back
     as put, each checked against its own block's checksum."""
     n = SUBMIT_EVERY + 4
-    store = await build_store(load_config(env={}, overrides={
-        "tiers.hbm.capacity": (n + 2) * BLOCK, "tiers.hbm.device": "cpu", "tiers.dram.capacity": (n + 2) * BLOCK,
-        "tiers.dram.shm_dir": str(tmp_path), "tiers.dram.pin": False}))
+    store = await _hbm_over_dram(tmp_path, n + 2, dram_blocks=n + 2)
     try:
         fp = store.registry.register(SPEC)
         metas, payloads = [], []
@@ -376,9 +374,7 @@ async def test_a_promotion_of_several_groups_cancelled_mid_copy_gives_back_every
     """Cancelled while the copies of more than one group (SUBMIT_EVERY blocks each) are held: no block stays
     moving or is listed in HBM, and every HBM slot and reservation booked for them is given back."""
     n = SUBMIT_EVERY + 4
-    store = await build_store(load_config(env={}, overrides={
-        "tiers.hbm.capacity": (n + 2) * BLOCK, "tiers.hbm.device": "cpu", "tiers.dram.capacity": (n + 2) * BLOCK,
-        "tiers.dram.shm_dir": str(tmp_path), "tiers.dram.pin": False}))
+    store = await _hbm_over_dram(tmp_path, n + 2, dram_blocks=n + 2)
     try:
         fp = store.registry.register(SPEC)
         metas, _ = await _one_block_chains(store, fp, n)
