@@ -8,7 +8,9 @@ a SUFFIX-token question) is answered:
 
 - without Engram: the whole prompt prefilled, then the first token (argmax of the last logits);
 - with Engram: `EngramPrefixCache.load` (GetPrefix, the blocks DMAed into the model's cache tensors, nvfp4
-  decoded on the GPU), the suffix prefilled against it, then the first token.
+  decoded on the GPU), the suffix prefilled against it, then the first token. EngramPrefixCache switches the model
+  to its GQA-aware attention (engram/integrations/hf_attention.py) unless `--stock-attention`; the "without" figures
+  are taken before, with transformers' sdpa.
 
 Tiers: "dram" (blocks in the daemon's shared pool), "hbm" (after a first hit the daemon promotes the blocks into
 its HBM pool in the background, and the next hits copy them device to device through CUDA IPC). Each figure is
@@ -85,32 +87,33 @@ def first_token_engram(model: Any, cache: EngramPrefixCache, ids: torch.Tensor) 
     return tok, time.perf_counter() - t0, m
 
 
+def requests(args: argparse.Namespace, model: Any, device: torch.device) -> dict[int, torch.Tensor]:
+    """Each length's request: the first N tokens of one shared prefix and a question of its own."""
+    sizes = [int(x) for x in args.tokens.split(",")]
+    vocab = model.config.vocab_size
+    prefix = torch.randint(0, vocab, (1, max(sizes)), generator=torch.Generator().manual_seed(1)).to(device)
+    return {n: torch.cat([prefix[:, :n], torch.randint(0, vocab, (1, args.suffix),
+                                                       generator=torch.Generator().manual_seed(n)).to(device)], dim=1)
+            for n in sizes}
+
+
 def run(address: str, tier: str, args: argparse.Namespace, model: Any, device: torch.device,
-        plain: dict[int, tuple[int, float]]) -> list[dict[str, Any]]:
+        plain: dict[int, tuple[int, float]], asks: dict[int, torch.Tensor]) -> list[dict[str, Any]]:
     """One daemon: each codec's prefix stored, then the requests of every length (their hits from `tier`)."""
     from transformers import DynamicCache
 
-    sizes = [int(x) for x in args.tokens.split(",")]
-    longest = max(sizes)
-    g = torch.Generator().manual_seed(1)
-    vocab = model.config.vocab_size
-    prefix = torch.randint(0, vocab, (1, longest), generator=g).to(device)
+    prefix = asks[max(asks)][:, : max(asks)]
     rows: list[dict[str, Any]] = []
     for codec in args.codecs.split(","):
         with SyncEngramClient(address, namespace=f"ttft-{codec}") as client:
-            cache = EngramPrefixCache(model, client, codec=codec, weights_id="random-llama-3-8b-shaped")
+            cache = EngramPrefixCache(model, client, codec=codec, weights_id="random-llama-3-8b-shaped",
+                                      gqa_attention=not args.stock_attention)
             with torch.inference_mode():
                 dyn = DynamicCache(config=model.config)
                 model(prefix, **{cache_kwarg(model): dyn})
                 cache.store(prefix[0].tolist(), dyn)
                 del dyn
-            for n in sizes:
-                q = torch.randint(0, vocab, (1, args.suffix), generator=torch.Generator().manual_seed(n)).to(device)
-                ids = torch.cat([prefix[:, :n], q], dim=1)
-                if n not in plain:
-                    first_token_plain(model, ids)
-                    samples = [first_token_plain(model, ids) for _ in range(args.rounds)]
-                    plain[n] = (samples[0][0], statistics.median(s[1] for s in samples))
+            for n, ids in asks.items():
                 first_token_engram(model, cache, ids)  # warm-up (from DRAM: the trigger of HBM promotion)
                 if tier == "hbm":  # wait until the daemon has promoted the blocks
                     deadline = time.monotonic() + 30
@@ -147,6 +150,8 @@ def main() -> None:
     ap.add_argument("--no-hbm", dest="hbm", action="store_false", help="no HBM tier in the daemon")
     ap.add_argument("--json", default="")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, 512 and 2048 tokens")
+    ap.add_argument("--stock-attention", action="store_true",
+                    help="the worker keeps transformers' sdpa attention (EngramPrefixCache(gqa_attention=False))")
     args = ap.parse_args()
     if args.smoke:
         args.device, args.tokens, args.rounds, args.hbm = "cpu", "512,2048", 3, False
@@ -154,15 +159,21 @@ def main() -> None:
     model = build_model(args.smoke, device)
     with torch.inference_mode():
         model(torch.zeros(1, 256, dtype=torch.long, device=device))  # kernels compiled before anything is timed
-    plain: dict[int, tuple[int, float]] = {}
+    asks = requests(args, model, device)
+    plain: dict[int, tuple[int, float]] = {}  # without Engram: transformers' own sdpa (before any EngramPrefixCache)
+    for n, ids in asks.items():
+        first_token_plain(model, ids)
+        samples = [first_token_plain(model, ids) for _ in range(args.rounds)]
+        plain[n] = (samples[0][0], statistics.median(s[1] for s in samples))
     rows: list[dict[str, Any]] = []
     for tier in ["dram", "hbm"] if device.type == "cuda" and args.hbm else ["dram"]:
         extra: tuple[str, ...] = ()
         if tier == "hbm":  # a daemon with an HBM pool on this GPU: hits from DRAM promote blocks there
             extra = ("--set", "tiers.hbm.capacity=12GiB", "--set", f"tiers.hbm.device={device}")
         with engram_daemon("unix", dram="12GiB" if not args.smoke else "1GiB", extra=extra) as address:
-            rows += run(address, tier, args, model, device, plain)
-    print(f"ttft, {datetime.date.today()}, {machine()}, device {args.device}"
+            rows += run(address, tier, args, model, device, plain, asks)
+    print(f"ttft, {datetime.date.today()}, {machine()}, device {args.device}, worker attention "
+          f"{'sdpa' if args.stock_attention else 'engram_sdpa'}"
           + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else ""))
     print(table(rows))
     if args.json:

@@ -7,6 +7,11 @@ difference would be the integration's fault: the loaded cache's layout), and a f
 cache (the fixed cost of one transformers forward). Then a profile of the forward against the loaded cache, top
 operators by GPU time: what the rest of a TTFT is spent on.
 
+The worker's side in two forms: transformers' own (its sdpa attention over a DynamicCache, which expands the KV heads
+and concatenates the cache on every forward) and what EngramPrefixCache runs now (engram/integrations: attention
+over the KV heads as loaded, with no mask, and a cache with room for the suffix, appended in place); each half alone
+too (GQA attention over a DynamicCache).
+
     python -m benchmarks.ttft_breakdown [--tokens 32768] [--suffix 32] [--codecs raw,nvfp4]
 """
 
@@ -24,6 +29,8 @@ import torch
 from benchmarks._harness import engram_daemon, machine
 from benchmarks.ttft import build_model  # (also takes the repository root off sys.path)
 from engram.client import SyncEngramClient
+from engram.integrations.hf_attention import use_gqa_attention
+from engram.integrations.hf_cache import RoomyLayer
 from engram.integrations.transformers import EngramPrefixCache, cache_kwarg
 
 
@@ -51,6 +58,30 @@ def with_kv(model: Any, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
         layer.lazy_initialization(k, v)
         layer.keys, layer.values = k, v
     return cache
+
+
+def roomy(model: Any, kv: list[tuple[torch.Tensor, torch.Tensor]], room: int) -> Any:
+    """A cache as EngramPrefixCache.load builds it, over these (keys, values) copied into buffers with `room`
+    tokens after them: made once, then `fresh` views of it for each forward (which appends in place)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    for i, (k, v) in enumerate(kv):
+        n = k.shape[-2]
+        buf = torch.empty(2, *k.shape[:-2], n + room, k.shape[-1], dtype=k.dtype, device=k.device)
+        buf[0, :, :, :n], buf[1, :, :, :n] = k, v
+        cache.layers[i] = RoomyLayer(buf[0], buf[1], n)
+    return cache
+
+
+def fresh(model: Any, cache: Any, length: int) -> Any:
+    """A cache over the same room buffers holding their first `length` tokens again."""
+    from transformers import DynamicCache
+
+    out = DynamicCache(config=model.config)
+    for i, layer in enumerate(cache.layers):
+        out.layers[i] = RoomyLayer(layer.room_keys, layer.room_values, length)
+    return out
 
 
 @torch.inference_mode()
@@ -82,8 +113,23 @@ def main() -> None:
                                                              args.rounds)))
     print(row.format(f"forward of the {args.suffix} suffix tokens alone, no cache", "-",
                      *timed(lambda: model(suffix).logits[0, -1].argmax().item(), args.rounds)))
-    print(row.format("suffix forward against the model's own cache", "-", *timed(
+    print(row.format("suffix forward against the model's own cache (transformers: sdpa, DynamicCache)", "-", *timed(
         lambda: model(suffix, **{kw: with_kv(model, own_kv)}).logits[0, -1].argmax().item(), args.rounds)))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        model(suffix, **{kw: with_kv(model, own_kv)}).logits[0, -1].argmax().item()
+        torch.cuda.synchronize()
+    stock_profile = prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=50)
+    want = model(suffix, **{kw: with_kv(model, own_kv)}).logits[0, -1].float()
+    use_gqa_attention(model)  # from here on the model attends as EngramPrefixCache has it
+    print(row.format("the same, GQA attention (engram_sdpa), DynamicCache", "-", *timed(
+        lambda: model(suffix, **{kw: with_kv(model, own_kv)}).logits[0, -1].argmax().item(), args.rounds)))
+    own_room = roomy(model, own_kv, args.suffix)
+    print(row.format("the same, GQA attention, cache with room (EngramPrefixCache's)", "-", *timed(
+        lambda: model(suffix, **{kw: fresh(model, own_room, args.tokens)}).logits[0, -1].argmax().item(),
+        args.rounds)))
+    got = model(suffix, **{kw: fresh(model, own_room, args.tokens)}).logits[0, -1].float()
+    print(f"(GQA attention with room against transformers' own: first-step logits relative L2 difference "
+          f"{float((got - want).norm() / want.norm()):.2e}, same argmax: {bool(got.argmax() == want.argmax())})")
     profiled = ""
     for codec in args.codecs.split(","):
         with engram_daemon("unix", dram="12GiB") as address, \
@@ -91,10 +137,10 @@ def main() -> None:
             cache = EngramPrefixCache(model, client, codec=codec, weights_id="random-llama-3-8b-shaped")
             cache.store(prefix[0].tolist(), own)
             print(row.format("load (EngramPrefixCache.load)", codec, *timed(lambda c=cache: c.load(ids), args.rounds)))
-            loaded = [(layer.keys, layer.values) for layer in cache.load(ids).layers]
+            loaded = cache.load(ids)
 
-            def forward(kv: list[tuple[torch.Tensor, torch.Tensor]] = loaded) -> None:
-                model(suffix, **{kw: with_kv(model, kv)}).logits[0, -1].argmax().item()
+            def forward(c: Any = loaded) -> None:
+                model(suffix, **{kw: fresh(model, c, args.tokens)}).logits[0, -1].argmax().item()
 
             print(row.format("suffix forward against the loaded cache", codec, *timed(forward, args.rounds)))
 
@@ -109,7 +155,8 @@ def main() -> None:
                     torch.cuda.synchronize()
                 profiled = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12,
                                                      max_name_column_width=50)
-    print("\nThe suffix forward against the loaded cache, by operator:\n" + profiled)
+    print("\nThe suffix forward, transformers' own (sdpa, DynamicCache), by operator:\n" + stock_profile)
+    print("\nThe suffix forward against the loaded cache (GQA attention, room), by operator:\n" + profiled)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ if importlib.util.find_spec("transformers") is None:  # a declared test dependen
 
 from engram.client import SyncEngramClient
 from engram.integrations.transformers import EngramPrefixCache, generate, layout_of
+from engram.replay.hf import cache_kwarg
 
 from helpers import NEUTRAL_CWD, RestartingDaemon, engram_daemon, wait_reachable
 
@@ -71,7 +72,7 @@ import json, sys, torch
 from transformers import AutoModelForCausalLM
 from engram.client import SyncEngramClient
 from engram.integrations.transformers import EngramPrefixCache, cache_kwarg, generate
-model = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32, attn_implementation="eager").eval()
+model = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32, attn_implementation={attn!r}).eval()
 with SyncEngramClient({address!r}, namespace="agents") as client:
     cache = EngramPrefixCache(model, client, codec={codec!r}, block_tokens=16)
     ids = torch.tensor([{tokens!r}])
@@ -83,9 +84,11 @@ with SyncEngramClient({address!r}, namespace="agents") as client:
 """
 
 
-async def _second_session(path: Path, address: str, codec: str, tokens: list[int]) -> dict[str, Any]:
-    """A fresh worker process: loads the model from its directory and runs a session through Engram."""
-    code = WORKER.format(path=str(path), address=address, codec=codec, tokens=tokens)
+async def _second_session(path: Path, address: str, codec: str, tokens: list[int], attn: str = "eager"
+                          ) -> dict[str, Any]:
+    """A fresh worker process: loads the model from its directory (with that attention: "sdpa" runs Engram's
+    GQA-aware one, engram/integrations/hf_attention.py) and runs a session through Engram."""
+    code = WORKER.format(path=str(path), address=address, codec=codec, tokens=tokens, attn=attn)
     proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.PIPE, cwd=NEUTRAL_CWD)
     out, err = await asyncio.wait_for(proc.communicate(), 300)
@@ -94,9 +97,11 @@ async def _second_session(path: Path, address: str, codec: str, tokens: list[int
     return result
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "gpt-oss", "gemma3", "deepseek-v3"])
-async def test_greedy_generation_is_identical_with_and_without_engram(server_factory, tmp_path: Path,
-                                                                      kind: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(("kind", "attn"), [("llama", "eager"), ("qwen3", "eager"), ("gpt-oss", "eager"),
+                                           ("gemma3", "eager"), ("deepseek-v3", "eager"), ("llama", "sdpa"),
+                                           ("gemma3", "sdpa"), ("deepseek-v3", "sdpa")])
+async def test_greedy_generation_is_identical_with_and_without_engram(server_factory, tmp_path: Path, kind: str,
+                                                                      attn: str) -> None:  # type: ignore[no-untyped-def]
     srv = await server_factory()
     model = tiny(kind)
     model.save_pretrained(tmp_path / kind)
@@ -113,7 +118,7 @@ async def test_greedy_generation_is_identical_with_and_without_engram(server_fac
 
     loaded, stored = await asyncio.to_thread(first_session)
     assert loaded == 0 and stored >= 4  # a cold cache; its whole sequence stored
-    got = await _second_session(tmp_path / kind, srv.address, "raw", second[0].tolist())
+    got = await _second_session(tmp_path / kind, srv.address, "raw", second[0].tolist(), attn)
     assert got["loaded"] == 70  # the shared prefix came from Engram; only the rest was prefilled
     want = model.generate(second, max_new_tokens=6, do_sample=False)[0].tolist()
     assert got["tokens"] == want
@@ -126,6 +131,44 @@ async def test_greedy_generation_is_identical_with_and_without_engram(server_fac
         assert layout_of(model).persisted_layers < len(layout_of(model).layers)  # sliding layers were replayed
     if kind == "deepseek-v3":  # one 40-wide latent a token and layer, not 4 heads of K (24) and V (16)
         assert [(s.name, s.shape) for s in layout_of(model).streams] == [("latent", (40,))]
+
+
+async def test_the_forward_after_a_hit_appends_into_the_loaded_buffer_and_generation_stays_in_its_room(
+        server_factory) -> None:  # type: ignore[no-untyped-def]
+    """The cache `load` builds holds its global layers in buffers with room for the prompt's rest and the tokens
+    to generate: the suffix's forward and every generated token are written there, not concatenated."""
+    srv = await server_factory()
+    model = tiny("llama")
+    model.set_attn_implementation("sdpa")
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 256, (1, 79), generator=g)
+
+    def hit() -> tuple[list[tuple[bool, bool, int]], list[tuple[bool, bool, int]], int, float]:
+        from transformers import DynamicCache
+
+        with SyncEngramClient(srv.address, namespace="agents") as client, torch.no_grad():
+            cache = EngramPrefixCache(model, client, codec="raw", block_tokens=16)
+            assert model.config._attn_implementation == "engram_sdpa"
+            own = DynamicCache(config=model.config)
+            model(ids[:, :70], **{cache_kwarg(model): own})
+            cache.store(ids[0, :70].tolist(), own)
+            past = cache.load(ids, room=6)
+            rooms = [layer.room_keys.data_ptr() for layer in past.layers]
+            logits = model(ids[:, cache.last_loaded:], **{cache_kwarg(model): past}).logits[0, -1]
+            after = [(layer.in_room, layer.keys.data_ptr() == r, layer.get_seq_length())
+                     for layer, r in zip(past.layers, rooms, strict=True)]
+            again = cache.load(ids, room=6)
+            model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, **{cache_kwarg(model): again})
+            generated = [(layer.in_room, layer.keys.data_ptr() == layer.room_keys.data_ptr(), layer.get_seq_length())
+                         for layer in again.layers]
+            full = model(ids).logits[0, -1]
+            return after, generated, cache.last_loaded, float((logits - full).norm() / full.norm())
+
+    after, generated, loaded, err = await asyncio.to_thread(hit)
+    assert loaded == 70
+    assert after == [(True, True, 79)] * 2  # 70 loaded + 9 appended in place
+    assert generated == [(True, True, 84)] * 2  # + 6 generated, the last one's KV not computed
+    assert err <= RAW_LOGIT_TOL
 
 
 async def test_generate_with_a_session_id_makes_the_daemons_session_hold_the_conversation(server_factory) -> None:  # type: ignore[no-untyped-def]

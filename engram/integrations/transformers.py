@@ -117,9 +117,11 @@ class EngramPrefixCache:
     """A causal LM's prefix cache in an Engram daemon: `load` before a forward, `store` after it."""
 
     def __init__(self, model: Any, client: Any, *, namespace: str | None = None, codec: str = "",
-                 block_tokens: int = 256, weights_id: str = "", name: str = "") -> None:
+                 block_tokens: int = 256, weights_id: str = "", name: str = "", gqa_attention: bool = True) -> None:
         """client: a SyncEngramClient. codec: the storage codec ("" = the daemon's default, nvfp4; "raw" keeps
-        the KV bit for bit)."""
+        the KV bit for bit). gqa_attention: switch a model running transformers' "sdpa" attention to Engram's
+        GQA-aware one (engram/integrations/hf_attention.py: the forward after a hit attends over the KV heads as
+        loaded, no mask, no copy of the cache per layer)."""
         self.model = model
         self.client = client
         self.namespace = namespace
@@ -141,6 +143,9 @@ class EngramPrefixCache:
         self._replay: Any = None
         self.last_loaded = 0  # tokens the last `load` found cached
         self.load_failures = 0  # loads the daemon failed (each ran as a miss)
+        if gqa_attention:
+            from engram.integrations.hf_attention import use_gqa_attention
+            use_gqa_attention(model)
         self.store_failures = 0  # stores the daemon failed (logged; the next request with that prefix misses)
 
     @property
@@ -155,15 +160,19 @@ class EngramPrefixCache:
 
     # ---- before a forward -----------------------------------------------------------------------
 
-    def load(self, input_ids: Tensor) -> Any:
+    def load(self, input_ids: Tensor, *, room: int = 0) -> Any:
         """A DynamicCache holding the longest cached prefix of input_ids (1, T), at most T - 1 tokens (the
-        model computes the last token's logits itself), sliding layers' windows rebuilt by replay."""
+        model computes the last token's logits itself), sliding layers' windows rebuilt by replay. Its global layers
+        (RoomyLayer, engram/integrations/hf_cache.py) have room for the rest of input_ids and `room` tokens more
+        (those a generate adds): a forward appends to them in place, not by concatenating the whole cache."""
         from transformers import DynamicCache
+
+        from engram.integrations.hf_cache import RoomyLayer
 
         tokens = input_ids[0].tolist() if isinstance(input_ids, Tensor) else list(input_ids)
         cache = DynamicCache(config=self.model.config)
         limit = max(len(tokens) - 1, 0)
-        ks, vs, dest = self._buffers(limit)
+        ks, vs, dest = self._buffers(limit, len(tokens) + max(room, 0))
         self.last_loaded = 0
         if limit > 0:
             try:
@@ -186,28 +195,29 @@ class EngramPrefixCache:
                 layer.cumulative_length = m  # the window holds the last W-1 of m tokens
             else:
                 j = self.global_layers.index(i)
-                k, v = ks[j][:, :, :m], vs[j][:, :, :m]
-                layer.lazy_initialization(k, v)
-                layer.keys, layer.values = k, v
+                cache.layers[i] = RoomyLayer(ks[j], vs[j], m)
         return cache
 
-    def _buffers(self, tokens: int) -> tuple[list[Tensor], list[Tensor], KVDestination]:
-        """The global layers' keys and values, (1, H, T, D) views of one buffer the loader writes in one strided copy
-        per stream and run (per-layer tensors cost 2 * L copies per run). K/V models: a buffer (L, 2, H, T, D), seen
-        as (L, 2, T, H, D). MLA models: a latent buffer (L, T, kv_lora_rank + rope), whose per-layer slices are the
-        cache's keys (1, 1, T, kv_lora_rank) and values (1, 1, T, rope)."""
+    def _buffers(self, tokens: int, capacity: int) -> tuple[list[Tensor], list[Tensor], KVDestination]:
+        """The global layers' keys and values, (1, H, capacity, D) views of one buffer whose first `tokens` the
+        loader writes in one strided copy per stream and run (per-layer tensors cost 2 * L copies per run). K/V
+        models: a buffer (L, 2, H, capacity, D), its loaded part seen as (L, 2, T, H, D). MLA models: a latent buffer
+        (L, capacity, kv_lora_rank + rope), whose per-layer slices are the cache's keys (1, 1, capacity,
+        kv_lora_rank) and values (1, 1, capacity, rope)."""
         lay = self.layout
         n = len(self.global_layers)
+        capacity = max(capacity, tokens)
         if self.mla is not None:
             rank = self.mla[0]
-            latent = torch.empty(n, tokens, sum(self.mla), dtype=lay.dtype.torch_dtype, device=self.device)
+            latent = torch.empty(n, capacity, sum(self.mla), dtype=lay.dtype.torch_dtype, device=self.device)
             ks = [latent[j, :, :rank][None, None] for j in range(n)]
             vs = [latent[j, :, rank:][None, None] for j in range(n)]
-            return ks, vs, StreamsKV(lay.stream_specs, {"latent": latent})
-        buf = torch.empty(n, 2, lay.num_kv_heads, tokens, lay.head_dim, dtype=lay.dtype.torch_dtype, device=self.device)
+            return ks, vs, StreamsKV(lay.stream_specs, {"latent": latent[:, :tokens]})
+        buf = torch.empty(n, 2, lay.num_kv_heads, capacity, lay.head_dim, dtype=lay.dtype.torch_dtype,
+                          device=self.device)
         ks = [buf[j, 0].unsqueeze(0) for j in range(n)]
         vs = [buf[j, 1].unsqueeze(0) for j in range(n)]
-        return ks, vs, ContiguousKV(buf.transpose(2, 3))
+        return ks, vs, ContiguousKV(buf[:, :, :, :tokens].transpose(2, 3))
 
     def _windows(self, tokens: list[int], ks: list[Tensor], vs: list[Tensor], m: int) -> dict[int, tuple[Tensor, Tensor]]:
         """Each sliding layer's (1, H, rows, D) window for a query at m, by exact replay over the loaded KV."""
@@ -269,13 +279,21 @@ def generate(model: Any, input_ids: Tensor, cache: EngramPrefixCache, *, session
     `session_id`, with its hint, when given: `EngramPrefixCache.store`). One sequence (batch size 1)."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise InvalidArgument(f"generate takes one sequence, input_ids of shape (1, T); got {tuple(input_ids.shape)}")
-    past = cache.load(input_ids)
+    past = cache.load(input_ids, room=_new_tokens(model, kwargs))
     out = model.generate(input_ids, **{cache_kwarg(model): past}, **kwargs)
     # Beam search (or several returned sequences) leaves one cache row per beam, reordered at every step: which
     # row holds out[0]'s KV is not known, but every row holds the prompt's.
     stored = out if _rows(cache, past) == 1 else input_ids
     cache._store(stored, past, session_id=session_id, expect_back_ms=expect_back_ms)
     return out
+
+
+def _new_tokens(model: Any, kwargs: dict[str, Any]) -> int:
+    """How many tokens a generate with these arguments may add (its cache's room): max_new_tokens, from the call,
+    its generation_config or the model's."""
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    n = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+    return int(n) if n else 0
 
 
 def _rows(prefix: EngramPrefixCache, cache: Any) -> int:
