@@ -19,7 +19,7 @@ tenant never reads (and so cannot time) another tenant's entries. A flat table b
 own bookkeeping (eviction, recovery), never a tenant's query.
 
 The index also keeps what Stats reports of its blocks (`Tally`: per model and per tier, each namespace's and the
-daemon's; a namespace's logical bytes and referenced blocks), up to date as blocks are added and removed, gain or
+daemon's, and each namespace's blocks by home tier; a namespace's logical bytes and referenced blocks), up to date as blocks are added and removed, gain or
 lose a copy in a tier (`add_copy`, `drop_copy`), a pin (`set_pins`) or a session's reference (`add_refs`): Stats
 runs on the daemon's event loop, and walking every block for it (three walks; seconds at a million blocks)
 stalled every request in flight for as long, each time `engram top` or a client's check() asked.
@@ -322,6 +322,14 @@ class _Space:
     # alone, any other under each tenant pinning it, so a tenant's figure, its own and ""'s added, counts each
     # block once (`_lifters`)
     pinned_tiers_by: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Each block once, in its home: the slowest tier holding a copy, the one that keeps it (`home_of`). Copies above
+    # it come and go with reads (a hit copies a block up) and with every other reader's: in a namespace tenants share,
+    # a tenant's Stats count its blocks here, so another tenant's read moves none of its figures
+    homes: dict[str, Tally] = field(default_factory=dict)
+    pinned_homes_by: dict[str, dict[str, int]] = field(default_factory=dict)  # as pinned_tiers_by, per home
+
+
+TIER_RANK = {"hbm": 0, "dram": 1, "nvme": 2}  # the tiers fastest first, until the store gives the index its own
 
 
 def _count_copy(tiers: dict[str, Tally], meta: BlockMeta, name: str, sign: int) -> None:
@@ -341,9 +349,11 @@ def _lifters(meta: BlockMeta) -> list[str]:
     return [o for o, n in (meta.pin_owners or {}).items() if n > 0]
 
 
-def _count_lifters(space: _Space, owners: list[str], tiers: Sequence[str], sign: int) -> None:
+def _count_lifters(table: dict[str, dict[str, int]], owners: list[str], tiers: Sequence[str], sign: int) -> None:
+    """Count a block in (+1) or out of (-1) `table` (a space's pinned_tiers_by or pinned_homes_by) under each of
+    `owners`, in `tiers`."""
     for owner in owners:
-        counts = space.pinned_tiers_by.setdefault(owner, {})
+        counts = table.setdefault(owner, {})
         for name in tiers:
             n = counts.get(name, 0) + sign
             if n:
@@ -351,7 +361,12 @@ def _count_lifters(space: _Space, owners: list[str], tiers: Sequence[str], sign:
             else:
                 del counts[name]
         if not counts:
-            del space.pinned_tiers_by[owner]
+            del table[owner]
+
+
+def _homes(meta: BlockMeta) -> tuple[str, ...]:
+    """The block's home as a tuple of at most one tier (its locations are kept fastest first: the last)."""
+    return (meta.locations[-1],) if meta.locations else ()
 
 
 def _count_owner_refs(space: _Space, owner: str, nbytes: int, was: int, now: int) -> None:
@@ -394,6 +409,7 @@ class ChainIndex:
         self._spaces: dict[str, _Space] = {}
         self._models: dict[bytes, Tally] = {}  # blocks per model, every namespace's (holds_model, Stats)
         self._tiers: dict[str, Tally] = {}  # copies per tier, every namespace's (Stats)
+        self.rank: dict[str, int] = TIER_RANK  # each tier's place, fastest first (the store sets its placement's)
         self.listeners: list[IndexListener] = []
         self.pins_listener: PinsListener | None = None
         self.probes = 0  # the work of every match so far: key probes, children compared, trie steps
@@ -486,8 +502,9 @@ class ChainIndex:
             return
         space = self._spaces[meta.namespace]
         if (now := _lifters(meta)) != lifters:
-            _count_lifters(space, lifters, meta.locations, -1)
-            _count_lifters(space, now, meta.locations, 1)
+            for table, tiers in ((space.pinned_tiers_by, meta.locations), (space.pinned_homes_by, _homes(meta))):
+                _count_lifters(table, lifters, tiers, -1)
+                _count_lifters(table, now, tiers, 1)
         if was_pinned != (pins > 0):
             self._count_pinned(meta, 1 if pins else -1)
         if was != meta.pin_held:
@@ -506,28 +523,56 @@ class ChainIndex:
         for name in meta.locations:
             space.tiers[name].pinned += sign
             self._tiers[name].pinned += sign
+        for name in _homes(meta):
+            space.homes[name].pinned += sign
 
     def add_copy(self, meta: BlockMeta, tier: str) -> None:
-        """A complete copy of the block in `tier` counts now (joins its locations; the caller keeps them in
-        tier order); an indexed block's figures follow."""
-        meta.locations.append(tier)
+        """A complete copy of the block in `tier` counts now (joins its locations, in tier order); an indexed
+        block's figures follow."""
+        was = _homes(meta)
+        rank, locations = self.rank, meta.locations
+        at = len(locations)
+        while at and rank[locations[at - 1]] > rank[tier]:
+            at -= 1
+        locations.insert(at, tier)
         if self._entries.get(meta.key) is meta:
-            _count_copy(self._spaces[meta.namespace].tiers, meta, tier, 1)
+            space = self._spaces[meta.namespace]
+            _count_copy(space.tiers, meta, tier, 1)
             _count_copy(self._tiers, meta, tier, 1)
-            if meta.pins > meta.operator_pins:
-                _count_lifters(self._spaces[meta.namespace], _lifters(meta), (tier,), 1)
+            lifters = _lifters(meta) if meta.pins > meta.operator_pins else []
+            if lifters:
+                _count_lifters(space.pinned_tiers_by, lifters, (tier,), 1)
+            if not was or rank[tier] > rank[was[0]]:  # a slower tier than any before: its new home
+                self._move_home(space, meta, was, (tier,), lifters)
 
     def drop_copy(self, meta: BlockMeta, tier: str) -> bool:
         """The block's copy in `tier` no longer counts (leaves its locations); False if it held none there."""
         if tier not in meta.locations:
             return False
+        was = _homes(meta)
         meta.locations.remove(tier)
         if self._entries.get(meta.key) is meta:
-            _count_copy(self._spaces[meta.namespace].tiers, meta, tier, -1)
+            space = self._spaces[meta.namespace]
+            _count_copy(space.tiers, meta, tier, -1)
             _count_copy(self._tiers, meta, tier, -1)
-            if meta.pins > meta.operator_pins:
-                _count_lifters(self._spaces[meta.namespace], _lifters(meta), (tier,), -1)
+            lifters = _lifters(meta) if meta.pins > meta.operator_pins else []
+            if lifters:
+                _count_lifters(space.pinned_tiers_by, lifters, (tier,), -1)
+            if was == (tier,):  # its home's copy went: the next slower one (if any) is its home now
+                self._move_home(space, meta, was, _homes(meta), lifters)
         return True
+
+    @staticmethod
+    def _move_home(space: _Space, meta: BlockMeta, was: tuple[str, ...], now: tuple[str, ...],
+                   lifters: list[str]) -> None:
+        """An indexed block's home went from `was` to `now` (each a tier or none): its namespace's homes follow."""
+        for name in was:
+            _count_copy(space.homes, meta, name, -1)
+        for name in now:
+            _count_copy(space.homes, meta, name, 1)
+        if lifters:
+            _count_lifters(space.pinned_homes_by, lifters, was, -1)
+            _count_lifters(space.pinned_homes_by, lifters, now, 1)
 
     def add_refs(self, meta: BlockMeta, delta: int, owner: str = "") -> None:
         """One session's reference more (+1) or fewer (-1) on the block, of a session of `owner` (a tenant; "":
@@ -583,8 +628,19 @@ class ChainIndex:
                 t.nbytes += nbytes
                 t.tokens += tokens
                 t.pinned += pinned
+        if meta.locations:  # its home: the slowest copy (locations are fastest first)
+            home = meta.locations[-1]
+            t = space.homes.get(home)
+            if t is None:
+                t = space.homes[home] = Tally()
+            t.blocks += sign
+            t.nbytes += nbytes
+            t.tokens += tokens
+            t.pinned += pinned
         if meta.pins > meta.operator_pins:
-            _count_lifters(space, _lifters(meta), meta.locations, sign)
+            lifters = _lifters(meta)
+            _count_lifters(space.pinned_tiers_by, lifters, meta.locations, sign)
+            _count_lifters(space.pinned_homes_by, lifters, _homes(meta), sign)
         space.logical += sign * meta.nbytes * max(1, meta.refs)
         if meta.refs:
             space.referenced += sign
@@ -598,15 +654,22 @@ class ChainIndex:
         return _summed(space.tiers for space in (self._spaces.get(ns) for ns in set(namespaces))
                        if space is not None)
 
-    def pinned_tiers(self, namespaces: Collection[str], owner: str) -> dict[str, int]:
+    def home_tallies(self, namespaces: Collection[str]) -> dict[str, Tally]:
+        """Of `namespaces`, each block once, in its home tier (the slowest holding a copy): the figures no read moves
+        (a tenant's Stats of a namespace other tenants share)."""
+        return _summed(space.homes for space in (self._spaces.get(ns) for ns in set(namespaces)) if space is not None)
+
+    def pinned_tiers(self, namespaces: Collection[str], owner: str, *, homes: bool = False) -> dict[str, int]:
         """Per tier, the blocks of `namespaces` held pinned there by pins tenant `owner` may lift (its own, and
-        those of no recorded owner), each block once: its Stats' figure, as its DescribeBlocks counts pins."""
+        those of no recorded owner), each block once: its Stats' figure, as its DescribeBlocks counts pins. With
+        `homes`, each block in its home tier alone (`home_tallies`)."""
         out: dict[str, int] = {}
         for space in (self._spaces.get(ns) for ns in set(namespaces)):
             if space is None:
                 continue
+            table = space.pinned_homes_by if homes else space.pinned_tiers_by
             for who in {owner, ""}:
-                for name, n in space.pinned_tiers_by.get(who, {}).items():
+                for name, n in table.get(who, {}).items():
                     out[name] = out.get(name, 0) + n
         return out
 

@@ -62,7 +62,7 @@ class Inspector:
     def session_list(self, namespace: str | None, tenant: str = "") -> list[SessionChain]:
         """Sessions of one namespace, or of every namespace when namespace is None; `tenant`'s own only ("": every
         one's), as `sessions_in`."""
-        return [self.chain(s) for s in self.sessions_in(namespace, tenant)]
+        return [self.chain(s, tenant) for s in self.sessions_in(namespace, tenant)]
 
     def sessions_in(self, namespace: str | None, tenant: str = "") -> list[Session]:
         """The sessions `session_list` describes, in its order, not described yet (the caller may describe them
@@ -71,12 +71,14 @@ class Inspector:
         chosen = [s for s in self.sessions.sessions_of(tenant) if namespace is None or s.namespace == namespace]
         return sorted(chosen, key=lambda s: (s.namespace, s.created))
 
-    def chain(self, s: Session) -> SessionChain:
+    def chain(self, s: Session, tenant: str = "") -> SessionChain:
+        """The session's chain as `tenant` ("": an admin, tenancy off) sees it: its tiers are those of its blocks'
+        copies, or, in a namespace other tenants share, of their homes alone (`tiers_seen`)."""
         blocks = self._chain(s)
         cached = 0
         for meta in blocks:
             cached = min(len(s.tokens), cached + meta.num_tokens)
-        tiers = sorted({name for m in blocks for name in m.locations}, key=self.store.tier_rank)
+        tiers = sorted({name for m in blocks for name in self.tiers_seen(m, tenant)}, key=self.store.tier_rank)
         return SessionChain(s, blocks, cached, tuple(tiers), sum(m.nbytes for m in blocks),
                               time.time() - s.created)
 
@@ -125,7 +127,8 @@ class Inspector:
         its sessions, the pins those it may lift (its own, and those of no recorded owner a restart gave back), as
         its Stats counts them; in a namespace tenants share it saw every tenant's sessions and pins on the blocks
         (a review, session 49). Hits and leases are not kept per tenant: in a namespace other tenants share too, a
-        tenant is shown 0 for both (they moved with the others' reads: a review, session 50). A model it has not
+        tenant is shown 0 for both (they moved with the others' reads: a review, session 50), and of the tiers the
+        block's home alone (`tiers_seen`: the others' reads copy blocks up). A model it has not
         registered is shown as one nobody registered
         (engram/registry.py): no codec, and no fingerprint (b""). In a namespace tenants share, another tenant's
         blocks told their model's exact fingerprint (an audit, session 48)."""
@@ -149,11 +152,23 @@ class Inspector:
 
         return [BlockDetail(
             key=m.key, parent=m.parent, namespace=m.namespace, model_fingerprint=model(m),
-            num_tokens=m.num_tokens, full=m.full, tiers=tuple(m.locations), codec=self._codec(m, tenant),
+            num_tokens=m.num_tokens, full=m.full, tiers=self.tiers_seen(m, tenant), codec=self._codec(m, tenant),
             checksum=m.checksum, nbytes=m.nbytes, pins=pins(m), children=m.children, sessions=refs(m),
             refcount=m.children + refs(m) + pins(m), leases=0 if others_read(m) else m.leases,
             hits=0 if others_read(m) else m.hits, age_s=now - m.created,
             start_token=self._start(m, starts)) for m in metas]
+
+    def tiers_seen(self, meta: BlockMeta, tenant: str = "") -> tuple[str, ...]:
+        """The tiers `tenant` ("": an admin, tenancy off) is shown holding the block: every tier with a complete
+        copy, fastest first; a tenant's call in a namespace other tenants share, its home alone, the slowest tier
+        holding a copy (the one that keeps it: NVMe once it is durable). A copy above the home is made by a read, and
+        by every tenant's: a Get copies a block up from NVMe into DRAM (promotion), so the block's tiers told the
+        others of the namespace who had read which of its blocks (session 50's loose ends). The home moves only when
+        the block is written down to a slower tier (write-back's flush, or a demotion before it), or leaves."""
+        locations = meta.locations
+        if tenant and locations and self.store.namespaces.shared(meta.namespace):
+            return (locations[-1],)
+        return tuple(locations)
 
     def sees_model(self, fingerprint: bytes, tenant: str = "") -> bool:
         """Whether `tenant` ("": an admin, tenancy off) may see the model: it registered it (engram/registry.py)."""

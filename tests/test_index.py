@@ -420,3 +420,31 @@ def test_pinned_bytes_count_each_pinned_block_and_what_it_extends_once_through_a
     index.remove(blocks[4].key)  # an evict that overrode its pin
     assert index.pinned_bytes("a") == 0
     assert [m.pin_held_children for m in blocks[:4]] == [0, 0, 0, 0]
+
+
+def test_a_blocks_home_is_its_slowest_copy_and_moves_only_with_that_copy() -> None:
+    """`home_tallies` counts each block once, in the slowest tier holding a copy, whatever the order copies come in
+    (`add_copy` keeps locations in tier order): a copy added above the home (a read's) changes nothing there, one
+    added below moves it down, and dropping the home's copy (a damaged NVMe file, a sound DRAM copy left) moves it
+    up; a tenant's pinned homes follow (`pinned_tiers(homes=True)`)."""
+    a, b = chain("ns", toks(2 * BT, seed=3))
+    index = index_of(a, b)  # both in DRAM alone
+
+    def homes() -> dict[str, tuple[int, int]]:
+        pinned = index.pinned_tiers(["ns"], "t", homes=True)
+        return {n: (t.blocks, pinned.get(n, 0)) for n, t in index.home_tallies(["ns"]).items() if t.blocks}
+
+    assert homes() == {"dram": (2, 0)}
+    index.set_pins(b, 1, owner="t")
+    assert homes() == {"dram": (2, 1)}
+    index.add_copy(b, "nvme")  # written down (a flush)
+    assert b.locations == ["dram", "nvme"] and homes() == {"dram": (1, 0), "nvme": (1, 1)}
+    index.add_copy(b, "hbm")  # read up: above its home
+    assert b.locations == ["hbm", "dram", "nvme"] and homes() == {"dram": (1, 0), "nvme": (1, 1)}
+    index.drop_copy(b, "dram")
+    assert homes() == {"dram": (1, 0), "nvme": (1, 1)}
+    index.drop_copy(b, "nvme")  # its home's copy dropped: the HBM copy is all that is left
+    assert b.locations == ["hbm"] and homes() == {"dram": (1, 0), "hbm": (1, 1)}
+    index.set_pins(b, 0, owner="t")
+    index.remove(b.key)
+    assert homes() == {"dram": (1, 0)}

@@ -164,9 +164,9 @@ async def test_listing_many_sessions_lets_other_calls_run_between_them(server: R
         await client.open_session(fp, session_id=f"s{i}", tokens=tokens(32, seed=i), mode="persist")
     real_chain, order = Inspector.chain, []
 
-    def slowed(self, s):  # type: ignore[no-untyped-def]
+    def slowed(self, s, tenant=""):  # type: ignore[no-untyped-def]
         time.sleep(0.01)
-        return real_chain(self, s)
+        return real_chain(self, s, tenant)
 
     monkeypatch.setattr(Inspector, "chain", slowed)
 

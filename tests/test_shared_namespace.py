@@ -390,3 +390,114 @@ async def test_a_tenants_stats_counters_leave_out_namespaces_other_tenants_share
         own = list((await a.put(afp, toks, random_kv(spec, len(toks), seed=17))).keys)
         await a.get(afp, own)
         assert (await a.stats()).blocks_served == 3
+
+
+# ---- tiers: another tenant's read copies a shared block up (NVMe -> DRAM) ------------------------------------------
+
+
+async def _carols_chain_on_nvme(srv: RunningServer) -> tuple[bytes, Any, list[bytes]]:
+    """Carol's 2-block chain in `shared`, held on NVMe alone (other blocks of hers pushed it down, then went), with
+    her session over it and her pin on its last block; Bob and the admin have her model registered."""
+    spec = tiny_model()
+    toks = tokens(2 * BLOCK_TOKENS, seed=21)
+    async with as_(srv, CAROL, "shared") as c, as_(srv, BOB, "shared") as b, as_(srv, ADMIN, "shared") as admin:
+        fp = await c.register_model(spec)
+        await b.register_model(spec)
+        await admin.register_model(spec)
+        keys = list((await c.put(fp, toks, random_kv(spec, len(toks), seed=21))).keys)
+        for seed in (22, 23):
+            more = tokens(4 * BLOCK_TOKENS, seed=seed)
+            await c.put(fp, more, random_kv(spec, len(more), seed=seed), namespace="carol")
+        await admin.evict(whole_namespace=True, force=True, namespace="carol")
+        assert [d.tiers for d in (await admin.describe_blocks(key_prefixes=[k.hex() for k in keys])).blocks] == [
+            ("nvme",)] * 2
+        await c.open_session(fp, mode="persist", session_id="carol-s", tokens=toks)
+        assert await c.pin(fp, keys[1:]) == 1
+    return fp, toks, keys
+
+
+@pytest.fixture
+async def tiered(server_factory: Any, tmp_path: Path) -> RunningServer:
+    """The tenants above on a daemon with a DRAM tier of 8 blocks over an NVMe tier."""
+    path = tmp_path / "tenants.toml"
+    path.write_text(TENANTS)
+    block = tiny_model().layout.block_nbytes(BLOCK_TOKENS)
+    srv: RunningServer = await server_factory(**{
+        "auth.tenants_file": str(path), "auth.salt_secret": "s3cret-salt", "tiers.dram.capacity": 8 * block,
+        "tiers.dram.page_bytes": 256, "tiers.nvme.path": str(tmp_path / "nvme")})
+    return srv
+
+
+async def test_a_tenant_is_shown_a_shared_blocks_home_tier_not_the_one_another_tenants_read_copied_it_up_to(
+        tiered: RunningServer) -> None:
+    """Carol's chain in `shared` lies on NVMe; Bob's Get copies it up into DRAM. Carol's DescribeBlocks (by key and
+    by her session) and ListSessions show the same tiers before and after: each block's home, the slowest tier
+    holding it (NVMe). They showed DRAM joining, and Carol read that someone had read those blocks (session 50's
+    loose ends). Controls: the admin sees the DRAM copy; Alice, in her own namespace, sees her own read's."""
+    fp, toks, keys = await _carols_chain_on_nvme(tiered)
+    hexes = [k.hex() for k in keys]
+    async with as_(tiered, CAROL, "shared") as c, as_(tiered, BOB, "shared") as b, \
+            as_(tiered, ADMIN, "shared") as admin:
+
+        async def seen() -> tuple[list[tuple[str, ...]], list[tuple[str, ...]], tuple[str, ...], tuple[str, ...]]:
+            by_key = (await c.describe_blocks(key_prefixes=hexes)).blocks
+            mine = await c.describe_blocks(session_id="carol-s")
+            assert mine.session is not None
+            listed = [s.tiers for s in await c.list_sessions()]
+            assert len(listed) == 1
+            return [d.tiers for d in by_key], [d.tiers for d in mine.blocks], mine.session.tiers, listed[0]
+
+        before = await seen()
+        assert before == ([("nvme",)] * 2, [("nvme",)] * 2, ("nvme",), ("nvme",))
+        await b.get(fp, keys)
+        truth = (await admin.describe_blocks(key_prefixes=hexes)).blocks
+        assert [d.tiers for d in truth] == [("dram", "nvme")] * 2  # Bob's read copied them up
+        assert await seen() == before
+        assert [d.tiers for d in (await b.describe_blocks(key_prefixes=hexes)).blocks] == [("nvme",)] * 2
+    async with as_(tiered, ALICE, "alice") as a:
+        spec = tiny_model()
+        afp = await a.register_model(spec)
+        own = list((await a.put(afp, toks, random_kv(spec, len(toks), seed=21))).keys)
+        assert [d.tiers for d in (await a.describe_blocks(key_prefixes=[k.hex() for k in own])).blocks] == [
+            ("dram",)] * 2  # her own namespace: every copy, as before
+
+
+async def test_a_tenants_stats_count_a_shared_block_in_its_home_tier_whoever_reads_it(tiered: RunningServer) -> None:
+    """Carol's Stats per tier (blocks, bytes, tokens, pinned blocks) of her chain in `shared` on NVMe: Bob's Get, which
+    copies it into DRAM, moves none of them (they counted the DRAM copies: Carol read from her DRAM figures that
+    someone had read 2 of her blocks, session 50's loose ends). Control: the admin's DRAM tier holds them."""
+    fp, toks, keys = await _carols_chain_on_nvme(tiered)
+    async with as_(tiered, CAROL, "shared") as c, as_(tiered, BOB, "shared") as b, \
+            as_(tiered, ADMIN, "shared") as admin:
+
+        async def tiers(client: EngramClient) -> dict[str, tuple[int, int, int, int]]:
+            return {t.name: (t.blocks, t.used_bytes, t.tokens, t.pinned_blocks) for t in (await client.stats()).tiers}
+
+        block = tiered.store.block(keys[0]).nbytes  # type: ignore[union-attr]
+        before = await tiers(c)
+        assert before == {"dram": (0, 0, 0, 0), "nvme": (2, 2 * block, len(toks), 1)}
+        admin_dram = (await tiers(admin))["dram"][0]
+        await b.get(fp, keys)
+        assert (await tiers(admin))["dram"][0] == admin_dram + 2
+        assert await tiers(c) == before
+        assert await tiers(b) == {"dram": (0, 0, 0, 0), "nvme": (2, 2 * block, len(toks), 0)}
+
+
+async def test_a_tenants_lookup_in_a_shared_namespace_names_each_blocks_home_tier(tiered: RunningServer) -> None:
+    """Carol's Lookup (a probe: it moves nothing) of her chain in `shared` on NVMe names each block's tier: after
+    Bob's Get copied it into DRAM, still NVMe, its home (it named DRAM, the fastest: a free, repeatable reading of who
+    read her blocks, session 50's loose ends). Controls: the admin's Lookup names DRAM; Alice's in her own namespace
+    names the fastest tier of her own blocks."""
+    fp, toks, keys = await _carols_chain_on_nvme(tiered)
+    async with as_(tiered, CAROL, "shared") as c, as_(tiered, BOB, "shared") as b, \
+            as_(tiered, ADMIN, "shared") as admin:
+        assert [r.tier for r in (await c.lookup(fp, toks, probe=True)).blocks] == ["nvme", "nvme"]
+        await b.get(fp, keys)
+        assert [r.tier for r in (await admin.lookup(fp, toks, probe=True)).blocks] == ["dram", "dram"]
+        assert [r.tier for r in (await c.lookup(fp, toks, probe=True)).blocks] == ["nvme", "nvme"]
+        assert [r.tier for r in (await c.lookup(fp, toks)).blocks] == ["nvme", "nvme"]
+    async with as_(tiered, ALICE, "alice") as a:
+        spec = tiny_model()
+        afp = await a.register_model(spec)
+        await a.put(afp, toks, random_kv(spec, len(toks), seed=21))
+        assert [r.tier for r in (await a.lookup(afp, toks, probe=True)).blocks] == ["dram", "dram"]

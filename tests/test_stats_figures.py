@@ -44,13 +44,16 @@ TENANTS = ("t1", "t2")  # pinning tenants, each of every namespace: a tenant see
 # ---- the oracle: the walks Stats made before the index kept its figures ------------------------------------------
 
 
-def walked_tier_figures(store: BlockStore, blocks: Iterable[BlockMeta], tenant: str = ""
+def walked_tier_figures(store: BlockStore, blocks: Iterable[BlockMeta], tenant: str = "", *, homes: bool = False
                         ) -> dict[str, tuple[int, int, int, int]]:
     """Per tier, of `blocks`: (copies, stored bytes, tokens, pinned copies); a `tenant`'s pinned copies are those
-    held by pins it may lift, as its DescribeBlocks counts them (its own, and those of no recorded owner)."""
+    held by pins it may lift, as its DescribeBlocks counts them (its own, and those of no recorded owner). With
+    `homes`, each block once, in its home: the slowest tier holding a copy (a tenant's view of a namespace other
+    tenants share)."""
     out: dict[str, list[int]] = {t.name: [0, 0, 0, 0] for t in store.tiers}
     for meta in blocks:
-        for name in meta.locations:
+        slowest = max(meta.locations, key=store.tier_rank, default=None)
+        for name in meta.locations if not homes else () if slowest is None else (slowest,):
             row = out[name]
             row[0] += 1
             row[1] += meta.nbytes
@@ -110,6 +113,12 @@ def assert_figures_match_the_walk(store: BlockStore, sessions: SessionManager, w
                                       state_reason=store.placement.health[t.name].reason)
                             for t in store.tiers), f"{when}: tenant {tenant} of {scope}"
         assert store.model_usage(scope) == walked_model_usage(store, blocks_of(store, sorted(set(scope)))), when
+        homes = walked_tier_figures(store, blocks_of(store, sorted(set(scope))), tenant, homes=True)
+        kept = store.index.home_tallies(scope)
+        pinned = store.index.pinned_tiers(scope, tenant, homes=True)
+        assert {t.name: ((k.blocks, k.nbytes, k.tokens) if (k := kept.get(t.name)) else (0, 0, 0),
+                         pinned.get(t.name, 0)) for t in store.tiers} == {n: (h[:3], h[3]) for n, h in homes.items()}, \
+            f"{when}: homes of tenant {tenant} of {scope}"
     assert store.model_usage() == walked_model_usage(store, store.index), when
     for ns in (*NAMESPACES, "nobody"):
         assert store.namespace_usage(ns) == walked_namespace_usage(store, ns), f"{when}: namespace {ns}"

@@ -56,7 +56,7 @@ class InspectionService:
         for i, s in enumerate(insp.sessions_in(ns, tenant)):
             if i:  # each session's chain is a match of its tokens (up to 2^21): other calls run between them, so
                 await asyncio.sleep(0)  # one tenant's listing of many long sessions does not stall every other
-            summary = insp.chain(s).summary(model_seen=insp.sees_model(s.fingerprint, tenant))
+            summary = insp.chain(s, tenant).summary(model_seen=insp.sees_model(s.fingerprint, tenant))
             out.sessions.append(convert.to_pb(summary, pb.SessionSummary))
         return out
 
@@ -71,7 +71,7 @@ class InspectionService:
         if req.session_id:
             s = insp.sessions.get(namespace_for(context, req.namespace), req.session_id, tenant,
                                   session_owner(context, req.session_owner))
-            chain = insp.chain(s)
+            chain = insp.chain(s, tenant)
             description = BlockDescription(tuple(insp.describe(chain.blocks, s, tenant=tenant)),
                                            chain.summary(model_seen=insp.sees_model(s.fingerprint, tenant)))
         else:

@@ -98,17 +98,30 @@ def _chunks(key: bytes, header: pb.BlockHeader, payload: bytes | memoryview, ste
             pb.BlockChunk(data=piece, last=last) for i, (piece, last) in enumerate(pieces(payload, step))]
 
 
-def _refs(metas: tuple[BlockMeta, ...] | list[BlockMeta], promised: str | None = None) -> list[pb.BlockRef]:
+def _refs(metas: tuple[BlockMeta, ...] | list[BlockMeta], promised: str | None = None, homes: bool = False
+          ) -> list[pb.BlockRef]:
     """engram.api.BlockRef's message for each block (built directly: a hit of a long prefix has hundreds).
     promised: the tier write-through acknowledges on (`_promised_tier`): a block without a copy there is
-    marked not_durable, so that a client's put sends it rather than skip it as cached."""
+    marked not_durable, so that a client's put sends it rather than skip it as cached. homes: each block's tier is
+    its home, the slowest holding a copy, not the fastest (`_shows_homes`)."""
+    if homes:
+        return [pb.BlockRef(key=m.key, num_tokens=m.num_tokens, tier=m.locations[-1], nbytes=m.nbytes,
+                            not_durable=promised is not None and promised not in m.locations) for m in metas]
     if promised is None:
         return [pb.BlockRef(key=m.key, num_tokens=m.num_tokens, tier=m.tier, nbytes=m.nbytes) for m in metas]
     return [pb.BlockRef(key=m.key, num_tokens=m.num_tokens, tier=m.tier, nbytes=m.nbytes,
                         not_durable=promised not in m.locations) for m in metas]
 
 
-async def _walked_refs(walk: PrefixWalk, promised: str | None) -> list[pb.BlockRef]:
+def _shows_homes(store: BlockStore, namespace: str) -> bool:
+    """Whether the call is shown each block's home tier (the slowest holding a copy) rather than the fastest: a
+    tenant's, in a namespace other tenants share. The fastest moves with every tenant's reads (a Get copies a block
+    up from NVMe into DRAM), and a Lookup, a probe above all, read from it which of the namespace's blocks the
+    others had read (session 50's loose ends); engram.inspection.Inspector.tiers_seen shows the same."""
+    return bool(tenant_of(None)) and store.namespaces.shared(namespace)
+
+
+async def _walked_refs(walk: PrefixWalk, promised: str | None, homes: bool = False) -> list[pb.BlockRef]:
     """`_refs` of the blocks a walk keeps, `SLICE_BLOCKS` at a time with a turn of the event loop between slices
     (a long prefix's are a third of a second of Python); they end before a block removed meanwhile."""
     refs: list[pb.BlockRef] = []
@@ -116,12 +129,12 @@ async def _walked_refs(walk: PrefixWalk, promised: str | None) -> list[pb.BlockR
         if refs:
             walk.watch()
             await pause()
-        refs += _refs(walk.blocks[len(refs) : min(walk.kept(), len(refs) + SLICE_BLOCKS)], promised)
+        refs += _refs(walk.blocks[len(refs) : min(walk.kept(), len(refs) + SLICE_BLOCKS)], promised, homes)
     del refs[walk.kept() :]
     return refs
 
 
-def _resume_header(r: Resumed, with_global_kv: bool) -> pb.ResumeResponse:
+def _resume_header(r: Resumed, with_global_kv: bool, homes: bool = False) -> pb.ResumeResponse:
     """A Resume's header: where it resumes, its window's shape, its blocks (and its global KV's shape). A block
     lost since the lookup, leased though it is (another reader found its only copy damaged), is FAILED_PRECONDITION,
     as one never put: read as it is, its tier was an IndexError, INTERNAL."""
@@ -139,7 +152,7 @@ def _resume_header(r: Resumed, with_global_kv: bool) -> pb.ResumeResponse:
                                     shape=[*first.shape[:2], r.position, *first.shape[3:]])
     return pb.ResumeResponse(header=pb.ResumeHeader(
         position=r.position, source=r.source, replayed_tokens=r.replayed, token_layers=r.token_layers,
-        replay_s=r.seconds, blocks=_refs(r.blocks),
+        replay_s=r.seconds, blocks=_refs(r.blocks, homes=homes),
         window=pb.SwaWindowData(prefix_len=w.prefix_len, start=w.start, dtype=int(w.dtype),  # type: ignore[arg-type]
                                 shape=list(w.shape), checksum=w.checksum),
         global_kv=kv_header,
@@ -371,7 +384,7 @@ class EngramService:
     async def _answered(self, walk: PrefixWalk, use: bool | None) -> tuple[PrefixWalk, list[pb.BlockRef], int]:
         """The walk's answer (`_walked_refs`) and its matched tokens, counted as a lookup of it unless `use` is None
         (taken in one step: a block removed during the uses that follow no longer changes the answer)."""
-        refs = await _walked_refs(walk, _promised_tier(self.store))
+        refs = await _walked_refs(walk, _promised_tier(self.store), _shows_homes(self.store, walk.namespace))
         matched = walk.matched_tokens()
         if use is not None:
             await self.store.count_lookup(len(walk.tokens), walk.found(), matched, use=use)
@@ -1003,7 +1016,8 @@ class EngramService:
         # the global KV until the stream ends, as a Get holds its blocks.
         leased = r.blocks
         try:
-            header = _resume_header(r, req.with_global_kv)
+            header = _resume_header(r, req.with_global_kv, bool(r.blocks) and _shows_homes(self.store,
+                                                                                       r.blocks[0].namespace))
             if not req.with_global_kv:  # the rest is the window's bytes: a slow reader holds no block for them
                 self.store.release(leased)
                 leased = ()

@@ -127,6 +127,7 @@ class BlockStore:
         self.namespaces = namespaces or OpenNamespaces()  # key salts and quotas (engram/tenancy.py)
         self.counters = StoreCounters(tiers={t.name: TierCounters() for t in tiers}, counted=self.namespaces.counted)
         self.placement = Placement(list(tiers), self.index, self.counters, self.damaged_in_a_move, retry_s=retry_s)
+        self.index.rank = self.placement.rank  # where each tier's copies go in a block's locations (and its home)
         if eviction not in ("learned", "lru"):
             raise ValueError(f"eviction is learned or lru, got {eviction!r}")
         if eviction == "lru":  # the model still counts (Stats shows what it would learn) but never ranks
@@ -1083,9 +1084,22 @@ class BlockStore:
 
     def own_tier_stats(self, namespaces: Sequence[str], tenant: str) -> tuple[TierStats, ...]:
         """Every tier as `tenant`, of `namespaces`, sees it (counters.own_tier_stats): its copies, not the tier's,
-        and of them those pinned by pins it may lift (`ChainIndex.pinned_tiers`)."""
-        return own_tier_stats(self.placement, self.index.tier_tallies(namespaces),
-                              self.index.pinned_tiers(namespaces, tenant))
+        and of them those pinned by pins it may lift (`ChainIndex.pinned_tiers`). A namespace other tenants share
+        counts each block once, in its home tier (the slowest holding a copy, `ChainIndex.home_tallies`): the
+        copies above it are made by reads, the other tenants' too, and the tenant read from its DRAM figures when
+        another's Get copied a block of theirs up from NVMe (session 50's loose ends)."""
+        index, shared = self.index, self.namespaces.shared
+        alone = [ns for ns in namespaces if not shared(ns)]
+        if len(alone) == len(namespaces):
+            return own_tier_stats(self.placement, index.tier_tallies(namespaces), index.pinned_tiers(namespaces, tenant))
+        others = [ns for ns in namespaces if shared(ns)]
+        copies = index.tier_tallies(alone)  # (copies of the index's tallies: added to here)
+        for name, t in index.home_tallies(others).items():
+            copies.setdefault(name, Tally()).add(t)
+        pinned = index.pinned_tiers(alone, tenant)
+        for name, n in index.pinned_tiers(others, tenant, homes=True).items():
+            pinned[name] = pinned.get(name, 0) + n
+        return own_tier_stats(self.placement, copies, pinned)
 
     def model_usage(self, namespaces: Sequence[str] | None = None) -> list[ModelUsage]:
         """Blocks, bytes and tokens per registered model: of every namespace, or of `namespaces` only."""
