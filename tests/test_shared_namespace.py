@@ -501,3 +501,49 @@ async def test_a_tenants_lookup_in_a_shared_namespace_names_each_blocks_home_tie
         afp = await a.register_model(spec)
         await a.put(afp, toks, random_kv(spec, len(toks), seed=21))
         assert [r.tier for r in (await a.lookup(afp, toks, probe=True)).blocks] == ["dram", "dram"]
+
+
+async def test_a_tenants_resume_in_a_shared_namespace_names_each_blocks_home_tier(
+        server_factory: Any, tmp_path: Path, model: Any) -> None:
+    """Carol's persisted session in `shared` over her prefix on NVMe: her Resume (its window persisted: it reads no
+    block) names each global KV block's tier. After Bob's Get copied them into DRAM, still NVMe, their home (it named
+    DRAM: Carol read that someone had read her prefix, session 50's loose ends). Control: the admin's Lookup names
+    DRAM."""
+    import torch
+    from test_sessions_replay import BT, P, block_tensor, tokens_for
+
+    from engram.replay.runtime import model_spec_for
+
+    spec = model_spec_for(model, block_tokens=BT, codec="raw")
+    path = tmp_path / "tenants.toml"
+    path.write_text(TENANTS)
+    srv = await server_factory(**{
+        "auth.tenants_file": str(path), "auth.salt_secret": "s3cret-salt",
+        "tiers.dram.capacity": 8 * spec.layout.block_nbytes(BT), "tiers.dram.page_bytes": 256,
+        "tiers.nvme.path": str(tmp_path / "nvme")})
+    toks = tokens_for(P, seed=31)
+    async with as_(srv, CAROL, "shared") as c, as_(srv, BOB, "shared") as b, as_(srv, ADMIN, "shared") as admin:
+        fp = await c.register_model(spec)
+        await b.register_model(spec)
+        await admin.register_model(spec)
+        await c.put(fp, toks, block_tensor(model, toks))
+        more = tokens_for(8 * BT, seed=32)
+        await c.put(fp, more, block_tensor(model, more), namespace="carol")  # pushes her prefix down to NVMe
+        await admin.evict(whole_namespace=True, force=True, namespace="carol")
+        keys = [r.key for r in (await admin.lookup(fp, toks, probe=True)).blocks]
+        assert len(keys) == -(-P // BT) and {r.tier for r in (await admin.lookup(fp, toks, probe=True)).blocks} == {
+            "nvme"}
+        info = await c.open_session(fp, mode="persist")
+        ref = model.prefill(torch.as_tensor(toks, dtype=torch.long), logits=False).swa_window(P)
+        window = torch.stack([torch.stack((k, v)) for k, v in ref.kv])
+        await c.append_session(info.session_id, toks, window=window, window_start=ref.start)
+
+        async def tiers() -> list[str]:
+            r = await c.resume(info.session_id)
+            assert r.source == "persisted" and [x.key for x in r.blocks] == keys
+            return [x.tier for x in r.blocks]
+
+        assert await tiers() == ["nvme"] * len(keys)
+        await b.get(fp, keys)
+        assert [r.tier for r in (await admin.lookup(fp, toks, probe=True)).blocks] == ["dram"] * len(keys)
+        assert await tiers() == ["nvme"] * len(keys)
