@@ -120,6 +120,10 @@ def main() -> None:
         torch.cuda.synchronize()
     stock_profile = prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=50)
     want = model(suffix, **{kw: with_kv(model, own_kv)}).logits[0, -1].float()
+    whole_prompt = model(ids).logits[0, -1].float()  # transformers against itself: how far bf16 rounding alone moves
+    print(f"(transformers' suffix forward against its own whole-prompt prefill: first-step logits relative L2 "
+          f"difference {float((want - whole_prompt).norm() / whole_prompt.norm()):.2e}, same argmax: "
+          f"{bool(want.argmax() == whole_prompt.argmax())})")
     use_gqa_attention(model)  # from here on the model attends as EngramPrefixCache has it
     print(row.format("the same, GQA attention (engram_sdpa), DynamicCache", "-", *timed(
         lambda: model(suffix, **{kw: with_kv(model, own_kv)}).logits[0, -1].argmax().item(), args.rounds)))
