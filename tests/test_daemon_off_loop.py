@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -23,7 +24,7 @@ from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
 from engram.v1 import engram_pb2 as pb
 from engram.v1 import engram_pb2_grpc as pb_grpc
 
-from helpers import random_kv, tokens
+from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
 
 BIG = KVLayout(layers=(LayerSpec(LayerKind.GLOBAL),), num_kv_heads=8, head_dim=128, dtype=DType.BF16,
                block_tokens=2048)  # 8 MiB raw: the smallest block hashed off the loop
@@ -112,3 +113,49 @@ async def test_a_cancelled_off_loop_checksum_returns_only_once_its_thread_let_go
         await task
     view.release()  # BufferError if the thread still held it
     buf.extend(b"x")
+
+
+async def test_a_decoding_get_cancelled_while_its_thread_decodes_holds_the_block_until_the_thread_is_done(  # type: ignore[no-untyped-def]
+        server_factory) -> None:
+    """The data channel's Get with decode reads a block in place (a view of its pool slot) and decodes it in a
+    worker thread; the block is held (leased: never evicted, its slot never given to another block) only while
+    the Get runs. Cancelled mid-decode, the Get holds it until the thread has let go of the slot: with
+    asyncio.to_thread it ended at once, its hold released, while the thread still read the slot. The decode is
+    the store's own, gated by a wrapper that waits for the test, so the cancel lands while it runs."""
+    srv = await server_factory()
+    spec = tiny_model(codec="nvfp4")
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        kv = random_kv(spec, BLOCK_TOKENS, seed=7)
+        (key,) = (await c.put(fp, tokens(BLOCK_TOKENS, seed=7), kv)).keys
+    store, meta = srv.store, srv.store.index.get(key)
+    assert srv.service is not None and meta is not None and store.placement.tiers[0].view(key) is not None
+    real_as_raw, entered, go = store.as_raw, threading.Event(), threading.Event()
+    decoded: list[bytes] = []
+
+    def gated_as_raw(payload: bytes | memoryview, m: Any) -> bytes:
+        entered.set()
+        go.wait(60)
+        decoded.append(real_as_raw(payload, m))
+        return decoded[-1]
+
+    store.as_raw = gated_as_raw  # type: ignore[method-assign]
+
+    async def get() -> None:
+        async for _ in srv.service.serve_bytes("t", fp, [meta], decode=True):  # type: ignore[union-attr]
+            pass
+
+    task = asyncio.create_task(get())
+    try:
+        await asyncio.to_thread(entered.wait, 60)
+        assert meta.leases == 1
+        task.cancel()
+        for _ in range(20):  # turns of the loop: a cancel that does not wait for the thread has landed long before
+            await asyncio.sleep(0)
+        assert not task.done() and meta.leases == 1, "the Get let go of the block while its thread read the slot"
+    finally:
+        go.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert meta.leases == 0 and decoded == [stored.as_raw(await store.read(meta), "nvfp4", spec.layout.dtype,
+                                                          meta.shape, backend=store.codec_backend)]

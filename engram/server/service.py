@@ -25,6 +25,7 @@ from engram.api import (
 )
 from engram.api import Stats as StatsReply
 from engram.block import BlockHeader, Payload, checksum
+from engram.borrowed import in_thread
 from engram.cluster import ClusterIndex
 from engram.codec import stored
 from engram.config import ServerConfig
@@ -609,14 +610,23 @@ class EngramService:
                     payload = await (self.store.read_view(meta) if views else self.store.read(meta))
                     block = _header_of(meta, codec)
                     if decode and not stored.is_raw(codec):
-                        payload = await asyncio.to_thread(self.store.as_raw, payload, meta)
+                        # Decoded and hashed in a worker thread that a cancelled Get waits for (borrowed.in_thread):
+                        # the payload may be a view of the block's pool slot, held by `reading` only until this
+                        # generator goes on; asyncio.to_thread's thread ran on after a cancel, reading a slot that
+                        # another block could take meanwhile.
+                        payload, raw_checksum = await in_thread(self._decoded, payload, meta)
                         block = dataclasses.replace(block, codec=stored.STREAMS if stored.is_streams(codec) else
-                                                    stored.RAW, payload_nbytes=len(payload), checksum=checksum(payload))
+                                                    stored.RAW, payload_nbytes=len(payload), checksum=raw_checksum)
                     yield "block", (meta.key, convert.header_to_pb(block), payload)
         except BaseException:
             if lease is not None:
                 self.leases.drop(lease)  # the worker will not copy what it may not have received
             raise
+
+    def _decoded(self, payload: bytes | memoryview, meta: BlockMeta) -> tuple[bytes, int]:
+        """A stored payload as raw elements (Get with decode), and their checksum: one worker thread's work."""
+        raw = self.store.as_raw(payload, meta)
+        return raw, checksum(raw)
 
     def _zero_copy_pools(self, zero_copy: bool, cuda_ipc: bool, decode: bool, codec: str) -> list[PoolTier]:
         """The pools whose blocks a call may answer with descriptors, in order of preference."""
