@@ -40,6 +40,14 @@ def checksums(payloads: Iterable[bytes | memoryview]) -> list[int]:
 CHECKSUM_OFF_LOOP_BYTES = 8 * 2**20
 
 
+# A copy of at least this many bytes into or out of a memory tier (a put's copy into the pool, a demotion's copy out
+# of it) is made in a worker thread (a memcpy lets go of the GIL), awaited to its end even by a cancelled caller
+# (engram/borrowed.py). Below it the copy stays in the cache and costs less than the thread's round trip: on the dev
+# host idle, into a pool slot 4 MiB 0.10 ms, 8 MiB 0.44, 16 MiB 0.97 (2-4 under load); out of one into new bytes
+# 0.12, 0.52, 1.2 (and the fresh pages' faults). Measured: benchmarks/RESULTS.md, session 51's loop probe.
+COPY_OFF_LOOP_BYTES = 8 * 2**20
+
+
 async def checksum_off_loop(payload: bytes | memoryview) -> int:
     """checksum() of a payload, in a worker thread when it is large, so that the event loop's other calls (a
     worker's other requests, the other clients sharing its loop, the daemon's other connections) do not wait for
@@ -48,6 +56,15 @@ async def checksum_off_loop(payload: bytes | memoryview) -> int:
     if (payload.nbytes if isinstance(payload, memoryview) else len(payload)) < CHECKSUM_OFF_LOOP_BYTES:
         return checksum(payload)
     return await in_thread(checksum, payload)
+
+
+async def copy_off_loop(view: memoryview) -> bytes:
+    """bytes(view), in a worker thread when large (COPY_OFF_LOOP_BYTES): a copy out of a pool slot into fresh
+    pages. The copy has ended when this returns, cancelled or not (engram/borrowed.py): the slot's block must be
+    held until then."""
+    if view.nbytes < COPY_OFF_LOOP_BYTES:
+        return bytes(view)
+    return await in_thread(bytes, view)
 
 
 @dataclass(frozen=True)

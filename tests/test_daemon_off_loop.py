@@ -17,10 +17,12 @@ import pytest
 import torch
 import xxhash
 
+from engram import block
 from engram.block import CHECKSUM_OFF_LOOP_BYTES, checksum, checksum_off_loop
 from engram.client import EngramClient
 from engram.codec import stored
 from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
+from engram.tiers.pool import PoolTier
 from engram.v1 import engram_pb2 as pb
 from engram.v1 import engram_pb2_grpc as pb_grpc
 
@@ -28,6 +30,8 @@ from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
 
 BIG = KVLayout(layers=(LayerSpec(LayerKind.GLOBAL),), num_kv_heads=8, head_dim=128, dtype=DType.BF16,
                block_tokens=2048)  # 8 MiB raw: the smallest block hashed off the loop
+BIG4 = KVLayout(layers=(LayerSpec(LayerKind.GLOBAL),) * 4, num_kv_heads=8, head_dim=128, dtype=DType.BF16,
+                block_tokens=2048)  # 32 MiB raw, 9 MiB in nvfp4: a worker-encoded block checked off the loop
 
 
 @contextmanager
@@ -159,3 +163,71 @@ async def test_a_decoding_get_cancelled_while_its_thread_decodes_holds_the_block
         await task
     assert meta.leases == 0 and decoded == [stored.as_raw(await store.read(meta), "nvfp4", spec.layout.dtype,
                                                           meta.shape, backend=store.codec_backend)]
+
+
+async def test_a_demotion_and_a_flush_copy_a_large_block_out_of_the_pool_and_hash_it_off_the_loop(  # type: ignore[no-untyped-def]
+        server_factory, tmp_path) -> None:
+    """A block moving from the DRAM pool to NVMe (a put's demotion making room; the write-back flush) is copied
+    out of its slot into bytes and verified against its checksum before it is written down: 8 MiB a block, on the
+    loop both were (the pool's `read`, a copy into fresh pages, and a hash: milliseconds under load). Each still
+    lands on NVMe as stored, and reads back."""
+    srv = await server_factory(**{"tiers.dram.capacity": "20MiB", "tiers.nvme.path": str(tmp_path / "nvme"),
+                                  "tiers.nvme.fsync": False, "tiers.write_back_window_s": 0})
+    spec = ModelSpec("big-blocks", "w", BIG, codec="raw")
+    assert BIG.block_nbytes(2048) == 8 * 2**20  # block.COPY_OFF_LOOP_BYTES: the smallest copied off the loop
+    kvs = [random_kv(spec, 2048, seed=10 + i) for i in range(3)]
+    async with EngramClient(srv.address, namespace="t", zero_copy=False) as c:
+        fp = await c.register_model(spec)
+        keys = [(await c.put(fp, tokens(2048, seed=10 + i), kvs[i])).keys[0] for i in range(2)]  # the pool's room
+        dram = srv.store.counters.tiers["dram"]
+        with on_the_loop(block.checksum, PoolTier.read) as seen:
+            keys += (await c.put(fp, tokens(2048, seed=12), kvs[2])).keys  # demotes the coldest
+        assert seen == [] and dram.demotions == 1
+        assert srv.store.flusher is not None
+        with on_the_loop(block.checksum, PoolTier.read) as seen:
+            flushed = await srv.store.flusher.flush_all(60)  # the two left only in DRAM
+        assert seen == [] and flushed.flushed == 2
+        assert all(m.locations[-1] == "nvme" for m in map(srv.store.index.get, keys))  # type: ignore[union-attr]
+        for key, kv in zip(keys, kvs, strict=True):
+            meta = srv.store.index.get(key)
+            assert meta is not None
+            payload, _ = await srv.store._read_verified(meta, only="nvme")
+            assert payload == stored.encode(kv, stored.RAW)
+        assert all(torch.equal(g, kv) for g, kv in zip(await c.get(fp, keys), kvs, strict=True))
+
+
+async def test_a_large_block_a_worker_encoded_is_checked_off_the_loop_and_a_damaged_one_still_refused(  # type: ignore[no-untyped-def]
+        server_factory) -> None:
+    """A put of a block in the model's codec (a worker's own encoding) is checked before it is stored: its v1
+    body's checksum and its scales. 9 MiB of nvfp4 here: hashed on the loop before, now in the put's thread."""
+    srv = await server_factory()
+    spec = ModelSpec("big-fp4", "w", BIG4, codec="nvfp4")
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        kv = random_kv(spec, 2048, seed=6)
+        blob = stored.encode(kv, "nvfp4", backend=srv.store.codec_backend)
+        assert len(blob) >= CHECKSUM_OFF_LOOP_BYTES
+        with on_the_loop(stored.check_encoded) as seen:  # (the client in this process encodes, and hashes, on it)
+            (key,) = (await c.put_blocks(fp, [(tokens(2048, seed=6), kv)], codec="nvfp4")).keys
+        assert seen == []
+        meta = srv.store.index.get(key)
+        assert meta is not None and await srv.store.read(meta) == blob
+        damaged = bytearray(blob)
+        damaged[-1] ^= 0x01  # a code in the body: the v1 body checksum fails
+        header = pb.BlockHeader(tokens=tokens(2048, seed=8).tolist(), dtype=int(DType.BF16),
+                                shape=list(BIG4.block_shape(2048)), payload_nbytes=len(damaged),
+                                checksum=checksum(damaged), codec="nvfp4")
+
+        async def requests():  # type: ignore[no-untyped-def]
+            yield pb.PutRequest(header=pb.PutHeader(namespace="t", model_fingerprint=fp))
+            step = 2**20
+            for at in range(0, len(damaged), step):
+                yield pb.PutRequest(chunk=pb.BlockChunk(header=header if at == 0 else None,
+                                                        data=bytes(damaged[at:at + step]),
+                                                        last=at + step >= len(damaged)))
+
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await pb_grpc.EngramStub(ch).Put(requests())
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "body checksum" in (info.value.details() or "")
+        assert len(srv.store.index) == 1

@@ -31,7 +31,15 @@ import torch
 
 from engram import limits
 from engram.api import TierStats
-from engram.block import BlockHeader, BlockRecord, Payload, checksum, checksum_off_loop
+from engram.block import (
+    CHECKSUM_OFF_LOOP_BYTES,
+    BlockHeader,
+    BlockRecord,
+    Payload,
+    checksum,
+    checksum_off_loop,
+    copy_off_loop,
+)
 from engram.borrowed import in_thread
 from engram.codec import stored
 from engram.errors import (
@@ -563,7 +571,10 @@ class BlockStore:
             return dataclasses.replace(header, payload_nbytes=len(blob), checksum=blob_checksum), blob, None
         quality = self.quality
         if header.codec == codec:  # raw models, and blocks a worker encoded (no raw elements here to measure)
-            stored.check_encoded(payload, codec, header.dtype, tuple(header.shape), where)
+            if len(payload) < CHECKSUM_OFF_LOOP_BYTES or stored.is_raw(codec):
+                stored.check_encoded(payload, codec, header.dtype, tuple(header.shape), where)
+            else:  # its body's hash and scales: in a thread a cancelled put waits for (the data channel's buffer)
+                await in_thread(stored.check_encoded, payload, codec, header.dtype, tuple(header.shape), where)
             sample = None
             if stored.is_raw(codec) and quality.sample(len(payload)):  # stored as sent: counted with error 0
                 sample = Sample(None, stored.RAW, persisted_kinds(spec.layout), codec, namespace)
@@ -787,11 +798,13 @@ class BlockStore:
             self.release([meta])
 
     async def _read_verified(self, meta: BlockMeta, *, view: bool = False, verify: bool = True,
-                             during: str = "a read", only: str | None = None) -> tuple[bytes | memoryview, str]:
+                             during: str = "a read", only: str | None = None, held: bool = False
+                             ) -> tuple[bytes | memoryview, str]:
         """The payload of the block's fastest copy that reads and verifies, and that tier's name; copies
         that fail are dropped (counted, logged as dropped on `during`); with none left the block is unindexed
         (with the blocks that extend it) and DataLoss raised. `only`: that tier's copy alone is tried (DataLoss
-        when it fails or is not there; the others are kept)."""
+        when it fails or is not there; the others are kept). `held`: the caller holds the block (moving, or
+        leased), so a large copy in a host pool is copied out of its slot in a worker thread (copy_off_loop)."""
         placement = self.placement
         reasons = []
         tried: set[str] = set()
@@ -801,8 +814,11 @@ class BlockStore:
             tried.add(name)
             try:
                 tier = placement.tier(name)
-                in_place = tier.view(meta.key) if view and isinstance(tier, PoolTier) else None
-                payload = in_place if in_place is not None else await tier.read(meta.key)
+                in_place = tier.view(meta.key) if (view or held) and isinstance(tier, PoolTier) else None
+                if in_place is not None and not view:
+                    payload: bytes | memoryview = await copy_off_loop(in_place)  # held: the slot stays meanwhile
+                else:
+                    payload = in_place if in_place is not None else await tier.read(meta.key)
                 if verify and await checksum_off_loop(payload) != meta.checksum:  # a view: the block is held
                     raise DataLoss(f"block {meta.key.hex()} failed its checksum in tier {name}")
             except StaleRecord as exc:

@@ -211,7 +211,8 @@ class Flusher:
         meta.moving = True  # not a victim while it is copied
         placement.busy += 1
         try:
-            payload, _ = await self.store._read_verified(meta)  # DataLoss: no copy was sound, the block is gone
+            # DataLoss: no copy was sound, the block is gone. Held (moving): a large pool copy is copied off the loop
+            payload, _ = await self.store._read_verified(meta, held=True)
             await placement.place(meta, d, typing.cast(bytes, payload))
         except TIER_FAULTS:
             return False

@@ -27,7 +27,8 @@ import typing
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from engram.block import Payload, checksum
+from engram.block import COPY_OFF_LOOP_BYTES, Payload, checksum, checksum_off_loop
+from engram.borrowed import in_thread
 from engram.errors import DataLoss, FailedPrecondition, ResourceExhausted, StorageFull, Unavailable
 from engram.eviction import ReturnModel, TierVictims
 from engram.index import BlockMeta, ChainIndex
@@ -48,6 +49,12 @@ def immediate(tier: Tier) -> ImmediateTier | None:
     if callable(getattr(cls, "write_now", None)) and callable(getattr(cls, "delete_now", None)):
         return typing.cast(ImmediateTier, tier)
     return None
+
+
+def _copied_and_checked(view: memoryview, want: int) -> tuple[bytes, bool]:
+    """A copy of a slot's bytes, and whether they match the checksum `want` (one worker thread's work)."""
+    payload = bytes(view)
+    return payload, checksum(payload) == want
 
 
 @dataclass
@@ -127,7 +134,7 @@ class Placement:
             await self.make_room(i, need, wait=wait)
         now = self.immediate[i]
         try:
-            if now is not None:
+            if now is not None and len(payload) < COPY_OFF_LOOP_BYTES:  # a large copy: in a thread (`write`)
                 now.write_now(rec, payload, need)
             else:
                 await tier.write(rec, payload, need)
@@ -237,8 +244,7 @@ class Placement:
         meta.moving = True
         self.busy += 1
         try:
-            payload = await self.tiers[i].read(meta.key)
-            sound = checksum(payload) == meta.checksum  # the flusher's check (BlockStore._read_verified)
+            payload, sound = await self._copy_out(i, meta)  # the flusher's check (BlockStore._read_verified)
             if sound:
                 await self.place(meta, j, payload, wait=wait)  # a promotion's room below waits on no lease either
         finally:
@@ -256,6 +262,19 @@ class Placement:
             return False
         await self.drop_copy(meta, self.tiers[i].name)
         return True
+
+    async def _copy_out(self, i: int, meta: BlockMeta) -> tuple[bytes, bool]:
+        """A moving block's copy in tier i, and whether it matches the block's checksum. A large one in a host pool
+        is copied out of its slot and hashed in one worker thread (16 MiB: a copy into fresh pages and a hash, 2-8
+        ms of the event loop under load), awaited to its end even by a cancelled demotion, whose block stays
+        moving (its slot kept) until then; any other is read, and hashed off the loop when large."""
+        tier = self.tiers[i]
+        view = getattr(tier, "view", None)  # a pool's slot in place (None for one in HBM)
+        in_place = view(meta.key) if view is not None and meta.nbytes >= COPY_OFF_LOOP_BYTES else None
+        if in_place is not None:
+            return await in_thread(_copied_and_checked, in_place, meta.checksum)
+        payload = await tier.read(meta.key)
+        return payload, await checksum_off_loop(payload) == meta.checksum
 
     async def promote(self, meta: BlockMeta, payload: bytes) -> None:
         """Copy a block read from a lower tier into the top tier, if room can be made without waiting."""

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engram.block import BlockRecord, Payload
+from engram.block import COPY_OFF_LOOP_BYTES, BlockRecord, Payload
+from engram.borrowed import in_thread
 from engram.errors import NotFound
 from engram.tiers.base import TierUsage
 from engram.tiers.shm import SharedSegment
@@ -33,6 +34,12 @@ class Slot:
     @property
     def generation(self) -> int:
         return self.run.generation
+
+
+def _copy_into(dest: memoryview, payload: Payload) -> None:
+    """One memcpy of a payload's bytes into a host pool's slot (on whichever thread calls it)."""
+    src = memoryview(payload)
+    dest[:] = src if src.format == "B" and src.ndim == 1 else src.cast("B")
 
 
 def auto_page_bytes(capacity: int) -> int:
@@ -76,6 +83,7 @@ class PoolTier:
         self._slots: dict[bytes, Slot] = {}
         self._reserved: dict[int, list[Run]] = {}  # runs reserved for a coming write, by reserved bytes
         self._reserved_bytes = 0
+        self._writing = 0  # reserved bytes of writes copying in a worker thread: consumed, not yet stored
         self._stored = 0
 
     @property
@@ -96,7 +104,7 @@ class PoolTier:
     def used_bytes(self) -> int:
         """Payload bytes held plus bytes reserved (as the other tiers count); `allocated_bytes` adds what
         rounding to pages costs."""
-        return self._stored + self._reserved_bytes
+        return self._stored + self._reserved_bytes + self._writing
 
     @property
     def allocated_bytes(self) -> int:
@@ -150,10 +158,41 @@ class PoolTier:
         return runs.pop()
 
     async def write(self, rec: BlockRecord, payload: Payload, reserved: int) -> None:
-        self.write_now(rec, payload, reserved)
+        """`write_now`, but a large payload into a host pool is copied in a worker thread (COPY_OFF_LOOP_BYTES: a
+        16 MiB memcpy held the event loop 1-4 ms), which even a cancelled caller waits for (engram/borrowed.py): the
+        payload may be a buffer its caller reuses next (the data channel's receive buffer), and the run is freed
+        only once nothing writes into it. The run is counted (`used_bytes`) meanwhile, not yet the key's: the
+        block is the tier's once its bytes are."""
+        if self._host is None or len(payload) < COPY_OFF_LOOP_BYTES:
+            self.write_now(rec, payload, reserved)
+            return
+        slot = self._slot_for(rec, payload, reserved)
+        self._writing += reserved
+        try:
+            await in_thread(_copy_into, self._host[slot.offset : slot.offset + slot.length], payload)
+            if rec.key in self._slots:  # another write of the key landed meanwhile
+                raise AssertionError("write of a key already in the tier; the store must dedupe first")
+        except BaseException:
+            self.allocator.free(slot.run)
+            raise
+        finally:
+            self._writing -= reserved
+        self._slots[rec.key] = slot
+        self._stored += slot.length
 
     def write_now(self, rec: BlockRecord, payload: Payload, reserved: int) -> None:
-        """`write` without a coroutine (ImmediateTier): a copy into the pool's memory never waits."""
+        """`write` without a coroutine (ImmediateTier): a copy into the pool's memory on the caller's thread (the
+        store's placement calls it for payloads below COPY_OFF_LOOP_BYTES)."""
+        slot = self._slot_for(rec, payload, reserved)
+        if self._host is not None:
+            _copy_into(self._host[slot.offset : slot.offset + slot.length], payload)
+        else:
+            self.region(slot).copy_(bytes_tensor(payload))
+        self._slots[rec.key] = slot
+        self._stored += slot.length
+
+    def _slot_for(self, rec: BlockRecord, payload: Payload, reserved: int) -> Slot:
+        """The reserved run a write consumes, as the payload's slot (freed again when the write is refused)."""
         run = self._take_reserved(reserved)
         if rec.key in self._slots:
             self.allocator.free(run)
@@ -162,14 +201,7 @@ class PoolTier:
         if slot.length > run.pages * self.page_bytes:
             self.allocator.free(run)
             raise AssertionError(f"a {slot.length}-byte payload does not fit the {reserved} bytes reserved")
-        if self._host is not None:
-            src = memoryview(payload)
-            flat = src if src.format == "B" and src.ndim == 1 else src.cast("B")
-            self._host[slot.offset : slot.offset + slot.length] = flat
-        else:
-            self.region(slot).copy_(bytes_tensor(payload))
-        self._slots[rec.key] = slot
-        self._stored += slot.length
+        return slot
 
     def place(self, key: bytes, reserved: int, length: int) -> Slot:
         """Take a reserved run for `key`, for a caller that fills it itself (a batched transfer). The tier
