@@ -43,8 +43,8 @@ CHECKSUM_OFF_LOOP_BYTES = 8 * 2**20
 # A copy of at least this many bytes into or out of a memory tier (a put's copy into the pool, a demotion's copy out
 # of it) is made in a worker thread (a memcpy lets go of the GIL), awaited to its end even by a cancelled caller
 # (engram/borrowed.py). Below it the copy stays in the cache and costs less than the thread's round trip: on the dev
-# host idle, into a pool slot 4 MiB 0.10 ms, 8 MiB 0.44, 16 MiB 0.97 (2-4 under load); out of one into new bytes
-# 0.12, 0.52, 1.2 (and the fresh pages' faults). Measured: benchmarks/RESULTS.md, session 51's loop probe.
+# host, into a pool slot 4 MiB 0.10 ms, 8 MiB 0.31-0.44, 16 MiB 1.0 (2-4 under load); out of one into new bytes
+# 0.12, 0.5, 1.2-1.3 (and the fresh pages' faults). Measured: benchmarks/RESULTS.md, put_get, session 51.
 COPY_OFF_LOOP_BYTES = 8 * 2**20
 
 

@@ -1,0 +1,143 @@
+"""The daemon's event loop beside large puts, demotions and decoding gets: its longest steps, in the loop thread's
+CPU time (session 51).
+
+A daemon in this process (whichever engram is on PYTHONPATH: run from a neutral cwd), a DRAM pool of 96 MiB over an
+NVMe tier (tmp dir, fsync off, write_back_window_s 0: a block is copied down only when it is evicted, so each
+put past the pool's room demotes), a ticker task on the daemon's loop recording every step: its end on the host's
+clock, the loop thread's CPU time (time.thread_time: the daemon's own work, not the time the host ran others) and
+its wall time. A client in another process runs four phases one op at a time, printing each op's window:
+  nvfp4_put:   8 puts of one block encoded by the client (a worker's encoding: put_blocks codec=nvfp4), 9 MiB each
+               (32 MiB of bf16), over the data channel: the daemon's check_encoded
+  decode_get:  16 Gets of those blocks with decode_on_server (the daemon decodes to 32 MiB raw), data channel
+  raw_put:     24 puts of one raw 16 MiB block, data channel: the pool copy; past the pool's room each demotes
+               (the victim's copy out of the pool, its hash, the NVMe write)
+Per phase: the longest step (loop CPU ms, wall ms), steps over 2 ms and over 5 ms of loop CPU. One JSON line out.
+A step is the daemon's own work between two turns of its loop: any other call (a hit) waits that long.
+
+    cd /tmp && PYTHONPATH=<a tree's root> .venv/bin/python <repo>/benchmarks/loop_steps.py LABEL >> F.jsonl
+
+(from a directory without engram/, so that PYTHONPATH picks the tree: alternate two trees' runs, compare medians)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+
+CLIENT = r"""
+import asyncio, json, sys, time
+import numpy as np, torch
+from engram.client import EngramClient
+from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
+
+def make_layout(bt):
+    return KVLayout(layers=(LayerSpec(LayerKind.GLOBAL),) * 4, num_kv_heads=8, head_dim=128, dtype=DType.BF16,
+                    block_tokens=bt)
+
+layout = make_layout(1024)  # 16 MiB raw a block
+layout4 = make_layout(2048)  # 32 MiB raw, 9 MiB in nvfp4
+
+def block(seed, lay=layout):
+    bt = lay.block_tokens
+    gen = torch.Generator().manual_seed(seed)
+    toks = np.random.default_rng(seed).integers(0, 32000, bt, dtype=np.int32)
+    return toks, torch.randn(lay.block_shape(bt), generator=gen).to(torch.bfloat16)
+
+async def main(address):
+    async with EngramClient(address, zero_copy=False, timeout_s=300) as c:
+        fp4 = await c.register_model(ModelSpec("probe-fp4", "w", layout4, codec="nvfp4"))
+        fpr = await c.register_model(ModelSpec("probe-raw", "w", layout, codec="raw"))
+        fp4_blocks = [block(1000 + i, layout4) for i in range(8)]
+        raw_blocks = [block(2000 + i) for i in range(24)]
+        print("ready", flush=True)
+        sys.stdin.readline()
+        def op(phase, t0):
+            print(json.dumps([phase, t0, time.perf_counter()]), flush=True)
+        keys = []
+        for b in fp4_blocks:
+            t0 = time.perf_counter()
+            keys += (await c.put_blocks(fp4, [b], codec="nvfp4")).keys
+            op("nvfp4_put", t0)
+        for _ in range(2):
+            for k in keys:
+                t0 = time.perf_counter()
+                await c.get(fp4, [k], decode_on_server=True, zero_copy=False)
+                op("decode_get", t0)
+        for b in raw_blocks:
+            t0 = time.perf_counter()
+            await c.put_blocks(fpr, [b])
+            op("raw_put", t0)
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+async def main(label: str) -> None:
+    from engram.config import load_config
+    from engram.server.app import start_server
+
+    tmp = tempfile.mkdtemp(prefix="loop-steps-")
+    cfg = load_config(env={}, overrides={
+        "server.port": 0, "server.unix_socket": f"{tmp}/e.sock", "tiers.dram.capacity": "96MiB",
+        "tiers.dram.prefault": True, "tiers.nvme.path": f"{tmp}/nvme", "tiers.nvme.capacity": "8GiB",
+        "tiers.nvme.fsync": False, "tiers.write_back_window_s": 0, "codec.quality_sample": 0})
+    srv = await start_server(cfg)
+    steps: list[tuple[float, float, float]] = []
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        last_cpu, last_wall = time.thread_time(), time.perf_counter()
+        while not stop.is_set():
+            await asyncio.sleep(0)
+            cpu, wall = time.thread_time(), time.perf_counter()
+            steps.append((wall, cpu - last_cpu, wall - last_wall))
+            last_cpu, last_wall = cpu, wall
+
+    client = await asyncio.create_subprocess_exec(sys.executable, "-c", CLIENT, srv.address, cwd="/tmp",
+                                                  stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+    assert client.stdin is not None and client.stdout is not None
+    ops: list[tuple[str, float, float]] = []
+    try:
+        assert (await asyncio.wait_for(client.stdout.readline(), 300)).strip() == b"ready"
+        ticking = asyncio.create_task(ticker())
+        gc.disable()
+        try:
+            client.stdin.write(b"go\n")
+            while line := await asyncio.wait_for(client.stdout.readline(), 300):
+                ops.append(tuple(json.loads(line)))
+        finally:
+            gc.enable()
+            stop.set()
+            await ticking
+        assert await client.wait() == 0
+    finally:
+        if client.returncode is None:
+            client.kill()
+            await client.wait()
+    counters = srv.store.counters
+    demotions = sum(t.demotions for t in counters.tiers.values())
+    await srv.stop(0)
+    shutil.rmtree(tmp, ignore_errors=True)  # the NVMe tier's files: about 0.5 GB a run
+    out: dict[str, object] = {"label": label, "at": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+                              "load": round(os.getloadavg()[0], 2), "demotions": demotions,
+                              "machine": f"{os.cpu_count()} cores, Python {platform.python_version()}"}
+    for phase in ("nvfp4_put", "decode_get", "raw_put"):
+        windows = [(t0, t1) for p, t0, t1 in ops if p == phase]
+        during = [(cpu, wall) for end, cpu, wall in steps if any(t0 < end <= t1 for t0, t1 in windows)]
+        cpus = [c for c, _ in during]
+        out[phase] = {"ops": len(windows), "max_cpu_ms": round(1e3 * max(cpus), 2),
+                      "max_wall_ms": round(1e3 * max(w for _, w in during), 2),
+                      "over2_cpu": sum(c > 0.002 for c in cpus), "over5_cpu": sum(c > 0.005 for c in cpus),
+                      "op_ms_median": round(1e3 * sorted(t1 - t0 for t0, t1 in windows)[len(windows) // 2], 1)}
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else "run"))
