@@ -265,9 +265,10 @@ class Placement:
 
     async def _copy_out(self, i: int, meta: BlockMeta) -> tuple[bytes, bool]:
         """A moving block's copy in tier i, and whether it matches the block's checksum. A large one in a host pool
-        is copied out of its slot and hashed in one worker thread (16 MiB: a copy into fresh pages and a hash, 2-8
-        ms of the event loop under load), awaited to its end even by a cancelled demotion, whose block stays
-        moving (its slot kept) until then; any other is read, and hashed off the loop when large."""
+        is copied out of its slot and hashed in one worker thread (on the loop, a copy into fresh pages and an xxh3
+        made most of the steps over 2 ms of a raw 16 MiB put beside demotions: benchmarks/RESULTS.md, put_get,
+        session 51), awaited to its end even by a cancelled demotion, whose block stays moving (its slot kept)
+        until then; any other is read, and hashed off the loop when large."""
         tier = self.tiers[i]
         view = getattr(tier, "view", None)  # a pool's slot in place (None for one in HBM)
         in_place = view(meta.key) if view is not None and meta.nbytes >= COPY_OFF_LOOP_BYTES else None
