@@ -18,14 +18,21 @@ T = TypeVar("T")
 
 async def in_thread(fn: Callable[..., T], *args: object) -> T:
     """fn(*args) in the loop's default executor; returns (or raises) only once it has ended."""
-    done = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    return await to_its_end(asyncio.get_running_loop().run_in_executor(None, fn, *args))
+
+
+async def to_its_end(done: asyncio.Future[T]) -> T:
+    """The future's result once it has ended, even when the caller is cancelled meanwhile (the cancellation goes on
+    after it): work over a borrowed buffer that cancelling would not stop (a thread, a helper process writing
+    into a pool slot)."""
     cancelled: asyncio.CancelledError | None = None
     while not done.done():
         try:
             await asyncio.wait((done,))
         except asyncio.CancelledError as exc:
-            cancelled = cancelled or exc  # the first one goes on once the thread is done; the rest are the same
+            cancelled = cancelled or exc  # the first one goes on once the work is done; the rest are the same
     if cancelled is not None:
-        done.exception()  # fn's own error, if any, is not logged as never retrieved: the cancellation goes on
+        if not done.cancelled():
+            done.exception()  # the work's own error, if any, is not logged as never retrieved: the cancellation goes on
         raise cancelled
     return done.result()

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import xxhash
 
+from engram.borrowed import in_thread, to_its_end
+
 # blockformat's v1 header: fields (48 bytes), then the header's checksum (8); the body follows.
 _FIELDS = struct.Struct("<4sBBBBBBH5IQQ")
 HEADER_LEN = _FIELDS.size + 8
@@ -89,12 +91,22 @@ def _serve(path: str, data_offset: int) -> None:
         print(json.dumps(seal(data, SealTask(offset, length, v1, v2))), flush=True)
 
 
+def _seal_all(data: memoryview, tasks: Sequence[SealTask]) -> list[int | str]:
+    return [seal(data, t) for t in tasks]
+
+
 class _Helper:
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
         self.lock = asyncio.Lock()
 
     async def run(self, task: SealTask) -> int | str:
+        """The helper's answer to one task. A cancelled caller still waits for it (borrowed.to_its_end): the
+        helper writes into the block's slot until it answers, and an answer left unread in its pipe was read
+        as the next task's (another block's checksum)."""
+        return await to_its_end(asyncio.ensure_future(self._exchange(task)))
+
+    async def _exchange(self, task: SealTask) -> int | str:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         async with self.lock:
             self.proc.stdin.write((json.dumps([task.offset, task.length, task.v1, task.v2]) + "\n").encode())
@@ -144,7 +156,9 @@ class Sealer:
                 await self._starting
         helpers = [h for h in self._helpers if h.proc.returncode is None]
         if len(helpers) < 2 or len(tasks) < 2:
-            return await asyncio.to_thread(lambda: [seal(self.data, t) for t in tasks])
+            # in a thread that even a cancelled commit waits for: it writes headers into the slots, which the
+            # commit's failure frees (engram/borrowed.py)
+            return await in_thread(_seal_all, self.data, tasks)
         queue = list(enumerate(tasks))
         out: list[int | str | None] = [None] * len(tasks)
 
@@ -153,12 +167,15 @@ class Sealer:
                 i, task = queue.pop()
                 out[i] = await helper.run(task)
 
-        try:
-            await asyncio.gather(*(drain(h) for h in helpers))
-        except OSError:  # a helper died: hash the rest here
+        # Every helper's exchange ends before this does, cancelled or not (a gather without return_exceptions ended
+        # at its first cancelled or failed child, while another helper still sealed a slot)
+        for failed in await asyncio.gather(*(drain(h) for h in helpers), return_exceptions=True):
+            if isinstance(failed, BaseException) and not isinstance(failed, OSError):
+                raise failed
+        if any(o is None for o in out):  # a helper died: hash the rest here
             for i, t in enumerate(tasks):
                 if out[i] is None:
-                    out[i] = await asyncio.to_thread(seal, self.data, t)
+                    out[i] = await in_thread(seal, self.data, t)
         return out  # type: ignore[return-value]
 
     async def close(self) -> None:

@@ -6,6 +6,7 @@ committed frees its slots; reservation ids are per namespace."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from engram import errors
+from engram import errors, sealing
 from engram.client import EngramClient
 from engram.v1 import engram_pb2 as pb
 from engram.v1 import engram_pb2_grpc as pb_grpc
@@ -505,6 +506,105 @@ async def test_a_reserveput_cancelled_while_it_reserves_frees_its_slots_as_the_c
         answered = rpcs_answered(srv, "ReservePut")
         await _put_and_read_back(c, fp, spec, seed=5)
         assert rpcs_answered(srv, "ReservePut") == answered + 1  # in place
+
+
+async def test_a_commit_cancelled_while_its_slots_are_sealed_frees_them_only_once_the_sealing_is_done(  # type: ignore[no-untyped-def]
+        server_factory, monkeypatch) -> None:
+    """A CommitPut seals each slot in place (a v1 block's checksums are written into it, every payload hashed) in
+    a thread (one block, or a small host) or in helper processes; a commit that fails frees the reservation's
+    slots, which the next put may take. Cancelled while the seal ran, the commit freed them at once, and the
+    thread wrote on into slots another block could hold by then. The seal is the module's own, gated (a wrapper
+    that waits for the test) so the cancel lands while it runs."""
+    srv = await server_factory()
+    inplace = srv.service.inplace
+    spec = tiny_model()
+    toks = tokens(BLOCK_TOKENS, seed=9)
+    kv = random_kv(spec, len(toks), seed=9)
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            res = await pb_grpc.EngramStub(ch).ReservePut(pb.ReservePutRequest(
+                namespace="t", model_fingerprint=fp, blocks=_raw_headers(spec, toks)))
+    _write_slots(inplace, res.slots, kv)
+    reservation = inplace.get("t", res.reservation_id)
+    slot_keys = [inplace._slot_key(reservation, r.meta) for r in reservation.blocks]
+    assert slot_keys and all(k in inplace.pool for k in slot_keys)
+    real_seal, entered, go = sealing.seal, threading.Event(), threading.Event()
+
+    def gated_seal(data: memoryview, task: sealing.SealTask) -> int | str:
+        entered.set()
+        go.wait(60)
+        return real_seal(data, task)
+
+    monkeypatch.setattr(sealing, "seal", gated_seal)
+    commit = asyncio.create_task(inplace.commit(reservation))
+    try:
+        await asyncio.to_thread(entered.wait, 60)
+        commit.cancel()
+        for _ in range(20):  # turns of the loop: a cancel that does not wait for the seal has landed long before
+            await asyncio.sleep(0)
+        assert not commit.done() and all(k in inplace.pool for k in slot_keys), \
+            "the commit freed its slots while the seal still wrote into them"
+    finally:
+        go.set()
+    with pytest.raises(asyncio.CancelledError):
+        await commit
+    assert not any(k in inplace.pool for k in slot_keys)  # freed once the seal was done
+    assert all(srv.store.index.get(r.meta.key) is None for r in reservation.blocks)  # and nothing published
+
+
+async def test_a_sealing_helper_whose_commit_was_cancelled_answers_its_next_task_with_that_tasks_checksum(  # type: ignore[no-untyped-def]
+        server_factory) -> None:
+    """On a host of 4 cores or more, helper processes seal the slots of a commit of several blocks, one JSON line
+    a task each way. A commit cancelled while a helper worked left that helper's answer unread in its pipe, and its
+    next task (the next commit's block) was answered with it: the block was stored under another block's checksum,
+    and every Get of it failed DATA_LOSS. Two helpers are started here whatever the host, and the first one's
+    answer is held (its pipe's readline gated, in this process) so that the cancel lands while it is due."""
+    srv = await server_factory()
+    inplace = srv.service.inplace
+    sealer = inplace.sealer
+    sealer.workers = 2
+    sealer.start()
+    assert sealer._starting is not None
+    await sealer._starting
+    helpers = [h for h in sealer._helpers if h.proc.returncode is None]
+    assert len(helpers) == 2
+    spec = tiny_model()
+    async with EngramClient(srv.address, namespace="t", in_place_min_bytes=0) as c:
+        fp = await c.register_model(spec)
+        toks = tokens(2 * BLOCK_TOKENS, seed=11)
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            res = await pb_grpc.EngramStub(ch).ReservePut(pb.ReservePutRequest(
+                namespace="t", model_fingerprint=fp, blocks=_raw_headers(spec, toks)))
+        _write_slots(inplace, res.slots, random_kv(spec, len(toks), seed=11))
+        pipe = helpers[0].proc.stdout
+        assert pipe is not None
+        real_readline, asked, go = pipe.readline, asyncio.Event(), asyncio.Event()
+
+        async def gated_readline() -> bytes:
+            asked.set()
+            await go.wait()
+            return await real_readline()
+
+        pipe.readline = gated_readline  # type: ignore[method-assign]
+        commit = asyncio.create_task(inplace.commit(inplace.get("t", res.reservation_id)))
+        try:
+            await asyncio.wait_for(asked.wait(), 60)
+            commit.cancel()
+            for _ in range(20):  # turns of the loop: a cancel that does not wait for the helper has landed
+                await asyncio.sleep(0)
+            assert not commit.done(), "the commit ended while a helper still sealed its slot"
+        finally:
+            go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await commit
+        del pipe.readline  # the stream's own again
+        toks = tokens(2 * BLOCK_TOKENS, seed=12)
+        kv = random_kv(spec, len(toks), seed=12)
+        put = await c.put(fp, toks, kv)  # in place, sealed by the same two helpers
+        assert put.stored == 2
+        got = await c.get(fp, put.keys, zero_copy=False)  # as bytes: each payload checked against its checksum
+        assert torch.equal(torch.cat(got, dim=2), kv)
 
 
 def _tenants(**namespaces: str) -> dict[str, str]:

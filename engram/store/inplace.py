@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engram.block import BlockHeader
+from engram.borrowed import in_thread
 from engram.codec import blockformat, stored, streamformat
 from engram.codec.base import Axis, codec_by_name
 from engram.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -494,7 +495,8 @@ class InPlacePuts:
         """The scale checks in a thread per core (numpy's comparisons let go of the GIL): a 32K-token nvfp4 put
         holds 128 MiB of scales, 30 ms in one thread on the H200's host."""
         n = min(len(blocks), os.cpu_count() or 1)
-        for failed in await asyncio.gather(*(asyncio.to_thread(self._check_some, blocks[j::n]) for j in range(n)),
+        # in_thread: a cancelled commit waits for the checks before its failure frees the slots they read
+        for failed in await asyncio.gather(*(in_thread(self._check_some, blocks[j::n]) for j in range(n)),
                                            return_exceptions=True):
             if isinstance(failed, BaseException):
                 raise failed
