@@ -58,13 +58,21 @@ async def checksum_off_loop(payload: bytes | memoryview) -> int:
     return await in_thread(checksum, payload)
 
 
-async def copy_off_loop(view: memoryview) -> bytes:
-    """bytes(view), in a worker thread when large (COPY_OFF_LOOP_BYTES): a copy out of a pool slot into fresh
-    pages. The copy has ended when this returns, cancelled or not (engram/borrowed.py): the slot's block must be
-    held until then."""
+def copied(view: memoryview) -> memoryview:
+    """A copy of a buffer's bytes (a pool slot's), made letting go of the GIL: numpy's copy into a fresh array
+    (bytes(view), one memcpy too, holds it; a thread's copy held the event loop all the same)."""
+    out = np.empty(view.nbytes, np.uint8)
+    np.copyto(out, np.frombuffer(view, np.uint8))
+    return memoryview(out)  # type: ignore[arg-type]
+
+
+async def copy_off_loop(view: memoryview) -> bytes | memoryview:
+    """A copy of a buffer's bytes (a pool slot's): bytes(view) on the loop when small, `copied` in a worker thread
+    when large (COPY_OFF_LOOP_BYTES). The copy has ended when this returns, cancelled or not (engram/borrowed.py):
+    the slot's block must be held until then."""
     if view.nbytes < COPY_OFF_LOOP_BYTES:
         return bytes(view)
-    return await in_thread(bytes, view)
+    return await in_thread(copied, view)
 
 
 @dataclass(frozen=True)

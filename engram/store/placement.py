@@ -27,7 +27,7 @@ import typing
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from engram.block import COPY_OFF_LOOP_BYTES, Payload, checksum, checksum_off_loop
+from engram.block import COPY_OFF_LOOP_BYTES, Payload, checksum, checksum_off_loop, copied
 from engram.borrowed import in_thread
 from engram.errors import DataLoss, FailedPrecondition, ResourceExhausted, StorageFull, Unavailable
 from engram.eviction import ReturnModel, TierVictims
@@ -51,9 +51,10 @@ def immediate(tier: Tier) -> ImmediateTier | None:
     return None
 
 
-def _copied_and_checked(view: memoryview, want: int) -> tuple[bytes, bool]:
-    """A copy of a slot's bytes, and whether they match the checksum `want` (one worker thread's work)."""
-    payload = bytes(view)
+def _copied_and_checked(view: memoryview, want: int) -> tuple[memoryview, bool]:
+    """A copy of a slot's bytes, and whether they match the checksum `want` (one worker thread's work, letting go
+    of the GIL for both)."""
+    payload = copied(view)
     return payload, checksum(payload) == want
 
 
@@ -263,7 +264,7 @@ class Placement:
         await self.drop_copy(meta, self.tiers[i].name)
         return True
 
-    async def _copy_out(self, i: int, meta: BlockMeta) -> tuple[bytes, bool]:
+    async def _copy_out(self, i: int, meta: BlockMeta) -> tuple[Payload, bool]:
         """A moving block's copy in tier i, and whether it matches the block's checksum. A large one in a host pool
         is copied out of its slot and hashed in one worker thread (on the loop, a copy into fresh pages and an xxh3
         made most of the steps over 2 ms of a raw 16 MiB put beside demotions: benchmarks/RESULTS.md, put_get,

@@ -88,7 +88,7 @@ class Tier(Protocol):
 class ImmediateTier(Protocol):
     """A tier whose write and delete never wait (memory: the DRAM pool, HBM, the private DRAM dict), so that its
     async `delete` only calls `delete_now`, and its `write` `write_now` but for a payload of COPY_OFF_LOOP_BYTES or
-    more, which a host memory tier copies in a worker thread (engram/block.py). The store's placement calls them directly for such tiers
+    more, which the DRAM pool copies in a worker thread (engram/block.py). The store's placement calls them directly for such tiers
     (engram/store/placement.py): a miss into a full tier writes one copy and deletes another, and a coroutine
     for each measured 6% of a put's cost in the compiled store (benchmarks/put_cost.py). A subclass that changes
     `write` or `delete` must change these too; a wrapper that forwards attributes is not taken for one (the

@@ -8,8 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from engram.block import COPY_OFF_LOOP_BYTES, BlockRecord, Payload
-from engram.borrowed import in_thread
+from engram.block import BlockRecord, Payload
 from engram.errors import NotFound
 from engram.tiers.base import TierUsage
 from engram.tiers.budget import ByteBudget
@@ -51,19 +50,12 @@ class DramTier(ByteBudget):
         return rec.nbytes
 
     async def write(self, rec: BlockRecord, payload: Payload, reserved: int) -> None:
-        """`write_now`, but a large view (a caller's reused buffer) is copied in a worker thread that even a
-        cancelled caller waits for (COPY_OFF_LOOP_BYTES, engram/borrowed.py)."""
-        if not isinstance(payload, bytes) and len(payload) >= COPY_OFF_LOOP_BYTES:
-            try:
-                payload = await in_thread(bytes, payload)
-            except BaseException:
-                self.unreserve(reserved)
-                raise
         self.write_now(rec, payload, reserved)
 
     def write_now(self, rec: BlockRecord, payload: Payload, reserved: int) -> None:
-        """`write` without a coroutine (ImmediateTier): a dict entry (the store's placement calls it for payloads
-        below COPY_OFF_LOOP_BYTES)."""
+        """`write` without a coroutine (ImmediateTier): a dict entry never waits. (A view is copied into bytes here,
+        on the caller's thread, whatever its size: bytes() holds the GIL, so a worker thread would spare the event
+        loop nothing.)"""
         if rec.key in self._blocks:
             raise AssertionError("write of a key already in the tier; the store must dedupe first")
         self.unreserve(reserved)

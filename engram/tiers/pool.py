@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engram.block import COPY_OFF_LOOP_BYTES, BlockRecord, Payload
@@ -37,9 +38,15 @@ class Slot:
 
 
 def _copy_into(dest: memoryview, payload: Payload) -> None:
-    """One memcpy of a payload's bytes into a host pool's slot (on whichever thread calls it)."""
+    """One memcpy of a payload's bytes into a host pool's slot, on the caller's thread (the event loop's: small)."""
     src = memoryview(payload)
     dest[:] = src if src.format == "B" and src.ndim == 1 else src.cast("B")
+
+
+def _copy_into_letting_go(dest: memoryview, payload: Payload) -> None:
+    """`_copy_into` for a worker thread: numpy's copy lets go of the GIL while it copies (a memoryview's slice
+    assignment, one memcpy too, holds it: the event loop waited for the whole copy all the same)."""
+    np.copyto(np.frombuffer(dest, np.uint8), np.frombuffer(payload, np.uint8))
 
 
 def auto_page_bytes(capacity: int) -> int:
@@ -158,8 +165,9 @@ class PoolTier:
         return runs.pop()
 
     async def write(self, rec: BlockRecord, payload: Payload, reserved: int) -> None:
-        """`write_now`, but a large payload into a host pool is copied in a worker thread (COPY_OFF_LOOP_BYTES: a
-        16 MiB memcpy held the event loop 1-4 ms), which even a cancelled caller waits for (engram/borrowed.py): the
+        """`write_now`, but a large payload into a host pool is copied in a worker thread, letting go of the GIL
+        (COPY_OFF_LOOP_BYTES: a 16 MiB memcpy held the event loop 1-4 ms), which even a cancelled caller waits for
+        (engram/borrowed.py): the
         payload may be a buffer its caller reuses next (the data channel's receive buffer), and the run is freed
         only once nothing writes into it. The run is counted (`used_bytes`) meanwhile, not yet the key's: the
         block is the tier's once its bytes are."""
@@ -169,7 +177,7 @@ class PoolTier:
         slot = self._slot_for(rec, payload, reserved)
         self._writing += reserved
         try:
-            await in_thread(_copy_into, self._host[slot.offset : slot.offset + slot.length], payload)
+            await in_thread(_copy_into_letting_go, self._host[slot.offset : slot.offset + slot.length], payload)
             if rec.key in self._slots:  # another write of the key landed meanwhile
                 raise AssertionError("write of a key already in the tier; the store must dedupe first")
         except BaseException:
