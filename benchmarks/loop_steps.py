@@ -11,7 +11,9 @@ its wall time. A client in another process runs four phases one op at a time, pr
   decode_get:  16 Gets of those blocks with decode_on_server (the daemon decodes to 32 MiB raw), data channel
   raw_put:     24 puts of one raw 16 MiB block, data channel: the pool copy; past the pool's room each demotes
                (the victim's copy out of the pool, its hash, the NVMe write)
-Per phase: the longest step (loop CPU ms, wall ms), steps over 2 ms and over 5 ms of loop CPU. One JSON line out.
+Per phase: the longest step (loop CPU ms, wall ms), steps over 2 ms and over 5 ms of loop CPU, and of wall time (which
+also counts the loop waiting for the GIL a worker thread holds, and the host not running the process). One JSON
+line out.
 A step is the daemon's own work between two turns of its loop: any other call (a hit) waits that long.
 
     cd /tmp && PYTHONPATH=<a tree's root> .venv/bin/python <repo>/benchmarks/loop_steps.py LABEL >> F.jsonl
@@ -131,10 +133,11 @@ async def main(label: str) -> None:
     for phase in ("nvfp4_put", "decode_get", "raw_put"):
         windows = [(t0, t1) for p, t0, t1 in ops if p == phase]
         during = [(cpu, wall) for end, cpu, wall in steps if any(t0 < end <= t1 for t0, t1 in windows)]
-        cpus = [c for c, _ in during]
+        cpus, walls = [c for c, _ in during], [w for _, w in during]
         out[phase] = {"ops": len(windows), "max_cpu_ms": round(1e3 * max(cpus), 2),
-                      "max_wall_ms": round(1e3 * max(w for _, w in during), 2),
+                      "max_wall_ms": round(1e3 * max(walls), 2),
                       "over2_cpu": sum(c > 0.002 for c in cpus), "over5_cpu": sum(c > 0.005 for c in cpus),
+                      "over2_wall": sum(w > 0.002 for w in walls), "over5_wall": sum(w > 0.005 for w in walls),
                       "op_ms_median": round(1e3 * sorted(t1 - t0 for t0, t1 in windows)[len(windows) // 2], 1)}
     print(json.dumps(out), flush=True)
 
