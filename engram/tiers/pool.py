@@ -167,10 +167,9 @@ class PoolTier:
     async def write(self, rec: BlockRecord, payload: Payload, reserved: int) -> None:
         """`write_now`, but a large payload into a host pool is copied in a worker thread, letting go of the GIL
         (COPY_OFF_LOOP_BYTES: a 16 MiB memcpy held the event loop 1-4 ms), which even a cancelled caller waits for
-        (engram/borrowed.py): the
-        payload may be a buffer its caller reuses next (the data channel's receive buffer), and the run is freed
-        only once nothing writes into it. The run is counted (`used_bytes`) meanwhile, not yet the key's: the
-        block is the tier's once its bytes are."""
+        (engram/borrowed.py): the payload may be a buffer its caller reuses next (the data channel's receive
+        buffer), and the run is freed only once nothing writes into it. The run is counted (`used_bytes`)
+        meanwhile, not yet the key's: the block is the tier's once its bytes are."""
         if self._host is None or len(payload) < COPY_OFF_LOOP_BYTES:
             self.write_now(rec, payload, reserved)
             return
