@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from engram.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
@@ -101,19 +101,23 @@ class LeaseTable:
                                     "next load ends its last) or let them expire")
         self._blocks[namespace] = held + more
 
-    def release(self, namespace: str, lease_ids: Sequence[int]) -> int:
+    def release(self, namespace: str, lease_ids: Sequence[int], others: Collection[int] = ()) -> int:
         """End leases of this namespace; every id must name a live one (NotFound names the first that does
-        not, and then nothing is released)."""
+        not, and then nothing is released), or be one of `others` (ids the caller ends itself: a ReleaseLeases'
+        reservations), skipped here. Returns how many leases it ended."""
         found = []
         for i, lease_id in enumerate(lease_ids):
+            if lease_id in others:
+                continue
             lease = self._leases.get(lease_id)
             if lease is None or lease.namespace != namespace:
                 raise NotFound(f"lease {i} ({lease_id}) is not held in this namespace: it expired (after "
                                f"{self.lease_s:g}s), was released already, or was never granted")
             found.append(lease)
-        for lease_id in dict.fromkeys(lease.id for lease in found):  # an id named twice ends once
+        ended = dict.fromkeys(lease.id for lease in found)  # an id named twice ends once
+        for lease_id in ended:
             self._end(lease_id)
-        return len(set(lease_ids))
+        return len(ended)
 
     def release_known(self, namespace: str, lease_ids: Sequence[int]) -> int:
         """End those of these leases that are still held in this namespace, ignoring the rest (expired, or

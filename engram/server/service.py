@@ -30,6 +30,7 @@ from engram.cluster import ClusterIndex
 from engram.codec import stored
 from engram.config import ServerConfig
 from engram.errors import (
+    DeadlineExceeded,
     EngramError,
     FailedPrecondition,
     InvalidArgument,
@@ -195,6 +196,23 @@ async def _cancel_lands() -> None:
     (grpc 1.85). A unary answer returned before then is dropped, and the handler never knows."""
     for _ in range(CANCEL_TURNS):
         await asyncio.sleep(0)
+
+
+async def _answer_may_land(context: grpc.aio.ServicerContext, what: str) -> None:
+    """Before a handler answers with a grant its caller learns of only from the answer (`what`: a reservation, a
+    lease, a session whose id the daemon picked): CancelledError for a cancel that lands in the turns grpc takes
+    (`_cancel_lands`), DeadlineExceeded once the call's deadline has passed. Either way the caller handles it by
+    giving the grant back. A busy loop passes a cancel on later than those turns, and a deadline may pass with
+    no cancel ever reaching the handler (grpc drops the answer, and its done callback says "not cancelled": a
+    review, session 51), so the deadline is read here: exact for a caller that set one (the daemon's deadline is
+    the client's, counted from the request's arrival, so never earlier). A cancel later still, or an answer
+    dropped in flight, is not seen: EngramClient never cancels such a call, it lets it finish and gives the grant
+    back itself (engram/client.py, `_granting`)."""
+    await _cancel_lands()
+    left = context.time_remaining()
+    if left is not None and left <= 0:
+        raise DeadlineExceeded(f"the call's deadline passed before its answer ({what}) was sent: the daemon gave "
+                               f"the {what} back; call again with a longer deadline")
 
 
 def _window_from_pb(msg: pb.SwaWindowData) -> Window:
@@ -523,12 +541,12 @@ class EngramService:
         self.check_model(req.model_fingerprint)
         walk, refs, _ = await self._walk(ns, req.model_fingerprint, tokens, use=None)
         try:
-            return await self._prefix_answer(req, ns, tokens, walk, refs)
+            return await self._prefix_answer(req, ns, tokens, walk, refs, context)
         finally:
             walk.close()
 
     async def _prefix_answer(self, req: pb.GetPrefixRequest, ns: str, tokens: Any, walk: PrefixWalk,
-                             refs: list[pb.BlockRef]) -> pb.PrefixHeader:
+                             refs: list[pb.BlockRef], context: grpc.aio.ServicerContext) -> pb.PrefixHeader:
         """GetPrefix's answer for the prefix walked (engram/server/prefixheader.py), and the lookup counted by it,
         in one turn of the tenant's; blocks that a pool the caller maps lacks are copied up into the shared pool
         first, outside it (a batch of NVMe reads: the turn is for Python work on the loop, as for a peer fetch)."""
@@ -539,16 +557,16 @@ class EngramService:
         async with self._turn(fp, tokens):
             up = await not_in_pools(walk, pools) if shared is not None else []
             if not up:
-                return await self._prefix_header(req, ns, walk, refs, pools, codec)
+                return await self._prefix_header(req, ns, walk, refs, pools, codec, context)
         walk.watch()
         assert shared is not None
         with self.store.reading(walk.found()):
             await self.store.copy_up(up, shared.name)  # one batch; a block that left meanwhile cuts the answer
         async with self._turn(fp, tokens):
-            return await self._prefix_header(req, ns, walk, refs, pools, codec)
+            return await self._prefix_header(req, ns, walk, refs, pools, codec, context)
 
     async def _prefix_header(self, req: pb.GetPrefixRequest, ns: str, walk: PrefixWalk, refs: list[pb.BlockRef],
-                             pools: list[PoolTier], codec: str) -> pb.PrefixHeader:
+                             pools: list[PoolTier], codec: str, context: grpc.aio.ServicerContext) -> pb.PrefixHeader:
         """The answer built a slice at a time, counted as a lookup of what it answers (a block removed between
         slices cuts it), in the caller's turn."""
         promote = ((self.pool, self.ipc_pool) if req.cuda_ipc and self.ipc_pool is not None and self.pool is not None
@@ -560,7 +578,7 @@ class EngramService:
             await self.store.count_lookup(len(walk.tokens), walk.blocks[: len(header.blocks)], header.matched_tokens,
                                           use=False)  # each slice was used as it was answered (prefix_header)
             if header.lease_id:  # a cancel come during the last slice, which awaits nothing, lands (as ReservePut's)
-                await _cancel_lands()
+                await _answer_may_land(context, "lease")
         except BaseException:  # cut (its deadline, its client gone): a lease no caller will hear of is dropped
             if header.lease_id:  # (it held every block of the prefix for lease_s: a cancel audit, session 49)
                 self.leases.release_known(ns, [header.lease_id])  # (expired meanwhile: nothing to end)
@@ -667,8 +685,8 @@ class EngramService:
         # deadline come meanwhile had not reached this handler: its answer was dropped, the reservation kept
         # (session 49's cancel audit).
         try:
-            await _cancel_lands()
-        except asyncio.CancelledError:
+            await _answer_may_land(context, "reservation")
+        except BaseException:
             self.inplace.release_unanswered(res)
             raise
         seg = self.inplace.pool.segment
@@ -693,10 +711,17 @@ class EngramService:
 
     @unary
     async def ReleaseLeases(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ReleaseLeasesResponse:
+        """Leases end; an id of an open reservation (the lease_id of its slots) gives it up, its uncommitted slots
+        freed at once (InPlacePuts.give_up): how a client whose caller left before a ReservePut's answer came lets
+        go of what the answer granted. Every id must name one or the other (NotFound, and nothing is released)."""
         req = decoded(request)
         check_limit("ReleaseLeases ids", len(req.lease_ids), self.config.max_blocks_per_request)
-        released = self.leases.release(namespace_for(context, req.namespace), list(req.lease_ids))
-        return pb.ReleaseLeasesResponse(released=released)
+        ns = namespace_for(context, req.namespace)
+        given_up = {i for i in req.lease_ids if self.inplace is not None and self.inplace.holds(ns, i)}
+        released = self.leases.release(ns, list(req.lease_ids), others=given_up)
+        for reservation_id in given_up:
+            self.inplace.give_up(ns, reservation_id)  # type: ignore[union-attr]
+        return pb.ReleaseLeasesResponse(released=released + len(given_up))
 
     @streaming
     async def FetchBlocks(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.FetchBlocksResponse]:
@@ -938,20 +963,20 @@ class EngramService:
         tenant = self._tenant(context)
         s = self.sessions.open(ns, req.model_fingerprint, mode, req.approx_k, req.session_id, tokens, tenant=tenant,
                                hold=False)
-        await self._hold_new(s, tenant, picked=not req.session_id)  # a long prefix a slice at a time, in its turn
+        await self._hold_new(s, tenant, context, picked=not req.session_id)  # a long prefix a slice at a time
         return self._session_info(s)
 
-    async def _hold_new(self, s: Session, tenant: str, *, picked: bool) -> None:
+    async def _hold_new(self, s: Session, tenant: str, context: grpc.aio.ServicerContext, *, picked: bool) -> None:
         """A new session's prefix held (SessionManager.hold_in_slices) before it is answered. One whose id the
         daemon `picked` is named to its caller by the answer alone: a call that ends without it (cut: its client's
         cancel or deadline; or failed) ends the session, which stayed open, named to nobody, holding its blocks and
         counted among its tenant's sessions until server.session_idle_s (a day by default). A cancel come while it
-        ran without awaiting (a short prefix) lands first (`_cancel_lands`). One whose id the caller chose stays
-        (the caller may use or close it)."""
+        ran without awaiting (a short prefix) lands first, and a call whose deadline passed is cut
+        (`_answer_may_land`). One whose id the caller chose stays (the caller may use or close it)."""
         try:
             await self.sessions.hold_in_slices(s, tenant)
             if picked:
-                await _cancel_lands()
+                await _answer_may_land(context, "session")
         except BaseException:
             if picked and self.sessions.is_open(s):
                 self.sessions.end(s)
@@ -980,7 +1005,7 @@ class EngramService:
         s = self.sessions.fork(namespace_for(context, req.parent.namespace), req.parent.session_id, req.session_id,
                                req.position, tenant=tenant, owner=session_owner(context, req.parent.owner),
                                hold=False)
-        await self._hold_new(s, tenant, picked=not req.session_id)
+        await self._hold_new(s, tenant, context, picked=not req.session_id)
         return self._session_info(s)
 
     @unary

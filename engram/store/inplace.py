@@ -12,7 +12,8 @@ the pool) and the blocks are published in chain order; under write-through each 
 written (another put of the block meanwhile waits on it, as on a Put's), so nothing is acknowledged against a
 block that might yet be dropped. Commits of one reservation go one at a time, and its expiry waits for them.
 A reservation not committed within its time is closed, and its slots freed one term later (a late writer's
-bytes land in slots no block holds).
+bytes land in slots no block holds). One whose caller says it will not commit it (ReleaseLeases naming its id:
+a client whose caller left before the ReservePut's answer came) is freed at once (`give_up`).
 Bounds: reserved slots are not blocks, so no eviction frees them, and one never committed is held for up to two
 terms. What all reservations hold unpublished (being made, open or lapsed) is at most a fraction of the pool,
 and what one tenant's hold (every namespace of its) a smaller one; without them, a caller that reserved and never
@@ -555,15 +556,31 @@ class InPlacePuts:
                 self.store.placement.victims[name].leaf_again(p)
 
     def release_unanswered(self, res: Reservation) -> None:
-        """Free at once a reservation whose ReservePut answer was not delivered (the call ended cancelled): no
-        worker learnt its id or slots, so none writes them late, and none commits it (ids are 63 random bits)."""
-        if self._open.get(res.id) is not res or res.committing or res.committed:
-            return
-        del self._open[res.id]
+        """Free at once a reservation whose ReservePut answer was not delivered (the call ended cancelled, or past
+        its deadline): no worker learnt its id or slots, so none writes them late, and none commits it (ids are 63
+        random bits)."""
+        if self._open.get(res.id) is res and not res.committed:
+            self.give_up(res.namespace, res.id)
+
+    def holds(self, namespace: str, reservation_id: int) -> bool:
+        """Whether `give_up` would end this reservation: open in this namespace, no commit of it running."""
+        res = self._open.get(reservation_id)
+        return res is not None and res.namespace == namespace and not res.committing
+
+    def give_up(self, namespace: str, reservation_id: int) -> bool:
+        """End an open reservation its caller will not commit (ReleaseLeases naming its id, the lease_id of its
+        slots: a client whose caller left before the ReservePut's answer came, engram/client.py), freeing at once
+        its slots not yet published; those committed stay stored. The caller vouches that none of its writes into
+        them is in flight (a worker that may still write lets it expire instead: its slots are freed a term after).
+        False when there is none to end (committed, expired, another namespace's, or being committed)."""
+        if not self.holds(namespace, reservation_id):
+            return False
+        res = self._open.pop(reservation_id)
         if res.timer is not None:
             res.timer.cancel()
             res.timer = None
         self._drop_later(res)
+        return True
 
     def _expire(self, reservation_id: int) -> None:
         """A reservation not committed in time closes (a commit is refused), but its slots are freed one term

@@ -281,7 +281,9 @@ class EngramServicer:
 
     def ReleaseLeases(self, request, context):
         """End the leases of a zero-copy Get's descriptors (once the worker has copied the blocks), so their
-        slots may be reused; unreleased leases expire after the server's lease_s.
+        slots may be reused; unreleased leases expire after the server's lease_s. An open reservation's id (its
+        slots' lease_id) gives the reservation up: its uncommitted slots are freed at once (the caller has no write
+        into them in flight: a client whose caller left before the ReservePut's answer came).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
