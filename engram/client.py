@@ -69,6 +69,9 @@ from engram.writer import PutWriter, Slot, stream_block
 __all__ = ["EngramClient", "SyncEngramClient", "same_host"]
 
 RELEASE_AFTER_S = 0.25  # a finished load's lease ends with the next load, or this long after it
+# The least a granting call whose caller left is let run on for its answer, and a give-back waits for its own (a
+# caller's timeout_s may be far below a loaded daemon's answers: a scheduler's 50 ms); close() cuts both sooner
+FINISH_S = 30.0
 IN_PLACE_MIN_BYTES = 16 * 2**20  # host-memory puts smaller than this take the data channel (_in_place_pays)
 
 T = TypeVar("T")
@@ -203,7 +206,8 @@ class EngramClient(ControlClient):
         # once a daemon restart removed it)
         self._pools = MappedPools()
         self._zero_copy_ok = zero_copy is not False and same_host(address)
-        self._releasing: set[asyncio.Task[None]] = set()  # lease releases in flight
+        self._releasing: set[asyncio.Task[None]] = set()  # lease releases (and cut grants' give-backs) in flight
+        self._finishing: set[asyncio.Future[Any]] = set()  # granting calls whose caller left, let finish (_granting)
         self._salts: dict[str, tuple[str, bytes]] = {}  # name -> (namespace, key salt), from DescribeNamespace
         self._loader = PrefixLoader()  # the hit path (engram/loader.py)
         self._writer = PutWriter()  # the put path on the daemon's host (engram/writer.py)
@@ -221,7 +225,14 @@ class EngramClient(ControlClient):
         if self._flush is not None:
             self._flush.cancel()
         self._flush_held()
-        if self._releasing:
+        for answer in list(self._finishing):  # cut now: what they grant is the daemon's to end (_answer_may_land)
+            answer.cancel()
+        if self._finishing:
+            await asyncio.gather(*self._finishing, return_exceptions=True)
+        if self._releasing:  # within timeout_s, as every call: a give-back may wait FINISH_S while the client is open
+            _, late = await asyncio.wait(self._releasing, timeout=self.timeout_s)
+            for task in late:
+                task.cancel()
             await asyncio.gather(*self._releasing, return_exceptions=True)
         self._loader.close()
         self._writer.close()
@@ -423,7 +434,8 @@ class EngramClient(ControlClient):
                                        parent_key=keys[-1] if keys else b"")
             t0 = time.perf_counter()
             try:
-                res = await self._call(self._stub.ReservePut(req))
+                res = await self._granting(self._stub.ReservePut, req,
+                                           functools.partial(self._give_back_reservation, ns))
             except errors.FailedPrecondition:
                 if keys:
                     raise
@@ -929,8 +941,65 @@ class EngramClient(ControlClient):
     def _segment(self, path: str, segment_id: bytes) -> SegmentReader:
         return self._pools.get("read", path, segment_id, lambda: SegmentReader(path, segment_id))
 
+    async def _granting(self, method: Callable[..., Any], request: Any,
+                        give_back: Callable[[asyncio.Future[T]], None], *, work_bytes: int = 0) -> T:
+        """A call whose answer grants what only the answer names (ReservePut's reservation, GetPrefix's lease, a
+        session whose id the daemon picks), made so that its caller leaving does not leave the grant to nobody:
+        "cancel by completion". Its caller's cancel, or its bound (timeout_s and the work's time, deadline.answer:
+        the same DeadlineExceeded as any call's) ends the caller's wait and not the call, which runs on to its
+        answer, bounded by a gRPC deadline (timeout_s or FINISH_S, the longer, past the caller's bound), never
+        cancelled: a call past its deadline is given back by the daemon itself (server/service.py,
+        `_answer_may_land`). Then `give_back(answer)` lets go of what it granted.
+        Cut, the call reached the daemon's handler with a cancel that a busy daemon's loop passed on only after
+        the handler had answered: the grant outlived the call (a review, session 51: 3 of 9 cut ReservePuts kept
+        their slots; 29 sessions stayed open for server.session_idle_s). `give_back` is called however the call
+        ends once its caller has left (or failed: the answer is its exception), and close() cuts the calls still
+        running (ClientClosed for their callers; the daemon's own cut handling is all that is left then)."""
+        bound = self.timeout_s + deadline.work_s(work_bytes)
+        answer = asyncio.ensure_future(self._finish(method(request, timeout=bound + self._finish_s)))
+        try:
+            return await deadline.answer(asyncio.shield(answer), self.timeout_s, self.address, work_bytes)  # type: ignore[no-any-return]
+        except BaseException:
+            if answer.done():
+                give_back(answer)
+            else:
+                self._finishing.add(answer)
+                answer.add_done_callback(self._finishing.discard)
+                answer.add_done_callback(give_back)
+            raise
+
+    @property
+    def _finish_s(self) -> float:
+        return max(self.timeout_s, FINISH_S)
+
+    async def _finish(self, call: Any) -> Any:
+        """A call bounded by its own gRPC deadline alone (not cancelled by the client: see `_granting`)."""
+        try:
+            return await call
+        except grpc.aio.AioRpcError as exc:
+            raise await self._failed(exc) from exc
+
+    def _give_back_reservation(self, namespace: str, answer: asyncio.Future[pb.ReservePutResponse]) -> None:
+        """A ReservePut whose caller left has ended: its reservation, answered, is given up (ReleaseLeases naming
+        it: no slot of it was written)."""
+        if not answer.cancelled() and answer.exception() is None and answer.result().reservation_id:
+            self._release_later({answer.result().reservation_id}, namespace)
+
+    def _close_unread(self, namespace: str, answer: asyncio.Future[pb.SessionInfo]) -> None:
+        """An OpenSession or ForkSession whose caller left has ended: the session the daemon opened under an id of
+        its choosing, named to nobody else, is closed."""
+        if answer.cancelled() or answer.exception() is not None:
+            return
+        ref = self._ref(answer.result().session_id, answer.result().namespace or namespace)
+        self._later(self._close_quietly(ref))
+
+    async def _close_quietly(self, ref: pb.SessionRef) -> None:
+        # Closed meanwhile (NotFound), the daemon gone, or this client closed first: the daemon's idle close ends it
+        with contextlib.suppress(errors.NotFound, errors.Unavailable, errors.ClientClosed, grpc.aio.UsageError):
+            await self._call(self._stub.CloseSession(ref), timeout_s=self._finish_s)
+
     def _end_unread(self, namespace: str, held: list[int], call: asyncio.Future[pb.PrefixHeader]) -> None:
-        """A GetPrefix whose caller was cancelled has ended: release what no one will."""
+        """A GetPrefix whose caller left (or that failed) has ended: release what no one will."""
         if call.cancelled() or call.exception() is not None:
             self._release_later(set(held), namespace)
         elif call.result().lease_id:
@@ -950,7 +1019,11 @@ class EngramClient(ControlClient):
             self._release_later(set(ids), ns)
 
     def _release_later(self, lease_ids: set[int], namespace: str | None) -> None:
-        task = asyncio.get_running_loop().create_task(self._release(lease_ids, namespace))
+        self._later(self._release(lease_ids, namespace))
+
+    def _later(self, work: Coroutine[Any, Any, None]) -> None:
+        """A release made in the background, kept until done (close() waits for it)."""
+        task = asyncio.get_running_loop().create_task(work)
         self._releasing.add(task)
         task.add_done_callback(self._releasing.discard)
 
@@ -961,7 +1034,7 @@ class EngramClient(ControlClient):
             # Expired meanwhile (NotFound), the daemon is gone, or this client was closed before a background
             # release ran (ClientClosed, or grpc's UsageError in a race with it): either way the leases end by expiry.
             with contextlib.suppress(errors.NotFound, errors.Unavailable, errors.ClientClosed, grpc.aio.UsageError):
-                await self._call(self._stub.ReleaseLeases(req))
+                await self._call(self._stub.ReleaseLeases(req), timeout_s=self._finish_s)  # close() waits timeout_s
 
     async def release_leases(self, lease_ids: Sequence[int], *, namespace: str | None = None) -> int:
         """End zero-copy leases explicitly (get does this itself); NotFound when one is not held here."""
@@ -1041,17 +1114,10 @@ class EngramClient(ControlClient):
         t0 = time.perf_counter()
         # Bounded by the bytes it may bring up from NVMe into the pool before it answers, too (at most the raw KV)
         work = len(req.tokens) * spec.layout.bytes_per_token()
-        call = asyncio.ensure_future(self._call(self._stub.GetPrefix(req), work_bytes=work))
-        try:
-            header = await asyncio.shield(call)
-        except asyncio.CancelledError:
-            # A caller's timeout: the daemon may answer still, with a lease on every block it names. The call
-            # runs on; its answer's lease (or, if it fails, the leases it was to end) is released when it comes.
-            call.add_done_callback(functools.partial(self._end_unread, ns, held))
-            raise
-        except BaseException:  # the call that was to end them did not: released now, not at their expiry
-            self._release_later(set(held), ns)
-            raise
+        # Its caller gone (a cancel, the bound), the call runs on: its answer's lease (or, if it fails, the leases it
+        # was to end) is released when it comes; failed, the leases it was to end are released now, not at expiry
+        header: pb.PrefixHeader = await self._granting(self._stub.GetPrefix, req,
+                                                       functools.partial(self._end_unread, ns, held), work_bytes=work)
         sources: list[BlockSource] = []
         unmapped: list[int] = []  # blocks not described, or in a pool this process cannot map: fetched as bytes
         for i in range(len(header.blocks)):
@@ -1192,7 +1258,7 @@ class EngramClient(ControlClient):
         req = pb.OpenSessionRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint,
                                     session_id=session_id, mode=convert.scalar_to_pb(SessionMode.parse(mode)),
                                     approx_k=approx_k, tokens=convert.tokens_to_pb(tokens))
-        return await self._session_call(self._stub.OpenSession(req))
+        return await self._new_session(self._stub.OpenSession, req, session_id, req.namespace)
 
     async def append_session(self, session_id: str, tokens: Sequence[int] | np.ndarray, *,
                              window: torch.Tensor | None = None, window_start: int = 0,
@@ -1215,7 +1281,17 @@ class EngramClient(ControlClient):
                            namespace: str | None = None) -> SessionInfo:
         """A new session sharing the parent's first `position` tokens (0: all of them) and their blocks."""
         req = pb.ForkSessionRequest(parent=self._ref(parent_id, namespace), session_id=session_id, position=position)
-        return await self._session_call(self._stub.ForkSession(req))
+        return await self._new_session(self._stub.ForkSession, req, session_id, req.parent.namespace)
+
+    async def _new_session(self, method: Callable[..., Any], req: Any, session_id: str, namespace: str) -> SessionInfo:
+        """An OpenSession or ForkSession. With no `session_id` the daemon picks one, named by the answer alone:
+        a caller that leaves before it (a cancel, the bound) leaves the call to finish and the session to be
+        closed (_granting). A session whose id the caller chose is the caller's to use or close, as the daemon
+        keeps it when such a call is cut."""
+        if session_id:
+            return await self._session_call(method(req))
+        return convert.from_pb(SessionInfo, await self._granting(method, req,
+                                                                 functools.partial(self._close_unread, namespace)))
 
     async def suspend_session(self, session_id: str, *, namespace: str | None = None) -> SessionInfo:
         """The session goes cold: a rebuilt window is dropped; a persisted one stays."""

@@ -58,6 +58,10 @@ process that uses it, after the fork, or start worker processes with the `spawn`
 shared by threads; its `close()` ends the calls other threads have in flight, and every call after it, with
 `ClientClosed` (an `EngramError` and a `RuntimeError`; `ClientForked` is one too). So does an `EngramClient`'s
 `close()` for the calls other tasks await on it; a task cancelled by its caller still raises `CancelledError`.
+A call whose answer grants what only it names (an in-place put's reservation, a load's lease, a session opened or
+forked without a `session_id`) is not cut when its caller cancels it or `timeout_s` passes: it runs on (30 s or
+`timeout_s` more, the longer) and the client gives back what it granted (docs/ARCHITECTURE.md, "Calls cut after
+their grant"); `close()` cuts it.
 
 How payloads travel: on the daemon's host, through its shared pools (hits copied out of the mapped pool, puts
 written into reserved slots: no KV on the socket). Everywhere else, on the daemon's **data channel**, a plain

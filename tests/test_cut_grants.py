@@ -5,8 +5,9 @@ has granted it, leaves nothing held by nobody.
 Session 50's handlers give grpc's cancel a few turns of the loop to land (`_cancel_lands`); a busy loop passes it
 on later than that, and a deadline may pass with no cancel ever reaching the handler, which has answered into the
 gone call (a review, session 51: 3 of 9 cut ReservePuts kept their slots, 11 leases and 29 sessions stayed). Now
-the daemon gives the grant back when the call's deadline passed before its answer, and ReleaseLeases gives a
-reservation up (how a client that lets a cut call finish lets go of its slots).
+EngramClient does not cut such a call when its caller leaves (a cancel, its timeout_s): it lets the call finish and
+gives the grant back itself (ReleaseLeases now gives a reservation up); and the daemon gives it back when the
+call's deadline passed before its answer.
 
 The late cancel is made deterministic by one hook: the daemon's `_cancel_lands` (monkeypatched) runs as before,
 then cancels the caller's task, or blocks the daemon's event loop past the caller's bound, as a busy loop would
@@ -16,6 +17,7 @@ wire-level way holds a unary answer between the handler and the client.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +25,8 @@ from typing import Any
 import grpc
 import pytest
 
-from engram.client import EngramClient
+from engram import errors
+from engram.client import EngramClient, SyncEngramClient
 from engram.server import service as service_module
 from engram.v1 import engram_pb2 as pb
 from engram.v1 import engram_pb2_grpc as pb_grpc
@@ -112,6 +115,65 @@ def busy_until(t: float) -> Callable[[], None]:
     """Block the (shared) event loop until time.monotonic() reaches t: a daemon's busy loop, during which bounds
     that end before t pass without any task seeing them until it is free again."""
     return lambda: time.sleep(max(0.0, t - time.monotonic()))
+
+
+@pytest.mark.parametrize("transport", ["unix"])
+@pytest.mark.parametrize("grant", ["ReservePut", "OpenSession", "ForkSession"])
+async def test_a_grant_call_whose_caller_cancels_once_the_daemon_granted_leaves_nothing_held(
+        server_factory: Any, monkeypatch: pytest.MonkeyPatch, grant: str) -> None:
+    """The caller of an in-place put (its ReservePut), an open_session or a fork_session of the daemon's id cancels
+    its task once the daemon has granted and passed its cancel turns: the client lets the call finish and gives the
+    reservation up (ReleaseLeases naming it) or closes the session. It cut the call, whose answer the daemon had
+    already returned: the reservation held its slots two terms of server.lease_s, the session stayed open for
+    server.session_idle_s (a day). (GetPrefix's client already let the call finish on a cancel: its case is the
+    timeout's, below.)"""
+    g = await Grants.start(server_factory)
+    async with EngramClient(g.srv.address, namespace="t", in_place_min_bytes=0) as c:
+        await c.register_model(tiny_model())
+        caller: list[asyncio.Task[Any]] = []
+        after_the_cancel_turns(monkeypatch, lambda: caller[0].cancel())
+        caller.append(asyncio.create_task(g.through(c, grant)))
+        with pytest.raises(asyncio.CancelledError):
+            await caller[0]
+        await until(g.nothing_held, f"the cut {grant}'s grant given back", timeout=10)
+
+
+@pytest.mark.parametrize("transport", ["unix"])
+@pytest.mark.parametrize("grant", GRANTS)
+async def test_a_grant_call_cut_by_the_clients_timeout_once_the_daemon_granted_leaves_nothing_held(
+        server_factory: Any, monkeypatch: pytest.MonkeyPatch, grant: str) -> None:
+    """The client's own bound (timeout_s = 1 s) passes while the daemon, having granted, is busy (its loop held to
+    1.5 s): the caller gets DeadlineExceeded as before, and the call, let finish, has its grant given back. The bound
+    cut the call, which the daemon had answered: the reservation, the lease (60 s here) or the session stayed."""
+    g = await Grants.start(server_factory)
+    async with EngramClient(g.srv.address, namespace="t", in_place_min_bytes=0, timeout_s=1.0) as c:
+        await c.register_model(tiny_model())
+        after_the_cancel_turns(monkeypatch, busy_until(time.monotonic() + 1.5))
+        with pytest.raises(errors.DeadlineExceeded):
+            await g.through(c, grant)
+        await until(g.nothing_held, f"the {grant} cut by the client's bound given back", timeout=10)
+
+
+@pytest.mark.parametrize("transport", ["unix"])
+async def test_a_sync_clients_open_session_cut_by_its_timeout_leaves_no_session(
+        server_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SyncEngramClient's open_session runs the async client's on its own loop: cut by its timeout_s while the
+    daemon, having opened the session under an id of its own, is busy, it leaves no session either."""
+    g = await Grants.start(server_factory)
+
+    def open_from_a_thread() -> None:
+        with SyncEngramClient(g.srv.address, namespace="t", timeout_s=1.0) as c:
+            c.register_model(tiny_model())
+            after_the_cancel_turns(monkeypatch, busy_until(time.monotonic() + 1.5))
+            with pytest.raises(errors.DeadlineExceeded):
+                c.open_session(g.fp, mode="persist", tokens=g.prefix)
+            deadline = time.monotonic() + 10  # the client closes it once the answer comes (close() would cut that)
+            while len(g.srv.sessions._sessions) > 1:  # read from this thread: len() of the daemon's table
+                assert time.monotonic() < deadline, "the session the daemon opened was never closed"
+                time.sleep(0.05)
+
+    await asyncio.to_thread(open_from_a_thread)
+    await until(g.nothing_held, "the sync client's cut OpenSession's session closed", timeout=10)
 
 
 @pytest.mark.parametrize("transport", ["unix"])

@@ -228,8 +228,8 @@ async def test_a_load_cancelled_while_its_answer_is_on_the_way_releases_the_answ
         keys = (await c.put(fp, toks, kv)).keys
         real = c._stub.GetPrefix
 
-        async def answered_late(req: pb.GetPrefixRequest) -> pb.PrefixHeader:
-            header = await real(req)
+        async def answered_late(req: pb.GetPrefixRequest, **kw: Any) -> pb.PrefixHeader:
+            header = await real(req, **kw)
             await asyncio.sleep(0.2)
             return header
 

@@ -25,7 +25,8 @@ could be set). The bound takes two shapes:
   healthy transfer on a loaded host or waits far too long on a stopped one.
 
 A wait that runs out cancels the call and raises DeadlineExceeded (an Unavailable) naming the timeout and where
-it is set; the client is usable at once, and its calls succeed again once the daemon answers. The CLI's commands
+it is set (a call whose answer grants what only it names is not cancelled: it runs on, and the client gives the
+grant back, engram/client.py `_granting`); the client is usable at once, and its calls succeed again once the daemon answers. The CLI's commands
 give their own bounds (10 s; `engram check` 600 s).
 """
 
