@@ -471,7 +471,13 @@ class EngramClient(ControlClient):
                 if time.monotonic() > deadline:
                     late = True
                     break
-                await asyncio.to_thread(functools.partial(self._writer.write, kv, spec, run, stream, tokens=len(arr)))
+                write = asyncio.ensure_future(asyncio.to_thread(
+                    functools.partial(self._writer.write, kv, spec, run, stream, tokens=len(arr))))
+                try:
+                    await asyncio.shield(write)
+                except BaseException:  # the caller left (or the write failed): the slots go once no write is in them
+                    self._later(self._give_up_once_written(write, commits, ns, res.reservation_id))
+                    raise
                 commits.append(asyncio.ensure_future(self._commit_after(
                     commits[-1] if commits else None, ns, res.reservation_id, first_block,
                     sum(s.nbytes for s in run), len(run))))
@@ -502,6 +508,18 @@ class EngramClient(ControlClient):
             # Stopped early (room, or the quota): the next round makes room, or fails saying why.
         return PutResult(tuple(keys), stored_count, deduplicated, skipped, reserve_ms=ms[0], write_ms=ms[1],
                          commit_ms=ms[2], not_durable=not_durable)
+
+    async def _give_up_once_written(self, write: asyncio.Future[Any], commits: list[asyncio.Task[Any]], ns: str,
+                                    reservation_id: int) -> None:
+        """An in-place put left while it wrote a run (its caller's cancel, or the write failed): once the write's
+        thread, which a cancel does not stop, and the commits already sent have ended, what is left of the
+        reservation is given up (ReleaseLeases naming it; the runs committed stay stored). It held its slots two
+        terms of server.lease_s. Cut by close() before then, it lapses as before (a write may still be in them)."""
+        await asyncio.wait([write, *commits])  # not cancelled with this task: a commit cut frees slots being written
+        for done in (write, *commits):
+            if not done.cancelled():
+                done.exception()  # seen: its caller has gone
+        await self._release({reservation_id}, ns)
 
     @staticmethod
     def _commit_runs(slots: list[Slot], first: int, n_blocks: int) -> list[tuple[int, list[Slot]]]:

@@ -18,6 +18,7 @@ wire-level way holds a unary answer between the handler and the client.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -136,6 +137,38 @@ async def test_a_grant_call_whose_caller_cancels_once_the_daemon_granted_leaves_
         with pytest.raises(asyncio.CancelledError):
             await caller[0]
         await until(g.nothing_held, f"the cut {grant}'s grant given back", timeout=10)
+
+
+@pytest.mark.parametrize("transport", ["unix"])
+async def test_an_in_place_put_whose_caller_cancels_while_it_writes_gives_its_reservation_up_once_written(
+        server_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller of an in-place put cancels it while the client writes a run into its reserved slots (the write, in
+    a thread, held here until the test lets it go): the reservation stays while the write runs (a slot freed under
+    it would take another block's bytes), then is given up, its slots freed, well before server.lease_s (60 s).
+    It was left to lapse: its slots held two terms."""
+    g = await Grants.start(server_factory)
+    async with EngramClient(g.srv.address, namespace="t", in_place_min_bytes=0) as c:
+        await c.register_model(tiny_model())
+        entered, go = threading.Event(), threading.Event()
+        write = c._writer.write
+
+        def held_write(*args: Any, **kwargs: Any) -> Any:
+            entered.set()
+            assert go.wait(30), "the test never let the write go"
+            return write(*args, **kwargs)
+
+        monkeypatch.setattr(c._writer, "write", held_write)
+        put = asyncio.create_task(g.through(c, "ReservePut"))
+        while not entered.is_set():
+            assert not put.done(), "the put ended before it wrote"
+            await asyncio.sleep(0.01)
+        put.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await put
+        await asyncio.sleep(0.2)  # a give-up that did not wait for the write would have freed the slots by now
+        assert g.srv.service.inplace._open, "the reservation was given up under a write still running"
+        go.set()
+        await until(g.nothing_held, "the cancelled put's reservation given up once its write ended", timeout=10)
 
 
 @pytest.mark.parametrize("transport", ["unix"])
