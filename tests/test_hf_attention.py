@@ -117,7 +117,7 @@ def test_a_model_switched_to_gqa_attention_gives_sdpas_logits_and_tokens_after_a
             == stock.generate(ids, max_new_tokens=6, do_sample=False).tolist())
 
 
-def test_a_roomy_layer_appends_in_its_room_then_concatenates_once_out_of_room_or_cropped() -> None:
+def test_a_roomy_layer_appends_in_its_room_grows_it_when_full_and_concatenates_once_cropped() -> None:
     g = torch.Generator().manual_seed(3)
     room_k, room_v = torch.zeros(1, 2, 12, 4), torch.zeros(1, 2, 12, 4)
     first_k, first_v = torch.randn(1, 2, 7, 4, generator=g), torch.randn(1, 2, 7, 4, generator=g)
@@ -128,12 +128,90 @@ def test_a_roomy_layer_appends_in_its_room_then_concatenates_once_out_of_room_or
     assert layer.in_room and k.data_ptr() == room_k.data_ptr() and layer.get_seq_length() == 11
     assert torch.equal(k, torch.cat([first_k, new_k], dim=-2)) and torch.equal(room_v[:, :, 7:11], new_v)
     more_k, more_v = torch.randn(1, 2, 3, 4, generator=g), torch.randn(1, 2, 3, 4, generator=g)
-    k, v = layer.update(more_k, more_v)  # 14 > 12: out of room
-    assert not layer.in_room and k.data_ptr() != room_k.data_ptr()
+    k, v = layer.update(more_k, more_v)  # 14 > 12: out of room, moved to larger buffers (256 tokens more)
+    assert layer.in_room and layer.capacity == 14 + 256 and k.data_ptr() == layer.room_keys.data_ptr()
     assert torch.equal(k, torch.cat([first_k, new_k, more_k], dim=-2))
+    assert torch.equal(v, torch.cat([first_v, new_v, more_v], dim=-2))
     cropped = RoomyLayer(room_k, room_v, 11)
     cropped.crop(-4)  # transformers replaced its tensors: the room's tail is no longer what the layer holds
     k, _ = cropped.update(more_k, more_v)
     assert not cropped.in_room and torch.equal(k, torch.cat([first_k, more_k], dim=-2))
     with pytest.raises(ValueError, match="cannot hold 13 tokens"):
         RoomyLayer(room_k, room_v, 13)
+
+
+def test_what_no_flash_kernel_takes_goes_to_transformers_sdpa_with_the_lower_right_mask() -> None:
+    """A head dim over 256, or 32-bit floats on a GPU (meta tensors stand in: none here): no fused kernel takes
+    GQA; transformers' sdpa (KV heads expanded, the memory-efficient kernel) is given the mask it would have made."""
+    from engram.integrations.hf_attention import _flash_takes
+
+    def like(dim: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+        return torch.empty(1, 2, 9, dim, dtype=dtype, device=device)
+
+    assert _flash_takes(like(128, torch.bfloat16, "meta"), like(128, torch.bfloat16, "meta"),
+                        like(128, torch.bfloat16, "meta"))
+    assert not _flash_takes(like(128, torch.float32, "meta"), like(128, torch.float32, "meta"),
+                            like(128, torch.float32, "meta"))
+    assert not _flash_takes(*(like(320, torch.float32, "cpu"),) * 3)
+    assert not _flash_takes(like(128, torch.float32, "cpu"), like(128, torch.float32, "cpu"),
+                            like(64, torch.float32, "cpu"))
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 4, 3, 320, generator=g, dtype=torch.float64)  # over 256: no fused kernel takes GQA
+    k, v = (torch.randn(1, 2, 9, 320, generator=g, dtype=torch.float64) for _ in range(2))
+    module = Causal()
+    module.num_key_value_groups = 2  # type: ignore[assignment]
+    got, _ = attention(module, q, k, v, None)
+    assert torch.allclose(got, written_out(q, k, v), atol=1e-12)
+
+
+def test_a_cache_loaded_under_inference_mode_takes_a_forward_outside_it() -> None:
+    """`with torch.inference_mode(): past = cache.load(ids)`, then a generate (under no_grad): a room made of
+    inference tensors takes no write outside inference mode; the layer moves to ordinary buffers first (a review,
+    session 51: RuntimeError "Inplace update to inference tensor outside InferenceMode")."""
+    with torch.inference_mode():
+        room_k, room_v = torch.zeros(1, 2, 12, 4), torch.zeros(1, 2, 12, 4)
+        layer = RoomyLayer(room_k, room_v, 7)
+    new_k, new_v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
+    with torch.no_grad():
+        k, _ = layer.update(new_k, new_v)
+    assert layer.in_room and k.shape[-2] == 10 and torch.equal(k[:, :, 7:], new_k)
+    assert not layer.room_keys.is_inference()
+
+
+def test_a_switched_model_compiles_with_fullgraph_after_a_cache() -> None:
+    """torch.compile(fullgraph=True) of a suffix forward: traced, the mask function cannot read the padding mask
+    and leaves the mask to transformers, as its own sdpa does (a review, session 51: dynamo failed on the read)."""
+    import torch._dynamo
+    from transformers import DynamicCache
+
+    ids = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(2))
+    stock, fast = tiny("llama", "sdpa"), tiny("llama", "sdpa")
+    assert use_gqa_attention(fast)
+    got = []
+    for model in (stock, fast):
+        torch._dynamo.reset()
+        with torch.no_grad():
+            cache = DynamicCache(config=model.config)
+            model(ids[:, :30], **{cache_kwarg(model): cache})
+            step = torch.compile(model, fullgraph=True, backend="eager")
+            got.append(step(ids[:, 30:], attention_mask=torch.ones(1, 40, dtype=torch.long),
+                            **{cache_kwarg(model): cache}).logits)
+    assert torch.allclose(got[1], got[0], atol=1e-5)
+
+
+def test_switching_a_multimodal_model_leaves_a_part_that_does_not_run_sdpa() -> None:
+    """Its text model on sdpa, its vision tower set to eager: only the text model is switched (a review, session
+    51: set_attn_implementation(NAME) switched every part)."""
+    import transformers as tf
+
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, num_hidden_layers=2)
+    text = tf.Gemma3TextConfig(**common, sliding_window=8, query_pre_attn_scalar=16,
+                               layer_types=["sliding_attention", "full_attention"])
+    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                   image_size=32, patch_size=8)
+    model = tf.Gemma3ForConditionalGeneration._from_config(
+        tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4),
+        attn_implementation={"text_config": "sdpa", "vision_config": "eager", "": "sdpa"})
+    assert use_gqa_attention(model) and model.config.text_config._attn_implementation == NAME
+    assert model.config.vision_config._attn_implementation == "eager"

@@ -36,9 +36,10 @@ def lower_right_causal_mask(*, batch_size: int, q_length: int, kv_length: int, q
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     if (allow_is_causal_skip and mask_function in (None, causal_mask_function) and local_size is None
-            and q_offset + q_length == kv_offset + kv_length
-            and (attention_mask is None or bool(attention_mask[:, kv_offset: kv_offset + kv_length].all()))):
-        return None
+            and q_offset + q_length == kv_offset + kv_length and not torch.compiler.is_compiling()
+            and (attention_mask is None or (attention_mask.shape[-1] >= kv_offset + kv_length and bool(
+                attention_mask[:, kv_offset: kv_offset + kv_length].all())))):
+        return None  # (traced, the padding mask cannot be read: transformers' mask, as its own sdpa does)
     given = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                  kv_offset=kv_offset, attention_mask=attention_mask, local_size=local_size, **kwargs)
     if mask_function is not None:
@@ -63,6 +64,11 @@ def attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor
                                       is_causal=is_causal, **kwargs)
     q_len, kv_len = query.shape[2], key.shape[2]
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True)) and q_len > 1
+    if not _flash_takes(query, key, value):  # transformers' sdpa, given the mask it would have made
+        mask = (torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)[None, None]
+                if causal and q_len < kv_len else None)
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
     bias: Any = None
     if causal and q_len < kv_len:
         from torch.nn.attention.bias import causal_lower_right
@@ -70,6 +76,16 @@ def attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, is_causal=causal and bias is None,
                                          scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
+
+
+def _flash_takes(query: Tensor, key: Tensor, value: Tensor) -> bool:
+    """Whether SDPA's flash kernel takes these with enable_gqa (on the CPU, its own kernels do): a head dim of at
+    most 256, the same for keys and values, and on a GPU 16-bit floats. Otherwise no fused kernel takes GQA and
+    SDPA would run its math kernel over a materialized mask, where transformers' sdpa expands the KV heads and
+    runs the memory-efficient one."""
+    if not key.shape[-1] == value.shape[-1] <= 256:
+        return False
+    return query.device.type == "cpu" or query.dtype in (torch.float16, torch.bfloat16)
 
 
 def register() -> None:
@@ -82,15 +98,22 @@ def register() -> None:
 
 
 def use_gqa_attention(model: Any) -> bool:
-    """Switch a model running transformers' "sdpa" attention to `engram_sdpa` (the same results, less copying:
-    see the module's docstring); True if it runs it now. Other implementations (eager, flash, flex) are left."""
-    current = getattr(model.config, "_attn_implementation", None)
-    if current == NAME:
+    """Switch a model's parts running transformers' "sdpa" attention to `engram_sdpa` (the same attention, less
+    copying: see the module's docstring); True if its text model runs it now. Parts on another implementation
+    (eager, flash, flex: a multimodal model's vision tower set to eager) are left as they are.
+    `model.set_attn_implementation("sdpa")` switches back."""
+    cfg = model.config
+    text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    if getattr(text, "_attn_implementation", None) == NAME:
         return True
-    if current != "sdpa":
+    targets = {key: NAME for key in getattr(cfg, "sub_configs", {}) or {}
+               if getattr(getattr(cfg, key, None), "_attn_implementation", None) == "sdpa"}
+    if getattr(cfg, "_attn_implementation", None) == "sdpa":
+        targets[""] = NAME
+    if not targets:
         return False
     register()
-    model.set_attn_implementation(NAME)
-    log.info("%s: attention switched from sdpa to %s (GQA-aware, no mask for a plain causal forward)",
-             type(model).__name__, NAME)
-    return getattr(model.config, "_attn_implementation", None) == NAME
+    model.set_attn_implementation(targets if set(targets) != {""} else NAME)
+    log.info("%s: attention switched from sdpa to %s (GQA-aware, no mask for a plain causal forward): %s",
+             type(model).__name__, NAME, ", ".join(k or "the model" for k in targets))
+    return getattr(text, "_attn_implementation", None) == NAME

@@ -204,9 +204,12 @@ class EngramPrefixCache:
         models: a buffer (L, 2, H, capacity, D), its loaded part seen as (L, 2, T, H, D). MLA models: a latent buffer
         (L, capacity, kv_lora_rank + rope), whose per-layer slices are the cache's keys (1, 1, capacity,
         kv_lora_rank) and values (1, 1, capacity, rope)."""
+        with torch.inference_mode(False):  # ordinary tensors: a load under inference_mode, a generate outside it
+            return self._allocate(tokens, max(capacity, tokens))
+
+    def _allocate(self, tokens: int, capacity: int) -> tuple[list[Tensor], list[Tensor], KVDestination]:
         lay = self.layout
         n = len(self.global_layers)
-        capacity = max(capacity, tokens)
         if self.mla is not None:
             rank = self.mla[0]
             latent = torch.empty(n, capacity, sum(self.mla), dtype=lay.dtype.torch_dtype, device=self.device)
@@ -288,12 +291,17 @@ def generate(model: Any, input_ids: Tensor, cache: EngramPrefixCache, *, session
     return out
 
 
+# The most room a generate's cache is given up front for the tokens it adds (RoomyLayer grows past it): a
+# generation_config's max_new_tokens may be 32K, allocated for every request (128 KiB a token for Llama-3-8B)
+ROOM_TOKENS = 1024
+
+
 def _new_tokens(model: Any, kwargs: dict[str, Any]) -> int:
-    """How many tokens a generate with these arguments may add (its cache's room): max_new_tokens, from the call,
-    its generation_config or the model's."""
+    """The room a generate with these arguments is given for the tokens it adds: max_new_tokens (from the call, its
+    generation_config or the model's), at most ROOM_TOKENS."""
     config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
     n = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
-    return int(n) if n else 0
+    return min(int(n), ROOM_TOKENS) if n else 0
 
 
 def _rows(prefix: EngramPrefixCache, cache: Any) -> int:
