@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -32,6 +32,16 @@ BIG = KVLayout(layers=(LayerSpec(LayerKind.GLOBAL),), num_kv_heads=8, head_dim=1
                block_tokens=2048)  # 8 MiB raw: the smallest block hashed off the loop
 BIG4 = KVLayout(layers=(LayerSpec(LayerKind.GLOBAL),) * 4, num_kv_heads=8, head_dim=128, dtype=DType.BF16,
                 block_tokens=2048)  # 32 MiB raw, 9 MiB in nvfp4: a worker-encoded block checked off the loop
+
+
+async def put_requests(fp: bytes, header: pb.BlockHeader, payload: bytes | bytearray
+                       ) -> AsyncIterator[pb.PutRequest]:
+    """A raw Put of one block in namespace "t", in 1 MiB chunks (what a client that is not EngramClient sends)."""
+    yield pb.PutRequest(header=pb.PutHeader(namespace="t", model_fingerprint=fp))
+    step = 2**20
+    for at in range(0, len(payload), step):
+        yield pb.PutRequest(chunk=pb.BlockChunk(header=header if at == 0 else None, data=bytes(payload[at:at + step]),
+                                                last=at + step >= len(payload)))
 
 
 @contextmanager
@@ -67,19 +77,11 @@ async def test_a_large_put_and_hit_are_hashed_off_the_daemons_loop_and_a_damaged
         good = checksum(payload)
         payload[12345] ^= 0x40  # damaged on the way
 
-        async def requests():  # type: ignore[no-untyped-def]
-            yield pb.PutRequest(header=pb.PutHeader(namespace="t", model_fingerprint=fp))
-            header = pb.BlockHeader(tokens=tokens(2048, seed=4).tolist(), dtype=int(DType.BF16),
-                                    shape=list(BIG.block_shape(2048)), payload_nbytes=len(payload), checksum=good)
-            step = 2**20
-            for at in range(0, len(payload), step):
-                yield pb.PutRequest(chunk=pb.BlockChunk(header=header if at == 0 else None,
-                                                        data=bytes(payload[at:at + step]),
-                                                        last=at + step >= len(payload)))
-
+        header = pb.BlockHeader(tokens=tokens(2048, seed=4).tolist(), dtype=int(DType.BF16),
+                                shape=list(BIG.block_shape(2048)), payload_nbytes=len(payload), checksum=good)
         async with grpc.aio.insecure_channel(srv.address) as ch:
             with on_the_loop(xxhash.xxh3_64_intdigest) as seen, pytest.raises(grpc.aio.AioRpcError) as info:
-                await pb_grpc.EngramStub(ch).Put(requests())
+                await pb_grpc.EngramStub(ch).Put(put_requests(fp, header, payload))
         assert seen == []
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "checksum" in (info.value.details() or "")
         assert len(srv.store.index) == 1  # the damaged block stored nowhere
@@ -218,16 +220,8 @@ async def test_a_large_block_a_worker_encoded_is_checked_off_the_loop_and_a_dama
                                 shape=list(BIG4.block_shape(2048)), payload_nbytes=len(damaged),
                                 checksum=checksum(damaged), codec="nvfp4")
 
-        async def requests():  # type: ignore[no-untyped-def]
-            yield pb.PutRequest(header=pb.PutHeader(namespace="t", model_fingerprint=fp))
-            step = 2**20
-            for at in range(0, len(damaged), step):
-                yield pb.PutRequest(chunk=pb.BlockChunk(header=header if at == 0 else None,
-                                                        data=bytes(damaged[at:at + step]),
-                                                        last=at + step >= len(damaged)))
-
         async with grpc.aio.insecure_channel(srv.address) as ch:
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                await pb_grpc.EngramStub(ch).Put(requests())
+                await pb_grpc.EngramStub(ch).Put(put_requests(fp, header, damaged))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "body checksum" in (info.value.details() or "")
         assert len(srv.store.index) == 1
