@@ -225,9 +225,10 @@ class EngramClient(ControlClient):
         if self._flush is not None:
             self._flush.cancel()
         self._flush_held()
-        for answer in list(self._finishing):  # cut now: what they grant is the daemon's to end (_answer_may_land)
-            answer.cancel()
-        if self._finishing:
+        if self._finishing:  # given timeout_s to answer (their grants then given back), then cut
+            _, cut = await asyncio.wait(self._finishing, timeout=self.timeout_s)
+            for answer in cut:  # what they grant is the daemon's to end (_answer_may_land)
+                answer.cancel()
             await asyncio.gather(*self._finishing, return_exceptions=True)
         if self._releasing:  # within timeout_s, as every call: a give-back may wait FINISH_S while the client is open
             _, late = await asyncio.wait(self._releasing, timeout=self.timeout_s)
@@ -471,12 +472,13 @@ class EngramClient(ControlClient):
                 if time.monotonic() > deadline:
                     late = True
                     break
-                write = asyncio.ensure_future(asyncio.to_thread(
-                    functools.partial(self._writer.write, kv, spec, run, stream, tokens=len(arr))))
+                # a plain executor future, not a Task: one left pending at a sync client's close is no pending Task
+                write = asyncio.get_running_loop().run_in_executor(None, functools.partial(
+                    self._writer.write, kv, spec, run, stream, tokens=len(arr)))
                 try:
                     await asyncio.shield(write)
                 except BaseException:  # the caller left (or the write failed): the slots go once no write is in them
-                    self._later(self._give_up_once_written(write, commits, ns, res.reservation_id))
+                    self._later(self._give_up_once_written([write, *commits], ns, res.reservation_id))
                     raise
                 commits.append(asyncio.ensure_future(self._commit_after(
                     commits[-1] if commits else None, ns, res.reservation_id, first_block,
@@ -484,7 +486,12 @@ class EngramClient(ControlClient):
             t2 = time.perf_counter()
             if not commits and not late:  # every block was cached: the commit closes the reservation
                 commits.append(asyncio.ensure_future(self._commit_after(None, ns, res.reservation_id, 0)))
-            outcomes = await asyncio.gather(*commits, return_exceptions=True)
+            gathered = asyncio.gather(*commits, return_exceptions=True)
+            try:  # not cut with its caller: a commit sent runs on, then what is left of the reservation is given up
+                outcomes = await asyncio.shield(gathered)
+            except BaseException:
+                self._later(self._give_up_once_written([gathered], ns, res.reservation_id))
+                raise
             failed = [o for o in outcomes if isinstance(o, BaseException)]
             if failed:
                 raise failed[0]
@@ -509,14 +516,13 @@ class EngramClient(ControlClient):
         return PutResult(tuple(keys), stored_count, deduplicated, skipped, reserve_ms=ms[0], write_ms=ms[1],
                          commit_ms=ms[2], not_durable=not_durable)
 
-    async def _give_up_once_written(self, write: asyncio.Future[Any], commits: list[asyncio.Task[Any]], ns: str,
-                                    reservation_id: int) -> None:
+    async def _give_up_once_written(self, pending: list[asyncio.Future[Any]], ns: str, reservation_id: int) -> None:
         """An in-place put left while it wrote a run (its caller's cancel, or the write failed): once the write's
         thread, which a cancel does not stop, and the commits already sent have ended, what is left of the
         reservation is given up (ReleaseLeases naming it; the runs committed stay stored). It held its slots two
         terms of server.lease_s. Cut by close() before then, it lapses as before (a write may still be in them)."""
-        await asyncio.wait([write, *commits])  # not cancelled with this task: a commit cut frees slots being written
-        for done in (write, *commits):
+        await asyncio.wait(pending)  # not cancelled with this task: a commit cut frees slots being written
+        for done in pending:
             if not done.cancelled():
                 done.exception()  # seen: its caller has gone
         await self._release({reservation_id}, ns)
