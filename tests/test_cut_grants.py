@@ -363,3 +363,46 @@ def g_through_sync(c: Any, g: Any) -> None:
     from helpers import BLOCK_TOKENS, random_kv, tokens
     fresh = tokens(2 * BLOCK_TOKENS, seed=9)
     c.put(g.fp, fresh, random_kv(tiny_model(), len(fresh), seed=9))
+
+
+@pytest.mark.parametrize("transport", ["unix"])
+async def test_a_failed_commit_of_run_one_keeps_run_twos_slots_while_the_client_writes_them(
+        server_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run 1's CommitPut fails at the daemon (here: its seal raises) while the client still writes run 2 in its
+    thread: the reservation's slots, run 2's included, are freed a term later, not under the running write (a next
+    put could take them and the late write land in its block: a review, session 51)."""
+    import threading
+
+    from engram.errors import DataLoss
+    g = await Grants.start(server_factory)
+    monkeypatch.setattr(EngramClient, "_commit_runs",
+                        staticmethod(lambda slots, first, n: [(1, slots[:1]), (0, slots[1:])]))
+    inplace = g.srv.service.inplace
+
+    async def failing_seal(batch: Any) -> None:
+        raise DataLoss("injected: run 1's seal failed")
+
+    monkeypatch.setattr(inplace, "_seal", failing_seal)
+    entered, go = threading.Event(), threading.Event()
+    async with EngramClient(g.srv.address, namespace="t", in_place_min_bytes=0) as c:
+        await c.register_model(tiny_model())
+        write = c._writer.write
+        calls = [0]
+
+        def second_write_held(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == 2:
+                entered.set()
+                assert go.wait(30)
+            return write(*args, **kwargs)
+
+        monkeypatch.setattr(c._writer, "write", second_write_held)
+        put = asyncio.create_task(g.through(c, "ReservePut"))
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.5)  # commit 1 has failed at the daemon by now
+        held_while_writing = bool(inplace._open or inplace._lapsed) or inplace._held > 0
+        go.set()
+        with pytest.raises(DataLoss):
+            await put
+        assert held_while_writing, "run 2's slot was freed while the client's thread still wrote it"

@@ -359,14 +359,14 @@ class InPlacePuts:
         try:
             await self._seal(batch)
         except BaseException:
-            await self._abandon(res)
+            await self._abandon(res, last)
             raise
         out: list[PutOutcome] = []
         try:
             for i, r in enumerate(batch):
                 out.append(await self._publish(res, r, res.committed + i))
         except BaseException:  # NotDurable, or cancelled: what was published stays; the rest is dropped
-            await self._abandon(res)
+            await self._abandon(res, last)
             raise
         res.committed = end
         self._release_parent(res)
@@ -531,12 +531,20 @@ class InPlacePuts:
         r.slot = None
         self._hold(res, -r.meta.nbytes)
 
-    async def _abandon(self, res: Reservation) -> None:
-        """A commit failed: the reservation closes, and its slots not yet published are freed."""
+    async def _abandon(self, res: Reservation, last: bool) -> None:
+        """A commit failed: the reservation closes, and its slots not yet published are freed: at once when it was
+        the last run's, else one term later, as an expired reservation's (its worker may be writing a later run
+        into them still: it learns of the failure only from this commit's answer; a review, session 51, saw run 2's
+        slots freed under the client's write)."""
         self._open.pop(res.id, None)
         if res.timer is not None:
             res.timer.cancel()
-        await self._drop(res)
+            res.timer = None
+        if last:
+            await self._drop(res)
+            return
+        self._lapsed[res.id] = res
+        res.timer = asyncio.get_running_loop().call_later(self.reserve_s, self._free_lapsed, res.id)
 
     async def _drop(self, res: Reservation) -> None:
         for r in res.blocks:
