@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import threading
 import time
 from collections.abc import Callable
@@ -195,19 +196,26 @@ async def test_a_sync_clients_open_session_cut_by_its_timeout_leaves_no_session(
     daemon, having opened the session under an id of its own, is busy, it leaves no session either."""
     g = await Grants.start(server_factory)
 
-    def open_from_a_thread() -> None:
-        with SyncEngramClient(g.srv.address, namespace="t", timeout_s=1.0) as c:
-            c.register_model(tiny_model())
-            after_the_cancel_turns(monkeypatch, busy_until(time.monotonic() + 1.5))
-            with pytest.raises(errors.DeadlineExceeded):
-                c.open_session(g.fp, mode="persist", tokens=g.prefix)
-            deadline = time.monotonic() + 10  # the client closes it once the answer comes (close() would cut that)
-            while len(g.srv.sessions._sessions) > 1:  # read from this thread: len() of the daemon's table
-                assert time.monotonic() < deadline, "the session the daemon opened was never closed"
-                time.sleep(0.05)
+    def wait_for_the_close(c: SyncEngramClient) -> None:
+        deadline = time.monotonic() + 10  # the client closes it once the answer comes (close() would cut that)
+        while len(g.srv.sessions._sessions) > 1:  # read from this thread: len() of the daemon's table
+            assert time.monotonic() < deadline, "the session the daemon opened was never closed"
+            time.sleep(0.05)
 
-    await asyncio.to_thread(open_from_a_thread)
+    await asyncio.to_thread(_open_session_cut_by_a_sync_timeout, g, monkeypatch, wait_for_the_close)
     await until(g.nothing_held, "the sync client's cut OpenSession's session closed", timeout=10)
+
+
+def _open_session_cut_by_a_sync_timeout(g: Grants, monkeypatch: pytest.MonkeyPatch,
+                                        then: Callable[[SyncEngramClient], None]) -> None:
+    """A SyncEngramClient (timeout_s 1) whose open_session the busy daemon answers too late, `then` done with the
+    client still open; the client closed after it. Run from a thread."""
+    with SyncEngramClient(g.srv.address, namespace="t", timeout_s=1.0) as c:
+        c.register_model(tiny_model())
+        after_the_cancel_turns(monkeypatch, busy_until(time.monotonic() + 1.5))
+        with pytest.raises(errors.DeadlineExceeded):
+            c.open_session(g.fp, mode="persist", tokens=g.prefix)
+        then(c)
 
 
 @pytest.mark.parametrize("transport", ["unix"])
@@ -295,24 +303,10 @@ async def test_an_in_place_put_cancelled_while_its_commits_run_leaves_no_reserva
 @pytest.mark.parametrize("transport", ["unix"])
 async def test_a_sync_client_closed_right_after_its_open_session_timed_out_leaves_no_session(
         server_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """As test_cut_grants' sync case, but the worker closes the client at once after the DeadlineExceeded (a
-    `with` block ending on the error): close() cuts the call let finish, and the daemon's session stays."""
-    import time
-
-    from test_cut_grants import after_the_cancel_turns, busy_until
-
-    from engram import errors
-    from engram.client import SyncEngramClient
+    """As the sync case above, but the worker closes the client at once after the DeadlineExceeded (a `with` block
+    ending on the error): close() cut the call let finish, and the daemon's session stayed (a review, session 51)."""
     g = await Grants.start(server_factory)
-
-    def open_from_a_thread() -> None:
-        with SyncEngramClient(g.srv.address, namespace="t", timeout_s=1.0) as c:
-            c.register_model(tiny_model())
-            after_the_cancel_turns(monkeypatch, busy_until(time.monotonic() + 1.5))
-            with pytest.raises(errors.DeadlineExceeded):
-                c.open_session(g.fp, mode="persist", tokens=g.prefix)
-
-    await asyncio.to_thread(open_from_a_thread)
+    await asyncio.to_thread(_open_session_cut_by_a_sync_timeout, g, monkeypatch, lambda c: None)
     await asyncio.sleep(1.0)
     assert len(g.srv.sessions._sessions) == 1, "the session the daemon opened stayed for nobody"
 
@@ -320,11 +314,6 @@ async def test_a_sync_client_closed_right_after_its_open_session_timed_out_leave
 @pytest.mark.parametrize("transport", ["unix"])
 async def test_a_sync_client_closed_while_an_in_place_write_outlasts_timeout_s_leaves_no_pending_task(
         server_factory: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
-    import gc
-    import threading
-    import time
-
-    from engram.client import SyncEngramClient
     g = await Grants.start(server_factory)
     entered, go = threading.Event(), threading.Event()
 
@@ -339,7 +328,7 @@ async def test_a_sync_client_closed_while_an_in_place_write_outlasts_timeout_s_l
             return write(*args, **kwargs)
 
         c._client._writer.write = held_write  # type: ignore[method-assign]
-        t = threading.Thread(target=lambda: _swallow(lambda: g_through_sync(c, g)))
+        t = threading.Thread(target=lambda: _swallow(lambda: _put_fresh_sync(c, g)))
         t.start()
         assert entered.wait(10)
         c.close()  # waits timeout_s for the give-up, which waits for the write (3 s): cut
@@ -359,8 +348,7 @@ def _swallow(fn: Any) -> None:
         fn()
 
 
-def g_through_sync(c: Any, g: Any) -> None:
-    from helpers import BLOCK_TOKENS, random_kv, tokens
+def _put_fresh_sync(c: SyncEngramClient, g: Grants) -> None:
     fresh = tokens(2 * BLOCK_TOKENS, seed=9)
     c.put(g.fp, fresh, random_kv(tiny_model(), len(fresh), seed=9))
 
@@ -371,16 +359,13 @@ async def test_a_failed_commit_of_run_one_keeps_run_twos_slots_while_the_client_
     """Run 1's CommitPut fails at the daemon (here: its seal raises) while the client still writes run 2 in its
     thread: the reservation's slots, run 2's included, are freed a term later, not under the running write (a next
     put could take them and the late write land in its block: a review, session 51)."""
-    import threading
-
-    from engram.errors import DataLoss
     g = await Grants.start(server_factory)
     monkeypatch.setattr(EngramClient, "_commit_runs",
                         staticmethod(lambda slots, first, n: [(1, slots[:1]), (0, slots[1:])]))
     inplace = g.srv.service.inplace
 
     async def failing_seal(batch: Any) -> None:
-        raise DataLoss("injected: run 1's seal failed")
+        raise errors.DataLoss("injected: run 1's seal failed")
 
     monkeypatch.setattr(inplace, "_seal", failing_seal)
     entered, go = threading.Event(), threading.Event()
@@ -403,6 +388,6 @@ async def test_a_failed_commit_of_run_one_keeps_run_twos_slots_while_the_client_
         await asyncio.sleep(0.5)  # commit 1 has failed at the daemon by now
         held_while_writing = bool(inplace._open or inplace._lapsed) or inplace._held > 0
         go.set()
-        with pytest.raises(DataLoss):
+        with pytest.raises(errors.DataLoss):
             await put
         assert held_while_writing, "run 2's slot was freed while the client's thread still wrote it"

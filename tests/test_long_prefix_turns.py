@@ -59,6 +59,13 @@ async def finished_during_lookups(bob: Callable[[], Awaitable[None]], workers: i
         await asyncio.gather(*hammer)
 
 
+
+async def stored_prefix(b: EngramClient, spec: ModelSpec, big: Any, n_blocks: int) -> bytes:
+    """The model registered and the long prefix `big` stored by bob, all `n_blocks` of it; its fingerprint."""
+    fp = await b.register_model(spec)
+    assert (await b.put(fp, big, random_kv(spec, len(big), seed=1))).stored == n_blocks
+    return fp
+
 @pytest.mark.parametrize("transport", ["unix"])
 @pytest.mark.parametrize("method", ["Lookup", "GetPrefix"])
 async def test_another_tenants_lookup_finishes_while_one_tenants_long_lookups_run(server_factory: Any,
@@ -191,8 +198,7 @@ async def test_a_lookup_cut_by_a_removal_between_its_slices_counts_only_what_it_
     big = tokens(n_blocks * 16, seed=7)
     store = srv.store
     async with EngramClient(srv.address, namespace="bob") as b:
-        fp = await b.register_model(spec)
-        assert (await b.put(fp, big, random_kv(spec, len(big), seed=1))).stored == n_blocks
+        fp = await stored_prefix(b, spec, big, n_blocks)
         chain = store.match("bob", fp, big).blocks
         ticks = [m.tick for m in chain]
 
@@ -252,8 +258,7 @@ async def test_a_session_call_cut_while_it_waits_for_its_turn_leaves_references_
     big = tokens(n_blocks * 16, seed=7)
     sessions = srv.sessions
     async with EngramClient(srv.address, token=BOB, namespace="bob") as b:
-        fp = await b.register_model(spec)
-        assert (await b.put(fp, big, random_kv(spec, len(big), seed=1))).stored == n_blocks
+        fp = await stored_prefix(b, spec, big, n_blocks)
         md = (("authorization", f"Bearer {BOB}"),)
         async with grpc.aio.insecure_channel(srv.address, options=[("grpc.max_receive_message_length", -1)]) as ch:
             def call(method: str) -> Any:
@@ -292,8 +297,7 @@ async def test_a_session_call_cut_before_it_names_the_session_the_daemon_picked_
     big = tokens(n_blocks * 16, seed=7)
     sessions = srv.sessions
     async with EngramClient(srv.address, token=BOB, namespace="bob") as b:
-        fp = await b.register_model(spec)
-        assert (await b.put(fp, big, random_kv(spec, len(big), seed=1))).stored == n_blocks
+        fp = await stored_prefix(b, spec, big, n_blocks)
         before: list[Any] = [n_blocks * [0], []]  # each block's session references, and bob's sessions
         if method == "ForkSession":
             await b.open_session(fp, mode="persist", session_id="parent", tokens=big)
@@ -327,8 +331,7 @@ async def test_a_resume_whose_session_closes_while_it_waits_for_its_turn_is_not_
     big = tokens(n_blocks * 16, seed=7)
     sessions = srv.sessions
     async with EngramClient(srv.address, token=BOB, namespace="bob") as b:
-        fp = await b.register_model(spec)
-        assert (await b.put(fp, big, random_kv(spec, len(big), seed=1))).stored == n_blocks
+        fp = await stored_prefix(b, spec, big, n_blocks)
         await b.open_session(fp, mode=SessionMode.EXACT, session_id="closing", tokens=big)
         md = (("authorization", f"Bearer {BOB}"),)
         ref = pb.SessionRef(namespace="bob", session_id="closing")
@@ -401,8 +404,7 @@ async def test_a_long_zero_copy_get_prefixs_answer_is_built_in_slices_between_tu
     big = tokens(n_blocks * 16, seed=7)
     md = (("authorization", f"Bearer {BOB}"),)
     async with EngramClient(srv.address, token=BOB, namespace="bob", timeout_s=300) as b:
-        fp = await b.register_model(spec)
-        assert (await b.put(fp, big, random_kv(spec, len(big), seed=1))).stored == n_blocks
+        fp = await stored_prefix(b, spec, big, n_blocks)
     raw = pb.GetPrefixRequest(namespace="bob", model_fingerprint=fp, tokens=big.tolist(),
                               zero_copy=True).SerializeToString()
     shares = [await _longest_step_share(srv, raw, md) for _ in range(5)]
@@ -425,8 +427,7 @@ async def test_a_get_prefix_cut_between_its_answers_slices_describes_and_leases_
     store, leases = srv.store, srv.service.leases
     pool = srv.service.pool
     async with EngramClient(srv.address, namespace="bob") as b:
-        fp = await b.register_model(spec)
-        assert (await b.put(fp, big, random_kv(spec, len(big), seed=1))).stored == n_blocks
+        fp = await stored_prefix(b, spec, big, n_blocks)
         chain = store.match("bob", fp, big).blocks
 
         async def remove_once_a_slice_is_leased() -> None:
@@ -480,8 +481,7 @@ async def test_a_get_prefix_cut_after_its_lease_was_granted_leaves_no_lease(serv
         await count(*args, **kw)
 
     async with EngramClient(srv.address, token=BOB, namespace="bob") as b:
-        fp = await b.register_model(spec)
-        assert (await b.put(fp, big, random_kv(spec, len(big), seed=1))).stored == n_blocks
+        fp = await stored_prefix(b, spec, big, n_blocks)
         leases = srv.service.leases
         monkeypatch.setattr(srv.store, "count_lookup", slow_count)
         raw = pb.GetPrefixRequest(namespace="bob", model_fingerprint=fp, tokens=big.tolist(),
@@ -509,8 +509,7 @@ async def test_a_get_prefix_cancelled_in_its_last_stretch_leaves_no_lease(server
     spec, n_blocks = minimal(), 2 * SLICE_BLOCKS  # leased in the first slice, answered after the second
     big = tokens(n_blocks * 16, seed=7)
     async with EngramClient(srv.address, token=BOB, namespace="bob") as b:
-        fp = await b.register_model(spec)
-        assert (await b.put(fp, big, random_kv(spec, len(big), seed=1))).stored == n_blocks
+        fp = await stored_prefix(b, spec, big, n_blocks)
         leases = srv.service.leases
         raw = pb.GetPrefixRequest(namespace="bob", model_fingerprint=fp, tokens=big.tolist(),
                                   hold_for_get=True).SerializeToString()
@@ -543,8 +542,7 @@ async def test_a_resume_at_a_sessions_end_walks_its_prefix_once(server_factory: 
     big = tokens(n_blocks * 16, seed=7)
     index = srv.store.index
     async with EngramClient(srv.address, token=BOB, namespace="bob") as b:
-        fp = await b.register_model(spec)
-        assert (await b.put(fp, big, random_kv(spec, len(big), seed=1))).stored == n_blocks
+        fp = await stored_prefix(b, spec, big, n_blocks)
         await b.open_session(fp, mode=SessionMode.EXACT, session_id="s", tokens=big)
         before = index.probes
         answer = await b.resume("s")
@@ -571,8 +569,7 @@ async def test_a_get_prefix_cut_between_its_slices_counts_as_served_only_the_blo
     big = tokens(n_blocks * 16, seed=7)
     store, leases, pool = srv.store, srv.service.leases, srv.service.pool
     async with EngramClient(srv.address, namespace="bob") as b:
-        fp = await b.register_model(spec)
-        assert (await b.put(fp, big, random_kv(spec, len(big), seed=1))).stored == n_blocks
+        fp = await stored_prefix(b, spec, big, n_blocks)
         chain = store.match("bob", fp, big).blocks
 
         async def lose_block_100_once_a_slice_is_leased() -> None:
