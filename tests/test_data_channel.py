@@ -1079,6 +1079,17 @@ async def test_a_data_channel_replaced_after_the_daemon_moved_ends_with_the_clie
                      codec="raw")  # 512 KiB blocks
     big, small = tokens(128 * 16, seed=1), tokens(16, seed=2)
     port = srv.service.dataport
+    # The daemon holds its answer to the first Get after the move (the 64 MiB one) until released: unheld, it could
+    # end before the small Get on the new channel did, and the test raced (a CI run, session 52).
+    answer, release, held_conns = port._get, asyncio.Event(), []
+
+    async def held(conn, meta):  # type: ignore[no-untyped-def]
+        if not held_conns:
+            held_conns.append(conn)
+        if conn is held_conns[0]:
+            await release.wait()
+        await answer(conn, meta)
+
     c = EngramClient(srv.address, namespace=NS, zero_copy=False)
     try:
         fp = await c.register_model(spec)
@@ -1090,16 +1101,19 @@ async def test_a_data_channel_replaced_after_the_daemon_moved_ends_with_the_clie
         await port.start_tcp("127.0.0.1", 0, None)  # announced from now on
         port._accepting[0].cancel()
         moved_from.close()
+        port._get = held  # type: ignore[method-assign]
         running = asyncio.create_task(c.get(fp, big_keys))  # on the old channel's idle connection
         await until(lambda: port._in_request, "the daemon answering the 64 MiB Get")
         await c.get(fp, small_keys)  # the old port refuses: a new channel
         assert c._data is not old and not running.done()
         if then == "finish":
+            release.set()
             assert len(await running) == 128
             assert not old._idle  # its connection closed, not pooled
             await until(lambda: len(port._conns) == 1, "the daemon seeing the old channel's connection end")
     finally:
         await c.close()
+        release.set()
     if then == "close":
         with pytest.raises(errors.ClientClosed):
             await running
