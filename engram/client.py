@@ -722,8 +722,9 @@ class EngramClient(ControlClient):
         is closed here too: after some refusals the daemon closes it, and a pooled dead one failed the next call
         (over a unix socket as a broken pipe, and the request went twice). A connection that breaks before any
         answer (the daemon restarted since it was opened) is retried once on a new one, and a daemon not found
-        at its announced address is asked for it again: Put and Get are both idempotent. A daemon that stops
-        taking or sending bytes for timeout_s (wire.Stalled) is not tried again: DeadlineExceeded."""
+        at its announced address is asked for it again, or, where another call already did (this channel
+        retired), the request goes on on the channel that call found: Put and Get are both idempotent. A daemon
+        that stops taking or sending bytes for timeout_s (wire.Stalled) is not tried again: DeadlineExceeded."""
         retried = refreshed = False
         while True:
             try:
@@ -741,12 +742,13 @@ class EngramClient(ControlClient):
                 data.drop_idle()  # its other idle connections went the same way
                 continue
             except errors.Unavailable as exc:
-                if refreshed or self._data is not data or isinstance(exc, errors.DeadlineExceeded):
+                if refreshed or isinstance(exc, errors.DeadlineExceeded):
                     raise
                 refreshed = True  # a restarted daemon may listen elsewhere (data_port 0): ask again
-                self._replace(data)
-                fresh = await self._data_channel()
-                if fresh is None:
+                if self._data is data:
+                    self._replace(data)
+                fresh = await self._data_channel()  # or the one another call asked for meanwhile
+                if fresh is None or fresh is data:
                     raise
                 data = fresh
                 continue
@@ -785,6 +787,8 @@ class EngramClient(ControlClient):
                 size += blocks[end][0].payload_nbytes
                 end += 1
             part = blocks[start:end]
+            if self._data is not None:  # another call replaced the channel since the last part: its successor
+                data = self._data
             head = pb.PutHeader()
             head.CopyFrom(put)
             if keys:

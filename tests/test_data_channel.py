@@ -1118,3 +1118,46 @@ async def test_a_data_channel_replaced_after_the_daemon_moved_ends_with_the_clie
         with pytest.raises(errors.ClientClosed):
             await running
     await until(lambda: not port._conns, "the daemon seeing every data connection of the closed client end")
+
+
+@pytest.mark.parametrize("transport", ["tcp"])
+async def test_a_chained_put_whose_data_channel_another_call_replaced_goes_on_on_the_new_one(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A put over the request limit goes in several data-channel Puts. The daemon's data channel moves (as a
+    daemon restarted with data_port 0 does) while the first part is stored, and another call of the same client
+    finds the old port closed and asks for the new one, retiring the old channel. The put's next part dialled the
+    retired channel's old port, was refused, and, the channel being no longer the client's, the put failed
+    Unavailable with a chain half stored; now the next part goes on on the client's new channel and every block is
+    stored."""
+    spec = tiny_model()
+    block = spec.layout.block_nbytes(16)
+    srv = await server_factory(**{"server.data_max_request_bytes": 2 * block})
+    port = srv.service.dataport
+    toks, small = tokens(6 * 16, seed=3), tokens(16, seed=4)
+    kv = random_kv(spec, len(toks), seed=3)
+    store_part, first_part_in, release = port._put, asyncio.Event(), asyncio.Event()
+
+    async def held(conn, meta, body):  # type: ignore[no-untyped-def]
+        if not first_part_in.is_set():  # the chained put's first part waits while the port moves
+            first_part_in.set()
+            await release.wait()
+        await store_part(conn, meta, body)
+
+    async with EngramClient(srv.address, namespace=NS, zero_copy=False) as c:
+        fp = await c.register_model(spec)
+        small_keys = list((await c.put(fp, small, random_kv(spec, len(small), seed=4))).keys)
+        old = c._data
+        port._put = held  # type: ignore[method-assign]
+        putting = asyncio.create_task(c.put(fp, toks, kv))
+        await first_part_in.wait()
+        moved_from = port._listeners[0]
+        await port.start_tcp("127.0.0.1", 0, None)  # announced from now on
+        port._accepting[0].cancel()
+        moved_from.close()
+        await c.get(fp, small_keys)  # the old port refuses: this call asks again, the old channel retires
+        assert c._data is not old and not putting.done()
+        release.set()
+        put = await putting
+        assert put.stored == 6
+        assert served(srv)["put"] == 1 + 3  # the small put, then 2 + 2 + 2 blocks
+        n, got = await c.get_prefix(fp, toks)
+        assert n == len(toks) and torch.equal(got, kv)
