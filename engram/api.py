@@ -40,7 +40,9 @@ class BlockRef:
 
     key: bytes
     num_tokens: int
-    tier: str  # the fastest tier holding a copy now
+    # the fastest tier holding a copy now; a tenant's call in a namespace tenants share: its home, the slowest (the
+    # fastest moved with the other tenants' reads: docs/ARCHITECTURE.md, Tenancy, "Tiers in a namespace tenants share")
+    tier: str
     nbytes: int
     # Under write-through, it has no durable (NVMe) copy yet: a put sends it again, not skipped (BlockRef.not_durable)
     not_durable: bool = False
@@ -334,7 +336,9 @@ class SessionSummary:
     info: SessionInfo
     cached_tokens: int  # leading tokens whose global KV is stored now
     blocks: int
-    tiers: tuple[str, ...]  # tiers holding at least one of its blocks, fastest first
+    # tiers holding at least one of its blocks, fastest first; a tenant's call in a namespace tenants share: the
+    # blocks' homes alone (BlockDetail.tiers)
+    tiers: tuple[str, ...]
     stored_bytes: int
     age_s: float
 
@@ -347,7 +351,9 @@ class BlockDetail:
     model_fingerprint: bytes
     num_tokens: int
     full: bool
-    tiers: tuple[str, ...]  # tiers holding a complete copy, fastest first
+    # tiers holding a complete copy, fastest first; a tenant's call in a namespace tenants share: the block's home
+    # alone, the slowest tier holding a copy (BlockRef.tier)
+    tiers: tuple[str, ...]
     codec: str
     checksum: int
     nbytes: int
