@@ -547,3 +547,28 @@ async def test_a_tenants_resume_in_a_shared_namespace_names_each_blocks_home_tie
         await b.get(fp, keys)
         assert [r.tier for r in (await admin.lookup(fp, toks, probe=True)).blocks] == ["dram"] * len(keys)
         assert await tiers() == ["nvme"] * len(keys)
+
+
+async def test_a_tenants_get_prefix_in_a_shared_namespace_names_each_blocks_home_tier(tiered: RunningServer) -> None:
+    """Carol's GetPrefix (bytes, no descriptors: it moves no block) of her chain in `shared` on NVMe names each
+    block's home tier in its refs after Bob's Get copied the chain into DRAM, as her Lookup does (the same walk's
+    answer, `_answered`; untested for GetPrefix when 1f14a5e came). Control: the admin's GetPrefix names DRAM."""
+    fp, toks, keys = await _carols_chain_on_nvme(tiered)
+    channel = grpc.aio.insecure_channel(tiered.address)
+    try:
+        stub = pb_grpc.EngramStub(channel)
+
+        async def tiers(token: str) -> list[str]:
+            header = await stub.GetPrefix(pb.GetPrefixRequest(
+                namespace="shared", model_fingerprint=fp, tokens=convert.tokens_to_pb(toks)), metadata=md(token))
+            assert [r.key for r in header.blocks] == keys and not header.lease_id
+            return [r.tier for r in header.blocks]
+
+        assert await tiers(CAROL) == ["nvme", "nvme"]
+        async with as_(tiered, BOB, "shared") as b:
+            await b.get(fp, keys)
+        assert await tiers(ADMIN) == ["dram", "dram"]
+        assert await tiers(CAROL) == ["nvme", "nvme"]
+        assert await tiers(BOB) == ["nvme", "nvme"]
+    finally:
+        await channel.close()
