@@ -80,7 +80,7 @@ class Inspector:
             cached = min(len(s.tokens), cached + meta.num_tokens)
         # `tiers_seen`'s choice, made once for the chain (one namespace's): made per block it held the event loop
         # 8 ms (an admin's) to 18 ms (a tenant's) longer for a session of 131,072 blocks
-        if tenant and self.store.namespaces.shared(s.namespace):
+        if self.shows_homes(s.namespace, tenant):
             seen = {m.locations[-1] for m in blocks if m.locations}
         else:
             seen = {name for m in blocks for name in m.locations}
@@ -173,9 +173,13 @@ class Inspector:
         the block is written down to a slower tier (write-back's flush, or a demotion before it), when its home's
         copy is dropped as damaged (up, to the next copy, until it is written down again), or when it leaves."""
         locations = meta.locations
-        if tenant and locations and self.store.namespaces.shared(meta.namespace):
+        if locations and self.shows_homes(meta.namespace, tenant):
             return (locations[-1],)
         return tuple(locations)
+
+    def shows_homes(self, namespace: str, tenant: str) -> bool:
+        """Whether `tenant` is shown the blocks of `namespace` at their homes (`tiers_seen`)."""
+        return bool(tenant) and self.store.namespaces.shared(namespace)
 
     def sees_model(self, fingerprint: bytes, tenant: str = "") -> bool:
         """Whether `tenant` ("": an admin, tenancy off) may see the model: it registered it (engram/registry.py)."""
