@@ -48,7 +48,8 @@ def session_tokens_line(rp: ReplayStats, mine: bool) -> str:
 
 def stats_renderable(resp: Stats) -> Group:
     mine = resp.scoped  # a tenant: tiers hold its own copies, their counters are the admin's
-    tiers = Table(title="tiers (your namespaces' copies; hits, evictions and moves: admin only)" if mine else "tiers",
+    tiers = Table(title=("tiers (your namespaces' copies, a shared one's at their homes; hits, evictions and moves: "
+                         "admin only)") if mine else "tiers",
                   title_justify="left")
     columns = ["tier", "state", "used", "capacity", "blocks", "tokens", "bytes/token", "pinned"]
     if not mine:

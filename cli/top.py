@@ -50,7 +50,8 @@ def frame(prev: Snapshot, cur: Snapshot, address: str) -> Group:
                   title_justify="left")
     mine = cur.stats.scoped  # a tenant: its own copies and counts; the tiers' activity is the admin's
     if mine:
-        tiers.title = f"{tiers.title}; your namespaces' copies (tier hits and moves: admin only)"
+        tiers.title = (f"{tiers.title}; your namespaces' copies, a shared one's at their homes (tier hits and moves: "
+                       "admin only)")
     columns = ["tier", "state", "used", "capacity", "blocks"]
     if not mine:
         columns += ["hits/s", "misses/s", "evictions/s", "demoted/s", "promoted/s"]
