@@ -53,7 +53,7 @@ async def evict_keys(client: ControlClient, keys: list[str], namespace: str | No
                 raise
             raise PartlyDone(exc, done, acted) from None
         done = EvictResult(done.evicted + got.evicted, done.skipped + got.skipped, done.unpinned + got.unpinned,
-                           done.operator_pinned + got.operator_pinned)
+                           done.operator_pinned + got.operator_pinned, done.in_use + got.in_use)
         acted += [ns] if got.evicted else []
     return done
 
@@ -122,3 +122,6 @@ def _print(resp: EvictResult, json_: bool) -> None:
     if resp.operator_pinned:
         console.print(f"kept {len(resp.operator_pinned)} blocks pinned by an operator or another tenant (a pin not "
                       "yours holds them or a block extending them): only an admin's --force evicts them")
+    if resp.in_use:
+        console.print(f"kept {len(resp.in_use)} blocks another user of this shared namespace holds or reads (or a "
+                      "block extending them): they go when no one else holds them")

@@ -391,3 +391,6 @@ class EvictResult:
     unpinned: int  # pinned blocks evicted with force
     # kept by a tenant's force: a pin not its own (an admin's, another tenant's) holds them or a block extending them
     operator_pinned: tuple[bytes, ...] = ()
+    # a tenant's evict in a namespace other tenants share: kept because another holds them (another owner's session,
+    # a pin not its own) or a read or move is under way, not told apart; skipped and operator_pinned are empty there
+    in_use: tuple[bytes, ...] = ()

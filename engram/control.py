@@ -206,6 +206,9 @@ class ControlClient:
                     timeout_s: float | None = None, session_owner: str = "") -> EvictResult:
         """Evict blocks by key (with every block extending them), the blocks only a session uses, or a whole
         namespace. Pinned blocks refuse the request unless force; blocks being read are skipped and reported.
+        A tenant's evict in a namespace other tenants share removes only what no one else holds: blocks another's
+        session or pin holds, or a read is using, stay, reported in `in_use` (the reason not told), and only its own
+        pins refuse it; evicting such a namespace whole is an admin's call (PermissionDenied).
         NotFound when nothing matches (a key prefix, or a namespace holding no blocks). The daemon removes one
         block after another before it answers, minutes for a large namespace: the call waits the client's
         timeout_s and the namespace's blocks (every visible one's, when it is not listed) at

@@ -214,42 +214,78 @@ class Inspector:
 
     # ---- eviction ------------------------------------------------------------------------------
 
-    def session_blocks_to_evict(self, s: Session) -> list[BlockMeta]:
+    def session_blocks_to_evict(self, s: Session, tenant: str = "") -> list[BlockMeta]:
         """The blocks of a session's chain that no other session runs through (a suffix of the chain:
         a block shared with another session shares its ancestors too). A block's `refs` counts the live sessions
         holding it (engram/sessions.py keeps it, eviction reads it): re-matching every session's tokens here
-        stalled the daemon for every tenant (0.4 s a call behind 64 sessions of 4,096 blocks)."""
+        stalled the daemon for every tenant (0.4 s a call behind 64 sessions of 4,096 blocks). A tenant's call in a
+        namespace other tenants share reads its own sessions' references alone (`BlockMeta.owner_refs`): the blocks
+        another's sessions hold as well are named too, and `evict` keeps them (`in_use`), as it keeps them named by
+        key (left out, the blocks missing from the answer told which of them the others' sessions hold)."""
+        if self._among_others(s.namespace, tenant):
+            return [m for m in self._chain(s) if (m.owner_refs or {}).get(tenant, 0) <= 1]
         return [m for m in self._chain(s) if m.refs <= 1]
 
     def namespace_blocks(self, namespace: str) -> list[BlockMeta]:
         return self.store.blocks(namespace)
+
+    def _among_others(self, namespace: str, tenant: str) -> bool:
+        """A tenant's call ("": an admin's, tenancy off) in a namespace other tenants share."""
+        return bool(tenant) and self.store.namespaces.shared(namespace)
+
+    @staticmethod
+    def _liftable_pins(meta: BlockMeta, tenant: str) -> int:
+        """The pins on the block `tenant` may lift: its own, and those of no recorded owner (as store.pin)."""
+        return meta.owner_pins(tenant) + meta.owner_pins("")
+
+    @staticmethod
+    def _held_by_another(meta: BlockMeta, tenant: str) -> bool:
+        """Kept from a tenant's evict in a namespace other tenants share: another owner's session holds the block
+        (an admin's too), a pin the tenant may not lift, or a read or move under way (any tenant's: leases are
+        not kept per tenant)."""
+        return (meta.refs > (meta.owner_refs or {}).get(tenant, 0) or meta.operator_pins > 0
+                or meta.pinned_by_another(tenant) or meta.leases > 0 or meta.moving)
 
     async def evict(self, metas: Sequence[BlockMeta], *, force: bool, tenant: str = "") -> EvictResult:
         """Evict the blocks and their descendants. `tenant`: whose call it is ("": an admin, tenancy off). Its
         force lifts its own pins (and those of no recorded owner), never the operator's (an admin's) nor another
         tenant's in a namespace they share: such a block stays, with its ancestors, reported in `operator_pinned`,
         as the tenant's unpin leaves it (store.pin). A tenant's forced evict removed the blocks an operator, or
-        another tenant of the namespace, had pinned (an audit, session 48)."""
+        another tenant of the namespace, had pinned (an audit, session 48).
+
+        In a namespace other tenants share, a tenant's evict removes only what no one else holds: a block another
+        owner's session holds, a pin it may not lift, or a read or move under way keeps the block and its ancestors,
+        all reported together in `in_use`, the reason not told (a review, session 51: Bob's evict removed the blocks
+        Carol's sessions ran through, and its answer told her sessions, her pins and everyone's reads apart), and
+        only the pins it may lift refuse it unforced (another's pin refused it, naming the block)."""
         closure = self._closure(metas)
-        pinned = [m for m in closure if m.pins]
+        shared = {ns for ns in {m.namespace for m in closure} if self._among_others(ns, tenant)}
+        pinned = [m for m in closure
+                  if (self._liftable_pins(m, tenant) if m.namespace in shared else m.pins)]
         if pinned and not force:
             raise FailedPrecondition(
-                f"{len(pinned)} of the {len(closure)} blocks to evict (descendants included) are pinned, e.g. "
-                f"{pinned[0].key.hex()}; unpin them (engram unpin) or pass --force")
+                f"{len(pinned)} of the {len(closure)} blocks to evict (descendants included) are pinned"
+                f"{' by you' if shared else ''}, e.g. {pinned[0].key.hex()}; unpin them (engram unpin) or pass "
+                "--force")
         inside = {m.key: m for m in closure}
         held: dict[bytes, None] = {}
         # kept for a pin not the caller's (a tenant's force: the operator's or another tenant's), with their ancestors
         operators: dict[bytes, None] = {}
+        in_use: dict[bytes, None] = {}  # kept from a tenant's evict in a shared namespace, with their ancestors
         evicted, unpinned = [], 0
         for meta in closure:  # deepest first, so every block is a leaf when its turn comes
-            if meta.key in held or meta.key in operators or self.store.block(meta.key) is not meta:
+            if meta.key in held or meta.key in operators or meta.key in in_use or self.store.block(meta.key) is not meta:
                 continue
-            if tenant and (meta.operator_pins or meta.pinned_by_another(tenant)):
+            if meta.namespace in shared:
+                if self._held_by_another(meta, tenant) or meta.children:
+                    self._hold(meta, inside, in_use)
+                    continue
+            elif tenant and (meta.operator_pins or meta.pinned_by_another(tenant)):
                 self._hold(meta, inside, operators)
                 continue
             # Read or moving (now: a reader may come while earlier removals wait on the disk), or above a block
             # that stays: held, with its ancestors.
-            if meta.leases or meta.moving or meta.children:
+            elif meta.leases or meta.moving or meta.children:
                 self._hold(meta, inside, held)
                 continue
             if meta.pins:  # no await between here and the removal's own check: a pin is lifted only if it goes
@@ -257,7 +293,8 @@ class Inspector:
                 unpinned += 1
             await self.store.remove(meta)
             evicted.append(meta.key)
-        return EvictResult(tuple(evicted), tuple(held), unpinned, tuple(k for k in operators if k not in held))
+        return EvictResult(tuple(evicted), tuple(held), unpinned, tuple(k for k in operators if k not in held),
+                           tuple(in_use))
 
     def _closure(self, metas: Sequence[BlockMeta]) -> list[BlockMeta]:
         """The blocks and all their descendants, deepest first."""

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 
 from engram import errors
@@ -572,3 +573,96 @@ async def test_a_tenants_get_prefix_in_a_shared_namespace_names_each_blocks_home
         assert await tiers(BOB) == ["nvme", "nvme"]
     finally:
         await channel.close()
+
+
+# ---- evict: a tenant removes what no one else holds ----------------------------------------------------------------
+
+
+async def test_a_tenants_evict_in_a_shared_namespace_keeps_what_another_tenant_holds_without_saying_why(
+        daemon: RunningServer) -> None:
+    """In `shared`, Carol's session holds chain S, her pin chain P's last block, her GetPrefix lease chain L; chain F
+    nobody holds. Bob's evict of the four (unforced, then forced) removes F and keeps S, P and L whole, reported
+    together in `in_use`, nothing in `skipped` or `operator_pinned`. Main removed S under Carol's session (her
+    next turn missed), refused the unforced evict for Carol's pin, naming its block, and reported L's lease in
+    `skipped`: Bob read her sessions, her pins and her reads apart. Controls: Carol's chains match whole after, and
+    the admin's forced evict removes them all."""
+    spec = tiny_model()
+    chains = {name: tokens(2 * BLOCK_TOKENS, seed=40 + i) for i, name in enumerate("SPLF")}
+    async with as_(daemon, CAROL, "shared") as c, as_(daemon, BOB, "shared") as b, \
+            as_(daemon, ADMIN, "shared") as admin:
+        fp = await c.register_model(spec)
+        await b.register_model(spec)
+        keys = {n: list((await c.put(fp, t, random_kv(spec, len(t), seed=40 + i))).keys)
+                for i, (n, t) in enumerate(chains.items())}
+        await c.open_session(fp, mode="persist", session_id="carol-s", tokens=chains["S"])
+        assert await c.pin(fp, keys["P"][1:]) == 1
+        channel = grpc.aio.insecure_channel(daemon.address)
+        try:
+            held = await pb_grpc.EngramStub(channel).GetPrefix(
+                pb.GetPrefixRequest(namespace="shared", model_fingerprint=fp, tokens=convert.tokens_to_pb(chains["L"]),
+                                    hold_for_get=True), metadata=md(CAROL))
+            assert held.lease_id
+            kept = sorted(k for n in "SPL" for k in keys[n])
+            for force, named in ((False, "SPLF"), (True, "SPL")):
+                done = await b.evict(key_prefixes=[keys[n][0].hex() for n in named], force=force)
+                assert sorted(done.evicted) == (sorted(keys["F"]) if not force else [])
+                assert sorted(done.in_use) == kept and not done.skipped and not done.operator_pinned
+                assert done.unpinned == 0
+            for n in "SPL":
+                assert (await c.lookup(fp, chains[n])).matched_tokens == 2 * BLOCK_TOKENS
+            assert (await c.lookup(fp, chains["F"])).matched_tokens == 0
+            await pb_grpc.EngramStub(channel).ReleaseLeases(
+                pb.ReleaseLeasesRequest(namespace="shared", lease_ids=[held.lease_id]), metadata=md(CAROL))
+        finally:
+            await channel.close()
+        done = await admin.evict(key_prefixes=[keys[n][0].hex() for n in "SPL"], force=True)
+        assert sorted(done.evicted) == kept and done.unpinned == 1 and not done.in_use
+
+
+async def test_a_tenants_evict_of_its_session_in_a_shared_namespace_reports_the_blocks_another_tenant_holds(
+        daemon: RunningServer) -> None:
+    """Bob's session in `shared` runs through Carol's 2-block chain, which her session holds, and 2 blocks of his
+    own; Carol pins his last block. Bob's evict of his session (unforced) removes nothing of what Carol holds and
+    reports all 4 blocks in `in_use` (his last pinned by her, his third under it, her two under her session). Main
+    refused it for Carol's pin (naming the block), and, forced, reported that pin in `operator_pinned` and left
+    her session's blocks out of the answer. Control: once Carol unpins and closes her session, his evict removes
+    all 4."""
+    spec = tiny_model()
+    hers = tokens(2 * BLOCK_TOKENS, seed=50)
+    his = np.concatenate([hers, tokens(2 * BLOCK_TOKENS, seed=51)])
+    async with as_(daemon, CAROL, "shared") as c, as_(daemon, BOB, "shared") as b:
+        fp = await c.register_model(spec)
+        await b.register_model(spec)
+        await c.put(fp, hers, random_kv(spec, len(hers), seed=50))
+        await c.open_session(fp, mode="persist", session_id="carol-s", tokens=hers)
+        keys = list((await b.put(fp, his, random_kv(spec, len(his), seed=51))).keys)
+        await b.open_session(fp, mode="persist", session_id="bob-s", tokens=his)
+        assert await c.pin(fp, keys[3:]) == 1
+        for force in (False, True):
+            done = await b.evict(session_id="bob-s", force=force)
+            assert not done.evicted and sorted(done.in_use) == sorted(keys)
+            assert not done.skipped and not done.operator_pinned
+        assert await c.pin(fp, keys[3:], unpin=True) == 1
+        await c.close_session("carol-s")
+        done = await b.evict(session_id="bob-s")
+        assert sorted(done.evicted) == sorted(keys) and not done.in_use
+
+
+async def test_a_tenant_may_not_evict_a_shared_namespace_whole(daemon: RunningServer) -> None:
+    """Bob's whole_namespace evict of `shared` is PERMISSION_DENIED, saying it needs an admin and what he may do,
+    and Carol's blocks stay (main evicted every block no one pinned or read: Carol's cache, gone). Controls: Bob
+    evicts his own namespace whole; the admin evicts `shared` whole."""
+    spec = tiny_model()
+    toks = tokens(2 * BLOCK_TOKENS, seed=60)
+    async with as_(daemon, CAROL, "shared") as c, as_(daemon, BOB, "shared") as b, \
+            as_(daemon, ADMIN, "shared") as admin:
+        fp = await c.register_model(spec)
+        await b.register_model(spec)
+        keys = list((await c.put(fp, toks, random_kv(spec, len(toks), seed=60))).keys)
+        own = list((await b.put(fp, toks, random_kv(spec, len(toks), seed=60), namespace="bob")).keys)
+        with pytest.raises(errors.PermissionDenied, match=r"shared with other tenants.*admin token.*session_id"):
+            await b.evict(whole_namespace=True)
+        assert (await c.lookup(fp, toks)).matched_tokens == len(toks)
+        assert sorted((await b.evict(whole_namespace=True, namespace="bob")).evicted) == sorted(own)
+        assert sorted((await admin.evict(whole_namespace=True)).evicted) == sorted(keys)
+

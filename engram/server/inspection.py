@@ -1,6 +1,6 @@
 """The inspection RPCs (ListNamespaces, ListSessions, DescribeBlocks, Evict): the gRPC edge of
-engram/inspection.py. Listings across tenants and `all_namespaces` need an admin caller; everything else
-resolves its namespace through the tenancy seam like every other RPC."""
+engram/inspection.py. Listings across tenants, `all_namespaces`, and evicting a namespace other tenants share whole
+need an admin caller; everything else resolves its namespace through the tenancy seam like every other RPC."""
 
 from __future__ import annotations
 
@@ -92,11 +92,17 @@ class InspectionService:
         elif req.session_id:
             metas = insp.session_blocks_to_evict(insp.sessions.get(namespace_for(context, req.namespace),
                                                                    req.session_id, tenant_of(context),
-                                                                   session_owner(context, req.session_owner)))
+                                                                   session_owner(context, req.session_owner)),
+                                                 tenant_of(context))
         else:
             if req.all_namespaces:
                 raise InvalidArgument("whole_namespace evicts one namespace: name it, without all_namespaces")
             ns = namespace_for(context, req.namespace)
+            if tenant_of(context) and insp.store.namespaces.shared(ns):
+                # Every tenant's cache there, not the caller's alone: the operator's call (a tenant's would also
+                # list in one answer every block the others hold)
+                raise PermissionDenied(f"namespace {ns!r} is shared with other tenants: evicting it whole needs an "
+                                       "admin token; evict your sessions' blocks (session_id) or blocks by key")
             metas = insp.namespace_blocks(ns)
             if not metas:  # as a key prefix that matches nothing: a typo must not look like success
                 raise NotFound(f"namespace {ns!r} holds no blocks: nothing to evict (`engram ls` lists namespaces)")

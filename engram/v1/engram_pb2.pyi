@@ -1066,16 +1066,18 @@ class EvictRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., all_namespaces: _Optional[bool] = ..., key_prefixes: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., whole_namespace: _Optional[bool] = ..., force: _Optional[bool] = ..., session_owner: _Optional[str] = ...) -> None: ...
 
 class EvictResponse(_message.Message):
-    __slots__ = ("evicted", "skipped", "unpinned", "operator_pinned")
+    __slots__ = ("evicted", "skipped", "unpinned", "operator_pinned", "in_use")
     EVICTED_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     UNPINNED_FIELD_NUMBER: _ClassVar[int]
     OPERATOR_PINNED_FIELD_NUMBER: _ClassVar[int]
+    IN_USE_FIELD_NUMBER: _ClassVar[int]
     evicted: _containers.RepeatedScalarFieldContainer[bytes]
     skipped: _containers.RepeatedScalarFieldContainer[bytes]
     unpinned: int
     operator_pinned: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, evicted: _Optional[_Iterable[bytes]] = ..., skipped: _Optional[_Iterable[bytes]] = ..., unpinned: _Optional[int] = ..., operator_pinned: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    in_use: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, evicted: _Optional[_Iterable[bytes]] = ..., skipped: _Optional[_Iterable[bytes]] = ..., unpinned: _Optional[int] = ..., operator_pinned: _Optional[_Iterable[bytes]] = ..., in_use: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ForgetModelRequest(_message.Message):
     __slots__ = ("model_fingerprint", "force")
