@@ -4,8 +4,10 @@ nor demoted) until the worker releases it (ReleaseLeases) or `lease_s` passes, w
 worker that dies never pins memory for long. After expiry the slots may be reused; a worker that copies
 late is caught by the generation check (engram/tiers/slots.py), never served another block's bytes.
 
-Lease ids are random 63-bit numbers, and a lease can only be released in the namespace that took it: an
-id of another namespace is reported exactly like an unknown one.
+Lease ids are random 63-bit numbers, and a lease can only be released in the namespace that took it, and by the
+tenant that took it (an admin, and every caller with tenancy off, ends any of the namespace's): an id of another
+namespace, or of another tenant in a namespace tenants share, is reported exactly like an unknown one (a tenant
+ended another's leases there by id: a review, session 51).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from engram.store import BlockStore
 class Lease:
     id: int
     namespace: str
+    owner: str  # the tenant whose call took it; "": an admin's, or tenancy off
     metas: list[BlockMeta]
     expires: float  # time.monotonic()
     timer: asyncio.TimerHandle | None = None
@@ -46,13 +49,13 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def grant(self, namespace: str, metas: Sequence[BlockMeta]) -> Lease:
+    def grant(self, namespace: str, metas: Sequence[BlockMeta], owner: str = "") -> Lease:
         self._count(namespace, len(metas))
         lease_id = secrets.randbits(63) or 1
         while lease_id in self._leases:
             lease_id = secrets.randbits(63) or 1
         self.store.acquire(metas)
-        lease = Lease(lease_id, namespace, list(metas), time.monotonic() + self.lease_s)
+        lease = Lease(lease_id, namespace, owner, list(metas), time.monotonic() + self.lease_s)
         lease.timer = asyncio.get_running_loop().call_later(self.lease_s, self._expire, lease_id)
         self._leases[lease_id] = lease
         return lease
@@ -101,16 +104,24 @@ class LeaseTable:
                                     "next load ends its last) or let them expire")
         self._blocks[namespace] = held + more
 
-    def release(self, namespace: str, lease_ids: Sequence[int], others: Collection[int] = ()) -> int:
-        """End leases of this namespace; every id must name a live one (NotFound names the first that does
-        not, and then nothing is released), or be one of `others` (ids the caller ends itself: a ReleaseLeases'
-        reservations), skipped here. Returns how many leases it ended."""
+    def _reaches(self, lease_id: int, namespace: str, owner: str) -> Lease | None:
+        """The live lease a call of `owner` ("": an admin, tenancy off: any owner's) in `namespace` may end."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.namespace != namespace or (owner and lease.owner != owner):
+            return None
+        return lease
+
+    def release(self, namespace: str, lease_ids: Sequence[int], others: Collection[int] = (), owner: str = "") -> int:
+        """End leases of this namespace that `owner` took ("": an admin, tenancy off: anyone's); every id must name
+        a live one (NotFound names the first that does not, and then nothing is released), or be one of `others`
+        (ids the caller ends itself: a ReleaseLeases' reservations), skipped here. Returns how many leases it
+        ended."""
         found = []
         for i, lease_id in enumerate(lease_ids):
             if lease_id in others:
                 continue
-            lease = self._leases.get(lease_id)
-            if lease is None or lease.namespace != namespace:
+            lease = self._reaches(lease_id, namespace, owner)
+            if lease is None:
                 raise NotFound(f"lease {i} ({lease_id}) is not held in this namespace: it expired (after "
                                f"{self.lease_s:g}s), was released already, or was never granted")
             found.append(lease)
@@ -119,14 +130,14 @@ class LeaseTable:
             self._end(lease_id)
         return len(ended)
 
-    def release_known(self, namespace: str, lease_ids: Sequence[int]) -> int:
-        """End those of these leases that are still held in this namespace, ignoring the rest (expired, or
-        not this namespace's: reported like absent ones, never released): a worker hands back the leases of
-        its previous request with its next one, and one that expired meanwhile is no error."""
+    def release_known(self, namespace: str, lease_ids: Sequence[int], owner: str = "") -> int:
+        """End those of these leases that are still held in this namespace by `owner` (as `release`), ignoring the
+        rest (expired, or not this namespace's or owner's: reported like absent ones, never released): a worker
+        hands back the leases of its previous request with its next one, and one that expired meanwhile is no
+        error."""
         ended = 0
         for lease_id in dict.fromkeys(lease_ids):
-            lease = self._leases.get(lease_id)
-            if lease is not None and lease.namespace == namespace:
+            if self._reaches(lease_id, namespace, owner) is not None:
                 self._end(lease_id)
                 ended += 1
         return ended

@@ -666,3 +666,88 @@ async def test_a_tenant_may_not_evict_a_shared_namespace_whole(daemon: RunningSe
         assert sorted((await b.evict(whole_namespace=True, namespace="bob")).evicted) == sorted(own)
         assert sorted((await admin.evict(whole_namespace=True)).evicted) == sorted(keys)
 
+
+# ---- leases and reservations: the tenant that took one ends it ---------------------------------------------------
+
+
+@pytest.fixture
+async def trusted(server_factory: Any, tmp_path: Path) -> RunningServer:
+    """The tenants above, trusted with the shared DRAM pool (in-place puts, zero-copy Gets)."""
+    path = tmp_path / "tenants.toml"
+    path.write_text(TENANTS)
+    srv: RunningServer = await server_factory(**{"auth.tenants_file": str(path), "auth.salt_secret": "s3cret-salt",
+                                                 "auth.same_host_paths": "on"})
+    return srv
+
+
+def _reserve_request(spec: Any, fp: bytes, toks: Any) -> pb.ReservePutRequest:
+    """An in-place put's reservation of `toks` in full raw blocks in `shared`."""
+    return pb.ReservePutRequest(namespace="shared", model_fingerprint=fp, blocks=[
+        pb.BlockHeader(tokens=convert.tokens_to_pb(toks[i:i + BLOCK_TOKENS]), dtype=int(spec.layout.dtype),
+                       shape=list(spec.layout.block_shape(BLOCK_TOKENS)),
+                       payload_nbytes=spec.layout.block_nbytes(BLOCK_TOKENS), codec="raw")
+        for i in range(0, len(toks), BLOCK_TOKENS)])
+
+
+async def test_a_tenant_cannot_end_another_tenants_lease_or_reservation_in_a_shared_namespace(
+        trusted: RunningServer) -> None:
+    """Carol holds a GetPrefix lease on her chain in `shared` and an open in-place reservation there. Bob naming
+    their ids, in ReleaseLeases, CommitPut, and the release_lease_ids of his GetPrefix and Get, is answered word for
+    word as for ids nobody was granted, and ends nothing: the admin still sees her lease on the blocks, and Carol's
+    ReleaseLeases ends both (2). Main checked the namespace alone: Bob's ReleaseLeases ended them (1; her worker's
+    copy then raced the eviction, and her reservation's slots were freed under her writes). Controls: Bob ends his
+    own lease; the admin ends one of Carol's."""
+    spec = tiny_model()
+    toks, fresh = tokens(2 * BLOCK_TOKENS, seed=70), tokens(2 * BLOCK_TOKENS, seed=71)
+    async with as_(trusted, CAROL, "shared") as c, as_(trusted, BOB, "shared") as b:
+        fp = await c.register_model(spec)
+        await b.register_model(spec)
+        keys = list((await c.put(fp, toks, random_kv(spec, len(toks), seed=70))).keys)
+    hexes = [k.hex() for k in keys]
+    async with grpc.aio.insecure_channel(trusted.address) as channel:
+        st = pb_grpc.EngramStub(channel)
+
+        async def lease(token: str) -> int:
+            got = await st.GetPrefix(pb.GetPrefixRequest(namespace="shared", model_fingerprint=fp,
+                                                         tokens=convert.tokens_to_pb(toks), hold_for_get=True),
+                                     metadata=md(token))
+            assert got.lease_id
+            return int(got.lease_id)
+
+        hers = await lease(CAROL)
+        reservation = (await st.ReservePut(_reserve_request(spec, fp, fresh), metadata=md(CAROL))).reservation_id
+        assert reservation
+        unknown = [hers ^ (1 << 40), reservation ^ (1 << 40)]  # granted to nobody
+
+        def calls(ids: list[int]) -> dict[str, Callable[[], Any]]:
+            return {
+                "ReleaseLeases": lambda: st.ReleaseLeases(pb.ReleaseLeasesRequest(namespace="shared", lease_ids=ids),
+                                                          metadata=md(BOB)),
+                "ReleaseLeases (reservation)": lambda: st.ReleaseLeases(
+                    pb.ReleaseLeasesRequest(namespace="shared", lease_ids=ids[1:]), metadata=md(BOB)),
+                "CommitPut": lambda: st.CommitPut(pb.CommitPutRequest(namespace="shared", reservation_id=ids[1]),
+                                                  metadata=md(BOB)),
+            }
+
+        theirs, nobodys = calls([hers, reservation]), calls(unknown)
+        for rpc in theirs:
+            got = await answer(theirs[rpc], str(hers))
+            want = await answer(nobodys[rpc], str(unknown[0]))
+            assert (got[0], got[1].replace(str(reservation), "<id>")) == (
+                want[0], want[1].replace(str(unknown[1]), "<id>")), rpc
+            assert got[0] == "NOT_FOUND", (rpc, got)
+        await st.GetPrefix(pb.GetPrefixRequest(namespace="shared", model_fingerprint=fp, tokens=convert.tokens_to_pb(
+            toks[:BLOCK_TOKENS]), release_lease_ids=[hers, reservation]), metadata=md(BOB))
+        async for _ in st.Get(pb.GetRequest(namespace="shared", model_fingerprint=fp, keys=keys[:1],
+                                            release_lease_ids=[hers, reservation]), metadata=md(BOB)):
+            pass
+        async with as_(trusted, ADMIN, "shared") as admin:
+            assert [d.leases for d in (await admin.describe_blocks(key_prefixes=hexes)).blocks] == [1, 1]
+        mine = await lease(BOB)
+        assert (await st.ReleaseLeases(pb.ReleaseLeasesRequest(namespace="shared", lease_ids=[mine]),
+                                       metadata=md(BOB))).released == 1
+        assert (await st.ReleaseLeases(pb.ReleaseLeasesRequest(namespace="shared", lease_ids=[hers, reservation]),
+                                       metadata=md(CAROL))).released == 2
+        again = await lease(CAROL)
+        assert (await st.ReleaseLeases(pb.ReleaseLeasesRequest(namespace="shared", lease_ids=[again]),
+                                       metadata=md(ADMIN))).released == 1

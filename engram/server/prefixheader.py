@@ -61,11 +61,13 @@ async def not_in_pools(walk: PrefixWalk, pools: Sequence[PoolTier]) -> list[Bloc
 
 async def prefix_header(store: BlockStore, leases: LeaseTable, namespace: str, walk: PrefixWalk,
                         refs: list[pb.BlockRef], pools: Sequence[PoolTier], codec: str, *, hold_for_get: bool,
-                        promote: tuple[PoolTier, PoolTier] | None) -> tuple[pb.PrefixHeader, list[BlockMeta]]:
+                        promote: tuple[PoolTier, PoolTier] | None, owner: str = ""
+                        ) -> tuple[pb.PrefixHeader, list[BlockMeta]]:
     """The answer to a GetPrefix of the walk's kept blocks (`refs`, one a block): its refs; a descriptor a block
     (empty for one in none of `pools`, or moving) when any block is described, those described leased; with
     `hold_for_get` every block leased. Returns it and, given `promote` (the shared DRAM pool and the HBM pool a
-    CUDA IPC caller maps), the blocks the first holds and the second lacks, to be copied up for its next hit."""
+    CUDA IPC caller maps), the blocks the first holds and the second lacks, to be copied up for its next hit. `owner`:
+    the caller's tenant, whose lease it is (engram/leases.py)."""
     header = pb.PrefixHeader()
     descs = header.descriptors
     lease: Lease | None = None
@@ -99,7 +101,7 @@ async def prefix_header(store: BlockStore, leases: LeaseTable, namespace: str, w
             if held:  # leased in the step that describes them: none is evicted before the caller copies it
                 leased_at += [i for i, pool in enumerate(where, done) if pool is not None or hold_for_get]
                 if lease is None:
-                    lease = leases.grant(namespace, held)
+                    lease = leases.grant(namespace, held, owner)
                 else:
                     leases.grow(lease, held)
             if promote is not None:

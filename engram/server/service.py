@@ -501,7 +501,8 @@ class EngramService:
         """End the leases a Get was asked to end once answered (or failed): no ReleaseLeases round trip."""
         if req.release_lease_ids and len(req.release_lease_ids) <= self.config.max_blocks_per_request:
             with contextlib.suppress(EngramError):  # a namespace the caller may not use: its leases stay theirs
-                self.leases.release_known(namespace_for(None, req.namespace), list(req.release_lease_ids))
+                self.leases.release_known(namespace_for(None, req.namespace), list(req.release_lease_ids),
+                                          self._tenant(None))  # (as another tenant's there)
 
     async def blocks_to_get(self, req: pb.GetRequest, client_gone: Callable[[], Awaitable[None]] | None = None
                             ) -> tuple[str, list[BlockMeta]]:
@@ -536,7 +537,7 @@ class EngramService:
         check_limit("GetPrefix tokens", len(req.tokens), self.config.max_tokens_per_request)
         check_limit("GetPrefix release_lease_ids", len(req.release_lease_ids), self.config.max_blocks_per_request)
         ns = namespace_for(context, req.namespace)
-        self.leases.release_known(ns, list(req.release_lease_ids))  # expired ones ended by themselves
+        self.leases.release_known(ns, list(req.release_lease_ids), self._tenant(context))  # expired ones: ended
         tokens = convert.tokens_from_pb(req.tokens)
         self.check_model(req.model_fingerprint)
         walk, refs, _ = await self._walk(ns, req.model_fingerprint, tokens, use=None)
@@ -572,7 +573,8 @@ class EngramService:
         promote = ((self.pool, self.ipc_pool) if req.cuda_ipc and self.ipc_pool is not None and self.pool is not None
                    else None)
         header, dram_only = await prefix_header(self.store, self.leases, ns, walk, refs, pools, codec,
-                                                hold_for_get=req.hold_for_get, promote=promote)
+                                                hold_for_get=req.hold_for_get, promote=promote,
+                                                owner=self._tenant(context))
         self._promote_later(dram_only)  # before the count's turns of the loop: none of them has left since
         try:
             await self.store.count_lookup(len(walk.tokens), walk.blocks[: len(header.blocks)], header.matched_tokens,
@@ -581,7 +583,7 @@ class EngramService:
                 await _answer_may_land(context, "lease")
         except BaseException:  # cut (its deadline, its client gone): a lease no caller will hear of is dropped
             if header.lease_id:  # (it held every block of the prefix for lease_s: a cancel audit, session 49)
-                self.leases.release_known(ns, [header.lease_id])  # (expired meanwhile: nothing to end)
+                self.leases.release_known(ns, [header.lease_id])  # (expired meanwhile: nothing to end; its own)
             raise
         return header
 
@@ -618,7 +620,8 @@ class EngramService:
             pool = next((p for p in pools if p.name in m.locations), None)
             if pool is not None and not m.moving:
                 in_pool[m.key] = pool
-        lease = self.leases.grant(ns, [m for m in metas if m.key in in_pool]) if in_pool else None  # before sending
+        lease = (self.leases.grant(ns, [m for m in metas if m.key in in_pool], self._tenant(None))  # before sending
+                 if in_pool else None)
         try:
             with self.store.reading(metas):
                 for meta in metas:
@@ -704,7 +707,8 @@ class EngramService:
         ns = namespace_for(context, req.namespace)
         if self.inplace is None:
             raise FailedPrecondition("this daemon has no shared DRAM pool: nothing was reserved")
-        outcomes = await self.inplace.commit(self.inplace.get(ns, req.reservation_id), req.blocks)
+        outcomes = await self.inplace.commit(self.inplace.get(ns, req.reservation_id, self._tenant(context)),
+                                             req.blocks)
         return pb.PutResponse(keys=[o.key for o in outcomes], stored=sum(o.stored for o in outcomes),
                               deduplicated=sum(not o.stored and not o.skipped for o in outcomes),
                               not_durable=sum(not o.durable for o in outcomes))
@@ -713,14 +717,16 @@ class EngramService:
     async def ReleaseLeases(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ReleaseLeasesResponse:
         """Leases end; an id of an open reservation (the lease_id of its slots) gives it up, its uncommitted slots
         freed at once (InPlacePuts.give_up): how a client whose caller left before a ReservePut's answer came lets
-        go of what the answer granted. Every id must name one or the other (NotFound, and nothing is released)."""
+        go of what the answer granted. Every id must name one or the other (NotFound, and nothing is released), of
+        the caller's tenant (an admin's: any of the namespace's): in a namespace tenants share, one tenant ended
+        another's leases and reservations by id (a review, session 51)."""
         req = decoded(request)
         check_limit("ReleaseLeases ids", len(req.lease_ids), self.config.max_blocks_per_request)
-        ns = namespace_for(context, req.namespace)
-        given_up = {i for i in req.lease_ids if self.inplace is not None and self.inplace.holds(ns, i)}
-        released = self.leases.release(ns, list(req.lease_ids), others=given_up)
+        ns, owner = namespace_for(context, req.namespace), self._tenant(context)
+        given_up = {i for i in req.lease_ids if self.inplace is not None and self.inplace.holds(ns, i, owner)}
+        released = self.leases.release(ns, list(req.lease_ids), others=given_up, owner=owner)
         for reservation_id in given_up:
-            self.inplace.give_up(ns, reservation_id)  # type: ignore[union-attr]
+            self.inplace.give_up(ns, reservation_id, owner)  # type: ignore[union-attr]
         return pb.ReleaseLeasesResponse(released=released + len(given_up))
 
     @streaming

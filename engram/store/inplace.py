@@ -318,9 +318,11 @@ class InPlacePuts:
         return ("part of it is slots of in-place reservations (ReservePut) not yet committed, which no eviction "
                 f"frees; they are let go when committed, or within {max(0.0, by - now):.0f}s at the latest")
 
-    def get(self, namespace: str, reservation_id: int) -> Reservation:
+    def get(self, namespace: str, reservation_id: int, owner: str = "") -> Reservation:
+        """The open reservation a call of `owner` ("": an admin, tenancy off: anyone's) in `namespace` may commit;
+        another tenant's is reported exactly as one never made."""
         res = self._open.get(reservation_id)
-        if res is None or res.namespace != namespace:
+        if res is None or res.namespace != namespace or (owner and res.owner != owner):
             raise NotFound(f"reservation {reservation_id} is not open in this namespace: it was committed, expired "
                            f"(after {self.reserve_s:g}s), or never made")
         return res
@@ -570,18 +572,20 @@ class InPlacePuts:
         if self._open.get(res.id) is res and not res.committed:
             self.give_up(res.namespace, res.id)
 
-    def holds(self, namespace: str, reservation_id: int) -> bool:
-        """Whether `give_up` would end this reservation: open in this namespace, no commit of it running."""
+    def holds(self, namespace: str, reservation_id: int, owner: str = "") -> bool:
+        """Whether `give_up` would end this reservation: open in this namespace, made by `owner` ("": an admin,
+        tenancy off: anyone's), no commit of it running."""
         res = self._open.get(reservation_id)
-        return res is not None and res.namespace == namespace and not res.committing
+        return (res is not None and res.namespace == namespace and not (owner and res.owner != owner)
+                and not res.committing)
 
-    def give_up(self, namespace: str, reservation_id: int) -> bool:
+    def give_up(self, namespace: str, reservation_id: int, owner: str = "") -> bool:
         """End an open reservation its caller will not commit (ReleaseLeases naming its id, the lease_id of its
         slots: a client whose caller left before the ReservePut's answer came, engram/client.py), freeing at once
         its slots not yet published; those committed stay stored. The caller vouches that none of its writes into
         them is in flight (a worker that may still write lets it expire instead: its slots are freed a term after).
-        False when there is none to end (committed, expired, another namespace's, or being committed)."""
-        if not self.holds(namespace, reservation_id):
+        False when there is none to end (committed, expired, another namespace's or tenant's, or being committed)."""
+        if not self.holds(namespace, reservation_id, owner):
             return False
         res = self._open.pop(reservation_id)
         if res.timer is not None:
