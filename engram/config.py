@@ -267,7 +267,7 @@ class ReplayConfig:
     models: str = ""
     device: str = "auto"  # auto (cuda when present), cpu, cuda
     dtype: str = "auto"  # a checkpoint's: auto (bfloat16 on cuda, float32 on cpu), bfloat16, float16, float32, float64
-    max_hot_windows: int = 64  # rebuilt SWA windows kept in memory; beyond, the least recent is dropped
+    max_hot_windows: int = 64  # rebuilt SWA windows kept in memory; beyond, the least recent of the tenant holding most goes
     # Replays run this many at once, on threads of their own (decodes and encodes keep theirs); more Resumes wait
     # their turn, round-robin between tenants (each tenant's in order). A Resume cancelled while it waits never
     # runs; one cancelled while it runs holds its turn until it ends.

@@ -1135,10 +1135,24 @@ class SessionManager:
         self._hot[key] = None
         self._hot.move_to_end(key)
         while len(self._hot) > self.max_hot_windows:
-            old, _ = self._hot.popitem(last=False)
+            old = self._hot_victim()
+            del self._hot[old]
             victim = self._sessions.get(old)
             if victim is not None:
                 self._cool(victim)  # pushed out of the hot set: rebuilt on its next Resume (or kept: auto)
+
+    def _hot_victim(self) -> SessionKey:
+        """The window a full hot set lets go: the least recently used of the owner holding the most windows (ties:
+        the least recent of theirs). One set of every tenant's, pushed out least recently used first, let one
+        tenant's Resumes push out every other's windows (their next Resume replayed: seconds), and told a tenant
+        from its own session going cold (ListSessions' hot, Resume's source) how many sessions the others resumed
+        (a review, session 51). Now a tenant holding no more windows than max_hot_windows / (tenants + 1) never
+        loses one to another's Resumes; beyond that share, its windows go before those of owners holding fewer.
+        The admins (and every caller with tenancy off) are one owner, "". At most max_hot_windows + 1 keys looked
+        at, on a Resume that fills the set (its replay took far longer)."""
+        held = collections.Counter(owner for _, owner, _ in self._hot)
+        most = max(held.values())
+        return next(k for k in self._hot if held[k[1]] == most)
 
     def _block_went_cold(self, meta: BlockMeta) -> None:
         """A block left the memory tiers: every hot session whose prefix holds it is cold now, and its rebuilt

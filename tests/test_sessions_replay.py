@@ -492,3 +492,28 @@ async def test_a_session_suspended_while_its_replay_runs_stays_cold(server_facto
         monkeypatch.setattr(srv.sessions.runtime, "rebuild", real_rebuild)
         logits, source = await next_logits(client, model, fp, sid, toks)
         assert source == "replay" and torch.equal(logits, reference_logits(model, toks, P))
+
+
+async def test_one_tenants_resumes_do_not_push_another_tenants_window_out_of_the_hot_set(  # type: ignore[no-untyped-def]
+        server_factory, model_file: Path, model: HybridDecoder) -> None:
+    """replay.max_hot_windows = 2, two tenants: Carol's Resume makes her window hot, then Bob resumes three sessions
+    of his. Her session stays hot (ListSessions) and her next Resume is answered from it: the full set lets go of
+    the least recent window of the tenant holding the most, Bob. One set pushed out least recent first, every
+    tenant's: Bob's Resumes made Carol's next one replay (seconds on a real model), and her session going cold told
+    her that others had resumed sessions, and how many (a review, session 51). Control: Bob's own first window
+    went to his later ones (his Resume of it replays)."""
+    srv = await server_factory(**{"replay.models": str(model_file), "replay.max_hot_windows": 2,
+                                  "auth.salt_secret": "s", "auth.tenants.bob.token": "bob-tok",
+                                  "auth.tenants.carol.token": "carol-tok"})
+    toks = tokens_for(P + 1, seed=40)
+    async with EngramClient(srv.address, token="carol-tok", namespace="carol") as c, \
+            EngramClient(srv.address, token="bob-tok", namespace="bob") as b:
+        fp, hers = await put_session(c, model, toks[:P])
+        assert (await c.resume_kv(fp, hers))[0].source == "replay"
+        his = [await put_session(b, model, toks[:P]) for _ in range(3)]
+        for bfp, sid in his:
+            assert (await b.resume_kv(bfp, sid))[0].source == "replay"
+        assert [s.info.hot for s in await c.list_sessions()] == [True]
+        assert (await c.resume_kv(fp, hers))[0].source == "hot"
+        assert (await b.resume_kv(*his[0]))[0].source == "replay"
+        assert (await b.stats()).replay.hot_sessions == 1 and (await c.stats()).replay.hot_sessions == 1
