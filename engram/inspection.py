@@ -265,8 +265,8 @@ class Inspector:
         if pinned and not force:
             raise FailedPrecondition(
                 f"{len(pinned)} of the {len(closure)} blocks to evict (descendants included) are pinned"
-                f"{' by you' if shared else ''}, e.g. {pinned[0].key.hex()}; unpin them (engram unpin) or pass "
-                "--force")
+                f"{' by you (or by no recorded owner)' if shared else ''}, e.g. {pinned[0].key.hex()}; unpin them "
+                "(engram unpin) or pass --force")
         inside = {m.key: m for m in closure}
         held: dict[bytes, None] = {}
         # kept for a pin not the caller's (a tenant's force: the operator's or another tenant's), with their ancestors

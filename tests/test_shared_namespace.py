@@ -751,3 +751,23 @@ async def test_a_tenant_cannot_end_another_tenants_lease_or_reservation_in_a_sha
         again = await lease(CAROL)
         assert (await st.ReleaseLeases(pb.ReleaseLeasesRequest(namespace="shared", lease_ids=[again]),
                                        metadata=md(ADMIN))).released == 1
+
+
+async def test_a_tenants_unforced_evict_in_a_shared_namespace_is_refused_for_its_own_pin_alone(
+        daemon: RunningServer) -> None:
+    """In `shared`, Bob pins the last block of a chain Carol pinned too: his unforced evict of it is refused
+    FAILED_PRECONDITION, saying the pin is his, and removes nothing; forced, it keeps the chain (Carol's pin) in
+    `in_use`, his own pin not lifted."""
+    spec = tiny_model()
+    toks = tokens(2 * BLOCK_TOKENS, seed=80)
+    async with as_(daemon, CAROL, "shared") as c, as_(daemon, BOB, "shared") as b, \
+            as_(daemon, ADMIN, "shared") as admin:
+        fp = await c.register_model(spec)
+        await b.register_model(spec)
+        keys = list((await c.put(fp, toks, random_kv(spec, len(toks), seed=80))).keys)
+        assert await c.pin(fp, keys[1:]) == 1 and await b.pin(fp, keys[1:]) == 1
+        with pytest.raises(errors.FailedPrecondition, match=r"1 of the 2 blocks .* pinned by you"):
+            await b.evict(key_prefixes=[keys[0].hex()])
+        done = await b.evict(key_prefixes=[keys[0].hex()], force=True)
+        assert not done.evicted and sorted(done.in_use) == sorted(keys) and done.unpinned == 0
+        assert [d.pins for d in (await admin.describe_blocks(key_prefixes=[k.hex() for k in keys])).blocks] == [0, 2]
