@@ -22,6 +22,7 @@ from engram.server import RunningServer
 from engram.v1 import engram_pb2 as pb
 from engram.v1 import engram_pb2_grpc as pb_grpc
 from engram.wire import convert
+from engram.wire import data as wire
 
 from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
 
@@ -771,3 +772,53 @@ async def test_a_tenants_unforced_evict_in_a_shared_namespace_is_refused_for_its
         done = await b.evict(key_prefixes=[keys[0].hex()], force=True)
         assert not done.evicted and sorted(done.in_use) == sorted(keys) and done.unpinned == 0
         assert [d.pins for d in (await admin.describe_blocks(key_prefixes=[k.hex() for k in keys])).blocks] == [0, 2]
+
+
+async def test_a_tenants_data_channel_get_ends_its_own_lease_not_another_tenants(daemon: RunningServer) -> None:
+    """A Get over the data channel ends the leases its release_lease_ids name (release_after_get), as the tenant
+    whose connection it is (the HELLO token's): Bob's Get there naming Carol's GetPrefix lease in `shared` leaves it
+    held (the admin still sees it on both blocks), Carol's own ends it. The gRPC Get's case is tested above; the
+    data channel reads its principal from the connection, not from call metadata, and had no test."""
+    spec = tiny_model()
+    toks = tokens(2 * BLOCK_TOKENS, seed=72)
+    async with as_(daemon, CAROL, "shared") as c, as_(daemon, BOB, "shared") as b:
+        fp = await c.register_model(spec)
+        await b.register_model(spec)
+        keys = list((await c.put(fp, toks, random_kv(spec, len(toks), seed=72))).keys)
+    port = daemon.service.dataport
+    endpoint = wire.Endpoint(unix_path=port.unix_path or "", host="" if port.unix_path else "127.0.0.1",
+                             port=port.tcp_port)
+
+    async def data_get(token: str, release: list[int]) -> int:
+        """A data-channel Get of the chain's first block as `token`'s tenant, ending `release`: blocks answered."""
+        req = pb.GetRequest(namespace="shared", model_fingerprint=fp, keys=keys[:1], release_lease_ids=release)
+
+        async def blocks(conn: wire.Conn) -> int:
+            n = 0
+            while True:
+                kind, meta, body = await conn.read_frame()
+                if kind == wire.END:
+                    return n
+                assert kind == wire.BLOCK, wire.error_of(meta)
+                await conn.recv(body)
+                n += 1
+
+        channel = wire.DataChannel(endpoint, token)
+        try:
+            return await channel.exchange(wire.GET, req.SerializeToString(), (), blocks)
+        finally:
+            await channel.aclose()
+
+    async with grpc.aio.insecure_channel(daemon.address) as ch:
+        got = await pb_grpc.EngramStub(ch).GetPrefix(pb.GetPrefixRequest(
+            namespace="shared", model_fingerprint=fp, tokens=convert.tokens_to_pb(toks), hold_for_get=True),
+            metadata=md(CAROL))
+    hers = int(got.lease_id)
+    assert hers
+    hexes = [k.hex() for k in keys]
+    async with as_(daemon, ADMIN, "shared") as admin:
+        assert await data_get(BOB, [hers]) == 1
+        assert [d.leases for d in (await admin.describe_blocks(key_prefixes=hexes)).blocks] == [1, 1]
+        assert await data_get(CAROL, [hers]) == 1
+        assert [d.leases for d in (await admin.describe_blocks(key_prefixes=hexes)).blocks] == [0, 0]
+    assert len(daemon.service.leases) == 0
