@@ -773,22 +773,24 @@ class EngramClient(ControlClient):
                         blocks: list[tuple[pb.BlockHeader, bytes | memoryview]]) -> PutReply:
         """A chain as data-channel Puts: the blocks' headers, then their payloads as they lie (a raw CPU
         tensor is sent from its own memory). A chain over the daemon's request limit goes in several Puts,
-        each after the last key of the one before."""
-        limit = data.endpoint.max_request_bytes or 1 << 62
-        if any(h.payload_nbytes > limit for h, _ in blocks):  # one the data channel refuses whole: gRPC chunks it
-            raise wire.ChannelFull(f"a block exceeds the data channel's request limit of {limit} bytes")
+        each after the last key of the one before, each sized by the limit of the channel it goes on."""
         keys: list[bytes] = []
         stored_n = dedup = not_durable = 0
-        start = 0
+        start, limit = 0, 0
         while start < len(blocks) or (not keys and start == 0):
+            if self._data is not None:  # another call replaced the channel since the last part: its successor
+                data = self._data
+            # That channel's daemon (restarted) may take less: the parts sized by the old one's limit were refused
+            if limit != (now := data.endpoint.max_request_bytes or 1 << 62):
+                limit = now
+                if any(h.payload_nbytes > limit for h, _ in blocks[start:]):  # one refused whole: gRPC chunks it
+                    raise wire.ChannelFull(f"a block exceeds the data channel's request limit of {limit} bytes")
             end, size = start, 0
             while end < len(blocks) and end - start < self._max_blocks and (
                     end == start or size + blocks[end][0].payload_nbytes <= limit):
                 size += blocks[end][0].payload_nbytes
                 end += 1
             part = blocks[start:end]
-            if self._data is not None:  # another call replaced the channel since the last part: its successor
-                data = self._data
             head = pb.PutHeader()
             head.CopyFrom(put)
             if keys:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import socket
 import time
@@ -1159,5 +1160,49 @@ async def test_a_chained_put_whose_data_channel_another_call_replaced_goes_on_on
         put = await putting
         assert put.stored == 6
         assert served(srv)["put"] == 1 + 3  # the small put, then 2 + 2 + 2 blocks
+        n, got = await c.get_prefix(fp, toks)
+        assert n == len(toks) and torch.equal(got, kv)
+
+
+@pytest.mark.parametrize("transport", ["tcp"])
+async def test_a_chained_put_going_on_on_a_new_data_channel_splits_its_parts_by_that_channels_limit(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """As above, the data channel moves while a chained put's first part is stored, and another call finds the new
+    one; here the daemon behind it takes smaller Puts (as one restarted with a smaller
+    server.data_max_request_bytes: two blocks a Put, then one). The put's next parts went on on the new channel
+    sized by the old one's limit, and the daemon refused the first (ResourceExhausted: a Put of 2 blocks' bytes
+    exceeds the server's limit), the chain half stored; each part is now sized by the limit of the channel it goes
+    on, and every block is stored."""
+    spec = tiny_model()
+    block = spec.layout.block_nbytes(16)
+    srv = await server_factory(**{"server.data_max_request_bytes": 2 * block})
+    port = srv.service.dataport
+    toks, small = tokens(6 * 16, seed=5), tokens(16, seed=6)
+    kv = random_kv(spec, len(toks), seed=5)
+    receive, first_part_in, release = port._receive, asyncio.Event(), asyncio.Event()
+
+    async def held(conn, n):  # type: ignore[no-untyped-def]
+        if not first_part_in.is_set():  # the chained put's first part, past the limit's check, waits for the move
+            first_part_in.set()
+            await release.wait()
+        return await receive(conn, n)
+
+    async with EngramClient(srv.address, namespace=NS, zero_copy=False) as c:
+        fp = await c.register_model(spec)
+        small_keys = list((await c.put(fp, small, random_kv(spec, len(small), seed=6))).keys)
+        old = c._data
+        port._receive = held  # type: ignore[method-assign]
+        putting = asyncio.create_task(c.put(fp, toks, kv))
+        await first_part_in.wait()
+        moved_from = port._listeners[0]
+        port.config = dataclasses.replace(port.config, data_max_request_bytes=block)  # announced and enforced
+        await port.start_tcp("127.0.0.1", 0, None)
+        port._accepting[0].cancel()
+        moved_from.close()
+        await c.get(fp, small_keys)  # the old port refuses: this call asks again, the old channel retires
+        assert c._data is not old and c._data is not None and c._data.endpoint.max_request_bytes == block
+        release.set()
+        put = await putting
+        assert put.stored == 6
+        assert served(srv)["put"] == 1 + 1 + 4  # the small put, then 2 blocks on the old channel, 1 a Put after
         n, got = await c.get_prefix(fp, toks)
         assert n == len(toks) and torch.equal(got, kv)
