@@ -110,8 +110,8 @@ class ServerConfig:
     gc_full_s: float = 3600.0  # the whole heap collected once this often (bounds cyclic garbage frozen alive)
     shutdown_grace_s: float = 5.0  # in-flight RPCs get this long to finish on SIGTERM
     lease_s: float = 30.0  # a zero-copy Get's descriptors keep their slots this long unless released sooner
-    # Blocks one namespace's live leases may name (a lease per load, ended by the next: about 18 bytes a block);
-    # past it a call that leases is RESOURCE_EXHAUSTED. 0: no bound.
+    # Blocks one namespace's live leases may name (a lease per load, ended by the next: about 18 bytes a block),
+    # counted per tenant in a namespace tenants share; past it a call that leases is RESOURCE_EXHAUSTED. 0: no bound.
     max_leased_blocks_per_namespace: int = 1 << 20
     # In-place puts' slots reserved and not yet committed (ReservePut) are not blocks, and no eviction frees them
     # (one never committed is held up to two lease_s terms): all reservations together hold at most this fraction

@@ -41,16 +41,19 @@ class LeaseTable:
         self.lease_s = lease_s
         self._leases: dict[int, Lease] = {}
         self.expired = 0  # leases that ended by expiry rather than release
-        # Blocks a namespace's live leases name (0: no bound): a client asking for leases faster than they end
-        # grew the table without bound (2,000 held 1,024-block prefixes: +37 MiB, an audit).
+        # Blocks a namespace's live leases name, per owner (0: no bound): a client asking for leases faster than
+        # they end grew the table without bound (2,000 held 1,024-block prefixes: +37 MiB, an audit).
         self.max_blocks_per_namespace = max_blocks_per_namespace
-        self._blocks: dict[str, int] = {}
+        # per (namespace, owner): in a namespace tenants share, one tenant's leases counted against every tenant's
+        # bound refused another's loads, and the refusal told it how many blocks the others' reads held (a review,
+        # session 52)
+        self._blocks: dict[tuple[str, str], int] = {}
 
     def __len__(self) -> int:
         return len(self._leases)
 
     def grant(self, namespace: str, metas: Sequence[BlockMeta], owner: str = "") -> Lease:
-        self._count(namespace, len(metas))
+        self._count(namespace, owner, len(metas))
         lease_id = secrets.randbits(63) or 1
         while lease_id in self._leases:
             lease_id = secrets.randbits(63) or 1
@@ -65,7 +68,7 @@ class LeaseTable:
         built a slice at a time (engram/server/prefixheader.py) leases each slice's blocks in the step that
         describes them."""
         self._check_live(lease)
-        self._count(lease.namespace, len(metas))
+        self._count(lease.namespace, lease.owner, len(metas))
         self.store.acquire(metas)
         lease.metas.extend(metas)
         self.renew(lease)
@@ -84,7 +87,7 @@ class LeaseTable:
         gone = lease.metas[keep:]
         if gone:
             del lease.metas[keep:]
-            self._blocks[lease.namespace] -= len(gone)
+            self._blocks[lease.namespace, lease.owner] -= len(gone)
             self.store.release(gone)
 
     def renew(self, lease: Lease) -> None:
@@ -95,14 +98,15 @@ class LeaseTable:
         lease.expires = time.monotonic() + self.lease_s
         lease.timer = asyncio.get_running_loop().call_later(self.lease_s, self._expire, lease.id)
 
-    def _count(self, namespace: str, more: int) -> None:
-        """Count `more` blocks leased in the namespace, within server.max_leased_blocks_per_namespace."""
-        held = self._blocks.get(namespace, 0)
+    def _count(self, namespace: str, owner: str, more: int) -> None:
+        """Count `more` blocks leased in the namespace by `owner`, within server.max_leased_blocks_per_namespace
+        (a bound per tenant of the namespace; the admins, and every caller with tenancy off, are one owner)."""
+        held = self._blocks.get((namespace, owner), 0)
         if self.max_blocks_per_namespace and held + more > self.max_blocks_per_namespace:
-            raise ResourceExhausted(f"this namespace's live leases name {held} blocks and this one {more} "
+            raise ResourceExhausted(f"your live leases in this namespace name {held} blocks and this one {more} "
                                     "more, past server.max_leased_blocks_per_namespace; release leases (a client's "
                                     "next load ends its last) or let them expire")
-        self._blocks[namespace] = held + more
+        self._blocks[namespace, owner] = held + more
 
     def _reaches(self, lease_id: int, namespace: str, owner: str) -> Lease | None:
         """The live lease a call of `owner` ("": an admin, tenancy off: any owner's) in `namespace` may end."""
@@ -156,11 +160,12 @@ class LeaseTable:
         lease = self._leases.pop(lease_id)
         if lease.timer is not None:
             lease.timer.cancel()
-        left = self._blocks[lease.namespace] - len(lease.metas)
+        counted = (lease.namespace, lease.owner)
+        left = self._blocks[counted] - len(lease.metas)
         if left:
-            self._blocks[lease.namespace] = left
+            self._blocks[counted] = left
         else:
-            del self._blocks[lease.namespace]
+            del self._blocks[counted]
         self.store.release(lease.metas)
 
     def close(self) -> None:

@@ -824,14 +824,12 @@ async def test_a_tenants_data_channel_get_ends_its_own_lease_not_another_tenants
     assert len(daemon.service.leases) == 0
 
 
-@pytest.mark.xfail(strict=True, reason="open (review3, session 52): server.max_leased_blocks_per_namespace is one "
-                   "count for every tenant of a shared namespace (engram/leases.py LeaseTable._count)")
 async def test_one_tenants_leases_in_a_shared_namespace_neither_refuse_nor_tell_another_tenants_reads(
         server_factory: Any, tmp_path: Path) -> None:
     """server.max_leased_blocks_per_namespace = 2. Bob's GetPrefix leases his two blocks in `shared`; Carol's
-    GetPrefix of her own two blocks there is then refused RESOURCE_EXHAUSTED, and its message tells her how many
-    blocks the others' live leases name ("this namespace's live leases name 2 blocks"): one tenant's reads stop
-    another's loads and tell her what he reads. Control: in their own namespaces each leases its two."""
+    GetPrefix of her own two blocks there leases them too: the bound counts each tenant's leases. It was one count
+    for the namespace: her load was refused RESOURCE_EXHAUSTED, its message telling her how many blocks the others'
+    live leases named (a review, session 52). Control: in their own namespaces each leases its two."""
     path = tmp_path / "tenants.toml"
     path.write_text(TENANTS)
     srv: RunningServer = await server_factory(**{"auth.tenants_file": str(path), "auth.salt_secret": "s3cret-salt",
