@@ -300,7 +300,7 @@ class TenantConfig:
 class AuthConfig:
     """Tenancy is on as soon as a tenant or an admin token is configured (engram/tenancy.py)."""
 
-    # [auth.tenants.NAME] tables; peer, peer:<anything> and admin-<number> are reserved (the daemon's own callers)
+    # [auth.tenants.NAME] tables; "", peer, peer:<anything> and admin-<number> are reserved (the daemon's own callers)
     tenants: dict[str, TenantConfig] = field(default_factory=dict)
     tenants_file: str = ""  # a TOML file of [tenants.NAME] tables and admin_tokens: secrets out of the config
     admin_tokens: str = ""  # comma-separated; each may be env:VAR or file:PATH
@@ -565,13 +565,15 @@ def _validate_tls(s: ServerConfig) -> None:
         raise ConfigError("server.tls_cert: TLS is for TCP; a unix socket is protected by its file permissions")
 
 
-RESERVED_TENANT_NAMES = 'peer, peer:<anything> and admin-<number>'
+RESERVED_TENANT_NAMES = "the empty name, peer, peer:<anything> and admin-<number>"
 
 
 def check_tenant_name(name: str, where: str) -> None:
     """Refuse the names the daemon gives its own callers (engram/tenancy.py: the peer daemons of a cluster, the
-    admin tokens): a tenant so named would share their count of calls in flight, and their models added."""
-    if name == "peer" or name.startswith("peer:") or re.fullmatch(r"admin-[0-9]+", name):
+    admin tokens): a tenant so named would share their count of calls in flight, and their models added. The empty
+    name is every admin's (engram/server/auth.py tenant_of): a tenant so named was one to every per-tenant check,
+    seeing every model and the admins' sessions, in no share."""
+    if not name or name == "peer" or name.startswith("peer:") or re.fullmatch(r"admin-[0-9]+", name):
         raise ConfigError(f"{where}: the tenant name {name!r} is reserved ({RESERVED_TENANT_NAMES} are the "
                           "daemon's names for its peers and admin tokens); give the tenant another name")
 

@@ -208,7 +208,7 @@ def test_a_tenant_named_as_one_of_the_daemons_own_callers_is_refused_at_config_l
     from engram.errors import ConfigError
     from engram.tenancy import Tenancy
 
-    reserved = f"tenant name '{name}' is reserved \\(peer, peer:<anything> and admin-<number>"
+    reserved = f"tenant name '{name}' is reserved \\(the empty name, peer, peer:<anything> and admin-<number>"
     with pytest.raises(ConfigError, match=f"auth.tenants.{name}: the {reserved}"):
         load_config(env={}, overrides={f"auth.tenants.{name}.token": "t", "auth.salt_secret": "s"})
     secrets = tmp_path / "tenants.toml"
@@ -222,6 +222,30 @@ def test_a_tenant_named_as_one_of_the_daemons_own_callers_is_refused_at_config_l
     tenancy = Tenancy.from_config(config.auth, peer_token="peer-token")
     assert tenancy is not None
     assert sorted(p.name for p in tenancy.principals.values()) == ["Peer", "admin", "admin-team", "peer", "peers"]
+
+
+def test_a_tenant_with_the_empty_name_is_refused_at_config_load(tmp_path: Path) -> None:
+    """The daemon names an admin's calls (and every call with tenancy off) by the empty tenant name: tenant_of() is
+    "" for them, and every per-tenant check reads "" as "the whole daemon". A tenant named "" (`[auth.tenants.""]`,
+    valid TOML) was such a caller with a tenant's token: its Lookup naming a model only another tenant had
+    registered answered as for its own (no UnknownModel: it learned which models the others run), its sessions were
+    the admins', and it had no share of the receive buffers, reservations or the model registry. The name is
+    refused, in the config and in the tenants file."""
+    from engram.config import load_config
+    from engram.errors import ConfigError
+    from engram.tenancy import Tenancy
+
+    config = tmp_path / "engram.toml"
+    config.write_text('[auth]\nsalt_secret = "s"\n[auth.tenants.alice]\ntoken = "a"\n[auth.tenants.""]\ntoken = "e"\n'
+                      'namespaces = "eve"\n')
+    with pytest.raises(ConfigError, match=r"auth\.tenants\.: the tenant name '' is reserved"):
+        load_config(path=config, env={})
+    secrets = tmp_path / "tenants.toml"
+    secrets.write_text('[tenants.""]\ntoken = "e"\n')
+    auth = load_config(env={}, overrides={"auth.tenants_file": str(secrets), "auth.salt_secret": "s",
+                                          "auth.tenants.alice.token": "a"}).auth
+    with pytest.raises(ConfigError, match=f"auth.tenants_file {secrets}: tenants.: the tenant name '' is reserved"):
+        Tenancy.from_config(auth)
 
 
 @pytest.mark.parametrize(("content", "says"), [
