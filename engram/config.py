@@ -133,7 +133,8 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"  # where /metrics listens (0.0.0.0 in a container)
     # A bearer token /metrics requires (Prometheus: `authorization: {credentials: ...}`), a secret as tokens are
     # (env:VAR, file:PATH). Required with tenancy on: /metrics shows every tenant's activity (the tiers' used
-    # bytes, bytes served and lookup tokens after a call tell its prompt length), which a tenant's Stats does not.
+    # bytes, bytes served and lookup tokens after a call tell its prompt length), which a tenant's Stats does not;
+    # so it may be no tenant's token (refused at start; an admin token may be it).
     metrics_token: str = ""
     # The data channel: Put/Get payloads as raw bytes on a socket beside gRPC's (docs/API.md), several times
     # faster than gRPC's bytes for workers that cannot map the shared pool; off: payloads over gRPC only.

@@ -183,6 +183,15 @@ class Tenancy:
                               "every tenant its own")
         self.principals[digest] = principal
 
+    def check_apart(self, token: str, where: str) -> None:
+        """A secret of the operator's (`where`: server.metrics_token, whose /metrics shows every tenant's figures) must
+        be no tenant's or peer's token: a tenant scraped them with the token it calls with. An admin's may be it."""
+        p = self.principals.get(_token_digest(token))
+        if p is not None and not p.admin:
+            who = "a cluster peer" if p.peer else f"tenant {p.name}"
+            raise ConfigError(f"{where} is the token of {who}, which would read every tenant's figures with it; give "
+                              f"{where} a secret of its own (or an admin token)")
+
     def enter(self, p: Principal, what: str = "rpc") -> None:
         """A call of `p` starts ("rpc"), or a data-channel connection of it opens ("data": a share of its own, the
         same size); RESOURCE_EXHAUSTED past its share of the daemon's (admins have none: they act on the whole

@@ -246,6 +246,27 @@ async def test_with_tenancy_metrics_are_refused_without_a_token_and_scrapes_need
     assert samples["engram_lookup_miss_tokens_total"] == 40
 
 
+async def test_a_tenants_token_is_refused_as_the_metrics_token(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """/metrics shows every tenant's figures (tier used bytes, bytes served: another tenant's prompt lengths around
+    its calls), so its token is the operator's. One that was also a tenant's token let that tenant scrape them with
+    the token it calls with (bob's scrape saw alice's lookup): the daemon refused two tenants one token, not a
+    tenant and /metrics. Refused at start now, naming server.metrics_token; an admin's token may be it (an admin
+    sees every figure anyway)."""
+    import urllib.error
+
+    auth = {"auth.tenants.alice.token": "tok-alice", "auth.tenants.bob.token": "tok-bob",
+            "auth.admin_tokens": "tok-admin", "auth.salt_secret": "s", "server.metrics_port": -1}
+    with pytest.raises(errors.ConfigError, match=r"server\.metrics_token is the token of tenant bob"):
+        await server_factory(**auth, **{"server.metrics_token": "tok-bob"})
+    srv = await server_factory(**auth, **{"server.metrics_token": "tok-admin"})
+    assert srv.metrics is not None
+    url = f"http://127.0.0.1:{srv.metrics.port}/metrics"
+    with pytest.raises(urllib.error.HTTPError) as refused:  # bob's token scrapes nothing
+        urllib.request.urlopen(urllib.request.Request(url, headers={"Authorization": "Bearer tok-bob"}), timeout=5)
+    assert refused.value.code == 401
+    refused.value.close()
+
+
 async def test_with_metrics_on_health_watch_and_reflection_are_served_and_counted(server_factory, caplog
                                                                                   ) -> None:  # type: ignore[no-untyped-def]
     """The metrics interceptor ran `async for` over every streaming handler; health's Watch writes its stream with

@@ -293,6 +293,8 @@ async def start_server(config: EngramConfig, store: BlockStore | None = None,
         if tenancy is not None:
             tenancy.max_calls = config.server.max_concurrent_rpcs_per_tenant
             tenancy.peer_node = trust.peer_node if trust else None
+            if s.metrics_port and s.metrics_token:
+                tenancy.check_apart(resolve_secret(s.metrics_token, "server.metrics_token"), "server.metrics_token")
         if store is None:
             store = built = await build_store(config, tenancy)
         return await _start(config, store, sessions, tenancy, trust, socket_lock)
