@@ -769,6 +769,18 @@ def _secret_fields(tree: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]
     return out
 
 
+def secret_files(cfg: EngramConfig) -> list[tuple[str, str]]:
+    """(setting, path) of each file the daemon reads secrets from: auth.tenants_file (every tenant's token) and
+    every file:PATH reference of a secret setting, each file once."""
+    files = {cfg.auth.tenants_file: "auth.tenants_file"} if cfg.auth.tenants_file else {}
+    for key, table, name in _secret_fields(dataclasses.asdict(cfg)):
+        value = table[name]
+        for ref in (value.split(",") if key == "auth.admin_tokens" else [value]):
+            if ref.strip().startswith("file:"):
+                files.setdefault(ref.strip()[5:], key)
+    return [(key, path) for path, key in files.items()]
+
+
 _SECRET_KEYS = ("auth.admin_tokens", "auth.salt_secret", "cluster.secret", "cluster.peer_token",
                 "cluster.redis_password", "cluster.redis_url", "server.metrics_token")  # and each tenant's token
 

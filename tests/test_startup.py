@@ -8,6 +8,7 @@ import contextlib
 import os
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,35 @@ def banner(shm: Path, *args: str) -> list[str]:
             proc.stdout.close()
 
 
+def banner_and_warnings(shm: Path, *args: str, settle_s: float = 3.0) -> list[str]:
+    """What `engram serve` prints at start, however many warnings follow its banner: the lines up to the banner's
+    last ("replay models: ..."), then those that come within settle_s (the warnings are printed right after it)."""
+    import selectors
+
+    shm.mkdir()
+    proc = subprocess.Popen([*ENGRAM, "serve", "--dram-capacity", "64MiB", "--set", f"tiers.dram.shm_dir={shm}",
+                             "--log-level", "error", *args], stdout=subprocess.PIPE, cwd=NEUTRAL_CWD)
+    assert proc.stdout is not None
+    out, deadline, banner_done = b"", time.monotonic() + 60, 0.0
+    try:
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            while time.monotonic() < (banner_done + settle_s if banner_done else deadline):
+                if not sel.select(0.2):
+                    continue
+                chunk = os.read(proc.stdout.fileno(), 65536)
+                if not chunk:
+                    break  # the daemon exited
+                out += chunk
+                if not banner_done and b"engram: replay models" in out:
+                    banner_done = time.monotonic()
+        return out.decode().splitlines()
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        proc.stdout.close()
+
+
 def test_banner_names_what_runs_and_warns_about_an_open_address(tmp_path: Path) -> None:
     shm = tmp_path / "shm"
     lines = banner(shm, "--host", "0.0.0.0", "--port", "0", "--set", "codec.default=raw")
@@ -105,6 +135,30 @@ def test_banner_names_what_runs_and_warns_about_an_open_address(tmp_path: Path) 
     assert "engram: replay models: none" in lines
     assert any(line.startswith("engram: tenancy: off") for line in lines)
     assert any(line.startswith("engram: warning: listening on 0.0.0.0 with tenancy off") for line in lines), lines
+
+
+def test_banner_warns_when_other_users_of_the_host_may_read_the_tenants_tokens(tmp_path: Path) -> None:
+    """A tenants file (or a file:PATH secret) made under the usual umask 022 is 0644: every user of the host read
+    every tenant's token there, so one tenant whose workers run on the daemon's host acted as any other (read its
+    KV, pinned and evicted its blocks), and the daemon said nothing. It warns at start, naming the setting, the
+    file and its mode; a file of the daemon's user alone (0600) is not named."""
+    tenants, salt = tmp_path / "tenants.toml", tmp_path / "salt"
+    tenants.write_text('[tenants.alice]\ntoken = "alice-token"\n[tenants.bob]\ntoken = "bob-token"\n')
+    salt.write_text("a-salt-secret\n")
+    tenants.chmod(0o644)
+    salt.chmod(0o600)
+    lines = banner_and_warnings(tmp_path / "shm", "--port", "0", "--set", f"auth.tenants_file={tenants}",
+                                "--set", f"auth.salt_secret=file:{salt}")
+    warned = [line for line in lines if line.startswith("engram: warning: ")]
+    assert warned == [f"engram: warning: auth.tenants_file: {tenants} is readable by other users of this host (mode "
+                      "0644): any of them reads the secrets in it (each tenant's token); chmod 600 it"], lines
+    tenants.chmod(0o600)
+    salt.chmod(0o640)
+    lines = banner_and_warnings(tmp_path / "shm2", "--port", "0", "--set", f"auth.tenants_file={tenants}",
+                                "--set", f"auth.salt_secret=file:{salt}")
+    assert any(line.startswith(f"engram: warning: auth.salt_secret: {salt} is readable by other users of this host "
+                               "(mode 0640)") for line in lines), lines
+    assert not any(str(tenants) in line for line in lines if "warning" in line), lines
 
 
 def test_memory_budget_counts_a_containers_cgroup_limit(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from engram import compiled
 from engram.cluster import ClusterIndex
 from engram.codec.base import default_backend, resolve_default_codec
 from engram.collector import CollectorSchedule
-from engram.config import EngramConfig, ServerConfig
+from engram.config import EngramConfig, ServerConfig, secret_files
 from engram.errors import AddressInUse, ConfigError, InsufficientResources
 from engram.inspection import Inspector
 from engram.lockfile import DaemonLock
@@ -516,6 +516,15 @@ def startup_warnings(config: EngramConfig, running: RunningServer) -> list[str]:
                    "every namespace; configure [auth] tenants or listen on 127.0.0.1")
     if exposed and config.auth.enabled and not s.tls_cert:
         out.append(f"tokens travel in clear text to {s.host}: set server.tls_cert and server.tls_key")
+    for setting, path in secret_files(config):
+        # Under the usual umask 022 a file is made 0644: every user of the host read each tenant's token in it, so
+        # a tenant whose workers run here could act as any other
+        with contextlib.suppress(OSError):  # read at start; gone since, there is nothing left to read
+            mode = os.stat(path).st_mode & 0o777
+            if mode & 0o044:
+                what = "each tenant's token" if setting == "auth.tenants_file" else setting
+                out.append(f"{setting}: {path} is readable by other users of this host (mode {mode:04o}): any of "
+                           f"them reads the secrets in it ({what}); chmod 600 it")
     if config.tiers.nvme.path:
         st = os.statvfs(config.tiers.nvme.path)
         free = st.f_bavail * st.f_frsize + running.store.tiers[-1].usage().used_bytes
