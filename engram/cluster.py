@@ -49,8 +49,9 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
@@ -76,6 +77,24 @@ _BOOT = _NODES + "boot:"
 # Removes a hash field only if it still holds what a reader saw: the node may have written it again meanwhile.
 _PRUNE = ("if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) "
           "end return 0")
+
+
+T = TypeVar("T")
+
+
+async def _cancellable(command: Awaitable[T]) -> T:
+    """A Redis command awaited for a caller's request, raising the cancel redis-py swallowed: it sends each
+    command under asyncio.wait_for (socket_timeout), which on Python 3.11 returns the send's result and drops a
+    cancel that lands as the send completes (CPython gh-86296), the cancel left pending (`Task.cancelling()`).
+    A Lookup cancelled there (its client's cancel or deadline, a turn or three after the command began) went on
+    with its peer fill for nobody, to the prefix's last block (an audit, session 52)."""
+    task = asyncio.current_task()
+    pending = 0 if task is None else task.cancelling()
+    try:
+        return await command
+    finally:
+        if task is not None and task.cancelling() > pending:
+            raise asyncio.CancelledError
 
 
 def block_record_key(key: bytes) -> str:
@@ -366,7 +385,7 @@ class ClusterIndex:
             return []
         name = block_record_key(key)
         try:
-            entries = {n.decode(): v.decode() for n, v in (await self._redis.hgetall(name)).items()}
+            entries = {n.decode(): v.decode() for n, v in (await _cancellable(self._redis.hgetall(name))).items()}
         except (*REDIS_FAULTS, UnicodeDecodeError) as exc:
             if not isinstance(exc, UnicodeDecodeError):
                 self._degrade(exc)
@@ -384,7 +403,7 @@ class ClusterIndex:
             return []
         nodes = list(signed)
         try:
-            found = await self._redis.mget([_NODE + n for n in nodes] + [_BOOT + n for n in nodes])
+            found = await _cancellable(self._redis.mget([_NODE + n for n in nodes] + [_BOOT + n for n in nodes]))
         except REDIS_FAULTS as exc:
             self._degrade(exc)
             return []
@@ -431,9 +450,9 @@ class ClusterIndex:
         removed = 0
         with contextlib.suppress(*REDIS_FAULTS):
             try:
-                removed = await self._redis.eval(_PRUNE, 1, name, node, entry)
+                removed = await _cancellable(self._redis.eval(_PRUNE, 1, name, node, entry))
             except ResponseError:  # scripting refused (an ACL, a managed Redis): removed as before, at the small
-                removed = await self._redis.hdel(name, node)  # risk of an entry written again meanwhile
+                removed = await _cancellable(self._redis.hdel(name, node))  # risk of an entry written again meanwhile
         self.counters.stale_entries_removed += int(bool(removed))
         return bool(removed)
 
@@ -442,13 +461,13 @@ class ClusterIndex:
         if self.state != "ok":
             return 0
         try:
-            ids = sorted(n.decode() for n in await self._redis.smembers(_NODE_IDS))
-            records = await self._redis.mget([_NODE + n for n in ids]) if ids else []
+            ids = sorted(n.decode() for n in await _cancellable(self._redis.smembers(_NODE_IDS)))
+            records = await _cancellable(self._redis.mget([_NODE + n for n in ids])) if ids else []
         except (*REDIS_FAULTS, UnicodeDecodeError):
             return 0
         gone = [n for n, r in zip(ids, records, strict=True) if r is None]
         if gone:
             with contextlib.suppress(*REDIS_FAULTS):
-                await self._redis.srem(_NODE_IDS, *gone)
+                await _cancellable(self._redis.srem(_NODE_IDS, *gone))
         return sum(1 for n, r in zip(ids, records, strict=True)
                    if r is not None and self.trust.node_address(n, r.decode(errors="replace")) is not None)

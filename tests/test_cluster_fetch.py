@@ -258,6 +258,39 @@ async def test_a_peer_fetch_stops_when_the_data_channel_client_goes(redis_port: 
         await b_srv.stop(0)
 
 
+async def test_a_lookup_cancelled_by_its_client_stops_copying_its_prefix_from_peers(redis_port: int) -> None:
+    """B's Lookups of 300-block prefixes only A holds (a fill copies one block a call, each after a Redis read of
+    its holders), each cancelled by its client once B has copied a few of its blocks: B's Lookup ends there. A
+    cancel that lands as redis-py sends a command is dropped (it sends under asyncio.wait_for, which on Python 3.11
+    returns the send's result instead: CPython gh-86296): main's fill went on for the client that had left, to the
+    prefix's last block (about half the cancels here, each then copying all 300)."""
+    async with daemons(redis_port) as (a_srv, b_srv):
+        spec = tiny_model()
+        async with EngramClient(a_srv.address, namespace="ns") as a, \
+                EngramClient(b_srv.address, namespace="ns", data_channel=False) as b:
+            fp = await a.register_model(spec)
+            await b.register_model(spec)
+            await joined(a, b)
+            for attempt, after in enumerate((1, 2, 3, 5, 7, 9)):
+                toks = tokens(300 * BLOCK_TOKENS, seed=40 + attempt)
+                keys = list((await a.put(fp, toks, random_kv(spec, len(toks), seed=40 + attempt))).keys)
+                await until(lambda k=keys[-1]: _held_in_redis(redis_port, k), "A's last block published")
+                held, lookups = len(b_srv.store.index), rpcs_served(b_srv, "Lookup")
+                lookup = asyncio.create_task(b.lookup(fp, toks))
+                while len(b_srv.store.index) < held + after and not lookup.done():
+                    await asyncio.sleep(0.001)
+                lookup.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await lookup
+
+                async def ended(lookups: float = lookups) -> bool:
+                    return rpcs_served(b_srv, "Lookup") > lookups
+
+                await until(ended, "B's Lookup ended")
+                copied = len(b_srv.store.index) - held
+                assert copied < 150, f"cancelled once B had copied {after}, B's Lookup copied {copied} of 300 blocks"
+
+
 async def test_long_lookups_waiting_on_a_frozen_peer_wait_together_not_in_turn(redis_port: int) -> None:
     """B's Lookups of two long prefixes (300 blocks: past a slice, so each takes its tenant's turn for its walk,
     engram/loopturns.py) whose blocks only A holds, A stopped (SIGSTOP): each waits cluster.fetch_timeout_s (4 s)
