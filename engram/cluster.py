@@ -34,8 +34,9 @@ no tenant's prefix in a computable way.
 Redis may be one server (`redis://`, `rediss://` for TLS, with a password in the URL or in
 `cluster.redis_password`) or a Redis Cluster (`cluster.redis_cluster`, redis-py's cluster client). When it
 is unreachable the daemon keeps serving its own tiers: the state turns "degraded" (with the reason, in
-Stats), queued changes are dropped, and a task reconnects with exponential backoff; once back it
-re-registers the node and republishes its whole index (Redis may have restarted empty). A WARNING says the
+Stats), queued changes are dropped (removals are kept for the republish, which writes only what is held), and a
+task reconnects with exponential backoff; once back it re-registers the node, removes the entries of blocks removed
+meanwhile and republishes its whole index (Redis may have restarted empty). A WARNING says the
 first failure to join and each loss after a join (not every retry), and an INFO line each join; /metrics has
 `engram_cluster_degraded`. A daemon whose Redis refused its password, or was never reachable, logged nothing
 about it and answered health SERVING: only Stats said why (an audit, session 48).
@@ -67,6 +68,7 @@ REDIS_FAULTS = (RedisError, RedisClusterException, OSError)
 # Blocks per pipeline when the whole index is published: building one costs the event loop ~4 us a block (65k
 # blocks in one pipeline held every request for 284 ms)
 RESYNC_BATCH = 4096
+WITHDRAWN_MAX = 100_000  # removals kept while unpublished (degraded): past it, their entries wait out record_ttl_s
 WARN_EVERY_S = 60.0  # an ignored record is said at most this often per node and reason (it is met at every lookup)
 
 log = logging.getLogger("engram.cluster")
@@ -166,6 +168,11 @@ class ClusterIndex:
         self.counters = ClusterCounters()
         self._redis = connect(config)
         self._queue: asyncio.Queue[tuple[str, BlockMeta]] = asyncio.Queue(maxsize=100_000)
+        # Blocks removed while their removal could not be published (degraded, a batch that failed, the queue
+        # full): the next republish removes their entries. It writes only the blocks held, so the entry of one
+        # evicted while Redis did not answer stayed (record_ttl_s, and longer while another holder wrote the
+        # block's hash), and every Get of the key through another daemon asked this one for it (an audit, session 52).
+        self._withdrawn: set[bytes] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
         # While the index is published whole, changes queue up (from before its snapshot on) and are published
@@ -184,8 +191,18 @@ class ClusterIndex:
 
     def _changed(self, event: str, meta: BlockMeta) -> None:
         if self.state == "ok" or self._resyncing:
-            with contextlib.suppress(asyncio.QueueFull):  # full: the next resync republishes everything
+            try:
                 self._queue.put_nowait((event, meta))
+                return
+            except asyncio.QueueFull:  # the next resync republishes everything held, and withdraws what is not
+                pass
+        if event == "remove":
+            self._withdraw(meta.key)
+
+    def _withdraw(self, key: bytes) -> None:
+        """Remember a removal not published, for the next republish (`_withdrawn`)."""
+        if len(self._withdrawn) < WITHDRAWN_MAX:
+            self._withdrawn.add(key)
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._publish())]
@@ -239,7 +256,9 @@ class ClusterIndex:
             self._said_unjoined = True
             log.warning("cluster: cannot join (%s); serving local tiers only until it does", self.reason)
         while not self._queue.empty():
-            self._queue.get_nowait()
+            event, meta = self._queue.get_nowait()
+            if event == "remove":
+                self._withdraw(meta.key)
 
     async def _heartbeat(self) -> None:
         backoff = 0.1
@@ -320,6 +339,18 @@ class ClusterIndex:
         try:
             async with self._writes:
                 metas = list(self.index)
+                gone = [k for k in self._withdrawn if k not in self.index]  # one stored again is written below
+                self._withdrawn.clear()
+                try:
+                    for start in range(0, len(gone), RESYNC_BATCH):
+                        pipe = self._redis.pipeline(transaction=False)
+                        for key in gone[start : start + RESYNC_BATCH]:
+                            pipe.hdel(block_record_key(key), self.node_id)
+                        await pipe.execute()
+                except BaseException:
+                    for key in gone:  # tried again at the next republish
+                        self._withdraw(key)
+                    raise
                 for start in range(0, len(metas), RESYNC_BATCH):  # a batch at a time: the loop serves in between
                     pipe = self._redis.pipeline(transaction=False)
                     for meta in metas[start : start + RESYNC_BATCH]:
@@ -352,6 +383,9 @@ class ClusterIndex:
                     await pipe.execute()
                 self.counters.published += len(batch)
             except REDIS_FAULTS as exc:
+                for ev, m in batch:
+                    if ev == "remove":
+                        self._withdraw(m.key)
                 self._degrade(exc)
 
     def _untrusted(self, what: str, node: str, record: str = "") -> None:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import re
 import shutil
+import signal
 from collections.abc import AsyncIterator
 
 import pytest
@@ -172,4 +174,44 @@ async def test_an_older_copy_of_its_own_node_record_is_a_restore_not_another_dae
         assert any("older copy of node a's record" in m for _, m in said), said
         assert str((await a.stats()).cluster.state) == "ok"
         assert str((await b.stats()).cluster.state) == "ok"
+    r.close()
+
+
+async def test_a_block_evicted_while_redis_did_not_answer_loses_its_entry_when_its_holder_rejoins(
+        redis_port: int, a_and_b: tuple[RunningServer, RunningServer]) -> None:
+    """A publishes two blocks, then Redis stops answering (SIGSTOP: a stall, or a partition between A and Redis)
+    until A degrades; A evicts one block meanwhile; Redis answers again and A rejoins. The evicted block's entry is
+    gone, the other's kept. Main dropped the removal (changes are not queued while degraded, and the queue is
+    emptied) and its rejoin writes only the blocks held: the entry stayed, kept alive by any other holder's writes,
+    and every Get of the key through another daemon asked A for it, for nothing."""
+    a_srv, _ = a_and_b
+    r = redis.Redis(port=redis_port)
+    pid = int(r.info("server")["process_id"])
+    spec = tiny_model()
+    async with EngramClient(a_srv.address, namespace="ns") as a:
+        fp = await a.register_model(spec)
+        await cluster_joined(a)
+        keys = [bytes((await a.put(fp, toks, random_kv(spec, len(toks), seed=i))).keys[0])
+                for i, toks in enumerate(tokens(BLOCK_TOKENS, seed=s) for s in (30, 31))]
+
+        async def published() -> bool:
+            return all(r.hget(record_key(k), "a") is not None for k in keys)
+
+        await until(published, "A published its blocks")
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            async def degraded() -> bool:
+                return str((await a.stats()).cluster.state) == "degraded"
+
+            await until(degraded, "A found Redis not answering")
+            assert list((await a.evict(key_prefixes=[keys[0].hex()])).evicted) == [keys[0]]
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+        async def rejoined() -> bool:
+            return str((await a.stats()).cluster.state) == "ok"
+
+        await until(rejoined, "A rejoined")
+        assert r.hget(record_key(keys[0]), "a") is None, "the entry of the block A evicted while out stayed"
+        assert r.hget(record_key(keys[1]), "a") is not None
     r.close()
