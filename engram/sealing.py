@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import mmap
 import os
 import struct
@@ -27,6 +28,14 @@ from dataclasses import dataclass
 import xxhash
 
 from engram.borrowed import in_thread, to_its_end
+
+log = logging.getLogger("engram.sealing")
+
+# How long a helper may take to answer one task (a block's hash: milliseconds, a 1 GiB block well under a second)
+# before it is taken for hung (stopped, stuck in the kernel): killed, and its block sealed in a thread. Unbounded, a
+# hung helper held its commit forever (a cancelled one waits for its exchange to end), and every later commit whose
+# tasks it drew, its lock being held.
+ANSWER_S = 30.0
 
 # blockformat's v1 header: fields (48 bytes), then the header's checksum (8); the body follows.
 _FIELDS = struct.Struct("<4sBBBBBBH5IQQ")
@@ -96,9 +105,10 @@ def _seal_all(data: memoryview, tasks: Sequence[SealTask]) -> list[int | str]:
 
 
 class _Helper:
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, answer_s: float = ANSWER_S) -> None:
         self.proc = proc
         self.lock = asyncio.Lock()
+        self.answer_s = answer_s
 
     async def run(self, task: SealTask) -> int | str:
         """The helper's answer to one task. A cancelled caller still waits for it (borrowed.to_its_end): the
@@ -109,9 +119,22 @@ class _Helper:
     async def _exchange(self, task: SealTask) -> int | str:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         async with self.lock:
-            self.proc.stdin.write((json.dumps([task.offset, task.length, task.v1, task.v2]) + "\n").encode())
-            await self.proc.stdin.drain()
-            line = await self.proc.stdout.readline()
+            if self.proc.returncode is not None:
+                raise OSError("a sealing helper died")
+            try:
+                async with asyncio.timeout(self.answer_s):
+                    self.proc.stdin.write((json.dumps([task.offset, task.length, task.v1, task.v2]) + "\n").encode())
+                    await self.proc.stdin.drain()
+                    line = await self.proc.stdout.readline()
+            except TimeoutError:
+                # Dead before this returns: a helper's write into the slot after its commit gave up (and freed it,
+                # or sealed it again) would land in another block's bytes.
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.kill()
+                await self.proc.wait()
+                log.warning("a sealing helper (pid %d) did not answer within %g s: killed; its block is sealed in the "
+                            "daemon, in a thread", self.proc.pid, self.answer_s)
+                raise OSError(f"a sealing helper did not answer within {self.answer_s:g} s: killed") from None
         if not line:
             raise OSError("a sealing helper died")
         result: int | str = json.loads(line)
@@ -131,29 +154,43 @@ class Sealer:
         self.workers = workers if workers is not None else (min(16, cores - 2) if cores >= 4 else 1)
         self._helpers: list[_Helper] = []
         self._starting: asyncio.Task[None] | None = None
+        self._procs: list[asyncio.subprocess.Process] = []  # every helper started, ready or not
+        self._start_by = 0.0  # (loop time) when commits stop waiting for helpers still starting
+        self.answer_s = ANSWER_S  # a helper's bound for one answer, and a commit's for the helpers' start
 
     def start(self) -> None:
         """Start the helpers in the background (each maps and prefaults the pool), ahead of the first put."""
         if self.workers > 1 and self._starting is None:
-            self._starting = asyncio.get_running_loop().create_task(self._start())
+            loop = asyncio.get_running_loop()
+            self._start_by = loop.time() + self.answer_s
+            self._starting = loop.create_task(self._start())
 
     async def _start(self) -> None:
-        procs = await asyncio.gather(*(asyncio.create_subprocess_exec(
-            sys.executable, "-m", "engram.sealing", self.path, str(self.data_offset),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE) for _ in range(self.workers)))
-        for proc in procs:
+        async def one() -> None:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "engram.sealing", self.path, str(self.data_offset),
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+            self._procs.append(proc)  # killed by close(), ready or not
             assert proc.stdout is not None
             if await proc.stdout.readline() == b"ready\n":
-                self._helpers.append(_Helper(proc))
+                self._helpers.append(_Helper(proc, self.answer_s))  # each takes tasks as soon as it is ready
             else:
                 proc.kill()
+
+        await asyncio.gather(*(one() for _ in range(self.workers)))
 
     async def seal(self, tasks: Sequence[SealTask]) -> list[int | str]:
         if self.workers > 1:
             self.start()
             assert self._starting is not None
-            with contextlib.suppress(OSError):
-                await self._starting
+            # Each helper maps and prefaults the pool first (seconds for a large one): commits wait for that up to
+            # answer_s from the start, then go on with those ready (or a thread); a helper hung before it said
+            # ready held every commit forever.
+            if not self._starting.done():
+                left = self._start_by - asyncio.get_running_loop().time()
+                await asyncio.wait((self._starting,), timeout=max(0.0, left))
+            if self._starting.done() and not self._starting.cancelled():
+                self._starting.exception()  # (an OSError starting them: the thread hashes)
         helpers = [h for h in self._helpers if h.proc.returncode is None]
         if len(helpers) < 2 or len(tasks) < 2:
             # in a thread that even a cancelled commit waits for: it writes headers into the slots, which the
@@ -180,14 +217,17 @@ class Sealer:
 
     async def close(self) -> None:
         if self._starting is not None:
-            with contextlib.suppress(Exception):
-                await self._starting
-        for h in self._helpers:
+            self._starting.cancel()  # (a helper that never said ready)
+            await asyncio.wait((self._starting,))
+            if not self._starting.cancelled():
+                self._starting.exception()  # (an OSError starting them: nothing to stop)
+        for proc in self._procs:
             with contextlib.suppress(ProcessLookupError):
-                h.proc.kill()
+                proc.kill()
             with contextlib.suppress(Exception):
-                await h.proc.wait()
+                await proc.wait()
         self._helpers.clear()
+        self._procs.clear()
         self.data = memoryview(b"")  # the pool's view goes with the pool
 
 

@@ -6,6 +6,10 @@ committed frees its slots; reservation ids are per namespace."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -605,6 +609,77 @@ async def test_a_sealing_helper_whose_commit_was_cancelled_answers_its_next_task
         assert put.stored == 2
         got = await c.get(fp, put.keys, zero_copy=False)  # as bytes: each payload checked against its checksum
         assert torch.equal(torch.cat(got, dim=2), kv)
+
+
+async def test_a_commit_whose_sealing_helper_hangs_kills_it_and_seals_its_block_in_the_daemon(  # type: ignore[no-untyped-def]
+        server_factory) -> None:
+    """A helper that stops answering (here a real one, stopped with SIGSTOP, as a process stuck in the kernel or
+    frozen by a debugger would be) held the commit of a block it had drawn forever: a commit, cancelled or not,
+    waits for each helper's exchange to end, and that helper's lock held every later task it drew. Past
+    sealing's answer bound the helper is killed (dead before the commit goes on: it may write into the slot) and
+    its block sealed in a thread; the put lands, byte for byte."""
+    srv = await server_factory()
+    sealer = srv.service.inplace.sealer
+    sealer.workers = 2
+    sealer.answer_s = 1.0
+    sealer.start()
+    assert sealer._starting is not None
+    await sealer._starting
+    helpers = [h for h in sealer._helpers if h.proc.returncode is None]
+    assert len(helpers) == 2
+    hung = helpers[0].proc
+    os.kill(hung.pid, signal.SIGSTOP)
+    spec = tiny_model()
+    toks = tokens(4 * BLOCK_TOKENS, seed=13)
+    kv = random_kv(spec, len(toks), seed=13)
+    async with EngramClient(srv.address, namespace="t", in_place_min_bytes=0) as c:
+        fp = await c.register_model(spec)
+        try:
+            put = await asyncio.wait_for(c.put(fp, toks, kv), 30)
+        except TimeoutError:
+            pytest.fail("the in-place put never ended: its commit waits on the stopped sealing helper")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(hung.pid, signal.SIGCONT)  # (a helper the fix did not kill goes on, and close() ends it)
+        assert put.stored == 4 and put.reserve_ms > 0  # in place
+        assert hung.returncode is not None  # killed, not left stopped with its lock held
+        got = await c.get(fp, put.keys, zero_copy=False)  # as bytes: each payload checked against its checksum
+        assert torch.equal(torch.cat(got, dim=2), kv)
+        again = tokens(4 * BLOCK_TOKENS, seed=14)
+        put = await asyncio.wait_for(c.put(fp, again, random_kv(spec, len(again), seed=14)), 30)  # the one left
+        assert put.stored == 4
+
+
+async def test_a_commit_does_not_wait_forever_for_sealing_helpers_that_never_start(  # type: ignore[no-untyped-def]
+        server_factory, tmp_path, monkeypatch) -> None:
+    """Helpers that never say they are ready (a start stuck mapping the pool: here a real process that sleeps in
+    the interpreter's place) held every commit forever, each waiting for the helpers' start. Past sealing's answer
+    bound from the start a commit seals in a thread; close() ends the helpers."""
+    srv = await server_factory()
+    sealer = srv.service.inplace.sealer
+    sleeper = tmp_path / "python"
+    sleeper.write_text("#!/bin/sh\nexec sleep 600\n")
+    sleeper.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(sleeper))
+    sealer.workers = 2
+    sealer.answer_s = 1.0
+    sealer.start()  # (its task runs later: the interpreter stays the sleeper until the put is done)
+    spec = tiny_model()
+    toks = tokens(3 * BLOCK_TOKENS, seed=15)
+    kv = random_kv(spec, len(toks), seed=15)
+    async with EngramClient(srv.address, namespace="t", in_place_min_bytes=0) as c:
+        fp = await c.register_model(spec)
+        try:
+            put = await asyncio.wait_for(c.put(fp, toks, kv), 30)
+        except TimeoutError:
+            pytest.fail("the in-place put never ended: its commit waits for helpers that never start")
+        monkeypatch.undo()
+        assert put.stored == 3 and put.reserve_ms > 0  # in place
+        got = await c.get(fp, put.keys, zero_copy=False)
+        assert torch.equal(torch.cat(got, dim=2), kv)
+    procs = list(sealer._procs)
+    await sealer.close()
+    assert procs and all(p.returncode is not None for p in procs)  # the sleepers were ended too
 
 
 def _tenants(**namespaces: str) -> dict[str, str]:
