@@ -306,17 +306,23 @@ class Placement:
             self.counters.tiers[self.tiers[i].name].io_errors += 1
 
     async def drop_copy(self, meta: BlockMeta, name: str) -> None:
-        await self._discard(self._leave(meta, name), meta.key)
+        """Delete the block's copy in tier `name`, if it holds one. A tier keeps copies by key: a block that lost
+        that copy meanwhile (a move outliving the block, dropped as damaged and put again under its key) would
+        delete the copy of the block the index holds now, which was acknowledged stored."""
+        if self._leave(meta, name):
+            await self._discard(self.rank[name], meta.key)
 
-    def _leave(self, meta: BlockMeta, name: str) -> int:
-        """The block's copy in tier `name` no longer counts (before the tier deletes it); the tier's index."""
-        if self.index.drop_copy(meta, name) and name in HOT_TIERS and HOT_TIERS.isdisjoint(meta.locations):
+    def _leave(self, meta: BlockMeta, name: str) -> bool:
+        """The block's copy in tier `name` no longer counts (before the tier deletes it); False if it held none."""
+        if not self.index.drop_copy(meta, name):
+            return False
+        if name in HOT_TIERS and HOT_TIERS.isdisjoint(meta.locations):
             for listener in self.went_cold:
                 try:
                     listener(meta)
                 except Exception:  # a listener's bug must not stop the move halfway (a copy no one frees)
                     log.exception("a went-cold listener failed on block %s", meta.key.hex())
-        return self.rank[name]
+        return True
 
     async def delete_block(self, meta: BlockMeta) -> None:
         """Out of the index at once, then every copy deleted, even if the caller is cancelled meanwhile (it gets
@@ -344,7 +350,8 @@ class Placement:
             raise AssertionError("deleting a pinned, leased or moving block")
         self.unindex(meta)
         for name in list(meta.locations):
-            now = immediate[self._leave(meta, name)]
+            self._leave(meta, name)
+            now = immediate[rank[name]]
             assert now is not None
             now.delete_now(meta.key)  # a memory tier's delete raises no OSError
         return True

@@ -255,7 +255,11 @@ async def _drop_unreachable(store: BlockStore, report: StoreReport) -> None:
 async def drop_lost(store: BlockStore, meta: BlockMeta, report: StoreReport | None = None) -> None:
     """A block with no copy left goes from the index, and every block that extends it with it: a lookup stops
     at the lost one, so they could never be reached again (a restart's recovery drops them as orphans). A
-    descendant being read or moved stays until the restart, reported."""
+    descendant being read or moved stays until the restart, reported. A block the index no longer holds left with
+    what extended it then (a reader that held it, ending after another dropped it): the blocks under its key now are
+    those of a block put again under it, acknowledged, not this one's."""
+    if store.index.get(meta.key) is not meta:
+        return
     below: list[BlockMeta] = []
     stack = list(store.children(meta.key))
     while stack:  # children before the index forgets their parent (children_of needs it)

@@ -1,0 +1,114 @@
+"""A move of a block (a demotion) that outlives the block: dropped meanwhile as damaged, and put again under its key
+by a later put, the block the index holds now is another one. The tiers keep copies by key, so the move, ending,
+must leave alone the copies of the block put again. Real daemons (loopback TCP and a unix socket), the NVMe write
+held in the tier's own fault hook, a byte flipped in the shared pool as a stray writer would."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from engram import errors
+from engram.client import EngramClient
+
+from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
+
+SPEC = tiny_model()
+
+
+async def test_a_demotion_of_a_block_dropped_meanwhile_leaves_the_block_put_again_under_its_key(  # type: ignore[no-untyped-def]
+        server_factory, tmp_path: Path) -> None:
+    """A pool of one block, write-back, NVMe below. Block A is demoted to make room for B, its NVMe write held; its
+    pool copy is damaged meanwhile, and a Get drops it (no copy left: A leaves the store) and a put of the same
+    tokens stores A again, in the slot the drop freed. The demotion then ended by dropping "its" pool copy by key:
+    the new block's slot, which B's put then took. The put acknowledged A stored; its Gets failed NOT_FOUND ("not
+    in the dram tier") and the shutdown's flush raised on it."""
+    block = SPEC.layout.block_nbytes(BLOCK_TOKENS)
+    srv = await server_factory(**{"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.dram.capacity": block,
+                                  "tiers.dram.page_bytes": 256, "tiers.write_back_window_s": 0})
+    pool, nvme = srv.store.tiers[0], srv.store.tiers[-1]
+    a, b = tokens(BLOCK_TOKENS, seed=1), tokens(BLOCK_TOKENS, seed=2)
+    kv_a, kv_b = random_kv(SPEC, BLOCK_TOKENS, seed=1), random_kv(SPEC, BLOCK_TOKENS, seed=2)
+    entered, go = threading.Event(), threading.Event()
+
+    def hold_first_write(op: str, path: Path) -> None:
+        if op == "write" and not entered.is_set():  # (in the tier's I/O thread)
+            entered.set()
+            go.wait(30)
+
+    async with EngramClient(srv.address, namespace="d", zero_copy=False) as c, \
+            EngramClient(srv.address, namespace="d", zero_copy=False) as other:
+        fp = await c.register_model(SPEC)
+        await other.register_model(SPEC)
+        key = (await c.put(fp, a, kv_a)).keys[0]
+        nvme.fault_hook = hold_first_write
+        putting_b = asyncio.create_task(other.put(fp, b, kv_b))  # room for B: A is demoted
+        try:
+            assert await asyncio.to_thread(entered.wait, 30), "A's demotion never wrote to NVMe"
+            moving = srv.store.block(key)
+            assert moving is not None and moving.moving and moving.locations == ["dram"]
+            pool.view(key)[-1] ^= 0x40  # A's one copy damaged while it is moving
+            with pytest.raises(errors.DataLoss):
+                await c.get(fp, [key])  # dropped: A leaves the store
+            assert srv.store.block(key) is None
+            again = await c.put(fp, a, kv_a)  # A anew, in the slot the drop freed
+            assert again.stored == 1 and again.keys[0] == key
+        finally:
+            go.set()
+        assert (await putting_b).stored == 1
+        got = await c.get(fp, [key])  # acknowledged stored: served
+        assert torch.equal(got[0], kv_a)
+        assert torch.equal((await c.get(fp, [(await c.lookup(fp, b)).blocks[0].key]))[0], kv_b)
+    assert (await srv.store.check(fix=False)).ok  # every copy the index lists is there and verifies
+
+
+async def test_a_read_that_outlives_its_block_leaves_the_block_put_again_and_its_children(  # type: ignore[no-untyped-def]
+        server_factory, tmp_path: Path) -> None:
+    """Write-through: block A in the pool and on NVMe, both copies damaged. A first Get drops the pool copy and
+    reads the file (held in the tier's fault hook); a second Get reads the file too, fails it, and A leaves the
+    store. A chain of A (another worker's KV) and a child C is put: acknowledged, durable. The first Get's read then
+    fails (the file is the new A's now, not its block's bytes), and it dropped "its" NVMe copy by key, the new A's
+    file, and A's lost chain by key, the new child C: both acknowledged, a durable one gone from disk."""
+    srv = await server_factory(**{"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.write_policy": "write-through"})
+    pool, nvme = srv.store.tiers[0], srv.store.tiers[-1]
+    chain = tokens(2 * BLOCK_TOKENS, seed=1)
+    a = chain[:BLOCK_TOKENS]
+    kv_a, kv_again = random_kv(SPEC, BLOCK_TOKENS, seed=1), random_kv(SPEC, 2 * BLOCK_TOKENS, seed=3)
+    entered, go = threading.Event(), threading.Event()
+
+    def hold_first_read(op: str, path: Path) -> None:
+        if op == "read" and not entered.is_set():  # (in the tier's I/O thread)
+            entered.set()
+            go.wait(30)
+
+    async with EngramClient(srv.address, namespace="d", zero_copy=False) as c, \
+            EngramClient(srv.address, namespace="d", zero_copy=False) as other:
+        fp = await c.register_model(SPEC)
+        await other.register_model(SPEC)
+        key = (await c.put(fp, a, kv_a)).keys[0]
+        assert srv.store.block(key).locations == ["dram", "nvme"]  # type: ignore[union-attr]
+        pool.view(key)[-1] ^= 0x40
+        path = nvme.path_of(key)
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x40
+        path.write_bytes(bytes(data))
+        nvme.fault_hook = hold_first_read
+        first = asyncio.create_task(c.get(fp, [key]))  # drops the pool copy, then its file read is held
+        try:
+            assert await asyncio.to_thread(entered.wait, 30), "the first Get never read the NVMe file"
+            with pytest.raises(errors.DataLoss):
+                await other.get(fp, [key])  # the file fails: A leaves the store
+            assert srv.store.block(key) is None
+            again = await other.put(fp, chain, kv_again)  # A anew, and a child
+            assert again.stored == 2 and again.not_durable == 0 and again.keys[0] == key
+        finally:
+            go.set()
+        with pytest.raises(errors.DataLoss):
+            await first  # its block's bytes are nowhere now
+        got = await other.get(fp, list(again.keys))  # both acknowledged: served
+        assert torch.equal(torch.cat(got, dim=2), kv_again)
+    assert (await srv.store.check(fix=False)).ok  # every copy the index lists is there and verifies: A's file too
