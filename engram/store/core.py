@@ -1039,16 +1039,24 @@ class BlockStore:
     async def drop_copy(self, meta: BlockMeta, tier_name: str) -> None:
         await self.placement.drop_spare_copy(meta, tier_name)
 
-    async def drop_damaged_copy(self, meta: BlockMeta, tier_name: str) -> None:
+    async def drop_damaged_copy(self, meta: BlockMeta, tier_name: str, report: recovery.StoreReport | None = None
+                                ) -> None:
         """Drop a copy found damaged or unreadable (a read, a demotion, `check --fix`, the start's check of
-        journal-trusted files all drop it here). A block that loses its durable (NVMe) copy so while memory holds
+        journal-trusted files all drop it here). The block's last copy takes the block with it (and what extends
+        it: `recovery.drop_lost`, findings into `report`), out of the index as the tier's delete begins, with no
+        turn of the loop between: a Lookup meanwhile (an NVMe unlink) found it indexed with no copy and failed
+        INTERNAL, and a put of its key between the two would have its new copy deleted. A block that loses its
+        durable (NVMe) copy so while memory holds
         one would stay acknowledged and indexed in memory alone, nothing pending, lost at a crash: it is written
         to NVMe again from its fastest copy that verifies (the flusher's copy). Under write-through before this
         returns (the policy promises acknowledged = durable; a write that fails leaves it pending, due at once);
         under write-back it is pending again, as a block just put. Evictions and `keep_only_in` drop sound
         copies on purpose, not through here."""
         placement, flusher = self.placement, self.flusher
-        await placement.drop_copy(meta, tier_name)
+        below: list[BlockMeta] = []
+        await placement.drop_copy(meta, tier_name, last=lambda: below.extend(recovery.forget_lost(self, meta)))
+        if below:
+            await recovery.drop_below(self, below, report)
         d = durable.durable_tier(placement)
         if (flusher is None or d is None or placement.tiers[d].name != tier_name or not meta.locations
                 or self.index.get(meta.key) is not meta):

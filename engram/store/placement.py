@@ -305,12 +305,17 @@ class Placement:
         except OSError:
             self.counters.tiers[self.tiers[i].name].io_errors += 1
 
-    async def drop_copy(self, meta: BlockMeta, name: str) -> None:
+    async def drop_copy(self, meta: BlockMeta, name: str, *, last: Callable[[], object] | None = None) -> None:
         """Delete the block's copy in tier `name`, if it holds one. A tier keeps copies by key: a block that lost
         that copy meanwhile (a move outliving the block, dropped as damaged and put again under its key) would
-        delete the copy of the block the index holds now, which was acknowledged stored."""
-        if self._leave(meta, name):
-            await self._discard(self.rank[name], meta.key)
+        delete the copy of the block the index holds now, which was acknowledged stored. `last`: called when it
+        was the block's last copy, just before the tier's delete begins (no await between: a put of the key comes
+        after that delete has begun, which a tier's write of the key waits for): the caller unindexes the block."""
+        if not self._leave(meta, name):
+            return
+        if last is not None and not meta.locations:
+            last()
+        await self._discard(self.rank[name], meta.key)
 
     def _leave(self, meta: BlockMeta, name: str) -> bool:
         """The block's copy in tier `name` no longer counts (before the tier deletes it); False if it held none."""

@@ -194,7 +194,7 @@ async def check(store: BlockStore, *, fix: bool) -> StoreReport:
                         tier.set_aside(meta.key, newer)  # type: ignore[attr-defined]
                     else:
                         tier.forget(meta.key)  # type: ignore[attr-defined]
-                    await store.drop_damaged_copy(meta, tier.name)  # (the tier holds no file of it now)
+                    await store.drop_damaged_copy(meta, tier.name, report)  # (the tier holds no file of it now)
                     if not meta.locations and store.index.get(meta.key) is meta:
                         await drop_lost(store, meta, report)
             continue
@@ -213,7 +213,7 @@ async def check(store: BlockStore, *, fix: bool) -> StoreReport:
                 continue
             report.findings.append((f"{tier.name}:{meta.key.hex()}", "payload checksum mismatch", fix))
             if fix:
-                await store.drop_damaged_copy(meta, tier.name)
+                await store.drop_damaged_copy(meta, tier.name, report)
                 if not meta.locations and store.index.get(meta.key) is meta:
                     await drop_lost(store, meta, report)
     if fix:
@@ -258,8 +258,14 @@ async def drop_lost(store: BlockStore, meta: BlockMeta, report: StoreReport | No
     descendant being read or moved stays until the restart, reported. A block the index no longer holds left with
     what extended it then (a reader that held it, ending after another dropped it): the blocks under its key now are
     those of a block put again under it, acknowledged, not this one's."""
+    await drop_below(store, forget_lost(store, meta), report)
+
+
+def forget_lost(store: BlockStore, meta: BlockMeta) -> list[BlockMeta]:
+    """`drop_lost`'s first step, with no await: the block out of the index; the blocks that extend it, for
+    `drop_below` (none when the index no longer holds it)."""
     if store.index.get(meta.key) is not meta:
-        return
+        return []
     below: list[BlockMeta] = []
     stack = list(store.children(meta.key))
     while stack:  # children before the index forgets their parent (children_of needs it)
@@ -267,6 +273,11 @@ async def drop_lost(store: BlockStore, meta: BlockMeta, report: StoreReport | No
         below.append(m)
         stack.extend(store.children(m.key))
     store.placement.unindex(meta)
+    return below
+
+
+async def drop_below(store: BlockStore, below: list[BlockMeta], report: StoreReport | None = None) -> None:
+    """`drop_lost`'s second step: the blocks that extended a lost one (`forget_lost`), deepest first."""
     for d in reversed(below):  # deepest first: each is a leaf when its turn comes
         if store.index.get(d.key) is not d:
             continue
