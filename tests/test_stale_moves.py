@@ -15,7 +15,7 @@ import torch
 from engram import errors
 from engram.client import EngramClient
 
-from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
+from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens, until
 
 SPEC = tiny_model()
 
@@ -112,3 +112,54 @@ async def test_a_read_that_outlives_its_block_leaves_the_block_put_again_and_its
         got = await other.get(fp, list(again.keys))  # both acknowledged: served
         assert torch.equal(torch.cat(got, dim=2), kv_again)
     assert (await srv.store.check(fix=False)).ok  # every copy the index lists is there and verifies: A's file too
+
+
+async def test_a_demotion_that_outlives_its_block_leaves_the_nvme_file_of_the_block_put_again(  # type: ignore[no-untyped-def]
+        server_factory, tmp_path: Path) -> None:
+    """As the first test, but the block put again is demoted to NVMe itself (a third put makes room) while the
+    stale demotion's NVMe write is still held. That write, ending last, took the key's file, and the stale
+    demotion then unlinked it as a copy no block holds: the new block's one copy, acknowledged."""
+    block = SPEC.layout.block_nbytes(BLOCK_TOKENS)
+    srv = await server_factory(**{"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.dram.capacity": block,
+                                  "tiers.dram.page_bytes": 256, "tiers.write_back_window_s": 0})
+    pool, nvme = srv.store.tiers[0], srv.store.tiers[-1]
+    a, b, c3 = (tokens(BLOCK_TOKENS, seed=s) for s in (1, 2, 3))
+    kv_a, kv_b, kv_c = (random_kv(SPEC, BLOCK_TOKENS, seed=s) for s in (1, 2, 3))
+    entered, go = threading.Event(), threading.Event()
+
+    def hold_first_write(op: str, path: Path) -> None:
+        if op == "write" and not entered.is_set():  # (in the tier's I/O thread)
+            entered.set()
+            go.wait(30)
+
+    async with EngramClient(srv.address, namespace="d", zero_copy=False) as c, \
+            EngramClient(srv.address, namespace="d", zero_copy=False) as other, \
+            EngramClient(srv.address, namespace="d", zero_copy=False) as third:
+        fp = await c.register_model(SPEC)
+        await other.register_model(SPEC)
+        await third.register_model(SPEC)
+        key = (await c.put(fp, a, kv_a)).keys[0]
+        nvme.fault_hook = hold_first_write
+        putting_b = asyncio.create_task(other.put(fp, b, kv_b))  # room for B: A is demoted, its write held
+        putting_c = None
+        try:
+            assert await asyncio.to_thread(entered.wait, 30), "A's demotion never wrote to NVMe"
+            pool.view(key)[-1] ^= 0x40
+            with pytest.raises(errors.DataLoss):
+                await c.get(fp, [key])  # dropped: A leaves the store
+            again = await c.put(fp, a, kv_a)  # A anew (the same bytes), in the slot the drop freed
+            assert again.stored == 1
+            putting_c = asyncio.create_task(third.put(fp, c3, kv_c))  # room for C: the new A is demoted to NVMe
+
+            async def demoted_or_demoting() -> bool:  # its write done, or waiting for the held one's to end
+                meta = srv.store.block(key)
+                return meta is not None and (meta.moving or "nvme" in meta.locations)
+
+            await until(demoted_or_demoting, "the block put again demoted to NVMe (or its demotion begun)")
+        finally:
+            go.set()
+        assert (await putting_b).stored == 1
+        assert putting_c is not None and (await putting_c).stored == 1
+        got = await c.get(fp, [key])  # acknowledged stored: served
+        assert torch.equal(got[0], kv_a)
+    assert (await srv.store.check(fix=False)).ok

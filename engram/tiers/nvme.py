@@ -152,6 +152,7 @@ class NvmeTier:
         self._files: dict[bytes, _File] = {}
         self._writing: set[str] = set()  # temp file names of writes in flight: an online check leaves them be
         self._deleting: dict[bytes, asyncio.Event] = {}  # keys whose file is being unlinked: a new write waits
+        self._key_writes: dict[bytes, asyncio.Event] = {}  # keys being written: one write of a key at a time
         self._removals: set[asyncio.Task[None]] = set()  # those unlinks: `delete` sees them through, cancelled or not
         self._removed: set[bytes] = set()  # keys whose journal remove is not synced yet (journal.py says why)
         self.compression = compression
@@ -266,9 +267,29 @@ class NvmeTier:
             except BaseException:
                 self.unreserve(reserved)
                 raise
+        try:  # a cancel here gave the room back to no one: the tier lost it until a restart
+            while True:
+                if (deleting := self._deleting.get(rec.key)) is not None:
+                    await deleting.wait()  # the key's old file is being unlinked: that unlink must not take the new one
+                elif (writing := self._key_writes.get(rec.key)) is not None:
+                    # Another write of the key ends first (a move that outlived its block, dropped meanwhile and put
+                    # again under its key): its file, renamed over this one's, was unlinked as no block's copy.
+                    await writing.wait()
+                else:
+                    break
+            mine = self._key_writes[rec.key] = asyncio.Event()
+        except BaseException:
+            self.unreserve(reserved)
+            raise
+        try:
+            await self._write(rec, payload, reserved, final)
+        finally:
+            del self._key_writes[rec.key]
+            mine.set()
+
+    async def _write(self, rec: BlockRecord, payload: Payload, reserved: int, final: Path) -> None:
+        """`write`, this key's turn come."""
         try:  # a cancel or a failed sync here gave the room back to no one: the tier lost it until a restart
-            while (deleting := self._deleting.get(rec.key)) is not None:
-                await deleting.wait()  # the key's old file is being unlinked: that unlink must not take the new one
             if rec.key in self._removed:  # its old header's remove must be on disk before a new file is
                 await self._sync_journal()
                 if rec.key in self._removed:  # the sync failed, dropping the journal: the file waits for a new one
