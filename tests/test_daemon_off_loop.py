@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -32,6 +32,7 @@ BIG = KVLayout(layers=(LayerSpec(LayerKind.GLOBAL),), num_kv_heads=8, head_dim=1
                block_tokens=2048)  # 8 MiB raw: the smallest block hashed off the loop
 BIG4 = KVLayout(layers=(LayerSpec(LayerKind.GLOBAL),) * 4, num_kv_heads=8, head_dim=128, dtype=DType.BF16,
                 block_tokens=2048)  # 32 MiB raw, 9 MiB in nvfp4: a worker-encoded block checked off the loop
+UNLIMITED = [("grpc.max_receive_message_length", -1)]  # a raw gRPC Get's chunks are server.chunk_bytes each
 
 
 async def put_requests(fp: bytes, header: pb.BlockHeader, payload: bytes | bytearray
@@ -225,3 +226,110 @@ async def test_a_large_block_a_worker_encoded_is_checked_off_the_loop_and_a_dama
                 await pb_grpc.EngramStub(ch).Put(put_requests(fp, header, damaged))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "body checksum" in (info.value.details() or "")
         assert len(srv.store.index) == 1
+
+
+
+def lets_go_of_the_gil(fn: Callable[..., Any], *args: Any) -> bool:
+    """Whether fn(*args), run in a worker thread, lets go of the GIL before it returns, so that another thread (a
+    daemon's event loop) runs meanwhile. With a switch interval of an hour no thread is made to drop the GIL: this
+    thread, waiting for it from the moment the worker starts, gets it before fn returns only where fn lets go of
+    it (numpy's copy, xxh3), not where fn copies into bytes or a bytearray (one memcpy holding it)."""
+    inside = [False]
+
+    def work() -> None:
+        inside[0] = True
+        try:
+            fn(*args)
+        finally:
+            inside[0] = False
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(3600)
+    try:
+        worker = threading.Thread(target=work)
+        worker.start()  # returns once this thread has the GIL again: fn let go of it, or ended
+        seen = inside[0]
+        worker.join()
+    finally:
+        sys.setswitchinterval(before)
+    return seen
+
+
+def in_its_thread(fn: Callable[..., Any], *watched: Any) -> tuple[Callable[..., Any], list[str]]:
+    """fn, wrapped to record the names of the watched Python functions and C methods (by name: "tobytes") called
+    on whichever thread runs it (a worker thread: on_the_loop watches the loop's)."""
+    codes = {f.__code__ for f in watched if hasattr(f, "__code__")}
+    names = {f for f in watched if isinstance(f, str)}
+    seen: list[str] = []
+
+    def watch(frame: Any, event: str, arg: Any) -> None:
+        if event == "c_call" and getattr(arg, "__name__", "") in names:
+            seen.append(arg.__name__)
+        elif event == "call" and frame.f_code in codes:
+            seen.append(frame.f_code.co_name)
+
+    def run(*args: Any) -> Any:
+        sys.setprofile(watch)
+        try:
+            return fn(*args)
+        finally:
+            sys.setprofile(None)
+
+    return run, seen
+
+
+def test_a_copy_by_block_copied_lets_another_thread_run_and_a_copy_into_bytes_does_not() -> None:
+    """What the daemon's worker threads copy with: block.copied (numpy's copy) lets go of the GIL while it copies,
+    so the event loop runs meanwhile; bytes() and a bytearray, one memcpy each too, hold it throughout, and a worker
+    thread making them held the loop all the same (benchmarks/RESULTS.md, put_get, session 51)."""
+    view = memoryview(bytes(64 * 2**20))
+    assert lets_go_of_the_gil(block.copied, view)
+    assert not lets_go_of_the_gil(bytes, view) and not lets_go_of_the_gil(bytearray, view)
+
+
+async def test_a_raw_puts_encoding_thread_copies_the_elements_out_letting_go_of_the_gil(  # type: ignore[no-untyped-def]
+        server_factory, monkeypatch) -> None:
+    """A raw put to a quantizing model copies its elements out of the put's buffer in the encoding's thread
+    (stored.decode of the raw codec): into a bytearray, which held the GIL, so the loop waited for the 16 MiB copy
+    beside the thread all the same; now with block.copied. The block stored is the codec's encoding, as before."""
+    from engram.store import core
+
+    srv = await server_factory()
+    spec = ModelSpec("big-blocks", "w", BIG, codec="nvfp4")
+    encoded, seen = in_its_thread(core._encoded, block.copied)
+    monkeypatch.setattr(core, "_encoded", encoded)
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        toks, kv = tokens(2048, seed=11), random_kv(spec, 2048, seed=11)
+        (key,) = (await c.put(fp, toks, kv)).keys
+    assert seen == ["copied"]
+    meta = srv.store.index.get(key)
+    assert meta is not None and await srv.store.read(meta) == stored.encode(kv, "nvfp4",
+                                                                             backend=srv.store.codec_backend)
+
+
+async def test_a_decoding_gets_thread_sends_the_decoded_elements_without_copying_them_into_bytes(  # type: ignore[no-untyped-def]
+        server_factory) -> None:
+    """A Get with decode_on_server decodes in a worker thread; its last step was `tobytes` of the decoded elements
+    (32 MiB for a 9 MiB nvfp4 block), one memcpy holding the GIL, which the loop waited for beside the thread. The
+    elements are sent from the decoded tensor itself now (a view of its bytes), over both channels."""
+    srv = await server_factory()
+    spec = ModelSpec("big-fp4", "w", BIG4, codec="nvfp4")
+    assert srv.service is not None
+    decoded, seen = in_its_thread(srv.service._decoded, "tobytes")
+    srv.service._decoded = decoded  # type: ignore[method-assign]
+    async with EngramClient(srv.address, namespace="t", zero_copy=False) as c:
+        fp = await c.register_model(spec)
+        (key,) = (await c.put(fp, tokens(2048, seed=12), random_kv(spec, 2048, seed=12))).keys
+        meta = srv.store.index.get(key)
+        assert meta is not None
+        want = srv.store.decode(await srv.store.read(meta), meta)
+        (got,) = await c.get(fp, [key], decode_on_server=True)  # the data channel
+        assert torch.equal(got, want)
+        async with grpc.aio.insecure_channel(srv.address, options=UNLIMITED) as ch:
+            chunks = [r.chunk async for r in pb_grpc.EngramStub(ch).Get(
+                pb.GetRequest(namespace="t", model_fingerprint=fp, keys=[key], decode=True))]
+        raw = b"".join(ch.data for ch in chunks)
+        assert raw == stored.encode(want, stored.RAW) and chunks[0].header.checksum == checksum(raw)
+    assert seen == []
+

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from engram.block import copied
 from engram.codec import blockformat, streamformat
 from engram.codec.base import Axis, codec_by_name
 from engram.errors import InvalidArgument
@@ -85,10 +87,11 @@ def decode(payload: bytes | memoryview | Tensor, codec: str, dtype: DType, shape
 
 
 def byte_tensor(data: bytes | memoryview) -> Tensor:
-    """Bytes as a writable uint8 tensor (one copy). No bytes is an empty tensor, which torch.frombuffer refuses
-    to make: a window of 0 rows (a model whose sliding window is 1, or with no sliding layer) failed every Resume
-    in the client with frombuffer's bare ValueError."""
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+    """Bytes as a writable uint8 tensor: one copy, block.copied's, which lets go of the GIL (a copy into a
+    bytearray, one memcpy too, holds it: a raw put's 16 MiB copy in the daemon's encoding thread held its event
+    loop all the same). No bytes is an empty tensor (a window of 0 rows: a model whose sliding window is 1, or
+    with no sliding layer)."""
+    return torch.from_numpy(np.asarray(copied(memoryview(data))))
 
 
 def decode_block(payload: bytes | memoryview | Tensor, codec: str, dtype: DType, shape: tuple[int, ...], *,
@@ -100,8 +103,10 @@ def decode_block(payload: bytes | memoryview | Tensor, codec: str, dtype: DType,
 
 
 def as_raw(payload: bytes | memoryview, codec: str, dtype: DType, shape: tuple[int, ...], *,
-           backend: str = "reference", where: str = "block") -> bytes:
-    """A stored block decoded, in the form a raw put sends (raw elements; a v2 block of raw streams)."""
+           backend: str = "reference", where: str = "block") -> bytes | memoryview:
+    """A stored block decoded, in the form a raw put sends (raw elements; a v2 block of raw streams). A K/V
+    layout's block is a view of the decoded tensor's bytes, not a copy into bytes: `tobytes` is one memcpy that
+    holds the GIL throughout (32 MiB: the daemon's event loop waited for it beside the decoding thread)."""
     if is_streams(codec):
         fmt = streamformat.parse(payload, where)
         raw = streamformat._layout(fmt.tokens, [(p.name, codec_by_name(RAW), p.axis, p.dtype, p.layers, p.entries,
@@ -112,7 +117,13 @@ def as_raw(payload: bytes | memoryview, codec: str, dtype: DType, shape: tuple[i
                     streamformat.decode_part(payload, p, backend=backend, where=where).reshape(-1).view(torch.uint8)
                     .numpy().tobytes() for p in fmt.parts]
         return streamformat.assemble(raw, payloads)
-    return encode(decode(payload, codec, dtype, shape, backend=backend, where=where), RAW)
+    return element_bytes(decode(payload, codec, dtype, shape, backend=backend, where=where))
+
+
+def element_bytes(kv: Tensor) -> memoryview:
+    """A tensor's elements as a flat byte view, `encode(kv, RAW)` without its copy (one only where kv is not
+    contiguous on the host, made by torch, which lets go of the GIL); the view keeps the tensor's storage alive."""
+    return memoryview(kv.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def _host_bytes(payload: bytes | memoryview | Tensor) -> bytes | memoryview:

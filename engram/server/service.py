@@ -644,7 +644,7 @@ class EngramService:
                 self.leases.drop(lease)  # the worker will not copy what it may not have received
             raise
 
-    def _decoded(self, payload: bytes | memoryview, meta: BlockMeta) -> tuple[bytes, int]:
+    def _decoded(self, payload: bytes | memoryview, meta: BlockMeta) -> tuple[bytes | memoryview, int]:
         """A stored payload as raw elements (Get with decode), and their checksum: one worker thread's work."""
         raw = self.store.as_raw(payload, meta)
         return raw, checksum(raw)

@@ -1164,8 +1164,9 @@ class BlockStore:
             return FlushResult(0, 0, 0, 0.0)
         return await self.flusher.flush_all(deadline_s)
 
-    def as_raw(self, payload: bytes | memoryview, meta: BlockMeta) -> bytes:
-        """A stored payload as a raw put would send it (Get with decode: the daemon decodes)."""
+    def as_raw(self, payload: bytes | memoryview, meta: BlockMeta) -> bytes | memoryview:
+        """A stored payload as a raw put would send it (Get with decode: the daemon decodes); a K/V layout's as a
+        view of the decoded elements (stored.as_raw)."""
         codec = self.spec(meta.model_fingerprint).stored_codec
         return stored.as_raw(payload, codec, meta.dtype, meta.shape, backend=self.codec_backend,
                              where=f"stored block {meta.key.hex()}")
