@@ -26,7 +26,7 @@ from engram.tiers.pool import PoolTier
 from engram.v1 import engram_pb2 as pb
 from engram.v1 import engram_pb2_grpc as pb_grpc
 
-from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
+from helpers import BLOCK_TOKENS, random_kv, rpcs_answered, tiny_model, tokens
 
 BIG = KVLayout(layers=(LayerSpec(LayerKind.GLOBAL),), num_kv_heads=8, head_dim=128, dtype=DType.BF16,
                block_tokens=2048)  # 8 MiB raw: the smallest block hashed off the loop
@@ -333,3 +333,91 @@ async def test_a_decoding_gets_thread_sends_the_decoded_elements_without_copying
         assert raw == stored.encode(want, stored.RAW) and chunks[0].header.checksum == checksum(raw)
     assert seen == []
 
+
+async def test_a_grpc_get_of_a_large_block_in_the_pool_sends_it_without_a_copy_on_the_loop(  # type: ignore[no-untyped-def]
+        server_factory) -> None:
+    """A gRPC Get read a block in the DRAM pool with the pool's `read`: a copy of the whole block into bytes on the
+    loop (8 MiB here, 16 a common block), one step. It frames the block from its slot now, a chunk at a time."""
+    srv = await server_factory()
+    spec = ModelSpec("big-blocks", "w", BIG, codec="raw")
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        kv = random_kv(spec, 2048, seed=13)
+        (key,) = (await c.put(fp, tokens(2048, seed=13), kv)).keys
+    assert srv.store.placement.tiers[0].view(key) is not None  # in the pool
+    async with grpc.aio.insecure_channel(srv.address, options=UNLIMITED) as ch:
+        with on_the_loop(PoolTier.read) as seen:
+            chunks = [r.chunk async for r in pb_grpc.EngramStub(ch).Get(
+                pb.GetRequest(namespace="t", model_fingerprint=fp, keys=[key]))]
+    assert seen == []
+    assert b"".join(ch.data for ch in chunks) == stored.encode(kv, stored.RAW)
+
+
+async def test_write_through_copies_a_large_block_out_of_the_pool_for_its_durable_copy_off_the_loop(  # type: ignore[no-untyped-def]
+        server_factory, tmp_path) -> None:
+    """Under write-through a block's NVMe copy is written from its pool copy where the put's own bytes are not at
+    hand: an in-place put's commit (the worker wrote the slot), and a put deduplicated against a stored block whose
+    bytes differ from the put's and whose NVMe copy is missing. Both read the pool copy with the pool's `read`, a
+    copy into bytes on the loop; now copied out in a worker thread. Each NVMe copy is the stored block's."""
+    srv = await server_factory(**{"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.write_policy": "write-through",
+                                  "tiers.nvme.fsync": False, "server.metrics_port": -1})
+    store = srv.store
+    spec = ModelSpec("big-blocks", "w", BIG, codec="raw")
+    kvs = [random_kv(spec, 2048, seed=14 + i) for i in range(3)]
+    async with EngramClient(srv.address, namespace="t", in_place_min_bytes=0) as c:
+        fp = await c.register_model(spec)
+        with on_the_loop(PoolTier.read) as seen:
+            (key,) = (await c.put(fp, tokens(2048, seed=14), kvs[0])).keys  # in place: reserve, write, commit
+        assert seen == [] and rpcs_answered(srv, "CommitPut") == 1
+        meta = store.index.get(key)
+        assert meta is not None and meta.locations == ["dram", "nvme"]
+        payload, _ = await store._read_verified(meta, only="nvme")
+        assert payload == stored.encode(kvs[0], stored.RAW)
+    async with EngramClient(srv.address, namespace="t", zero_copy=False) as c:
+        await c.register_model(spec)
+        (key,) = (await c.put(fp, tokens(2048, seed=15), kvs[1])).keys
+        meta = store.index.get(key)
+        assert meta is not None
+        await store.drop_copy(meta, "nvme")  # lost: the next put of the block writes it again
+        with on_the_loop(PoolTier.read) as seen:
+            again = await c.put(fp, tokens(2048, seed=15), kvs[2])  # the same tokens, other bytes: deduplicated
+        assert seen == [] and list(again.keys) == [key] and meta.locations == ["dram", "nvme"]
+        payload, _ = await store._read_verified(meta, only="nvme")
+        assert payload == stored.encode(kvs[1], stored.RAW)  # the stored block's bytes, not the put's
+
+
+async def test_a_read_cancelled_while_its_thread_copies_the_block_out_of_the_pool_holds_it_until_the_copy_ends(  # type: ignore[no-untyped-def]
+        server_factory, monkeypatch) -> None:
+    """A read that copies a large block out of its pool slot (a gRPC Get's peer fetch, a Resume, write-through)
+    does so in a worker thread under a lease of its own: cancelled meanwhile, it ends only once the thread has let
+    go of the slot, its lease held till then (released at once, the block could be evicted and its slot given to
+    another block under the copy). The copy is block.copied, gated by a wrapper that waits for the test."""
+    srv = await server_factory()
+    spec = ModelSpec("big-blocks", "w", BIG, codec="raw")
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        (key,) = (await c.put(fp, tokens(2048, seed=16), random_kv(spec, 2048, seed=16))).keys
+    meta = srv.store.index.get(key)
+    assert meta is not None and meta.leases == 0
+    entered, go = threading.Event(), threading.Event()
+    real = block.copied
+
+    def gated(view: memoryview) -> memoryview:
+        entered.set()
+        go.wait(60)
+        return real(view)
+
+    monkeypatch.setattr(block, "copied", gated)
+    task = asyncio.create_task(srv.store.read(meta))
+    try:
+        assert await asyncio.to_thread(entered.wait, 10), "the read did not copy the block out in a thread"
+        assert meta.leases == 1
+        task.cancel()
+        for _ in range(20):  # turns of the loop: a cancel that does not wait for the thread has landed long before
+            await asyncio.sleep(0)
+        assert not task.done() and meta.leases == 1, "the read let go of the block while its thread copied the slot"
+    finally:
+        go.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert meta.leases == 0

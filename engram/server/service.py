@@ -478,8 +478,11 @@ class EngramService:
         req = decoded(request)
         try:
             ns, metas = await self.blocks_to_get(req)
+            # A block in a host pool is framed from its slot (views), held by _serve until every frame of it is
+            # built: each frame copies its piece (chunk_bytes), a turn of the loop apart. A copy of the whole block
+            # into bytes first (the pool's read) was one step of the daemon's loop: 16 MiB holding the GIL.
             async for kind, item in self._serve(ns, req.model_fingerprint, metas, zero_copy=req.zero_copy,
-                                                cuda_ipc=req.cuda_ipc, decode=req.decode):
+                                                cuda_ipc=req.cuda_ipc, decode=req.decode, views=True):
                 if kind == "descriptor":
                     yield pb.GetResponse(descriptor=item)
                     continue

@@ -22,7 +22,6 @@ import dataclasses
 import enum
 import logging
 import time
-import typing
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
@@ -678,13 +677,13 @@ class BlockStore:
         own.blocks_served += n
         own.bytes_served += nbytes
 
-    async def read(self, meta: BlockMeta, *, promote: bool = True, verify: bool = True) -> bytes:
-        """The block's payload from its fastest verified copy; a corrupt or unreadable copy is dropped and
-        the next tried. A hit below the top tier is copied up (promotion) unless promote is False. verify=False
-        skips the checksum: only for payloads the caller wrote itself (the trace replayer's)."""
+    async def read(self, meta: BlockMeta, *, promote: bool = True, verify: bool = True) -> bytes | memoryview:
+        """The block's payload from its fastest verified copy, the caller's own (bytes, or a view of a copy made
+        out of a pool slot); a corrupt or unreadable copy is dropped and the next tried. A hit below the top tier
+        is copied up (promotion) unless promote is False. verify=False skips the checksum: only for payloads the
+        caller wrote itself (the trace replayer's)."""
         payload, name = await self._read_verified(meta, verify=verify)
-        payload = typing.cast(bytes, payload)  # without `view`, a tier's read gives bytes (or a bytearray)
-        await self._served_from(meta, name, payload, promote)
+        await self._served_from(meta, name, payload, promote, owned=True)
         return payload
 
     async def read_view(self, meta: BlockMeta, *, promote: bool = True, verify: bool = True) -> bytes | memoryview:
@@ -732,12 +731,15 @@ class BlockStore:
         c.bytes_served += bytes_top
         return out
 
-    async def _served_from(self, meta: BlockMeta, name: str, payload: bytes | memoryview, promote: bool) -> None:
+    async def _served_from(self, meta: BlockMeta, name: str, payload: bytes | memoryview, promote: bool, *,
+                           owned: bool = False) -> None:
+        """Count the hit, and copy a block served from below the top tier up. `owned`: the payload is the
+        caller's (not a view of a slot, valid only while the block is held), kept as it is by the promotion."""
         self.served(meta, name)
         placement = self.placement
         top = placement.tiers[0].name
         if promote and placement.rank[name] > 0 and not meta.moving and top not in meta.locations:
-            await placement.promote(meta, bytes(payload) if isinstance(payload, memoryview) else payload)
+            await placement.promote(meta, payload if owned or not isinstance(payload, memoryview) else bytes(payload))
 
     async def copy_up(self, metas: Sequence[BlockMeta], tier_name: str) -> int:
         """Copy blocks that tier `tier_name` lacks into it from where they lie, as one batch: every block is
@@ -754,7 +756,6 @@ class BlockStore:
         async def one(meta: BlockMeta) -> int:
             try:
                 payload, source = await self._read_verified(meta)
-                payload = typing.cast(bytes, payload)
                 await placement.place(meta, rank, payload, wait=False)
             except (ResourceExhausted, DataLoss):
                 return 0
@@ -797,14 +798,26 @@ class BlockStore:
         finally:
             self.release([meta])
 
+    async def _copied_under_lease(self, meta: BlockMeta, in_place: memoryview) -> bytes | memoryview:
+        """copy_off_loop of a block's slot, the block leased meanwhile (its age left as it is, as verify_stored's
+        lease): not evicted, its slot not given to another block, while a worker thread copies out of it."""
+        meta.leases += 1
+        self.placement.busy += 1
+        try:
+            return await copy_off_loop(in_place)
+        finally:
+            self.release([meta])
+
     async def _read_verified(self, meta: BlockMeta, *, view: bool = False, verify: bool = True,
                              during: str = "a read", only: str | None = None, held: bool = False
                              ) -> tuple[bytes | memoryview, str]:
         """The payload of the block's fastest copy that reads and verifies, and that tier's name; copies
         that fail are dropped (counted, logged as dropped on `during`); with none left the block is unindexed
         (with the blocks that extend it) and DataLoss raised. `only`: that tier's copy alone is tried (DataLoss
-        when it fails or is not there; the others are kept). `held`: the caller holds the block (moving, or
-        leased), so a large copy in a host pool is copied out of its slot in a worker thread (copy_off_loop)."""
+        when it fails or is not there; the others are kept). Without `view`, a copy in a host pool is copied out
+        of its slot (a large one in a worker thread: copy_off_loop) under a lease taken for the copy, unless the
+        caller holds the block already (`held`: moving, or leased): the pool's own read, a copy into bytes, held
+        the event loop (and the GIL) for the whole copy."""
         placement = self.placement
         reasons = []
         tried: set[str] = set()
@@ -814,9 +827,10 @@ class BlockStore:
             tried.add(name)
             try:
                 tier = placement.tier(name)
-                in_place = tier.view(meta.key) if (view or held) and isinstance(tier, PoolTier) else None
+                in_place = tier.view(meta.key) if isinstance(tier, PoolTier) else None
                 if in_place is not None and not view:
-                    payload: bytes | memoryview = await copy_off_loop(in_place)  # held: the slot stays meanwhile
+                    payload: bytes | memoryview = await (copy_off_loop(in_place) if held
+                                                         else self._copied_under_lease(meta, in_place))
                 else:
                     payload = in_place if in_place is not None else await tier.read(meta.key)
                 if verify and await checksum_off_loop(payload) != meta.checksum:  # a view: the block is held
@@ -915,7 +929,7 @@ class BlockStore:
             try:
                 payload, _ = await self._read_verified(meta)
                 if meta.locations and top.name not in meta.locations and not meta.moving:
-                    await placement.promote(meta, typing.cast(bytes, payload))
+                    await placement.promote(meta, payload)
                     if top.name in meta.locations:
                         copied += 1
                         meta.tick = CLOCK.now  # as a lease does: its age restarts (no comeback counted), or
@@ -1082,7 +1096,7 @@ class BlockStore:
             try:
                 # its fastest copy that verifies (DataLoss: none did, the block is gone), as the flusher copies
                 payload, _ = await self._read_verified(meta)
-                await placement.place(meta, placement.rank[tier_name], typing.cast(bytes, payload))
+                await placement.place(meta, placement.rank[tier_name], payload)
             finally:
                 meta.moving = False
         for name in list(meta.locations):
@@ -1147,7 +1161,8 @@ class BlockStore:
         return NamespaceUsage(index.block_count(namespace), index.physical_bytes(namespace),
                               index.logical_bytes(namespace, owner), index.referenced_blocks(namespace, owner))
 
-    def decode(self, payload: bytes, meta: BlockMeta, *, device: torch.device | str = "cpu") -> torch.Tensor:
+    def decode(self, payload: bytes | memoryview, meta: BlockMeta, *, device: torch.device | str = "cpu"
+               ) -> torch.Tensor:
         """A stored payload of `meta` (a K/V layout's block) as its KV tensor, decoded with the daemon's codec
         backend."""
         codec = self.spec(meta.model_fingerprint).stored_codec

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engram.block import BlockHeader
+from engram.block import BlockHeader, copy_off_loop
 from engram.borrowed import in_thread
 from engram.codec import blockformat, stored, streamformat
 from engram.codec.base import Axis, codec_by_name
@@ -428,7 +428,7 @@ class InPlacePuts:
             waiters: list[asyncio.Event] = []
             store._pending[meta.key] = waiters
             try:
-                ok = await durable.make_durable(store, meta, await self.pool.read(meta.key), index=index)
+                ok = await durable.make_durable(store, meta, await self._copy_of(meta.key), index=index)
                 if res.pin_share is not None:  # (but for write-through's durable copy)
                     res.pin_share.check(store.index, res.pin_share.growth(store.index, [meta]), f"block {index}")
             except BaseException:
@@ -526,6 +526,14 @@ class InPlacePuts:
 
     def _slot_key(self, res: Reservation, meta: BlockMeta) -> bytes:
         return meta.key + res.id.to_bytes(8, "little")
+
+    async def _copy_of(self, key: bytes) -> bytes | memoryview:
+        """A committed block's bytes copied out of its slot, for its durable copy (write-through): a large one in a
+        worker thread that lets go of the GIL (copy_off_loop), where the pool's read (a copy into bytes) held the
+        event loop for the whole copy. The thread has ended when this returns, cancelled or not: the commit's
+        failure frees the slot only after."""
+        in_place = self.pool.view(key)
+        return await self.pool.read(key) if in_place is None else await copy_off_loop(in_place)
 
     async def _free_slot(self, res: Reservation, r: Reserved) -> None:
         await self.pool.delete(self._slot_key(res, r.meta))

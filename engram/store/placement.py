@@ -278,7 +278,7 @@ class Placement:
         payload = await tier.read(meta.key)
         return payload, await checksum_off_loop(payload) == meta.checksum
 
-    async def promote(self, meta: BlockMeta, payload: bytes) -> None:
+    async def promote(self, meta: BlockMeta, payload: Payload) -> None:
         """Copy a block read from a lower tier into the top tier, if room can be made without waiting."""
         meta.moving = True
         self.busy += 1
