@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from engram.block import checksum, checksums
+from engram.borrowed import to_its_end
 from engram.errors import InvalidArgument, NotFound, ResourceExhausted
 from engram.index import BlockMeta
 from engram.store import BlockStore
@@ -287,7 +288,15 @@ async def _verify(lower: PoolTier, upper: PoolTier, copies: Sequence[tuple[Block
                  for start, (_, m) in zip(starts, copies, strict=True)]
     n = min(len(copies), os.cpu_count() or 1)
     got = [0] * len(copies)
-    for j, part in enumerate(await asyncio.gather(*(asyncio.to_thread(checksums, views[j::n]) for j in range(n)))):
+    # The jobs read pool slots that a cancelled copy frees (its bookings up there) or lets go of (its sources, no
+    # longer moving): each is waited for to its end, even by a cancelled caller (engram/borrowed.py). to_thread's
+    # threads ran on after a cancel, hashing slots another block could take meanwhile.
+    loop = asyncio.get_running_loop()
+    jobs = [loop.run_in_executor(None, checksums, views[j::n]) for j in range(n)]
+    parts = await to_its_end(asyncio.gather(*jobs, return_exceptions=True))  # every job ended, not the first
+    for j, part in enumerate(parts):
+        if isinstance(part, BaseException):
+            raise part
         got[j::n] = part
     if done is not None:
         await done.wait()  # one stream: the last submission's event covers every earlier one

@@ -435,3 +435,51 @@ async def test_a_batch_booked_on_a_tier_without_batched_reservations_is_booked_b
         assert all(not m.moving and m.locations == ["dram"] for m in metas) and store.placement.busy == 0
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize("direction", ["up", "down"])
+async def test_a_batched_copy_cancelled_while_its_threads_hash_the_host_pools_slots_waits_for_them(  # type: ignore[no-untyped-def]
+        tmp_path, monkeypatch, direction: str) -> None:
+    """A batched copy between the pools verifies each copy by hashing the DRAM pool's slots in worker threads: the
+    sources going up (DRAM -> HBM), the copies landed going down. Cancelled meanwhile (a reader's timeout), it gave
+    back its bookings at once (the copies' slots freed, the sources no longer moving, so evictable) while the
+    threads still read those slots, which another block could take. It waits for them now. The hash is the real
+    `checksums`, gated by a wrapper that waits for the test."""
+    import threading
+
+    from engram import transfer
+
+    store = await _hbm_over_dram(tmp_path, 4)
+    try:
+        fp = store.registry.register(SPEC)
+        metas, _ = await _put_chain(store, fp, 8)  # 8 blocks into 4 of HBM: 4 demoted to DRAM
+        src, dst = ("dram", "hbm") if direction == "up" else ("hbm", "dram")
+        todo = [m for m in metas if m.locations == [src]][:2]
+        assert len(todo) == 2
+        entered, go, done = threading.Event(), threading.Event(), []
+        real = transfer.checksums
+
+        def gated(views):  # type: ignore[no-untyped-def]
+            entered.set()
+            go.wait(60)
+            done.append(real(views))
+            return done[-1]
+
+        monkeypatch.setattr(transfer, "checksums", gated)
+        task = asyncio.create_task(copy_blocks(store, todo, TransferEngine(), src=src, dst=dst))
+        try:
+            assert await asyncio.to_thread(entered.wait, 10)
+            assert all(m.moving for m in todo)
+            task.cancel()
+            for _ in range(20):  # turns of the loop: a cancel that does not wait for the threads has landed by now
+                await asyncio.sleep(0)
+            assert not task.done() and all(m.moving for m in todo), "the copy let go while its threads hashed"
+        finally:
+            go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert len(done) == min(2, os.cpu_count() or 1)  # every thread ended before the copy did
+        assert all(not m.moving and m.locations == [src] for m in todo)
+        _hbm_books_what_it_lists(store)
+    finally:
+        await store.close()
