@@ -555,7 +555,8 @@ class DataPort:
     async def _receive(self, conn: wire.Conn, n: int) -> memoryview:
         """A block's n payload bytes, received into the connection's own buffer, reused from block to block so
         that a put does not allocate (and fault in) fresh memory for every payload. One too small is replaced by a
-        buffer grown as the bytes arrive (a block announced and not sent is not allocated whole), once its n bytes
+        buffer whose pages come as the bytes arrive (Conn.recv_payload: a block announced and not sent is not held
+        whole), once its n bytes
         are taken from the budget (the old one given back first: a connection waits holding no buffer); one above
         REUSE_MAX goes when its request ends."""
         if n <= len(conn.scratch):
@@ -566,7 +567,7 @@ class DataPort:
         self._let_go(conn)  # the old one goes before the new one grows
         await self.budget.take(held, n, meta=False)
         try:
-            conn.scratch = await conn.recv(n)
+            conn.scratch = await conn.recv_payload(n)
         except BaseException:
             self.budget.give(held, n, meta=False)
             raise

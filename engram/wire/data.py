@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import mmap
 import socket
 import ssl
 import struct
@@ -149,7 +150,8 @@ class Conn:
         self._loop = asyncio.get_running_loop()
         self.stall_s = stall_s
         self.reading_counts = reading_counts
-        self.scratch = bytearray()  # a receiver's buffer, reused from message to message (the daemon's puts)
+        # a receiver's buffer, reused from message to message (the daemon's puts: recv_payload's)
+        self.scratch: bytearray | mmap.mmap = bytearray()
         self.receiving = 0  # bytes of the buffer `recv` is growing now (the daemon's engram_data_buffered_bytes)
         self.received = 0  # bytes received so far: whether a frame has begun since the daemon last looked (idle)
         # The stall watch: one timer a connection, due stall_s after the last byte, moved on when it finds bytes came
@@ -281,6 +283,24 @@ class Conn:
         finally:
             self.receiving = 0
         return out
+
+    async def recv_payload(self, n: int) -> mmap.mmap:
+        """n bytes (n > 0) into a private anonymous mapping of n bytes, received GROW_BYTES at a time: its pages
+        are the kernel's to give only as the bytes land in them, so a peer that announces more than it sends makes
+        this side hold about what it sent, as `recv`'s growing buffer does, but the bytes received never move. That
+        bytearray's growth was a realloc, which now and then moved every byte received so far: one memcpy holding
+        the GIL, a step of 7-8 ms of the daemon's loop at the 15th MiB of a 16 MiB block (benchmarks/RESULTS.md,
+        put_get, session 52)."""
+        buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE)  # unmapped once no one holds it (or a view of it)
+        try:
+            with memoryview(buf) as whole:
+                for have in range(0, n, GROW_BYTES):
+                    self.receiving = min(n, have + GROW_BYTES)
+                    with whole[have : have + GROW_BYTES] as fresh:
+                        await self.recv_into(fresh)
+        finally:
+            self.receiving = 0
+        return buf
 
     async def skip(self, n: int) -> None:
         """Read and drop n bytes (the rest of a refused request's body), through a small buffer: a refusal for want
