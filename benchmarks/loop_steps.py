@@ -11,6 +11,8 @@ its wall time. A client in another process runs four phases one op at a time, pr
   decode_get:  16 Gets of those blocks with decode_on_server (the daemon decodes to 32 MiB raw), data channel
   raw_put:     24 puts of one raw 16 MiB block, data channel: the pool copy; past the pool's room each demotes
                (the victim's copy out of the pool, its hash, the NVMe write)
+  grpc_get:    8 Gets over gRPC (a client without the data channel) of the last 4 raw blocks, in the pool: the
+               block's read (session 52) and its frames of server.chunk_bytes (8 MiB)
 Per phase: the longest step (loop CPU ms, wall ms), steps over 2 ms and over 5 ms of loop CPU, and of wall time (which
 also counts the loop waiting for the GIL a worker thread holds, and the host not running the process). One JSON
 line out.
@@ -72,10 +74,18 @@ async def main(address):
                 t0 = time.perf_counter()
                 await c.get(fp4, [k], decode_on_server=True, zero_copy=False)
                 op("decode_get", t0)
+        raw_keys = []
         for b in raw_blocks:
             t0 = time.perf_counter()
-            await c.put_blocks(fpr, [b])
+            raw_keys += (await c.put_blocks(fpr, [b])).keys
             op("raw_put", t0)
+    async with EngramClient(address, zero_copy=False, data_channel=False, timeout_s=300) as g:
+        await g.register_model(ModelSpec("probe-raw", "w", layout, codec="raw"))
+        for _ in range(2):
+            for k in raw_keys[-4:]:  # the last puts' blocks, in the pool
+                t0 = time.perf_counter()
+                await g.get(fpr, [k], zero_copy=False)
+                op("grpc_get", t0)
 
 asyncio.run(main(sys.argv[1]))
 """
@@ -130,7 +140,7 @@ async def main(label: str) -> None:
     out: dict[str, object] = {"label": label, "at": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
                               "load": round(os.getloadavg()[0], 2), "demotions": demotions,
                               "machine": f"{os.cpu_count()} cores, Python {platform.python_version()}"}
-    for phase in ("nvfp4_put", "decode_get", "raw_put"):
+    for phase in ("nvfp4_put", "decode_get", "raw_put", "grpc_get"):
         windows = [(t0, t1) for p, t0, t1 in ops if p == phase]
         during = [(cpu, wall) for end, cpu, wall in steps if any(t0 < end <= t1 for t0, t1 in windows)]
         cpus, walls = [c for c, _ in during], [w for _, w in during]
