@@ -20,11 +20,12 @@ import pytest
 import torch
 
 from engram import errors
-from engram.block import BlockHeader, checksum
+from engram.block import BlockHeader, BlockRecord, checksum
 from engram.client import EngramClient
 from engram.codec.stored import RAW, encode
 from engram.config import load_config
 from engram.keys import root_key
+from engram.layout import DType
 from engram.server.app import build_store
 from engram.store import BlockStore
 from engram.tiers.journal import FILE_HEAD_LEN as JOURNAL_HEAD_LEN
@@ -1765,3 +1766,68 @@ def test_owned_pins_entries_load_torn_by_a_crash_they_are_a_torn_tail_and_whole_
     caplog.clear()
     assert IndexJournal(tmp_path, create=False).load() is None
     assert "is not trusted" in caplog.text and "pass its tenant pins" in caplog.text
+
+
+async def test_a_write_cancelled_twice_while_its_batch_publishes_holds_its_key_until_its_file_is_unlinked(
+        tmp_path: Path) -> None:
+    """A write of key K is cancelled while its batch waits to publish (behind another key's batch, its directory
+    sync held); it waits for that batch, then unlinks the file it published (no block's copy), and only then lets
+    the next write of K go (one write of a key at a time). A second cancel during that wait (a handler cancelled
+    again, a shutdown beside a client's cancel) ended the first write's turn at once: the next write of K rode in
+    the same batch, its file renamed over the first's, and the first's unlink took it, the tier recording a file
+    that was gone (its read: DataLoss, "missing"). A real tier, real files; the directory sync held as a disk
+    would hold it."""
+    tier = NvmeTier(tmp_path / "n", 1 << 30, journal=False)
+    await tier.recover()
+    committer = tier._committer  # type: ignore[attr-defined]
+    entered, go = threading.Event(), threading.Event()
+    sync_dir = committer._fsync_dir
+
+    def held_sync(path: Path) -> None:  # (in the tier's I/O thread)
+        if not entered.is_set():
+            entered.set()
+            go.wait(30)
+        sync_dir(path)
+
+    committer._fsync_dir = held_sync
+
+    def record(key: bytes, payload: bytes) -> BlockRecord:
+        return BlockRecord(key, b"p" * 16, b"f" * 16, "ns", DType.BF16, True, (len(payload) // 2,), b"\1\0\0\0",
+                           len(payload), checksum(payload))
+
+    async def write(key: bytes, payload: bytes) -> None:
+        rec = record(key, payload)
+        assert tier.reserve(tier.space_for(rec))
+        await tier.write(rec, payload, tier.space_for(rec))
+
+    other, key = b"o" * 16, b"k" * 16
+    first, second = os.urandom(4096), os.urandom(4096)
+    holding = asyncio.create_task(write(other, os.urandom(4096)))  # its batch's directory sync held
+    writing = second_write = None
+    try:
+        assert await asyncio.to_thread(entered.wait, 30), "the other key's batch never synced its directory"
+        writing = asyncio.create_task(write(key, first))
+        for _ in range(3000):  # written and queued behind the held batch
+            if committer._queue:
+                break
+            await asyncio.sleep(0.001)
+        assert committer._queue, "the first write of K never reached its batch"
+        writing.cancel()
+        for _ in range(10):
+            await asyncio.sleep(0)  # into its wait for the batch, to unlink the file it publishes
+        writing.cancel()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        second_write = asyncio.create_task(write(key, second))  # K again: waits for the first write's turn to end
+        for _ in range(300):  # (before the fix: written and queued in the same batch as the first)
+            if len(committer._queue) > 1:
+                break
+            await asyncio.sleep(0.001)
+    finally:
+        go.set()
+    await holding
+    with pytest.raises(asyncio.CancelledError):
+        await writing
+    await second_write
+    assert await tier.read(key) == second  # the second write's file, acknowledged: there
+    await tier.close()

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from engram.block import BlockRecord, Payload
+from engram.borrowed import to_its_end
 from engram.errors import DataLoss, NewerFormat, NotFound, StorageFull, StorageIOError
 from engram.lockfile import DaemonLock
 from engram.private import FILE_MODE, private_dir
@@ -328,8 +329,10 @@ class NvmeTier:
         except asyncio.CancelledError:
             self.unreserve(reserved)
             # The batch goes on without this caller; its file must not stay unaccounted. Until this returns,
-            # the store holds the key's put open, so no other write of the key can race the cleanup.
-            await asyncio.shield(self._discard_when_done(job))
+            # the key's turn is held (`write`), so no other write of the key can race the cleanup: waited for to
+            # its end even if cancelled again (a shield's wait ended at a second cancel, and the next write of the
+            # key, riding in the same batch, had its file unlinked by this cleanup).
+            await to_its_end(asyncio.ensure_future(self._discard_when_done(job)))
             raise
         except BaseException:
             self.unreserve(reserved)
