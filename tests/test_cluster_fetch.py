@@ -136,6 +136,32 @@ async def test_a_get_of_keys_deep_in_a_peers_chain_copies_the_chain_once_in_a_fe
             assert n == len(toks) and prefix is not None and torch.equal(prefix, kv)
 
 
+async def test_a_get_of_a_chain_deeper_than_the_holders_request_limit_lists_its_ancestors_in_several_calls(
+        redis_port: int) -> None:
+    """The holder's server.max_blocks_per_request (200) is below the chain's depth (300): its answer to the ancestors
+    of the Get's deepest key stopped at 200, and B took the 200th for the root's child, the chain's first key failing
+    its hash under the root: the Get was NOT_FOUND "no live peer of the cluster supplied it", and A was counted as a
+    failed peer (an audit, session 52). A holder's list cut by its own limit says so, and B asks on from its end."""
+    a_srv = await daemon(redis_port, "a", **{"server.max_blocks_per_request": 200})
+    try:
+        b_srv = await daemon(redis_port, "b")
+        try:
+            spec = tiny_model()
+            async with EngramClient(a_srv.address, namespace="ns") as a, \
+                    EngramClient(b_srv.address, namespace="ns", data_channel=False) as b:
+                fp, toks, kv, keys = await _a_chain_b_lacks(redis_port, a, b, spec, seed=5)
+                got = await b.get(fp, keys[-4:])
+                assert all(torch.equal(x, y) for x, y in zip(got, await a.get(fp, keys[-4:]), strict=True))
+                stats = (await b.stats()).cluster
+                assert stats.remote_hits == 300 and stats.remote_failures == 0
+                n, prefix = await b.get_prefix(fp, toks)
+                assert n == len(toks) and prefix is not None and torch.equal(prefix, kv)
+        finally:
+            await b_srv.stop(0)
+    finally:
+        await a_srv.stop(0)
+
+
 async def test_a_peers_fetch_of_blocks_whose_header_passes_the_slack_stays_under_the_message_limit(
         redis_port: int) -> None:
     """Two daemons whose server.max_message_bytes is server.chunk_bytes + 4 KiB (as config allows), B getting a

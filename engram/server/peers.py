@@ -151,19 +151,27 @@ class PeerFetcher:
         root = self.store.root(namespace, fingerprint)
         for holder in holders:
             try:
-                ancestors = await self._ancestors(holder, namespace, fingerprint, key, left)
-                chain = [key]
-                for ancestor in ancestors:
-                    if self.store.holds(namespace, ancestor):
-                        parent = ancestor
-                        break
-                    chain.append(ancestor)
-                else:
-                    if len(chain) > left:
-                        raise NotFound(f"{what} is not stored here, and a peer holds it more than {left} blocks "
-                                       "below anything this daemon holds, more than this Get may copy "
-                                       f"(cluster.max_fetch_blocks = {self.max_blocks}): none of them was copied")
-                    parent = root
+                ancestors, cut = await self._ancestors(holder, namespace, fingerprint, key, left)
+                chain: list[bytes] = [key]
+                parent: bytes | None = None
+                while parent is None:
+                    for ancestor in ancestors:
+                        if self.store.holds(namespace, ancestor):
+                            parent = ancestor
+                            break
+                        chain.append(ancestor)
+                    else:
+                        if len(chain) > left:
+                            raise NotFound(f"{what} is not stored here, and a peer holds it more than {left} blocks "
+                                           "below anything this daemon holds, more than this Get may copy "
+                                           f"(cluster.max_fetch_blocks = {self.max_blocks}): none of them was copied")
+                        if not cut:
+                            parent = root
+                        elif not ancestors:
+                            raise _PeerFailed("the peer cut a list of no ancestors short")
+                        else:  # the holder's own request limit stopped the list: on from its last key
+                            ancestors, cut = await self._ancestors(holder, namespace, fingerprint, chain[-1],
+                                                                   left - len(chain) + 1)
                 chain.reverse()
                 return await self._copy(holder, namespace, fingerprint, parent, chain)
             except _PeerFailed as exc:  # a Get names keys, maybe of another namespace: the entry is not judged
@@ -174,7 +182,11 @@ class PeerFetcher:
         raise unsupplied
 
     async def _ancestors(self, holder: Holder, namespace: str, fingerprint: bytes, key: bytes,
-                         most: int) -> list[bytes]:
+                         most: int) -> tuple[list[bytes], bool]:
+        """Up to `most` of `key`'s ancestors on `holder`, nearest first, and whether the holder's own request limit
+        cut the list short of the root (server.max_blocks_per_request below `most`: the chain goes on from the
+        list's last key; a holder that lists fewer took the 200th of a 300-block chain for the root's child, and the
+        Get failed NOT_FOUND, an audit, session 52)."""
         request = pb.FetchBlocksRequest(keys=[key], namespace=namespace, model_fingerprint=fingerprint,
                                         ancestors=most)
         call = self._stub(holder.node_id, holder.address, holder.boot).FetchBlocks(request, timeout=self.timeout_s)
@@ -186,7 +198,7 @@ class PeerFetcher:
             call.cancel()
         if resp is grpc.aio.EOF or resp.HasField("chunk") or len(resp.ancestors) > most:
             raise _PeerFailed("the peer does not list a block's ancestors (a daemon older than this one)")
-        return list(resp.ancestors)
+        return list(resp.ancestors), resp.ancestors_cut
 
     async def _copy_from_any(self, namespace: str, fingerprint: bytes, parent: bytes, keys: list[bytes]) -> bool:
         """Copy one block under a stored `parent` from the first live holder that supplies it."""

@@ -740,8 +740,9 @@ class EngramService:
         check_limit("FetchBlocks keys", len(req.keys), self.config.max_blocks_per_request)
         ns = check_namespace(req.namespace)
         if req.ancestors:
-            yield pb.FetchBlocksResponse(ancestors=self._ancestors(ns, req.model_fingerprint, req.keys[:1],
-                                                                   min(req.ancestors, self.config.max_blocks_per_request)))
+            most = min(req.ancestors, self.config.max_blocks_per_request)
+            ancestors, rest = self._ancestors(ns, req.model_fingerprint, req.keys[:1], most)
+            yield pb.FetchBlocksResponse(ancestors=ancestors, ancestors_cut=rest and most < req.ancestors)
             return
         # Only the namespace and model asked for: a peer names both, and a key of another namespace is absent.
         metas = [m for k in req.keys
@@ -763,17 +764,18 @@ class EngramService:
                     first.chunk.CopyFrom(msg)
                     yield first
 
-    def _ancestors(self, ns: str, fingerprint: bytes, keys: list[bytes], most: int) -> list[bytes]:
+    def _ancestors(self, ns: str, fingerprint: bytes, keys: list[bytes], most: int) -> tuple[list[bytes], bool]:
         """Up to `most` ancestors of a block held here, nearest first, the chain's root not included (FetchBlocks
-        with `ancestors`): a peer asked for a key deep in a chain learns what it lacks before copying any."""
+        with `ancestors`): a peer asked for a key deep in a chain learns what it lacks before copying any. And
+        whether more lie beyond them (`most` stopped the list short of the root)."""
         meta = self.store.index.get_in(ns, keys[0]) if keys else None
         if meta is None or meta.model_fingerprint != fingerprint:
-            return []
+            return [], False
         root, out = self.store.root(ns, fingerprint), list[bytes]()
         while meta is not None and meta.parent != root and len(out) < most:
             out.append(meta.parent)
             meta = self.store.index.get_in(ns, meta.parent)
-        return out
+        return out, meta is not None and meta.parent != root
 
     def _is_peer_call(self, context: grpc.aio.ServicerContext) -> bool:
         """A peer (or, with tenancy, an admin). With tenancy off every caller is trusted, except here when the

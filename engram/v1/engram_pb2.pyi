@@ -888,20 +888,22 @@ class FetchBlocksRequest(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., ancestors: _Optional[int] = ...) -> None: ...
 
 class FetchBlocksResponse(_message.Message):
-    __slots__ = ("chunk", "parent_key", "namespace", "model_fingerprint", "mac", "ancestors")
+    __slots__ = ("chunk", "parent_key", "namespace", "model_fingerprint", "mac", "ancestors", "ancestors_cut")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAC_FIELD_NUMBER: _ClassVar[int]
     ANCESTORS_FIELD_NUMBER: _ClassVar[int]
+    ANCESTORS_CUT_FIELD_NUMBER: _ClassVar[int]
     chunk: BlockChunk
     parent_key: bytes
     namespace: str
     model_fingerprint: bytes
     mac: bytes
     ancestors: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, chunk: _Optional[_Union[BlockChunk, _Mapping]] = ..., parent_key: _Optional[bytes] = ..., namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., mac: _Optional[bytes] = ..., ancestors: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    ancestors_cut: bool
+    def __init__(self, chunk: _Optional[_Union[BlockChunk, _Mapping]] = ..., parent_key: _Optional[bytes] = ..., namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., mac: _Optional[bytes] = ..., ancestors: _Optional[_Iterable[bytes]] = ..., ancestors_cut: _Optional[bool] = ...) -> None: ...
 
 class ClusterStats(_message.Message):
     __slots__ = ("state", "reason", "node_id", "live_nodes", "remote_hits", "remote_bytes", "remote_failures", "published", "reconnects", "untrusted_records", "stale_entries_removed")
