@@ -110,8 +110,9 @@ class Flusher:
             self._wake.set()
             async with self._flushed:
                 self._waiting += 1
-                try:
-                    await asyncio.wait_for(self._flushed.wait(), placement.wait_for_room_s)
+                try:  # not asyncio.wait_for, which drops a cancel landing as the wait ends (as Placement.make_room)
+                    async with asyncio.timeout(placement.wait_for_room_s):
+                        await self._flushed.wait()
                 except TimeoutError:
                     raise ResourceExhausted(
                         f"{self._bytes} bytes are held only in DRAM, past tiers.write_back_window_bytes "
@@ -165,8 +166,9 @@ class Flusher:
             wait = due - time.monotonic()
             if wait > 0 and not over:
                 self._wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), min(wait, 3600.0))
+                with contextlib.suppress(TimeoutError):  # (not wait_for: a stop's cancel must not be dropped)
+                    async with asyncio.timeout(min(wait, 3600.0)):
+                        await self._wake.wait()
                 continue
             if not placement.available(d) or meta.moving:
                 await asyncio.sleep(0.01 if meta.moving else min(placement.retry_s, 1.0))

@@ -197,10 +197,13 @@ class Placement:
                 # (wait=False) is served from below instead: it does not push pinned blocks out.
                 victim = victims.pinned_to_demote()
             if victim is None and wait and self.busy and time.monotonic() < deadline:
-                # Every candidate is moving or being read: one of those ends soon and frees a victim.
+                # Every candidate is moving or being read: one of those ends soon and frees a victim. Not
+                # asyncio.wait_for: on Python 3.11 it drops a cancel that lands as the wait ends (CPython
+                # gh-86296), and a put whose caller had gone waited on for room, to its deadline, for nobody.
                 async with self.freed:
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.freed.wait(), max(0.0, deadline - time.monotonic()))
+                        async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                            await self.freed.wait()
                 continue
             if victim is None:
                 raise ResourceExhausted(self._full(tier, lower))
