@@ -874,6 +874,56 @@ async def test_a_commit_whose_block_was_stored_meanwhile_and_damaged_stores_the_
     assert (await store.check(fix=False)).ok
 
 
+async def test_a_commit_cancelled_while_its_slot_is_written_to_nvme_frees_the_slot_only_once_the_write_ends(  # type: ignore[no-untyped-def]
+        server_factory, tmp_path) -> None:
+    """Write-through: a block reserved and written in place is stored meanwhile by a Put (the same bytes), whose
+    NVMe copy is then lost. The commit deduplicates against it and makes it durable from the caller's slot, read
+    in place by the NVMe tier's write in an I/O thread. Cancelled there, the commit freed the slot at once (the
+    group commit gave up on a write still running), and the thread read on from a slot another block could
+    hold by then. The write is gated at the tier's fault hook (its first step in the thread)."""
+    from engram.block import BlockHeader, checksum
+
+    srv, fp = await _write_through_daemon(server_factory, tmp_path)
+    spec, store, inplace = tiny_model(), srv.store, srv.service.inplace
+    toks = tokens(BLOCK_TOKENS, seed=37)
+    kv = random_kv(spec, len(toks), seed=37)
+    payload = kv.contiguous().view(torch.uint8).numpy().tobytes()
+    async with grpc.aio.insecure_channel(srv.address) as ch:
+        res = await pb_grpc.EngramStub(ch).ReservePut(pb.ReservePutRequest(
+            namespace="t", model_fingerprint=fp, blocks=_raw_headers(spec, toks)))
+    _write_slots(inplace, res.slots, kv)
+    [key] = res.keys
+    header = BlockHeader(toks, spec.layout.dtype, spec.layout.block_shape(len(toks)), len(payload), checksum(payload))
+    assert (await store.put("t", fp, store.root("t", fp), header, payload)).stored
+    await store.drop_copy(store.block(key), "nvme")  # in the pool alone: the dedupe makes it durable again
+    reservation = inplace.get("t", res.reservation_id)
+    [slot_key] = [inplace._slot_key(reservation, r.meta) for r in reservation.blocks]
+    nvme, entered, go = store.tiers[-1], threading.Event(), threading.Event()
+
+    def gated(op: str, path: Any) -> None:
+        if op == "write":
+            entered.set()
+            go.wait(60)
+
+    nvme.fault_hook = gated
+    commit = asyncio.create_task(inplace.commit(reservation))
+    try:
+        await asyncio.to_thread(entered.wait, 60)
+        commit.cancel()
+        for _ in range(20):  # turns of the loop: a cancel that does not wait for the write has landed long before
+            await asyncio.sleep(0)
+        assert not commit.done() and slot_key in inplace.pool, \
+            "the commit freed its slot while the NVMe write still read it"
+    finally:
+        go.set()
+    with pytest.raises(asyncio.CancelledError):
+        await commit
+    nvme.fault_hook = None
+    assert slot_key not in inplace.pool  # freed once the write was done
+    assert store.block(key).locations == ["dram"] and not list((tmp_path / "nvme" / "tmp").iterdir())
+    assert (await store.check(fix=False)).ok
+
+
 async def test_a_block_stored_at_reserve_and_dropped_as_damaged_before_the_commit_is_put_again(  # type: ignore[no-untyped-def]
         server_factory, tmp_path) -> None:
     """Write-through: ReservePut skips a block stored (sound) and held in the pool alone; before the commit its

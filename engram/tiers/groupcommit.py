@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engram.borrowed import to_its_end
 from engram.private import DIR_MODE
 
 __all__ = ["GroupCommitter", "WriteJob", "sync_directory"]
@@ -74,9 +75,12 @@ class GroupCommitter:
         loop = asyncio.get_running_loop()
         written = loop.run_in_executor(self._pool, job.write_temp)
         try:
-            job.temp = await asyncio.shield(written)
+            # A cancelled caller waits for its write to end: the thread reads the caller's payload, which may be
+            # a view the caller lets go once it goes on (an in-place put's pool slot, freed by its failed commit
+            # while the write read on from it: engram/borrowed.py)
+            job.temp = await to_its_end(written)
         except asyncio.CancelledError:
-            written.add_done_callback(_remove_temp)  # the caller is gone: its temp file goes once written
+            written.add_done_callback(_remove_temp)  # the caller is gone: its temp file goes (written by now)
             _settle(job.future, RuntimeError("the write was cancelled before its file was synced"))
             raise
         except BaseException as exc:
