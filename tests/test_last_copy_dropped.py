@@ -55,3 +55,34 @@ async def test_a_lookup_while_a_blocks_last_damaged_copy_is_deleted_does_not_fin
         with pytest.raises(errors.DataLoss):
             await get
     assert srv.store.block(keys[1]) is None and srv.store.block(keys[0]) is not None
+
+
+@pytest.mark.parametrize("gone", ["file-deleted", "tier-forgot"])
+async def test_a_get_of_a_block_whose_only_copy_its_tier_no_longer_holds_is_data_loss_and_drops_it(  # type: ignore[no-untyped-def]
+        server_factory, tmp_path: Path, gone: str) -> None:
+    """A block held on NVMe alone whose copy is gone behind the index's back: its file deleted from the disk, or
+    the tier's own record of it dropped (as a check that removed a broken file does before the index drops the
+    copy). A Get answers DATA_LOSS and the block leaves the index (counted corrupt), as for a damaged copy. The
+    tier's NotFound reached the client as NOT_FOUND in the tier's words ("not in the NVMe tier"), the block kept
+    indexed with a copy no read could serve."""
+    srv = await server_factory(**{"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.write_policy": "write-through"})
+    if srv.store.flusher is not None:
+        await srv.store.flusher.close()  # nothing writes the NVMe copy again but the test
+    nvme = srv.store.tiers[-1]
+    toks = tokens(2 * BLOCK_TOKENS, seed=6)
+    async with EngramClient(srv.address, namespace="d", zero_copy=False) as c:
+        fp = await c.register_model(SPEC)
+        keys = (await c.put(fp, toks, random_kv(SPEC, len(toks), seed=6))).keys
+        meta = srv.store.block(keys[1])
+        await srv.store.drop_copy(meta, "dram")  # on NVMe alone
+        assert meta.locations == ["nvme"]
+        nvme.path_of(keys[1]).unlink()
+        if gone == "tier-forgot":
+            nvme.forget(keys[1])
+        corrupt = (await c.stats()).corrupt_blocks
+        with pytest.raises(errors.DataLoss, match="no tier holds a valid copy"):
+            await c.get(fp, [keys[1]])
+        assert srv.store.block(keys[1]) is None and srv.store.block(keys[0]) is not None
+        assert (await c.stats()).corrupt_blocks == corrupt + 1
+        assert (await c.lookup(fp, toks)).matched_tokens == BLOCK_TOKENS
+    assert (await srv.store.check(fix=False)).ok

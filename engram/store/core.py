@@ -835,6 +835,15 @@ class BlockStore:
                     payload = in_place if in_place is not None else await tier.read(meta.key)
                 if verify and await checksum_off_loop(payload) != meta.checksum:  # a view: the block is held
                     raise DataLoss(f"block {meta.key.hex()} failed its checksum in tier {name}")
+            except NotFound as exc:
+                # The index lists a copy its tier does not hold (a check forgot a broken file before the index
+                # dropped it): lost, as a file gone from the disk is (DataLoss), not a miss the client is told of
+                # in a tier's words (NOT_FOUND); it reached clients so, and the index kept the copy
+                lost = DataLoss(f"{exc}, though the index listed a copy there")
+                reasons.append(str(lost))
+                await self._copy_failed(meta, name, lost)
+                self.note_dropped(meta, name, str(lost), during)
+                continue
             except StaleRecord as exc:
                 if self.adopt(meta, name, exc.found):
                     return exc.payload, name  # verified against its file's header, now the index's checksum too
