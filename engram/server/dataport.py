@@ -314,7 +314,8 @@ class DataPort:
             f"the daemon's data channel has server.max_concurrent_rpcs = {self.config.max_concurrent_rpcs} "
             "connections open")
         with contextlib.suppress(OSError, TimeoutError):
-            await asyncio.wait_for(conn.send_error(busy), 1.0)
+            async with asyncio.timeout(1.0):  # not wait_for: on 3.11 it drops a cancel landing as the send ends
+                await conn.send_error(busy)
 
     def _greet(self, task: asyncio.Task[Any]) -> None:
         """Room for one more connection waiting for its HELLO: past GREETING_MAX the oldest is closed (it had
@@ -433,7 +434,8 @@ class DataPort:
         assert me is not None
         self._greet(me)
         try:
-            kind, meta, body = await asyncio.wait_for(conn.read_frame(wire.MAX_HELLO_BYTES), HELLO_TIMEOUT_S)
+            async with asyncio.timeout(HELLO_TIMEOUT_S):  # not wait_for: a cancel landing as the HELLO comes is kept
+                kind, meta, body = await conn.read_frame(wire.MAX_HELLO_BYTES)
         except TimeoutError:
             return None  # a socket that says nothing: closed
         except errors.InvalidArgument as exc:
