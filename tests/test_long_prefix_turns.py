@@ -454,7 +454,7 @@ async def test_a_get_prefix_cut_between_its_answers_slices_describes_and_leases_
     assert answer.matched_tokens == 16 * n
     assert [r.key for r in answer.blocks] == [d.key for d in answer.descriptors] == [m.key for m in kept]
     lease = leases._leases[answer.lease_id]
-    assert lease.metas == kept and leases._blocks["bob"] == n
+    assert lease.metas == kept and leases._blocks["bob", ""] == n
     assert all(m.leases == 1 for m in kept)
     assert all(m.leases == 0 for m in chain[n:]), "blocks past the answer are still held"
     for meta, d in zip(kept, answer.descriptors, strict=True):
