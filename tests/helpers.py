@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -359,3 +360,25 @@ def rpcs_served(srv: Any, method: str) -> float:
     assert srv.metrics is not None, "start the daemon with server.metrics_port -1"
     return sum(s.value for m in srv.metrics.registry.collect() if m.name == "engram_rpcs" for s in m.samples
                if s.name == "engram_rpcs_total" and s.labels["method"] == method)
+
+
+class FirstIoHeld:
+    """An NVMe tier's `fault_hook` that holds the tier's first `op` ("write", "read", "delete") in its I/O thread
+    until `go` is set (30 s at most): `entered` is set once it is held."""
+
+    def __init__(self, op: str) -> None:
+        self.op, self.entered, self.go = op, threading.Event(), threading.Event()
+
+    def __call__(self, op: str, path: Path) -> None:
+        if op == self.op and not self.entered.is_set():
+            self.entered.set()
+            self.go.wait(30)
+
+
+def damage_pool_and_file(pool: Any, nvme: Any, key: bytes) -> None:
+    """A byte flipped in the block's copy in the shared pool and in its NVMe file."""
+    pool.view(key)[-1] ^= 0x40
+    path = nvme.path_of(key)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x40
+    path.write_bytes(bytes(data))

@@ -60,6 +60,15 @@ async def dial(srv) -> wire.Conn:  # type: ignore[no-untyped-def]
     return wire.Conn(sock)
 
 
+async def move_tcp_listener(port) -> None:  # type: ignore[no-untyped-def]
+    """The daemon's data channel listens on a new TCP port, announced from now on, and no longer on the old one (as
+    a daemon restarted with data_port 0): connections open to the old one stay."""
+    moved_from = port._listeners[0]
+    await port.start_tcp("127.0.0.1", 0, None)
+    port._accepting[0].cancel()
+    moved_from.close()
+
+
 async def expect_error(conn: wire.Conn, cls: type[errors.EngramError], text: str) -> None:
     kind, meta, body = await conn.read_frame()
     assert kind == wire.ERROR and body == 0, f"expected an ERROR frame, got kind {kind:#x}"
@@ -1138,10 +1147,7 @@ async def test_a_data_channel_replaced_after_the_daemon_moved_ends_with_the_clie
         small_keys = list((await c.put(fp, small, random_kv(spec, len(small), seed=2))).keys)
         old = c._data
         assert old is not None and served(srv)["put"] == 2  # one idle connection, to the old port
-        moved_from = port._listeners[0]
-        await port.start_tcp("127.0.0.1", 0, None)  # announced from now on
-        port._accepting[0].cancel()
-        moved_from.close()
+        await move_tcp_listener(port)
         port._get = held  # type: ignore[method-assign]
         running = asyncio.create_task(c.get(fp, big_keys))  # on the old channel's idle connection
         await until(lambda: port._in_request, "the daemon answering the 64 MiB Get")
@@ -1190,10 +1196,7 @@ async def test_a_chained_put_whose_data_channel_another_call_replaced_goes_on_on
         port._put = held  # type: ignore[method-assign]
         putting = asyncio.create_task(c.put(fp, toks, kv))
         await first_part_in.wait()
-        moved_from = port._listeners[0]
-        await port.start_tcp("127.0.0.1", 0, None)  # announced from now on
-        port._accepting[0].cancel()
-        moved_from.close()
+        await move_tcp_listener(port)
         await c.get(fp, small_keys)  # the old port refuses: this call asks again, the old channel retires
         assert c._data is not old and not putting.done()
         release.set()
@@ -1233,11 +1236,8 @@ async def test_a_chained_put_going_on_on_a_new_data_channel_splits_its_parts_by_
         port._receive = held  # type: ignore[method-assign]
         putting = asyncio.create_task(c.put(fp, toks, kv))
         await first_part_in.wait()
-        moved_from = port._listeners[0]
         port.config = dataclasses.replace(port.config, data_max_request_bytes=block)  # announced and enforced
-        await port.start_tcp("127.0.0.1", 0, None)
-        port._accepting[0].cancel()
-        moved_from.close()
+        await move_tcp_listener(port)
         await c.get(fp, small_keys)  # the old port refuses: this call asks again, the old channel retires
         assert c._data is not old and c._data is not None and c._data.endpoint.max_request_bytes == block
         release.set()

@@ -6,7 +6,6 @@ the NVMe file), the unlink held in the tier's own fault hook."""
 from __future__ import annotations
 
 import asyncio
-import threading
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ import pytest
 from engram import errors
 from engram.client import EngramClient
 
-from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens
+from helpers import BLOCK_TOKENS, FirstIoHeld, damage_pool_and_file, random_kv, tiny_model, tokens
 
 SPEC = tiny_model()
 
@@ -24,12 +23,7 @@ async def test_a_lookup_while_a_blocks_last_damaged_copy_is_deleted_does_not_fin
     srv = await server_factory(**{"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.write_policy": "write-through"})
     pool, nvme = srv.store.tiers[0], srv.store.tiers[-1]
     toks = tokens(2 * BLOCK_TOKENS, seed=5)
-    entered, go = threading.Event(), threading.Event()
-
-    def hold_first_delete(op: str, path: Path) -> None:
-        if op == "delete" and not entered.is_set():  # (in the tier's I/O thread)
-            entered.set()
-            go.wait(30)
+    held = FirstIoHeld("delete")  # in the tier's I/O thread
 
     async with EngramClient(srv.address, namespace="d", zero_copy=False) as c, \
             EngramClient(srv.address, namespace="d", zero_copy=False) as other:
@@ -37,21 +31,17 @@ async def test_a_lookup_while_a_blocks_last_damaged_copy_is_deleted_does_not_fin
         await other.register_model(SPEC)
         keys = (await c.put(fp, toks, random_kv(SPEC, len(toks), seed=5))).keys
         assert srv.store.block(keys[1]).locations == ["dram", "nvme"]  # type: ignore[union-attr]
-        pool.view(keys[1])[-1] ^= 0x40
-        path = nvme.path_of(keys[1])
-        data = bytearray(path.read_bytes())
-        data[-1] ^= 0x40
-        path.write_bytes(bytes(data))
-        nvme.fault_hook = hold_first_delete
+        damage_pool_and_file(pool, nvme, keys[1])
+        nvme.fault_hook = held
         get = asyncio.create_task(c.get(fp, [keys[1]]))  # both copies fail: the block goes, its file unlinked
         try:
-            assert await asyncio.to_thread(entered.wait, 30), "the damaged file was never unlinked"
+            assert await asyncio.to_thread(held.entered.wait, 30), "the damaged file was never unlinked"
             looked = await other.lookup(fp, toks)  # while the unlink is held
             assert looked.matched_tokens == BLOCK_TOKENS  # the first block only
             n, got = await other.get_prefix(fp, toks)
             assert n == BLOCK_TOKENS
         finally:
-            go.set()
+            held.go.set()
         with pytest.raises(errors.DataLoss):
             await get
     assert srv.store.block(keys[1]) is None and srv.store.block(keys[0]) is not None

@@ -6,7 +6,6 @@ held in the tier's own fault hook, a byte flipped in the shared pool as a stray 
 from __future__ import annotations
 
 import asyncio
-import threading
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 from engram import errors
 from engram.client import EngramClient
 
-from helpers import BLOCK_TOKENS, random_kv, tiny_model, tokens, until
+from helpers import BLOCK_TOKENS, FirstIoHeld, damage_pool_and_file, random_kv, tiny_model, tokens, until
 
 SPEC = tiny_model()
 
@@ -33,22 +32,17 @@ async def test_a_demotion_of_a_block_dropped_meanwhile_leaves_the_block_put_agai
     pool, nvme = srv.store.tiers[0], srv.store.tiers[-1]
     a, b = tokens(BLOCK_TOKENS, seed=1), tokens(BLOCK_TOKENS, seed=2)
     kv_a, kv_b = random_kv(SPEC, BLOCK_TOKENS, seed=1), random_kv(SPEC, BLOCK_TOKENS, seed=2)
-    entered, go = threading.Event(), threading.Event()
-
-    def hold_first_write(op: str, path: Path) -> None:
-        if op == "write" and not entered.is_set():  # (in the tier's I/O thread)
-            entered.set()
-            go.wait(30)
+    held = FirstIoHeld("write")  # in the tier's I/O thread
 
     async with EngramClient(srv.address, namespace="d", zero_copy=False) as c, \
             EngramClient(srv.address, namespace="d", zero_copy=False) as other:
         fp = await c.register_model(SPEC)
         await other.register_model(SPEC)
         key = (await c.put(fp, a, kv_a)).keys[0]
-        nvme.fault_hook = hold_first_write
+        nvme.fault_hook = held
         putting_b = asyncio.create_task(other.put(fp, b, kv_b))  # room for B: A is demoted
         try:
-            assert await asyncio.to_thread(entered.wait, 30), "A's demotion never wrote to NVMe"
+            assert await asyncio.to_thread(held.entered.wait, 30), "A's demotion never wrote to NVMe"
             moving = srv.store.block(key)
             assert moving is not None and moving.moving and moving.locations == ["dram"]
             pool.view(key)[-1] ^= 0x40  # A's one copy damaged while it is moving
@@ -58,7 +52,7 @@ async def test_a_demotion_of_a_block_dropped_meanwhile_leaves_the_block_put_agai
             again = await c.put(fp, a, kv_a)  # A anew, in the slot the drop freed
             assert again.stored == 1 and again.keys[0] == key
         finally:
-            go.set()
+            held.go.set()
         assert (await putting_b).stored == 1
         got = await c.get(fp, [key])  # acknowledged stored: served
         assert torch.equal(got[0], kv_a)
@@ -78,12 +72,7 @@ async def test_a_read_that_outlives_its_block_leaves_the_block_put_again_and_its
     chain = tokens(2 * BLOCK_TOKENS, seed=1)
     a = chain[:BLOCK_TOKENS]
     kv_a, kv_again = random_kv(SPEC, BLOCK_TOKENS, seed=1), random_kv(SPEC, 2 * BLOCK_TOKENS, seed=3)
-    entered, go = threading.Event(), threading.Event()
-
-    def hold_first_read(op: str, path: Path) -> None:
-        if op == "read" and not entered.is_set():  # (in the tier's I/O thread)
-            entered.set()
-            go.wait(30)
+    held = FirstIoHeld("read")  # in the tier's I/O thread
 
     async with EngramClient(srv.address, namespace="d", zero_copy=False) as c, \
             EngramClient(srv.address, namespace="d", zero_copy=False) as other:
@@ -91,22 +80,18 @@ async def test_a_read_that_outlives_its_block_leaves_the_block_put_again_and_its
         await other.register_model(SPEC)
         key = (await c.put(fp, a, kv_a)).keys[0]
         assert srv.store.block(key).locations == ["dram", "nvme"]  # type: ignore[union-attr]
-        pool.view(key)[-1] ^= 0x40
-        path = nvme.path_of(key)
-        data = bytearray(path.read_bytes())
-        data[-1] ^= 0x40
-        path.write_bytes(bytes(data))
-        nvme.fault_hook = hold_first_read
+        damage_pool_and_file(pool, nvme, key)
+        nvme.fault_hook = held
         first = asyncio.create_task(c.get(fp, [key]))  # drops the pool copy, then its file read is held
         try:
-            assert await asyncio.to_thread(entered.wait, 30), "the first Get never read the NVMe file"
+            assert await asyncio.to_thread(held.entered.wait, 30), "the first Get never read the NVMe file"
             with pytest.raises(errors.DataLoss):
                 await other.get(fp, [key])  # the file fails: A leaves the store
             assert srv.store.block(key) is None
             again = await other.put(fp, chain, kv_again)  # A anew, and a child
             assert again.stored == 2 and again.not_durable == 0 and again.keys[0] == key
         finally:
-            go.set()
+            held.go.set()
         with pytest.raises(errors.DataLoss):
             await first  # its block's bytes are nowhere now
         got = await other.get(fp, list(again.keys))  # both acknowledged: served
@@ -125,12 +110,7 @@ async def test_a_demotion_that_outlives_its_block_leaves_the_nvme_file_of_the_bl
     pool, nvme = srv.store.tiers[0], srv.store.tiers[-1]
     a, b, c3 = (tokens(BLOCK_TOKENS, seed=s) for s in (1, 2, 3))
     kv_a, kv_b, kv_c = (random_kv(SPEC, BLOCK_TOKENS, seed=s) for s in (1, 2, 3))
-    entered, go = threading.Event(), threading.Event()
-
-    def hold_first_write(op: str, path: Path) -> None:
-        if op == "write" and not entered.is_set():  # (in the tier's I/O thread)
-            entered.set()
-            go.wait(30)
+    held = FirstIoHeld("write")  # in the tier's I/O thread
 
     async with EngramClient(srv.address, namespace="d", zero_copy=False) as c, \
             EngramClient(srv.address, namespace="d", zero_copy=False) as other, \
@@ -139,11 +119,11 @@ async def test_a_demotion_that_outlives_its_block_leaves_the_nvme_file_of_the_bl
         await other.register_model(SPEC)
         await third.register_model(SPEC)
         key = (await c.put(fp, a, kv_a)).keys[0]
-        nvme.fault_hook = hold_first_write
+        nvme.fault_hook = held
         putting_b = asyncio.create_task(other.put(fp, b, kv_b))  # room for B: A is demoted, its write held
         putting_c = None
         try:
-            assert await asyncio.to_thread(entered.wait, 30), "A's demotion never wrote to NVMe"
+            assert await asyncio.to_thread(held.entered.wait, 30), "A's demotion never wrote to NVMe"
             pool.view(key)[-1] ^= 0x40
             with pytest.raises(errors.DataLoss):
                 await c.get(fp, [key])  # dropped: A leaves the store
@@ -157,7 +137,7 @@ async def test_a_demotion_that_outlives_its_block_leaves_the_nvme_file_of_the_bl
 
             await until(demoted_or_demoting, "the block put again demoted to NVMe (or its demotion begun)")
         finally:
-            go.set()
+            held.go.set()
         assert (await putting_b).stored == 1
         assert putting_c is not None and (await putting_c).stored == 1
         got = await c.get(fp, [key])  # acknowledged stored: served
