@@ -13,7 +13,16 @@ import pytest
 from engram import errors
 from engram.client import EngramClient
 
-from helpers import BLOCK_TOKENS, FirstIoHeld, damage_pool_and_file, random_kv, tiny_model, tokens
+from helpers import (
+    BLOCK_TOKENS,
+    FirstIoHeld,
+    damage_pool_and_file,
+    random_kv,
+    rpcs_answered,
+    tiny_model,
+    tokens,
+    until,
+)
 
 SPEC = tiny_model()
 
@@ -75,4 +84,44 @@ async def test_a_get_of_a_block_whose_only_copy_its_tier_no_longer_holds_is_data
         assert srv.store.block(keys[1]) is None and srv.store.block(keys[0]) is not None
         assert (await c.stats()).corrupt_blocks == corrupt + 1
         assert (await c.lookup(fp, toks)).matched_tokens == BLOCK_TOKENS
+    assert (await srv.store.check(fix=False)).ok
+
+
+async def test_a_read_cancelled_while_a_blocks_last_damaged_copy_is_deleted_still_drops_what_extends_it(  # type: ignore[no-untyped-def]
+        server_factory, tmp_path: Path) -> None:
+    """A chain of three, the middle block's copies both damaged: a Get of it drops the pool copy, then the NVMe one,
+    its last, and the block leaves the index; the Get's caller goes while the file's unlink is held. The blocks
+    that extend it (the third) were dropped only after the unlink, so the cancel left them indexed under a parent
+    the index no longer holds: unreachable, holding room until evicted or a restart (a review, session 52). Now
+    they go all the same."""
+    srv = await server_factory(**{"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.write_policy": "write-through",
+                                  "server.metrics_port": -1})
+    pool, nvme = srv.store.tiers[0], srv.store.tiers[-1]
+    toks = tokens(3 * BLOCK_TOKENS, seed=6)
+    held = FirstIoHeld("delete")  # in the tier's I/O thread
+    async with EngramClient(srv.address, namespace="d", zero_copy=False, data_channel=False) as c:
+        fp = await c.register_model(SPEC)
+        keys = (await c.put(fp, toks, random_kv(SPEC, len(toks), seed=6))).keys
+        damage_pool_and_file(pool, nvme, keys[1])
+        nvme.fault_hook = held
+        get = asyncio.create_task(c.get(fp, [keys[1]]))
+        try:
+            assert await asyncio.to_thread(held.entered.wait, 30), "the damaged file was never unlinked"
+            assert srv.store.block(keys[1]) is None  # out of the index as its last copy's delete began
+            get.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await get
+
+            async def cut() -> bool:
+                return rpcs_answered(srv, "Get", "CANCELLED") == 1
+
+            await until(cut, "the daemon's Get cut while the unlink is held")
+        finally:
+            held.go.set()
+
+        async def dropped() -> bool:
+            return srv.store.block(keys[2]) is None
+
+        await until(dropped, "the block extending the lost one dropped")
+    assert srv.store.block(keys[0]) is not None
     assert (await srv.store.check(fix=False)).ok

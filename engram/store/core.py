@@ -39,7 +39,7 @@ from engram.block import (
     checksum_off_loop,
     copy_off_loop,
 )
-from engram.borrowed import in_thread
+from engram.borrowed import in_thread, to_its_end
 from engram.codec import stored
 from engram.errors import (
     DataLoss,
@@ -1077,9 +1077,11 @@ class BlockStore:
         copies on purpose, not through here."""
         placement, flusher = self.placement, self.flusher
         below: list[BlockMeta] = []
-        await placement.drop_copy(meta, tier_name, last=lambda: below.extend(recovery.forget_lost(self, meta)))
-        if below:
-            await recovery.drop_below(self, below, report)
+        try:
+            await placement.drop_copy(meta, tier_name, last=lambda: below.extend(recovery.forget_lost(self, meta)))
+        finally:
+            if below:  # even when the caller went during the delete: they would stay indexed under a lost parent
+                await to_its_end(asyncio.ensure_future(recovery.drop_below(self, below, report)))
         d = durable.durable_tier(placement)
         if (flusher is None or d is None or placement.tiers[d].name != tier_name or not meta.locations
                 or self.index.get(meta.key) is not meta):
