@@ -12,11 +12,18 @@ a SUFFIX-token question) is answered:
   to its GQA-aware attention (engram/integrations/hf_attention.py) unless `--stock-attention`; the "without" figures
   are taken before, with transformers' sdpa.
 
+`--compile`: the worker's forward compiled (`torch.compile(model.forward, dynamic=True)`) for both paths, so that
+a forward of a few tokens is not bound by eager transformers' kernel launches (30-40 ms on the lent hosts,
+whatever the context). Dynamic shapes: one compilation serves every prefix length; the loaded cache's append and
+the attention run eagerly between the compiled parts (engram/integrations). Compilation happens in the untimed
+warm-up requests.
+
 Tiers: "dram" (blocks in the daemon's shared pool), "hbm" (after a first hit the daemon promotes the blocks into
 its HBM pool in the background, and the next hits copy them device to device through CUDA IPC). Each figure is
 the median of ROUNDS requests after a warm-up; `match` says whether both paths chose the same first token.
 
     python -m benchmarks.ttft [--tokens 1024,4096,16384,32768] [--codecs raw,nvfp4] [--json FILE]
+    python -m benchmarks.ttft --compile [...]  # the worker's forward compiled (torch.compile, dynamic shapes)
     python -m benchmarks.ttft --smoke          # a tiny model on the CPU, under a minute
 """
 
@@ -126,7 +133,7 @@ def run(address: str, tier: str, args: argparse.Namespace, model: Any, device: t
                 rows.append({"tokens": n, "tier": tier, "codec": codec, "ttft_ms": ttft * 1e3,
                              "prefill_ms": plain[n][1] * 1e3, "speedup": plain[n][1] / ttft,
                              "loaded": got[0][2], "served_from": ",".join(sorted(where)),
-                             "match": got[0][0] == plain[n][0]})
+                             "match": got[0][0] == plain[n][0], "compiled": args.compile})
                 print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -152,6 +159,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, 512 and 2048 tokens")
     ap.add_argument("--stock-attention", action="store_true",
                     help="the worker keeps transformers' sdpa attention (EngramPrefixCache(gqa_attention=False))")
+    ap.add_argument("--compile", action="store_true",
+                    help="compile the worker's forward (torch.compile, dynamic shapes) for both paths")
     args = ap.parse_args()
     if args.smoke:
         args.device, args.tokens, args.rounds, args.hbm = "cpu", "512,2048", 3, False
@@ -159,6 +168,8 @@ def main() -> None:
     model = build_model(args.smoke, device)
     with torch.inference_mode():
         model(torch.zeros(1, 256, dtype=torch.long, device=device))  # kernels compiled before anything is timed
+    if args.compile:
+        model.forward = torch.compile(model.forward, dynamic=True)
     asks = requests(args, model, device)
     plain: dict[int, tuple[int, float]] = {}  # without Engram: transformers' own sdpa (before any EngramPrefixCache)
     for n, ids in asks.items():
@@ -173,7 +184,7 @@ def main() -> None:
         with engram_daemon("unix", dram="12GiB" if not args.smoke else "1GiB", extra=extra) as address:
             rows += run(address, tier, args, model, device, plain, asks)
     print(f"ttft, {datetime.date.today()}, {machine()}, device {args.device}, worker attention "
-          f"{'sdpa' if args.stock_attention else 'engram_sdpa'}"
+          f"{'sdpa' if args.stock_attention else 'engram_sdpa'}, forward {'compiled' if args.compile else 'eager'}"
           + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else ""))
     print(table(rows))
     if args.json:

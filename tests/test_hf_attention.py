@@ -215,3 +215,35 @@ def test_switching_a_multimodal_model_leaves_a_part_that_does_not_run_sdpa() -> 
         attn_implementation={"text_config": "sdpa", "vision_config": "eager", "": "sdpa"})
     assert use_gqa_attention(model) and model.config.text_config._attn_implementation == NAME
     assert model.config.vision_config._attn_implementation == "eager"
+
+
+def test_a_compiled_suffix_forward_attends_through_the_lower_right_op_with_no_mask_and_no_kv_head_copies() -> None:
+    """torch.compile of a switched model's suffix forward with no padding mask (what a hit's forward is): every layer's
+    graph calls `engram::lower_right_causal_sdpa` on the KV heads as stored, builds no mask and expands no KV heads,
+    and the logits equal the eager forward's. Before, traced, the mask function handed every layer transformers'
+    mask, and transformers' sdpa copied the KV heads for it (`repeat_kv`)."""
+    import torch._dynamo
+    from transformers import DynamicCache
+
+    ids = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(5))
+    model = tiny("llama", "sdpa")
+    assert use_gqa_attention(model)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        caches = [DynamicCache(config=model.config) for _ in range(2)]
+        for cache in caches:
+            model(ids[:, :30], **{cache_kwarg(model): cache})
+        want = model(ids[:, 30:], **{cache_kwarg(model): caches[0]}).logits
+        got = torch.compile(model, fullgraph=True, backend=keep)(ids[:, 30:], **{cache_kwarg(model): caches[1]}).logits
+    assert torch.allclose(got, want, atol=1e-5)
+    calls = [n for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    ours = [n for n in calls if "lower_right_causal_sdpa" in str(n.target)]
+    assert len(ours) == model.config.num_hidden_layers
+    assert not [n for n in calls if "scaled_dot_product_attention" in str(n.target)]  # transformers' sdpa: none
+    assert not [n for n in calls if str(n.target).endswith("expand") or "repeat_interleave" in str(n.target)]

@@ -36,10 +36,11 @@ def lower_right_causal_mask(*, batch_size: int, q_length: int, kv_length: int, q
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     if (allow_is_causal_skip and mask_function in (None, causal_mask_function) and local_size is None
-            and q_offset + q_length == kv_offset + kv_length and not torch.compiler.is_compiling()
-            and (attention_mask is None or (attention_mask.shape[-1] >= kv_offset + kv_length and bool(
-                attention_mask[:, kv_offset: kv_offset + kv_length].all())))):
-        return None  # (traced, the padding mask cannot be read: transformers' mask, as its own sdpa does)
+            and q_offset + q_length == kv_offset + kv_length
+            and (attention_mask is None or (not torch.compiler.is_compiling()
+                                            and attention_mask.shape[-1] >= kv_offset + kv_length and bool(
+                                                attention_mask[:, kv_offset: kv_offset + kv_length].all())))):
+        return None  # (traced, a padding mask cannot be read: transformers' mask, as its own sdpa does)
     given = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                  kv_offset=kv_offset, attention_mask=attention_mask, local_size=local_size, **kwargs)
     if mask_function is not None:
@@ -69,13 +70,30 @@ def attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor
                 if causal and q_len < kv_len else None)
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    bias: Any = None
     if causal and q_len < kv_len:
-        from torch.nn.attention.bias import causal_lower_right
-        bias = causal_lower_right(q_len, kv_len)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, is_causal=causal and bias is None,
-                                         scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+        return lower_right_causal_sdpa(query, key, value, scaling), None
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=causal, scale=scaling,
+                                         enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
+
+
+@torch.library.custom_op("engram::lower_right_causal_sdpa", mutates_args=())
+def lower_right_causal_sdpa(query: Tensor, key: Tensor, value: Tensor, scale: float | None) -> Tensor:
+    """SDPA of fewer queries than keys, causal aligned lower-right, over the KV heads as they are; out (B, q, Hq, D)
+    contiguous, as transformers' attention returns it. An operator of its own so that torch.compile takes it whole:
+    traced, the lower-right bias (a tensor subclass) is a graph break in every layer, and the kernel launches of a
+    forward of a few tokens are what compiling it saves."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(query.shape[2], key.shape[2]),
+                                         scale=scale, enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous()
+
+
+@lower_right_causal_sdpa.register_fake
+def _(query: Tensor, key: Tensor, value: Tensor, scale: float | None) -> Tensor:
+    b, heads, q, _ = query.shape
+    return query.new_empty((b, q, heads, value.shape[-1]))
 
 
 def _flash_takes(query: Tensor, key: Tensor, value: Tensor) -> bool:

@@ -7,6 +7,10 @@ buffer the loader wrote and that has room for the rest of the prompt and the tok
 of the new tokens into the room. Out of room it moves to buffers an eighth larger (at least 256 tokens more: one
 copy of the cache per so many appended tokens, where DynamicLayer makes one per forward); once transformers has
 replaced the layer's tensors itself (crop, beam reordering, batch expansion), it appends as DynamicLayer does.
+
+Under torch.compile the append runs eagerly, between the compiled parts of each layer: traced, it writes into views
+of one buffer that the graph also reads, which AOTAutograd's merge of aliased inputs fails on with dynamic shapes
+(torch 2.11-2.13), and its inference-tensor check is untraceable anyway.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class RoomyLayer(DynamicLayer):
         self._shown: tuple[Tensor, Tensor] | None = (keys, values)
         return keys, values
 
+    @torch.compiler.disable  # eager under torch.compile: see the module's docstring
     def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
         shown = self._shown if self.in_room else None
         n, new = (int(shown[0].shape[-2]) if shown else 0), int(key_states.shape[-2])
