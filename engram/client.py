@@ -75,6 +75,7 @@ FINISH_S = 30.0
 IN_PLACE_MIN_BYTES = 16 * 2**20  # host-memory puts smaller than this take the data channel (_in_place_pays)
 
 T = TypeVar("T")
+WireRequest = tuple[bytes, Sequence[bytes | memoryview]]  # a data-channel request: its metadata and its payloads
 log = logging.getLogger("engram.client")
 
 
@@ -716,17 +717,23 @@ class EngramClient(ControlClient):
         self._data = DataChannel(endpoint, self._token, self._root_cert, stall_s=self.timeout_s)
         return self._data
 
-    async def _exchange(self, data: DataChannel, kind: int, meta: bytes, body: Sequence[bytes | memoryview],
+    async def _exchange(self, data: DataChannel, kind: int, request: Callable[[DataChannel], WireRequest],
                         answer: Callable[[Conn], Coroutine[Any, Any, T]]) -> T:
         """One request and its answer. After the daemon's refusal (an ERROR frame, wire.Refused) the connection
         is closed here too: after some refusals the daemon closes it, and a pooled dead one failed the next call
         (over a unix socket as a broken pipe, and the request went twice). A connection that breaks before any
         answer (the daemon restarted since it was opened) is retried once on a new one, and a daemon not found
         at its announced address is asked for it again, or, where another call already did (this channel
-        retired), the request goes on on the channel that call found: Put and Get are both idempotent. A daemon
-        that stops taking or sending bytes for timeout_s (wire.Stalled) is not tried again: DeadlineExceeded."""
+        retired), the request goes on on the channel that call found: Put and Get are both idempotent. The request
+        is `request(channel)`, made again for each channel it goes on: a Put's part is sized by that channel's
+        limit (a part made for the old one could exceed the new one's and be refused). A daemon that stops taking
+        or sending bytes for timeout_s (wire.Stalled) is not tried again: DeadlineExceeded."""
         retried = refreshed = False
+        made_for: DataChannel | None = None
         while True:
+            if made_for is not data:
+                meta, body = request(data)
+                made_for = data
             try:
                 return await data.exchange(kind, meta, body, answer)
             except wire.Refused as refused:
@@ -773,18 +780,22 @@ class EngramClient(ControlClient):
                         blocks: list[tuple[pb.BlockHeader, bytes | memoryview]]) -> PutReply:
         """A chain as data-channel Puts: the blocks' headers, then their payloads as they lie (a raw CPU
         tensor is sent from its own memory). A chain over the daemon's request limit goes in several Puts,
-        each after the last key of the one before, each sized by the limit of the channel it goes on."""
+        each after the last key of the one before, each sized by the limit of the channel it goes on: a part
+        that moves to another channel, between parts or midway (_exchange), is sized again for it."""
         keys: list[bytes] = []
         stored_n = dedup = not_durable = 0
-        start, limit = 0, 0
-        while start < len(blocks) or (not keys and start == 0):
-            if self._data is not None:  # another call replaced the channel since the last part: its successor
-                data = self._data
-            # That channel's daemon (restarted) may take less: the parts sized by the old one's limit were refused
-            if limit != (now := data.endpoint.max_request_bytes or 1 << 62):
-                limit = now
+        start = end = fits = 0  # fits: a limit every block from `start` on was found within
+
+        def part_for(channel: DataChannel) -> WireRequest:
+            """The part from `start` as the channel takes it (its end in `end`): as many blocks as its limit and
+            the daemon's server.max_blocks_per_request allow. That channel's daemon (restarted) may take less than
+            the one before: a part sized by the old limit was refused."""
+            nonlocal end, fits
+            limit = channel.endpoint.max_request_bytes or 1 << 62
+            if limit != fits:
                 if any(h.payload_nbytes > limit for h, _ in blocks[start:]):  # one refused whole: gRPC chunks it
                     raise wire.ChannelFull(f"a block exceeds the data channel's request limit of {limit} bytes")
+                fits = limit
             end, size = start, 0
             while end < len(blocks) and end - start < self._max_blocks and (
                     end == start or size + blocks[end][0].payload_nbytes <= limit):
@@ -799,19 +810,23 @@ class EngramClient(ControlClient):
             # storing from its kernel buffers (a slow disk under write-through) is not cut at timeout_s.
             meta = pb.DataPut(header=head, blocks=[h for h, _ in part], progress_every_ms=self._progress_every_ms
                               ).SerializeToString()
+            return meta, [p for _, p in part]
 
-            async def answer(conn: Conn) -> pb.PutResponse:
+        async def answer(conn: Conn) -> pb.PutResponse:
+            kind, meta, body = await conn.read_frame()
+            while kind == wire.PROGRESS and not body:
                 kind, meta, body = await conn.read_frame()
-                while kind == wire.PROGRESS and not body:
-                    kind, meta, body = await conn.read_frame()
-                if kind == wire.ERROR and not body:
-                    raise wire.Refused(wire.error_of(meta))
-                if kind != wire.PUT_OK or body:
-                    raise errors.DataLoss(f"data channel: a Put answered with frame kind {kind:#x}")
-                return pb.PutResponse.FromString(bytes(meta))
+            if kind == wire.ERROR and not body:
+                raise wire.Refused(wire.error_of(meta))
+            if kind != wire.PUT_OK or body:
+                raise errors.DataLoss(f"data channel: a Put answered with frame kind {kind:#x}")
+            return pb.PutResponse.FromString(bytes(meta))
 
+        while start < len(blocks) or (not keys and start == 0):
+            if self._data is not None:  # another call replaced the channel since the last part: its successor
+                data = self._data
             try:
-                reply = await self._exchange(data, wire.PUT, meta, [p for _, p in part], answer)
+                reply = await self._exchange(data, wire.PUT, part_for, answer)
             except errors.EngramError as exc:
                 raise _in_chain(exc, start) from exc
             keys += list(reply.keys)
@@ -846,7 +861,8 @@ class EngramClient(ControlClient):
                     await conn.recv_into(memoryview(payload.numpy()))  # type: ignore[arg-type]
                 out.append((header, payload))
 
-        got = await self._exchange(data, wire.GET, req.SerializeToString(), (), answer)
+        meta = req.SerializeToString()
+        got = await self._exchange(data, wire.GET, lambda _: (meta, ()), answer)
         if len(got) != len(req.keys):
             raise errors.DataLoss(f"Get returned {len(got)} of {len(req.keys)} blocks")
         return got

@@ -1246,3 +1246,45 @@ async def test_a_chained_put_going_on_on_a_new_data_channel_splits_its_parts_by_
         assert served(srv)["put"] == 1 + 1 + 4  # the small put, then 2 blocks on the old channel, 1 a Put after
         n, got = await c.get_prefix(fp, toks)
         assert n == len(toks) and torch.equal(got, kv)
+
+
+@pytest.mark.parametrize("transport", ["tcp"])
+async def test_a_chained_puts_part_that_moves_to_a_new_data_channel_midway_is_sized_again_by_its_limit(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A chained put's first part (two blocks, the daemon's limit) is on its way when the daemon restarts: its
+    connection breaks, and the data channel now listens on another port (data_port 0) and takes one block a Put
+    (a smaller server.data_max_request_bytes). The client tries the old port again, finds it closed, asks for the
+    endpoint and sends the part again on the new channel. It sent the part as sized for the old channel, and the
+    daemon refused it (ResourceExhausted: a Put of two blocks' bytes exceeds the server's limit); the part is now
+    sized by the limit of the channel it goes on, and every block is stored."""
+    spec = tiny_model()
+    block = spec.layout.block_nbytes(16)
+    srv = await server_factory(**{"server.data_max_request_bytes": 2 * block})
+    port = srv.service.dataport
+    toks, small = tokens(4 * 16, seed=7), tokens(16, seed=8)
+    kv = random_kv(spec, len(toks), seed=7)
+    receive, first_part_in, restarted = port._receive, asyncio.Event(), asyncio.Event()
+
+    async def broken(conn, n):  # type: ignore[no-untyped-def]
+        if not first_part_in.is_set():  # the first part, past the limit's check: its connection ends with the move
+            first_part_in.set()
+            await restarted.wait()
+            raise ConnectionResetError("the daemon restarted")
+        return await receive(conn, n)
+
+    async with EngramClient(srv.address, namespace=NS, zero_copy=False) as c:
+        fp = await c.register_model(spec)
+        await c.put(fp, small, random_kv(spec, len(small), seed=8))
+        old = c._data
+        port._receive = broken  # type: ignore[method-assign]
+        putting = asyncio.create_task(c.put(fp, toks, kv))
+        await first_part_in.wait()
+        port.config = dataclasses.replace(port.config, data_max_request_bytes=block)  # announced and enforced
+        await move_tcp_listener(port)
+        restarted.set()
+        put = await putting
+        assert c._data is not old and c._data is not None and c._data.endpoint.max_request_bytes == block
+        assert (put.stored, put.deduplicated) == (4, 0)
+        assert served(srv)["put"] == 1 + 4 and served(srv)["refused"] == 0  # the small put, then a block a Put
+        n, got = await c.get_prefix(fp, toks)
+        assert n == len(toks) and torch.equal(got, kv)
+
