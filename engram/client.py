@@ -632,10 +632,14 @@ class EngramClient(ControlClient):
         items = [encoded(toks, kv) for toks, kv in blocks]
         for header, payload in items:
             header.checksum = await checksum_off_loop(payload)
+        reply = pb.PutResponse()  # what the daemon stored, from every part, over the data channel then gRPC
         data = await self._data_channel()
         if data is not None:
-            with contextlib.suppress(wire.ChannelFull):  # its connections are all taken: gRPC may take the call
-                return await self._put_data(data, put, items)
+            # Its connections are all taken, or a block exceeds its limit: gRPC takes the chain from the first
+            # block the channel did not store (those it stored are counted as it counted them, not sent again).
+            with contextlib.suppress(wire.ChannelFull):
+                await self._put_data(data, put, items, reply)
+                return convert.from_pb(PutReply, reply)
 
         async def requests(head: pb.PutHeader, part: list[tuple[pb.BlockHeader, bytes | memoryview]],
                            progress: deadline.Progress) -> AsyncIterator[bytes]:
@@ -652,8 +656,7 @@ class EngramClient(ControlClient):
 
         # A chain longer than the daemon's server.max_blocks_per_request goes in several Puts, each after the last
         # key of the one before.
-        reply = pb.PutResponse()
-        for start in range(0, max(len(items), 1), self._max_blocks):
+        for start in range(len(reply.keys), max(len(items), 1), self._max_blocks):
             head = pb.PutHeader()
             head.CopyFrom(put)
             if reply.keys:
@@ -777,13 +780,14 @@ class EngramClient(ControlClient):
         return min(max(1, int(self.timeout_s * 1000 / 3)), 2**32 - 1)
 
     async def _put_data(self, data: DataChannel, put: pb.PutHeader,
-                        blocks: list[tuple[pb.BlockHeader, bytes | memoryview]]) -> PutReply:
+                        blocks: list[tuple[pb.BlockHeader, bytes | memoryview]], reply: pb.PutResponse) -> None:
         """A chain as data-channel Puts: the blocks' headers, then their payloads as they lie (a raw CPU
         tensor is sent from its own memory). A chain over the daemon's request limit goes in several Puts,
         each after the last key of the one before, each sized by the limit of the channel it goes on: a part
-        that moves to another channel, between parts or midway (_exchange), is sized again for it."""
-        keys: list[bytes] = []
-        stored_n = dedup = not_durable = 0
+        that moves to another channel, between parts or midway (_exchange), is sized again for it. Each part's
+        answer is added to `reply` (keys and counts) as it comes: where a part cannot go on the channel
+        (ChannelFull), the caller goes on after the blocks the channel stored."""
+        keys = reply.keys
         start = end = fits = 0  # fits: a limit every block from `start` on was found within
 
         def part_for(channel: DataChannel) -> WireRequest:
@@ -826,17 +830,16 @@ class EngramClient(ControlClient):
             if self._data is not None:  # another call replaced the channel since the last part: its successor
                 data = self._data
             try:
-                reply = await self._exchange(data, wire.PUT, part_for, answer)
+                got = await self._exchange(data, wire.PUT, part_for, answer)
             except errors.EngramError as exc:
                 raise _in_chain(exc, start) from exc
-            keys += list(reply.keys)
-            stored_n, dedup, not_durable = (stored_n + reply.stored, dedup + reply.deduplicated,
-                                            not_durable + reply.not_durable)
+            keys.extend(got.keys)
+            reply.stored += got.stored
+            reply.deduplicated += got.deduplicated
+            reply.not_durable += got.not_durable
             start = end
             if not blocks:
                 break
-        return convert.from_pb(PutReply, pb.PutResponse(keys=keys, stored=stored_n, deduplicated=dedup,
-                                                        not_durable=not_durable))
 
     async def _get_data(self, data: DataChannel, req: pb.GetRequest) -> list[tuple[pb.BlockHeader, torch.Tensor]]:
         """Blocks over the data channel as (header, payload), each payload read straight into a uint8 tensor

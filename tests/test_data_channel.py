@@ -1288,3 +1288,42 @@ async def test_a_chained_puts_part_that_moves_to_a_new_data_channel_midway_is_si
         n, got = await c.get_prefix(fp, toks)
         assert n == len(toks) and torch.equal(got, kv)
 
+
+@pytest.mark.parametrize("transport", ["tcp"])
+async def test_a_chained_put_that_falls_back_to_grpc_midway_counts_what_the_data_channel_stored_as_stored(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A chained put's first part (two blocks) is stored over the data channel; meanwhile the channel moves and
+    another call finds the new one, whose daemon takes less than a block a Put: the rest of the chain cannot go on
+    the data channel (ChannelFull) and goes over gRPC. The put sent the whole chain again over gRPC and said the
+    two blocks the data channel had stored were deduplicated (stored 4, deduplicated 2, for a chain of 6 new
+    blocks); it now goes on over gRPC after the last block the channel stored, and counts every block as a put
+    that never fell back would: stored 6, deduplicated 0."""
+    spec = tiny_model()
+    block = spec.layout.block_nbytes(16)
+    srv = await server_factory(**{"server.data_max_request_bytes": 2 * block, "server.metrics_port": -1})
+    port = srv.service.dataport
+    toks, small = tokens(6 * 16, seed=9), tokens(16, seed=10)
+    kv = random_kv(spec, len(toks), seed=9)
+    receive, first_part_in, release = port._receive, asyncio.Event(), asyncio.Event()
+
+    async def held(conn, n):  # type: ignore[no-untyped-def]
+        if not first_part_in.is_set():  # the chained put's first part, past the limit's check, waits for the move
+            first_part_in.set()
+            await release.wait()
+        return await receive(conn, n)
+
+    async with EngramClient(srv.address, namespace=NS, zero_copy=False) as c:
+        fp = await c.register_model(spec)
+        small_keys = list((await c.put(fp, small, random_kv(spec, len(small), seed=10))).keys)
+        port._receive = held  # type: ignore[method-assign]
+        putting = asyncio.create_task(c.put(fp, toks, kv))
+        await first_part_in.wait()
+        port.config = dataclasses.replace(port.config, data_max_request_bytes=block - 1)  # not a block a Put
+        await move_tcp_listener(port)
+        await c.get(fp, small_keys)  # the old port refuses: this call asks again, the old channel retires
+        release.set()
+        put = await putting
+        assert (put.stored, put.deduplicated) == (6, 0)
+        assert served(srv)["put"] == 1 + 1  # the small put, then the first part; the rest over gRPC, once
+        assert rpcs_answered(srv, "Put") == 1
+        n, got = await c.get_prefix(fp, toks)
+        assert n == len(toks) and torch.equal(got, kv)
