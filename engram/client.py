@@ -725,12 +725,14 @@ class EngramClient(ControlClient):
         """One request and its answer. After the daemon's refusal (an ERROR frame, wire.Refused) the connection
         is closed here too: after some refusals the daemon closes it, and a pooled dead one failed the next call
         (over a unix socket as a broken pipe, and the request went twice). A connection that breaks before any
-        answer (the daemon restarted since it was opened) is retried once on a new one, and a daemon not found
-        at its announced address is asked for it again, or, where another call already did (this channel
-        retired), the request goes on on the channel that call found: Put and Get are both idempotent. The request
-        is `request(channel)`, made again for each channel it goes on: a Put's part is sized by that channel's
-        limit (a part made for the old one could exceed the new one's and be refused). A daemon that stops taking
-        or sending bytes for timeout_s (wire.Stalled) is not tried again: DeadlineExceeded."""
+        answer (the daemon restarted since it was opened) is retried once on a new one, of the channel another
+        call found meanwhile where this one retired (the old address may answer again, its limit no longer
+        true), and a daemon not found at its announced address is asked for it again, or, where another call
+        already did (this channel retired), the request goes on on the channel that call found: Put and Get are
+        both idempotent. The request is `request(channel)`, made again for each channel it goes on: a Put's part
+        is sized by that channel's limit (a part made for the old one could exceed the new one's and be
+        refused). A daemon that stops taking or sending bytes for timeout_s (wire.Stalled) is not tried again:
+        DeadlineExceeded."""
         retried = refreshed = False
         made_for: DataChannel | None = None
         while True:
@@ -750,6 +752,8 @@ class EngramClient(ControlClient):
                     raise errors.Unavailable(f"the data channel to {self.address} broke: {exc}") from exc
                 retried = True
                 data.drop_idle()  # its other idle connections went the same way
+                if self._data is not None and self._data is not data:  # retired meanwhile: where the daemon is now
+                    data = self._data
                 continue
             except errors.Unavailable as exc:
                 if refreshed or isinstance(exc, errors.DeadlineExceeded):

@@ -1327,3 +1327,60 @@ async def test_a_chained_put_that_falls_back_to_grpc_midway_counts_what_the_data
         assert rpcs_answered(srv, "Put") == 1
         n, got = await c.get_prefix(fp, toks)
         assert n == len(toks) and torch.equal(got, kv)
+
+
+@pytest.mark.parametrize("transport", ["tcp"])
+async def test_a_chained_puts_part_whose_connection_breaks_goes_on_on_the_channel_another_call_found(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """The daemon restarts on the same data port with a smaller server.data_max_request_bytes (one block a Put, from
+    two) while a chained put's first part is on its way. Another call of the client, dialling in the gap, found the
+    port closed and asked for the endpoint again: a new channel that knows the smaller limit, the old one retired.
+    Then the part's connection breaks. Its retry went to the retired channel it began on, whose port answers again,
+    with the part sized by the old limit: the daemon refused it (ResourceExhausted: a Put of two blocks' bytes
+    exceeds the server's limit), the chain half stored. The retry now goes on on the channel the other call found,
+    the part sized by that channel's limit, and every block is stored."""
+    spec = tiny_model()
+    block = spec.layout.block_nbytes(16)
+    srv = await server_factory(**{"server.data_max_request_bytes": 2 * block})
+    port = srv.service.dataport
+    toks, small = tokens(4 * 16, seed=13), tokens(16, seed=14)
+    kv = random_kv(spec, len(toks), seed=13)
+    receive, first_part_in, restarted = port._receive, asyncio.Event(), asyncio.Event()
+
+    async def broken(conn, n):  # type: ignore[no-untyped-def]
+        if not first_part_in.is_set():  # the first part, past the limit's check: its connection ends with the restart
+            first_part_in.set()
+            await restarted.wait()
+            raise ConnectionResetError("the daemon restarted")
+        return await receive(conn, n)
+
+    async with EngramClient(srv.address, namespace=NS, zero_copy=False) as c:
+        fp = await c.register_model(spec)
+        small_keys = list((await c.put(fp, small, random_kv(spec, len(small), seed=14))).keys)
+        old = c._data
+        real_ask, asked, answer_ask = c._stub.DataEndpoint, asyncio.Event(), asyncio.Event()
+
+        async def held_ask(req, **kw):  # type: ignore[no-untyped-def]
+            asked.set()  # answered once the daemon listens again
+            await answer_ask.wait()
+            return await real_ask(req, **kw)
+
+        port._receive = broken  # type: ignore[method-assign]
+        putting = asyncio.create_task(c.put(fp, toks, kv))
+        await first_part_in.wait()
+        data_port, listener = port.tcp_port, port._listeners[0]
+        port._accepting[0].cancel()
+        listener.close()  # the restart's gap
+        port.config = dataclasses.replace(port.config, data_max_request_bytes=block)  # announced and enforced
+        c._stub.DataEndpoint = held_ask
+        getting = asyncio.create_task(c.get(fp, small_keys))  # the port is closed: this call asks again
+        await asked.wait()
+        await port.start_tcp("127.0.0.1", data_port, None)  # back, on the same port
+        answer_ask.set()
+        await getting
+        assert c._data is not old and c._data is not None and c._data.endpoint.max_request_bytes == block
+        restarted.set()
+        put = await putting
+        assert (put.stored, put.deduplicated) == (4, 0)
+        assert served(srv)["refused"] == 0 and served(srv)["put"] == 1 + 4  # the small put, then a block a Put
+        n, got = await c.get_prefix(fp, toks)
+        assert n == len(toks) and torch.equal(got, kv)
