@@ -1384,3 +1384,61 @@ async def test_a_chained_puts_part_whose_connection_breaks_goes_on_on_the_channe
         assert served(srv)["refused"] == 0 and served(srv)["put"] == 1 + 4  # the small put, then a block a Put
         n, got = await c.get_prefix(fp, toks)
         assert n == len(toks) and torch.equal(got, kv)
+
+
+@pytest.mark.parametrize("transport", ["tcp"])
+async def test_close_cuts_a_chained_puts_next_part_running_on_the_retired_channel_it_began_on(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """The daemon leaves its data port for a moment while a chained put's first part is on its way; another call
+    finds the port closed and asks for the endpoint again, retiring the channel. The part is stored, and the put's
+    next part, with the new channel not yet known, goes on on the retired one (the daemon is back on the same
+    port). The client's close() cuts that part (ClientClosed) and its connection ends with the client: the retired
+    channel is kept for close() from the moment it retired, since a part was running on it then, and nothing lets
+    the next part begin between the two (no await: no call can retire or forget it meanwhile)."""
+    spec = tiny_model()
+    block = spec.layout.block_nbytes(16)
+    srv = await server_factory(**{"server.data_max_request_bytes": 2 * block})
+    port = srv.service.dataport
+    toks, small = tokens(6 * 16, seed=11), tokens(16, seed=12)
+    kv = random_kv(spec, len(toks), seed=11)
+    receive, parts_in, first_stored, closed = port._receive, [], asyncio.Event(), asyncio.Event()
+
+    async def held(conn, n):  # type: ignore[no-untyped-def]
+        if conn not in parts_in:  # each part's first block waits: the first for the move, the second for close()
+            parts_in.append(conn)
+            await (first_stored if len(parts_in) == 1 else closed).wait()
+        return await receive(conn, n)
+
+    c = EngramClient(srv.address, namespace=NS, zero_copy=False)
+    try:
+        fp = await c.register_model(spec)
+        small_keys = list((await c.put(fp, small, random_kv(spec, len(small), seed=12))).keys)
+        old = c._data
+        real_ask, asked, answer_ask = c._stub.DataEndpoint, asyncio.Event(), asyncio.Event()
+
+        async def held_ask(req, **kw):  # type: ignore[no-untyped-def]
+            asked.set()  # answered once the put's next part runs
+            await answer_ask.wait()
+            return await real_ask(req, **kw)
+
+        port._receive = held  # type: ignore[method-assign]
+        putting = asyncio.create_task(c.put(fp, toks, kv))
+        await until(lambda: parts_in, "the daemon receiving the first part")
+        data_port, listener = port.tcp_port, port._listeners[0]
+        port._accepting[0].cancel()
+        listener.close()
+        c._stub.DataEndpoint = held_ask
+        getting = asyncio.create_task(c.get(fp, small_keys))  # the port is closed: this call asks again
+        await asked.wait()
+        assert c._data is None and old is not None and old in c._data_replaced
+        await port.start_tcp("127.0.0.1", data_port, None)  # back, on the same port
+        first_stored.set()
+        await until(lambda: len(parts_in) == 2, "the daemon receiving the next part, on the retired channel's port")
+        assert old.busy() and c._data is None
+        answer_ask.set()
+        await getting
+    finally:
+        await c.close()
+        closed.set()
+    with pytest.raises(errors.ClientClosed):
+        await putting
+    await until(lambda: not port._conns, "the daemon seeing every data connection of the closed client end")
