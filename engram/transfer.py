@@ -29,7 +29,7 @@ import torch
 
 from engram.block import checksum, checksums
 from engram.borrowed import to_its_end
-from engram.errors import InvalidArgument, NotFound, ResourceExhausted
+from engram.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted
 from engram.index import BlockMeta
 from engram.store import BlockStore
 from engram.tiers.pool import PoolTier
@@ -226,12 +226,13 @@ async def copy_blocks(store: BlockStore, metas: Sequence[BlockMeta], engine: Tra
     for meta in damaged:  # its source copy read again (a rare path): dropped as damaged if it fails, as a read
         # drops it (a copy that failed from a sound source was damaged on the way: it is only not made)
         if store.block(meta.key) is meta and src in meta.locations and not meta.moving:
-            try:
-                bad = checksum(await lower.read(meta.key)) != meta.checksum
-            except NotFound:
-                continue  # gone meanwhile
-            if bad:
-                await store.damaged_in_a_move(meta, src, f"a batched copy to {dst}")
+            try:  # (no await before the pool's lookup: the block lists its copy there as read)
+                problem = (None if checksum(await lower.read(meta.key)) == meta.checksum
+                           else DataLoss(f"block {meta.key.hex()} failed its checksum in tier {src}"))
+            except NotFound as exc:  # the index lists a copy the pool lacks: lost, as a read finds it
+                problem = DataLoss(f"{exc}, though the index listed a copy there")
+            if problem is not None:
+                await store.damaged_in_a_move(meta, src, problem, f"a batched copy to {dst}")
     return len(started) - len(damaged)
 
 

@@ -9,6 +9,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+import torch
 
 from engram import errors
 from engram.client import EngramClient
@@ -124,4 +125,35 @@ async def test_a_read_cancelled_while_a_blocks_last_damaged_copy_is_deleted_stil
 
         await until(dropped, "the block extending the lost one dropped")
     assert srv.store.block(keys[0]) is not None
+    assert (await srv.store.check(fix=False)).ok
+
+
+async def test_a_demotion_of_a_block_whose_pool_copy_its_tier_no_longer_holds_drops_it_and_makes_the_room(  # type: ignore[no-untyped-def]
+        server_factory, tmp_path: Path) -> None:
+    """A pool of two blocks, write-back (blocks held in the pool alone, not yet flushed), NVMe below. A's slot is
+    freed behind the index's back (the mismatch a stale move that deletes by key leaves), and B and C fill the
+    pool. A put of D must make room, and A, the oldest, is demoted: no copy to write down. The pool's NotFound went
+    through make_room to D's put, which failed NOT_FOUND in the pool's words about A ("not in the dram tier"), as
+    every later put that needed room; now A's copy is lost as a read finds it (counted corrupt, A leaves the
+    store) and D is stored."""
+    block = SPEC.layout.block_nbytes(BLOCK_TOKENS)
+    srv = await server_factory(**{"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.dram.capacity": 2 * block,
+                                  "tiers.dram.page_bytes": 256, "tiers.write_back_window_s": 3600})
+    pool = srv.store.tiers[0]
+    a, b, c3, d = (tokens(BLOCK_TOKENS, seed=s) for s in (1, 2, 3, 4))
+    async with EngramClient(srv.address, namespace="d", zero_copy=False) as c:
+        fp = await c.register_model(SPEC)
+        key = (await c.put(fp, a, random_kv(SPEC, BLOCK_TOKENS, seed=1))).keys[0]
+        pool.delete_now(key)  # the index still lists the copy
+        assert srv.store.block(key).locations == ["dram"]  # type: ignore[union-attr]
+        await c.put(fp, b, random_kv(SPEC, BLOCK_TOKENS, seed=2))  # in A's room
+        await c.put(fp, c3, random_kv(SPEC, BLOCK_TOKENS, seed=3))  # the pool is full
+        corrupt = (await c.stats()).corrupt_blocks
+        kv_d = random_kv(SPEC, BLOCK_TOKENS, seed=4)
+        put = await c.put(fp, d, kv_d)
+        assert put.stored == 1
+        assert srv.store.block(key) is None
+        assert (await c.stats()).corrupt_blocks == corrupt + 1
+        assert (await c.lookup(fp, a)).matched_tokens == 0
+        assert torch.equal((await c.get(fp, list(put.keys)))[0], kv_d)
     assert (await srv.store.check(fix=False)).ok

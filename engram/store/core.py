@@ -908,14 +908,18 @@ class BlockStore:
             tc.io_errors += 1
         await self.drop_damaged_copy(meta, name)
 
-    async def damaged_in_a_move(self, meta: BlockMeta, name: str, move: str = "a demotion") -> None:
-        """A copy that a move found damaged, instead of copying it (a demotion: Placement.damaged; a batched copy
-        between pools: engram/transfer.py): dropped and counted as a read drops it, the block with it (and what
-        extends it) when no copy is left. No caller hears of it: the log says so."""
-        await self._copy_failed(meta, name, DataLoss(f"block {meta.key.hex()} failed its checksum in tier {name}"))
+    async def damaged_in_a_move(self, meta: BlockMeta, name: str, problem: DataLoss | None = None,
+                                move: str = "a demotion") -> None:
+        """A copy that a move found damaged or missing from its tier (`problem`; None: it failed its checksum),
+        instead of copying it (a demotion: Placement.damaged; a batched copy between pools: engram/transfer.py):
+        dropped and counted as a read drops it, the block with it (and what extends it) when no copy is left. No
+        caller hears of it: the log says so."""
+        if problem is None:
+            problem = DataLoss(f"block {meta.key.hex()} failed its checksum in tier {name}")
+        await self._copy_failed(meta, name, problem)
         if not meta.locations:
             await recovery.drop_lost(self, meta)
-        self.note_dropped(meta, name, "it failed its checksum (not copied)", move)
+        self.note_dropped(meta, name, f"{problem} (not copied)", move)
 
     async def prefetch(self, metas: Iterable[BlockMeta]) -> int:
         """Copy blocks held below the top tier up into it before they are asked for (a session due back soon,

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from engram.block import COPY_OFF_LOOP_BYTES, Payload, checksum, checksum_off_loop, copied
 from engram.borrowed import in_thread
-from engram.errors import DataLoss, FailedPrecondition, ResourceExhausted, StorageFull, Unavailable
+from engram.errors import DataLoss, FailedPrecondition, NotFound, ResourceExhausted, StorageFull, Unavailable
 from engram.eviction import ReturnModel, TierVictims
 from engram.index import BlockMeta, ChainIndex
 from engram.store.counters import StoreCounters, TierHealth
@@ -65,9 +65,10 @@ class Placement:
     tiers: list[Tier]
     index: ChainIndex
     counters: StoreCounters
-    # A copy a demotion found damaged (it failed its checksum): the store drops it as a read would, counted
-    # (BlockStore.drop_damaged_copy; with it the block, when no copy is left), instead of writing it down.
-    damaged: Callable[[BlockMeta, str], Awaitable[None]]
+    # A copy a demotion found damaged (it failed its checksum) or missing from its tier, and why: the store drops
+    # it as a read would, counted (BlockStore.drop_damaged_copy; with it the block, when no copy is left), instead
+    # of writing it down.
+    damaged: Callable[[BlockMeta, str, DataLoss], Awaitable[None]]
     retry_s: float = 5.0
     wait_for_room_s: float = 10.0
 
@@ -248,15 +249,15 @@ class Placement:
         meta.moving = True
         self.busy += 1
         try:
-            payload, sound = await self._copy_out(i, meta)  # the flusher's check (BlockStore._read_verified)
-            if sound:
+            payload, problem = await self._copy_out(i, meta)  # the flusher's check (BlockStore._read_verified)
+            if problem is None:
                 await self.place(meta, j, payload, wait=wait)  # a promotion's room below waits on no lease either
         finally:
             meta.moving = False
             self.busy -= 1
             self.notify_freed()
-        if not sound:
-            await self.damaged(meta, self.tiers[i].name)
+        if problem is not None:
+            await self.damaged(meta, self.tiers[i].name, problem)
             return False
         tc = self.counters.tiers[self.tiers[i].name]
         tc.demotions += 1
@@ -267,19 +268,27 @@ class Placement:
         await self.drop_copy(meta, self.tiers[i].name)
         return True
 
-    async def _copy_out(self, i: int, meta: BlockMeta) -> tuple[Payload, bool]:
-        """A moving block's copy in tier i, and whether it matches the block's checksum. A large one in a host pool
-        is copied out of its slot and hashed in one worker thread (on the loop, a copy into fresh pages and an xxh3
-        made most of the steps over 2 ms of a raw 16 MiB put beside demotions: benchmarks/RESULTS.md, put_get,
-        session 51), awaited to its end even by a cancelled demotion, whose block stays moving (its slot kept)
-        until then; any other is read, and hashed off the loop when large."""
+    async def _copy_out(self, i: int, meta: BlockMeta) -> tuple[Payload, DataLoss | None]:
+        """A moving block's copy in tier i, and what is wrong with it: None when it matches the block's checksum,
+        else the DataLoss its drop is counted as (it failed its checksum, or the tier does not hold the copy the
+        index lists: lost, as `BlockStore._read_verified` finds it, where the tier's NotFound went through
+        make_room to the put that needed the room). A large one in a host pool is copied out of its slot and
+        hashed in one worker thread (on the loop, a copy into fresh pages and an xxh3 made most of the steps over
+        2 ms of a raw 16 MiB put beside demotions: benchmarks/RESULTS.md, put_get, session 51), awaited to its end
+        even by a cancelled demotion, whose block stays moving (its slot kept) until then; any other is read, and
+        hashed off the loop when large."""
         tier = self.tiers[i]
         view = getattr(tier, "view", None)  # a pool's slot in place (None for one in HBM)
-        in_place = view(meta.key) if view is not None and meta.nbytes >= COPY_OFF_LOOP_BYTES else None
-        if in_place is not None:
-            return await in_thread(_copied_and_checked, in_place, meta.checksum)
-        payload = await tier.read(meta.key)
-        return payload, await checksum_off_loop(payload) == meta.checksum
+        try:
+            in_place = view(meta.key) if view is not None and meta.nbytes >= COPY_OFF_LOOP_BYTES else None
+            if in_place is not None:
+                payload, sound = await in_thread(_copied_and_checked, in_place, meta.checksum)
+            else:
+                payload = await tier.read(meta.key)
+                sound = await checksum_off_loop(payload) == meta.checksum
+        except NotFound as exc:
+            return b"", DataLoss(f"{exc}, though the index listed a copy there")
+        return payload, None if sound else DataLoss(f"block {meta.key.hex()} failed its checksum in tier {tier.name}")
 
     async def promote(self, meta: BlockMeta, payload: Payload) -> None:
         """Copy a block read from a lower tier into the top tier, if room can be made without waiting."""
