@@ -36,6 +36,11 @@ log = logging.getLogger("engram.sealing")
 # hung helper held its commit forever (a cancelled one waits for its exchange to end), and every later commit whose
 # tasks it drew, its lock being held.
 ANSWER_S = 30.0
+# Helpers started again in a row, none of them answering a task in between, before the daemon gives up on them and
+# seals in threads for good: a helper killed for hanging, or dead, is replaced on the next commit (sealing every later
+# commit in a thread, which holds the GIL, was the cost of one hang), but one that cannot work here is not started
+# over and over.
+RESTARTS = 3
 
 # blockformat's v1 header: fields (48 bytes), then the header's checksum (8); the body follows.
 _FIELDS = struct.Struct("<4sBBBBBBH5IQQ")
@@ -109,6 +114,7 @@ class _Helper:
         self.proc = proc
         self.lock = asyncio.Lock()
         self.answer_s = answer_s
+        self.answered = False  # it answered a task: it worked here, whatever ends it later
 
     async def run(self, task: SealTask) -> int | str:
         """The helper's answer to one task. A cancelled caller still waits for it (borrowed.to_its_end): the
@@ -138,6 +144,7 @@ class _Helper:
         if not line:
             raise OSError("a sealing helper died")
         result: int | str = json.loads(line)
+        self.answered = True
         return result
 
 
@@ -157,15 +164,39 @@ class Sealer:
         self._procs: list[asyncio.subprocess.Process] = []  # every helper started, ready or not
         self._start_by = 0.0  # (loop time) when commits stop waiting for helpers still starting
         self.answer_s = ANSWER_S  # a helper's bound for one answer, and a commit's for the helpers' start
+        self._restarts_left = RESTARTS  # (restored when a helper that answered is replaced)
+        self._closed = False
 
     def start(self) -> None:
         """Start the helpers in the background (each maps and prefaults the pool), ahead of the first put."""
-        if self.workers > 1 and self._starting is None:
+        if self.workers > 1 and self._starting is None and not self._closed:
             loop = asyncio.get_running_loop()
             self._start_by = loop.time() + self.answer_s
-            self._starting = loop.create_task(self._start())
+            self._starting = loop.create_task(self._start(self.workers))
 
-    async def _start(self) -> None:
+    def _replace_dead(self) -> None:
+        """Start again, in the background, the helpers that died or were killed (hung), or never said ready, once the
+        last start is over: the commit that finds them gone seals without them, the next ones with them. At most
+        RESTARTS times in a row while none answers a task (a helper that cannot work here is not started over and
+        over); a helper that answered and then went restores the count."""
+        if self._closed or self._starting is None or not self._starting.done():
+            return
+        dead = [h for h in self._helpers if h.proc.returncode is not None]
+        missing = self.workers - (len(self._helpers) - len(dead))
+        if missing <= 0:
+            return
+        if any(h.answered for h in dead):
+            self._restarts_left = RESTARTS
+        if self._restarts_left <= 0:
+            return
+        self._restarts_left -= 1
+        self._helpers = [h for h in self._helpers if h.proc.returncode is None]
+        self._procs = [p for p in self._procs if p.returncode is None]
+        log.info("starting %d sealing helper(s) again (%d more restarts while none answers)", missing,
+                 self._restarts_left)
+        self._starting = asyncio.get_running_loop().create_task(self._start(missing))
+
+    async def _start(self, n: int) -> None:
         async def one() -> None:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "engram.sealing", self.path, str(self.data_offset),
@@ -177,7 +208,11 @@ class Sealer:
             else:
                 proc.kill()
 
-        await asyncio.gather(*(one() for _ in range(self.workers)))
+        # Every start ended before this does (the first failure raised at once while the others went on starting,
+        # and a restart counted those as missing)
+        for failed in await asyncio.gather(*(one() for _ in range(n)), return_exceptions=True):
+            if isinstance(failed, BaseException):
+                raise failed
 
     async def seal(self, tasks: Sequence[SealTask]) -> list[int | str]:
         if self.workers > 1:
@@ -191,6 +226,7 @@ class Sealer:
                 await asyncio.wait((self._starting,), timeout=max(0.0, left))
             if self._starting.done() and not self._starting.cancelled():
                 self._starting.exception()  # (an OSError starting them: the thread hashes)
+            self._replace_dead()
         helpers = [h for h in self._helpers if h.proc.returncode is None]
         if len(helpers) < 2 or len(tasks) < 2:
             # in a thread that even a cancelled commit waits for: it writes headers into the slots, which the
@@ -216,6 +252,7 @@ class Sealer:
         return out  # type: ignore[return-value]
 
     async def close(self) -> None:
+        self._closed = True  # no helper is started again after this
         if self._starting is not None:
             self._starting.cancel()  # (a helper that never said ready)
             await asyncio.wait((self._starting,))

@@ -650,6 +650,95 @@ async def test_a_commit_whose_sealing_helper_hangs_kills_it_and_seals_its_block_
         assert put.stored == 4
 
 
+async def test_a_sealing_helper_killed_for_hanging_is_started_again_and_seals_the_later_commits(  # type: ignore[no-untyped-def]
+        server_factory, monkeypatch) -> None:
+    """A helper killed for hanging (a real one, stopped with SIGSTOP, past sealing's answer bound) was never
+    replaced: with one helper left every later commit sealed in a daemon thread, whose xxhash holds the GIL (the
+    event loop waits for it), for the daemon's life. The next commit starts one again, in the background; the
+    commits after it are sealed by helpers, none in the daemon."""
+    srv = await server_factory()
+    sealer = srv.service.inplace.sealer
+    sealer.workers = 2
+    sealer.answer_s = 1.0
+    sealer.start()
+    assert sealer._starting is not None
+    await sealer._starting
+    hung = sealer._helpers[0].proc
+    os.kill(hung.pid, signal.SIGSTOP)
+    spec = tiny_model()
+    async with EngramClient(srv.address, namespace="t", in_place_min_bytes=0) as c:
+        fp = await c.register_model(spec)
+        try:
+            for seed in (16, 17):  # the first kills the hung helper; the second finds it gone
+                toks = tokens(4 * BLOCK_TOKENS, seed=seed)
+                assert (await asyncio.wait_for(c.put(fp, toks, random_kv(spec, len(toks), seed=seed)), 30)).stored == 4
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(hung.pid, signal.SIGCONT)
+        assert hung.returncode is not None
+        await sealer._starting  # the helper started again
+        assert len([h for h in sealer._helpers if h.proc.returncode is None]) == 2
+        in_daemon: list[int] = []
+        real_seal_all, real_seal = sealing._seal_all, sealing.seal
+
+        def seal_all_here(data, tasks):  # type: ignore[no-untyped-def]
+            in_daemon.append(len(tasks))
+            return real_seal_all(data, tasks)
+
+        def seal_here(data, task):  # type: ignore[no-untyped-def]
+            in_daemon.append(1)
+            return real_seal(data, task)
+
+        monkeypatch.setattr(sealing, "_seal_all", seal_all_here)
+        monkeypatch.setattr(sealing, "seal", seal_here)
+        toks = tokens(4 * BLOCK_TOKENS, seed=18)
+        kv = random_kv(spec, len(toks), seed=18)
+        put = await asyncio.wait_for(c.put(fp, toks, kv), 30)
+        assert put.stored == 4 and put.reserve_ms > 0  # in place
+        assert in_daemon == [], "a commit was sealed in the daemon, not by the helpers"
+        got = await c.get(fp, put.keys, zero_copy=False)
+        assert torch.equal(torch.cat(got, dim=2), kv)
+
+
+async def test_sealing_helpers_that_keep_dying_are_started_again_a_bounded_number_of_times(  # type: ignore[no-untyped-def]
+        server_factory, tmp_path, monkeypatch) -> None:
+    """Helpers that die after each start (here real processes that say ready and exit) are started again on the next
+    commits at most sealing.RESTARTS times while none answers a task, not once a commit for ever; every commit is
+    sealed in the daemon meanwhile, and lands."""
+    srv = await server_factory()
+    inplace = srv.service.inplace
+    old = inplace.sealer  # the daemon's own, started already; a fresh one of two helpers that die
+    inplace.sealer = sealer = sealing.Sealer(old.path, old.data_offset, old.data, workers=2)
+    await old.close()
+    started = tmp_path / "started"
+    dying = tmp_path / "python"
+    dying.write_text(f"#!/bin/sh\necho . >> {started}\necho ready\nexit 0\n")
+    dying.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(dying))
+
+    async def started_and_dead() -> None:  # before the next commit looks (each start, two helpers)
+        assert sealer._starting is not None
+        await asyncio.wait((sealer._starting,))
+        for proc in sealer._procs:
+            await proc.wait()
+
+    sealer.start()
+    await started_and_dead()
+    spec = tiny_model()
+    async with EngramClient(srv.address, namespace="t", in_place_min_bytes=0) as c:
+        fp = await c.register_model(spec)
+        for seed in range(20, 20 + sealing.RESTARTS + 3):
+            toks = tokens(2 * BLOCK_TOKENS, seed=seed)
+            kv = random_kv(spec, len(toks), seed=seed)
+            put = await asyncio.wait_for(c.put(fp, toks, kv), 30)
+            assert put.stored == 2 and put.reserve_ms > 0  # in place
+            await started_and_dead()
+        got = await c.get(fp, put.keys, zero_copy=False)
+        assert torch.equal(torch.cat(got, dim=2), kv)
+    assert len(started.read_text().split()) == 2 * (1 + sealing.RESTARTS)
+    await sealer.close()
+
+
 async def test_a_commit_does_not_wait_forever_for_sealing_helpers_that_never_start(  # type: ignore[no-untyped-def]
         server_factory, tmp_path, monkeypatch) -> None:
     """Helpers that never say they are ready (a start stuck mapping the pool: here a real process that sleeps in
