@@ -21,6 +21,7 @@ processes (engram/tiers/shm.py and CUDA IPC do).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -191,7 +192,7 @@ async def copy_blocks(store: BlockStore, metas: Sequence[BlockMeta], engine: Tra
     lower, upper = tiers[src], tiers[dst]
     if not isinstance(lower, PoolTier) or not isinstance(upper, PoolTier):
         raise InvalidArgument(f"promote moves between pool tiers; {src} or {dst} is not one")
-    started: list[tuple[BlockMeta, Move]] = []
+    started: list[tuple[BlockMeta, Move, bytes]] = []  # each copy: its block, its move, its slot's in-flight name
     done: Done | None = None
     try:
         for at in range(0, len(metas), SUBMIT_EVERY):
@@ -215,14 +216,13 @@ async def copy_blocks(store: BlockStore, metas: Sequence[BlockMeta], engine: Tra
             # Cancelled or failed with copies submitted: they must land before their slots are freed (a put
             # reusing a slot would get this copy's bytes over its own) and their sources may go. A few ms at most.
             done.synchronize()
-        for meta, _ in started:
-            upper.delete_now(meta.key)
-        store.end_copies([meta for meta, _ in started], dst, [False] * len(started))
+        for _, _, name in started:
+            upper.delete_now(name)
+        store.end_copies([meta for meta, _, _ in started], dst, [False] * len(started))
         raise
-    damaged = [meta for (meta, _), ok in zip(started, sound, strict=True) if not ok]
-    for meta in damaged:
-        upper.delete_now(meta.key)
-    store.end_copies([meta for meta, _ in started], dst, sound)
+    damaged = [meta for (meta, _, _), ok in zip(started, sound, strict=True) if not ok]
+    landed = _publish(store, upper, started, sound)
+    store.end_copies([meta for meta, _, _ in started], dst, landed)
     for meta in damaged:  # its source copy read again (a rare path): dropped as damaged if it fails, as a read
         # drops it (a copy that failed from a sound source was damaged on the way: it is only not made)
         if store.block(meta.key) is meta and src in meta.locations and not meta.moving:
@@ -233,14 +233,45 @@ async def copy_blocks(store: BlockStore, metas: Sequence[BlockMeta], engine: Tra
                 problem = DataLoss(f"{exc}, though the index listed a copy there")
             if problem is not None:
                 await store.damaged_in_a_move(meta, src, problem, f"a batched copy to {dst}")
-    return len(started) - len(damaged)
+    return sum(landed)
+
+
+def _publish(store: BlockStore, upper: PoolTier, started: Sequence[tuple[BlockMeta, Move, bytes]],
+             sound: Sequence[bool]) -> list[bool]:
+    """Each copy that verified takes its block's key in the upper pool, if the index still holds that block (no
+    await from here to end_copies); every other copy's slot is deleted by its in-flight name. Per copy, whether it
+    landed."""
+    landed = []
+    for (meta, _, name), ok in zip(started, sound, strict=True):
+        ok = ok and store.block(meta.key) is meta and meta.key not in upper
+        if ok:
+            upper.rename(name, meta.key)
+        else:
+            upper.delete_now(name)
+        landed.append(ok)
+    return landed
+
+
+def _in_flight(key: bytes) -> bytes:
+    """The name a copy's slot holds until it lands: the block's key and a number of this process's (never a key,
+    16 bytes, nor an in-place reservation's slot, 24)."""
+    return key + b"\xff" + next(_flights).to_bytes(8, "little")
+
+
+_flights = itertools.count()
 
 
 def _book(store: BlockStore, lower: PoolTier, upper: PoolTier, dst: str, metas: Sequence[BlockMeta],
-          needs: Sequence[int | None], started: list[tuple[BlockMeta, Move]]) -> list[Move]:
+          needs: Sequence[int | None], started: list[tuple[BlockMeta, Move, bytes]]) -> list[Move]:
     """Place each block whose room was reserved (a need; None: not booked, left alone) in the upper pool and
-    add it to `started`; the moves to submit. A block whose source copy went (while room was made for it) gets
-    its room back and ends its move, as does every booked block not placed yet when this raises."""
+    add it to `started`; the moves to submit. A block whose source copy went (while room was made for it), or that
+    left the index, gets its room back and ends its move, as does every booked block not placed yet when this
+    raises.
+
+    The copy's slot is placed under an in-flight name (`_in_flight`), not the block's key, and takes the key only
+    once it lands (`_publish`). A tier keeps one slot a key: the slot of a copy whose block was dropped meanwhile
+    (a read found its last copy damaged) held the key, so a put of the block again failed INTERNAL (the pool's
+    'write of a key already in the tier'); and the copy's end deleted by key whatever held it."""
     moves: list[Move] = []
     k = 0
     try:
@@ -248,8 +279,11 @@ def _book(store: BlockStore, lower: PoolTier, upper: PoolTier, dst: str, metas: 
             if need is None:
                 continue
             try:
+                if store.block(meta.key) is not meta:  # dropped while room was made for it
+                    raise NotFound(f"block {meta.key.hex()} left the store")
                 slot = lower.slot(meta.key)
-                placed = upper.place(meta.key, need, slot.length)
+                name = _in_flight(meta.key)
+                placed = upper.place(name, need, slot.length)
             except BaseException as exc:  # nothing was placed up there
                 upper.unreserve(need)
                 store.end_copy(meta, dst, ok=False)
@@ -257,7 +291,7 @@ def _book(store: BlockStore, lower: PoolTier, upper: PoolTier, dst: str, metas: 
                     continue  # served from where it is now
                 raise
             move = Move(slot.offset, placed.offset, slot.length)
-            started.append((meta, move))
+            started.append((meta, move, name))
             moves.append(move)
     except BaseException:
         rest = [(m, n) for m, n in zip(metas[k + 1 :], needs[k + 1 :], strict=True) if n is not None]
@@ -268,8 +302,8 @@ def _book(store: BlockStore, lower: PoolTier, upper: PoolTier, dst: str, metas: 
     return moves
 
 
-async def _verify(lower: PoolTier, upper: PoolTier, copies: Sequence[tuple[BlockMeta, Move]], done: Done | None
-                  ) -> list[bool]:
+async def _verify(lower: PoolTier, upper: PoolTier, copies: Sequence[tuple[BlockMeta, Move, bytes]],
+                  done: Done | None) -> list[bool]:
     """Waits for the copies; then whether each copy's bytes verify against its block's checksum, checked on
     the host side, where a CPU reads them: a source in host memory (a promotion from the DRAM pool) is hashed
     while the copies run (the DMA reads the same bytes: what it finds damaged is damage already there), else
@@ -280,13 +314,13 @@ async def _verify(lower: PoolTier, upper: PoolTier, copies: Sequence[tuple[Block
     if done is not None and not source_on_host:
         await done.wait()
     pool = lower if source_on_host else upper
-    starts = [m.src if source_on_host else m.dst for _, m in copies]
+    starts = [m.src if source_on_host else m.dst for _, m, _ in copies]
     host = pool.host
     if host is not None:
-        views = [host[start : start + m.length] for start, (_, m) in zip(starts, copies, strict=True)]
+        views = [host[start : start + m.length] for start, (_, m, _) in zip(starts, copies, strict=True)]
     else:  # (no pool pair lacks a host pool: two device pools' copies are brought over)
         views = [memoryview(pool.buffer[start : start + m.length].cpu().numpy())  # type: ignore[arg-type]
-                 for start, (_, m) in zip(starts, copies, strict=True)]
+                 for start, (_, m, _) in zip(starts, copies, strict=True)]
     n = min(len(copies), os.cpu_count() or 1)
     got = [0] * len(copies)
     # The jobs read pool slots that a cancelled copy frees (its bookings up there) or lets go of (its sources, no
@@ -301,4 +335,4 @@ async def _verify(lower: PoolTier, upper: PoolTier, copies: Sequence[tuple[Block
         got[j::n] = part
     if done is not None:
         await done.wait()  # one stream: the last submission's event covers every earlier one
-    return [g == meta.checksum for g, (meta, _) in zip(got, copies, strict=True)]
+    return [g == meta.checksum for g, (meta, _, _) in zip(got, copies, strict=True)]

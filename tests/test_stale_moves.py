@@ -143,3 +143,55 @@ async def test_a_demotion_that_outlives_its_block_leaves_the_nvme_file_of_the_bl
         got = await c.get(fp, [key])  # acknowledged stored: served
         assert torch.equal(got[0], kv_a)
     assert (await srv.store.check(fix=False)).ok
+
+
+async def test_a_get_whose_promotion_outlives_its_block_is_served_and_leaves_the_block_put_again(  # type: ignore[no-untyped-def]
+        server_factory, tmp_path: Path, caplog) -> None:
+    """A pool of two blocks, write-back, NVMe below. A Get of K (on NVMe alone) reads it and promotes it into the
+    pool, which must make room: the oldest pool block's demotion to NVMe is held. Meanwhile K's file is damaged and
+    another Get drops K (no copy left), and a put stores K again, into the pool. The promotion, going on, wrote K's
+    old bytes into the pool under the key the new K holds: the pool refused ('write of a key already in the tier'),
+    and the first Get, whose bytes were read and verified, failed with an internal error (its data channel closed;
+    the client, asking again, got the new K's bytes). Now a copy whose block left the index
+    while room was made is not written: the first Get is served, the new K keeps its copy."""
+    block = SPEC.layout.block_nbytes(BLOCK_TOKENS)
+    srv = await server_factory(**{"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.dram.capacity": 2 * block,
+                                  "tiers.dram.page_bytes": 256, "tiers.write_back_window_s": 3600})
+    nvme = srv.store.tiers[-1]
+    k, v1, v2 = (tokens(BLOCK_TOKENS, seed=s) for s in (1, 2, 3))
+    kv_k, kv_again = random_kv(SPEC, BLOCK_TOKENS, seed=1), random_kv(SPEC, BLOCK_TOKENS, seed=4)
+    held = FirstIoHeld("write")  # in the tier's I/O thread
+
+    async with EngramClient(srv.address, namespace="d", zero_copy=False) as c, \
+            EngramClient(srv.address, namespace="d", zero_copy=False) as other:
+        fp = await c.register_model(SPEC)
+        await other.register_model(SPEC)
+        key = (await c.put(fp, k, kv_k)).keys[0]
+        meta = srv.store.block(key)
+        assert srv.store.flusher is not None and await srv.store.flusher.flush_now(meta)  # type: ignore[arg-type]
+        await srv.store.drop_copy(meta, "dram")  # type: ignore[arg-type]
+        assert meta.locations == ["nvme"]  # type: ignore[union-attr]
+        await c.put(fp, v1, random_kv(SPEC, BLOCK_TOKENS, seed=2))
+        await c.put(fp, v2, random_kv(SPEC, BLOCK_TOKENS, seed=3))  # the pool is full of blocks pending a flush
+        nvme.fault_hook = held
+        first = asyncio.create_task(c.get(fp, [key]))  # read from NVMe, then promoted: V1's demotion is held
+        try:
+            assert await asyncio.to_thread(held.entered.wait, 30), "the promotion never demoted a block to NVMe"
+            assert meta.moving  # type: ignore[union-attr]
+            path = nvme.path_of(key)
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 0x40
+            path.write_bytes(bytes(data))
+            with pytest.raises(errors.DataLoss):
+                await other.get(fp, [key])  # K leaves the store
+            assert srv.store.block(key) is None
+            again = await other.put(fp, k, kv_again)  # K anew, into the pool (V2 demoted for it)
+            assert again.stored == 1 and again.keys[0] == key
+        finally:
+            held.go.set()
+        # read and verified before K was dropped; not the new K's after a reconnect
+        assert torch.equal((await first)[0], kv_k)
+        assert torch.equal((await c.get(fp, [key]))[0], kv_again)
+        assert "dram" in srv.store.block(key).locations  # type: ignore[union-attr]
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]  # no internal error closed a connection
+    assert (await srv.store.check(fix=False)).ok

@@ -483,3 +483,43 @@ async def test_a_batched_copy_cancelled_while_its_threads_hash_the_host_pools_sl
         _hbm_books_what_it_lists(store)
     finally:
         await store.close()
+
+
+async def test_a_block_put_again_while_a_promotion_of_its_dropped_predecessor_copies_keeps_its_hbm_copy(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A batched DRAM -> HBM promotion of block K runs (the real CPU copy, its completion held); a reader finds K's
+    only copy damaged and drops it; a put stores K again (other bytes) under the same key, into HBM. The
+    promotion's slot held K's key in the HBM pool from its booking on, so that put failed (the pool's 'write of a
+    key already in the tier', INTERNAL to a client). Now the copy's slot has a name of its own until it lands: the
+    put stores K, and the stale copy, ending, neither lands as K's copy nor deletes the new one."""
+    from engram.errors import DataLoss
+
+    store = await _hbm_over_dram(tmp_path, 4)
+    try:
+        fp = store.registry.register(SPEC)
+        metas, _ = await _put_chain(store, fp, 8)
+        k = [m for m in metas if m.locations == ["dram"]][-1]
+        i = metas.index(k)
+        engine = HeldEngine()
+        task = asyncio.create_task(promote(store, [k], engine))
+        await engine.started.wait()
+        assert k.moving and "hbm" not in k.locations
+        dram, hbm = store.tiers[1], store.tiers[0]
+        dram.buffer[dram.slot(k.key).offset] ^= 0xFF  # its only copy goes bad
+        with store.reading([k]), pytest.raises(DataLoss):
+            await store.read(k)
+        assert store.index.get(k.key) is None
+        payload = random_kv(SPEC, BLOCK_TOKENS, seed=100).view(torch.uint8).numpy().tobytes()
+        header = BlockHeader(tokens(BLOCK_TOKENS, seed=i), SPEC.layout.dtype, SPEC.layout.block_shape(BLOCK_TOKENS),
+                             len(payload), checksum(payload))
+        again = await store.put("ns", fp, metas[i - 1].key, header, payload)
+        assert again.stored and again.key == k.key
+        new = store.index.get(k.key)
+        assert new is not None and new is not k and "hbm" in new.locations
+        engine.release.set()
+        assert await task == 0  # its block is gone: nothing landed
+        assert store.index.get(k.key) is new and "hbm" in new.locations
+        assert await store.read(new, promote=False) == payload
+        assert await hbm.read(k.key) == payload
+        _hbm_books_what_it_lists(store)
+    finally:
+        await store.close()

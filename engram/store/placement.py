@@ -134,6 +134,12 @@ class Placement:
         moved = self.index.get(meta.key) is meta  # a copy of an indexed block (not a put's first copy)
         if not tier.reserve(need):  # room already: no make_room coroutine (make_room's first step is this)
             await self.make_room(i, need, wait=wait)
+            if moved and self.index.get(meta.key) is not meta:
+                # Dropped while room was made (a read found its last copy damaged), and perhaps put again, its copy
+                # here under the key now: a move that outlives its block writes nothing (the tier refused the key,
+                # and the read that promoted the block, served already, failed INTERNAL)
+                tier.unreserve(need)
+                return
         now = self.immediate[i]
         try:
             if now is not None and len(payload) < COPY_OFF_LOOP_BYTES:  # a large copy: in a thread (`write`)
@@ -142,6 +148,8 @@ class Placement:
                 await tier.write(rec, payload, need)
         except BaseException as exc:
             self.tier_failed(i, exc)
+            if moved and isinstance(exc, Exception) and self.index.get(meta.key) is not meta:
+                return  # its block left while a thread copied it (a put of the key may have landed here meanwhile)
             raise
         self.tier_ok(i)
         self.counters.tiers[tier.name].written_bytes += len(payload)
@@ -296,9 +304,10 @@ class Placement:
         self.busy += 1
         try:
             await self.place(meta, 0, payload, wait=False)
-            tc = self.counters.tiers[self.tiers[0].name]
-            tc.promotions += 1
-            tc.promoted_bytes += len(payload)
+            if self.tiers[0].name in meta.locations:  # (not when the block left meanwhile)
+                tc = self.counters.tiers[self.tiers[0].name]
+                tc.promotions += 1
+                tc.promoted_bytes += len(payload)
         except ResourceExhausted:
             pass  # no room up there right now: the block is served from where it is
         finally:

@@ -212,7 +212,8 @@ class PoolTier:
 
     def place(self, key: bytes, reserved: int, length: int) -> Slot:
         """Take a reserved run for `key`, for a caller that fills it itself (a batched transfer). The tier
-        holds the key from now on; the store publishes the copy only once the caller's copy completed."""
+        holds the key from now on; the store publishes the copy only once the caller's copy completed. (A batched
+        transfer places under a name of its own and `rename`s to the block's key as it lands: engram/transfer.py.)"""
         run = self._take_reserved(reserved)
         slot = Slot(run, run.start * self.page_bytes, length)
         self._slots[key] = slot
