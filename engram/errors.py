@@ -7,6 +7,10 @@ from __future__ import annotations
 class EngramError(Exception):
     """Base class of every error Engram raises on purpose."""
 
+    def told(self, admin: bool) -> str:
+        """What a caller is told of this error: its message (`TierFull` keeps the daemon's figures from a tenant)."""
+        return str(self)
+
 
 class InvalidArgument(EngramError):
     """The request is malformed: wrong shape, dtype, size, checksum, or a value out of range."""
@@ -31,6 +35,19 @@ class AlreadyExists(EngramError):
 
 class ResourceExhausted(EngramError):
     """A budget is spent: a tier's bytes, a request's block or token count, a quota."""
+
+
+class TierFull(ResourceExhausted):
+    """A tier in which no room can be made. The message names the tier's use, every tenant's blocks in it: for an
+    admin (tenancy off, every caller is one) and the log. A tenant is told `for_tenant`, the same without it: the
+    bytes other tenants' blocks hold move with their puts, and tell their prompt lengths."""
+
+    def __init__(self, message: str, for_tenant: str) -> None:
+        super().__init__(message)
+        self.for_tenant = for_tenant
+
+    def told(self, admin: bool) -> str:
+        return str(self) if admin else self.for_tenant
 
 
 class StorageFull(ResourceExhausted):

@@ -8,11 +8,13 @@ with her calls too. Now every figure of his Stats is his namespaces' or fixed; t
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from engram import errors
 from engram.api import Stats
 from engram.client import EngramClient
 from engram.server import RunningServer
@@ -98,3 +100,30 @@ async def test_per_namespace_counters_are_kept_only_for_namespaces_a_tenant_is_g
             assert (await a.put(fp, t, random_kv(spec, len(t), seed=99))).stored == 1
             assert (await a.stats()).blocks_put == 1
         assert set(srv.store.counters.namespaces) == {"alice"}
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])  # gRPC streams, and the data channel where it connects
+async def test_a_tenants_put_refused_by_a_full_tier_does_not_tell_the_tiers_use_of_other_tenants_blocks(
+        server_factory: Any, zero_copy: bool) -> None:
+    """A DRAM-only pool of four blocks, Alice's chain of two in it. Bob's chain of six cannot fit (with no tier
+    below only leaves are evicted): RESOURCE_EXHAUSTED said 'the dram tier is full (12288 of 16384 bytes ...)',
+    the bytes Alice's blocks hold among them, which moves with her puts. Bob is told the tier is full and why,
+    not its use; an admin's same refusal keeps the figures."""
+    block = tiny_model().layout.block_nbytes(BLOCK_TOKENS)
+    srv: RunningServer = await server_factory(**AUTH, **{"tiers.dram.capacity": 4 * block,
+                                                         "tiers.dram.page_bytes": 256})
+    spec = tiny_model()
+    long = tokens(6 * BLOCK_TOKENS, seed=4)
+    async with EngramClient(srv.address, token=ALICE, namespace="alice") as a, \
+            EngramClient(srv.address, token=BOB, namespace="bob", zero_copy=zero_copy) as b, \
+            EngramClient(srv.address, token=ADMIN, namespace="ops", zero_copy=zero_copy) as admin:
+        fp = await a.register_model(spec)
+        await b.register_model(spec)
+        await admin.register_model(spec)
+        theirs = tokens(2 * BLOCK_TOKENS, seed=3)
+        assert (await a.put(fp, theirs, random_kv(spec, len(theirs), seed=3))).stored == 2
+        with pytest.raises(errors.ResourceExhausted, match="the dram tier is full") as told:
+            await b.put(fp, long, random_kv(spec, len(long), seed=4))
+        assert not re.search(r"\d+ of \d+ bytes", str(told.value)), str(told.value)
+        with pytest.raises(errors.ResourceExhausted, match=rf"the dram tier is full \(\d+ of {4 * block} bytes"):
+            await admin.put(fp, long, random_kv(spec, len(long), seed=4))

@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from engram.errors import PermissionDenied
+from engram.errors import EngramError, PermissionDenied
 from engram.limits import check_namespace
 from engram.server.errors import abort_with, forget_abort
 from engram.tenancy import OPEN, Principal, Tenancy
@@ -76,6 +76,13 @@ def session_owner(context: Any, owner: str) -> str:
 def is_admin(context: Any) -> bool:
     """Whether the caller may act on the whole daemon (check, evict across namespaces, list them)."""
     return _current().admin
+
+
+def told(exc: EngramError) -> str:
+    """What the call's caller is told of a domain error (`EngramError.told`): as an admin (tenancy off, every caller
+    is one), or as a tenant; a caller not authenticated (a refusal before it was) as a tenant."""
+    p = _principal.get()
+    return exc.told(p is not None and p.admin)
 
 
 def is_peer(context: Any) -> bool:

@@ -380,7 +380,7 @@ class DataPort:
                 except errors.EngramError as exc:
                     self.served["refused"] += 1
                     code = status_of(exc).name
-                    await conn.send_error(exc)
+                    await conn.send_error(exc, exc.told(principal.admin))  # (a tenant is not told the daemon's figures)
                 except _Desync as exc:
                     self.served["refused"] += 1
                     code = _ended_as(exc)

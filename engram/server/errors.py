@@ -31,7 +31,9 @@ R = TypeVar("R")
 def status_for(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
     """The status of a domain error, or INTERNAL (logged) for anything else."""
     if isinstance(exc, errors.EngramError):
-        return status_of(exc), str(exc)
+        from engram.server.auth import told  # (auth imports this module)
+
+        return status_of(exc), told(exc)
     log.exception("internal error in %s", method)
     return grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}"
 

@@ -29,9 +29,18 @@ from dataclasses import dataclass
 
 from engram.block import COPY_OFF_LOOP_BYTES, Payload, checksum, checksum_off_loop, copied
 from engram.borrowed import in_thread
-from engram.errors import DataLoss, FailedPrecondition, NotFound, ResourceExhausted, StorageFull, Unavailable
+from engram.errors import (
+    DataLoss,
+    FailedPrecondition,
+    NotFound,
+    ResourceExhausted,
+    StorageFull,
+    TierFull,
+    Unavailable,
+)
 from engram.eviction import ReturnModel, TierVictims
 from engram.index import BlockMeta, ChainIndex
+from engram.logbudget import LogBudget
 from engram.store.counters import StoreCounters, TierHealth
 from engram.tiers.base import ImmediateTier, Tier
 
@@ -85,6 +94,7 @@ class Placement:
         # yet committed, engram/store/inplace.py), as a sentence ("" when nothing does): a full tier says so
         # rather than blame pinned blocks alone.
         self.unevictable: dict[str, Callable[[], str]] = {}
+        self.full_log = LogBudget()  # a tier found full, with its figures, a burst of refused puts counted
 
     def tier(self, name: str) -> Tier:
         return self.tiers[self.rank[name]]
@@ -160,11 +170,12 @@ class Placement:
         meta.locations.sort(key=self.rank.__getitem__)
         self.victims[tier.name].add(meta)
 
-    def _full(self, tier: Tier, lower: int | None) -> str:
+    def _full(self, tier: Tier, lower: int | None) -> TierFull:
         """Why no room can be made in a full tier. A pool counts whole pages (a block smaller than a page takes
         one: 64-byte blocks filled a 256 MiB pool of 4 KiB pages at 4 MiB of payload); with no tier below only
         leaves are evicted, so a chain's inner blocks are no candidates (a put of a chain longer than the tier
-        holds ends here though nothing is pinned)."""
+        holds ends here though nothing is pinned). The tier's use is every tenant's: an admin and the log get it,
+        a tenant the rest (errors.TierFull)."""
         used = getattr(tier, "allocated_bytes", tier.used_bytes)
         page = getattr(tier, "page_bytes", 0)
         where = f" in pages of {page} bytes" if page > 1 else ""
@@ -172,9 +183,13 @@ class Placement:
         why = "pinned, being read or moving" + ("" if lower is not None else
                                                  ", or the parent of a block held here (with no tier below with room, "
                                                  "only the last block of a chain is evicted)")
-        return (f"the {tier.name} tier is full ({used} of {tier.capacity_bytes} bytes{where}): "
-                + (f"{held}; every block in the rest is {why}" if held else
-                   f"every block in it is {why}; unpin blocks, raise its capacity or add a tier below"))
+        rest = (f"{held}; every block in the rest is {why}" if held else
+                f"every block in it is {why}; unpin blocks, raise its capacity or add a tier below")
+        full = TierFull(f"the {tier.name} tier is full ({used} of {tier.capacity_bytes} bytes{where}): {rest}",
+                        f"the {tier.name} tier is full{f' ({where.lstrip()})' if where else ''}: {rest}")
+        if (untold := self.full_log.take()) is not None:
+            log.info("no room could be made: %s%s", full, f" ({untold} more not logged)" if untold else "")
+        return full
 
     def compete(self, meta: BlockMeta) -> None:
         """A block just published in the index: each of its copies is an eviction candidate of its tier again.
@@ -215,7 +230,7 @@ class Placement:
                             await self.freed.wait()
                 continue
             if victim is None:
-                raise ResourceExhausted(self._full(tier, lower))
+                raise self._full(tier, lower)
             if self.rank[victim.locations[-1]] > i:
                 await self.drop_copy(victim, tier.name)  # a lower tier holds it too
             elif lower is not None:
@@ -287,6 +302,7 @@ class Placement:
         hashed off the loop when large."""
         tier = self.tiers[i]
         view = getattr(tier, "view", None)  # a pool's slot in place (None for one in HBM)
+        payload: Payload
         try:
             in_place = view(meta.key) if view is not None and meta.nbytes >= COPY_OFF_LOOP_BYTES else None
             if in_place is not None:

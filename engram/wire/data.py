@@ -433,9 +433,11 @@ class Conn:
     async def send_frame(self, kind: int, meta: bytes = b"", *body: Buffer) -> None:
         await self.send(FRAME.pack(kind, len(meta), sum(len(b) for b in body)) + meta, *body)
 
-    async def send_error(self, exc: errors.EngramError) -> None:
+    async def send_error(self, exc: errors.EngramError, message: str | None = None) -> None:
+        """The error's status and `message` (its own message when None: the daemon passes what its caller may be
+        told, errors.EngramError.told)."""
         code = status.status_of(exc).value[0]
-        await self.send_frame(ERROR, CODE.pack(code) + str(exc).encode())
+        await self.send_frame(ERROR, CODE.pack(code) + (str(exc) if message is None else message).encode())
 
     def close(self) -> None:
         if self._watch is not None:
