@@ -162,6 +162,34 @@ async def test_a_get_of_a_chain_deeper_than_the_holders_request_limit_lists_its_
         await a_srv.stop(0)
 
 
+async def test_a_get_copies_a_chain_from_a_holder_whose_request_limit_is_below_the_fetch_batch(
+        redis_port: int) -> None:
+    """The holder's server.max_blocks_per_request (50) is below the 128 keys B asked for a call: A refused each copy
+    (RESOURCE_EXHAUSTED, counted as A's failure) and B's Get was NOT_FOUND. The holder's answer to the ancestors
+    says its limit, and B asks for no more keys a call than that: ceil(300 / 50) copies, not one per block."""
+    a_srv = await daemon(redis_port, "a", **{"server.max_blocks_per_request": 50})
+    try:
+        b_srv = await daemon(redis_port, "b")
+        try:
+            spec = tiny_model()
+            async with EngramClient(a_srv.address, namespace="ns") as a, \
+                    EngramClient(b_srv.address, namespace="ns", data_channel=False) as b:
+                fp, toks, kv, keys = await _a_chain_b_lacks(redis_port, a, b, spec, seed=6)
+                before = rpcs_served(a_srv, "FetchBlocks")
+                got = await b.get(fp, keys[-4:])
+                calls = rpcs_served(a_srv, "FetchBlocks") - before
+                assert all(torch.equal(x, y) for x, y in zip(got, await a.get(fp, keys[-4:]), strict=True))
+                stats = (await b.stats()).cluster
+                assert stats.remote_hits == 300 and stats.remote_failures == 0
+                assert calls <= 6 + 6, calls  # 6 lists of at most 50 ancestors, 6 copies of at most 50 blocks
+                n, prefix = await b.get_prefix(fp, toks)
+                assert n == len(toks) and prefix is not None and torch.equal(prefix, kv)
+        finally:
+            await b_srv.stop(0)
+    finally:
+        await a_srv.stop(0)
+
+
 async def test_a_peers_fetch_of_blocks_whose_header_passes_the_slack_stays_under_the_message_limit(
         redis_port: int) -> None:
     """Two daemons whose server.max_message_bytes is server.chunk_bytes + 4 KiB (as config allows), B getting a

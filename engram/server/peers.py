@@ -28,7 +28,7 @@ from engram.wire.stream import Reassembler, client_reassembler
 
 log = logging.getLogger("engram.server.peers")
 
-FETCH_BATCH = 128  # blocks one FetchBlocks asks for when a chain is copied (under any peer's max_blocks_per_request)
+FETCH_BATCH = 128  # blocks one FetchBlocks asks for when a chain is copied (fewer where the holder's limit is lower)
 
 
 class _PeerFailed(EngramError):
@@ -151,7 +151,7 @@ class PeerFetcher:
         root = self.store.root(namespace, fingerprint)
         for holder in holders:
             try:
-                ancestors, cut = await self._ancestors(holder, namespace, fingerprint, key, left)
+                ancestors, cut, batch = await self._ancestors(holder, namespace, fingerprint, key, left)
                 chain: list[bytes] = [key]
                 parent: bytes | None = None
                 while parent is None:
@@ -170,10 +170,10 @@ class PeerFetcher:
                         elif not ancestors:
                             raise _PeerFailed("the peer cut a list of no ancestors short")
                         else:  # the holder's own request limit stopped the list: on from its last key
-                            ancestors, cut = await self._ancestors(holder, namespace, fingerprint, chain[-1],
-                                                                   left - len(chain) + 1)
+                            ancestors, cut, _ = await self._ancestors(holder, namespace, fingerprint, chain[-1],
+                                                                      left - len(chain) + 1)
                 chain.reverse()
-                return await self._copy(holder, namespace, fingerprint, parent, chain)
+                return await self._copy(holder, namespace, fingerprint, parent, chain, batch)
             except _PeerFailed as exc:  # a Get names keys, maybe of another namespace: the entry is not judged
                 await self._peer_failed(key, holder, exc, prune=False)
             except _Unstorable as exc:
@@ -182,11 +182,13 @@ class PeerFetcher:
         raise unsupplied
 
     async def _ancestors(self, holder: Holder, namespace: str, fingerprint: bytes, key: bytes,
-                         most: int) -> tuple[list[bytes], bool]:
-        """Up to `most` of `key`'s ancestors on `holder`, nearest first, and whether the holder's own request limit
+                         most: int) -> tuple[list[bytes], bool, int]:
+        """Up to `most` of `key`'s ancestors on `holder`, nearest first; whether the holder's own request limit
         cut the list short of the root (server.max_blocks_per_request below `most`: the chain goes on from the
         list's last key; a holder that lists fewer took the 200th of a 300-block chain for the root's child, and the
-        Get failed NOT_FOUND, an audit, session 52)."""
+        Get failed NOT_FOUND, an audit, session 52); and the most keys a copy from it may ask for a call (FETCH_BATCH,
+        or the holder's limit where it says a lower one: a holder under 128 refused every copy, RESOURCE_EXHAUSTED,
+        and the Get was NOT_FOUND, session 53)."""
         request = pb.FetchBlocksRequest(keys=[key], namespace=namespace, model_fingerprint=fingerprint,
                                         ancestors=most)
         call = self._stub(holder.node_id, holder.address, holder.boot).FetchBlocks(request, timeout=self.timeout_s)
@@ -198,7 +200,8 @@ class PeerFetcher:
             call.cancel()
         if resp is grpc.aio.EOF or resp.HasField("chunk") or len(resp.ancestors) > most:
             raise _PeerFailed("the peer does not list a block's ancestors (a daemon older than this one)")
-        return list(resp.ancestors), resp.ancestors_cut
+        batch = min(FETCH_BATCH, resp.max_keys) if resp.max_keys else FETCH_BATCH  # unset: an older daemon
+        return list(resp.ancestors), resp.ancestors_cut, batch
 
     async def _copy_from_any(self, namespace: str, fingerprint: bytes, parent: bytes, keys: list[bytes]) -> bool:
         """Copy one block under a stored `parent` from the first live holder that supplies it."""
@@ -227,13 +230,13 @@ class PeerFetcher:
                         f" ({held} more failed before this one, not logged)" if held else "")
 
     async def _copy(self, holder: Holder, namespace: str, fingerprint: bytes, parent: bytes,
-                    chain: list[bytes]) -> int:
+                    chain: list[bytes], most: int = FETCH_BATCH) -> int:
         """Copy `chain` (keys root-most first, the first a child of `parent`, the last the key `holder`'s record
-        names) from `holder`, storing each block as it arrives: no more than one block's bytes wait here.
-        Returns how many were stored; _PeerFailed or _Unstorable when one was not."""
+        names) from `holder`, `most` keys a call, storing each block as it arrives: no more than one block's bytes
+        wait here. Returns how many were stored; _PeerFailed or _Unstorable when one was not."""
         stored = 0
-        for start in range(0, len(chain), FETCH_BATCH):
-            batch = chain[start : start + FETCH_BATCH]
+        for start in range(0, len(chain), most):
+            batch = chain[start : start + most]
             blocks = self._blocks(holder, namespace, fingerprint, parent, batch, last=start + len(batch) == len(chain))
             async with contextlib.aclosing(blocks):  # a block not stored ends the call to the peer at once
                 async for key, header, payload in blocks:

@@ -742,7 +742,8 @@ class EngramService:
         if req.ancestors:
             most = min(req.ancestors, self.config.max_blocks_per_request)
             ancestors, rest = self._ancestors(ns, req.model_fingerprint, req.keys[:1], most)
-            yield pb.FetchBlocksResponse(ancestors=ancestors, ancestors_cut=rest and most < req.ancestors)
+            yield pb.FetchBlocksResponse(ancestors=ancestors, ancestors_cut=rest and most < req.ancestors,
+                                         max_keys=self.config.max_blocks_per_request)  # what its copies may ask
             return
         # Only the namespace and model asked for: a peer names both, and a key of another namespace is absent.
         metas = [m for k in req.keys

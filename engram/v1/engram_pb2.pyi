@@ -888,7 +888,7 @@ class FetchBlocksRequest(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., ancestors: _Optional[int] = ...) -> None: ...
 
 class FetchBlocksResponse(_message.Message):
-    __slots__ = ("chunk", "parent_key", "namespace", "model_fingerprint", "mac", "ancestors", "ancestors_cut")
+    __slots__ = ("chunk", "parent_key", "namespace", "model_fingerprint", "mac", "ancestors", "ancestors_cut", "max_keys")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
@@ -896,6 +896,7 @@ class FetchBlocksResponse(_message.Message):
     MAC_FIELD_NUMBER: _ClassVar[int]
     ANCESTORS_FIELD_NUMBER: _ClassVar[int]
     ANCESTORS_CUT_FIELD_NUMBER: _ClassVar[int]
+    MAX_KEYS_FIELD_NUMBER: _ClassVar[int]
     chunk: BlockChunk
     parent_key: bytes
     namespace: str
@@ -903,7 +904,8 @@ class FetchBlocksResponse(_message.Message):
     mac: bytes
     ancestors: _containers.RepeatedScalarFieldContainer[bytes]
     ancestors_cut: bool
-    def __init__(self, chunk: _Optional[_Union[BlockChunk, _Mapping]] = ..., parent_key: _Optional[bytes] = ..., namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., mac: _Optional[bytes] = ..., ancestors: _Optional[_Iterable[bytes]] = ..., ancestors_cut: _Optional[bool] = ...) -> None: ...
+    max_keys: int
+    def __init__(self, chunk: _Optional[_Union[BlockChunk, _Mapping]] = ..., parent_key: _Optional[bytes] = ..., namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., mac: _Optional[bytes] = ..., ancestors: _Optional[_Iterable[bytes]] = ..., ancestors_cut: _Optional[bool] = ..., max_keys: _Optional[int] = ...) -> None: ...
 
 class ClusterStats(_message.Message):
     __slots__ = ("state", "reason", "node_id", "live_nodes", "remote_hits", "remote_bytes", "remote_failures", "published", "reconnects", "untrusted_records", "stale_entries_removed")
