@@ -229,6 +229,42 @@ async def test_a_get_deeper_than_max_fetch_blocks_is_a_quick_not_found_that_copi
             assert (await b.stats()).cluster.remote_hits == 50
 
 
+async def test_blocks_a_failed_holder_copied_count_against_the_gets_max_fetch_blocks(redis_port: int) -> None:
+    """A and C both hold chains X and Y (60 blocks each); B (cluster.max_fetch_blocks = 100) gets the last key of
+    each. Y's first holder has Y's 31st block damaged: it serves 30 blocks and fails, the other holder serves the 30
+    left. Main charged only the second holder's 30 against the bound, so X's 60 fit in the 70 it thought left and
+    B copied 120 blocks. All 60 of Y count: X is past the bound, NOT_FOUND, nothing of it copied."""
+    async with daemons(redis_port, **{"cluster.max_fetch_blocks": 100}) as (a_srv, b_srv):
+        c_srv = await daemon(redis_port, "c")
+        try:
+            spec = tiny_model()
+            async with EngramClient(a_srv.address, namespace="ns") as a, \
+                    EngramClient(b_srv.address, namespace="ns", data_channel=False) as b, \
+                    EngramClient(c_srv.address, namespace="ns") as c:
+                fp = await a.register_model(spec)
+                await b.register_model(spec)
+                await c.register_model(spec)
+                await joined(a, b, c)
+                chains = []
+                for seed in (30, 31):
+                    toks = tokens(60 * BLOCK_TOKENS, seed=seed)
+                    kv = random_kv(spec, len(toks), seed=seed)
+                    keys = list((await a.put(fp, toks, kv)).keys)
+                    assert list((await c.put(fp, toks, kv)).keys) == keys
+                    await until(lambda k=keys[-1]: _held_in_redis(redis_port, k, holders=2), "A's and C's published")
+                    chains.append(keys)
+                x, y = chains
+                first = {"a": a_srv, "c": c_srv}[await _first_holder(redis_port, y[-1])]
+                first.store.placement.tiers[0].view(y[30])[-1] ^= 0x40
+                with pytest.raises(errors.NotFound, match=r"cluster\.max_fetch_blocks"):
+                    await b.get(fp, [x[-1], y[-1]])
+                stats = (await b.stats()).cluster
+                assert stats.remote_failures == 1  # Y's first holder
+                assert stats.remote_hits == 60, stats.remote_hits  # all of Y, none of X
+        finally:
+            await c_srv.stop(0)
+
+
 def _peak_rss_mib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) // 1024 for line in f if line.startswith("VmHWM"))
@@ -380,11 +416,19 @@ async def test_long_lookups_waiting_on_a_frozen_peer_wait_together_not_in_turn(r
         await b_srv.stop(0)
 
 
-async def _held_in_redis(port: int, key: bytes) -> bool:
+async def _held_in_redis(port: int, key: bytes, holders: int = 1) -> bool:
     proc = await asyncio.create_subprocess_exec("redis-cli", "-p", str(port), "hlen", "engram:block:{" + key.hex() + "}",
                                                 stdout=subprocess.PIPE)
     out, _ = await proc.communicate()
-    return out.strip() == b"1"
+    return out.strip() == str(holders).encode()
+
+
+async def _first_holder(port: int, key: bytes) -> str:
+    """The node whose entry a reader of `key`'s holders meets first (the hash's order), so asks first."""
+    proc = await asyncio.create_subprocess_exec("redis-cli", "-p", str(port), "hkeys", "engram:block:{" + key.hex() + "}",
+                                                stdout=subprocess.PIPE)
+    out, _ = await proc.communicate()
+    return out.split()[0].decode()
 
 
 def _as_an_older_daemon_wrote_them(port: int, node: str, keys: list[bytes]) -> None:

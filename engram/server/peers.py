@@ -46,6 +46,21 @@ class _Unstorable(EngramError):
     copying more of the chain would be for nothing."""
 
 
+class _Budget:
+    """The blocks one call may still copy from peers (cluster.max_fetch_blocks), charged as each is stored, whichever
+    holder sent it: a holder that copied part of a chain and then failed was charged nothing, only the next holder's
+    copy, so a Get copied past the bound (session 53)."""
+
+    __slots__ = ("copied", "left")
+
+    def __init__(self, blocks: int) -> None:
+        self.left, self.copied = blocks, 0
+
+    def spend(self) -> None:
+        self.left -= 1
+        self.copied += 1
+
+
 class _Peer(NamedTuple):
     address: str
     boot: int | None  # the peer's process the channel was opened for (its boot record)
@@ -97,19 +112,18 @@ class PeerFetcher:
         as its block is asked for, and each ask awaits Redis: the loop has its turns between them."""
         bt = self.store.spec(fingerprint).layout.block_tokens
         arr = np.ascontiguousarray(tokens, dtype="<i4")
-        stored = 0
+        budget = _Budget(self.max_blocks)
         for start in range(have_tokens, len(arr) - bt + 1, bt):
-            if stored >= self.max_blocks:
+            if budget.left < 1:
                 break
             key = block_key(parent, arr[start : start + bt])
             try:
-                if not await self._copy_from_any(namespace, fingerprint, parent, [key]):
+                if not await self._copy_from_any(namespace, fingerprint, parent, [key], budget):
                     break
             except _Unstorable:
                 break
             parent = key
-            stored += 1
-        return stored
+        return budget.copied
 
     async def fetch_keys(self, namespace: str, fingerprint: bytes, keys: list[bytes]) -> None:
         """Copy the blocks named by key that this daemon lacks from peers, with the ancestors it lacks (a Get of
@@ -119,16 +133,16 @@ class PeerFetcher:
         registered here is UnknownModel at once (a daemon restarted DRAM-only): nothing copied could be stored,
         and the worker integrations register the model again on that error, not on a NotFound."""
         self.store.spec(fingerprint)
-        left = self.max_blocks
+        budget = _Budget(self.max_blocks)
         # Last key first: a Get names a chain root-most first, so its last key's ancestors are most of the others.
         for i in reversed(range(len(keys))):
             if not self.store.holds(namespace, keys[i]):
-                left -= await self._fetch_chain(namespace, fingerprint, keys[i], i, left)
+                await self._fetch_chain(namespace, fingerprint, keys[i], i, budget)
 
-    async def _fetch_chain(self, namespace: str, fingerprint: bytes, key: bytes, index: int, left: int) -> int:
-        """Copy `key` and the ancestors this daemon lacks from a holder, within `left` blocks; returns how many
-        were stored. The holder first lists the ancestors (FetchBlocks with `ancestors`), so a chain too long is
-        refused before any of it is copied.
+    async def _fetch_chain(self, namespace: str, fingerprint: bytes, key: bytes, index: int, budget: _Budget) -> None:
+        """Copy `key` and the ancestors this daemon lacks from a holder, within what is left of `budget`. The
+        holder first lists the ancestors (FetchBlocks with `ancestors`), so a chain too long is refused before any
+        of it is copied.
 
         The caller names the key, maybe another namespace's: only holders whose entry is tagged with the caller's
         namespace are asked (ClusterIndex.holders), so a key another namespace holds is answered as one nobody
@@ -141,7 +155,7 @@ class PeerFetcher:
         is read. A holder that does not supply the key still gets the same answer, the reasons in the log. A
         budget spent is checked before the index is read, so it does not depend on the holders either."""
         what = f"block {index} ({brief(key)})"
-        if left < 1:
+        if budget.left < 1:
             raise NotFound(f"{what} is not stored here, and this Get has copied cluster.max_fetch_blocks "
                            f"({self.max_blocks}) blocks from peers already")
         unsupplied = NotFound(f"{what} is not stored here, and no live peer of the cluster supplied it")
@@ -150,6 +164,7 @@ class PeerFetcher:
             raise unsupplied
         root = self.store.root(namespace, fingerprint)
         for holder in holders:
+            left = budget.left  # less what an earlier holder copied before it failed
             try:
                 ancestors, cut, batch = await self._ancestors(holder, namespace, fingerprint, key, left)
                 chain: list[bytes] = [key]
@@ -173,7 +188,8 @@ class PeerFetcher:
                             ancestors, cut, _ = await self._ancestors(holder, namespace, fingerprint, chain[-1],
                                                                       left - len(chain) + 1)
                 chain.reverse()
-                return await self._copy(holder, namespace, fingerprint, parent, chain, batch)
+                await self._copy(holder, namespace, fingerprint, parent, chain, budget, batch)
+                return
             except _PeerFailed as exc:  # a Get names keys, maybe of another namespace: the entry is not judged
                 await self._peer_failed(key, holder, exc, prune=False)
             except _Unstorable as exc:
@@ -203,11 +219,12 @@ class PeerFetcher:
         batch = min(FETCH_BATCH, resp.max_keys) if resp.max_keys else FETCH_BATCH  # unset: an older daemon
         return list(resp.ancestors), resp.ancestors_cut, batch
 
-    async def _copy_from_any(self, namespace: str, fingerprint: bytes, parent: bytes, keys: list[bytes]) -> bool:
+    async def _copy_from_any(self, namespace: str, fingerprint: bytes, parent: bytes, keys: list[bytes],
+                             budget: _Budget) -> bool:
         """Copy one block under a stored `parent` from the first live holder that supplies it."""
         for holder in await self.cluster.holders(keys[-1], namespace, untagged=True):
             try:
-                await self._copy(holder, namespace, fingerprint, parent, keys)
+                await self._copy(holder, namespace, fingerprint, parent, keys, budget)
                 return True
             except _PeerFailed as exc:
                 await self._peer_failed(keys[-1], holder, exc)
@@ -230,20 +247,18 @@ class PeerFetcher:
                         f" ({held} more failed before this one, not logged)" if held else "")
 
     async def _copy(self, holder: Holder, namespace: str, fingerprint: bytes, parent: bytes,
-                    chain: list[bytes], most: int = FETCH_BATCH) -> int:
+                    chain: list[bytes], budget: _Budget, most: int = FETCH_BATCH) -> None:
         """Copy `chain` (keys root-most first, the first a child of `parent`, the last the key `holder`'s record
-        names) from `holder`, `most` keys a call, storing each block as it arrives: no more than one block's bytes
-        wait here. Returns how many were stored; _PeerFailed or _Unstorable when one was not."""
-        stored = 0
+        names) from `holder`, `most` keys a call, storing each block as it arrives (no more than one block's bytes
+        wait here) and charging it to `budget`; _PeerFailed or _Unstorable when one was not stored."""
         for start in range(0, len(chain), most):
             batch = chain[start : start + most]
             blocks = self._blocks(holder, namespace, fingerprint, parent, batch, last=start + len(batch) == len(chain))
             async with contextlib.aclosing(blocks):  # a block not stored ends the call to the peer at once
                 async for key, header, payload in blocks:
                     await self._store(namespace, fingerprint, key, parent, header, payload)
+                    budget.spend()
                     parent = key
-                    stored += 1
-        return stored
 
     async def _blocks(self, holder: Holder, namespace: str, fingerprint: bytes, parent: bytes, keys: list[bytes],
                       *, last: bool) -> AsyncGenerator[tuple[bytes, BlockHeader, bytes], None]:
