@@ -336,6 +336,10 @@ class ClusterConfig:
     peer_token: str = ""  # bearer token daemons present to each other (env:VAR / file:PATH); empty: from secret
     peer_root_cert: str = ""  # PEM root certificate to verify peers that serve TLS
     fetch_timeout_s: float = 5.0  # one peer fetch; past it the block counts as a miss
+    # The most one call's copying from peers may take in all (a Get's keys, a Lookup's fill), or the call's own
+    # deadline where that is sooner: past it a Get is DEADLINE_EXCEEDED, a Lookup answers what it holds by then.
+    # Below a client's default timeout_s (30 s), so that the client hears why
+    fill_timeout_s: float = 20.0
     # The most blocks one Get or Lookup copies from peers (a Get's keys with the ancestors this daemon lacks): a
     # Get of keys deeper than this below anything held here is NOT_FOUND at once, nothing copied
     max_fetch_blocks: int = 4096
@@ -533,6 +537,7 @@ DURATIONS: tuple[tuple[str, str | None], ...] = (
     ("tiers.retry_s", "tried again at once"), ("tiers.write_back_window_s", "only when evicted"),
     ("tiers.shutdown_flush_s", "none copied"), ("tiers.prefetch_lead_ms", "never"),
     ("cluster.heartbeat_s", None), ("cluster.ttl_s", None), ("cluster.fetch_timeout_s", None),
+    ("cluster.fill_timeout_s", None),
     ("cluster.record_ttl_s", None), ("logging.summary_s", None),
 )
 

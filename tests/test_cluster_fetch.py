@@ -348,6 +348,35 @@ async def test_a_peer_fetch_stops_when_the_data_channel_client_goes(redis_port: 
         await b_srv.stop(0)
 
 
+async def test_a_fill_from_a_stopped_peer_ends_at_its_overall_bound_not_each_blocks(redis_port: int) -> None:
+    """A (a real process) is stopped (SIGSTOP) with each block given cluster.fetch_timeout_s = 60 s: B's Get of A's
+    chain waited a minute a block, up to cluster.max_fetch_blocks of them, its client cut by its own stall bound
+    (10 s here) without a word of why. The copying has one bound in all, cluster.fill_timeout_s (1 s here): the Get
+    is DEADLINE_EXCEEDED saying so, and a Lookup answers what B holds."""
+    b_srv = await daemon(redis_port, "b", **{"cluster.fetch_timeout_s": 60.0, "cluster.fill_timeout_s": 1.0})
+    try:
+        with daemon_process(redis_port, "a") as (a_address, a_proc):
+            spec = tiny_model()
+            async with EngramClient(a_address, namespace="ns", data_channel=False) as a, \
+                    EngramClient(b_srv.address, namespace="ns", data_channel=False, timeout_s=10.0) as b:
+                fp = await a.register_model(spec)
+                await b.register_model(spec)
+                await joined(a, b)
+                toks = tokens(8 * BLOCK_TOKENS, seed=12)
+                keys = list((await a.put(fp, toks, random_kv(spec, len(toks), seed=12))).keys)
+                await until(lambda: _held_in_redis(redis_port, keys[-1]), "A's last block published")
+                await b.get(fp, keys[:1])  # B's channel to A is open (a new one would fail to connect at once)
+                os.kill(a_proc.pid, signal.SIGSTOP)
+                try:
+                    with pytest.raises(errors.DeadlineExceeded, match=r"cluster\.fill_timeout_s \(1 s\)"):
+                        await b.get(fp, keys)
+                    assert (await b.lookup(fp, toks)).matched_tokens == BLOCK_TOKENS  # the block B holds
+                finally:
+                    os.kill(a_proc.pid, signal.SIGCONT)
+    finally:
+        await b_srv.stop(0)
+
+
 async def test_a_lookup_cancelled_by_its_client_stops_copying_its_prefix_from_peers(redis_port: int) -> None:
     """B's Lookups of 300-block prefixes only A holds (a fill copies one block a call, each after a Redis read of
     its holders), each cancelled by its client once B has copied a few of its blocks: B's Lookup ends there. A

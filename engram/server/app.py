@@ -457,7 +457,8 @@ async def _join_cluster(config: EngramConfig, service: EngramService, address: s
     service.cluster = ClusterIndex(c, service.store.index, c.node_id or advertised, advertised, trust)
     root = Path(c.peer_root_cert).read_bytes() if c.peer_root_cert else None
     service.peers = PeerFetcher(service.cluster, service.store, token=trust.peer_token, root_cert=root,
-                                timeout_s=c.fetch_timeout_s, max_blocks=c.max_fetch_blocks,
+                                timeout_s=c.fetch_timeout_s, fill_timeout_s=c.fill_timeout_s,
+                                max_blocks=c.max_fetch_blocks,
                                 metadata=trust.peer_metadata(service.cluster.node_id),
                                 untagged_gets=service.tenancy is None)
     await service.cluster.start()

@@ -17,7 +17,14 @@ import numpy as np
 
 from engram.block import BlockHeader
 from engram.cluster import ClusterIndex, Holder
-from engram.errors import EngramError, FailedPrecondition, NotFound, ResourceExhausted, brief
+from engram.errors import (
+    DeadlineExceeded,
+    EngramError,
+    FailedPrecondition,
+    NotFound,
+    ResourceExhausted,
+    brief,
+)
 from engram.keys import block_key
 from engram.logbudget import LogBudget
 from engram.store import BlockStore
@@ -70,17 +77,19 @@ class _Peer(NamedTuple):
 
 class PeerFetcher:
     def __init__(self, cluster: ClusterIndex, store: BlockStore, *, token: str = "", root_cert: bytes | None = None,
-                 timeout_s: float = 5.0, max_blocks: int = 4096, metadata: tuple[tuple[str, str], ...] = (),
-                 untagged_gets: bool = False) -> None:
-        """max_blocks: the most blocks one call copies (cluster.max_fetch_blocks). metadata: sent with the token
-        on every call (ClusterTrust.peer_metadata: this daemon's node id). untagged_gets: whether a Get reads an
-        older daemon's untagged holder entries (tenancy off: `_fetch_chain`)."""
+                 timeout_s: float = 5.0, fill_timeout_s: float = 20.0, max_blocks: int = 4096,
+                 metadata: tuple[tuple[str, str], ...] = (), untagged_gets: bool = False) -> None:
+        """timeout_s: each block's (cluster.fetch_timeout_s); fill_timeout_s: one call's copying in all
+        (cluster.fill_timeout_s). max_blocks: the most blocks one call copies (cluster.max_fetch_blocks). metadata:
+        sent with the token on every call (ClusterTrust.peer_metadata: this daemon's node id). untagged_gets:
+        whether a Get reads an older daemon's untagged holder entries (tenancy off: `_fetch_chain`)."""
         self.cluster = cluster
         self.store = store
         self.token = token
         self.metadata = metadata
         self.root_cert = root_cert
         self.timeout_s = timeout_s
+        self.fill_timeout_s = fill_timeout_s
         self.max_blocks = max_blocks
         self.untagged_gets = untagged_gets
         # One channel per peer, replaced when the peer moves (a restart on another port or host), so restarts do
@@ -89,6 +98,7 @@ class PeerFetcher:
         self._peers: dict[str, _Peer] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self._failures_said = LogBudget()  # a dead or restarted holder fails every fetch that meets it
+        self._expiries_said = LogBudget()  # a slow holder makes every lookup's fill run out
 
     def _stub(self, node_id: str, address: str, boot: int | None = None) -> Any:
         known = self._peers.get(node_id)
@@ -103,41 +113,72 @@ class PeerFetcher:
         self._peers[node_id] = _Peer(address, boot, channel, stub)
         return stub
 
+    def _bound(self, deadline: float | None) -> tuple[float, str]:
+        """When one call's copying must end (the loop's time), and what set it: cluster.fill_timeout_s, or the
+        call's own `deadline` (the loop's time) where that is sooner. Each block has cluster.fetch_timeout_s, and a
+        fill of thousands of blocks from a slow peer held its call for minutes (session 53)."""
+        ends = asyncio.get_running_loop().time() + self.fill_timeout_s
+        if deadline is not None and deadline < ends:
+            return deadline, "the call's deadline"
+        return ends, f"cluster.fill_timeout_s ({self.fill_timeout_s:g} s)"
+
     async def fill(self, namespace: str, fingerprint: bytes, tokens: np.ndarray, have_tokens: int,
-                   parent: bytes) -> int:
+                   parent: bytes, *, deadline: float | None = None) -> int:
         """Copy the full blocks of `tokens` after the first `have_tokens` from peers, in chain order, until
-        one is not found or cluster.max_fetch_blocks are copied; returns how many were stored. `parent` is the
+        one is not found, cluster.max_fetch_blocks are copied or the time is up (`_bound`: the lookup answers
+        what it holds then, said in the log); returns how many were stored. `parent` is the
         chain's key after `have_tokens` (the local walk's, PrefixWalk.whole): the keys up to it are not hashed
         again (the whole prefix was, ~140 ms of the event loop at a million tokens). Each key after it is hashed
         as its block is asked for, and each ask awaits Redis: the loop has its turns between them."""
         bt = self.store.spec(fingerprint).layout.block_tokens
         arr = np.ascontiguousarray(tokens, dtype="<i4")
         budget = _Budget(self.max_blocks)
-        for start in range(have_tokens, len(arr) - bt + 1, bt):
-            if budget.left < 1:
-                break
-            key = block_key(parent, arr[start : start + bt])
-            try:
-                if not await self._copy_from_any(namespace, fingerprint, parent, [key], budget):
-                    break
-            except _Unstorable:
-                break
-            parent = key
+        ends, why = self._bound(deadline)
+        try:
+            async with asyncio.timeout_at(ends) as bound:
+                for start in range(have_tokens, len(arr) - bt + 1, bt):
+                    if budget.left < 1:
+                        break
+                    key = block_key(parent, arr[start : start + bt])
+                    try:
+                        if not await self._copy_from_any(namespace, fingerprint, parent, [key], budget):
+                            break
+                    except _Unstorable:
+                        break
+                    parent = key
+        except TimeoutError:
+            if not bound.expired():
+                raise
+            held = self._expiries_said.take()
+            if held is not None:
+                log.warning("a lookup's copy from peers ran past %s after %d blocks: it answers what is held here%s",
+                            why, budget.copied, f" ({held} more ran out before this one, not logged)" if held else "")
         return budget.copied
 
-    async def fetch_keys(self, namespace: str, fingerprint: bytes, keys: list[bytes]) -> None:
+    async def fetch_keys(self, namespace: str, fingerprint: bytes, keys: list[bytes], *,
+                         deadline: float | None = None) -> None:
         """Copy the blocks named by key that this daemon lacks from peers, with the ancestors it lacks (a Get of
         keys the worker learnt from another daemon), parents first, each stored as it arrives. A Get needs every
         key: the first one that cannot be had within cluster.max_fetch_blocks blocks in all ends the copying,
         NotFound saying why (nothing downloaded only to be dropped, no chain asked for again per key). A model not
         registered here is UnknownModel at once (a daemon restarted DRAM-only): nothing copied could be stored,
-        and the worker integrations register the model again on that error, not on a NotFound."""
+        and the worker integrations register the model again on that error, not on a NotFound. The copying has one
+        bound in all (`_bound`): past it, DeadlineExceeded saying which and how far it got (what was copied stays)."""
         self.store.spec(fingerprint)
         budget = _Budget(self.max_blocks)
-        # Last key first: a Get names a chain root-most first, so its last key's ancestors are most of the others.
-        for i in reversed(range(len(keys))):
-            if not self.store.holds(namespace, keys[i]):
-                await self._fetch_chain(namespace, fingerprint, keys[i], i, budget)
+        ends, why = self._bound(deadline)
+        try:
+            async with asyncio.timeout_at(ends) as bound:
+                # Last key first: a Get names a chain root-most first, so its last key's ancestors are most of the rest
+                for i in reversed(range(len(keys))):
+                    if not self.store.holds(namespace, keys[i]):
+                        await self._fetch_chain(namespace, fingerprint, keys[i], i, budget)
+        except TimeoutError:
+            if not bound.expired():
+                raise
+            raise DeadlineExceeded(f"this Get's copying of blocks it lacks from the cluster's peers ran past {why}, "
+                                   f"{budget.copied} blocks copied: a peer is slow or stopped; call again (what was "
+                                   "copied is kept)") from None
 
     async def _fetch_chain(self, namespace: str, fingerprint: bytes, key: bytes, index: int, budget: _Budget) -> None:
         """Copy `key` and the ancestors this daemon lacks from a holder, within what is left of `budget`. The

@@ -190,6 +190,12 @@ async def _unless_gone(work: Coroutine[Any, Any, None], gone: Awaitable[None]) -
     task.result()
 
 
+def _deadline_of(context: grpc.aio.ServicerContext) -> float | None:
+    """The call's deadline on the loop's clock (what bounds its copying from peers), None where its caller set none."""
+    left = context.time_remaining()
+    return None if left is None else asyncio.get_running_loop().time() + left
+
+
 async def _cancel_lands() -> None:
     """Turns of the loop for a cancel that came while this handler ran without awaiting: grpc hears of its client's
     cancel (or deadline) in a task of its own, which cancels the handler's task from there, three turns after
@@ -359,7 +365,8 @@ class EngramService:
         # A probe asks without using: the eviction order counts the read that follows, once (LookupRequest.probe).
         use = not req.probe
         self.check_model(req.model_fingerprint)
-        walk, refs, matched = await self._walk(ns, req.model_fingerprint, tokens, use=use)
+        walk, refs, matched = await self._walk(ns, req.model_fingerprint, tokens, use=use,
+                                               deadline=_deadline_of(context))
         try:
             return pb.LookupResponse(matched_tokens=matched, blocks=refs)
         finally:
@@ -371,16 +378,17 @@ class EngramService:
             return contextlib.nullcontext()
         return self.turns.turn(tenant_of(None))
 
-    async def _walk(self, ns: str, fingerprint: bytes, tokens: Any, *, use: bool | None = True
-                    ) -> tuple[PrefixWalk, list[pb.BlockRef], int]:
+    async def _walk(self, ns: str, fingerprint: bytes, tokens: Any, *, use: bool | None = True,
+                    deadline: float | None = None) -> tuple[PrefixWalk, list[pb.BlockRef], int]:
         """The stored prefix of `tokens`, walked and answered a slice at a time (BlockStore.lookup_walk,
         `_walked_refs`) in the caller's tenant's turn, and counted as a lookup of what it answers (`use`: whether
         its blocks count as used; None: the caller counts, its answer may be cut later); with the cluster tier, the
         missing full blocks are fetched from peers first, and the prefix walked again. The fetch waits outside the
         turn: a peer may take cluster.fetch_timeout_s per block, and the turn is for Python work on the loop (holding
         it there made a tenant's long calls, every caller's with tenancy off, wait for each other's peers: 4 calls on
-        a frozen peer ended at 5, 10, 15, 15 s, a review, session 48). Returns the walk (the caller closes it), its
-        answer's refs and matched tokens."""
+        a frozen peer ended at 5, 10, 15, 15 s, a review, session 48); it ends by the call's `deadline` (the loop's
+        time) or cluster.fill_timeout_s. Returns the walk (the caller closes it), its answer's refs and matched
+        tokens."""
         walk = self.store.walk(ns, fingerprint, tokens)
         try:
             async with self._turn(fingerprint, tokens):
@@ -388,7 +396,7 @@ class EngramService:
                 if self.peers is None:
                     return await self._answered(walk, use)
                 walk.watch()  # before the fetch's awaits: a block removed meanwhile cuts the answer
-            refill = await self.peers.fill(ns, fingerprint, tokens, *walk.whole())
+            refill = await self.peers.fill(ns, fingerprint, tokens, *walk.whole(), deadline=deadline)
             if refill:
                 walk.close()
                 walk = self.store.walk(ns, fingerprint, tokens)
@@ -477,7 +485,7 @@ class EngramService:
     async def Get(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse | bytes]:
         req = decoded(request)
         try:
-            ns, metas = await self.blocks_to_get(req)
+            ns, metas = await self.blocks_to_get(req, deadline=_deadline_of(context))
             # A block in a host pool is framed from its slot (views), held by _serve until every frame of it is
             # built: each frame copies its piece (chunk_bytes), a turn of the loop apart. A copy of the whole block
             # into bytes first (the pool's read) was one step of the daemon's loop: 16 MiB holding the GIL.
@@ -507,11 +515,12 @@ class EngramService:
                 self.leases.release_known(namespace_for(None, req.namespace), list(req.release_lease_ids),
                                           self._tenant(None))  # (as another tenant's there)
 
-    async def blocks_to_get(self, req: pb.GetRequest, client_gone: Callable[[], Awaitable[None]] | None = None
-                            ) -> tuple[str, list[BlockMeta]]:
+    async def blocks_to_get(self, req: pb.GetRequest, client_gone: Callable[[], Awaitable[None]] | None = None,
+                            *, deadline: float | None = None) -> tuple[str, list[BlockMeta]]:
         """A Get's namespace and blocks, whichever channel answers it; keys this daemon lacks are copied from
-        the cluster's peers first. client_gone: returns when the caller has gone (the data channel's client
-        closed its connection; gRPC cancels the call itself), which ends the copying: ConnectionError."""
+        the cluster's peers first, by the call's `deadline` (the loop's time; none: cluster.fill_timeout_s) or
+        DeadlineExceeded. client_gone: returns when the caller has gone (the data channel's client closed its
+        connection; gRPC cancels the call itself), which ends the copying: ConnectionError."""
         check_limit("Get keys", len(req.keys), self.config.max_blocks_per_request)
         check_limit("Get release_lease_ids", len(req.release_lease_ids), self.config.max_blocks_per_request)
         ns = namespace_for(None, req.namespace)
@@ -521,7 +530,7 @@ class EngramService:
         except NotFound:
             if self.peers is None:
                 raise
-            fetch = self.peers.fetch_keys(ns, req.model_fingerprint, list(req.keys))
+            fetch = self.peers.fetch_keys(ns, req.model_fingerprint, list(req.keys), deadline=deadline)
             await (fetch if client_gone is None else _unless_gone(fetch, client_gone()))
             return ns, self.store.find(ns, req.model_fingerprint, list(req.keys))
 
@@ -543,7 +552,7 @@ class EngramService:
         self.leases.release_known(ns, list(req.release_lease_ids), self._tenant(context))  # expired ones: ended
         tokens = convert.tokens_from_pb(req.tokens)
         self.check_model(req.model_fingerprint)
-        walk, refs, _ = await self._walk(ns, req.model_fingerprint, tokens, use=None)
+        walk, refs, _ = await self._walk(ns, req.model_fingerprint, tokens, use=None, deadline=_deadline_of(context))
         try:
             return await self._prefix_answer(req, ns, tokens, walk, refs, context)
         finally:
