@@ -10,6 +10,8 @@ Records in Redis (every one signed with the cluster secret, engram/trust.py; Red
   process started, ms), refreshed every heartbeat_s and expiring after ttl_s (a dead node's entries are
   ignored, and removed when a reader of their namespace meets them), and the set `engram:{nodes}:ids` of node
   ids. The `{nodes}` tag keeps them on one shard, so one MGET reads the addresses and boots of many holders.
+  `engram:{nodes}:grants:<id>` = "digest|sig": the node's tenants' grants (ClusterTrust.grants_digest), compared
+  by each peer that meets the node, which says in its log when they differ from its own (`_grants`).
 A node restarted under its id (DRAM only, its blocks gone) cannot know which entries its earlier process left,
 and another holder's writes keep a block's hash from expiring: so readers skip, and remove, an entry whose boot
 is not its node's current one. An entry without a boot (a daemon from before boots) is read as before while its
@@ -76,6 +78,7 @@ _NODES = "engram:{nodes}:"
 _NODE = _NODES + "node:"
 _NODE_IDS = _NODES + "ids"
 _BOOT = _NODES + "boot:"
+_GRANTS = _NODES + "grants:"  # "digest|sig": which namespaces the node's tenants may use (ClusterTrust.grants_digest)
 # Removes a hash field only if it still holds what a reader saw: the node may have written it again meanwhile.
 _PRUNE = ("if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) "
           "end return 0")
@@ -155,7 +158,9 @@ def _passwords(config: ClusterConfig) -> tuple[str, ...]:
 
 class ClusterIndex:
     def __init__(self, config: ClusterConfig, index: ChainIndex, node_id: str, address: str,
-                 trust: ClusterTrust) -> None:
+                 trust: ClusterTrust, grants: str = "") -> None:
+        """grants: this daemon's tenants' grants (ClusterTrust.grants_digest), published for peers to compare
+        with theirs; "" publishes none."""
         self.config = config
         self.index = index
         self.node_id = node_id
@@ -187,6 +192,8 @@ class ClusterIndex:
         self._recent_records: deque[tuple[float, str]] = deque()
         self._synced_at = 0.0
         self._warned: dict[tuple[str, str, bool], float] = {}  # (record, node, bad signature) -> last said
+        self.grants = grants
+        self._grants_seen: dict[str, str | None] = {}  # peer -> the grants digest it was last read with (`_grants`)
         index.listeners.append(self._changed)
 
     def _changed(self, event: str, meta: BlockMeta) -> None:
@@ -237,7 +244,7 @@ class ClusterIndex:
         pipe = self._redis.pipeline(transaction=False)
         for meta in list(self.index):
             pipe.hdel(block_record_key(meta.key), self.node_id)
-        pipe.delete(_NODE + self.node_id, _BOOT + self.node_id)
+        pipe.delete(_NODE + self.node_id, _BOOT + self.node_id, _GRANTS + self.node_id)
         pipe.srem(_NODE_IDS, self.node_id)
         await pipe.execute()
 
@@ -274,8 +281,11 @@ class ClusterIndex:
                 # for an earlier process's.
                 pipe = self._redis.pipeline(transaction=False)
                 pipe.set(_BOOT + self.node_id, self.trust.boot_record(self.node_id, self.boot), px=ttl_ms)
+                if self.grants:
+                    pipe.set(_GRANTS + self.node_id, self.trust.grants_record(self.node_id, self.grants), px=ttl_ms)
                 pipe.sadd(_NODE_IDS, self.node_id)
-                await pipe.execute()
+                pipe.smembers(_NODE_IDS)
+                ids = sorted(n.decode(errors="replace") for n in (await pipe.execute())[-1])
                 written, self._last_record = self._last_record, record
                 seen = "" if previous is None else previous.decode(errors="replace")
                 restored = bool(written) and seen != written and self._wrote_earlier(seen)
@@ -300,6 +310,7 @@ class ClusterIndex:
                         (restored or time.monotonic() - self._synced_at > self.config.record_ttl_s / 3):
                     # Every record this node holds written again: before it expires, or what the restore lost
                     await self._resync()
+                    self._grants_seen.clear()  # and every peer's grants read again (one restarted with others)
                 if self.state != "ok" and time.monotonic() - self._shared_id_at < self.config.ttl_s:
                     # Another writer of our record was seen within ttl_s: it may only have missed a heartbeat (a busy
                     # host). Rejoined at once, each daemon flapped between degraded and a rejoin that published its
@@ -314,12 +325,43 @@ class ClusterIndex:
                              "joined" if self.counters.reconnects == 1 else "rejoined", self.node_id, self.address,
                              len(self.index), extra={"fields": {"node_id": self.node_id, "address": self.address,
                                                                 "reconnects": self.counters.reconnects}})
+                    self._grants_seen.clear()
+                await self._grants([n for n in ids if n != self.node_id and n not in self._grants_seen])
                 backoff = 0.1
                 await asyncio.sleep(self.config.heartbeat_s)
             except REDIS_FAULTS as exc:
                 self._degrade(exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
+
+    async def _grants(self, peers: list[str]) -> None:
+        """Compare the grants `peers` publish with this daemon's, and say (once per peer and grants) those that
+        differ. Whether a tenant may act in a namespace is each daemon's own config, and a peer serves any
+        namespace to a member (FetchBlocks names it; every member is trusted with every namespace): a tenant
+        reads, through the daemon it calls, every peer's blocks of the namespaces that daemon grants it, so grants
+        that differ let a tenant reach, through one daemon, blocks another daemon's grants keep from it, and
+        nothing said so (session 53). A peer that publishes none (an older daemon) is not compared."""
+        if not self.grants or not peers:
+            return
+        if len(self._grants_seen) > 4096:  # node ids come from Redis: anyone who can write it names as many
+            self._grants_seen.clear()
+        peers = peers[:1024]
+        records = await self._redis.mget([_GRANTS + n for n in peers])
+        differ = []
+        for node, raw in zip(peers, records, strict=True):
+            digest = None if raw is None else self.trust.node_grants(node, raw.decode(errors="replace"))
+            if raw is not None and digest is None:
+                self._untrusted("grants record", node)
+            self._grants_seen[node] = digest
+            if digest is not None and digest != self.grants:
+                differ.append(node)
+        if differ:
+            log.warning("cluster: node%s %s grant%s tenants other namespaces than this daemon does (auth.tenants, "
+                        "auth.tenants_file, or tenancy on or off): a tenant reads every peer's blocks of the namespaces "
+                        "the daemon it calls grants it, so it may reach through one daemon what another's grants "
+                        "keep from it; give every daemon of the cluster the same tenants and namespaces",
+                        "s" if len(differ) > 1 else "", ", ".join(differ), "" if len(differ) > 1 else "s",
+                        extra={"fields": {"node_id": self.node_id, "nodes": differ}})
 
     def _wrote_earlier(self, record: str) -> bool:
         """Whether `record` is one this process wrote within the time a copy of it can live (ttl_s, + skew)."""

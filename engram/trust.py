@@ -82,6 +82,7 @@ class ClusterTrust:
         self._block_key = self._derive(secret, b"block-mac")
         self._peer_node_key = self._derive(secret, b"peer-node")
         self._tag_key = self._derive(secret, b"namespace-tag")
+        self._grants_key = self._derive(secret, b"grants")
         self.peer_token = peer_token or self._derive(secret, b"peer-token").hex()
         self.max_age_ms = int((ttl_s + CLOCK_SKEW_S) * 1000)
 
@@ -177,6 +178,24 @@ class ClusterTrust:
             return int(boot)
         except ValueError:
             return None
+
+    def grants_digest(self, grants: Iterable[tuple[str, Iterable[str]]] | None) -> str:
+        """Which namespaces each tenant may use on a daemon ((tenant, namespaces) pairs; None: tenancy off, every
+        caller may use every namespace), as a digest keyed with the cluster secret: daemons compare theirs through
+        Redis, which learns neither a tenant's name nor a namespace's. The order given does not matter."""
+        if grants is None:
+            return self._mac(self._grants_key, (b"open",)).hex()[:32]
+        parts = sorted(f"{name}\0{','.join(sorted(set(spaces)))}" for name, spaces in grants)
+        return self._mac(self._grants_key, [b"tenants", *(p.encode() for p in parts)]).hex()[:32]
+
+    def grants_record(self, node_id: str, digest: str) -> str:
+        return f"{digest}|{self._mac(self._grants_key, (node_id.encode(), digest.encode())).hex()}"
+
+    def node_grants(self, node_id: str, record: str) -> str | None:
+        """The grants digest a signed grants record holds; None for a forged or altered one."""
+        digest, _, sig = record.rpartition("|")
+        want = self._mac(self._grants_key, (node_id.encode(), digest.encode())).hex()
+        return digest if hmac.compare_digest(want, sig) else None
 
     # ---- holder records -----------------------------------------------------------------------------
 

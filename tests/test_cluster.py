@@ -241,6 +241,56 @@ async def test_with_tenancy_a_tenants_prefix_crosses_daemons_and_no_other_tenant
                 await bob.get(fp, keys)
 
 
+async def test_daemons_whose_tenants_are_granted_other_namespaces_say_so_in_their_logs(
+        redis_port: int, caplog: pytest.LogCaptureFixture) -> None:
+    """A grants Bob namespace bob; B grants him bob and alice; C grants as A. A grant is each daemon's own config,
+    and a member serves a peer any namespace it names (every member is trusted with every namespace): through B,
+    Bob reads Alice's blocks that A holds, which A itself refuses him. Nothing said so (session 53). Each daemon
+    now publishes its grants (a digest keyed with the cluster secret) and says in its log which peers grant
+    otherwise: B names A and C, A and C name B, and neither names the other."""
+    caplog.set_level(logging.INFO, logger="engram.cluster")
+    same = {"auth.tenants.alice.token": "alice-token", "auth.tenants.alice.namespaces": "alice",
+            "auth.tenants.bob.token": "bob-token", "auth.salt_secret": "shared-secret",
+            "cluster.peer_token": "peer-token", "cluster.secret": "cluster-secret"}
+    grants = {"a": {}, "b": {"auth.tenants.bob.namespaces": "bob,alice"}, "c": {}}
+    proc = start_redis(redis_port)
+    started: dict[str, RunningServer] = {}
+    try:
+        for name, other in grants.items():
+            started[name] = await start_server(load_config(env={}, overrides={
+                "server.port": 0, "tiers.dram.capacity": "64MiB", "cluster.node_id": name,
+                "cluster.redis_url": f"redis://127.0.0.1:{redis_port}/0", "cluster.heartbeat_s": 0.2,
+                "cluster.ttl_s": 2.0, **same, **other}))
+        a_srv, b_srv = started["a"], started["b"]
+        spec = tiny_model()
+        toks = tokens(2 * BLOCK_TOKENS, seed=23)
+        async with EngramClient(a_srv.address, token="alice-token", namespace="alice") as alice, \
+                EngramClient(b_srv.address, token="bob-token", namespace="alice") as bob_on_b, \
+                EngramClient(a_srv.address, token="bob-token", namespace="alice") as bob_on_a:
+            fp = await alice.register_model(spec)
+            await bob_on_b.register_model(spec)
+            await until(lambda: _both(alice, bob_on_b, "ok"), "both daemons joined")
+            await alice.put(fp, toks, random_kv(spec, len(toks), seed=23))
+            await until(lambda: _b_hits(bob_on_b, fp, toks), "B serves Bob Alice's prefix from A")
+            with pytest.raises(errors.PermissionDenied):
+                await bob_on_a.lookup(fp, toks)
+
+        def named_by(node: str) -> set[str]:
+            """The peers the WARNINGs of `node`'s daemon name as granting otherwise."""
+            return {peer for r in caplog.records if r.name == "engram.cluster" and "other namespaces" in r.getMessage()
+                    and r.fields["node_id"] == node for peer in r.fields["nodes"]}  # type: ignore[attr-defined]
+
+        async def all_said() -> bool:
+            return named_by("a") == {"b"} and named_by("b") == {"a", "c"} and named_by("c") == {"b"}
+
+        await until(all_said, "each daemon said which peers grant otherwise")
+    finally:
+        for srv in started.values():
+            await srv.stop(0)
+        proc.kill()
+        proc.wait()
+
+
 def tenants(tmp_path: Path) -> dict[str, Any]:
     """Alice (namespace alice) and Bob (bob, shared) from a tenants file, a shared salt secret and peer token."""
     path = tmp_path / "tenants.toml"

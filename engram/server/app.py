@@ -454,7 +454,9 @@ async def _join_cluster(config: EngramConfig, service: EngramService, address: s
     c = config.cluster
     advertised = c.advertise or address
     service.trust = trust
-    service.cluster = ClusterIndex(c, service.store.index, c.node_id or advertised, advertised, trust)
+    grants = None if service.tenancy is None else [(p.name, p.namespaces) for p in service.tenancy.tenants()]
+    service.cluster = ClusterIndex(c, service.store.index, c.node_id or advertised, advertised, trust,
+                                   trust.grants_digest(grants))
     root = Path(c.peer_root_cert).read_bytes() if c.peer_root_cert else None
     service.peers = PeerFetcher(service.cluster, service.store, token=trust.peer_token, root_cert=root,
                                 timeout_s=c.fetch_timeout_s, fill_timeout_s=c.fill_timeout_s,
