@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import sys
 import threading
@@ -811,6 +812,33 @@ async def test_a_tenant_with_two_namespaces_reserves_at_most_its_share_of_the_po
             assert f"reservation {second.reservation_id} (namespace 'e2'" in said, said
             assert str(theirs.reservation_id) not in said and "good" not in said, said
         await _put_and_read_back(good, fp, spec, seed=9)  # in place: 12 of 16 blocks are reserved, then as bytes
+
+
+@pytest.mark.parametrize("admin", [False, True])
+async def test_a_reservation_stopped_by_a_full_pool_tells_a_tenant_why_but_not_the_pools_use(  # type: ignore[no-untyped-def]
+        server_factory, admin: bool) -> None:
+    """A pool of eight blocks, five of them Alice's pinned chain. Another caller's ReservePut of four blocks gets
+    three slots; no room can be made for the fourth, and the reservation says why in `refused`. That said 'the dram
+    tier is full (32768 of 32768 bytes ...)' to a tenant: the bytes every tenant's blocks and reservations hold,
+    which move with their puts (a tenant's put refused over gRPC or the data channel is told the same without the
+    figures, c91613f). A tenant is told the tier is full and why; an admin keeps the figures."""
+    spec = tiny_model()
+    block = spec.layout.block_nbytes(BLOCK_TOKENS)
+    srv = await server_factory(**{"tiers.dram.capacity": 8 * block, "tiers.dram.page_bytes": 256,
+                                  "server.max_pinned_fraction_per_tenant": 1.0, "auth.admin_tokens": "admin-token"},
+                               **_tenants(alice="alice-ns", bob="bob-ns"))
+    async with EngramClient(srv.address, namespace="alice-ns", token="alice-token") as alice:
+        fp = await alice.register_model(spec)
+        theirs = tokens(5 * BLOCK_TOKENS, seed=1)
+        assert (await alice.put(fp, theirs, random_kv(spec, len(theirs), seed=1), pin=True)).stored == 5
+    caller, ns = ("admin-token", "ops") if admin else ("bob-token", "bob-ns")
+    async with EngramClient(srv.address, namespace=ns, token=caller) as c:
+        await c.register_model(spec)
+    async with grpc.aio.insecure_channel(srv.address) as ch:
+        res = await _reserve_chain(pb_grpc.EngramStub(ch), ns, fp, tokens(4 * BLOCK_TOKENS, seed=2), spec, caller)
+    assert len(res.slots) == 3 and "the dram tier is full" in res.refused, res.refused
+    figures = re.search(rf"\d+ of {8 * block} bytes", res.refused)
+    assert bool(figures) == admin, res.refused
 
 
 async def test_reservations_of_every_tenant_together_stop_at_their_fraction_naming_only_the_callers_own(  # type: ignore[no-untyped-def]

@@ -192,8 +192,9 @@ class InPlacePuts:
                         self._hold(res, -h.payload_nbytes)
                         if not res.blocks:
                             raise
-                        # The pool is full of this reservation's own unpublished slots: commit them first.
-                        res.refused = str(exc)
+                        # The pool is full of this reservation's own unpublished slots: commit them first. (A
+                        # tenant is not told the tier's use, every tenant's bytes: errors.TierFull.)
+                        res.refused = exc.told(admin=not res.owner)
                         break
                     except BaseException:
                         store._quota_pending[namespace] -= h.payload_nbytes
