@@ -3,13 +3,29 @@ in one place (engram/wire/status.py), which the client uses to map them back."""
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+E = TypeVar("E", bound="EngramError")
+
 
 class EngramError(Exception):
     """Base class of every error Engram raises on purpose."""
 
+    for_tenant: str | None = None  # what a tenant is told instead of the message (None: the message)
+
     def told(self, admin: bool) -> str:
-        """What a caller is told of this error: its message (`TierFull` keeps the daemon's figures from a tenant)."""
-        return str(self)
+        """What a caller is told of this error: its message, or to a tenant `for_tenant` where it has one
+        (`TierFull` keeps the daemon's figures from a tenant, and so does an error that says one: `restated`)."""
+        return str(self) if admin or self.for_tenant is None else self.for_tenant
+
+
+def restated(cls: type[E], prefix: str, cause: EngramError) -> E:
+    """An error of `cls` saying `prefix` then `cause`, told to a tenant with what `cause` tells one: an error whose
+    message took another's (a TierFull's) told a tenant the figures the other keeps from it."""
+    err = cls(f"{prefix}{cause}")
+    if cause.for_tenant is not None:
+        err.for_tenant = f"{prefix}{cause.for_tenant}"
+    return err
 
 
 class InvalidArgument(EngramError):
@@ -45,9 +61,6 @@ class TierFull(ResourceExhausted):
     def __init__(self, message: str, for_tenant: str) -> None:
         super().__init__(message)
         self.for_tenant = for_tenant
-
-    def told(self, admin: bool) -> str:
-        return str(self) if admin else self.for_tenant
 
 
 class StorageFull(ResourceExhausted):

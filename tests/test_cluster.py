@@ -241,6 +241,49 @@ async def test_with_tenancy_a_tenants_prefix_crosses_daemons_and_no_other_tenant
                 await bob.get(fp, keys)
 
 
+@pytest.mark.parametrize("data_channel", [False, True])
+async def test_a_tenants_get_whose_chain_from_a_peer_finds_the_tier_full_is_not_told_the_tiers_use(
+        redis_port: int, data_channel: bool) -> None:
+    """Daemons of four-block pools. Alice's chain of three is on A; on B, Bob's four pinned blocks fill the pool.
+    Alice's Get through B of her keys copies the chain from A, and B cannot store it: NOT_FOUND 'its chain from a
+    peer could not be stored: the dram tier is full (16384 of 16384 bytes ...)', the bytes every tenant's blocks
+    hold on B, which move with their puts (c91613f keeps them from a tenant whose own put finds the tier full). She
+    is told the tier is full and why, over gRPC and the data channel; an admin keeps the figures."""
+    spec = tiny_model()
+    block = spec.layout.block_nbytes(BLOCK_TOKENS)
+    auth = {"auth.tenants.alice.token": "alice-token", "auth.tenants.alice.namespaces": "alice",
+            "auth.tenants.bob.token": "bob-token", "auth.tenants.bob.namespaces": "bob",
+            "auth.admin_tokens": "admin-token", "auth.salt_secret": "shared-secret",
+            "cluster.peer_token": "peer-token", "cluster.secret": "cluster-secret",
+            "server.max_pinned_fraction_per_tenant": 1.0}
+    async with two_daemons(redis_port, **{"tiers.dram.capacity": 4 * block, "tiers.dram.page_bytes": 256},
+                           **auth) as (a_srv, b_srv):
+        toks = tokens(3 * BLOCK_TOKENS, seed=31)
+        async with alice_and_bob(a_srv, b_srv, spec, "alice", "bob") as (a, _, bob, fp), \
+                EngramClient(b_srv.address, token="alice-token", namespace="alice", data_channel=data_channel) as b, \
+                EngramClient(b_srv.address, token="admin-token", namespace="alice",
+                             data_channel=data_channel) as admin:
+            mine = tokens(4 * BLOCK_TOKENS, seed=32)
+            assert (await bob.put(fp, mine, random_kv(spec, len(mine), seed=32), pin=True)).stored == 4
+            keys = list((await a.put(fp, toks, random_kv(spec, len(toks), seed=31))).keys)
+
+            async def refused() -> str:
+                try:
+                    await b.get(fp, keys)
+                except errors.NotFound as exc:
+                    return str(exc)
+                raise AssertionError("B stored Alice's chain in a pool full of Bob's pinned blocks")
+
+            async def said_full() -> bool:  # (until A's entries are in Redis, B knows of no holder)
+                return "could not be stored" in await refused()
+
+            await until(said_full, "B copied Alice's chain from A and could not store it")
+            said = await refused()
+            assert "the dram tier is full" in said and not re.search(r"\d+ of \d+ bytes", said), said
+            with pytest.raises(errors.NotFound, match=rf"the dram tier is full \(\d+ of {4 * block} bytes"):
+                await admin.get(fp, keys)
+
+
 async def test_daemons_whose_tenants_are_granted_other_namespaces_say_so_in_their_logs(
         redis_port: int, caplog: pytest.LogCaptureFixture) -> None:
     """A grants Bob namespace bob; B grants him bob and alice; C grants as A. A grant is each daemon's own config,

@@ -24,6 +24,7 @@ from engram.errors import (
     NotFound,
     ResourceExhausted,
     brief,
+    restated,
 )
 from engram.keys import block_key
 from engram.logbudget import LogBudget
@@ -234,8 +235,8 @@ class PeerFetcher:
             except _PeerFailed as exc:  # a Get names keys, maybe of another namespace: the entry is not judged
                 await self._peer_failed(key, holder, exc, prune=False)
             except _Unstorable as exc:
-                raise NotFound(f"{what} is not stored here, and its chain from a peer could not be stored: "
-                               f"{exc}") from None
+                raise restated(NotFound, f"{what} is not stored here, and its chain from a peer could not be "
+                               "stored: ", exc) from None
         raise unsupplied
 
     async def _ancestors(self, holder: Holder, namespace: str, fingerprint: bytes, key: bytes,
@@ -361,7 +362,7 @@ class PeerFetcher:
         except (ResourceExhausted, FailedPrecondition) as exc:
             # Not the peer's doing: no remote failure (a full pool was counted and logged as one, "did not verify")
             log.info("a peer's block %s was not stored: %s", key.hex(), exc)
-            raise _Unstorable(str(exc)) from None
+            raise restated(_Unstorable, "", exc) from None  # (a full tier's figures kept from a tenant: TierFull)
         except EngramError as exc:  # counted and said once, as the holder's failure (_peer_failed)
             raise _PeerFailed(f"its block {brief(key)} did not verify here: {exc}") from None
         self.cluster.counters.remote_hits += 1
