@@ -195,3 +195,52 @@ async def test_a_get_whose_promotion_outlives_its_block_is_served_and_leaves_the
         assert "dram" in srv.store.block(key).locations  # type: ignore[union-attr]
     assert not [r for r in caplog.records if r.levelname == "ERROR"]  # no internal error closed a connection
     assert (await srv.store.check(fix=False)).ok
+
+
+async def test_a_zero_copy_prefix_whose_copy_up_outlives_its_block_counts_no_promotion(  # type: ignore[no-untyped-def]
+        server_factory, tmp_path: Path) -> None:
+    """As the test before, but the copy up into the shared pool is a zero-copy GetPrefix's (BlockStore.copy_up): K,
+    on NVMe alone, is read and placed in the pool, whose room waits on a demotion held at its NVMe write; K is
+    dropped meanwhile (its file damaged, another Get) and put again. The copy up writes nothing (f062b9b), yet it
+    counted a promotion into the pool, and said one copy landed. Now it counts what landed only."""
+    block = SPEC.layout.block_nbytes(BLOCK_TOKENS)
+    srv = await server_factory(**{"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.dram.capacity": 2 * block,
+                                  "tiers.dram.page_bytes": 256, "tiers.write_back_window_s": 3600})
+    nvme = srv.store.tiers[-1]
+    k, v1, v2 = (tokens(BLOCK_TOKENS, seed=s) for s in (1, 2, 3))
+    kv_k, kv_again = random_kv(SPEC, BLOCK_TOKENS, seed=1), random_kv(SPEC, BLOCK_TOKENS, seed=4)
+    held = FirstIoHeld("write")  # in the tier's I/O thread
+
+    async with EngramClient(srv.address, namespace="d", zero_copy=True) as c, \
+            EngramClient(srv.address, namespace="d", zero_copy=False) as other:
+        fp = await c.register_model(SPEC)
+        await other.register_model(SPEC)
+        key = (await other.put(fp, k, kv_k)).keys[0]
+        meta = srv.store.block(key)
+        assert srv.store.flusher is not None and await srv.store.flusher.flush_now(meta)  # type: ignore[arg-type]
+        await srv.store.drop_copy(meta, "dram")  # type: ignore[arg-type]
+        assert meta.locations == ["nvme"]  # type: ignore[union-attr]
+        await other.put(fp, v1, random_kv(SPEC, BLOCK_TOKENS, seed=2))
+        await other.put(fp, v2, random_kv(SPEC, BLOCK_TOKENS, seed=3))  # the pool is full of blocks pending a flush
+        dram = srv.store.counters.tiers["dram"]
+        promotions, promoted_bytes = dram.promotions, dram.promoted_bytes
+        nvme.fault_hook = held
+        prefix = asyncio.create_task(c.get_prefix(fp, k))  # K copied up into the pool: V1's demotion is held
+        try:
+            assert await asyncio.to_thread(held.entered.wait, 30), "the copy up never demoted a block to NVMe"
+            assert meta.moving  # type: ignore[union-attr]
+            path = nvme.path_of(key)
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 0x40
+            path.write_bytes(bytes(data))
+            with pytest.raises(errors.DataLoss):
+                await other.get(fp, [key])  # K leaves the store
+            assert srv.store.block(key) is None
+            again = await other.put(fp, k, kv_again)  # K anew, into the pool (V2 demoted for it)
+            assert again.stored == 1 and again.keys[0] == key
+        finally:
+            held.go.set()
+        await prefix  # (what it answers depends on when it looks again: the K it walked left)
+        assert (dram.promotions, dram.promoted_bytes) == (promotions, promoted_bytes)
+        assert torch.equal((await other.get(fp, [key]))[0], kv_again)
+    assert (await srv.store.check(fix=False)).ok

@@ -763,6 +763,8 @@ class BlockStore:
                 meta.moving = False
                 placement.busy -= 1
                 placement.notify_freed()
+            if tier_name not in meta.locations:  # the block left while room was made: nothing was written (place)
+                return 0
             if placement.rank[source] > rank:  # up from a slower tier (NVMe): a promotion into tier_name
                 tc = self.counters.tiers[tier_name]
                 tc.promotions += 1
