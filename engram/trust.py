@@ -62,6 +62,14 @@ def _field(value: bytes) -> bytes:
     return len(value).to_bytes(4, "little") + value  # length-prefixed: fields cannot run into each other
 
 
+def _signed(want: str, sig: str) -> bool:
+    """Whether a record's signature `sig` (as Redis gave it) is `want`, in constant time. Compared as bytes:
+    hmac.compare_digest of two str raises TypeError for one that is not ASCII, and whoever can write Redis wrote
+    "é" where a signature goes, which ended a daemon's heartbeat and failed every lookup that met the record (a
+    review, session 53)."""
+    return hmac.compare_digest(want.encode(), sig.encode(errors="replace"))
+
+
 @dataclass(frozen=True)
 class HolderEntry:
     tier: str
@@ -163,7 +171,7 @@ class ClusterTrust:
         except ValueError:
             return None
         want = self._mac(self._node_key, (node_id.encode(), address.encode(), ts.encode())).hex()
-        return (address, age) if hmac.compare_digest(want, sig) else None
+        return (address, age) if _signed(want, sig) else None
 
     def boot_record(self, node_id: str, boot: int) -> str:
         return f"{boot}|{self._mac(self._boot_key, (node_id.encode(), str(boot).encode())).hex()}"
@@ -172,7 +180,7 @@ class ClusterTrust:
         """The start time a signed boot record holds; None for a forged or altered one."""
         boot, _, sig = record.rpartition("|")
         want = self._mac(self._boot_key, (node_id.encode(), boot.encode())).hex()
-        if not hmac.compare_digest(want, sig):
+        if not _signed(want, sig):
             return None
         try:
             return int(boot)
@@ -195,7 +203,7 @@ class ClusterTrust:
         """The grants digest a signed grants record holds; None for a forged or altered one."""
         digest, _, sig = record.rpartition("|")
         want = self._mac(self._grants_key, (node_id.encode(), digest.encode())).hex()
-        return digest if hmac.compare_digest(want, sig) else None
+        return digest if _signed(want, sig) else None
 
     # ---- holder records -----------------------------------------------------------------------------
 
@@ -217,7 +225,7 @@ class ClusterTrust:
         """What a signed holder record says; None for one that does not verify (forged, moved, altered)."""
         fields, _, sig = record.rpartition("|")
         want = self._mac(self._holder_key, (key, node_id.encode(), fields.encode())).hex()
-        if not hmac.compare_digest(want, sig):
+        if not _signed(want, sig):
             return None
         try:
             tier_boot, size, checksum = fields.split("|")

@@ -561,3 +561,49 @@ async def test_a_node_whose_clock_is_off_is_said_to_be_so_once_not_a_bad_signatu
         skewed.wait()
         proc.kill()
         proc.wait()
+
+
+async def test_records_in_redis_whose_signature_is_not_ascii_are_ignored_not_the_end_of_a_heartbeat_or_a_lookup(
+        redis_port: int, daemon_factory: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Whoever can write Redis signs a grants record of a node of its own, and a holder record beside A's of each
+    block B will look up, with "é" (valid UTF-8, not ASCII) where a signature goes. The signature check compared
+    str with str (hmac.compare_digest), which raises TypeError for any that is not ASCII: the grants record ended
+    B's heartbeat task at its join (a review, session 53), so B stopped refreshing its node record and left the
+    cluster while its Stats said "ok"; the holder record failed every lookup that met it, INTERNAL. Now both are
+    ignored as forged: B's heartbeat writes its node record again once it is removed, and B's lookup is a hit."""
+    caplog.set_level(logging.WARNING, logger="engram.cluster")
+    proc = start_redis(redis_port)
+    try:
+        r = redis.Redis(port=redis_port)
+        r.sadd("engram:{nodes}:ids", "mallory")
+        r.set("engram:{nodes}:grants:mallory", "0" * 32 + "|é")
+        a = await daemon_factory("a", **{"cluster.redis_url": f"redis://127.0.0.1:{redis_port}/0"})
+        b = await daemon_factory("b", **{"cluster.redis_url": f"redis://127.0.0.1:{redis_port}/0"})
+        await until(lambda: _ok(a, b), "both daemons joined")
+        await until(_said(caplog, "grants record for node 'mallory'"), "B ignored the grants record")
+        r.delete("engram:{nodes}:node:b")  # as Redis restarted empty: a live heartbeat writes it again
+        await until(lambda: _has(r, "engram:{nodes}:node:b"), "B's heartbeat wrote its node record again")
+        spec = tiny_model()
+        toks = tokens(2 * BLOCK_TOKENS, seed=5)
+        async with EngramClient(a.address, namespace="ns") as ca, EngramClient(b.address, namespace="ns") as cb:
+            fp = await ca.register_model(spec)
+            await cb.register_model(spec)
+            keys = (await ca.put(fp, toks, random_kv(spec, len(toks), seed=5))).keys
+            await until(lambda: _published(r, keys), "A published its blocks")
+            for k in keys:
+                r.hset(block_record_key(k), "mallory", "dram|1|2|é")
+            assert (await cb.lookup(fp, toks)).matched_tokens == len(toks)
+        assert any("holder record for node 'mallory'" in rec.getMessage() for rec in caplog.records)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _said(caplog: pytest.LogCaptureFixture, words: str) -> Callable[[], Awaitable[bool]]:
+    async def said() -> bool:
+        return any(words in rec.getMessage() for rec in caplog.records)
+    return said
+
+
+async def _has(r: redis.Redis, key: str) -> bool:
+    return r.get(key) is not None
