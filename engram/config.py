@@ -337,7 +337,7 @@ class ClusterConfig:
     peer_root_cert: str = ""  # PEM root certificate to verify peers that serve TLS
     fetch_timeout_s: float = 5.0  # one peer fetch; past it the block counts as a miss
     # The most one call's copying from peers may take in all (a Get's keys, a Lookup's fill), or the call's own
-    # deadline where that is sooner: past it a Get is DEADLINE_EXCEEDED, a Lookup answers what it holds by then.
+    # deadline (less a second, or a quarter of its time, for the answer) where that is sooner: past it a Get is DEADLINE_EXCEEDED, a Lookup answers what it holds by then.
     # Below a client's default timeout_s (30 s), so that the client hears why
     fill_timeout_s: float = 20.0
     # The most blocks one Get or Lookup copies from peers (a Get's keys with the ancestors this daemon lacks): a

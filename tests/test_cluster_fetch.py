@@ -23,6 +23,9 @@ from engram.config import load_config
 from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
 from engram.server import RunningServer, start_server
 from engram.trust import ClusterTrust
+from engram.v1 import engram_pb2 as pb
+from engram.wire import convert
+from engram.wire.channel import open_channel, stub_for
 
 from helpers import (
     BLOCK_TOKENS,
@@ -372,6 +375,38 @@ async def test_a_fill_from_a_stopped_peer_ends_at_its_overall_bound_not_each_blo
                         await b.get(fp, keys)
                     assert (await b.lookup(fp, toks)).matched_tokens == BLOCK_TOKENS  # the block B holds
                 finally:
+                    os.kill(a_proc.pid, signal.SIGCONT)
+    finally:
+        await b_srv.stop(0)
+
+
+async def test_a_lookup_whose_fill_runs_to_its_callers_deadline_still_answers_what_is_held(redis_port: int) -> None:
+    """A (a real process) is stopped (SIGSTOP); B's fill has cluster.fill_timeout_s 60 s, and the caller's own gRPC
+    deadline (4 s: any gRPC client, the C++ and Go ones) is the sooner bound. The fill ran to that very deadline,
+    so the Lookup's answer of the block B holds came after it: the caller got DEADLINE_EXCEEDED, no answer at all,
+    where a shorter match is a right one (a review, session 53). The fill now ends a little before the deadline
+    (ANSWER_MARGIN_S, or a quarter of the time the call has), leaving the answer its time."""
+    b_srv = await daemon(redis_port, "b", **{"cluster.fetch_timeout_s": 60.0, "cluster.fill_timeout_s": 60.0})
+    try:
+        with daemon_process(redis_port, "a") as (a_address, a_proc):
+            spec = tiny_model()
+            async with EngramClient(a_address, namespace="ns", data_channel=False) as a, \
+                    EngramClient(b_srv.address, namespace="ns", data_channel=False) as b:
+                fp = await a.register_model(spec)
+                await b.register_model(spec)
+                await joined(a, b)
+                toks = tokens(8 * BLOCK_TOKENS, seed=14)
+                keys = list((await a.put(fp, toks, random_kv(spec, len(toks), seed=14))).keys)
+                await until(lambda: _held_in_redis(redis_port, keys[-1]), "A's last block published")
+                await b.get(fp, keys[:1])  # B holds the first block, and its channel to A is open
+                os.kill(a_proc.pid, signal.SIGSTOP)
+                channel = open_channel(b_srv.address)
+                try:
+                    req = pb.LookupRequest(namespace="ns", model_fingerprint=fp, tokens=convert.tokens_to_pb(toks))
+                    answer = await stub_for(channel).Lookup(req, timeout=4.0)
+                    assert answer.matched_tokens == BLOCK_TOKENS
+                finally:
+                    await channel.close()
                     os.kill(a_proc.pid, signal.SIGCONT)
     finally:
         await b_srv.stop(0)

@@ -37,6 +37,10 @@ from engram.wire.stream import Reassembler, client_reassembler
 log = logging.getLogger("engram.server.peers")
 
 FETCH_BATCH = 128  # blocks one FetchBlocks asks for when a chain is copied (fewer where the holder's limit is lower)
+# Of a call's own deadline, what its copying from peers leaves for the answer (or a quarter of the time the call has,
+# where that is less): copying to the deadline itself, a Lookup's answer of what it held came after it, and its
+# caller got DEADLINE_EXCEEDED instead of a shorter match (a review, session 53)
+ANSWER_MARGIN_S = 1.0
 
 
 class _PeerFailed(EngramError):
@@ -116,11 +120,15 @@ class PeerFetcher:
 
     def _bound(self, deadline: float | None) -> tuple[float, str]:
         """When one call's copying must end (the loop's time), and what set it: cluster.fill_timeout_s, or the
-        call's own `deadline` (the loop's time) where that is sooner. Each block has cluster.fetch_timeout_s, and a
-        fill of thousands of blocks from a slow peer held its call for minutes (session 53)."""
-        ends = asyncio.get_running_loop().time() + self.fill_timeout_s
-        if deadline is not None and deadline < ends:
-            return deadline, "the call's deadline"
+        call's own `deadline` (the loop's time), less ANSWER_MARGIN_S for the answer, where that is sooner. Each
+        block has cluster.fetch_timeout_s, and a fill of thousands of blocks from a slow peer held its call for
+        minutes (session 53)."""
+        now = asyncio.get_running_loop().time()
+        ends = now + self.fill_timeout_s
+        if deadline is not None:
+            answer_by = deadline - min(ANSWER_MARGIN_S, max(deadline - now, 0.0) / 4)
+            if answer_by < ends:
+                return answer_by, "the call's deadline"
         return ends, f"cluster.fill_timeout_s ({self.fill_timeout_s:g} s)"
 
     async def fill(self, namespace: str, fingerprint: bytes, tokens: np.ndarray, have_tokens: int,
