@@ -47,6 +47,23 @@ def test_attention_without_a_mask_is_lower_right_causal_over_the_kv_heads_as_sto
     assert torch.allclose(got, written_out(q, k, v), atol=1e-12)
 
 
+def test_gradients_flow_through_the_lower_right_attention_as_through_the_written_out_one() -> None:
+    """A forward of a few tokens against a cache with gradients on (a prompt tuned against a cached prefix, a
+    probe's saliency): the lower-right attention is an operator of its own since session 53, registered with no
+    autograd formula, and its backward raised "no autograd formula was registered" where the SDPA it replaced
+    had one (a review, session 53). Its gradients are the written-out attention's."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 8, 5, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, 2, 37, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    got, _ = attention(Causal(), q, k, v, None, scaling=0.3)
+    want = written_out(q * (0.3 * math.sqrt(16)), k, v)
+    seed = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((got * seed).sum(), (q, k, v))
+    expected = torch.autograd.grad((want * seed).sum(), (q, k, v))
+    for have, exp in zip(grads, expected, strict=True):
+        assert torch.allclose(have, exp, atol=1e-10)
+
+
 def test_attention_given_a_mask_is_transformers_sdpa() -> None:
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, 4, 5, 16, generator=g)

@@ -96,6 +96,37 @@ def _(query: Tensor, key: Tensor, value: Tensor, scale: float | None) -> Tensor:
     return query.new_empty((b, q, heads, value.shape[-1]))
 
 
+def _setup_backward(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    query, key, value, scale = inputs
+    ctx.save_for_backward(query, key, value)
+    ctx.scale = scale
+
+
+def _backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
+    """The attention's gradients, written out (in float32 at least): the operator replaced an SDPA that had them,
+    and a forward against a cache with gradients on (a prompt tuned against a cached prefix) failed its backward
+    without (a review, session 53). Its probabilities are (B, Hq, q, kv): a suffix's few queries."""
+    query, key, value = ctx.saved_tensors
+    work = torch.promote_types(query.dtype, torch.float32)
+    q, k, v = (t.to(work) for t in (query, key, value))
+    group = q.shape[1] // k.shape[1]
+    ke, ve = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    nq, nk = q.shape[2], k.shape[2]
+    scale = ctx.scale if ctx.scale is not None else q.shape[-1] ** -0.5
+    allowed = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(nk - nq)
+    probs = torch.softmax((q @ ke.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf")), dim=-1)
+    d_out = grad.transpose(1, 2).to(work)  # (B, Hq, q, Dv)
+    d_probs = d_out @ ve.transpose(-1, -2)
+    d_scores = probs * (d_probs - (d_probs * probs).sum(-1, keepdim=True)) * scale
+    d_q = d_scores @ ke
+    d_k = (d_scores.transpose(-1, -2) @ q).unflatten(1, (k.shape[1], group)).sum(2)
+    d_v = (probs.transpose(-1, -2) @ d_out).unflatten(1, (v.shape[1], group)).sum(2)
+    return d_q.to(query.dtype), d_k.to(key.dtype), d_v.to(value.dtype), None
+
+
+lower_right_causal_sdpa.register_autograd(_backward, setup_context=_setup_backward)
+
+
 def _flash_takes(query: Tensor, key: Tensor, value: Tensor) -> bool:
     """Whether SDPA's flash kernel takes these with enable_gqa (on the CPU, its own kernels do): a head dim of at
     most 256, the same for keys and values, and on a GPU 16-bit floats. Otherwise no fused kernel takes GQA and
