@@ -17,7 +17,13 @@ from helpers import missing
 if importlib.util.find_spec("transformers") is None:  # a declared test dependency: fails, unless ENGRAM_TESTS_WITHOUT names it
     missing("transformers", "the transformers integration needs it (pip install -e '.[dev]')")
 
-from engram.integrations.hf_attention import NAME, attention, lower_right_causal_mask, use_gqa_attention
+from engram.integrations.hf_attention import (
+    NAME,
+    attention,
+    lower_right_causal_mask,
+    lower_right_causal_sdpa,
+    use_gqa_attention,
+)
 from engram.integrations.hf_cache import RoomyLayer
 from engram.replay.hf import cache_kwarg
 
@@ -55,13 +61,15 @@ def test_gradients_flow_through_the_lower_right_attention_as_through_the_written
     g = torch.Generator().manual_seed(2)
     q = torch.randn(1, 8, 5, 16, generator=g, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(1, 2, 37, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    got, _ = attention(Causal(), q, k, v, None, scaling=0.3)
     want = written_out(q * (0.3 * math.sqrt(16)), k, v)
-    seed = torch.randn(got.shape, generator=g, dtype=torch.float64)
-    grads = torch.autograd.grad((got * seed).sum(), (q, k, v))
+    seed = torch.randn(want.shape, generator=g, dtype=torch.float64)
     expected = torch.autograd.grad((want * seed).sum(), (q, k, v))
-    for have, exp in zip(grads, expected, strict=True):
-        assert torch.allclose(have, exp, atol=1e-10)
+    eager, _ = attention(Causal(), q, k, v, None, scaling=0.3)  # SDPA's own backward
+    operator = lower_right_causal_sdpa(q, k, v, 0.3)  # what a compiled forward calls: its registered backward
+    for got in (eager, operator):
+        grads = torch.autograd.grad((got * seed).sum(), (q, k, v))
+        for have, exp in zip(grads, expected, strict=True):
+            assert torch.allclose(have, exp, atol=1e-10)
 
 
 def test_attention_given_a_mask_is_transformers_sdpa() -> None:

@@ -70,8 +70,9 @@ def attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor
                 if causal and q_len < kv_len else None)
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    if causal and q_len < kv_len:
-        return lower_right_causal_sdpa(query, key, value, scaling), None
+    if causal and q_len < kv_len:  # (eager, SDPA's own kernels and their fused backward)
+        return (lower_right_causal_sdpa if torch.compiler.is_compiling() else _lower_right)(query, key, value,
+                                                                                             scaling), None
     out = F.scaled_dot_product_attention(query, key, value, is_causal=causal, scale=scaling,
                                          enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
@@ -83,6 +84,10 @@ def lower_right_causal_sdpa(query: Tensor, key: Tensor, value: Tensor, scale: fl
     contiguous, as transformers' attention returns it. An operator of its own so that torch.compile takes it whole:
     traced, the lower-right bias (a tensor subclass) is a graph break in every layer, and the kernel launches of a
     forward of a few tokens are what compiling it saves."""
+    return _lower_right(query, key, value, scale)
+
+
+def _lower_right(query: Tensor, key: Tensor, value: Tensor, scale: float | None) -> Tensor:
     from torch.nn.attention.bias import causal_lower_right
 
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(query.shape[2], key.shape[2]),
@@ -103,9 +108,10 @@ def _setup_backward(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
 
 
 def _backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
-    """The attention's gradients, written out (in float32 at least): the operator replaced an SDPA that had them,
-    and a forward against a cache with gradients on (a prompt tuned against a cached prefix) failed its backward
-    without (a review, session 53). Its probabilities are (B, Hq, q, kv): a suffix's few queries."""
+    """The attention's gradients, written out (in float32 at least), for a compiled forward against a cache with
+    gradients on (a prompt tuned against a cached prefix failed its backward without: a review, session 53); eager,
+    `attention` runs SDPA itself, with its fused backward. Its probabilities are (B, Hq, q, kv): a suffix's few
+    queries."""
     query, key, value = ctx.saved_tensors
     work = torch.promote_types(query.dtype, torch.float32)
     q, k, v = (t.to(work) for t in (query, key, value))
