@@ -333,6 +333,15 @@ class ClusterIndex:
                 self._degrade(exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
+            except Exception as exc:  # a bug, or a record no check foresaw: said, and the loop goes on
+                # Anything else ended the heartbeat for good while Stats still said "ok": the node's record then
+                # expired, peers dropped it, and it shared nothing (a review, session 53: a forged record's
+                # signature raised TypeError here). Degraded, as with Redis gone, it rejoins at the next beat.
+                if self.state == "ok":
+                    log.exception("cluster: the heartbeat failed; serving local tiers only until it succeeds")
+                self.state, self.reason = "degraded", f"the heartbeat failed ({type(exc).__name__}: {exc}); retrying"
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
 
     async def _grants(self, peers: list[str]) -> None:
         """Compare the grants `peers` publish with this daemon's, and say (once per peer and grants) those that

@@ -607,3 +607,42 @@ def _said(caplog: pytest.LogCaptureFixture, words: str) -> Callable[[], Awaitabl
 
 async def _has(r: redis.Redis, key: str) -> bool:
     return r.get(key) is not None
+
+
+async def test_a_heartbeat_that_fails_other_than_by_redis_degrades_the_node_and_goes_on(
+        redis_port: int, daemon_factory: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """An error in the heartbeat that is no Redis fault (a bug, a record no check foresaw: a forged signature raised
+    TypeError there, a review, session 53) ended the heartbeat task for good: Stats went on saying "ok" while the
+    node's record expired and its peers dropped it. Now the node says so and is degraded, and the heartbeat goes on:
+    once the fault is gone it rejoins and writes its record again. (The fault is raised by the node's own
+    record-signing, put in place for the test: nothing in Redis can raise there any more.)"""
+    caplog.set_level(logging.ERROR, logger="engram.cluster")
+    proc = start_redis(redis_port)
+    try:
+        r = redis.Redis(port=redis_port)
+        a = await daemon_factory("a", **{"cluster.redis_url": f"redis://127.0.0.1:{redis_port}/0",
+                                         "cluster.heartbeat_s": 0.2})
+        await until(lambda: _ok(a), "A joined")
+        trust = a.service.cluster.trust
+        signed = trust.node_record
+
+        def fails(*args: Any) -> str:
+            raise RuntimeError("a fault no check foresaw")
+
+        trust.node_record = fails  # every beat, until A is seen degraded
+        try:
+            await until(lambda: _degraded_by_the_heartbeat(a), "A said its heartbeat failed")
+        finally:
+            trust.node_record = signed
+        r.delete("engram:{nodes}:node:a")
+        await until(lambda: _ok(a), "A rejoined")
+        await until(lambda: _has(r, "engram:{nodes}:node:a"), "A's heartbeat wrote its node record again")
+        assert any("the heartbeat failed" in rec.getMessage() for rec in caplog.records)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def _degraded_by_the_heartbeat(d: RunningServer) -> bool:
+    got, reason = await state(d)
+    return got == "degraded" and "heartbeat failed" in reason and "a fault no check foresaw" in reason
