@@ -59,10 +59,14 @@ class ServerConfig:
     # AppendSession's whole SWA window; a Lookup's tokens). grpc reads a message whole before the handler sees it,
     # growing the stream's window to fit, so each gRPC Put stream takes this much of receive_buffer_bytes (as
     # metadata, at most half of it or of a tenant's share) for the life of the call: at 64 MiB, outside the
-    # budget, one tenant's 128 streams made the daemon hold 8 GiB. Twice the default chunk_bytes, which a
-    # client's chunks (the daemon's own too) stay under.
+    # budget, one tenant's 128 streams made the daemon hold 8 GiB. Twice a client's default chunks (8 MiB), which
+    # its chunks (the daemon's own too) stay under.
     max_message_bytes: ByteSize = ByteSize(16 * 2**20)
-    chunk_bytes: ByteSize = ByteSize(8 * 2**20)  # payload bytes per streamed message (< max_message_bytes)
+    # Payload bytes per message the daemon streams (a gRPC Get's, a peer's FetchBlocks, a Resume's; < max_message_bytes).
+    # Each message is built and handed to gRPC in one step of the event loop, every other call waiting: at 8 MiB a
+    # step of 8-13 ms of the loop's CPU (most of it inside gRPC's send), at 1 MiB under 2, the block sent no slower
+    # (benchmarks/RESULTS.md, put_get, session 53).
+    chunk_bytes: ByteSize = ByteSize(2**20)
     max_concurrent_rpcs: int = 512  # beyond this, RPCs are refused with RESOURCE_EXHAUSTED
     # With tenancy on, the calls one tenant's token may have in flight (admins: no bound; each cluster peer has its
     # own); past it its calls are RESOURCE_EXHAUSTED, so one tenant (idle Put streams, say) cannot take every slot

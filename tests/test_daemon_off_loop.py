@@ -353,6 +353,25 @@ async def test_a_grpc_get_of_a_large_block_in_the_pool_sends_it_without_a_copy_o
     assert b"".join(ch.data for ch in chunks) == stored.encode(kv, stored.RAW)
 
 
+async def test_a_grpc_get_sends_a_large_block_a_mib_a_message_by_default_each_a_short_step_of_the_loop(  # type: ignore[no-untyped-def]
+        server_factory) -> None:
+    """Each message a daemon streams is built and handed to gRPC in one step of its event loop: at the former default
+    of 8 MiB a message (server.chunk_bytes) that step took 8-13 ms of the loop's CPU, most of it inside gRPC's send
+    (benchmarks/RESULTS.md, put_get, session 53). By default an 8 MiB block goes as eight messages of 1 MiB now,
+    its bytes the same."""
+    srv = await server_factory()
+    spec = ModelSpec("big-blocks", "w", BIG, codec="raw")
+    async with EngramClient(srv.address, namespace="t") as c:
+        fp = await c.register_model(spec)
+        kv = random_kv(spec, 2048, seed=17)
+        (key,) = (await c.put(fp, tokens(2048, seed=17), kv)).keys
+    async with grpc.aio.insecure_channel(srv.address, options=UNLIMITED) as ch:
+        chunks = [r.chunk async for r in pb_grpc.EngramStub(ch).Get(
+            pb.GetRequest(namespace="t", model_fingerprint=fp, keys=[key]))]
+    assert [len(ch.data) for ch in chunks] == [2**20] * 8 and [ch.last for ch in chunks] == [False] * 7 + [True]
+    assert b"".join(ch.data for ch in chunks) == stored.encode(kv, stored.RAW)
+
+
 async def test_write_through_copies_a_large_block_out_of_the_pool_for_its_durable_copy_off_the_loop(  # type: ignore[no-untyped-def]
         server_factory, tmp_path) -> None:
     """Under write-through a block's NVMe copy is written from its pool copy where the put's own bytes are not at

@@ -446,7 +446,7 @@ async def test_a_get_stream_never_read_is_ended_and_lets_go_and_one_read_slowly_
         assert "server.stream_stall_s" in (info.value.details() or "")
         slow, got = s.Get(pb.GetRequest(namespace="alice", model_fingerprint=fp, keys=keys)), []
         async for resp in slow:
-            got.append(resp.chunk.data)  # a block a message (server.chunk_bytes is larger)
+            got.append(resp.chunk.data)  # a block a message (server.chunk_bytes holds one)
             await asyncio.sleep(0.05)
         assert got == [kv[:, :, i * 128:(i + 1) * 128].contiguous().view(torch.uint8).numpy().tobytes()
                        for i in range(48)]

@@ -337,16 +337,17 @@ async def test_a_clients_put_chunks_stay_under_the_daemons_message_limit(server_
 
 
 async def test_a_client_whose_message_limit_is_below_the_daemons_chunks_still_gets_its_blocks(server_factory) -> None:  # type: ignore[no-untyped-def]
-    """A client made with max_message_bytes = 4 MiB fetching over gRPC from a daemon at its defaults (8 MiB Get
-    chunks): a 4 MiB block came as one message over the client's receive limit, and every Get and load failed
-    RESOURCE_EXHAUSTED "Received message larger than max", naming neither setting (found in session 45 beside
-    the put direction's audit). The client takes whatever its daemon sends; its own limit bounds what it sends."""
+    """A client made with max_message_bytes = 4 MiB fetching over gRPC from a daemon sending 8 MiB Get chunks (the
+    default until session 53): a 4 MiB block came as one message over the client's receive limit, and every Get
+    and load failed RESOURCE_EXHAUSTED "Received message larger than max", naming neither setting (found in session
+    45 beside the put direction's audit). The client takes whatever its daemon sends; its own limit bounds what it
+    sends."""
     from engram.layout import KVLayout, LayerKind, LayerSpec, ModelSpec
 
     layout = KVLayout(layers=(LayerSpec(LayerKind.GLOBAL),) * 4, num_kv_heads=8, head_dim=128,
                       dtype=DType.BF16, block_tokens=256)
     spec = ModelSpec("big", "w", layout, codec="raw")  # 4 MiB blocks
-    srv = await server_factory()
+    srv = await server_factory(**{"server.chunk_bytes": "8MiB"})
     async with EngramClient(srv.address, zero_copy=False, data_channel=False, chunk_bytes=2**20,
                             max_message_bytes=4 * 2**20) as client:
         fp = await client.register_model(spec)
