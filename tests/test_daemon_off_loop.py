@@ -20,8 +20,8 @@ import xxhash
 from engram import block
 from engram.block import CHECKSUM_OFF_LOOP_BYTES, checksum, checksum_off_loop
 from engram.client import EngramClient
-from engram.codec import stored
-from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec
+from engram.codec import stored, streamformat
+from engram.layout import DType, KVLayout, LayerKind, LayerSpec, ModelSpec, StreamSpec
 from engram.tiers.pool import PoolTier
 from engram.v1 import engram_pb2 as pb
 from engram.v1 import engram_pb2_grpc as pb_grpc
@@ -331,6 +331,41 @@ async def test_a_decoding_gets_thread_sends_the_decoded_elements_without_copying
                 pb.GetRequest(namespace="t", model_fingerprint=fp, keys=[key], decode=True))]
         raw = b"".join(ch.data for ch in chunks)
         assert raw == stored.encode(want, stored.RAW) and chunks[0].header.checksum == checksum(raw)
+    assert seen == []
+
+
+async def test_a_stream_layouts_decoding_get_assembles_the_raw_block_without_copies_that_hold_the_gil(  # type: ignore[no-untyped-def]
+        server_factory) -> None:
+    """A Get with decode of a stream layout's block decodes each quantized stream in a worker thread, then copied
+    each into bytes (`tobytes`) and joined them into the raw block (`streamformat.assemble`: a bytearray's slice
+    assignments, then bytes() and a concatenation of the whole block): memcpys holding the GIL, which the daemon's
+    loop waited for beside the thread. The raw block is assembled by numpy's copies now, the same bytes: a v2 block
+    of the streams decoded, each raw, over both channels."""
+    srv = await server_factory()
+    layout = KVLayout((LayerSpec(LayerKind.GLOBAL),) * 2, block_tokens=BLOCK_TOKENS, streams=(
+        StreamSpec("latent", (64,)), StreamSpec("exact", (2, 8), DType.FP32, codec="raw")))
+    spec = ModelSpec("mla-ish", "w", layout, "nvfp4")
+    assert srv.service is not None
+    decoded, seen = in_its_thread(srv.service._decoded, "tobytes", streamformat.assemble)
+    srv.service._decoded = decoded  # type: ignore[method-assign]
+    gen = torch.Generator().manual_seed(18)
+    data = {s.name: torch.randn(layout.stream_shape(s, BLOCK_TOKENS), generator=gen).to(s.dtype.torch_dtype)
+            for s in layout.stream_specs}
+    async with EngramClient(srv.address, namespace="t", zero_copy=False) as c:
+        fp = await c.register_model(spec)
+        (key,) = (await c.put(fp, tokens(BLOCK_TOKENS, seed=18), data)).keys
+        meta = srv.store.index.get(key)
+        assert meta is not None
+        held = await srv.store.read(meta)
+        streams = stored.decode_block(held, stored.STREAMS, meta.dtype, meta.shape, backend=srv.store.codec_backend)
+        want = stored.encode_streams(streams, streamformat.raw_streams(srv.store.spec(fp).streams), BLOCK_TOKENS)
+        (got,) = await c.get(fp, [key], decode_on_server=True)  # the data channel
+        assert set(got) == set(streams) and all(torch.equal(got[n], streams[n]) for n in streams)
+        async with grpc.aio.insecure_channel(srv.address, options=UNLIMITED) as ch:
+            chunks = [r.chunk async for r in pb_grpc.EngramStub(ch).Get(
+                pb.GetRequest(namespace="t", model_fingerprint=fp, keys=[key], decode=True))]
+        raw = b"".join(ch.data for ch in chunks)
+        assert raw == want and chunks[0].header.checksum == checksum(raw) and chunks[0].header.codec == stored.STREAMS
     assert seen == []
 
 

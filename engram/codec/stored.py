@@ -106,17 +106,19 @@ def as_raw(payload: bytes | memoryview, codec: str, dtype: DType, shape: tuple[i
            backend: str = "reference", where: str = "block") -> bytes | memoryview:
     """A stored block decoded, in the form a raw put sends (raw elements; a v2 block of raw streams). A K/V
     layout's block is a view of the decoded tensor's bytes, not a copy into bytes: `tobytes` is one memcpy that
-    holds the GIL throughout (32 MiB: the daemon's event loop waited for it beside the decoding thread)."""
+    holds the GIL throughout (32 MiB: the daemon's event loop waited for it beside the decoding thread). A stream
+    layout's is assembled from views of each decoded stream by numpy's copies (streamformat.assembled), for the same
+    reason."""
     if is_streams(codec):
         fmt = streamformat.parse(payload, where)
         raw = streamformat._layout(fmt.tokens, [(p.name, codec_by_name(RAW), p.axis, p.dtype, p.layers, p.entries,
                                                  p.shape) for p in fmt.parts])
-        payloads = [payload[p.at : p.at + p.nbytes] if not p.quantized else
+        payloads = [memoryview(payload)[p.at : p.at + p.nbytes] if not p.quantized else
                     # flattened first: a permuted view whose last dim has size 1 counts as contiguous to torch yet keeps
                     # a stride other than 1 there, which view(uint8) refuses (an entry shape ending in 1)
-                    streamformat.decode_part(payload, p, backend=backend, where=where).reshape(-1).view(torch.uint8)
-                    .numpy().tobytes() for p in fmt.parts]
-        return streamformat.assemble(raw, payloads)
+                    element_bytes(streamformat.decode_part(payload, p, backend=backend, where=where))
+                    for p in fmt.parts]
+        return streamformat.assembled(raw, payloads)
     return element_bytes(decode(payload, codec, dtype, shape, backend=backend, where=where))
 
 

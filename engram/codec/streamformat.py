@@ -40,6 +40,7 @@ import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import xxhash
 from torch import Tensor
@@ -183,6 +184,24 @@ def assemble(fmt: StreamsFormat, payloads: Sequence[bytes | memoryview]) -> byte
         start = p.at - fmt.body_at
         body[start : start + p.nbytes] = payload
     return _header(fmt, xxhash.xxh3_64_intdigest(body), sealed=True) + bytes(body)
+
+
+def assembled(fmt: StreamsFormat, payloads: Sequence[bytes | memoryview]) -> memoryview:
+    """`assemble` for a worker thread, as a view of a fresh array: each stream copied in by numpy, which lets go of
+    the GIL (a bytearray's slice assignment and bytes(), one memcpy each, hold it: a decoding Get's thread held the
+    daemon's event loop for each of its streams and for the block twice over: benchmarks/RESULTS.md, put_get,
+    session 53). Byte for byte `assemble`'s block."""
+    out = np.zeros(fmt.nbytes, np.uint8)  # zeros: the gaps between streams, and the pages only as they are written
+    for p, payload in zip(fmt.parts, payloads, strict=True):
+        n = payload.nbytes if isinstance(payload, memoryview) else len(payload)
+        if n != p.nbytes:
+            raise InvalidArgument(f"stream {p.name}: payload of {n} bytes, its format needs {p.nbytes}")
+        if n:
+            np.copyto(out[p.at : p.at + n], np.frombuffer(payload, np.uint8))
+    view = memoryview(out)  # type: ignore[arg-type]
+    out[: fmt.body_at] = np.frombuffer(_header(fmt, xxhash.xxh3_64_intdigest(view[fmt.body_at :]), sealed=True),
+                                       np.uint8)
+    return view
 
 
 def to_matrix(x: Tensor, part: Part) -> Tensor:
