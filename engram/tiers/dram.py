@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from engram.block import BlockRecord, Payload
+from engram.block import COPY_OFF_LOOP_BYTES, BlockRecord, Payload, copied
+from engram.borrowed import in_thread
 from engram.errors import NotFound
 from engram.tiers.base import TierUsage
 from engram.tiers.budget import ByteBudget
@@ -30,15 +31,16 @@ def shared_dram_tier(capacity: int, shm_dir: str | Path = "/dev/shm", page_bytes
 
 
 class DramTier(ByteBudget):
-    """Payloads as bytes objects in a dict. `name`: the tier's place in a store's chain ("dram"; a test or the
+    """Payloads in a dict: bytes objects as a put hands them over, or a read-only view of a copy made off the loop
+    (of a large view the caller reuses: `write`). `name`: the tier's place in a store's chain ("dram"; a test or the
     trace replayer may stand it in for a lower tier, "nvme", without files)."""
 
     def __init__(self, capacity_bytes: int, name: str = "dram") -> None:
         super().__init__(capacity_bytes, "DRAM")
         self.name = name
-        self._blocks: dict[bytes, bytes] = {}
+        self._blocks: dict[bytes, bytes | memoryview] = {}
         # The payload without an await (BlockStore.read_views' batch reads), or None: the dict's own get.
-        self.read_now: Callable[[bytes], bytes | None] = self._blocks.get
+        self.read_now: Callable[[bytes], bytes | memoryview | None] = self._blocks.get
 
     def __contains__(self, key: object) -> bool:
         return key in self._blocks
@@ -50,20 +52,34 @@ class DramTier(ByteBudget):
         return rec.nbytes
 
     async def write(self, rec: BlockRecord, payload: Payload, reserved: int) -> None:
-        self.write_now(rec, payload, reserved)
+        """`write_now`, but a view of COPY_OFF_LOOP_BYTES or more (the data channel's receive buffer, a pool's slot)
+        is copied in a worker thread by block.copied, which lets go of the GIL (bytes() of it on the loop was one
+        memcpy holding the loop: 16 MiB 1-4 ms), and which even a cancelled caller waits for (engram/borrowed.py):
+        the caller may reuse its buffer once this returns. The reservation stays counted until the copy is kept."""
+        if isinstance(payload, bytes) or payload.nbytes < COPY_OFF_LOOP_BYTES:
+            self.write_now(rec, payload, reserved)
+            return
+        try:
+            kept = (await in_thread(copied, payload)).toreadonly()
+        except BaseException:
+            self.unreserve(reserved)
+            raise
+        self._keep(rec, kept, reserved)
 
     def write_now(self, rec: BlockRecord, payload: Payload, reserved: int) -> None:
-        """`write` without a coroutine (ImmediateTier): a dict entry never waits. (A view is copied into bytes here,
-        on the caller's thread, whatever its size: bytes() holds the GIL, so a worker thread would spare the event
-        loop nothing.)"""
+        """`write` without a coroutine (ImmediateTier): a dict entry never waits. A view is copied into bytes here,
+        on the caller's thread (the store's placement calls this for payloads below COPY_OFF_LOOP_BYTES)."""
+        # kept as it is: a caller's reused buffer (the data channel's) is copied, bytes are not
+        self._keep(rec, payload if isinstance(payload, bytes) else bytes(payload), reserved)
+
+    def _keep(self, rec: BlockRecord, payload: bytes | memoryview, reserved: int) -> None:
+        self.unreserve(reserved)  # consumed, kept or refused (Tier.write)
         if rec.key in self._blocks:
             raise AssertionError("write of a key already in the tier; the store must dedupe first")
-        self.unreserve(reserved)
-        # kept as it is: a caller's reused buffer (the data channel's) is copied, bytes are not
-        self._blocks[rec.key] = payload if isinstance(payload, bytes) else bytes(payload)
-        self.stored += len(payload)
+        self._blocks[rec.key] = payload
+        self.stored += payload.nbytes if isinstance(payload, memoryview) else len(payload)
 
-    async def read(self, key: bytes) -> bytes:
+    async def read(self, key: bytes) -> bytes | memoryview:
         try:
             return self._blocks[key]
         except KeyError:
@@ -76,8 +92,9 @@ class DramTier(ByteBudget):
         payload = self._blocks.pop(key, None)
         if payload is None:
             return 0
-        self.stored -= len(payload)
-        return len(payload)
+        n = payload.nbytes if isinstance(payload, memoryview) else len(payload)
+        self.stored -= n
+        return n
 
     def usage(self) -> TierUsage:
         return TierUsage(self.name, self._capacity, self.used_bytes, len(self._blocks))
