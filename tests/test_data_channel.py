@@ -12,6 +12,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -1167,6 +1168,36 @@ async def test_a_data_channel_replaced_after_the_daemon_moved_ends_with_the_clie
     await until(lambda: not port._conns, "the daemon seeing every data connection of the closed client end")
 
 
+async def chain_rig(server_factory: Any, blocks: int, seed: int, config: dict[str, Any] | None = None
+                    ) -> tuple[Any, int, Any, Any, list[int], list[int], torch.Tensor]:
+    """A daemon whose data channel takes two blocks of a tiny model a Put, a chain of `blocks` blocks to put in
+    several parts, and one block to put first (so that the client has its channel): spec, block bytes, the server,
+    its data port, the chain's tokens, the small put's tokens, the chain's KV."""
+    spec = tiny_model()
+    block = spec.layout.block_nbytes(16)
+    srv = await server_factory(**{"server.data_max_request_bytes": 2 * block, **(config or {})})
+    toks = tokens(blocks * 16, seed=seed)
+    return spec, block, srv, srv.service.dataport, toks, tokens(16, seed=seed + 1), random_kv(spec, len(toks), seed=seed)
+
+
+class FirstPartHeld:
+    """The daemon's data port holding the first Put part it receives, past its limit's check: `entered` once it is
+    there; on `go` it goes on, or (`breaks`) its connection ends, as a restarting daemon's does."""
+
+    def __init__(self, port: Any, *, breaks: bool = False) -> None:
+        self.receive, self.breaks = port._receive, breaks
+        self.entered, self.go = asyncio.Event(), asyncio.Event()
+        port._receive = self.held
+
+    async def held(self, conn: Any, n: int) -> Any:
+        if not self.entered.is_set():
+            self.entered.set()
+            await self.go.wait()
+            if self.breaks:
+                raise ConnectionResetError("the daemon restarted")
+        return await self.receive(conn, n)
+
+
 @pytest.mark.parametrize("transport", ["tcp"])
 async def test_a_chained_put_whose_data_channel_another_call_replaced_goes_on_on_the_new_one(server_factory) -> None:  # type: ignore[no-untyped-def]
     """A put over the request limit goes in several data-channel Puts. The daemon's data channel moves (as a
@@ -1175,12 +1206,7 @@ async def test_a_chained_put_whose_data_channel_another_call_replaced_goes_on_on
     retired channel's old port, was refused, and, the channel being no longer the client's, the put failed
     Unavailable with a chain half stored; now the next part goes on on the client's new channel and every block is
     stored."""
-    spec = tiny_model()
-    block = spec.layout.block_nbytes(16)
-    srv = await server_factory(**{"server.data_max_request_bytes": 2 * block})
-    port = srv.service.dataport
-    toks, small = tokens(6 * 16, seed=3), tokens(16, seed=4)
-    kv = random_kv(spec, len(toks), seed=3)
+    spec, block, srv, port, toks, small, kv = await chain_rig(server_factory, 6, 3)
     store_part, first_part_in, release = port._put, asyncio.Event(), asyncio.Event()
 
     async def held(conn, meta, body):  # type: ignore[no-untyped-def]
@@ -1215,32 +1241,20 @@ async def test_a_chained_put_going_on_on_a_new_data_channel_splits_its_parts_by_
     sized by the old one's limit, and the daemon refused the first (ResourceExhausted: a Put of 2 blocks' bytes
     exceeds the server's limit), the chain half stored; each part is now sized by the limit of the channel it goes
     on, and every block is stored."""
-    spec = tiny_model()
-    block = spec.layout.block_nbytes(16)
-    srv = await server_factory(**{"server.data_max_request_bytes": 2 * block})
-    port = srv.service.dataport
-    toks, small = tokens(6 * 16, seed=5), tokens(16, seed=6)
-    kv = random_kv(spec, len(toks), seed=5)
-    receive, first_part_in, release = port._receive, asyncio.Event(), asyncio.Event()
-
-    async def held(conn, n):  # type: ignore[no-untyped-def]
-        if not first_part_in.is_set():  # the chained put's first part, past the limit's check, waits for the move
-            first_part_in.set()
-            await release.wait()
-        return await receive(conn, n)
+    spec, block, srv, port, toks, small, kv = await chain_rig(server_factory, 6, 5)
 
     async with EngramClient(srv.address, namespace=NS, zero_copy=False) as c:
         fp = await c.register_model(spec)
         small_keys = list((await c.put(fp, small, random_kv(spec, len(small), seed=6))).keys)
         old = c._data
-        port._receive = held  # type: ignore[method-assign]
+        first_part = FirstPartHeld(port)
         putting = asyncio.create_task(c.put(fp, toks, kv))
-        await first_part_in.wait()
+        await first_part.entered.wait()
         port.config = dataclasses.replace(port.config, data_max_request_bytes=block)  # announced and enforced
         await move_tcp_listener(port)
         await c.get(fp, small_keys)  # the old port refuses: this call asks again, the old channel retires
         assert c._data is not old and c._data is not None and c._data.endpoint.max_request_bytes == block
-        release.set()
+        first_part.go.set()
         put = await putting
         assert put.stored == 6
         assert served(srv)["put"] == 1 + 1 + 4  # the small put, then 2 blocks on the old channel, 1 a Put after
@@ -1256,31 +1270,18 @@ async def test_a_chained_puts_part_that_moves_to_a_new_data_channel_midway_is_si
     endpoint and sends the part again on the new channel. It sent the part as sized for the old channel, and the
     daemon refused it (ResourceExhausted: a Put of two blocks' bytes exceeds the server's limit); the part is now
     sized by the limit of the channel it goes on, and every block is stored."""
-    spec = tiny_model()
-    block = spec.layout.block_nbytes(16)
-    srv = await server_factory(**{"server.data_max_request_bytes": 2 * block})
-    port = srv.service.dataport
-    toks, small = tokens(4 * 16, seed=7), tokens(16, seed=8)
-    kv = random_kv(spec, len(toks), seed=7)
-    receive, first_part_in, restarted = port._receive, asyncio.Event(), asyncio.Event()
-
-    async def broken(conn, n):  # type: ignore[no-untyped-def]
-        if not first_part_in.is_set():  # the first part, past the limit's check: its connection ends with the move
-            first_part_in.set()
-            await restarted.wait()
-            raise ConnectionResetError("the daemon restarted")
-        return await receive(conn, n)
+    spec, block, srv, port, toks, small, kv = await chain_rig(server_factory, 4, 7)
 
     async with EngramClient(srv.address, namespace=NS, zero_copy=False) as c:
         fp = await c.register_model(spec)
         await c.put(fp, small, random_kv(spec, len(small), seed=8))
         old = c._data
-        port._receive = broken  # type: ignore[method-assign]
+        first_part = FirstPartHeld(port, breaks=True)
         putting = asyncio.create_task(c.put(fp, toks, kv))
-        await first_part_in.wait()
+        await first_part.entered.wait()
         port.config = dataclasses.replace(port.config, data_max_request_bytes=block)  # announced and enforced
         await move_tcp_listener(port)
-        restarted.set()
+        first_part.go.set()
         put = await putting
         assert c._data is not old and c._data is not None and c._data.endpoint.max_request_bytes == block
         assert (put.stored, put.deduplicated) == (4, 0)
@@ -1297,30 +1298,18 @@ async def test_a_chained_put_that_falls_back_to_grpc_midway_counts_what_the_data
     two blocks the data channel had stored were deduplicated (stored 4, deduplicated 2, for a chain of 6 new
     blocks); it now goes on over gRPC after the last block the channel stored, and counts every block as a put
     that never fell back would: stored 6, deduplicated 0."""
-    spec = tiny_model()
-    block = spec.layout.block_nbytes(16)
-    srv = await server_factory(**{"server.data_max_request_bytes": 2 * block, "server.metrics_port": -1})
-    port = srv.service.dataport
-    toks, small = tokens(6 * 16, seed=9), tokens(16, seed=10)
-    kv = random_kv(spec, len(toks), seed=9)
-    receive, first_part_in, release = port._receive, asyncio.Event(), asyncio.Event()
-
-    async def held(conn, n):  # type: ignore[no-untyped-def]
-        if not first_part_in.is_set():  # the chained put's first part, past the limit's check, waits for the move
-            first_part_in.set()
-            await release.wait()
-        return await receive(conn, n)
+    spec, block, srv, port, toks, small, kv = await chain_rig(server_factory, 6, 9, {"server.metrics_port": -1})
 
     async with EngramClient(srv.address, namespace=NS, zero_copy=False) as c:
         fp = await c.register_model(spec)
         small_keys = list((await c.put(fp, small, random_kv(spec, len(small), seed=10))).keys)
-        port._receive = held  # type: ignore[method-assign]
+        first_part = FirstPartHeld(port)
         putting = asyncio.create_task(c.put(fp, toks, kv))
-        await first_part_in.wait()
+        await first_part.entered.wait()
         port.config = dataclasses.replace(port.config, data_max_request_bytes=block - 1)  # not a block a Put
         await move_tcp_listener(port)
         await c.get(fp, small_keys)  # the old port refuses: this call asks again, the old channel retires
-        release.set()
+        first_part.go.set()
         put = await putting
         assert (put.stored, put.deduplicated) == (6, 0)
         assert served(srv)["put"] == 1 + 1  # the small put, then the first part; the rest over gRPC, once
@@ -1338,20 +1327,7 @@ async def test_a_chained_puts_part_whose_connection_breaks_goes_on_on_the_channe
     with the part sized by the old limit: the daemon refused it (ResourceExhausted: a Put of two blocks' bytes
     exceeds the server's limit), the chain half stored. The retry now goes on on the channel the other call found,
     the part sized by that channel's limit, and every block is stored."""
-    spec = tiny_model()
-    block = spec.layout.block_nbytes(16)
-    srv = await server_factory(**{"server.data_max_request_bytes": 2 * block})
-    port = srv.service.dataport
-    toks, small = tokens(4 * 16, seed=13), tokens(16, seed=14)
-    kv = random_kv(spec, len(toks), seed=13)
-    receive, first_part_in, restarted = port._receive, asyncio.Event(), asyncio.Event()
-
-    async def broken(conn, n):  # type: ignore[no-untyped-def]
-        if not first_part_in.is_set():  # the first part, past the limit's check: its connection ends with the restart
-            first_part_in.set()
-            await restarted.wait()
-            raise ConnectionResetError("the daemon restarted")
-        return await receive(conn, n)
+    spec, block, srv, port, toks, small, kv = await chain_rig(server_factory, 4, 13)
 
     async with EngramClient(srv.address, namespace=NS, zero_copy=False) as c:
         fp = await c.register_model(spec)
@@ -1364,9 +1340,9 @@ async def test_a_chained_puts_part_whose_connection_breaks_goes_on_on_the_channe
             await answer_ask.wait()
             return await real_ask(req, **kw)
 
-        port._receive = broken  # type: ignore[method-assign]
+        first_part = FirstPartHeld(port, breaks=True)
         putting = asyncio.create_task(c.put(fp, toks, kv))
-        await first_part_in.wait()
+        await first_part.entered.wait()
         data_port, listener = port.tcp_port, port._listeners[0]
         port._accepting[0].cancel()
         listener.close()  # the restart's gap
@@ -1378,7 +1354,7 @@ async def test_a_chained_puts_part_whose_connection_breaks_goes_on_on_the_channe
         answer_ask.set()
         await getting
         assert c._data is not old and c._data is not None and c._data.endpoint.max_request_bytes == block
-        restarted.set()
+        first_part.go.set()
         put = await putting
         assert (put.stored, put.deduplicated) == (4, 0)
         assert served(srv)["refused"] == 0 and served(srv)["put"] == 1 + 4  # the small put, then a block a Put
@@ -1394,12 +1370,7 @@ async def test_close_cuts_a_chained_puts_next_part_running_on_the_retired_channe
     port). The client's close() cuts that part (ClientClosed) and its connection ends with the client: the retired
     channel is kept for close() from the moment it retired, since a part was running on it then, and nothing lets
     the next part begin between the two (no await: no call can retire or forget it meanwhile)."""
-    spec = tiny_model()
-    block = spec.layout.block_nbytes(16)
-    srv = await server_factory(**{"server.data_max_request_bytes": 2 * block})
-    port = srv.service.dataport
-    toks, small = tokens(6 * 16, seed=11), tokens(16, seed=12)
-    kv = random_kv(spec, len(toks), seed=11)
+    spec, block, srv, port, toks, small, kv = await chain_rig(server_factory, 6, 11)
     receive, parts_in, first_stored, closed = port._receive, [], asyncio.Event(), asyncio.Event()
 
     async def held(conn, n):  # type: ignore[no-untyped-def]
