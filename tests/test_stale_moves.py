@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -145,6 +146,33 @@ async def test_a_demotion_that_outlives_its_block_leaves_the_nvme_file_of_the_bl
     assert (await srv.store.check(fix=False)).ok
 
 
+async def pool_of_two_over_nvme(server_factory: Any, tmp_path: Path) -> Any:
+    """A daemon whose DRAM pool holds two blocks, write-back (a flush only when evicted) to an NVMe tier below."""
+    block = SPEC.layout.block_nbytes(BLOCK_TOKENS)
+    return await server_factory(**{"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.dram.capacity": 2 * block,
+                                   "tiers.dram.page_bytes": 256, "tiers.write_back_window_s": 3600})
+
+
+async def on_nvme_alone_under_a_full_pool(srv: Any, client: EngramClient, fp: bytes, k: list[int],
+                                          kv: torch.Tensor) -> tuple[bytes, Any]:
+    """K put, flushed to NVMe and dropped from the pool; then two blocks (V1, V2) put, pending a flush, fill the pool:
+    K's key and block."""
+    key = (await client.put(fp, k, kv)).keys[0]
+    meta = srv.store.block(key)
+    assert srv.store.flusher is not None and await srv.store.flusher.flush_now(meta)
+    await srv.store.drop_copy(meta, "dram")
+    assert meta.locations == ["nvme"]
+    for seed in (2, 3):
+        await client.put(fp, tokens(BLOCK_TOKENS, seed=seed), random_kv(SPEC, BLOCK_TOKENS, seed=seed))
+    return key, meta
+
+
+def flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
 async def test_a_get_whose_promotion_outlives_its_block_is_served_and_leaves_the_block_put_again(  # type: ignore[no-untyped-def]
         server_factory, tmp_path: Path, caplog) -> None:
     """A pool of two blocks, write-back, NVMe below. A Get of K (on NVMe alone) reads it and promotes it into the
@@ -154,11 +182,9 @@ async def test_a_get_whose_promotion_outlives_its_block_is_served_and_leaves_the
     and the first Get, whose bytes were read and verified, failed with an internal error (its data channel closed;
     the client, asking again, got the new K's bytes). Now a copy whose block left the index
     while room was made is not written: the first Get is served, the new K keeps its copy."""
-    block = SPEC.layout.block_nbytes(BLOCK_TOKENS)
-    srv = await server_factory(**{"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.dram.capacity": 2 * block,
-                                  "tiers.dram.page_bytes": 256, "tiers.write_back_window_s": 3600})
+    srv = await pool_of_two_over_nvme(server_factory, tmp_path)
     nvme = srv.store.tiers[-1]
-    k, v1, v2 = (tokens(BLOCK_TOKENS, seed=s) for s in (1, 2, 3))
+    k = tokens(BLOCK_TOKENS, seed=1)
     kv_k, kv_again = random_kv(SPEC, BLOCK_TOKENS, seed=1), random_kv(SPEC, BLOCK_TOKENS, seed=4)
     held = FirstIoHeld("write")  # in the tier's I/O thread
 
@@ -166,22 +192,13 @@ async def test_a_get_whose_promotion_outlives_its_block_is_served_and_leaves_the
             EngramClient(srv.address, namespace="d", zero_copy=False) as other:
         fp = await c.register_model(SPEC)
         await other.register_model(SPEC)
-        key = (await c.put(fp, k, kv_k)).keys[0]
-        meta = srv.store.block(key)
-        assert srv.store.flusher is not None and await srv.store.flusher.flush_now(meta)  # type: ignore[arg-type]
-        await srv.store.drop_copy(meta, "dram")  # type: ignore[arg-type]
-        assert meta.locations == ["nvme"]  # type: ignore[union-attr]
-        await c.put(fp, v1, random_kv(SPEC, BLOCK_TOKENS, seed=2))
-        await c.put(fp, v2, random_kv(SPEC, BLOCK_TOKENS, seed=3))  # the pool is full of blocks pending a flush
+        key, meta = await on_nvme_alone_under_a_full_pool(srv, c, fp, k, kv_k)
         nvme.fault_hook = held
         first = asyncio.create_task(c.get(fp, [key]))  # read from NVMe, then promoted: V1's demotion is held
         try:
             assert await asyncio.to_thread(held.entered.wait, 30), "the promotion never demoted a block to NVMe"
             assert meta.moving  # type: ignore[union-attr]
-            path = nvme.path_of(key)
-            data = bytearray(path.read_bytes())
-            data[-1] ^= 0x40
-            path.write_bytes(bytes(data))
+            flip_last_byte(nvme.path_of(key))
             with pytest.raises(errors.DataLoss):
                 await other.get(fp, [key])  # K leaves the store
             assert srv.store.block(key) is None
@@ -203,11 +220,9 @@ async def test_a_zero_copy_prefix_whose_copy_up_outlives_its_block_counts_no_pro
     on NVMe alone, is read and placed in the pool, whose room waits on a demotion held at its NVMe write; K is
     dropped meanwhile (its file damaged, another Get) and put again. The copy up writes nothing (f062b9b), yet it
     counted a promotion into the pool, and said one copy landed. Now it counts what landed only."""
-    block = SPEC.layout.block_nbytes(BLOCK_TOKENS)
-    srv = await server_factory(**{"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.dram.capacity": 2 * block,
-                                  "tiers.dram.page_bytes": 256, "tiers.write_back_window_s": 3600})
+    srv = await pool_of_two_over_nvme(server_factory, tmp_path)
     nvme = srv.store.tiers[-1]
-    k, v1, v2 = (tokens(BLOCK_TOKENS, seed=s) for s in (1, 2, 3))
+    k = tokens(BLOCK_TOKENS, seed=1)
     kv_k, kv_again = random_kv(SPEC, BLOCK_TOKENS, seed=1), random_kv(SPEC, BLOCK_TOKENS, seed=4)
     held = FirstIoHeld("write")  # in the tier's I/O thread
 
@@ -215,13 +230,7 @@ async def test_a_zero_copy_prefix_whose_copy_up_outlives_its_block_counts_no_pro
             EngramClient(srv.address, namespace="d", zero_copy=False) as other:
         fp = await c.register_model(SPEC)
         await other.register_model(SPEC)
-        key = (await other.put(fp, k, kv_k)).keys[0]
-        meta = srv.store.block(key)
-        assert srv.store.flusher is not None and await srv.store.flusher.flush_now(meta)  # type: ignore[arg-type]
-        await srv.store.drop_copy(meta, "dram")  # type: ignore[arg-type]
-        assert meta.locations == ["nvme"]  # type: ignore[union-attr]
-        await other.put(fp, v1, random_kv(SPEC, BLOCK_TOKENS, seed=2))
-        await other.put(fp, v2, random_kv(SPEC, BLOCK_TOKENS, seed=3))  # the pool is full of blocks pending a flush
+        key, meta = await on_nvme_alone_under_a_full_pool(srv, other, fp, k, kv_k)
         dram = srv.store.counters.tiers["dram"]
         promotions, promoted_bytes = dram.promotions, dram.promoted_bytes
         nvme.fault_hook = held
@@ -229,10 +238,7 @@ async def test_a_zero_copy_prefix_whose_copy_up_outlives_its_block_counts_no_pro
         try:
             assert await asyncio.to_thread(held.entered.wait, 30), "the copy up never demoted a block to NVMe"
             assert meta.moving  # type: ignore[union-attr]
-            path = nvme.path_of(key)
-            data = bytearray(path.read_bytes())
-            data[-1] ^= 0x40
-            path.write_bytes(bytes(data))
+            flip_last_byte(nvme.path_of(key))
             with pytest.raises(errors.DataLoss):
                 await other.get(fp, [key])  # K leaves the store
             assert srv.store.block(key) is None
