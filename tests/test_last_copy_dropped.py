@@ -120,10 +120,10 @@ async def test_a_read_cancelled_while_a_blocks_last_damaged_copy_is_deleted_stil
         finally:
             held.go.set()
 
-        async def dropped() -> bool:
-            return srv.store.block(keys[2]) is None
+        async def dropped() -> bool:  # and the held unlink finished (in the tier's thread, after the drop)
+            return srv.store.block(keys[2]) is None and not nvme.path_of(keys[1]).exists()
 
-        await until(dropped, "the block extending the lost one dropped")
+        await until(dropped, "the block extending the lost one dropped and the damaged file unlinked")
     assert srv.store.block(keys[0]) is not None
     assert (await srv.store.check(fix=False)).ok
 
