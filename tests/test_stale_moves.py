@@ -250,3 +250,46 @@ async def test_a_zero_copy_prefix_whose_copy_up_outlives_its_block_counts_no_pro
         assert (dram.promotions, dram.promoted_bytes) == (promotions, promoted_bytes)
         assert torch.equal((await other.get(fp, [key]))[0], kv_again)
     assert (await srv.store.check(fix=False)).ok
+
+
+async def test_a_demotion_whose_block_is_dropped_while_its_copy_is_written_below_counts_no_demotion(  # type: ignore[no-untyped-def]
+        server_factory, tmp_path: Path) -> None:
+    """A pool of one block, NVMe below. Block A is demoted to make room for B, its NVMe write held; its pool copy is
+    damaged meanwhile, and a Get drops it (no copy left: A leaves the store, the room with it). The demotion, ending,
+    writes nothing below (the file is discarded: no block holds it), yet it counted a demotion out of the pool, A's
+    bytes as demoted, and an eviction for the room. Now it counts none of them: B lands in the room the drop made,
+    and every tier's bytes are those of the copies the index lists."""
+    block = SPEC.layout.block_nbytes(BLOCK_TOKENS)
+    srv = await server_factory(**{"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.dram.capacity": block,
+                                  "tiers.dram.page_bytes": 256, "tiers.write_back_window_s": 0})
+    pool, nvme = srv.store.tiers[0], srv.store.tiers[-1]
+    dram = srv.store.counters.tiers["dram"]
+    a, b = tokens(BLOCK_TOKENS, seed=1), tokens(BLOCK_TOKENS, seed=2)
+    kv_a, kv_b = random_kv(SPEC, BLOCK_TOKENS, seed=1), random_kv(SPEC, BLOCK_TOKENS, seed=2)
+    held = FirstIoHeld("write")  # in the tier's I/O thread
+
+    async with EngramClient(srv.address, namespace="d", zero_copy=False) as c:
+        fp = await c.register_model(SPEC)
+        key = (await c.put(fp, a, kv_a)).keys[0]
+        before = (dram.demotions, dram.demoted_bytes, dram.evictions)
+        nvme.fault_hook = held
+        putting_b = asyncio.create_task(c.put(fp, b, kv_b))  # room for B: A is demoted
+        try:
+            assert await asyncio.to_thread(held.entered.wait, 30), "A's demotion never wrote to NVMe"
+            moving = srv.store.block(key)
+            assert moving is not None and moving.moving and moving.locations == ["dram"]
+            pool.view(key)[-1] ^= 0x40  # A's one copy damaged while it is moving
+            with pytest.raises(errors.DataLoss):
+                await c.get(fp, [key])  # dropped: A leaves the store
+            assert srv.store.block(key) is None
+        finally:
+            held.go.set()
+        put_b = await putting_b
+        assert put_b.stored == 1
+        assert (dram.demotions, dram.demoted_bytes, dram.evictions) == before  # nothing went below, nothing evicted
+        b_meta = srv.store.block(put_b.keys[0])
+        assert b_meta is not None and b_meta.locations == ["dram"]
+        assert key not in nvme and nvme.used_bytes == 0  # the demotion's file went with its block
+        assert pool.used_bytes == b_meta.nbytes
+        assert torch.equal((await c.get(fp, list(put_b.keys)))[0], kv_b)
+    assert (await srv.store.check(fix=False)).ok

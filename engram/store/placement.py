@@ -236,7 +236,8 @@ class Placement:
             elif lower is not None:
                 try:
                     if not await self._demote(victim, i, lower, wait=wait):
-                        continue  # read meanwhile: it keeps this copy, another victim makes the room; or damaged: gone
+                        continue  # read meanwhile: it keeps this copy, another victim makes the room; or damaged, or
+                        # dropped as damaged while copied (it left the index): gone, the room made
                 except ResourceExhausted:
                     if wait:
                         demote = False  # the tier below is full of what it may not evict: delete leaves here
@@ -265,10 +266,11 @@ class Placement:
     async def _demote(self, meta: BlockMeta, i: int, j: int, *, wait: bool = True) -> bool:
         """Copy a victim down to tier j, then drop its copy in tier i; False when it did not move: a reader
         leased the block while it was copied (a read may be serving that copy's bytes in place, a view of its
-        pool slot, so the copy stays, and is the first to go once the read ends: it has a copy below), or the
+        pool slot, so the copy stays, and is the first to go once the read ends: it has a copy below), the
         copy failed its checksum (a bit flipped in the pool): that is never written down, where it became a
         file under the block's checksum that fails every read, but dropped as damaged (`damaged`), which makes
-        the room as well."""
+        the room as well; or the block left the index while it was copied (a read dropped its last copy as
+        damaged, which made the room): `place` wrote nothing below, and no demotion is counted."""
         meta.moving = True
         self.busy += 1
         try:
@@ -281,6 +283,9 @@ class Placement:
             self.notify_freed()
         if problem is not None:
             await self.damaged(meta, self.tiers[i].name, problem)
+            return False
+        if self.tiers[j].name not in meta.locations:  # `place` wrote nothing: the block left the index meanwhile
+            await self.drop_copy(meta, self.tiers[i].name)  # (gone with it already, as it left: then nothing to do)
             return False
         tc = self.counters.tiers[self.tiers[i].name]
         tc.demotions += 1
