@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import xxhash
 
 from engram.borrowed import in_thread, to_its_end
+from engram.errors import Unavailable
 
 log = logging.getLogger("engram.sealing")
 
@@ -215,6 +216,9 @@ class Sealer:
                 raise failed
 
     async def seal(self, tasks: Sequence[SealTask]) -> list[int | str]:
+        """Each task's checksum, or what is wrong with its block. Unavailable once `close` began (the daemon is
+        stopping: its commit fails and frees its slots): the pool's view is gone, and no helper is started."""
+        self._refuse_if_closed()
         if self.workers > 1:
             self.start()
             assert self._starting is not None
@@ -227,6 +231,7 @@ class Sealer:
             if self._starting.done() and not self._starting.cancelled():
                 self._starting.exception()  # (an OSError starting them: the thread hashes)
             self._replace_dead()
+        self._refuse_if_closed()  # (closed while it waited for the helpers' start)
         helpers = [h for h in self._helpers if h.proc.returncode is None]
         if len(helpers) < 2 or len(tasks) < 2:
             # in a thread that even a cancelled commit waits for: it writes headers into the slots, which the
@@ -246,13 +251,18 @@ class Sealer:
             if isinstance(failed, BaseException) and not isinstance(failed, OSError):
                 raise failed
         if any(o is None for o in out):  # a helper died: hash the rest here
+            self._refuse_if_closed()  # (killed by close: the pool's view went with them)
             for i, t in enumerate(tasks):
                 if out[i] is None:
                     out[i] = await in_thread(seal, self.data, t)
         return out  # type: ignore[return-value]
 
+    def _refuse_if_closed(self) -> None:
+        if self._closed:
+            raise Unavailable("the in-place put's sealer is closed: the daemon is stopping, and seals no block now")
+
     async def close(self) -> None:
-        self._closed = True  # no helper is started again after this
+        self._closed = True  # no helper is started again after this, nor a block sealed
         if self._starting is not None:
             self._starting.cancel()  # (a helper that never said ready)
             await asyncio.wait((self._starting,))

@@ -740,6 +740,28 @@ async def test_sealing_helpers_that_keep_dying_are_started_again_a_bounded_numbe
     await sealer.close()
 
 
+@pytest.mark.parametrize(("workers", "started"), [(2, False), (2, True), (1, False)],
+                         ids=["helpers-never-started", "helpers-started", "no-helpers"])
+async def test_a_sealer_closed_refuses_to_seal_unavailable_rather_than_fail_or_hash_a_pool_it_let_go(  # type: ignore[no-untyped-def]
+        server_factory, workers: int, started: bool) -> None:
+    """A commit that reaches the sealer after the daemon's stop closed it (InPlacePuts.close, before the store's)
+    failed an AssertionError where its helpers had never started (an internal error), and elsewhere sealed the
+    blocks in a thread over the empty view close() leaves of the pool: checksums of no bytes, which the commit would
+    have published as the blocks'. Closed, the sealer refuses UNAVAILABLE: the daemon is stopping."""
+    srv = await server_factory()
+    own = srv.service.inplace.sealer  # on the daemon's real pool
+    sealer = sealing.Sealer(own.path, own.data_offset, own.data, workers=workers)
+    if started:
+        sealer.start()
+        assert sealer._starting is not None
+        await sealer._starting
+        assert len([h for h in sealer._helpers if h.proc.returncode is None]) == workers
+    await sealer.close()
+    block = tiny_model().layout.block_nbytes(BLOCK_TOKENS)
+    with pytest.raises(errors.Unavailable, match="closed"):
+        await sealer.seal([sealing.SealTask(0, block, None), sealing.SealTask(block, block, None)])
+
+
 async def test_a_commit_does_not_wait_forever_for_sealing_helpers_that_never_start(  # type: ignore[no-untyped-def]
         server_factory, tmp_path, monkeypatch) -> None:
     """Helpers that never say they are ready (a start stuck mapping the pool: here a real process that sleeps in
