@@ -10,6 +10,10 @@ For a v1 block (a quantizing codec) a helper also checks the header the client w
 reserved, then writes the body's checksum and the header's own (engram/codec/blockformat.py's layout) before it
 takes the payload's; likewise for a v2 block (a stream layout's, engram/codec/streamformat.py), whose reserved
 header (stream records included) it compares byte for byte. On a small host, or where helpers cannot start, the same function runs in a thread.
+
+A helper that does not answer within ANSWER_S is killed, and one killed or dead is started again by a later commit:
+at most RESTARTS times in a row, the row ended only by helpers that answered and are replaced RESTORE_S or more after
+the last start (so at most RESTARTS restarts in any RESTORE_S, and none after RESTARTS where no helper ever answers).
 """
 
 from __future__ import annotations
@@ -37,11 +41,16 @@ log = logging.getLogger("engram.sealing")
 # hung helper held its commit forever (a cancelled one waits for its exchange to end), and every later commit whose
 # tasks it drew, its lock being held.
 ANSWER_S = 30.0
-# Helpers started again in a row, none of them answering a task in between, before the daemon gives up on them and
-# seals in threads for good: a helper killed for hanging, or dead, is replaced on the next commit (sealing every later
-# commit in a thread, which holds the GIL, was the cost of one hang), but one that cannot work here is not started
-# over and over.
+# Helpers started again in a row before the daemon gives up on them and seals in threads: a helper killed for hanging,
+# or dead, is replaced on the next commit (sealing every later commit in a thread, which holds the GIL, was the cost
+# of one hang), but one that cannot work here is not started over and over.
 RESTARTS = 3
+# The row ends (the count is restored) only when a helper that answered a task is replaced RESTORE_S or more after the
+# last start: helpers that worked a while (or were not needed for that long). Helpers that never answer are given up
+# for good after RESTARTS; ones that answer and then hang (or die) soon after each start are started again at most
+# RESTARTS times in any RESTORE_S, each hang costing a commit ANSWER_S. (One answer restored the count: helpers that
+# answered once and then hung were started again every third commit, without end.)
+RESTORE_S = 3600.0
 
 # blockformat's v1 header: fields (48 bytes), then the header's checksum (8); the body follows.
 _FIELDS = struct.Struct("<4sBBBBBBH5IQQ")
@@ -165,37 +174,42 @@ class Sealer:
         self._procs: list[asyncio.subprocess.Process] = []  # every helper started, ready or not
         self._start_by = 0.0  # (loop time) when commits stop waiting for helpers still starting
         self.answer_s = ANSWER_S  # a helper's bound for one answer, and a commit's for the helpers' start
-        self._restarts_left = RESTARTS  # (restored when a helper that answered is replaced)
+        self._restarts_left = RESTARTS  # (restored when one that answered is replaced RESTORE_S after the last start)
+        self._started_at = 0.0  # (loop time) of the last start of helpers, first or again
         self._closed = False
 
     def start(self) -> None:
         """Start the helpers in the background (each maps and prefaults the pool), ahead of the first put."""
         if self.workers > 1 and self._starting is None and not self._closed:
             loop = asyncio.get_running_loop()
-            self._start_by = loop.time() + self.answer_s
+            self._started_at = loop.time()
+            self._start_by = self._started_at + self.answer_s
             self._starting = loop.create_task(self._start(self.workers))
 
     def _replace_dead(self) -> None:
         """Start again, in the background, the helpers that died or were killed (hung), or never said ready, once the
         last start is over: the commit that finds them gone seals without them, the next ones with them. At most
-        RESTARTS times in a row while none answers a task (a helper that cannot work here is not started over and
-        over); a helper that answered and then went restores the count."""
+        RESTARTS times in a row (a helper that cannot work here is not started over and over); a helper that
+        answered, replaced RESTORE_S or more after the last start, restores the count (one that answered and then
+        hung soon after restored it too, and was started again without end)."""
         if self._closed or self._starting is None or not self._starting.done():
             return
         dead = [h for h in self._helpers if h.proc.returncode is not None]
         missing = self.workers - (len(self._helpers) - len(dead))
         if missing <= 0:
             return
-        if any(h.answered for h in dead):
+        loop = asyncio.get_running_loop()
+        if any(h.answered for h in dead) and loop.time() - self._started_at >= RESTORE_S:
             self._restarts_left = RESTARTS
         if self._restarts_left <= 0:
             return
         self._restarts_left -= 1
+        self._started_at = loop.time()
         self._helpers = [h for h in self._helpers if h.proc.returncode is None]
         self._procs = [p for p in self._procs if p.returncode is None]
-        log.info("starting %d sealing helper(s) again (%d more restarts while none answers)", missing,
-                 self._restarts_left)
-        self._starting = asyncio.get_running_loop().create_task(self._start(missing))
+        log.info("starting %d sealing helper(s) again (%d more restarts unless helpers work %g s first)", missing,
+                 self._restarts_left, RESTORE_S)
+        self._starting = loop.create_task(self._start(missing))
 
     async def _start(self, n: int) -> None:
         async def one() -> None:

@@ -740,6 +740,56 @@ async def test_sealing_helpers_that_keep_dying_are_started_again_a_bounded_numbe
     await sealer.close()
 
 
+async def test_sealing_helpers_that_answer_once_and_then_hang_are_started_again_a_bounded_number_of_times(  # type: ignore[no-untyped-def]
+        server_factory, tmp_path, monkeypatch) -> None:
+    """Helpers that answer their first task and hang on the next (here real ones, running the helper's own seal
+    once, then sleeping) were started again without end: one answer restored sealing.RESTARTS, so every third
+    commit found them killed for hanging and restarted them, and every hang cost a commit the answer bound. Now
+    only helpers that went sealing.RESTORE_S or more after their start restore the count: these are started again
+    RESTARTS times, then the daemon seals in threads; every commit lands."""
+    srv = await server_factory()
+    inplace = srv.service.inplace
+    old = inplace.sealer  # the daemon's own, started already; a fresh one of two helpers that answer once
+    inplace.sealer = sealer = sealing.Sealer(old.path, old.data_offset, old.data, workers=2)
+    await old.close()
+    sealer.answer_s = 1.0
+    started = tmp_path / "started"
+    once = tmp_path / "answer_once.py"
+    once.write_text(
+        "import json, sys, time\n"
+        "from engram import sealing\n"
+        "data = sealing._map_pool(sys.argv[3], int(sys.argv[4]))  # (argv: -m engram.sealing PATH DATA_OFFSET)\n"
+        "print('ready', flush=True)\n"
+        "offset, length, v1, v2 = json.loads(sys.stdin.readline())\n"
+        "print(json.dumps(sealing.seal(data, sealing.SealTask(offset, length, v1, v2))), flush=True)\n"
+        "time.sleep(600)  # every later task: no answer\n")
+    helper = tmp_path / "python"
+    helper.write_text(f"#!/bin/sh\necho . >> {started}\nexec {sys.executable} {once} \"$@\"\n")
+    helper.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(helper))
+
+    async def started_again() -> None:  # a start under way has ended before the next commit looks
+        assert sealer._starting is not None
+        await asyncio.wait((sealer._starting,))
+
+    sealer.start()
+    await started_again()
+    spec = tiny_model()
+    async with EngramClient(srv.address, namespace="t", in_place_min_bytes=0) as c:
+        fp = await c.register_model(spec)
+        # each round: a commit the helpers answer, one they hang on (killed), one that starts them again
+        for seed in range(30, 30 + 3 * (sealing.RESTARTS + 2)):
+            toks = tokens(2 * BLOCK_TOKENS, seed=seed)
+            kv = random_kv(spec, len(toks), seed=seed)
+            put = await asyncio.wait_for(c.put(fp, toks, kv), 30)
+            assert put.stored == 2 and put.reserve_ms > 0  # in place
+            await started_again()
+        got = await c.get(fp, put.keys, zero_copy=False)  # as bytes: each payload checked against its checksum
+        assert torch.equal(torch.cat(got, dim=2), kv)
+    assert len(started.read_text().split()) == 2 * (1 + sealing.RESTARTS)
+    await sealer.close()
+
+
 @pytest.mark.parametrize(("workers", "started"), [(2, False), (2, True), (1, False)],
                          ids=["helpers-never-started", "helpers-started", "no-helpers"])
 async def test_a_sealer_closed_refuses_to_seal_unavailable_rather_than_fail_or_hash_a_pool_it_let_go(  # type: ignore[no-untyped-def]
