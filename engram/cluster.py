@@ -10,8 +10,11 @@ Records in Redis (every one signed with the cluster secret, engram/trust.py; Red
   process started, ms), refreshed every heartbeat_s and expiring after ttl_s (a dead node's entries are
   ignored, and removed when a reader of their namespace meets them), and the set `engram:{nodes}:ids` of node
   ids. The `{nodes}` tag keeps them on one shard, so one MGET reads the addresses and boots of many holders.
-  `engram:{nodes}:grants:<id>` = "digest|sig": the node's tenants' grants (ClusterTrust.grants_digest), compared
-  by each peer that meets the node, which says in its log when they differ from its own (`_grants`).
+  `engram:{nodes}:grants:<id>` = "digest|sig": what decides access on the node (ClusterTrust.grants_digest:
+  tenants' tokens and namespaces, admin tokens, the salt secret), compared by each peer that meets the node, which
+  says in its log when they differ from its own (`_grants`). With cluster.peer_grants = "same" (the default) a
+  daemon fetches only from holders whose record holds its own grants, read with their node records at each pick
+  (`holders`), and serves FetchBlocks only to peers whose call sends the same signed record (`check_peer`).
 A node restarted under its id (DRAM only, its blocks gone) cannot know which entries its earlier process left,
 and another holder's writes keep a block's hash from expiring: so readers skip, and remove, an entry whose boot
 is not its node's current one. An entry without a boot (a daemon from before boots) is read as before while its
@@ -62,6 +65,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import AuthenticationError, RedisClusterException, RedisError, ResponseError
 
 from engram.config import ClusterConfig
+from engram.errors import PermissionDenied
 from engram.index import BlockMeta, ChainIndex
 from engram.trust import CLOCK_SKEW_S, ClusterTrust
 
@@ -344,12 +348,13 @@ class ClusterIndex:
                 backoff = min(backoff * 2, 5.0)
 
     async def _grants(self, peers: list[str]) -> None:
-        """Compare the grants `peers` publish with this daemon's, and say (once per peer and grants) those that
-        differ. Whether a tenant may act in a namespace is each daemon's own config, and a peer serves any
-        namespace to a member (FetchBlocks names it; every member is trusted with every namespace): a tenant
-        reads, through the daemon it calls, every peer's blocks of the namespaces that daemon grants it, so grants
-        that differ let a tenant reach, through one daemon, blocks another daemon's grants keep from it, and
-        nothing said so (session 53). A peer that publishes none (an older daemon) is not compared."""
+        """Compare the grants `peers` publish with this daemon's, and say (once per peer and grants, at the join and
+        each republish) those that differ. Whether a tenant may act in a namespace is each daemon's own config, and
+        a peer serves any namespace to a member (FetchBlocks names it): a tenant reads, through the daemon it calls,
+        every peer's blocks of the namespaces that daemon grants it, so grants that differ let a tenant reach,
+        through one daemon, blocks another daemon's grants keep from it, and nothing said so (session 53). What
+        is enforced is not this (a log line) but `check_peer` and `holders`, at every call and pick. A peer that
+        publishes none (an older daemon) is not named here."""
         if not self.grants or not peers:
             return
         if len(self._grants_seen) > 4096:  # node ids come from Redis: anyone who can write it names as many
@@ -365,11 +370,14 @@ class ClusterIndex:
             if digest is not None and digest != self.grants:
                 differ.append(node)
         if differ:
-            log.warning("cluster: node%s %s grant%s tenants other namespaces than this daemon does (auth.tenants, "
-                        "auth.tenants_file, or tenancy on or off): a tenant reads every peer's blocks of the namespaces "
-                        "the daemon it calls grants it, so it may reach through one daemon what another's grants "
-                        "keep from it; give every daemon of the cluster the same tenants and namespaces",
-                        "s" if len(differ) > 1 else "", ", ".join(differ), "" if len(differ) > 1 else "s",
+            shared = ("this daemon shares no blocks with them (cluster.peer_grants = same)"
+                      if self.config.peer_grants == "same" else
+                      "a tenant reads every peer's blocks of the namespaces the daemon it calls grants it, so it may "
+                      "reach through one daemon what another's grants keep from it (cluster.peer_grants = any)")
+            log.warning("cluster: node%s %s grant%s otherwise than this daemon does (tenants' tokens or namespaces, "
+                        "admin tokens, auth.salt_secret, or tenancy on or off): %s; give every daemon of the cluster "
+                        "the same [auth]",
+                        "s" if len(differ) > 1 else "", ", ".join(differ), "" if len(differ) > 1 else "s", shared,
                         extra={"fields": {"node_id": self.node_id, "nodes": differ}})
 
     def _wrote_earlier(self, record: str) -> bool:
@@ -487,14 +495,18 @@ class ClusterIndex:
                 signed[node] = entry
         if not signed:
             return []
-        nodes = list(signed)
+        nodes, same = list(signed), self.config.peer_grants == "same"
+        count = len(nodes)
+        asked = [_NODE + n for n in nodes] + [_BOOT + n for n in nodes] + ([_GRANTS + n for n in nodes] if same else [])
         try:
-            found = await _cancellable(self._redis.mget([_NODE + n for n in nodes] + [_BOOT + n for n in nodes]))
+            found = await _cancellable(self._redis.mget(asked))
         except REDIS_FAULTS as exc:
             self._degrade(exc)
             return []
+        grants = found[2 * count :] if same else [None] * count
         out = []
-        for node, record, boot_record in zip(nodes, found[: len(nodes)], found[len(nodes) :], strict=True):
+        for node, record, boot_record, grants_record in zip(nodes, found[:count], found[count : 2 * count], grants,
+                                                             strict=True):
             if record is None:  # its heartbeat expired: the node is gone
                 await self._prune(name, node, entries[node])
                 continue
@@ -506,9 +518,55 @@ class ClusterIndex:
             elif boot is not None and entry.boot != boot:
                 # Left by an earlier process of the node (restarted under its id since): what it held is gone.
                 await self._prune(name, node, entries[node])
+            elif same and not self._grants_match(node, grants_record):
+                self._said_differs(node, "not fetching blocks from")
             else:
                 out.append(Holder(node, address, entry.tier, entry.size, entry.checksum, boot, entries[node]))
         return out
+
+    def _grants_match(self, node: str, record: bytes | None) -> bool:
+        """Whether a holder's grants record (read with its node record, at each pick of a holder: a peer restarted
+        under its id with other grants is told apart from its first heartbeat on) holds this daemon's grants. One
+        missing (a daemon older than session 53, or its record expired) or not verifying differs: the blocks of a
+        daemon whose grants may be wider may have been written by a tenant this one refuses there."""
+        if record is None:
+            return False
+        digest = self.trust.node_grants(node, record.decode(errors="replace"))
+        if digest is None:
+            self._untrusted("grants record", node)
+        return bool(digest) and digest == self.grants
+
+    def check_peer(self, metadata: object) -> None:
+        """Refuse a peer's FetchBlocks (PermissionDenied) under cluster.peer_grants = "same" unless the call proves
+        its node id (ClusterTrust.peer_node) and sends that node's signed grants record holding this daemon's
+        grants (ClusterTrust.peer_grants): the record its process publishes in Redis, compared at every call, so a
+        peer restarted under its id with other grants is refused from its first call, nothing cached to wait out.
+        A peer serves any namespace a member names, so a tenant read, through a daemon granting it a namespace,
+        the blocks of that namespace another daemon held and refused it itself (session 53 said so in the log)."""
+        if self.config.peer_grants != "same":
+            return
+        node = self.trust.peer_node(metadata)
+        digest = self.trust.peer_grants(metadata, node) if node else None
+        if digest and digest == self.grants:
+            return
+        self._said_differs(node or "(unnamed)", "refusing FetchBlocks of")
+        raise PermissionDenied(
+            "this daemon serves blocks only to peers whose [auth] grants are its own (cluster.peer_grants = same), and "
+            "the calling daemon's [auth] differs (tenants' tokens or namespaces, admin tokens or auth.salt_secret), "
+            "or it sends no grants (a daemon older than this one): give every daemon the same [auth], or set "
+            "cluster.peer_grants = any on both to trust each other's grants")
+
+    def _said_differs(self, node: str, doing: str) -> None:
+        """Say, once a minute per node and way, that a peer's grants keep this daemon from sharing with it."""
+        now, said = time.monotonic(), (doing, node, False)
+        if now - self._warned.get(said, -WARN_EVERY_S) < WARN_EVERY_S:
+            return
+        if len(self._warned) >= 1024:  # node ids come from Redis: anyone who can write it names as many
+            self._warned.clear()
+        self._warned[said] = now
+        log.warning("cluster: %s node %r: its [auth] grants differ from this daemon's (tenants' tokens or "
+                    "namespaces, admin tokens, auth.salt_secret), or it publishes none (cluster.peer_grants = same)",
+                    doing, node, extra={"fields": {"node_id": self.node_id, "peer": node}})
 
     def _boot(self, node: str, record: bytes | None) -> int | None:
         """When a node's process started, as its signed boot record says; None when it publishes none (an older

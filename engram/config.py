@@ -350,6 +350,11 @@ class ClusterConfig:
     # A block's record of holders in Redis expires this long after a holder last wrote it; every node writes all
     # of its own again each third of it, so only records no live node holds go (a crashed node's, a stopped one's)
     record_ttl_s: float = 3600.0
+    # Whose blocks a daemon shares, given that a tenant reads, through the daemon it calls, peers' blocks of the
+    # namespaces that daemon grants it: "same" serves FetchBlocks to, and fetches from, only peers whose [auth]
+    # (tenants' tokens and namespaces, admin tokens, salt_secret) is this daemon's, as each publishes it (others
+    # are misses); "any" shares with every member, trusting each peer's grants as its own
+    peer_grants: str = "same"
 
 
 @dataclass
@@ -635,6 +640,9 @@ def _validate_cluster(c: ClusterConfig, a: AuthConfig) -> None:
         raise ConfigError("cluster.secret is empty: Redis is not trusted, so daemons sign what they publish there "
                           "and MAC the blocks they send each other with a secret; set the same one on every node "
                           "(env:VAR or file:PATH keep it out of the config)")
+    if c.peer_grants not in ("same", "any"):
+        raise ConfigError(f"cluster.peer_grants must be same (share blocks only with daemons whose [auth] grants are "
+                          f"this one's) or any (with every member, trusting its grants), got {c.peer_grants!r}")
     if bool(c.redis_client_cert) != bool(c.redis_client_key):
         raise ConfigError("cluster.redis_client_cert and cluster.redis_client_key go together: set both or neither")
     for key in ("redis_ca_cert", "redis_client_cert", "redis_client_key", "peer_root_cert"):

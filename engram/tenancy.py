@@ -254,6 +254,20 @@ class Tenancy:
         """Every tenant (not the admins, not the peers)."""
         return [p for p in self.principals.values() if not (p.admin or p.peer)]
 
+    def grants(self) -> list[bytes]:
+        """What decides who may act where on this daemon, for the daemons of a cluster to compare (ClusterTrust.
+        grants_digest, keyed again with the cluster secret): each tenant's token (its digest) with its name and
+        namespaces, each admin token's digest, and an HMAC of auth.salt_secret; no token or secret in clear. The
+        peer token is left out (cluster config: peers with another one cannot call each other at all)."""
+        parts = [b"salt\0" + hmac.new(self.secret, b"engram/grants/salt-secret", hashlib.sha256).digest()]
+        for digest, p in self.principals.items():
+            if p.admin:
+                parts.append(b"admin\0" + digest)
+            elif not p.peer:
+                spaces = ",".join(sorted(set(p.namespaces)))
+                parts.append(b"tenant\0" + digest + b"\0" + p.name.encode() + b"\0" + spaces.encode())
+        return sorted(parts)
+
     def counted(self, namespace: str) -> bool:
         """Only a tenant's namespaces: the config bounds them, where an admin may name any number."""
         return namespace in self._tenant_namespaces

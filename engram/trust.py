@@ -30,6 +30,10 @@ fetched from a peer is believed unless the peer proves it knows the cluster secr
   peer token seen on the wire cannot make up node ids (and shares) of its own; but a proof is the same on
   every call (no nonce, no time), so one seen with it can be replayed to use that node's share (TLS between
   daemons keeps both off the wire; the peer token alone already reads every namespace by FetchBlocks).
+- Grants record (`digest|sig`): what decides access on the node (`grants_digest`: tenants' tokens and namespaces,
+  admin tokens, the salt secret, all hashed and keyed), signed with its node id: published in Redis, and sent
+  beside the node proof on each call (`peer_metadata`), so that under cluster.peer_grants = "same" a daemon
+  serves and fetches from only peers of its own grants (ClusterIndex.check_peer, ClusterIndex.holders).
 - Block MAC: the serving daemon sends HMAC(key, parent, namespace, model, codec, BLAKE2b(payload)) with
   each block; the fetching daemon computes the same MAC itself over what it received and drops the block
   unless they match. The key is recomputed from parent and tokens by the store as for every put, so a block
@@ -56,6 +60,7 @@ from engram.wire.channel import header_safe
 CLOCK_SKEW_S = 30.0  # how far nodes' clocks may disagree before a fresh node record looks stale
 MAC_BYTES = 32
 NODE_HEADER, PROOF_HEADER = "engram-peer-node", "engram-peer-proof"  # a peer's node id and its proof (`peer_node`)
+GRANTS_HEADER = "engram-peer-grants"  # a peer's signed grants record (`peer_grants`)
 
 
 def _field(value: bytes) -> bytes:
@@ -125,10 +130,15 @@ class ClusterTrust:
     def node_proof(self, node_id: str) -> str:
         return self._mac(self._peer_node_key, (node_id.encode(),)).hex()
 
-    def peer_metadata(self, node_id: str) -> tuple[tuple[str, str], ...]:
+    def peer_metadata(self, node_id: str, grants: str = "") -> tuple[tuple[str, str], ...]:
         """What this daemon sends with its peer token so that the daemons it calls know it by its node id
-        (a node id that cannot travel in a header goes without: the call counts as "peer", as before)."""
-        return ((NODE_HEADER, node_id), (PROOF_HEADER, self.node_proof(node_id))) if header_safe(node_id) else ()
+        (a node id that cannot travel in a header goes without: the call counts as "peer", as before), and its
+        grants (`grants_digest`), in the signed record it publishes in Redis (`grants_record`): a peer serves
+        FetchBlocks only to a daemon whose grants are its own (cluster.peer_grants = "same": `peer_grants`)."""
+        if not header_safe(node_id):
+            return ()
+        sent = ((NODE_HEADER, node_id), (PROOF_HEADER, self.node_proof(node_id)))
+        return (*sent, (GRANTS_HEADER, self.grants_record(node_id, grants))) if grants else sent
 
     def peer_node(self, metadata: object) -> str:
         """The node id a call proves (`peer_metadata`), or "" when it proves none."""
@@ -141,6 +151,14 @@ class ClusterTrust:
         if node and hmac.compare_digest(proof.encode(), self.node_proof(node).encode()):
             return node
         return ""
+
+    def peer_grants(self, metadata: object, node_id: str) -> str | None:
+        """The grants digest a call of `node_id` (as `peer_node` proved) sends in its signed grants record; None
+        when it sends none (a daemon older than this one) or one that does not verify (altered, another node's)."""
+        for key, value in metadata or ():  # type: ignore[attr-defined]
+            if key == GRANTS_HEADER:
+                return self.node_grants(node_id, str(value))
+        return None
 
     # ---- node records -------------------------------------------------------------------------------
 
@@ -187,14 +205,16 @@ class ClusterTrust:
         except ValueError:
             return None
 
-    def grants_digest(self, grants: Iterable[tuple[str, Iterable[str]]] | None) -> str:
-        """Which namespaces each tenant may use on a daemon ((tenant, namespaces) pairs; None: tenancy off, every
-        caller may use every namespace), as a digest keyed with the cluster secret: daemons compare theirs through
-        Redis, which learns neither a tenant's name nor a namespace's. The order given does not matter."""
+    def grants_digest(self, grants: Iterable[bytes] | None) -> str:
+        """What decides access on a daemon (Tenancy.grants: tenants' tokens and namespaces, admin tokens, the salt
+        secret; None: tenancy off, every caller may use every namespace), as a digest keyed with the cluster
+        secret: daemons compare theirs (through Redis, and on each FetchBlocks: `peer_grants`), and Redis learns
+        neither a tenant's name, a namespace's nor anything of a token or the salt secret. The order does not
+        matter. "v2": a daemon before admin tokens and the salt secret were covered (session 53) digests
+        otherwise, and is told apart as granting otherwise."""
         if grants is None:
             return self._mac(self._grants_key, (b"open",)).hex()[:32]
-        parts = sorted(f"{name}\0{','.join(sorted(set(spaces)))}" for name, spaces in grants)
-        return self._mac(self._grants_key, [b"tenants", *(p.encode() for p in parts)]).hex()[:32]
+        return self._mac(self._grants_key, [b"tenants/v2", *sorted(grants)]).hex()[:32]
 
     def grants_record(self, node_id: str, digest: str) -> str:
         return f"{digest}|{self._mac(self._grants_key, (node_id.encode(), digest.encode())).hex()}"

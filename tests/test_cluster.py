@@ -287,14 +287,15 @@ async def test_a_tenants_get_whose_chain_from_a_peer_finds_the_tier_full_is_not_
 async def test_daemons_whose_tenants_are_granted_other_namespaces_say_so_in_their_logs(
         redis_port: int, caplog: pytest.LogCaptureFixture) -> None:
     """A grants Bob namespace bob; B grants him bob and alice; C grants as A. A grant is each daemon's own config,
-    and a member serves a peer any namespace it names (every member is trusted with every namespace): through B,
-    Bob reads Alice's blocks that A holds, which A itself refuses him. Nothing said so (session 53). Each daemon
-    now publishes its grants (a digest keyed with the cluster secret) and says in its log which peers grant
-    otherwise: B names A and C, A and C name B, and neither names the other."""
+    and a member serves a peer any namespace it names: with cluster.peer_grants = "any" (every member trusted with
+    every namespace, its grants as this daemon's own) through B, Bob reads Alice's blocks that A holds, which A
+    itself refuses him. Nothing said so (session 53). Each daemon now publishes its grants (a digest keyed with the
+    cluster secret) and says in its log which peers grant otherwise: B names A and C, A and C name B, and neither
+    names the other. (With "same", the default, they share nothing: test_cluster_grants.py.)"""
     caplog.set_level(logging.INFO, logger="engram.cluster")
     same = {"auth.tenants.alice.token": "alice-token", "auth.tenants.alice.namespaces": "alice",
             "auth.tenants.bob.token": "bob-token", "auth.salt_secret": "shared-secret",
-            "cluster.peer_token": "peer-token", "cluster.secret": "cluster-secret"}
+            "cluster.peer_token": "peer-token", "cluster.secret": "cluster-secret", "cluster.peer_grants": "any"}
     grants = {"a": {}, "b": {"auth.tenants.bob.namespaces": "bob,alice"}, "c": {}}
     proc = start_redis(redis_port)
     started: dict[str, RunningServer] = {}
@@ -320,7 +321,7 @@ async def test_daemons_whose_tenants_are_granted_other_namespaces_say_so_in_thei
 
         def named_by(node: str) -> set[str]:
             """The peers the WARNINGs of `node`'s daemon name as granting otherwise."""
-            return {peer for r in caplog.records if r.name == "engram.cluster" and "other namespaces" in r.getMessage()
+            return {peer for r in caplog.records if r.name == "engram.cluster" and "otherwise than" in r.getMessage()
                     and r.fields["node_id"] == node for peer in r.fields["nodes"]}  # type: ignore[attr-defined]
 
         async def all_said() -> bool:

@@ -417,10 +417,12 @@ class Tamperer:
 
     async def start(self) -> None:
         async def fetch(request: pb.FetchBlocksRequest, context: Any) -> AsyncIterator[pb.FetchBlocksResponse]:
-            token = dict(context.invocation_metadata())["authorization"].split(" ", 1)[1]
+            sent = dict(context.invocation_metadata())
+            token = sent["authorization"].split(" ", 1)[1]
+            peer = tuple((k, v) for k, v in sent.items() if k.startswith("engram-peer-"))  # node id, proof, grants
             channel = open_channel(self.upstream)
             try:
-                async for resp in stub_for(channel, token).FetchBlocks(request):
+                async for resp in stub_for(channel, token, peer).FetchBlocks(request):
                     self.forwarded += 1
                     if resp.chunk.HasField("header") and self.mode != "honest":
                         data = bytearray(resp.chunk.data)
@@ -503,8 +505,14 @@ async def test_fetch_blocks_needs_the_peer_token_even_without_tenancy(redis_port
                 async for _ in stub_for(channel, token).FetchBlocks(request):
                     pass
             assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        token = ClusterTrust(SECRET.encode()).peer_token  # derived from the secret: every node has the same
-        got = [r async for r in stub_for(channel, token).FetchBlocks(request)]
+        trust = ClusterTrust(SECRET.encode())
+        token = trust.peer_token  # derived from the secret: every node has the same
+        with pytest.raises(grpc.aio.AioRpcError) as info:  # the token alone: no grants sent (cluster.peer_grants)
+            async for _ in stub_for(channel, token).FetchBlocks(request):
+                pass
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED and "cluster.peer_grants" in info.value.details()
+        peer = trust.peer_metadata("x", trust.grants_digest(None))  # a daemon's: its node id and grants (tenancy off)
+        got = [r async for r in stub_for(channel, token, peer).FetchBlocks(request)]
         await channel.close()
         assert [r.chunk.key for r in got] == keys and len(got[0].mac) == 32
     finally:

@@ -454,14 +454,13 @@ async def _join_cluster(config: EngramConfig, service: EngramService, address: s
     c = config.cluster
     advertised = c.advertise or address
     service.trust = trust
-    grants = None if service.tenancy is None else [(p.name, p.namespaces) for p in service.tenancy.tenants()]
-    service.cluster = ClusterIndex(c, service.store.index, c.node_id or advertised, advertised, trust,
-                                   trust.grants_digest(grants))
+    grants = trust.grants_digest(None if service.tenancy is None else service.tenancy.grants())
+    service.cluster = ClusterIndex(c, service.store.index, c.node_id or advertised, advertised, trust, grants)
     root = Path(c.peer_root_cert).read_bytes() if c.peer_root_cert else None
     service.peers = PeerFetcher(service.cluster, service.store, token=trust.peer_token, root_cert=root,
                                 timeout_s=c.fetch_timeout_s, fill_timeout_s=c.fill_timeout_s,
                                 max_blocks=c.max_fetch_blocks,
-                                metadata=trust.peer_metadata(service.cluster.node_id),
+                                metadata=trust.peer_metadata(service.cluster.node_id, grants),
                                 untagged_gets=service.tenancy is None)
     await service.cluster.start()
 

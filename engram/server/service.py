@@ -746,6 +746,8 @@ class EngramService:
         req = decoded(request)
         if not self._is_peer_call(context):
             raise PermissionDenied("FetchBlocks serves the cluster's daemons: call it with the cluster's peer token")
+        if self.cluster is not None and (self.tenancy is None or caller(context).peer):  # an admin reads any here
+            self.cluster.check_peer(context.invocation_metadata())  # its [auth] grants must be this daemon's
         check_limit("FetchBlocks keys", len(req.keys), self.config.max_blocks_per_request)
         ns = check_namespace(req.namespace)
         if req.ancestors:
