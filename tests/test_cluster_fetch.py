@@ -193,6 +193,61 @@ async def test_a_get_copies_a_chain_from_a_holder_whose_request_limit_is_below_t
         await a_srv.stop(0)
 
 
+def fetches_refused(srv: RunningServer) -> float:
+    """FetchBlocks calls the daemon refused RESOURCE_EXHAUSTED (a request over its server.max_blocks_per_request)."""
+    assert srv.metrics is not None
+    return srv.metrics.registry.get_sample_value("engram_rpcs_total", {"method": "FetchBlocks",
+                                                                       "code": "RESOURCE_EXHAUSTED"}) or 0.0
+
+
+async def test_a_get_copies_a_chain_from_an_older_holder_whose_limit_is_below_the_fetch_batch_and_unsaid(
+        redis_port: int) -> None:
+    """An older holder (before session 53) whose server.max_blocks_per_request (50) is below the 128 keys B asks for
+    a call does not say its limit (FetchBlocksResponse.max_keys, field 8): B asked it for 128 keys at every copy, was
+    refused every time (RESOURCE_EXHAUSTED) and the Get was NOT_FOUND. B now halves a call's keys while the holder
+    refuses one for its size (128, 64, then 32 taken), and asks for no more than that from then on.
+
+    A stands for the older daemon: its answer to the ancestors listing is the one it sends today less max_keys, as
+    an Engram from before max_keys sent it (ancestors and ancestors_cut alone), and it refuses a copy of more keys
+    than its limit as every Engram has (the same request check, RESOURCE_EXHAUSTED "split the request")."""
+    a_srv = await daemon(redis_port, "a", **{"server.max_blocks_per_request": 50})
+    try:
+        b_srv = await daemon(redis_port, "b")
+        try:
+            assert a_srv.service is not None
+            says_its_limit = a_srv.service._ancestors_answer
+
+            def older(ancestors: list[bytes], cut: bool) -> pb.FetchBlocksResponse:
+                answer = says_its_limit(ancestors, cut)
+                answer.ClearField("max_keys")
+                return answer
+
+            a_srv.service._ancestors_answer = older  # type: ignore[method-assign]
+            spec = tiny_model()
+            async with EngramClient(a_srv.address, namespace="ns") as a, \
+                    EngramClient(b_srv.address, namespace="ns", data_channel=False) as b:
+                fp, toks, kv, keys = await _a_chain_b_lacks(redis_port, a, b, spec, seed=16)
+                got = await b.get(fp, keys[-4:])
+                assert all(torch.equal(x, y) for x, y in zip(got, await a.get(fp, keys[-4:]), strict=True))
+                stats = (await b.stats()).cluster
+                assert stats.remote_hits == 300 and stats.remote_failures == 0
+                assert fetches_refused(a_srv) == 2  # 128 and 64 keys; 32 taken
+                n, prefix = await b.get_prefix(fp, toks)
+                assert n == len(toks) and prefix is not None and torch.equal(prefix, kv)
+                # A second chain: asked for the 32 keys A took, none refused
+                toks2 = tokens(100 * spec.layout.block_tokens, seed=17)
+                keys2 = list((await a.put(fp, toks2, random_kv(spec, len(toks2), seed=17))).keys)
+                await until(lambda: _held_in_redis(redis_port, keys2[-1]), "A's second chain published")
+                before = rpcs_served(a_srv, "FetchBlocks")
+                assert len(await b.get(fp, keys2[-1:])) == 1
+                assert fetches_refused(a_srv) == 2
+                assert rpcs_served(a_srv, "FetchBlocks") - before == 2 + 4  # 2 lists of 50 ancestors, 4 copies
+        finally:
+            await b_srv.stop(0)
+    finally:
+        await a_srv.stop(0)
+
+
 async def test_a_peers_fetch_of_blocks_whose_header_passes_the_slack_stays_under_the_message_limit(
         redis_port: int) -> None:
     """Two daemons whose server.max_message_bytes is server.chunk_bytes + 4 KiB (as config allows), B getting a

@@ -41,6 +41,9 @@ FETCH_BATCH = 128  # blocks one FetchBlocks asks for when a chain is copied (few
 # where that is less): copying to the deadline itself, a Lookup's answer of what it held came after it, and its
 # caller got DEADLINE_EXCEEDED instead of a shorter match (a review, session 53)
 ANSWER_MARGIN_S = 1.0
+# What every Engram's refusal of a request for its size says (RESOURCE_EXHAUSTED, engram/server/requests.py: a
+# FetchBlocks naming more keys than the holder's server.max_blocks_per_request), and no other RESOURCE_EXHAUSTED does
+_REFUSED_FOR_SIZE = "split the request"
 
 
 class _PeerFailed(EngramError):
@@ -51,6 +54,11 @@ class _PeerFailed(EngramError):
 class _NotHeld(_PeerFailed):
     """The holder answered without the block its entry names: evicted meanwhile, or an entry Redis brought back
     from older data (a restore, a lagging replica): the reader removes the entry (ClusterIndex.forget_unheld)."""
+
+
+class _TooMany(_PeerFailed):
+    """The holder refused a FetchBlocks for its number of keys before sending a block (its own
+    server.max_blocks_per_request): one that does not say its limit (an older daemon) is asked again with fewer."""
 
 
 class _Unstorable(EngramError):
@@ -101,6 +109,9 @@ class PeerFetcher:
         # not pile up channels, or restarts in place (a new boot): the old channel, refused while the peer was
         # down, waits out its reconnect backoff (up to 2 s) failing every call at once, where a new one connects now
         self._peers: dict[str, _Peer] = {}
+        # The keys a copy asks an older holder for a call, where it refused more (it does not say its limit, max_keys):
+        # forgotten with its channel, when it moves or restarts (maybe upgraded, or its limit changed)
+        self._batches: dict[str, int] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self._failures_said = LogBudget()  # a dead or restarted holder fails every fetch that meets it
         self._expiries_said = LogBudget()  # a slow holder makes every lookup's fill run out
@@ -110,6 +121,7 @@ class PeerFetcher:
         if known is not None and (known.address, known.boot) == (address, boot):
             return known.stub
         if known is not None:
+            self._batches.pop(node_id, None)
             task = asyncio.get_running_loop().create_task(known.channel.close())
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
@@ -248,13 +260,13 @@ class PeerFetcher:
         raise unsupplied
 
     async def _ancestors(self, holder: Holder, namespace: str, fingerprint: bytes, key: bytes,
-                         most: int) -> tuple[list[bytes], bool, int]:
+                         most: int) -> tuple[list[bytes], bool, int | None]:
         """Up to `most` of `key`'s ancestors on `holder`, nearest first; whether the holder's own request limit
         cut the list short of the root (server.max_blocks_per_request below `most`: the chain goes on from the
         list's last key; a holder that lists fewer took the 200th of a 300-block chain for the root's child, and the
-        Get failed NOT_FOUND, an audit, session 52); and the most keys a copy from it may ask for a call (FETCH_BATCH,
-        or the holder's limit where it says a lower one: a holder under 128 refused every copy, RESOURCE_EXHAUSTED,
-        and the Get was NOT_FOUND, session 53)."""
+        Get failed NOT_FOUND, an audit, session 52); and the most keys a copy from it may ask for a call: the holder's
+        limit, where it says one (a holder under 128 refused every copy, RESOURCE_EXHAUSTED, and the Get was
+        NOT_FOUND, session 53), or None where it says none (a daemon older than that: `_copy` finds it out)."""
         request = pb.FetchBlocksRequest(keys=[key], namespace=namespace, model_fingerprint=fingerprint,
                                         ancestors=most)
         call = self._stub(holder.node_id, holder.address, holder.boot).FetchBlocks(request, timeout=self.timeout_s)
@@ -266,8 +278,7 @@ class PeerFetcher:
             call.cancel()
         if resp is grpc.aio.EOF or resp.HasField("chunk") or len(resp.ancestors) > most:
             raise _PeerFailed("the peer does not list a block's ancestors (a daemon older than this one)")
-        batch = min(FETCH_BATCH, resp.max_keys) if resp.max_keys else FETCH_BATCH  # unset: an older daemon
-        return list(resp.ancestors), resp.ancestors_cut, batch
+        return list(resp.ancestors), resp.ancestors_cut, min(FETCH_BATCH, resp.max_keys) if resp.max_keys else None
 
     async def _copy_from_any(self, namespace: str, fingerprint: bytes, parent: bytes, keys: list[bytes],
                              budget: _Budget) -> bool:
@@ -297,18 +308,35 @@ class PeerFetcher:
                         f" ({held} more failed before this one, not logged)" if held else "")
 
     async def _copy(self, holder: Holder, namespace: str, fingerprint: bytes, parent: bytes,
-                    chain: list[bytes], budget: _Budget, most: int = FETCH_BATCH) -> None:
+                    chain: list[bytes], budget: _Budget, most: int | None = None) -> None:
         """Copy `chain` (keys root-most first, the first a child of `parent`, the last the key `holder`'s record
         names) from `holder`, `most` keys a call, storing each block as it arrives (no more than one block's bytes
-        wait here) and charging it to `budget`; _PeerFailed or _Unstorable when one was not stored."""
-        for start in range(0, len(chain), most):
-            batch = chain[start : start + most]
+        wait here) and charging it to `budget`; _PeerFailed or _Unstorable when one was not stored.
+
+        `most` None: the holder did not say its limit (a daemon from before FetchBlocksResponse.max_keys), so it is
+        asked for FETCH_BATCH keys a call, or the fewer it took last, halved (down to one) while it refuses a call
+        for its size before any block: one whose server.max_blocks_per_request is under 128 refused every copy,
+        and the Get was NOT_FOUND (session 54)."""
+        start = 0
+        while start < len(chain):
+            size = most or self._batches.get(holder.node_id, FETCH_BATCH)
+            batch = chain[start : start + size]
             blocks = self._blocks(holder, namespace, fingerprint, parent, batch, last=start + len(batch) == len(chain))
-            async with contextlib.aclosing(blocks):  # a block not stored ends the call to the peer at once
-                async for key, header, payload in blocks:
-                    await self._store(namespace, fingerprint, key, parent, header, payload)
-                    budget.spend()
-                    parent = key
+            try:
+                async with contextlib.aclosing(blocks):  # a block not stored ends the call to the peer at once
+                    async for key, header, payload in blocks:
+                        await self._store(namespace, fingerprint, key, parent, header, payload)
+                        budget.spend()
+                        parent = key
+            except _TooMany as exc:
+                if most or len(batch) == 1:
+                    raise
+                self._batches[holder.node_id] = len(batch) // 2
+                log.info("peer %s refused a copy of %d blocks in one call (%s): it does not say its limit (a daemon "
+                         "older than this one), so it is asked for %d", holder.node_id, len(batch), exc,
+                         len(batch) // 2)
+                continue
+            start += len(batch)
 
     async def _blocks(self, holder: Holder, namespace: str, fingerprint: bytes, parent: bytes, keys: list[bytes],
                       *, last: bool) -> AsyncGenerator[tuple[bytes, BlockHeader, bytes], None]:
@@ -353,6 +381,9 @@ class PeerFetcher:
                 parent, n = key, n + 1
                 deadline = loop.time() + self.timeout_s
         except grpc.aio.AioRpcError as exc:
+            if n == 0 and len(keys) > 1 and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED \
+                    and _REFUSED_FOR_SIZE in str(exc.details()):
+                raise _TooMany(_rpc_failure(exc)) from None
             raise _PeerFailed(_rpc_failure(exc)) from None
         except TimeoutError:
             raise _PeerFailed(f"no block within cluster.fetch_timeout_s ({self.timeout_s:g} s)") from None

@@ -753,8 +753,7 @@ class EngramService:
         if req.ancestors:
             most = min(req.ancestors, self.config.max_blocks_per_request)
             ancestors, rest = self._ancestors(ns, req.model_fingerprint, req.keys[:1], most)
-            yield pb.FetchBlocksResponse(ancestors=ancestors, ancestors_cut=rest and most < req.ancestors,
-                                         max_keys=self.config.max_blocks_per_request)  # what its copies may ask
+            yield self._ancestors_answer(ancestors, rest and most < req.ancestors)
             return
         # Only the namespace and model asked for: a peer names both, and a key of another namespace is absent.
         metas = [m for k in req.keys
@@ -775,6 +774,11 @@ class EngramService:
                         continue
                     first.chunk.CopyFrom(msg)
                     yield first
+
+    def _ancestors_answer(self, ancestors: list[bytes], cut: bool) -> pb.FetchBlocksResponse:
+        """FetchBlocks' answer to a listing: the ancestors, whether this daemon's limit cut them short, and that
+        limit, the most keys a peer's copy may name a call (max_keys; a daemon from before it says none)."""
+        return pb.FetchBlocksResponse(ancestors=ancestors, ancestors_cut=cut, max_keys=self.config.max_blocks_per_request)
 
     def _ancestors(self, ns: str, fingerprint: bytes, keys: list[bytes], most: int) -> tuple[list[bytes], bool]:
         """Up to `most` ancestors of a block held here, nearest first, the chain's root not included (FetchBlocks
