@@ -778,6 +778,12 @@ class EngramClient(ControlClient):
             self._data_replaced.add(data)
 
     @property
+    def _answer_within_ms(self) -> int:
+        """How long a Get waits for its answer to begin (timeout_s), told to the daemon: its copying of blocks from
+        the cluster's peers ends in time to say so, not cut by this client as a daemon that seems hung."""
+        return min(max(1, int(self.timeout_s * 1000)), 2**32 - 1)
+
+    @property
     def _progress_every_ms(self) -> int:
         """How often the daemon is asked to say it is still at work before it answers (a Resume, a data-channel
         Put): three times within timeout_s, so that one message late does not cut the call."""
@@ -899,7 +905,8 @@ class EngramClient(ControlClient):
             zero_copy = self._zero_copy_ok and same_host(self.address)
         cuda_ipc = zero_copy and torch.device(device).type == "cuda"
         req = pb.GetRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint, keys=list(keys),
-                            decode=decode_on_server, zero_copy=zero_copy, cuda_ipc=cuda_ipc)
+                            decode=decode_on_server, zero_copy=zero_copy, cuda_ipc=cuda_ipc,
+                            answer_within_ms=self._answer_within_ms)
         if not zero_copy and (data := await self._data_channel()) is not None:
             with contextlib.suppress(wire.ChannelFull):  # its connections are all taken: gRPC may take the call
                 return [await self._block(h, p, i, device) for i, (h, p) in enumerate(await self._get_data(data, req))]
@@ -1223,7 +1230,7 @@ class EngramClient(ControlClient):
                                                  release if last else ())
             return parts
         req = pb.GetRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint, keys=list(keys),
-                            release_lease_ids=list(release))
+                            release_lease_ids=list(release), answer_within_ms=self._answer_within_ms)
         if (data := await self._data_channel()) is not None:
             with contextlib.suppress(wire.ChannelFull):  # its connections are all taken: gRPC may take the call
                 return await self._get_data(data, req)

@@ -435,6 +435,44 @@ async def test_a_fill_from_a_stopped_peer_ends_at_its_overall_bound_not_each_blo
         await b_srv.stop(0)
 
 
+@pytest.mark.parametrize("data_channel", [True, False], ids=["data_channel", "grpc"])
+async def test_a_gets_fill_from_a_stopped_peer_ends_before_its_client_gives_up_and_says_why(
+        redis_port: int, data_channel: bool) -> None:
+    """A (a real process) is stopped (SIGSTOP); B's copying has cluster.fill_timeout_s 60 s, and B's client waits 4 s
+    (its timeout_s) for a Get's answer to begin. The data channel carries no deadline, and EngramClient's gRPC Get
+    sets none (its bound is a stall bound): B copied on for the client that had given up, which said only that the
+    daemon seemed hung ("did not go on with the data channel's bytes"). The client now says how long it waits
+    (GetRequest.answer_within_ms), and B ends its copying in time to answer DEADLINE_EXCEEDED saying why; the
+    client goes on using the same channel."""
+    b_srv = await daemon(redis_port, "b", **{"server.data_channel": True, "cluster.fetch_timeout_s": 60.0,
+                                             "cluster.fill_timeout_s": 60.0})
+    try:
+        with daemon_process(redis_port, "a") as (a_address, a_proc):
+            spec = tiny_model()
+            async with EngramClient(a_address, namespace="ns", data_channel=False) as a, \
+                    EngramClient(b_srv.address, namespace="ns", data_channel=data_channel, zero_copy=False,
+                                 timeout_s=4.0) as b:
+                fp = await a.register_model(spec)
+                await b.register_model(spec)
+                await joined(a, b)
+                toks = tokens(8 * BLOCK_TOKENS, seed=18)
+                keys = list((await a.put(fp, toks, random_kv(spec, len(toks), seed=18))).keys)
+                await until(lambda: _held_in_redis(redis_port, keys[-1]), "A's last block published")
+                await b.get(fp, keys[:1])  # B's channel to A is open (a new one would fail to connect at once)
+                os.kill(a_proc.pid, signal.SIGSTOP)
+                try:
+                    with pytest.raises(errors.DeadlineExceeded, match="copying of blocks it lacks from the cluster's "
+                                                                      "peers ran past the call's deadline"):
+                        await b.get(fp, keys)
+                    if data_channel:
+                        assert data_gets(b_srv, "DEADLINE_EXCEEDED") == 1 and data_gets(b_srv, "CANCELLED") == 0
+                    assert len(await b.get(fp, keys[:1])) == 1  # the block B holds, on the same channel
+                finally:
+                    os.kill(a_proc.pid, signal.SIGCONT)
+    finally:
+        await b_srv.stop(0)
+
+
 async def test_a_lookup_whose_fill_runs_to_its_callers_deadline_still_answers_what_is_held(redis_port: int) -> None:
     """A (a real process) is stopped (SIGSTOP); B's fill has cluster.fill_timeout_s 60 s, and the caller's own gRPC
     deadline (4 s: any gRPC client, the C++ and Go ones) is the sooner bound. The fill ran to that very deadline,

@@ -518,9 +518,15 @@ class EngramService:
     async def blocks_to_get(self, req: pb.GetRequest, client_gone: Callable[[], Awaitable[None]] | None = None,
                             *, deadline: float | None = None) -> tuple[str, list[BlockMeta]]:
         """A Get's namespace and blocks, whichever channel answers it; keys this daemon lacks are copied from
-        the cluster's peers first, by the call's `deadline` (the loop's time; none: cluster.fill_timeout_s) or
-        DeadlineExceeded. client_gone: returns when the caller has gone (the data channel's client closed its
-        connection; gRPC cancels the call itself), which ends the copying: ConnectionError."""
+        the cluster's peers first, by the call's `deadline` (the loop's time) or the caller's `answer_within_ms`,
+        the sooner (neither: cluster.fill_timeout_s), or DeadlineExceeded. The data channel has no deadline of its
+        own: its client, waiting timeout_s for the answer to begin, gave up first with a "daemon hung" of its own
+        while the daemon copied on to fill_timeout_s (session 54). client_gone: returns when the caller has gone
+        (the data channel's client closed its connection; gRPC cancels the call itself), which ends the copying:
+        ConnectionError."""
+        if req.answer_within_ms:
+            waits = asyncio.get_running_loop().time() + req.answer_within_ms / 1000
+            deadline = waits if deadline is None else min(deadline, waits)
         check_limit("Get keys", len(req.keys), self.config.max_blocks_per_request)
         check_limit("Get release_lease_ids", len(req.release_lease_ids), self.config.max_blocks_per_request)
         ns = namespace_for(None, req.namespace)

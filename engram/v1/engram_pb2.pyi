@@ -252,7 +252,7 @@ class PutResponse(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., stored: _Optional[int] = ..., deduplicated: _Optional[int] = ..., not_durable: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("namespace", "model_fingerprint", "keys", "decode", "zero_copy", "cuda_ipc", "release_lease_ids")
+    __slots__ = ("namespace", "model_fingerprint", "keys", "decode", "zero_copy", "cuda_ipc", "release_lease_ids", "answer_within_ms")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +260,7 @@ class GetRequest(_message.Message):
     ZERO_COPY_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     RELEASE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_WITHIN_MS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     model_fingerprint: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
@@ -267,7 +268,8 @@ class GetRequest(_message.Message):
     zero_copy: bool
     cuda_ipc: bool
     release_lease_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., decode: _Optional[bool] = ..., zero_copy: _Optional[bool] = ..., cuda_ipc: _Optional[bool] = ..., release_lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    answer_within_ms: int
+    def __init__(self, namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., decode: _Optional[bool] = ..., zero_copy: _Optional[bool] = ..., cuda_ipc: _Optional[bool] = ..., release_lease_ids: _Optional[_Iterable[int]] = ..., answer_within_ms: _Optional[int] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("chunk", "descriptor")
