@@ -52,6 +52,7 @@ import hmac
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from urllib.parse import quote
 
 from engram.config import ClusterConfig
 from engram.errors import ConfigError
@@ -131,14 +132,15 @@ class ClusterTrust:
         return self._mac(self._peer_node_key, (node_id.encode(),)).hex()
 
     def peer_metadata(self, node_id: str, grants: str = "") -> tuple[tuple[str, str], ...]:
-        """What this daemon sends with its peer token so that the daemons it calls know it by its node id
-        (a node id that cannot travel in a header goes without: the call counts as "peer", as before), and its
-        grants (`grants_digest`), in the signed record it publishes in Redis (`grants_record`): a peer serves
-        FetchBlocks only to a daemon whose grants are its own (cluster.peer_grants = "same": `peer_grants`)."""
-        if not header_safe(node_id):
-            return ()
-        sent = ((NODE_HEADER, node_id), (PROOF_HEADER, self.node_proof(node_id)))
-        return (*sent, (GRANTS_HEADER, self.grants_record(node_id, grants))) if grants else sent
+        """What this daemon sends with its peer token so that the daemons it calls know it by its node id, and its
+        grants (`grants_digest`), in a signed record as the one it publishes in Redis (`grants_record`): a peer
+        serves FetchBlocks only to a daemon whose grants are its own (cluster.peer_grants = "same": `peer_grants`).
+        A node id that cannot travel in a header (a space, a character beyond ASCII) travels percent-encoded, the
+        proof and the record made for that form: it went without, and under "same" every peer refused its calls
+        as a daemon of other grants (session 54)."""
+        node = node_id if header_safe(node_id) else quote(node_id, safe="")
+        sent = ((NODE_HEADER, node), (PROOF_HEADER, self.node_proof(node)))
+        return (*sent, (GRANTS_HEADER, self.grants_record(node, grants))) if grants else sent
 
     def peer_node(self, metadata: object) -> str:
         """The node id a call proves (`peer_metadata`), or "" when it proves none."""

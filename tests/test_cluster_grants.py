@@ -188,6 +188,24 @@ async def test_daemons_of_the_same_grants_still_share_blocks(daemons: Daemons, r
     assert rpcs_served(a, "FetchBlocks") >= 1 and refused(a) == 0
 
 
+@pytest.mark.parametrize("b_id", ["node b", "nœud-b"])
+async def test_daemons_of_the_same_grants_share_blocks_whatever_characters_their_node_ids_hold(
+        daemons: Daemons, redis_port: int, b_id: str) -> None:
+    """B's cluster.node_id holds a space or a character beyond ASCII, which a gRPC header cannot carry. With the
+    same grants as A and the default ("same"), Alice's prefix put through A is a hit through B, and A refused none
+    of B's calls. Before, B sent neither its node id nor its grants record (they travel together), and A refused
+    every FetchBlocks of it PERMISSION_DENIED as a daemon of other grants: Alice's lookup through B missed."""
+    a = await daemons.start("a")
+    b = await daemons.start(b_id)
+    await until(lambda: joined(a, b), "both daemons joined")
+    fp, toks, keys = await alices_prefix(a, seed=36)
+    await until(published(redis_port, "a", keys), "A's holder entries of Alice's blocks are in Redis")
+    async with EngramClient(b.address, token="alice-token", namespace="alice") as alice_on_b:
+        assert await alice_on_b.register_model(tiny_model()) == fp
+        assert (await alice_on_b.lookup(fp, toks)).matched_tokens == len(toks)
+    assert refused(a) == 0
+
+
 async def test_a_peer_restarted_under_its_id_with_other_grants_is_refused_at_once_not_at_the_next_resync(
         daemons: Daemons, redis_port: int) -> None:
     """A and B of the same grants share (Alice through B reads her blocks from A). B is restarted under its id
