@@ -265,9 +265,10 @@ class Sealer:
             if isinstance(failed, BaseException) and not isinstance(failed, OSError):
                 raise failed
         if any(o is None for o in out):  # a helper died: hash the rest here
-            self._refuse_if_closed()  # (killed by close: the pool's view went with them)
             for i, t in enumerate(tasks):
                 if out[i] is None:
+                    # (killed by close, or closed while the last one was hashed: the pool's view went with it)
+                    self._refuse_if_closed()
                     out[i] = await in_thread(seal, self.data, t)
         return out  # type: ignore[return-value]
 

@@ -812,6 +812,42 @@ async def test_a_sealer_closed_refuses_to_seal_unavailable_rather_than_fail_or_h
         await sealer.seal([sealing.SealTask(0, block, None), sealing.SealTask(block, block, None)])
 
 
+async def test_a_seal_whose_helpers_died_stops_hashing_in_the_daemon_once_the_sealer_is_closed(  # type: ignore[no-untyped-def]
+        server_factory, tmp_path, monkeypatch) -> None:
+    """Two helpers (real processes that say ready, read a task and exit) die under a seal of two blocks, which then
+    hashes them in the daemon, one thread a block. The daemon's stop closes the sealer while the first is hashed
+    (held in the thread): the second was hashed over the empty view close() leaves of the pool, a checksum of no
+    bytes returned as the block's. The seal now refuses UNAVAILABLE before each block it hashes so."""
+    srv = await server_factory()
+    own = srv.service.inplace.sealer  # on the daemon's real pool
+    sealer = sealing.Sealer(own.path, own.data_offset, own.data, workers=2)
+    dying = tmp_path / "python"
+    dying.write_text("#!/bin/sh\necho ready\nread task\nexit 0\n")
+    dying.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(dying))
+    sealer.start()
+    assert sealer._starting is not None
+    await sealer._starting
+    real_seal, entered, go = sealing.seal, threading.Event(), threading.Event()
+
+    def first_held(data: memoryview, task: sealing.SealTask) -> int | str:  # the daemon's own hashing, in its thread
+        if not entered.is_set():
+            entered.set()
+            go.wait(30)
+        return real_seal(data, task)
+
+    monkeypatch.setattr(sealing, "seal", first_held)
+    block = tiny_model().layout.block_nbytes(BLOCK_TOKENS)
+    seal = asyncio.create_task(sealer.seal([sealing.SealTask(0, block, None), sealing.SealTask(block, block, None)]))
+    try:
+        assert await asyncio.to_thread(entered.wait, 30), "the seal never hashed a block in the daemon"
+        await sealer.close()
+    finally:
+        go.set()
+    with pytest.raises(errors.Unavailable, match="closed"):
+        await seal
+
+
 async def test_a_commit_does_not_wait_forever_for_sealing_helpers_that_never_start(  # type: ignore[no-untyped-def]
         server_factory, tmp_path, monkeypatch) -> None:
     """Helpers that never say they are ready (a start stuck mapping the pool: here a real process that sleeps in
