@@ -257,3 +257,53 @@ def test_a_peer_grants_setting_other_than_same_or_any_is_refused_at_load() -> No
     with pytest.raises(ConfigError, match=r"cluster\.peer_grants must be same .* or any"):
         load_config(env={}, overrides={"cluster.redis_url": "redis://127.0.0.1:1/0", "cluster.secret": "s",
                                        "cluster.peer_grants": "Same"})
+
+
+async def test_a_peers_fetch_between_the_daemons_grpc_start_and_its_cluster_join_is_unavailable_not_served_unchecked(
+        redis_port: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gRPC serves a few loop turns before the daemon joins its cluster, and the grants check needs the joined
+    ClusterIndex: a FetchBlocks with the peer token in that window was served without it (a review, session 54).
+    The join is held here (the app's `_join_cluster` waits on an event), and a raw FetchBlocks with the peer token
+    and no grants is answered UNAVAILABLE; once joined, the same call is refused PERMISSION_DENIED (no grants)."""
+    import asyncio
+
+    import grpc
+
+    from engram.server import app
+    from engram.v1 import engram_pb2 as pb
+    from engram.wire.channel import open_channel, stub_for
+
+    joining, go = asyncio.Event(), asyncio.Event()
+    join = app._join_cluster
+
+    async def held_join(*args: Any) -> None:
+        joining.set()
+        await go.wait()
+        await join(*args)
+
+    monkeypatch.setattr(app, "_join_cluster", held_join)
+    port = free_port()
+    starting = asyncio.create_task(start_server(load_config(env={}, overrides={
+        "server.port": port, "server.data_channel": False, "cluster.node_id": "a",
+        "cluster.redis_url": f"redis://127.0.0.1:{redis_port}/0", **SAME})))
+    srv = None
+    try:
+        await asyncio.wait_for(joining.wait(), 30)
+        request = pb.FetchBlocksRequest(keys=[b"\0" * 16], namespace="alice", model_fingerprint=b"\0" * 16)
+        codes = []
+        for _ in range(2):
+            channel = open_channel(f"127.0.0.1:{port}")
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in stub_for(channel, "peer-token").FetchBlocks(request):
+                    pass
+            codes.append(info.value.code())
+            await channel.close()
+            if not go.is_set():
+                go.set()
+                srv = await asyncio.wait_for(starting, 30)
+        assert codes == [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.PERMISSION_DENIED]
+    finally:
+        go.set()
+        if srv is None:
+            srv = await starting
+        await srv.stop(0)

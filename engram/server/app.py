@@ -353,6 +353,7 @@ async def _start(config: EngramConfig, store: BlockStore, sessions: SessionManag
         address = f"{host}:{port}"
     if s.data_channel:  # before gRPC starts: a taken data port fails the start with nothing to stop
         service.dataport = await _start_dataport(service, s, tenancy, metrics)
+    service.joins_cluster = trust is not None
     try:
         await server.start()
         for name in ("", SERVICE_NAME):

@@ -36,6 +36,7 @@ from engram.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
+    Unavailable,
 )
 from engram.index import BlockMeta, PrefixWalk
 from engram.inspection import Inspector
@@ -315,6 +316,9 @@ class EngramService:
         self.tenancy = tenancy
         self.same_host = same_host  # zero-copy descriptors and in-place puts allowed (auth.same_host_paths)
         self.cluster: ClusterIndex | None = None  # set by the app once the daemon's address is known
+        # Set by the app before gRPC serves when the daemon joins a cluster: FetchBlocks waits for the join (its
+        # grants check needs the ClusterIndex), not served unchecked meanwhile (a review, session 54).
+        self.joins_cluster = False
         self.trust: ClusterTrust | None = None  # the cluster secret's keys, with the cluster
         self.peers: PeerFetcher | None = None
         self.dataport: DataPort | None = None  # the data channel, once started (engram/server/dataport.py)
@@ -752,8 +756,11 @@ class EngramService:
         req = decoded(request)
         if not self._is_peer_call(context):
             raise PermissionDenied("FetchBlocks serves the cluster's daemons: call it with the cluster's peer token")
-        if self.cluster is not None and (self.tenancy is None or caller(context).peer):  # an admin reads any here
-            self.cluster.check_peer(context.invocation_metadata())  # its [auth] grants must be this daemon's
+        if self.tenancy is None or caller(context).peer:  # an admin reads any namespace here anyway
+            if self.cluster is not None:
+                self.cluster.check_peer(context.invocation_metadata())  # its [auth] grants must be this daemon's
+            elif self.joins_cluster:  # between gRPC's start and the join: the grants check has nothing to go by
+                raise Unavailable("this daemon is joining the cluster: FetchBlocks is served once it has joined")
         check_limit("FetchBlocks keys", len(req.keys), self.config.max_blocks_per_request)
         ns = check_namespace(req.namespace)
         if req.ancestors:
