@@ -21,7 +21,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import CancelledError, Future
 from typing import Any, TypeVar
 
@@ -255,7 +255,7 @@ class EngramClient(ControlClient):
         made once more, whole (lookup, put, put_blocks, get, get_prefix, load_prefix_into, open_session, pin:
         calls that can be repeated); a second UnknownModel is raised (engram/reregister.py)."""
         req = pb.RegisterModelRequest(model=convert.model_to_pb(spec))
-        resp = await self._call(self._stub.RegisterModel(req))
+        resp = await self._call(self._stub.RegisterModel, req)
         self._layouts[resp.model_fingerprint] = dataclasses.replace(spec, codec=resp.codec)
         # 0: an older daemon's silence
         if resp.max_blocks_per_request:  # requests naming more blocks go in parts
@@ -302,7 +302,7 @@ class EngramClient(ControlClient):
         a caller whose read of the blocks follows (GetPrefix counts it) or who only checks what it need not send."""
         req = pb.LookupRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint,
                                tokens=convert.tokens_to_pb(tokens[: self._max_tokens]), probe=probe)
-        return convert.from_pb(LookupResult, await self._call(self._stub.Lookup(req)))
+        return convert.from_pb(LookupResult, await self._call(self._stub.Lookup, req))
 
     def give_way_to(self, gate: LoadGate | None) -> None:
         """Make this client's puts wait for the loads `gate` counts (engram/loadgate.py): before each put and,
@@ -557,8 +557,8 @@ class EngramClient(ControlClient):
             await previous  # commits go in chain order
         # Bounded by its bytes and its `written` blocks too: under write-through the daemon writes each to NVMe
         # before it answers (4,000 blocks of 4 KiB failed DeadlineExceeded at timeout_s = 5 s, the daemon at work)
-        return await self._call(self._stub.CommitPut(pb.CommitPutRequest(
-            namespace=ns, reservation_id=reservation_id, blocks=blocks)), work_bytes=nbytes, work_blocks=written)
+        return await self._call(self._stub.CommitPut, pb.CommitPutRequest(
+            namespace=ns, reservation_id=reservation_id, blocks=blocks), work_bytes=nbytes, work_blocks=written)
 
     def _cannot_map(self, what: str, path: str, exc: BaseException) -> None:
         """Say once (a WARNING per kind) that this process cannot map a pool of the daemon's and that its hits or
@@ -779,8 +779,9 @@ class EngramClient(ControlClient):
 
     @property
     def _answer_within_ms(self) -> int:
-        """How long a Get waits for its answer to begin (timeout_s), told to the daemon: its copying of blocks from
-        the cluster's peers ends in time to say so, not cut by this client as a daemon that seems hung."""
+        """How long a Get waits for its answer to begin, and a GetPrefix for its answer (timeout_s), told to the
+        daemon: its copying of blocks from the cluster's peers ends in time to answer (a Get's DEADLINE_EXCEEDED
+        saying so, a GetPrefix's shorter match), not cut by this client as a daemon that seems hung."""
         return min(max(1, int(self.timeout_s * 1000)), 2**32 - 1)
 
     @property
@@ -1056,7 +1057,7 @@ class EngramClient(ControlClient):
     async def _close_quietly(self, ref: pb.SessionRef) -> None:
         # Closed meanwhile (NotFound), the daemon gone, or this client closed first: the daemon's idle close ends it
         with contextlib.suppress(errors.NotFound, errors.Unavailable, errors.ClientClosed, grpc.aio.UsageError):
-            await self._call(self._stub.CloseSession(ref), timeout_s=self._finish_s)
+            await self._call(self._stub.CloseSession, ref, timeout_s=self._finish_s)
 
     def _end_unread(self, namespace: str, held: list[int], call: asyncio.Future[pb.PrefixHeader]) -> None:
         """A GetPrefix whose caller left (or that failed) has ended: release what no one will."""
@@ -1094,12 +1095,12 @@ class EngramClient(ControlClient):
             # Expired meanwhile (NotFound), the daemon is gone, or this client was closed before a background
             # release ran (ClientClosed, or grpc's UsageError in a race with it): either way the leases end by expiry.
             with contextlib.suppress(errors.NotFound, errors.Unavailable, errors.ClientClosed, grpc.aio.UsageError):
-                await self._call(self._stub.ReleaseLeases(req), timeout_s=self._finish_s)  # close() waits timeout_s
+                await self._call(self._stub.ReleaseLeases, req, timeout_s=self._finish_s)  # close() waits timeout_s
 
     async def release_leases(self, lease_ids: Sequence[int], *, namespace: str | None = None) -> int:
         """End zero-copy leases explicitly (get does this itself); NotFound when one is not held here."""
         req = pb.ReleaseLeasesRequest(namespace=self._ns(namespace), lease_ids=list(lease_ids))
-        return (await self._call(self._stub.ReleaseLeases(req))).released
+        return (await self._call(self._stub.ReleaseLeases, req)).released
 
     @registering_again
     async def get_prefix(self, fingerprint: bytes, tokens: Sequence[int] | np.ndarray, *,
@@ -1170,12 +1171,14 @@ class EngramClient(ControlClient):
         req = pb.GetPrefixRequest(namespace=ns, model_fingerprint=fingerprint,  # as many tokens as a request may name
                                   tokens=convert.tokens_to_pb(tokens[: self._max_tokens]), zero_copy=zero_copy,
                                   cuda_ipc=zero_copy and device.type == "cuda", release_lease_ids=held,
-                                  hold_for_get=True)
+                                  hold_for_get=True, answer_within_ms=self._answer_within_ms)
         t0 = time.perf_counter()
         # Bounded by the bytes it may bring up from NVMe into the pool before it answers, too (at most the raw KV)
         work = len(req.tokens) * spec.layout.bytes_per_token()
         # Its caller gone (a cancel, the bound), the call runs on: its answer's lease (or, if it fails, the leases it
-        # was to end) is released when it comes; failed, the leases it was to end are released now, not at expiry
+        # was to end) is released when it comes; failed, the leases it was to end are released now, not at expiry.
+        # Its gRPC deadline is the lease's, past timeout_s: answer_within_ms tells the daemon when to stop copying
+        # from the cluster's peers and answer what it holds (before, it copied on past the client's wait)
         header: pb.PrefixHeader = await self._granting(self._stub.GetPrefix, req,
                                                        functools.partial(self._end_unread, ns, held), work_bytes=work)
         sources: list[BlockSource] = []
@@ -1305,8 +1308,8 @@ class EngramClient(ControlClient):
     def _ref(self, session_id: str, namespace: str | None, owner: str = "") -> pb.SessionRef:
         return pb.SessionRef(namespace=self._ns(namespace), session_id=session_id, owner=owner)
 
-    async def _session_call(self, coro: Coroutine[Any, Any, pb.SessionInfo]) -> SessionInfo:
-        return convert.from_pb(SessionInfo, await self._call(coro))
+    async def _session_call(self, method: Callable[..., Awaitable[pb.SessionInfo]], req: Any) -> SessionInfo:
+        return convert.from_pb(SessionInfo, await self._call(method, req))
 
     @registering_again
     async def open_session(self, fingerprint: bytes, *, mode: str | SessionMode = SessionMode.EXACT,
@@ -1335,7 +1338,7 @@ class EngramClient(ControlClient):
                 prefix_len=window_start + window.shape[2], start=window_start,
                 dtype=int(DType.from_torch(window.dtype)), shape=list(window.shape),  # type: ignore[arg-type]
                 checksum=checksum(data), data=data))
-        return await self._session_call(self._stub.AppendSession(req))
+        return await self._session_call(self._stub.AppendSession, req)
 
     async def fork_session(self, parent_id: str, *, session_id: str = "", position: int = 0,
                            namespace: str | None = None) -> SessionInfo:
@@ -1349,18 +1352,18 @@ class EngramClient(ControlClient):
         closed (_granting). A session whose id the caller chose is the caller's to use or close, as the daemon
         keeps it when such a call is cut."""
         if session_id:
-            return await self._session_call(method(req))
+            return await self._session_call(method, req)
         return convert.from_pb(SessionInfo, await self._granting(method, req,
                                                                  functools.partial(self._close_unread, namespace)))
 
     async def suspend_session(self, session_id: str, *, namespace: str | None = None) -> SessionInfo:
         """The session goes cold: a rebuilt window is dropped; a persisted one stays."""
-        return await self._session_call(self._stub.SuspendSession(self._ref(session_id, namespace)))
+        return await self._session_call(self._stub.SuspendSession, self._ref(session_id, namespace))
 
     async def close_session(self, session_id: str, *, namespace: str | None = None, owner: str = "") -> SessionInfo:
         """End the session: its window goes and its blocks lose the session's reference. `owner`: an admin's, the
         tenant whose session it is (ids are per tenant; needed when two tenants of the namespace hold the id)."""
-        return await self._session_call(self._stub.CloseSession(self._ref(session_id, namespace, owner)))
+        return await self._session_call(self._stub.CloseSession, self._ref(session_id, namespace, owner))
 
     async def resume(self, session_id: str, *, position: int = 0, namespace: str | None = None,
                      with_global_kv: bool = False) -> ResumeResult:
@@ -1441,7 +1444,7 @@ class EngramClient(ControlClient):
         if namespace not in self._salts:
             req = pb.DescribeNamespaceRequest(namespace=namespace)
             try:
-                info = await deadline.answer(self._stub.DescribeNamespace(req), self.timeout_s, self.address)
+                info = await deadline.unary(self._stub.DescribeNamespace, req, self.timeout_s, self.address)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise await self._failed(exc) from exc

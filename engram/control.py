@@ -99,13 +99,15 @@ class ControlClient:
         self._closed = True
         await self._channel.close()
 
-    async def _call(self, call: Awaitable[T], *, work_bytes: int = 0, work_blocks: int = 0,
-                    timeout_s: float | None = None) -> T:
-        """A unary call's answer (within timeout_s, or the caller's own, and the time the daemon's work before it
-        answers takes: deadline.work_s), its gRPC failure as the domain error."""
+    async def _call(self, method: Callable[..., Awaitable[T]], request: Any, *, work_bytes: int = 0,
+                    work_blocks: int = 0, timeout_s: float | None = None) -> T:
+        """`method(request)`'s answer (within timeout_s, or the caller's own, and the time the daemon's work before
+        it answers takes: deadline.work_s), its gRPC failure as the domain error. That bound is the call's gRPC
+        deadline too (deadline.unary): made without one, the daemon did not know it, and a Lookup's copying from
+        the cluster's peers went on past it to cluster.fill_timeout_s while its client gave up (session 54)."""
         try:
-            return await deadline.answer(call, self.timeout_s if timeout_s is None else timeout_s,  # type: ignore[no-any-return]
-                                         self.address, work_bytes, work_blocks)
+            return await deadline.unary(method, request, self.timeout_s if timeout_s is None else timeout_s,  # type: ignore[no-any-return]
+                                        self.address, work_bytes, work_blocks)
         except grpc.aio.AioRpcError as exc:
             raise await self._failed(exc) from exc
 
@@ -114,16 +116,16 @@ class ControlClient:
         connection because it serves TLS, an Unavailable saying so (engram/wire/tlshint.py)."""
         return await tlshint.explained(error_from_rpc(exc), exc, self.address, self._tls, self.timeout_s)
 
-    async def _store_wide(self, make: Callable[[], Awaitable[T]], timeout_s: float | None,
+    async def _store_wide(self, method: Callable[..., Awaitable[T]], request: Any, timeout_s: float | None,
                           work: Callable[[Stats], tuple[int, int]]) -> T:
         """A call whose work goes through a part of the store before it answers (Check, Evict, ForgetModel):
         minutes on a large store. Bounded by the caller's timeout_s when given; else by the client's timeout_s
         and the time of that part, (bytes, blocks) = work(Stats), at deadline's floor rates. The Stats call first
         costs a round trip and finds a hung daemon within timeout_s."""
         if timeout_s is not None:
-            return await self._call(make(), timeout_s=deadline.checked(timeout_s))
+            return await self._call(method, request, timeout_s=deadline.checked(timeout_s))
         nbytes, blocks = work(await self.stats())
-        return await self._call(make(), work_bytes=nbytes, work_blocks=blocks)
+        return await self._call(method, request, work_bytes=nbytes, work_blocks=blocks)
 
     @property
     def _open_channel(self) -> grpc.aio.Channel:
@@ -139,7 +141,7 @@ class ControlClient:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         t0 = time.perf_counter()
-        resp = await self._call(health_pb2_grpc.HealthStub(self._open_channel).Check(health_pb2.HealthCheckRequest()))
+        resp = await self._call(health_pb2_grpc.HealthStub(self._open_channel).Check, health_pb2.HealthCheckRequest())
         if resp.status != health_pb2.HealthCheckResponse.SERVING:
             from engram.errors import Unavailable
 
@@ -148,7 +150,7 @@ class ControlClient:
 
     async def stats(self) -> Stats:
         """Tiers, models, counters, replay, cluster and the namespaces this caller may see (all, for an admin)."""
-        return convert.from_pb(Stats, await self._call(self._stub.Stats(pb.StatsRequest())))
+        return convert.from_pb(Stats, await self._call(self._stub.Stats, pb.StatsRequest()))
 
     async def check(self, *, fix: bool = False, timeout_s: float | None = None) -> CheckReport:
         """Verify every stored copy (payload checksums, block files); with fix, drop the broken ones. Admin only.
@@ -158,26 +160,26 @@ class ControlClient:
         def work(st: Stats) -> tuple[int, int]:
             return sum(t.used_bytes for t in st.tiers), sum(t.blocks for t in st.tiers)
 
-        resp = await self._store_wide(lambda: self._stub.Check(pb.CheckRequest(fix=fix)), timeout_s, work)
+        resp = await self._store_wide(self._stub.Check, pb.CheckRequest(fix=fix), timeout_s, work)
         return convert.from_pb(CheckReport, resp)
 
     async def describe_namespace(self, namespace: str | None = None) -> NamespaceStats:
         """The namespace's key salt, quota, and physical against logical bytes."""
         req = pb.DescribeNamespaceRequest(namespace=self._ns(namespace))
-        return convert.from_pb(NamespaceStats, await self._call(self._stub.DescribeNamespace(req)))
+        return convert.from_pb(NamespaceStats, await self._call(self._stub.DescribeNamespace, req))
 
     # ---- inspection (engram ls / show / evict / pin) ---------------------------------------------
 
     async def list_namespaces(self) -> tuple[NamespaceSummary, ...]:
         """Every namespace with its blocks, bytes and sessions. Admin only (or tenancy off)."""
-        resp = await self._call(self._stub.ListNamespaces(pb.ListNamespacesRequest()))
+        resp = await self._call(self._stub.ListNamespaces, pb.ListNamespacesRequest())
         return tuple(convert.from_pb(NamespaceSummary, n) for n in resp.namespaces)
 
     async def list_sessions(self, *, namespace: str | None = None, all_namespaces: bool = False
                             ) -> tuple[SessionSummary, ...]:
         """The sessions of one namespace, or of every namespace (all_namespaces: admin only)."""
         req = pb.ListSessionsRequest(namespace=self._ns(namespace), all_namespaces=all_namespaces)
-        resp = await self._call(self._stub.ListSessions(req))
+        resp = await self._call(self._stub.ListSessions, req)
         return tuple(convert.from_pb(SessionSummary, s) for s in resp.sessions)
 
     async def describe_blocks(self, *, session_id: str = "", key_prefixes: Sequence[str] = (),
@@ -193,7 +195,7 @@ class ControlClient:
             req = pb.DescribeBlocksRequest(namespace=self._ns(namespace), all_namespaces=all_namespaces,
                                            session_id=session_id, key_prefixes=prefixes[start : start + step],
                                            session_owner=session_owner)
-            reply.MergeFrom(await self._call(self._stub.DescribeBlocks(req)))
+            reply.MergeFrom(await self._call(self._stub.DescribeBlocks, req))
         return convert.from_pb(BlockDescription, reply)
 
     def _request_bound(self, n: int) -> int:
@@ -223,7 +225,7 @@ class ControlClient:
             mine = [n.blocks for n in st.namespaces if n.namespace == ns and not all_namespaces]
             return 0, sum(mine) if mine else sum(n.blocks for n in st.namespaces)
 
-        return convert.from_pb(EvictResult, await self._store_wide(lambda: self._stub.Evict(req), timeout_s, work))
+        return convert.from_pb(EvictResult, await self._store_wide(self._stub.Evict, req, timeout_s, work))
 
     async def forget_model(self, fingerprint: bytes, *, force: bool = False, timeout_s: float | None = None
                            ) -> ForgetResult:
@@ -242,7 +244,7 @@ class ControlClient:
             return 0, sum(mine) if mine else sum(n.blocks for n in st.namespaces)
 
         return convert.from_pb(ForgetResult,
-                               await self._store_wide(lambda: self._stub.ForgetModel(req), timeout_s, work))
+                               await self._store_wide(self._stub.ForgetModel, req, timeout_s, work))
 
     async def pin(self, fingerprint: bytes, keys: Sequence[bytes], *, unpin: bool = False,
                   namespace: str | None = None) -> int:
@@ -253,5 +255,5 @@ class ControlClient:
         for start in range(0, max(len(keys), 1), step):
             req = pb.PinRequest(namespace=self._ns(namespace), model_fingerprint=fingerprint,
                                 keys=keys[start : start + step], unpin=unpin)
-            changed += (await self._call(self._stub.Pin(req))).changed
+            changed += (await self._call(self._stub.Pin, req)).changed
         return changed

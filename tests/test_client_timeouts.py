@@ -26,9 +26,11 @@ import torch
 from engram import errors
 from engram.client import EngramClient, SyncEngramClient
 from engram.config import load_config
+from engram.control import ControlClient
 from engram.layout import KVLayout, LayerKind, LayerSpec, ModelSpec
 from engram.server import start_server
-from engram.wire import channel
+from engram.v1 import engram_pb2 as pb
+from engram.wire import channel, deadline
 
 from helpers import engram_daemon, random_kv, tiny_model, tokens
 
@@ -153,6 +155,34 @@ def test_a_client_holding_leases_closes_within_the_timeout_when_its_daemon_is_st
         with stopped(proc):
             results = failures({"close": client.close}, TIMEOUT_S + SLACK_S)
         assert results["close"][1] is None
+
+
+async def test_unary_and_control_calls_to_a_stopped_daemon_raise_deadline_exceeded_whichever_timer_ends_them(
+        tmp_path: Path) -> None:
+    """Unary calls carry the client's bound as their gRPC deadline now (so the daemon knows it), and gRPC's own
+    timer may end such a call before the client's: it fails gRPC's bare DEADLINE_EXCEEDED ("Deadline Exceeded"),
+    which deadline.answer let through as a grpc error, not the client's DeadlineExceeded naming timeout_s. Each
+    call here, to a stopped daemon, raises that DeadlineExceeded; the last is made with a gRPC deadline shorter
+    than the client's bound, so gRPC's timer ends it. The outer wait_for only keeps a hang from holding the test."""
+    with engram_daemon(tmp_path) as (address, proc):
+        async with EngramClient(address, namespace="t", timeout_s=TIMEOUT_S) as client, \
+                ControlClient(address, namespace="t", timeout_s=TIMEOUT_S) as control:
+            fp = await client.register_model(SPEC)
+            toks = tokens(32, seed=4)
+            await client.put(fp, toks, random_kv(SPEC, len(toks), seed=4))
+            assert (await control.stats()).namespaces
+            with stopped(proc):
+                calls = {"lookup": client.lookup(fp, toks), "register_model": client.register_model(SPEC),
+                         "release_leases": client.release_leases([1]), "stats": control.stats(),
+                         "list_namespaces": control.list_namespaces(), "describe_namespace": control.describe_namespace(),
+                         "list_sessions": control.list_sessions(),
+                         "gRPC's own deadline": deadline.answer(client._stub.Stats(pb.StatsRequest(), timeout=0.2),
+                                                                TIMEOUT_S, address)}
+                results = await asyncio.wait_for(asyncio.gather(*calls.values(), return_exceptions=True), 30)
+            for name, exc in zip(calls, results, strict=True):
+                assert isinstance(exc, errors.DeadlineExceeded), f"{name}: {exc!r}"
+                assert "timeout_s" in str(exc) and f"{TIMEOUT_S:g} s" in str(exc), f"{name}: {exc}"
+            assert (await client.lookup(fp, toks)).matched_tokens == len(toks)
 
 
 async def test_a_slow_daemon_that_keeps_sending_and_taking_is_waited_for_past_the_timeout(tmp_path: Path) -> None:

@@ -505,6 +505,42 @@ async def test_a_lookup_whose_fill_runs_to_its_callers_deadline_still_answers_wh
         await b_srv.stop(0)
 
 
+@pytest.mark.parametrize("call", ["lookup", "get_prefix"])
+async def test_an_engram_clients_lookup_and_load_whose_fill_waits_on_a_stopped_peer_answer_what_is_held_in_time(
+        redis_port: int, call: str) -> None:
+    """A (a real process) is stopped (SIGSTOP); B's fill has cluster.fill_timeout_s 60 s, and B's EngramClient waits
+    4 s (its timeout_s). A raw gRPC caller's deadline bounds B's fill (the test above), but EngramClient sent none
+    with its unary calls (its bound was its own, and a GetPrefix's gRPC deadline is its grant's, far past it): B
+    filled on for 60 s and the client gave up first, DeadlineExceeded, where B would have answered the block it
+    holds. The client's Lookup now carries its timeout_s as its gRPC deadline, and its GetPrefix says it
+    (GetPrefixRequest.answer_within_ms): each answers B's one block before the client gives up."""
+    b_srv = await daemon(redis_port, "b", **{"cluster.fetch_timeout_s": 60.0, "cluster.fill_timeout_s": 60.0})
+    try:
+        with daemon_process(redis_port, "a") as (a_address, a_proc):
+            spec = tiny_model()
+            async with EngramClient(a_address, namespace="ns", data_channel=False) as a, \
+                    EngramClient(b_srv.address, namespace="ns", data_channel=False, timeout_s=4.0) as b:
+                fp = await a.register_model(spec)
+                await b.register_model(spec)
+                await joined(a, b)
+                toks = tokens(8 * BLOCK_TOKENS, seed=15)
+                kv = random_kv(spec, len(toks), seed=15)
+                keys = list((await a.put(fp, toks, kv)).keys)
+                await until(lambda: _held_in_redis(redis_port, keys[-1]), "A's last block published")
+                await b.get(fp, keys[:1])  # B holds the first block, and its channel to A is open
+                os.kill(a_proc.pid, signal.SIGSTOP)
+                try:
+                    if call == "lookup":  # the outer bound only keeps a hang from holding the test
+                        assert (await asyncio.wait_for(b.lookup(fp, toks), 30)).matched_tokens == BLOCK_TOKENS
+                    else:
+                        n, got = await asyncio.wait_for(b.get_prefix(fp, toks), 30)
+                        assert n == BLOCK_TOKENS and torch.equal(got, kv[:, :, :BLOCK_TOKENS])
+                finally:
+                    os.kill(a_proc.pid, signal.SIGCONT)
+    finally:
+        await b_srv.stop(0)
+
+
 async def test_a_lookup_cancelled_by_its_client_stops_copying_its_prefix_from_peers(redis_port: int) -> None:
     """B's Lookups of 300-block prefixes only A holds (a fill copies one block a call, each after a Redis read of
     its holders), each cancelled by its client once B has copied a few of its blocks: B's Lookup ends there. A

@@ -373,7 +373,7 @@ async def test_a_put_on_a_daemon_without_a_shared_pool_falls_back_to_bytes(serve
         async with EngramClient(srv.address, namespace="t") as c2:
             await c2.register_model(spec)
             stub = c2._stub
-            await c2._call(stub.ReservePut(pb.ReservePutRequest(namespace="t", model_fingerprint=fp)))
+            await c2._call(stub.ReservePut, pb.ReservePutRequest(namespace="t", model_fingerprint=fp))
 
 
 async def test_under_tenancy_the_same_host_paths_are_off_unless_trusted(server_factory) -> None:  # type: ignore[no-untyped-def]

@@ -197,6 +197,16 @@ def _deadline_of(context: grpc.aio.ServicerContext) -> float | None:
     return None if left is None else asyncio.get_running_loop().time() + left
 
 
+def _sooner(deadline: float | None, answer_within_ms: int) -> float | None:
+    """`deadline` (the loop's time, None: none) or the wait the caller says, `answer_within_ms` from now (0: none),
+    the sooner: a data-channel Get has no deadline, and a GetPrefix's gRPC deadline is its lease's, past the time
+    its client waits (engram/client.py `_granting`)."""
+    if not answer_within_ms:
+        return deadline
+    waits = asyncio.get_running_loop().time() + answer_within_ms / 1000
+    return waits if deadline is None else min(deadline, waits)
+
+
 async def _cancel_lands() -> None:
     """Turns of the loop for a cancel that came while this handler ran without awaiting: grpc hears of its client's
     cancel (or deadline) in a task of its own, which cancels the handler's task from there, three turns after
@@ -528,9 +538,7 @@ class EngramService:
         while the daemon copied on to fill_timeout_s (session 54). client_gone: returns when the caller has gone
         (the data channel's client closed its connection; gRPC cancels the call itself), which ends the copying:
         ConnectionError."""
-        if req.answer_within_ms:
-            waits = asyncio.get_running_loop().time() + req.answer_within_ms / 1000
-            deadline = waits if deadline is None else min(deadline, waits)
+        deadline = _sooner(deadline, req.answer_within_ms)
         check_limit("Get keys", len(req.keys), self.config.max_blocks_per_request)
         check_limit("Get release_lease_ids", len(req.release_lease_ids), self.config.max_blocks_per_request)
         ns = namespace_for(None, req.namespace)
@@ -562,7 +570,9 @@ class EngramService:
         self.leases.release_known(ns, list(req.release_lease_ids), self._tenant(context))  # expired ones: ended
         tokens = convert.tokens_from_pb(req.tokens)
         self.check_model(req.model_fingerprint)
-        walk, refs, _ = await self._walk(ns, req.model_fingerprint, tokens, use=None, deadline=_deadline_of(context))
+        # Its copying from peers ends in time for the answer its client waits for (GetPrefixRequest.answer_within_ms)
+        deadline = _sooner(_deadline_of(context), req.answer_within_ms)
+        walk, refs, _ = await self._walk(ns, req.model_fingerprint, tokens, use=None, deadline=deadline)
         try:
             return await self._prefix_answer(req, ns, tokens, walk, refs, context)
         finally:

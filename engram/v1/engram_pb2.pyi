@@ -280,7 +280,7 @@ class GetResponse(_message.Message):
     def __init__(self, chunk: _Optional[_Union[BlockChunk, _Mapping]] = ..., descriptor: _Optional[_Union[BlockDescriptor, _Mapping]] = ...) -> None: ...
 
 class GetPrefixRequest(_message.Message):
-    __slots__ = ("namespace", "model_fingerprint", "tokens", "zero_copy", "cuda_ipc", "release_lease_ids", "hold_for_get")
+    __slots__ = ("namespace", "model_fingerprint", "tokens", "zero_copy", "cuda_ipc", "release_lease_ids", "hold_for_get", "answer_within_ms")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +288,7 @@ class GetPrefixRequest(_message.Message):
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     RELEASE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     HOLD_FOR_GET_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_WITHIN_MS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     model_fingerprint: bytes
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -295,7 +296,8 @@ class GetPrefixRequest(_message.Message):
     cuda_ipc: bool
     release_lease_ids: _containers.RepeatedScalarFieldContainer[int]
     hold_for_get: bool
-    def __init__(self, namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., tokens: _Optional[_Iterable[int]] = ..., zero_copy: _Optional[bool] = ..., cuda_ipc: _Optional[bool] = ..., release_lease_ids: _Optional[_Iterable[int]] = ..., hold_for_get: _Optional[bool] = ...) -> None: ...
+    answer_within_ms: int
+    def __init__(self, namespace: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., tokens: _Optional[_Iterable[int]] = ..., zero_copy: _Optional[bool] = ..., cuda_ipc: _Optional[bool] = ..., release_lease_ids: _Optional[_Iterable[int]] = ..., hold_for_get: _Optional[bool] = ..., answer_within_ms: _Optional[int] = ...) -> None: ...
 
 class PrefixHeader(_message.Message):
     __slots__ = ("matched_tokens", "blocks", "lease_id", "lease_expires_in_s", "descriptors")

@@ -9,6 +9,12 @@ could be set). The bound takes two shapes:
   timeout_s. Its answer is small; what the daemon does before it is bounded too, and the two calls that move KV
   first (a GetPrefix bringing a 4 GiB, 32K-token raw prefix up from NVMe; a write-through CommitPut) get their
   bytes' time at WORK_BYTES_PER_S more, and a CommitPut its blocks' at WORK_BLOCKS_PER_S (many small ones).
+  The bound is the call's gRPC deadline too (`unary`), so the daemon knows it: a Lookup's copying from the
+  cluster's peers ends in time to answer what is held (server/peers.py `_bound`). Bounded on the client's side
+  alone, the daemon filled on to cluster.fill_timeout_s (20 s) and a client of a shorter timeout_s gave up
+  first, DeadlineExceeded where the daemon would have answered a shorter match (session 54). The calls that
+  grant what only their answer names keep a longer gRPC deadline (engram/client.py `_granting`); a GetPrefix
+  says its client's wait in its request instead (GetPrefixRequest.answer_within_ms).
 - The admin calls whose work is the store's (Check reads every stored copy; Evict and ForgetModel remove one
   file after another) take minutes on a large store, and answer only then. Their client asks Stats first (which
   also finds a hung daemon within timeout_s) and gives them the time of the part of the store they go through:
@@ -34,8 +40,10 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
+
+import grpc
 
 from engram import errors
 
@@ -57,6 +65,9 @@ WORK_BLOCKS_PER_S = 200
 
 
 WHERE = ("EngramClient(timeout_s=...), or 'timeout_s' in the vLLM connector's kv_connector_extra_config")
+
+# What gRPC's client says when a call's own deadline passes (grpc 1.85); a daemon's DEADLINE_EXCEEDED says why
+GRPC_EXPIRED = "Deadline Exceeded"
 
 
 def checked(timeout_s: float) -> float:
@@ -82,13 +93,27 @@ def work_s(nbytes: int = 0, blocks: int = 0) -> float:
     return max(0, nbytes) / WORK_BYTES_PER_S + max(0, blocks) / WORK_BLOCKS_PER_S
 
 
+async def unary(method: Callable[..., Any], request: Any, timeout_s: float, address: str, work_bytes: int = 0,
+                work_blocks: int = 0) -> Any:
+    """`method(request)`'s answer, the call made with its bound (`answer`'s) as its gRPC deadline: the daemon
+    learns how long its caller waits, and its copying from peers ends in time to answer (server/peers.py)."""
+    call = method(request, timeout=timeout_s + work_s(work_bytes, work_blocks))
+    return await answer(call, timeout_s, address, work_bytes, work_blocks)
+
+
 async def answer(call: Any, timeout_s: float, address: str, work_bytes: int = 0, work_blocks: int = 0) -> Any:
     """A unary call's answer, awaited at most timeout_s, and the time the daemon's work before it answers takes
-    (`work_bytes` of KV, `work_blocks` blocks: work_s); the call is cancelled when it does not come."""
+    (`work_bytes` of KV, `work_blocks` blocks: work_s); the call is cancelled when it does not come. A call made
+    with that bound as its gRPC deadline (`unary`) may end by gRPC's timer first: the same DeadlineExceeded."""
     more = work_s(work_bytes, work_blocks)
     what = (f"answer (given {more:.3g} s more for the {work_bytes} bytes, {work_blocks} blocks of KV it goes "
             "through first)") if more else "answer"
-    return await _within(call, asyncio.timeout(timeout_s + more), timeout_s, address, what)
+    try:
+        return await _within(call, asyncio.timeout(timeout_s + more), timeout_s, address, what)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED or exc.details() != GRPC_EXPIRED:
+            raise
+        raise expired(address, what, timeout_s) from None
 
 
 async def _within(call: Any, bound: asyncio.Timeout, timeout_s: float, address: str, what: str) -> Any:
