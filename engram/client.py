@@ -731,16 +731,23 @@ class EngramClient(ControlClient):
         already did (this channel retired), the request goes on on the channel that call found: Put and Get are
         both idempotent. The request is `request(channel)`, made again for each channel it goes on: a Put's part
         is sized by that channel's limit (a part made for the old one could exceed the new one's and be
-        refused). A daemon that stops taking or sending bytes for timeout_s (wire.Stalled) is not tried again:
-        DeadlineExceeded."""
+        refused), and made again when a new connection of the channel is told a limit the request exceeds
+        (wire.LimitChanged: the daemon came back on the same address taking less, and no other call had asked for
+        the endpoint again). A daemon that stops taking or sending bytes for timeout_s (wire.Stalled) is not tried
+        again: DeadlineExceeded."""
         retried = refreshed = False
-        made_for: DataChannel | None = None
+        made_for: tuple[DataChannel, int] | None = None  # the channel and limit the request was made for
         while True:
-            if made_for is not data:
+            if made_for != (data, data.max_request_bytes):
                 meta, body = request(data)
-                made_for = data
+                made_for = (data, data.max_request_bytes)
             try:
                 return await data.exchange(kind, meta, body, answer)
+            except wire.LimitChanged:
+                if made_for == (data, data.max_request_bytes):  # made for that limit already: not split further
+                    raise errors.ResourceExhausted(f"a data-channel request exceeds the daemon's limit of "
+                                                   f"{data.max_request_bytes} bytes") from None
+                continue
             except wire.Refused as refused:
                 refusal = refused.error
                 break
@@ -806,7 +813,7 @@ class EngramClient(ControlClient):
             the daemon's server.max_blocks_per_request allow. That channel's daemon (restarted) may take less than
             the one before: a part sized by the old limit was refused."""
             nonlocal end, fits
-            limit = channel.endpoint.max_request_bytes or 1 << 62
+            limit = channel.max_request_bytes or 1 << 62
             if limit != fits:
                 if any(h.payload_nbytes > limit for h, _ in blocks[start:]):  # one refused whole: gRPC chunks it
                     raise wire.ChannelFull(f"a block exceeds the data channel's request limit of {limit} bytes")

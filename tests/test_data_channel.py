@@ -781,8 +781,9 @@ def blocking_conn(srv, root_cert: bytes | None = None) -> socket.socket:  # type
 
         sock = ssl.create_default_context(cadata=root_cert.decode()).wrap_socket(sock, server_hostname="localhost")
     sock.sendall(wire.FRAME.pack(wire.HELLO, 0, 0))
-    kind, _, _ = wire.FRAME.unpack(recv_exact(sock, wire.FRAME.size))
+    kind, meta_len, _ = wire.FRAME.unpack(recv_exact(sock, wire.FRAME.size))
     assert kind == wire.HELLO_OK
+    recv_exact(sock, meta_len)  # the daemon's request limit
     return sock
 
 
@@ -1413,3 +1414,35 @@ async def test_close_cuts_a_chained_puts_next_part_running_on_the_retired_channe
     with pytest.raises(errors.ClientClosed):
         await putting
     await until(lambda: not port._conns, "the daemon seeing every data connection of the closed client end")
+
+
+@pytest.mark.parametrize("transport", ["tcp"])
+async def test_a_chained_puts_part_retried_on_a_daemon_back_on_its_port_with_a_smaller_limit_is_sized_again(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """The daemon restarts on the same data port with a smaller server.data_max_request_bytes (one block a Put, from
+    two) while a chained put's first part is on its way, and no other call of the client finds out. The part's
+    connection breaks; its retry dialled the same address, which answers again, and sent the part sized by the limit
+    the channel was told at DataEndpoint: the daemon refused it (ResourceExhausted: a Put of two blocks' bytes
+    exceeds the server's limit), the chain half stored. The daemon now says its limit in its answer to each
+    connection's HELLO, and a request over the limit a new connection was told is made again for it before it is
+    sent: every block is stored, a block a Put, nothing refused, and no endpoint asked for again."""
+    spec, block, srv, port, toks, small, kv = await chain_rig(server_factory, 4, 15, {"server.metrics_port": -1})
+
+    async with EngramClient(srv.address, namespace=NS, zero_copy=False) as c:
+        fp = await c.register_model(spec)
+        await c.put(fp, small, random_kv(spec, len(small), seed=16))
+        old = c._data
+        first_part = FirstPartHeld(port, breaks=True)
+        putting = asyncio.create_task(c.put(fp, toks, kv))
+        await first_part.entered.wait()
+        data_port, listener = port.tcp_port, port._listeners[0]
+        port._accepting[0].cancel()
+        listener.close()  # the restart's gap
+        port.config = dataclasses.replace(port.config, data_max_request_bytes=block)  # announced and enforced
+        await port.start_tcp("127.0.0.1", data_port, None)  # back, on the same port
+        first_part.go.set()
+        put = await putting
+        assert (put.stored, put.deduplicated) == (4, 0)
+        assert served(srv)["refused"] == 0 and served(srv)["put"] == 1 + 4  # the small put, then a block a Put
+        assert c._data is old and rpcs_answered(srv, "DataEndpoint") == 1
+        n, got = await c.get_prefix(fp, toks)
+        assert n == len(toks) and torch.equal(got, kv)

@@ -480,7 +480,9 @@ class DataPort:
             return None
         _principal.set(principal)  # this connection's task: the service's namespace checks read it
         try:
-            await conn.send_frame(wire.HELLO_OK)
+            # Its limit said at every connection: a client whose daemon came back on the same address (a restart)
+            # sizes its requests by it, where one sized by the limit DataEndpoint told before was refused
+            await conn.send_frame(wire.HELLO_OK, wire.LIMIT.pack(self.max_request_bytes))
         except BaseException:
             self._greeted -= 1
             if self.tenancy is not None:

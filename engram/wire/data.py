@@ -10,7 +10,8 @@ gRPC; a Python client uses this channel when the daemon announces one (DataEndpo
 Framing: every message is a 16-byte frame header `<B3xIQ` (kind, meta length,
 body length), then `meta` (a protobuf message, or for an error a 4-byte status code and a UTF-8 message), then
 `body` (payload bytes). A connection opens with HELLO (meta: the bearer token, possibly empty), answered
-HELLO_OK or ERROR. Then requests one at a time:
+HELLO_OK (meta: the daemon's server.data_max_request_bytes as LIMIT, `<Q`; empty from a daemon before session 54)
+or ERROR. Then requests one at a time:
 - PUT: meta DataPut (PutHeader + the blocks' BlockHeaders), body the payloads back to back; answered PUT_OK
   (meta PutResponse) or ERROR. The daemon reads the whole body even when it refuses, so the connection stays
   usable. With DataPut.progress_every_ms the daemon sends empty PROGRESS frames before the answer, one whenever
@@ -52,6 +53,7 @@ from engram.wire import status
 
 FRAME = struct.Struct("<B3xIQ")
 CODE = struct.Struct("<I")
+LIMIT = struct.Struct("<Q")  # HELLO_OK's meta: the payload bytes one request may carry on this connection
 
 HELLO, PUT, GET = 1, 2, 3
 HELLO_OK, PUT_OK, BLOCK, END, PROGRESS, ERROR = 0x81, 0x82, 0x83, 0x84, 0x85, 0xFF
@@ -489,6 +491,12 @@ def error_of(meta: bytes | bytearray) -> errors.EngramError:
     return status.domain_error(cls or errors.Unavailable, message or f"status {code}")
 
 
+class LimitChanged(Exception):
+    """The daemon told a new connection a request limit the request at hand exceeds (it restarted on the same
+    address with a smaller server.data_max_request_bytes): nothing was sent; make the request again for the channel's
+    `max_request_bytes`, which is that limit now."""
+
+
 class ChannelFull(errors.ResourceExhausted):
     """The daemon's data channel already has server.max_concurrent_rpcs connections open and refused another;
     the same call over gRPC may still be taken (the client falls back to it)."""
@@ -524,6 +532,9 @@ class DataChannel:
         if endpoint.tls:
             self._ssl = ssl.create_default_context(cadata=root_cert.decode() if root_cert else None)
         self._server_name = server_name or endpoint.host
+        # The most payload bytes a request may carry: the endpoint's, then what the daemon said at each new
+        # connection's HELLO (a daemon back on the same address after a restart may take less, or more); 0: unbounded
+        self.max_request_bytes = endpoint.max_request_bytes
         self._idle: list[Conn] = []
         self._busy: set[asyncio.Task[Any]] = set()  # the tasks of the requests in flight
         self._cut: set[asyncio.Task[Any]] = set()  # of those, cancelled by aclose
@@ -576,6 +587,8 @@ class DataChannel:
                 raise ChannelFull(str(refusal)) if isinstance(refusal, errors.ResourceExhausted) else refusal
             if kind != HELLO_OK or body:
                 raise errors.DataLoss(f"data channel: expected HELLO_OK, got frame kind {kind:#x}")
+            if len(meta) >= LIMIT.size:  # a daemon from before says none: the endpoint's stays
+                (self.max_request_bytes,) = LIMIT.unpack_from(meta)
         except BaseException:
             conn.close()
             raise
@@ -595,7 +608,8 @@ class DataChannel:
                        answer: Callable[[Conn], Awaitable[T]]) -> T:
         """Send one request on an idle (or new) connection and read its answer with `answer(conn)`; the connection
         goes back to the pool once answered, and is closed on any failure (Refused too). ClientClosed if the
-        channel is closed before or while it runs (aclose, from another task)."""
+        channel is closed before or while it runs (aclose, from another task). LimitChanged, nothing sent, where
+        the request's payload exceeds the limit a new connection was just told (the connection is pooled)."""
         if self._closed:
             raise errors.ClientClosed("the data channel is closed")
         task = asyncio.current_task()
@@ -604,6 +618,11 @@ class DataChannel:
         conn: Conn | None = None
         try:
             conn = self._pooled() or await self._dial()
+            if self.max_request_bytes and sum(memoryview(b).nbytes for b in body) > self.max_request_bytes:
+                if not self._retired:
+                    self._idle.append(conn)  # unused: still framed
+                    conn = None
+                raise LimitChanged(f"the daemon takes {self.max_request_bytes} payload bytes a request now")
             await conn.send_frame(kind, meta, *body)
             result = await answer(conn)
         except BaseException as exc:
