@@ -1446,3 +1446,61 @@ async def test_a_chained_puts_part_retried_on_a_daemon_back_on_its_port_with_a_s
         assert c._data is old and rpcs_answered(srv, "DataEndpoint") == 1
         n, got = await c.get_prefix(fp, toks)
         assert n == len(toks) and torch.equal(got, kv)
+
+
+async def test_a_call_cut_while_close_waits_on_a_tls_connections_close_opens_no_data_channel(tmp_path: Path) -> None:
+    """close() waits for each idle TLS connection of the data channel to finish closing. A Get in flight on the same
+    channel meanwhile could, were it to fail Unavailable and not be cut, ask for the endpoint again and open a channel
+    close() never reaches (a session 53 suspicion). It is cut before close() waits: the Get raises ClientClosed while
+    the TLS close is held, no endpoint is asked for again, the client keeps the channel it closes, and the daemon sees
+    every data connection end. A guard: this held before session 54 too."""
+    cert, key = self_signed_cert(tmp_path)
+    srv = await start_server(load_config(env={}, overrides={
+        "server.port": 0, "tiers.dram.capacity": "64MiB", "server.metrics_port": -1,
+        "server.tls_cert": str(cert), "server.tls_key": str(key)}))
+    port = srv.service.dataport
+    assert port is not None
+    answer, release, held_conns = port._get, asyncio.Event(), []
+
+    async def held(conn, meta):  # type: ignore[no-untyped-def]
+        if not held_conns:
+            held_conns.append(conn)
+        if conn is held_conns[0]:
+            await release.wait()
+        await answer(conn, meta)
+
+    try:
+        spec = tiny_model()
+        toks = tokens(32, seed=19)
+        c = EngramClient(srv.address, namespace=NS, root_cert=cert.read_bytes(), zero_copy=False)
+        fp = await c.register_model(spec)
+        keys = list((await c.put(fp, toks, random_kv(spec, len(toks), seed=19))).keys)
+        data = c._data
+        assert data is not None and len(data._idle) == 1
+        port._get = held  # type: ignore[method-assign]
+        cut = asyncio.create_task(c.get(fp, keys))  # on the idle connection, its answer held
+        await until(lambda: held_conns, "the daemon holding the first Get's answer")
+        await c.get(fp, keys)  # a second connection, idle after it
+        assert len(data._idle) == 1
+        idle = data._idle[0]
+        tls_close, closing, go = idle.aclose, asyncio.Event(), asyncio.Event()
+
+        async def held_close() -> None:
+            closing.set()
+            await go.wait()
+            await tls_close()
+
+        idle.aclose = held_close  # type: ignore[method-assign]
+        closer = asyncio.create_task(c.close())
+        await closing.wait()  # close() waits on the TLS connection's close
+        await asyncio.wait([cut])
+        with pytest.raises(errors.ClientClosed):
+            cut.result()
+        assert c._data is data and rpcs_answered(srv, "DataEndpoint") == 1
+        go.set()
+        await closer
+        release.set()
+        await until(lambda: not port._conns, "the daemon seeing every data connection of the closed client end")
+    finally:
+        release.set()
+        await srv.stop(0)
