@@ -269,12 +269,14 @@ class ReturnModel:
         n = max(16, self._count())
         r = 0.005 ** (since / n)
         w = self.weights
-        orders = range(3 if self.hinted else 2)
-        for e in orders:
+        orders = 3 if self.hinted else 2  # (loops over range(orders), a sum as a loop: compiled, no objects made)
+        for e in range(orders):
             if chosen & (1 << e):
                 w[e] *= math.exp(-LEARNING_RATE * r)
-        total = sum(w[e] for e in orders)
-        for e in orders:
+        total = 0.0
+        for e in range(orders):
+            total += w[e]
+        for e in range(orders):
             w[e] = min(0.99, max(0.01, w[e] / total))
 
     def hint_seen(self) -> None:
@@ -311,7 +313,8 @@ class ReturnModel:
             self._gone(cls)
             self._remember(key, uses)
         if self.evidence >= self.min_evidence:
-            self.density = densities(np.array(self.hits), np.array(self.gone)).tolist()
+            self.density = densities(np.array(self.hits, dtype=np.float64), np.array(self.gone, dtype=np.float64)
+                                     ).tolist()  # (the dtype named: not discovered element by element)
         self.hits = [[h / 2 for h in row] for row in self.hits]
         self.gone = [[g / 2 for g in row] for row in self.gone]
         self.recomputed += 1

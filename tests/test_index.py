@@ -4,6 +4,9 @@ eviction relies on. Blocks are BlockMeta built from real chain keys; no store, n
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import time
 from typing import Any
 
 import numpy as np
@@ -64,6 +67,29 @@ def index_of(*metas: BlockMeta) -> ChainIndex:
 
 
 # ---- full blocks -------------------------------------------------------------------------------------------
+
+
+def test_block_meta_takes_every_field_in_order_with_its_default() -> None:
+    """BlockMeta's __init__ is written out (compiled, the generated one set each field the slow way): it must take
+    every field, in the fields' order, with the same defaults (a field added without it would stay unset, or an
+    old default would go on being used); the time it was made is the default creation time."""
+    params = list(inspect.signature(BlockMeta.__init__).parameters.values())[1:]
+    fields = dataclasses.fields(BlockMeta)
+    assert [p.name for p in params] == [f.name for f in fields]
+    for p, f in zip(params, fields, strict=True):
+        if f.default is not dataclasses.MISSING:
+            assert p.default == f.default, f.name
+        elif f.default_factory is not dataclasses.MISSING:
+            assert p.default is None, f.name  # None: made by the factory
+        else:
+            assert p.default is inspect.Parameter.empty, f.name
+    m = meta("ns", root_key("ns", FP), toks(BT))
+    for f in fields:
+        if f.default is not dataclasses.MISSING:
+            assert getattr(m, f.name) == f.default, f.name
+    assert abs(m.created - time.time()) < 60
+    again = dataclasses.replace(m, pins=2)
+    assert (again.pins, again.created, again.key) == (2, m.created, m.key)
 
 
 def test_full_blocks_match_in_chain_order() -> None:

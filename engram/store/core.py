@@ -482,7 +482,7 @@ class BlockStore:
                     continue  # damaged since it was verified, and dropped: this put stores its own bytes anew
             self.counters.blocks_deduplicated += 1
             self.counters.of(namespace).blocks_deduplicated += 1
-            return PutOutcome(key, stored=False, durable=ok)
+            return PutOutcome(key, False, ok)  # (positional: keywords cost a dict per put)
 
         self._check_parent_stayed(namespace, parent, pmeta, index)  # the awaits above let it be evicted
         meta = BlockMeta(
@@ -537,7 +537,7 @@ class BlockStore:
             self.flusher.note(meta, now=not ok)  # write-back's window; or write-through degraded: at once
         if meta.full and self.index.has_partial_children(namespace, parent):
             await self._drop_superseded_partials(meta)
-        return PutOutcome(key, stored=True, durable=ok)
+        return PutOutcome(key, True, ok)
 
     def _check_parent_stayed(self, namespace: str, parent: bytes, pmeta: BlockMeta | None, index: int) -> None:
         """The parent checked before a put's awaits is still the stored one: a child published under a parent
