@@ -372,9 +372,10 @@ class _Members:
         return len(self.items)
 
     def add(self, meta: BlockMeta) -> None:
-        if id(meta) not in self.pos:
-            self.pos[id(meta)] = len(self.items)
-            self.items.append(meta)
+        items = self.items
+        n = len(items)
+        if self.pos.setdefault(id(meta), n) == n:  # one probe (a member's place is below n): not a member yet
+            items.append(meta)
 
     def remove_at(self, i: int) -> None:
         meta = self.items[i]
