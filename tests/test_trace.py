@@ -377,6 +377,43 @@ def test_a_replay_freezes_survivors_as_the_daemon_does_and_leaves_nothing_frozen
     assert gc.get_freeze_count() == 0
 
 
+def test_a_replay_runs_no_automatic_collection_and_turns_the_collector_back_on_after(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # During an engram run CPython's own collections are off (the run's collector schedule collects the young
+    # generations every second: what the replay spent in collections every 700 allocations, it does not), and on
+    # again afterwards, also when the run fails. The same decisions: the pinned counts.
+    from engram.trace import replay as replay_module
+
+    trace = agent_trace(sessions=30, turns=6, seed=5)
+    automatic: list[int] = []
+    running: list[bool] = []
+    run = replay_module._engram_fast
+
+    async def watched(*args: Any, **kwargs: Any) -> Any:
+        running.append(True)
+        try:
+            return await run(*args, **kwargs)
+        finally:
+            running.pop()
+
+    def seen(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 0 and running:  # the schedule's own are collect(1)
+            automatic.append(1)
+
+    monkeypatch.setattr(replay_module, "_engram_fast", watched)
+
+    gc.callbacks.append(seen)
+    try:
+        assert [r.hit_blocks for r in _engram(trace, [16, 128])] == [2072, 4168]
+    finally:
+        gc.callbacks.remove(seen)
+    assert not automatic
+    assert gc.isenabled()
+    with pytest.raises(InvalidArgument):
+        replay_all(trace, [], 64, policies=("engram",), tiers=[TierSpec("tape", 1 << 20)])
+    assert gc.isenabled()
+
+
 def _small_workload(seed: int = 2) -> list[Request]:
     return agent_workload(sessions=4, seed=seed, system_blocks=8, tool_blocks=4, repo_blocks=6, turns=(4, 8),
                           tool_result_blocks=(1, 4), subagent_p=0.3)

@@ -198,7 +198,8 @@ class _Run:
         # The daemon's garbage-collector schedule (engram/collector.py), stepped after each request: every second
         # the young generations are collected and what survived is frozen, so collections do not walk the whole
         # index again and again (with CPython's default thresholds they took 5-8% of a compiled replay at 1,000
-        # blocks, 3-3.5% frozen). replay_all unfreezes after the run.
+        # blocks, 3-3.5% frozen). replay_all unfreezes after the run; it turns CPython's own collections off
+        # during the run, so these are the only ones.
         self.collector = CollectorSchedule()
 
     def session(self, r: Request, tokens: np.ndarray | None) -> Session | None:
@@ -465,6 +466,12 @@ def replay_all(trace: Sequence[Request], capacities: Sequence[int] = (), block_b
         # every copy, and on a busy 2-core machine a 57 KB copy took a millisecond instead of microseconds.
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
+        # No automatic collections during the run: its collector schedule (_Run.collector) collects the young
+        # generations every second, so cyclic garbage stays bounded by a second's worth, and the collections
+        # CPython would run every 700 allocations besides (2.6% of a compiled run, each miss allocating a dozen
+        # objects) are not run. No decision depends on when garbage is collected.
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             with tempfile.TemporaryDirectory(prefix="engram-trace-") as tmp:
                 nvme = Path(tmp) if nvme_files else None
@@ -474,6 +481,8 @@ def replay_all(trace: Sequence[Request], capacities: Sequence[int] = (), block_b
                 return asyncio.run(_engram_verbs(dense, specs, layout, nvme, progress, hints, prefetch_lead_ms))
         finally:
             torch.set_num_threads(threads)
+            if collecting:
+                gc.enable()
             if not _IN_WORKER:  # what the run's collector froze is the collector's again (a forked worker
                 gc.unfreeze()  # keeps what it inherited frozen: _in_processes says why)
 
