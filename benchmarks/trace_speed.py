@@ -8,7 +8,8 @@ Timed twice: the whole replay_all call (with the trace's ids made global and its
 the run alone (PolicyResult.seconds: the replay through the store). Prints whether the store's modules run compiled
 (engram/compiled.py). Blocks weigh 64 x 890 bytes (64 tokens of an FP4 global KV; the engram run's capacity is in
 blocks, so the size changes no decision). --policy lru or belady times the replayer's plain simulators instead.
-Prints the process's peak resident memory (the trace included). Run: .venv/bin/python benchmarks/trace_speed.py
+Prints the process's peak resident memory (the trace included), and each call's CPU time (this process's: on a
+machine other jobs load, it moves less than the wall time does). Run: .venv/bin/python benchmarks/trace_speed.py
 [--workload] [--sessions N] [--capacity 32,256,4096] [--policy engram] [--profile] [--json]"""
 
 from __future__ import annotations
@@ -51,11 +52,11 @@ def main() -> None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(20)
     rows = []
     for cap in caps:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         r = replay_all(trace, [cap], 64 * 890, policies=(args.policy,))[0]
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         rows.append({"capacity": cap, "requests": len(trace), "accesses": accesses, "hit_blocks": r.hit_blocks,
-                     "seconds": round(dt, 3), "accesses_per_s": round(accesses / dt),
+                     "seconds": round(dt, 3), "accesses_per_s": round(accesses / dt), "cpu_seconds": round(cpu, 3),
                      "replay_seconds": round(r.seconds, 3), "replay_accesses_per_s": round(accesses / r.seconds)})
     from engram import compiled
 
@@ -69,7 +70,8 @@ def main() -> None:
     for row in rows:
         print(f"{row['capacity']:>6} blocks: {row['requests']} requests, {row['accesses']} accesses, "
               f"{row['hit_blocks']} hits, {row['seconds']:.2f} s, {row['accesses_per_s']:,} accesses/s; the run "
-              f"alone {row['replay_seconds']:.2f} s, {row['replay_accesses_per_s']:,}/s")
+              f"alone {row['replay_seconds']:.2f} s, {row['replay_accesses_per_s']:,}/s; the call's CPU time "
+              f"{row['cpu_seconds']:.2f} s")
 
 
 if __name__ == "__main__":
