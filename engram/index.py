@@ -249,7 +249,8 @@ class _Children:
 
     def remove(self, key: bytes) -> None:
         meta = self.by_key.pop(key, None)
-        self.partials.pop(key, None)
+        if self.partials:  # (most parents have none: no probe)
+            self.partials.pop(key, None)
         if meta is None or self.trie is None:
             return
         path: list[tuple[_Node, int]] = []  # (node, the token leading out of it) down to the child
