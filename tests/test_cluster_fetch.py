@@ -95,8 +95,6 @@ def data_gets(srv: RunningServer, code: str) -> float:
     return srv.metrics.registry.get_sample_value("engram_data_requests_total", {"op": "get", "code": code}) or 0.0
 
 
-
-
 async def joined(*clients: EngramClient) -> None:
     async def ok() -> bool:
         return all([(await c.stats()).cluster.live_nodes == len(clients) for c in clients])
@@ -406,33 +404,56 @@ async def test_a_peer_fetch_stops_when_the_data_channel_client_goes(redis_port: 
         await b_srv.stop(0)
 
 
+class StoppedHolder:
+    """B (this process) beside A (a real process), joined: an 8-block chain put through A, its last block published
+    in Redis, B holding the first block with its channel to A open (a new one would fail to connect at once); A is
+    then stopped (SIGSTOP) until the rig ends. b: B's client; fp, toks, kv, keys: the chain."""
+
+    srv: RunningServer
+    b: EngramClient
+    fp: bytes
+    toks: Any
+    kv: torch.Tensor
+    keys: list[bytes]
+
+
+@contextlib.asynccontextmanager
+async def a_stopped_holding_a_chain(redis_port: int, seed: int, b_sets: dict[str, Any],
+                                    **b_client: Any) -> AsyncIterator[StoppedHolder]:
+    rig = StoppedHolder()
+    rig.srv = await daemon(redis_port, "b", **b_sets)
+    try:
+        with daemon_process(redis_port, "a") as (a_address, a_proc):
+            spec = tiny_model()
+            async with EngramClient(a_address, namespace="ns", data_channel=False) as a, \
+                    EngramClient(rig.srv.address, namespace="ns", **{"data_channel": False, **b_client}) as b:
+                rig.b, rig.fp = b, await a.register_model(spec)
+                await b.register_model(spec)
+                await joined(a, b)
+                rig.toks = tokens(8 * BLOCK_TOKENS, seed=seed)
+                rig.kv = random_kv(spec, len(rig.toks), seed=seed)
+                rig.keys = list((await a.put(rig.fp, rig.toks, rig.kv)).keys)
+                await until(lambda: _held_in_redis(redis_port, rig.keys[-1]), "A's last block published")
+                await b.get(rig.fp, rig.keys[:1])  # B holds the first block, and its channel to A is open
+                os.kill(a_proc.pid, signal.SIGSTOP)
+                try:
+                    yield rig
+                finally:
+                    os.kill(a_proc.pid, signal.SIGCONT)
+    finally:
+        await rig.srv.stop(0)
+
+
 async def test_a_fill_from_a_stopped_peer_ends_at_its_overall_bound_not_each_blocks(redis_port: int) -> None:
     """A (a real process) is stopped (SIGSTOP) with each block given cluster.fetch_timeout_s = 60 s: B's Get of A's
     chain waited a minute a block, up to cluster.max_fetch_blocks of them, its client cut by its own stall bound
     (10 s here) without a word of why. The copying has one bound in all, cluster.fill_timeout_s (1 s here): the Get
     is DEADLINE_EXCEEDED saying so, and a Lookup answers what B holds."""
-    b_srv = await daemon(redis_port, "b", **{"cluster.fetch_timeout_s": 60.0, "cluster.fill_timeout_s": 1.0})
-    try:
-        with daemon_process(redis_port, "a") as (a_address, a_proc):
-            spec = tiny_model()
-            async with EngramClient(a_address, namespace="ns", data_channel=False) as a, \
-                    EngramClient(b_srv.address, namespace="ns", data_channel=False, timeout_s=10.0) as b:
-                fp = await a.register_model(spec)
-                await b.register_model(spec)
-                await joined(a, b)
-                toks = tokens(8 * BLOCK_TOKENS, seed=12)
-                keys = list((await a.put(fp, toks, random_kv(spec, len(toks), seed=12))).keys)
-                await until(lambda: _held_in_redis(redis_port, keys[-1]), "A's last block published")
-                await b.get(fp, keys[:1])  # B's channel to A is open (a new one would fail to connect at once)
-                os.kill(a_proc.pid, signal.SIGSTOP)
-                try:
-                    with pytest.raises(errors.DeadlineExceeded, match=r"cluster\.fill_timeout_s \(1 s\)"):
-                        await b.get(fp, keys)
-                    assert (await b.lookup(fp, toks)).matched_tokens == BLOCK_TOKENS  # the block B holds
-                finally:
-                    os.kill(a_proc.pid, signal.SIGCONT)
-    finally:
-        await b_srv.stop(0)
+    async with a_stopped_holding_a_chain(redis_port, 12, {"cluster.fetch_timeout_s": 60.0,
+                                                          "cluster.fill_timeout_s": 1.0}, timeout_s=10.0) as rig:
+        with pytest.raises(errors.DeadlineExceeded, match=r"cluster\.fill_timeout_s \(1 s\)"):
+            await rig.b.get(rig.fp, rig.keys)
+        assert (await rig.b.lookup(rig.fp, rig.toks)).matched_tokens == BLOCK_TOKENS  # the block B holds
 
 
 @pytest.mark.parametrize("data_channel", [True, False], ids=["data_channel", "grpc"])
@@ -444,33 +465,15 @@ async def test_a_gets_fill_from_a_stopped_peer_ends_before_its_client_gives_up_a
     daemon seemed hung ("did not go on with the data channel's bytes"). The client now says how long it waits
     (GetRequest.answer_within_ms), and B ends its copying in time to answer DEADLINE_EXCEEDED saying why; the
     client goes on using the same channel."""
-    b_srv = await daemon(redis_port, "b", **{"server.data_channel": True, "cluster.fetch_timeout_s": 60.0,
-                                             "cluster.fill_timeout_s": 60.0})
-    try:
-        with daemon_process(redis_port, "a") as (a_address, a_proc):
-            spec = tiny_model()
-            async with EngramClient(a_address, namespace="ns", data_channel=False) as a, \
-                    EngramClient(b_srv.address, namespace="ns", data_channel=data_channel, zero_copy=False,
-                                 timeout_s=4.0) as b:
-                fp = await a.register_model(spec)
-                await b.register_model(spec)
-                await joined(a, b)
-                toks = tokens(8 * BLOCK_TOKENS, seed=18)
-                keys = list((await a.put(fp, toks, random_kv(spec, len(toks), seed=18))).keys)
-                await until(lambda: _held_in_redis(redis_port, keys[-1]), "A's last block published")
-                await b.get(fp, keys[:1])  # B's channel to A is open (a new one would fail to connect at once)
-                os.kill(a_proc.pid, signal.SIGSTOP)
-                try:
-                    with pytest.raises(errors.DeadlineExceeded, match="copying of blocks it lacks from the cluster's "
-                                                                      "peers ran past the call's deadline"):
-                        await b.get(fp, keys)
-                    if data_channel:
-                        assert data_gets(b_srv, "DEADLINE_EXCEEDED") == 1 and data_gets(b_srv, "CANCELLED") == 0
-                    assert len(await b.get(fp, keys[:1])) == 1  # the block B holds, on the same channel
-                finally:
-                    os.kill(a_proc.pid, signal.SIGCONT)
-    finally:
-        await b_srv.stop(0)
+    async with a_stopped_holding_a_chain(redis_port, 18, {"server.data_channel": True, "cluster.fetch_timeout_s": 60.0,
+                                                          "cluster.fill_timeout_s": 60.0},
+                                         data_channel=data_channel, zero_copy=False, timeout_s=4.0) as rig:
+        with pytest.raises(errors.DeadlineExceeded, match="copying of blocks it lacks from the cluster's "
+                                                          "peers ran past the call's deadline"):
+            await rig.b.get(rig.fp, rig.keys)
+        if data_channel:
+            assert data_gets(rig.srv, "DEADLINE_EXCEEDED") == 1 and data_gets(rig.srv, "CANCELLED") == 0
+        assert len(await rig.b.get(rig.fp, rig.keys[:1])) == 1  # the block B holds, on the same channel
 
 
 async def test_a_lookup_whose_fill_runs_to_its_callers_deadline_still_answers_what_is_held(redis_port: int) -> None:
@@ -479,30 +482,15 @@ async def test_a_lookup_whose_fill_runs_to_its_callers_deadline_still_answers_wh
     so the Lookup's answer of the block B holds came after it: the caller got DEADLINE_EXCEEDED, no answer at all,
     where a shorter match is a right one (a review, session 53). The fill now ends a little before the deadline
     (ANSWER_MARGIN_S, or a quarter of the time the call has), leaving the answer its time."""
-    b_srv = await daemon(redis_port, "b", **{"cluster.fetch_timeout_s": 60.0, "cluster.fill_timeout_s": 60.0})
-    try:
-        with daemon_process(redis_port, "a") as (a_address, a_proc):
-            spec = tiny_model()
-            async with EngramClient(a_address, namespace="ns", data_channel=False) as a, \
-                    EngramClient(b_srv.address, namespace="ns", data_channel=False) as b:
-                fp = await a.register_model(spec)
-                await b.register_model(spec)
-                await joined(a, b)
-                toks = tokens(8 * BLOCK_TOKENS, seed=14)
-                keys = list((await a.put(fp, toks, random_kv(spec, len(toks), seed=14))).keys)
-                await until(lambda: _held_in_redis(redis_port, keys[-1]), "A's last block published")
-                await b.get(fp, keys[:1])  # B holds the first block, and its channel to A is open
-                os.kill(a_proc.pid, signal.SIGSTOP)
-                channel = open_channel(b_srv.address)
-                try:
-                    req = pb.LookupRequest(namespace="ns", model_fingerprint=fp, tokens=convert.tokens_to_pb(toks))
-                    answer = await stub_for(channel).Lookup(req, timeout=4.0)
-                    assert answer.matched_tokens == BLOCK_TOKENS
-                finally:
-                    await channel.close()
-                    os.kill(a_proc.pid, signal.SIGCONT)
-    finally:
-        await b_srv.stop(0)
+    async with a_stopped_holding_a_chain(redis_port, 14, {"cluster.fetch_timeout_s": 60.0,
+                                                          "cluster.fill_timeout_s": 60.0}) as rig:
+        channel = open_channel(rig.srv.address)
+        try:
+            req = pb.LookupRequest(namespace="ns", model_fingerprint=rig.fp, tokens=convert.tokens_to_pb(rig.toks))
+            answer = await stub_for(channel).Lookup(req, timeout=4.0)
+            assert answer.matched_tokens == BLOCK_TOKENS
+        finally:
+            await channel.close()
 
 
 @pytest.mark.parametrize("call", ["lookup", "get_prefix"])
@@ -514,31 +502,13 @@ async def test_an_engram_clients_lookup_and_load_whose_fill_waits_on_a_stopped_p
     filled on for 60 s and the client gave up first, DeadlineExceeded, where B would have answered the block it
     holds. The client's Lookup now carries its timeout_s as its gRPC deadline, and its GetPrefix says it
     (GetPrefixRequest.answer_within_ms): each answers B's one block before the client gives up."""
-    b_srv = await daemon(redis_port, "b", **{"cluster.fetch_timeout_s": 60.0, "cluster.fill_timeout_s": 60.0})
-    try:
-        with daemon_process(redis_port, "a") as (a_address, a_proc):
-            spec = tiny_model()
-            async with EngramClient(a_address, namespace="ns", data_channel=False) as a, \
-                    EngramClient(b_srv.address, namespace="ns", data_channel=False, timeout_s=4.0) as b:
-                fp = await a.register_model(spec)
-                await b.register_model(spec)
-                await joined(a, b)
-                toks = tokens(8 * BLOCK_TOKENS, seed=15)
-                kv = random_kv(spec, len(toks), seed=15)
-                keys = list((await a.put(fp, toks, kv)).keys)
-                await until(lambda: _held_in_redis(redis_port, keys[-1]), "A's last block published")
-                await b.get(fp, keys[:1])  # B holds the first block, and its channel to A is open
-                os.kill(a_proc.pid, signal.SIGSTOP)
-                try:
-                    if call == "lookup":  # the outer bound only keeps a hang from holding the test
-                        assert (await asyncio.wait_for(b.lookup(fp, toks), 30)).matched_tokens == BLOCK_TOKENS
-                    else:
-                        n, got = await asyncio.wait_for(b.get_prefix(fp, toks), 30)
-                        assert n == BLOCK_TOKENS and torch.equal(got, kv[:, :, :BLOCK_TOKENS])
-                finally:
-                    os.kill(a_proc.pid, signal.SIGCONT)
-    finally:
-        await b_srv.stop(0)
+    async with a_stopped_holding_a_chain(redis_port, 15, {"cluster.fetch_timeout_s": 60.0,
+                                                          "cluster.fill_timeout_s": 60.0}, timeout_s=4.0) as rig:
+        if call == "lookup":  # the outer bound only keeps a hang from holding the test
+            assert (await asyncio.wait_for(rig.b.lookup(rig.fp, rig.toks), 30)).matched_tokens == BLOCK_TOKENS
+        else:
+            n, got = await asyncio.wait_for(rig.b.get_prefix(rig.fp, rig.toks), 30)
+            assert n == BLOCK_TOKENS and torch.equal(got, rig.kv[:, :, :BLOCK_TOKENS])
 
 
 async def test_a_lookup_cancelled_by_its_client_stops_copying_its_prefix_from_peers(redis_port: int) -> None:

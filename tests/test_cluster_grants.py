@@ -11,7 +11,7 @@ sharing, trusting each peer's grants."""
 from __future__ import annotations
 
 import shutil
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -25,7 +25,7 @@ from engram.server import RunningServer, start_server
 from engram.tenancy import Tenancy
 from engram.trust import ClusterTrust
 
-from helpers import BLOCK_TOKENS, free_port, random_kv, rpcs_served, start_redis, tiny_model, tokens, until
+from helpers import BLOCK_TOKENS, free_port, random_kv, rpcs_served, tiny_model, tokens, until
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 
@@ -66,15 +66,6 @@ def test_the_grants_digest_differs_with_admin_tokens_the_salt_secret_and_tenants
 
 
 # ---- daemons over real Redis -----------------------------------------------------------------------------
-
-@pytest.fixture
-def redis_port() -> Iterator[int]:
-    port = free_port()
-    proc = start_redis(port)
-    yield port
-    proc.kill()
-    proc.wait()
-
 
 class Daemons:
     """Daemons joined through the test's redis-server, each with the same [auth] (SAME) but for its overrides."""
@@ -141,6 +132,18 @@ async def alices_prefix(a: RunningServer, seed: int) -> tuple[bytes, Any, list[b
     return fp, toks, keys
 
 
+async def alices_prefix_on_a_beside(daemons: Daemons, redis_port: int, seed: int, b_id: str = "b",
+                                    **b_overrides: Any) -> tuple[RunningServer, RunningServer, bytes, Any, list[bytes]]:
+    """Daemons A and B (B with its overrides) joined, and Alice's prefix put through A, its holder entries in Redis:
+    (A, B, model fingerprint, tokens, keys)."""
+    a = await daemons.start("a")
+    b = await daemons.start(b_id, **b_overrides)
+    await until(lambda: joined(a, b), "both daemons joined")
+    fp, toks, keys = await alices_prefix(a, seed=seed)
+    await until(published(redis_port, "a", keys), "A's holder entries of Alice's blocks are in Redis")
+    return a, b, fp, toks, keys
+
+
 @pytest.mark.parametrize(("a_mode", "b_mode"), [("same", "same"), ("same", "any"), ("any", "same"), ("any", "any")])
 async def test_bob_granted_alices_namespace_by_b_alone_reads_her_blocks_held_by_a_only_where_both_trust_peers_grants(
         daemons: Daemons, redis_port: int, a_mode: str, b_mode: str) -> None:
@@ -176,11 +179,7 @@ async def test_bob_granted_alices_namespace_by_b_alone_reads_her_blocks_held_by_
 async def test_daemons_of_the_same_grants_still_share_blocks(daemons: Daemons, redis_port: int) -> None:
     """The default ("same") with the same [auth] on both: Alice's prefix put through A is a hit through B (her
     lookup and her Get by key), fetched from A, and A refused nothing."""
-    a = await daemons.start("a")
-    b = await daemons.start("b")
-    await until(lambda: joined(a, b), "both daemons joined")
-    fp, toks, keys = await alices_prefix(a, seed=32)
-    await until(published(redis_port, "a", keys), "A's holder entries of Alice's blocks are in Redis")
+    a, b, fp, toks, keys = await alices_prefix_on_a_beside(daemons, redis_port, 32)
     async with EngramClient(b.address, token="alice-token", namespace="alice") as alice_on_b:
         assert await alice_on_b.register_model(tiny_model()) == fp
         assert (await alice_on_b.lookup(fp, toks)).matched_tokens == len(toks)
@@ -195,11 +194,7 @@ async def test_daemons_of_the_same_grants_share_blocks_whatever_characters_their
     same grants as A and the default ("same"), Alice's prefix put through A is a hit through B, and A refused none
     of B's calls. Before, B sent neither its node id nor its grants record (they travel together), and A refused
     every FetchBlocks of it PERMISSION_DENIED as a daemon of other grants: Alice's lookup through B missed."""
-    a = await daemons.start("a")
-    b = await daemons.start(b_id)
-    await until(lambda: joined(a, b), "both daemons joined")
-    fp, toks, keys = await alices_prefix(a, seed=36)
-    await until(published(redis_port, "a", keys), "A's holder entries of Alice's blocks are in Redis")
+    a, b, fp, toks, keys = await alices_prefix_on_a_beside(daemons, redis_port, 36, b_id)
     async with EngramClient(b.address, token="alice-token", namespace="alice") as alice_on_b:
         assert await alice_on_b.register_model(tiny_model()) == fp
         assert (await alice_on_b.lookup(fp, toks)).matched_tokens == len(toks)
@@ -213,11 +208,7 @@ async def test_a_peer_restarted_under_its_id_with_other_grants_is_refused_at_onc
     (compared at every call), and Bob through B misses, though A met B with the same grants and would compare
     again only at its next republish (a third of record_ttl_s, 20 minutes). The other way too: Bob's blocks put
     in namespace alice through the new B are not fetched by A for Alice (compared at each pick of a holder)."""
-    a = await daemons.start("a")
-    b = await daemons.start("b")
-    await until(lambda: joined(a, b), "both daemons joined")
-    fp, toks, keys = await alices_prefix(a, seed=33)
-    await until(published(redis_port, "a", keys), "A's holder entries of Alice's blocks are in Redis")
+    a, b, fp, toks, keys = await alices_prefix_on_a_beside(daemons, redis_port, 33)
     async with EngramClient(b.address, token="alice-token", namespace="alice") as alice_on_b:
         assert await alice_on_b.register_model(tiny_model()) == fp
         assert len(await alice_on_b.get(fp, keys[:1])) == 1  # shared while the grants are the same
@@ -242,11 +233,8 @@ async def test_a_peer_restarted_under_its_id_with_other_grants_is_refused_at_onc
 async def test_daemons_whose_admin_tokens_differ_do_not_share(daemons: Daemons, redis_port: int) -> None:
     """The same tenants, but B has an admin token A does not: an admin of B reads every namespace there, so B is
     a daemon of other grants, and Alice through B misses her blocks held by A (before: shared)."""
-    a = await daemons.start("a")
-    b = await daemons.start("b", **{"auth.admin_tokens": "admin-token,b-admin-token"})
-    await until(lambda: joined(a, b), "both daemons joined")
-    fp, toks, keys = await alices_prefix(a, seed=35)
-    await until(published(redis_port, "a", keys), "A's holder entries of Alice's blocks are in Redis")
+    a, b, fp, toks, keys = await alices_prefix_on_a_beside(
+        daemons, redis_port, 35, **{"auth.admin_tokens": "admin-token,b-admin-token"})
     async with EngramClient(b.address, token="alice-token", namespace="alice") as alice_on_b:
         assert await alice_on_b.register_model(tiny_model()) == fp
         assert (await alice_on_b.lookup(fp, toks)).matched_tokens == 0

@@ -87,6 +87,21 @@ def raw_payload(kv: torch.Tensor) -> bytes:
     return kv.contiguous().view(torch.uint8).numpy().tobytes()
 
 
+class FirstGetAnswerHeld:
+    """The data port's answer to Gets on the first connection that asks for one held until `release` is set (set it
+    as the port's `_get`); every other connection's Gets are answered at once."""
+
+    def __init__(self, port: Any) -> None:
+        self.answer, self.release, self.conns = port._get, asyncio.Event(), []
+
+    async def __call__(self, conn: Any, meta: Any) -> None:
+        if not self.conns:
+            self.conns.append(conn)
+        if conn is self.conns[0]:
+            await self.release.wait()
+        await self.answer(conn, meta)
+
+
 @pytest.mark.parametrize("codec", ["raw", "nvfp4"])
 async def test_put_and_get_travel_on_the_data_channel(server_factory, codec: str) -> None:  # type: ignore[no-untyped-def]
     srv = await server_factory()
@@ -1133,14 +1148,8 @@ async def test_a_data_channel_replaced_after_the_daemon_moved_ends_with_the_clie
     port = srv.service.dataport
     # The daemon holds its answer to the first Get after the move (the 64 MiB one) until released: unheld, it could
     # end before the small Get on the new channel did, and the test raced (a CI run, session 52).
-    answer, release, held_conns = port._get, asyncio.Event(), []
-
-    async def held(conn, meta):  # type: ignore[no-untyped-def]
-        if not held_conns:
-            held_conns.append(conn)
-        if conn is held_conns[0]:
-            await release.wait()
-        await answer(conn, meta)
+    held = FirstGetAnswerHeld(port)
+    release = held.release
 
     c = EngramClient(srv.address, namespace=NS, zero_copy=False)
     try:
@@ -1460,14 +1469,8 @@ async def test_a_call_cut_while_close_waits_on_a_tls_connections_close_opens_no_
         "server.tls_cert": str(cert), "server.tls_key": str(key)}))
     port = srv.service.dataport
     assert port is not None
-    answer, release, held_conns = port._get, asyncio.Event(), []
-
-    async def held(conn, meta):  # type: ignore[no-untyped-def]
-        if not held_conns:
-            held_conns.append(conn)
-        if conn is held_conns[0]:
-            await release.wait()
-        await answer(conn, meta)
+    held = FirstGetAnswerHeld(port)
+    release, held_conns = held.release, held.conns
 
     try:
         spec = tiny_model()

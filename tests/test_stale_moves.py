@@ -20,6 +20,18 @@ from helpers import BLOCK_TOKENS, FirstIoHeld, damage_pool_and_file, random_kv, 
 SPEC = tiny_model()
 
 
+async def dropped_while_its_demotion_writes(srv: Any, c: EngramClient, fp: bytes, key: bytes, held: FirstIoHeld) -> None:
+    """Block `key` (A) is demoted, its write to NVMe held (`held`): A's one copy, in the pool, is damaged while it
+    moves, and a Get drops it (DataLoss): A leaves the store while its demotion is under way."""
+    assert await asyncio.to_thread(held.entered.wait, 30), "A's demotion never wrote to NVMe"
+    moving = srv.store.block(key)
+    assert moving is not None and moving.moving and moving.locations == ["dram"]
+    srv.store.tiers[0].view(key)[-1] ^= 0x40  # A's one copy damaged while it is moving
+    with pytest.raises(errors.DataLoss):
+        await c.get(fp, [key])  # dropped: A leaves the store
+    assert srv.store.block(key) is None
+
+
 async def test_a_demotion_of_a_block_dropped_meanwhile_leaves_the_block_put_again_under_its_key(  # type: ignore[no-untyped-def]
         server_factory, tmp_path: Path) -> None:
     """A pool of one block, write-back, NVMe below. Block A is demoted to make room for B, its NVMe write held; its
@@ -30,7 +42,7 @@ async def test_a_demotion_of_a_block_dropped_meanwhile_leaves_the_block_put_agai
     block = SPEC.layout.block_nbytes(BLOCK_TOKENS)
     srv = await server_factory(**{"tiers.nvme.path": str(tmp_path / "nvme"), "tiers.dram.capacity": block,
                                   "tiers.dram.page_bytes": 256, "tiers.write_back_window_s": 0})
-    pool, nvme = srv.store.tiers[0], srv.store.tiers[-1]
+    nvme = srv.store.tiers[-1]
     a, b = tokens(BLOCK_TOKENS, seed=1), tokens(BLOCK_TOKENS, seed=2)
     kv_a, kv_b = random_kv(SPEC, BLOCK_TOKENS, seed=1), random_kv(SPEC, BLOCK_TOKENS, seed=2)
     held = FirstIoHeld("write")  # in the tier's I/O thread
@@ -43,13 +55,7 @@ async def test_a_demotion_of_a_block_dropped_meanwhile_leaves_the_block_put_agai
         nvme.fault_hook = held
         putting_b = asyncio.create_task(other.put(fp, b, kv_b))  # room for B: A is demoted
         try:
-            assert await asyncio.to_thread(held.entered.wait, 30), "A's demotion never wrote to NVMe"
-            moving = srv.store.block(key)
-            assert moving is not None and moving.moving and moving.locations == ["dram"]
-            pool.view(key)[-1] ^= 0x40  # A's one copy damaged while it is moving
-            with pytest.raises(errors.DataLoss):
-                await c.get(fp, [key])  # dropped: A leaves the store
-            assert srv.store.block(key) is None
+            await dropped_while_its_demotion_writes(srv, c, fp, key, held)
             again = await c.put(fp, a, kv_a)  # A anew, in the slot the drop freed
             assert again.stored == 1 and again.keys[0] == key
         finally:
@@ -275,13 +281,7 @@ async def test_a_demotion_whose_block_is_dropped_while_its_copy_is_written_below
         nvme.fault_hook = held
         putting_b = asyncio.create_task(c.put(fp, b, kv_b))  # room for B: A is demoted
         try:
-            assert await asyncio.to_thread(held.entered.wait, 30), "A's demotion never wrote to NVMe"
-            moving = srv.store.block(key)
-            assert moving is not None and moving.moving and moving.locations == ["dram"]
-            pool.view(key)[-1] ^= 0x40  # A's one copy damaged while it is moving
-            with pytest.raises(errors.DataLoss):
-                await c.get(fp, [key])  # dropped: A leaves the store
-            assert srv.store.block(key) is None
+            await dropped_while_its_demotion_writes(srv, c, fp, key, held)
         finally:
             held.go.set()
         put_b = await putting_b
