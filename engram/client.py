@@ -1023,8 +1023,8 @@ class EngramClient(ControlClient):
         their slots; 29 sessions stayed open for server.session_idle_s). `give_back` is called however the call
         ends once its caller has left (or failed: the answer is its exception), and close() cuts the calls still
         running (ClientClosed for their callers; the daemon's own cut handling is all that is left then)."""
-        bound = self.timeout_s + deadline.work_s(work_bytes)
-        answer = asyncio.ensure_future(self._finish(method(request, timeout=bound + self._finish_s)))
+        bound = deadline.grpc_timeout(self.timeout_s + deadline.work_s(work_bytes) + self._finish_s)
+        answer = asyncio.ensure_future(self._finish(method(request, timeout=bound)))
         try:
             return await deadline.answer(asyncio.shield(answer), self.timeout_s, self.address, work_bytes)  # type: ignore[no-any-return]
         except BaseException:

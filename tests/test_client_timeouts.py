@@ -14,6 +14,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -363,3 +364,23 @@ def test_an_idle_client_notices_a_daemon_that_stopped_answering_by_its_keepalive
     with engram_daemon(tmp_path) as (address, proc):
         asyncio.run(idle_through_a_stop(address, proc))
     assert states - {grpc.ChannelConnectivity.READY}, "the connection to the stopped daemon stayed open"
+
+
+async def test_a_client_whose_timeout_s_is_centuries_long_still_gets_its_answers(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """timeout_s = sys.maxsize (a caller's "wait as long as it takes"; any positive finite number is taken) is each
+    call's gRPC deadline now, and gRPC ends at once, DEADLINE_EXCEEDED, a call whose deadline is past its clock's
+    range (about 7e9 s from now): a register, a lookup, a load, stats, a session's open and close each failed
+    "did not answer within 9.22e+18 s" against a daemon that answers in milliseconds (a review, session 54). Each
+    is answered, and the block put is loaded."""
+    srv = await server_factory()
+    async with EngramClient(srv.address, namespace="t", timeout_s=sys.maxsize, data_channel=False) as c:
+        fp = await c.register_model(SPEC)
+        toks = tokens(32, seed=21)
+        kv = random_kv(SPEC, len(toks), seed=21)
+        await c.put(fp, toks, kv)
+        assert (await c.lookup(fp, toks)).matched_tokens == len(toks)
+        assert (await c.stats()).namespaces
+        n, got = await c.get_prefix(fp, toks)
+        assert n == len(toks) and torch.equal(got, kv)
+        session = await c.open_session(fp, mode="persist", tokens=toks)
+        await c.close_session(session.session_id)

@@ -68,6 +68,10 @@ WHERE = ("EngramClient(timeout_s=...), or 'timeout_s' in the vLLM connector's kv
 
 # What gRPC's client says when a call's own deadline passes (grpc 1.85); a daemon's DEADLINE_EXCEEDED says why
 GRPC_EXPIRED = "Deadline Exceeded"
+# The longest gRPC deadline a call is given (a century): gRPC ends a call at once, DEADLINE_EXCEEDED, whose deadline is
+# past its clock's range (about 7e9 s from now, grpc 1.85), and timeout_s may be any finite number (sys.maxsize: "wait
+# as long as it takes"); the client's own bound, awaited on the loop, still holds the rest (a review, session 54)
+GRPC_MOST_S = 100 * 365 * 86400.0
 
 
 def checked(timeout_s: float) -> float:
@@ -93,11 +97,17 @@ def work_s(nbytes: int = 0, blocks: int = 0) -> float:
     return max(0, nbytes) / WORK_BYTES_PER_S + max(0, blocks) / WORK_BLOCKS_PER_S
 
 
+def grpc_timeout(seconds: float) -> float:
+    """`seconds` as a call's gRPC deadline: at most GRPC_MOST_S, which gRPC holds (past its range it ends the call
+    at once)."""
+    return min(seconds, GRPC_MOST_S)
+
+
 async def unary(method: Callable[..., Any], request: Any, timeout_s: float, address: str, work_bytes: int = 0,
                 work_blocks: int = 0) -> Any:
     """`method(request)`'s answer, the call made with its bound (`answer`'s) as its gRPC deadline: the daemon
     learns how long its caller waits, and its copying from peers ends in time to answer (server/peers.py)."""
-    call = method(request, timeout=timeout_s + work_s(work_bytes, work_blocks))
+    call = method(request, timeout=grpc_timeout(timeout_s + work_s(work_bytes, work_blocks)))
     return await answer(call, timeout_s, address, work_bytes, work_blocks)
 
 
