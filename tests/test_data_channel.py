@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import os
 import socket
+import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -1507,3 +1508,30 @@ async def test_a_call_cut_while_close_waits_on_a_tls_connections_close_opens_no_
     finally:
         release.set()
         await srv.stop(0)
+
+
+class _SaysNoLimit(struct.Struct):
+    """HELLO_OK's meta as a daemon from before session 54 sends it: empty, no request limit said."""
+
+    def pack(self, *values: Any) -> bytes:
+        return b""
+
+
+async def test_a_chained_put_to_a_daemon_whose_hello_says_no_limit_is_sized_by_its_endpoints_limit(
+        server_factory, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """A daemon from before session 54 answers HELLO with an empty HELLO_OK. The client keeps the limit DataEndpoint
+    told (two blocks a Put): once its channel is open, a chain of four blocks goes in two data-channel Puts, none
+    refused, every block stored. A client that took the empty answer for no limit sent one Put of four blocks
+    (refused), and one that insisted on the limit's eight bytes could not open the channel (its puts went over gRPC).
+    A guard: this held when written."""
+    spec, block, srv, _, toks, small, kv = await chain_rig(server_factory, 4, 23)
+    monkeypatch.setattr(wire, "LIMIT", _SaysNoLimit(wire.LIMIT.format))  # the daemon's pack; the client's size
+    async with EngramClient(srv.address, namespace=NS, zero_copy=False) as c:
+        fp = await c.register_model(spec)
+        await c.put(fp, small, random_kv(spec, len(small), seed=24))  # the channel open, its HELLO answered
+        put = await c.put(fp, toks, kv)
+        assert (put.stored, put.deduplicated) == (4, 0)
+        assert served(srv)["refused"] == 0 and served(srv)["put"] == 1 + 2
+        assert c._data is not None and c._data.max_request_bytes == 2 * block
+        n, got = await c.get_prefix(fp, toks)
+        assert n == len(toks) and torch.equal(got, kv)
