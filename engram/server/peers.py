@@ -335,7 +335,7 @@ class PeerFetcher:
                 self._batches[holder.node_id] = min(len(batch) // 2, self._batches.get(holder.node_id, FETCH_BATCH))
                 log.info("peer %s refused a copy of %d blocks in one call (%s): it does not say its limit (a daemon "
                          "older than this one), so it is asked for %d", holder.node_id, len(batch), exc,
-                         len(batch) // 2)
+                         self._batches[holder.node_id])
                 continue
             start += len(batch)
 
