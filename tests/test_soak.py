@@ -16,13 +16,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.soak
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(960)
 def test_sixty_seconds_of_32_clients_hold_every_bound(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
+    # The bound is for a hang, not a speed: the run takes about 2.5 min on the 2-core dev machine, and went past
+    # 400 s twice in one session with helpers loading the cores (session 54), its checks never reached.
     # From the repository root: `benchmarks` is a package there (the daemon it starts runs elsewhere).
     proc = subprocess.run([sys.executable, "-m", "benchmarks.soak", "--seconds", "60", "--clients", "32",
                            "--sample-s", "5", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=400)
+                          timeout=900)
     assert out.exists(), proc.stdout + proc.stderr
     res = json.loads(out.read_text())
     assert res["wrong_bytes"] == 0 and not res["failures"], proc.stdout
