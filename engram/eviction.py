@@ -121,10 +121,6 @@ def tick(meta: BlockMeta) -> None:
     meta.tick = CLOCK.now
 
 
-def class_of(meta: BlockMeta) -> int:
-    return min(meta.refs, 2) * _REUSE + min(meta.uses, _REUSE - 1)
-
-
 def age_bucket(age: int) -> int:
     if age < 8:
         return max(age, 0)
@@ -215,21 +211,29 @@ class ReturnModel:
             self.recompute()
 
     def arrive(self, meta: BlockMeta) -> None:
-        """A new block was put: a comeback if the store deleted it before (a ghost), else its first use."""
-        CLOCK.now += 1
+        """A new block was put: a comeback if the store deleted it before (a ghost), else its first use. (The
+        comeback's count and the block's class inlined: every put of a new block comes here.)"""
+        now = CLOCK.now = CLOCK.now + 1
         ghost = self.ghosts.pop(meta.key, None)
         if ghost is not None:
             last, cls, uses, chosen, went = ghost
-            self._came_back(cls, CLOCK.now - last)
+            if cls >= 0:  # (_came_back; below 0: counted gone already, it starts afresh)
+                age = now - last
+                if age > self._g:
+                    self._gone(cls)
+                else:
+                    self.hits[cls][age_bucket(age)] += 1
+                    self.evidence += 1
             meta.uses = uses + 1
             if chosen:
-                self._regret(chosen, CLOCK.now - went)
+                self._regret(chosen, now - went)
         else:
             past = self.past.pop(meta.key, -1)
             if past >= 0:  # back after the horizon: counted gone then, but a reuser all the same
                 meta.uses = past + 1
-        meta.tick = CLOCK.now
-        meta.cls = class_of(meta)
+        meta.tick = now
+        refs, uses, top = meta.refs, meta.uses, _REUSE - 1
+        meta.cls = (refs if refs < 2 else 2) * _REUSE + (uses if uses < top else top)  # held class, then reuse
         self._since += 1
         if self._since >= self._limit:
             self.recompute()
@@ -241,7 +245,8 @@ class ReturnModel:
             return
         self.ghosts[meta.key] = (meta.tick, meta.cls, meta.uses, meta.chosen, CLOCK.now)
         self.ghosts.move_to_end(meta.key)
-        while len(self.ghosts) > min(GHOSTS_MAX, GHOSTS_PER_BLOCK * self._count() + 1024):
+        most = GHOSTS_PER_BLOCK * self._count() + 1024  # (the store's count, once: the loop changes it not)
+        while len(self.ghosts) > (most if most < GHOSTS_MAX else GHOSTS_MAX):
             key, (_, cls, uses, _, _) = self.ghosts.popitem(last=False)
             self._gone(cls)
             self._remember(key, uses)
@@ -249,19 +254,11 @@ class ReturnModel:
     def _remember(self, key: bytes, uses: int) -> None:
         self.past[key] = uses
         self.past.move_to_end(key)
-        while len(self.past) > min(GHOSTS_MAX, max(65536, 8 * self._count())):
+        most = min(GHOSTS_MAX, max(65536, 8 * self._count()))
+        while len(self.past) > most:
             self.past.popitem(last=False)
 
     # ---- learning -------------------------------------------------------------------------------
-
-    def _came_back(self, cls: int, age: int) -> None:
-        if cls < 0:
-            return  # counted gone already: it starts afresh
-        if age > self._g:
-            self._gone(cls)
-        else:
-            self.hits[cls][age_bucket(age)] += 1
-            self.evidence += 1
 
     def _regret(self, chosen: int, since: int) -> None:
         """A block an order chose came back `since` uses after it went: that order loses weight, the more
@@ -276,8 +273,10 @@ class ReturnModel:
         total = 0.0
         for e in range(orders):
             total += w[e]
-        for e in range(orders):
-            w[e] = min(0.99, max(0.01, w[e] / total))
+        for e in range(orders):  # min(0.99, max(0.01, w[e] / total)), without the generic min and max
+            v = w[e] / total
+            v = v if v > 0.01 else 0.01
+            w[e] = v if v < 0.99 else 0.99
 
     def hint_seen(self) -> None:
         """A client said when a session comes back: from now on the hint order draws a share of the victims

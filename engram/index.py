@@ -605,17 +605,19 @@ class ChainIndex:
         """The block's copy in `tier` no longer counts (leaves its locations); False if it held none there."""
         if tier not in meta.locations:
             return False
+        if self._entries.get(meta.key) is not meta:  # (an evicted block, unindexed first: no figures to follow)
+            meta.locations.remove(tier)
+            return True
         was = _homes(meta)
         meta.locations.remove(tier)
-        if self._entries.get(meta.key) is meta:
-            space = self._spaces[meta.namespace]
-            _count_copy(space.tiers, meta, tier, -1)
-            _count_copy(self._tiers, meta, tier, -1)
-            lifters = _lifters(meta) if meta.pins > meta.operator_pins else []
-            if lifters:
-                _count_lifters(space.pinned_tiers_by, lifters, (tier,), -1)
-            if was == (tier,):  # its home's copy went: the next slower one (if any) is its home now
-                self._move_home(space, meta, was, _homes(meta), lifters)
+        space = self._spaces[meta.namespace]
+        _count_copy(space.tiers, meta, tier, -1)
+        _count_copy(self._tiers, meta, tier, -1)
+        lifters = _lifters(meta) if meta.pins > meta.operator_pins else []
+        if lifters:
+            _count_lifters(space.pinned_tiers_by, lifters, (tier,), -1)
+        if was == (tier,):  # its home's copy went: the next slower one (if any) is its home now
+            self._move_home(space, meta, was, _homes(meta), lifters)
         return True
 
     @staticmethod

@@ -77,6 +77,7 @@ from engram.tiers.dram import DramTier
 from engram.tiers.pool import PoolTier
 
 log = logging.getLogger("engram.store")
+ROOTS_KEPT = 4096  # root keys `root` keeps hashed (namespaces x models), all forgotten once more are asked
 
 
 class WritePolicy(enum.StrEnum):
@@ -138,6 +139,7 @@ class BlockStore:
         self.quality = quality or QualityWatch(0, backend=codec_backend)
         self.index = ChainIndex()
         self.namespaces = namespaces or OpenNamespaces()  # key salts and quotas (engram/tenancy.py)
+        self._roots: dict[tuple[str, bytes, bytes], bytes] = {}  # (namespace, model, salt) -> root key (`root`)
         self.counters = StoreCounters(tiers={t.name: TierCounters() for t in tiers}, counted=self.namespaces.counted)
         self.placement = Placement(list(tiers), self.index, self.counters, self.damaged_in_a_move, retry_s=retry_s)
         self.index.rank = self.placement.rank  # where each tier's copies go in a block's locations (and its home)
@@ -195,8 +197,16 @@ class BlockStore:
         return self.registry.get(model_fingerprint)
 
     def root(self, namespace: str, model_fingerprint: bytes) -> bytes:
-        """The parent key of a chain's first block in this namespace (salted when tenancy is on)."""
-        return root_key(namespace, model_fingerprint, self.namespaces.salt(namespace))
+        """The parent key of a chain's first block in this namespace (salted when tenancy is on). Kept once
+        hashed (every put_chain asks), by namespace, model and salt; forgotten all at once past ROOTS_KEPT."""
+        salt = self.namespaces.salt(namespace)
+        at = (namespace, model_fingerprint, salt)
+        key = self._roots.get(at)
+        if key is None:
+            if len(self._roots) >= ROOTS_KEPT:
+                self._roots.clear()
+            key = self._roots[at] = root_key(namespace, model_fingerprint, salt)
+        return key
 
     def match(self, namespace: str, model_fingerprint: bytes, tokens: Sequence[int] | np.ndarray) -> PrefixMatch:
         """The stored prefix of `tokens`, without counting a lookup or touching recency (inspection, and

@@ -167,7 +167,8 @@ class Placement:
             await self._discard(i, meta.key)  # the copy would be held by no block, never evicted
             return
         self.index.add_copy(meta, tier.name)
-        meta.locations.sort(key=self.rank.__getitem__)
+        if len(meta.locations) > 1:  # (one copy: in order already; a put's first copy, no bound method made)
+            meta.locations.sort(key=self.rank.__getitem__)
         self.victims[tier.name].add(meta)
 
     def _full(self, tier: Tier, lower: int | None) -> TierFull:
