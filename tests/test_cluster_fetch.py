@@ -116,6 +116,15 @@ async def _a_chain_b_lacks(redis_port: int, a: EngramClient, b: EngramClient, sp
     return fp, toks, kv, keys
 
 
+async def b_copied_the_chain(a: EngramClient, b: EngramClient, fp: bytes, keys: list[bytes]) -> None:
+    """B's Get of the chain's last four blocks (300 that only A held) answers A's bytes, every block copied from A and
+    none failed."""
+    got = await b.get(fp, keys[-4:])
+    assert all(torch.equal(x, y) for x, y in zip(got, await a.get(fp, keys[-4:]), strict=True))
+    stats = (await b.stats()).cluster
+    assert stats.remote_hits == 300 and stats.remote_failures == 0
+
+
 async def test_a_get_of_keys_deep_in_a_peers_chain_copies_the_chain_once_in_a_few_calls(redis_port: int) -> None:
     """Main fetched every key's ancestors one FetchBlocks at a time, up to 256, then dropped them all when the
     chain was deeper: a Get of 4 keys 300 blocks deep made ~1,024 calls and answered NOT_FOUND."""
@@ -151,10 +160,7 @@ async def test_a_get_of_a_chain_deeper_than_the_holders_request_limit_lists_its_
             async with EngramClient(a_srv.address, namespace="ns") as a, \
                     EngramClient(b_srv.address, namespace="ns", data_channel=False) as b:
                 fp, toks, kv, keys = await _a_chain_b_lacks(redis_port, a, b, spec, seed=5)
-                got = await b.get(fp, keys[-4:])
-                assert all(torch.equal(x, y) for x, y in zip(got, await a.get(fp, keys[-4:]), strict=True))
-                stats = (await b.stats()).cluster
-                assert stats.remote_hits == 300 and stats.remote_failures == 0
+                await b_copied_the_chain(a, b, fp, keys)
                 n, prefix = await b.get_prefix(fp, toks)
                 assert n == len(toks) and prefix is not None and torch.equal(prefix, kv)
         finally:
@@ -225,10 +231,7 @@ async def test_a_get_copies_a_chain_from_an_older_holder_whose_limit_is_below_th
             async with EngramClient(a_srv.address, namespace="ns") as a, \
                     EngramClient(b_srv.address, namespace="ns", data_channel=False) as b:
                 fp, toks, kv, keys = await _a_chain_b_lacks(redis_port, a, b, spec, seed=16)
-                got = await b.get(fp, keys[-4:])
-                assert all(torch.equal(x, y) for x, y in zip(got, await a.get(fp, keys[-4:]), strict=True))
-                stats = (await b.stats()).cluster
-                assert stats.remote_hits == 300 and stats.remote_failures == 0
+                await b_copied_the_chain(a, b, fp, keys)
                 assert fetches_refused(a_srv) == 2  # 128 and 64 keys; 32 taken
                 n, prefix = await b.get_prefix(fp, toks)
                 assert n == len(toks) and prefix is not None and torch.equal(prefix, kv)

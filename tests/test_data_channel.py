@@ -88,6 +88,20 @@ def raw_payload(kv: torch.Tensor) -> bytes:
     return kv.contiguous().view(torch.uint8).numpy().tobytes()
 
 
+async def chain_put_broken_at_its_first_part(c: EngramClient, spec: Any, port: Any, toks: Any, small: Any,
+                                             kv: torch.Tensor, seed: int) -> tuple[bytes, Any, Any, asyncio.Task]:
+    """The model registered and a small put made (the data channel open: `old`), then a chained put of `toks` whose
+    first part the daemon holds, its connection to break once released (FirstPartHeld, breaks=True): (fp, old,
+    first_part, the put's task), the part held."""
+    fp = await c.register_model(spec)
+    await c.put(fp, small, random_kv(spec, len(small), seed=seed))
+    old = c._data
+    first_part = FirstPartHeld(port, breaks=True)
+    putting = asyncio.create_task(c.put(fp, toks, kv))
+    await first_part.entered.wait()
+    return fp, old, first_part, putting
+
+
 class FirstGetAnswerHeld:
     """The data port's answer to Gets on the first connection that asks for one held until `release` is set (set it
     as the port's `_get`); every other connection's Gets are answered at once."""
@@ -1284,12 +1298,8 @@ async def test_a_chained_puts_part_that_moves_to_a_new_data_channel_midway_is_si
     spec, block, srv, port, toks, small, kv = await chain_rig(server_factory, 4, 7)
 
     async with EngramClient(srv.address, namespace=NS, zero_copy=False) as c:
-        fp = await c.register_model(spec)
-        await c.put(fp, small, random_kv(spec, len(small), seed=8))
-        old = c._data
-        first_part = FirstPartHeld(port, breaks=True)
-        putting = asyncio.create_task(c.put(fp, toks, kv))
-        await first_part.entered.wait()
+        fp, old, first_part, putting = await chain_put_broken_at_its_first_part(c, spec, port, toks, small, kv,
+                                                                                  8)
         port.config = dataclasses.replace(port.config, data_max_request_bytes=block)  # announced and enforced
         await move_tcp_listener(port)
         first_part.go.set()
@@ -1438,12 +1448,8 @@ async def test_a_chained_puts_part_retried_on_a_daemon_back_on_its_port_with_a_s
     spec, block, srv, port, toks, small, kv = await chain_rig(server_factory, 4, 15, {"server.metrics_port": -1})
 
     async with EngramClient(srv.address, namespace=NS, zero_copy=False) as c:
-        fp = await c.register_model(spec)
-        await c.put(fp, small, random_kv(spec, len(small), seed=16))
-        old = c._data
-        first_part = FirstPartHeld(port, breaks=True)
-        putting = asyncio.create_task(c.put(fp, toks, kv))
-        await first_part.entered.wait()
+        fp, old, first_part, putting = await chain_put_broken_at_its_first_part(c, spec, port, toks, small, kv,
+                                                                                  16)
         data_port, listener = port.tcp_port, port._listeners[0]
         port._accepting[0].cancel()
         listener.close()  # the restart's gap
